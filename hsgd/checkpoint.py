@@ -1,0 +1,118 @@
+"""Durable checkpoints: atomic, verifiable, loaded without executing code.
+
+Layout under `<run.dir>/checkpoints/`:
+    round_000005/manifest.json      round, step, topology, config fingerprint, replica files + sha256
+    round_000005/c0r0.pt ...        one file per replica: its ReplicaTrainer.state_dict()
+Protocol: replicas write their files into `round_000005.tmp-<nonce>/` (each file itself written
+to a temp name and renamed); the supervisor then writes the manifest the same way and renames the
+directory to its final name. A crash at any point leaves either the old checkpoints untouched or
+a `.tmp-*` directory that `latest()` ignores and `prune()` removes. Files load with
+`torch.load(weights_only=True)`: a foreign or corrupt file is an error, never code execution.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def round_dir_name(round_index: int) -> str:
+    return f"round_{round_index:06d}"
+
+
+def new_temp_dir(root: str | Path, round_index: int) -> Path:
+    path = Path(root) / f"{round_dir_name(round_index)}.tmp-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
+    """Write one replica's state; returns its sha256 for the manifest."""
+    path = Path(directory) / f"{rid}.pt"
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+        digest = hashlib.sha256(f.read()).hexdigest()
+    os.replace(tmp, path)
+    return digest
+
+
+def finalize(temp_dir: str | Path, manifest: dict) -> Path:
+    """Write the manifest and rename the directory into place (the commit point)."""
+    temp_dir = Path(temp_dir)
+    final = temp_dir.with_name(round_dir_name(int(manifest["round"])))
+    atomic_write_text(temp_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+    if final.exists():  # the same round checkpointed again (e.g. after a supervisor restart)
+        shutil.rmtree(final)
+    os.replace(temp_dir, final)
+    return final
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest finalized checkpoint directory, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith("round_") and ".tmp-" not in p.name
+                  and (p / MANIFEST).is_file())
+    return done[-1] if done else None
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint manifest {path} is unreadable: {err}") from err
+
+
+def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | None = None) -> dict:
+    path = Path(directory) / f"{rid}.pt"
+    data = path.read_bytes()
+    if expected_sha256 and hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise CheckpointError(f"checkpoint file {path} does not match its manifest sha256 (corrupt)")
+    try:
+        import io
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 — unpickling errors come in many types
+        raise CheckpointError(f"checkpoint file {path} cannot be loaded safely: {err}") from err
+
+
+def prune(root: str | Path, keep: int) -> None:
+    """Keep the newest `keep` finalized checkpoints; remove leftovers of interrupted writes."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if ".tmp-" in p.name and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+    done = sorted(p for p in root.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
+    for p in done[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)

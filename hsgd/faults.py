@@ -1,0 +1,142 @@
+"""Fault specs: what to break, where and when.
+
+Public form (README, "Fault injection"), as a Hydra override:
+
+    faults.schedule='[{kind:kill,target:c0r1,round:2,phase:inner,step:3}]'
+
+- kind:   kill (ray.kill of the actor) | crash (os._exit inside the replica) | hang (sleep holding
+          the GIL) | comm (abort the replica's process groups) | slow (straggler delay per step)
+- target: a replica id (c0r1) | leader:c1 (whoever leads cluster 1 when it fires) | cluster:c1
+          (every replica of cluster 1) | supervisor
+- round:  the round (0-based) in which it fires
+- phase:  inner | inner_sync | outer | outer_commit | checkpoint
+- step:   inner step within the round (0-based) for the inner phases; the fault fires at the
+          boundary before that step. Ignored by the other phases.
+- seconds: for hang (default 3600) and slow (default 0.5 per step) only.
+
+Faults fire at step/phase boundaries, so a run with the same seed and schedule is reproducible.
+Random mode (`faults.mtbf_s > 0`) draws kill/crash faults with exponential gaps from `faults.seed`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hsgd.topology import parse_replica_id
+
+FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow")
+FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint")
+_FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
+
+
+class FaultSpecError(ValueError):
+    """One-line error about one fault spec; `field` names the config key."""
+
+    def __init__(self, field_name: str, problem: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {problem}")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    target: str  # "c0r1" | "leader:c1" | "cluster:c1" | "supervisor"
+    round: int
+    phase: str = "inner"
+    step: int = 0
+    seconds: float | None = None
+
+    @property
+    def target_kind(self) -> str:
+        """replica | leader | cluster | supervisor"""
+        if self.target == "supervisor":
+            return "supervisor"
+        return self.target.split(":", 1)[0] if ":" in self.target else "replica"
+
+    @property
+    def target_cluster(self) -> int | None:
+        if self.target_kind in ("leader", "cluster"):
+            return int(self.target.split(":", 1)[1][1:])
+        if self.target_kind == "replica":
+            return parse_replica_id(self.target)[0]
+        return None
+
+    def describe(self) -> str:
+        where = f"round {self.round} {self.phase}" + (f" step {self.step}" if self.phase.startswith("inner") else "")
+        return f"{self.kind} {self.target} at {where}"
+
+
+def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: int) -> None:
+    valid = "a replica id like c0r1, leader:c<k>, cluster:c<k> or supervisor"
+    if target == "supervisor":
+        return
+    if ":" in target:
+        head, _, tail = target.partition(":")
+        if head not in ("leader", "cluster") or not tail.startswith("c") or not tail[1:].isdigit():
+            raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}")
+        if int(tail[1:]) >= clusters:
+            raise FaultSpecError(name, f"target {target!r} names a cluster beyond topology.clusters={clusters}")
+        return
+    try:
+        cluster, index = parse_replica_id(target)
+    except ValueError:
+        raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}") from None
+    if cluster >= clusters or index >= replicas_per_cluster:
+        raise FaultSpecError(name, f"target {target!r} is not in the {clusters}x{replicas_per_cluster} topology")
+
+
+def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
+                replicas_per_cluster: int = 2) -> FaultSpec:
+    name = f"faults.schedule[{index}]"
+    if not isinstance(raw, Mapping):
+        raise FaultSpecError(name, f"got {raw!r}; each entry is {{kind:..,target:..,round:..,phase:..,step:..}}")
+    unknown = sorted(set(map(str, raw)) - set(_FIELDS))
+    if unknown:
+        raise FaultSpecError(f"{name}.{unknown[0]}", f"unknown key; valid keys: {', '.join(_FIELDS)}")
+    for key in ("kind", "target", "round"):
+        if key not in raw:
+            raise FaultSpecError(f"{name}.{key}", "is missing")
+    kind, target, phase = str(raw["kind"]), str(raw["target"]), str(raw.get("phase", "inner"))
+    if kind not in FAULT_KINDS:
+        raise FaultSpecError(f"{name}.kind", f"unknown kind {kind!r}; valid: {'|'.join(FAULT_KINDS)}")
+    if phase not in FAULT_PHASES:
+        raise FaultSpecError(f"{name}.phase", f"unknown phase {phase!r}; valid: {'|'.join(FAULT_PHASES)}")
+    _check_target(f"{name}.target", target, clusters, replicas_per_cluster)
+    if target == "supervisor" and kind not in ("kill", "crash"):
+        raise FaultSpecError(f"{name}.kind", f"{kind!r} cannot target the supervisor; valid: kill|crash")
+    ints = {}
+    for key, default in (("round", None), ("step", 0)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FaultSpecError(f"{name}.{key}", f"got {value!r}; must be an integer >= 0")
+        ints[key] = value
+    seconds = raw.get("seconds")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+        raise FaultSpecError(f"{name}.seconds", f"got {seconds!r}; must be a number > 0")
+    return FaultSpec(kind=kind, target=target, round=ints["round"], phase=phase, step=ints["step"],
+                     seconds=None if seconds is None else float(seconds))
+
+
+def parse_schedule(raw: list, *, clusters: int, replicas_per_cluster: int) -> list[FaultSpec]:
+    if not isinstance(raw, (list, tuple)):
+        raise FaultSpecError("faults.schedule", f"got {raw!r}; must be a list like '[{{kind:kill,target:c0r1,round:1}}]'")
+    return [parse_fault(entry, index=i, clusters=clusters, replicas_per_cluster=replicas_per_cluster)
+            for i, entry in enumerate(raw)]
+
+
+def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, round_s_estimate: float,
+                    steps_per_round: int, clusters: int, replicas_per_cluster: int) -> list[FaultSpec]:
+    """Draw faults with exponential gaps (mean `mtbf_s`), mapped to (round, step) boundaries using
+    an estimate of one round's seconds so the schedule is a pure function of the seed."""
+    rng = random.Random(seed)
+    faults, t, horizon = [], 0.0, rounds * round_s_estimate
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t >= horizon:
+            return faults
+        round_index = int(t // round_s_estimate)
+        step = int((t % round_s_estimate) / round_s_estimate * steps_per_round)
+        target = f"c{rng.randrange(clusters)}r{rng.randrange(replicas_per_cluster)}"
+        faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=round_index,
+                                phase="inner", step=step))

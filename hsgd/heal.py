@@ -1,0 +1,50 @@
+"""Heal decisions: after any change, who copies state from whom. Pure; the actors carry it out.
+
+Rule ("max committed wins"): every participating replica reports its committed (round, step).
+- A replica whose round is behind the highest round missed a commit. It heals from a replica of
+  its own cluster at the highest round if there is one (scope `full`: everything — params, inner
+  optimizer, global params, outer state, counters), else from the lowest-id replica at the highest
+  round in another cluster (scope `global`: global params, outer state, round; it restarts the
+  round from the global params, since its cluster's inner progress is gone).
+- Inside a cluster at the highest round, a replica behind the cluster's furthest step heals
+  (`full`) from the furthest one, so no completed step is thrown away.
+Sources are chosen by (progress, replica id), never by start or registration order, so the same
+reports always give the same assignments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hsgd.membership import Plan
+from hsgd.topology import parse_replica_id
+
+
+@dataclass(frozen=True)
+class HealAssignment:
+    target: str
+    source: str
+    scope: str  # "full" | "global"
+
+
+def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan) -> list[HealAssignment]:
+    """progress: rid -> (round, step) for the plan's live members."""
+    members = [rid for rid in plan.live if rid in progress]
+    if not members:
+        return []
+    top_round = max(progress[rid][0] for rid in members)
+    heals: list[HealAssignment] = []
+    for cluster in sorted(plan.members):
+        own = [rid for rid in plan.members[cluster] if rid in progress]
+        at_top = [rid for rid in own if progress[rid][0] == top_round]
+        if at_top:
+            # furthest step first, then lowest id: a deterministic source
+            source = min(at_top, key=lambda r: (-progress[r][1], parse_replica_id(r)))
+            for rid in own:
+                if progress[rid] < progress[source]:
+                    heals.append(HealAssignment(rid, source, "full"))
+        else:
+            donors = [rid for rid in members if progress[rid][0] == top_round]
+            source = min(donors, key=lambda r: parse_replica_id(r))
+            heals.extend(HealAssignment(rid, source, "global") for rid in own)
+    return heals
+

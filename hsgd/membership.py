@@ -1,0 +1,122 @@
+"""Membership: who is alive, who leads, which epoch — the supervisor's only source of truth.
+
+`Membership` is a small state machine. The supervisor tells it what it saw (`mark_dead` when an
+actor call raised ActorDiedError/ActorUnavailableError or a replica missed its deadline,
+`mark_alive` when a replica answered after (re)starting) and asks it for a `Plan`.
+
+A plan says, for one epoch: the live members of every cluster in a fixed order (their inner
+ranks), each cluster's leader (its outer rank is the cluster's position in `outer_clusters`),
+and which clusters take part in outer sync. Any change of membership at either level bumps the
+epoch, and the supervisor configures every process group afresh under a prefix that names level
+and epoch, so a group of an old epoch can never be joined by mistake.
+
+Leaders are sticky: a live leader keeps its role (no needless re-wiring); a dead leader is
+replaced by the lowest-index live replica of its cluster. Nothing here depends on the order in
+which replicas started or registered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hsgd.topology import Topology, parse_replica_id
+
+
+@dataclass(frozen=True)
+class Plan:
+    epoch: int
+    members: dict[int, tuple[str, ...]]  # cluster in quorum -> live replica ids in inner-rank order
+    leaders: dict[int, str]  # cluster in quorum -> leader id
+    outer_clusters: tuple[int, ...]  # clusters in quorum, in outer-rank order
+    standby: tuple[str, ...] = ()  # live replicas of clusters below quorum: they wait, then heal
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        return tuple(rid for c in sorted(self.members) for rid in self.members[c])
+
+    def inner_rank(self, rid: str) -> int:
+        return self.members[parse_replica_id(rid)[0]].index(rid)
+
+    def outer_rank(self, cluster: int) -> int:
+        return self.outer_clusters.index(cluster)
+
+    def is_leader(self, rid: str) -> bool:
+        return self.leaders.get(parse_replica_id(rid)[0]) == rid
+
+    def inner_prefix(self, cluster: int) -> str:
+        return f"epoch{self.epoch}/inner/c{cluster}"
+
+    def outer_prefix(self) -> str:
+        return f"epoch{self.epoch}/outer"
+
+
+class QuorumLost(RuntimeError):
+    """Fewer clusters in quorum than `min_clusters`."""
+
+
+class Membership:
+    def __init__(self, topology: Topology, *, min_replicas_per_cluster: int = 1, min_clusters: int = 1,
+                 epoch: int = 0):
+        self.topology = topology
+        self.min_replicas_per_cluster = min_replicas_per_cluster
+        self.min_clusters = min_clusters
+        self.live: set[str] = set()
+        self.leaders: dict[int, str] = {}
+        self.epoch = epoch
+        self._changed = True
+
+    def mark_alive(self, rid: str) -> bool:
+        """Returns True if this changed membership."""
+        if rid in self.live:
+            return False
+        self.live.add(rid)
+        self._changed = True
+        return True
+
+    def mark_dead(self, rid: str) -> bool:
+        if rid not in self.live:
+            return False
+        self.live.discard(rid)
+        cluster = self.topology.cluster_of(rid)
+        if self.leaders.get(cluster) == rid:
+            del self.leaders[cluster]
+        self._changed = True
+        return True
+
+    def force_new_epoch(self) -> None:
+        """A collective failed: every group of the current epoch is unusable, even if nobody died."""
+        self._changed = True
+
+    def members_of(self, cluster: int) -> tuple[str, ...]:
+        return tuple(rid for rid in self.topology.cluster_members(cluster) if rid in self.live)
+
+    def clusters_in_quorum(self) -> tuple[int, ...]:
+        return tuple(c for c in range(self.topology.clusters)
+                     if len(self.members_of(c)) >= self.min_replicas_per_cluster)
+
+    def quorum_problem(self) -> str | None:
+        """None when training may go on, else a one-line reason."""
+        in_quorum = self.clusters_in_quorum()
+        if len(in_quorum) >= self.min_clusters:
+            return None
+        counts = ", ".join(f"c{c}={len(self.members_of(c))}" for c in range(self.topology.clusters))
+        return (f"only {len(in_quorum)} cluster(s) with >= {self.min_replicas_per_cluster} live replicas "
+                f"({counts}); min_clusters={self.min_clusters}")
+
+    def plan(self) -> Plan:
+        """The plan for the current membership; bumps the epoch if membership changed."""
+        if self._changed:
+            self.epoch += 1
+            self._changed = False
+        members, leaders, standby = {}, {}, []
+        in_quorum = self.clusters_in_quorum()
+        for cluster in range(self.topology.clusters):
+            live = self.members_of(cluster)
+            if cluster not in in_quorum:
+                standby.extend(live)
+                continue
+            members[cluster] = live
+            if self.leaders.get(cluster) not in live:
+                self.leaders[cluster] = live[0]
+            leaders[cluster] = self.leaders[cluster]
+        return Plan(epoch=self.epoch, members=members, leaders=leaders, outer_clusters=in_quorum,
+                    standby=tuple(standby))

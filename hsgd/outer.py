@@ -1,0 +1,78 @@
+"""Outer sync: what crosses the slow link once per round.
+
+DiLoCo (arXiv 2311.08105, Algorithm 1), per round:
+    pseudo_grad = global_params_at_round_start - local_params        (per cluster, by its leader)
+    pseudo_grad = mean over clusters (outer all-reduce among leaders)
+    global_params = OuterOpt(global_params, pseudo_grad)               (Nesterov SGD, lr 0.7, mom 0.9)
+    local_params = global_params                                       (inner optimizer state kept)
+
+`average` (hierarchical local SGD) is the same with plain SGD, lr 1 and no momentum: the new global
+params are the mean of the clusters' params. `none` never crosses clusters.
+
+Every replica keeps the global params and the outer optimizer state — not only the leader — so
+any replica can become leader, and a commit is applied by every replica from the same reduced
+pseudo-gradient (bitwise-identical results on every replica, without shipping parameters).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def outer_hyperparameters(algorithm: str, lr: float, momentum: float, nesterov: bool) -> dict:
+    """`average` ignores optim.outer: it is exactly parameter averaging."""
+    if algorithm == "average":
+        return {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    return {"lr": lr, "momentum": momentum, "nesterov": nesterov and momentum > 0}
+
+
+class OuterOptimizer:
+    """Owns the round-start global params (on CPU) and the outer SGD state that updates them."""
+
+    def __init__(self, params: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool,
+                 pin_memory: bool = False):
+        self.global_params = [p.detach().to("cpu", copy=True) for p in params]
+        if pin_memory:  # GPU runs: faster host<->device copies at every round boundary
+            self.global_params = [g.pin_memory() for g in self.global_params]
+        for g in self.global_params:
+            g.requires_grad_(True)
+        self._sgd = torch.optim.SGD(self.global_params, lr=lr, momentum=momentum, nesterov=nesterov)
+
+    def pseudo_gradient(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """global - local, on CPU; detached copies (never tensors with autograd history)."""
+        return [g.detach() - p.detach().to("cpu") for g, p in zip(self.global_params, params)]
+
+    @torch.no_grad()
+    def step(self, mean_pseudo_gradient: list[torch.Tensor]) -> None:
+        """Apply the averaged pseudo-gradient to the global params."""
+        for g, d in zip(self.global_params, mean_pseudo_gradient):
+            g.grad = d.to(g.dtype).clone()
+        self._sgd.step()
+        for g in self.global_params:
+            g.grad = None
+
+    @torch.no_grad()
+    def reset_global(self, params: list[torch.Tensor]) -> None:
+        """Used by `outer=none`: each cluster's own params become its round-start params."""
+        for g, p in zip(self.global_params, params):
+            g.copy_(p.detach().to("cpu"))
+
+    @torch.no_grad()
+    def copy_global_into(self, params: list[torch.Tensor]) -> None:
+        for p, g in zip(params, self.global_params):
+            p.copy_(g.to(p.device))
+
+    def state_dict(self) -> dict:
+        return {"global_params": [g.detach().clone() for g in self.global_params],
+                "sgd": self._sgd.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for g, src in zip(self.global_params, state["global_params"]):
+            g.copy_(src)
+        self._sgd.load_state_dict(state["sgd"])
+
+
+def commit_decision(expected: set[int] | frozenset[int], succeeded: set[int]) -> bool:
+    """Two-phase commit rule for the outer sync: commit only if every expected participant
+    (cluster) reported a successful all-reduce into its buffer; otherwise all discard theirs."""
+    return bool(expected) and set(expected) == set(succeeded)

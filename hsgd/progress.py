@@ -1,0 +1,49 @@
+"""Console view of a running job: a tqdm bar over inner steps (loss, tokens/s) and one line per
+committed round, read from the supervisor's status and metrics.jsonl."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hsgd.runlog import read_jsonl
+
+
+def round_line(m: dict) -> str:
+    ev = "      -" if m.get("eval_loss") is None else f"{m['eval_loss']:.4f}"
+    tps = m.get("tokens_per_s") or 0.0
+    return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {m['loss']:.4f} | eval {ev} | "
+            f"{tps:8.0f} tok/s | live {m['live_replicas']} | epoch {m['epoch']} | "
+            f"outer {m['outer_bytes'] / 1e6:.2f} MB")
+
+
+class ProgressView:
+    def __init__(self, cfg: Any, run_dir: str, enabled: bool = True):
+        self.metrics_path = Path(run_dir) / "metrics.jsonl"
+        self.total = cfg.train.rounds * cfg.sync.outer_every
+        self.enabled = enabled
+        self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, disable=not enabled)
+        self.rounds_printed = len(read_jsonl(self.metrics_path))  # a resumed run's earlier rounds
+
+    def update(self, status: dict) -> None:
+        for m in read_jsonl(self.metrics_path)[self.rounds_printed:]:
+            self.rounds_printed += 1
+            line = round_line(m)
+            if self.enabled:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+        step = status.get("inner_step")
+        if step is not None and step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        post = {"phase": status.get("phase"), "epoch": status.get("epoch")}
+        if status.get("last_loss") is not None:
+            post["loss"] = f"{status['last_loss']:.3f}"
+        if status.get("tokens_per_s"):
+            post["tok/s"] = f"{status['tokens_per_s']:.0f}"
+        self.bar.set_postfix(post, refresh=True)
+
+    def close(self) -> None:
+        self.update({})
+        self.bar.close()

@@ -1,0 +1,238 @@
+"""What one replica owns and the work it does when the supervisor tells it to.
+
+A `ReplicaTrainer` holds a full model copy, its inner optimizer, the round-start global params
+with the outer optimizer (see outer.py), and its counters: `round` (committed rounds) and `step`
+(committed inner steps in total). Its data position IS its step: batches are a pure function of
+(seed, global replica index, step), so healing needs no data-loader state, and there is no RNG
+state to carry because the model has no dropout by default.
+
+The phase methods each run ONE level's collectives, never both, so a replica is in at most one
+collective at a time:
+- `run_inner`      inner steps up to a step of the round; `ddp` all-reduces gradients every step,
+                   `localsgd` averages parameters every `inner_every` steps (level "inner").
+- `cluster_average` (inner `none` only) the cluster's mean, so its leader carries it (level "inner").
+- `outer_reduce`   leaders only: mean pseudo-gradient over the clusters into a buffer (level "outer").
+                   Nothing is applied: this is the first phase of the two-phase commit.
+- `outer_commit`   after the supervisor's commit decision: the leader broadcasts the buffer in its
+                   cluster (level "inner") and every replica applies the same outer step.
+A failed collective raises `CollectiveError` and leaves the counters where the last committed
+step left them; the step in flight is not counted and is redone after re-planning.
+Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hsgd.comm import LevelGroup
+from hsgd.data import Corpus, batch_for_step, eval_batches, load_corpus
+from hsgd.model import GPT, GPTConfig
+from hsgd.outer import OuterOptimizer, outer_hyperparameters
+from hsgd.topology import Topology
+
+# hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
+FaultHook = Callable[[str, int, int], None]
+
+
+def _no_fault(phase: str, round_index: int, step_in_round: int) -> None:
+    return None
+
+
+@dataclass
+class InnerReport:
+    round: int
+    step: int  # committed inner steps in total
+    steps_done: int  # steps this call committed
+    loss_sum: float
+    tokens: int
+    seconds: float
+    inner_bytes: int
+    losses: list[float] = field(default_factory=list)
+
+
+def param_digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 over the raw bytes of the tensors, in order: equal digests = bitwise-equal params."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_model(cfg: Any, vocab_size: int) -> GPT:
+    m = cfg.model
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=m.block_size, n_layer=m.n_layer,
+                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout))
+
+
+def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    o = cfg.optim.inner
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    # foreach=False: the same kernels on every replica whatever the param count (bitwise determinism).
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.momentum, 0.95), weight_decay=o.weight_decay,
+                             foreach=False)
+
+
+class ReplicaTrainer:
+    def __init__(self, cfg: Any, rid: str, topology: Topology, *, device: str = "cpu",
+                 corpus: Corpus | None = None):
+        self.cfg, self.rid, self.topology, self.device = cfg, rid, topology, device
+        self.cluster = topology.cluster_of(rid)
+        self.global_index = topology.global_index(rid)
+        self.corpus = corpus or load_corpus(cfg.data.path, cfg.data.val_fraction,
+                                             block_size=cfg.model.block_size)
+        torch.manual_seed(cfg.seed)  # identical initial params on every replica
+        self.model = build_model(cfg, self.corpus.vocab_size).to(device)
+        self.params = [p for p in self.model.parameters()]
+        self.inner_opt = build_inner_optimizer(cfg, self.params)
+        hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
+                                   cfg.optim.outer.nesterov)
+        self.outer_opt = OuterOptimizer(self.params, pin_memory=device.startswith("cuda"), **hp)
+        self.steps_per_round = cfg.sync.outer_every
+        self.round = 0
+        self.step = 0
+        self.round_losses: list[float] = []
+        self._outer_buffer: tuple[int, list[torch.Tensor]] | None = None  # (round, mean pseudo-grad)
+        self._eval = eval_batches(self.corpus.val, batch_size=cfg.data.batch_size,
+                                  block_size=cfg.model.block_size, n_batches=cfg.train.eval_batches)
+
+    # -- counters -------------------------------------------------------------------------------
+    @property
+    def step_in_round(self) -> int:
+        return self.step - self.round * self.steps_per_round
+
+    def progress(self) -> dict:
+        return {"rid": self.rid, "round": self.round, "step": self.step,
+                "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0]}
+
+    # -- inner phase ----------------------------------------------------------------------------
+    def _one_step(self, inner: LevelGroup, hook: FaultHook) -> float:
+        cfg = self.cfg
+        x, y = batch_for_step(self.corpus.train, seed=cfg.seed, replica_index=self.global_index,
+                              step=self.step, batch_size=cfg.data.batch_size,
+                              block_size=cfg.model.block_size)
+        x, y = x.to(self.device), y.to(self.device)
+        _, loss = self.model(x, y)
+        self.inner_opt.zero_grad(set_to_none=False)
+        loss.backward()
+        if cfg.sync.inner == "ddp":
+            hook("inner_sync", self.round, self.step_in_round)
+            inner.allreduce_mean([p.grad for p in self.params], level="inner")
+        if cfg.optim.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.inner.grad_clip, foreach=False)
+        self.inner_opt.step()
+        if cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0:
+            hook("inner_sync", self.round, self.step_in_round)
+            with torch.no_grad():
+                inner.allreduce_mean([p.data for p in self.params], level="inner")
+        return float(loss.detach())
+
+    def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault) -> InnerReport:
+        """Run inner steps until the round's last step is committed. Raises CollectiveError."""
+        start, bytes_before, done, losses = time.perf_counter(), inner.bytes_sent, 0, []
+        if round_index == self.round:
+            while self.step_in_round < self.steps_per_round:
+                hook("inner", self.round, self.step_in_round)
+                loss = self._one_step(inner, hook)
+                self.step += 1  # committed: the step's collectives all succeeded
+                self.round_losses.append(loss)
+                losses.append(loss)
+                done += 1
+        tokens = done * self.cfg.data.batch_size * self.cfg.model.block_size
+        return InnerReport(round=self.round, step=self.step, steps_done=done, loss_sum=sum(losses),
+                           tokens=tokens, seconds=time.perf_counter() - start,
+                           inner_bytes=inner.bytes_sent - bytes_before, losses=losses)
+
+    # -- outer phase ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def cluster_average(self, round_index: int, inner: LevelGroup) -> None:
+        """inner `none`: make every replica of the cluster hold the cluster mean."""
+        if round_index == self.round:
+            inner.allreduce_mean([p.data for p in self.params], level="inner")
+
+    @torch.no_grad()
+    def outer_reduce(self, round_index: int, outer: LevelGroup) -> None:
+        """Leader only: mean pseudo-gradient across clusters into the buffer (not applied)."""
+        if round_index != self.round or (self._outer_buffer and self._outer_buffer[0] == round_index):
+            return
+        if self.cfg.sync.outer == "none":
+            self._outer_buffer = (round_index, [])
+            return
+        pseudo_grad = self.outer_opt.pseudo_gradient(self.params)
+        outer.allreduce_mean(pseudo_grad, level="outer")
+        self._outer_buffer = (round_index, pseudo_grad)
+
+    def discard_outer_buffer(self) -> None:
+        self._outer_buffer = None
+
+    @torch.no_grad()
+    def outer_commit(self, round_index: int, inner: LevelGroup, root: int) -> None:
+        """Receive the committed mean pseudo-gradient from the cluster's leader and apply it."""
+        if round_index != self.round:
+            return  # already committed (idempotent re-issue)
+        outer_sync = self.cfg.sync.outer != "none"
+        if outer_sync:
+            if inner.rank == root:
+                assert self._outer_buffer is not None and self._outer_buffer[0] == round_index, \
+                    f"{self.rid}: commit of round {round_index} without a reduced buffer"
+                pseudo_grad = self._outer_buffer[1]
+            else:
+                pseudo_grad = [torch.zeros_like(g) for g in self.outer_opt.global_params]
+            inner.broadcast(pseudo_grad, root=root, level="inner")
+            self.outer_opt.step(pseudo_grad)
+            self.outer_opt.copy_global_into(self.params)
+        else:
+            self.outer_opt.reset_global(self.params)
+        self._outer_buffer = None
+        self.round += 1
+        self.round_losses = []
+
+    # -- evaluation and digests -----------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Mean loss of the global params (after a commit: this replica's params) on held-out data."""
+        self.model.eval()
+        total = 0.0
+        for x, y in self._eval:
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+            total += float(loss)
+        self.model.train()
+        return total / len(self._eval)
+
+    def param_digest(self) -> str:
+        return param_digest(self.params)
+
+    def global_digest(self) -> str:
+        return param_digest(self.outer_opt.global_params)
+
+    # -- state for heal and checkpoint ----------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rid": self.rid, "round": self.round, "step": self.step,
+                "params": [p.detach().to("cpu").clone() for p in self.params],
+                "inner_opt": self.inner_opt.state_dict(),
+                "outer": self.outer_opt.state_dict(),
+                "round_losses": list(self.round_losses)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
+        """scope `full`: become the source (same cluster). scope `global`: take only the global
+        params, outer state and round (the source is in another cluster); params restart from the
+        global params at the round's first step, and the inner optimizer is kept as it is (fresh
+        for a restarted replica, still valid for one that only missed a commit broadcast)."""
+        self.outer_opt.load_state_dict(state["outer"])
+        if scope == "full":
+            for p, src in zip(self.params, state["params"]):
+                p.copy_(src.to(p.device))
+            self.inner_opt.load_state_dict(state["inner_opt"])
+            self.round_losses = list(state.get("round_losses", []))
+        else:
+            self.outer_opt.copy_global_into(self.params)
+            self.round_losses = []
+        self.round, self.step = int(state["round"]), int(state["step"])
+        if scope != "full":  # our cluster's progress in this round is gone: restart the round
+            self.step = self.round * self.steps_per_round
+        self._outer_buffer = None

@@ -1,0 +1,201 @@
+"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`).
+
+1. Compose and validate the config; a bad value prints one line and exits 2 before Ray starts.
+2. Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
+3. Check the cluster can place every replica, start the replica actors (owned by this driver, so
+   they outlive a supervisor crash) and the supervisor, and wait for the run while drawing a
+   progress bar; a dead supervisor is restarted by Ray and the run call re-issued.
+4. Write plots next to the JSON and print where everything is.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from hsgd.config import ConfigError, register_schema, resolve_backend, validate
+from hsgd.faults import FaultSpecError
+
+register_schema()
+EXIT_CONFIG = 2
+
+
+def _config_error(message: str) -> None:
+    print(f"hsgd: config error: {message}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
+
+
+def precheck(overrides: list[str]) -> None:
+    """Compose the config outside Hydra's runner so any bad override becomes one line + exit 2."""
+    from hydra import compose, initialize_config_dir
+
+    plain = [o for o in overrides if not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
+    try:
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"),
+                                   version_base="1.3", job_name="precheck"):
+            cfg = compose(config_name="config", overrides=plain)
+        OmegaConf.resolve(cfg)
+        validate(cfg)
+    except (ConfigError, FaultSpecError) as err:
+        _config_error(str(err))
+    except Exception as err:  # noqa: BLE001 — Hydra/OmegaConf parse and type errors
+        text = " ".join(str(err).split())
+        _config_error(text[:400])
+
+
+def connect_ray(cfg: DictConfig) -> bool:
+    """Returns True if this process started an embedded Ray (and must shut it down)."""
+    import ray
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
+        ray.init(address=address or "auto", namespace="hsgd", log_to_driver=True)
+        return False
+    n = cfg.topology.clusters * cfg.topology.replicas_per_cluster
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(n * cfg.topology.cpus_per_replica + 0.999) + 1)
+    repo = str(Path(__file__).resolve().parent.parent)
+    ray.init(num_cpus=num_cpus, namespace="hsgd", include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    return True
+
+
+def run_training(cfg: DictConfig, run_dir: str) -> dict:
+    """Run one training job to its end; returns summary.json's content."""
+    import ray
+    import torch
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    from actors.placement import ClusterPlacement, check_capacity
+    from actors.replica import Replica
+    from actors.supervisor import Supervisor, replica_actor_name, supervisor_actor_name
+    from hsgd import checkpoint
+    from hsgd.plots import write_run_plots
+    from hsgd.progress import ProgressView
+    from hsgd.runlog import read_jsonl
+    from hsgd.topology import Topology
+
+    cfg.run.dir = run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    resume_from = None
+    if cfg.train.resume:
+        resume_from = checkpoint.latest(Path(run_dir) / "checkpoints")
+        if resume_from is None:
+            _config_error(f"train.resume: no checkpoint under {run_dir}/checkpoints; pass run.dir=<the run to resume>")
+    elif (Path(run_dir) / "summary.json").exists() or (Path(run_dir) / "supervisor_state.json").exists():
+        _config_error(f"run.dir: {run_dir} already holds a run; choose a new run.dir or add train.resume=true")
+    backend = resolve_backend(cfg.comm.backend, torch.cuda.is_available())
+    os.environ.setdefault("WANDB_MODE", cfg.logging.wandb.mode)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    from hsgd.checkpoint import atomic_write_text
+
+    atomic_write_text(Path(run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if resume_from is not None:
+        # a resumed run continues from the checkpoint: the supervisor's old view is stale
+        for name in ("supervisor_state.json",):
+            state = Path(run_dir) / name
+            if state.exists():
+                import json
+
+                old = json.loads(state.read_text())
+                atomic_write_text(state, json.dumps({"epoch": old.get("epoch", 0), "fired": old.get("fired", []),
+                                                     "started_at": time.time(),
+                                                     "initial_eval_loss": old.get("initial_eval_loss")}))
+
+    started_ray = connect_ray(cfg)
+    run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
+    placement = None
+    actors = []
+    try:
+        try:
+            check_capacity(cfg, backend)
+        except ConfigError as err:
+            _config_error(str(err))
+        placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
+        topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
+        replicas = {}
+        for rid in topo.replica_ids():
+            c, i = divmod(topo.global_index(rid), cfg.topology.replicas_per_cluster)
+            replicas[rid] = Replica.options(name=replica_actor_name(run_id, rid), max_restarts=cfg.faults.max_restarts,
+                                            max_task_retries=0, **placement.options(c, i)).remote(container, rid, run_dir, backend)
+        actors.extend(replicas.values())
+        if resume_from is not None:
+            manifest = checkpoint.read_manifest(resume_from)
+            if manifest["topology"] != [cfg.topology.clusters, cfg.topology.replicas_per_cluster]:
+                _config_error(f"train.resume: checkpoint {resume_from} is for topology {manifest['topology']}, "
+                              f"not [{cfg.topology.clusters}, {cfg.topology.replicas_per_cluster}]")
+            ray.get([replicas[rid].load_checkpoint.remote(str(resume_from), sha)
+                     for rid, sha in manifest["files"].items() if rid in replicas],
+                    timeout=cfg.supervisor.phase_timeout_s)
+            print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
+        supervisor = Supervisor.options(name=supervisor_actor_name(run_id), max_restarts=cfg.supervisor.max_restarts,
+                                        max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)
+        actors.append(supervisor)
+        view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
+        summary = None
+        while summary is None:
+            ref = supervisor.run.remote()
+            while True:
+                done, _ = ray.wait([ref], timeout=1.0)
+                try:
+                    view.update(ray.get(supervisor.status.remote(), timeout=5.0))
+                except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
+                    pass
+                if done:
+                    break
+            try:
+                summary = ray.get(ref, timeout=60.0)
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
+                print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
+                time.sleep(1.0)
+        view.close()
+        write_run_plots(run_dir)
+        print(f"[hsgd] {summary['status']}: {summary['rounds_committed']} rounds, "
+              f"{summary['inner_steps_committed']} inner steps, eval loss "
+              f"{summary['initial_eval_loss']} -> {summary['final_eval_loss']} in {summary['wall_s']:.1f}s", flush=True)
+        print(f"[hsgd] outputs in {run_dir}", flush=True)
+        _ = read_jsonl
+        return summary
+    finally:
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if placement is not None:
+            placement.release()
+        if started_ray:
+            ray.shutdown()
+        else:
+            ray.shutdown()  # detach from the cluster: a multirun's next job attaches afresh
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        validate(cfg)
+    except (ConfigError, FaultSpecError) as err:
+        _config_error(str(err))
+    run_dir = os.path.abspath(HydraConfig.get().runtime.output_dir)
+    summary = run_training(cfg, run_dir)
+    if summary["status"] != "completed":
+        print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    return summary.get("final_eval_loss")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if not any(a in ("-m", "--multirun") or a.startswith("--") for a in argv):
+        precheck(argv)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
