@@ -30,32 +30,58 @@ def _config_error(message: str) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-def precheck(overrides: list[str]) -> None:
-    """Compose the config outside Hydra's runner so any bad override becomes one line + exit 2."""
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The resolved config for these overrides, as Hydra would build it (for tests, notebooks and
+    the pre-check). Raises Hydra/OmegaConf errors for bad keys or types; does not validate."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     plain = [o for o in overrides if not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"),
+                               version_base="1.3", job_name="hsgd"):
+        cfg = compose(config_name="config", overrides=plain)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def describe_hydra_error(err: BaseException) -> str:
+    """One line from Hydra/OmegaConf's nested errors: the field and what went wrong."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, cause = [], err
+    while cause is not None and len(chain) < 5:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            msg = str(getattr(e, "msg", "") or e).split("\n")[0]
+            return f"{e.full_key}: {msg}"
+    return " ".join(str(err).split())[:400]
+
+
+def precheck(overrides: list[str]) -> None:
+    """Compose the config outside Hydra's runner so any bad override becomes one line + exit 2."""
     try:
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"),
-                                   version_base="1.3", job_name="precheck"):
-            cfg = compose(config_name="config", overrides=plain)
-        OmegaConf.resolve(cfg)
-        validate(cfg)
+        validate(compose_config(overrides))
     except (ConfigError, FaultSpecError) as err:
         _config_error(str(err))
     except Exception as err:  # noqa: BLE001 — Hydra/OmegaConf parse and type errors
-        text = " ".join(str(err).split())
-        _config_error(text[:400])
+        _config_error(describe_hydra_error(err))
 
 
 def connect_ray(cfg: DictConfig) -> bool:
-    """Returns True if this process started an embedded Ray (and must shut it down)."""
+    """Returns True if this call connected Ray (and the caller must disconnect when done); a
+    caller that already initialised Ray (a test, a notebook) keeps its connection."""
     import ray
 
+    if ray.is_initialized():
+        return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
         ray.init(address=address or "auto", namespace="hsgd", log_to_driver=True)
-        return False
+        return True
     n = cfg.topology.clusters * cfg.topology.replicas_per_cluster
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(n * cfg.topology.cpus_per_replica + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
@@ -76,7 +102,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     from hsgd import checkpoint
     from hsgd.plots import write_run_plots
     from hsgd.progress import ProgressView
-    from hsgd.runlog import read_jsonl
     from hsgd.topology import Topology
 
     cfg.run.dir = run_dir
@@ -93,6 +118,13 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     container = OmegaConf.to_container(cfg, resolve=True)
     from hsgd.checkpoint import atomic_write_text
 
+    started_ray = connect_ray(cfg)
+    try:
+        check_capacity(cfg, backend)
+    except ConfigError as err:
+        if started_ray:
+            ray.shutdown()
+        _config_error(str(err))
     atomic_write_text(Path(run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     if resume_from is not None:
         # a resumed run continues from the checkpoint: the supervisor's old view is stale
@@ -106,15 +138,10 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                                                      "started_at": time.time(),
                                                      "initial_eval_loss": old.get("initial_eval_loss")}))
 
-    started_ray = connect_ray(cfg)
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
     placement = None
     actors = []
     try:
-        try:
-            check_capacity(cfg, backend)
-        except ConfigError as err:
-            _config_error(str(err))
         placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
         topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
         replicas = {}
@@ -158,7 +185,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
               f"{summary['inner_steps_committed']} inner steps, eval loss "
               f"{summary['initial_eval_loss']} -> {summary['final_eval_loss']} in {summary['wall_s']:.1f}s", flush=True)
         print(f"[hsgd] outputs in {run_dir}", flush=True)
-        _ = read_jsonl
         return summary
     finally:
         for actor in actors:
@@ -168,10 +194,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                 pass
         if placement is not None:
             placement.release()
-        if started_ray:
+        if started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
             ray.shutdown()
-        else:
-            ray.shutdown()  # detach from the cluster: a multirun's next job attaches afresh
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
