@@ -130,10 +130,11 @@ class Replica:
         """inner/outer: (prefix, rank, world_size); outer is None for a non-leader."""
         def run():
             self.epoch = epoch
-            self.outer.abort()
             self.inner.configure(store_addr, inner[0], inner[1], inner[2], epoch)
             if outer is not None:
                 self.outer.configure(store_addr, outer[0], outer[1], outer[2], epoch)
+            else:  # not a leader: this replica must never issue an outer collective
+                self.outer.abort()
             return {"epoch": epoch}
         return self._phase("configure", run, -1, None)
 
@@ -187,13 +188,17 @@ class Replica:
         return self.trainer.eval_loss()
 
     @ray.method(concurrency_group="phase")
-    def get_state(self) -> dict:
+    def get_state(self, faults: list[dict] | None = None) -> dict:
         """Full state for a heal; travels through the object store, never through the supervisor."""
+        self._arm(faults)
+        self._hook("heal", self.trainer.round, 0)
         return self.trainer.state_dict()
 
     @ray.method(concurrency_group="phase")
-    def load_state(self, state: dict, scope: str) -> dict:
+    def load_state(self, state: dict, scope: str, faults: list[dict] | None = None) -> dict:
         self.phase, self.phase_since = "heal", time.time()
+        self._arm(faults)
+        self._hook("heal", self.trainer.round, 0)
         try:
             self.trainer.load_state_dict(state, scope=scope)
             nbytes = sum(t.numel() * t.element_size() for t in state["params"])

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from hsgd import checkpoint
-from hsgd.faults import FaultSpec, parse_schedule
+from hsgd.faults import FaultSpec, fault_figures, parse_schedule
 from hsgd.heal import assign_heals
 from hsgd.membership import Membership, Plan
 from hsgd.outer import commit_decision
@@ -179,16 +179,23 @@ class Supervisor:
             return None
 
     def _rejoin(self, wait_s: float) -> None:
-        """Round boundary: bring back replicas that restarted (waiting up to wait_s for them)."""
-        missing = [rid for rid in self.topology.replica_ids() if rid not in self.membership.live and rid not in self.gone]
+        """Round boundary: bring back replicas that restarted, waiting up to wait_s for them.
+        A restarting actor answers ActorUnavailableError at once, so keep asking until the deadline."""
         deadline = time.monotonic() + wait_s
-        for rid in missing:
-            answer = self._probe(rid, max(0.5, deadline - time.monotonic()))
-            if answer is not None:
-                self.membership.mark_alive(rid)
-                self.progress[rid] = (answer["round"], answer["step"])
-                self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"],
-                               restarted=answer.get("restarted"))
+        while True:
+            missing = [rid for rid in self.topology.replica_ids()
+                       if rid not in self.membership.live and rid not in self.gone]
+            for rid in missing:
+                answer = self._probe(rid, min(2.0, max(0.2, deadline - time.monotonic())))
+                if answer is not None:
+                    self.membership.mark_alive(rid)
+                    self.progress[rid] = (answer["round"], answer["step"])
+                    self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"],
+                                   pid=answer.get("pid"))
+            still = [rid for rid in missing if rid not in self.membership.live and rid not in self.gone]
+            if not still or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
 
     def _await_quorum(self) -> None:
         problem = self.membership.quorum_problem()
@@ -208,14 +215,17 @@ class Supervisor:
         if failures:
             self._handle_failures(failures, "progress", -1)
 
-    def _heal(self, plan: Plan) -> bool:
+    def _heal(self, plan: Plan, round_index: int) -> bool:
         heals = assign_heals({rid: self.progress[rid] for rid in plan.live if rid in self.progress}, plan)
         if not heals:
             return True
         self._set_status(phase="heal")
         start = time.monotonic()
-        state_refs = {src: self.handles[src].get_state.remote() for src in sorted({h.source for h in heals})}
-        calls = {h.target: self.handles[h.target].load_state.remote(state_refs[h.source], h.scope) for h in heals}
+        involved = {h.source for h in heals} | {h.target for h in heals}
+        armed = self._armed(round_index, ("heal",), plan, only=involved)
+        state_refs = {src: self.handles[src].get_state.remote(armed.get(src)) for src in sorted({h.source for h in heals})}
+        calls = {h.target: self.handles[h.target].load_state.remote(state_refs[h.source], h.scope, armed.get(h.target))
+                 for h in heals}
         for h in heals:
             self.log.event("heal_begin", target=h.target, source=h.source, scope=h.scope)
         results, failures = self._gather(calls, self.cfg.supervisor.call_timeout_s, "heal")
@@ -225,15 +235,17 @@ class Supervisor:
                 self.log.event("heal_end", target=h.target, source=h.source, scope=h.scope, seconds=seconds,
                                bytes=results[h.target].get("bytes"))
         if failures:
-            # a failed source shows up as a failed get_state inside the target's call
-            self._handle_failures(failures, "heal", -1)
+            # A dead source surfaces as an error in its target's call: ask everyone involved.
+            dead = {rid: ("died", "no answer after a failed heal") for rid in sorted(involved)
+                    if self._probe(rid, 3.0) is None}
+            self._handle_failures(dead or failures, "heal", round_index)
             return False
         return True
 
     def _configure(self, plan: Plan) -> bool:
         self._set_status(phase="configure")
         calls = {}
-        outer_on = self.cfg.sync.outer != "none" and len(plan.outer_clusters) > 1
+        outer_on = self.cfg.sync.outer != "none"
         for cluster, members in plan.members.items():
             for rid in members:
                 inner = (f"{self.run_id}/{plan.inner_prefix(cluster)}", plan.inner_rank(rid), len(members))
@@ -258,7 +270,7 @@ class Supervisor:
         self._await_quorum()
         self._refresh_progress()
         plan = self.membership.plan()
-        if not self._heal(plan):
+        if not self._heal(plan, round_index):
             return None
         if self.configured_epoch != plan.epoch and not self._configure(plan):
             return None
@@ -271,7 +283,8 @@ class Supervisor:
         return any(rid not in self.membership.live and rid not in self.gone for rid in self.topology.replica_ids())
 
     # -- faults --------------------------------------------------------------------------------
-    def _armed(self, round_index: int, phases: tuple[str, ...], plan: Plan) -> dict[str, list[dict]]:
+    def _armed(self, round_index: int, phases: tuple[str, ...], plan: Plan,
+               only: set[str] | None = None) -> dict[str, list[dict]]:
         """Faults to hand to replicas with this phase call. Each fires once (recorded durably)."""
         armed: dict[str, list[dict]] = {}
         fired = self.durable["fired"]
@@ -286,6 +299,8 @@ class Supervisor:
                 targets = [plan.leaders[f.target_cluster]] if f.target_cluster in plan.leaders else []
             else:
                 targets = list(plan.members.get(f.target_cluster, ()))
+            if only is not None:
+                targets = [t for t in targets if t in only]
             if not targets:
                 continue
             fired.append(i)
@@ -350,8 +365,10 @@ class Supervisor:
             results, failures = self._phase("inner", r, {rid: self.handles[rid].run_inner.remote(r, armed.get(rid))
                                                           for rid in live}, sup.phase_timeout_s)
             seconds["inner"] += time.monotonic() - t0
-            for rid in live:
-                self.attempted_steps += max(0, self.spr - (steps_before[rid] - r * self.spr))
+            done = {rid: self.progress.get(rid, (r, steps_before[rid]))[1] - steps_before[rid]
+                    for rid in live if rid not in failures or failures[rid][0] == "collective"}
+            lost = max(done.values(), default=0)  # a dead replica ran about as far as its peers
+            self.attempted_steps += sum(done.values()) + lost * (len(live) - len(done))
             for rid, res in results.items():
                 rep = res["report"]
                 totals["tokens"] += rep["tokens"]
@@ -532,5 +549,7 @@ class Supervisor:
                 "wall_s": time.time() - start, "run_wall_s": time.time() - self.durable["started_at"],
                 "replica_param_digests": digests, "global_param_digest": global_digest,
                 "step_efficiency": step_eff, "training_efficiency": step_eff * participation,
-                "faults": self.fault_log, "supervisor_starts": self.durable["supervisor_starts"],
+                "faults": fault_figures(read_jsonl(Path(self.run_dir) / "faults_fired.jsonl"),
+                                        read_jsonl(Path(self.run_dir) / "events.jsonl")),
+                "supervisor_starts": self.durable["supervisor_starts"],
                 "epoch": self.membership.epoch, "run_dir": self.run_dir}

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -102,6 +103,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     from hsgd import checkpoint
     from hsgd.plots import write_run_plots
     from hsgd.progress import ProgressView
+    from hsgd.runlog import read_jsonl
     from hsgd.topology import Topology
 
     cfg.run.dir = run_dir
@@ -131,8 +133,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
         for name in ("supervisor_state.json",):
             state = Path(run_dir) / name
             if state.exists():
-                import json
-
                 old = json.loads(state.read_text())
                 atomic_write_text(state, json.dumps({"epoch": old.get("epoch", 0), "fired": old.get("fired", []),
                                                      "started_at": time.time(),
@@ -158,6 +158,10 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             ray.get([replicas[rid].load_checkpoint.remote(str(resume_from), sha)
                      for rid, sha in manifest["files"].items() if rid in replicas],
                     timeout=cfg.supervisor.phase_timeout_s)
+            # rounds committed after the checkpoint are redone: drop their metrics lines
+            metrics_path = Path(run_dir) / "metrics.jsonl"
+            kept = [json.dumps(m) for m in read_jsonl(metrics_path) if m.get("round", 0) < manifest["round"]]
+            atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
             print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
         supervisor = Supervisor.options(name=supervisor_actor_name(run_id), max_restarts=cfg.supervisor.max_restarts,
                                         max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)

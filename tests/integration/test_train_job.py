@@ -80,7 +80,7 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("overrides,field", BAD_CONFIGS, ids=[b[1] + "-" + b[0][0] for b in BAD_CONFIGS])
 def test_bad_config_is_one_clear_line_and_exit_2(tmp_path, overrides, field):
     run_dir = tmp_path / "run"
-    proc = train_cli([*overrides, f"run.dir={run_dir}", "logging.wandb.mode=disabled"], cwd=tmp_path, timeout=120)
+    proc = train_cli([f"run.dir={run_dir}", "logging.wandb.mode=disabled", *overrides], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, f"exit code {proc.returncode}; stderr: {proc.stderr[-2000:]}"
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsgd: config error:")]
     assert len(errors) == 1, proc.stderr[-2000:]

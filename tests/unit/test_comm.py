@@ -1,0 +1,187 @@
+"""hsgd.comm: level-checked collectives, and real gloo groups that fail fast and can be re-formed.
+
+The multi-process test runs ONE spawned session of three processes (spawn + torch import is the
+slow part) and checks several promises in it: mean all-reduce, root broadcast, byte accounting, a
+dead peer turning the survivors' next collective into CollectiveError within the timeout, the
+group being unusable after an error, and the survivors re-forming under a fresh epoch prefix.
+"""
+import multiprocessing
+import os
+import time
+import traceback
+
+import pytest
+import torch
+
+from hsgd.comm import CollectiveError, LevelGroup, WrongLevelError, wait_for
+
+TIMEOUT_S = 5.0
+CONFIGURE_TIMEOUT_S = 10.0
+
+
+# -- no processes ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("group_level,call_level", [("inner", "outer"), ("outer", "inner")])
+def test_collective_on_the_wrong_level_raises(group_level, call_level):
+    group = LevelGroup(group_level)
+    t = [torch.ones(3)]
+    with pytest.raises(WrongLevelError, match=call_level):
+        group.allreduce_mean(t, level=call_level)
+    with pytest.raises(WrongLevelError):
+        group.broadcast(t, root=0, level=call_level)
+    assert torch.equal(t[0], torch.ones(3)), "a refused collective must not touch the tensors"
+
+
+def test_wrong_level_is_checked_even_on_a_group_of_one():
+    group = LevelGroup("inner")
+    group.configure(None, "epoch1/inner/c0", rank=0, world_size=1, epoch=1)
+    with pytest.raises(WrongLevelError):
+        group.allreduce_mean([torch.ones(1)], level="outer")
+
+
+def test_unknown_level_is_refused():
+    with pytest.raises(AssertionError):
+        LevelGroup("middle")
+
+
+def test_world_size_one_does_nothing():
+    group = LevelGroup("outer")
+    group.configure(None, "epoch3/outer", rank=0, world_size=1, epoch=3)
+    t = [torch.arange(4.0), torch.full((2, 2), 7.0)]
+    group.allreduce_mean(t, level="outer")
+    group.broadcast(t, root=0, level="outer")
+    assert torch.equal(t[0], torch.arange(4.0)) and torch.equal(t[1], torch.full((2, 2), 7.0))
+    assert group.bytes_sent == 0, "a group of one must not communicate"
+    group.abort()
+    group.allreduce_mean(t, level="outer")  # still usable: nothing to abort
+
+
+def test_wait_for_has_a_deadline():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="the thing"):
+        wait_for(lambda: False, 0.1, "the thing", poll_s=0.01)
+    assert time.monotonic() - start < 2
+    wait_for(lambda: True, 0.1, "instant")
+
+
+# -- real gloo groups -----------------------------------------------------------------------------
+def _worker(rank, port, results):
+    out = {"rank": rank}
+    try:
+        addr = f"127.0.0.1:{port}"
+        group = LevelGroup("inner", "gloo", timeout_s=TIMEOUT_S, configure_timeout_s=CONFIGURE_TIMEOUT_S)
+        group.configure(addr, "epoch1/inner/c0", rank=rank, world_size=3, epoch=1)
+        t = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 * rank)]
+        group.allreduce_mean(t, level="inner")
+        out["mean"] = [x.tolist() for x in t]
+        out["bytes_after_allreduce"] = group.bytes_sent
+        b = [torch.full((3,), 100.0 + rank), torch.full((2,), -1.0 * rank)]
+        group.broadcast(b, root=1, level="inner")
+        out["broadcast"] = [x.tolist() for x in b]
+        out["bytes_after_broadcast"] = group.bytes_sent
+        try:
+            group.allreduce_mean(t, level="outer")
+        except WrongLevelError:
+            out["wrong_level_refused"] = True
+        if rank == 2:
+            results.put(out)
+            results.close()
+            results.join_thread()  # flush the queue's feeder thread: os._exit skips it
+            os._exit(0)  # a crashed peer
+        start = time.monotonic()
+        try:
+            group.allreduce_mean([torch.ones(4)], level="inner")
+            out["after_death"] = "no error"
+        except CollectiveError as err:
+            out["after_death"] = "CollectiveError"
+            out["error_text"] = str(err)
+        out["detect_s"] = time.monotonic() - start
+        try:
+            group.allreduce_mean([torch.ones(4)], level="inner")
+            out["reuse"] = "no error"
+        except CollectiveError:
+            out["reuse"] = "CollectiveError"
+        group.configure(addr, "epoch2/inner/c0", rank=rank, world_size=2, epoch=2)
+        r = [torch.full((2,), float(rank + 1))]
+        group.allreduce_mean(r, level="inner")
+        out["reformed_mean"] = r[0].tolist()
+        out["prefix"] = group.prefix
+        group.abort()
+    except BaseException:  # noqa: BLE001 — report everything to the parent
+        out["exception"] = traceback.format_exc()
+    results.put(out)
+
+
+@pytest.fixture(scope="module")
+def gloo_session():
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=__import__("datetime").timedelta(seconds=30))
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(rank, store.port, results), daemon=True) for rank in range(3)]
+    for p in procs:
+        p.start()
+    outs = {}
+    try:
+        deadline = time.monotonic() + 30
+        while len(outs) < 3 and time.monotonic() < deadline:
+            try:
+                o = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 — queue.Empty: a worker is stuck; fail below
+                break
+            outs[o["rank"]] = o
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    del store
+    for o in outs.values():
+        assert "exception" not in o, f"worker {o['rank']} failed:\n{o['exception']}"
+    assert sorted(outs) == [0, 1, 2], f"workers that never reported (hang?): {set(range(3)) - set(outs)}"
+    return outs
+
+
+def test_allreduce_mean_gives_the_mean_on_every_member(gloo_session):
+    for rank, o in gloo_session.items():
+        assert o["mean"] == [[1.0] * 3, [[10.0, 10.0], [10.0, 10.0]]], f"rank {rank} did not get the mean"
+
+
+def test_broadcast_gives_roots_tensors_to_every_member(gloo_session):
+    for rank, o in gloo_session.items():
+        assert o["broadcast"] == [[101.0] * 3, [-1.0, -1.0]], f"rank {rank} did not get root 1's tensors"
+
+
+def test_bytes_sent_counts_collective_payload(gloo_session):
+    payload = (3 + 4) * 4  # float32 elements of the all-reduce
+    bcast = (3 + 2) * 4
+    for rank, o in gloo_session.items():
+        assert o["bytes_after_allreduce"] == payload
+        extra = bcast * 2 if rank == 1 else 0  # root sends to world_size - 1 peers
+        assert o["bytes_after_broadcast"] == payload + extra, f"rank {rank} byte count"
+
+
+def test_wrong_level_refused_on_a_live_group(gloo_session):
+    assert all(o.get("wrong_level_refused") for o in gloo_session.values())
+
+
+def test_dead_peer_makes_next_collective_fail_within_timeout(gloo_session):
+    for rank in (0, 1):
+        o = gloo_session[rank]
+        assert o["after_death"] == "CollectiveError", f"rank {rank}: a dead peer must raise CollectiveError"
+        assert o["detect_s"] < TIMEOUT_S + 3, f"rank {rank}: failure took {o['detect_s']:.1f}s (invariant 4: deadline)"
+        assert "epoch1/inner/c0" in o["error_text"], "the error should name the group"
+
+
+def test_group_is_unusable_after_an_error_until_reconfigured(gloo_session):
+    for rank in (0, 1):
+        assert gloo_session[rank]["reuse"] == "CollectiveError"
+
+
+def test_survivors_reform_under_a_new_prefix(gloo_session):
+    for rank in (0, 1):
+        o = gloo_session[rank]
+        assert o["reformed_mean"] == [1.5, 1.5], f"rank {rank}: re-formed group must work"
+        assert o["prefix"] == "epoch2/inner/c0"
