@@ -54,6 +54,7 @@ class Replica:
         self.phase = "idle"
         self.phase_since = time.time()
         self.armed: list[dict] = []
+        self.slow_s = 0.0
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -77,6 +78,12 @@ class Replica:
             out.append(f"--- thread {names.get(ident, ident)} ---")
             out.extend(line.rstrip() for line in traceback.format_stack(frame))
         return "\n".join(out)
+
+    @ray.method(concurrency_group="control")
+    def inject(self, fault: dict) -> dict:
+        """Fire a fault now, whatever phase is running (drills; cluster faults on idle members)."""
+        self._fire(fault, self.trainer.round, self.trainer.step_in_round)
+        return {"ok": True, "rid": self.rid, "kind": fault["kind"]}
 
     # -- faults ---------------------------------------------------------------------------------
     def _arm(self, faults: list[dict] | None) -> None:

@@ -284,8 +284,10 @@ class Supervisor:
 
     # -- faults --------------------------------------------------------------------------------
     def _armed(self, round_index: int, phases: tuple[str, ...], plan: Plan,
-               only: set[str] | None = None) -> dict[str, list[dict]]:
-        """Faults to hand to replicas with this phase call. Each fires once (recorded durably)."""
+               only: set[str] | None = None, called: set[str] | None = None) -> dict[str, list[dict]]:
+        """Faults to hand to replicas with this phase call. Each fires once (recorded durably).
+        A target that takes no part in the phase (a non-leader of `cluster:c1` during the outer
+        all-reduce) gets its fault injected right away through its control channel."""
         armed: dict[str, list[dict]] = {}
         fired = self.durable["fired"]
         for i, f in enumerate(self.faults):
@@ -306,8 +308,11 @@ class Supervisor:
             fired.append(i)
             self.log.event("fault_armed", fault=f.describe(), targets=targets)
             for rid in targets:
-                armed.setdefault(rid, []).append({"kind": f.kind, "phase": f.phase, "step": f.step,
-                                                  "seconds": f.seconds})
+                fault = {"kind": f.kind, "phase": f.phase, "step": f.step, "seconds": f.seconds}
+                if called is not None and rid not in called:
+                    self.handles[rid].inject.remote(fault)  # fire-and-forget: it may never answer
+                else:
+                    armed.setdefault(rid, []).append(fault)
         if armed:
             self._save_durable()
         return armed
@@ -390,7 +395,7 @@ class Supervisor:
             self._supervisor_faults(r, "outer")
             t0 = time.monotonic()
             leaders = {c: plan.leaders[c] for c in plan.outer_clusters}
-            armed = self._armed(r, ("outer",), plan)
+            armed = self._armed(r, ("outer",), plan, called=set(leaders.values()))
             results, failures = self._phase("outer", r, {rid: self.handles[rid].outer_reduce.remote(r, armed.get(rid))
                                                          for rid in leaders.values()}, sup.phase_timeout_s)
             seconds["outer"] += time.monotonic() - t0

@@ -32,7 +32,7 @@ TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_siz
         "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=1000", "train.eval_batches=1"]
 # SGD with momentum: the update is linear in the gradient, so 1-ulp differences in the order of a
 # floating-point sum (gloo's ring vs torch DDP's bucketed pre-divided all-reduce) stay at 1e-8.
-SGD = ["optim.inner.name=adamw"]
+SGD = ["optim.inner.name=sgd", "optim.inner.lr=0.05", "optim.inner.momentum=0.9"]
 
 
 @pytest.fixture(scope="module")
