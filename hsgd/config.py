@@ -255,7 +255,14 @@ def validate(cfg: Any) -> None:
 
     for kind in cfg.faults.kinds:
         _choice("faults.kinds", kind, FAULT_KINDS)
-    parse_schedule(list(cfg.faults.schedule), clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster)
+    specs = parse_schedule(list(cfg.faults.schedule), clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster)
+    for i, spec in enumerate(specs):  # a fault that can never fire is a typo, not a plan
+        if spec.round >= cfg.train.rounds:
+            raise ConfigError(f"faults.schedule[{i}].round", f"{spec.round} is past the run's last round "
+                              f"(train.rounds={cfg.train.rounds}); valid: 0..{cfg.train.rounds - 1}")
+        if spec.phase.startswith("inner") and spec.step >= s.outer_every:
+            raise ConfigError(f"faults.schedule[{i}].step", f"{spec.step} is past the round's last step "
+                              f"(sync.outer_every={s.outer_every}); valid: 0..{s.outer_every - 1}")
 
 
 def resolve_backend(backend: str, cuda_available: bool) -> str:

@@ -24,19 +24,17 @@ import random
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hsgd.topology import parse_replica_id
+from hsgd.config import ConfigError
+from hsgd.topology import parse_replica_id, replica_id
 
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow")
 FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 
 
-class FaultSpecError(ValueError):
-    """One-line error about one fault spec; `field` names the config key."""
-
-    def __init__(self, field_name: str, problem: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {problem}")
+class FaultSpecError(ConfigError):
+    """One-line error about one fault spec; `field` names the config key (a ConfigError, so
+    `validate()` keeps its contract)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +81,8 @@ def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: i
         cluster, index = parse_replica_id(target)
     except ValueError:
         raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}") from None
+    if replica_id(cluster, index) != target:
+        raise FaultSpecError(name, f"target {target!r} is not a canonical replica id; write {replica_id(cluster, index)!r}")
     if cluster >= clusters or index >= replicas_per_cluster:
         raise FaultSpecError(name, f"target {target!r} is not in the {clusters}x{replicas_per_cluster} topology")
 

@@ -15,6 +15,8 @@ pseudo-gradient (bitwise-identical results on every replica, without shipping pa
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -63,13 +65,13 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         return {"global_params": [g.detach().clone() for g in self.global_params],
-                "sgd": self._sgd.state_dict()}
+                "sgd": copy.deepcopy(self._sgd.state_dict())}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         for g, src in zip(self.global_params, state["global_params"]):
             g.copy_(src)
-        self._sgd.load_state_dict(state["sgd"])
+        self._sgd.load_state_dict(copy.deepcopy(state["sgd"]))
 
 
 def commit_decision(expected: set[int] | frozenset[int], succeeded: set[int]) -> bool:

@@ -1,12 +1,206 @@
-"""Pictures of a run, written next to its JSON: loss.png (train loss per replica and eval loss of
-the global model vs inner step, with fault markers)."""
+"""Pictures of a run, written next to its JSON (see README, "Outputs"):
+
+- loss.png: train loss per replica and eval loss of the global model vs inner step, faults marked.
+- timeline.png: one row per replica, a coloured bar per phase it took part in (inner, inner sync,
+  outer, outer commit, checkpoint), heals, and the time it was down; faults as red crosses, the
+  time from each fault to the survivors' recovery shaded.
+- membership.png: live replicas per cluster over time (a step plot), epochs and faults marked.
+
+The `*_data` functions are pure (files in, plain data out); tests check them, not pixels. Times
+in the timeline and membership data are seconds since the run's first event. A run that is
+still going, failed, or has no faults or metrics yet draws what it has.
+"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from hsgd.faults import fault_figures
 from hsgd.runlog import read_jsonl
 
+SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")
+SPAN_COLOURS = {"inner": "#4c72b0", "inner_sync": "#8fb3e0", "outer": "#dd8452", "outer_commit": "#55a868",
+                "checkpoint": "#8172b3", "heal": "#e5c100", "down": "#555555"}
+_RID = re.compile(r"^c(\d+)r(\d+)$")
 
+
+# -- reading -------------------------------------------------------------------------------------
+def _rid_key(rid: str) -> tuple:
+    m = _RID.match(str(rid))
+    return (0, int(m.group(1)), int(m.group(2))) if m else (1, 0, str(rid))
+
+
+def _cluster(rid: str) -> str | None:
+    m = _RID.match(str(rid))
+    return f"c{m.group(1)}" if m else None
+
+
+def _topology(run_dir: Path) -> tuple[int, int] | None:
+    """(clusters, replicas_per_cluster) from config.yaml, or None."""
+    try:
+        import yaml
+
+        topo = (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("topology") or {}
+        return int(topo["clusters"]), int(topo["replicas_per_cluster"])
+    except Exception:  # noqa: BLE001 — absent, unreadable, or no topology: infer from events
+        return None
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    """events.jsonl in time order (a line being written right now is skipped)."""
+    return sorted((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if "t" in e), key=lambda e: e["t"])
+
+
+def known_replicas(run_dir: str | Path, events: list[dict] | None = None) -> list[str]:
+    """Replica ids from config.yaml's topology plus any named in the events, in c/r order."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir) if events is None else events
+    rids: set[str] = set()
+    topo = _topology(run_dir)
+    if topo:
+        rids |= {f"c{c}r{i}" for c in range(topo[0]) for i in range(topo[1])}
+    for e in events:
+        for key in ("rid", "target", "source"):
+            if isinstance(e.get(key), str):
+                rids.add(e[key])
+        rids |= set(e.get("replicas") or [])
+        for members in (e.get("members") or {}).values():
+            rids |= set(members)
+        rids |= set(e.get("standby") or [])
+    return sorted((r for r in rids if _RID.match(r)), key=_rid_key)
+
+
+def replica_states(events: list[dict]):
+    """Yield (t, {rid: state}) after every event that changes a replica's state. States: "live"
+    (a member), "standby" (live, its cluster below quorum), "joining" (back up, not yet a member),
+    "down". A membership event is authoritative for who is in; replica_down/replica_up in between."""
+    state: dict[str, str] = {}
+    for e in events:
+        name = e.get("event")
+        if name == "membership":
+            new = {rid: s for rid, s in state.items() if s == "down"}
+            for rid, s in state.items():
+                if s in ("live", "standby", "joining"):
+                    new[rid] = "joining"
+            for members in (e.get("members") or {}).values():
+                new.update({rid: "live" for rid in members})
+            new.update({rid: "standby" for rid in e.get("standby") or []})
+            state = new
+        elif name == "replica_down" and e.get("rid"):
+            state[e["rid"]] = "down"
+        elif name == "replica_up" and e.get("rid"):
+            state[e["rid"]] = "live" if state.get(e["rid"]) == "live" else "joining"
+        else:
+            continue
+        yield e["t"], dict(state)
+
+
+# -- timeline ------------------------------------------------------------------------------------
+def timeline_data(run_dir: str | Path) -> dict:
+    """Spans per replica: {rid: [(start_s, end_s, kind)]} with kind in SPAN_KINDS, plus faults
+    [(t, rid, kind)], recoveries [(fault t, recovery t)] and supervisor restarts [t]."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir)
+    fired = sorted((f for f in read_jsonl(run_dir / "faults_fired.jsonl") if "t" in f), key=lambda f: f["t"])
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    stamps = [e["t"] for e in events] or [r["t"] for r in fired + metrics if "t" in r] or [0.0]
+    t0 = min(stamps)
+    end = max([*stamps, *(r["t"] for r in fired + metrics if "t" in r)]) - t0
+    rids = known_replicas(run_dir, events)
+    spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in rids}
+    open_phase: dict[str, tuple[float, list[str]]] = {}
+    open_heal: dict[str, float] = {}
+    open_down: dict[str, float] = {}
+    last_up: dict[str, float] = {}
+
+    def add(rid, start, stop, kind):
+        spans.setdefault(rid, []).append((start, max(start, stop), kind))
+
+    def close_all(at):
+        for phase, (start, members) in open_phase.items():
+            for rid in members:
+                add(rid, start, at, phase)
+        for rid, start in open_heal.items():
+            add(rid, start, at, "heal")
+        open_phase.clear()
+        open_heal.clear()
+
+    for e in events:
+        t, name = e["t"] - t0, e.get("event")
+        if name == "phase_begin" and e.get("phase") in SPAN_KINDS:
+            if e["phase"] in open_phase:  # begun again without an end: the old one ended here
+                start, members = open_phase.pop(e["phase"])
+                for rid in members:
+                    add(rid, start, t, e["phase"])
+            open_phase[e["phase"]] = (t, list(e.get("replicas") or []))
+        elif name == "phase_end" and e.get("phase") in open_phase:
+            start, members = open_phase.pop(e["phase"])
+            for rid in members:
+                add(rid, start, t, e["phase"])
+        elif name == "heal_begin" and e.get("target"):
+            open_heal[e["target"]] = t
+        elif name == "heal_end" and e.get("target") in open_heal:
+            add(e["target"], open_heal.pop(e["target"]), t, "heal")
+        elif name == "supervisor_start":
+            close_all(t)  # a restarted supervisor never ends what the old one began
+        elif name == "replica_down" and e.get("rid") and e["rid"] not in open_down:
+            rid = e["rid"]
+            since = last_up.get(rid, float("-inf"))
+            causes = [f["t"] - t0 for f in fired if f.get("rid") == rid and since < f["t"] - t0 <= t]
+            open_down[rid] = min([t, *causes])
+        elif name == "replica_up" and e.get("rid"):
+            last_up[e["rid"]] = t
+            if e["rid"] in open_down:
+                add(e["rid"], open_down.pop(e["rid"]), t, "down")
+    close_all(end)
+    for rid, start in open_down.items():
+        add(rid, start, end, "down")
+    faults = [(f["t"] - t0, f.get("rid", "?"), f.get("kind", "?")) for f in fired]
+    return {"t0": t0, "end": end, "replicas": sorted(spans, key=_rid_key), "spans": spans, "faults": faults,
+            "recoveries": _recoveries(run_dir, fired, events, t0),
+            "supervisor_starts": [e["t"] - t0 for e in events if e.get("event") == "supervisor_start"][1:]}
+
+
+def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float) -> list[tuple[float, float]]:
+    """(fault t, recovery t) from summary.json's fault figures, else computed from the logs."""
+    figures = []
+    if (run_dir / "summary.json").exists():
+        import json
+
+        try:
+            figures = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("faults") or []
+        except (OSError, ValueError):
+            figures = []
+    if not any("fired_at" in f for f in figures):
+        figures = fault_figures(fired, events) if fired else []
+    return [(f["fired_at"] - t0, f["fired_at"] + f["recovery_latency_s"] - t0) for f in figures
+            if f.get("fired_at") is not None and f.get("recovery_latency_s") is not None]
+
+
+# -- membership ----------------------------------------------------------------------------------
+def membership_data(run_dir: str | Path) -> dict:
+    """Live replicas (not down) per cluster as step series {cluster: [(t, n)]}: a point where the
+    count changes, one at t=0 and one at the end. Also epochs [(t, epoch)] and faults."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir)
+    timeline = timeline_data(run_dir)
+    t0, end = timeline["t0"], timeline["end"]
+    rids = known_replicas(run_dir, events)
+    clusters = sorted({_cluster(r) for r in rids}, key=lambda c: int(c[1:]))
+    series: dict[str, list[tuple[float, int]]] = {c: [(0.0, 0)] for c in clusters}
+    for t, state in replica_states(events):
+        for c in clusters:
+            n = sum(1 for rid, s in state.items() if s != "down" and _cluster(rid) == c)
+            if n != series[c][-1][1]:
+                series[c].append((t - t0, n))
+    for points in series.values():
+        points.append((max(end, points[-1][0]), points[-1][1]))
+    size = {c: sum(1 for r in rids if _cluster(r) == c) for c in clusters}
+    epochs = [(e["t"] - t0, e.get("epoch")) for e in events if e.get("event") == "membership"]
+    return {"t0": t0, "end": end, "clusters": series, "size": size, "epochs": epochs, "faults": timeline["faults"]}
+
+
+# -- loss ----------------------------------------------------------------------------------------
 def loss_plot_data(run_dir: str | Path) -> dict:
     """The series loss.png is drawn from (tests check these, not pixels)."""
     run_dir = Path(run_dir)
@@ -18,39 +212,130 @@ def loss_plot_data(run_dir: str | Path) -> dict:
     evals = [(m["inner_step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
     faults = read_jsonl(run_dir / "faults_fired.jsonl")
     spr = metrics[0]["inner_step"] // (metrics[0]["round"] + 1) if metrics else 1
-    fault_steps = [(f["round"] * spr + f.get("step", 0), f"{f['kind']} {f['rid']}") for f in faults]
+    fault_steps = [(f["round"] * spr + (f.get("step") or 0), f"{f['kind']} {f['rid']}") for f in faults]
     return {"replica_loss": per_replica, "eval_loss": evals, "faults": fault_steps}
 
 
-def write_loss_png(run_dir: str | Path) -> Path:
+# -- drawing -------------------------------------------------------------------------------------
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = loss_plot_data(run_dir)
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for rid, points in sorted(data["replica_loss"].items()):
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1, alpha=0.7, label=f"train {rid}")
-    if data["eval_loss"]:
-        ax.plot([p[0] for p in data["eval_loss"]], [p[1] for p in data["eval_loss"]], "k-o", ms=3, lw=2,
-                label="eval (global model)")
-    for step, label in data["faults"]:
-        ax.axvline(step, color="red", ls="--", lw=1)
-        ax.annotate(label, (step, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7, color="red")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("cross-entropy loss")
-    ax.set_title("hsgd: train loss per replica (round mean) and eval loss of the global model")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    out = Path(run_dir) / "loss.png"
-    tmp = out.with_name(".loss.png.tmp.png")
-    fig.tight_layout()
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    """Write to a temp name, then rename: a reader never sees half a picture."""
+    plt = _pyplot()
+    tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
     tmp.replace(out)
     return out
 
 
+def write_loss_png(run_dir: str | Path) -> Path:
+    plt = _pyplot()
+    data = loss_plot_data(run_dir)
+    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+    for rid, points in sorted(data["replica_loss"].items(), key=lambda kv: _rid_key(kv[0])):
+        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, alpha=0.75, marker=".", ms=4,
+                label=f"train {rid}")
+    if data["eval_loss"]:
+        ax.plot([p[0] for p in data["eval_loss"]], [p[1] for p in data["eval_loss"]], "k-o", ms=3, lw=2,
+                label="eval (global model)")
+    if not data["replica_loss"] and not data["eval_loss"]:
+        ax.text(0.5, 0.5, "no committed rounds yet", transform=ax.transAxes, ha="center", color="grey")
+    for step, label in data["faults"]:
+        ax.axvline(step, color="red", ls="--", lw=1)
+        ax.annotate(label, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                    fontsize=8, color="red")
+    ax.set_xlabel("inner step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title("train loss per replica (round mean) and eval loss of the global model", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return _save(fig, Path(run_dir) / "loss.png")
+
+
+def write_timeline_png(run_dir: str | Path) -> Path:
+    from matplotlib.patches import Patch
+
+    plt = _pyplot()
+    data = timeline_data(run_dir)
+    rows = list(data["replicas"])
+    if any(rid == "supervisor" for _, rid, _ in data["faults"]) or data["supervisor_starts"]:
+        rows.append("supervisor")
+    rows = rows or ["(no replicas yet)"]
+    end = max(data["end"], 1e-3)
+    min_w = end / 400  # draw very short phases (outer, commit) wide enough to see
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.55 * len(rows)), dpi=110)
+    for i, rid in enumerate(rows):
+        for kind in SPAN_KINDS:
+            bars = [(s, max(e - s, min_w)) for s, e, k in data["spans"].get(rid, []) if k == kind]
+            if bars:
+                ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=SPAN_COLOURS[kind],
+                               hatch="//" if kind == "down" else None, edgecolor="white" if kind == "down" else None,
+                               lw=0)
+    for start, stop in data["recoveries"]:
+        ax.axvspan(start, stop, color="red", alpha=0.15, lw=0, zorder=0)
+    for t in data["supervisor_starts"]:
+        ax.plot([t], [rows.index("supervisor")], marker="^", color="black", ms=8, ls="")
+    for t, rid, kind in data["faults"]:
+        y = rows.index(rid) if rid in rows else len(rows) - 1
+        ax.plot([t], [y], marker="X", color="red", ms=11, mec="white", mew=1, ls="", zorder=5)
+        ax.annotate(f"{kind} {rid}", (t, y), xytext=(8, 0), textcoords="offset points", ha="left", va="center",
+                    fontsize=8, color="red", fontweight="bold", zorder=6,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "red", "lw": 0.5, "alpha": 0.9})
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows)
+    ax.set_ylim(len(rows) - 0.4 + 0.3, -0.6)
+    ax.set_xlim(0, end * 1.01)
+    ax.set_xlabel("seconds since run start")
+    ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), hatch="//" if k == "down" else None,
+                     edgecolor="white" if k == "down" else None) for k in SPAN_KINDS]
+    handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
+    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12),
+              frameon=False)
+    fig.tight_layout()
+    return _save(fig, Path(run_dir) / "timeline.png")
+
+
+def write_membership_png(run_dir: str | Path) -> Path:
+    plt = _pyplot()
+    data = membership_data(run_dir)
+    fig, ax = plt.subplots(figsize=(11, 3.6), dpi=110)
+    n = max(len(data["clusters"]), 1)
+    for i, (cluster, points) in enumerate(data["clusters"].items()):
+        offset = (i - (n - 1) / 2) * 0.04  # keep equal counts of different clusters apart
+        ax.step([p[0] for p in points], [p[1] + offset for p in points], where="post", lw=2,
+                label=f"{cluster} ({data['size'].get(cluster, '?')} replicas)")
+    top = max(list(data["size"].values()) or [1])
+    for t, epoch in data["epochs"]:
+        ax.axvline(t, color="grey", ls=":", lw=1)
+        ax.annotate(f"e{epoch}", (t, top + 0.35), ha="left", fontsize=7, color="grey")
+    for t, rid, kind in data["faults"]:
+        ax.axvline(t, color="red", ls="--", lw=1)
+        ax.annotate(f"{kind} {rid}", (t, 0.1), rotation=90, ha="right", va="bottom", fontsize=8, color="red")
+    ax.set_ylim(-0.2, top + 0.6)
+    ax.set_yticks(range(top + 1))
+    ax.set_xlim(0, max(data["end"], 1e-3) * 1.01)
+    ax.set_xlabel("seconds since run start")
+    ax.set_ylabel("live replicas")
+    ax.set_title("live replicas per cluster (dotted: membership epochs; red: faults)", fontsize=10)
+    ax.grid(alpha=0.3)
+    if data["clusters"]:
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return _save(fig, Path(run_dir) / "membership.png")
+
+
 def write_run_plots(run_dir: str | Path) -> list[Path]:
-    return [write_loss_png(run_dir)]
+    """loss.png, timeline.png and membership.png under run_dir; returns their paths."""
+    return [write_loss_png(run_dir), write_timeline_png(run_dir), write_membership_png(run_dir)]

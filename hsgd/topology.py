@@ -18,7 +18,7 @@ def replica_id(cluster: int, index: int) -> str:
 
 def parse_replica_id(rid: str) -> tuple[int, int]:
     """'c1r0' -> (1, 0). Raises ValueError for anything else."""
-    match = _REPLICA_ID.match(str(rid))
+    match = _REPLICA_ID.fullmatch(str(rid))
     if not match:
         raise ValueError(f"not a replica id: {rid!r}; expected c<cluster>r<index>, e.g. c0r1")
     return int(match.group(1)), int(match.group(2))

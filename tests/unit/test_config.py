@@ -147,8 +147,6 @@ def test_bad_fault_schedule_entry_fails_validation_naming_the_entry(entry, field
     _rejects(_cfg(**{"faults.schedule": [entry]}), field, error_types=(ConfigError, FaultSpecError))
 
 
-@pytest.mark.xfail(reason="BUG: validate() documents 'Raises ConfigError' but lets FaultSpecError "
-                          "(a plain ValueError) escape for faults.schedule entries", strict=True)
 def test_validate_reports_bad_fault_entry_as_config_error():
     with pytest.raises(ConfigError):
         validate(_cfg(**{"faults.schedule": [{"kind": "explode", "target": "c0r0", "round": 1}]}))

@@ -131,9 +131,6 @@ def test_schedule_parses_in_order():
     assert parse_schedule([], **TOPO) == []
 
 
-@pytest.mark.xfail(reason="BUG: a non-canonical replica id (c00r1, c0r01, trailing newline) passes "
-                          "validation but the supervisor matches targets by string (f.target in "
-                          "plan.live), so the fault silently never fires", strict=True)
 @pytest.mark.parametrize("target", ["c00r1", "c0r01", "c0r1\n"])
 def test_a_replica_target_that_validates_is_the_canonical_id_the_supervisor_matches(target):
     try:

@@ -110,9 +110,6 @@ def test_state_dict_round_trip_through_serialization_gives_identical_next_steps(
             f"after loading the state, outer step {i} must be bitwise identical (invariant 1)"
 
 
-@pytest.mark.xfail(reason="BUG: OuterOptimizer.state_dict() returns the live SGD momentum buffers and "
-                          "load_state_dict() adopts them without copying, so two optimizers in one "
-                          "process share (and both mutate) one momentum buffer", strict=True)
 def test_state_dict_round_trip_in_process_gives_identical_next_steps():
     a = _stepped()
     b = OuterOptimizer(_params(9), lr=0.7, momentum=0.9, nesterov=True)
@@ -125,8 +122,6 @@ def test_state_dict_round_trip_in_process_gives_identical_next_steps():
             f"after loading the state, outer step {i} must be bitwise identical (invariant 1)"
 
 
-@pytest.mark.xfail(reason="BUG: state_dict() is not a snapshot: later steps mutate the saved momentum "
-                          "buffer in place", strict=True)
 def test_state_dict_is_a_snapshot():
     a = _stepped()
     state = a.state_dict()

@@ -1,0 +1,132 @@
+"""Live console view of a run, read from its files only (no Ray):
+
+    python -m jobs.status <run.dir> [--once] [--interval 1.0] [--timeout S]
+
+A table of clusters -> replicas (live/standby/joining/down, leader marked), epoch, round and
+phase, last loss, eval loss and tokens/s, plus the last events (phase events left out). It
+refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
+--timeout passes; --once prints once. Exit 0; 2 if the run dir does not exist.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hsgd.plots import known_replicas, read_events, replica_states
+from hsgd.runlog import read_jsonl
+
+RECENT = 8
+_STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "?": "dim"}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # absent, or (not atomically written) caught half-way
+
+
+def collect_state(run_dir: str | Path) -> dict:
+    """Everything the view shows, from events/metrics, overridden by status.json where it has a value."""
+    run_dir = Path(run_dir)
+    events, metrics = read_events(run_dir), read_jsonl(run_dir / "metrics.jsonl")
+    summary, live = _read_json(run_dir / "summary.json"), _read_json(run_dir / "status.json")
+    history = list(replica_states(events))
+    states = history[-1][1] if history else {}
+    ms = [e for e in events if e.get("event") == "membership"]
+    last_m, last_p = (ms or [{}])[-1], next((e for e in reversed(events) if e.get("event") == "phase_begin"), {})
+    last = metrics[-1] if metrics else {}
+    run_end = next((e for e in reversed(events) if e.get("event") == "run_end"), {})
+    state = {"run_dir": str(run_dir), "epoch": last_m.get("epoch"), "leaders": last_m.get("leaders") or {},
+             "phase": last_p.get("phase"), "round": last_p.get("round"), "inner_step": last.get("inner_step"),
+             "last_loss": last.get("loss"), "last_eval_loss": next((m["eval_loss"] for m in reversed(metrics)
+                                                                    if m.get("eval_loss") is not None), None),
+             "tokens_per_s": last.get("tokens_per_s"), "status": summary.get("status") or run_end.get("status"),
+             "updated": events[-1]["t"] if events else None}
+    state.update({k: v for k, v in live.items() if v is not None and k in state})
+    if live.get("members") and not states:  # no membership event seen yet: trust status.json
+        states = {rid: "live" for members in live["members"].values() for rid in members}
+    clusters: dict[str, list[dict]] = {}
+    for rid in known_replicas(run_dir, events) or sorted(states):
+        cluster = rid.split("r")[0]
+        clusters.setdefault(cluster, []).append({"rid": rid, "state": states.get(rid, "?"),
+                                                 "leader": state["leaders"].get(cluster) == rid})
+    state["clusters"] = clusters
+    state["done"] = bool(summary) or bool(live.get("status")) or live.get("phase") == "done" or bool(run_end)
+    state["recent"] = [_line(e, events[0]["t"]) for e in events if e.get("event") not in ("phase_begin", "phase_end")
+                       ][-RECENT:]
+    return state
+
+
+def _line(e: dict, t0: float) -> str:
+    fields = " ".join(f"{k}={format(v, '.4g') if isinstance(v, float) else v}" for k, v in e.items()
+                      if k not in ("t", "event") and v not in (None, [], {}))
+    return f"+{e['t'] - t0:6.1f}s {e.get('event')} {fields}"
+
+
+def _fmt(x, spec=".4f"):
+    return "-" if x is None else format(x, spec)
+
+
+def render(state: dict):
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    done = f" [{state['status']}]" if state.get("status") else (" [done]" if state["done"] else " [running]")
+    table = Table(title=escape(f"hsgd run {state['run_dir']}{done}"), title_justify="left", expand=False)
+    table.add_column("cluster")
+    table.add_column("replicas (* leader)")
+    table.add_column("live", justify="right")
+    for cluster, reps in state["clusters"].items():
+        text = Text()
+        for r in reps:
+            text.append(f"{r['rid']}{'*' if r['leader'] else ''} ", style="bold" if r["leader"] else None)
+            text.append(r["state"], style=_STYLE.get(r["state"], ""))
+            text.append("  ")
+        n = sum(r["state"] in ("live", "standby", "joining") for r in reps)
+        table.add_row(cluster, text, f"{n}/{len(reps)}")
+    info = Table.grid(padding=(0, 2))
+    info.add_row("epoch", str(state.get("epoch") if state.get("epoch") is not None else "-"),
+                 "round", str(state.get("round") if state.get("round") is not None else "-"),
+                 "phase", str(state.get("phase") or "-"), "inner step", str(state.get("inner_step") or "-"))
+    info.add_row("loss", _fmt(state.get("last_loss")), "eval loss", _fmt(state.get("last_eval_loss")),
+                 "tokens/s", _fmt(state.get("tokens_per_s"), ".0f"), "", "")
+    recent = [Text(line, style="dim", no_wrap=True, overflow="ellipsis") for line in state["recent"]]
+    return Group(table, info, Text("last events:", style="bold"), *(recent or [Text("(no events yet)")]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--once", action="store_true", help="print once and exit")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    parser.add_argument("--timeout", type=float, default=None, help="stop refreshing after this many seconds")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"jobs.status: no run dir at {run_dir}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    if args.once:
+        console.print(render(collect_state(run_dir)))
+        return 0
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    with Live(render(collect_state(run_dir)), console=console, refresh_per_second=4) as view:
+        while True:
+            state = collect_state(run_dir)
+            view.update(render(state))
+            if state["done"] or (deadline is not None and time.monotonic() >= deadline):
+                return 0
+            time.sleep(args.interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Run pictures: the data they are drawn from (synthetic run dirs, no Ray), and that they get written."""
+import json
+
+import pytest
+
+from hsgd.plots import (loss_plot_data, membership_data, timeline_data, write_loss_png, write_membership_png,
+                        write_run_plots, write_timeline_png)
+
+T0 = 1_700_000_000.0
+RIDS = ["c0r0", "c0r1", "c1r0", "c1r1"]
+LEADERS = {"c0": "c0r0", "c1": "c1r0"}
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def make_run(run_dir, *, faults=True, metrics=True, summary=True, status="completed", rounds=12):
+    """2 clusters x 2 replicas, round r in [r, r+1): inner r+.1-.6, inner_sync -.7, outer (leaders) -.8,
+    outer_commit -.9, a checkpoint after round 9. Faults: kill c0r1 at t=5 inside round 5's first
+    inner attempt (begun at 4.95), which fails at 5.2 (replica_down); the retry runs without c0r1;
+    at 8.0 c0r1 is back (replica_up), healed 8.0-8.3, and a member again from round 8."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text("topology:\n  clusters: 2\n  replicas_per_cluster: 2\n")
+    ev = [{"t": T0, "event": "supervisor_start", "starts": 1, "pid": 1}]
+
+    def event(t, name, **fields):
+        ev.append({"t": T0 + t, "event": name, **fields})
+
+    def phase(t0, t1, name, r, who, failed=None):
+        event(t0, "phase_begin", phase=name, round=r, epoch=epoch, replicas=sorted(who))
+        failed = failed or {}
+        event(t1, "phase_end", phase=name, round=r, seconds=t1 - t0, ok=sorted(set(who) - set(failed)), failed=failed)
+
+    def membership(t, c0):
+        event(t, "membership", epoch=epoch, members={"c0": c0, "c1": ["c1r0", "c1r1"]}, leaders=LEADERS, standby=[])
+
+    epoch, live = 1, list(RIDS)
+    membership(0.05, ["c0r0", "c0r1"])
+    for r in range(rounds):
+        inner_from = r + 0.1
+        if faults and r == 5:
+            phase(4.95, 5.2, "inner", r, live, failed={"c0r1": ["died", "ActorDiedError"]})
+            event(5.2, "replica_down", rid="c0r1", phase="inner", round=5, cause="died")
+            live, epoch = ["c0r0", "c1r0", "c1r1"], epoch + 1
+            membership(5.25, ["c0r0"])
+            inner_from = 5.3
+        if faults and r == 8:
+            event(8.0, "replica_up", rid="c0r1", round=0, step=0)
+            event(8.0, "heal_begin", target="c0r1", source="c0r0", scope="full")
+            event(8.3, "heal_end", target="c0r1", source="c0r0", scope="full", seconds=0.3, bytes=1000)
+            live, epoch = list(RIDS), epoch + 1
+            membership(8.35, ["c0r0", "c0r1"])
+            inner_from = 8.4
+        phase(inner_from, r + 0.6, "inner", r, live)
+        phase(r + 0.6, r + 0.7, "inner_sync", r, live)
+        phase(r + 0.7, r + 0.8, "outer", r, ["c0r0", "c1r0"])
+        phase(r + 0.8, r + 0.9, "outer_commit", r, live)
+        event(r + 0.9, "commit", round=r, epoch=epoch, replicas=sorted(live))
+        if r == 9:
+            phase(9.91, 9.98, "checkpoint", r, live)
+    if status:
+        ev.append({"t": T0 + rounds, "event": "run_end", "status": status})
+    _write_jsonl(run_dir / "events.jsonl", sorted(ev, key=lambda e: e["t"]))
+    if faults:
+        _write_jsonl(run_dir / "faults_fired.jsonl", [{"t": T0 + 5.0, "rid": "c0r1", "kind": "kill", "phase": "inner",
+                                                        "round": 5, "step": 2}])
+    if metrics:
+        _write_jsonl(run_dir / "metrics.jsonl", [
+            {"t": T0 + r + 0.95, "round": r, "inner_step": (r + 1) * 4, "loss": 4.0 - 0.1 * r,
+             "replica_loss": {rid: 4.0 - 0.1 * r + 0.01 * i for i, rid in enumerate(RIDS)
+                              if not (faults and rid == "c0r1" and 5 <= r < 8)},
+             "eval_loss": 4.05 - 0.1 * r if r % 3 == 2 else None, "tokens_per_s": 1000.0,
+             "live_replicas": 3 if faults and 5 <= r < 8 else 4, "epoch": 1} for r in range(rounds)])
+    if summary and status:
+        (run_dir / "summary.json").write_text(json.dumps({
+            "status": status, "rounds_committed": rounds,
+            "faults": [{"rid": "c0r1", "kind": "kill", "fired_at": T0 + 5.0, "detection_latency_s": 0.2,
+                        "recovery_latency_s": 0.9, "heal_s": 0.3}] if faults else []}))
+    return run_dir
+
+
+def _kinds(spans):
+    return {k for _, _, k in spans}
+
+
+def test_timeline_spans_per_replica(tmp_path):
+    data = timeline_data(make_run(tmp_path / "run"))
+    assert data["replicas"] == RIDS
+    for rid in RIDS:
+        assert {"inner", "inner_sync", "outer_commit", "checkpoint"} <= _kinds(data["spans"][rid]), rid
+    assert "outer" in _kinds(data["spans"]["c0r0"]) and "outer" not in _kinds(data["spans"]["c0r1"])
+    for spans in data["spans"].values():
+        assert all(0 <= s <= e <= data["end"] for s, e, _ in spans)
+    # the first inner phase of round 0 runs 0.1 .. 0.6 s after the run's first event
+    assert (pytest.approx(0.1), pytest.approx(0.6), "inner") in data["spans"]["c1r1"]
+
+
+def test_timeline_down_heal_fault_and_recovery(tmp_path):
+    data = timeline_data(make_run(tmp_path / "run"))
+    down = [(s, e) for s, e, k in data["spans"]["c0r1"] if k == "down"]
+    assert down == [(pytest.approx(5.0), pytest.approx(8.0))], "down from the fault (earlier than replica_down)"
+    assert [(s, e) for s, e, k in data["spans"]["c0r1"] if k == "heal"] == [(pytest.approx(8.0), pytest.approx(8.3))]
+    assert not any(k == "down" for rid in ("c0r0", "c1r0", "c1r1") for _, _, k in data["spans"][rid])
+    # after its failed inner phase (4.95-5.2) c0r1 is in no phase until it is back
+    assert not any(k not in ("down", "heal") and s < 8.0 and e > 5.21 for s, e, k in data["spans"]["c0r1"])
+    assert data["faults"] == [(pytest.approx(5.0), "c0r1", "kill")]
+    assert data["recoveries"] == [(pytest.approx(5.0), pytest.approx(5.9))]
+
+
+def test_timeline_down_from_replica_down_without_fault_record(tmp_path):
+    run = make_run(tmp_path / "run", summary=False)
+    (run / "faults_fired.jsonl").unlink()
+    data = timeline_data(run)
+    assert [(s, e) for s, e, k in data["spans"]["c0r1"] if k == "down"] == [(pytest.approx(5.2), pytest.approx(8.0))]
+    assert data["faults"] == [] and data["recoveries"] == []
+
+
+def test_recoveries_computed_when_summary_missing(tmp_path):
+    data = timeline_data(make_run(tmp_path / "run", status=None))
+    assert len(data["recoveries"]) == 1 and data["recoveries"][0][0] == pytest.approx(5.0)
+    assert data["recoveries"][0][1] > 5.2
+
+
+def test_membership_dips_and_returns(tmp_path):
+    data = membership_data(make_run(tmp_path / "run"))
+    assert set(data["clusters"]) == {"c0", "c1"} and data["size"] == {"c0": 2, "c1": 2}
+    c0 = data["clusters"]["c0"]
+    assert [n for _, n in c0] == [0, 2, 1, 2, 2]
+    assert c0[2][0] == pytest.approx(5.2) and c0[3][0] == pytest.approx(8.0)
+    assert [n for _, n in data["clusters"]["c1"]] == [0, 2, 2]
+    assert [e for _, e in data["epochs"]] == [1, 2, 3]
+
+
+def test_unfinished_run_closes_open_spans_and_down(tmp_path):
+    run = make_run(tmp_path / "run", status=None, rounds=7)  # still going: c0r1 down, no run_end
+    data = timeline_data(run)
+    down = [(s, e) for s, e, k in data["spans"]["c0r1"] if k == "down"]
+    assert down == [(pytest.approx(5.0), pytest.approx(data["end"]))]
+    assert [n for _, n in membership_data(run)["clusters"]["c0"]][-1] == 1
+
+
+def test_loss_plot_data_marks_fault(tmp_path):
+    data = loss_plot_data(make_run(tmp_path / "run"))
+    assert data["faults"] == [(5 * 4 + 2, "kill c0r1")]
+    assert len(data["replica_loss"]["c0r1"]) == 9 and len(data["replica_loss"]["c0r0"]) == 12
+    assert [s for s, _ in data["eval_loss"]] == [12, 24, 36, 48]
+
+
+@pytest.mark.parametrize("kind", ["faulty", "no_faults", "no_metrics", "failed", "empty"])
+def test_pngs_written(tmp_path, kind):
+    run = tmp_path / kind
+    if kind == "empty":
+        run.mkdir()
+    else:
+        make_run(run, faults=kind != "no_faults", metrics=kind != "no_metrics",
+                 status="failed" if kind == "failed" else "completed", rounds=6 if kind == "failed" else 12)
+    paths = write_run_plots(run)
+    assert [p.name for p in paths] == ["loss.png", "timeline.png", "membership.png"]
+    for p in paths:
+        assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if kind != "empty":
+            assert p.stat().st_size > 5_000, p
+    assert not list(run.glob(".*.tmp.png")), "temp files renamed away"
+
+
+def test_single_writers(tmp_path):
+    run = make_run(tmp_path / "run")
+    assert write_loss_png(run).name == "loss.png"
+    assert write_timeline_png(run).name == "timeline.png"
+    assert write_membership_png(run).name == "membership.png"
