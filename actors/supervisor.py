@@ -102,7 +102,13 @@ class Supervisor:
         return dict(self.status_view)
 
     def _set_status(self, **fields) -> None:
+        """The live view: answered by status() and mirrored to status.json for jobs.status."""
         self.status_view.update(fields, updated=time.time())
+        try:
+            checkpoint.atomic_write_text(Path(self.run_dir) / "status.json",
+                                         json.dumps(self.status_view, default=str))
+        except OSError:
+            pass  # the view is best effort; the run goes on
 
     # -- calling replicas -----------------------------------------------------------------------
     def _gather(self, calls: dict[str, Any], timeout_s: float, phase: str) -> tuple[dict, dict]:

@@ -18,8 +18,6 @@ import shutil
 import uuid
 from pathlib import Path
 
-import torch
-
 MANIFEST = "manifest.json"
 
 
@@ -54,6 +52,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     """Write one replica's state; returns its sha256 for the manifest."""
     path = Path(directory) / f"{rid}.pt"
+    import torch  # imported here so file-only readers (jobs.status) start fast
+
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     torch.save(state, tmp)
     with open(tmp, "rb") as f:
@@ -98,8 +98,11 @@ def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | N
     data = path.read_bytes()
     if expected_sha256 and hashlib.sha256(data).hexdigest() != expected_sha256:
         raise CheckpointError(f"checkpoint file {path} does not match its manifest sha256 (corrupt)")
+    import io
+
+    import torch
+
     try:
-        import io
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as err:  # noqa: BLE001 — unpickling errors come in many types
         raise CheckpointError(f"checkpoint file {path} cannot be loaded safely: {err}") from err

@@ -7,25 +7,22 @@ invariant 1 of ARCHITECTURE.md: after every committed outer sync all replicas ho
 parameters (the "replica_digests" of every metrics.jsonl record agree).
 
 Why a wrong-level collective fails these tests is spelled out in each test's docstring; the
-guard itself (a collective naming the other level raises WrongLevelError) is the last test.
+guard itself (a collective naming the other level raises WrongLevelError) is in tests/unit/test_comm.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # references.py, also for spawned workers
+from hsgd.checkpoint import load_replica_state
+from hsgd.topology import Topology
+from tests.integration import references as ref
 
-import references as ref  # noqa: E402
-from hsgd.checkpoint import load_replica_state  # noqa: E402
-from hsgd.comm import LevelGroup, WrongLevelError  # noqa: E402
-from hsgd.topology import Topology  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TOL = 1e-6
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=4",
@@ -192,8 +189,3 @@ def test_diloco_matches_reference_algorithm1(ray_session, tmp_path):
     assert max(diffs.values()) < TOL, diffs
     assert max(global_diffs.values()) < TOL, global_diffs
     assert momentum_diff < TOL
-
-
-def test_collective_on_wrong_level_raises():
-    with pytest.raises(WrongLevelError):
-        LevelGroup("outer").allreduce_mean([torch.zeros(1)], level="inner")

@@ -1,5 +1,6 @@
 """jobs.status: the state the console view is drawn from, and the command itself (no Ray)."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -59,7 +60,7 @@ def test_collect_state_empty_run_dir(tmp_path):
 def test_once_prints_members_and_exits_0(tmp_path):
     run = make_run(tmp_path / "run", status=None, rounds=7)
     out = subprocess.run([sys.executable, "-m", "jobs.status", str(run), "--once"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={"COLUMNS": "120", "PATH": ""})
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0, out.stderr
     for rid in ("c0r0*", "c0r1", "c1r0*", "c1r1", "down", "replica_down"):
         assert rid in out.stdout, (rid, out.stdout)
