@@ -118,7 +118,7 @@ class CommConfig:
 class SupervisorConfig:
     phase_timeout_s: float = 300.0  # hard deadline for one phase call on a replica
     call_timeout_s: float = 60.0  # small control calls (configure, status, heal)
-    max_restarts: int = 3  # restarts of the supervisor actor itself
+    max_restarts: int = 10  # restarts of the supervisor actor itself
     min_replicas_per_cluster: int = 1  # a cluster with fewer live replicas sits out outer sync
     min_clusters: int = 1  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
     quorum_wait_s: float = 60.0

@@ -167,7 +167,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                                         max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)
         actors.append(supervisor)
         view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
-        summary = None
+        summary, supervisor_losses = None, 0
         while summary is None:
             ref = supervisor.run.remote()
             while True:
@@ -181,13 +181,20 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             try:
                 summary = ray.get(ref, timeout=60.0)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
+                supervisor_losses += 1
+                if supervisor_losses > cfg.supervisor.max_restarts:
+                    summary = _supervisor_gone_summary(run_dir, supervisor_losses, err)
+                    break
                 print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
                 time.sleep(1.0)
         view.close()
         write_run_plots(run_dir)
-        print(f"[hsgd] {summary['status']}: {summary['rounds_committed']} rounds, "
-              f"{summary['inner_steps_committed']} inner steps, eval loss "
-              f"{summary['initial_eval_loss']} -> {summary['final_eval_loss']} in {summary['wall_s']:.1f}s", flush=True)
+        if summary["status"] == "completed":
+            print(f"[hsgd] completed: {summary['rounds_committed']} rounds, {summary['inner_steps_committed']} "
+                  f"inner steps, eval loss {summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f} "
+                  f"in {summary['wall_s']:.1f}s", flush=True)
+        else:
+            print(f"[hsgd] {summary['status']}: {summary.get('reason')}", flush=True)
         print(f"[hsgd] outputs in {run_dir}", flush=True)
         return summary
     finally:
@@ -200,6 +207,18 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             placement.release()
         if started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
             ray.shutdown()
+
+
+def _supervisor_gone_summary(run_dir: str, losses: int, err: BaseException) -> dict:
+    """The supervisor died more often than it may restart: end the run as failed, keep the files."""
+    from hsgd.runlog import write_summary
+
+    summary = {"status": "failed", "reason": f"supervisor lost {losses} times (supervisor.max_restarts exhausted): "
+               f"{type(err).__name__}", "rounds_committed": None, "inner_steps_committed": None,
+               "initial_eval_loss": None, "final_eval_loss": None, "wall_s": None,
+               "replica_param_digests": {}, "global_param_digest": None, "run_dir": run_dir}
+    write_summary(run_dir, summary)
+    return summary
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
