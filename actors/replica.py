@@ -25,6 +25,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
+from actors.stacks import install_faulthandler
 from hsgd import checkpoint
 from hsgd.comm import CollectiveError, LevelGroup
 from hsgd.topology import Topology
@@ -41,6 +42,7 @@ class FaultFired(RuntimeError):
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backend: str):
         torch.set_num_threads(1)  # several replicas share a few cores
+        install_faulthandler(run_dir, rid)
         self.started_at = time.time()
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir

@@ -37,6 +37,8 @@ from hsgd.outer import commit_decision
 from hsgd.runlog import RunLog, read_jsonl, write_summary
 from hsgd.topology import Topology
 from hsgd.wandb_sink import WandbSink
+from hsgd.watchdog import PhaseClock, hang_report, stuck_function
+from actors.stacks import dump_replica
 
 STATE_FILE = "supervisor_state.json"
 
@@ -69,6 +71,10 @@ class Supervisor:
         self.handles = {rid: ray.get_actor(replica_actor_name(run_id, rid)) for rid in self.topology.replica_ids()}
         self.gone: set[str] = set()  # replicas that can never come back (restarts exhausted)
         self.progress: dict[str, tuple[int, int]] = {}
+        self.replica_info: dict[str, dict] = {}  # rid -> {pid, node_id}: for stack dumps
+        w = self.cfg.watchdog
+        self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s,
+                                ceiling_s=min(w.ceiling_s, self.cfg.supervisor.phase_timeout_s))
         self.configured_epoch: int | None = None
         self.plan: Plan | None = None
         self.faults: list[FaultSpec] = parse_schedule(list(self.cfg.faults.schedule), clusters=self.topology.clusters,
@@ -111,24 +117,29 @@ class Supervisor:
             pass  # the view is best effort; the run goes on
 
     # -- calling replicas -----------------------------------------------------------------------
-    def _gather(self, calls: dict[str, Any], timeout_s: float, phase: str) -> tuple[dict, dict]:
+    def _gather(self, calls: dict[str, Any], timeout_s: float, phase: str,
+                round_index: int = -1) -> tuple[dict, dict]:
         """Wait for every call; returns (results, failures). A failure is (kind, detail) with kind
-        `died` (actor gone), `collective` (alive, a peer failed) or `deadline` (killed by us)."""
+        `died` (actor gone), `collective` (alive, a peer failed) or `deadline` (hung: dumped,
+        reported and killed by us)."""
         results, failures = {}, {}
         pending = {ref: rid for rid, ref in calls.items()}
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         first_error_at = None
+        # Once a peer reported a failed collective, the others fail within a moment too (their
+        # groups are broken); anyone still silent after this grace is hung.
+        grace = max(3.0, min(self.cfg.comm.timeout_s, 10.0))
         while pending:
             now = time.monotonic()
-            # Once a peer reported a collective error, the rest should follow within one
-            # collective timeout; anyone still silent after that is hung.
-            hang_deadline = deadline if first_error_at is None else min(
-                deadline, first_error_at + self.cfg.comm.timeout_s + 5.0)
+            hang_deadline = deadline if first_error_at is None else min(deadline, first_error_at + grace)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, hang_deadline - now))
             if not ready:
-                for ref, rid in pending.items():
+                stuck = sorted(pending.values())
+                self._report_hang(stuck, phase, round_index, calls, results, failures,
+                                  waited_s=time.monotonic() - start, deadline_s=hang_deadline - start)
+                for rid in stuck:
                     failures[rid] = ("deadline", f"{phase} missed its deadline")
-                    self._kill_hung(rid, phase)
                 break
             for ref in ready:
                 rid = pending.pop(ref)
@@ -153,13 +164,41 @@ class Supervisor:
     def _note_progress(self, value: Any) -> None:
         if isinstance(value, dict) and "rid" in value and "round" in value:
             self.progress[value["rid"]] = (int(value["round"]), int(value["step"]))
+            if "pid" in value:
+                self.replica_info[value["rid"]] = {"pid": value["pid"], "node_id": value.get("node_id"),
+                                                   "phase": value.get("phase")}
 
-    def _kill_hung(self, rid: str, phase: str) -> None:
-        self.log.event("hang_detected", rid=rid, phase=phase)
-        try:
-            ray.kill(self.handles[rid], no_restart=False)
-        except Exception as err:  # noqa: BLE001 — already dead is fine
-            self.log.event("kill_failed", rid=rid, error=str(err))
+    def _report_hang(self, stuck: list[str], phase: str, round_index: int, calls: dict, results: dict,
+                     failures: dict, *, waited_s: float, deadline_s: float) -> None:
+        """Missed deadline: dump stacks of everyone in the phase, write hangs/<time>-<rid>.txt,
+        then kill the stuck replicas (restartable) so the normal fault path takes over."""
+        peers = {}
+        for rid in calls:
+            if rid in results:
+                peers[rid] = "returned ok"
+            elif rid in failures:
+                peers[rid] = f"failed: {failures[rid][0]}: {failures[rid][1][:160]}"
+            else:
+                peers[rid] = f"waiting: no answer after {waited_s:.1f}s"
+        dumps = {}
+        if self.cfg.watchdog.stack_dumps:
+            for rid in sorted(calls):
+                dumps[rid] = dump_replica(self.handles[rid], self.replica_info.get(rid, {}), self.run_dir, rid)
+        hang_dir = Path(self.run_dir) / "hangs"
+        hang_dir.mkdir(exist_ok=True)
+        for rid in stuck:
+            text = hang_report(rid=rid, phase=phase, round_index=round_index, waited_s=waited_s,
+                               deadline_s=deadline_s, peers=peers, dumps=dumps,
+                               view={"epoch": self.membership.epoch, "leaders": self.plan.leaders if self.plan else {}})
+            path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
+            checkpoint.atomic_write_text(path, text)
+            self.log.event("hang_detected", rid=rid, phase=phase, round=round_index, waited_s=waited_s,
+                           deadline_s=deadline_s, stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
+                           waiting=[p for p, st in peers.items() if st != "returned ok" and p != rid])
+            try:
+                ray.kill(self.handles[rid], no_restart=False)
+            except Exception as err:  # noqa: BLE001 — already dead is fine
+                self.log.event("kill_failed", rid=rid, error=str(err))
 
     def _handle_failures(self, failures: dict, phase: str, round_index: int) -> None:
         now = time.time()
@@ -340,15 +379,21 @@ class Supervisor:
             os._exit(17)
 
     # -- the round -----------------------------------------------------------------------------
-    def _phase(self, name: str, round_index: int, calls: dict[str, Any], timeout_s: float) -> tuple[dict, dict]:
-        self._set_status(phase=name, round=round_index)
-        self.log.event("phase_begin", phase=name, round=round_index, epoch=self.membership.epoch, replicas=sorted(calls))
+    def _phase(self, name: str, round_index: int, calls: dict[str, Any], units: int = 1) -> tuple[dict, dict]:
+        """One phase call on many replicas, under the watchdog's deadline for `units` of work."""
+        deadline_s = self.clock.deadline(name, units)
+        self._set_status(phase=name, round=round_index, deadline_s=deadline_s)
+        self.log.event("phase_begin", phase=name, round=round_index, epoch=self.membership.epoch,
+                       replicas=sorted(calls), deadline_s=deadline_s)
         start = time.monotonic()
-        results, failures = self._gather(calls, timeout_s, name)
-        self.log.event("phase_end", phase=name, round=round_index, seconds=time.monotonic() - start,
+        results, failures = self._gather(calls, deadline_s, name, round_index)
+        seconds = time.monotonic() - start
+        self.log.event("phase_end", phase=name, round=round_index, seconds=seconds,
                        ok=sorted(results), failed={rid: list(v) for rid, v in failures.items()})
         if failures:
             self._handle_failures(failures, name, round_index)
+        elif units > 0:
+            self.clock.observe(name, seconds, units)
         return results, failures
 
     def _run_round(self, r: int) -> dict:
@@ -373,8 +418,9 @@ class Supervisor:
             t0 = time.monotonic()
             armed = self._armed(r, ("inner", "inner_sync"), plan)
             steps_before = {rid: self.progress.get(rid, (r, 0))[1] for rid in live}
+            units = max(self.spr - (steps_before[rid] - r * self.spr) for rid in live)
             results, failures = self._phase("inner", r, {rid: self.handles[rid].run_inner.remote(r, armed.get(rid))
-                                                          for rid in live}, sup.phase_timeout_s)
+                                                          for rid in live}, units)
             seconds["inner"] += time.monotonic() - t0
             done = {rid: self.progress.get(rid, (r, steps_before[rid]))[1] - steps_before[rid]
                     for rid in live if rid not in failures or failures[rid][0] == "collective"}
@@ -393,7 +439,7 @@ class Supervisor:
                 t0 = time.monotonic()
                 armed = self._armed(r, ("inner_sync",), plan)
                 _, failures = self._phase("inner_sync", r, {rid: self.handles[rid].cluster_average.remote(r, armed.get(rid))
-                                                            for rid in live}, sup.phase_timeout_s)
+                                                            for rid in live})
                 seconds["inner_sync"] += time.monotonic() - t0
                 if failures:
                     continue
@@ -403,7 +449,7 @@ class Supervisor:
             leaders = {c: plan.leaders[c] for c in plan.outer_clusters}
             armed = self._armed(r, ("outer",), plan, called=set(leaders.values()))
             results, failures = self._phase("outer", r, {rid: self.handles[rid].outer_reduce.remote(r, armed.get(rid))
-                                                         for rid in leaders.values()}, sup.phase_timeout_s)
+                                                         for rid in leaders.values()})
             seconds["outer"] += time.monotonic() - t0
             totals["outer_bytes"] += sum(res.get("outer_bytes", 0) for res in results.values())
             succeeded = {c for c, rid in leaders.items() if rid in results}
@@ -418,7 +464,7 @@ class Supervisor:
             armed = self._armed(r, ("outer_commit",), plan)
             calls = {rid: self.handles[rid].outer_commit.remote(r, plan.inner_rank(plan.leaders[c]), armed.get(rid))
                      for c, members in plan.members.items() for rid in members}
-            results, failures = self._phase("outer_commit", r, calls, sup.phase_timeout_s)
+            results, failures = self._phase("outer_commit", r, calls)
             seconds["outer_commit"] += time.monotonic() - t0
             totals["inner_bytes"] += sum(res.get("inner_bytes", 0) for res in results.values())
             if failures:
@@ -454,7 +500,7 @@ class Supervisor:
             temp = checkpoint.new_temp_dir(root, r + 1)
             armed = self._armed(r, ("checkpoint",), plan)
             results, failures = self._phase("checkpoint", r, {rid: self.handles[rid].save_checkpoint.remote(str(temp), armed.get(rid))
-                                                              for rid in plan.live}, self.cfg.supervisor.phase_timeout_s)
+                                                              for rid in plan.live})
             if failures or not results:
                 import shutil
 

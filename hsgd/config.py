@@ -126,6 +126,15 @@ class SupervisorConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    # deadline of a phase = clamp(multiple * median recent seconds per step * steps, floor_s, ceiling_s)
+    multiple: float = 4.0
+    floor_s: float = 15.0
+    ceiling_s: float = 300.0
+    stack_dumps: bool = True  # on a missed deadline: dump every replica's stacks into hangs/
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     project: str = "hsgd"
@@ -168,6 +177,7 @@ class HsgdConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -243,6 +253,12 @@ def validate(cfg: Any) -> None:
         raise ConfigError("supervisor.min_clusters", f"got {sup.min_clusters}; must be in [1, topology.clusters={t.clusters}]")
     _positive("supervisor.quorum_wait_s", sup.quorum_wait_s)
     _positive("supervisor.rejoin_wait_s", sup.rejoin_wait_s, allow_zero=True)
+    w = cfg.watchdog
+    if w.multiple < 1:
+        raise ConfigError("watchdog.multiple", f"got {w.multiple}; must be >= 1 (a multiple of the median phase time)")
+    _positive("watchdog.floor_s", w.floor_s)
+    if w.ceiling_s < w.floor_s:
+        raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; must be >= watchdog.floor_s={w.floor_s}")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     if not str(cfg.run.dir).strip():
         raise ConfigError("run.dir", "is empty; give a folder path (relative or absolute)")

@@ -1,0 +1,78 @@
+"""Stack dumps of replica processes, for hang reports and `jobs.diagnose`.
+
+Three ways, best first: py-spy (native + Python frames of every thread, works even while the
+process holds the GIL; same node only), faulthandler through SIGUSR2 (Python frames of every
+thread, written by a C handler that needs no GIL; same node only), and the replica's own
+`stack_dump` control call (any node, but only if the replica can still run Python).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+DUMP_SIGNAL = signal.SIGUSR2
+
+
+def faulthandler_path(run_dir: str, rid: str, pid: int) -> Path:
+    return Path(run_dir) / "stacks" / f"{rid}-{pid}.txt"
+
+
+def install_faulthandler(run_dir: str, rid: str) -> None:
+    """Called in the replica: SIGUSR2 writes all threads' stacks to stacks/<rid>-<pid>.txt."""
+    import faulthandler
+
+    path = faulthandler_path(run_dir, rid, os.getpid())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "w")  # kept open for the life of the process, as faulthandler requires
+    faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=False)
+
+
+def _py_spy() -> str | None:
+    return shutil.which("py-spy") or next((str(p) for p in [Path(sys.executable).parent / "py-spy"] if p.exists()), None)
+
+
+def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) -> tuple[str, str] | None:
+    """(method, text) for a process on this node, or None."""
+    spy = _py_spy()
+    if spy:
+        try:
+            out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True,
+                                 timeout=timeout_s)
+            if out.returncode == 0 and out.stdout.strip():
+                return "py-spy", out.stdout
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+    path = faulthandler_path(run_dir, rid, pid)
+    try:
+        before = path.stat().st_size if path.exists() else 0
+        os.kill(pid, DUMP_SIGNAL)
+    except (ProcessLookupError, PermissionError):
+        return None
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_size > before:
+            time.sleep(0.2)  # let the handler finish writing
+            return "faulthandler", path.read_text(errors="replace")[before:]
+        time.sleep(0.05)
+    return None
+
+
+def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float = 3.0) -> str:
+    """Best available stack dump of one replica; never raises, never blocks past its timeouts."""
+    here = ray.get_runtime_context().get_node_id()
+    pid = info.get("pid")
+    if pid and info.get("node_id") == here:
+        got = dump_local_pid(int(pid), run_dir, rid)
+        if got:
+            return f"[{got[0]} dump of pid {pid}]\n{got[1]}"
+    try:
+        return "[replica's own stack_dump]\n" + ray.get(handle.stack_dump.remote(), timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 — a hung or dead replica cannot answer
+        return f"[no stack: {type(err).__name__}: replica did not answer within {timeout_s:.0f}s and is not on this node]"
