@@ -544,6 +544,7 @@ class Supervisor:
                 self.durable["initial_eval_loss"] = self._evaluate(plan)
                 self._save_durable()
                 self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
+            self._catch_up()
             while True:
                 r = max((self.progress[rid][0] for rid in self.membership.live if rid in self.progress), default=0)
                 if r >= self.cfg.train.rounds:
@@ -565,10 +566,6 @@ class Supervisor:
         eval_loss = None
         if (r + 1) % self.cfg.train.eval_every == 0 or r + 1 == self.cfg.train.rounds:
             eval_loss = self._evaluate(plan)
-        ckpt = None
-        every = self.cfg.checkpoint.every
-        if every and ((r + 1) % every == 0 or r + 1 == self.cfg.train.rounds):
-            ckpt = self._checkpoint(r, plan)
         losses = out["losses"]
         all_losses = [x for v in losses.values() for x in v]
         inner_s = out["seconds"]["inner"]
@@ -579,11 +576,43 @@ class Supervisor:
                   "inner_bytes": out["totals"]["inner_bytes"], "outer_bytes": out["totals"]["outer_bytes"],
                   "live_replicas": len(plan.live), "epoch": plan.epoch, "attempts": out["attempts"],
                   "phase_s": out["seconds"], "replica_digests": out["digests"],
-                  "global_digests": out["global_digests"], "checkpoint": ckpt, "t": time.time()}
-        self.log.metrics(record)
+                  "global_digests": out["global_digests"], "t": time.time()}
+        self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         self.wandb.log_round(record)
         self._set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
+        if self._checkpoint_due(r + 1):
+            self._checkpoint(r, plan)
+
+    def _checkpoint_due(self, rounds_done: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and (rounds_done % every == 0 or rounds_done == self.cfg.train.rounds)
+
+    def _catch_up(self) -> None:
+        """After a supervisor restart: record the rounds the old supervisor committed but did not
+        record, and take the checkpoint it owed. Replicas are exactly at the last committed round
+        (nothing runs without a supervisor), so both are exact."""
+        r_now = max((self.progress[rid][0] for rid in self.membership.live if rid in self.progress), default=0)
+        if r_now == 0:
+            return
+        recorded = {m["round"] for m in read_jsonl(Path(self.run_dir) / "metrics.jsonl")}
+        plan = self.membership.plan()
+        for missing in sorted(set(range(r_now)) - recorded):
+            record = {"round": missing, "inner_step": (missing + 1) * self.spr, "loss": None, "replica_loss": {},
+                      "eval_loss": None, "tokens_per_s": None, "inner_bytes": 0, "outer_bytes": 0,
+                      "live_replicas": len(plan.live), "epoch": plan.epoch, "replica_digests": {},
+                      "recovered": True, "t": time.time()}
+            if missing == r_now - 1:
+                results, _ = self._gather({rid: self.handles[rid].digests.remote() for rid in plan.live},
+                                          self.cfg.supervisor.call_timeout_s, "digests")
+                record["replica_digests"] = {rid: d["param"] for rid, d in sorted(results.items())}
+                record["eval_loss"] = self._evaluate(plan)
+            self.log.metrics(record)
+            self.log.event("round_recorded_late", round=missing)
+        if self._checkpoint_due(r_now):
+            latest = checkpoint.latest(Path(self.run_dir) / "checkpoints")
+            if latest is None or checkpoint.read_manifest(latest)["round"] < r_now:
+                self._checkpoint(r_now - 1, plan)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         digests, global_digest = {}, None

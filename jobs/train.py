@@ -139,6 +139,12 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                                                      "initial_eval_loss": old.get("initial_eval_loss")}))
 
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
+    topo_ids = [f"c{c}r{i}" for c in range(cfg.topology.clusters) for i in range(cfg.topology.replicas_per_cluster)]
+    # how jobs.diagnose and notebooks find this run's actors
+    atomic_write_text(Path(run_dir) / "run.json", json.dumps({
+        "run_id": run_id, "namespace": ray.get_runtime_context().namespace,
+        "ray_address": ray.get_runtime_context().gcs_address, "replicas": topo_ids,
+        "driver_pid": os.getpid(), "started_at": time.time()}, indent=1))
     placement = None
     actors = []
     try:
