@@ -57,6 +57,7 @@ class Replica:
         self.phase_since = time.time()
         self.armed: list[dict] = []
         self.slow_s = 0.0
+        self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -83,8 +84,12 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: dict) -> dict:
-        """Fire a fault now, whatever phase is running (drills; cluster faults on idle members)."""
-        self._fire(fault, self.trainer.round, self.trainer.step_in_round)
+        """A fault from outside the schedule (drills; idle members of a `cluster:` target). A crash
+        fires at once; the others fire at the phase thread's next step or phase boundary, where
+        they stop, slow or cut off the work itself rather than this control thread."""
+        if fault["kind"] == "crash":
+            self._fire(fault, self.trainer.round, self.trainer.step_in_round)
+        self.pending_now.append(fault)
         return {"ok": True, "rid": self.rid, "kind": fault["kind"]}
 
     # -- faults ---------------------------------------------------------------------------------
@@ -92,6 +97,8 @@ class Replica:
         self.armed = list(faults or [])
 
     def _hook(self, phase: str, round_index: int, step_in_round: int) -> None:
+        while self.pending_now:
+            self._fire(self.pending_now.pop(0), round_index, step_in_round)
         for fault in list(self.armed):
             if fault["phase"] != phase:
                 continue

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from hsgd import checkpoint
-from hsgd.faults import FaultSpec, fault_figures, parse_schedule
+from hsgd.faults import FaultSpec, fault_figures, parse_fault, parse_schedule
 from hsgd.heal import assign_heals
 from hsgd.membership import Membership, Plan
 from hsgd.outer import commit_decision
@@ -79,6 +79,10 @@ class Supervisor:
         self.plan: Plan | None = None
         self.faults: list[FaultSpec] = parse_schedule(list(self.cfg.faults.schedule), clusters=self.topology.clusters,
                                                       replicas_per_cluster=self.topology.replicas_per_cluster)
+        for raw in self.durable.get("added_faults", []):  # faults a drill added before a restart
+            self.faults.append(parse_fault(raw, index=len(self.faults), clusters=self.topology.clusters,
+                                           replicas_per_cluster=self.topology.replicas_per_cluster))
+        self.stop_requested = False
         self.status_view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": self.membership.epoch}
         self.attempted_steps = 0  # replica-steps the inner phases were asked to run
         self.committed_steps = 0  # replica-steps that made it into a committed round
@@ -106,6 +110,31 @@ class Supervisor:
     @ray.method(concurrency_group="status")
     def status(self) -> dict:
         return dict(self.status_view)
+
+    @ray.method(concurrency_group="status")
+    def request_stop(self) -> bool:
+        """Finish the round in flight, then end the run with status `stopped` (drills, Ctrl-C)."""
+        self.stop_requested = True
+        return True
+
+    @ray.method(concurrency_group="status")
+    def add_fault(self, raw: dict) -> str:
+        """Schedule one more fault (drills). Validated like the config's; recorded durably."""
+        spec = parse_fault(raw, index=len(self.faults), clusters=self.topology.clusters,
+                           replicas_per_cluster=self.topology.replicas_per_cluster)
+        self.faults.append(spec)
+        self.durable.setdefault("added_faults", []).append(dict(raw))
+        self._save_durable()
+        self.log.event("fault_scheduled", fault=spec.describe())
+        return spec.describe()
+
+    @ray.method(concurrency_group="status")
+    def crash(self) -> None:
+        """The `crash` fault on the supervisor, injected now (drills)."""
+        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
+            fh.write(json.dumps({"t": time.time(), "rid": "supervisor", "kind": "crash", "phase": "now",
+                                 "round": self.status_view.get("round")}) + "\n")
+        os._exit(17)
 
     def _set_status(self, **fields) -> None:
         """The live view: answered by status() and mirrored to status.json for jobs.status."""
@@ -355,12 +384,21 @@ class Supervisor:
             for rid in targets:
                 fault = {"kind": f.kind, "phase": f.phase, "step": f.step, "seconds": f.seconds}
                 if called is not None and rid not in called:
-                    self.handles[rid].inject.remote(fault)  # fire-and-forget: it may never answer
+                    if f.kind == "kill":  # as a node failure would: from outside, at once
+                        self._record_fired(rid, f.kind, f.phase, round_index)
+                        ray.kill(self.handles[rid], no_restart=False)
+                    else:
+                        self.handles[rid].inject.remote(fault)  # fire-and-forget: it may never answer
                 else:
                     armed.setdefault(rid, []).append(fault)
         if armed:
             self._save_durable()
         return armed
+
+    def _record_fired(self, rid: str, kind: str, phase: str, round_index: int | None) -> None:
+        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
+            fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase,
+                                 "round": round_index, "step": 0}) + "\n")
 
     def _supervisor_faults(self, round_index: int, phase: str) -> None:
         fired = self.durable["fired"]
@@ -370,9 +408,7 @@ class Supervisor:
             fired.append(i)
             self._save_durable()  # before dying: a restarted supervisor must not fire it again
             self.log.event("fault_fired", fault=f.describe(), pid=os.getpid())
-            with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
-                fh.write(json.dumps({"t": time.time(), "rid": "supervisor", "kind": f.kind, "phase": phase,
-                                     "round": round_index}) + "\n")
+            self._record_fired("supervisor", f.kind, phase, round_index)
             if f.kind == "kill":
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
                 time.sleep(60)
@@ -548,6 +584,10 @@ class Supervisor:
             while True:
                 r = max((self.progress[rid][0] for rid in self.membership.live if rid in self.progress), default=0)
                 if r >= self.cfg.train.rounds:
+                    break
+                if self.stop_requested:
+                    status, reason = "stopped", f"stop requested; stopped after round {r}"
+                    self.log.event("run_stopped", round=r)
                     break
                 self._round_and_record(r)
         except RunFailed as err:

@@ -201,6 +201,15 @@ def membership_data(run_dir: str | Path) -> dict:
 
 
 # -- loss ----------------------------------------------------------------------------------------
+def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
+    """The inner step a fault hit: from its (round, step) when it fired at a boundary, else (a
+    fault injected from outside) the start of the first round that committed after it."""
+    if fault.get("round") is not None:
+        return fault["round"] * spr + (fault.get("step") or 0)
+    later = [m for m in metrics if m.get("t", 0) >= fault["t"]]
+    return later[0]["round"] * spr if later else (metrics[-1]["inner_step"] if metrics else 0)
+
+
 def loss_plot_data(run_dir: str | Path) -> dict:
     """The series loss.png is drawn from (tests check these, not pixels)."""
     run_dir = Path(run_dir)
@@ -212,7 +221,7 @@ def loss_plot_data(run_dir: str | Path) -> dict:
     evals = [(m["inner_step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
     faults = read_jsonl(run_dir / "faults_fired.jsonl")
     spr = metrics[0]["inner_step"] // (metrics[0]["round"] + 1) if metrics else 1
-    fault_steps = [(f["round"] * spr + (f.get("step") or 0), f"{f['kind']} {f['rid']}") for f in faults]
+    fault_steps = [(_fault_step(f, metrics, spr), f"{f['kind']} {f['rid']}") for f in faults]
     return {"replica_loss": per_replica, "eval_loss": evals, "faults": fault_steps}
 
 

@@ -237,7 +237,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
         _config_error(str(err))
     run_dir = os.path.abspath(HydraConfig.get().runtime.output_dir)
     summary = run_training(cfg, run_dir)
-    if summary["status"] != "completed":
+    if summary["status"] == "failed":
         print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
         sys.exit(1)
     return summary.get("final_eval_loss")

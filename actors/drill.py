@@ -1,0 +1,234 @@
+"""Failure drills: start a run in the background (a notebook, a script), watch it, break it on
+purpose, and wait for it to heal.
+
+    drill = Drill(["train.rounds=12"]).start()
+    drill.wait_for(phase="inner")
+    drill.inject("kill", "c0r1")                       # now
+    drill.inject("hang", "leader:c1", round=5, phase="outer")   # at a phase boundary
+    drill.wait_recovered()
+    summary = drill.wait_done()
+
+Every blocking call takes a timeout and raises `DrillError` saying what it was waiting for and
+what the run looked like when it gave up. The run itself is the ordinary `jobs.train` path on
+an embedded Ray started here; its files land in `drill.run_dir` like any run's.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from hsgd.faults import FAULT_KINDS, FAULT_PHASES
+from hsgd.runlog import read_jsonl
+
+
+class DrillError(RuntimeError):
+    pass
+
+
+class Drill:
+    def __init__(self, overrides: list[str] | tuple[str, ...] = (), run_dir: str | None = None):
+        self.overrides = list(overrides)
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="hsgd-drill-")) / "run"
+        self.summary: dict | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._owns_ray = False
+        self._injected: list[dict] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 180.0) -> "Drill":
+        """Start the run in a background thread; return once its supervisor is driving rounds."""
+        from jobs.train import compose_config, connect_ray, run_training
+        from hsgd.config import validate
+
+        cfg = compose_config(["logging.progress=false", *self.overrides])
+        validate(cfg)
+        self.cfg = cfg
+        self._owns_ray = connect_ray(cfg)  # ours, so the run does not shut it down under us
+
+        def target() -> None:
+            try:
+                self.summary = run_training(cfg, str(self.run_dir))
+            except BaseException as err:  # noqa: BLE001 — surfaced by wait_* calls
+                self.error = err
+
+        self._thread = threading.Thread(target=target, name="hsgd-drill-run", daemon=True)
+        self._thread.start()
+        self.wait_for(lambda st: st.get("phase") not in (None, "starting", "waiting_for_replicas"),
+                      timeout_s, "the supervisor to start driving rounds")
+        return self
+
+    def stop(self, timeout_s: float = 180.0) -> dict:
+        """Ask the supervisor to finish the round in flight and end the run (status `stopped`)."""
+        if self.summary is None and self._alive():
+            try:
+                ray.get(self._supervisor().request_stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 — a restarting supervisor: wait_done still bounds us
+                pass
+        return self.wait_done(timeout_s)
+
+    def wait_done(self, timeout_s: float = 600.0) -> dict:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise DrillError(f"the run did not end within {timeout_s:.0f}s; last state: {self._brief()}")
+        if self.error is not None:
+            raise DrillError(f"the run raised {type(self.error).__name__}: {self.error}") from self.error
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        return self.summary or {}
+
+    # -- live state -----------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Membership per cluster (live and down), leaders, epoch, round, phase, losses, recent events."""
+        status = _read_json(self.run_dir / "status.json")
+        info = _read_json(self.run_dir / "run.json")
+        everyone = info.get("replicas", [])
+        live = {rid for members in (status.get("members") or {}).values() for rid in members}
+        clusters: dict[str, dict] = {}
+        for rid in everyone:
+            c = "c" + rid[1:].split("r")[0]
+            entry = clusters.setdefault(c, {"live": [], "down": [], "leader": (status.get("leaders") or {}).get(c)})
+            entry["live" if rid in live else "down"].append(rid)
+        events = read_jsonl(self.run_dir / "events.jsonl")
+        recent = [e for e in events if e["event"] not in ("phase_begin", "phase_end")][-10:]
+        return {"clusters": clusters, "epoch": status.get("epoch"), "round": status.get("round"),
+                "phase": status.get("phase"), "last_loss": status.get("last_loss"),
+                "last_eval_loss": status.get("last_eval_loss"), "status": status.get("status"),
+                "recent_events": recent, "done": self.summary is not None or not self._alive()}
+
+    def wait_for(self, predicate=None, timeout_s: float = 120.0, what: str = "a condition", *,
+                 phase: str | None = None, round: int | None = None) -> dict:
+        """Poll status.json until predicate(status) (or the phase/round given) holds."""
+        if predicate is None:
+            def predicate(st: dict) -> bool:
+                return (phase is None or st.get("phase") == phase) and (round is None or (st.get("round") or 0) >= round)
+            what = f"phase={phase} round>={round}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = _read_json(self.run_dir / "status.json")
+            if status and predicate(status):
+                return status
+            if not self._alive():
+                raise DrillError(f"the run ended while waiting for {what}: {self.error or self.summary}")
+            time.sleep(0.1)
+        raise DrillError(f"timed out after {timeout_s:.0f}s waiting for {what}; last state: {self._brief()}")
+
+    # -- faults ---------------------------------------------------------------------------------
+    def inject(self, kind: str, target: str, *, round: int | None = None, phase: str | None = None,
+               step: int = 0, seconds: float | None = None) -> dict:
+        """Break something. With no round/phase: now. Else at that (round, phase, step) boundary,
+        exactly like a `faults.schedule` entry. target: c0r1 | leader:c1 | cluster:c1 | supervisor."""
+        if kind not in FAULT_KINDS:
+            raise DrillError(f"kind {kind!r} unknown; valid: {'|'.join(FAULT_KINDS)}")
+        record = {"t": time.time(), "kind": kind, "target": target}
+        if round is not None or phase is not None:
+            if phase not in FAULT_PHASES or round is None:
+                raise DrillError(f"a scheduled fault needs round and phase (one of {'|'.join(FAULT_PHASES)})")
+            raw = {"kind": kind, "target": target, "round": round, "phase": phase, "step": step}
+            if seconds is not None:
+                raw["seconds"] = seconds
+            record["scheduled"] = ray.get(self._supervisor().add_fault.remote(raw), timeout=30)
+        elif target == "supervisor":
+            if kind == "kill":
+                _append_fired(self.run_dir, "supervisor", kind)
+                ray.kill(self._supervisor(), no_restart=False)
+            elif kind == "crash":
+                self._supervisor().crash.remote()
+            else:
+                raise DrillError(f"{kind!r} cannot target the supervisor; valid: kill|crash")
+        else:
+            for rid in self._resolve(target):
+                fault = {"kind": kind, "phase": "now", "step": 0, "seconds": seconds}
+                if kind == "kill":  # from outside, as an operator or a node failure would
+                    _append_fired(self.run_dir, rid, kind)
+                    ray.kill(self._replica(rid), no_restart=False)
+                else:
+                    self._replica(rid).inject.remote(fault)
+        self._injected.append(record)
+        return record
+
+    def wait_recovered(self, timeout_s: float = 180.0) -> dict:
+        """Wait until every replica is live again and a round committed after the last injection
+        (and after the last replica came back). Returns the seconds that took."""
+        if not self._injected:
+            raise DrillError("nothing was injected")
+        t0 = self._injected[-1]["t"]
+        everyone = set(_read_json(self.run_dir / "run.json").get("replicas", []))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = _read_json(self.run_dir / "status.json")
+            live = {rid for members in (status.get("members") or {}).values() for rid in members}
+            events = [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["t"] >= t0]
+            downs = [e for e in events if e["event"] in ("replica_down", "hang_detected", "supervisor_start")]
+            ups = [e["t"] for e in events if e["event"] == "replica_up"]
+            commits = [e["t"] for e in events if e["event"] == "commit" and e["t"] > max(ups, default=t0)]
+            broken = self._injected[-1].get("scheduled") is None and not downs and self._injected[-1]["kind"] in ("kill", "crash", "hang")
+            if live >= everyone and commits and not broken:
+                return {"recovered_s": commits[0] - t0, "detections": [e["event"] for e in downs]}
+            if self.summary is not None and self.summary.get("status") != "completed":
+                raise DrillError(f"the run ended as {self.summary.get('status')}: {self.summary.get('reason')}")
+            if not self._alive() and self.summary is not None:
+                return {"recovered_s": None, "detections": [e["event"] for e in downs], "run_ended": True}
+            time.sleep(0.2)
+        raise DrillError(f"not recovered {timeout_s:.0f}s after the last injection; last state: {self._brief()}")
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _info(self) -> dict:
+        info = _read_json(self.run_dir / "run.json")
+        if not info:
+            raise DrillError(f"{self.run_dir}/run.json is missing: is the run started?")
+        return info
+
+    def _replica(self, rid: str):
+        from actors.supervisor import replica_actor_name
+
+        info = self._info()
+        return ray.get_actor(replica_actor_name(info["run_id"], rid), namespace=info["namespace"])
+
+    def _supervisor(self):
+        from actors.supervisor import supervisor_actor_name
+
+        info = self._info()
+        return ray.get_actor(supervisor_actor_name(info["run_id"]), namespace=info["namespace"])
+
+    def _resolve(self, target: str) -> list[str]:
+        status = _read_json(self.run_dir / "status.json")
+        if target.startswith("leader:"):
+            leader = (status.get("leaders") or {}).get(target.split(":", 1)[1])
+            if leader is None:
+                raise DrillError(f"{target}: that cluster has no leader now (state: {self._brief()})")
+            return [leader]
+        if target.startswith("cluster:"):
+            prefix = target.split(":", 1)[1] + "r"
+            return [rid for rid in self._info()["replicas"] if rid.startswith(prefix)]
+        if target not in self._info()["replicas"]:
+            raise DrillError(f"unknown target {target!r}; valid: a replica id, leader:c<k>, cluster:c<k>, supervisor")
+        return [target]
+
+    def _brief(self) -> str:
+        st = _read_json(self.run_dir / "status.json")
+        return json.dumps({k: st.get(k) for k in ("phase", "round", "epoch", "members", "status")}, default=str)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _append_fired(run_dir: Path, rid: str, kind: str) -> None:
+    """Faults injected from outside are logged where in-process faults log themselves."""
+    with open(run_dir / "faults_fired.jsonl", "a") as fh:
+        fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": "now", "round": None,
+                             "step": None}) + "\n")
