@@ -96,9 +96,40 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "hsgd"
+    name: str = "hsgd"  # the experiment name: wandb group, part of the default folders
+    # A relative path is relative to the launch directory, except under `ray job submit` (whose
+    # working dir is a temporary copy) or when $HSGD_OUTPUT_ROOT is set: then it is relative to
+    # the persistent output root (see output_root()). Absolute paths are taken as they are.
     dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}"
     sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}"
+
+
+OUTPUT_ROOT_ENV = "HSGD_OUTPUT_ROOT"
+RAY_JOB_OUTPUT_ROOT = "~/hsgd"  # the persistent root under `ray job submit` when $HSGD_OUTPUT_ROOT is unset
+
+
+def under_ray_job() -> bool:
+    """True in the entrypoint of `ray job submit` (Ray's job supervisor sets this variable)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def output_root() -> Optional[str]:
+    """Where relative run.dir / run.sweep_dir land: $HSGD_OUTPUT_ROOT, else ~/hsgd under a Ray
+    job, else None (the launch directory)."""
+    root = os.environ.get(OUTPUT_ROOT_ENV, "").strip()
+    if root:
+        return os.path.abspath(os.path.expanduser(root))
+    if under_ray_job():
+        return os.path.expanduser(RAY_JOB_OUTPUT_ROOT)
+    return None
+
+
+def output_path(path: str) -> str:
+    """run.dir / run.sweep_dir as the job will use it: `~` expanded, a relative path joined to
+    output_root() when there is one (left relative to the launch directory otherwise)."""
+    p = os.path.expanduser(str(path))
+    root = output_root()
+    return os.path.join(root, p) if root is not None and not os.path.isabs(p) else p
 
 
 @dataclass
@@ -295,3 +326,11 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="hsgd_schema", node=HsgdConfig)
+    register_resolvers()
+
+
+def register_resolvers() -> None:
+    """`${hsgd.output_path:<path>}` (conf/config.yaml's hydra.run.dir / hydra.sweep.dir)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("hsgd.output_path", output_path, replace=True)
