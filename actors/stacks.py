@@ -8,6 +8,7 @@ thread, written by a C handler that needs no GIL; same node only), and the repli
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import ray
 
 DUMP_SIGNAL = signal.SIGUSR2
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def faulthandler_path(run_dir: str, rid: str, pid: int) -> Path:
@@ -44,9 +46,9 @@ def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) ->
     if spy:
         try:
             out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True,
-                                 timeout=timeout_s)
+                                 timeout=timeout_s, env={**os.environ, "NO_COLOR": "1", "TERM": "dumb"})
             if out.returncode == 0 and out.stdout.strip():
-                return "py-spy", out.stdout
+                return "py-spy", _ANSI.sub("", out.stdout)  # some terminals' settings make it colour anyway
         except (subprocess.TimeoutExpired, OSError):
             pass
     path = faulthandler_path(run_dir, rid, pid)

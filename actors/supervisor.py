@@ -210,9 +210,13 @@ class Supervisor:
             else:
                 peers[rid] = f"waiting: no answer after {waited_s:.1f}s"
         dumps = {}
-        if self.cfg.watchdog.stack_dumps:
-            for rid in sorted(calls):
-                dumps[rid] = dump_replica(self.handles[rid], self.replica_info.get(rid, {}), self.run_dir, rid)
+        if self.cfg.watchdog.stack_dumps:  # in parallel: each py-spy dump takes about a second
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                futures = {rid: pool.submit(dump_replica, self.handles[rid], self.replica_info.get(rid, {}),
+                                            self.run_dir, rid) for rid in sorted(calls)}
+                dumps = {rid: fut.result() for rid, fut in futures.items()}
         hang_dir = Path(self.run_dir) / "hangs"
         hang_dir.mkdir(exist_ok=True)
         for rid in stuck:

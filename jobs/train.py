@@ -1,11 +1,16 @@
 """Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`).
 
-1. Compose and validate the config; a bad value prints one line and exits 2 before Ray starts.
+1. Compose and validate the config; a bad value prints one line and exits 2 before Ray starts
+   (for a multirun `-m a=1,2`: every job of the sweep, before the first one starts).
 2. Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
-3. Check the cluster can place every replica, start the replica actors (owned by this driver, so
-   they outlive a supervisor crash) and the supervisor, and wait for the run while drawing a
-   progress bar; a dead supervisor is restarted by Ray and the run call re-issued.
-4. Write plots next to the JSON and print where everything is.
+   Under `ray job submit` relative run folders land under the persistent output root
+   (hsgd.config.output_root), not in the job's temporary copy of the working dir.
+3. Check the cluster can place every replica, place each cluster as a unit (actors/placement.py),
+   start the replica actors (owned by this driver, so they outlive a supervisor crash) and the
+   supervisor, and wait for the run while drawing a progress bar; a dead supervisor is restarted by
+   Ray and the run call re-issued.
+4. Write plots next to the JSON and print where everything is. A multirun runs its jobs one after
+   the other (Ray shut down between them) and keeps `sweep.csv` / `sweep.md` in the sweep folder.
 """
 from __future__ import annotations
 
@@ -19,11 +24,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from hsgd.config import ConfigError, register_schema, resolve_backend, validate
+from hsgd.config import ConfigError, output_path, register_schema, resolve_backend, under_ray_job, validate
 from hsgd.faults import FaultSpecError
 
 register_schema()
 EXIT_CONFIG = 2
+_SWEEP = {"dir": None, "failed": []}  # a multirun's folder and its failed jobs' run dirs
 
 
 def _config_error(message: str) -> None:
@@ -80,7 +86,7 @@ def connect_ray(cfg: DictConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
+    if address or under_ray_job() or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
         ray.init(address=address or "auto", namespace="hsgd", log_to_driver=True)
         return True
     n = cfg.topology.clusters * cfg.topology.replicas_per_cluster
@@ -92,12 +98,13 @@ def connect_ray(cfg: DictConfig) -> bool:
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> dict:
-    """Run one training job to its end; returns summary.json's content."""
+    """Run one training job to its end; returns summary.json's content. A relative run_dir is
+    taken as run.dir is (hsgd.config.output_path): under a Ray job, below the persistent root."""
     import ray
     import torch
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-    from actors.placement import ClusterPlacement, check_capacity
+    from actors.placement import ClusterPlacement, PlacementTimeout, check_capacity
     from actors.replica import Replica
     from actors.supervisor import Supervisor, replica_actor_name, supervisor_actor_name
     from hsgd import checkpoint
@@ -106,6 +113,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     from hsgd.runlog import read_jsonl
     from hsgd.topology import Topology
 
+    run_dir = os.path.abspath(output_path(run_dir))
     cfg.run.dir = run_dir
     os.makedirs(run_dir, exist_ok=True)
     resume_from = None
@@ -141,14 +149,18 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
     topo_ids = [f"c{c}r{i}" for c in range(cfg.topology.clusters) for i in range(cfg.topology.replicas_per_cluster)]
     # how jobs.diagnose and notebooks find this run's actors
-    atomic_write_text(Path(run_dir) / "run.json", json.dumps({
-        "run_id": run_id, "namespace": ray.get_runtime_context().namespace,
-        "ray_address": ray.get_runtime_context().gcs_address, "replicas": topo_ids,
-        "driver_pid": os.getpid(), "started_at": time.time()}, indent=1))
+    run_info = {"run_id": run_id, "namespace": ray.get_runtime_context().namespace,
+                "ray_address": ray.get_runtime_context().gcs_address, "replicas": topo_ids,
+                "driver_pid": os.getpid(), "started_at": time.time()}
+    atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
     placement = None
     actors = []
     try:
-        placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
+        try:
+            placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
+        except PlacementTimeout as err:
+            print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
+            sys.exit(1)
         topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
         replicas = {}
         for rid in topo.replica_ids():
@@ -156,6 +168,12 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             replicas[rid] = Replica.options(name=replica_actor_name(run_id, rid), max_restarts=cfg.faults.max_restarts,
                                             max_task_retries=0, **placement.options(c, i)).remote(container, rid, run_dir, backend)
         actors.extend(replicas.values())
+        # where each replica landed, as the replica itself reports it (its runtime context)
+        run_info["replica_nodes"] = _replica_nodes(replicas, cfg.supervisor.call_timeout_s)
+        atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
+        print("[hsgd] placement: " + "; ".join(
+            f"c{c} on node(s) {','.join(sorted({str(n)[:8] for r, n in run_info['replica_nodes'].items() if r.startswith(f'c{c}r')}))}"
+            for c in range(cfg.topology.clusters)), flush=True)
         if resume_from is not None:
             manifest = checkpoint.read_manifest(resume_from)
             if manifest["topology"] != [cfg.topology.clusters, cfg.topology.replicas_per_cluster]:
@@ -215,6 +233,22 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             ray.shutdown()
 
 
+def _replica_nodes(replicas: dict, timeout_s: float) -> dict:
+    """replica id -> the Ray node id the replica reports from its own runtime context (None if it
+    did not answer in time: a replica still starting or already dead; the run goes on)."""
+    import ray
+
+    refs = {rid: handle.progress.remote() for rid, handle in replicas.items()}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    nodes = {}
+    for rid, ref in refs.items():
+        try:
+            nodes[rid] = ray.get(ref, timeout=0.1)["node_id"]
+        except Exception:  # noqa: BLE001
+            nodes[rid] = None
+    return nodes
+
+
 def _supervisor_gone_summary(run_dir: str, losses: int, err: BaseException) -> dict:
     """The supervisor died more often than it may restart: end the run as failed, keep the files."""
     from hsgd.runlog import write_summary
@@ -230,24 +264,73 @@ def _supervisor_gone_summary(run_dir: str, losses: int, err: BaseException) -> d
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     try:
         validate(cfg)
     except (ConfigError, FaultSpecError) as err:
         _config_error(str(err))
-    run_dir = os.path.abspath(HydraConfig.get().runtime.output_dir)
-    summary = run_training(cfg, run_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = os.path.abspath(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        summary = run_training(cfg, run_dir)
+        if summary["status"] == "failed":
+            print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        return summary.get("final_eval_loss")
+    # one job of a sweep: a failed run must not stop the jobs after it (sys.exit would)
+    from jobs.sweep import write_sweep_table
+
+    _SWEEP["dir"] = os.path.abspath(output_path(cfg.run.sweep_dir))
+    print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
+    summary = None
+    try:
+        summary = run_training(cfg, run_dir)
+    finally:
+        if summary is None or summary["status"] == "failed":
+            _SWEEP["failed"].append(run_dir)
+        write_sweep_table(_SWEEP["dir"])
     if summary["status"] == "failed":
         print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        return None
     return summary.get("final_eval_loss")
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
+    """The override lists of a multirun's jobs, as Hydra's basic sweeper expands them; None when
+    another sweeper is chosen (it expands them itself)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(o.lstrip("+~").startswith("hydra/sweeper") for o in overrides):
+        return None
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if o not in ("-m", "--multirun")])
+    return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    if not any(a in ("-m", "--multirun") or a.startswith("--") for a in argv):
-        precheck(argv)
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    if not any(a.startswith("--") and a != "--multirun" for a in argv):
+        if not multirun:
+            precheck(argv)
+        else:
+            try:
+                jobs = sweep_jobs(argv)
+            except Exception as err:  # noqa: BLE001 — a malformed sweep override
+                _config_error(describe_hydra_error(err))
+            for job in jobs or []:
+                precheck(job)
     hydra_main()
+    if multirun and _SWEEP["dir"] is not None:
+        from jobs.sweep import markdown_table, sweep_rows
+
+        print(f"[hsgd] sweep table ({_SWEEP['dir']}/sweep.csv, sweep.md):", flush=True)
+        print(markdown_table(sweep_rows(_SWEEP["dir"])), end="", flush=True)
+    if _SWEEP["failed"]:
+        print(f"[hsgd] {len(_SWEEP['failed'])} sweep job(s) failed: {' '.join(_SWEEP['failed'])}",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
