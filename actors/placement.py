@@ -109,9 +109,10 @@ class ClusterPlacement:
             pg = placement_group([dict(bundle) for _ in range(cfg.topology.replicas_per_cluster)],
                                  strategy=strategy, name=f"hsgd-cluster-{c}")
             self.groups.append(pg)
-        ready, _ = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout_s)
-        if len(ready) < len(self.groups):
-            pending = [f"c{c}" for c, pg in enumerate(self.groups) if pg.ready() not in ready]
+        refs = [pg.ready() for pg in self.groups]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            pending = [f"c{c}" for c, ref in enumerate(refs) if ref not in ready]
             self.release()
             raise PlacementTimeout(
                 f"clusters {pending} not placed after {timeout_s:g}s ({strategy}, {cfg.topology.replicas_per_cluster} "

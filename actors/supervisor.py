@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from hsgd import checkpoint
-from hsgd.faults import FaultSpec, fault_figures, parse_fault, parse_schedule
+from hsgd.faults import FaultSpec, fault_figures, parse_fault, parse_schedule, random_schedule
 from hsgd.heal import assign_heals
 from hsgd.membership import Membership, Plan
 from hsgd.outer import commit_decision
@@ -79,6 +79,12 @@ class Supervisor:
         self.plan: Plan | None = None
         self.faults: list[FaultSpec] = parse_schedule(list(self.cfg.faults.schedule), clusters=self.topology.clusters,
                                                       replicas_per_cluster=self.topology.replicas_per_cluster)
+        fc = self.cfg.faults
+        if fc.mtbf_s > 0:
+            self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
+                                           rounds=self.cfg.train.rounds, round_s_estimate=self.spr * fc.step_s,
+                                           steps_per_round=self.spr, clusters=self.topology.clusters,
+                                           replicas_per_cluster=self.topology.replicas_per_cluster)
         for raw in self.durable.get("added_faults", []):  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), clusters=self.topology.clusters,
                                            replicas_per_cluster=self.topology.replicas_per_cluster))

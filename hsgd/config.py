@@ -186,6 +186,9 @@ class FaultsConfig:
     mtbf_s: float = 0.0  # random faults with this mean time between failures, 0 = off
     kinds: List[str] = field(default_factory=lambda: ["kill", "crash"])
     seed: int = 0
+    # Random faults land on step boundaries, mapped from time assuming this many seconds per inner
+    # step, so a seed always gives the same schedule (and the same result) on any machine.
+    step_s: float = 0.1
     max_restarts: int = 10  # restarts allowed per replica actor
 
 
@@ -294,6 +297,7 @@ def validate(cfg: Any) -> None:
     if not str(cfg.run.dir).strip():
         raise ConfigError("run.dir", "is empty; give a folder path (relative or absolute)")
     _positive("faults.mtbf_s", cfg.faults.mtbf_s, allow_zero=True)
+    _positive("faults.step_s", cfg.faults.step_s)
     _positive("faults.max_restarts", cfg.faults.max_restarts, allow_zero=True)
     if cfg.ray.num_cpus is not None:
         _positive("ray.num_cpus", cfg.ray.num_cpus)
@@ -302,6 +306,8 @@ def validate(cfg: Any) -> None:
 
     for kind in cfg.faults.kinds:
         _choice("faults.kinds", kind, FAULT_KINDS)
+    if cfg.faults.mtbf_s > 0 and not cfg.faults.kinds:
+        raise ConfigError("faults.kinds", f"is empty but faults.mtbf_s={cfg.faults.mtbf_s}; name at least one of {'|'.join(FAULT_KINDS)}")
     specs = parse_schedule(list(cfg.faults.schedule), clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster)
     for i, spec in enumerate(specs):  # a fault that can never fire is a typo, not a plan
         if spec.round >= cfg.train.rounds:

@@ -10,10 +10,16 @@ from tqdm import tqdm
 from hsgd.runlog import read_jsonl
 
 
+def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
+    return blank if value is None else format(value, fmt)
+
+
 def round_line(m: dict) -> str:
-    ev = "      -" if m.get("eval_loss") is None else f"{m['eval_loss']:.4f}"
+    """One console line per committed round (a round recorded late after a supervisor restart
+    has no loss or throughput: shown as '-')."""
+    ev, loss = _num(m.get("eval_loss")), _num(m.get("loss"))
     tps = m.get("tokens_per_s") or 0.0
-    return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {m['loss']:.4f} | eval {ev} | "
+    return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {loss} | eval {ev} | "
             f"{tps:8.0f} tok/s | live {m['live_replicas']} | epoch {m['epoch']} | "
             f"outer {m['outer_bytes'] / 1e6:.2f} MB")
 
