@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from hsgd import checkpoint
-from hsgd.faults import FaultSpec, fault_figures, parse_fault, parse_schedule, random_schedule
+from hsgd.faults import FaultSpec, due_faults, fault_figures, parse_fault, parse_schedule, random_schedule
 from hsgd.heal import assign_heals
 from hsgd.membership import Membership, Plan
 from hsgd.outer import commit_decision
@@ -373,35 +373,20 @@ class Supervisor:
         A target that takes no part in the phase (a non-leader of `cluster:c1` during the outer
         all-reduce) gets its fault injected right away through its control channel."""
         armed: dict[str, list[dict]] = {}
-        fired = self.durable["fired"]
-        for i, f in enumerate(self.faults):
-            if i in fired or f.round != round_index or f.phase not in phases:
-                continue
-            if f.target_kind == "supervisor":
-                continue
-            if f.target_kind == "replica":
-                targets = [f.target] if f.target in plan.live else []
-            elif f.target_kind == "leader":
-                targets = [plan.leaders[f.target_cluster]] if f.target_cluster in plan.leaders else []
-            else:
-                targets = list(plan.members.get(f.target_cluster, ()))
-            if only is not None:
-                targets = [t for t in targets if t in only]
-            if not targets:
-                continue
-            fired.append(i)
-            self.log.event("fault_armed", fault=f.describe(), targets=targets)
-            for rid in targets:
-                fault = {"kind": f.kind, "phase": f.phase, "step": f.step, "seconds": f.seconds}
-                if called is not None and rid not in called:
-                    if f.kind == "kill":  # as a node failure would: from outside, at once
-                        self._record_fired(rid, f.kind, f.phase, round_index)
-                        ray.kill(self.handles[rid], no_restart=False)
-                    else:
-                        self.handles[rid].inject.remote(fault)  # fire-and-forget: it may never answer
+        due = due_faults(self.faults, self.durable["fired"], round_index=round_index, phases=phases,
+                         plan=plan, only=only)
+        for d in due:
+            self.durable["fired"].append(d.index)
+            self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
+            for rid in d.targets:
+                if called is None or rid in called:
+                    armed.setdefault(rid, []).append(d.message())
+                elif d.spec.kind == "kill":  # as a node failure would: from outside, at once
+                    self._record_fired(rid, d.spec.kind, d.spec.phase, round_index)
+                    ray.kill(self.handles[rid], no_restart=False)
                 else:
-                    armed.setdefault(rid, []).append(fault)
-        if armed:
+                    self.handles[rid].inject.remote(d.message())  # fire-and-forget: it may never answer
+        if due:
             self._save_durable()
         return armed
 

@@ -173,3 +173,37 @@ def fault_figures(fired: list[dict], events: list[dict]) -> list[dict]:
             "heal_bytes": None if heal is None else heal.get("bytes"),
         })
     return figures
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One scheduled fault, due now, resolved to the replicas it hits."""
+    index: int  # position in the schedule: recorded as fired so it never fires twice
+    spec: FaultSpec
+    targets: tuple[str, ...]
+
+    def message(self) -> dict:
+        """What a replica's phase call carries to fire it at the right boundary."""
+        return {"kind": self.spec.kind, "phase": self.spec.phase, "step": self.spec.step, "seconds": self.spec.seconds}
+
+
+def due_faults(faults: list[FaultSpec], fired, *, round_index: int, phases: tuple[str, ...], plan,
+               only: set[str] | None = None) -> list[Delivery]:
+    """Replica faults of the schedule that are due in a phase call of `round_index` covering
+    `phases`, with targets resolved under `plan` (a membership.Plan): `leader:c1` is whoever leads
+    c1 now, `cluster:c1` every live member. A fault whose targets are all gone (or outside `only`)
+    stays pending. Supervisor faults are the supervisor's own business and never listed here."""
+    due = []
+    for i, f in enumerate(faults):
+        if i in fired or f.round != round_index or f.phase not in phases or f.target_kind == "supervisor":
+            continue
+        if f.target_kind == "replica":
+            targets = [f.target] if f.target in plan.live else []
+        elif f.target_kind == "leader":
+            targets = [plan.leaders[f.target_cluster]] if f.target_cluster in plan.leaders else []
+        else:
+            targets = list(plan.members.get(f.target_cluster, ()))
+        targets = [t for t in targets if only is None or t in only]
+        if targets:
+            due.append(Delivery(index=i, spec=f, targets=tuple(targets)))
+    return due

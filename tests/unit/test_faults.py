@@ -165,3 +165,39 @@ def test_random_schedule_stays_within_the_run_and_topology(seed):
         assert cluster < RANDOM["clusters"] and index < RANDOM["replicas_per_cluster"]
     assert [(f.round, f.step) for f in faults] == sorted((f.round, f.step) for f in faults), \
         "faults should come in firing order"
+
+
+def _plan():
+    from hsgd.membership import Membership
+    from hsgd.topology import Topology
+
+    m = Membership(Topology(2, 2))
+    for rid in ("c0r0", "c0r1", "c1r0", "c1r1"):
+        m.mark_alive(rid)
+    m.mark_dead("c1r0")  # c1 is led by c1r1 now
+    return m.plan()
+
+
+def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
+    from hsgd.faults import due_faults
+
+    specs = parse_schedule([
+        {"kind": "kill", "target": "leader:c1", "round": 2, "phase": "outer"},
+        {"kind": "crash", "target": "cluster:c0", "round": 2, "phase": "outer"},
+        {"kind": "hang", "target": "c1r0", "round": 2, "phase": "outer"},  # dead: stays pending
+        {"kind": "kill", "target": "supervisor", "round": 2, "phase": "outer"},
+        {"kind": "kill", "target": "c0r0", "round": 3, "phase": "outer"},
+    ], clusters=2, replicas_per_cluster=2)
+    due = due_faults(specs, [], round_index=2, phases=("outer",), plan=_plan())
+    assert [(d.index, d.targets) for d in due] == [(0, ("c1r1",)), (1, ("c0r0", "c0r1"))]
+    assert due[0].message() == {"kind": "kill", "phase": "outer", "step": 0, "seconds": None}
+
+
+def test_due_faults_never_repeat_a_fired_fault_and_respect_only():
+    from hsgd.faults import due_faults
+
+    specs = parse_schedule([{"kind": "crash", "target": "cluster:c0", "round": 1, "phase": "heal"}],
+                           clusters=2, replicas_per_cluster=2)
+    assert due_faults(specs, [0], round_index=1, phases=("heal",), plan=_plan()) == []
+    due = due_faults(specs, [], round_index=1, phases=("heal",), plan=_plan(), only={"c0r1"})
+    assert [d.targets for d in due] == [("c0r1",)]
