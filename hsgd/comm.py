@@ -17,7 +17,9 @@ ProcessGroupNCCL) behind the same interface. Tensors are flattened into one buff
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -32,6 +34,25 @@ class CollectiveError(RuntimeError):
 
 class WrongLevelError(AssertionError):
     """A collective was issued on the group of the other level."""
+
+
+class OverlappingCollectiveError(AssertionError):
+    """Invariant 3: a process is in at most one collective at any instant, whatever the level."""
+
+
+# One per process: the two stacked managers of this project's seeds deadlocked exactly because a
+# process sat in an inner and an outer collective at once. Enforced on every call, not only in tests.
+_IN_COLLECTIVE = threading.Lock()
+
+
+@contextmanager
+def _one_collective(what: str):
+    if not _IN_COLLECTIVE.acquire(blocking=False):
+        raise OverlappingCollectiveError(f"{what} started while another collective is in flight in this process")
+    try:
+        yield
+    finally:
+        _IN_COLLECTIVE.release()
 
 
 def _make_torchft_group(backend: str, timeout_s: float):
@@ -111,7 +132,8 @@ class LevelGroup:
         self.bytes_sent += flat.numel() * flat.element_size()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self._pg.allreduce([flat], opts), "allreduce")
+        with _one_collective(f"{self.level} allreduce"):
+            self._wait(self._pg.allreduce([flat], opts), "allreduce")
         flat.div_(self.world_size)
         offset = 0
         for t in tensors:
@@ -129,7 +151,8 @@ class LevelGroup:
             self.bytes_sent += flat.numel() * flat.element_size() * (self.world_size - 1)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._wait(self._pg.broadcast([flat], opts), "broadcast")
+        with _one_collective(f"{self.level} broadcast"):
+            self._wait(self._pg.broadcast([flat], opts), "broadcast")
         if self.rank != root:
             offset = 0
             for t in tensors:

@@ -3,7 +3,8 @@
 `python -m jobs.train -m sync.outer_every=10,50` runs one job per value in `<sweep dir>/<n>/`;
 after every job, jobs.train rewrites `<sweep dir>/sweep.csv` and `<sweep dir>/sweep.md`: one row
 per job with the overrides that vary across the sweep, the status, the final eval loss, the bytes
-sent across clusters (sum of `outer_bytes` over metrics.jsonl) and the wall time.
+sent across clusters (sum of `outer_bytes` over metrics.jsonl), the training wall time (summary's
+`wall_s`) and the whole job's (`job_s` in run.json: Ray start, placement and plots included).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 from hsgd.checkpoint import atomic_write_text
 from hsgd.runlog import read_jsonl
 
-COLUMNS = ("job", "overrides", "status", "rounds_committed", "final_eval_loss", "outer_bytes", "wall_s", "run_dir")
+COLUMNS = ("job", "overrides", "status", "rounds_committed", "final_eval_loss", "outer_bytes", "wall_s", "job_s",
+           "run_dir")
 
 
 def _job_overrides(job_dir: Path) -> list[str]:
@@ -39,6 +41,7 @@ def sweep_rows(sweep_dir: Path | str) -> list[dict]:
     for d in jobs:
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
         metrics = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        run_info = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
         rows.append({
             "job": d.name,
             "overrides": " ".join(o for o in overrides[d] if o not in common),
@@ -47,6 +50,7 @@ def sweep_rows(sweep_dir: Path | str) -> list[dict]:
             "final_eval_loss": summary.get("final_eval_loss"),
             "outer_bytes": sum(int(m.get("outer_bytes") or 0) for m in metrics),
             "wall_s": summary.get("wall_s"),
+            "job_s": run_info.get("job_s"),
             "run_dir": str(d.resolve()),
         })
     return rows

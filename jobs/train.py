@@ -113,6 +113,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     from hsgd.runlog import read_jsonl
     from hsgd.topology import Topology
 
+    job_started = time.time()
     run_dir = os.path.abspath(output_path(run_dir))
     cfg.run.dir = run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -229,6 +230,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                 pass
         if placement is not None:
             placement.release()
+        run_info["job_s"] = time.time() - job_started  # the whole job, Ray start and plots included
+        atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
         if started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
             ray.shutdown()
 

@@ -185,3 +185,16 @@ def test_survivors_reform_under_a_new_prefix(gloo_session):
         o = gloo_session[rank]
         assert o["reformed_mean"] == [1.5, 1.5], f"rank {rank}: re-formed group must work"
         assert o["prefix"] == "epoch2/inner/c0"
+
+
+def test_a_process_is_never_in_two_collectives_at_once():
+    """Invariant 3 is enforced per process, across levels: a second collective while one is in
+    flight raises instead of silently nesting (the seeds' inner/outer deadlock)."""
+    from hsgd import comm
+
+    with comm._one_collective("inner allreduce"):
+        with pytest.raises(comm.OverlappingCollectiveError, match="outer broadcast"):
+            with comm._one_collective("outer broadcast"):
+                pass
+    with comm._one_collective("outer broadcast"):  # released again afterwards
+        pass
