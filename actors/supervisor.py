@@ -68,8 +68,12 @@ class Supervisor:
         sup = self.cfg.supervisor
         self.membership = Membership(self.topology, min_replicas_per_cluster=sup.min_replicas_per_cluster,
                                      min_clusters=sup.min_clusters, epoch=self.durable.get("epoch", 0))
-        self.handles = {rid: ray.get_actor(replica_actor_name(run_id, rid)) for rid in self.topology.replica_ids()}
-        self.gone: set[str] = set()  # replicas that can never come back (restarts exhausted)
+        self.handles, self.gone = {}, set()  # gone: replicas that can never come back (restarts exhausted)
+        for rid in self.topology.replica_ids():
+            try:
+                self.handles[rid] = ray.get_actor(replica_actor_name(run_id, rid))
+            except ValueError:  # a restarted supervisor finds a replica that died for good
+                self.gone.add(rid)
         self.progress: dict[str, tuple[int, int]] = {}
         self.replica_info: dict[str, dict] = {}  # rid -> {pid, node_id}: for stack dumps
         w = self.cfg.watchdog

@@ -116,6 +116,13 @@ class LevelGroup:
         if not self._usable or (self.world_size > 1 and self._pg is None):
             raise CollectiveError(f"{self.level}: group {self.prefix} is not configured (aborted or failed)")
 
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One contiguous buffer; on the GPU for NCCL (the outer pseudo-gradients live on the CPU)."""
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        if self.backend == "nccl" and not flat.is_cuda:
+            flat = flat.cuda()
+        return flat
+
     def _wait(self, work, what: str) -> None:
         try:
             work.wait(timedelta(seconds=self.timeout_s))
@@ -128,7 +135,7 @@ class LevelGroup:
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        flat = self._flat(tensors)
         self.bytes_sent += flat.numel() * flat.element_size()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
@@ -146,7 +153,7 @@ class LevelGroup:
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        flat = self._flat(tensors)
         if self.rank == root:
             self.bytes_sent += flat.numel() * flat.element_size() * (self.world_size - 1)
         opts = dist.BroadcastOptions()
