@@ -198,3 +198,19 @@ def test_a_process_is_never_in_two_collectives_at_once():
                 pass
     with comm._one_collective("outer broadcast"):  # released again afterwards
         pass
+
+
+def test_nccl_path_is_importable_behind_the_same_interface(monkeypatch):
+    """The NCCL group cannot even be built on this CPU-only torch, but it sits behind the same
+    interface: `backend="nccl"` selects torchft's ProcessGroupNCCL with the configured timeout."""
+    import torchft.process_group as tpg
+
+    from hsgd import comm
+
+    assert hasattr(tpg, "ProcessGroupNCCL")
+    built = {}
+    monkeypatch.setattr(tpg, "ProcessGroupNCCL", lambda timeout: built.setdefault("nccl", timeout))
+    comm._make_torchft_group("nccl", 5.0)
+    assert built["nccl"].total_seconds() == 5.0
+    group = comm.LevelGroup("outer", backend="nccl", timeout_s=5)
+    assert group.backend == "nccl" and group.level == "outer"
