@@ -157,7 +157,7 @@ class Supervisor:
 
     # -- calling replicas -----------------------------------------------------------------------
     def _gather(self, calls: dict[str, Any], timeout_s: float, phase: str,
-                round_index: int = -1) -> tuple[dict, dict]:
+                round_index: int = -1, early_hang: bool = True) -> tuple[dict, dict]:
         """Wait for every call; returns (results, failures). A failure is (kind, detail) with kind
         `died` (actor gone), `collective` (alive, a peer failed) or `deadline` (hung: dumped,
         reported and killed by us)."""
@@ -171,7 +171,7 @@ class Supervisor:
         grace = max(3.0, min(self.cfg.comm.timeout_s, 10.0))
         while pending:
             now = time.monotonic()
-            hang_deadline = deadline if first_error_at is None else min(deadline, first_error_at + grace)
+            hang_deadline = deadline if first_error_at is None or not early_hang else min(deadline, first_error_at + grace)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, hang_deadline - now))
             if not ready:
                 stuck = sorted(pending.values())
@@ -341,7 +341,9 @@ class Supervisor:
                 if outer_on and plan.is_leader(rid):
                     outer = (f"{self.run_id}/{plan.outer_prefix()}", plan.outer_rank(cluster), len(plan.outer_clusters))
                 calls[rid] = self.handles[rid].configure.remote(plan.epoch, self.store_addr, inner, outer)
-        results, failures = self._gather(calls, self.cfg.comm.configure_timeout_s + 10.0, "configure")
+        # early_hang=False: after a member dies, the others legitimately wait out the rendezvous
+        results, failures = self._gather(calls, self.cfg.comm.configure_timeout_s + 10.0, "configure",
+                                         early_hang=False)
         if failures:
             self._handle_failures(failures, "configure", -1)
             return False
