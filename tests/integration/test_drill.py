@@ -56,3 +56,13 @@ def test_scheduled_fault_and_clean_stop(drill):
     assert any(e["event"] == "run_stopped" for e in events(drill.run_dir))
     for name in ("loss.png", "timeline.png", "membership.png"):
         assert (drill.run_dir / name).stat().st_size > 5000
+    # the pictures are drawn from the run's own record: spans, downs and fault markers are there
+    from hsgd.plots import membership_data, timeline_data
+
+    timeline = timeline_data(drill.run_dir)
+    kinds = {span[2] for spans in timeline["spans"].values() for span in spans}
+    assert {"inner", "outer", "outer_commit", "down", "heal"} <= kinds, kinds
+    assert any(span[2] == "down" for span in timeline["spans"]["c0r1"]), "the killed c0r1 shows a down span"
+    assert {f[1] for f in timeline["faults"]} >= {"c0r1", "supervisor"}, timeline["faults"]
+    series = membership_data(drill.run_dir)
+    assert series, "membership chart has no data"
