@@ -104,7 +104,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     import torch
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-    from actors.placement import ClusterPlacement, PlacementTimeout, check_capacity
+    from actors.placement import ClusterPlacement, check_capacity
     from actors.replica import Replica
     from actors.supervisor import Supervisor, replica_actor_name, supervisor_actor_name
     from hsgd import checkpoint
@@ -157,11 +157,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     placement = None
     actors = []
     try:
-        try:
-            placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
-        except PlacementTimeout as err:
-            print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
-            sys.exit(1)
+        # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
+        placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
         topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
         replicas = {}
         for rid in topo.replica_ids():
@@ -273,10 +270,16 @@ def hydra_main(cfg: DictConfig) -> float | None:
         validate(cfg)
     except (ConfigError, FaultSpecError) as err:
         _config_error(str(err))
+    from actors.placement import PlacementTimeout
+
     hydra_cfg = HydraConfig.get()
     run_dir = os.path.abspath(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        summary = run_training(cfg, run_dir)
+        try:
+            summary = run_training(cfg, run_dir)
+        except PlacementTimeout as err:
+            print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
+            sys.exit(1)
         if summary["status"] == "failed":
             print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
             sys.exit(1)
@@ -284,11 +287,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
     # one job of a sweep: a failed run must not stop the jobs after it (sys.exit would)
     from jobs.sweep import write_sweep_table
 
-    _SWEEP["dir"] = os.path.abspath(output_path(cfg.run.sweep_dir))
+    _SWEEP["dir"] = os.path.abspath(str(hydra_cfg.sweep.dir))
     print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
     summary = None
     try:
         summary = run_training(cfg, run_dir)
+    except PlacementTimeout as err:
+        print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
+        summary = {"status": "failed", "reason": f"placement: {err}"}
     finally:
         if summary is None or summary["status"] == "failed":
             _SWEEP["failed"].append(run_dir)

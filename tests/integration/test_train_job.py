@@ -101,5 +101,29 @@ def test_default_job_trains_the_model(tmp_path):
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 1.0, (s["initial_eval_loss"], s["final_eval_loss"])
     assert len(set(s["replica_param_digests"].values())) == 1
     wandb_dirs = list((runs[0] / "wandb").glob("offline-run-*"))
-    assert wandb_dirs, "offline wandb run directory missing"
+    assert len(wandb_dirs) == 1, "one offline wandb run directory per job"
+    # its run-*.wandb log (LevelDB-style: 7-byte header, 32 KiB blocks of crc/len/type chunks)
+    # holds the resolved config, the group and one history row per committed round
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, records, part = next(wandb_dirs[0].glob("run-*.wandb")).read_bytes(), 7, [], b""
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        part = (part if kind in (3, 4) else b"") + raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(part))
+    run = next(r.run for r in records if r.HasField("run"))
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert run.run_group == "hsgd" and config["sync"]["outer_every"] == 20 and config["train"]["rounds"] == 15
+    history = [{".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.HasField("history")]
+    rounds = [h for h in history if "eval_loss" in h]
+    assert [(h["round"], h["loss"], h["eval_loss"]) for h in rounds] == \
+        [(m["round"], m["loss"], m["eval_loss"]) for m in metrics(runs[0])]
     assert (runs[0] / "loss.png").stat().st_size > 10_000
