@@ -166,6 +166,10 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             replicas[rid] = Replica.options(name=replica_actor_name(run_id, rid), max_restarts=cfg.faults.max_restarts,
                                             max_task_retries=0, **placement.options(c, i)).remote(container, rid, run_dir, backend)
         actors.extend(replicas.values())
+        # Started now so its process boots while the replicas do; it sends nothing before run().
+        supervisor = Supervisor.options(name=supervisor_actor_name(run_id), max_restarts=cfg.supervisor.max_restarts,
+                                        max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)
+        actors.append(supervisor)
         # where each replica landed, as the replica itself reports it (its runtime context)
         run_info["replica_nodes"] = _replica_nodes(replicas, cfg.supervisor.call_timeout_s)
         atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
@@ -185,9 +189,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             kept = [json.dumps(m) for m in read_jsonl(metrics_path) if m.get("round", 0) < manifest["round"]]
             atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
             print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
-        supervisor = Supervisor.options(name=supervisor_actor_name(run_id), max_restarts=cfg.supervisor.max_restarts,
-                                        max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)
-        actors.append(supervisor)
         view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
         summary, supervisor_losses = None, 0
         while summary is None:
