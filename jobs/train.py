@@ -158,6 +158,13 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     actors = []
     try:
         # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
+        if resume_from is not None:
+            # Rounds committed after the checkpoint are redone: drop their metrics lines. Before
+            # any actor starts: the supervisor appends to this file from its first moment.
+            metrics_path = Path(run_dir) / "metrics.jsonl"
+            last = checkpoint.read_manifest(resume_from)["round"]
+            kept = [json.dumps(m) for m in read_jsonl(metrics_path) if m.get("round", 0) < last]
+            atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
         placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
         topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
         replicas = {}
@@ -184,10 +191,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             ray.get([replicas[rid].load_checkpoint.remote(str(resume_from), sha)
                      for rid, sha in manifest["files"].items() if rid in replicas],
                     timeout=cfg.supervisor.phase_timeout_s)
-            # rounds committed after the checkpoint are redone: drop their metrics lines
-            metrics_path = Path(run_dir) / "metrics.jsonl"
-            kept = [json.dumps(m) for m in read_jsonl(metrics_path) if m.get("round", 0) < manifest["round"]]
-            atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
             print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
         view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
         summary, supervisor_losses = None, 0
