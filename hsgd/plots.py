@@ -219,6 +219,10 @@ def loss_plot_data(run_dir: str | Path) -> dict:
         for rid, loss in (m.get("replica_loss") or {}).items():
             per_replica.setdefault(rid, []).append((m["inner_step"], loss))
     evals = [(m["inner_step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
+    initial = [e["eval_loss"] for e in read_jsonl(run_dir / "events.jsonl")
+               if e.get("event") == "initial_eval" and e.get("eval_loss") is not None]
+    if initial:  # the global model before any step
+        evals.insert(0, (0, initial[0]))
     faults = read_jsonl(run_dir / "faults_fired.jsonl")
     spr = metrics[0]["inner_step"] // (metrics[0]["round"] + 1) if metrics else 1
     fault_steps = [(_fault_step(f, metrics, spr), f"{f['kind']} {f['rid']}") for f in faults]
