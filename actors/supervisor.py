@@ -34,6 +34,7 @@ from hsgd.faults import FaultSpec, due_faults, fault_figures, parse_fault, parse
 from hsgd.heal import assign_heals
 from hsgd.membership import Membership, Plan
 from hsgd.outer import commit_decision
+from hsgd.report import efficiencies, round_record
 from hsgd.runlog import RunLog, read_jsonl, write_summary
 from hsgd.topology import Topology
 from hsgd.wandb_sink import WandbSink
@@ -607,17 +608,11 @@ class Supervisor:
         eval_loss = None
         if (r + 1) % self.cfg.train.eval_every == 0 or r + 1 == self.cfg.train.rounds:
             eval_loss = self._evaluate(plan)
-        losses = out["losses"]
-        all_losses = [x for v in losses.values() for x in v]
-        inner_s = out["seconds"]["inner"]
-        record = {"round": r, "inner_step": (r + 1) * self.spr,
-                  "loss": sum(all_losses) / len(all_losses) if all_losses else None,
-                  "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(losses.items()) if v},
-                  "eval_loss": eval_loss, "tokens_per_s": out["totals"]["tokens"] / inner_s if inner_s > 0 else None,
-                  "inner_bytes": out["totals"]["inner_bytes"], "outer_bytes": out["totals"]["outer_bytes"],
-                  "live_replicas": len(plan.live), "epoch": plan.epoch, "attempts": out["attempts"],
-                  "phase_s": out["seconds"], "replica_digests": out["digests"],
-                  "global_digests": out["global_digests"], "t": time.time()}
+        record = round_record(round_index=r, steps_per_round=self.spr, losses=out["losses"],
+                              tokens=out["totals"]["tokens"], inner_bytes=out["totals"]["inner_bytes"],
+                              outer_bytes=out["totals"]["outer_bytes"], phase_s=out["seconds"], eval_loss=eval_loss,
+                              live_replicas=len(plan.live), epoch=plan.epoch, attempts=out["attempts"],
+                              digests=out["digests"], global_digests=out["global_digests"], t=time.time())
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         self.wandb.log_round(record)
         self._set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
@@ -666,16 +661,14 @@ class Supervisor:
         evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
         rounds = max((r for r, _ in (self.progress.get(rid, (0, 0)) for rid in self.membership.live)), default=0)
         committed_steps = rounds * self.spr
-        # torchft's figures: committed / attempted replica-steps, times mean participation
-        step_eff = min(1.0, self.committed_steps / self.attempted_steps) if self.attempted_steps else 1.0
-        participation = sum(self.participation) / len(self.participation) if self.participation else 1.0
+        step_eff, training_eff = efficiencies(self.committed_steps, self.attempted_steps, self.participation)
         return {"status": status, "reason": reason, "rounds_committed": rounds,
                 "inner_steps_committed": committed_steps,
                 "initial_eval_loss": self.durable.get("initial_eval_loss"),
                 "final_eval_loss": evals[-1] if evals else None,
                 "wall_s": time.time() - start, "run_wall_s": time.time() - self.durable["started_at"],
                 "replica_param_digests": digests, "global_param_digest": global_digest,
-                "step_efficiency": step_eff, "training_efficiency": step_eff * participation,
+                "step_efficiency": step_eff, "training_efficiency": training_eff,
                 "faults": fault_figures(read_jsonl(Path(self.run_dir) / "faults_fired.jsonl"),
                                         read_jsonl(Path(self.run_dir) / "events.jsonl")),
                 "supervisor_starts": self.durable["supervisor_starts"],

@@ -193,11 +193,19 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                     timeout=cfg.supervisor.phase_timeout_s)
             print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
         view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
-        summary, supervisor_losses = None, 0
+        summary, supervisor_losses, stop_asked = None, 0, False
         while summary is None:
             ref = supervisor.run.remote()
             while True:
-                done, _ = ray.wait([ref], timeout=1.0)
+                try:
+                    done, _ = ray.wait([ref], timeout=1.0)
+                except KeyboardInterrupt:
+                    if stop_asked:
+                        raise  # a second Ctrl-C: abort now (the finally below still cleans up)
+                    stop_asked = True
+                    print("\n[hsgd] stopping after the round in flight (Ctrl-C again to abort)", flush=True)
+                    supervisor.request_stop.remote()
+                    continue
                 try:
                     view.update(ray.get(supervisor.status.remote(), timeout=5.0))
                 except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
