@@ -592,6 +592,7 @@ class Supervisor:
                     self.log.event("run_stopped", round=r)
                     break
                 self._round_and_record(r)
+            self._final_heal()
         except RunFailed as err:
             status, reason = "failed", str(err)
             self.log.event("run_failed", reason=reason)
@@ -619,6 +620,18 @@ class Supervisor:
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
         if self._checkpoint_due(r + 1):
             self._checkpoint(r, plan)
+
+    def _final_heal(self) -> None:
+        """A replica that died in the last round comes back and heals before the run ends, so the
+        result is held by every replica that can return (not only the survivors)."""
+        if not self._anyone_restarting():
+            return
+        self._set_status(phase="final_heal")
+        self._rejoin(self.cfg.supervisor.rejoin_wait_s)
+        self._refresh_progress()
+        plan = self.membership.plan()
+        top = max((self.progress[rid][0] for rid in plan.live if rid in self.progress), default=0)
+        self._heal(plan, top)
 
     def _checkpoint_due(self, rounds_done: int) -> bool:
         every = self.cfg.checkpoint.every
