@@ -35,7 +35,9 @@ def test_every_kind_in_every_phase(tmp_path, target_class):
     assert s["inner_steps_committed"] == fault_free["inner_steps_committed"]
     assert_digests_agree_every_round(run_dir)
     assert len(s["replica_param_digests"]) == 4 and len(set(s["replica_param_digests"].values())) == 1
-    assert abs(s["final_eval_loss"] / fault_free["final_eval_loss"] - 1) < 0.05, \
+    # A fault in every round changes the trajectory (a whole cluster restarting from the global
+    # params 20 times); it must not make the model worse than 5 % of the fault-free one.
+    assert s["final_eval_loss"] < 1.05 * fault_free["final_eval_loss"], \
         (s["final_eval_loss"], fault_free["final_eval_loss"])
     print(f"MATRIX {target_class}: {len(faults)} scheduled, {len(s['faults'])} fired, wall {s['wall_s']:.1f}s, "
           f"eval {s['final_eval_loss']:.4f} vs fault-free {fault_free['final_eval_loss']:.4f}, "
