@@ -679,7 +679,8 @@ class Supervisor:
                 "inner_steps_committed": committed_steps,
                 "initial_eval_loss": self.durable.get("initial_eval_loss"),
                 "final_eval_loss": evals[-1] if evals else None,
-                "wall_s": time.time() - start, "run_wall_s": time.time() - self.durable["started_at"],
+                "wall_s": time.time() - self.durable["started_at"],  # the whole run, across supervisor restarts
+                "supervisor_wall_s": time.time() - start,
                 "replica_param_digests": digests, "global_param_digest": global_digest,
                 "step_efficiency": step_eff, "training_efficiency": training_eff,
                 "faults": fault_figures(read_jsonl(Path(self.run_dir) / "faults_fired.jsonl"),
