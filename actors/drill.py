@@ -75,7 +75,7 @@ class Drill:
 
     def wait_done(self, timeout_s: float = 600.0) -> dict:
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(timeout=timeout_s)
             if self._thread.is_alive():
                 raise DrillError(f"the run did not end within {timeout_s:.0f}s; last state: {self._brief()}")
         if self.error is not None:

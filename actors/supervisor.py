@@ -227,7 +227,7 @@ class Supervisor:
             with ThreadPoolExecutor(max_workers=8) as pool:
                 futures = {rid: pool.submit(dump_replica, self.handles[rid], self.replica_info.get(rid, {}),
                                             self.run_dir, rid) for rid in sorted(calls)}
-                dumps = {rid: fut.result() for rid, fut in futures.items()}
+                dumps = {rid: fut.result(timeout=30.0) for rid, fut in futures.items()}  # each dump is itself bounded
         hang_dir = Path(self.run_dir) / "hangs"
         hang_dir.mkdir(exist_ok=True)
         for rid in stuck:

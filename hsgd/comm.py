@@ -125,7 +125,7 @@ class LevelGroup:
 
     def _wait(self, work, what: str) -> None:
         try:
-            work.wait(timedelta(seconds=self.timeout_s))
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as err:  # noqa: BLE001 — gloo raises RuntimeError with many texts
             self._usable = False
             raise CollectiveError(f"{self.level}: {what} on {self.prefix} failed: {err}") from err
