@@ -23,8 +23,8 @@ from typing import Any
 
 import ray
 
-from hsgd.faults import FAULT_KINDS, FAULT_PHASES
-from hsgd.runlog import read_jsonl
+from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
+from hsgd.record.rundir import read_jsonl
 
 
 class DrillError(RuntimeError):
@@ -44,7 +44,7 @@ class Drill:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 180.0) -> "Drill":
         """Start the run in a background thread; return once its supervisor is driving rounds."""
-        from jobs.train import compose_config, connect_ray, run_training
+        from actors.launch import compose_config, connect_ray, run_training
         from hsgd.config import validate
 
         cfg = compose_config(["logging.progress=false", *self.overrides])

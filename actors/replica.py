@@ -1,4 +1,4 @@
-"""Replica actor: a thin Ray shell around hsgd.trainer.ReplicaTrainer.
+"""Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
 Its methods are the messages the supervisor sends. Phase methods (group "phase", one at a time)
 run one level's collectives; control methods (group "control") answer while a phase is in
@@ -25,11 +25,11 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from actors.stacks import install_faulthandler
-from hsgd import checkpoint
-from hsgd.comm import CollectiveError, LevelGroup
-from hsgd.topology import Topology
-from hsgd.trainer import ReplicaTrainer
+from actors.hang import install_faulthandler
+from hsgd.train import checkpoint
+from hsgd.train.comm import CollectiveError, LevelGroup
+from hsgd.core.topology import Topology
+from hsgd.train.trainer import ReplicaTrainer
 
 CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
 

@@ -29,17 +29,19 @@ import ray
 from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from hsgd import checkpoint
-from hsgd.faults import FaultSpec, due_faults, fault_figures, parse_fault, parse_schedule, random_schedule
-from hsgd.heal import assign_heals
-from hsgd.membership import Membership, Plan
-from hsgd.outer import commit_decision
-from hsgd.report import efficiencies, round_record
-from hsgd.runlog import RunLog, read_jsonl, write_summary
-from hsgd.topology import Topology
-from hsgd.wandb_sink import WandbSink
-from hsgd.watchdog import PhaseClock, hang_report, stuck_function
-from actors.stacks import dump_replica
+from hsgd.train import checkpoint
+from hsgd.core.faults import FaultSpec, due_faults, fault_figures, parse_fault, parse_schedule, random_schedule
+from hsgd.core.heal import assign_heals
+from hsgd.core.membership import Membership, Plan
+from hsgd.train.outer import commit_decision
+from hsgd.record.metrics import efficiencies, round_record
+from hsgd.record.events import RunLog
+from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
+from hsgd.core.topology import Topology
+from hsgd.record.wandb import WandbSink
+from hsgd.core.deadlines import PhaseClock
+from hsgd.record.hangs import hang_report, stuck_function
+from actors.hang import dump_replica
 
 STATE_FILE = "supervisor_state.json"
 
@@ -115,7 +117,7 @@ class Supervisor:
 
     def _save_durable(self) -> None:
         self.durable["epoch"] = self.membership.epoch
-        checkpoint.atomic_write_text(Path(self.run_dir) / STATE_FILE, json.dumps(self.durable, indent=1))
+        atomic_write_text(Path(self.run_dir) / STATE_FILE, json.dumps(self.durable, indent=1))
 
     # -- status (answers while a phase runs) -----------------------------------------------------
     @ray.method(concurrency_group="status")
@@ -151,7 +153,7 @@ class Supervisor:
         """The live view: answered by status() and mirrored to status.json for jobs.status."""
         self.status_view.update(fields, updated=time.time())
         try:
-            checkpoint.atomic_write_text(Path(self.run_dir) / "status.json",
+            atomic_write_text(Path(self.run_dir) / "status.json",
                                          json.dumps(self.status_view, default=str))
         except OSError:
             pass  # the view is best effort; the run goes on
@@ -235,7 +237,7 @@ class Supervisor:
                                deadline_s=deadline_s, peers=peers, dumps=dumps,
                                view={"epoch": self.membership.epoch, "leaders": self.plan.leaders if self.plan else {}})
             path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
-            checkpoint.atomic_write_text(path, text)
+            atomic_write_text(path, text)
             self.log.event("hang_detected", rid=rid, phase=phase, round=round_index, waited_s=waited_s,
                            deadline_s=deadline_s, stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
                            waiting=[p for p, st in peers.items() if st != "returned ok" and p != rid])

@@ -22,9 +22,9 @@ SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.ev
 
 
 def run(name: str, overrides: list[str], out: Path) -> dict:
-    from jobs.train import compose_config, run_training
+    from actors.launch import compose_config, run_training
     from hsgd.config import validate
-    from hsgd.runlog import read_jsonl
+    from hsgd.record.rundir import read_jsonl
 
     cfg = compose_config(SMALL + overrides)
     validate(cfg)

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from actors.stacks import dump_replica
+    from actors.hang import dump_replica
     from actors.supervisor import replica_actor_name
 
     try:

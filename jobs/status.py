@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from hsgd.plots import known_replicas, read_events, replica_states
-from hsgd.runlog import read_jsonl
+from hsgd.record.plots import known_replicas, read_events, replica_states
+from hsgd.record.rundir import read_jsonl
 
 RECENT = 8
 _STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "?": "dim"}

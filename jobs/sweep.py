@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from hsgd.checkpoint import atomic_write_text
-from hsgd.runlog import read_jsonl
+from hsgd.record.rundir import atomic_write_text
+from hsgd.record.rundir import read_jsonl
 
 COLUMNS = ("job", "overrides", "status", "rounds_committed", "final_eval_loss", "outer_bytes", "wall_s", "job_s",
            "run_dir")

@@ -1,31 +1,20 @@
 """Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`).
 
-1. Compose and validate the config; a bad value prints one line and exits 2 before Ray starts
-   (for a multirun `-m a=1,2`: every job of the sweep, before the first one starts).
-2. Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
-   Under `ray job submit` relative run folders land under the persistent output root
-   (hsgd.config.output_root), not in the job's temporary copy of the working dir.
-3. Check the cluster can place every replica, place each cluster as a unit (actors/placement.py),
-   start the replica actors (owned by this driver, so they outlive a supervisor crash) and the
-   supervisor, and wait for the run while drawing a progress bar; a dead supervisor is restarted by
-   Ray and the run call re-issued.
-4. Write plots next to the JSON and print where everything is. A multirun runs its jobs one after
-   the other (Ray shut down between them) and keeps `sweep.csv` / `sweep.md` in the sweep folder.
+The command line of actors/launch.py: a bad value prints one line and exits 2 before Ray starts
+(for a multirun `-m a=1,2`: every job of the sweep, before the first one starts); a failed run
+exits 1. A multirun runs its jobs one after the other (Ray shut down between them) and keeps
+`sweep.csv` / `sweep.md` in the sweep folder.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-import uuid
-from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from hsgd.config import ConfigError, output_path, register_schema, resolve_backend, under_ray_job, validate
-from hsgd.faults import FaultSpecError
+from actors.launch import describe_hydra_error, precheck, run_training
+from hsgd.config import ConfigError, register_schema, validate
 
 register_schema()
 EXIT_CONFIG = 2
@@ -37,240 +26,11 @@ def _config_error(message: str) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The resolved config for these overrides, as Hydra would build it (for tests, notebooks and
-    the pre-check). Raises Hydra/OmegaConf errors for bad keys or types; does not validate."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    plain = [o for o in overrides if not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"),
-                               version_base="1.3", job_name="hsgd"):
-        cfg = compose(config_name="config", overrides=plain)
-    OmegaConf.resolve(cfg)
-    return cfg
-
-
-def describe_hydra_error(err: BaseException) -> str:
-    """One line from Hydra/OmegaConf's nested errors: the field and what went wrong."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    chain, cause = [], err
-    while cause is not None and len(chain) < 5:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    for e in chain:
-        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
-            msg = str(getattr(e, "msg", "") or e).split("\n")[0]
-            return f"{e.full_key}: {msg}"
-    return " ".join(str(err).split())[:400]
-
-
-def precheck(overrides: list[str]) -> None:
-    """Compose the config outside Hydra's runner so any bad override becomes one line + exit 2."""
+def _train(cfg: DictConfig, run_dir: str) -> dict:
     try:
-        validate(compose_config(overrides))
-    except (ConfigError, FaultSpecError) as err:
-        _config_error(str(err))
-    except Exception as err:  # noqa: BLE001 — Hydra/OmegaConf parse and type errors
-        _config_error(describe_hydra_error(err))
-
-
-def connect_ray(cfg: DictConfig) -> bool:
-    """Returns True if this call connected Ray (and the caller must disconnect when done); a
-    caller that already initialised Ray (a test, a notebook) keeps its connection."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address or under_ray_job() or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
-        ray.init(address=address or "auto", namespace="hsgd", log_to_driver=True)
-        return True
-    n = cfg.topology.clusters * cfg.topology.replicas_per_cluster
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(n * cfg.topology.cpus_per_replica + 0.999) + 1)
-    repo = str(Path(__file__).resolve().parent.parent)
-    ray.init(num_cpus=num_cpus, namespace="hsgd", include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-    return True
-
-
-def run_training(cfg: DictConfig, run_dir: str) -> dict:
-    """Run one training job to its end; returns summary.json's content. A relative run_dir is
-    taken as run.dir is (hsgd.config.output_path): under a Ray job, below the persistent root."""
-    import ray
-    import torch
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    from actors.placement import ClusterPlacement, check_capacity
-    from actors.replica import Replica
-    from actors.supervisor import Supervisor, replica_actor_name, supervisor_actor_name
-    from hsgd import checkpoint
-    from hsgd.plots import write_run_plots
-    from hsgd.progress import ProgressView
-    from hsgd.runlog import read_jsonl
-    from hsgd.topology import Topology
-
-    job_started = time.time()
-    run_dir = os.path.abspath(output_path(run_dir))
-    cfg.run.dir = run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    resume_from = None
-    if cfg.train.resume:
-        resume_from = checkpoint.latest(Path(run_dir) / "checkpoints")
-        if resume_from is None:
-            _config_error(f"train.resume: no checkpoint under {run_dir}/checkpoints; pass run.dir=<the run to resume>")
-    elif (Path(run_dir) / "summary.json").exists() or (Path(run_dir) / "supervisor_state.json").exists():
-        _config_error(f"run.dir: {run_dir} already holds a run; choose a new run.dir or add train.resume=true")
-    backend = resolve_backend(cfg.comm.backend, torch.cuda.is_available())
-    os.environ.setdefault("WANDB_MODE", cfg.logging.wandb.mode)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    from hsgd.checkpoint import atomic_write_text
-
-    started_ray = connect_ray(cfg)
-    try:
-        check_capacity(cfg, backend)
+        return run_training(cfg, run_dir)
     except ConfigError as err:
-        if started_ray:
-            ray.shutdown()
         _config_error(str(err))
-    atomic_write_text(Path(run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if resume_from is not None:
-        # a resumed run continues from the checkpoint: the supervisor's old view is stale
-        for name in ("supervisor_state.json",):
-            state = Path(run_dir) / name
-            if state.exists():
-                old = json.loads(state.read_text())
-                atomic_write_text(state, json.dumps({"epoch": old.get("epoch", 0), "fired": old.get("fired", []),
-                                                     "started_at": time.time(),
-                                                     "initial_eval_loss": old.get("initial_eval_loss")}))
-
-    run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
-    topo_ids = [f"c{c}r{i}" for c in range(cfg.topology.clusters) for i in range(cfg.topology.replicas_per_cluster)]
-    # how jobs.diagnose and notebooks find this run's actors
-    run_info = {"run_id": run_id, "namespace": ray.get_runtime_context().namespace,
-                "ray_address": ray.get_runtime_context().gcs_address, "replicas": topo_ids,
-                "driver_pid": os.getpid(), "started_at": time.time()}
-    atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
-    placement = None
-    actors = []
-    try:
-        # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
-        if resume_from is not None:
-            # Rounds committed after the checkpoint are redone: drop their metrics lines. Before
-            # any actor starts: the supervisor appends to this file from its first moment.
-            metrics_path = Path(run_dir) / "metrics.jsonl"
-            last = checkpoint.read_manifest(resume_from)["round"]
-            kept = [json.dumps(m) for m in read_jsonl(metrics_path) if m.get("round", 0) < last]
-            atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
-        placement = ClusterPlacement(cfg, backend, timeout_s=cfg.supervisor.quorum_wait_s)
-        topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
-        replicas = {}
-        for rid in topo.replica_ids():
-            c, i = divmod(topo.global_index(rid), cfg.topology.replicas_per_cluster)
-            replicas[rid] = Replica.options(name=replica_actor_name(run_id, rid), max_restarts=cfg.faults.max_restarts,
-                                            max_task_retries=0, **placement.options(c, i)).remote(container, rid, run_dir, backend)
-        actors.extend(replicas.values())
-        # Started now so its process boots while the replicas do; it sends nothing before run().
-        supervisor = Supervisor.options(name=supervisor_actor_name(run_id), max_restarts=cfg.supervisor.max_restarts,
-                                        max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)
-        actors.append(supervisor)
-        # where each replica landed, as the replica itself reports it (its runtime context)
-        run_info["replica_nodes"] = _replica_nodes(replicas, cfg.supervisor.call_timeout_s)
-        atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
-        print("[hsgd] placement: " + "; ".join(
-            f"c{c} on node(s) {','.join(sorted({str(n)[:8] for r, n in run_info['replica_nodes'].items() if r.startswith(f'c{c}r')}))}"
-            for c in range(cfg.topology.clusters)), flush=True)
-        if resume_from is not None:
-            manifest = checkpoint.read_manifest(resume_from)
-            if manifest["topology"] != [cfg.topology.clusters, cfg.topology.replicas_per_cluster]:
-                _config_error(f"train.resume: checkpoint {resume_from} is for topology {manifest['topology']}, "
-                              f"not [{cfg.topology.clusters}, {cfg.topology.replicas_per_cluster}]")
-            ray.get([replicas[rid].load_checkpoint.remote(str(resume_from), sha)
-                     for rid, sha in manifest["files"].items() if rid in replicas],
-                    timeout=cfg.supervisor.phase_timeout_s)
-            print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
-        view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
-        summary, supervisor_losses, stop_asked = None, 0, False
-        while summary is None:
-            ref = supervisor.run.remote()
-            while True:
-                try:
-                    done, _ = ray.wait([ref], timeout=1.0)
-                except KeyboardInterrupt:
-                    if stop_asked:
-                        raise  # a second Ctrl-C: abort now (the finally below still cleans up)
-                    stop_asked = True
-                    print("\n[hsgd] stopping after the round in flight (Ctrl-C again to abort)", flush=True)
-                    supervisor.request_stop.remote()
-                    continue
-                try:
-                    view.update(ray.get(supervisor.status.remote(), timeout=5.0))
-                except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
-                    pass
-                if done:
-                    break
-            try:
-                summary = ray.get(ref, timeout=60.0)
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
-                supervisor_losses += 1
-                if supervisor_losses > cfg.supervisor.max_restarts:
-                    summary = _supervisor_gone_summary(run_dir, supervisor_losses, err)
-                    break
-                print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
-                time.sleep(1.0)
-        view.close()
-        write_run_plots(run_dir)
-        if summary["status"] == "completed":
-            print(f"[hsgd] completed: {summary['rounds_committed']} rounds, {summary['inner_steps_committed']} "
-                  f"inner steps, eval loss {summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f} "
-                  f"in {summary['wall_s']:.1f}s", flush=True)
-        else:
-            print(f"[hsgd] {summary['status']}: {summary.get('reason')}", flush=True)
-        print(f"[hsgd] outputs in {run_dir}", flush=True)
-        return summary
-    finally:
-        for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        if placement is not None:
-            placement.release()
-        run_info["job_s"] = time.time() - job_started  # the whole job, Ray start and plots included
-        atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
-        if started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
-            ray.shutdown()
-
-
-def _replica_nodes(replicas: dict, timeout_s: float) -> dict:
-    """replica id -> the Ray node id the replica reports from its own runtime context (None if it
-    did not answer in time: a replica still starting or already dead; the run goes on)."""
-    import ray
-
-    refs = {rid: handle.progress.remote() for rid, handle in replicas.items()}
-    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    nodes = {}
-    for rid, ref in refs.items():
-        try:
-            nodes[rid] = ray.get(ref, timeout=0.1)["node_id"]
-        except Exception:  # noqa: BLE001
-            nodes[rid] = None
-    return nodes
-
-
-def _supervisor_gone_summary(run_dir: str, losses: int, err: BaseException) -> dict:
-    """The supervisor died more often than it may restart: end the run as failed, keep the files."""
-    from hsgd.runlog import write_summary
-
-    summary = {"status": "failed", "reason": f"supervisor lost {losses} times (supervisor.max_restarts exhausted): "
-               f"{type(err).__name__}", "rounds_committed": None, "inner_steps_committed": None,
-               "initial_eval_loss": None, "final_eval_loss": None, "wall_s": None,
-               "replica_param_digests": {}, "global_param_digest": None, "run_dir": run_dir}
-    write_summary(run_dir, summary)
-    return summary
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -280,7 +40,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
     try:
         validate(cfg)
-    except (ConfigError, FaultSpecError) as err:
+    except ConfigError as err:
         _config_error(str(err))
     from actors.placement import PlacementTimeout
 
@@ -288,7 +48,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     run_dir = os.path.abspath(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         try:
-            summary = run_training(cfg, run_dir)
+            summary = _train(cfg, run_dir)
         except PlacementTimeout as err:
             print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
             sys.exit(1)
@@ -303,7 +63,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
     summary = None
     try:
-        summary = run_training(cfg, run_dir)
+        summary = _train(cfg, run_dir)
     except PlacementTimeout as err:
         print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
         summary = {"status": "failed", "reason": f"placement: {err}"}
@@ -329,19 +89,26 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
+def _precheck(overrides: list[str]) -> None:
+    try:
+        precheck(overrides)
+    except ConfigError as err:
+        _config_error(str(err))
+
+
 def main() -> None:
     argv = sys.argv[1:]
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if not any(a.startswith("--") and a != "--multirun" for a in argv):
         if not multirun:
-            precheck(argv)
+            _precheck(argv)
         else:
             try:
                 jobs = sweep_jobs(argv)
             except Exception as err:  # noqa: BLE001 — a malformed sweep override
                 _config_error(describe_hydra_error(err))
             for job in jobs or []:
-                precheck(job)
+                _precheck(job)
     hydra_main()
     if multirun and _SWEEP["dir"] is not None:
         from jobs.sweep import markdown_table, sweep_rows

@@ -2,8 +2,8 @@
 
 Each reference rebuilds what hsgd is supposed to compute from the algorithm's definition, using only
 the pieces of hsgd that are not under test: the model and inner-optimizer factories
-(`hsgd.trainer.build_model`, `build_inner_optimizer`), the corpus and the step-indexed batches
-(`hsgd.data`). Everything that hsgd's sync layers do (gradient all-reduce, parameter averaging,
+(`hsgd.train.trainer.build_model`, `build_inner_optimizer`), the corpus and the step-indexed batches
+(`hsgd.train.data`). Everything that hsgd's sync layers do (gradient all-reduce, parameter averaging,
 pseudo-gradients, the outer optimizer) is written here independently.
 
 Replica `c<c>r<i>` has global index `c * replicas_per_cluster + i`; its batch at global inner step
@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from hsgd.data import batch_for_step, load_corpus
-from hsgd.trainer import build_inner_optimizer, build_model
+from hsgd.train.data import batch_for_step, load_corpus
+from hsgd.train.trainer import build_inner_optimizer, build_model
 
 
 # ----------------------------------------------------------------------------- shared pieces

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hsgd.runlog import read_jsonl
+from hsgd.record.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["logging.wandb.mode=disabled", "logging.progress=false", "model.n_layer=1", "model.n_embd=32",
@@ -16,7 +16,7 @@ FAST = ["logging.wandb.mode=disabled", "logging.progress=false", "model.n_layer=
 
 def train(run_dir: Path | str, overrides: list[str], *, fast: bool = True) -> dict:
     """In-process run of jobs.train (embedded Ray started and stopped inside). Returns summary."""
-    from jobs.train import compose_config, run_training
+    from actors.launch import compose_config, run_training
     from hsgd.config import validate
 
     cfg = compose_config((FAST if fast else []) + list(overrides))

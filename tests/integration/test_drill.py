@@ -57,7 +57,7 @@ def test_scheduled_fault_and_clean_stop(drill):
     for name in ("loss.png", "timeline.png", "membership.png"):
         assert (drill.run_dir / name).stat().st_size > 5000
     # the pictures are drawn from the run's own record: spans, downs and fault markers are there
-    from hsgd.plots import membership_data, timeline_data
+    from hsgd.record.plots import membership_data, timeline_data
 
     timeline = timeline_data(drill.run_dir)
     kinds = {span[2] for spans in timeline["spans"].values() for span in spans}

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsgd.checkpoint import load_replica_state
-from hsgd.topology import Topology
+from hsgd.train.checkpoint import load_replica_state
+from hsgd.core.topology import Topology
 from tests.integration import references as ref
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def ray_session():
 
 def run_hsgd(run_dir: Path, overrides: list[str]):
     """Run the real job; returns (cfg, summary, final per-replica states, metrics records)."""
-    from jobs.train import compose_config, run_training
+    from actors.launch import compose_config, run_training
 
     cfg = compose_config(TINY + overrides + [f"checkpoint.every={_value(overrides, 'train.rounds')}"])
     summary = run_training(cfg, str(run_dir))

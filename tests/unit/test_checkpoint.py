@@ -1,4 +1,4 @@
-"""hsgd.checkpoint: atomic, verifiable checkpoints that load without executing code."""
+"""hsgd.train.checkpoint: atomic, verifiable checkpoints that load without executing code."""
 import builtins
 import os
 import pickle
@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from hsgd import checkpoint as ckpt
-from hsgd.checkpoint import CheckpointError
+from hsgd.train import checkpoint as ckpt
+from hsgd.train.checkpoint import CheckpointError
 
 
 def _state(seed=0):

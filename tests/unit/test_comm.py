@@ -1,4 +1,4 @@
-"""hsgd.comm: level-checked collectives, and real gloo groups that fail fast and can be re-formed.
+"""hsgd.train.comm: level-checked collectives, and real gloo groups that fail fast and can be re-formed.
 
 The multi-process test runs ONE spawned session of three processes (spawn + torch import is the
 slow part) and checks several promises in it: mean all-reduce, root broadcast, byte accounting, a
@@ -13,7 +13,7 @@ import traceback
 import pytest
 import torch
 
-from hsgd.comm import CollectiveError, LevelGroup, WrongLevelError, wait_for
+from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError, wait_for
 
 TIMEOUT_S = 5.0
 CONFIGURE_TIMEOUT_S = 10.0
@@ -190,7 +190,7 @@ def test_survivors_reform_under_a_new_prefix(gloo_session):
 def test_a_process_is_never_in_two_collectives_at_once():
     """Invariant 3 is enforced per process, across levels: a second collective while one is in
     flight raises instead of silently nesting (the seeds' inner/outer deadlock)."""
-    from hsgd import comm
+    from hsgd.train import comm
 
     with comm._one_collective("inner allreduce"):
         with pytest.raises(comm.OverlappingCollectiveError, match="outer broadcast"):
@@ -205,7 +205,7 @@ def test_nccl_path_is_importable_behind_the_same_interface(monkeypatch):
     interface: `backend="nccl"` selects torchft's ProcessGroupNCCL with the configured timeout."""
     import torchft.process_group as tpg
 
-    from hsgd import comm
+    from hsgd.train import comm
 
     assert hasattr(tpg, "ProcessGroupNCCL")
     built = {}

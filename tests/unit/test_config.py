@@ -3,7 +3,7 @@ import pytest
 
 from hsgd.config import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, OUTER_ALGORITHMS, WANDB_MODES,
                          ConfigError, HsgdConfig, resolve_backend, validate)
-from hsgd.faults import FAULT_KINDS, FaultSpecError
+from hsgd.core.faults import FAULT_KINDS, FaultSpecError
 
 
 def _cfg(**changes) -> HsgdConfig:

@@ -4,7 +4,7 @@ import lzma
 import pytest
 import torch
 
-from hsgd.data import batch_for_step, decode, encode, eval_batches, load_corpus
+from hsgd.train.data import batch_for_step, decode, encode, eval_batches, load_corpus
 
 PACKAGED_CHARS = 5_057_280  # hsgd/corpus/README.md
 

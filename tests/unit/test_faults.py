@@ -1,8 +1,8 @@
-"""hsgd.faults: the public fault grammar, its one-line errors, and reproducible random schedules."""
+"""hsgd.core.faults: the public fault grammar, its one-line errors, and reproducible random schedules."""
 import pytest
 
-from hsgd.faults import FAULT_KINDS, FAULT_PHASES, FaultSpec, FaultSpecError, parse_fault, parse_schedule, random_schedule
-from hsgd.topology import parse_replica_id, replica_id
+from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES, FaultSpec, FaultSpecError, parse_fault, parse_schedule, random_schedule
+from hsgd.core.topology import parse_replica_id, replica_id
 
 TOPO = {"clusters": 2, "replicas_per_cluster": 2}
 
@@ -168,8 +168,8 @@ def test_random_schedule_stays_within_the_run_and_topology(seed):
 
 
 def _plan():
-    from hsgd.membership import Membership
-    from hsgd.topology import Topology
+    from hsgd.core.membership import Membership
+    from hsgd.core.topology import Topology
 
     m = Membership(Topology(2, 2))
     for rid in ("c0r0", "c0r1", "c1r0", "c1r1"):
@@ -179,7 +179,7 @@ def _plan():
 
 
 def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
-    from hsgd.faults import due_faults
+    from hsgd.core.faults import due_faults
 
     specs = parse_schedule([
         {"kind": "kill", "target": "leader:c1", "round": 2, "phase": "outer"},
@@ -194,7 +194,7 @@ def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
 
 
 def test_due_faults_never_repeat_a_fired_fault_and_respect_only():
-    from hsgd.faults import due_faults
+    from hsgd.core.faults import due_faults
 
     specs = parse_schedule([{"kind": "crash", "target": "cluster:c0", "round": 1, "phase": "heal"}],
                            clusters=2, replicas_per_cluster=2)

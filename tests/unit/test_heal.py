@@ -1,4 +1,4 @@
-"""hsgd.heal: "max committed wins" — who copies state from whom, deterministically.
+"""hsgd.core.heal: "max committed wins" — who copies state from whom, deterministically.
 
 Semantics applied below (module docstring + ReplicaTrainer.load_state_dict): `full` makes the
 target equal to its source's (round, step); `global` gives it the source's round and restarts that
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from hsgd.heal import HealAssignment, assign_heals
-from hsgd.membership import Membership
-from hsgd.topology import Topology, parse_replica_id
+from hsgd.core.heal import HealAssignment, assign_heals
+from hsgd.core.membership import Membership
+from hsgd.core.topology import Topology, parse_replica_id
 
 SPR = 10  # steps per round
 

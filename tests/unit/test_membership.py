@@ -1,10 +1,10 @@
-"""hsgd.topology and hsgd.membership: ids, the epoch/leader/quorum state machine and its plans."""
+"""hsgd.core.topology and hsgd.core.membership: ids, the epoch/leader/quorum state machine and its plans."""
 import random
 
 import pytest
 
-from hsgd.membership import Membership, Plan
-from hsgd.topology import Topology, parse_replica_id, replica_id
+from hsgd.core.membership import Membership, Plan
+from hsgd.core.topology import Topology, parse_replica_id, replica_id
 
 
 # -- topology -------------------------------------------------------------------------------------

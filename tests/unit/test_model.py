@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hsgd.model import GPT, GPTConfig, PRESETS
+from hsgd.train.model import GPT, GPTConfig, PRESETS
 
 VOCAB = 84
 

@@ -1,10 +1,10 @@
-"""hsgd.outer: the outer optimizer (average / DiLoCo Nesterov), pseudo-gradients, commit rule."""
+"""hsgd.train.outer: the outer optimizer (average / DiLoCo Nesterov), pseudo-gradients, commit rule."""
 import io
 
 import pytest
 import torch
 
-from hsgd.outer import OuterOptimizer, commit_decision, outer_hyperparameters
+from hsgd.train.outer import OuterOptimizer, commit_decision, outer_hyperparameters
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 

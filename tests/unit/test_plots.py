@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from hsgd.plots import (loss_plot_data, membership_data, timeline_data, write_loss_png, write_membership_png,
+from hsgd.record.plots import (loss_plot_data, membership_data, timeline_data, write_loss_png, write_membership_png,
                         write_run_plots, write_timeline_png)
 
 T0 = 1_700_000_000.0

@@ -1,7 +1,7 @@
 """The figures a run reports (metrics.jsonl records, efficiencies) are computed correctly."""
 import math
 
-from hsgd.report import efficiencies, round_record
+from hsgd.record.metrics import efficiencies, round_record
 
 
 def test_round_record_means_losses_and_derives_throughput():

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hsgd.membership import Plan
-from hsgd.topology import parse_replica_id
+from hsgd.core.membership import Plan
+from hsgd.core.topology import parse_replica_id
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from hsgd.comm import LevelGroup
-from hsgd.data import Corpus, batch_for_step, eval_batches, load_corpus
-from hsgd.model import GPT, GPTConfig
-from hsgd.outer import OuterOptimizer, outer_hyperparameters
-from hsgd.topology import Topology
+from hsgd.train.comm import LevelGroup
+from hsgd.train.data import Corpus, batch_for_step, eval_batches, load_corpus
+from hsgd.train.model import GPT, GPTConfig
+from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
+from hsgd.core.topology import Topology
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
 FaultHook = Callable[[str, int, int], None]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hsgd.topology import Topology, parse_replica_id
+from hsgd.core.topology import Topology, parse_replica_id
 
 
 @dataclass(frozen=True)

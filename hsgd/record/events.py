@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsgd.checkpoint import atomic_write_text
 
 
 class RunLog:
@@ -47,21 +46,3 @@ class RunLog:
             self._metrics.close()
 
 
-def write_summary(run_dir: str | Path, summary: dict) -> None:
-    # json writes floats with repr(): the shortest string that round-trips, i.e. full precision.
-    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written right now
-    return records

@@ -18,6 +18,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from hsgd.record.rundir import atomic_write_text
+
 MANIFEST = "manifest.json"
 
 
@@ -33,20 +35,6 @@ def new_temp_dir(root: str | Path, round_index: int) -> Path:
     path = Path(root) / f"{round_dir_name(round_index)}.tmp-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True, exist_ok=False)
     return path
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:

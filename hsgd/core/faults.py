@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hsgd.config import ConfigError
-from hsgd.topology import parse_replica_id, replica_id
+from hsgd.core.topology import parse_replica_id, replica_id
 
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow")
 FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal")

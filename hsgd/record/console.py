@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hsgd.runlog import read_jsonl
+from hsgd.record.rundir import read_jsonl
 
 
 def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:

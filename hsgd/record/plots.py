@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hsgd.faults import fault_figures
-from hsgd.runlog import read_jsonl
+from hsgd.core.faults import fault_figures
+from hsgd.record.rundir import read_jsonl
 
 SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")
 SPAN_COLOURS = {"inner": "#4c72b0", "inner_sync": "#8fb3e0", "outer": "#dd8452", "outer_commit": "#55a868",

@@ -1,0 +1,33 @@
+"""Where a run writes: run.dir / run.sweep_dir resolved against the persistent output root."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+OUTPUT_ROOT_ENV = "HSGD_OUTPUT_ROOT"
+RAY_JOB_OUTPUT_ROOT = "~/hsgd"  # the persistent root under `ray job submit` when $HSGD_OUTPUT_ROOT is unset
+
+
+def under_ray_job() -> bool:
+    """True in the entrypoint of `ray job submit` (Ray's job supervisor sets this variable)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def output_root() -> Optional[str]:
+    """Where relative run.dir / run.sweep_dir land: $HSGD_OUTPUT_ROOT, else ~/hsgd under a Ray
+    job, else None (the launch directory)."""
+    root = os.environ.get(OUTPUT_ROOT_ENV, "").strip()
+    if root:
+        return os.path.abspath(os.path.expanduser(root))
+    if under_ray_job():
+        return os.path.expanduser(RAY_JOB_OUTPUT_ROOT)
+    return None
+
+
+def output_path(path: str) -> str:
+    """run.dir / run.sweep_dir as the job will use it: `~` expanded, a relative path joined to
+    output_root() when there is one (left relative to the launch directory otherwise)."""
+    p = os.path.expanduser(str(path))
+    root = output_root()
+    return os.path.join(root, p) if root is not None and not os.path.isabs(p) else p

@@ -1,0 +1,203 @@
+"""The run's configuration as a typed schema (Hydra structured configs).
+
+Every key here is public contract (README, "Configuration"); `hsgd.config.validate` checks the
+values the types cannot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+INNER_ALGORITHMS = ("ddp", "localsgd", "none")
+OUTER_ALGORITHMS = ("average", "diloco", "none")
+INNER_OPTIMIZERS = ("adamw", "sgd")
+BACKENDS = ("auto", "gloo", "nccl")
+WANDB_MODES = ("offline", "online", "disabled")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. `str(err)` is one line: '<field>: <problem>; <what is valid>'."""
+
+    def __init__(self, field_name: str, problem: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {problem}")
+
+
+@dataclass
+class TopologyConfig:
+    clusters: int = 2
+    replicas_per_cluster: int = 2
+    cpus_per_replica: float = 1.0
+    # How a cluster's replicas are kept together on a real Ray cluster (see actors/placement.py).
+    placement_strategy: str = "STRICT_PACK"
+    # Optional Ray node label per cluster, e.g. ["rack-a", "rack-b"]: cluster c lands on nodes with
+    # label `hsgd-cluster=<cluster_labels[c]>`.
+    cluster_labels: List[str] = field(default_factory=list)
+
+
+@dataclass
+class SyncConfig:
+    inner: str = "ddp"  # ddp | localsgd | none
+    inner_every: int = 1  # localsgd: average parameters in the cluster every this many steps
+    outer: str = "diloco"  # average | diloco | none
+    outer_every: int = 20  # inner steps per round
+
+
+@dataclass
+class InnerOptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    momentum: float = 0.9  # sgd momentum; adamw beta1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm, 0 = off
+
+
+@dataclass
+class OuterOptimConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class OptimConfig:
+    inner: InnerOptimConfig = field(default_factory=InnerOptimConfig)
+    outer: OuterOptimConfig = field(default_factory=OuterOptimConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # None = the Shakespeare corpus shipped in the package
+    batch_size: int = 8
+    val_fraction: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 15
+    resume: bool = False
+    eval_every: int = 1  # rounds between evaluations of the global model
+    eval_batches: int = 8
+
+
+@dataclass
+class RunConfig:
+    name: str = "hsgd"  # the experiment name: wandb group, part of the default folders
+    # A relative path is relative to the launch directory, except under `ray job submit` (whose
+    # working dir is a temporary copy) or when $HSGD_OUTPUT_ROOT is set: then it is relative to
+    # the persistent output root (see output_root()). Absolute paths are taken as they are.
+    dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}"
+    sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 5  # rounds between durable checkpoints, 0 = never
+    keep: int = 2
+
+
+@dataclass
+class CommConfig:
+    backend: str = "auto"  # auto (nccl when CUDA is present) | gloo | nccl
+    timeout_s: float = 10.0  # one collective
+    configure_timeout_s: float = 30.0  # joining a process group (store rendezvous)
+
+
+@dataclass
+class SupervisorConfig:
+    phase_timeout_s: float = 300.0  # hard deadline for one phase call on a replica
+    call_timeout_s: float = 60.0  # small control calls (configure, status, heal)
+    max_restarts: int = 10  # restarts of the supervisor actor itself
+    min_replicas_per_cluster: int = 1  # a cluster with fewer live replicas sits out outer sync
+    min_clusters: int = 1  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
+    quorum_wait_s: float = 60.0
+    rejoin_wait_s: float = 30.0  # at a round boundary, wait this long for a restarting replica
+
+
+@dataclass
+class WatchdogConfig:
+    # deadline of a phase = clamp(multiple * median recent seconds per step * steps, floor_s, ceiling_s)
+    multiple: float = 4.0
+    floor_s: float = 15.0
+    ceiling_s: float = 300.0
+    stack_dumps: bool = True  # on a missed deadline: dump every replica's stacks into hangs/
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "hsgd"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True  # console progress bar
+
+
+@dataclass
+class FaultsConfig:
+    # List of {kind, target, round, phase, step}; see hsgd/core/faults.py and the README.
+    schedule: List[Any] = field(default_factory=list)
+    mtbf_s: float = 0.0  # random faults with this mean time between failures, 0 = off
+    kinds: List[str] = field(default_factory=lambda: ["kill", "crash"])
+    seed: int = 0
+    # Random faults land on step boundaries, mapped from time assuming this many seconds per inner
+    # step, so a seed always gives the same schedule (and the same result) on any machine.
+    step_s: float = 0.1
+    max_restarts: int = 10  # restarts allowed per replica actor
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: attach when RAY_ADDRESS/job context is set, else embedded
+    num_cpus: Optional[int] = None  # embedded cluster only; None = max(cores, replicas + 1)
+
+
+@dataclass
+class HsgdConfig:
+    seed: int = 0
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def register_schema() -> None:
+    """Make the schema the base of conf/config.yaml (its `hsgd_schema` default)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="hsgd_schema", node=HsgdConfig)
+    register_resolvers()
+
+
+def register_resolvers() -> None:
+    from hsgd.config.paths import output_path
+
+    """`${hsgd.output_path:<path>}` (conf/config.yaml's hydra.run.dir / hydra.sweep.dir)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("hsgd.output_path", output_path, replace=True)

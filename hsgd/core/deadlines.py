@@ -1,0 +1,47 @@
+"""Hang watchdog: per-phase deadlines learned from the run itself, and hang reports.
+
+Deadlines. A fixed timeout is either too short for a slow healthy run or too long for a hang.
+`PhaseClock` keeps the recent durations of each phase, per unit of work (an inner phase of k
+steps counts k units), and sets the deadline of the next call to
+
+    clamp(multiple * median(recent seconds per unit) * units, floor_s, ceiling_s)
+
+so a replica twice as slow as usual is left alone (multiple defaults to 4) while a hung one is
+caught within seconds of the floor. Until a phase has been seen `min_samples` times its deadline
+is the ceiling.
+
+Reports. When a deadline passes, the supervisor collects a stack dump of every replica in the
+phase (py-spy when present, else faulthandler through a signal, else the replica's own answer)
+and `hang_report` writes which replica is stuck, in which function, and who waits on it.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+
+@dataclass
+class PhaseClock:
+    multiple: float = 4.0
+    floor_s: float = 15.0
+    ceiling_s: float = 300.0
+    window: int = 20
+    min_samples: int = 2
+
+    def __post_init__(self) -> None:
+        self._per_unit: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.window))
+
+    def observe(self, phase: str, seconds: float, units: int = 1) -> None:
+        """Record a phase call that completed without failure."""
+        if units > 0 and seconds >= 0:
+            self._per_unit[phase].append(seconds / units)
+
+    def deadline(self, phase: str, units: int = 1) -> float:
+        history = self._per_unit.get(phase)
+        if not history or len(history) < self.min_samples:
+            return self.ceiling_s
+        expected = statistics.median(history) * max(units, 1)
+        return min(self.ceiling_s, max(self.floor_s, self.multiple * expected))
+
+
