@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsgd.config import ConfigError, output_path, resolve_backend, under_ray_job, validate
+from hsgd.config import ConfigError, output_path, register_schema, resolve_backend, under_ray_job, validate
 from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -40,6 +40,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    register_schema()
     plain = [o for o in overrides if not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()

@@ -1,10 +1,15 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
-Its methods are the messages the supervisor sends. Phase methods (group "phase", one at a time)
-run one level's collectives; control methods (group "control") answer while a phase is in
-flight: progress, digests, stack dumps. A phase method never raises for a failed collective: it
-returns {"ok": False, "error": ...} so the supervisor can tell "my peer died" (this replica is
-fine, re-plan) from "I died" (the actor call itself raises).
+Its methods are the messages the supervisor sends. Phase methods (concurrency group "phase", one
+at a time) run at most one level's collectives; control methods (group "control") answer while a
+phase is in flight: progress, digests, stack dumps, fault injection.
+
+Every phase method answers a `PhaseAnswer` dict: {"outcome": done | behind | collective_failed,
+"rid", "round", "step", ...}. `behind` means the call names a round this replica has not reached
+(it must be healed; it is never reported done); `collective_failed` means this replica is fine but
+its group broke (a peer failed or timed out). The method itself never raises for those: when the
+actor call raises, the replica died (ActorDiedError) or hit an error of its own (RayTaskError),
+which the supervisor treats as this replica's failure.
 
 State kept across a restart: none. A restarted replica rebuilds from the seed (or the resume
 checkpoint) in __init__ and is healed by the supervisor from a live peer.
@@ -29,7 +34,8 @@ from actors.hang import install_faulthandler
 from hsgd.train import checkpoint
 from hsgd.train.comm import CollectiveError, LevelGroup
 from hsgd.core.topology import Topology
-from hsgd.train.trainer import ReplicaTrainer
+from hsgd.core.round import Outcome
+from hsgd.train.trainer import Behind, ReplicaTrainer
 
 CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
 
@@ -50,8 +56,8 @@ class Replica:
         device = "cuda" if backend == "nccl" else "cpu"
         self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
         comm = self.cfg.comm
-        self.inner = LevelGroup("inner", backend, comm.timeout_s, comm.configure_timeout_s)
-        self.outer = LevelGroup("outer", backend, comm.timeout_s, comm.configure_timeout_s)
+        self.inner = LevelGroup("inner", backend, comm.timeout_s, comm.configure_timeout_s, **_link(comm))
+        self.outer = LevelGroup("outer", backend, comm.timeout_s, comm.configure_timeout_s, **_link(comm))
         self.epoch = -1
         self.phase = "idle"
         self.phase_since = time.time()
@@ -65,6 +71,13 @@ class Replica:
         return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+    @ray.method(concurrency_group="control")
+    def global_state(self) -> dict:
+        """The global params and outer state, for a `global` heal of another cluster's replica.
+        Control group: a donor busy in its own inner phase answers at once (these tensors change
+        only in outer_commit)."""
+        return self.trainer.global_state()
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
@@ -133,29 +146,48 @@ class Replica:
         self._arm(faults)
         try:
             result = fn()
-            return {"ok": True, "rid": self.rid, **(result or {}), **self.trainer.progress()}
+            return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **(result or {}),
+                    **self.trainer.progress()}
+        except Behind as err:
+            return {"outcome": Outcome.BEHIND.value, "ok": False, "rid": self.rid, "error": str(err),
+                    **self.trainer.progress()}
         except CollectiveError as err:
-            return {"ok": False, "rid": self.rid, "error": str(err), **self.trainer.progress()}
+            return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid, "error": str(err),
+                    **self.trainer.progress()}
         finally:
             self.phase, self.phase_since = "idle", time.time()
             self.armed = []
 
     # -- phase group ----------------------------------------------------------------------------
     @ray.method(concurrency_group="phase")
-    def configure(self, epoch: int, store_addr: str, inner: tuple, outer: tuple | None) -> dict:
-        """inner/outer: (prefix, rank, world_size); outer is None for a non-leader."""
+    def configure_inner(self, epoch: int, store_addr: str, prefix: str, rank: int, world_size: int) -> dict:
+        """Join this cluster's inner group `prefix` (a fresh one per epoch) as `rank` of
+        `world_size`. Blocks until every member joined or comm.configure_timeout_s passes
+        (then `collective_failed`: a member did not come; the supervisor re-forms the cluster)."""
         def run():
             self.epoch = epoch
-            self.inner.configure(store_addr, inner[0], inner[1], inner[2], epoch)
-            if outer is not None:
-                self.outer.configure(store_addr, outer[0], outer[1], outer[2], epoch)
-            else:  # not a leader: this replica must never issue an outer collective
+            self.inner.configure(store_addr, prefix, rank, world_size, epoch)
+            return {"epoch": epoch}
+        return self._phase("configure", run, -1, None)
+
+    @ray.method(concurrency_group="phase")
+    def configure_outer(self, epoch: int, store_addr: str, prefix: str | None, rank: int = 0,
+                        world_size: int = 1) -> dict:
+        """Leaders: join the leaders' group `prefix`. prefix None: this replica is not a leader
+        and must never issue an outer collective (its outer group is dropped)."""
+        def run():
+            if prefix is None:
                 self.outer.abort()
+            else:
+                self.outer.configure(store_addr, prefix, rank, world_size, epoch)
             return {"epoch": epoch}
         return self._phase("configure", run, -1, None)
 
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None) -> dict:
+        """Run this round's remaining inner steps, syncing in the cluster's inner group. The
+        committed step is readable on the control channel (`progress`) all along, so the supervisor
+        can tell slow from hung. `behind` if this replica has not reached the round."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -169,28 +201,29 @@ class Replica:
         return self._phase("inner", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
-    def cluster_average(self, round_index: int, faults: list[dict] | None = None) -> dict:
+    def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
+        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch))."""
         def run():
             self._hook("inner_sync", round_index, self.trainer.steps_per_round)
-            self.trainer.cluster_average(round_index, self.inner)
+            self.trainer.cluster_average(round_index, epoch, self.inner)
         return self._phase("inner_sync", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
-    def outer_reduce(self, round_index: int, faults: list[dict] | None = None) -> dict:
+    def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
+        """Leaders, phase 1 of the two-phase commit: all-reduce the pseudo-gradient into a buffer
+        keyed by (round, epoch). Nothing is applied; a failure leaves the params untouched."""
         def run():
             self._hook("outer", round_index, 0)
             before = self.outer.bytes_sent
-            self.trainer.outer_reduce(round_index, self.outer)
+            self.trainer.outer_reduce(round_index, epoch, self.outer)
             return {"outer_bytes": self.outer.bytes_sent - before}
         return self._phase("outer", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
-    def discard_outer(self) -> dict:
-        self.trainer.discard_outer_buffer()
-        return {"ok": True}
-
-    @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, root: int, faults: list[dict] | None = None) -> dict:
+        """Phase 2, only after the supervisor decided commit: the member of inner rank `root`
+        (the leader) broadcasts its buffer in the cluster and every member applies the same outer
+        step. A round already committed here is a no-op (`done`)."""
         def run():
             self._hook("outer_commit", round_index, 0)
             before = self.inner.bytes_sent
@@ -201,36 +234,54 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def evaluate(self) -> float:
+        """Held-out loss of this replica's params (after a commit: the global params)."""
         return self.trainer.eval_loss()
 
     @ray.method(concurrency_group="phase")
     def get_state(self, faults: list[dict] | None = None) -> dict:
-        """Full state for a heal; travels through the object store, never through the supervisor."""
+        """Full state for a `full` heal; travels through the object store, never through the
+        supervisor. Phase group: never read while this replica's own phase mutates it."""
         self._arm(faults)
         self._hook("heal", self.trainer.round, 0)
         return self.trainer.state_dict()
 
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict, scope: str, faults: list[dict] | None = None) -> dict:
+        """Become the source (`full`) or take its global state (`global`). A source that died
+        surfaces here as an error of this call."""
         self.phase, self.phase_since = "heal", time.time()
         self._arm(faults)
         self._hook("heal", self.trainer.round, 0)
         try:
             self.trainer.load_state_dict(state, scope=scope)
-            nbytes = sum(t.numel() * t.element_size() for t in state["params"])
-            return {"ok": True, "rid": self.rid, "bytes": nbytes, **self.trainer.progress()}
+            tensors = state["params"] if scope == "full" else state["outer"]["global_params"]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, "bytes": nbytes,
+                    **self.trainer.progress()}
         finally:
             self.phase, self.phase_since = "idle", time.time()
 
     @ray.method(concurrency_group="phase")
-    def save_checkpoint(self, directory: str, faults: list[dict] | None = None) -> dict:
+    def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
+        """Write this replica's state for the checkpoint of round `round_index` (its state after
+        round_index - 1 committed). `behind` unless this replica holds exactly that round."""
         def run():
             self._hook("checkpoint", self.trainer.round, 0)
+            if self.trainer.round != round_index:
+                raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
+                             f"round {self.trainer.round}")
             return {"sha256": checkpoint.save_replica_state(directory, self.rid, self.trainer.state_dict())}
         return self._phase("checkpoint", run, self.trainer.round, faults)
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None) -> dict:
+        """Restore (resume, or every replica after a total loss) from a durable checkpoint."""
         state = checkpoint.load_replica_state(directory, self.rid, sha256)
         self.trainer.load_state_dict(state, scope="full")
-        return {"ok": True, **self.trainer.progress()}
+        return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **self.trainer.progress()}
+
+
+def _link(comm) -> dict:
+    """LevelGroup's payload-scaled timeouts, when the config has comm.min_gbps."""
+    gbps = comm.get("min_gbps") if hasattr(comm, "get") else None
+    return {"min_gbps": float(gbps)} if gbps else {}

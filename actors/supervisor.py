@@ -1,26 +1,23 @@
-"""Supervisor actor: the only authority on membership, epochs, phase order and commits.
+"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions. It decides nothing itself
+(read hsgd/core/round.py for what happens after any failure); it only
 
-It carries out hsgd's decisions (membership.Plan, heal.assign_heals, outer.commit_decision) by
-calling replica actors; it never moves model-sized tensors itself (heals go replica -> object
-store -> replica). One round, as in ARCHITECTURE.md:
+    calls replicas for each action, turns their answers (or Ray's errors) into PhaseResults,
+    asks replicas in an inner phase for their step every second (progress answers on the control
+    channel while a phase runs), ticks the machine's clock, kills whom the machine says is hung
+    (after dumping every stack of its group), and between rounds: records metrics, evaluates,
+    checkpoints, restores the latest checkpoint after a total loss, and waits for quorum.
 
-    rejoin (round boundary: wait briefly for restarting replicas) -> plan -> heal -> configure
-    -> inner phase -> [inner none: cluster average] -> outer reduce (leaders, into a buffer)
-    -> commit decision -> outer commit (leader broadcasts, all apply) -> eval, metrics, checkpoint
+It never moves model-sized tensors itself (heals go replica -> object store -> replica).
 
-Any failure (an actor died, a collective failed, a deadline passed) marks the dead, bumps the
-epoch and repeats the round from the top; completed steps are never redone because every phase
-call is idempotent per (round, phase) and replicas behind the furthest one are healed from it.
-A replica that misses a deadline is killed (ray.kill, restartable) and handled as dead.
-
-Durable state (`supervisor_state.json` in run.dir): epoch, fired faults, initial eval loss, and
-the run's start time. A restarted supervisor reads it, asks every replica for its progress, and
-resumes: max committed (round, step) wins.
+Durable state (`supervisor_state.json` in run.dir): epoch, committed_round, fired faults, initial
+eval loss, the run's start time. A restarted supervisor reads it, waits for replicas still in a
+phase of its predecessor, asks every replica for its progress, and resumes: max committed wins.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,21 +26,22 @@ import ray
 from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from hsgd.train import checkpoint
-from hsgd.core.faults import FaultSpec, due_faults, fault_figures, parse_fault, parse_schedule, random_schedule
-from hsgd.core.heal import assign_heals
-from hsgd.core.membership import Membership, Plan
-from hsgd.train.outer import commit_decision
-from hsgd.record.metrics import efficiencies, round_record
-from hsgd.record.events import RunLog
-from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
-from hsgd.core.topology import Topology
-from hsgd.record.wandb import WandbSink
-from hsgd.core.deadlines import PhaseClock
-from hsgd.record.hangs import hang_report, stuck_function
+from actors.fault_injector import FaultInjector
 from actors.hang import dump_replica
+from hsgd.core.deadlines import PhaseClock
+from hsgd.core.round import (Action, Outcome, PhaseResult, RoundMachine, RoundSettings, assign_heals_for_cluster,
+                             checkpoint_due, current_round)
+from hsgd.core.topology import Topology
+from hsgd.record.events import RunLog
+from hsgd.record.hangs import hang_report, stuck_function
+from hsgd.record.metrics import efficiencies, round_record
+from hsgd.core.faults import fault_figures  # TODO moves to hsgd.record.metrics
+from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
+from hsgd.record.wandb import WandbSink
+from hsgd.train import checkpoint
 
 STATE_FILE = "supervisor_state.json"
+TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
 
 
 class RunFailed(RuntimeError):
@@ -68,58 +66,38 @@ class Supervisor:
         self.log = RunLog(run_dir)
         self.durable = self._load_durable()
         self.durable["supervisor_starts"] = self.durable.get("supervisor_starts", 0) + 1
-        sup = self.cfg.supervisor
-        self.membership = Membership(self.topology, min_replicas_per_cluster=sup.min_replicas_per_cluster,
-                                     min_clusters=sup.min_clusters, epoch=self.durable.get("epoch", 0))
-        self.handles, self.gone = {}, set()  # gone: replicas that can never come back (restarts exhausted)
-        for rid in self.topology.replica_ids():
-            try:
-                self.handles[rid] = ray.get_actor(replica_actor_name(run_id, rid))
-            except ValueError:  # a restarted supervisor finds a replica that died for good
-                self.gone.add(rid)
-        self.progress: dict[str, tuple[int, int]] = {}
+        self.handles = {rid: self._lookup(rid) for rid in self.topology.replica_ids()}
+        self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
+        self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
+        self.pids: dict[str, int] = {}
         self.replica_info: dict[str, dict] = {}  # rid -> {pid, node_id}: for stack dumps
+        self.leaders: dict[int, str] = {}
+        self.configured: dict[int, tuple] = {}
+        self.outer_configured = None
         w = self.cfg.watchdog
-        self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s,
-                                ceiling_s=min(w.ceiling_s, self.cfg.supervisor.phase_timeout_s))
-        self.configured_epoch: int | None = None
-        self.plan: Plan | None = None
-        self.faults: list[FaultSpec] = parse_schedule(list(self.cfg.faults.schedule), clusters=self.topology.clusters,
-                                                      replicas_per_cluster=self.topology.replicas_per_cluster)
-        fc = self.cfg.faults
-        if fc.mtbf_s > 0:
-            self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
-                                           rounds=self.cfg.train.rounds, round_s_estimate=self.spr * fc.step_s,
-                                           steps_per_round=self.spr, clusters=self.topology.clusters,
-                                           replicas_per_cluster=self.topology.replicas_per_cluster)
-        for raw in self.durable.get("added_faults", []):  # faults a drill added before a restart
-            self.faults.append(parse_fault(raw, index=len(self.faults), clusters=self.topology.clusters,
-                                           replicas_per_cluster=self.topology.replicas_per_cluster))
+        self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
+        self.injector = FaultInjector(self.cfg, run_dir, self.durable, self.log, save=self._save_durable)
         self.stop_requested = False
-        self.status_view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": self.membership.epoch}
-        self.attempted_steps = 0  # replica-steps the inner phases were asked to run
-        self.committed_steps = 0  # replica-steps that made it into a committed round
+        self.status_view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": self.durable["epoch"]}
+        self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
-        self.fault_log: list[dict] = []
-        self.store = None
-        self.store_addr = None
-        self.wandb = WandbSink(self.cfg, run_dir, resolved_config) if self.durable["supervisor_starts"] == 1 \
-            else WandbSink(OmegaConf.merge(self.cfg, {"logging": {"wandb": {"mode": "disabled"}}}), run_dir, {})
+        self.store = self.store_addr = None
+        first = self.durable["supervisor_starts"] == 1
+        self.wandb = WandbSink(self.cfg if first else OmegaConf.merge(self.cfg, {"logging": {"wandb": {"mode": "disabled"}}}),
+                               run_dir, resolved_config if first else {})
         self._save_durable()
         self.log.event("supervisor_start", starts=self.durable["supervisor_starts"], pid=os.getpid())
 
-    # -- durable state --------------------------------------------------------------------------
+    # -- durable state ------------------------------------------------------------------------------
     def _load_durable(self) -> dict:
         path = Path(self.run_dir) / STATE_FILE
-        if path.exists():
-            return json.loads(path.read_text())
-        return {"epoch": 0, "fired": [], "started_at": time.time()}
+        state = json.loads(path.read_text()) if path.exists() else {}
+        return {"epoch": 0, "fired": [], "committed_round": 0, "started_at": time.time(), **state}
 
     def _save_durable(self) -> None:
-        self.durable["epoch"] = self.membership.epoch
         atomic_write_text(Path(self.run_dir) / STATE_FILE, json.dumps(self.durable, indent=1))
 
-    # -- status (answers while a phase runs) -----------------------------------------------------
+    # -- status channel (answers while a phase runs) -----------------------------------------------------
     @ray.method(concurrency_group="status")
     def status(self) -> dict:
         return dict(self.status_view)
@@ -133,467 +111,159 @@ class Supervisor:
     @ray.method(concurrency_group="status")
     def add_fault(self, raw: dict) -> str:
         """Schedule one more fault (drills). Validated like the config's; recorded durably."""
-        spec = parse_fault(raw, index=len(self.faults), clusters=self.topology.clusters,
-                           replicas_per_cluster=self.topology.replicas_per_cluster)
-        self.faults.append(spec)
-        self.durable.setdefault("added_faults", []).append(dict(raw))
-        self._save_durable()
-        self.log.event("fault_scheduled", fault=spec.describe())
-        return spec.describe()
+        return self.injector.add(raw)
 
     @ray.method(concurrency_group="status")
     def crash(self) -> None:
         """The `crash` fault on the supervisor, injected now (drills)."""
-        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
-            fh.write(json.dumps({"t": time.time(), "rid": "supervisor", "kind": "crash", "phase": "now",
-                                 "round": self.status_view.get("round")}) + "\n")
+        self.injector.record_fired("supervisor", "crash", "now", self.status_view.get("round"))
         os._exit(17)
 
     def _set_status(self, **fields) -> None:
         """The live view: answered by status() and mirrored to status.json for jobs.status."""
         self.status_view.update(fields, updated=time.time())
         try:
-            atomic_write_text(Path(self.run_dir) / "status.json",
-                                         json.dumps(self.status_view, default=str))
+            atomic_write_text(Path(self.run_dir) / "status.json", json.dumps(self.status_view, default=str))
         except OSError:
             pass  # the view is best effort; the run goes on
 
-    # -- calling replicas -----------------------------------------------------------------------
-    def _gather(self, calls: dict[str, Any], timeout_s: float, phase: str,
-                round_index: int = -1, early_hang: bool = True) -> tuple[dict, dict]:
-        """Wait for every call; returns (results, failures). A failure is (kind, detail) with kind
-        `died` (actor gone), `collective` (alive, a peer failed) or `deadline` (hung: dumped,
-        reported and killed by us)."""
-        results, failures = {}, {}
-        pending = {ref: rid for rid, ref in calls.items()}
-        start = time.monotonic()
-        deadline = start + timeout_s
-        first_error_at = None
-        # Once a peer reported a failed collective, the others fail within a moment too (their
-        # groups are broken); anyone still silent after this grace is hung.
-        grace = max(3.0, min(self.cfg.comm.timeout_s, 10.0))
-        while pending:
-            now = time.monotonic()
-            hang_deadline = deadline if first_error_at is None or not early_hang else min(deadline, first_error_at + grace)
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, hang_deadline - now))
-            if not ready:
-                stuck = sorted(pending.values())
-                self._report_hang(stuck, phase, round_index, calls, results, failures,
-                                  waited_s=time.monotonic() - start, deadline_s=hang_deadline - start)
-                for rid in stuck:
-                    failures[rid] = ("deadline", f"{phase} missed its deadline")
-                break
-            for ref in ready:
-                rid = pending.pop(ref)
-                try:
-                    value = ray.get(ref, timeout=self.cfg.supervisor.call_timeout_s)
-                except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
-                    failures[rid] = ("died", type(err).__name__)
-                    first_error_at = first_error_at or time.monotonic()
-                    continue
-                except GetTimeoutError:
-                    failures[rid] = ("deadline", "result fetch timed out")
-                    continue
-                if isinstance(value, dict) and value.get("ok") is False:
-                    failures[rid] = ("collective", value.get("error", "?"))
-                    first_error_at = first_error_at or time.monotonic()
-                    self._note_progress(value)
-                else:
-                    results[rid] = value
-                    self._note_progress(value)
-        return results, failures
+    # -- replicas: lookup, liveness --------------------------------------------------------------------
+    def _lookup(self, rid: str):
+        try:
+            return ray.get_actor(replica_actor_name(self.run_id, rid))
+        except ValueError:  # a restarted supervisor finds a replica that died for good
+            return None
 
-    def _note_progress(self, value: Any) -> None:
-        if isinstance(value, dict) and "rid" in value and "round" in value:
-            self.progress[value["rid"]] = (int(value["round"]), int(value["step"]))
-            if "pid" in value:
-                self.replica_info[value["rid"]] = {"pid": value["pid"], "node_id": value.get("node_id"),
-                                                   "phase": value.get("phase")}
+    def _restarts_exhausted(self, rid: str) -> bool:
+        """`gone` only when Ray says the actor will not restart (it also raises ActorDiedError for
+        an actor it is about to restart)."""
+        try:
+            from ray._private.state import state as gcs
 
-    def _report_hang(self, stuck: list[str], phase: str, round_index: int, calls: dict, results: dict,
-                     failures: dict, *, waited_s: float, deadline_s: float) -> None:
-        """Missed deadline: dump stacks of everyone in the phase, write hangs/<time>-<rid>.txt,
-        then kill the stuck replicas (restartable) so the normal fault path takes over."""
-        peers = {}
-        for rid in calls:
-            if rid in results:
-                peers[rid] = "returned ok"
-            elif rid in failures:
-                peers[rid] = f"failed: {failures[rid][0]}: {failures[rid][1][:160]}"
-            else:
-                peers[rid] = f"waiting: no answer after {waited_s:.1f}s"
-        dumps = {}
-        if self.cfg.watchdog.stack_dumps:  # in parallel: each py-spy dump takes about a second
-            from concurrent.futures import ThreadPoolExecutor
+            info = gcs.actor_table(self.handles[rid]._actor_id.hex())
+            return info.get("State") == "DEAD"
+        except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
+            return False
 
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                futures = {rid: pool.submit(dump_replica, self.handles[rid], self.replica_info.get(rid, {}),
-                                            self.run_dir, rid) for rid in sorted(calls)}
-                dumps = {rid: fut.result(timeout=30.0) for rid, fut in futures.items()}  # each dump is itself bounded
-        hang_dir = Path(self.run_dir) / "hangs"
-        hang_dir.mkdir(exist_ok=True)
-        for rid in stuck:
-            text = hang_report(rid=rid, phase=phase, round_index=round_index, waited_s=waited_s,
-                               deadline_s=deadline_s, peers=peers, dumps=dumps,
-                               view={"epoch": self.membership.epoch, "leaders": self.plan.leaders if self.plan else {}})
-            path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
-            atomic_write_text(path, text)
-            self.log.event("hang_detected", rid=rid, phase=phase, round=round_index, waited_s=waited_s,
-                           deadline_s=deadline_s, stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
-                           waiting=[p for p, st in peers.items() if st != "returned ok" and p != rid])
-            try:
-                ray.kill(self.handles[rid], no_restart=False)
-            except Exception as err:  # noqa: BLE001 — already dead is fine
-                self.log.event("kill_failed", rid=rid, error=str(err))
-
-    def _handle_failures(self, failures: dict, phase: str, round_index: int) -> None:
-        now = time.time()
-        for rid, (kind, detail) in sorted(failures.items()):
-            if kind in ("died", "deadline"):
-                if self.membership.mark_dead(rid):
-                    self.log.event("replica_down", rid=rid, phase=phase, round=round_index, cause=kind, detail=detail)
-                    self.fault_log.append({"rid": rid, "detected_at": now, "phase": phase, "round": round_index,
-                                           "cause": kind})
-            else:
-                self.log.event("collective_failed", rid=rid, phase=phase, round=round_index, detail=detail[:300])
-        self.membership.force_new_epoch()
-
-    # -- membership ------------------------------------------------------------------------------
     def _probe(self, rid: str, timeout_s: float) -> dict | None:
         """Ask a replica for its progress; None if it does not answer in time or is gone."""
+        if rid in self.gone:
+            return None
         try:
             return ray.get(self.handles[rid].progress.remote(), timeout=timeout_s)
         except ActorDiedError:
-            self.gone.add(rid)
+            if self._restarts_exhausted(rid):
+                self.gone.add(rid)
             return None
         except (ActorUnavailableError, RayActorError, GetTimeoutError):
             return None
 
+    def _admit(self, rid: str, answer: dict) -> None:
+        self.live[rid] = (int(answer["round"]), int(answer["step"]))
+        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        if self.pids.get(rid) != answer.get("pid"):
+            self.pids[rid] = answer.get("pid")
+            self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"))
+
     def _rejoin(self, wait_s: float) -> None:
-        """Round boundary: bring back replicas that restarted, waiting up to wait_s for them.
-        A restarting actor answers ActorUnavailableError at once, so keep asking until the deadline."""
+        """Round boundary: bring back replicas that (re)started, waiting up to wait_s for them."""
         deadline = time.monotonic() + wait_s
         while True:
-            missing = [rid for rid in self.topology.replica_ids()
-                       if rid not in self.membership.live and rid not in self.gone]
-            for rid in missing:
+            for rid in self._missing():
                 answer = self._probe(rid, min(2.0, max(0.2, deadline - time.monotonic())))
-                if answer is not None:
-                    self.membership.mark_alive(rid)
-                    self.progress[rid] = (answer["round"], answer["step"])
-                    self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"],
-                                   pid=answer.get("pid"))
-            still = [rid for rid in missing if rid not in self.membership.live and rid not in self.gone]
-            if not still or time.monotonic() >= deadline:
+                if answer is not None:  # one still in a phase of a dead supervisor: _await_idle waits
+                    self._admit(rid, answer)
+            if not self._missing() or time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
 
-    def _await_quorum(self) -> None:
-        problem = self.membership.quorum_problem()
-        if problem is None:
-            return
-        wait_s = self.cfg.supervisor.quorum_wait_s
-        self.log.event("quorum_wait", reason=problem, wait_s=wait_s)
-        self._set_status(phase="quorum_wait")
-        self._rejoin(wait_s)
-        problem = self.membership.quorum_problem()
-        if problem is not None:
-            raise RunFailed(f"quorum lost: {problem}; waited {wait_s:.0f}s for replicas to return")
+    def _missing(self) -> list[str]:
+        return [rid for rid in self.topology.replica_ids() if rid not in self.live and rid not in self.gone]
 
-    def _refresh_progress(self) -> None:
-        refs = {rid: self.handles[rid].progress.remote() for rid in sorted(self.membership.live)}
-        results, failures = self._gather(refs, self.cfg.supervisor.call_timeout_s, "progress")
-        if failures:
-            self._handle_failures(failures, "progress", -1)
+    def _refresh(self) -> None:
+        """Every live replica's committed (round, step); those that do not answer are down."""
+        refs = {rid: self.handles[rid].progress.remote() for rid in sorted(self.live)}
+        for rid, ref in refs.items():
+            try:
+                self._admit(rid, ray.get(ref, timeout=self.cfg.supervisor.call_timeout_s))
+            except Exception as err:  # noqa: BLE001 — any failure to answer means down
+                self._down(rid, "died", "progress", -1, type(err).__name__)
 
-    def _heal(self, plan: Plan, round_index: int) -> bool:
-        heals = assign_heals({rid: self.progress[rid] for rid in plan.live if rid in self.progress}, plan)
-        if not heals:
-            return True
-        self._set_status(phase="heal")
-        start = time.monotonic()
-        involved = {h.source for h in heals} | {h.target for h in heals}
-        armed = self._armed(round_index, ("heal",), plan, only=involved)
-        state_refs = {src: self.handles[src].get_state.remote(armed.get(src)) for src in sorted({h.source for h in heals})}
-        calls = {h.target: self.handles[h.target].load_state.remote(state_refs[h.source], h.scope, armed.get(h.target))
-                 for h in heals}
-        for h in heals:
-            self.log.event("heal_begin", target=h.target, source=h.source, scope=h.scope)
-        results, failures = self._gather(calls, self.cfg.supervisor.call_timeout_s, "heal")
-        seconds = time.monotonic() - start
-        for h in heals:
-            if h.target in results:
-                self.log.event("heal_end", target=h.target, source=h.source, scope=h.scope, seconds=seconds,
-                               bytes=results[h.target].get("bytes"))
-        if failures:
-            # A dead source surfaces as an error in its target's call: ask everyone involved.
-            dead = {rid: ("died", "no answer after a failed heal") for rid in sorted(involved)
-                    if self._probe(rid, 3.0) is None}
-            self._handle_failures(dead or failures, "heal", round_index)
-            return False
-        return True
+    def _down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
+        if self.live.pop(rid, None) is not None:
+            self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause,
+                           phase=phase, round=round_index, detail=detail[:300])
+            self.configured.pop(self.topology.cluster_of(rid), None)
+            if self.leaders.get(self.topology.cluster_of(rid)) == rid:
+                del self.leaders[self.topology.cluster_of(rid)]
+                self.outer_configured = None
 
-    def _configure(self, plan: Plan) -> bool:
-        self._set_status(phase="configure")
-        calls = {}
-        outer_on = self.cfg.sync.outer != "none"
-        for cluster, members in plan.members.items():
-            for rid in members:
-                inner = (f"{self.run_id}/{plan.inner_prefix(cluster)}", plan.inner_rank(rid), len(members))
-                outer = None
-                if outer_on and plan.is_leader(rid):
-                    outer = (f"{self.run_id}/{plan.outer_prefix()}", plan.outer_rank(cluster), len(plan.outer_clusters))
-                calls[rid] = self.handles[rid].configure.remote(plan.epoch, self.store_addr, inner, outer)
-        # early_hang=False: after a member dies, the others legitimately wait out the rendezvous
-        results, failures = self._gather(calls, self.cfg.comm.configure_timeout_s + 10.0, "configure",
-                                         early_hang=False)
-        if failures:
-            self._handle_failures(failures, "configure", -1)
-            return False
-        self.configured_epoch = plan.epoch
-        self.log.event("membership", epoch=plan.epoch, members={f"c{c}": list(m) for c, m in plan.members.items()},
-                       leaders={f"c{c}": r for c, r in plan.leaders.items()}, standby=list(plan.standby))
-        self._save_durable()
-        return True
-
-    def _prepare(self, round_index: int, at_round_start: bool) -> Plan | None:
-        """rejoin -> quorum -> progress -> heal -> configure. None means: something failed, retry."""
-        if at_round_start:
-            self._rejoin(self.cfg.supervisor.rejoin_wait_s if self._anyone_restarting() else 0.0)
-        self._await_quorum()
-        self._refresh_progress()
-        plan = self.membership.plan()
-        if not self._heal(plan, round_index):
-            return None
-        if self.configured_epoch != plan.epoch and not self._configure(plan):
-            return None
-        self.plan = plan
-        self._set_status(epoch=plan.epoch, members={f"c{c}": list(m) for c, m in plan.members.items()},
-                         leaders={f"c{c}": r for c, r in plan.leaders.items()})
-        return plan
-
-    def _anyone_restarting(self) -> bool:
-        return any(rid not in self.membership.live and rid not in self.gone for rid in self.topology.replica_ids())
-
-    # -- faults --------------------------------------------------------------------------------
-    def _armed(self, round_index: int, phases: tuple[str, ...], plan: Plan,
-               only: set[str] | None = None, called: set[str] | None = None) -> dict[str, list[dict]]:
-        """Faults to hand to replicas with this phase call. Each fires once (recorded durably).
-        A target that takes no part in the phase (a non-leader of `cluster:c1` during the outer
-        all-reduce) gets its fault injected right away through its control channel."""
-        armed: dict[str, list[dict]] = {}
-        due = due_faults(self.faults, self.durable["fired"], round_index=round_index, phases=phases,
-                         plan=plan, only=only)
-        for d in due:
-            self.durable["fired"].append(d.index)
-            self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
-            for rid in d.targets:
-                if called is None or rid in called:
-                    armed.setdefault(rid, []).append(d.message())
-                elif d.spec.kind == "kill":  # as a node failure would: from outside, at once
-                    self._record_fired(rid, d.spec.kind, d.spec.phase, round_index)
-                    ray.kill(self.handles[rid], no_restart=False)
-                else:
-                    self.handles[rid].inject.remote(d.message())  # fire-and-forget: it may never answer
-        if due:
-            self._save_durable()
-        return armed
-
-    def _record_fired(self, rid: str, kind: str, phase: str, round_index: int | None) -> None:
-        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
-            fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase,
-                                 "round": round_index, "step": 0}) + "\n")
-
-    def _supervisor_faults(self, round_index: int, phase: str) -> None:
-        fired = self.durable["fired"]
-        for i, f in enumerate(self.faults):
-            if i in fired or f.target_kind != "supervisor" or f.round != round_index or f.phase != phase:
-                continue
-            fired.append(i)
-            self._save_durable()  # before dying: a restarted supervisor must not fire it again
-            self.log.event("fault_fired", fault=f.describe(), pid=os.getpid())
-            self._record_fired("supervisor", f.kind, phase, round_index)
-            if f.kind == "kill":
-                ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
-                time.sleep(60)
-            os._exit(17)
-
-    # -- the round -----------------------------------------------------------------------------
-    def _phase(self, name: str, round_index: int, calls: dict[str, Any], units: int = 1) -> tuple[dict, dict]:
-        """One phase call on many replicas, under the watchdog's deadline for `units` of work."""
-        deadline_s = self.clock.deadline(name, units)
-        self._set_status(phase=name, round=round_index, deadline_s=deadline_s)
-        self.log.event("phase_begin", phase=name, round=round_index, epoch=self.membership.epoch,
-                       replicas=sorted(calls), deadline_s=deadline_s)
-        start = time.monotonic()
-        results, failures = self._gather(calls, deadline_s, name, round_index)
-        seconds = time.monotonic() - start
-        self.log.event("phase_end", phase=name, round=round_index, seconds=seconds,
-                       ok=sorted(results), failed={rid: list(v) for rid, v in failures.items()})
-        if failures:
-            self._handle_failures(failures, name, round_index)
-        elif units > 0:
-            self.clock.observe(name, seconds, units)
-        return results, failures
-
-    def _run_round(self, r: int) -> dict:
-        sup, cfg = self.cfg.supervisor, self.cfg
-        seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
-        totals = {"tokens": 0, "inner_bytes": 0, "outer_bytes": 0}
-        losses: dict[str, list[float]] = {}
-        at_round_start, attempts = True, 0
+    def _await_idle(self) -> None:
+        """After a supervisor restart, replicas may still run a phase of the old one (the inner
+        phase goes on to the round's end). Wait while they advance; kill one stuck in a phase."""
+        limit = self.cfg.comm.configure_timeout_s + self.cfg.comm.timeout_s + self.cfg.watchdog.floor_s
+        last: dict[str, tuple[int, float]] = {}
         while True:
-            attempts += 1
-            if attempts > 100:
-                raise RunFailed(f"round {r} failed 100 times in a row; giving up")
-            t0 = time.monotonic()
-            plan = self._prepare(r, at_round_start)
-            at_round_start = False
-            seconds["heal_configure"] += time.monotonic() - t0
-            if plan is None:
-                continue
-            live = plan.live
-            # inner phase: every participating replica finishes the round's steps
-            self._supervisor_faults(r, "inner")
-            t0 = time.monotonic()
-            armed = self._armed(r, ("inner", "inner_sync"), plan)
-            steps_before = {rid: self.progress.get(rid, (r, 0))[1] for rid in live}
-            units = max(self.spr - (steps_before[rid] - r * self.spr) for rid in live)
-            results, failures = self._phase("inner", r, {rid: self.handles[rid].run_inner.remote(r, armed.get(rid))
-                                                          for rid in live}, units)
-            seconds["inner"] += time.monotonic() - t0
-            done = {rid: self.progress.get(rid, (r, steps_before[rid]))[1] - steps_before[rid]
-                    for rid in live if rid not in failures or failures[rid][0] == "collective"}
-            lost = max(done.values(), default=0)  # a dead replica ran about as far as its peers
-            self.attempted_steps += sum(done.values()) + lost * (len(live) - len(done))
-            for rid, res in results.items():
-                rep = res["report"]
-                totals["tokens"] += rep["tokens"]
-                totals["inner_bytes"] += rep["inner_bytes"]
-                losses.setdefault(rid, []).extend(rep["losses"])
-            if failures:
-                continue
-            self.participation.append(len(live) / self.topology.num_replicas)
-            # inner none: the cluster's mean goes to outer sync
-            if cfg.sync.inner == "none" and any(len(m) > 1 for m in plan.members.values()):
-                t0 = time.monotonic()
-                armed = self._armed(r, ("inner_sync",), plan)
-                _, failures = self._phase("inner_sync", r, {rid: self.handles[rid].cluster_average.remote(r, armed.get(rid))
-                                                            for rid in live})
-                seconds["inner_sync"] += time.monotonic() - t0
-                if failures:
+            busy = []
+            for rid in list(self.live):
+                answer = self._probe(rid, self.cfg.supervisor.call_timeout_s)
+                if answer is None:
+                    self._down(rid, "died", "await_idle", -1)
                     continue
-            # outer phase, step 1: leaders reduce into buffers (nothing applied yet)
-            self._supervisor_faults(r, "outer")
-            t0 = time.monotonic()
-            leaders = {c: plan.leaders[c] for c in plan.outer_clusters}
-            armed = self._armed(r, ("outer",), plan, called=set(leaders.values()))
-            results, failures = self._phase("outer", r, {rid: self.handles[rid].outer_reduce.remote(r, armed.get(rid))
-                                                         for rid in leaders.values()})
-            seconds["outer"] += time.monotonic() - t0
-            totals["outer_bytes"] += sum(res.get("outer_bytes", 0) for res in results.values())
-            succeeded = {c for c, rid in leaders.items() if rid in results}
-            if not commit_decision(set(leaders), succeeded):
-                self.log.event("abort", round=r, reason="outer reduce incomplete", succeeded=sorted(succeeded))
-                self._discard_buffers(plan)
-                continue
-            # step 2: the decision is commit; leaders broadcast in their cluster, everyone applies
-            self.log.event("commit_decision", round=r, clusters=sorted(succeeded))
-            self._supervisor_faults(r, "outer_commit")
-            t0 = time.monotonic()
-            armed = self._armed(r, ("outer_commit",), plan)
-            calls = {rid: self.handles[rid].outer_commit.remote(r, plan.inner_rank(plan.leaders[c]), armed.get(rid))
-                     for c, members in plan.members.items() for rid in members}
-            results, failures = self._phase("outer_commit", r, calls)
-            seconds["outer_commit"] += time.monotonic() - t0
-            totals["inner_bytes"] += sum(res.get("inner_bytes", 0) for res in results.values())
-            if failures:
-                continue  # committed replicas are ahead now; the rest heal from them on retry
-            digests = {rid: res["digest"] for rid, res in results.items()}
-            global_digests = {rid: res["global_digest"] for rid, res in results.items()}
-            self.committed_steps += self.spr * len(live)
-            self.log.event("commit", round=r, epoch=plan.epoch, replicas=sorted(results),
-                           digests_agree=len(set(digests.values())) == 1)
-            return {"plan": plan, "seconds": seconds, "totals": totals, "losses": losses, "digests": digests,
-                    "global_digests": global_digests, "attempts": attempts}
+                if answer.get("phase", "idle") == "idle":
+                    self._admit(rid, answer)
+                    continue
+                step, since = last.get(rid, (-1, time.monotonic()))
+                if answer["step"] != step:
+                    last[rid] = (answer["step"], time.monotonic())
+                elif time.monotonic() - since > limit:
+                    self.log.event("kill", rid=rid, reason=f"stuck in {answer.get('phase')} after a supervisor restart")
+                    ray.kill(self.handles[rid], no_restart=False)
+                    self._down(rid, "hung", answer.get("phase", "?"), answer.get("round", -1))
+                    continue
+                busy.append(rid)
+            if not busy:
+                return
+            self._set_status(phase="waiting_for_replicas", busy=busy)
+            time.sleep(TICK_S)
 
-    def _discard_buffers(self, plan: Plan) -> None:
-        calls = {rid: self.handles[rid].discard_outer.remote() for rid in plan.leaders.values()}
-        _, failures = self._gather(calls, self.cfg.supervisor.call_timeout_s, "discard")
-        if failures:
-            self._handle_failures(failures, "discard", -1)
-
-    def _evaluate(self, plan: Plan) -> float | None:
-        for c in sorted(plan.leaders):
-            results, failures = self._gather({plan.leaders[c]: self.handles[plan.leaders[c]].evaluate.remote()},
-                                             self.cfg.supervisor.phase_timeout_s, "evaluate")
-            if results:
-                return float(next(iter(results.values())))
-            self._handle_failures(failures, "evaluate", -1)
-        return None
-
-    def _checkpoint(self, r: int, plan: Plan) -> str | None:
-        """Durable checkpoint after round r committed (the state at round r + 1)."""
-        root = Path(self.run_dir) / "checkpoints"
-        for attempt in range(3):
-            self._supervisor_faults(r, "checkpoint")
-            temp = checkpoint.new_temp_dir(root, r + 1)
-            armed = self._armed(r, ("checkpoint",), plan)
-            results, failures = self._phase("checkpoint", r, {rid: self.handles[rid].save_checkpoint.remote(str(temp), armed.get(rid))
-                                                              for rid in plan.live})
-            if failures or not results:
-                import shutil
-
-                shutil.rmtree(temp, ignore_errors=True)
-                self._rejoin(0.0)
-                plan = self.membership.plan()
-                continue
-            manifest = {"round": r + 1, "step": (r + 1) * self.spr, "run_id": self.run_id,
-                        "topology": [self.topology.clusters, self.topology.replicas_per_cluster],
-                        "files": {rid: res["sha256"] for rid, res in results.items()}, "t": time.time()}
-            final = checkpoint.finalize(temp, manifest)
-            checkpoint.prune(root, self.cfg.checkpoint.keep)
-            self.log.event("checkpoint", round=r + 1, path=str(final), replicas=sorted(results))
-            return str(final)
-        self.log.event("checkpoint_skipped", round=r + 1)
-        return None
-
-    # -- the run ------------------------------------------------------------------------------
+    # -- the run -----------------------------------------------------------------------------------------
     def _start_store(self) -> None:
+        from datetime import timedelta
+
         from torch.distributed import TCPStore
 
         host = ray.util.get_node_ip_address()
         self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False,
-                              timeout=__import__("datetime").timedelta(seconds=self.cfg.comm.configure_timeout_s))
+                              timeout=timedelta(seconds=self.cfg.comm.configure_timeout_s))
         self.store_addr = f"{host}:{self.store.port}"
 
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
         start = time.time()
         self._start_store()
-        self.configured_epoch = None
-        self.membership.force_new_epoch()
         status, reason = "completed", None
         try:
             self._set_status(phase="waiting_for_replicas")
             self._rejoin(self.cfg.supervisor.quorum_wait_s)
-            self._await_quorum()
-            self._refresh_progress()
+            self._await_idle()
             if "initial_eval_loss" not in self.durable:
-                plan = self.membership.plan()
-                self.durable["initial_eval_loss"] = self._evaluate(plan)
+                self.durable["initial_eval_loss"] = self._evaluate()
                 self._save_durable()
                 self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
             self._catch_up()
             while True:
-                r = max((self.progress[rid][0] for rid in self.membership.live if rid in self.progress), default=0)
+                boundary = self.cfg.supervisor.get("rejoin", "boundary") == "boundary"
+                self._rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and self._missing() else 0.0)
+                self._refresh()
+                r = current_round(self.live.values())
                 if r >= self.cfg.train.rounds:
                     break
                 if self.stop_requested:
                     status, reason = "stopped", f"stop requested; stopped after round {r}"
                     self.log.event("run_stopped", round=r)
                     break
-                self._round_and_record(r)
+                self._round(r)
             self._final_heal()
         except RunFailed as err:
             status, reason = "failed", str(err)
@@ -605,80 +275,207 @@ class Supervisor:
         self._set_status(phase="done", status=status)
         return summary
 
-    def _round_and_record(self, r: int) -> None:
-        out = self._run_round(r)
-        plan = out["plan"]
+    def _settings(self) -> RoundSettings:
+        cfg, sup = self.cfg, self.cfg.supervisor
+        grace = cfg.comm.timeout_s + 5.0  # a healthy member leaves a broken collective within its timeout
+        return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
+                             min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
+                             step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
+                             configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=sup.call_timeout_s,
+                             outer_s=min(sup.phase_timeout_s, self.clock.deadline("outer", 1) + grace),
+                             commit_s=min(sup.phase_timeout_s, self.clock.deadline("outer_commit", 1) + grace))
+
+    def _round(self, r: int) -> None:
+        """Run round r through the machine; record it, or restore / wait for quorum / fail."""
+        machine = RoundMachine(self.topology, self._settings(), r, progress=dict(self.live), leaders=self.leaders,
+                               epoch=self.durable["epoch"], committed_round=self.durable["committed_round"],
+                               configured=self.configured, outer_configured=self.outer_configured)
+        self.injector.supervisor_faults(r, "inner")
+        run = _RoundRun(self, machine, r)
+        run.drive()
+        self.durable["epoch"] = machine.epoch
+        self.leaders, self.configured, self.outer_configured = machine.leaders, machine.configured_groups(), machine.outer_configured
+        self._save_durable()
+        if machine.outcome == "committed":
+            self._record(r, machine, run)
+        elif machine.outcome == "restore":
+            self._restore(machine.reason)
+        elif machine.outcome == "below_quorum":
+            self._await_quorum(machine.reason)
+        else:
+            raise RunFailed(machine.reason)
+
+    def _await_quorum(self, reason: str) -> None:
+        wait_s = self.cfg.supervisor.quorum_wait_s
+        self.log.event("quorum_wait", reason=reason, wait_s=wait_s)
+        self._set_status(phase="quorum_wait")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            self._rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
+            counts = [sum(1 for rid in self.live if self.topology.cluster_of(rid) == c) for c in range(self.topology.clusters)]
+            if sum(n >= self.cfg.supervisor.min_replicas_per_cluster for n in counts) >= self.cfg.supervisor.min_clusters:
+                return
+        raise RunFailed(f"quorum lost: {reason}; waited {wait_s:.0f}s for replicas to return")
+
+    def _record(self, r: int, machine: RoundMachine, run: "_RoundRun") -> None:
+        self.durable["committed_round"] = r + 1
+        self._save_durable()
+        self.committed_steps += self.spr * len(run.inner_participants)
+        self.attempted_steps += run.attempted_steps
+        self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
+        self._refresh()
+        self.log.event("commit", round=r, epoch=machine.epoch, replicas=sorted(run.commit_digests),
+                       digests_agree=len(set(run.commit_digests.values())) <= 1)
         eval_loss = None
         if (r + 1) % self.cfg.train.eval_every == 0 or r + 1 == self.cfg.train.rounds:
-            eval_loss = self._evaluate(plan)
-        record = round_record(round_index=r, steps_per_round=self.spr, losses=out["losses"],
-                              tokens=out["totals"]["tokens"], inner_bytes=out["totals"]["inner_bytes"],
-                              outer_bytes=out["totals"]["outer_bytes"], phase_s=out["seconds"], eval_loss=eval_loss,
-                              live_replicas=len(plan.live), epoch=plan.epoch, attempts=out["attempts"],
-                              digests=out["digests"], global_digests=out["global_digests"], t=time.time())
+            eval_loss = self._evaluate()
+        record = round_record(round_index=r, steps_per_round=self.spr, losses=run.losses, tokens=run.tokens,
+                              inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes, phase_s=run.seconds,
+                              eval_loss=eval_loss, live_replicas=len(run.commit_digests), epoch=machine.epoch,
+                              attempts=run.attempts, digests=run.commit_digests, global_digests=run.global_digests,
+                              t=time.time())
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         self.wandb.log_round(record)
         self._set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
-        if self._checkpoint_due(r + 1):
-            self._checkpoint(r, plan)
+        if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
+            self._checkpoint(r + 1)
+
+    # -- between rounds: evaluate, checkpoint, restore, final heal ---------------------------------------
+    def _evaluate(self) -> float | None:
+        for rid in sorted(self.live, key=lambda x: (x not in self.leaders.values(), self.topology.global_index(x))):
+            try:
+                return float(ray.get(self.handles[rid].evaluate.remote(), timeout=self.cfg.supervisor.phase_timeout_s))
+            except Exception as err:  # noqa: BLE001 — that replica's failure; ask the next one
+                self._down(rid, "died" if isinstance(err, RayActorError) else "error", "evaluate", -1, str(err))
+        return None
+
+    def _checkpoint(self, state_round: int) -> str | None:
+        """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
+        Final only if every file reports that round; an existing one is never overwritten."""
+        root = Path(self.run_dir) / "checkpoints"
+        if checkpoint.exists(root, state_round):
+            self.log.event("checkpoint_skipped", round=state_round, reason="already exists")
+            return None
+        for _ in range(3):
+            self.injector.supervisor_faults(state_round - 1, "checkpoint")
+            temp = checkpoint.new_temp_dir(root, state_round)
+            members = [rid for rid in sorted(self.live) if self.live[rid][0] == state_round]
+            armed = self.injector.arm(state_round - 1, ("checkpoint",), self._plan_view(), only=set(members))
+            refs = {rid: self.handles[rid].save_checkpoint.remote(str(temp), state_round, armed.get(rid)) for rid in members}
+            results, failed = {}, {}
+            for rid, ref in refs.items():
+                try:
+                    answer = ray.get(ref, timeout=self.cfg.supervisor.phase_timeout_s)
+                    (results if answer["outcome"] == Outcome.DONE.value else failed)[rid] = answer
+                except Exception as err:  # noqa: BLE001 — that replica's failure
+                    failed[rid] = str(err)
+                    self._down(rid, "died" if isinstance(err, RayActorError) else "error", "checkpoint", state_round - 1, str(err))
+            if failed or not results:
+                shutil.rmtree(temp, ignore_errors=True)
+                continue
+            manifest = {"round": state_round, "step": state_round * self.spr, "run_id": self.run_id,
+                        "topology": [self.topology.clusters, self.topology.replicas_per_cluster],
+                        "files": {rid: a["sha256"] for rid, a in results.items()}, "t": time.time()}
+            final = checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in results.items()})
+            checkpoint.prune(root, self.cfg.checkpoint.keep)
+            self.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(results))
+            return str(final)
+        self.log.event("checkpoint_skipped", round=state_round, reason="replicas failed while saving")
+        return None
+
+    def _restore(self, reason: str) -> None:
+        """Total loss: every replica loads the latest durable checkpoint, or the run fails."""
+        self._rejoin(self.cfg.supervisor.rejoin_wait_s)
+        latest = checkpoint.latest(Path(self.run_dir) / "checkpoints")
+        if latest is None:
+            raise RunFailed(f"{reason}; no durable checkpoint to restore (checkpoint.every={self.cfg.checkpoint.every})")
+        manifest = checkpoint.read_manifest(latest)
+        for rid in sorted(self.live):
+            try:
+                answer = ray.get(self.handles[rid].load_checkpoint.remote(str(latest), manifest["files"].get(rid)),
+                                 timeout=self.cfg.supervisor.phase_timeout_s)
+                self.live[rid] = (answer["round"], answer["step"])
+            except Exception as err:  # noqa: BLE001 — it heals from a restored peer later
+                self._down(rid, "died" if isinstance(err, RayActorError) else "error", "restore", -1, str(err))
+        # rounds after the checkpoint are trained again: their lines go, so each is recorded once
+        metrics_path = Path(self.run_dir) / "metrics.jsonl"
+        kept = [m for m in read_jsonl(metrics_path) if m.get("round", 0) < manifest["round"]]
+        self.log.rewrite_metrics(kept)
+        self.durable["committed_round"] = manifest["round"]
+        self.configured, self.outer_configured = {}, None
+        self._save_durable()
+        self.log.event("restore", round=manifest["round"], path=str(latest), reason=reason, replicas=sorted(self.live))
 
     def _final_heal(self) -> None:
-        """A replica that died in the last round comes back and heals before the run ends, so the
-        result is held by every replica that can return (not only the survivors)."""
-        if not self._anyone_restarting():
+        """A replica that died in the last round comes back and heals before the run ends."""
+        if not self._missing():
             return
         self._set_status(phase="final_heal")
         self._rejoin(self.cfg.supervisor.rejoin_wait_s)
-        self._refresh_progress()
-        plan = self.membership.plan()
-        top = max((self.progress[rid][0] for rid in plan.live if rid in self.progress), default=0)
-        self._heal(plan, top)
-
-    def _checkpoint_due(self, rounds_done: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return bool(every) and (rounds_done % every == 0 or rounds_done == self.cfg.train.rounds)
+        top = current_round(self.live.values())
+        donors = {rid: p for rid, p in self.live.items() if p[0] == top}
+        for c in range(self.topology.clusters):
+            members = {rid: p for rid, p in self.live.items() if self.topology.cluster_of(rid) == c}
+            heals = assign_heals_for_cluster(members, {d: p for d, p in donors.items() if d not in members})
+            if heals:
+                action = Action(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
+                                calls={h.target: (h.source, h.scope) for h in heals})
+                _RoundRun(self, None, top).heal_now(action)
 
     def _catch_up(self) -> None:
-        """After a supervisor restart: record the rounds the old supervisor committed but did not
-        record, and take the checkpoint it owed. Replicas are exactly at the last committed round
-        (nothing runs without a supervisor), so both are exact."""
-        r_now = max((self.progress[rid][0] for rid in self.membership.live if rid in self.progress), default=0)
+        """After a supervisor restart: record rounds the old one committed but did not record, and
+        take the checkpoint it owed."""
+        self._refresh()
+        r_now = current_round(self.live.values())
+        if r_now > self.durable["committed_round"]:
+            self.durable["committed_round"] = r_now
+            self._save_durable()
         if r_now == 0:
             return
         recorded = {m["round"] for m in read_jsonl(Path(self.run_dir) / "metrics.jsonl")}
-        plan = self.membership.plan()
         for missing in sorted(set(range(r_now)) - recorded):
             record = {"round": missing, "inner_step": (missing + 1) * self.spr, "loss": None, "replica_loss": {},
                       "eval_loss": None, "tokens_per_s": None, "inner_bytes": 0, "outer_bytes": 0,
-                      "live_replicas": len(plan.live), "epoch": plan.epoch, "replica_digests": {},
+                      "live_replicas": len(self.live), "epoch": self.durable["epoch"], "replica_digests": {},
                       "recovered": True, "t": time.time()}
             if missing == r_now - 1:
-                results, _ = self._gather({rid: self.handles[rid].digests.remote() for rid in plan.live},
-                                          self.cfg.supervisor.call_timeout_s, "digests")
-                record["replica_digests"] = {rid: d["param"] for rid, d in sorted(results.items())}
-                record["eval_loss"] = self._evaluate(plan)
+                record["replica_digests"] = {rid: d["param"] for rid, d in sorted(self._digests().items())
+                                             if d["round"] == r_now}
+                record["eval_loss"] = self._evaluate()
             self.log.metrics(record)
             self.log.event("round_recorded_late", round=missing)
-        if self._checkpoint_due(r_now):
-            latest = checkpoint.latest(Path(self.run_dir) / "checkpoints")
-            if latest is None or checkpoint.read_manifest(latest)["round"] < r_now:
-                self._checkpoint(r_now - 1, plan)
+        if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
+            self._checkpoint(r_now)
+
+    def _digests(self) -> dict:
+        out = {}
+        for rid in sorted(self.live):
+            try:
+                out[rid] = ray.get(self.handles[rid].digests.remote(), timeout=self.cfg.supervisor.call_timeout_s)
+            except Exception:  # noqa: BLE001 — a replica lost at the very end: its digest is absent
+                pass
+        return out
+
+    def _plan_view(self):
+        from hsgd.core.membership import Plan
+
+        members = {c: tuple(r for r in self.topology.cluster_members(c) if r in self.live) for c in range(self.topology.clusters)}
+        members = {c: m for c, m in members.items() if m}
+        return Plan(epoch=self.durable["epoch"], members=members,
+                    leaders={c: self.leaders.get(c, m[0]) for c, m in members.items()}, outer_clusters=tuple(members))
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         digests, global_digest = {}, None
-        calls = {rid: self.handles[rid].digests.remote() for rid in sorted(self.membership.live)}
-        results, _ = self._gather(calls, self.cfg.supervisor.call_timeout_s, "digests")
-        for rid, d in sorted(results.items()):
+        for rid, d in self._digests().items():
             digests[rid] = d["param"]
             global_digest = global_digest or d["global"]
         metrics = read_jsonl(Path(self.run_dir) / "metrics.jsonl")
         evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
-        rounds = max((r for r, _ in (self.progress.get(rid, (0, 0)) for rid in self.membership.live)), default=0)
-        committed_steps = rounds * self.spr
+        rounds = self.durable["committed_round"]
         step_eff, training_eff = efficiencies(self.committed_steps, self.attempted_steps, self.participation)
         return {"status": status, "reason": reason, "rounds_committed": rounds,
-                "inner_steps_committed": committed_steps,
+                "inner_steps_committed": rounds * self.spr,
                 "initial_eval_loss": self.durable.get("initial_eval_loss"),
                 "final_eval_loss": evals[-1] if evals else None,
                 "wall_s": time.time() - self.durable["started_at"],  # the whole run, across supervisor restarts
@@ -687,5 +484,274 @@ class Supervisor:
                 "step_efficiency": step_eff, "training_efficiency": training_eff,
                 "faults": fault_figures(read_jsonl(Path(self.run_dir) / "faults_fired.jsonl"),
                                         read_jsonl(Path(self.run_dir) / "events.jsonl")),
+                "faults_not_fired": self.injector.not_fired(),
                 "supervisor_starts": self.durable["supervisor_starts"],
-                "epoch": self.membership.epoch, "run_dir": self.run_dir}
+                "epoch": self.durable["epoch"], "run_dir": self.run_dir}
+
+
+class _RoundRun:
+    """Carries out one round machine's actions: issues calls, collects answers, polls progress,
+    ticks. Keeps the round's numbers (losses, tokens, bytes, seconds) for metrics.jsonl."""
+
+    def __init__(self, sup: Supervisor, machine: RoundMachine | None, round_index: int):
+        self.sup, self.machine, self.r = sup, machine, round_index
+        self.refs: dict[Any, tuple[int, str, str]] = {}  # ref -> (action id, rid, kind)
+        self.actions: dict[int, tuple[Action, float, set]] = {}  # id -> (action, started, pending)
+        self.outcomes: dict[int, dict[str, str]] = {}
+        self.progress_refs: dict[Any, tuple[str, float]] = {}
+        self.losses: dict[str, list[float]] = {}
+        self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
+        self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
+        self.inner_participants: set[str] = set()
+        self.commit_digests: dict[str, str] = {}
+        self.global_digests: dict[str, str] = {}
+        self.attempts = 1
+        self.inner_started = None
+        self.heal_sizes: dict[str, int] = {}
+
+    def drive(self) -> None:
+        m, sup = self.machine, self.sup
+        self._carry_out(m.start(time.monotonic()))
+        last_poll = 0.0
+        while not m.done:
+            waiting = list(self.refs) + list(self.progress_refs)
+            ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
+            for ref in ready:
+                if ref in self.progress_refs:
+                    self._progress_answer(ref)
+                else:
+                    self._carry_out(m.on_result(self._answer(ref), time.monotonic()))
+            now = time.monotonic()
+            if now - last_poll >= TICK_S:
+                last_poll = now
+                self._poll_progress()
+                self._carry_out(m.on_tick(now))
+            self._log_deaths()
+            sup._set_status(epoch=m.epoch, **_view(m))
+        self._log_deaths()
+        sup.live = dict(m.progress)
+
+    # -- issuing -----------------------------------------------------------------------------------------
+    def _carry_out(self, actions: list[Action]) -> None:
+        sup = self.sup
+        for a in actions:
+            if a.kind == "kill":
+                self._kill(a)
+                continue
+            if a.kind == "outer_reduce":
+                sup.injector.supervisor_faults(self.r, "outer")
+            if a.kind == "outer_commit":
+                sup.log.event("commit_decision", round=self.r, clusters=sorted({sup.topology.cluster_of(x) for x in a.calls}))
+                sup.injector.supervisor_faults(self.r, "outer_commit")
+            phase = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+                     "outer_commit": "outer_commit", "heal": "heal"}.get(a.kind)
+            armed = sup.injector.arm(self.r, _FAULT_PHASES.get(a.kind, ()), self.machine.plan(), only=set(a.calls),
+                                     handles=sup.handles) if phase else {}
+            self.actions[a.id] = (a, time.monotonic(), set(a.calls))
+            sup.log.event("phase_begin", phase=_PHASE_NAME.get(a.kind, a.kind), round=self.r, cluster=a.cluster,
+                          epoch=a.epoch, replicas=sorted(a.calls), reason=a.reason or None)
+            if a.kind == "configure_inner" or a.kind == "configure_outer":
+                self._membership_event(a)
+            if a.kind == "run_inner" and self.inner_started is None:
+                self.inner_started = time.monotonic()
+            for rid, args in a.calls.items():
+                ref = self._issue(a, rid, args, armed.get(rid))
+                self.refs[ref] = (a.id, rid, a.kind)
+
+    def _issue(self, a: Action, rid: str, args: tuple, faults):
+        h, sup = self.sup.handles[rid], self.sup
+        if a.kind == "heal":
+            source, scope = args
+            state = (sup.handles[source].get_state.remote(faults) if scope == "full"
+                     else sup.handles[source].global_state.remote())
+            sup.log.event("heal_begin", target=rid, source=source, scope=scope)
+            return h.load_state.remote(state, scope, faults)
+        if a.kind == "configure_inner":
+            return h.configure_inner.remote(a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2])
+        if a.kind == "configure_outer":
+            return h.configure_outer.remote(a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2])
+        if a.kind == "run_inner":
+            self.inner_participants.add(rid)
+            return h.run_inner.remote(a.round, faults)
+        if a.kind == "cluster_average":
+            return h.cluster_average.remote(a.round, a.epoch, faults)
+        if a.kind == "outer_reduce":
+            return h.outer_reduce.remote(a.round, a.epoch, faults)
+        if a.kind == "outer_commit":
+            return h.outer_commit.remote(a.round, args[0], faults)
+        raise ValueError(f"unknown action {a.kind}")
+
+    def heal_now(self, action: Action) -> None:
+        """A heal outside a round (the final heal): issue and wait for it."""
+        self.actions[action.id] = (action, time.monotonic(), set(action.calls))
+        refs = {rid: self._issue(action, rid, args, None) for rid, args in action.calls.items()}
+        for rid, ref in refs.items():
+            self.refs[ref] = (action.id, rid, "heal")
+            self._answer(ref, timeout=self.sup.cfg.supervisor.call_timeout_s)
+
+    # -- answers -----------------------------------------------------------------------------------------
+    def _answer(self, ref, timeout: float = 5.0) -> PhaseResult:
+        action_id, rid, kind = self.refs.pop(ref)
+        sup = self.sup
+        try:
+            value = ray.get(ref, timeout=timeout)
+            outcome = Outcome(value.get("outcome", "done"))
+            detail = value.get("error", "")
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
+            value, outcome, detail = {}, Outcome.DIED, type(err).__name__
+        except GetTimeoutError:
+            value, outcome, detail = {}, Outcome.COLLECTIVE_FAILED, "answer not fetched in time"
+        except Exception as err:  # noqa: BLE001 — the replica raised: its own failure, never the job's
+            value, outcome, detail = {}, Outcome.ERROR, f"{type(err).__name__}: {str(err)[-300:]}"
+            if kind == "heal" and "ActorDiedError" in str(err):
+                outcome = Outcome.COLLECTIVE_FAILED  # the heal source died, not this target
+            else:
+                try:
+                    ray.kill(sup.handles[rid], no_restart=False)  # restart it clean
+                except Exception:  # noqa: BLE001
+                    pass
+        self._account(kind, rid, value, outcome)
+        if action_id in self.actions and rid in self.actions[action_id][2]:
+            action, started, pending = self.actions[action_id]
+            pending.discard(rid)
+            self.outcomes.setdefault(action_id, {})[rid] = outcome.value if outcome == Outcome.DONE else f"{outcome.value}: {detail[:200]}"
+            if outcome != Outcome.DONE and outcome != Outcome.DIED:
+                sup.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
+                              rid=rid, phase=_PHASE_NAME.get(kind, kind), round=self.r, cluster=action.cluster,
+                              outcome=outcome.value, detail=detail[:300])
+            if not pending:
+                self._phase_end(action, started)
+        return PhaseResult(action_id, rid, outcome, int(value.get("round", -1)), int(value.get("step", -1)), detail)
+
+    def _account(self, kind: str, rid: str, value: dict, outcome: Outcome) -> None:
+        if kind == "run_inner" and "report" in value:
+            rep = value["report"]
+            self.tokens += rep["tokens"]
+            self.inner_bytes += rep["inner_bytes"]
+            self.attempted_steps += rep["steps_done"]
+            self.losses.setdefault(rid, []).extend(rep["losses"])
+        if kind == "outer_reduce":
+            self.outer_bytes += value.get("outer_bytes", 0)
+        if kind == "outer_commit" and outcome == Outcome.DONE:
+            self.inner_bytes += value.get("inner_bytes", 0)
+            self.commit_digests[rid] = value["digest"]
+            self.global_digests[rid] = value["global_digest"]
+        if kind == "heal" and outcome == Outcome.DONE:
+            self.heal_sizes[rid] = value.get("bytes", 0)
+
+    def _phase_end(self, action: Action, started: float) -> None:
+        self.actions.pop(action.id, None)
+        seconds = time.monotonic() - started
+        outcomes = self.outcomes.pop(action.id, {})
+        failed = {rid: o.split(": ", 1) for rid, o in outcomes.items() if o != "done"}
+        ok = sorted(rid for rid, o in outcomes.items() if o == "done")
+        self.sup.log.event("phase_end", phase=_PHASE_NAME.get(action.kind, action.kind), round=self.r,
+                           cluster=action.cluster, seconds=seconds, ok=ok, failed=failed)
+        key = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+               "outer_commit": "outer_commit"}.get(action.kind, "heal_configure")
+        self.seconds[key] = max(self.seconds[key], seconds) if key == "inner" else self.seconds[key] + seconds
+        if action.kind == "heal":
+            for rid in ok:
+                source, scope = action.calls[rid]
+                self.sup.log.event("heal_end", target=rid, source=source, scope=scope, seconds=seconds,
+                                   bytes=self.heal_sizes.get(rid))
+        if not failed and action.kind in ("outer_reduce", "outer_commit"):
+            self.sup.clock.observe(action.kind.replace("_reduce", ""), seconds, 1)
+        if action.kind == "run_inner" and failed:
+            self.attempts += 1
+
+    # -- progress and hangs ------------------------------------------------------------------------------
+    def _poll_progress(self) -> None:
+        """Ask every replica in an inner phase for its step (control channel; answers mid-phase)."""
+        asked = {rid for rid, _ in self.progress_refs.values()}
+        for action, _, pending in self.actions.values():
+            if action.kind != "run_inner":
+                continue
+            for rid in pending - asked:
+                self.progress_refs[self.sup.handles[rid].progress.remote()] = (rid, time.monotonic())
+
+    def _progress_answer(self, ref) -> None:
+        rid, _ = self.progress_refs.pop(ref)
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 — no answer is no sign of life; the machine's limit decides
+            return
+        now = time.monotonic()
+        before = self.machine.advance.get(rid)
+        self.machine.on_progress(rid, int(answer["step"]), now)
+        after = self.machine.advance.get(rid)
+        if before is not None and after is not None and after.step > before.step and after.at > before.at:
+            self.sup.clock.observe("inner_step", (after.at - before.at) / (after.step - before.step), 1)
+        self.sup.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+
+    def _kill(self, a: Action) -> None:
+        """The machine found a replica silent and not advancing: report with stacks, then kill it
+        (restartable); its call in flight becomes stale."""
+        sup = self.sup
+        (rid, (why,)), = a.calls.items()
+        group = sorted(x for x in (sup.topology.cluster_members(a.cluster) if a.cluster is not None else sup.handles)
+                       if x in self.machine.progress or x == rid)
+        dumps = {}
+        if sup.cfg.watchdog.stack_dumps:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                futures = {p: pool.submit(dump_replica, sup.handles[p], sup.replica_info.get(p, {}), sup.run_dir, p)
+                           for p in group}
+                for p, fut in futures.items():
+                    try:
+                        dumps[p] = fut.result(timeout=30.0)
+                    except Exception as err:  # noqa: BLE001 — a dump that failed is reported as such
+                        dumps[p] = f"(no stack: {err})"
+        peers = {p: ("stuck" if p == rid else "in its group") for p in group}
+        text = hang_report(rid=rid, phase=why, round_index=self.r, waited_s=0.0, deadline_s=0.0, peers=peers,
+                           dumps=dumps, view={"epoch": self.machine.epoch, "leaders": self.machine.leaders})
+        hang_dir = Path(sup.run_dir) / "hangs"
+        hang_dir.mkdir(exist_ok=True)
+        path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
+        atomic_write_text(path, text)
+        sup.log.event("hang_detected", rid=rid, phase=why, round=self.r, cluster=a.cluster, reason=a.reason,
+                      stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
+                      waiting=[p for p in group if p != rid])
+        sup.log.event("kill", rid=rid, reason=a.reason)
+        try:
+            ray.kill(sup.handles[rid], no_restart=False)
+        except Exception as err:  # noqa: BLE001 — already dead is fine
+            sup.log.event("kill_failed", rid=rid, error=str(err))
+        for action_id, (action, started, pending) in list(self.actions.items()):
+            if rid in pending:
+                pending.discard(rid)
+                self.outcomes.setdefault(action_id, {})[rid] = "hung: killed"
+                if not pending:
+                    self._phase_end(action, started)
+
+    def _log_deaths(self) -> None:
+        sup = self.sup
+        for rid, cause in self.machine.dead.items():
+            if rid in sup.live:
+                sup.live.pop(rid)
+                sup.log.event("replica_down", rid=rid, cluster=sup.topology.cluster_of(rid), cause=cause,
+                              phase=self.sup.status_view.get("phase"), round=self.r)
+
+    def _membership_event(self, a: Action) -> None:
+        m = self.machine
+        members = {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)}
+        self.sup.log.event("membership", epoch=a.epoch, members=members,
+                           leaders={f"c{c}": r for c, r in m.leaders.items()}, standby=[],
+                           level="inner" if a.kind == "configure_inner" else "outer", cluster=a.cluster)
+
+
+_PHASE_NAME = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+               "outer_commit": "outer_commit", "configure_inner": "configure", "configure_outer": "configure",
+               "heal": "heal"}
+_FAULT_PHASES = {"run_inner": ("inner", "inner_sync"), "cluster_average": ("inner_sync",), "outer_reduce": ("outer",),
+                 "outer_commit": ("outer_commit",), "heal": ("heal",)}
+
+
+def _view(m: RoundMachine) -> dict:
+    stages = {st.stage for st in m.clusters.values() if st.stage != "out"}
+    phase = "outer" if m.outer_stage in ("configure", "reduce") else "outer_commit" if m.outer_stage == "commit" \
+        else "inner" if "inner" in stages else sorted(stages)[0] if stages else "idle"
+    return {"phase": phase, "round": m.round,
+            "members": {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
+            "leaders": {f"c{c}": r for c, r in m.leaders.items()}}

@@ -26,12 +26,16 @@ class HealAssignment:
     scope: str  # "full" | "global"
 
 
-def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan) -> list[HealAssignment]:
-    """progress: rid -> (round, step) for the plan's live members."""
+def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan,
+                 donors: dict[str, tuple[int, int]] | None = None) -> list[HealAssignment]:
+    """progress: rid -> (round, step) for the plan's live members (and any donors). `donors`:
+    the replicas a cluster with nobody at the top round may take the global state from (default:
+    every live member of the plan)."""
     members = [rid for rid in plan.live if rid in progress]
     if not members:
         return []
-    top_round = max(progress[rid][0] for rid in members)
+    pool = donors if donors is not None else {rid: progress[rid] for rid in members}
+    top_round = max([progress[rid][0] for rid in members] + [p[0] for p in pool.values()])
     heals: list[HealAssignment] = []
     for cluster in sorted(plan.members):
         own = [rid for rid in plan.members[cluster] if rid in progress]
@@ -43,8 +47,9 @@ def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan) -> list[HealA
                 if progress[rid] < progress[source]:
                     heals.append(HealAssignment(rid, source, "full"))
         else:
-            donors = [rid for rid in members if progress[rid][0] == top_round]
-            source = min(donors, key=lambda r: parse_replica_id(r))
+            candidates = [rid for rid, p in pool.items() if p[0] == top_round and rid not in own]
+            if not candidates:
+                continue
+            source = min(candidates, key=parse_replica_id)
             heals.extend(HealAssignment(rid, source, "global") for rid in own)
     return heals
-

@@ -40,6 +40,16 @@ class RunLog:
             self._metrics.write(json.dumps(record, default=str) + "\n")
             self._metrics.flush()
 
+    def rewrite_metrics(self, records: list[dict]) -> None:
+        """Replace metrics.jsonl with `records` atomically (after a restore, the rounds that are
+        trained again lose their old lines, so every round is recorded once)."""
+        from hsgd.record.rundir import atomic_write_text
+
+        with self._lock:
+            self._metrics.close()
+            atomic_write_text(self.dir / "metrics.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in records))
+            self._metrics = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+
     def close(self) -> None:
         with self._lock:
             self._events.close()

@@ -17,7 +17,8 @@ collective at a time:
                    cluster (level "inner") and every replica applies the same outer step.
 A failed collective raises `CollectiveError` and leaves the counters where the last committed
 step left them; the step in flight is not counted and is redone after re-planning.
-Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op.
+Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
+and a call for a round this replica has not reached raises `Behind` — it is never reported done.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ FaultHook = Callable[[str, int, int], None]
 
 def _no_fault(phase: str, round_index: int, step_in_round: int) -> None:
     return None
+
+
+class Behind(RuntimeError):
+    """A phase call for a round this replica has not reached: it must be healed first."""
 
 
 @dataclass
@@ -96,7 +101,13 @@ class ReplicaTrainer:
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        self._outer_buffer: tuple[int, list[torch.Tensor]] | None = None  # (round, mean pseudo-grad)
+        # (round, epoch, mean pseudo-grad): a buffer of another epoch is never reused or committed
+        self._outer_buffer: tuple[int, int, list[torch.Tensor]] | None = None
+        # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
+        # retried average starts from the same point (never averages an averaged replica again)
+        self._averaged: tuple[int, int] | None = None
+        self._pre_average: tuple[int, list[torch.Tensor]] | None = None
+        self.min_step_s = float(getattr(cfg.train, "min_step_s", 0.0) or 0.0)
         self._eval = eval_batches(self.corpus.val, batch_size=cfg.data.batch_size,
                                   block_size=cfg.model.block_size, n_batches=cfg.train.eval_batches)
 
@@ -109,9 +120,16 @@ class ReplicaTrainer:
         return {"rid": self.rid, "round": self.round, "step": self.step,
                 "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0]}
 
+    def _require(self, round_index: int, what: str) -> bool:
+        """True if the call's work is still to do; False if the round is already committed here."""
+        if round_index > self.round:
+            raise Behind(f"{self.rid}: {what} for round {round_index}, but this replica holds round {self.round}")
+        return round_index == self.round
+
     # -- inner phase ----------------------------------------------------------------------------
     def _one_step(self, inner: LevelGroup, hook: FaultHook) -> float:
         cfg = self.cfg
+        started = time.perf_counter()
         x, y = batch_for_step(self.corpus.train, seed=cfg.seed, replica_index=self.global_index,
                               step=self.step, batch_size=cfg.data.batch_size,
                               block_size=cfg.model.block_size)
@@ -129,12 +147,15 @@ class ReplicaTrainer:
             hook("inner_sync", self.round, self.step_in_round)
             with torch.no_grad():
                 inner.allreduce_mean([p.data for p in self.params], level="inner")
+        if self.min_step_s > 0:  # simulated accelerator step time: sleep, so CPU replicas stay cheap
+            time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
         return float(loss.detach())
 
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault) -> InnerReport:
-        """Run inner steps until the round's last step is committed. Raises CollectiveError."""
+        """Run inner steps until the round's last step is committed. Raises CollectiveError, or
+        Behind for a round not reached; a round already committed is a no-op."""
         start, bytes_before, done, losses = time.perf_counter(), inner.bytes_sent, 0, []
-        if round_index == self.round:
+        if self._require(round_index, "run_inner"):
             while self.step_in_round < self.steps_per_round:
                 hook("inner", self.round, self.step_in_round)
                 loss = self._one_step(inner, hook)
@@ -149,22 +170,34 @@ class ReplicaTrainer:
 
     # -- outer phase ----------------------------------------------------------------------------
     @torch.no_grad()
-    def cluster_average(self, round_index: int, inner: LevelGroup) -> None:
-        """inner `none`: make every replica of the cluster hold the cluster mean."""
-        if round_index == self.round:
-            inner.allreduce_mean([p.data for p in self.params], level="inner")
+    def cluster_average(self, round_index: int, epoch: int, inner: LevelGroup) -> None:
+        """inner `none`: make every replica of the cluster hold the cluster mean. Idempotent per
+        (round, epoch); a retry under a new epoch first restores the params it had before."""
+        if not self._require(round_index, "cluster_average") or self._averaged == (round_index, epoch):
+            return
+        if self._pre_average is not None and self._pre_average[0] == round_index:
+            for p, saved in zip(self.params, self._pre_average[1]):
+                p.copy_(saved)
+        else:
+            self._pre_average = (round_index, [p.detach().clone() for p in self.params])
+        inner.allreduce_mean([p.data for p in self.params], level="inner")
+        self._averaged = (round_index, epoch)
 
     @torch.no_grad()
-    def outer_reduce(self, round_index: int, outer: LevelGroup) -> None:
-        """Leader only: mean pseudo-gradient across clusters into the buffer (not applied)."""
-        if round_index != self.round or (self._outer_buffer and self._outer_buffer[0] == round_index):
+    def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup) -> None:
+        """Leader only: mean pseudo-gradient across clusters into the buffer keyed by (round,
+        epoch); nothing is applied. Idempotent per (round, epoch)."""
+        if not self._require(round_index, "outer_reduce"):
             return
+        if self._outer_buffer and self._outer_buffer[:2] == (round_index, epoch):
+            return
+        self._outer_buffer = None
         if self.cfg.sync.outer == "none":
-            self._outer_buffer = (round_index, [])
+            self._outer_buffer = (round_index, epoch, [])
             return
         pseudo_grad = self.outer_opt.pseudo_gradient(self.params)
         outer.allreduce_mean(pseudo_grad, level="outer")
-        self._outer_buffer = (round_index, pseudo_grad)
+        self._outer_buffer = (round_index, epoch, pseudo_grad)
 
     def discard_outer_buffer(self) -> None:
         self._outer_buffer = None
@@ -172,14 +205,14 @@ class ReplicaTrainer:
     @torch.no_grad()
     def outer_commit(self, round_index: int, inner: LevelGroup, root: int) -> None:
         """Receive the committed mean pseudo-gradient from the cluster's leader and apply it."""
-        if round_index != self.round:
+        if not self._require(round_index, "outer_commit"):
             return  # already committed (idempotent re-issue)
         outer_sync = self.cfg.sync.outer != "none"
         if outer_sync:
             if inner.rank == root:
                 assert self._outer_buffer is not None and self._outer_buffer[0] == round_index, \
                     f"{self.rid}: commit of round {round_index} without a reduced buffer"
-                pseudo_grad = self._outer_buffer[1]
+                pseudo_grad = self._outer_buffer[2]
             else:
                 pseudo_grad = [torch.zeros_like(g) for g in self.outer_opt.global_params]
             inner.broadcast(pseudo_grad, root=root, level="inner")
@@ -188,6 +221,7 @@ class ReplicaTrainer:
         else:
             self.outer_opt.reset_global(self.params)
         self._outer_buffer = None
+        self._averaged = self._pre_average = None
         self.round += 1
         self.round_losses = []
 
@@ -217,22 +251,31 @@ class ReplicaTrainer:
                 "outer": self.outer_opt.state_dict(),
                 "round_losses": list(self.round_losses)}
 
+    def global_state(self) -> dict:
+        """What a `global` heal needs: the round-start global params and outer state. They change
+        only in outer_commit, so this may be read while an inner phase runs."""
+        return {"rid": self.rid, "round": self.round, "step": self.round * self.steps_per_round,
+                "outer": self.outer_opt.state_dict()}
+
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
         """scope `full`: become the source (same cluster). scope `global`: take only the global
         params, outer state and round (the source is in another cluster); params restart from the
-        global params at the round's first step, and the inner optimizer is kept as it is (fresh
-        for a restarted replica, still valid for one that only missed a commit broadcast)."""
+        global params at the round's first step, and the inner optimizer starts fresh — every
+        member of a cluster healed this way gets the same (fresh) state, so the cluster stays
+        consistent."""
         self.outer_opt.load_state_dict(state["outer"])
         if scope == "full":
             for p, src in zip(self.params, state["params"]):
                 p.copy_(src.to(p.device))
             self.inner_opt.load_state_dict(state["inner_opt"])
             self.round_losses = list(state.get("round_losses", []))
+            self.round, self.step = int(state["round"]), int(state["step"])
         else:
             self.outer_opt.copy_global_into(self.params)
+            self.inner_opt = build_inner_optimizer(self.cfg, self.params)
             self.round_losses = []
-        self.round, self.step = int(state["round"]), int(state["step"])
-        if scope != "full":  # our cluster's progress in this round is gone: restart the round
-            self.step = self.round * self.steps_per_round
+            self.round = int(state["round"])
+            self.step = self.round * self.steps_per_round  # our cluster's progress in this round is gone
         self._outer_buffer = None
+        self._averaged = self._pre_average = None

@@ -1,0 +1,92 @@
+"""The fault injector: the one place a run's faults are scheduled, armed and recorded.
+
+Like torchft's `FailureInjector` (`fail_at`, `check`), but for a schedule of many faults: the
+schedule comes from the config (`faults.schedule`, random `faults.mtbf_s`) and drills (`add`).
+`arm` hands each replica fault to the phase call that must carry it (it fires inside the replica at
+the step or phase boundary named, so runs replay bitwise); a target that takes no part in that call
+(a non-leader of `cluster:c1` during the outer all-reduce) is hit from outside at once, as a node
+failure would. Supervisor faults fire here, in the supervisor. Every fault fires once: the fired
+indices are durable (a restarted supervisor never fires one again); `not_fired` lists what never
+had its moment, for the summary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import ray
+
+from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule
+
+
+class FaultInjector:
+    def __init__(self, cfg, run_dir: str, durable: dict, log, save):
+        self.run_dir, self.durable, self.log, self._save = run_dir, durable, log, save
+        c, n = cfg.topology.clusters, cfg.topology.replicas_per_cluster
+        self.shape = {"clusters": c, "replicas_per_cluster": n}
+        self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
+        fc = cfg.faults
+        if fc.mtbf_s > 0:
+            self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
+                                           rounds=cfg.train.rounds, round_s_estimate=cfg.sync.outer_every * fc.step_s,
+                                           steps_per_round=cfg.sync.outer_every, **self.shape)
+        for raw in durable.get("added_faults", []):  # faults a drill added before a restart
+            self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
+
+    @property
+    def fired(self) -> list[int]:
+        return self.durable.setdefault("fired", [])
+
+    def add(self, raw: dict) -> str:
+        """Schedule one more fault (drills). Validated like the config's; recorded durably."""
+        spec = parse_fault(raw, index=len(self.faults), **self.shape)
+        self.faults.append(spec)
+        self.durable.setdefault("added_faults", []).append(dict(raw))
+        self._save()
+        self.log.event("fault_scheduled", fault=spec.describe())
+        return spec.describe()
+
+    def arm(self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str],
+            handles: dict | None = None) -> dict[str, list[dict]]:
+        """Faults due in a call of `round_index` covering `phases` made to the replicas `only`:
+        rid -> fault messages to pass with that replica's call."""
+        armed: dict[str, list[dict]] = {}
+        due = [d for d in due_faults(self.faults, self.fired, round_index=round_index, phases=phases, plan=plan)
+               if set(d.targets) & only]
+        for d in due:
+            self.fired.append(d.index)
+            self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
+            for rid in d.targets:
+                if rid in only:
+                    armed.setdefault(rid, []).append(d.message())
+                elif handles is not None and d.spec.kind == "kill":  # from outside, at once
+                    self.record_fired(rid, d.spec.kind, d.spec.phase, round_index)
+                    ray.kill(handles[rid], no_restart=False)
+                elif handles is not None:
+                    handles[rid].inject.remote(d.message())  # fire-and-forget: it may never answer
+        if due:
+            self._save()
+        return armed
+
+    def supervisor_faults(self, round_index: int, phase: str) -> None:
+        """Fire a supervisor fault scheduled for this round and phase (the supervisor dies here)."""
+        for i, f in enumerate(self.faults):
+            if i in self.fired or f.target_kind != "supervisor" or f.round != round_index or f.phase != phase:
+                continue
+            self.fired.append(i)
+            self._save()  # before dying: a restarted supervisor must not fire it again
+            self.log.event("fault_fired", fault=f.describe(), pid=os.getpid())
+            self.record_fired("supervisor", f.kind, phase, round_index)
+            if f.kind == "kill":
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
+                time.sleep(60)
+            os._exit(17)
+
+    def record_fired(self, rid: str, kind: str, phase: str, round_index) -> None:
+        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
+            fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase,
+                                 "round": round_index, "step": 0}) + "\n")
+
+    def not_fired(self) -> list[str]:
+        return [f.describe() for i, f in enumerate(self.faults) if i not in self.fired]

@@ -1,0 +1,532 @@
+"""The round machine: what happens in one round, and after any failure in it. Pure: no Ray, no
+clocks, no I/O. The supervisor actor only carries its actions out and feeds back what it saw.
+
+One round r, as the machine drives it:
+
+    start        every live replica reports its committed (round, step). If none holds the last
+                 committed round, the round cannot run: outcome `restore` (every replica loads the
+                 latest durable checkpoint) or `failed` when there is none. Clusters below
+                 `min_replicas_per_cluster` sit out; fewer than `min_clusters` left: `below_quorum`.
+    per cluster  (independently, one cluster never waits for or disturbs another)
+                 heal     members behind the cluster's furthest member copy its state (`full`); a
+                          cluster with nobody at round r copies the global state from another
+                          cluster (`global`)
+                 configure  the cluster's inner group, under a fresh epoch, when its members changed
+                 inner    every member runs the round's remaining inner steps (one call)
+                 average  inner `none` only: the cluster's mean goes to outer sync
+    outer        once every participating cluster is ready: configure the leaders' group if the
+                 leaders changed, reduce pseudo-gradients into buffers keyed by (round, epoch), and
+                 commit only if every leader succeeded; then every member applies the same step.
+
+What happens after a failure (the whole of "Failure scoping"):
+    replica of cluster c died / hung / raised, or c's collective failed
+                 -> only cluster c re-forms: its surviving members return at their last committed
+                    step (they are waited for, a silent one is killed once its group's grace is
+                    over), the furthest wins, laggards heal, a new epoch, c's inner phase is issued
+                    again. Other clusters are not interrupted and their results count.
+    a leader died or the outer collective failed
+                 -> only the outer exchange is retried: buffers are never applied without a
+                    commit, the dead leader's cluster re-forms with a new leader, inner work stays.
+    every member of a cluster lost
+                 -> the cluster sits the round out; its replicas come back healed from another
+                    cluster at the next round.
+    failure during the commit
+                 -> if any replica applied the commit, the round is committed (the decision was
+                    made); the others heal from a committed replica at the next round's start.
+                    If none did, the outer exchange is retried.
+    hung         = silent AND not advancing: a replica whose step still advances is slow, never
+                    hung. Its limit is the learned step deadline, or, once a peer of the same group
+                    failed, the group's grace (a healthy member leaves a broken collective within
+                    its collective timeout).
+    replica answers `behind` (its round is below the one asked)
+                 -> it is healed, never counted as done.
+
+The machine never issues a call to a replica that has one in flight (`busy`): with one call at a
+time per replica, and each call using one level, a replica is in at most one collective at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable
+
+from hsgd.core.heal import HealAssignment, assign_heals
+from hsgd.core.membership import Plan
+from hsgd.core.topology import Topology
+
+
+class Outcome(str, Enum):
+    """What one replica's phase call came to."""
+    DONE = "done"  # the phase's work for the round is done (also: it was already done)
+    BEHIND = "behind"  # the replica has not reached the round asked: it needs a heal
+    COLLECTIVE_FAILED = "collective_failed"  # alive, but its group broke (a peer failed)
+    YIELDED = "yielded"  # stopped at a step boundary on request (mid-round rejoin)
+    DIED = "died"  # the actor is gone (Ray said so, or we killed it)
+    ERROR = "error"  # the replica raised: that replica's failure; it is killed and restarted
+
+
+FAILED = (Outcome.DIED, Outcome.ERROR)
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One replica's answer to one action's call."""
+    action: int
+    rid: str
+    outcome: Outcome
+    round: int = -1  # the replica's committed round after the call (-1: unknown, it died)
+    step: int = -1
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Action:
+    """Something the supervisor must do now. `calls`: the replicas it calls, with per-replica
+    arguments. `kind`:
+      heal            calls = {target: (source, scope)}: target loads source's state
+      configure_inner calls = {rid: (prefix, rank, world_size)}, epoch
+      run_inner       calls = {rid: ()}: run the round's remaining inner steps
+      cluster_average calls = {rid: ()}: inner `none`, the cluster's mean
+      configure_outer calls = {leader: (prefix, rank, world_size)}, epoch
+      outer_reduce    calls = {leader: ()}
+      outer_commit    calls = {rid: (root_inner_rank,)}
+      kill            calls = {rid: (reason,)}: kill the replica (restartable); no result expected
+    """
+    id: int
+    kind: str
+    round: int
+    cluster: int | None  # None: the outer level
+    epoch: int
+    calls: dict[str, tuple]
+    deadline_s: float = 0.0  # for calls whose work is fixed; inner phases use progress instead
+    reason: str = ""
+
+
+@dataclass
+class RoundSettings:
+    steps_per_round: int
+    inner: str = "ddp"
+    outer: str = "diloco"
+    min_replicas_per_cluster: int = 1
+    min_clusters: int = 1
+    max_reforms: int = 25  # per cluster (and for the outer exchange) per round: then the run fails
+    # deadlines, in seconds (the supervisor scales them with payload and learned step times)
+    step_deadline_s: float = 60.0  # an inner replica whose step does not advance for this long is hung
+    group_grace_s: float = 15.0  # after a peer of the same group failed
+    configure_s: float = 40.0
+    heal_s: float = 60.0
+    outer_s: float = 120.0
+    commit_s: float = 60.0
+
+
+@dataclass
+class _ClusterState:
+    stage: str = "new"  # new | heal | configure | inner | average | ready | out
+    members: tuple[str, ...] = ()
+    configured: tuple[int, tuple[str, ...]] | None = None  # (epoch, members) of the live inner group
+    action: int | None = None
+    failed_at: float | None = None  # when the current action saw its first failure
+    reforms: int = 0
+    inner_runs: int = 0
+
+
+@dataclass
+class _InFlight:
+    action: Action
+    pending: set[str]
+    started: float
+    failed_at: float | None = None
+
+
+@dataclass
+class _Advance:
+    step: int
+    at: float
+
+
+class RoundMachine:
+    """Drives one round. Feed it `start`, then `on_result` / `on_progress` / `on_tick` with the
+    supervisor's clock; carry out every action it returns. `done` is set once `outcome` is one of
+    committed | restore | failed | below_quorum; `reason` says why for the last three."""
+
+    def __init__(self, topology: Topology, settings: RoundSettings, round_index: int, *,
+                 progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
+                 committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
+                 outer_configured: tuple[int, tuple[str, ...]] | None = None):
+        self.topology, self.settings, self.round = topology, settings, round_index
+        self.progress = dict(progress)  # live replicas only
+        self.leaders = dict(leaders)
+        self.epoch = epoch
+        self.committed_round = committed_round
+        self.clusters = {c: _ClusterState(configured=(configured or {}).get(c)) for c in range(topology.clusters)}
+        self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
+        self.outer_stage = "wait"  # wait | configure | reduce | commit | done
+        self.outer_action: int | None = None
+        self.outer_attempts = 0
+        self.inflight: dict[int, _InFlight] = {}
+        self.busy: dict[str, int] = {}  # rid -> action id in flight
+        self.dead: dict[str, str] = {}  # rid -> cause, this round
+        self.advance: dict[str, _Advance] = {}
+        self.committed_by: set[str] = set()
+        self.done, self.outcome, self.reason = False, "", ""
+        self._next_id = 0
+        self.step_seconds: list[float] = []  # observed seconds per inner step (the clock learns them)
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def live(self) -> tuple[str, ...]:
+        return tuple(sorted(self.progress, key=self.topology.global_index))
+
+    def members(self, cluster: int) -> tuple[str, ...]:
+        return tuple(rid for rid in self.topology.cluster_members(cluster) if rid in self.progress)
+
+    def participating(self) -> list[int]:
+        return [c for c, st in self.clusters.items() if st.stage != "out"]
+
+    def plan(self) -> Plan:
+        """The membership view for fault targeting and status (leaders of participating clusters)."""
+        members = {c: self.members(c) for c in self.participating() if self.members(c)}
+        return Plan(epoch=self.epoch, members=members, leaders={c: self.leaders[c] for c in members if c in self.leaders},
+                    outer_clusters=tuple(sorted(members)))
+
+    def configured_groups(self) -> dict[int, tuple[int, tuple[str, ...]]]:
+        return {c: st.configured for c, st in self.clusters.items() if st.configured is not None}
+
+    # -- events ---------------------------------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        if not self.progress:
+            return self._finish("below_quorum", "no live replica")
+        top = max((r for r, _ in self.progress.values()), default=-1)
+        if top < self.committed_round:
+            self.done = True
+            self.outcome = "restore"
+            self.reason = (f"total loss: no live replica holds committed round {self.committed_round} "
+                           f"(best: {top if top >= 0 else 'none'})")
+            return []
+        actions: list[Action] = []
+        donors = {rid: p for rid, p in self.progress.items() if p[0] == self.round}
+        for c in range(self.topology.clusters):
+            members = self.members(c)
+            st = self.clusters[c]
+            if len(members) < self.settings.min_replicas_per_cluster or not members:
+                st.stage = "out"
+                continue
+            if not donors:
+                break
+            actions += self._reform(c, now, "round start", donors=donors)
+        if len(self.participating()) < self.settings.min_clusters:
+            return self._finish("below_quorum", self._quorum_text())
+        return actions
+
+    def on_result(self, result: PhaseResult, now: float) -> list[Action]:
+        flight = self.inflight.get(result.action)
+        if flight is None or result.rid not in flight.pending:
+            return []  # stale: an action we gave up on (its cluster re-formed, the replica was killed)
+        flight.pending.discard(result.rid)
+        if self.busy.get(result.rid) == result.action:
+            del self.busy[result.rid]
+        if result.rid in self.progress and result.round >= 0:
+            self.progress[result.rid] = (result.round, result.step)
+        if result.outcome in FAILED:
+            self._mark_dead(result.rid, "died" if result.outcome == Outcome.DIED else "error")
+        if result.outcome != Outcome.DONE and flight.failed_at is None:
+            flight.failed_at = now
+        if flight.action.kind == "outer_commit":
+            if result.outcome == Outcome.DONE:
+                self.committed_by.add(result.rid)
+            else:  # its cluster's group broke during the broadcast
+                self.clusters[self.topology.cluster_of(result.rid)].configured = None
+        if flight.pending:
+            return []
+        del self.inflight[result.action]
+        return self._action_finished(flight, now)
+
+    def on_progress(self, rid: str, step: int, now: float) -> None:
+        """A replica in an inner phase reported its committed step (on its control channel)."""
+        seen = self.advance.get(rid)
+        if seen is None or step > seen.step:
+            if seen is not None and step > seen.step:
+                self.step_seconds.append((now - seen.at) / (step - seen.step))
+            self.advance[rid] = _Advance(step, now)
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Kill replicas that are silent and not advancing past their limit. The machine gives up
+        on a killed replica's call at once (its late answer is stale) and goes on without it."""
+        actions: list[Action] = []
+        for action_id, flight in list(self.inflight.items()):
+            for rid in sorted(flight.pending):
+                if now > self._limit(flight, rid):
+                    actions.append(self._kill(rid, flight, now))
+            if not flight.pending and action_id in self.inflight:
+                del self.inflight[action_id]
+                actions += self._action_finished(flight, now)
+        return actions
+
+    def on_lost(self, rid: str, now: float, cause: str = "died") -> list[Action]:
+        """Ray says a replica died while it had no call in flight (or we learned it otherwise)."""
+        if rid not in self.progress:
+            return []
+        self._mark_dead(rid, cause)
+        action_id = self.busy.pop(rid, None)
+        if action_id is not None and action_id in self.inflight:
+            return self.on_result(PhaseResult(action_id, rid, Outcome.DIED), now)
+        c = self.topology.cluster_of(rid)
+        st = self.clusters[c]
+        if st.stage in ("ready",) and self.outer_stage in ("wait",):
+            st.configured = None  # its inner group lost a member: the commit broadcast needs a new one
+            return self._reform(c, now, f"{rid} lost")
+        if st.stage == "ready" and self.outer_stage in ("configure", "reduce", "commit"):
+            return []  # the outer action in flight will fail, or the commit will skip it
+        return []
+
+    # -- internals --------------------------------------------------------------------------------
+    def _limit(self, flight: _InFlight, rid: str) -> float:
+        s = self.settings
+        if flight.action.kind == "run_inner":
+            seen = self.advance.get(rid)
+            last = max(flight.started, seen.at if seen else flight.started)
+            limit = last + max(s.step_deadline_s, s.group_grace_s)
+        else:
+            limit = flight.started + flight.action.deadline_s
+        if flight.failed_at is not None and flight.action.kind != "configure_inner" \
+                and flight.action.kind != "configure_outer":
+            limit = min(limit, max(flight.failed_at, self._last_sign(flight, rid)) + s.group_grace_s)
+        return limit
+
+    def _last_sign(self, flight: _InFlight, rid: str) -> float:
+        seen = self.advance.get(rid)
+        return max(flight.started, seen.at if seen and flight.action.kind == "run_inner" else flight.started)
+
+    def _kill(self, rid: str, flight: _InFlight, now: float) -> Action:
+        self._mark_dead(rid, "hung")
+        flight.pending.discard(rid)
+        if self.busy.get(rid) == flight.action.id:
+            del self.busy[rid]
+        if flight.failed_at is None:
+            flight.failed_at = now
+        return self._new_action("kill", flight.action.cluster, {rid: (f"hung in {flight.action.kind}",)},
+                                reason=f"silent and not advancing in {flight.action.kind}")
+
+    def _mark_dead(self, rid: str, cause: str) -> None:
+        if rid in self.progress:
+            del self.progress[rid]
+            self.dead[rid] = cause
+            c = self.topology.cluster_of(rid)
+            if self.leaders.get(c) == rid:
+                del self.leaders[c]
+
+    def _new_action(self, kind: str, cluster: int | None, calls: dict[str, tuple], *, deadline_s: float = 0.0,
+                    reason: str = "", track: bool = False, now: float = 0.0) -> Action:
+        action = Action(id=self._next_id, kind=kind, round=self.round, cluster=cluster, epoch=self.epoch,
+                        calls=calls, deadline_s=deadline_s, reason=reason)
+        self._next_id += 1
+        if track:
+            for rid in calls:
+                assert rid not in self.busy, f"{rid} already has action {self.busy[rid]} in flight"
+                self.busy[rid] = action.id
+            self.inflight[action.id] = _InFlight(action, set(calls), now)
+        return action
+
+    def _quorum_text(self) -> str:
+        counts = ", ".join(f"c{c}={len(self.members(c))}" for c in range(self.topology.clusters))
+        return (f"only {len(self.participating())} cluster(s) with >= {self.settings.min_replicas_per_cluster} "
+                f"live replicas ({counts}); min_clusters={self.settings.min_clusters}")
+
+    def _finish(self, outcome: str, reason: str = "") -> list[Action]:
+        self.done, self.outcome, self.reason = True, outcome, reason
+        return []
+
+    # per cluster ---------------------------------------------------------------------------------
+    def _reform(self, c: int, now: float, reason: str, donors: dict | None = None) -> list[Action]:
+        """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner."""
+        st = self.clusters[c]
+        members = self.members(c)
+        if len(members) < self.settings.min_replicas_per_cluster or not members:
+            st.stage, st.members = "out", members
+            if self.outer_stage == "wait" and len(self.participating()) < self.settings.min_clusters:
+                return self._finish("below_quorum", self._quorum_text())
+            return self._maybe_outer(now)
+        if reason != "round start":
+            st.reforms += 1
+            if st.reforms > self.settings.max_reforms:
+                return self._finish("failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; "
+                                              f"giving up ({reason})")
+        st.members = members
+        if self.leaders.get(c) not in members:
+            self.leaders[c] = members[0]
+        st.failed_at = None
+        donors = donors if donors is not None else {rid: p for rid, p in self.progress.items() if p[0] == self.round}
+        heals = assign_heals_for_cluster({rid: self.progress[rid] for rid in members}, donors)
+        if heals:
+            st.stage = "heal"
+            action = self._new_action("heal", c, {h.target: (h.source, h.scope) for h in heals},
+                                      deadline_s=self.settings.heal_s, reason=reason, track=True, now=now)
+            st.action = action.id
+            return [action]
+        return self._configure(c, now, reason)
+
+    def _configure(self, c: int, now: float, reason: str) -> list[Action]:
+        st = self.clusters[c]
+        if st.configured is not None and st.configured[1] == st.members and reason == "round start":
+            return self._run_inner(c, now)
+        self.epoch += 1
+        n = len(st.members)
+        calls = {rid: (f"epoch{self.epoch}/inner/c{c}", i, n) for i, rid in enumerate(st.members)}
+        st.stage, st.configured = "configure", None
+        action = self._new_action("configure_inner", c, calls, deadline_s=self.settings.configure_s,
+                                  reason=reason, track=True, now=now)
+        st.action = action.id
+        return [action]
+
+    def _run_inner(self, c: int, now: float) -> list[Action]:
+        st = self.clusters[c]
+        st.stage = "inner"
+        st.inner_runs += 1
+        for rid in st.members:
+            self.advance[rid] = _Advance(self.progress[rid][1], now)
+        action = self._new_action("run_inner", c, {rid: () for rid in st.members}, track=True, now=now)
+        st.action = action.id
+        return [action]
+
+    def _action_finished(self, flight: _InFlight, now: float) -> list[Action]:
+        action = flight.action
+        results_ok = flight.failed_at is None
+        if action.kind in ("configure_outer", "outer_reduce", "outer_commit"):
+            return self._outer_finished(action, results_ok, now)
+        c = action.cluster
+        st = self.clusters[c]
+        if st.action != action.id:
+            return []
+        st.action = None
+        end = (self.round + 1) * self.settings.steps_per_round
+        if not results_ok or any(rid not in self.progress for rid in st.members):
+            if action.kind == "configure_inner":
+                st.configured = None
+            elif st.configured is not None:
+                st.configured = None  # a failed collective leaves the group unusable
+            return self._reform(c, now, f"{action.kind} failed")
+        if action.kind == "heal":
+            return self._configure(c, now, action.reason)
+        if action.kind == "configure_inner":
+            st.configured = (action.epoch, st.members)
+            return self._run_inner(c, now)
+        if action.kind == "run_inner":
+            if any(self.progress[rid] != (self.round, end) for rid in st.members):
+                return self._reform(c, now, "inner phase ended short")
+            if self.settings.inner == "none" and len(st.members) > 1:
+                st.stage = "average"
+                a = self._new_action("cluster_average", c, {rid: () for rid in st.members},
+                                     deadline_s=self.settings.commit_s, track=True, now=now)
+                st.action = a.id
+                return [a]
+            st.stage = "ready"
+            return self._maybe_outer(now)
+        if action.kind == "cluster_average":
+            st.stage = "ready"
+            return self._maybe_outer(now)
+        return []
+
+    # outer level ---------------------------------------------------------------------------------
+    def _ready_clusters(self) -> list[int]:
+        return [c for c in self.participating() if self.clusters[c].stage == "ready"]
+
+    def _maybe_outer(self, now: float) -> list[Action]:
+        if self.done or self.outer_stage not in ("wait",):
+            return []
+        part = self.participating()
+        if len(part) < self.settings.min_clusters:
+            return self._finish("below_quorum", self._quorum_text())
+        if any(self.clusters[c].stage != "ready" for c in part):
+            return []
+        leaders = tuple(self.leaders[c] for c in part)
+        if self.settings.outer != "none" and len(leaders) > 1 and (
+                self.outer_configured is None or self.outer_configured[1] != leaders):
+            self.epoch += 1
+            self.outer_stage = "configure"
+            calls = {rid: ("epoch%d/outer" % self.epoch, i, len(leaders)) for i, rid in enumerate(leaders)}
+            a = self._new_action("configure_outer", None, calls, deadline_s=self.settings.configure_s,
+                                 track=True, now=now)
+            self.outer_action = a.id
+            return [a]
+        return self._outer_reduce(now)
+
+    def _outer_reduce(self, now: float) -> list[Action]:
+        self.outer_stage = "reduce"
+        leaders = {self.leaders[c]: () for c in self.participating()}
+        a = self._new_action("outer_reduce", None, leaders, deadline_s=self.settings.outer_s, track=True, now=now)
+        self.outer_action = a.id
+        return [a]
+
+    def _outer_commit(self, now: float) -> list[Action]:
+        self.outer_stage = "commit"
+        calls = {}
+        for c in self.participating():
+            root = self.clusters[c].members.index(self.leaders[c])
+            calls.update({rid: (root,) for rid in self.clusters[c].members})
+        a = self._new_action("outer_commit", None, calls, deadline_s=self.settings.commit_s, track=True, now=now,
+                             reason="commit decided")
+        self.outer_action = a.id
+        return [a]
+
+    def _outer_finished(self, action: Action, ok: bool, now: float) -> list[Action]:
+        if action.kind == "configure_outer":
+            if ok:
+                self.outer_configured = (action.epoch, tuple(action.calls))
+                return self._outer_reduce(now)
+            self.outer_configured = None
+            return self._outer_retry(now, "outer configure failed")
+        if action.kind == "outer_reduce":
+            if ok:
+                return self._outer_commit(now)
+            self.outer_configured = None
+            return self._outer_retry(now, "outer reduce incomplete")
+        # outer_commit
+        if self.committed_by:
+            self.outer_stage = "done"
+            return self._finish("committed")
+        self.outer_configured = None
+        return self._outer_retry(now, "no replica applied the commit")
+
+    def _outer_retry(self, now: float, reason: str) -> list[Action]:
+        """Only the outer exchange is redone: clusters whose members were lost re-form (a new
+        leader, a group without the dead); the others keep their inner work and wait."""
+        self.outer_attempts += 1
+        if self.outer_attempts > self.settings.max_reforms:
+            return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
+                                          f"giving up ({reason})")
+        self.outer_stage = "wait"
+        actions: list[Action] = []
+        for c in self.participating():
+            st = self.clusters[c]
+            lost = any(rid not in self.progress for rid in st.members)
+            behind = any(self.progress.get(rid, (self.round, 0))[0] != self.round for rid in st.members)
+            if lost or behind:
+                st.configured = None
+                actions += self._reform(c, now, reason)
+                if self.done:
+                    return actions
+        return actions + self._maybe_outer(now)
+
+
+def assign_heals_for_cluster(members: dict[str, tuple[int, int]],
+                             donors: dict[str, tuple[int, int]]) -> list[HealAssignment]:
+    """Heals inside one cluster before it (re-)forms: the furthest member at the round wins
+    (`full`); with nobody at the round, every member takes the global state of the lowest-id
+    donor of another cluster (`global`)."""
+    from hsgd.core.membership import Plan as _Plan
+
+    if not members:
+        return []
+    cluster_plan = _Plan(epoch=0, members={0: tuple(members)}, leaders={}, outer_clusters=(0,))
+    everyone = {**donors, **members}
+    return assign_heals(everyone, cluster_plan, donors=donors)
+
+
+def current_round(progress: Iterable[tuple[int, int]]) -> int:
+    """The round to run next: the furthest committed round any live replica holds."""
+    return max((r for r, _ in progress), default=0)
+
+
+def checkpoint_due(rounds_done: int, every: int, total_rounds: int) -> bool:
+    """A durable checkpoint after round rounds_done - 1 committed?"""
+    return bool(every) and (rounds_done % every == 0 or rounds_done == total_rounds)
