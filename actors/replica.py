@@ -35,7 +35,7 @@ from hsgd.train import checkpoint
 from hsgd.train.comm import CollectiveError, LevelGroup
 from hsgd.core.topology import Topology
 from hsgd.core.round import Outcome
-from hsgd.train.trainer import Behind, ReplicaTrainer
+from hsgd.train.trainer import Behind, ReplicaTrainer, YieldNow
 
 CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
 
@@ -64,6 +64,7 @@ class Replica:
         self.armed: list[dict] = []
         self.slow_s = 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
+        self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -94,6 +95,14 @@ class Replica:
             out.append(f"--- thread {names.get(ident, ident)} ---")
             out.extend(line.rstrip() for line in traceback.format_stack(frame))
         return "\n".join(out)
+
+    @ray.method(concurrency_group="control")
+    def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
+        """Ask the inner phase of group epoch `epoch` to return at the boundary before
+        `step_in_round` (a replica joins the cluster mid-round; every member is asked for the same
+        boundary). A request for another epoch is stale and ignored at the boundary."""
+        self.yield_at = (epoch, round_index, step_in_round)
+        return {"rid": self.rid, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: dict) -> dict:
@@ -147,7 +156,7 @@ class Replica:
         try:
             result = fn()
             return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **(result or {}),
-                    **self.trainer.progress()}
+                    **self.trainer.progress()}  # a result's own "outcome" (yielded) wins
         except Behind as err:
             return {"outcome": Outcome.BEHIND.value, "ok": False, "rid": self.rid, "error": str(err),
                     **self.trainer.progress()}
@@ -192,12 +201,16 @@ class Replica:
 
         def hook(phase, r, s):
             self._hook(phase, r, s)
+            if phase == "inner" and self.yield_at is not None and self.yield_at[:2] == (self.epoch, r) \
+                    and s >= self.yield_at[2]:
+                self.yield_at = None
+                raise YieldNow()
             if self.slow_s and phase == "inner":
                 time.sleep(self.slow_s)
 
         def run():
             report = self.trainer.run_inner(round_index, self.inner, hook)
-            return {"report": report.__dict__}
+            return {"report": report.__dict__, **({"outcome": Outcome.YIELDED.value} if report.yielded else {})}
         return self._phase("inner", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")

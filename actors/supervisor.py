@@ -160,6 +160,9 @@ class Supervisor:
 
     def _admit(self, rid: str, answer: dict) -> None:
         self.live[rid] = (int(answer["round"]), int(answer["step"]))
+        self._note_up(rid, answer)
+
+    def _note_up(self, rid: str, answer: dict) -> None:
         self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
@@ -279,6 +282,7 @@ class Supervisor:
         cfg, sup = self.cfg, self.cfg.supervisor
         grace = cfg.comm.timeout_s + 5.0  # a healthy member leaves a broken collective within its timeout
         return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
+                             inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "boundary"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
                              configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=sup.call_timeout_s,
@@ -354,7 +358,7 @@ class Supervisor:
         """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
         Final only if every file reports that round; an existing one is never overwritten."""
         root = Path(self.run_dir) / "checkpoints"
-        if checkpoint.exists(root, state_round):
+        if (root / checkpoint.round_dir_name(state_round) / checkpoint.MANIFEST).exists():
             self.log.event("checkpoint_skipped", round=state_round, reason="already exists")
             return None
         for _ in range(3):
@@ -371,13 +375,13 @@ class Supervisor:
                 except Exception as err:  # noqa: BLE001 — that replica's failure
                     failed[rid] = str(err)
                     self._down(rid, "died" if isinstance(err, RayActorError) else "error", "checkpoint", state_round - 1, str(err))
-            if failed or not results:
+            if failed or not results or any(a["round"] != state_round for a in results.values()):
                 shutil.rmtree(temp, ignore_errors=True)
                 continue
             manifest = {"round": state_round, "step": state_round * self.spr, "run_id": self.run_id,
                         "topology": [self.topology.clusters, self.topology.replicas_per_cluster],
                         "files": {rid: a["sha256"] for rid, a in results.items()}, "t": time.time()}
-            final = checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in results.items()})
+            final = checkpoint.finalize(temp, manifest)
             checkpoint.prune(root, self.cfg.checkpoint.keep)
             self.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(results))
             return str(final)
@@ -499,6 +503,7 @@ class _RoundRun:
         self.actions: dict[int, tuple[Action, float, set]] = {}  # id -> (action, started, pending)
         self.outcomes: dict[int, dict[str, str]] = {}
         self.progress_refs: dict[Any, tuple[str, float]] = {}
+        self.up_refs: dict[Any, str] = {}  # progress probes of replicas that are down (fast rejoin)
         self.losses: dict[str, list[float]] = {}
         self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
         self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
@@ -508,23 +513,27 @@ class _RoundRun:
         self.attempts = 1
         self.inner_started = None
         self.heal_sizes: dict[str, int] = {}
+        self._states: dict[str, Any] = {}  # heal source -> its state's object ref (this action batch)
 
     def drive(self) -> None:
         m, sup = self.machine, self.sup
         self._carry_out(m.start(time.monotonic()))
         last_poll = 0.0
         while not m.done:
-            waiting = list(self.refs) + list(self.progress_refs)
+            waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs)
             ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
             for ref in ready:
                 if ref in self.progress_refs:
                     self._progress_answer(ref)
+                elif ref in self.up_refs:
+                    self._up_answer(ref)
                 else:
                     self._carry_out(m.on_result(self._answer(ref), time.monotonic()))
             now = time.monotonic()
             if now - last_poll >= TICK_S:
                 last_poll = now
                 self._poll_progress()
+                self._probe_down()
                 self._carry_out(m.on_tick(now))
             self._log_deaths()
             sup._set_status(epoch=m.epoch, **_view(m))
@@ -534,9 +543,16 @@ class _RoundRun:
     # -- issuing -----------------------------------------------------------------------------------------
     def _carry_out(self, actions: list[Action]) -> None:
         sup = self.sup
+        self._states = {}
         for a in actions:
             if a.kind == "kill":
                 self._kill(a)
+                continue
+            if a.kind == "yield":
+                sup.log.event("yield_requested", cluster=a.cluster, round=self.r, reason=a.reason,
+                              at_step=next(iter(a.calls.values()))[2], replicas=sorted(a.calls))
+                for rid, (epoch, round_index, at) in a.calls.items():
+                    sup.handles[rid].request_yield.remote(epoch, round_index, at)  # control channel, no wait
                 continue
             if a.kind == "outer_reduce":
                 sup.injector.supervisor_faults(self.r, "outer")
@@ -545,25 +561,34 @@ class _RoundRun:
                 sup.injector.supervisor_faults(self.r, "outer_commit")
             phase = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
                      "outer_commit": "outer_commit", "heal": "heal"}.get(a.kind)
-            armed = sup.injector.arm(self.r, _FAULT_PHASES.get(a.kind, ()), self.machine.plan(), only=set(a.calls),
+            involved = set(a.calls) | ({src for src, _ in a.calls.values()} if a.kind == "heal" else set())
+            armed = sup.injector.arm(self.r, _FAULT_PHASES.get(a.kind, ()), self.machine.plan(), only=involved,
                                      handles=sup.handles) if phase else {}
             self.actions[a.id] = (a, time.monotonic(), set(a.calls))
             sup.log.event("phase_begin", phase=_PHASE_NAME.get(a.kind, a.kind), round=self.r, cluster=a.cluster,
                           epoch=a.epoch, replicas=sorted(a.calls), reason=a.reason or None)
             if a.kind == "configure_inner" or a.kind == "configure_outer":
                 self._membership_event(a)
+            if a.kind == "configure_inner" and a.reason and a.reason != "round start":
+                sup.log.event("cluster_reform", cluster=a.cluster, round=self.r, epoch=a.epoch,
+                              members=sorted(a.calls), reason=a.reason)
             if a.kind == "run_inner" and self.inner_started is None:
                 self.inner_started = time.monotonic()
             for rid, args in a.calls.items():
-                ref = self._issue(a, rid, args, armed.get(rid))
+                ref = self._issue(a, rid, args, armed)
                 self.refs[ref] = (a.id, rid, a.kind)
 
-    def _issue(self, a: Action, rid: str, args: tuple, faults):
+    def _issue(self, a: Action, rid: str, args: tuple, armed: dict):
         h, sup = self.sup.handles[rid], self.sup
+        faults = armed.get(rid)
         if a.kind == "heal":
             source, scope = args
-            state = (sup.handles[source].get_state.remote(faults) if scope == "full"
-                     else sup.handles[source].global_state.remote())
+            if scope == "full":  # one state per source, however many targets it heals
+                if source not in self._states:
+                    self._states[source] = sup.handles[source].get_state.remote(armed.get(source))
+                state = self._states[source]
+            else:
+                state = sup.handles[source].global_state.remote()
             sup.log.event("heal_begin", target=rid, source=source, scope=scope)
             return h.load_state.remote(state, scope, faults)
         if a.kind == "configure_inner":
@@ -584,7 +609,7 @@ class _RoundRun:
     def heal_now(self, action: Action) -> None:
         """A heal outside a round (the final heal): issue and wait for it."""
         self.actions[action.id] = (action, time.monotonic(), set(action.calls))
-        refs = {rid: self._issue(action, rid, args, None) for rid, args in action.calls.items()}
+        refs = {rid: self._issue(action, rid, args, {}) for rid, args in action.calls.items()}
         for rid, ref in refs.items():
             self.refs[ref] = (action.id, rid, "heal")
             self._answer(ref, timeout=self.sup.cfg.supervisor.call_timeout_s)
@@ -670,6 +695,27 @@ class _RoundRun:
             for rid in pending - asked:
                 self.progress_refs[self.sup.handles[rid].progress.remote()] = (rid, time.monotonic())
 
+    def _probe_down(self) -> None:
+        """Rejoin `fast`: ask replicas that are down whether they are back (a restarting actor's
+        call waits until it is up, so one probe per replica is outstanding at a time)."""
+        if self.machine.settings.rejoin != "fast":
+            return
+        asked = set(self.up_refs.values())
+        for rid in self.sup.topology.replica_ids():
+            if rid not in self.machine.progress and rid not in self.sup.gone and rid not in asked:
+                self.up_refs[self.sup.handles[rid].progress.remote()] = rid
+
+    def _up_answer(self, ref) -> None:
+        rid = self.up_refs.pop(ref)
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 — still down (or restarting): asked again next tick
+            return
+        if answer.get("phase", "idle") != "idle" or rid in self.machine.progress:
+            return
+        self.sup._note_up(rid, answer)
+        self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]), time.monotonic()))
+
     def _progress_answer(self, ref) -> None:
         rid, _ = self.progress_refs.pop(ref)
         try:
@@ -688,7 +734,7 @@ class _RoundRun:
         """The machine found a replica silent and not advancing: report with stacks, then kill it
         (restartable); its call in flight becomes stale."""
         sup = self.sup
-        (rid, (why,)), = a.calls.items()
+        (rid, (why, silent_s)), = a.calls.items()
         group = sorted(x for x in (sup.topology.cluster_members(a.cluster) if a.cluster is not None else sup.handles)
                        if x in self.machine.progress or x == rid)
         dumps = {}
@@ -704,13 +750,14 @@ class _RoundRun:
                     except Exception as err:  # noqa: BLE001 — a dump that failed is reported as such
                         dumps[p] = f"(no stack: {err})"
         peers = {p: ("stuck" if p == rid else "in its group") for p in group}
-        text = hang_report(rid=rid, phase=why, round_index=self.r, waited_s=0.0, deadline_s=0.0, peers=peers,
+        text = hang_report(rid=rid, phase=why, round_index=self.r, waited_s=silent_s, deadline_s=a.deadline_s, peers=peers,
                            dumps=dumps, view={"epoch": self.machine.epoch, "leaders": self.machine.leaders})
         hang_dir = Path(sup.run_dir) / "hangs"
         hang_dir.mkdir(exist_ok=True)
         path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
         atomic_write_text(path, text)
-        sup.log.event("hang_detected", rid=rid, phase=why, round=self.r, cluster=a.cluster, reason=a.reason,
+        sup.log.event("hang_detected", rid=rid, phase=_PHASE_NAME.get(why, why), round=self.r, cluster=a.cluster,
+                      reason=a.reason, waited_s=silent_s, deadline_s=a.deadline_s,
                       stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
                       waiting=[p for p in group if p != rid])
         sup.log.event("kill", rid=rid, reason=a.reason)

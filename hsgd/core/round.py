@@ -40,6 +40,15 @@ What happens after a failure (the whole of "Failure scoping"):
                     its collective timeout).
     replica answers `behind` (its round is below the one asked)
                  -> it is healed, never counted as done.
+    a restarted replica answers again (`on_up`, rejoin `fast`)
+                 -> it joins its cluster inside the round: the members are asked to yield at a
+                    step boundary a little ahead of the furthest one (all at the same boundary, so
+                    no collective is left half-joined), the newcomer heals `full` from the furthest
+                    member, the group re-forms, and the inner phase goes on. A cluster already done
+                    with its inner phase takes the newcomer in before the outer exchange. Other
+                    clusters are untouched. A cluster that sat the round out, or a round already in
+                    its outer exchange, takes it at the next round's start. Nobody ever waits for a
+                    replica that is still starting.
 
 The machine never issues a call to a replica that has one in flight (`busy`): with one call at a
 time per replica, and each call using one level, a replica is in at most one collective at a time.
@@ -90,7 +99,11 @@ class Action:
       configure_outer calls = {leader: (prefix, rank, world_size)}, epoch
       outer_reduce    calls = {leader: ()}
       outer_commit    calls = {rid: (root_inner_rank,)}
-      kill            calls = {rid: (reason,)}: kill the replica (restartable); no result expected
+      kill            calls = {rid: (phase, silent_s)}: kill the replica (restartable), deadline_s =
+                      the limit it missed; no result expected
+      yield           calls = {rid: (group epoch, round, step_in_round)}: ask members in run_inner to return at
+                      that step boundary (control channel); no result expected — their run_inner
+                      answers `yielded`
     """
     id: int
     kind: str
@@ -110,6 +123,9 @@ class RoundSettings:
     min_replicas_per_cluster: int = 1
     min_clusters: int = 1
     max_reforms: int = 25  # per cluster (and for the outer exchange) per round: then the run fails
+    inner_every: int = 1  # localsgd: members may only yield at a sync boundary
+    yield_lead_s: float = 1.5  # a yield boundary lies this far ahead of the furthest member's step
+    rejoin: str = "fast"  # fast: restarted replicas join inside the round | boundary: at the next round
     # deadlines, in seconds (the supervisor scales them with payload and learned step times)
     step_deadline_s: float = 60.0  # an inner replica whose step does not advance for this long is hung
     group_grace_s: float = 15.0  # after a peer of the same group failed
@@ -136,6 +152,9 @@ class _InFlight:
     pending: set[str]
     started: float
     failed_at: float | None = None
+    # group -> when a member of that group first failed: a failure shortens the wait only for its own
+    # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
+    failed_groups: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -168,6 +187,8 @@ class RoundMachine:
         self.dead: dict[str, str] = {}  # rid -> cause, this round
         self.advance: dict[str, _Advance] = {}
         self.committed_by: set[str] = set()
+        self.joining: dict[int, dict[str, tuple[int, int]]] = {}  # cluster -> replicas up mid-round
+        self.yielding: dict[int, int] = {}  # cluster -> step_in_round its members yield at
         self.done, self.outcome, self.reason = False, "", ""
         self._next_id = 0
         self.step_seconds: list[float] = []  # observed seconds per inner step (the clock learns them)
@@ -229,8 +250,10 @@ class RoundMachine:
             self.progress[result.rid] = (result.round, result.step)
         if result.outcome in FAILED:
             self._mark_dead(result.rid, "died" if result.outcome == Outcome.DIED else "error")
-        if result.outcome != Outcome.DONE and flight.failed_at is None:
-            flight.failed_at = now
+        if result.outcome not in (Outcome.DONE, Outcome.YIELDED):
+            if flight.failed_at is None:
+                flight.failed_at = now
+            flight.failed_groups.setdefault(self._group_of(flight, result.rid), now)
         if flight.action.kind == "outer_commit":
             if result.outcome == Outcome.DONE:
                 self.committed_by.add(result.rid)
@@ -262,6 +285,51 @@ class RoundMachine:
                 actions += self._action_finished(flight, now)
         return actions
 
+    def on_up(self, rid: str, round_index: int, step: int, now: float) -> list[Action]:
+        """A (re)started replica answers while the round runs (rejoin `fast`)."""
+        c = self.topology.cluster_of(rid)
+        st = self.clusters[c]
+        if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage == "out" \
+                or self.outer_stage != "wait":
+            return []  # joins at the next round's start
+        self.joining.setdefault(c, {})[rid] = (round_index, step)
+        if st.stage == "inner":
+            if c in self.yielding:
+                return []
+            at = self._yield_step(c)
+            if at >= self.settings.steps_per_round:
+                return []  # the members finish first; the newcomer is taken in when they are ready
+            self.yielding[c] = at
+            group_epoch = st.configured[0] if st.configured else self.epoch
+            return [self._new_action("yield", c, {m: (group_epoch, self.round, at) for m in st.members},
+                                     reason=f"{rid} joins at step {at}")]
+        if st.stage == "ready":
+            return self._admit_joiners(c, now)
+        return []  # heal / configure / average in flight: taken in when it ends
+
+    def _yield_step(self, c: int) -> int:
+        """A step boundary every member reaches after the yield request arrives."""
+        s = self.settings
+        recent = sorted(self.step_seconds[-20:])
+        step_s = recent[len(recent) // 2] if recent else 0.1
+        lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
+        start = self.round * s.steps_per_round
+        furthest = max(self.advance[m].step if m in self.advance else self.progress[m][1]
+                       for m in self.clusters[c].members) - start
+        at = furthest + lead
+        if s.inner == "localsgd":
+            at = -(-at // s.inner_every) * s.inner_every
+        return at
+
+    def _admit_joiners(self, c: int, now: float) -> list[Action]:
+        joiners = self.joining.pop(c, {})
+        self.yielding.pop(c, None)
+        for rid, p in joiners.items():
+            self.progress[rid] = p
+            self.dead.pop(rid, None)
+        self.clusters[c].configured = None
+        return self._reform(c, now, "rejoin: " + ",".join(sorted(joiners)), counts=False)
+
     def on_lost(self, rid: str, now: float, cause: str = "died") -> list[Action]:
         """Ray says a replica died while it had no call in flight (or we learned it otherwise)."""
         if rid not in self.progress:
@@ -288,24 +356,39 @@ class RoundMachine:
             limit = last + max(s.step_deadline_s, s.group_grace_s)
         else:
             limit = flight.started + flight.action.deadline_s
-        if flight.failed_at is not None and flight.action.kind != "configure_inner" \
+        failed_at = flight.failed_groups.get(self._group_of(flight, rid))
+        if failed_at is not None and flight.action.kind != "configure_inner" \
                 and flight.action.kind != "configure_outer":
-            limit = min(limit, max(flight.failed_at, self._last_sign(flight, rid)) + s.group_grace_s)
+            limit = min(limit, max(failed_at, self._last_sign(flight, rid)) + s.group_grace_s)
         return limit
+
+    def _group_of(self, flight: _InFlight, rid: str):
+        """The group of rid within its call: one cluster's broadcast in a commit, its own
+        transfer in a heal, else the call's single group."""
+        if flight.action.kind == "outer_commit":
+            return self.topology.cluster_of(rid)
+        if flight.action.kind == "heal":
+            return rid
+        return None
 
     def _last_sign(self, flight: _InFlight, rid: str) -> float:
         seen = self.advance.get(rid)
         return max(flight.started, seen.at if seen and flight.action.kind == "run_inner" else flight.started)
 
     def _kill(self, rid: str, flight: _InFlight, now: float) -> Action:
+        last_sign = self._last_sign(flight, rid)
+        limit_s = self._limit(flight, rid) - last_sign
         self._mark_dead(rid, "hung")
         flight.pending.discard(rid)
         if self.busy.get(rid) == flight.action.id:
             del self.busy[rid]
         if flight.failed_at is None:
             flight.failed_at = now
-        return self._new_action("kill", flight.action.cluster, {rid: (f"hung in {flight.action.kind}",)},
-                                reason=f"silent and not advancing in {flight.action.kind}")
+        flight.failed_groups.setdefault(self._group_of(flight, rid), now)
+        return self._new_action("kill", flight.action.cluster, {rid: (flight.action.kind, now - last_sign)},
+                                deadline_s=limit_s,
+                                reason=f"silent and not advancing in {flight.action.kind} for {now - last_sign:.1f}s "
+                                       f"(limit {limit_s:.1f}s)")
 
     def _mark_dead(self, rid: str, cause: str) -> None:
         if rid in self.progress:
@@ -337,16 +420,18 @@ class RoundMachine:
         return []
 
     # per cluster ---------------------------------------------------------------------------------
-    def _reform(self, c: int, now: float, reason: str, donors: dict | None = None) -> list[Action]:
+    def _reform(self, c: int, now: float, reason: str, donors: dict | None = None,
+                counts: bool = True) -> list[Action]:
         """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner."""
         st = self.clusters[c]
+        self.yielding.pop(c, None)
         members = self.members(c)
         if len(members) < self.settings.min_replicas_per_cluster or not members:
             st.stage, st.members = "out", members
             if self.outer_stage == "wait" and len(self.participating()) < self.settings.min_clusters:
                 return self._finish("below_quorum", self._quorum_text())
             return self._maybe_outer(now)
-        if reason != "round start":
+        if reason != "round start" and counts:
             st.reforms += 1
             if st.reforms > self.settings.max_reforms:
                 return self._finish("failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; "
@@ -399,6 +484,10 @@ class RoundMachine:
             return []
         st.action = None
         end = (self.round + 1) * self.settings.steps_per_round
+        if self.joining.get(c) and self.outer_stage == "wait":
+            if not results_ok or any(rid not in self.progress for rid in st.members):
+                st.configured = None
+            return self._admit_joiners(c, now)
         if not results_ok or any(rid not in self.progress for rid in st.members):
             if action.kind == "configure_inner":
                 st.configured = None
@@ -439,8 +528,7 @@ class RoundMachine:
         if any(self.clusters[c].stage != "ready" for c in part):
             return []
         leaders = tuple(self.leaders[c] for c in part)
-        if self.settings.outer != "none" and len(leaders) > 1 and (
-                self.outer_configured is None or self.outer_configured[1] != leaders):
+        if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):
             self.epoch += 1
             self.outer_stage = "configure"
             calls = {rid: ("epoch%d/outer" % self.epoch, i, len(leaders)) for i, rid in enumerate(leaders)}
@@ -461,8 +549,13 @@ class RoundMachine:
         self.outer_stage = "commit"
         calls = {}
         for c in self.participating():
-            root = self.clusters[c].members.index(self.leaders[c])
-            calls.update({rid: (root,) for rid in self.clusters[c].members})
+            st = self.clusters[c]
+            if self.leaders.get(c) not in self.progress:
+                continue  # its leader was lost after the reduce: this cluster cannot apply; it heals next round
+            root = st.members.index(self.leaders[c])
+            calls.update({rid: (root,) for rid in st.members if rid in self.progress})
+        if not calls:
+            return self._outer_retry(now, "no cluster can apply the commit")
         a = self._new_action("outer_commit", None, calls, deadline_s=self.settings.commit_s, track=True, now=now,
                              reason="commit decided")
         self.outer_action = a.id
@@ -496,15 +589,19 @@ class RoundMachine:
                                           f"giving up ({reason})")
         self.outer_stage = "wait"
         actions: list[Action] = []
+        broken = []
         for c in self.participating():
             st = self.clusters[c]
             lost = any(rid not in self.progress for rid in st.members)
             behind = any(self.progress.get(rid, (self.round, 0))[0] != self.round for rid in st.members)
-            if lost or behind:
+            if lost or behind or st.configured is None:  # None: its commit broadcast broke the group
                 st.configured = None
-                actions += self._reform(c, now, reason)
-                if self.done:
-                    return actions
+                st.stage = "reform"  # not ready: no exchange starts until every broken cluster re-formed
+                broken.append(c)
+        for c in broken:
+            actions += self._reform(c, now, reason)
+            if self.done:
+                return actions
         return actions + self._maybe_outer(now)
 
 

@@ -64,8 +64,9 @@ def known_replicas(run_dir: str | Path, events: list[dict] | None = None) -> lis
             if isinstance(e.get(key), str):
                 rids.add(e[key])
         rids |= set(e.get("replicas") or [])
-        for members in (e.get("members") or {}).values():
-            rids |= set(members)
+        members = e.get("members") or {}
+        for group in (members.values() if isinstance(members, dict) else [members]):
+            rids |= set(group)
         rids |= set(e.get("standby") or [])
     return sorted((r for r in rids if _RID.match(r)), key=_rid_key)
 

@@ -47,6 +47,11 @@ class Behind(RuntimeError):
     """A phase call for a round this replica has not reached: it must be healed first."""
 
 
+class YieldNow(Exception):
+    """Raised by a hook at a step boundary: return from run_inner here (a replica joins the
+    cluster mid-round); the steps committed so far stay committed."""
+
+
 @dataclass
 class InnerReport:
     round: int
@@ -57,6 +62,7 @@ class InnerReport:
     seconds: float
     inner_bytes: int
     losses: list[float] = field(default_factory=list)
+    yielded: bool = False  # stopped at a step boundary on request, before the round's last step
 
 
 def param_digest(tensors: list[torch.Tensor]) -> str:
@@ -154,10 +160,14 @@ class ReplicaTrainer:
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault) -> InnerReport:
         """Run inner steps until the round's last step is committed. Raises CollectiveError, or
         Behind for a round not reached; a round already committed is a no-op."""
-        start, bytes_before, done, losses = time.perf_counter(), inner.bytes_sent, 0, []
+        start, bytes_before, done, losses, yielded = time.perf_counter(), inner.bytes_sent, 0, [], False
         if self._require(round_index, "run_inner"):
             while self.step_in_round < self.steps_per_round:
-                hook("inner", self.round, self.step_in_round)
+                try:
+                    hook("inner", self.round, self.step_in_round)
+                except YieldNow:
+                    yielded = True
+                    break
                 loss = self._one_step(inner, hook)
                 self.step += 1  # committed: the step's collectives all succeeded
                 self.round_losses.append(loss)
@@ -166,7 +176,7 @@ class ReplicaTrainer:
         tokens = done * self.cfg.data.batch_size * self.cfg.model.block_size
         return InnerReport(round=self.round, step=self.step, steps_done=done, loss_sum=sum(losses),
                            tokens=tokens, seconds=time.perf_counter() - start,
-                           inner_bytes=inner.bytes_sent - bytes_before, losses=losses)
+                           inner_bytes=inner.bytes_sent - bytes_before, losses=losses, yielded=yielded)
 
     # -- outer phase ----------------------------------------------------------------------------
     @torch.no_grad()
