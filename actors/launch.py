@@ -88,7 +88,7 @@ def connect_ray(cfg: DictConfig) -> bool:
     if address or under_ray_job() or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
         ray.init(address=address or "auto", namespace="hsgd", log_to_driver=True)
         return True
-    n = cfg.topology.clusters * cfg.topology.replicas_per_cluster
+    n = cfg.topology.clusters * (cfg.topology.replicas_per_cluster + int(cfg.topology.get("spares_per_cluster", 0) or 0))
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(n * cfg.topology.cpus_per_replica + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
     ray.init(num_cpus=num_cpus, namespace="hsgd", include_dashboard=False, log_to_driver=True,
@@ -105,7 +105,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
 
     from actors.placement import ClusterPlacement, check_capacity
     from actors.replica import Replica
-    from actors.supervisor import Supervisor, replica_actor_name, supervisor_actor_name
+    from actors.supervisor import Supervisor, replica_actor_name, spare_actor_name, supervisor_actor_name
     from hsgd.train import checkpoint
     from hsgd.record.plots import write_run_plots
     from hsgd.record.console import ProgressView
@@ -170,6 +170,13 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             replicas[rid] = Replica.options(name=replica_actor_name(run_id, rid), max_restarts=cfg.faults.max_restarts,
                                             max_task_retries=0, **placement.options(c, i)).remote(container, rid, run_dir, backend)
         actors.extend(replicas.values())
+        # hot spares: warmed replicas that take over a dead replica's identity (bundles after the replicas)
+        for c in range(cfg.topology.clusters):
+            for k in range(int(cfg.topology.get("spares_per_cluster", 0) or 0)):
+                actors.append(Replica.options(name=spare_actor_name(run_id, c, k), max_restarts=cfg.faults.max_restarts,
+                                              max_task_retries=0,
+                                              **placement.options(c, cfg.topology.replicas_per_cluster + k)).remote(
+                    container, f"c{c}r0", run_dir, backend, True))
         # Started now so its process boots while the replicas do; it sends nothing before run().
         supervisor = Supervisor.options(name=supervisor_actor_name(run_id), max_restarts=cfg.supervisor.max_restarts,
                                         max_task_retries=0, num_cpus=0).remote(container, run_dir, run_id, container)

@@ -106,7 +106,8 @@ class ClusterPlacement:
         if strategy == "NONE" or cfg.topology.cluster_labels or not any(v > 0 for v in bundle.values()):
             return  # (a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced)
         for c in range(cfg.topology.clusters):
-            pg = placement_group([dict(bundle) for _ in range(cfg.topology.replicas_per_cluster)],
+            slots = cfg.topology.replicas_per_cluster + int(cfg.topology.get("spares_per_cluster", 0) or 0)
+            pg = placement_group([dict(bundle) for _ in range(slots)],  # replicas, then hot spares
                                  strategy=strategy, name=f"hsgd-cluster-{c}")
             self.groups.append(pg)
         refs = [pg.ready() for pg in self.groups]

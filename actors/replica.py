@@ -46,7 +46,7 @@ class FaultFired(RuntimeError):
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class Replica:
-    def __init__(self, cfg: dict, rid: str, run_dir: str, backend: str):
+    def __init__(self, cfg: dict, rid: str, run_dir: str, backend: str, spare: bool = False):
         torch.set_num_threads(1)  # several replicas share a few cores
         install_faulthandler(run_dir, rid)
         self.started_at = time.time()
@@ -65,11 +65,13 @@ class Replica:
         self.slow_s = 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
+        self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
+        self.warm_s = self.trainer.warm_up() if spare else 0.0
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
-        return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase,
+        return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -168,6 +170,21 @@ class Replica:
             self.armed = []
 
     # -- phase group ----------------------------------------------------------------------------
+    @ray.method(concurrency_group="phase")
+    def assume(self, rid: str) -> dict:
+        """Hot spare: become replica `rid` (its data stream and name). The supervisor heals it from a
+        live member of the cluster next, like any replica that joins."""
+        self.trainer.assume_identity(rid)
+        self.rid, self.spare = rid, False
+        return {"outcome": Outcome.DONE.value, "rid": rid, **self.trainer.progress(), "pid": os.getpid()}
+
+    @ray.method(concurrency_group="phase")
+    def become_spare(self) -> dict:
+        """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
+        self.spare = True
+        self.warm_s = self.trainer.warm_up()
+        return {"outcome": Outcome.DONE.value, "rid": self.rid, "warm_s": self.warm_s, "pid": os.getpid()}
+
     @ray.method(concurrency_group="phase")
     def configure_inner(self, epoch: int, store_addr: str, prefix: str, rank: int, world_size: int) -> dict:
         """Join this cluster's inner group `prefix` (a fresh one per epoch) as `rank` of
@@ -279,7 +296,7 @@ class Replica:
         """Write this replica's state for the checkpoint of round `round_index` (its state after
         round_index - 1 committed). `behind` unless this replica holds exactly that round."""
         def run():
-            self._hook("checkpoint", self.trainer.round, 0)
+            self._hook("checkpoint", round_index - 1, 0)  # the checkpoint taken after round round_index - 1
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
                              f"round {self.trainer.round}")

@@ -56,6 +56,10 @@ def supervisor_actor_name(run_id: str) -> str:
     return f"hsgd:{run_id}:supervisor"
 
 
+def spare_actor_name(run_id: str, cluster: int, k: int) -> str:
+    return f"hsgd:{run_id}:spare-c{cluster}-{k}"
+
+
 @ray.remote(concurrency_groups={"run": 1, "status": 4})
 class Supervisor:
     def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict):
@@ -66,7 +70,16 @@ class Supervisor:
         self.log = RunLog(run_dir)
         self.durable = self._load_durable()
         self.durable["supervisor_starts"] = self.durable.get("supervisor_starts", 0) + 1
-        self.handles = {rid: self._lookup(rid) for rid in self.topology.replica_ids()}
+        # which actor serves which replica id (a hot spare that took over serves a dead one's id)
+        self.names: dict[str, str] = self.durable.setdefault(
+            "identity", {rid: replica_actor_name(run_id, rid) for rid in self.topology.replica_ids()})
+        self.spare_names: dict[str, list[str]] = self.durable.setdefault(
+            "spares", {str(c): [spare_actor_name(run_id, c, k) for k in range(int(self.cfg.topology.get("spares_per_cluster", 0) or 0))]
+                       for c in range(self.topology.clusters)})
+        self.handles = {rid: self._lookup(name) for rid, name in self.names.items()}
+        self.spare_handles = {n: self._lookup(n) for names in self.spare_names.values() for n in names}
+        self.spares_ready: set[str] = set()
+        self.spares_warming: set[int] = set()  # pids told to become spares
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
         self.pids: dict[str, int] = {}
@@ -128,11 +141,59 @@ class Supervisor:
             pass  # the view is best effort; the run goes on
 
     # -- replicas: lookup, liveness --------------------------------------------------------------------
-    def _lookup(self, rid: str):
+    def _lookup(self, name: str):
         try:
-            return ray.get_actor(replica_actor_name(self.run_id, rid))
+            return ray.get_actor(name)
         except ValueError:  # a restarted supervisor finds a replica that died for good
             return None
+
+    # -- hot spares ----------------------------------------------------------------------------------------
+    def _check_spares(self) -> None:
+        """Ask every spare whether it is ready (idle and warmed); a restarted replica whose identity a
+        spare took over is turned into a spare here. Never blocks for long."""
+        for c, names in self.spare_names.items():
+            for name in names:
+                handle = self.spare_handles.get(name)
+                if handle is None or name in self.spares_ready:
+                    continue
+                try:
+                    answer = ray.get(handle.progress.remote(), timeout=0.2)
+                except Exception:  # noqa: BLE001 — still starting or restarting: asked again later
+                    continue
+                if answer.get("phase") != "idle":
+                    continue
+                if not answer.get("spare"):
+                    if answer.get("pid") not in self.spares_warming:
+                        self.spares_warming.add(answer.get("pid"))
+                        handle.become_spare.remote()  # warms up, then answers spare=True
+                    continue
+                self.spares_ready.add(name)
+                self.log.event("spare_ready", cluster=int(c), spare=name, pid=answer.get("pid"))
+
+    def _promote_spare(self, rid: str) -> dict | None:
+        """A ready spare of rid's cluster takes over rid; the dead actor becomes a spare once it is
+        back. Returns the spare's progress (it joins like any restarted replica), or None."""
+        c = str(self.topology.cluster_of(rid))
+        self._check_spares()
+        for name in [n for n in self.spare_names.get(c, []) if n in self.spares_ready]:
+            handle = self.spare_handles[name]
+            try:
+                answer = ray.get(handle.assume.remote(rid), timeout=self.cfg.supervisor.call_timeout_s)
+            except Exception:  # noqa: BLE001 — that spare is gone too: try the next one
+                self.spares_ready.discard(name)
+                continue
+            old_name, old_handle = self.names[rid], self.handles[rid]
+            self.names[rid], self.handles[rid] = name, handle
+            self.spare_names[c].remove(name)
+            self.spare_names[c].append(old_name)
+            self.spare_handles.pop(name, None)
+            self.spare_handles[old_name] = old_handle
+            self.spares_ready.discard(name)
+            self.gone.discard(rid)
+            self._save_durable()
+            self.log.event("spare_promoted", rid=rid, spare=name, replaced=old_name, pid=answer.get("pid"))
+            return answer
+        return None
 
     def _restarts_exhausted(self, rid: str) -> bool:
         """`gone` only when Ray says the actor will not restart (it also raises ActorDiedError for
@@ -256,6 +317,9 @@ class Supervisor:
                 self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
             self._catch_up()
             while True:
+                for rid in self._missing() + sorted(self.gone):
+                    if rid not in self.live and (answer := self._promote_spare(rid)) is not None:
+                        self._admit(rid, answer)
                 boundary = self.cfg.supervisor.get("rejoin", "boundary") == "boundary"
                 self._rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and self._missing() else 0.0)
                 self._refresh()
@@ -534,6 +598,8 @@ class _RoundRun:
                 last_poll = now
                 self._poll_progress()
                 self._probe_down()
+                if any(sup.spare_names.values()):
+                    sup._check_spares()
                 self._carry_out(m.on_tick(now))
             self._log_deaths()
             sup._set_status(epoch=m.epoch, **_view(m))
@@ -639,8 +705,9 @@ class _RoundRun:
         if action_id in self.actions and rid in self.actions[action_id][2]:
             action, started, pending = self.actions[action_id]
             pending.discard(rid)
-            self.outcomes.setdefault(action_id, {})[rid] = outcome.value if outcome == Outcome.DONE else f"{outcome.value}: {detail[:200]}"
-            if outcome != Outcome.DONE and outcome != Outcome.DIED:
+            self.outcomes.setdefault(action_id, {})[rid] = outcome.value if outcome in (Outcome.DONE, Outcome.YIELDED) \
+                else f"{outcome.value}: {detail[:200]}"
+            if outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
                 sup.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
                               rid=rid, phase=_PHASE_NAME.get(kind, kind), round=self.r, cluster=action.cluster,
                               outcome=outcome.value, detail=detail[:300])
@@ -668,10 +735,12 @@ class _RoundRun:
         self.actions.pop(action.id, None)
         seconds = time.monotonic() - started
         outcomes = self.outcomes.pop(action.id, {})
-        failed = {rid: o.split(": ", 1) for rid, o in outcomes.items() if o != "done"}
+        failed = {rid: o.split(": ", 1) for rid, o in outcomes.items() if o not in ("done", "yielded")}
         ok = sorted(rid for rid, o in outcomes.items() if o == "done")
+        yielded = sorted(rid for rid, o in outcomes.items() if o == "yielded")
         self.sup.log.event("phase_end", phase=_PHASE_NAME.get(action.kind, action.kind), round=self.r,
-                           cluster=action.cluster, seconds=seconds, ok=ok, failed=failed)
+                           cluster=action.cluster, seconds=seconds, ok=ok, failed=failed,
+                           **({"yielded": yielded} if yielded else {}))
         key = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
                "outer_commit": "outer_commit"}.get(action.kind, "heal_configure")
         self.seconds[key] = max(self.seconds[key], seconds) if key == "inner" else self.seconds[key] + seconds
@@ -774,11 +843,18 @@ class _RoundRun:
 
     def _log_deaths(self) -> None:
         sup = self.sup
-        for rid, cause in self.machine.dead.items():
+        for rid, cause in list(self.machine.dead.items()):
             if rid in sup.live:
                 sup.live.pop(rid)
                 sup.log.event("replica_down", rid=rid, cluster=sup.topology.cluster_of(rid), cause=cause,
                               phase=self.sup.status_view.get("phase"), round=self.r)
+                if sup.spare_names.get(str(sup.topology.cluster_of(rid))):
+                    answer = sup._promote_spare(rid)
+                    if answer is not None:
+                        self.up_refs = {ref: r for ref, r in self.up_refs.items() if r != rid}
+                        sup._note_up(rid, answer)
+                        self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]),
+                                                           time.monotonic()))
 
     def _membership_event(self, a: Action) -> None:
         m = self.machine

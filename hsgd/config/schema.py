@@ -29,6 +29,9 @@ class TopologyConfig:
     clusters: int = 2
     replicas_per_cluster: int = 2
     cpus_per_replica: float = 1.0
+    # Pre-started, warmed replicas per cluster that take over a dead replica's identity at once
+    # (its rejoin costs a heal, not a process start); the dead one's restart becomes the new spare.
+    spares_per_cluster: int = 0
     # How a cluster's replicas are kept together on a real Ray cluster (see actors/placement.py).
     placement_strategy: str = "STRICT_PACK"
     # Optional Ray node label per cluster, e.g. ["rack-a", "rack-b"]: cluster c lands on nodes with
@@ -89,6 +92,9 @@ class TrainConfig:
     resume: bool = False
     eval_every: int = 1  # rounds between evaluations of the global model
     eval_batches: int = 8
+    # Pad each inner step to at least this many seconds by sleeping: simulates an accelerator's step
+    # time on CPU, so tests and drills run rounds of minutes cheaply. 0 = off.
+    min_step_s: float = 0.0
 
 
 @dataclass
@@ -122,6 +128,10 @@ class SupervisorConfig:
     min_replicas_per_cluster: int = 1  # a cluster with fewer live replicas sits out outer sync
     min_clusters: int = 1  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
     quorum_wait_s: float = 60.0
+    # fast: a restarted replica joins its cluster inside the round (at a step boundary, healed from a
+    # live peer); boundary: at the next round, where the supervisor waits up to rejoin_wait_s for it
+    # (bitwise replay of drills: same seed + schedule -> same digest).
+    rejoin: str = "fast"
     rejoin_wait_s: float = 30.0  # at a round boundary, wait this long for a restarting replica
 
 

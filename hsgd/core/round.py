@@ -57,11 +57,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 from typing import Iterable
 
 from hsgd.core.heal import HealAssignment, assign_heals
 from hsgd.core.membership import Plan
-from hsgd.core.topology import Topology
+from hsgd.core.topology import Topology, parse_replica_id
 
 
 class Outcome(str, Enum):
@@ -75,6 +76,7 @@ class Outcome(str, Enum):
 
 
 FAILED = (Outcome.DIED, Outcome.ERROR)
+_DONE = Outcome.DONE
 
 
 @dataclass(frozen=True)
@@ -137,13 +139,57 @@ class RoundSettings:
 
 @dataclass
 class _ClusterState:
-    stage: str = "new"  # new | heal | configure | inner | average | ready | out
+    _stage: str = "new"  # new | heal | configure | inner | average | ready | out  (read and set as `stage`)
     members: tuple[str, ...] = ()
     configured: tuple[int, tuple[str, ...]] | None = None  # (epoch, members) of the live inner group
     action: int | None = None
     failed_at: float | None = None  # when the current action saw its first failure
     reforms: int = 0
     inner_runs: int = 0
+    index: int = -1
+    tally: "_StageTally | None" = field(default=None, repr=False, compare=False)
+
+    @property
+    def stage(self) -> str:
+        return self._stage
+
+    @stage.setter
+    def stage(self, value: str) -> None:
+        if self.tally is not None and value != self._stage:
+            self.tally.moved(self.index, self._stage, value)
+        self._stage = value
+
+
+class _StageTally:
+    """Which clusters are out, and which participating ones are not ready, kept as stages change:
+    the checks made after every cluster's phase stay O(1) at 1,000 clusters."""
+
+    def __init__(self, clusters: int):
+        self.clusters = clusters
+        self.out: set[int] = set()
+        self.not_ready: set[int] = set(range(clusters))
+        self._participating: list[int] | None = None
+
+    def moved(self, c: int, old: str, new: str) -> None:
+        if new == "out" or old == "out":
+            self._participating = None  # rebuilt on the next ask; a list handed out is never changed
+            (self.out.add if new == "out" else self.out.discard)(c)
+        if new == "ready" or new == "out":
+            self.not_ready.discard(c)
+        else:
+            self.not_ready.add(c)
+
+    def participating(self) -> list[int]:
+        if self._participating is None:
+            self._participating = [c for c in range(self.clusters) if c not in self.out]
+        return self._participating
+
+
+@lru_cache(maxsize=16)
+def _layout(topology: Topology) -> tuple[tuple[tuple[str, ...], ...], dict[str, int]]:
+    """Replica ids per cluster, and rid -> cluster, built once per topology (not per call)."""
+    ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
+    return ids, {rid: c for c, members in enumerate(ids) for rid in members}
 
 
 @dataclass
@@ -157,7 +203,7 @@ class _InFlight:
     failed_groups: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Advance:
     step: int
     at: float
@@ -177,7 +223,11 @@ class RoundMachine:
         self.leaders = dict(leaders)
         self.epoch = epoch
         self.committed_round = committed_round
-        self.clusters = {c: _ClusterState(configured=(configured or {}).get(c)) for c in range(topology.clusters)}
+        self._tally = _StageTally(topology.clusters)
+        self.clusters = {c: _ClusterState(configured=(configured or {}).get(c), index=c, tally=self._tally)
+                         for c in range(topology.clusters)}
+        self._ids, self._cluster_index = _layout(topology)
+        self._global_source: tuple[int, str | None] | None = None  # (id of a donors dict, its lowest-id donor)
         self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
         self.outer_stage = "wait"  # wait | configure | reduce | commit | done
         self.outer_action: int | None = None
@@ -199,10 +249,11 @@ class RoundMachine:
         return tuple(sorted(self.progress, key=self.topology.global_index))
 
     def members(self, cluster: int) -> tuple[str, ...]:
-        return tuple(rid for rid in self.topology.cluster_members(cluster) if rid in self.progress)
+        progress = self.progress
+        return tuple([rid for rid in self._ids[cluster] if rid in progress])
 
     def participating(self) -> list[int]:
-        return [c for c, st in self.clusters.items() if st.stage != "out"]
+        return list(self._tally.participating())
 
     def plan(self) -> Plan:
         """The membership view for fault targeting and status (leaders of participating clusters)."""
@@ -234,31 +285,33 @@ class RoundMachine:
                 continue
             if not donors:
                 break
-            actions += self._reform(c, now, "round start", donors=donors)
+            actions += self._reform(c, now, "round start", donors=donors, members=members)
         if len(self.participating()) < self.settings.min_clusters:
             return self._finish("below_quorum", self._quorum_text())
         return actions
 
     def on_result(self, result: PhaseResult, now: float) -> list[Action]:
+        rid, outcome = result.rid, result.outcome
         flight = self.inflight.get(result.action)
-        if flight is None or result.rid not in flight.pending:
+        if flight is None or rid not in flight.pending:
             return []  # stale: an action we gave up on (its cluster re-formed, the replica was killed)
-        flight.pending.discard(result.rid)
-        if self.busy.get(result.rid) == result.action:
-            del self.busy[result.rid]
-        if result.rid in self.progress and result.round >= 0:
-            self.progress[result.rid] = (result.round, result.step)
-        if result.outcome in FAILED:
-            self._mark_dead(result.rid, "died" if result.outcome == Outcome.DIED else "error")
-        if result.outcome not in (Outcome.DONE, Outcome.YIELDED):
-            if flight.failed_at is None:
-                flight.failed_at = now
-            flight.failed_groups.setdefault(self._group_of(flight, result.rid), now)
+        flight.pending.discard(rid)
+        if self.busy.get(rid) == result.action:
+            del self.busy[rid]
+        if result.round >= 0 and rid in self.progress:
+            self.progress[rid] = (result.round, result.step)
+        if outcome != _DONE:  # (the common answer takes none of these branches)
+            if outcome in FAILED:
+                self._mark_dead(rid, "died" if outcome == Outcome.DIED else "error")
+            if outcome != Outcome.YIELDED:
+                if flight.failed_at is None:
+                    flight.failed_at = now
+                flight.failed_groups.setdefault(self._group_of(flight, rid), now)
         if flight.action.kind == "outer_commit":
-            if result.outcome == Outcome.DONE:
-                self.committed_by.add(result.rid)
+            if outcome == _DONE:
+                self.committed_by.add(rid)
             else:  # its cluster's group broke during the broadcast
-                self.clusters[self.topology.cluster_of(result.rid)].configured = None
+                self.clusters[self._cluster_of(rid)].configured = None
         if flight.pending:
             return []
         del self.inflight[result.action]
@@ -366,7 +419,7 @@ class RoundMachine:
         """The group of rid within its call: one cluster's broadcast in a commit, its own
         transfer in a heal, else the call's single group."""
         if flight.action.kind == "outer_commit":
-            return self.topology.cluster_of(rid)
+            return self._cluster_of(rid)
         if flight.action.kind == "heal":
             return rid
         return None
@@ -390,6 +443,10 @@ class RoundMachine:
                                 reason=f"silent and not advancing in {flight.action.kind} for {now - last_sign:.1f}s "
                                        f"(limit {limit_s:.1f}s)")
 
+    def _cluster_of(self, rid: str) -> int:
+        c = self._cluster_index.get(rid)
+        return self.topology.cluster_of(rid) if c is None else c
+
     def _mark_dead(self, rid: str, cause: str) -> None:
         if rid in self.progress:
             del self.progress[rid]
@@ -404,9 +461,10 @@ class RoundMachine:
                         calls=calls, deadline_s=deadline_s, reason=reason)
         self._next_id += 1
         if track:
+            busy = self.busy
             for rid in calls:
-                assert rid not in self.busy, f"{rid} already has action {self.busy[rid]} in flight"
-                self.busy[rid] = action.id
+                assert rid not in busy, f"{rid} already has action {busy[rid]} in flight"
+                busy[rid] = action.id
             self.inflight[action.id] = _InFlight(action, set(calls), now)
         return action
 
@@ -421,11 +479,12 @@ class RoundMachine:
 
     # per cluster ---------------------------------------------------------------------------------
     def _reform(self, c: int, now: float, reason: str, donors: dict | None = None,
-                counts: bool = True) -> list[Action]:
-        """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner."""
+                counts: bool = True, members: tuple[str, ...] | None = None) -> list[Action]:
+        """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner.
+        `members`: c's live members when the caller just computed them (start)."""
         st = self.clusters[c]
         self.yielding.pop(c, None)
-        members = self.members(c)
+        members = self.members(c) if members is None else members
         if len(members) < self.settings.min_replicas_per_cluster or not members:
             st.stage, st.members = "out", members
             if self.outer_stage == "wait" and len(self.participating()) < self.settings.min_clusters:
@@ -440,8 +499,17 @@ class RoundMachine:
         if self.leaders.get(c) not in members:
             self.leaders[c] = members[0]
         st.failed_at = None
-        donors = donors if donors is not None else {rid: p for rid, p in self.progress.items() if p[0] == self.round}
-        heals = assign_heals_for_cluster({rid: self.progress[rid] for rid in members}, donors)
+        own = {rid: self.progress[rid] for rid in members}
+        first = own[members[0]]
+        if first[0] == self.round and all(p == first for p in own.values()):
+            pool = None  # every member holds the round at the same step: nobody heals
+        elif any(p[0] == self.round for p in own.values()):
+            pool = {}  # a member holds the round: heals stay inside c, whatever the donors
+        else:  # nobody in c holds the round: the global state of the lowest-id donor (as assign_heals picks)
+            donors = donors if donors is not None else {rid: p for rid, p in self.progress.items() if p[0] == self.round}
+            source = self._lowest_donor(donors)
+            pool = {source: donors[source]} if source is not None else {}
+        heals = assign_heals_for_cluster(own, pool) if pool is not None else []
         if heals:
             st.stage = "heal"
             action = self._new_action("heal", c, {h.target: (h.source, h.scope) for h in heals},
@@ -449,6 +517,17 @@ class RoundMachine:
             st.action = action.id
             return [action]
         return self._configure(c, now, reason)
+
+    def _lowest_donor(self, donors: dict[str, tuple[int, int]]) -> str | None:
+        """min(donors, key=parse_replica_id), computed once for the donors dict `start` shares."""
+        if self._global_source is None or self._global_source[0] != id(donors):
+            # the first donor in (cluster, index) order is min by parse_replica_id, found without a full scan
+            source = next((rid for ids in self._ids for rid in ids if rid in donors), None)
+            if source is None and donors:
+                source = min(donors, key=parse_replica_id)
+            self._global_source = (id(donors), source)
+            self._global_donors = donors  # kept alive, so its id is not reused while cached
+        return self._global_source[1]
 
     def _configure(self, c: int, now: float, reason: str) -> list[Action]:
         st = self.clusters[c]
@@ -467,9 +546,10 @@ class RoundMachine:
         st = self.clusters[c]
         st.stage = "inner"
         st.inner_runs += 1
+        advance, progress = self.advance, self.progress
         for rid in st.members:
-            self.advance[rid] = _Advance(self.progress[rid][1], now)
-        action = self._new_action("run_inner", c, {rid: () for rid in st.members}, track=True, now=now)
+            advance[rid] = _Advance(progress[rid][1], now)
+        action = self._new_action("run_inner", c, dict.fromkeys(st.members, ()), track=True, now=now)
         st.action = action.id
         return [action]
 
@@ -500,7 +580,8 @@ class RoundMachine:
             st.configured = (action.epoch, st.members)
             return self._run_inner(c, now)
         if action.kind == "run_inner":
-            if any(self.progress[rid] != (self.round, end) for rid in st.members):
+            at_end, progress = (self.round, end), self.progress
+            if any(progress[rid] != at_end for rid in st.members):
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
                 st.stage = "average"
@@ -525,7 +606,7 @@ class RoundMachine:
         part = self.participating()
         if len(part) < self.settings.min_clusters:
             return self._finish("below_quorum", self._quorum_text())
-        if any(self.clusters[c].stage != "ready" for c in part):
+        if self._tally.not_ready:  # a participating cluster is not ready yet
             return []
         leaders = tuple(self.leaders[c] for c in part)
         if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):

@@ -117,6 +117,30 @@ class ReplicaTrainer:
         self._eval = eval_batches(self.corpus.val, batch_size=cfg.data.batch_size,
                                   block_size=cfg.model.block_size, n_batches=cfg.train.eval_batches)
 
+    def assume_identity(self, rid: str) -> None:
+        """A hot spare takes over `rid`: its data stream (the global replica index) and name. The
+        state itself arrives by a heal, as for any replica that (re)joins."""
+        self.rid = rid
+        self.cluster = self.topology.cluster_of(rid)
+        self.global_index = self.topology.global_index(rid)
+
+    def warm_up(self) -> float:
+        """Pay a fresh process's one-time costs now (the first forward/backward and the first
+        optimizer step's lazy imports), on throwaway copies: the replica's state is untouched.
+        Returns the seconds it took."""
+        import copy
+
+        start = time.perf_counter()
+        model = copy.deepcopy(self.model)
+        params = list(model.parameters())
+        opt = build_inner_optimizer(self.cfg, params)
+        x, y = batch_for_step(self.corpus.train, seed=self.cfg.seed, replica_index=self.global_index, step=0,
+                              batch_size=self.cfg.data.batch_size, block_size=self.cfg.model.block_size)
+        _, loss = model(x.to(self.device), y.to(self.device))
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - start
+
     # -- counters -------------------------------------------------------------------------------
     @property
     def step_in_round(self) -> int:

@@ -9,8 +9,12 @@ import pytest
 from tests.integration.runs import assert_digests_agree_every_round, events, metrics, summary, train
 
 ROUNDS, SPR = 8, 6
+# rejoin `boundary`: these rounds last well under a second, so a replica restarting for ~4 s would
+# miss the faults scheduled on it in the next rounds unless the supervisor waits for it at the
+# boundary (tests/integration/test_rejoin.py covers the default `fast` rejoin in 30 s rounds)
 BASE = [f"sync.outer_every={SPR}", f"train.rounds={ROUNDS}", "checkpoint.every=1", "comm.timeout_s=4",
-        "supervisor.phase_timeout_s=40", "supervisor.rejoin_wait_s=30", "optim.inner.lr=0.01"]
+        "supervisor.phase_timeout_s=40", "supervisor.rejoin_wait_s=30", "supervisor.rejoin=boundary",
+        "optim.inner.lr=0.01"]
 
 
 def schedule(*faults: str) -> str:
@@ -110,7 +114,9 @@ def test_same_seed_and_schedule_give_the_same_digest(tmp_path):
     faults = schedule("kind:kill,target:c0r1,round:1,phase:inner,step:2",
                       "kind:crash,target:leader:c1,round:2,phase:outer",
                       "kind:crash,target:leader:c0,round:3,phase:outer_commit")
-    overrides = [f"sync.outer_every={SPR}", "train.rounds=5", "checkpoint.every=0", "comm.timeout_s=4", faults]
+    # rejoin `boundary`: restarted replicas join at round boundaries, which makes the replay bitwise
+    overrides = [f"sync.outer_every={SPR}", "train.rounds=5", "checkpoint.every=0", "comm.timeout_s=4", faults,
+                 "supervisor.rejoin=boundary"]
     first = train(tmp_path / "a", overrides)
     second = train(tmp_path / "b", overrides)
     assert first["status"] == second["status"] == "completed"
