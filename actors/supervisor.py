@@ -490,6 +490,10 @@ class Supervisor:
                 action = Action(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
                                 calls={h.target: (h.source, h.scope) for h in heals})
                 _RoundRun(self, None, top).heal_now(action)
+        self._refresh()
+        view = self._plan_view()
+        self._set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
+                         leaders={f"c{c}": r for c, r in view.leaders.items()})
 
     def _catch_up(self) -> None:
         """After a supervisor restart: record rounds the old one committed but did not record, and
@@ -577,17 +581,20 @@ class _RoundRun:
         self.attempts = 1
         self.inner_started = None
         self.heal_sizes: dict[str, int] = {}
-        self._states: dict[str, Any] = {}  # heal source -> its state's object ref (this action batch)
+        self.heal_states: dict[tuple[int, str], Any] = {}  # (heal action, source) -> its state's object ref
+        self.state_refs: dict[Any, tuple[int, str]] = {}  # the same, pending: watched so a dead source is seen
 
     def drive(self) -> None:
         m, sup = self.machine, self.sup
         self._carry_out(m.start(time.monotonic()))
         last_poll = 0.0
         while not m.done:
-            waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs)
+            waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs) + list(self.state_refs)
             ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
             for ref in ready:
-                if ref in self.progress_refs:
+                if ref in self.state_refs:
+                    self._state_answer(ref)
+                elif ref in self.progress_refs:
                     self._progress_answer(ref)
                 elif ref in self.up_refs:
                     self._up_answer(ref)
@@ -609,7 +616,6 @@ class _RoundRun:
     # -- issuing -----------------------------------------------------------------------------------------
     def _carry_out(self, actions: list[Action]) -> None:
         sup = self.sup
-        self._states = {}
         for a in actions:
             if a.kind == "kill":
                 self._kill(a)
@@ -635,6 +641,9 @@ class _RoundRun:
                           epoch=a.epoch, replicas=sorted(a.calls), reason=a.reason or None)
             if a.kind == "configure_inner" or a.kind == "configure_outer":
                 self._membership_event(a)
+                if a.epoch > sup.durable["epoch"]:  # before the groups exist: a successor never reuses an epoch
+                    sup.durable["epoch"] = a.epoch
+                    sup._save_durable()
             if a.kind == "configure_inner" and a.reason and a.reason != "round start":
                 sup.log.event("cluster_reform", cluster=a.cluster, round=self.r, epoch=a.epoch,
                               members=sorted(a.calls), reason=a.reason)
@@ -649,12 +658,12 @@ class _RoundRun:
         faults = armed.get(rid)
         if a.kind == "heal":
             source, scope = args
-            if scope == "full":  # one state per source, however many targets it heals
-                if source not in self._states:
-                    self._states[source] = sup.handles[source].get_state.remote(armed.get(source))
-                state = self._states[source]
-            else:
-                state = sup.handles[source].global_state.remote()
+            key = (a.id, source)  # one state per source and heal, however many targets it heals
+            if key not in self.heal_states:
+                self.heal_states[key] = (sup.handles[source].get_state.remote(armed.get(source)) if scope == "full"
+                                         else sup.handles[source].global_state.remote())
+                self.state_refs[self.heal_states[key]] = key
+            state = self.heal_states[key]
             sup.log.event("heal_begin", target=rid, source=source, scope=scope)
             return h.load_state.remote(state, scope, faults)
         if a.kind == "configure_inner":
@@ -688,15 +697,16 @@ class _RoundRun:
             value = ray.get(ref, timeout=timeout)
             outcome = Outcome(value.get("outcome", "done"))
             detail = value.get("error", "")
-        except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
-            value, outcome, detail = {}, Outcome.DIED, type(err).__name__
         except GetTimeoutError:
             value, outcome, detail = {}, Outcome.COLLECTIVE_FAILED, "answer not fetched in time"
-        except Exception as err:  # noqa: BLE001 — the replica raised: its own failure, never the job's
-            value, outcome, detail = {}, Outcome.ERROR, f"{type(err).__name__}: {str(err)[-300:]}"
-            if kind == "heal" and "ActorDiedError" in str(err):
-                outcome = Outcome.COLLECTIVE_FAILED  # the heal source died, not this target
-            else:
+        except Exception as err:  # noqa: BLE001 — classified below
+            value, detail = {}, f"{type(err).__name__}: {str(err)[-300:]}"
+            if kind == "heal" and self._source_failed(action_id, rid):
+                outcome = Outcome.COLLECTIVE_FAILED  # its heal source failed, not this target
+            elif isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)):
+                outcome, detail = Outcome.DIED, type(err).__name__
+            else:  # the replica raised (OOM, I/O, a bug): its own failure, never the job's
+                outcome = Outcome.ERROR
                 try:
                     ray.kill(sup.handles[rid], no_restart=False)  # restart it clean
                 except Exception:  # noqa: BLE001
@@ -714,6 +724,31 @@ class _RoundRun:
             if not pending:
                 self._phase_end(action, started)
         return PhaseResult(action_id, rid, outcome, int(value.get("round", -1)), int(value.get("step", -1)), detail)
+
+    def _state_answer(self, ref) -> None:
+        """A heal source's state arrived (its targets are now the ones to watch), or the source
+        failed: then it is lost, and its targets' calls fail through no fault of their own."""
+        action_id, source = self.state_refs.pop(ref)
+        try:
+            ray.get(ref, timeout=1.0)
+        except Exception as err:  # noqa: BLE001 — the source died or raised while giving its state
+            self.sup.log.event("heal_source_lost", source=source, round=self.r, detail=type(err).__name__)
+            self._carry_out(self.machine.on_lost(source, time.monotonic(), "died"))
+            return
+        self.machine.on_heal_state(action_id, source, time.monotonic())
+
+    def _source_failed(self, action_id: int, target: str) -> bool:
+        action = self.actions.get(action_id, (None,))[0]
+        if action is None or action.kind != "heal":
+            return False
+        ref = self.heal_states.get((action_id, action.calls[target][0]))
+        if ref is None or not ray.wait([ref], timeout=0)[0]:
+            return False
+        try:
+            ray.get(ref, timeout=1.0)
+            return False
+        except Exception:  # noqa: BLE001
+            return True
 
     def _account(self, kind: str, rid: str, value: dict, outcome: Outcome) -> None:
         if kind == "run_inner" and "report" in value:

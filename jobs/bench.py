@@ -1,5 +1,7 @@
 """Benchmarks: `python -m jobs.bench [--out DIR] [--rounds N] [--outer-every H]`, or
-`python -m jobs.bench plan [--out DIR]` (the round machine's own cost at 10,000 replicas; no Ray).
+`python -m jobs.bench plan [--out DIR]` (the round machine's own cost at 10,000 replicas; no Ray), or
+`python -m jobs.bench goodput [--out DIR] [--rounds N] [--mtbf 30 10]` (wall time under faults vs
+fault-free, with and without hot spares; see jobs/bench_goodput.py).
 
 Runs, one after another on one embedded Ray, the same model and data as:
 - `flat`: one cluster of all replicas, ddp every step (what a flat trainer does across the slow link);
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
         return plan_main(argv[1:])
+    if argv[:1] == ["goodput"]:
+        from jobs.bench_goodput import main as goodput_main
+
+        return goodput_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for bench.json, bench.png and the runs")
     parser.add_argument("--rounds", type=int, default=8)
@@ -138,7 +144,7 @@ def plan_main(argv: list[str]) -> int:
     text = json.dumps(report, indent=2)
     (out / "plan.json").write_text(text)
     print(text)
-    print(f"plan.json in {out}")
+    print(f"plan.json in {out}", file=sys.stderr)
     return 0
 
 
@@ -168,8 +174,8 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
                      epoch=m.epoch, round=m.round + 1)
         for rid in m.dead:  # they come back and heal at the next round's start
             state["progress"][rid] = (0, 0)
-        cases[case].append({"ms": timing.total * 1e3, "calls": timing.calls, "actions": timing.actions,
-                            "kills": timing.kills, "ticks": timing.ticks})
+        cases[case].append({"ms": timing.total * 1e3, "start_ms": timing.start * 1e3, "calls": timing.calls,
+                            "actions": timing.actions, "kills": timing.kills, "ticks": timing.ticks})
 
     one("first_round", None)
     for _ in range(rounds):
@@ -189,6 +195,7 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
     for case, runs in cases.items():
         ms = [r["ms"] for r in runs]
         summary[case] = {"rounds": len(runs), "mean_ms": sum(ms) / len(ms), "max_ms": max(ms), "min_ms": min(ms),
+                         "start_mean_ms": sum(r["start_ms"] for r in runs) / len(runs),
                          "actions_per_round": sum(r["actions"] for r in runs) / len(runs),
                          "machine_calls_per_round": sum(r["calls"] for r in runs) / len(runs),
                          "kills_per_round": sum(r["kills"] for r in runs) / len(runs)}
@@ -204,6 +211,7 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
 class _PlanTimer:
     def __init__(self):
         self.total, self.calls, self.actions, self.kills, self.ticks = 0.0, 0, 0, 0, 0
+        self.start = 0.0  # construction + start
 
     def call(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -229,6 +237,7 @@ class _PlanDriver:
         from hsgd.core.round import PhaseResult
 
         self.issue(self.t.call(self.m.start, self.now))
+        self.t.start = self.t.total
         while not self.m.done:
             if not self.pending:  # only hung replicas are left: time passes until the machine kills them
                 self.now += 3600.0

@@ -198,6 +198,7 @@ class _InFlight:
     pending: set[str]
     started: float
     failed_at: float | None = None
+    delivered: set = field(default_factory=set)  # heal sources whose state arrived
     # group -> when a member of that group first failed: a failure shortens the wait only for its own
     # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
     failed_groups: dict = field(default_factory=dict)
@@ -228,6 +229,7 @@ class RoundMachine:
                          for c in range(topology.clusters)}
         self._ids, self._cluster_index = _layout(topology)
         self._global_source: tuple[int, str | None] | None = None  # (id of a donors dict, its lowest-id donor)
+        self._global_donors: dict | None = None
         self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
         self.outer_stage = "wait"  # wait | configure | reduce | commit | done
         self.outer_action: int | None = None
@@ -332,11 +334,27 @@ class RoundMachine:
         for action_id, flight in list(self.inflight.items()):
             for rid in sorted(flight.pending):
                 if now > self._limit(flight, rid):
+                    source = flight.action.calls[rid][0] if flight.action.kind == "heal" else None
+                    if source is not None and source not in flight.delivered:
+                        # a target waits for its source's state: the silent one is the source; once it
+                        # is killed, the target's call fails by itself (its argument is lost)
+                        if source in self.progress:
+                            actions.append(self._kill_source(source, flight, now))
+                            continue
+                        if flight.failed_at is not None and now <= flight.failed_at + self.settings.group_grace_s:
+                            continue
                     actions.append(self._kill(rid, flight, now))
             if not flight.pending and action_id in self.inflight:
                 del self.inflight[action_id]
                 actions += self._action_finished(flight, now)
         return actions
+
+    def on_heal_state(self, action_id: int, source: str, now: float) -> None:
+        """A heal's source delivered its state (its get_state answered): from now on a silent
+        target is the one to blame, not the source."""
+        flight = self.inflight.get(action_id)
+        if flight is not None:
+            flight.delivered.add(source)
 
     def on_up(self, rid: str, round_index: int, step: int, now: float) -> list[Action]:
         """A (re)started replica answers while the round runs (rejoin `fast`)."""
@@ -446,6 +464,17 @@ class RoundMachine:
     def _cluster_of(self, rid: str) -> int:
         c = self._cluster_index.get(rid)
         return self.topology.cluster_of(rid) if c is None else c
+
+    def _kill_source(self, source: str, flight: _InFlight, now: float) -> Action:
+        """A heal's source never delivered its state: kill it; its targets' calls then fail (their
+        argument is lost) and the cluster re-forms without it."""
+        silent_s = now - flight.started
+        self._mark_dead(source, "hung")
+        if flight.failed_at is None:
+            flight.failed_at = now
+        return self._new_action("kill", flight.action.cluster, {source: ("heal", silent_s)},
+                                deadline_s=flight.action.deadline_s,
+                                reason=f"heal source silent for {silent_s:.1f}s (limit {flight.action.deadline_s:.1f}s)")
 
     def _mark_dead(self, rid: str, cause: str) -> None:
         if rid in self.progress:
@@ -603,11 +632,11 @@ class RoundMachine:
     def _maybe_outer(self, now: float) -> list[Action]:
         if self.done or self.outer_stage not in ("wait",):
             return []
-        part = self.participating()
-        if len(part) < self.settings.min_clusters:
+        if len(self._tally.participating()) < self.settings.min_clusters:
             return self._finish("below_quorum", self._quorum_text())
         if self._tally.not_ready:  # a participating cluster is not ready yet
             return []
+        part = self.participating()
         leaders = tuple(self.leaders[c] for c in part)
         if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):
             self.epoch += 1

@@ -10,7 +10,7 @@ from tests.integration.runs import FAST, assert_digests_agree_every_round, event
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
-    d = Drill(FAST + ["train.rounds=60", "sync.outer_every=6", "checkpoint.every=0", "comm.timeout_s=4",
+    d = Drill(FAST + ["train.rounds=2000", "sync.outer_every=6", "checkpoint.every=0", "comm.timeout_s=4",
                       "watchdog.floor_s=5"], run_dir=str(tmp_path_factory.mktemp("drill")))
     d.start()
     yield d
