@@ -47,6 +47,11 @@ class FaultInjector:
         self.log.event("fault_scheduled", fault=spec.describe())
         return spec.describe()
 
+    def pending(self, round_index: int, phases: tuple[str, ...]) -> bool:
+        """Any replica fault of this round and these phases still to fire? (cheap: no plan needed)"""
+        return any(i not in self.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
+                   for i, f in enumerate(self.faults))
+
     def arm(self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str],
             handles: dict | None = None) -> dict[str, list[dict]]:
         """Faults due in a call of `round_index` covering `phases` made to the replicas `only`:

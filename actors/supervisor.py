@@ -225,6 +225,12 @@ class Supervisor:
 
     def _note_up(self, rid: str, answer: dict) -> None:
         self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        if rid in self.pids and self.pids[rid] != answer.get("pid"):
+            # a new process holds no group: its cluster's (and, for a leader, the outer) group re-forms
+            c = self.topology.cluster_of(rid)
+            self.configured.pop(c, None)
+            if self.leaders.get(c) == rid:
+                self.outer_configured = None
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
             self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"))
@@ -366,7 +372,9 @@ class Supervisor:
         self._save_durable()
         if machine.outcome == "committed":
             self._record(r, machine, run)
-        elif machine.outcome == "restore":
+            return
+        self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
+        if machine.outcome == "restore":
             self._restore(machine.reason)
         elif machine.outcome == "below_quorum":
             self._await_quorum(machine.reason)
@@ -634,8 +642,9 @@ class _RoundRun:
             phase = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
                      "outer_commit": "outer_commit", "heal": "heal"}.get(a.kind)
             involved = set(a.calls) | ({src for src, _ in a.calls.values()} if a.kind == "heal" else set())
-            armed = sup.injector.arm(self.r, _FAULT_PHASES.get(a.kind, ()), self.machine.plan(), only=involved,
-                                     handles=sup.handles) if phase else {}
+            phases = _FAULT_PHASES.get(a.kind, ())
+            armed = sup.injector.arm(self.r, phases, self.machine.plan(), only=involved, handles=sup.handles) \
+                if phase and sup.injector.pending(self.r, phases) else {}
             self.actions[a.id] = (a, time.monotonic(), set(a.calls))
             sup.log.event("phase_begin", phase=_PHASE_NAME.get(a.kind, a.kind), round=self.r, cluster=a.cluster,
                           epoch=a.epoch, replicas=sorted(a.calls), reason=a.reason or None)

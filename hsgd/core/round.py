@@ -285,8 +285,8 @@ class RoundMachine:
             if len(members) < self.settings.min_replicas_per_cluster or not members:
                 st.stage = "out"
                 continue
-            if not donors:
-                break
+            if not donors:  # nobody holds the round asked for: a caller's error, never a stall
+                return self._finish("failed", f"round {self.round} asked, but no live replica holds it")
             actions += self._reform(c, now, "round start", donors=donors, members=members)
         if len(self.participating()) < self.settings.min_clusters:
             return self._finish("below_quorum", self._quorum_text())
