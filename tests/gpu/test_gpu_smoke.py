@@ -13,11 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _cfg():
-    from omegaconf import OmegaConf
-
     from hsgd.config.schema import HsgdConfig
 
-    cfg = OmegaConf.structured(HsgdConfig)
+    cfg = HsgdConfig()  # the typed schema itself: no Hydra/OmegaConf needed on a bare GPU box
     cfg.sync.outer_every = 10
     cfg.data.batch_size = 16
     return cfg
