@@ -16,15 +16,12 @@ checkpoint) in __init__ and is healed by the supervisor from a live peer.
 """
 from __future__ import annotations
 
-import faulthandler
-import io
 import json
 import os
 import sys
 import threading
 import time
 import traceback
-from typing import Any
 
 import ray
 import torch

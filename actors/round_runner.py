@@ -1,0 +1,381 @@
+"""Carrying out one round machine's actions for the supervisor: issue the Ray calls of each action,
+turn answers (or Ray's errors) into PhaseResults, ask replicas in an inner phase for their step
+every tick, ask replicas that are down whether they are back (rejoin `fast`), kill whom the machine
+finds hung (after a hang report with every stack of its group), hand a dead replica's identity to a
+hot spare. Keeps the round's numbers (losses, tokens, bytes, seconds) for metrics.jsonl.
+
+It decides nothing: every decision is hsgd.core.round.RoundMachine's.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from actors.hang import dump_replica
+from hsgd.core.round import Action, Outcome, PhaseResult, RoundMachine
+from hsgd.record.hangs import hang_report, stuck_function
+from hsgd.record.rundir import atomic_write_text
+
+if TYPE_CHECKING:
+    from actors.supervisor import Supervisor
+
+TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
+
+
+class RoundRunner:
+    """Carries out one round machine's actions: issues calls, collects answers, polls progress,
+    ticks. Keeps the round's numbers (losses, tokens, bytes, seconds) for metrics.jsonl."""
+
+    def __init__(self, sup: "Supervisor", machine: RoundMachine | None, round_index: int):
+        self.sup, self.machine, self.r = sup, machine, round_index
+        self.refs: dict[Any, tuple[int, str, str]] = {}  # ref -> (action id, rid, kind)
+        self.actions: dict[int, tuple[Action, float, set]] = {}  # id -> (action, started, pending)
+        self.outcomes: dict[int, dict[str, str]] = {}
+        self.progress_refs: dict[Any, tuple[str, float]] = {}
+        self.up_refs: dict[Any, str] = {}  # progress probes of replicas that are down (fast rejoin)
+        self.losses: dict[str, list[float]] = {}
+        self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
+        self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
+        self.inner_participants: set[str] = set()
+        self.commit_digests: dict[str, str] = {}
+        self.global_digests: dict[str, str] = {}
+        self.attempts = 1
+        self.inner_started = None
+        self.heal_sizes: dict[str, int] = {}
+        self.heal_states: dict[tuple[int, str], Any] = {}  # (heal action, source) -> its state's object ref
+        self.state_refs: dict[Any, tuple[int, str]] = {}  # the same, pending: watched so a dead source is seen
+
+    def drive(self) -> None:
+        m, sup = self.machine, self.sup
+        self._carry_out(m.start(time.monotonic()))
+        last_poll = 0.0
+        while not m.done:
+            waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs) + list(self.state_refs)
+            ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
+            for ref in ready:
+                if ref in self.state_refs:
+                    self._state_answer(ref)
+                elif ref in self.progress_refs:
+                    self._progress_answer(ref)
+                elif ref in self.up_refs:
+                    self._up_answer(ref)
+                else:
+                    self._carry_out(m.on_result(self._answer(ref), time.monotonic()))
+            now = time.monotonic()
+            if now - last_poll >= TICK_S:
+                last_poll = now
+                self._poll_progress()
+                self._probe_down()
+                if sup.spares:
+                    sup.spares.check(sup.log)
+                self._carry_out(m.on_tick(now))
+            self._log_deaths()
+            sup._set_status(epoch=m.epoch, **_view(m))
+        self._log_deaths()
+        sup.live = dict(m.progress)
+
+    # -- issuing -----------------------------------------------------------------------------------------
+    def _carry_out(self, actions: list[Action]) -> None:
+        sup = self.sup
+        for a in actions:
+            if a.kind == "kill":
+                self._kill(a)
+                continue
+            if a.kind == "yield":
+                sup.log.event("yield_requested", cluster=a.cluster, round=self.r, reason=a.reason,
+                              at_step=next(iter(a.calls.values()))[2], replicas=sorted(a.calls))
+                for rid, (epoch, round_index, at) in a.calls.items():
+                    sup.handles[rid].request_yield.remote(epoch, round_index, at)  # control channel, no wait
+                continue
+            if a.kind == "outer_reduce":
+                sup.injector.supervisor_faults(self.r, "outer")
+            if a.kind == "outer_commit":
+                sup.log.event("commit_decision", round=self.r, clusters=sorted({sup.topology.cluster_of(x) for x in a.calls}))
+                sup.injector.supervisor_faults(self.r, "outer_commit")
+            phase = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+                     "outer_commit": "outer_commit", "heal": "heal"}.get(a.kind)
+            involved = set(a.calls) | ({src for src, _ in a.calls.values()} if a.kind == "heal" else set())
+            phases = _FAULT_PHASES.get(a.kind, ())
+            armed = sup.injector.arm(self.r, phases, self.machine.plan(), only=involved, handles=sup.handles) \
+                if phase and sup.injector.pending(self.r, phases) else {}
+            self.actions[a.id] = (a, time.monotonic(), set(a.calls))
+            sup.log.event("phase_begin", phase=_PHASE_NAME.get(a.kind, a.kind), round=self.r, cluster=a.cluster,
+                          epoch=a.epoch, replicas=sorted(a.calls), reason=a.reason or None)
+            if a.kind == "configure_inner" or a.kind == "configure_outer":
+                self._membership_event(a)
+                if a.epoch > sup.durable["epoch"]:  # before the groups exist: a successor never reuses an epoch
+                    sup.durable["epoch"] = a.epoch
+                    sup._save_durable()
+            if a.kind == "configure_inner" and a.reason and a.reason != "round start":
+                sup.log.event("cluster_reform", cluster=a.cluster, round=self.r, epoch=a.epoch,
+                              members=sorted(a.calls), reason=a.reason)
+            if a.kind == "run_inner" and self.inner_started is None:
+                self.inner_started = time.monotonic()
+            for rid, args in a.calls.items():
+                ref = self._issue(a, rid, args, armed)
+                self.refs[ref] = (a.id, rid, a.kind)
+
+    def _issue(self, a: Action, rid: str, args: tuple, armed: dict):
+        h, sup = self.sup.handles[rid], self.sup
+        faults = armed.get(rid)
+        if a.kind == "heal":
+            source, scope = args
+            key = (a.id, source)  # one state per source and heal, however many targets it heals
+            if key not in self.heal_states:
+                self.heal_states[key] = (sup.handles[source].get_state.remote(armed.get(source)) if scope == "full"
+                                         else sup.handles[source].global_state.remote())
+                self.state_refs[self.heal_states[key]] = key
+            state = self.heal_states[key]
+            sup.log.event("heal_begin", target=rid, source=source, scope=scope)
+            return h.load_state.remote(state, scope, faults)
+        if a.kind == "configure_inner":
+            return h.configure_inner.remote(a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2])
+        if a.kind == "configure_outer":
+            return h.configure_outer.remote(a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2])
+        if a.kind == "run_inner":
+            self.inner_participants.add(rid)
+            return h.run_inner.remote(a.round, faults)
+        if a.kind == "cluster_average":
+            return h.cluster_average.remote(a.round, a.epoch, faults)
+        if a.kind == "outer_reduce":
+            return h.outer_reduce.remote(a.round, a.epoch, faults)
+        if a.kind == "outer_commit":
+            return h.outer_commit.remote(a.round, args[0], faults)
+        raise ValueError(f"unknown action {a.kind}")
+
+    def heal_now(self, action: Action) -> None:
+        """A heal outside a round (the final heal): issue and wait for it."""
+        self.actions[action.id] = (action, time.monotonic(), set(action.calls))
+        refs = {rid: self._issue(action, rid, args, {}) for rid, args in action.calls.items()}
+        for rid, ref in refs.items():
+            self.refs[ref] = (action.id, rid, "heal")
+            self._answer(ref, timeout=self.sup.cfg.supervisor.call_timeout_s)
+
+    # -- answers -----------------------------------------------------------------------------------------
+    def _answer(self, ref, timeout: float = 5.0) -> PhaseResult:
+        action_id, rid, kind = self.refs.pop(ref)
+        sup = self.sup
+        try:
+            value = ray.get(ref, timeout=timeout)
+            outcome = Outcome(value.get("outcome", "done"))
+            detail = value.get("error", "")
+        except GetTimeoutError:
+            value, outcome, detail = {}, Outcome.COLLECTIVE_FAILED, "answer not fetched in time"
+        except Exception as err:  # noqa: BLE001 — classified below
+            value, detail = {}, f"{type(err).__name__}: {str(err)[-300:]}"
+            if kind == "heal" and self._source_failed(action_id, rid):
+                outcome = Outcome.COLLECTIVE_FAILED  # its heal source failed, not this target
+            elif isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)):
+                outcome, detail = Outcome.DIED, type(err).__name__
+            else:  # the replica raised (OOM, I/O, a bug): its own failure, never the job's
+                outcome = Outcome.ERROR
+                try:
+                    ray.kill(sup.handles[rid], no_restart=False)  # restart it clean
+                except Exception:  # noqa: BLE001
+                    pass
+        self._account(kind, rid, value, outcome)
+        if action_id in self.actions and rid in self.actions[action_id][2]:
+            action, started, pending = self.actions[action_id]
+            pending.discard(rid)
+            self.outcomes.setdefault(action_id, {})[rid] = outcome.value if outcome in (Outcome.DONE, Outcome.YIELDED) \
+                else f"{outcome.value}: {detail[:200]}"
+            if outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
+                sup.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
+                              rid=rid, phase=_PHASE_NAME.get(kind, kind), round=self.r, cluster=action.cluster,
+                              outcome=outcome.value, detail=detail[:300])
+            if not pending:
+                self._phase_end(action, started)
+        return PhaseResult(action_id, rid, outcome, int(value.get("round", -1)), int(value.get("step", -1)), detail)
+
+    def _state_answer(self, ref) -> None:
+        """A heal source's state arrived (its targets are now the ones to watch), or the source
+        failed: then it is lost, and its targets' calls fail through no fault of their own."""
+        action_id, source = self.state_refs.pop(ref)
+        try:
+            ray.get(ref, timeout=1.0)
+        except Exception as err:  # noqa: BLE001 — the source died or raised while giving its state
+            self.sup.log.event("heal_source_lost", source=source, round=self.r, detail=type(err).__name__)
+            self._carry_out(self.machine.on_lost(source, time.monotonic(), "died"))
+            return
+        self.machine.on_heal_state(action_id, source, time.monotonic())
+
+    def _source_failed(self, action_id: int, target: str) -> bool:
+        action = self.actions.get(action_id, (None,))[0]
+        if action is None or action.kind != "heal":
+            return False
+        ref = self.heal_states.get((action_id, action.calls[target][0]))
+        if ref is None or not ray.wait([ref], timeout=0)[0]:
+            return False
+        try:
+            ray.get(ref, timeout=1.0)
+            return False
+        except Exception:  # noqa: BLE001
+            return True
+
+    def _account(self, kind: str, rid: str, value: dict, outcome: Outcome) -> None:
+        if kind == "run_inner" and "report" in value:
+            rep = value["report"]
+            self.tokens += rep["tokens"]
+            self.inner_bytes += rep["inner_bytes"]
+            self.attempted_steps += rep["steps_done"]
+            self.losses.setdefault(rid, []).extend(rep["losses"])
+        if kind == "outer_reduce":
+            self.outer_bytes += value.get("outer_bytes", 0)
+        if kind == "outer_commit" and outcome == Outcome.DONE:
+            self.inner_bytes += value.get("inner_bytes", 0)
+            self.commit_digests[rid] = value["digest"]
+            self.global_digests[rid] = value["global_digest"]
+        if kind == "heal" and outcome == Outcome.DONE:
+            self.heal_sizes[rid] = value.get("bytes", 0)
+
+    def _phase_end(self, action: Action, started: float) -> None:
+        self.actions.pop(action.id, None)
+        seconds = time.monotonic() - started
+        outcomes = self.outcomes.pop(action.id, {})
+        failed = {rid: o.split(": ", 1) for rid, o in outcomes.items() if o not in ("done", "yielded")}
+        ok = sorted(rid for rid, o in outcomes.items() if o == "done")
+        yielded = sorted(rid for rid, o in outcomes.items() if o == "yielded")
+        self.sup.log.event("phase_end", phase=_PHASE_NAME.get(action.kind, action.kind), round=self.r,
+                           cluster=action.cluster, seconds=seconds, ok=ok, failed=failed,
+                           **({"yielded": yielded} if yielded else {}))
+        key = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+               "outer_commit": "outer_commit"}.get(action.kind, "heal_configure")
+        self.seconds[key] = max(self.seconds[key], seconds) if key == "inner" else self.seconds[key] + seconds
+        if action.kind == "heal":
+            for rid in ok:
+                source, scope = action.calls[rid]
+                self.sup.log.event("heal_end", target=rid, source=source, scope=scope, seconds=seconds,
+                                   bytes=self.heal_sizes.get(rid))
+        if not failed and action.kind in ("outer_reduce", "outer_commit"):
+            self.sup.clock.observe(action.kind.replace("_reduce", ""), seconds, 1)
+        if action.kind == "run_inner" and failed:
+            self.attempts += 1
+
+    # -- progress and hangs ------------------------------------------------------------------------------
+    def _poll_progress(self) -> None:
+        """Ask every replica in an inner phase for its step (control channel; answers mid-phase)."""
+        asked = {rid for rid, _ in self.progress_refs.values()}
+        for action, _, pending in self.actions.values():
+            if action.kind != "run_inner":
+                continue
+            for rid in pending - asked:
+                self.progress_refs[self.sup.handles[rid].progress.remote()] = (rid, time.monotonic())
+
+    def _probe_down(self) -> None:
+        """Rejoin `fast`: ask replicas that are down whether they are back (a restarting actor's
+        call waits until it is up, so one probe per replica is outstanding at a time)."""
+        if self.machine.settings.rejoin != "fast":
+            return
+        asked = set(self.up_refs.values())
+        for rid in self.sup.topology.replica_ids():
+            if rid not in self.machine.progress and rid not in self.sup.gone and rid not in asked:
+                self.up_refs[self.sup.handles[rid].progress.remote()] = rid
+
+    def _up_answer(self, ref) -> None:
+        rid = self.up_refs.pop(ref)
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 — still down (or restarting): asked again next tick
+            return
+        if answer.get("phase", "idle") != "idle" or rid in self.machine.progress:
+            return
+        self.sup._note_up(rid, answer)
+        self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]), time.monotonic()))
+
+    def _progress_answer(self, ref) -> None:
+        rid, _ = self.progress_refs.pop(ref)
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 — no answer is no sign of life; the machine's limit decides
+            return
+        now = time.monotonic()
+        before = self.machine.advance.get(rid)
+        self.machine.on_progress(rid, int(answer["step"]), now)
+        after = self.machine.advance.get(rid)
+        if before is not None and after is not None and after.step > before.step and after.at > before.at:
+            self.sup.clock.observe("inner_step", (after.at - before.at) / (after.step - before.step), 1)
+        self.sup.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+
+    def _kill(self, a: Action) -> None:
+        """The machine found a replica silent and not advancing: report with stacks, then kill it
+        (restartable); its call in flight becomes stale."""
+        sup = self.sup
+        (rid, (why, silent_s)), = a.calls.items()
+        group = sorted(x for x in (sup.topology.cluster_members(a.cluster) if a.cluster is not None else sup.handles)
+                       if x in self.machine.progress or x == rid)
+        dumps = {}
+        if sup.cfg.watchdog.stack_dumps:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                futures = {p: pool.submit(dump_replica, sup.handles[p], sup.replica_info.get(p, {}), sup.run_dir, p)
+                           for p in group}
+                for p, fut in futures.items():
+                    try:
+                        dumps[p] = fut.result(timeout=30.0)
+                    except Exception as err:  # noqa: BLE001 — a dump that failed is reported as such
+                        dumps[p] = f"(no stack: {err})"
+        peers = {p: ("stuck" if p == rid else "in its group") for p in group}
+        text = hang_report(rid=rid, phase=why, round_index=self.r, waited_s=silent_s, deadline_s=a.deadline_s, peers=peers,
+                           dumps=dumps, view={"epoch": self.machine.epoch, "leaders": self.machine.leaders})
+        hang_dir = Path(sup.run_dir) / "hangs"
+        hang_dir.mkdir(exist_ok=True)
+        path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
+        atomic_write_text(path, text)
+        sup.log.event("hang_detected", rid=rid, phase=_PHASE_NAME.get(why, why), round=self.r, cluster=a.cluster,
+                      reason=a.reason, waited_s=silent_s, deadline_s=a.deadline_s,
+                      stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
+                      waiting=[p for p in group if p != rid])
+        sup.log.event("kill", rid=rid, reason=a.reason)
+        try:
+            ray.kill(sup.handles[rid], no_restart=False)
+        except Exception as err:  # noqa: BLE001 — already dead is fine
+            sup.log.event("kill_failed", rid=rid, error=str(err))
+        for action_id, (action, started, pending) in list(self.actions.items()):
+            if rid in pending:
+                pending.discard(rid)
+                self.outcomes.setdefault(action_id, {})[rid] = "hung: killed"
+                if not pending:
+                    self._phase_end(action, started)
+
+    def _log_deaths(self) -> None:
+        sup = self.sup
+        for rid, cause in list(self.machine.dead.items()):
+            if rid in sup.live:
+                sup.live.pop(rid)
+                sup.log.event("replica_down", rid=rid, cluster=sup.topology.cluster_of(rid), cause=cause,
+                              phase=self.sup.status_view.get("phase"), round=self.r)
+                if sup.spares:
+                    answer = sup._promote_spare(rid)
+                    if answer is not None:
+                        self.up_refs = {ref: r for ref, r in self.up_refs.items() if r != rid}
+                        sup._note_up(rid, answer)
+                        self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]),
+                                                           time.monotonic()))
+
+    def _membership_event(self, a: Action) -> None:
+        m = self.machine
+        members = {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)}
+        self.sup.log.event("membership", epoch=a.epoch, members=members,
+                           leaders={f"c{c}": r for c, r in m.leaders.items()}, standby=[],
+                           level="inner" if a.kind == "configure_inner" else "outer", cluster=a.cluster)
+
+
+_PHASE_NAME = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+               "outer_commit": "outer_commit", "configure_inner": "configure", "configure_outer": "configure",
+               "heal": "heal"}
+_FAULT_PHASES = {"run_inner": ("inner", "inner_sync"), "cluster_average": ("inner_sync",), "outer_reduce": ("outer",),
+                 "outer_commit": ("outer_commit",), "heal": ("heal",)}
+
+
+def _view(m: RoundMachine) -> dict:
+    stages = {st.stage for st in m.clusters.values() if st.stage != "out"}
+    phase = "outer" if m.outer_stage in ("configure", "reduce") else "outer_commit" if m.outer_stage == "commit" \
+        else "inner" if "inner" in stages else sorted(stages)[0] if stages else "idle"
+    return {"phase": phase, "round": m.round,
+            "members": {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
+            "leaders": {f"c{c}": r for c, r in m.leaders.items()}}
