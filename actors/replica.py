@@ -231,7 +231,7 @@ class Replica:
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
         """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch))."""
         def run():
-            self._hook("inner_sync", round_index, self.trainer.steps_per_round)
+            self._hook("inner_sync", round_index, 0)  # one average per round: schedule it at step 0
             self.trainer.cluster_average(round_index, epoch, self.inner)
         return self._phase("inner_sync", run, round_index, faults)
 

@@ -39,6 +39,7 @@ from hsgd.core.faults import fault_figures  # TODO moves to hsgd.record.metrics
 from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.train import checkpoint
+from hsgd.train.comm import collective_timeout_s
 
 STATE_FILE = "supervisor_state.json"
 
@@ -79,6 +80,7 @@ class Supervisor:
         self.handles = {rid: self._lookup(name) for rid, name in self.names.items()}
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
+        self.param_bytes = 0  # model size, as replicas report it: scales heal and collective deadlines
         self.pids: dict[str, int] = {}
         self.replica_info: dict[str, dict] = {}  # rid -> {pid, node_id}: for stack dumps
         self.leaders: dict[int, str] = {}
@@ -188,6 +190,7 @@ class Supervisor:
 
     def _admit(self, rid: str, answer: dict) -> None:
         self.live[rid] = (int(answer["round"]), int(answer["step"]))
+        self.param_bytes = max(self.param_bytes, int(answer.get("param_bytes") or 0))
         self._note_up(rid, answer)
 
     def _note_up(self, rid: str, answer: dict) -> None:
@@ -317,12 +320,14 @@ class Supervisor:
 
     def _settings(self) -> RoundSettings:
         cfg, sup = self.cfg, self.cfg.supervisor
-        grace = cfg.comm.timeout_s + 5.0  # a healthy member leaves a broken collective within its timeout
+        # a healthy member leaves a broken collective within its (payload-scaled) timeout
+        grace = collective_timeout_s(cfg.comm.timeout_s, self.param_bytes, cfg.comm.min_gbps) + 5.0
+        heal_s = collective_timeout_s(sup.call_timeout_s, 3 * self.param_bytes, cfg.comm.min_gbps)  # params + optimizer
         return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
                              inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "boundary"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
-                             configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=sup.call_timeout_s,
+                             configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=heal_s,
                              outer_s=min(sup.phase_timeout_s, self.clock.deadline("outer", 1) + grace),
                              commit_s=min(sup.phase_timeout_s, self.clock.deadline("outer_commit", 1) + grace))
 
@@ -397,7 +402,7 @@ class Supervisor:
         """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
         Final only if every file reports that round; an existing one is never overwritten."""
         root = Path(self.run_dir) / "checkpoints"
-        if (root / checkpoint.round_dir_name(state_round) / checkpoint.MANIFEST).exists():
+        if checkpoint.exists(root, state_round):
             self.log.event("checkpoint_skipped", round=state_round, reason="already exists")
             return None
         for _ in range(3):
@@ -420,7 +425,11 @@ class Supervisor:
             manifest = {"round": state_round, "step": state_round * self.spr, "run_id": self.run_id,
                         "topology": [self.topology.clusters, self.topology.replicas_per_cluster],
                         "files": {rid: a["sha256"] for rid, a in results.items()}, "t": time.time()}
-            final = checkpoint.finalize(temp, manifest)
+            try:
+                final = checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in results.items()})
+            except checkpoint.CheckpointError as err:
+                self.log.event("checkpoint_refused", round=state_round, reason=str(err))
+                continue
             checkpoint.prune(root, self.cfg.checkpoint.keep)
             self.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(results))
             return str(final)

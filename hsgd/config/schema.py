@@ -13,6 +13,7 @@ OUTER_ALGORITHMS = ("average", "diloco", "none")
 INNER_OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
 WANDB_MODES = ("offline", "online", "disabled")
+REJOIN_MODES = ("fast", "boundary")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE")
 
 
@@ -118,6 +119,10 @@ class CommConfig:
     backend: str = "auto"  # auto (nccl when CUDA is present) | gloo | nccl
     timeout_s: float = 10.0  # one collective
     configure_timeout_s: float = 30.0  # joining a process group (store rendezvous)
+    # The slowest link assumed when a wait is scaled to its payload: a collective waits at most
+    # timeout_s + bytes * 8 / (min_gbps * 1e9), so a multi-GB outer all-reduce gets the time it
+    # needs while a 1 MB inner one still fails fast.
+    min_gbps: float = 1.0
 
 
 @dataclass

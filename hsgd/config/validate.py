@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from hsgd.config.schema import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, OUTER_ALGORITHMS,
-                                PLACEMENT_STRATEGIES, WANDB_MODES, ConfigError)
+                                PLACEMENT_STRATEGIES, REJOIN_MODES, WANDB_MODES, ConfigError)
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -29,6 +29,7 @@ def validate(cfg: Any) -> None:
     _positive("topology.clusters", t.clusters)
     _positive("topology.replicas_per_cluster", t.replicas_per_cluster)
     _positive("topology.cpus_per_replica", t.cpus_per_replica, allow_zero=True)
+    _positive("topology.spares_per_cluster", t.spares_per_cluster, allow_zero=True)
     _choice("topology.placement_strategy", t.placement_strategy, PLACEMENT_STRATEGIES)
     if t.cluster_labels and len(t.cluster_labels) != t.clusters:
         raise ConfigError("topology.cluster_labels",
@@ -67,11 +68,13 @@ def validate(cfg: Any) -> None:
     _positive("train.rounds", cfg.train.rounds)
     _positive("train.eval_every", cfg.train.eval_every)
     _positive("train.eval_batches", cfg.train.eval_batches)
+    _positive("train.min_step_s", cfg.train.min_step_s, allow_zero=True)
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _choice("comm.backend", cfg.comm.backend, BACKENDS)
     _positive("comm.timeout_s", cfg.comm.timeout_s)
     _positive("comm.configure_timeout_s", cfg.comm.configure_timeout_s)
+    _positive("comm.min_gbps", cfg.comm.min_gbps)
     _positive("supervisor.phase_timeout_s", cfg.supervisor.phase_timeout_s)
     _positive("supervisor.call_timeout_s", cfg.supervisor.call_timeout_s)
     sup = cfg.supervisor
@@ -82,6 +85,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError("supervisor.min_clusters", f"got {sup.min_clusters}; must be in [1, topology.clusters={t.clusters}]")
     _positive("supervisor.quorum_wait_s", sup.quorum_wait_s)
     _positive("supervisor.rejoin_wait_s", sup.rejoin_wait_s, allow_zero=True)
+    _choice("supervisor.rejoin", sup.rejoin, REJOIN_MODES)
     w = cfg.watchdog
     if w.multiple < 1:
         raise ConfigError("watchdog.multiple", f"got {w.multiple}; must be >= 1 (a multiple of the median phase time)")
@@ -111,6 +115,34 @@ def validate(cfg: Any) -> None:
         if spec.phase.startswith("inner") and spec.step >= s.outer_every:
             raise ConfigError(f"faults.schedule[{i}].step", f"{spec.step} is past the round's last step "
                               f"(sync.outer_every={s.outer_every}); valid: 0..{s.outer_every - 1}")
+        problem = unfirable_reason(spec, cfg)
+        if problem is not None:
+            raise ConfigError(f"faults.schedule[{i}].{problem[0]}", problem[1])
+
+
+def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
+    """(field, one-line reason) when a scheduled fault's moment never comes in this config: a drill
+    must not "pass" a failure that never happened."""
+    s, t = cfg.sync, cfg.topology
+    if spec.target_kind == "supervisor" and spec.phase not in ("inner", "outer", "outer_commit", "checkpoint"):
+        return "phase", f"the supervisor has no {spec.phase!r} phase; valid for it: inner|outer|outer_commit|checkpoint"
+    if spec.phase == "checkpoint":
+        every, rounds = cfg.checkpoint.every, cfg.train.rounds
+        saved = [r for r in range(rounds) if every and ((r + 1) % every == 0 or r + 1 == rounds)]
+        if spec.round not in saved:
+            shown = ", ".join(map(str, saved[:6])) + (", ..." if len(saved) > 6 else "")
+            return "phase", (f"checkpoint never happens in round {spec.round} (checkpoint.every={every} saves after "
+                             f"rounds {shown or 'none'}); valid rounds for checkpoint: {shown or 'none'}")
+    if spec.phase == "inner_sync":
+        if s.inner == "none" and t.replicas_per_cluster == 1:
+            return "phase", "inner_sync never happens with sync.inner=none and one replica per cluster; valid: inner|outer|outer_commit|checkpoint"
+        if s.inner == "localsgd" and (spec.step + 1) % s.inner_every != 0:
+            steps = [k for k in range(s.outer_every) if (k + 1) % s.inner_every == 0]
+            return "step", (f"localsgd syncs after steps {', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''} "
+                            f"(sync.inner_every={s.inner_every}); inner_sync at step {spec.step} never happens")
+        if s.inner == "none" and spec.step != 0:
+            return "step", "with sync.inner=none the cluster average happens once, at the round's end; use step 0"
+    return None  # outer and outer_commit happen in every round, whatever the algorithm
 
 
 def resolve_backend(backend: str, cuda_available: bool) -> str:

@@ -51,13 +51,29 @@ def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     return digest
 
 
-def finalize(temp_dir: str | Path, manifest: dict) -> Path:
-    """Write the manifest and rename the directory into place (the commit point)."""
+def exists(root: str | Path, round_index: int) -> bool:
+    """A finalized checkpoint of this round is there (it is never written again)."""
+    return (Path(root) / round_dir_name(round_index) / MANIFEST).is_file()
+
+
+def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int] | None = None) -> Path:
+    """Write the manifest and rename the directory into place (the commit point). Refuses (and
+    removes the temp dir) unless every replica file of the manifest is there and, when given,
+    every replica reported the manifest's round; never replaces an existing final checkpoint."""
     temp_dir = Path(temp_dir)
-    final = temp_dir.with_name(round_dir_name(int(manifest["round"])))
+    state_round = int(manifest["round"])
+    final = temp_dir.with_name(round_dir_name(state_round))
+    problem = None
+    if final.exists():
+        problem = f"{final} already exists; checkpoints are never overwritten"
+    elif missing := sorted(rid for rid in manifest.get("files", {}) if not (temp_dir / f"{rid}.pt").is_file()):
+        problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
+    elif replica_rounds is not None and (wrong := {r: n for r, n in replica_rounds.items() if n != state_round}):
+        problem = f"replicas at another round than {state_round}: {wrong}"
+    if problem is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise CheckpointError(f"checkpoint of round {state_round} not finalized: {problem}")
     atomic_write_text(temp_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-    if final.exists():  # the same round checkpointed again (e.g. after a supervisor restart)
-        shutil.rmtree(final)
     os.replace(temp_dir, final)
     return final
 
@@ -97,7 +113,9 @@ def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | N
 
 
 def prune(root: str | Path, keep: int) -> None:
-    """Keep the newest `keep` finalized checkpoints; remove leftovers of interrupted writes."""
+    """Keep the newest `keep` (at least one) finalized checkpoints; remove leftovers of interrupted
+    writes. Called after a new checkpoint is final, so the previous good one outlives its successor's
+    write."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -105,5 +123,5 @@ def prune(root: str | Path, keep: int) -> None:
         if ".tmp-" in p.name and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
     done = sorted(p for p in root.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
-    for p in done[:-keep]:
+    for p in done[:-max(1, keep)]:
         shutil.rmtree(p, ignore_errors=True)

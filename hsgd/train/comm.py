@@ -7,7 +7,8 @@ Protocol
 - Every collective names its level: `group.allreduce_mean(t, level="inner")`. A call that names the
   wrong level raises `WrongLevelError` at once — the seeds of this project once all-reduced over
   the wrong group and silently trained unsynchronised replicas.
-- Every collective waits at most `timeout_s`. Any error (peer died: gloo fails in milliseconds;
+- Every collective waits at most `timeout_s` plus its payload at `min_gbps` (collective_timeout_s),
+  set on the operation itself and on the wait. Any error (peer died: gloo fails in milliseconds;
   peer hung: at the timeout) raises `CollectiveError`; the group is then unusable until the next
   `configure`. The caller reports the failure to the supervisor, which re-plans.
 - A group of one member does no communication at all.
@@ -63,15 +64,23 @@ def _make_torchft_group(backend: str, timeout_s: float):
     return ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
 
 
+def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
+    """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
+    payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
+    one (or a heal) from the same two settings."""
+    return base_s + payload_bytes * 8 / (min_gbps * 1e9)
+
+
 class LevelGroup:
     """A reconfigurable process group that belongs to one level."""
 
     def __init__(self, level: str, backend: str = "gloo", timeout_s: float = 10.0,
-                 configure_timeout_s: float = 30.0):
+                 configure_timeout_s: float = 30.0, min_gbps: float = 1.0):
         assert level in LEVELS, level
         self.level = level
         self.backend = backend
         self.timeout_s = timeout_s
+        self.min_gbps = min_gbps
         self.configure_timeout_s = configure_timeout_s
         self.rank = 0
         self.world_size = 1
@@ -123,9 +132,9 @@ class LevelGroup:
             flat = flat.cuda()
         return flat
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, payload_bytes: int = 0) -> None:
         try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+            work.wait(timeout=timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps)))
         except Exception as err:  # noqa: BLE001 — gloo raises RuntimeError with many texts
             self._usable = False
             raise CollectiveError(f"{self.level}: {what} on {self.prefix} failed: {err}") from err
@@ -139,8 +148,10 @@ class LevelGroup:
         self.bytes_sent += flat.numel() * flat.element_size()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = timedelta(seconds=collective_timeout_s(self.timeout_s, flat.numel() * flat.element_size(),
+                                                              self.min_gbps))
         with _one_collective(f"{self.level} allreduce"):
-            self._wait(self._pg.allreduce([flat], opts), "allreduce")
+            self._wait(self._pg.allreduce([flat], opts), "allreduce", flat.numel() * flat.element_size())
         flat.div_(self.world_size)
         offset = 0
         for t in tensors:
@@ -158,8 +169,10 @@ class LevelGroup:
             self.bytes_sent += flat.numel() * flat.element_size() * (self.world_size - 1)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
+        opts.timeout = timedelta(seconds=collective_timeout_s(self.timeout_s, flat.numel() * flat.element_size(),
+                                                              self.min_gbps))
         with _one_collective(f"{self.level} broadcast"):
-            self._wait(self._pg.broadcast([flat], opts), "broadcast")
+            self._wait(self._pg.broadcast([flat], opts), "broadcast", flat.numel() * flat.element_size())
         if self.rank != root:
             offset = 0
             for t in tensors:

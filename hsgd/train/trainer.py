@@ -99,6 +99,7 @@ class ReplicaTrainer:
         torch.manual_seed(cfg.seed)  # identical initial params on every replica
         self.model = build_model(cfg, self.corpus.vocab_size).to(device)
         self.params = [p for p in self.model.parameters()]
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what a heal or outer sync moves
         self.inner_opt = build_inner_optimizer(cfg, self.params)
         hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
                                    cfg.optim.outer.nesterov)
@@ -147,7 +148,7 @@ class ReplicaTrainer:
         return self.step - self.round * self.steps_per_round
 
     def progress(self) -> dict:
-        return {"rid": self.rid, "round": self.round, "step": self.step,
+        return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.param_bytes,
                 "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0]}
 
     def _require(self, round_index: int, what: str) -> bool:

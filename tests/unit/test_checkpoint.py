@@ -64,13 +64,6 @@ def test_latest_picks_the_newest_round(tmp_path):
     assert ckpt.latest(tmp_path).name == "round_000010"
 
 
-def test_finalize_same_round_again_replaces_it(tmp_path):
-    _write_checkpoint(tmp_path, 4, rids=("c0r0",))
-    final = _write_checkpoint(tmp_path, 4, rids=("c0r0", "c0r1"))
-    assert set(ckpt.read_manifest(final)["files"]) == {"c0r0", "c0r1"}
-    assert [p.name for p in tmp_path.iterdir()] == ["round_000004"]
-
-
 def test_corrupt_file_is_a_clear_error_when_sha256_given(tmp_path):
     final = _write_checkpoint(tmp_path, 1)
     sha = ckpt.read_manifest(final)["files"]["c0r0"]
@@ -149,3 +142,35 @@ def test_atomic_write_text_leaves_no_temp_files(tmp_path):
 def test_round_dir_names_sort_in_round_order():
     names = [ckpt.round_dir_name(r) for r in (2, 10, 100, 999)]
     assert names == sorted(names) and names[0] == "round_000002"
+
+
+def test_a_checkpoint_is_never_overwritten(tmp_path):
+    first = _write_checkpoint(tmp_path, 3)
+    before = (first / "manifest.json").read_text()
+    with pytest.raises(CheckpointError, match="never overwritten"):
+        _write_checkpoint(tmp_path, 3)
+    assert (first / "manifest.json").read_text() == before
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "the refused temp dir must be removed"
+    assert ckpt.exists(tmp_path, 3) and not ckpt.exists(tmp_path, 4)
+
+
+def test_finalize_refuses_replicas_at_another_round(tmp_path):
+    tmp = ckpt.new_temp_dir(tmp_path, 5)
+    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
+    with pytest.raises(CheckpointError, match="another round"):
+        ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5, "c0r1": 0})
+    assert ckpt.latest(tmp_path) is None
+
+
+def test_finalize_refuses_a_manifest_naming_a_missing_file(tmp_path):
+    tmp = ckpt.new_temp_dir(tmp_path, 2)
+    files = {"c0r0": ckpt.save_replica_state(tmp, "c0r0", _state()), "c0r1": "0" * 64}
+    with pytest.raises(CheckpointError, match="missing"):
+        ckpt.finalize(tmp, {"round": 2, "step": 40, "files": files})
+
+
+def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
+    for r in (1, 2, 3):
+        _write_checkpoint(tmp_path, r)
+    ckpt.prune(tmp_path, 0)
+    assert ckpt.latest(tmp_path).name == "round_000003"

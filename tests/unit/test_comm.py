@@ -214,3 +214,33 @@ def test_nccl_path_is_importable_behind_the_same_interface(monkeypatch):
     assert built["nccl"].total_seconds() == 5.0
     group = comm.LevelGroup("outer", backend="nccl", timeout_s=5)
     assert group.backend == "nccl" and group.level == "outer"
+
+
+def test_collective_timeout_scales_with_payload_at_the_slowest_link():
+    from hsgd.train.comm import collective_timeout_s
+
+    assert collective_timeout_s(10.0, 0, 1.0) == 10.0
+    assert collective_timeout_s(10.0, 1_000_000, 1.0) == pytest.approx(10.008)  # 1 MB inner all-reduce
+    assert collective_timeout_s(10.0, 4 * 10**9, 1.0) == pytest.approx(42.0)  # 4 GB outer all-reduce
+
+
+def test_each_collective_waits_for_its_own_payload():
+    """A multi-GB outer all-reduce must not inherit the 1 MB inner one's deadline (the pg's own
+    default): the operation and the wait both carry the payload-scaled timeout."""
+    from datetime import timedelta
+
+    seen = []
+
+    class Work:
+        def wait(self, timeout):
+            seen.append(("wait", timeout))
+
+    class PG:
+        def allreduce(self, tensors, opts):
+            seen.append(("op", opts.timeout))
+            return Work()
+
+    group = LevelGroup("outer", timeout_s=10.0, min_gbps=0.001)  # 1 Mbit/s
+    group._pg, group.world_size, group._usable = PG(), 2, True
+    group.allreduce_mean([torch.zeros(250_000)], level="outer")  # 1 MB -> 8 s at 1 Mbit/s
+    assert seen == [("op", timedelta(seconds=18.0)), ("wait", timedelta(seconds=18.0))]

@@ -170,3 +170,43 @@ def test_resolve_backend_refuses_nccl_without_cuda():
         resolve_backend("nccl", False)
     assert info.value.field == "comm.backend"
     assert "\n" not in str(info.value) and "auto|gloo" in str(info.value)
+
+
+@pytest.mark.parametrize("changes,field,words", [
+    ({"checkpoint.every": 5, "train.rounds": 15,
+      "faults.schedule": [{"kind": "kill", "target": "c0r1", "round": 1, "phase": "checkpoint"}]},
+     "faults.schedule[0].phase", ("never happens in round 1", "4, 9, 14")),
+    ({"checkpoint.every": 0, "faults.schedule": [{"kind": "crash", "target": "supervisor", "round": 2,
+                                                 "phase": "checkpoint"}]},
+     "faults.schedule[0].phase", ("never happens", "none")),
+    ({"sync.inner": "none", "topology.replicas_per_cluster": 1,
+      "faults.schedule": [{"kind": "crash", "target": "c0r0", "round": 0, "phase": "inner_sync"}]},
+     "faults.schedule[0].phase", ("inner_sync never happens",)),
+    ({"sync.inner": "localsgd", "sync.inner_every": 4, "sync.outer_every": 20,
+      "faults.schedule": [{"kind": "comm", "target": "c0r0", "round": 0, "phase": "inner_sync", "step": 2}]},
+     "faults.schedule[0].step", ("3, 7, 11", "never happens")),
+    ({"faults.schedule": [{"kind": "kill", "target": "supervisor", "round": 0, "phase": "heal"}]},
+     "faults.schedule[0].phase", ("no 'heal' phase",)),
+])
+def test_a_fault_whose_moment_never_comes_is_a_config_error(changes, field, words):
+    err = _rejects(_cfg(**changes), field)
+    for word in words:
+        assert word in str(err), f"{word!r} missing from {err}"
+
+
+@pytest.mark.parametrize("changes", [
+    {"checkpoint.every": 5, "train.rounds": 15,
+     "faults.schedule": [{"kind": "kill", "target": "c0r1", "round": 4, "phase": "checkpoint"}]},
+    {"checkpoint.every": 5, "train.rounds": 12,
+     "faults.schedule": [{"kind": "kill", "target": "c0r1", "round": 11, "phase": "checkpoint"}]},  # the last round
+    {"sync.inner": "localsgd", "sync.inner_every": 4, "sync.outer_every": 20,
+     "faults.schedule": [{"kind": "comm", "target": "c0r0", "round": 0, "phase": "inner_sync", "step": 7}]},
+])
+def test_faults_whose_moment_comes_pass(changes):
+    validate(_cfg(**changes))
+
+
+@pytest.mark.parametrize("field,bad", [("supervisor.rejoin", "sometimes"), ("train.min_step_s", -1.0),
+                                       ("comm.min_gbps", 0.0), ("topology.spares_per_cluster", -1)])
+def test_new_keys_are_validated(field, bad):
+    _rejects(_cfg(**{field: bad}), field)
