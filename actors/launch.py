@@ -23,6 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path, register_schema, resolve_backend, under_ray_job, validate
+from hsgd.config.capacity import PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count
 from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -69,7 +70,10 @@ def describe_hydra_error(err: BaseException) -> str:
 def precheck(overrides: list[str]) -> None:
     """Compose and validate the config outside Hydra's runner. Raises ConfigError (one line)."""
     try:
-        validate(compose_config(overrides))
+        cfg = compose_config(overrides)
+        validate(cfg)
+        if not attaches_to_cluster(cfg):
+            check_embedded_capacity(cfg)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 — Hydra/OmegaConf parse and type errors
@@ -88,12 +92,39 @@ def connect_ray(cfg: DictConfig) -> bool:
     if address or under_ray_job() or os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID"):
         ray.init(address=address or "auto", namespace="hsgd", log_to_driver=True)
         return True
-    n = cfg.topology.clusters * (cfg.topology.replicas_per_cluster + int(cfg.topology.get("spares_per_cluster", 0) or 0))
+    n = check_embedded_capacity(cfg)
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(n * cfg.topology.cpus_per_replica + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
     ray.init(num_cpus=num_cpus, namespace="hsgd", include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
     return True
+
+
+def attaches_to_cluster(cfg) -> bool:
+    """True when the run attaches to an existing Ray cluster instead of starting an embedded one."""
+    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS") or under_ray_job() or os.environ.get("RAY_JOB_ID")
+                or os.environ.get("RAY_JOB_SUBMISSION_ID"))
+
+
+def check_embedded_capacity(cfg) -> int:
+    """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares);
+    returns how many replica actors it will hold."""
+    t = cfg.topology
+    n = t.clusters * (t.replicas_per_cluster + int(t.get("spares_per_cluster", 0) or 0))
+    problem = embedded_capacity_problem(
+        replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, memory_bytes=_memory_bytes(),
+        num_cpus=cfg.ray.num_cpus, per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(
+            cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size))
+    if problem is not None:
+        raise ConfigError("topology", problem)
+    return n
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**40  # unknown: do not refuse on memory
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
@@ -20,17 +20,15 @@ from hsgd.core.round import Action, Outcome, PhaseResult, RoundMachine
 from hsgd.record.hangs import hang_report, stuck_function
 from hsgd.record.rundir import atomic_write_text
 
-if TYPE_CHECKING:
-    from actors.supervisor import Supervisor
-
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
 
 
 class RoundRunner:
-    """Carries out one round machine's actions: issues calls, collects answers, polls progress,
+    """`sup` is the Supervisor actor's instance (its handles, log, injector, durable state).
+    Carries out one round machine's actions: issues calls, collects answers, polls progress,
     ticks. Keeps the round's numbers (losses, tokens, bytes, seconds) for metrics.jsonl."""
 
-    def __init__(self, sup: "Supervisor", machine: RoundMachine | None, round_index: int):
+    def __init__(self, sup, machine: RoundMachine | None, round_index: int):
         self.sup, self.machine, self.r = sup, machine, round_index
         self.refs: dict[Any, tuple[int, str, str]] = {}  # ref -> (action id, rid, kind)
         self.actions: dict[int, tuple[Action, float, set]] = {}  # id -> (action, started, pending)

@@ -34,8 +34,7 @@ from hsgd.core.round import (Action, Outcome, RoundMachine, RoundSettings, assig
                              current_round)
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
-from hsgd.record.metrics import efficiencies, round_record
-from hsgd.core.faults import fault_figures  # TODO moves to hsgd.record.metrics
+from hsgd.record.metrics import efficiencies, fault_figures, round_record
 from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.train import checkpoint

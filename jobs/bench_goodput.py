@@ -18,15 +18,21 @@ from hsgd.record.goodput import fault_costs, goodput, summarize_costs
 from hsgd.record.rundir import atomic_write_text, read_jsonl
 
 
-def _run(name: str, overrides: list[str], out: Path) -> dict:
-    from jobs.bench import run
+QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
 
-    result = run(name, overrides, out)
+
+def _run(name: str, overrides: list[str], out: Path) -> dict:
+    from actors.launch import compose_config, run_training
+    from hsgd.config import validate
+
+    cfg = compose_config(QUIET + overrides)
+    validate(cfg)
     run_dir = out / name
+    summary = run_training(cfg, str(run_dir))
     costs = fault_costs(read_jsonl(run_dir / "faults_fired.jsonl"), read_jsonl(run_dir / "events.jsonl"))
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {**result, "train_wall_s": summary.get("wall_s"), "costs": costs, "cost_medians": summarize_costs(costs),
-            "rounds_committed": summary.get("rounds_committed")}
+    return {"name": name, "overrides": overrides, "status": summary["status"], "train_wall_s": summary.get("wall_s"),
+            "rounds_committed": summary.get("rounds_committed"), "final_eval_loss": summary.get("final_eval_loss"),
+            "costs": costs, "cost_medians": summarize_costs(costs)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hsgd.config import ConfigError
+from hsgd.config.schema import ConfigError
 from hsgd.core.topology import parse_replica_id, replica_id
 
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow")
@@ -141,38 +141,6 @@ def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, 
         target = f"c{rng.randrange(clusters)}r{rng.randrange(replicas_per_cluster)}"
         faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=round_index,
                                 phase="inner", step=step))
-
-
-_DETECTIONS = ("replica_down", "hang_detected", "collective_failed", "supervisor_start")
-_PROGRESS_PHASES = ("inner", "inner_sync", "outer", "outer_commit")
-
-
-def fault_figures(fired: list[dict], events: list[dict]) -> list[dict]:
-    """Per fired fault: detection latency (fault -> the supervisor noticed: a replica marked down,
-    a hang detected, a failed collective, or a restarted supervisor), recovery latency (fault ->
-    the survivors' next phase that completed with no failure), and the heal that brought the
-    replica back (seconds, bytes). Inputs are faults_fired.jsonl and events.jsonl records."""
-    events = sorted(events, key=lambda e: e["t"])
-    figures = []
-    for f in sorted(fired, key=lambda f: f["t"]):
-        t0, rid = f["t"], f["rid"]
-        detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
-                         and (rid == "supervisor") == (e["event"] == "supervisor_start")
-                         and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
-        after = detected["t"] if detected else t0
-        recovered = next((e for e in events if e["t"] > after and e["event"] == "phase_end"
-                          and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
-        heal = next((e for e in events if e["t"] > t0 and e["event"] == "heal_end" and e.get("target") == rid), None)
-        figures.append({
-            "rid": rid, "kind": f["kind"], "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
-            "fired_at": t0,
-            "detection_latency_s": None if detected is None else detected["t"] - t0,
-            "detected_by": None if detected is None else detected["event"],
-            "recovery_latency_s": None if recovered is None else recovered["t"] - t0,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes"),
-        })
-    return figures
 
 
 @dataclass(frozen=True)

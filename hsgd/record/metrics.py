@@ -27,3 +27,67 @@ def efficiencies(committed_steps: int, attempted_steps: int, participation: list
     step = min(1.0, committed_steps / attempted_steps) if attempted_steps else 1.0
     mean_participation = sum(participation) / len(participation) if participation else 1.0
     return step, step * mean_participation
+
+
+_DETECTIONS = ("replica_down", "hang_detected", "collective_failed", "supervisor_start")
+_PROGRESS_PHASES = ("inner", "inner_sync", "outer", "outer_commit")
+
+
+def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 600.0) -> list[dict]:
+    """Per failure: detection latency (fault -> the supervisor noticed: a replica marked down, a
+    hang detected, a failed collective, or a restarted supervisor), recovery latency (fault -> the
+    survivors' next phase that completed with no failure), and the heal that brought the replica
+    back (seconds, bytes). Inputs are faults_fired.jsonl and events.jsonl records.
+
+    `source` says where a failure came from: `injected` (faults_fired.jsonl: the schedule or a
+    drill) or `observed` — a replica marked down that no injected fault explains (no fault fired on
+    it within `explain_window_s` before): a process the OS killed, a node lost, an error nobody
+    planned. Those are the failures users care about; they are reported like injected ones, with
+    no firing time. Each injected kill/crash/hang explains at most one down of its replica: the
+    first one after it fired, within `explain_window_s`."""
+    events = sorted(events, key=lambda e: e["t"])
+    figures = []
+    for f in sorted(fired, key=lambda f: f["t"]):
+        t0, rid = f["t"], f["rid"]
+        detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
+                         and (rid == "supervisor") == (e["event"] == "supervisor_start")
+                         and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
+        after = detected["t"] if detected else t0
+        recovered = next((e for e in events if e["t"] > after and e["event"] == "phase_end"
+                          and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+        heal = next((e for e in events if e["t"] > t0 and e["event"] == "heal_end" and e.get("target") == rid), None)
+        figures.append({
+            "source": "injected",
+            "rid": rid, "kind": f["kind"], "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
+            "fired_at": t0,
+            "detection_latency_s": None if detected is None else detected["t"] - t0,
+            "detected_by": None if detected is None else detected["event"],
+            "recovery_latency_s": None if recovered is None else recovered["t"] - t0,
+            "heal_s": None if heal is None else heal.get("seconds"),
+            "heal_bytes": None if heal is None else heal.get("bytes"),
+        })
+    downs = [e for e in events if e["event"] == "replica_down"]
+    claimed: set[int] = set()
+    for f in sorted(fired, key=lambda f: f["t"]):
+        if f.get("kind") not in ("kill", "crash", "hang"):
+            continue
+        first = next((i for i, d in enumerate(downs) if i not in claimed and d.get("rid") == f["rid"]
+                      and f["t"] <= d["t"] <= f["t"] + explain_window_s), None)
+        if first is not None:
+            claimed.add(first)
+    for i, down in enumerate(downs):
+        rid, t = down.get("rid"), down["t"]
+        if i in claimed:
+            continue
+        recovered = next((e for e in events if e["t"] > t and e["event"] == "phase_end"
+                          and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+        heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
+        figures.append({
+            "source": "observed", "rid": rid, "kind": "observed", "cause": down.get("cause"),
+            "phase": down.get("phase"), "round": down.get("round"), "step": None, "fired_at": None,
+            "detected_at": t, "detection_latency_s": None, "detected_by": "replica_down",
+            "recovery_latency_s": None if recovered is None else recovered["t"] - t,
+            "heal_s": None if heal is None else heal.get("seconds"),
+            "heal_bytes": None if heal is None else heal.get("bytes"),
+        })
+    return figures

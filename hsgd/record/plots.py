@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hsgd.core.faults import fault_figures
+from hsgd.record.metrics import fault_figures
 from hsgd.record.rundir import read_jsonl
 
 SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")

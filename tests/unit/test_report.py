@@ -28,3 +28,25 @@ def test_efficiencies_follow_torchft_definitions():
     step, training = efficiencies(90, 100, [1.0, 0.5])
     assert math.isclose(step, 0.9) and math.isclose(training, 0.9 * 0.75)
     assert efficiencies(120, 100, [1.0])[0] == 1.0, "capped at 1"
+
+
+def test_a_failure_nobody_injected_is_reported_as_observed():
+    from hsgd.record.metrics import fault_figures
+
+    fired = [{"t": 10.0, "rid": "c0r1", "kind": "kill", "phase": "inner", "round": 1, "step": 2}]
+    events = [
+        {"t": 10.5, "event": "replica_down", "rid": "c0r1", "cause": "died", "phase": "inner", "round": 1},
+        {"t": 11.0, "event": "phase_end", "phase": "inner", "failed": {}},
+        {"t": 20.0, "event": "replica_down", "rid": "c1r0", "cause": "died", "phase": "inner", "round": 2},
+        {"t": 21.0, "event": "heal_end", "target": "c1r0", "seconds": 0.2, "bytes": 100},
+        {"t": 22.0, "event": "phase_end", "phase": "inner", "failed": {}},
+        {"t": 30.0, "event": "replica_down", "rid": "c0r1", "cause": "died", "phase": "outer", "round": 3},
+    ]
+    figures = fault_figures(fired, events)
+    assert [(f["source"], f["rid"]) for f in figures] == [("injected", "c0r1"), ("observed", "c1r0"),
+                                                          ("observed", "c0r1")], figures
+    injected, observed, again = figures
+    assert injected["detection_latency_s"] == 0.5
+    assert observed["kind"] == "observed" and observed["cause"] == "died" and observed["fired_at"] is None
+    assert observed["recovery_latency_s"] == 2.0 and observed["heal_s"] == 0.2
+    assert again["round"] == 3, "one injected kill explains one down of its replica, not every later one"
