@@ -192,7 +192,10 @@ class Drill:
         from actors.supervisor import replica_actor_name
 
         info = self._info()
-        return ray.get_actor(replica_actor_name(info["run_id"], rid), namespace=info["namespace"])
+        # a hot spare may serve this id now: the supervisor's durable identity map says which actor
+        name = (_read_json(self.run_dir / "supervisor_state.json").get("identity") or {}).get(rid) \
+            or replica_actor_name(info["run_id"], rid)
+        return ray.get_actor(name, namespace=info["namespace"])
 
     def _supervisor(self):
         from actors.supervisor import supervisor_actor_name

@@ -45,9 +45,6 @@ def summary(run_dir: Path | str) -> dict:
 
 def assert_digests_agree_every_round(run_dir: Path | str) -> None:
     """Invariant 1: after every committed outer sync, all live replicas hold identical params."""
-    for m in metrics(run_dir):
-        digests = m["replica_digests"]
-        if m.get("recovered") and not digests:
-            continue  # recorded late by a restarted supervisor; its digests are those of a later round
-        assert len(set(digests.values())) == 1, \
-            f"invariant 1 broken in round {m['round']}: replica digests differ: {digests}"
+    from tests.integration.invariants import digests_agree_every_round
+
+    digests_agree_every_round(metrics(run_dir))

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.integration.invariants import check_run as check_invariants
 from tests.integration.runs import assert_digests_agree_every_round, events, metrics, summary, train
 
 ROUNDS, SPR = 8, 6
@@ -28,6 +29,7 @@ def fault_free(tmp_path_factory):
 
 
 def check_run(run_dir, s, fault_free, min_faults):
+    check_invariants(run_dir, rounds=ROUNDS, steps_per_round=SPR)  # victims: the replicas the faults hit
     assert s["status"] == "completed", s.get("reason")
     assert s["rounds_committed"] == ROUNDS == fault_free["rounds_committed"]
     assert s["inner_steps_committed"] == fault_free["inner_steps_committed"] == ROUNDS * SPR
