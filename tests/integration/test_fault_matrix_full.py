@@ -11,7 +11,7 @@ SPR = 4
 KINDS = ("kill", "crash", "hang", "comm")
 PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint")
 TARGETS = {"non_leader": "c0r1", "leader": "leader:c1", "cluster": "cluster:c0", "supervisor": "supervisor"}
-BASE = [f"sync.outer_every={SPR}", "checkpoint.every=1", "comm.timeout_s=4", "watchdog.floor_s=5",
+BASE = [f"sync.outer_every={SPR}", "supervisor.rejoin=boundary", "checkpoint.every=1", "comm.timeout_s=4", "watchdog.floor_s=5",
         "faults.max_restarts=100"]
 
 
