@@ -41,6 +41,10 @@ class FaultFired(RuntimeError):
     pass
 
 
+class InjectedError(RuntimeError):
+    """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
+
+
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backend: str, spare: bool = False):
@@ -68,6 +72,9 @@ class Replica:
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
+        """This replica's committed (round, step), its phase and process. Control group: answers
+        while a phase runs, so a replica whose step advances is seen as slow, never hung. No answer
+        (a GIL-holding hang, a dead process) is no sign of life."""
         return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
                 "node_id": ray.get_runtime_context().get_node_id()}
@@ -81,6 +88,7 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
+        """sha256 of the params and of the global params (equal digests = bitwise-equal state)."""
         return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
                 "round": self.trainer.round, "step": self.trainer.step}
 
@@ -148,6 +156,8 @@ class Replica:
             self.outer.abort()
         if kind == "slow":
             self.slow_s = float(fault.get("seconds") or 0.5)
+        if kind == "error":  # an exception of the replica's own (CUDA OOM, an I/O error, a bug)
+            raise InjectedError(f"{self.rid}: injected error in {fault['phase']} of round {round_index}")
 
     def _phase(self, name: str, fn, round_index: int, faults: list[dict] | None):
         self.phase, self.phase_since = name, time.time()

@@ -55,6 +55,18 @@ def supervisor_actor_name(run_id: str) -> str:
     return f"hsgd:{run_id}:supervisor"
 
 
+def restarts_exhausted(handle) -> bool:
+    """`gone` only when Ray's actor table says DEAD (no restart will come): Ray also raises
+    ActorDiedError for an actor it is about to restart."""
+    try:
+        from ray._private.state import state as gcs
+
+        info = gcs.actor_table(handle._actor_id.hex())
+        return info.get("State") == "DEAD"
+    except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
+        return False
+
+
 def spare_actor_name(run_id: str, cluster: int, k: int) -> str:
     return f"hsgd:{run_id}:spare-c{cluster}-{k}"
 
@@ -164,15 +176,7 @@ class Supervisor:
         return answer
 
     def _restarts_exhausted(self, rid: str) -> bool:
-        """`gone` only when Ray says the actor will not restart (it also raises ActorDiedError for
-        an actor it is about to restart)."""
-        try:
-            from ray._private.state import state as gcs
-
-            info = gcs.actor_table(self.handles[rid]._actor_id.hex())
-            return info.get("State") == "DEAD"
-        except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
-            return False
+        return restarts_exhausted(self.handles[rid])
 
     def _probe(self, rid: str, timeout_s: float) -> dict | None:
         """Ask a replica for its progress; None if it does not answer in time or is gone."""
@@ -229,6 +233,11 @@ class Supervisor:
                 self._down(rid, "died", "progress", -1, type(err).__name__)
 
     def _down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
+        if cause == "error":  # the replica raised: restart it clean, as any failed replica
+            try:
+                ray.kill(self.handles[rid], no_restart=False)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
         if self.live.pop(rid, None) is not None:
             self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause,
                            phase=phase, round=round_index, detail=detail[:300])
@@ -279,6 +288,9 @@ class Supervisor:
 
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
+        """Drive rounds until train.rounds are committed, a stop is requested, or the run fails;
+        returns summary.json's content (also written). Re-issued by the driver to a restarted
+        supervisor, which resumes from its durable state and the replicas' progress."""
         start = time.time()
         self._start_store()
         status, reason = "completed", None

@@ -5,7 +5,8 @@ Public form (README, "Fault injection"), as a Hydra override:
     faults.schedule='[{kind:kill,target:c0r1,round:2,phase:inner,step:3}]'
 
 - kind:   kill (ray.kill of the actor) | crash (os._exit inside the replica) | hang (sleep holding
-          the GIL) | comm (abort the replica's process groups) | slow (straggler delay per step)
+          the GIL) | comm (abort the replica's process groups) | slow (straggler delay per step) |
+          error (an exception raised inside the replica's phase: an OOM, an I/O error, a bug)
 - target: a replica id (c0r1) | leader:c1 (whoever leads cluster 1 when it fires) | cluster:c1
           (every replica of cluster 1) | supervisor
 - round:  the round (0-based) in which it fires
@@ -27,7 +28,7 @@ from typing import Any, Mapping
 from hsgd.config.schema import ConfigError
 from hsgd.core.topology import parse_replica_id, replica_id
 
-FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow")
+FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error")
 FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 

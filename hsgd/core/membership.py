@@ -1,18 +1,14 @@
-"""Membership: who is alive, who leads, which epoch — the supervisor's only source of truth.
+"""Membership views: a `Plan` says, for one epoch, the live members of every cluster in a fixed
+order (their inner ranks), each cluster's leader (its outer rank is the cluster's position in
+`outer_clusters`), and which clusters take part in outer sync. The round machine
+(hsgd/core/round.py) keeps the live view during a round and hands out Plans for fault targeting
+and status; every process group is configured under a prefix that names level and epoch, so a
+group of an old epoch can never be joined by mistake.
 
-`Membership` is a small state machine. The supervisor tells it what it saw (`mark_dead` when an
-actor call raised ActorDiedError/ActorUnavailableError or a replica missed its deadline,
-`mark_alive` when a replica answered after (re)starting) and asks it for a `Plan`.
-
-A plan says, for one epoch: the live members of every cluster in a fixed order (their inner
-ranks), each cluster's leader (its outer rank is the cluster's position in `outer_clusters`),
-and which clusters take part in outer sync. Any change of membership at either level bumps the
-epoch, and the supervisor configures every process group afresh under a prefix that names level
-and epoch, so a group of an old epoch can never be joined by mistake.
-
-Leaders are sticky: a live leader keeps its role (no needless re-wiring); a dead leader is
-replaced by the lowest-index live replica of its cluster. Nothing here depends on the order in
-which replicas started or registered.
+`Membership` builds a Plan from a set of live replicas with the same rules (sticky leaders, a dead
+leader replaced by the lowest-index live replica, clusters below quorum on standby, nothing
+depending on the order replicas started in); tools, tests and simulations use it where no round
+machine runs.
 """
 from __future__ import annotations
 

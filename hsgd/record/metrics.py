@@ -43,7 +43,7 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     drill) or `observed` — a replica marked down that no injected fault explains (no fault fired on
     it within `explain_window_s` before): a process the OS killed, a node lost, an error nobody
     planned. Those are the failures users care about; they are reported like injected ones, with
-    no firing time. Each injected kill/crash/hang explains at most one down of its replica: the
+    no firing time. Each injected kill/crash/hang/error explains at most one down of its replica: the
     first one after it fired, within `explain_window_s`."""
     events = sorted(events, key=lambda e: e["t"])
     figures = []
@@ -69,7 +69,7 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     downs = [e for e in events if e["event"] == "replica_down"]
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
-        if f.get("kind") not in ("kill", "crash", "hang"):
+        if f.get("kind") not in ("kill", "crash", "hang", "error"):
             continue
         first = next((i for i, d in enumerate(downs) if i not in claimed and d.get("rid") == f["rid"]
                       and f["t"] <= d["t"] <= f["t"] + explain_window_s), None)

@@ -90,6 +90,18 @@ def test_whole_cluster_faults(tmp_path, fault_free):
     assert any(h["scope"] == "global" for h in heals), "a dead cluster must heal from another cluster"
 
 
+def test_an_exception_inside_a_replica_is_that_replicas_failure_not_the_jobs(tmp_path, fault_free):
+    run_dir = tmp_path / "run"
+    s = train(run_dir, BASE + [schedule(
+        "kind:error,target:c0r1,round:1,phase:inner,step:2",
+        "kind:error,target:leader:c1,round:2,phase:outer",
+        "kind:error,target:c1r1,round:3,phase:checkpoint",
+    )])
+    check_run(run_dir, s, fault_free, min_faults=3)
+    downs = [e for e in events(run_dir) if e["event"] == "replica_down"]
+    assert [e["cause"] for e in downs] == ["error"] * 3, downs
+
+
 def test_supervisor_faults(tmp_path, fault_free):
     run_dir = tmp_path / "run"
     s = train(run_dir, BASE + [schedule(
