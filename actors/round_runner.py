@@ -83,6 +83,15 @@ class RoundRunner:
             if a.kind == "kill":
                 self._kill(a)
                 continue
+            if a.kind == "reap":
+                (rid, _), = a.calls.items()
+                sup.log.event("kill", rid=rid, reason=a.reason)
+                try:
+                    ray.kill(sup.handles[rid], no_restart=False)
+                except Exception:  # noqa: BLE001 — already gone, as presumed
+                    pass
+                self._forget(rid)
+                continue
             if a.kind == "yield":
                 sup.log.event("yield_requested", cluster=a.cluster, round=self.r, reason=a.reason,
                               at_step=next(iter(a.calls.values()))[2], replicas=sorted(a.calls))
@@ -333,10 +342,14 @@ class RoundRunner:
             ray.kill(sup.handles[rid], no_restart=False)
         except Exception as err:  # noqa: BLE001 — already dead is fine
             sup.log.event("kill_failed", rid=rid, error=str(err))
+        self._forget(rid, "hung: killed")
+
+    def _forget(self, rid: str, outcome: str = "died: presumed, its peers saw its connection close") -> None:
+        """The machine gave up on rid's calls: close them in the record."""
         for action_id, (action, started, pending) in list(self.actions.items()):
             if rid in pending:
                 pending.discard(rid)
-                self.outcomes.setdefault(action_id, {})[rid] = "hung: killed"
+                self.outcomes.setdefault(action_id, {})[rid] = outcome
                 if not pending:
                     self._phase_end(action, started)
 

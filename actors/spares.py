@@ -20,21 +20,32 @@ class SparePool:
         self.handles = {n: lookup(n) for group in names.values() for n in group}
         self.ready: set[str] = set()
         self._warming: set[int] = set()  # pids told to become spares
+        self._asked: dict[str, object] = {}  # spare name -> its progress answer, still to collect
 
     def __bool__(self) -> bool:
         return any(self.names.values())
 
-    def check(self, log) -> None:
-        """Ask every spare whether it is ready (idle and warmed); a restarted replica whose identity
-        a spare took over is turned into a spare here. Each question waits at most 0.2 s."""
+    def check(self, log, wait_s: float = 0.0) -> None:
+        """Ask every spare not yet ready whether it is (idle and warmed); a restarted replica whose
+        identity a spare took over is told to become one here. Blocks at most `wait_s` (0 in the
+        round loop: each question is sent once and its answer collected on a later call)."""
+        if wait_s > 0 and self._asked:
+            ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=wait_s)
         for c, names in self.names.items():
             for name in names:
                 handle = self.handles.get(name)
                 if handle is None or name in self.ready:
                     continue
+                ref = self._asked.get(name)
+                if ref is None:
+                    self._asked[name] = handle.progress.remote()
+                    continue
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue  # still starting or restarting: its answer comes later
+                del self._asked[name]
                 try:
-                    answer = ray.get(handle.progress.remote(), timeout=0.2)
-                except Exception:  # noqa: BLE001 — still starting or restarting: asked again later
+                    answer = ray.get(ref, timeout=1.0)
+                except Exception:  # noqa: BLE001 — it died meanwhile: asked again next time
                     continue
                 if answer.get("phase") != "idle":
                     continue
@@ -61,5 +72,6 @@ class SparePool:
             self.names[c].append(dead_name)
             del self.handles[name]
             self.handles[dead_name] = dead_handle
+            self._asked.pop(name, None)
             return name, handle, answer
         return None

@@ -158,12 +158,14 @@ class Supervisor:
             return None
 
     # -- hot spares ----------------------------------------------------------------------------------------
-    def _promote_spare(self, rid: str) -> dict | None:
+    def _promote_spare(self, rid: str, wait_s: float = 0.0) -> dict | None:
         """A ready spare of rid's cluster takes over rid (the dead actor becomes a spare once back).
         Returns the spare's progress: it joins like any restarted replica. None: no spare ready."""
         if not self.spares:
             return None
         self.spares.check(self.log)
+        if not self.spares.ready and wait_s > 0:
+            self.spares.check(self.log, wait_s=wait_s)  # between rounds: give pending answers a moment
         taken = self.spares.promote(rid, self.topology.cluster_of(rid), self.handles[rid], self.names[rid],
                                     self.cfg.supervisor.call_timeout_s)
         if taken is None:
@@ -305,7 +307,7 @@ class Supervisor:
             self._catch_up()
             while True:
                 for rid in self._missing() + sorted(self.gone):
-                    if rid not in self.live and (answer := self._promote_spare(rid)) is not None:
+                    if rid not in self.live and (answer := self._promote_spare(rid, wait_s=1.0)) is not None:
                         self._admit(rid, answer)
                 boundary = self.cfg.supervisor.get("rejoin", "boundary") == "boundary"
                 self._rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and self._missing() else 0.0)
@@ -338,6 +340,7 @@ class Supervisor:
                              inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "boundary"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
+                             presumed_dead_s=max(0.5, 3 * self.clock.median("inner_step", 0.5)),
                              configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=heal_s,
                              outer_s=min(sup.phase_timeout_s, self.clock.deadline("outer", 1) + grace),
                              commit_s=min(sup.phase_timeout_s, self.clock.deadline("outer_commit", 1) + grace))

@@ -37,6 +37,11 @@ class PhaseClock:
         if units > 0 and seconds >= 0:
             self._per_unit[phase].append(seconds / units)
 
+    def median(self, phase: str, default: float) -> float:
+        """Median recent seconds per unit of `phase`, or `default` before any was seen."""
+        history = self._per_unit.get(phase)
+        return statistics.median(history) if history else default
+
     def deadline(self, phase: str, units: int = 1) -> float:
         history = self._per_unit.get(phase)
         if not history or len(history) < self.min_samples:

@@ -103,6 +103,8 @@ class Action:
       outer_commit    calls = {rid: (root_inner_rank,)}
       kill            calls = {rid: (phase, silent_s)}: kill the replica (restartable), deadline_s =
                       the limit it missed; no result expected
+      reap            calls = {rid: (phase, silent_s)}: kill (restartable) a replica presumed dead (its
+                      peers saw its connection close); no hang report, no result expected
       yield           calls = {rid: (group epoch, round, step_in_round)}: ask members in run_inner to return at
                       that step boundary (control channel); no result expected — their run_inner
                       answers `yielded`
@@ -131,6 +133,10 @@ class RoundSettings:
     # deadlines, in seconds (the supervisor scales them with payload and learned step times)
     step_deadline_s: float = 60.0  # an inner replica whose step does not advance for this long is hung
     group_grace_s: float = 15.0  # after a peer of the same group failed
+    # once every other member of a group reported that its connection to a peer closed (the peer's
+    # process is gone), the one still silent is presumed dead after this long, without waiting for
+    # Ray's death notice (~1.5 s); members in lockstep all fail within a step of each other
+    presumed_dead_s: float = 0.5
     configure_s: float = 40.0
     heal_s: float = 60.0
     outer_s: float = 120.0
@@ -199,6 +205,7 @@ class _InFlight:
     started: float
     failed_at: float | None = None
     delivered: set = field(default_factory=set)  # heal sources whose state arrived
+    peer_gone: dict = field(default_factory=dict)  # group -> when a member saw a peer's connection close
     # group -> when a member of that group first failed: a failure shortens the wait only for its own
     # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
     failed_groups: dict = field(default_factory=dict)
@@ -309,6 +316,8 @@ class RoundMachine:
                 if flight.failed_at is None:
                     flight.failed_at = now
                 flight.failed_groups.setdefault(self._group_of(flight, rid), now)
+            if outcome == Outcome.COLLECTIVE_FAILED and peer_gone(result.detail):
+                flight.peer_gone.setdefault(self._group_of(flight, rid), now)
         if flight.action.kind == "outer_commit":
             if outcome == _DONE:
                 self.committed_by.add(rid)
@@ -427,11 +436,22 @@ class RoundMachine:
             limit = last + max(s.step_deadline_s, s.group_grace_s)
         else:
             limit = flight.started + flight.action.deadline_s
-        failed_at = flight.failed_groups.get(self._group_of(flight, rid))
+        group = self._group_of(flight, rid)
+        failed_at = flight.failed_groups.get(group)
         if failed_at is not None and flight.action.kind != "configure_inner" \
                 and flight.action.kind != "configure_outer":
             limit = min(limit, max(failed_at, self._last_sign(flight, rid)) + s.group_grace_s)
+        gone_at = flight.peer_gone.get(group)
+        if gone_at is not None and self._only_suspects_pending(flight, group):
+            limit = min(limit, gone_at + s.presumed_dead_s)
         return limit
+
+    def _only_suspects_pending(self, flight: _InFlight, group) -> bool:
+        """Every member of `group` but the silent ones answered (so the silent ones are the peers
+        whose connections closed)."""
+        members = [r for r in flight.action.calls if self._group_of(flight, r) == group]
+        answered = [r for r in members if r not in flight.pending]
+        return bool(answered) and len(answered) >= len(members) - 1
 
     def _group_of(self, flight: _InFlight, rid: str):
         """The group of rid within its call: one cluster's broadcast in a commit, its own
@@ -449,6 +469,16 @@ class RoundMachine:
     def _kill(self, rid: str, flight: _InFlight, now: float) -> Action:
         last_sign = self._last_sign(flight, rid)
         limit_s = self._limit(flight, rid) - last_sign
+        group = self._group_of(flight, rid)
+        if group in flight.peer_gone and self._only_suspects_pending(flight, group) \
+                and now - flight.peer_gone[group] < self.settings.group_grace_s:
+            # its peers saw its connection close: it is gone, not hung; no hang report
+            self._mark_dead(rid, "died")
+            flight.pending.discard(rid)
+            if self.busy.get(rid) == flight.action.id:
+                del self.busy[rid]
+            return self._new_action("reap", flight.action.cluster, {rid: (flight.action.kind, now - last_sign)},
+                                    reason="its peers saw its connection close")
         self._mark_dead(rid, "hung")
         flight.pending.discard(rid)
         if self.busy.get(rid) == flight.action.id:
@@ -727,6 +757,13 @@ def assign_heals_for_cluster(members: dict[str, tuple[int, int]],
     cluster_plan = _Plan(epoch=0, members={0: tuple(members)}, leaders={}, outer_clusters=(0,))
     everyone = {**donors, **members}
     return assign_heals(everyone, cluster_plan, donors=donors)
+
+
+def peer_gone(detail: str) -> bool:
+    """A collective's error says a peer's connection closed (its process is gone), as opposed to a
+    timeout (a peer that may be hung or slow)."""
+    text = (detail or "").lower()
+    return any(k in text for k in ("closed by peer", "reset by peer", "broken pipe", "connection closed"))
 
 
 def current_round(progress: Iterable[tuple[int, int]]) -> int:

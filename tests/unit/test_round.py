@@ -1101,3 +1101,33 @@ def test_stale_answers_are_ignored():
 def test_outer_modes_commit(outer):
     w = World(2, 2, settings=make_settings(outer=outer))
     assert outcome_of(w, w.round()) == "committed"
+
+
+def _machine_in_inner(n=3):
+    from hsgd.core.topology import Topology
+    from hsgd.core.round import RoundMachine, RoundSettings
+
+    m = RoundMachine(Topology(1, n), RoundSettings(steps_per_round=10), 0,
+                     progress={f"c0r{i}": (0, 0) for i in range(n)}, leaders={}, epoch=0, committed_round=0)
+    (configure,) = m.start(0.0)
+    for rid in configure.calls:
+        out = m.on_result(PhaseResult(configure.id, rid, Outcome.DONE, 0, 0), 0.1)
+    (inner,) = out
+    assert inner.kind == "run_inner"
+    return m, inner
+
+
+@pytest.mark.parametrize("detail,reaped", [
+    ("inner: allreduce failed: [pair.cc:553] Connection closed by peer [127.0.0.1]:14723", True),
+    ("inner: allreduce failed: Operation timed out!", False),  # a timeout says nothing about who is gone
+])
+def test_a_peer_whose_connection_closed_is_presumed_dead_without_waiting_for_ray(detail, reaped):
+    m, inner = _machine_in_inner()
+    for rid in ("c0r0", "c0r1"):
+        assert m.on_result(PhaseResult(inner.id, rid, Outcome.COLLECTIVE_FAILED, 0, 3, detail), 1.0) == []
+    actions = m.on_tick(1.0 + m.settings.presumed_dead_s + 0.01)
+    if reaped:
+        assert [a.kind for a in actions] == ["reap", "configure_inner"], actions
+        assert m.dead == {"c0r2": "died"} and set(actions[1].calls) == {"c0r0", "c0r1"}
+    else:
+        assert actions == [] and not m.dead, "a timed-out peer may be hung or slow: only its limit decides"
