@@ -23,7 +23,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path, register_schema, resolve_backend, under_ray_job, validate
-from hsgd.config.capacity import PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count
+from hsgd.config.capacity import (PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count,
+                                  usable_memory_bytes)
 from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -122,9 +123,10 @@ def check_embedded_capacity(cfg) -> int:
 
 def _memory_bytes() -> int:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 2**40  # unknown: do not refuse on memory
+        physical = 2**40  # unknown: do not refuse on memory (a container limit, if any, still counts)
+    return usable_memory_bytes(physical)
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> dict:

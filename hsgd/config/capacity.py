@@ -1,5 +1,11 @@
-"""Will the embedded (local) Ray cluster hold this topology? Checked before Ray starts, so an
-impossible run is one config error instead of thousands of actors fighting for two cores.
+"""Will the Ray cluster hold this topology? Decisions as pure functions, so they are unit-tested
+(only `usable_memory_bytes` reads a file: the container's limit); the actors (actors/launch.py,
+actors/placement.py) feed them the machine's or the cluster's figures and raise the ConfigError.
+
+Embedded (local) Ray, `embedded_capacity_problem`: checked before Ray starts, so an impossible run
+is one config error instead of thousands of actors fighting for two cores. A real cluster,
+`placement_problem`: checked before any actor starts, so a placement that can never happen is one
+config error instead of a wait for placement groups that never become ready.
 
 A replica is a process with torch, the model, its inner optimizer and the outer state: about
 `PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must fit in 80 % of the
@@ -7,6 +13,8 @@ machine; CPUs may be oversubscribed (replicas of small tests mostly wait on each
 `MAX_REPLICAS_PER_CORE`, unless `ray.num_cpus` is given, which is then honoured exactly.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 PROCESS_BYTES = 350 * 2**20  # a replica process with torch imported
 STATE_COPIES = 6  # params, grads, 2 AdamW moments, global params, outer momentum
@@ -17,6 +25,24 @@ GiB = 2**30
 def model_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: int = 256) -> int:
     """nanoGPT's parameter count (tied embeddings), for the memory estimate."""
     return vocab_size * n_embd + block_size * n_embd + n_layer * 12 * n_embd * n_embd + 2 * n_embd
+
+
+# cgroup v2, then v1: a container's memory limit, which the host's page count does not show.
+_CGROUP_MEMORY_FILES = ("memory.max", "memory/memory.limit_in_bytes")
+
+
+def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
+    """The memory this process may use: the machine's, or its container's limit when lower (in a
+    container the page count is the host's, so a check against it passes and replicas get OOM-killed)."""
+    limits = [physical_bytes]
+    for name in _CGROUP_MEMORY_FILES:
+        try:
+            text = (Path(cgroup_root) / name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v2 says "max" for no limit; v1 says a huge number, which min() ignores
+            limits.append(int(text))
+    return min(limits)
 
 
 def embedded_capacity_problem(*, replicas: int, cpus_per_replica: float, cores: int, memory_bytes: int,
@@ -37,4 +63,65 @@ def embedded_capacity_problem(*, replicas: int, cpus_per_replica: float, cores: 
         return (f"{replicas} replicas on {cores} cores is more than {MAX_REPLICAS_PER_CORE} per core; use fewer "
                 f"replicas, set ray.num_cpus to size the embedded cluster yourself, or attach to a real cluster "
                 f"with ray.address=<head>:6379")
+    return None
+
+
+def describe_resources(need: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in need.items()) + "}"
+
+
+def _fits(node_resources: dict, need: dict) -> int:
+    """How many replicas with resources `need` one node can hold at most."""
+    counts = [int(node_resources.get(k, 0.0) / v + 1e-9) for k, v in need.items() if v > 0]
+    return min(counts) if counts else 1 << 30
+
+
+def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cluster: int, need: dict,
+                      total: dict, nodes: list[dict], strategy: str, cluster_labels: list,
+                      label_key: str) -> tuple[str, str] | None:
+    """(field, one-line reason) when a Ray cluster can never place every cluster's replicas AND hot
+    spares (each cluster's placement group holds both), else None. `need`: one replica's resources;
+    `total`: the cluster's resources; `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}}."""
+    k = replicas_per_cluster + spares_per_cluster
+    n = clusters * k
+    what = f"{n} replicas" + (" (hot spares included)" if spares_per_cluster else "")
+    for key, amount in need.items():
+        if amount * n > total.get(key, 0.0) + 1e-9:
+            field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
+            return ("topology.replicas_per_cluster",
+                    f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
+                    f"use fewer replicas{' or spares' if spares_per_cluster else ''}, lower {field}, or a bigger cluster")
+    if cluster_labels:
+        present = sorted({str(nd.get("Labels", {}).get(label_key)) for nd in nodes if label_key in nd.get("Labels", {})})
+        for c, label in enumerate(cluster_labels):
+            mine = [nd for nd in nodes if nd.get("Labels", {}).get(label_key) == str(label)]
+            if not mine:
+                return (f"topology.cluster_labels[{c}]",
+                        f"no live Ray node has the label {label_key}={label}; labelled nodes: "
+                        f"{present or 'none'} (start nodes with `ray start --labels {label_key}={label}`)")
+            room = sum(_fits(nd["Resources"], need) for nd in mine)
+            shared = sum(1 for lab in cluster_labels if str(lab) == str(label))
+            if room < k * shared:
+                return (f"topology.cluster_labels[{c}]",
+                        f"nodes labelled {label_key}={label} hold at most {room} replicas of "
+                        f"{describe_resources(need)}; cluster c{c} needs {k}"
+                        + (f" (x{shared} clusters share the label)" if shared > 1 else ""))
+        return None
+    fits = sorted((_fits(nd["Resources"], need) for nd in nodes), reverse=True)
+    if strategy == "STRICT_PACK":
+        # every cluster on one node: greedily count how many whole clusters the nodes hold
+        if sum(f // k for f in fits) < clusters:
+            return ("topology.placement_strategy",
+                    f"STRICT_PACK needs each cluster's {k} replicas of {describe_resources(need)} on one node, "
+                    f"but the nodes hold at most {fits[:8]} replicas each, room for {sum(f // k for f in fits)} "
+                    f"of {clusters} clusters; use PACK, fewer replicas per cluster, or bigger nodes")
+    elif strategy == "STRICT_SPREAD":
+        if sum(1 for f in fits if f >= 1) < k:
+            return ("topology.placement_strategy",
+                    f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
+                    f"{describe_resources(need)}; the Ray cluster has {sum(1 for f in fits if f >= 1)}")
+    if sum(fits) < n:
+        return ("topology.replicas_per_cluster",
+                f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
+                f"per node {fits[:8]}); use fewer replicas or a bigger cluster")
     return None

@@ -31,20 +31,51 @@ def efficiencies(committed_steps: int, attempted_steps: int, participation: list
 
 _DETECTIONS = ("replica_down", "hang_detected", "collective_failed", "supervisor_start")
 _PROGRESS_PHASES = ("inner", "inner_sync", "outer", "outer_commit")
+# faults_fired.jsonl is stamped by the replica's clock, events.jsonl by the supervisor's: on
+# another node a fault may seem to fire just after the down it caused.
+_CLOCK_SKEW_S = 2.0
 
 
-def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 600.0) -> list[dict]:
+def _recovery_and_heal(events: list[dict], rid: str, t: float) -> tuple[dict | None, dict | None]:
+    """The survivors' next phase that completed with no failure, and the next heal of `rid`, after t."""
+    recovered = next((e for e in events if e["t"] > t and e["event"] == "phase_end"
+                      and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+    heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
+    return recovered, heal
+
+
+def _distinct_downs(events: list[dict]) -> list[dict]:
+    """replica_down events, each failure once: a down repeating an open one (same rid, round, phase
+    and cause, with no replica_up of that rid between) is the same failure logged again."""
+    downs, open_down = [], {}
+    for e in events:
+        rid = e.get("rid")
+        if e["event"] == "replica_up":
+            open_down.pop(rid, None)
+        elif e["event"] == "replica_down" and rid:
+            key = (e.get("round"), e.get("phase"), e.get("cause"))
+            if open_down.get(rid) != key:
+                downs.append(e)
+            open_down[rid] = key
+    return downs
+
+
+def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 120.0) -> list[dict]:
     """Per failure: detection latency (fault -> the supervisor noticed: a replica marked down, a
     hang detected, a failed collective, or a restarted supervisor), recovery latency (fault -> the
     survivors' next phase that completed with no failure), and the heal that brought the replica
-    back (seconds, bytes). Inputs are faults_fired.jsonl and events.jsonl records.
+    back (seconds, bytes). Inputs are faults_fired.jsonl and events.jsonl records (a fired record's
+    rid is the replica actually hit, whatever its target: `leader:c1`, `cluster:c1`).
 
     `source` says where a failure came from: `injected` (faults_fired.jsonl: the schedule or a
-    drill) or `observed` — a replica marked down that no injected fault explains (no fault fired on
-    it within `explain_window_s` before): a process the OS killed, a node lost, an error nobody
-    planned. Those are the failures users care about; they are reported like injected ones, with
-    no firing time. Each injected kill/crash/hang/error explains at most one down of its replica: the
-    first one after it fired, within `explain_window_s`."""
+    drill) or `observed` — a replica marked down that no injected fault explains: a process the OS
+    killed, a node lost, an error nobody planned. Those are the failures users care about; they
+    are reported like injected ones, with no firing time (`fired_at` and `detection_latency_s`
+    None, `detected_at` the down's time). A fault fired on a replica explains at most one down of
+    it: the first within `explain_window_s` after it fired. Any kind counts: even `comm` or `slow`
+    can end in a down (a peer declared gone, a straggler past its step deadline), and a down soon
+    after a fault on that replica is far likelier its effect than a coincidence. Every entry has
+    the same keys."""
     events = sorted(events, key=lambda e: e["t"])
     figures = []
     for f in sorted(fired, key=lambda f: f["t"]):
@@ -52,40 +83,35 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
         detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
                          and (rid == "supervisor") == (e["event"] == "supervisor_start")
                          and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
-        after = detected["t"] if detected else t0
-        recovered = next((e for e in events if e["t"] > after and e["event"] == "phase_end"
-                          and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+        recovered, _ = _recovery_and_heal(events, rid, detected["t"] if detected else t0)
         heal = next((e for e in events if e["t"] > t0 and e["event"] == "heal_end" and e.get("target") == rid), None)
         figures.append({
             "source": "injected",
-            "rid": rid, "kind": f["kind"], "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
-            "fired_at": t0,
+            "rid": rid, "kind": f["kind"], "cause": None if detected is None else detected.get("cause"),
+            "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
+            "fired_at": t0, "detected_at": None if detected is None else detected["t"],
             "detection_latency_s": None if detected is None else detected["t"] - t0,
             "detected_by": None if detected is None else detected["event"],
             "recovery_latency_s": None if recovered is None else recovered["t"] - t0,
             "heal_s": None if heal is None else heal.get("seconds"),
             "heal_bytes": None if heal is None else heal.get("bytes"),
         })
-    downs = [e for e in events if e["event"] == "replica_down"]
+    downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
-        if f.get("kind") not in ("kill", "crash", "hang", "error"):
-            continue
         first = next((i for i, d in enumerate(downs) if i not in claimed and d.get("rid") == f["rid"]
-                      and f["t"] <= d["t"] <= f["t"] + explain_window_s), None)
+                      and f["t"] - _CLOCK_SKEW_S <= d["t"] <= f["t"] + explain_window_s), None)
         if first is not None:
             claimed.add(first)
     for i, down in enumerate(downs):
-        rid, t = down.get("rid"), down["t"]
         if i in claimed:
             continue
-        recovered = next((e for e in events if e["t"] > t and e["event"] == "phase_end"
-                          and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
-        heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
+        rid, t = down["rid"], down["t"]
+        recovered, heal = _recovery_and_heal(events, rid, t)
         figures.append({
             "source": "observed", "rid": rid, "kind": "observed", "cause": down.get("cause"),
-            "phase": down.get("phase"), "round": down.get("round"), "step": None, "fired_at": None,
-            "detected_at": t, "detection_latency_s": None, "detected_by": "replica_down",
+            "phase": down.get("phase"), "round": down.get("round"), "step": None,
+            "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": "replica_down",
             "recovery_latency_s": None if recovered is None else recovered["t"] - t,
             "heal_s": None if heal is None else heal.get("seconds"),
             "heal_bytes": None if heal is None else heal.get("bytes"),

@@ -56,20 +56,23 @@ def exists(root: str | Path, round_index: int) -> bool:
     return (Path(root) / round_dir_name(round_index) / MANIFEST).is_file()
 
 
-def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int] | None = None) -> Path:
+def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int]) -> Path:
     """Write the manifest and rename the directory into place (the commit point). Refuses (and
-    removes the temp dir) unless every replica file of the manifest is there and, when given,
-    every replica reported the manifest's round; never replaces an existing final checkpoint."""
+    removes the temp dir) unless every replica file the manifest names is there and that replica
+    reported the manifest's round in `replica_rounds`; never replaces an existing final checkpoint.
+    A replica that wrote a file but never reported (its answer was lost) refuses too: its file may
+    hold another round's state."""
     temp_dir = Path(temp_dir)
     state_round = int(manifest["round"])
     final = temp_dir.with_name(round_dir_name(state_round))
+    files = sorted(manifest.get("files", {}))
     problem = None
     if final.exists():
         problem = f"{final} already exists; checkpoints are never overwritten"
-    elif missing := sorted(rid for rid in manifest.get("files", {}) if not (temp_dir / f"{rid}.pt").is_file()):
+    elif missing := [rid for rid in files if not (temp_dir / f"{rid}.pt").is_file()]:
         problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
-    elif replica_rounds is not None and (wrong := {r: n for r, n in replica_rounds.items() if n != state_round}):
-        problem = f"replicas at another round than {state_round}: {wrong}"
+    elif wrong := {rid: replica_rounds.get(rid) for rid in files if replica_rounds.get(rid) != state_round}:
+        problem = f"replicas at another round than {state_round} (None: never reported): {wrong}"
     if problem is not None:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise CheckpointError(f"checkpoint of round {state_round} not finalized: {problem}")

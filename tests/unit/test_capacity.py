@@ -45,3 +45,64 @@ def test_cli_refuses_a_64x64_topology_in_one_line_with_exit_2(tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("hsgd: config error: topology: 4096 replicas need"), out.stderr
     assert not (tmp_path / "run").exists(), "nothing may be written before the error"
+
+
+# -- a real Ray cluster: placement (actors/placement.py feeds ray.cluster_resources() and ray.nodes()) --
+def _node(cpus, label=None):
+    return {"Resources": {"CPU": float(cpus)}, "Labels": {"hsgd-cluster": label} if label else {}}
+
+
+def _placement(**kw):
+    from hsgd.config.capacity import placement_problem
+
+    args = dict(clusters=2, replicas_per_cluster=2, spares_per_cluster=0, need={"CPU": 1.0},
+                total={"CPU": 10.0}, nodes=[_node(6), _node(4)], strategy="STRICT_PACK", cluster_labels=[],
+                label_key="hsgd-cluster")
+    return placement_problem(**{**args, **kw})
+
+
+def test_a_placement_that_fits_is_fine():
+    assert _placement() is None
+    assert _placement(need={"CPU": 2.0}) is None  # one cluster per node
+
+
+def test_strict_pack_that_never_fits_names_the_strategy():
+    # 10 CPUs hold 4 x 2.5 in total, but only the 6-CPU node holds a whole cluster on one node
+    field, text = _placement(need={"CPU": 2.5})
+    assert field == "topology.placement_strategy" and "STRICT_PACK" in text and "\n" not in text
+
+
+def test_hot_spares_count_in_the_placement_check():
+    """Each cluster's placement group holds its replicas AND its spares: a check without them passes
+    and the run then waits supervisor.quorum_wait_s for a placement that can never happen."""
+    field, text = _placement(need={"CPU": 2.0}, spares_per_cluster=1)
+    assert field == "topology.replicas_per_cluster" and "6 replicas (hot spares included)" in text
+    assert _placement(need={"CPU": 2.0}, spares_per_cluster=1, total={"CPU": 12.0}, nodes=[_node(6), _node(6)]) is None
+    pack = dict(need={"CPU": 2.0}, total={"CPU": 12.0}, nodes=[_node(8), _node(4)])
+    assert _placement(**pack) is None
+    assert _placement(**pack, spares_per_cluster=1)[0] == "topology.placement_strategy"  # 3 x 2 CPUs on one node
+    labelled = dict(need={"CPU": 2.0}, cluster_labels=["a", "b"], total={"CPU": 12.0},
+                    nodes=[_node(4, "a"), _node(4, "b"), _node(4)])
+    assert _placement(**labelled) is None
+    assert _placement(**labelled, spares_per_cluster=1)[0] == "topology.cluster_labels[0]"
+
+
+def test_a_missing_label_names_its_cluster():
+    field, text = _placement(cluster_labels=["a", "zzz"], nodes=[_node(6, "a"), _node(4)])
+    assert field == "topology.cluster_labels[1]" and "ray start --labels hsgd-cluster=zzz" in text
+
+
+def test_a_container_memory_limit_below_the_machine_counts(tmp_path):
+    from hsgd.config.capacity import usable_memory_bytes
+
+    assert usable_memory_bytes(64 * GiB, tmp_path) == 64 * GiB  # no cgroup files: the machine's
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2, no limit
+    assert usable_memory_bytes(64 * GiB, tmp_path) == 64 * GiB
+    (tmp_path / "memory.max").write_text(f"{8 * GiB}\n")
+    assert usable_memory_bytes(64 * GiB, tmp_path) == 8 * GiB
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1, no limit
+    assert usable_memory_bytes(64 * GiB, v1) == 64 * GiB
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
+    assert usable_memory_bytes(64 * GiB, v1) == 4 * GiB

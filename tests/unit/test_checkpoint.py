@@ -20,7 +20,8 @@ def _state(seed=0):
 def _write_checkpoint(root, round_index, rids=("c0r0", "c1r0")):
     tmp = ckpt.new_temp_dir(root, round_index)
     files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(rids)}
-    return ckpt.finalize(tmp, {"round": round_index, "step": round_index * 20, "files": files})
+    return ckpt.finalize(tmp, {"round": round_index, "step": round_index * 20, "files": files},
+                         {rid: round_index for rid in rids})
 
 
 def test_save_finalize_latest_load_round_trip(tmp_path):
@@ -166,7 +167,7 @@ def test_finalize_refuses_a_manifest_naming_a_missing_file(tmp_path):
     tmp = ckpt.new_temp_dir(tmp_path, 2)
     files = {"c0r0": ckpt.save_replica_state(tmp, "c0r0", _state()), "c0r1": "0" * 64}
     with pytest.raises(CheckpointError, match="missing"):
-        ckpt.finalize(tmp, {"round": 2, "step": 40, "files": files})
+        ckpt.finalize(tmp, {"round": 2, "step": 40, "files": files}, {"c0r0": 2, "c0r1": 2})
 
 
 def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
@@ -174,3 +175,12 @@ def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
         _write_checkpoint(tmp_path, r)
     ckpt.prune(tmp_path, 0)
     assert ckpt.latest(tmp_path).name == "round_000003"
+
+
+def test_finalize_refuses_a_file_whose_replica_never_reported_its_round(tmp_path):
+    """A file is there but its writer's answer was lost: it may hold another round's state."""
+    tmp = ckpt.new_temp_dir(tmp_path, 5)
+    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
+    with pytest.raises(CheckpointError, match="never reported.*c0r1"):
+        ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5})
+    assert ckpt.latest(tmp_path) is None and not list(tmp_path.iterdir()), "the refused temp dir must be removed"

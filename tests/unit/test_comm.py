@@ -244,3 +244,24 @@ def test_each_collective_waits_for_its_own_payload():
     group._pg, group.world_size, group._usable = PG(), 2, True
     group.allreduce_mean([torch.zeros(250_000)], level="outer")  # 1 MB -> 8 s at 1 Mbit/s
     assert seen == [("op", timedelta(seconds=18.0)), ("wait", timedelta(seconds=18.0))]
+
+
+def test_a_broadcast_waits_for_its_own_payload_too():
+    """The outer commit's broadcast carries the whole model across the slow link, like the reduce."""
+    from datetime import timedelta
+
+    seen = []
+
+    class Work:
+        def wait(self, timeout):
+            seen.append(("wait", timeout))
+
+    class PG:
+        def broadcast(self, tensors, opts):
+            seen.append(("op", opts.timeout))
+            return Work()
+
+    group = LevelGroup("outer", timeout_s=10.0, min_gbps=0.002)  # 2 Mbit/s
+    group._pg, group.world_size, group._usable = PG(), 3, True
+    group.broadcast([torch.zeros(500_000)], root=1, level="outer")  # 2 MB -> 8 s at 2 Mbit/s
+    assert seen == [("op", timedelta(seconds=18.0)), ("wait", timedelta(seconds=18.0))]

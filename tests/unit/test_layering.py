@@ -54,32 +54,45 @@ PACKAGES = ("hsgd", "actors", "jobs")
 LAYER = {"hsgd": 0, "actors": 1, "jobs": 2}  # an import may only point to the same or a lower layer
 
 
-def _module_name(path):
-    rel = path.relative_to(ROOT).with_suffix("")
+def _module_name(path, root=ROOT):
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def _import_graph():
+def _imported_names(tree, name, is_package):
+    """Every module name the source imports, in any form: `import a.b`, `from a import b`,
+    relative `from ..a import b` (resolved against `name`), importlib.import_module("a.b") and
+    __import__("a.b") with a constant argument. Module level and inside functions alike."""
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join(parts + ([node.module] if node.module else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) in ("import_module", "__import__"):
+                yield node.args[0].value
+
+
+def _import_graph(root=ROOT, packages=PACKAGES):
     """module -> set of project modules it imports (module level and inside functions alike)."""
-    modules = {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    paths = {_module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
     graph = {}
-    for name, path in modules.items():
+    for name, path in paths.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        deps = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            for target in targets:
-                if target.split(".")[0] in PACKAGES and target in modules and target != name:
-                    deps.add(target)
-        graph[name] = deps
+        graph[name] = {t for t in _imported_names(tree, name, path.name == "__init__.py")
+                       if t in paths and t != name}
     return graph
 
 
@@ -123,3 +136,21 @@ def test_there_are_no_import_cycles():
 def test_the_graph_checks_can_fail():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_sees_every_import_form(tmp_path):
+    """Relative and importlib imports are edges too: an upward import must not hide behind them."""
+    for rel, text in {"hsgd/__init__.py": "", "hsgd/core/__init__.py": "",
+                      "hsgd/core/a.py": "from . import b\nfrom ..train import c\n",
+                      "hsgd/core/b.py": "def f():\n    import importlib\n    return importlib.import_module('actors.x')\n",
+                      "hsgd/train/__init__.py": "", "hsgd/train/c.py": "from .. import core\n",
+                      "actors/__init__.py": "", "actors/x.py": "__import__('jobs.y')\n",
+                      "jobs/__init__.py": "", "jobs/y.py": "from hsgd.core.a import thing\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = _import_graph(tmp_path)
+    assert graph["hsgd.core.a"] == {"hsgd.core", "hsgd.core.b", "hsgd.train", "hsgd.train.c"}
+    assert graph["hsgd.core.b"] == {"actors.x"}
+    assert graph["hsgd.train.c"] == {"hsgd", "hsgd.core"}
+    assert graph["actors.x"] == {"jobs.y"}
+    assert _cycle(graph) is not None

@@ -50,3 +50,64 @@ def test_a_failure_nobody_injected_is_reported_as_observed():
     assert observed["kind"] == "observed" and observed["cause"] == "died" and observed["fired_at"] is None
     assert observed["recovery_latency_s"] == 2.0 and observed["heal_s"] == 0.2
     assert again["round"] == 3, "one injected kill explains one down of its replica, not every later one"
+
+
+def _down(t, rid, round_index=1, phase="inner", cause="died"):
+    return {"t": t, "event": "replica_down", "rid": rid, "cause": cause, "phase": phase, "round": round_index}
+
+
+def test_a_fault_explains_a_down_only_within_its_window():
+    from hsgd.record.metrics import fault_figures
+
+    fired = [{"t": 0.0, "rid": "c0r1", "kind": "crash", "phase": "inner", "round": 0, "step": 1}]
+    late = fault_figures(fired, [_down(200.0, "c0r1")])
+    assert [f["source"] for f in late] == ["injected", "observed"], "a down minutes after the fault is its own failure"
+    soon = fault_figures(fired, [_down(100.0, "c0r1")])
+    assert [f["source"] for f in soon] == ["injected"]
+
+
+def test_a_fault_stamped_just_after_its_down_still_explains_it():
+    """faults_fired.jsonl and events.jsonl are stamped by different processes' clocks."""
+    from hsgd.record.metrics import fault_figures
+
+    fired = [{"t": 10.4, "rid": "c1r0", "kind": "kill", "phase": "now", "round": None, "step": None}]
+    assert [f["source"] for f in fault_figures(fired, [_down(10.0, "c1r0")])] == ["injected"]
+
+
+def test_each_fault_explains_at_most_one_down_of_its_replica():
+    from hsgd.record.metrics import fault_figures
+
+    fired = [{"t": 1.0, "rid": "c0r0", "kind": "slow", "phase": "inner", "round": 0, "step": 0, "seconds": 30}]
+    events = [_down(5.0, "c0r0", cause="hung"), {"t": 9.0, "event": "replica_up", "rid": "c0r0", "pid": 3},
+              _down(20.0, "c0r0", round_index=2, phase="outer")]
+    figures = fault_figures(fired, events)
+    assert [(f["source"], f["detected_at"]) for f in figures] == [("injected", 5.0), ("observed", 20.0)]
+
+
+def test_resolved_cluster_targets_explain_each_replica_hit():
+    """A `cluster:c1` crash is recorded once per replica it hit, under that replica's id."""
+    from hsgd.record.metrics import fault_figures
+
+    fired = [{"t": 3.0, "rid": rid, "kind": "crash", "phase": "inner", "round": 1, "step": 0} for rid in ("c1r0", "c1r1")]
+    figures = fault_figures(fired, [_down(3.2, "c1r0"), _down(3.3, "c1r1")])
+    assert [f["source"] for f in figures] == ["injected", "injected"]
+
+
+def test_one_failure_logged_twice_is_one_observed_entry_and_a_new_one_after_a_restart_counts():
+    from hsgd.record.metrics import fault_figures
+
+    events = [_down(5.0, "c0r1"), _down(6.0, "c0r1"),  # the same failure, logged again (a restarted supervisor)
+              {"t": 9.0, "event": "replica_up", "rid": "c0r1", "pid": 7},
+              _down(12.0, "c0r1")]  # same round and phase, but after it came back: a second failure
+    figures = fault_figures([], events)
+    assert [(f["source"], f["detected_at"]) for f in figures] == [("observed", 5.0), ("observed", 12.0)]
+
+
+def test_injected_and_observed_entries_have_the_same_keys():
+    from hsgd.record.metrics import fault_figures
+
+    fired = [{"t": 1.0, "rid": "c0r0", "kind": "kill", "phase": "inner", "round": 0, "step": 0}]
+    injected, observed = fault_figures(fired, [_down(1.5, "c0r0"), _down(2.0, "c1r0", cause="hung")])
+    assert set(injected) == set(observed)
+    assert injected["detected_at"] == 1.5 and injected["cause"] == "died"
+    assert observed["cause"] == "hung" and observed["detection_latency_s"] is None
