@@ -117,7 +117,7 @@ def check_embedded_capacity(cfg) -> int:
         num_cpus=cfg.ray.num_cpus, per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(
             cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size))
     if problem is not None:
-        raise ConfigError("topology", problem)
+        raise ConfigError("topology.replicas_per_cluster", problem)
     return n
 
 

@@ -43,7 +43,7 @@ def test_cli_refuses_a_64x64_topology_in_one_line_with_exit_2(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert lines == [lines[0]] and lines[0].startswith("hsgd: config error: topology: 4096 replicas need"), out.stderr
+    assert lines == [lines[0]] and lines[0].startswith("hsgd: config error: topology.replicas_per_cluster: 4096 replicas need"), out.stderr
     assert not (tmp_path / "run").exists(), "nothing may be written before the error"
 
 
