@@ -84,12 +84,10 @@ class RoundRunner:
                 self._kill(a)
                 continue
             if a.kind == "reap":
+                # not killed: its process is gone and Ray is restarting it already — a kill now
+                # could hit the new process and cost a second restart
                 (rid, _), = a.calls.items()
-                sup.log.event("kill", rid=rid, reason=a.reason)
-                try:
-                    ray.kill(sup.handles[rid], no_restart=False)
-                except Exception:  # noqa: BLE001 — already gone, as presumed
-                    pass
+                sup.log.event("presumed_dead", rid=rid, reason=a.reason)
                 self._forget(rid)
                 continue
             if a.kind == "yield":

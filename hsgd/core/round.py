@@ -103,8 +103,9 @@ class Action:
       outer_commit    calls = {rid: (root_inner_rank,)}
       kill            calls = {rid: (phase, silent_s)}: kill the replica (restartable), deadline_s =
                       the limit it missed; no result expected
-      reap            calls = {rid: (phase, silent_s)}: kill (restartable) a replica presumed dead (its
-                      peers saw its connection close); no hang report, no result expected
+      reap            calls = {rid: (phase, silent_s)}: a replica presumed dead (its peers saw its
+                      connection close): the machine goes on without it; nothing to kill (Ray is
+                      restarting it), no hang report, no result expected
       yield           calls = {rid: (group epoch, round, step_in_round)}: ask members in run_inner to return at
                       that step boundary (control channel); no result expected — their run_inner
                       answers `yielded`
