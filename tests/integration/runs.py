@@ -41,10 +41,3 @@ def events(run_dir: Path | str) -> list[dict]:
 
 def summary(run_dir: Path | str) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def assert_digests_agree_every_round(run_dir: Path | str) -> None:
-    """Invariant 1: after every committed outer sync, all live replicas hold identical params."""
-    from tests.integration.invariants import digests_agree_every_round
-
-    digests_agree_every_round(metrics(run_dir))

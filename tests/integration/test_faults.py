@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.integration.invariants import check_run as check_invariants
-from tests.integration.runs import events, metrics, summary, train
+from tests.integration.runs import events, metrics, train
 
 ROUNDS, SPR = 8, 6
 # rejoin `boundary`: these rounds last well under a second, so a replica restarting for ~4 s would
