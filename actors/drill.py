@@ -189,7 +189,7 @@ class Drill:
         return info
 
     def _replica(self, rid: str):
-        from actors.supervisor import replica_actor_name
+        from actors.roster import replica_actor_name
 
         info = self._info()
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor

@@ -138,7 +138,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
 
     from actors.placement import ClusterPlacement, check_capacity
     from actors.replica import Replica
-    from actors.supervisor import Supervisor, replica_actor_name, spare_actor_name, supervisor_actor_name
+    from actors.roster import replica_actor_name, spare_actor_name
+    from actors.supervisor import Supervisor, supervisor_actor_name
     from hsgd.train import checkpoint
     from hsgd.record.plots import write_run_plots
     from hsgd.record.console import ProgressView

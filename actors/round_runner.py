@@ -21,6 +21,7 @@ from hsgd.record.hangs import hang_report, stuck_function
 from hsgd.record.rundir import atomic_write_text
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
+STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(replicas) to build)
 
 
 class RoundRunner:
@@ -46,14 +47,18 @@ class RoundRunner:
         self.heal_sizes: dict[str, int] = {}
         self.heal_states: dict[tuple[int, str], Any] = {}  # (heal action, source) -> its state's object ref
         self.state_refs: dict[Any, tuple[int, str]] = {}  # the same, pending: watched so a dead source is seen
+        self.logged_down: set[str] = set()  # replica_down logged this round
 
     def drive(self) -> None:
         m, sup = self.machine, self.sup
         self._carry_out(m.start(time.monotonic()))
-        last_poll = 0.0
+        last_poll = last_status = 0.0
         while not m.done:
             waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs) + list(self.state_refs)
             ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
+            if ready and len(waiting) > 1:  # and every other answer already in: the machine takes them at once
+                ready = ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]
+            answers = []
             for ref in ready:
                 if ref in self.state_refs:
                     self._state_answer(ref)
@@ -62,19 +67,27 @@ class RoundRunner:
                 elif ref in self.up_refs:
                     self._up_answer(ref)
                 else:
-                    self._carry_out(m.on_result(self._answer(ref), time.monotonic()))
+                    answers.append(self._answer(ref))
+            moved = False
+            if answers:
+                actions = m.on_results(answers, time.monotonic())
+                moved = bool(actions)
+                self._carry_out(actions)
             now = time.monotonic()
             if now - last_poll >= TICK_S:
                 last_poll = now
                 self._poll_progress()
                 self._probe_down()
-                if sup.spares:
-                    sup.spares.check(sup.log)
+                if sup.roster.spares:
+                    sup.roster.spares.check(sup.log)
                 self._carry_out(m.on_tick(now))
+                moved = True
             self._log_deaths()
-            sup._set_status(epoch=m.epoch, **_view(m))
+            if moved and now - last_status >= STATUS_MIN_S:  # the view changed (a phase began) or a tick passed
+                last_status = now
+                sup._set_status(epoch=m.epoch, **_view(m))
         self._log_deaths()
-        sup.live = dict(m.progress)
+        sup.roster.live = dict(m.progress)
 
     # -- issuing -----------------------------------------------------------------------------------------
     def _carry_out(self, actions: list[Action]) -> None:
@@ -94,7 +107,7 @@ class RoundRunner:
                 sup.log.event("yield_requested", cluster=a.cluster, round=self.r, reason=a.reason,
                               at_step=next(iter(a.calls.values()))[2], replicas=sorted(a.calls))
                 for rid, (epoch, round_index, at) in a.calls.items():
-                    sup.handles[rid].request_yield.remote(epoch, round_index, at)  # control channel, no wait
+                    sup.roster.handles[rid].request_yield.remote(epoch, round_index, at)  # control channel, no wait
                 continue
             if a.kind == "outer_reduce":
                 sup.injector.supervisor_faults(self.r, "outer")
@@ -105,7 +118,7 @@ class RoundRunner:
                      "outer_commit": "outer_commit", "heal": "heal"}.get(a.kind)
             involved = set(a.calls) | ({src for src, _ in a.calls.values()} if a.kind == "heal" else set())
             phases = _FAULT_PHASES.get(a.kind, ())
-            armed = sup.injector.arm(self.r, phases, self.machine.plan(), only=involved, handles=sup.handles) \
+            armed = sup.injector.arm(self.r, phases, self.machine.plan(), only=involved, handles=sup.roster.handles) \
                 if phase and sup.injector.pending(self.r, phases) else {}
             self.actions[a.id] = (a, time.monotonic(), set(a.calls))
             sup.log.event("phase_begin", phase=_PHASE_NAME.get(a.kind, a.kind), round=self.r, cluster=a.cluster,
@@ -125,14 +138,14 @@ class RoundRunner:
                 self.refs[ref] = (a.id, rid, a.kind)
 
     def _issue(self, a: Action, rid: str, args: tuple, armed: dict):
-        h, sup = self.sup.handles[rid], self.sup
+        h, sup = self.sup.roster.handles[rid], self.sup
         faults = armed.get(rid)
         if a.kind == "heal":
             source, scope = args
             key = (a.id, source)  # one state per source and heal, however many targets it heals
             if key not in self.heal_states:
-                self.heal_states[key] = (sup.handles[source].get_state.remote(armed.get(source)) if scope == "full"
-                                         else sup.handles[source].global_state.remote())
+                self.heal_states[key] = (sup.roster.handles[source].get_state.remote(armed.get(source)) if scope == "full"
+                                         else sup.roster.handles[source].global_state.remote())
                 self.state_refs[self.heal_states[key]] = key
             state = self.heal_states[key]
             sup.log.event("heal_begin", target=rid, source=source, scope=scope)
@@ -179,7 +192,7 @@ class RoundRunner:
             else:  # the replica raised (OOM, I/O, a bug): its own failure, never the job's
                 outcome = Outcome.ERROR
                 try:
-                    ray.kill(sup.handles[rid], no_restart=False)  # restart it clean
+                    ray.kill(sup.roster.handles[rid], no_restart=False)  # restart it clean
                 except Exception:  # noqa: BLE001
                     pass
         self._account(kind, rid, value, outcome)
@@ -268,7 +281,7 @@ class RoundRunner:
             if action.kind != "run_inner":
                 continue
             for rid in pending - asked:
-                self.progress_refs[self.sup.handles[rid].progress.remote()] = (rid, time.monotonic())
+                self.progress_refs[self.sup.roster.handles[rid].progress.remote()] = (rid, time.monotonic())
 
     def _probe_down(self) -> None:
         """Rejoin `fast`: ask replicas that are down whether they are back (a restarting actor's
@@ -277,8 +290,8 @@ class RoundRunner:
             return
         asked = set(self.up_refs.values())
         for rid in self.sup.topology.replica_ids():
-            if rid not in self.machine.progress and rid not in self.sup.gone and rid not in asked:
-                self.up_refs[self.sup.handles[rid].progress.remote()] = rid
+            if rid not in self.machine.progress and rid not in self.sup.roster.gone and rid not in asked:
+                self.up_refs[self.sup.roster.handles[rid].progress.remote()] = rid
 
     def _up_answer(self, ref) -> None:
         rid = self.up_refs.pop(ref)
@@ -288,7 +301,7 @@ class RoundRunner:
             return
         if answer.get("phase", "idle") != "idle" or rid in self.machine.progress:
             return
-        self.sup._note_up(rid, answer)
+        self.sup.roster.note_up(rid, answer)
         self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]), time.monotonic()))
 
     def _progress_answer(self, ref) -> None:
@@ -298,26 +311,24 @@ class RoundRunner:
         except Exception:  # noqa: BLE001 — no answer is no sign of life; the machine's limit decides
             return
         now = time.monotonic()
-        before = self.machine.advance.get(rid)
-        self.machine.on_progress(rid, int(answer["step"]), now)
-        after = self.machine.advance.get(rid)
-        if before is not None and after is not None and after.step > before.step and after.at > before.at:
-            self.sup.clock.observe("inner_step", (after.at - before.at) / (after.step - before.step), 1)
-        self.sup.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        step_s = self.machine.on_progress(rid, int(answer["step"]), now)
+        if step_s:
+            self.sup.clock.observe("inner_step", step_s, 1)
+        self.sup.roster.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
 
     def _kill(self, a: Action) -> None:
         """The machine found a replica silent and not advancing: report with stacks, then kill it
         (restartable); its call in flight becomes stale."""
         sup = self.sup
         (rid, (why, silent_s)), = a.calls.items()
-        group = sorted(x for x in (sup.topology.cluster_members(a.cluster) if a.cluster is not None else sup.handles)
+        group = sorted(x for x in (sup.topology.cluster_members(a.cluster) if a.cluster is not None else sup.roster.handles)
                        if x in self.machine.progress or x == rid)
         dumps = {}
         if sup.cfg.watchdog.stack_dumps:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=8) as pool:
-                futures = {p: pool.submit(dump_replica, sup.handles[p], sup.replica_info.get(p, {}), sup.run_dir, p)
+                futures = {p: pool.submit(dump_replica, sup.roster.handles[p], sup.roster.replica_info.get(p, {}), sup.run_dir, p)
                            for p in group}
                 for p, fut in futures.items():
                     try:
@@ -337,7 +348,7 @@ class RoundRunner:
                       waiting=[p for p in group if p != rid])
         sup.log.event("kill", rid=rid, reason=a.reason)
         try:
-            ray.kill(sup.handles[rid], no_restart=False)
+            ray.kill(sup.roster.handles[rid], no_restart=False)
         except Exception as err:  # noqa: BLE001 — already dead is fine
             sup.log.event("kill_failed", rid=rid, error=str(err))
         self._forget(rid, "hung: killed")
@@ -352,17 +363,19 @@ class RoundRunner:
                     self._phase_end(action, started)
 
     def _log_deaths(self) -> None:
+        """Each replica the machine lost is logged once; with hot spares, one takes over its id."""
         sup = self.sup
+        self.logged_down &= self.machine.dead.keys()  # one that came back and died again is logged again
         for rid, cause in list(self.machine.dead.items()):
-            if rid in sup.live:
-                sup.live.pop(rid)
+            if rid not in self.logged_down:
+                self.logged_down.add(rid)
                 sup.log.event("replica_down", rid=rid, cluster=sup.topology.cluster_of(rid), cause=cause,
                               phase=self.sup.status_view.get("phase"), round=self.r)
-                if sup.spares:
-                    answer = sup._promote_spare(rid)
+                if sup.roster.spares:
+                    answer = sup.roster.promote_spare(rid)
                     if answer is not None:
                         self.up_refs = {ref: r for ref, r in self.up_refs.items() if r != rid}
-                        sup._note_up(rid, answer)
+                        sup.roster.note_up(rid, answer)
                         self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]),
                                                            time.monotonic()))
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from actors.hang import dump_replica
-    from actors.supervisor import replica_actor_name
+    from actors.roster import replica_actor_name
 
     try:
         ray.init(address=info["ray_address"], namespace=info["namespace"], log_to_driver=False,

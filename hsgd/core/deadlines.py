@@ -50,3 +50,20 @@ class PhaseClock:
         return min(self.ceiling_s, max(self.floor_s, self.multiple * expected))
 
 
+
+
+class StallWatch:
+    """Stuck = the step has not moved for `limit_s`: a replica whose step still advances is slow,
+    never stuck (the same rule as the round machine's inner phase, for replicas found mid-phase
+    after a supervisor restart)."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self._last: dict[str, tuple[int, float]] = {}  # rid -> (step, when it was first seen there)
+
+    def stuck(self, rid: str, step: int, now: float) -> bool:
+        seen = self._last.get(rid)
+        if seen is None or seen[0] != step:
+            self._last[rid] = (step, now)
+            return False
+        return now - seen[1] > self.limit_s

@@ -45,6 +45,33 @@ class Plan:
         return f"epoch{self.epoch}/outer"
 
 
+def quorum_problem(counts: list[int], min_replicas_per_cluster: int, min_clusters: int) -> str | None:
+    """`counts`: live replicas per cluster. None when training may go on, else a one-line reason."""
+    in_quorum = sum(n >= min_replicas_per_cluster for n in counts)
+    if in_quorum >= min_clusters:
+        return None
+    listed = ", ".join(f"c{c}={n}" for c, n in enumerate(counts))
+    return (f"only {in_quorum} cluster(s) with >= {min_replicas_per_cluster} live replicas ({listed}); "
+            f"min_clusters={min_clusters}")
+
+
+def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int,
+              min_replicas_per_cluster: int = 1) -> Plan:
+    """The plan of `live` replicas: members in index order, sticky leaders (a missing one replaced
+    by the lowest-index member; `leaders` is updated), clusters below quorum on standby."""
+    members, chosen, standby = {}, {}, []
+    for cluster in range(topology.clusters):
+        here = tuple(rid for rid in topology.cluster_members(cluster) if rid in live)
+        if len(here) < max(1, min_replicas_per_cluster):
+            standby.extend(here)
+            continue
+        members[cluster] = here
+        if leaders.get(cluster) not in here:
+            leaders[cluster] = here[0]
+        chosen[cluster] = leaders[cluster]
+    return Plan(epoch=epoch, members=members, leaders=chosen, outer_clusters=tuple(members), standby=tuple(standby))
+
+
 class QuorumLost(RuntimeError):
     """Fewer clusters in quorum than `min_clusters`."""
 
@@ -91,28 +118,12 @@ class Membership:
 
     def quorum_problem(self) -> str | None:
         """None when training may go on, else a one-line reason."""
-        in_quorum = self.clusters_in_quorum()
-        if len(in_quorum) >= self.min_clusters:
-            return None
-        counts = ", ".join(f"c{c}={len(self.members_of(c))}" for c in range(self.topology.clusters))
-        return (f"only {len(in_quorum)} cluster(s) with >= {self.min_replicas_per_cluster} live replicas "
-                f"({counts}); min_clusters={self.min_clusters}")
+        return quorum_problem([len(self.members_of(c)) for c in range(self.topology.clusters)],
+                              self.min_replicas_per_cluster, self.min_clusters)
 
     def plan(self) -> Plan:
         """The plan for the current membership; bumps the epoch if membership changed."""
         if self._changed:
             self.epoch += 1
             self._changed = False
-        members, leaders, standby = {}, {}, []
-        in_quorum = self.clusters_in_quorum()
-        for cluster in range(self.topology.clusters):
-            live = self.members_of(cluster)
-            if cluster not in in_quorum:
-                standby.extend(live)
-                continue
-            members[cluster] = live
-            if self.leaders.get(cluster) not in live:
-                self.leaders[cluster] = live[0]
-            leaders[cluster] = self.leaders[cluster]
-        return Plan(epoch=self.epoch, members=members, leaders=leaders, outer_clusters=in_quorum,
-                    standby=tuple(standby))
+        return live_plan(self.topology, self.live, self.leaders, self.epoch, self.min_replicas_per_cluster)

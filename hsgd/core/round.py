@@ -55,13 +55,14 @@ time per replica, and each call using one level, a replica is in at most one col
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from hsgd.core.heal import HealAssignment, assign_heals
-from hsgd.core.membership import Plan
+from hsgd.core.membership import Plan, quorum_problem
 from hsgd.core.topology import Topology, parse_replica_id
 
 
@@ -79,9 +80,8 @@ FAILED = (Outcome.DIED, Outcome.ERROR)
 _DONE = Outcome.DONE
 
 
-@dataclass(frozen=True)
-class PhaseResult:
-    """One replica's answer to one action's call."""
+class PhaseResult(NamedTuple):
+    """One replica's answer to one action's call (a tuple: tens of thousands a round at scale)."""
     action: int
     rid: str
     outcome: Outcome
@@ -90,8 +90,7 @@ class PhaseResult:
     detail: str = ""
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """Something the supervisor must do now. `calls`: the replicas it calls, with per-replica
     arguments. `kind`:
       heal            calls = {target: (source, scope)}: target loads source's state
@@ -199,7 +198,7 @@ def _layout(topology: Topology) -> tuple[tuple[tuple[str, ...], ...], dict[str, 
     return ids, {rid: c for c, members in enumerate(ids) for rid in members}
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     action: Action
     pending: set[str]
@@ -210,12 +209,7 @@ class _InFlight:
     # group -> when a member of that group first failed: a failure shortens the wait only for its own
     # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
     failed_groups: dict = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Advance:
-    step: int
-    at: float
+    commit: bool = False  # an outer_commit: who applied it counts
 
 
 class RoundMachine:
@@ -245,13 +239,14 @@ class RoundMachine:
         self.inflight: dict[int, _InFlight] = {}
         self.busy: dict[str, int] = {}  # rid -> action id in flight
         self.dead: dict[str, str] = {}  # rid -> cause, this round
-        self.advance: dict[str, _Advance] = {}
+        self.advance: dict[str, tuple[int, float]] = {}  # rid -> (step, when) of its last sign of progress
         self.committed_by: set[str] = set()
         self.joining: dict[int, dict[str, tuple[int, int]]] = {}  # cluster -> replicas up mid-round
         self.yielding: dict[int, int] = {}  # cluster -> step_in_round its members yield at
         self.done, self.outcome, self.reason = False, "", ""
         self._next_id = 0
-        self.step_seconds: list[float] = []  # observed seconds per inner step (the clock learns them)
+        # the latest observed seconds per inner step (a yield boundary is placed with their median)
+        self.step_seconds: deque[float] = deque(maxlen=20)
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -301,48 +296,70 @@ class RoundMachine:
         return actions
 
     def on_result(self, result: PhaseResult, now: float) -> list[Action]:
-        rid, outcome = result.rid, result.outcome
-        flight = self.inflight.get(result.action)
-        if flight is None or rid not in flight.pending:
-            return []  # stale: an action we gave up on (its cluster re-formed, the replica was killed)
-        flight.pending.discard(rid)
-        if self.busy.get(rid) == result.action:
-            del self.busy[rid]
-        if result.round >= 0 and rid in self.progress:
-            self.progress[rid] = (result.round, result.step)
-        if outcome != _DONE:  # (the common answer takes none of these branches)
-            if outcome in FAILED:
-                self._mark_dead(rid, "died" if outcome == Outcome.DIED else "error")
-            if outcome != Outcome.YIELDED:
-                if flight.failed_at is None:
-                    flight.failed_at = now
-                flight.failed_groups.setdefault(self._group_of(flight, rid), now)
-            if outcome == Outcome.COLLECTIVE_FAILED and peer_gone(result.detail):
-                flight.peer_gone.setdefault(self._group_of(flight, rid), now)
-        if flight.action.kind == "outer_commit":
-            if outcome == _DONE:
-                self.committed_by.add(rid)
-            else:  # its cluster's group broke during the broadcast
-                self.clusters[self._cluster_of(rid)].configured = None
-        if flight.pending:
-            return []
-        del self.inflight[result.action]
-        return self._action_finished(flight, now)
+        return self.on_results((result,), now)
 
-    def on_progress(self, rid: str, step: int, now: float) -> None:
-        """A replica in an inner phase reported its committed step (on its control channel)."""
+    def on_results(self, results: Iterable[PhaseResult], now: float) -> list[Action]:
+        """Answers to calls in flight, in the order they arrived (one `on_result` or everything one
+        wait returned): the same as feeding them one by one, in one loop (at 10,000 replicas most
+        of a round's cost is this bookkeeping). A stale answer (an action given up on: its cluster
+        re-formed, the replica was killed) is ignored."""
+        actions: list[Action] = []
+        inflight, busy, progress = self.inflight, self.busy, self.progress
+        for result in results:
+            action_id, rid, outcome, round_index, step, _ = result
+            flight = inflight.get(action_id)
+            if flight is None:
+                continue
+            pending = flight.pending
+            if rid not in pending:
+                continue
+            pending.remove(rid)
+            if busy.get(rid) == action_id:
+                del busy[rid]
+            if round_index >= 0 and rid in progress:
+                progress[rid] = (round_index, step)
+            if outcome is not _DONE and outcome != _DONE:  # the common answer takes no branch here
+                self._note_failure(flight, result, now)
+            if flight.commit:
+                if outcome == _DONE:
+                    self.committed_by.add(rid)
+                else:  # its cluster's group broke during the broadcast
+                    self.clusters[self._cluster_of(rid)].configured = None
+            if not pending:
+                del inflight[action_id]
+                actions += self._action_finished(flight, now)
+        return actions
+
+    def _note_failure(self, flight: _InFlight, result: PhaseResult, now: float) -> None:
+        outcome, rid = result.outcome, result.rid
+        if outcome in FAILED:
+            self._mark_dead(rid, "died" if outcome == Outcome.DIED else "error")
+        if outcome != Outcome.YIELDED:
+            if flight.failed_at is None:
+                flight.failed_at = now
+            flight.failed_groups.setdefault(self._group_of(flight, rid), now)
+        if outcome == Outcome.COLLECTIVE_FAILED and peer_gone(result.detail):
+            flight.peer_gone.setdefault(self._group_of(flight, rid), now)
+
+    def on_progress(self, rid: str, step: int, now: float) -> float | None:
+        """A replica in an inner phase reported its committed step (on its control channel).
+        Returns the seconds per step it took since its last sign of progress, if it advanced."""
         seen = self.advance.get(rid)
-        if seen is None or step > seen.step:
-            if seen is not None and step > seen.step:
-                self.step_seconds.append((now - seen.at) / (step - seen.step))
-            self.advance[rid] = _Advance(step, now)
+        if seen is None:
+            self.advance[rid] = (step, now)
+        elif step > seen[0]:
+            step_s = (now - seen[1]) / (step - seen[0])
+            self.step_seconds.append(step_s)
+            self.advance[rid] = (step, now)
+            return step_s
+        return None
 
     def on_tick(self, now: float) -> list[Action]:
         """Kill replicas that are silent and not advancing past their limit. The machine gives up
         on a killed replica's call at once (its late answer is stale) and goes on without it."""
         actions: list[Action] = []
         for action_id, flight in list(self.inflight.items()):
-            for rid in sorted(flight.pending):
+            for rid in sorted(self._overdue(flight, now)):
                 if now > self._limit(flight, rid):
                     source = flight.action.calls[rid][0] if flight.action.kind == "heal" else None
                     if source is not None and source not in flight.delivered:
@@ -358,6 +375,20 @@ class RoundMachine:
                 del self.inflight[action_id]
                 actions += self._action_finished(flight, now)
         return actions
+
+    def _overdue(self, flight: _InFlight, now: float) -> Iterable[str]:
+        """The pending replicas of `flight` that may be past their limit (a superset of them). An
+        inner phase nobody failed in (every tick, at 10,000 replicas) is checked inline: its limit
+        is the last sign of progress plus the step window, and a kill in this tick cannot shorten
+        another member's limit below now (the group's grace starts at now)."""
+        if flight.action.kind != "run_inner" or flight.failed_groups or flight.peer_gone:
+            return list(flight.pending)
+        window = max(self.settings.step_deadline_s, self.settings.group_grace_s)
+        started, advance = flight.started, self.advance
+        if now <= started + window:
+            return ()
+        return [rid for rid in flight.pending
+                if now > (max(started, seen[1]) if (seen := advance.get(rid)) else started) + window]
 
     def on_heal_state(self, action_id: int, source: str, now: float) -> None:
         """A heal's source delivered its state (its get_state answered): from now on a silent
@@ -391,11 +422,12 @@ class RoundMachine:
     def _yield_step(self, c: int) -> int:
         """A step boundary every member reaches after the yield request arrives."""
         s = self.settings
-        recent = sorted(self.step_seconds[-20:])
+        recent = sorted(self.step_seconds)
         step_s = recent[len(recent) // 2] if recent else 0.1
         lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
         start = self.round * s.steps_per_round
-        furthest = max(self.advance[m].step if m in self.advance else self.progress[m][1]
+        advance, progress = self.advance, self.progress
+        furthest = max(max(advance[m][0], progress[m][1]) if m in advance else progress[m][1]
                        for m in self.clusters[c].members) - start
         at = furthest + lead
         if s.inner == "localsgd":
@@ -433,7 +465,7 @@ class RoundMachine:
         s = self.settings
         if flight.action.kind == "run_inner":
             seen = self.advance.get(rid)
-            last = max(flight.started, seen.at if seen else flight.started)
+            last = max(flight.started, seen[1]) if seen else flight.started
             limit = last + max(s.step_deadline_s, s.group_grace_s)
         else:
             limit = flight.started + flight.action.deadline_s
@@ -465,7 +497,7 @@ class RoundMachine:
 
     def _last_sign(self, flight: _InFlight, rid: str) -> float:
         seen = self.advance.get(rid)
-        return max(flight.started, seen.at if seen and flight.action.kind == "run_inner" else flight.started)
+        return max(flight.started, seen[1]) if seen and flight.action.kind == "run_inner" else flight.started
 
     def _kill(self, rid: str, flight: _InFlight, now: float) -> Action:
         last_sign = self._last_sign(flight, rid)
@@ -517,21 +549,20 @@ class RoundMachine:
 
     def _new_action(self, kind: str, cluster: int | None, calls: dict[str, tuple], *, deadline_s: float = 0.0,
                     reason: str = "", track: bool = False, now: float = 0.0) -> Action:
-        action = Action(id=self._next_id, kind=kind, round=self.round, cluster=cluster, epoch=self.epoch,
-                        calls=calls, deadline_s=deadline_s, reason=reason)
+        action = Action(self._next_id, kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
         self._next_id += 1
         if track:
             busy = self.busy
             for rid in calls:
                 assert rid not in busy, f"{rid} already has action {busy[rid]} in flight"
                 busy[rid] = action.id
-            self.inflight[action.id] = _InFlight(action, set(calls), now)
+            self.inflight[action.id] = _InFlight(action, set(calls), now, commit=kind == "outer_commit")
         return action
 
     def _quorum_text(self) -> str:
-        counts = ", ".join(f"c{c}={len(self.members(c))}" for c in range(self.topology.clusters))
-        return (f"only {len(self.participating())} cluster(s) with >= {self.settings.min_replicas_per_cluster} "
-                f"live replicas ({counts}); min_clusters={self.settings.min_clusters}")
+        s = self.settings
+        return quorum_problem([len(self.members(c)) for c in range(self.topology.clusters)],
+                              s.min_replicas_per_cluster, s.min_clusters) or "below quorum"
 
     def _finish(self, outcome: str, reason: str = "") -> list[Action]:
         self.done, self.outcome, self.reason = True, outcome, reason
@@ -559,17 +590,18 @@ class RoundMachine:
         if self.leaders.get(c) not in members:
             self.leaders[c] = members[0]
         st.failed_at = None
-        own = {rid: self.progress[rid] for rid in members}
-        first = own[members[0]]
-        if first[0] == self.round and all(p == first for p in own.values()):
+        progress = self.progress
+        where = [progress[rid] for rid in members]
+        first = where[0]
+        if first[0] == self.round and where.count(first) == len(where):
             pool = None  # every member holds the round at the same step: nobody heals
-        elif any(p[0] == self.round for p in own.values()):
+        elif any(p[0] == self.round for p in where):
             pool = {}  # a member holds the round: heals stay inside c, whatever the donors
         else:  # nobody in c holds the round: the global state of the lowest-id donor (as assign_heals picks)
             donors = donors if donors is not None else {rid: p for rid, p in self.progress.items() if p[0] == self.round}
             source = self._lowest_donor(donors)
             pool = {source: donors[source]} if source is not None else {}
-        heals = assign_heals_for_cluster(own, pool) if pool is not None else []
+        heals = assign_heals_for_cluster(dict(zip(members, where)), pool) if pool is not None else []
         if heals:
             st.stage = "heal"
             action = self._new_action("heal", c, {h.target: (h.source, h.scope) for h in heals},
@@ -608,7 +640,7 @@ class RoundMachine:
         st.inner_runs += 1
         advance, progress = self.advance, self.progress
         for rid in st.members:
-            advance[rid] = _Advance(progress[rid][1], now)
+            advance[rid] = (progress[rid][1], now)
         action = self._new_action("run_inner", c, dict.fromkeys(st.members, ()), track=True, now=now)
         st.action = action.id
         return [action]

@@ -20,6 +20,16 @@ def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, li
             "global_digests": dict(global_digests), "t": t}
 
 
+def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
+                      digests: dict[str, str], eval_loss: float | None, t: float) -> dict:
+    """metrics.jsonl's line for a round a supervisor committed but did not live to record (its
+    successor records it on resume, `recovered`): what the replicas still tell, nothing invented."""
+    return {"round": round_index, "inner_step": (round_index + 1) * steps_per_round, "loss": None,
+            "replica_loss": {}, "eval_loss": eval_loss, "tokens_per_s": None, "inner_bytes": 0, "outer_bytes": 0,
+            "live_replicas": live_replicas, "epoch": epoch, "replica_digests": dict(digests), "recovered": True,
+            "t": t}
+
+
 def efficiencies(committed_steps: int, attempted_steps: int, participation: list[float]) -> tuple[float, float]:
     """torchft's figures: step efficiency = committed / attempted replica-steps (work lost to
     failures lowers it); training efficiency = step efficiency x mean fraction of the replicas

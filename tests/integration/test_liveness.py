@@ -6,7 +6,7 @@ import time
 
 import ray
 
-from actors.supervisor import restarts_exhausted
+from actors.roster import restarts_exhausted
 
 
 @ray.remote(max_restarts=1, num_cpus=0)

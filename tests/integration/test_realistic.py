@@ -61,7 +61,7 @@ def _poll(what: str, timeout_s: float, probe):
 def _progress(run_dir: Path, rid: str) -> dict | None:
     """The replica's own answer on its control channel (answers while a phase runs): committed
     round and step, phase, and the pid of the process that answers."""
-    from actors.supervisor import replica_actor_name
+    from actors.roster import replica_actor_name
 
     info = json.loads((run_dir / "run.json").read_text())
     try:

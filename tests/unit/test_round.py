@@ -1131,3 +1131,53 @@ def test_a_peer_whose_connection_closed_is_presumed_dead_without_waiting_for_ray
         assert m.dead == {"c0r2": "died"} and set(actions[1].calls) == {"c0r0", "c0r1"}
     else:
         assert actions == [] and not m.dead, "a timed-out peer may be hung or slow: only its limit decides"
+
+
+def _fifo_round(batch: int) -> tuple[RoundMachine, list]:
+    """One round at 6 x 3 with a death mid-inner (c1r1), a collective failing in c2, a leader dying
+    in the outer reduce (c4's) and a commit broadcast breaking in c5, answers handed over first in,
+    first out, `batch` at a time (1: through on_result)."""
+    from collections import deque
+
+    topo = Topology(6, 3)
+    m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, 0) for rid in topo.replica_ids()}, leaders={},
+                     epoch=0, committed_round=0)
+    where = {rid: (0, 0) for rid in topo.replica_ids()}
+    faults = {("run_inner", "c1r1"): DIED, ("run_inner", "c2r0"): CFAILED, ("outer_reduce", "c4r0"): DIED,
+              ("outer_commit", "c5r2"): CFAILED}
+    queue: deque = deque()
+    log: list = []
+
+    def issue(actions):
+        for a in actions:
+            log.append((a.id, a.kind, a.cluster, a.epoch, tuple(sorted(a.calls.items()))))
+            if a.kind in ("kill", "reap", "yield"):
+                continue
+            for rid in a.calls:
+                outcome = faults.pop((a.kind, rid), DONE)
+                if a.kind == "run_inner":
+                    where[rid] = (0, SPR) if outcome == DONE else (0, SPR // 2)
+                elif a.kind == "outer_commit" and outcome == DONE:
+                    where[rid] = (1, SPR)
+                elif a.kind == "heal":
+                    where[rid] = where[a.calls[rid][0]]
+                r, s = where[rid] if outcome != DIED else (-1, -1)
+                queue.append(PhaseResult(a.id, rid, outcome, r, s))
+
+    issue(m.start(0.0))
+    now = 0.0
+    while not m.done and queue:
+        chunk = [queue.popleft() for _ in range(min(batch, len(queue)))]
+        now += 1.0
+        issue(m.on_results(chunk, now) if batch > 1 else m.on_result(chunk[0], now))
+    return m, log
+
+
+@pytest.mark.parametrize("batch", [2, 7, 1000])
+def test_answers_in_batches_decide_exactly_as_one_by_one(batch):
+    one, one_log = _fifo_round(1)
+    many, many_log = _fifo_round(batch)
+    assert one.outcome == "committed" and one.dead == {"c1r1": "died", "c4r0": "died"}
+    assert many_log == one_log
+    assert (many.outcome, many.progress, many.epoch, many.leaders, many.committed_by) == \
+           (one.outcome, one.progress, one.epoch, one.leaders, one.committed_by)
