@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
                   tick=batched["tick"], plan_view_call_ms=batched["plan_view_call_ms"],
                   machine_note=f"one process, {platform.python_implementation()} {platform.python_version()} on "
                                f"{platform.machine()}; machine calls only (the simulated answers are not timed)",
+                  reference_ms=reference_ms(),
                   args=vars(args))
     text = json.dumps(report, indent=2)
     atomic_write_text(out / "plan.json", text)
@@ -61,8 +62,28 @@ def main(argv: list[str]) -> int:
     mean = report["per_round_plan_ms"]["mean"]
     print(f"plan time per round at {report['replicas']:,} replicas: {mean:.1f} ms mean with batches of ~{args.batch} "
           f"answers, {report['one_by_one']['per_round_plan_ms']['mean']:.1f} ms one by one "
-          f"(budget {BUDGET_MS:.0f} ms); plan.json in {out}", file=sys.stderr)
+          f"(budget {BUDGET_MS:.0f} ms; this machine's reference workload {report['reference_ms']:.1f} ms, "
+          f"plan / reference = {mean / report['reference_ms']:.1f}); plan.json in {out}", file=sys.stderr)
     return 0
+
+
+def reference_ms() -> float:
+    """This interpreter's speed on a fixed pure-Python workload (dict and tuple churn like the
+    machine's bookkeeping; best of 5), so plan times from different machines compare as ratios:
+    the per-round figure divided by this one is machine-independent to within a few tens of %."""
+    best = float("inf")
+    keys = [f"c{c}r{i}" for c in range(100) for i in range(10)]
+    for _ in range(5):
+        t0 = time.perf_counter()
+        table: dict = {}
+        for k in range(10):
+            for key in keys:
+                table[key] = (k, len(key))
+            pending = set(keys)
+            for key in keys:
+                pending.discard(key)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: int, batch: int = 1) -> dict:

@@ -553,9 +553,10 @@ class RoundMachine:
         self._next_id += 1
         if track:
             busy = self.busy
-            for rid in calls:
-                assert rid not in busy, f"{rid} already has action {busy[rid]} in flight"
-                busy[rid] = action.id
+            if not busy.keys().isdisjoint(calls):  # one call at a time per replica: a bug, never a failure
+                rid = next(r for r in calls if r in busy)
+                raise AssertionError(f"{rid} already has action {busy[rid]} in flight")
+            busy.update(dict.fromkeys(calls, action.id))
             self.inflight[action.id] = _InFlight(action, set(calls), now, commit=kind == "outer_commit")
         return action
 
@@ -638,9 +639,10 @@ class RoundMachine:
         st = self.clusters[c]
         st.stage = "inner"
         st.inner_runs += 1
-        advance, progress = self.advance, self.progress
-        for rid in st.members:
-            advance[rid] = (progress[rid][1], now)
+        advance = self.advance
+        if advance:  # marks of an earlier inner run this round are stale (the first run has none)
+            for rid in st.members:
+                advance.pop(rid, None)
         action = self._new_action("run_inner", c, dict.fromkeys(st.members, ()), track=True, now=now)
         st.action = action.id
         return [action]
@@ -655,12 +657,13 @@ class RoundMachine:
         if st.action != action.id:
             return []
         st.action = None
-        end = (self.round + 1) * self.settings.steps_per_round
+        where = [self.progress.get(rid) for rid in st.members]  # None: lost meanwhile
+        lost = None in where
         if self.joining.get(c) and self.outer_stage == "wait":
-            if not results_ok or any(rid not in self.progress for rid in st.members):
+            if not results_ok or lost:
                 st.configured = None
             return self._admit_joiners(c, now)
-        if not results_ok or any(rid not in self.progress for rid in st.members):
+        if not results_ok or lost:
             if action.kind == "configure_inner":
                 st.configured = None
             elif st.configured is not None:
@@ -672,8 +675,7 @@ class RoundMachine:
             st.configured = (action.epoch, st.members)
             return self._run_inner(c, now)
         if action.kind == "run_inner":
-            at_end, progress = (self.round, end), self.progress
-            if any(progress[rid] != at_end for rid in st.members):
+            if where.count((self.round, (self.round + 1) * self.settings.steps_per_round)) != len(where):
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
                 st.stage = "average"
