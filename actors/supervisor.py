@@ -31,10 +31,10 @@ from actors.round_runner import TICK_S, RoundRunner
 from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
-from hsgd.core.round import Action, RoundMachine, RoundSettings, assign_heals_for_cluster, checkpoint_due, current_round
+from hsgd.core.round import Action, RoundMachine, RoundSettings, checkpoint_due, current_round, heals_at_rest
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
-from hsgd.record.metrics import efficiencies, fault_figures, late_round_record, round_record
+from hsgd.record.metrics import late_round_record, round_record, run_summary
 from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.train.comm import collective_timeout_s
@@ -275,14 +275,10 @@ class Supervisor:
         self._set_status(phase="final_heal")
         roster.rejoin(self.cfg.supervisor.rejoin_wait_s)
         top = current_round(roster.live.values())
-        donors = {rid: p for rid, p in roster.live.items() if p[0] == top}
-        for c in range(self.topology.clusters):
-            members = {rid: p for rid, p in roster.live.items() if self.topology.cluster_of(rid) == c}
-            heals = assign_heals_for_cluster(members, {d: p for d, p in donors.items() if d not in members})
-            if heals:
-                action = Action(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
-                                calls={h.target: (h.source, h.scope) for h in heals})
-                RoundRunner(self, None, top).heal_now(action)
+        for c, heals in heals_at_rest(self.topology, roster.live).items():
+            action = Action(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
+                            calls={h.target: (h.source, h.scope) for h in heals})
+            RoundRunner(self, None, top).heal_now(action)
         roster.refresh()
         view = roster.plan(self.durable["epoch"])
         self._set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
@@ -314,24 +310,10 @@ class Supervisor:
         return self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
-        digests, global_digest = {}, None
-        for rid, d in self._digests().items():
-            digests[rid] = d["param"]
-            global_digest = global_digest or d["global"]
-        metrics = read_jsonl(Path(self.run_dir) / "metrics.jsonl")
-        evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
-        rounds = self.durable["committed_round"]
-        step_eff, training_eff = efficiencies(self.committed_steps, self.attempted_steps, self.participation)
-        return {"status": status, "reason": reason, "rounds_committed": rounds,
-                "inner_steps_committed": rounds * self.spr,
-                "initial_eval_loss": self.durable.get("initial_eval_loss"),
-                "final_eval_loss": evals[-1] if evals else None,
-                "wall_s": time.time() - self.durable["started_at"],  # the whole run, across supervisor restarts
-                "supervisor_wall_s": time.time() - start,
-                "replica_param_digests": digests, "global_param_digest": global_digest,
-                "step_efficiency": step_eff, "training_efficiency": training_eff,
-                "faults": fault_figures(read_jsonl(Path(self.run_dir) / "faults_fired.jsonl"),
-                                        read_jsonl(Path(self.run_dir) / "events.jsonl")),
-                "faults_not_fired": self.injector.not_fired(),
-                "supervisor_starts": self.durable["supervisor_starts"],
-                "epoch": self.durable["epoch"], "run_dir": self.run_dir}
+        run_dir = Path(self.run_dir)
+        return run_summary(status=status, reason=reason, durable=self.durable, steps_per_round=self.spr,
+                           digests=self._digests(), metrics=read_jsonl(run_dir / "metrics.jsonl"),
+                           fired=read_jsonl(run_dir / "faults_fired.jsonl"), events=read_jsonl(run_dir / "events.jsonl"),
+                           not_fired=self.injector.not_fired(), committed_steps=self.committed_steps,
+                           attempted_steps=self.attempted_steps, participation=self.participation,
+                           supervisor_started=start, now=time.time(), run_dir=self.run_dir)

@@ -127,3 +127,25 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
             "heal_bytes": None if heal is None else heal.get("bytes"),
         })
     return figures
+
+
+def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],
+                metrics: list[dict], fired: list[dict], events: list[dict], not_fired: list, committed_steps: int,
+                attempted_steps: int, participation: list[float], supervisor_started: float, now: float,
+                run_dir: str) -> dict:
+    """summary.json (the README's "Summary fields"). `durable`: the supervisor's durable state;
+    `digests`: each live replica's digests answer ({param, global, round})."""
+    evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
+    rounds = durable["committed_round"]
+    step_eff, training_eff = efficiencies(committed_steps, attempted_steps, participation)
+    return {"status": status, "reason": reason, "rounds_committed": rounds,
+            "inner_steps_committed": rounds * steps_per_round,
+            "initial_eval_loss": durable.get("initial_eval_loss"),
+            "final_eval_loss": evals[-1] if evals else None,
+            "wall_s": now - durable["started_at"],  # the whole run, across supervisor restarts
+            "supervisor_wall_s": now - supervisor_started,
+            "replica_param_digests": {rid: d["param"] for rid, d in digests.items()},
+            "global_param_digest": next((d["global"] for d in digests.values() if d.get("global")), None),
+            "step_efficiency": step_eff, "training_efficiency": training_eff,
+            "faults": fault_figures(fired, events), "faults_not_fired": not_fired,
+            "supervisor_starts": durable["supervisor_starts"], "epoch": durable["epoch"], "run_dir": run_dir}

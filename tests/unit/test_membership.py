@@ -189,3 +189,25 @@ def test_plan_is_a_snapshot_not_a_view():
 def test_plan_equality_is_by_value():
     assert Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}, outer_clusters=(0,)) == \
         Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}, outer_clusters=(0,))
+
+
+# -- quorum_problem / live_plan: the rules the supervisor applies between rounds --------------------------
+def test_quorum_problem_counts_clusters_at_their_minimum_and_names_every_count():
+    from hsgd.core.membership import quorum_problem
+
+    assert quorum_problem([2, 1, 0], min_replicas_per_cluster=1, min_clusters=2) is None
+    reason = quorum_problem([2, 1, 0], min_replicas_per_cluster=2, min_clusters=2)
+    assert reason == "only 1 cluster(s) with >= 2 live replicas (c0=2, c1=1, c2=0); min_clusters=2"
+
+
+def test_live_plan_keeps_sticky_leaders_replaces_a_missing_one_and_puts_small_clusters_on_standby():
+    from hsgd.core.membership import live_plan
+
+    topo = Topology(3, 3)
+    leaders = {0: "c0r2", 1: "c1r0"}
+    live = {"c0r0", "c0r2", "c1r1", "c1r2", "c2r1"}
+    plan = live_plan(topo, live, leaders, epoch=7, min_replicas_per_cluster=2)
+    assert plan.members == {0: ("c0r0", "c0r2"), 1: ("c1r1", "c1r2")}
+    assert plan.leaders == {0: "c0r2", 1: "c1r1"}, "c0 keeps its leader; c1's is gone: the lowest live index"
+    assert plan.outer_clusters == (0, 1) and plan.standby == ("c2r1",) and plan.epoch == 7
+    assert leaders[1] == "c1r1", "the choice is remembered"

@@ -111,3 +111,28 @@ def test_injected_and_observed_entries_have_the_same_keys():
     assert set(injected) == set(observed)
     assert injected["detected_at"] == 1.5 and injected["cause"] == "died"
     assert observed["cause"] == "hung" and observed["detection_latency_s"] is None
+
+
+def test_late_round_record_invents_nothing():
+    from hsgd.record.metrics import late_round_record
+
+    rec = late_round_record(round_index=4, steps_per_round=20, live_replicas=3, epoch=9, digests={"c0r0": "ab"},
+                            eval_loss=None, t=1.0)
+    assert rec["recovered"] is True and rec["inner_step"] == 100
+    assert rec["loss"] is None and rec["tokens_per_s"] is None and rec["replica_loss"] == {}
+
+
+def test_run_summary_takes_the_first_global_digest_and_counts_steps_of_committed_rounds():
+    from hsgd.record.metrics import run_summary
+
+    durable = {"committed_round": 5, "started_at": 100.0, "initial_eval_loss": 4.4, "supervisor_starts": 2,
+               "epoch": 12}
+    summary = run_summary(status="completed", reason=None, durable=durable, steps_per_round=20,
+                          digests={"c0r0": {"param": "p0", "global": "g"}, "c0r1": {"param": "p1", "global": "g"}},
+                          metrics=[{"round": 3, "eval_loss": 3.0}, {"round": 4, "eval_loss": None}], fired=[],
+                          events=[], not_fired=[], committed_steps=180, attempted_steps=200,
+                          participation=[1.0, 0.5], supervisor_started=150.0, now=160.0, run_dir="/r")
+    assert summary["inner_steps_committed"] == 100 and summary["final_eval_loss"] == 3.0
+    assert summary["wall_s"] == 60.0 and summary["supervisor_wall_s"] == 10.0
+    assert summary["replica_param_digests"] == {"c0r0": "p0", "c0r1": "p1"} and summary["global_param_digest"] == "g"
+    assert summary["step_efficiency"] == 0.9 and summary["faults"] == [] and summary["supervisor_starts"] == 2

@@ -1181,3 +1181,15 @@ def test_answers_in_batches_decide_exactly_as_one_by_one(batch):
     assert many_log == one_log
     assert (many.outcome, many.progress, many.epoch, many.leaders, many.committed_by) == \
            (one.outcome, one.progress, one.epoch, one.leaders, one.committed_by)
+
+
+def test_heals_at_rest_bring_every_cluster_to_the_furthest_round():
+    from hsgd.core.round import heals_at_rest
+
+    topo = Topology(3, 2)
+    live = {"c0r0": (5, 50), "c0r1": (4, 40), "c1r0": (4, 40), "c1r1": (4, 40), "c2r0": (5, 50), "c2r1": (5, 50)}
+    heals = heals_at_rest(topo, live)
+    assert sorted(heals) == [0, 1], "c2 is at the top already"
+    assert [(h.target, h.source, h.scope) for h in heals[0]] == [("c0r1", "c0r0", "full")]
+    assert {(h.target, h.scope) for h in heals[1]} == {("c1r0", "global"), ("c1r1", "global")}
+    assert {h.source for h in heals[1]} == {"c0r0"}, "the lowest-id donor of another cluster"
