@@ -48,6 +48,7 @@ class RoundRunner:
         self.heal_states: dict[tuple[int, str], Any] = {}  # (heal action, source) -> its state's object ref
         self.state_refs: dict[Any, tuple[int, str]] = {}  # the same, pending: watched so a dead source is seen
         self.logged_down: set[str] = set()  # replica_down logged this round
+        self.steps_run: dict[int, int] = {}  # run_inner action id -> steps its members ran
 
     def drive(self) -> None:
         m, sup = self.machine, self.sup
@@ -195,7 +196,7 @@ class RoundRunner:
                     ray.kill(sup.roster.handles[rid], no_restart=False)  # restart it clean
                 except Exception:  # noqa: BLE001
                     pass
-        self._account(kind, rid, value, outcome)
+        self._account(action_id, kind, rid, value, outcome)
         if action_id in self.actions and rid in self.actions[action_id][2]:
             action, started, pending = self.actions[action_id]
             pending.discard(rid)
@@ -234,9 +235,10 @@ class RoundRunner:
         except Exception:  # noqa: BLE001
             return True
 
-    def _account(self, kind: str, rid: str, value: dict, outcome: Outcome) -> None:
+    def _account(self, action_id: int, kind: str, rid: str, value: dict, outcome: Outcome) -> None:
         if kind == "run_inner" and "report" in value:
             rep = value["report"]
+            self.steps_run[action_id] = max(self.steps_run.get(action_id, 0), rep["steps_done"])
             self.tokens += rep["tokens"]
             self.inner_bytes += rep["inner_bytes"]
             self.attempted_steps += rep["steps_done"]
@@ -270,6 +272,11 @@ class RoundRunner:
                                    bytes=self.heal_sizes.get(rid))
         if not failed and action.kind in ("outer_reduce", "outer_commit"):
             self.sup.clock.observe(action.kind.replace("_reduce", ""), seconds, 1)
+        steps_run = self.steps_run.pop(action.id, 0)
+        if action.kind == "run_inner" and not failed and steps_run:
+            # the step deadline's sure sample: progress polls may never land inside a short phase,
+            # and without samples the deadline is the ceiling (a hang would go unseen for minutes)
+            self.sup.clock.observe("inner_step", seconds, steps_run)
         if action.kind == "run_inner" and failed:
             self.attempts += 1
 

@@ -181,7 +181,9 @@ class Supervisor:
                              inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "boundary"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
-                             presumed_dead_s=max(0.5, 3 * self.clock.median("inner_step", 0.5)),
+                             # a closed connection means the peer's process is gone; only Ray's own
+                             # notice (which names the cause) is worth a short wait — nothing is killed
+                             presumed_dead_s=max(0.25, self.clock.median("inner_step", 0.5)),
                              configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=heal_s,
                              outer_s=min(sup.phase_timeout_s, self.clock.deadline("outer", 1) + grace),
                              commit_s=min(sup.phase_timeout_s, self.clock.deadline("outer_commit", 1) + grace))
@@ -268,14 +270,17 @@ class Supervisor:
         return None
 
     def _final_heal(self) -> None:
-        """A replica that died in the last round comes back and heals before the run ends."""
+        """A replica that died in the last round comes back and heals before the run ends — also
+        one that came back just before (admitted at the last boundary, still behind)."""
         roster = self.roster
-        if not roster.missing():
+        if roster.missing():
+            self._set_status(phase="final_heal")
+            roster.rejoin(self.cfg.supervisor.rejoin_wait_s)
+        heals_by_cluster = heals_at_rest(self.topology, roster.live)
+        if not heals_by_cluster:
             return
-        self._set_status(phase="final_heal")
-        roster.rejoin(self.cfg.supervisor.rejoin_wait_s)
         top = current_round(roster.live.values())
-        for c, heals in heals_at_rest(self.topology, roster.live).items():
+        for c, heals in heals_by_cluster.items():
             action = Action(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
                             calls={h.target: (h.source, h.scope) for h in heals})
             RoundRunner(self, None, top).heal_now(action)
