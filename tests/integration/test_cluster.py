@@ -60,6 +60,7 @@ def test_relative_run_dirs_resolve_against_the_persistent_root(monkeypatch, tmp_
     assert output_path("outputs/x") == str(tmp_path / "outputs" / "x")
 
 
+@pytest.mark.long
 def test_multirun_runs_each_job_and_writes_the_sweep_table(tmp_path):
     sweep = tmp_path / "sweep"
     proc = train_cli(["-m", "sync.outer_every=4,6", *FAST, "train.rounds=2", "checkpoint.every=0",

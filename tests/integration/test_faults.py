@@ -59,6 +59,7 @@ def test_non_leader_faults_in_every_phase(tmp_path, fault_free):
     check_run(run_dir, s, fault_free, min_faults=6)
 
 
+@pytest.mark.long
 def test_leader_faults_in_every_phase(tmp_path, fault_free):
     run_dir = tmp_path / "run"
     s = train(run_dir, BASE + [schedule(
@@ -123,6 +124,7 @@ def test_two_faults_at_once_and_a_fault_during_heal(tmp_path, fault_free):
     check_run(run_dir, s, fault_free, min_faults=3)
 
 
+@pytest.mark.long
 def test_same_seed_and_schedule_give_the_same_digest(tmp_path):
     faults = schedule("kind:kill,target:c0r1,round:1,phase:inner,step:2",
                       "kind:crash,target:leader:c1,round:2,phase:outer",

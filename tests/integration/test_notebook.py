@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from tests.integration.runs import REPO
 
 
+@pytest.mark.long
 def test_failure_drill_notebook_runs_headless():
     path = REPO / "notebooks" / "failure_drill.ipynb"
     nb = nbformat.read(path, as_version=4)

@@ -48,6 +48,7 @@ def test_outputs_are_written_and_complete(tmp_path):
     assert raw["final_eval_loss"] == s["final_eval_loss"]
 
 
+@pytest.mark.long
 def test_resume_continues_to_the_uninterrupted_digest(tmp_path):
     whole = train(tmp_path / "whole", ["sync.outer_every=3", "train.rounds=4", "checkpoint.every=2"])
     part = tmp_path / "part"
@@ -90,6 +91,7 @@ def test_bad_config_is_one_clear_line_and_exit_2(tmp_path, overrides, field):
     assert "Replica pid=" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.long
 def test_default_job_trains_the_model(tmp_path):
     """`python -m jobs.train` with no arguments: 2x2, ddp + diloco, eval loss clearly drops."""
     proc = train_cli([], cwd=tmp_path, env={"WANDB_MODE": "offline"}, timeout=900)
