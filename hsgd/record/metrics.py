@@ -145,7 +145,9 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
             "wall_s": now - durable["started_at"],  # the whole run, across supervisor restarts
             "supervisor_wall_s": now - supervisor_started,
             "replica_param_digests": {rid: d["param"] for rid, d in digests.items()},
-            "global_param_digest": next((d["global"] for d in digests.values() if d.get("global")), None),
+            # from a replica holding the committed round (one restarted at the very end may not)
+            "global_param_digest": next((d["global"] for d in sorted(digests.values(), key=lambda d: d.get("round") != rounds)
+                                         if d.get("global")), None),
             "step_efficiency": step_eff, "training_efficiency": training_eff,
             "faults": fault_figures(fired, events), "faults_not_fired": not_fired,
             "supervisor_starts": durable["supervisor_starts"], "epoch": durable["epoch"], "run_dir": run_dir}

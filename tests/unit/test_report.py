@@ -136,3 +136,15 @@ def test_run_summary_takes_the_first_global_digest_and_counts_steps_of_committed
     assert summary["wall_s"] == 60.0 and summary["supervisor_wall_s"] == 10.0
     assert summary["replica_param_digests"] == {"c0r0": "p0", "c0r1": "p1"} and summary["global_param_digest"] == "g"
     assert summary["step_efficiency"] == 0.9 and summary["faults"] == [] and summary["supervisor_starts"] == 2
+
+
+def test_run_summary_takes_the_global_digest_from_a_replica_at_the_committed_round():
+    from hsgd.record.metrics import run_summary
+
+    durable = {"committed_round": 5, "started_at": 0.0, "supervisor_starts": 1, "epoch": 3}
+    summary = run_summary(status="completed", reason=None, durable=durable, steps_per_round=20,
+                          digests={"c0r0": {"param": "fresh", "global": "initial", "round": 0},
+                                   "c0r1": {"param": "p", "global": "g5", "round": 5}},
+                          metrics=[], fired=[], events=[], not_fired=[], committed_steps=0, attempted_steps=0,
+                          participation=[], supervisor_started=0.0, now=1.0, run_dir="/r")
+    assert summary["global_param_digest"] == "g5"
