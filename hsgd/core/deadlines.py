@@ -50,8 +50,6 @@ class PhaseClock:
         return min(self.ceiling_s, max(self.floor_s, self.multiple * expected))
 
 
-
-
 class StallWatch:
     """Stuck = the step has not moved for `limit_s`: a replica whose step still advances is slow,
     never stuck (the same rule as the round machine's inner phase, for replicas found mid-phase

@@ -122,7 +122,7 @@ def test_late_round_record_invents_nothing():
     assert rec["loss"] is None and rec["tokens_per_s"] is None and rec["replica_loss"] == {}
 
 
-def test_run_summary_takes_the_first_global_digest_and_counts_steps_of_committed_rounds():
+def test_run_summary_counts_steps_of_committed_rounds_and_reports_each_replicas_digest():
     from hsgd.record.metrics import run_summary
 
     durable = {"committed_round": 5, "started_at": 100.0, "initial_eval_loss": 4.4, "supervisor_starts": 2,
