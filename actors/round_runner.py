@@ -54,6 +54,7 @@ class RoundRunner:
         m, sup = self.machine, self.sup
         self._carry_out(m.start(time.monotonic()))
         last_poll = last_status = 0.0
+        stale = True  # the view changed since status.json was last written
         while not m.done:
             waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs) + list(self.state_refs)
             ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
@@ -84,10 +85,12 @@ class RoundRunner:
                 self._carry_out(m.on_tick(now))
                 moved = True
             self._log_deaths()
-            if moved and now - last_status >= STATUS_MIN_S:  # the view changed (a phase began) or a tick passed
-                last_status = now
+            stale = stale or moved  # a change inside the throttle window is written on a later pass, not dropped
+            if stale and now - last_status >= STATUS_MIN_S:
+                last_status, stale = now, False
                 sup._set_status(epoch=m.epoch, **_view(m))
         self._log_deaths()
+        sup._set_status(epoch=m.epoch, **_view(m))  # the round's final view, before its commit is logged
         sup.roster.live = dict(m.progress)
 
     # -- issuing -----------------------------------------------------------------------------------------
