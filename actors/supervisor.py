@@ -31,7 +31,8 @@ from actors.round_runner import TICK_S, RoundRunner
 from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
-from hsgd.core.round import Action, RoundMachine, RoundSettings, checkpoint_due, current_round, heals_at_rest
+from hsgd.core.round import (Action, RoundMachine, RoundSettings, checkpoint_due, current_round, heals_at_rest,
+                             quiet_gc_for_planning)
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
 from hsgd.record.metrics import late_round_record, round_record, run_summary
@@ -145,6 +146,7 @@ class Supervisor:
                 self._save_durable()
                 self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
             self._catch_up()
+            quiet_gc_for_planning()
             while True:
                 for rid in roster.missing() + sorted(roster.gone):
                     if rid not in roster.live and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None:

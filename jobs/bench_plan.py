@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsgd.core.round import Outcome, PhaseResult, RoundMachine, RoundSettings
+from hsgd.core.round import Outcome, PhaseResult, RoundMachine, RoundSettings, quiet_gc_for_planning
 from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
 
@@ -53,7 +53,8 @@ def main(argv: list[str]) -> int:
                   one_by_one={"per_round_plan_ms": one_by_one["per_round_plan_ms"], "cases": one_by_one["cases"]},
                   tick=batched["tick"], plan_view_call_ms=batched["plan_view_call_ms"],
                   machine_note=f"one process, {platform.python_implementation()} {platform.python_version()} on "
-                               f"{platform.machine()}; machine calls only (the simulated answers are not timed)",
+                               f"{platform.machine()}; machine calls only (the simulated answers are not timed); "
+                               f"garbage collection as in the supervisor (hsgd.core.round.quiet_gc_for_planning)",
                   reference_ms=reference_ms(),
                   args=vars(args))
     text = json.dumps(report, indent=2)
@@ -92,6 +93,7 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
     rng = random.Random(seed)
     state = {"progress": {rid: (0, 0) for rid in topo.replica_ids()}, "leaders": {}, "configured": {},
              "outer": None, "epoch": 0, "round": 0}
+    quiet_gc_for_planning()  # as the supervisor does once it is set up
     cases: dict[str, list[dict]] = {"first_round": [], "fault_free": [], "few_failures": []}
 
     def one(case: str, faults: dict | None) -> None:

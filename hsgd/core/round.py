@@ -55,6 +55,7 @@ time per replica, and each call using one level, a replica is in at most one col
 """
 from __future__ import annotations
 
+import gc
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -78,6 +79,7 @@ class Outcome(str, Enum):
 
 FAILED = (Outcome.DIED, Outcome.ERROR)
 _DONE = Outcome.DONE
+_LOST = (-1, -1)  # the position of a replica no longer live
 
 
 class PhaseResult(NamedTuple):
@@ -198,18 +200,21 @@ def _layout(topology: Topology) -> tuple[tuple[tuple[str, ...], ...], dict[str, 
     return ids, {rid: c for c, members in enumerate(ids) for rid in members}
 
 
-@dataclass(slots=True)
 class _InFlight:
-    action: Action
-    pending: set[str]
-    started: float
-    failed_at: float | None = None
-    delivered: set = field(default_factory=set)  # heal sources whose state arrived
-    peer_gone: dict = field(default_factory=dict)  # group -> when a member saw a peer's connection close
-    # group -> when a member of that group first failed: a failure shortens the wait only for its own
-    # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
-    failed_groups: dict = field(default_factory=dict)
-    commit: bool = False  # an outer_commit: who applied it counts
+    """An action the machine waits on (a plain slotted class: thousands are made a round)."""
+    __slots__ = ("action", "left", "started", "failed_at", "delivered", "peer_gone", "failed_groups", "commit")
+
+    def __init__(self, action: Action, left: int, started: float, commit: bool = False):
+        self.action = action
+        self.left = left  # members still to answer; which ones: RoundMachine._pending (busy is the one record)
+        self.started = started
+        self.failed_at: float | None = None
+        self.delivered: set[str] = set()  # heal sources whose state arrived
+        self.peer_gone: dict = {}  # group -> when a member saw a peer's connection close
+        # group -> when a member of that group first failed: a failure shortens the wait only for its own
+        # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
+        self.failed_groups: dict = {}
+        self.commit = commit  # an outer_commit: who applied it counts
 
 
 class RoundMachine:
@@ -232,6 +237,7 @@ class RoundMachine:
         self._ids, self._cluster_index = _layout(topology)
         self._global_source: tuple[int, str | None] | None = None  # (id of a donors dict, its lowest-id donor)
         self._global_donors: dict | None = None
+        self._in_start, self._start_donors = False, None  # see _donors
         self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
         self.outer_stage = "wait"  # wait | configure | reduce | commit | done
         self.outer_action: int | None = None
@@ -273,7 +279,7 @@ class RoundMachine:
     def start(self, now: float) -> list[Action]:
         if not self.progress:
             return self._finish("below_quorum", "no live replica")
-        top = max((r for r, _ in self.progress.values()), default=-1)
+        top = max(self.progress.values())[0]  # (round, step) tuples: the furthest round
         if top < self.committed_round:
             self.done = True
             self.outcome = "restore"
@@ -281,16 +287,26 @@ class RoundMachine:
                            f"(best: {top if top >= 0 else 'none'})")
             return []
         actions: list[Action] = []
-        donors = {rid: p for rid, p in self.progress.items() if p[0] == self.round}
-        for c in range(self.topology.clusters):
-            members = self.members(c)
+        r, smallest = self.round, max(1, self.settings.min_replicas_per_cluster)
+        if not any(p[0] == r for p in self.progress.values()):
+            if any(len(self.members(c)) >= smallest for c in range(self.topology.clusters)):
+                # nobody holds the round asked for: a caller's error, never a stall
+                return self._finish("failed", f"round {r} asked, but no live replica holds it")
+        self._in_start = True  # progress stands still meanwhile: one donors dict serves every cluster
+        progress, leaders, at_start = self.progress, self.leaders, (r, r * self.settings.steps_per_round)
+        for c, ids in enumerate(self._ids):
+            members = tuple([rid for rid in ids if rid in progress])
             st = self.clusters[c]
-            if len(members) < self.settings.min_replicas_per_cluster or not members:
+            if len(members) < smallest:
                 st.stage = "out"
                 continue
-            if not donors:  # nobody holds the round asked for: a caller's error, never a stall
-                return self._finish("failed", f"round {self.round} asked, but no live replica holds it")
-            actions += self._reform(c, now, "round start", donors=donors, members=members)
+            if st.configured is not None and st.configured[1] == members and leaders.get(c) in members \
+                    and [progress[rid] for rid in members].count(at_start) == len(members):
+                st.members = members  # _reform's common case (nobody heals, the group stands), inlined
+                actions += self._run_inner(c, now)
+                continue
+            actions += self._reform(c, now, "round start", members=members)
+        self._in_start, self._start_donors = False, None
         if len(self.participating()) < self.settings.min_clusters:
             return self._finish("below_quorum", self._quorum_text())
         return actions
@@ -307,15 +323,12 @@ class RoundMachine:
         inflight, busy, progress = self.inflight, self.busy, self.progress
         for result in results:
             action_id, rid, outcome, round_index, step, _ = result
-            flight = inflight.get(action_id)
-            if flight is None:
+            in_flight = busy.pop(rid, None)
+            if in_flight != action_id:  # stale: the call was given up on, or answered already
+                if in_flight is not None:
+                    busy[rid] = in_flight  # (rare) put back the call rid does have in flight
                 continue
-            pending = flight.pending
-            if rid not in pending:
-                continue
-            pending.remove(rid)
-            if busy.get(rid) == action_id:
-                del busy[rid]
+            flight = inflight[action_id]
             if round_index >= 0 and rid in progress:
                 progress[rid] = (round_index, step)
             if outcome is not _DONE and outcome != _DONE:  # the common answer takes no branch here
@@ -325,10 +338,22 @@ class RoundMachine:
                     self.committed_by.add(rid)
                 else:  # its cluster's group broke during the broadcast
                     self.clusters[self._cluster_of(rid)].configured = None
-            if not pending:
+            flight.left -= 1
+            if not flight.left:
                 del inflight[action_id]
                 actions += self._action_finished(flight, now)
         return actions
+
+    def _pending(self, flight: _InFlight) -> list[str]:
+        """The members of `flight` that have not answered (and were not given up on)."""
+        busy, action_id = self.busy, flight.action.id
+        return [rid for rid in flight.action.calls if busy.get(rid) == action_id]
+
+    def _give_up(self, flight: _InFlight, rid: str) -> None:
+        """Stop waiting for rid's answer to `flight` (it was killed or is gone): a late one is stale."""
+        if self.busy.get(rid) == flight.action.id:
+            del self.busy[rid]
+            flight.left -= 1
 
     def _note_failure(self, flight: _InFlight, result: PhaseResult, now: float) -> None:
         outcome, rid = result.outcome, result.rid
@@ -371,7 +396,7 @@ class RoundMachine:
                         if flight.failed_at is not None and now <= flight.failed_at + self.settings.group_grace_s:
                             continue
                     actions.append(self._kill(rid, flight, now))
-            if not flight.pending and action_id in self.inflight:
+            if not flight.left and action_id in self.inflight:
                 del self.inflight[action_id]
                 actions += self._action_finished(flight, now)
         return actions
@@ -382,12 +407,12 @@ class RoundMachine:
         is the last sign of progress plus the step window, and a kill in this tick cannot shorten
         another member's limit below now (the group's grace starts at now)."""
         if flight.action.kind != "run_inner" or flight.failed_groups or flight.peer_gone:
-            return list(flight.pending)
+            return self._pending(flight)
         window = max(self.settings.step_deadline_s, self.settings.group_grace_s)
         started, advance = flight.started, self.advance
         if now <= started + window:
             return ()
-        return [rid for rid in flight.pending
+        return [rid for rid in self._pending(flight)
                 if now > (max(started, seen[1]) if (seen := advance.get(rid)) else started) + window]
 
     def on_heal_state(self, action_id: int, source: str, now: float) -> None:
@@ -448,8 +473,8 @@ class RoundMachine:
         if rid not in self.progress:
             return []
         self._mark_dead(rid, cause)
-        action_id = self.busy.pop(rid, None)
-        if action_id is not None and action_id in self.inflight:
+        action_id = self.busy.get(rid)
+        if action_id is not None:
             return self.on_result(PhaseResult(action_id, rid, Outcome.DIED), now)
         c = self.topology.cluster_of(rid)
         st = self.clusters[c]
@@ -483,7 +508,8 @@ class RoundMachine:
         """Every member of `group` but the silent ones answered (so the silent ones are the peers
         whose connections closed)."""
         members = [r for r in flight.action.calls if self._group_of(flight, r) == group]
-        answered = [r for r in members if r not in flight.pending]
+        pending = set(self._pending(flight))
+        answered = [r for r in members if r not in pending]
         return bool(answered) and len(answered) >= len(members) - 1
 
     def _group_of(self, flight: _InFlight, rid: str):
@@ -507,15 +533,11 @@ class RoundMachine:
                 and now - flight.peer_gone[group] < self.settings.group_grace_s:
             # its peers saw its connection close: it is gone, not hung; no hang report
             self._mark_dead(rid, "died")
-            flight.pending.discard(rid)
-            if self.busy.get(rid) == flight.action.id:
-                del self.busy[rid]
+            self._give_up(flight, rid)
             return self._new_action("reap", flight.action.cluster, {rid: (flight.action.kind, now - last_sign)},
                                     reason="its peers saw its connection close")
         self._mark_dead(rid, "hung")
-        flight.pending.discard(rid)
-        if self.busy.get(rid) == flight.action.id:
-            del self.busy[rid]
+        self._give_up(flight, rid)
         if flight.failed_at is None:
             flight.failed_at = now
         flight.failed_groups.setdefault(self._group_of(flight, rid), now)
@@ -557,7 +579,7 @@ class RoundMachine:
                 rid = next(r for r in calls if r in busy)
                 raise AssertionError(f"{rid} already has action {busy[rid]} in flight")
             busy.update(dict.fromkeys(calls, action.id))
-            self.inflight[action.id] = _InFlight(action, set(calls), now, commit=kind == "outer_commit")
+            self.inflight[action.id] = _InFlight(action, len(calls), now, commit=kind == "outer_commit")
         return action
 
     def _quorum_text(self) -> str:
@@ -570,8 +592,7 @@ class RoundMachine:
         return []
 
     # per cluster ---------------------------------------------------------------------------------
-    def _reform(self, c: int, now: float, reason: str, donors: dict | None = None,
-                counts: bool = True, members: tuple[str, ...] | None = None) -> list[Action]:
+    def _reform(self, c: int, now: float, reason: str, counts: bool = True, members: tuple[str, ...] | None = None) -> list[Action]:
         """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner.
         `members`: c's live members when the caller just computed them (start)."""
         st = self.clusters[c]
@@ -599,7 +620,7 @@ class RoundMachine:
         elif any(p[0] == self.round for p in where):
             pool = {}  # a member holds the round: heals stay inside c, whatever the donors
         else:  # nobody in c holds the round: the global state of the lowest-id donor (as assign_heals picks)
-            donors = donors if donors is not None else {rid: p for rid, p in self.progress.items() if p[0] == self.round}
+            donors = self._donors()
             source = self._lowest_donor(donors)
             pool = {source: donors[source]} if source is not None else {}
         heals = assign_heals_for_cluster(dict(zip(members, where)), pool) if pool is not None else []
@@ -610,6 +631,15 @@ class RoundMachine:
             st.action = action.id
             return [action]
         return self._configure(c, now, reason)
+
+    def _donors(self) -> dict[str, tuple[int, int]]:
+        """Live replicas holding the round; during `start` one dict shared by every cluster."""
+        if self._start_donors is not None:
+            return self._start_donors
+        donors = {rid: p for rid, p in self.progress.items() if p[0] == self.round}
+        if self._in_start:
+            self._start_donors = donors
+        return donors
 
     def _lowest_donor(self, donors: dict[str, tuple[int, int]]) -> str | None:
         """min(donors, key=parse_replica_id), computed once for the donors dict `start` shares."""
@@ -722,13 +752,15 @@ class RoundMachine:
 
     def _outer_commit(self, now: float) -> list[Action]:
         self.outer_stage = "commit"
-        calls = {}
+        calls: dict[str, tuple[int]] = {}
+        progress, leaders = self.progress, self.leaders
         for c in self.participating():
-            st = self.clusters[c]
-            if self.leaders.get(c) not in self.progress:
+            members = self.clusters[c].members
+            if leaders.get(c) not in progress:
                 continue  # its leader was lost after the reduce: this cluster cannot apply; it heals next round
-            root = st.members.index(self.leaders[c])
-            calls.update({rid: (root,) for rid in st.members if rid in self.progress})
+            root = (members.index(leaders[c]),)
+            live = [rid for rid in members if rid in progress]
+            calls.update(dict.fromkeys(live, root))
         if not calls:
             return self._outer_retry(now, "no cluster can apply the commit")
         a = self._new_action("outer_commit", None, calls, deadline_s=self.settings.commit_s, track=True, now=now,
@@ -765,11 +797,12 @@ class RoundMachine:
         self.outer_stage = "wait"
         actions: list[Action] = []
         broken = []
+        progress, r = self.progress, self.round
         for c in self.participating():
             st = self.clusters[c]
-            lost = any(rid not in self.progress for rid in st.members)
-            behind = any(self.progress.get(rid, (self.round, 0))[0] != self.round for rid in st.members)
-            if lost or behind or st.configured is None:  # None: its commit broadcast broke the group
+            # a member lost (-1) or not at the round: the cluster re-forms
+            intact = [progress.get(rid, _LOST)[0] for rid in st.members].count(r) == len(st.members)
+            if not intact or st.configured is None:  # None: its commit broadcast broke the group
                 st.configured = None
                 st.stage = "reform"  # not ready: no exchange starts until every broken cluster re-formed
                 broken.append(c)
@@ -778,6 +811,18 @@ class RoundMachine:
             if self.done:
                 return actions
         return actions + self._maybe_outer(now)
+
+
+def quiet_gc_for_planning() -> None:
+    """For the process that hosts RoundMachines (the supervisor; the plan benchmark, to measure
+    what it does). At 10,000 replicas a round allocates ~100,000 short-lived tuples; with CPython's
+    default thresholds (a young collection every 700 allocations, and full ones that walk every
+    live object) collection took a third of the planning time. The state built so far (topology,
+    layout, roster) is frozen out of collection, and young collections run every 50,000
+    allocations. Call it once, after set-up."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def assign_heals_for_cluster(members: dict[str, tuple[int, int]],
@@ -797,8 +842,13 @@ def assign_heals_for_cluster(members: dict[str, tuple[int, int]],
 def peer_gone(detail: str) -> bool:
     """A collective's error says a peer's connection closed (its process is gone), as opposed to a
     timeout (a peer that may be hung or slow)."""
-    text = (detail or "").lower()
-    return any(k in text for k in ("closed by peer", "reset by peer", "broken pipe", "connection closed"))
+    if not detail:
+        return False
+    text = detail.lower()
+    return any(k in text for k in _PEER_GONE_TEXTS)
+
+
+_PEER_GONE_TEXTS = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
 
 
 def current_round(progress: Iterable[tuple[int, int]]) -> int:

@@ -263,7 +263,7 @@ class World:
             if self.now > t_end:
                 raise AssertionError(f"round {m.round} did not finish in {limit_s}s of simulated time: "
                                      f"stages {[st.stage for st in m.clusters.values()][:20]}, outer {m.outer_stage}, "
-                                     f"in flight {[(f.action.kind, sorted(f.pending)[:5]) for f in m.inflight.values()][:10]}")
+                                     f"in flight {[(f.action.kind, sorted(m._pending(f))[:5]) for f in m.inflight.values()][:10]}")
         self.m = None
 
     def drain(self) -> None:
@@ -913,6 +913,23 @@ def test_total_loss_asks_for_restore():
     w.committed_round = 3  # every live replica is a fresh process; round 3 was committed before
     m = w.round()
     assert m.outcome == "restore" and "total loss" in m.reason and not w.issued
+
+
+def test_a_round_nobody_holds_fails_at_once_instead_of_stalling():
+    w = World(2, 2, start=(2, 200))
+    w.committed_round = 2
+    m = w.round(3)  # the caller asks for a round no live replica has reached
+    assert m.outcome == "failed" and "round 3 asked" in m.reason and not w.issued
+
+
+def test_clusters_behind_at_round_start_take_the_global_state_of_the_lowest_id_donor():
+    w = World(3, 2, start=(1, 100))
+    for rid in ("c0r0", "c0r1", "c2r0"):  # c0: nobody holds the round; c2r0 lags inside c2
+        w.reps[rid].round, w.reps[rid].step = 0, 0
+    m = w.machine()
+    heals = {a.cluster: a.calls for a in m.start(0.0) if a.kind == "heal"}
+    assert heals[0] == {"c0r0": ("c1r0", "global"), "c0r1": ("c1r0", "global")}
+    assert heals[2] == {"c2r0": ("c2r1", "full")}
 
 
 def test_every_replica_dying_mid_round_ends_below_quorum_then_restore():
