@@ -143,7 +143,8 @@ class Drill:
             else:
                 raise DrillError(f"{kind!r} cannot target the supervisor; valid: kill|crash")
         else:
-            for rid in self._resolve(target):
+            record["rids"] = self._resolve(target)
+            for rid in record["rids"]:
                 fault = {"kind": kind, "phase": "now", "step": 0, "seconds": seconds}
                 if kind == "kill":  # from outside, as an operator or a node failure would
                     _append_fired(self.run_dir, rid, kind)
@@ -155,10 +156,16 @@ class Drill:
 
     def wait_recovered(self, timeout_s: float = 180.0) -> dict:
         """Wait until every replica is live again and a round committed after the last injection
-        (and after the last replica came back). Returns the seconds that took."""
+        took effect (and after the last replica came back). Returns the seconds that took. A fault
+        injected now into a replica fires at its next step or phase boundary, which may be the
+        commit broadcast of the round in flight; that round can still commit (another cluster
+        applied it) before the damage is repaired, so only a round after the one the fault fired in
+        counts."""
         if not self._injected:
             raise DrillError("nothing was injected")
-        t0 = self._injected[-1]["t"]
+        last = self._injected[-1]
+        t0 = last["t"]
+        inside = last.get("rids") if last["kind"] != "kill" else None  # fired by the replica itself
         everyone = set(_read_json(self.run_dir / "run.json").get("replicas", []))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -167,7 +174,13 @@ class Drill:
             events = [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["t"] >= t0]
             downs = [e for e in events if e["event"] in ("replica_down", "hang_detected", "supervisor_start")]
             ups = [e["t"] for e in events if e["event"] == "replica_up"]
-            commits = [e["t"] for e in events if e["event"] == "commit" and e["t"] > max(ups, default=t0)]
+            after_round = -1
+            if inside:
+                fired = [f for f in read_jsonl(self.run_dir / "faults_fired.jsonl")
+                         if f.get("rid") in inside and f["t"] >= t0 - 1.0 and f.get("round") is not None]
+                after_round = max((f["round"] for f in fired), default=None)
+            commits = [e["t"] for e in events if e["event"] == "commit" and e["t"] > max(ups, default=t0)
+                       and after_round is not None and e["round"] > after_round]
             broken = self._injected[-1].get("scheduled") is None and not downs and self._injected[-1]["kind"] in ("kill", "crash", "hang")
             if live >= everyone and commits and not broken:
                 return {"recovered_s": commits[0] - t0, "detections": [e["event"] for e in downs]}
