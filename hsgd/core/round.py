@@ -592,7 +592,8 @@ class RoundMachine:
         return []
 
     # per cluster ---------------------------------------------------------------------------------
-    def _reform(self, c: int, now: float, reason: str, counts: bool = True, members: tuple[str, ...] | None = None) -> list[Action]:
+    def _reform(self, c: int, now: float, reason: str, counts: bool = True,
+                members: tuple[str, ...] | None = None) -> list[Action]:
         """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner.
         `members`: c's live members when the caller just computed them (start)."""
         st = self.clusters[c]
