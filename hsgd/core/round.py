@@ -145,7 +145,7 @@ class RoundSettings:
     commit_s: float = 60.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _ClusterState:
     _stage: str = "new"  # new | heal | configure | inner | average | ready | out  (read and set as `stage`)
     members: tuple[str, ...] = ()
