@@ -181,7 +181,7 @@ class Drill:
                 after_round = max((f["round"] for f in fired), default=None)
             commits = [e["t"] for e in events if e["event"] == "commit" and e["t"] > max(ups, default=t0)
                        and after_round is not None and e["round"] > after_round]
-            broken = self._injected[-1].get("scheduled") is None and not downs and self._injected[-1]["kind"] in ("kill", "crash", "hang")
+            broken = last.get("scheduled") is None and not downs and last["kind"] in ("kill", "crash", "hang")
             if live >= everyone and commits and not broken:
                 return {"recovered_s": commits[0] - t0, "detections": [e["event"] for e in downs]}
             if self.summary is not None and self.summary.get("status") != "completed":

@@ -64,7 +64,7 @@ from typing import Iterable, NamedTuple
 
 from hsgd.core.heal import HealAssignment, assign_heals
 from hsgd.core.membership import Plan, quorum_problem
-from hsgd.core.topology import Topology, parse_replica_id
+from hsgd.core.topology import Topology
 
 
 class Outcome(str, Enum):
@@ -80,6 +80,7 @@ class Outcome(str, Enum):
 FAILED = (Outcome.DIED, Outcome.ERROR)
 _DONE = Outcome.DONE
 _LOST = (-1, -1)  # the position of a replica no longer live
+_NO_CACHE, _UNKNOWN = object(), object()  # RoundMachine._start_source outside start / not looked up yet
 
 
 class PhaseResult(NamedTuple):
@@ -235,9 +236,7 @@ class RoundMachine:
         self.clusters = {c: _ClusterState(configured=(configured or {}).get(c), index=c, tally=self._tally)
                          for c in range(topology.clusters)}
         self._ids, self._cluster_index = _layout(topology)
-        self._global_source: tuple[int, str | None] | None = None  # (id of a donors dict, its lowest-id donor)
-        self._global_donors: dict | None = None
-        self._in_start, self._start_donors = False, None  # see _donors
+        self._start_source: object = _NO_CACHE  # see _global_source
         self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
         self.outer_stage = "wait"  # wait | configure | reduce | commit | done
         self.outer_action: int | None = None
@@ -292,7 +291,7 @@ class RoundMachine:
             if any(len(self.members(c)) >= smallest for c in range(self.topology.clusters)):
                 # nobody holds the round asked for: a caller's error, never a stall
                 return self._finish("failed", f"round {r} asked, but no live replica holds it")
-        self._in_start = True  # progress stands still meanwhile: one donors dict serves every cluster
+        self._start_source = _UNKNOWN  # progress stands still meanwhile: every cluster shares one global source
         progress, leaders, at_start = self.progress, self.leaders, (r, r * self.settings.steps_per_round)
         for c, ids in enumerate(self._ids):
             members = tuple([rid for rid in ids if rid in progress])
@@ -306,7 +305,7 @@ class RoundMachine:
                 actions += self._run_inner(c, now)
                 continue
             actions += self._reform(c, now, "round start", members=members)
-        self._in_start, self._start_donors = False, None
+        self._start_source = _NO_CACHE
         if len(self.participating()) < self.settings.min_clusters:
             return self._finish("below_quorum", self._quorum_text())
         return actions
@@ -621,9 +620,8 @@ class RoundMachine:
         elif any(p[0] == self.round for p in where):
             pool = {}  # a member holds the round: heals stay inside c, whatever the donors
         else:  # nobody in c holds the round: the global state of the lowest-id donor (as assign_heals picks)
-            donors = self._donors()
-            source = self._lowest_donor(donors)
-            pool = {source: donors[source]} if source is not None else {}
+            source = self._global_source()
+            pool = {source: progress[source]} if source is not None else {}
         heals = assign_heals_for_cluster(dict(zip(members, where)), pool) if pool is not None else []
         if heals:
             st.stage = "heal"
@@ -633,25 +631,17 @@ class RoundMachine:
             return [action]
         return self._configure(c, now, reason)
 
-    def _donors(self) -> dict[str, tuple[int, int]]:
-        """Live replicas holding the round; during `start` one dict shared by every cluster."""
-        if self._start_donors is not None:
-            return self._start_donors
-        donors = {rid: p for rid, p in self.progress.items() if p[0] == self.round}
-        if self._in_start:
-            self._start_donors = donors
-        return donors
-
-    def _lowest_donor(self, donors: dict[str, tuple[int, int]]) -> str | None:
-        """min(donors, key=parse_replica_id), computed once for the donors dict `start` shares."""
-        if self._global_source is None or self._global_source[0] != id(donors):
-            # the first donor in (cluster, index) order is min by parse_replica_id, found without a full scan
-            source = next((rid for ids in self._ids for rid in ids if rid in donors), None)
-            if source is None and donors:
-                source = min(donors, key=parse_replica_id)
-            self._global_source = (id(donors), source)
-            self._global_donors = donors  # kept alive, so its id is not reused while cached
-        return self._global_source[1]
+    def _global_source(self) -> str | None:
+        """The lowest-id live replica holding the round (whom assign_heals picks for a `global`
+        heal): the first in (cluster, index) order. Found once per `start`, where every cluster
+        that lost the round shares it."""
+        if self._start_source is not _NO_CACHE and self._start_source is not _UNKNOWN:
+            return self._start_source
+        progress, r = self.progress, self.round
+        source = next((rid for ids in self._ids for rid in ids if progress.get(rid, _LOST)[0] == r), None)
+        if self._start_source is _UNKNOWN:
+            self._start_source = source
+        return source
 
     def _configure(self, c: int, now: float, reason: str) -> list[Action]:
         st = self.clusters[c]
