@@ -60,7 +60,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from typing import Iterable, NamedTuple
+from itertools import repeat
+from operator import itemgetter
+from types import MappingProxyType
+from typing import Iterable, Mapping, NamedTuple
 
 from hsgd.core.heal import HealAssignment, assign_heals
 from hsgd.core.membership import Plan, quorum_problem
@@ -80,6 +83,8 @@ class Outcome(str, Enum):
 FAILED = (Outcome.DIED, Outcome.ERROR)
 _DONE = Outcome.DONE
 _LOST = (-1, -1)  # the position of a replica no longer live
+_new_tuple = tuple.__new__
+_round_of = itemgetter(0)  # of a (round, step) position
 _NO_CACHE, _UNKNOWN = object(), object()  # RoundMachine._start_source outside start / not looked up yet
 
 
@@ -194,28 +199,67 @@ class _StageTally:
         return self._participating
 
 
+class _Layout(NamedTuple):
+    """What a topology fixes, built once per topology (not per round): at 10,000 replicas copying a
+    prebuilt dict is ~7x cheaper than building it."""
+    ids: tuple[tuple[str, ...], ...]  # replica ids per cluster
+    cluster_of: dict[str, int]
+    run_calls: tuple[dict[str, tuple], ...]  # per cluster, the calls of a run_inner with every member
+    commit_calls: tuple[dict[str, tuple], ...]  # per cluster, an outer_commit's calls with every member, root 0
+
+
 @lru_cache(maxsize=16)
-def _layout(topology: Topology) -> tuple[tuple[tuple[str, ...], ...], dict[str, int]]:
-    """Replica ids per cluster, and rid -> cluster, built once per topology (not per call)."""
+def _layout(topology: Topology) -> _Layout:
     ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
-    return ids, {rid: c for c, members in enumerate(ids) for rid in members}
+    return _Layout(ids, {rid: c for c, members in enumerate(ids) for rid in members},
+                   tuple(dict.fromkeys(members, ()) for members in ids),
+                   tuple(dict.fromkeys(members, (0,)) for members in ids))
+
+
+# an _InFlight's records before their first entry (most never get one): shared, read-only
+_NO_GROUPS: Mapping = MappingProxyType({})
+_NO_RIDS: frozenset = frozenset()
 
 
 class _InFlight:
-    """An action the machine waits on (a plain slotted class: thousands are made a round)."""
-    __slots__ = ("action", "left", "started", "failed_at", "delivered", "peer_gone", "failed_groups", "commit")
+    """An action the machine waits on (a plain slotted class: thousands are made a round, so its
+    records start as shared read-only empties and are made on their first entry)."""
+    __slots__ = ("action", "left", "started", "failed_at", "delivered", "peer_gone", "failed_groups", "commit",
+                 "not_applied")
 
     def __init__(self, action: Action, left: int, started: float, commit: bool = False):
         self.action = action
         self.left = left  # members still to answer; which ones: RoundMachine._pending (busy is the one record)
         self.started = started
         self.failed_at: float | None = None
-        self.delivered: set[str] = set()  # heal sources whose state arrived
-        self.peer_gone: dict = {}  # group -> when a member saw a peer's connection close
+        self.delivered: set[str] | frozenset = _NO_RIDS  # heal sources whose state arrived
+        self.peer_gone: Mapping = _NO_GROUPS  # group -> when a member saw a peer's connection close
         # group -> when a member of that group first failed: a failure shortens the wait only for its own
         # group (one call may span several: a commit broadcasts in every cluster, heals are one transfer each)
-        self.failed_groups: dict = {}
+        self.failed_groups: Mapping = _NO_GROUPS
         self.commit = commit  # an outer_commit: who applied it counts
+        # (a commit) members that answered anything but done, or were given up on: everyone else applied it
+        self.not_applied: set[str] | frozenset = _NO_RIDS
+
+    def group_failed(self, group, now: float) -> None:
+        if self.failed_groups is _NO_GROUPS:
+            self.failed_groups = {}
+        self.failed_groups.setdefault(group, now)
+
+    def peer_closed(self, group, now: float) -> None:
+        if self.peer_gone is _NO_GROUPS:
+            self.peer_gone = {}
+        self.peer_gone.setdefault(group, now)
+
+    def source_delivered(self, source: str) -> None:
+        if self.delivered is _NO_RIDS:
+            self.delivered = set()
+        self.delivered.add(source)
+
+    def did_not_apply(self, rid: str) -> None:
+        if self.not_applied is _NO_RIDS:
+            self.not_applied = set()
+        self.not_applied.add(rid)
 
 
 class RoundMachine:
@@ -235,7 +279,8 @@ class RoundMachine:
         self._tally = _StageTally(topology.clusters)
         self.clusters = {c: _ClusterState(configured=(configured or {}).get(c), index=c, tally=self._tally)
                          for c in range(topology.clusters)}
-        self._ids, self._cluster_index = _layout(topology)
+        self._layout = _layout(topology)
+        self._ids, self._cluster_index = self._layout.ids, self._layout.cluster_of
         self._start_source: object = _NO_CACHE  # see _global_source
         self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
         self.outer_stage = "wait"  # wait | configure | reduce | commit | done
@@ -250,6 +295,7 @@ class RoundMachine:
         self.yielding: dict[int, int] = {}  # cluster -> step_in_round its members yield at
         self.done, self.outcome, self.reason = False, "", ""
         self._next_id = 0
+        self._inner_end = (round_index, (round_index + 1) * settings.steps_per_round)  # where run_inner ends
         # the latest observed seconds per inner step (a yield boundary is placed with their median)
         self.step_seconds: deque[float] = deque(maxlen=20)
 
@@ -259,8 +305,10 @@ class RoundMachine:
         return tuple(sorted(self.progress, key=self.topology.global_index))
 
     def members(self, cluster: int) -> tuple[str, ...]:
-        progress = self.progress
-        return tuple([rid for rid in self._ids[cluster] if rid in progress])
+        """The cluster's live members (the layout's own tuple when all are live: calls copy templates)."""
+        progress, ids = self.progress, self._ids[cluster]
+        members = tuple([rid for rid in ids if rid in progress])
+        return ids if len(members) == len(ids) else members
 
     def participating(self) -> list[int]:
         return list(self._tally.participating())
@@ -278,8 +326,8 @@ class RoundMachine:
     def start(self, now: float) -> list[Action]:
         if not self.progress:
             return self._finish("below_quorum", "no live replica")
-        top = max(self.progress.values())[0]  # (round, step) tuples: the furthest round
-        if top < self.committed_round:
+        if not any(p[0] >= self.committed_round for p in self.progress.values()):
+            top = max(self.progress.values())[0]  # (round, step) tuples: the furthest round
             self.done = True
             self.outcome = "restore"
             self.reason = (f"total loss: no live replica holds committed round {self.committed_round} "
@@ -293,16 +341,17 @@ class RoundMachine:
                 return self._finish("failed", f"round {r} asked, but no live replica holds it")
         self._start_source = _UNKNOWN  # progress stands still meanwhile: every cluster shares one global source
         progress, leaders, at_start = self.progress, self.leaders, (r, r * self.settings.steps_per_round)
+        clusters, get = self.clusters, progress.get
         for c, ids in enumerate(self._ids):
-            members = tuple([rid for rid in ids if rid in progress])
-            st = self.clusters[c]
+            st = clusters[c]
+            if list(map(get, ids)).count(at_start) == len(ids) >= smallest and st.configured is not None \
+                    and st.configured[1] == ids and leaders.get(c) in ids:
+                st.members = ids  # _reform's common case (all live at the round, the group stands), inlined
+                actions += self._run_inner(c, now)
+                continue
+            members = self.members(c)
             if len(members) < smallest:
                 st.stage = "out"
-                continue
-            if st.configured is not None and st.configured[1] == members and leaders.get(c) in members \
-                    and [progress[rid] for rid in members].count(at_start) == len(members):
-                st.members = members  # _reform's common case (nobody heals, the group stands), inlined
-                actions += self._run_inner(c, now)
                 continue
             actions += self._reform(c, now, "round start", members=members)
         self._start_source = _NO_CACHE
@@ -319,24 +368,21 @@ class RoundMachine:
         of a round's cost is this bookkeeping). A stale answer (an action given up on: its cluster
         re-formed, the replica was killed) is ignored."""
         actions: list[Action] = []
-        inflight, busy, progress = self.inflight, self.busy, self.progress
+        inflight, busy, progress, pop, done, dead = self.inflight, self.busy, self.progress, self.busy.pop, _DONE, self.dead
         for result in results:
             action_id, rid, outcome, round_index, step, _ = result
-            in_flight = busy.pop(rid, None)
+            in_flight = pop(rid, None)
             if in_flight != action_id:  # stale: the call was given up on, or answered already
                 if in_flight is not None:
                     busy[rid] = in_flight  # (rare) put back the call rid does have in flight
                 continue
             flight = inflight[action_id]
-            if round_index >= 0 and rid in progress:
+            # a replica a call is still waited on is live unless it died meanwhile (a killed heal source)
+            # this round; a lookup in the few dead is cheaper than in the 10,000 live
+            if round_index >= 0 and rid not in dead:
                 progress[rid] = (round_index, step)
-            if outcome is not _DONE and outcome != _DONE:  # the common answer takes no branch here
+            if outcome is not done and outcome != done:  # the common answer takes no branch here
                 self._note_failure(flight, result, now)
-            if flight.commit:
-                if outcome == _DONE:
-                    self.committed_by.add(rid)
-                else:  # its cluster's group broke during the broadcast
-                    self.clusters[self._cluster_of(rid)].configured = None
             flight.left -= 1
             if not flight.left:
                 del inflight[action_id]
@@ -353,17 +399,22 @@ class RoundMachine:
         if self.busy.get(rid) == flight.action.id:
             del self.busy[rid]
             flight.left -= 1
+            if flight.commit:
+                flight.did_not_apply(rid)
 
     def _note_failure(self, flight: _InFlight, result: PhaseResult, now: float) -> None:
         outcome, rid = result.outcome, result.rid
+        if flight.commit:  # rid did not apply the commit: its cluster's group broke during the broadcast
+            flight.did_not_apply(rid)
+            self.clusters[self._cluster_of(rid)].configured = None
         if outcome in FAILED:
             self._mark_dead(rid, "died" if outcome == Outcome.DIED else "error")
         if outcome != Outcome.YIELDED:
             if flight.failed_at is None:
                 flight.failed_at = now
-            flight.failed_groups.setdefault(self._group_of(flight, rid), now)
+            flight.group_failed(self._group_of(flight, rid), now)
         if outcome == Outcome.COLLECTIVE_FAILED and peer_gone(result.detail):
-            flight.peer_gone.setdefault(self._group_of(flight, rid), now)
+            flight.peer_closed(self._group_of(flight, rid), now)
 
     def on_progress(self, rid: str, step: int, now: float) -> float | None:
         """A replica in an inner phase reported its committed step (on its control channel).
@@ -419,7 +470,7 @@ class RoundMachine:
         target is the one to blame, not the source."""
         flight = self.inflight.get(action_id)
         if flight is not None:
-            flight.delivered.add(source)
+            flight.source_delivered(source)
 
     def on_up(self, rid: str, round_index: int, step: int, now: float) -> list[Action]:
         """A (re)started replica answers while the round runs (rejoin `fast`)."""
@@ -539,7 +590,7 @@ class RoundMachine:
         self._give_up(flight, rid)
         if flight.failed_at is None:
             flight.failed_at = now
-        flight.failed_groups.setdefault(self._group_of(flight, rid), now)
+        flight.group_failed(self._group_of(flight, rid), now)
         return self._new_action("kill", flight.action.cluster, {rid: (flight.action.kind, now - last_sign)},
                                 deadline_s=limit_s,
                                 reason=f"silent and not advancing in {flight.action.kind} for {now - last_sign:.1f}s "
@@ -568,17 +619,25 @@ class RoundMachine:
             if self.leaders.get(c) == rid:
                 del self.leaders[c]
 
-    def _new_action(self, kind: str, cluster: int | None, calls: dict[str, tuple], *, deadline_s: float = 0.0,
-                    reason: str = "", track: bool = False, now: float = 0.0) -> Action:
-        action = Action(self._next_id, kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
+    def _new_action(self, kind: str, cluster: int | None, calls: dict[str, tuple], deadline_s: float = 0.0,
+                    reason: str = "") -> Action:
+        """An action nobody answers (kill, reap, yield)."""
+        # tuple.__new__ straight: NamedTuple's own __new__ is a Python frame, and thousands are made a round
+        action = _new_tuple(Action, (self._next_id, kind, self.round, cluster, self.epoch, calls, deadline_s, reason))
         self._next_id += 1
-        if track:
-            busy = self.busy
-            if not busy.keys().isdisjoint(calls):  # one call at a time per replica: a bug, never a failure
-                rid = next(r for r in calls if r in busy)
-                raise AssertionError(f"{rid} already has action {busy[rid]} in flight")
-            busy.update(dict.fromkeys(calls, action.id))
-            self.inflight[action.id] = _InFlight(action, len(calls), now, commit=kind == "outer_commit")
+        return action
+
+    def _issue(self, kind: str, cluster: int | None, calls: dict[str, tuple], deadline_s: float, now: float,
+               reason: str = "") -> Action:
+        """An action the machine waits on: every replica in `calls` answers it (or is given up on)."""
+        action = self._new_action(kind, cluster, calls, deadline_s, reason)
+        busy, action_id = self.busy, action.id
+        if not busy.keys().isdisjoint(calls):  # one call at a time per replica: a bug, never a failure
+            rid = next(r for r in calls if r in busy)
+            raise AssertionError(f"{rid} already has action {busy[rid]} in flight")
+        for rid in calls:  # (faster than update(dict.fromkeys(...)) for a cluster's few members)
+            busy[rid] = action_id
+        self.inflight[action_id] = _InFlight(action, len(calls), now, kind == "outer_commit")
         return action
 
     def _quorum_text(self) -> str:
@@ -625,8 +684,8 @@ class RoundMachine:
         heals = assign_heals_for_cluster(dict(zip(members, where)), pool) if pool is not None else []
         if heals:
             st.stage = "heal"
-            action = self._new_action("heal", c, {h.target: (h.source, h.scope) for h in heals},
-                                      deadline_s=self.settings.heal_s, reason=reason, track=True, now=now)
+            action = self._issue("heal", c, {h.target: (h.source, h.scope) for h in heals}, self.settings.heal_s, now,
+                                 reason)
             st.action = action.id
             return [action]
         return self._configure(c, now, reason)
@@ -651,8 +710,7 @@ class RoundMachine:
         n = len(st.members)
         calls = {rid: (f"epoch{self.epoch}/inner/c{c}", i, n) for i, rid in enumerate(st.members)}
         st.stage, st.configured = "configure", None
-        action = self._new_action("configure_inner", c, calls, deadline_s=self.settings.configure_s,
-                                  reason=reason, track=True, now=now)
+        action = self._issue("configure_inner", c, calls, self.settings.configure_s, now, reason)
         st.action = action.id
         return [action]
 
@@ -664,7 +722,9 @@ class RoundMachine:
         if advance:  # marks of an earlier inner run this round are stale (the first run has none)
             for rid in st.members:
                 advance.pop(rid, None)
-        action = self._new_action("run_inner", c, dict.fromkeys(st.members, ()), track=True, now=now)
+        members = st.members
+        calls = self._layout.run_calls[c].copy() if members is self._ids[c] else dict.fromkeys(members, ())
+        action = self._issue("run_inner", c, calls, 0.0, now)
         st.action = action.id
         return [action]
 
@@ -672,13 +732,17 @@ class RoundMachine:
         action = flight.action
         results_ok = flight.failed_at is None
         if action.kind in ("configure_outer", "outer_reduce", "outer_commit"):
-            return self._outer_finished(action, results_ok, now)
+            return self._outer_finished(flight, results_ok, now)
         c = action.cluster
         st = self.clusters[c]
         if st.action != action.id:
             return []
         st.action = None
-        where = [self.progress.get(rid) for rid in st.members]  # None: lost meanwhile
+        where = list(map(self.progress.get, st.members))  # None: lost meanwhile
+        if action.kind == "run_inner" and results_ok and not self.joining and self.settings.inner != "none" \
+                and where.count(self._inner_end) == len(where):
+            st.stage = "ready"  # every member finished the round's inner steps (the common case, first)
+            return self._maybe_outer(now)
         lost = None in where
         if self.joining.get(c) and self.outer_stage == "wait":
             if not results_ok or lost:
@@ -696,12 +760,11 @@ class RoundMachine:
             st.configured = (action.epoch, st.members)
             return self._run_inner(c, now)
         if action.kind == "run_inner":
-            if where.count((self.round, (self.round + 1) * self.settings.steps_per_round)) != len(where):
+            if where.count(self._inner_end) != len(where):
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
                 st.stage = "average"
-                a = self._new_action("cluster_average", c, {rid: () for rid in st.members},
-                                     deadline_s=self.settings.commit_s, track=True, now=now)
+                a = self._issue("cluster_average", c, dict.fromkeys(st.members, ()), self.settings.commit_s, now)
                 st.action = a.id
                 return [a]
             st.stage = "ready"
@@ -716,20 +779,21 @@ class RoundMachine:
         return [c for c in self.participating() if self.clusters[c].stage == "ready"]
 
     def _maybe_outer(self, now: float) -> list[Action]:
-        if self.done or self.outer_stage not in ("wait",):
+        if self.done or self.outer_stage != "wait":
             return []
-        if len(self._tally.participating()) < self.settings.min_clusters:
+        tally = self._tally
+        if tally.clusters - len(tally.out) < self.settings.min_clusters:  # participating clusters
             return self._finish("below_quorum", self._quorum_text())
-        if self._tally.not_ready:  # a participating cluster is not ready yet
+        if tally.not_ready:  # a participating cluster is not ready yet
             return []
         part = self.participating()
         leaders = tuple(self.leaders[c] for c in part)
         if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):
             self.epoch += 1
             self.outer_stage = "configure"
-            calls = {rid: ("epoch%d/outer" % self.epoch, i, len(leaders)) for i, rid in enumerate(leaders)}
-            a = self._new_action("configure_outer", None, calls, deadline_s=self.settings.configure_s,
-                                 track=True, now=now)
+            prefix, n = f"epoch{self.epoch}/outer", len(leaders)
+            calls = {rid: (prefix, i, n) for i, rid in enumerate(leaders)}
+            a = self._issue("configure_outer", None, calls, self.settings.configure_s, now)
             self.outer_action = a.id
             return [a]
         return self._outer_reduce(now)
@@ -737,29 +801,35 @@ class RoundMachine:
     def _outer_reduce(self, now: float) -> list[Action]:
         self.outer_stage = "reduce"
         leaders = {self.leaders[c]: () for c in self.participating()}
-        a = self._new_action("outer_reduce", None, leaders, deadline_s=self.settings.outer_s, track=True, now=now)
+        a = self._issue("outer_reduce", None, leaders, self.settings.outer_s, now)
         self.outer_action = a.id
         return [a]
 
     def _outer_commit(self, now: float) -> list[Action]:
         self.outer_stage = "commit"
         calls: dict[str, tuple[int]] = {}
-        progress, leaders = self.progress, self.leaders
-        for c in self.participating():
-            members = self.clusters[c].members
+        progress, leaders, clusters = self.progress, self.leaders, self.clusters
+        lost_in = {self._cluster_of(rid) for rid in self.dead}  # clusters whose members may not all be live
+        every, templates = self._ids, self._layout.commit_calls
+        for c in self._tally.participating():
+            members = clusters[c].members
             if leaders.get(c) not in progress:
                 continue  # its leader was lost after the reduce: this cluster cannot apply; it heals next round
-            root = (members.index(leaders[c]),)
-            live = [rid for rid in members if rid in progress]
-            calls.update(dict.fromkeys(live, root))
+            root = members.index(leaders[c])
+            if root == 0 and members is every[c] and c not in lost_in:
+                calls.update(templates[c])  # every member of the full cluster applies, from rank 0
+                continue
+            for rid in members:
+                if rid in progress:
+                    calls[rid] = (root,)
         if not calls:
             return self._outer_retry(now, "no cluster can apply the commit")
-        a = self._new_action("outer_commit", None, calls, deadline_s=self.settings.commit_s, track=True, now=now,
-                             reason="commit decided")
+        a = self._issue("outer_commit", None, calls, self.settings.commit_s, now, "commit decided")
         self.outer_action = a.id
         return [a]
 
-    def _outer_finished(self, action: Action, ok: bool, now: float) -> list[Action]:
+    def _outer_finished(self, flight: _InFlight, ok: bool, now: float) -> list[Action]:
+        action = flight.action
         if action.kind == "configure_outer":
             if ok:
                 self.outer_configured = (action.epoch, tuple(action.calls))
@@ -771,7 +841,8 @@ class RoundMachine:
                 return self._outer_commit(now)
             self.outer_configured = None
             return self._outer_retry(now, "outer reduce incomplete")
-        # outer_commit
+        # outer_commit: who applied it is known once every member answered (or was given up on)
+        self.committed_by.update(action.calls.keys() - flight.not_applied)
         if self.committed_by:
             self.outer_stage = "done"
             return self._finish("committed")
@@ -788,11 +859,11 @@ class RoundMachine:
         self.outer_stage = "wait"
         actions: list[Action] = []
         broken = []
-        progress, r = self.progress, self.round
-        for c in self.participating():
+        get, r, lost = self.progress.get, self.round, repeat(_LOST)
+        for c in self._tally.participating():
             st = self.clusters[c]
             # a member lost (-1) or not at the round: the cluster re-forms
-            intact = [progress.get(rid, _LOST)[0] for rid in st.members].count(r) == len(st.members)
+            intact = list(map(_round_of, map(get, st.members, lost))).count(r) == len(st.members)
             if not intact or st.configured is None:  # None: its commit broadcast broke the group
                 st.configured = None
                 st.stage = "reform"  # not ready: no exchange starts until every broken cluster re-formed
