@@ -835,39 +835,45 @@ class RoundMachine:
                 self.outer_configured = (action.epoch, tuple(action.calls))
                 return self._outer_reduce(now)
             self.outer_configured = None
-            return self._outer_retry(now, "outer configure failed")
+            return self._outer_retry(now, "outer configure failed", action.calls)
         if action.kind == "outer_reduce":
             if ok:
                 return self._outer_commit(now)
             self.outer_configured = None
-            return self._outer_retry(now, "outer reduce incomplete")
+            return self._outer_retry(now, "outer reduce incomplete", action.calls)
         # outer_commit: who applied it is known once every member answered (or was given up on)
         self.committed_by.update(action.calls.keys() - flight.not_applied)
         if self.committed_by:
             self.outer_stage = "done"
             return self._finish("committed")
         self.outer_configured = None
-        return self._outer_retry(now, "no replica applied the commit")
+        return self._outer_retry(now, "no replica applied the commit", action.calls)
 
-    def _outer_retry(self, now: float, reason: str) -> list[Action]:
+    def _outer_retry(self, now: float, reason: str, answered: Iterable[str] | None = None) -> list[Action]:
         """Only the outer exchange is redone: clusters whose members were lost re-form (a new
-        leader, a group without the dead); the others keep their inner work and wait."""
+        leader, a group without the dead); the others keep their inner work and wait.
+        `answered`: who the failed outer call went to. Since a cluster got ready, only they and the
+        dead can have moved off the round, so only their clusters are checked (None: every one)."""
         self.outer_attempts += 1
         if self.outer_attempts > self.settings.max_reforms:
             return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
                                           f"giving up ({reason})")
         self.outer_stage = "wait"
         actions: list[Action] = []
-        broken = []
-        get, r, lost = self.progress.get, self.round, repeat(_LOST)
-        for c in self._tally.participating():
-            st = self.clusters[c]
-            # a member lost (-1) or not at the round: the cluster re-forms
-            intact = list(map(_round_of, map(get, st.members, lost))).count(r) == len(st.members)
-            if not intact or st.configured is None:  # None: its commit broadcast broke the group
-                st.configured = None
-                st.stage = "reform"  # not ready: no exchange starts until every broken cluster re-formed
-                broken.append(c)
+        get, r, lost, clusters = self.progress.get, self.round, repeat(_LOST), self.clusters
+        participating = self._tally.participating()
+        if answered is None:
+            suspects: Iterable[int] = participating
+        else:
+            cluster_of = self._cluster_of
+            suspects = {cluster_of(rid) for rid in self.dead} | \
+                {cluster_of(rid) for rid in answered if get(rid, _LOST)[0] != r}
+        broken = [c for c in participating if clusters[c].configured is None or c in suspects
+                  and list(map(_round_of, map(get, clusters[c].members, lost))).count(r) != len(clusters[c].members)]
+        for c in broken:  # a member lost (-1) or not at the round, or its commit broadcast broke the group (None)
+            st = clusters[c]
+            st.configured = None
+            st.stage = "reform"  # not ready: no exchange starts until every broken cluster re-formed
         for c in broken:
             actions += self._reform(c, now, reason)
             if self.done:
