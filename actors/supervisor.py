@@ -146,7 +146,7 @@ class Supervisor:
                 self._save_durable()
                 self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
             self._catch_up()
-            quiet_gc_for_planning()
+            quiet_gc_for_planning(self.topology)
             while True:
                 for rid in roster.missing() + sorted(roster.gone):
                     if rid not in roster.live and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None:

@@ -93,7 +93,7 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
     rng = random.Random(seed)
     state = {"progress": {rid: (0, 0) for rid in topo.replica_ids()}, "leaders": {}, "configured": {},
              "outer": None, "epoch": 0, "round": 0}
-    quiet_gc_for_planning()  # as the supervisor does once it is set up
+    quiet_gc_for_planning(topo)  # as the supervisor does once it is set up
     cases: dict[str, list[dict]] = {"first_round": [], "fault_free": [], "few_failures": []}
 
     def one(case: str, faults: dict | None) -> None:

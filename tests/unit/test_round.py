@@ -958,6 +958,27 @@ def test_below_quorum():
     assert m2.outcome == "below_quorum" and not w2.issued
 
 
+def test_a_round_ending_early_hands_on_no_group_a_call_in_flight_may_still_break():
+    """Below quorum mid-round: c0 and c1 are still in their inner phase, and nobody reads their
+    answers any more; c0's collective then fails. The next round must re-form c0 (and c1, which it
+    cannot tell apart) rather than run on a group it believed stood."""
+    w = World(3, 2, settings=make_settings(min_clusters=3))
+    assert w.round().outcome == "committed"
+    w.fault("c2r0", "run_inner", "die", round=1, step=3)
+    w.fault("c2r1", "run_inner", "die", round=1, step=3)
+    w.fault("c0r1", "run_inner", "collective", round=1, step=8)
+    m = w.round()
+    assert outcome_of(w, m) == "below_quorum"
+    assert 0 not in m.configured_groups() and 1 not in m.configured_groups()
+    w.drain()  # the supervisor waits for the calls in flight (c0's collective fails meanwhile)
+    assert w.reps["c0r0"].inner is None
+    w.restart_dead()
+    w.issued.clear()
+    m = w.round()
+    assert outcome_of(w, m) == "committed"  # no run_inner on a broken group (a violation otherwise)
+    assert {i.action.cluster for i in w.calls("configure_inner")} == {0, 1, 2}
+
+
 def test_behind_answer_is_healed_never_counted_done():
     w = World(2, 3, start=(1, SPR))
     w.committed_round = 1

@@ -271,7 +271,9 @@ def test_small_topologies_high_failure_rates(seed):
         assert report.restores >= 1, report  # (at these rates a total loss may also happen by chance)
 
 
-@pytest.mark.parametrize("seed", range(4))
+# 15 and 17: a round ended below quorum while other clusters were mid-collective (their groups were
+# handed on as standing, and broke afterwards)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 15, 17])
 def test_medium_topology_with_min_clusters(seed):
     """50 clusters of 4; a round needs 46 clusters of >= 2 live replicas: quorum losses happen and pass."""
     rates = Rates(die=0.01, hang=0.003, collective=0.005, whole_cluster=0.5, several_clusters=0.3)
