@@ -61,8 +61,11 @@ def main(argv: list[str]) -> int:
     atomic_write_text(out / "plan.json", text)
     print(text)
     mean = report["per_round_plan_ms"]["mean"]
+    cases = report["cases"]
     print(f"plan time per round at {report['replicas']:,} replicas: {mean:.1f} ms mean with batches of ~{args.batch} "
-          f"answers, {report['one_by_one']['per_round_plan_ms']['mean']:.1f} ms one by one "
+          f"answers (fault-free {cases['fault_free']['mean_ms']:.1f}, with failures "
+          f"{cases['few_failures']['mean_ms']:.1f}, first round {cases['first_round']['mean_ms']:.1f}), "
+          f"{report['one_by_one']['per_round_plan_ms']['mean']:.1f} ms one by one "
           f"(budget {BUDGET_MS:.0f} ms; this machine's reference workload {report['reference_ms']:.1f} ms, "
           f"plan / reference = {mean / report['reference_ms']:.1f}); plan.json in {out}", file=sys.stderr)
     return 0

@@ -347,10 +347,15 @@ class RoundMachine:
         clusters, get = self.clusters, progress.get
         for c, ids in enumerate(self._ids):
             st = clusters[c]
-            if list(map(get, ids)).count(at_start) == len(ids) >= smallest and st.configured is not None \
-                    and st.configured[1] == ids and leaders.get(c) in ids:
-                st.members = ids  # _reform's common case (all live at the round, the group stands), inlined
-                actions += self._run_inner(c, now)
+            if list(map(get, ids)).count(at_start) == len(ids) >= smallest:
+                # _reform's common case, inlined: every member live at the round's start, nobody heals
+                st.members = ids
+                if leaders.get(c) not in ids:
+                    leaders[c] = ids[0]
+                if st.configured is not None and st.configured[1] == ids:
+                    actions += self._run_inner(c, now)  # the group stands
+                else:
+                    actions += self._configure(c, now, "round start")
                 continue
             members = self.members(c)
             if len(members) < smallest:
