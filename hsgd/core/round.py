@@ -38,6 +38,9 @@ What happens after a failure (the whole of "Failure scoping"):
                     hung. Its limit is the learned step deadline, or, once a peer of the same group
                     failed, the group's grace (a healthy member leaves a broken collective within
                     its collective timeout).
+    the round ends early (below quorum, failed) with calls in flight
+                 -> nobody reads their answers, so no group one of them uses is handed on as
+                    standing: the next round configures those groups afresh.
     replica answers `behind` (its round is below the one asked)
                  -> it is healed, never counted as done.
     a restarted replica answers again (`on_up`, rejoin `fast`)
@@ -279,7 +282,7 @@ class RoundMachine:
         self.committed_round = committed_round
         self._tally = _StageTally(topology.clusters)
         groups, tally = configured or {}, self._tally
-        # positional: a dataclass's keyword init is twice as slow, and 1,000 are made a round
+        # positional, in field order: a dataclass's keyword init is twice as slow, and 1,000 are made a round
         self.clusters = {c: _ClusterState("new", (), groups.get(c), None, None, 0, 0, c, tally)
                          for c in range(topology.clusters)}
         self._layout = _layout(topology)
@@ -384,8 +387,8 @@ class RoundMachine:
                 if flight is not None:
                     busy[rid] = flight  # (rare) put back the call rid does have in flight
                 continue
-            # a replica a call is still waited on is live unless it died meanwhile (a killed heal source)
-            # this round; a lookup in the few dead is cheaper than in the 10,000 live
+            # rid is live unless it died this round while this call was in flight (a heal source killed
+            # while busy elsewhere): a lookup in the few dead is cheaper than in the 10,000 live
             if round_index >= 0 and rid not in dead:
                 progress[rid] = (round_index, step)
             if outcome is not done and outcome != done:  # the common answer takes no branch here
