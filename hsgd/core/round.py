@@ -491,21 +491,23 @@ class RoundMachine:
             return []  # joins at the next round's start
         self.joining.setdefault(c, {})[rid] = (round_index, step)
         if st.stage == "inner":
-            if c in self.yielding:
-                return []
-            at = self._yield_step(c)
+            flight = self.inflight.get(st.action) if st.action is not None else None
+            if c in self.yielding or flight is None or flight.failed_at is not None:
+                return []  # asked already, or the phase failed: it re-forms, taking the newcomer in
+            running = self._pending(flight)  # (members that died or answered are asked nothing)
+            at = self._yield_step(running)
             if at >= self.settings.steps_per_round:
                 return []  # the members finish first; the newcomer is taken in when they are ready
             self.yielding[c] = at
             group_epoch = st.configured[0] if st.configured else self.epoch
-            return [self._new_action("yield", c, {m: (group_epoch, self.round, at) for m in st.members},
+            return [self._new_action("yield", c, {m: (group_epoch, self.round, at) for m in running},
                                      reason=f"{rid} joins at step {at}")]
         if st.stage == "ready":
             return self._admit_joiners(c, now)
         return []  # heal / configure / average in flight: taken in when it ends
 
-    def _yield_step(self, c: int) -> int:
-        """A step boundary every member reaches after the yield request arrives."""
+    def _yield_step(self, running: list[str]) -> int:
+        """A step boundary every member still running reaches after the yield request arrives."""
         s = self.settings
         recent = sorted(self.step_seconds)
         step_s = recent[len(recent) // 2] if recent else 0.1
@@ -513,7 +515,7 @@ class RoundMachine:
         start = self.round * s.steps_per_round
         advance, progress = self.advance, self.progress
         furthest = max(max(advance[m][0], progress[m][1]) if m in advance else progress[m][1]
-                       for m in self.clusters[c].members) - start
+                       for m in running) - start
         at = furthest + lead
         if s.inner == "localsgd":
             at = -(-at // s.inner_every) * s.inner_every
@@ -628,6 +630,10 @@ class RoundMachine:
             c = self.topology.cluster_of(rid)
             if self.leaders.get(c) == rid:
                 del self.leaders[c]
+            if self.outer_configured is not None and rid in self.outer_configured[1]:
+                # its process, and the leaders' group with it, is gone: even if it is restarted and
+                # leads its cluster again this round, that group must be configured afresh
+                self.outer_configured = None
 
     def _new_action(self, kind: str, cluster: int | None, calls: dict[str, tuple], deadline_s: float = 0.0,
                     reason: str = "") -> Action:

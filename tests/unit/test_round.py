@@ -66,6 +66,7 @@ class Rep:
     call: tuple | None = None  # (machine generation, action id) in flight
     token: int | None = None  # the answer event that will end the call
     run: tuple | None = None  # (t0, step0, stop_step, step_s) while an inner phase runs
+    fired: tuple = ()  # the faults that end the inner phase now running (a yield before them defers them)
     died_at: float = 0.0
     restarts: int = 0
 
@@ -302,6 +303,10 @@ class World:
                 self.kills.append((self.now, rid))
                 self._kill(rid, a.reason)
                 continue
+            if a.kind == "yield":  # on the control channel: the members are busy in run_inner
+                self.issued.append(Issued(self.gen, self.now, a, {rid: self.reps[rid].pos for rid in a.calls}))
+                self._yield(a)
+                continue
             for fn in self.hooks.get(a.kind, []):
                 fn(self, a)
             issued = Issued(self.gen, self.now, a, {rid: self.reps[rid].pos for rid in a.calls})
@@ -316,6 +321,28 @@ class World:
                 rep.call, rep.token = (self.gen, a.id), None
                 self._issued_by_call[(self.gen, a.id)] = issued
             getattr(self, "_do_" + a.kind)(a)
+
+    def _yield(self, a) -> None:
+        """Members in run_inner stop at the first step boundary at or after the one asked (as
+        actors/replica.py does) and answer `yielded`, unless their phase ends or fails before it;
+        a fault due after that boundary fires in the next run instead."""
+        for rid, (_epoch, r, at) in sorted(a.calls.items()):
+            rep = self.reps[rid]
+            if not rep.alive or rep.run is None or rep.call is None or rep.hung and rep.hang_at <= self.now:
+                continue
+            t0, s0, stop, dt = rep.run
+            y = max(r * self.spr + at, self._pos_now(rep)[1])
+            if y >= stop:
+                continue  # it stops (done, or at a fault) before the boundary: the yield changes nothing
+            for f in rep.fired:  # not reached: due again
+                if f not in self.faults:
+                    self.faults.append(f)
+                    self._faults_of.setdefault(f.rid, []).append(f)
+            rep.fired, rep.hang_at = (), None
+            rep.run = (t0, s0, y, dt)
+            if self.trace is not None:
+                self.trace.append(f"t={self.now:.2f} yield {rid} at {y}")
+            self._push(max(0.0, t0 + (y - s0) * dt - self.now) + 0.01, rep, Outcome.YIELDED, new=(r, y))
 
     def _kill(self, rid: str, reason: str) -> None:
         rep = self.reps[rid]
@@ -585,6 +612,8 @@ class World:
         p = min(f.step for f in due)
         fired = [f for f in due if f.step == p]
         self._consume(fired)
+        for x in runners:
+            self.reps[x].fired = tuple(fired)
         at, stop = (p - p0) * dt, r * self.spr + p
         dying = {f.rid for f in fired if f.what == "die"}
         hanging = {f.rid for f in fired if f.what == "hang"} - dying
@@ -977,6 +1006,43 @@ def test_a_round_ending_early_hands_on_no_group_a_call_in_flight_may_still_break
     m = w.round()
     assert outcome_of(w, m) == "committed"  # no run_inner on a broken group (a violation otherwise)
     assert {i.action.cluster for i in w.calls("configure_inner")} == {0, 1, 2}
+
+
+def test_a_leader_restarted_mid_round_and_leading_again_gets_a_fresh_leaders_group():
+    """c1's leader dies while c1 re-configures, is restarted and announces itself before c1's
+    configure ends: it is admitted and leads c1 again. The leaders are the same ids as the outer
+    group's, but its process (and the group with it) is new: the outer group is configured again."""
+    w = World(2, 2)
+    assert w.round().outcome == "committed"
+    outer_before = w.outer_configured
+    del w.configured[1]  # c1 configures at round 1's start
+    w.fault("c1r0", "configure_inner", "die", round=1)
+
+    def restarted(world):
+        world.restart("c1r0")
+        world.carry_out(world.m.on_up("c1r0", 0, 0, world.now))
+    w.at(w.now + 1.0, restarted)
+    w.issued.clear()
+    m = w.round()
+    assert outcome_of(w, m) == "committed"  # an outer_reduce over the stale group is a violation
+    assert m.leaders[1] == "c1r0" and outer_before[1] == ("c0r0", "c1r0")
+    assert len(w.calls("configure_outer")) == 1 and m.outer_configured[0] > outer_before[0]
+
+
+def test_a_replica_up_while_its_cluster_s_inner_phase_has_failed_waits_for_the_re_form():
+    """c0r1 died in run_inner and is already back while c0r2 still runs: no yield (its phase failed,
+    it re-forms anyway; the dead member is asked nothing); the newcomer is healed in at the re-form."""
+    topo = Topology(1, 3)
+    m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, 0) for rid in topo.replica_ids()}, leaders={},
+                     epoch=0, committed_round=0)
+    run = next(a for a in m.start(0.0) if a.kind == "configure_inner")
+    run = m.on_results([PhaseResult(run.id, rid, DONE, 0, 0) for rid in run.calls], 0.1)[0]
+    assert run.kind == "run_inner"
+    assert m.on_result(PhaseResult(run.id, "c0r1", DIED), 1.0) == []
+    assert m.on_up("c0r1", 0, 0, 2.0) == []  # (it asked the dead one's step before: KeyError)
+    assert m.on_result(PhaseResult(run.id, "c0r0", CFAILED, 0, 3), 2.1) == []
+    heal, = m.on_result(PhaseResult(run.id, "c0r2", CFAILED, 0, 3), 2.2)
+    assert heal.kind == "heal" and heal.calls == {"c0r1": ("c0r0", "full")}
 
 
 def test_behind_answer_is_healed_never_counted_done():

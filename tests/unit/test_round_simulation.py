@@ -41,6 +41,9 @@ class Rates:
     several_clusters: float = 0.2
     outside_crash: float = 0.3
     supervisor: float = 0.2
+    # per round: dead replicas are restarted mid-round and announce themselves (rejoin `fast`: the
+    # machine's on_up; their cluster yields at a step boundary, heals them in and goes on)
+    rejoin: float = 0.0
 
 
 @dataclass
@@ -128,11 +131,29 @@ class Simulation:
                 victims = rng.sample(live, min(n, rng.randint(1, 3)))
                 w.at(start + rng.uniform(0.0, 4.0), lambda world, v=victims: world.crash(v))
                 self._count("outside crash", len(victims))
+        if self._happens(r, "rejoin", rates.rejoin):
+            for _ in range(rng.randint(1, 3)):
+                w.at(start + rng.uniform(0.5, 8.0), self._restart_mid_round)
         if self.all_lost_round == r:
             self.all_lost_round = None
             self.total_loss_pending = True
             w.at(start + rng.uniform(0.5, 2.5), lambda world: world.crash(list(world.reps)))
             self._count("every replica")
+
+    def _restart_mid_round(self, world) -> None:
+        """Ray restarted the dead the machine knows of (a fresh process: seed state, no groups); the
+        runner, polling them (actors/round_runner.py polls only replicas the machine holds not
+        live), tells the machine each one is up."""
+        m = world.m
+        if m is None:
+            return
+        for rid, rep in sorted(world.reps.items()):
+            if not rep.alive and rep.call is None and rid not in m.progress:
+                world.reps[rid] = type(rep)(rid, 0, 0, restarts=rep.restarts + 1)
+                self._count("restarted mid-round")
+                world.carry_out(m.on_up(rid, 0, 0, world.now))
+                if world.m is not m:
+                    return
 
     # -- the supervisor's loop ---------------------------------------------------------------------------
     def run(self) -> Report:
@@ -290,3 +311,41 @@ def test_ten_thousand_replicas_long_run(seed):
                      all_lost_round=12, forced={r: {"hang", "supervisor"} for r in range(0, 25, 5)})
     report = sim.run()
     assert report.rounds_committed == 25 and report.restores == 1, report
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_restarted_replicas_rejoin_mid_round_through_yields(seed):
+    """Rejoin `fast` under steady crashes from outside: the dead restart inside the round, their
+    cluster yields at a step boundary, heals them in and goes on (ddp, localsgd, none), while the
+    other failure classes keep happening now and then."""
+    rates = Rates(die=0.01, hang=0.002, collective=0.002, leader_in_outer=0.1, whole_cluster=0.1,
+                  several_clusters=0.02, outside_crash=0.7, supervisor=0.05, rejoin=1.0)
+    sim = Simulation(4 + seed % 4, 3 + seed % 3, rounds=10, seed=seed, rates=rates,
+                     min_replicas_per_cluster=1 + seed % 2, steps_per_round=80,
+                     inner=("ddp", "localsgd", "none")[seed % 3], inner_every=4 if seed % 3 == 1 else 1)
+    report = sim.run()
+    assert report.rounds_committed == 10, report
+    assert report.injected.get("restarted mid-round"), report
+
+
+def test_mid_round_rejoins_do_yield():
+    """The seeds above do exercise the yield path (not only joins at a re-form)."""
+    yields = 0
+    for seed in range(6):
+        rates = Rates(die=0.01, hang=0.002, collective=0.002, leader_in_outer=0.1, whole_cluster=0.1,
+                      several_clusters=0.02, outside_crash=0.7, supervisor=0.05, rejoin=1.0)
+        sim = Simulation(4 + seed % 4, 3 + seed % 3, rounds=10, seed=seed, rates=rates,
+                         min_replicas_per_cluster=1 + seed % 2, steps_per_round=80)
+        sim.run()
+        yields += sum(i.action.kind == "yield" for i in sim.w.issued)
+    assert yields >= 10, yields
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_mid_round_rejoins_under_high_failure_rates(seed):
+    rates = Rates(die=0.03, hang=0.01, collective=0.02, leader_in_outer=0.3, whole_cluster=0.15,
+                  several_clusters=0.05, outside_crash=0.3, supervisor=0.1, rejoin=0.8)
+    sim = Simulation(4 + seed % 4, 3 + seed % 3, rounds=12, seed=seed, rates=rates,
+                     all_lost_round=7 if seed % 3 == 0 else None, min_replicas_per_cluster=1 + seed % 2)
+    report = sim.run()
+    assert report.rounds_committed == 12, report
