@@ -162,7 +162,6 @@ class _ClusterState:
     action: int | None = None
     failed_at: float | None = None  # when the current action saw its first failure
     reforms: int = 0
-    inner_runs: int = 0
     index: int = -1
     tally: "_StageTally | None" = field(default=None, repr=False, compare=False)
 
@@ -283,7 +282,7 @@ class RoundMachine:
         self._tally = _StageTally(topology.clusters)
         groups, tally = configured or {}, self._tally
         # positional, in field order: a dataclass's keyword init is twice as slow, and 1,000 are made a round
-        self.clusters = {c: _ClusterState("new", (), groups.get(c), None, None, 0, 0, c, tally)
+        self.clusters = {c: _ClusterState("new", (), groups.get(c), None, None, 0, c, tally)
                          for c in range(topology.clusters)}
         self._layout = _layout(topology)
         self._ids, self._cluster_index = self._layout.ids, self._layout.cluster_of
@@ -608,6 +607,10 @@ class RoundMachine:
                                 reason=f"silent and not advancing in {flight.action.kind} for {now - last_sign:.1f}s "
                                        f"(limit {limit_s:.1f}s)")
 
+    def _clusters_with_deaths(self) -> set[int]:
+        """Clusters a replica died in this round (only their member lists may hold the dead)."""
+        return {self._cluster_of(rid) for rid in self.dead}
+
     def _cluster_of(self, rid: str) -> int:
         c = self._cluster_index.get(rid)
         return self.topology.cluster_of(rid) if c is None else c
@@ -746,7 +749,6 @@ class RoundMachine:
     def _run_inner(self, c: int, now: float) -> list[Action]:
         st = self.clusters[c]
         st.stage = "inner"
-        st.inner_runs += 1
         advance = self.advance
         if advance:  # marks of an earlier inner run this round are stale (the first run has none)
             for rid in st.members:
@@ -804,9 +806,6 @@ class RoundMachine:
         return []
 
     # outer level ---------------------------------------------------------------------------------
-    def _ready_clusters(self) -> list[int]:
-        return [c for c in self.participating() if self.clusters[c].stage == "ready"]
-
     def _maybe_outer(self, now: float) -> list[Action]:
         if self.done or self.outer_stage != "wait":
             return []
@@ -838,7 +837,7 @@ class RoundMachine:
         self.outer_stage = "commit"
         calls: dict[str, tuple[int]] = {}
         progress, leaders, clusters = self.progress, self.leaders, self.clusters
-        lost_in = {self._cluster_of(rid) for rid in self.dead}  # clusters whose members may not all be live
+        lost_in = self._clusters_with_deaths()  # whose members may not all be live
         every, templates = self._ids, self._layout.commit_calls
         for c in self._tally.participating():
             members = clusters[c].members
@@ -895,8 +894,7 @@ class RoundMachine:
             suspects: Iterable[int] = participating
         else:
             cluster_of = self._cluster_of
-            suspects = {cluster_of(rid) for rid in self.dead} | \
-                {cluster_of(rid) for rid in answered if get(rid, _LOST)[0] != r}
+            suspects = self._clusters_with_deaths() | {cluster_of(rid) for rid in answered if get(rid, _LOST)[0] != r}
         broken = [c for c in participating if clusters[c].configured is None or c in suspects
                   and list(map(_round_of, map(get, clusters[c].members, lost))).count(r) != len(clusters[c].members)]
         for c in broken:  # a member lost (-1) or not at the round, or its commit broadcast broke the group (None)
