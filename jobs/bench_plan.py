@@ -108,6 +108,8 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
                      epoch=m.epoch, round=m.round + 1)
         for rid in m.dead:  # they come back and heal at the next round's start
             state["progress"][rid] = (0, 0)
+        # the next round's machine starts from this one's view, as the supervisor's does (roster.live)
+        state["live"] = {**m.progress, **{rid: (0, 0) for rid in m.dead}}
         cases[case].append({"ms": timing.total * 1e3, "start_ms": timing.start * 1e3, "calls": timing.calls,
                             "actions": timing.actions, "kills": timing.kills, "ticks": timing.ticks})
 
@@ -137,7 +139,8 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, seed: 
 
 
 def _machine(topo: Topology, settings: RoundSettings, state: dict) -> RoundMachine:
-    return RoundMachine(topo, settings, state["round"], progress=dict(state["progress"]), leaders=state["leaders"],
+    return RoundMachine(topo, settings, state["round"], progress=dict(state.get("live") or state["progress"]),
+                        leaders=state["leaders"],
                         epoch=state["epoch"], committed_round=state["round"], configured=state["configured"],
                         outer_configured=state["outer"])
 
