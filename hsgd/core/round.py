@@ -736,7 +736,7 @@ class RoundMachine:
             pool = {source: progress[source]} if source is not None else {}
         heals = assign_heals_for_cluster(dict(zip(members, where)), pool) if pool is not None else []
         if heals:
-            st.stage = "heal"
+            self._move(st, "heal")
             action = self._issue("heal", c, {h.target: (h.source, h.scope) for h in heals}, self.settings.heal_s, now,
                                  reason)
             st.action = action.id
@@ -755,6 +755,16 @@ class RoundMachine:
             self._start_source = source
         return source
 
+    def _move(self, st: _ClusterState, stage: str) -> None:
+        """st.stage = stage (heal, configure or inner: a stage that is not ready), without the property's
+        general bookkeeping for a cluster that is not out: its one tally change, made straight (the
+        hot path: thousands a round)."""
+        if st._stage == "out":
+            st.stage = stage
+        else:
+            st._stage = stage
+            self._tally.not_ready.add(st.index)
+
     def _configure(self, c: int, now: float, reason: str) -> list[Action]:
         st = self.clusters[c]
         if st.configured is not None and st.configured[1] == st.members and reason == "round start":
@@ -762,19 +772,16 @@ class RoundMachine:
         self.epoch += 1
         n = len(st.members)
         prefix = f"epoch{self.epoch}/inner/c{c}"
-        calls = {rid: (prefix, i, n) for i, rid in enumerate(st.members)}
-        st.stage, st.configured = "configure", None
+        calls = dict(zip(st.members, zip(repeat(prefix), range(n), repeat(n))))  # rid -> (prefix, rank, n), in C
+        self._move(st, "configure")
+        st.configured = None
         action = self._issue("configure_inner", c, calls, self.settings.configure_s, now, reason)
         st.action = action.id
         return [action]
 
     def _run_inner(self, c: int, now: float) -> list[Action]:
         st = self.clusters[c]
-        if st._stage == "out":
-            st.stage = "inner"
-        else:  # the tally's one change for a cluster not out, made straight (1,000 a round)
-            st._stage = "inner"
-            self._tally.not_ready.add(c)
+        self._move(st, "inner")
         advance = self.advance
         if advance:  # marks of an earlier inner run this round are stale (the first run has none)
             for rid in st.members:
