@@ -83,7 +83,6 @@ class Outcome(str, Enum):
     ERROR = "error"  # the replica raised: that replica's failure; it is killed and restarted
 
 
-FAILED = (Outcome.DIED, Outcome.ERROR)
 # module constants compared by identity: an Enum member's `==` / `in` costs ~0.3-0.6 us here, and a
 # broken outer group answers `collective_failed` from every leader (1,000 at scale) at once
 _DONE, _DIED, _ERROR, _YIELDED, _COLLECTIVE_FAILED = (Outcome.DONE, Outcome.DIED, Outcome.ERROR, Outcome.YIELDED,
@@ -210,7 +209,6 @@ class _Layout(NamedTuple):
     ids: tuple[tuple[str, ...], ...]  # replica ids per cluster
     cluster_of: dict[str, int]
     run_calls: tuple[dict[str, tuple], ...]  # per cluster, the calls of a run_inner with every member
-    commit_calls: tuple[dict[str, tuple], ...]  # per cluster, an outer_commit's calls with every member, root 0
     all_commit_calls: dict[str, tuple]  # an outer_commit's calls when every replica applies it, from rank 0
 
 
@@ -219,7 +217,6 @@ def _layout(topology: Topology) -> _Layout:
     ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
     return _Layout(ids, {rid: c for c, members in enumerate(ids) for rid in members},
                    tuple(dict.fromkeys(members, ()) for members in ids),
-                   tuple(dict.fromkeys(members, (0,)) for members in ids),
                    dict.fromkeys((rid for members in ids for rid in members), (0,)))
 
 
