@@ -21,6 +21,7 @@ from hsgd.record.hangs import hang_report, stuck_function
 from hsgd.record.rundir import atomic_write_text
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
+IDLE_POLL_S = 2.0  # how often live replicas with no call in flight are asked whether they still run
 STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(replicas) to build)
 
 
@@ -36,6 +37,9 @@ class RoundRunner:
         self.outcomes: dict[int, dict[str, str]] = {}
         self.progress_refs: dict[Any, tuple[str, float]] = {}
         self.up_refs: dict[Any, str] = {}  # progress probes of replicas that are down (fast rejoin)
+        # progress probes of live replicas with no call in flight -> (rid, the pid known when asked)
+        self.idle_refs: dict[Any, tuple[str, int | None]] = {}
+        self.last_idle_poll = 0.0
         self.losses: dict[str, list[float]] = {}
         self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
         self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
@@ -56,7 +60,8 @@ class RoundRunner:
         last_poll = last_status = 0.0
         stale = True  # the view changed since status.json was last written
         while not m.done:
-            waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs) + list(self.state_refs)
+            waiting = list(self.refs) + list(self.progress_refs) + list(self.up_refs) + list(self.state_refs) \
+                + list(self.idle_refs)
             ready = ray.wait(waiting, num_returns=1, timeout=TICK_S)[0] if waiting else time.sleep(TICK_S) or []
             if ready and len(waiting) > 1:  # and every other answer already in: the machine takes them at once
                 ready = ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]
@@ -68,6 +73,8 @@ class RoundRunner:
                     self._progress_answer(ref)
                 elif ref in self.up_refs:
                     self._up_answer(ref)
+                elif ref in self.idle_refs:
+                    self._idle_answer(ref)
                 else:
                     answers.append(self._answer(ref))
             moved = False
@@ -80,6 +87,9 @@ class RoundRunner:
                 last_poll = now
                 self._poll_progress()
                 self._probe_down()
+                if now - self.last_idle_poll >= IDLE_POLL_S:
+                    self.last_idle_poll = now
+                    self._watch_idle()
                 if sup.roster.spares:
                     sup.roster.spares.check(sup.log)
                 self._carry_out(m.on_tick(now))
@@ -302,6 +312,39 @@ class RoundRunner:
         for rid in self.sup.topology.replica_ids():
             if rid not in self.machine.progress and rid not in self.sup.roster.gone and rid not in asked:
                 self.up_refs[self.sup.roster.handles[rid].progress.remote()] = rid
+
+    def _watch_idle(self) -> None:
+        """Ask live replicas with no call in flight (a cluster ready and waiting for the others, a
+        non-leader during the outer exchange) whether their process still runs: one killed from
+        outside while idle is otherwise learned of only when its next call fails, after its
+        cluster's commit broadcast broke. One probe per replica is outstanding at a time."""
+        m, handles, pids = self.machine, self.sup.roster.handles, self.sup.roster.pids
+        asked = {rid for rid, _ in self.idle_refs.values()}
+        for rid in list(m.progress):
+            if rid not in m.busy and rid not in asked:
+                self.idle_refs[handles[rid].progress.remote()] = (rid, pids.get(rid))
+
+    def _idle_answer(self, ref) -> None:
+        """Lost: the call died with the process (Ray says the actor died), or a new process answers
+        (Ray restarted it). No answer in time, or the actor briefly unreachable, is not a loss."""
+        rid, known_pid = self.idle_refs.pop(ref)
+        if self.sup.roster.pids.get(rid) != known_pid:
+            return  # rid was found lost and came back meanwhile: this probe was about the old process
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except ActorUnavailableError:  # unreachable for now, not known dead: asked again at the next poll
+            return
+        except RayActorError as err:  # (ActorDiedError among them) its process is gone
+            lost = f"died while idle ({type(err).__name__})"
+        except Exception:  # noqa: BLE001 — no answer in time: asked again at the next poll
+            return
+        else:
+            if known_pid is None or answer.get("pid") == known_pid:
+                return
+            lost = f"restarted while idle (pid {known_pid} -> {answer.get('pid')})"
+        if rid in self.machine.progress:
+            self.sup.log.event("idle_replica_lost", rid=rid, round=self.r, detail=lost)
+            self._carry_out(self.machine.on_lost(rid, time.monotonic(), "died"))
 
     def _up_answer(self, ref) -> None:
         rid = self.up_refs.pop(ref)

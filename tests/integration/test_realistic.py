@@ -197,6 +197,47 @@ def test_replica_sigkilled_from_outside_is_healed_and_reported(drill_run):
         _assert_inner_phase_ran_once(evs, c, 0)
 
 
+def _idle_at_round_end(run_dir: Path, rid: str, busy: str) -> dict | None:
+    """rid's answer once it finished round 0's inner steps and waits idle, while `busy` still trains."""
+    me, other = _progress(run_dir, rid), _progress(run_dir, busy)
+    if me and other and me["phase"] == "idle" and (me["round"], me["step"]) == (0, SPR) \
+            and other["phase"] != "idle" and other["round"] == 0:
+        return me
+    return None
+
+
+def test_replica_killed_from_outside_while_idle_is_noticed_before_the_outer_exchange(drill_run):
+    # c0 is a straggler in round 0 (0.3 s more per step: ~60 s of inner work, the others ~30 s), so
+    # c1's replicas finish and wait idle for the outer exchange; c1r1's process is SIGKILLed then.
+    # Noticed only when a call fails, c1's commit broadcast would break and c1's survivor would heal
+    # across clusters at round 1; noticed while idle, c1 re-forms before the exchange and applies it.
+    drill = drill_run(["train.rounds=2",
+                       "faults.schedule=[{kind:slow,target:cluster:c0,round:0,phase:inner,step:0,seconds:0.3}]"])
+    idle = _poll("c1r1 idle after round 0's inner steps while c0 still trains", 240,
+                 lambda: _idle_at_round_end(drill.run_dir, "c1r1", busy="c0r0"))
+    os.kill(idle["pid"], signal.SIGKILL)  # the OS, not the injector
+    killed_at = time.time()
+    s = drill.wait_done(600)
+    check_run(drill.run_dir, rounds=2, steps_per_round=SPR, victims={"c1r1"})
+    evs = events(drill.run_dir)
+    commit = next(e for e in evs if e["event"] == "commit" and e["round"] == 0)
+    assert "c1r0" in commit["replicas"], f"c1's survivor must apply round 0's commit: {commit['replicas']}"
+    assert not [e for e in evs if e["event"] == "heal_begin" and e["scope"] == "global"], \
+        "nobody heals across clusters: c1's survivor holds the commit"
+    lost = [e for e in evs if e["event"] == "idle_replica_lost"]
+    assert [e["rid"] for e in lost] == ["c1r1"], f"c1r1's death while idle went unnoticed: {lost}"
+    decision = next(e for e in evs if e["event"] == "commit_decision" and e["round"] == 0)
+    assert lost[0]["t"] < decision["t"], "c1r1's loss must be noticed before round 0's outer exchange"
+    assert lost[0]["t"] - killed_at < 15, f"noticed {lost[0]['t'] - killed_at:.1f} s after the kill"
+    reforms = [e for e in evs if e["event"] == "cluster_reform"]
+    assert {e["cluster"] for e in reforms} == {1} and all(e["t"] < decision["t"] for e in reforms), \
+        f"only c1 re-forms, before the outer exchange: {reforms}"
+    observed = [f for f in s["faults"] if f["source"] == "observed"]
+    assert [f["rid"] for f in observed] == ["c1r1"], f"the SIGKILL of c1r1 must be reported as observed: {s['faults']}"
+    for c in (0, 2):
+        _assert_inner_phase_ran_once(evs, c, 0)
+
+
 # -- e. the supervisor lost while replicas work ---------------------------------------------------
 @pytest.mark.parametrize("when", ["scheduled_round0_inner", "from_outside_mid_inner"])
 def test_supervisor_killed_mid_inner_phase(tmp_path, drill_run, when):
