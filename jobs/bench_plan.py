@@ -10,8 +10,8 @@ rounds with a few failures (replicas dying mid-inner, a collective failing, a ha
 on_tick, a leader dying in the outer reduce, a whole cluster lost, a commit broadcast breaking in
 one cluster), plus one supervisor tick while everyone trains (a progress report from each replica
 and on_tick). Each round's machine starts from the last one's view of the replicas, as the
-supervisor's does (roster.live). Writes `plan.json` and prints it. The issue's budget (< 50 ms per round at 10,000)
-is a figure to compare, never an assert.
+supervisor's does (roster.live). Writes `plan.json` and prints it. The issue's budget (< 50 ms
+per round at 10,000) is a figure to compare, never an assert.
 """
 from __future__ import annotations
 

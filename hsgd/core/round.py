@@ -669,8 +669,7 @@ class RoundMachine:
     def _issue(self, kind: str, cluster: int | None, calls: dict[str, tuple], deadline_s: float, now: float,
                reason: str = "") -> Action:
         """An action the machine waits on: every replica in `calls` answers it (or is given up on)."""
-        action = _new_tuple(Action, (self._next_id, kind, self.round, cluster, self.epoch, calls, deadline_s, reason))
-        self._next_id += 1
+        action = self._new_action(kind, cluster, calls, deadline_s, reason)
         busy = self.busy
         if not busy.keys().isdisjoint(calls):  # one call at a time per replica: a bug, never a failure
             rid = next(r for r in calls if r in busy)

