@@ -18,6 +18,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -129,6 +130,50 @@ def _memory_bytes() -> int:
     return usable_memory_bytes(physical)
 
 
+def supervisor_starts(run_dir: str) -> int:
+    """How many supervisor incarnations have started (their durable count; 0 before the first)."""
+    try:
+        return int(json.loads((Path(run_dir) / "supervisor_state.json").read_text()).get("supervisor_starts", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+@dataclass(frozen=True)
+class LossVerdict:
+    new_loss: bool  # this error is a supervisor death not counted before
+    gone: bool  # give up: restarts exhausted, or the restart did not come back in time
+    reason: str = ""
+
+
+class SupervisorLosses:
+    """Counts the supervisor's deaths, not the errors a death causes. One death surfaces as several
+    errors: the `run` call in flight fails, and a call re-issued before Ray has noticed the death
+    fails too (ActorUnavailableError), on a slow machine several times in a row. So a loss is
+    counted once per incarnation (`supervisor_starts` in the supervisor's durable state): an error
+    while the incarnation already counted is still the latest one is the same death, seen again.
+
+    Gone: more deaths than `max_restarts` (Ray restarts no more), or no new incarnation within
+    `restart_wait_s` of a death (it died before recording its start, or Ray gave up)."""
+
+    def __init__(self, max_restarts: int, *, restart_wait_s: float):
+        self.max_restarts, self.restart_wait_s = max_restarts, restart_wait_s
+        self.count = 0
+        self._counted_start: int | None = None  # the incarnation whose death was counted last
+        self._down_since = 0.0
+
+    def on_error(self, starts: int, now: float) -> LossVerdict:
+        if starts != self._counted_start:
+            self.count, self._counted_start, self._down_since = self.count + 1, starts, now
+            if self.count > self.max_restarts:
+                return LossVerdict(True, True, f"supervisor lost {self.count} times "
+                                   f"(supervisor.max_restarts={self.max_restarts} exhausted)")
+            return LossVerdict(True, False)
+        if now - self._down_since > self.restart_wait_s:
+            return LossVerdict(False, True, f"supervisor did not come back within {self.restart_wait_s:g} s "
+                               f"(supervisor.call_timeout_s) of its death {self.count}")
+        return LossVerdict(False, False)
+
+
 def run_training(cfg: DictConfig, run_dir: str) -> dict:
     """Run one training job to its end; returns summary.json's content. A relative run_dir is
     taken as run.dir is (hsgd.config.output_path): under a Ray job, below the persistent root."""
@@ -231,7 +276,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
                     timeout=cfg.supervisor.phase_timeout_s)
             print(f"[hsgd] resumed from {resume_from} (round {manifest['round']})", flush=True)
         view = ProgressView(cfg, run_dir, enabled=cfg.logging.progress)
-        summary, supervisor_losses, stop_asked = None, 0, False
+        summary, stop_asked = None, False
+        losses = SupervisorLosses(cfg.supervisor.max_restarts, restart_wait_s=cfg.supervisor.call_timeout_s)
         while summary is None:
             ref = supervisor.run.remote()
             while True:
@@ -253,11 +299,12 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
             try:
                 summary = ray.get(ref, timeout=60.0)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
-                supervisor_losses += 1
-                if supervisor_losses > cfg.supervisor.max_restarts:
-                    summary = _supervisor_gone_summary(run_dir, supervisor_losses, err)
+                verdict = losses.on_error(supervisor_starts(run_dir), time.monotonic())
+                if verdict.gone:
+                    summary = _supervisor_gone_summary(run_dir, verdict.reason, err)
                     break
-                print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
+                if verdict.new_loss:
+                    print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
                 time.sleep(1.0)
         view.close()
         write_run_plots(run_dir)
@@ -299,11 +346,11 @@ def _replica_nodes(replicas: dict, timeout_s: float) -> dict:
     return nodes
 
 
-def _supervisor_gone_summary(run_dir: str, losses: int, err: BaseException) -> dict:
-    """The supervisor died more often than it may restart: end the run as failed, keep the files."""
-    summary = {"status": "failed", "reason": f"supervisor lost {losses} times (supervisor.max_restarts exhausted): "
-               f"{type(err).__name__}", "rounds_committed": None, "inner_steps_committed": None,
-               "initial_eval_loss": None, "final_eval_loss": None, "wall_s": None,
+def _supervisor_gone_summary(run_dir: str, reason: str, err: BaseException) -> dict:
+    """The supervisor died more often than it may restart, or did not come back: end the run as
+    failed, keep the files."""
+    summary = {"status": "failed", "reason": f"{reason}: {type(err).__name__}", "rounds_committed": None,
+               "inner_steps_committed": None, "initial_eval_loss": None, "final_eval_loss": None, "wall_s": None,
                "replica_param_digests": {}, "global_param_digest": None, "run_dir": run_dir}
     write_summary(run_dir, summary)
     return summary
