@@ -228,7 +228,11 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     # how jobs.diagnose and notebooks find this run's actors
     run_info = {"run_id": run_id, "namespace": ray.get_runtime_context().namespace,
                 "ray_address": ray.get_runtime_context().gcs_address, "replicas": topo_ids,
-                "driver_pid": os.getpid(), "started_at": time.time()}
+                "driver_pid": os.getpid(), "started_at": time.time(),
+                # how the cluster authenticates: Ray turns token auth on by itself only for a cluster
+                # it finds on its own, never for an explicit address, so a tool that attaches by the
+                # address above (jobs.diagnose) applies this mode
+                "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled")}
     atomic_write_text(Path(run_dir) / "run.json", json.dumps(run_info, indent=1))
     placement = None
     actors = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     status_path = run_dir / "status.json"
     status = json.loads(status_path.read_text()) if status_path.exists() else {}
 
+    if info.get("auth_mode") == "token":  # our own cluster, token auth on: attach with the local token
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # before Ray is imported: it reads the mode once
     import ray
 
     from actors.hang import dump_replica

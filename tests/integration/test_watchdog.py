@@ -56,9 +56,14 @@ def test_slow_but_healthy_replica_is_not_killed(tmp_path):
 
 def test_diagnose_prints_one_stack_section_per_replica(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # a user's two terminals: no RAY_AUTH_MODE inherited from this process's Ray (token auth stays on,
+    # Ray's default for a new local cluster; diagnose must attach with it)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    # padded steps (min_step_s): the replicas sleep most of each step, so the diagnose process is not
+    # starved of the 2 cores by 4 replicas training flat out (it took 45-115 s that way)
     job = subprocess.Popen([sys.executable, "-m", "jobs.train", *FAST, f"run.dir={run_dir}", "train.rounds=500",
-                            "sync.outer_every=50", "checkpoint.every=0"], cwd=tmp_path, env=env,
+                            "sync.outer_every=20", "train.min_step_s=0.1", "checkpoint.every=0"], cwd=tmp_path, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180
