@@ -11,8 +11,9 @@ from tests.integration.runs import FAST, events
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
-    d = Drill(FAST + ["train.rounds=2000", "sync.outer_every=6", "checkpoint.every=0", "comm.timeout_s=4",
-                      "watchdog.floor_s=5"], run_dir=str(tmp_path_factory.mktemp("drill")))
+    # padded steps: replicas mostly sleep, so restarts (CPU-bound process boots) are not starved
+    d = Drill(FAST + ["train.rounds=2000", "sync.outer_every=6", "train.min_step_s=0.05", "checkpoint.every=0",
+                      "comm.timeout_s=4", "watchdog.floor_s=5"], run_dir=str(tmp_path_factory.mktemp("drill")))
     d.start()
     yield d
     if d.summary is None:
