@@ -192,35 +192,31 @@ class Replica:
         self.warm_s = self.trainer.warm_up()
         return {"outcome": Outcome.DONE.value, "rid": self.rid, "warm_s": self.warm_s, "pid": os.getpid()}
 
-    @ray.method(concurrency_group="phase")
-    def configure_inner(self, epoch: int, store_addr: str, prefix: str, rank: int, world_size: int) -> dict:
-        """Join this cluster's inner group `prefix` (a fresh one per epoch) as `rank` of
-        `world_size`. Blocks until every member joined or comm.configure_timeout_s passes
-        (then `collective_failed`: a member did not come; the supervisor re-forms the cluster)."""
-        def run():
+    def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
+        """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
+        world_size): a fresh group per epoch. Blocks until every member joined or
+        comm.configure_timeout_s passes, then raises CollectiveError (the call answers
+        `collective_failed`: a member did not come; the supervisor re-forms the group). Returns the
+        seconds it took (0.0: the standing group is used)."""
+        if join is None:
+            return 0.0
+        epoch, store_addr, prefix, rank, world_size = join
+        t0 = time.monotonic()
+        self.phase, self.phase_since = "configure", time.time()
+        if group is self.inner:
             self.epoch = epoch
-            self.inner.configure(store_addr, prefix, rank, world_size, epoch)
-            return {"epoch": epoch}
-        return self._phase("configure", run, -1, None)
+        group.configure(store_addr, prefix, rank, world_size, epoch)
+        self.phase, self.phase_since = then, time.time()
+        return time.monotonic() - t0
 
     @ray.method(concurrency_group="phase")
-    def configure_outer(self, epoch: int, store_addr: str, prefix: str | None, rank: int = 0,
-                        world_size: int = 1) -> dict:
-        """Leaders: join the leaders' group `prefix`. prefix None: this replica is not a leader
-        and must never issue an outer collective (its outer group is dropped)."""
-        def run():
-            if prefix is None:
-                self.outer.abort()
-            else:
-                self.outer.configure(store_addr, prefix, rank, world_size, epoch)
-            return {"epoch": epoch}
-        return self._phase("configure", run, -1, None)
-
-    @ray.method(concurrency_group="phase")
-    def run_inner(self, round_index: int, faults: list[dict] | None = None) -> dict:
-        """Run this round's remaining inner steps, syncing in the cluster's inner group. The
+    def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None) -> dict:
+        """Run this round's remaining inner steps, syncing in the cluster's inner group. `join`: this
+        call forms that group first (see `_join`): one round trip for a cluster that (re-)forms. The
         committed step is readable on the control channel (`progress`) all along, so the supervisor
-        can tell slow from hung. `behind` if this replica has not reached the round."""
+        can tell slow from hung. `behind` if this replica has not reached the round (it joins the
+        group first all the same, so its peers' first collective fails fast rather than their join
+        waiting out its timeout)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -233,8 +229,10 @@ class Replica:
                 time.sleep(self.slow_s)
 
         def run():
+            join_s = self._join(self.inner, join, "inner")
             report = self.trainer.run_inner(round_index, self.inner, hook)
-            return {"report": report.__dict__, **({"outcome": Outcome.YIELDED.value} if report.yielded else {})}
+            return {"report": report.__dict__, "join_s": join_s,
+                    **({"outcome": Outcome.YIELDED.value} if report.yielded else {})}
         return self._phase("inner", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
@@ -246,14 +244,17 @@ class Replica:
         return self._phase("inner_sync", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
-    def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
+    def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
+                     join: tuple | None = None) -> dict:
         """Leaders, phase 1 of the two-phase commit: all-reduce the pseudo-gradient into a buffer
-        keyed by (round, epoch). Nothing is applied; a failure leaves the params untouched."""
+        keyed by (round, epoch). Nothing is applied; a failure leaves the params untouched. `join`:
+        the leaders changed, so this call forms the leaders' group first (see `_join`)."""
         def run():
+            join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before = self.outer.bytes_sent
             self.trainer.outer_reduce(round_index, epoch, self.outer)
-            return {"outer_bytes": self.outer.bytes_sent - before}
+            return {"outer_bytes": self.outer.bytes_sent - before, "join_s": join_s}
         return self._phase("outer", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")

@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from actors.hang import dump_replica
-from hsgd.core.round import Action, Outcome, PhaseResult, RoundMachine
+from hsgd.core.round import Action, Outcome, PhaseResult, RoundMachine, forms_group
 from hsgd.record.hangs import hang_report, stuck_function
 from hsgd.record.rundir import atomic_write_text
 
@@ -53,6 +53,7 @@ class RoundRunner:
         self.state_refs: dict[Any, tuple[int, str]] = {}  # the same, pending: watched so a dead source is seen
         self.logged_down: set[str] = set()  # replica_down logged this round
         self.steps_run: dict[int, int] = {}  # run_inner action id -> steps its members ran
+        self.join_s: dict[int, float] = {}  # action id -> the longest its members took to form their group
 
     def drive(self) -> None:
         m, sup = self.machine, self.sup
@@ -137,12 +138,13 @@ class RoundRunner:
             self.actions[a.id] = (a, time.monotonic(), set(a.calls))
             sup.log.event("phase_begin", phase=_PHASE_NAME.get(a.kind, a.kind), round=self.r, cluster=a.cluster,
                           epoch=a.epoch, replicas=sorted(a.calls), reason=a.reason or None)
-            if a.kind == "configure_inner" or a.kind == "configure_outer":
+            forms = forms_group(a)
+            if forms:
                 self._membership_event(a)
                 if a.epoch > sup.durable["epoch"]:  # before the groups exist: a successor never reuses an epoch
                     sup.durable["epoch"] = a.epoch
                     sup._save_durable()
-            if a.kind == "configure_inner" and a.reason and a.reason != "round start":
+            if forms and a.kind == "run_inner" and a.reason and a.reason != "round start":
                 sup.log.event("cluster_reform", cluster=a.cluster, round=self.r, epoch=a.epoch,
                               members=sorted(a.calls), reason=a.reason)
             if a.kind == "run_inner" and self.inner_started is None:
@@ -164,17 +166,16 @@ class RoundRunner:
             state = self.heal_states[key]
             sup.log.event("heal_begin", target=rid, source=source, scope=scope)
             return h.load_state.remote(state, scope, faults)
-        if a.kind == "configure_inner":
-            return h.configure_inner.remote(a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2])
-        if a.kind == "configure_outer":
-            return h.configure_outer.remote(a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2])
+        # (prefix, rank, world_size): the call forms its level's group first
+        join = (a.epoch, sup.store_addr, f"{sup.run_id}/{args[0]}", args[1], args[2]) if args and a.kind != "outer_commit" \
+            else None
         if a.kind == "run_inner":
             self.inner_participants.add(rid)
-            return h.run_inner.remote(a.round, faults)
+            return h.run_inner.remote(a.round, faults, join)
         if a.kind == "cluster_average":
             return h.cluster_average.remote(a.round, a.epoch, faults)
         if a.kind == "outer_reduce":
-            return h.outer_reduce.remote(a.round, a.epoch, faults)
+            return h.outer_reduce.remote(a.round, a.epoch, faults, join)
         if a.kind == "outer_commit":
             return h.outer_commit.remote(a.round, args[0], faults)
         raise ValueError(f"unknown action {a.kind}")
@@ -249,6 +250,8 @@ class RoundRunner:
             return True
 
     def _account(self, action_id: int, kind: str, rid: str, value: dict, outcome: Outcome) -> None:
+        if value.get("join_s"):
+            self.join_s[action_id] = max(self.join_s.get(action_id, 0.0), value["join_s"])
         if kind == "run_inner" and "report" in value:
             rep = value["report"]
             self.steps_run[action_id] = max(self.steps_run.get(action_id, 0), rep["steps_done"])
@@ -268,6 +271,7 @@ class RoundRunner:
     def _phase_end(self, action: Action, started: float) -> None:
         self.actions.pop(action.id, None)
         seconds = time.monotonic() - started
+        join_s = min(seconds, self.join_s.pop(action.id, 0.0))  # forming the group, in the same call
         outcomes = self.outcomes.pop(action.id, {})
         failed = {rid: o.split(": ", 1) for rid, o in outcomes.items() if o not in ("done", "yielded")}
         ok = sorted(rid for rid, o in outcomes.items() if o == "done")
@@ -277,19 +281,21 @@ class RoundRunner:
                            **({"yielded": yielded} if yielded else {}))
         key = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
                "outer_commit": "outer_commit"}.get(action.kind, "heal_configure")
-        self.seconds[key] = max(self.seconds[key], seconds) if key == "inner" else self.seconds[key] + seconds
+        work_s = seconds - join_s
+        self.seconds[key] = max(self.seconds[key], work_s) if key == "inner" else self.seconds[key] + work_s
+        self.seconds["heal_configure"] += join_s
         if action.kind == "heal":
             for rid in ok:
                 source, scope = action.calls[rid]
                 self.sup.log.event("heal_end", target=rid, source=source, scope=scope, seconds=seconds,
                                    bytes=self.heal_sizes.get(rid))
         if not failed and action.kind in ("outer_reduce", "outer_commit"):
-            self.sup.clock.observe(action.kind.replace("_reduce", ""), seconds, 1)
+            self.sup.clock.observe(action.kind.replace("_reduce", ""), work_s, 1)
         steps_run = self.steps_run.pop(action.id, 0)
         if action.kind == "run_inner" and not failed and steps_run:
             # the step deadline's sure sample: progress polls may never land inside a short phase,
             # and without samples the deadline is the ceiling (a hang would go unseen for minutes)
-            self.sup.clock.observe("inner_step", seconds, steps_run)
+            self.sup.clock.observe("inner_step", work_s, steps_run)
         if action.kind == "run_inner" and failed:
             self.attempts += 1
 
@@ -437,19 +443,18 @@ class RoundRunner:
         members = {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)}
         self.sup.log.event("membership", epoch=a.epoch, members=members,
                            leaders={f"c{c}": r for c, r in m.leaders.items()}, standby=[],
-                           level="inner" if a.kind == "configure_inner" else "outer", cluster=a.cluster)
+                           level="inner" if a.kind == "run_inner" else "outer", cluster=a.cluster)
 
 
 _PHASE_NAME = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
-               "outer_commit": "outer_commit", "configure_inner": "configure", "configure_outer": "configure",
-               "heal": "heal"}
+               "outer_commit": "outer_commit", "heal": "heal"}
 _FAULT_PHASES = {"run_inner": ("inner", "inner_sync"), "cluster_average": ("inner_sync",), "outer_reduce": ("outer",),
                  "outer_commit": ("outer_commit",), "heal": ("heal",)}
 
 
 def _view(m: RoundMachine) -> dict:
     stages = {st.stage for st in m.clusters.values() if st.stage != "out"}
-    phase = "outer" if m.outer_stage in ("configure", "reduce") else "outer_commit" if m.outer_stage == "commit" \
+    phase = "outer" if m.outer_stage == "reduce" else "outer_commit" if m.outer_stage == "commit" \
         else "inner" if "inner" in stages else sorted(stages)[0] if stages else "idle"
     return {"phase": phase, "round": m.round,
             "members": {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},

@@ -11,19 +11,21 @@ One round r, as the machine drives it:
                  heal     members behind the cluster's furthest member copy its state (`full`); a
                           cluster with nobody at round r copies the global state from another
                           cluster (`global`)
-                 configure  the cluster's inner group, under a fresh epoch, when its members changed
-                 inner    every member runs the round's remaining inner steps (one call)
+                 inner    every member runs the round's remaining inner steps (one call); when the
+                          cluster's members changed, the same call first forms its inner group
+                          under a fresh epoch (no separate configure round trip)
                  average  inner `none` only: the cluster's mean goes to outer sync
-    outer        once every participating cluster is ready: configure the leaders' group if the
-                 leaders changed, reduce pseudo-gradients into buffers keyed by (round, epoch), and
-                 commit only if every leader succeeded; then every member applies the same step.
+    outer        once every participating cluster is ready: the leaders reduce pseudo-gradients
+                 into buffers keyed by (round, epoch) (the same call first forms the leaders' group
+                 when the leaders changed), and commit only if every leader succeeded; then every
+                 member applies the same step.
 
 What happens after a failure (the whole of "Failure scoping"):
     replica of cluster c died / hung / raised, or c's collective failed
                  -> only cluster c re-forms: its surviving members return at their last committed
                     step (they are waited for, a silent one is killed once its group's grace is
-                    over), the furthest wins, laggards heal, a new epoch, c's inner phase is issued
-                    again. Other clusters are not interrupted and their results count.
+                    over), the furthest wins, laggards heal, and c's inner phase is issued again,
+                    forming c's group under a new epoch. Other clusters are not interrupted and their results count.
     a leader died or the outer collective failed
                  -> only the outer exchange is retried: buffers are never applied without a
                     commit, the dead leader's cluster re-forms with a new leader, inner work stays.
@@ -107,11 +109,13 @@ class Action(NamedTuple):
     """Something the supervisor must do now. `calls`: the replicas it calls, with per-replica
     arguments. `kind`:
       heal            calls = {target: (source, scope)}: target loads source's state
-      configure_inner calls = {rid: (prefix, rank, world_size)}, epoch
-      run_inner       calls = {rid: ()}: run the round's remaining inner steps
+      run_inner       calls = {rid: ()}: run the round's remaining inner steps in the cluster's
+                      standing inner group; or {rid: (prefix, rank, world_size)}: first form the
+                      group `prefix` under `epoch` (it blocks until every member joined or the
+                      configure timeout passed: `collective_failed`), then run (`forms_group`)
       cluster_average calls = {rid: ()}: inner `none`, the cluster's mean
-      configure_outer calls = {leader: (prefix, rank, world_size)}, epoch
-      outer_reduce    calls = {leader: ()}
+      outer_reduce    calls = {leader: ()}, or {leader: (prefix, rank, world_size)}: first form the
+                      leaders' group under `epoch`, then reduce (as run_inner)
       outer_commit    calls = {rid: (root_inner_rank,)}
       kill            calls = {rid: (phase, silent_s)}: kill the replica (restartable), deadline_s =
                       the limit it missed; no result expected
@@ -128,8 +132,15 @@ class Action(NamedTuple):
     cluster: int | None  # None: the outer level
     epoch: int
     calls: dict[str, tuple]
-    deadline_s: float = 0.0  # for calls whose work is fixed; inner phases use progress instead
+    deadline_s: float = 0.0  # for calls whose work is fixed; inner phases use progress instead (a run_inner
+    # that forms its group: the seconds its members may take to join before their first step)
     reason: str = ""
+
+
+def forms_group(action: Action) -> bool:
+    """A run_inner or outer_reduce whose members first form their level's group (their calls
+    carry (prefix, rank, world_size)), rather than using the one standing."""
+    return (action.kind == "run_inner" or action.kind == "outer_reduce") and bool(next(iter(action.calls.values()), ()))
 
 
 @dataclass
@@ -150,7 +161,7 @@ class RoundSettings:
     # process is gone), the one still silent is presumed dead after this long, without waiting for
     # Ray's death notice (~1.5 s); members in lockstep all fail within a step of each other
     presumed_dead_s: float = 0.5
-    configure_s: float = 40.0
+    configure_s: float = 40.0  # joining a group: the allowance before a forming call's first step
     heal_s: float = 60.0
     outer_s: float = 120.0
     commit_s: float = 60.0
@@ -158,7 +169,7 @@ class RoundSettings:
 
 @dataclass(slots=True)
 class _ClusterState:
-    _stage: str = "new"  # new | heal | configure | inner | average | ready | out  (read and set as `stage`)
+    _stage: str = "new"  # new | heal | inner | average | ready | out  (read and set as `stage`)
     members: tuple[str, ...] = ()
     configured: tuple[int, tuple[str, ...]] | None = None  # (epoch, members) of the live inner group
     action: int | None = None
@@ -290,7 +301,7 @@ class RoundMachine:
         self._ids, self._cluster_index = self._layout.ids, self._layout.cluster_of
         self._start_source: object = _NO_CACHE  # see _global_source
         self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
-        self.outer_stage = "wait"  # wait | configure | reduce | commit | done
+        self.outer_stage = "wait"  # wait | reduce | commit | done
         self.outer_action: int | None = None
         self.outer_attempts = 0
         self.inflight: dict[int, _InFlight] = {}
@@ -404,7 +415,7 @@ class RoundMachine:
                 if step == end_step:
                     progress[rid] = inner_end if round_index == r else commit_end if round_index == r1 \
                         else (round_index, step)
-                else:  # (a configure or heal answer at the round's start, most often)
+                else:  # (a heal answer at the round's start, most often)
                     progress[rid] = round_start if step == start_step and round_index == r else (round_index, step)
             if outcome is not done and outcome != done:  # the common answer takes no branch here
                 self._note_failure(flight, result, now)
@@ -488,7 +499,7 @@ class RoundMachine:
         if flight.action.kind != "run_inner" or flight.failed_groups or flight.peer_gone:
             return self._pending(flight)
         window = max(self.settings.step_deadline_s, self.settings.group_grace_s)
-        started, advance = flight.started, self.advance
+        started, advance = flight.started, self.advance  # (a join allowance only ever makes a limit later)
         if now <= started + window:
             return ()
         return [rid for rid in self._pending(flight)
@@ -523,7 +534,7 @@ class RoundMachine:
                                      reason=f"{rid} joins at step {at}")]
         if st.stage == "ready":
             return self._admit_joiners(c, now)
-        return []  # heal / configure / average in flight: taken in when it ends
+        return []  # heal / average in flight: taken in when it ends
 
     def _yield_step(self, running: list[str]) -> int:
         """A step boundary every member still running reaches after the yield request arrives."""
@@ -562,28 +573,41 @@ class RoundMachine:
         if st.stage in ("ready",) and self.outer_stage in ("wait",):
             st.configured = None  # its inner group lost a member: the commit broadcast needs a new one
             return self._reform(c, now, f"{rid} lost")
-        if st.stage == "ready" and self.outer_stage in ("configure", "reduce", "commit"):
+        if st.stage == "ready" and self.outer_stage in ("reduce", "commit"):
             return []  # the outer action in flight will fail, or the commit will skip it
         return []
 
     # -- internals --------------------------------------------------------------------------------
     def _limit(self, flight: _InFlight, rid: str) -> float:
         s = self.settings
-        if flight.action.kind == "run_inner":
+        action = flight.action
+        if action.kind == "run_inner":
             seen = self.advance.get(rid)
-            last = max(flight.started, seen[1]) if seen else flight.started
+            if seen is not None and self._stepped(rid):
+                last = max(flight.started, seen[1])
+            else:  # no step yet: a run that forms its group may spend its join allowance (deadline_s) first
+                first = flight.started + action.deadline_s
+                last = max(first, seen[1]) if seen else first
             limit = last + max(s.step_deadline_s, s.group_grace_s)
         else:
-            limit = flight.started + flight.action.deadline_s
+            limit = flight.started + action.deadline_s
         group = self._group_of(flight, rid)
         failed_at = flight.failed_groups.get(group)
-        if failed_at is not None and flight.action.kind != "configure_inner" \
-                and flight.action.kind != "configure_outer":
-            limit = min(limit, max(failed_at, self._last_sign(flight, rid)) + s.group_grace_s)
+        if failed_at is not None:
+            # a healthy member leaves a broken collective within the grace; one forming its group that
+            # has not stepped yet may still wait in the rendezvous for the missing peer (configure timeout)
+            grace = max(s.group_grace_s, s.configure_s) if forms_group(action) and not self._stepped(rid) \
+                else s.group_grace_s
+            limit = min(limit, max(failed_at, self._last_sign(flight, rid)) + grace)
         gone_at = flight.peer_gone.get(group)
         if gone_at is not None and self._only_suspects_pending(flight, group):
             limit = min(limit, gone_at + s.presumed_dead_s)
         return limit
+
+    def _stepped(self, rid: str) -> bool:
+        """rid's step advanced in its current inner run (so it is past any join that run began with)."""
+        seen = self.advance.get(rid)
+        return seen is not None and seen[0] > self.progress.get(rid, _LOST)[1]
 
     def _only_suspects_pending(self, flight: _InFlight, group) -> bool:
         """Every member of `group` but the silent ones answered (so the silent ones are the peers
@@ -694,7 +718,7 @@ class RoundMachine:
         # the supervisor waits for them), so the groups they touch are not handed on as standing.
         for flight in self.inflight.values():
             kind = flight.action.kind
-            if kind == "configure_outer" or kind == "outer_reduce":
+            if kind == "outer_reduce":
                 self.outer_configured = None
             elif kind == "outer_commit":
                 for rid in self._pending(flight):
@@ -706,7 +730,7 @@ class RoundMachine:
     # per cluster ---------------------------------------------------------------------------------
     def _reform(self, c: int, now: float, reason: str, counts: bool = True,
                 members: tuple[str, ...] | None = None) -> list[Action]:
-        """(Re-)form cluster c: heal laggards, configure its group if members changed, run inner.
+        """(Re-)form cluster c: heal laggards, run inner (forming its group if members changed).
         `members`: c's live members when the caller just computed them (start)."""
         st = self.clusters[c]
         self.yielding.pop(c, None)
@@ -757,7 +781,7 @@ class RoundMachine:
         return source
 
     def _move(self, st: _ClusterState, stage: str) -> None:
-        """st.stage = stage (heal, configure or inner: a stage that is not ready), without the property's
+        """st.stage = stage (heal or inner: a stage that is not ready), without the property's
         general bookkeeping for a cluster that is not out: its one tally change, made straight (the
         hot path: thousands a round)."""
         if st._stage == "out":
@@ -767,6 +791,8 @@ class RoundMachine:
             self._tally.not_ready.add(st.index)
 
     def _configure(self, c: int, now: float, reason: str) -> list[Action]:
+        """Run c's inner phase in its standing group, or (members changed) in a group the same call
+        forms under a fresh epoch. The group counts as standing from now: the run's failure drops it."""
         st = self.clusters[c]
         if st.configured is not None and st.configured[1] == st.members and reason == "round start":
             return self._run_inner(c, now)
@@ -774,13 +800,12 @@ class RoundMachine:
         n = len(st.members)
         prefix = f"epoch{self.epoch}/inner/c{c}"
         calls = dict(zip(st.members, zip(repeat(prefix), range(n), repeat(n))))  # rid -> (prefix, rank, n), in C
-        self._move(st, "configure")
-        st.configured = None
-        action = self._issue("configure_inner", c, calls, self.settings.configure_s, now, reason)
-        st.action = action.id
-        return [action]
+        st.configured = (self.epoch, st.members)
+        return self._run_inner(c, now, calls, reason)
 
-    def _run_inner(self, c: int, now: float) -> list[Action]:
+    def _run_inner(self, c: int, now: float, forming: dict[str, tuple] | None = None,
+                   reason: str = "") -> list[Action]:
+        """`forming`: the calls of a run that first forms c's group (see _configure)."""
         st = self.clusters[c]
         self._move(st, "inner")
         advance = self.advance
@@ -788,15 +813,18 @@ class RoundMachine:
             for rid in st.members:
                 advance.pop(rid, None)
         members = st.members
-        calls = self._layout.run_calls[c].copy() if members is self._ids[c] else dict.fromkeys(members, ())
-        action = self._issue("run_inner", c, calls, 0.0, now)
+        if forming is not None:
+            action = self._issue("run_inner", c, forming, self.settings.configure_s, now, reason)
+        else:
+            calls = self._layout.run_calls[c].copy() if members is self._ids[c] else dict.fromkeys(members, ())
+            action = self._issue("run_inner", c, calls, 0.0, now, reason)
         st.action = action.id
         return [action]
 
     def _action_finished(self, flight: _InFlight, now: float) -> list[Action]:
         action = flight.action
         results_ok = flight.failed_at is None
-        if action.kind in ("configure_outer", "outer_reduce", "outer_commit"):
+        if action.kind == "outer_reduce" or action.kind == "outer_commit":
             return self._outer_finished(flight, results_ok, now)
         c = action.cluster
         st = self.clusters[c]
@@ -819,16 +847,10 @@ class RoundMachine:
                 st.configured = None
             return self._admit_joiners(c, now)
         if not results_ok or lost:
-            if action.kind == "configure_inner":
-                st.configured = None
-            elif st.configured is not None:
-                st.configured = None  # a failed collective leaves the group unusable
+            st.configured = None  # a failed collective (or join) leaves the group unusable
             return self._reform(c, now, f"{action.kind} failed")
         if action.kind == "heal":
             return self._configure(c, now, action.reason)
-        if action.kind == "configure_inner":
-            st.configured = (action.epoch, st.members)
-            return self._run_inner(c, now)
         if action.kind == "run_inner":
             if where.count(self._inner_end) != len(where):
                 return self._reform(c, now, "inner phase ended short")
@@ -853,22 +875,17 @@ class RoundMachine:
             return self._finish("below_quorum", self._quorum_text())
         if tally.not_ready:  # a participating cluster is not ready yet
             return []
-        part = self.participating()
-        leaders = tuple(self.leaders[c] for c in part)
+        leaders = tuple(self.leaders[c] for c in self.participating())
+        self.outer_stage = "reduce"
         if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):
+            # the leaders changed: the reduce first forms their group under a fresh epoch
             self.epoch += 1
-            self.outer_stage = "configure"
             prefix, n = f"epoch{self.epoch}/outer", len(leaders)
             calls = dict(zip(leaders, zip(repeat(prefix), range(n), repeat(n))))  # leader -> (prefix, rank, n)
-            a = self._issue("configure_outer", None, calls, self.settings.configure_s, now)
-            self.outer_action = a.id
-            return [a]
-        return self._outer_reduce(now)
-
-    def _outer_reduce(self, now: float) -> list[Action]:
-        self.outer_stage = "reduce"
-        leaders = {self.leaders[c]: () for c in self.participating()}
-        a = self._issue("outer_reduce", None, leaders, self.settings.outer_s, now)
+            deadline_s = self.settings.configure_s + self.settings.outer_s
+        else:
+            calls, deadline_s = dict.fromkeys(leaders, ()), self.settings.outer_s
+        a = self._issue("outer_reduce", None, calls, deadline_s, now)
         self.outer_action = a.id
         return [a]
 
@@ -901,14 +918,10 @@ class RoundMachine:
 
     def _outer_finished(self, flight: _InFlight, ok: bool, now: float) -> list[Action]:
         action = flight.action
-        if action.kind == "configure_outer":
-            if ok:
-                self.outer_configured = (action.epoch, tuple(action.calls))
-                return self._outer_reduce(now)
-            self.outer_configured = None
-            return self._outer_retry(now, "outer configure failed", action.calls)
         if action.kind == "outer_reduce":
             if ok:
+                if forms_group(action):
+                    self.outer_configured = (action.epoch, tuple(action.calls))
                 return self._outer_commit(now)
             self.outer_configured = None
             return self._outer_retry(now, "outer reduce incomplete", action.calls)

@@ -60,6 +60,7 @@ class Report:
 
 SIM_SETTINGS = dict(steps_per_round=20, step_deadline_s=3.0, group_grace_s=2.0, configure_s=3.0, heal_s=3.0,
                     outer_s=4.0, commit_s=3.0)
+# (configure_<level>: in the join a call that forms its group starts with)
 PHASES = ("run_inner", "heal", "configure_inner", "outer_reduce", "outer_commit", "configure_outer")
 
 
