@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
-from hsgd.record.rundir import read_jsonl
+from hsgd.record.rundir import read_json as _read_json, read_jsonl
 
 
 class DrillError(RuntimeError):
@@ -233,13 +233,6 @@ class Drill:
     def _brief(self) -> str:
         st = _read_json(self.run_dir / "status.json")
         return json.dumps({k: st.get(k) for k in ("phase", "round", "epoch", "members", "status")}, default=str)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _append_fired(run_dir: Path, rid: str, kind: str) -> None:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from hsgd.config import ConfigError, output_path, register_schema, resolve_backend, under_ray_job, validate
 from hsgd.config.capacity import (PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count,
                                   usable_memory_bytes)
-from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
+from hsgd.record.rundir import atomic_write_text, read_json, read_jsonl, write_summary
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -133,8 +133,8 @@ def _memory_bytes() -> int:
 def supervisor_starts(run_dir: str) -> int:
     """How many supervisor incarnations have started (their durable count; 0 before the first)."""
     try:
-        return int(json.loads((Path(run_dir) / "supervisor_state.json").read_text()).get("supervisor_starts", 0))
-    except (OSError, ValueError):
+        return int(read_json(Path(run_dir) / "supervisor_state.json").get("supervisor_starts", 0))
+    except (TypeError, ValueError):
         return 0
 
 

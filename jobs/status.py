@@ -10,23 +10,15 @@ refreshes until the run is done (summary.json, status.json's `status`, or a run_
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from hsgd.record.plots import known_replicas, read_events, replica_states
-from hsgd.record.rundir import read_jsonl
+from hsgd.record.rundir import read_json as _read_json, read_jsonl
 
 RECENT = 8
 _STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "?": "dim"}
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # absent, or (not atomically written) caught half-way
 
 
 def collect_state(run_dir: str | Path) -> dict:

@@ -30,6 +30,15 @@ def write_summary(run_dir: str | Path, summary: dict) -> None:
     atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
 
 
+def read_json(path: str | Path) -> dict:
+    """A JSON file the run keeps rewriting (status.json, run.json, supervisor_state.json): {} when it
+    is absent or unreadable (a reader elsewhere may race the writer's rename, or a crash)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
