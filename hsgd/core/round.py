@@ -25,7 +25,8 @@ What happens after a failure (the whole of "Failure scoping"):
                  -> only cluster c re-forms: its surviving members return at their last committed
                     step (they are waited for, a silent one is killed once its group's grace is
                     over), the furthest wins, laggards heal, and c's inner phase is issued again,
-                    forming c's group under a new epoch. Other clusters are not interrupted and their results count.
+                    forming c's group under a new epoch. Other clusters are not interrupted and
+                    their results count.
     a leader died or the outer collective failed
                  -> only the outer exchange is retried: buffers are never applied without a
                     commit, the dead leader's cluster re-forms with a new leader, inner work stays.

@@ -27,7 +27,7 @@ EVENTS: dict[str, EventSpec] = {
     "supervisor_start": EventSpec(("starts", "pid"), "a supervisor incarnation started (its durable start count)"),
     "initial_eval": EventSpec(("eval_loss",), "held-out loss of the initial model"),
     "run_stopped": EventSpec(("round",), "a clean stop was requested; the run stops after this round"),
-    "run_failed": EventSpec(("reason",), "the run cannot go on (below quorum too long, total loss without a checkpoint, ...)"),
+    "run_failed": EventSpec(("reason",), "the run cannot go on (below quorum too long, total loss, no checkpoint)"),
     "run_end": EventSpec(("status",), "the last event of a supervisor's run: completed | failed | stopped"),
     "quorum_wait": EventSpec(("reason", "wait_s"), "below quorum: waiting up to wait_s for replicas to return"),
     # one round's phases
