@@ -149,9 +149,11 @@ def test_below_quorum_fails_cleanly_and_resumes(tmp_path):
     assert s["status"] == "failed"
     assert "quorum" in s["reason"] and "min_clusters=2" in s["reason"], s["reason"]
     # it gave up after one bounded wait for the lost cluster (quorum_wait_s), not round after round
-    waits = [e for e in events(run_dir) if e["event"] == "quorum_wait"]
+    record = events(run_dir)
+    waits = [e for e in record if e["event"] == "quorum_wait"]
     assert len(waits) == 1 and waits[0]["wait_s"] == 5, waits
-    after = [e["event"] for e in events(run_dir)][[e["event"] for e in events(run_dir)].index("quorum_wait"):]
+    names = [e["event"] for e in record]
+    after = names[names.index("quorum_wait"):]
     assert after.count("run_failed") == 1 and "commit" not in after and "phase_begin" not in after, after
     check_invariants(run_dir, rounds=2, steps_per_round=SPR, expect_status="failed")
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
