@@ -6,14 +6,12 @@ final one and the rounds after it are trained (and recorded) again.
 """
 from __future__ import annotations
 
-import shutil
 import time
-from pathlib import Path
 
 import ray
 
 from hsgd.core.round import Outcome
-from hsgd.record.rundir import read_jsonl
+from hsgd.record.rundir import call_with_deadline
 from hsgd.train import checkpoint
 
 ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this many times
@@ -21,63 +19,169 @@ ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this m
 
 def save(sup, state_round: int) -> str | None:
     """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
-    Returns its path, or None when it exists already or every attempt lost a replica."""
-    roster, root = sup.roster, Path(sup.run_dir) / "checkpoints"
-    if checkpoint.exists(root, state_round):
-        sup.log.event("checkpoint_skipped", round=state_round, reason="already exists")
-        return None
-    for _ in range(ATTEMPTS):
-        sup.injector.supervisor_faults(state_round - 1, "checkpoint")
-        temp = checkpoint.new_temp_dir(root, state_round)
-        members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
-        armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.durable["epoch"]), only=set(members))
-        refs = {rid: roster.handles[rid].save_checkpoint.remote(str(temp), state_round, armed.get(rid))
-                for rid in members}
-        saved, failed = {}, {}
-        for rid, ref in refs.items():
+    Returns its path, or None when it exists already, every attempt lost a replica, or storage
+    refused it.
+
+    Storage faults are the run's, never a replica's: a replica whose write fails answers `io_error`
+    (nobody is killed), and the supervisor's own steps (the temp folder, the manifest and rename)
+    raising OSError or passing their deadline (`supervisor.call_timeout_s`: a hung mount) alike skip
+    this checkpoint: event `checkpoint_failed` with the error, a console warning, the summary's
+    `checkpoints_failed` counts it. Training goes on; the previous good checkpoint stays. Pruning
+    old ones failing after the new one is final costs nothing but space (event `write_failed`)."""
+    roster = sup.roster
+    root = checkpoint.root_url(sup.cfg.checkpoint.get("dir"), sup.run_dir)
+    deadline_s = sup.cfg.supervisor.call_timeout_s
+
+    def storage(fn, what: str):
+        return call_with_deadline(fn, deadline_s, f"{what} under {root}")
+
+    try:
+        if storage(lambda: checkpoint.exists(root, state_round), "checking for a checkpoint"):
+            sup.log.event("checkpoint_skipped", round=state_round, reason="already exists")
+            return None
+        for _ in range(ATTEMPTS):
+            sup.injector.supervisor_faults(state_round - 1, "checkpoint")
+            temp = storage(lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
+                           "making the checkpoint's temp folder")
+            members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
+            armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.durable["epoch"]),
+                                     only=set(members))
+            refs = {rid: roster.handles[rid].save_checkpoint.remote(str(temp), state_round, armed.get(rid))
+                    for rid in members}
+            saved, failed, io_errors = {}, {}, {}
+            for rid, ref in refs.items():
+                try:
+                    answer = ray.get(ref, timeout=sup.cfg.supervisor.phase_timeout_s)
+                except Exception as err:  # noqa: BLE001 — that replica's failure (it died, or raised)
+                    failed[rid] = str(err)
+                    roster.down_after(rid, err, "checkpoint", state_round - 1)
+                    continue
+                if answer["outcome"] == Outcome.DONE.value:
+                    saved[rid] = answer
+                elif answer["outcome"] == Outcome.IO_ERROR.value:
+                    io_errors[rid] = answer.get("error", "")
+                else:
+                    failed[rid] = answer
+            if io_errors or failed or not saved or any(a["round"] != state_round for a in saved.values()):
+                _discard(temp, deadline_s)
+            if io_errors:  # the disk will not do better on a second try right away
+                return _failed(sup, state_round, "; ".join(f"{rid}: {e}" for rid, e in sorted(io_errors.items())),
+                               replicas=sorted(io_errors))
+            if failed or not saved or any(a["round"] != state_round for a in saved.values()):
+                continue
+            manifest = {"round": state_round, "step": state_round * sup.spr, "run_id": sup.run_id,
+                        "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
+                        # the driver's (data size and path as it sees them), carried in the durable state
+                        "fingerprint": sup.durable.get("fingerprint") or checkpoint.fingerprint(sup.cfg),
+                        "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}
             try:
-                answer = ray.get(ref, timeout=sup.cfg.supervisor.phase_timeout_s)
-                (saved if answer["outcome"] == Outcome.DONE.value else failed)[rid] = answer
-            except Exception as err:  # noqa: BLE001 — that replica's failure
-                failed[rid] = str(err)
-                roster.down_after(rid, err, "checkpoint", state_round - 1)
-        if failed or not saved or any(a["round"] != state_round for a in saved.values()):
-            shutil.rmtree(temp, ignore_errors=True)
-            continue
-        manifest = {"round": state_round, "step": state_round * sup.spr, "run_id": sup.run_id,
-                    "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
-                    "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}
-        try:
-            final = checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()})
-        except checkpoint.CheckpointError as err:
-            sup.log.event("checkpoint_refused", round=state_round, reason=str(err))
-            continue
-        checkpoint.prune(root, sup.cfg.checkpoint.keep)
-        sup.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(saved))
-        return str(final)
+                final = storage(lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
+                                "finalizing the checkpoint")
+            except checkpoint.CheckpointError as err:
+                sup.log.event("checkpoint_refused", round=state_round, reason=str(err))
+                continue
+            sup.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(saved))
+            try:
+                storage(lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id),
+                        "pruning old checkpoints")
+            except OSError as err:
+                sup.log.event("write_failed", what=f"pruning old checkpoints under {root}", error=_describe(err))
+            return str(final)
+    except OSError as err:  # the supervisor's own storage steps (TimeoutError included)
+        return _failed(sup, state_round, _describe(err))
     sup.log.event("checkpoint_skipped", round=state_round, reason="replicas failed while saving")
     return None
 
 
-def restore(sup, reason: str) -> int | None:
-    """Total loss: every live replica loads the latest durable checkpoint; metrics of the rounds
-    after it are dropped (they are trained again, and each is recorded once). Returns the
-    checkpoint's round, or None when there is no checkpoint (the caller fails the run)."""
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _discard(temp: str, deadline_s: float) -> None:
+    """Remove a temp folder that will not become a checkpoint; a failure leaves it to `prune`."""
+    try:
+        call_with_deadline(lambda: checkpoint.remove(temp), deadline_s, f"removing {temp}")
+    except OSError:
+        pass
+
+
+def _failed(sup, state_round: int, error: str, replicas: list[str] | None = None) -> None:
+    sup.durable["checkpoints_failed"] = sup.durable.get("checkpoints_failed", 0) + 1
+    sup._save_durable()
+    sup.log.event("checkpoint_failed", round=state_round, error=error, replicas=replicas or [])
+    sup.warn(f"checkpoint of round {state_round} skipped, training goes on (the previous one stays): {error}")
+    return None
+
+
+class RestoreFailed(RuntimeError):
+    """No checkpoint can bring the run back (none, none verifies, nobody could load it, or it was
+    restored again and again without a round committed since). The message says which."""
+
+
+RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up
+
+
+def restore(sup, reason: str) -> int:
+    """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
+    rounds after it are dropped (they are trained again, and each is recorded once). Returns the
+    checkpoint's round.
+
+    Order: (1) choose, touching no replica: walk back from the newest checkpoint to the first
+    whose manifest reads, whose every file matches its sha256, and whose config fingerprint is
+    this run's (`checkpoint_fallback` event for each one skipped); (2) bring back restarted
+    replicas; (3) each live replica loads it (one that fails is down, and restarts). Raises
+    RestoreFailed when no checkpoint is usable, when replicas tried and none could load it, or
+    when this checkpoint was restored RESTORES_WITHOUT_PROGRESS times with no round committed
+    since (so a failure that recurs after every restore cannot loop until restarts run out).
+    With no live replica at all it returns the round: the caller waits for quorum."""
     roster = sup.roster
+    root = checkpoint.root_url(sup.cfg.checkpoint.get("dir"), sup.run_dir)
+    mine = sup.durable.get("fingerprint")
+
+    def accept(manifest: dict) -> str | None:
+        diff = checkpoint.fingerprint_diff(manifest.get("fingerprint"), mine) if mine else []
+        return f"written with another config ({'; '.join(diff)})" if diff else None
+
+    refused: list[str] = []
+
+    def skipped(path: str, why: str) -> None:
+        refused.append(path)
+        sup.log.event("checkpoint_fallback", path=path, reason=why)
+        sup.warn(f"checkpoint {path} skipped: {why}")
+
+    try:
+        found = call_with_deadline(lambda: checkpoint.newest_good(root, on_skip=skipped, accept=accept),
+                                   sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
+    except OSError as err:
+        raise RestoreFailed(f"checkpoints under {root} cannot be read: {_describe(err)}") from err
+    if found is None:
+        none_good = f", {len(refused)} failed verification (checkpoint_fallback events)" if refused else ""
+        raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "
+                            f"(checkpoint.every={sup.cfg.checkpoint.every})")
+    path, manifest = found
+    state_round = int(manifest["round"])
+    last = sup.durable.get("last_restore") or {}
+    again = last.get("round") == state_round and sup.durable.get("committed_round", 0) <= state_round
+    repeats = last.get("count", 0) + 1 if again else 1
+    if repeats > RESTORES_WITHOUT_PROGRESS:
+        raise RestoreFailed(f"checkpoint {path} (round {state_round}) restored {repeats - 1} times without "
+                            f"committing a round since; giving up")
+    sup.durable["last_restore"] = {"round": state_round, "count": repeats}
+    sup._save_durable()
     roster.rejoin(sup.cfg.supervisor.rejoin_wait_s)
-    latest = checkpoint.latest(Path(sup.run_dir) / "checkpoints")
-    if latest is None:
-        return None
-    manifest = checkpoint.read_manifest(latest)
-    for rid in sorted(roster.live):
+    tried, errors = sorted(roster.live), []
+    for rid in tried:
         try:
-            answer = ray.get(roster.handles[rid].load_checkpoint.remote(str(latest), manifest["files"].get(rid)),
+            answer = ray.get(roster.handles[rid].load_checkpoint.remote(path, manifest["files"].get(rid)),
                              timeout=sup.cfg.supervisor.phase_timeout_s)
             roster.live[rid] = (answer["round"], answer["step"])
-        except Exception as err:  # noqa: BLE001 — it heals from a restored peer later
+        except Exception as err:  # noqa: BLE001 — that replica's failure; it heals from a restored peer later
+            errors.append(" ".join(str(err).split())[-300:])
             roster.down_after(rid, err, "restore", -1)
-    metrics_path = Path(sup.run_dir) / "metrics.jsonl"
-    sup.log.rewrite_metrics([m for m in read_jsonl(metrics_path) if m.get("round", 0) < manifest["round"]])
+    if tried and not roster.live:
+        raise RestoreFailed(f"no replica could load checkpoint {path}: {errors[0]}")
+    # the record's metrics, those still in memory (a run folder outage) included
+    sup.log.rewrite_metrics([m for m in sup.log.records("metrics") if m.get("round", 0) < state_round])
     roster.configured, roster.outer_configured = {}, None
-    sup.log.event("restore", round=manifest["round"], path=str(latest), reason=reason, replicas=sorted(roster.live))
-    return manifest["round"]
+    sup.log.event("restore", round=state_round, path=path, reason=reason, replicas=sorted(roster.live))
+    return state_round

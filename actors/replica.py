@@ -7,7 +7,9 @@ phase is in flight: progress, digests, stack dumps, fault injection.
 Every phase method answers a `PhaseAnswer` dict: {"outcome": done | behind | collective_failed,
 "rid", "round", "step", ...}. `behind` means the call names a round this replica has not reached
 (it must be healed; it is never reported done); `collective_failed` means this replica is fine but
-its group broke (a peer failed or timed out). The method itself never raises for those: when the
+its group broke (a peer failed or timed out); `non_finite` (with `what`: loss | grad_norm |
+pseudo_gradient) means its numbers went NaN/inf: the replica and its group are fine, its cluster's
+round is void. The method itself never raises for those: when the
 actor call raises, the replica died (ActorDiedError) or hit an error of its own (RayTaskError),
 which the supervisor treats as this replica's failure.
 
@@ -28,11 +30,12 @@ import torch
 from omegaconf import OmegaConf
 
 from actors.hang import install_faulthandler
-from hsgd.train import checkpoint
-from hsgd.train.comm import CollectiveError, LevelGroup
+from hsgd.config.capacity import resolve_level_backend
+from hsgd.train import checkpoint, state_stream
+from hsgd.train.comm import CollectiveError, LevelGroup, apply_nccl_environment
 from hsgd.core.topology import Topology
 from hsgd.core.round import Outcome
-from hsgd.train.trainer import Behind, ReplicaTrainer, YieldNow
+from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
 CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
 
@@ -47,18 +50,27 @@ class InjectedError(RuntimeError):
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class Replica:
-    def __init__(self, cfg: dict, rid: str, run_dir: str, backend: str, spare: bool = False):
+    def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False):
+        """`backends`: {"inner", "outer"} as the driver planned them (hsgd.config.capacity.BackendPlan);
+        `auto` is resolved here, where the replica runs: nccl when Ray gave it a GPU of its own and
+        torch here sees CUDA (never on the driver, which may be a CPU-only head node)."""
         torch.set_num_threads(1)  # several replicas share a few cores
         install_faulthandler(run_dir, rid)
         self.started_at = time.time()
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
         topo = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
-        device = "cuda" if backend == "nccl" else "cpu"
+        gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
+        # (not `self.backends`: an attribute named like a torch submodule, in a method that uses torch,
+        # makes Ray's cloudpickle pickle torch.backends with the class, which cannot be pickled)
+        self.level_backends = {level: resolve_level_backend(backends[level], level=level, gpu=gpu)
+                               for level in ("inner", "outer")}
+        device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # the model lives where the inner level reduces
         self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
         comm = self.cfg.comm
-        self.inner = LevelGroup("inner", backend, comm.timeout_s, comm.configure_timeout_s, **_link(comm))
-        self.outer = LevelGroup("outer", backend, comm.timeout_s, comm.configure_timeout_s, **_link(comm))
+        apply_nccl_environment(comm.timeout_s, comm.configure_timeout_s)  # before any group is made
+        self.inner = LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm))
+        self.outer = LevelGroup("outer", self.level_backends["outer"], comm.timeout_s, comm.configure_timeout_s, **_link(comm))
         self.epoch = -1
         self.phase = "idle"
         self.phase_since = time.time()
@@ -77,7 +89,7 @@ class Replica:
         (a GIL-holding hang, a dead process) is no sign of life."""
         return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends}
 
     @ray.method(concurrency_group="control")
     def global_state(self) -> dict:
@@ -156,6 +168,8 @@ class Replica:
             self.outer.abort()
         if kind == "slow":
             self.slow_s = float(fault.get("seconds") or 0.5)
+        if kind == "nan":  # the next inner step's loss is NaN, as a diverging replica's
+            self.trainer.poison()
         if kind == "error":  # an exception of the replica's own (CUDA OOM, an I/O error, a bug)
             raise InjectedError(f"{self.rid}: injected error in {fault['phase']} of round {round_index}")
 
@@ -169,6 +183,11 @@ class Replica:
         except Behind as err:
             return {"outcome": Outcome.BEHIND.value, "ok": False, "rid": self.rid, "error": str(err),
                     **self.trainer.progress()}
+        except NonFiniteError as err:  # this replica and its group are fine: its cluster's round is void
+            if name == "outer":  # the other leaders wait in the all-reduce it never joins: they fail now
+                self.outer.abort()
+            return {"outcome": Outcome.NON_FINITE.value, "ok": False, "rid": self.rid, "error": str(err),
+                    "what": err.what, **self.trainer.progress()}
         except CollectiveError as err:
             return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid, "error": str(err),
                     **self.trainer.progress()}
@@ -299,24 +318,121 @@ class Replica:
         finally:
             self.phase, self.phase_since = "idle", time.time()
 
+    # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
+    def _heal_group(self) -> LevelGroup:
+        """A group of its own for each heal (never the cluster's standing inner group, which a
+        commit may still need), on the inner level's backend: a `full` heal stays in its cluster."""
+        comm = self.cfg.comm
+        return LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm))
+
+    @ray.method(concurrency_group="phase")
+    def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
+        """Heal source (a heal of round `round_index`: the round its faults are scheduled for): join
+        the heal's group `join` = (epoch, store_addr, prefix, 0, world_size) as its root and stream
+        this replica's state to every target in it, chunk by chunk, from where the state lives (no
+        host copy of the whole state). Answers `done` with `bytes`, or `collective_failed` (a target
+        never joined, a peer died, a chunk timed out): the supervisor then heals the same targets
+        through the object store (`heal_state`). The group is dropped either way."""
+        def run():
+            self._hook("heal", round_index, 0)
+            group = self._heal_group()
+            try:
+                join_s = self._join(group, join, "heal")
+                t0 = time.monotonic()
+                nbytes = state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
+                                                 device=self.trainer.device)
+                return {"bytes": nbytes, "join_s": join_s, "transfer_s": time.monotonic() - t0, "pid": os.getpid()}
+            finally:
+                group.abort()
+        return self._phase("heal", run, self.trainer.round, faults)
+
+    @ray.method(concurrency_group="phase")
+    def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
+        """Heal target (a heal of round `round_index`, whatever round this replica holds): join the
+        heal's group `join` (rank ≥ 1), receive the source's whole state, then become the source
+        (load_state_dict `full`). Answers `done` with `bytes` and `transport: group`, or
+        `collective_failed` with this replica's own state untouched (nothing is loaded before the
+        last chunk arrived): the supervisor falls back to the object store."""
+        def run():
+            self._hook("heal", round_index, 0)
+            group = self._heal_group()
+            try:
+                join_s = self._join(group, join, "heal")
+                t0 = time.monotonic()
+                state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
+            finally:
+                group.abort()
+            self.trainer.load_state_dict(state, scope="full")
+            return {"bytes": nbytes, "transport": "group", "join_s": join_s, "transfer_s": time.monotonic() - t0}
+        return self._phase("heal", run, self.trainer.round, faults)
+
+    @ray.method(concurrency_group="phase")
+    def heal_state(self, expect: tuple[int, int] | None) -> dict:
+        """The object-store fallback of a heal over the group: this replica's full state, provided
+        it still holds `expect` = (round, step) — the progress it was chosen as a source for.
+        Raises otherwise: a source that died and was restarted meanwhile (Ray runs a call queued
+        for a restarting actor on the new process) must never hand out its fresh state."""
+        if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
+            raise RuntimeError(f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
+                               f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)")
+        return self.trainer.state_dict()
+
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
         """Write this replica's state for the checkpoint of round `round_index` (its state after
-        round_index - 1 committed). `behind` unless this replica holds exactly that round."""
+        round_index - 1 committed). `behind` unless this replica holds exactly that round.
+
+        A write that storage refuses answers `io_error` with the error's text, never raises: a full
+        disk, a quota, a read-only remount, a folder this node cannot see (another node's disk) are
+        the run's problem, not this replica's — it is not killed, the supervisor skips the
+        checkpoint. Whatever the write raises counts (OSError; torch's zip writer raises
+        RuntimeError for a failed write; an fsspec backend its own errors); the state it writes was
+        taken before, so a bug of the replica's own still answers `error`."""
         def run():
             self._hook("checkpoint", round_index - 1, 0)  # the checkpoint taken after round round_index - 1
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
                              f"round {self.trainer.round}")
-            return {"sha256": checkpoint.save_replica_state(directory, self.rid, self.trainer.state_dict())}
+            state = self.trainer.state_dict()
+            try:
+                return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
+            except Exception as err:  # noqa: BLE001 — storage's failure, see above
+                return {"outcome": Outcome.IO_ERROR.value, "ok": False,
+                        "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
         return self._phase("checkpoint", run, self.trainer.round, faults)
 
     @ray.method(concurrency_group="phase")
+    def save_model(self, path: str) -> dict:
+        """Write the committed global model to `path` (model.safetensors, at the run's end).
+        Raises OSError when storage refuses it: the run's problem, not this replica's."""
+        return {"rid": self.rid, **self.trainer.save_model(path)}
+
+    @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None) -> dict:
-        """Restore (resume, or every replica after a total loss) from a durable checkpoint."""
-        state = checkpoint.load_replica_state(directory, self.rid, sha256)
-        self.trainer.load_state_dict(state, scope="full")
+        """Restore (resume, or every replica after a total loss) from a durable checkpoint (a URL or
+        path; the caller verified it). Raises CheckpointError naming this replica and its node when
+        the file cannot be read or does not fit the model: that replica's failure."""
+        try:
+            state = checkpoint.load_replica_state(directory, self.rid, sha256)
+            self.trainer.load_state_dict(state, scope="full")
+        except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
+            raise checkpoint.CheckpointError(f"replica {self.rid} on node {_node_name()} cannot load {directory}: "
+                                             f"{type(err).__name__}: {err}") from err
         return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **self.trainer.progress()}
+
+    @ray.method(concurrency_group="control")
+    def reach_checkpoints(self, url: str, nonce: str) -> dict:
+        """At start, before training: can this replica read the nonce the driver wrote under
+        checkpoint.dir? {"rid", "node", "problem": None or why not}."""
+        return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
+
+
+def _node_name() -> str:
+    """This node as a person finds it: host name, IP address and Ray node id (short)."""
+    import socket
+
+    return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, "
+            f"{ray.get_runtime_context().get_node_id()[:8]})")
 
 
 def _link(comm) -> dict:

@@ -8,6 +8,7 @@ It decides nothing: every decision is hsgd.core.round.RoundMachine's.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.hang import dump_replica
 from hsgd.core.round import Action, Outcome, PhaseResult, RoundMachine, forms_group
 from hsgd.record.hangs import hang_report, stuck_function
-from hsgd.record.rundir import atomic_write_text
+from hsgd.train import state_stream
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
 IDLE_POLL_S = 2.0  # how often live replicas with no call in flight are asked whether they still run
@@ -51,9 +52,18 @@ class RoundRunner:
         self.heal_sizes: dict[str, int] = {}
         self.heal_states: dict[tuple[int, str], Any] = {}  # (heal action, source) -> its state's object ref
         self.state_refs: dict[Any, tuple[int, str]] = {}  # the same, pending: watched so a dead source is seen
+        # `full` heals over the process group: (heal action, source) -> the (round, step) it was chosen
+        # holding (its object-store fallback checks it); target refs -> (action id, target, source)
+        self.group_heals: dict[tuple[int, str], tuple[int, int] | None] = {}
+        self.group_refs: dict[Any, tuple[int, str, str]] = {}
+        self.heal_transports: dict[str, str] = {}  # target -> group | object_store
+        self._heal_prefix: dict[tuple[int, str], str] = {}  # (heal action, source) -> its group's prefix
         self.logged_down: set[str] = set()  # replica_down logged this round
         self.steps_run: dict[int, int] = {}  # run_inner action id -> steps its members ran
         self.join_s: dict[int, float] = {}  # action id -> the longest its members took to form their group
+        self.non_finite_what: dict[str, str] = {}  # rid -> what its non_finite answer named (loss | grad_norm | ...)
+        self.logged_void: set[int] = set()  # clusters whose void round (non_finite) is logged
+        self.logged_benched: set[int] = set()
 
     def drive(self) -> None:
         m, sup = self.machine, self.sup
@@ -76,6 +86,9 @@ class RoundRunner:
                     self._up_answer(ref)
                 elif ref in self.idle_refs:
                     self._idle_answer(ref)
+                elif ref in self.group_refs:  # a heal over the group: its answer, or a fallback issued
+                    if (answer := self._group_heal_answer(ref)) is not None:
+                        answers.append(answer)
                 else:
                     answers.append(self._answer(ref))
             moved = False
@@ -96,11 +109,17 @@ class RoundRunner:
                 self._carry_out(m.on_tick(now))
                 moved = True
             self._log_deaths()
+            self._log_non_finite(final=False)
             stale = stale or moved  # a change inside the throttle window is written on a later pass, not dropped
             if stale and now - last_status >= STATUS_MIN_S:
                 last_status, stale = now, False
                 sup._set_status(epoch=m.epoch, **_view(m))
         self._log_deaths()
+        self._log_non_finite(final=True)
+        for c in m.void:  # a void cluster's work is not the round's: its steps were not committed
+            for rid in sup.topology.cluster_members(c):
+                self.inner_participants.discard(rid)
+                self.losses.pop(rid, None)
         sup._set_status(epoch=m.epoch, **_view(m))  # the round's final view, before its commit is logged
         sup.roster.live = dict(m.progress)
 
@@ -158,6 +177,8 @@ class RoundRunner:
         faults = armed.get(rid)
         if a.kind == "heal":
             source, scope = args
+            if scope == "full":
+                return self._issue_group_heal(a, rid, source, faults, armed)
             key = (a.id, source)  # one state per source and heal, however many targets it heals
             if key not in self.heal_states:
                 self.heal_states[key] = (sup.roster.handles[source].get_state.remote(armed.get(source)) if scope == "full"
@@ -184,9 +205,68 @@ class RoundRunner:
         """A heal outside a round (the final heal): issue and wait for it."""
         self.actions[action.id] = (action, time.monotonic(), set(action.calls))
         refs = {rid: self._issue(action, rid, args, {}) for rid, args in action.calls.items()}
+        timeout = self.sup.cfg.supervisor.call_timeout_s
         for rid, ref in refs.items():
             self.refs[ref] = (action.id, rid, "heal")
-            self._answer(ref, timeout=self.sup.cfg.supervisor.call_timeout_s)
+            if ref in self.group_refs:
+                ref = self._group_heal_outcome(ref, timeout)
+            self._answer(ref, timeout=timeout)
+
+    # -- heals over the process group ------------------------------------------------------------
+    def _issue_group_heal(self, a: Action, rid: str, source: str, faults, armed: dict):
+        """A `full` heal streams the source's state over a group of the source (rank 0) and every
+        target it heals in this action (hsgd.train.state_stream): one send_state on the source,
+        one receive_state per target, under a fresh prefix naming the run, the epoch and the heal
+        (the store address carries the run's secret). The source's call is watched like a
+        get_state: its death is the source's loss."""
+        sup = self.sup
+        key = (a.id, source)
+        targets = sorted(t for t, (s, scope) in a.calls.items() if s == source and scope == "full")
+        world = 1 + len(targets)
+        if key not in self.group_heals:  # the first target issued: the group's prefix and the source's call
+            prefix = self._heal_prefix[key] = f"{sup.run_id}/epoch{a.epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
+            live = self.machine.progress if self.machine is not None else sup.roster.live
+            self.group_heals[key] = live.get(source)
+            send = sup.roster.handles[source].send_state.remote(a.round, (a.epoch, sup.store_addr, prefix, 0, world),
+                                                                state_stream.CHUNK_MB, armed.get(source))
+            self.state_refs[send] = key
+        prefix = self._heal_prefix[key]
+        sup.log.event("heal_begin", target=rid, source=source, scope="full")
+        ref = sup.roster.handles[rid].receive_state.remote(
+            a.round, (a.epoch, sup.store_addr, prefix, 1 + targets.index(rid), world), faults)
+        self.group_refs[ref] = (a.id, rid, source)
+        return ref
+
+    def _group_heal_answer(self, ref) -> PhaseResult | None:
+        """A target's heal over the group answered: the heal's answer, or None when it failed and
+        the same target is healed again through the object store (the machine waits on that)."""
+        after = self._group_heal_outcome(ref, 1.0)
+        return self._answer(after) if after is ref else None
+
+    def _group_heal_outcome(self, ref, timeout: float):
+        """`collective_failed` (the group did not form, a peer died, a chunk timed out, a bad
+        stream): heal this target once more, through the object store, within the same action —
+        from the source's `heal_state`, which refuses if the source is no longer the process it
+        was chosen as. Returns the ref whose answer is the heal's (the fallback's, or `ref` itself:
+        done, or the target died or raised)."""
+        action_id, rid, source = self.group_refs.pop(ref)
+        try:
+            value = ray.get(ref, timeout=timeout)
+        except Exception:  # noqa: BLE001 — the target died or raised: _answer classifies it
+            return ref
+        if value.get("outcome") != Outcome.COLLECTIVE_FAILED.value or action_id not in self.actions \
+                or rid not in self.actions[action_id][2]:
+            return ref
+        sup, key = self.sup, (action_id, source)
+        self.refs.pop(ref, None)
+        sup.log.event("heal_fallback", target=rid, source=source, round=self.r,
+                      detail=str(value.get("error", ""))[:300])
+        if key not in self.heal_states:
+            self.heal_states[key] = sup.roster.handles[source].heal_state.remote(self.group_heals.get(key))
+            self.state_refs[self.heal_states[key]] = key
+        fallback = sup.roster.handles[rid].load_state.remote(self.heal_states[key], "full", None)
+        self.refs[fallback] = (action_id, rid, "heal")
+        return fallback
 
     # -- answers -----------------------------------------------------------------------------------------
     def _answer(self, ref, timeout: float = 5.0) -> PhaseResult:
@@ -216,7 +296,9 @@ class RoundRunner:
             pending.discard(rid)
             self.outcomes.setdefault(action_id, {})[rid] = outcome.value if outcome in (Outcome.DONE, Outcome.YIELDED) \
                 else f"{outcome.value}: {detail[:200]}"
-            if outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
+            if outcome == Outcome.NON_FINITE:
+                self.non_finite_what.setdefault(rid, str(value.get("what", "")))  # logged once per cluster
+            elif outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
                 sup.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
                               rid=rid, phase=_PHASE_NAME.get(kind, kind), round=self.r, cluster=action.cluster,
                               outcome=outcome.value, detail=detail[:300])
@@ -229,11 +311,13 @@ class RoundRunner:
         failed: then it is lost, and its targets' calls fail through no fault of their own."""
         action_id, source = self.state_refs.pop(ref)
         try:
-            ray.get(ref, timeout=1.0)
+            value = ray.get(ref, timeout=1.0)
         except Exception as err:  # noqa: BLE001 — the source died or raised while giving its state
             self.sup.log.event("heal_source_lost", source=source, round=self.r, detail=type(err).__name__)
             self._carry_out(self.machine.on_lost(source, time.monotonic(), "died"))
             return
+        if value.get("outcome") == Outcome.COLLECTIVE_FAILED.value:
+            return  # its heal over the group broke: its targets fall back to the object store
         self.machine.on_heal_state(action_id, source, time.monotonic())
 
     def _source_failed(self, action_id: int, target: str) -> bool:
@@ -267,6 +351,7 @@ class RoundRunner:
             self.global_digests[rid] = value["global_digest"]
         if kind == "heal" and outcome == Outcome.DONE:
             self.heal_sizes[rid] = value.get("bytes", 0)
+            self.heal_transports[rid] = value.get("transport", "object_store")
 
     def _phase_end(self, action: Action, started: float) -> None:
         self.actions.pop(action.id, None)
@@ -287,8 +372,10 @@ class RoundRunner:
         if action.kind == "heal":
             for rid in ok:
                 source, scope = action.calls[rid]
+                nbytes = self.heal_sizes.get(rid)
                 self.sup.log.event("heal_end", target=rid, source=source, scope=scope, seconds=seconds,
-                                   bytes=self.heal_sizes.get(rid))
+                                   bytes=nbytes, gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None,
+                                   transport=self.heal_transports.get(rid, "object_store"))
         if not failed and action.kind in ("outer_reduce", "outer_commit"):
             self.sup.clock.observe(action.kind.replace("_reduce", ""), work_s, 1)
         steps_run = self.steps_run.pop(action.id, 0)
@@ -397,10 +484,8 @@ class RoundRunner:
         peers = {p: ("stuck" if p == rid else "in its group") for p in group}
         text = hang_report(rid=rid, phase=why, round_index=self.r, waited_s=silent_s, deadline_s=a.deadline_s, peers=peers,
                            dumps=dumps, view={"epoch": self.machine.epoch, "leaders": self.machine.leaders})
-        hang_dir = Path(sup.run_dir) / "hangs"
-        hang_dir.mkdir(exist_ok=True)
-        path = hang_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
-        atomic_write_text(path, text)
+        path = Path(sup.run_dir) / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
+        sup.log.write_file(path, text, make_parent=True)  # with a deadline; a failure is the folder's health
         sup.log.event("hang_detected", rid=rid, phase=_PHASE_NAME.get(why, why), round=self.r, cluster=a.cluster,
                       reason=a.reason, waited_s=silent_s, deadline_s=a.deadline_s,
                       stuck_in=stuck_function(dumps.get(rid, "")), report=str(path),
@@ -437,6 +522,24 @@ class RoundRunner:
                         sup.roster.note_up(rid, answer)
                         self._carry_out(self.machine.on_up(rid, int(answer["round"]), int(answer["step"]),
                                                            time.monotonic()))
+
+    def _log_non_finite(self, *, final: bool) -> None:
+        """Each cluster the machine found non-finite is logged once (one `non_finite` per cluster
+        and round, however many members reported it), and a benched one with a console warning.
+        Logged once the cluster's call has ended (it sits out), so `rids` names every member that
+        reported it, not only the first answer."""
+        m, log = self.machine, self.sup.log
+        for c, nf in m.void.items():
+            if c not in self.logged_void and (final or m.clusters[c].stage == "out"):
+                self.logged_void.add(c)
+                log.event("non_finite", rid=nf.rids[0], rids=list(nf.rids), cluster=c, round=self.r,
+                          phase=_PHASE_NAME.get(nf.phase, nf.phase), what=self.non_finite_what.get(nf.rids[0], ""),
+                          detail=nf.detail[:300])
+        for c, reason in m.benched_now.items():
+            if c not in self.logged_benched:
+                self.logged_benched.add(c)
+                log.event("cluster_benched", cluster=c, round=self.r, reason=reason)
+                print(f"[hsgd] WARNING: cluster c{c} benched: {reason}", flush=True)
 
     def _membership_event(self, a: Action) -> None:
         m = self.machine

@@ -10,15 +10,24 @@
 It never moves model-sized tensors itself (heals go replica -> object store -> replica).
 
 Durable state (`supervisor_state.json` in run.dir): epoch, committed_round, fired faults, initial
-eval loss, the run's start time, which actor serves which replica id, the spare pool. A restarted
-supervisor reads it, waits for replicas still in a phase of its predecessor, asks every replica for
-its progress, and resumes: max committed wins.
+eval loss, the run's start time, which actor serves which replica id, the spare pool, checkpoints
+skipped. A restarted supervisor reads it, waits for replicas still in a phase of its predecessor,
+asks every replica for its progress, and resumes: max committed wins.
+
+Storage is never the run loop's master: every file the supervisor writes goes through its RunLog's
+writer thread with a deadline (hsgd.record.events.RunLog), events and metrics wait in memory while
+the run folder fails, and only a folder that stays unwritable for `run.io_grace_s` ends the run.
+Whatever ends the run — a failure the machine decided, an exception nobody foresaw, a folder gone —
+`run` returns a summary (written to summary.json when the folder allows; the driver prints it
+otherwise).
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +44,17 @@ from hsgd.core.round import (Action, RoundMachine, RoundSettings, checkpoint_due
                              quiet_gc_for_planning)
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
-from hsgd.record.metrics import late_round_record, round_record, run_summary
-from hsgd.record.rundir import atomic_write_text, read_jsonl, write_summary
+from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.train.comm import collective_timeout_s
 
 STATE_FILE = "supervisor_state.json"
+
+
+def write_deadline_s(io_grace_s: float) -> float:
+    """How long a caller waits for one write of the run folder: a fraction of the grace, so a hung
+    mount is noticed (and survived) well within it, and at most 5 s a write."""
+    return max(0.2, min(5.0, io_grace_s / 4))
 
 
 class RunFailed(RuntimeError):
@@ -58,7 +72,8 @@ class Supervisor:
         self.run_dir, self.run_id = run_dir, run_id
         self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = self.cfg.sync.outer_every
-        self.log = RunLog(run_dir)
+        self.io_grace_s = float(self.cfg.run.get("io_grace_s", 60.0))
+        self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
         self.durable = self._load_durable()
         self.durable["supervisor_starts"] = self.durable.get("supervisor_starts", 0) + 1
         self.roster = Roster(self.topology, run_id, self.durable, self.log,
@@ -75,7 +90,8 @@ class Supervisor:
         self.store = self.store_addr = None
         first = self.durable["supervisor_starts"] == 1
         self.wandb = WandbSink(self.cfg if first else OmegaConf.merge(self.cfg, {"logging": {"wandb": {"mode": "disabled"}}}),
-                               run_dir, resolved_config if first else {})
+                               run_dir, resolved_config if first else {}, on_error=self._wandb_failed,
+                               finish_s=max(5.0, self.io_grace_s / 2))
         self._save_durable()
         self.log.event("supervisor_start", starts=self.durable["supervisor_starts"], pid=os.getpid())
 
@@ -83,10 +99,34 @@ class Supervisor:
     def _load_durable(self) -> dict:
         path = Path(self.run_dir) / STATE_FILE
         state = json.loads(path.read_text()) if path.exists() else {}
-        return {"epoch": 0, "fired": [], "committed_round": 0, "started_at": time.time(), **state}
+        if state.get("run_id") != self.run_id:  # another run's state (the driver writes ours first): never loaded
+            state = {}
+        return {"epoch": 0, "fired": [], "committed_round": 0, "started_at": time.time(), **state,
+                "run_id": self.run_id}
 
     def _save_durable(self) -> None:
-        atomic_write_text(Path(self.run_dir) / STATE_FILE, json.dumps(self.durable, indent=1))
+        """Waits for the write at most the write deadline; a failure is the folder's health
+        (run_dir_unwritable), and the next save writes the whole state again."""
+        self.log.write_file(STATE_FILE, json.dumps(self.durable, indent=1))
+
+    # -- the console and failed writes --------------------------------------------------------------
+    def warn(self, message: str) -> None:
+        """A warning on the console (the driver's, through Ray's log forwarding); never raises."""
+        try:
+            print(f"[hsgd] warning: {message}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 — even the console may be a full disk
+            pass
+
+    def _wandb_failed(self, what: str, error: str) -> None:
+        self.log.event("write_failed", what=what, error=error)
+        self.warn(f"{what} failed, wandb logging is off for the rest of the run: {error}")
+
+    def _check_storage(self) -> None:
+        """RunFailed when the run folder has failed writes for longer than run.io_grace_s."""
+        down_s, error = self.log.unwritable_s()
+        if down_s > self.io_grace_s:
+            raise RunFailed(f"run folder {self.run_dir} unwritable for {down_s:.0f} s "
+                            f"(run.io_grace_s={self.io_grace_s:g}): {error}")
 
     # -- status channel (answers while a phase runs) -----------------------------------------------------
     @ray.method(concurrency_group="status")
@@ -113,31 +153,34 @@ class Supervisor:
     def _set_status(self, **fields) -> None:
         """The live view: answered by status() and mirrored to status.json for jobs.status."""
         self.status_view.update(fields, updated=time.time())
-        try:
-            atomic_write_text(Path(self.run_dir) / "status.json", json.dumps(self.status_view, default=str))
-        except OSError:
-            pass  # the view is best effort; the run goes on
+        # best effort, never waited for: a write still queued is replaced by this newer view
+        self.log.write_file("status.json", json.dumps(self.status_view, default=str), wait=False)
 
     # -- the run -----------------------------------------------------------------------------------------
     def _start_store(self) -> None:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
+        """The groups' store, listening on this node's address only (never the wildcard), and the
+        rendezvous address replicas join under: `host:port/<secret>`, a fresh secret of 128 random
+        bits per store, so nobody outside the run can name a group (the store has no auth)."""
+        from hsgd.train.comm import new_run_secret, rendezvous_address, start_store
 
         host = ray.util.get_node_ip_address()
-        self.store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=self.cfg.comm.configure_timeout_s))
-        self.store_addr = f"{host}:{self.store.port}"
+        self.store = start_store(host, self.cfg.comm.configure_timeout_s)
+        self.store_addr = rendezvous_address(host, self.store.port, new_run_secret())
 
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
         """Drive rounds until train.rounds are committed, a stop is requested, or the run fails;
         returns summary.json's content (also written). Re-issued by the driver to a restarted
-        supervisor, which resumes from its durable state and the replicas' progress."""
+        supervisor, which resumes from its durable state and the replicas' progress.
+
+        Never raises: any exception (not only RunFailed) ends the run `failed` with the exception's
+        type and message as the reason, and a summary is returned all the same (from the durable
+        state when the full one cannot be made). A run folder failing writes past run.io_grace_s
+        ends the run failed too; a shorter outage at the end is waited out, so its records land."""
         start = time.time()
-        self._start_store()
         roster, status, reason = self.roster, "completed", None
         try:
+            self._start_store()
             self._set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
@@ -148,10 +191,11 @@ class Supervisor:
             self._catch_up()
             quiet_gc_for_planning(self.topology)
             while True:
+                self._check_storage()
                 for rid in roster.missing() + sorted(roster.gone):
                     if rid not in roster.live and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None:
                         roster.admit(rid, answer)
-                boundary = self.cfg.supervisor.get("rejoin", "boundary") == "boundary"
+                boundary = self.cfg.supervisor.get("rejoin", "fast") == "boundary"
                 roster.rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and roster.missing() else 0.0)
                 roster.refresh()
                 r = current_round(roster.live.values())
@@ -163,14 +207,55 @@ class Supervisor:
                     break
                 self._round(r)
             self._final_heal()
+            self._save_model()
+            self._settle_storage()
         except RunFailed as err:
             status, reason = "failed", str(err)
+        except Exception as err:  # noqa: BLE001 — a bug or a failure nobody foresaw: the run still ends with its summary
+            status, reason = "failed", f"{type(err).__name__}: {err}"
+            self.warn(f"the supervisor raised, the run ends failed:\n{traceback.format_exc()}")
+        if status == "failed":
             self.log.event("run_failed", reason=reason)
-        summary = self._summary(status, reason, start)
-        write_summary(self.run_dir, summary)
+        return self._publish(self._summary_or_fallback(status, reason, start))
+
+    def _save_model(self) -> None:
+        """model.safetensors in the run folder: the committed global model, written by one replica
+        that holds the last committed round (the supervisor never moves model-sized tensors). A
+        write that fails is an event; the run's outcome does not change."""
+        roster, path = self.roster, str(Path(self.run_dir) / "model.safetensors")
+        top = current_round(roster.live.values())
+        timeout = collective_timeout_s(self.cfg.supervisor.call_timeout_s, roster.param_bytes, self.cfg.comm.min_gbps)
+        error = "no live replica holds the last round"
+        for rid in sorted(rid for rid, (r, _) in roster.live.items() if r == top):
+            try:
+                saved = ray.get(roster.handles[rid].save_model.remote(path), timeout=timeout)
+            except Exception as err:  # noqa: BLE001 — storage or that replica: try the next one
+                error = f"{rid}: {type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                continue
+            self.log.event("model_saved", path=path, round=top, rid=rid, bytes=saved["bytes"])
+            return
+        self.log.event("write_failed", what="model.safetensors", error=error)
+
+    def _settle_storage(self) -> None:
+        """The run's end with the folder failing or records still in memory: keep trying (a write
+        of status.json each time, which also tells when the folder is back) until everything is
+        written, or RunFailed once the outage passes run.io_grace_s."""
+        while self.log.unwritable_s()[0] > 0 or not self.log.flush():
+            self._check_storage()
+            self._set_status(phase="waiting_for_storage")
+            time.sleep(0.5)
+
+    def _publish(self, summary: dict) -> dict:
+        """Write summary.json (waiting at most the write deadline), close the record. A summary
+        that cannot be written is still returned: the driver prints it on the console."""
+        if not self.log.write_file("summary.json", json.dumps(summary, indent=2, sort_keys=True)):
+            down_s, error = self.log.unwritable_s()
+            self.warn(f"summary.json could not be written to {self.run_dir} ({error or 'the write timed out'}); "
+                      f"the driver prints it")
         self.wandb.finish(summary)
-        self.log.event("run_end", status=status)
-        self._set_status(phase="done", status=status)
+        self.log.event("run_end", status=summary["status"])
+        self._set_status(phase="done", status=summary["status"])
+        self.log.close(timeout_s=self.log.writer.deadline_s)
         return summary
 
     def _settings(self) -> RoundSettings:
@@ -180,7 +265,7 @@ class Supervisor:
         grace = collective_timeout_s(cfg.comm.timeout_s, param_bytes, cfg.comm.min_gbps) + 5.0
         heal_s = collective_timeout_s(sup.call_timeout_s, 3 * param_bytes, cfg.comm.min_gbps)  # params + optimizer
         return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
-                             inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "boundary"),
+                             inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
                              # a closed connection means the peer's process is gone; only Ray's own
@@ -195,23 +280,27 @@ class Supervisor:
         roster = self.roster
         machine = RoundMachine(self.topology, self._settings(), r, progress=dict(roster.live), leaders=roster.leaders,
                                epoch=self.durable["epoch"], committed_round=self.durable["committed_round"],
-                               configured=roster.configured, outer_configured=roster.outer_configured)
+                               configured=roster.configured, outer_configured=roster.outer_configured,
+                               benched=self.durable.get("benched", ()),  # non-finite: durable, until a resume
+                               non_finite_rounds=self.durable.get("non_finite_rounds", {}))
         self.injector.supervisor_faults(r, "inner")
         run = RoundRunner(self, machine, r)
         run.drive()
         self.durable["epoch"] = machine.epoch
         roster.leaders, roster.configured = machine.leaders, machine.configured_groups()
         roster.outer_configured = machine.outer_configured
+        self.durable["benched"] = sorted(machine.benched)
+        self.durable["non_finite_rounds"] = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
         self._save_durable()
         if machine.outcome == "committed":
             self._record(r, machine, run)
             return
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
-            restored = checkpointing.restore(self, machine.reason)
-            if restored is None:
-                raise RunFailed(f"{machine.reason}; no durable checkpoint to restore "
-                                f"(checkpoint.every={self.cfg.checkpoint.every})")
+            try:
+                restored = checkpointing.restore(self, machine.reason)
+            except checkpointing.RestoreFailed as err:
+                raise RunFailed(f"{machine.reason}; {err}") from err
             self.durable["committed_round"] = restored
             self._save_durable()
         elif machine.outcome == "below_quorum":
@@ -225,6 +314,7 @@ class Supervisor:
         self._set_status(phase="quorum_wait")
         deadline = time.monotonic() + sup.quorum_wait_s
         while time.monotonic() < deadline:
+            self._check_storage()
             self.roster.rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
             counts = [sum(self.topology.cluster_of(rid) == c for rid in self.roster.live)
                       for c in range(self.topology.clusters)]
@@ -264,7 +354,9 @@ class Supervisor:
     # -- between rounds: evaluate, final heal, catch up ----------------------------------------------------
     def _evaluate(self) -> float | None:
         roster = self.roster
-        for rid in sorted(roster.live, key=lambda x: (x not in roster.leaders.values(), self.topology.global_index(x))):
+        top = current_round(roster.live.values())  # not a replica of a cluster that sat out (its params may be NaN)
+        for rid in sorted(roster.live, key=lambda x: (roster.live[x][0] != top, x not in roster.leaders.values(),
+                                                      self.topology.global_index(x))):
             try:
                 return float(ray.get(roster.handles[rid].evaluate.remote(), timeout=self.cfg.supervisor.phase_timeout_s))
             except Exception as err:  # noqa: BLE001 — that replica's failure; ask the next one
@@ -301,7 +393,7 @@ class Supervisor:
             self._save_durable()
         if r_now == 0:
             return
-        recorded = {m["round"] for m in read_jsonl(Path(self.run_dir) / "metrics.jsonl")}
+        recorded = {m["round"] for m in self.log.records("metrics")}
         for missing in sorted(set(range(r_now)) - recorded):
             last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
             digests = {rid: d["param"] for rid, d in sorted(self._digests().items()) if d["round"] == r_now} if last else {}
@@ -317,10 +409,21 @@ class Supervisor:
         return self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
-        run_dir = Path(self.run_dir)
+        """The run's summary from the record: files and what is still in memory alike."""
         return run_summary(status=status, reason=reason, durable=self.durable, steps_per_round=self.spr,
-                           digests=self._digests(), metrics=read_jsonl(run_dir / "metrics.jsonl"),
-                           fired=read_jsonl(run_dir / "faults_fired.jsonl"), events=read_jsonl(run_dir / "events.jsonl"),
+                           digests=self._digests(), metrics=self.log.records("metrics"),
+                           fired=self.log.read_jsonl("faults_fired.jsonl"), events=self.log.records("events"),
                            not_fired=self.injector.not_fired(), committed_steps=self.committed_steps,
                            attempted_steps=self.attempted_steps, participation=self.participation,
                            supervisor_started=start, now=time.time(), run_dir=self.run_dir)
+
+    def _summary_or_fallback(self, status: str, reason: str | None, start: float) -> dict:
+        try:
+            return self._summary(status, reason, start)
+        except Exception as err:  # noqa: BLE001 — the summary is owed whatever broke
+            self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
+            note = f"summary from the durable state only ({type(err).__name__}: {err})"
+            return fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
+                                    durable=self.durable, metrics=self.log.records("metrics"),
+                                    steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
+                                    supervisor_started=start)

@@ -1,7 +1,11 @@
 """Benchmarks: `python -m jobs.bench [--out DIR] [--rounds N] [--outer-every H]`, or
 `python -m jobs.bench plan [--out DIR]` (the round machine's own cost at 10,000 replicas; no Ray), or
 `python -m jobs.bench goodput [--out DIR] [--rounds N] [--mtbf 30 10]` (wall time under faults vs
-fault-free, with and without hot spares; see jobs/bench_goodput.py).
+fault-free, with and without hot spares; see jobs/bench_goodput.py), or
+`python -m jobs.bench inner [--quick] [--out DIR]` (hsgd's inner step vs plain and tuned PyTorch
+loops, one process, no Ray; see jobs/bench_inner.py), or
+`python -m jobs.bench ddp [--out DIR] [--steps N] [--repeats R]` (hsgd's inner ddp, 1 cluster x 2
+replicas, vs torch's DistributedDataParallel over gloo, interleaved; see jobs/bench_ddp.py).
 
 Runs, one after another on one embedded Ray, the same model and data as:
 - `flat`: one cluster of all replicas, ddp every step (what a flat trainer does across the slow link);
@@ -54,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         from jobs.bench_goodput import main as goodput_main
 
         return goodput_main(argv[1:])
+    if argv[:1] == ["ddp"]:
+        from jobs.bench_ddp import main as ddp_main  # two processes over gloo, no Ray
+
+        return ddp_main(argv[1:])
+    if argv[:1] == ["inner"]:
+        from jobs.bench_inner import main as inner_main  # one process, no Ray: a bare GPU box runs it
+
+        return inner_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for bench.json, bench.png and the runs")
     parser.add_argument("--rounds", type=int, default=8)

@@ -89,9 +89,9 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
-def _precheck(overrides: list[str]) -> None:
+def _precheck(overrides: list[str], *, run_folder: bool = False) -> None:
     try:
-        precheck(overrides)
+        precheck(overrides, run_folder=run_folder)
     except ConfigError as err:
         _config_error(str(err))
 
@@ -101,7 +101,7 @@ def main() -> None:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if not any(a.startswith("--") and a != "--multirun" for a in argv):
         if not multirun:
-            _precheck(argv)
+            _precheck(argv, run_folder=True)  # the folder too: before Hydra writes into it
         else:
             try:
                 jobs = sweep_jobs(argv)

@@ -11,10 +11,22 @@ A replica is a process with torch, the model, its inner optimizer and the outer 
 `PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must fit in 80 % of the
 machine; CPUs may be oversubscribed (replicas of small tests mostly wait on each other) up to
 `MAX_REPLICAS_PER_CORE`, unless `ray.num_cpus` is given, which is then honoured exactly.
+
+Backends per level, `plan_backends` (driver, from the Ray cluster's resources, never from the
+driver's own CUDA: a CPU-only head node is the usual `ray job submit` target) and
+`resolve_level_backend` (in each replica, by the GPU Ray gave it). A replica asks Ray for a GPU of
+its own exactly when a level may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU
+detected"); what the cluster cannot give is refused here, before any replica starts.
+
+`data_path_problem`: the answers of one tiny task per node that could hold a replica (does
+data.path exist there?) as one line naming the nodes that lack it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+from hsgd.config.schema import ConfigError
 
 PROCESS_BYTES = 350 * 2**20  # a replica process with torch imported
 STATE_COPIES = 6  # params, grads, 2 AdamW moments, global params, outer momentum
@@ -70,7 +82,7 @@ def describe_resources(need: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in need.items()) + "}"
 
 
-def _fits(node_resources: dict, need: dict) -> int:
+def replicas_that_fit(node_resources: dict, need: dict) -> int:
     """How many replicas with resources `need` one node can hold at most."""
     counts = [int(node_resources.get(k, 0.0) / v + 1e-9) for k, v in need.items() if v > 0]
     return min(counts) if counts else 1 << 30
@@ -99,7 +111,7 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
                 return (f"topology.cluster_labels[{c}]",
                         f"no live Ray node has the label {label_key}={label}; labelled nodes: "
                         f"{present or 'none'} (start nodes with `ray start --labels {label_key}={label}`)")
-            room = sum(_fits(nd["Resources"], need) for nd in mine)
+            room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
             shared = sum(1 for lab in cluster_labels if str(lab) == str(label))
             if room < k * shared:
                 return (f"topology.cluster_labels[{c}]",
@@ -107,7 +119,7 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
                         f"{describe_resources(need)}; cluster c{c} needs {k}"
                         + (f" (x{shared} clusters share the label)" if shared > 1 else ""))
         return None
-    fits = sorted((_fits(nd["Resources"], need) for nd in nodes), reverse=True)
+    fits = sorted((replicas_that_fit(nd["Resources"], need) for nd in nodes), reverse=True)
     if strategy == "STRICT_PACK":
         # every cluster on one node: greedily count how many whole clusters the nodes hold
         if sum(f // k for f in fits) < clusters:
@@ -125,3 +137,105 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
                 f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
                 f"per node {fits[:8]}); use fewer replicas or a bigger cluster")
     return None
+
+
+# -- backends per level --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackendPlan:
+    """What the driver hands each replica. `inner`: gloo | nccl | auto, where auto is left only when
+    the replica gets a GPU of its own and is resolved there (`resolve_level_backend`: nccl when
+    torch there sees the GPU). `outer`: gloo | nccl. `gpus_per_replica`: 0.0 or 1.0, asked of Ray
+    by every replica and hot spare. `notice`: one line for the console (auto fell back to gloo)."""
+    inner: str
+    outer: str
+    gpus_per_replica: float
+    notice: str | None = None
+
+
+def asked_backends(backend: str, inner_backend: str | None, outer_backend: str | None) -> dict:
+    """{level: (asked, field that asked it)}: comm.backend is the shorthand for both levels, a
+    per-level key (not null) overrides it; on the outer level `auto` means gloo (the slow link
+    between sites is TCP; NCCL over it buys nothing and needs a GPU)."""
+    inner = (inner_backend, "comm.inner_backend") if inner_backend else (backend, "comm.backend")
+    outer = (outer_backend, "comm.outer_backend") if outer_backend else (backend, "comm.backend")
+    if outer[0] == "auto":
+        outer = ("gloo", outer[1])
+    return {"inner": inner, "outer": outer}
+
+
+def _gpus_per_node(nodes: list[dict]) -> list[int]:
+    return sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
+
+
+def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str | None, clusters: int,
+                  replicas_per_cluster: int, spares_per_cluster: int, cpus_per_replica: float, total: dict,
+                  nodes: list[dict], strategy: str, cluster_labels: list, label_key: str) -> BackendPlan:
+    """The per-level backends and GPUs per replica for this Ray cluster (`total`: its resources,
+    `nodes`: the live nodes as for `placement_problem`).
+
+    - A level that asks nccl needs every replica and spare to get a GPU of its own, placed as the
+      strategy requires (STRICT_PACK: a cluster's replicas on one node, so that node needs as many
+      GPUs); when the cluster cannot give that, ConfigError naming the counts and what is valid.
+    - inner `auto`: nccl only where every replica gets its own GPU, else gloo on CPU with a notice
+      (no notice on a cluster without GPUs: that is the plain CPU case).
+    - gloo on both levels: no GPU is asked for."""
+    asked = asked_backends(backend, inner_backend, outer_backend)
+    (inner, inner_field), (outer, outer_field) = asked["inner"], asked["outer"]
+    k = replicas_per_cluster + spares_per_cluster
+    n = clusters * k
+    place = dict(clusters=clusters, spares_per_cluster=spares_per_cluster, total=total, nodes=nodes,
+                 strategy=strategy, cluster_labels=cluster_labels, label_key=label_key)
+    gpu_need = {"CPU": float(cpus_per_replica), "GPU": 1.0}
+
+    def gpus_fit(per_cluster: int) -> bool:
+        return placement_problem(replicas_per_cluster=per_cluster, need=gpu_need, **place) is None
+
+    gpus = int(total.get("GPU", 0.0) + 1e-9)
+    if gpus_fit(replicas_per_cluster):
+        if "nccl" in (inner, outer) or inner == "auto":
+            return BackendPlan(inner, outer, 1.0)
+        return BackendPlan(inner, outer, 0.0)
+    if placement_problem(replicas_per_cluster=replicas_per_cluster, need={"CPU": float(cpus_per_replica)},
+                         **place) is not None:  # short of CPUs whatever the backend: the placement check says so
+        return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
+    fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
+    where = (f", each cluster's {k} on one node ({strategy})" if strategy == "STRICT_PACK" and clusters * k > 1
+             else "")
+    counts = (f"{n} replicas ({clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+              f"{f' + {spares_per_cluster} spares' if spares_per_cluster else ''}) need {n} GPUs{where}, but the "
+              f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {_gpus_per_node(nodes)[:8]})")
+    shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares_per_cluster else "")
+    if "nccl" in (inner, outer):
+        field = inner_field if inner == "nccl" else outer_field
+        valid = " or ".join(([shorter] if fewer else []) + [f"{field}=gloo"] +
+                            ([f"{field}=auto"] if field != "comm.outer_backend" else []))
+        raise ConfigError(field, f"nccl needs one GPU per replica: {counts}; valid: {valid}")
+    if inner == "auto" and gpus > 0:
+        hint = f"; {shorter} would give each replica its own GPU" if fewer else ""
+        return BackendPlan("gloo", outer, 0.0, f"{inner_field}=auto: gloo on CPU, not nccl: {counts}{hint}")
+    return BackendPlan("gloo" if inner == "auto" else inner, outer, 0.0)
+
+
+def resolve_level_backend(asked: str, *, level: str, gpu: bool) -> str:
+    """In the replica: the backend of `level` from what the driver handed it (BackendPlan) and
+    whether it has a GPU of its own (Ray gave it one and torch there sees CUDA). `auto`: nccl for
+    the inner level with a GPU, else gloo. nccl without a GPU is a ConfigError."""
+    if asked == "auto":
+        return "nccl" if gpu and level == "inner" else "gloo"
+    if asked == "nccl" and not gpu:
+        raise ConfigError(f"comm.{level}_backend", "nccl needs a GPU of this replica's own, but it has none (Ray "
+                          "gave it no GPU, or torch here lacks CUDA); valid here: gloo|auto")
+    return asked
+
+
+# -- inputs only the cluster knows -------------------------------------------------------------------
+def data_path_problem(path: str, answers: dict) -> str | None:
+    """One line naming the nodes where `path` does not exist, else None. `answers`: {node name:
+    True (exists) | False (missing) | None (no answer in time: not counted as missing)}."""
+    missing = sorted(name for name, exists in answers.items() if exists is False)
+    if not missing:
+        return None
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (f"{path!r} does not exist on node{'s' if len(missing) > 1 else ''} {shown} "
+            f"({len(missing)} of {len(answers)} nodes that may run replicas); put the data on every node at the "
+            f"same path (an absolute path, or relative to the job's working directory), or use shared storage")

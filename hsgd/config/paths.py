@@ -31,3 +31,18 @@ def output_path(path: str) -> str:
     p = os.path.expanduser(str(path))
     root = output_root()
     return os.path.join(root, p) if root is not None and not os.path.isabs(p) else p
+
+
+_SUFFIX: list[str] = []  # this process's run-folder suffix, drawn once
+
+
+def run_suffix() -> str:
+    """`${hsgd.suffix:}`: 6 random hex digits, the same for every call in this process. The default
+    run.dir ends with it, so two jobs started in the same second (`ray job submit` twice) get
+    different folders; stable within the process because Hydra resolves hydra.run.dir and
+    cfg.run.dir separately, and both must name the same folder."""
+    if not _SUFFIX:
+        import secrets
+
+        _SUFFIX.append(secrets.token_hex(3))
+    return _SUFFIX[0]

@@ -6,7 +6,7 @@ values the types cannot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 INNER_ALGORITHMS = ("ddp", "localsgd", "none")
 OUTER_ALGORITHMS = ("average", "diloco", "none")
@@ -15,6 +15,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 WANDB_MODES = ("offline", "online", "disabled")
 REJOIN_MODES = ("fast", "boundary")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE")
+PRECISIONS = ("fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
 
 
 class ConfigError(ValueError):
@@ -55,6 +58,13 @@ class InnerOptimConfig:
     momentum: float = 0.9  # sgd momentum; adamw beta1
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm, 0 = off
+    # learning rate as a function of the global inner step (heals and resumes land on the same rate):
+    # linear warmup over warmup_steps, then constant or cosine decay to lr * min_lr_ratio at the run's end
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.1
+    # auto: fused on CUDA, single-tensor on CPU (bitwise equal replicas either way) | fused | foreach | single
+    implementation: str = "auto"
 
 
 @dataclass
@@ -72,6 +82,10 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
+    # the model factory (Hydra `_target_`): the built-in GPT, or a user's callable returning an nn.Module;
+    # `args` are its keyword arguments (README, "Bring your own model and data")
+    _target_: str = "hsgd.train.model.build_gpt"
+    args: Dict[str, Any] = field(default_factory=dict)
     name: str = "tiny"
     n_layer: int = 4
     n_head: int = 4
@@ -82,9 +96,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # the dataset factory (Hydra `_target_`): built-in text / token files, or a user's batch source
+    _target_: str = "hsgd.train.data.build_dataset"
+    args: Dict[str, Any] = field(default_factory=dict)
     path: Optional[str] = None  # None = the Shakespeare corpus shipped in the package
     batch_size: int = 8
     val_fraction: float = 0.1
+    grad_accum: int = 1  # micro-batches per inner step (each of batch_size sequences)
+    vocab_size: Optional[int] = None  # token folders without meta.json (nanoGPT's GPT-2 .bin files)
+
+
+@dataclass
+class LossConfig:
+    # the loss (Hydra `_target_`): callable(model, batch) -> scalar tensor
+    _target_: str = "hsgd.train.model.lm_loss"
+    args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +122,10 @@ class TrainConfig:
     # Pad each inner step to at least this many seconds by sleeping: simulates an accelerator's step
     # time on CPU, so tests and drills run rounds of minutes cheaply. 0 = off.
     min_step_s: float = 0.0
+    precision: str = "fp32"  # fp32 | bf16 (autocast; master weights, pseudo-gradients, outer state fp32)
+    compile: bool = False  # torch.compile the model
+    # bitwise replay on GPU: deterministic algorithms, cuBLAS workspace, deterministic attention
+    deterministic: bool = False
 
 
 @dataclass
@@ -104,14 +134,20 @@ class RunConfig:
     # A relative path is relative to the launch directory, except under `ray job submit` (whose
     # working dir is a temporary copy) or when $HSGD_OUTPUT_ROOT is set: then it is relative to
     # the persistent output root (see output_root()). Absolute paths are taken as they are.
-    dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}"
-    sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}"
+    # The default ends with a random suffix drawn once per process (hsgd.config.paths.run_suffix).
+    dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
+    sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
+    # a run folder that stays unwritable this long ends the run (failed); a shorter outage is survived
+    io_grace_s: float = 60.0
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 5  # rounds between durable checkpoints, 0 = never
     keep: int = 2
+    # where checkpoints go: null = <run.dir>/checkpoints; or any fsspec URL every replica reaches
+    # (a shared mount, s3://..., gs://..., memory://... in tests)
+    dir: Optional[str] = None
 
 
 @dataclass
@@ -123,6 +159,10 @@ class CommConfig:
     # timeout_s + bytes * 8 / (min_gbps * 1e9), so a multi-GB outer all-reduce gets the time it
     # needs while a 1 MB inner one still fails fast.
     min_gbps: float = 1.0
+    # per level; null = follow comm.backend (for the outer level `auto` means gloo: the slow link is TCP)
+    inner_backend: Optional[str] = None  # auto | gloo | nccl
+    outer_backend: Optional[str] = None  # auto | gloo | nccl
+    bucket_mb: float = 25.0  # inner ddp: gradient buckets all-reduced from backward hooks as they fill
 
 
 @dataclass
@@ -190,6 +230,7 @@ class HsgdConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -210,9 +251,11 @@ def register_schema() -> None:
 
 
 def register_resolvers() -> None:
-    from hsgd.config.paths import output_path
-
-    """`${hsgd.output_path:<path>}` (conf/config.yaml's hydra.run.dir / hydra.sweep.dir)."""
+    """`${hsgd.output_path:<path>}` (conf/config.yaml's hydra.run.dir / hydra.sweep.dir) and
+    `${hsgd.suffix:}` (the default run.dir's random suffix, one per process)."""
     from omegaconf import OmegaConf
 
+    from hsgd.config.paths import output_path, run_suffix
+
     OmegaConf.register_new_resolver("hsgd.output_path", output_path, replace=True)
+    OmegaConf.register_new_resolver("hsgd.suffix", run_suffix, replace=True)

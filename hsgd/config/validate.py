@@ -1,113 +1,252 @@
-"""Validation of a resolved config: the rules the types cannot express.
+"""Validation of a resolved config: every rule the types cannot express, checked before any actor starts.
 
-`validate(cfg)` raises `ConfigError` whose message is ONE line naming the field and what would be
-valid; the entry point prints it and exits with code 2 before any actor starts.
+`validate(cfg)` raises `ConfigError` whose message is ONE line, '<field>: <problem>; valid: <what
+would be>'; the entry point (jobs/train.py) prints it and exits with code 2 before Ray starts.
+
+What it checks, in this order (the cheap checks first, the corpus last):
+1. `NUMERIC_FIELDS`: every numeric field of the schema, its type and bounds. Every number must be
+   finite (nan and inf are refused everywhere). tests/unit/test_validate_table.py walks the schema
+   and fails when a numeric field is missing here, so a new field cannot skip validation.
+2. `CHOICE_FIELDS`: fields that name one of a fixed set of values.
+3. Relations between fields (localsgd's period, quorum within the topology, watchdog floor and
+   ceiling, a random fault schedule of at most `MAX_RANDOM_FAULTS` faults, the fault schedule).
+4. Places and credentials: `run.dir` is not a filesystem root or the home folder; the
+   `_target_` factories of model, data and loss import to callables; `logging.wandb.mode=online`
+   has credentials; the corpus test-loads (`hsgd.train.data.check_data`).
 """
 from __future__ import annotations
 
+import configparser
+import importlib
+import math
+import netrc
 import os
+import re
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-from hsgd.config.schema import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, OUTER_ALGORITHMS,
-                                PLACEMENT_STRATEGIES, REJOIN_MODES, WANDB_MODES, ConfigError)
+from hsgd.config.paths import output_path
+from hsgd.config.schema import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, LR_SCHEDULES, OPTIMIZER_IMPLEMENTATIONS,
+                                OUTER_ALGORITHMS, PLACEMENT_STRATEGIES, PRECISIONS, REJOIN_MODES, WANDB_MODES,
+                                ConfigError)
+
+# Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
+MAX_SECONDS = 1e7
+# A random fault schedule is drawn in full at the run's start; beyond this many faults it is a typo.
+MAX_RANDOM_FAULTS = 10_000
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What one numeric field may hold: its type, a range, and whether null or -1 are allowed."""
+    kind: type  # int, or float (an int is fine where a float is asked)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # `low` itself is refused
+    high_open: bool = False  # `high` itself is refused
+    optional: bool = False  # null is allowed
+    forever: bool = False  # -1 is allowed and means "no limit" (Ray's max_restarts)
+
+    def problem(self, value: Any) -> str | None:
+        """None when `value` is valid, else one line: 'got <value>; valid: <describe()>'."""
+        if value is None and self.optional:
+            return None
+        if not self._in_range(value):
+            return f"got {value!r}; valid: {self.describe()}"
+        return None
+
+    def _in_range(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind is int and not isinstance(value, int):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.forever and value == -1:
+            return True
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
+            return False
+        return True
+
+    def describe(self) -> str:
+        """The valid values in words, e.g. 'an int >= 0, or -1 for forever'."""
+        text = "an int" if self.kind is int else "a finite number"
+        if self.low is not None and self.high is not None:
+            text += (f" in {'(' if self.low_open else '['}{_number(self.low)}, "
+                     f"{_number(self.high)}{')' if self.high_open else ']'}")
+        elif self.low is not None:
+            text += f" {'>' if self.low_open else '>='} {_number(self.low)}"
+        if self.forever:
+            text += ", or -1 for forever"
+        return f"null or {text}" if self.optional else text
+
+
+def _number(x: float) -> str:
+    return "2^63" if x == 2**63 else f"{x:g}"
+
+
+COUNT = Bound(int, low=1)  # sizes, periods: at least one
+COUNT_OR_ZERO = Bound(int, low=0)  # 0 = none / off
+POSITIVE = Bound(float, low=0, low_open=True)
+NON_NEGATIVE = Bound(float, low=0)
+SECONDS = Bound(float, low=0, low_open=True, high=MAX_SECONDS)  # timeouts and waits: > 0
+SECONDS_OR_ZERO = Bound(float, low=0, high=MAX_SECONDS)  # 0 = off
+FRACTION = Bound(float, low=0, high=1, high_open=True)  # [0, 1): momentum, dropout
+OPEN_FRACTION = Bound(float, low=0, high=1, low_open=True, high_open=True)  # (0, 1)
+RATIO = Bound(float, low=0, high=1)  # [0, 1]
+RESTARTS = Bound(int, low=0, forever=True)  # as Ray's max_restarts: -1 = restart forever
+SEED = Bound(int, low=0, high=2**63, high_open=True)
+
+# Every numeric field of the schema (hsgd/config/schema.py), one line each.
+NUMERIC_FIELDS: dict[str, Bound] = {
+    "seed": SEED,
+    "topology.clusters": COUNT,
+    "topology.replicas_per_cluster": COUNT,
+    "topology.cpus_per_replica": NON_NEGATIVE,
+    "topology.spares_per_cluster": COUNT_OR_ZERO,
+    "sync.inner_every": COUNT,
+    "sync.outer_every": COUNT,
+    "optim.inner.lr": POSITIVE,
+    "optim.inner.momentum": FRACTION,
+    "optim.inner.weight_decay": NON_NEGATIVE,
+    "optim.inner.grad_clip": NON_NEGATIVE,  # 0 = off
+    "optim.inner.warmup_steps": COUNT_OR_ZERO,
+    "optim.inner.min_lr_ratio": RATIO,
+    "optim.outer.lr": POSITIVE,
+    "optim.outer.momentum": FRACTION,
+    "model.n_layer": COUNT,
+    "model.n_head": COUNT,
+    "model.n_embd": COUNT,
+    "model.block_size": COUNT,
+    "model.dropout": FRACTION,
+    "data.batch_size": COUNT,
+    "data.val_fraction": OPEN_FRACTION,
+    "data.grad_accum": COUNT,
+    "data.vocab_size": Bound(int, low=1, optional=True),
+    "train.rounds": COUNT,
+    "train.eval_every": COUNT,
+    "train.eval_batches": COUNT,
+    "train.min_step_s": SECONDS_OR_ZERO,
+    "run.io_grace_s": SECONDS,
+    "checkpoint.every": COUNT_OR_ZERO,  # 0 = never
+    "checkpoint.keep": COUNT,
+    "comm.timeout_s": SECONDS,
+    "comm.configure_timeout_s": SECONDS,
+    "comm.min_gbps": POSITIVE,
+    "comm.bucket_mb": POSITIVE,
+    "supervisor.phase_timeout_s": SECONDS,
+    "supervisor.call_timeout_s": SECONDS,
+    "supervisor.max_restarts": RESTARTS,
+    "supervisor.min_replicas_per_cluster": COUNT,  # and <= topology.replicas_per_cluster
+    "supervisor.min_clusters": COUNT,  # and <= topology.clusters
+    "supervisor.quorum_wait_s": SECONDS,
+    "supervisor.rejoin_wait_s": SECONDS_OR_ZERO,
+    "watchdog.multiple": Bound(float, low=1),  # a multiple of the median phase time
+    "watchdog.floor_s": SECONDS,
+    "watchdog.ceiling_s": SECONDS,  # and >= watchdog.floor_s
+    "faults.mtbf_s": NON_NEGATIVE,  # 0 = off; and at most MAX_RANDOM_FAULTS expected faults
+    "faults.seed": SEED,
+    "faults.step_s": SECONDS,
+    "faults.max_restarts": RESTARTS,
+    "ray.num_cpus": Bound(int, low=1, optional=True),
+}
+
+# Fields that name one of a fixed set of values (None in the set: null is allowed).
+CHOICE_FIELDS: dict[str, tuple] = {
+    "topology.placement_strategy": PLACEMENT_STRATEGIES,
+    "sync.inner": INNER_ALGORITHMS,
+    "sync.outer": OUTER_ALGORITHMS,
+    "optim.inner.name": INNER_OPTIMIZERS,
+    "optim.inner.schedule": LR_SCHEDULES,
+    "optim.inner.implementation": OPTIMIZER_IMPLEMENTATIONS,
+    "model.name": ("tiny", "small", "custom"),
+    "train.precision": PRECISIONS,
+    "comm.backend": BACKENDS,
+    "comm.inner_backend": (None,) + BACKENDS,
+    "comm.outer_backend": (None,) + BACKENDS,
+    "supervisor.rejoin": REJOIN_MODES,
+    "logging.wandb.mode": WANDB_MODES,
+}
+
+# Factories named by Hydra `_target_` strings: each must import to a callable.
+TARGET_FIELDS = ("model._target_", "data._target_", "loss._target_")
+
+
+def field_value(cfg: Any, path: str) -> Any:
+    """The value at a dotted path, e.g. field_value(cfg, "optim.inner.lr")."""
+    node = cfg
+    for name in path.split("."):
+        node = getattr(node, name)
+    return node
+
+
+def validate(cfg: Any) -> None:
+    """Check a resolved config (HsgdConfig or a DictConfig of the same shape). Raises ConfigError
+    (one line) for the first problem found; returns None when the run may start."""
+    for path, bound in NUMERIC_FIELDS.items():
+        problem = bound.problem(field_value(cfg, path))
+        if problem is not None:
+            raise ConfigError(path, problem)
+    for path, valid in CHOICE_FIELDS.items():
+        _choice(path, field_value(cfg, path), valid)
+    _check_relations(cfg)
+    _check_faults(cfg)
+    _check_folders(cfg)
+    for path in TARGET_FIELDS:
+        _check_target(path, field_value(cfg, path))
+    _check_wandb_credentials(cfg.logging.wandb.mode)
+    _check_data(cfg)
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
     if value not in valid:
-        raise ConfigError(name, f"unknown value {value!r}; valid: {'|'.join(valid)}")
+        shown = "|".join("null" if v is None else v for v in valid)
+        raise ConfigError(name, f"unknown value {value!r}; valid: {shown}")
 
 
-def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(name, f"got {value}; must be {bound}")
-
-
-def validate(cfg: Any) -> None:
-    """Check a resolved config (HsgdConfig or a DictConfig of the same shape). Raises ConfigError."""
-    t, s, o = cfg.topology, cfg.sync, cfg.optim
-    _positive("topology.clusters", t.clusters)
-    _positive("topology.replicas_per_cluster", t.replicas_per_cluster)
-    _positive("topology.cpus_per_replica", t.cpus_per_replica, allow_zero=True)
-    _positive("topology.spares_per_cluster", t.spares_per_cluster, allow_zero=True)
-    _choice("topology.placement_strategy", t.placement_strategy, PLACEMENT_STRATEGIES)
+def _check_relations(cfg: Any) -> None:
+    t, s, sup, w = cfg.topology, cfg.sync, cfg.supervisor, cfg.watchdog
     if t.cluster_labels and len(t.cluster_labels) != t.clusters:
         raise ConfigError("topology.cluster_labels",
-                          f"has {len(t.cluster_labels)} labels; need one per cluster ({t.clusters}) or none")
-    _choice("sync.inner", s.inner, INNER_ALGORITHMS)
-    _choice("sync.outer", s.outer, OUTER_ALGORITHMS)
-    _positive("sync.inner_every", s.inner_every)
-    _positive("sync.outer_every", s.outer_every)
+                          f"has {len(t.cluster_labels)} labels; valid: one per cluster ({t.clusters}) or none")
     if s.inner == "localsgd" and s.outer_every % s.inner_every != 0:
         raise ConfigError("sync.outer_every", f"{s.outer_every} is not a multiple of sync.inner_every="
                           f"{s.inner_every}; localsgd needs outer_every = k * inner_every")
-    _choice("optim.inner.name", o.inner.name, INNER_OPTIMIZERS)
-    _positive("optim.inner.lr", o.inner.lr)
-    _positive("optim.inner.grad_clip", o.inner.grad_clip, allow_zero=True)
-    _positive("optim.inner.weight_decay", o.inner.weight_decay, allow_zero=True)
-    if not 0 <= o.inner.momentum < 1:
-        raise ConfigError("optim.inner.momentum", f"got {o.inner.momentum}; must be in [0, 1)")
-    _positive("optim.outer.lr", o.outer.lr)
-    if not 0 <= o.outer.momentum < 1:
-        raise ConfigError("optim.outer.momentum", f"got {o.outer.momentum}; must be in [0, 1)")
-    m = cfg.model
-    _choice("model.name", m.name, ("tiny", "small", "custom"))
-    for key in ("n_layer", "n_head", "n_embd", "block_size"):
-        _positive(f"model.{key}", getattr(m, key))
-    if m.n_embd % m.n_head != 0:
-        raise ConfigError("model.n_embd", f"{m.n_embd} is not divisible by model.n_head={m.n_head}")
-    if not 0 <= m.dropout < 1:
-        raise ConfigError("model.dropout", f"got {m.dropout}; must be in [0, 1)")
-    d = cfg.data
-    if d.path is not None and not os.path.exists(os.path.expanduser(str(d.path))):
-        raise ConfigError("data.path", f"{d.path!r} does not exist; give a text file (.txt/.xz/.gz), "
-                          "a folder of .txt files, or null for the built-in Shakespeare corpus")
-    _positive("data.batch_size", d.batch_size)
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError("data.val_fraction", f"got {d.val_fraction}; must be in (0, 1)")
-    _positive("train.rounds", cfg.train.rounds)
-    _positive("train.eval_every", cfg.train.eval_every)
-    _positive("train.eval_batches", cfg.train.eval_batches)
-    _positive("train.min_step_s", cfg.train.min_step_s, allow_zero=True)
-    _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
-    _choice("comm.backend", cfg.comm.backend, BACKENDS)
-    _positive("comm.timeout_s", cfg.comm.timeout_s)
-    _positive("comm.configure_timeout_s", cfg.comm.configure_timeout_s)
-    _positive("comm.min_gbps", cfg.comm.min_gbps)
-    _positive("supervisor.phase_timeout_s", cfg.supervisor.phase_timeout_s)
-    _positive("supervisor.call_timeout_s", cfg.supervisor.call_timeout_s)
-    sup = cfg.supervisor
-    if not 1 <= sup.min_replicas_per_cluster <= t.replicas_per_cluster:
+    if cfg.model.n_embd % cfg.model.n_head != 0:
+        raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
+    if sup.min_replicas_per_cluster > t.replicas_per_cluster:
         raise ConfigError("supervisor.min_replicas_per_cluster", f"got {sup.min_replicas_per_cluster}; "
-                          f"must be in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
-    if not 1 <= sup.min_clusters <= t.clusters:
-        raise ConfigError("supervisor.min_clusters", f"got {sup.min_clusters}; must be in [1, topology.clusters={t.clusters}]")
-    _positive("supervisor.quorum_wait_s", sup.quorum_wait_s)
-    _positive("supervisor.rejoin_wait_s", sup.rejoin_wait_s, allow_zero=True)
-    _choice("supervisor.rejoin", sup.rejoin, REJOIN_MODES)
-    w = cfg.watchdog
-    if w.multiple < 1:
-        raise ConfigError("watchdog.multiple", f"got {w.multiple}; must be >= 1 (a multiple of the median phase time)")
-    _positive("watchdog.floor_s", w.floor_s)
+                          f"valid: in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
+    if sup.min_clusters > t.clusters:
+        raise ConfigError("supervisor.min_clusters",
+                          f"got {sup.min_clusters}; valid: in [1, topology.clusters={t.clusters}]")
     if w.ceiling_s < w.floor_s:
-        raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; must be >= watchdog.floor_s={w.floor_s}")
-    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
-    if not str(cfg.run.dir).strip():
-        raise ConfigError("run.dir", "is empty; give a folder path (relative or absolute)")
-    _positive("faults.mtbf_s", cfg.faults.mtbf_s, allow_zero=True)
-    _positive("faults.step_s", cfg.faults.step_s)
-    _positive("faults.max_restarts", cfg.faults.max_restarts, allow_zero=True)
-    if cfg.ray.num_cpus is not None:
-        _positive("ray.num_cpus", cfg.ray.num_cpus)
-    # Fault specs have their own grammar; parse them here so a typo fails before any actor starts.
-    from hsgd.core.faults import parse_schedule, FAULT_KINDS
+        raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; valid: >= watchdog.floor_s={w.floor_s}")
 
-    for kind in cfg.faults.kinds:
+
+def _check_faults(cfg: Any) -> None:
+    """Random mode's size and kinds, and the explicit schedule's grammar and moments, so a typo
+    fails before any actor starts."""
+    from hsgd.core.faults import FAULT_KINDS, parse_schedule
+
+    f, t, s = cfg.faults, cfg.topology, cfg.sync
+    for kind in f.kinds:
         _choice("faults.kinds", kind, FAULT_KINDS)
-    if cfg.faults.mtbf_s > 0 and not cfg.faults.kinds:
-        raise ConfigError("faults.kinds", f"is empty but faults.mtbf_s={cfg.faults.mtbf_s}; name at least one of {'|'.join(FAULT_KINDS)}")
-    specs = parse_schedule(list(cfg.faults.schedule), clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster)
+    if f.mtbf_s > 0:
+        if not f.kinds:
+            raise ConfigError("faults.kinds", f"is empty but faults.mtbf_s={f.mtbf_s}; "
+                              f"valid: at least one of {'|'.join(FAULT_KINDS)}")
+        # the schedule is drawn whole at the start (hsgd/core/faults.py random_schedule): bound its size
+        run_s = cfg.train.rounds * s.outer_every * f.step_s
+        expected, smallest = run_s / f.mtbf_s, run_s / MAX_RANDOM_FAULTS
+        if expected > MAX_RANDOM_FAULTS:
+            raise ConfigError("faults.mtbf_s", f"got {f.mtbf_s:g}: about {expected:.3g} random faults over the "
+                              f"run's {run_s:g} s (train.rounds * sync.outer_every * faults.step_s); "
+                              f"valid: 0 (off) or >= {smallest:g} (at most {MAX_RANDOM_FAULTS} faults)")
+    specs = parse_schedule(list(f.schedule), clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster)
     for i, spec in enumerate(specs):  # a fault that can never fire is a typo, not a plan
         if spec.round >= cfg.train.rounds:
             raise ConfigError(f"faults.schedule[{i}].round", f"{spec.round} is past the run's last round "
@@ -118,6 +257,100 @@ def validate(cfg: Any) -> None:
         problem = unfirable_reason(spec, cfg)
         if problem is not None:
             raise ConfigError(f"faults.schedule[{i}].{problem[0]}", problem[1])
+
+
+def _check_folders(cfg: Any) -> None:
+    """A run folder of its own: never a filesystem root or the home folder (a run writes and prunes
+    there). Whether an existing folder belongs to another run is the driver's check (run lock)."""
+    for path in ("run.dir", "run.sweep_dir"):
+        raw = str(field_value(cfg, path)).strip()
+        if not raw:
+            raise ConfigError(path, "is empty; valid: a folder path (relative or absolute)")
+        folder = os.path.realpath(output_path(raw))
+        if os.path.dirname(folder) == folder or folder == os.path.realpath(os.path.expanduser("~")):
+            what = "the home folder" if os.path.dirname(folder) != folder else "a filesystem root"
+            raise ConfigError(path, f"{raw!r} is {what}; valid: a folder of the run's own, e.g. outputs/<name>")
+    where = cfg.checkpoint.dir
+    if where is not None and (not isinstance(where, str) or not where.strip()):
+        raise ConfigError("checkpoint.dir", f"got {where!r}; valid: null (<run.dir>/checkpoints), "
+                          "a folder path or an fsspec URL (file://, s3://, gs://, ...)")
+
+
+def _check_target(path: str, target: Any) -> None:
+    """A Hydra `_target_` must name a module-level callable that imports here."""
+    valid = "valid: a dotted path 'package.module.callable' importable on every node"
+    module_name, _, attribute = str(target).rpartition(".")
+    if not module_name or not attribute:
+        raise ConfigError(path, f"{target!r} is not a dotted path; {valid}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except Exception as err:  # noqa: BLE001 — a user's module may fail in any way while importing
+        raise ConfigError(path, f"cannot import {target!r} ({type(err).__name__}: {_one_line(err)}); {valid}") from None
+    if not callable(factory):
+        raise ConfigError(path, f"{target!r} is a {type(factory).__name__}, not a callable; {valid}")
+
+
+def _check_wandb_credentials(mode: str) -> None:
+    """Online logging fails late and far away (in the supervisor) without credentials: refuse it
+    here. Looks where wandb looks, without the network: the environment, the netrc file, wandb's
+    settings file."""
+    if mode != "online" or wandb_credentials_found():
+        return
+    raise ConfigError("logging.wandb.mode", "online needs W&B credentials and none were found (no WANDB_API_KEY, "
+                      f"no key for {_wandb_host()} in the netrc file or wandb settings); valid: offline|disabled, "
+                      "or set WANDB_API_KEY as a secret (README, wandb)")
+
+
+def _wandb_host() -> str:
+    return urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def wandb_credentials_found() -> bool:
+    """True when wandb would find an API key or identity token (no check that it is accepted)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    netrc_path = os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+    try:
+        entry = netrc.netrc(netrc_path).authenticators(_wandb_host())
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    if entry and entry[2]:
+        return True
+    settings = configparser.ConfigParser()
+    config_dir = os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb"
+    try:
+        settings.read(os.path.join(os.path.expanduser(config_dir), "settings"))
+    except configparser.Error:
+        return False
+    return bool(settings.get("default", "api_key", fallback=""))
+
+
+def _check_data(cfg: Any) -> None:
+    """Test-load the corpus (or the plug-in data) here, so a bad file is one line now instead of
+    every replica dying in its constructor later."""
+    from hsgd.train.data import check_data  # imports torch: only when a whole config is validated
+
+    try:
+        check_data(cfg)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as err:
+        raise ConfigError(*_field_and_problem(_one_line(err), default="data.path")) from None
+    except Exception as err:  # noqa: BLE001 — a plug-in data factory may fail in any way
+        raise ConfigError("data._target_", f"test-loading the data failed ({type(err).__name__}: "
+                          f"{_one_line(err)})") from None
+
+
+def _field_and_problem(message: str, *, default: str) -> tuple[str, str]:
+    """Split 'data.path=...: problem' (the data module's style) into the field and the rest."""
+    found = re.match(r"([a-z_]+(?:\.[a-z_]+)+)\s*[=:]\s*", message)
+    if found is None:
+        return default, message
+    return found.group(1), message[found.end():]
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:400] or type(err).__name__
 
 
 def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
@@ -143,12 +376,3 @@ def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
         if s.inner == "none" and spec.step != 0:
             return "step", "with sync.inner=none the cluster average happens once, at the round's end; use step 0"
     return None  # outer and outer_commit happen in every round, whatever the algorithm
-
-
-def resolve_backend(backend: str, cuda_available: bool) -> str:
-    """`auto` means nccl when CUDA is present, else gloo."""
-    if backend == "auto":
-        return "nccl" if cuda_available else "gloo"
-    if backend == "nccl" and not cuda_available:
-        raise ConfigError("comm.backend", "nccl needs CUDA, which this machine lacks; valid here: auto|gloo")
-    return backend

@@ -6,7 +6,9 @@ Public form (README, "Fault injection"), as a Hydra override:
 
 - kind:   kill (ray.kill of the actor) | crash (os._exit inside the replica) | hang (sleep holding
           the GIL) | comm (abort the replica's process groups) | slow (straggler delay per step) |
-          error (an exception raised inside the replica's phase: an OOM, an I/O error, a bug)
+          error (an exception raised inside the replica's phase: an OOM, an I/O error, a bug) |
+          nan (the replica's next inner step's loss is NaN, as a diverging replica's; fired in
+          another phase, the next inner step it runs. Never in the default random `faults.kinds`)
 - target: a replica id (c0r1) | leader:c1 (whoever leads cluster 1 when it fires) | cluster:c1
           (every replica of cluster 1) | supervisor
 - round:  the round (0-based) in which it fires
@@ -28,7 +30,7 @@ from typing import Any, Mapping
 from hsgd.config.schema import ConfigError
 from hsgd.core.topology import parse_replica_id, replica_id
 
-FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error")
+FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error", "nan")
 FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 
@@ -99,6 +101,7 @@ def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
     for key in ("kind", "target", "round"):
         if key not in raw:
             raise FaultSpecError(f"{name}.{key}", "is missing")
+    # str(): YAML and Hydra read the kind `nan` as a float NaN, whose str() is "nan"
     kind, target, phase = str(raw["kind"]), str(raw["target"]), str(raw.get("phase", "inner"))
     if kind not in FAULT_KINDS:
         raise FaultSpecError(f"{name}.kind", f"unknown kind {kind!r}; valid: {'|'.join(FAULT_KINDS)}")

@@ -37,6 +37,17 @@ What happens after a failure (the whole of "Failure scoping"):
                  -> if any replica applied the commit, the round is committed (the decision was
                     made); the others heal from a committed replica at the next round's start.
                     If none did, the outer exchange is retried.
+    non-finite numbers in cluster c (a member's run_inner answers `non_finite`: a loss or gradient
+    norm was NaN/inf; or c's leader's outer_reduce: its pseudo-gradient was)
+                 -> c's round is void: nobody is killed, c's pseudo-gradient is never sent (c sits
+                    out this round's outer exchange; found at the reduce, the exchange is retried
+                    without c), the other clusters commit without it, and c restarts the next round
+                    from the committed global params (a `global` heal, as any cluster that sat out).
+                    c non-finite in two rounds running (or twice in one round) is benched: it sits
+                    out until the run's end or a resume (`benched`, carried from round to round).
+                    Non-finite numbers never come back by waiting: when the benched clusters alone
+                    leave fewer than min_clusters, or this round's void ones are all that is
+                    missing, the round ends `failed` with the reason, never `below_quorum`.
     hung         = silent AND not advancing: a replica whose step still advances is slow, never
                     hung. Its limit is the learned step deadline, or, once a peer of the same group
                     failed, the group's grace (a healthy member leaves a broken collective within
@@ -84,12 +95,17 @@ class Outcome(str, Enum):
     YIELDED = "yielded"  # stopped at a step boundary on request (mid-round rejoin)
     DIED = "died"  # the actor is gone (Ray said so, or we killed it)
     ERROR = "error"  # the replica raised: that replica's failure; it is killed and restarted
+    IO_ERROR = "io_error"  # a write to the run's storage failed (a checkpoint): the run's problem, nobody is killed
+    NON_FINITE = "non_finite"  # a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void
 
 
 # module constants compared by identity: an Enum member's `==` / `in` costs ~0.3-0.6 us here, and a
 # broken outer group answers `collective_failed` from every leader (1,000 at scale) at once
 _DONE, _DIED, _ERROR, _YIELDED, _COLLECTIVE_FAILED = (Outcome.DONE, Outcome.DIED, Outcome.ERROR, Outcome.YIELDED,
                                                       Outcome.COLLECTIVE_FAILED)
+_NON_FINITE = Outcome.NON_FINITE
+# the calls whose non-finite answer voids the cluster's round (the numbers that would reach the outer exchange)
+_VOIDING = ("run_inner", "cluster_average", "outer_reduce")
 _LOST = (-1, -1)  # the position of a replica no longer live
 _new_tuple = tuple.__new__
 _round_of = itemgetter(0)  # of a (round, step) position
@@ -104,6 +120,13 @@ class PhaseResult(NamedTuple):
     round: int = -1  # the replica's committed round after the call (-1: unknown, it died)
     step: int = -1
     detail: str = ""
+
+
+class NonFinite(NamedTuple):
+    """Why a cluster's round is void: its members' non-finite answers to one call."""
+    phase: str  # the call's kind: run_inner | cluster_average | outer_reduce
+    rids: tuple[str, ...]  # the members that answered `non_finite`, in answer order
+    detail: str  # the first one's error
 
 
 class Action(NamedTuple):
@@ -287,7 +310,8 @@ class RoundMachine:
     def __init__(self, topology: Topology, settings: RoundSettings, round_index: int, *,
                  progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
                  committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
-                 outer_configured: tuple[int, tuple[str, ...]] | None = None):
+                 outer_configured: tuple[int, tuple[str, ...]] | None = None, benched: Iterable[int] = (),
+                 non_finite_rounds: Mapping[int, int] | None = None):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only
         self.leaders = dict(leaders)
@@ -313,6 +337,13 @@ class RoundMachine:
         self.joining: dict[int, dict[str, tuple[int, int]]] = {}  # cluster -> replicas up mid-round
         self.yielding: dict[int, int] = {}  # cluster -> step_in_round its members yield at
         self.done, self.outcome, self.reason = False, "", ""
+        # non-finite numbers (see the failure table), carried from round to round by the caller:
+        # clusters that sit out until the run's end, and the last round each cluster was void in
+        # (keys may come back from JSON as strings)
+        self.benched: set[int] = {int(c) for c in benched}
+        self.non_finite_rounds: dict[int, int] = {int(c): int(r) for c, r in (non_finite_rounds or {}).items()}
+        self.void: dict[int, NonFinite] = {}  # cluster -> why its round is void, this round
+        self.benched_now: dict[int, str] = {}  # cluster -> why it was benched, this round
         self._next_id = 0
         # where run_inner ends, and where a commit leaves a replica: most answers report one of the two,
         # and storing these very tuples (not a new one per answer) keeps a round's 20,000 progress
@@ -368,8 +399,12 @@ class RoundMachine:
         # the very tuple the last round's commit stored (see _commit_end): the checks below match by identity
         at_start = self._round_start = next((p for p in progress.values() if p == at_start), at_start)
         clusters, get = self.clusters, progress.get
+        benched = self.benched
         for c, ids in enumerate(self._ids):
             st = clusters[c]
+            if benched and c in benched:
+                st.stage = "out"  # non-finite in two rounds running: it sits out until the run's end
+                continue
             if list(map(get, ids)).count(at_start) == len(ids) >= smallest:
                 # _reform's common case, inlined: every member live at the round's start, nobody heals
                 st.members = ids
@@ -387,7 +422,7 @@ class RoundMachine:
             actions += self._reform(c, now, "round start", members=members)
         self._start_source = _NO_CACHE
         if len(self.participating()) < self.settings.min_clusters:
-            return self._finish("below_quorum", self._quorum_text())
+            return self._lost_quorum()
         return actions
 
     def on_result(self, result: PhaseResult, now: float) -> list[Action]:
@@ -443,6 +478,14 @@ class RoundMachine:
         outcome, rid = result.outcome, result.rid
         if outcome.__class__ is not Outcome:
             outcome = Outcome(outcome)  # (a plain string) from here on, members compare by identity
+        if outcome is _NON_FINITE and flight.action.kind in _VOIDING:
+            # the replica and its group are fine (nobody is killed, nothing re-forms): its cluster's
+            # round is void, decided once the call ends (every member answered)
+            c = self._cluster_of(rid)
+            seen = self.void.get(c)
+            self.void[c] = NonFinite(flight.action.kind, (seen.rids if seen else ()) + (rid,),
+                                     seen.detail if seen else result.detail)
+            return
         if flight.commit:  # rid did not apply the commit: its cluster's group broke during the broadcast
             flight.did_not_apply(rid)
             self.clusters[self._cluster_of(rid)].configured = None
@@ -728,6 +771,48 @@ class RoundMachine:
                 self.clusters[flight.action.cluster].configured = None
         return []
 
+    def _lost_quorum(self) -> list[Action]:
+        """Fewer than min_clusters clusters can take part. Waiting brings back lost replicas, never
+        the numbers of a cluster that sits out for being non-finite: when the benched alone leave
+        too few clusters, or this round's void ones are all that is missing, the run fails (with
+        the reason) rather than waits."""
+        s, clusters = self.settings, self.topology.clusters
+        if len(self.benched) > clusters - s.min_clusters:
+            return self._finish("failed", f"{len(self.benched)} of {clusters} clusters benched for non-finite numbers "
+                                          f"({self._non_finite_text(self.benched)}); fewer than "
+                                          f"supervisor.min_clusters={s.min_clusters} can train")
+        if self.void and len(self.participating()) + len(self.void) >= s.min_clusters:
+            return self._finish("failed", f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
+                                          f"non-finite numbers in {self._non_finite_text(self.void)}")
+        return self._finish("below_quorum", self._quorum_text())
+
+    def _non_finite_text(self, clusters: Iterable[int]) -> str:
+        return ", ".join(f"c{c}" + (f" (round {self.round}: {self.void[c].phase}: {self.void[c].detail})"
+                                    if c in self.void else f" (benched, last non-finite in round "
+                                                           f"{self.non_finite_rounds.get(c, '?')})")
+                         for c in sorted(clusters))
+
+    def _bench_or_sit_out(self, c: int) -> None:
+        """c's round is void: it sits out this round; non-finite in the last round too (or in an
+        earlier attempt of this one), it is benched for the rest of the run."""
+        st = self.clusters[c]
+        self.yielding.pop(c, None)
+        st.stage = "out"
+        last = self.non_finite_rounds.get(c)
+        self.non_finite_rounds[c] = self.round
+        if last is not None and self.round - 1 <= last <= self.round and c not in self.benched:
+            self.benched.add(c)
+            self.benched_now[c] = (f"non-finite numbers in rounds {last} and {self.round} "
+                                   f"({self.void[c].phase}: {self.void[c].detail}); c{c} sits out until the "
+                                   f"run's end or a resume")
+
+    def _void_cluster(self, c: int, now: float) -> list[Action]:
+        """c's call ended with a non-finite answer: c sits out the outer exchange (see the table)."""
+        self._bench_or_sit_out(c)
+        if self.outer_stage != "wait":
+            return []
+        return self._maybe_outer(now)
+
     # per cluster ---------------------------------------------------------------------------------
     def _reform(self, c: int, now: float, reason: str, counts: bool = True,
                 members: tuple[str, ...] | None = None) -> list[Action]:
@@ -739,7 +824,7 @@ class RoundMachine:
         if len(members) < self.settings.min_replicas_per_cluster or not members:
             st.stage, st.members = "out", members
             if self.outer_stage == "wait" and len(self.participating()) < self.settings.min_clusters:
-                return self._finish("below_quorum", self._quorum_text())
+                return self._lost_quorum()
             return self._maybe_outer(now)
         if reason != "round start" and counts:
             st.reforms += 1
@@ -833,6 +918,10 @@ class RoundMachine:
             return []
         st.action = None
         where = list(map(self.progress.get, st.members))  # None: lost meanwhile
+        if self.void and c in self.void:
+            if not results_ok or None in where:
+                st.configured = None  # a member also failed or was lost: the group is unusable
+            return self._void_cluster(c, now)
         if action.kind == "run_inner" and results_ok and not self.joining and self.settings.inner != "none" \
                 and where.count(self._inner_end) == len(where):
             # every member finished the round's inner steps (the common case, first, 1,000 a round):
@@ -873,7 +962,7 @@ class RoundMachine:
             return []
         tally = self._tally
         if tally.clusters - len(tally.out) < self.settings.min_clusters:  # participating clusters
-            return self._finish("below_quorum", self._quorum_text())
+            return self._lost_quorum()
         if tally.not_ready:  # a participating cluster is not ready yet
             return []
         leaders = tuple(self.leaders[c] for c in self.participating())
@@ -920,6 +1009,15 @@ class RoundMachine:
     def _outer_finished(self, flight: _InFlight, ok: bool, now: float) -> list[Action]:
         action = flight.action
         if action.kind == "outer_reduce":
+            voided = [c for c in self.void if self.clusters[c].stage != "out"]
+            if voided:  # a leader's pseudo-gradient was non-finite: it was never sent; retry without its cluster
+                self.outer_configured = None
+                for c in voided:
+                    self._bench_or_sit_out(c)
+                if self.done:
+                    return []
+                return self._outer_retry(now, "non-finite pseudo-gradient from " +
+                                         ",".join(f"c{c}" for c in sorted(voided)), action.calls)
             if ok:
                 if forms_group(action):
                     self.outer_configured = (action.epoch, tuple(action.calls))

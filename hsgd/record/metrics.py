@@ -84,20 +84,32 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     None, `detected_at` the down's time). A fault fired on a replica explains at most one down of
     it: the first within `explain_window_s` after it fired. Any kind counts: even `comm` or `slow`
     can end in a down (a peer declared gone, a straggler past its step deadline), and a down soon
-    after a fault on that replica is far likelier its effect than a coincidence. Every entry has
-    the same keys."""
+    after a fault on that replica is far likelier its effect than a coincidence. Non-finite
+    numbers kill nobody: each `non_finite` event (one per cluster and round) is one entry with
+    `cause: non_finite`, injected when a `nan` fault fired on one of its `rids` explains it (a `nan`
+    fault explains only that, and no down), else observed (a diverging run, a flipped bit). Every
+    entry has the same keys."""
     events = sorted(events, key=lambda e: e["t"])
     figures = []
+    non_finite = [e for e in events if e["event"] == "non_finite"]
+    explained: set[int] = set()  # non_finite events a nan fault explains
     for f in sorted(fired, key=lambda f: f["t"]):
         t0, rid = f["t"], f["rid"]
-        detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
-                         and (rid == "supervisor") == (e["event"] == "supervisor_start")
-                         and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
+        if f["kind"] == "nan":
+            i = next((i for i, e in enumerate(non_finite) if i not in explained and e["t"] >= t0 - _CLOCK_SKEW_S
+                      and rid in e.get("rids", (e.get("rid"),))), None)
+            detected = None if i is None else non_finite[i]
+            explained.add(i)  # (None when nothing explained: never an index)
+        else:
+            detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
+                             and (rid == "supervisor") == (e["event"] == "supervisor_start")
+                             and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
         recovered, _ = _recovery_and_heal(events, rid, detected["t"] if detected else t0)
         heal = next((e for e in events if e["t"] > t0 and e["event"] == "heal_end" and e.get("target") == rid), None)
         figures.append({
             "source": "injected",
-            "rid": rid, "kind": f["kind"], "cause": None if detected is None else detected.get("cause"),
+            "rid": rid, "kind": f["kind"], "cause": None if detected is None else "non_finite"
+            if detected["event"] == "non_finite" else detected.get("cause"),
             "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
             "fired_at": t0, "detected_at": None if detected is None else detected["t"],
             "detection_latency_s": None if detected is None else detected["t"] - t0,
@@ -109,6 +121,8 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
+        if f["kind"] == "nan":
+            continue  # it kills nobody: a down after it is another failure
         first = next((i for i, d in enumerate(downs) if i not in claimed and d.get("rid") == f["rid"]
                       and f["t"] - _CLOCK_SKEW_S <= d["t"] <= f["t"] + explain_window_s), None)
         if first is not None:
@@ -122,6 +136,19 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
             "source": "observed", "rid": rid, "kind": "observed", "cause": down.get("cause"),
             "phase": down.get("phase"), "round": down.get("round"), "step": None,
             "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": "replica_down",
+            "recovery_latency_s": None if recovered is None else recovered["t"] - t,
+            "heal_s": None if heal is None else heal.get("seconds"),
+            "heal_bytes": None if heal is None else heal.get("bytes"),
+        })
+    for i, e in enumerate(non_finite):
+        if i in explained:
+            continue
+        rid, t = e["rid"], e["t"]
+        recovered, heal = _recovery_and_heal(events, rid, t)
+        figures.append({
+            "source": "observed", "rid": rid, "kind": "observed", "cause": "non_finite",
+            "phase": e.get("phase"), "round": e.get("round"), "step": None,
+            "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": "non_finite",
             "recovery_latency_s": None if recovered is None else recovered["t"] - t,
             "heal_s": None if heal is None else heal.get("seconds"),
             "heal_bytes": None if heal is None else heal.get("bytes"),
@@ -150,4 +177,26 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
                                          if d.get("global")), None),
             "step_efficiency": step_eff, "training_efficiency": training_eff,
             "faults": fault_figures(fired, events), "faults_not_fired": not_fired,
+            "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
             "supervisor_starts": durable["supervisor_starts"], "epoch": durable["epoch"], "run_dir": run_dir}
+
+
+def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics: list[dict], steps_per_round: int,
+                     now: float, run_dir: str, supervisor_started: float | None = None) -> dict:
+    """summary.json when run_summary cannot be had (the supervisor failed making it, or the driver
+    writes it for a supervisor that is gone): the same keys, from what is still known — the
+    durable state and metrics.jsonl — and None (or empty) for what only the live run knew."""
+    evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
+    rounds = durable.get("committed_round")
+    started = durable.get("started_at")
+    return {"status": status, "reason": reason, "rounds_committed": rounds,
+            "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
+            "initial_eval_loss": durable.get("initial_eval_loss"),
+            "final_eval_loss": evals[-1] if evals else None,
+            "wall_s": None if started is None else now - started,
+            "supervisor_wall_s": None if supervisor_started is None else now - supervisor_started,
+            "replica_param_digests": {}, "global_param_digest": None,
+            "step_efficiency": None, "training_efficiency": None, "faults": [], "faults_not_fired": [],
+            "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
+            "supervisor_starts": durable.get("supervisor_starts", 0), "epoch": durable.get("epoch"),
+            "run_dir": run_dir}

@@ -99,7 +99,8 @@ def replica_states(events: list[dict]):
 # -- timeline ------------------------------------------------------------------------------------
 def timeline_data(run_dir: str | Path) -> dict:
     """Spans per replica: {rid: [(start_s, end_s, kind)]} with kind in SPAN_KINDS, plus faults
-    [(t, rid, kind)], recoveries [(fault t, recovery t)] and supervisor restarts [t]."""
+    [(t, rid, kind)], recoveries [(fault t, recovery t)] and supervisor restarts [t]. A phase is
+    the events `phase_begin`/`phase_end` of one (phase, cluster): clusters overlap in time."""
     run_dir = Path(run_dir)
     events = read_events(run_dir)
     fired = sorted((f for f in read_jsonl(run_dir / "faults_fired.jsonl") if "t" in f), key=lambda f: f["t"])
@@ -109,7 +110,9 @@ def timeline_data(run_dir: str | Path) -> dict:
     end = max([*stamps, *(r["t"] for r in fired + metrics if "t" in r)]) - t0
     rids = known_replicas(run_dir, events)
     spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in rids}
-    open_phase: dict[str, tuple[float, list[str]]] = {}
+    # keyed by (phase, cluster): clusters run their own inner phases at once, so one cluster's
+    # phase_begin must not end another's span (cluster None: the outer level's phases)
+    open_phase: dict[tuple[str, int | None], tuple[float, list[str]]] = {}
     open_heal: dict[str, float] = {}
     open_down: dict[str, float] = {}
     last_up: dict[str, float] = {}
@@ -118,7 +121,7 @@ def timeline_data(run_dir: str | Path) -> dict:
         spans.setdefault(rid, []).append((start, max(start, stop), kind))
 
     def close_all(at):
-        for phase, (start, members) in open_phase.items():
+        for (phase, _), (start, members) in open_phase.items():
             for rid in members:
                 add(rid, start, at, phase)
         for rid, start in open_heal.items():
@@ -128,14 +131,15 @@ def timeline_data(run_dir: str | Path) -> dict:
 
     for e in events:
         t, name = e["t"] - t0, e.get("event")
+        key = (e.get("phase"), e.get("cluster"))
         if name == "phase_begin" and e.get("phase") in SPAN_KINDS:
-            if e["phase"] in open_phase:  # begun again without an end: the old one ended here
-                start, members = open_phase.pop(e["phase"])
+            if key in open_phase:  # begun again without an end: the old one ended here
+                start, members = open_phase.pop(key)
                 for rid in members:
                     add(rid, start, t, e["phase"])
-            open_phase[e["phase"]] = (t, list(e.get("replicas") or []))
-        elif name == "phase_end" and e.get("phase") in open_phase:
-            start, members = open_phase.pop(e["phase"])
+            open_phase[key] = (t, list(e.get("replicas") or []))
+        elif name == "phase_end" and key in open_phase:
+            start, members = open_phase.pop(key)
             for rid in members:
                 add(rid, start, t, e["phase"])
         elif name == "heal_begin" and e.get("target"):

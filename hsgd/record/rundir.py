@@ -1,4 +1,6 @@
-"""The run folder on disk: atomic writes (temp name, fsync, rename) and JSON-lines readers.
+"""The run folder on disk: atomic writes (temp name, fsync, rename), JSON-lines appends that never
+leave a record half-written, JSON-lines readers, and `FolderWriter`, which does a folder's writes
+with a deadline.
 
 Nothing under run.dir is ever half-written: every file is written to a temp name in the same
 folder and renamed into place, so a crash leaves the old file or the new one, never a mix.
@@ -7,18 +9,58 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
+import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)  # a full disk must not also fill up with our temp files
+        except OSError:
+            pass
+        raise
+
+
+def append_lines(path: str | Path, data: str) -> None:
+    """Append `data` (whole lines, each ending in a newline) to `path`, all of it or nothing: a
+    write that fails part-way is cut back to where it began, so a retry appends the lines once. If
+    even that cut failed, the fragment left at the end is closed by a newline before the next
+    append, so it stays a line of its own that readers skip (read_jsonl) and no record is lost or
+    merged into it. Raises OSError."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        blob = data.encode("utf-8")
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            blob = b"\n" + blob
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # every byte was written (or the error above is raised): nothing to redo
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -52,3 +94,142 @@ def read_jsonl(path: str | Path) -> list[dict]:
             except json.JSONDecodeError:
                 pass  # a line being written right now
     return records
+
+
+NO_WRITE = object()  # a FolderWriter job's answer when it had nothing to write: it tells nothing of the folder
+
+
+class FolderWriter:
+    """Does one folder's writes on a thread of its own, so that no write blocks its caller past a
+    deadline: a write to a hung NFS mount costs a waiting caller `deadline_s` once; while that
+    write is stuck, later callers queue theirs and return at once (the writes run in order when
+    the stuck one returns).
+
+    Protocol: `submit(key, fn, wait)` queues `fn()`; a job with the same key still queued is
+    replaced (its caller's result follows the newer job: the newest status.json wins). With `wait`
+    it returns fn's result (True for None) when fn returned within the deadline, False when it
+    raised OSError or did not return in time (it may still run and succeed later; while the thread
+    is stuck past the deadline, at once); without `wait` it returns None at once. A caller that
+    names its own `deadline_s` (the run's end) waits that long in any case.
+    It never raises a write's failure: an OSError is recorded as the folder's health (`health()`),
+    any other exception is a bug and is re-raised to a waiting caller.
+
+    Health: the folder is failing from its first failed (or stuck) write until a write succeeds.
+    `on_change(ok, error, down_s)` is called on the writer thread when that flips (never with a
+    lock held: it may submit more writes).
+    """
+
+    def __init__(self, deadline_s: float, on_change: Callable[[bool, str, float], None] | None = None):
+        self.deadline_s = float(deadline_s)
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._queued: dict[object, list] = {}  # key -> [fn, done Event, result]
+        self._order: queue.SimpleQueue = queue.SimpleQueue()
+        self._failing_since: float | None = None  # monotonic
+        self._error = ""
+        self._running_since: float | None = None  # the job on the thread now (monotonic)
+        self._thread = threading.Thread(target=self._loop, name="hsgd-folder-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: object, fn: Callable[[], object], wait: bool = True, deadline_s: float | None = None,
+               counts: bool = True):
+        """`counts`: the job is a write whose outcome tells the folder's health (a read is not)."""
+        with self._lock:
+            job = self._queued.get(key)
+            if job is None:
+                job = self._queued[key] = [fn, threading.Event(), None, counts]
+                self._order.put(key)
+            else:
+                job[0] = fn
+        if not wait:
+            return None
+        if deadline_s is None and self.stuck_s() > 0:
+            return False  # the thread is stuck in an earlier write: do not wait behind it
+        if not job[1].wait(self.deadline_s if deadline_s is None else deadline_s):
+            return False
+        if isinstance(job[2], BaseException):
+            raise job[2]
+        return job[2]
+
+    def stuck_s(self) -> float:
+        """How long the job on the thread has run past the deadline (0: none has)."""
+        since = self._running_since
+        late = 0.0 if since is None else time.monotonic() - since - self.deadline_s
+        return max(0.0, late)
+
+    def health(self) -> tuple[float, str]:
+        """(seconds the folder has failed — 0 when it works —, the last error). A write stuck past
+        the deadline counts as failing since it began."""
+        now = time.monotonic()
+        with self._lock:
+            since, error = self._failing_since, self._error
+            running = self._running_since
+        if running is not None and now - running > self.deadline_s:
+            stuck = f"a write has not returned for {now - running:.0f} s (storage hung?)"
+            if since is None or running < since:
+                since, error = running, stuck
+        return (0.0, "") if since is None else (now - since, error)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every job queued now has run (True) or timeout_s passes (False)."""
+        marker = threading.Event()
+        self.submit(object(), marker.set, wait=False, counts=False)
+        return marker.wait(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            key = self._order.get()
+            with self._lock:
+                fn, done, _, counts = job = self._queued.pop(key)
+                self._running_since = time.monotonic()
+            ok, error = True, ""
+            try:
+                result = fn()
+                if result is NO_WRITE:
+                    result, ok = True, None
+                job[2] = True if result is None else result
+            except OSError as err:
+                job[2], ok, error = False, False, f"{type(err).__name__}: {err}"
+            except BaseException as err:  # noqa: BLE001 — a bug: handed to a waiting caller, not swallowed
+                job[2], ok = err, None
+            if not counts:
+                ok = None
+            now = time.monotonic()
+            with self._lock:
+                began, self._running_since = self._running_since, None
+                was_failing = self._failing_since is not None
+                down_s = 0.0 if self._failing_since is None else now - self._failing_since
+                if ok:
+                    self._failing_since, self._error = None, ""
+                elif ok is False:
+                    self._error = error
+                    if self._failing_since is None:
+                        self._failing_since = began
+            done.set()
+            if self._on_change is not None and ok is not None and was_failing == ok:  # the health flipped
+                try:
+                    self._on_change(ok, error, down_s)
+                except Exception:  # noqa: BLE001 — the writer thread outlives its listener's bug
+                    pass
+
+
+def call_with_deadline(fn: Callable[[], object], timeout_s: float, what: str = "a storage call"):
+    """fn()'s result, or TimeoutError (an OSError) when it has not returned within timeout_s: a
+    call into storage that may hang (a dead NFS server, an object store) runs on a daemon thread of
+    its own, which is left behind if it never returns. fn's own exception is re-raised."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # noqa: BLE001 — re-raised in the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="hsgd-storage-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {timeout_s:g} s (storage hung?)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")

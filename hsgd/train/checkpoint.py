@@ -1,130 +1,410 @@
-"""Durable checkpoints: atomic, verifiable, loaded without executing code.
+"""Durable checkpoints: atomic, verifiable, loaded without executing code, on any fsspec storage.
 
-Layout under `<run.dir>/checkpoints/`:
-    round_000005/manifest.json      round, step, topology, config fingerprint, replica files + sha256
+Where: `checkpoint.dir`, any fsspec URL every replica reaches (a shared mount, `file://...`,
+`s3://...`, `gs://...`, `memory://...` in one process); null = `<run.dir>/checkpoints`
+(`root_url`). Layout under the root:
+
+    round_000005/manifest.json      round, step, run id, config fingerprint, replica files + sha256
     round_000005/c0r0.pt ...        one file per replica: its ReplicaTrainer.state_dict()
-Protocol: replicas write their files into `round_000005.tmp-<nonce>/` (each file itself written
-to a temp name and renamed); the supervisor then writes the manifest the same way and renames the
-directory to its final name. A crash at any point leaves either the old checkpoints untouched or
-a `.tmp-*` directory that `latest()` ignores and `prune()` removes. Files load with
-`torch.load(weights_only=True)`: a foreign or corrupt file is an error, never code execution.
+
+Protocol: replicas write their files into `round_000005.tmp-<owner>-<nonce>/` (`new_temp_dir`;
+owner = the run id, so `prune` removes only this run's leftovers, never another run's write in
+progress). On a local filesystem each file is written to a temp name, fsynced and renamed; the
+supervisor then writes the manifest the same way and renames the directory to its final name. On
+an object store (no atomic rename) the files are copied to the final directory and the manifest is
+written LAST: a checkpoint without a manifest does not exist for `latest()`. A crash at any point
+leaves either the old checkpoints untouched or a temp / manifest-less directory that is ignored.
+A final checkpoint is never overwritten.
+
+Trust: the manifest names every file with its sha256; `verify` reads a checkpoint back (manifest
+parses, every file matches) and `newest_good` walks back from the newest to the first that
+verifies, so a corrupt or truncated latest checkpoint falls back to the previous kept one. Files
+load with `torch.load(weights_only=True)`: a foreign or corrupt file is an error, never code
+execution. `fingerprint` is what a resume may not change (model shape and vocabulary, data,
+algorithms, optimizers, outer_every); `fingerprint_diff` names what differs.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
-from hsgd.record.rundir import atomic_write_text
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST = "manifest.json"
+CHUNK = 4 << 20  # bytes read at a time when hashing
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
+# -- where ----------------------------------------------------------------------------------------
+def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
+    """The checkpoint root: `checkpoint.dir` as given (a URL or a path), or `<run_dir>/checkpoints`."""
+    if checkpoint_dir:
+        return str(checkpoint_dir)
+    return str(Path(run_dir) / "checkpoints")
+
+
+def _fs(url: str | Path):
+    fs, path = fsspec.core.url_to_fs(str(url))
+    return fs, path.rstrip("/") or "/"
+
+
+def _is_local(fs) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _join(url: str | Path, name: str) -> str:
+    return f"{str(url).rstrip('/')}/{name}"
+
+
 def round_dir_name(round_index: int) -> str:
     return f"round_{round_index:06d}"
 
 
-def new_temp_dir(root: str | Path, round_index: int) -> Path:
-    path = Path(root) / f"{round_dir_name(round_index)}.tmp-{uuid.uuid4().hex[:8]}"
-    path.mkdir(parents=True, exist_ok=False)
-    return path
+def _round_of(name: str) -> int | None:
+    if not name.startswith("round_") or ".tmp-" in name:
+        return None
+    try:
+        return int(name[len("round_"):])
+    except ValueError:
+        return None
+
+
+def _names(url: str | Path) -> list[str]:
+    """Base names directly under url ([] when it is not there)."""
+    fs, path = _fs(url)
+    try:
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+
+def remove(url: str | Path) -> None:
+    """Remove a directory (a refused or interrupted checkpoint write); absent is fine."""
+    fs, path = _fs(url)
+    try:
+        fs.rm(path, recursive=True)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+# -- writing --------------------------------------------------------------------------------------
+def new_temp_dir(root: str | Path, round_index: int, owner: str = "") -> str:
+    """A fresh temp directory for the checkpoint of `round_index`, tagged with `owner` (the run id):
+    `prune` of that owner may remove it, nobody else's."""
+    tag = f"{_safe(owner)}-" if owner else ""
+    url = _join(root, f"{round_dir_name(round_index)}.tmp-{tag}{uuid.uuid4().hex[:8]}")
+    fs, path = _fs(url)
+    if fs.exists(path):
+        raise CheckpointError(f"temp checkpoint directory {url} exists already")
+    fs.makedirs(path, exist_ok=True)
+    return url
+
+
+def _safe(owner: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "_." else "_" for ch in owner)
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through (torch.save streams into it)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.f.write(b)
+        return len(b)
+
+
+def _write_bytes_atomic(url: str, write: Callable[[Any], None]) -> None:
+    """`write(f)` into url: local = temp name, fsync, rename; an object store's PUT is atomic."""
+    fs, path = _fs(url)
+    if _is_local(fs):
+        final = Path(path)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    with fs.open(path, "wb") as f:
+        write(f)
 
 
 def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
-    """Write one replica's state; returns its sha256 for the manifest."""
-    path = Path(directory) / f"{rid}.pt"
+    """Write one replica's state into `directory` (a URL or path); returns its sha256 for the manifest."""
     import torch  # imported here so file-only readers (jobs.status) start fast
 
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-        digest = hashlib.sha256(f.read()).hexdigest()
-    os.replace(tmp, path)
-    return digest
+    digest = {}
+
+    def write(f):
+        w = _HashingWriter(f)
+        torch.save(state, w)
+        digest["sha"] = w.sha.hexdigest()
+    _write_bytes_atomic(_join(directory, f"{rid}.pt"), write)
+    return digest["sha"]
+
+
+def _write_text(url: str, text: str) -> None:
+    _write_bytes_atomic(url, lambda f: f.write(text.encode("utf-8")))
 
 
 def exists(root: str | Path, round_index: int) -> bool:
     """A finalized checkpoint of this round is there (it is never written again)."""
-    return (Path(root) / round_dir_name(round_index) / MANIFEST).is_file()
+    fs, path = _fs(_join(root, f"{round_dir_name(round_index)}/{MANIFEST}"))
+    return fs.isfile(path)
 
 
-def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int]) -> Path:
-    """Write the manifest and rename the directory into place (the commit point). Refuses (and
-    removes the temp dir) unless every replica file the manifest names is there and that replica
-    reported the manifest's round in `replica_rounds`; never replaces an existing final checkpoint.
-    A replica that wrote a file but never reported (its answer was lost) refuses too: its file may
-    hold another round's state."""
-    temp_dir = Path(temp_dir)
+def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int]) -> str:
+    """Commit the checkpoint in `temp_dir`: returns the final directory's URL. Refuses (and removes
+    the temp dir) unless every replica file the manifest names is there and that replica reported
+    the manifest's round in `replica_rounds`; never replaces an existing final checkpoint. A replica
+    that wrote a file but never reported (its answer was lost) refuses too: its file may hold
+    another round's state. Local: manifest into the temp dir, then one rename (the commit point).
+    Object store: files copied to the final dir, then the manifest written last (the commit point)."""
+    temp_dir = str(temp_dir).rstrip("/")
     state_round = int(manifest["round"])
-    final = temp_dir.with_name(round_dir_name(state_round))
+    final = _join(temp_dir.rsplit("/", 1)[0], round_dir_name(state_round))
+    fs, temp_path = _fs(temp_dir)
+    _, final_path = _fs(final)
     files = sorted(manifest.get("files", {}))
     problem = None
-    if final.exists():
+    if fs.exists(_fs(_join(final, MANIFEST))[1]) or (_is_local(fs) and fs.exists(final_path)):
         problem = f"{final} already exists; checkpoints are never overwritten"
-    elif missing := [rid for rid in files if not (temp_dir / f"{rid}.pt").is_file()]:
+    elif missing := [rid for rid in files if not fs.isfile(f"{temp_path}/{rid}.pt")]:
         problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
     elif wrong := {rid: replica_rounds.get(rid) for rid in files if replica_rounds.get(rid) != state_round}:
         problem = f"replicas at another round than {state_round} (None: never reported): {wrong}"
     if problem is not None:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        remove(temp_dir)
         raise CheckpointError(f"checkpoint of round {state_round} not finalized: {problem}")
-    atomic_write_text(temp_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(temp_dir, final)
+    text = json.dumps(manifest, indent=2, sort_keys=True)
+    if _is_local(fs):
+        _write_text(_join(temp_dir, MANIFEST), text)
+        os.replace(temp_path, final_path)
+        return final
+    fs.makedirs(final_path, exist_ok=True)
+    for rid in files:
+        fs.copy(f"{temp_path}/{rid}.pt", f"{final_path}/{rid}.pt")
+    _write_text(_join(final, MANIFEST), text)
+    remove(temp_dir)
     return final
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest finalized checkpoint directory, or None."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith("round_") and ".tmp-" not in p.name
-                  and (p / MANIFEST).is_file())
+# -- reading --------------------------------------------------------------------------------------
+def finalized(root: str | Path) -> list[str]:
+    """Every finalized checkpoint directory (it has a manifest), oldest first."""
+    fs, _ = _fs(root)
+    out = []
+    for name in _names(root):
+        if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1]):
+            out.append(_join(root, name))
+    return out
+
+
+def latest(root: str | Path) -> str | None:
+    """The newest finalized checkpoint directory, or None (unverified: see `newest_good`)."""
+    done = finalized(root)
     return done[-1] if done else None
 
 
 def read_manifest(directory: str | Path) -> dict:
-    path = Path(directory) / MANIFEST
+    url = _join(directory, MANIFEST)
+    fs, path = _fs(url)
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint manifest {path} is unreadable: {err}") from err
+        with fs.open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint manifest {url} is unreadable: {err}") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "round" not in manifest:
+        raise CheckpointError(f"checkpoint manifest {url} lacks its round or files")
+    return manifest
+
+
+def _sha256(url: str) -> str:
+    fs, path = _fs(url)
+    sha = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def verify(directory: str | Path) -> dict:
+    """Read a checkpoint back: the manifest parses and every file it names matches its sha256.
+    Returns the manifest; raises CheckpointError naming the first problem. Loads nothing."""
+    manifest = read_manifest(directory)
+    for rid, expected in sorted(manifest["files"].items()):
+        url = _join(directory, f"{rid}.pt")
+        try:
+            actual = _sha256(url)
+        except OSError as err:
+            raise CheckpointError(f"checkpoint file {url} is unreadable: {err}") from err
+        if actual != expected:
+            raise CheckpointError(f"checkpoint file {url} does not match its manifest sha256 (corrupt or truncated)")
+    return manifest
+
+
+def good_checkpoints(root: str | Path, accept: Callable[[dict], str | None] | None = None) \
+        -> Iterator[tuple[str, dict | None, str | None]]:
+    """Newest first: (directory, manifest, None) for a checkpoint that verifies and that `accept`
+    takes (accept(manifest) returns a reason to refuse, or None), else (directory, None, reason)."""
+    for directory in reversed(finalized(root)):
+        try:
+            manifest = verify(directory)
+        except CheckpointError as err:
+            yield directory, None, str(err)
+            continue
+        refused = accept(manifest) if accept is not None else None
+        yield (directory, None, refused) if refused else (directory, manifest, None)
+
+
+def newest_good(root: str | Path, on_skip: Callable[[str, str], None] | None = None,
+                accept: Callable[[dict], str | None] | None = None) -> tuple[str, dict] | None:
+    """The newest checkpoint that verifies (and that `accept` takes), after calling
+    on_skip(directory, reason) for each newer one that does not; None when none is good."""
+    for directory, manifest, reason in good_checkpoints(root, accept):
+        if manifest is not None:
+            return directory, manifest
+        if on_skip is not None:
+            on_skip(directory, reason)
+    return None
 
 
 def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | None = None) -> dict:
-    path = Path(directory) / f"{rid}.pt"
-    data = path.read_bytes()
+    url = _join(directory, f"{rid}.pt")
+    fs, path = _fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise CheckpointError(f"checkpoint file {url} is unreadable: {err}") from err
     if expected_sha256 and hashlib.sha256(data).hexdigest() != expected_sha256:
-        raise CheckpointError(f"checkpoint file {path} does not match its manifest sha256 (corrupt)")
-    import io
-
+        raise CheckpointError(f"checkpoint file {url} does not match its manifest sha256 (corrupt)")
     import torch
 
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as err:  # noqa: BLE001 — unpickling errors come in many types
-        raise CheckpointError(f"checkpoint file {path} cannot be loaded safely: {err}") from err
+        raise CheckpointError(f"checkpoint file {url} cannot be loaded safely: {err}") from err
 
 
-def prune(root: str | Path, keep: int) -> None:
-    """Keep the newest `keep` (at least one) finalized checkpoints; remove leftovers of interrupted
-    writes. Called after a new checkpoint is final, so the previous good one outlives its successor's
-    write."""
-    root = Path(root)
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        if ".tmp-" in p.name and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-    done = sorted(p for p in root.iterdir() if p.is_dir() and (p / MANIFEST).is_file())
-    for p in done[:-max(1, keep)]:
-        shutil.rmtree(p, ignore_errors=True)
+def prune(root: str | Path, keep: int, owner: str = "") -> None:
+    """Keep the newest `keep` (at least one) finalized checkpoints; remove this owner's leftovers
+    of interrupted writes (temp dirs tagged with another run id are another run's write in
+    progress: never touched; with no owner, no temp dir is removed). Called after a new checkpoint
+    is final, so the previous good one outlives its successor's write. Also removes final-round
+    directories without a manifest older than the newest final one (interrupted object-store copies)."""
+    names = _names(root)
+    if owner:
+        prefix = f".tmp-{_safe(owner)}-"
+        for name in names:
+            if prefix in name:
+                remove(_join(root, name))
+    done = finalized(root)
+    for directory in done[:-max(1, keep)]:
+        remove(directory)
+    if done:
+        newest = _round_of(done[-1].rsplit("/", 1)[-1])
+        final_names = {d.rsplit("/", 1)[-1] for d in done}
+        for name in names:
+            r = _round_of(name)
+            if r is not None and r < newest and name not in final_names:
+                remove(_join(root, name))
+
+
+# -- reachability ---------------------------------------------------------------------------------
+REACH_PREFIX = ".hsgd-reach-"
+
+
+def write_reach_nonce(root: str | Path, run_id: str) -> tuple[str, str]:
+    """The driver's half of the reachability check: a nonce file under the checkpoint root.
+    Returns (its URL, the nonce); each replica must read it back (`read_reach_nonce`)."""
+    nonce = uuid.uuid4().hex
+    fs, path = _fs(root)
+    fs.makedirs(path, exist_ok=True)
+    url = _join(root, f"{REACH_PREFIX}{_safe(run_id)}")
+    _write_text(url, nonce)
+    return url, nonce
+
+
+def read_reach_nonce(url: str, nonce: str) -> str | None:
+    """A replica's half: None when it reads the driver's nonce at url, else the problem."""
+    fs, path = _fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            got = f.read().decode("utf-8", "replace").strip()
+    except Exception as err:  # noqa: BLE001 — any failure to read is the answer
+        return f"{type(err).__name__}: {err}"
+    return None if got == nonce else f"{url} holds another nonce (another storage under the same name?)"
+
+
+# -- what a resume may not change -----------------------------------------------------------------
+FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_head", "model.n_embd",
+                      "model.block_size", "data._target_", "data.vocab_size", "data.path", "sync.inner",
+                      "sync.outer", "sync.outer_every", "optim.inner.name", "optim.outer.lr",
+                      "optim.outer.momentum", "optim.outer.nesterov")
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+        if node is None:
+            return None
+    if hasattr(node, "items"):  # a DictConfig / dict: plain, sorted, JSON-able
+        from omegaconf import OmegaConf
+
+        plain = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
+        return json.loads(json.dumps(plain, sort_keys=True, default=str))
+    return node
+
+
+def data_size(path: str | None) -> int | None:
+    """Bytes of the training data (a file, or every file of a token folder); None = the corpus
+    shipped in the package (or a path this process cannot see)."""
+    if not path:
+        return None
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_file():
+        return p.stat().st_size
+    if p.is_dir():
+        return sum(f.stat().st_size for f in sorted(p.rglob("*")) if f.is_file())
+    return None
+
+
+def fingerprint(cfg) -> dict:
+    """What a resume may not change, as {dotted field: value} (plus `data.size`): the model's
+    shape and vocabulary, the data (path and size), the inner/outer algorithms and optimizers and
+    outer_every. Topology, rounds, timeouts, logging and faults may change."""
+    out = {name: _get(cfg, name) for name in FINGERPRINT_FIELDS}
+    if out["data.path"]:
+        out["data.path"] = os.path.abspath(os.path.expanduser(str(out["data.path"])))
+    out["data.size"] = data_size(out["data.path"])
+    return out
+
+
+def fingerprint_diff(saved: dict | None, now: dict) -> list[str]:
+    """'field saved -> now' for every field that differs (a field one side lacks counts, except
+    that a manifest without a fingerprint, written before fingerprints existed, is not checked)."""
+    if not saved:
+        return []
+    return [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]

@@ -1,23 +1,44 @@
 """One process group per level: `inner` (a cluster's replicas) and `outer` (the clusters' leaders).
 
 Protocol
-- The supervisor hands each replica, per epoch, a store address with a fresh prefix naming the
-  level and the epoch (`host:port/epoch7/inner/c1`). `configure` joins that group; it blocks until
-  every member joined or `configure_timeout_s` passes, then raises.
+- The supervisor starts the run's store with `start_store` (it listens on the node's address only)
+  and hands each replica, per epoch, a rendezvous address `host:port/<secret>` (`rendezvous_address`:
+  the secret is ≥ 128 random bits, so nobody outside the run can name a group's keys) and a prefix
+  naming the run, the level and the epoch (`run/epoch7/inner/c1`). `configure` joins that group;
+  it blocks until every member joined or `configure_timeout_s` passes, then raises.
 - Every collective names its level: `group.allreduce_mean(t, level="inner")`. A call that names the
   wrong level raises `WrongLevelError` at once — the seeds of this project once all-reduced over
   the wrong group and silently trained unsynchronised replicas.
 - Every collective waits at most `timeout_s` plus its payload at `min_gbps` (collective_timeout_s),
-  set on the operation itself and on the wait. Any error (peer died: gloo fails in milliseconds;
-  peer hung: at the timeout) raises `CollectiveError`; the group is then unusable until the next
-  `configure`. The caller reports the failure to the supervisor, which re-plans.
+  set on the operation itself and on the wait.
+- A process is in at most one collective at any instant (OverlappingCollectiveError otherwise). An
+  overlapped collective (`overlapped`: buckets launched one by one from backward hooks) is ONE
+  logical collective of one level: it holds that guard from its first launch to its end.
 - A group of one member does no communication at all.
 
+Error model: every call into torch.distributed / torchft — building the group, configure,
+set_timeout, issuing an op, the device copies around it, the wait, the group's error state after
+it — raises `CollectiveError` on failure, never torch's own error types (NCCL reports some errors
+when an op is issued, lazily, not when it is waited). The error carries a `kind`:
+    configure  building or joining the group failed (a member did not come, the store is gone)
+    issue      the op could not be started (NCCL's lazy init, a device copy)
+    wait       the op failed while in flight (gloo: a peer's connection broke)
+    peer_gone  the same, and the backend said the peer's connection closed (its process is gone)
+    timeout    the op did not complete within its deadline (a wait that returns False, too)
+    aborted    the group was aborted (the `comm` fault, torchft's timeout watchdog, an earlier error)
+After any CollectiveError the group is unusable until the next `configure`; the caller reports the
+failure to the supervisor, which re-plans. `abort` never raises.
+
 Backends: gloo on CPU (torchft's reconfigurable ProcessGroupGloo), nccl on GPU (torchft's
-ProcessGroupNCCL) behind the same interface. Tensors are flattened into one buffer per call.
+ProcessGroupNCCL, non-blocking communicators with torchft's own abort-on-timeout) behind the same
+interface; `nccl_environment` is what a replica sets before its first group. Tensors are flattened
+into one buffer per call.
 """
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -27,10 +48,21 @@ import torch
 import torch.distributed as dist
 
 LEVELS = ("inner", "outer")
+ERROR_KINDS = ("configure", "issue", "wait", "peer_gone", "timeout", "aborted")
+SECRET_BITS = 128
 
 
 class CollectiveError(RuntimeError):
-    """A collective or a group join failed or timed out; the group must be reconfigured."""
+    """A collective or a group join failed or timed out; the group must be reconfigured. `kind`
+    (one of ERROR_KINDS) says how, so callers never match the backend's error text."""
+
+    def __init__(self, message: str, kind: str = "wait"):
+        assert kind in ERROR_KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self):  # crosses Ray and process boundaries with its kind
+        return type(self), (str(self), self.kind)
 
 
 class WrongLevelError(AssertionError):
@@ -46,14 +78,91 @@ class OverlappingCollectiveError(AssertionError):
 _IN_COLLECTIVE = threading.Lock()
 
 
-@contextmanager
-def _one_collective(what: str):
+def _enter_collective(what: str) -> None:
     if not _IN_COLLECTIVE.acquire(blocking=False):
         raise OverlappingCollectiveError(f"{what} started while another collective is in flight in this process")
+
+
+@contextmanager
+def _one_collective(what: str):
+    _enter_collective(what)
     try:
         yield
     finally:
         _IN_COLLECTIVE.release()
+
+
+# -- the run's store and its secret ----------------------------------------------------------------
+def start_store(host: str, timeout_s: float):
+    """The run's TCPStore (master), listening on `host` only, on a free port; returns the store
+    (`.port` names the port). Raises OSError / torch's DistNetworkError when `host` is not this
+    node's address.
+
+    torch's TCPStore binds every interface by itself (`::`), and it has no authentication; here it
+    is handed a socket already bound to (host, 0) and listening, through `master_listen_fd`. The
+    store owns that descriptor from then on (it closes it when it is destroyed). torch 2.13's
+    default libuv server accepts the descriptor (the older non-libuv server does not: it fails
+    with 'getsockname failed ... Bad file descriptor' on a descriptor it did not create).
+    """
+    from torch.distributed import TCPStore
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = TCPStore(host_name=host, port=port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor itself
+    return store
+
+
+def new_run_secret() -> str:
+    """≥ 128 random bits (hex): every group's store keys live under it, so a process that can reach
+    the store but was not handed the secret cannot name, join or disturb a rendezvous."""
+    return secrets.token_hex(SECRET_BITS // 8)
+
+
+def rendezvous_address(host: str, port: int, secret: str) -> str:
+    """`host:port/<secret>`: what replicas pass to `LevelGroup.configure` as `store_addr`. The secret
+    sits in the store key prefix of every group but never in `LevelGroup.prefix`, which error
+    messages and events name."""
+    assert len(secret) * 4 >= SECRET_BITS, "the rendezvous secret needs at least 128 random bits"
+    host = f"[{host}]" if ":" in host else host  # IPv6; torchft strips the brackets
+    return f"{host}:{port}/{secret}"
+
+
+# -- NCCL ------------------------------------------------------------------------------------------
+def nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
+    """The NCCL settings hsgd's error model needs, from comm.*; `apply_nccl_environment` sets them
+    before the process makes its first group (torch reads them when a communicator is built).
+
+    - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): an error or a watchdog timeout aborts the
+      communicators and fails the op; torch's default (3) kills the process, a survivor's crash.
+    - TORCH_NCCL_BLOCKING_WAIT=0: waits do not block the host in NCCL; torchft's non-blocking
+      communicators with its own timer (which aborts the group at the op's deadline) bound them.
+    - TORCH_NCCL_NONBLOCKING_TIMEOUT=configure_timeout_s: how long a non-blocking communicator's
+      init or abort may take (torchft warns and falls back to 30 minutes' behaviour otherwise).
+    The NCCL watchdog keeps torch's default timeout (10 min): hsgd's own deadlines, far shorter,
+    fire first, and with CleanUpOnly even the watchdog only fails the op.
+    """
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_BLOCKING_WAIT": "0",
+        "TORCH_NCCL_NONBLOCKING_TIMEOUT": f"{configure_timeout_s:g}",
+    }
+
+
+def apply_nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
+    """Set `nccl_environment` in this process (overriding what was there: the values follow comm.*);
+    returns what it set."""
+    env = nccl_environment(timeout_s, configure_timeout_s)
+    os.environ.update(env)
+    return env
 
 
 def _make_torchft_group(backend: str, timeout_s: float):
@@ -69,6 +178,21 @@ def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> 
     payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
     one (or a heal) from the same two settings."""
     return base_s + payload_bytes * 8 / (min_gbps * 1e9)
+
+
+_PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
+
+
+def _failure_kind(err: BaseException, waited_s: float, deadline_s: float) -> str:
+    """How a wait failed. The backend's text is read here, in the one module that knows backends."""
+    if waited_s >= 0.95 * deadline_s:
+        return "timeout"
+    text = str(err).lower()
+    if any(t in text for t in _PEER_GONE_TEXT):
+        return "peer_gone"
+    if "timed out" in text or "timeout" in text:
+        return "timeout"
+    return "wait"
 
 
 class LevelGroup:
@@ -88,24 +212,34 @@ class LevelGroup:
         self.bytes_sent = 0  # payload bytes handed to collectives (what crossed this level's link)
         self._pg = None
         self._usable = True
+        self._secret = ""  # the rendezvous secret in store_addr: never repeated in an error's text
 
     # -- membership -----------------------------------------------------------------------------
     def configure(self, store_addr: str | None, prefix: str, rank: int, world_size: int, epoch: int) -> None:
-        """Join the group `prefix` as `rank` of `world_size`; world_size 1 needs no store."""
+        """Join the group `prefix` as `rank` of `world_size`; world_size 1 needs no store.
+        `store_addr` is `rendezvous_address(...)` (host:port/<secret>). Raises CollectiveError
+        (kind `configure`) when the group cannot be built or joined within configure_timeout_s."""
         self.abort()
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
+        self._secret = (store_addr or "").partition("/")[2]
         if world_size == 1:
             self._usable = True
             return
-        pg = _make_torchft_group(self.backend, self.configure_timeout_s)
+        self._usable = False
+        what = f"{self.level}: joining {prefix} as rank {rank}/{world_size}"
+        try:
+            pg = _make_torchft_group(self.backend, self.configure_timeout_s)
+        except Exception as err:  # noqa: BLE001 — e.g. NCCL without a usable CUDA
+            raise CollectiveError(f"{what}: building the {self.backend} group failed: {self._scrub(err)}",
+                                  "configure") from err
         try:
             # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
             pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
                          world_size=world_size, quorum_id=epoch)
+            pg.set_timeout(timedelta(seconds=self.timeout_s))
         except Exception as err:  # noqa: BLE001 — any join failure is a failed configure
-            self._usable = False
-            raise CollectiveError(f"{self.level}: joining {prefix} as rank {rank}/{world_size} failed: {err}") from err
-        pg.set_timeout(timedelta(seconds=self.timeout_s))
+            _abort_quietly(pg)
+            raise CollectiveError(f"{what} failed: {self._scrub(err)}", "configure") from err
         self._pg, self._usable = pg, True
 
     def abort(self) -> None:
@@ -113,72 +247,221 @@ class LevelGroup:
         pg, self._pg = self._pg, None
         self._usable = self.world_size == 1
         if pg is not None:
-            try:
-                pg.abort(errored=False)
-            except Exception:  # noqa: BLE001 — aborting a broken group may itself fail
-                pass
+            _abort_quietly(pg)
 
     # -- collectives ----------------------------------------------------------------------------
     def _check(self, level: str) -> None:
         if level != self.level:
             raise WrongLevelError(f"collective for level {level!r} issued on the {self.level!r} group")
         if not self._usable or (self.world_size > 1 and self._pg is None):
-            raise CollectiveError(f"{self.level}: group {self.prefix} is not configured (aborted or failed)")
+            raise CollectiveError(f"{self.level}: group {self.prefix} is not configured (aborted or failed)",
+                                  "aborted")
+
+    def _fail(self, message: str, kind: str, err: BaseException | None = None) -> CollectiveError:
+        """Mark the group unusable and make the error to raise."""
+        self._usable = False
+        text = f"{self.level}: {message} on {self.prefix}" + (f": {self._scrub(err)}" if err is not None else "")
+        return CollectiveError(text, kind)
+
+    def _scrub(self, err: BaseException) -> str:
+        """The error's text without the rendezvous secret (a store timeout names its keys): errors
+        end up in events and logs."""
+        text = str(err)
+        return text.replace(self._secret, "<secret>") if self._secret else text
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """One contiguous buffer; on the GPU for NCCL (the outer pseudo-gradients live on the CPU)."""
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        try:
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            return self._on_device(flat)
+        except Exception as err:  # noqa: BLE001 — a device copy is part of issuing the op
+            raise self._fail("copying the payload to the device", "issue", err) from err
+
+    def _on_device(self, flat: torch.Tensor) -> torch.Tensor:
         if self.backend == "nccl" and not flat.is_cuda:
             flat = flat.cuda()
         return flat
 
-    def _wait(self, work, what: str, payload_bytes: int = 0) -> None:
+    def _unflatten(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         try:
-            work.wait(timeout=timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps)))
-        except Exception as err:  # noqa: BLE001 — gloo raises RuntimeError with many texts
-            self._usable = False
-            raise CollectiveError(f"{self.level}: {what} on {self.prefix} failed: {err}") from err
-
-    def allreduce_mean(self, tensors: list[torch.Tensor], *, level: str) -> None:
-        """In place: every tensor becomes the mean over the group's members."""
-        self._check(level)
-        if self.world_size == 1 or not tensors:
-            return
-        flat = self._flat(tensors)
-        self.bytes_sent += flat.numel() * flat.element_size()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        opts.timeout = timedelta(seconds=collective_timeout_s(self.timeout_s, flat.numel() * flat.element_size(),
-                                                              self.min_gbps))
-        with _one_collective(f"{self.level} allreduce"):
-            self._wait(self._pg.allreduce([flat], opts), "allreduce", flat.numel() * flat.element_size())
-        flat.div_(self.world_size)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.detach().copy_(flat[offset:offset + n].view_as(t))
-            offset += n
-
-    def broadcast(self, tensors: list[torch.Tensor], *, root: int, level: str) -> None:
-        """In place: every member's tensors become the root's."""
-        self._check(level)
-        if self.world_size == 1 or not tensors:
-            return
-        flat = self._flat(tensors)
-        if self.rank == root:
-            self.bytes_sent += flat.numel() * flat.element_size() * (self.world_size - 1)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        opts.timeout = timedelta(seconds=collective_timeout_s(self.timeout_s, flat.numel() * flat.element_size(),
-                                                              self.min_gbps))
-        with _one_collective(f"{self.level} broadcast"):
-            self._wait(self._pg.broadcast([flat], opts), "broadcast", flat.numel() * flat.element_size())
-        if self.rank != root:
             offset = 0
             for t in tensors:
                 n = t.numel()
                 t.detach().copy_(flat[offset:offset + n].view_as(t))
                 offset += n
+        except Exception as err:  # noqa: BLE001 — a device copy; NCCL's async errors surface here too
+            raise self._fail("copying the result back", "wait", err) from err
+
+    def _timeout(self, payload_bytes: int) -> timedelta:
+        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps))
+
+    def _issue(self, op: str, flat: torch.Tensor, opts):
+        """Start `op` on the group; any error (NCCL's lazy init, a broken group) is a CollectiveError."""
+        try:
+            return getattr(self._pg, op)([flat], opts)
+        except Exception as err:  # noqa: BLE001 — torch raises DistBackendError and friends
+            raise self._fail(f"issuing {op}", "issue", err) from err
+
+    def _wait(self, work, what: str, payload_bytes: int = 0, check_group: bool = True) -> None:
+        """Wait `work` within its payload's deadline, then check its result and the group's error
+        state: a wait that raises, returns False, or leaves the group errored (torchft's NCCL group
+        aborted by its timer) is a CollectiveError, never a silent return."""
+        deadline = self._timeout(payload_bytes)
+        start = time.monotonic()
+        try:
+            ok = work.wait(timeout=deadline)
+        except Exception as err:  # noqa: BLE001 — gloo raises RuntimeError with many texts
+            kind = _failure_kind(err, time.monotonic() - start, deadline.total_seconds())
+            raise self._fail(f"{what} failed", kind, err) from err
+        if ok is False:  # torch's Work.wait: False = not completed
+            raise self._fail(f"{what} did not complete within {deadline.total_seconds():.1f}s", "timeout")
+        errored = self._errored() if check_group else None  # NCCL's errored() syncs the device: once per collective
+        if errored is not None:
+            raise self._fail(f"{what} returned but the group errored", "aborted", errored)
+
+    def _errored(self) -> BaseException | None:
+        """The group's asynchronous error state (torchft's NCCL group records an abort here)."""
+        pg = self._pg
+        check = getattr(pg, "errored", None)
+        if check is None:
+            return None
+        try:
+            return check()
+        except Exception as err:  # noqa: BLE001 — asking a broken group may fail itself
+            return err
+
+    def allreduce_mean(self, tensors: list[torch.Tensor], *, level: str) -> None:
+        """In place: every tensor becomes the mean over the group's members. Raises CollectiveError."""
+        self._check(level)
+        if self.world_size == 1 or not tensors:
+            return
+        with _one_collective(f"{self.level} allreduce"):
+            flat = self._flat(tensors)
+            payload = flat.numel() * flat.element_size()
+            self.bytes_sent += payload
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            opts.timeout = self._timeout(payload)
+            self._wait(self._issue("allreduce", flat, opts), "allreduce", payload)
+            flat.div_(self.world_size)
+            self._unflatten(flat, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], *, root: int, level: str) -> None:
+        """In place: every member's tensors become the root's. Raises CollectiveError."""
+        self._check(level)
+        if self.world_size == 1 or not tensors:
+            return
+        with _one_collective(f"{self.level} broadcast"):
+            flat = self._flat(tensors)
+            payload = flat.numel() * flat.element_size()
+            if self.rank == root:
+                self.bytes_sent += payload * (self.world_size - 1)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root
+            opts.timeout = self._timeout(payload)
+            self._wait(self._issue("broadcast", flat, opts), "broadcast", payload)
+            if self.rank != root:
+                self._unflatten(flat, tensors)
+
+    def overlapped(self, *, level: str) -> "Overlapped":
+        """A new overlapped all-reduce of sums on this group (see `Overlapped`). Raises
+        WrongLevelError / CollectiveError (group not usable) at once."""
+        self._check(level)
+        return Overlapped(self)
+
+
+class Overlapped:
+    """ONE logical collective of one level made of several sum all-reduces, launched one by one as
+    their inputs become ready (gradient buckets from backward hooks) and waited together.
+
+    Protocol: `launch(flat)` any number of times, in the same order on every member, then exactly
+    one of `wait_all()` (every launched buffer holds the sum over the group; raises
+    CollectiveError on any failure or timeout) or `abandon()` (never raises). The process's
+    one-collective guard is held from the first launch until then (OverlappingCollectiveError if
+    another collective is in flight). A failure in any launch, or an abandon with work in flight,
+    leaves the group unusable (aborted) until the next `configure`: the members' sequences of
+    collectives no longer match. A group of one launches nothing: the buffers already hold the sum.
+    """
+
+    def __init__(self, group: LevelGroup):
+        self.group = group
+        self.pending: list[tuple[object, torch.Tensor, int]] = []  # (work, flat, payload bytes)
+        self.results: list[torch.Tensor] = []
+        self._holding = False
+        self._done = False
+        self._error: CollectiveError | None = None  # a failed launch, raised again by wait_all
+
+    def launch(self, flat: torch.Tensor) -> torch.Tensor:
+        """Start the sum all-reduce of `flat` (in place, on the backend's device). Returns the
+        buffer that will hold the sum after `wait_all` (for NCCL with a CPU input: a device copy).
+        Raises CollectiveError (kind issue / aborted)."""
+        g = self.group
+        assert not self._done, "launch after wait_all/abandon"
+        if self._error is not None:
+            raise self._error
+        if g.world_size == 1:
+            self.results.append(flat)
+            return flat
+        if not self._holding:
+            _enter_collective(f"{g.level} overlapped allreduce")
+            self._holding = True
+        try:
+            if not g._usable or g._pg is None:
+                raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
+            try:
+                buf = g._on_device(flat)
+            except Exception as err:  # noqa: BLE001 — a device copy is part of issuing the op
+                raise g._fail("copying a bucket to the device", "issue", err) from err
+            payload = buf.numel() * buf.element_size()
+            g.bytes_sent += payload
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            opts.timeout = g._timeout(payload)
+            work = g._issue("allreduce", buf, opts)
+        except CollectiveError as err:
+            self._error = err
+            raise
+        self.pending.append((work, buf, payload))
+        self.results.append(buf)
+        return buf
+
+    def wait_all(self) -> list[torch.Tensor]:
+        """Wait every launched all-reduce in launch order; returns the buffers (sums). Raises
+        CollectiveError at the first failure (the rest are abandoned, the group aborted)."""
+        if self._error is not None:
+            self.abandon()
+            raise self._error
+        try:
+            last = len(self.pending) - 1
+            for i, (work, _, payload) in enumerate(self.pending):
+                self.group._wait(work, f"overlapped allreduce (bucket {i + 1}/{last + 1})", payload, check_group=i == last)
+        except CollectiveError:
+            self.abandon()
+            raise
+        self.pending = []
+        self._end()
+        return self.results
+
+    def abandon(self) -> None:
+        """Drop in-flight work after a failure. Never raises; aborts the group if anything was in
+        flight (its members' collectives no longer line up)."""
+        if self.pending:
+            self.pending = []
+            self.group.abort()
+        self._end()
+
+    def _end(self) -> None:
+        self._done = True
+        if self._holding:
+            self._holding = False
+            _IN_COLLECTIVE.release()
+
+
+def _abort_quietly(pg) -> None:
+    try:
+        pg.abort(errored=False)
+    except Exception:  # noqa: BLE001 — aborting a broken group may itself fail
+        pass
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05) -> None:

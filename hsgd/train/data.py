@@ -11,6 +11,13 @@ Contract:
   so a replica restored at step s draws exactly the batches it would have drawn anyway.
 - `eval_batches(val, ...)` is a fixed list of batches: the same for every call with the
   same arguments, so val losses from different replicas and runs are comparable.
+- `build_dataset(data_cfg, block_size)` (the default `data._target_`) returns a `Dataset`: the
+  packaged corpus or a text path (char-level, held in RAM), or a folder of token files
+  (train.bin/val.bin, read through np.memmap; see hsgd/train/tokens.py). Every dataset answers
+  `batch(split, seed=, replica_index=, step=, micro=)` as a pure function of its arguments;
+  micro-batch 0 is exactly `batch_for_step`'s batch, so a run without gradient accumulation draws
+  what it always drew. Evaluation draws `batch("val", seed=1234, replica_index=-1, step=i, micro=0)`.
+- `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
 
 import gzip
@@ -19,8 +26,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+
+from hsgd.train import task
+from hsgd.train import tokens as token_files
 
 MIN_CHARS = 2 * 1024  # less text than this is surely the wrong data.path
 ACCEPTED = "a .txt file, a .xz/.gz compressed text file, or a folder of *.txt files"
@@ -153,12 +165,23 @@ def batch_for_step(tokens: torch.Tensor, *, seed: int, replica_index: int, step:
                    batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch replica `replica_index` trains on at `step`: x, y of shape (B, T) int64,
     y = x shifted by one. Depends only on the arguments, never on global RNG state."""
-    B, T = batch_size, block_size
-    if len(tokens) < T + 1:
-        raise ValueError(f"{len(tokens)} tokens cannot hold one block of {T} plus a target")
-    g = torch.Generator().manual_seed(_mix(seed, replica_index, step))
-    offsets = torch.randint(0, len(tokens) - T, (B,), generator=g)  # (B,) in [0, N-T-1]
-    chunk = tokens[offsets[:, None] + torch.arange(T + 1)]  # (B, T+1)
+    return _batch_at(tokens, _offsets(len(tokens), seed=seed, replica_index=replica_index, step=step,
+                                       micro=0, batch_size=batch_size, block_size=block_size), block_size)
+
+
+def _offsets(n_tokens: int, *, seed: int, replica_index: int, step: int, micro: int, batch_size: int,
+             block_size: int) -> torch.Tensor:
+    """(B,) window starts in [0, N-T-1], a pure function of the arguments. Micro-batch 0 uses the
+    stream batch_for_step always used; micro-batch m > 0 mixes m in as well."""
+    if n_tokens < block_size + 1:
+        raise ValueError(f"{n_tokens} tokens cannot hold one block of {block_size} plus a target")
+    key = _mix(seed, replica_index, step) if micro == 0 else _mix(seed, replica_index, step, micro)
+    g = torch.Generator().manual_seed(key)
+    return torch.randint(0, n_tokens - block_size, (batch_size,), generator=g)  # (B,)
+
+
+def _batch_at(tokens: torch.Tensor, offsets: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk = tokens[offsets[:, None] + torch.arange(block_size + 1)]  # (B, T+1)
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
 
 
@@ -169,3 +192,113 @@ def eval_batches(tokens: torch.Tensor, *, batch_size: int, block_size: int, n_ba
     return [batch_for_step(tokens, seed=seed, replica_index=-1, step=i,
                            batch_size=batch_size, block_size=block_size)
             for i in range(n_batches)]
+
+
+# ----------------------------------------------------------------------------- datasets
+
+BUILTIN_TARGET = "hsgd.train.data.build_dataset"
+SPLITS = ("train", "val")
+
+
+class TextDataset:
+    """A character-level corpus held in RAM (the packaged Shakespeare or a text path)."""
+
+    def __init__(self, corpus: Corpus, *, batch_size: int, block_size: int, vocab_size: int | None = None):
+        if vocab_size is not None and vocab_size < corpus.vocab_size:
+            raise ValueError(f"data.vocab_size={vocab_size}: the text at data.path={corpus.source!r} has "
+                             f"{corpus.vocab_size} distinct characters; leave it null or make it >= that")
+        self.corpus = corpus
+        self.source = corpus.source
+        self.vocab_size = vocab_size or corpus.vocab_size
+        self.batch_size, self.block_size = batch_size, block_size
+
+    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
+              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.corpus.train if split == "train" else self.corpus.val if split == "val" else None
+        if tokens is None:
+            raise ValueError(f"split {split!r} is not one of {SPLITS}")
+        offsets = _offsets(len(tokens), seed=seed, replica_index=replica_index, step=step, micro=micro,
+                           batch_size=self.batch_size, block_size=self.block_size)
+        return _batch_at(tokens, offsets, self.block_size)
+
+
+class TokenDataset:
+    """Token files (train.bin/val.bin) read through np.memmap: a batch copies its B windows of
+    T+1 ids and nothing else, so a corpus larger than RAM trains. Pickles as the folder's
+    description (the memmaps are reopened where it lands), never as the data."""
+
+    def __init__(self, files: token_files.TokenFiles, *, batch_size: int, block_size: int):
+        self.files = files
+        self.source = files.source
+        self.vocab_size = files.vocab_size
+        # ids must stay below what meta.json names (or data.vocab_size without one)
+        self._id_limit = files.meta.get("vocab_size", files.vocab_size)
+        self.batch_size, self.block_size = batch_size, block_size
+        self._maps: dict[str, np.memmap] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": {}}
+
+    def _memmap(self, split: str) -> np.memmap:
+        if split not in self._maps:
+            if split not in SPLITS:
+                raise ValueError(f"split {split!r} is not one of {SPLITS}")
+            self._maps[split] = self.files.memmap(split)
+        return self._maps[split]
+
+    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
+              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mm = self._memmap(split)
+        T = self.block_size
+        offsets = _offsets(len(mm), seed=seed, replica_index=replica_index, step=step, micro=micro,
+                           batch_size=self.batch_size, block_size=T)
+        chunk = np.stack([mm[o:o + T + 1] for o in offsets.tolist()]).astype(np.int64)  # (B, T+1)
+        top = int(chunk.max())
+        if top >= self._id_limit:  # the bounded check at open time cannot see every window
+            raise ValueError(f"data.path={self.source!r}: {split}.bin holds token id {top} (in a batch of step "
+                             f"{step}), not below the vocabulary of {self._id_limit}")
+        chunk = torch.from_numpy(chunk)
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+def build_dataset(data_cfg: Any, block_size: int) -> TextDataset | TokenDataset:
+    """The built-in `data._target_`: `data.path` null (the packaged corpus), a text file or folder
+    of *.txt (char-level), or a token folder (train.bin/val.bin [+ meta.json]). Raises
+    FileNotFoundError / ValueError, one line starting with the field to fix."""
+    path = data_cfg.path
+    vocab_size = getattr(data_cfg, "vocab_size", None)
+    if path is not None:
+        p = Path(str(path)).expanduser()
+        if p.is_file() and p.suffix == ".bin":
+            raise ValueError(f"data.path={str(path)!r}: point data.path at the folder that holds "
+                             "train.bin and val.bin, not at one .bin file")
+        if token_files.is_token_folder(p):
+            files = token_files.open_token_folder(str(path), vocab_size=vocab_size, block_size=block_size)
+            return TokenDataset(files, batch_size=data_cfg.batch_size, block_size=block_size)
+    corpus = load_corpus(path, data_cfg.val_fraction, block_size=block_size)
+    return TextDataset(corpus, batch_size=data_cfg.batch_size, block_size=block_size, vocab_size=vocab_size)
+
+
+def check_data(cfg) -> None:
+    """Test-load the configured data before any actor starts (validation calls this), cheaply:
+    token files are memory-mapped and scanned in bounded chunks (all of val.bin, a sample of
+    train.bin), text is read (char-level text lives in RAM anyway), a user's `data._target_` is
+    imported, built, and asked for one batch. Raises ValueError / FileNotFoundError / OSError
+    whose message is one line starting with the bad field."""
+    target = cfg.data._target_
+    if target == BUILTIN_TARGET:
+        ds = task.build_dataset(cfg)
+        if isinstance(ds, TokenDataset):
+            token_files.scan_token_ids(ds.files)
+        for split in SPLITS:
+            ds.batch(split, seed=cfg.seed, replica_index=0, step=0, micro=0)
+        return
+    try:
+        ds = task.build_dataset(cfg)
+        ds.batch("train", seed=cfg.seed, replica_index=0, step=0, micro=0)
+    except Exception as e:  # noqa: BLE001 — the user's code may fail in any way: one line naming their field
+        msg = " ".join(str(e).split())
+        if isinstance(e, ValueError) and msg.startswith("data."):
+            raise ValueError(msg) from None
+        raise ValueError(f"data._target_={target!r}: building the dataset or drawing one batch failed "
+                         f"({type(e).__name__}: {msg[:200]})") from None

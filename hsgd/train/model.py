@@ -6,7 +6,10 @@ Contract:
 - `forward(idx, targets=None)` takes idx (B, T) int64 with T <= block_size and returns
   logits (B, T, vocab_size) and, when targets (B, T) are given, the mean cross-entropy.
 - dropout defaults to 0.0, so a training step is a deterministic function of weights and batch.
-- `PRESETS` names model sizes: "tiny" (~0.8 M params) and "small" (~10.7 M params).
+- `PRESETS` names model sizes: "tiny" (~0.8 M params), "small" (~10.7 M params) and, for GPU runs,
+  "gpt-30m" (~30 M) and "gpt-86m" (~86 M, GPT-2 small's body: 12 layers x 768, block 1024).
+- `build_gpt(model_cfg, vocab_size)` and `lm_loss(model, batch)` are the built-in plug-ins that
+  `model._target_` and `loss._target_` name by default (hsgd/train/task.py).
 """
 
 import math
@@ -31,6 +34,8 @@ class GPTConfig:
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # ~0.8 M params
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=128),  # ~10.7 M params
+    "gpt-30m": dict(n_layer=6, n_head=8, n_embd=640, block_size=512),  # ~29.9 M params at vocab 256
+    "gpt-86m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # ~85.9 M params at vocab 256
 }
 
 
@@ -142,3 +147,19 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+def build_gpt(model_cfg, vocab_size: int | None) -> GPT:
+    """The built-in model plug-in: a GPT of cfg.model's shape over the dataset's vocabulary."""
+    if not vocab_size:
+        raise ValueError("model._target_=hsgd.train.model.build_gpt needs a token vocabulary, but the dataset "
+                         "has none (vocab_size=None); set data.vocab_size or use a token dataset")
+    return GPT(GPTConfig(vocab_size=int(vocab_size), block_size=model_cfg.block_size, n_layer=model_cfg.n_layer,
+                         n_head=model_cfg.n_head, n_embd=model_cfg.n_embd, dropout=model_cfg.dropout))
+
+
+def lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The built-in loss plug-in: next-token cross-entropy of a batch (x, y), each (B, T) int64."""
+    x, y = batch
+    _, loss = model(x, y)
+    return loss

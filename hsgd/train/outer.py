@@ -19,6 +19,8 @@ import copy
 
 import torch
 
+_deepcopy = copy.deepcopy  # (state_dict's `copy` argument shadows the module)
+
 
 def outer_hyperparameters(algorithm: str, lr: float, momentum: float, nesterov: bool) -> dict:
     """`average` ignores optim.outer: it is exactly parameter averaging."""
@@ -63,9 +65,12 @@ class OuterOptimizer:
         for p, g in zip(params, self.global_params):
             p.copy_(g.to(p.device))
 
-    def state_dict(self) -> dict:
+    def state_dict(self, copy: bool = True) -> dict:
+        """copy=False: this optimizer's own tensors (to be read at once, never kept or modified)."""
+        if not copy:
+            return {"global_params": [g.detach() for g in self.global_params], "sgd": self._sgd.state_dict()}
         return {"global_params": [g.detach().clone() for g in self.global_params],
-                "sgd": copy.deepcopy(self._sgd.state_dict())}
+                "sgd": _deepcopy(self._sgd.state_dict())}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

@@ -2,38 +2,57 @@
 
 A `ReplicaTrainer` holds a full model copy, its inner optimizer, the round-start global params
 with the outer optimizer (see outer.py), and its counters: `round` (committed rounds) and `step`
-(committed inner steps in total). Its data position IS its step: batches are a pure function of
-(seed, global replica index, step), so healing needs no data-loader state, and there is no RNG
-state to carry because the model has no dropout by default.
+(committed inner steps in total). What it trains is plugged in (hsgd/train/task.py): a model
+factory, a dataset and a loss, the built-in GPT on Shakespeare by default. Its data position IS
+its step: batches are a pure function of (seed, global replica index, step, micro-batch), so
+healing needs no data-loader state, and there is no RNG state to carry because the model has no
+dropout by default. The inner learning rate is a pure function of the global step too
+(`inner_lr`), so a healed or resumed replica lands on the same rate.
 
 The phase methods each run ONE level's collectives, never both, so a replica is in at most one
 collective at a time:
-- `run_inner`      inner steps up to a step of the round; `ddp` all-reduces gradients every step,
+- `run_inner`      inner steps up to a step of the round; `ddp` all-reduces gradients every step
+                   (in buckets launched from backward hooks, overlapping the backward),
                    `localsgd` averages parameters every `inner_every` steps (level "inner").
 - `cluster_average` (inner `none` only) the cluster's mean, so its leader carries it (level "inner").
 - `outer_reduce`   leaders only: mean pseudo-gradient over the clusters into a buffer (level "outer").
                    Nothing is applied: this is the first phase of the two-phase commit.
 - `outer_commit`   after the supervisor's commit decision: the leader broadcasts the buffer in its
                    cluster (level "inner") and every replica applies the same outer step.
-A failed collective raises `CollectiveError` and leaves the counters where the last committed
-step left them; the step in flight is not counted and is redone after re-planning.
+Failures:
+- A failed collective raises `CollectiveError` and leaves the state exactly where the last
+  committed step left it (a localsgd step whose average failed is rolled back, so its retry never
+  applies the optimizer step twice); the step in flight is redone after re-planning.
+- A non-finite loss or gradient norm sets a flag kept on the device (no per-step host sync); it
+  is read once at the phase's end, where `run_inner` raises `NonFiniteError` — the steps ran, the
+  params are poisoned, and the replica must be healed from the committed global params.
+  `outer_reduce` raises `NonFiniteError` before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
 and a call for a round this replica has not reached raises `Behind` — it is never reported done.
+
+Numerics: `train.precision=bf16` runs forward and loss under autocast; params, gradients, the
+optimizer state, pseudo-gradients and the outer state stay fp32. `train.compile` compiles the
+model for the steps; heals, checkpoints and evaluation use the module itself (the same params).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
+import math
+import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from hsgd.train.comm import LevelGroup
-from hsgd.train.data import Corpus, batch_for_step, eval_batches, load_corpus
-from hsgd.train.model import GPT, GPTConfig
-from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 from hsgd.core.topology import Topology
+from hsgd.train import task
+from hsgd.train.buckets import GradBuckets
+from hsgd.train.comm import LevelGroup
+from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
 FaultHook = Callable[[str, int, int], None]
@@ -50,6 +69,19 @@ class Behind(RuntimeError):
 class YieldNow(Exception):
     """Raised by a hook at a step boundary: return from run_inner here (a replica joins the
     cluster mid-round); the steps committed so far stay committed."""
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or pseudo-gradient was NaN or infinite. `what` names which:
+    "loss" | "grad_norm" | "pseudo_gradient". Nothing non-finite was sent to another cluster."""
+
+    def __init__(self, what: str, message: str):
+        assert what in ("loss", "grad_norm", "pseudo_gradient"), what
+        super().__init__(message)
+        self.what = what
+
+    def __reduce__(self):  # crosses Ray and process boundaries with `what`
+        return type(self), (self.what, str(self))
 
 
 @dataclass
@@ -69,42 +101,78 @@ def param_digest(tensors: list[torch.Tensor]) -> str:
     """sha256 over the raw bytes of the tensors, in order: equal digests = bitwise-equal params."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def build_model(cfg: Any, vocab_size: int) -> GPT:
-    m = cfg.model
-    return GPT(GPTConfig(vocab_size=vocab_size, block_size=m.block_size, n_layer=m.n_layer,
-                         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout))
+def build_model(cfg: Any, vocab_size: int | None) -> torch.nn.Module:
+    """The configured model (`model._target_`); seed torch's generator first for identical params."""
+    return task.build_model(cfg, vocab_size)
 
 
-def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def optimizer_implementation(cfg: Any, device: str = "cpu") -> str:
+    """fused | foreach | single. `auto`: fused on CUDA, single-tensor on CPU. Each is deterministic
+    for the same inputs, so replicas that apply the same gradients stay bitwise equal."""
+    impl = cfg.optim.inner.implementation
+    if impl == "auto":
+        return "fused" if str(device).startswith("cuda") else "single"
+    return impl
+
+
+def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter], device: str = "cpu") -> torch.optim.Optimizer:
     o = cfg.optim.inner
+    impl = optimizer_implementation(cfg, device)
+    kind = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    # foreach=False: the same kernels on every replica whatever the param count (bitwise determinism).
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.momentum, 0.95), weight_decay=o.weight_decay,
-                             foreach=False)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **kind)
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.momentum, 0.95), weight_decay=o.weight_decay, **kind)
+
+
+def inner_lr(o: Any, step: int, total_steps: int) -> float:
+    """The inner learning rate at global inner step `step` (0-based) of a run of `total_steps`:
+    linear warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at
+    the run's last step. A pure function, so heals and resumes land on the same rate."""
+    if o.warmup_steps > 0 and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total_steps - 1 - o.warmup_steps))
+    low = o.lr * o.min_lr_ratio
+    return low + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - low)
 
 
 class ReplicaTrainer:
     def __init__(self, cfg: Any, rid: str, topology: Topology, *, device: str = "cpu",
-                 corpus: Corpus | None = None):
+                 dataset: task.Dataset | None = None):
         self.cfg, self.rid, self.topology, self.device = cfg, rid, topology, device
+        self.device_type = torch.device(device).type
         self.cluster = topology.cluster_of(rid)
         self.global_index = topology.global_index(rid)
-        self.corpus = corpus or load_corpus(cfg.data.path, cfg.data.val_fraction,
-                                             block_size=cfg.model.block_size)
+        self.deterministic = bool(cfg.train.deterministic) and self.device_type == "cuda"
+        if self.deterministic:  # before the first cuBLAS call: the workspace size is read once
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        self.dataset = dataset or task.build_dataset(cfg)
         torch.manual_seed(cfg.seed)  # identical initial params on every replica
-        self.model = build_model(cfg, self.corpus.vocab_size).to(device)
+        self.model = build_model(cfg, self.dataset.vocab_size).to(device)
         self.params = [p for p in self.model.parameters()]
+        self.param_names = [name for name, _ in self.model.named_parameters()]  # aligned with params
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what a heal or outer sync moves
-        self.inner_opt = build_inner_optimizer(cfg, self.params)
+        self.loss_fn = task.build_loss(cfg)
+        # the steps run the compiled module; heals, checkpoints and evaluation use self.model's params
+        self.step_model = torch.compile(self.model) if cfg.train.compile else self.model
+        self.inner_opt = build_inner_optimizer(cfg, self.params, device)
+        self.foreach = optimizer_implementation(cfg, device) != "single"
         hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
                                    cfg.optim.outer.nesterov)
-        self.outer_opt = OuterOptimizer(self.params, pin_memory=device.startswith("cuda"), **hp)
+        self.outer_opt = OuterOptimizer(self.params, pin_memory=self.device_type == "cuda", **hp)
+        self.grad_accum = int(cfg.data.grad_accum)
+        self.tokens_per_step = task.tokens_per_batch(self.dataset, cfg) * self.grad_accum
         self.steps_per_round = cfg.sync.outer_every
+        self.total_steps = cfg.train.rounds * cfg.sync.outer_every  # the LR schedule's horizon
+        # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
+        bucket_mb = float(cfg.comm.bucket_mb)
+        self.buckets = GradBuckets(self.params, bucket_mb) if cfg.sync.inner == "ddp" and bucket_mb > 0 else None
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
@@ -115,8 +183,10 @@ class ReplicaTrainer:
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
         self.min_step_s = float(getattr(cfg.train, "min_step_s", 0.0) or 0.0)
-        self._eval = eval_batches(self.corpus.val, batch_size=cfg.data.batch_size,
-                                  block_size=cfg.model.block_size, n_batches=cfg.train.eval_batches)
+        # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
+        self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
+        self._poisoned = False  # test hook (the `nan` fault): the next step's loss is NaN
+        self._host_buffers: dict[str, torch.Tensor] = {}  # pinned state_dict buffers (CUDA), reused
 
     def assume_identity(self, rid: str) -> None:
         """A hot spare takes over `rid`: its data stream (the global replica index) and name. The
@@ -126,21 +196,26 @@ class ReplicaTrainer:
         self.global_index = self.topology.global_index(rid)
 
     def warm_up(self) -> float:
-        """Pay a fresh process's one-time costs now (the first forward/backward and the first
-        optimizer step's lazy imports), on throwaway copies: the replica's state is untouched.
-        Returns the seconds it took."""
-        import copy
-
+        """Pay a fresh process's one-time costs now (the first forward/backward, compilation, the
+        first optimizer step's lazy imports): the step model's gradients are dropped after and the
+        optimizer steps copies, so the replica's state is untouched. Returns the seconds it took."""
         start = time.perf_counter()
-        model = copy.deepcopy(self.model)
-        params = list(model.parameters())
-        opt = build_inner_optimizer(self.cfg, params)
-        x, y = batch_for_step(self.corpus.train, seed=self.cfg.seed, replica_index=self.global_index, step=0,
-                              batch_size=self.cfg.data.batch_size, block_size=self.cfg.model.block_size)
-        _, loss = model(x.to(self.device), y.to(self.device))
+        batch = task.to_device(self._batch("train", self.step, 0), self.device)
+        with self._numerics():
+            loss = self.loss_fn(self.step_model, batch)
         loss.backward()
-        opt.step()
+        copies = [p.detach().clone().requires_grad_(True) for p in self.params]
+        for c, p in zip(copies, self.params):
+            c.grad = None if p.grad is None else p.grad.detach().clone()
+            p.grad = None
+        build_inner_optimizer(self.cfg, copies, self.device).step()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+    def poison(self) -> None:
+        """Test hook (the `nan` fault): the next inner step's loss is NaN, as a diverging replica's."""
+        self._poisoned = True
 
     # -- counters -------------------------------------------------------------------------------
     @property
@@ -158,50 +233,128 @@ class ReplicaTrainer:
         return round_index == self.round
 
     # -- inner phase ----------------------------------------------------------------------------
-    def _one_step(self, inner: LevelGroup, hook: FaultHook) -> float:
-        cfg = self.cfg
-        started = time.perf_counter()
-        x, y = batch_for_step(self.corpus.train, seed=cfg.seed, replica_index=self.global_index,
-                              step=self.step, batch_size=cfg.data.batch_size,
-                              block_size=cfg.model.block_size)
-        x, y = x.to(self.device), y.to(self.device)
-        _, loss = self.model(x, y)
+    def _batch(self, split: str, step: int, micro: int) -> Any:
+        return self.dataset.batch(split, seed=self.cfg.seed, replica_index=self.global_index, step=step, micro=micro)
+
+    def _numerics(self):
+        """Forward and loss: bf16 autocast when asked; the math attention kernel when deterministic."""
+        ctx = contextlib.ExitStack()
+        if self.cfg.train.precision == "bf16":
+            ctx.enter_context(torch.autocast(device_type=self.device_type, dtype=torch.bfloat16))
+        if self.deterministic:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            ctx.enter_context(sdpa_kernel(SDPBackend.MATH))  # flash attention's backward is not deterministic
+        return ctx
+
+    def _forward_backward(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
+        """Gradients of the step's grad_accum micro-batches (their mean loss), all-reduced over the
+        cluster for inner `ddp`. Returns the mean loss, on the device (never read here)."""
+        ddp = self.cfg.sync.inner == "ddp"
         self.inner_opt.zero_grad(set_to_none=False)
-        loss.backward()
-        if cfg.sync.inner == "ddp":
+        total = None
+        for micro in range(self.grad_accum):
+            batch = task.to_device(self._batch("train", self.step, micro), self.device)
+            if ddp and self.buckets is not None and micro == self.grad_accum - 1:
+                hook("inner_sync", self.round, self.step_in_round)
+                self.buckets.arm(inner)  # the last backward launches full buckets as it goes
+            with self._numerics():
+                loss = self.loss_fn(self.step_model, batch)
+            if self.grad_accum > 1:
+                loss = loss / self.grad_accum
+            if self._poisoned:
+                self._poisoned = False
+                loss = loss * float("nan")
+            loss.backward()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+        if ddp and self.buckets is not None:
+            self.buckets.finish()
+        elif ddp:
             hook("inner_sync", self.round, self.step_in_round)
             inner.allreduce_mean([p.grad for p in self.params], level="inner")
-        if cfg.optim.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.inner.grad_clip, foreach=False)
-        self.inner_opt.step()
-        if cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0:
-            hook("inner_sync", self.round, self.step_in_round)
-            with torch.no_grad():
-                inner.allreduce_mean([p.data for p in self.params], level="inner")
+        return total
+
+    def _one_step(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
+        cfg = self.cfg
+        started = time.perf_counter()
+        lr = inner_lr(cfg.optim.inner, self.step, self.total_steps)
+        for group in self.inner_opt.param_groups:
+            group["lr"] = lr
+        average = cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0
+        # a step that ends with a parameter average changes params and optimizer state before its
+        # collective: keep what it started from, so a failed average leaves no step applied
+        saved = self._step_state() if average and inner.world_size > 1 else None
+        try:
+            loss = self._forward_backward(inner, hook)
+            if cfg.optim.inner.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.inner.grad_clip, foreach=self.foreach)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
+                                                     foreach=self.foreach)
+            self._nonfinite |= ~torch.isfinite(torch.stack([loss, norm.to(loss.device, torch.float32)]))
+            self.inner_opt.step()
+            if average:
+                hook("inner_sync", self.round, self.step_in_round)
+                with torch.no_grad():
+                    inner.allreduce_mean([p.data for p in self.params], level="inner")
+        except BaseException:
+            if self.buckets is not None:
+                self.buckets.disarm()
+            if saved is not None:
+                self._restore_step_state(saved)
+            raise
         if self.min_step_s > 0:  # simulated accelerator step time: sleep, so CPU replicas stay cheap
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
-        return float(loss.detach())
+        return loss
+
+    @torch.no_grad()
+    def _step_state(self) -> tuple:
+        opt = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+               for p, s in self.inner_opt.state.items()}
+        return [p.detach().clone() for p in self.params], opt, self._nonfinite.clone()
+
+    @torch.no_grad()
+    def _restore_step_state(self, saved: tuple) -> None:
+        params, opt, nonfinite = saved
+        for p, s in zip(self.params, params):
+            p.copy_(s)
+        self.inner_opt.state = defaultdict(dict, opt)
+        self._nonfinite.copy_(nonfinite)
 
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault) -> InnerReport:
-        """Run inner steps until the round's last step is committed. Raises CollectiveError, or
-        Behind for a round not reached; a round already committed is a no-op."""
-        start, bytes_before, done, losses, yielded = time.perf_counter(), inner.bytes_sent, 0, [], False
+        """Run inner steps until the round's last step is committed. Raises CollectiveError (the
+        state stays at the last committed step), NonFiniteError (read at the end: the steps ran on
+        non-finite numbers, heal before training on), or Behind for a round not reached; a round
+        already committed is a no-op. Losses stay on the device until the end: one read-back."""
+        start, bytes_before, done, pending, yielded = time.perf_counter(), inner.bytes_sent, 0, [], False
+        first = self.step
+        losses: list[float] = []
         if self._require(round_index, "run_inner"):
-            while self.step_in_round < self.steps_per_round:
-                try:
-                    hook("inner", self.round, self.step_in_round)
-                except YieldNow:
-                    yielded = True
-                    break
-                loss = self._one_step(inner, hook)
-                self.step += 1  # committed: the step's collectives all succeeded
-                self.round_losses.append(loss)
-                losses.append(loss)
-                done += 1
-        tokens = done * self.cfg.data.batch_size * self.cfg.model.block_size
+            try:
+                while self.step_in_round < self.steps_per_round:
+                    try:
+                        hook("inner", self.round, self.step_in_round)
+                    except YieldNow:
+                        yielded = True
+                        break
+                    pending.append(self._one_step(inner, hook))
+                    self.step += 1  # committed: the step's collectives all succeeded
+                    done += 1
+            finally:
+                losses = torch.stack(pending).tolist() if pending else []
+                self.round_losses.extend(losses)
+            self._raise_if_nonfinite(first)
+        tokens = done * self.tokens_per_step
         return InnerReport(round=self.round, step=self.step, steps_done=done, loss_sum=sum(losses),
                            tokens=tokens, seconds=time.perf_counter() - start,
                            inner_bytes=inner.bytes_sent - bytes_before, losses=losses, yielded=yielded)
+
+    def _raise_if_nonfinite(self, first_step: int) -> None:
+        bad_loss, bad_norm = self._nonfinite.tolist()
+        if bad_loss or bad_norm:
+            what = "loss" if bad_loss else "grad_norm"
+            raise NonFiniteError(what, f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
+                                       f"(inner steps {first_step}..{self.step - 1}); its params must be healed")
 
     # -- outer phase ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -221,7 +374,8 @@ class ReplicaTrainer:
     @torch.no_grad()
     def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup) -> None:
         """Leader only: mean pseudo-gradient across clusters into the buffer keyed by (round,
-        epoch); nothing is applied. Idempotent per (round, epoch)."""
+        epoch); nothing is applied. Idempotent per (round, epoch). Raises NonFiniteError before
+        sending when this cluster's pseudo-gradient is not finite (nothing sent)."""
         if not self._require(round_index, "outer_reduce"):
             return
         if self._outer_buffer and self._outer_buffer[:2] == (round_index, epoch):
@@ -231,6 +385,9 @@ class ReplicaTrainer:
             self._outer_buffer = (round_index, epoch, [])
             return
         pseudo_grad = self.outer_opt.pseudo_gradient(self.params)
+        if not bool(torch.stack([torch.isfinite(g).all() for g in pseudo_grad]).all()):
+            raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
+                                                    f"{round_index}; not sent")
         outer.allreduce_mean(pseudo_grad, level="outer")
         self._outer_buffer = (round_index, epoch, pseudo_grad)
 
@@ -253,6 +410,7 @@ class ReplicaTrainer:
             inner.broadcast(pseudo_grad, root=root, level="inner")
             self.outer_opt.step(pseudo_grad)
             self.outer_opt.copy_global_into(self.params)
+            self._nonfinite.zero_()  # the params are the (finite) committed global params again
         else:
             self.outer_opt.reset_global(self.params)
         self._outer_buffer = None
@@ -260,17 +418,19 @@ class ReplicaTrainer:
         self.round += 1
         self.round_losses = []
 
-    # -- evaluation and digests -----------------------------------------------------------------
+    # -- evaluation, digests, the final model ---------------------------------------------------
     @torch.no_grad()
     def eval_loss(self) -> float:
-        """Mean loss of the global params (after a commit: this replica's params) on held-out data."""
+        """Mean loss of the global params (after a commit: this replica's params) on the held-out
+        batches (the same for every replica and run: task.EVAL_SEED, replica_index -1)."""
         self.model.eval()
-        total = 0.0
-        for x, y in self._eval:
-            _, loss = self.model(x.to(self.device), y.to(self.device))
-            total += float(loss)
+        losses = []
+        for i in range(self.cfg.train.eval_batches):
+            batch = self.dataset.batch("val", seed=task.EVAL_SEED, replica_index=-1, step=i, micro=0)
+            with self._numerics():
+                losses.append(self.loss_fn(self.model, task.to_device(batch, self.device)).detach().float())
         self.model.train()
-        return total / len(self._eval)
+        return sum(torch.stack(losses).tolist()) / len(losses)
 
     def param_digest(self) -> str:
         return param_digest(self.params)
@@ -278,12 +438,53 @@ class ReplicaTrainer:
     def global_digest(self) -> str:
         return param_digest(self.outer_opt.global_params)
 
+    def save_model(self, path: str) -> dict:
+        """Write the committed global model (the global params of round `round`) to `path` as
+        safetensors, under the module's parameter names (a tied weight once), with the round, the
+        plug-ins and the digest as metadata. Raises OSError when the file cannot be written."""
+        tensors = {name: g.detach() for name, g in zip(self.param_names, self.outer_opt.global_params)}
+        meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
+                "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
+                "global_digest": self.global_digest()}
+        return {"path": str(path), "round": self.round, "bytes": task.save_model(path, tensors, meta),
+                "global_digest": meta["global_digest"]}
+
     # -- state for heal and checkpoint ----------------------------------------------------------
+    def _host(self, obj: Any, key: str) -> Any:
+        """A host copy of obj's tensors: on CUDA into this trainer's reusable pinned buffers
+        (non-blocking copies; the caller synchronizes once), on the CPU a plain clone."""
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cuda":
+                return obj.detach().clone()
+            buf = self._host_buffers.get(key)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = self._host_buffers[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+            buf.copy_(obj.detach(), non_blocking=True)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._host(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._host(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
     def state_dict(self) -> dict:
-        return {"rid": self.rid, "round": self.round, "step": self.step,
-                "params": [p.detach().to("cpu").clone() for p in self.params],
-                "inner_opt": self.inner_opt.state_dict(),
-                "outer": self.outer_opt.state_dict(),
+        """Everything a `full` heal or a checkpoint carries, on the host. On CUDA the tensors are
+        this trainer's pinned buffers, reused by the next call: serialize or copy them before."""
+        state = {"rid": self.rid, "round": self.round, "step": self.step,
+                 "params": self._host(list(self.params), "params"),
+                 "inner_opt": self._host(self.inner_opt.state_dict(), "inner_opt"),
+                 "outer": self.outer_opt.state_dict(),
+                 "round_losses": list(self.round_losses)}
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy above
+        return state
+
+    def live_state(self) -> dict:
+        """state_dict's tree holding this trainer's own tensors, not copies, where they live (a heal
+        over the process group streams them out at once, from the phase thread, which nothing
+        else mutates meanwhile). Never modify it or keep it past that call."""
+        return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
+                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
                 "round_losses": list(self.round_losses)}
 
     def global_state(self) -> dict:
@@ -298,7 +499,7 @@ class ReplicaTrainer:
         params, outer state and round (the source is in another cluster); params restart from the
         global params at the round's first step, and the inner optimizer starts fresh — every
         member of a cluster healed this way gets the same (fresh) state, so the cluster stays
-        consistent."""
+        consistent. Either way the non-finite flags start clear."""
         self.outer_opt.load_state_dict(state["outer"])
         if scope == "full":
             for p, src in zip(self.params, state["params"]):
@@ -308,9 +509,10 @@ class ReplicaTrainer:
             self.round, self.step = int(state["round"]), int(state["step"])
         else:
             self.outer_opt.copy_global_into(self.params)
-            self.inner_opt = build_inner_optimizer(self.cfg, self.params)
+            self.inner_opt = build_inner_optimizer(self.cfg, self.params, self.device)
             self.round_losses = []
             self.round = int(state["round"])
             self.step = self.round * self.steps_per_round  # our cluster's progress in this round is gone
         self._outer_buffer = None
         self._averaged = self._pre_average = None
+        self._nonfinite.zero_()

@@ -23,16 +23,16 @@ def _cfg():
 
 @pytest.fixture(scope="module")
 def corpus():
-    from hsgd.train.data import load_corpus
+    from hsgd.train import task
 
-    return load_corpus(None, 0.1, block_size=64)
+    return task.build_dataset(_cfg())
 
 
 def _trainer(corpus, rid="c0r0"):
     from hsgd.core.topology import Topology
     from hsgd.train.trainer import ReplicaTrainer
 
-    return ReplicaTrainer(_cfg(), rid, Topology(2, 2), device="cuda", corpus=corpus)
+    return ReplicaTrainer(_cfg(), rid, Topology(2, 2), device="cuda", dataset=corpus)
 
 
 def _solo(level):

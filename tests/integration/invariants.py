@@ -198,7 +198,8 @@ def _hits(target: str, rid: str) -> bool:
 
 
 def _matches(spec: dict, fired: dict) -> bool:
-    if not (fired.get("kind") == spec["kind"] and fired.get("round") == spec["round"]
+    # str(): YAML reads the kind `nan` as a float (config.yaml says `.nan`), as parse_fault does
+    if not (fired.get("kind") == str(spec["kind"]) and fired.get("round") == spec["round"]
             and fired.get("phase") == spec.get("phase", "inner") and _hits(str(spec["target"]), str(fired.get("rid")))):
         return False
     # a fault fired inside a replica at an inner step boundary records that step; one fired from

@@ -231,7 +231,7 @@ def test_submitted_job_with_a_fault_lands_under_the_output_root(cluster, tmp_pat
     _submit(cluster, [*FAST, "train.rounds=3", "sync.outer_every=4", "run.name=drill",
                       "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:1}]"],
             env_vars={"HSGD_OUTPUT_ROOT": str(root)})
-    runs = list((root / "outputs").glob("*-drill"))
+    runs = list((root / "outputs").glob("*-drill-*"))  # <timestamp>-<name>-<random suffix>
     assert len(runs) == 1, list(root.rglob("*"))
     s = summary(runs[0])
     assert s["status"] == "completed" and s["rounds_committed"] == 3, s

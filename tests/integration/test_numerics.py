@@ -189,3 +189,26 @@ def test_diloco_matches_reference_algorithm1(ray_session, tmp_path):
     assert max(diffs.values()) < TOL, diffs
     assert max(global_diffs.values()) < TOL, global_diffs
     assert momentum_diff < TOL
+
+
+def test_a_comm_fault_at_a_localsgd_average_leaves_the_digest_of_the_fault_free_run(ray_session, tmp_path):
+    """Issue 19, Build 6: the parameter average of `localsgd` runs after the step's optimizer update.
+    When it fails (a `comm` fault aborts c0r1's group right before the average of step 1, so both
+    members of c0 see a failed collective), the step is not counted and is redone after c0 re-forms:
+    it must be redone from the state before it, never applied on top of itself. Same seed, same
+    schedule as a fault-free run → bitwise the same final params on every replica."""
+    base = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
+            "sync.outer=average", "sync.outer_every=6", "train.rounds=2", *ADAMW]
+    _, _, clean, _ = run_hsgd(tmp_path / "clean", base)
+    fault = "faults.schedule=[{kind:comm,target:c0r1,round:0,phase:inner_sync,step:1}]"
+    _, summary, faulted, metrics = run_hsgd(tmp_path / "faulted", base + [fault])
+    assert_digests_agree(metrics, 4)
+    fired = [json.loads(line) for line in (tmp_path / "faulted" / "faults_fired.jsonl").read_text().splitlines()
+             if line.strip()]
+    assert [(f["kind"], f["rid"]) for f in fired] == [("comm", "c0r1")], "the comm fault must have fired, once"
+    events = [json.loads(line) for line in (tmp_path / "faulted" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "cluster_reform" and e.get("cluster") == 0 for e in events), \
+        "c0 must have re-formed after its failed average"
+    diffs = {rid: max_abs_diff(faulted[rid]["params"], clean[rid]["params"]) for rid in clean}
+    report("localsgd_comm_fault_vs_clean", **diffs)
+    assert all(d == 0.0 for d in diffs.values()), f"a retried localsgd step differs from the fault-free run: {diffs}"

@@ -2,6 +2,8 @@
 import os
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 from hsgd.config.capacity import GiB, embedded_capacity_problem
@@ -106,3 +108,126 @@ def test_a_container_memory_limit_below_the_machine_counts(tmp_path):
     assert usable_memory_bytes(64 * GiB, v1) == 64 * GiB
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
     assert usable_memory_bytes(64 * GiB, v1) == 4 * GiB
+
+
+# -- backends per level and GPUs per replica (hsgd.config.capacity.plan_backends) --------------------------
+def _gpu_node(gpus, cpus=16):
+    return {"Resources": {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}, "Labels": {}}
+
+
+def _plan(*nodes, backend="auto", inner=None, outer=None, **kw):
+    from hsgd.config.capacity import plan_backends
+
+    nodes = list(nodes)
+    total = {"CPU": sum(n["Resources"]["CPU"] for n in nodes), "GPU": sum(n["Resources"].get("GPU", 0) for n in nodes)}
+    args = dict(clusters=2, replicas_per_cluster=2, spares_per_cluster=0, cpus_per_replica=1.0, total=total,
+                nodes=nodes, strategy="STRICT_PACK", cluster_labels=[], label_key="hsgd-cluster")
+    return plan_backends(backend=backend, inner_backend=inner, outer_backend=outer, **{**args, **kw})
+
+
+def test_comm_backend_is_the_shorthand_and_per_level_keys_override_it():
+    from hsgd.config.capacity import asked_backends
+
+    assert asked_backends("auto", None, None) == {"inner": ("auto", "comm.backend"), "outer": ("gloo", "comm.backend")}
+    assert asked_backends("nccl", None, None) == {"inner": ("nccl", "comm.backend"), "outer": ("nccl", "comm.backend")}
+    assert asked_backends("gloo", "nccl", None)["inner"] == ("nccl", "comm.inner_backend")
+    assert asked_backends("nccl", None, "gloo")["outer"] == ("gloo", "comm.outer_backend")
+    assert asked_backends("nccl", None, "auto")["outer"] == ("gloo", "comm.outer_backend"), "outer auto is gloo"
+
+
+def test_auto_on_a_one_gpu_workstation_runs_the_default_job_with_gloo_and_a_notice():
+    """The default 2 x 2 job on one GPU: today '4 replicas need 4 GPU but the Ray cluster has 1'."""
+    plan = _plan(_gpu_node(1))
+    assert (plan.inner, plan.outer, plan.gpus_per_replica) == ("gloo", "gloo", 0.0)
+    assert plan.notice and "\n" not in plan.notice and "4 replicas" in plan.notice and "1 GPU" in plan.notice
+    assert "topology.replicas_per_cluster<=" not in plan.notice, "1 GPU cannot hold 2 clusters of one either"
+
+
+def test_auto_asks_a_gpu_per_replica_only_where_every_replica_gets_its_own():
+    plan = _plan(_gpu_node(2), _gpu_node(2))  # STRICT_PACK: each cluster's 2 replicas on a 2-GPU node
+    assert (plan.inner, plan.outer, plan.gpus_per_replica, plan.notice) == ("auto", "gloo", 1.0, None)
+    # 4 GPUs in total but not 2 on one node: STRICT_PACK cannot give each replica of a cluster its own
+    spread = _plan(_gpu_node(1), _gpu_node(1), _gpu_node(1), _gpu_node(1))
+    assert spread.gpus_per_replica == 0.0 and spread.inner == "gloo" and "STRICT_PACK" in spread.notice
+    assert _plan(_gpu_node(1), _gpu_node(1), _gpu_node(1), _gpu_node(1), strategy="PACK").gpus_per_replica == 1.0
+    # hot spares need their GPU too
+    assert _plan(_gpu_node(2), _gpu_node(2), spares_per_cluster=1).gpus_per_replica == 0.0
+
+
+def test_a_cpu_cluster_trains_with_gloo_silently():
+    plan = _plan(_gpu_node(0))
+    assert (plan.inner, plan.outer, plan.gpus_per_replica, plan.notice) == ("gloo", "gloo", 0.0, None)
+
+
+def test_nccl_is_decided_from_the_clusters_gpus_not_the_drivers_cuda():
+    """A CPU-only driver (head node) with GPU workers: nccl is accepted (it used to be refused as
+    'nccl needs CUDA'); the plan has no idea of the driver's CUDA at all."""
+    plan = _plan(_gpu_node(0), _gpu_node(2), _gpu_node(2), backend="nccl")
+    assert (plan.inner, plan.outer, plan.gpus_per_replica) == ("nccl", "nccl", 1.0)
+    mixed = _plan(_gpu_node(2), _gpu_node(2), backend="nccl", outer="gloo")
+    assert (mixed.inner, mixed.outer, mixed.gpus_per_replica) == ("nccl", "gloo", 1.0)
+    outer_only = _plan(_gpu_node(2), _gpu_node(2), backend="gloo", outer="nccl")
+    assert (outer_only.inner, outer_only.outer, outer_only.gpus_per_replica) == ("gloo", "nccl", 1.0)
+    assert _plan(_gpu_node(2), _gpu_node(2), backend="gloo").gpus_per_replica == 0.0
+
+
+def test_more_nccl_replicas_than_gpus_on_a_node_is_refused_naming_counts_and_what_is_valid():
+    """Issue 20 Build 6: never a 'Duplicate GPU detected' crash after the replicas started."""
+    from hsgd.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _plan(_gpu_node(1), _gpu_node(1), backend="nccl")  # 2 clusters x 2 on nodes of 1 GPU
+    text = str(info.value)
+    assert info.value.field == "comm.backend" and "\n" not in text
+    assert "4 replicas" in text and "per node: [1, 1]" in text and "2 GPUs" in text
+    assert "topology.replicas_per_cluster<=1" in text and "comm.backend=gloo" in text
+    with pytest.raises(ConfigError) as info:
+        _plan(_gpu_node(0), backend="gloo", inner="nccl")
+    assert info.value.field == "comm.inner_backend" and "0 GPUs" in str(info.value)
+    assert "replicas_per_cluster<=" not in str(info.value), "no GPU at all: only the backend can change"
+    with pytest.raises(ConfigError) as info:
+        _plan(_gpu_node(1), outer="nccl")
+    assert info.value.field == "comm.outer_backend" and "comm.outer_backend=gloo" in str(info.value)
+
+
+def test_short_of_cpus_is_left_to_the_placement_check():
+    plan = _plan(_gpu_node(4, cpus=1), _gpu_node(4, cpus=1), backend="nccl")
+    assert plan.gpus_per_replica == 1.0
+    assert _placement(need={"CPU": 1.0, "GPU": 1.0}, total={"CPU": 2.0, "GPU": 8.0},
+                      nodes=[_gpu_node(4, cpus=1), _gpu_node(4, cpus=1)]) is not None
+
+
+@pytest.mark.parametrize("asked,level,gpu,expected", [
+    ("auto", "inner", True, "nccl"), ("auto", "inner", False, "gloo"), ("auto", "outer", True, "gloo"),
+    ("gloo", "inner", True, "gloo"), ("nccl", "outer", True, "nccl"), ("nccl", "inner", True, "nccl")])
+def test_the_replica_resolves_auto_by_its_own_gpu(asked, level, gpu, expected):
+    from hsgd.config.capacity import resolve_level_backend
+
+    assert resolve_level_backend(asked, level=level, gpu=gpu) == expected
+
+
+def test_nccl_in_a_replica_without_a_gpu_is_a_config_error():
+    from hsgd.config import ConfigError
+    from hsgd.config.capacity import resolve_level_backend
+
+    with pytest.raises(ConfigError) as info:
+        resolve_level_backend("nccl", level="inner", gpu=False)
+    assert info.value.field == "comm.inner_backend" and "valid here: gloo|auto" in str(info.value)
+
+
+# -- data.path on every node that may run replicas (hsgd.config.capacity.data_path_problem) --------------
+def test_data_path_missing_on_another_node_names_the_node():
+    from hsgd.config.capacity import data_path_problem
+
+    assert data_path_problem("data/x.txt", {"head 10.0.0.1": True}) is None
+    text = data_path_problem("data/x.txt", {"head 10.0.0.1": True, "gpu-7 10.0.0.7": False})
+    assert "'data/x.txt'" in text and "gpu-7 10.0.0.7" in text and "head" not in text and "\n" not in text
+    assert "1 of 2 nodes" in text
+
+
+def test_a_node_that_does_not_answer_is_not_called_missing():
+    from hsgd.config.capacity import data_path_problem
+
+    assert data_path_problem("/d", {"a": True, "b": None}) is None
+    many = data_path_problem("/d", {f"n{i}": False for i in range(7)})
+    assert "and 3 more" in many and "7 of 7" in many

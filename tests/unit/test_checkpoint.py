@@ -1,11 +1,16 @@
 """hsgd.train.checkpoint: atomic, verifiable checkpoints that load without executing code."""
 import builtins
+import hashlib
+import json
 import os
 import pickle
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
+from hsgd.record.rundir import atomic_write_text
 from hsgd.train import checkpoint as ckpt
 from hsgd.train.checkpoint import CheckpointError
 
@@ -17,17 +22,19 @@ def _state(seed=0):
             "round_losses": [1.5, 1.25]}
 
 
-def _write_checkpoint(root, round_index, rids=("c0r0", "c1r0")):
-    tmp = ckpt.new_temp_dir(root, round_index)
+def _write_checkpoint(root, round_index, rids=("c0r0", "c1r0"), owner="run-a", fingerprint=None):
+    tmp = ckpt.new_temp_dir(root, round_index, owner=owner)
     files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(rids)}
-    return ckpt.finalize(tmp, {"round": round_index, "step": round_index * 20, "files": files},
-                         {rid: round_index for rid in rids})
+    manifest = {"round": round_index, "step": round_index * 20, "files": files}
+    if fingerprint is not None:
+        manifest["fingerprint"] = fingerprint
+    return Path(ckpt.finalize(tmp, manifest, {rid: round_index for rid in rids}))
 
 
 def test_save_finalize_latest_load_round_trip(tmp_path):
     final = _write_checkpoint(tmp_path, 5)
     assert final == tmp_path / "round_000005"
-    assert ckpt.latest(tmp_path) == final
+    assert Path(ckpt.latest(tmp_path)) == final
     manifest = ckpt.read_manifest(final)
     assert manifest["round"] == 5 and set(manifest["files"]) == {"c0r0", "c1r0"}
     for i, rid in enumerate(("c0r0", "c1r0")):
@@ -39,7 +46,6 @@ def test_save_finalize_latest_load_round_trip(tmp_path):
 
 
 def test_save_returns_the_sha256_of_the_file(tmp_path):
-    import hashlib
     digest = ckpt.save_replica_state(tmp_path, "c0r1", _state())
     assert digest == hashlib.sha256((tmp_path / "c0r1.pt").read_bytes()).hexdigest()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c0r1.pt"], "no temp file may be left behind"
@@ -52,17 +58,17 @@ def test_latest_is_none_without_checkpoints(tmp_path):
 
 def test_latest_ignores_temp_dirs_and_dirs_without_manifest(tmp_path):
     good = _write_checkpoint(tmp_path, 3)
-    crashed = ckpt.new_temp_dir(tmp_path, 9)  # interrupted write of a newer round
+    crashed = Path(ckpt.new_temp_dir(tmp_path, 9))  # interrupted write of a newer round
     ckpt.save_replica_state(crashed, "c0r0", _state())
-    ckpt.atomic_write_text(crashed / ckpt.MANIFEST, '{"round": 9}')  # even with a manifest inside
+    atomic_write_text(crashed / ckpt.MANIFEST, '{"round": 9, "files": {}}')  # even with a manifest inside
     (tmp_path / "round_000007").mkdir()  # no manifest: never finalized
-    assert ckpt.latest(tmp_path) == good, "latest must only return a finalized checkpoint"
+    assert Path(ckpt.latest(tmp_path)) == good, "latest must only return a finalized checkpoint"
 
 
 def test_latest_picks_the_newest_round(tmp_path):
     for r in (5, 10, 2):
         _write_checkpoint(tmp_path, r)
-    assert ckpt.latest(tmp_path).name == "round_000010"
+    assert ckpt.latest(tmp_path).endswith("/round_000010")
 
 
 def test_corrupt_file_is_a_clear_error_when_sha256_given(tmp_path):
@@ -121,11 +127,11 @@ def test_code_payload_is_live_so_the_refusal_test_means_something(tmp_path):
 def test_prune_keeps_newest_n_and_removes_temp_dirs(tmp_path):
     for r in (1, 2, 3, 4):
         _write_checkpoint(tmp_path, r)
-    leftover = ckpt.new_temp_dir(tmp_path, 5)
+    leftover = ckpt.new_temp_dir(tmp_path, 5, owner="run-a")
     ckpt.save_replica_state(leftover, "c0r0", _state())
-    ckpt.prune(tmp_path, keep=2)
+    ckpt.prune(tmp_path, keep=2, owner="run-a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_000003", "round_000004"]
-    assert ckpt.latest(tmp_path).name == "round_000004"
+    assert ckpt.latest(tmp_path).endswith("/round_000004")
 
 
 def test_prune_of_missing_root_is_a_no_op(tmp_path):
@@ -134,8 +140,8 @@ def test_prune_of_missing_root_is_a_no_op(tmp_path):
 
 def test_atomic_write_text_leaves_no_temp_files(tmp_path):
     target = tmp_path / "state.json"
-    ckpt.atomic_write_text(target, "one")
-    ckpt.atomic_write_text(target, "two\nlines ü")
+    atomic_write_text(target, "one")
+    atomic_write_text(target, "two\nlines ü")
     assert target.read_text(encoding="utf-8") == "two\nlines ü"
     assert os.listdir(tmp_path) == ["state.json"], "atomic writes must not leave temp files behind"
 
@@ -156,7 +162,7 @@ def test_a_checkpoint_is_never_overwritten(tmp_path):
 
 
 def test_finalize_refuses_replicas_at_another_round(tmp_path):
-    tmp = ckpt.new_temp_dir(tmp_path, 5)
+    tmp = ckpt.new_temp_dir(tmp_path, 5, owner="run-a")
     files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
     with pytest.raises(CheckpointError, match="another round"):
         ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5, "c0r1": 0})
@@ -164,7 +170,7 @@ def test_finalize_refuses_replicas_at_another_round(tmp_path):
 
 
 def test_finalize_refuses_a_manifest_naming_a_missing_file(tmp_path):
-    tmp = ckpt.new_temp_dir(tmp_path, 2)
+    tmp = ckpt.new_temp_dir(tmp_path, 2, owner="run-a")
     files = {"c0r0": ckpt.save_replica_state(tmp, "c0r0", _state()), "c0r1": "0" * 64}
     with pytest.raises(CheckpointError, match="missing"):
         ckpt.finalize(tmp, {"round": 2, "step": 40, "files": files}, {"c0r0": 2, "c0r1": 2})
@@ -174,13 +180,181 @@ def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
     for r in (1, 2, 3):
         _write_checkpoint(tmp_path, r)
     ckpt.prune(tmp_path, 0)
-    assert ckpt.latest(tmp_path).name == "round_000003"
+    assert ckpt.latest(tmp_path).endswith("/round_000003")
 
 
 def test_finalize_refuses_a_file_whose_replica_never_reported_its_round(tmp_path):
     """A file is there but its writer's answer was lost: it may hold another round's state."""
-    tmp = ckpt.new_temp_dir(tmp_path, 5)
+    tmp = ckpt.new_temp_dir(tmp_path, 5, owner="run-a")
     files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
     with pytest.raises(CheckpointError, match="never reported.*c0r1"):
         ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5})
     assert ckpt.latest(tmp_path) is None and not list(tmp_path.iterdir()), "the refused temp dir must be removed"
+
+
+# -- fsspec storage: the same protocol on a local path, a file:// URL and an object store (memory://) ---
+@pytest.fixture(params=["path", "file", "memory"])
+def root(request, tmp_path):
+    """A checkpoint root as a plain path, a file:// URL, or fsspec's in-process memory store (no
+    atomic rename: the manifest written last is the commit point)."""
+    url = {"path": str(tmp_path / "ckpts"), "file": f"file://{tmp_path}/ckpts",
+           "memory": f"memory://hsgd-test-{uuid.uuid4().hex[:8]}/ckpts"}[request.param]
+    yield url
+    ckpt.remove(url)
+
+
+def _corrupt(url: str, how: str) -> None:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    data = fs.cat_file(path)
+    data = data[:len(data) // 3] if how == "truncate" else data[:100] + bytes(b ^ 0xFF for b in data[100:108]) + data[108:]
+    with fs.open(path, "wb") as f:
+        f.write(data)
+
+
+def test_round_trip_on_every_storage(root):
+    final = ckpt.finalize(*_temp_with_files(root, 4), {"c0r0": 4, "c1r0": 4})
+    assert final.rstrip("/").endswith("round_000004") and ckpt.latest(root) == final
+    assert ckpt.exists(root, 4) and not ckpt.exists(root, 5)
+    manifest = ckpt.verify(final)
+    for i, rid in enumerate(("c0r0", "c1r0")):
+        loaded = ckpt.load_replica_state(final, rid, manifest["files"][rid])
+        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], _state(i)["params"])), f"{rid} not bitwise"
+    assert [n for n in ckpt._names(root) if ".tmp-" in n] == [], "the temp directory must be gone after finalize"
+
+
+def _temp_with_files(root, round_index, owner="run-a", rids=("c0r0", "c1r0")):
+    tmp = ckpt.new_temp_dir(root, round_index, owner=owner)
+    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(rids)}
+    return tmp, {"round": round_index, "step": round_index * 20, "files": files}
+
+
+def test_a_manifest_less_directory_is_not_a_checkpoint_on_every_storage(root):
+    """Object stores: files copied, manifest not yet written (a crash mid-commit) = no checkpoint."""
+    good = ckpt.finalize(*_temp_with_files(root, 2), {"c0r0": 2, "c1r0": 2})
+    half = f"{root}/round_000003"
+    fs, path = ckpt._fs(half)
+    fs.makedirs(path, exist_ok=True)
+    ckpt.save_replica_state(half, "c0r0", _state())
+    assert ckpt.latest(root) == good and not ckpt.exists(root, 3)
+
+
+def test_final_checkpoint_is_never_overwritten_on_every_storage(root):
+    first = ckpt.finalize(*_temp_with_files(root, 3), {"c0r0": 3, "c1r0": 3})
+    before = ckpt.read_manifest(first)
+    tmp, manifest = _temp_with_files(root, 3)
+    manifest["t"] = "second"
+    with pytest.raises(CheckpointError, match="never overwritten"):
+        ckpt.finalize(tmp, manifest, {"c0r0": 3, "c1r0": 3})
+    assert ckpt.read_manifest(first) == before
+    assert [n for n in ckpt._names(root) if ".tmp-" in n] == []
+
+
+@pytest.mark.parametrize("damage", ["bad manifest", "sha mismatch", "truncated"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(root, damage):
+    older = ckpt.finalize(*_temp_with_files(root, 2), {"c0r0": 2, "c1r0": 2})
+    newest = ckpt.finalize(*_temp_with_files(root, 4), {"c0r0": 4, "c1r0": 4})
+    if damage == "bad manifest":
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(f"{newest}/{ckpt.MANIFEST}")
+        with fs.open(path, "wb") as f:
+            f.write(b'{"round": 4, "files": {"c0r0": ')
+    else:
+        _corrupt(f"{newest}/c1r0.pt", "truncate" if damage == "truncated" else "flip")
+    skipped = []
+    found = ckpt.newest_good(root, on_skip=lambda d, why: skipped.append((d, why)))
+    assert found is not None and found[0] == older and found[1]["round"] == 2, f"no fallback to {older}: {found}"
+    assert [d for d, _ in skipped] == [newest], skipped
+    assert ("manifest" in skipped[0][1]) if damage == "bad manifest" else ("sha256" in skipped[0][1]), skipped
+    with pytest.raises(CheckpointError):
+        ckpt.verify(newest)
+
+
+def test_no_good_checkpoint_at_all_is_none(root):
+    only = ckpt.finalize(*_temp_with_files(root, 1), {"c0r0": 1, "c1r0": 1})
+    _corrupt(f"{only}/c0r0.pt", "truncate")
+    assert ckpt.newest_good(root) is None
+    assert ckpt.newest_good(f"{root}/nothing-here") is None
+
+
+def test_newest_good_skips_a_checkpoint_the_caller_refuses(root):
+    older = ckpt.finalize(*_temp_with_files(root, 1), {"c0r0": 1, "c1r0": 1})
+    ckpt.finalize(*_temp_with_files(root, 2), {"c0r0": 2, "c1r0": 2})
+    skipped = []
+    found = ckpt.newest_good(root, on_skip=lambda d, why: skipped.append(why),
+                             accept=lambda m: "foreign" if m["round"] == 2 else None)
+    assert found[0] == older and skipped == ["foreign"]
+
+
+def test_prune_removes_only_this_runs_temp_folders(root):
+    for r in (1, 2, 3):
+        ckpt.finalize(*_temp_with_files(root, r), {"c0r0": r, "c1r0": r})
+    mine, _ = _temp_with_files(root, 4, owner="run-a")
+    theirs, _ = _temp_with_files(root, 4, owner="run-b")  # another run writing into the same root right now
+    ckpt.prune(root, keep=2, owner="run-a")
+    names = ckpt._names(root)
+    assert theirs.rsplit("/", 1)[-1] in names, f"prune removed another run's write in progress: {names}"
+    assert mine.rsplit("/", 1)[-1] not in names, "prune must remove this run's leftover"
+    assert [n for n in names if ".tmp-" not in n] == ["round_000002", "round_000003"], names
+    ckpt.prune(root, keep=2)  # no owner: no temp folder is anybody's to remove
+    assert theirs.rsplit("/", 1)[-1] in ckpt._names(root)
+
+
+def test_reach_nonce_round_trip(root):
+    url, nonce = ckpt.write_reach_nonce(root, "run-a")
+    assert ckpt.read_reach_nonce(url, nonce) is None
+    assert "another nonce" in ckpt.read_reach_nonce(url, "0" * 32)
+    ckpt.remove(url)
+    assert ckpt.read_reach_nonce(url, nonce) is not None, "an unreachable nonce must be reported"
+
+
+def test_root_url_defaults_to_the_run_folder(tmp_path):
+    assert ckpt.root_url(None, tmp_path) == str(tmp_path / "checkpoints")
+    assert ckpt.root_url("s3://bucket/x", tmp_path) == "s3://bucket/x"
+
+
+# -- the config fingerprint ---------------------------------------------------------------------
+def _cfg(**over):
+    from omegaconf import OmegaConf
+
+    from hsgd.config.schema import HsgdConfig
+
+    cfg = OmegaConf.structured(HsgdConfig)
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def test_fingerprint_names_what_a_resume_may_not_change():
+    base = ckpt.fingerprint(_cfg())
+    json.dumps(base)  # it goes into the manifest
+    for field, value in [("model.n_embd", 64), ("model.n_layer", 7), ("model.n_head", 8), ("model.block_size", 16),
+                         ("model._target_", "x.y"), ("data.vocab_size", 99), ("sync.inner", "localsgd"),
+                         ("sync.outer", "average"), ("sync.outer_every", 7), ("optim.inner.name", "sgd"),
+                         ("optim.outer.lr", 0.5), ("optim.outer.momentum", 0.1), ("optim.outer.nesterov", False)]:
+        diff = ckpt.fingerprint_diff(base, ckpt.fingerprint(_cfg(**{field: value})))
+        assert len(diff) == 1 and diff[0].startswith(field + " "), f"{field}: {diff}"
+
+
+def test_fingerprint_ignores_what_a_resume_may_change():
+    base = ckpt.fingerprint(_cfg())
+    changed = _cfg(**{"topology.clusters": 3, "topology.replicas_per_cluster": 1, "train.rounds": 99,
+                      "comm.timeout_s": 3.0, "supervisor.phase_timeout_s": 9.0, "logging.progress": False,
+                      "faults.mtbf_s": 5.0, "checkpoint.every": 1, "optim.inner.lr": 0.1, "seed": 3})
+    assert ckpt.fingerprint_diff(base, ckpt.fingerprint(changed)) == []
+
+
+def test_fingerprint_has_the_data_path_and_size(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text("abc" * 100)
+    first = ckpt.fingerprint(_cfg(**{"data.path": str(data)}))
+    assert first["data.size"] == 300 and first["data.path"] == str(data)
+    data.write_text("abc" * 101)
+    diff = ckpt.fingerprint_diff(first, ckpt.fingerprint(_cfg(**{"data.path": str(data)})))
+    assert diff == ["data.size 300 -> 303"], diff
+
+
+def test_a_manifest_without_fingerprint_is_not_checked():
+    assert ckpt.fingerprint_diff(None, ckpt.fingerprint(_cfg())) == []

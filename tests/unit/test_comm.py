@@ -5,7 +5,6 @@ slow part) and checks several promises in it: mean all-reduce, root broadcast, b
 dead peer turning the survivors' next collective into CollectiveError within the timeout, the
 group being unusable after an error, and the survivors re-forming under a fresh epoch prefix.
 """
-import multiprocessing
 import os
 import time
 import traceback
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError, wait_for
+from tests.unit.gloo_world import run_ranks
 
 TIMEOUT_S = 5.0
 CONFIGURE_TIMEOUT_S = 10.0
@@ -113,35 +113,7 @@ def _worker(rank, port, results):
 
 @pytest.fixture(scope="module")
 def gloo_session():
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=__import__("datetime").timedelta(seconds=30))
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(rank, store.port, results), daemon=True) for rank in range(3)]
-    for p in procs:
-        p.start()
-    outs = {}
-    try:
-        deadline = time.monotonic() + 30
-        while len(outs) < 3 and time.monotonic() < deadline:
-            try:
-                o = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 — queue.Empty: a worker is stuck; fail below
-                break
-            outs[o["rank"]] = o
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    del store
-    for o in outs.values():
-        assert "exception" not in o, f"worker {o['rank']} failed:\n{o['exception']}"
-    assert sorted(outs) == [0, 1, 2], f"workers that never reported (hang?): {set(range(3)) - set(outs)}"
-    return outs
+    return run_ranks(_worker, 3, timeout_s=30, store_timeout_s=30, join_s=5)
 
 
 def test_allreduce_mean_gives_the_mean_on_every_member(gloo_session):

@@ -169,3 +169,56 @@ def test_single_writers(tmp_path):
     assert write_loss_png(run).name == "loss.png"
     assert write_timeline_png(run).name == "timeline.png"
     assert write_membership_png(run).name == "membership.png"
+
+
+def _two_cluster_events(run_dir, rounds=3):
+    """events.jsonl as the round runner writes it for 2 clusters x 2 replicas: each cluster's own
+    phases carry `cluster` and overlap the other cluster's (c1 begins its inner phase 0.05 s after
+    c0 and ends 0.1 s after it); the outer level's phase carries cluster None. Fields checked
+    against the event schema, so the fixture stays what a run writes."""
+    from hsgd.record.events import check_event
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text("topology:\n  clusters: 2\n  replicas_per_cluster: 2\n")
+    ev, ends = [], []
+
+    def event(t, name, **fields):
+        check_event(name, fields)
+        ev.append({"t": T0 + t, "event": name, **fields})
+
+    members = {0: ["c0r0", "c0r1"], 1: ["c1r0", "c1r1"]}
+    event(0.0, "supervisor_start", starts=1, pid=1)
+    for r in range(rounds):
+        base = r * 2.0
+        for c, (begin, end) in {0: (0.1, 1.7), 1: (0.15, 1.8)}.items():
+            event(base + begin, "phase_begin", phase="inner", round=r, cluster=c, epoch=1, replicas=members[c])
+            ends.append((c, base + end, end - begin))
+        for c, at, seconds in sorted(ends, key=lambda x: x[1]):
+            event(at, "phase_end", phase="inner", round=r, cluster=c, seconds=seconds, ok=members[c], failed={})
+        ends.clear()
+        event(base + 1.85, "phase_begin", phase="outer", round=r, cluster=None, epoch=1, replicas=["c0r0", "c1r0"])
+        event(base + 1.9, "phase_end", phase="outer", round=r, cluster=None, seconds=0.05, ok=["c0r0", "c1r0"],
+              failed={})
+        for c in (0, 1):
+            event(base + 1.9 + 0.01 * c, "phase_begin", phase="outer_commit", round=r, cluster=c, epoch=1,
+                  replicas=members[c])
+        for c in (0, 1):
+            event(base + 1.95 + 0.01 * c, "phase_end", phase="outer_commit", round=r, cluster=c, seconds=0.05,
+                  ok=members[c], failed={})
+    _write_jsonl(run_dir / "events.jsonl", sorted(ev, key=lambda e: e["t"]))
+    return run_dir, ev
+
+
+def test_timeline_spans_are_each_clusters_own(tmp_path):
+    """Two clusters' inner phases overlap: each replica's inner spans last what its own cluster's
+    phase_end says (c1's phase_begin never ends c0's span)."""
+    run, ev = _two_cluster_events(tmp_path / "run")
+    data = timeline_data(run)
+    for c in (0, 1):
+        said = [e["seconds"] for e in ev if e["event"] == "phase_end" and e["phase"] == "inner" and e["cluster"] == c]
+        for rid in (f"c{c}r0", f"c{c}r1"):
+            drawn = [stop - start for start, stop, kind in data["spans"][rid] if kind == "inner"]
+            assert drawn == pytest.approx(said), rid
+        assert len([1 for _, _, k in data["spans"][f"c{c}r0"] if k == "outer_commit"]) == 3
+    assert [k for _, _, k in data["spans"]["c0r1"]].count("outer") == 0
+    assert [k for _, _, k in data["spans"]["c1r0"]].count("outer") == 3

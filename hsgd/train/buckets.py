@@ -1,0 +1,195 @@
+"""Overlapped, bucketed gradient all-reduce for inner `ddp` (what torch's DDP reducer does, on a
+LevelGroup that is re-formed every epoch).
+
+Protocol (one inner step):
+    buckets = GradBuckets(params, bucket_mb)     # once: registers a post-accumulate-grad hook per param
+    buckets.arm(inner)                           # before the LAST micro-batch's backward
+    loss.backward()                              # hooks copy each grad into its bucket; a full bucket
+                                                 # is launched at once (sum all-reduce, level "inner")
+    buckets.finish()                             # before the optimizer step: launches what is left,
+                                                 # waits every bucket, writes the means into p.grad
+After a failure anywhere in between, `disarm()` drops the in-flight work (never raises).
+
+- Buckets hold parameters in reverse order (gradients become ready roughly from the last layer to
+  the first during backward), at most `bucket_mb` MB each (a parameter larger than that is a bucket
+  of its own), one dtype and device per bucket.
+- Buckets are launched strictly in bucket order, on every member alike (a bucket that is full
+  waits for the ones before it): gloo and NCCL match collectives by their order.
+- All buckets of a step are ONE logical collective of level "inner" (comm.Overlapped): the
+  process's one-collective guard is held from the first launch to finish/disarm.
+- Failures: a hook never raises (an error during backward would escape as the autograd engine's
+  own type); it records the CollectiveError and launches nothing more; `finish` raises it. A peer's
+  death mid-backward fails its buckets within the collective timeout (gloo: at once), so the
+  survivor's `finish` raises CollectiveError; the inner group is then aborted until re-formed.
+- A group of one launches nothing and leaves p.grad as it is (it already is the mean).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hsgd.train.comm import CollectiveError, LevelGroup, Overlapped
+
+
+def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices into `params`, grouped into buckets in reverse parameter order: a bucket closes when
+    the next parameter would take it past `bucket_bytes`, or changes dtype or device."""
+    buckets: list[list[int]] = []
+    size, key = 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes, pkey = p.numel() * p.element_size(), (p.dtype, p.device)
+        if not buckets or pkey != key or (size + nbytes > bucket_bytes and size > 0):
+            buckets.append([])
+            size, key = 0, pkey
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+class _Bucket:
+    __slots__ = ("index", "members", "offsets", "numel", "flat", "ready", "result")
+
+    def __init__(self, index: int, members: list[int], params: list[torch.Tensor]):
+        self.index, self.members = index, members
+        self.offsets, offset = {}, 0
+        for i in members:
+            self.offsets[i] = offset
+            offset += params[i].numel()
+        self.numel = offset
+        first = params[members[0]]
+        self.flat = torch.empty(offset, dtype=first.dtype, device=first.device)
+        self.ready: set[int] = set()
+        self.result: torch.Tensor | None = None
+
+
+class GradBuckets:
+    """Buckets of comm.bucket_mb launched from backward hooks as they fill (level 'inner'), waited
+    before the optimizer step. See the module docstring for the protocol."""
+
+    def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float):
+        self.params = [p for p in params if p.requires_grad]  # a frozen parameter has no gradient to sync
+        assert len({id(p) for p in self.params}) == len(self.params), "a parameter is listed twice"
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.buckets = [_Bucket(k, m, self.params) for k, m in enumerate(assign_buckets(self.params,
+                                                                                          self.bucket_bytes))]
+        self._bucket_of = {i: b for b in self.buckets for i in b.members}
+        self._lock = threading.Lock()  # hooks may run on autograd's device threads
+        self._op: Overlapped | None = None
+        self._next = 0  # the next bucket to launch (strict bucket order)
+        self._error: BaseException | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+
+    # -- the protocol ---------------------------------------------------------------------------------
+    def arm(self, group: LevelGroup) -> None:
+        """Before the last micro-batch's backward: from now on, hooks launch full buckets on `group`.
+        Raises WrongLevelError (not the inner group) or CollectiveError (group not usable) at once.
+        A group of one arms nothing."""
+        self.disarm()
+        if group.world_size == 1:
+            group._check("inner")
+            return
+        op = group.overlapped(level="inner")
+        with self._lock:
+            self._op, self._next, self._error = op, 0, None
+            for b in self.buckets:
+                b.ready.clear()
+                b.result = None
+
+    @property
+    def armed(self) -> bool:
+        return self._op is not None
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet (a parameter without a gradient this step counts as
+        zeros, and gets the mean like every other, so members stay alike),
+        wait every bucket, write the means into p.grad. Raises CollectiveError on any failure or
+        timeout (then everything is dropped as by `disarm`). Does nothing when not armed."""
+        op = self._op
+        if op is None:
+            return
+        try:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                for b in self.buckets[self._next:]:
+                    for i in b.members:
+                        if i not in b.ready:
+                            self._fill(b, i)
+                self._launch_ready()
+                if self._error is not None:
+                    raise self._error
+            op.wait_all()
+            n = op.group.world_size
+            with torch.no_grad():
+                for b in self.buckets:
+                    b.result.div_(n)
+                    for i in b.members:
+                        p = self.params[i]
+                        mean = b.result[b.offsets[i]:b.offsets[i] + p.numel()].view_as(p)
+                        if p.grad is None:
+                            p.grad = mean.to(p.device, copy=True)
+                        else:
+                            p.grad.copy_(mean)
+        except BaseException:
+            self.disarm()
+            raise
+        self._op = None
+
+    def disarm(self) -> None:
+        """Drop in-flight work after a failure (the inner group is aborted when anything was in
+        flight). Never raises."""
+        with self._lock:
+            op, self._op = self._op, None
+            if op is not None and op.pending:
+                for b in self.buckets:  # an aborted op may still write into the old buffers
+                    b.flat = torch.empty_like(b.flat)
+        if op is not None:
+            op.abandon()
+
+    def close(self) -> None:
+        """Remove the hooks (the model no longer reports its gradients here)."""
+        self.disarm()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    def _hook_for(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self._op is None:
+                return
+            with self._lock:
+                if self._op is None or self._error is not None:
+                    return
+                b = self._bucket_of[i]
+                if b.index < self._next or i in b.ready:
+                    return  # already launched (a second backward while armed); its copy stands
+                self._fill(b, i)
+                self._launch_ready()
+        return hook
+
+    def _fill(self, b: _Bucket, i: int) -> None:
+        p = self.params[i]
+        view = b.flat[b.offsets[i]:b.offsets[i] + p.numel()]
+        with torch.no_grad():
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.detach().reshape(-1))
+        b.ready.add(i)
+
+    def _launch_ready(self) -> None:
+        """Launch full buckets in bucket order; record (never raise) a failure."""
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members):
+            b = self.buckets[self._next]
+            try:
+                b.result = self._op.launch(b.flat)
+            except CollectiveError as err:
+                self._error = err
+                return
+            except Exception as err:  # noqa: BLE001 — e.g. OverlappingCollectiveError: raised at finish
+                self._error = err
+                return
+            self._next += 1

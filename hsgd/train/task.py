@@ -1,0 +1,158 @@
+"""What a run trains: the model, its data and its loss, each named by a Hydra-style `_target_`.
+
+    model: {_target_: hsgd.train.model.build_gpt, args: {...}}   -> an nn.Module
+    data:  {_target_: hsgd.train.data.build_dataset, args: {...}} -> a Dataset (below)
+    loss:  {_target_: hsgd.train.model.lm_loss, args: {...}}      -> loss_fn(model, batch) -> scalar
+
+A `_target_` is a dotted path `package.module.callable`, imported where the replica runs (the
+module must be importable there: the launch directory or the job's working directory is on the
+path). The factory is called as `target(**args, **context)`, where `context` holds what hsgd
+knows and the factory may want; only the context names its signature accepts are passed (all of
+them if it takes **kwargs), so a factory names just what it uses:
+
+    model context: model_cfg (cfg.model), vocab_size (the dataset's, may be None)
+    data context:  data_cfg (cfg.data), block_size (cfg.model.block_size), batch_size, seed
+
+A name in `args` that is also a context name is refused (ValueError): hsgd supplies it.
+
+The DATASET CONTRACT. A Dataset has
+    source: str                    where the data comes from (for the record)
+    vocab_size: int | None         the token vocabulary, or None for data that is not tokens
+    batch(split, *, seed, replica_index, step, micro) -> batch
+        split "train" or "val". PURE in its arguments: the same call gives the same batch in any
+        process at any time, so a healed or restarted replica reads exactly the stream it would
+        have read (a replica carries no data-loader state; its data position IS its step).
+        A batch is a tensor, or a tuple/list/dict of tensors, on the CPU; the trainer moves it to
+        the device and hands it to the loss as it is.
+    tokens_per_batch: int          optional: what one batch counts for the tokens/s figures
+                                   (default batch_size * block_size)
+Training draws batch("train", seed=cfg.seed, replica_index=<global replica index>, step=<global
+inner step>, micro=<0..grad_accum-1>); evaluation draws batch("val", seed=1234, replica_index=-1,
+step=i, micro=0) for i < train.eval_batches, the same batches for every replica and run.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import uuid
+from typing import Any, Callable, Protocol
+
+import torch
+
+EVAL_SEED = 1234  # evaluation batches: stream replica_index=-1 of this seed, never a training stream
+
+
+class Dataset(Protocol):
+    source: str
+    vocab_size: int | None
+
+    def batch(self, split: str, *, seed: int, replica_index: int, step: int, micro: int) -> Any: ...
+
+
+def resolve(path: str, field: str) -> Callable:
+    """The callable a dotted `_target_` names. Raises ValueError (one line naming `field`)."""
+    module_name, _, name = str(path).rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"{field}={path!r}: expected a dotted path package.module.callable")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 — ImportError, or the user's module failing on import
+        raise ValueError(f"{field}={path!r}: cannot import {module_name} ({type(err).__name__}: {err}); "
+                         f"the module must be importable where the replicas run") from err
+    target = getattr(module, name, None)
+    if not callable(target):
+        raise ValueError(f"{field}={path!r}: {module_name} has no callable {name!r}")
+    return target
+
+
+def _plain(args: Any) -> dict:
+    """`args` as a plain dict (an OmegaConf node becomes Python containers)."""
+    if args is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(args, DictConfig):
+            return dict(OmegaConf.to_container(args, resolve=True))
+    except ImportError:  # a bare GPU box may run the trainer on the typed schema alone
+        pass
+    return dict(args)
+
+
+def call(target: Callable, args: Any, context: dict, field: str) -> Any:
+    """target(**args, **the context names target accepts)."""
+    args = _plain(args)
+    clash = sorted(set(args) & set(context))
+    if clash:
+        raise ValueError(f"{field}.args: {clash} are supplied by hsgd ({', '.join(sorted(context))}); remove them")
+    params = inspect.signature(target).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        wanted = dict(context)
+    else:
+        names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                      inspect.Parameter.KEYWORD_ONLY)}
+        wanted = {k: v for k, v in context.items() if k in names}
+    return target(**args, **wanted)
+
+
+def build_dataset(cfg: Any) -> Dataset:
+    data = cfg.data
+    dataset = call(resolve(data._target_, "data._target_"), data.args,
+                   {"data_cfg": data, "block_size": cfg.model.block_size, "batch_size": data.batch_size,
+                    "seed": cfg.seed}, "data")
+    if not callable(getattr(dataset, "batch", None)):
+        raise ValueError(f"data._target_={data._target_!r} returned {type(dataset).__name__}, which has no "
+                         f"batch(split, *, seed, replica_index, step, micro)")
+    return dataset
+
+
+def build_model(cfg: Any, vocab_size: int | None) -> torch.nn.Module:
+    """The model. Call torch.manual_seed(seed) first for identical initial params everywhere."""
+    model = call(resolve(cfg.model._target_, "model._target_"), cfg.model.args,
+                 {"model_cfg": cfg.model, "vocab_size": vocab_size}, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model._target_={cfg.model._target_!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def build_loss(cfg: Any) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    """loss_fn(model, batch) -> scalar tensor, with loss.args bound."""
+    return functools.partial(resolve(cfg.loss._target_, "loss._target_"), **_plain(cfg.loss.args))
+
+
+def tokens_per_batch(dataset: Any, cfg: Any) -> int:
+    return int(getattr(dataset, "tokens_per_batch", None) or cfg.data.batch_size * cfg.model.block_size)
+
+
+def to_device(batch: Any, device: str) -> Any:
+    """Move a batch (a tensor, or a tuple/list/dict of them) to `device`. On CUDA through pinned
+    memory without blocking the host: the copy is ordered on the stream before the step's kernels."""
+    if isinstance(batch, torch.Tensor):
+        if device.startswith("cuda"):
+            return batch.pin_memory().to(device, non_blocking=True)
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def save_model(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write named tensors as safetensors at `path` (under a temporary name, renamed into place:
+    a reader never sees half a file). Returns the bytes written. Load it back with
+    `model.load_state_dict(safetensors.torch.load_file(path), strict=False)` (a tied weight is
+    stored once, under its first name)."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return os.path.getsize(path)

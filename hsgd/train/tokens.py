@@ -1,0 +1,319 @@
+"""Token files as the field uses them: nanoGPT's `train.bin` / `val.bin`, read through `np.memmap`.
+
+Format (nanoGPT's): a flat array of token ids, little-endian `uint16` (vocabularies up to 65,536) or
+`uint32` (larger ones), no header. `train.bin` is sampled for training, `val.bin` for evaluation.
+A `meta.json` beside them (written by `python -m jobs.prepare`) names the vocabulary:
+  {"format": "hsgd-tokens/1", "vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"|"char",
+   "chars": [...] (char tokenizer only), "train_tokens": N, "val_tokens": M, "source": "..."}
+Without meta.json (GPT-2's .bin files from nanoGPT), `data.vocab_size` names the vocabulary and the
+dtype follows from it. nanoGPT's `meta.pkl` is a pickle — loading one runs arbitrary code — so it is
+never loaded; a folder with only a meta.pkl is refused with a line saying so.
+
+Nothing is read whole: the files are memory-mapped read-only (shared, clean pages: the OS drops
+them under pressure, and they do not count against RLIMIT_DATA), a batch copies only its windows.
+Checks are bounded: byte length a multiple of the dtype, each split long enough for one block, and
+token ids below the vocabulary in a bounded sample (`open_token_folder`) or in the whole val file
+plus a larger train sample (`scan_token_ids`, chunked reads into one fixed buffer). Every error is
+one line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
+
+`prepare_tokens` writes such a folder from text (byte-level: vocabulary 256, or char-level: the
+sorted characters of the text, the ids `load_corpus` gives the same text), streaming in chunks,
+each file written under a temporary name and renamed into place.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+META = "meta.json"
+FORMAT = "hsgd-tokens/1"
+SPLITS = ("train", "val")
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKENIZERS = ("byte", "char")
+TEXT_ACCEPTED = "a .txt file, a .xz/.gz compressed text file, or a folder of *.txt files"
+SCAN_BUFFER_BYTES = 16 << 20  # the one buffer a full scan reads through
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """nanoGPT's convention: uint16 while every id fits, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_token_folder(path: str | os.PathLike) -> bool:
+    """A folder that holds (or means to hold) token files rather than text."""
+    p = Path(path).expanduser()
+    return p.is_dir() and any((p / name).exists() for name in ("train.bin", "val.bin", META, "meta.pkl"))
+
+
+@dataclass(frozen=True)
+class TokenFiles:
+    """A checked token folder: where the files are and how to read them (no open handles, so it
+    pickles as a few strings; memmaps are opened where the batches are drawn)."""
+    folder: str
+    source: str  # data.path as the user wrote it, for messages
+    dtype: str  # "uint16" | "uint32"
+    vocab_size: int  # what the model's embedding must hold (data.vocab_size when set)
+    tokens: dict  # split -> token count
+    meta: dict  # meta.json's contents, {} without one
+
+    def path(self, split: str) -> Path:
+        return Path(self.folder) / f"{split}.bin"
+
+    def memmap(self, split: str) -> np.memmap:
+        return np.memmap(self.path(split), dtype=DTYPES[self.dtype], mode="r", shape=(self.tokens[split],))
+
+
+def _fail(field: str, value, problem: str, exc=ValueError):
+    return exc(f"{field}={value!r}: {problem}")
+
+
+def _read_meta(folder: Path, source: str) -> dict:
+    meta_path = folder / META
+    if not meta_path.exists():
+        return {}
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise _fail("data.path", source, f"cannot read {meta_path.name} ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:120]})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
+        raise _fail("data.path", source, f"{meta_path.name} has no positive integer vocab_size")
+    if meta.get("dtype", dtype_for_vocab(meta["vocab_size"])) not in DTYPES:
+        raise _fail("data.path", source, f"{meta_path.name} dtype {meta.get('dtype')!r} is not one of {list(DTYPES)}")
+    return meta
+
+
+def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
+                      sample_tokens: int = 1 << 20) -> TokenFiles:
+    """Check a token folder cheaply and describe it. Raises FileNotFoundError / ValueError, one line
+    naming `data.path` (files, lengths, ids) or `data.vocab_size` (missing, too small)."""
+    folder = Path(path).expanduser()
+    meta = _read_meta(folder, path)
+    missing = [f"{s}.bin" for s in SPLITS if not (folder / f"{s}.bin").is_file()]
+    if missing:
+        raise _fail("data.path", path, f"token folder without {' and '.join(missing)}; a token folder holds "
+                    "train.bin and val.bin (write one with `python -m jobs.prepare <text> <folder>`)",
+                    FileNotFoundError)
+    if meta:
+        data_vocab = meta["vocab_size"]
+        if vocab_size is not None and vocab_size < data_vocab:
+            raise _fail("data.vocab_size", vocab_size, f"is smaller than the {data_vocab} tokens {META} "
+                        f"in {path!r} names; leave it null or make it >= {data_vocab}")
+        vocab = vocab_size or data_vocab
+        dtype = meta.get("dtype", dtype_for_vocab(data_vocab))
+    elif vocab_size is None:
+        pkl = " (its meta.pkl is a pickle and is never loaded)" if (folder / "meta.pkl").exists() else ""
+        raise ValueError(f"data.vocab_size=null: data.path={path!r} has train.bin/val.bin but no {META}{pkl}; "
+                         "set data.vocab_size to the tokenizer's vocabulary (50257 for GPT-2), or write the "
+                         "folder with `python -m jobs.prepare`")
+    else:
+        vocab = data_vocab = vocab_size
+        dtype = dtype_for_vocab(vocab_size)
+    itemsize = DTYPES[dtype].itemsize
+    tokens = {}
+    for split in SPLITS:
+        size = (folder / f"{split}.bin").stat().st_size
+        if size % itemsize:
+            raise _fail("data.path", path, f"{split}.bin holds {size} bytes, not a whole number of {dtype} "
+                        f"tokens ({itemsize} bytes each); truncated, or not {dtype} token ids")
+        tokens[split] = size // itemsize
+        if tokens[split] < block_size + 1:
+            raise _fail("data.path", path, f"{split}.bin holds {tokens[split]} tokens; it needs more than "
+                        f"model.block_size={block_size}")
+        if meta.get(f"{split}_tokens", tokens[split]) != tokens[split]:
+            raise _fail("data.path", path, f"{split}.bin holds {tokens[split]} tokens but {META} says "
+                        f"{meta[f'{split}_tokens']}; the folder is half-written or mixed up")
+    files = TokenFiles(folder=str(folder), source=path, dtype=dtype, vocab_size=vocab, tokens=tokens, meta=meta)
+    for split in SPLITS:
+        check_ids(files, split, sample_tokens=sample_tokens, limit=data_vocab)
+    return files
+
+
+def _windows(n: int, sample_tokens: int, window: int = 1 << 16) -> Iterator[tuple[int, int]]:
+    """(start, count) windows spread evenly over n tokens, about sample_tokens in all (all of it
+    when n is smaller): the head, the tail and what lies between."""
+    if n <= sample_tokens:
+        yield 0, n
+        return
+    k = max(2, sample_tokens // window)
+    for i in range(k):
+        start = (n - window) * i // (k - 1)
+        yield start, window
+
+
+def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
+    """(max id, its position) over token ranges, read by chunks into one fixed buffer."""
+    dtype = DTYPES[files.dtype]
+    buf = np.empty(SCAN_BUFFER_BYTES // dtype.itemsize, dtype=dtype)
+    best, where = -1, -1
+    with open(files.path(split), "rb", buffering=0) as f:
+        for start, count in ranges:
+            done = 0
+            while done < count:
+                n = min(count - done, len(buf))
+                f.seek((start + done) * dtype.itemsize)
+                got = f.readinto(memoryview(buf[:n]).cast("B")) // dtype.itemsize
+                if got <= 0:
+                    break
+                i = int(buf[:got].argmax())
+                if int(buf[i]) > best:
+                    best, where = int(buf[i]), start + done + i
+                done += got
+    return best, where
+
+
+def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit: int | None = None) -> None:
+    """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
+    token id in the scanned part of `split` is >= the vocabulary. sample_tokens=None scans the
+    whole file (bounded memory: one SCAN_BUFFER_BYTES buffer)."""
+    n = files.tokens[split]
+    ranges = [(0, n)] if sample_tokens is None else list(_windows(n, sample_tokens))
+    best, where = _scan(files, split, ranges)
+    limit = files.vocab_size if limit is None else limit
+    if best >= limit:
+        if files.meta:
+            raise _fail("data.path", files.source, f"{split}.bin holds token id {best} at token {where}, but "
+                        f"{META} says vocab_size={limit}; the files do not match their meta.json")
+        raise _fail("data.vocab_size", files.vocab_size, f"{split}.bin in data.path={files.source!r} holds "
+                    f"token id {best} at token {where}; data.vocab_size must be > {best}")
+
+
+def scan_token_ids(files: TokenFiles, *, train_sample_tokens: int = 64 << 20) -> None:
+    """The thorough check before a run starts: every id of val.bin and a large sample of train.bin."""
+    check_ids(files, "val", sample_tokens=None)
+    check_ids(files, "train", sample_tokens=train_sample_tokens)
+
+
+# ----------------------------------------------------------------------------- writing token files
+
+def text_files(src: str, field: str = "data.path") -> list[Path]:
+    """The text files `load_corpus` reads for `src`, in its order (one file, or a folder's *.txt
+    sorted by relative path)."""
+    p = Path(src).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted((f for f in p.rglob("*.txt") if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
+        if not files:
+            raise FileNotFoundError(f"{field}={src!r} is a folder with no *.txt files; expected {TEXT_ACCEPTED}")
+        return files
+    raise FileNotFoundError(f"{field}={src!r} does not exist; expected {TEXT_ACCEPTED}")
+
+
+def iter_text(files: list[Path], source: str, chunk_chars: int = 1 << 22, field: str = "data.path") -> Iterator[str]:
+    """The text of `files` in chunks, joined as `load_corpus` joins them ("\\n\\n" between files),
+    newlines normalised to \\n (universal newlines, also across chunk edges)."""
+    for k, file in enumerate(files):
+        if k:
+            yield "\n\n"
+        opener = {".xz": lzma.open, ".gz": gzip.open}.get(file.suffix, open)
+        try:
+            with opener(file, "rt", encoding="utf-8") as f:
+                while chunk := f.read(chunk_chars):
+                    yield chunk
+        except (UnicodeDecodeError, lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+            raise ValueError(f"{field}={source!r}: cannot read {file} as UTF-8 text "
+                             f"({type(e).__name__}); expected {TEXT_ACCEPTED}") from None
+
+
+def _codepoints(chunk: str) -> np.ndarray:
+    return np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")  # (n,) no BOM
+
+
+def _encode_chunk(chunk: str, tokenizer: str, table: np.ndarray | None) -> np.ndarray:
+    if tokenizer == "byte":
+        return np.frombuffer(chunk.encode("utf-8"), dtype=np.uint8)
+    return table[_codepoints(chunk)]
+
+
+def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction: float = 0.1,
+                   progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Tokenize the text at `src` into `out`/train.bin, val.bin and meta.json; returns the meta.
+
+    Two streaming passes over the text (count, and for `char` collect the characters; then encode
+    and write), so memory stays bounded by one chunk whatever the corpus size. The split is by
+    position as in `load_corpus`: the first int(N * (1 - val_fraction)) tokens train. Each file is
+    written under a temporary name and renamed; meta.json goes last (after any old one is removed),
+    so a folder with a meta.json is complete. `progress(pass_name, chars_done, chars_total)` is
+    called after each chunk. Raises FileNotFoundError / ValueError, one line."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"--tokenizer={tokenizer!r}: must be one of {list(TOKENIZERS)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"--val-fraction={val_fraction}: must be in (0, 1)")
+    files = text_files(src, field="src")
+    out_dir = Path(out).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"out={out!r} exists and is not a folder")
+    report = progress or (lambda *_: None)
+
+    # pass 1: how many tokens, and (char) which characters
+    n_chars = n_tokens = 0
+    seen = np.zeros(0, dtype=bool)
+    for chunk in iter_text(files, src, field="src"):
+        n_chars += len(chunk)
+        if tokenizer == "byte":
+            n_tokens += len(chunk.encode("utf-8"))
+        else:
+            cps = _codepoints(chunk)
+            n_tokens += len(cps)
+            top = int(cps.max()) + 1 if len(cps) else 0
+            if top > len(seen):
+                seen = np.concatenate([seen, np.zeros(top - len(seen), dtype=bool)])
+            seen[cps] = True
+        report("count", n_chars, 0)
+    if tokenizer == "byte":
+        vocab, chars, table = 256, None, None
+    else:
+        uniq = np.flatnonzero(seen)  # sorted codepoints present: the load_corpus vocabulary
+        chars = [chr(c) for c in uniq]
+        vocab = len(chars)
+        table = np.zeros(len(seen), dtype=np.int64)
+        table[uniq] = np.arange(vocab)
+    dtype = DTYPES[dtype_for_vocab(vocab)]
+    n_train = int(n_tokens * (1.0 - val_fraction))
+    if min(n_train, n_tokens - n_train) < 2:
+        raise ValueError(f"src={src!r}: {n_tokens} tokens at --val-fraction={val_fraction} leave "
+                         f"train={n_train}, val={n_tokens - n_train}; too little text")
+
+    # pass 2: encode and write, switching from train to val at n_train
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = {s: out_dir / f".{s}.bin.tmp-{tag}" for s in SPLITS}
+    try:
+        with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
+            written, done_chars = 0, 0
+            for chunk in iter_text(files, src, field="src"):
+                ids = _encode_chunk(chunk, tokenizer, table).astype(dtype)
+                cut = min(len(ids), max(0, n_train - written))
+                ftrain.write(ids[:cut].tobytes())
+                fval.write(ids[cut:].tobytes())
+                written += len(ids)
+                done_chars += len(chunk)
+                report("write", done_chars, n_chars)
+            for f in (ftrain, fval):
+                f.flush()
+                os.fsync(f.fileno())
+        if written != n_tokens:
+            raise ValueError(f"src={src!r} changed while it was read ({n_tokens} tokens, then {written})")
+        (out_dir / META).unlink(missing_ok=True)
+        for s in SPLITS:
+            os.replace(tmp[s], out_dir / f"{s}.bin")
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
+    meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype_for_vocab(vocab), "tokenizer": tokenizer,
+            "train_tokens": n_train, "val_tokens": n_tokens - n_train, "source": str(src)}
+    if chars is not None:
+        meta["chars"] = chars
+    meta_tmp = out_dir / f".{META}.tmp-{tag}"
+    meta_tmp.write_text(json.dumps(meta, ensure_ascii=True), encoding="utf-8")
+    os.replace(meta_tmp, out_dir / META)
+    return meta
