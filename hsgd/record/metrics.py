@@ -130,30 +130,25 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     for i, down in enumerate(downs):
         if i in claimed:
             continue
-        rid, t = down["rid"], down["t"]
-        recovered, heal = _recovery_and_heal(events, rid, t)
-        figures.append({
-            "source": "observed", "rid": rid, "kind": "observed", "cause": down.get("cause"),
-            "phase": down.get("phase"), "round": down.get("round"), "step": None,
-            "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": "replica_down",
-            "recovery_latency_s": None if recovered is None else recovered["t"] - t,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes"),
-        })
+        figures.append(_observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down"))
     for i, e in enumerate(non_finite):
         if i in explained:
             continue
-        rid, t = e["rid"], e["t"]
-        recovered, heal = _recovery_and_heal(events, rid, t)
-        figures.append({
-            "source": "observed", "rid": rid, "kind": "observed", "cause": "non_finite",
-            "phase": e.get("phase"), "round": e.get("round"), "step": None,
-            "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": "non_finite",
+        figures.append(_observed_fault(events, e, cause="non_finite", detected_by="non_finite"))
+    return figures
+
+
+def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detected_by: str) -> dict:
+    """A fault entry for a failure no injected fault explains (`seen`: its replica_down or
+    non_finite event): detected when seen, recovery and heal read from the events after it."""
+    rid, t = seen["rid"], seen["t"]
+    recovered, heal = _recovery_and_heal(events, rid, t)
+    return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
+            "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
+            "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": detected_by,
             "recovery_latency_s": None if recovered is None else recovered["t"] - t,
             "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes"),
-        })
-    return figures
+            "heal_bytes": None if heal is None else heal.get("bytes")}
 
 
 def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],

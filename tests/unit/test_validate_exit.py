@@ -21,14 +21,6 @@ def binary_file(tmp_path):
     return path
 
 
-@pytest.fixture
-def no_wandb_credentials(monkeypatch, tmp_path):
-    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
-
-
 # Each from issue 19's "Values that pass validation and then break a run".
 BAD_VALUES = [
     ("comm.timeout_s=nan", "comm.timeout_s"),

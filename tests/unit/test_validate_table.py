@@ -181,15 +181,6 @@ def test_a_target_that_does_not_import_to_a_callable_is_one_line(path, target, w
     assert words in str(info.value) and repr(target) in str(info.value)
 
 
-@pytest.fixture
-def no_wandb_credentials(monkeypatch, tmp_path):
-    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
-    return tmp_path
-
-
 def test_wandb_online_without_credentials_is_refused(no_wandb_credentials):
     with pytest.raises(ConfigError) as info:
         validate(_cfg(**{"logging.wandb.mode": "online"}))
