@@ -26,6 +26,26 @@ class HealAssignment:
     scope: str  # "full" | "global"
 
 
+def assign_cluster_heals(members: dict[str, tuple[int, int]],
+                         donors: dict[str, tuple[int, int]]) -> list[HealAssignment]:
+    """The heals of one cluster. `members`: its live members' (round, step), in id order;
+    `donors`: replicas of other clusters it may take the global state from when none of its own
+    holds the top round (the top round of members and donors alike)."""
+    if not members:
+        return []
+    top_round = max(p[0] for p in (*members.values(), *donors.values()))
+    at_top = [rid for rid, p in members.items() if p[0] == top_round]
+    if at_top:
+        # furthest step first, then lowest id: a deterministic source
+        source = min(at_top, key=lambda r: (-members[r][1], parse_replica_id(r)))
+        return [HealAssignment(rid, source, "full") for rid, p in members.items() if p < members[source]]
+    candidates = [rid for rid, p in donors.items() if p[0] == top_round and rid not in members]
+    if not candidates:
+        return []
+    source = min(candidates, key=parse_replica_id)
+    return [HealAssignment(rid, source, "global") for rid in members]
+
+
 def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan,
                  donors: dict[str, tuple[int, int]] | None = None) -> list[HealAssignment]:
     """progress: rid -> (round, step) for the plan's live members (and any donors). `donors`:
@@ -38,18 +58,9 @@ def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan,
     top_round = max([progress[rid][0] for rid in members] + [p[0] for p in pool.values()])
     heals: list[HealAssignment] = []
     for cluster in sorted(plan.members):
-        own = [rid for rid in plan.members[cluster] if rid in progress]
-        at_top = [rid for rid in own if progress[rid][0] == top_round]
-        if at_top:
-            # furthest step first, then lowest id: a deterministic source
-            source = min(at_top, key=lambda r: (-progress[r][1], parse_replica_id(r)))
-            for rid in own:
-                if progress[rid] < progress[source]:
-                    heals.append(HealAssignment(rid, source, "full"))
-        else:
-            candidates = [rid for rid, p in pool.items() if p[0] == top_round and rid not in own]
-            if not candidates:
-                continue
-            source = min(candidates, key=parse_replica_id)
-            heals.extend(HealAssignment(rid, source, "global") for rid in own)
+        own = {rid: progress[rid] for rid in plan.members[cluster] if rid in progress}
+        # every cluster measures against the same top round: a donor pool at it stands for it
+        at_top = {rid: p for rid, p in pool.items() if p[0] == top_round} or \
+            {rid: progress[rid] for rid in members if progress[rid][0] == top_round}
+        heals += assign_cluster_heals(own, {rid: p for rid, p in at_top.items() if rid not in own})
     return heals

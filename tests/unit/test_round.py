@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hsgd.core.round import Outcome, PhaseResult, RoundMachine, RoundSettings, forms_group
+from hsgd.core.round import (AbortJoin, Answer, ErrorKind, Kill, Lost, Outcome, Phase, Progress, RoundMachine,
+                             RoundSettings, StateReady, StepTimed, Up, Yield, forms_group)
 from hsgd.core.topology import Topology
 
 SPR = 10  # inner steps per round
@@ -110,6 +111,8 @@ class World:
         self.halted = False
         self.issued: list[Issued] = []
         self.kills: list[tuple[float, str]] = []
+        self.aborts: list[tuple[float, AbortJoin]] = []
+        self._rendezvous: dict[str, set[str]] = {}  # group prefix -> members waiting in its rendezvous
         self.violations: list[str] = []
         self.trace: list[str] | None = None  # set to [] to record what happened, for debugging
         self.running: set[str] = set()  # replicas in an inner phase (progress is polled)
@@ -265,11 +268,11 @@ class World:
                 self.now = next_tick
                 next_tick += TICK_S
                 self._poll_progress()
-                self.carry_out(m.on_tick(self.now))
+                self.carry_out(m.tick(self.now))
             if self.now > t_end:
                 raise AssertionError(f"round {m.round} did not finish in {limit_s}s of simulated time: "
                                      f"stages {[st.stage for st in m.clusters.values()][:20]}, outer {m.outer_stage}, "
-                                     f"in flight {[(f.action.kind, sorted(m._pending(f))[:5]) for f in m.inflight.values()][:10]}")
+                                     f"in flight {[(f.phase.kind, sorted(f.pending)[:5]) for f in m.inflight.values()][:10]}")
         self.m = None
 
     def drain(self) -> None:
@@ -296,20 +299,27 @@ class World:
             step = self._pos_now(rep)[1]
             if step > self.reported.get(rid, -1):
                 self.reported[rid] = step
-                m.on_progress(rid, step, self.now)
+                self.carry_out(m.observe(Progress(rid, step), self.now))
 
     def carry_out(self, actions) -> None:
         for a in actions:
             if self.halted or a.kind in self.halt_before:
                 self.halted = True  # the supervisor died: nothing more is carried out
                 return
-            if a.kind == "kill":
-                (rid, _), = a.calls.items()
-                self.kills.append((self.now, rid))
-                self._kill(rid, a.reason)
+            if isinstance(a, StepTimed):
                 continue
-            if a.kind == "yield":  # on the control channel: the members are busy in run_inner
-                self.issued.append(Issued(self.gen, self.now, a, {rid: self.reps[rid].pos for rid in a.calls}))
+            if isinstance(a, AbortJoin):  # the rendezvous of a.prefix releases whoever still waits in it
+                self.aborts.append((self.now, a))
+                self._abort_join(a)
+                continue
+            if isinstance(a, Kill):
+                self.kills.append((self.now, a.rid))
+                self._kill(a.rid, a.reason)
+                continue
+            if a.kind == "reap":
+                continue
+            if isinstance(a, Yield):  # on the control channel: the members are busy in run_inner
+                self.issued.append(Issued(self.gen, self.now, a, {rid: self.reps[rid].pos for rid in a.rids}))
                 self._yield(a)
                 continue
             for fn in self.hooks.get(a.kind, []):
@@ -331,7 +341,8 @@ class World:
         """Members in run_inner stop at the first step boundary at or after the one asked (as
         actors/replica.py does) and answer `yielded`, unless their phase ends or fails before it;
         a fault due after that boundary fires in the next run instead."""
-        for rid, (_epoch, r, at) in sorted(a.calls.items()):
+        r, at = a.round, a.at_step
+        for rid in sorted(a.rids):
             rep = self.reps[rid]
             if not rep.alive or rep.run is None or rep.call is None or rep.hung and rep.hang_at <= self.now:
                 continue
@@ -348,6 +359,14 @@ class World:
             if self.trace is not None:
                 self.trace.append(f"t={self.now:.2f} yield {rid} at {y}")
             self._push(max(0.0, t0 + (y - s0) * dt - self.now) + 0.01, rep, Outcome.YIELDED, new=(r, y))
+
+    def _abort_join(self, a: AbortJoin) -> None:
+        """Members still waiting in the rendezvous of a.prefix leave it now (collective_failed)."""
+        for rid in sorted(self._rendezvous.pop(a.prefix, ())):
+            rep = self.reps[rid]
+            if rep.alive and not rep.hung and rep.call is not None and rep.call[0] == self.gen and rep.token is not None:
+                level = "outer" if "/outer" in a.prefix else "inner"
+                self._push(0.05, rep, CFAILED, effect=lambda rep, level=level: setattr(rep, level, None))
 
     def _kill(self, rid: str, reason: str) -> None:
         rep = self.reps[rid]
@@ -389,8 +408,8 @@ class World:
                 effect(rep)
         actions = []
         if self.m is not None and call[0] == self.gen:
-            result = PhaseResult(call[1], rid, outcome, rep.round if rep.alive else -1, rep.step if rep.alive else -1)
-            actions = self.m.on_result(result, self.now)
+            result = Answer(call[1], rid, outcome, rep.round if rep.alive else -1, rep.step if rep.alive else -1)
+            actions = self.m.observe(result, self.now)
         self.carry_out(actions)
 
     def _move(self, rep: Rep, new: tuple[int, int]) -> None:
@@ -527,11 +546,13 @@ class World:
             elif not self.reps[rid].hung:  # (a hung one answers nothing)
                 live.append(rid)
         if len(live) < len(order) and len(order) > 1:
-            for rid in live:  # the rendezvous waits for the dead one until its timeout
+            for rid in live:  # the rendezvous waits for the dead one until its timeout, or an abort
                 self._simple(a, rid, self.configure_timeout_s, CFAILED, effect=lambda rep: setattr(rep, level, None))
+            self._rendezvous[group[0]] = set(live)
             return False
         kind = f"configure_{level}"
         if any(self._take_faults(rid, kind, a.round) for rid in live):
+            self._rendezvous[group[0]] = set(live)  # a death there leaves the others waiting in it
             self._fail_on_hang_or_death(a, live, kind, a.round, ok_delay=0.2, fail_wait=self.configure_timeout_s,
                                         group_size=len(order), level=level)
             return False
@@ -550,7 +571,7 @@ class World:
                 self._sourcing.setdefault(source, set()).add(target)
                 continue  # the target waits for the state; it never starts, and never answers
             if s.alive and self.m is not None:  # the supervisor saw the source's state arrive
-                self.m.on_heal_state(a.id, source, self.now)
+                self.m.observe(StateReady(a.id, source), self.now)
             if not t.alive:
                 self._simple(a, target, 0.1, DIED)
                 continue
@@ -581,7 +602,7 @@ class World:
         def tell(rep):
             # the supervisor saw the source's ActorDiedError in the target's error: it tells the machine
             if self.report_heal_source_deaths and self.m is not None:
-                self.carry_out(self.m.on_lost(source, self.now))
+                self.carry_out(self.m.observe(Lost(source), self.now))
         return tell
 
     def _do_run_inner(self, a) -> None:
@@ -819,18 +840,18 @@ def test_replica_advancing_after_a_peer_failed_is_not_killed():
                      committed_round=0, configured={0: (0, ("c0r0", "c0r1"))})
     (run,) = m.start(0.0)
     assert run.kind == "run_inner"
-    assert m.on_result(PhaseResult(run.id, "c0r1", CFAILED, 0, 3), 1.0) == []
+    assert m.observe(Answer(run.id, "c0r1", CFAILED, 0, 3), 1.0) == []
     for t in range(2, 200):
-        m.on_progress("c0r0", 3 + t // 5, float(t))  # a step every 5 s, well past the 10 s grace in total
-        assert m.on_tick(float(t) + 0.5) == [], f"killed while advancing at t={t}"
-    actions = m.on_tick(260.0)  # then silent and not advancing: killed once its group's grace is over
-    assert [a.kind for a in actions][:1] == ["kill"] and list(actions[0].calls) == ["c0r0"]
+        m.observe(Progress("c0r0", 3 + t // 5), float(t))  # a step every 5 s, well past the 10 s grace in total
+        assert m.tick(float(t) + 0.5) == [], f"killed while advancing at t={t}"
+    actions = m.tick(260.0)  # then silent and not advancing: killed once its group's grace is over
+    assert [a.kind for a in actions][:1] == ["kill"] and actions[0].rid == "c0r0"
 
 
-def test_a_member_dying_while_its_group_forms_does_not_get_the_waiting_members_killed():
-    """The first run of a round forms c0's group; c0r1 dies in the join. Its peers wait in the
-    rendezvous for the configure timeout (12 s here, longer than the 5 s group grace) and then
-    answer collective_failed: they are healthy and must not be killed meanwhile; c0 re-forms."""
+def test_a_member_dying_in_its_group_s_rendezvous_releases_the_others_at_once():
+    """The first run of a round forms c0's group; c0r1 dies in the join. The machine learns of
+    the death and aborts that rendezvous (AbortJoin), so its peers leave it at once rather than at
+    the configure timeout (12 s here); nobody healthy is killed; c0 re-forms without c0r1."""
     s = make_settings(group_grace_s=5.0, configure_s=20.0)
     w = World(2, 3, settings=s, configure_timeout_s=12.0)
     w.fault("c0r1", "configure_inner", "die", round=0)
@@ -840,8 +861,24 @@ def test_a_member_dying_while_its_group_forms_does_not_get_the_waiting_members_k
     assert m.dead == {"c0r1": "died"}
     first, again = w.forming("inner", 0)
     assert first.action.deadline_s == s.configure_s and list(again.action.calls) == ["c0r0", "c0r2"]
-    assert again.at >= 12.0, "c0 re-forms once its survivors left the rendezvous"
+    (at, abort), = w.aborts
+    assert abort.prefix == first.action.prefix == "epoch1/inner/c0" and abort.dead == ("c0r1",) and abort.cluster == 0
+    assert again.at < 1.0 < 12.0, "c0 re-forms as soon as its survivors were released, not at the configure timeout"
     assert len(w.calls("run_inner", 1)) == 1, "c1 is untouched"
+
+
+def test_a_member_hanging_in_its_group_s_rendezvous_is_not_a_known_death_and_aborts_nothing():
+    """Silence is not death: with c0r1 hung in the join, nobody is known dead, so no rendezvous is
+    aborted; its peers leave at the configure timeout and c0r1 is killed only past its limit."""
+    s = make_settings(group_grace_s=5.0, configure_s=20.0)
+    w = World(2, 3, settings=s, configure_timeout_s=12.0)
+    w.fault("c0r1", "configure_inner", "hang", round=0)
+    m = w.round()
+    assert outcome_of(w, m) == "committed"
+    assert w.aborts == [], "a silent member is not known dead"
+    assert [rid for _, rid in w.kills] == ["c0r1"]
+    first, again = w.forming("inner", 0)
+    assert again.at >= 12.0 and "c0r1" not in again.action.calls
 
 
 def test_silent_not_advancing_replica_is_killed_after_group_grace_once_a_peer_failed():
@@ -1050,7 +1087,7 @@ def test_a_leader_restarted_mid_round_and_leading_again_gets_a_fresh_leaders_gro
 
     def restarted(world):
         world.restart("c1r0")
-        world.carry_out(world.m.on_up("c1r0", 0, 0, world.now))
+        world.carry_out(world.m.observe(Up("c1r0", 0, 0), world.now))
     w.at(w.now + 1.0, restarted)
     w.issued.clear()
     m = w.round()
@@ -1066,10 +1103,11 @@ def test_a_replica_up_while_its_cluster_s_inner_phase_has_failed_waits_for_the_r
     m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, 0) for rid in topo.replica_ids()}, leaders={},
                      epoch=0, committed_round=0)
     run = next(a for a in m.start(0.0) if a.kind == "run_inner")
-    assert m.on_result(PhaseResult(run.id, "c0r1", DIED), 1.0) == []
-    assert m.on_up("c0r1", 0, 0, 2.0) == []  # (it asked the dead one's step before: KeyError)
-    assert m.on_result(PhaseResult(run.id, "c0r0", CFAILED, 0, 3), 2.1) == []
-    heal, = m.on_result(PhaseResult(run.id, "c0r2", CFAILED, 0, 3), 2.2)
+    (abort,) = m.observe(Answer(run.id, "c0r1", DIED), 1.0)  # (the first run forms the group: its rendezvous is released)
+    assert isinstance(abort, AbortJoin) and abort.dead == ("c0r1",)
+    assert m.observe(Up("c0r1", 0, 0), 2.0) == []  # (it asked the dead one's step before: KeyError)
+    assert m.observe(Answer(run.id, "c0r0", CFAILED, 0, 3), 2.1) == []
+    heal, = m.observe(Answer(run.id, "c0r2", CFAILED, 0, 3), 2.2)
     assert heal.kind == "heal" and heal.calls == {"c0r1": ("c0r0", "full")}
 
 
@@ -1143,14 +1181,14 @@ def test_leader_lost_after_its_reduce_answered_commits_without_its_cluster():
             reduce = a
             break
         for rid in a.calls:
-            queue += m.on_result(PhaseResult(a.id, rid, DONE, 0, SPR), 1.0)
+            queue += m.observe(Answer(a.id, rid, DONE, 0, SPR), 1.0)
     assert reduce is not None and sorted(reduce.calls) == ["c0r0", "c1r0"]
-    assert m.on_result(PhaseResult(reduce.id, "c1r0", DONE, 0, SPR), 2.0) == []
-    assert m.on_lost("c1r0", 2.5) == []
-    (commit,) = m.on_result(PhaseResult(reduce.id, "c0r0", DONE, 0, SPR), 3.0)
+    assert m.observe(Answer(reduce.id, "c1r0", DONE, 0, SPR), 2.0) == []
+    assert m.observe(Lost("c1r0"), 2.5) == []
+    (commit,) = m.observe(Answer(reduce.id, "c0r0", DONE, 0, SPR), 3.0)
     assert commit.kind == "outer_commit" and sorted(commit.calls) == ["c0r0", "c0r1"]
     for rid in commit.calls:
-        m.on_result(PhaseResult(commit.id, rid, DONE, 1, SPR), 4.0)
+        m.observe(Answer(commit.id, rid, DONE, 1, SPR), 4.0)
     assert m.outcome == "committed"
 
 
@@ -1225,8 +1263,8 @@ def test_stale_answers_are_ignored():
     w = World(1, 2)
     m = w.machine()
     m.start(0.0)
-    assert m.on_result(PhaseResult(999, "c0r0", DONE, 0, SPR), 1.0) == []
-    assert m.on_result(PhaseResult(0, "c9r9", DONE, 0, SPR), 1.0) == []
+    assert m.observe(Answer(999, "c0r0", DONE, 0, SPR), 1.0) == []
+    assert m.observe(Answer(0, "c9r9", DONE, 0, SPR), 1.0) == []
 
 
 @pytest.mark.parametrize("outer", ["average", "diloco", "none"])
@@ -1246,15 +1284,17 @@ def _machine_in_inner(n=3):
     return m, inner
 
 
-@pytest.mark.parametrize("detail,reaped", [
-    ("inner: allreduce failed: [pair.cc:553] Connection closed by peer [127.0.0.1]:14723", True),
-    ("inner: allreduce failed: Operation timed out!", False),  # a timeout says nothing about who is gone
+@pytest.mark.parametrize("kind,reaped", [
+    (ErrorKind.PEER_GONE, True),
+    (ErrorKind.TIMEOUT, False),  # a timeout says nothing about who is gone
 ])
-def test_a_peer_whose_connection_closed_is_presumed_dead_without_waiting_for_ray(detail, reaped):
+def test_a_peer_whose_connection_closed_is_presumed_dead_without_waiting_for_ray(kind, reaped):
     m, inner = _machine_in_inner()
     for rid in ("c0r0", "c0r1"):
-        assert m.on_result(PhaseResult(inner.id, rid, Outcome.COLLECTIVE_FAILED, 0, 3, detail), 1.0) == []
-    actions = m.on_tick(1.0 + m.settings.presumed_dead_s + 0.01)
+        # the detail is the backend's text, which the machine never reads: only the kind decides
+        assert m.observe(Answer(inner.id, rid, Outcome.COLLECTIVE_FAILED, 0, 3, kind, "Connection closed by peer"),
+                         1.0) == []
+    actions = m.tick(1.0 + m.settings.presumed_dead_s + 0.01)
     if reaped:
         assert [a.kind for a in actions] == ["reap", "run_inner"], actions
         assert m.dead == {"c0r2": "died"} and set(actions[1].calls) == {"c0r0", "c0r1"}
@@ -1279,9 +1319,10 @@ def _fifo_round(batch: int) -> tuple[RoundMachine, list]:
 
     def issue(actions):
         for a in actions:
-            log.append((a.id, a.kind, a.cluster, a.epoch, tuple(sorted(a.calls.items()))))
-            if a.kind in ("kill", "reap", "yield"):
+            if not isinstance(a, Phase):
+                log.append(a)
                 continue
+            log.append((a.id, a.kind, a.cluster, a.epoch, tuple(sorted(a.calls.items()))))
             for rid in a.calls:
                 outcome = faults.pop((a.kind, rid), DONE)
                 if a.kind == "run_inner":
@@ -1291,14 +1332,14 @@ def _fifo_round(batch: int) -> tuple[RoundMachine, list]:
                 elif a.kind == "heal":
                     where[rid] = where[a.calls[rid][0]]
                 r, s = where[rid] if outcome != DIED else (-1, -1)
-                queue.append(PhaseResult(a.id, rid, outcome, r, s))
+                queue.append(Answer(a.id, rid, outcome, r, s))
 
     issue(m.start(0.0))
     now = 0.0
     while not m.done and queue:
         chunk = [queue.popleft() for _ in range(min(batch, len(queue)))]
         now += 1.0
-        issue(m.on_results(chunk, now) if batch > 1 else m.on_result(chunk[0], now))
+        issue(m.observe_all(chunk, now) if batch > 1 else m.observe(chunk[0], now))
     return m, log
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from hsgd.core.round import Up
 from tests.unit.test_round import World, make_settings
 
 
@@ -42,7 +43,7 @@ class Rates:
     outside_crash: float = 0.3
     supervisor: float = 0.2
     # per round: dead replicas are restarted mid-round and announce themselves (rejoin `fast`: the
-    # machine's on_up; their cluster yields at a step boundary, heals them in and goes on)
+    # machine's Up; their cluster yields at a step boundary, heals them in and goes on)
     rejoin: float = 0.0
 
 
@@ -152,7 +153,7 @@ class Simulation:
             if not rep.alive and rep.call is None and rid not in m.progress:
                 world.reps[rid] = type(rep)(rid, 0, 0, restarts=rep.restarts + 1)
                 self._count("restarted mid-round")
-                world.carry_out(m.on_up(rid, 0, 0, world.now))
+                world.carry_out(m.observe(Up(rid, 0, 0), world.now))
                 if world.m is not m:
                     return
 

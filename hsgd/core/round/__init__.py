@@ -1,0 +1,98 @@
+"""The round machine: what happens in one round, and after any failure in it. Pure: no Ray, no
+clocks, no I/O. The supervisor's runner (actors/round_runner.py) only carries its effects out and
+feeds back what it saw, as typed messages (messages.py).
+
+Read this table first; each file beside it carries out one part of it:
+
+    messages.py  what goes in (Answer, Progress, Up, Lost, StateReady) and out (Phase, Kill,
+                 Reap, Yield, AbortJoin, StepTimed), each with its protocol
+    calls.py     the one record of calls in flight
+    machine.py   the machine's state, and how each observation is taken in
+    cluster.py   a cluster's phase: heal, inner, ready; re-form; a replica joining mid-round
+    outer.py     the outer exchange (reduce, commit, retry), non-finite clusters, a round's end
+    liveness.py  hung vs slow, kill, reap, releasing a rendezvous
+    schedule.py  between rounds: the next round, checkpoints due, the final heal
+
+One round r, as the machine drives it:
+
+    start        every live replica reports its committed (round, step). If none holds the last
+                 committed round, the round cannot run: outcome `restore` (every replica loads the
+                 latest durable checkpoint) or `failed` when there is none. Clusters below
+                 `min_replicas_per_cluster` sit out; fewer than `min_clusters` left: `below_quorum`.
+    per cluster  (independently, one cluster never waits for or disturbs another)
+                 heal     members behind the cluster's furthest member copy its state (`full`); a
+                          cluster with nobody at round r copies the global state from another
+                          cluster (`global`)
+                 inner    every member runs the round's remaining inner steps (one call); when the
+                          cluster's members changed, the same call first forms its inner group
+                          under a fresh epoch (no separate configure round trip)
+                 average  inner `none` only: the cluster's mean goes to outer sync
+    outer        once every participating cluster is ready: the leaders reduce pseudo-gradients
+                 into buffers keyed by (round, epoch) (the same call first forms the leaders' group
+                 when the leaders changed), and commit only if every leader succeeded; then every
+                 member applies the same step.
+
+What happens after a failure (the whole of "Failure scoping"):
+    replica of cluster c died / hung / raised, or c's collective failed
+                 -> only cluster c re-forms: its surviving members return at their last committed
+                    step (they are waited for, a silent one is killed once its group's grace is
+                    over), the furthest wins, laggards heal, and c's inner phase is issued again,
+                    forming c's group under a new epoch. Other clusters are not interrupted and
+                    their results count.
+    a leader died or the outer collective failed
+                 -> only the outer exchange is retried: buffers are never applied without a
+                    commit, the dead leader's cluster re-forms with a new leader, inner work stays.
+    every member of a cluster lost
+                 -> the cluster sits the round out; its replicas come back healed from another
+                    cluster at the next round.
+    failure during the commit
+                 -> if any replica applied the commit, the round is committed (the decision was
+                    made); the others heal from a committed replica at the next round's start.
+                    If none did, the outer exchange is retried.
+    non-finite numbers in cluster c (a member's run_inner answers `non_finite`: a loss or gradient
+    norm was NaN/inf; or c's leader's outer_reduce: its pseudo-gradient was)
+                 -> c's round is void: nobody is killed, c's pseudo-gradient is never sent (c sits
+                    out this round's outer exchange; found at the reduce, the exchange is retried
+                    without c), the other clusters commit without it, and c restarts the next round
+                    from the committed global params (a `global` heal, as any cluster that sat out).
+                    c non-finite in two rounds running (or twice in one round) is benched: it sits
+                    out until the run's end or a resume (`benched`, carried from round to round).
+                    Non-finite numbers never come back by waiting: when the benched clusters alone
+                    leave fewer than min_clusters, or this round's void ones are all that is
+                    missing, the round ends `failed` with the reason, never `below_quorum`.
+    a member of a group being formed is known dead (died, raised, killed, reaped, lost)
+                 -> every member still waiting in that group's rendezvous is released at once
+                    (AbortJoin: their calls answer `collective_failed`, kind `join_aborted`) and
+                    the cluster re-forms without it; nobody waits out the configure timeout.
+    a replica dies and comes back unseen (its Up names a new incarnation)
+                 -> the death is taken in first (one `deaths` entry per death), then it joins.
+    hung         = silent AND not advancing: a replica whose step still advances is slow, never
+                    hung. Its limit is the learned step deadline, or, once a peer of the same group
+                    failed, the group's grace (a healthy member leaves a broken collective within
+                    its collective timeout).
+    the round ends early (below quorum, failed) with calls in flight
+                 -> nobody reads their answers, so no group one of them uses is handed on as
+                    standing: the next round configures those groups afresh.
+    replica answers `behind` (its round is below the one asked)
+                 -> it is healed, never counted as done.
+    a restarted replica answers again (`Up`, rejoin `fast`)
+                 -> it joins its cluster inside the round: the members are asked to yield at a
+                    step boundary a little ahead of the furthest one (all at the same boundary, so
+                    no collective is left half-joined), the newcomer heals `full` from the furthest
+                    member, the group re-forms, and the inner phase goes on. A cluster already done
+                    with its inner phase takes the newcomer in before the outer exchange. Other
+                    clusters are untouched. A cluster that sat the round out, or a round already in
+                    its outer exchange, takes it at the next round's start. Nobody ever waits for a
+                    replica that is still starting.
+
+The machine never issues a call to a replica that has one in flight (`busy`): with one call at a
+time per replica, and each call using one level, a replica is in at most one collective at a time.
+"""
+from hsgd.core.round.machine import RoundMachine, RoundSettings
+from hsgd.core.round.messages import (AbortJoin, Answer, Effect, ErrorKind, Kill, Lost, NonFinite, Observation,
+                                      Outcome, Phase, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group)
+from hsgd.core.round.schedule import checkpoint_due, current_round, eval_due, heals_at_rest
+
+__all__ = ["AbortJoin", "Answer", "Effect", "ErrorKind", "Kill", "Lost", "NonFinite", "Observation", "Outcome",
+           "Phase", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
+           "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest"]

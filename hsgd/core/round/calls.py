@@ -1,0 +1,85 @@
+"""The one record of calls in flight: which phase each replica is answering, who has not answered
+yet, and what went wrong in each phase so far. The runner keeps no record of its own (it maps a
+call id, (phase id, rid), to whatever its transport needs), so the two can never disagree.
+
+One call at a time per replica: issuing a call to a replica with one in flight is a bug of the
+machine, never a failure of the run, and raises. With each call using one level, a replica is then
+in at most one collective at a time.
+"""
+from __future__ import annotations
+
+from hsgd.core.round.messages import Phase
+
+
+class InFlight:
+    """A phase the machine waits on."""
+    __slots__ = ("phase", "started", "pending", "failed_at", "failed_groups", "peer_gone", "delivered",
+                 "not_applied", "aborted")
+
+    def __init__(self, phase: Phase, started: float):
+        self.phase = phase
+        self.started = started
+        self.pending: set[str] = set(phase.calls)  # members still to answer (and not given up on)
+        self.failed_at: float | None = None  # when the phase saw its first failure
+        # group -> when a member of that group first failed: a failure shortens the wait only for its own
+        # group (one phase may span several: a commit broadcasts in every cluster, heals are one transfer each)
+        self.failed_groups: dict[object, float] = {}
+        self.peer_gone: dict[object, float] = {}  # group -> when a member saw a peer's connection close
+        self.delivered: set[str] = set()  # heal sources whose state arrived
+        self.not_applied: set[str] = set()  # (a commit) members that answered anything but done, or were given up on
+        self.aborted = False  # (a forming phase) its rendezvous was released
+
+    @property
+    def id(self) -> int:
+        return self.phase.id
+
+    def group_of(self, rid: str, cluster_of) -> object:
+        """The group of rid within this phase: one cluster's broadcast in a commit, its own
+        transfer in a heal, else the phase's single group."""
+        if self.phase.kind == "outer_commit":
+            return cluster_of(rid)
+        if self.phase.kind == "heal":
+            return rid
+        return None
+
+    def failed(self, group: object, now: float) -> None:
+        if self.failed_at is None:
+            self.failed_at = now
+        self.failed_groups.setdefault(group, now)
+
+
+class CallBook:
+    def __init__(self) -> None:
+        self.inflight: dict[int, InFlight] = {}  # phase id -> its record
+        self.busy: dict[str, InFlight] = {}  # rid -> the phase it has a call in flight in
+
+    def issue(self, phase: Phase, now: float) -> InFlight:
+        for rid in phase.calls:
+            if rid in self.busy:
+                raise AssertionError(f"{rid} already has phase {self.busy[rid].id} in flight")
+        flight = self.inflight[phase.id] = InFlight(phase, now)
+        for rid in phase.calls:
+            self.busy[rid] = flight
+        return flight
+
+    def take(self, phase_id: int, rid: str) -> InFlight | None:
+        """rid answered its call of `phase_id`: its record, or None when the answer is stale (the
+        call was given up on, or answered already)."""
+        flight = self.busy.get(rid)
+        if flight is None or flight.id != phase_id:
+            return None
+        del self.busy[rid]
+        flight.pending.discard(rid)
+        return flight
+
+    def give_up(self, flight: InFlight, rid: str) -> None:
+        """Stop waiting for rid's answer (it was killed or is gone): a late one is stale."""
+        if self.busy.get(rid) is flight:
+            del self.busy[rid]
+            flight.pending.discard(rid)
+            if flight.phase.kind == "outer_commit":
+                flight.not_applied.add(rid)
+
+    def close(self, flight: InFlight) -> bool:
+        """Drop a phase every member answered (or was given up on). False: closed already."""
+        return self.inflight.pop(flight.id, None) is not None

@@ -1,0 +1,164 @@
+"""A cluster's phase within a round: who heals, when its inner group forms, when it is ready for
+the outer exchange, and how a replica that comes back mid-round joins. One cluster never waits
+for or disturbs another.
+
+    (re-)form   live members below min_replicas_per_cluster: the cluster sits out. Otherwise
+                members behind the furthest one heal `full` from it; with nobody at the round, every
+                member heals `global` from the lowest-id holder of another cluster. Then the inner
+                phase: in the standing group at a round's start when the members are unchanged,
+                else a run that first forms a group under a fresh epoch.
+    phase ends  every member done: ready (inner `none`: first the cluster's mean). A failure, a
+                member lost, an inner phase ended short: re-form (at most max_reforms a round).
+                A heal done: the inner phase. A void cluster (non-finite): it sits out.
+    mid-round   a restarted replica answers while its cluster runs inner: the members yield at a
+    join        common step boundary a little ahead of the furthest one, the newcomer heals from
+                the furthest member, the group re-forms. A cluster already ready takes it in at
+                once; one in a heal or its average when that ends. A cluster that sits out, or a
+                round already in its outer exchange: the next round's start.
+"""
+from __future__ import annotations
+
+from hsgd.core.heal import assign_cluster_heals
+from hsgd.core.round.calls import InFlight
+from hsgd.core.round.messages import Effect, Yield
+
+
+class ClusterPhases:
+    """A cluster's phase decisions, mixed into RoundMachine (machine.py), whose state they read and write."""
+
+    def _reform(self, c: int, now: float, reason: str, counts: bool = True,
+                members: tuple[str, ...] | None = None) -> list[Effect]:
+        """(Re-)form cluster c: heal laggards, then run inner (forming its group if members changed)."""
+        st = self.clusters[c]
+        self.yielding.pop(c, None)
+        members = self.members(c) if members is None else members
+        if not members or len(members) < self.settings.min_replicas_per_cluster:
+            st.members = members
+            self._set_stage(c, "out")
+            if self.outer_stage == "wait" and len(self.participating()) < self.settings.min_clusters:
+                return self._lost_quorum()
+            return self._maybe_outer(now)
+        if reason != "round start" and counts:
+            st.reforms += 1
+            if st.reforms > self.settings.max_reforms:
+                return self._finish("failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; "
+                                              f"giving up ({reason})")
+        st.members = members
+        if self.leaders.get(c) not in members:
+            self.leaders[c] = members[0]
+        where = {rid: self.progress[rid] for rid in members}
+        if any(p[0] == self.round for p in where.values()):
+            donors = {}  # a member holds the round: heals stay inside c
+        else:  # nobody in c holds the round: the global state of the lowest-id holder elsewhere
+            source = next((rid for ids in self.ids for rid in ids if self.progress.get(rid, (-1,))[0] == self.round), None)
+            donors = {source: self.progress[source]} if source is not None else {}
+        heals = assign_cluster_heals(where, donors)
+        if heals:
+            self._set_stage(c, "heal")
+            phase = self._issue("heal", c, {h.target: (h.source, h.scope) for h in heals}, self.settings.heal_s, now,
+                                reason)
+            st.phase_id = phase.id
+            return [phase]
+        return self._run_inner(c, now, reason)
+
+    def _run_inner(self, c: int, now: float, reason: str) -> list[Effect]:
+        """Run c's inner phase in its standing group when the members are unchanged at a round's
+        start, else in a group the same call forms under a fresh epoch (no separate configure
+        round trip). The group counts as standing from now: a failure drops it."""
+        st = self.clusters[c]
+        self._set_stage(c, "inner")
+        for rid in st.members:  # marks of an earlier inner run this round are stale
+            self.advance.pop(rid, None)
+        if reason == "round start" and st.configured is not None and st.configured[1] == st.members:
+            phase = self._issue("run_inner", c, dict.fromkeys(st.members, ()), 0.0, now, reason)
+        else:
+            self.epoch += 1
+            prefix, n = f"epoch{self.epoch}/inner/c{c}", len(st.members)
+            calls = {rid: (prefix, rank, n) for rank, rid in enumerate(st.members)}
+            st.configured = (self.epoch, st.members)
+            phase = self._issue("run_inner", c, calls, self.settings.configure_s, now, reason)
+        st.phase_id = phase.id
+        return [phase]
+
+    def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
+        """Every member of a phase answered (or was given up on): what the cluster does next."""
+        phase = flight.phase
+        ok = flight.failed_at is None
+        if phase.kind in ("outer_reduce", "outer_commit"):
+            return self._outer_finished(flight, ok, now)
+        c = phase.cluster
+        st = self.clusters[c]
+        if st.phase_id != phase.id:
+            return []
+        st.phase_id = None
+        lost = any(rid not in self.progress for rid in st.members)
+        if c in self.void:
+            if not ok or lost:
+                st.configured = None  # a member also failed or was lost: the group is unusable
+            return self._void_cluster(c, now)
+        if self.joining.get(c) and self.outer_stage == "wait":
+            if not ok or lost:
+                st.configured = None
+            return self._admit_joiners(c, now)
+        if not ok or lost:
+            st.configured = None  # a failed collective (or join) leaves the group unusable
+            return self._reform(c, now, f"{phase.kind} failed")
+        if phase.kind == "heal":
+            return self._run_inner(c, now, phase.reason)
+        if phase.kind == "run_inner":
+            end = (self.round, (self.round + 1) * self.settings.steps_per_round)
+            if any(self.progress[rid] != end for rid in st.members):
+                return self._reform(c, now, "inner phase ended short")
+            if self.settings.inner == "none" and len(st.members) > 1:
+                self._set_stage(c, "average")
+                average = self._issue("cluster_average", c, dict.fromkeys(st.members, ()), self.settings.commit_s, now)
+                st.phase_id = average.id
+                return [average]
+        self._set_stage(c, "ready")  # run_inner done, or cluster_average done
+        return self._maybe_outer(now)
+
+    # -- a replica that comes back mid-round ----------------------------------------------------------------
+    def _join_mid_round(self, rid: str, at: tuple[int, int], now: float) -> list[Effect]:
+        """rid (re)started and answers, idle at `at` (rejoin `fast`)."""
+        c = self.cluster_of(rid)
+        st = self.clusters[c]
+        if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage == "out" \
+                or self.outer_stage != "wait":
+            return []  # joins at the next round's start
+        self.joining.setdefault(c, {})[rid] = at
+        if st.stage == "ready":
+            return self._admit_joiners(c, now)
+        if st.stage != "inner":
+            return []  # a heal or the average in flight: taken in when it ends
+        flight = self.calls.inflight.get(st.phase_id) if st.phase_id is not None else None
+        if c in self.yielding or flight is None or flight.failed_at is not None:
+            return []  # asked already, or the phase failed: it re-forms, taking the newcomer in
+        running = sorted(flight.pending)  # (members that died or answered are asked nothing)
+        step = self._yield_step(running)
+        if step >= self.settings.steps_per_round:
+            return []  # the members finish first; the newcomer is taken in when they are ready
+        self.yielding[c] = step
+        group_epoch = st.configured[0] if st.configured else self.epoch
+        return [Yield(c, group_epoch, self.round, step, tuple(running), f"{rid} joins at step {step}")]
+
+    def _yield_step(self, running: list[str]) -> int:
+        """A step boundary every member still running reaches after the yield request arrives."""
+        s = self.settings
+        recent = sorted(self.step_seconds)
+        step_s = recent[len(recent) // 2] if recent else 0.1
+        lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
+        furthest = max(max(self.advance[m][0], self.progress[m][1]) if m in self.advance else self.progress[m][1]
+                       for m in running) - self.round * s.steps_per_round
+        at = furthest + lead
+        if s.inner == "localsgd":
+            at = -(-at // s.inner_every) * s.inner_every
+        return at
+
+    def _admit_joiners(self, c: int, now: float) -> list[Effect]:
+        joiners = self.joining.pop(c, {})
+        self.yielding.pop(c, None)
+        for rid, at in joiners.items():
+            self.progress[rid] = at
+            self.dead.pop(rid, None)
+        self.clusters[c].configured = None
+        return self._reform(c, now, "rejoin: " + ",".join(sorted(joiners)), counts=False)

@@ -1,0 +1,300 @@
+"""The round machine: its state, what it is asked (start, observe, tick) and how each observation
+is taken in. What each kind of decision is lives beside it, one file each:
+
+    cluster.py   a cluster's phase: heal -> inner (forming its group) -> ready; re-form; mid-round
+                 join and yield
+    outer.py     the outer exchange: reduce, commit, retry; void (non-finite) and benched clusters;
+                 how a round ends
+    liveness.py  deadlines, hung vs slow, kill, reap, releasing a rendezvous
+
+Pure: no Ray, no clocks (every entry takes `now`), no I/O. Read hsgd/core/round/__init__.py for
+the failure table this code carries out.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from hsgd.core.membership import Plan
+from hsgd.core.round.calls import CallBook, InFlight
+from hsgd.core.round.cluster import ClusterPhases
+from hsgd.core.round.liveness import Liveness
+from hsgd.core.round.messages import (Answer, Effect, ErrorKind, Lost, NonFinite, Observation, Outcome, Phase,
+                                      Progress, StateReady, Up)
+from hsgd.core.round.outer import OuterExchange
+from hsgd.core.topology import Topology
+
+# the calls whose non-finite answer voids the cluster's round (the numbers that would reach the outer exchange)
+VOIDING = ("run_inner", "cluster_average", "outer_reduce")
+
+
+@dataclass
+class RoundSettings:
+    steps_per_round: int
+    inner: str = "ddp"
+    outer: str = "diloco"
+    min_replicas_per_cluster: int = 1
+    min_clusters: int = 1
+    max_reforms: int = 25  # per cluster (and for the outer exchange) per round: then the run fails
+    inner_every: int = 1  # localsgd: members may only yield at a sync boundary
+    yield_lead_s: float = 1.5  # a yield boundary lies this far ahead of the furthest member's step
+    rejoin: str = "fast"  # fast: restarted replicas join inside the round | boundary: at the next round
+    # deadlines, in seconds (the supervisor scales them with payload and learned step times)
+    step_deadline_s: float = 60.0  # an inner replica whose step does not advance for this long is hung
+    group_grace_s: float = 15.0  # after a peer of the same group failed
+    # once every other member of a group reported that its connection to a peer closed (the peer's
+    # process is gone), the one still silent is presumed dead after this long, without waiting for
+    # Ray's death notice (~1.5 s); members in lockstep all fail within a step of each other
+    presumed_dead_s: float = 0.5
+    configure_s: float = 40.0  # joining a group: the allowance before a forming call's first step
+    heal_s: float = 60.0
+    outer_s: float = 120.0
+    commit_s: float = 60.0
+
+
+@dataclass
+class ClusterState:
+    stage: str = "new"  # new | heal | inner | average | ready | reform | out
+    members: tuple[str, ...] = ()
+    configured: tuple[int, tuple[str, ...]] | None = None  # (epoch, members) of its standing inner group
+    phase_id: int | None = None  # the phase it waits on
+    reforms: int = 0
+
+
+class RoundMachine(ClusterPhases, OuterExchange, Liveness):
+    """Drives one round. Feed it `start`, then `observe` (or `observe_all`) and `tick` with the
+    supervisor's clock; carry out every effect it returns. `done` is set once `outcome` is one of
+    committed | restore | failed | below_quorum; `reason` says why for the last three."""
+
+    def __init__(self, topology: Topology, settings: RoundSettings, round_index: int, *,
+                 progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
+                 committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
+                 outer_configured: tuple[int, tuple[str, ...]] | None = None, benched: Iterable[int] = (),
+                 non_finite_rounds: Mapping[int, int] | None = None,
+                 incarnations: Mapping[str, int] | None = None):
+        self.topology, self.settings, self.round = topology, settings, round_index
+        self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
+        self.incarnations = dict(incarnations or {})  # rid -> the incarnation last seen up
+        self.leaders = dict(leaders)
+        self.epoch = epoch
+        self.committed_round = committed_round
+        self.ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
+        self.cluster_index = {rid: c for c, ids in enumerate(self.ids) for rid in ids}
+        groups = configured or {}
+        self.clusters = {c: ClusterState(configured=groups.get(c)) for c in range(topology.clusters)}
+        self.out: set[int] = set()  # clusters sitting the round out
+        self.not_ready: set[int] = set(range(topology.clusters))  # participating clusters not ready for the outer exchange
+        self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
+        self.outer_stage = "wait"  # wait | reduce | commit | done
+        self.outer_phase: int | None = None
+        self.outer_attempts = 0
+        self.calls = CallBook()
+        self.dead: dict[str, str] = {}  # rid -> cause, this round
+        self.deaths: list[tuple[str, str]] = []  # every death this round, in order (a rid may die twice)
+        self.advance: dict[str, tuple[int, float]] = {}  # rid -> (step, when) of its last sign of progress
+        self.committed_by: set[str] = set()
+        self.joining: dict[int, dict[str, tuple[int, int]]] = {}  # cluster -> replicas up mid-round
+        self.yielding: dict[int, int] = {}  # cluster -> step_in_round its members yield at
+        self.done, self.outcome, self.reason = False, "", ""
+        # non-finite numbers (see the failure table), carried from round to round by the caller:
+        # clusters that sit out until the run's end, and the last round each cluster was void in
+        # (keys may come back from JSON as strings)
+        self.benched: set[int] = {int(c) for c in benched}
+        self.non_finite_rounds: dict[int, int] = {int(c): int(r) for c, r in (non_finite_rounds or {}).items()}
+        self.void: dict[int, NonFinite] = {}  # cluster -> why its round is void, this round
+        self.benched_now: dict[int, str] = {}  # cluster -> why it was benched, this round
+        self._next_id = 0
+        self.step_seconds: deque[float] = deque(maxlen=20)  # the latest inner step times (yield boundaries)
+
+    # -- queries --------------------------------------------------------------------------------------
+    @property
+    def inflight(self) -> dict[int, InFlight]:
+        return self.calls.inflight
+
+    @property
+    def busy(self) -> dict[str, InFlight]:
+        return self.calls.busy
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        return tuple(sorted(self.progress, key=self.topology.global_index))
+
+    def members(self, cluster: int) -> tuple[str, ...]:
+        """The cluster's live members."""
+        return tuple(rid for rid in self.ids[cluster] if rid in self.progress)
+
+    def participating(self) -> list[int]:
+        return [c for c in range(self.topology.clusters) if c not in self.out]
+
+    def plan(self) -> Plan:
+        """The membership view for fault targeting and status (leaders of participating clusters)."""
+        members = {c: m for c in self.participating() if (m := self.members(c))}
+        return Plan(epoch=self.epoch, members=members, leaders={c: self.leaders[c] for c in members if c in self.leaders},
+                    outer_clusters=tuple(sorted(members)))
+
+    def configured_groups(self) -> dict[int, tuple[int, tuple[str, ...]]]:
+        return {c: st.configured for c, st in self.clusters.items() if st.configured is not None}
+
+    def pending(self, phase_id: int) -> set[str]:
+        """The members of a phase in flight that have not answered (and were not given up on)."""
+        flight = self.calls.inflight.get(phase_id)
+        return set(flight.pending) if flight is not None else set()
+
+    def cluster_of(self, rid: str) -> int:
+        return self.cluster_index[rid]
+
+    # -- the round's start ----------------------------------------------------------------------------
+    def start(self, now: float) -> list[Effect]:
+        if not self.progress:
+            return self._finish("below_quorum", "no live replica")
+        if not any(p[0] >= self.committed_round for p in self.progress.values()):
+            top = max(self.progress.values())[0]
+            self.done, self.outcome = True, "restore"
+            self.reason = (f"total loss: no live replica holds committed round {self.committed_round} "
+                           f"(best: {top if top >= 0 else 'none'})")
+            return []
+        r, smallest = self.round, max(1, self.settings.min_replicas_per_cluster)
+        if not any(p[0] == r for p in self.progress.values()) \
+                and any(len(self.members(c)) >= smallest for c in range(self.topology.clusters)):
+            # nobody holds the round asked for: a caller's error, never a stall
+            return self._finish("failed", f"round {r} asked, but no live replica holds it")
+        effects: list[Effect] = []
+        for c in range(self.topology.clusters):
+            if c in self.benched:
+                self._set_stage(c, "out")  # non-finite in two rounds running: it sits out until the run's end
+                continue
+            members = self.members(c)
+            if len(members) < smallest:
+                self._set_stage(c, "out")
+                self.clusters[c].members = members
+                continue
+            effects += self._reform(c, now, "round start", members=members)
+        if len(self.participating()) < self.settings.min_clusters:
+            return self._lost_quorum()
+        return effects
+
+    # -- observations ---------------------------------------------------------------------------------
+    def observe(self, observation: Observation, now: float) -> list[Effect]:
+        if isinstance(observation, Answer):
+            return self._answer(observation, now)
+        if isinstance(observation, Progress):
+            return self._progress(observation, now)
+        if isinstance(observation, Up):
+            return self._up(observation, now)
+        if isinstance(observation, Lost):
+            return self._lost(observation.rid, now, observation.cause)
+        if isinstance(observation, StateReady):
+            flight = self.calls.inflight.get(observation.phase_id)
+            if flight is not None:
+                flight.delivered.add(observation.source)
+            return []
+        raise TypeError(f"not an observation: {observation!r}")
+
+    def observe_all(self, observations: Iterable[Observation], now: float) -> list[Effect]:
+        """Observations in the order they arrived (everything one wait returned)."""
+        effects: list[Effect] = []
+        for observation in observations:
+            effects += self.observe(observation, now)
+        return effects
+
+    def _answer(self, answer: Answer, now: float) -> list[Effect]:
+        """An answer to a call in flight. A stale one (its phase was given up on: the cluster
+        re-formed, the replica was killed) is ignored."""
+        flight = self.calls.take(answer.phase_id, answer.rid)
+        if flight is None:
+            return []
+        rid = answer.rid
+        # rid is live unless it died this round while this call was in flight (a heal source killed
+        # while busy elsewhere)
+        if answer.round >= 0 and rid not in self.dead:
+            self.progress[rid] = (answer.round, answer.step)
+        effects = [] if answer.outcome == Outcome.DONE else self._note_failure(flight, answer, now)
+        if not flight.pending and self.calls.close(flight):
+            effects += self._phase_finished(flight, now)
+        return effects
+
+    def _note_failure(self, flight: InFlight, answer: Answer, now: float) -> list[Effect]:
+        outcome, rid, kind = Outcome(answer.outcome), answer.rid, flight.phase.kind
+        if outcome == Outcome.NON_FINITE and kind in VOIDING:
+            # the replica and its group are fine (nobody is killed, nothing re-forms): its cluster's
+            # round is void, decided once the phase ends (every member answered)
+            c = self.cluster_of(rid)
+            seen = self.void.get(c)
+            self.void[c] = NonFinite(kind, (seen.rids if seen else ()) + (rid,), seen.detail if seen else answer.detail)
+            return []
+        if kind == "outer_commit":  # rid did not apply the commit: its cluster's group broke during the broadcast
+            flight.not_applied.add(rid)
+            self.clusters[self.cluster_of(rid)].configured = None
+        effects: list[Effect] = []
+        if outcome in (Outcome.DIED, Outcome.ERROR):
+            self._mark_dead(rid, "died" if outcome == Outcome.DIED else "error")
+            effects += self._release_rendezvous(flight, rid)
+        group = flight.group_of(rid, self.cluster_of)
+        if outcome != Outcome.YIELDED:
+            flight.failed(group, now)
+        if outcome == Outcome.COLLECTIVE_FAILED and ErrorKind(answer.error_kind) == ErrorKind.PEER_GONE:
+            flight.peer_gone.setdefault(group, now)
+        return effects
+
+    def _up(self, up: Up, now: float) -> list[Effect]:
+        """A (re)started replica answers. One the machine holds live whose incarnation changed died
+        and came back unseen: that death is taken in first. Joins inside the round (rejoin `fast`)."""
+        rid = up.rid
+        effects: list[Effect] = []
+        known = self.incarnations.get(rid)
+        self.incarnations[rid] = up.incarnation
+        if rid in self.progress:
+            if known is None or up.incarnation == known:
+                return []
+            effects += self._lost(rid, now, "died")
+        return effects + self._join_mid_round(rid, (up.round, up.step), now)
+
+    def _lost(self, rid: str, now: float, cause: str = "died") -> list[Effect]:
+        """rid is gone while no answer will say so."""
+        if rid not in self.progress:
+            return []
+        flight = self.calls.busy.get(rid)
+        if flight is not None:
+            outcome = Outcome.ERROR if cause == "error" else Outcome.DIED
+            self._mark_dead(rid, cause)  # (so the synthesized answer does not count as alive)
+            return self._answer(Answer(flight.id, rid, outcome), now)
+        self._mark_dead(rid, cause)
+        c = self.cluster_of(rid)
+        st = self.clusters[c]
+        if st.stage == "ready" and self.outer_stage == "wait":
+            st.configured = None  # its inner group lost a member: the commit broadcast needs a new one
+            return self._reform(c, now, f"{rid} lost")
+        return []  # in the outer exchange: the outer phase in flight fails, or the commit skips it
+
+    def _mark_dead(self, rid: str, cause: str) -> None:
+        if rid not in self.progress:
+            return
+        del self.progress[rid]
+        self.dead[rid] = cause
+        self.deaths.append((rid, cause))
+        c = self.cluster_of(rid)
+        if self.leaders.get(c) == rid:
+            del self.leaders[c]
+        if self.outer_configured is not None and rid in self.outer_configured[1]:
+            # its process, and the leaders' group with it, is gone: even if it is restarted and
+            # leads its cluster again this round, that group must be configured afresh
+            self.outer_configured = None
+
+    # -- bookkeeping shared by the decision files -------------------------------------------------------
+    def _set_stage(self, c: int, stage: str) -> None:
+        """The one way a cluster's stage changes (it keeps `out` and `not_ready` in step)."""
+        self.clusters[c].stage = stage
+        (self.out.add if stage == "out" else self.out.discard)(c)
+        (self.not_ready.discard if stage in ("ready", "out") else self.not_ready.add)(c)
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _issue(self, kind: str, cluster: int | None, calls: dict[str, tuple], deadline_s: float, now: float,
+               reason: str = "") -> Phase:
+        """A phase the machine waits on: every replica in `calls` answers it (or is given up on)."""
+        phase = Phase(self._new_id(), kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
+        self.calls.issue(phase, now)
+        return phase

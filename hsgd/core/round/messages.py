@@ -1,0 +1,201 @@
+"""What the round machine and its runner say to each other. Every message is typed; nothing in
+hsgd/core reads error text or a dict.
+
+Effects (out of the machine, for the runner to carry out):
+
+    Phase      calls the machine waits on: one per replica in `calls`, each answered by exactly one
+               `Answer(phase id, rid, ...)` — or given up on (the replica was killed, reaped or
+               lost: a late answer is stale and ignored). The call id is (phase id, rid).
+    Kill       a replica silent and not advancing past its limit: report it (stacks), kill it
+               restartable. No answer is expected; its call in flight is already given up on.
+    Reap       a replica presumed dead (every peer of its group saw its connection close): nothing
+               to kill (Ray is restarting it), no hang report; its call is given up on.
+    Yield      ask members running `run_inner` in group `epoch` to return at a step boundary
+               (control channel, no answer of its own: their run_inner answers `yielded`).
+    AbortJoin  release every member waiting in the rendezvous of group `prefix`: a member of that
+               group is known dead, so the others would wait for it until the configure timeout.
+               Their calls answer `collective_failed` with error kind `join_aborted`. Setting the
+               abort of a group that already formed changes nothing (it is read only while waiting).
+    StepTimed  a measured inner step time (for the supervisor's learned deadlines).
+
+Observations (into the machine):
+
+    Answer     a replica's answer to its call of a Phase (or Ray's error for it, classified by the
+               runner: `died` when Ray says the actor is gone, `error` when the replica raised).
+    Progress   the committed inner step of a replica in run_inner (control channel, mid-call).
+    Up         a (re)started replica answers: its committed (round, step), pid and incarnation.
+    Lost       a replica is gone while no answer will say so (Ray's actor table, an idle probe,
+               a heal source's failure).
+    StateReady a heal source delivered its state: a silent target is now the one to blame.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar, NamedTuple
+
+
+class Outcome(str, Enum):
+    """What one replica's call came to."""
+    DONE = "done"  # the phase's work for the round is done (also: it was already done)
+    BEHIND = "behind"  # the replica has not reached the round asked: it needs a heal
+    COLLECTIVE_FAILED = "collective_failed"  # alive, but its group broke (a peer failed) or never formed
+    YIELDED = "yielded"  # stopped at a step boundary on request (mid-round rejoin)
+    DIED = "died"  # the actor is gone (Ray said so, or we killed it)
+    ERROR = "error"  # the replica raised: that replica's failure; it is killed and restarted
+    IO_ERROR = "io_error"  # a write to the run's storage failed (a checkpoint): the run's problem, nobody is killed
+    NON_FINITE = "non_finite"  # a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void
+
+
+class ErrorKind(str, Enum):
+    """How a collective failed (hsgd.train.comm.CollectiveError.kind; the same strings)."""
+    NONE = ""  # no collective error (or the runner could not tell)
+    CONFIGURE = "configure"  # the group could not be built or joined in time
+    ISSUE = "issue"  # the collective could not be started
+    WAIT = "wait"  # the collective failed while in flight
+    PEER_GONE = "peer_gone"  # a peer's connection closed: its process is gone, not hung
+    TIMEOUT = "timeout"  # the collective timed out: a peer may be hung or slow
+    ABORTED = "aborted"  # the group was aborted locally (a fault, or an earlier failure)
+    JOIN_ABORTED = "join_aborted"  # the rendezvous was released: a member is known dead (AbortJoin)
+
+
+# -- observations --------------------------------------------------------------------------------------
+class Answer(NamedTuple):
+    """One replica's answer to its call of phase `phase_id` (a tuple: tens of thousands a round
+    at scale). `round`/`step`: its committed position after the call (-1: unknown, it died)."""
+    phase_id: int
+    rid: str
+    outcome: Outcome
+    round: int = -1
+    step: int = -1
+    error_kind: ErrorKind = ErrorKind.NONE
+    detail: str = ""
+
+
+class Progress(NamedTuple):
+    """rid, in run_inner, has committed inner step `step` (control channel)."""
+    rid: str
+    step: int
+
+
+class Up(NamedTuple):
+    """A (re)started replica answers, idle, at committed (round, step). `incarnation`: Ray's
+    restart count of the actor serving rid (a new process under the same id has a higher one)."""
+    rid: str
+    round: int
+    step: int
+    pid: int | None = None
+    incarnation: int = 0
+
+
+class Lost(NamedTuple):
+    """rid is gone and no answer will say so. `cause`: died | error | hung."""
+    rid: str
+    cause: str = "died"
+
+
+class StateReady(NamedTuple):
+    """The heal of phase `phase_id` has its source's state (the source is no longer the one to watch)."""
+    phase_id: int
+    source: str
+
+
+Observation = Answer | Progress | Up | Lost | StateReady
+
+
+# -- effects -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Phase:
+    """Calls the machine waits on. `kind`:
+      heal            calls = {target: (source, scope)}: target loads source's state
+      run_inner       calls = {rid: ()}: run the round's remaining inner steps in the cluster's
+                      standing inner group; or {rid: (prefix, rank, world_size)}: first form the
+                      group `prefix` under `epoch` (the rendezvous waits for every member; the
+                      machine aborts it when one is known dead), then run (`forms_group`)
+      cluster_average calls = {rid: ()}: inner `none`, the cluster's mean
+      outer_reduce    calls = {leader: ()}, or {leader: (prefix, rank, world_size)}: first form the
+                      leaders' group under `epoch`, then reduce (as run_inner)
+      outer_commit    calls = {rid: (root_inner_rank,)}
+    `deadline_s`: the limit of a call whose work is fixed; inner phases use progress instead (a
+    run_inner that forms its group: the seconds its members may take to join before their first step)."""
+    id: int
+    kind: str
+    round: int
+    cluster: int | None  # None: the outer level
+    epoch: int
+    calls: dict[str, tuple] = field(compare=False)
+    deadline_s: float = 0.0
+    reason: str = ""
+
+    @property
+    def forms_group(self) -> bool:
+        """A run_inner or outer_reduce whose members first form their level's group."""
+        return self.kind in ("run_inner", "outer_reduce") and bool(next(iter(self.calls.values()), ()))
+
+    @property
+    def prefix(self) -> str | None:
+        """The group a forming call joins (None: it uses the standing one)."""
+        return next(iter(self.calls.values()))[0] if self.forms_group else None
+
+
+@dataclass(frozen=True)
+class Kill:
+    kind: ClassVar[str] = "kill"
+    rid: str
+    cluster: int | None
+    phase: str  # the kind of the call it was silent in
+    silent_s: float
+    limit_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reap:
+    kind: ClassVar[str] = "reap"
+    rid: str
+    cluster: int | None
+    phase: str
+    silent_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Yield:
+    kind: ClassVar[str] = "yield"
+    cluster: int
+    epoch: int  # the group whose run_inner is asked (a request for another epoch is stale at the replica)
+    round: int
+    at_step: int  # step within the round: every member returns at this same boundary
+    rids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortJoin:
+    kind: ClassVar[str] = "abort_join"
+    cluster: int | None  # None: the leaders' group
+    epoch: int
+    prefix: str
+    dead: tuple[str, ...]  # the members known dead
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepTimed:
+    kind: ClassVar[str] = "step_timed"
+    rid: str
+    seconds: float  # per inner step, since rid's last sign of progress
+
+
+Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed
+
+
+def forms_group(phase: Phase) -> bool:
+    return isinstance(phase, Phase) and phase.forms_group
+
+
+class NonFinite(NamedTuple):
+    """Why a cluster's round is void: its members' non-finite answers to one call."""
+    phase: str  # the call's kind: run_inner | cluster_average | outer_reduce
+    rids: tuple[str, ...]  # the members that answered `non_finite`, in answer order
+    detail: str  # the first one's error

@@ -1,0 +1,174 @@
+"""The outer exchange, and how a round ends.
+
+    reduce   once every participating cluster is ready: the leaders reduce pseudo-gradients into
+             buffers keyed by (round, epoch); the same call first forms the leaders' group when
+             the leaders changed. Nothing is applied without a commit.
+    commit   decided once every leader's reduce succeeded: every live member of a participating
+             cluster applies the same step (its leader broadcasts inside the cluster). Committed
+             when any replica applied it; the others heal at the next round's start.
+    retry    a reduce that failed, or a commit nobody applied: only the exchange is redone.
+             Clusters whose members were lost re-form first (a new leader, a group without the
+             dead); the others keep their inner work and wait. At most max_reforms attempts.
+    void     a leader's pseudo-gradient was non-finite: it was never sent; the exchange is retried
+             without its cluster. A cluster void twice running is benched until the run's end.
+    the end  committed | restore (total loss) | below_quorum (fewer than min_clusters can take
+             part: waiting brings replicas back) | failed (a cause waiting cannot cure: too many
+             re-forms, non-finite numbers everywhere, a round nobody holds).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from hsgd.core.membership import quorum_problem
+from hsgd.core.round.calls import InFlight
+from hsgd.core.round.messages import Effect
+
+
+class OuterExchange:
+    """The outer exchange and a round's end, mixed into RoundMachine (machine.py), whose state they read and write."""
+
+    def _maybe_outer(self, now: float) -> list[Effect]:
+        if self.done or self.outer_stage != "wait":
+            return []
+        if len(self.participating()) < self.settings.min_clusters:
+            return self._lost_quorum()
+        if self.not_ready:  # a participating cluster is not ready yet
+            return []
+        leaders = tuple(self.leaders[c] for c in self.participating())
+        self.outer_stage = "reduce"
+        if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):
+            # the leaders changed: the reduce first forms their group under a fresh epoch
+            self.epoch += 1
+            prefix, n = f"epoch{self.epoch}/outer", len(leaders)
+            calls = {rid: (prefix, rank, n) for rank, rid in enumerate(leaders)}
+            deadline_s = self.settings.configure_s + self.settings.outer_s
+        else:
+            calls, deadline_s = dict.fromkeys(leaders, ()), self.settings.outer_s
+        phase = self._issue("outer_reduce", None, calls, deadline_s, now)
+        self.outer_phase = phase.id
+        return [phase]
+
+    def _outer_commit(self, now: float) -> list[Effect]:
+        """Every live member of a participating cluster whose leader is live applies the commit,
+        from its leader's inner rank."""
+        self.outer_stage = "commit"
+        calls: dict[str, tuple[int]] = {}
+        for c in self.participating():
+            leader = self.leaders.get(c)
+            if leader not in self.progress:
+                continue  # its leader was lost after the reduce: the cluster heals next round
+            members = self.clusters[c].members
+            root = members.index(leader)
+            calls.update((rid, (root,)) for rid in members if rid in self.progress)
+        if not calls:
+            return self._outer_retry(now, "no cluster can apply the commit")
+        phase = self._issue("outer_commit", None, calls, self.settings.commit_s, now, "commit decided")
+        self.outer_phase = phase.id
+        return [phase]
+
+    def _outer_finished(self, flight: InFlight, ok: bool, now: float) -> list[Effect]:
+        phase = flight.phase
+        if phase.kind == "outer_reduce":
+            voided = [c for c in self.void if self.clusters[c].stage != "out"]
+            if voided:  # a leader's pseudo-gradient was non-finite: it was never sent; retry without its cluster
+                self.outer_configured = None
+                for c in voided:
+                    self._bench_or_sit_out(c)
+                if self.done:
+                    return []
+                return self._outer_retry(now, "non-finite pseudo-gradient from " +
+                                         ",".join(f"c{c}" for c in sorted(voided)), phase.calls)
+            if ok:
+                if phase.forms_group:
+                    self.outer_configured = (phase.epoch, tuple(phase.calls))
+                return self._outer_commit(now)
+            self.outer_configured = None
+            return self._outer_retry(now, "outer reduce incomplete", phase.calls)
+        # outer_commit: who applied it is known once every member answered (or was given up on)
+        self.committed_by.update(phase.calls.keys() - flight.not_applied)
+        if self.committed_by:
+            self.outer_stage = "done"
+            return self._finish("committed")
+        self.outer_configured = None
+        return self._outer_retry(now, "no replica applied the commit", phase.calls)
+
+    def _outer_retry(self, now: float, reason: str, answered: Iterable[str] | None = None) -> list[Effect]:
+        """Only the outer exchange is redone: a participating cluster with a member lost or off
+        the round (or whose commit broadcast broke its group) re-forms; the others keep their
+        inner work and wait. `answered`: who the failed outer call went to (informational)."""
+        self.outer_attempts += 1
+        if self.outer_attempts > self.settings.max_reforms:
+            return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
+                                          f"giving up ({reason})")
+        self.outer_stage = "wait"
+        broken = [c for c in self.participating()
+                  if self.clusters[c].configured is None
+                  or any(self.progress.get(rid, (-1, -1))[0] != self.round for rid in self.clusters[c].members)]
+        for c in broken:
+            self.clusters[c].configured = None
+            self._set_stage(c, "reform")  # not ready: no exchange starts until every broken cluster re-formed
+        effects: list[Effect] = []
+        for c in broken:
+            effects += self._reform(c, now, reason)
+            if self.done:
+                return effects
+        return effects + self._maybe_outer(now)
+
+    # -- non-finite numbers ---------------------------------------------------------------------------------
+    def _void_cluster(self, c: int, now: float) -> list[Effect]:
+        """c's phase ended with a non-finite answer: c sits out the outer exchange."""
+        self._bench_or_sit_out(c)
+        return self._maybe_outer(now) if self.outer_stage == "wait" else []
+
+    def _bench_or_sit_out(self, c: int) -> None:
+        """c's round is void: it sits out this round; non-finite in the last round too (or in an
+        earlier attempt of this one), it is benched for the rest of the run."""
+        self.yielding.pop(c, None)
+        self._set_stage(c, "out")
+        last = self.non_finite_rounds.get(c)
+        self.non_finite_rounds[c] = self.round
+        if last is not None and self.round - 1 <= last <= self.round and c not in self.benched:
+            self.benched.add(c)
+            self.benched_now[c] = (f"non-finite numbers in rounds {last} and {self.round} "
+                                   f"({self.void[c].phase}: {self.void[c].detail}); c{c} sits out until the "
+                                   f"run's end or a resume")
+
+    # -- the end of a round ---------------------------------------------------------------------------------
+    def _finish(self, outcome: str, reason: str = "") -> list[Effect]:
+        self.done, self.outcome, self.reason = True, outcome, reason
+        # A round that ends early (below quorum, failed) leaves calls in flight whose answers nobody
+        # reads: a group they are using may still break (a collective fails, a member is killed while
+        # the supervisor waits for them), so the groups they touch are not handed on as standing.
+        for flight in self.calls.inflight.values():
+            kind = flight.phase.kind
+            if kind == "outer_reduce":
+                self.outer_configured = None
+            elif kind == "outer_commit":
+                for rid in flight.pending:
+                    self.clusters[self.cluster_of(rid)].configured = None
+            elif kind != "heal":  # heals use no level's group
+                self.clusters[flight.phase.cluster].configured = None
+        return []
+
+    def _lost_quorum(self) -> list[Effect]:
+        """Fewer than min_clusters clusters can take part. Waiting brings back lost replicas, never
+        the numbers of a cluster that sits out for being non-finite: when the benched alone leave
+        too few clusters, or this round's void ones are all that is missing, the run fails (with
+        the reason) rather than waits."""
+        s, clusters = self.settings, self.topology.clusters
+        if len(self.benched) > clusters - s.min_clusters:
+            return self._finish("failed", f"{len(self.benched)} of {clusters} clusters benched for non-finite numbers "
+                                          f"({self._non_finite_text(self.benched)}); fewer than "
+                                          f"supervisor.min_clusters={s.min_clusters} can train")
+        if self.void and len(self.participating()) + len(self.void) >= s.min_clusters:
+            return self._finish("failed", f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
+                                          f"non-finite numbers in {self._non_finite_text(self.void)}")
+        problem = quorum_problem([len(self.members(c)) for c in range(clusters)], s.min_replicas_per_cluster,
+                                 s.min_clusters)
+        return self._finish("below_quorum", problem or "below quorum")
+
+    def _non_finite_text(self, clusters: Iterable[int]) -> str:
+        return ", ".join(f"c{c}" + (f" (round {self.round}: {self.void[c].phase}: {self.void[c].detail})"
+                                    if c in self.void else f" (benched, last non-finite in round "
+                                                           f"{self.non_finite_rounds.get(c, '?')})")
+                         for c in sorted(clusters))

@@ -1,0 +1,38 @@
+"""Between rounds: which round runs next, when a checkpoint is due, and the heals that bring every
+live replica to the furthest committed round at the run's end."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from hsgd.core.heal import HealAssignment, assign_cluster_heals
+from hsgd.core.topology import Topology
+
+
+def current_round(progress: Iterable[tuple[int, int]]) -> int:
+    """The round to run next: the furthest committed round any live replica holds."""
+    return max((r for r, _ in progress), default=0)
+
+
+def checkpoint_due(rounds_done: int, every: int, total_rounds: int) -> bool:
+    """A durable checkpoint after round rounds_done - 1 committed?"""
+    return bool(every) and (rounds_done % every == 0 or rounds_done == total_rounds)
+
+
+def eval_due(rounds_done: int, every: int, total_rounds: int) -> bool:
+    """An evaluation after round rounds_done - 1 committed? (every `every` rounds, and the last)"""
+    return bool(every) and rounds_done % every == 0 or rounds_done == total_rounds
+
+
+def heals_at_rest(topology: Topology, live: dict[str, tuple[int, int]]) -> dict[int, list[HealAssignment]]:
+    """Between rounds (the run's end): per cluster, the heals that bring every live member to the
+    furthest committed round — inside the cluster when a member holds it, else from another
+    cluster's donor (`global`), as at a round's start."""
+    top = current_round(live.values())
+    donors = {rid: p for rid, p in live.items() if p[0] == top}
+    out = {}
+    for c in range(topology.clusters):
+        members = {rid: live[rid] for rid in topology.cluster_members(c) if rid in live}
+        heals = assign_cluster_heals(members, {d: p for d, p in donors.items() if d not in members})
+        if heals:
+            out[c] = heals
+    return out
