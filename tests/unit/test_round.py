@@ -1088,7 +1088,8 @@ def test_a_leader_restarted_mid_round_and_leading_again_gets_a_fresh_leaders_gro
     def restarted(world):
         world.restart("c1r0")
         world.carry_out(world.m.observe(Up("c1r0", 0, 0), world.now))
-    w.at(w.now + 1.0, restarted)
+    # back after its death (0.2 s into the join) and before its peer leaves the aborted rendezvous (0.25 s)
+    w.at(w.now + 0.21, restarted)
     w.issued.clear()
     m = w.round()
     assert outcome_of(w, m) == "committed"  # an outer_reduce over the stale group is a violation
