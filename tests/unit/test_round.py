@@ -25,11 +25,17 @@ import pytest
 
 from hsgd.core.round import (AbortJoin, Answer, ErrorKind, Kill, Lost, Outcome, Phase, Progress, RoundMachine,
                              RoundSettings, StateReady, StepTimed, Up, Yield, forms_group)
+from hsgd.core.round import PhaseEnded
 from hsgd.core.topology import Topology
 
 SPR = 10  # inner steps per round
 TICK_S = 0.5  # the supervisor's progress poll and tick period
 DONE, BEHIND, CFAILED, DIED = Outcome.DONE, Outcome.BEHIND, Outcome.COLLECTIVE_FAILED, Outcome.DIED
+
+
+def decisions(effects) -> list:
+    """The effects that change something (not the record's PhaseEnded and StepTimed)."""
+    return [e for e in effects if not isinstance(e, (PhaseEnded, StepTimed))]
 
 
 def make_settings(**overrides) -> RoundSettings:
@@ -306,7 +312,7 @@ class World:
             if self.halted or a.kind in self.halt_before:
                 self.halted = True  # the supervisor died: nothing more is carried out
                 return
-            if isinstance(a, StepTimed):
+            if isinstance(a, (StepTimed, PhaseEnded)):
                 continue
             if isinstance(a, AbortJoin):  # the rendezvous of a.prefix releases whoever still waits in it
                 self.aborts.append((self.now, a))
@@ -840,11 +846,11 @@ def test_replica_advancing_after_a_peer_failed_is_not_killed():
                      committed_round=0, configured={0: (0, ("c0r0", "c0r1"))})
     (run,) = m.start(0.0)
     assert run.kind == "run_inner"
-    assert m.observe(Answer(run.id, "c0r1", CFAILED, 0, 3), 1.0) == []
+    assert decisions(m.observe(Answer(run.id, "c0r1", CFAILED, 0, 3), 1.0)) == []
     for t in range(2, 200):
         m.observe(Progress("c0r0", 3 + t // 5), float(t))  # a step every 5 s, well past the 10 s grace in total
-        assert m.tick(float(t) + 0.5) == [], f"killed while advancing at t={t}"
-    actions = m.tick(260.0)  # then silent and not advancing: killed once its group's grace is over
+        assert decisions(m.tick(float(t) + 0.5)) == [], f"killed while advancing at t={t}"
+    actions = decisions(m.tick(260.0))  # then silent and not advancing: killed once its group's grace is over
     assert [a.kind for a in actions][:1] == ["kill"] and actions[0].rid == "c0r0"
 
 
@@ -1108,7 +1114,7 @@ def test_a_replica_up_while_its_cluster_s_inner_phase_has_failed_waits_for_the_r
     assert isinstance(abort, AbortJoin) and abort.dead == ("c0r1",)
     assert m.observe(Up("c0r1", 0, 0), 2.0) == []  # (it asked the dead one's step before: KeyError)
     assert m.observe(Answer(run.id, "c0r0", CFAILED, 0, 3), 2.1) == []
-    heal, = m.observe(Answer(run.id, "c0r2", CFAILED, 0, 3), 2.2)
+    heal, = decisions(m.observe(Answer(run.id, "c0r2", CFAILED, 0, 3), 2.2))
     assert heal.kind == "heal" and heal.calls == {"c0r1": ("c0r0", "full")}
 
 
@@ -1182,11 +1188,11 @@ def test_leader_lost_after_its_reduce_answered_commits_without_its_cluster():
             reduce = a
             break
         for rid in a.calls:
-            queue += m.observe(Answer(a.id, rid, DONE, 0, SPR), 1.0)
+            queue += decisions(m.observe(Answer(a.id, rid, DONE, 0, SPR), 1.0))
     assert reduce is not None and sorted(reduce.calls) == ["c0r0", "c1r0"]
     assert m.observe(Answer(reduce.id, "c1r0", DONE, 0, SPR), 2.0) == []
     assert m.observe(Lost("c1r0"), 2.5) == []
-    (commit,) = m.observe(Answer(reduce.id, "c0r0", DONE, 0, SPR), 3.0)
+    (commit,) = decisions(m.observe(Answer(reduce.id, "c0r0", DONE, 0, SPR), 3.0))
     assert commit.kind == "outer_commit" and sorted(commit.calls) == ["c0r0", "c0r1"]
     for rid in commit.calls:
         m.observe(Answer(commit.id, rid, DONE, 1, SPR), 4.0)
@@ -1295,7 +1301,7 @@ def test_a_peer_whose_connection_closed_is_presumed_dead_without_waiting_for_ray
         # the detail is the backend's text, which the machine never reads: only the kind decides
         assert m.observe(Answer(inner.id, rid, Outcome.COLLECTIVE_FAILED, 0, 3, kind, "Connection closed by peer"),
                          1.0) == []
-    actions = m.tick(1.0 + m.settings.presumed_dead_s + 0.01)
+    actions = decisions(m.tick(1.0 + m.settings.presumed_dead_s + 0.01))
     if reaped:
         assert [a.kind for a in actions] == ["reap", "run_inner"], actions
         assert m.dead == {"c0r2": "died"} and set(actions[1].calls) == {"c0r0", "c0r1"}
@@ -1320,6 +1326,9 @@ def _fifo_round(batch: int) -> tuple[RoundMachine, list]:
 
     def issue(actions):
         for a in actions:
+            if isinstance(a, PhaseEnded):  # (its time is when the batch was handed over)
+                log.append(("ended", a.phase.id, tuple(sorted(a.answers.items()))))
+                continue
             if not isinstance(a, Phase):
                 log.append(a)
                 continue

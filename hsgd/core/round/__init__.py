@@ -5,7 +5,7 @@ feeds back what it saw, as typed messages (messages.py).
 Read this table first; each file beside it carries out one part of it:
 
     messages.py  what goes in (Answer, Progress, Up, Lost, StateReady) and out (Phase, Kill,
-                 Reap, Yield, AbortJoin, StepTimed), each with its protocol
+                 Reap, Yield, AbortJoin, StepTimed, PhaseEnded), each with its protocol
     calls.py     the one record of calls in flight
     machine.py   the machine's state, and how each observation is taken in
     cluster.py   a cluster's phase: heal, inner, ready; re-form; a replica joining mid-round
@@ -90,9 +90,9 @@ time per replica, and each call using one level, a replica is in at most one col
 """
 from hsgd.core.round.machine import RoundMachine, RoundSettings
 from hsgd.core.round.messages import (AbortJoin, Answer, Effect, ErrorKind, Kill, Lost, NonFinite, Observation,
-                                      Outcome, Phase, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group)
+                                      Outcome, Phase, PhaseEnded, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group)
 from hsgd.core.round.schedule import checkpoint_due, current_round, eval_due, heals_at_rest
 
 __all__ = ["AbortJoin", "Answer", "Effect", "ErrorKind", "Kill", "Lost", "NonFinite", "Observation", "Outcome",
-           "Phase", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
+           "Phase", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
            "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest"]

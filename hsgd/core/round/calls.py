@@ -14,7 +14,7 @@ from hsgd.core.round.messages import Phase
 class InFlight:
     """A phase the machine waits on."""
     __slots__ = ("phase", "started", "pending", "failed_at", "failed_groups", "peer_gone", "delivered",
-                 "not_applied", "aborted")
+                 "not_applied", "aborted", "answers")
 
     def __init__(self, phase: Phase, started: float):
         self.phase = phase
@@ -28,6 +28,7 @@ class InFlight:
         self.delivered: set[str] = set()  # heal sources whose state arrived
         self.not_applied: set[str] = set()  # (a commit) members that answered anything but done, or were given up on
         self.aborted = False  # (a forming phase) its rendezvous was released
+        self.answers: dict[str, str] = {}  # rid -> how its call ended (PhaseEnded)
 
     @property
     def id(self) -> int:
@@ -62,7 +63,7 @@ class CallBook:
             self.busy[rid] = flight
         return flight
 
-    def take(self, phase_id: int, rid: str) -> InFlight | None:
+    def take(self, phase_id: int, rid: str, how: str) -> InFlight | None:
         """rid answered its call of `phase_id`: its record, or None when the answer is stale (the
         call was given up on, or answered already)."""
         flight = self.busy.get(rid)
@@ -70,13 +71,15 @@ class CallBook:
             return None
         del self.busy[rid]
         flight.pending.discard(rid)
+        flight.answers[rid] = how
         return flight
 
-    def give_up(self, flight: InFlight, rid: str) -> None:
+    def give_up(self, flight: InFlight, rid: str, why: str) -> None:
         """Stop waiting for rid's answer (it was killed or is gone): a late one is stale."""
         if self.busy.get(rid) is flight:
             del self.busy[rid]
             flight.pending.discard(rid)
+            flight.answers[rid] = why
             if flight.phase.kind == "outer_commit":
                 flight.not_applied.add(rid)
 

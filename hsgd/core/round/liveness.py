@@ -55,8 +55,7 @@ class Liveness:
                     if flight.failed_at is not None and now <= flight.failed_at + self.settings.group_grace_s:
                         continue
                 effects += self._kill(rid, flight, now)
-            if not flight.pending and self.calls.close(flight):
-                effects += self._phase_finished(flight, now)
+            effects += self._close_if_answered(flight, now)
         return effects
 
     def _limit(self, flight: InFlight, rid: str) -> float:
@@ -111,7 +110,7 @@ class Liveness:
         gone = group in flight.peer_gone and self._only_suspects_pending(flight, group) \
             and now - flight.peer_gone[group] < self.settings.group_grace_s
         self._mark_dead(rid, "died" if gone else "hung")
-        self.calls.give_up(flight, rid)
+        self.calls.give_up(flight, rid, "died: presumed, its peers saw its connection close" if gone else "hung: killed")
         effects = self._release_rendezvous(flight, rid)
         if gone:
             return [Reap(rid, phase.cluster, phase.kind, now - last_sign, "its peers saw its connection close")] + effects

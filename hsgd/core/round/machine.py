@@ -21,7 +21,7 @@ from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
 from hsgd.core.round.messages import (Answer, Effect, ErrorKind, Lost, NonFinite, Observation, Outcome, Phase,
-                                      Progress, StateReady, Up)
+                                      PhaseEnded, Progress, StateReady, Up)
 from hsgd.core.round.outer import OuterExchange
 from hsgd.core.topology import Topology
 
@@ -201,7 +201,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def _answer(self, answer: Answer, now: float) -> list[Effect]:
         """An answer to a call in flight. A stale one (its phase was given up on: the cluster
         re-formed, the replica was killed) is ignored."""
-        flight = self.calls.take(answer.phase_id, answer.rid)
+        outcome = Outcome(answer.outcome)
+        how = outcome.value if outcome in (Outcome.DONE, Outcome.YIELDED) else f"{outcome.value}: {answer.detail[:200]}"
+        flight = self.calls.take(answer.phase_id, answer.rid, how)
         if flight is None:
             return []
         rid = answer.rid
@@ -209,10 +211,14 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         # while busy elsewhere)
         if answer.round >= 0 and rid not in self.dead:
             self.progress[rid] = (answer.round, answer.step)
-        effects = [] if answer.outcome == Outcome.DONE else self._note_failure(flight, answer, now)
-        if not flight.pending and self.calls.close(flight):
-            effects += self._phase_finished(flight, now)
-        return effects
+        effects = [] if outcome == Outcome.DONE else self._note_failure(flight, answer, now)
+        return effects + self._close_if_answered(flight, now)
+
+    def _close_if_answered(self, flight: InFlight, now: float) -> list[Effect]:
+        """A phase every member answered (or was given up on) ends: recorded, then decided on."""
+        if flight.pending or not self.calls.close(flight):
+            return []
+        return [PhaseEnded(flight.phase, dict(flight.answers), flight.started, now)] + self._phase_finished(flight, now)
 
     def _note_failure(self, flight: InFlight, answer: Answer, now: float) -> list[Effect]:
         outcome, rid, kind = Outcome(answer.outcome), answer.rid, flight.phase.kind

@@ -17,6 +17,7 @@ Effects (out of the machine, for the runner to carry out):
                Their calls answer `collective_failed` with error kind `join_aborted`. Setting the
                abort of a group that already formed changes nothing (it is read only while waiting).
     StepTimed  a measured inner step time (for the supervisor's learned deadlines).
+    PhaseEnded every call of a phase was answered or given up on (for the record: phase_end).
 
 Observations (into the machine):
 
@@ -187,7 +188,16 @@ class StepTimed:
     seconds: float  # per inner step, since rid's last sign of progress
 
 
-Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed
+@dataclass(frozen=True)
+class PhaseEnded:
+    kind: ClassVar[str] = "phase_ended"
+    phase: Phase
+    answers: dict[str, str]  # rid -> outcome value (`done`, `yielded`), or `<outcome>: <detail>` / why given up
+    started: float
+    ended: float
+
+
+Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed | PhaseEnded
 
 
 def forms_group(phase: Phase) -> bool:
