@@ -78,3 +78,38 @@ def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float
         return "[replica's own stack_dump]\n" + ray.get(handle.stack_dump.remote(), timeout=timeout_s)
     except Exception as err:  # noqa: BLE001 — a hung or dead replica cannot answer
         return f"[no stack: {type(err).__name__}: replica did not answer within {timeout_s:.0f}s and is not on this node]"
+
+
+def kill_hung(kill, *, group: list[str], handles: dict, replica_info: dict, run_dir: str, stack_dumps: bool, log,
+              round_index: int, view: dict) -> None:
+    """The round machine found `kill.rid` silent and not advancing (a hsgd.core.round.Kill): write
+    a hang report with the stacks of every member of its group (hangs/<time>-<rid>.txt), log
+    `hang_detected` and `kill`, then kill it restartable so Ray brings it back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hsgd.record.hangs import hang_report, stuck_function
+
+    rid = kill.rid
+    dumps: dict[str, str] = {}
+    if stack_dumps:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futures = {p: pool.submit(dump_replica, handles[p], replica_info.get(p, {}), run_dir, p) for p in group}
+            for p, fut in futures.items():
+                try:
+                    dumps[p] = fut.result(timeout=30.0)
+                except Exception as err:  # noqa: BLE001 — a dump that failed is reported as such
+                    dumps[p] = f"(no stack: {err})"
+    peers = {p: ("stuck" if p == rid else "in its group") for p in group}
+    text = hang_report(rid=rid, phase=kill.phase, round_index=round_index, waited_s=kill.silent_s,
+                       deadline_s=kill.limit_s, peers=peers, dumps=dumps, view=view)
+    path = Path(run_dir) / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
+    log.write_file(path, text, make_parent=True)  # with a deadline; a failure is the folder's health
+    phase = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer"}.get(kill.phase, kill.phase)
+    log.event("hang_detected", rid=rid, phase=phase, round=round_index, cluster=kill.cluster, reason=kill.reason,
+              waited_s=kill.silent_s, deadline_s=kill.limit_s, stuck_in=stuck_function(dumps.get(rid, "")),
+              report=str(path), waiting=[p for p in group if p != rid])
+    log.event("kill", rid=rid, reason=kill.reason)
+    try:
+        ray.kill(handles[rid], no_restart=False)
+    except Exception as err:  # noqa: BLE001 — already dead is fine
+        log.event("kill_failed", rid=rid, error=str(err))

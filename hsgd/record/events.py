@@ -44,6 +44,10 @@ EVENTS: dict[str, EventSpec] = {
                                 "one cluster re-formed after a failure (or to take a joiner in); the others untouched"),
     "yield_requested": EventSpec(("cluster", "round", "at_step", "replicas", "reason"),
                                  "a cluster's members asked to stop at a step boundary for a replica joining mid-round"),
+    "join_aborted": EventSpec(("cluster", "round", "epoch", "prefix", "dead", "reason"),
+                              "a member of a group being formed is known dead: every member waiting in that "
+                              "group's rendezvous is released (their calls answer collective_failed, "
+                              "error_kind join_aborted)"),
     "commit_decision": EventSpec(("round", "clusters"), "every leader reduced: the round commits"),
     "commit": EventSpec(("round", "epoch", "replicas", "digests_agree"), "the round is committed and recorded"),
     "round_recorded_late": EventSpec(("round",), "a new supervisor recorded a round its predecessor committed"),

@@ -1,0 +1,113 @@
+"""What one round did, for metrics.jsonl and events.jsonl: the numbers replicas report in their
+answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_end`,
+`heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
+runner hands it each answer's value and each PhaseEnded the machine emits.
+"""
+from __future__ import annotations
+
+from hsgd.core.round import NonFinite, Outcome, Phase, PhaseEnded
+
+PHASE_NAME = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+              "outer_commit": "outer_commit", "heal": "heal"}
+_SECONDS_KEY = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
+                "outer_commit": "outer_commit", "heal": "heal_configure"}
+
+
+class RoundRecord:
+    def __init__(self, round_index: int, log, clock):
+        self.r, self.log, self.clock = round_index, log, clock
+        self.losses: dict[str, list[float]] = {}
+        self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
+        self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
+        self.inner_participants: set[str] = set()
+        self.commit_digests: dict[str, str] = {}
+        self.global_digests: dict[str, str] = {}
+        self.attempts = 1
+        self.heal_sizes: dict[str, int] = {}
+        self.heal_transports: dict[str, str] = {}  # target -> group | object_store
+        self.steps_run: dict[int, int] = {}  # run_inner phase id -> steps its members ran
+        self.join_s: dict[int, float] = {}  # phase id -> the longest its members took to form their group
+        self.non_finite_what: dict[str, str] = {}  # rid -> what its non_finite answer named (loss | grad_norm | ...)
+        self.logged_void: set[int] = set()
+        self.logged_benched: set[int] = set()
+
+    def answered(self, phase: Phase, rid: str, outcome: Outcome, value: dict, detail: str) -> None:
+        """One call's answer (value: the replica's answer dict; {} when Ray's error stood for it)."""
+        kind = phase.kind
+        if value.get("join_s"):
+            self.join_s[phase.id] = max(self.join_s.get(phase.id, 0.0), value["join_s"])
+        if kind == "run_inner":
+            self.inner_participants.add(rid)
+            if "report" in value:
+                rep = value["report"]
+                self.steps_run[phase.id] = max(self.steps_run.get(phase.id, 0), rep["steps_done"])
+                self.tokens += rep["tokens"]
+                self.inner_bytes += rep["inner_bytes"]
+                self.attempted_steps += rep["steps_done"]
+                self.losses.setdefault(rid, []).extend(rep["losses"])
+        if kind == "outer_reduce":
+            self.outer_bytes += value.get("outer_bytes", 0)
+        if kind == "outer_commit" and outcome == Outcome.DONE:
+            self.inner_bytes += value.get("inner_bytes", 0)
+            self.commit_digests[rid] = value["digest"]
+            self.global_digests[rid] = value["global_digest"]
+        if kind == "heal" and outcome == Outcome.DONE:
+            self.heal_sizes[rid] = value.get("bytes", 0)
+            self.heal_transports[rid] = value.get("transport", "object_store")
+        if outcome == Outcome.NON_FINITE:
+            self.non_finite_what.setdefault(rid, str(value.get("what", "")))  # logged once per cluster
+        elif outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
+            self.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
+                           rid=rid, phase=PHASE_NAME.get(kind, kind), round=self.r, cluster=phase.cluster,
+                           outcome=outcome.value, detail=detail[:300],
+                           **({"error_kind": value["error_kind"]} if value.get("error_kind") else {}))
+
+    def phase_ended(self, ended: PhaseEnded) -> None:
+        phase, seconds = ended.phase, max(0.0, ended.ended - ended.started)
+        join_s = min(seconds, self.join_s.pop(phase.id, 0.0))  # forming the group, in the same call
+        failed = {rid: how.split(": ", 1) for rid, how in ended.answers.items() if how not in ("done", "yielded")}
+        ok = sorted(rid for rid, how in ended.answers.items() if how == "done")
+        yielded = sorted(rid for rid, how in ended.answers.items() if how == "yielded")
+        self.log.event("phase_end", phase=PHASE_NAME.get(phase.kind, phase.kind), round=self.r, cluster=phase.cluster,
+                       seconds=seconds, ok=ok, failed=failed, **({"yielded": yielded} if yielded else {}))
+        key, work_s = _SECONDS_KEY.get(phase.kind, "heal_configure"), seconds - join_s
+        self.seconds[key] = max(self.seconds[key], work_s) if key == "inner" else self.seconds[key] + work_s
+        self.seconds["heal_configure"] += join_s
+        if phase.kind == "heal":
+            for rid in ok:
+                source, scope = phase.calls[rid]
+                nbytes = self.heal_sizes.get(rid)
+                self.log.event("heal_end", target=rid, source=source, scope=scope, seconds=seconds, bytes=nbytes,
+                               gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None,
+                               transport=self.heal_transports.get(rid, "object_store"))
+        if not failed and phase.kind in ("outer_reduce", "outer_commit"):
+            self.clock.observe(phase.kind.replace("_reduce", ""), work_s, 1)
+        steps_run = self.steps_run.pop(phase.id, 0)
+        if phase.kind == "run_inner" and not failed and steps_run:
+            # the step deadline's sure sample: progress polls may never land inside a short phase,
+            # and without samples the deadline is the ceiling (a hang would go unseen for minutes)
+            self.clock.observe("inner_step", work_s, steps_run)
+        if phase.kind == "run_inner" and failed:
+            self.attempts += 1
+
+    def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
+        """Each void cluster logged once (one `non_finite` per cluster and round, however many
+        members reported it), once its phase ended (it sits out: `rids` names every member), and a
+        benched one with a console warning."""
+        for c, nf in void.items():
+            if c not in self.logged_void and (final or c in out):
+                self.logged_void.add(c)
+                self.log.event("non_finite", rid=nf.rids[0], rids=list(nf.rids), cluster=c, round=self.r,
+                               phase=PHASE_NAME.get(nf.phase, nf.phase), what=self.non_finite_what.get(nf.rids[0], ""),
+                               detail=nf.detail[:300])
+        for c, reason in benched_now.items():
+            if c not in self.logged_benched:
+                self.logged_benched.add(c)
+                self.log.event("cluster_benched", cluster=c, round=self.r, reason=reason)
+                print(f"[hsgd] WARNING: cluster c{c} benched: {reason}", flush=True)
+
+    def void_not_counted(self, members_of_void: list[str]) -> None:
+        """A void cluster's work is not the round's: its steps were not committed."""
+        for rid in members_of_void:
+            self.inner_participants.discard(rid)
+            self.losses.pop(rid, None)
