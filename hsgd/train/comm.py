@@ -4,8 +4,19 @@ Protocol
 - The supervisor starts the run's store with `start_store` (it listens on the node's address only)
   and hands each replica, per epoch, a rendezvous address `host:port/<secret>` (`rendezvous_address`:
   the secret is ≥ 128 random bits, so nobody outside the run can name a group's keys) and a prefix
-  naming the run, the level and the epoch (`run/epoch7/inner/c1`). `configure` joins that group;
-  it blocks until every member joined or `configure_timeout_s` passes, then raises.
+  naming the run, the level and the epoch (`run/epoch7/inner/c1`). `configure` joins that group
+  in two steps:
+  1. the arrival barrier, in the run's store under the group's keys: each member announces its
+     rank, then waits (a server-side store wait: no polling) on the group's one decision key. The
+     member that sees every rank arrived writes `formed`; the supervisor, once it knows a member
+     of a forming group is dead, killed or lost, writes `aborted: <reason>` there
+     (`abort_rendezvous`). The first writer wins (compare-and-set), so every member reads the same
+     decision: `aborted` releases them all at once with CollectiveError kind `join_aborted`;
+     nothing decided within `configure_timeout_s` is kind `configure` (naming who never came).
+  2. torchft's configure (the backend's connect among members known present), bounded by the
+     short `connect_timeout_s`: a member that dies in this last window costs that, not
+     `configure_timeout_s`.
+  So `configure` takes at most configure_timeout_s + connect_timeout_s.
 - Every collective names its level: `group.allreduce_mean(t, level="inner")`. A call that names the
   wrong level raises `WrongLevelError` at once — the seeds of this project once all-reduced over
   the wrong group and silently trained unsynchronised replicas.
@@ -26,6 +37,8 @@ when an op is issued, lazily, not when it is waited). The error carries a `kind`
     peer_gone  the same, and the backend said the peer's connection closed (its process is gone)
     timeout    the op did not complete within its deadline (a wait that returns False, too)
     aborted    the group was aborted (the `comm` fault, torchft's timeout watchdog, an earlier error)
+    join_aborted  the supervisor aborted the group's rendezvous before every member arrived (a
+               member is known dead): the error's text carries the reason it wrote
 After any CollectiveError the group is unusable until the next `configure`; the caller reports the
 failure to the supervisor, which re-plans. `abort` never raises.
 
@@ -48,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 LEVELS = ("inner", "outer")
-ERROR_KINDS = ("configure", "issue", "wait", "peer_gone", "timeout", "aborted")
+ERROR_KINDS = ("configure", "issue", "wait", "peer_gone", "timeout", "aborted", "join_aborted")
 SECRET_BITS = 128
 
 
@@ -136,6 +149,73 @@ def rendezvous_address(host: str, port: int, secret: str) -> str:
     return f"{host}:{port}/{secret}"
 
 
+# -- the arrival barrier of a forming group ---------------------------------------------------------
+# Keys under the group's own key prefix, the one torchft's configure gives its backend (the part of
+# `<store_addr>/<prefix>` after host:port); names gloo and NCCL never use.
+_ARRIVED = "hsgd_rendezvous/arrived/{rank}"
+_DECISION = "hsgd_rendezvous/decision"  # "formed" or "aborted: <reason>"; the first writer wins
+_FORMED = "formed"
+_ABORTED = "aborted: "
+
+
+def _group_key_prefix(store_addr: str, prefix: str) -> str:
+    """The store key prefix of group `prefix`: exactly what torchft's create_store_client makes of
+    `f"{store_addr}/{prefix}"` (everything after host:port, so `<secret>/<prefix>`)."""
+    return f"{store_addr}/{prefix}".partition("/")[2]
+
+
+def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, timeout_s: float) -> str | None:
+    """The arrival barrier: announce `rank` in group `prefix`'s keys, then wait until the group's
+    decision is written: `formed` (returns None) when every rank arrived, the supervisor's abort
+    (returns its reason) otherwise. The member that sees every rank arrived writes `formed`: the
+    last to announce always does (its announcement follows everyone else's). Raises
+    TimeoutError naming the ranks that never came when nothing is decided within `timeout_s`, and
+    torch's store errors when the store cannot be reached."""
+    from torch.distributed import DistStoreError
+    from torchft.process_group import create_store_client
+
+    deadline = time.monotonic() + timeout_s
+    store = create_store_client(f"{store_addr}/{prefix}", timeout=timedelta(seconds=timeout_s))
+    store.set(_ARRIVED.format(rank=rank), str(os.getpid()))
+    arrived = [_ARRIVED.format(rank=r) for r in range(world_size)]
+    if store.check(arrived):
+        decision = store.compare_set(_DECISION, "", _FORMED)
+    else:
+        try:  # the store wakes the wait when the key is written: released at once, nothing polled
+            store.wait([_DECISION], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except DistStoreError as err:
+            if store.check([_DECISION]):  # decided just as the wait gave up
+                pass
+            else:
+                missing = [r for r in range(world_size) if not store.check([_ARRIVED.format(rank=r)])]
+                shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+                raise TimeoutError(f"rank(s) {shown} of {world_size} did not arrive within {timeout_s:g}s") from err
+        decision = store.get(_DECISION)
+    text = decision.decode("utf-8", "replace")
+    return None if text == _FORMED else text.removeprefix(_ABORTED)
+
+
+def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
+    """Release every member waiting in the rendezvous of group `prefix` (the prefix their
+    `configure` calls carry, e.g. `run/epoch7/inner/c1`), now and any that arrives later: each
+    raises CollectiveError kind `join_aborted` with `reason`. For the supervisor, once it knows a
+    member of that forming group is dead, killed, reaped or lost; `store` is the run's store (the
+    master `start_store` made), `store_addr` the rendezvous address the members were handed.
+
+    Returns True when the rendezvous is aborted (by this call or an earlier one); False when it
+    had already formed (every member arrived: they are in the backend's connect, bounded by
+    connect_timeout_s) or the store could not be reached. Idempotent; never raises; one store
+    round trip, bounded by the store's timeout."""
+    from torch.distributed import PrefixStore
+
+    try:
+        keys = PrefixStore(_group_key_prefix(store_addr, prefix), store)
+        decision = keys.compare_set(_DECISION, "", _ABORTED + reason)
+        return decision.decode("utf-8", "replace").startswith(_ABORTED)
+    except Exception:  # noqa: BLE001 — a store that is gone or broken: nobody is waiting on it either
+        return False
+
+
 # -- NCCL ------------------------------------------------------------------------------------------
 def nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
     """The NCCL settings hsgd's error model needs, from comm.*; `apply_nccl_environment` sets them
@@ -206,6 +286,12 @@ class LevelGroup:
         self.timeout_s = timeout_s
         self.min_gbps = min_gbps
         self.configure_timeout_s = configure_timeout_s
+        # torchft's configure runs only once every member arrived (the barrier), so what is left is
+        # the backend's connect among members known present: each exchanges addresses with its
+        # peers and connects, a handful of peer answers — the fixed part of one collective
+        # (timeout_s) bounds one such answer. A member dying in that window costs this, not
+        # configure_timeout_s; never more than configure_timeout_s.
+        self.connect_timeout_s = min(timeout_s, configure_timeout_s)
         self.rank = 0
         self.world_size = 1
         self.prefix: str | None = None
@@ -217,8 +303,12 @@ class LevelGroup:
     # -- membership -----------------------------------------------------------------------------
     def configure(self, store_addr: str | None, prefix: str, rank: int, world_size: int, epoch: int) -> None:
         """Join the group `prefix` as `rank` of `world_size`; world_size 1 needs no store.
-        `store_addr` is `rendezvous_address(...)` (host:port/<secret>). Raises CollectiveError
-        (kind `configure`) when the group cannot be built or joined within configure_timeout_s."""
+        `store_addr` is `rendezvous_address(...)` (host:port/<secret>). First the arrival barrier
+        (see the module's protocol), then torchft's configure within connect_timeout_s. Raises
+        CollectiveError kind `join_aborted` (with the reason) at once when the supervisor aborts
+        the rendezvous (`abort_rendezvous`) before every member arrived, kind `configure` when the
+        group cannot be built, not every member arrived within configure_timeout_s (the ranks that
+        never came are named), or the backend's connect failed within connect_timeout_s."""
         self.abort()
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self._secret = (store_addr or "").partition("/")[2]
@@ -227,12 +317,22 @@ class LevelGroup:
             return
         self._usable = False
         what = f"{self.level}: joining {prefix} as rank {rank}/{world_size}"
-        try:
+        try:  # built before the barrier: once everyone arrived, only the connect is left
             pg = _make_torchft_group(self.backend, self.configure_timeout_s)
         except Exception as err:  # noqa: BLE001 — e.g. NCCL without a usable CUDA
             raise CollectiveError(f"{what}: building the {self.backend} group failed: {self._scrub(err)}",
                                   "configure") from err
         try:
+            aborted = _await_members(store_addr, prefix, rank, world_size, self.configure_timeout_s)
+        except Exception as err:  # noqa: BLE001 — a member never came, the store is gone
+            _abort_quietly(pg)
+            raise CollectiveError(f"{what}: waiting for every member failed: {self._scrub(err)}",
+                                  "configure") from err
+        if aborted is not None:
+            _abort_quietly(pg)
+            raise CollectiveError(f"{what}: the rendezvous was aborted: {aborted}", "join_aborted")
+        try:
+            pg.set_timeout(timedelta(seconds=self.connect_timeout_s))  # torchft's configure reads it
             # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
             pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
                          world_size=world_size, quorum_id=epoch)

@@ -64,6 +64,7 @@ DIST_NETWORK = dist.DistNetworkError("connect() timed out")
 
 def _configured(monkeypatch, pg, world_size=2):
     monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: pg)
+    monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     group = LevelGroup("inner", timeout_s=1.0, configure_timeout_s=2.0)
     group.configure("127.0.0.1:1/secret", "run/epoch1/inner/c0", rank=0, world_size=world_size, epoch=1)
     return group

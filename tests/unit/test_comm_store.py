@@ -95,6 +95,7 @@ def test_group_store_keys_carry_the_secret_but_its_prefix_does_not(monkeypatch):
             pass
 
     monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: PG())
+    monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     secret = comm.new_run_secret()
     group = comm.LevelGroup("outer")
     group.configure(comm.rendezvous_address("10.0.0.5", 29500, secret), "run-abc123/epoch4/outer",
@@ -113,10 +114,14 @@ def test_a_failed_join_does_not_repeat_the_secret(monkeypatch):
         def configure(self, store_addr, **kwargs):
             raise RuntimeError(f"Wait timeout after 30000ms, keys: /{store_addr.partition('/')[2]}/0")
 
+        def set_timeout(self, timeout):
+            pass
+
         def abort(self, errored=True):
             pass
 
     monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: PG())
+    monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     group = comm.LevelGroup("inner")
     with pytest.raises(comm.CollectiveError) as info:
         group.configure(comm.rendezvous_address("10.0.0.5", 1, secret), "run/epoch1/inner/c0", rank=0,

@@ -43,6 +43,22 @@ def test_every_kind_and_phase_is_accepted_for_a_replica(kind, phase):
     assert parse_fault({"kind": kind, "target": "c0r0", "round": 0, "phase": phase}, **TOPO).kind == kind
 
 
+def test_a_death_can_be_placed_in_a_groups_rendezvous_with_phase_join():
+    """`join` fires in a replica as it starts forming a group, before it arrives in the rendezvous;
+    a config with it validates, and the supervisor, which forms no group, refuses it."""
+    from hsgd.config import ConfigError, HsgdConfig, validate
+
+    spec = parse_fault({"kind": "kill", "target": "c1r1", "round": 0, "phase": "join"}, **TOPO)
+    assert (spec.phase, spec.describe()) == ("join", "kill c1r1 at round 0 join")
+    cfg = HsgdConfig()
+    cfg.faults.schedule = [{"kind": "kill", "target": "c1r1", "round": 0, "phase": "join"}]
+    validate(cfg)
+    cfg.faults.schedule = [{"kind": "kill", "target": "supervisor", "round": 0, "phase": "join"}]
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert info.value.field == "faults.schedule[0].phase"
+
+
 def test_seconds_accepted_for_hang_and_slow():
     assert parse_fault({"kind": "hang", "target": "c0r0", "round": 0, "seconds": 2}, **TOPO).seconds == 2.0
     assert parse_fault({"kind": "slow", "target": "c0r0", "round": 0, "seconds": 0.25}, **TOPO).seconds == 0.25
