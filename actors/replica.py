@@ -13,8 +13,9 @@ round is void. The method itself never raises for those: when the
 actor call raises, the replica died (ActorDiedError) or hit an error of its own (RayTaskError),
 which the supervisor treats as this replica's failure.
 
-State kept across a restart: none. A restarted replica rebuilds from the seed (or the resume
-checkpoint) in __init__ and is healed by the supervisor from a live peer.
+State kept across a restart: its identity only (which replica id it serves, or that it is a
+spare: actors/lifecycle.py, Ray's KV store). A restarted replica rebuilds from the seed (or the
+resume checkpoint) in __init__ and is healed by the supervisor from a live peer.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
+from actors import lifecycle
 from actors.hang import install_faulthandler
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.train import checkpoint, state_stream
@@ -55,6 +57,13 @@ class Replica:
         `auto` is resolved here, where the replica runs: nccl when Ray gave it a GPU of its own and
         torch here sees CUDA (never on the driver, which may be a CPU-only head node)."""
         torch.set_num_threads(1)  # several replicas share a few cores
+        # who this actor is: a promoted spare that Ray restarts comes back as the replica it
+        # replaced (its data stream), not as its constructor's arguments say (actors/lifecycle.py)
+        self.actor_name = ray.get_runtime_context().get_actor_name()
+        identity = lifecycle.read_identity(self.actor_name)
+        if identity is not None:
+            rid, spare = identity["rid"] or rid, bool(identity["spare"])
+        self.incarnation = lifecycle.own_incarnation()
         install_faulthandler(run_dir, rid)
         self.started_at = time.time()
         self.cfg = OmegaConf.create(cfg)
@@ -88,15 +97,18 @@ class Replica:
         while a phase runs, so a replica whose step advances is seen as slow, never hung. No answer
         (a GIL-holding hang, a dead process) is no sign of life."""
         return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
+                "incarnation": self.incarnation, "replica_index": self.trainer.global_index,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
                 "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends}
 
-    @ray.method(concurrency_group="control")
-    def global_state(self) -> dict:
-        """The global params and outer state, for a `global` heal of another cluster's replica.
-        Control group: a donor busy in its own inner phase answers at once (these tensors change
-        only in outer_commit)."""
-        return self.trainer.global_state()
+    @ray.method(concurrency_group="control", num_returns=2)
+    def global_state(self) -> tuple[dict, dict]:
+        """(meta, state): the global params and outer state, for a `global` heal of another
+        cluster's replica (actors/heals.py: the supervisor fetches only the meta, the state's ref
+        goes to the target). Control group: a donor busy in its own inner phase answers at once
+        (these tensors change only in outer_commit)."""
+        state = self.trainer.global_state()
+        return _state_meta(self.rid, state), state
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
@@ -188,9 +200,9 @@ class Replica:
                 self.outer.abort()
             return {"outcome": Outcome.NON_FINITE.value, "ok": False, "rid": self.rid, "error": str(err),
                     "what": err.what, **self.trainer.progress()}
-        except CollectiveError as err:
+        except CollectiveError as err:  # error_kind: how it failed (hsgd.train.comm.ERROR_KINDS), never its text
             return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid, "error": str(err),
-                    **self.trainer.progress()}
+                    "error_kind": err.kind, **self.trainer.progress()}
         finally:
             self.phase, self.phase_since = "idle", time.time()
             self.armed = []
@@ -199,26 +211,37 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
         """Hot spare: become replica `rid` (its data stream and name). The supervisor heals it from a
-        live member of the cluster next, like any replica that joins."""
+        live member of the cluster next, like any replica that joins. The identity is recorded
+        first (Ray's KV store, under this actor's name), so a restart of this actor comes back as
+        `rid`; a failed write raises, and the supervisor tries another spare."""
+        if self.actor_name:
+            lifecycle.write_identity(self.actor_name, rid, spare=False)
         self.trainer.assume_identity(rid)
         self.rid, self.spare = rid, False
-        return {"outcome": Outcome.DONE.value, "rid": rid, **self.trainer.progress(), "pid": os.getpid()}
+        return {"outcome": Outcome.DONE.value, "rid": rid, **self.trainer.progress(), "pid": os.getpid(),
+                "incarnation": self.incarnation}
 
     @ray.method(concurrency_group="phase")
     def become_spare(self) -> dict:
-        """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
+        """A restarted replica whose identity a spare took over becomes the cluster's next spare
+        (recorded first, so its own restarts come back as a spare)."""
+        if self.actor_name:
+            lifecycle.write_identity(self.actor_name, None, spare=True)
         self.spare = True
         self.warm_s = self.trainer.warm_up()
         return {"outcome": Outcome.DONE.value, "rid": self.rid, "warm_s": self.warm_s, "pid": os.getpid()}
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
-        world_size): a fresh group per epoch. Blocks until every member joined or
-        comm.configure_timeout_s passes, then raises CollectiveError (the call answers
-        `collective_failed`: a member did not come; the supervisor re-forms the group). Returns the
-        seconds it took (0.0: the standing group is used)."""
+        world_size): a fresh group per epoch. Blocks until every member joined, the supervisor
+        aborts the group's rendezvous (a member is known dead: CollectiveError kind `join_aborted`)
+        or comm.configure_timeout_s passes (kind `configure`); the call then answers
+        `collective_failed` and the supervisor re-forms the group. The fault phase `join` fires
+        first, before this member arrives in the rendezvous. Returns the seconds it took (0.0: the
+        standing group is used)."""
         if join is None:
             return 0.0
+        self._hook("join", self.trainer.round, 0)
         epoch, store_addr, prefix, rank, world_size = join
         t0 = time.monotonic()
         self.phase, self.phase_since = "configure", time.time()
@@ -294,26 +317,32 @@ class Replica:
         """Held-out loss of this replica's params (after a commit: the global params)."""
         return self.trainer.eval_loss()
 
-    @ray.method(concurrency_group="phase")
-    def get_state(self, faults: list[dict] | None = None) -> dict:
-        """Full state for a `full` heal; travels through the object store, never through the
-        supervisor. Phase group: never read while this replica's own phase mutates it."""
+    @ray.method(concurrency_group="phase", num_returns=2)
+    def get_state(self, faults: list[dict] | None = None) -> tuple[dict, dict]:
+        """(meta, state): the full state for a `full` heal through the object store; the state
+        never passes through the supervisor (it fetches only the meta). Phase group: never read
+        while this replica's own phase mutates it."""
         self._arm(faults)
         self._hook("heal", self.trainer.round, 0)
-        return self.trainer.state_dict()
+        state = self.trainer.state_dict()
+        return _state_meta(self.rid, state), state
 
     @ray.method(concurrency_group="phase")
-    def load_state(self, state: dict, scope: str, faults: list[dict] | None = None) -> dict:
-        """Become the source (`full`) or take its global state (`global`). A source that died
-        surfaces here as an error of this call."""
+    def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
+        """Become the source (`full`) or take its global state (`global`); `state` is the second
+        object of the source's answer (Ray fetches it here from the source's node). Answers `done`
+        with `bytes` (the whole state's), or `collective_failed` with this replica untouched when
+        the source refused (`state` None). A source that died or raised surfaces here as an error
+        of this call (Ray fails a call whose argument failed)."""
         self.phase, self.phase_since = "heal", time.time()
         self._arm(faults)
         self._hook("heal", self.trainer.round, 0)
         try:
+            if state is None:  # nothing to load: this replica is fine, its heal is to be planned again
+                return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid,
+                        "error": f"{self.rid}: its heal source refused to give its state", **self.trainer.progress()}
             self.trainer.load_state_dict(state, scope=scope)
-            tensors = state["params"] if scope == "full" else state["outer"]["global_params"]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, "bytes": nbytes,
+            return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, "bytes": _state_bytes(state),
                     **self.trainer.progress()}
         finally:
             self.phase, self.phase_since = "idle", time.time()
@@ -366,16 +395,20 @@ class Replica:
             return {"bytes": nbytes, "transport": "group", "join_s": join_s, "transfer_s": time.monotonic() - t0}
         return self._phase("heal", run, self.trainer.round, faults)
 
-    @ray.method(concurrency_group="phase")
-    def heal_state(self, expect: tuple[int, int] | None) -> dict:
-        """The object-store fallback of a heal over the group: this replica's full state, provided
-        it still holds `expect` = (round, step) — the progress it was chosen as a source for.
-        Raises otherwise: a source that died and was restarted meanwhile (Ray runs a call queued
-        for a restarting actor on the new process) must never hand out its fresh state."""
+    @ray.method(concurrency_group="phase", num_returns=2)
+    def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
+        """(meta, state): the object-store fallback of a heal over the group — this replica's full
+        state, provided it still holds `expect` = (round, step), the progress it was chosen as a
+        source for. Refuses otherwise (meta `ok: False` with the `error`, state None): a source
+        that died and was restarted meanwhile (Ray runs a call queued for a restarting actor on
+        the new process) must never hand out its fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
-            raise RuntimeError(f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
-                               f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)")
-        return self.trainer.state_dict()
+            return {"ok": False, "rid": self.rid, "round": self.trainer.round, "step": self.trainer.step,
+                    "pid": os.getpid(), "bytes": 0,
+                    "error": f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
+                             f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)"}, None
+        state = self.trainer.state_dict()
+        return _state_meta(self.rid, state), state
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
@@ -425,6 +458,18 @@ class Replica:
         """At start, before training: can this replica read the nonce the driver wrote under
         checkpoint.dir? {"rid", "node", "problem": None or why not}."""
         return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
+
+
+def _state_bytes(state: dict) -> int:
+    """The bytes of every tensor in a heal's state."""
+    return sum(t.numel() * t.element_size() for t in state_stream.split_state(state)[1])
+
+
+def _state_meta(rid: str, state: dict) -> dict:
+    """The small first object of a heal source's answer: what the supervisor fetches instead of
+    the state (actors/heals.py)."""
+    return {"ok": True, "rid": rid, "round": int(state["round"]), "step": int(state["step"]), "pid": os.getpid(),
+            "bytes": _state_bytes(state)}
 
 
 def _node_name() -> str:

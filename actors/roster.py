@@ -7,6 +7,10 @@ replica down when it does not answer. A new process under an id holds no group: 
 inner group (and, for a leader, the outer group) must be configured again. The decisions about
 what a round does with this view are hsgd.core.round's; "stuck after a supervisor restart" is
 hsgd.core.deadlines.StallWatch's.
+
+Deaths are logged here, each once (`died`, `deaths`): a death learned from a call and the same
+death read from Ray's restart count (actors/lifecycle.py ActorWatch) are one `replica_down`,
+carrying the incarnation that died; a warm spare's death is a `spare_lost`.
 """
 from __future__ import annotations
 
@@ -16,10 +20,14 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
+from actors.lifecycle import ActorWatch
 from actors.spares import SparePool
-from hsgd.core.deadlines import StallWatch
+from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch
 from hsgd.core.membership import Plan, live_plan
 from hsgd.core.topology import Topology
+from hsgd.train.comm import collective_timeout_s
+
+AWAIT_PASS_S = 3.0  # await_idle: the longest one pass waits for the replicas' answers
 
 
 def replica_actor_name(run_id: str, rid: str) -> str:
@@ -63,6 +71,8 @@ class Roster:
         self.spares = SparePool(durable.setdefault(
             "spares", {str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
                        for c in range(topology.clusters)}), lookup)
+        # every death of the replicas' and spares' actors, once (what was reported is durable too)
+        self.watch = ActorWatch(self.names, self.spares.names, durable.setdefault("deaths_seen", {}), save=save)
         self.handles = {rid: lookup(name) for rid, name in self.names.items()}
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
@@ -114,11 +124,13 @@ class Roster:
 
     def note_up(self, rid: str, answer: dict) -> None:
         self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        self.watch.note_up(rid, answer.get("incarnation"))
         if rid in self.pids and self.pids[rid] != answer.get("pid"):
             self._forget_groups(rid)  # a new process holds no group
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
-            self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"))
+            self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"),
+                           incarnation=answer.get("incarnation"))
 
     def down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
         if cause == "error":  # the replica raised: restart it clean, as any failed replica
@@ -127,9 +139,41 @@ class Roster:
             except Exception:  # noqa: BLE001 — already gone
                 pass
         if self.live.pop(rid, None) is not None:
-            self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause,
-                           phase=phase, round=round_index, detail=detail[:300])
+            self.died(rid, cause, phase, round_index, detail)
             self._forget_groups(rid)
+
+    def died(self, rid: str, cause: str, phase: str | None, round_index: int, detail: str = "") -> bool:
+        """The process serving rid died (or was killed), learned from a call: log its `replica_down`
+        with the incarnation that died — unless the watch already reported that death. True if
+        logged."""
+        incarnation = self.watch.note_death(rid)
+        if incarnation is None:
+            return False  # the watch saw this incarnation die first: logged then
+        self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause, phase=phase,
+                       round=round_index, detail=detail[:300], incarnation=incarnation, actor=self.names[rid])
+        return True
+
+    def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
+        """Every death Ray's actor table shows since the last look, logged once (a replica's
+        `replica_down` with its incarnation, a warm spare's `spare_lost`; the pool stops counting
+        a dead spare ready). Returns the replicas in `live` whose current process is among the dead:
+        the caller marks them lost. A death of a process not (or no longer) serving live — one
+        restarting, warming up, or replaced since — is only logged (phase `restarting`)."""
+        lost = []
+        for d in self.watch.poll():
+            if d.rid is None:
+                self.spares.lost(d.name)
+                self.log.event("spare_lost", cluster=d.cluster, spare=d.name, incarnation=d.incarnation,
+                               round=round_index, state=d.state)
+                continue
+            known = self.watch.incarnation(d.rid)
+            current = d.rid in live and (known is None or known <= d.incarnation)
+            self.log.event("replica_down", rid=d.rid, cluster=self.topology.cluster_of(d.rid), cause="died",
+                           phase=phase if current else "restarting", round=round_index,
+                           detail=f"Ray's actor table: {d.state}", incarnation=d.incarnation, actor=d.name)
+            if current:
+                lost.append(d.rid)
+        return lost
 
     def down_after(self, rid: str, err: BaseException, phase: str, round_index: int) -> None:
         """A call to rid raised: Ray says it died, or the replica itself raised."""
@@ -155,6 +199,8 @@ class Roster:
         """Round boundary: bring back replicas that (re)started, waiting up to wait_s for them."""
         deadline = time.monotonic() + wait_s
         while True:
+            for rid in self.deaths(self.live, -1, "rejoin"):
+                self.down_seen(rid)
             for rid in self.missing():
                 answer = self.probe(rid, min(2.0, max(0.2, deadline - time.monotonic())))
                 if answer is not None:  # one still in a phase of a dead supervisor: await_idle waits
@@ -176,31 +222,99 @@ class Roster:
         if taken is None:
             return None
         name, handle, answer = taken
-        self.log.event("spare_promoted", rid=rid, spare=name, replaced=self.names[rid], pid=answer.get("pid"))
+        self.log.event("spare_promoted", rid=rid, spare=name, replaced=self.names[rid], pid=answer.get("pid"),
+                       incarnation=answer.get("incarnation"))
+        self.watch.promoted(rid, name, answer.get("incarnation"), self.names[rid])
         self.names[rid], self.handles[rid] = name, handle
         self.gone.discard(rid)
         self._save()
         return answer
 
-    def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float) -> None:
+    def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
+                   min_gbps: float = 1.0) -> None:
         """After a supervisor restart, replicas may still run a phase of the old one (the inner
-        phase goes on to the round's end). Wait while they advance; kill one stuck in a phase."""
-        watch = StallWatch(stuck_after_s)
+        phase goes on to the round's end). Wait while they work; kill one stuck in its phase, or
+        silent (hsgd.core.deadlines.StallWatch decides which):
+
+        - in an inner phase: its step has not moved for `stuck_after_s`;
+        - writing a checkpoint, healing, in the outer exchange or commit: its phase call has gone
+          on past that phase's own limit, `call_timeout_s` plus its bytes (3 x the params: params
+          and optimizer state) at `min_gbps` — never `stuck_after_s` of a step that cannot move
+          there (forming a group, which the rendezvous's own timeout bounds: `stuck_after_s`);
+        - no answer at all (a hang that holds the GIL, so even the control channel is silent) for
+          `stuck_after_s`: killed, so Ray restarts it (a dead one is only marked down: Ray
+          restarts it by itself, and a kill could hit its new process).
+        Killed replicas are marked down (`hung`) and come back through `rejoin`. One progress
+        question per replica is outstanding at a time; each pass waits at most a few seconds for
+        the answers (silence is counted from the first pass without one)."""
+        watch = StallWatch(stuck_after_s, silent_s=stuck_after_s)
+        asked: dict[str, Any] = {}  # rid -> its progress question still unanswered
         while True:
+            for rid in self.deaths(self.live, -1, "await_idle"):
+                self.down_seen(rid)
             busy = []
-            for rid in list(self.live):
-                answer = self.probe(rid, self.call_timeout_s)
-                if answer is None:
+            answers = self._ask_progress(sorted(self.live), asked, min(self.call_timeout_s, AWAIT_PASS_S))
+            sizes = [int(a.get("param_bytes") or 0) for a, _ in answers.values() if a]
+            self.param_bytes = max([self.param_bytes, *sizes])
+            watch.phase_limits = self._phase_limits(stuck_after_s, min_gbps)
+            for rid, (answer, gone) in answers.items():
+                if gone:  # Ray says its process is gone: restarting by itself, nothing to kill
                     self.down(rid, "died", "await_idle", -1)
-                elif answer.get("phase", "idle") == "idle":
+                    continue
+                verdict = watch.verdict(rid, answer, time.monotonic())
+                if verdict == IDLE:
                     self.admit(rid, answer)
-                elif watch.stuck(rid, answer["step"], time.monotonic()):
-                    self.log.event("kill", rid=rid, reason=f"stuck in {answer.get('phase')} after a supervisor restart")
-                    ray.kill(self.handles[rid], no_restart=False)
-                    self.down(rid, "hung", answer.get("phase", "?"), answer.get("round", -1))
-                else:
+                elif verdict in (STUCK, HUNG):
+                    phase = "silent" if verdict == HUNG else answer.get("phase", "?")
+                    limit = watch.silent_s if verdict == HUNG else watch.limit(phase)
+                    self.log.event("kill", rid=rid, reason=f"{'no answer' if verdict == HUNG else f'stuck in {phase}'} "
+                                                           f"for over {limit:.0f}s after a supervisor restart")
+                    try:
+                        ray.kill(self.handles[rid], no_restart=False)
+                    except Exception:  # noqa: BLE001 — already gone: Ray restarts it anyway
+                        pass
+                    self.down(rid, "hung", phase, -1 if answer is None else answer.get("round", -1))
+                else:  # busy, or silent but not yet for long
                     busy.append(rid)
             if not busy:
                 return
             show(busy)
             time.sleep(period_s)
+
+    def down_seen(self, rid: str) -> None:
+        """rid's process died, as the watch saw (and logged): no longer live."""
+        if self.live.pop(rid, None) is not None:
+            self._forget_groups(rid)
+
+    def _phase_limits(self, stuck_after_s: float, min_gbps: float) -> dict[str, float]:
+        """Each non-stepping phase's limit after a supervisor restart (see await_idle)."""
+        state_s = max(stuck_after_s, collective_timeout_s(self.call_timeout_s, 3 * self.param_bytes, min_gbps))
+        return {phase: state_s for phase in ("checkpoint", "heal", "outer", "outer_commit", "inner_sync")}
+
+    def _ask_progress(self, rids: list[str], asked: dict[str, Any],
+                      timeout_s: float) -> dict[str, tuple[dict | None, bool]]:
+        """Every rid's progress, asked at once (a question still unanswered in `asked` is not asked
+        again): rid -> (answer or None, gone), waiting at most timeout_s. `gone`: Ray says the
+        actor died (not a silence); no answer yet, or unreachable for now, is (None, False)."""
+        for rid in rids:
+            if rid not in asked and rid not in self.gone:
+                asked[rid] = self.handles[rid].progress.remote()
+        refs = {rid: asked[rid] for rid in rids if rid in asked}
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+        out = {}
+        for rid, ref in refs.items():
+            if ref not in ready:
+                out[rid] = (None, False)
+                continue
+            del asked[rid]
+            try:
+                out[rid] = (ray.get(ref, timeout=1.0), False)
+            except ActorDiedError:
+                if restarts_exhausted(self.handles[rid]):
+                    self.gone.add(rid)
+                out[rid] = (None, True)
+            except RayActorError as err:
+                out[rid] = (None, not isinstance(err, ActorUnavailableError))
+            except Exception:  # noqa: BLE001 — no answer in time: silent
+                out[rid] = (None, False)
+        return out

@@ -36,15 +36,13 @@ class RoundRecord:
         kind = phase.kind
         if value.get("join_s"):
             self.join_s[phase.id] = max(self.join_s.get(phase.id, 0.0), value["join_s"])
-        if kind == "run_inner":
-            self.inner_participants.add(rid)
-            if "report" in value:
-                rep = value["report"]
-                self.steps_run[phase.id] = max(self.steps_run.get(phase.id, 0), rep["steps_done"])
-                self.tokens += rep["tokens"]
-                self.inner_bytes += rep["inner_bytes"]
-                self.attempted_steps += rep["steps_done"]
-                self.losses.setdefault(rid, []).extend(rep["losses"])
+        if kind == "run_inner" and "report" in value:
+            rep = value["report"]
+            self.steps_run[phase.id] = max(self.steps_run.get(phase.id, 0), rep["steps_done"])
+            self.tokens += rep["tokens"]
+            self.inner_bytes += rep["inner_bytes"]
+            self.attempted_steps += rep["steps_done"]
+            self.losses.setdefault(rid, []).extend(rep["losses"])
         if kind == "outer_reduce":
             self.outer_bytes += value.get("outer_bytes", 0)
         if kind == "outer_commit" and outcome == Outcome.DONE:

@@ -6,12 +6,20 @@ of its cluster `assume`s the dead one's id (its data stream) and joins the clust
 replica: a heal, not a process start. The dead actor's own restart is told to `become_spare`, so
 the pool refills in the background. The pool's names are the supervisor's durable state (a
 restarted supervisor finds the same spares).
+
+Who an actor is survives its restarts (actors/lifecycle.py: Ray's KV store, under the actor's
+name): a promoted spare records the id it took before serving it, and the replaced actor is
+recorded as a spare, so either one that Ray restarts comes back as what it had become. A ready
+spare is asked nothing more; its death is seen by the supervisor's ActorWatch (Ray's restart
+count), which calls `lost`: a dead spare is never counted ready, and is asked again once back.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import ray
+
+from actors.lifecycle import write_identity
 
 
 class SparePool:
@@ -57,6 +65,10 @@ class SparePool:
                 self.ready.add(name)
                 log.event("spare_ready", cluster=int(c), spare=name, pid=answer.get("pid"))
 
+    def lost(self, name: str) -> None:
+        """Spare `name` died (the watch saw it): not ready until it answers again as a warm spare."""
+        self.ready.discard(name)
+
     def promote(self, rid: str, cluster: int, dead_handle, dead_name: str, timeout_s: float):
         """Hand `rid` to a ready spare of `cluster`; the dead actor takes the spare's place in the
         pool. Returns (spare name, spare handle, its progress answer), or None."""
@@ -68,6 +80,10 @@ class SparePool:
                 answer = ray.get(handle.assume.remote(rid), timeout=timeout_s)
             except Exception:  # noqa: BLE001 — that spare is gone too: try the next one
                 continue
+            try:  # its restart warms up as a spare at once (else `check` tells it to)
+                write_identity(dead_name, None, spare=True)
+            except Exception:  # noqa: BLE001 — the KV store unreachable: `check` covers it
+                pass
             self.names[c].remove(name)
             self.names[c].append(dead_name)
             del self.handles[name]

@@ -1,5 +1,5 @@
 """Supervisor actor: carries out hsgd.core.round.RoundMachine's actions. It decides nothing itself
-(read hsgd/core/round.py for what happens after any failure); it only
+(read hsgd/core/round/__init__.py for what happens after any failure); it only
 
     runs one round machine per round through actors/round_runner.py (which issues the calls, turns
     answers and Ray's errors into PhaseResults, polls progress, ticks the clock, kills whom the
@@ -36,12 +36,12 @@ from omegaconf import OmegaConf
 
 from actors import checkpointing
 from actors.fault_injector import FaultInjector
-from actors.round_runner import TICK_S, RoundRunner
+from actors.heals import heal_deadline_s, state_bytes_bound
+from actors.round_runner import TICK_S, RoundRunner, RunnerPorts, heal_at_rest
 from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
-from hsgd.core.round import (Action, RoundMachine, RoundSettings, checkpoint_due, current_round, heals_at_rest,
-                             quiet_gc_for_planning)
+from hsgd.core.round import Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, heals_at_rest
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
@@ -189,7 +189,6 @@ class Supervisor:
                 self._save_durable()
                 self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
             self._catch_up()
-            quiet_gc_for_planning(self.topology)
             while True:
                 self._check_storage()
                 for rid in roster.missing() + sorted(roster.gone):
@@ -263,7 +262,10 @@ class Supervisor:
         # a healthy member leaves a broken collective within its (payload-scaled) timeout
         param_bytes = self.roster.param_bytes
         grace = collective_timeout_s(cfg.comm.timeout_s, param_bytes, cfg.comm.min_gbps) + 5.0
-        heal_s = collective_timeout_s(sup.call_timeout_s, 3 * param_bytes, cfg.comm.min_gbps)  # params + optimizer
+        # one heal, end to end: its group's join, the whole state twice (over the group, then a fallback)
+        heal_s = heal_deadline_s(call_timeout_s=sup.call_timeout_s, configure_timeout_s=cfg.comm.configure_timeout_s,
+                                 timeout_s=cfg.comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
+                                 min_gbps=cfg.comm.min_gbps)
         return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
                              inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
@@ -284,7 +286,7 @@ class Supervisor:
                                benched=self.durable.get("benched", ()),  # non-finite: durable, until a resume
                                non_finite_rounds=self.durable.get("non_finite_rounds", {}))
         self.injector.supervisor_faults(r, "inner")
-        run = RoundRunner(self, machine, r)
+        run = RoundRunner(machine, self._ports())
         run.drive()
         self.durable["epoch"] = machine.epoch
         roster.leaders, roster.configured = machine.leaders, machine.configured_groups()
@@ -293,7 +295,7 @@ class Supervisor:
         self.durable["non_finite_rounds"] = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
         self._save_durable()
         if machine.outcome == "committed":
-            self._record(r, machine, run)
+            self._record(r, machine, run.record)
             return
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
@@ -327,7 +329,21 @@ class Supervisor:
         self.roster.await_idle(comm.configure_timeout_s + comm.timeout_s + self.cfg.watchdog.floor_s,
                                lambda busy: self._set_status(phase="waiting_for_replicas", busy=busy), TICK_S)
 
-    def _record(self, r: int, machine: RoundMachine, run: "RoundRunner") -> None:
+    def _ports(self) -> RunnerPorts:
+        """What a round's runner may touch: never this actor itself."""
+        return RunnerPorts(roster=self.roster, log=self.log, injector=self.injector, clock=self.clock,
+                           set_status=self._set_status, save_epoch=self._save_epoch, store=self.store,
+                           store_addr=self.store_addr, run_id=self.run_id, run_dir=self.run_dir,
+                           stack_dumps=bool(self.cfg.watchdog.stack_dumps))
+
+    def _save_epoch(self, epoch: int) -> None:
+        """A group is formed under `epoch`: saved before it exists, so a successor never reuses it."""
+        if epoch > self.durable["epoch"]:
+            self.durable["epoch"] = epoch
+            self._save_durable()
+
+    def _record(self, r: int, machine: RoundMachine, run) -> None:
+        """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
         self.durable["committed_round"] = r + 1
         self._save_durable()
         self.committed_steps += self.spr * len(run.inner_participants)
@@ -375,9 +391,9 @@ class Supervisor:
             return
         top = current_round(roster.live.values())
         for c, heals in heals_by_cluster.items():
-            action = Action(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
-                            calls={h.target: (h.source, h.scope) for h in heals})
-            RoundRunner(self, None, top).heal_now(action)
+            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
+                          calls={h.target: (h.source, h.scope) for h in heals})
+            heal_at_rest(phase, self._ports(), roster.live, self._settings().heal_s)
         roster.refresh()
         view = roster.plan(self.durable["epoch"])
         self._set_status(members={f"c{c}": list(m) for c, m in view.members.items()},

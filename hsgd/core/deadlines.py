@@ -50,18 +50,68 @@ class PhaseClock:
         return min(self.ceiling_s, max(self.floor_s, self.multiple * expected))
 
 
-class StallWatch:
-    """Stuck = the step has not moved for `limit_s`: a replica whose step still advances is slow,
-    never stuck (the same rule as the round machine's inner phase, for replicas found mid-phase
-    after a supervisor restart)."""
+# What StallWatch.verdict says about one replica after a supervisor restart
+IDLE, BUSY, WAITING, STUCK, HUNG = "idle", "busy", "waiting", "stuck", "hung"
+STEPPED_PHASES = ("inner",)  # phases whose work is steps: alive while the step moves
 
-    def __init__(self, limit_s: float):
+
+class StallWatch:
+    """Replicas found mid-phase after a supervisor restart (the old supervisor's calls run on):
+    which to wait for, which to kill.
+
+    - In an inner phase a replica is stuck when its step has not moved for `limit_s` (the round
+      machine's rule: a replica whose step still advances is slow, never stuck).
+    - In any other phase (a checkpoint write, a heal, the outer exchange or commit, forming a
+      group) there is no step to watch: it is stuck when the same phase call (same `phase` and
+      `phase_since`) has gone on longer than that phase's own limit, `phase_limits[phase]`
+      (scaled to the work by the caller: bytes at comm.min_gbps for a heal or an outer sync),
+      else `limit_s`. A step that does not move there is no sign of a hang.
+    - A replica that does not answer at all (its control channel is silent: a hang that holds the
+      GIL) is hung after `silent_s` of silence; the caller kills it so Ray restarts it.
+
+    Clocks are the caller's (`now`, monotonic): a replica's own `phase_since` only tells one
+    phase call from the next, never how long it ran (another node's clock)."""
+
+    def __init__(self, limit_s: float, phase_limits: dict[str, float] | None = None, silent_s: float | None = None):
         self.limit_s = limit_s
+        self.phase_limits = dict(phase_limits or {})
+        self.silent_s = limit_s if silent_s is None else silent_s
         self._last: dict[str, tuple[int, float]] = {}  # rid -> (step, when it was first seen there)
+        self._phase: dict[str, tuple[tuple, float]] = {}  # rid -> ((phase, phase_since), first seen in it)
+        self._silent: dict[str, float] = {}  # rid -> when it first did not answer
 
     def stuck(self, rid: str, step: int, now: float) -> bool:
+        """The step rule alone: `step` has not moved for longer than limit_s."""
         seen = self._last.get(rid)
         if seen is None or seen[0] != step:
             self._last[rid] = (step, now)
             return False
         return now - seen[1] > self.limit_s
+
+    def limit(self, phase: str) -> float:
+        return self.phase_limits.get(phase, self.limit_s)
+
+    def verdict(self, rid: str, answer: dict | None, now: float) -> str:
+        """`answer`: rid's progress answer ({"phase", "step", "phase_since"}), or None when it did
+        not answer in time (not when it is known dead: that is the caller's, and no kill).
+        Returns IDLE (admit it), BUSY (wait), WAITING (silent, within silent_s), STUCK (in a phase
+        past its limit: kill) or HUNG (silent past silent_s: kill)."""
+        if answer is None:
+            since = self._silent.setdefault(rid, now)
+            return HUNG if now - since > self.silent_s else WAITING
+        self._silent.pop(rid, None)
+        phase = answer.get("phase", "idle")
+        if phase == "idle":
+            self._last.pop(rid, None)
+            self._phase.pop(rid, None)
+            return IDLE
+        if phase in STEPPED_PHASES:
+            self._phase.pop(rid, None)
+            return STUCK if self.stuck(rid, int(answer.get("step", -1)), now) else BUSY
+        self._last.pop(rid, None)
+        call = (phase, answer.get("phase_since"))
+        seen = self._phase.get(rid)
+        if seen is None or seen[0] != call:
+            self._phase[rid] = (call, now)
+            return BUSY
+        return STUCK if now - seen[1] > self.limit(phase) else BUSY

@@ -55,8 +55,12 @@ EVENTS: dict[str, EventSpec] = {
     "collective_failed": EventSpec(("rid", "phase", "round", "cluster", "outcome", "detail"), "a replica's group broke"),
     "replica_error": EventSpec(("rid", "phase", "round", "cluster", "outcome", "detail"),
                                "a replica raised (that replica's failure: it is restarted)"),
-    "replica_down": EventSpec(("rid", "cluster", "cause", "round"), "a replica is lost (cause: died | hung | error)"),
-    "replica_up": EventSpec(("rid", "pid"), "a replica (re)started and answers"),
+    "replica_down": EventSpec(("rid", "cluster", "cause", "round", "incarnation"),
+                              "a replica is lost (cause: died | hung | error), each death once: incarnation = Ray's "
+                              "restart count of the process that died (null: unknown) in the actor `actor` that "
+                              "served rid; phase `restarting` for one that died before it served again"),
+    "replica_up": EventSpec(("rid", "pid", "incarnation"), "a replica (re)started and answers (incarnation: Ray's "
+                                                           "restart count of its actor; null: unknown)"),
     "non_finite": EventSpec(("rid", "rids", "cluster", "round", "phase", "what"),
                             "a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void, nobody "
                             "is killed (rid: the first to report, rids: all that did; what: loss | grad_norm | "
@@ -78,6 +82,9 @@ EVENTS: dict[str, EventSpec] = {
     "heal_source_lost": EventSpec(("source", "round", "detail"), "a heal's source died before its state arrived"),
     "spare_ready": EventSpec(("cluster", "spare", "pid"), "a hot spare is warm"),
     "spare_promoted": EventSpec(("rid", "spare", "replaced", "pid"), "a hot spare took a lost replica's identity"),
+    "spare_lost": EventSpec(("cluster", "spare", "incarnation", "round"),
+                            "a hot spare's process died (ready, warming up, or a replaced replica's actor on its way "
+                            "to becoming one): Ray restarts it as a spare; one summary `faults` entry"),
     # faults (the injector's own record; observed failures are in summary.json `faults`)
     "fault_scheduled": EventSpec(("fault",), "a fault added while the run goes (drills), as parsed"),
     "fault_armed": EventSpec(("fault", "targets"), "a scheduled fault was handed to the replicas it hits"),

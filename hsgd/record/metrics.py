@@ -55,19 +55,40 @@ def _recovery_and_heal(events: list[dict], rid: str, t: float) -> tuple[dict | N
 
 
 def _distinct_downs(events: list[dict]) -> list[dict]:
-    """replica_down events, each failure once: a down repeating an open one (same rid, round, phase
-    and cause, with no replica_up of that rid between) is the same failure logged again."""
-    downs, open_down = [], {}
+    """replica_down events, each failure once. A down that names its `incarnation` (the process
+    that died: Ray's restart count of the `actor` serving rid — a promoted spare's actor has its
+    own count) is one death of that process: a repeat of the same (rid, actor, incarnation) is the
+    same death logged again, and two deaths with no replica_up between them (a replica killed
+    again while Ray restarted it) are two. A down without one (older runs, or the incarnation
+    unknown) repeats an open one when it has the same round, phase and cause with no replica_up of
+    that rid between."""
+    downs, open_down, deaths = [], {}, set()
     for e in events:
         rid = e.get("rid")
         if e["event"] == "replica_up":
             open_down.pop(rid, None)
         elif e["event"] == "replica_down" and rid:
+            if e.get("incarnation") is not None:
+                death = (rid, e.get("actor"), e["incarnation"])
+                if death not in deaths:
+                    deaths.add(death)
+                    downs.append(e)
+                continue
             key = (e.get("round"), e.get("phase"), e.get("cause"))
             if open_down.get(rid) != key:
                 downs.append(e)
             open_down[rid] = key
     return downs
+
+
+def _spare_deaths(events: list[dict]) -> list[dict]:
+    """spare_lost events, each death of a spare's process once (by spare and incarnation)."""
+    seen, out = set(), []
+    for e in events:
+        if e["event"] == "spare_lost" and (e.get("spare"), e.get("incarnation")) not in seen:
+            seen.add((e.get("spare"), e.get("incarnation")))
+            out.append(e)
+    return out
 
 
 def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 120.0) -> list[dict]:
@@ -88,7 +109,8 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     numbers kill nobody: each `non_finite` event (one per cluster and round) is one entry with
     `cause: non_finite`, injected when a `nan` fault fired on one of its `rids` explains it (a `nan`
     fault explains only that, and no down), else observed (a diverging run, a flipped bit). Every
-    entry has the same keys."""
+    entry has the same keys. A hot spare's death (`spare_lost`) is an observed entry too, its `rid`
+    the spare's actor name and `phase` `spare`: no injected fault targets a spare."""
     events = sorted(events, key=lambda e: e["t"])
     figures = []
     non_finite = [e for e in events if e["event"] == "non_finite"]
@@ -135,6 +157,9 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
         if i in explained:
             continue
         figures.append(_observed_fault(events, e, cause="non_finite", detected_by="non_finite"))
+    for e in _spare_deaths(events):
+        figures.append(_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
+                                       detected_by="spare_lost"))
     return figures
 
 

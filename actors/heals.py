@@ -1,0 +1,243 @@
+"""Heals as Ray calls: a replica's state moves from its source to the replicas it heals, and the
+supervisor that issues them never holds it.
+
+Protocol
+- Through the object store (`global` heals across clusters; the fallback of a `full` heal): the
+  source answers two objects (`.options(num_returns=2)`): a small meta {"ok", "rid", "round",
+  "step", "pid", "bytes"} and the state. The state's ref goes straight into the target's
+  `load_state` as its argument: Ray moves it from the source's node to the target's. Only the meta
+  is ever fetched here. A source that refuses (`heal_state`: it is no longer the process it was
+  chosen as) answers `ok: False` with an `error` and no state; the target's `load_state` then
+  answers `collective_failed`, untouched. (A state under Ray's inline limit, 100 KiB, travels
+  inside the reply like any small value; model states are far larger.)
+- Over the process group (`full` heals): one `send_state` on the source (rank 0) and one
+  `receive_state` per target it heals in the action, in a group of their own under a fresh prefix
+  naming the run, the epoch and the heal (the store address carries the run's secret). A target
+  whose transfer fails (`collective_failed`: the group did not form, a peer died, a chunk timed
+  out, a bad stream) is healed once more, within the same action, through the object store from
+  the source's `heal_state` (`heal_fallback` event).
+- The source watch: each source's meta (or its `send_state`) is in `watched()`; the caller waits
+  on it with the rest of its calls and hands it to `source_answer` once it is ready, which
+  returns what the round machine must observe: `Lost(source, cause)` when the answer raised (the
+  source died or raised while giving its state) or refused (`heal_source_lost` event),
+  `StateReady(action, source)` when it delivered (from then on a silent target is the one to
+  blame), nothing for a failed transfer over the group (its targets fall back). A slow answer is
+  never a loss: nothing here decides on a fetch's timeout — an answer not yet ready is left
+  watched, and the heal's deadline (`heal_deadline_s`, scaled to the state's bytes) is the round
+  machine's.
+- A target's call that raised is its source's failure, not its own, when the source's meta raised
+  or refused (`source_failed`): Ray fails a call whose argument failed with the argument's error.
+- The final heal, outside any round, waits with `settle`, within a deadline scaled to the bytes.
+
+Nothing here waits on a state's ref, fetches one, or decides anything beyond what an answer says.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Mapping
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from hsgd.core.round import Lost, Outcome, StateReady
+from hsgd.train import state_stream
+from hsgd.train.comm import collective_timeout_s
+
+# A full state is at most 5x its params — the params, AdamW's two moments, the global params and the
+# outer momentum, each as large as the params — plus small tensors (AdamW's `step` per parameter).
+STATE_PER_PARAM_BYTE = 5
+STATE_SMALL_BYTES = 1 << 20
+FETCH_S = 30.0  # fetching an answer already ready (a few hundred bytes): bounds the call, decides nothing
+SETTLE_POLL_S = 0.5  # settle's longest wait before it looks at its deadline again
+
+
+def state_bytes_bound(param_bytes: int) -> int:
+    """The most bytes a full state of a model with `param_bytes` of params can hold."""
+    return STATE_PER_PARAM_BYTE * param_bytes + STATE_SMALL_BYTES
+
+
+def heal_deadline_s(*, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int,
+                    min_gbps: float) -> float:
+    """How long one heal of a state of `state_bytes` may take, end to end: a `full` heal may wait
+    for its group to form (configure_timeout_s), stream the whole state and stall one collective's
+    timeout (timeout_s) before it fails, then move the state once more through the object store
+    (call_timeout_s for the calls themselves) — two transfers of the state at comm.min_gbps. The
+    round machine's heal deadline and the final heal's wait."""
+    return collective_timeout_s(call_timeout_s + configure_timeout_s + timeout_s, 2 * state_bytes, min_gbps)
+
+
+class Heals:
+    """The heals of one round (or of the final heal). `handles`: rid -> the replica's actor handle;
+    `log`: the run's log (`.event(name, **fields)`); `store_addr`: the groups' rendezvous address
+    (`host:port/<secret>`); `run_id` and `round_index` name the groups' prefixes and the events."""
+
+    def __init__(self, handles: Mapping[str, Any], log, *, store_addr: str | None, run_id: str, round_index: int,
+                 chunk_mb: float = state_stream.CHUNK_MB):
+        self.handles, self.log = handles, log
+        self.store_addr, self.run_id, self.r, self.chunk_mb = store_addr, run_id, round_index, chunk_mb
+        # object store: (action, source) -> the state's ref (handed to targets, never fetched) and its meta's
+        self.states: dict[tuple[int, str], Any] = {}
+        self.metas: dict[tuple[int, str], Any] = {}
+        # sources' answers not yet taken in (metas and send_state calls) -> (action, source)
+        self.watch: dict[Any, tuple[int, str]] = {}
+        self.sends: set = set()  # the send_state calls among them
+        self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
+        # over the group: (action, source) -> its group's prefix, and the (round, step) the source was
+        # chosen holding (its fallback's heal_state checks it); target refs -> (action, target, source)
+        self.prefixes: dict[tuple[int, str], str] = {}
+        self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
+        self.receives: dict[Any, tuple[int, str, str]] = {}
+
+    # -- issuing ---------------------------------------------------------------------------------------
+    def issue(self, action_id: int, epoch: int, calls: Mapping[str, tuple[str, str]], target: str,
+              faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
+        """Heal `target` as heal action `action_id` says (`calls`: target -> (source, scope), the
+        whole action: a source's state is asked once however many targets it heals). `faults`:
+        rid -> the faults armed on it for this heal (the target's and its source's are handed on).
+        `source_at`: the (round, step) the source holds as it was chosen (a `full` heal's fallback
+        refuses a source that no longer holds it). Returns the target's call: its answer is the
+        heal's, except for a `full` heal's, which goes through `group_answer` first."""
+        source, scope = calls[target]
+        self.source_of[(action_id, target)] = source
+        self.log.event("heal_begin", target=target, source=source, scope=scope)
+        if scope == "full":
+            return self._issue_over_group(action_id, epoch, calls, target, faults, source_at)
+        key = (action_id, source)
+        if key not in self.states:
+            self._ask_state(key, self.handles[source].global_state)
+        return self.handles[target].load_state.remote(self.states[key], scope, faults.get(target))
+
+    def _ask_state(self, key: tuple[int, str], method, *args) -> None:
+        meta, state = method.options(num_returns=2).remote(*args)
+        self.metas[key], self.states[key] = meta, state
+        self.watch[meta] = key
+
+    def _issue_over_group(self, action_id: int, epoch: int, calls: Mapping[str, tuple[str, str]], target: str,
+                          faults: Mapping[str, Any], source_at: tuple[int, int] | None):
+        """One send_state per source (issued with its first target), one receive_state per target;
+        the source's call is watched like a meta: its death is the source's loss."""
+        source = calls[target][0]
+        key = (action_id, source)
+        targets = sorted(t for t, (s, scope) in calls.items() if s == source and scope == "full")
+        world = 1 + len(targets)
+        if key not in self.prefixes:
+            prefix = self.prefixes[key] = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
+            self.chosen_at[key] = source_at
+            send = self.handles[source].send_state.remote(self.r, (epoch, self.store_addr, prefix, 0, world),
+                                                          self.chunk_mb, faults.get(source))
+            self.watch[send] = key
+            self.sends.add(send)
+        ref = self.handles[target].receive_state.remote(
+            self.r, (epoch, self.store_addr, self.prefixes[key], 1 + targets.index(target), world), faults.get(target))
+        self.receives[ref] = (action_id, target, source)
+        return ref
+
+    # -- sources' answers ------------------------------------------------------------------------------
+    def watched(self) -> list:
+        """The sources' answers to wait on (small: metas and send_state answers, never a state)."""
+        return list(self.watch)
+
+    def is_source(self, ref) -> bool:
+        return ref in self.watch
+
+    def source_answer(self, ref) -> StateReady | Lost | None:
+        """Take in a source's answer (`ref` from `watched()`): what the round machine must observe.
+        StateReady (it delivered), Lost (it died, raised or refused: also logged, `heal_source_lost`),
+        or None: its transfer over the group failed (its targets fall back), or the answer is not
+        ready yet (it stays watched: slow is not lost)."""
+        ready, said, detail = self._read(ref, self.watch[ref])
+        if not ready:
+            return None
+        del self.watch[ref]
+        self.sends.discard(ref)
+        if isinstance(said, Lost):
+            self.log.event("heal_source_lost", source=said.rid, round=self.r, detail=detail)
+        return said
+
+    def _read(self, ref, key: tuple[int, str]) -> tuple[bool, StateReady | Lost | None, str]:
+        """(ready, what a source's answer says, why it was lost), without taking it in. Fetches
+        the answer (a meta or send_state's answer, a few hundred bytes) only once it is ready."""
+        action_id, source = key
+        if not ray.wait([ref], num_returns=1, timeout=0, fetch_local=False)[0]:
+            return False, None, ""
+        try:
+            value = ray.get(ref, timeout=FETCH_S)
+        except GetTimeoutError:
+            return False, None, ""
+        except Exception as err:  # noqa: BLE001 — the source died or raised while giving its state
+            cause = "died" if isinstance(err, RayActorError) else "error"
+            return True, Lost(source, cause), f"{type(err).__name__}: {' '.join(str(err).split())[-300:]}"
+        if ref in self.sends:  # send_state: a PhaseAnswer
+            if value.get("outcome") == Outcome.DONE.value:
+                return True, StateReady(action_id, source), ""
+            return True, None, ""  # its transfer over the group failed: its targets fall back to the object store
+        if not value.get("ok"):  # it refused: the process it was chosen as is gone
+            return True, Lost(source, "died"), str(value.get("error", ""))[:300]
+        return True, StateReady(action_id, source), ""
+
+    def source_failed(self, action_id: int, target: str) -> bool:
+        """`target`'s heal call of `action_id` raised: True when that is its source's failure (the
+        source's meta raised or refused; the target never ran), not the target's own. A meta not
+        yet ready says no: a target's call fails on its argument only once the source's call did."""
+        key = (action_id, self.source_of.get((action_id, target)))
+        meta = self.metas.get(key)
+        return meta is not None and isinstance(self._read(meta, key)[1], Lost)
+
+    # -- targets' answers over the group ---------------------------------------------------------------
+    def is_group_target(self, ref) -> bool:
+        return ref in self.receives
+
+    def group_answer(self, ref, waited: bool = True):
+        """A target's receive_state answered (`ref` ready). Returns the ref whose answer is the
+        target's heal: `ref` itself (done; the target died or raised; or its heal is no longer
+        `waited` on), or, when its transfer failed, a new call: the same target healed through the
+        object store from the source's `heal_state`, the state's ref handed straight to its
+        `load_state` (one state per source however many targets fall back)."""
+        action_id, target, source = self.receives.pop(ref)
+        try:
+            value = ray.get(ref, timeout=FETCH_S)  # the target's answer: a few hundred bytes
+        except Exception:  # noqa: BLE001 — the target died or raised: its answer says so
+            return ref
+        if value.get("outcome") != Outcome.COLLECTIVE_FAILED.value or not waited:
+            return ref
+        key = (action_id, source)
+        self.log.event("heal_fallback", target=target, source=source, round=self.r,
+                       detail=str(value.get("error", ""))[:300])
+        if key not in self.states:
+            self._ask_state(key, self.handles[source].heal_state, self.chosen_at.get(key))
+        return self.handles[target].load_state.remote(self.states[key], "full", None)
+
+    # -- outside a round -------------------------------------------------------------------------------
+    def settle(self, targets: Mapping[str, Any], deadline_s: float) -> dict[str, Any]:
+        """The final heal's wait (no round machine): until every target's heal answered or
+        `deadline_s` passed. `targets`: target -> the call `issue` returned. Failed transfers over
+        the group fall back on the way; sources' answers are taken in as they come (a lost source is
+        logged; its targets' calls fail by themselves). Returns target -> the ref whose answer is
+        its heal's (not ready if the deadline passed first)."""
+        final = dict(targets)
+        pending = {ref: rid for rid, ref in final.items()}
+        end = time.monotonic() + deadline_s
+        while pending and (left := end - time.monotonic()) > 0:
+            waiting = list(pending) + self.watched()
+            ready = ray.wait(waiting, num_returns=1, timeout=min(left, SETTLE_POLL_S), fetch_local=False)[0]
+            if ready:  # and every other answer already in
+                ready = ray.wait(waiting, num_returns=len(waiting), timeout=0, fetch_local=False)[0]
+            for ref in ready:
+                if ref in self.watch:
+                    self.source_answer(ref)
+                    continue
+                rid = pending.pop(ref)
+                after = self.group_answer(ref) if ref in self.receives else ref
+                if after is not ref:  # a fallback through the object store: its answer is the heal's
+                    final[rid] = after
+                    pending[after] = rid
+        for ref in self.watched():  # a source lost on the way is logged, however its targets ended
+            self.source_answer(ref)
+        return final
+
+    def forget(self, action_id: int) -> None:
+        """Heal action `action_id` ended: drop its states' refs (the object store frees a state once
+        no call that took it is left). Its sources' answers still to come stay watched."""
+        for key in [k for k in self.states if k[0] == action_id]:
+            del self.states[key]

@@ -1,0 +1,208 @@
+"""Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
+
+Ray keeps, per actor, `NumRestarts` (how many times it has been restarted: the process serving
+now is incarnation NumRestarts, counting from 0) and `State` (ALIVE, RESTARTING, DEAD, ...).
+An actor at NumRestarts n has lost incarnations 0..n-1; one that is DEAD has lost incarnation n
+too (no restart will come). That count goes up whatever the process was doing when it died —
+answering a call, idle, still in its constructor while Ray restarts it, warming up as a spare,
+healing — so a watch over it misses no death, where a call can: a call to a RESTARTING actor is
+held by Ray, and a process that dies and comes back between two calls is never seen failing one.
+
+`ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
+incarnation that died since the last poll, once. A death the supervisor learned otherwise (a call
+that failed, a kill it ordered) is told with `note_death`, so a later poll does not report that
+incarnation again — whichever comes first reports it, the other is a no-op. Which replica id an
+incarnation served follows the identity map: a spare promoted to serve `c0r1` dies as `c0r1`; a
+replica's own actor that became a spare dies as a spare (`Death.rid` None).
+
+What was reported survives a supervisor restart: the reported incarnations live in the
+supervisor's durable dict (`seen`), saved by `save` whenever they change.
+
+Failure cases: the table cannot be read (GCS briefly unreachable): `poll` returns nothing and the
+next poll reports what happened meanwhile (the count only grows). An actor not in the table yet
+(still being created) is skipped.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, NamedTuple
+
+DEAD, RESTARTING = "DEAD", "RESTARTING"
+
+
+class Death(NamedTuple):
+    name: str  # the actor's name (hsgd:<run_id>:...)
+    incarnation: int  # the actor's NumRestarts while that process lived
+    rid: str | None  # the replica id it served, or None: a spare (ready, warming up, or never promoted)
+    cluster: int | None  # a spare's cluster (the pool's); None for a replica (topology knows)
+    state: str  # the actor's State when the death was seen: RESTARTING, ALIVE (already back), DEAD
+
+
+# -- who an actor is: durable across its restarts ---------------------------------------------------
+# Ray restarts an actor with its constructor's arguments. A spare's are another replica's
+# (`c{c}r0`, spare=True), so a promoted spare that restarts would come back under the wrong
+# identity and data stream. Its identity is kept in Ray's internal KV store instead (cluster-wide,
+# on the GCS, reachable from any node, unlike a run folder that may be failing), under the actor's
+# own name, written before the actor serves anything under it and read by its constructor.
+KV_NAMESPACE = "hsgd"
+
+
+def _identity_key(actor_name: str) -> str:
+    return f"{actor_name}:identity"
+
+
+def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
+    """Record who `actor_name` is from now on: replica `rid`, or a spare (rid None). Raises what
+    the KV store raises (the caller then does not take the identity on)."""
+    import json
+
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(_identity_key(actor_name), json.dumps({"rid": rid, "spare": spare}), overwrite=True,
+                     namespace=KV_NAMESPACE)
+
+
+def read_identity(actor_name: str | None) -> dict | None:
+    """{"rid": str | None, "spare": bool} as last written for `actor_name`, or None (never
+    written: the actor is who its constructor's arguments say)."""
+    import json
+
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    if not actor_name:
+        return None
+    raw = _internal_kv_get(_identity_key(actor_name), namespace=KV_NAMESPACE)
+    return None if raw is None else json.loads(raw)
+
+
+def own_incarnation() -> int | None:
+    """In an actor: which incarnation this process is (its NumRestarts: Ray counts the restart
+    before it starts the new process), or None when the table cannot be read."""
+    import ray
+    from ray._private.state import state as gcs
+
+    try:
+        return int(gcs.actor_table(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0))
+    except Exception:  # noqa: BLE001 — unknown; the supervisor's watch still counts its deaths
+        return None
+
+
+def read_actor_table() -> list[dict]:
+    """Every actor of the cluster as Ray's GCS lists it (`Name`, `State`, `NumRestarts`, `Pid`):
+    one call. Raises what the GCS client raises."""
+    from ray._private.state import state as gcs
+
+    return list(gcs.actor_table(None).values())
+
+
+class ActorWatch:
+    """`identity`: replica id -> the name of the actor serving it (the roster's map itself, so a
+    promotion is followed); `spares`: cluster (str) -> spare actor names (the pool's own dict);
+    `seen`: actor name -> [floor, *extra] — every incarnation below floor was reported, and so
+    were `extra` (a durable dict, mutated here); `table`: returns the actor table's rows."""
+
+    def __init__(self, identity: dict[str, str], spares: dict[str, list[str]], seen: dict[str, list[int]], *,
+                 table: Callable[[], Iterable[dict]] = read_actor_table, save: Callable[[], None] = lambda: None):
+        self.identity, self.spares, self.seen = identity, spares, seen
+        self._table, self._save = table, save
+        self._up: dict[str, int] = {}  # rid -> incarnation of the process last seen serving it
+        # actor name -> [(first incarnation, rid or None: a spare)], in order: who it served from when
+        self._roles: dict[str, list[tuple[int, str | None]]] = {}
+        for rid, name in identity.items():
+            self._roles[name] = [(0, rid)]
+        for names in spares.values():
+            for name in names:
+                self._roles.setdefault(name, [(0, None)])
+
+    # -- what the supervisor tells it ---------------------------------------------------------------
+    def note_up(self, rid: str, incarnation: int | None) -> None:
+        """The process serving `rid` answered, and says it is `incarnation` (None: it did not say)."""
+        if incarnation is None:
+            return
+        self._up[rid] = incarnation
+        name = self.identity.get(rid)
+        if name is not None:
+            self._serves(name, incarnation, rid)
+            floor, extra = self._reported(name)
+            if incarnation in extra:  # declared dead, yet it answers: it was not dead
+                extra.discard(incarnation)
+                self._store(name, floor, extra)
+
+    def promoted(self, rid: str, spare: str, incarnation: int | None, replaced: str) -> None:
+        """Spare actor `spare` (at `incarnation`) now serves `rid`; `replaced`, the actor that served
+        it, is a spare from its next incarnation on."""
+        self._serves(spare, incarnation if incarnation is not None else self._floor(spare), rid)
+        self._serves(replaced, self._up.get(rid, self._floor(replaced)) + 1, None)
+
+    def note_death(self, rid: str) -> int | None:
+        """The process serving `rid` died and the caller learned it from a call (or killed it).
+        Returns its incarnation, to be logged — or None when a poll already reported it."""
+        name = self.identity.get(rid)
+        if name is None:
+            return None
+        incarnation = self._up.get(rid, self._floor(name))
+        floor, extra = self._reported(name)
+        if incarnation < floor or incarnation in extra:
+            return None
+        extra.add(incarnation)
+        self._store(name, floor, extra)
+        self._save()
+        return incarnation
+
+    def incarnation(self, rid: str) -> int | None:
+        """The incarnation of the process last seen serving `rid`, or None before it answered."""
+        return self._up.get(rid)
+
+    # -- the table ----------------------------------------------------------------------------------
+    def poll(self) -> list[Death]:
+        """Every incarnation of the watched actors that died since the last poll (or `note_death`),
+        oldest first per actor; empty when the table cannot be read."""
+        watched = set(self.identity.values()) | {n for names in self.spares.values() for n in names}
+        try:
+            rows = [r for r in self._table() if r.get("Name") in watched]
+        except Exception:  # noqa: BLE001 — the GCS briefly unreachable: the count keeps, next poll
+            return []
+        deaths = []
+        for row in rows:
+            name, state = row["Name"], row.get("State", "")
+            lost = int(row.get("NumRestarts", 0)) + (1 if state == DEAD else 0)  # incarnations < lost died
+            floor, extra = self._reported(name)
+            if lost <= floor:
+                continue
+            for incarnation in range(floor, lost):
+                if incarnation not in extra:
+                    rid = self._role(name, incarnation)
+                    deaths.append(Death(name, incarnation, rid, None if rid else self._spare_cluster(name), state))
+            self._store(name, lost, {i for i in extra if i >= lost})
+        if deaths:
+            self._save()
+        return deaths
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _reported(self, name: str) -> tuple[int, set[int]]:
+        floor, *extra = self.seen.get(name) or [0]
+        return floor, set(extra)
+
+    def _floor(self, name: str) -> int:
+        return self._reported(name)[0]
+
+    def _store(self, name: str, floor: int, extra: set[int]) -> None:
+        # only the table moves the floor (a death it shows is certain); one a caller noted stays an
+        # extra until then, so the same process answering again can take it back (note_up)
+        self.seen[name] = [floor, *sorted(extra)]
+
+    def _serves(self, name: str, incarnation: int, rid: str | None) -> None:
+        roles = self._roles.setdefault(name, [])
+        roles[:] = [(i, r) for i, r in roles if i < incarnation] + [(incarnation, rid)]
+
+    def _role(self, name: str, incarnation: int) -> str | None:
+        """The replica id `name` served at `incarnation` (None: a spare then)."""
+        served = None
+        for first, rid in self._roles.get(name, ()):
+            if first <= incarnation:
+                served = rid
+        if not self._roles.get(name):  # never told: the identity map now
+            served = next((rid for rid, n in self.identity.items() if n == name), None)
+        return served
+
+    def _spare_cluster(self, name: str) -> int | None:
+        return next((int(c) for c, names in self.spares.items() if name in names), None)
