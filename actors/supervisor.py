@@ -37,7 +37,8 @@ from omegaconf import OmegaConf
 from actors import checkpointing
 from actors.fault_injector import FaultInjector
 from actors.heals import heal_deadline_s, state_bytes_bound
-from actors.round_runner import TICK_S, RoundRunner, RunnerPorts, heal_at_rest
+from actors.replica_calls import heal_at_rest
+from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
