@@ -274,7 +274,10 @@ class Supervisor:
                              # a closed connection means the peer's process is gone; only Ray's own
                              # notice (which names the cause) is worth a short wait — nothing is killed
                              presumed_dead_s=max(0.25, self.clock.median("inner_step", 0.5)),
-                             configure_s=cfg.comm.configure_timeout_s + 10.0, heal_s=heal_s,
+                             # the rendezvous, then the backend's connect among members known present
+                             # (hsgd.train.comm.LevelGroup.connect_timeout_s), then a margin
+                             configure_s=cfg.comm.configure_timeout_s + min(cfg.comm.timeout_s, cfg.comm.configure_timeout_s)
+                             + 5.0, heal_s=heal_s,
                              outer_s=min(sup.phase_timeout_s, self.clock.deadline("outer", 1) + grace),
                              commit_s=min(sup.phase_timeout_s, self.clock.deadline("outer_commit", 1) + grace))
 
