@@ -40,11 +40,15 @@ def heal_at_rest(phase: Phase, ports, live: dict, deadline_s: float) -> None:
     refs = {rid: call(phase, rid, args, {}, ports, heals, live) for rid, args in phase.calls.items()}
     answers = {}
     for rid, ref in heals.settle(refs, deadline_s).items():
-        try:
-            value = ray.get(ref, timeout=FETCH_S)
-            outcome = Outcome(value.get("outcome", "done"))
-        except Exception as err:  # noqa: BLE001 — not healed: it heals at the next start, or stays behind
-            value, outcome = {"error": f"{type(err).__name__}: {str(err)[-200:]}"}, Outcome.DIED
+        if not ray.wait([ref], timeout=0, fetch_local=False)[0]:  # past the deadline: not healed
+            value, outcome = {"error": f"no answer within {deadline_s:.0f}s"}, Outcome.COLLECTIVE_FAILED
+        else:
+            try:
+                value = ray.get(ref, timeout=FETCH_S)
+                outcome = Outcome(value.get("outcome", "done"))
+            except Exception as err:  # noqa: BLE001 — not healed: it heals at the next start, or stays behind
+                value = {"error": f"{type(err).__name__}: {str(err)[-200:]}"}
+                outcome = Outcome.COLLECTIVE_FAILED if heals.source_failed(phase.id, rid) else Outcome.DIED
         record.answered(phase, rid, outcome, value, value.get("error", ""))
         answers[rid] = outcome.value if outcome == Outcome.DONE else f"{outcome.value}: {value.get('error', '')[:200]}"
     record.phase_ended(PhaseEnded(phase, answers, started, time.monotonic()))
