@@ -4,6 +4,8 @@ purpose, and wait for it to heal.
     drill = Drill(["train.rounds=12"]).start()
     drill.wait_for(phase="inner")
     drill.inject("kill", "c0r1")                       # now
+    drill.wait_down()                                  # the run recorded c0r1 down
+    drill.wait_recovered()
     drill.inject("hang", "leader:c1", round=5, phase="outer")   # at a phase boundary
     drill.wait_recovered()
     summary = drill.wait_done()
@@ -11,6 +13,11 @@ purpose, and wait for it to heal.
 Every blocking call takes a timeout and raises `DrillError` saying what it was waiting for and
 what the run looked like when it gave up. The run itself is the ordinary `jobs.train` path on
 an embedded Ray started here; its files land in `drill.run_dir` like any run's.
+
+What happened is read from the run's record (events.jsonl, faults_fired.jsonl), which has every
+death and commit once, in order; status.json (`state()`, `wait_for`) is the live view, only the
+newest state: a short-lived one may never be written, and it may reach the disk before or after
+the events logged with it.
 """
 from __future__ import annotations
 
@@ -24,6 +31,12 @@ import ray
 
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
 from hsgd.record.rundir import read_json as _read_json, read_jsonl
+
+# what the record counts as a failure since an injection (a replica lost, or the supervisor restarted)
+_FAILURES = ("replica_down", "hang_detected", "supervisor_start")
+# events.jsonl is stamped by the supervisor's clock, an injection by this process's: on another node
+# a failure may seem to come just before the injection that caused it
+_CLOCK_SKEW_S = 2.0
 
 
 class DrillError(RuntimeError):
@@ -89,7 +102,7 @@ class Drill:
         status = _read_json(self.run_dir / "status.json")
         info = _read_json(self.run_dir / "run.json")
         everyone = info.get("replicas", [])
-        live = {rid for members in (status.get("members") or {}).values() for rid in members}
+        live = _members(status)
         clusters: dict[str, dict] = {}
         for rid in everyone:
             c = "c" + rid[1:].split("r")[0]
@@ -154,42 +167,104 @@ class Drill:
         self._injected.append(record)
         return record
 
-    def wait_recovered(self, timeout_s: float = 180.0) -> dict:
-        """Wait until every replica is live again and a round committed after the last injection
-        took effect (and after the last replica came back). Returns the seconds that took. A fault
-        injected now into a replica fires at its next step or phase boundary, which may be the
-        commit broadcast of the round in flight; that round can still commit (another cluster
-        applied it) before the damage is repaired, so only a round after the one the fault fired in
-        counts."""
-        if not self._injected:
-            raise DrillError("nothing was injected")
-        last = self._injected[-1]
-        t0 = last["t"]
-        inside = last.get("rids") if last["kind"] != "kill" else None  # fired by the replica itself
-        everyone = set(_read_json(self.run_dir / "run.json").get("replicas", []))
+    def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
+        """Wait until the run has recorded the last injection taking down what it hit: a
+        `replica_down` (or `hang_detected`) for each replica a kill, crash or hang injected now hit,
+        a `supervisor_start` after a kill or crash of the supervisor. Returns those events.
+
+        Read from events.jsonl, not status.json: the live view is only the newest state (a view
+        still queued for writing is replaced by the next one), so a replica found dead after Ray
+        had already restarted it can be back among the members before a view without it was ever
+        written, while its death is in the log once."""
+        last = self._last()
+        if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
+            raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            status = _read_json(self.run_dir / "status.json")
-            live = {rid for members in (status.get("members") or {}).values() for rid in members}
-            events = [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["t"] >= t0]
-            downs = [e for e in events if e["event"] in ("replica_down", "hang_detected", "supervisor_start")]
-            ups = [e["t"] for e in events if e["event"] == "replica_up"]
-            after_round = -1
-            if inside:
-                fired = [f for f in read_jsonl(self.run_dir / "faults_fired.jsonl")
-                         if f.get("rid") in inside and f["t"] >= t0 - 1.0 and f.get("round") is not None]
-                after_round = max((f["round"] for f in fired), default=None)
-            commits = [e["t"] for e in events if e["event"] == "commit" and e["t"] > max(ups, default=t0)
-                       and after_round is not None and e["round"] > after_round]
-            broken = last.get("scheduled") is None and not downs and last["kind"] in ("kill", "crash", "hang")
-            if live >= everyone and commits and not broken:
-                return {"recovered_s": commits[0] - t0, "detections": [e["event"] for e in downs]}
-            if self.summary is not None and self.summary.get("status") != "completed":
-                raise DrillError(f"the run ended as {self.summary.get('status')}: {self.summary.get('reason')}")
-            if not self._alive() and self.summary is not None:
-                return {"recovered_s": None, "detections": [e["event"] for e in downs], "run_ended": True}
+            failures = self._failures_since(last["t"])
+            if self._took_effect(last, failures):
+                return failures
+            self._raise_if_ended("the fault to take effect")
+            time.sleep(0.1)
+        raise DrillError(f"{last['target']} not recorded down {timeout_s:.0f}s after the injection; "
+                         f"last state: {self._brief()}")
+
+    def wait_recovered(self, timeout_s: float = 180.0) -> dict:
+        """Wait until the run has recovered from the last injection, read from its record:
+        1. the fault took effect: each replica a kill, crash or hang injected now hit is recorded
+           down (`wait_down`), the supervisor restarted after its kill or crash, and a fault that
+           fires inside a replica or at a scheduled moment is in faults_fired.jsonl with its round;
+        2. then a round was committed by every replica (`commit` names who committed) after the
+           last failure recorded since the injection and after the round the fault fired in (a
+           fault that fires at the commit of the round in flight lets that round commit without
+           its victim);
+        3. and status.json has caught up with that commit: its round is past it and every replica
+           is a member, so `state()` called next shows everyone back.
+        Returns {"recovered_s": seconds from the injection to that commit, "detections": the
+        failure events since the injection}.
+
+        Why the record and not "every replica in status.json and a commit since the last
+        replica_up": status.json and events.jsonl are written by separate jobs of the supervisor's
+        writer thread, and the newest status replaces one still queued, so a view can reach the
+        disk before events logged earlier (a returned replica shown as a member, its replica_up
+        not yet in the log, so the commit of a round it missed seemed to follow it); a member may
+        still be healing; and a round committed after a replica came back may be one it sat out
+        (it came back during the outer exchange and joins at the next round)."""
+        last = self._last()
+        t0 = last["t"]
+        everyone = set(self._info()["replicas"])
+        # a fault that fires inside a replica (or at a scheduled moment) names its round when it fires
+        fires_later = last.get("scheduled") is not None or (last.get("rids") and last["kind"] != "kill")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            events = [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["t"] >= t0 - _CLOCK_SKEW_S]
+            failures = [e for e in events if e["event"] in _FAILURES]
+            fired_round = -1
+            if fires_later:
+                fired = [f["round"] for f in read_jsonl(self.run_dir / "faults_fired.jsonl")
+                         if f["t"] >= t0 - _CLOCK_SKEW_S and f.get("round") is not None
+                         and (not last.get("rids") or f.get("rid") in last["rids"])]
+                fired_round = max(fired, default=None)
+            if fired_round is not None and self._took_effect(last, failures):
+                since = max((e["t"] for e in failures), default=t0)
+                commit = next((e for e in events if e["event"] == "commit" and e["t"] > since
+                               and e["round"] > fired_round and everyone <= set(e.get("replicas") or ())), None)
+                status = _read_json(self.run_dir / "status.json")
+                if commit is not None and (status.get("round") or 0) > commit["round"] \
+                        and everyone <= _members(status):
+                    return {"recovered_s": commit["t"] - t0, "detections": [e["event"] for e in failures]}
+            if not self._alive() and self.summary is not None and self.summary.get("status") == "completed":
+                return {"recovered_s": None, "detections": [e["event"] for e in failures], "run_ended": True}
+            self._raise_if_ended("the run to recover")
             time.sleep(0.2)
         raise DrillError(f"not recovered {timeout_s:.0f}s after the last injection; last state: {self._brief()}")
+
+    def _last(self) -> dict:
+        if not self._injected:
+            raise DrillError("nothing was injected")
+        return self._injected[-1]
+
+    def _failures_since(self, t0: float) -> list[dict]:
+        return [e for e in read_jsonl(self.run_dir / "events.jsonl")
+                if e["event"] in _FAILURES and e["t"] >= t0 - _CLOCK_SKEW_S]
+
+    @staticmethod
+    def _took_effect(last: dict, failures: list[dict]) -> bool:
+        """Whether the record shows what the injection takes down gone (True for a fault that
+        takes nobody down, or one at a scheduled moment: its fired record says when it fired)."""
+        if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
+            return True
+        if last["target"] == "supervisor":
+            return any(e["event"] == "supervisor_start" for e in failures)
+        down = {e.get("rid") for e in failures if e["event"] in ("replica_down", "hang_detected")}
+        return set(last.get("rids") or ()) <= down
+
+    def _raise_if_ended(self, what: str) -> None:
+        if self.summary is not None and self.summary.get("status") != "completed":
+            raise DrillError(f"the run ended as {self.summary.get('status')} while waiting for {what}: "
+                             f"{self.summary.get('reason')}")
+        if not self._alive() and self.summary is None:
+            raise DrillError(f"the run ended while waiting for {what}: {self.error}")
 
     # -- plumbing -------------------------------------------------------------------------------
     def _alive(self) -> bool:
@@ -233,6 +308,11 @@ class Drill:
     def _brief(self) -> str:
         st = _read_json(self.run_dir / "status.json")
         return json.dumps({k: st.get(k) for k in ("phase", "round", "epoch", "members", "status")}, default=str)
+
+
+def _members(status: dict) -> set[str]:
+    """The replicas a status view lists as members of their cluster (live)."""
+    return {rid for members in (status.get("members") or {}).values() for rid in members}
 
 
 def _append_fired(run_dir: Path, rid: str, kind: str) -> None:

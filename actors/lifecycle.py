@@ -8,10 +8,13 @@ answering a call, idle, still in its constructor while Ray restarts it, warming 
 healing — so a watch over it misses no death, where a call can: a call to a RESTARTING actor is
 held by Ray, and a process that dies and comes back between two calls is never seen failing one.
 
-`ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
-incarnation that died since the last poll, once. A death the supervisor learned otherwise (a call
-that failed, a kill it ordered) is told with `note_death`, so a later poll does not report that
-incarnation again — whichever comes first reports it, the other is a no-op. Which replica id an
+`ActorWatch.poll()` reads the actor table once (one GCS call for every actor: about a
+millisecond for a few dozen) and returns each incarnation that died since the last poll, once. A
+death the supervisor learned otherwise (a call that failed, a kill it ordered) is told with
+`note_death`, so a later poll does not report that incarnation again — whichever comes first
+reports it, the other is a no-op. `note_up` tells it which process answered for a replica (its
+incarnation, from the replica's own `progress`): a death learned from a call is the oldest
+process that answered and is not known dead. Which replica id an
 incarnation served follows the identity map: a spare promoted to serve `c0r1` dies as `c0r1`; a
 replica's own actor that became a spare dies as a spare (`Death.rid` None).
 
@@ -24,9 +27,10 @@ next poll reports what happened meanwhile (the count only grows). An actor not i
 """
 from __future__ import annotations
 
+import json
 from typing import Callable, Iterable, NamedTuple
 
-DEAD, RESTARTING = "DEAD", "RESTARTING"
+DEAD = "DEAD"  # the actor's State once no restart will come
 
 
 class Death(NamedTuple):
@@ -53,8 +57,6 @@ def _identity_key(actor_name: str) -> str:
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
     """Record who `actor_name` is from now on: replica `rid`, or a spare (rid None). Raises what
     the KV store raises (the caller then does not take the identity on)."""
-    import json
-
     from ray.experimental.internal_kv import _internal_kv_put
 
     _internal_kv_put(_identity_key(actor_name), json.dumps({"rid": rid, "spare": spare}), overwrite=True,
@@ -64,8 +66,6 @@ def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
 def read_identity(actor_name: str | None) -> dict | None:
     """{"rid": str | None, "spare": bool} as last written for `actor_name`, or None (never
     written: the actor is who its constructor's arguments say)."""
-    import json
-
     from ray.experimental.internal_kv import _internal_kv_get
 
     if not actor_name:
@@ -104,7 +104,10 @@ class ActorWatch:
                  table: Callable[[], Iterable[dict]] = read_actor_table, save: Callable[[], None] = lambda: None):
         self.identity, self.spares, self.seen = identity, spares, seen
         self._table, self._save = table, save
-        self._up: dict[str, int] = {}  # rid -> incarnation of the process last seen serving it
+        # rid -> the processes seen serving it, oldest first: (actor name, incarnation); a death
+        # learned from a call is the oldest of them not yet known dead
+        self._noted: dict[str, list[tuple[str, int]]] = {}
+        self._last: dict[str, tuple[str, int]] = {}  # rid -> the process that answered last
         # actor name -> [(first incarnation, rid or None: a spare)], in order: who it served from when
         self._roles: dict[str, list[tuple[int, str | None]]] = {}
         for rid, name in identity.items():
@@ -115,42 +118,66 @@ class ActorWatch:
 
     # -- what the supervisor tells it ---------------------------------------------------------------
     def note_up(self, rid: str, incarnation: int | None) -> None:
-        """The process serving `rid` answered, and says it is `incarnation` (None: it did not say)."""
-        if incarnation is None:
-            return
-        self._up[rid] = incarnation
+        """The process serving `rid` (the identity map's actor) answered, and says it is
+        `incarnation` (None: it did not say)."""
         name = self.identity.get(rid)
-        if name is not None:
-            self._serves(name, incarnation, rid)
-            floor, extra = self._reported(name)
-            if incarnation in extra:  # declared dead, yet it answers: it was not dead
-                extra.discard(incarnation)
-                self._store(name, floor, extra)
+        if incarnation is None or name is None:
+            return
+        self._serves(name, incarnation, rid)
+        self._last[rid] = (name, incarnation)
+        noted = [(n, i) for n, i in self._noted.get(rid, ()) if not self._is_reported(n, i)]
+        if (name, incarnation) not in noted:
+            noted.append((name, incarnation))
+        self._noted[rid] = noted
+        floor, extra = self._reported(name)
+        if incarnation in extra:  # declared dead, yet it answers: it was not dead
+            extra.discard(incarnation)
+            self._store(name, floor, extra)
+            self._noted[rid] = sorted(noted, key=lambda p: p != (name, incarnation))  # the one to die next
 
     def promoted(self, rid: str, spare: str, incarnation: int | None, replaced: str) -> None:
         """Spare actor `spare` (at `incarnation`) now serves `rid`; `replaced`, the actor that served
         it, is a spare from its next incarnation on."""
         self._serves(spare, incarnation if incarnation is not None else self._floor(spare), rid)
-        self._serves(replaced, self._up.get(rid, self._floor(replaced)) + 1, None)
+        last = max((i for n, i in self._noted.get(rid, ()) if n == replaced), default=self._floor(replaced))
+        self._serves(replaced, last + 1, None)
 
-    def note_death(self, rid: str) -> int | None:
-        """The process serving `rid` died and the caller learned it from a call (or killed it).
-        Returns its incarnation, to be logged — or None when a poll already reported it."""
-        name = self.identity.get(rid)
-        if name is None:
+    def note_death(self, rid: str) -> tuple[str, int] | None:
+        """The process serving `rid` died and the caller learned it from a call (or killed it): the
+        oldest process seen serving rid that is not yet known dead (a newer one may have answered
+        already: it was restarted between two questions). Returns (actor name, incarnation), to be
+        logged — or None when that death was reported already (a poll saw it first)."""
+        if rid in self._noted:
+            noted = self._noted[rid]
+        else:  # never seen answering: the oldest process of the actor the identity map names
+            name = self.identity.get(rid)
+            noted = [] if name is None else [(name, self._floor(name))]
+        noted = [(n, i) for n, i in noted if not self._is_reported(n, i)]
+        if not noted:
             return None
-        incarnation = self._up.get(rid, self._floor(name))
+        name, incarnation = noted[0]
+        self._noted[rid] = noted[1:]
         floor, extra = self._reported(name)
-        if incarnation < floor or incarnation in extra:
-            return None
         extra.add(incarnation)
         self._store(name, floor, extra)
         self._save()
-        return incarnation
+        return name, incarnation
 
     def incarnation(self, rid: str) -> int | None:
-        """The incarnation of the process last seen serving `rid`, or None before it answered."""
-        return self._up.get(rid)
+        """The incarnation of the process that last answered for `rid`, or None before one did."""
+        last = self._last.get(rid)
+        return None if last is None else last[1]
+
+    def latest(self, death: Death) -> bool:
+        """`death` is of the process that last answered for its replica (or of a newer one of the
+        same actor, or nothing answered yet): the replica, as the supervisor holds it, is gone. An
+        older process's death (replaced since, or by a spare) is not."""
+        last = self._last.get(death.rid)
+        return last is None or (last[0] == death.name and last[1] <= death.incarnation)
+
+    def answered(self, death: Death) -> bool:
+        """The process that died is the one that last answered for its replica."""
+        return self._last.get(death.rid) == (death.name, death.incarnation)
 
     # -- the table ----------------------------------------------------------------------------------
     def poll(self) -> list[Death]:
@@ -178,6 +205,10 @@ class ActorWatch:
         return deaths
 
     # -- internals ----------------------------------------------------------------------------------
+    def _is_reported(self, name: str, incarnation: int) -> bool:
+        floor, extra = self._reported(name)
+        return incarnation < floor or incarnation in extra
+
     def _reported(self, name: str) -> tuple[int, set[int]]:
         floor, *extra = self.seen.get(name) or [0]
         return floor, set(extra)

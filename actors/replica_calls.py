@@ -65,7 +65,10 @@ def error_kind(value) -> ErrorKind:
         return ErrorKind.NONE
 
 
-def _kill_quietly(handle) -> None:
+
+
+def kill_quietly(handle) -> None:
+    """Kill an actor restartable (a replica that raised restarts clean); already gone is fine."""
     try:
         ray.kill(handle, no_restart=False)
     except Exception:  # noqa: BLE001 — already gone

@@ -146,19 +146,21 @@ class Roster:
         """The process serving rid died (or was killed), learned from a call: log its `replica_down`
         with the incarnation that died — unless the watch already reported that death. True if
         logged."""
-        incarnation = self.watch.note_death(rid)
-        if incarnation is None:
-            return False  # the watch saw this incarnation die first: logged then
+        dead = self.watch.note_death(rid)
+        if dead is None:
+            return False  # the watch saw this death first: logged then
+        actor, incarnation = dead
         self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause, phase=phase,
-                       round=round_index, detail=detail[:300], incarnation=incarnation, actor=self.names[rid])
+                       round=round_index, detail=detail[:300], incarnation=incarnation, actor=actor)
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
         """Every death Ray's actor table shows since the last look, logged once (a replica's
         `replica_down` with its incarnation, a warm spare's `spare_lost`; the pool stops counting
-        a dead spare ready). Returns the replicas in `live` whose current process is among the dead:
-        the caller marks them lost. A death of a process not (or no longer) serving live — one
-        restarting, warming up, or replaced since — is only logged (phase `restarting`)."""
+        a dead spare ready). Returns the replicas whose latest known process died (not an older one,
+        replaced since): the caller tells its round machine, which ignores one it does not hold.
+        `phase` names what a replica in `live` was doing; one not in `live` died `joining` (it had
+        answered up: being healed, waiting to be taken in) or `restarting` (it never had)."""
         lost = []
         for d in self.watch.poll():
             if d.rid is None:
@@ -166,12 +168,12 @@ class Roster:
                 self.log.event("spare_lost", cluster=d.cluster, spare=d.name, incarnation=d.incarnation,
                                round=round_index, state=d.state)
                 continue
-            known = self.watch.incarnation(d.rid)
-            current = d.rid in live and (known is None or known <= d.incarnation)
+            latest = self.watch.latest(d)
+            where = phase if d.rid in live and latest else "joining" if self.watch.answered(d) else "restarting"
             self.log.event("replica_down", rid=d.rid, cluster=self.topology.cluster_of(d.rid), cause="died",
-                           phase=phase if current else "restarting", round=round_index,
-                           detail=f"Ray's actor table: {d.state}", incarnation=d.incarnation, actor=d.name)
-            if current:
+                           phase=where, round=round_index, detail=f"Ray's actor table: {d.state}",
+                           incarnation=d.incarnation, actor=d.name)
+            if latest:
                 lost.append(d.rid)
         return lost
 

@@ -29,7 +29,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
-from actors.replica_calls import FETCH_S, call, error_kind, up
+from actors.replica_calls import FETCH_S, call, error_kind, kill_quietly, up
 from actors.round_record import PHASE_NAME, RoundRecord
 from hsgd.core.round import (AbortJoin, Answer, Kill, Lost, Outcome, Phase, PhaseEnded, Progress, Reap, RoundMachine,
                              StepTimed, Yield)
@@ -161,10 +161,15 @@ class RoundRunner:
             self.calls[call(phase, rid, args, armed, p, self.heals, self.m.progress)] = (phase.id, rid)
 
     def _membership_event(self, phase: Phase) -> None:
+        """The group this phase forms: its members (and their leader), not the whole run's view
+        (a round where every cluster forms its group would otherwise log O(clusters²))."""
         m = self.m
-        members = {f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)}
-        self.p.log.event("membership", epoch=phase.epoch, members=members, standby=[],
-                         leaders={f"c{c}": r for c, r in m.leaders.items()},
+        if phase.kind == "run_inner":
+            members, leaders = {f"c{phase.cluster}": list(phase.calls)}, {f"c{phase.cluster}": m.leaders.get(phase.cluster)}
+        else:  # the leaders' group: one per round at most
+            members = {f"c{m.cluster_of(rid)}": [rid] for rid in phase.calls}
+            leaders = {f"c{m.cluster_of(rid)}": rid for rid in phase.calls}
+        self.p.log.event("membership", epoch=phase.epoch, members=members, leaders=leaders, standby=[],
                          level="inner" if phase.kind == "run_inner" else "outer", cluster=phase.cluster)
 
     # -- what Ray says -----------------------------------------------------------------------------------
@@ -196,7 +201,7 @@ class RoundRunner:
                 outcome, detail = Outcome.DIED, type(err).__name__
             else:  # the replica raised (OOM, I/O, a bug): its own failure, never the job's; restart it clean
                 outcome = Outcome.ERROR
-                _kill_quietly(self.p.roster.handles[rid])
+                kill_quietly(self.p.roster.handles[rid])
         if flight is not None and rid in flight.pending:  # (a stale answer is not the round's)
             self.record.answered(flight.phase, rid, outcome, value, detail)
         return Answer(phase_id, rid, outcome, int(value.get("round", -1)), int(value.get("step", -1)),

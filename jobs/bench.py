@@ -1,5 +1,5 @@
 """Benchmarks: `python -m jobs.bench [--out DIR] [--rounds N] [--outer-every H]`, or
-`python -m jobs.bench plan [--out DIR]` (the round machine's own cost at 10,000 replicas; no Ray), or
+`python -m jobs.bench plan [--out DIR]` (the round machine and its runner per round at 10,000 replicas, against a fake Ray), or
 `python -m jobs.bench goodput [--out DIR] [--rounds N] [--mtbf 30 10]` (wall time under faults vs
 fault-free, with and without hot spares; see jobs/bench_goodput.py), or
 `python -m jobs.bench inner [--quick] [--out DIR]` (hsgd's inner step vs plain and tuned PyTorch

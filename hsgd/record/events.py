@@ -58,7 +58,8 @@ EVENTS: dict[str, EventSpec] = {
     "replica_down": EventSpec(("rid", "cluster", "cause", "round", "incarnation"),
                               "a replica is lost (cause: died | hung | error), each death once: incarnation = Ray's "
                               "restart count of the process that died (null: unknown) in the actor `actor` that "
-                              "served rid; phase `restarting` for one that died before it served again"),
+                              "served rid; phase `restarting` for one that died before it answered, `joining` for "
+                              "one that answered but was not yet taken back in"),
     "replica_up": EventSpec(("rid", "pid", "incarnation"), "a replica (re)started and answers (incarnation: Ray's "
                                                            "restart count of its actor; null: unknown)"),
     "non_finite": EventSpec(("rid", "rids", "cluster", "round", "phase", "what"),

@@ -74,16 +74,22 @@ def known_replicas(run_dir: str | Path, events: list[dict] | None = None) -> lis
 def replica_states(events: list[dict]):
     """Yield (t, {rid: state}) after every event that changes a replica's state. States: "live"
     (a member), "standby" (live, its cluster below quorum), "joining" (back up, not yet a member),
-    "down". A membership event is authoritative for who is in; replica_down/replica_up in between."""
+    "down". An inner membership event is authoritative for who is in its cluster (an outer one, the
+    leaders' group, changes nobody's state); replica_down/replica_up in between."""
     state: dict[str, str] = {}
     for e in events:
         name = e.get("event")
         if name == "membership":
-            new = {rid: s for rid, s in state.items() if s == "down"}
+            if e.get("level") == "outer":
+                continue  # the leaders' group: who is in each cluster does not change
+            listed = e.get("members") or {}
+            # authoritative for the clusters it lists (a cluster's group: its own; an older record: all)
+            clusters = set(listed) if e.get("cluster") is not None else None
+            new = dict(state)
             for rid, s in state.items():
-                if s in ("live", "standby", "joining"):
+                if s in ("live", "standby", "joining") and (clusters is None or _cluster_key(rid) in clusters):
                     new[rid] = "joining"
-            for members in (e.get("members") or {}).values():
+            for members in listed.values():
                 new.update({rid: "live" for rid in members})
             new.update({rid: "standby" for rid in e.get("standby") or []})
             state = new
@@ -357,3 +363,8 @@ def write_membership_png(run_dir: str | Path) -> Path:
 def write_run_plots(run_dir: str | Path) -> list[Path]:
     """loss.png, timeline.png and membership.png under run_dir; returns their paths."""
     return [write_loss_png(run_dir), write_timeline_png(run_dir), write_membership_png(run_dir)]
+
+
+def _cluster_key(rid: str) -> str:
+    """`c1` for `c1r0` (the key a membership event lists a cluster's members under)."""
+    return rid.split("r", 1)[0]

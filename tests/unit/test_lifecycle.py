@@ -76,7 +76,7 @@ def test_a_death_learned_from_a_call_is_not_reported_again_by_the_table_nor_the_
     watch = watch_of(table)
     watch.note_up("c0r0", 0)
     watch.note_up("c0r1", 0)
-    assert watch.note_death("c0r0") == 0, "the call saw it first: it names the incarnation that died"
+    assert watch.note_death("c0r0") == (name("c0r0"), 0), "the call saw it first: it names the process that died"
     table.set("c0r0", "RESTARTING", 1)
     assert watch.poll() == [], "the table shows the same death: not again"
     assert watch.note_death("c0r0") is None
@@ -92,9 +92,21 @@ def test_a_call_names_the_process_that_served_the_replica_and_earlier_unseen_dea
     watch.poll()
     watch.note_up("c0r1", 1)  # incarnation 0 died unseen and 1 answered before the next poll
     assert watch.incarnation("c0r1") == 1
-    assert watch.note_death("c0r1") == 1
+    assert watch.note_death("c0r1") == (name("c0r1"), 1)
     table.set("c0r1", "RESTARTING", 2)
     assert deaths(watch.poll()) == [("c0r1", 0, "c0r1")], "incarnation 1 was reported; 0 was not yet"
+
+
+def test_a_process_restarted_between_two_questions_is_the_one_declared_dead_not_its_successor():
+    table = Table()
+    table.set("c0r1", "ALIVE", 0)
+    watch = watch_of(table, replicas=("c0r1",))
+    watch.note_up("c0r1", 0)
+    watch.note_up("c0r1", 1)  # an idle probe finds a new process: the old one died unseen
+    assert watch.note_death("c0r1") == (name("c0r1"), 0), "the death the caller learned is the old process's"
+    table.set("c0r1", "ALIVE", 1)
+    assert watch.poll() == [], "and the table shows nothing more"
+    assert watch.note_death("c0r1") == (name("c0r1"), 1), "the new process's own death, later, is its own"
 
 
 def test_a_replica_declared_dead_that_answers_again_as_the_same_process_can_still_die():
@@ -102,7 +114,7 @@ def test_a_replica_declared_dead_that_answers_again_as_the_same_process_can_stil
     table.set("c0r1", "ALIVE", 0)
     watch = watch_of(table, replicas=("c0r1",))
     watch.note_up("c0r1", 0)
-    assert watch.note_death("c0r1") == 0  # Ray said unavailable for a moment
+    assert watch.note_death("c0r1") == (name("c0r1"), 0)  # Ray said unavailable for a moment
     watch.note_up("c0r1", 0)  # the same process answers: it was not dead
     table.set("c0r1", "RESTARTING", 1)
     assert deaths(watch.poll()) == [("c0r1", 0, "c0r1")], "its real death is not swallowed"
@@ -115,7 +127,7 @@ def test_deaths_follow_the_identity_map_through_a_promotion():
     for short in ("c0r0", "c0r1", "spare-c0-0"):
         table.set(short, "ALIVE", 0)
     watch.note_up("c0r1", 0)
-    assert watch.note_death("c0r1") == 0  # c0r1 died in a call
+    assert watch.note_death("c0r1") == (name("c0r1"), 0)  # c0r1 died in a call
     table.set("c0r1", "RESTARTING", 1)
     # the spare takes c0r1's id; c0r1's own actor becomes a spare (what Roster.promote_spare does)
     watch.identity["c0r1"] = name("spare-c0-0")
@@ -207,9 +219,48 @@ def test_a_death_the_table_shows_is_logged_once_with_its_incarnation_and_returne
     assert len(roster.log.named("replica_down")) == 1
     del roster.live["c0r1"]
     roster.table.set("c0r1", "RESTARTING", 2)  # killed again while Ray restarts it
-    assert roster.deaths(roster.live, 3, "inner") == [], "not live: only logged"
+    roster.deaths(roster.live, 3, "inner")
+    roster.table.set("c0r1", "ALIVE", 2)
+    roster.note_up("c0r1", {"round": 3, "step": 0, "pid": 102, "incarnation": 2})  # back, being healed
+    roster.table.set("c0r1", "RESTARTING", 3)
+    roster.deaths(roster.live, 3, "inner")
     downs = roster.log.named("replica_down")
-    assert [(d["rid"], d["incarnation"], d["phase"]) for d in downs][1:] == [("c0r1", 1, "restarting")]
+    assert [(d["rid"], d["incarnation"], d["phase"]) for d in downs][1:] == \
+        [("c0r1", 1, "restarting"), ("c0r1", 2, "joining")], "not live: it died restarting, then joining"
+
+
+def test_only_the_death_of_the_latest_process_serving_a_replica_is_returned(roster):
+    roster.table.set("c0r0", "ALIVE", 1)  # its first process died unseen; the second answered already
+    roster.note_up("c0r0", {"round": 0, "step": 0, "pid": 101, "incarnation": 1})
+    assert roster.deaths(roster.live, 0, "inner") == [], "an older process: nothing to tell the machine"
+    assert [d["incarnation"] for d in roster.log.named("replica_down")] == [0], "but its death is logged"
+
+
+def test_a_late_death_of_a_replaced_actor_does_not_take_down_the_spare_serving_its_id(roster, monkeypatch):
+    import actors.roster as roster_mod
+
+    monkeypatch.setattr(roster_mod.ray, "get", lambda ref, timeout=None: ref)
+    spare = name("spare-c0-0")
+
+    class Handle:
+        class assume:
+            @staticmethod
+            def remote(rid):
+                return {"outcome": "done", "rid": rid, "round": 0, "step": 0, "pid": 200, "incarnation": 0}
+    roster.spares.handles[spare] = Handle()
+    roster.spares.ready.add(spare)
+    monkeypatch.setattr("actors.spares.write_identity", lambda *a, **k: None)
+    del roster.live["c0r1"]  # c0r1 died in a call the watch has not seen yet ...
+    roster.promote_spare("c0r1")  # ... and the spare took its id at once
+    roster.note_up("c0r1", {"round": 0, "step": 0, "pid": 200, "incarnation": 0})
+    roster.live["c0r1"] = (0, 0)
+    roster.table.set("c0r1", "RESTARTING", 1)
+    assert roster.deaths(roster.live, 0, "inner") == [], "the spare serving c0r1 is alive"
+    downs = roster.log.named("replica_down")
+    assert [(d["rid"], d["actor"], d["incarnation"], d["phase"]) for d in downs] == \
+        [("c0r1", name("c0r1"), 0, "restarting")]
+    roster.table.set("spare-c0-0", "RESTARTING", 1)
+    assert roster.deaths(roster.live, 0, "inner") == ["c0r1"], "the spare serving c0r1 died: c0r1 is lost"
 
 
 def test_a_death_learned_from_a_call_is_logged_once_even_when_the_table_shows_it_later(roster):

@@ -41,7 +41,11 @@ class Liveness:
         """Kill replicas that are silent and not advancing past their limit. The machine gives up
         on a killed replica's call at once (its late answer is stale) and goes on without it."""
         effects: list[Effect] = []
+        window = max(self.settings.step_deadline_s, self.settings.group_grace_s)
         for flight in list(self.calls.inflight.values()):
+            if flight.phase.kind == "run_inner" and not flight.failed_groups and not flight.peer_gone \
+                    and now <= flight.started + window:
+                continue  # every member's limit is at least started + window (see _limit): nobody is due
             for rid in sorted(flight.pending):
                 if rid not in flight.pending or now <= self._limit(flight, rid):
                     continue
