@@ -36,7 +36,7 @@ from hsgd.record.rundir import read_json as _read_json, read_jsonl
 _FAILURES = ("replica_down", "hang_detected", "supervisor_start")
 # events.jsonl is stamped by the supervisor's clock, an injection by this process's: on another node
 # a failure may seem to come just before the injection that caused it
-_CLOCK_SKEW_S = 2.0
+_CLOCK_SKEW_S = 1.0
 
 
 class DrillError(RuntimeError):
