@@ -331,7 +331,8 @@ class Supervisor:
     def _await_idle(self) -> None:
         comm = self.cfg.comm
         self.roster.await_idle(comm.configure_timeout_s + comm.timeout_s + self.cfg.watchdog.floor_s,
-                               lambda busy: self._set_status(phase="waiting_for_replicas", busy=busy), TICK_S)
+                               lambda busy: self._set_status(phase="waiting_for_replicas", busy=busy), TICK_S,
+                               min_gbps=float(comm.min_gbps))
 
     def _ports(self) -> RunnerPorts:
         """What a round's runner may touch: never this actor itself."""
