@@ -1373,3 +1373,17 @@ def test_heals_at_rest_bring_every_cluster_to_the_furthest_round():
     assert [(h.target, h.source, h.scope) for h in heals[0]] == [("c0r1", "c0r0", "full")]
     assert {(h.target, h.scope) for h in heals[1]} == {("c1r0", "global"), ("c1r1", "global")}
     assert {h.source for h in heals[1]} == {"c0r0"}, "the lowest-id donor of another cluster"
+
+
+def test_a_replica_lost_while_waiting_to_be_taken_in_mid_round_is_not_taken_in():
+    """c0r2 comes back while its cluster heals (it waits to be taken in when the heal ends) and dies
+    again before that: the cluster goes on without it rather than forming a group it never joins."""
+    topo = Topology(1, 3)
+    m = RoundMachine(topo, make_settings(), 0, progress={"c0r0": (0, 5), "c0r1": (0, 2)}, leaders={}, epoch=0,
+                     committed_round=0)
+    (heal,) = m.start(0.0)
+    assert heal.kind == "heal" and heal.calls == {"c0r1": ("c0r0", "full")}
+    assert m.observe(Up("c0r2", 0, 0), 1.0) == [] and m.joining == {0: {"c0r2": (0, 0)}}
+    assert m.observe(Lost("c0r2"), 1.5) == []
+    (run,) = decisions(m.observe(Answer(heal.id, "c0r1", DONE, 0, 5), 2.0))
+    assert run.kind == "run_inner" and sorted(run.calls) == ["c0r0", "c0r1"], run.calls

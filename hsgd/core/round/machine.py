@@ -259,6 +259,8 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def _lost(self, rid: str, now: float, cause: str = "died") -> list[Effect]:
         """rid is gone while no answer will say so."""
         if rid not in self.progress:
+            for joiners in self.joining.values():  # back up, not taken in yet: it is not taken in
+                joiners.pop(rid, None)
             return []
         flight = self.calls.busy.get(rid)
         if flight is not None:
