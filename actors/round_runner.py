@@ -91,6 +91,9 @@ class RoundRunner:
                 if roster.spares:
                     roster.spares.check(self.p.log)
                 for rid in roster.deaths(m.progress, self.r, self.phase):  # Ray's actor table
+                    if rid not in m.busy:  # no call would ever have said so
+                        self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
+                                         detail="died while idle (Ray's actor table)")
                     self._carry_out(m.observe(Lost(rid, "died"), now))
                 self._carry_out(m.tick(now))
             self._log_deaths()
