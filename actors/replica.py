@@ -317,16 +317,6 @@ class Replica:
         """Held-out loss of this replica's params (after a commit: the global params)."""
         return self.trainer.eval_loss()
 
-    @ray.method(concurrency_group="phase", num_returns=2)
-    def get_state(self, faults: list[dict] | None = None) -> tuple[dict, dict]:
-        """(meta, state): the full state for a `full` heal through the object store; the state
-        never passes through the supervisor (it fetches only the meta). Phase group: never read
-        while this replica's own phase mutates it."""
-        self._arm(faults)
-        self._hook("heal", self.trainer.round, 0)
-        state = self.trainer.state_dict()
-        return _state_meta(self.rid, state), state
-
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
         """Become the source (`full`) or take its global state (`global`); `state` is the second

@@ -42,7 +42,8 @@ from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
-from hsgd.core.round import Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, heals_at_rest
+from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
+                             heals_at_rest)
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
@@ -358,7 +359,7 @@ class Supervisor:
         self.log.event("commit", round=r, epoch=machine.epoch, replicas=sorted(run.commit_digests),
                        digests_agree=len(set(run.commit_digests.values())) <= 1)
         eval_loss = None
-        if (r + 1) % self.cfg.train.eval_every == 0 or r + 1 == self.cfg.train.rounds:
+        if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
         record = round_record(round_index=r, steps_per_round=self.spr, losses=run.losses, tokens=run.tokens,
                               inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes, phase_s=run.seconds,

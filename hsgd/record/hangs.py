@@ -16,7 +16,7 @@ import re
 _TB = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>[\w<>.]+)')
 _SPY = re.compile(r"^\s+(?P<func>[\w<>.]+) \((?P<file>[^:()]+):(?P<line>\d+)\)")
 _PHASE_METHODS = ("run_inner", "cluster_average", "outer_reduce", "outer_commit", "save_checkpoint",
-                  "load_state", "get_state", "inject", "_fire")
+                  "load_state", "inject", "_fire")
 
 
 def _frames(block: str) -> list[tuple[str, str, int]]:
