@@ -18,6 +18,7 @@ import time
 import ray
 
 from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule
+from hsgd.config.rounds import steps_per_round
 
 
 class FaultInjector:
@@ -29,8 +30,8 @@ class FaultInjector:
         fc = cfg.faults
         if fc.mtbf_s > 0:
             self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
-                                           rounds=cfg.train.rounds, round_s_estimate=cfg.sync.outer_every * fc.step_s,
-                                           steps_per_round=cfg.sync.outer_every, **self.shape)
+                                           rounds=cfg.train.rounds, round_s_estimate=steps_per_round(cfg) * fc.step_s,
+                                           steps_per_round=steps_per_round(cfg), **self.shape)
         for raw in durable.get("added_faults", []):  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
 

@@ -31,6 +31,7 @@ from hsgd.config import NUMERIC_FIELDS, ConfigError, output_path, register_schem
 from hsgd.config.capacity import (PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count,
                                   usable_memory_bytes)
 from hsgd.record.rundir import atomic_write_text, call_with_deadline, read_json, read_jsonl, write_summary
+from hsgd.config.rounds import steps_per_round
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -552,7 +553,7 @@ def _driver_summary(run_dir: str, cfg, reason: str) -> dict:
     except Exception:  # noqa: BLE001 — the folder itself is gone or hung: what is known is the reason
         durable, metrics = {}, []
     return fallback_summary(status="failed", reason=reason, durable=durable, metrics=metrics,
-                            steps_per_round=int(cfg.sync.outer_every), now=time.time(), run_dir=run_dir)
+                            steps_per_round=steps_per_round(cfg), now=time.time(), run_dir=run_dir)
 
 
 def _ensure_summary(run_dir: str, summary: dict) -> None:

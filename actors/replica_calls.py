@@ -25,7 +25,8 @@ def call(phase: Phase, rid: str, args: tuple, armed: dict, p, heals: Heals, live
     if kind == "cluster_average":
         return h.cluster_average.remote(phase.round, phase.epoch, faults)
     if kind == "outer_reduce":
-        return h.outer_reduce.remote(phase.round, phase.epoch, faults, join)
+        shard, shards = args[-2:]
+        return h.outer_reduce.remote(phase.round, phase.epoch, faults, join, shard, shards)
     if kind == "outer_commit":
         return h.outer_commit.remote(phase.round, args[0], faults)
     raise ValueError(f"unknown phase {kind}")

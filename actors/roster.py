@@ -186,7 +186,8 @@ class Roster:
         self.configured.pop(c, None)
         if self.leaders.get(c) == rid:
             del self.leaders[c]
-            self.outer_configured = None
+        if self.outer_configured is not None and any(rid in g for g in self.outer_configured[1]):
+            self.outer_configured = None  # a shard holder's (the leader's) outer group is gone
 
     def refresh(self) -> None:
         """Every live replica's committed (round, step); those that do not answer are down."""

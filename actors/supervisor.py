@@ -49,6 +49,7 @@ from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.train.comm import collective_timeout_s
+from hsgd.config.rounds import steps_per_round
 
 STATE_FILE = "supervisor_state.json"
 
@@ -73,7 +74,7 @@ class Supervisor:
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
         self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
-        self.spr = self.cfg.sync.outer_every
+        self.spr = steps_per_round(self.cfg)
         self.io_grace_s = float(self.cfg.run.get("io_grace_s", 60.0))
         self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
         self.durable = self._load_durable()
@@ -269,7 +270,7 @@ class Supervisor:
                                  timeout_s=cfg.comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
                                  min_gbps=cfg.comm.min_gbps)
         return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
-                             inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
+                             outer_path=cfg.sync.outer_path, inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
                              # a closed connection means the peer's process is gone; only Ray's own

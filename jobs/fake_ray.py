@@ -234,11 +234,12 @@ class Replica:
             at = time.monotonic() + self.world.inner_s
         return Ref(self._answer(report=report, join_s=0.0), at=at)
 
-    def outer_reduce(self, round_index: int, epoch: int, faults=None, join: tuple | None = None) -> Ref:
+    def outer_reduce(self, round_index: int, epoch: int, faults=None, join: tuple | None = None,
+                     shard: int = 0, shards: int = 1) -> Ref:
         failed = self._faulted("outer_reduce", join, round_index)
         return failed or Ref(self._answer(outer_bytes=OUTER_BYTES, join_s=0.0))
 
-    def outer_commit(self, round_index: int, root: int, faults=None) -> Ref:
+    def outer_commit(self, round_index: int, roots: tuple, faults=None) -> Ref:
         if self.round == round_index:
             self.round = round_index + 1
             self.global_digest = hashlib.sha256(f"{self.global_digest}/{round_index}".encode()).hexdigest()[:16]

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from hsgd.record.rundir import read_jsonl
+from hsgd.config.rounds import steps_per_round
 
 
 def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
@@ -27,7 +28,7 @@ def round_line(m: dict) -> str:
 class ProgressView:
     def __init__(self, cfg: Any, run_dir: str, enabled: bool = True):
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
-        self.total = cfg.train.rounds * cfg.sync.outer_every
+        self.total = cfg.train.rounds * steps_per_round(cfg)
         self.enabled = enabled
         self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, disable=not enabled)
         self.rounds_printed = len(read_jsonl(self.metrics_path))  # a resumed run's earlier rounds

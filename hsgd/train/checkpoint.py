@@ -359,7 +359,7 @@ def read_reach_nonce(url: str, nonce: str) -> str | None:
 # -- what a resume may not change -----------------------------------------------------------------
 FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_head", "model.n_embd",
                       "model.block_size", "data._target_", "data.vocab_size", "data.path", "sync.inner",
-                      "sync.outer", "sync.outer_every", "optim.inner.name", "optim.outer.lr",
+                      "sync.outer", "sync.outer_every", "sync.fragments", "optim.inner.name", "optim.outer.lr",
                       "optim.outer.momentum", "optim.outer.nesterov")
 
 

@@ -231,7 +231,7 @@ class World:
         c = self.topo.cluster_of(rid)
         if c in self.configured and rid in self.configured[c][1]:
             del self.configured[c]
-        if self.outer_configured is not None and rid in self.outer_configured[1]:
+        if self.outer_configured is not None and any(rid in g for g in self.outer_configured[1]):
             self.outer_configured = None
 
     # -- driving ---------------------------------------------------------------------------------------
@@ -733,7 +733,9 @@ class World:
             group = next((self.reps[x].inner for x in runners if self.reps[x].inner is not None), None)
             members = list(group[1]) if group is not None else called
             self._check_group(a, members, "inner")
-            root = members[next(iter(roots))] if len(roots) == 1 and next(iter(roots)) < len(members) else None
+            # the leader path: one shard, held by the leader (roots = (its inner rank,))
+            only = next(iter(roots)) if len(roots) == 1 else ()
+            root = members[only[0]] if len(only) == 1 and only[0] < len(members) else None
             if root is None:
                 self.violation(f"outer_commit of c{c}: roots {roots} for members {members}")
             elif self.reps[root].alive and root in runners:
@@ -1099,7 +1101,7 @@ def test_a_leader_restarted_mid_round_and_leading_again_gets_a_fresh_leaders_gro
     w.issued.clear()
     m = w.round()
     assert outcome_of(w, m) == "committed"  # an outer_reduce over the stale group is a violation
-    assert m.leaders[1] == "c1r0" and outer_before[1] == ("c0r0", "c1r0")
+    assert m.leaders[1] == "c1r0" and outer_before[1] == (("c0r0", "c1r0"),)
     assert len(w.forming("outer")) == 1 and m.outer_configured[0] > outer_before[0]
 
 
@@ -1178,7 +1180,7 @@ def test_leader_lost_after_its_reduce_answered_commits_without_its_cluster():
     ids = topo.replica_ids()
     m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, SPR) for rid in ids}, leaders={}, epoch=0,
                      committed_round=0, configured={0: (0, ("c0r0", "c0r1")), 1: (0, ("c1r0", "c1r1"))},
-                     outer_configured=(0, ("c0r0", "c1r0")))
+                     outer_configured=(0, (("c0r0", "c1r0"),)))
     runs = m.start(0.0)
     queue = list(runs)
     reduce = None

@@ -140,5 +140,6 @@ class Liveness:
         if not phase.forms_group or flight.aborted or not flight.pending:
             return []
         flight.aborted = True
-        return [AbortJoin(phase.cluster, phase.epoch, phase.prefix, (dead,),
-                          f"{dead} is gone ({self.dead.get(dead, 'lost')}): group {phase.prefix} cannot form")]
+        prefix = phase.calls[dead][0] if dead in phase.calls else phase.prefix  # sharded: the dead holder's group
+        return [AbortJoin(phase.cluster, phase.epoch, prefix, (dead,),
+                          f"{dead} is gone ({self.dead.get(dead, 'lost')}): group {prefix} cannot form")]

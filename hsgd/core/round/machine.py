@@ -51,6 +51,7 @@ class RoundSettings:
     heal_s: float = 60.0
     outer_s: float = 120.0
     commit_s: float = 60.0
+    outer_path: str = "leader"  # leader | sharded (hsgd/core/outer_plan.py)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def __init__(self, topology: Topology, settings: RoundSettings, round_index: int, *,
                  progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
                  committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
-                 outer_configured: tuple[int, tuple[str, ...]] | None = None, benched: Iterable[int] = (),
+                 outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None = None, benched: Iterable[int] = (),
                  non_finite_rounds: Mapping[int, int] | None = None,
                  incarnations: Mapping[str, int] | None = None):
         self.topology, self.settings, self.round = topology, settings, round_index
@@ -85,7 +86,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.clusters = {c: ClusterState(configured=groups.get(c)) for c in range(topology.clusters)}
         self.out: set[int] = set()  # clusters sitting the round out
         self.not_ready: set[int] = set(range(topology.clusters))  # participating clusters not ready for the outer exchange
-        self.outer_configured = outer_configured  # (epoch, leaders in outer-rank order)
+        # (epoch, shard holders): shard j -> its holder per cluster in outer-rank order, of the
+        # standing outer groups (one shard, the leaders, on the `leader` path)
+        self.outer_configured = outer_configured
+        self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
         self.outer_stage = "wait"  # wait | reduce | commit | done
         self.outer_phase: int | None = None
         self.outer_attempts = 0
@@ -284,9 +288,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         c = self.cluster_of(rid)
         if self.leaders.get(c) == rid:
             del self.leaders[c]
-        if self.outer_configured is not None and rid in self.outer_configured[1]:
-            # its process, and the leaders' group with it, is gone: even if it is restarted and
-            # leads its cluster again this round, that group must be configured afresh
+        if self.outer_configured is not None and any(rid in g for g in self.outer_configured[1]):
+            # its process, and the holders' group with it, is gone: even if it is restarted and
+            # holds a shard again this round, that group must be configured afresh
             self.outer_configured = None
 
     # -- bookkeeping shared by the decision files -------------------------------------------------------

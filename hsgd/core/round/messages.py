@@ -114,9 +114,11 @@ class Phase:
                       group `prefix` under `epoch` (the rendezvous waits for every member; the
                       machine aborts it when one is known dead), then run (`forms_group`)
       cluster_average calls = {rid: ()}: inner `none`, the cluster's mean
-      outer_reduce    calls = {leader: ()}, or {leader: (prefix, rank, world_size)}: first form the
-                      leaders' group under `epoch`, then reduce (as run_inner)
-      outer_commit    calls = {rid: (root_inner_rank,)}
+      outer_reduce    calls = {holder: (shard, shards)}: reduce shard `shard` of `shards` in the
+                      standing group of that shard's holders (the leaders: shard 0 of 1), or
+                      {holder: (prefix, rank, world_size, shard, shards)}: first form that group
+                      under `epoch`, then reduce (as run_inner); one group per shard index
+      outer_commit    calls = {rid: (roots,)}: roots[j] = the inner rank of shard j's holder
     `deadline_s`: the limit of a call whose work is fixed; inner phases use progress instead (a
     run_inner that forms its group: the seconds its members may take to join before their first step)."""
     id: int
@@ -131,7 +133,8 @@ class Phase:
     @property
     def forms_group(self) -> bool:
         """A run_inner or outer_reduce whose members first form their level's group."""
-        return self.kind in ("run_inner", "outer_reduce") and bool(next(iter(self.calls.values()), ()))
+        first = next(iter(self.calls.values()), ())
+        return self.kind in ("run_inner", "outer_reduce") and bool(first) and isinstance(first[0], str)
 
     @property
     def prefix(self) -> str | None:

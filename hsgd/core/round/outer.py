@@ -1,11 +1,14 @@
 """The outer exchange, and how a round ends.
 
-    reduce   once every participating cluster is ready: the leaders reduce pseudo-gradients into
-             buffers keyed by (round, epoch); the same call first forms the leaders' group when
-             the leaders changed. Nothing is applied without a commit.
-    commit   decided once every leader's reduce succeeded: every live member of a participating
-             cluster applies the same step (its leader broadcasts inside the cluster). Committed
-             when any replica applied it; the others heal at the next round's start.
+    reduce   once every participating cluster is ready: the shard holders (on the `leader` path
+             the leaders, one shard) reduce their shard of the pseudo-gradient into buffers keyed
+             by (round, epoch, shard); the same call first forms the holders' groups (one per
+             shard index, hsgd/core/outer_plan.py) when the holders changed. Nothing is applied
+             without a commit.
+    commit   decided once every holder's reduce succeeded: every live member of a participating
+             cluster applies the same step (each shard's holder broadcasts it inside the
+             cluster). Committed when any replica applied it; the others heal at the next
+             round's start.
     retry    a reduce that failed, or a commit nobody applied: only the exchange is redone.
              Clusters whose members were lost re-form first (a new leader, a group without the
              dead); the others keep their inner work and wait. At most max_reforms attempts.
@@ -20,6 +23,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from hsgd.core.membership import quorum_problem
+from hsgd.core.outer_plan import shard_count, shard_holders
 from hsgd.core.round.calls import InFlight
 from hsgd.core.round.messages import Effect
 
@@ -34,32 +38,45 @@ class OuterExchange:
             return self._lost_quorum()
         if self.not_ready:  # a participating cluster is not ready yet
             return []
-        leaders = tuple(self.leaders[c] for c in self.participating())
+        groups = self._shard_groups()
+        self.exchange = (self.participating(), groups)
         self.outer_stage = "reduce"
-        if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != leaders):
-            # the leaders changed: the reduce first forms their group under a fresh epoch
+        if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups):
+            # the holders changed: the reduce first forms their groups under a fresh epoch
             self.epoch += 1
-            prefix, n = f"epoch{self.epoch}/outer", len(leaders)
-            calls = {rid: (prefix, rank, n) for rank, rid in enumerate(leaders)}
+            calls = {rid: (self._outer_prefix(j, len(groups)), rank, len(holders), j, len(groups))
+                     for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
             deadline_s = self.settings.configure_s + self.settings.outer_s
         else:
-            calls, deadline_s = dict.fromkeys(leaders, ()), self.settings.outer_s
+            calls = {rid: (j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
+            deadline_s = self.settings.outer_s
         phase = self._issue("outer_reduce", None, calls, deadline_s, now)
         self.outer_phase = phase.id
         return [phase]
 
+    def _shard_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Shard j -> its holder in each participating cluster, in outer-rank order."""
+        clusters = self.participating()
+        members = [self.clusters[c].members for c in clusters]
+        shards = shard_count([len(m) for m in members], self.settings.outer_path)
+        return shard_holders(members, [self.leaders[c] for c in clusters], shards)
+
+    def _outer_prefix(self, shard: int, shards: int) -> str:
+        return f"epoch{self.epoch}/outer" if shards == 1 else f"epoch{self.epoch}/outer/s{shard}"
+
     def _outer_commit(self, now: float) -> list[Effect]:
-        """Every live member of a participating cluster whose leader is live applies the commit,
-        from its leader's inner rank."""
+        """Every live member of a participating cluster whose shard holders are all live applies
+        the commit, receiving shard j from its holder's inner rank."""
         self.outer_stage = "commit"
-        calls: dict[str, tuple[int]] = {}
-        for c in self.participating():
-            leader = self.leaders.get(c)
-            if leader not in self.progress:
-                continue  # its leader was lost after the reduce: the cluster heals next round
+        calls: dict[str, tuple[tuple[int, ...]]] = {}
+        clusters, groups = self.exchange
+        for position, c in enumerate(clusters):
+            holders = [g[position] for g in groups]
+            if any(h not in self.progress for h in holders):
+                continue  # a holder was lost after the reduce: the cluster heals next round
             members = self.clusters[c].members
-            root = members.index(leader)
-            calls.update((rid, (root,)) for rid in members if rid in self.progress)
+            roots = tuple(members.index(h) for h in holders)
+            calls.update((rid, (roots,)) for rid in members if rid in self.progress)
         if not calls:
             return self._outer_retry(now, "no cluster can apply the commit")
         phase = self._issue("outer_commit", None, calls, self.settings.commit_s, now, "commit decided")
@@ -80,7 +97,7 @@ class OuterExchange:
                                          ",".join(f"c{c}" for c in sorted(voided)), phase.calls)
             if ok:
                 if phase.forms_group:
-                    self.outer_configured = (phase.epoch, tuple(phase.calls))
+                    self.outer_configured = (phase.epoch, self.exchange[1])
                 return self._outer_commit(now)
             self.outer_configured = None
             return self._outer_retry(now, "outer reduce incomplete", phase.calls)

@@ -1,0 +1,105 @@
+"""What the outer exchange of a round moves, and who moves it: fragments and shards.
+
+Fragments (Streaming DiLoCo, arXiv 2501.18512): with `sync.fragments = F` the parameters are cut
+into F fragments and a round syncs ONE of them, so the slow link carries 1/F of the model at a
+time (a lower peak, the same total bytes). A round is then `outer_every / F` inner steps and
+fragment `round % F` is synced at its end: each fragment is synced every `outer_every` steps, on
+its own schedule, offset from the others by a round. Fragments are strided over depth: the
+parameters are grouped into depth units (a transformer block, an embedding) in module order and
+unit u goes to fragment u % F, so every fragment holds layers from the whole depth (the paper's
+strided fragments beat contiguous ones). F = 1 is plain DiLoCo: the one fragment every round.
+
+Shards (`sync.outer_path = sharded`): the replicas of a cluster hold bitwise-equal params after
+the inner phase (ddp applies the same mean gradient; localsgd and `none` end the round on an
+average), so each already holds the cluster's whole pseudo-gradient: the intra-cluster
+reduce-scatter reduces to taking a slice, at no inner traffic. Shard j of the fragment's flat
+vector is exchanged across clusters by the j-th holder of every cluster (one outer group per
+shard index), and the commit gathers the shards inside each cluster. Every member's link to the
+other sites carries 1/S of the payload instead of the leader's carrying all of it. Clusters of
+unequal live sizes: S is the smallest live size among the clusters taking part; the members
+beyond S in a larger cluster hold no shard and only receive at the commit. `leader` is S = 1.
+
+Everything here is a pure function of names and counts: the round machine plans holders, the
+trainer cuts vectors, and they agree because both call these.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+OUTER_PATHS = ("leader", "sharded")
+
+_INDEX = re.compile(r"\.(\d+)(\.|$)")
+
+
+def depth_units(param_names: Sequence[str]) -> list[int]:
+    """The depth unit of each parameter, numbered in module order: parameters whose names share
+    the prefix up to the first numeric component (`transformer.h.3.`) form one unit (a block of a
+    ModuleList); a parameter with no numeric component is a unit of its own (an embedding, a norm)."""
+    units: list[int] = []
+    keys: dict[str, int] = {}
+    for name in param_names:
+        m = _INDEX.search(name)
+        key = name[:m.end(1)] if m else name
+        if key not in keys:
+            keys[key] = len(keys)
+        units.append(keys[key])
+    return units
+
+
+def fragment_of_params(param_names: Sequence[str], fragments: int) -> list[int]:
+    """Fragment index of each parameter: depth unit u → fragment u % fragments (strided over
+    depth). Every fragment gets at least one parameter when there are enough units; with fewer
+    units than fragments, parameters are dealt out one by one instead (no fragment is empty while
+    there are as many parameters as fragments)."""
+    if fragments <= 1:
+        return [0] * len(param_names)
+    units = depth_units(param_names)
+    if len(set(units)) >= fragments:
+        return [u % fragments for u in units]
+    return [i % fragments for i in range(len(param_names))]
+
+
+def fragment_of_round(round_index: int, fragments: int) -> int:
+    """The fragment a round syncs."""
+    return round_index % max(1, fragments)
+
+
+def steps_per_round(outer_every: int, fragments: int) -> int:
+    """Inner steps between two outer syncs (one fragment each)."""
+    return outer_every // max(1, fragments)
+
+
+def shard_count(live_sizes: Sequence[int], path: str) -> int:
+    """How many shards the exchange is cut into: 1 on the leader path; the smallest live cluster
+    size among the clusters taking part on the sharded path."""
+    if path == "leader" or not live_sizes:
+        return 1
+    return max(1, min(live_sizes))
+
+
+def shard_holders(members: Sequence[Sequence[str]], leaders: Sequence[str], shards: int) -> tuple[tuple[str, ...], ...]:
+    """Shard j → its holder in each taking-part cluster (outer-rank order). `members[k]`: cluster
+    k's live members in inner-rank order; `leaders[k]`: its leader, who holds shard 0 (so the
+    leader path is the one-shard case); the other members take shards 1.. in inner-rank order."""
+    per_cluster = []
+    for rids, leader in zip(members, leaders):
+        order = [leader] + [r for r in rids if r != leader]
+        assert len(order) >= shards, f"{len(order)} members for {shards} shards"
+        per_cluster.append(order[:shards])
+    return tuple(tuple(holders[j] for holders in per_cluster) for j in range(shards))
+
+
+def shard_bounds(numel: int, shards: int, align: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each shard of a flat vector of `numel` elements: contiguous, cut at multiples
+    of `align` (so a block-wise codec encodes a shard exactly as it encodes that piece of the
+    whole vector), as equal as that allows; a vector too short for every shard leaves the last
+    shards empty (lo == hi)."""
+    blocks = -(-numel // align)
+    bounds, start = [], 0
+    for j in range(shards):
+        take = blocks // shards + (1 if j < blocks % shards else 0)
+        end = min(numel, start + take * align)
+        bounds.append((start, end))
+        start = end
+    return bounds
