@@ -34,7 +34,7 @@ from actors import lifecycle
 from actors.hang import install_faulthandler
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.train import checkpoint, state_stream
-from hsgd.train.comm import CollectiveError, LevelGroup, apply_nccl_environment
+from hsgd.train.comm import CollectiveError, LevelGroup, apply_nccl_environment, link_from_config
 from hsgd.core.topology import Topology
 from hsgd.core.round import Outcome
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
@@ -78,8 +78,10 @@ class Replica:
         self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
         comm = self.cfg.comm
         apply_nccl_environment(comm.timeout_s, comm.configure_timeout_s)  # before any group is made
-        self.inner = LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm))
-        self.outer = LevelGroup("outer", self.level_backends["outer"], comm.timeout_s, comm.configure_timeout_s, **_link(comm))
+        self.inner = LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
+                                link=link_from_config(OmegaConf.select(self.cfg, "links.inner"), seed=self.cfg.seed))
+        self.outer = LevelGroup("outer", self.level_backends["outer"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
+                                link=link_from_config(OmegaConf.select(self.cfg, "links.outer"), seed=self.cfg.seed))
         self.epoch = -1
         self.phase = "idle"
         self.phase_since = time.time()
@@ -287,27 +289,28 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
-                     join: tuple | None = None) -> dict:
-        """Leaders, phase 1 of the two-phase commit: all-reduce the pseudo-gradient into a buffer
-        keyed by (round, epoch). Nothing is applied; a failure leaves the params untouched. `join`:
-        the leaders changed, so this call forms the leaders' group first (see `_join`)."""
+                     join: tuple | None = None, shard: int = 0, shards: int = 1) -> dict:
+        """Shard holders (the leaders on the `leader` path), phase 1 of the two-phase commit:
+        reduce shard `shard` of `shards` of the pseudo-gradient over the clusters into a buffer
+        keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
+        `join`: the holders changed, so this call forms the shard's outer group first (`_join`)."""
         def run():
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before = self.outer.bytes_sent
-            self.trainer.outer_reduce(round_index, epoch, self.outer)
+            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
             return {"outer_bytes": self.outer.bytes_sent - before, "join_s": join_s}
         return self._phase("outer", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
-    def outer_commit(self, round_index: int, root: int, faults: list[dict] | None = None) -> dict:
-        """Phase 2, only after the supervisor decided commit: the member of inner rank `root`
-        (the leader) broadcasts its buffer in the cluster and every member applies the same outer
-        step. A round already committed here is a no-op (`done`)."""
+    def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
+        """Phase 2, only after the supervisor decided commit: the member of inner rank roots[j]
+        broadcasts shard j of the buffer in the cluster (the leader alone on the `leader` path)
+        and every member applies the same outer step. A round already committed here is a no-op."""
         def run():
             self._hook("outer_commit", round_index, 0)
             before = self.inner.bytes_sent
-            self.trainer.outer_commit(round_index, self.inner, root)
+            self.trainer.outer_commit(round_index, self.inner, roots)
             return {"digest": self.trainer.param_digest(), "global_digest": self.trainer.global_digest(),
                     "inner_bytes": self.inner.bytes_sent - before}
         return self._phase("outer_commit", run, round_index, faults)
@@ -342,7 +345,8 @@ class Replica:
         """A group of its own for each heal (never the cluster's standing inner group, which a
         commit may still need), on the inner level's backend: a `full` heal stays in its cluster."""
         comm = self.cfg.comm
-        return LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm))
+        return LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
+                          link=link_from_config(OmegaConf.select(self.cfg, "links.inner"), seed=self.cfg.seed))
 
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:

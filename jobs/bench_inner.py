@@ -85,7 +85,7 @@ class HsgdVariant:
         report = t.run_inner(t.round, self.inner)
         _sync(self.device)
         seconds = time.perf_counter() - start
-        t.outer_commit(t.round, self.inner, root=0)
+        t.outer_commit(t.round, self.inner, roots=(0,))
         return report.tokens, seconds, report.losses[-1]
 
 

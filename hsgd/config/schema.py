@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional
 
 INNER_ALGORITHMS = ("ddp", "localsgd", "none")
 OUTER_ALGORITHMS = ("average", "diloco", "none")
+OUTER_CODECS = ("none", "bf16", "int8", "int4", "topk")  # hsgd.train.codec.CODECS
+OUTER_PATHS = ("leader", "sharded")  # hsgd.core.outer_plan.OUTER_PATHS
 INNER_OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -48,7 +50,18 @@ class SyncConfig:
     inner: str = "ddp"  # ddp | localsgd | none
     inner_every: int = 1  # localsgd: average parameters in the cluster every this many steps
     outer: str = "diloco"  # average | diloco | none
-    outer_every: int = 20  # inner steps per round
+    # inner steps between two syncs of the same parameters (with fragments: of one fragment); a
+    # round is outer_every / fragments inner steps (hsgd.config.steps_per_round)
+    outer_every: int = 20
+    # what crosses the slow link (hsgd/train/codec.py): none (fp32) | bf16 | int8 | int4 | topk,
+    # with error feedback for every lossy codec (each cluster re-sends what it could not send)
+    outer_compress: str = "none"
+    outer_topk: float = 0.01  # topk: the fraction of each chunk's entries sent
+    # leader: each cluster's leader exchanges the whole payload; sharded: every member exchanges a
+    # shard (one outer group per shard index) and the cluster gathers the shards (hsgd/core/outer_plan.py)
+    outer_path: str = "leader"
+    fragments: int = 1  # Streaming DiLoCo: parameter fragments (strided over depth) synced in turn
+    fragment_alpha: float = 0.0  # weight of the LOCAL copy when merging a synced fragment (torchft's); 0 = take the global
 
 
 @dataclass
@@ -166,6 +179,21 @@ class CommConfig:
 
 
 @dataclass
+class LinkConfig:
+    # A simulated link for this level (hsgd.train.comm.LinkModel): each collective lasts at least
+    # latency + jitter + its bytes * 8 / (gbps * 1e9) s, so one machine behaves like a WAN.
+    gbps: float = 0.0  # 0 = no simulation (the real network as it is); else >= comm.min_gbps
+    latency_ms: float = 0.0  # per collective
+    jitter_ms: float = 0.0  # extra latency, uniform in [0, jitter_ms], per collective
+
+
+@dataclass
+class LinksConfig:
+    outer: LinkConfig = field(default_factory=LinkConfig)  # between clusters (the slow link)
+    inner: LinkConfig = field(default_factory=LinkConfig)  # inside a cluster
+
+
+@dataclass
 class SupervisorConfig:
     phase_timeout_s: float = 300.0  # hard deadline for one phase call on a replica
     call_timeout_s: float = 60.0  # small control calls (configure, status, heal)
@@ -235,6 +263,7 @@ class HsgdConfig:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    links: LinksConfig = field(default_factory=LinksConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

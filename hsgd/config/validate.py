@@ -9,7 +9,8 @@ What it checks, in this order (the cheap checks first, the corpus last):
    and fails when a numeric field is missing here, so a new field cannot skip validation.
 2. `CHOICE_FIELDS`: fields that name one of a fixed set of values.
 3. Relations between fields (localsgd's period, quorum within the topology, watchdog floor and
-   ceiling, a random fault schedule of at most `MAX_RANDOM_FAULTS` faults, the fault schedule).
+   ceiling, a simulated link only with its bandwidth and never below comm.min_gbps, a random
+   fault schedule of at most `MAX_RANDOM_FAULTS` faults, the fault schedule).
 4. Places and credentials: `run.dir` is not a filesystem root or the home folder; the
    `_target_` factories of model, data and loss import to callables; `logging.wandb.mode=online`
    has credentials; the corpus test-loads (`hsgd.train.data.check_data`).
@@ -27,8 +28,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hsgd.config.paths import output_path
+from hsgd.config.rounds import steps_per_round
 from hsgd.config.schema import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, LR_SCHEDULES, OPTIMIZER_IMPLEMENTATIONS,
-                                OUTER_ALGORITHMS, PLACEMENT_STRATEGIES, PRECISIONS, REJOIN_MODES, WANDB_MODES,
+                                OUTER_ALGORITHMS, OUTER_CODECS, OUTER_PATHS, PLACEMENT_STRATEGIES, PRECISIONS, REJOIN_MODES, WANDB_MODES,
                                 ConfigError)
 
 # Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
@@ -94,6 +96,7 @@ POSITIVE = Bound(float, low=0, low_open=True)
 NON_NEGATIVE = Bound(float, low=0)
 SECONDS = Bound(float, low=0, low_open=True, high=MAX_SECONDS)  # timeouts and waits: > 0
 SECONDS_OR_ZERO = Bound(float, low=0, high=MAX_SECONDS)  # 0 = off
+MILLISECONDS_OR_ZERO = Bound(float, low=0, high=MAX_SECONDS * 1e3)  # simulated latencies
 FRACTION = Bound(float, low=0, high=1, high_open=True)  # [0, 1): momentum, dropout
 OPEN_FRACTION = Bound(float, low=0, high=1, low_open=True, high_open=True)  # (0, 1)
 RATIO = Bound(float, low=0, high=1)  # [0, 1]
@@ -108,7 +111,10 @@ NUMERIC_FIELDS: dict[str, Bound] = {
     "topology.cpus_per_replica": NON_NEGATIVE,
     "topology.spares_per_cluster": COUNT_OR_ZERO,
     "sync.inner_every": COUNT,
-    "sync.outer_every": COUNT,
+    "sync.outer_every": COUNT,  # and a multiple of sync.fragments
+    "sync.outer_topk": Bound(float, low=0, high=1, low_open=True),
+    "sync.fragments": COUNT,
+    "sync.fragment_alpha": Bound(float, low=0, high=1, high_open=True),
     "optim.inner.lr": POSITIVE,
     "optim.inner.momentum": FRACTION,
     "optim.inner.weight_decay": NON_NEGATIVE,
@@ -137,6 +143,12 @@ NUMERIC_FIELDS: dict[str, Bound] = {
     "comm.configure_timeout_s": SECONDS,
     "comm.min_gbps": POSITIVE,
     "comm.bucket_mb": POSITIVE,
+    "links.outer.gbps": NON_NEGATIVE,  # 0 = no simulated link; else >= comm.min_gbps
+    "links.outer.latency_ms": MILLISECONDS_OR_ZERO,
+    "links.outer.jitter_ms": MILLISECONDS_OR_ZERO,
+    "links.inner.gbps": NON_NEGATIVE,
+    "links.inner.latency_ms": MILLISECONDS_OR_ZERO,
+    "links.inner.jitter_ms": MILLISECONDS_OR_ZERO,
     "supervisor.phase_timeout_s": SECONDS,
     "supervisor.call_timeout_s": SECONDS,
     "supervisor.max_restarts": RESTARTS,
@@ -159,6 +171,8 @@ CHOICE_FIELDS: dict[str, tuple] = {
     "topology.placement_strategy": PLACEMENT_STRATEGIES,
     "sync.inner": INNER_ALGORITHMS,
     "sync.outer": OUTER_ALGORITHMS,
+    "sync.outer_compress": OUTER_CODECS,
+    "sync.outer_path": OUTER_PATHS,
     "optim.inner.name": INNER_OPTIMIZERS,
     "optim.inner.schedule": LR_SCHEDULES,
     "optim.inner.implementation": OPTIMIZER_IMPLEMENTATIONS,
@@ -193,6 +207,7 @@ def validate(cfg: Any) -> None:
     for path, valid in CHOICE_FIELDS.items():
         _choice(path, field_value(cfg, path), valid)
     _check_relations(cfg)
+    _check_links(cfg)
     _check_faults(cfg)
     _check_folders(cfg)
     for path in TARGET_FIELDS:
@@ -212,9 +227,16 @@ def _check_relations(cfg: Any) -> None:
     if t.cluster_labels and len(t.cluster_labels) != t.clusters:
         raise ConfigError("topology.cluster_labels",
                           f"has {len(t.cluster_labels)} labels; valid: one per cluster ({t.clusters}) or none")
-    if s.inner == "localsgd" and s.outer_every % s.inner_every != 0:
-        raise ConfigError("sync.outer_every", f"{s.outer_every} is not a multiple of sync.inner_every="
-                          f"{s.inner_every}; localsgd needs outer_every = k * inner_every")
+    if s.outer_every % s.fragments != 0:
+        raise ConfigError("sync.outer_every", f"{s.outer_every} is not a multiple of sync.fragments={s.fragments}; "
+                          f"valid: outer_every = k * fragments (a round is outer_every / fragments steps)")
+    spr = steps_per_round(cfg)
+    if s.inner == "localsgd" and spr % s.inner_every != 0:
+        raise ConfigError("sync.outer_every", f"{s.outer_every} gives rounds of {spr} steps, not a multiple of "
+                          f"sync.inner_every={s.inner_every}; localsgd needs outer_every / fragments = k * inner_every")
+    if s.outer == "none" and (s.outer_compress != "none" or s.fragments > 1 or s.outer_path != "leader"):
+        raise ConfigError("sync.outer", "is none, so nothing crosses clusters to compress, fragment or shard; valid: "
+                          "sync.outer_compress=none, sync.fragments=1, sync.outer_path=leader with sync.outer=none")
     if cfg.model.n_embd % cfg.model.n_head != 0:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
     if sup.min_replicas_per_cluster > t.replicas_per_cluster:
@@ -225,6 +247,23 @@ def _check_relations(cfg: Any) -> None:
                           f"got {sup.min_clusters}; valid: in [1, topology.clusters={t.clusters}]")
     if w.ceiling_s < w.floor_s:
         raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; valid: >= watchdog.floor_s={w.floor_s}")
+
+
+def _check_links(cfg: Any) -> None:
+    """A simulated link (`links.<level>`) is on with gbps > 0: a latency without it would be
+    silently ignored, and a link slower than comm.min_gbps would outlast the deadlines the
+    supervisor scales at comm.min_gbps (the link's sleep is outside each collective's own)."""
+    for level in ("outer", "inner"):
+        link, name = getattr(cfg.links, level), f"links.{level}"
+        if link.gbps == 0:
+            for key in ("latency_ms", "jitter_ms"):
+                if getattr(link, key) > 0:
+                    raise ConfigError(f"{name}.{key}", f"{getattr(link, key):g} has no effect with {name}.gbps=0 "
+                                      f"(no simulated link); valid: 0, or set {name}.gbps > 0")
+        elif link.gbps < cfg.comm.min_gbps:
+            raise ConfigError(f"{name}.gbps", f"{link.gbps:g} is below comm.min_gbps={cfg.comm.min_gbps:g}, the slowest "
+                              f"link every deadline assumes; valid: 0 (off) or >= comm.min_gbps (lower comm.min_gbps "
+                              f"to simulate a slower link)")
 
 
 def _check_faults(cfg: Any) -> None:
@@ -240,7 +279,7 @@ def _check_faults(cfg: Any) -> None:
             raise ConfigError("faults.kinds", f"is empty but faults.mtbf_s={f.mtbf_s}; "
                               f"valid: at least one of {'|'.join(FAULT_KINDS)}")
         # the schedule is drawn whole at the start (hsgd/core/faults.py random_schedule): bound its size
-        run_s = cfg.train.rounds * s.outer_every * f.step_s
+        run_s = cfg.train.rounds * steps_per_round(cfg) * f.step_s
         expected, smallest = run_s / f.mtbf_s, run_s / MAX_RANDOM_FAULTS
         if expected > MAX_RANDOM_FAULTS:
             raise ConfigError("faults.mtbf_s", f"got {f.mtbf_s:g}: about {expected:.3g} random faults over the "
@@ -251,9 +290,10 @@ def _check_faults(cfg: Any) -> None:
         if spec.round >= cfg.train.rounds:
             raise ConfigError(f"faults.schedule[{i}].round", f"{spec.round} is past the run's last round "
                               f"(train.rounds={cfg.train.rounds}); valid: 0..{cfg.train.rounds - 1}")
-        if spec.phase.startswith("inner") and spec.step >= s.outer_every:
+        if spec.phase.startswith("inner") and spec.step >= steps_per_round(cfg):
             raise ConfigError(f"faults.schedule[{i}].step", f"{spec.step} is past the round's last step "
-                              f"(sync.outer_every={s.outer_every}); valid: 0..{s.outer_every - 1}")
+                              f"(a round is {steps_per_round(cfg)} steps: sync.outer_every / sync.fragments); "
+                              f"valid: 0..{steps_per_round(cfg) - 1}")
         problem = unfirable_reason(spec, cfg)
         if problem is not None:
             raise ConfigError(f"faults.schedule[{i}].{problem[0]}", problem[1])
@@ -370,7 +410,7 @@ def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
         if s.inner == "none" and t.replicas_per_cluster == 1:
             return "phase", "inner_sync never happens with sync.inner=none and one replica per cluster; valid: inner|outer|outer_commit|checkpoint"
         if s.inner == "localsgd" and (spec.step + 1) % s.inner_every != 0:
-            steps = [k for k in range(s.outer_every) if (k + 1) % s.inner_every == 0]
+            steps = [k for k in range(steps_per_round(cfg)) if (k + 1) % s.inner_every == 0]
             return "step", (f"localsgd syncs after steps {', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''} "
                             f"(sync.inner_every={s.inner_every}); inner_sync at step {spec.step} never happens")
         if s.inner == "none" and spec.step != 0:

@@ -26,6 +26,14 @@ Protocol
   overlapped collective (`overlapped`: buckets launched one by one from backward hooks) is ONE
   logical collective of one level: it holds that guard from its first launch to its end.
 - A group of one member does no communication at all.
+- A simulated link (`LinkModel`, config `links.<level>`): after a collective on a group with a
+  link returns, the member sleeps until the collective has lasted the link's modeled time for the
+  bytes that crossed this member's link in it (`LinkModel.seconds`), so wall-clock behaves as if
+  the real bytes crossed that link. The sleep comes after the op returned: it is outside the
+  collective's deadline (collective_timeout_s) and never makes one fire. A failed collective does
+  not sleep. `link_s` adds up the seconds this member was held in the group's collectives (issue,
+  wait and the modeled sleep; for an overlapped collective, what was not hidden behind compute),
+  recorded apart from compute.
 
 Error model: every call into torch.distributed / torchft — building the group, configure,
 set_timeout, issuing an op, the device copies around it, the wait, the group's error state after
@@ -49,7 +57,9 @@ into one buffer per call.
 """
 from __future__ import annotations
 
+import math
 import os
+import random
 import secrets
 import socket
 import threading
@@ -59,6 +69,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 LEVELS = ("inner", "outer")
 ERROR_KINDS = ("configure", "issue", "wait", "peer_gone", "timeout", "aborted", "join_aborted")
@@ -256,7 +267,8 @@ def _make_torchft_group(backend: str, timeout_s: float):
 def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
     """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
     payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
-    one (or a heal) from the same two settings."""
+    one (or a heal) from the same two settings. A simulated link's sleep (`LinkModel`, config
+    `links.*`) is outside this deadline: it comes after the op returned."""
     return base_s + payload_bytes * 8 / (min_gbps * 1e9)
 
 
@@ -275,11 +287,46 @@ def _failure_kind(err: BaseException, waited_s: float, deadline_s: float) -> str
     return "wait"
 
 
+class LinkModel:
+    """A simulated link (Build 5, issue 22): moving `n` bytes across it takes
+    latency + jitter + n * 8 / (gbps * 1e9) seconds, jitter drawn uniform in [0, jitter_ms] from
+    its own seeded generator (so a seed gives the same delays, and nothing else's random stream
+    moves). Used by LevelGroup to pace each collective; never raises once built."""
+
+    def __init__(self, gbps: float, latency_ms: float, jitter_ms: float = 0.0, seed: int = 0):
+        if not (math.isfinite(gbps) and gbps > 0):
+            raise ValueError(f"LinkModel: gbps must be a finite number > 0, got {gbps!r}")
+        for name, value in (("latency_ms", latency_ms), ("jitter_ms", jitter_ms)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"LinkModel: {name} must be a finite number >= 0, got {value!r}")
+        self.gbps, self.latency_ms, self.jitter_ms = float(gbps), float(latency_ms), float(jitter_ms)
+        self._rng = random.Random(seed)
+
+    def seconds(self, payload_bytes: int) -> float:
+        """The modeled time for `payload_bytes` to cross the link (one jitter draw per call)."""
+        jitter_ms = self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms > 0 else 0.0
+        return (self.latency_ms + jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
+
+    def __repr__(self) -> str:
+        return f"LinkModel(gbps={self.gbps:g}, latency_ms={self.latency_ms:g}, jitter_ms={self.jitter_ms:g})"
+
+
+def link_from_config(cfg_links_level, seed: int = 0) -> LinkModel | None:
+    """The simulated link of one level from its config node (`cfg.links.outer`: gbps, latency_ms,
+    jitter_ms); None (no simulation: the real network as it is) when the node is absent or its
+    gbps is 0."""
+    if cfg_links_level is None or not float(cfg_links_level.gbps):
+        return None
+    return LinkModel(float(cfg_links_level.gbps), float(cfg_links_level.latency_ms),
+                     float(cfg_links_level.jitter_ms), seed=seed)
+
+
 class LevelGroup:
-    """A reconfigurable process group that belongs to one level."""
+    """A reconfigurable process group that belongs to one level; `link` (optional) simulates the
+    level's link (see the module's protocol)."""
 
     def __init__(self, level: str, backend: str = "gloo", timeout_s: float = 10.0,
-                 configure_timeout_s: float = 30.0, min_gbps: float = 1.0):
+                 configure_timeout_s: float = 30.0, min_gbps: float = 1.0, link: LinkModel | None = None):
         assert level in LEVELS, level
         self.level = level
         self.backend = backend
@@ -296,6 +343,8 @@ class LevelGroup:
         self.world_size = 1
         self.prefix: str | None = None
         self.bytes_sent = 0  # payload bytes handed to collectives (what crossed this level's link)
+        self.link = link
+        self.link_s = 0.0  # seconds held in this group's collectives, the simulated link's sleep included
         self._pg = None
         self._usable = True
         self._secret = ""  # the rendezvous secret in store_addr: never repeated in an error's text
@@ -395,12 +444,33 @@ class LevelGroup:
     def _timeout(self, payload_bytes: int) -> timedelta:
         return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps))
 
-    def _issue(self, op: str, flat: torch.Tensor, opts):
-        """Start `op` on the group; any error (NCCL's lazy init, a broken group) is a CollectiveError."""
+    def _issue(self, op: str, flat: torch.Tensor, opts, outputs: list[torch.Tensor] | None = None):
+        """Start `op` on the group; any error (NCCL's lazy init, a broken group) is a CollectiveError.
+        `outputs`: allgather's output buffers (torchft: `allgather([outputs], [flat], opts)`)."""
         try:
+            if outputs is not None:
+                return getattr(self._pg, op)([outputs], [flat], opts)
             return getattr(self._pg, op)([flat], opts)
         except Exception as err:  # noqa: BLE001 — torch raises DistBackendError and friends
             raise self._fail(f"issuing {op}", "issue", err) from err
+
+    @contextmanager
+    def _held(self):
+        """Count the time inside the block in `link_s` (a failure's time too); yields its start."""
+        start = time.monotonic()
+        try:
+            yield start
+        finally:
+            self.link_s += time.monotonic() - start
+
+    def _pace(self, start: float, link_bytes: int) -> None:
+        """After a collective that succeeded: with a simulated link, sleep until it has lasted the
+        link's modeled time for `link_bytes` (since `start`). Outside the op's deadline."""
+        if self.link is None:
+            return
+        rest = self.link.seconds(link_bytes) - (time.monotonic() - start)
+        if rest > 0:
+            time.sleep(rest)
 
     def _wait(self, work, what: str, payload_bytes: int = 0, check_group: bool = True) -> None:
         """Wait `work` within its payload's deadline, then check its result and the group's error
@@ -431,11 +501,12 @@ class LevelGroup:
             return err
 
     def allreduce_mean(self, tensors: list[torch.Tensor], *, level: str) -> None:
-        """In place: every tensor becomes the mean over the group's members. Raises CollectiveError."""
+        """In place: every tensor becomes the mean over the group's members. Counts the payload
+        in `bytes_sent`; a simulated link paces it by the payload. Raises CollectiveError."""
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        with _one_collective(f"{self.level} allreduce"):
+        with _one_collective(f"{self.level} allreduce"), self._held() as start:
             flat = self._flat(tensors)
             payload = flat.numel() * flat.element_size()
             self.bytes_sent += payload
@@ -445,23 +516,64 @@ class LevelGroup:
             self._wait(self._issue("allreduce", flat, opts), "allreduce", payload)
             flat.div_(self.world_size)
             self._unflatten(flat, tensors)
+            self._pace(start, payload)
 
     def broadcast(self, tensors: list[torch.Tensor], *, root: int, level: str) -> None:
-        """In place: every member's tensors become the root's. Raises CollectiveError."""
+        """In place: every member's tensors become the root's. The root counts the payload once
+        per other member in `bytes_sent`; a simulated link paces the root by what it sent and
+        every other member by the payload it received. Raises CollectiveError."""
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        with _one_collective(f"{self.level} broadcast"):
+        with _one_collective(f"{self.level} broadcast"), self._held() as start:
             flat = self._flat(tensors)
             payload = flat.numel() * flat.element_size()
-            if self.rank == root:
-                self.bytes_sent += payload * (self.world_size - 1)
+            sent = payload * (self.world_size - 1) if self.rank == root else 0
+            self.bytes_sent += sent
             opts = dist.BroadcastOptions()
             opts.rootRank = root
             opts.timeout = self._timeout(payload)
             self._wait(self._issue("broadcast", flat, opts), "broadcast", payload)
             if self.rank != root:
                 self._unflatten(flat, tensors)
+            self._pace(start, max(sent, payload))
+
+    def all_gather(self, payload: torch.Tensor, *, level: str) -> list[torch.Tensor]:
+        """Every member's `payload`, in rank order (this member's own included, as a copy).
+
+        Protocol: every member calls it with a 1-D tensor of the same dtype and length (a codec's
+        uint8 payload, an fp32 shard); the results are on `payload`'s device. `bytes_sent` grows
+        by payload bytes * (world_size - 1): what a member sends in a ring all-gather (its own
+        chunk, then each chunk it forwards). A simulated link paces it by those bytes (a member
+        receives as many). The wait's deadline scales with the whole result (payload bytes *
+        world_size). A group of one returns [payload] (the tensor itself) and sends nothing.
+        Raises WrongLevelError, ValueError (not a 1-D tensor), CollectiveError (a member
+        missing or dead, the deadline). Equal lengths are the caller's protocol, not checked (that
+        would cost a round trip over the slow link): gloo aborts a process that receives more
+        than it expected (its enforce in pair.cc), and its peers then see kind `peer_gone`."""
+        self._check(level)
+        if payload.dim() != 1:
+            raise ValueError(f"{self.level} all_gather: payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
+        if self.world_size == 1:
+            return [payload]
+        with _one_collective(f"{self.level} all_gather"), self._held() as start:
+            flat = self._flat([payload])
+            size = flat.numel() * flat.element_size()
+            sent = size * (self.world_size - 1)
+            self.bytes_sent += sent
+            try:
+                outputs = [torch.empty_like(flat) for _ in range(self.world_size)]
+            except Exception as err:  # noqa: BLE001 — device memory for the result is part of issuing
+                raise self._fail("allocating the all_gather result", "issue", err) from err
+            opts = AllgatherOptions()
+            opts.timeout = self._timeout(size * self.world_size)
+            self._wait(self._issue("allgather", flat, opts, outputs), "all_gather", size * self.world_size)
+            try:
+                gathered = [t.to(payload.device) for t in outputs]
+            except Exception as err:  # noqa: BLE001 — a device copy; NCCL's async errors surface here too
+                raise self._fail("copying the result back", "wait", err) from err
+            self._pace(start, sent)
+            return gathered
 
     def overlapped(self, *, level: str) -> "Overlapped":
         """A new overlapped all-reduce of sums on this group (see `Overlapped`). Raises
@@ -481,6 +593,12 @@ class Overlapped:
     another collective is in flight). A failure in any launch, or an abandon with work in flight,
     leaves the group unusable (aborted) until the next `configure`: the members' sequences of
     collectives no longer match. A group of one launches nothing: the buffers already hold the sum.
+
+    Simulated link: after every bucket was waited, `wait_all` sleeps until the whole collective,
+    from its first launch, has lasted the link's modeled time for all its buckets' bytes (one
+    latency: the buckets stream back to back), so compute between the launches hides the link as
+    it would hide a real one. `link_s` counts the time spent in launch and wait_all (the sleep
+    included), not the compute in between.
     """
 
     def __init__(self, group: LevelGroup):
@@ -490,6 +608,8 @@ class Overlapped:
         self._holding = False
         self._done = False
         self._error: CollectiveError | None = None  # a failed launch, raised again by wait_all
+        self._started: float | None = None  # the first launch (monotonic): the link's clock starts there
+        self._bytes = 0  # payload bytes launched: what the simulated link carries
 
     def launch(self, flat: torch.Tensor) -> torch.Tensor:
         """Start the sum all-reduce of `flat` (in place, on the backend's device). Returns the
@@ -505,6 +625,13 @@ class Overlapped:
         if not self._holding:
             _enter_collective(f"{g.level} overlapped allreduce")
             self._holding = True
+        with g._held() as start:
+            if self._started is None:
+                self._started = start
+            return self._launch(flat)
+
+    def _launch(self, flat: torch.Tensor) -> torch.Tensor:
+        g = self.group
         try:
             if not g._usable or g._pg is None:
                 raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
@@ -514,6 +641,7 @@ class Overlapped:
                 raise g._fail("copying a bucket to the device", "issue", err) from err
             payload = buf.numel() * buf.element_size()
             g.bytes_sent += payload
+            self._bytes += payload
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
             opts.timeout = g._timeout(payload)
@@ -531,14 +659,17 @@ class Overlapped:
         if self._error is not None:
             self.abandon()
             raise self._error
-        try:
-            last = len(self.pending) - 1
-            for i, (work, _, payload) in enumerate(self.pending):
-                self.group._wait(work, f"overlapped allreduce (bucket {i + 1}/{last + 1})", payload, check_group=i == last)
-        except CollectiveError:
-            self.abandon()
-            raise
-        self.pending = []
+        with self.group._held():
+            try:
+                last = len(self.pending) - 1
+                for i, (work, _, payload) in enumerate(self.pending):
+                    self.group._wait(work, f"overlapped allreduce (bucket {i + 1}/{last + 1})", payload, check_group=i == last)
+            except CollectiveError:
+                self.abandon()
+                raise
+            self.pending = []
+            if self._started is not None:
+                self.group._pace(self._started, self._bytes)
         self._end()
         return self.results
 

@@ -41,14 +41,18 @@ class OuterOptimizer:
             g.requires_grad_(True)
         self._sgd = torch.optim.SGD(self.global_params, lr=lr, momentum=momentum, nesterov=nesterov)
 
-    def pseudo_gradient(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """global - local, on CPU; detached copies (never tensors with autograd history)."""
-        return [g.detach() - p.detach().to("cpu") for g, p in zip(self.global_params, params)]
+    def pseudo_gradient(self, params: list[torch.Tensor], index: list[int] | None = None) -> list[torch.Tensor]:
+        """global - local, on CPU; detached copies (never tensors with autograd history).
+        `index`: which global params `params` are (a fragment); None = all of them, in order."""
+        chosen = self.global_params if index is None else [self.global_params[i] for i in index]
+        return [g.detach() - p.detach().to("cpu") for g, p in zip(chosen, params)]
 
     @torch.no_grad()
-    def step(self, mean_pseudo_gradient: list[torch.Tensor]) -> None:
-        """Apply the averaged pseudo-gradient to the global params."""
-        for g, d in zip(self.global_params, mean_pseudo_gradient):
+    def step(self, mean_pseudo_gradient: list[torch.Tensor], index: list[int] | None = None) -> None:
+        """Apply the averaged pseudo-gradient to the global params (`index`: only those, a
+        fragment; the others get no gradient, so SGD leaves them and their momentum untouched)."""
+        chosen = self.global_params if index is None else [self.global_params[i] for i in index]
+        for g, d in zip(chosen, mean_pseudo_gradient):
             g.grad = d.to(g.dtype).clone()
         self._sgd.step()
         for g in self.global_params:

@@ -15,10 +15,15 @@ collective at a time:
                    (in buckets launched from backward hooks, overlapping the backward),
                    `localsgd` averages parameters every `inner_every` steps (level "inner").
 - `cluster_average` (inner `none` only) the cluster's mean, so its leader carries it (level "inner").
-- `outer_reduce`   leaders only: mean pseudo-gradient over the clusters into a buffer (level "outer").
-                   Nothing is applied: this is the first phase of the two-phase commit.
-- `outer_commit`   after the supervisor's commit decision: the leader broadcasts the buffer in its
-                   cluster (level "inner") and every replica applies the same outer step.
+- `outer_reduce`   shard holders only (the leader on the `leader` path): the mean over the clusters
+                   of this round's fragment's pseudo-gradient — of its shard — into a buffer (level
+                   "outer"), compressed by `sync.outer_compress` with this cluster's error-feedback
+                   residual added. Nothing is applied: the first phase of the two-phase commit.
+- `outer_commit`   after the supervisor's commit decision: each shard's holder broadcasts it in the
+                   cluster (level "inner"), every replica applies the same outer step to the
+                   fragment, merges it into its params (`fragment_alpha`), and updates the residual.
+What a round syncs is hsgd/core/outer_plan.py's: fragment `round % sync.fragments` (every
+parameter without fragments), cut into shards at the codec's block boundaries (hsgd/train/codec.py).
 Failures:
 - A failed collective raises `CollectiveError` and leaves the state exactly where the last
   committed step left it (a localsgd step whose average failed is rolled back, so its retry never
@@ -48,10 +53,13 @@ from typing import Any, Callable
 
 import torch
 
+from hsgd.config.rounds import steps_per_round
 from hsgd.core.topology import Topology
 from hsgd.train import task
 from hsgd.train.buckets import GradBuckets
 from hsgd.train.comm import LevelGroup
+from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
+from hsgd.train.codec import ALIGN, encode_with_feedback, make_codec
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
@@ -166,18 +174,29 @@ class ReplicaTrainer:
         hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
                                    cfg.optim.outer.nesterov)
         self.outer_opt = OuterOptimizer(self.params, pin_memory=self.device_type == "cuda", **hp)
+        # the outer exchange: which fragment each parameter is in, the codec, and this cluster's
+        # error-feedback residual (what compression did not send yet; fp32, one per parameter)
+        self.fragments = int(cfg.sync.fragments)
+        self.fragment_of = fragment_of_params(self.param_names, self.fragments)
+        self.fragment_alpha = float(cfg.sync.fragment_alpha)
+        self.codec = make_codec(cfg.sync.outer_compress, float(cfg.sync.outer_topk)) \
+            if cfg.sync.outer_compress != "none" else None
+        self.outer_residual: list[torch.Tensor] | None = None
+        # streaming (fragments or a mixing weight): working params differ from the global ones between syncs
+        self.streaming = self.fragments > 1 or self.fragment_alpha > 0
         self.grad_accum = int(cfg.data.grad_accum)
         self.tokens_per_step = task.tokens_per_batch(self.dataset, cfg) * self.grad_accum
-        self.steps_per_round = cfg.sync.outer_every
-        self.total_steps = cfg.train.rounds * cfg.sync.outer_every  # the LR schedule's horizon
+        self.steps_per_round = steps_per_round(cfg)
+        self.total_steps = cfg.train.rounds * self.steps_per_round  # the LR schedule's horizon
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
         self.buckets = GradBuckets(self.params, bucket_mb) if cfg.sync.inner == "ddp" and bucket_mb > 0 else None
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        # (round, epoch, mean pseudo-grad): a buffer of another epoch is never reused or committed
-        self._outer_buffer: tuple[int, int, list[torch.Tensor]] | None = None
+        # (round, epoch, shard, shards, mean pseudo-grad of that shard as one flat fp32 vector): a
+        # buffer of another epoch or shard plan is never reused or committed
+        self._outer_buffer: tuple[int, int, int, int, torch.Tensor] | None = None
         # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
         # retried average starts from the same point (never averages an averaged replica again)
         self._averaged: tuple[int, int] | None = None
@@ -371,45 +390,90 @@ class ReplicaTrainer:
         inner.allreduce_mean([p.data for p in self.params], level="inner")
         self._averaged = (round_index, epoch)
 
+    def fragment_params(self, round_index: int) -> list[int]:
+        """Indices (into self.params) of the parameters round `round_index` syncs."""
+        f = fragment_of_round(round_index, self.fragments)
+        return [i for i, frag in enumerate(self.fragment_of) if frag == f]
+
+    def _corrected_pseudo_gradient(self, index: list[int]) -> torch.Tensor:
+        """The fragment's pseudo-gradient (global - local) as one flat fp32 vector, plus this
+        cluster's residual when a codec is on: what this cluster means to send."""
+        pg = self.outer_opt.pseudo_gradient([self.params[i] for i in index], index)
+        flat = torch.cat([g.reshape(-1) for g in pg]) if pg else torch.zeros(0)
+        if self.codec is not None and self.outer_residual is not None:
+            flat = flat + torch.cat([self.outer_residual[i].reshape(-1) for i in index])
+        return flat
+
     @torch.no_grad()
-    def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup) -> None:
-        """Leader only: mean pseudo-gradient across clusters into the buffer keyed by (round,
-        epoch); nothing is applied. Idempotent per (round, epoch). Raises NonFiniteError before
-        sending when this cluster's pseudo-gradient is not finite (nothing sent)."""
+    def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup, shard: int = 0, shards: int = 1) -> None:
+        """Shard holders only: the mean over the clusters of shard `shard` (of `shards`) of this
+        round's fragment's pseudo-gradient, into the buffer keyed by (round, epoch, shard,
+        shards); nothing is applied. Uncompressed: one fp32 all-reduce. With a codec: every
+        cluster's encoded shard is all-gathered and each holder decodes and averages them in
+        outer-rank order (so every holder holds the same bits). Idempotent per key. Raises
+        NonFiniteError before sending when this cluster's pseudo-gradient is not finite."""
         if not self._require(round_index, "outer_reduce"):
             return
-        if self._outer_buffer and self._outer_buffer[:2] == (round_index, epoch):
+        if self._outer_buffer and self._outer_buffer[:4] == (round_index, epoch, shard, shards):
             return
         self._outer_buffer = None
         if self.cfg.sync.outer == "none":
-            self._outer_buffer = (round_index, epoch, [])
+            self._outer_buffer = (round_index, epoch, shard, shards, torch.zeros(0))
             return
-        pseudo_grad = self.outer_opt.pseudo_gradient(self.params)
-        if not bool(torch.stack([torch.isfinite(g).all() for g in pseudo_grad]).all()):
+        flat = self._corrected_pseudo_gradient(self.fragment_params(round_index))
+        if not bool(torch.isfinite(flat).all()):
             raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
                                                     f"{round_index}; not sent")
-        outer.allreduce_mean(pseudo_grad, level="outer")
-        self._outer_buffer = (round_index, epoch, pseudo_grad)
+        lo, hi = shard_bounds(flat.numel(), shards, ALIGN)[shard]
+        piece = flat[lo:hi].clone()
+        if self.codec is None:
+            outer.allreduce_mean([piece], level="outer")
+        elif piece.numel():
+            payloads = outer.all_gather(self.codec.encode(piece), level="outer")
+            mean = torch.zeros_like(piece)
+            for payload in payloads:  # outer-rank order on every holder: the same sum everywhere
+                mean += self.codec.decode(payload, piece.numel())
+            piece = mean.div_(len(payloads))
+        self._outer_buffer = (round_index, epoch, shard, shards, piece)
 
     def discard_outer_buffer(self) -> None:
         self._outer_buffer = None
 
     @torch.no_grad()
-    def outer_commit(self, round_index: int, inner: LevelGroup, root: int) -> None:
-        """Receive the committed mean pseudo-gradient from the cluster's leader and apply it."""
+    def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...] | int) -> None:
+        """Receive the committed mean pseudo-gradient of this round's fragment — shard j from the
+        member of inner rank roots[j] — and apply it: the outer step on the fragment's global
+        params, then the fragment's params become alpha * local + (1 - alpha) * global. With a
+        codec the cluster's residual is updated by every member alike (the same deterministic
+        encoding of the same corrected vector the holders sent), so any member can lead next."""
         if not self._require(round_index, "outer_commit"):
             return  # already committed (idempotent re-issue)
-        outer_sync = self.cfg.sync.outer != "none"
-        if outer_sync:
-            if inner.rank == root:
-                assert self._outer_buffer is not None and self._outer_buffer[0] == round_index, \
-                    f"{self.rid}: commit of round {round_index} without a reduced buffer"
-                pseudo_grad = self._outer_buffer[2]
-            else:
-                pseudo_grad = [torch.zeros_like(g) for g in self.outer_opt.global_params]
-            inner.broadcast(pseudo_grad, root=root, level="inner")
-            self.outer_opt.step(pseudo_grad)
-            self.outer_opt.copy_global_into(self.params)
+        roots = (roots,) if isinstance(roots, int) else tuple(roots)
+        if self.cfg.sync.outer != "none":
+            index = self.fragment_params(round_index)
+            shapes = [self.outer_opt.global_params[i] for i in index]
+            numel = sum(g.numel() for g in shapes)
+            bounds = shard_bounds(numel, len(roots), ALIGN)
+            mean = torch.zeros(numel)
+            for j, root in enumerate(roots):
+                lo, hi = bounds[j]
+                if inner.rank == root:
+                    buf = self._outer_buffer
+                    assert buf is not None and buf[0] == round_index and buf[2:4] == (j, len(roots)), \
+                        f"{self.rid}: commit of round {round_index} without a reduced buffer for shard {j}/{len(roots)}"
+                    mean[lo:hi] = buf[4]
+            for j, root in enumerate(roots):  # one broadcast per shard, from its holder
+                lo, hi = bounds[j]
+                if hi > lo:
+                    inner.broadcast([mean[lo:hi]], root=root, level="inner")
+            if self.codec is not None:
+                self._update_residual(index)
+            pseudo_grad, offset = [], 0
+            for g in shapes:
+                pseudo_grad.append(mean[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            self.outer_opt.step(pseudo_grad, index)
+            self._merge_global(index)
             self._nonfinite.zero_()  # the params are the (finite) committed global params again
         else:
             self.outer_opt.reset_global(self.params)
@@ -418,18 +482,51 @@ class ReplicaTrainer:
         self.round += 1
         self.round_losses = []
 
+    def _update_residual(self, index: list[int]) -> None:
+        """residual = corrected - what was sent, for the fragment's parameters (before the commit
+        changes the params the pseudo-gradient is computed from)."""
+        if self.outer_residual is None:
+            self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
+        corrected = self._corrected_pseudo_gradient(index)
+        _, _, residual = encode_with_feedback(self.codec, corrected, None)
+        offset = 0
+        for i in index:
+            n = self.outer_residual[i].numel()
+            self.outer_residual[i].copy_(residual[offset:offset + n].view_as(self.outer_residual[i]))
+            offset += n
+
+    def _merge_global(self, index: list[int]) -> None:
+        """The synced fragment's working params after a commit: the global params (alpha 0, plain
+        DiLoCo), or alpha * local + (1 - alpha) * global (Streaming DiLoCo's mixing)."""
+        alpha = self.fragment_alpha
+        for i in index:
+            p, g = self.params[i], self.outer_opt.global_params[i]
+            if alpha == 0:
+                p.copy_(g.to(p.device))
+            else:
+                p.mul_(alpha).add_(g.to(p.device), alpha=1 - alpha)
+
     # -- evaluation, digests, the final model ---------------------------------------------------
     @torch.no_grad()
     def eval_loss(self) -> float:
-        """Mean loss of the global params (after a commit: this replica's params) on the held-out
-        batches (the same for every replica and run: task.EVAL_SEED, replica_index -1)."""
+        """Mean loss of the global params on the held-out batches (the same for every replica and
+        run: task.EVAL_SEED, replica_index -1). After a commit they are this replica's params;
+        under streaming (fragments, a mixing weight) they are swapped in for the evaluation."""
+        saved = [p.detach().clone() for p in self.params] if self.streaming else None
+        if saved is not None:
+            self.outer_opt.copy_global_into(self.params)
         self.model.eval()
-        losses = []
-        for i in range(self.cfg.train.eval_batches):
-            batch = self.dataset.batch("val", seed=task.EVAL_SEED, replica_index=-1, step=i, micro=0)
-            with self._numerics():
-                losses.append(self.loss_fn(self.model, task.to_device(batch, self.device)).detach().float())
-        self.model.train()
+        try:
+            losses = []
+            for i in range(self.cfg.train.eval_batches):
+                batch = self.dataset.batch("val", seed=task.EVAL_SEED, replica_index=-1, step=i, micro=0)
+                with self._numerics():
+                    losses.append(self.loss_fn(self.model, task.to_device(batch, self.device)).detach().float())
+        finally:
+            self.model.train()
+            if saved is not None:
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
         return sum(torch.stack(losses).tolist()) / len(losses)
 
     def param_digest(self) -> str:
@@ -474,6 +571,7 @@ class ReplicaTrainer:
                  "params": self._host(list(self.params), "params"),
                  "inner_opt": self._host(self.inner_opt.state_dict(), "inner_opt"),
                  "outer": self.outer_opt.state_dict(),
+                 "outer_residual": self._residual_copy(),
                  "round_losses": list(self.round_losses)}
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy above
@@ -485,7 +583,10 @@ class ReplicaTrainer:
         else mutates meanwhile). Never modify it or keep it past that call."""
         return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
                 "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
-                "round_losses": list(self.round_losses)}
+                "outer_residual": self.outer_residual, "round_losses": list(self.round_losses)}
+
+    def _residual_copy(self) -> list[torch.Tensor] | None:
+        return None if self.outer_residual is None else [r.clone() for r in self.outer_residual]
 
     def global_state(self) -> dict:
         """What a `global` heal needs: the round-start global params and outer state. They change
@@ -499,8 +600,12 @@ class ReplicaTrainer:
         params, outer state and round (the source is in another cluster); params restart from the
         global params at the round's first step, and the inner optimizer starts fresh — every
         member of a cluster healed this way gets the same (fresh) state, so the cluster stays
-        consistent. Either way the non-finite flags start clear."""
+        consistent. Either way the non-finite flags start clear. The error-feedback residual is
+        the cluster's: a `full` heal carries it, a `global` one starts it at zero (what another
+        cluster could not send is not ours to send)."""
         self.outer_opt.load_state_dict(state["outer"])
+        residual = state.get("outer_residual") if scope == "full" else None
+        self.outer_residual = None if residual is None else [r.detach().to("cpu").clone() for r in residual]
         if scope == "full":
             for p, src in zip(self.params, state["params"]):
                 p.copy_(src.to(p.device))

@@ -49,14 +49,14 @@ def test_a_round_on_the_gpu_commits_and_every_copy_agrees(corpus):
     inner, outer = _solo("inner"), _solo("outer")
     t.run_inner(0, inner)  # warm-up round (kernels, allocator)
     t.outer_reduce(0, 1, outer)
-    t.outer_commit(0, inner, root=0)
+    t.outer_commit(0, inner, roots=(0,))
     torch.cuda.synchronize()
     start = time.perf_counter()
     report = t.run_inner(1, inner)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     t.outer_reduce(1, 2, outer)
-    t.outer_commit(1, inner, root=0)
+    t.outer_commit(1, inner, roots=(0,))
     assert (t.round, t.step) == (2, 20)
     assert t.param_digest() == t.global_digest(), "after a commit the params are the global params"
     print(f"\n[gpu smoke] {torch.cuda.get_device_name()}: {report.tokens / seconds:,.0f} tokens/s, "
@@ -69,7 +69,7 @@ def test_heals_of_cuda_state_give_bitwise_copies(corpus):
     inner, outer = _solo("inner"), _solo("outer")
     source.run_inner(0, inner)
     source.outer_reduce(0, 1, outer)
-    source.outer_commit(0, inner, root=0)
+    source.outer_commit(0, inner, roots=(0,))
     source.run_inner(1, inner)
     full.load_state_dict(source.state_dict(), scope="full")
     assert full.param_digest() == source.param_digest() and (full.round, full.step) == (1, 20)

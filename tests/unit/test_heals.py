@@ -302,7 +302,7 @@ def test_a_full_state_never_holds_more_than_the_bound_its_deadline_assumes():
         t = ReplicaTrainer(cfg, "c0r0", Topology(1, 1), dataset=dataset)
         t.run_inner(0, solo("inner"))
         t.outer_reduce(0, 1, solo("outer"))
-        t.outer_commit(0, solo("inner"), root=0)  # every buffer exists now: optimizer moments, outer momentum
+        t.outer_commit(0, solo("inner"), roots=(0,))  # every buffer exists now: optimizer moments, outer momentum
         t.run_inner(1, solo("inner"))
         nbytes = sum(x.numel() * x.element_size() for x in state_stream.split_state(t.state_dict())[1])
         assert nbytes <= state_bytes_bound(t.param_bytes), \

@@ -379,7 +379,7 @@ def test_the_final_model_is_the_committed_global_model_in_safetensors(dataset, t
     t = _trainer(dataset)
     t.run_inner(0, _solo("inner"))
     t.outer_reduce(0, 1, _solo("outer"))
-    t.outer_commit(0, _solo("inner"), root=0)
+    t.outer_commit(0, _solo("inner"), roots=(0,))
     t.run_inner(1, _solo("inner"))  # params move on; the file holds the committed round's model
     saved = t.save_model(str(tmp_path / "model.safetensors"))
     assert saved["round"] == 1 and saved["bytes"] > t.param_bytes
