@@ -297,9 +297,10 @@ class Replica:
         def run():
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
-            before = self.outer.bytes_sent
+            before, before_s = self.outer.bytes_sent, self.outer.link_s
             self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
-            return {"outer_bytes": self.outer.bytes_sent - before, "join_s": join_s}
+            return {"outer_bytes": self.outer.bytes_sent - before, "outer_link_s": self.outer.link_s - before_s,
+                    "join_s": join_s}
         return self._phase("outer", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")

@@ -27,6 +27,9 @@ class RoundRecord:
         self.heal_transports: dict[str, str] = {}  # target -> group | object_store
         self.steps_run: dict[int, int] = {}  # run_inner phase id -> steps its members ran
         self.join_s: dict[int, float] = {}  # phase id -> the longest its members took to form their group
+        # outer_reduce phase id -> the longest a holder spent in its outer collectives (the simulated
+        # link's wait included); holders exchange at once, so a phase costs its slowest one
+        self.outer_link_s: dict[int, float] = {}
         self.non_finite_what: dict[str, str] = {}  # rid -> what its non_finite answer named (loss | grad_norm | ...)
         self.logged_void: set[int] = set()
         self.logged_benched: set[int] = set()
@@ -45,6 +48,7 @@ class RoundRecord:
             self.losses.setdefault(rid, []).extend(rep["losses"])
         if kind == "outer_reduce":
             self.outer_bytes += value.get("outer_bytes", 0)
+            self.outer_link_s[phase.id] = max(self.outer_link_s.get(phase.id, 0.0), value.get("outer_link_s", 0.0))
         if kind == "outer_commit" and outcome == Outcome.DONE:
             self.inner_bytes += value.get("inner_bytes", 0)
             self.commit_digests[rid] = value["digest"]

@@ -225,3 +225,65 @@ def test_a_mixing_weight_merges_local_and_global_and_both_clusters_agree_on_the_
     assert streaming[0]["mix_global_digest"] == streaming[1]["mix_global_digest"]
     assert streaming[0]["mix_param_digest"] != streaming[1]["mix_param_digest"], \
         "with alpha > 0 the clusters' working params keep their own part (they differ)"
+
+
+# -- the error-feedback residual is state ---------------------------------------------------------------
+def _solo(level):
+    from hsgd.train.comm import LevelGroup
+
+    g = LevelGroup(level, "gloo")
+    g.configure(None, f"t/{level}", rank=0, world_size=1, epoch=1)
+    return g
+
+
+def _round(t, r, inner, outer):
+    t.run_inner(r, inner)
+    t.outer_reduce(r, 1, outer)
+    t.outer_commit(r, inner, (0,))
+
+
+def test_the_residual_travels_with_a_full_heal_and_a_checkpoint_and_a_global_heal_starts_it_at_zero():
+    from hsgd.core.topology import Topology
+    from hsgd.train.trainer import ReplicaTrainer
+
+    cfg = _cfg(["sync.outer_compress=int4", "sync.outer_every=3"])
+    inner, outer = _solo("inner"), _solo("outer")
+    t = ReplicaTrainer(cfg, "c0r0", Topology(1, 2))
+    for r in range(2):
+        _round(t, r, inner, outer)
+    assert t.outer_residual is not None and any(float(x.abs().max()) > 0 for x in t.outer_residual), \
+        "int4 leaves something unsent: the residual holds it"
+    healed = ReplicaTrainer(cfg, "c0r1", Topology(1, 2))
+    healed.load_state_dict(t.state_dict(), scope="full")
+    assert all(torch.equal(a, b) for a, b in zip(healed.outer_residual, t.outer_residual))
+    # the healed replica goes on exactly as its source (it sends what the source would have)
+    _round(t, 2, inner, outer)
+    healed.rid, healed.global_index = t.rid, t.global_index  # the same data stream, to compare bitwise
+    _round(healed, 2, inner, outer)
+    assert healed.global_digest() == t.global_digest()
+    fresh = ReplicaTrainer(cfg, "c0r1", Topology(1, 2))
+    fresh.load_state_dict(t.global_state(), scope="global")
+    assert fresh.outer_residual is None, "another cluster's residual is never taken over"
+
+
+def test_error_feedback_sends_this_round_what_the_last_round_could_not():
+    """With `average` (outer lr 1, no momentum) the new global params are exactly the local ones
+    moved by what was held back: global = local - residual_before + residual_after, every round,
+    i.e. the residual of round r is sent in round r + 1 and nothing is lost on the way."""
+    from hsgd.core.topology import Topology
+    from hsgd.train.trainer import ReplicaTrainer
+
+    inner, outer = _solo("inner"), _solo("outer")
+    lossy = ReplicaTrainer(_cfg(["sync.outer_compress=int4", "sync.outer_every=3", "sync.outer=average"]), "c0r0",
+                           Topology(1, 1))
+    before = [torch.zeros_like(p) for p in lossy.params]
+    for r in range(3):
+        lossy.run_inner(r, inner)
+        local = [p.detach().clone() for p in lossy.params]
+        lossy.outer_reduce(r, 1, outer)
+        lossy.outer_commit(r, inner, (0,))
+        after = lossy.outer_residual
+        for g, p, old, new in zip(lossy.outer_opt.global_params, local, before, after):
+            assert torch.allclose(g, p - old + new, atol=1e-6), f"round {r}: the update lost more than the residual"
+        assert any(float(x.abs().max()) > 0 for x in after)
+        before = [x.clone() for x in after]
