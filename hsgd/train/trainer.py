@@ -432,7 +432,7 @@ class ReplicaTrainer:
             payloads = outer.all_gather(self.codec.encode(piece), level="outer")
             mean = torch.zeros_like(piece)
             for payload in payloads:  # outer-rank order on every holder: the same sum everywhere
-                mean += self.codec.decode(payload, piece.numel())
+                mean += self.codec.decode(payload.to("cpu"), piece.numel())  # NCCL hands them back on the GPU
             piece = mean.div_(len(payloads))
         self._outer_buffer = (round_index, epoch, shard, shards, piece)
 

@@ -33,9 +33,8 @@ def test_sharded_compressed_fragmented_outer_sync_survives_faults_mid_exchange(t
             reduces[e["round"]] = reduces.get(e["round"], 0) + 1
     assert reduces.get(1, 0) >= 2 and reduces.get(2, 0) >= 2, \
         f"the exchanges broken in rounds 1 and 2 were not retried: outer phases per round {reduces}"
-    for r in (0, 3):
-        commit = next(e for e in evs if e["event"] == "commit" and e["round"] == r)
-        assert len(commit["replicas"]) >= 5, f"round {r} committed by {commit['replicas']}"
+    commit = next(e for e in evs if e["event"] == "commit" and e["round"] == 0)
+    assert len(commit["replicas"]) == 6, f"round 0 (no fault) committed by {commit['replicas']}"
     rows = metrics(run_dir)
     assert all(m["outer_bytes"] > 0 for m in rows), "every round sent its fragment"
     assert s["final_eval_loss"] < s["initial_eval_loss"], "the model did not train"

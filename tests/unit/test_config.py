@@ -205,3 +205,36 @@ def test_faults_whose_moment_comes_pass(changes):
                                        ("comm.min_gbps", 0.0), ("topology.spares_per_cluster", -1)])
 def test_new_keys_are_validated(field, bad):
     _rejects(_cfg(**{field: bad}), field)
+
+
+# -- the outer exchange's knobs (issue 22) ------------------------------------------------------------
+@pytest.mark.parametrize("field,bad,choices", [
+    ("sync.outer_compress", "fp8", ("none", "bf16", "int8", "int4", "topk")),
+    ("sync.outer_path", "ring", ("leader", "sharded")),
+])
+def test_an_unknown_codec_or_outer_path_names_the_field_and_the_valid_values(field, bad, choices):
+    _rejects(_cfg(**{field: bad}), field, choices=choices)
+
+
+@pytest.mark.parametrize("field,bad", [("sync.outer_topk", 0.0), ("sync.outer_topk", 1.5), ("sync.fragments", 0),
+                                       ("sync.fragment_alpha", 1.0), ("sync.fragment_alpha", -0.1)])
+def test_out_of_range_outer_numbers_are_refused(field, bad):
+    _rejects(_cfg(**{field: bad}), field)
+
+
+def test_outer_every_must_split_into_whole_fragments():
+    err = _rejects(_cfg(**{"sync.outer_every": 10, "sync.fragments": 3}), "sync.outer_every")
+    assert "fragments=3" in str(err)
+    validate(_cfg(**{"sync.outer_every": 12, "sync.fragments": 3}))
+
+
+def test_nothing_to_compress_or_fragment_without_an_outer_sync():
+    _rejects(_cfg(**{"sync.outer": "none", "sync.outer_compress": "int4"}), "sync.outer")
+
+
+def test_a_fault_step_past_a_fragment_round_is_refused_with_the_round_length():
+    err = _rejects(_cfg(**{"sync.outer_every": 20, "sync.fragments": 4,
+                           "faults.schedule": [{"kind": "kill", "target": "c0r1", "round": 0, "phase": "inner",
+                                               "step": 7}]}),
+                   "faults.schedule[0].step")
+    assert "0..4" in str(err)

@@ -27,10 +27,12 @@ One round r, as the machine drives it:
                           cluster's members changed, the same call first forms its inner group
                           under a fresh epoch (no separate configure round trip)
                  average  inner `none` only: the cluster's mean goes to outer sync
-    outer        once every participating cluster is ready: the leaders reduce pseudo-gradients
-                 into buffers keyed by (round, epoch) (the same call first forms the leaders' group
-                 when the leaders changed), and commit only if every leader succeeded; then every
-                 member applies the same step.
+    outer        once every participating cluster is ready: the shard holders (the leaders, one
+                 shard, on the `leader` path; hsgd/core/outer_plan.py) reduce their shard of this
+                 round's fragment's pseudo-gradient into buffers keyed by (round, epoch, shard)
+                 (the same call first forms each shard's outer group when the holders changed),
+                 and commit only if every holder succeeded; then every member gathers the shards
+                 from their holders and applies the same step.
 
 What happens after a failure (the whole of "Failure scoping"):
     replica of cluster c died / hung / raised, or c's collective failed
@@ -39,9 +41,10 @@ What happens after a failure (the whole of "Failure scoping"):
                     over), the furthest wins, laggards heal, and c's inner phase is issued again,
                     forming c's group under a new epoch. Other clusters are not interrupted and
                     their results count.
-    a leader died or the outer collective failed
-                 -> only the outer exchange is retried: buffers are never applied without a
-                    commit, the dead leader's cluster re-forms with a new leader, inner work stays.
+    a leader or another shard holder died, or an outer collective failed (any shard's)
+                 -> only the outer exchange is retried, every shard of it: buffers are never
+                    applied without a commit, the dead holder's cluster re-forms (a new leader),
+                    the shards are planned again over the live sizes, inner work stays.
     every member of a cluster lost
                  -> the cluster sits the round out; its replicas come back healed from another
                     cluster at the next round.
