@@ -87,6 +87,8 @@ class Heals:
         # over the group: (action, source) -> its group's prefix, and the (round, step) the source was
         # chosen holding (its fallback's heal_state checks it); target refs -> (action, target, source)
         self.prefixes: dict[tuple[int, str], str] = {}
+        self.members: dict[str, tuple[str, ...]] = {}  # a heal group's prefix -> its source and targets
+        self.released: set[str] = set()  # heal groups whose rendezvous was aborted
         self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
         self.receives: dict[Any, tuple[int, str, str]] = {}
 
@@ -124,6 +126,7 @@ class Heals:
         world = 1 + len(targets)
         if key not in self.prefixes:
             prefix = self.prefixes[key] = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
+            self.members[prefix] = (source, *targets)
             self.chosen_at[key] = source_at
             send = self.handles[source].send_state.remote(self.r, (epoch, self.store_addr, prefix, 0, world),
                                                           self.chunk_mb, faults.get(source))
@@ -236,6 +239,15 @@ class Heals:
         for ref in self.watched():  # a source lost on the way is logged, however its targets ended
             self.source_answer(ref)
         return final
+
+    def groups_of(self, rid: str) -> list[str]:
+        """The heal groups `rid` is a member of whose rendezvous was not released yet: when rid is
+        known dead, the others waiting in them are released (`released`), as the round machine's
+        AbortJoin does for inner and outer groups, instead of waiting out configure_timeout_s."""
+        return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
+
+    def release(self, prefix: str) -> None:
+        self.released.add(prefix)
 
     def forget(self, action_id: int) -> None:
         """Heal action `action_id` ended: drop its states' refs (the object store frees a state once

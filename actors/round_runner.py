@@ -261,10 +261,23 @@ class RoundRunner:
         for rid, cause in self.m.deaths[self.deaths_logged:]:
             self.deaths_logged += 1
             roster.died(rid, cause, self.phase, self.r)
+            self._release_heal_groups(rid, cause)
             if roster.spares and rid not in self.m.progress and (answer := roster.promote_spare(rid)) is not None:
                 self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
                 roster.note_up(rid, answer)
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))
+
+    def _release_heal_groups(self, rid: str, cause: str) -> None:
+        """rid is dead: release every heal group it was in whose members may still be waiting in
+        its rendezvous (a group already formed is not affected: the abort is a compare-and-set)."""
+        p = self.p
+        for prefix in self.heals.groups_of(rid):
+            self.heals.release(prefix)
+            reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
+            p.log.event("join_aborted", cluster=self.m.cluster_of(rid), round=self.r, epoch=self.m.epoch,
+                        prefix=prefix, dead=[rid], reason=reason)
+            if p.store is not None:
+                abort_rendezvous(p.store, p.store_addr, prefix, reason)
 
     def _status(self) -> None:
         m = self.m

@@ -321,3 +321,22 @@ def test_a_heals_deadline_covers_its_group_the_state_twice_at_min_gbps_and_grows
     assert deadline > fixed + collective_timeout_s(0.0, state, 1.0) * 2 - 1e-6
     assert heal_deadline_s(state_bytes=state, **{**kw, "min_gbps": 0.5}) == pytest.approx(fixed + 4 * state * 8 / 1e9)
 
+
+
+def test_a_dead_member_s_heal_groups_are_released_once_and_only_those_it_was_in(fake):
+    """A heal group's source or target known dead: the runner aborts that group's rendezvous (the
+    others waiting in it are released at once, as for inner and outer groups), once."""
+    src, targets, send, meta, state = _group(DONE, {"c0r1": DONE, "c0r2": DONE})
+    other_src = Replica("c1r0", send_state=lambda *a: Ref("c1r0.send_state", DONE))
+    other_target = Replica("c1r1", receive_state=lambda *a: Ref("c1r1.receive_state", DONE))
+    h = _heals({"c0r0": src, **targets, "c1r0": other_src, "c1r1": other_target}, round_index=5)
+    calls = {"c0r1": ("c0r0", "full"), "c0r2": ("c0r0", "full"), "c1r1": ("c1r0", "full")}
+    for t in calls:
+        h.issue(9, 4, calls, t, {}, source_at=(5, 30))
+    c0_group = src.calls[0][1][1][2]
+    c1_group = other_src.calls[0][1][1][2]
+    assert h.groups_of("c0r2") == [c0_group], "a target's death releases its source's group"
+    assert h.groups_of("c0r0") == [c0_group] and h.groups_of("c1r1") == [c1_group]
+    h.release(c0_group)
+    assert h.groups_of("c0r1") == [] and h.groups_of("c0r0") == [], "released once"
+    assert h.groups_of("c1r0") == [c1_group], "another cluster's heal group is untouched"
