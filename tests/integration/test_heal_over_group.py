@@ -44,3 +44,20 @@ def test_a_killed_replica_heals_over_the_group_and_falls_back_to_the_object_stor
     after = [e for e in heals if e["target"] == "c1r1" and e["t"] > fallbacks[0]["t"]]
     assert after and after[0]["transport"] == "object_store", f"c1r1's fallback heal: {after}"
     assert not [e for e in ev if e["event"] == "heal_source_lost"], "no source died: none may be reported lost"
+
+
+def test_a_heal_target_dying_before_it_joins_releases_its_source_from_the_heal_rendezvous(tmp_path):
+    """c0r1 is killed, comes back at round 2's start, and is killed again as its heal starts,
+    before it joins the heal group: its source is released from that group's rendezvous at once
+    (`join_aborted` naming the heal group), not after comm.configure_timeout_s; the run completes."""
+    run_dir = tmp_path / "run"
+    s = train(run_dir, [f"sync.outer_every=4", "train.rounds=4", "comm.timeout_s=4", "comm.configure_timeout_s=60",
+                        "supervisor.phase_timeout_s=120", "supervisor.rejoin=boundary", "supervisor.rejoin_wait_s=30",
+                        "checkpoint.every=0", schedule("kind:kill,target:c0r1,round:1,phase:inner,step:1",
+                                                       "kind:kill,target:c0r1,round:2,phase:heal")])
+    assert s["status"] == "completed", s.get("reason")
+    check_run(run_dir, rounds=4, steps_per_round=4, victims={"c0r1"})
+    ev = events(run_dir)
+    released = [e for e in ev if e["event"] == "join_aborted" and "/heal/" in e["prefix"]]
+    assert released and released[0]["dead"] == ["c0r1"], \
+        f"the heal group c0r1 never joined was not released: {[e for e in ev if e['event'] == 'join_aborted']}"
