@@ -42,6 +42,7 @@ from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
+from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
                              heals_at_rest)
 from hsgd.core.topology import Topology
@@ -75,6 +76,8 @@ class Supervisor:
         self.run_dir, self.run_id = run_dir, run_id
         self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = steps_per_round(self.cfg)
+        # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
+        self.streaming = int(self.cfg.sync.fragments) > 1 or float(self.cfg.sync.fragment_alpha) > 0
         self.io_grace_s = float(self.cfg.run.get("io_grace_s", 60.0))
         self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
         self.durable = self._load_durable()
@@ -358,7 +361,7 @@ class Supervisor:
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()
         self.log.event("commit", round=r, epoch=machine.epoch, replicas=sorted(run.commit_digests),
-                       digests_agree=len(set(run.commit_digests.values())) <= 1)
+                       digests_agree=params_agree(run.commit_digests, self.topology, streaming=self.streaming))
         eval_loss = None
         if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()

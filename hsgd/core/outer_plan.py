@@ -103,3 +103,15 @@ def shard_bounds(numel: int, shards: int, align: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def params_agree(digests: dict[str, str], topology, *, streaming: bool) -> bool:
+    """Invariant 1 on the working params' digests after a commit (rid -> digest): every replica
+    holds the same ones; under streaming (fragments, a mixing weight) every replica of a cluster
+    does (the clusters' own progress on unsynced fragments differs by design)."""
+    if not streaming:
+        return len(set(digests.values())) <= 1
+    by_cluster: dict[int, set[str]] = {}
+    for rid, digest in digests.items():
+        by_cluster.setdefault(topology.cluster_of(rid), set()).add(digest)
+    return all(len(d) <= 1 for d in by_cluster.values())

@@ -262,6 +262,14 @@ def is_streaming(run_dir) -> bool:
     return int(sync.get("fragments", 1) or 1) > 1 or float(sync.get("fragment_alpha", 0) or 0) > 0
 
 
+def final_params_agree(summary: dict, run_dir) -> bool:
+    """Invariant 1 at the end of a run: every replica's working params are the same (per cluster
+    under streaming, `is_streaming`)."""
+    final = summary.get("replica_param_digests") or {}
+    groups = _by_cluster(final).values() if is_streaming(run_dir) else [final]
+    return bool(final) and all(len(set(g.values())) == 1 for g in groups)
+
+
 # -- all of them -------------------------------------------------------------------------------
 def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] | None = None,
               expect_status: str = "completed") -> dict:
