@@ -5,7 +5,10 @@ fault-free, with and without hot spares; see jobs/bench_goodput.py), or
 `python -m jobs.bench inner [--quick] [--out DIR]` (hsgd's inner step vs plain and tuned PyTorch
 loops, one process, no Ray; see jobs/bench_inner.py), or
 `python -m jobs.bench ddp [--out DIR] [--steps N] [--repeats R]` (hsgd's inner ddp, 1 cluster x 2
-replicas, vs torch's DistributedDataParallel over gloo, interleaved; see jobs/bench_ddp.py).
+replicas, vs torch's DistributedDataParallel over gloo, interleaved; see jobs/bench_ddp.py), or
+`python -m jobs.bench convergence [--quick] [--model small] [--steps 2000] [--out DIR]` (flat DDP,
+LocalSGD and DiLoCo arms — H, codecs, fragments, sharded — on the same tokens: final eval loss vs
+slow-link bytes, wall-clock under a simulated slow link; see jobs/bench_convergence.py).
 
 Runs, one after another on one embedded Ray, the same model and data as:
 - `flat`: one cluster of all replicas, ddp every step (what a flat trainer does across the slow link);
@@ -62,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from jobs.bench_ddp import main as ddp_main  # two processes over gloo, no Ray
 
         return ddp_main(argv[1:])
+    if argv[:1] == ["convergence"]:
+        from jobs.bench_convergence import main as convergence_main
+
+        return convergence_main(argv[1:])
     if argv[:1] == ["inner"]:
         from jobs.bench_inner import main as inner_main  # one process, no Ray: a bare GPU box runs it
 

@@ -1,0 +1,137 @@
+"""`python -m jobs.bench convergence` (issue 22, Acceptance 3): the arms and the table's arithmetic,
+on fabricated run results (no Ray)."""
+import json
+
+import pytest
+
+from jobs.bench_convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, link_overrides,
+                                    modeled_link_s, plan_arms, rows, slow_link_bytes, table_md, write_report)
+
+GBPS, LATENCY_MS = 1.0, 50.0
+
+
+def _composed(arm: Arm, common: list[str]):
+    from actors.launch import compose_config
+    from hsgd.config import validate
+
+    cfg = compose_config(QUIET + arm_overrides(arm, common, eval_every_steps=500))
+    validate(cfg)
+    return cfg
+
+
+def test_every_arm_trains_the_same_steps_seed_model_and_replicas():
+    from hsgd.config.rounds import steps_per_round
+
+    arms = plan_arms(2000)
+    common = ["model=small", "seed=7", "train.eval_batches=32"]
+    seen, batch_size = set(), _composed(arms[0], common).data.batch_size
+    for arm in arms:
+        cfg = _composed(arm, common)
+        assert steps_per_round(cfg) * cfg.train.rounds == 2000, f"{arm.name}: not 2000 inner steps per replica"
+        assert steps_per_round(cfg) == arm.steps_per_round and cfg.train.rounds == arm.rounds, arm.name
+        assert cfg.seed == 7 and cfg.model.name == "small" and cfg.data.batch_size == batch_size, arm.name
+        assert cfg.topology.clusters * cfg.topology.replicas_per_cluster == 4, arm.name
+        assert (cfg.topology.clusters == 2) == arm.hierarchical, arm.name
+        seen.add((cfg.sync.outer, cfg.sync.outer_every, cfg.sync.outer_compress, cfg.sync.fragments,
+                  cfg.sync.outer_path, cfg.topology.clusters))
+    assert len(seen) == len(arms), "two arms run the same config"
+    kinds = {(o, k) for o, _, _, _, _, k in seen}
+    assert ("average", 1) in kinds and ("average", 2) in kinds  # flat DDP and hierarchical LocalSGD
+    assert len({h for o, h, c, f, p, k in seen if o == "diloco" and c == "none" and f == 1 and p == "leader"}) >= 3
+    assert {c for _, _, c, _, _, _ in seen} >= {"bf16", "int8", "int4", "topk"}
+    assert any(f > 1 for _, _, _, f, _, _ in seen) and any(p == "sharded" for _, _, _, _, p, _ in seen)
+
+
+def test_quick_arms_cover_each_path_in_few_runs():
+    arms = plan_arms(200, quick=True)
+    assert len(arms) <= 6 and {a.rounds * a.steps_per_round for a in arms} == {200}
+    names = {a.name for a in arms}
+    assert {"flat_ddp", "localsgd_h50", "diloco_h50", "diloco_h50_int4", "diloco_h50_frag2", "diloco_h50_sharded"} == names
+
+
+def test_steps_that_are_not_whole_rounds_are_refused():
+    with pytest.raises(ValueError, match="diloco_h250"):
+        plan_arms(2100)
+
+
+def test_eval_cadence_is_the_same_inner_steps_for_every_arm_or_the_end_only():
+    arms = {a.name: a for a in plan_arms(2000)}
+    assert arm_overrides(arms["diloco_h100"], [], eval_every_steps=500)[-1] == "train.eval_every=5"
+    assert arm_overrides(arms["diloco_h100_frag4"], [], eval_every_steps=500)[-1] == "train.eval_every=20"
+    assert arm_overrides(arms["diloco_h250"], [], eval_every_steps=300)[-1] == "train.eval_every=8"  # the end only
+
+
+def test_the_simulated_link_is_the_outer_level_for_hierarchical_arms_and_inner_for_flat():
+    arms = {a.name: a for a in plan_arms(2000)}
+    assert link_overrides(arms["flat_ddp"], 1, 50) == ["links.inner.gbps=1", "links.inner.latency_ms=50"]
+    assert link_overrides(arms["diloco_h100"], 1, 50) == ["links.outer.gbps=1", "links.outer.latency_ms=50"]
+
+
+def test_slow_link_bytes_are_outer_bytes_for_hierarchical_and_inner_bytes_for_flat():
+    arms = {a.name: a for a in plan_arms(2000)}
+    metrics = [{"outer_bytes": 10, "inner_bytes": 1000}, {"outer_bytes": 5, "inner_bytes": 2000}]
+    assert slow_link_bytes(arms["diloco_h100"], metrics) == 15
+    assert slow_link_bytes(arms["flat_ddp"], metrics) == 3000
+
+
+def test_modeled_link_time_is_a_latency_per_collective_plus_one_members_share_of_the_bytes():
+    arms = {a.name: a for a in plan_arms(2000)}
+    # flat: 20 rounds of 100 steps -> 20 * 101 collectives; 4e9 bytes over 4 members -> 1e9 B = 8 s at 1 Gb/s
+    assert modeled_link_s(arms["flat_ddp"], 4_000_000_000, 20, GBPS, LATENCY_MS) == pytest.approx(20 * 101 * 0.05 + 8.0)
+    # diloco h100: one outer exchange per round, 2 leaders
+    assert modeled_link_s(arms["diloco_h100"], 250_000_000, 20, GBPS, LATENCY_MS) == pytest.approx(20 * 0.05 + 1.0)
+    # sharded: every one of the 4 members sends its shard at once
+    assert modeled_link_s(arms["diloco_h100_sharded"], 250_000_000, 20, GBPS, LATENCY_MS) == pytest.approx(1.0 + 0.5)
+
+
+def _results():
+    def r(loss, nbytes, wall, rounds, status="completed"):
+        return {"status": status, "final_eval_loss": loss, "slow_link_bytes": nbytes, "wall_s": wall,
+                "rounds_committed": rounds}
+    return {"flat_ddp": r(2.0, 1_000_000_000, 100.0, 20), "flat_ddp@wan": r(2.0, 1_000_000_000, 250.0, 20),
+            "diloco_h100": r(2.03, 1_000_000, 90.0, 20),  # 1000x, +1.5 %: meets the target
+            "diloco_h250": r(2.10, 400_000, 80.0, 8),  # 2500x, +5 %: too far behind
+            "diloco_h100_bf16": r(2.01, 2_500_000, 95.0, 20),  # 400x: too many bytes
+            "diloco_h100_int4": {"status": "error", "error": "boom", "final_eval_loss": None,
+                                 "slow_link_bytes": None, "wall_s": None}}
+
+
+def test_table_has_the_gap_ratio_and_target_against_flat_ddp_of_the_same_invocation():
+    arms = plan_arms(2000)
+    table = {r["arm"]: r for r in rows(arms, _results(), gbps=GBPS, latency_ms=LATENCY_MS)}
+    assert list(table) == ["flat_ddp", "diloco_h100", "diloco_h250", "diloco_h100_bf16", "diloco_h100_int4"]
+    assert table["flat_ddp"]["gap"] == 0 and table["flat_ddp"]["bytes_ratio_vs_flat"] == 1
+    assert table["flat_ddp"]["meets_target"] is False and table["flat_ddp"]["wan_wall_s"] == 250.0
+    h100 = table["diloco_h100"]
+    assert h100["gap"] == pytest.approx(0.015) and h100["bytes_ratio_vs_flat"] == pytest.approx(1000)
+    assert h100["meets_target"] is True and h100["wan_wall_s"] is None
+    assert h100["wan_wall_s_modeled"] == pytest.approx(90.0 + 20 * 0.05 + (1_000_000 / 2) * 8 / 1e9)
+    assert table["diloco_h250"]["gap"] == pytest.approx(0.05) and table["diloco_h250"]["meets_target"] is False
+    assert table["diloco_h100_bf16"]["bytes_ratio_vs_flat"] == pytest.approx(400)
+    assert table["diloco_h100_bf16"]["meets_target"] is False
+    failed = table["diloco_h100_int4"]
+    assert failed["gap"] is None and failed["bytes_ratio_vs_flat"] is None and failed["meets_target"] is None
+    assert TARGET_RATIO == 500 and TARGET_GAP == 0.02
+
+    text = table_md(list(table.values()), gbps=GBPS, latency_ms=LATENCY_MS)
+    line = next(x for x in text.splitlines() if x.startswith("| diloco_h100 |"))
+    assert "2.0300" in line and "+1.50 %" in line and "1.00" in line and "1000.0" in line and line.endswith("yes |")
+    assert "| diloco_h100_int4 (error) | - |" in text
+
+
+def test_without_flat_ddp_there_is_no_gap_or_ratio():
+    arms = plan_arms(2000)
+    results = {k: v for k, v in _results().items() if not k.startswith("flat")}
+    table = rows(arms, results, gbps=GBPS, latency_ms=LATENCY_MS)
+    assert all(r["gap"] is None and r["bytes_ratio_vs_flat"] is None for r in table)
+
+
+def test_report_writes_json_table_and_plot(tmp_path):
+    arms = plan_arms(2000)
+    text = write_report(tmp_path, arms, _results(), {"steps": 2000}, gbps=GBPS, latency_ms=LATENCY_MS)
+    report = json.loads((tmp_path / "convergence.json").read_text())
+    assert report["steps"] == 2000 and [r["arm"] for r in report["rows"]][0] == "flat_ddp"
+    assert report["missing_arms"] and len(report["arms"]) == len(arms)
+    assert (tmp_path / "convergence.md").read_text() == text and "diloco_h250" in text
+    png = (tmp_path / "convergence.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
