@@ -1,10 +1,11 @@
 """Numerical parity of the real system (Ray actors, gloo process groups, supervisor) with pure-torch
 references of the same algorithms (tests/integration/references.py).
 
-Each test runs one tiny training job through `jobs.train.run_training`, loads the final checkpoint
-of every replica, and compares its parameters with the reference's. Every run also checks
-invariant 1 of ARCHITECTURE.md: after every committed outer sync all replicas hold bitwise-identical
-parameters (the "replica_digests" of every metrics.jsonl record agree).
+Each test runs one tiny training job through `jobs.train.run_training` (the two localsgd tests share
+their fault-free one), loads the final checkpoint of every replica, and compares its parameters with
+the reference's. Every run also checks invariant 1 of ARCHITECTURE.md: after every committed outer
+sync all replicas hold bitwise-identical parameters (the "replica_digests" of every metrics.jsonl
+record agree).
 
 Why a wrong-level collective fails these tests is spelled out in each test's docstring; the
 guard itself (a collective naming the other level raises WrongLevelError) is in tests/unit/test_comm.py.
@@ -50,6 +51,18 @@ def ray_session():
         yield
     finally:
         ray.shutdown()
+
+
+# 2 clusters x 2 replicas, inner `localsgd` every 2 steps, outer `average` every 6 steps, 2 rounds
+LOCALSGD_2X2 = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
+                "sync.outer=average", "sync.outer_every=6", "train.rounds=2", *ADAMW]
+
+
+@pytest.fixture(scope="module")
+def localsgd_run(ray_session, tmp_path_factory):
+    """run_hsgd of LOCALSGD_2X2, fault-free: compared with the references, and the clean twin of the
+    comm-fault run (same seed and config: one run serves both tests)."""
+    return run_hsgd(tmp_path_factory.mktemp("localsgd") / "run", LOCALSGD_2X2)
 
 
 def run_hsgd(run_dir: Path, overrides: list[str]):
@@ -128,7 +141,7 @@ def test_ddp_inner_matches_torch_distributed_ddp(ray_session, tmp_path):
     assert max_abs_diff(expected, initial) > 1e-2
 
 
-def test_localsgd_average_matches_reference_schedule(ray_session, tmp_path):
+def test_localsgd_average_matches_reference_schedule(localsgd_run, tmp_path):
     """2 clusters x 2 replicas, inner `localsgd` every 2 steps, outer `average` every 6 steps, 2 rounds
     == a single-process simulation of the same schedule, and == PyTorch's HierarchicalModelAverager
     (periods {2: groups of 2, 6: all 4}) in 4 gloo processes.
@@ -138,9 +151,7 @@ def test_localsgd_average_matches_reference_schedule(ray_session, tmp_path):
     an outer averaging that does not reach the other cluster leaves the clusters' params different
     after the commit, so the digests disagree.
     """
-    cfg, _, states, metrics = run_hsgd(tmp_path / "run", [
-        "topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
-        "sync.outer=average", "sync.outer_every=6", "train.rounds=2", *ADAMW])
+    cfg, _, states, metrics = localsgd_run
     assert_digests_agree(metrics, 4)
     assert all(m["outer_bytes"] > 0 for m in metrics)
     total = cfg.train.rounds * cfg.sync.outer_every
@@ -191,17 +202,15 @@ def test_diloco_matches_reference_algorithm1(ray_session, tmp_path):
     assert momentum_diff < TOL
 
 
-def test_a_comm_fault_at_a_localsgd_average_leaves_the_digest_of_the_fault_free_run(ray_session, tmp_path):
+def test_a_comm_fault_at_a_localsgd_average_leaves_the_digest_of_the_fault_free_run(localsgd_run, tmp_path):
     """Issue 19, Build 6: the parameter average of `localsgd` runs after the step's optimizer update.
     When it fails (a `comm` fault aborts c0r1's group right before the average of step 1, so both
     members of c0 see a failed collective), the step is not counted and is redone after c0 re-forms:
     it must be redone from the state before it, never applied on top of itself. Same seed, same
     schedule as a fault-free run → bitwise the same final params on every replica."""
-    base = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
-            "sync.outer=average", "sync.outer_every=6", "train.rounds=2", *ADAMW]
-    _, _, clean, _ = run_hsgd(tmp_path / "clean", base)
+    _, _, clean, _ = localsgd_run
     fault = "faults.schedule=[{kind:comm,target:c0r1,round:0,phase:inner_sync,step:1}]"
-    _, summary, faulted, metrics = run_hsgd(tmp_path / "faulted", base + [fault])
+    _, summary, faulted, metrics = run_hsgd(tmp_path / "faulted", LOCALSGD_2X2 + [fault])
     assert_digests_agree(metrics, 4)
     fired = [json.loads(line) for line in (tmp_path / "faulted" / "faults_fired.jsonl").read_text().splitlines()
              if line.strip()]
