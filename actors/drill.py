@@ -225,8 +225,12 @@ class Drill:
                          if f["t"] >= t0 - _CLOCK_SKEW_S and f.get("round") is not None
                          and (not last.get("rids") or f.get("rid") in last["rids"])]
                 fired_round = max(fired, default=None)
-            if fired_round is not None and self._took_effect(last, failures):
-                since = max((e["t"] for e in failures), default=t0)
+            back = _returned(events, failures)
+            if fired_round is not None and back is not None and self._took_effect(last, failures):
+                # after the last failure AND after every replica that went down came back: a commit
+                # logged just after a death may still name the dead one (it applied the commit
+                # before it died), which is no recovery
+                since = max([e["t"] for e in failures] + [back], default=t0)
                 commit = next((e for e in events if e["event"] == "commit" and e["t"] > since
                                and e["round"] > fired_round and everyone <= set(e.get("replicas") or ())), None)
                 status = _read_json(self.run_dir / "status.json")
@@ -320,3 +324,21 @@ def _append_fired(run_dir: Path, rid: str, kind: str) -> None:
     with open(run_dir / "faults_fired.jsonl", "a") as fh:
         fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": "now", "round": None,
                              "step": None}) + "\n")
+
+
+def _returned(events: list[dict], failures: list[dict]) -> float | None:
+    """When the last replica recorded down among `failures` came back (its `replica_up`, or a spare
+    promoted under its id, after its last down); None while one is still away; 0.0 when none went
+    down."""
+    last_down: dict[str, float] = {}
+    for e in failures:
+        if e["event"] in ("replica_down", "hang_detected") and e.get("rid"):
+            last_down[e["rid"]] = max(last_down.get(e["rid"], 0.0), e["t"])
+    back = 0.0
+    for rid, t_down in last_down.items():
+        ups = [e["t"] for e in events if e["event"] in ("replica_up", "spare_promoted") and e.get("rid") == rid
+               and e["t"] > t_down]
+        if not ups:
+            return None
+        back = max(back, min(ups))
+    return back

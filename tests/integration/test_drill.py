@@ -63,6 +63,10 @@ NOT_RECOVERED = {
     # the round in flight committed with c0r1 before its death was noticed; the view without it is not written yet
     "a commit from before its death": ([(0.5, "commit", {"round": 4, "epoch": 6, "replicas": EVERYONE}), DOWN],
                                        _view(5, EVERYONE)),
+    # the race a loaded CI machine hit: the round in flight commits just AFTER c0r1's death is logged and
+    # still names it (it applied the commit, then died); the view still lists it, the round is past it
+    "a commit logged after its death that it applied before dying": (
+        [DOWN, (1.2, "commit", {"round": 5, "epoch": 6, "replicas": EVERYONE})], _view(6, EVERYONE)),
     # the full commit is logged, the view of that round without c0r1 is still on disk
     "the log ahead of status": ([DOWN, MISSED, UP, FULL], _view(6, ["c0r0", "c1r0", "c1r1"])),
 }
