@@ -5,6 +5,8 @@ from a live peer (the residual with it), and every invariant holds every round. 
 it under the shared lock.)"""
 from __future__ import annotations
 
+import pytest
+
 from tests.integration.invariants import check_run
 from tests.integration.runs import events, metrics, train
 
@@ -40,6 +42,7 @@ def test_sharded_compressed_fragmented_outer_sync_survives_faults_mid_exchange(t
     assert s["final_eval_loss"] < s["initial_eval_loss"], "the model did not train"
 
 
+@pytest.mark.long  # two runs (~40 s); the default suite is at its budget
 def test_compression_and_fragments_cut_the_bytes_each_round_sends(tmp_path):
     """int4 with 2 fragments sends about 1/16 of the fp32 leader path's bytes per round (half the
     params, at ~0.52 bytes each): read from the two runs' metrics."""
