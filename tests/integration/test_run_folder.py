@@ -37,7 +37,8 @@ def _one_line_config_error(proc: subprocess.CompletedProcess, *needles: str) -> 
 @pytest.mark.long  # two runs, one after the other
 def test_a_second_run_on_a_live_runs_folder_exits_2_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    args = [f"run.dir={run_dir}", *FAST, "sync.outer_every=3", "train.rounds=30", "checkpoint.every=0",
+    # ~45 s of steps: the live run must outlive both refused CLIs (a run that ends rewrites its own run.json)
+    args = [f"run.dir={run_dir}", *FAST, "sync.outer_every=3", "train.rounds=300", "checkpoint.every=0",
             "train.min_step_s=0.05"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     first = subprocess.Popen([sys.executable, "-m", "jobs.train", *args], cwd=tmp_path, env=env,
@@ -57,6 +58,7 @@ def test_a_second_run_on_a_live_runs_folder_exits_2_and_changes_nothing(tmp_path
             second = train_cli([*args, *extra], cwd=tmp_path, timeout=300)
             _one_line_config_error(second, "run.dir", "in use by run", lock["run_id"])
         now = _snapshot(run_dir)
+        assert first.poll() is None, "the live run ended before the check: make it longer"
         assert {name: now.get(name) for name in kept} == kept, "a refused run changed the live run's files"
         assert read_lock(run_dir)["run_id"] == lock["run_id"]
         out, _ = first.communicate(timeout=400)
