@@ -37,8 +37,8 @@ def _one_line_config_error(proc: subprocess.CompletedProcess, *needles: str) -> 
 @pytest.mark.long  # two runs, one after the other
 def test_a_second_run_on_a_live_runs_folder_exits_2_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    # ~45 s of steps: the live run must outlive both refused CLIs (a run that ends rewrites its own run.json)
-    args = [f"run.dir={run_dir}", *FAST, "sync.outer_every=3", "train.rounds=300", "checkpoint.every=0",
+    # rounds of ~0.3 s and more: the live run must outlive both refused CLIs (a run that ends rewrites its own run.json)
+    args = [f"run.dir={run_dir}", *FAST, "sync.outer_every=3", "train.rounds=150", "checkpoint.every=0",
             "train.min_step_s=0.05"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     first = subprocess.Popen([sys.executable, "-m", "jobs.train", *args], cwd=tmp_path, env=env,
