@@ -24,6 +24,7 @@ from actors.lifecycle import ActorWatch
 from actors.spares import SparePool
 from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch
 from hsgd.core.membership import Plan, live_plan
+from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.topology import Topology
 from hsgd.train.comm import collective_timeout_s
 
@@ -186,7 +187,7 @@ class Roster:
         self.configured.pop(c, None)
         if self.leaders.get(c) == rid:
             del self.leaders[c]
-        if self.outer_configured is not None and any(rid in g for g in self.outer_configured[1]):
+        if holds_outer_group(self.outer_configured, rid):
             self.outer_configured = None  # a shard holder's (the leader's) outer group is gone
 
     def refresh(self) -> None:

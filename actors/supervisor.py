@@ -50,7 +50,7 @@ from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.train.comm import collective_timeout_s
-from hsgd.config.rounds import steps_per_round
+from hsgd.config.rounds import is_streaming, steps_per_round
 
 STATE_FILE = "supervisor_state.json"
 
@@ -77,7 +77,7 @@ class Supervisor:
         self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = steps_per_round(self.cfg)
         # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
-        self.streaming = int(self.cfg.sync.fragments) > 1 or float(self.cfg.sync.fragment_alpha) > 0
+        self.streaming = is_streaming(self.cfg)
         self.io_grace_s = float(self.cfg.run.get("io_grace_s", 60.0))
         self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
         self.durable = self._load_durable()

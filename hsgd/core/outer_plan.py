@@ -105,6 +105,11 @@ def shard_bounds(numel: int, shards: int, align: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def holds_outer_group(outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None, rid: str) -> bool:
+    """Whether rid is a member of one of the standing outer groups (epoch, shard holders)."""
+    return outer_configured is not None and any(rid in holders for holders in outer_configured[1])
+
+
 def params_agree(digests: dict[str, str], topology, *, streaming: bool) -> bool:
     """Invariant 1 on the working params' digests after a commit (rid -> digest): every replica
     holds the same ones; under streaming (fragments, a mixing weight) every replica of a cluster

@@ -53,13 +53,13 @@ from typing import Any, Callable
 
 import torch
 
-from hsgd.config.rounds import steps_per_round
+from hsgd.config.rounds import is_streaming, steps_per_round
+from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
 from hsgd.core.topology import Topology
 from hsgd.train import task
 from hsgd.train.buckets import GradBuckets
+from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
-from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
-from hsgd.train.codec import ALIGN, encode_with_feedback, make_codec
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
@@ -183,7 +183,7 @@ class ReplicaTrainer:
             if cfg.sync.outer_compress != "none" else None
         self.outer_residual: list[torch.Tensor] | None = None
         # streaming (fragments or a mixing weight): working params differ from the global ones between syncs
-        self.streaming = self.fragments > 1 or self.fragment_alpha > 0
+        self.streaming = is_streaming(cfg)
         self.grad_accum = int(cfg.data.grad_accum)
         self.tokens_per_step = task.tokens_per_batch(self.dataset, cfg) * self.grad_accum
         self.steps_per_round = steps_per_round(cfg)
@@ -440,7 +440,7 @@ class ReplicaTrainer:
         self._outer_buffer = None
 
     @torch.no_grad()
-    def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...] | int) -> None:
+    def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...]) -> None:
         """Receive the committed mean pseudo-gradient of this round's fragment — shard j from the
         member of inner rank roots[j] — and apply it: the outer step on the fragment's global
         params, then the fragment's params become alpha * local + (1 - alpha) * global. With a
@@ -448,7 +448,6 @@ class ReplicaTrainer:
         encoding of the same corrected vector the holders sent), so any member can lead next."""
         if not self._require(round_index, "outer_commit"):
             return  # already committed (idempotent re-issue)
-        roots = (roots,) if isinstance(roots, int) else tuple(roots)
         if self.cfg.sync.outer != "none":
             index = self.fragment_params(round_index)
             shapes = [self.outer_opt.global_params[i] for i in index]
@@ -488,7 +487,7 @@ class ReplicaTrainer:
         if self.outer_residual is None:
             self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
         corrected = self._corrected_pseudo_gradient(index)
-        _, _, residual = encode_with_feedback(self.codec, corrected, None)
+        _, residual = compress_with_feedback(self.codec, corrected, None)
         offset = 0
         for i in index:
             n = self.outer_residual[i].numel()

@@ -20,7 +20,9 @@ import json
 from pathlib import Path
 
 import yaml
+from omegaconf import OmegaConf
 
+from hsgd.config.rounds import is_streaming
 from hsgd.record.rundir import read_jsonl
 
 HARM_EVENTS = ("replica_down", "hang_detected", "kill")
@@ -252,21 +254,21 @@ def every_scheduled_fault_fired(run_dir, summary: dict) -> None:
     assert not twice, f"a fault fired more than once (rid, kind, round, phase, step): {twice}"
 
 
-def is_streaming(run_dir) -> bool:
+def run_is_streaming(run_dir) -> bool:
     """The run synced fragments or mixed with a weight (its config.yaml says): working params then
     differ between clusters between syncs, by design (ARCHITECTURE.md, invariant 1)."""
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         return False
-    sync = (yaml.safe_load(path.read_text()) or {}).get("sync", {})
-    return int(sync.get("fragments", 1) or 1) > 1 or float(sync.get("fragment_alpha", 0) or 0) > 0
+    config = OmegaConf.load(path)
+    return "sync" in config and is_streaming(config)
 
 
 def final_params_agree(summary: dict, run_dir) -> bool:
     """Invariant 1 at the end of a run: every replica's working params are the same (per cluster
-    under streaming, `is_streaming`)."""
+    under streaming, `run_is_streaming`)."""
     final = summary.get("replica_param_digests") or {}
-    groups = _by_cluster(final).values() if is_streaming(run_dir) else [final]
+    groups = _by_cluster(final).values() if run_is_streaming(run_dir) else [final]
     return bool(final) and all(len(set(g.values())) == 1 for g in groups)
 
 
@@ -278,7 +280,7 @@ def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] |
     run_dir = Path(run_dir)
     metrics, events, summary = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl"), \
         _json(run_dir / "summary.json")
-    streaming = is_streaming(run_dir)
+    streaming = run_is_streaming(run_dir)
     summary_matches(summary, rounds=rounds, steps_per_round=steps_per_round, expect_status=expect_status,
                     streaming=streaming)
     rounds_recorded_once(metrics, rounds, steps_per_round)

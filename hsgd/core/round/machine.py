@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from hsgd.core.membership import Plan
+from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
@@ -288,7 +289,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         c = self.cluster_of(rid)
         if self.leaders.get(c) == rid:
             del self.leaders[c]
-        if self.outer_configured is not None and any(rid in g for g in self.outer_configured[1]):
+        if holds_outer_group(self.outer_configured, rid):
             # its process, and the holders' group with it, is gone: even if it is restarted and
             # holds a shard again this round, that group must be configured afresh
             self.outer_configured = None
