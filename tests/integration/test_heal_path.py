@@ -110,7 +110,7 @@ def cluster(tmp_path_factory):
     alone = lambda level: (0, None, f"solo/{level}", 0, 1)  # noqa: E731 — a group of one needs no store
     assert ray.get(src.run_inner.remote(0, None, alone("inner")), timeout=180)["outcome"] == "done"
     assert ray.get(src.outer_reduce.remote(0, 0, None, alone("outer")), timeout=60)["outcome"] == "done"
-    assert ray.get(src.outer_commit.remote(0, 0, None), timeout=60)["outcome"] == "done"
+    assert ray.get(src.outer_commit.remote(0, (0,), None), timeout=60)["outcome"] == "done"
     assert ray.get(src.run_inner.remote(1, None), timeout=60)["outcome"] == "done"
     yield cfg, handles, run_dir
     for h in handles.values():

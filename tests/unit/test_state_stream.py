@@ -169,7 +169,7 @@ def _heal_worker(rank: int, port: int, results) -> None:
         if rank == 0:  # the source: a committed round (outer momentum), then a round of AdamW steps
             trainer.run_inner(0, _solo("inner"))
             trainer.outer_reduce(0, 0, _solo("outer"))
-            trainer.outer_commit(0, _solo("inner"), 0)
+            trainer.outer_commit(0, _solo("inner"), (0,))
             trainer.run_inner(1, _solo("inner"))
             buf = io.BytesIO()
             torch.save(trainer.state_dict(), buf)  # what the object-store path would carry
