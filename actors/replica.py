@@ -34,7 +34,8 @@ from actors import lifecycle
 from actors.hang import install_faulthandler
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.train import checkpoint, state_stream
-from hsgd.train.comm import CollectiveError, LevelGroup, apply_nccl_environment, link_from_config
+from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment, link_from_config
+from hsgd.train.overlap import BackgroundReduce
 from hsgd.core.topology import Topology
 from hsgd.core.round import Outcome
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
@@ -82,6 +83,9 @@ class Replica:
                                 link=link_from_config(OmegaConf.select(self.cfg, "links.inner"), seed=self.cfg.seed))
         self.outer = LevelGroup("outer", self.level_backends["outer"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
                                 link=link_from_config(OmegaConf.select(self.cfg, "links.outer"), seed=self.cfg.seed))
+        # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
+        allow_level_overlap(self.trainer.fragment_delay > 0)
+        self.background = BackgroundReduce(self.trainer, self.outer)
         self.epoch = -1
         self.phase = "idle"
         self.phase_since = time.time()
@@ -254,13 +258,16 @@ class Replica:
         return time.monotonic() - t0
 
     @ray.method(concurrency_group="phase")
-    def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None) -> dict:
+    def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
+                  overlap: tuple | None = None) -> dict:
         """Run this round's remaining inner steps, syncing in the cluster's inner group. `join`: this
         call forms that group first (see `_join`): one round trip for a cluster that (re-)forms. The
         committed step is readable on the control channel (`progress`) all along, so the supervisor
         can tell slow from hung. `behind` if this replica has not reached the round (it joins the
         group first all the same, so its peers' first collective fails fast rather than their join
-        waiting out its timeout)."""
+        waiting out its timeout). `overlap` = (epoch, shard, shards): this replica holds that shard
+        in the standing outer group of `epoch`, and reduces it in the background from the round's
+        snapshot step on (sync.fragment_delay; hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -272,9 +279,13 @@ class Replica:
             if self.slow_s and phase == "inner":
                 time.sleep(self.slow_s)
 
+        def at_snapshot():
+            if overlap is not None:
+                self.background.start((self.trainer.round, *overlap))
+
         def run():
             join_s = self._join(self.inner, join, "inner")
-            report = self.trainer.run_inner(round_index, self.inner, hook)
+            report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot)
             return {"report": report.__dict__, "join_s": join_s,
                     **({"outcome": Outcome.YIELDED.value} if report.yielded else {})}
         return self._phase("inner", run, round_index, faults)
@@ -295,12 +306,17 @@ class Replica:
         keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
         `join`: the holders changed, so this call forms the shard's outer group first (`_join`)."""
         def run():
+            # a reduce behind the inner steps (overlap) of this very exchange is waited for; any other is abandoned
+            behind = self.background.settle(None if join else (round_index, epoch, shard, shards),
+                                            self._outer_deadline_s())
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
             self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
-            return {"outer_bytes": self.outer.bytes_sent - before, "outer_link_s": self.outer.link_s - before_s,
-                    "join_s": join_s}
+            spent = behind or {"outer_bytes": 0, "outer_link_s": 0.0}
+            return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
+                    "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
+                    "join_s": join_s, "overlapped": behind is not None}
         return self._phase("outer", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
@@ -309,12 +325,17 @@ class Replica:
         broadcasts shard j of the buffer in the cluster (the leader alone on the `leader` path)
         and every member applies the same outer step. A round already committed here is a no-op."""
         def run():
+            self.background.settle(None, self._outer_deadline_s())  # a reduce of an exchange superseded meanwhile
             self._hook("outer_commit", round_index, 0)
             before = self.inner.bytes_sent
             self.trainer.outer_commit(round_index, self.inner, roots)
             return {"digest": self.trainer.param_digest(), "global_digest": self.trainer.global_digest(),
                     "inner_bytes": self.inner.bytes_sent - before}
         return self._phase("outer_commit", run, round_index, faults)
+
+    def _outer_deadline_s(self) -> float:
+        """How long an outer reduce of the whole model may take (its all-gather: every holder's payload)."""
+        return self.outer.deadline_s(self.trainer.param_bytes * max(1, self.outer.world_size)) + 5.0
 
     @ray.method(concurrency_group="phase")
     def evaluate(self) -> float:
@@ -335,6 +356,7 @@ class Replica:
             if state is None:  # nothing to load: this replica is fine, its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid,
                         "error": f"{self.rid}: its heal source refused to give its state", **self.trainer.progress()}
+            self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
             self.trainer.load_state_dict(state, scope=scope)
             return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, "bytes": _state_bytes(state),
                     **self.trainer.progress()}
@@ -386,6 +408,7 @@ class Replica:
                 state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
             finally:
                 group.abort()
+            self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
             self.trainer.load_state_dict(state, scope="full")
             return {"bytes": nbytes, "transport": "group", "join_s": join_s, "transfer_s": time.monotonic() - t0}
         return self._phase("heal", run, self.trainer.round, faults)
@@ -442,6 +465,7 @@ class Replica:
         the file cannot be read or does not fit the model: that replica's failure."""
         try:
             state = checkpoint.load_replica_state(directory, self.rid, sha256)
+            self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
             self.trainer.load_state_dict(state, scope="full")
         except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
             raise checkpoint.CheckpointError(f"replica {self.rid} on node {_node_name()} cannot load {directory}: "

@@ -8,7 +8,7 @@ import ray
 
 from actors.heals import Heals
 from actors.round_record import RoundRecord
-from hsgd.core.round import ErrorKind, Outcome, Phase, PhaseEnded, Up
+from hsgd.core.round import ErrorKind, Outcome, Phase, PhaseEnded, Up, run_inner_overlap
 
 FETCH_S = 5.0  # fetching an answer already ready (a few hundred bytes)
 
@@ -21,7 +21,7 @@ def call(phase: Phase, rid: str, args: tuple, armed: dict, p, heals: Heals, live
     # (prefix, rank, world_size): the call forms its level's group first
     join = (phase.epoch, p.store_addr, f"{p.run_id}/{args[0]}", args[1], args[2]) if phase.forms_group else None
     if kind == "run_inner":
-        return h.run_inner.remote(phase.round, faults, join)
+        return h.run_inner.remote(phase.round, faults, join, run_inner_overlap(args))
     if kind == "cluster_average":
         return h.cluster_average.remote(phase.round, phase.epoch, faults)
     if kind == "outer_reduce":

@@ -30,9 +30,16 @@ class RoundRecord:
         # outer_reduce phase id -> the longest a holder spent in its outer collectives (the simulated
         # link's wait included); holders exchange at once, so a phase costs its slowest one
         self.outer_link_s: dict[int, float] = {}
+        # outer_reduce phase id -> whether every holder's reduce ran behind the inner steps (overlap)
+        self.reduce_overlapped: dict[int, bool] = {}
         self.non_finite_what: dict[str, str] = {}  # rid -> what its non_finite answer named (loss | grad_norm | ...)
         self.logged_void: set[int] = set()
         self.logged_benched: set[int] = set()
+
+    @property
+    def outer_overlapped(self) -> bool:
+        """The committed exchange's reduce (the round's last) ran behind the inner steps on every holder."""
+        return bool(self.reduce_overlapped) and self.reduce_overlapped[max(self.reduce_overlapped)]
 
     def answered(self, phase: Phase, rid: str, outcome: Outcome, value: dict, detail: str) -> None:
         """One call's answer (value: the replica's answer dict; {} when Ray's error stood for it)."""
@@ -49,6 +56,7 @@ class RoundRecord:
         if kind == "outer_reduce":
             self.outer_bytes += value.get("outer_bytes", 0)
             self.outer_link_s[phase.id] = max(self.outer_link_s.get(phase.id, 0.0), value.get("outer_link_s", 0.0))
+            self.reduce_overlapped[phase.id] = self.reduce_overlapped.get(phase.id, True) and bool(value.get("overlapped"))
         if kind == "outer_commit" and outcome == Outcome.DONE:
             self.inner_bytes += value.get("inner_bytes", 0)
             self.commit_digests[rid] = value["digest"]

@@ -273,7 +273,8 @@ class Supervisor:
                                  timeout_s=cfg.comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
                                  min_gbps=cfg.comm.min_gbps)
         return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
-                             outer_path=cfg.sync.outer_path, inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
+                             outer_path=cfg.sync.outer_path, fragment_delay=int(cfg.sync.get("fragment_delay", 0) or 0),
+                             inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
                              min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
                              step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
                              # a closed connection means the peer's process is gone; only Ray's own
@@ -367,7 +368,8 @@ class Supervisor:
             eval_loss = self._evaluate()
         record = round_record(round_index=r, steps_per_round=self.spr, losses=run.losses, tokens=run.tokens,
                               inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes,
-                              outer_link_s=sum(run.outer_link_s.values()), phase_s=run.seconds,
+                              outer_link_s=sum(run.outer_link_s.values()), outer_overlapped=run.outer_overlapped,
+                              phase_s=run.seconds,
                               eval_loss=eval_loss, live_replicas=len(run.commit_digests), epoch=machine.epoch,
                               attempts=run.attempts, digests=run.commit_digests, global_digests=run.global_digests,
                               t=time.time())

@@ -62,6 +62,9 @@ class SyncConfig:
     outer_path: str = "leader"
     fragments: int = 1  # Streaming DiLoCo: parameter fragments (strided over depth) synced in turn
     fragment_alpha: float = 0.0  # weight of the LOCAL copy when merging a synced fragment (torchft's); 0 = take the global
+    # overlap: the round's pseudo-gradient is taken this many inner steps before the round's end, and
+    # its outer all-reduce runs while those steps compute (Streaming DiLoCo's tau); 0 = no overlap
+    fragment_delay: int = 0
 
 
 @dataclass

@@ -115,6 +115,7 @@ NUMERIC_FIELDS: dict[str, Bound] = {
     "sync.outer_topk": Bound(float, low=0, high=1, low_open=True),
     "sync.fragments": COUNT,
     "sync.fragment_alpha": Bound(float, low=0, high=1, high_open=True),
+    "sync.fragment_delay": Bound(int, low=0),  # and below a round's steps
     "optim.inner.lr": POSITIVE,
     "optim.inner.momentum": FRACTION,
     "optim.inner.weight_decay": NON_NEGATIVE,
@@ -222,6 +223,23 @@ def _choice(name: str, value: Any, valid: tuple) -> None:
         raise ConfigError(name, f"unknown value {value!r}; valid: {shown}")
 
 
+def _check_fragment_delay(s: Any, spr: int) -> None:
+    """The pseudo-gradient is taken `fragment_delay` steps before the round's end, where every
+    member of a cluster holds the same params, and its all-reduce runs behind the remaining steps."""
+    if s.outer == "none":
+        raise ConfigError("sync.fragment_delay", f"is {s.fragment_delay} but sync.outer is none: no outer all-reduce "
+                          f"to overlap; valid: 0 with sync.outer=none")
+    if s.fragment_delay >= spr:
+        raise ConfigError("sync.fragment_delay", f"{s.fragment_delay} is not below a round's {spr} steps "
+                          f"(sync.outer_every / sync.fragments); valid: 0 <= fragment_delay < {spr}")
+    if s.inner == "none":
+        raise ConfigError("sync.fragment_delay", f"is {s.fragment_delay} with sync.inner=none, where a cluster's members "
+                          f"agree only after the round's average; valid: 0 with inner none, or inner ddp | localsgd")
+    if s.inner == "localsgd" and s.fragment_delay % s.inner_every != 0:
+        raise ConfigError("sync.fragment_delay", f"{s.fragment_delay} is not a multiple of sync.inner_every="
+                          f"{s.inner_every}; localsgd members agree only at an average: valid: k * inner_every")
+
+
 def _check_relations(cfg: Any) -> None:
     t, s, sup, w = cfg.topology, cfg.sync, cfg.supervisor, cfg.watchdog
     if t.cluster_labels and len(t.cluster_labels) != t.clusters:
@@ -237,6 +255,8 @@ def _check_relations(cfg: Any) -> None:
     if s.outer == "none" and (s.outer_compress != "none" or s.fragments > 1 or s.outer_path != "leader"):
         raise ConfigError("sync.outer", "is none, so nothing crosses clusters to compress, fragment or shard; valid: "
                           "sync.outer_compress=none, sync.fragments=1, sync.outer_path=leader with sync.outer=none")
+    if s.fragment_delay:
+        _check_fragment_delay(s, spr)
     if cfg.model.n_embd % cfg.model.n_head != 0:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
     if sup.min_replicas_per_cluster > t.replicas_per_cluster:

@@ -6,7 +6,8 @@ from __future__ import annotations
 def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, list[float]], tokens: int,
                  inner_bytes: int, outer_bytes: int, phase_s: dict[str, float], eval_loss: float | None,
                  live_replicas: int, epoch: int, attempts: int, digests: dict[str, str],
-                 global_digests: dict[str, str], t: float, outer_link_s: float = 0.0) -> dict:
+                 global_digests: dict[str, str], t: float, outer_link_s: float = 0.0,
+                 outer_overlapped: bool = False) -> dict:
     """One line of metrics.jsonl for a committed round. `losses`: every committed step's loss per
     replica in this round (steps redone after a failure count once, in the attempt that committed)."""
     all_losses = [x for v in losses.values() for x in v]
@@ -16,7 +17,7 @@ def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, li
             "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(losses.items()) if v},
             "eval_loss": eval_loss, "tokens_per_s": tokens / inner_s if inner_s > 0 else None,
             "inner_bytes": inner_bytes, "outer_bytes": outer_bytes, "outer_link_s": outer_link_s,
-            "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts, "phase_s": dict(phase_s), "replica_digests": dict(digests),
+            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts, "phase_s": dict(phase_s), "replica_digests": dict(digests),
             "global_digests": dict(global_digests), "t": t}
 
 
@@ -26,7 +27,7 @@ def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: 
     successor records it on resume, `recovered`): what the replicas still tell, nothing invented."""
     return {"round": round_index, "inner_step": (round_index + 1) * steps_per_round, "loss": None,
             "replica_loss": {}, "eval_loss": eval_loss, "tokens_per_s": None, "inner_bytes": 0, "outer_bytes": 0,
-            "outer_link_s": None,
+            "outer_link_s": None, "outer_overlapped": None,
             "live_replicas": live_replicas, "epoch": epoch, "replica_digests": dict(digests), "recovered": True,
             "t": t}
 

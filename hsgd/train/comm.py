@@ -22,8 +22,9 @@ Protocol
   the wrong group and silently trained unsynchronised replicas.
 - Every collective waits at most `timeout_s` plus its payload at `min_gbps` (collective_timeout_s),
   set on the operation itself and on the wait.
-- A process is in at most one collective at any instant (OverlappingCollectiveError otherwise). An
-  overlapped collective (`overlapped`: buckets launched one by one from backward hooks) is ONE
+- A process is in at most one collective at any instant (OverlappingCollectiveError otherwise);
+  where the run overlaps the outer exchange with inner steps (`allow_level_overlap`), at most one per
+  level, so collectives on one group never interleave. An overlapped collective (`overlapped`: buckets launched one by one from backward hooks) is ONE
   logical collective of one level: it holds that guard from its first launch to its end.
 - A group of one member does no communication at all.
 - A simulated link (`LinkModel`, config `links.<level>`): after a collective on a group with a
@@ -94,26 +95,43 @@ class WrongLevelError(AssertionError):
 
 
 class OverlappingCollectiveError(AssertionError):
-    """Invariant 3: a process is in at most one collective at any instant, whatever the level."""
+    """Invariant 3: a process is in at most one collective at any instant, whatever the level; with
+    overlap allowed (`allow_level_overlap`), at most one per level (so never two interleaved on one
+    group)."""
 
 
 # One per process: the two stacked managers of this project's seeds deadlocked exactly because a
 # process sat in an inner and an outer collective at once. Enforced on every call, not only in tests.
-_IN_COLLECTIVE = threading.Lock()
+# The one exception, asked for explicitly: an outer all-reduce hidden behind inner steps
+# (sync.fragment_delay), where the supervisor plans the outer level so that no inner step ever
+# waits on it; then the guard is per level.
+_PROCESS_GUARD = threading.Lock()
+_LEVEL_GUARDS = {level: threading.Lock() for level in LEVELS}
+_per_level = False
 
 
-def _enter_collective(what: str) -> None:
-    if not _IN_COLLECTIVE.acquire(blocking=False):
-        raise OverlappingCollectiveError(f"{what} started while another collective is in flight in this process")
+def allow_level_overlap(allowed: bool) -> None:
+    """Per-level guards (an inner and an outer collective may overlap; two of one level never) or
+    one for the process. Set once, when the process starts, before any collective."""
+    global _per_level
+    _per_level = bool(allowed)
+
+
+def _enter_collective(what: str, level: str) -> threading.Lock:
+    guard = _LEVEL_GUARDS[level] if _per_level else _PROCESS_GUARD
+    if not guard.acquire(blocking=False):
+        scope = f"on the {level} level" if _per_level else "in this process"
+        raise OverlappingCollectiveError(f"{what} started while another collective is in flight {scope}")
+    return guard
 
 
 @contextmanager
-def _one_collective(what: str):
-    _enter_collective(what)
+def _one_collective(what: str, level: str = "inner"):
+    guard = _enter_collective(what, level)
     try:
         yield
     finally:
-        _IN_COLLECTIVE.release()
+        guard.release()
 
 
 # -- the run's store and its secret ----------------------------------------------------------------
@@ -307,6 +325,10 @@ class LinkModel:
         jitter_ms = self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms > 0 else 0.0
         return (self.latency_ms + jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
 
+    def most_seconds(self, payload_bytes: int) -> float:
+        """The longest `seconds` can be (the whole jitter), for a deadline: draws nothing."""
+        return (self.latency_ms + self.jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
+
     def __repr__(self) -> str:
         return f"LinkModel(gbps={self.gbps:g}, latency_ms={self.latency_ms:g}, jitter_ms={self.jitter_ms:g})"
 
@@ -441,6 +463,12 @@ class LevelGroup:
         except Exception as err:  # noqa: BLE001 — a device copy; NCCL's async errors surface here too
             raise self._fail("copying the result back", "wait", err) from err
 
+    def deadline_s(self, payload_bytes: int) -> float:
+        """The longest one collective moving `payload_bytes` may hold a member: its deadline
+        (collective_timeout_s) plus the simulated link's sleep after it."""
+        link_s = self.link.most_seconds(payload_bytes) if self.link is not None else 0.0
+        return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + link_s
+
     def _timeout(self, payload_bytes: int) -> timedelta:
         return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps))
 
@@ -506,7 +534,7 @@ class LevelGroup:
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        with _one_collective(f"{self.level} allreduce"), self._held() as start:
+        with _one_collective(f"{self.level} allreduce", self.level), self._held() as start:
             flat = self._flat(tensors)
             payload = flat.numel() * flat.element_size()
             self.bytes_sent += payload
@@ -525,7 +553,7 @@ class LevelGroup:
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        with _one_collective(f"{self.level} broadcast"), self._held() as start:
+        with _one_collective(f"{self.level} broadcast", self.level), self._held() as start:
             flat = self._flat(tensors)
             payload = flat.numel() * flat.element_size()
             sent = payload * (self.world_size - 1) if self.rank == root else 0
@@ -556,7 +584,7 @@ class LevelGroup:
             raise ValueError(f"{self.level} all_gather: payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
         if self.world_size == 1:
             return [payload]
-        with _one_collective(f"{self.level} all_gather"), self._held() as start:
+        with _one_collective(f"{self.level} all_gather", self.level), self._held() as start:
             flat = self._flat([payload])
             size = flat.numel() * flat.element_size()
             sent = size * (self.world_size - 1)
@@ -606,6 +634,7 @@ class Overlapped:
         self.pending: list[tuple[object, torch.Tensor, int]] = []  # (work, flat, payload bytes)
         self.results: list[torch.Tensor] = []
         self._holding = False
+        self._guard: threading.Lock | None = None  # the one-collective guard held from the first launch
         self._done = False
         self._error: CollectiveError | None = None  # a failed launch, raised again by wait_all
         self._started: float | None = None  # the first launch (monotonic): the link's clock starts there
@@ -623,7 +652,7 @@ class Overlapped:
             self.results.append(flat)
             return flat
         if not self._holding:
-            _enter_collective(f"{g.level} overlapped allreduce")
+            self._guard = _enter_collective(f"{g.level} overlapped allreduce", g.level)
             self._holding = True
         with g._held() as start:
             if self._started is None:
@@ -685,7 +714,7 @@ class Overlapped:
         self._done = True
         if self._holding:
             self._holding = False
-            _IN_COLLECTIVE.release()
+            self._guard.release()
 
 
 def _abort_quietly(pg) -> None:

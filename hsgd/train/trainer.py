@@ -182,6 +182,11 @@ class ReplicaTrainer:
         self.codec = make_codec(cfg.sync.outer_compress, float(cfg.sync.outer_topk)) \
             if cfg.sync.outer_compress != "none" else None
         self.outer_residual: list[torch.Tensor] | None = None
+        # overlap (sync.fragment_delay = tau): the round's corrected pseudo-gradient is taken tau
+        # steps before the round's end, (round, flat fp32 vector), and reduced while those steps run;
+        # the commit merges the synced fragment into params that moved on since (Streaming DiLoCo)
+        self.fragment_delay = int(getattr(cfg.sync, "fragment_delay", 0) or 0)
+        self._outer_snapshot: tuple[int, torch.Tensor] | None = None
         # streaming (fragments or a mixing weight): working params differ from the global ones between syncs
         self.streaming = is_streaming(cfg)
         self.grad_accum = int(cfg.data.grad_accum)
@@ -340,17 +345,32 @@ class ReplicaTrainer:
         self.inner_opt.state = defaultdict(dict, opt)
         self._nonfinite.copy_(nonfinite)
 
-    def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault) -> InnerReport:
+    def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault,
+                  at_snapshot: Callable[[], None] | None = None) -> InnerReport:
         """Run inner steps until the round's last step is committed. Raises CollectiveError (the
         state stays at the last committed step), NonFiniteError (read at the end: the steps ran on
         non-finite numbers, heal before training on), or Behind for a round not reached; a round
-        already committed is a no-op. Losses stay on the device until the end: one read-back."""
+        already committed is a no-op. Losses stay on the device until the end: one read-back.
+        With sync.fragment_delay, once the round's snapshot step is reached (`take_outer_snapshot`)
+        `at_snapshot` is called once per call, before the next step: the replica starts the outer
+        reduce there, on the outer level, while these steps go on."""
         start, bytes_before, done, pending, yielded = time.perf_counter(), inner.bytes_sent, 0, [], False
         first = self.step
         losses: list[float] = []
+        snapshot_seen = False
+
+        def snapshot_point() -> None:
+            nonlocal snapshot_seen
+            if self.fragment_delay and not snapshot_seen and self.step_in_round >= self.steps_per_round - self.fragment_delay:
+                snapshot_seen = True
+                self.take_outer_snapshot()
+                if at_snapshot is not None:
+                    at_snapshot()
+
         if self._require(round_index, "run_inner"):
             try:
                 while self.step_in_round < self.steps_per_round:
+                    snapshot_point()
                     try:
                         hook("inner", self.round, self.step_in_round)
                     except YieldNow:
@@ -359,6 +379,8 @@ class ReplicaTrainer:
                     pending.append(self._one_step(inner, hook))
                     self.step += 1  # committed: the step's collectives all succeeded
                     done += 1
+                if not yielded:
+                    snapshot_point()  # entered at the round's end (a re-issued call): the reduce may still be due
             finally:
                 losses = torch.stack(pending).tolist() if pending else []
                 self.round_losses.extend(losses)
@@ -395,6 +417,20 @@ class ReplicaTrainer:
         f = fragment_of_round(round_index, self.fragments)
         return [i for i, frag in enumerate(self.fragment_of) if frag == f]
 
+    def take_outer_snapshot(self) -> None:
+        """sync.fragment_delay: this round's corrected pseudo-gradient, as the params are now (the
+        snapshot step, where a cluster's members agree); kept once per round, until the commit.
+        Carried by a `full` heal, so a member healed past the snapshot step sends the same."""
+        if self._outer_snapshot is None or self._outer_snapshot[0] != self.round:
+            self._outer_snapshot = (self.round, self._corrected_pseudo_gradient(self.fragment_params(self.round)))
+
+    def _round_pseudo_gradient(self, round_index: int) -> torch.Tensor:
+        """What this cluster sends for round `round_index`: the snapshot when one was taken (overlap),
+        else the corrected pseudo-gradient of the params as they are."""
+        if self._outer_snapshot is not None and self._outer_snapshot[0] == round_index:
+            return self._outer_snapshot[1]
+        return self._corrected_pseudo_gradient(self.fragment_params(round_index))
+
     def _corrected_pseudo_gradient(self, index: list[int]) -> torch.Tensor:
         """The fragment's pseudo-gradient (global - local) as one flat fp32 vector, plus this
         cluster's residual when a codec is on: what this cluster means to send."""
@@ -420,7 +456,7 @@ class ReplicaTrainer:
         if self.cfg.sync.outer == "none":
             self._outer_buffer = (round_index, epoch, shard, shards, torch.zeros(0))
             return
-        flat = self._corrected_pseudo_gradient(self.fragment_params(round_index))
+        flat = self._round_pseudo_gradient(round_index)
         if not bool(torch.isfinite(flat).all()):
             raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
                                                     f"{round_index}; not sent")
@@ -466,7 +502,7 @@ class ReplicaTrainer:
                 if hi > lo:
                     inner.broadcast([mean[lo:hi]], root=root, level="inner")
             if self.codec is not None:
-                self._update_residual(index)
+                self._update_residual(round_index, index)
             pseudo_grad, offset = [], 0
             for g in shapes:
                 pseudo_grad.append(mean[offset:offset + g.numel()].view_as(g))
@@ -476,17 +512,17 @@ class ReplicaTrainer:
             self._nonfinite.zero_()  # the params are the (finite) committed global params again
         else:
             self.outer_opt.reset_global(self.params)
-        self._outer_buffer = None
+        self._outer_buffer = self._outer_snapshot = None
         self._averaged = self._pre_average = None
         self.round += 1
         self.round_losses = []
 
-    def _update_residual(self, index: list[int]) -> None:
+    def _update_residual(self, round_index: int, index: list[int]) -> None:
         """residual = corrected - what was sent, for the fragment's parameters (before the commit
         changes the params the pseudo-gradient is computed from)."""
+        corrected = self._round_pseudo_gradient(round_index)
         if self.outer_residual is None:
             self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
-        corrected = self._corrected_pseudo_gradient(index)
         _, residual = compress_with_feedback(self.codec, corrected, None)
         offset = 0
         for i in index:
@@ -571,6 +607,7 @@ class ReplicaTrainer:
                  "inner_opt": self._host(self.inner_opt.state_dict(), "inner_opt"),
                  "outer": self.outer_opt.state_dict(),
                  "outer_residual": self._residual_copy(),
+                 "outer_snapshot": self._snapshot_state(copy=True),
                  "round_losses": list(self.round_losses)}
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy above
@@ -582,7 +619,14 @@ class ReplicaTrainer:
         else mutates meanwhile). Never modify it or keep it past that call."""
         return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
                 "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
-                "outer_residual": self.outer_residual, "round_losses": list(self.round_losses)}
+                "outer_residual": self.outer_residual, "outer_snapshot": self._snapshot_state(copy=False),
+                "round_losses": list(self.round_losses)}
+
+    def _snapshot_state(self, copy: bool) -> dict | None:
+        if self._outer_snapshot is None:
+            return None
+        r, flat = self._outer_snapshot
+        return {"round": r, "flat": flat.clone() if copy else flat}
 
     def _residual_copy(self) -> list[torch.Tensor] | None:
         return None if self.outer_residual is None else [r.clone() for r in self.outer_residual]
@@ -611,12 +655,16 @@ class ReplicaTrainer:
             self.inner_opt.load_state_dict(state["inner_opt"])
             self.round_losses = list(state.get("round_losses", []))
             self.round, self.step = int(state["round"]), int(state["step"])
+            snapshot = state.get("outer_snapshot")  # taken past the snapshot step: send the same as the source
+            self._outer_snapshot = None if snapshot is None else (int(snapshot["round"]),
+                                                                  snapshot["flat"].detach().to("cpu").clone())
         else:
             self.outer_opt.copy_global_into(self.params)
             self.inner_opt = build_inner_optimizer(self.cfg, self.params, self.device)
             self.round_losses = []
             self.round = int(state["round"])
             self.step = self.round * self.steps_per_round  # our cluster's progress in this round is gone
+            self._outer_snapshot = None
         self._outer_buffer = None
         self._averaged = self._pre_average = None
         self._nonfinite.zero_()

@@ -222,6 +222,25 @@ def test_out_of_range_outer_numbers_are_refused(field, bad):
     _rejects(_cfg(**{field: bad}), field)
 
 
+@pytest.mark.parametrize("overrides,needle", [
+    ({"sync.fragment_delay": 20}, "below a round's 20 steps"),  # outer_every 20: a delay of a whole round
+    ({"sync.fragment_delay": 10, "sync.outer_every": 40, "sync.fragments": 4}, "below a round's 10 steps"),
+    ({"sync.fragment_delay": 2, "sync.outer": "none"}, "sync.outer is none"),
+    ({"sync.fragment_delay": 2, "sync.inner": "none"}, "sync.inner=none"),
+    ({"sync.fragment_delay": 3, "sync.inner": "localsgd", "sync.inner_every": 2}, "inner_every=2"),
+    ({"sync.fragment_delay": -1}, "sync.fragment_delay"),
+])
+def test_a_fragment_delay_that_cannot_overlap_is_refused_naming_the_field(overrides, needle):
+    err = _rejects(_cfg(**overrides), "sync.fragment_delay")
+    assert needle in str(err), str(err)
+
+
+def test_a_fragment_delay_below_the_round_and_on_a_localsgd_boundary_is_valid():
+    validate(_cfg(**{"sync.fragment_delay": 5}))
+    validate(_cfg(**{"sync.fragment_delay": 4, "sync.inner": "localsgd", "sync.inner_every": 2}))
+    validate(_cfg(**{"sync.fragment_delay": 4, "sync.outer_every": 20, "sync.fragments": 2}))
+
+
 def test_outer_every_must_split_into_whole_fragments():
     err = _rejects(_cfg(**{"sync.outer_every": 10, "sync.fragments": 3}), "sync.outer_every")
     assert "fragments=3" in str(err)

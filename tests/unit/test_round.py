@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hsgd.core.round import (AbortJoin, Answer, ErrorKind, Kill, Lost, Outcome, Phase, Progress, RoundMachine,
-                             RoundSettings, StateReady, StepTimed, Up, Yield, forms_group)
+                             RoundSettings, StateReady, StepTimed, Up, Yield, forms_group, run_inner_overlap)
 from hsgd.core.round import PhaseEnded
 from hsgd.core.topology import Topology
 
@@ -788,6 +788,67 @@ def test_fault_free_round_issues_each_phase_once_and_commits():
     assert sorted(i.action.kind for i in w.issued) == ["outer_commit", "outer_reduce"] + ["run_inner"] * 3
     assert not w.forming("inner") and not w.forming("outer")
     assert all(rep.pos == (2, 2 * SPR) for rep in w.reps.values())
+
+
+# -- overlap (sync.fragment_delay): holders reduce behind the round's last inner steps ----------------------
+def _overlaps(w: World, gen: int) -> dict[str, tuple]:
+    return {rid: o for i in w.calls("run_inner", gen=gen) for rid, args in i.action.calls.items()
+            if (o := run_inner_overlap(args)) is not None}
+
+
+def test_with_a_fragment_delay_the_holders_of_the_standing_outer_groups_reduce_behind_the_inner_steps():
+    w = World(3, 2, settings=make_settings(fragment_delay=3))
+    assert outcome_of(w, w.round()) == "committed"
+    assert _overlaps(w, 1) == {}, "round 0 has no standing outer groups: nothing to reduce behind the steps"
+    epoch, groups = w.outer_configured
+    assert outcome_of(w, w.round()) == "committed"
+    assert _overlaps(w, 2) == {rid: (epoch, 0, 1) for rid in groups[0]}  # the leaders, one shard
+    assert all(i.gen == 1 for i in w.forming("outer")), "round 1 reused the standing groups"
+
+
+def test_on_the_sharded_path_every_shard_holder_reduces_its_shard_behind_the_steps_while_the_plan_stands():
+    from hsgd.core.outer_plan import shard_holders
+
+    topo = Topology(3, 2)
+    members = [tuple(topo.cluster_members(c)) for c in range(3)]
+    groups = shard_holders(members, [m[0] for m in members], 2)
+    progress = {rid: (4, 40) for m in members for rid in m}
+    settings = make_settings(fragment_delay=3, outer_path="sharded")
+
+    def overlaps(outer_configured, live=progress):
+        m = RoundMachine(topo, settings, 4, progress=live, leaders={c: m[0] for c, m in enumerate(members)}, epoch=9,
+                         committed_round=4, outer_configured=outer_configured)
+        return {rid: o for e in m.start(0.0) if isinstance(e, Phase) and e.kind == "run_inner"
+                for rid, args in e.calls.items() if (o := run_inner_overlap(args)) is not None}
+    assert overlaps((7, groups)) == {rid: (7, j, 2) for j, holders in enumerate(groups) for rid in holders}
+    # c2 lost a member: one shard now, the standing groups are not the plan: nothing is reduced behind the steps
+    assert overlaps((7, groups), {rid: p for rid, p in progress.items() if rid != "c2r1"}) == {}
+    assert overlaps(None) == {}
+
+
+def test_after_a_holder_dies_no_call_reduces_behind_the_steps_in_a_group_that_is_gone():
+    w = World(2, 2, settings=make_settings(fragment_delay=3))
+    assert outcome_of(w, w.round()) == "committed"
+    leader = w.leaders[1]
+    w.fault(leader, "run_inner", "die", round=1, step=2)
+    m = w.round()
+    assert outcome_of(w, m) == "committed"
+    later = [i for i in w.calls("run_inner", gen=2) if i.action.reason != "round start"]
+    assert later and all(run_inner_overlap_of(i) == {} for i in later), "a re-formed cluster named the dead group"
+    assert [i.gen for i in w.forming("outer")][-1] == 2, "the exchange formed new holder groups"
+    assert outcome_of(w, w.round()) == "committed"  # the next round hides its reduce again, in the new groups
+    assert set(_overlaps(w, 3)) == {w.leaders[0], w.leaders[1]}
+
+
+def run_inner_overlap_of(issued: Issued) -> dict:
+    return {rid: o for rid, args in issued.action.calls.items() if (o := run_inner_overlap(args)) is not None}
+
+
+def test_without_a_fragment_delay_no_call_carries_an_overlap():
+    w = World(2, 2)
+    w.round()
+    w.round()
+    assert _overlaps(w, 2) == {}
 
 
 def test_inner_none_averages_each_cluster_before_outer():

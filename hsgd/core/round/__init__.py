@@ -33,6 +33,11 @@ One round r, as the machine drives it:
                  (the same call first forms each shard's outer group when the holders changed),
                  and commit only if every holder succeeded; then every member gathers the shards
                  from their holders and applies the same step.
+    overlap      sync.fragment_delay = tau: when the standing outer groups are the round's plan,
+                 each holder's run_inner names its group (`run_inner_overlap`); it takes the
+                 round's pseudo-gradient tau steps before the end and reduces its shard in the
+                 background meanwhile, so the reduce above only waits for it (hsgd/train/overlap.py).
+                 The two-phase commit is the same; only where the reduce's time goes changes.
 
 What happens after a failure (the whole of "Failure scoping"):
     replica of cluster c died / hung / raised, or c's collective failed
@@ -63,6 +68,11 @@ What happens after a failure (the whole of "Failure scoping"):
                     Non-finite numbers never come back by waiting: when the benched clusters alone
                     leave fewer than min_clusters, or this round's void ones are all that is
                     missing, the round ends `failed` with the reason, never `below_quorum`.
+    a reduce behind the inner steps failed (a holder died, a peer never came, non-finite)
+                 -> nothing was applied: the holders' outer_reduce answers the failure (a dead
+                    holder resets the standing groups, so the retry forms new ones and reduces the
+                    same snapshot after the inner phase); a superseded background reduce is
+                    abandoned by aborting its group, never waited out.
     a member of a group being formed is known dead (died, raised, killed, reaped, lost)
                  -> every member still waiting in that group's rendezvous is released at once
                     (AbortJoin: their calls answer `collective_failed`, kind `join_aborted`) and
@@ -90,12 +100,16 @@ What happens after a failure (the whole of "Failure scoping"):
 
 The machine never issues a call to a replica that has one in flight (`busy`): with one call at a
 time per replica, and each call using one level, a replica is in at most one collective at a time.
+The one exception is overlap, asked for by sync.fragment_delay: a holder's run_inner also runs its
+outer reduce, on the outer level, in the background: at most one collective per level then, never
+two on one group (hsgd/train/comm.py enforces both), and no inner step waits on the outer level.
 """
 from hsgd.core.round.machine import RoundMachine, RoundSettings
 from hsgd.core.round.messages import (AbortJoin, Answer, Effect, ErrorKind, Kill, Lost, NonFinite, Observation,
-                                      Outcome, Phase, PhaseEnded, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group)
+                                      Outcome, Phase, PhaseEnded, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group,
+                                      run_inner_overlap)
 from hsgd.core.round.schedule import checkpoint_due, current_round, eval_due, heals_at_rest
 
 __all__ = ["AbortJoin", "Answer", "Effect", "ErrorKind", "Kill", "Lost", "NonFinite", "Observation", "Outcome",
            "Phase", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
-           "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest"]
+           "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest", "run_inner_overlap"]

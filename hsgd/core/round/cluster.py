@@ -69,16 +69,31 @@ class ClusterPhases:
         self._set_stage(c, "inner")
         for rid in st.members:  # marks of an earlier inner run this round are stale
             self.advance.pop(rid, None)
+        overlap = self._overlap_plan()
         if reason == "round start" and st.configured is not None and st.configured[1] == st.members:
-            phase = self._issue("run_inner", c, dict.fromkeys(st.members, ()), 0.0, now, reason)
+            calls = {rid: (overlap[rid],) if rid in overlap else () for rid in st.members}
+            phase = self._issue("run_inner", c, calls, 0.0, now, reason)
         else:
             self.epoch += 1
             prefix, n = f"epoch{self.epoch}/inner/c{c}", len(st.members)
-            calls = {rid: (prefix, rank, n) for rank, rid in enumerate(st.members)}
+            calls = {rid: (prefix, rank, n) + ((overlap[rid],) if rid in overlap else ())
+                     for rank, rid in enumerate(st.members)}
             st.configured = (self.epoch, st.members)
             phase = self._issue("run_inner", c, calls, self.settings.configure_s, now, reason)
         st.phase_id = phase.id
         return [phase]
+
+    def _overlap_plan(self) -> dict[str, tuple[int, int, int]]:
+        """sync.fragment_delay: holder -> (epoch, shard, shards) of the standing outer group it
+        reduces its shard in, behind the round's last inner steps (hsgd/train/overlap.py). Only
+        while the standing groups are this round's plan; when the holders change, the outer
+        exchange forms new groups after the inner phase instead (the reduce is not hidden then)."""
+        if not self.settings.fragment_delay or self.settings.outer == "none" or self.outer_configured is None:
+            return {}
+        epoch, groups = self.outer_configured
+        if groups != self._shard_groups(live=True):
+            return {}
+        return {rid: (epoch, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
         """Every member of a phase answered (or was given up on): what the cluster does next."""

@@ -53,6 +53,7 @@ class RoundSettings:
     outer_s: float = 120.0
     commit_s: float = 60.0
     outer_path: str = "leader"  # leader | sharded (hsgd/core/outer_plan.py)
+    fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps (cluster.py `_overlap_plan`)
 
 
 @dataclass

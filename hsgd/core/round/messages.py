@@ -112,7 +112,10 @@ class Phase:
       run_inner       calls = {rid: ()}: run the round's remaining inner steps in the cluster's
                       standing inner group; or {rid: (prefix, rank, world_size)}: first form the
                       group `prefix` under `epoch` (the rendezvous waits for every member; the
-                      machine aborts it when one is known dead), then run (`forms_group`)
+                      machine aborts it when one is known dead), then run (`forms_group`). A shard
+                      holder's args end with `overlap` = (outer epoch, shard, shards) under
+                      sync.fragment_delay: it reduces that shard in the standing outer group behind
+                      the round's last inner steps (`run_inner_overlap`)
       cluster_average calls = {rid: ()}: inner `none`, the cluster's mean
       outer_reduce    calls = {holder: (shard, shards)}: reduce shard `shard` of `shards` in the
                       standing group of that shard's holders (the leaders: shard 0 of 1), or
@@ -201,6 +204,11 @@ class PhaseEnded:
 
 
 Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed | PhaseEnded
+
+
+def run_inner_overlap(args: tuple) -> tuple[int, int, int] | None:
+    """A run_inner call's `overlap` (its args' last element when it is a tuple), or None."""
+    return args[-1] if args and isinstance(args[-1], tuple) else None
 
 
 def forms_group(phase: Phase) -> bool:

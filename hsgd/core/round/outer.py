@@ -54,10 +54,11 @@ class OuterExchange:
         self.outer_phase = phase.id
         return [phase]
 
-    def _shard_groups(self) -> tuple[tuple[str, ...], ...]:
-        """Shard j -> its holder in each participating cluster, in outer-rank order."""
+    def _shard_groups(self, live: bool = False) -> tuple[tuple[str, ...], ...]:
+        """Shard j -> its holder in each participating cluster, in outer-rank order: of the
+        clusters' members as formed, or (`live`) of their live replicas, before every cluster formed."""
         clusters = self.participating()
-        members = [self.clusters[c].members for c in clusters]
+        members = [self.members(c) if live else self.clusters[c].members for c in clusters]
         shards = shard_count([len(m) for m in members], self.settings.outer_path)
         return shard_holders(members, [self.leaders[c] for c in clusters], shards)
 

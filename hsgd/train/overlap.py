@@ -1,0 +1,106 @@
+"""The outer reduce hidden behind inner steps (sync.fragment_delay, Streaming DiLoCo's overlap).
+
+With a delay tau, a replica takes its round's pseudo-gradient tau inner steps before the round's
+end (ReplicaTrainer.take_outer_snapshot) and, if it holds a shard of the round's outer exchange
+in the standing outer group, reduces that shard on the outer level in a background thread while
+the last tau steps run on the inner level. The supervisor's two-phase commit is unchanged: it
+still asks the holders for `outer_reduce` once every cluster is ready, and that call only waits
+for the background reduce (usually finished already) instead of starting one.
+
+Protocol, on one replica:
+    start(key)    from run_inner's at_snapshot, key = (round, epoch, shard, shards) of the standing
+                  outer group the supervisor named in the run_inner call. A reduce already running
+                  or done for the same key is kept (a re-issued run_inner); one for another key is
+                  abandoned first.
+    settle(key)   first in the replica's outer_reduce: waits (at most `timeout_s`) for the reduce
+                  of `key` and raises what it raised; then the trainer's outer_reduce for the same
+                  key returns at once (its buffer is filled). Returns the outer bytes and link
+                  seconds it spent, or None when no reduce of `key` ran (the call reduces itself).
+    settle(None)  first in every other call that touches the outer group or the outer state (a
+                  heal, a commit, a new group): a reduce still running is abandoned.
+Abandoning aborts the outer group, so the reduce's collective fails at once and the thread ends
+within a moment; the group is formed afresh by the supervisor's next forming call.
+
+Failure cases (all surface at `settle(key)` as what the call answers):
+    a holder of another cluster died or never arrives   CollectiveError (peer_gone, or the
+                                                        collective's own deadline): the supervisor
+                                                        re-forms the outer groups and retries
+    this cluster's pseudo-gradient is non-finite         NonFiniteError; the group is aborted at
+                                                        once, so the other holders fail fast
+    the reduce outlives `timeout_s`                      the group is aborted, CollectiveError
+                                                        kind `timeout`
+Invariant 3 holds: the thread runs only outer-level collectives and the phase thread only
+inner-level ones (comm.allow_level_overlap: one collective per level, never two on one group),
+and no inner step waits on the outer level.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsgd.train.comm import CollectiveError, LevelGroup
+
+Key = tuple[int, int, int, int]  # (round, epoch, shard, shards)
+
+
+@dataclass
+class _Reduce:
+    key: Key
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    outer_bytes: int = 0
+    outer_link_s: float = 0.0
+
+
+class BackgroundReduce:
+    """At most one outer reduce in the background on one replica (see the module's protocol)."""
+
+    def __init__(self, trainer: Any, outer: LevelGroup):
+        self.trainer, self.outer = trainer, outer
+        self._reduce: _Reduce | None = None
+
+    @property
+    def running(self) -> Key | None:
+        r = self._reduce
+        return r.key if r is not None and not r.done.is_set() else None
+
+    def start(self, key: Key) -> None:
+        if self._reduce is not None and self._reduce.key == key:
+            return  # running or done already (a re-issued run_inner)
+        self.settle(None)
+        self._reduce = reduce = _Reduce(key)
+        threading.Thread(target=self._run, args=(reduce,), name=f"hsgd-outer-overlap-r{key[0]}", daemon=True).start()
+
+    def _run(self, reduce: _Reduce) -> None:
+        round_index, epoch, shard, shards = reduce.key
+        before, before_s = self.outer.bytes_sent, self.outer.link_s
+        try:
+            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
+        except BaseException as err:  # noqa: BLE001 — handed to settle(), which raises it in the phase
+            reduce.error = err
+            if not isinstance(err, CollectiveError):  # non-finite, or a bug: the peers must not wait on us
+                self.outer.abort()
+        finally:
+            reduce.outer_bytes = self.outer.bytes_sent - before
+            reduce.outer_link_s = self.outer.link_s - before_s
+            reduce.done.set()
+
+    def settle(self, key: Key | None, timeout_s: float = 30.0) -> dict | None:
+        """Wait for the reduce of `key` and raise its error; abandon any other (see the protocol)."""
+        reduce, self._reduce = self._reduce, None
+        if reduce is None:
+            return None
+        if reduce.key != key:
+            if not reduce.done.is_set():
+                self.outer.abort()  # its collective fails at once
+                reduce.done.wait(timeout_s)
+            return None
+        if not reduce.done.wait(timeout_s):
+            self.outer.abort()
+            reduce.done.wait(5.0)
+            raise CollectiveError(f"outer reduce of round {key[0]} behind the inner steps did not finish within "
+                                  f"{timeout_s:.0f}s; outer group aborted", "timeout")
+        if reduce.error is not None:
+            raise reduce.error
+        return {"outer_bytes": reduce.outer_bytes, "outer_link_s": reduce.outer_link_s}
