@@ -19,9 +19,14 @@ function of seed, global replica index and step) and the same number of inner st
   error feedback on;
 - `diloco_h<H>_frag<F>`: Streaming DiLoCo, F fragments synced in turn (a round is H/F steps,
   `sync.fragment_alpha=0`);
-- `diloco_h<H>_sharded`: `sync.outer_path=sharded` (every member exchanges a shard).
-Not run, because hsgd does not have them yet: overlap (the outer all-reduce hidden behind the next
-inner steps) and `sync.fragment_delay` (see MISSING_ARMS).
+- `diloco_h<H>_sharded`: `sync.outer_path=sharded` (every member exchanges a shard);
+- `diloco_h<H>_delay<tau>`: overlap, fp32, 1 fragment: the pseudo-gradient is taken tau inner steps
+  before the round's end and the outer all-reduce runs behind those last tau steps
+  (`sync.fragment_delay=tau`), the synced params merged with `sync.fragment_alpha=0.5` (Streaming
+  DiLoCo's mixing, which its paper found to help under a delay); tau = 5 (the paper's for H=100);
+- `diloco_h<H>_streaming` (full only): the combination Streaming DiLoCo reports: 4 fragments (a
+  round is H/4 steps), `sync.fragment_delay=5`, `sync.fragment_alpha=0.5`, `sync.outer_compress=int4`.
+Every arm sets every `sync.*` key it varies (`fragment_delay` 0 and `fragment_alpha` 0 where unused).
 
 What is counted as slow-link bytes (`slow_link_bytes`), from the run's metrics.jsonl:
 - hierarchical arms: the sum over committed rounds of `outer_bytes`, which is the sum over every
@@ -45,9 +50,12 @@ end). Under a simulated slow link (`--gbps`, `--latency-ms`; default 1 Gb/s, 50 
   (`modeled_link_s`): per slow-link collective one latency, plus each member's bytes at the link's
   rate (members send at once, so a collective costs its largest member's share: the arm's
   slow-link bytes / the members sending). Hierarchical: one outer collective per round.
-  flat_ddp: one gradient all-reduce per step plus the commit's broadcast per round. An upper
-  bound: it ignores that a real overlapped ddp all-reduce hides behind backward, and it adds the
-  link on top of the local transfer it replaces.
+  flat_ddp: one gradient all-reduce per step plus the commit's broadcast per round. An arm with a
+  delay tau (`sync.fragment_delay`) hides each round's outer collective behind its last tau inner
+  steps: per round it adds max(0, latency + that round's share of the bytes (the arm's slow-link
+  bytes / rounds, evenly) at the link's rate - tau x step_s), step_s = `wall_s` / the arm's inner
+  steps. An upper bound: it ignores that a real overlapped ddp all-reduce hides behind backward,
+  and it adds the link on top of the local transfer it replaces.
 
 Writes `<out>/convergence.json` (arms, per-run results, rows), `<out>/convergence.md` (the table,
 also printed) and `<out>/convergence.png` (final eval loss vs slow-link bytes, log x, one labelled
@@ -69,10 +77,8 @@ CLUSTERS, REPLICAS_PER_CLUSTER = 2, 2
 TARGET_RATIO, TARGET_GAP = 500.0, 0.02
 CODECS = ("bf16", "int8", "int4", "topk")
 TOPK_DENSITY = 0.01
-MISSING_ARMS = {
-    "diloco_overlap": "overlap (the outer all-reduce hidden behind the next inner steps) is not built yet",
-    "diloco_fragment_delay": "sync.fragment_delay (streaming fragments merged after delayed steps) is not built yet",
-}
+DELAY, DELAY_ALPHA = 5, 0.5  # Streaming DiLoCo's tau (for H=100) and mixing weight of the local copy
+STREAMING_FRAGMENTS = 4
 
 
 @dataclass(frozen=True)
@@ -86,53 +92,68 @@ class Arm:
     rounds: int
     senders: int  # members sending on the slow link in each of its collectives (modeled WAN)
     overrides: tuple[str, ...] = field(default=())
+    delay: int = 0  # inner steps the outer exchange hides behind (sync.fragment_delay)
 
 
-def _sync(outer: str, every: int, *, compress: str = "none", fragments: int = 1, path: str = "leader") -> list[str]:
+def _sync(outer: str, every: int, *, compress: str = "none", fragments: int = 1, path: str = "leader",
+          delay: int = 0, alpha: float = 0.0) -> list[str]:
     # every sync key set on every arm: no arm inherits a default another arm overrides
     return ["sync.inner=ddp", f"sync.outer={outer}", f"sync.outer_every={every}", f"sync.outer_compress={compress}",
-            f"sync.outer_topk={TOPK_DENSITY}", f"sync.fragments={fragments}", "sync.fragment_alpha=0.0",
-            f"sync.outer_path={path}"]
+            f"sync.outer_topk={TOPK_DENSITY}", f"sync.fragments={fragments}", f"sync.fragment_alpha={alpha}",
+            f"sync.fragment_delay={delay}", f"sync.outer_path={path}"]
 
 
 def main_every(quick: bool) -> int:
-    """The H of the main DiLoCo arm, and of the LocalSGD, codec, fragment and sharded arms."""
+    """The H of the main DiLoCo arm, and of the LocalSGD, codec, fragment, sharded, delay and
+    streaming arms."""
     return 50 if quick else 100
 
 
 def plan_arms(steps: int, *, quick: bool = False) -> list[Arm]:
     """The arms of one invocation, each `steps` inner steps per replica. Full: flat DDP, LocalSGD
-    at H=100, DiLoCo at H = 50, 100, 250, DiLoCo H=100 with each codec, with 4 fragments and on the
-    sharded path. Quick (a smoke run): H=50, one codec (int4), 2 fragments. Raises ValueError when
-    `steps` is not a whole number of rounds for some arm."""
+    at H=100, DiLoCo at H = 50, 100, 250, DiLoCo H=100 with each codec, with 4 fragments, on the
+    sharded path, with a delay of 5 steps (alpha 0.5), and Streaming DiLoCo's combination (4
+    fragments, delay 5, alpha 0.5, int4). Quick (a smoke run): H=50, one codec (int4), 2 fragments,
+    sharded, delay 5; no streaming combination. Raises ValueError when `steps` is not a whole
+    number of rounds for some arm."""
     every = main_every(quick)
     others, fragments = ((), 2) if quick else ((50, 250), 4)
     codecs = ("int4",) if quick else CODECS
     n = CLUSTERS * REPLICAS_PER_CLUSTER
     hier = [f"topology.clusters={CLUSTERS}", f"topology.replicas_per_cluster={REPLICAS_PER_CLUSTER}"]
+    # (name, what, hierarchical, H, fragments, senders, overrides, delay)
     specs = [("flat_ddp", f"1 cluster x {n} replicas, ddp every step", False, every, 1, n,
-              ["topology.clusters=1", f"topology.replicas_per_cluster={n}"] + _sync("average", every)),
+              ["topology.clusters=1", f"topology.replicas_per_cluster={n}"] + _sync("average", every), 0),
              (f"localsgd_h{every}", f"ddp inside, params averaged across clusters every {every} steps", True, every, 1,
-              CLUSTERS, hier + _sync("average", every))]
+              CLUSTERS, hier + _sync("average", every), 0)]
     for h in sorted((every,) + tuple(others)):
         specs.append((f"diloco_h{h}", f"ddp inside, DiLoCo every {h} steps, fp32", True, h, 1, CLUSTERS,
-                      hier + _sync("diloco", h)))
+                      hier + _sync("diloco", h), 0))
     for codec in codecs:
         label = f"topk{TOPK_DENSITY * 100:g}" if codec == "topk" else codec
         what = f"top-{TOPK_DENSITY:.0%} (bf16 values + int16 indices)" if codec == "topk" else codec
         specs.append((f"diloco_h{every}_{label}", f"DiLoCo every {every}, {what} + error feedback", True, every, 1,
-                      CLUSTERS, hier + _sync("diloco", every, compress=codec)))
+                      CLUSTERS, hier + _sync("diloco", every, compress=codec), 0))
     specs.append((f"diloco_h{every}_frag{fragments}", f"Streaming DiLoCo every {every}, {fragments} fragments in turn",
-                  True, every, fragments, CLUSTERS, hier + _sync("diloco", every, fragments=fragments)))
+                  True, every, fragments, CLUSTERS, hier + _sync("diloco", every, fragments=fragments), 0))
     specs.append((f"diloco_h{every}_sharded", f"DiLoCo every {every}, sharded outer path (every member a shard)", True,
-                  every, 1, n, hier + _sync("diloco", every, path="sharded")))
+                  every, 1, n, hier + _sync("diloco", every, path="sharded"), 0))
+    specs.append((f"diloco_h{every}_delay{DELAY}",
+                  f"DiLoCo every {every}, fp32, outer all-reduce behind the last {DELAY} steps, alpha {DELAY_ALPHA:g}",
+                  True, every, 1, CLUSTERS, hier + _sync("diloco", every, delay=DELAY, alpha=DELAY_ALPHA), DELAY))
+    if not quick:
+        f = STREAMING_FRAGMENTS
+        specs.append((f"diloco_h{every}_streaming",
+                      f"Streaming DiLoCo every {every}: {f} fragments, delay {DELAY}, alpha {DELAY_ALPHA:g}, int4",
+                      True, every, f, CLUSTERS,
+                      hier + _sync("diloco", every, compress="int4", fragments=f, delay=DELAY, alpha=DELAY_ALPHA), DELAY))
     arms = []
-    for name, what, hierarchical, h, f, senders, overrides in specs:
+    for name, what, hierarchical, h, f, senders, overrides, delay in specs:
         spr = h // f
         if steps % spr:
             raise ValueError(f"--steps {steps} is not a whole number of {spr}-step rounds for arm {name}")
         arms.append(Arm(name, what, hierarchical, spr, steps // spr, senders,
-                        tuple(overrides) + (f"train.rounds={steps // spr}",)))
+                        tuple(overrides) + (f"train.rounds={steps // spr}",), delay))
     return arms
 
 
@@ -163,10 +184,15 @@ def slow_link_collectives(arm: Arm, rounds: int) -> int:
     return rounds if arm.hierarchical else rounds * (arm.steps_per_round + 1)
 
 
-def modeled_link_s(arm: Arm, nbytes: int, rounds: int, gbps: float, latency_ms: float) -> float:
+def modeled_link_s(arm: Arm, nbytes: int, rounds: int, gbps: float, latency_ms: float, step_s: float = 0.0) -> float:
     """Seconds the simulated link adds to a run: a latency per slow-link collective plus one
-    member's share of the bytes (the members send at once) at `gbps`."""
-    return slow_link_collectives(arm, rounds) * latency_ms / 1e3 + (nbytes / arm.senders) * 8 / (gbps * 1e9)
+    member's share of the bytes (the members send at once) at `gbps`. An arm with a delay hides
+    each round's outer collective (latency + nbytes / rounds, evenly, as one member's share) behind
+    `arm.delay` inner steps of `step_s` seconds: a round adds only what is left over, never less than 0."""
+    if arm.delay == 0 or rounds == 0:
+        return slow_link_collectives(arm, rounds) * latency_ms / 1e3 + (nbytes / arm.senders) * 8 / (gbps * 1e9)
+    per_round = latency_ms / 1e3 + (nbytes / rounds / arm.senders) * 8 / (gbps * 1e9)
+    return rounds * max(0.0, per_round - arm.delay * step_s)
 
 
 def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
@@ -184,7 +210,8 @@ def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
         summary = run_training(cfg, str(run_dir))
     except Exception as err:  # noqa: BLE001 — one arm's failure is recorded; the others still run
         return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500], "final_eval_loss": None,
-                "slow_link_bytes": None, "wall_s": None, "driver_wall_s": time.monotonic() - start}
+                "slow_link_bytes": None, "outer_overlapped_rounds": None, "wall_s": None,
+                "driver_wall_s": time.monotonic() - start}
     metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     return {"status": summary.get("status"), "final_eval_loss": summary.get("final_eval_loss"),
             "initial_eval_loss": summary.get("initial_eval_loss"),
@@ -193,6 +220,8 @@ def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
             "slow_link_bytes": slow_link_bytes(arm, metrics),
             "outer_bytes": int(sum(m.get("outer_bytes") or 0 for m in metrics)),
             "inner_bytes": int(sum(m.get("inner_bytes") or 0 for m in metrics)),
+            # committed rounds whose outer reduce ran behind the last inner steps (sync.fragment_delay)
+            "outer_overlapped_rounds": sum(1 for m in metrics if m.get("outer_overlapped")),
             "eval_curve": [[m["inner_step"], m["eval_loss"]] for m in metrics if m.get("eval_loss") is not None],
             # seconds per phase over the run (the slowest member's inner phase per round): the outer
             # phases show a simulated link apart from the compute noise of a shared machine
@@ -205,8 +234,8 @@ def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
 def rows(arms: list[Arm], results: dict[str, dict], *, gbps: float, latency_ms: float) -> list[dict]:
     """The table: per arm its eval loss, gap and bytes ratio against flat_ddp of the same
     invocation, wall-clock plain, under the simulated link measured (when run) and modeled, and
-    whether it meets the target. `results[name]` is a run's result, `results[name + '@wan']` its
-    run under the link."""
+    whether it meets the target, and how many committed rounds had their outer reduce overlapped.
+    `results[name]` is a run's result, `results[name + '@wan']` its run under the link."""
     flat = results.get("flat_ddp") or {}
     flat_loss, flat_bytes = flat.get("final_eval_loss"), flat.get("slow_link_bytes")
     out = []
@@ -218,13 +247,14 @@ def rows(arms: list[Arm], results: dict[str, dict], *, gbps: float, latency_ms: 
         gap = (loss - flat_loss) / flat_loss if loss is not None and flat_loss else None
         ratio = flat_bytes / nbytes if flat_bytes and nbytes else None
         rounds = r.get("rounds_committed") or 0
-        modeled = wall + modeled_link_s(arm, nbytes, rounds, gbps, latency_ms) \
+        step_s = wall / (arm.rounds * arm.steps_per_round) if wall is not None else 0.0
+        modeled = wall + modeled_link_s(arm, nbytes, rounds, gbps, latency_ms, step_s) \
             if wall is not None and nbytes is not None else None
         wan = results.get(f"{arm.name}@wan") or {}
         out.append({"arm": arm.name, "what": arm.what, "status": r.get("status"), "final_eval_loss": loss, "gap": gap,
                     "slow_link_bytes": nbytes, "bytes_ratio_vs_flat": ratio, "wall_s": wall,
                     "wan_wall_s": wan.get("wall_s"), "wan_final_eval_loss": wan.get("final_eval_loss"),
-                    "wan_wall_s_modeled": modeled,
+                    "wan_wall_s_modeled": modeled, "outer_overlapped_rounds": r.get("outer_overlapped_rounds"),
                     "meets_target": None if gap is None or ratio is None
                     else bool(ratio >= TARGET_RATIO and gap <= TARGET_GAP)})
     return out
@@ -297,7 +327,7 @@ def write_report(out: Path, arms: list[Arm], results: dict[str, dict], meta: dic
     text = table_md(table, gbps=gbps, latency_ms=latency_ms)
     report = {"machine_note": "timings are this machine's; compare within one invocation", **meta,
               "target": {"bytes_ratio_vs_flat": TARGET_RATIO, "gap": TARGET_GAP},
-              "link": {"gbps": gbps, "latency_ms": latency_ms}, "missing_arms": MISSING_ARMS,
+              "link": {"gbps": gbps, "latency_ms": latency_ms},
               "arms": [asdict(a) for a in arms], "results": results, "rows": table}
     atomic_write_text(out / "convergence.json", json.dumps(report, indent=2, default=str))
     atomic_write_text(out / "convergence.md", text)
@@ -373,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     text = write_report(out, arms, results, meta, gbps=args.gbps, latency_ms=args.latency_ms)
     print(text, end="")
-    print(f"not run (not built): {'; '.join(MISSING_ARMS.values())}")
     print(f"convergence.json, convergence.md and convergence.png in {out}")
     return 0 if all(r.get("status") == "completed" for r in results.values()) else 1
 

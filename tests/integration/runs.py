@@ -16,8 +16,18 @@ FAST = ["logging.wandb.mode=disabled", "logging.progress=false", "model.n_layer=
 
 # HSGD_TEST_OUTER=streaming reruns every integration run with the outer exchange sharded, int4 with
 # error feedback and 2 fragments (issue 22, Acceptance 4); outer_every doubles so a round keeps
-# its length and every fault schedule its meaning. Unset: the runs as written.
-OUTER_VARIANTS = {"streaming": (2, ["sync.outer_path=sharded", "sync.outer_compress=int4", "sync.fragments=2"])}
+# its length and every fault schedule its meaning. HSGD_TEST_OUTER=overlap: the same, and the
+# holders reduce behind the round's last inner step(s) (sync.fragment_delay: 1 step, or one
+# localsgd interval; none under inner none, where it is refused). Unset: the runs as written.
+_STREAMING = ["sync.outer_path=sharded", "sync.outer_compress=int4", "sync.fragments=2"]
+OUTER_VARIANTS = {"streaming": (2, _STREAMING), "overlap": (2, _STREAMING + ["sync.fragment_delay=auto"])}
+
+
+def _delay(overrides: list[str], steps_per_round: int) -> list[str]:
+    inner = next((o.split("=", 1)[1] for o in overrides if o.startswith("sync.inner=")), "ddp")
+    every = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("sync.inner_every=")), 1)
+    delay = every if inner == "localsgd" else 1
+    return [] if inner == "none" or delay >= steps_per_round else [f"sync.fragment_delay={delay}"]
 
 
 def with_outer_variant(overrides: list[str], variant: str | None = None) -> list[str]:
@@ -31,7 +41,10 @@ def with_outer_variant(overrides: list[str], variant: str | None = None) -> list
         return list(overrides)  # the test chose its own outer exchange
     every = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("sync.outer_every=")), 20)
     kept = [o for o in overrides if not o.startswith("sync.outer_every=")]
-    return kept + [f"sync.outer_every={every * fragments}"] + extra
+    tail = [o for o in extra if o != "sync.fragment_delay=auto"]
+    if len(tail) < len(extra):
+        tail += _delay(overrides, every)
+    return kept + [f"sync.outer_every={every * fragments}"] + tail
 
 
 def train(run_dir: Path | str, overrides: list[str], *, fast: bool = True) -> dict:

@@ -32,21 +32,54 @@ def test_every_arm_trains_the_same_steps_seed_model_and_replicas():
         assert cfg.seed == 7 and cfg.model.name == "small" and cfg.data.batch_size == batch_size, arm.name
         assert cfg.topology.clusters * cfg.topology.replicas_per_cluster == 4, arm.name
         assert (cfg.topology.clusters == 2) == arm.hierarchical, arm.name
+        assert cfg.sync.fragment_delay == arm.delay, arm.name
         seen.add((cfg.sync.outer, cfg.sync.outer_every, cfg.sync.outer_compress, cfg.sync.fragments,
-                  cfg.sync.outer_path, cfg.topology.clusters))
+                  cfg.sync.outer_path, cfg.topology.clusters, cfg.sync.fragment_delay, cfg.sync.fragment_alpha))
     assert len(seen) == len(arms), "two arms run the same config"
-    kinds = {(o, k) for o, _, _, _, _, k in seen}
+    kinds = {(o, k) for o, _, _, _, _, k, _, _ in seen}
     assert ("average", 1) in kinds and ("average", 2) in kinds  # flat DDP and hierarchical LocalSGD
-    assert len({h for o, h, c, f, p, k in seen if o == "diloco" and c == "none" and f == 1 and p == "leader"}) >= 3
-    assert {c for _, _, c, _, _, _ in seen} >= {"bf16", "int8", "int4", "topk"}
-    assert any(f > 1 for _, _, _, f, _, _ in seen) and any(p == "sharded" for _, _, _, _, p, _ in seen)
+    assert len({h for o, h, c, f, p, k, d, _ in seen
+                if o == "diloco" and c == "none" and f == 1 and p == "leader" and d == 0}) >= 3
+    assert {c for _, _, c, _, _, _, _, _ in seen} >= {"bf16", "int8", "int4", "topk"}
+    assert any(f > 1 for _, _, _, f, _, _, _, _ in seen) and any(p == "sharded" for _, _, _, _, p, _, _, _ in seen)
+    # overlap alone, and Streaming DiLoCo's combination: 4 fragments, delay 5, alpha 0.5, int4
+    assert ("diloco", 100, "none", 1, "leader", 2, 5, 0.5) in seen
+    assert ("diloco", 100, "int4", 4, "leader", 2, 5, 0.5) in seen
 
 
 def test_quick_arms_cover_each_path_in_few_runs():
     arms = plan_arms(200, quick=True)
-    assert len(arms) <= 6 and {a.rounds * a.steps_per_round for a in arms} == {200}
+    assert len(arms) <= 7 and {a.rounds * a.steps_per_round for a in arms} == {200}
     names = {a.name for a in arms}
-    assert {"flat_ddp", "localsgd_h50", "diloco_h50", "diloco_h50_int4", "diloco_h50_frag2", "diloco_h50_sharded"} == names
+    assert {"flat_ddp", "localsgd_h50", "diloco_h50", "diloco_h50_int4", "diloco_h50_frag2", "diloco_h50_sharded",
+            "diloco_h50_delay5"} == names
+    delay = next(a for a in arms if a.name == "diloco_h50_delay5")
+    assert delay.delay == 5 and delay.steps_per_round == 50 and delay.hierarchical and delay.senders == 2
+    assert "sync.fragment_delay=5" in delay.overrides and "sync.fragment_alpha=0.5" in delay.overrides
+
+
+def test_full_arms_add_overlap_and_streaming_diloco_combination():
+    arms = {a.name: a for a in plan_arms(2000)}
+    assert list(arms) == ["flat_ddp", "localsgd_h100", "diloco_h50", "diloco_h100", "diloco_h250", "diloco_h100_bf16",
+                          "diloco_h100_int8", "diloco_h100_int4", "diloco_h100_topk1", "diloco_h100_frag4",
+                          "diloco_h100_sharded", "diloco_h100_delay5", "diloco_h100_streaming"]
+    delay, streaming = arms["diloco_h100_delay5"], arms["diloco_h100_streaming"]
+    assert (delay.delay, delay.steps_per_round, delay.rounds, delay.senders) == (5, 100, 20, 2)
+    assert (streaming.delay, streaming.steps_per_round, streaming.rounds, streaming.senders) == (5, 25, 80, 2)
+    for name in ("sync.fragments=4", "sync.fragment_delay=5", "sync.fragment_alpha=0.5", "sync.outer_compress=int4",
+                 "sync.outer_path=leader"):
+        assert name in streaming.overrides, name
+    assert all(a.delay == 0 for n, a in arms.items() if n not in ("diloco_h100_delay5", "diloco_h100_streaming"))
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_arm_sets_every_sync_key_and_fragment_delay_is_its_delay(quick):
+    arms = plan_arms(200 if quick else 2000, quick=quick)
+    keys = {a.name: sorted(o.split("=")[0] for o in a.overrides if o.startswith("sync.")) for a in arms}
+    assert len({tuple(k) for k in keys.values()}) == 1, keys  # no arm inherits a sync default another overrides
+    assert "sync.fragment_delay" in keys["flat_ddp"] and "sync.fragment_alpha" in keys["flat_ddp"]
+    for arm in arms:
+        assert [o for o in arm.overrides if o.startswith("sync.fragment_delay=")] == [f"sync.fragment_delay={arm.delay}"]
 
 
 def test_steps_that_are_not_whole_rounds_are_refused():
@@ -82,6 +115,37 @@ def test_modeled_link_time_is_a_latency_per_collective_plus_one_members_share_of
     assert modeled_link_s(arms["diloco_h100"], 250_000_000, 20, GBPS, LATENCY_MS) == pytest.approx(20 * 0.05 + 1.0)
     # sharded: every one of the 4 members sends its shard at once
     assert modeled_link_s(arms["diloco_h100_sharded"], 250_000_000, 20, GBPS, LATENCY_MS) == pytest.approx(1.0 + 0.5)
+    # without a delay a step's length hides nothing
+    assert modeled_link_s(arms["diloco_h100"], 250_000_000, 20, GBPS, LATENCY_MS, step_s=0.1) == \
+        modeled_link_s(arms["diloco_h100"], 250_000_000, 20, GBPS, LATENCY_MS)
+
+
+def test_modeled_link_time_of_a_delay_arm_hides_delay_steps_per_round():
+    arms = {a.name: a for a in plan_arms(2000)}
+    delay = arms["diloco_h100_delay5"]
+    # 20 rounds of 250 MB each, 125 MB per leader: 0.05 s + 1.0 s = 1.05 s per round; 5 steps of 0.1 s
+    # hide 0.5 s of it -> 0.55 s per round
+    nbytes = 20 * 250_000_000
+    assert modeled_link_s(arms["diloco_h100"], nbytes, 20, GBPS, LATENCY_MS) == pytest.approx(20 * 1.05)
+    assert modeled_link_s(delay, nbytes, 20, GBPS, LATENCY_MS, step_s=0.1) == pytest.approx(20 * 0.55)
+    # 5 steps of 0.25 s >= 1.05 s: fully hidden, never negative
+    assert modeled_link_s(delay, nbytes, 20, GBPS, LATENCY_MS, step_s=0.25) == 0
+    assert modeled_link_s(delay, nbytes, 20, GBPS, LATENCY_MS, step_s=0.21) == pytest.approx(0, abs=1e-9)  # the edge
+    # streaming: 80 rounds of 25 steps, each carrying an 80th of the bytes
+    streaming = arms["diloco_h100_streaming"]
+    per_round = 0.05 + (nbytes / 80 / 2) * 8 / 1e9
+    assert modeled_link_s(streaming, nbytes, 80, GBPS, LATENCY_MS, step_s=0.01) == pytest.approx(80 * (per_round - 0.05))
+
+
+def test_table_models_the_delay_arm_with_its_own_step_time_and_counts_overlapped_rounds():
+    arms = plan_arms(2000)
+    results = {"diloco_h100_delay5": {"status": "completed", "final_eval_loss": 2.0, "wall_s": 200.0,
+                                      "slow_link_bytes": 20 * 250_000_000, "rounds_committed": 20,
+                                      "outer_overlapped_rounds": 19}}
+    (row,) = rows(arms, results, gbps=GBPS, latency_ms=LATENCY_MS)
+    # 2000 steps in 200 s: 0.1 s a step, 5 of them hide 0.5 s of each round's 1.05 s
+    assert row["wan_wall_s_modeled"] == pytest.approx(200.0 + 20 * 0.55)
+    assert row["outer_overlapped_rounds"] == 19
 
 
 def _results():
@@ -131,7 +195,8 @@ def test_report_writes_json_table_and_plot(tmp_path):
     text = write_report(tmp_path, arms, _results(), {"steps": 2000}, gbps=GBPS, latency_ms=LATENCY_MS)
     report = json.loads((tmp_path / "convergence.json").read_text())
     assert report["steps"] == 2000 and [r["arm"] for r in report["rows"]][0] == "flat_ddp"
-    assert report["missing_arms"] and len(report["arms"]) == len(arms)
+    assert "missing_arms" not in report and len(report["arms"]) == len(arms)
+    assert [a["delay"] for a in report["arms"] if a["name"] == "diloco_h100_delay5"] == [5]
     assert (tmp_path / "convergence.md").read_text() == text and "diloco_h250" in text
     png = (tmp_path / "convergence.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
