@@ -146,7 +146,8 @@ def plan_arms(steps: int, *, quick: bool = False) -> list[Arm]:
         specs.append((f"diloco_h{every}_streaming",
                       f"Streaming DiLoCo every {every}: {f} fragments, delay {DELAY}, alpha {DELAY_ALPHA:g}, int4",
                       True, every, f, CLUSTERS,
-                      hier + _sync("diloco", every, compress="int4", fragments=f, delay=DELAY, alpha=DELAY_ALPHA), DELAY))
+                      hier + _sync("diloco", every, compress="int4", fragments=f, delay=DELAY, alpha=DELAY_ALPHA),
+                      DELAY))
     arms = []
     for name, what, hierarchical, h, f, senders, overrides, delay in specs:
         spr = h // f
