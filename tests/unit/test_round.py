@@ -815,8 +815,9 @@ def test_on_the_sharded_path_every_shard_holder_reduces_its_shard_behind_the_ste
     progress = {rid: (4, 40) for m in members for rid in m}
     settings = make_settings(fragment_delay=3, outer_path="sharded")
 
-    def overlaps(outer_configured, live=progress):
-        m = RoundMachine(topo, settings, 4, progress=live, leaders={c: m[0] for c, m in enumerate(members)}, epoch=9,
+    def overlaps(outer_configured, live=progress, leaders=None):
+        leaders = {c: m[0] for c, m in enumerate(members)} if leaders is None else leaders
+        m = RoundMachine(topo, settings, 4, progress=live, leaders=leaders, epoch=9,
                          committed_round=4, outer_configured=outer_configured)
         return {rid: o for e in m.start(0.0) if isinstance(e, Phase) and e.kind == "run_inner"
                 for rid, args in e.calls.items() if (o := run_inner_overlap(args)) is not None}
@@ -824,6 +825,15 @@ def test_on_the_sharded_path_every_shard_holder_reduces_its_shard_behind_the_ste
     # c2 lost a member: one shard now, the standing groups are not the plan: nothing is reduced behind the steps
     assert overlaps((7, groups), {rid: p for rid, p in progress.items() if rid != "c2r1"}) == {}
     assert overlaps(None) == {}
+    # a cluster whose every replica died last round has no leader yet (its first live member will
+    # lead, as before): the plan is read all the same, and c0 below min_replicas sits out of it
+    assert overlaps((7, groups), leaders={0: "c0r0", 1: "c1r0"}) == \
+        {rid: (7, j, 2) for j, holders in enumerate(groups) for rid in holders}
+    few = make_settings(fragment_delay=3, outer_path="sharded", min_replicas_per_cluster=2)
+    m = RoundMachine(topo, few, 4, progress={rid: p for rid, p in progress.items() if rid != "c0r1"},
+                     leaders={1: "c1r0", 2: "c2r0"}, epoch=9, committed_round=4, outer_configured=(7, groups))
+    assert not any(run_inner_overlap(args) for e in m.start(0.0) if isinstance(e, Phase) and e.kind == "run_inner"
+                   for args in e.calls.values()), "c0 sits out: the standing 3-cluster groups are not the plan"
 
 
 def test_after_a_holder_dies_no_call_reduces_behind_the_steps_in_a_group_that_is_gone():

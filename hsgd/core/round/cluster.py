@@ -91,7 +91,7 @@ class ClusterPhases:
         if not self.settings.fragment_delay or self.settings.outer == "none" or self.outer_configured is None:
             return {}
         epoch, groups = self.outer_configured
-        if groups != self._shard_groups(live=True):
+        if groups != self._expected_shard_groups():
             return {}
         return {rid: (epoch, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
 

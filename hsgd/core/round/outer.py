@@ -54,13 +54,22 @@ class OuterExchange:
         self.outer_phase = phase.id
         return [phase]
 
-    def _shard_groups(self, live: bool = False) -> tuple[tuple[str, ...], ...]:
-        """Shard j -> its holder in each participating cluster, in outer-rank order: of the
-        clusters' members as formed, or (`live`) of their live replicas, before every cluster formed."""
+    def _shard_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Shard j -> its holder in each participating cluster, in outer-rank order."""
         clusters = self.participating()
-        members = [self.members(c) if live else self.clusters[c].members for c in clusters]
+        members = [self.clusters[c].members for c in clusters]
         shards = shard_count([len(m) for m in members], self.settings.outer_path)
         return shard_holders(members, [self.leaders[c] for c in clusters], shards)
+
+    def _expected_shard_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The shard groups the exchange will use if every cluster keeps its live replicas: what
+        `_shard_groups` gives once they formed (a cluster below min_replicas_per_cluster sits
+        out; a cluster without a live leader gets its first live member), read before they all did."""
+        smallest = max(1, self.settings.min_replicas_per_cluster)
+        clusters = [c for c in self.participating() if len(self.members(c)) >= smallest]
+        members = [self.members(c) for c in clusters]
+        leaders = [self.leaders[c] if self.leaders.get(c) in m else m[0] for c, m in zip(clusters, members)]
+        return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
 
     def _outer_prefix(self, shard: int, shards: int) -> str:
         return f"epoch{self.epoch}/outer" if shards == 1 else f"epoch{self.epoch}/outer/s{shard}"
