@@ -86,6 +86,7 @@ class Replica:
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
         allow_level_overlap(self.trainer.fragment_delay > 0)
         self.background = BackgroundReduce(self.trainer, self.outer)
+        self.outer_epoch = -1  # the epoch the standing outer group was formed under
         self.epoch = -1
         self.phase = "idle"
         self.phase_since = time.time()
@@ -253,6 +254,8 @@ class Replica:
         self.phase, self.phase_since = "configure", time.time()
         if group is self.inner:
             self.epoch = epoch
+        elif group is self.outer:
+            self.outer_epoch = epoch
         group.configure(store_addr, prefix, rank, world_size, epoch)
         self.phase, self.phase_since = then, time.time()
         return time.monotonic() - t0
@@ -279,8 +282,8 @@ class Replica:
             if self.slow_s and phase == "inner":
                 time.sleep(self.slow_s)
 
-        def at_snapshot():
-            if overlap is not None:
+        def at_snapshot():  # only in the outer group the supervisor named (a restarted process has none)
+            if overlap is not None and overlap[0] == self.outer_epoch:
                 self.background.start((self.trainer.round, *overlap))
 
         def run():
@@ -306,13 +309,16 @@ class Replica:
         keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
         `join`: the holders changed, so this call forms the shard's outer group first (`_join`)."""
         def run():
-            # a reduce behind the inner steps (overlap) of this very exchange is waited for; any other is abandoned
-            behind = self.background.settle(None if join else (round_index, epoch, shard, shards),
+            # a reduce behind the inner steps (overlap) in the standing group this exchange uses is
+            # waited for (its buffer is keyed by that group's epoch: the supervisor's epoch may have
+            # moved on since, with an inner group re-formed); any other is abandoned
+            behind = self.background.settle(None if join else (round_index, self.outer_epoch, shard, shards),
                                             self._outer_deadline_s())
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
-            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
+            self.trainer.outer_reduce(round_index, self.outer_epoch if behind is not None else epoch, self.outer,
+                                      shard, shards)
             spent = behind or {"outer_bytes": 0, "outer_link_s": 0.0}
             return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
                     "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
