@@ -44,10 +44,11 @@ from hsgd.core.round import Lost, Outcome, StateReady
 from hsgd.train import state_stream
 from hsgd.train.comm import collective_timeout_s
 
-# A full state is at most 6x its params — the params, AdamW's two moments, the global params, the
-# outer momentum and the error-feedback residual (with a codec), each as large as the params — plus
-# small tensors (AdamW's `step` per parameter).
-STATE_PER_PARAM_BYTE = 6
+# A full state is at most 7x its params — the params, AdamW's two moments, the global params, the
+# outer momentum, the error-feedback residual (with a codec) and the outer snapshot (with
+# sync.fragment_delay: one fragment's pseudo-gradient, at most the params), each at most as large as
+# the params — plus small tensors (AdamW's `step` per parameter).
+STATE_PER_PARAM_BYTE = 7
 STATE_SMALL_BYTES = 1 << 20
 FETCH_S = 30.0  # fetching an answer already ready (a few hundred bytes): bounds the call, decides nothing
 SETTLE_POLL_S = 0.5  # settle's longest wait before it looks at its deadline again

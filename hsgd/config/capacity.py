@@ -29,7 +29,7 @@ from pathlib import Path
 from hsgd.config.schema import ConfigError
 
 PROCESS_BYTES = 350 * 2**20  # a replica process with torch imported
-STATE_COPIES = 7  # params, grads, 2 AdamW moments, global params, outer momentum, error-feedback residual
+STATE_COPIES = 8  # params, grads, 2 AdamW moments, global params, outer momentum, error-feedback residual, outer snapshot
 MAX_REPLICAS_PER_CORE = 8
 GiB = 2**30
 
