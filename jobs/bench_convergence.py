@@ -14,6 +14,7 @@ function of seed, global replica index and step) and the same number of inner st
 - `localsgd_h<H>`: hierarchical local SGD — ddp inside each cluster, the clusters' params averaged
   every H steps (`sync.outer=average`: DiLoCo's outer step with lr 1 and no momentum). Not
   `sync.inner=localsgd`, which averages *inside* a cluster and crosses no slow link;
+- `localsgd_h<H>_int4`: the same, the averaged update crossing as int4 with error feedback;
 - `diloco_h<H>`: ddp inside, DiLoCo (Nesterov outer step, config defaults) every H steps, fp32;
 - `diloco_h<H>_<codec>`: the same with `sync.outer_compress` bf16 | int8 | int4 | topk (1 %),
   error feedback on;
@@ -125,7 +126,9 @@ def plan_arms(steps: int, *, quick: bool = False) -> list[Arm]:
     specs = [("flat_ddp", f"1 cluster x {n} replicas, ddp every step", False, every, 1, n,
               ["topology.clusters=1", f"topology.replicas_per_cluster={n}"] + _sync("average", every), 0),
              (f"localsgd_h{every}", f"ddp inside, params averaged across clusters every {every} steps", True, every, 1,
-              CLUSTERS, hier + _sync("average", every), 0)]
+              CLUSTERS, hier + _sync("average", every), 0),
+             (f"localsgd_h{every}_int4", f"as localsgd_h{every}, the averaged update sent as int4 + error feedback", True,
+              every, 1, CLUSTERS, hier + _sync("average", every, compress="int4"), 0)]
     for h in sorted((every,) + tuple(others)):
         specs.append((f"diloco_h{h}", f"ddp inside, DiLoCo every {h} steps, fp32", True, h, 1, CLUSTERS,
                       hier + _sync("diloco", h), 0))

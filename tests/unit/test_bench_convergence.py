@@ -49,9 +49,9 @@ def test_every_arm_trains_the_same_steps_seed_model_and_replicas():
 
 def test_quick_arms_cover_each_path_in_few_runs():
     arms = plan_arms(200, quick=True)
-    assert len(arms) <= 7 and {a.rounds * a.steps_per_round for a in arms} == {200}
+    assert len(arms) <= 8 and {a.rounds * a.steps_per_round for a in arms} == {200}
     names = {a.name for a in arms}
-    assert {"flat_ddp", "localsgd_h50", "diloco_h50", "diloco_h50_int4", "diloco_h50_frag2", "diloco_h50_sharded",
+    assert {"flat_ddp", "localsgd_h50", "localsgd_h50_int4", "diloco_h50", "diloco_h50_int4", "diloco_h50_frag2", "diloco_h50_sharded",
             "diloco_h50_delay5"} == names
     delay = next(a for a in arms if a.name == "diloco_h50_delay5")
     assert delay.delay == 5 and delay.steps_per_round == 50 and delay.hierarchical and delay.senders == 2
@@ -60,7 +60,7 @@ def test_quick_arms_cover_each_path_in_few_runs():
 
 def test_full_arms_add_overlap_and_streaming_diloco_combination():
     arms = {a.name: a for a in plan_arms(2000)}
-    assert list(arms) == ["flat_ddp", "localsgd_h100", "diloco_h50", "diloco_h100", "diloco_h250", "diloco_h100_bf16",
+    assert list(arms) == ["flat_ddp", "localsgd_h100", "localsgd_h100_int4", "diloco_h50", "diloco_h100", "diloco_h250", "diloco_h100_bf16",
                           "diloco_h100_int8", "diloco_h100_int4", "diloco_h100_topk1", "diloco_h100_frag4",
                           "diloco_h100_sharded", "diloco_h100_delay5", "diloco_h100_streaming"]
     delay, streaming = arms["diloco_h100_delay5"], arms["diloco_h100_streaming"]
