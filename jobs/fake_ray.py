@@ -217,7 +217,7 @@ class Replica:
             self.step = max(self.step, end_of_half[1])  # it committed the steps before its group broke
         return Ref(self._answer("collective_failed", error=f"fake {what} in {method}", error_kind=kind))
 
-    def run_inner(self, round_index: int, faults=None, join: tuple | None = None) -> Ref:
+    def run_inner(self, round_index: int, faults=None, join: tuple | None = None, overlap: tuple | None = None) -> Ref:
         failed = self._faulted("run_inner", join, round_index)
         if failed is not None:
             return failed
