@@ -85,7 +85,9 @@ class Replica:
                                 link=link_from_config(OmegaConf.select(self.cfg, "links.outer"), seed=self.cfg.seed))
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
         allow_level_overlap(self.trainer.fragment_delay > 0)
-        self.background = BackgroundReduce(self.trainer, self.outer)
+        # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
+        self.background = BackgroundReduce(self.trainer, self.outer,
+                                           arrival_s=float(self.cfg.supervisor.phase_timeout_s))
         self.outer_epoch = -1  # the epoch the standing outer group was formed under
         self.epoch = -1
         self.phase = "idle"

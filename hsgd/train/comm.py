@@ -368,6 +368,7 @@ class LevelGroup:
         self.link = link
         self.link_s = 0.0  # seconds held in this group's collectives, the simulated link's sleep included
         self._pg = None
+        self._arrival_s = 0.0  # added to every deadline inside `peers_may_be_late`
         self._usable = True
         self._secret = ""  # the rendezvous secret in store_addr: never repeated in an error's text
 
@@ -469,8 +470,20 @@ class LevelGroup:
         link_s = self.link.most_seconds(payload_bytes) if self.link is not None else 0.0
         return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + link_s
 
+    @contextmanager
+    def peers_may_be_late(self, arrival_s: float):
+        """Inside the block, each collective's deadline is `arrival_s` longer: for a collective a
+        member starts on its own, before its peers are known to be there (the outer reduce behind the
+        inner steps: each cluster reaches its snapshot step at its own pace). Only for a group no
+        other thread uses meanwhile."""
+        self._arrival_s = float(arrival_s)
+        try:
+            yield
+        finally:
+            self._arrival_s = 0.0
+
     def _timeout(self, payload_bytes: int) -> timedelta:
-        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps))
+        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self._arrival_s)
 
     def _issue(self, op: str, flat: torch.Tensor, opts, outputs: list[torch.Tensor] | None = None):
         """Start `op` on the group; any error (NCCL's lazy init, a broken group) is a CollectiveError.

@@ -23,8 +23,10 @@ within a moment; the group is formed afresh by the supervisor's next forming cal
 
 Failure cases (all surface at `settle(key)` as what the call answers):
     a holder of another cluster died or never arrives   CollectiveError (peer_gone, or the
-                                                        collective's own deadline): the supervisor
-                                                        re-forms the outer groups and retries
+                                                        collective's deadline, `arrival_s` longer
+                                                        than a collective started together): the
+                                                        supervisor re-forms the outer groups and
+                                                        retries
     this cluster's pseudo-gradient is non-finite         NonFiniteError; the group is aborted at
                                                         once, so the other holders fail fast
     the reduce outlives `timeout_s`                      the group is aborted, CollectiveError
@@ -56,8 +58,10 @@ class _Reduce:
 class BackgroundReduce:
     """At most one outer reduce in the background on one replica (see the module's protocol)."""
 
-    def __init__(self, trainer: Any, outer: LevelGroup):
-        self.trainer, self.outer = trainer, outer
+    def __init__(self, trainer: Any, outer: LevelGroup, arrival_s: float = 0.0):
+        """`arrival_s`: how much later than this holder the other clusters' holders may reach their
+        snapshot step (clusters train at their own pace); the reduce's deadline grows by it."""
+        self.trainer, self.outer, self.arrival_s = trainer, outer, arrival_s
         self._reduce: _Reduce | None = None
 
     @property
@@ -76,7 +80,8 @@ class BackgroundReduce:
         round_index, epoch, shard, shards = reduce.key
         before, before_s = self.outer.bytes_sent, self.outer.link_s
         try:
-            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
+            with self.outer.peers_may_be_late(self.arrival_s):
+                self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
         except BaseException as err:  # noqa: BLE001 — handed to settle(), which raises it in the phase
             reduce.error = err
             if not isinstance(err, CollectiveError):  # non-finite, or a bug: the peers must not wait on us

@@ -115,6 +115,52 @@ def test_with_fragments_the_unsynced_fragment_keeps_its_local_progress_past_the_
             assert outs[2 * c]["rounds"][r]["digest"] == outs[2 * c + 1]["rounds"][r]["digest"]
 
 
+def _late_cluster_worker(arrival_s, rank, port, results) -> None:
+    """2 clusters x 1 replica, outer timeout 2 s: cluster 1 reaches its snapshot step 4 s after
+    cluster 0 (a slower cluster); cluster 0's reduce has started already and must wait for it."""
+    out = {"rank": rank}
+    try:
+        import time
+
+        from hsgd.core.topology import Topology
+        from hsgd.train.comm import LevelGroup, allow_level_overlap
+        from hsgd.train.overlap import BackgroundReduce
+        from hsgd.train.trainer import ReplicaTrainer
+
+        torch.set_num_threads(1)
+        allow_level_overlap(True)
+        topo = Topology(2, 1)
+        rid = topo.cluster_members(rank)[0]
+        inner = LevelGroup("inner", "gloo")
+        outer = LevelGroup("outer", "gloo", timeout_s=2, configure_timeout_s=60)
+        outer.configure(f"127.0.0.1:{port}", "t/outer", rank=rank, world_size=2, epoch=1)
+        trainer = ReplicaTrainer(_cfg(["sync.outer=average", f"sync.outer_every={H}", f"sync.fragment_delay={DELAY}"]),
+                                 rid, topo)
+        background = BackgroundReduce(trainer, outer, arrival_s=arrival_s)
+
+        def at_snapshot():
+            if rank == 1:
+                time.sleep(4.0)
+            background.start((0, 1, 0, 1))
+        trainer.run_inner(0, inner, at_snapshot=at_snapshot)
+        try:
+            background.settle((0, 1, 0, 1), timeout_s=60)
+            out["reduced"] = True
+        except Exception as err:  # noqa: BLE001 — reported: the test reads the kind
+            out["reduced"], out["kind"] = False, getattr(err, "kind", type(err).__name__)
+    except BaseException:  # noqa: BLE001 — reported to the parent
+        out["exception"] = traceback.format_exc()
+    results.put(out)
+
+
+@pytest.mark.parametrize("arrival_s,reduced", [(30.0, True), (0.0, False)])
+def test_a_reduce_behind_the_steps_waits_for_a_cluster_that_reaches_its_snapshot_late(arrival_s, reduced):
+    outs = run_ranks(functools.partial(_late_cluster_worker, arrival_s), 2, timeout_s=120)
+    assert [outs[r]["reduced"] for r in (0, 1)] == [reduced, reduced], outs
+    if not reduced:  # the 2-s collective deadline alone: the early holder gives up (the supervisor then retries)
+        assert outs[0]["kind"] == "timeout", outs
+
+
 def test_collective_guards_are_per_level_with_overlap_and_per_process_without():
     from hsgd.train import comm
 
