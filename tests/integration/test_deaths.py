@@ -110,9 +110,6 @@ def test_a_promoted_spare_that_dies_comes_back_as_the_replica_it_replaced(drill_
     os.kill(promoted["pid"], signal.SIGKILL)  # the promoted spare's process, from outside
     back = _poll("the spare's actor back in a new process", 60,
                  lambda: (a := serving()) and a["pid"] != promoted["pid"] and a)
-    # it is c0r1 again — that replica's id and data stream — not the spare it was constructed as
-    assert back["rid"] == "c0r1" and back["spare"] is False, back
-    assert back["replica_index"] == 1, f"c0r1's data stream is replica index 1: {back}"
     assert back["incarnation"] == 1, back
     s = drill.wait_done(300)
     check_run(drill.run_dir, rounds=8, steps_per_round=SPR, victims={"c0r1"})
@@ -129,6 +126,9 @@ def test_a_promoted_spare_that_dies_comes_back_as_the_replica_it_replaced(drill_
     else:
         assert up and up[0]["incarnation"] == 1 and not spared, \
             f"c0r1 rejoined as the spare's actor's new process: {up}"
+        # it is c0r1 again — that replica's id and data stream — not the spare it was constructed as
+        assert back["rid"] == "c0r1" and back["spare"] is False, back
+        assert back["replica_index"] == 1, f"c0r1's data stream is replica index 1: {back}"
     downs = [e for e in evs if e["event"] == "replica_down" and e["rid"] == "c0r1"]
     assert len(downs) == 2, f"two deaths of c0r1 (its own actor, then the spare serving it): {downs}"
     assert sorted(f["source"] for f in s["faults"] if f["rid"] == "c0r1") == ["injected", "observed"], s["faults"]
