@@ -215,12 +215,16 @@ class Roster:
 
     def promote_spare(self, rid: str, wait_s: float = 0.0) -> dict | None:
         """A ready spare of rid's cluster takes over rid (the dead actor becomes a spare once back).
-        Returns the spare's progress: it joins like any restarted replica. None: no spare ready."""
+        Returns the spare's progress: it joins like any restarted replica. None: no spare ready, or
+        (between rounds, `wait_s` > 0) rid's own restarted actor answers: it rejoins as itself, never
+        two processes serving one id."""
         if not self.spares:
             return None
         self.spares.check(self.log)
         if not self.spares.ready and wait_s > 0:
             self.spares.check(self.log, wait_s=wait_s)  # between rounds: give pending answers a moment
+        if wait_s > 0 and self.probe(rid, 0.2) is not None:
+            return None  # rid's own actor is back (it may have answered mid-round already): it rejoins as itself
         taken = self.spares.promote(rid, self.topology.cluster_of(rid), self.handles[rid], self.names[rid],
                                     self.call_timeout_s)
         if taken is None:
