@@ -792,8 +792,7 @@ def test_fault_free_round_issues_each_phase_once_and_commits():
 
 # -- overlap (sync.fragment_delay): holders reduce behind the round's last inner steps ----------------------
 def _overlaps(w: World, gen: int) -> dict[str, tuple]:
-    return {rid: o for i in w.calls("run_inner", gen=gen) for rid, args in i.action.calls.items()
-            if (o := run_inner_overlap(args)) is not None}
+    return {rid: o for i in w.calls("run_inner", gen=gen) for rid, o in run_inner_overlap_of(i).items()}
 
 
 def test_with_a_fragment_delay_the_holders_of_the_standing_outer_groups_reduce_behind_the_inner_steps():
