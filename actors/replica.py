@@ -37,6 +37,7 @@ from hsgd.train import checkpoint, state_stream
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment, link_from_config
 from hsgd.train.overlap import BackgroundReduce
 from hsgd.core.topology import Topology
+from hsgd.record.steps import StepLog
 from hsgd.core.round import Outcome
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
@@ -98,6 +99,16 @@ class Replica:
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
         self.warm_s = self.trainer.warm_up() if spare else 0.0
+        self._open_step_log()
+
+    def _open_step_log(self) -> None:
+        """logging.step_times: the timeline of this replica's committed steps, under the id it
+        trains as (a spare, which trains nothing, writes none)."""
+        if self.trainer.step_log is not None:
+            self.trainer.step_log.close()
+            self.trainer.step_log = None
+        if bool(OmegaConf.select(self.cfg, "logging.step_times", default=False)) and not self.spare:
+            self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid)
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -227,6 +238,7 @@ class Replica:
             lifecycle.write_identity(self.actor_name, rid, spare=False)
         self.trainer.assume_identity(rid)
         self.rid, self.spare = rid, False
+        self._open_step_log()
         return {"outcome": Outcome.DONE.value, "rid": rid, **self.trainer.progress(), "pid": os.getpid(),
                 "incarnation": self.incarnation}
 
@@ -237,6 +249,7 @@ class Replica:
         if self.actor_name:
             lifecycle.write_identity(self.actor_name, None, spare=True)
         self.spare = True
+        self._open_step_log()
         self.warm_s = self.trainer.warm_up()
         return {"outcome": Outcome.DONE.value, "rid": self.rid, "warm_s": self.warm_s, "pid": os.getpid()}
 

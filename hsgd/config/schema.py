@@ -138,6 +138,10 @@ class TrainConfig:
     # Pad each inner step to at least this many seconds by sleeping: simulates an accelerator's step
     # time on CPU, so tests and drills run rounds of minutes cheaply. 0 = off.
     min_step_s: float = 0.0
+    # Simulated stragglers (benchmarks): at each inner step a replica sleeps, with probability
+    # straggle_p, straggle_factor times the step's time. 0 = off.
+    straggle_p: float = 0.0
+    straggle_factor: float = 10.0
     precision: str = "fp32"  # fp32 | bf16 (autocast; master weights, pseudo-gradients, outer state fp32)
     compile: bool = False  # torch.compile the model
     # bitwise replay on GPU: deterministic algorithms, cuBLAS workspace, deterministic attention
@@ -232,6 +236,7 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True  # console progress bar
+    step_times: bool = False  # run.dir/steps/<rid>.jsonl: one line per committed inner step (hsgd.record.steps)
 
 
 @dataclass

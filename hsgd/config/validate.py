@@ -137,6 +137,8 @@ NUMERIC_FIELDS: dict[str, Bound] = {
     "train.eval_every": COUNT,
     "train.eval_batches": COUNT,
     "train.min_step_s": SECONDS_OR_ZERO,
+    "train.straggle_p": FRACTION,
+    "train.straggle_factor": NON_NEGATIVE,
     "run.io_grace_s": SECONDS,
     "checkpoint.every": COUNT_OR_ZERO,  # 0 = never
     "checkpoint.keep": COUNT,

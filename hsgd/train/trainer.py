@@ -46,6 +46,7 @@ import copy
 import hashlib
 import math
 import os
+import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -207,6 +208,9 @@ class ReplicaTrainer:
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
         self.min_step_s = float(getattr(cfg.train, "min_step_s", 0.0) or 0.0)
+        self.straggle_p = float(getattr(cfg.train, "straggle_p", 0.0) or 0.0)
+        self.straggle_factor = float(getattr(cfg.train, "straggle_factor", 10.0))
+        self.step_log = None  # logging.step_times: an hsgd.record.steps.StepLog, told each committed step
         # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
         self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self._poisoned = False  # test hook (the `nan` fault): the next step's loss is NaN
@@ -329,7 +333,15 @@ class ReplicaTrainer:
             raise
         if self.min_step_s > 0:  # simulated accelerator step time: sleep, so CPU replicas stay cheap
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
+        if self.straggle_p > 0 and self._straggles():
+            time.sleep(self.straggle_factor * (time.perf_counter() - started))
         return loss
+
+    def _straggles(self) -> bool:
+        """train.straggle_p: this replica straggles at this step — a draw from (seed, replica index,
+        step) alone, so a replay straggles at the same steps."""
+        rng = random.Random(hash((int(self.cfg.seed), self.global_index, self.step)) & (2**63 - 1))
+        return rng.random() < self.straggle_p
 
     @torch.no_grad()
     def _step_state(self) -> tuple:
@@ -379,6 +391,8 @@ class ReplicaTrainer:
                     pending.append(self._one_step(inner, hook))
                     self.step += 1  # committed: the step's collectives all succeeded
                     done += 1
+                    if self.step_log is not None:
+                        self.step_log.committed(self.step)
                 if not yielded:
                     snapshot_point()  # entered at the round's end (a re-issued call): the reduce may still be due
             finally:
