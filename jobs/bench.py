@@ -1,4 +1,7 @@
 """Benchmarks: `python -m jobs.bench [--out DIR] [--rounds N] [--outer-every H]`, or
+`python -m jobs.bench {overhead,recovery,goodput,scale,straggler} [--quick] [--out DIR]` (hsgd against
+its peers — plain DDP, torchft, Ray Train — in one invocation; each writes <suite>.json and a PNG),
+`python -m jobs.bench report [--from DIR ...]` (BENCHMARKS.md from those JSONs; jobs/bench_report.py), or
 `python -m jobs.bench plan [--out DIR]` (the round machine and its runner per round at 10,000 replicas, against a fake Ray), or
 `python -m jobs.bench goodput [--out DIR] [--rounds N] [--mtbf 30 10]` (wall time under faults vs
 fault-free, with and without hot spares; see jobs/bench_goodput.py), or
@@ -53,6 +56,12 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    suites = {"overhead": "jobs.bench_overhead", "recovery": "jobs.bench_recovery", "scale": "jobs.bench_scale",
+              "straggler": "jobs.bench_straggler", "report": "jobs.bench_report"}
+    if argv[:1] and argv[0] in suites:  # issue 23's peer suites and BENCHMARKS.md
+        import importlib
+
+        return importlib.import_module(suites[argv[0]]).main(argv[1:])
     if argv[:1] == ["plan"]:
         from jobs.bench_plan import main as plan_main
 

@@ -1,8 +1,19 @@
-"""Goodput benchmark: `python -m jobs.bench goodput [--out DIR] [--rounds N] [--mtbf 30 10]`.
+"""Goodput benchmark: `python -m jobs.bench goodput [--quick] [--out DIR] [--mtbf 30 10] [--peers torchft]
+[--spares 0 1 --rounds N]`.
 
-One invocation, one embedded Ray, the same config (default 2 x 2, tiny model): a fault-free run
-for each spare count, then runs with random kill/crash faults at each mean time between failures,
-without and with one hot spare per cluster. Fault times map to step boundaries using the
+hsgd vs torchft under the same failure process (issue 23, Build 3; `--peers none` skips it): each
+side trains 3 replicas of hsgd's model for `--steps` steps padded to `--min-step-s` (so 2 shared
+cores do not decide the result: a missing replica must not look like a speed-up) — hsgd as one
+cluster of 3 (ddp every step, the flat peers' work), torchft with its fast settings
+(jobs/peers/torchft_peer.py) — once fault-free, then at each MTBF with replicas SIGKILLed from
+outside at the same seeded times (exponential gaps of mean MTBF, victims drawn uniformly, the same
+draw for both sides). Per run: goodput = fault-free wall / wall (the same side's), and the
+committed-step efficiency (distinct steps committed / steps committed, a redone step counted
+twice). `goodput.json` `runs` and `goodput.png`.
+
+With `--spares` (hsgd alone, its fault injector), one embedded Ray, the same config (default 2 x 2,
+tiny model): a fault-free run for each spare count, then runs with random kill/crash faults at each
+mean time between failures, without and with one hot spare per cluster. Fault times map to step boundaries using the
 fault-free run's measured seconds per step, so `--mtbf 30` means one fault per ~30 s of this
 machine's training. Writes `goodput.json` (wall time, goodput = wall of the fault-free run with the
 same spares / wall, the ratio to the fault-free run without spares, and per fault the median
@@ -11,12 +22,14 @@ detection, re-plan, restart, heal and rejoin seconds) and `goodput.png` (where t
 from __future__ import annotations
 
 import argparse
-import json
+import random
+import sys
 import tempfile
 from pathlib import Path
 
 from hsgd.record.goodput import fault_costs, goodput, summarize_costs
-from hsgd.record.rundir import atomic_write_text, read_jsonl
+from hsgd.record.rundir import read_jsonl
+from jobs.bench_report import header, write_suite
 
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
@@ -36,48 +49,109 @@ def _run(name: str, overrides: list[str], out: Path) -> dict:
             "costs": costs, "cost_medians": summarize_costs(costs)}
 
 
+def failure_process(mtbf_s: float, span_s: float, replicas: int, seed: int, start_s: float = 3.0) -> list[tuple[float, int]]:
+    """(seconds after the first committed step, replica index) of each failure: exponential gaps of
+    mean mtbf_s from start_s up to span_s, victims drawn uniformly — one seeded draw, used by every side."""
+    rng = random.Random(f"{seed}:{mtbf_s}")
+    times, t = [], start_s
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t >= span_s:
+            return times
+        times.append((round(t, 3), rng.randrange(replicas)))
+
+
+def step_efficiency(run: dict) -> float | None:
+    """Distinct (replica, step) committed / every step committed: a step redone after a rollback or
+    a restart counts twice below the line."""
+    from jobs.peers.common import read_steps
+
+    rows = read_steps(run["steps_dir"])
+    total = sum(len(r) for r in rows.values())
+    return sum(len({x["step"] for x in r}) for r in rows.values()) / total if total else None
+
+
+def _side(side: str, *, replicas: int, steps: int, min_step_s: float, out: Path, kills: list[tuple[float, int]],
+          seed: int) -> dict:
+    if side == "hsgd":
+        from jobs.peers.hsgd_peer import run_hsgd
+
+        run = run_hsgd(model="tiny", clusters=1, replicas_per_cluster=replicas, steps=steps, min_step_s=min_step_s,
+                       out=out, kill_times_s=[(t, f"c0r{i}") for t, i in kills], seed=seed)
+        run["steps_dir"] = str(Path(run["run_dir"]) / "steps")
+    else:
+        from jobs.peers.torchft_peer import run_torchft
+
+        run = run_torchft(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, settings="fast", out=out,
+                          kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
+        run["steps_dir"] = str(Path(out) / "steps")
+    run["step_efficiency"] = step_efficiency(run)
+    return run
+
+
+def compare_peers(args, out: Path) -> list[dict]:
+    """hsgd and each peer: fault-free, then every MTBF under the same failure process."""
+    sides = ["hsgd"] + [p for p in args.peers if p != "none"]
+    if len(sides) == 1:
+        return []
+    runs, free = [], {}
+    for side in sides:
+        free[side] = _side(side, replicas=args.replicas, steps=args.steps, min_step_s=args.min_step_s,
+                           out=out / f"{side}_fault_free", kills=[], seed=args.seed)
+        runs.append({"side": side, "mtbf_s": None, "goodput": 1.0, "faults": 0, "wall_s": free[side]["wall_s"],
+                     "step_efficiency": free[side]["step_efficiency"], "result_error": free[side].get("result_error")})
+        print(f"goodput {side} fault-free: wall {free[side]['wall_s']:.1f} s", flush=True)
+    span = min(f["wall_s"] for f in free.values()) - 5.0  # failures while every side still trains
+    for mtbf in args.mtbf:
+        kills = failure_process(mtbf, span, args.replicas, args.seed)
+        for side in sides:  # interleaved: one MTBF, every side, then the next
+            run = _side(side, replicas=args.replicas, steps=args.steps, min_step_s=args.min_step_s,
+                        out=out / f"{side}_mtbf{mtbf:g}", kills=kills, seed=args.seed)
+            runs.append({"side": side, "mtbf_s": mtbf, "faults": len(run["kills"]), "failure_process": kills,
+                         "wall_s": run["wall_s"], "goodput": goodput(free[side]["wall_s"], run["wall_s"]),
+                         "step_efficiency": run["step_efficiency"], "recoveries": run["recoveries"],
+                         "result_error": run.get("result_error")})
+            print(f"goodput {side} MTBF {mtbf:g} s: {len(run['kills'])} kills, goodput {runs[-1]['goodput']:.3f}, "
+                  f"step efficiency {run['step_efficiency']}", flush=True)
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m jobs.bench goodput", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--outer-every", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 30 steps, one MTBF of 3 s")
     parser.add_argument("--mtbf", type=float, nargs="+", default=[30.0, 10.0])
-    parser.add_argument("--spares", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--peers", nargs="+", default=["torchft"], help="torchft, or none")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=180)
+    parser.add_argument("--min-step-s", type=float, default=0.3)
+    parser.add_argument("--spares", type=int, nargs="*", default=[],
+                        help="also hsgd alone with its fault injector, without and with these hot spares per cluster")
+    parser.add_argument("--rounds", type=int, default=60, help="(--spares) rounds")
+    parser.add_argument("--outer-every", type=int, default=20, help="(--spares) steps per round")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.mtbf, args.min_step_s = 30, [3.0], 0.2
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-goodput-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    base = [f"train.rounds={args.rounds}", f"sync.outer_every={args.outer_every}", "train.eval_every=1000",
-            "supervisor.rejoin=fast"]
     import ray
 
     ray.init(num_cpus=8, namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    cases: list[dict] = []
     try:
-        # one fault-free baseline per spare count: the same config, so spares' own cost is not
-        # counted as fault cost (goodput) — and the ratio to the no-spare baseline says what they cost
-        free = {}
-        for spares in sorted(set(args.spares) | {0}):
-            name = "fault_free" if spares == 0 else f"fault_free_spares{spares}"
-            free[spares] = _run(name, base + [f"topology.spares_per_cluster={spares}"], out)
-        step_s = free[0]["train_wall_s"] / (args.rounds * args.outer_every)
-        cases = [free[spares] for spares in sorted(free)]
-        for mtbf in args.mtbf:
-            for spares in args.spares:
-                case = _run(f"mtbf{mtbf:g}_spares{spares}",
-                            base + [f"faults.mtbf_s={mtbf}", f"faults.step_s={step_s:.4f}", f"faults.seed={args.seed}",
-                                    "faults.kinds=[kill,crash]", f"topology.spares_per_cluster={spares}"], out)
-                case["spares"] = spares
-                cases.append(case)
+        runs = compare_peers(args, out)
+        if args.spares:
+            cases, step_s = _with_spares(args, out)
     finally:
         ray.shutdown()
-    for c in cases:
-        baseline = free[c.get("spares", 0)] if c["name"].startswith("mtbf") else c
-        c["goodput"] = goodput(baseline["train_wall_s"], c["train_wall_s"])
-        c["vs_fault_free_without_spares"] = goodput(free[0]["train_wall_s"], c["train_wall_s"])
-    report = {"machine_note": "goodput is a ratio to the fault-free run of this same invocation",
-              "args": vars(args), "seconds_per_step": step_s, "cases": cases}
-    atomic_write_text(out / "goodput.json", json.dumps(report, indent=2, default=str))
-    _plot(cases, out / "goodput.png")
+    report = {**header("goodput", argv, args.quick), "replicas": args.replicas, "steps": args.steps,
+              "min_step_s": args.min_step_s, "runs": runs}
+    if cases:
+        report.update(seconds_per_step=step_s, cases=cases)
+    write_suite(out, report)
+    _plot(runs, cases, out / "goodput.png")
     for c in cases:
         m = c["cost_medians"]
         parts = " ".join(f"{k[:-2]} {m[k]:.2f}s" for k in ("detection_s", "replan_s", "restart_s", "heal_s", "rejoin_s")
@@ -88,12 +162,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plot(cases: list[dict], path: Path) -> None:
+def _with_spares(args, out: Path) -> tuple[list[dict], float]:
+    """hsgd alone, its fault injector's random kill/crash faults, without and with hot spares."""
+    base = [f"train.rounds={args.rounds}", f"sync.outer_every={args.outer_every}", "train.eval_every=1000",
+            "supervisor.rejoin=fast"]
+    # one fault-free baseline per spare count: the same config, so spares' own cost is not
+    # counted as fault cost (goodput) — and the ratio to the no-spare baseline says what they cost
+    free = {}
+    for spares in sorted(set(args.spares) | {0}):
+        name = "fault_free" if spares == 0 else f"fault_free_spares{spares}"
+        free[spares] = _run(name, base + [f"topology.spares_per_cluster={spares}"], out)
+    step_s = free[0]["train_wall_s"] / (args.rounds * args.outer_every)
+    cases = [free[spares] for spares in sorted(free)]
+    for mtbf in args.mtbf:
+        for spares in args.spares:
+            case = _run(f"mtbf{mtbf:g}_spares{spares}",
+                        base + [f"faults.mtbf_s={mtbf}", f"faults.step_s={step_s:.4f}", f"faults.seed={args.seed}",
+                                "faults.kinds=[kill,crash]", f"topology.spares_per_cluster={spares}"], out)
+            case["spares"] = spares
+            cases.append(case)
+    for c in cases:
+        baseline = free[c.get("spares", 0)] if c["name"].startswith("mtbf") else c
+        c["goodput"] = goodput(baseline["train_wall_s"], c["train_wall_s"])
+        c["vs_fault_free_without_spares"] = goodput(free[0]["train_wall_s"], c["train_wall_s"])
+    return cases, step_s
+
+
+def _plot(runs: list[dict], cases: list[dict], path: Path) -> None:
+    """goodput.png: the peer comparison (or, without one, the spares runs); goodput_spares.png:
+    the spares runs when both ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if runs:
+        _plot_peers(runs, plt).savefig(path)
+        plt.close("all")
+        path = path.with_name("goodput_spares.png")
+    if cases:
+        _plot_spares(cases, plt).savefig(path)
+        plt.close("all")
+
+
+def _plot_spares(cases: list[dict], plt):
     names = [c["name"] for c in cases]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), dpi=110)
     ax1.bar(names, [c["goodput"] for c in cases], color="#3b75af")
@@ -113,5 +225,21 @@ def _plot(cases: list[dict], path: Path) -> None:
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+def _plot_peers(runs: list[dict], plt):
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    sides = sorted({r["side"] for r in runs}, key=lambda x: x != "hsgd")
+    mtbfs = sorted({r["mtbf_s"] for r in runs if r["mtbf_s"]}, reverse=True)
+    width = 0.8 / max(1, len(sides))
+    for i, side in enumerate(sides):
+        values = [next((r["goodput"] for r in runs if r["side"] == side and r["mtbf_s"] == m), 0) for m in mtbfs]
+        ax.bar([j + i * width for j in range(len(mtbfs))], values, width, label=side)
+    ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(mtbfs))], [f"MTBF {m:g} s" for m in mtbfs])
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("fault-free wall / wall")
+    ax.set_title("goodput under the same failure process (SIGKILL from outside)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,149 @@
+"""`python -m jobs.bench recovery [--quick] [--out DIR] [--steps 60 --kill-at 20 --min-step-s 0.25] [--repeats 2]`:
+one replica SIGKILLed from outside mid-inner-phase, on hsgd and on its peers, in one invocation.
+
+Sides, each 3 replicas training hsgd's model (same config, batches, loss, AdamW; every step padded
+to `--min-step-s` so 2 shared cores do not decide the result), run one after another and
+interleaved over `--repeats`:
+
+    hsgd_1x3        one cluster of 3, ddp every step: the same work as the flat peers
+    hsgd_3x1        3 clusters of 1, DiLoCo every steps/4 (the hierarchy: the others keep training)
+    torchft_readme  torchft Manager + Lighthouse, DDP, the README's settings (jobs/peers/torchft_peer.py)
+    torchft_fast    the same with a 100 ms join timeout and short heartbeats
+    ray_train       Ray Train v2 TorchTrainer + FailureConfig, checkpoint every 10 steps
+                    (jobs/peers/raytrain_peer.py)
+
+The victim (hsgd `c0r1` / `c1r0`, the peers' `r1`) is SIGKILLed once it has committed step
+`--kill-at`; each side's own recovery restarts it (Ray for hsgd and Ray Train, the bench for
+torchft, as torchx would). From the step logs (jobs/peers/common.py): the survivors' stall (last
+committed step before the kill to the next after it), the victim's rejoin (kill to its next
+committed step) and the step time before the kill. `recovery.json`: per side and repeat those
+figures, medians per side, and the ratios hsgd_1x3 / peer for stall and rejoin; `recovery.png`.
+`--quick`: 16 steps, kill at 6, one repeat (a smoke run: both sides of each comparison ran).
+The peers need the bench extra: `pip install -e ".[bench]"`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from jobs.bench_report import header, write_suite
+
+SIDES = ("hsgd_1x3", "hsgd_3x1", "torchft_readme", "torchft_fast", "ray_train")
+VICTIM = {"hsgd_1x3": "c0r1", "hsgd_3x1": "c1r0"}  # the peers': r1
+
+
+def run_side(name: str, *, model: str, steps: int, kill_at: int, min_step_s: float, out: Path, seed: int) -> dict:
+    kills = [(VICTIM.get(name, "r1"), kill_at)]
+    common = dict(model=model, steps=steps, min_step_s=min_step_s, out=out, kills=kills, seed=seed)
+    if name.startswith("hsgd"):
+        from jobs.peers.hsgd_peer import run_hsgd
+
+        clusters, per = (1, 3) if name == "hsgd_1x3" else (3, 1)
+        return run_hsgd(clusters=clusters, replicas_per_cluster=per, **common)
+    if name.startswith("torchft"):
+        from jobs.peers.torchft_peer import run_torchft
+
+        return run_torchft(replicas=3, settings=name.split("_", 1)[1], **common)
+    from jobs.peers.raytrain_peer import run_raytrain
+
+    return run_raytrain(replicas=3, **common)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    recs = [r["recoveries"][0] if r.get("recoveries") else {} for r in runs]
+    return {"name": name, "runs": runs,
+            "recovery": {"survivors_stall_median_s": _median([x.get("survivors_stall_median_s") for x in recs]),
+                         "survivors_stall_max_s": _median([x.get("survivors_stall_max_s") for x in recs]),
+                         "rejoin_s": _median([x.get("rejoin_s") for x in recs])},
+            "step_time_s": _median([r.get("step_time_s") for r in runs]),
+            "completed": all(r.get("result_error") is None for r in runs)}
+
+
+def ratios(sides: dict[str, dict]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    ours = sides.get("hsgd_1x3", {}).get("recovery", {})
+    for peer in ("torchft_readme", "torchft_fast", "ray_train"):
+        theirs = sides.get(peer, {}).get("recovery")
+        if not theirs:
+            continue
+        for figure, key in (("stall", "survivors_stall_median_s"), ("rejoin", "rejoin_s")):
+            a, b = ours.get(key), theirs.get(key)
+            out[f"hsgd_1x3 / {peer} {figure}"] = a / b if a is not None and b else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench recovery", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-at", type=int, default=20)
+    parser.add_argument("--min-step-s", type=float, default=0.25)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.kill_at, args.repeats = 16, 6, 1
+    names = [s for s in args.sides.split(",") if s]
+    unknown = sorted(set(names) - set(SIDES))
+    if unknown:
+        parser.error(f"--sides: unknown {', '.join(unknown)}; valid: {', '.join(SIDES)}")
+    out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-recovery-")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import ray
+
+    ray.init(num_cpus=8, namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    try:
+        for repeat in range(args.repeats):  # interleaved: each repeat runs every side once
+            for name in names:
+                run = run_side(name, model=args.model, steps=args.steps, kill_at=args.kill_at,
+                               min_step_s=args.min_step_s, out=out / f"{name}_{repeat}", seed=args.seed)
+                runs[name].append(run)
+                rec = (run.get("recoveries") or [{}])[0]
+                print(f"recovery {name} #{repeat}: stall {rec.get('survivors_stall_median_s')} s, "
+                      f"rejoin {rec.get('rejoin_s')} s, step {run.get('step_time_s')} s, "
+                      f"error {run.get('result_error')}", flush=True)
+    finally:
+        ray.shutdown()
+    sides = {n: summarize(n, r) for n, r in runs.items()}
+    report = {**header("recovery", argv, args.quick), "model": args.model, "steps": args.steps,
+              "kill_at": args.kill_at, "min_step_s": args.min_step_s, "repeats": args.repeats,
+              "sides": list(sides.values()), "ratios": ratios(sides)}
+    write_suite(out, report)
+    _plot(report, out / "recovery.png")
+    for key, value in report["ratios"].items():
+        print(f"{key}: {value if value is None else round(value, 3)}")
+    print(f"recovery.json and recovery.png in {out}")
+    return 0
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = report["sides"]
+    names = [s["name"] for s in sides]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), dpi=110)
+    for ax, key, label in zip(axes, ("survivors_stall_median_s", "rejoin_s"),
+                              ("survivors' stall (s)", "killed replica: kill to next committed step (s)")):
+        ax.bar(names, [s["recovery"][key] or 0 for s in sides], color=["#3b75af", "#6a9fd4", "#c44e52", "#e07b7d", "#55a868"])
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.suptitle(f"one SIGKILL at step {report['kill_at']} (step padded to {report['min_step_s']} s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,148 @@
+"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`) writes, and
+BENCHMARKS.md made from it.
+
+Each suite writes `<out>/<suite>.json` through `write_suite`: its own figures plus a header that
+says when, where and how they were measured —
+
+    {"suite", "date" (UTC, ISO 8601), "machine": {"platform", "python", "torch", "cpus", "gpu"},
+     "command" (the exact command line), "quick" (a smoke run: its figures are not results), ...}
+
+`python -m jobs.bench report [--from DIR ...] [--to BENCHMARKS.md]` reads every `<suite>.json`
+under the given folders (the newest of each suite wins) and writes BENCHMARKS.md: one section per
+suite, each row with the date, the machine and the command beside it. A quick run's figures are
+never written there. Suites describe their own rows (`ROWS`: a suite's headline rows from its JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from hsgd.record.rundir import atomic_write_text
+
+SUITES = ("overhead", "recovery", "goodput", "scale", "straggler")
+
+
+def header(suite: str, argv: list[str], quick: bool) -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"suite": suite, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "torch": torch.__version__, "cpus": os.cpu_count(), "gpu": gpu},
+            "command": "python -m jobs.bench " + " ".join(shlex.quote(a) for a in [suite, *argv]), "quick": quick}
+
+
+def write_suite(out: Path, report: dict) -> Path:
+    """`<out>/<suite>.json`, written whole or not at all (temp name, then rename)."""
+    path = Path(out) / f"{report['suite']}.json"
+    atomic_write_text(path, json.dumps(report, indent=2, default=str))
+    return path
+
+
+def _f(value, spec: str = ".3g", unit: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{unit}"
+
+
+def _overhead_rows(r: dict) -> list[list[str]]:
+    return [[f"hsgd 1×2 ddp / torch DDP, `{m['model']}`", f"{_f(m['ratio_median'], '.3f')}×",
+             f"{_f(m['ratio_min'], '.3f')}–{_f(m['ratio_max'], '.3f')}"] for m in r["models"]]
+
+
+def _recovery_rows(r: dict) -> list[list[str]]:
+    rows = []
+    for side in r["sides"]:
+        rec = side.get("recovery") or {}
+        rows.append([f"{side['name']}: survivors' stall (median) / killed replica's rejoin",
+                     f"{_f(rec.get('survivors_stall_median_s'), '.2f', ' s')} / {_f(rec.get('rejoin_s'), '.2f', ' s')}",
+                     f"step {_f(side.get('step_time_s'), '.2f', ' s')}"])
+    for name, ratio in r.get("ratios", {}).items():
+        rows.append([name, f"{_f(ratio, '.3g')}×", "same invocation"])
+    return rows
+
+
+def _goodput_rows(r: dict) -> list[list[str]]:
+    return [[f"{g['side']} at MTBF {g['mtbf_s']:g} s: wall vs fault-free / committed-step efficiency",
+             f"{_f(g.get('goodput'), '.3f')} / {_f(g.get('step_efficiency'), '.3f')}", f"{g.get('faults', 0)} faults"]
+            for g in r["runs"] if g.get("mtbf_s")]
+
+
+def _scale_rows(r: dict) -> list[list[str]]:
+    rows = [[f"decisions per round, {d['replicas']:,} replicas / {d['clusters']} clusters",
+             _f(d.get("machine_plus_runner_ms"), ".1f", " ms"), ""] for d in r.get("decisions", [])]
+    fit = r.get("decisions_fit") or {}
+    rows.append(["decisions: growth exponent (time ∝ replicas^k)", _f(fit.get("growth_exponent"), ".2f"), ""])
+    if r.get("ray_extrapolated_10000_ms") is not None:
+        rows.append(["Ray control plane per round, extrapolated to 10,000 replicas",
+                     _f(r["ray_extrapolated_10000_ms"], ".0f", " ms"), f"budget {r.get('budget_ms', 600)} ms"])
+    return rows
+
+
+def _straggler_rows(r: dict) -> list[list[str]]:
+    return [[f"{a['name']}: time to {r['steps']} steps", _f(a.get("wall_s"), ".1f", " s"),
+             f"speed-up vs flat {_f(a.get('speedup_vs_flat'), '.2f')}×"] for a in r["arms"]]
+
+
+ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
+    "overhead": _overhead_rows, "recovery": _recovery_rows, "goodput": _goodput_rows,
+    "scale": _scale_rows, "straggler": _straggler_rows}
+
+TITLES = {"overhead": "Overhead: hsgd's inner DDP vs plain torch DDP",
+          "recovery": "Recovery from one kill: hsgd vs torchft vs Ray Train",
+          "goodput": "Goodput under a steady rain of failures",
+          "scale": "Control plane vs size",
+          "straggler": "Stragglers: flat DDP vs local SGD vs DiLoCo"}
+
+
+def newest_reports(folders: list[Path]) -> dict[str, dict]:
+    """The newest full (not quick) report of each suite found under the folders."""
+    found: dict[str, dict] = {}
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.json")):
+            try:
+                report = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if not isinstance(report, dict) or report.get("suite") not in ROWS or report.get("quick"):
+                continue
+            if report["suite"] not in found or report["date"] > found[report["suite"]]["date"]:
+                found[report["suite"]] = report
+    return found
+
+
+def render(reports: dict[str, dict]) -> str:
+    lines = ["# hsgd benchmarks", "",
+             "Generated by `python -m jobs.bench report` from each suite's JSON; every figure is a ratio or a",
+             "distribution from runs interleaved in one invocation (shared machines are noisy), never a threshold.",
+             "Reproduce a row with the command beside it. Suites not run yet are listed as such.", ""]
+    for suite in SUITES:
+        lines += [f"## {TITLES[suite]} (`{suite}`)", ""]
+        report = reports.get(suite)
+        if report is None:
+            lines += [f"Not measured yet: `python -m jobs.bench {suite}`.", ""]
+            continue
+        m = report["machine"]
+        lines += [f"Measured {report['date']} on {m['platform']}, {m['cpus']} CPUs, "
+                  f"{m['gpu'] or 'no GPU'}, torch {m['torch']}: `{report['command']}`", "",
+                  "| figure | value | note |", "| --- | --- | --- |"]
+        lines += [f"| {' | '.join(row)} |" for row in ROWS[suite](report)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench report", description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="folders", nargs="+", default=["bench-results"],
+                        help="folders holding the suites' <suite>.json (searched recursively)")
+    parser.add_argument("--to", default="BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    reports = newest_reports([Path(f) for f in args.folders])
+    atomic_write_text(args.to, render(reports))
+    print(f"{args.to}: {', '.join(sorted(reports)) or 'no suite measured yet'}", file=sys.stderr)
+    return 0
