@@ -1,0 +1,91 @@
+"""Issue 23's peer suites, each once with `--quick`: the JSON's schema, and that both sides of every
+comparison ran (hsgd and plain DDP, torchft, Ray Train) — never a timing. BENCHMARKS.md is made from
+the JSONs and names each suite's command. (`scale` has its own test: tests/unit/test_bench_scale.py.)"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.bench import main as bench
+
+HEADER = {"suite", "date", "machine", "command", "quick"}
+
+
+def _report(out: Path, suite: str) -> dict:
+    report = json.loads((out / f"{suite}.json").read_text())
+    assert HEADER <= set(report) and report["suite"] == suite and report["quick"] is True
+    assert report["command"].startswith(f"python -m jobs.bench {suite}")
+    assert (out / f"{suite}.png").stat().st_size > 0
+    return report
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+def test_overhead_measures_hsgd_and_torch_ddp(results):
+    out = results / "overhead"
+    assert bench(["overhead", "--quick", "--out", str(out)]) == 0
+    (model,) = _report(out, "overhead")["models"]
+    assert model["model"] == "tiny" and model["hsgd_tokens_per_s"] > 0 and model["torch_ddp_tokens_per_s"] > 0
+    assert model["ratio_min"] <= model["ratio_median"] <= model["ratio_max"]
+
+
+def test_recovery_kills_a_replica_of_every_side_and_each_comes_back(results):
+    out = results / "recovery"
+    assert bench(["recovery", "--quick", "--out", str(out)]) == 0
+    report = _report(out, "recovery")
+    sides = {s["name"]: s for s in report["sides"]}
+    assert set(sides) == {"hsgd_1x3", "hsgd_3x1", "torchft_readme", "torchft_fast", "ray_train"}
+    for name, side in sides.items():
+        (run,) = side["runs"]
+        assert run["result_error"] is None, (name, run["result_error"])
+        (kill,) = run["kills"]
+        (rec,) = run["recoveries"]
+        assert rec["rejoin_s"] is not None and rec["rejoin_s"] > 0, name  # the victim committed again
+        assert rec["survivors_stall_s"], name  # the survivors went on past the kill
+        assert run["step_time_s"] > 0
+    assert set(report["ratios"]) == {f"hsgd_1x3 / {p} {f}" for p in ("torchft_readme", "torchft_fast", "ray_train")
+                                     for f in ("stall", "rejoin")}
+    assert sides["hsgd_1x3"]["runs"][0]["faults_in_summary"] == 1  # hsgd saw the outside kill as one fault
+    assert sides["hsgd_1x3"]["runs"][0]["digests_agree"]
+
+
+def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
+    out = results / "goodput"
+    assert bench(["goodput", "--quick", "--out", str(out)]) == 0
+    runs = _report(out, "goodput")["runs"]
+    assert {(r["side"], r["mtbf_s"]) for r in runs} == {("hsgd", None), ("torchft", None), ("hsgd", 3.0), ("torchft", 3.0)}
+    faulted = [r for r in runs if r["mtbf_s"]]
+    assert faulted[0]["failure_process"] == faulted[1]["failure_process"] and faulted[0]["failure_process"]
+    for r in runs:
+        assert r["result_error"] is None, r
+        assert r["goodput"] > 0 and 0 < r["step_efficiency"] <= 1
+    assert all(r["faults"] >= 1 for r in faulted)
+
+
+def test_straggler_times_flat_ddp_local_sgd_and_diloco(results):
+    out = results / "straggler"
+    assert bench(["straggler", "--quick", "--out", str(out)]) == 0
+    report = _report(out, "straggler")
+    assert [a["name"] for a in report["arms"]] == ["flat_ddp", "local_sgd", "diloco"]
+    for arm in report["arms"]:
+        assert arm["completed"] and arm["wall_s"] > 0 and arm["final_eval_loss"] is not None
+    assert report["arms"][0]["speedup_vs_flat"] == 1.0
+
+
+def test_benchmarks_md_names_each_suite_with_its_command_and_skips_quick_runs(results, tmp_path):
+    quick = results / "straggler" / "straggler.json"
+    if not quick.exists():
+        pytest.skip("the straggler suite did not run")
+    full = json.loads(quick.read_text())
+    full["quick"] = False
+    (tmp_path / "straggler.json").write_text(json.dumps(full))
+    target = tmp_path / "BENCHMARKS.md"
+    assert bench(["report", "--from", str(results), str(tmp_path), "--to", str(target)]) == 0
+    text = target.read_text()
+    assert f"`{full['command']}`" in text and "time to 40 steps" in text
+    assert "Not measured yet: `python -m jobs.bench overhead`" in text  # the quick overhead run is not a result

@@ -1,0 +1,49 @@
+"""The peer suites' shared parts that need no process: the failure process both sides of `goodput`
+share, the recovery ratios, and BENCHMARKS.md from the suites' JSONs."""
+from __future__ import annotations
+
+import json
+
+from jobs.bench_goodput import failure_process
+from jobs.bench_recovery import ratios
+from jobs.bench_report import newest_reports, render
+
+
+def test_the_failure_process_is_one_seeded_draw_within_the_span():
+    a = failure_process(10.0, 200.0, 3, seed=1)
+    assert a == failure_process(10.0, 200.0, 3, seed=1)
+    assert a != failure_process(10.0, 200.0, 3, seed=2)
+    assert all(3.0 < t < 200.0 and 0 <= victim < 3 for t, victim in a)
+    assert [t for t, _ in a] == sorted(t for t, _ in a)
+    assert 8 <= len(a) <= 35  # ~ (200 - 3) / 10 failures
+    assert failure_process(1000.0, 5.0, 3, seed=1) == []
+
+
+def test_recovery_ratios_are_hsgd_over_each_peer_and_none_without_a_figure():
+    sides = {"hsgd_1x3": {"recovery": {"survivors_stall_median_s": 0.5, "rejoin_s": 4.0}},
+             "torchft_fast": {"recovery": {"survivors_stall_median_s": 0.25, "rejoin_s": None}}}
+    assert ratios(sides) == {"hsgd_1x3 / torchft_fast stall": 2.0, "hsgd_1x3 / torchft_fast rejoin": None}
+
+
+def _report(suite, date, quick=False, **figures):
+    return {"suite": suite, "date": date, "quick": quick, "command": f"python -m jobs.bench {suite}",
+            "machine": {"platform": "Linux", "cpus": 2, "gpu": None, "torch": "2.13.0", "python": "3.11"}, **figures}
+
+
+def test_the_newest_full_report_of_each_suite_is_rendered_with_its_date_machine_and_command(tmp_path):
+    old = _report("straggler", "2026-01-01T00:00:00Z", steps=40,
+                  arms=[{"name": "flat_ddp", "wall_s": 20.0, "speedup_vs_flat": 1.0}])
+    new = _report("straggler", "2026-02-01T00:00:00Z", steps=400,
+                  arms=[{"name": "flat_ddp", "wall_s": 50.0, "speedup_vs_flat": 1.0},
+                        {"name": "diloco", "wall_s": 25.0, "speedup_vs_flat": 2.0}])
+    quick = _report("straggler", "2026-03-01T00:00:00Z", quick=True, steps=4, arms=[])
+    for i, r in enumerate((old, new, quick)):
+        (tmp_path / f"r{i}").mkdir()
+        (tmp_path / f"r{i}" / "straggler.json").write_text(json.dumps(r))
+    (tmp_path / "r0" / "notes.json").write_text("[1, 2]")  # not a suite's report: ignored
+    reports = newest_reports([tmp_path])
+    assert set(reports) == {"straggler"} and reports["straggler"]["date"] == new["date"]
+    text = render(reports)
+    assert "Measured 2026-02-01T00:00:00Z on Linux, 2 CPUs, no GPU" in text
+    assert "| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× |" in text
+    assert "Not measured yet: `python -m jobs.bench recovery`." in text
