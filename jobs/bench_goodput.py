@@ -101,7 +101,7 @@ def compare_peers(args, out: Path) -> list[dict]:
         runs.append({"side": side, "mtbf_s": None, "goodput": 1.0, "faults": 0, "wall_s": free[side]["wall_s"],
                      "step_efficiency": free[side]["step_efficiency"], "result_error": free[side].get("result_error")})
         print(f"goodput {side} fault-free: wall {free[side]['wall_s']:.1f} s", flush=True)
-    span = min(f["wall_s"] for f in free.values()) - 5.0  # failures while every side still trains
+    span = 0.8 * args.steps * args.min_step_s  # failures while every side still trains (times count from step 1)
     for mtbf in args.mtbf:
         kills = failure_process(mtbf, span, args.replicas, args.seed)
         for side in sides:  # interleaved: one MTBF, every side, then the next
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m jobs.bench goodput", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 30 steps, one MTBF of 3 s")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 60 steps, one MTBF of 4 s")
     parser.add_argument("--mtbf", type=float, nargs="+", default=[30.0, 10.0])
     parser.add_argument("--peers", nargs="+", default=["torchft"], help="torchft, or none")
     parser.add_argument("--replicas", type=int, default=3)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.mtbf, args.min_step_s = 30, [3.0], 0.2
+        args.steps, args.mtbf, args.min_step_s = 60, [4.0], 0.2
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-goodput-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     import ray

@@ -194,11 +194,13 @@ class FakeRun:
     """The supervisor's side between rounds (what actors/supervisor.py `_round` keeps: the epoch,
     leaders, standing groups, the committed round), over a fake world."""
 
-    def __init__(self, topology: Topology, spr: int, rng: random.Random):
+    def __init__(self, topology: Topology, spr: int, rng: random.Random, world=None):
+        """`world`: the replicas the rounds drive (default: a fake World); jobs/bench_scale.py
+        passes real Ray actors behind the same attributes."""
         from torch.distributed import HashStore  # a real store in this process: AbortJoin really aborts
 
         self.topology, self.spr, self.rng = topology, spr, rng
-        self.world = World(topology, spr)
+        self.world = world if world is not None else World(topology, spr)
         self.log = FakeLog()
         self.roster = FakeRoster(self.world, self.log)
         self.settings = RoundSettings(steps_per_round=spr)

@@ -1,4 +1,4 @@
-"""`python -m jobs.bench recovery [--quick] [--out DIR] [--steps 60 --kill-at 20 --min-step-s 0.25] [--repeats 2]`:
+"""`python -m jobs.bench recovery [--quick] [--out DIR] [--steps 120 --kill-at 20 --min-step-s 0.25] [--repeats 2]`:
 one replica SIGKILLed from outside mid-inner-phase, on hsgd and on its peers, in one invocation.
 
 Sides, each 3 replicas training hsgd's model (same config, batches, loss, AdamW; every step padded
@@ -18,7 +18,7 @@ torchft, as torchx would). From the step logs (jobs/peers/common.py): the surviv
 committed step before the kill to the next after it), the victim's rejoin (kill to its next
 committed step) and the step time before the kill. `recovery.json`: per side and repeat those
 figures, medians per side, and the ratios hsgd_1x3 / peer for stall and rejoin; `recovery.png`.
-`--quick`: 16 steps, kill at 6, one repeat (a smoke run: both sides of each comparison ran).
+`--quick`: 60 steps, kill at 6, one repeat (the victim must have time to come back) (a smoke run: both sides of each comparison ran).
 The peers need the bench extra: `pip install -e ".[bench]"`.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--kill-at", type=int, default=20)
     parser.add_argument("--min-step-s", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=2)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.kill_at, args.repeats = 16, 6, 1
+        args.steps, args.kill_at, args.repeats = 60, 6, 1
     names = [s for s in args.sides.split(",") if s]
     unknown = sorted(set(names) - set(SIDES))
     if unknown:

@@ -58,7 +58,7 @@ def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
     out = results / "goodput"
     assert bench(["goodput", "--quick", "--out", str(out)]) == 0
     runs = _report(out, "goodput")["runs"]
-    assert {(r["side"], r["mtbf_s"]) for r in runs} == {("hsgd", None), ("torchft", None), ("hsgd", 3.0), ("torchft", 3.0)}
+    assert {(r["side"], r["mtbf_s"]) for r in runs} == {("hsgd", None), ("torchft", None), ("hsgd", 4.0), ("torchft", 4.0)}
     faulted = [r for r in runs if r["mtbf_s"]]
     assert faulted[0]["failure_process"] == faulted[1]["failure_process"] and faulted[0]["failure_process"]
     for r in runs:
