@@ -56,11 +56,13 @@ def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan,
         return []
     pool = donors if donors is not None else {rid: progress[rid] for rid in members}
     top_round = max([progress[rid][0] for rid in members] + [p[0] for p in pool.values()])
+    # every cluster measures against the same top round: a donor pool at it stands for it
+    at_top = {rid: p for rid, p in pool.items() if p[0] == top_round} or \
+        {rid: progress[rid] for rid in members if progress[rid][0] == top_round}
+    # the lowest id is the donor any cluster takes; its own cluster heals inside (O(replicas))
+    donor = min(at_top, key=parse_replica_id)
     heals: list[HealAssignment] = []
     for cluster in sorted(plan.members):
         own = {rid: progress[rid] for rid in plan.members[cluster] if rid in progress}
-        # every cluster measures against the same top round: a donor pool at it stands for it
-        at_top = {rid: p for rid, p in pool.items() if p[0] == top_round} or \
-            {rid: progress[rid] for rid in members if progress[rid][0] == top_round}
-        heals += assign_cluster_heals(own, {rid: p for rid, p in at_top.items() if rid not in own})
+        heals += assign_cluster_heals(own, {} if donor in own else {donor: at_top[donor]})
     return heals

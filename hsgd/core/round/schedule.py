@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from hsgd.core.heal import HealAssignment, assign_cluster_heals
-from hsgd.core.topology import Topology
+from hsgd.core.topology import Topology, parse_replica_id
 
 
 def current_round(progress: Iterable[tuple[int, int]]) -> int:
@@ -28,11 +28,14 @@ def heals_at_rest(topology: Topology, live: dict[str, tuple[int, int]]) -> dict[
     furthest committed round — inside the cluster when a member holds it, else from another
     cluster's donor (`global`), as at a round's start."""
     top = current_round(live.values())
-    donors = {rid: p for rid, p in live.items() if p[0] == top}
+    # the lowest id at the top round is the one donor any cluster would take (assign_cluster_heals
+    # picks the lowest id); its own cluster heals inside. One donor, not all: O(replicas), not
+    # O(clusters x replicas) (jobs.bench scale: 1.8 s at 10,000 replicas in 1,000 clusters)
+    donor = min((rid for rid, p in live.items() if p[0] == top), key=parse_replica_id, default=None)
     out = {}
     for c in range(topology.clusters):
         members = {rid: live[rid] for rid in topology.cluster_members(c) if rid in live}
-        heals = assign_cluster_heals(members, {d: p for d, p in donors.items() if d not in members})
+        heals = assign_cluster_heals(members, {donor: live[donor]} if donor is not None and donor not in members else {})
         if heals:
             out[c] = heals
     return out

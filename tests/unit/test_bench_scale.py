@@ -1,0 +1,65 @@
+"""`python -m jobs.bench scale --quick`: the supervisor's decisions at two simulated sizes (through
+`jobs.bench plan`'s measurement) and the Ray control plane at 4 and 8 real lightweight replica
+actors (a local Ray, started and shut down by the suite). Timings are never checked here; what is:
+scale.json's schema, that every size of both sides ran with positive figures and committed every
+round with agreeing digests, that the Ray side's round after a restart healed over real actors,
+that both sides were fitted and extrapolated, and that scale.png was written."""
+from __future__ import annotations
+
+import json
+import math
+
+import ray
+
+from jobs.bench_scale import QUICK_DECISION_SIZES, QUICK_RAY_SIZES, main
+
+MS = ("machine_ms", "runner_ms", "machine_plus_runner_ms")
+FIT = {"growth_exponent", "coefficient_ms", "r2", "sizes"}
+
+
+def _positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_scale_quick_measures_decisions_and_the_ray_control_plane_at_every_size(tmp_path):
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "scale.json").read_text())
+
+    assert (report["suite"], report["quick"], report["budget_ms"]) == ("scale", True, 600.0)
+    assert isinstance(report["date"], str) and report["command"].startswith("python -m jobs.bench scale --quick")
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["platform"]
+
+    decisions = report["decisions"]
+    assert [(d["clusters"], d["replicas_per_cluster"]) for d in decisions] == list(QUICK_DECISION_SIZES)
+    for d in decisions:
+        assert d["replicas"] == d["clusters"] * d["replicas_per_cluster"]
+        for case in ("first_round", "fault_free", "with_failures"):
+            assert d[case]["rounds"] >= 1, case
+            assert all(_positive(d[case][key]) for key in MS), (d["replicas"], case, d[case])
+        assert all(d[key] == d["fault_free"][key] for key in MS), "the headline is the fault-free median"
+        assert all(_positive(d[key]) for key in ("plan_ms", "heal_assignment_ms", "outer_plan_ms")), d
+        checks = d["checks"]
+        assert checks["committed"] == checks["rounds"] >= 3 and checks["digests_agree"], checks
+    assert sum(d["checks"]["failures_fired"].get("die", 0) for d in decisions) >= 1, \
+        "the rounds with failures had replicas die"
+    fit = report["decisions_fit"]
+    assert FIT <= set(fit) and fit["sizes"] == len(QUICK_DECISION_SIZES) and _positive(fit["coefficient_ms"])
+    assert {"plan_ms", "heal_assignment_ms", "outer_plan_ms",
+            "with_failures_machine_plus_runner_ms"} <= set(fit["by_figure"])
+
+    ray_rows = report["ray_control_plane"]
+    assert [(r["clusters"], r["replicas"]) for r in ray_rows] == [(c, c * n) for c, n in QUICK_RAY_SIZES]
+    for r in ray_rows:
+        assert all(_positive(r[key]) for key in ("round_ms_median", "first_round_ms", "heal_round_ms",
+                                                 "driver_cpu_ms_median")), r
+        assert isinstance(r["round_ms_spread"], float) and r["round_ms_spread"] >= 0
+        assert r["committed"] == r["rounds"] + 2, "the first round, the fault-free ones and the one after a restart"
+        assert r["heals"] >= 1 and r["events"]["heal_end"] >= 1, "the restarted actor healed from its peer's actor"
+        assert r["events"]["commit_decision"] == r["committed"]
+    rfit = report["ray_fit"]
+    assert FIT <= set(rfit) and rfit["sizes"] == len(QUICK_RAY_SIZES)
+    assert _positive(report["ray_extrapolated_10000_ms"])
+    assert math.isfinite(rfit["affine"]["at_10000_ms"]) and _positive(rfit["driver_cpu"]["at_10000_ms"])
+
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    assert not ray.is_initialized(), "the suite shuts its Ray down"
