@@ -10,6 +10,8 @@ import pytest
 
 from jobs.bench import main as bench
 
+pytestmark = pytest.mark.long  # each suite starts Ray or processes and trains several runs: minutes on 2 cores
+
 HEADER = {"suite", "date", "machine", "command", "quick"}
 
 

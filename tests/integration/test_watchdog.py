@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, REPO, events, train
 
@@ -54,6 +56,7 @@ def test_slow_but_healthy_replica_is_not_killed(tmp_path):
     assert max(inner[1:]) > 1.5 * min(inner[1:]) or max(inner) > 0.6, f"the slow fault did not slow the run: {inner}"
 
 
+@pytest.mark.long  # a job in its own process, then diagnose attaching to its Ray: over a minute on 2 cores
 def test_diagnose_prints_one_stack_section_per_replica(tmp_path):
     run_dir = tmp_path / "run"
     # a user's two terminals: no RAY_AUTH_MODE inherited from this process's Ray (token auth stays on,
