@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import ray.train  # noqa: F401 — the bench extra is installed in CI: a missing Ray Train fails here, never skips
 
 from jobs.peers import common
@@ -17,6 +19,7 @@ from jobs.peers.raytrain_peer import _kill_figures, _killer, run_raytrain
 STEPS, EVERY, KILL_AT = 30, 5, 12
 
 
+@pytest.mark.long  # a Ray Train worker group started twice: about a minute on 2 cores
 def test_raytrain_peer_restarts_the_group_from_its_checkpoint_after_a_kill(tmp_path):
     result = run_raytrain(model="tiny", replicas=2, steps=STEPS, min_step_s=0.2, out=tmp_path,
                           kills=[("r1", KILL_AT)], checkpoint_every=EVERY, timeout_s=150)
