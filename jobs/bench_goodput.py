@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hsgd.record.goodput import fault_costs, goodput, summarize_costs
 from hsgd.record.rundir import read_jsonl
-from jobs.bench_report import header, write_suite
+from jobs.bench_report import bench_ray, header, write_suite
 
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
@@ -136,16 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.mtbf, args.min_step_s = 60, [4.0], 0.2
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-goodput-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    import ray
-
-    ray.init(num_cpus=8, namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
     cases: list[dict] = []
-    try:
+    with bench_ray():
         runs = compare_peers(args, out)
         if args.spares:
             cases, step_s = _with_spares(args, out)
-    finally:
-        ray.shutdown()
     report = {**header("goodput", argv, args.quick), "replicas": args.replicas, "steps": args.steps,
               "min_step_s": args.min_step_s, "runs": runs}
     if cases:

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.bench_report import header, write_suite
+from jobs.bench_report import bench_ray, header, write_suite
 
 SIDES = ("hsgd_1x3", "hsgd_3x1", "torchft_readme", "torchft_fast", "ray_train")
 VICTIM = {"hsgd_1x3": "c0r1", "hsgd_3x1": "c1r0"}  # the peers': r1
@@ -101,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sides: unknown {', '.join(unknown)}; valid: {', '.join(SIDES)}")
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-recovery-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    import ray
-
-    ray.init(num_cpus=8, namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    try:
+    with bench_ray():
         for repeat in range(args.repeats):  # interleaved: each repeat runs every side once
             for name in names:
                 run = run_side(name, model=args.model, steps=args.steps, kill_at=args.kill_at,
@@ -115,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"recovery {name} #{repeat}: stall {rec.get('survivors_stall_median_s')} s, "
                       f"rejoin {rec.get('rejoin_s')} s, step {run.get('step_time_s')} s, "
                       f"error {run.get('result_error')}", flush=True)
-    finally:
-        ray.shutdown()
     sides = {n: summarize(n, r) for n, r in runs.items()}
     report = {**header("recovery", argv, args.quick), "model": args.model, "steps": args.steps,
               "kill_at": args.kill_at, "min_step_s": args.min_step_s, "repeats": args.repeats,

@@ -15,6 +15,7 @@ never written there. Suites describe their own rows (`ROWS`: a suite's headline 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -37,6 +38,22 @@ def header(suite: str, argv: list[str], quick: bool) -> dict:
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "torch": torch.__version__, "cpus": os.cpu_count(), "gpu": gpu},
             "command": "python -m jobs.bench " + " ".join(shlex.quote(a) for a in [suite, *argv]), "quick": quick}
+
+
+@contextlib.contextmanager
+def bench_ray(num_cpus: int = 8, namespace: str = "hsgd-bench", **init):
+    """The suite's embedded Ray: started here (token auth at Ray's default, on) and shut down at
+    the end — or, when the caller already runs one (a test session's), that one, left running."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False, **init)
+    try:
+        yield
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
 
 
 def write_suite(out: Path, report: dict) -> Path:

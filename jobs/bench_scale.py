@@ -310,19 +310,22 @@ def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed:
 
 def ray_side(sizes, rounds: int, seed: int, on_size) -> list[dict]:
     repo = str(Path(__file__).resolve().parent.parent)
-    ray.init(num_cpus=4, namespace="hsgd-bench-scale", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-    try:
+    from jobs.bench_report import bench_ray  # here, not at import: the actors import this module
+
+    with bench_ray(num_cpus=4, namespace="hsgd-bench-scale",
+                   runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}}):
         t0 = time.monotonic()
         actors = start_actors(max(c * n for c, n in sizes))
-        print(f"scale: {len(actors)} light replica actors up in {time.monotonic() - t0:.1f} s", flush=True)
-        results = []
-        for clusters, per_cluster in sizes:
-            results.append(ray_rounds(actors, clusters, per_cluster, rounds, seed))
-            on_size(results[-1])
-        return results
-    finally:
-        ray.shutdown()
+        try:
+            print(f"scale: {len(actors)} light replica actors up in {time.monotonic() - t0:.1f} s", flush=True)
+            results = []
+            for clusters, per_cluster in sizes:
+                results.append(ray_rounds(actors, clusters, per_cluster, rounds, seed))
+                on_size(results[-1])
+            return results
+        finally:
+            for actor in actors:
+                ray.kill(actor)  # in a Ray the caller keeps running, nothing of ours stays behind
 
 
 # -- fits --------------------------------------------------------------------------------------------------

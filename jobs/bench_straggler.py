@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.bench_report import header, write_suite
+from jobs.bench_report import bench_ray, header, write_suite
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0", "logging.step_times=true",
          "model=tiny"]
@@ -76,19 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"train.rounds={args.steps // args.every}", f"sync.outer_every={args.every}",
               f"train.eval_every={args.steps // args.every}", f"train.min_step_s={args.min_step_s}",
               f"train.straggle_p={args.p}", f"train.straggle_factor={args.factor}"]
-    import ray
-
-    ray.init(num_cpus=8, namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {name: [] for name in arms(args.every)}
-    try:
+    with bench_ray():
         for repeat in range(args.repeats):  # interleaved: each repeat runs every arm once
             for name, overrides in arms(args.every).items():
                 run = run_arm(name, common + overrides + [f"seed={args.seed + repeat}"], out / f"{name}_{repeat}")
                 runs[name].append(run)
                 print(f"straggler {name} #{repeat}: {run['train_s']:.1f} s to {args.steps} steps, "
                       f"eval loss {run['final_eval_loss']}", flush=True)
-    finally:
-        ray.shutdown()
     flat = statistics.median(r["train_s"] for r in runs["flat_ddp"])
     results = []
     for name, rs in runs.items():
