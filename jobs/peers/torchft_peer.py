@@ -316,6 +316,8 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
         "kills_skipped": [{"replica": r, "at_step": s} for r, s in step_kills] +
                          [{"replica": r, "at_s": s} for s, r in time_kills],
         "unfinished": unfinished,
+        # the field every side's runner has: None when every replica reached `steps`
+        "result_error": f"replicas did not reach step {steps}: {unfinished}" if unfinished else None,
         "final": final,
         **_digest_agreement(out / "digests"),
         "settings_detail": detail,
