@@ -145,10 +145,11 @@ def render(reports: dict[str, dict]) -> str:
             lines += [f"Not measured yet: `python -m jobs.bench {suite}`.", ""]
             continue
         m = report["machine"]
-        lines += [f"Measured {report['date']} on {m['platform']}, {m['cpus']} CPUs, "
-                  f"{m['gpu'] or 'no GPU'}, torch {m['torch']}: `{report['command']}`", "",
-                  "| figure | value | note |", "| --- | --- | --- |"]
-        lines += [f"| {' | '.join(row)} |" for row in ROWS[suite](report)]
+        machine = f"{m['cpus']} CPUs, {m['gpu'] or 'no GPU'}"
+        lines += [f"Measured {report['date']} on {m['platform']}, {machine}, torch {m['torch']}: `{report['command']}`", "",
+                  "| figure | value | note | date | machine | command |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {' | '.join(row)} | {report['date'][:10]} | {machine} | `{report['command']}` |"
+                  for row in ROWS[suite](report)]
         lines.append("")
     return "\n".join(lines)
 

@@ -45,5 +45,6 @@ def test_the_newest_full_report_of_each_suite_is_rendered_with_its_date_machine_
     assert set(reports) == {"straggler"} and reports["straggler"]["date"] == new["date"]
     text = render(reports)
     assert "Measured 2026-02-01T00:00:00Z on Linux, 2 CPUs, no GPU" in text
-    assert "| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× |" in text
+    assert ("| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× | 2026-02-01 | 2 CPUs, no GPU | "
+            "`python -m jobs.bench straggler` |") in text
     assert "Not measured yet: `python -m jobs.bench recovery`." in text
