@@ -1,7 +1,9 @@
 """Goodput benchmark: `python -m jobs.bench goodput [--quick] [--out DIR] [--mtbf 30 10] [--peers torchft]
 [--spares 0 1 --rounds N]`.
 
-hsgd vs torchft under the same failure process (issue 23, Build 3; `--peers none` skips it): each
+hsgd vs torchft (and with `--peers torchft ray_train` Ray Train, which loses the steps since its
+last checkpoint at each failure) under the same failure process (issue 23, Build 3; `--peers none`
+skips it): each
 side trains 3 replicas of hsgd's model for `--steps` steps padded to `--min-step-s` (so 2 shared
 cores do not decide the result: a missing replica must not look like a speed-up) — hsgd as one
 cluster of 3 (ddp every step, the flat peers' work), torchft with its fast settings
@@ -79,11 +81,17 @@ def _side(side: str, *, replicas: int, steps: int, min_step_s: float, out: Path,
         run = run_hsgd(model="tiny", clusters=1, replicas_per_cluster=replicas, steps=steps, min_step_s=min_step_s,
                        out=out, kill_times_s=[(t, f"c0r{i}") for t, i in kills], seed=seed)
         run["steps_dir"] = str(Path(run["run_dir"]) / "steps")
-    else:
+    elif side == "torchft":
         from jobs.peers.torchft_peer import run_torchft
 
         run = run_torchft(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, settings="fast", out=out,
                           kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
+        run["steps_dir"] = str(Path(out) / "steps")
+    else:  # ray_train: the peer that loses steps (a restart resumes from its last checkpoint)
+        from jobs.peers.raytrain_peer import run_raytrain
+
+        run = run_raytrain(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, out=out,
+                           kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
         run["steps_dir"] = str(Path(out) / "steps")
     run["step_efficiency"] = step_efficiency(run)
     return run
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 60 steps, one MTBF of 4 s")
     parser.add_argument("--mtbf", type=float, nargs="+", default=[30.0, 10.0])
-    parser.add_argument("--peers", nargs="+", default=["torchft"], help="torchft, or none")
+    parser.add_argument("--peers", nargs="+", default=["torchft"], choices=["torchft", "ray_train", "none"],
+                        help="torchft and/or ray_train (steps lost to rollbacks: its committed-step efficiency), or none")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--min-step-s", type=float, default=0.3)
