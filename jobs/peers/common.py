@@ -85,17 +85,24 @@ class Recovery:
                 "survivors_stall_max_s": max(stalls) if stalls else None, "rejoin_s": self.rejoin_s}
 
 
+def kept(rows: list[dict]) -> list[dict]:
+    """The lines whose step is never committed again later: a step a rollback undid (Ray Train
+    resumes from its last checkpoint and commits those steps again) is not progress."""
+    last = {row["step"]: i for i, row in enumerate(rows)}
+    return [row for i, row in enumerate(rows) if last[row["step"]] == i]
+
+
 def recovery(steps: dict[str, list[dict]], kill: Kill) -> Recovery:
-    """Survivors' stall and the victim's rejoin for one kill, read from the step logs."""
+    """Survivors' stall and the victim's rejoin for one kill, read from the step logs. After the
+    kill only kept steps count (a survivor that commits one more step before its group notices the
+    death, and then rolls it back, has not gone on)."""
     out = Recovery(victim=kill.replica)
     for replica, rows in steps.items():
-        times = [row["t"] for row in rows]
+        after = [row["t"] for row in kept(rows) if row["t"] > kill.t]
         if replica == kill.replica:
-            after = [t for t in times if t > kill.t]
             out.rejoin_s = after[0] - kill.t if after else None
             continue
-        before = [t for t in times if t <= kill.t]
-        after = [t for t in times if t > kill.t]
+        before = [row["t"] for row in rows if row["t"] <= kill.t]
         if before and after:
             out.survivors_stall_s[replica] = after[0] - before[-1]
     return out

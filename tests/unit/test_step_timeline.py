@@ -49,6 +49,19 @@ def test_stall_and_rejoin_are_read_from_the_logs_around_the_kill(tmp_path):
     assert figures["rejoin_s"] == 7.0
 
 
+def test_a_step_committed_after_the_kill_and_rolled_back_is_not_the_survivors_next_step(tmp_path):
+    # r0 commits step 3 just after r1's death (its group has not noticed yet), then the group
+    # restarts from the checkpoint at step 2 and commits 3 again at 20.0: it went on at 20.0
+    rows = {"r0": [(1, 10.0, 1), (2, 11.0, 1), (3, 12.2, 1), (3, 20.0, 5), (4, 20.3, 5)],
+            "r1": [(1, 10.0, 2), (2, 11.0, 2), (3, 20.1, 6)]}
+    for name, steps in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"replica": name, "step": s, "t": t, "pid": pid}) + "\n" for s, t, pid in steps))
+    figures = recovery(read_steps(tmp_path), Kill("r1", 2, 12.0)).as_dict()
+    assert figures["survivors_stall_s"] == {"r0": 20.0 - 11.0}
+    assert abs(figures["rejoin_s"] - 8.1) < 1e-9
+
+
 def test_stragglers_sleep_a_multiple_of_the_step_at_the_drawn_steps_and_replay_alike(dataset):  # noqa: F811
     def straggling_steps(p):
         trainer = _trainer(dataset, "c0r0", f"train.straggle_p={p}", "train.straggle_factor=0", "train.min_step_s=0.0")
