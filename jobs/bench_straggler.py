@@ -1,4 +1,4 @@
-"""`python -m jobs.bench straggler [--quick] [--out DIR] [--steps 400 --min-step-s 0.1 --p 0.01 --factor 10 --every 50]`:
+"""`python -m jobs.bench straggler [--quick] [--out DIR] [--steps 300 --min-step-s 0.1 --p 0.01 --factor 10 --every 50]`:
 time to a fixed number of steps with random stragglers — flat synchronous DDP vs hierarchical
 local SGD vs DiLoCo (the setting of PyTorch's hierarchical SGD blog: each replica, at each step,
 sleeps with probability 1 % for ten times a step's time: `train.straggle_p`, `train.straggle_factor`).
@@ -6,7 +6,7 @@ sleeps with probability 1 % for ten times a step's time: `train.straggle_p`, `tr
 Arms, 4 replicas each, the same model, seed and steps, each step padded to `--min-step-s`:
 
     flat_ddp         1 cluster x 4, ddp every step: one straggler stalls all four
-    local_sgd        2 x 2, params averaged inside a cluster every 4 steps (`sync.inner=localsgd`)
+    local_sgd        2 x 2, params averaged inside a cluster every 5 steps (`sync.inner=localsgd`)
                      and across clusters every `--every` steps (`sync.outer=average`)
     diloco           2 x 2, ddp inside, DiLoCo across clusters every `--every` steps
 
@@ -32,10 +32,15 @@ QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.ev
          "model=tiny"]
 
 
+def inner_every(every: int) -> int:
+    """Local SGD's averages inside a cluster: every 5 steps, or the largest divisor of a round below it."""
+    return next(k for k in (5, 4, 3, 2, 1) if every % k == 0)
+
+
 def arms(every: int) -> dict[str, list[str]]:
     return {"flat_ddp": ["topology.clusters=1", "topology.replicas_per_cluster=4", "sync.inner=ddp", "sync.outer=average"],
             "local_sgd": ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=localsgd",
-                          "sync.inner_every=4", "sync.outer=average"],
+                          f"sync.inner_every={inner_every(every)}", "sync.outer=average"],
             "diloco": ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=ddp", "sync.outer=diloco"]}
 
 
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.bench straggler", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=50, help="steps between syncs across clusters")
     parser.add_argument("--min-step-s", type=float, default=0.1)
     parser.add_argument("--p", type=float, default=0.01, help="train.straggle_p")
