@@ -236,6 +236,7 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
     workers = _Replicas(out, spec)
     step_kills, time_kills = list(kills), sorted(kill_times_s)
     done_kills: list[common.Kill] = []
+    down_skips: list[dict] = []  # failures of the process that fell on a replica still down
     crashes: list[dict] = []
     finished: dict[str, float] = {}  # replica -> when its worker exited 0
     unfinished: list[str] = []
@@ -285,8 +286,14 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
                     victim = common.kill_at_step(folder, replica, at_step, timeout_s=5.0)
                     workers.reap(replica)
                 elif time_kills and first_t is not None and time.time() >= first_t + time_kills[0][0]:
-                    _, replica = time_kills.pop(0)
-                    victim = workers.kill(replica)
+                    at_s, replica = time_kills.pop(0)
+                    # the rule of every side's failure process (jobs/peers/hsgd_peer.kill_on_schedule): a
+                    # replica that has not committed a step since its last kill is still down, not hit again
+                    last_kill = max((k.t for k in done_kills if k.replica == replica), default=None)
+                    if last_kill is None or any(row["t"] > last_kill for row in steps_now.get(replica, [])):
+                        victim = workers.kill(replica)
+                    else:
+                        down_skips.append({"replica": replica, "at_s": at_s, "reason": "not back since its last kill"})
                 if victim is not None:
                     done_kills.append(victim)
                     workers.spawn(victim.replica)  # at once, same replica id: it heals from a live peer
@@ -314,7 +321,7 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
         "restarts": restarts,
         "crashes": crashes,
         "kills_skipped": [{"replica": r, "at_step": s} for r, s in step_kills] +
-                         [{"replica": r, "at_s": s} for s, r in time_kills],
+                         [{"replica": r, "at_s": s} for s, r in time_kills] + down_skips,
         "unfinished": unfinished,
         # the field every side's runner has: None when every replica reached `steps`
         "result_error": f"replicas did not reach step {steps}: {unfinished}" if unfinished else None,
