@@ -95,9 +95,16 @@ def _scale_rows(r: dict) -> list[list[str]]:
              _f(d.get("machine_plus_runner_ms"), ".1f", " ms"), ""] for d in r.get("decisions", [])]
     fit = r.get("decisions_fit") or {}
     rows.append(["decisions: growth exponent (time ∝ replicas^k)", _f(fit.get("growth_exponent"), ".2f"), ""])
+    for p in r.get("ray_control_plane", []):
+        rows.append([f"Ray control plane per round, {p['replicas']} light replica actors",
+                     _f(p.get("round_ms_median"), ".1f", " ms"), f"spread {_f(p.get('round_ms_spread'), '.1f', ' ms')}"])
+    fit = r.get("ray_fit") or {}
     if r.get("ray_extrapolated_10000_ms") is not None:
-        rows.append(["Ray control plane per round, extrapolated to 10,000 replicas",
-                     _f(r["ray_extrapolated_10000_ms"], ".0f", " ms"), f"budget {r.get('budget_ms', 600)} ms"])
+        rows.append(["Ray control plane per round, extrapolated to 10,000 replicas (power fit / fixed + per replica)",
+                     f"{_f(r['ray_extrapolated_10000_ms'], '.0f', ' ms')} / "
+                     f"{_f((fit.get('affine') or {}).get('at_10000_ms'), '.0f', ' ms')}",
+                     f"exponent {_f(fit.get('growth_exponent'), '.2f')} (r² {_f(fit.get('r2'), '.2f')}); "
+                     f"budget {r.get('budget_ms', 600):g} ms"])
     return rows
 
 
