@@ -18,7 +18,7 @@ torchft, as torchx would). From the step logs (jobs/peers/common.py): the surviv
 committed step before the kill to the next after it), the victim's rejoin (kill to its next
 committed step) and the step time before the kill. `recovery.json`: per side and repeat those
 figures, medians per side, and the ratios hsgd_1x3 / peer for stall and rejoin; `recovery.png`.
-`--quick`: 60 steps, kill at 6, one repeat (the victim must have time to come back) (a smoke run: both sides of each comparison ran).
+`--quick`: 100 steps of 0.2 s, kill at 6, one repeat (the victim must have time to come back: ~19 s) (a smoke run: both sides of each comparison ran).
 The peers need the bench extra: `pip install -e ".[bench]"`.
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.kill_at, args.repeats = 60, 6, 1
+        args.steps, args.kill_at, args.repeats, args.min_step_s = 100, 6, 1, 0.2
     names = [s for s in args.sides.split(",") if s]
     unknown = sorted(set(names) - set(SIDES))
     if unknown:
