@@ -64,13 +64,3 @@ def error_kind(value) -> ErrorKind:
         return ErrorKind(value or "")
     except ValueError:  # a kind this supervisor does not know (a newer replica): no kind
         return ErrorKind.NONE
-
-
-
-
-def kill_quietly(handle) -> None:
-    """Kill an actor restartable (a replica that raised restarts clean); already gone is fine."""
-    try:
-        ray.kill(handle, no_restart=False)
-    except Exception:  # noqa: BLE001 — already gone
-        pass

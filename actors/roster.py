@@ -135,13 +135,20 @@ class Roster:
 
     def down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
         if cause == "error":  # the replica raised: restart it clean, as any failed replica
-            try:
-                ray.kill(self.handles[rid], no_restart=False)
-            except Exception:  # noqa: BLE001 — already gone
-                pass
+            self.restart_raised(rid, phase, round_index, detail)
         if self.live.pop(rid, None) is not None:
             self.died(rid, cause, phase, round_index, detail)
             self._forget_groups(rid)
+
+    def restart_raised(self, rid: str, phase: str | None, round_index: int, detail: str = "") -> None:
+        """rid raised inside a phase (an OOM, an I/O error, a bug): its `replica_down` (cause
+        `error`) is logged *before* it is killed, so that the next look at Ray's actor table does
+        not report the kill first as a plain death; then Ray restarts it clean."""
+        self.died(rid, "error", phase, round_index, detail)
+        try:
+            ray.kill(self.handles[rid], no_restart=False)
+        except Exception:  # noqa: BLE001 — already gone
+            pass
 
     def died(self, rid: str, cause: str, phase: str | None, round_index: int, detail: str = "") -> bool:
         """The process serving rid died (or was killed), learned from a call: log its `replica_down`

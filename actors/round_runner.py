@@ -29,7 +29,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
-from actors.replica_calls import FETCH_S, call, error_kind, kill_quietly, up
+from actors.replica_calls import FETCH_S, call, error_kind, up
 from actors.round_record import PHASE_NAME, RoundRecord
 from hsgd.core.round import (AbortJoin, Answer, Kill, Lost, Outcome, Phase, PhaseEnded, Progress, Reap, RoundMachine,
                              StepTimed, Yield)
@@ -188,6 +188,8 @@ class RoundRunner:
         if ref in self.probes:
             return self._probe_answer(ref)
         said = self.heals.source_answer(ref)  # a heal source's answer: its state is ready, or it is lost
+        if isinstance(said, Lost) and said.cause == "error":  # it raised while giving its state
+            self.p.roster.restart_raised(said.rid, self.phase, self.r, "raised while giving its state")
         return [said] if said is not None else []
 
     def _answer(self, ref) -> Answer:
@@ -204,7 +206,7 @@ class RoundRunner:
                 outcome, detail = Outcome.DIED, type(err).__name__
             else:  # the replica raised (OOM, I/O, a bug): its own failure, never the job's; restart it clean
                 outcome = Outcome.ERROR
-                kill_quietly(self.p.roster.handles[rid])
+                self.p.roster.restart_raised(rid, self.phase, self.r, detail)
         if flight is not None and rid in flight.pending:  # (a stale answer is not the round's)
             self.record.answered(flight.phase, rid, outcome, value, detail)
         return Answer(phase_id, rid, outcome, int(value.get("round", -1)), int(value.get("step", -1)),

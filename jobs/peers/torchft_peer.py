@@ -388,7 +388,8 @@ class _CountQuorums:
             lg.addHandler(Handler())
 
 
-def _reporting_ddp_class():
+def _reporting_ddp_class(timeout):
+    """`timeout`: the Manager's (a timedelta); the hook's wait is bounded by it."""
     import torch
     import torchft
 
@@ -401,7 +402,8 @@ def _reporting_ddp_class():
         @staticmethod
         def _comm_hook(state, bucket):
             work = state.allreduce(bucket.buffer())
-            ok = work.wait()
+            # bounded twice: the Manager wraps the all-reduce's future in its own timeout, and the wait says it too
+            ok = work.wait(timeout=timeout)
             inner = getattr(work.get_future(), "_fut", None)
             if ok and inner is not None:
                 return inner
@@ -478,7 +480,7 @@ def _worker(spec: dict) -> int:
         connect_timeout=timedelta(seconds=m["connect_timeout_s"]),
         heartbeat_interval=timedelta(milliseconds=m["heartbeat_interval_ms"]), checkpoint_transport=transport)
     manager_ref.append(manager)
-    ddp = (_reporting_ddp_class() if detail["patch_ddp_hook"] else torchft.DistributedDataParallel)(manager, model)
+    ddp = (_reporting_ddp_class(timedelta(seconds=m["timeout_s"])) if detail["patch_ddp_hook"] else torchft.DistributedDataParallel)(manager, model)
     optimizer = torchft.Optimizer(manager, inner)
     log = common.StepLog(Path(spec["out"]) / "steps", replica)
     digests = Path(spec["out"]) / "digests"

@@ -270,6 +270,22 @@ def test_a_death_learned_from_a_call_is_logged_once_even_when_the_table_shows_it
     assert [(d["rid"], d["incarnation"]) for d in roster.log.named("replica_down")] == [("c0r0", 0)]
 
 
+def test_a_replica_that_raised_is_one_error_death_even_when_the_table_shows_the_kill_first(roster, monkeypatch):
+    """The race CI found: the runner kills a replica whose call raised, and its next look at Ray's
+    actor table (before the machine's deaths are logged) saw the kill as a plain death: `died`."""
+    import actors.roster as roster_mod
+
+    killed = []
+    monkeypatch.setattr(roster_mod.ray, "kill", lambda handle, no_restart: killed.append(no_restart)
+                        or roster.table.set("c0r1", "RESTARTING", 1))
+    roster.restart_raised("c0r1", "inner", 0, "InjectedError: c0r1: injected error in inner of round 0")
+    assert killed == [False], "restarted clean, not killed for good"
+    assert roster.deaths(roster.live, 0, "inner") == [], "logged already; the machine learns it from the answer"
+    assert roster.died("c0r1", "error", "inner", 0) is False, "the machine's own record of it is the same death"
+    downs = roster.log.named("replica_down")
+    assert [(d["rid"], d["cause"], d["incarnation"]) for d in downs] == [("c0r1", "error", 0)]
+
+
 def test_a_warm_spare_s_death_is_a_spare_lost_and_the_pool_no_longer_counts_it_ready(roster):
     spare = name("spare-c0-0")
     roster.spares.ready.add(spare)
