@@ -40,33 +40,13 @@ from typing import Any, Mapping
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+# the heal's deadline and the state's bound are pure decisions (hsgd/core/deadlines.py), re-exported for importers
+from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound  # noqa: F401
 from hsgd.core.round import Lost, Outcome, StateReady
 from hsgd.train import state_stream
-from hsgd.train.comm import collective_timeout_s
 
-# A full state is at most 7x its params — the params, AdamW's two moments, the global params, the
-# outer momentum, the error-feedback residual (with a codec) and the outer snapshot (with
-# sync.fragment_delay: one fragment's pseudo-gradient, at most the params), each at most as large as
-# the params — plus small tensors (AdamW's `step` per parameter).
-STATE_PER_PARAM_BYTE = 7
-STATE_SMALL_BYTES = 1 << 20
 FETCH_S = 30.0  # fetching an answer already ready (a few hundred bytes): bounds the call, decides nothing
 SETTLE_POLL_S = 0.5  # settle's longest wait before it looks at its deadline again
-
-
-def state_bytes_bound(param_bytes: int) -> int:
-    """The most bytes a full state of a model with `param_bytes` of params can hold."""
-    return STATE_PER_PARAM_BYTE * param_bytes + STATE_SMALL_BYTES
-
-
-def heal_deadline_s(*, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int,
-                    min_gbps: float) -> float:
-    """How long one heal of a state of `state_bytes` may take, end to end: a `full` heal may wait
-    for its group to form (configure_timeout_s), stream the whole state and stall one collective's
-    timeout (timeout_s) before it fails, then move the state once more through the object store
-    (call_timeout_s for the calls themselves) — two transfers of the state at comm.min_gbps. The
-    round machine's heal deadline and the final heal's wait."""
-    return collective_timeout_s(call_timeout_s + configure_timeout_s + timeout_s, 2 * state_bytes, min_gbps)
 
 
 class Heals:

@@ -34,7 +34,7 @@ def call(phase: Phase, rid: str, args: tuple, armed: dict, p, heals: Heals, live
 
 def heal_at_rest(phase: Phase, ports, live: dict, deadline_s: float) -> None:
     """A heal outside a round (the final heal): issue it and wait for it at most `deadline_s`
-    (scaled to the state's bytes: actors.heals.heal_deadline_s); heal_end for each that healed."""
+    (scaled to the state's bytes: hsgd.core.deadlines.heal_deadline_s); heal_end for each that healed."""
     heals = Heals(ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id,
                   round_index=phase.round)
     record, started = RoundRecord(phase.round, ports.log, ports.clock), time.monotonic()

@@ -22,11 +22,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from actors.lifecycle import ActorWatch
 from actors.spares import SparePool
-from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch
+from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch, collective_timeout_s
 from hsgd.core.membership import Plan, live_plan
 from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.topology import Topology
-from hsgd.train.comm import collective_timeout_s
 
 AWAIT_PASS_S = 3.0  # await_idle: the longest one pass waits for the replicas' answers
 

@@ -36,20 +36,18 @@ from omegaconf import OmegaConf
 
 from actors import checkpointing
 from actors.fault_injector import FaultInjector
-from actors.heals import heal_deadline_s, state_bytes_bound
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
-from hsgd.core.deadlines import PhaseClock
-from hsgd.core.membership import quorum_problem
+from hsgd.core.deadlines import PhaseClock, collective_timeout_s
+from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
-                             heals_at_rest)
+                             heals_at_rest, round_settings)
 from hsgd.core.topology import Topology
-from hsgd.record.events import RunLog
+from hsgd.record.events import RunLog, storage_problem
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.wandb import WandbSink
-from hsgd.train.comm import collective_timeout_s
 from hsgd.config.rounds import is_streaming, steps_per_round
 
 STATE_FILE = "supervisor_state.json"
@@ -129,10 +127,9 @@ class Supervisor:
 
     def _check_storage(self) -> None:
         """RunFailed when the run folder has failed writes for longer than run.io_grace_s."""
-        down_s, error = self.log.unwritable_s()
-        if down_s > self.io_grace_s:
-            raise RunFailed(f"run folder {self.run_dir} unwritable for {down_s:.0f} s "
-                            f"(run.io_grace_s={self.io_grace_s:g}): {error}")
+        problem = storage_problem(*self.log.unwritable_s(), grace_s=self.io_grace_s, run_dir=self.run_dir)
+        if problem is not None:
+            raise RunFailed(problem)
 
     # -- status channel (answers while a phase runs) -----------------------------------------------------
     @ray.method(concurrency_group="status")
@@ -264,28 +261,10 @@ class Supervisor:
         return summary
 
     def _settings(self) -> RoundSettings:
-        cfg, sup = self.cfg, self.cfg.supervisor
-        # a healthy member leaves a broken collective within its (payload-scaled) timeout
-        param_bytes = self.roster.param_bytes
-        grace = collective_timeout_s(cfg.comm.timeout_s, param_bytes, cfg.comm.min_gbps) + 5.0
-        # one heal, end to end: its group's join, the whole state twice (over the group, then a fallback)
-        heal_s = heal_deadline_s(call_timeout_s=sup.call_timeout_s, configure_timeout_s=cfg.comm.configure_timeout_s,
-                                 timeout_s=cfg.comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
-                                 min_gbps=cfg.comm.min_gbps)
-        return RoundSettings(steps_per_round=self.spr, inner=cfg.sync.inner, outer=cfg.sync.outer,
-                             outer_path=cfg.sync.outer_path, fragment_delay=int(cfg.sync.get("fragment_delay", 0) or 0),
-                             inner_every=cfg.sync.inner_every, rejoin=sup.get("rejoin", "fast"),
-                             min_replicas_per_cluster=sup.min_replicas_per_cluster, min_clusters=sup.min_clusters,
-                             step_deadline_s=self.clock.deadline("inner_step", 1), group_grace_s=grace,
-                             # a closed connection means the peer's process is gone; only Ray's own
-                             # notice (which names the cause) is worth a short wait — nothing is killed
-                             presumed_dead_s=max(0.25, self.clock.median("inner_step", 0.5)),
-                             # the rendezvous, then the backend's connect among members known present
-                             # (hsgd.train.comm.LevelGroup.connect_timeout_s), then a margin
-                             configure_s=cfg.comm.configure_timeout_s + min(cfg.comm.timeout_s, cfg.comm.configure_timeout_s)
-                             + 5.0, heal_s=heal_s,
-                             outer_s=min(sup.phase_timeout_s, self.clock.deadline("outer", 1) + grace),
-                             commit_s=min(sup.phase_timeout_s, self.clock.deadline("outer_commit", 1) + grace))
+        """The next round's settings: hsgd.core.round.settings says why each deadline is what it is."""
+        cfg = self.cfg
+        return round_settings(steps_per_round=self.spr, sync=cfg.sync, supervisor=cfg.supervisor, comm=cfg.comm,
+                              param_bytes=self.roster.param_bytes, clock=self.clock)
 
     def _round(self, r: int) -> None:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
@@ -328,8 +307,7 @@ class Supervisor:
         while time.monotonic() < deadline:
             self._check_storage()
             self.roster.rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
-            counts = [sum(self.topology.cluster_of(rid) == c for rid in self.roster.live)
-                      for c in range(self.topology.clusters)]
+            counts = live_per_cluster(self.topology, self.roster.live)
             if quorum_problem(counts, sup.min_replicas_per_cluster, sup.min_clusters) is None:
                 return
         raise RunFailed(f"quorum lost: {reason}; waited {sup.quorum_wait_s:.0f}s for replicas to return")

@@ -13,12 +13,49 @@ is the ceiling.
 Reports. When a deadline passes, the supervisor collects a stack dump of every replica in the
 phase (py-spy when present, else faulthandler through a signal, else the replica's own answer)
 and `hang_report` writes which replica is stuck, in which function, and who waits on it.
+
+Payload-scaled deadlines. A transfer's deadline is a fixed part plus its bytes at the slowest link
+speed assumed (`collective_timeout_s`, comm.min_gbps); a heal's covers its group's join and the
+whole state twice (`heal_deadline_s`, over `state_bytes_bound`). The round machine's settings
+(hsgd/core/round/settings.py), the collectives themselves (hsgd/train/comm.py) and the actors'
+waits all take them from here.
 """
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
+
+
+# A full state is at most 7x its params — the params, AdamW's two moments, the global params, the
+# outer momentum, the error-feedback residual (with a codec) and the outer snapshot (with
+# sync.fragment_delay: one fragment's pseudo-gradient, at most the params), each at most as large as
+# the params — plus small tensors (AdamW's `step` per parameter).
+STATE_PER_PARAM_BYTE = 7
+STATE_SMALL_BYTES = 1 << 20
+
+
+def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
+    """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
+    payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
+    one (or a heal) from the same two settings. A simulated link's sleep (`LinkModel`, config
+    `links.*`) is outside this deadline: it comes after the op returned."""
+    return base_s + payload_bytes * 8 / (min_gbps * 1e9)
+
+
+def state_bytes_bound(param_bytes: int) -> int:
+    """The most bytes a full state of a model with `param_bytes` of params can hold."""
+    return STATE_PER_PARAM_BYTE * param_bytes + STATE_SMALL_BYTES
+
+
+def heal_deadline_s(*, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int,
+                    min_gbps: float) -> float:
+    """How long one heal of a state of `state_bytes` may take, end to end: a `full` heal may wait
+    for its group to form (configure_timeout_s), stream the whole state and stall one collective's
+    timeout (timeout_s) before it fails, then move the state once more through the object store
+    (call_timeout_s for the calls themselves) — two transfers of the state at comm.min_gbps. The
+    round machine's heal deadline and the final heal's wait."""
+    return collective_timeout_s(call_timeout_s + configure_timeout_s + timeout_s, 2 * state_bytes, min_gbps)
 
 
 @dataclass

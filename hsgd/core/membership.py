@@ -45,6 +45,17 @@ class Plan:
         return f"epoch{self.epoch}/outer"
 
 
+def live_per_cluster(topology: Topology, live) -> list[int]:
+    """How many of the `live` replica ids each cluster has, in cluster order (quorum_problem's
+    `counts`); an id of no cluster of `topology` counts nowhere."""
+    counts = [0] * topology.clusters
+    for rid in live:
+        cluster = topology.cluster_of(rid)
+        if 0 <= cluster < topology.clusters:
+            counts[cluster] += 1
+    return counts
+
+
 def quorum_problem(counts: list[int], min_replicas_per_cluster: int, min_clusters: int) -> str | None:
     """`counts`: live replicas per cluster. None when training may go on, else a one-line reason."""
     in_quorum = sum(n >= min_replicas_per_cluster for n in counts)

@@ -72,6 +72,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
+from hsgd.core.deadlines import collective_timeout_s  # the transfer deadline rule (pure), also importable from here
+
 LEVELS = ("inner", "outer")
 ERROR_KINDS = ("configure", "issue", "wait", "peer_gone", "timeout", "aborted", "join_aborted")
 SECRET_BITS = 128
@@ -280,14 +282,6 @@ def _make_torchft_group(backend: str, timeout_s: float):
     if backend == "nccl":
         return ProcessGroupNCCL(timeout=timedelta(seconds=timeout_s))
     return ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
-
-
-def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
-    """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
-    payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
-    one (or a heal) from the same two settings. A simulated link's sleep (`LinkModel`, config
-    `links.*`) is outside this deadline: it comes after the op returned."""
-    return base_s + payload_bytes * 8 / (min_gbps * 1e9)
 
 
 _PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection closed")

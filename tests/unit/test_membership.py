@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hsgd.core.membership import Membership, Plan
+from hsgd.core.membership import Membership, Plan, live_per_cluster, quorum_problem
 from hsgd.core.topology import Topology, parse_replica_id, replica_id
 
 
@@ -169,6 +169,21 @@ def test_quorum_problem_when_below_min_clusters():
     assert problem is not None and "\n" not in problem
     assert "min_clusters=2" in problem and "c0=2" in problem and "c1=0" in problem, problem
     assert m.plan().outer_clusters == (0,)
+
+
+def test_live_per_cluster_counts_each_clusters_live_replicas_for_the_quorum_rule():
+    topo = Topology(clusters=3, replicas_per_cluster=2)
+    assert live_per_cluster(topo, []) == [0, 0, 0]
+    live = {"c0r0", "c0r1", "c2r1"}
+    assert live_per_cluster(topo, live) == [2, 0, 1]
+    assert live_per_cluster(topo, ["c5r0"]) == [0, 0, 0], "an id of no cluster here counts nowhere"
+    assert quorum_problem(live_per_cluster(topo, live), 1, 2) is None
+    problem = quorum_problem(live_per_cluster(topo, live), 2, 2)
+    assert problem is not None and "c0=2, c1=0, c2=1" in problem, problem
+    m = Membership(topo, min_replicas_per_cluster=2, min_clusters=2)
+    for rid in live:
+        m.mark_alive(rid)
+    assert m.quorum_problem() == problem, "the supervisor's count and Membership's must agree"
 
 
 def test_no_live_replicas_gives_an_empty_plan():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hsgd.record.events import RunLog
+from hsgd.record.events import RunLog, storage_problem
 from hsgd.record.rundir import FolderWriter, append_lines, call_with_deadline, read_jsonl
 
 
@@ -170,3 +170,11 @@ def test_call_with_deadline_answers_a_hung_call_with_timeout_error():
         call_with_deadline(lambda: (_ for _ in ()).throw(NotADirectoryError("x")), 5.0)
     assert call_with_deadline(lambda: 7, 5.0) == 7
     assert issubclass(TimeoutError, OSError), "a storage timeout is handled as a storage error"
+
+
+def test_only_an_outage_longer_than_the_grace_ends_the_run_and_its_reason_names_folder_grace_and_error():
+    assert storage_problem(0.0, "", grace_s=60.0, run_dir="/runs/x") is None
+    assert storage_problem(60.0, "No space left", grace_s=60.0, run_dir="/runs/x") is None, "the grace itself is allowed"
+    reason = storage_problem(61.4, "No space left", grace_s=60.0, run_dir="/runs/x")
+    assert reason == "run folder /runs/x unwritable for 61 s (run.io_grace_s=60): No space left", reason
+    assert "io_grace_s=2.5" in storage_problem(3.0, "gone", grace_s=2.5, run_dir=Path("/runs/y"))

@@ -109,7 +109,9 @@ from hsgd.core.round.messages import (AbortJoin, Answer, Effect, ErrorKind, Kill
                                       Outcome, Phase, PhaseEnded, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group,
                                       run_inner_overlap)
 from hsgd.core.round.schedule import checkpoint_due, current_round, eval_due, heals_at_rest
+from hsgd.core.round.settings import round_settings
 
 __all__ = ["AbortJoin", "Answer", "Effect", "ErrorKind", "Kill", "Lost", "NonFinite", "Observation", "Outcome",
            "Phase", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
-           "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest", "run_inner_overlap"]
+           "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest", "round_settings",
+           "run_inner_overlap"]
