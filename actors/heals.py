@@ -23,7 +23,7 @@ Protocol
   `StateReady(action, source)` when it delivered (from then on a silent target is the one to
   blame), nothing for a failed transfer over the group (its targets fall back). A slow answer is
   never a loss: nothing here decides on a fetch's timeout — an answer not yet ready is left
-  watched, and the heal's deadline (`heal_deadline_s`, scaled to the state's bytes) is the round
+  watched, and the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`, scaled to the state's bytes) is the round
   machine's.
 - A target's call that raised is its source's failure, not its own, when the source's meta raised
   or refused (`source_failed`): Ray fails a call whose argument failed with the argument's error.
@@ -40,8 +40,6 @@ from typing import Any, Mapping
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-# the heal's deadline and the state's bound are pure decisions (hsgd/core/deadlines.py), re-exported for importers
-from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound  # noqa: F401
 from hsgd.core.round import Lost, Outcome, StateReady
 from hsgd.train import state_stream
 

@@ -293,7 +293,7 @@ def _check_faults(cfg: Any) -> None:
     fails before any actor starts."""
     from hsgd.core.faults import FAULT_KINDS, parse_schedule
 
-    f, t, s = cfg.faults, cfg.topology, cfg.sync
+    f, t = cfg.faults, cfg.topology
     for kind in f.kinds:
         _choice("faults.kinds", kind, FAULT_KINDS)
     if f.mtbf_s > 0:

@@ -13,7 +13,8 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from actors.heals import Heals, heal_deadline_s, state_bytes_bound
+from actors.heals import Heals
+from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
 from hsgd.core.round import StateReady
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, train

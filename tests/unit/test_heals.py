@@ -10,7 +10,8 @@ import pytest
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
-from actors.heals import Heals, heal_deadline_s, state_bytes_bound
+from actors.heals import Heals
+from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
 from hsgd.core.round import Lost, StateReady
 from hsgd.train import state_stream
 from hsgd.train.comm import collective_timeout_s
