@@ -1,6 +1,8 @@
 """One embedded Ray for all in-process runs of the integration tests: `run_training` reuses a Ray
 that is already up (and leaves it up), which saves several seconds of start-up per run. Runs
-that must be separate processes (the CLI, `ray job submit`, the notebook) start their own."""
+that must be separate processes (the CLI, `ray job submit`, the notebook) start their own. A test
+that ends the process's Ray session (Ray Train's trainer does, in the peer suites) leaves the next
+test a fresh shared one, not one embedded Ray started and stopped per run."""
 from __future__ import annotations
 
 import os
@@ -10,16 +12,31 @@ import pytest
 from tests.integration.runs import REPO
 
 
+def _init_shared_ray() -> None:
+    import ray
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8), namespace="hsgd-tests", include_dashboard=False,
+             log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_ray():
     import ray
 
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, 8), namespace="hsgd-tests", include_dashboard=False,
-                 log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+        _init_shared_ray()
         started = True
     yield
     if started and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def shared_ray_up_again(shared_ray):
+    import ray
+
+    if not ray.is_initialized():
+        _init_shared_ray()
+    yield
