@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hsgd.record.rundir import atomic_write_text
+
 SMALL = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
 
 
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     report = {"machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
               "args": vars(args), "results": results}
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(out / "bench.json", json.dumps(report, indent=2))
     _plot(results, out / "bench.png")
     for r in results:
         ratio = r["ratio_vs_flat"]
@@ -129,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r["name"] for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), dpi=110)
@@ -143,8 +144,7 @@ def _plot(results: list[dict], path: Path) -> None:
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     fig.suptitle("hsgd bench: hierarchical vs flat, same run", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

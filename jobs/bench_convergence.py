@@ -288,10 +288,9 @@ def table_md(table: list[dict], *, gbps: float, latency_ms: float) -> str:
 def plot(table: list[dict], path: Path) -> None:
     """Final eval loss vs slow-link bytes (log x), one labelled point per arm, the gap <= 2 % band
     shaded and the 500x-fewer-bytes line marked (both against flat_ddp, when it ran)."""
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     points = [r for r in table if r["final_eval_loss"] is not None and r["slow_link_bytes"]]
     flat = next((r for r in points if r["arm"] == "flat_ddp"), None)
@@ -318,8 +317,7 @@ def plot(table: list[dict], path: Path) -> None:
     ax.set_title("hsgd convergence: eval loss vs slow-link bytes, same seed and tokens", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(out: Path, arms: list[Arm], results: dict[str, dict], meta: dict, *, gbps: float,

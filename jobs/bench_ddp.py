@@ -24,6 +24,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from hsgd.record.rundir import atomic_write_text
+
 CASES = ("hsgd", "hsgd_unbucketed", "torch_ddp")
 
 
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratio_hsgd_unbucketed_vs_torch_ddp"] = report["cases"]["hsgd_unbucketed"]["tokens_per_s"] / ddp_tps
     report["ratio_each_repeat"] = [h / d for h, d in zip(report["cases"]["hsgd"]["tokens_per_s_each"],
                                                          report["cases"]["torch_ddp"]["tokens_per_s_each"])]
-    (out / "ddp.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(out / "ddp.json", json.dumps(report, indent=2))
     for name in CASES:
         print(f"{name:>16}: {report['cases'][name]['tokens_per_s']:9.0f} tok/s")
     print(f"hsgd / torch DDP: {report['ratio_hsgd_vs_torch_ddp']:.3f} "

@@ -195,18 +195,14 @@ def _with_spares(args, out: Path) -> tuple[list[dict], float]:
 def _plot(runs: list[dict], cases: list[dict], path: Path) -> None:
     """goodput.png: the peer comparison (or, without one, the spares runs); goodput_spares.png:
     the spares runs when both ran."""
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if runs:
-        _plot_peers(runs, plt).savefig(path)
-        plt.close("all")
+        save_png(_plot_peers(runs, plt), path)
         path = path.with_name("goodput_spares.png")
     if cases:
-        _plot_spares(cases, plt).savefig(path)
-        plt.close("all")
+        save_png(_plot_spares(cases, plt), path)
 
 
 def _plot_spares(cases: list[dict], plt):

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hsgd.record.rundir import atomic_write_text
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 # the batch each preset is measured with (sequences, and the preset's own block size)
 BATCH = {"tiny": 8, "small": 64, "gpt-30m": 32, "gpt-86m": 16}
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
               "ray_imported": sys.modules.get("ray") is not None, "skipped_gpu_only_presets": skipped,
               "args": vars(args), "results": results}
-    (out / "inner.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(out / "inner.json", json.dumps(report, indent=2))
     print(f"device {device} ({device_name}), {args.repeats} interleaved repeats of {args.steps} steps")
     print(f"{'preset':>8} {'params':>8} {'batch':>8} {'variant':>6} {'numerics':>24} {'tok/s':>10} {'MFU':>6}  ratio")
     for r in results:

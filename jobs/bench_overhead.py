@@ -64,10 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(models: list[dict], path: Path) -> None:
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=110)
     names = [m["model"] for m in models]
@@ -79,5 +78,4 @@ def _plot(models: list[dict], path: Path) -> None:
     ax.set_ylabel("tokens/s, hsgd / torch DDP")
     ax.set_title("hsgd 1x2 ddp vs torch DDP (median, spread over repeats)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)

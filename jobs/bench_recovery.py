@@ -125,10 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sides = report["sides"]
     names = [s["name"] for s in sides]
@@ -140,5 +139,4 @@ def _plot(report: dict, path: Path) -> None:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(f"one SIGKILL at step {report['kill_at']} (step padded to {report['min_step_s']} s)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)

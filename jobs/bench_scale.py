@@ -429,10 +429,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     rows, ray_rows = report["decisions"], report["ray_control_plane"]
@@ -462,8 +461,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title("hsgd control plane vs size", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

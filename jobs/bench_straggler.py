@@ -110,10 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
+    from hsgd.record.plots import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms_ = report["arms"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5), dpi=110)
@@ -126,5 +125,4 @@ def _plot(report: dict, path: Path) -> None:
     ax2.bar(names, [a["final_eval_loss"] or 0 for a in arms_], color=["#888", "#55a868", "#3b75af"])
     ax2.set_title("final eval loss", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)

@@ -241,7 +241,8 @@ def loss_plot_data(run_dir: str | Path) -> dict:
 
 
 # -- drawing -------------------------------------------------------------------------------------
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display: runs, benches and CI draw to files)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,9 +251,9 @@ def _pyplot():
     return plt
 
 
-def _save(fig, out: Path) -> Path:
-    """Write to a temp name, then rename: a reader never sees half a picture."""
-    plt = _pyplot()
+def save_png(fig, out: Path) -> Path:
+    """Write to a temp name, then rename: a reader never sees half a picture. Closes the figure."""
+    plt = pyplot()
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
@@ -261,7 +262,7 @@ def _save(fig, out: Path) -> Path:
 
 
 def write_loss_png(run_dir: str | Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     data = loss_plot_data(run_dir)
     fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
     for rid, points in sorted(data["replica_loss"].items(), key=lambda kv: _rid_key(kv[0])):
@@ -283,13 +284,13 @@ def write_loss_png(run_dir: str | Path) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    return _save(fig, Path(run_dir) / "loss.png")
+    return save_png(fig, Path(run_dir) / "loss.png")
 
 
 def write_timeline_png(run_dir: str | Path) -> Path:
     from matplotlib.patches import Patch
 
-    plt = _pyplot()
+    plt = pyplot()
     data = timeline_data(run_dir)
     rows = list(data["replicas"])
     if any(rid == "supervisor" for _, rid, _ in data["faults"]) or data["supervisor_starts"]:
@@ -328,11 +329,11 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12),
               frameon=False)
     fig.tight_layout()
-    return _save(fig, Path(run_dir) / "timeline.png")
+    return save_png(fig, Path(run_dir) / "timeline.png")
 
 
 def write_membership_png(run_dir: str | Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     data = membership_data(run_dir)
     fig, ax = plt.subplots(figsize=(11, 3.6), dpi=110)
     n = max(len(data["clusters"]), 1)
@@ -357,7 +358,7 @@ def write_membership_png(run_dir: str | Path) -> Path:
     if data["clusters"]:
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    return _save(fig, Path(run_dir) / "membership.png")
+    return save_png(fig, Path(run_dir) / "membership.png")
 
 
 def write_run_plots(run_dir: str | Path) -> list[Path]:

@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from hsgd.record.rundir import atomic_write_text
 from jobs.peers import common
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -302,5 +303,5 @@ def run_raytrain(*, model: str, replicas: int, steps: int, min_step_s: float, ou
             "last_step": {replica: max((r["step"] for r in rows), default=0) for replica, rows in steps_seen.items()},
             "group_starts": len([s for s in starts if s["rank"] == 0]),
             "result_error": error}
-    (out / "raytrain.json").write_text(json.dumps(result, indent=2))
+    atomic_write_text(out / "raytrain.json", json.dumps(result, indent=2))
     return result
