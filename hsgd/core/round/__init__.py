@@ -12,6 +12,7 @@ Read this table first; each file beside it carries out one part of it:
     outer.py     the outer exchange (reduce, commit, retry), non-finite clusters, a round's end
     liveness.py  hung vs slow, kill, reap, releasing a rendezvous
     schedule.py  between rounds: the next round, checkpoints due, the final heal
+    settings.py  a round's settings: every deadline, scaled to the bytes and the learned step times
 
 One round r, as the machine drives it:
 
