@@ -39,13 +39,13 @@ from actors.fault_injector import FaultInjector
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
-from hsgd.core.deadlines import PhaseClock, collective_timeout_s
+from hsgd.core.deadlines import PhaseClock, collective_timeout_s, storage_problem
 from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
-                             heals_at_rest, round_settings)
+                             evaluation_order, heals_at_rest, model_writers, round_settings, unrecorded_rounds)
 from hsgd.core.topology import Topology
-from hsgd.record.events import RunLog, storage_problem
+from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.wandb import WandbSink
 from hsgd.config.rounds import is_streaming, steps_per_round
@@ -228,7 +228,7 @@ class Supervisor:
         top = current_round(roster.live.values())
         timeout = collective_timeout_s(self.cfg.supervisor.call_timeout_s, roster.param_bytes, self.cfg.comm.min_gbps)
         error = "no live replica holds the last round"
-        for rid in sorted(rid for rid, (r, _) in roster.live.items() if r == top):
+        for rid in model_writers(roster.live):
             try:
                 saved = ray.get(roster.handles[rid].save_model.remote(path), timeout=timeout)
             except Exception as err:  # noqa: BLE001 — storage or that replica: try the next one
@@ -361,9 +361,7 @@ class Supervisor:
     # -- between rounds: evaluate, final heal, catch up ----------------------------------------------------
     def _evaluate(self) -> float | None:
         roster = self.roster
-        top = current_round(roster.live.values())  # not a replica of a cluster that sat out (its params may be NaN)
-        for rid in sorted(roster.live, key=lambda x: (roster.live[x][0] != top, x not in roster.leaders.values(),
-                                                      self.topology.global_index(x))):
+        for rid in evaluation_order(self.topology, roster.live, roster.leaders):
             try:
                 return float(ray.get(roster.handles[rid].evaluate.remote(), timeout=self.cfg.supervisor.phase_timeout_s))
             except Exception as err:  # noqa: BLE001 — that replica's failure; ask the next one
@@ -400,8 +398,7 @@ class Supervisor:
             self._save_durable()
         if r_now == 0:
             return
-        recorded = {m["round"] for m in self.log.records("metrics")}
-        for missing in sorted(set(range(r_now)) - recorded):
+        for missing in unrecorded_rounds(r_now, (m["round"] for m in self.log.records("metrics"))):
             last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
             digests = {rid: d["param"] for rid, d in sorted(self._digests().items()) if d["round"] == r_now} if last else {}
             self.log.metrics(late_round_record(round_index=missing, steps_per_round=self.spr,

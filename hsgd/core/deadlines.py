@@ -152,3 +152,11 @@ class StallWatch:
             self._phase[rid] = (call, now)
             return BUSY
         return STUCK if now - seen[1] > self.limit(phase) else BUSY
+
+
+def storage_problem(down_s: float, error: str, *, grace_s: float, run_dir) -> str | None:
+    """None while the run folder's outage (`down_s`, `error`: RunLog.unwritable_s()) is within
+    `grace_s` (run.io_grace_s), else why the run ends: a folder that stays unwritable that long."""
+    if down_s <= grace_s:
+        return None
+    return f"run folder {run_dir} unwritable for {down_s:.0f} s (run.io_grace_s={grace_s:g}): {error}"

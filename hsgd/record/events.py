@@ -150,7 +150,7 @@ class RunLog:
     through the same thread and waits at most `write_timeout_s`. The folder's health is reported
     by `unwritable_s()` and by two events, `run_dir_unwritable` when writes start failing and
     `run_dir_writable` when one works again (with `warn` called for each, for the console); the
-    caller decides how long an outage it tolerates (the supervisor: run.io_grace_s, `storage_problem`).
+    caller decides how long an outage it tolerates (the supervisor: run.io_grace_s, hsgd.core.deadlines.storage_problem).
 
     `records("events" | "metrics")` reads the file and what is still in memory (a summary needs
     both); `close()` writes what is kept, waiting at most its timeout.
@@ -300,10 +300,3 @@ class RunLog:
             except Exception:  # noqa: BLE001 — the console is best effort too
                 pass
 
-
-def storage_problem(down_s: float, error: str, *, grace_s: float, run_dir: str | Path) -> str | None:
-    """None while the run folder's outage (`down_s`, `error`: RunLog.unwritable_s()) is within
-    `grace_s` (run.io_grace_s), else why the run ends: a folder that stays unwritable that long."""
-    if down_s <= grace_s:
-        return None
-    return f"run folder {run_dir} unwritable for {down_s:.0f} s (run.io_grace_s={grace_s:g}): {error}"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hsgd.record.events import RunLog, storage_problem
+from hsgd.core.deadlines import storage_problem
+from hsgd.record.events import RunLog
 from hsgd.record.rundir import FolderWriter, append_lines, call_with_deadline, read_jsonl
 
 

@@ -11,7 +11,8 @@ Read this table first; each file beside it carries out one part of it:
     cluster.py   a cluster's phase: heal, inner, ready; re-form; a replica joining mid-round
     outer.py     the outer exchange (reduce, commit, retry), non-finite clusters, a round's end
     liveness.py  hung vs slow, kill, reap, releasing a rendezvous
-    schedule.py  between rounds: the next round, checkpoints due, the final heal
+    schedule.py  between rounds: the next round, checkpoints due, who evaluates and writes the
+                 model, rounds owed to the record, the final heal
     settings.py  a round's settings: every deadline, scaled to the bytes and the learned step times
 
 One round r, as the machine drives it:
@@ -109,10 +110,11 @@ from hsgd.core.round.machine import RoundMachine, RoundSettings
 from hsgd.core.round.messages import (AbortJoin, Answer, Effect, ErrorKind, Kill, Lost, NonFinite, Observation,
                                       Outcome, Phase, PhaseEnded, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group,
                                       run_inner_overlap)
-from hsgd.core.round.schedule import checkpoint_due, current_round, eval_due, heals_at_rest
+from hsgd.core.round.schedule import (checkpoint_due, current_round, eval_due, evaluation_order, heals_at_rest,
+                                      model_writers, unrecorded_rounds)
 from hsgd.core.round.settings import round_settings
 
 __all__ = ["AbortJoin", "Answer", "Effect", "ErrorKind", "Kill", "Lost", "NonFinite", "Observation", "Outcome",
            "Phase", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
-           "checkpoint_due", "current_round", "eval_due", "forms_group", "heals_at_rest", "round_settings",
-           "run_inner_overlap"]
+           "checkpoint_due", "current_round", "eval_due", "evaluation_order", "forms_group", "heals_at_rest",
+           "model_writers", "round_settings", "run_inner_overlap", "unrecorded_rounds"]

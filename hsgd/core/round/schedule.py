@@ -1,5 +1,6 @@
-"""Between rounds: which round runs next, when a checkpoint is due, and the heals that bring every
-live replica to the furthest committed round at the run's end."""
+"""Between rounds: which round runs next, when a checkpoint is due, who evaluates and who writes
+the final model, which rounds a restarted supervisor still owes the record, and the heals that
+bring every live replica to the furthest committed round at the run's end."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -21,6 +22,28 @@ def checkpoint_due(rounds_done: int, every: int, total_rounds: int) -> bool:
 def eval_due(rounds_done: int, every: int, total_rounds: int) -> bool:
     """An evaluation after round rounds_done - 1 committed? (every `every` rounds, and the last)"""
     return bool(every) and rounds_done % every == 0 or rounds_done == total_rounds
+
+
+def evaluation_order(topology: Topology, live: dict[str, tuple[int, int]], leaders: dict[int, str]) -> list[str]:
+    """The replicas to ask for the eval loss, in turn until one answers: those at the furthest
+    committed round first (a cluster that sat out may hold NaN params), leaders first among them,
+    then by global index."""
+    top = current_round(live.values())
+    leading = set(leaders.values())
+    return sorted(live, key=lambda rid: (live[rid][0] != top, rid not in leading, topology.global_index(rid)))
+
+
+def model_writers(live: dict[str, tuple[int, int]]) -> list[str]:
+    """The replicas that may write the final model, in turn: those holding the furthest committed
+    round, by id."""
+    top = current_round(live.values())
+    return sorted(rid for rid, (r, _) in live.items() if r == top)
+
+
+def unrecorded_rounds(rounds_done: int, recorded: Iterable[int]) -> list[int]:
+    """Committed rounds (below rounds_done) with no metrics record: a supervisor died between a
+    commit and its record; its successor records them late."""
+    return sorted(set(range(rounds_done)) - set(recorded))
 
 
 def heals_at_rest(topology: Topology, live: dict[str, tuple[int, int]]) -> dict[int, list[HealAssignment]]:
