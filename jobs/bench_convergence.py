@@ -28,6 +28,8 @@ function of seed, global replica index and step) and the same number of inner st
 - `diloco_h<H>_streaming` (full only): the combination Streaming DiLoCo reports: 4 fragments (a
   round is H/4 steps), `sync.fragment_delay=5`, `sync.fragment_alpha=0.5`, `sync.outer_compress=int4`.
 Every arm sets every `sync.*` key it varies (`fragment_delay` 0 and `fragment_alpha` 0 where unused).
+Every arm trains with the same inner schedule: warmup over 5 % of the steps, then cosine decay
+(`schedule_overrides`; `--set optim.inner.schedule=constant` for the config's default).
 
 What is counted as slow-link bytes (`slow_link_bytes`), from the run's metrics.jsonl:
 - hierarchical arms: the sum over committed rounds of `outer_bytes`, which is the sum over every
@@ -104,20 +106,20 @@ def _sync(outer: str, every: int, *, compress: str = "none", fragments: int = 1,
             f"sync.fragment_delay={delay}", f"sync.outer_path={path}"]
 
 
-def main_every(quick: bool) -> int:
+def main_every(quick: bool, every: int | None = None) -> int:
     """The H of the main DiLoCo arm, and of the LocalSGD, codec, fragment, sharded, delay and
-    streaming arms."""
-    return 50 if quick else 100
+    streaming arms: `every` when given (`--every`), else 100 (50 quick)."""
+    return every if every else 50 if quick else 100
 
 
-def plan_arms(steps: int, *, quick: bool = False) -> list[Arm]:
+def plan_arms(steps: int, *, quick: bool = False, every: int | None = None) -> list[Arm]:
     """The arms of one invocation, each `steps` inner steps per replica. Full: flat DDP, LocalSGD
     at H=100, DiLoCo at H = 50, 100, 250, DiLoCo H=100 with each codec, with 4 fragments, on the
     sharded path, with a delay of 5 steps (alpha 0.5), and Streaming DiLoCo's combination (4
     fragments, delay 5, alpha 0.5, int4). Quick (a smoke run): H=50, one codec (int4), 2 fragments,
-    sharded, delay 5; no streaming combination. Raises ValueError when `steps` is not a whole
-    number of rounds for some arm."""
-    every = main_every(quick)
+    sharded, delay 5; no streaming combination. `every` moves the main H (the extra DiLoCo arms stay
+    at 50 and 250). Raises ValueError when `steps` is not a whole number of rounds for some arm."""
+    every = main_every(quick, every)
     others, fragments = ((), 2) if quick else ((50, 250), 4)
     codecs = ("int4",) if quick else CODECS
     n = CLUSTERS * REPLICAS_PER_CLUSTER
@@ -129,7 +131,7 @@ def plan_arms(steps: int, *, quick: bool = False) -> list[Arm]:
               CLUSTERS, hier + _sync("average", every), 0),
              (f"localsgd_h{every}_int4", f"as localsgd_h{every}, the averaged update sent as int4 + error feedback", True,
               every, 1, CLUSTERS, hier + _sync("average", every, compress="int4"), 0)]
-    for h in sorted((every,) + tuple(others)):
+    for h in sorted({every, *others}):
         specs.append((f"diloco_h{h}", f"ddp inside, DiLoCo every {h} steps, fp32", True, h, 1, CLUSTERS,
                       hier + _sync("diloco", h), 0))
     for codec in codecs:
@@ -159,6 +161,14 @@ def plan_arms(steps: int, *, quick: bool = False) -> list[Arm]:
         arms.append(Arm(name, what, hierarchical, spr, steps // spr, senders,
                         tuple(overrides) + (f"train.rounds={steps // spr}",), delay))
     return arms
+
+
+def schedule_overrides(steps: int) -> list[str]:
+    """The inner learning rate every arm trains with, as a run of `steps` steps is trained: linear
+    warmup over the first 5 % of the steps, then cosine decay to a tenth (DiLoCo's and nanoGPT's
+    shape). A constant rate (the config's default) leaves the clusters' models far apart at the end
+    and the comparison says more about the rate than the sync. `--set` overrides it."""
+    return ["optim.inner.schedule=cosine", f"optim.inner.warmup_steps={max(1, steps // 20)}"]
 
 
 def arm_overrides(arm: Arm, common: list[str], *, eval_every_steps: int) -> list[str]:
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=32, help="held-out batches per evaluation")
     parser.add_argument("--eval-every-steps", type=int, default=None, help="default: steps / 4")
+    parser.add_argument("--every", type=int, default=None,
+                        help="H of the main arms (LocalSGD, codecs, fragments, sharded, delay; default 100, 50 quick)")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arm names")
     parser.add_argument("--wan-runs", default=None,
                         help="arms run again under the simulated link (comma-separated, or 'none'); "
@@ -356,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "small")
     steps = args.steps or (200 if args.quick else 2000)
-    arms = plan_arms(steps, quick=args.quick)
+    arms = plan_arms(steps, quick=args.quick, every=args.every)
     if args.arms:
         wanted = args.arms.split(",")
         unknown = sorted(set(wanted) - {a.name for a in arms})
@@ -364,14 +376,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown arms {unknown}; valid: {','.join(a.name for a in arms)}")
         arms = [a for a in arms if a.name in wanted]
     wan_names = ([] if args.wan_runs == "none" else args.wan_runs.split(",")) if args.wan_runs is not None \
-        else ["flat_ddp", f"diloco_h{main_every(args.quick)}"]
+        else ["flat_ddp", f"diloco_h{main_every(args.quick, args.every)}"]
     unknown = sorted(set(wan_names) - {a.name for a in arms})
     if unknown and args.wan_runs is not None:
         parser.error(f"--wan-runs names arms not in this invocation: {unknown}")
     wan_names = [n for n in wan_names if n not in unknown]
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-convergence-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"model={model}", f"seed={args.seed}", f"train.eval_batches={args.eval_batches}"] + list(args.set)
+    common = [f"model={model}", f"seed={args.seed}", f"train.eval_batches={args.eval_batches}",
+              *schedule_overrides(steps)] + list(args.set)
     eval_every = args.eval_every_steps if args.eval_every_steps is not None else steps // 4
     runs = [item for arm in arms for item in ([(arm, False)] + ([(arm, True)] if arm.name in wan_names else []))]
     meta = {"args": vars(args), "model": model, "steps": steps, "seed": args.seed,

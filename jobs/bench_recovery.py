@@ -18,7 +18,8 @@ torchft, as torchx would). From the step logs (jobs/peers/common.py): the surviv
 committed step before the kill to the next after it), the victim's rejoin (kill to its next
 committed step) and the step time before the kill. `recovery.json`: per side and repeat those
 figures, medians per side, and the ratios hsgd_1x3 / peer for stall and rejoin; `recovery.png`.
-`--quick`: 100 steps of 0.2 s, kill at 6, one repeat (the victim must have time to come back: ~19 s) (a smoke run: both sides of each comparison ran).
+`--quick`: 100 steps of 0.2 s, kill at 6, one repeat (the victim must have time to come back: ~19 s): a smoke run
+(`--sides` picks the sides; the test suite runs hsgd_1x3 and torchft_fast).
 The peers need the bench extra: `pip install -e ".[bench]"`.
 """
 from __future__ import annotations

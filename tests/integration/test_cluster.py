@@ -182,6 +182,11 @@ class LocalRayCluster:
         assert not left, f"Ray processes of the test cluster survived teardown: {left}"
 
 
+# Every test on the two-node cluster is `long`: the cluster's start (~15 s) and each job's own Ray
+# driver make the five ~2.5 minutes on 2 cores, which the default suite's 20 cannot hold.
+on_the_cluster = pytest.mark.long
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = LocalRayCluster()
@@ -205,6 +210,7 @@ def _submit(cluster: LocalRayCluster, args: list[str], env_vars: dict | None = N
     return job_id
 
 
+@on_the_cluster
 def test_submitted_job_writes_its_run_dir_and_token_auth_is_on(cluster, tmp_path):
     import urllib.error
 
@@ -226,6 +232,7 @@ def test_submitted_job_writes_its_run_dir_and_token_auth_is_on(cluster, tmp_path
         assert not list(copy.rglob("__pycache__")), "__pycache__ was uploaded with the working dir"
 
 
+@on_the_cluster
 def test_submitted_job_with_a_fault_lands_under_the_output_root(cluster, tmp_path):
     """No run.dir given: the default `outputs/<timestamp>-<name>` resolves against the persistent
     root ($HSGD_OUTPUT_ROOT), not against the job's temporary working dir; a replica killed in
@@ -259,6 +266,7 @@ def _clusters_by_node(run_dir: Path) -> dict[str, set]:
     return out
 
 
+@on_the_cluster
 def test_cluster_labels_put_each_cluster_on_its_labelled_node(cluster, tmp_path):
     run_dir = tmp_path / "labels"
     proc = _run_attached(cluster, run_dir, ["topology.cluster_labels=[b,a]"])
@@ -270,6 +278,7 @@ def test_cluster_labels_put_each_cluster_on_its_labelled_node(cluster, tmp_path)
     assert [labels[next(iter(by_cluster[c]))] for c in ("c0", "c1")] == ["b", "a"], (by_cluster, labels)
 
 
+@on_the_cluster
 def test_strict_pack_keeps_each_cluster_on_one_node(cluster, tmp_path):
     # 2 CPUs per replica: a cluster needs 4 CPUs on one node; the head (6) and the second node (4)
     # hold one cluster each, so STRICT_PACK must split the clusters and keep each one whole
@@ -281,6 +290,7 @@ def test_strict_pack_keeps_each_cluster_on_one_node(cluster, tmp_path):
     assert by_cluster["c0"] != by_cluster["c1"], by_cluster
 
 
+@on_the_cluster
 @pytest.mark.parametrize("overrides,field", [
     # 10 CPUs hold 4 x 2.5 in total, but only the head holds a whole cluster (2 x 2.5) on one node
     (["topology.cpus_per_replica=2.5"], "topology.placement_strategy"),

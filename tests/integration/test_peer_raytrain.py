@@ -20,6 +20,7 @@ STEPS, EVERY, KILL_AT = 30, 5, 12
 
 
 @pytest.mark.long  # a Ray Train worker group started twice: about a minute on 2 cores
+@pytest.mark.paced  # steps padded to 0.2 s: run beside the realistic tests (tests/run_all.sh)
 def test_raytrain_peer_restarts_the_group_from_its_checkpoint_after_a_kill(tmp_path):
     result = run_raytrain(model="tiny", replicas=2, steps=STEPS, min_step_s=0.2, out=tmp_path,
                           kills=[("r1", KILL_AT)], checkpoint_every=EVERY, timeout_s=150)

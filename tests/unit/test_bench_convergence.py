@@ -5,7 +5,8 @@ import json
 import pytest
 
 from jobs.bench_convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, link_overrides,
-                                    modeled_link_s, plan_arms, rows, slow_link_bytes, table_md, write_report)
+                                    modeled_link_s, plan_arms, rows, schedule_overrides, slow_link_bytes, table_md,
+                                    write_report)
 
 GBPS, LATENCY_MS = 1.0, 50.0
 
@@ -45,6 +46,25 @@ def test_every_arm_trains_the_same_steps_seed_model_and_replicas():
     # overlap alone, and Streaming DiLoCo's combination: 4 fragments, delay 5, alpha 0.5, int4
     assert ("diloco", 100, "none", 1, "leader", 2, 5, 0.5) in seen
     assert ("diloco", 100, "int4", 4, "leader", 2, 5, 0.5) in seen
+
+
+def test_every_arm_warms_up_then_decays_its_rate_over_the_run_and_set_overrides_it():
+    for arm in plan_arms(2000):
+        cfg = _composed(arm, ["model=tiny", *schedule_overrides(2000)])
+        assert (cfg.optim.inner.schedule, cfg.optim.inner.warmup_steps) == ("cosine", 100), arm.name
+    flat = plan_arms(2000)[0]
+    cfg = _composed(flat, ["model=tiny", *schedule_overrides(2000), "optim.inner.schedule=constant"])
+    assert cfg.optim.inner.schedule == "constant", "--set comes after the bench's schedule and wins"
+    assert schedule_overrides(10) == ["optim.inner.schedule=cosine", "optim.inner.warmup_steps=1"]
+
+
+def test_every_moves_the_main_arms_and_keeps_the_extra_diloco_ones():
+    names = {a.name: a for a in plan_arms(1000, every=40)}
+    assert {"localsgd_h40", "localsgd_h40_int4", "diloco_h40", "diloco_h40_int4", "diloco_h50", "diloco_h250",
+            "diloco_h40_delay5", "diloco_h40_streaming"} <= set(names)
+    assert names["localsgd_h40_int4"].steps_per_round == 40 and names["localsgd_h40_int4"].rounds == 25
+    assert names["diloco_h40_frag4"].steps_per_round == 10
+    assert len(names) == len(plan_arms(1000)), "the same arms, at another H"
 
 
 def test_quick_arms_cover_each_path_in_few_runs():

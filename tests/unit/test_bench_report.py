@@ -3,10 +3,14 @@ share, the recovery ratios, and BENCHMARKS.md from the suites' JSONs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from jobs.bench_goodput import failure_process
 from jobs.bench_recovery import ratios
-from jobs.bench_report import newest_reports, render
+from jobs.bench import main as bench
+from jobs.bench_report import SUITES, newest_reports, render
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_failure_process_is_one_seeded_draw_within_the_span():
@@ -48,3 +52,21 @@ def test_the_newest_full_report_of_each_suite_is_rendered_with_its_date_machine_
     assert ("| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× | 2026-02-01 | 2 CPUs, no GPU | "
             "`python -m jobs.bench straggler` |") in text
     assert "Not measured yet: `python -m jobs.bench recovery`." in text
+
+
+def test_benchmarks_md_renders_each_committed_suite_with_its_command_and_never_a_newer_quick_run(tmp_path):
+    """The suites' own JSONs (benchmarks/, written by full runs), each beside a quick run of the same
+    suite dated later: BENCHMARKS.md renders the full one of every suite, with its command."""
+    committed = {p.stem: json.loads(p.read_text()) for p in sorted((REPO / "benchmarks").glob("*.json"))}
+    assert set(committed) == set(SUITES) and not any(r["quick"] for r in committed.values())
+    for suite, report in committed.items():
+        (tmp_path / "quick" / suite).mkdir(parents=True)
+        quick = {**report, "quick": True, "date": "2999-01-01T00:00:00Z", "command": f"python -m jobs.bench {suite} --quick"}
+        (tmp_path / "quick" / suite / f"{suite}.json").write_text(json.dumps(quick))
+    target = tmp_path / "BENCHMARKS.md"
+    assert bench(["report", "--from", str(REPO / "benchmarks"), str(tmp_path / "quick"), "--to", str(target)]) == 0
+    text = target.read_text()
+    for suite, report in committed.items():
+        assert f"`{report['command']}`" in text, suite
+        assert report["date"][:10] in text, suite
+    assert "--quick" not in text and "2999" not in text and "Not measured yet" not in text
