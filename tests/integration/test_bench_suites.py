@@ -15,21 +15,6 @@ pytestmark = pytest.mark.long  # each suite starts Ray or processes and trains s
 HEADER = {"suite", "date", "machine", "command", "quick"}
 
 
-def paced(test):
-    """The suites whose steps are padded (min_step_s) leave the cores mostly idle: tests/run_all.sh
-    runs them beside the realistic tests, in one group (one worker, in order: the report test reads
-    the straggler run's JSON)."""
-    return pytest.mark.paced(pytest.mark.xdist_group("bench_suites")(test))
-
-
-def _report(out: Path, suite: str) -> dict:
-    report = json.loads((out / f"{suite}.json").read_text())
-    assert HEADER <= set(report) and report["suite"] == suite and report["quick"] is True
-    assert report["command"].startswith(f"python -m jobs.bench {suite}")
-    assert (out / f"{suite}.png").stat().st_size > 0
-    return report
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench")
@@ -50,7 +35,8 @@ def test_overhead_measures_hsgd_and_torch_ddp(results):
 QUICK_SIDES = ("hsgd_1x3", "torchft_fast")
 
 
-@paced
+# steps padded to 0.2 s, processes mostly asleep: beside the busy long runs (tests/run_all.sh)
+@pytest.mark.paced
 def test_recovery_kills_a_replica_of_hsgd_and_of_torchft_and_each_comes_back(results):
     out = results / "recovery"
     assert bench(["recovery", "--quick", "--sides", ",".join(QUICK_SIDES), "--out", str(out)]) == 0
@@ -71,7 +57,6 @@ def test_recovery_kills_a_replica_of_hsgd_and_of_torchft_and_each_comes_back(res
     assert sides["hsgd_1x3"]["runs"][0]["digests_agree"]
 
 
-@paced
 def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
     out = results / "goodput"
     assert bench(["goodput", "--quick", "--out", str(out)]) == 0
@@ -85,7 +70,6 @@ def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
     assert all(r["faults"] >= 1 for r in faulted)
 
 
-@paced
 def test_straggler_times_flat_ddp_local_sgd_and_diloco(results):
     out = results / "straggler"
     assert bench(["straggler", "--quick", "--out", str(out)]) == 0
