@@ -15,6 +15,14 @@ pytestmark = pytest.mark.long  # each suite starts Ray or processes and trains s
 HEADER = {"suite", "date", "machine", "command", "quick"}
 
 
+def _report(out: Path, suite: str) -> dict:
+    report = json.loads((out / f"{suite}.json").read_text())
+    assert HEADER <= set(report) and report["suite"] == suite and report["quick"] is True
+    assert report["command"].startswith(f"python -m jobs.bench {suite}")
+    assert (out / f"{suite}.png").stat().st_size > 0
+    return report
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench")
