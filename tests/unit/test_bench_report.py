@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jobs.bench import main as bench
 from jobs.bench_goodput import failure_process
 from jobs.bench_recovery import ratios
-from jobs.bench import main as bench
 from jobs.bench_report import SUITES, newest_reports, render
 
 REPO = Path(__file__).resolve().parents[2]
