@@ -1,5 +1,6 @@
 """Convergence benchmark: `python -m jobs.bench convergence [--model small] [--steps 2000] [--quick]
-[--arms a,b] [--wan-runs flat_ddp,diloco_h100] [--out DIR] [--set key=value ...]`.
+[--arms a,b] [--batch-size 32] [--outer-lr 1.0 --outer-momentum 0.3] [--wan-runs flat_ddp,diloco_h100]
+[--out DIR] [--set key=value ...]`.
 
 Issue 22, Acceptance 3: how far each way of syncing across the slow link falls behind flat DDP for
 how many fewer bytes over that link. One invocation, one embedded Ray, the arms run one after
@@ -15,7 +16,8 @@ function of seed, global replica index and step) and the same number of inner st
   every H steps (`sync.outer=average`: DiLoCo's outer step with lr 1 and no momentum). Not
   `sync.inner=localsgd`, which averages *inside* a cluster and crosses no slow link;
 - `localsgd_h<H>_int4`: the same, the averaged update crossing as int4 with error feedback;
-- `diloco_h<H>`: ddp inside, DiLoCo (Nesterov outer step, config defaults) every H steps, fp32;
+- `diloco_h<H>`: ddp inside, DiLoCo (Nesterov outer step: `--outer-lr` 1.0, `--outer-momentum` 0.3,
+  see `common_overrides`) every H steps, fp32;
 - `diloco_h<H>_<codec>`: the same with `sync.outer_compress` bf16 | int8 | int4 | topk (1 %),
   error feedback on;
 - `diloco_h<H>_frag<F>`: Streaming DiLoCo, F fragments synced in turn (a round is H/F steps,
@@ -82,6 +84,8 @@ CODECS = ("bf16", "int8", "int4", "topk")
 TOPK_DENSITY = 0.01
 DELAY, DELAY_ALPHA = 5, 0.5  # Streaming DiLoCo's tau (for H=100) and mixing weight of the local copy
 STREAMING_FRAGMENTS = 4
+BATCH_SIZE, QUICK_BATCH_SIZE = 32, 8  # sequences per replica and step (data.batch_size), every arm
+OUTER_LR, OUTER_MOMENTUM = 1.0, 0.3  # the DiLoCo arms' outer step, for tens of outer steps (common_overrides)
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,22 @@ def schedule_overrides(steps: int) -> list[str]:
     shape). A constant rate (the config's default) leaves the clusters' models far apart at the end
     and the comparison says more about the rate than the sync. `--set` overrides it."""
     return ["optim.inner.schedule=cosine", f"optim.inner.warmup_steps={max(1, steps // 20)}"]
+
+
+def common_overrides(*, model: str, seed: int, eval_batches: int, steps: int, batch_size: int, outer_lr: float,
+                     outer_momentum: float, extra: list[str] = ()) -> list[str]:
+    """The overrides every arm of one invocation shares: model, seed, batch, eval size, the inner
+    schedule (`schedule_overrides`) and the DiLoCo arms' outer step; `extra` (`--set`) last, so it wins.
+
+    The batch (`data.batch_size` sequences per replica and step, `--batch-size`) is the same in every
+    arm, so every arm trains on the same tokens; each cluster steps on half of flat DDP's batch. The
+    outer step (`optim.outer.*`, read by `sync.outer=diloco` only; `average` is lr 1, no momentum):
+    DiLoCo's lr 0.7 with Nesterov momentum 0.9 is tuned for thousands of outer steps, and a run of
+    2,000 steps at H = 100 has 20; lr 1.0 with momentum 0.3 was the best of six settings at
+    `--model tiny`, 1,000 steps, H = 100, int4 (README "Benchmarks")."""
+    return [f"model={model}", f"seed={seed}", f"train.eval_batches={eval_batches}", f"data.batch_size={batch_size}",
+            *schedule_overrides(steps), f"optim.outer.lr={outer_lr:g}", f"optim.outer.momentum={outer_momentum:g}",
+            *extra]
 
 
 def arm_overrides(arm: Arm, common: list[str], *, eval_every_steps: int) -> list[str]:
@@ -364,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
                              "default: flat_ddp and the main DiLoCo arm")
     parser.add_argument("--gbps", type=float, default=1.0)
     parser.add_argument("--latency-ms", type=float, default=50.0)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"sequences per replica and step, every arm (default {BATCH_SIZE}; {QUICK_BATCH_SIZE} with --quick)")
+    parser.add_argument("--outer-lr", type=float, default=OUTER_LR, help="the DiLoCo arms' outer learning rate")
+    parser.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
+                        help="the DiLoCo arms' outer Nesterov momentum")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every arm")
     args = parser.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "small")
@@ -383,8 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     wan_names = [n for n in wan_names if n not in unknown]
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-convergence-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"model={model}", f"seed={args.seed}", f"train.eval_batches={args.eval_batches}",
-              *schedule_overrides(steps)] + list(args.set)
+    batch_size = args.batch_size or (QUICK_BATCH_SIZE if args.quick else BATCH_SIZE)
+    common = common_overrides(model=model, seed=args.seed, eval_batches=args.eval_batches, steps=steps,
+                              batch_size=batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                              extra=args.set)
     eval_every = args.eval_every_steps if args.eval_every_steps is not None else steps // 4
     runs = [item for arm in arms for item in ([(arm, False)] + ([(arm, True)] if arm.name in wan_names else []))]
     meta = {"args": vars(args), "model": model, "steps": steps, "seed": args.seed,

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from jobs.bench_convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, link_overrides,
-                                    modeled_link_s, plan_arms, rows, schedule_overrides, slow_link_bytes, table_md,
-                                    write_report)
+from jobs.bench_convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, common_overrides,
+                                    link_overrides, modeled_link_s, plan_arms, rows, schedule_overrides,
+                                    slow_link_bytes, table_md, write_report)
 
 GBPS, LATENCY_MS = 1.0, 50.0
 
@@ -56,6 +56,26 @@ def test_every_arm_warms_up_then_decays_its_rate_over_the_run_and_set_overrides_
     cfg = _composed(flat, ["model=tiny", *schedule_overrides(2000), "optim.inner.schedule=constant"])
     assert cfg.optim.inner.schedule == "constant", "--set comes after the bench's schedule and wins"
     assert schedule_overrides(10) == ["optim.inner.schedule=cosine", "optim.inner.warmup_steps=1"]
+
+
+def test_every_arm_shares_the_batch_and_only_diloco_arms_take_the_outer_step_set():
+    from hsgd.train.outer import outer_hyperparameters
+
+    common = common_overrides(model="tiny", seed=3, eval_batches=4, steps=2000, batch_size=32, outer_lr=1.0,
+                              outer_momentum=0.3)
+    for arm in plan_arms(2000):
+        cfg = _composed(arm, common)
+        assert cfg.data.batch_size == 32 and cfg.seed == 3 and cfg.train.eval_batches == 4, arm.name
+        outer = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
+                                      cfg.optim.outer.nesterov)
+        if cfg.sync.outer == "diloco":
+            assert outer == {"lr": 1.0, "momentum": 0.3, "nesterov": True}, arm.name
+        else:  # flat DDP and LocalSGD average: lr 1, no momentum, whatever optim.outer says
+            assert outer == {"lr": 1.0, "momentum": 0.0, "nesterov": False}, arm.name
+    again = common_overrides(model="tiny", seed=3, eval_batches=4, steps=2000, batch_size=32, outer_lr=1.0,
+                             outer_momentum=0.3, extra=["data.batch_size=8", "optim.outer.momentum=0.9"])
+    cfg = _composed(plan_arms(2000)[-1], again)
+    assert (cfg.data.batch_size, cfg.optim.outer.momentum) == (8, 0.9), "--set comes last and wins"
 
 
 def test_every_moves_the_main_arms_and_keeps_the_extra_diloco_ones():
