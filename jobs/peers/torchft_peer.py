@@ -57,6 +57,10 @@ What can fail
       just restarted) asks for the next one a whole step early, which starts the join timer, so
       that quorum closes as soon as the first of the others asks, leaving out the next one, and
       so on. Each worker counts the quorums it saw and its heals (`final`).
+    - At the start, a replica whose manager asks before the others' heartbeat commits step 0 alone,
+      then meets them at the same step count and is never healed (torchft compares step counts
+      only): its params stay different for the whole run. Each worker therefore waits, its Manager
+      heartbeating, until every replica's is (`_start_barrier`), as a launcher starts them together.
     - The job ends at `steps`: a replica left out of the last quorum waits for the others'
       heartbeats to expire and commits the last step alone (min_replica_size=1), so its final
       params differ. `params_agree` compares the digests of every step only across commits made
@@ -93,6 +97,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,12 +232,13 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
                   (" with an error-reporting comm hook (patched here)" if patch_ddp_hook else " (as shipped)"))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "started", ignore_errors=True)  # the start barrier's (a previous run's would pass it)
     folder = out / "steps"
     grace_s = max(10.0, 20 * min_step_s) if grace_s is None else grace_s
     lighthouse = _lighthouse_class()(bind="[::]:0", **detail["lighthouse"])
     spec = {"model": model, "steps": steps, "min_step_s": min_step_s, "seed": seed, "out": str(out),
             "lighthouse": lighthouse.address(), "settings": detail, "overrides": list(overrides),
-            "digest_every": digest_every}
+            "digest_every": digest_every, "replicas": replicas}
     workers = _Replicas(out, spec)
     step_kills, time_kills = list(kills), sorted(kill_times_s)
     done_kills: list[common.Kill] = []
@@ -414,6 +420,26 @@ def _reporting_ddp_class(timeout):
     return ReportingDDP
 
 
+def _start_barrier(folder: Path, replica: str, replicas: int, *, timeout_s: float, heartbeat_s: float) -> None:
+    """A worker's first incarnation waits here, its Manager already heartbeating to the lighthouse,
+    until every replica's is (a file each in `folder`), then two heartbeats more: the first quorum
+    then waits for all of them (every healthy replica asks within the join timeout) instead of
+    forming around whichever process started first. Without it, a replica that committed step 0
+    alone meets the others at the same step count, and torchft (which compares step counts only)
+    never heals it: its params stay different. A job launcher starts a torchft job's replicas
+    together, as hsgd's. A restarted incarnation finds every file there and passes at once (it is
+    behind, and heals). Raises TimeoutError after `timeout_s`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / replica).touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.iterdir())) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{replica}: only {sorted(f.name for f in folder.iterdir())} of {replicas} replicas "
+                               f"started within {timeout_s:g} s")
+        time.sleep(0.01)
+    time.sleep(2 * heartbeat_s)
+
+
 def _worker(spec: dict) -> int:
     import logging
     from datetime import timedelta
@@ -480,6 +506,8 @@ def _worker(spec: dict) -> int:
         connect_timeout=timedelta(seconds=m["connect_timeout_s"]),
         heartbeat_interval=timedelta(milliseconds=m["heartbeat_interval_ms"]), checkpoint_transport=transport)
     manager_ref.append(manager)
+    _start_barrier(Path(spec["out"]) / "started", replica, int(spec["replicas"]), timeout_s=m["connect_timeout_s"],
+                   heartbeat_s=m["heartbeat_interval_ms"] / 1000)
     ddp = (_reporting_ddp_class(timedelta(seconds=m["timeout_s"])) if detail["patch_ddp_hook"] else torchft.DistributedDataParallel)(manager, model)
     optimizer = torchft.Optimizer(manager, inner)
     log = common.StepLog(Path(spec["out"]) / "steps", replica)
