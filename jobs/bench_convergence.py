@@ -184,7 +184,7 @@ def common_overrides(*, model: str, seed: int, eval_batches: int, steps: int, ba
     arm, so every arm trains on the same tokens; each cluster steps on half of flat DDP's batch. The
     outer step (`optim.outer.*`, read by `sync.outer=diloco` only; `average` is lr 1, no momentum):
     DiLoCo's lr 0.7 with Nesterov momentum 0.9 is tuned for thousands of outer steps, and a run of
-    2,000 steps at H = 100 has 20; lr 1.0 with momentum 0.3 was the best of six settings at
+    2,000 steps at H = 100 has 20; lr 1.0 with momentum 0.3 was the best of seven settings at
     `--model tiny`, 1,000 steps, H = 100, int4 (README "Benchmarks")."""
     return [f"model={model}", f"seed={seed}", f"train.eval_batches={eval_batches}", f"data.batch_size={batch_size}",
             *schedule_overrides(steps), f"optim.outer.lr={outer_lr:g}", f"optim.outer.momentum={outer_momentum:g}",
