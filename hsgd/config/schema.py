@@ -1,7 +1,8 @@
 """The run's configuration as a typed schema (Hydra structured configs).
 
-Every key here is public contract (README, "Configuration"); `hsgd.config.validate` checks the
-values the types cannot.
+Every key here is public contract (README, "Configuration"). A field's valid values live on the
+field: `one_of(default, choices)` or a numeric range (`count`, `seconds`, ...) in its metadata;
+`hsgd.config.validate` derives its checks from them and checks what one field cannot say alone.
 """
 from __future__ import annotations
 
@@ -20,6 +21,36 @@ PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
+MODEL_NAMES = ("tiny", "small", "custom")
+# Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
+MAX_SECONDS = 1e7
+
+
+def one_of(default: Any, choices: tuple) -> Any:
+    """A field naming one of `choices` (null too when the field is Optional); hsgd.config.validate checks it."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def _ranged(low=None, high=None, *, low_open=False, high_open=False, forever=False):
+    """Fields of a numeric range, [low, high] with an end refused when open, -1 also allowed when `forever`
+    (Ray's max_restarts). Every int/float field has one; its type and null come from its annotation."""
+    rule = {"low": low, "high": high, "low_open": low_open, "high_open": high_open, "forever": forever}
+    return lambda default: field(default=default, metadata={"range": rule})
+
+
+count = _ranged(1)  # sizes, periods, multiples: at least one
+count_or_zero = _ranged(0)  # 0 = none / off
+positive = _ranged(0, low_open=True)
+non_negative = _ranged(0)
+seconds = _ranged(0, MAX_SECONDS, low_open=True)  # timeouts and waits: > 0
+seconds_or_zero = _ranged(0, MAX_SECONDS)  # 0 = off
+milliseconds_or_zero = _ranged(0, MAX_SECONDS * 1e3)  # simulated latencies
+fraction = _ranged(0, 1, high_open=True)  # [0, 1): momentum, dropout
+open_fraction = _ranged(0, 1, low_open=True, high_open=True)  # (0, 1)
+ratio = _ranged(0, 1)  # [0, 1]
+share = _ranged(0, 1, low_open=True)  # (0, 1]
+restarts = _ranged(0, forever=True)  # as Ray's max_restarts: -1 = restart forever
+seed_range = _ranged(0, 2**63, high_open=True)
 
 
 class ConfigError(ValueError):
@@ -32,14 +63,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class TopologyConfig:
-    clusters: int = 2
-    replicas_per_cluster: int = 2
-    cpus_per_replica: float = 1.0
+    clusters: int = count(2)
+    replicas_per_cluster: int = count(2)
+    cpus_per_replica: float = non_negative(1.0)
     # Pre-started, warmed replicas per cluster that take over a dead replica's identity at once
     # (its rejoin costs a heal, not a process start); the dead one's restart becomes the new spare.
-    spares_per_cluster: int = 0
+    spares_per_cluster: int = count_or_zero(0)
     # How a cluster's replicas are kept together on a real Ray cluster (see actors/placement.py).
-    placement_strategy: str = "STRICT_PACK"
+    placement_strategy: str = one_of("STRICT_PACK", PLACEMENT_STRATEGIES)
     # Optional Ray node label per cluster, e.g. ["rack-a", "rack-b"]: cluster c lands on nodes with
     # label `hsgd-cluster=<cluster_labels[c]>`.
     cluster_labels: List[str] = field(default_factory=list)
@@ -47,46 +78,46 @@ class TopologyConfig:
 
 @dataclass
 class SyncConfig:
-    inner: str = "ddp"  # ddp | localsgd | none
-    inner_every: int = 1  # localsgd: average parameters in the cluster every this many steps
-    outer: str = "diloco"  # average | diloco | none
+    inner: str = one_of("ddp", INNER_ALGORITHMS)
+    inner_every: int = count(1)  # localsgd: average parameters in the cluster every this many steps
+    outer: str = one_of("diloco", OUTER_ALGORITHMS)
     # inner steps between two syncs of the same parameters (with fragments: of one fragment); a
     # round is outer_every / fragments inner steps (hsgd.config.steps_per_round)
-    outer_every: int = 20
+    outer_every: int = count(20)
     # what crosses the slow link (hsgd/train/codec.py): none (fp32) | bf16 | int8 | int4 | topk,
     # with error feedback for every lossy codec (each cluster re-sends what it could not send)
-    outer_compress: str = "none"
-    outer_topk: float = 0.01  # topk: the fraction of each chunk's entries sent
+    outer_compress: str = one_of("none", OUTER_CODECS)
+    outer_topk: float = share(0.01)  # topk: the fraction of each chunk's entries sent
     # leader: each cluster's leader exchanges the whole payload; sharded: every member exchanges a
     # shard (one outer group per shard index) and the cluster gathers the shards (hsgd/core/outer_plan.py)
-    outer_path: str = "leader"
-    fragments: int = 1  # Streaming DiLoCo: parameter fragments (strided over depth) synced in turn
-    fragment_alpha: float = 0.0  # weight of the LOCAL copy when merging a synced fragment (torchft's); 0 = take the global
+    outer_path: str = one_of("leader", OUTER_PATHS)
+    fragments: int = count(1)  # Streaming DiLoCo: parameter fragments (strided over depth) synced in turn
+    fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment (torchft's); 0 = take the global
     # overlap: the round's pseudo-gradient is taken this many inner steps before the round's end, and
     # its outer all-reduce runs while those steps compute (Streaming DiLoCo's tau); 0 = no overlap
-    fragment_delay: int = 0
+    fragment_delay: int = count_or_zero(0)
 
 
 @dataclass
 class InnerOptimConfig:
-    name: str = "adamw"  # adamw | sgd
-    lr: float = 3e-3
-    momentum: float = 0.9  # sgd momentum; adamw beta1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm, 0 = off
+    name: str = one_of("adamw", INNER_OPTIMIZERS)
+    lr: float = positive(3e-3)
+    momentum: float = fraction(0.9)  # sgd momentum; adamw beta1
+    weight_decay: float = non_negative(0.0)
+    grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
     # learning rate as a function of the global inner step (heals and resumes land on the same rate):
     # linear warmup over warmup_steps, then constant or cosine decay to lr * min_lr_ratio at the run's end
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = count_or_zero(0)
+    schedule: str = one_of("constant", LR_SCHEDULES)
+    min_lr_ratio: float = ratio(0.1)
     # auto: fused on CUDA, single-tensor on CPU (bitwise equal replicas either way) | fused | foreach | single
-    implementation: str = "auto"
+    implementation: str = one_of("auto", OPTIMIZER_IMPLEMENTATIONS)
 
 
 @dataclass
 class OuterOptimConfig:
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = positive(0.7)
+    momentum: float = fraction(0.9)
     nesterov: bool = True
 
 
@@ -102,12 +133,12 @@ class ModelConfig:
     # `args` are its keyword arguments (README, "Bring your own model and data")
     _target_: str = "hsgd.train.model.build_gpt"
     args: Dict[str, Any] = field(default_factory=dict)
-    name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    dropout: float = 0.0
+    name: str = one_of("tiny", MODEL_NAMES)
+    n_layer: int = count(4)
+    n_head: int = count(4)
+    n_embd: int = count(128)
+    block_size: int = count(64)
+    dropout: float = fraction(0.0)
 
 
 @dataclass
@@ -116,10 +147,10 @@ class DataConfig:
     _target_: str = "hsgd.train.data.build_dataset"
     args: Dict[str, Any] = field(default_factory=dict)
     path: Optional[str] = None  # None = the Shakespeare corpus shipped in the package
-    batch_size: int = 8
-    val_fraction: float = 0.1
-    grad_accum: int = 1  # micro-batches per inner step (each of batch_size sequences)
-    vocab_size: Optional[int] = None  # token folders without meta.json (nanoGPT's GPT-2 .bin files)
+    batch_size: int = count(8)
+    val_fraction: float = open_fraction(0.1)
+    grad_accum: int = count(1)  # micro-batches per inner step (each of batch_size sequences)
+    vocab_size: Optional[int] = count(None)  # token folders without meta.json (nanoGPT's GPT-2 .bin files)
 
 
 @dataclass
@@ -131,18 +162,18 @@ class LossConfig:
 
 @dataclass
 class TrainConfig:
-    rounds: int = 15
+    rounds: int = count(15)
     resume: bool = False
-    eval_every: int = 1  # rounds between evaluations of the global model
-    eval_batches: int = 8
+    eval_every: int = count(1)  # rounds between evaluations of the global model
+    eval_batches: int = count(8)
     # Pad each inner step to at least this many seconds by sleeping: simulates an accelerator's step
     # time on CPU, so tests and drills run rounds of minutes cheaply. 0 = off.
-    min_step_s: float = 0.0
+    min_step_s: float = seconds_or_zero(0.0)
     # Simulated stragglers (benchmarks): at each inner step a replica sleeps, with probability
     # straggle_p, straggle_factor times the step's time. 0 = off.
-    straggle_p: float = 0.0
-    straggle_factor: float = 10.0
-    precision: str = "fp32"  # fp32 | bf16 (autocast; master weights, pseudo-gradients, outer state fp32)
+    straggle_p: float = fraction(0.0)
+    straggle_factor: float = non_negative(10.0)
+    precision: str = one_of("fp32", PRECISIONS)  # fp32 | bf16 (autocast; master weights, pseudo-gradients, outer state fp32)
     compile: bool = False  # torch.compile the model
     # bitwise replay on GPU: deterministic algorithms, cuBLAS workspace, deterministic attention
     deterministic: bool = False
@@ -158,13 +189,13 @@ class RunConfig:
     dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
     sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
     # a run folder that stays unwritable this long ends the run (failed); a shorter outage is survived
-    io_grace_s: float = 60.0
+    io_grace_s: float = seconds(60.0)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 5  # rounds between durable checkpoints, 0 = never
-    keep: int = 2
+    every: int = count_or_zero(5)  # rounds between durable checkpoints, 0 = never
+    keep: int = count(2)
     # where checkpoints go: null = <run.dir>/checkpoints; or any fsspec URL every replica reaches
     # (a shared mount, s3://..., gs://..., memory://... in tests)
     dir: Optional[str] = None
@@ -172,26 +203,26 @@ class CheckpointConfig:
 
 @dataclass
 class CommConfig:
-    backend: str = "auto"  # auto (nccl when CUDA is present) | gloo | nccl
-    timeout_s: float = 10.0  # one collective
-    configure_timeout_s: float = 30.0  # joining a process group (store rendezvous)
+    backend: str = one_of("auto", BACKENDS)  # auto (nccl when CUDA is present) | gloo | nccl
+    timeout_s: float = seconds(10.0)  # one collective
+    configure_timeout_s: float = seconds(30.0)  # joining a process group (store rendezvous)
     # The slowest link assumed when a wait is scaled to its payload: a collective waits at most
     # timeout_s + bytes * 8 / (min_gbps * 1e9), so a multi-GB outer all-reduce gets the time it
     # needs while a 1 MB inner one still fails fast.
-    min_gbps: float = 1.0
+    min_gbps: float = positive(1.0)
     # per level; null = follow comm.backend (for the outer level `auto` means gloo: the slow link is TCP)
-    inner_backend: Optional[str] = None  # auto | gloo | nccl
-    outer_backend: Optional[str] = None  # auto | gloo | nccl
-    bucket_mb: float = 25.0  # inner ddp: gradient buckets all-reduced from backward hooks as they fill
+    inner_backend: Optional[str] = one_of(None, BACKENDS)
+    outer_backend: Optional[str] = one_of(None, BACKENDS)
+    bucket_mb: float = positive(25.0)  # inner ddp: gradient buckets all-reduced from backward hooks as they fill
 
 
 @dataclass
 class LinkConfig:
     # A simulated link for this level (hsgd.train.comm.LinkModel): each collective lasts at least
     # latency + jitter + its bytes * 8 / (gbps * 1e9) s, so one machine behaves like a WAN.
-    gbps: float = 0.0  # 0 = no simulation (the real network as it is); else >= comm.min_gbps
-    latency_ms: float = 0.0  # per collective
-    jitter_ms: float = 0.0  # extra latency, uniform in [0, jitter_ms], per collective
+    gbps: float = non_negative(0.0)  # 0 = no simulation (the real network as it is); else >= comm.min_gbps
+    latency_ms: float = milliseconds_or_zero(0.0)  # per collective
+    jitter_ms: float = milliseconds_or_zero(0.0)  # extra latency, uniform in [0, jitter_ms], per collective
 
 
 @dataclass
@@ -202,31 +233,31 @@ class LinksConfig:
 
 @dataclass
 class SupervisorConfig:
-    phase_timeout_s: float = 300.0  # hard deadline for one phase call on a replica
-    call_timeout_s: float = 60.0  # small control calls (configure, status, heal)
-    max_restarts: int = 10  # restarts of the supervisor actor itself
-    min_replicas_per_cluster: int = 1  # a cluster with fewer live replicas sits out outer sync
-    min_clusters: int = 1  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
-    quorum_wait_s: float = 60.0
+    phase_timeout_s: float = seconds(300.0)  # hard deadline for one phase call on a replica
+    call_timeout_s: float = seconds(60.0)  # small control calls (configure, status, heal)
+    max_restarts: int = restarts(10)  # restarts of the supervisor actor itself
+    min_replicas_per_cluster: int = count(1)  # a cluster with fewer live replicas sits out outer sync
+    min_clusters: int = count(1)  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
+    quorum_wait_s: float = seconds(60.0)
     # fast: a restarted replica joins its cluster inside the round (at a step boundary, healed from a
     # live peer); boundary: at the next round, where the supervisor waits up to rejoin_wait_s for it
     # (bitwise replay of drills: same seed + schedule -> same digest).
-    rejoin: str = "fast"
-    rejoin_wait_s: float = 30.0  # at a round boundary, wait this long for a restarting replica
+    rejoin: str = one_of("fast", REJOIN_MODES)
+    rejoin_wait_s: float = seconds_or_zero(30.0)  # at a round boundary, wait this long for a restarting replica
 
 
 @dataclass
 class WatchdogConfig:
     # deadline of a phase = clamp(multiple * median recent seconds per step * steps, floor_s, ceiling_s)
-    multiple: float = 4.0
-    floor_s: float = 15.0
-    ceiling_s: float = 300.0
+    multiple: float = count(4.0)
+    floor_s: float = seconds(15.0)
+    ceiling_s: float = seconds(300.0)
     stack_dumps: bool = True  # on a missed deadline: dump every replica's stacks into hangs/
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"
+    mode: str = one_of("offline", WANDB_MODES)
     project: str = "hsgd"
     entity: Optional[str] = None
     group: Optional[str] = None
@@ -243,24 +274,24 @@ class LoggingConfig:
 class FaultsConfig:
     # List of {kind, target, round, phase, step}; see hsgd/core/faults.py and the README.
     schedule: List[Any] = field(default_factory=list)
-    mtbf_s: float = 0.0  # random faults with this mean time between failures, 0 = off
+    mtbf_s: float = non_negative(0.0)  # random faults with this mean time between failures, 0 = off
     kinds: List[str] = field(default_factory=lambda: ["kill", "crash"])
-    seed: int = 0
+    seed: int = seed_range(0)
     # Random faults land on step boundaries, mapped from time assuming this many seconds per inner
     # step, so a seed always gives the same schedule (and the same result) on any machine.
-    step_s: float = 0.1
-    max_restarts: int = 10  # restarts allowed per replica actor
+    step_s: float = seconds(0.1)
+    max_restarts: int = restarts(10)  # restarts allowed per replica actor
 
 
 @dataclass
 class RayConfig:
     address: Optional[str] = None  # None: attach when RAY_ADDRESS/job context is set, else embedded
-    num_cpus: Optional[int] = None  # embedded cluster only; None = max(cores, replicas + 1)
+    num_cpus: Optional[int] = count(None)  # embedded cluster only; None = max(cores, replicas + 1)
 
 
 @dataclass
 class HsgdConfig:
-    seed: int = 0
+    seed: int = seed_range(0)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -4,10 +4,10 @@
 would be>'; the entry point (jobs/train.py) prints it and exits with code 2 before Ray starts.
 
 What it checks, in this order (the cheap checks first, the corpus last):
-1. `NUMERIC_FIELDS`: every numeric field of the schema, its type and bounds. Every number must be
-   finite (nan and inf are refused everywhere). tests/unit/test_validate_table.py walks the schema
-   and fails when a numeric field is missing here, so a new field cannot skip validation.
-2. `CHOICE_FIELDS`: fields that name one of a fixed set of values.
+1. `NUMERIC_FIELDS`: every numeric field of the schema, its type and the range its metadata gives
+   (hsgd/config/schema.py: `count`, `seconds`, ...). Every number must be finite (nan and inf are
+   refused everywhere). A numeric field without a range is an error at import, so no field skips it.
+2. `CHOICE_FIELDS`: fields that name one of a fixed set of values (`one_of` in the schema).
 3. Relations between fields (localsgd's period, quorum within the topology, watchdog floor and
    ceiling, a simulated link only with its bandwidth and never below comm.min_gbps, a random
    fault schedule of at most `MAX_RANDOM_FAULTS` faults, the fault schedule).
@@ -18,23 +18,21 @@ What it checks, in this order (the cheap checks first, the corpus last):
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import importlib
 import math
 import netrc
 import os
 import re
+import typing
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from hsgd.config.paths import output_path
 from hsgd.config.rounds import steps_per_round
-from hsgd.config.schema import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, LR_SCHEDULES, OPTIMIZER_IMPLEMENTATIONS,
-                                OUTER_ALGORITHMS, OUTER_CODECS, OUTER_PATHS, PLACEMENT_STRATEGIES, PRECISIONS, REJOIN_MODES, WANDB_MODES,
-                                ConfigError)
+from hsgd.config.schema import ConfigError, HsgdConfig
 
-# Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
-MAX_SECONDS = 1e7
 # A random fault schedule is drawn in full at the run's start; beyond this many faults it is a typo.
 MAX_RANDOM_FAULTS = 10_000
 
@@ -52,26 +50,12 @@ class Bound:
 
     def problem(self, value: Any) -> str | None:
         """None when `value` is valid, else one line: 'got <value>; valid: <describe()>'."""
-        if value is None and self.optional:
-            return None
-        if not self._in_range(value):
-            return f"got {value!r}; valid: {self.describe()}"
-        return None
-
-    def _in_range(self, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False
-        if self.kind is int and not isinstance(value, int):
-            return False
-        if not math.isfinite(value):
-            return False
-        if self.forever and value == -1:
-            return True
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
-            return False
-        return True
+        ok = (value is None and self.optional) or (
+            not isinstance(value, bool) and isinstance(value, int if self.kind is int else (int, float))
+            and math.isfinite(value) and ((self.forever and value == -1) or (
+                (self.low is None or value > self.low or (value == self.low and not self.low_open))
+                and (self.high is None or value < self.high or (value == self.high and not self.high_open)))))
+        return None if ok else f"got {value!r}; valid: {self.describe()}"
 
     def describe(self) -> str:
         """The valid values in words, e.g. 'an int >= 0, or -1 for forever'."""
@@ -90,103 +74,35 @@ def _number(x: float) -> str:
     return "2^63" if x == 2**63 else f"{x:g}"
 
 
-COUNT = Bound(int, low=1)  # sizes, periods: at least one
-COUNT_OR_ZERO = Bound(int, low=0)  # 0 = none / off
-POSITIVE = Bound(float, low=0, low_open=True)
-NON_NEGATIVE = Bound(float, low=0)
-SECONDS = Bound(float, low=0, low_open=True, high=MAX_SECONDS)  # timeouts and waits: > 0
-SECONDS_OR_ZERO = Bound(float, low=0, high=MAX_SECONDS)  # 0 = off
-MILLISECONDS_OR_ZERO = Bound(float, low=0, high=MAX_SECONDS * 1e3)  # simulated latencies
-FRACTION = Bound(float, low=0, high=1, high_open=True)  # [0, 1): momentum, dropout
-OPEN_FRACTION = Bound(float, low=0, high=1, low_open=True, high_open=True)  # (0, 1)
-RATIO = Bound(float, low=0, high=1)  # [0, 1]
-RESTARTS = Bound(int, low=0, forever=True)  # as Ray's max_restarts: -1 = restart forever
-SEED = Bound(int, low=0, high=2**63, high_open=True)
+def schema_fields(cls: type = HsgdConfig, prefix: str = ""):
+    """(dotted path, annotated type, dataclasses.Field) of every leaf of the schema's dataclass tree."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from schema_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, hints[f.name], f
 
-# Every numeric field of the schema (hsgd/config/schema.py), one line each.
-NUMERIC_FIELDS: dict[str, Bound] = {
-    "seed": SEED,
-    "topology.clusters": COUNT,
-    "topology.replicas_per_cluster": COUNT,
-    "topology.cpus_per_replica": NON_NEGATIVE,
-    "topology.spares_per_cluster": COUNT_OR_ZERO,
-    "sync.inner_every": COUNT,
-    "sync.outer_every": COUNT,  # and a multiple of sync.fragments
-    "sync.outer_topk": Bound(float, low=0, high=1, low_open=True),
-    "sync.fragments": COUNT,
-    "sync.fragment_alpha": Bound(float, low=0, high=1, high_open=True),
-    "sync.fragment_delay": Bound(int, low=0),  # and below a round's steps
-    "optim.inner.lr": POSITIVE,
-    "optim.inner.momentum": FRACTION,
-    "optim.inner.weight_decay": NON_NEGATIVE,
-    "optim.inner.grad_clip": NON_NEGATIVE,  # 0 = off
-    "optim.inner.warmup_steps": COUNT_OR_ZERO,
-    "optim.inner.min_lr_ratio": RATIO,
-    "optim.outer.lr": POSITIVE,
-    "optim.outer.momentum": FRACTION,
-    "model.n_layer": COUNT,
-    "model.n_head": COUNT,
-    "model.n_embd": COUNT,
-    "model.block_size": COUNT,
-    "model.dropout": FRACTION,
-    "data.batch_size": COUNT,
-    "data.val_fraction": OPEN_FRACTION,
-    "data.grad_accum": COUNT,
-    "data.vocab_size": Bound(int, low=1, optional=True),
-    "train.rounds": COUNT,
-    "train.eval_every": COUNT,
-    "train.eval_batches": COUNT,
-    "train.min_step_s": SECONDS_OR_ZERO,
-    "train.straggle_p": FRACTION,
-    "train.straggle_factor": NON_NEGATIVE,
-    "run.io_grace_s": SECONDS,
-    "checkpoint.every": COUNT_OR_ZERO,  # 0 = never
-    "checkpoint.keep": COUNT,
-    "comm.timeout_s": SECONDS,
-    "comm.configure_timeout_s": SECONDS,
-    "comm.min_gbps": POSITIVE,
-    "comm.bucket_mb": POSITIVE,
-    "links.outer.gbps": NON_NEGATIVE,  # 0 = no simulated link; else >= comm.min_gbps
-    "links.outer.latency_ms": MILLISECONDS_OR_ZERO,
-    "links.outer.jitter_ms": MILLISECONDS_OR_ZERO,
-    "links.inner.gbps": NON_NEGATIVE,
-    "links.inner.latency_ms": MILLISECONDS_OR_ZERO,
-    "links.inner.jitter_ms": MILLISECONDS_OR_ZERO,
-    "supervisor.phase_timeout_s": SECONDS,
-    "supervisor.call_timeout_s": SECONDS,
-    "supervisor.max_restarts": RESTARTS,
-    "supervisor.min_replicas_per_cluster": COUNT,  # and <= topology.replicas_per_cluster
-    "supervisor.min_clusters": COUNT,  # and <= topology.clusters
-    "supervisor.quorum_wait_s": SECONDS,
-    "supervisor.rejoin_wait_s": SECONDS_OR_ZERO,
-    "watchdog.multiple": Bound(float, low=1),  # a multiple of the median phase time
-    "watchdog.floor_s": SECONDS,
-    "watchdog.ceiling_s": SECONDS,  # and >= watchdog.floor_s
-    "faults.mtbf_s": NON_NEGATIVE,  # 0 = off; and at most MAX_RANDOM_FAULTS expected faults
-    "faults.seed": SEED,
-    "faults.step_s": SECONDS,
-    "faults.max_restarts": RESTARTS,
-    "ray.num_cpus": Bound(int, low=1, optional=True),
-}
 
+def _numeric_bounds() -> dict[str, Bound]:
+    bounds = {}
+    for path, hint, f in schema_fields():
+        args = set(typing.get_args(hint)) or {hint}
+        kind = next((k for k in (int, float) if k in args), None)
+        if kind is None:
+            continue
+        if "range" not in f.metadata:
+            raise TypeError(f"{path}: a numeric schema field needs a range (hsgd/config/schema.py: count, seconds, ...)")
+        bounds[path] = Bound(kind, optional=type(None) in args, **f.metadata["range"])
+    return bounds
+
+
+# Derived from the schema's field metadata (hsgd/config/schema.py), one entry per field.
+NUMERIC_FIELDS: dict[str, Bound] = _numeric_bounds()
 # Fields that name one of a fixed set of values (None in the set: null is allowed).
 CHOICE_FIELDS: dict[str, tuple] = {
-    "topology.placement_strategy": PLACEMENT_STRATEGIES,
-    "sync.inner": INNER_ALGORITHMS,
-    "sync.outer": OUTER_ALGORITHMS,
-    "sync.outer_compress": OUTER_CODECS,
-    "sync.outer_path": OUTER_PATHS,
-    "optim.inner.name": INNER_OPTIMIZERS,
-    "optim.inner.schedule": LR_SCHEDULES,
-    "optim.inner.implementation": OPTIMIZER_IMPLEMENTATIONS,
-    "model.name": ("tiny", "small", "custom"),
-    "train.precision": PRECISIONS,
-    "comm.backend": BACKENDS,
-    "comm.inner_backend": (None,) + BACKENDS,
-    "comm.outer_backend": (None,) + BACKENDS,
-    "supervisor.rejoin": REJOIN_MODES,
-    "logging.wandb.mode": WANDB_MODES,
-}
+    path: ((None,) if type(None) in typing.get_args(hint) else ()) + tuple(f.metadata["choices"])
+    for path, hint, f in schema_fields() if "choices" in f.metadata}
 
 # Factories named by Hydra `_target_` strings: each must import to a callable.
 TARGET_FIELDS = ("model._target_", "data._target_", "loss._target_")

@@ -1,8 +1,8 @@
-"""hsgd.config: every validation rule names its field in a one-line error and lists valid choices."""
+"""hsgd.config: every rule across fields names its field in a one-line error (each field's own range
+or choices: tests/unit/test_validate_schema.py)."""
 import pytest
 
-from hsgd.config import (BACKENDS, INNER_ALGORITHMS, INNER_OPTIMIZERS, OUTER_ALGORITHMS, WANDB_MODES,
-                         ConfigError, HsgdConfig, validate)
+from hsgd.config import ConfigError, HsgdConfig, validate
 from hsgd.core.faults import FAULT_KINDS, FaultSpecError
 
 
@@ -35,51 +35,8 @@ def test_default_config_is_valid():
     validate(HsgdConfig())
 
 
-@pytest.mark.parametrize("field,bad,choices", [
-    ("sync.inner", "fsdp", INNER_ALGORITHMS),
-    ("sync.outer", "adam", OUTER_ALGORITHMS),
-    ("optim.inner.name", "lion", INNER_OPTIMIZERS),
-    ("comm.backend", "mpi", BACKENDS),
-    ("logging.wandb.mode", "dryrun", WANDB_MODES),
-    ("topology.placement_strategy", "ANYWHERE", ("STRICT_PACK", "SPREAD")),
-    ("model.name", "huge", ("tiny", "small", "custom")),
-])
-def test_unknown_choice_names_field_and_lists_valid_values(field, bad, choices):
-    err = _rejects(_cfg(**{field: bad}), field, choices=choices)
-    assert repr(bad) in str(err), f"error should quote the bad value {bad!r}: {err}"
-
-
 def test_unknown_fault_kind_in_random_mode_kinds_is_rejected():
     _rejects(_cfg(**{"faults.kinds": ["kill", "explode"]}), "faults.kinds", choices=FAULT_KINDS)
-
-
-@pytest.mark.parametrize("field", [
-    "sync.inner_every", "sync.outer_every", "train.rounds", "data.batch_size", "topology.clusters",
-    "topology.replicas_per_cluster", "train.eval_every", "train.eval_batches", "checkpoint.keep",
-    "model.n_layer", "model.n_head", "model.block_size", "optim.inner.lr", "optim.outer.lr",
-    "comm.timeout_s", "comm.configure_timeout_s", "supervisor.phase_timeout_s",
-    "supervisor.call_timeout_s", "supervisor.quorum_wait_s",
-])
-@pytest.mark.parametrize("bad", [0, -1])
-def test_zero_or_negative_period_or_size_is_rejected(field, bad):
-    err = _rejects(_cfg(**{field: bad}), field)
-    assert any(bound in str(err) for bound in ("> 0", ">= 1", "in (0,")), \
-        f"rule broke: error should say the bound (> 0 / >= 1): {err}"
-
-
-@pytest.mark.parametrize("field", ["checkpoint.every", "faults.mtbf_s", "optim.inner.grad_clip",
-                                   "supervisor.rejoin_wait_s", "train.min_step_s", "optim.inner.warmup_steps"])
-def test_zero_allowed_where_zero_means_off_but_negative_rejected(field):
-    validate(_cfg(**{field: 0}))
-    _rejects(_cfg(**{field: -1}), field)
-
-
-@pytest.mark.parametrize("field", ["supervisor.max_restarts", "faults.max_restarts"])
-def test_restart_counts_take_zero_or_minus_one_for_forever_as_ray_does(field):
-    validate(_cfg(**{field: 0}))
-    validate(_cfg(**{field: -1}))
-    err = _rejects(_cfg(**{field: -5}), field)
-    assert "-1 for forever" in str(err), f"error should say what -1 means: {err}"
 
 
 def test_localsgd_outer_every_must_be_a_multiple_of_inner_every():
@@ -124,14 +81,6 @@ def test_min_replicas_per_cluster_must_be_within_topology(bad):
              "supervisor.min_replicas_per_cluster")
 
 
-@pytest.mark.parametrize("field,bad", [
-    ("optim.inner.momentum", 1.0), ("optim.outer.momentum", -0.1), ("model.dropout", 1.0),
-    ("data.val_fraction", 0.0), ("data.val_fraction", 1.0),
-])
-def test_fraction_out_of_range_is_rejected(field, bad):
-    _rejects(_cfg(**{field: bad}), field)
-
-
 def test_cluster_labels_need_one_per_cluster():
     _rejects(_cfg(**{"topology.cluster_labels": ["rack-a"]}), "topology.cluster_labels")
     validate(_cfg(**{"topology.cluster_labels": ["rack-a", "rack-b"]}))
@@ -139,11 +88,6 @@ def test_cluster_labels_need_one_per_cluster():
 
 def test_empty_run_dir_is_rejected():
     _rejects(_cfg(**{"run.dir": "  "}), "run.dir")
-
-
-def test_ray_num_cpus_must_be_positive_when_given():
-    _rejects(_cfg(**{"ray.num_cpus": 0}), "ray.num_cpus")
-    validate(_cfg(**{"ray.num_cpus": 4}))
 
 
 # The entry point catches (ConfigError, FaultSpecError); the field and one-line text are the contract.
@@ -199,27 +143,6 @@ def test_a_fault_whose_moment_never_comes_is_a_config_error(changes, field, word
 ])
 def test_faults_whose_moment_comes_pass(changes):
     validate(_cfg(**changes))
-
-
-@pytest.mark.parametrize("field,bad", [("supervisor.rejoin", "sometimes"), ("train.min_step_s", -1.0),
-                                       ("comm.min_gbps", 0.0), ("topology.spares_per_cluster", -1)])
-def test_new_keys_are_validated(field, bad):
-    _rejects(_cfg(**{field: bad}), field)
-
-
-# -- the outer exchange's knobs (issue 22) ------------------------------------------------------------
-@pytest.mark.parametrize("field,bad,choices", [
-    ("sync.outer_compress", "fp8", ("none", "bf16", "int8", "int4", "topk")),
-    ("sync.outer_path", "ring", ("leader", "sharded")),
-])
-def test_an_unknown_codec_or_outer_path_names_the_field_and_the_valid_values(field, bad, choices):
-    _rejects(_cfg(**{field: bad}), field, choices=choices)
-
-
-@pytest.mark.parametrize("field,bad", [("sync.outer_topk", 0.0), ("sync.outer_topk", 1.5), ("sync.fragments", 0),
-                                       ("sync.fragment_alpha", 1.0), ("sync.fragment_alpha", -0.1)])
-def test_out_of_range_outer_numbers_are_refused(field, bad):
-    _rejects(_cfg(**{field: bad}), field)
 
 
 @pytest.mark.parametrize("overrides,needle", [
