@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
-import importlib
 import math
 import netrc
 import os
@@ -129,8 +128,10 @@ def validate(cfg: Any) -> None:
     _check_links(cfg)
     _check_faults(cfg)
     _check_folders(cfg)
+    from hsgd.train.task import resolve  # imports torch: only when a whole config is validated
+
     for path in TARGET_FIELDS:
-        _check_target(path, field_value(cfg, path))
+        resolve(field_value(cfg, path), path)
     _check_wandb_credentials(cfg.logging.wandb.mode)
     _check_data(cfg)
 
@@ -252,20 +253,6 @@ def _check_folders(cfg: Any) -> None:
     if where is not None and (not isinstance(where, str) or not where.strip()):
         raise ConfigError("checkpoint.dir", f"got {where!r}; valid: null (<run.dir>/checkpoints), "
                           "a folder path or an fsspec URL (file://, s3://, gs://, ...)")
-
-
-def _check_target(path: str, target: Any) -> None:
-    """A Hydra `_target_` must name a module-level callable that imports here."""
-    valid = "valid: a dotted path 'package.module.callable' importable on every node"
-    module_name, _, attribute = str(target).rpartition(".")
-    if not module_name or not attribute:
-        raise ConfigError(path, f"{target!r} is not a dotted path; {valid}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except Exception as err:  # noqa: BLE001 — a user's module may fail in any way while importing
-        raise ConfigError(path, f"cannot import {target!r} ({type(err).__name__}: {_one_line(err)}); {valid}") from None
-    if not callable(factory):
-        raise ConfigError(path, f"{target!r} is a {type(factory).__name__}, not a callable; {valid}")
 
 
 def _check_wandb_credentials(mode: str) -> None:

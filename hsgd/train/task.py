@@ -13,7 +13,8 @@ them if it takes **kwargs), so a factory names just what it uses:
     model context: model_cfg (cfg.model), vocab_size (the dataset's, may be None)
     data context:  data_cfg (cfg.data), block_size (cfg.model.block_size), batch_size, seed
 
-A name in `args` that is also a context name is refused (ValueError): hsgd supplies it.
+A name in `args` that is also a context name is refused (ValueError): hsgd supplies it. A
+`_target_` that does not import to a callable is a ConfigError naming the field (`resolve`).
 
 The DATASET CONTRACT. A Dataset has
     source: str                    where the data comes from (for the record)
@@ -40,6 +41,9 @@ import uuid
 from typing import Any, Callable, Protocol
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hsgd.config.schema import ConfigError
 
 EVAL_SEED = 1234  # evaluation batches: stream replica_index=-1 of this seed, never a training stream
 
@@ -52,33 +56,27 @@ class Dataset(Protocol):
 
 
 def resolve(path: str, field: str) -> Callable:
-    """The callable a dotted `_target_` names. Raises ValueError (one line naming `field`)."""
+    """The callable a dotted `_target_` names, imported here (hsgd.config.validate checks each
+    before the run starts). Raises ConfigError, one line: '<field>: <path>: <problem>; valid: ...'."""
+    valid = "valid: a dotted path 'package.module.callable' importable on every node"
     module_name, _, name = str(path).rpartition(".")
     if not module_name or not name:
-        raise ValueError(f"{field}={path!r}: expected a dotted path package.module.callable")
+        raise ConfigError(field, f"{path!r} is not a dotted path; {valid}")
     try:
-        module = importlib.import_module(module_name)
+        target = getattr(importlib.import_module(module_name), name, None)
     except Exception as err:  # noqa: BLE001 — ImportError, or the user's module failing on import
-        raise ValueError(f"{field}={path!r}: cannot import {module_name} ({type(err).__name__}: {err}); "
-                         f"the module must be importable where the replicas run") from err
-    target = getattr(module, name, None)
+        reason = " ".join(str(err).split())[:400]
+        raise ConfigError(field, f"{path!r}: cannot import {module_name} ({type(err).__name__}: {reason}); {valid}") from None
+    if target is None:
+        raise ConfigError(field, f"{path!r}: {module_name} has no callable {name!r} (AttributeError); {valid}")
     if not callable(target):
-        raise ValueError(f"{field}={path!r}: {module_name} has no callable {name!r}")
+        raise ConfigError(field, f"{path!r} is a {type(target).__name__}, not a callable; {valid}")
     return target
 
 
 def _plain(args: Any) -> dict:
     """`args` as a plain dict (an OmegaConf node becomes Python containers)."""
-    if args is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(args, DictConfig):
-            return dict(OmegaConf.to_container(args, resolve=True))
-    except ImportError:  # a bare GPU box may run the trainer on the typed schema alone
-        pass
-    return dict(args)
+    return OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args or {})
 
 
 def call(target: Callable, args: Any, context: dict, field: str) -> Any:
@@ -88,13 +86,10 @@ def call(target: Callable, args: Any, context: dict, field: str) -> Any:
     if clash:
         raise ValueError(f"{field}.args: {clash} are supplied by hsgd ({', '.join(sorted(context))}); remove them")
     params = inspect.signature(target).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        wanted = dict(context)
-    else:
-        names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                      inspect.Parameter.KEYWORD_ONLY)}
-        wanted = {k: v for k, v in context.items() if k in names}
-    return target(**args, **wanted)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        context = {k: v for k, v in context.items() if k in names}
+    return target(**args, **context)
 
 
 def build_dataset(cfg: Any) -> Dataset:

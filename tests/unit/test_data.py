@@ -264,7 +264,7 @@ def make_counting_dataset(data_cfg, block_size, *, start=0):
 def test_check_data_builds_a_user_target_and_names_it_when_it_fails():
     check_data(_cfg(_target_=f"{__name__}.make_counting_dataset", args={"start": 5}))
     _one_line_error(ValueError, lambda: check_data(_cfg(_target_="no_such_module_h5.build")),
-                    "^data._target_='no_such_module_h5.build': cannot import no_such_module_h5")
+                    "^data._target_: 'no_such_module_h5.build': cannot import no_such_module_h5")
     _one_line_error(ValueError, lambda: check_data(_cfg(_target_=f"{__name__}.make_counting_dataset",
                                                         args={"stop": 5})),
                     "^data._target_=.*failed .TypeError")

@@ -25,13 +25,13 @@ def takes_kwargs(**kwargs):
     return kwargs
 
 
-@pytest.mark.parametrize("path,message", [("nodots", "expected a dotted path"),
+@pytest.mark.parametrize("path,message", [("nodots", "not a dotted path"),
                                           ("no_such_module_xyz.build", "cannot import no_such_module_xyz"),
                                           ("hsgd.train.model.NOT_THERE", "has no callable 'NOT_THERE'")])
 def test_a_target_that_cannot_be_resolved_is_one_line_naming_the_field(path, message):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError) as info:  # a ConfigError, hsgd.config.validate's before the run starts
         task.resolve(path, "model._target_")
-    assert str(info.value).startswith(f"model._target_={path!r}") and message in str(info.value)
+    assert str(info.value).startswith(f"model._target_: {path!r}") and message in str(info.value)
     assert "\n" not in str(info.value)
 
 
