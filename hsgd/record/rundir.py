@@ -216,20 +216,19 @@ class FolderWriter:
 def call_with_deadline(fn: Callable[[], object], timeout_s: float, what: str = "a storage call"):
     """fn()'s result, or TimeoutError (an OSError) when it has not returned within timeout_s: a
     call into storage that may hang (a dead NFS server, an object store) runs on a daemon thread of
-    its own, which is left behind if it never returns. fn's own exception is re-raised."""
-    box: dict = {}
+    its own, which is left behind if it never returns. fn's own exception is re-raised. (Not a
+    ThreadPoolExecutor: the interpreter joins its workers at exit, so a hung call would hang the exit.)"""
+    from concurrent.futures import Future, wait
+
+    future: Future = Future()
 
     def run() -> None:
         try:
-            box["result"] = fn()
-        except BaseException as err:  # noqa: BLE001 — re-raised in the caller's thread
-            box["error"] = err
+            future.set_result(fn())
+        except BaseException as err:  # noqa: BLE001 — re-raised in the caller's thread by result()
+            future.set_exception(err)
 
-    thread = threading.Thread(target=run, name="hsgd-storage-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    threading.Thread(target=run, name="hsgd-storage-call", daemon=True).start()
+    if not wait([future], timeout_s).done:
         raise TimeoutError(f"{what} did not return within {timeout_s:g} s (storage hung?)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
+    return future.result()
