@@ -9,11 +9,10 @@ from hsgd.core.outer_plan import steps_per_round as _steps_per_round
 def steps_per_round(cfg: Any) -> int:
     """Inner steps per round: `sync.outer_every / sync.fragments` (each round syncs one fragment,
     so every fragment is synced every `outer_every` steps; without fragments, outer_every)."""
-    return _steps_per_round(int(cfg.sync.outer_every), int(getattr(cfg.sync, "fragments", 1) or 1))
+    return _steps_per_round(int(cfg.sync.outer_every), int(cfg.sync.fragments))
 
 
 def is_streaming(cfg: Any) -> bool:
     """Fragments or a mixing weight: the clusters' working params differ between syncs by design,
     and agree within each cluster only (ARCHITECTURE.md, invariant 1)."""
-    sync = cfg.sync
-    return int(getattr(sync, "fragments", 1) or 1) > 1 or float(getattr(sync, "fragment_alpha", 0) or 0) > 0
+    return cfg.sync.fragments > 1 or cfg.sync.fragment_alpha > 0

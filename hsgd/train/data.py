@@ -266,7 +266,7 @@ def build_dataset(data_cfg: Any, block_size: int) -> TextDataset | TokenDataset:
     of *.txt (char-level), or a token folder (train.bin/val.bin [+ meta.json]). Raises
     FileNotFoundError / ValueError, one line starting with the field to fix."""
     path = data_cfg.path
-    vocab_size = getattr(data_cfg, "vocab_size", None)
+    vocab_size = data_cfg.vocab_size
     if path is not None:
         p = Path(str(path)).expanduser()
         if p.is_file() and p.suffix == ".bin":

@@ -186,7 +186,7 @@ class ReplicaTrainer:
         # overlap (sync.fragment_delay = tau): the round's corrected pseudo-gradient is taken tau
         # steps before the round's end, (round, flat fp32 vector), and reduced while those steps run;
         # the commit merges the synced fragment into params that moved on since (Streaming DiLoCo)
-        self.fragment_delay = int(getattr(cfg.sync, "fragment_delay", 0) or 0)
+        self.fragment_delay = cfg.sync.fragment_delay
         self._outer_snapshot: tuple[int, torch.Tensor] | None = None
         # streaming (fragments or a mixing weight): working params differ from the global ones between syncs
         self.streaming = is_streaming(cfg)

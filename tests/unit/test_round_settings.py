@@ -14,9 +14,10 @@ MIB = 1 << 20
 
 
 def sections(**overrides):
-    """sync, supervisor, comm as plain namespaces (no optional keys unless given)."""
-    sync = dict(inner="ddp", outer="diloco", outer_path="leader", inner_every=1)
-    supervisor = dict(call_timeout_s=60.0, phase_timeout_s=300.0, min_replicas_per_cluster=1, min_clusters=1)
+    """sync, supervisor, comm as plain namespaces."""
+    sync = dict(inner="ddp", outer="diloco", outer_path="leader", inner_every=1, fragment_delay=0)
+    supervisor = dict(call_timeout_s=60.0, phase_timeout_s=300.0, min_replicas_per_cluster=1, min_clusters=1,
+                      rejoin="fast")
     comm = dict(timeout_s=10.0, configure_timeout_s=30.0, min_gbps=1.0)
     for key, value in overrides.items():
         section, name = key.split("__")
@@ -82,10 +83,11 @@ def test_configure_allows_the_rendezvous_then_the_connect_then_a_margin(configur
     assert s.configure_s == expected, f"configure_s={s.configure_s}: not configure + min(timeout, configure) + 5"
 
 
-def test_optional_keys_default_fragment_delay_to_0_and_rejoin_to_fast():
-    plain = settings()
-    assert plain.fragment_delay == 0 and plain.rejoin == "fast"
-    assert settings(sync__fragment_delay=None).fragment_delay == 0
+def test_the_typed_config_defaults_fragment_delay_to_0_and_rejoin_to_fast():
+    cfg = OmegaConf.structured(HsgdConfig)
+    typed = round_settings(steps_per_round=20, sync=cfg.sync, supervisor=cfg.supervisor, comm=cfg.comm,
+                           param_bytes=0, clock=PhaseClock(floor_s=15.0, ceiling_s=300.0))
+    assert typed.fragment_delay == 0 and typed.rejoin == "fast"
     assert settings(sync__fragment_delay=3).fragment_delay == 3
     assert settings(supervisor__rejoin="boundary").rejoin == "boundary"
 
@@ -98,15 +100,13 @@ def test_sync_and_quorum_rules_pass_through():
 
 
 def test_config_nodes_work_as_the_supervisor_holds_them():
-    """The typed config, and a plain node from a dict without the optional keys (how the supervisor
-    holds its config: OmegaConf.create of the resolved dict)."""
+    """The typed config, and a plain node of the resolved dict (how the supervisor holds its config:
+    OmegaConf.create of the resolved dict, which has every key of the schema)."""
     typed = OmegaConf.structured(HsgdConfig)
     s = round_settings(steps_per_round=5, sync=typed.sync, supervisor=typed.supervisor, comm=typed.comm,
                        param_bytes=GB, clock=PhaseClock())
     assert s.fragment_delay == typed.sync.fragment_delay and s.rejoin == typed.supervisor.rejoin
     assert s.group_grace_s == pytest.approx(typed.comm.timeout_s + 8 * GB / (typed.comm.min_gbps * GB) + 5.0)
     plain = OmegaConf.create(OmegaConf.to_container(typed))
-    del plain.sync["fragment_delay"], plain.supervisor["rejoin"]
-    s = round_settings(steps_per_round=5, sync=plain.sync, supervisor=plain.supervisor, comm=plain.comm,
-                       param_bytes=GB, clock=PhaseClock())
-    assert s.fragment_delay == 0 and s.rejoin == "fast"
+    assert round_settings(steps_per_round=5, sync=plain.sync, supervisor=plain.supervisor, comm=plain.comm,
+                          param_bytes=GB, clock=PhaseClock()) == s

@@ -24,8 +24,8 @@ def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: An
                              timeout_s=comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
                              min_gbps=comm.min_gbps)
     return RoundSettings(steps_per_round=steps_per_round, inner=sync.inner, outer=sync.outer,
-                         outer_path=sync.outer_path, fragment_delay=int(getattr(sync, "fragment_delay", 0) or 0),
-                         inner_every=sync.inner_every, rejoin=getattr(supervisor, "rejoin", "fast"),
+                         outer_path=sync.outer_path, fragment_delay=sync.fragment_delay,
+                         inner_every=sync.inner_every, rejoin=supervisor.rejoin,
                          min_replicas_per_cluster=supervisor.min_replicas_per_cluster,
                          min_clusters=supervisor.min_clusters,
                          step_deadline_s=clock.deadline("inner_step", 1), group_grace_s=grace,
