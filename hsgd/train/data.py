@@ -11,7 +11,7 @@ Contract:
   so a replica restored at step s draws exactly the batches it would have drawn anyway.
 - `eval_batches(val, ...)` is a fixed list of batches: the same for every call with the
   same arguments, so val losses from different replicas and runs are comparable.
-- `build_dataset(data_cfg, block_size)` (the default `data._target_`) returns a `Dataset`: the
+- `build_dataset(data_cfg, block_size)` (the default `data._target_`) returns a `Dataset` (hsgd/train/task.py): the
   packaged corpus or a text path (char-level, held in RAM), or a folder of token files
   (train.bin/val.bin, read through np.memmap; see hsgd/train/tokens.py). Every dataset answers
   `batch(split, seed=, replica_index=, step=, micro=)` as a pure function of its arguments;
