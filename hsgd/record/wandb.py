@@ -47,14 +47,6 @@ class WandbSink:
             except Exception as err:  # noqa: BLE001
                 self._fail("wandb log", err)
 
-    def log_event(self, name: str, fields: dict) -> None:
-        if self.run is not None:
-            try:
-                self.run.log({f"events/{name}": 1, **{f"events/{name}/{k}": v for k, v in fields.items()
-                                                       if isinstance(v, (int, float))}})
-            except Exception as err:  # noqa: BLE001
-                self._fail("wandb log", err)
-
     def finish(self, summary: dict) -> None:
         if self.run is None:
             return

@@ -137,17 +137,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, generator=None):
-        """Extend idx (B, T) by max_new_tokens sampled ids; returns (B, T + max_new_tokens)."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]  # (B, <=block_size)
-            logits, _ = self(idx_cond)
-            probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)  # (B, V)
-            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx
-
 
 def build_gpt(model_cfg, vocab_size: int | None) -> GPT:
     """The built-in model plug-in: a GPT of cfg.model's shape over the dataset's vocabulary."""
