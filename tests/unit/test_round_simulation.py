@@ -308,7 +308,7 @@ def test_medium_topology_with_min_clusters(seed):
     assert report.rounds_committed == 10 and report.restores >= 1, report
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~20 s of CPU per seed
 @pytest.mark.parametrize("seed", range(3))
 def test_ten_thousand_replicas_long_run(seed):
     sim = Simulation(1000, 10, rounds=25, seed=100 + seed, rates=Rates(die=6e-4, hang=2e-4, collective=4e-4),
