@@ -8,9 +8,10 @@ import json
 from omegaconf import OmegaConf
 
 from actors.launch import _driver_summary, _ensure_summary
+from hsgd.config import HsgdConfig
 from hsgd.record.metrics import fallback_summary, run_summary
 
-CFG = OmegaConf.create({"sync": {"outer_every": 5}})
+CFG = OmegaConf.merge(OmegaConf.structured(HsgdConfig), {"sync": {"outer_every": 5}})
 
 
 def _full() -> dict:
