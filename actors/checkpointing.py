@@ -7,17 +7,38 @@ final one and the rounds after it are trained (and recorded) again.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import ray
 
 from hsgd.core.round import Outcome
+from hsgd.core.topology import Topology
+from hsgd.record.run_state import RunState
 from hsgd.record.rundir import call_with_deadline
 from hsgd.train import checkpoint
 
 ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this many times
 
 
-def save(sup, state_round: int) -> str | None:
+@dataclass(frozen=True)
+class CheckpointPorts:
+    """What a checkpoint's save or restore may touch (as the round runner's RunnerPorts): never
+    the supervisor itself."""
+    roster: Any
+    log: Any  # the supervisor's hsgd.record.events.RunLog
+    injector: Any  # actors.fault_injector.FaultInjector
+    state: RunState  # the durable state (fingerprint, epoch, checkpoints_failed, last_restore), saved by save_state
+    save_state: Callable[[], None]
+    warn: Callable[[str], None]
+    cfg: Any
+    run_dir: str
+    run_id: str
+    steps_per_round: int
+    topology: Topology
+
+
+def save(sup: CheckpointPorts, state_round: int) -> str | None:
     """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
     Returns its path, or None when it exists already, every attempt lost a replica, or storage
     refused it.
@@ -29,7 +50,7 @@ def save(sup, state_round: int) -> str | None:
     `checkpoints_failed` counts it. Training goes on; the previous good checkpoint stays. Pruning
     old ones failing after the new one is final costs nothing but space (event `write_failed`)."""
     roster = sup.roster
-    root = checkpoint.root_url(sup.cfg.checkpoint.get("dir"), sup.run_dir)
+    root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
     deadline_s = sup.cfg.supervisor.call_timeout_s
 
     def storage(fn, what: str):
@@ -44,7 +65,7 @@ def save(sup, state_round: int) -> str | None:
             temp = storage(lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
                            "making the checkpoint's temp folder")
             members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
-            armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.durable["epoch"]),
+            armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch),
                                      only=set(members))
             refs = {rid: roster.handles[rid].save_checkpoint.remote(str(temp), state_round, armed.get(rid))
                     for rid in members}
@@ -69,10 +90,10 @@ def save(sup, state_round: int) -> str | None:
                                replicas=sorted(io_errors))
             if failed or not saved or any(a["round"] != state_round for a in saved.values()):
                 continue
-            manifest = {"round": state_round, "step": state_round * sup.spr, "run_id": sup.run_id,
+            manifest = {"round": state_round, "step": state_round * sup.steps_per_round, "run_id": sup.run_id,
                         "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
                         # the driver's (data size and path as it sees them), carried in the durable state
-                        "fingerprint": sup.durable.get("fingerprint") or checkpoint.fingerprint(sup.cfg),
+                        "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
                         "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}
             try:
                 final = storage(lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
@@ -105,9 +126,9 @@ def _discard(temp: str, deadline_s: float) -> None:
         pass
 
 
-def _failed(sup, state_round: int, error: str, replicas: list[str] | None = None) -> None:
-    sup.durable["checkpoints_failed"] = sup.durable.get("checkpoints_failed", 0) + 1
-    sup._save_durable()
+def _failed(sup: CheckpointPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:
+    sup.state.checkpoints_failed += 1
+    sup.save_state()
     sup.log.event("checkpoint_failed", round=state_round, error=error, replicas=replicas or [])
     sup.warn(f"checkpoint of round {state_round} skipped, training goes on (the previous one stays): {error}")
     return None
@@ -121,7 +142,7 @@ class RestoreFailed(RuntimeError):
 RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up
 
 
-def restore(sup, reason: str) -> int:
+def restore(sup: CheckpointPorts, reason: str) -> int:
     """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
     rounds after it are dropped (they are trained again, and each is recorded once). Returns the
     checkpoint's round.
@@ -135,39 +156,32 @@ def restore(sup, reason: str) -> int:
     since (so a failure that recurs after every restore cannot loop until restarts run out).
     With no live replica at all it returns the round: the caller waits for quorum."""
     roster = sup.roster
-    root = checkpoint.root_url(sup.cfg.checkpoint.get("dir"), sup.run_dir)
-    mine = sup.durable.get("fingerprint")
-
-    def accept(manifest: dict) -> str | None:
-        diff = checkpoint.fingerprint_diff(manifest.get("fingerprint"), mine) if mine else []
-        return f"written with another config ({'; '.join(diff)})" if diff else None
-
-    refused: list[str] = []
+    root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
 
     def skipped(path: str, why: str) -> None:
-        refused.append(path)
         sup.log.event("checkpoint_fallback", path=path, reason=why)
         sup.warn(f"checkpoint {path} skipped: {why}")
 
     try:
-        found = call_with_deadline(lambda: checkpoint.newest_good(root, on_skip=skipped, accept=accept),
+        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
                                    sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
     except OSError as err:
         raise RestoreFailed(f"checkpoints under {root} cannot be read: {_describe(err)}") from err
-    if found is None:
+    if found.path is None:
+        refused = found.skipped
         none_good = f", {len(refused)} failed verification (checkpoint_fallback events)" if refused else ""
         raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "
                             f"(checkpoint.every={sup.cfg.checkpoint.every})")
-    path, manifest = found
+    path, manifest = found.path, found.manifest
     state_round = int(manifest["round"])
-    last = sup.durable.get("last_restore") or {}
-    again = last.get("round") == state_round and sup.durable.get("committed_round", 0) <= state_round
+    last = sup.state.last_restore
+    again = last.get("round") == state_round and sup.state.committed_round <= state_round
     repeats = last.get("count", 0) + 1 if again else 1
     if repeats > RESTORES_WITHOUT_PROGRESS:
         raise RestoreFailed(f"checkpoint {path} (round {state_round}) restored {repeats - 1} times without "
                             f"committing a round since; giving up")
-    sup.durable["last_restore"] = {"round": state_round, "count": repeats}
-    sup._save_durable()
+    sup.state.last_restore = {"round": state_round, "count": repeats}
+    sup.save_state()
     roster.rejoin(sup.cfg.supervisor.rejoin_wait_s)
     tried, errors = sorted(roster.live), []
     for rid in tried:

@@ -47,17 +47,10 @@ from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due,
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
+from hsgd.record.run_state import STATE_FILE, RunState
+from hsgd.record.rundir import write_deadline_s
 from hsgd.record.wandb import WandbSink
 from hsgd.config.rounds import is_streaming, steps_per_round
-
-STATE_FILE = "supervisor_state.json"
-
-
-def write_deadline_s(io_grace_s: float) -> float:
-    """How long a caller waits for one write of the run folder: a fraction of the grace, so a hung
-    mount is noticed (and survived) well within it, and at most 5 s a write."""
-    return max(0.2, min(5.0, io_grace_s / 4))
-
 
 class RunFailed(RuntimeError):
     pass
@@ -69,49 +62,43 @@ def supervisor_actor_name(run_id: str) -> str:
 
 @ray.remote(concurrency_groups={"run": 1, "status": 4})
 class Supervisor:
-    def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict):
+    def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict, resume_round: int | None = None):
+        """`resume_round`: the resumed checkpoint's round; the first incarnation drops the metrics
+        of the rounds after it (trained again, each recorded once), as a restore does."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
         self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = steps_per_round(self.cfg)
         # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
         self.streaming = is_streaming(self.cfg)
-        self.io_grace_s = float(self.cfg.run.get("io_grace_s", 60.0))
+        self.io_grace_s = float(self.cfg.run.io_grace_s)
         self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
-        self.durable = self._load_durable()
-        self.durable["supervisor_starts"] = self.durable.get("supervisor_starts", 0) + 1
-        self.roster = Roster(self.topology, run_id, self.durable, self.log,
+        self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
+        self.state.supervisor_starts += 1
+        first = self.state.supervisor_starts == 1
+        if first and resume_round is not None:
+            self.log.rewrite_metrics([m for m in self.log.records("metrics") if m.get("round", 0) < resume_round])
+        self.roster = Roster(self.topology, run_id, self.state, self.log,
                              call_timeout_s=self.cfg.supervisor.call_timeout_s,
-                             spares_per_cluster=int(self.cfg.topology.get("spares_per_cluster", 0) or 0),
-                             save=self._save_durable)
+                             spares_per_cluster=self.cfg.topology.spares_per_cluster, save=self._save_state)
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
-        self.injector = FaultInjector(self.cfg, run_dir, self.durable, self.log, save=self._save_durable)
+        self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self._save_state)
         self.stop_requested = False
-        self.status_view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": self.durable["epoch"]}
+        self.status_view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": self.state.epoch}
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
         self.store = self.store_addr = None
-        first = self.durable["supervisor_starts"] == 1
         self.wandb = WandbSink(self.cfg if first else OmegaConf.merge(self.cfg, {"logging": {"wandb": {"mode": "disabled"}}}),
                                run_dir, resolved_config if first else {}, on_error=self._wandb_failed,
                                finish_s=max(5.0, self.io_grace_s / 2))
-        self._save_durable()
-        self.log.event("supervisor_start", starts=self.durable["supervisor_starts"], pid=os.getpid())
+        self._save_state()
+        self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
-    # -- durable state ------------------------------------------------------------------------------
-    def _load_durable(self) -> dict:
-        path = Path(self.run_dir) / STATE_FILE
-        state = json.loads(path.read_text()) if path.exists() else {}
-        if state.get("run_id") != self.run_id:  # another run's state (the driver writes ours first): never loaded
-            state = {}
-        return {"epoch": 0, "fired": [], "committed_round": 0, "started_at": time.time(), **state,
-                "run_id": self.run_id}
-
-    def _save_durable(self) -> None:
-        """Waits for the write at most the write deadline; a failure is the folder's health
-        (run_dir_unwritable), and the next save writes the whole state again."""
-        self.log.write_file(STATE_FILE, json.dumps(self.durable, indent=1))
+    def _save_state(self) -> None:
+        """The durable state, whole, through the run log: waits at most the write deadline; a
+        failure is the folder's health (run_dir_unwritable), and the next save writes it all again."""
+        self.log.write_file(STATE_FILE, self.state.to_json())
 
     # -- the console and failed writes --------------------------------------------------------------
     def warn(self, message: str) -> None:
@@ -187,17 +174,17 @@ class Supervisor:
             self._set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
-            if "initial_eval_loss" not in self.durable:
-                self.durable["initial_eval_loss"] = self._evaluate()
-                self._save_durable()
-                self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
+            if not self.state.evaluated:
+                self.state.initial_eval_loss, self.state.evaluated = self._evaluate(), True
+                self._save_state()
+                self.log.event("initial_eval", eval_loss=self.state.initial_eval_loss)
             self._catch_up()
             while True:
                 self._check_storage()
                 for rid in roster.missing() + sorted(roster.gone):
                     if rid not in roster.live and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None:
                         roster.admit(rid, answer)
-                boundary = self.cfg.supervisor.get("rejoin", "fast") == "boundary"
+                boundary = self.cfg.supervisor.rejoin == "boundary"
                 roster.rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and roster.missing() else 0.0)
                 roster.refresh()
                 r = current_round(roster.live.values())
@@ -270,30 +257,30 @@ class Supervisor:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
         roster = self.roster
         machine = RoundMachine(self.topology, self._settings(), r, progress=dict(roster.live), leaders=roster.leaders,
-                               epoch=self.durable["epoch"], committed_round=self.durable["committed_round"],
+                               epoch=self.state.epoch, committed_round=self.state.committed_round,
                                configured=roster.configured, outer_configured=roster.outer_configured,
-                               benched=self.durable.get("benched", ()),  # non-finite: durable, until a resume
-                               non_finite_rounds=self.durable.get("non_finite_rounds", {}))
+                               benched=self.state.benched,  # non-finite: durable, until a resume
+                               non_finite_rounds=self.state.non_finite_rounds)
         self.injector.supervisor_faults(r, "inner")
         run = RoundRunner(machine, self._ports())
         run.drive()
-        self.durable["epoch"] = machine.epoch
+        self.state.epoch = machine.epoch
         roster.leaders, roster.configured = machine.leaders, machine.configured_groups()
         roster.outer_configured = machine.outer_configured
-        self.durable["benched"] = sorted(machine.benched)
-        self.durable["non_finite_rounds"] = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
-        self._save_durable()
+        self.state.benched = sorted(machine.benched)
+        self.state.non_finite_rounds = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
+        self._save_state()
         if machine.outcome == "committed":
             self._record(r, machine, run.record)
             return
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
             try:
-                restored = checkpointing.restore(self, machine.reason)
+                restored = checkpointing.restore(self._checkpoint_ports(), machine.reason)
             except checkpointing.RestoreFailed as err:
                 raise RunFailed(f"{machine.reason}; {err}") from err
-            self.durable["committed_round"] = restored
-            self._save_durable()
+            self.state.committed_round = restored
+            self._save_state()
         elif machine.outcome == "below_quorum":
             self._await_quorum(machine.reason)
         else:
@@ -325,16 +312,23 @@ class Supervisor:
                            store_addr=self.store_addr, run_id=self.run_id, run_dir=self.run_dir,
                            stack_dumps=bool(self.cfg.watchdog.stack_dumps))
 
+    def _checkpoint_ports(self) -> checkpointing.CheckpointPorts:
+        """What a checkpoint's save or restore may touch: never this actor itself."""
+        return checkpointing.CheckpointPorts(
+            roster=self.roster, log=self.log, injector=self.injector, state=self.state, save_state=self._save_state,
+            warn=self.warn, cfg=self.cfg, run_dir=self.run_dir, run_id=self.run_id, steps_per_round=self.spr,
+            topology=self.topology)
+
     def _save_epoch(self, epoch: int) -> None:
         """A group is formed under `epoch`: saved before it exists, so a successor never reuses it."""
-        if epoch > self.durable["epoch"]:
-            self.durable["epoch"] = epoch
-            self._save_durable()
+        if epoch > self.state.epoch:
+            self.state.epoch = epoch
+            self._save_state()
 
     def _record(self, r: int, machine: RoundMachine, run) -> None:
         """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
-        self.durable["committed_round"] = r + 1
-        self._save_durable()
+        self.state.committed_round = r + 1
+        self._save_state()
         self.committed_steps += self.spr * len(run.inner_participants)
         self.attempted_steps += run.attempted_steps
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
@@ -356,7 +350,7 @@ class Supervisor:
         self._set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
         if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self, r + 1)
+            checkpointing.save(self._checkpoint_ports(), r + 1)
 
     # -- between rounds: evaluate, final heal, catch up ----------------------------------------------------
     def _evaluate(self) -> float | None:
@@ -380,11 +374,11 @@ class Supervisor:
             return
         top = current_round(roster.live.values())
         for c, heals in heals_by_cluster.items():
-            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
+            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.state.epoch,
                           calls={h.target: (h.source, h.scope) for h in heals})
             heal_at_rest(phase, self._ports(), roster.live, self._settings().heal_s)
         roster.refresh()
-        view = roster.plan(self.durable["epoch"])
+        view = roster.plan(self.state.epoch)
         self._set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
                          leaders={f"c{c}": r for c, r in view.leaders.items()})
 
@@ -393,28 +387,28 @@ class Supervisor:
         take the checkpoint it owed."""
         self.roster.refresh()
         r_now = current_round(self.roster.live.values())
-        if r_now > self.durable["committed_round"]:
-            self.durable["committed_round"] = r_now
-            self._save_durable()
+        if r_now > self.state.committed_round:
+            self.state.committed_round = r_now
+            self._save_state()
         if r_now == 0:
             return
         for missing in unrecorded_rounds(r_now, (m["round"] for m in self.log.records("metrics"))):
             last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
             digests = {rid: d["param"] for rid, d in sorted(self._digests().items()) if d["round"] == r_now} if last else {}
             self.log.metrics(late_round_record(round_index=missing, steps_per_round=self.spr,
-                                               live_replicas=len(self.roster.live), epoch=self.durable["epoch"],
+                                               live_replicas=len(self.roster.live), epoch=self.state.epoch,
                                                digests=digests, eval_loss=self._evaluate() if last else None,
                                                t=time.time()))
             self.log.event("round_recorded_late", round=missing)
         if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self, r_now)
+            checkpointing.save(self._checkpoint_ports(), r_now)
 
     def _digests(self) -> dict:
         return self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         """The run's summary from the record: files and what is still in memory alike."""
-        return run_summary(status=status, reason=reason, durable=self.durable, steps_per_round=self.spr,
+        return run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
                            digests=self._digests(), metrics=self.log.records("metrics"),
                            fired=self.log.read_jsonl("faults_fired.jsonl"), events=self.log.records("events"),
                            not_fired=self.injector.not_fired(), committed_steps=self.committed_steps,
@@ -428,6 +422,6 @@ class Supervisor:
             self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
             note = f"summary from the durable state only ({type(err).__name__}: {err})"
             return fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
-                                    durable=self.durable, metrics=self.log.records("metrics"),
+                                    durable=self.state.to_dict(), metrics=self.log.records("metrics"),
                                     steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
                                     supervisor_started=start)
