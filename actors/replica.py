@@ -485,7 +485,7 @@ class Replica:
         the file cannot be read or does not fit the model: that replica's failure. `faults`: the
         `startup` faults of a resume's load."""
         for fault in faults or ():
-            self._fire(fault, self.trainer.round, 0)
+            self._fire(fault, fault.get("round", self.trainer.round), 0)
         try:
             state = checkpoint.load_replica_state(directory, self.rid, sha256)
             self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
@@ -500,7 +500,7 @@ class Replica:
         """At start, before training: can this replica read the nonce the driver wrote under
         checkpoint.dir? {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
         for fault in faults or ():
-            self._fire(fault, self.trainer.round, 0)
+            self._fire(fault, fault.get("round", self.trainer.round), 0)
         return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
 
 

@@ -175,7 +175,7 @@ def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[st
                         plan=live_plan(topo, set(topo.replica_ids()), {}, state.epoch)):
         state.fired.append(d.index)
         for rid in d.targets:
-            armed.setdefault(rid, []).append(d.message())
+            armed.setdefault(rid, []).append({**d.message(), "round": start_round})
     return armed
 
 
