@@ -30,6 +30,7 @@ from pathlib import Path
 import ray
 
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
+from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
 
 # what the record counts as a failure since an injection (a replica lost, or the supervisor restarted)
@@ -292,8 +293,7 @@ class Drill:
 
         info = self._info()
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor
-        name = (_read_json(self.run_dir / "supervisor_state.json").get("identity") or {}).get(rid) \
-            or replica_actor_name(info["run_id"], rid)
+        name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(info["run_id"], rid)
         return ray.get_actor(name, namespace=info["namespace"])
 
     def _supervisor(self):
