@@ -2,22 +2,46 @@
 writes its shard into a temporary folder, which becomes final only if every file reports that round
 (hsgd.train.checkpoint.finalize; an existing checkpoint is never overwritten, the previous good one
 is pruned only after the new one is final); after a total loss every live replica loads the latest
-final one and the rounds after it are trained (and recorded) again.
+final one and the rounds after it are trained (and recorded) again. At the run's end one replica
+writes the final model (`save_model`).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import ray
 
-from hsgd.core.round import Outcome
+from hsgd.core.deadlines import collective_timeout_s
+from hsgd.core.round import Outcome, current_round, model_writers
+from hsgd.core.topology import Topology
+from hsgd.record.run_state import RunState
 from hsgd.record.rundir import call_with_deadline
 from hsgd.train import checkpoint
 
 ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this many times
 
 
-def save(sup, state_round: int) -> str | None:
+@dataclass(frozen=True)
+class CheckpointPorts:
+    """What a checkpoint's save or restore may touch (as the round runner's RunnerPorts): never
+    the supervisor itself."""
+    roster: Any
+    log: Any  # the supervisor's hsgd.record.events.RunLog
+    injector: Any  # actors.fault_injector.FaultInjector
+    state: RunState  # the durable state (fingerprint, epoch, checkpoints_failed, last_restore), saved by save_state
+    save_state: Callable[[], None]
+    warn: Callable[[str], None]
+    cfg: Any
+    run_dir: str
+    run_id: str
+    steps_per_round: int
+    topology: Topology
+
+
+def save(sup: CheckpointPorts, state_round: int) -> str | None:
     """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
     Returns its path, or None when it exists already, every attempt lost a replica, or storage
     refused it.
@@ -28,8 +52,7 @@ def save(sup, state_round: int) -> str | None:
     this checkpoint: event `checkpoint_failed` with the error, a console warning, the summary's
     `checkpoints_failed` counts it. Training goes on; the previous good checkpoint stays. Pruning
     old ones failing after the new one is final costs nothing but space (event `write_failed`)."""
-    roster = sup.roster
-    root = checkpoint.root_url(sup.cfg.checkpoint.get("dir"), sup.run_dir)
+    root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
     deadline_s = sup.cfg.supervisor.call_timeout_s
 
     def storage(fn, what: str):
@@ -43,25 +66,7 @@ def save(sup, state_round: int) -> str | None:
             sup.injector.supervisor_faults(state_round - 1, "checkpoint")
             temp = storage(lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
                            "making the checkpoint's temp folder")
-            members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
-            armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.durable["epoch"]),
-                                     only=set(members))
-            refs = {rid: roster.handles[rid].save_checkpoint.remote(str(temp), state_round, armed.get(rid))
-                    for rid in members}
-            saved, failed, io_errors = {}, {}, {}
-            for rid, ref in refs.items():
-                try:
-                    answer = ray.get(ref, timeout=sup.cfg.supervisor.phase_timeout_s)
-                except Exception as err:  # noqa: BLE001 — that replica's failure (it died, or raised)
-                    failed[rid] = str(err)
-                    roster.down_after(rid, err, "checkpoint", state_round - 1)
-                    continue
-                if answer["outcome"] == Outcome.DONE.value:
-                    saved[rid] = answer
-                elif answer["outcome"] == Outcome.IO_ERROR.value:
-                    io_errors[rid] = answer.get("error", "")
-                else:
-                    failed[rid] = answer
+            saved, failed, io_errors = _write_shards(sup, str(temp), state_round)
             if io_errors or failed or not saved or any(a["round"] != state_round for a in saved.values()):
                 _discard(temp, deadline_s)
             if io_errors:  # the disk will not do better on a second try right away
@@ -69,10 +74,10 @@ def save(sup, state_round: int) -> str | None:
                                replicas=sorted(io_errors))
             if failed or not saved or any(a["round"] != state_round for a in saved.values()):
                 continue
-            manifest = {"round": state_round, "step": state_round * sup.spr, "run_id": sup.run_id,
+            manifest = {"round": state_round, "step": state_round * sup.steps_per_round, "run_id": sup.run_id,
                         "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
                         # the driver's (data size and path as it sees them), carried in the durable state
-                        "fingerprint": sup.durable.get("fingerprint") or checkpoint.fingerprint(sup.cfg),
+                        "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
                         "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}
             try:
                 final = storage(lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
@@ -93,6 +98,30 @@ def save(sup, state_round: int) -> str | None:
     return None
 
 
+def _write_shards(sup: CheckpointPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
+    """Every live replica at the round writes its file into `temp` (carrying its `checkpoint`
+    faults): (saved, failed, io_errors) by replica id. A replica lost meanwhile is down."""
+    roster = sup.roster
+    members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
+    armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch), only=set(members))
+    refs = {rid: roster.handles[rid].save_checkpoint.remote(temp, state_round, armed.get(rid)) for rid in members}
+    saved, failed, io_errors = {}, {}, {}
+    for rid, ref in refs.items():
+        try:
+            answer = ray.get(ref, timeout=sup.cfg.supervisor.phase_timeout_s)
+        except Exception as err:  # noqa: BLE001 — that replica's failure (it died, or raised)
+            failed[rid] = str(err)
+            roster.down_after(rid, err, "checkpoint", state_round - 1)
+            continue
+        if answer["outcome"] == Outcome.DONE.value:
+            saved[rid] = answer
+        elif answer["outcome"] == Outcome.IO_ERROR.value:
+            io_errors[rid] = answer.get("error", "")
+        else:
+            failed[rid] = answer
+    return saved, failed, io_errors
+
+
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
@@ -105,12 +134,31 @@ def _discard(temp: str, deadline_s: float) -> None:
         pass
 
 
-def _failed(sup, state_round: int, error: str, replicas: list[str] | None = None) -> None:
-    sup.durable["checkpoints_failed"] = sup.durable.get("checkpoints_failed", 0) + 1
-    sup._save_durable()
+def _failed(sup: CheckpointPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:
+    sup.state.checkpoints_failed += 1
+    sup.save_state()
     sup.log.event("checkpoint_failed", round=state_round, error=error, replicas=replicas or [])
     sup.warn(f"checkpoint of round {state_round} skipped, training goes on (the previous one stays): {error}")
     return None
+
+
+def save_model(sup: CheckpointPorts) -> None:
+    """model.safetensors in the run folder at the run's end: the committed global model, written by
+    one replica that holds the last committed round (the supervisor never moves model-sized
+    tensors). A write that fails is an event; the run's outcome does not change."""
+    roster, path = sup.roster, str(Path(sup.run_dir) / "model.safetensors")
+    top = current_round(roster.live.values())
+    timeout = collective_timeout_s(sup.cfg.supervisor.call_timeout_s, roster.param_bytes, sup.cfg.comm.min_gbps)
+    error = "no live replica holds the last round"
+    for rid in model_writers(roster.live):
+        try:
+            saved = ray.get(roster.handles[rid].save_model.remote(path), timeout=timeout)
+        except Exception as err:  # noqa: BLE001 — storage or that replica: try the next one
+            error = f"{rid}: {type(err).__name__}: {' '.join(str(err).split())[:300]}"
+            continue
+        sup.log.event("model_saved", path=path, round=top, rid=rid, bytes=saved["bytes"])
+        return
+    sup.log.event("write_failed", what="model.safetensors", error=error)
 
 
 class RestoreFailed(RuntimeError):
@@ -121,7 +169,7 @@ class RestoreFailed(RuntimeError):
 RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up
 
 
-def restore(sup, reason: str) -> int:
+def restore(sup: CheckpointPorts, reason: str) -> int:
     """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
     rounds after it are dropped (they are trained again, and each is recorded once). Returns the
     checkpoint's round.
@@ -135,39 +183,16 @@ def restore(sup, reason: str) -> int:
     since (so a failure that recurs after every restore cannot loop until restarts run out).
     With no live replica at all it returns the round: the caller waits for quorum."""
     roster = sup.roster
-    root = checkpoint.root_url(sup.cfg.checkpoint.get("dir"), sup.run_dir)
-    mine = sup.durable.get("fingerprint")
-
-    def accept(manifest: dict) -> str | None:
-        diff = checkpoint.fingerprint_diff(manifest.get("fingerprint"), mine) if mine else []
-        return f"written with another config ({'; '.join(diff)})" if diff else None
-
-    refused: list[str] = []
-
-    def skipped(path: str, why: str) -> None:
-        refused.append(path)
-        sup.log.event("checkpoint_fallback", path=path, reason=why)
-        sup.warn(f"checkpoint {path} skipped: {why}")
-
-    try:
-        found = call_with_deadline(lambda: checkpoint.newest_good(root, on_skip=skipped, accept=accept),
-                                   sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
-    except OSError as err:
-        raise RestoreFailed(f"checkpoints under {root} cannot be read: {_describe(err)}") from err
-    if found is None:
-        none_good = f", {len(refused)} failed verification (checkpoint_fallback events)" if refused else ""
-        raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "
-                            f"(checkpoint.every={sup.cfg.checkpoint.every})")
-    path, manifest = found
+    path, manifest = _choose(sup)
     state_round = int(manifest["round"])
-    last = sup.durable.get("last_restore") or {}
-    again = last.get("round") == state_round and sup.durable.get("committed_round", 0) <= state_round
+    last = sup.state.last_restore
+    again = last.get("round") == state_round and sup.state.committed_round <= state_round
     repeats = last.get("count", 0) + 1 if again else 1
     if repeats > RESTORES_WITHOUT_PROGRESS:
         raise RestoreFailed(f"checkpoint {path} (round {state_round}) restored {repeats - 1} times without "
                             f"committing a round since; giving up")
-    sup.durable["last_restore"] = {"round": state_round, "count": repeats}
-    sup._save_durable()
+    sup.state.last_restore = {"round": state_round, "count": repeats}
+    sup.save_state()
     roster.rejoin(sup.cfg.supervisor.rejoin_wait_s)
     tried, errors = sorted(roster.live), []
     for rid in tried:
@@ -185,3 +210,23 @@ def restore(sup, reason: str) -> int:
     roster.configured, roster.outer_configured = {}, None
     sup.log.event("restore", round=state_round, path=path, reason=reason, replicas=sorted(roster.live))
     return state_round
+
+
+def _choose(sup: CheckpointPorts) -> tuple[str, dict]:
+    """The checkpoint a restore loads (hsgd.train.checkpoint.choose), or RestoreFailed."""
+    root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
+
+    def skipped(path: str, why: str) -> None:
+        sup.log.event("checkpoint_fallback", path=path, reason=why)
+        sup.warn(f"checkpoint {path} skipped: {why}")
+
+    try:
+        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
+                                   sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
+    except OSError as err:
+        raise RestoreFailed(f"checkpoints under {root} cannot be read: {_describe(err)}") from err
+    if found.path is None:
+        none_good = f", {len(found.skipped)} failed verification (checkpoint_fallback events)" if found.skipped else ""
+        raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "
+                            f"(checkpoint.every={sup.cfg.checkpoint.every})")
+    return found.path, found.manifest

@@ -30,7 +30,8 @@ from pathlib import Path
 import ray
 
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
-from hsgd.record.rundir import read_json as _read_json, read_jsonl
+from hsgd.record.run_state import RunState
+from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
 
 # what the record counts as a failure since an injection (a replica lost, or the supervisor restarted)
 _FAILURES = ("replica_down", "hang_detected", "supervisor_start")
@@ -52,6 +53,7 @@ class Drill:
         self._thread: threading.Thread | None = None
         self._owns_ray = False
         self._injected: list[dict] = []
+        self._writer: FolderWriter | None = None  # faults_fired.jsonl, for faults injected from outside
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 180.0) -> "Drill":
@@ -149,7 +151,7 @@ class Drill:
             record["scheduled"] = ray.get(self._supervisor().add_fault.remote(raw), timeout=30)
         elif target == "supervisor":
             if kind == "kill":
-                _append_fired(self.run_dir, "supervisor", kind)
+                self._record_fired("supervisor", kind)
                 ray.kill(self._supervisor(), no_restart=False)
             elif kind == "crash":
                 self._supervisor().crash.remote()
@@ -160,12 +162,18 @@ class Drill:
             for rid in record["rids"]:
                 fault = {"kind": kind, "phase": "now", "step": 0, "seconds": seconds}
                 if kind == "kill":  # from outside, as an operator or a node failure would
-                    _append_fired(self.run_dir, rid, kind)
+                    self._record_fired(rid, kind)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
                     self._replica(rid).inject.remote(fault)
         self._injected.append(record)
         return record
+
+    def _record_fired(self, rid: str, kind: str) -> None:
+        """Faults injected from outside are logged where in-process faults log themselves."""
+        if self._writer is None:
+            self._writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))
+        write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until the run has recorded the last injection taking down what it hit: a
@@ -285,8 +293,7 @@ class Drill:
 
         info = self._info()
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor
-        name = (_read_json(self.run_dir / "supervisor_state.json").get("identity") or {}).get(rid) \
-            or replica_actor_name(info["run_id"], rid)
+        name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(info["run_id"], rid)
         return ray.get_actor(name, namespace=info["namespace"])
 
     def _supervisor(self):
@@ -317,13 +324,6 @@ class Drill:
 def _members(status: dict) -> set[str]:
     """The replicas a status view lists as members of their cluster (live)."""
     return {rid for members in (status.get("members") or {}).values() for rid in members}
-
-
-def _append_fired(run_dir: Path, rid: str, kind: str) -> None:
-    """Faults injected from outside are logged where in-process faults log themselves."""
-    with open(run_dir / "faults_fired.jsonl", "a") as fh:
-        fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": "now", "round": None,
-                             "step": None}) + "\n")
 
 
 def _returned(events: list[dict], failures: list[dict]) -> float | None:

@@ -11,19 +11,23 @@ had its moment, for the summary.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import ray
 
-from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule
 from hsgd.config.rounds import steps_per_round
+from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule
+from hsgd.record.run_state import RunState
+from hsgd.record.rundir import write_fault_fired
 
 
 class FaultInjector:
-    def __init__(self, cfg, run_dir: str, durable: dict, log, save):
-        self.run_dir, self.durable, self.log, self._save = run_dir, durable, log, save
+    """`state`: the run's durable state (fired and added faults live there), saved by `save`;
+    `log`: the supervisor's RunLog (events, and faults_fired.jsonl through its writer)."""
+
+    def __init__(self, cfg, run_dir: str, state: RunState, log, save):
+        self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
         c, n = cfg.topology.clusters, cfg.topology.replicas_per_cluster
         self.shape = {"clusters": c, "replicas_per_cluster": n}
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
@@ -32,18 +36,18 @@ class FaultInjector:
             self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
                                            rounds=cfg.train.rounds, round_s_estimate=steps_per_round(cfg) * fc.step_s,
                                            steps_per_round=steps_per_round(cfg), **self.shape)
-        for raw in durable.get("added_faults", []):  # faults a drill added before a restart
+        for raw in state.added_faults:  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
 
     @property
     def fired(self) -> list[int]:
-        return self.durable.setdefault("fired", [])
+        return self.state.fired
 
     def add(self, raw: dict) -> str:
         """Schedule one more fault (drills). Validated like the config's; recorded durably."""
         spec = parse_fault(raw, index=len(self.faults), **self.shape)
         self.faults.append(spec)
-        self.durable.setdefault("added_faults", []).append(dict(raw))
+        self.state.added_faults.append(dict(raw))
         self._save()
         self.log.event("fault_scheduled", fault=spec.describe())
         return spec.describe()
@@ -90,9 +94,7 @@ class FaultInjector:
             os._exit(17)
 
     def record_fired(self, rid: str, kind: str, phase: str, round_index) -> None:
-        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as fh:
-            fh.write(json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase,
-                                 "round": round_index, "step": 0}) + "\n")
+        write_fault_fired(self.log.writer, self.run_dir, rid, kind, phase, round_index, 0)
 
     def not_fired(self) -> list[str]:
         return [f.describe() for i, f in enumerate(self.faults) if i not in self.fired]

@@ -19,7 +19,6 @@ resume checkpoint) in __init__ and is healed by the supervisor from a live peer.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -37,6 +36,7 @@ from hsgd.train import checkpoint, state_stream
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment, link_from_config
 from hsgd.train.overlap import BackgroundReduce
 from hsgd.core.topology import Topology
+from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
 from hsgd.core.round import Outcome
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
@@ -96,6 +96,7 @@ class Replica:
         self.armed: list[dict] = []
         self.slow_s = 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
+        self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
         self.warm_s = self.trainer.warm_up() if spare else 0.0
@@ -182,10 +183,8 @@ class Replica:
 
     def _fire(self, fault: dict, round_index: int, step_in_round: int) -> None:
         kind = fault["kind"]
-        record = {"t": time.time(), "rid": self.rid, "kind": kind, "phase": fault["phase"],
-                  "round": round_index, "step": step_in_round, "pid": os.getpid()}
-        with open(os.path.join(self.run_dir, "faults_fired.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        write_fault_fired(self.fault_writer, self.run_dir, self.rid, kind, fault["phase"], round_index, step_in_round,
+                          pid=os.getpid())
         if kind == "crash":
             os._exit(17)
         if kind == "kill":
@@ -480,10 +479,13 @@ class Replica:
         return {"rid": self.rid, **self.trainer.save_model(path)}
 
     @ray.method(concurrency_group="phase")
-    def load_checkpoint(self, directory: str, sha256: str | None) -> dict:
+    def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:
         """Restore (resume, or every replica after a total loss) from a durable checkpoint (a URL or
         path; the caller verified it). Raises CheckpointError naming this replica and its node when
-        the file cannot be read or does not fit the model: that replica's failure."""
+        the file cannot be read or does not fit the model: that replica's failure. `faults`: the
+        `startup` faults of a resume's load."""
+        for fault in faults or ():
+            self._fire(fault, fault.get("round", self.trainer.round), 0)
         try:
             state = checkpoint.load_replica_state(directory, self.rid, sha256)
             self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
@@ -494,9 +496,11 @@ class Replica:
         return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **self.trainer.progress()}
 
     @ray.method(concurrency_group="control")
-    def reach_checkpoints(self, url: str, nonce: str) -> dict:
+    def reach_checkpoints(self, url: str, nonce: str, faults: list[dict] | None = None) -> dict:
         """At start, before training: can this replica read the nonce the driver wrote under
-        checkpoint.dir? {"rid", "node", "problem": None or why not}."""
+        checkpoint.dir? {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
+        for fault in faults or ():
+            self._fire(fault, fault.get("round", self.trainer.round), 0)
         return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
 
 

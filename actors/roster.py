@@ -26,6 +26,7 @@ from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch, collective_timeou
 from hsgd.core.membership import Plan, live_plan
 from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.topology import Topology
+from hsgd.record.run_state import RunState
 
 AWAIT_PASS_S = 3.0  # await_idle: the longest one pass waits for the replicas' answers
 
@@ -59,20 +60,22 @@ def restarts_exhausted(handle) -> bool:
 
 
 class Roster:
-    """`durable`: the supervisor's durable dict; the identity map (`identity`: rid -> actor name)
-    and the spare pool's names live in it, so a restarted supervisor finds the same actors."""
+    """`state`: the run's durable state; the identity map (`identity`: rid -> actor name), the
+    spare pool's names and the deaths seen live in it, so a restarted supervisor finds the same
+    actors."""
 
-    def __init__(self, topology: Topology, run_id: str, durable: dict, log, *, call_timeout_s: float,
+    def __init__(self, topology: Topology, run_id: str, state: RunState, log, *, call_timeout_s: float,
                  spares_per_cluster: int, save: Callable[[], None]):
         self.topology, self.log, self.call_timeout_s, self._save = topology, log, call_timeout_s, save
+        if not state.identity:  # the first supervisor: the actors the driver started
+            state.identity.update({rid: replica_actor_name(run_id, rid) for rid in topology.replica_ids()})
+            state.spares.update({str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
+                                 for c in range(topology.clusters)})
         # which actor serves which replica id (a hot spare that took over serves a dead one's id)
-        self.names: dict[str, str] = durable.setdefault(
-            "identity", {rid: replica_actor_name(run_id, rid) for rid in topology.replica_ids()})
-        self.spares = SparePool(durable.setdefault(
-            "spares", {str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
-                       for c in range(topology.clusters)}), lookup)
+        self.names: dict[str, str] = state.identity
+        self.spares = SparePool(state.spares, lookup)
         # every death of the replicas' and spares' actors, once (what was reported is durable too)
-        self.watch = ActorWatch(self.names, self.spares.names, durable.setdefault("deaths_seen", {}), save=save)
+        self.watch = ActorWatch(self.names, self.spares.names, state.deaths_seen, save=save)
         self.handles = {rid: lookup(name) for rid, name in self.names.items()}
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)

@@ -1,35 +1,24 @@
-"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions. It decides nothing itself
-(read hsgd/core/round/__init__.py for what happens after any failure); it only
+"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions and decides nothing
+itself (hsgd/core/round/__init__.py says what happens after any failure). It runs one round
+machine per round through actors/round_runner.py, and between rounds brings back restarted
+replicas and hands dead ones' ids to hot spares (actors/roster.py), records metrics, evaluates,
+checkpoints and, after a total loss, restores (actors/checkpointing.py), waits for quorum. It never
+moves model-sized tensors (heals go replica -> object store -> replica).
 
-    runs one round machine per round through actors/round_runner.py (which issues the calls, turns
-    answers and Ray's errors into PhaseResults, polls progress, ticks the clock, kills whom the
-    machine says is hung), and between rounds: brings back restarted replicas and hands dead ones'
-    ids to hot spares (actors/roster.py), records metrics, evaluates, checkpoints and, after a
-    total loss, restores the latest checkpoint (actors/checkpointing.py), waits for quorum.
-
-It never moves model-sized tensors itself (heals go replica -> object store -> replica).
-
-Durable state (`supervisor_state.json` in run.dir): epoch, committed_round, fired faults, initial
-eval loss, the run's start time, which actor serves which replica id, the spare pool, checkpoints
-skipped. A restarted supervisor reads it, waits for replicas still in a phase of its predecessor,
-asks every replica for its progress, and resumes: max committed wins.
+Durable state: one `RunState` (hsgd/record/run_state.py), saved whole on every change. A
+restarted supervisor reads it, waits for replicas still in a phase of its predecessor, asks every
+replica for its progress, and resumes: max committed wins.
 
 Storage is never the run loop's master: every file the supervisor writes goes through its RunLog's
-writer thread with a deadline (hsgd.record.events.RunLog), events and metrics wait in memory while
-the run folder fails, and only a folder that stays unwritable for `run.io_grace_s` ends the run.
-Whatever ends the run — a failure the machine decided, an exception nobody foresaw, a folder gone —
-`run` returns a summary (written to summary.json when the folder allows; the driver prints it
-otherwise).
+writer thread with a deadline (hsgd.record.events.RunLog); only a folder that stays unwritable for
+`run.io_grace_s` ends the run. Whatever ends the run, `run` returns a summary (written to
+summary.json when the folder allows; the driver prints it otherwise).
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 import traceback
-from pathlib import Path
-from typing import Any
 
 import ray
 from omegaconf import OmegaConf
@@ -39,28 +28,16 @@ from actors.fault_injector import FaultInjector
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
-from hsgd.core.deadlines import PhaseClock, collective_timeout_s, storage_problem
+from actors.run_record import RunFailed, SupervisorRecord
+from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
-                             evaluation_order, heals_at_rest, model_writers, round_settings, unrecorded_rounds)
+                             evaluation_order, heals_at_rest, round_settings, unrecorded_rounds)
 from hsgd.core.topology import Topology
-from hsgd.record.events import RunLog
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
-from hsgd.record.wandb import WandbSink
+from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
-
-STATE_FILE = "supervisor_state.json"
-
-
-def write_deadline_s(io_grace_s: float) -> float:
-    """How long a caller waits for one write of the run folder: a fraction of the grace, so a hung
-    mount is noticed (and survived) well within it, and at most 5 s a write."""
-    return max(0.2, min(5.0, io_grace_s / 4))
-
-
-class RunFailed(RuntimeError):
-    pass
 
 
 def supervisor_actor_name(run_id: str) -> str:
@@ -69,72 +46,35 @@ def supervisor_actor_name(run_id: str) -> str:
 
 @ray.remote(concurrency_groups={"run": 1, "status": 4})
 class Supervisor:
-    def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict):
+    def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict, resume_round: int | None = None):
+        """`resume_round`: the resumed checkpoint's round (actors/run_record.py)."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
         self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = steps_per_round(self.cfg)
         # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
         self.streaming = is_streaming(self.cfg)
-        self.io_grace_s = float(self.cfg.run.get("io_grace_s", 60.0))
-        self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
-        self.durable = self._load_durable()
-        self.durable["supervisor_starts"] = self.durable.get("supervisor_starts", 0) + 1
-        self.roster = Roster(self.topology, run_id, self.durable, self.log,
+        self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
+        self.state.supervisor_starts += 1
+        self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
+        self.log, self.warn = self.record.log, self.record.warn
+        self.roster = Roster(self.topology, run_id, self.state, self.log,
                              call_timeout_s=self.cfg.supervisor.call_timeout_s,
-                             spares_per_cluster=int(self.cfg.topology.get("spares_per_cluster", 0) or 0),
-                             save=self._save_durable)
+                             spares_per_cluster=self.cfg.topology.spares_per_cluster, save=self.record.save_state)
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
-        self.injector = FaultInjector(self.cfg, run_dir, self.durable, self.log, save=self._save_durable)
+        self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
         self.stop_requested = False
-        self.status_view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": self.durable["epoch"]}
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
         self.store = self.store_addr = None
-        first = self.durable["supervisor_starts"] == 1
-        self.wandb = WandbSink(self.cfg if first else OmegaConf.merge(self.cfg, {"logging": {"wandb": {"mode": "disabled"}}}),
-                               run_dir, resolved_config if first else {}, on_error=self._wandb_failed,
-                               finish_s=max(5.0, self.io_grace_s / 2))
-        self._save_durable()
-        self.log.event("supervisor_start", starts=self.durable["supervisor_starts"], pid=os.getpid())
-
-    # -- durable state ------------------------------------------------------------------------------
-    def _load_durable(self) -> dict:
-        path = Path(self.run_dir) / STATE_FILE
-        state = json.loads(path.read_text()) if path.exists() else {}
-        if state.get("run_id") != self.run_id:  # another run's state (the driver writes ours first): never loaded
-            state = {}
-        return {"epoch": 0, "fired": [], "committed_round": 0, "started_at": time.time(), **state,
-                "run_id": self.run_id}
-
-    def _save_durable(self) -> None:
-        """Waits for the write at most the write deadline; a failure is the folder's health
-        (run_dir_unwritable), and the next save writes the whole state again."""
-        self.log.write_file(STATE_FILE, json.dumps(self.durable, indent=1))
-
-    # -- the console and failed writes --------------------------------------------------------------
-    def warn(self, message: str) -> None:
-        """A warning on the console (the driver's, through Ray's log forwarding); never raises."""
-        try:
-            print(f"[hsgd] warning: {message}", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 — even the console may be a full disk
-            pass
-
-    def _wandb_failed(self, what: str, error: str) -> None:
-        self.log.event("write_failed", what=what, error=error)
-        self.warn(f"{what} failed, wandb logging is off for the rest of the run: {error}")
-
-    def _check_storage(self) -> None:
-        """RunFailed when the run folder has failed writes for longer than run.io_grace_s."""
-        problem = storage_problem(*self.log.unwritable_s(), grace_s=self.io_grace_s, run_dir=self.run_dir)
-        if problem is not None:
-            raise RunFailed(problem)
+        self.record.save_state()
+        self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
     # -- status channel (answers while a phase runs) -----------------------------------------------------
     @ray.method(concurrency_group="status")
     def status(self) -> dict:
-        return dict(self.status_view)
+        return dict(self.record.view)
 
     @ray.method(concurrency_group="status")
     def request_stop(self) -> bool:
@@ -150,14 +90,8 @@ class Supervisor:
     @ray.method(concurrency_group="status")
     def crash(self) -> None:
         """The `crash` fault on the supervisor, injected now (drills)."""
-        self.injector.record_fired("supervisor", "crash", "now", self.status_view.get("round"))
+        self.injector.record_fired("supervisor", "crash", "now", self.record.view.get("round"))
         os._exit(17)
-
-    def _set_status(self, **fields) -> None:
-        """The live view: answered by status() and mirrored to status.json for jobs.status."""
-        self.status_view.update(fields, updated=time.time())
-        # best effort, never waited for: a write still queued is replaced by this newer view
-        self.log.write_file("status.json", json.dumps(self.status_view, default=str), wait=False)
 
     # -- the run -----------------------------------------------------------------------------------------
     def _start_store(self) -> None:
@@ -184,20 +118,20 @@ class Supervisor:
         roster, status, reason = self.roster, "completed", None
         try:
             self._start_store()
-            self._set_status(phase="waiting_for_replicas")
+            self.record.set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
-            if "initial_eval_loss" not in self.durable:
-                self.durable["initial_eval_loss"] = self._evaluate()
-                self._save_durable()
-                self.log.event("initial_eval", eval_loss=self.durable["initial_eval_loss"])
+            if not self.state.evaluated:
+                self.state.initial_eval_loss, self.state.evaluated = self._evaluate(), True
+                self.record.save_state()
+                self.log.event("initial_eval", eval_loss=self.state.initial_eval_loss)
             self._catch_up()
             while True:
-                self._check_storage()
+                self.record.check_storage()
                 for rid in roster.missing() + sorted(roster.gone):
                     if rid not in roster.live and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None:
                         roster.admit(rid, answer)
-                boundary = self.cfg.supervisor.get("rejoin", "fast") == "boundary"
+                boundary = self.cfg.supervisor.rejoin == "boundary"
                 roster.rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and roster.missing() else 0.0)
                 roster.refresh()
                 r = current_round(roster.live.values())
@@ -209,8 +143,8 @@ class Supervisor:
                     break
                 self._round(r)
             self._final_heal()
-            self._save_model()
-            self._settle_storage()
+            checkpointing.save_model(self._checkpoint_ports())
+            self.record.settle_storage()
         except RunFailed as err:
             status, reason = "failed", str(err)
         except Exception as err:  # noqa: BLE001 — a bug or a failure nobody foresaw: the run still ends with its summary
@@ -218,47 +152,7 @@ class Supervisor:
             self.warn(f"the supervisor raised, the run ends failed:\n{traceback.format_exc()}")
         if status == "failed":
             self.log.event("run_failed", reason=reason)
-        return self._publish(self._summary_or_fallback(status, reason, start))
-
-    def _save_model(self) -> None:
-        """model.safetensors in the run folder: the committed global model, written by one replica
-        that holds the last committed round (the supervisor never moves model-sized tensors). A
-        write that fails is an event; the run's outcome does not change."""
-        roster, path = self.roster, str(Path(self.run_dir) / "model.safetensors")
-        top = current_round(roster.live.values())
-        timeout = collective_timeout_s(self.cfg.supervisor.call_timeout_s, roster.param_bytes, self.cfg.comm.min_gbps)
-        error = "no live replica holds the last round"
-        for rid in model_writers(roster.live):
-            try:
-                saved = ray.get(roster.handles[rid].save_model.remote(path), timeout=timeout)
-            except Exception as err:  # noqa: BLE001 — storage or that replica: try the next one
-                error = f"{rid}: {type(err).__name__}: {' '.join(str(err).split())[:300]}"
-                continue
-            self.log.event("model_saved", path=path, round=top, rid=rid, bytes=saved["bytes"])
-            return
-        self.log.event("write_failed", what="model.safetensors", error=error)
-
-    def _settle_storage(self) -> None:
-        """The run's end with the folder failing or records still in memory: keep trying (a write
-        of status.json each time, which also tells when the folder is back) until everything is
-        written, or RunFailed once the outage passes run.io_grace_s."""
-        while self.log.unwritable_s()[0] > 0 or not self.log.flush():
-            self._check_storage()
-            self._set_status(phase="waiting_for_storage")
-            time.sleep(0.5)
-
-    def _publish(self, summary: dict) -> dict:
-        """Write summary.json (waiting at most the write deadline), close the record. A summary
-        that cannot be written is still returned: the driver prints it on the console."""
-        if not self.log.write_file("summary.json", json.dumps(summary, indent=2, sort_keys=True)):
-            down_s, error = self.log.unwritable_s()
-            self.warn(f"summary.json could not be written to {self.run_dir} ({error or 'the write timed out'}); "
-                      f"the driver prints it")
-        self.wandb.finish(summary)
-        self.log.event("run_end", status=summary["status"])
-        self._set_status(phase="done", status=summary["status"])
-        self.log.close(timeout_s=self.log.writer.deadline_s)
-        return summary
+        return self.record.publish(self._summary_or_fallback(status, reason, start))
 
     def _settings(self) -> RoundSettings:
         """The next round's settings: hsgd.core.round.settings says why each deadline is what it is."""
@@ -270,30 +164,30 @@ class Supervisor:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
         roster = self.roster
         machine = RoundMachine(self.topology, self._settings(), r, progress=dict(roster.live), leaders=roster.leaders,
-                               epoch=self.durable["epoch"], committed_round=self.durable["committed_round"],
+                               epoch=self.state.epoch, committed_round=self.state.committed_round,
                                configured=roster.configured, outer_configured=roster.outer_configured,
-                               benched=self.durable.get("benched", ()),  # non-finite: durable, until a resume
-                               non_finite_rounds=self.durable.get("non_finite_rounds", {}))
+                               benched=self.state.benched,  # non-finite: durable, until a resume
+                               non_finite_rounds=self.state.non_finite_rounds)
         self.injector.supervisor_faults(r, "inner")
         run = RoundRunner(machine, self._ports())
         run.drive()
-        self.durable["epoch"] = machine.epoch
+        self.state.epoch = machine.epoch
         roster.leaders, roster.configured = machine.leaders, machine.configured_groups()
         roster.outer_configured = machine.outer_configured
-        self.durable["benched"] = sorted(machine.benched)
-        self.durable["non_finite_rounds"] = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
-        self._save_durable()
+        self.state.benched = sorted(machine.benched)
+        self.state.non_finite_rounds = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
+        self.record.save_state()
         if machine.outcome == "committed":
             self._record(r, machine, run.record)
             return
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
             try:
-                restored = checkpointing.restore(self, machine.reason)
+                restored = checkpointing.restore(self._checkpoint_ports(), machine.reason)
             except checkpointing.RestoreFailed as err:
                 raise RunFailed(f"{machine.reason}; {err}") from err
-            self.durable["committed_round"] = restored
-            self._save_durable()
+            self.state.committed_round = restored
+            self.record.save_state()
         elif machine.outcome == "below_quorum":
             self._await_quorum(machine.reason)
         else:
@@ -302,10 +196,10 @@ class Supervisor:
     def _await_quorum(self, reason: str) -> None:
         sup = self.cfg.supervisor
         self.log.event("quorum_wait", reason=reason, wait_s=sup.quorum_wait_s)
-        self._set_status(phase="quorum_wait")
+        self.record.set_status(phase="quorum_wait")
         deadline = time.monotonic() + sup.quorum_wait_s
         while time.monotonic() < deadline:
-            self._check_storage()
+            self.record.check_storage()
             self.roster.rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
             counts = live_per_cluster(self.topology, self.roster.live)
             if quorum_problem(counts, sup.min_replicas_per_cluster, sup.min_clusters) is None:
@@ -315,26 +209,33 @@ class Supervisor:
     def _await_idle(self) -> None:
         comm = self.cfg.comm
         self.roster.await_idle(comm.configure_timeout_s + comm.timeout_s + self.cfg.watchdog.floor_s,
-                               lambda busy: self._set_status(phase="waiting_for_replicas", busy=busy), TICK_S,
+                               lambda busy: self.record.set_status(phase="waiting_for_replicas", busy=busy), TICK_S,
                                min_gbps=float(comm.min_gbps))
 
     def _ports(self) -> RunnerPorts:
         """What a round's runner may touch: never this actor itself."""
         return RunnerPorts(roster=self.roster, log=self.log, injector=self.injector, clock=self.clock,
-                           set_status=self._set_status, save_epoch=self._save_epoch, store=self.store,
+                           set_status=self.record.set_status, save_epoch=self._save_epoch, store=self.store,
                            store_addr=self.store_addr, run_id=self.run_id, run_dir=self.run_dir,
                            stack_dumps=bool(self.cfg.watchdog.stack_dumps))
 
+    def _checkpoint_ports(self) -> checkpointing.CheckpointPorts:
+        """What a checkpoint's save or restore may touch: never this actor itself."""
+        return checkpointing.CheckpointPorts(
+            roster=self.roster, log=self.log, injector=self.injector, state=self.state, save_state=self.record.save_state,
+            warn=self.warn, cfg=self.cfg, run_dir=self.run_dir, run_id=self.run_id, steps_per_round=self.spr,
+            topology=self.topology)
+
     def _save_epoch(self, epoch: int) -> None:
         """A group is formed under `epoch`: saved before it exists, so a successor never reuses it."""
-        if epoch > self.durable["epoch"]:
-            self.durable["epoch"] = epoch
-            self._save_durable()
+        if epoch > self.state.epoch:
+            self.state.epoch = epoch
+            self.record.save_state()
 
     def _record(self, r: int, machine: RoundMachine, run) -> None:
         """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
-        self.durable["committed_round"] = r + 1
-        self._save_durable()
+        self.state.committed_round = r + 1
+        self.record.save_state()
         self.committed_steps += self.spr * len(run.inner_participants)
         self.attempted_steps += run.attempted_steps
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
@@ -352,11 +253,11 @@ class Supervisor:
                               attempts=run.attempts, digests=run.commit_digests, global_digests=run.global_digests,
                               t=time.time())
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
-        self.wandb.log_round(record)
-        self._set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
+        self.record.wandb.log_round(record)
+        self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
         if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self, r + 1)
+            checkpointing.save(self._checkpoint_ports(), r + 1)
 
     # -- between rounds: evaluate, final heal, catch up ----------------------------------------------------
     def _evaluate(self) -> float | None:
@@ -373,19 +274,19 @@ class Supervisor:
         one that came back just before (admitted at the last boundary, still behind)."""
         roster = self.roster
         if roster.missing():
-            self._set_status(phase="final_heal")
+            self.record.set_status(phase="final_heal")
             roster.rejoin(self.cfg.supervisor.rejoin_wait_s)
         heals_by_cluster = heals_at_rest(self.topology, roster.live)
         if not heals_by_cluster:
             return
         top = current_round(roster.live.values())
         for c, heals in heals_by_cluster.items():
-            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
+            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.state.epoch,
                           calls={h.target: (h.source, h.scope) for h in heals})
             heal_at_rest(phase, self._ports(), roster.live, self._settings().heal_s)
         roster.refresh()
-        view = roster.plan(self.durable["epoch"])
-        self._set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
+        view = roster.plan(self.state.epoch)
+        self.record.set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
                          leaders={f"c{c}": r for c, r in view.leaders.items()})
 
     def _catch_up(self) -> None:
@@ -393,28 +294,28 @@ class Supervisor:
         take the checkpoint it owed."""
         self.roster.refresh()
         r_now = current_round(self.roster.live.values())
-        if r_now > self.durable["committed_round"]:
-            self.durable["committed_round"] = r_now
-            self._save_durable()
+        if r_now > self.state.committed_round:
+            self.state.committed_round = r_now
+            self.record.save_state()
         if r_now == 0:
             return
         for missing in unrecorded_rounds(r_now, (m["round"] for m in self.log.records("metrics"))):
             last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
             digests = {rid: d["param"] for rid, d in sorted(self._digests().items()) if d["round"] == r_now} if last else {}
             self.log.metrics(late_round_record(round_index=missing, steps_per_round=self.spr,
-                                               live_replicas=len(self.roster.live), epoch=self.durable["epoch"],
+                                               live_replicas=len(self.roster.live), epoch=self.state.epoch,
                                                digests=digests, eval_loss=self._evaluate() if last else None,
                                                t=time.time()))
             self.log.event("round_recorded_late", round=missing)
         if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self, r_now)
+            checkpointing.save(self._checkpoint_ports(), r_now)
 
     def _digests(self) -> dict:
         return self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         """The run's summary from the record: files and what is still in memory alike."""
-        return run_summary(status=status, reason=reason, durable=self.durable, steps_per_round=self.spr,
+        return run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
                            digests=self._digests(), metrics=self.log.records("metrics"),
                            fired=self.log.read_jsonl("faults_fired.jsonl"), events=self.log.records("events"),
                            not_fired=self.injector.not_fired(), committed_steps=self.committed_steps,
@@ -428,6 +329,6 @@ class Supervisor:
             self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
             note = f"summary from the durable state only ({type(err).__name__}: {err})"
             return fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
-                                    durable=self.durable, metrics=self.log.records("metrics"),
+                                    durable=self.state.to_dict(), metrics=self.log.records("metrics"),
                                     steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
                                     supervisor_started=start)

@@ -1,9 +1,9 @@
 """Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`).
 
 The command line of actors/launch.py: a bad value prints one line and exits 2 before Ray starts
-(for a multirun `-m a=1,2`: every job of the sweep, before the first one starts); a failed run
-exits 1. A multirun runs its jobs one after the other (Ray shut down between them) and keeps
-`sweep.csv` / `sweep.md` in the sweep folder.
+(hsgd.config.compose.precheck; for a multirun `-m a=1,2`: every job of the sweep, before the first
+one starts); a failed run exits 1. A multirun runs its jobs one after the other (Ray shut down
+between them) and keeps `sweep.csv` / `sweep.md` in the sweep folder.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from actors.launch import describe_hydra_error, precheck, run_training
+from actors.launch import run_training
 from hsgd.config import ConfigError, register_schema, validate
+from hsgd.config.compose import describe_hydra_error, precheck
 
 register_schema()
 EXIT_CONFIG = 2

@@ -15,7 +15,9 @@ Public form (README, "Fault injection"), as a Hydra override:
 - phase:  inner | inner_sync | outer | outer_commit | checkpoint | heal (fires in a replica while
           it sends or receives a heal in that round) | join (fires in a replica at the start of
           forming a group, before it arrives in the group's rendezvous; only in a call that forms
-          its group: every group forms in round 0, later ones only after a re-form)
+          its group: every group forms in round 0, later ones only after a re-form) | startup (fires in
+          a replica while it answers the run's start-up call: the resume load on train.resume, else
+          the checkpoint reach check; `round` is the round the run starts at: 0, or the checkpoint's)
 - step:   inner step within the round (0-based) for the inner phases; the fault fires at the
           boundary before that step. Ignored by the other phases.
 - seconds: for hang (default 3600) and slow (default 0.5 per step) only.
@@ -33,7 +35,7 @@ from hsgd.config.schema import ConfigError
 from hsgd.core.topology import parse_replica_id, replica_id
 
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error", "nan")
-FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "join")
+FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "join", "startup")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 
 

@@ -232,3 +232,22 @@ def call_with_deadline(fn: Callable[[], object], timeout_s: float, what: str = "
     if not wait([future], timeout_s).done:
         raise TimeoutError(f"{what} did not return within {timeout_s:g} s (storage hung?)")
     return future.result()
+
+
+def write_deadline_s(io_grace_s: float) -> float:
+    """How long a caller waits for one write of the run folder: a fraction of the grace, so a hung
+    mount is noticed (and survived) well within it, and at most 5 s a write."""
+    return max(0.2, min(5.0, io_grace_s / 4))
+
+
+FAULTS_FIRED = "faults_fired.jsonl"
+
+
+def write_fault_fired(writer: FolderWriter, run_dir: str | Path, rid: str, kind: str, phase: str, round_index,
+                      step, **extra) -> bool:
+    """The one writer of faults_fired.jsonl (the supervisor's RunLog writer, a replica's own, the
+    drill's): one line per fault as it fired, appended whole through `writer`, waiting at most its
+    deadline. False when the line is not written in time (the fault fires all the same)."""
+    line = json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase, "round": round_index,
+                       "step": step, **extra}) + "\n"
+    return bool(writer.submit(object(), lambda: append_lines(Path(run_dir) / FAULTS_FIRED, line)))

@@ -17,7 +17,7 @@ leaves either the old checkpoints untouched or a temp / manifest-less directory 
 A final checkpoint is never overwritten.
 
 Trust: the manifest names every file with its sha256; `verify` reads a checkpoint back (manifest
-parses, every file matches) and `newest_good` walks back from the newest to the first that
+parses, every file matches) and `choose` walks back from the newest to the first that
 verifies, so a corrupt or truncated latest checkpoint falls back to the previous kept one. Files
 load with `torch.load(weights_only=True)`: a foreign or corrupt file is an error, never code
 execution. `fingerprint` is what a resume may not change (model shape and vocabulary, data,
@@ -30,8 +30,9 @@ import io
 import json
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -220,7 +221,7 @@ def finalized(root: str | Path) -> list[str]:
 
 
 def latest(root: str | Path) -> str | None:
-    """The newest finalized checkpoint directory, or None (unverified: see `newest_good`)."""
+    """The newest finalized checkpoint directory, or None (unverified: see `choose`)."""
     done = finalized(root)
     return done[-1] if done else None
 
@@ -262,30 +263,38 @@ def verify(directory: str | Path) -> dict:
     return manifest
 
 
-def good_checkpoints(root: str | Path, accept: Callable[[dict], str | None] | None = None) \
-        -> Iterator[tuple[str, dict | None, str | None]]:
-    """Newest first: (directory, manifest, None) for a checkpoint that verifies and that `accept`
-    takes (accept(manifest) returns a reason to refuse, or None), else (directory, None, reason)."""
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` found: the checkpoint (None when none is usable), the newer ones passed over
+    (directory, reason), and how a verified checkpoint's config differs from this one's."""
+    path: str | None
+    manifest: dict | None
+    skipped: tuple[tuple[str, str], ...] = ()
+    config_diff: tuple[str, ...] = ()
+
+
+def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_config: bool = True,
+           on_skip: Callable[[str, str], None] | None = None) -> Choice:
+    """The one checkpoint chooser, for a resume and for a restore after a total loss alike: newest
+    first, the first whose manifest reads and whose every file matches its sha256, calling
+    on_skip(directory, reason) for each newer one that does not. Its config fingerprint against
+    `fingerprint`: `skip_other_config` (a restore) passes over one another config wrote; else (a
+    resume, which refuses it) it is chosen with its `config_diff`."""
+    skipped: list[tuple[str, str]] = []
     for directory in reversed(finalized(root)):
         try:
             manifest = verify(directory)
         except CheckpointError as err:
-            yield directory, None, str(err)
-            continue
-        refused = accept(manifest) if accept is not None else None
-        yield (directory, None, refused) if refused else (directory, manifest, None)
-
-
-def newest_good(root: str | Path, on_skip: Callable[[str, str], None] | None = None,
-                accept: Callable[[dict], str | None] | None = None) -> tuple[str, dict] | None:
-    """The newest checkpoint that verifies (and that `accept` takes), after calling
-    on_skip(directory, reason) for each newer one that does not; None when none is good."""
-    for directory, manifest, reason in good_checkpoints(root, accept):
-        if manifest is not None:
-            return directory, manifest
+            reason = str(err)
+        else:
+            diff = tuple(fingerprint_diff(manifest.get("fingerprint"), fingerprint)) if fingerprint else ()
+            if not (diff and skip_other_config):
+                return Choice(directory, manifest, tuple(skipped), diff)
+            reason = f"written with another config ({'; '.join(diff)})"
+        skipped.append((directory, reason))
         if on_skip is not None:
             on_skip(directory, reason)
-    return None
+    return Choice(None, None, tuple(skipped))
 
 
 def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | None = None) -> dict:

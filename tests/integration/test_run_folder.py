@@ -87,6 +87,21 @@ def test_a_foreign_folder_as_run_dir_exits_2_with_its_files_untouched(tmp_path):
     assert _snapshot(foreign) == before
 
 
+def test_a_folder_holding_only_a_foreign_config_yaml_exits_2_with_the_file_untouched(tmp_path):
+    """A common file name is not an hsgd run: only run.json with an hsgd run id, or hsgd.lock, is."""
+    foreign = tmp_path / "theirs"
+    foreign.mkdir()
+    (foreign / "config.yaml").write_text("model: theirs\nlr: 0.1\n")
+    before = _snapshot(foreign)
+    proc = train_cli([f"run.dir={foreign}", *FAST, "train.rounds=1"], cwd=tmp_path, timeout=300)
+    _one_line_config_error(proc, "run.dir", "not an hsgd run folder", "config.yaml")
+    assert _snapshot(foreign) == before and sorted(p.name for p in foreign.iterdir()) == ["config.yaml"], \
+        "a refused run wrote into a foreign folder"
+    with pytest.raises(ConfigError, match="not an hsgd run folder"):  # the library call refuses as well
+        train(foreign, ["train.rounds=1"])
+    assert _snapshot(foreign) == before
+
+
 @pytest.mark.long  # two runs, one after the other
 def test_a_stale_lock_is_taken_over_by_resume_and_a_corrupt_latest_checkpoint_falls_back(tmp_path):
     run_dir = tmp_path / "run"

@@ -264,8 +264,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(root, damage
     else:
         _corrupt(f"{newest}/c1r0.pt", "truncate" if damage == "truncated" else "flip")
     skipped = []
-    found = ckpt.newest_good(root, on_skip=lambda d, why: skipped.append((d, why)))
-    assert found is not None and found[0] == older and found[1]["round"] == 2, f"no fallback to {older}: {found}"
+    found = ckpt.choose(root, on_skip=lambda d, why: skipped.append((d, why)))
+    assert found.path == older and found.manifest["round"] == 2, f"no fallback to {older}: {found}"
+    assert list(found.skipped) == skipped
     assert [d for d, _ in skipped] == [newest], skipped
     assert ("manifest" in skipped[0][1]) if damage == "bad manifest" else ("sha256" in skipped[0][1]), skipped
     with pytest.raises(CheckpointError):
@@ -275,17 +276,28 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(root, damage
 def test_no_good_checkpoint_at_all_is_none(root):
     only = ckpt.finalize(*_temp_with_files(root, 1), {"c0r0": 1, "c1r0": 1})
     _corrupt(f"{only}/c0r0.pt", "truncate")
-    assert ckpt.newest_good(root) is None
-    assert ckpt.newest_good(f"{root}/nothing-here") is None
+    assert ckpt.choose(root).path is None
+    assert ckpt.choose(f"{root}/nothing-here").path is None
 
 
-def test_newest_good_skips_a_checkpoint_the_caller_refuses(root):
+def test_choose_skips_a_checkpoint_of_another_config_or_names_the_difference(root):
     older = ckpt.finalize(*_temp_with_files(root, 1), {"c0r0": 1, "c1r0": 1})
-    ckpt.finalize(*_temp_with_files(root, 2), {"c0r0": 2, "c1r0": 2})
+    newest = ckpt.finalize(*_temp_with_files(root, 2), {"c0r0": 2, "c1r0": 2})
+    _set_fingerprint(newest, {"model.n_embd": 64})
     skipped = []
-    found = ckpt.newest_good(root, on_skip=lambda d, why: skipped.append(why),
-                             accept=lambda m: "foreign" if m["round"] == 2 else None)
-    assert found[0] == older and skipped == ["foreign"]
+    found = ckpt.choose(root, {"model.n_embd": 32}, on_skip=lambda d, why: skipped.append(why))
+    assert found.path == older and len(skipped) == 1 and "model.n_embd 64 -> 32" in skipped[0], skipped
+    refused = ckpt.choose(root, {"model.n_embd": 32}, skip_other_config=False)  # a resume: chosen, the caller refuses
+    assert refused.path == newest and refused.config_diff == ("model.n_embd 64 -> 32",)
+
+
+def _set_fingerprint(directory, fingerprint):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(f"{directory}/{ckpt.MANIFEST}")
+    manifest = ckpt.read_manifest(directory)
+    with fs.open(path, "wb") as f:
+        f.write(json.dumps({**manifest, "fingerprint": fingerprint}).encode())
 
 
 def test_prune_removes_only_this_runs_temp_folders(root):

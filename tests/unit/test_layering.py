@@ -154,3 +154,36 @@ def test_the_graph_sees_every_import_form(tmp_path):
     assert graph["hsgd.train.c"] == {"hsgd", "hsgd.core"}
     assert graph["actors.x"] == {"jobs.y"}
     assert _cycle(graph) is not None
+
+
+# -- a file's size shows its job (issue 31, Acceptance 3): caps later issues keep ------------------
+ACTORS = ROOT / "actors"
+FILE_CAPS = {"launch.py": 300, "supervisor.py": 350}
+ROUND_RUNNER_CAP = 250
+FUNCTION_CAP = 60
+
+
+def _lines(path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_the_driver_and_the_supervisor_stay_short():
+    over = {name: _lines(ACTORS / name) for name, cap in FILE_CAPS.items() if _lines(ACTORS / name) > cap}
+    assert not over, f"over their caps {FILE_CAPS} (start -> drive -> finish, each a screen): {over}"
+
+
+def test_the_round_runner_stays_short():
+    n = _lines(ACTORS / "round_runner.py")
+    assert n <= ROUND_RUNNER_CAP, (f"actors/round_runner.py has {n} lines, cap {ROUND_RUNNER_CAP}: the runner only "
+                                   f"carries out the machine's effects (issue 31 splits it on another branch; this "
+                                   f"cap holds once that branch is merged)")
+
+
+def test_no_function_in_actors_is_over_60_lines():
+    over = []
+    for path in sorted(ACTORS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno + 1 > FUNCTION_CAP:
+                over.append(f"actors/{path.name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not over, f"functions over {FUNCTION_CAP} lines (counted by ast: end_lineno - lineno + 1):\n" + "\n".join(over)

@@ -196,12 +196,13 @@ class Log:
 def roster(monkeypatch):
     import actors.roster as roster_mod
     from hsgd.core.topology import Topology
+    from hsgd.record.run_state import RunState
 
     monkeypatch.setattr(roster_mod, "lookup", lambda actor_name: object())
     table = Table()
     for short in ("c0r0", "c0r1", "spare-c0-0"):
         table.set(short, "ALIVE", 0)
-    r = roster_mod.Roster(Topology(1, 2), "run-1", {}, Log(), call_timeout_s=1.0, spares_per_cluster=1,
+    r = roster_mod.Roster(Topology(1, 2), "run-1", RunState(), Log(), call_timeout_s=1.0, spares_per_cluster=1,
                           save=lambda: None)
     r.watch._table = table
     r.table = table

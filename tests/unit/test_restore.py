@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from actors import checkpointing
 from actors.checkpointing import RestoreFailed
+from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
 
 RIDS = ("c0r0", "c1r0")
@@ -68,9 +69,9 @@ class _Log:
 def _sup(tmp_path, calls, fail=(), fingerprint=None):
     cfg = OmegaConf.create({"checkpoint": {"dir": str(tmp_path / "ckpts"), "every": 1},
                             "supervisor": {"rejoin_wait_s": 0.0, "phase_timeout_s": 30.0}})
-    return SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), durable={"committed_round": 0, "fingerprint": fingerprint},
+    return SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), state=RunState(committed_round=0, fingerprint=fingerprint),
                            roster=_Roster(calls, fail), log=_Log(calls), warn=lambda m: None,
-                           _save_durable=lambda: None)
+                           save_state=lambda: None)
 
 
 @pytest.fixture(autouse=True)
@@ -128,10 +129,10 @@ def test_restoring_the_same_checkpoint_again_and_again_without_progress_gives_up
     sup = _sup(tmp_path, [])
     for _ in range(checkpointing.RESTORES_WITHOUT_PROGRESS):
         assert checkpointing.restore(sup, "total loss") == 3
-        sup.durable["committed_round"] = 3  # what the supervisor records after a restore
+        sup.state.committed_round = 3  # what the supervisor records after a restore
         sup.roster.live = {rid: (0, 0) for rid in RIDS}  # lost again before committing anything
     with pytest.raises(RestoreFailed, match="without committing a round since"):
         checkpointing.restore(sup, "total loss")
     # a round committed since the last restore starts the count afresh
-    sup.durable["committed_round"], sup.durable["last_restore"] = 4, {"round": 3, "count": 3}
+    sup.state.committed_round, sup.state.last_restore = 4, {"round": 3, "count": 3}
     assert checkpointing.restore(sup, "total loss") == 3

@@ -121,7 +121,7 @@ def test_the_default_run_folder_has_a_random_suffix_and_hydra_names_the_same_fol
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from actors.launch import CONF_DIR
+    from hsgd.config.compose import CONF_DIR
     from hsgd.config import register_schema
     from hsgd.config.paths import output_path, run_suffix
 

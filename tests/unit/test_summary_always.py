@@ -7,7 +7,7 @@ import json
 
 from omegaconf import OmegaConf
 
-from actors.launch import _driver_summary, _ensure_summary
+from hsgd.record.run_end import driver_summary as _driver_summary, ensure_summary as _ensure_summary
 from hsgd.config import HsgdConfig
 from hsgd.record.metrics import fallback_summary, run_summary
 

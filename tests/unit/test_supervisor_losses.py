@@ -3,7 +3,8 @@ supervisor faults surface as 11 errors on a slow machine and end the run as `max
 exhausted`)."""
 import json
 
-from actors.launch import SupervisorLosses, supervisor_starts
+from actors.launch import supervisor_starts
+from hsgd.core.supervisor_losses import SupervisorLosses
 
 
 def test_one_death_seen_as_several_errors_is_one_loss():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.launch import precheck
+from hsgd.config.compose import precheck
 from hsgd.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

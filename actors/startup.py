@@ -1,0 +1,199 @@
+"""A run's start-up, carried out for the driver (actors/launch.py): start the replica and spare
+actors in their placement, ask where they landed, and the start-up calls — the checkpoint reach
+check and the resume load.
+
+Start-up survives deaths: a replica that dies or cannot be reached while it answers a start-up
+call (a node lost during start-up, a `startup` fault) is a replica failure, never a config error.
+Ray restarts it and the call is retried for it until `supervisor.call_timeout_s` has passed since
+the first try; one still not back then is left out (the supervisor takes it in when it returns)
+where its cluster keeps `supervisor.min_replicas_per_cluster`, else the run ends failed (exit 1).
+Only a live replica's answer (or its own exception) can be a config error (exit 2).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from actors.replica import Replica
+from actors.roster import replica_actor_name, spare_actor_name
+from hsgd.config.compose import fail_config
+from hsgd.core.faults import due_faults, parse_schedule
+from hsgd.core.membership import live_plan
+from hsgd.core.topology import Topology
+from hsgd.record.run_state import RunState
+from hsgd.train import checkpoint
+
+RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
+
+
+def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
+    """train.resume: the newest checkpoint under root that verifies, falling back past corrupt or
+    truncated ones; ConfigError (one line) when there is none, or when it was written with a
+    config a resume may not change."""
+    point = checkpoint.choose(root, fingerprint, skip_other_config=False)
+    if point.path is None:
+        why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
+        fail_config(f"train.resume: no usable checkpoint under {root}{why}; pass run.dir=<the run to resume> "
+                    f"(and its checkpoint.dir)")
+    if point.config_diff:
+        fail_config(f"train.resume: checkpoint {point.path} was written with another config, and a resume may not "
+                    f"change {'; '.join(point.config_diff)}")
+    return point
+
+
+def start_replicas(cfg, run_id: str, run_dir: str, placement, container: dict, backends: dict) -> tuple[dict, dict]:
+    """The replica actors (rid -> handle) and the hot spares (actor name -> handle): warmed
+    replicas that take over a dead replica's identity, in the bundles after the replicas."""
+    topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
+    n = cfg.topology.replicas_per_cluster
+
+    def start(name: str, c: int, i: int, *args):
+        return Replica.options(name=name, max_restarts=cfg.faults.max_restarts, max_task_retries=0,
+                               **placement.options(c, i)).remote(container, *args)
+
+    replicas = {rid: start(replica_actor_name(run_id, rid), *divmod(topo.global_index(rid), n), rid, run_dir, backends)
+                for rid in topo.replica_ids()}
+    spares = {spare_actor_name(run_id, c, k): start(spare_actor_name(run_id, c, k), c, n + k, f"c{c}r0", run_dir,
+                                                    backends, True)
+              for c in range(cfg.topology.clusters) for k in range(cfg.topology.spares_per_cluster)}
+    return replicas, spares
+
+
+def replica_nodes(replicas: dict, timeout_s: float) -> dict:
+    """replica id -> the Ray node id the replica reports from its own runtime context (None if it
+    did not answer in time: a replica still starting or already dead; the run goes on)."""
+    refs = {rid: handle.progress.remote() for rid, handle in replicas.items()}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    nodes = {}
+    for rid, ref in refs.items():
+        try:
+            nodes[rid] = ray.get(ref, timeout=0.1)["node_id"]
+        except Exception:  # noqa: BLE001
+            nodes[rid] = None
+    return nodes
+
+
+class StartupCalls:
+    """The start-up calls to the replicas, each surviving their deaths (see the module docstring)."""
+
+    def __init__(self, topology: Topology, supervisor_cfg):
+        self.topology = topology
+        self.call_timeout_s = float(supervisor_cfg.call_timeout_s)
+        self.phase_timeout_s = float(supervisor_cfg.phase_timeout_s)
+        self.min_per_cluster = int(supervisor_cfg.min_replicas_per_cluster)
+
+    def call_all(self, handles: dict, call: Callable, timeout_s: float) -> tuple[dict, dict]:
+        """call(key, handle, first_try) -> an ObjectRef, for every handle; retried for those that
+        died or did not answer. Returns (answers, errors): a live replica's answer or its own
+        exception (a RayTaskError) by key. RuntimeError when a replica is still away after the
+        retries and its cluster falls below `min_replicas_per_cluster`."""
+        answers, errors, pending = {}, {}, dict(handles)
+        deadline, first = time.monotonic() + self.call_timeout_s, True
+        while pending:
+            refs = {key: call(key, handle, first) for key, handle in pending.items()}
+            for key, ref in refs.items():
+                try:
+                    answers[key] = ray.get(ref, timeout=timeout_s)
+                except (RayActorError, GetTimeoutError) as err:  # dead or unreachable: a replica failure
+                    print(f"[hsgd] {key} lost during start-up ({type(err).__name__}); retrying it", flush=True)
+                    continue
+                except Exception as err:  # noqa: BLE001 — the live replica's own error: the caller's to judge
+                    errors[key] = err
+                pending.pop(key)
+            first = False
+            if pending and time.monotonic() >= deadline:
+                break
+            if pending:
+                time.sleep(RETRY_PAUSE_S)
+        self._check_quorum(set(pending) & set(self.topology.replica_ids()))
+        return answers, errors
+
+    def _check_quorum(self, away: set[str]) -> None:
+        for c in range(self.topology.clusters):
+            members = self.topology.cluster_members(c)
+            if len([rid for rid in members if rid not in away]) < self.min_per_cluster:
+                raise RuntimeError(f"start-up: {', '.join(sorted(away))} did not come back within "
+                                   f"{self.call_timeout_s:g} s (supervisor.call_timeout_s) and cluster c{c} is below "
+                                   f"supervisor.min_replicas_per_cluster={self.min_per_cluster}")
+        if away:
+            print(f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; "
+                  f"taken in when back)", flush=True)
+
+    def check_reach(self, root: str, run_id: str, handles: dict, faults: dict) -> None:
+        """Every replica (and spare) must reach the checkpoint root: the driver writes a nonce there
+        and each reads it back, before any training. ConfigError (one line naming the node) otherwise."""
+        try:
+            url, nonce = checkpoint.write_reach_nonce(root, run_id)
+        except Exception as err:  # noqa: BLE001 — any storage error: the driver cannot write there
+            fail_config(f"checkpoint.dir: the driver cannot write to {root}: {type(err).__name__}: {err}")
+        try:
+            answers, errors = self.call_all(
+                handles, lambda key, h, first: h.reach_checkpoints.remote(url, nonce, faults.get(key) if first else None),
+                self.call_timeout_s)
+            problems = [f"replica {a['rid']} on node {a['node']} cannot read {url}: {a['problem']}"
+                        for a in answers.values() if a["problem"]]
+            problems += [f"{key} failed the check: {_cause(err)}" for key, err in errors.items()]
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                fail_config(f"checkpoint.dir: {problems[0]}{more}; every replica must reach checkpoint.dir "
+                            f"(a shared mount or an object store URL)")
+        finally:
+            checkpoint.remove(url)
+
+    def load_resume_point(self, point: checkpoint.Choice, replicas: dict, faults: dict) -> None:
+        """Every replica with a file in the checkpoint loads it (files already verified). A replica id
+        the checkpoint lacks (the topology grew) starts fresh and heals from a peer like a restarted
+        replica; files of replica ids this run lacks are not loaded."""
+        files = point.manifest["files"]
+        _, errors = self.call_all(
+            {rid: h for rid, h in replicas.items() if rid in files},
+            lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None),
+            self.phase_timeout_s)
+        for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
+            fail_config(f"train.resume: {_cause(err)}")
+        absent = sorted(set(replicas) - set(files))
+        note = f"; {', '.join(absent)} heal from peers" if absent else ""
+        print(f"[hsgd] resumed from {point.path} (round {point.manifest['round']}){note}", flush=True)
+
+
+def _cause(err: BaseException) -> str:
+    cause = getattr(err, "cause", None) or err
+    return " ".join(str(cause).split())[:400]
+
+
+def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[str, list[dict]]:
+    """The schedule's `startup` faults due at the round this run starts at: rid -> fault messages
+    for its start-up call; marked fired in the durable state (the supervisor never fires them)."""
+    specs = parse_schedule(list(cfg.faults.schedule), clusters=topo.clusters,
+                           replicas_per_cluster=topo.replicas_per_cluster)
+    start_round = int(resume_from.manifest["round"]) if resume_from is not None else 0
+    armed: dict[str, list[dict]] = {}
+    for d in due_faults(specs, state.fired, round_index=start_round, phases=("startup",),
+                        plan=live_plan(topo, set(topo.replica_ids()), {}, state.epoch)):
+        state.fired.append(d.index)
+        for rid in d.targets:
+            armed.setdefault(rid, []).append({**d.message(), "round": start_round})
+    return armed
+
+
+def record_takeovers(run_dir: str, lock, resume_from: checkpoint.Choice | None) -> None:
+    """Events (and console lines) for a stale lock taken over and for checkpoints skipped at resume."""
+    from hsgd.record.events import RunLog
+
+    if lock.taken_over is None and not (resume_from and resume_from.skipped):
+        return
+    log = RunLog(run_dir)
+    try:
+        if lock.taken_over is not None:
+            log.event("lock_taken_over", previous_run_id=lock.taken_over.get("run_id"),
+                      reason=lock.taken_over["reason"])
+            print(f"[hsgd] took over the stale lock of run {lock.taken_over.get('run_id')} "
+                  f"({lock.taken_over['reason']})", flush=True)
+        for path, reason in (resume_from.skipped if resume_from else ()):
+            log.event("checkpoint_fallback", path=path, reason=reason)
+            print(f"[hsgd] checkpoint {path} skipped: {reason}", flush=True)
+    finally:
+        log.close()

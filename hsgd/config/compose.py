@@ -1,0 +1,154 @@
+"""The config before Ray starts: compose it as Hydra would, turn Hydra's nested errors into one
+line, and every check that needs no cluster (`precheck`): the config's types and rules
+(hsgd.config.validate), the embedded cluster's capacity, and whether the run may use its folder
+(`check_run_folder`). Each refusal is a `ConfigError` (one line); jobs.train exits 2 on it.
+
+An hsgd run folder is recognised only by what only hsgd writes: `run.json` holding an hsgd run
+id, or the run's lock `hsgd.lock` (hsgd.record.runlock). A non-empty folder holding anything else
+(someone's own `config.yaml` included) is never written into.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from hsgd.config.capacity import (PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count,
+                                  usable_memory_bytes)
+from hsgd.config.paths import output_path, under_ray_job
+from hsgd.config.schema import ConfigError, register_schema
+from hsgd.config.validate import NUMERIC_FIELDS, validate
+from hsgd.record.runlock import LOCK_NAME
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+HYDRA_ENTRIES = (".hydra",)  # what Hydra writes into the run folder before run_training starts (and *.log)
+
+
+def fail_config(message: str) -> None:
+    """Raise ConfigError from '<field>: <problem>' (a bad value found after composing)."""
+    field, _, problem = message.partition(": ")
+    raise ConfigError(field, problem)
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The resolved config for these overrides, as Hydra would build it (for tests, notebooks and
+    the pre-check). Raises Hydra/OmegaConf errors for bad keys or types; does not validate."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    plain = [o for o in overrides if not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="hsgd"):
+        cfg = compose(config_name="config", overrides=plain)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def describe_hydra_error(err: BaseException) -> str:
+    """One line from Hydra/OmegaConf's nested errors: the field and what went wrong."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, cause = [], err
+    while cause is not None and len(chain) < 5:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            msg = str(getattr(e, "msg", "") or e).split("\n")[0]
+            return f"{e.full_key}: {msg}"
+    return " ".join(str(err).split())[:400]
+
+
+def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
+    """Compose and validate the config outside Hydra's runner, before Ray starts: the config's
+    types (OmegaConf), every rule of hsgd.config.validate (numbers, choices, folders, factories,
+    credentials, the corpus test-loaded) and the embedded cluster's capacity. Raises ConfigError
+    (one line, '<field>: <problem>; valid: ...'); jobs.train exits 2 on it. `run_folder` (a single
+    run): also check_run_folder, before Hydra writes its `.hydra/` into the folder."""
+    try:
+        cfg = compose_config(overrides)
+        validate(cfg)
+        if not attaches_to_cluster(cfg):
+            check_embedded_capacity(cfg)
+        if run_folder:
+            check_run_folder(os.path.abspath(output_path(cfg.run.dir)), bool(cfg.train.resume))
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 — Hydra/OmegaConf parse and type errors
+        field, _, problem = describe_hydra_error(err).partition(": ")
+        if field in NUMERIC_FIELDS and "valid:" not in problem:  # e.g. seed=1e23: "could not be converted to Integer"
+            problem += f"; valid: {NUMERIC_FIELDS[field].describe()}"
+        raise ConfigError(field, problem) from err
+
+
+def attaches_to_cluster(cfg) -> bool:
+    """True when the run attaches to an existing Ray cluster instead of starting an embedded one."""
+    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS") or under_ray_job() or os.environ.get("RAY_JOB_ID")
+                or os.environ.get("RAY_JOB_SUBMISSION_ID"))
+
+
+def check_embedded_capacity(cfg) -> int:
+    """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares);
+    returns how many replica actors it will hold."""
+    t = cfg.topology
+    n = t.clusters * (t.replicas_per_cluster + t.spares_per_cluster)
+    problem = embedded_capacity_problem(
+        replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, memory_bytes=_memory_bytes(),
+        num_cpus=cfg.ray.num_cpus, per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(
+            cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size))
+    if problem is not None:
+        raise ConfigError("topology.replicas_per_cluster", problem)
+    return n
+
+
+def _memory_bytes() -> int:
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 2**40  # unknown: do not refuse on memory (a container limit, if any, still counts)
+    return usable_memory_bytes(physical)
+
+
+def is_hsgd_run_folder(folder: Path) -> bool:
+    """What only hsgd writes: its lock, or a run.json naming an hsgd run (a JSON object with a
+    string `run_id`). A common file name (config.yaml, checkpoints/) proves nothing."""
+    if (folder / LOCK_NAME).exists():
+        return True
+    try:
+        info = json.loads((folder / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and isinstance(info.get("run_id"), str) and bool(info["run_id"])
+
+
+def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:
+    """Raise ConfigError (one line; nothing is written) when this run may not use run_dir:
+    - it exists and is not a folder, or is a non-empty folder that is not an hsgd run
+      (is_hsgd_run_folder): someone else's files, never written into;
+    - another run holds its lock (hsgd.record.runlock), or a stale lock without train.resume;
+    - it holds a run (summary.json / supervisor_state.json) and train.resume is not set.
+    `hydra_wrote`: Hydra's own `.hydra/` and `*.log` in the folder do not make it foreign (the job
+    created them a moment ago). Read-only: jobs.train calls it before Hydra writes anything, and
+    run_training again before it takes the lock (the authority)."""
+    from hsgd.record import runlock
+
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        fail_config(f"run.dir: {run_dir} exists and is not a folder; choose a new run.dir")
+    entries = sorted(os.listdir(p)) if p.is_dir() else []
+    if hydra_wrote:
+        entries = [e for e in entries if e not in HYDRA_ENTRIES and not e.endswith(".log")]
+    if entries and not is_hsgd_run_folder(p):
+        fail_config(f"run.dir: {run_dir} is not empty and is not an hsgd run folder (no {LOCK_NAME}, no run.json "
+                    f"of an hsgd run; it holds {', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
+                    f"choose a new or empty folder")
+    try:
+        runlock.check(run_dir, takeover=resume)
+    except runlock.RunLocked as err:
+        fail_config(f"run.dir: {err}")
+    if not resume and {"summary.json", "supervisor_state.json"} & set(entries):
+        fail_config(f"run.dir: {run_dir} already holds a run; choose a new run.dir or add train.resume=true")

@@ -1,0 +1,93 @@
+"""The run's durable state (`supervisor_state.json` in run.dir), typed, with every default here.
+
+One owner: the supervisor holds one `RunState` and saves it whole (through its RunLog's writer, a
+temp name then a rename) whenever it changes; the driver writes the first one before the
+supervisor starts (`begin`) and reads it when the supervisor is gone. The file's name and JSON
+keys are those of older runs, so an older run folder still resumes.
+
+What lives here: the run id (a supervisor never loads another run's state) and config
+fingerprint, the run's start time, the group epoch, the committed round, the supervisor's start
+count, the faults fired (schedule indices) and added by drills, the initial eval loss, which actor
+serves which replica id (`identity`), the spare pool, deaths already reported, benched clusters and
+their non-finite rounds, failed checkpoints, the last restore.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from hsgd.record.rundir import atomic_write_text, read_json
+
+STATE_FILE = "supervisor_state.json"
+
+
+@dataclass
+class RunState:
+    run_id: str = ""
+    fingerprint: dict | None = None
+    started_at: float = field(default_factory=time.time)
+    epoch: int = 0
+    committed_round: int = 0
+    supervisor_starts: int = 0
+    fired: list[int] = field(default_factory=list)
+    added_faults: list[dict] = field(default_factory=list)
+    initial_eval_loss: float | None = None
+    evaluated: bool = False  # initial_eval_loss is known (on disk: the key is present, even as null)
+    identity: dict[str, str] = field(default_factory=dict)
+    spares: dict[str, list[str]] = field(default_factory=dict)
+    deaths_seen: dict = field(default_factory=dict)
+    benched: list[int] = field(default_factory=list)
+    non_finite_rounds: dict[str, int] = field(default_factory=dict)
+    checkpoints_failed: int = 0
+    last_restore: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "RunState":
+        """From the file's JSON (unknown keys ignored, absent ones defaulted)."""
+        known = {f.name for f in fields(cls)} - {"evaluated"}
+        state = cls(**{k: v for k, v in raw.items() if k in known})
+        state.evaluated = "initial_eval_loss" in raw
+        return state
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        del out["evaluated"]
+        if not self.evaluated:
+            del out["initial_eval_loss"]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> "RunState":
+        """Whatever state the folder holds (defaults when absent or unreadable)."""
+        raw = read_json(Path(run_dir) / STATE_FILE)
+        try:
+            return cls.from_dict(raw if isinstance(raw, dict) else {})
+        except TypeError:
+            return cls()
+
+    @classmethod
+    def load(cls, run_dir: str | Path, run_id: str) -> "RunState":
+        """This run's state; another run's (or none) is never loaded: a fresh one for run_id."""
+        state = cls.read(run_dir)
+        return state if state.run_id == run_id else cls(run_id=run_id)
+
+    def write(self, run_dir: str | Path) -> None:
+        """Atomic: a temp name, then a rename (the driver's writes; the supervisor's go through its RunLog)."""
+        atomic_write_text(Path(run_dir) / STATE_FILE, self.to_json())
+
+    @classmethod
+    def begin(cls, run_dir: str | Path, run_id: str, fingerprint: dict, *, resumed: bool) -> "RunState":
+        """A run's first state, which the driver writes before the supervisor starts: this run's id
+        and config fingerprint; a resumed run keeps the old state's epoch, fired faults and initial
+        eval loss (its view of replicas is stale)."""
+        state = cls(run_id=run_id, fingerprint=fingerprint)
+        if resumed:
+            old = cls.read(run_dir)
+            state.epoch, state.fired = old.epoch, old.fired
+            state.initial_eval_loss, state.evaluated = old.initial_eval_loss, old.evaluated
+        return state
