@@ -58,7 +58,10 @@ def _arrived(master, addr, prefix, ranks):
 
 
 def _until(predicate, what, timeout_s=RELEASED_S):
-    comm.wait_for(predicate, timeout_s, what, poll_s=0.02)
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.1f}s waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_an_abort_releases_every_member_waiting_in_the_rendezvous(store):

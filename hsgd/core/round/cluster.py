@@ -19,6 +19,7 @@ for or disturbs another.
 from __future__ import annotations
 
 from hsgd.core.heal import assign_cluster_heals
+from hsgd.core.membership import leader_of
 from hsgd.core.round.calls import InFlight
 from hsgd.core.round.messages import Effect, Yield
 
@@ -44,8 +45,7 @@ class ClusterPhases:
                 return self._finish("failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; "
                                               f"giving up ({reason})")
         st.members = members
-        if self.leaders.get(c) not in members:
-            self.leaders[c] = members[0]
+        self.leaders[c] = leader_of(members, self.leaders.get(c))
         where = {rid: self.progress[rid] for rid in members}
         if any(p[0] == self.round for p in where.values()):
             donors = {}  # a member holds the round: heals stay inside c

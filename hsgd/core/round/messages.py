@@ -32,7 +32,7 @@ Observations (into the machine):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import ClassVar, NamedTuple
 
 
@@ -48,8 +48,9 @@ class Outcome(str, Enum):
     NON_FINITE = "non_finite"  # a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void
 
 
-class ErrorKind(str, Enum):
-    """How a collective failed (hsgd.train.comm.CollectiveError.kind; the same strings)."""
+class ErrorKind(StrEnum):
+    """How a collective failed: hsgd.train.comm.CollectiveError.kind, the `error_kind` of an answer
+    and of a `collective_failed` event. The one definition of the kinds."""
     NONE = ""  # no collective error (or the runner could not tell)
     CONFIGURE = "configure"  # the group could not be built or joined in time
     ISSUE = "issue"  # the collective could not be started

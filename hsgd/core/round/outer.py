@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from hsgd.core.membership import quorum_problem
+from hsgd.core.membership import leader_of, quorum_problem
 from hsgd.core.outer_plan import shard_count, shard_holders
 from hsgd.core.round.calls import InFlight
 from hsgd.core.round.messages import Effect
@@ -68,7 +68,7 @@ class OuterExchange:
         smallest = max(1, self.settings.min_replicas_per_cluster)
         clusters = [c for c in self.participating() if len(self.members(c)) >= smallest]
         members = [self.members(c) for c in clusters]
-        leaders = [self.leaders[c] if self.leaders.get(c) in m else m[0] for c, m in zip(clusters, members)]
+        leaders = [leader_of(m, self.leaders.get(c)) for c, m in zip(clusters, members)]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
 
     def _outer_prefix(self, shard: int, shards: int) -> str:
