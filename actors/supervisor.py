@@ -2,7 +2,7 @@
 (read hsgd/core/round/__init__.py for what happens after any failure); it only
 
     runs one round machine per round through actors/round_runner.py (which issues the calls, turns
-    answers and Ray's errors into PhaseResults, polls progress, ticks the clock, kills whom the
+    answers and Ray's errors into the machine's Answers, polls progress, ticks the clock, kills whom the
     machine says is hung), and between rounds: brings back restarted replicas and hands dead ones'
     ids to hot spares (actors/roster.py), records metrics, evaluates, checkpoints and, after a
     total loss, restores the latest checkpoint (actors/checkpointing.py), waits for quorum.
@@ -42,7 +42,7 @@ from actors.roster import Roster
 from hsgd.core.deadlines import PhaseClock, collective_timeout_s, storage_problem
 from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
+from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
                              evaluation_order, heals_at_rest, model_writers, round_settings, unrecorded_rounds)
 from hsgd.core.topology import Topology
 from hsgd.record.events import RunLog
@@ -380,8 +380,8 @@ class Supervisor:
             return
         top = current_round(roster.live.values())
         for c, heals in heals_by_cluster.items():
-            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.durable["epoch"],
-                          calls={h.target: (h.source, h.scope) for h in heals})
+            phase = Phase(id=-1, kind=CallKind.HEAL, round=top, cluster=c, epoch=self.durable["epoch"],
+                          calls={h.target: Heal(h.source, h.scope) for h in heals})
             heal_at_rest(phase, self._ports(), roster.live, self._settings().heal_s)
         roster.refresh()
         view = roster.plan(self.durable["epoch"])
