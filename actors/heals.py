@@ -121,9 +121,6 @@ class Heals:
         """The sources' answers to wait on (small: metas and send_state answers, never a state)."""
         return list(self.watch)
 
-    def is_source(self, ref) -> bool:
-        return ref in self.watch
-
     def source_answer(self, ref) -> StateReady | Lost | None:
         """Take in a source's answer (`ref` from `watched()`): what the round machine must observe.
         StateReady (it delivered), Lost (it died, raised or refused: also logged, `heal_source_lost`),
@@ -222,8 +219,16 @@ class Heals:
         AbortJoin does for inner and outer groups, instead of waiting out configure_timeout_s."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
-    def release(self, prefix: str) -> None:
-        self.released.add(prefix)
+    def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
+        """rid is dead: release every heal group it was in whose members may still be waiting in
+        its rendezvous (`abort(prefix, reason)`; a group already formed is not affected: the abort
+        is a compare-and-set), once each, with a `join_aborted` event."""
+        for prefix in self.groups_of(rid):
+            self.released.add(prefix)
+            reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
+            self.log.event("join_aborted", cluster=cluster, round=self.r, epoch=epoch, prefix=prefix, dead=[rid],
+                           reason=reason)
+            abort(prefix, reason)
 
     def forget(self, action_id: int) -> None:
         """Heal action `action_id` ended: drop its states' refs (the object store frees a state once

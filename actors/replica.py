@@ -45,10 +45,6 @@ from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
 
 
-class FaultFired(RuntimeError):
-    pass
-
-
 class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
 

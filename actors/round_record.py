@@ -1,6 +1,6 @@
 """What one round did, for metrics.jsonl and events.jsonl: the numbers replicas report in their
-answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_end`,
-`heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
+answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_begin`,
+`membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
 runner hands it each answer's value and each PhaseEnded the machine emits.
 """
 from __future__ import annotations
@@ -35,6 +35,28 @@ class RoundRecord:
     def outer_overlapped(self) -> bool:
         """The committed exchange's reduce (the round's last) ran behind the inner steps on every holder."""
         return bool(self.reduce_overlapped) and self.reduce_overlapped[max(self.reduce_overlapped)]
+
+    def phase_begun(self, phase: Phase, leaders: dict[int, str], cluster_of) -> None:
+        """phase_begin; for a phase that forms its group, the group it forms (`membership`: its
+        members and their leader, not the whole run's view: a round where every cluster forms its
+        group would otherwise log O(clusters²)), and `cluster_reform` for a cluster re-formed."""
+        log, inner = self.log, phase.kind is CallKind.RUN_INNER
+        log.event("phase_begin", phase=phase.kind.record, round=self.r, cluster=phase.cluster, epoch=phase.epoch,
+                  replicas=sorted(phase.calls), reason=phase.reason or None)
+        if inner:
+            self.inner_participants.update(phase.calls)
+        if not phase.forms_group:
+            return
+        if inner:
+            members, leads = {f"c{phase.cluster}": list(phase.calls)}, {f"c{phase.cluster}": leaders.get(phase.cluster)}
+        else:  # the leaders' group (one per shard): one per round at most
+            members = {f"c{cluster_of(rid)}": [rid] for rid in phase.calls}
+            leads = {f"c{cluster_of(rid)}": rid for rid in phase.calls}
+        log.event("membership", epoch=phase.epoch, members=members, leaders=leads, standby=[],
+                  level="inner" if inner else "outer", cluster=phase.cluster)
+        if inner and phase.reason != "round start":
+            log.event("cluster_reform", cluster=phase.cluster, round=self.r, epoch=phase.epoch,
+                      members=sorted(phase.calls), reason=phase.reason)
 
     def answered(self, phase: Phase, answer: PhaseAnswer) -> None:
         """One call's answer (the replica's, or the one the runner made of Ray's error for it)."""

@@ -31,7 +31,7 @@ from actors.hang import kill_hung
 from actors.heals import Heals
 from actors.replica_calls import FETCH_S, call, up
 from actors.round_record import RoundRecord
-from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, OuterStage, Phase, PhaseAnswer, PhaseEnded,
+from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, Phase, PhaseAnswer, PhaseEnded,
                              Progress, Reap, RoundMachine, StepTimed, Yield, raised, restarted_unseen, restarts)
 from hsgd.train.comm import abort_rendezvous
 
@@ -147,30 +147,11 @@ class RoundRunner:
         involved = set(phase.calls) | {c.source for c in phase.calls.values() if kind is CallKind.HEAL}
         armed = p.injector.arm(self.r, fault_phases, self.m.plan(), only=involved, handles=p.roster.handles) \
             if p.injector.pending(self.r, fault_phases) else {}
-        p.log.event("phase_begin", phase=kind.record, round=self.r, cluster=phase.cluster, epoch=phase.epoch,
-                    replicas=sorted(phase.calls), reason=phase.reason or None)
+        self.record.phase_begun(phase, self.m.leaders, self.m.cluster_of)
         if phase.forms_group:
-            self._membership_event(phase)
-            p.save_epoch(phase.epoch)  # before the group exists: a successor never reuses an epoch
-            if kind is CallKind.RUN_INNER and phase.reason != "round start":
-                p.log.event("cluster_reform", cluster=phase.cluster, round=self.r, epoch=phase.epoch,
-                            members=sorted(phase.calls), reason=phase.reason)
-        if kind is CallKind.RUN_INNER:
-            self.record.inner_participants.update(phase.calls)
+            p.save_epoch(phase.epoch)  # before the group is used: a successor never reuses an epoch
         for rid in phase.calls:
             self.calls[call(phase, rid, armed, p, self.heals, self.m.progress)] = (phase.id, rid)
-
-    def _membership_event(self, phase: Phase) -> None:
-        """The group this phase forms: its members (and their leader), not the whole run's view
-        (a round where every cluster forms its group would otherwise log O(clusters²))."""
-        m, inner = self.m, phase.kind is CallKind.RUN_INNER
-        if inner:
-            members, leaders = {f"c{phase.cluster}": list(phase.calls)}, {f"c{phase.cluster}": m.leaders.get(phase.cluster)}
-        else:  # the leaders' group: one per round at most
-            members = {f"c{m.cluster_of(rid)}": [rid] for rid in phase.calls}
-            leaders = {f"c{m.cluster_of(rid)}": rid for rid in phase.calls}
-        self.p.log.event("membership", epoch=phase.epoch, members=members, leaders=leaders, standby=[],
-                         level="inner" if inner else "outer", cluster=phase.cluster)
 
     # -- what Ray says -----------------------------------------------------------------------------------
     def _read(self, ref) -> list:
@@ -195,10 +176,9 @@ class RoundRunner:
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
         except Exception as err:  # noqa: BLE001 — whose failure is it? (hsgd/core/round/blame.py)
-            gone = isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError))
-            source_failed = flight is not None and flight.phase.kind is CallKind.HEAL \
-                and self.heals.source_failed(phase_id, rid)
-            outcome = raised(actor_gone=gone, source_failed=source_failed)
+            heal = flight is not None and flight.phase.kind is CallKind.HEAL
+            outcome = raised(actor_gone=isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)),
+                             source_failed=heal and self.heals.source_failed(phase_id, rid))
             detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
             answer = PhaseAnswer(rid, outcome, error=detail)
             if restarts(outcome):
@@ -208,17 +188,10 @@ class RoundRunner:
         return Answer(phase_id, rid, answer.outcome, answer.round, answer.step, answer.error_kind, answer.error)
 
     def _ask(self, *, idle: bool) -> None:
-        """Probes, one outstanding per replica: the step of those in run_inner; whether those that
-        are down are back (rejoin `fast`: a call to a restarting actor waits until it is up); and,
-        every IDLE_POLL_S, whether live replicas with no call in flight still run."""
-        m, roster = self.m, self.p.roster
+        """The machine's probes (RoundMachine.probes), one outstanding per replica."""
+        roster = self.p.roster
         asked = {rid for _, rid, _ in self.probes.values()}
-        want = [("progress", rid) for f in m.inflight.values() if f.phase.kind is CallKind.RUN_INNER for rid in f.pending]
-        if m.settings.rejoin == "fast":
-            want += [("up", rid) for ids in m.ids for rid in ids if rid not in m.progress and rid not in roster.gone]
-        if idle:
-            want += [("idle", rid) for rid in m.progress if rid not in m.busy]
-        for what, rid in want:
+        for what, rid in self.m.probes(idle=idle, gone=roster.gone):
             if rid not in asked:
                 asked.add(rid)
                 self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
@@ -258,30 +231,20 @@ class RoundRunner:
         for rid, cause in self.m.deaths[self.deaths_logged:]:
             self.deaths_logged += 1
             roster.died(rid, cause, self.phase, self.r)
-            self._release_heal_groups(rid, cause)
+            self.heals.release_groups_of(rid, cause, self._abort_heal_group, cluster=self.m.cluster_of(rid),
+                                         epoch=self.m.epoch)
             if roster.spares and rid not in self.m.progress and (answer := roster.promote_spare(rid)) is not None:
                 self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
                 roster.note_up(rid, answer)
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))
 
-    def _release_heal_groups(self, rid: str, cause: str) -> None:
-        """rid is dead: release every heal group it was in whose members may still be waiting in
-        its rendezvous (a group already formed is not affected: the abort is a compare-and-set)."""
-        p = self.p
-        for prefix in self.heals.groups_of(rid):
-            self.heals.release(prefix)
-            reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
-            p.log.event("join_aborted", cluster=self.m.cluster_of(rid), round=self.r, epoch=self.m.epoch,
-                        prefix=prefix, dead=[rid], reason=reason)
-            if p.store is not None:
-                abort_rendezvous(p.store, p.store_addr, prefix, reason)
+    def _abort_heal_group(self, prefix: str, reason: str) -> None:
+        if self.p.store is not None:
+            abort_rendezvous(self.p.store, self.p.store_addr, prefix, reason)
 
     def _status(self) -> None:
         m = self.m
-        stages = {m.clusters[c].stage for c in m.participating()}
-        self.phase = "outer" if m.outer_stage is OuterStage.REDUCE else "outer_commit" \
-            if m.outer_stage is OuterStage.COMMIT else "inner" if "inner" in stages \
-            else str(sorted(stages)[0]) if stages else "idle"
+        self.phase = m.view_phase
         self.p.set_status(epoch=m.epoch, phase=self.phase, round=self.r,
                           members={f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
                           leaders={f"c{c}": r for c, r in m.leaders.items()})

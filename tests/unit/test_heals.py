@@ -339,6 +339,9 @@ def test_a_dead_member_s_heal_groups_are_released_once_and_only_those_it_was_in(
     c1_group = other_src.calls[0][1][1][2]
     assert h.groups_of("c0r2") == [c0_group], "a target's death releases its source's group"
     assert h.groups_of("c0r0") == [c0_group] and h.groups_of("c1r1") == [c1_group]
-    h.release(c0_group)
+    aborted = []
+    h.release_groups_of("c0r2", "died", lambda *a: aborted.append(a), cluster=0, epoch=4)
+    h.release_groups_of("c0r0", "died", lambda *a: aborted.append(a), cluster=0, epoch=4)
+    assert [prefix for prefix, _ in aborted] == [c0_group] and "c0r2 is gone (died)" in aborted[0][1]
     assert h.groups_of("c0r1") == [] and h.groups_of("c0r0") == [], "released once"
     assert h.groups_of("c1r0") == [c1_group], "another cluster's heal group is untouched"

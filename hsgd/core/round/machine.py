@@ -155,6 +155,28 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def cluster_of(self, rid: str) -> int:
         return self.cluster_index[rid]
 
+    @property
+    def view_phase(self) -> str:
+        """The round's phase as status.json shows it: the outer exchange's step once it runs,
+        else `inner` while any cluster runs inner, else the first participating cluster's stage."""
+        if self.outer_stage in (OuterStage.REDUCE, OuterStage.COMMIT):
+            return "outer" if self.outer_stage is OuterStage.REDUCE else "outer_commit"
+        stages = {self.clusters[c].stage for c in self.participating()}
+        return "inner" if ClusterStage.INNER in stages else str(min(stages)) if stages else "idle"
+
+    def probes(self, *, idle: bool, gone) -> list[tuple[str, str]]:
+        """What the runner asks whom on the control channel: the step of those in run_inner
+        (`progress`); whether replicas that are down (and not `gone`) are back (`up`, rejoin `fast`:
+        a call to a restarting actor waits until it is up); and, when `idle`, whether live replicas
+        with no call in flight still run (`idle`)."""
+        want = [("progress", rid) for f in self.inflight.values() if f.phase.kind is CallKind.RUN_INNER
+                for rid in f.pending]
+        if self.settings.rejoin == "fast":
+            want += [("up", rid) for ids in self.ids for rid in ids if rid not in self.progress and rid not in gone]
+        if idle:
+            want += [("idle", rid) for rid in self.progress if rid not in self.busy]
+        return want
+
     # -- the round's start ----------------------------------------------------------------------------
     def start(self, now: float) -> list[Effect]:
         if not self.progress:
