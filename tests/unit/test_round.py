@@ -702,3 +702,58 @@ def test_a_replica_lost_while_waiting_to_be_taken_in_mid_round_is_not_taken_in()
     assert m.observe(Lost("c0r2"), 1.5) == []
     (run,) = decisions(m.observe(Answer(heal.id, "c0r1", DONE, 0, 5), 2.0))
     assert run.kind == "run_inner" and sorted(run.calls) == ["c0r0", "c0r1"], run.calls
+
+
+# -- typed calls and answers --------------------------------------------------------------------------------
+def test_each_call_kind_owns_its_record_name_seconds_key_and_fault_phases():
+    from hsgd.core.round import CallKind
+
+    assert {k.value: (k.record, k.seconds_key, k.fault_phases) for k in CallKind} == {
+        "heal": ("heal", "heal_configure", ("heal",)), "run_inner": ("inner", "inner", ("inner", "inner_sync")),
+        "cluster_average": ("inner_sync", "inner_sync", ("inner_sync",)),
+        "outer_reduce": ("outer", "outer", ("outer",)), "outer_commit": ("outer_commit", "outer_commit", ("outer_commit",))}
+    assert CallKind("run_inner") is CallKind.RUN_INNER and f"{CallKind.HEAL}" == "heal"
+    assert [k for k in CallKind if k.voids] == [CallKind.RUN_INNER, CallKind.CLUSTER_AVERAGE, CallKind.OUTER_REDUCE]
+
+
+def test_a_phase_forms_its_group_when_its_calls_carry_a_join():
+    from hsgd.core.round import CallKind, OuterReduce
+
+    forming = Phase(0, CallKind.OUTER_REDUCE, 0, None, 3, {"c0r0": OuterReduce(Join("epoch3/outer", 0, 2))})
+    standing = Phase(1, CallKind.RUN_INNER, 0, 0, 3, {"c0r0": RunInner(None, Overlap(2, 0, 1))})
+    assert forming.forms_group and forming.prefix == "epoch3/outer"
+    assert not standing.forms_group and standing.prefix is None
+
+
+def test_a_phase_answer_crosses_ray_as_a_flat_dict_and_reads_back_the_same():
+    from hsgd.core.round import PhaseAnswer
+
+    answer = PhaseAnswer("c0r1", Outcome.COLLECTIVE_FAILED, 2, 17, "peer closed", ErrorKind.PEER_GONE,
+                         result={"join_s": 0.5})
+    wire = answer.wire()
+    assert wire["outcome"] == "collective_failed" and wire["error_kind"] == "peer_gone" and wire["join_s"] == 0.5
+    assert "ok" not in wire and PhaseAnswer.read(wire) == answer
+    assert PhaseAnswer.read({**wire, "error_kind": "newer_kind"}).error_kind is ErrorKind.NONE
+
+
+def test_whose_failure_a_call_without_an_answer_is():
+    from hsgd.core.round import raised, restarted_unseen, restarts, unanswered_heal
+
+    assert raised(actor_gone=True, source_failed=True) == Outcome.COLLECTIVE_FAILED, "a heal source's, not the target's"
+    assert raised(actor_gone=True, source_failed=False) == Outcome.DIED
+    assert raised(actor_gone=False, source_failed=False) == Outcome.ERROR and restarts(Outcome.ERROR)
+    assert not restarts(Outcome.DIED) and not restarts(Outcome.COLLECTIVE_FAILED)
+    assert unanswered_heal(False, in_time=False) == Outcome.COLLECTIVE_FAILED and unanswered_heal(False) == Outcome.DIED
+    assert unanswered_heal(True) == Outcome.COLLECTIVE_FAILED
+    assert restarted_unseen(10, 11) and not restarted_unseen(10, 10) and not restarted_unseen(None, 11)
+
+
+def test_cluster_stages_derive_who_sits_out_and_who_is_ready():
+    from hsgd.core.round import ClusterStage, OuterStage
+
+    m = World(3, 1).machine()
+    assert m.not_ready and m.out == set() and m.outer_stage is OuterStage.WAIT
+    m.clusters[0].stage, m.clusters[1].stage, m.clusters[2].stage = ClusterStage.OUT, ClusterStage.READY, ClusterStage.INNER
+    assert m.out == {0} and m.participating() == [1, 2] and m.not_ready and m.view_phase == "inner"
+    m.clusters[2].stage = ClusterStage.READY
+    assert not m.not_ready and m.view_phase == "ready"
