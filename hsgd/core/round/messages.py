@@ -187,6 +187,9 @@ class Overlap:
 
 @dataclass(frozen=True)
 class RunInner:
+    """Run the round's remaining inner steps in the cluster's inner group: the standing one, or the
+    one `join` forms first (the rendezvous waits for every member; the machine aborts it when one
+    is known dead). A shard holder's call carries an `overlap` under sync.fragment_delay."""
     kind: ClassVar[CallKind] = CallKind.RUN_INNER
     join: Join | None = None
     overlap: Overlap | None = None
@@ -199,6 +202,8 @@ class ClusterAverage:
 
 @dataclass(frozen=True)
 class OuterReduce:
+    """Reduce shard `shard` of `shards` in the group of that shard's holders (the leaders: shard 0
+    of 1; one group per shard index), the standing one or the one `join` forms first."""
     kind: ClassVar[CallKind] = CallKind.OUTER_REDUCE
     join: Join | None = None
     shard: int = 0
@@ -224,20 +229,9 @@ Call = RunInner | ClusterAverage | OuterReduce | Heal | OuterCommit
 # -- effects -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phase:
-    """Calls the machine waits on, one typed call per replica (all of one `kind`):
-      heal            Heal(source, scope): the target loads source's state
-      run_inner       RunInner(): run the round's remaining inner steps in the cluster's standing
-                      inner group; with a `join`, first form the group `join.prefix` under `epoch`
-                      (the rendezvous waits for every member; the machine aborts it when one is
-                      known dead). A shard holder's call carries an `overlap` under
-                      sync.fragment_delay: it reduces that shard in the standing outer group behind
-                      the round's last inner steps
-      cluster_average ClusterAverage(): inner `none`, the cluster's mean
-      outer_reduce    OuterReduce(join, shard, shards): reduce shard `shard` of `shards` in the
-                      standing group of that shard's holders (the leaders: shard 0 of 1), first
-                      forming that group under `epoch` with a `join` (as run_inner); one group per
-                      shard index
-      outer_commit    OuterCommit(roots): roots[j] = the inner rank of shard j's holder
+    """Calls the machine waits on, one typed call per replica, all of one `kind`: Heal (the target
+    loads its source's state), RunInner, ClusterAverage (inner `none`: the cluster's mean),
+    OuterReduce, OuterCommit; a group a call joins is formed under `epoch`.
     `deadline_s`: the limit of a call whose work is fixed; inner phases use progress instead (a
     run_inner that forms its group: the seconds its members may take to join before their first step)."""
     id: int
