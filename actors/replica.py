@@ -376,17 +376,15 @@ class Replica:
         with `bytes` (the whole state's), or `collective_failed` with this replica untouched when
         the source refused (`state` None). A source that died or raised surfaces here as an error
         of this call (Ray fails a call whose argument failed)."""
-        self.phase, self.phase_since = "heal", time.time()
-        self._arm(faults)
-        self._hook("heal", self.trainer.round, 0)
-        try:
+        def run():
+            self._hook("heal", self.trainer.round, 0)
             if state is None:  # nothing to load: this replica is fine, its heal is to be planned again
-                return self._answer(Outcome.COLLECTIVE_FAILED, f"{self.rid}: its heal source refused to give its state")
+                return {"outcome": Outcome.COLLECTIVE_FAILED,
+                        "error": f"{self.rid}: its heal source refused to give its state"}
             self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
             self.trainer.load_state_dict(state, scope=scope)
-            return self._answer(bytes=_state_bytes(state))
-        finally:
-            self.phase, self.phase_since = "idle", time.time()
+            return {"bytes": _state_bytes(state)}
+        return self._phase("heal", run, self.trainer.round, faults)
 
     # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
     def _heal_group(self) -> LevelGroup:
