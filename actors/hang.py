@@ -104,7 +104,7 @@ def kill_hung(kill, *, group: list[str], handles: dict, replica_info: dict, run_
                        deadline_s=kill.limit_s, peers=peers, dumps=dumps, view=view)
     path = Path(run_dir) / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
     log.write_file(path, text, make_parent=True)  # with a deadline; a failure is the folder's health
-    phase = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer"}.get(kill.phase, kill.phase)
+    phase = kill.phase.record  # (hsgd.core.round.CallKind)
     log.event("hang_detected", rid=rid, phase=phase, round=round_index, cluster=kill.cluster, reason=kill.reason,
               waited_s=kill.silent_s, deadline_s=kill.limit_s, stuck_in=stuck_function(dumps.get(rid, "")),
               report=str(path), waiting=[p for p in group if p != rid])

@@ -3,11 +3,11 @@ supervisor that issues them never holds it.
 
 Protocol
 - Through the object store (`global` heals across clusters; the fallback of a `full` heal): the
-  source answers two objects (`.options(num_returns=2)`): a small meta {"ok", "rid", "round",
-  "step", "pid", "bytes"} and the state. The state's ref goes straight into the target's
+  source answers two objects (`.options(num_returns=2)`): a small meta (a PhaseAnswer: its
+  round, step, and `pid`, `bytes`) and the state. The state's ref goes straight into the target's
   `load_state` as its argument: Ray moves it from the source's node to the target's. Only the meta
   is ever fetched here. A source that refuses (`heal_state`: it is no longer the process it was
-  chosen as) answers `ok: False` with an `error` and no state; the target's `load_state` then
+  chosen as) answers `collective_failed` with an `error` and no state; the target's `load_state` then
   answers `collective_failed`, untouched. (A state under Ray's inline limit, 100 KiB, travels
   inside the reply like any small value; model states are far larger.)
 - Over the process group (`full` heals): one `send_state` on the source (rank 0) and one
@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from hsgd.core.round import Lost, Outcome, StateReady
+from hsgd.core.round import Heal, Lost, Outcome, PhaseAnswer, StateReady
 from hsgd.train import state_stream
 
 FETCH_S = 30.0  # fetching an answer already ready (a few hundred bytes): bounds the call, decides nothing
@@ -72,15 +72,15 @@ class Heals:
         self.receives: dict[Any, tuple[int, str, str]] = {}
 
     # -- issuing ---------------------------------------------------------------------------------------
-    def issue(self, action_id: int, epoch: int, calls: Mapping[str, tuple[str, str]], target: str,
+    def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
               faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
-        """Heal `target` as heal action `action_id` says (`calls`: target -> (source, scope), the
+        """Heal `target` as heal action `action_id` says (`calls`: target -> its Heal(source, scope), the
         whole action: a source's state is asked once however many targets it heals). `faults`:
         rid -> the faults armed on it for this heal (the target's and its source's are handed on).
         `source_at`: the (round, step) the source holds as it was chosen (a `full` heal's fallback
         refuses a source that no longer holds it). Returns the target's call: its answer is the
         heal's, except for a `full` heal's, which goes through `group_answer` first."""
-        source, scope = calls[target]
+        source, scope = calls[target].source, calls[target].scope
         self.source_of[(action_id, target)] = source
         self.log.event("heal_begin", target=target, source=source, scope=scope)
         if scope == "full":
@@ -95,13 +95,13 @@ class Heals:
         self.metas[key], self.states[key] = meta, state
         self.watch[meta] = key
 
-    def _issue_over_group(self, action_id: int, epoch: int, calls: Mapping[str, tuple[str, str]], target: str,
+    def _issue_over_group(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
                           faults: Mapping[str, Any], source_at: tuple[int, int] | None):
         """One send_state per source (issued with its first target), one receive_state per target;
         the source's call is watched like a meta: its death is the source's loss."""
-        source = calls[target][0]
+        source = calls[target].source
         key = (action_id, source)
-        targets = sorted(t for t, (s, scope) in calls.items() if s == source and scope == "full")
+        targets = sorted(t for t, h in calls.items() if h.source == source and h.scope == "full")
         world = 1 + len(targets)
         if key not in self.prefixes:
             prefix = self.prefixes[key] = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
@@ -120,9 +120,6 @@ class Heals:
     def watched(self) -> list:
         """The sources' answers to wait on (small: metas and send_state answers, never a state)."""
         return list(self.watch)
-
-    def is_source(self, ref) -> bool:
-        return ref in self.watch
 
     def source_answer(self, ref) -> StateReady | Lost | None:
         """Take in a source's answer (`ref` from `watched()`): what the round machine must observe.
@@ -145,19 +142,17 @@ class Heals:
         if not ray.wait([ref], num_returns=1, timeout=0, fetch_local=False)[0]:
             return False, None, ""
         try:
-            value = ray.get(ref, timeout=FETCH_S)
+            answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
         except GetTimeoutError:
             return False, None, ""
         except Exception as err:  # noqa: BLE001 — the source died or raised while giving its state
             cause = "died" if isinstance(err, RayActorError) else "error"
             return True, Lost(source, cause), f"{type(err).__name__}: {' '.join(str(err).split())[-300:]}"
-        if ref in self.sends:  # send_state: a PhaseAnswer
-            if value.get("outcome") == Outcome.DONE.value:
-                return True, StateReady(action_id, source), ""
-            return True, None, ""  # its transfer over the group failed: its targets fall back to the object store
-        if not value.get("ok"):  # it refused: the process it was chosen as is gone
-            return True, Lost(source, "died"), str(value.get("error", ""))[:300]
-        return True, StateReady(action_id, source), ""
+        if answer.outcome == Outcome.DONE:
+            return True, StateReady(action_id, source), ""
+        if ref in self.sends:  # its transfer over the group failed: its targets fall back to the object store
+            return True, None, ""
+        return True, Lost(source, "died"), answer.error[:300]  # it refused: the process it was chosen as is gone
 
     def source_failed(self, action_id: int, target: str) -> bool:
         """`target`'s heal call of `action_id` raised: True when that is its source's failure (the
@@ -179,14 +174,13 @@ class Heals:
         `load_state` (one state per source however many targets fall back)."""
         action_id, target, source = self.receives.pop(ref)
         try:
-            value = ray.get(ref, timeout=FETCH_S)  # the target's answer: a few hundred bytes
+            answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))  # the target's answer: a few hundred bytes
         except Exception:  # noqa: BLE001 — the target died or raised: its answer says so
             return ref
-        if value.get("outcome") != Outcome.COLLECTIVE_FAILED.value or not waited:
+        if answer.outcome != Outcome.COLLECTIVE_FAILED or not waited:
             return ref
         key = (action_id, source)
-        self.log.event("heal_fallback", target=target, source=source, round=self.r,
-                       detail=str(value.get("error", ""))[:300])
+        self.log.event("heal_fallback", target=target, source=source, round=self.r, detail=answer.error[:300])
         if key not in self.states:
             self._ask_state(key, self.handles[source].heal_state, self.chosen_at.get(key))
         return self.handles[target].load_state.remote(self.states[key], "full", None)
@@ -225,8 +219,16 @@ class Heals:
         AbortJoin does for inner and outer groups, instead of waiting out configure_timeout_s."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
-    def release(self, prefix: str) -> None:
-        self.released.add(prefix)
+    def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
+        """rid is dead: release every heal group it was in whose members may still be waiting in
+        its rendezvous (`abort(prefix, reason)`; a group already formed is not affected: the abort
+        is a compare-and-set), once each, with a `join_aborted` event."""
+        for prefix in self.groups_of(rid):
+            self.released.add(prefix)
+            reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
+            self.log.event("join_aborted", cluster=cluster, round=self.r, epoch=epoch, prefix=prefix, dead=[rid],
+                           reason=reason)
+            abort(prefix, reason)
 
     def forget(self, action_id: int) -> None:
         """Heal action `action_id` ended: drop its states' refs (the object store frees a state once

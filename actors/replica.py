@@ -4,8 +4,9 @@ Its methods are the messages the supervisor sends. Phase methods (concurrency gr
 at a time) run at most one level's collectives; control methods (group "control") answer while a
 phase is in flight: progress, digests, stack dumps, fault injection.
 
-Every phase method answers a `PhaseAnswer` dict: {"outcome": done | behind | collective_failed,
-"rid", "round", "step", ...}. `behind` means the call names a round this replica has not reached
+Every phase method answers a `PhaseAnswer` (hsgd/core/round/messages.py), built in one place
+(`_answer`) and crossing Ray as its `wire()` dict: its outcome (done | behind | collective_failed |
+(`_answer`) and crossing Ray as its `wire()` dict: its outcome (done | behind | collective_failed |
 (it must be healed; it is never reported done); `collective_failed` means this replica is fine but
 its group broke (a peer failed or timed out); `non_finite` (with `what`: loss | grad_norm |
 pseudo_gradient) means its numbers went NaN/inf: the replica and its group are fine, its cluster's
@@ -38,14 +39,10 @@ from hsgd.train.overlap import BackgroundReduce
 from hsgd.core.topology import Topology
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
-from hsgd.core.round import Outcome
+from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
 CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
-
-
-class FaultFired(RuntimeError):
-    pass
 
 
 class InjectedError(RuntimeError):
@@ -129,7 +126,13 @@ class Replica:
         goes to the target). Control group: a donor busy in its own inner phase answers at once
         (these tensors change only in outer_commit)."""
         state = self.trainer.global_state()
-        return _state_meta(self.rid, state), state
+        return self._state_meta(state), state
+
+    def _state_meta(self, state: dict) -> dict:
+        """The small first object of a heal source's answer: what the supervisor fetches instead of
+        the state (actors/heals.py), at the state's own (round, step)."""
+        return PhaseAnswer(self.rid, Outcome.DONE, int(state["round"]), int(state["step"]),
+                           result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire()
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
@@ -164,7 +167,7 @@ class Replica:
         if fault["kind"] == "crash":
             self._fire(fault, self.trainer.round, self.trainer.step_in_round)
         self.pending_now.append(fault)
-        return {"ok": True, "rid": self.rid, "kind": fault["kind"]}
+        return self._answer(kind=fault["kind"])
 
     # -- faults ---------------------------------------------------------------------------------
     def _arm(self, faults: list[dict] | None) -> None:
@@ -204,24 +207,28 @@ class Replica:
         if kind == "error":  # an exception of the replica's own (CUDA OOM, an I/O error, a bug)
             raise InjectedError(f"{self.rid}: injected error in {fault['phase']} of round {round_index}")
 
+    def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> dict:
+        """The one place an answer is built: a PhaseAnswer at this replica's committed (round,
+        step), with the call's own numbers (`result`), as it crosses Ray."""
+        progress = self.trainer.progress()
+        return PhaseAnswer(self.rid, outcome, progress["round"], progress["step"], str(error),
+                           getattr(error, "kind", ErrorKind.NONE), getattr(error, "what", ""),
+                           {**progress, **result}).wire()
+
     def _phase(self, name: str, fn, round_index: int, faults: list[dict] | None):
         self.phase, self.phase_since = name, time.time()
         self._arm(faults)
         try:
-            result = fn()
-            return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **(result or {}),
-                    **self.trainer.progress()}  # a result's own "outcome" (yielded) wins
+            result = dict(fn() or {})
+            return self._answer(result.pop("outcome", Outcome.DONE), result.pop("error", ""), **result)
         except Behind as err:
-            return {"outcome": Outcome.BEHIND.value, "ok": False, "rid": self.rid, "error": str(err),
-                    **self.trainer.progress()}
+            return self._answer(Outcome.BEHIND, err)
         except NonFiniteError as err:  # this replica and its group are fine: its cluster's round is void
             if name == "outer":  # the other leaders wait in the all-reduce it never joins: they fail now
                 self.outer.abort()
-            return {"outcome": Outcome.NON_FINITE.value, "ok": False, "rid": self.rid, "error": str(err),
-                    "what": err.what, **self.trainer.progress()}
-        except CollectiveError as err:  # error_kind: how it failed (hsgd.train.comm.ERROR_KINDS), never its text
-            return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid, "error": str(err),
-                    "error_kind": err.kind, **self.trainer.progress()}
+            return self._answer(Outcome.NON_FINITE, err)
+        except CollectiveError as err:  # its kind: how it failed (an ErrorKind), never its text
+            return self._answer(Outcome.COLLECTIVE_FAILED, err)
         finally:
             self.phase, self.phase_since = "idle", time.time()
             self.armed = []
@@ -238,8 +245,7 @@ class Replica:
         self.trainer.assume_identity(rid)
         self.rid, self.spare = rid, False
         self._open_step_log()
-        return {"outcome": Outcome.DONE.value, "rid": rid, **self.trainer.progress(), "pid": os.getpid(),
-                "incarnation": self.incarnation}
+        return self._answer(pid=os.getpid(), incarnation=self.incarnation)
 
     @ray.method(concurrency_group="phase")
     def become_spare(self) -> dict:
@@ -250,7 +256,7 @@ class Replica:
         self.spare = True
         self._open_step_log()
         self.warm_s = self.trainer.warm_up()
-        return {"outcome": Outcome.DONE.value, "rid": self.rid, "warm_s": self.warm_s, "pid": os.getpid()}
+        return self._answer(warm_s=self.warm_s, pid=os.getpid())
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
@@ -276,13 +282,13 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
-                  overlap: tuple | None = None) -> dict:
+                  overlap: Overlap | None = None) -> dict:
         """Run this round's remaining inner steps, syncing in the cluster's inner group. `join`: this
         call forms that group first (see `_join`): one round trip for a cluster that (re-)forms. The
         committed step is readable on the control channel (`progress`) all along, so the supervisor
         can tell slow from hung. `behind` if this replica has not reached the round (it joins the
         group first all the same, so its peers' first collective fails fast rather than their join
-        waiting out its timeout). `overlap` = (epoch, shard, shards): this replica holds that shard
+        waiting out its timeout). `overlap`, an Overlap(epoch, shard, shards): this replica holds that shard
         in the standing outer group of `epoch`, and reduces it in the background from the round's
         snapshot step on (sync.fragment_delay; hsgd/train/overlap.py)."""
         self.slow_s = 0.0
@@ -297,14 +303,14 @@ class Replica:
                 time.sleep(self.slow_s)
 
         def at_snapshot():  # only in the outer group the supervisor named (a restarted process has none)
-            if overlap is not None and overlap[0] == self.outer_epoch:
-                self.background.start((self.trainer.round, *overlap))
+            if overlap is not None and overlap.epoch == self.outer_epoch:
+                self.background.start((self.trainer.round, overlap.epoch, overlap.shard, overlap.shards))
 
         def run():
             join_s = self._join(self.inner, join, "inner")
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot)
             return {"report": report.__dict__, "join_s": join_s,
-                    **({"outcome": Outcome.YIELDED.value} if report.yielded else {})}
+                    **({"outcome": Outcome.YIELDED} if report.yielded else {})}
         return self._phase("inner", run, round_index, faults)
 
     @ray.method(concurrency_group="phase")
@@ -369,19 +375,15 @@ class Replica:
         with `bytes` (the whole state's), or `collective_failed` with this replica untouched when
         the source refused (`state` None). A source that died or raised surfaces here as an error
         of this call (Ray fails a call whose argument failed)."""
-        self.phase, self.phase_since = "heal", time.time()
-        self._arm(faults)
-        self._hook("heal", self.trainer.round, 0)
-        try:
+        def run():
+            self._hook("heal", self.trainer.round, 0)
             if state is None:  # nothing to load: this replica is fine, its heal is to be planned again
-                return {"outcome": Outcome.COLLECTIVE_FAILED.value, "ok": False, "rid": self.rid,
-                        "error": f"{self.rid}: its heal source refused to give its state", **self.trainer.progress()}
+                return {"outcome": Outcome.COLLECTIVE_FAILED,
+                        "error": f"{self.rid}: its heal source refused to give its state"}
             self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
             self.trainer.load_state_dict(state, scope=scope)
-            return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, "bytes": _state_bytes(state),
-                    **self.trainer.progress()}
-        finally:
-            self.phase, self.phase_since = "idle", time.time()
+            return {"bytes": _state_bytes(state)}
+        return self._phase("heal", run, self.trainer.round, faults)
 
     # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
     def _heal_group(self) -> LevelGroup:
@@ -437,16 +439,16 @@ class Replica:
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
         """(meta, state): the object-store fallback of a heal over the group — this replica's full
         state, provided it still holds `expect` = (round, step), the progress it was chosen as a
-        source for. Refuses otherwise (meta `ok: False` with the `error`, state None): a source
+        source for. Refuses otherwise (meta `collective_failed` with the `error`, state None): a source
         that died and was restarted meanwhile (Ray runs a call queued for a restarting actor on
         the new process) must never hand out its fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
-            return {"ok": False, "rid": self.rid, "round": self.trainer.round, "step": self.trainer.step,
-                    "pid": os.getpid(), "bytes": 0,
-                    "error": f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
-                             f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)"}, None
+            return self._answer(Outcome.COLLECTIVE_FAILED,
+                                f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
+                                f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
+                                pid=os.getpid(), bytes=0), None
         state = self.trainer.state_dict()
-        return _state_meta(self.rid, state), state
+        return self._state_meta(state), state
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
@@ -468,8 +470,7 @@ class Replica:
             try:
                 return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
             except Exception as err:  # noqa: BLE001 — storage's failure, see above
-                return {"outcome": Outcome.IO_ERROR.value, "ok": False,
-                        "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
+                return {"outcome": Outcome.IO_ERROR, "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
         return self._phase("checkpoint", run, self.trainer.round, faults)
 
     @ray.method(concurrency_group="phase")
@@ -493,7 +494,7 @@ class Replica:
         except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
             raise checkpoint.CheckpointError(f"replica {self.rid} on node {_node_name()} cannot load {directory}: "
                                              f"{type(err).__name__}: {err}") from err
-        return {"outcome": Outcome.DONE.value, "ok": True, "rid": self.rid, **self.trainer.progress()}
+        return self._answer()
 
     @ray.method(concurrency_group="control")
     def reach_checkpoints(self, url: str, nonce: str, faults: list[dict] | None = None) -> dict:
@@ -507,13 +508,6 @@ class Replica:
 def _state_bytes(state: dict) -> int:
     """The bytes of every tensor in a heal's state."""
     return sum(t.numel() * t.element_size() for t in state_stream.split_state(state)[1])
-
-
-def _state_meta(rid: str, state: dict) -> dict:
-    """The small first object of a heal source's answer: what the supervisor fetches instead of
-    the state (actors/heals.py)."""
-    return {"ok": True, "rid": rid, "round": int(state["round"]), "step": int(state["step"]), "pid": os.getpid(),
-            "bytes": _state_bytes(state)}
 
 
 def _node_name() -> str:

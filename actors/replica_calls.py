@@ -8,28 +8,29 @@ import ray
 
 from actors.heals import Heals
 from actors.round_record import RoundRecord
-from hsgd.core.round import ErrorKind, Outcome, Phase, PhaseEnded, Up, run_inner_overlap
+from hsgd.core.round import (ClusterAverage, Heal, Outcome, OuterCommit, OuterReduce, Phase, PhaseAnswer, PhaseEnded,
+                             RunInner, Up, unanswered_heal)
 
 FETCH_S = 5.0  # fetching an answer already ready (a few hundred bytes)
 
 
-def call(phase: Phase, rid: str, args: tuple, armed: dict, p, heals: Heals, live: dict):
+def call(phase: Phase, rid: str, armed: dict, p, heals: Heals, live: dict):
     """The Ray call carrying out rid's part of `phase` (its ref). `p`: the runner's RunnerPorts."""
-    h, faults, kind = p.roster.handles[rid], armed.get(rid), phase.kind
-    if kind == "heal":  # the source's (round, step) as chosen, for a fallback's check
-        return heals.issue(phase.id, phase.epoch, phase.calls, rid, armed, source_at=live.get(args[0]))
-    # (prefix, rank, world_size): the call forms its level's group first
-    join = (phase.epoch, p.store_addr, f"{p.run_id}/{args[0]}", args[1], args[2]) if phase.forms_group else None
-    if kind == "run_inner":
-        return h.run_inner.remote(phase.round, faults, join, run_inner_overlap(args))
-    if kind == "cluster_average":
-        return h.cluster_average.remote(phase.round, phase.epoch, faults)
-    if kind == "outer_reduce":
-        shard, shards = args[-2:]
-        return h.outer_reduce.remote(phase.round, phase.epoch, faults, join, shard, shards)
-    if kind == "outer_commit":
-        return h.outer_commit.remote(phase.round, args[0], faults)
-    raise ValueError(f"unknown phase {kind}")
+    h, faults, c = p.roster.handles[rid], armed.get(rid), phase.calls[rid]
+    join = getattr(c, "join", None)  # the call forms its level's group first
+    join = (phase.epoch, p.store_addr, f"{p.run_id}/{join.prefix}", join.rank, join.world_size) if join else None
+    match c:
+        case Heal(source=source):  # the source's (round, step) as chosen, for a fallback's check
+            return heals.issue(phase.id, phase.epoch, phase.calls, rid, armed, source_at=live.get(source))
+        case RunInner(overlap=overlap):
+            return h.run_inner.remote(phase.round, faults, join, overlap)
+        case ClusterAverage():
+            return h.cluster_average.remote(phase.round, phase.epoch, faults)
+        case OuterReduce(shard=shard, shards=shards):
+            return h.outer_reduce.remote(phase.round, phase.epoch, faults, join, shard, shards)
+        case OuterCommit(roots=roots):
+            return h.outer_commit.remote(phase.round, roots, faults)
+    raise TypeError(f"not a call: {c!r}")
 
 
 def heal_at_rest(phase: Phase, ports, live: dict, deadline_s: float) -> None:
@@ -38,29 +39,22 @@ def heal_at_rest(phase: Phase, ports, live: dict, deadline_s: float) -> None:
     heals = Heals(ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id,
                   round_index=phase.round)
     record, started = RoundRecord(phase.round, ports.log, ports.clock), time.monotonic()
-    refs = {rid: call(phase, rid, args, {}, ports, heals, live) for rid, args in phase.calls.items()}
+    refs = {rid: call(phase, rid, {}, ports, heals, live) for rid in phase.calls}
     answers = {}
     for rid, ref in heals.settle(refs, deadline_s).items():
         if not ray.wait([ref], timeout=0, fetch_local=False)[0]:  # past the deadline: not healed
-            value, outcome = {"error": f"no answer within {deadline_s:.0f}s"}, Outcome.COLLECTIVE_FAILED
+            answer = PhaseAnswer(rid, unanswered_heal(False, in_time=False), error=f"no answer within {deadline_s:.0f}s")
         else:
             try:
-                value = ray.get(ref, timeout=FETCH_S)
-                outcome = Outcome(value.get("outcome", "done"))
+                answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
             except Exception as err:  # noqa: BLE001 — not healed: it heals at the next start, or stays behind
-                value = {"error": f"{type(err).__name__}: {str(err)[-200:]}"}
-                outcome = Outcome.COLLECTIVE_FAILED if heals.source_failed(phase.id, rid) else Outcome.DIED
-        record.answered(phase, rid, outcome, value, value.get("error", ""))
-        answers[rid] = outcome.value if outcome == Outcome.DONE else f"{outcome.value}: {value.get('error', '')[:200]}"
+                answer = PhaseAnswer(rid, unanswered_heal(heals.source_failed(phase.id, rid)),
+                                     error=f"{type(err).__name__}: {str(err)[-200:]}")
+        record.answered(phase, answer)
+        answers[rid] = answer.outcome.value if answer.outcome == Outcome.DONE \
+            else f"{answer.outcome.value}: {answer.error[:200]}"
     record.phase_ended(PhaseEnded(phase, answers, started, time.monotonic()))
 
 
 def up(rid: str, answer: dict) -> Up:
     return Up(rid, int(answer["round"]), int(answer["step"]), answer.get("pid"), int(answer.get("incarnation") or 0))
-
-
-def error_kind(value) -> ErrorKind:
-    try:
-        return ErrorKind(value or "")
-    except ValueError:  # a kind this supervisor does not know (a newer replica): no kind
-        return ErrorKind.NONE

@@ -1,16 +1,11 @@
 """What one round did, for metrics.jsonl and events.jsonl: the numbers replicas report in their
-answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_end`,
-`heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
+answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_begin`,
+`membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
 runner hands it each answer's value and each PhaseEnded the machine emits.
 """
 from __future__ import annotations
 
-from hsgd.core.round import NonFinite, Outcome, Phase, PhaseEnded
-
-PHASE_NAME = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
-              "outer_commit": "outer_commit", "heal": "heal"}
-_SECONDS_KEY = {"run_inner": "inner", "cluster_average": "inner_sync", "outer_reduce": "outer",
-                "outer_commit": "outer_commit", "heal": "heal_configure"}
+from hsgd.core.round import CallKind, NonFinite, Outcome, Phase, PhaseAnswer, PhaseEnded
 
 
 class RoundRecord:
@@ -41,36 +36,58 @@ class RoundRecord:
         """The committed exchange's reduce (the round's last) ran behind the inner steps on every holder."""
         return bool(self.reduce_overlapped) and self.reduce_overlapped[max(self.reduce_overlapped)]
 
-    def answered(self, phase: Phase, rid: str, outcome: Outcome, value: dict, detail: str) -> None:
-        """One call's answer (value: the replica's answer dict; {} when Ray's error stood for it)."""
-        kind = phase.kind
+    def phase_begun(self, phase: Phase, leaders: dict[int, str], cluster_of) -> None:
+        """phase_begin; for a phase that forms its group, the group it forms (`membership`: its
+        members and their leader, not the whole run's view: a round where every cluster forms its
+        group would otherwise log O(clusters²)), and `cluster_reform` for a cluster re-formed."""
+        log, inner = self.log, phase.kind is CallKind.RUN_INNER
+        log.event("phase_begin", phase=phase.kind.record, round=self.r, cluster=phase.cluster, epoch=phase.epoch,
+                  replicas=sorted(phase.calls), reason=phase.reason or None)
+        if inner:
+            self.inner_participants.update(phase.calls)
+        if not phase.forms_group:
+            return
+        if inner:
+            members, leads = {f"c{phase.cluster}": list(phase.calls)}, {f"c{phase.cluster}": leaders.get(phase.cluster)}
+        else:  # the leaders' group (one per shard): one per round at most
+            members = {f"c{cluster_of(rid)}": [rid] for rid in phase.calls}
+            leads = {f"c{cluster_of(rid)}": rid for rid in phase.calls}
+        log.event("membership", epoch=phase.epoch, members=members, leaders=leads, standby=[],
+                  level="inner" if inner else "outer", cluster=phase.cluster)
+        if inner and phase.reason != "round start":
+            log.event("cluster_reform", cluster=phase.cluster, round=self.r, epoch=phase.epoch,
+                      members=sorted(phase.calls), reason=phase.reason)
+
+    def answered(self, phase: Phase, answer: PhaseAnswer) -> None:
+        """One call's answer (the replica's, or the one the runner made of Ray's error for it)."""
+        kind, rid, outcome, value = phase.kind, answer.rid, answer.outcome, answer.result
         if value.get("join_s"):
             self.join_s[phase.id] = max(self.join_s.get(phase.id, 0.0), value["join_s"])
-        if kind == "run_inner" and "report" in value:
+        if kind is CallKind.RUN_INNER and "report" in value:
             rep = value["report"]
             self.steps_run[phase.id] = max(self.steps_run.get(phase.id, 0), rep["steps_done"])
             self.tokens += rep["tokens"]
             self.inner_bytes += rep["inner_bytes"]
             self.attempted_steps += rep["steps_done"]
             self.losses.setdefault(rid, []).extend(rep["losses"])
-        if kind == "outer_reduce":
+        if kind is CallKind.OUTER_REDUCE:
             self.outer_bytes += value.get("outer_bytes", 0)
             self.outer_link_s[phase.id] = max(self.outer_link_s.get(phase.id, 0.0), value.get("outer_link_s", 0.0))
             self.reduce_overlapped[phase.id] = self.reduce_overlapped.get(phase.id, True) and bool(value.get("overlapped"))
-        if kind == "outer_commit" and outcome == Outcome.DONE:
+        if kind is CallKind.OUTER_COMMIT and outcome == Outcome.DONE:
             self.inner_bytes += value.get("inner_bytes", 0)
             self.commit_digests[rid] = value["digest"]
             self.global_digests[rid] = value["global_digest"]
-        if kind == "heal" and outcome == Outcome.DONE:
+        if kind is CallKind.HEAL and outcome == Outcome.DONE:
             self.heal_sizes[rid] = value.get("bytes", 0)
             self.heal_transports[rid] = value.get("transport", "object_store")
         if outcome == Outcome.NON_FINITE:
-            self.non_finite_what.setdefault(rid, str(value.get("what", "")))  # logged once per cluster
+            self.non_finite_what.setdefault(rid, answer.what)  # logged once per cluster
         elif outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
             self.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
-                           rid=rid, phase=PHASE_NAME.get(kind, kind), round=self.r, cluster=phase.cluster,
-                           outcome=outcome.value, detail=detail[:300],
-                           **({"error_kind": value["error_kind"]} if value.get("error_kind") else {}))
+                           rid=rid, phase=kind.record, round=self.r, cluster=phase.cluster,
+                           outcome=outcome.value, detail=answer.error[:300],
+                           **({"error_kind": answer.error_kind.value} if answer.error_kind else {}))
 
     def phase_ended(self, ended: PhaseEnded) -> None:
         phase, seconds = ended.phase, max(0.0, ended.ended - ended.started)
@@ -78,26 +95,25 @@ class RoundRecord:
         failed = {rid: how.split(": ", 1) for rid, how in ended.answers.items() if how not in ("done", "yielded")}
         ok = sorted(rid for rid, how in ended.answers.items() if how == "done")
         yielded = sorted(rid for rid, how in ended.answers.items() if how == "yielded")
-        self.log.event("phase_end", phase=PHASE_NAME.get(phase.kind, phase.kind), round=self.r, cluster=phase.cluster,
+        self.log.event("phase_end", phase=phase.kind.record, round=self.r, cluster=phase.cluster,
                        seconds=seconds, ok=ok, failed=failed, **({"yielded": yielded} if yielded else {}))
-        key, work_s = _SECONDS_KEY.get(phase.kind, "heal_configure"), seconds - join_s
+        key, work_s = phase.kind.seconds_key, seconds - join_s
         self.seconds[key] = max(self.seconds[key], work_s) if key == "inner" else self.seconds[key] + work_s
         self.seconds["heal_configure"] += join_s
-        if phase.kind == "heal":
+        if phase.kind is CallKind.HEAL:
             for rid in ok:
-                source, scope = phase.calls[rid]
-                nbytes = self.heal_sizes.get(rid)
-                self.log.event("heal_end", target=rid, source=source, scope=scope, seconds=seconds, bytes=nbytes,
+                heal, nbytes = phase.calls[rid], self.heal_sizes.get(rid)
+                self.log.event("heal_end", target=rid, source=heal.source, scope=heal.scope, seconds=seconds, bytes=nbytes,
                                gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None,
                                transport=self.heal_transports.get(rid, "object_store"))
-        if not failed and phase.kind in ("outer_reduce", "outer_commit"):
-            self.clock.observe(phase.kind.replace("_reduce", ""), work_s, 1)
+        if not failed and phase.kind in (CallKind.OUTER_REDUCE, CallKind.OUTER_COMMIT):
+            self.clock.observe(phase.kind.record, work_s, 1)
         steps_run = self.steps_run.pop(phase.id, 0)
-        if phase.kind == "run_inner" and not failed and steps_run:
+        if phase.kind is CallKind.RUN_INNER and not failed and steps_run:
             # the step deadline's sure sample: progress polls may never land inside a short phase,
             # and without samples the deadline is the ceiling (a hang would go unseen for minutes)
             self.clock.observe("inner_step", work_s, steps_run)
-        if phase.kind == "run_inner" and failed:
+        if phase.kind is CallKind.RUN_INNER and failed:
             self.attempts += 1
 
     def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
@@ -108,7 +124,7 @@ class RoundRecord:
             if c not in self.logged_void and (final or c in out):
                 self.logged_void.add(c)
                 self.log.event("non_finite", rid=nf.rids[0], rids=list(nf.rids), cluster=c, round=self.r,
-                               phase=PHASE_NAME.get(nf.phase, nf.phase), what=self.non_finite_what.get(nf.rids[0], ""),
+                               phase=nf.phase.record, what=self.non_finite_what.get(nf.rids[0], ""),
                                detail=nf.detail[:300])
         for c, reason in benched_now.items():
             if c not in self.logged_benched:

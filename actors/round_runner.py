@@ -29,17 +29,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
-from actors.replica_calls import FETCH_S, call, error_kind, up
-from actors.round_record import PHASE_NAME, RoundRecord
-from hsgd.core.round import (AbortJoin, Answer, Kill, Lost, Outcome, Phase, PhaseEnded, Progress, Reap, RoundMachine,
-                             StepTimed, Yield)
+from actors.replica_calls import FETCH_S, call, up
+from actors.round_record import RoundRecord
+from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, Phase, PhaseAnswer, PhaseEnded,
+                             Progress, Reap, RoundMachine, StepTimed, Yield, raised, restarted_unseen, restarts)
 from hsgd.train.comm import abort_rendezvous
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
 IDLE_POLL_S = 2.0  # how often live replicas with no call in flight are asked whether they still run
 STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(replicas) to build)
-_FAULT_PHASES = {"run_inner": ("inner", "inner_sync"), "cluster_average": ("inner_sync",), "outer_reduce": ("outer",),
-                 "outer_commit": ("outer_commit",), "heal": ("heal",)}
 
 
 @dataclass
@@ -115,7 +113,7 @@ class RoundRunner:
                 self._issue(e)
             elif isinstance(e, PhaseEnded):
                 self.record.phase_ended(e)
-                if e.phase.kind == "heal":
+                if e.phase.kind is CallKind.HEAL:
                     self.heals.forget(e.phase.id)
             elif isinstance(e, StepTimed):
                 p.clock.observe("inner_step", e.seconds, 1)
@@ -141,39 +139,19 @@ class RoundRunner:
 
     def _issue(self, phase: Phase) -> None:
         p, kind = self.p, phase.kind
-        if kind == "outer_reduce":
-            p.injector.supervisor_faults(self.r, "outer")
-        if kind == "outer_commit":
+        if kind is CallKind.OUTER_COMMIT:
             p.log.event("commit_decision", round=self.r, clusters=sorted({self.m.cluster_of(x) for x in phase.calls}))
-            p.injector.supervisor_faults(self.r, "outer_commit")
-        fault_phases = _FAULT_PHASES[kind] + (("join",) if phase.forms_group else ())
-        involved = set(phase.calls) | ({src for src, _ in phase.calls.values()} if kind == "heal" else set())
+        if kind in (CallKind.OUTER_REDUCE, CallKind.OUTER_COMMIT):
+            p.injector.supervisor_faults(self.r, kind.record)
+        fault_phases = kind.fault_phases + (("join",) if phase.forms_group else ())
+        involved = set(phase.calls) | {c.source for c in phase.calls.values() if kind is CallKind.HEAL}
         armed = p.injector.arm(self.r, fault_phases, self.m.plan(), only=involved, handles=p.roster.handles) \
             if p.injector.pending(self.r, fault_phases) else {}
-        p.log.event("phase_begin", phase=PHASE_NAME[kind], round=self.r, cluster=phase.cluster, epoch=phase.epoch,
-                    replicas=sorted(phase.calls), reason=phase.reason or None)
+        self.record.phase_begun(phase, self.m.leaders, self.m.cluster_of)
         if phase.forms_group:
-            self._membership_event(phase)
-            p.save_epoch(phase.epoch)  # before the group exists: a successor never reuses an epoch
-            if kind == "run_inner" and phase.reason != "round start":
-                p.log.event("cluster_reform", cluster=phase.cluster, round=self.r, epoch=phase.epoch,
-                            members=sorted(phase.calls), reason=phase.reason)
-        if kind == "run_inner":
-            self.record.inner_participants.update(phase.calls)
-        for rid, args in phase.calls.items():
-            self.calls[call(phase, rid, args, armed, p, self.heals, self.m.progress)] = (phase.id, rid)
-
-    def _membership_event(self, phase: Phase) -> None:
-        """The group this phase forms: its members (and their leader), not the whole run's view
-        (a round where every cluster forms its group would otherwise log O(clusters²))."""
-        m = self.m
-        if phase.kind == "run_inner":
-            members, leaders = {f"c{phase.cluster}": list(phase.calls)}, {f"c{phase.cluster}": m.leaders.get(phase.cluster)}
-        else:  # the leaders' group: one per round at most
-            members = {f"c{m.cluster_of(rid)}": [rid] for rid in phase.calls}
-            leaders = {f"c{m.cluster_of(rid)}": rid for rid in phase.calls}
-        self.p.log.event("membership", epoch=phase.epoch, members=members, leaders=leaders, standby=[],
-                         level="inner" if phase.kind == "run_inner" else "outer", cluster=phase.cluster)
+            p.save_epoch(phase.epoch)  # before the group is used: a successor never reuses an epoch
+        for rid in phase.calls:
+            self.calls[call(phase, rid, armed, p, self.heals, self.m.progress)] = (phase.id, rid)
 
     # -- what Ray says -----------------------------------------------------------------------------------
     def _read(self, ref) -> list:
@@ -196,34 +174,24 @@ class RoundRunner:
         phase_id, rid = self.calls.pop(ref)
         flight = self.m.inflight.get(phase_id)
         try:
-            value = ray.get(ref, timeout=FETCH_S)
-            outcome, detail = Outcome(value.get("outcome", "done")), value.get("error", "")
-        except Exception as err:  # noqa: BLE001 — classified here: whose failure is it?
-            value, detail = {}, f"{type(err).__name__}: {str(err)[-300:]}"
-            if flight is not None and flight.phase.kind == "heal" and self.heals.source_failed(phase_id, rid):
-                outcome = Outcome.COLLECTIVE_FAILED  # its heal source failed, not this target
-            elif isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)):
-                outcome, detail = Outcome.DIED, type(err).__name__
-            else:  # the replica raised (OOM, I/O, a bug): its own failure, never the job's; restart it clean
-                outcome = Outcome.ERROR
+            answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
+        except Exception as err:  # noqa: BLE001 — whose failure is it? (hsgd/core/round/blame.py)
+            heal = flight is not None and flight.phase.kind is CallKind.HEAL
+            outcome = raised(actor_gone=isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)),
+                             source_failed=heal and self.heals.source_failed(phase_id, rid))
+            detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
+            answer = PhaseAnswer(rid, outcome, error=detail)
+            if restarts(outcome):
                 self.p.roster.restart_raised(rid, self.phase, self.r, detail)
         if flight is not None and rid in flight.pending:  # (a stale answer is not the round's)
-            self.record.answered(flight.phase, rid, outcome, value, detail)
-        return Answer(phase_id, rid, outcome, int(value.get("round", -1)), int(value.get("step", -1)),
-                      error_kind(value.get("error_kind")), detail)
+            self.record.answered(flight.phase, answer)
+        return Answer(phase_id, rid, answer.outcome, answer.round, answer.step, answer.error_kind, answer.error)
 
     def _ask(self, *, idle: bool) -> None:
-        """Probes, one outstanding per replica: the step of those in run_inner; whether those that
-        are down are back (rejoin `fast`: a call to a restarting actor waits until it is up); and,
-        every IDLE_POLL_S, whether live replicas with no call in flight still run."""
-        m, roster = self.m, self.p.roster
+        """The machine's probes (RoundMachine.probes), one outstanding per replica."""
+        roster = self.p.roster
         asked = {rid for _, rid, _ in self.probes.values()}
-        want = [("progress", rid) for f in m.inflight.values() if f.phase.kind == "run_inner" for rid in f.pending]
-        if m.settings.rejoin == "fast":
-            want += [("up", rid) for ids in m.ids for rid in ids if rid not in m.progress and rid not in roster.gone]
-        if idle:
-            want += [("idle", rid) for rid in m.progress if rid not in m.busy]
-        for what, rid in want:
+        for what, rid in self.m.probes(idle=idle, gone=roster.gone):
             if rid not in asked:
                 asked.add(rid)
                 self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
@@ -247,7 +215,7 @@ class RoundRunner:
         if answer.get("phase", "idle") != "idle" or answer.get("spare"):
             return []
         if what == "idle":
-            if known_pid is None or answer.get("pid") == known_pid or rid not in self.m.progress:
+            if not restarted_unseen(known_pid, answer.get("pid")) or rid not in self.m.progress:
                 return []  # the same process: alive
             self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
                              detail=f"restarted while idle (pid {known_pid} -> {answer.get('pid')})")
@@ -263,29 +231,20 @@ class RoundRunner:
         for rid, cause in self.m.deaths[self.deaths_logged:]:
             self.deaths_logged += 1
             roster.died(rid, cause, self.phase, self.r)
-            self._release_heal_groups(rid, cause)
+            self.heals.release_groups_of(rid, cause, self._abort_heal_group, cluster=self.m.cluster_of(rid),
+                                         epoch=self.m.epoch)
             if roster.spares and rid not in self.m.progress and (answer := roster.promote_spare(rid)) is not None:
                 self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
                 roster.note_up(rid, answer)
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))
 
-    def _release_heal_groups(self, rid: str, cause: str) -> None:
-        """rid is dead: release every heal group it was in whose members may still be waiting in
-        its rendezvous (a group already formed is not affected: the abort is a compare-and-set)."""
-        p = self.p
-        for prefix in self.heals.groups_of(rid):
-            self.heals.release(prefix)
-            reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
-            p.log.event("join_aborted", cluster=self.m.cluster_of(rid), round=self.r, epoch=self.m.epoch,
-                        prefix=prefix, dead=[rid], reason=reason)
-            if p.store is not None:
-                abort_rendezvous(p.store, p.store_addr, prefix, reason)
+    def _abort_heal_group(self, prefix: str, reason: str) -> None:
+        if self.p.store is not None:
+            abort_rendezvous(self.p.store, self.p.store_addr, prefix, reason)
 
     def _status(self) -> None:
         m = self.m
-        stages = {m.clusters[c].stage for c in m.participating()}
-        self.phase = "outer" if m.outer_stage == "reduce" else "outer_commit" if m.outer_stage == "commit" \
-            else "inner" if "inner" in stages else sorted(stages)[0] if stages else "idle"
+        self.phase = m.view_phase
         self.p.set_status(epoch=m.epoch, phase=self.phase, round=self.r,
                           members={f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
                           leaders={f"c{c}": r for c, r in m.leaders.items()})

@@ -32,8 +32,8 @@ from actors.run_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (Phase, RoundMachine, RoundSettings, checkpoint_due, current_round, eval_due,
-                             evaluation_order, heals_at_rest, round_settings, unrecorded_rounds)
+from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, checkpoint_due, current_round,
+                             eval_due, evaluation_order, heals_at_rest, round_settings, unrecorded_rounds)
 from hsgd.core.topology import Topology
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
@@ -281,8 +281,8 @@ class Supervisor:
             return
         top = current_round(roster.live.values())
         for c, heals in heals_by_cluster.items():
-            phase = Phase(id=-1, kind="heal", round=top, cluster=c, epoch=self.state.epoch,
-                          calls={h.target: (h.source, h.scope) for h in heals})
+            phase = Phase(id=-1, kind=CallKind.HEAL, round=top, cluster=c, epoch=self.state.epoch,
+                          calls={h.target: Heal(h.source, h.scope) for h in heals})
             heal_at_rest(phase, self._ports(), roster.live, self._settings().heal_s)
         roster.refresh()
         view = roster.plan(self.state.epoch)

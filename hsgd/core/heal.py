@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hsgd.core.membership import Plan
 from hsgd.core.topology import parse_replica_id
 
 
@@ -44,25 +43,3 @@ def assign_cluster_heals(members: dict[str, tuple[int, int]],
         return []
     source = min(candidates, key=parse_replica_id)
     return [HealAssignment(rid, source, "global") for rid in members]
-
-
-def assign_heals(progress: dict[str, tuple[int, int]], plan: Plan,
-                 donors: dict[str, tuple[int, int]] | None = None) -> list[HealAssignment]:
-    """progress: rid -> (round, step) for the plan's live members (and any donors). `donors`:
-    the replicas a cluster with nobody at the top round may take the global state from (default:
-    every live member of the plan)."""
-    members = [rid for rid in plan.live if rid in progress]
-    if not members:
-        return []
-    pool = donors if donors is not None else {rid: progress[rid] for rid in members}
-    top_round = max([progress[rid][0] for rid in members] + [p[0] for p in pool.values()])
-    # every cluster measures against the same top round: a donor pool at it stands for it
-    at_top = {rid: p for rid, p in pool.items() if p[0] == top_round} or \
-        {rid: progress[rid] for rid in members if progress[rid][0] == top_round}
-    # the lowest id is the donor any cluster takes; its own cluster heals inside (O(replicas))
-    donor = min(at_top, key=parse_replica_id)
-    heals: list[HealAssignment] = []
-    for cluster in sorted(plan.members):
-        own = {rid: progress[rid] for rid in plan.members[cluster] if rid in progress}
-        heals += assign_cluster_heals(own, {} if donor in own else {donor: at_top[donor]})
-    return heals

@@ -73,20 +73,19 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 from hsgd.core.deadlines import collective_timeout_s  # the transfer deadline rule (pure), also importable from here
+from hsgd.core.round.messages import ErrorKind
 
 LEVELS = ("inner", "outer")
-ERROR_KINDS = ("configure", "issue", "wait", "peer_gone", "timeout", "aborted", "join_aborted")
 SECRET_BITS = 128
 
 
 class CollectiveError(RuntimeError):
     """A collective or a group join failed or timed out; the group must be reconfigured. `kind`
-    (one of ERROR_KINDS) says how, so callers never match the backend's error text."""
+    (an ErrorKind, hsgd.core.round.messages) says how, so callers never match the backend's error text."""
 
-    def __init__(self, message: str, kind: str = "wait"):
-        assert kind in ERROR_KINDS, kind
+    def __init__(self, message: str, kind: ErrorKind | str = ErrorKind.WAIT):
         super().__init__(message)
-        self.kind = kind
+        self.kind = ErrorKind(kind)  # (a kind it does not name raises ValueError)
 
     def __reduce__(self):  # crosses Ray and process boundaries with its kind
         return type(self), (str(self), self.kind)
@@ -729,12 +728,3 @@ def _abort_quietly(pg) -> None:
         pg.abort(errored=False)
     except Exception:  # noqa: BLE001 — aborting a broken group may itself fail
         pass
-
-
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
-    """Poll `predicate` until true; raise TimeoutError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {what}")
-        time.sleep(poll_s)

@@ -81,9 +81,3 @@ class OuterOptimizer:
         for g, src in zip(self.global_params, state["global_params"]):
             g.copy_(src)
         self._sgd.load_state_dict(copy.deepcopy(state["sgd"]))
-
-
-def commit_decision(expected: set[int] | frozenset[int], succeeded: set[int]) -> bool:
-    """Two-phase commit rule for the outer sync: commit only if every expected participant
-    (cluster) reported a successful all-reduce into its buffer; otherwise all discard theirs."""
-    return bool(expected) and set(expected) == set(succeeded)

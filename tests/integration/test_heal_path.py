@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from actors.heals import Heals
 from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
-from hsgd.core.round import StateReady
+from hsgd.core.round import Heal, StateReady
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, train
 
@@ -134,7 +134,7 @@ def test_a_global_heal_larger_than_a_seconds_transfer_never_passes_through_the_s
     assert _digests(handles["c1r0"])["global"] != source_digests["global"]
     fetched = Fetches(monkeypatch)
     heals = Heals(handles, Log(), store_addr=None, run_id="t", round_index=1)
-    target = heals.issue(1, 0, {"c1r0": ("c0r0", "global")}, "c1r0", {})
+    target = heals.issue(1, 0, {"c1r0": Heal("c0r0", "global")}, "c1r0", {})
     states = list(heals.states.values())
     meta, = heals.watched()
     assert ray.wait([meta], timeout=120, fetch_local=False)[0], "the source never answered"
@@ -163,7 +163,7 @@ def test_a_full_heal_whose_group_fails_falls_back_through_the_object_store_and_n
                   round_index=1)
     # the target joins the heal's group only after the source gave up waiting for it (configure_timeout_s=2)
     hang = {"kind": "hang", "phase": "heal", "seconds": cfg.comm.configure_timeout_s + 1.5}
-    target = heals.issue(2, 0, {"c1r0": ("c0r0", "full")}, "c1r0", {"c1r0": [hang]}, source_at=source_at)
+    target = heals.issue(2, 0, {"c1r0": Heal("c0r0", "full")}, "c1r0", {"c1r0": [hang]}, source_at=source_at)
     final = heals.settle({"c1r0": target}, _deadline_s(cfg, param_bytes))
     answer = ray.get(final["c1r0"], timeout=10)
     assert final["c1r0"] is not target and [f["target"] for f in log.named("heal_fallback")] == ["c1r0"]
@@ -184,7 +184,7 @@ def test_a_source_slower_than_the_call_timeout_is_waited_for_as_its_bytes_allow(
     log = Log()
     heals = Heals({"slow": slow, "c1r0": handles["c1r0"]}, log, store_addr=None, run_id="t", round_index=1)
     fetched = Fetches(monkeypatch)
-    target = heals.issue(3, 0, {"c1r0": ("slow", "global")}, "c1r0", {})
+    target = heals.issue(3, 0, {"c1r0": Heal("slow", "global")}, "c1r0", {})
     meta, = heals.watched()
     assert not ray.wait([meta], timeout=call_timeout_s + 0.5, fetch_local=False)[0]
     assert heals.source_answer(meta) is None and heals.watched() == [meta], "a slow source is not a lost one"

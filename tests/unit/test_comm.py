@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 
-from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError, wait_for
+from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
 from tests.unit.gloo_world import run_ranks
 
 TIMEOUT_S = 5.0
@@ -53,14 +53,6 @@ def test_world_size_one_does_nothing():
     assert group.bytes_sent == 0, "a group of one must not communicate"
     group.abort()
     group.allreduce_mean(t, level="outer")  # still usable: nothing to abort
-
-
-def test_wait_for_has_a_deadline():
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="the thing"):
-        wait_for(lambda: False, 0.1, "the thing", poll_s=0.01)
-    assert time.monotonic() - start < 2
-    wait_for(lambda: True, 0.1, "instant")
 
 
 # -- real gloo groups -----------------------------------------------------------------------------

@@ -58,7 +58,10 @@ def _arrived(master, addr, prefix, ranks):
 
 
 def _until(predicate, what, timeout_s=RELEASED_S):
-    comm.wait_for(predicate, timeout_s, what, poll_s=0.02)
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.1f}s waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_an_abort_releases_every_member_waiting_in_the_rendezvous(store):
@@ -195,5 +198,7 @@ def test_a_failed_collective_answer_carries_its_error_kind():
     def fails():
         raise CollectiveError("inner: joining run/epoch7/inner/c1 as rank 0/2: the rendezvous was aborted: c1r1 died",
                               "join_aborted")
-    answer = _replica_class()._phase(fake, "inner", fails, 0, None)
+    replica = _replica_class()
+    fake._answer = lambda *args, **kw: replica._answer(fake, *args, **kw)  # (the one place answers are built)
+    answer = replica._phase(fake, "inner", fails, 0, None)
     assert answer["outcome"] == "collective_failed" and answer["error_kind"] == "join_aborted"

@@ -184,14 +184,10 @@ def test_random_schedule_stays_within_the_run_and_topology(seed):
 
 
 def _plan():
-    from hsgd.core.membership import Membership
+    from hsgd.core.membership import live_plan
     from hsgd.core.topology import Topology
 
-    m = Membership(Topology(2, 2))
-    for rid in ("c0r0", "c0r1", "c1r0", "c1r1"):
-        m.mark_alive(rid)
-    m.mark_dead("c1r0")  # c1 is led by c1r1 now
-    return m.plan()
+    return live_plan(Topology(2, 2), {"c0r0", "c0r1", "c1r1"}, {}, 1)  # c1r0 is dead: c1 is led by c1r1
 
 
 def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():

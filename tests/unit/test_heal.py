@@ -8,18 +8,26 @@ import random
 
 import pytest
 
-from hsgd.core.heal import HealAssignment, assign_heals
-from hsgd.core.membership import Membership
+from hsgd.core.heal import HealAssignment
+from hsgd.core.membership import live_plan
+from hsgd.core.round import heals_at_rest
 from hsgd.core.topology import Topology, parse_replica_id
 
 SPR = 10  # steps per round
 
 
-def _plan(clusters, rpc, alive=None):
-    m = Membership(Topology(clusters, rpc))
-    for rid in (alive if alive is not None else m.topology.replica_ids()):
-        m.mark_alive(rid)
-    return m.plan()
+def _plan(clusters, rpc, alive=None, min_replicas_per_cluster=1):
+    topo = Topology(clusters, rpc)
+    return live_plan(topo, set(alive if alive is not None else topo.replica_ids()), {}, 1, min_replicas_per_cluster)
+
+
+def assign_heals(progress, plan):
+    """The heals of the plan's members that reported, as the supervisor computes them
+    (hsgd.core.heal.assign_cluster_heals per cluster, through heals_at_rest)."""
+    ids = [parse_replica_id(rid) for rid in plan.live] or [(0, 0)]
+    topo = Topology(max(c for c, _ in ids) + 1, max(r for _, r in ids) + 1)
+    live = {rid: progress[rid] for rid in plan.live if rid in progress}
+    return [h for _, heals in sorted(heals_at_rest(topo, live).items()) for h in heals]
 
 
 def _apply(progress, heals, steps_per_round=SPR):
@@ -93,10 +101,7 @@ def test_only_reported_plan_members_are_considered():
 
 
 def test_standby_replicas_are_neither_healed_nor_sources():
-    m = Membership(Topology(2, 2), min_replicas_per_cluster=2)
-    for rid in ("c0r0", "c0r1", "c1r0"):
-        m.mark_alive(rid)
-    plan = m.plan()
+    plan = _plan(2, 2, alive=("c0r0", "c0r1", "c1r0"), min_replicas_per_cluster=2)
     assert plan.standby == ("c1r0",)
     heals = assign_heals({"c0r0": (1, 10), "c0r1": (1, 10), "c1r0": (5, 50)}, plan)
     assert heals == [], "a standby replica is outside the quorum: it neither heals nor serves as source"

@@ -12,12 +12,12 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
 from actors.heals import Heals
 from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
-from hsgd.core.round import Lost, StateReady
+from hsgd.core.round import Heal, Lost, Outcome, PhaseAnswer, StateReady
 from hsgd.train import state_stream
 from hsgd.train.comm import collective_timeout_s
 
-DONE = {"outcome": "done", "ok": True}
-FAILED = {"outcome": "collective_failed", "ok": False, "error": "inner: joining ... failed"}
+DONE = PhaseAnswer("any").wire()  # (a PhaseAnswer as it crosses Ray)
+FAILED = PhaseAnswer("any", Outcome.COLLECTIVE_FAILED, error="inner: joining ... failed").wire()
 
 
 class Ref:
@@ -93,8 +93,9 @@ class Log:
 
 
 def source_answer(name="c1r0", meta_ready=True, error=None, ok=True):
-    meta = Ref(f"{name}.meta", {"ok": ok, "rid": name, "round": 3, "step": 12, "pid": 1, "bytes": 1 << 30,
-                                **({} if ok else {"error": "restarted since it was chosen"})},
+    meta = Ref(f"{name}.meta", PhaseAnswer(name, Outcome.DONE if ok else Outcome.COLLECTIVE_FAILED, 3, 12,
+                                           "" if ok else "restarted since it was chosen",
+                                           result={"pid": 1, "bytes": 1 << 30}).wire(),
                error=error, ready=meta_ready)
     state = Ref(f"{name}.state", "<the state: never to be fetched here>", error=error, ready=meta_ready)
     return meta, state
@@ -129,7 +130,7 @@ def test_a_global_heal_hands_the_states_ref_to_each_target_and_fetches_only_the_
     src = Replica("c1r0", global_state=lambda: (meta, state))
     targets = {t: Replica(t, load_state=load_answer(t)) for t in ("c0r0", "c0r1")}
     h = _heals({"c1r0": src, **targets})
-    calls = {"c0r0": ("c1r0", "global"), "c0r1": ("c1r0", "global")}
+    calls = {"c0r0": Heal("c1r0", "global"), "c0r1": Heal("c1r0", "global")}
     refs = {t: h.issue(7, 2, calls, t, {"c0r0": ["f"]}) for t in calls}
     assert [c[0] for c in src.calls] == ["global_state"], "one state per source, however many targets"
     assert src.calls[0][2] == 2, "the source answers two objects: meta and state"
@@ -149,7 +150,7 @@ def test_a_slow_source_is_never_lost_it_stays_watched_until_it_answers(fake):
     meta, state = source_answer(meta_ready=False)
     h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
                 "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))})
-    h.issue(1, 0, {"c0r0": ("c1r0", "global")}, "c0r0", {})
+    h.issue(1, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     for _ in range(3):  # asked early and again: nothing is concluded from a slow answer
         assert h.source_answer(meta) is None
         assert h.watched() == [meta]
@@ -165,7 +166,7 @@ def test_a_source_that_dies_giving_its_state_is_lost_and_its_targets_failure_is_
     log = Log()
     h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
                 "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))}, log)
-    target = h.issue(4, 0, {"c0r0": ("c1r0", "global")}, "c0r0", {})
+    target = h.issue(4, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     with pytest.raises(ActorDiedError):  # Ray fails the target's call with its argument's error
         ray.get(target)
     assert h.source_failed(4, "c0r0"), "the target's call failed on its source's state: the source's failure"
@@ -179,7 +180,7 @@ def test_a_source_that_raises_is_lost_with_cause_error(fake):
     meta, state = source_answer(error=RayTaskError("global_state", "Traceback ...", RuntimeError("boom")))
     h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
                 "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))})
-    h.issue(4, 0, {"c0r0": ("c1r0", "global")}, "c0r0", {})
+    h.issue(4, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     assert h.source_answer(meta) == Lost("c1r0", "error")
 
 
@@ -187,11 +188,11 @@ def test_a_target_that_dies_on_its_own_is_not_its_sources_failure(fake):
     meta, state = source_answer()
     h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
                 "c0r0": Replica("c0r0", load_state=lambda s, scope, f: Ref("load", error=ActorDiedError()))})
-    h.issue(4, 0, {"c0r0": ("c1r0", "global")}, "c0r0", {})
+    h.issue(4, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     assert not h.source_failed(4, "c0r0")
     slow_meta, slow_state = source_answer("c1r1", meta_ready=False)
     h.handles["c1r1"] = Replica("c1r1", global_state=lambda: (slow_meta, slow_state))
-    h.issue(5, 0, {"c0r0": ("c1r1", "global")}, "c0r0", {})
+    h.issue(5, 0, {"c0r0": Heal("c1r1", "global")}, "c0r0", {})
     assert not h.source_failed(5, "c0r0"), "a source that has not answered is not known to have failed"
     _no_state_fetched(fake, state, slow_state)
 
@@ -210,7 +211,7 @@ def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_on
     src, targets, send, meta, state = _group(FAILED, {"c0r1": FAILED, "c0r2": FAILED})
     log = Log()
     h = _heals({"c0r0": src, **targets}, log, round_index=5)
-    calls = {"c0r1": ("c0r0", "full"), "c0r2": ("c0r0", "full")}
+    calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(9, 4, calls, t, {"c0r0": ["sf"]}, source_at=(5, 30)) for t in calls}
     (name, (round_index, join, chunk_mb, faults), _), = src.calls
     assert name == "send_state" and round_index == 5 and join[0] == 4 and join[3:] == (0, 3) and faults == ["sf"]
@@ -234,7 +235,7 @@ def test_a_transfer_over_the_group_that_is_done_or_no_longer_waited_on_is_the_he
     src, targets, send, meta, state = _group({**DONE, "bytes": 10}, {"c0r1": {**DONE, "transport": "group"},
                                                                        "c0r2": FAILED})
     h = _heals({"c0r0": src, **targets})
-    calls = {"c0r1": ("c0r0", "full"), "c0r2": ("c0r0", "full")}
+    calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(9, 4, calls, t, {}) for t in calls}
     assert h.source_answer(send) == StateReady(9, "c0r0")
     assert h.group_answer(refs["c0r1"]) is refs["c0r1"]
@@ -245,7 +246,7 @@ def test_a_transfer_over_the_group_that_is_done_or_no_longer_waited_on_is_the_he
 def test_a_refused_fallback_loses_the_source_and_its_target_is_told_so_not_blamed(fake):
     src, targets, send, meta, state = _group(FAILED, {"c0r1": FAILED}, fallback_meta_ok=False)
     h = _heals({"c0r0": src, **targets})
-    ref = h.issue(2, 1, {"c0r1": ("c0r0", "full")}, "c0r1", {}, source_at=(1, 4))
+    ref = h.issue(2, 1, {"c0r1": Heal("c0r0", "full")}, "c0r1", {}, source_at=(1, 4))
     h.group_answer(ref)
     assert h.source_failed(2, "c0r1")
     assert h.source_answer(meta) == Lost("c0r0", "died"), "refused: the process chosen as the source is gone"
@@ -254,7 +255,7 @@ def test_a_refused_fallback_loses_the_source_and_its_target_is_told_so_not_blame
 def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fake):
     src, targets, send, meta, state = _group(FAILED, {"c0r1": FAILED, "c0r2": FAILED})
     h = _heals({"c0r0": src, **targets})
-    calls = {"c0r1": ("c0r0", "full"), "c0r2": ("c0r0", "full")}
+    calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(-1, 1, calls, t, {}) for t in calls}
     final = h.settle(refs, deadline_s=5.0)
     assert set(final) == set(calls) and all(final[t] is not refs[t] for t in calls)
@@ -266,7 +267,7 @@ def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fak
     h2 = _heals({"c0r0": Replica("c0r0", send_state=lambda *a: Ref("send", ready=False)),
                  "c0r1": Replica("c0r1", receive_state=lambda *a: never)})
     t0 = time.monotonic()
-    final = h2.settle({"c0r1": h2.issue(-1, 1, {"c0r1": ("c0r0", "full")}, "c0r1", {})}, deadline_s=0.3)
+    final = h2.settle({"c0r1": h2.issue(-1, 1, {"c0r1": Heal("c0r0", "full")}, "c0r1", {})}, deadline_s=0.3)
     assert final == {"c0r1": never} and time.monotonic() - t0 < 3.0
 
 
@@ -274,7 +275,7 @@ def test_forgetting_an_ended_heal_drops_its_states_refs_but_keeps_watching_its_s
     meta, state = source_answer(meta_ready=False)
     h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
                 "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))})
-    h.issue(3, 0, {"c0r0": ("c1r0", "global")}, "c0r0", {})
+    h.issue(3, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     h.forget(3)
     assert state not in h.states.values() and h.watched() == [meta]
 
@@ -331,13 +332,16 @@ def test_a_dead_member_s_heal_groups_are_released_once_and_only_those_it_was_in(
     other_src = Replica("c1r0", send_state=lambda *a: Ref("c1r0.send_state", DONE))
     other_target = Replica("c1r1", receive_state=lambda *a: Ref("c1r1.receive_state", DONE))
     h = _heals({"c0r0": src, **targets, "c1r0": other_src, "c1r1": other_target}, round_index=5)
-    calls = {"c0r1": ("c0r0", "full"), "c0r2": ("c0r0", "full"), "c1r1": ("c1r0", "full")}
+    calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full"), "c1r1": Heal("c1r0", "full")}
     for t in calls:
         h.issue(9, 4, calls, t, {}, source_at=(5, 30))
     c0_group = src.calls[0][1][1][2]
     c1_group = other_src.calls[0][1][1][2]
     assert h.groups_of("c0r2") == [c0_group], "a target's death releases its source's group"
     assert h.groups_of("c0r0") == [c0_group] and h.groups_of("c1r1") == [c1_group]
-    h.release(c0_group)
+    aborted = []
+    h.release_groups_of("c0r2", "died", lambda *a: aborted.append(a), cluster=0, epoch=4)
+    h.release_groups_of("c0r0", "died", lambda *a: aborted.append(a), cluster=0, epoch=4)
+    assert [prefix for prefix, _ in aborted] == [c0_group] and "c0r2 is gone (died)" in aborted[0][1]
     assert h.groups_of("c0r1") == [] and h.groups_of("c0r0") == [], "released once"
     assert h.groups_of("c1r0") == [c1_group], "another cluster's heal group is untouched"

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from hsgd.train.outer import OuterOptimizer, commit_decision, outer_hyperparameters
+from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 
@@ -122,17 +122,3 @@ def test_state_dict_is_a_snapshot():
     a.step(_params(300))
     now = [v["momentum_buffer"] for v in state["sgd"]["state"].values()]
     assert all(torch.equal(x, y) for x, y in zip(saved, now)), "a saved state must not change after later steps"
-
-
-def test_commit_when_every_expected_cluster_succeeded():
-    assert commit_decision({0, 1, 2}, {0, 1, 2}) is True
-    assert commit_decision(frozenset({3}), {3}) is True
-
-
-def test_no_commit_when_any_expected_cluster_is_missing():
-    assert commit_decision({0, 1, 2}, {0, 2}) is False
-    assert commit_decision({0, 1}, set()) is False
-
-
-def test_no_commit_with_no_participants():
-    assert commit_decision(set(), set()) is False, "an empty outer sync must never count as a commit"

@@ -11,16 +11,7 @@ import pytest
 import torch
 from tests.unit.gloo_world import run_ranks
 
-BASE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=2",
-        "sync.inner=ddp", "optim.inner.lr=0.01", "train.rounds=10"]
-
-
-def _cfg(overrides):
-    from omegaconf import OmegaConf
-
-    from hsgd.config.schema import HsgdConfig
-
-    return OmegaConf.merge(OmegaConf.structured(HsgdConfig), OmegaConf.from_dotlist(BASE + list(overrides)))
+from tests.fakes.configs import BASE, tiny_cfg as _cfg  # noqa: F401
 
 
 def _layout(sizes, rank):

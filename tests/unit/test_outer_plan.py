@@ -7,7 +7,7 @@ import pytest
 
 from hsgd.core.outer_plan import (depth_units, fragment_of_params, fragment_of_round, shard_bounds, shard_count,
                                   shard_holders, steps_per_round)
-from hsgd.core.round import Answer, Outcome, Phase, RoundMachine, RoundSettings
+from hsgd.core.round import Answer, Outcome, OuterReduce, Phase, RoundMachine, RoundSettings
 from hsgd.core.topology import Topology
 
 GPT_NAMES = ["transformer.wte.weight", "transformer.wpe.weight",
@@ -109,9 +109,9 @@ def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_sh
     reduce = next(p for p in issued if p.kind == "outer_reduce")
     assert reduce.forms_group
     groups: dict[str, list] = {}
-    for rid, (prefix, rank, world, shard, shards) in reduce.calls.items():
-        assert shards == 2 and world == 3
-        groups.setdefault(prefix, []).append((rank, rid, shard))
+    for rid, call in reduce.calls.items():
+        assert call.shards == 2 and call.join.world_size == 3
+        groups.setdefault(call.join.prefix, []).append((call.join.rank, rid, call.shard))
     assert sorted(groups) == [f"epoch{m.epoch}/outer/s0", f"epoch{m.epoch}/outer/s1"]
     for prefix, members in groups.items():
         assert sorted(r for r, _, _ in members) == [0, 1, 2], "one holder per cluster, ranked in cluster order"
@@ -119,15 +119,15 @@ def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_sh
     assert "c0r2" not in reduce.calls and "c2r2" not in reduce.calls, "members beyond the smallest cluster hold none"
     commit = next(p for p in issued if p.kind == "outer_commit")
     assert set(commit.calls) == set(m.progress), "every live member applies the commit"
-    for rid, (roots,) in commit.calls.items():
-        c = int(rid[1])
+    for rid, call in commit.calls.items():
+        c, roots = int(rid[1]), call.roots
         members = m.clusters[c].members
         assert len(roots) == 2 and [members[i] for i in roots] == [g[c] for g in m.outer_configured[1]]
     # the next round reuses the standing groups: (shard, shards) only
     m2 = RoundMachine(m.topology, m.settings, 1, progress=dict(m.progress), leaders=m.leaders, epoch=m.epoch,
                       committed_round=1, configured=m.configured_groups(), outer_configured=m.outer_configured)
     reduce2 = next(p for p in _run_round(m2) if p.kind == "outer_reduce")
-    assert not reduce2.forms_group and set(reduce2.calls.values()) == {(0, 2), (1, 2)}
+    assert not reduce2.forms_group and set(reduce2.calls.values()) == {OuterReduce(None, 0, 2), OuterReduce(None, 1, 2)}
 
 
 def test_the_leader_path_is_one_shard_held_by_the_leaders():
@@ -135,10 +135,10 @@ def test_the_leader_path_is_one_shard_held_by_the_leaders():
     issued = _run_round(m)
     reduce = next(p for p in issued if p.kind == "outer_reduce")
     assert set(reduce.calls) == set(m.leaders.values())
-    assert {v[0] for v in reduce.calls.values()} == {f"epoch{m.epoch}/outer"}
-    assert all(v[3:] == (0, 1) for v in reduce.calls.values())
+    assert {v.join.prefix for v in reduce.calls.values()} == {f"epoch{m.epoch}/outer"}
+    assert all((v.shard, v.shards) == (0, 1) for v in reduce.calls.values())
     commit = next(p for p in issued if p.kind == "outer_commit")
-    assert all(len(roots) == 1 for (roots,) in commit.calls.values())
+    assert all(len(c.roots) == 1 for c in commit.calls.values())
 
 
 def test_a_failed_shard_reduce_rolls_the_whole_exchange_back_and_retries_it():

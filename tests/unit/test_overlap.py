@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 from tests.unit.gloo_world import run_ranks
-from tests.unit.test_outer_paths import _cfg
+from tests.fakes.configs import tiny_cfg as _cfg
 
 SIZES = (2, 2)
 H, DELAY = 4, 2  # steps per round (outer_every / fragments), inner steps behind the reduce

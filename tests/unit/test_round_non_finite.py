@@ -9,8 +9,8 @@ leaders' all-reduce fails (`collective_failed`). The supervisor's carried state 
 """
 from __future__ import annotations
 
-from hsgd.core.round import Outcome, RoundMachine
-from tests.unit.test_round import SPR, World, make_settings, outcome_of
+from hsgd.core.round import Heal, Outcome, RoundMachine
+from tests.fakes.round_world import SPR, World, make_settings, outcome_of
 
 NON_FINITE, CFAILED = Outcome.NON_FINITE, Outcome.COLLECTIVE_FAILED
 
@@ -85,7 +85,7 @@ def test_non_finite_inner_phase_voids_only_its_cluster_and_the_others_commit_wit
     w.issued.clear()
     m = w.round()
     assert outcome_of(w, m) == "committed"
-    assert w.calls("heal", 1)[0].action.calls == {"c1r0": ("c0r0", "global"), "c1r1": ("c0r0", "global")}
+    assert w.calls("heal", 1)[0].action.calls == {"c1r0": Heal("c0r0", "global"), "c1r1": Heal("c0r0", "global")}
     assert _outer_leaders(w)[-1] == ["c0r0", "c1r0", "c2r0"]
     assert all(rep.pos == (2, 2 * SPR) for rep in w.reps.values())
     assert not m.void and not w.benched

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hsgd.core.round import Up
-from tests.unit.test_round import World, make_settings
+from tests.fakes.round_world import World, make_settings
 
 
 @dataclass

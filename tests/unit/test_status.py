@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from jobs.status import collect_state, main
-from tests.unit.test_plots import T0, make_run
+from tests.fakes.runs import T0, make_run
 
 REPO = Path(__file__).resolve().parents[2]
 

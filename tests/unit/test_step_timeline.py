@@ -8,7 +8,7 @@ import time
 
 from hsgd.record.steps import StepLog
 from jobs.peers.common import Kill, read_steps, recovery
-from tests.unit.test_trainer import _solo, _trainer, dataset  # noqa: F401 — the module's fixture
+from tests.fakes.trainer import _solo, _trainer, dataset  # noqa: F401 — the module's fixture
 
 
 def test_each_committed_step_is_one_line_with_its_step_time_and_pid(dataset, tmp_path):  # noqa: F811

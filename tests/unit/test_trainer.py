@@ -10,31 +10,7 @@ from hsgd.core.topology import Topology
 from hsgd.train.comm import CollectiveError, LevelGroup
 from hsgd.train import task
 from hsgd.train.trainer import Behind, ReplicaTrainer, param_digest
-
-
-def _cfg(*overrides: str, **sync):
-    cfg = OmegaConf.structured(HsgdConfig)
-    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.block_size = 1, 16, 2, 16
-    cfg.data.batch_size, cfg.train.eval_batches = 2, 1
-    cfg.sync.outer_every = 3
-    for key, value in sync.items():
-        cfg.sync[key] = value
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return task.build_dataset(_cfg())
-
-
-def _solo(level):
-    group = LevelGroup(level)
-    group.configure(None, f"test/{level}", rank=0, world_size=1, epoch=0)
-    return group
-
-
-def _trainer(dataset, rid="c0r0", *overrides: str, **sync):
-    return ReplicaTrainer(_cfg(*overrides, **sync), rid, Topology(2, 2), dataset=dataset)
+from tests.fakes.trainer import _cfg, _solo, _trainer, dataset  # noqa: F401 — (dataset: the module's fixture)
 
 
 class PeerMeanGroup:

@@ -5,12 +5,15 @@ feeds back what it saw, as typed messages (messages.py).
 Read this table first; each file beside it carries out one part of it:
 
     messages.py  what goes in (Answer, Progress, Up, Lost, StateReady) and out (Phase, Kill,
-                 Reap, Yield, AbortJoin, StepTimed, PhaseEnded), each with its protocol
+                 Reap, Yield, AbortJoin, StepTimed, PhaseEnded), each with its protocol; the typed
+                 calls of a Phase (CallKind, RunInner, OuterReduce, Heal, ...) and a replica's PhaseAnswer
     calls.py     the one record of calls in flight
+    stages.py    a cluster's stage and the outer exchange's (ClusterStage, OuterStage)
     machine.py   the machine's state, and how each observation is taken in
     cluster.py   a cluster's phase: heal, inner, ready; re-form; a replica joining mid-round
     outer.py     the outer exchange (reduce, commit, retry), non-finite clusters, a round's end
     liveness.py  hung vs slow, kill, reap, releasing a rendezvous
+    blame.py     whose failure a call with no answer of its own is (the runner's rules)
     schedule.py  between rounds: the next round, checkpoints due, who evaluates and writes the
                  model, rounds owed to the record, the final heal
     settings.py  a round's settings: every deadline, scaled to the bytes and the learned step times
@@ -36,7 +39,7 @@ One round r, as the machine drives it:
                  and commit only if every holder succeeded; then every member gathers the shards
                  from their holders and applies the same step.
     overlap      sync.fragment_delay = tau: when the standing outer groups are the round's plan,
-                 each holder's run_inner names its group (`run_inner_overlap`); it takes the
+                 each holder's run_inner names its group (`RunInner.overlap`); it takes the
                  round's pseudo-gradient tau steps before the end and reduces its shard in the
                  background meanwhile, so the reduce above only waits for it (hsgd/train/overlap.py).
                  The two-phase commit is the same; only where the reduce's time goes changes.
@@ -106,15 +109,20 @@ The one exception is overlap, asked for by sync.fragment_delay: a holder's run_i
 outer reduce, on the outer level, in the background: at most one collective per level then, never
 two on one group (hsgd/train/comm.py enforces both), and no inner step waits on the outer level.
 """
+from hsgd.core.round.blame import raised, restarted_unseen, restarts, unanswered_heal
 from hsgd.core.round.machine import RoundMachine, RoundSettings
-from hsgd.core.round.messages import (AbortJoin, Answer, Effect, ErrorKind, Kill, Lost, NonFinite, Observation,
-                                      Outcome, Phase, PhaseEnded, Progress, Reap, StateReady, StepTimed, Up, Yield, forms_group,
-                                      run_inner_overlap)
+from hsgd.core.round.messages import (AbortJoin, Answer, Call, CallKind, ClusterAverage, Effect, ErrorKind, Heal, Join,
+                                      Kill, Lost, NonFinite, Observation, Outcome, OuterCommit, OuterReduce, Overlap,
+                                      Phase, PhaseAnswer, PhaseEnded, Progress, Reap, RunInner, StateReady, StepTimed,
+                                      Up, Yield)
 from hsgd.core.round.schedule import (checkpoint_due, current_round, eval_due, evaluation_order, heals_at_rest,
                                       model_writers, unrecorded_rounds)
 from hsgd.core.round.settings import round_settings
+from hsgd.core.round.stages import ClusterStage, OuterStage
 
-__all__ = ["AbortJoin", "Answer", "Effect", "ErrorKind", "Kill", "Lost", "NonFinite", "Observation", "Outcome",
-           "Phase", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings", "StateReady", "StepTimed", "Up", "Yield",
-           "checkpoint_due", "current_round", "eval_due", "evaluation_order", "forms_group", "heals_at_rest",
-           "model_writers", "round_settings", "run_inner_overlap", "unrecorded_rounds"]
+__all__ = ["AbortJoin", "Answer", "Call", "CallKind", "ClusterAverage", "ClusterStage", "Effect", "ErrorKind", "Heal",
+           "Join", "Kill", "Lost", "NonFinite", "Observation", "Outcome", "OuterCommit", "OuterReduce", "OuterStage",
+           "Overlap", "Phase", "PhaseAnswer", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings",
+           "RunInner", "StateReady", "StepTimed", "Up", "Yield", "checkpoint_due", "current_round", "eval_due",
+           "evaluation_order", "heals_at_rest", "model_writers", "raised", "restarted_unseen", "restarts",
+           "round_settings", "unanswered_heal", "unrecorded_rounds"]

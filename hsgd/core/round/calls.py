@@ -8,7 +8,7 @@ in at most one collective at a time.
 """
 from __future__ import annotations
 
-from hsgd.core.round.messages import Phase
+from hsgd.core.round.messages import CallKind, Phase
 
 
 class InFlight:
@@ -37,9 +37,9 @@ class InFlight:
     def group_of(self, rid: str, cluster_of) -> object:
         """The group of rid within this phase: one cluster's broadcast in a commit, its own
         transfer in a heal, else the phase's single group."""
-        if self.phase.kind == "outer_commit":
+        if self.phase.kind is CallKind.OUTER_COMMIT:
             return cluster_of(rid)
-        if self.phase.kind == "heal":
+        if self.phase.kind is CallKind.HEAL:
             return rid
         return None
 
@@ -80,7 +80,7 @@ class CallBook:
             del self.busy[rid]
             flight.pending.discard(rid)
             flight.answers[rid] = why
-            if flight.phase.kind == "outer_commit":
+            if flight.phase.kind is CallKind.OUTER_COMMIT:
                 flight.not_applied.add(rid)
 
     def close(self, flight: InFlight) -> bool:

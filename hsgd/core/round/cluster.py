@@ -19,8 +19,10 @@ for or disturbs another.
 from __future__ import annotations
 
 from hsgd.core.heal import assign_cluster_heals
+from hsgd.core.membership import leader_of
 from hsgd.core.round.calls import InFlight
-from hsgd.core.round.messages import Effect, Yield
+from hsgd.core.round.messages import CallKind, ClusterAverage, Effect, Heal, Join, Overlap, RunInner, Yield
+from hsgd.core.round.stages import ClusterStage, OuterStage
 
 
 class ClusterPhases:
@@ -34,8 +36,8 @@ class ClusterPhases:
         members = self.members(c) if members is None else members
         if not members or len(members) < self.settings.min_replicas_per_cluster:
             st.members = members
-            self._set_stage(c, "out")
-            if self.outer_stage == "wait" and len(self.participating()) < self.settings.min_clusters:
+            st.stage = ClusterStage.OUT
+            if self.outer_stage is OuterStage.WAIT and len(self.participating()) < self.settings.min_clusters:
                 return self._lost_quorum()
             return self._maybe_outer(now)
         if reason != "round start" and counts:
@@ -44,8 +46,7 @@ class ClusterPhases:
                 return self._finish("failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; "
                                               f"giving up ({reason})")
         st.members = members
-        if self.leaders.get(c) not in members:
-            self.leaders[c] = members[0]
+        self.leaders[c] = leader_of(members, self.leaders.get(c))
         where = {rid: self.progress[rid] for rid in members}
         if any(p[0] == self.round for p in where.values()):
             donors = {}  # a member holds the round: heals stay inside c
@@ -54,9 +55,8 @@ class ClusterPhases:
             donors = {source: self.progress[source]} if source is not None else {}
         heals = assign_cluster_heals(where, donors)
         if heals:
-            self._set_stage(c, "heal")
-            phase = self._issue("heal", c, {h.target: (h.source, h.scope) for h in heals}, self.settings.heal_s, now,
-                                reason)
+            st.stage = ClusterStage.HEAL
+            phase = self._issue(c, {h.target: Heal(h.source, h.scope) for h in heals}, self.settings.heal_s, now, reason)
             st.phase_id = phase.id
             return [phase]
         return self._run_inner(c, now, reason)
@@ -66,25 +66,23 @@ class ClusterPhases:
         start, else in a group the same call forms under a fresh epoch (no separate configure
         round trip). The group counts as standing from now: a failure drops it."""
         st = self.clusters[c]
-        self._set_stage(c, "inner")
+        st.stage = ClusterStage.INNER
         for rid in st.members:  # marks of an earlier inner run this round are stale
             self.advance.pop(rid, None)
         overlap = self._overlap_plan()
         if reason == "round start" and st.configured is not None and st.configured[1] == st.members:
-            calls = {rid: (overlap[rid],) if rid in overlap else () for rid in st.members}
-            phase = self._issue("run_inner", c, calls, 0.0, now, reason)
+            phase = self._issue(c, {rid: RunInner(None, overlap.get(rid)) for rid in st.members}, 0.0, now, reason)
         else:
             self.epoch += 1
             prefix, n = f"epoch{self.epoch}/inner/c{c}", len(st.members)
-            calls = {rid: (prefix, rank, n) + ((overlap[rid],) if rid in overlap else ())
-                     for rank, rid in enumerate(st.members)}
+            calls = {rid: RunInner(Join(prefix, rank, n), overlap.get(rid)) for rank, rid in enumerate(st.members)}
             st.configured = (self.epoch, st.members)
-            phase = self._issue("run_inner", c, calls, self.settings.configure_s, now, reason)
+            phase = self._issue(c, calls, self.settings.configure_s, now, reason)
         st.phase_id = phase.id
         return [phase]
 
-    def _overlap_plan(self) -> dict[str, tuple[int, int, int]]:
-        """sync.fragment_delay: holder -> (epoch, shard, shards) of the standing outer group it
+    def _overlap_plan(self) -> dict[str, Overlap]:
+        """sync.fragment_delay: holder -> the Overlap (epoch, shard, shards) of the standing outer group it
         reduces its shard in, behind the round's last inner steps (hsgd/train/overlap.py). Only
         while the standing groups are this round's plan; when the holders change, the outer
         exchange forms new groups after the inner phase instead (the reduce is not hidden then)."""
@@ -93,13 +91,13 @@ class ClusterPhases:
         epoch, groups = self.outer_configured
         if groups != self._expected_shard_groups():
             return {}
-        return {rid: (epoch, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
+        return {rid: Overlap(epoch, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
         """Every member of a phase answered (or was given up on): what the cluster does next."""
         phase = flight.phase
         ok = flight.failed_at is None
-        if phase.kind in ("outer_reduce", "outer_commit"):
+        if phase.cluster is None:  # outer_reduce, outer_commit
             return self._outer_finished(flight, ok, now)
         c = phase.cluster
         st = self.clusters[c]
@@ -111,25 +109,25 @@ class ClusterPhases:
             if not ok or lost:
                 st.configured = None  # a member also failed or was lost: the group is unusable
             return self._void_cluster(c, now)
-        if self.joining.get(c) and self.outer_stage == "wait":
+        if self.joining.get(c) and self.outer_stage is OuterStage.WAIT:
             if not ok or lost:
                 st.configured = None
             return self._admit_joiners(c, now)
         if not ok or lost:
             st.configured = None  # a failed collective (or join) leaves the group unusable
             return self._reform(c, now, f"{phase.kind} failed")
-        if phase.kind == "heal":
+        if phase.kind is CallKind.HEAL:
             return self._run_inner(c, now, phase.reason)
-        if phase.kind == "run_inner":
+        if phase.kind is CallKind.RUN_INNER:
             end = (self.round, (self.round + 1) * self.settings.steps_per_round)
             if any(self.progress[rid] != end for rid in st.members):
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
-                self._set_stage(c, "average")
-                average = self._issue("cluster_average", c, dict.fromkeys(st.members, ()), self.settings.commit_s, now)
+                st.stage = ClusterStage.AVERAGE
+                average = self._issue(c, dict.fromkeys(st.members, ClusterAverage()), self.settings.commit_s, now)
                 st.phase_id = average.id
                 return [average]
-        self._set_stage(c, "ready")  # run_inner done, or cluster_average done
+        st.stage = ClusterStage.READY  # run_inner done, or cluster_average done
         return self._maybe_outer(now)
 
     # -- a replica that comes back mid-round ----------------------------------------------------------------
@@ -137,13 +135,13 @@ class ClusterPhases:
         """rid (re)started and answers, idle at `at` (rejoin `fast`)."""
         c = self.cluster_of(rid)
         st = self.clusters[c]
-        if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage == "out" \
-                or self.outer_stage != "wait":
+        if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage is ClusterStage.OUT \
+                or self.outer_stage is not OuterStage.WAIT:
             return []  # joins at the next round's start
         self.joining.setdefault(c, {})[rid] = at
-        if st.stage == "ready":
+        if st.stage is ClusterStage.READY:
             return self._admit_joiners(c, now)
-        if st.stage != "inner":
+        if st.stage is not ClusterStage.INNER:
             return []  # a heal or the average in flight: taken in when it ends
         flight = self.calls.inflight.get(st.phase_id) if st.phase_id is not None else None
         if c in self.yielding or flight is None or flight.failed_at is not None:

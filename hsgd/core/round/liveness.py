@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from hsgd.core.round.calls import InFlight
-from hsgd.core.round.messages import AbortJoin, Effect, Kill, Progress, Reap, StepTimed
+from hsgd.core.round.messages import AbortJoin, CallKind, Effect, Kill, Progress, Reap, StepTimed
 
 
 class Liveness:
@@ -43,13 +43,13 @@ class Liveness:
         effects: list[Effect] = []
         window = max(self.settings.step_deadline_s, self.settings.group_grace_s)
         for flight in list(self.calls.inflight.values()):
-            if flight.phase.kind == "run_inner" and not flight.failed_groups and not flight.peer_gone \
+            if flight.phase.kind is CallKind.RUN_INNER and not flight.failed_groups and not flight.peer_gone \
                     and now <= flight.started + window:
                 continue  # every member's limit is at least started + window (see _limit): nobody is due
             for rid in sorted(flight.pending):
                 if rid not in flight.pending or now <= self._limit(flight, rid):
                     continue
-                source = flight.phase.calls[rid][0] if flight.phase.kind == "heal" else None
+                source = getattr(flight.phase.calls[rid], "source", None)  # a heal's
                 if source is not None and source not in flight.delivered:
                     # a target waits for its source's state: the silent one is the source; once it
                     # is killed, the target's call fails by itself (its argument is lost)
@@ -65,7 +65,7 @@ class Liveness:
     def _limit(self, flight: InFlight, rid: str) -> float:
         """When rid's silence in `flight` makes it hung."""
         s, phase = self.settings, flight.phase
-        if phase.kind == "run_inner":
+        if phase.kind is CallKind.RUN_INNER:
             seen = self.advance.get(rid)
             if seen is not None and self._stepped(rid):
                 last = max(flight.started, seen[1])
@@ -103,7 +103,7 @@ class Liveness:
 
     def _last_sign(self, flight: InFlight, rid: str) -> float:
         seen = self.advance.get(rid)
-        return max(flight.started, seen[1]) if seen and flight.phase.kind == "run_inner" else flight.started
+        return max(flight.started, seen[1]) if seen and flight.phase.kind is CallKind.RUN_INNER else flight.started
 
     def _kill(self, rid: str, flight: InFlight, now: float) -> list[Effect]:
         """rid is past its limit: reaped when its peers saw its connection close (it is gone, not
@@ -130,7 +130,7 @@ class Liveness:
         self._mark_dead(source, "hung")
         if flight.failed_at is None:
             flight.failed_at = now
-        return Kill(source, flight.phase.cluster, "heal", silent_s, flight.phase.deadline_s,
+        return Kill(source, flight.phase.cluster, CallKind.HEAL, silent_s, flight.phase.deadline_s,
                     f"heal source silent for {silent_s:.1f}s (limit {flight.phase.deadline_s:.1f}s)")
 
     def _release_rendezvous(self, flight: InFlight, dead: str) -> list[Effect]:
@@ -140,6 +140,6 @@ class Liveness:
         if not phase.forms_group or flight.aborted or not flight.pending:
             return []
         flight.aborted = True
-        prefix = phase.calls[dead][0] if dead in phase.calls else phase.prefix  # sharded: the dead holder's group
+        prefix = phase.calls[dead].join.prefix if dead in phase.calls else phase.prefix  # sharded: the dead holder's group
         return [AbortJoin(phase.cluster, phase.epoch, prefix, (dead,),
                           f"{dead} is gone ({self.dead.get(dead, 'lost')}): group {prefix} cannot form")]

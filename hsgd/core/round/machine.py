@@ -21,14 +21,11 @@ from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
-from hsgd.core.round.messages import (Answer, Effect, ErrorKind, Lost, NonFinite, Observation, Outcome, Phase,
-                                      PhaseEnded, Progress, StateReady, Up)
+from hsgd.core.round.messages import (Answer, Call, CallKind, Effect, ErrorKind, Lost, NonFinite, Observation, Outcome,
+                                      Phase, PhaseEnded, Progress, StateReady, Up)
 from hsgd.core.round.outer import OuterExchange
+from hsgd.core.round.stages import ClusterStage, OuterStage
 from hsgd.core.topology import Topology
-
-# the calls whose non-finite answer voids the cluster's round (the numbers that would reach the outer exchange)
-VOIDING = ("run_inner", "cluster_average", "outer_reduce")
-
 
 @dataclass
 class RoundSettings:
@@ -58,7 +55,7 @@ class RoundSettings:
 
 @dataclass
 class ClusterState:
-    stage: str = "new"  # new | heal | inner | average | ready | reform | out
+    stage: ClusterStage = ClusterStage.NEW
     members: tuple[str, ...] = ()
     configured: tuple[int, tuple[str, ...]] | None = None  # (epoch, members) of its standing inner group
     phase_id: int | None = None  # the phase it waits on
@@ -86,13 +83,11 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.cluster_index = {rid: c for c, ids in enumerate(self.ids) for rid in ids}
         groups = configured or {}
         self.clusters = {c: ClusterState(configured=groups.get(c)) for c in range(topology.clusters)}
-        self.out: set[int] = set()  # clusters sitting the round out
-        self.not_ready: set[int] = set(range(topology.clusters))  # participating clusters not ready for the outer exchange
         # (epoch, shard holders): shard j -> its holder per cluster in outer-rank order, of the
         # standing outer groups (one shard, the leaders, on the `leader` path)
         self.outer_configured = outer_configured
         self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
-        self.outer_stage = "wait"  # wait | reduce | commit | done
+        self.outer_stage = OuterStage.WAIT
         self.outer_phase: int | None = None
         self.outer_attempts = 0
         self.calls = CallBook()
@@ -130,8 +125,18 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         """The cluster's live members."""
         return tuple(rid for rid in self.ids[cluster] if rid in self.progress)
 
+    @property
+    def out(self) -> set[int]:
+        """The clusters sitting the round out."""
+        return {c for c, st in self.clusters.items() if st.stage is ClusterStage.OUT}
+
+    @property
+    def not_ready(self) -> bool:
+        """A participating cluster is not ready for the outer exchange yet."""
+        return not all(st.stage.waits_for_outer for st in self.clusters.values())
+
     def participating(self) -> list[int]:
-        return [c for c in range(self.topology.clusters) if c not in self.out]
+        return [c for c, st in self.clusters.items() if st.stage is not ClusterStage.OUT]
 
     def plan(self) -> Plan:
         """The membership view for fault targeting and status (leaders of participating clusters)."""
@@ -149,6 +154,28 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
 
     def cluster_of(self, rid: str) -> int:
         return self.cluster_index[rid]
+
+    @property
+    def view_phase(self) -> str:
+        """The round's phase as status.json shows it: the outer exchange's step once it runs,
+        else `inner` while any cluster runs inner, else the first participating cluster's stage."""
+        if self.outer_stage in (OuterStage.REDUCE, OuterStage.COMMIT):
+            return "outer" if self.outer_stage is OuterStage.REDUCE else "outer_commit"
+        stages = {self.clusters[c].stage for c in self.participating()}
+        return "inner" if ClusterStage.INNER in stages else str(min(stages)) if stages else "idle"
+
+    def probes(self, *, idle: bool, gone) -> list[tuple[str, str]]:
+        """What the runner asks whom on the control channel: the step of those in run_inner
+        (`progress`); whether replicas that are down (and not `gone`) are back (`up`, rejoin `fast`:
+        a call to a restarting actor waits until it is up); and, when `idle`, whether live replicas
+        with no call in flight still run (`idle`)."""
+        want = [("progress", rid) for f in self.inflight.values() if f.phase.kind is CallKind.RUN_INNER
+                for rid in f.pending]
+        if self.settings.rejoin == "fast":
+            want += [("up", rid) for ids in self.ids for rid in ids if rid not in self.progress and rid not in gone]
+        if idle:
+            want += [("idle", rid) for rid in self.progress if rid not in self.busy]
+        return want
 
     # -- the round's start ----------------------------------------------------------------------------
     def start(self, now: float) -> list[Effect]:
@@ -168,11 +195,11 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         effects: list[Effect] = []
         for c in range(self.topology.clusters):
             if c in self.benched:
-                self._set_stage(c, "out")  # non-finite in two rounds running: it sits out until the run's end
+                self.clusters[c].stage = ClusterStage.OUT  # non-finite in two rounds running: it sits out until the run's end
                 continue
             members = self.members(c)
             if len(members) < smallest:
-                self._set_stage(c, "out")
+                self.clusters[c].stage = ClusterStage.OUT
                 self.clusters[c].members = members
                 continue
             effects += self._reform(c, now, "round start", members=members)
@@ -228,14 +255,14 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
 
     def _note_failure(self, flight: InFlight, answer: Answer, now: float) -> list[Effect]:
         outcome, rid, kind = Outcome(answer.outcome), answer.rid, flight.phase.kind
-        if outcome == Outcome.NON_FINITE and kind in VOIDING:
+        if outcome == Outcome.NON_FINITE and kind.voids:
             # the replica and its group are fine (nobody is killed, nothing re-forms): its cluster's
             # round is void, decided once the phase ends (every member answered)
             c = self.cluster_of(rid)
             seen = self.void.get(c)
             self.void[c] = NonFinite(kind, (seen.rids if seen else ()) + (rid,), seen.detail if seen else answer.detail)
             return []
-        if kind == "outer_commit":  # rid did not apply the commit: its cluster's group broke during the broadcast
+        if kind is CallKind.OUTER_COMMIT:  # rid did not apply the commit: its cluster's group broke during the broadcast
             flight.not_applied.add(rid)
             self.clusters[self.cluster_of(rid)].configured = None
         effects: list[Effect] = []
@@ -276,7 +303,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self._mark_dead(rid, cause)
         c = self.cluster_of(rid)
         st = self.clusters[c]
-        if st.stage == "ready" and self.outer_stage == "wait":
+        if st.stage is ClusterStage.READY and self.outer_stage is OuterStage.WAIT:
             st.configured = None  # its inner group lost a member: the commit broadcast needs a new one
             return self._reform(c, now, f"{rid} lost")
         return []  # in the outer exchange: the outer phase in flight fails, or the commit skips it
@@ -296,19 +323,14 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             self.outer_configured = None
 
     # -- bookkeeping shared by the decision files -------------------------------------------------------
-    def _set_stage(self, c: int, stage: str) -> None:
-        """The one way a cluster's stage changes (it keeps `out` and `not_ready` in step)."""
-        self.clusters[c].stage = stage
-        (self.out.add if stage == "out" else self.out.discard)(c)
-        (self.not_ready.discard if stage in ("ready", "out") else self.not_ready.add)(c)
-
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
 
-    def _issue(self, kind: str, cluster: int | None, calls: dict[str, tuple], deadline_s: float, now: float,
+    def _issue(self, cluster: int | None, calls: dict[str, Call], deadline_s: float, now: float,
                reason: str = "") -> Phase:
         """A phase the machine waits on: every replica in `calls` answers it (or is given up on)."""
+        kind = next(iter(calls.values())).kind
         phase = Phase(self._new_id(), kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
         self.calls.issue(phase, now)
         return phase

@@ -32,7 +32,7 @@ Observations (into the machine):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import ClassVar, NamedTuple
 
 
@@ -48,8 +48,9 @@ class Outcome(str, Enum):
     NON_FINITE = "non_finite"  # a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void
 
 
-class ErrorKind(str, Enum):
-    """How a collective failed (hsgd.train.comm.CollectiveError.kind; the same strings)."""
+class ErrorKind(StrEnum):
+    """How a collective failed: hsgd.train.comm.CollectiveError.kind, the `error_kind` of an answer
+    and of a `collective_failed` event. The one definition of the kinds."""
     NONE = ""  # no collective error (or the runner could not tell)
     CONFIGURE = "configure"  # the group could not be built or joined in time
     ISSUE = "issue"  # the collective could not be started
@@ -71,6 +72,42 @@ class Answer(NamedTuple):
     step: int = -1
     error_kind: ErrorKind = ErrorKind.NONE
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class PhaseAnswer:
+    """What a replica answers to a call (every phase method of actors/replica.py, and a heal
+    source's meta): its outcome, its committed (round, step) after the call, why it failed
+    (`error`, and `error_kind` for a collective; `what` names the non-finite number: loss |
+    grad_norm | pseudo_gradient), and `result`: the call's own numbers (a run_inner's `report`,
+    `join_s`, `bytes`, digests, ...). Crosses Ray as `wire()`, a flat dict (the result's numbers
+    beside the fields), and is read back with `read` (a field missing from an answer, e.g. from
+    another build of the replica, reads as its default)."""
+    rid: str
+    outcome: Outcome = Outcome.DONE
+    round: int = -1
+    step: int = -1
+    error: str = ""
+    error_kind: ErrorKind = ErrorKind.NONE
+    what: str = ""
+    result: dict = field(default_factory=dict)
+
+    def wire(self) -> dict:
+        return {**self.result, "rid": self.rid, "outcome": self.outcome.value, "round": self.round, "step": self.step,
+                "error": self.error, "error_kind": self.error_kind.value, "what": self.what}
+
+    @classmethod
+    def read(cls, wire: dict) -> PhaseAnswer:
+        result = {k: v for k, v in wire.items() if k not in _ANSWER_FIELDS}
+        try:
+            kind = ErrorKind(wire.get("error_kind") or "")
+        except ValueError:  # a kind this supervisor does not know (a newer replica): no kind
+            kind = ErrorKind.NONE
+        return cls(wire["rid"], Outcome(wire["outcome"]), int(wire.get("round", -1)), int(wire.get("step", -1)),
+                   wire.get("error") or "", kind, wire.get("what") or "", result)
+
+
+_ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "what")
 
 
 class Progress(NamedTuple):
@@ -104,45 +141,118 @@ class StateReady(NamedTuple):
 Observation = Answer | Progress | Up | Lost | StateReady
 
 
+# -- calls ---------------------------------------------------------------------------------------------
+class CallKind(StrEnum):
+    """A phase's call, and what the run's record and the fault schedule call it: `record` (the
+    `phase` of events.jsonl, the injector's phase name of the call itself), `seconds_key` (its
+    time in metrics.jsonl's `seconds`), `fault_phases` (the scheduled fault phases it fires)."""
+    record: str
+    seconds_key: str
+    fault_phases: tuple[str, ...]
+
+    def __new__(cls, value: str, record: str, seconds_key: str, fault_phases: tuple[str, ...]):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.record, member.seconds_key, member.fault_phases = record, seconds_key, fault_phases
+        return member
+
+    HEAL = "heal", "heal", "heal_configure", ("heal",)
+    RUN_INNER = "run_inner", "inner", "inner", ("inner", "inner_sync")
+    CLUSTER_AVERAGE = "cluster_average", "inner_sync", "inner_sync", ("inner_sync",)
+    OUTER_REDUCE = "outer_reduce", "outer", "outer", ("outer",)
+    OUTER_COMMIT = "outer_commit", "outer_commit", "outer_commit", ("outer_commit",)
+
+    @property
+    def voids(self) -> bool:
+        """A non-finite answer to it voids the cluster's round (its numbers would reach the outer exchange)."""
+        return self in (CallKind.RUN_INNER, CallKind.CLUSTER_AVERAGE, CallKind.OUTER_REDUCE)
+
+
+@dataclass(frozen=True)
+class Join:
+    """Form the level's group `prefix` (under the phase's epoch) as `rank` of `world_size` first."""
+    prefix: str
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Reduce shard `shard` of `shards` in the standing outer group of `epoch` behind the round's
+    last inner steps (sync.fragment_delay; hsgd/train/overlap.py)."""
+    epoch: int
+    shard: int
+    shards: int
+
+
+@dataclass(frozen=True)
+class RunInner:
+    """Run the round's remaining inner steps in the cluster's inner group: the standing one, or the
+    one `join` forms first (the rendezvous waits for every member; the machine aborts it when one
+    is known dead). A shard holder's call carries an `overlap` under sync.fragment_delay."""
+    kind: ClassVar[CallKind] = CallKind.RUN_INNER
+    join: Join | None = None
+    overlap: Overlap | None = None
+
+
+@dataclass(frozen=True)
+class ClusterAverage:
+    kind: ClassVar[CallKind] = CallKind.CLUSTER_AVERAGE
+
+
+@dataclass(frozen=True)
+class OuterReduce:
+    """Reduce shard `shard` of `shards` in the group of that shard's holders (the leaders: shard 0
+    of 1; one group per shard index), the standing one or the one `join` forms first."""
+    kind: ClassVar[CallKind] = CallKind.OUTER_REDUCE
+    join: Join | None = None
+    shard: int = 0
+    shards: int = 1
+
+
+@dataclass(frozen=True)
+class Heal:
+    kind: ClassVar[CallKind] = CallKind.HEAL
+    source: str
+    scope: str  # full | global (hsgd/core/heal.py)
+
+
+@dataclass(frozen=True)
+class OuterCommit:
+    kind: ClassVar[CallKind] = CallKind.OUTER_COMMIT
+    roots: tuple[int, ...]  # roots[j]: the inner rank of shard j's holder
+
+
+Call = RunInner | ClusterAverage | OuterReduce | Heal | OuterCommit
+
+
 # -- effects -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phase:
-    """Calls the machine waits on. `kind`:
-      heal            calls = {target: (source, scope)}: target loads source's state
-      run_inner       calls = {rid: ()}: run the round's remaining inner steps in the cluster's
-                      standing inner group; or {rid: (prefix, rank, world_size)}: first form the
-                      group `prefix` under `epoch` (the rendezvous waits for every member; the
-                      machine aborts it when one is known dead), then run (`forms_group`). A shard
-                      holder's args end with `overlap` = (outer epoch, shard, shards) under
-                      sync.fragment_delay: it reduces that shard in the standing outer group behind
-                      the round's last inner steps (`run_inner_overlap`)
-      cluster_average calls = {rid: ()}: inner `none`, the cluster's mean
-      outer_reduce    calls = {holder: (shard, shards)}: reduce shard `shard` of `shards` in the
-                      standing group of that shard's holders (the leaders: shard 0 of 1), or
-                      {holder: (prefix, rank, world_size, shard, shards)}: first form that group
-                      under `epoch`, then reduce (as run_inner); one group per shard index
-      outer_commit    calls = {rid: (roots,)}: roots[j] = the inner rank of shard j's holder
+    """Calls the machine waits on, one typed call per replica, all of one `kind`: Heal (the target
+    loads its source's state), RunInner, ClusterAverage (inner `none`: the cluster's mean),
+    OuterReduce, OuterCommit; a group a call joins is formed under `epoch`.
     `deadline_s`: the limit of a call whose work is fixed; inner phases use progress instead (a
     run_inner that forms its group: the seconds its members may take to join before their first step)."""
     id: int
-    kind: str
+    kind: CallKind
     round: int
     cluster: int | None  # None: the outer level
     epoch: int
-    calls: dict[str, tuple] = field(compare=False)
+    calls: dict[str, Call] = field(compare=False)
     deadline_s: float = 0.0
     reason: str = ""
 
     @property
     def forms_group(self) -> bool:
         """A run_inner or outer_reduce whose members first form their level's group."""
-        first = next(iter(self.calls.values()), ())
-        return self.kind in ("run_inner", "outer_reduce") and bool(first) and isinstance(first[0], str)
+        return self.prefix is not None
 
     @property
     def prefix(self) -> str | None:
         """The group a forming call joins (None: it uses the standing one)."""
-        return next(iter(self.calls.values()))[0] if self.forms_group else None
+        join = getattr(next(iter(self.calls.values()), None), "join", None)
+        return join.prefix if join is not None else None
 
 
 @dataclass(frozen=True)
@@ -150,7 +260,7 @@ class Kill:
     kind: ClassVar[str] = "kill"
     rid: str
     cluster: int | None
-    phase: str  # the kind of the call it was silent in
+    phase: CallKind  # the kind of the call it was silent in
     silent_s: float
     limit_s: float
     reason: str
@@ -161,7 +271,7 @@ class Reap:
     kind: ClassVar[str] = "reap"
     rid: str
     cluster: int | None
-    phase: str
+    phase: CallKind
     silent_s: float
     reason: str
 
@@ -206,17 +316,8 @@ class PhaseEnded:
 Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed | PhaseEnded
 
 
-def run_inner_overlap(args: tuple) -> tuple[int, int, int] | None:
-    """A run_inner call's `overlap` (its args' last element when it is a tuple), or None."""
-    return args[-1] if args and isinstance(args[-1], tuple) else None
-
-
-def forms_group(phase: Phase) -> bool:
-    return isinstance(phase, Phase) and phase.forms_group
-
-
 class NonFinite(NamedTuple):
     """Why a cluster's round is void: its members' non-finite answers to one call."""
-    phase: str  # the call's kind: run_inner | cluster_average | outer_reduce
+    phase: CallKind  # run_inner | cluster_average | outer_reduce
     rids: tuple[str, ...]  # the members that answered `non_finite`, in answer order
     detail: str  # the first one's error

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from hsgd.core.membership import quorum_problem
+from hsgd.core.membership import leader_of, quorum_problem
 from hsgd.core.outer_plan import shard_count, shard_holders
 from hsgd.core.round.calls import InFlight
-from hsgd.core.round.messages import Effect
+from hsgd.core.round.messages import CallKind, Effect, Join, OuterCommit, OuterReduce
+from hsgd.core.round.stages import ClusterStage, OuterStage
 
 
 class OuterExchange:
     """The outer exchange and a round's end, mixed into RoundMachine (machine.py), whose state they read and write."""
 
     def _maybe_outer(self, now: float) -> list[Effect]:
-        if self.done or self.outer_stage != "wait":
+        if self.done or self.outer_stage is not OuterStage.WAIT:
             return []
         if len(self.participating()) < self.settings.min_clusters:
             return self._lost_quorum()
@@ -40,17 +41,17 @@ class OuterExchange:
             return []
         groups = self._shard_groups()
         self.exchange = (self.participating(), groups)
-        self.outer_stage = "reduce"
+        self.outer_stage = OuterStage.REDUCE
         if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups):
             # the holders changed: the reduce first forms their groups under a fresh epoch
             self.epoch += 1
-            calls = {rid: (self._outer_prefix(j, len(groups)), rank, len(holders), j, len(groups))
+            calls = {rid: OuterReduce(Join(self._outer_prefix(j, len(groups)), rank, len(holders)), j, len(groups))
                      for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
             deadline_s = self.settings.configure_s + self.settings.outer_s
         else:
-            calls = {rid: (j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
+            calls = {rid: OuterReduce(None, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
             deadline_s = self.settings.outer_s
-        phase = self._issue("outer_reduce", None, calls, deadline_s, now)
+        phase = self._issue(None, calls, deadline_s, now)
         self.outer_phase = phase.id
         return [phase]
 
@@ -68,7 +69,7 @@ class OuterExchange:
         smallest = max(1, self.settings.min_replicas_per_cluster)
         clusters = [c for c in self.participating() if len(self.members(c)) >= smallest]
         members = [self.members(c) for c in clusters]
-        leaders = [self.leaders[c] if self.leaders.get(c) in m else m[0] for c, m in zip(clusters, members)]
+        leaders = [leader_of(m, self.leaders.get(c)) for c, m in zip(clusters, members)]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
 
     def _outer_prefix(self, shard: int, shards: int) -> str:
@@ -77,26 +78,26 @@ class OuterExchange:
     def _outer_commit(self, now: float) -> list[Effect]:
         """Every live member of a participating cluster whose shard holders are all live applies
         the commit, receiving shard j from its holder's inner rank."""
-        self.outer_stage = "commit"
-        calls: dict[str, tuple[tuple[int, ...]]] = {}
+        self.outer_stage = OuterStage.COMMIT
+        calls: dict[str, OuterCommit] = {}
         clusters, groups = self.exchange
         for position, c in enumerate(clusters):
             holders = [g[position] for g in groups]
             if any(h not in self.progress for h in holders):
                 continue  # a holder was lost after the reduce: the cluster heals next round
             members = self.clusters[c].members
-            roots = tuple(members.index(h) for h in holders)
-            calls.update((rid, (roots,)) for rid in members if rid in self.progress)
+            commit = OuterCommit(tuple(members.index(h) for h in holders))
+            calls.update((rid, commit) for rid in members if rid in self.progress)
         if not calls:
             return self._outer_retry(now, "no cluster can apply the commit")
-        phase = self._issue("outer_commit", None, calls, self.settings.commit_s, now, "commit decided")
+        phase = self._issue(None, calls, self.settings.commit_s, now, "commit decided")
         self.outer_phase = phase.id
         return [phase]
 
     def _outer_finished(self, flight: InFlight, ok: bool, now: float) -> list[Effect]:
         phase = flight.phase
-        if phase.kind == "outer_reduce":
-            voided = [c for c in self.void if self.clusters[c].stage != "out"]
+        if phase.kind is CallKind.OUTER_REDUCE:
+            voided = [c for c in self.void if self.clusters[c].stage is not ClusterStage.OUT]
             if voided:  # a leader's pseudo-gradient was non-finite: it was never sent; retry without its cluster
                 self.outer_configured = None
                 for c in voided:
@@ -114,7 +115,7 @@ class OuterExchange:
         # outer_commit: who applied it is known once every member answered (or was given up on)
         self.committed_by.update(phase.calls.keys() - flight.not_applied)
         if self.committed_by:
-            self.outer_stage = "done"
+            self.outer_stage = OuterStage.DONE
             return self._finish("committed")
         self.outer_configured = None
         return self._outer_retry(now, "no replica applied the commit", phase.calls)
@@ -127,13 +128,13 @@ class OuterExchange:
         if self.outer_attempts > self.settings.max_reforms:
             return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
                                           f"giving up ({reason})")
-        self.outer_stage = "wait"
+        self.outer_stage = OuterStage.WAIT
         broken = [c for c in self.participating()
                   if self.clusters[c].configured is None
                   or any(self.progress.get(rid, (-1, -1))[0] != self.round for rid in self.clusters[c].members)]
         for c in broken:
             self.clusters[c].configured = None
-            self._set_stage(c, "reform")  # not ready: no exchange starts until every broken cluster re-formed
+            self.clusters[c].stage = ClusterStage.REFORM  # not ready: no exchange starts until every broken cluster re-formed
         effects: list[Effect] = []
         for c in broken:
             effects += self._reform(c, now, reason)
@@ -145,13 +146,13 @@ class OuterExchange:
     def _void_cluster(self, c: int, now: float) -> list[Effect]:
         """c's phase ended with a non-finite answer: c sits out the outer exchange."""
         self._bench_or_sit_out(c)
-        return self._maybe_outer(now) if self.outer_stage == "wait" else []
+        return self._maybe_outer(now) if self.outer_stage is OuterStage.WAIT else []
 
     def _bench_or_sit_out(self, c: int) -> None:
         """c's round is void: it sits out this round; non-finite in the last round too (or in an
         earlier attempt of this one), it is benched for the rest of the run."""
         self.yielding.pop(c, None)
-        self._set_stage(c, "out")
+        self.clusters[c].stage = ClusterStage.OUT
         last = self.non_finite_rounds.get(c)
         self.non_finite_rounds[c] = self.round
         if last is not None and self.round - 1 <= last <= self.round and c not in self.benched:
@@ -168,12 +169,12 @@ class OuterExchange:
         # the supervisor waits for them), so the groups they touch are not handed on as standing.
         for flight in self.calls.inflight.values():
             kind = flight.phase.kind
-            if kind == "outer_reduce":
+            if kind is CallKind.OUTER_REDUCE:
                 self.outer_configured = None
-            elif kind == "outer_commit":
+            elif kind is CallKind.OUTER_COMMIT:
                 for rid in flight.pending:
                     self.clusters[self.cluster_of(rid)].configured = None
-            elif kind != "heal":  # heals use no level's group
+            elif kind is not CallKind.HEAL:  # heals use no level's group
                 self.clusters[flight.phase.cluster].configured = None
         return []
 

@@ -1,0 +1,39 @@
+"""Whose failure it is when a replica's call gives no answer of its own (the runner's rules, pure:
+it only reports what Ray said). Read with the failure table in __init__.py.
+
+    a call raised   its heal source's state never came (Ray fails a call whose argument failed):
+                    the source's failure — the target is fine, `collective_failed`, its heal is
+                    planned again. Else Ray says the actor is gone: `died`. Else the replica
+                    raised (OOM, I/O, a bug): `error`, its own failure, never the job's — it is
+                    killed and restarted clean (`restarts`).
+    the final heal  (outside a round, nobody is killed) a target with no answer by the heal's
+                    deadline, or whose source failed: `collective_failed` (not healed; it heals at
+                    the next start); one whose call raised otherwise: `died`.
+    a pid changed   a live replica with no call in flight that answers from another process died
+                    unseen and is back (`restarted_unseen`): its death is taken in first.
+"""
+from __future__ import annotations
+
+from hsgd.core.round.messages import Outcome
+
+
+def raised(*, actor_gone: bool, source_failed: bool) -> Outcome:
+    """The outcome of a round's call that raised instead of answering."""
+    if source_failed:
+        return Outcome.COLLECTIVE_FAILED
+    return Outcome.DIED if actor_gone else Outcome.ERROR
+
+
+def restarts(outcome: Outcome) -> bool:
+    """The replica raised: it is killed and restarted clean."""
+    return outcome == Outcome.ERROR
+
+
+def unanswered_heal(source_failed: bool, *, in_time: bool = True) -> Outcome:
+    """A final heal's target that gave no answer: in time but raised, or not by the deadline."""
+    return Outcome.COLLECTIVE_FAILED if source_failed or not in_time else Outcome.DIED
+
+
+def restarted_unseen(known_pid: int | None, pid: int | None) -> bool:
+    """An idle live replica answered from another process than the one last seen up."""
+    return known_pid is not None and pid != known_pid

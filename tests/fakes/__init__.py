@@ -1,0 +1,1 @@
+"""Fakes shared by test modules (a test module never imports helpers from another)."""
