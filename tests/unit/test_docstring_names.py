@@ -79,7 +79,7 @@ def resolves(module_name: str, doc: str, name: str) -> bool:
 # (`torchft.process_group.ProcessGroupGloo`) or unquoted.
 PENDING: set[tuple[str, str]] = {
     ("actors.fault_injector", "FailureInjector"), ("actors.lifecycle", "NumRestarts"), ("actors.lifecycle", "State"),
-    ("actors.replica", "PhaseAnswer"), ("hsgd.train.trainer", "CollectiveError"),
+    ("hsgd.train.trainer", "CollectiveError"),
     ("jobs.bench_ddp", "ReplicaTrainer.run_inner"), ("jobs.bench_inner", "ReplicaTrainer.run_inner"),
     ("jobs.bench_overhead", "ReplicaTrainer.run_inner"), ("jobs.diagnose", "Replica"), ("jobs.fake_ray", "World.inner_s"),
     ("jobs.peers.raytrain_peer", "TrainingFailedError"), ("jobs.peers.torchft_peer", "DistributedDataParallel._comm_hook"),
