@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobs.bench import main as bench
-from jobs.bench_goodput import failure_process
-from jobs.bench_recovery import ratios
-from jobs.bench_report import SUITES, newest_reports, render
+from benchmarks.cli import main as bench
+from benchmarks.goodput import failure_process
+from benchmarks.recovery import ratios
+from benchmarks.report import SUITES, newest_reports, render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_recovery_ratios_are_hsgd_over_each_peer_and_none_without_a_figure():
 
 
 def _report(suite, date, quick=False, **figures):
-    return {"suite": suite, "date": date, "quick": quick, "command": f"python -m jobs.bench {suite}",
+    return {"suite": suite, "date": date, "quick": quick, "command": f"python -m benchmarks {suite}",
             "machine": {"platform": "Linux", "cpus": 2, "gpu": None, "torch": "2.13.0", "python": "3.11"}, **figures}
 
 
@@ -50,8 +50,8 @@ def test_the_newest_full_report_of_each_suite_is_rendered_with_its_date_machine_
     text = render(reports)
     assert "Measured 2026-02-01T00:00:00Z on Linux, 2 CPUs, no GPU" in text
     assert ("| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× | 2026-02-01 | 2 CPUs, no GPU | "
-            "`python -m jobs.bench straggler` |") in text
-    assert "Not measured yet: `python -m jobs.bench recovery`." in text
+            "`python -m benchmarks straggler` |") in text
+    assert "Not measured yet: `python -m benchmarks recovery`." in text
 
 
 def test_benchmarks_md_renders_each_committed_suite_with_its_command_and_never_a_newer_quick_run(tmp_path):
@@ -61,7 +61,7 @@ def test_benchmarks_md_renders_each_committed_suite_with_its_command_and_never_a
     assert set(committed) == set(SUITES) and not any(r["quick"] for r in committed.values())
     for suite, report in committed.items():
         (tmp_path / "quick" / suite).mkdir(parents=True)
-        quick = {**report, "quick": True, "date": "2999-01-01T00:00:00Z", "command": f"python -m jobs.bench {suite} --quick"}
+        quick = {**report, "quick": True, "date": "2999-01-01T00:00:00Z", "command": f"python -m benchmarks {suite} --quick"}
         (tmp_path / "quick" / suite / f"{suite}.json").write_text(json.dumps(quick))
     target = tmp_path / "BENCHMARKS.md"
     assert bench(["report", "--from", str(REPO / "benchmarks"), str(tmp_path / "quick"), "--to", str(target)]) == 0

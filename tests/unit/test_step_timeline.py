@@ -1,5 +1,5 @@
 """`logging.step_times` (the per-step timeline the benchmarks read) and `train.straggle_p` (the
-simulated stragglers of `jobs.bench straggler`), on one replica's trainer."""
+simulated stragglers of `python -m benchmarks straggler`), on one replica's trainer."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 import time
 
 from hsgd.record.steps import StepLog
-from jobs.peers.common import Kill, read_steps, recovery
+from benchmarks.peers.common import Kill, read_steps, recovery
 from tests.unit.test_trainer import _solo, _trainer, dataset  # noqa: F401 — the module's fixture
 
 

@@ -1,4 +1,4 @@
-"""`python -m jobs.bench ddp [--out DIR] [--steps N] [--repeats R] [--model small]`: hsgd's inner
+"""`python -m benchmarks ddp [--out DIR] [--steps N] [--repeats R] [--model small]`: hsgd's inner
 `ddp` against torch's DistributedDataParallel, 1 cluster x 2 replicas over gloo, no Ray.
 
 Two processes (spawned here, one TCPStore in this process) each run, interleaved, R times:
@@ -115,7 +115,7 @@ def _measure(rank: int, port: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench ddp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ddp", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for ddp.json")
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=10, help="inner steps per timed round")
