@@ -1,4 +1,4 @@
-"""hsgd.train.comm: all_gather on real gloo groups, and the simulated link per level (issue 22,
+"""hsgd.train.comm: all_gather on real gloo groups, and the simulated link per level (hsgd.train.simulate, issue 22,
 Build 5): LinkModel's arithmetic, LevelGroup pacing each collective to the link's modeled time
 (recorded in link_s), and the `links.*` config.
 
@@ -14,7 +14,8 @@ import torch
 
 from hsgd.config import ConfigError, HsgdConfig, validate
 from hsgd.train import comm
-from hsgd.train.comm import CollectiveError, LevelGroup, LinkModel, WrongLevelError, link_from_config
+from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
+from hsgd.train.simulate import LinkModel, link_from_config
 from tests.unit.gloo_world import run_ranks
 
 TIMEOUT_S = 5.0
