@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m benchmarks [--out DIR] [--rounds N] [--outer-every H]`, or
+"""Benchmarks: `python -m benchmarks [--quick] [--out DIR] [--rounds N] [--outer-every H]`, or
 `python -m benchmarks {overhead,recovery,goodput,scale,straggler} [--quick] [--out DIR]` (hsgd against
 its peers — plain DDP, torchft, Ray Train — in one invocation; each writes <suite>.json and a PNG),
 `python -m benchmarks report [--from DIR ...]` (BENCHMARKS.md from those JSONs; benchmarks/report.py), or
@@ -7,7 +7,7 @@ its peers — plain DDP, torchft, Ray Train — in one invocation; each writes <
 fault-free, with and without hot spares; see benchmarks/goodput.py), or
 `python -m benchmarks inner [--quick] [--out DIR]` (hsgd's inner step vs plain and tuned PyTorch
 loops, one process, no Ray; see benchmarks/inner.py), or
-`python -m benchmarks ddp [--out DIR] [--steps N] [--repeats R]` (hsgd's inner ddp, 1 cluster x 2
+`python -m benchmarks ddp [--quick] [--out DIR] [--steps N] [--repeats R]` (hsgd's inner ddp, 1 cluster x 2
 replicas, vs torch's DistributedDataParallel over gloo, interleaved; see benchmarks/ddp.py), or
 `python -m benchmarks convergence [--quick] [--model small] [--steps 2000] [--out DIR]` (flat DDP,
 LocalSGD and DiLoCo arms — H, codecs, fragments, sharded — on the same tokens: final eval loss vs
@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-every", type=int, default=20)
     parser.add_argument("--clusters", type=int, default=2)
     parser.add_argument("--replicas-per-cluster", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 4 steps")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.outer_every = 2, 4
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-bench-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     n = args.clusters * args.replicas_per_cluster
