@@ -28,8 +28,7 @@ Protocol
   logical collective of one level: it holds that guard from its first launch to its end.
 - A group of one member does no communication at all.
 - `link` (a `hsgd.train.simulate.LinkModel`, where `links.<level>` sets one) paces each collective
-  that succeeded, outside its deadline. `link_s` adds up the seconds a member was held in the group's
-  collectives (issue, wait, the modeled sleep; overlapped: what compute did not hide), apart from compute.
+  that succeeded. `link_s`: the seconds held in the group's collectives (the modeled sleep included).
 
 Error model: every call into torch.distributed / torchft — building the group, configure,
 set_timeout, issuing an op, the device copies around it, the wait, the group's error state after
@@ -417,7 +416,7 @@ class LevelGroup:
         """The longest one collective moving `payload_bytes` may hold a member: its deadline
         (collective_timeout_s) plus the simulated link's sleep after it."""
         return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + \
-            (self.link.most_seconds(payload_bytes) if self.link is not None else 0.0)
+            (self.link.seconds(payload_bytes, most=True) if self.link is not None else 0.0)
 
     @contextmanager
     def peers_may_be_late(self, arrival_s: float):

@@ -2,13 +2,10 @@
 
 Off unless configured: a comm group gets a `LinkModel` only when `links.<level>.gbps` > 0, the
 trainer a `StepPacer` only when `train.min_step_s` or `train.straggle_p` > 0; else both are None.
-A link sleeps after a collective succeeded, never inside its deadline. A paced step sleeps until it
-lasted `min_step_s`, then with probability `straggle_p` — drawn from (seed, replica index, step), so
-a replay straggles alike — `straggle_factor` times its time so far.
+Each sleeps after the work it paces: a link after a collective succeeded (never inside its deadline).
 """
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -16,27 +13,20 @@ from dataclasses import dataclass
 
 @dataclass
 class LinkModel:
-    """Moving `n` bytes across the link takes latency + jitter + n * 8 / (gbps * 1e9) seconds, the
-    jitter uniform in [0, jitter_ms] from the link's own seeded generator (a seed gives the same
-    delays, and no other random stream moves). Never raises once built."""
+    """`n` bytes take latency + jitter + n * 8 / (gbps * 1e9) s, the jitter uniform in [0, jitter_ms]
+    from the link's own seeded generator (no other random stream moves); values validated by the config."""
     gbps: float
     latency_ms: float
     jitter_ms: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
-        if not (math.isfinite(self.gbps) and self.gbps > 0
-                and all(math.isfinite(v) and v >= 0 for v in (self.latency_ms, self.jitter_ms))):
-            raise ValueError(f"{self!r}: gbps must be finite and > 0, latency_ms and jitter_ms finite and >= 0")
         self._rng = random.Random(self.seed)
 
-    def seconds(self, payload_bytes: int) -> float:
-        """The modeled time for `payload_bytes` to cross the link (one jitter draw per call)."""
-        return self.most_seconds(payload_bytes, self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms > 0 else 0.0)
-
-    def most_seconds(self, payload_bytes: int, jitter_ms: float | None = None) -> float:
-        """The longest `seconds` can be (the whole jitter), for a deadline: draws nothing."""
-        jitter_ms = self.jitter_ms if jitter_ms is None else jitter_ms
+    def seconds(self, payload_bytes: int, most: bool = False) -> float:
+        """The modeled time for `payload_bytes`: one jitter draw per call (`most`: the whole jitter,
+        the longest it can be, for a deadline; draws nothing)."""
+        jitter_ms = self.jitter_ms if most else self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms > 0 else 0.0
         return (self.latency_ms + jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
 
     def pace(self, start: float, payload_bytes: int) -> None:
@@ -54,13 +44,14 @@ def link_from_config(level, seed: int = 0) -> LinkModel | None:
 
 @dataclass(frozen=True)
 class StepPacer:
+    """Sleep until a step lasted `min_step_s`; then, with probability `straggle_p` drawn from (seed,
+    replica index, step) alone (a replay straggles alike), `straggle_factor` times its time so far."""
     min_step_s: float
     straggle_p: float
     straggle_factor: float
     seed: int
 
     def after_step(self, started: float, replica_index: int, step: int) -> None:
-        """At the end of an inner step begun at `started` (perf_counter)."""
         if self.min_step_s > 0:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
         if self.straggle_p > 0 and self.straggles(replica_index, step):
