@@ -578,9 +578,8 @@ class Overlapped:
     leaves the group unusable (aborted) until the next `configure`: the members' sequences of
     collectives no longer match. A group of one launches nothing: the buffers already hold the sum.
 
-    Simulated link: `wait_all` paces the whole collective, from its first launch, by all its buckets'
-    bytes (one latency: they stream back to back), so compute between launches hides the link as it
-    would a real one. `link_s` counts launch and wait_all (the sleep included), not the compute between.
+    Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
+    bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
     """
 
     def __init__(self, group: LevelGroup):

@@ -24,8 +24,7 @@ class LinkModel:
         self._rng = random.Random(self.seed)
 
     def seconds(self, payload_bytes: int, most: bool = False) -> float:
-        """The modeled time for `payload_bytes`: one jitter draw per call (`most`: the whole jitter,
-        the longest it can be, for a deadline; draws nothing)."""
+        """Modeled time for `payload_bytes`: one jitter draw per call; `most`: all of it (a deadline's)."""
         jitter_ms = self.jitter_ms if most else self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms > 0 else 0.0
         return (self.latency_ms + jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
 
