@@ -4,8 +4,6 @@ Off unless configured: a comm group gets a `LinkModel` only when `links.<level>.
 trainer a `StepPacer` only when `train.min_step_s` or `train.straggle_p` > 0; else both are None.
 Each sleeps after the work it paces: a link after a collective succeeded (never inside its deadline).
 """
-from __future__ import annotations
-
 import random
 import time
 from dataclasses import dataclass
