@@ -1,7 +1,7 @@
 """Benchmarks: `python -m benchmarks [--quick] [--out DIR] [--rounds N] [--outer-every H]`, or
 `python -m benchmarks {overhead,recovery,goodput,scale,straggler} [--quick] [--out DIR]` (hsgd against
 its peers — plain DDP, torchft, Ray Train — in one invocation; each writes <suite>.json and a PNG),
-`python -m benchmarks report [--from DIR ...]` (BENCHMARKS.md from those JSONs; benchmarks/report.py), or
+`python -m benchmarks report [--from DIR ...]` (BENCHMARKS.md from those JSONs; benchmarks/report.py; `--quick` accepted), or
 `python -m benchmarks plan [--out DIR]` (the round machine and its runner per round at 10,000 replicas, against a fake Ray), or
 `python -m benchmarks goodput [--out DIR] [--rounds N] [--mtbf 30 10]` (wall time under faults vs
 fault-free, with and without hot spares; see benchmarks/goodput.py), or

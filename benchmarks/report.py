@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="folders", nargs="+", default=["bench-results"],
                         help="folders holding the suites' <suite>.json (searched recursively)")
     parser.add_argument("--to", default="BENCHMARKS.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="accepted as by every suite: the report is quick already (and never renders a quick run)")
     args = parser.parse_args(argv)
     reports = newest_reports([Path(f) for f in args.folders])
     atomic_write_text(args.to, render(reports, Path(args.to).parent))

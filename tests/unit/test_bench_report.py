@@ -95,3 +95,8 @@ def test_the_committed_benchmarks_md_is_the_render_of_the_committed_jsons():
     for suite in SUITES:
         assert f"![{suite}](benchmarks/{suite}.png)" in text
     assert "/work/" not in text and "--out" not in text
+
+
+def test_every_suite_takes_quick_the_report_too(tmp_path):
+    assert bench(["report", "--quick", "--from", str(REPO / "benchmarks"), "--to", str(tmp_path / "B.md")]) == 0
+    assert (tmp_path / "B.md").read_text() == render(newest_reports([REPO / "benchmarks"]), tmp_path)
