@@ -34,7 +34,8 @@ from actors import lifecycle
 from actors.hang import install_faulthandler
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.train import checkpoint, state_stream
-from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment, link_from_config
+from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
+from hsgd.train.simulate import link_from_config
 from hsgd.train.overlap import BackgroundReduce
 from hsgd.core.topology import Topology
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired

@@ -6,7 +6,7 @@
 `step` is the replica's global step count after the step, `t` wall time (`time.time()`) when its
 collectives all succeeded, `pid` the process that wrote it (a restarted replica appends under its
 new pid). The file is line-buffered: a SIGKILL loses no line already written. The benchmarks read
-these logs (jobs.peers.common) to time a kill's stall and rejoin the same way for hsgd and its peers.
+these logs (benchmarks.peers.common) to time a kill's stall and rejoin the same way for hsgd and its peers.
 A write that fails turns the log off for the rest of the process: the timeline never stops training.
 """
 from __future__ import annotations

@@ -27,14 +27,8 @@ Protocol
   level, so collectives on one group never interleave. An overlapped collective (`overlapped`: buckets launched one by one from backward hooks) is ONE
   logical collective of one level: it holds that guard from its first launch to its end.
 - A group of one member does no communication at all.
-- A simulated link (`LinkModel`, config `links.<level>`): after a collective on a group with a
-  link returns, the member sleeps until the collective has lasted the link's modeled time for the
-  bytes that crossed this member's link in it (`LinkModel.seconds`), so wall-clock behaves as if
-  the real bytes crossed that link. The sleep comes after the op returned: it is outside the
-  collective's deadline (collective_timeout_s) and never makes one fire. A failed collective does
-  not sleep. `link_s` adds up the seconds this member was held in the group's collectives (issue,
-  wait and the modeled sleep; for an overlapped collective, what was not hidden behind compute),
-  recorded apart from compute.
+- `link` (a `hsgd.train.simulate.LinkModel`, where `links.<level>` sets one) paces each collective
+  that succeeded. `link_s`: the seconds held in the group's collectives (the modeled sleep included).
 
 Error model: every call into torch.distributed / torchft — building the group, configure,
 set_timeout, issuing an op, the device copies around it, the wait, the group's error state after
@@ -58,9 +52,7 @@ into one buffer per call.
 """
 from __future__ import annotations
 
-import math
 import os
-import random
 import secrets
 import socket
 import threading
@@ -298,50 +290,12 @@ def _failure_kind(err: BaseException, waited_s: float, deadline_s: float) -> str
     return "wait"
 
 
-class LinkModel:
-    """A simulated link (Build 5, issue 22): moving `n` bytes across it takes
-    latency + jitter + n * 8 / (gbps * 1e9) seconds, jitter drawn uniform in [0, jitter_ms] from
-    its own seeded generator (so a seed gives the same delays, and nothing else's random stream
-    moves). Used by LevelGroup to pace each collective; never raises once built."""
-
-    def __init__(self, gbps: float, latency_ms: float, jitter_ms: float = 0.0, seed: int = 0):
-        if not (math.isfinite(gbps) and gbps > 0):
-            raise ValueError(f"LinkModel: gbps must be a finite number > 0, got {gbps!r}")
-        for name, value in (("latency_ms", latency_ms), ("jitter_ms", jitter_ms)):
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"LinkModel: {name} must be a finite number >= 0, got {value!r}")
-        self.gbps, self.latency_ms, self.jitter_ms = float(gbps), float(latency_ms), float(jitter_ms)
-        self._rng = random.Random(seed)
-
-    def seconds(self, payload_bytes: int) -> float:
-        """The modeled time for `payload_bytes` to cross the link (one jitter draw per call)."""
-        jitter_ms = self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms > 0 else 0.0
-        return (self.latency_ms + jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
-
-    def most_seconds(self, payload_bytes: int) -> float:
-        """The longest `seconds` can be (the whole jitter), for a deadline: draws nothing."""
-        return (self.latency_ms + self.jitter_ms) / 1e3 + payload_bytes * 8 / (self.gbps * 1e9)
-
-    def __repr__(self) -> str:
-        return f"LinkModel(gbps={self.gbps:g}, latency_ms={self.latency_ms:g}, jitter_ms={self.jitter_ms:g})"
-
-
-def link_from_config(cfg_links_level, seed: int = 0) -> LinkModel | None:
-    """The simulated link of one level from its config node (`cfg.links.outer`: gbps, latency_ms,
-    jitter_ms); None (no simulation: the real network as it is) when the node is absent or its
-    gbps is 0."""
-    if cfg_links_level is None or not float(cfg_links_level.gbps):
-        return None
-    return LinkModel(float(cfg_links_level.gbps), float(cfg_links_level.latency_ms),
-                     float(cfg_links_level.jitter_ms), seed=seed)
-
-
 class LevelGroup:
-    """A reconfigurable process group that belongs to one level; `link` (optional) simulates the
-    level's link (see the module's protocol)."""
+    """A reconfigurable process group that belongs to one level; `link` (a simulated link, or None)
+    paces its collectives (see the module's protocol)."""
 
     def __init__(self, level: str, backend: str = "gloo", timeout_s: float = 10.0,
-                 configure_timeout_s: float = 30.0, min_gbps: float = 1.0, link: LinkModel | None = None):
+                 configure_timeout_s: float = 30.0, min_gbps: float = 1.0, link=None):
         assert level in LEVELS, level
         self.level = level
         self.backend = backend
@@ -460,8 +414,8 @@ class LevelGroup:
     def deadline_s(self, payload_bytes: int) -> float:
         """The longest one collective moving `payload_bytes` may hold a member: its deadline
         (collective_timeout_s) plus the simulated link's sleep after it."""
-        link_s = self.link.most_seconds(payload_bytes) if self.link is not None else 0.0
-        return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + link_s
+        return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + \
+            (self.link.seconds(payload_bytes, most=True) if self.link is not None else 0.0)
 
     @contextmanager
     def peers_may_be_late(self, arrival_s: float):
@@ -498,13 +452,8 @@ class LevelGroup:
             self.link_s += time.monotonic() - start
 
     def _pace(self, start: float, link_bytes: int) -> None:
-        """After a collective that succeeded: with a simulated link, sleep until it has lasted the
-        link's modeled time for `link_bytes` (since `start`). Outside the op's deadline."""
-        if self.link is None:
-            return
-        rest = self.link.seconds(link_bytes) - (time.monotonic() - start)
-        if rest > 0:
-            time.sleep(rest)
+        if self.link is not None:  # a simulated link: its sleep, after the op succeeded
+            self.link.pace(start, link_bytes)
 
     def _wait(self, work, what: str, payload_bytes: int = 0, check_group: bool = True) -> None:
         """Wait `work` within its payload's deadline, then check its result and the group's error
@@ -628,11 +577,8 @@ class Overlapped:
     leaves the group unusable (aborted) until the next `configure`: the members' sequences of
     collectives no longer match. A group of one launches nothing: the buffers already hold the sum.
 
-    Simulated link: after every bucket was waited, `wait_all` sleeps until the whole collective,
-    from its first launch, has lasted the link's modeled time for all its buckets' bytes (one
-    latency: the buckets stream back to back), so compute between the launches hides the link as
-    it would hide a real one. `link_s` counts the time spent in launch and wait_all (the sleep
-    included), not the compute in between.
+    Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
+    bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
     """
 
     def __init__(self, group: LevelGroup):

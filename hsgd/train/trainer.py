@@ -46,7 +46,6 @@ import copy
 import hashlib
 import math
 import os
-import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from hsgd.train.buckets import GradBuckets
 from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
+from hsgd.train.simulate import pacer_from_config
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
 FaultHook = Callable[[str, int, int], None]
@@ -207,9 +207,7 @@ class ReplicaTrainer:
         # retried average starts from the same point (never averages an averaged replica again)
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
-        self.min_step_s = float(getattr(cfg.train, "min_step_s", 0.0) or 0.0)
-        self.straggle_p = float(getattr(cfg.train, "straggle_p", 0.0) or 0.0)
-        self.straggle_factor = float(getattr(cfg.train, "straggle_factor", 10.0))
+        self.pacer = pacer_from_config(cfg)  # simulated step time / stragglers: None unless configured
         self.step_log = None  # logging.step_times: an hsgd.record.steps.StepLog, told each committed step
         # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
         self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
@@ -331,17 +329,9 @@ class ReplicaTrainer:
             if saved is not None:
                 self._restore_step_state(saved)
             raise
-        if self.min_step_s > 0:  # simulated accelerator step time: sleep, so CPU replicas stay cheap
-            time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - started)))
-        if self.straggle_p > 0 and self._straggles():
-            time.sleep(self.straggle_factor * (time.perf_counter() - started))
+        if self.pacer is not None:
+            self.pacer.after_step(started, self.global_index, self.step)
         return loss
-
-    def _straggles(self) -> bool:
-        """train.straggle_p: this replica straggles at this step — a draw from (seed, replica index,
-        step) alone, so a replay straggles at the same steps."""
-        rng = random.Random(hash((int(self.cfg.seed), self.global_index, self.step)) & (2**63 - 1))
-        return rng.random() < self.straggle_p
 
     @torch.no_grad()
     def _step_state(self) -> tuple:

@@ -1,5 +1,5 @@
-"""`python -m jobs.bench scale --quick`: the supervisor's decisions at two simulated sizes (through
-`jobs.bench plan`'s measurement) and the Ray control plane at 4 and 8 real lightweight replica
+"""`python -m benchmarks scale --quick`: the supervisor's decisions at two simulated sizes (through
+`python -m benchmarks plan`'s measurement) and the Ray control plane at 4 and 8 real lightweight replica
 actors (a local Ray, started and shut down by the suite). Timings are never checked here; what is:
 scale.json's schema, that every size of both sides ran with positive figures and committed every
 round with agreeing digests, that the Ray side's round after a restart healed over real actors,
@@ -11,7 +11,7 @@ import math
 
 import ray
 
-from jobs.bench_scale import QUICK_DECISION_SIZES, QUICK_RAY_SIZES, main
+from benchmarks.scale import QUICK_DECISION_SIZES, QUICK_RAY_SIZES, main
 
 MS = ("machine_ms", "runner_ms", "machine_plus_runner_ms")
 FIT = {"growth_exponent", "coefficient_ms", "r2", "sizes"}
@@ -27,7 +27,7 @@ def test_scale_quick_measures_decisions_and_the_ray_control_plane_at_every_size(
     report = json.loads((tmp_path / "scale.json").read_text())
 
     assert (report["suite"], report["quick"], report["budget_ms"]) == ("scale", True, 600.0)
-    assert isinstance(report["date"], str) and report["command"].startswith("python -m jobs.bench scale --quick")
+    assert isinstance(report["date"], str) and report["command"].startswith("python -m benchmarks scale --quick")
     assert report["machine"]["cpus"] >= 1 and report["machine"]["platform"]
 
     decisions = report["decisions"]

@@ -1,6 +1,6 @@
 """Issue 23's peer suites, each once with `--quick`: the JSON's schema, and that both sides of every
 comparison ran (hsgd and plain DDP, torchft; Ray Train's kill in test_peer_raytrain.py) — never a timing. BENCHMARKS.md is made from
-the JSONs and names each suite's command. (`scale` has its own test: tests/unit/test_bench_scale.py.)"""
+the JSONs and names each suite's command. (`scale` has its own test: tests/integration/test_bench_scale.py.)"""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.bench import main as bench
+from benchmarks.cli import main as bench
 
 pytestmark = pytest.mark.long  # each suite starts Ray or processes and trains several runs: minutes on 2 cores
 
@@ -18,7 +18,7 @@ HEADER = {"suite", "date", "machine", "command", "quick"}
 def _report(out: Path, suite: str) -> dict:
     report = json.loads((out / f"{suite}.json").read_text())
     assert HEADER <= set(report) and report["suite"] == suite and report["quick"] is True
-    assert report["command"].startswith(f"python -m jobs.bench {suite}")
+    assert report["command"].startswith(f"python -m benchmarks {suite}")
     assert (out / f"{suite}.png").stat().st_size > 0
     return report
 

@@ -1,4 +1,4 @@
-"""The Ray Train v2 peer (jobs/peers/raytrain_peer.py) survives a SIGKILL the way Ray Train does:
+"""The Ray Train v2 peer (benchmarks/peers/raytrain_peer.py) survives a SIGKILL the way Ray Train does:
 the whole worker group restarts from the latest checkpoint, and the figures come from the logs."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 import ray.train  # noqa: F401 — the bench extra is installed in CI: a missing Ray Train fails here, never skips
 
-from jobs.peers import common
-from jobs.peers.raytrain_peer import _kill_figures, _killer, run_raytrain
+from benchmarks.peers import common
+from benchmarks.peers.raytrain_peer import _kill_figures, _killer, run_raytrain
 
 STEPS, EVERY, KILL_AT = 30, 5, 12
 

@@ -1,12 +1,12 @@
-"""The torchft peer (jobs/peers/torchft_peer.py): hsgd's model under torchft's Manager + Lighthouse,
+"""The torchft peer (benchmarks/peers/torchft_peer.py): hsgd's model under torchft's Manager + Lighthouse,
 one replica killed from outside and restarted; it heals from a live peer and commits again."""
 import json
 import os
 
 import pytest
 
-from jobs.peers.common import read_steps
-from jobs.peers.torchft_peer import SETTINGS, run_torchft
+from benchmarks.peers.common import read_steps
+from benchmarks.peers.torchft_peer import SETTINGS, run_torchft
 
 
 def test_killed_torchft_replica_heals_from_a_live_peer_and_ends_with_the_same_params(tmp_path):

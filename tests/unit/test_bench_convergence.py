@@ -1,10 +1,10 @@
-"""`python -m jobs.bench convergence` (issue 22, Acceptance 3): the arms and the table's arithmetic,
+"""`python -m benchmarks convergence` (issue 22, Acceptance 3): the arms and the table's arithmetic,
 on fabricated run results (no Ray)."""
 import json
 
 import pytest
 
-from jobs.bench_convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, common_overrides,
+from benchmarks.convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, common_overrides,
                                     link_overrides, modeled_link_s, plan_arms, rows, schedule_overrides,
                                     slow_link_bytes, table_md, write_report)
 

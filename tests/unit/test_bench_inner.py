@@ -1,10 +1,10 @@
-"""`python -m jobs.bench inner`: one process, no Ray, three variants of the same inner step."""
+"""`python -m benchmarks inner`: one process, no Ray, three variants of the same inner step."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from jobs.bench_inner import peak_flops
+from benchmarks.inner import peak_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_peak_table_matches_device_names():
 def test_bench_inner_runs_without_ray_and_writes_every_figure(tmp_path):
     # sys.modules["ray"] = None makes any `import ray` on the bench's path raise ImportError
     code = ("import sys; sys.modules['ray'] = None\n"
-            "from jobs.bench import main\n"
+            "from benchmarks.cli import main\n"
             f"sys.exit(main(['inner', '--presets', 'tiny', '--steps', '2', '--repeats', '2', '--out', {str(tmp_path)!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

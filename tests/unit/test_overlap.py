@@ -27,7 +27,8 @@ def _overlap_worker(overrides, rounds, rank, port, results) -> None:
     out = {"rank": rank}
     try:
         from hsgd.core.topology import Topology
-        from hsgd.train.comm import LevelGroup, LinkModel, allow_level_overlap
+        from hsgd.train.comm import LevelGroup, allow_level_overlap
+        from hsgd.train.simulate import LinkModel
         from hsgd.train.overlap import BackgroundReduce
         from hsgd.train.trainer import ReplicaTrainer
 

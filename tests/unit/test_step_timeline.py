@@ -1,5 +1,5 @@
 """`logging.step_times` (the per-step timeline the benchmarks read) and `train.straggle_p` (the
-simulated stragglers of `jobs.bench straggler`), on one replica's trainer."""
+simulated stragglers of `python -m benchmarks straggler`), on one replica's trainer."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 import time
 
 from hsgd.record.steps import StepLog
-from jobs.peers.common import Kill, read_steps, recovery
+from benchmarks.peers.common import Kill, read_steps, recovery
 from tests.fakes.trainer import _solo, _trainer, dataset  # noqa: F401 — the module's fixture
 
 
@@ -65,7 +65,8 @@ def test_a_step_committed_after_the_kill_and_rolled_back_is_not_the_survivors_ne
 def test_stragglers_sleep_a_multiple_of_the_step_at_the_drawn_steps_and_replay_alike(dataset):  # noqa: F811
     def straggling_steps(p):
         trainer = _trainer(dataset, "c0r0", f"train.straggle_p={p}", "train.straggle_factor=0", "train.min_step_s=0.0")
-        return [trainer._straggles() for trainer.step in range(400)]
+        pacer = trainer.pacer  # hsgd.train.simulate.StepPacer: None when nothing is simulated
+        return [pacer is not None and pacer.straggles(trainer.global_index, step) for step in range(400)]
 
     drawn = straggling_steps(0.25)
     assert drawn == straggling_steps(0.25)  # the same steps on a replay

@@ -1,11 +1,11 @@
-"""The torchft peer's start barrier (jobs/peers/torchft_peer.py, `_start_barrier`): a first
+"""The torchft peer's start barrier (benchmarks/peers/torchft_peer.py, `_start_barrier`): a first
 incarnation waits until every replica's Manager is up; a restarted one passes at once."""
 import threading
 import time
 
 import pytest
 
-from jobs.peers.torchft_peer import _start_barrier
+from benchmarks.peers.torchft_peer import _start_barrier
 
 
 def test_the_first_replica_up_waits_for_the_last_and_a_restarted_one_passes_at_once(tmp_path):

@@ -1,4 +1,4 @@
-"""`python -m jobs.bench recovery [--quick] [--out DIR] [--steps 120 --kill-at 20 --min-step-s 0.25] [--repeats 2]`:
+"""`python -m benchmarks recovery [--quick] [--out DIR] [--steps 120 --kill-at 20 --min-step-s 0.25] [--repeats 2]`:
 one replica SIGKILLed from outside mid-inner-phase, on hsgd and on its peers, in one invocation.
 
 Sides, each 3 replicas training hsgd's model (same config, batches, loss, AdamW; every step padded
@@ -7,14 +7,14 @@ interleaved over `--repeats`:
 
     hsgd_1x3        one cluster of 3, ddp every step: the same work as the flat peers
     hsgd_3x1        3 clusters of 1, DiLoCo every steps/4 (the hierarchy: the others keep training)
-    torchft_readme  torchft Manager + Lighthouse, DDP, the README's settings (jobs/peers/torchft_peer.py)
+    torchft_readme  torchft Manager + Lighthouse, DDP, the README's settings (benchmarks/peers/torchft_peer.py)
     torchft_fast    the same with a 100 ms join timeout and short heartbeats
     ray_train       Ray Train v2 TorchTrainer + FailureConfig, checkpoint every 10 steps
-                    (jobs/peers/raytrain_peer.py)
+                    (benchmarks/peers/raytrain_peer.py)
 
 The victim (hsgd `c0r1` / `c1r0`, the peers' `r1`) is SIGKILLed once it has committed step
 `--kill-at`; each side's own recovery restarts it (Ray for hsgd and Ray Train, the bench for
-torchft, as torchx would). From the step logs (jobs/peers/common.py): the survivors' stall (last
+torchft, as torchx would). From the step logs (benchmarks/peers/common.py): the survivors' stall (last
 committed step before the kill to the next after it), the victim's rejoin (kill to its next
 committed step) and the step time before the kill. `recovery.json`: per side and repeat those
 figures, medians per side, and the ratios hsgd_1x3 / peer for stall and rejoin; `recovery.png`.
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.bench_report import bench_ray, header, write_suite
+from benchmarks.report import bench_ray, header, write_suite
 
 SIDES = ("hsgd_1x3", "hsgd_3x1", "torchft_readme", "torchft_fast", "ray_train")
 VICTIM = {"hsgd_1x3": "c0r1", "hsgd_3x1": "c1r0"}  # the peers': r1
@@ -40,15 +40,15 @@ def run_side(name: str, *, model: str, steps: int, kill_at: int, min_step_s: flo
     kills = [(VICTIM.get(name, "r1"), kill_at)]
     common = dict(model=model, steps=steps, min_step_s=min_step_s, out=out, kills=kills, seed=seed)
     if name.startswith("hsgd"):
-        from jobs.peers.hsgd_peer import run_hsgd
+        from benchmarks.peers.hsgd_peer import run_hsgd
 
         clusters, per = (1, 3) if name == "hsgd_1x3" else (3, 1)
         return run_hsgd(clusters=clusters, replicas_per_cluster=per, **common)
     if name.startswith("torchft"):
-        from jobs.peers.torchft_peer import run_torchft
+        from benchmarks.peers.torchft_peer import run_torchft
 
         return run_torchft(replicas=3, settings=name.split("_", 1)[1], **common)
-    from jobs.peers.raytrain_peer import run_raytrain
+    from benchmarks.peers.raytrain_peer import run_raytrain
 
     return run_raytrain(replicas=3, **common)
 
@@ -83,7 +83,7 @@ def ratios(sides: dict[str, dict]) -> dict[str, float | None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench recovery", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks recovery", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="tiny")

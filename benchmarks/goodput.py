@@ -1,4 +1,4 @@
-"""Goodput benchmark: `python -m jobs.bench goodput [--quick] [--out DIR] [--mtbf 30 10] [--peers torchft]
+"""Goodput benchmark: `python -m benchmarks goodput [--quick] [--out DIR] [--mtbf 30 10] [--peers torchft]
 [--spares 0 1 --rounds N]`.
 
 hsgd vs torchft (and with `--peers torchft ray_train` Ray Train, which loses the steps since its
@@ -7,7 +7,7 @@ skips it): each
 side trains 3 replicas of hsgd's model for `--steps` steps padded to `--min-step-s` (so 2 shared
 cores do not decide the result: a missing replica must not look like a speed-up) — hsgd as one
 cluster of 3 (ddp every step, the flat peers' work), torchft with its fast settings
-(jobs/peers/torchft_peer.py) — once fault-free, then at each MTBF with replicas SIGKILLed from
+(benchmarks/peers/torchft_peer.py) — once fault-free, then at each MTBF with replicas SIGKILLed from
 outside at the same seeded times (exponential gaps of mean MTBF, victims drawn uniformly, the same
 draw for both sides). Per run: goodput = fault-free wall / wall (the same side's), and the
 committed-step efficiency (distinct steps committed / steps committed, a redone step counted
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hsgd.record.goodput import fault_costs, goodput, summarize_costs
 from hsgd.record.rundir import read_jsonl
-from jobs.bench_report import bench_ray, header, write_suite
+from benchmarks.report import bench_ray, header, write_suite
 
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
@@ -66,7 +66,7 @@ def failure_process(mtbf_s: float, span_s: float, replicas: int, seed: int, star
 def step_efficiency(run: dict) -> float | None:
     """Distinct (replica, step) committed / every step committed: a step redone after a rollback or
     a restart counts twice below the line."""
-    from jobs.peers.common import read_steps
+    from benchmarks.peers.common import read_steps
 
     rows = read_steps(run["steps_dir"])
     total = sum(len(r) for r in rows.values())
@@ -76,19 +76,19 @@ def step_efficiency(run: dict) -> float | None:
 def _side(side: str, *, replicas: int, steps: int, min_step_s: float, out: Path, kills: list[tuple[float, int]],
           seed: int) -> dict:
     if side == "hsgd":
-        from jobs.peers.hsgd_peer import run_hsgd
+        from benchmarks.peers.hsgd_peer import run_hsgd
 
         run = run_hsgd(model="tiny", clusters=1, replicas_per_cluster=replicas, steps=steps, min_step_s=min_step_s,
                        out=out, kill_times_s=[(t, f"c0r{i}") for t, i in kills], seed=seed)
         run["steps_dir"] = str(Path(run["run_dir"]) / "steps")
     elif side == "torchft":
-        from jobs.peers.torchft_peer import run_torchft
+        from benchmarks.peers.torchft_peer import run_torchft
 
         run = run_torchft(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, settings="fast", out=out,
                           kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
         run["steps_dir"] = str(Path(out) / "steps")
     else:  # ray_train: the peer that loses steps (a restart resumes from its last checkpoint)
-        from jobs.peers.raytrain_peer import run_raytrain
+        from benchmarks.peers.raytrain_peer import run_raytrain
 
         run = run_raytrain(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, out=out,
                            kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
@@ -126,7 +126,7 @@ def compare_peers(args, out: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench goodput", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks goodput", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 60 steps, one MTBF of 4 s")
     parser.add_argument("--mtbf", type=float, nargs="+", default=[30.0, 10.0])

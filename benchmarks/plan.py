@@ -1,9 +1,9 @@
-"""Plan benchmark: `python -m jobs.bench plan [--out DIR] [--rounds N] [--quick]`.
+"""Plan benchmark: `python -m benchmarks plan [--out DIR] [--rounds N] [--quick]`.
 
 The supervisor's control plane per round at 10,000 replicas in 1,000 clusters: the round machine
 (hsgd/core/round) AND its runner (actors/round_runner.py), driven as the supervisor drives them —
 `RoundRunner(machine, RunnerPorts(...)).drive()` — against a fake Ray whose replicas answer at once
-(jobs/fake_ray.py: handles, ray.wait/get/kill, a roster, a log, an injector). Per round:
+(benchmarks/fake_ray.py: handles, ray.wait/get/kill, a roster, a log, an injector). Per round:
 
     machine_plus_runner_ms  the round's wall (building the machine and the runner, then `drive()`),
                             less the fake's own time (building answers, scanning refs) and its
@@ -26,7 +26,7 @@ it an estimate for a 60-s round (its at-once cost plus 120 ticks).
 
 Seam: the runner uses the module-level `ray` (ray.wait / ray.get / ray.kill) of
 actors/round_runner.py, actors/replica_calls.py, actors/heals.py and actors/hang.py; for the
-duration of the run each is swapped for the fake's (jobs.fake_ray.patched_ray), and restored.
+duration of the run each is swapped for the fake's (benchmarks.fake_ray.patched_ray), and restored.
 
 Every round must commit with the replicas' digests agreeing, and every armed failure must have
 fired, or the bench stops (a timing of a broken run means nothing). Writes plan.json. The budget —
@@ -48,7 +48,7 @@ from hsgd.core.deadlines import PhaseClock
 from hsgd.core.round import RoundMachine, RoundSettings
 from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
-from jobs.fake_ray import PHASE_METHODS, FakeInjector, FakeLog, FakeRoster, World, patched_ray
+from benchmarks.fake_ray import PHASE_METHODS, FakeInjector, FakeLog, FakeRoster, World, patched_ray
 
 BUDGET_MS = 600.0  # 1 % of a 60-s round
 ROUND_S = 60.0
@@ -59,7 +59,7 @@ FAILURES = ("die", "die_held", "collective", "die", "collective")
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks plan", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for plan.json")
     parser.add_argument("--clusters", type=int, default=1000)
     parser.add_argument("--replicas-per-cluster", type=int, default=10)
@@ -195,7 +195,7 @@ class FakeRun:
     leaders, standing groups, the committed round), over a fake world."""
 
     def __init__(self, topology: Topology, spr: int, rng: random.Random, world=None):
-        """`world`: the replicas the rounds drive (default: a fake World); jobs/bench_scale.py
+        """`world`: the replicas the rounds drive (default: a fake World); benchmarks/scale.py
         passes real Ray actors behind the same attributes."""
         from torch.distributed import HashStore  # a real store in this process: AbortJoin really aborts
 

@@ -1,4 +1,4 @@
-"""A fake Ray world for timing the supervisor's control plane (jobs/bench_plan.py): what the round
+"""A fake Ray world for timing the supervisor's control plane (benchmarks/plan.py): what the round
 runner (actors/round_runner.py, through its RunnerPorts) touches — replica handles, `ray.wait`,
 `ray.get`, `ray.kill`, the roster, the log, the fault injector — with every call answered at once
 by a dict, as actors/replica.py would answer it. No processes, no Ray.

@@ -1,4 +1,4 @@
-"""`python -m jobs.bench straggler [--quick] [--out DIR] [--steps 300 --min-step-s 0.1 --p 0.01 --factor 10 --every 50]`:
+"""`python -m benchmarks straggler [--quick] [--out DIR] [--steps 300 --min-step-s 0.1 --p 0.01 --factor 10 --every 50]`:
 time to a fixed number of steps with random stragglers — flat synchronous DDP vs hierarchical
 local SGD vs DiLoCo (the setting of PyTorch's hierarchical SGD blog: each replica, at each step,
 sleeps with probability 1 % for ten times a step's time: `train.straggle_p`, `train.straggle_factor`).
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.bench_report import bench_ray, header, write_suite
+from benchmarks.report import bench_ray, header, write_suite
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0", "logging.step_times=true",
          "model=tiny"]
@@ -47,7 +47,7 @@ def arms(every: int) -> dict[str, list[str]]:
 def run_arm(name: str, overrides: list[str], out: Path) -> dict:
     from actors.launch import compose_config, run_training
     from hsgd.config import validate
-    from jobs.peers.common import read_steps
+    from benchmarks.peers.common import read_steps
 
     cfg = compose_config(QUIET + overrides)
     validate(cfg)
@@ -61,7 +61,7 @@ def run_arm(name: str, overrides: list[str], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench straggler", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks straggler", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=300)

@@ -1,4 +1,4 @@
-"""`python -m jobs.bench inner [--out DIR] [--quick] [--presets tiny small gpt-86m] [--set key=value ...]`:
+"""`python -m benchmarks inner [--out DIR] [--quick] [--presets tiny small gpt-86m] [--set key=value ...]`:
 hsgd's inner step against hand-written PyTorch loops, in ONE process and WITHOUT Ray (nothing on
 this path imports ray, so it runs on a bare GPU machine with torch and torchft only).
 
@@ -218,7 +218,7 @@ def bench_preset(preset: str, args, device: str, device_name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench inner", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks inner", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for inner.json")
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (CPU: batch 8)")
     parser.add_argument("--presets", nargs="+", default=None,

@@ -1,7 +1,7 @@
-"""`python -m jobs.bench overhead [--quick] [--out DIR] [--models tiny small] [--steps N] [--repeats R]`:
+"""`python -m benchmarks overhead [--quick] [--out DIR] [--models tiny small] [--steps N] [--repeats R]`:
 what hsgd's orchestration costs a step, against plain `torch.distributed` DDP.
 
-For each model, `jobs.bench ddp` (issue 20's comparison, reused, not rewritten: two processes over
+For each model, `python -m benchmarks ddp` (issue 20's comparison, reused, not rewritten: two processes over
 gloo, hsgd's `ReplicaTrainer.run_inner` on a 2-member inner group vs
 `torch.nn.parallel.DistributedDataParallel`, same model, batches, loss, clipping and AdamW, warmed
 up, then interleaved repeats) runs into `<out>/ddp_<model>/ddp.json`. `overhead.json` holds per
@@ -19,15 +19,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.bench_report import header, write_suite
+from benchmarks.report import header, write_suite
 
 
 def measure(model: str, steps: int, repeats: int, out: Path) -> dict:
-    from jobs.bench_ddp import main as ddp_main
+    from benchmarks.ddp import main as ddp_main
 
     folder = out / f"ddp_{model}"
     if ddp_main(["--out", str(folder), "--model", model, "--steps", str(steps), "--repeats", str(repeats)]) != 0:
-        raise RuntimeError(f"jobs.bench ddp failed for model {model}")
+        raise RuntimeError(f"benchmarks ddp failed for model {model}")
     ddp = json.loads((folder / "ddp.json").read_text())
     each = ddp["ratio_each_repeat"]
     return {"model": model, "params": ddp["params"], "steps": steps, "repeats": repeats,
@@ -39,7 +39,7 @@ def measure(model: str, steps: int, repeats: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])

@@ -1,7 +1,7 @@
 """hsgd itself as one side of a peer benchmark: a real run (`actors.launch.run_training` on the
 caller's Ray) with `logging.step_times=true`, its replicas SIGKILLed from outside by the bench —
 not by hsgd's fault injector, so hsgd learns of each death as it would in production — and the
-same figures as the peers' (jobs/peers/common.py) read from its step logs (`run.dir/steps`).
+same figures as the peers' (benchmarks/peers/common.py) read from its step logs (`run.dir/steps`).
 
 Replicas are hsgd's ids (`c0r1`); the step counted is a replica's global inner step. Ray restarts a
 killed replica; it rejoins inside the round (`supervisor.rejoin=fast`) and heals from a live peer.
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from jobs.peers.common import (Kill, committed_steps, kill_at_step, read_steps, recovery, step_time_s,
+from benchmarks.peers.common import (Kill, committed_steps, kill_at_step, read_steps, recovery, step_time_s,
                                wait_for_step)
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0", "train.eval_every=1000",

@@ -1,5 +1,5 @@
 """The torchft peer: hsgd's own model trained by flat fault-tolerant DDP under torchft 0.2.0, the
-way torchft's README and its `train_ddp.py` set it up, for `python -m jobs.bench recovery` and
+way torchft's README and its `train_ddp.py` set it up, for `python -m benchmarks recovery` and
 `goodput`.
 
 What is measured
@@ -7,7 +7,7 @@ What is measured
     (`dataset.batch(seed, replica_index=i, step)`), loss, AdamW, learning rate and gradient
     clipping as hsgd (`hsgd.train.task`, `build_inner_optimizer`, `inner_lr`), every step padded
     to `min_step_s` with a sleep at its end, as hsgd's `train.min_step_s` is. Each worker appends
-    a line to the shared step log (jobs/peers/common.py) after every step whose optimizer update
+    a line to the shared step log (benchmarks/peers/common.py) after every step whose optimizer update
     committed, and a digest of its params (sha256 of the bytes, hsgd's `param_digest`) at its
     last step and every `digest_every` steps. The bench SIGKILLs replicas from outside (at a
     logged step, or at the times of a failure process), restarts the process at once with the
@@ -106,7 +106,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from jobs.peers import common
+from benchmarks.peers import common
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_CRASHES = 5  # unplanned worker exits tolerated (restarted) before the run is declared broken
@@ -144,7 +144,7 @@ class _Replicas:
         spec = dict(self.spec, replica=replica, index=int(replica[1:]))
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with open(self.logs / f"{replica}.{n}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "jobs.peers.torchft_peer", "worker", json.dumps(spec)],
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peers.torchft_peer", "worker", json.dumps(spec)],
                                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         self.procs[replica] = proc
@@ -293,7 +293,7 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
                     workers.reap(replica)
                 elif time_kills and first_t is not None and time.time() >= first_t + time_kills[0][0]:
                     at_s, replica = time_kills.pop(0)
-                    # the rule of every side's failure process (jobs/peers/hsgd_peer.kill_on_schedule): a
+                    # the rule of every side's failure process (benchmarks/peers/hsgd_peer.kill_on_schedule): a
                     # replica that has not committed a step since its last kill is still down, not hit again
                     last_kill = max((k.t for k in done_kills if k.replica == replica), default=None)
                     if last_kill is None or any(row["t"] > last_kill for row in steps_now.get(replica, [])):
@@ -553,7 +553,7 @@ def _worker(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.peers.torchft_peer",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.torchft_peer",
                                      description="a torchft worker (spawned by run_torchft)")
     parser.add_argument("role", choices=["worker"])
     parser.add_argument("spec", help="the worker's spec as JSON")

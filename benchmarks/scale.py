@@ -1,10 +1,10 @@
-"""Scale benchmark: `python -m jobs.bench scale [--quick] [--out DIR] [--rounds N]`.
+"""Scale benchmark: `python -m benchmarks scale [--quick] [--out DIR] [--rounds N]`.
 
 How the supervisor's control plane grows with the number of replicas, two ways.
 
 1. Decisions vs size (no Ray, no processes). For simulated topologies from 10 to 10,000 replicas
    in 1 to 1,000 clusters — (clusters, replicas per cluster) = (1,10), (10,10), (10,100),
-   (100,10), (100,100), (1000,10) — `jobs.bench plan`'s own measurement (jobs/bench_plan.py
+   (100,10), (100,100), (1000,10) — `python -m benchmarks plan`'s own measurement (benchmarks/plan.py
    `plan_bench`, reused, not rewritten: the round machine AND its runner driven as the supervisor
    drives them, against a fake Ray whose replicas answer at once, the fake's own time taken out)
    gives per round:
@@ -29,7 +29,7 @@ How the supervisor's control plane grows with the number of replicas, two ways.
 2. The Ray control plane per round (real Ray). A local Ray (`ray.init(num_cpus=4)`, token auth as
    by default) holds lightweight replica actors (`LightReplica`, `num_cpus=0`): each answers the
    replica API the round runner uses — run_inner, outer_reduce, outer_commit, progress,
-   request_yield, send_state/receive_state — at once, with the answers of jobs/fake_ray.py's
+   request_yield, send_state/receive_state — at once, with the answers of benchmarks/fake_ray.py's
    `Replica` (its own small state: committed round and step, a digest chain of the commits it
    applied), no model, no torch. The same round (bench_plan's `FakeRun`: a RoundMachine and
    `RoundRunner(machine, RunnerPorts(...)).drive()`) runs over the real actor handles with the
@@ -50,7 +50,7 @@ comparison. `budget_ms` (600: 1 % of a 60-s round) is a figure to compare, never
 
 Every round must commit with the replicas' digests agreeing (bench_plan's checks), and the round
 after a restart must heal, or the bench stops: a timing of a broken run means nothing. Writes
-`<out>/scale.json` (the header of jobs/bench_report.py, then `decisions`, `decisions_fit`,
+`<out>/scale.json` (the header of benchmarks/report.py, then `decisions`, `decisions_fit`,
 `ray_control_plane`, `ray_fit`, `ray_extrapolated_10000_ms`, `budget_ms`) and `<out>/scale.png`
 (log-log time vs replicas with the fits). `--quick` (a smoke run): the two smallest decision sizes,
 one round a case; Ray at 4 and 8 actors.
@@ -85,7 +85,7 @@ CALL_S = 120.0  # actors' start and resets (64 worker processes starting on 2 co
 def decisions(clusters: int, per_cluster: int, rounds: int, seed: int) -> dict:
     """One simulated size: bench_plan's per-round figures (medians per case) and the pure decisions."""
     from hsgd.core.topology import Topology
-    from jobs.bench_plan import plan_bench
+    from benchmarks.plan import plan_bench
 
     report = plan_bench(clusters, per_cluster, rounds=rounds, spr=STEPS_PER_ROUND, train_s=0.0, seed=seed)
     cases = {}
@@ -170,7 +170,7 @@ def _value(ref):
 
 @ray.remote(num_cpus=0)
 class LightReplica:
-    """A replica actor that skips the model work: jobs/fake_ray.py's Replica answers behind real
+    """A replica actor that skips the model work: benchmarks/fake_ray.py's Replica answers behind real
     Ray calls. `reset` gives it an id and a fresh state (round 0, step 0) and the handles of its
     cluster's members (a heal target takes its source's state from the source's actor)."""
 
@@ -178,7 +178,7 @@ class LightReplica:
         self.replica, self.world, self.peers = None, None, {}
 
     def reset(self, rid: str, steps_per_round: int, peers: dict) -> dict:
-        from jobs.fake_ray import Replica  # ray.exceptions and hsgd's topology and events: no torch
+        from benchmarks.fake_ray import Replica  # ray.exceptions and hsgd's topology and events: no torch
 
         self.world = _OwnWorld(steps_per_round)
         self.replica = Replica(self.world, rid, pid=os.getpid())
@@ -266,7 +266,7 @@ def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed:
     fault-free rounds, then one round after a replica restarted (it heals)."""
     from hsgd.core.outer_plan import holds_outer_group
     from hsgd.core.topology import Topology
-    from jobs.bench_plan import FakeRun
+    from benchmarks.plan import FakeRun
 
     topology = Topology(clusters, per_cluster)
     handles = dict(zip(topology.replica_ids(), actors))
@@ -310,7 +310,7 @@ def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed:
 
 def ray_side(sizes, rounds: int, seed: int, on_size) -> list[dict]:
     repo = str(Path(__file__).resolve().parent.parent)
-    from jobs.bench_report import bench_ray  # here, not at import: the actors import this module
+    from benchmarks.report import bench_ray  # here, not at import: the actors import this module
 
     with bench_ray(num_cpus=4, namespace="hsgd-bench-scale",
                    runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}}):
@@ -379,14 +379,14 @@ def ray_fit(rows: list[dict]) -> dict:
 # -- the suite ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench scale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks scale", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for scale.json and scale.png")
     parser.add_argument("--quick", action="store_true",
                         help="the two smallest decision sizes, one round a case; Ray at 4 and 8 actors")
     parser.add_argument("--rounds", type=int, default=5, help="rounds timed per case and size")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from jobs.bench_report import header, write_suite
+    from benchmarks.report import header, write_suite
 
     decision_sizes, ray_sizes, rounds = DECISION_SIZES, RAY_SIZES, args.rounds
     ray_rounds_n = args.rounds

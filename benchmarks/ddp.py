@@ -1,4 +1,4 @@
-"""`python -m jobs.bench ddp [--out DIR] [--steps N] [--repeats R] [--model small]`: hsgd's inner
+"""`python -m benchmarks ddp [--quick] [--out DIR] [--steps N] [--repeats R] [--model small]`: hsgd's inner
 `ddp` against torch's DistributedDataParallel, 1 cluster x 2 replicas over gloo, no Ray.
 
 Two processes (spawned here, one TCPStore in this process) each run, interleaved, R times:
@@ -115,14 +115,17 @@ def _measure(rank: int, port: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench ddp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ddp", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for ddp.json")
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=10, help="inner steps per timed round")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds of each case")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: model tiny, 3 steps, 1 repeat")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. comm.bucket_mb=5)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.repeats = "tiny", 3, 1
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-bench-ddp-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     from torch.distributed import TCPStore

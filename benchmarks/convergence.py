@@ -1,10 +1,10 @@
-"""Convergence benchmark: `python -m jobs.bench convergence [--model small] [--steps 2000] [--quick]
+"""Convergence benchmark: `python -m benchmarks convergence [--model small] [--steps 2000] [--quick]
 [--arms a,b] [--batch-size 32] [--outer-lr 1.0 --outer-momentum 0.3] [--wan-runs flat_ddp,diloco_h100]
 [--out DIR] [--set key=value ...]`.
 
 Issue 22, Acceptance 3: how far each way of syncing across the slow link falls behind flat DDP for
 how many fewer bytes over that link. One invocation, one embedded Ray, the arms run one after
-another through the real system (`actors.launch.run_training`, as `jobs.bench` does). Every arm
+another through the real system (`actors.launch.run_training`, as the default suite, benchmarks/cli.py, does). Every arm
 has the same model, batch, seed (so the same initial params and the same tokens: a batch is a pure
 function of seed, global replica index and step) and the same number of inner steps per replica
 (`train.rounds` x steps per round = `--steps`, checked on each arm's composed config), on
@@ -42,7 +42,7 @@ What is counted as slow-link bytes (`slow_link_bytes`), from the run's metrics.j
   (ddp, the commit's broadcast inside a cluster) is not counted: it stays inside a site.
 - `flat_ddp`: the sum of `inner_bytes` (every member's gradient all-reduce payload, once per
   member and step, plus the commit's broadcast inside the one cluster), all of which crosses
-  between the sites because the one cluster spans them — exactly as `jobs.bench` counts it.
+  between the sites because the one cluster spans them — exactly as the default suite counts it.
 Gap = (final eval loss - flat_ddp's) / flat_ddp's; ratio = flat_ddp's slow-link bytes / the arm's.
 Target (the issue's): ratio >= 500 at gap <= 2 %.
 
@@ -368,7 +368,7 @@ def write_report(out: Path, arms: list[Arm], results: dict[str, dict], meta: dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench convergence", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks convergence", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for convergence.{json,md,png} and the runs")
     parser.add_argument("--quick", action="store_true", help="smoke run: model=tiny, 200 steps, few arms")
     parser.add_argument("--model", default=None, help="model preset (default small; tiny with --quick)")

@@ -4,7 +4,7 @@ Train's docs recommend, so a kill's cost can be compared with hsgd's and torchft
 What is measured. One fit() of `steps` optimizer steps on N workers, every step padded to
 `min_step_s` (a sleep, as hsgd's `train.min_step_s`), with replicas SIGKILLed from outside — at a
 step (`kills`) or at a time (`kill_times_s`) — and, per kill, read from the step logs
-(jobs.peers.common): the survivors' stall, the victim's rejoin, the steps the group lost (the
+(benchmarks.peers.common): the survivors' stall, the victim's rejoin, the steps the group lost (the
 highest step committed before the kill minus the step it resumed at), and the time until the
 victim is back past the step it failed at. `wall_s` is fit()'s wall time.
 
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hsgd.record.rundir import atomic_write_text
-from jobs.peers import common
+from benchmarks.peers import common
 
 REPO = str(Path(__file__).resolve().parents[2])
 STATE_FILE = "state.pt"  # inside each checkpoint directory: model, optimizer state, step
