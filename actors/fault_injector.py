@@ -1,6 +1,6 @@
 """The fault injector: the one place a run's faults are scheduled, armed and recorded.
 
-Like torchft's `FailureInjector` (`fail_at`, `check`), but for a schedule of many faults: the
+Like torchft's FailureInjector (`fail_at`, `check`), but for a schedule of many faults: the
 schedule comes from the config (`faults.schedule`, random `faults.mtbf_s`) and drills (`add`).
 `arm` hands each replica fault to the phase call that must carry it (it fires inside the replica at
 the step or phase boundary named, so runs replay bitwise); a target that takes no part in that call

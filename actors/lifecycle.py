@@ -1,7 +1,7 @@
 """Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
 
-Ray keeps, per actor, `NumRestarts` (how many times it has been restarted: the process serving
-now is incarnation NumRestarts, counting from 0) and `State` (ALIVE, RESTARTING, DEAD, ...).
+Ray keeps, per actor, NumRestarts (how many times it has been restarted: the process serving
+now is incarnation NumRestarts, counting from 0) and State (ALIVE, RESTARTING, DEAD, ...).
 An actor at NumRestarts n has lost incarnations 0..n-1; one that is DEAD has lost incarnation n
 too (no restart will come). That count goes up whatever the process was doing when it died —
 answering a call, idle, still in its constructor while Ray restarts it, warming up as a spare,
@@ -87,7 +87,7 @@ def own_incarnation() -> int | None:
 
 
 def read_actor_table() -> list[dict]:
-    """Every actor of the cluster as Ray's GCS lists it (`Name`, `State`, `NumRestarts`, `Pid`):
+    """Every actor of the cluster as Ray's GCS lists it (`Name`, State, NumRestarts, `Pid`):
     one call. Raises what the GCS client raises."""
     from ray._private.state import state as gcs
 

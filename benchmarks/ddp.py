@@ -2,7 +2,7 @@
 `ddp` against torch's DistributedDataParallel, 1 cluster x 2 replicas over gloo, no Ray.
 
 Two processes (spawned here, one TCPStore in this process) each run, interleaved, R times:
-- `hsgd`: `ReplicaTrainer.run_inner` for one round of N steps on a 2-member inner LevelGroup
+- `hsgd`: `hsgd.train.trainer.ReplicaTrainer.run_inner` for one round of N steps on a 2-member inner LevelGroup
   (gradients all-reduced as `comm.bucket_mb` buckets from backward hooks when the trainer has
   them; the "buckets" field says whether it did);
 - `hsgd_unbucketed`: the same with comm.bucket_mb=0 (one all-reduce after the whole backward);

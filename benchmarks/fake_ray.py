@@ -8,7 +8,7 @@ The replicas (`Replica`): each holds its committed (round, step), its global par
 show it), its pid and incarnation. They answer:
 
     run_inner     done at the round's end (`report`: steps, tokens, bytes, losses); `behind` when
-                  the replica has not reached the round. With `World.inner_s` > 0 the answer is
+                  the replica has not reached the round. With World.inner_s > 0 the answer is
                   ready only that many seconds after the call, and `progress` meanwhile reports
                   the step reached so far (a round that trains).
     outer_reduce  done with `outer_bytes`; outer_commit: done at round + 1 with its digests
@@ -194,7 +194,7 @@ class Replica:
 
     # -- phases ------------------------------------------------------------------------------------------
     def _answer(self, outcome: str = "done", **fields) -> dict:
-        return {"outcome": outcome, "ok": outcome == "done", "rid": self.rid, **fields, "round": self.round,
+        return {"outcome": outcome, "rid": self.rid, **fields, "round": self.round,
                 "step": self.step}
 
     def _faulted(self, method: str, join: tuple | None, round_index: int) -> Ref | None:

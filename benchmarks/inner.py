@@ -4,7 +4,7 @@ this path imports ray, so it runs on a bare GPU machine with torch and torchft o
 
 On `cuda` when present, else the CPU, for each model preset and the same batch, interleaved
 (every repeat runs each variant once, in turn, so drift hits all alike):
-- `hsgd`:  `ReplicaTrainer.run_inner` on a solo inner group (world size 1) with the config's
+- `hsgd`:  `hsgd.train.trainer.ReplicaTrainer.run_inner` on a solo inner group (world size 1) with the config's
            numerics (on CUDA by default train.precision=bf16, train.compile=true, fused AdamW;
            on the CPU the defaults; `--set` overrides any config key);
 - `plain`: the same step written out in this file (same model, batch, precision, optimizer

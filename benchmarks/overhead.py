@@ -2,7 +2,7 @@
 what hsgd's orchestration costs a step, against plain `torch.distributed` DDP.
 
 For each model, `python -m benchmarks ddp` (issue 20's comparison, reused, not rewritten: two processes over
-gloo, hsgd's `ReplicaTrainer.run_inner` on a 2-member inner group vs
+gloo, hsgd's `hsgd.train.trainer.ReplicaTrainer.run_inner` on a 2-member inner group vs
 `torch.nn.parallel.DistributedDataParallel`, same model, batches, loss, clipping and AdamW, warmed
 up, then interleaved repeats) runs into `<out>/ddp_<model>/ddp.json`. `overhead.json` holds per
 model the tokens/s of each side (median of the repeats), the ratio hsgd / DDP (median) and its

@@ -9,7 +9,7 @@ says is never trusted with this user's Ray token or with a signal.
   cluster that a raylet of this user on this node belongs to (the local node's cluster). When
   run.json names another address, diagnose refuses with one line (exit 2) and connects nowhere.
 - Signal: py-spy and SIGUSR2 (faulthandler) go only to a process that Ray's own actor table
-  reports as the live `Replica` actor named for this run and replica, on this node, owned by this
+  reports as the live `actors.replica.Replica` actor named for this run and replica, on this node, owned by this
   user (and, when the replica answered, the pid it gave). Any other replica is asked for its own
   stack over Ray instead.
 """

@@ -36,7 +36,7 @@ it. Each (re)start appends `{"rank", "resumed_at", "t", "pid"}` to `<out>/starts
 This runner restarts nothing itself.
 
 What can fail. More kills than `max_failures` (here: the number of kills + 1) or an error in the
-training function ends fit() with `TrainingFailedError`: `result_error` holds it. A kill whose
+training function ends fit() with Ray Train's TrainingFailedError: `result_error` holds it. A kill whose
 step is never logged before the deadline is skipped (`kill_errors`). fit() gets `timeout_s`; past
 it, `ray.shutdown()` ends the run (and the Ray session of this process, even one it did not start)
 and `result_error` says so. A timed kill that falls while the group restarts waits until the group

@@ -22,10 +22,10 @@ How (torchft's protocol)
       replicas, more than half of the healthy ones, asked and either every healthy replica asked
       or `join_timeout_ms` passed since the first of them asked; re-checked every
       `quorum_tick_ms` and at every request.
-    - Manager (one per worker, its own TCPStore, pg `ProcessGroupGloo`): `Optimizer.zero_grad()`
+    - Manager (one per worker, its own TCPStore, pg `torchft.process_group.ProcessGroupGloo`): `Optimizer.zero_grad()`
       asks for the quorum at every step (asynchronously, overlapping the forward); a new quorum
       reconfigures the gloo group. A replica behind the quorum's max step heals: a live peer
-      sends its `state_dict()` (model + AdamW) over the process group (`PGTransport`, as
+      sends its `state_dict()` (model + AdamW) over the process group (`torchft.checkpointing.pg_transport.PGTransport`, as
       train_ddp.py does) and this replica loads it (`load_state_dict`) before its optimizer
       step; a healing replica's gradients count as zeros in that step's all-reduce.
     - `torchft.DistributedDataParallel` all-reduces the gradients (the mean over the
@@ -42,7 +42,7 @@ What can fail
       replicas must ask).
     - A peer killed DURING the all-reduce makes the survivors' all-reduce fail (its sockets
       close). torchft's Manager logs and reports the error so that should_commit() says no, but
-      torchft 0.2.0's `DistributedDataParallel._comm_hook` then asserts on the missing future
+      torchft 0.2.0's `torchft.ddp.DistributedDataParallel._comm_hook` then asserts on the missing future
       (`assert fut._fut`): the survivor's backward raises AssertionError and its process exits.
     - A peer killed after it asked for a quorum but before the new gloo group was configured
       holds the survivors in `pg.configure` (a store wait) for the gloo timeout; the Manager then
@@ -77,7 +77,7 @@ Settings
     "readme": the README's lighthouse flags `--min_replicas 1 --quorum_tick_ms 100
     --join_timeout_ms 10000` with the lighthouse's default heartbeat timeout (5000 ms, the CLI's
     default), and train_ddp.py's Manager: `min_replica_size=1`, `timeout=30 s`,
-    `ProcessGroupGloo(timeout=5 s)`, `PGTransport(timeout=10 s)`; the rest at the Manager's
+    ProcessGroupGloo(timeout=5 s), PGTransport(timeout=10 s); the rest at the Manager's
     defaults (quorum_timeout 60 s, connect_timeout 60 s, heartbeat_interval 100 ms).
     "fast": join_timeout_ms=100 (a dead member no longer holds the quorum for long);
     quorum_tick_ms=10 (what torchft's own lighthouse tests use: an expired timeout is noticed

@@ -25,7 +25,7 @@ collective at a time:
 What a round syncs is hsgd/core/outer_plan.py's: fragment `round % sync.fragments` (every
 parameter without fragments), cut into shards at the codec's block boundaries (hsgd/train/codec.py).
 Failures:
-- A failed collective raises `CollectiveError` and leaves the state exactly where the last
+- A failed collective raises `hsgd.train.comm.CollectiveError` and leaves the state exactly where the last
   committed step left it (a localsgd step whose average failed is rolled back, so its retry never
   applies the optimizer step twice); the step in flight is redone after re-planning.
 - A non-finite loss or gradient norm sets a flag kept on the device (no per-step host sync); it

@@ -73,19 +73,6 @@ def resolves(module_name: str, doc: str, name: str) -> bool:
     return any(_attribute(place, parts) for place in places)
 
 
-# Names other helpers of issue 31 are renaming or creating on their branches right now: the lead
-# empties this at the merge (an entry that resolves fails the test, so none outlives its fix).
-# Most name another library's or Ray's things by their bare name: write them dotted
-# (`torchft.process_group.ProcessGroupGloo`) or unquoted.
-PENDING: set[tuple[str, str]] = {
-    ("actors.fault_injector", "FailureInjector"), ("actors.lifecycle", "NumRestarts"), ("actors.lifecycle", "State"),
-    ("hsgd.train.trainer", "CollectiveError"),
-    ("jobs.bench_ddp", "ReplicaTrainer.run_inner"), ("jobs.bench_inner", "ReplicaTrainer.run_inner"),
-    ("jobs.bench_overhead", "ReplicaTrainer.run_inner"), ("jobs.diagnose", "Replica"), ("jobs.fake_ray", "World.inner_s"),
-    ("jobs.peers.raytrain_peer", "TrainingFailedError"), ("jobs.peers.torchft_peer", "DistributedDataParallel._comm_hook"),
-    ("jobs.peers.torchft_peer", "PGTransport"), ("jobs.peers.torchft_peer", "ProcessGroupGloo"),
-}
-
 CASES = sorted(_docstring_names())
 
 
@@ -97,8 +84,6 @@ def test_the_scan_finds_the_names_it_should():
 
 @pytest.mark.parametrize("module,doc,name", CASES, ids=[f"{m}:{n}" for m, _, n in CASES])
 def test_a_docstring_names_only_what_exists(module, doc, name):
-    if (module, name) in PENDING:
-        assert not resolves(module, doc, name), f"{module}: `{name}` resolves now: remove it from PENDING"
-        return
     assert resolves(module, doc, name), (f"{module}'s docstring names `{name}`, which is neither defined nor "
-                                         f"imported there nor in a module the docstring names")
+                                         f"imported there nor in a module the docstring names: write it dotted "
+                                         f"(`torchft.process_group.ProcessGroupGloo`) or unquoted")
