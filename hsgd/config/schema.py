@@ -218,7 +218,7 @@ class CommConfig:
 
 @dataclass
 class LinkConfig:
-    # A simulated link for this level (hsgd.train.comm.LinkModel): each collective lasts at least
+    # A simulated link for this level (hsgd.train.simulate.LinkModel): each collective lasts at least
     # latency + jitter + its bytes * 8 / (gbps * 1e9) s, so one machine behaves like a WAN.
     gbps: float = non_negative(0.0)  # 0 = no simulation (the real network as it is); else >= comm.min_gbps
     latency_ms: float = milliseconds_or_zero(0.0)  # per collective

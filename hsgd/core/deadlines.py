@@ -38,7 +38,7 @@ STATE_SMALL_BYTES = 1 << 20
 def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
     """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
     payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
-    one (or a heal) from the same two settings. A simulated link's sleep (`LinkModel`, config
+    one (or a heal) from the same two settings. A simulated link's sleep (`hsgd.train.simulate.LinkModel`, config
     `links.*`) is outside this deadline: it comes after the op returned."""
     return base_s + payload_bytes * 8 / (min_gbps * 1e9)
 
