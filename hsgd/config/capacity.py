@@ -192,9 +192,7 @@ def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str
 
     gpus = int(total.get("GPU", 0.0) + 1e-9)
     if gpus_fit(replicas_per_cluster):
-        if "nccl" in (inner, outer) or inner == "auto":
-            return BackendPlan(inner, outer, 1.0)
-        return BackendPlan(inner, outer, 0.0)
+        return BackendPlan(inner, outer, 1.0 if "nccl" in (inner, outer) or inner == "auto" else 0.0)
     if placement_problem(replicas_per_cluster=replicas_per_cluster, need={"CPU": float(cpus_per_replica)},
                          **place) is not None:  # short of CPUs whatever the backend: the placement check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)

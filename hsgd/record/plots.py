@@ -87,7 +87,7 @@ def replica_states(events: list[dict]):
             clusters = set(listed) if e.get("cluster") is not None else None
             new = dict(state)
             for rid, s in state.items():
-                if s in ("live", "standby", "joining") and (clusters is None or _cluster_key(rid) in clusters):
+                if s in ("live", "standby", "joining") and (clusters is None or _cluster(rid) in clusters):
                     new[rid] = "joining"
             for members in listed.values():
                 new.update({rid: "live" for rid in members})
@@ -364,8 +364,3 @@ def write_membership_png(run_dir: str | Path) -> Path:
 def write_run_plots(run_dir: str | Path) -> list[Path]:
     """loss.png, timeline.png and membership.png under run_dir; returns their paths."""
     return [write_loss_png(run_dir), write_timeline_png(run_dir), write_membership_png(run_dir)]
-
-
-def _cluster_key(rid: str) -> str:
-    """`c1` for `c1r0` (the key a membership event lists a cluster's members under)."""
-    return rid.split("r", 1)[0]

@@ -48,9 +48,7 @@ class CheckpointError(RuntimeError):
 # -- where ----------------------------------------------------------------------------------------
 def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
     """The checkpoint root: `checkpoint.dir` as given (a URL or a path), or `<run_dir>/checkpoints`."""
-    if checkpoint_dir:
-        return str(checkpoint_dir)
-    return str(Path(run_dir) / "checkpoints")
+    return str(checkpoint_dir) if checkpoint_dir else str(Path(run_dir) / "checkpoints")
 
 
 def _fs(url: str | Path):
@@ -213,11 +211,8 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
 def finalized(root: str | Path) -> list[str]:
     """Every finalized checkpoint directory (it has a manifest), oldest first."""
     fs, _ = _fs(root)
-    out = []
-    for name in _names(root):
-        if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1]):
-            out.append(_join(root, name))
-    return out
+    return [_join(root, name) for name in _names(root)
+            if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1])]
 
 
 def latest(root: str | Path) -> str | None:
