@@ -163,11 +163,6 @@ class ActorWatch:
         self._save()
         return name, incarnation
 
-    def incarnation(self, rid: str) -> int | None:
-        """The incarnation of the process that last answered for `rid`, or None before one did."""
-        last = self._last.get(rid)
-        return None if last is None else last[1]
-
     def latest(self, death: Death) -> bool:
         """`death` is of the process that last answered for its replica (or of a newer one of the
         same actor, or nothing answered yet): the replica, as the supervisor holds it, is gone. An

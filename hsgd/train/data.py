@@ -9,8 +9,6 @@ Contract:
 - `batch_for_step(train, seed=, replica_index=, step=, ...)` is a pure function of its
   arguments. A replica carries no data-loader state: its data position IS its step counter,
   so a replica restored at step s draws exactly the batches it would have drawn anyway.
-- `eval_batches(val, ...)` is a fixed list of batches: the same for every call with the
-  same arguments, so val losses from different replicas and runs are comparable.
 - `build_dataset(data_cfg, block_size)` (the default `data._target_`) returns a `Dataset` (hsgd/train/task.py): the
   packaged corpus or a text path (char-level, held in RAM), or a folder of token files
   (train.bin/val.bin, read through np.memmap; see hsgd/train/tokens.py). Every dataset answers
@@ -94,19 +92,6 @@ def _codepoints(text: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int32).long()  # (N,)
 
 
-def encode(text: str, chars) -> torch.Tensor:
-    """text -> (N,) int64 ids into `chars`; ValueError on a character not in `chars`."""
-    cps = _codepoints(text)  # (N,)
-    codes = torch.tensor([ord(c) for c in chars], dtype=torch.int64)  # (V,)
-    sorted_codes, order = codes.sort()
-    pos = torch.searchsorted(sorted_codes, cps).clamp(max=len(codes) - 1)  # (N,)
-    unknown = sorted_codes[pos] != cps
-    if unknown.any():
-        bad = sorted({chr(c) for c in cps[unknown][:100].tolist()})
-        raise ValueError(f"characters not in the vocabulary: {bad!r}")
-    return order[pos]
-
-
 def decode(ids, chars) -> str:
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
     return "".join(chars[i] for i in ids)
@@ -183,15 +168,6 @@ def _offsets(n_tokens: int, *, seed: int, replica_index: int, step: int, micro: 
 def _batch_at(tokens: torch.Tensor, offsets: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = tokens[offsets[:, None] + torch.arange(block_size + 1)]  # (B, T+1)
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
-
-
-def eval_batches(tokens: torch.Tensor, *, batch_size: int, block_size: int, n_batches: int,
-                 seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed evaluation batches from `tokens` (the val split): stream replica_index=-1,
-    steps 0..n_batches-1, so they never coincide with a training replica's stream."""
-    return [batch_for_step(tokens, seed=seed, replica_index=-1, step=i,
-                           batch_size=batch_size, block_size=block_size)
-            for i in range(n_batches)]
 
 
 # ----------------------------------------------------------------------------- datasets
