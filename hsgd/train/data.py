@@ -18,7 +18,6 @@ Contract:
 - `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
 
-import gzip
 import lzma
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,7 +32,6 @@ from hsgd.train import task
 from hsgd.train import tokens as token_files
 
 MIN_CHARS = 2 * 1024  # less text than this is surely the wrong data.path
-ACCEPTED = "a .txt file, a .xz/.gz compressed text file, or a folder of *.txt files"
 _MASK64 = (1 << 64) - 1
 
 
@@ -57,30 +55,10 @@ def _packaged_text(name: str = "shakespeare.txt.xz") -> str:
     return lzma.decompress(raw).decode("utf-8")
 
 
-def _read_file(file: Path, path: str) -> str:
-    opener = {".xz": lzma.open, ".gz": gzip.open}.get(file.suffix, open)
-    try:
-        with opener(file, "rt", encoding="utf-8") as f:
-            return f.read()
-    except (UnicodeDecodeError, lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
-        raise ValueError(f"data.path={path!r}: cannot read {file} as UTF-8 text "
-                         f"({type(e).__name__}); expected {ACCEPTED}") from None
-
-
 def _read_text(path: str) -> str:
-    p = Path(path).expanduser()
-    if p.is_file():
-        text = _read_file(p, path)
-    elif p.is_dir():
-        files = sorted((f for f in p.rglob("*.txt") if f.is_file()),
-                       key=lambda f: f.relative_to(p).as_posix())
-        if not files:
-            raise FileNotFoundError(f"data.path={path!r} is a folder with no *.txt files; "
-                                    f"expected {ACCEPTED}")
-        text = "\n\n".join(_read_file(f, path) for f in files)
-    else:
-        raise FileNotFoundError(f"data.path={path!r} does not exist; expected {ACCEPTED}")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    """The text at `path` (a file or a folder of *.txt), as jobs.prepare reads it: newlines
+    normalised, files joined by a blank line. FileNotFoundError / ValueError naming data.path."""
+    return "".join(token_files.iter_text(token_files.text_files(path), path))
 
 
 # ----------------------------------------------------------------------------- encoding
