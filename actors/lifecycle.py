@@ -9,14 +9,10 @@ healing — so a watch over it misses no death, where a call can: a call to a RE
 held by Ray, and a process that dies and comes back between two calls is never seen failing one.
 
 `ActorWatch.poll()` reads the actor table once (one GCS call for every actor: about a
-millisecond for a few dozen) and returns each incarnation that died since the last poll, once. A
-death the supervisor learned otherwise (a call that failed, a kill it ordered) is told with
-`note_death`, so a later poll does not report that incarnation again — whichever comes first
-reports it, the other is a no-op. `note_up` tells it which process answered for a replica (its
-incarnation, from the replica's own `progress`): a death learned from a call is the oldest
-process that answered and is not known dead. Which replica id an
-incarnation served follows the identity map: a spare promoted to serve `c0r1` dies as `c0r1`; a
-replica's own actor that became a spare dies as a spare (`Death.rid` None).
+millisecond for a few dozen) and returns each incarnation that died since the last poll, once; a
+death the supervisor learned otherwise is told with `note_death`, and whichever comes first
+reports it. Which replica id an incarnation served follows the identity map: a spare promoted to
+serve `c0r1` dies as `c0r1`; a replica's own actor that became a spare dies as a spare.
 
 What was reported survives a supervisor restart: the reported incarnations live in the
 supervisor's durable dict (`seen`), saved by `save` whenever they change.

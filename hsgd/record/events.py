@@ -6,9 +6,7 @@
   a user's notebook) can rely on them; tests/unit/test_event_schema.py checks every call site.
 - metrics.jsonl: one object per committed round (see README, "Outputs").
 - summary.json: written atomically at the end (and on failure) with full-precision floats.
-Each record is appended by the folder's writer thread as soon as it is logged, so a live reader
-(jobs.status, a notebook) sees it at once; while the folder cannot be written, records wait in
-memory and are written, in order and once each, when it can (RunLog).
+How records reach the files while the folder fails and recovers: `RunLog`.
 """
 from __future__ import annotations
 
