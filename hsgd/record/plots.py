@@ -126,13 +126,16 @@ def timeline_data(run_dir: str | Path) -> dict:
     def add(rid, start, stop, kind):
         spans.setdefault(rid, []).append((start, max(start, stop), kind))
 
+    def close_phase(key, at):
+        start, members = open_phase.pop(key)
+        for rid in members:
+            add(rid, start, at, key[0])
+
     def close_all(at):
-        for (phase, _), (start, members) in open_phase.items():
-            for rid in members:
-                add(rid, start, at, phase)
+        for key in list(open_phase):
+            close_phase(key, at)
         for rid, start in open_heal.items():
             add(rid, start, at, "heal")
-        open_phase.clear()
         open_heal.clear()
 
     for e in events:
@@ -140,14 +143,10 @@ def timeline_data(run_dir: str | Path) -> dict:
         key = (e.get("phase"), e.get("cluster"))
         if name == "phase_begin" and e.get("phase") in SPAN_KINDS:
             if key in open_phase:  # begun again without an end: the old one ended here
-                start, members = open_phase.pop(key)
-                for rid in members:
-                    add(rid, start, t, e["phase"])
+                close_phase(key, t)
             open_phase[key] = (t, list(e.get("replicas") or []))
         elif name == "phase_end" and key in open_phase:
-            start, members = open_phase.pop(key)
-            for rid in members:
-                add(rid, start, t, e["phase"])
+            close_phase(key, t)
         elif name == "heal_begin" and e.get("target"):
             open_heal[e["target"]] = t
         elif name == "heal_end" and e.get("target") in open_heal:
