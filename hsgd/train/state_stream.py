@@ -27,6 +27,7 @@ whole received state.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +56,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def encode(self) -> tuple:
         return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.device)
