@@ -17,9 +17,6 @@ driver's own CUDA: a CPU-only head node is the usual `ray job submit` target) an
 `resolve_level_backend` (in each replica, by the GPU Ray gave it). A replica asks Ray for a GPU of
 its own exactly when a level may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU
 detected"); what the cluster cannot give is refused here, before any replica starts.
-
-`data_path_problem`: the answers of one tiny task per node that could hold a replica (does
-data.path exist there?) as one line naming the nodes that lack it.
 """
 from __future__ import annotations
 
