@@ -218,13 +218,10 @@ class ActorWatch:
 
     def _role(self, name: str, incarnation: int) -> str | None:
         """The replica id `name` served at `incarnation` (None: a spare then)."""
-        served = None
-        for first, rid in self._roles.get(name, ()):
-            if first <= incarnation:
-                served = rid
-        if not self._roles.get(name):  # never told: the identity map now
-            served = next((rid for rid, n in self.identity.items() if n == name), None)
-        return served
+        roles = self._roles.get(name)  # (first incarnation, rid) in order
+        if not roles:  # never told: the identity map now
+            return next((rid for rid, n in self.identity.items() if n == name), None)
+        return next((rid for first, rid in reversed(roles) if first <= incarnation), None)
 
     def _spare_cluster(self, name: str) -> int | None:
         return next((int(c) for c, names in self.spares.items() if name in names), None)
