@@ -149,9 +149,6 @@ class RunLog:
     by `unwritable_s()` and by two events, `run_dir_unwritable` when writes start failing and
     `run_dir_writable` when one works again (with `warn` called for each, for the console); the
     caller decides how long an outage it tolerates (the supervisor: run.io_grace_s, hsgd.core.deadlines.storage_problem).
-
-    `records("events" | "metrics")` reads the file and what is still in memory (a summary needs
-    both); `close()` writes what is kept, waiting at most its timeout.
     """
 
     def __init__(self, run_dir: str | Path, *, echo=None, warn=None, write_timeout_s: float = 5.0):

@@ -114,10 +114,10 @@ def _safe(owner: str) -> str:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through (torch.save streams into it)."""
+    """A write-only file that hashes what passes through into `sha` (torch.save streams into it)."""
 
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+    def __init__(self, f, sha):
+        self.f, self.sha = f, sha
 
     def writable(self) -> bool:
         return True
@@ -151,14 +151,9 @@ def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     """Write one replica's state into `directory` (a URL or path); returns its sha256 for the manifest."""
     import torch  # imported here so file-only readers (jobs.status) start fast
 
-    digest = {}
-
-    def write(f):
-        w = _HashingWriter(f)
-        torch.save(state, w)
-        digest["sha"] = w.sha.hexdigest()
-    _write_bytes_atomic(_join(directory, f"{rid}.pt"), write)
-    return digest["sha"]
+    sha = hashlib.sha256()
+    _write_bytes_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
+    return sha.hexdigest()
 
 
 def _write_text(url: str, text: str) -> None:
