@@ -189,7 +189,8 @@ class Drill:
             raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            failures = self._failures_since(last["t"])
+            failures = [e for e in read_jsonl(self.run_dir / "events.jsonl")
+                        if e["event"] in _FAILURES and e["t"] >= last["t"] - _CLOCK_SKEW_S]
             if self._took_effect(last, failures):
                 return failures
             self._raise_if_ended("the fault to take effect")
@@ -255,10 +256,6 @@ class Drill:
         if not self._injected:
             raise DrillError("nothing was injected")
         return self._injected[-1]
-
-    def _failures_since(self, t0: float) -> list[dict]:
-        return [e for e in read_jsonl(self.run_dir / "events.jsonl")
-                if e["event"] in _FAILURES and e["t"] >= t0 - _CLOCK_SKEW_S]
 
     @staticmethod
     def _took_effect(last: dict, failures: list[dict]) -> bool:

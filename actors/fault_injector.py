@@ -39,10 +39,6 @@ class FaultInjector:
         for raw in state.added_faults:  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
 
-    @property
-    def fired(self) -> list[int]:
-        return self.state.fired
-
     def add(self, raw: dict) -> str:
         """Schedule one more fault (drills). Validated like the config's; recorded durably."""
         spec = parse_fault(raw, index=len(self.faults), **self.shape)
@@ -54,7 +50,7 @@ class FaultInjector:
 
     def pending(self, round_index: int, phases: tuple[str, ...]) -> bool:
         """Any replica fault of this round and these phases still to fire? (cheap: no plan needed)"""
-        return any(i not in self.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
+        return any(i not in self.state.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
                    for i, f in enumerate(self.faults))
 
     def arm(self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str],
@@ -62,10 +58,10 @@ class FaultInjector:
         """Faults due in a call of `round_index` covering `phases` made to the replicas `only`:
         rid -> fault messages to pass with that replica's call."""
         armed: dict[str, list[dict]] = {}
-        due = [d for d in due_faults(self.faults, self.fired, round_index=round_index, phases=phases, plan=plan)
+        due = [d for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
                if set(d.targets) & only]
         for d in due:
-            self.fired.append(d.index)
+            self.state.fired.append(d.index)
             self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
             for rid in d.targets:
                 if rid in only:
@@ -82,9 +78,9 @@ class FaultInjector:
     def supervisor_faults(self, round_index: int, phase: str) -> None:
         """Fire a supervisor fault scheduled for this round and phase (the supervisor dies here)."""
         for i, f in enumerate(self.faults):
-            if i in self.fired or f.target_kind != "supervisor" or f.round != round_index or f.phase != phase:
+            if i in self.state.fired or f.target_kind != "supervisor" or f.round != round_index or f.phase != phase:
                 continue
-            self.fired.append(i)
+            self.state.fired.append(i)
             self._save()  # before dying: a restarted supervisor must not fire it again
             self.log.event("fault_fired", fault=f.describe(), pid=os.getpid())
             self.record_fired("supervisor", f.kind, phase, round_index)
@@ -97,4 +93,4 @@ class FaultInjector:
         write_fault_fired(self.log.writer, self.run_dir, rid, kind, phase, round_index, 0)
 
     def not_fired(self) -> list[str]:
-        return [f.describe() for i, f in enumerate(self.faults) if i not in self.fired]
+        return [f.describe() for i, f in enumerate(self.faults) if i not in self.state.fired]

@@ -54,11 +54,6 @@ def connect_ray(cfg: DictConfig) -> bool:
     return True
 
 
-def supervisor_starts(run_dir: str) -> int:
-    """How many supervisor incarnations have started (their durable count; 0 before the first)."""
-    return RunState.read(run_dir).supervisor_starts
-
-
 def run_training(cfg: DictConfig, run_dir: str) -> dict:
     """Run one training job to its end; returns summary.json's content. A relative run_dir is
     taken as run.dir is (hsgd.config.output_path): under a Ray job, below the persistent root.
@@ -205,7 +200,7 @@ def _drive(run: Run, supervisor) -> dict:
             try:
                 return ray.get(ref, timeout=60.0)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
-                verdict = losses.on_error(supervisor_starts(run.run_dir), time.monotonic())
+                verdict = losses.on_error(RunState.read(run.run_dir).supervisor_starts, time.monotonic())
                 if verdict.gone:
                     return driver_summary(run.run_dir, cfg, f"{verdict.reason}: {type(err).__name__}")
                 if verdict.new_loss:

@@ -9,14 +9,10 @@ healing — so a watch over it misses no death, where a call can: a call to a RE
 held by Ray, and a process that dies and comes back between two calls is never seen failing one.
 
 `ActorWatch.poll()` reads the actor table once (one GCS call for every actor: about a
-millisecond for a few dozen) and returns each incarnation that died since the last poll, once. A
-death the supervisor learned otherwise (a call that failed, a kill it ordered) is told with
-`note_death`, so a later poll does not report that incarnation again — whichever comes first
-reports it, the other is a no-op. `note_up` tells it which process answered for a replica (its
-incarnation, from the replica's own `progress`): a death learned from a call is the oldest
-process that answered and is not known dead. Which replica id an
-incarnation served follows the identity map: a spare promoted to serve `c0r1` dies as `c0r1`; a
-replica's own actor that became a spare dies as a spare (`Death.rid` None).
+millisecond for a few dozen) and returns each incarnation that died since the last poll, once; a
+death the supervisor learned otherwise is told with `note_death`, and whichever comes first
+reports it. Which replica id an incarnation served follows the identity map: a spare promoted to
+serve `c0r1` dies as `c0r1`; a replica's own actor that became a spare dies as a spare.
 
 What was reported survives a supervisor restart: the reported incarnations live in the
 supervisor's durable dict (`seen`), saved by `save` whenever they change.
@@ -163,11 +159,6 @@ class ActorWatch:
         self._save()
         return name, incarnation
 
-    def incarnation(self, rid: str) -> int | None:
-        """The incarnation of the process that last answered for `rid`, or None before one did."""
-        last = self._last.get(rid)
-        return None if last is None else last[1]
-
     def latest(self, death: Death) -> bool:
         """`death` is of the process that last answered for its replica (or of a newer one of the
         same actor, or nothing answered yet): the replica, as the supervisor holds it, is gone. An
@@ -227,13 +218,10 @@ class ActorWatch:
 
     def _role(self, name: str, incarnation: int) -> str | None:
         """The replica id `name` served at `incarnation` (None: a spare then)."""
-        served = None
-        for first, rid in self._roles.get(name, ()):
-            if first <= incarnation:
-                served = rid
-        if not self._roles.get(name):  # never told: the identity map now
-            served = next((rid for rid, n in self.identity.items() if n == name), None)
-        return served
+        roles = self._roles.get(name)  # (first incarnation, rid) in order
+        if not roles:  # never told: the identity map now
+            return next((rid for rid, n in self.identity.items() if n == name), None)
+        return next((rid for first, rid in reversed(roles) if first <= incarnation), None)
 
     def _spare_cluster(self, name: str) -> int | None:
         return next((int(c) for c, names in self.spares.items() if name in names), None)

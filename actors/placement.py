@@ -51,7 +51,7 @@ def _alive_nodes() -> list[dict]:
 def _placement_args(cfg: Any) -> dict:
     t = cfg.topology
     return dict(clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster,
-                spares_per_cluster=int(t.get("spares_per_cluster", 0) or 0), total=ray.cluster_resources(),
+                spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(),
                 nodes=_alive_nodes(), strategy=t.placement_strategy, cluster_labels=list(t.cluster_labels or []),
                 label_key=LABEL_KEY)
 
@@ -60,7 +60,7 @@ def plan_backends(cfg: Any) -> BackendPlan:
     """The per-level backends and GPUs per replica on this Ray cluster (the decision:
     hsgd.config.capacity.plan_backends). Raises ConfigError (nccl where GPUs are too few)."""
     c = cfg.comm
-    return _plan_backends(backend=c.backend, inner_backend=c.get("inner_backend"), outer_backend=c.get("outer_backend"),
+    return _plan_backends(backend=c.backend, inner_backend=c.inner_backend, outer_backend=c.outer_backend,
                           cpus_per_replica=float(cfg.topology.cpus_per_replica), **_placement_args(cfg))
 
 
@@ -92,7 +92,7 @@ def check_data_path(cfg: Any, gpus: float, timeout_s: float = 30.0) -> list[str]
     CPU), in the job's working directory, so a relative path is checked as the replicas will read
     it. A node that does not answer within `timeout_s` is not refused; returns their names (the
     caller warns)."""
-    path = cfg.data.get("path")
+    path = cfg.data.path
     if path is None:
         return []
     nodes = _replica_nodes(cfg, gpus)
@@ -124,11 +124,9 @@ class ClusterPlacement:
         bundle = replica_resources(cfg, gpus)
         if strategy == "NONE" or cfg.topology.cluster_labels or not any(v > 0 for v in bundle.values()):
             return  # (a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced)
-        for c in range(cfg.topology.clusters):
-            slots = cfg.topology.replicas_per_cluster + int(cfg.topology.get("spares_per_cluster", 0) or 0)
-            pg = placement_group([dict(bundle) for _ in range(slots)],  # replicas, then hot spares
-                                 strategy=strategy, name=f"hsgd-cluster-{c}")
-            self.groups.append(pg)
+        slots = cfg.topology.replicas_per_cluster + cfg.topology.spares_per_cluster  # replicas, then hot spares
+        self.groups = [placement_group([dict(bundle) for _ in range(slots)], strategy=strategy, name=f"hsgd-cluster-{c}")
+                       for c in range(cfg.topology.clusters)]
         refs = [pg.ready() for pg in self.groups]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):

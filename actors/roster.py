@@ -8,9 +8,7 @@ inner group (and, for a leader, the outer group) must be configured again. The d
 what a round does with this view are hsgd.core.round's; "stuck after a supervisor restart" is
 hsgd.core.deadlines.StallWatch's.
 
-Deaths are logged here, each once (`died`, `deaths`): a death learned from a call and the same
-death read from Ray's restart count (actors/lifecycle.py ActorWatch) are one `replica_down`,
-carrying the incarnation that died; a warm spare's death is a `spare_lost`.
+Deaths are logged here, each once (`died`, `deaths`; actors/lifecycle.py `ActorWatch`).
 """
 from __future__ import annotations
 

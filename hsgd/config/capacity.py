@@ -17,9 +17,6 @@ driver's own CUDA: a CPU-only head node is the usual `ray job submit` target) an
 `resolve_level_backend` (in each replica, by the GPU Ray gave it). A replica asks Ray for a GPU of
 its own exactly when a level may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU
 detected"); what the cluster cannot give is refused here, before any replica starts.
-
-`data_path_problem`: the answers of one tiny task per node that could hold a replica (does
-data.path exist there?) as one line naming the nodes that lack it.
 """
 from __future__ import annotations
 
@@ -192,9 +189,7 @@ def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str
 
     gpus = int(total.get("GPU", 0.0) + 1e-9)
     if gpus_fit(replicas_per_cluster):
-        if "nccl" in (inner, outer) or inner == "auto":
-            return BackendPlan(inner, outer, 1.0)
-        return BackendPlan(inner, outer, 0.0)
+        return BackendPlan(inner, outer, 1.0 if "nccl" in (inner, outer) or inner == "auto" else 0.0)
     if placement_problem(replicas_per_cluster=replicas_per_cluster, need={"CPU": float(cpus_per_replica)},
                          **place) is not None:  # short of CPUs whatever the backend: the placement check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)

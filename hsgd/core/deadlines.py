@@ -1,4 +1,4 @@
-"""Hang watchdog: per-phase deadlines learned from the run itself, and hang reports.
+"""Hang watchdog: per-phase deadlines learned from the run itself (hang reports: hsgd.record.hangs).
 
 Deadlines. A fixed timeout is either too short for a slow healthy run or too long for a hang.
 `PhaseClock` keeps the recent durations of each phase, per unit of work (an inner phase of k
@@ -9,10 +9,6 @@ steps counts k units), and sets the deadline of the next call to
 so a replica twice as slow as usual is left alone (multiple defaults to 4) while a hung one is
 caught within seconds of the floor. Until a phase has been seen `min_samples` times its deadline
 is the ceiling.
-
-Reports. When a deadline passes, the supervisor collects a stack dump of every replica in the
-phase (py-spy when present, else faulthandler through a signal, else the replica's own answer)
-and `hang_report` writes which replica is stuck, in which function, and who waits on it.
 
 Payload-scaled deadlines. A transfer's deadline is a fixed part plus its bytes at the slowest link
 speed assumed (`collective_timeout_s`, comm.min_gbps); a heal's covers its group's join and the

@@ -48,10 +48,3 @@ class Topology:
 
     def cluster_of(self, rid: str) -> int:
         return parse_replica_id(rid)[0]
-
-    def contains(self, rid: str) -> bool:
-        try:
-            cluster, index = parse_replica_id(rid)
-        except ValueError:
-            return False
-        return cluster < self.clusters and index < self.replicas_per_cluster

@@ -6,9 +6,7 @@
   a user's notebook) can rely on them; tests/unit/test_event_schema.py checks every call site.
 - metrics.jsonl: one object per committed round (see README, "Outputs").
 - summary.json: written atomically at the end (and on failure) with full-precision floats.
-Each record is appended by the folder's writer thread as soon as it is logged, so a live reader
-(jobs.status, a notebook) sees it at once; while the folder cannot be written, records wait in
-memory and are written, in order and once each, when it can (RunLog).
+How records reach the files while the folder fails and recovers: `RunLog`.
 """
 from __future__ import annotations
 
@@ -151,9 +149,6 @@ class RunLog:
     by `unwritable_s()` and by two events, `run_dir_unwritable` when writes start failing and
     `run_dir_writable` when one works again (with `warn` called for each, for the console); the
     caller decides how long an outage it tolerates (the supervisor: run.io_grace_s, hsgd.core.deadlines.storage_problem).
-
-    `records("events" | "metrics")` reads the file and what is still in memory (a summary needs
-    both); `close()` writes what is kept, waiting at most its timeout.
     """
 
     def __init__(self, run_dir: str | Path, *, echo=None, warn=None, write_timeout_s: float = 5.0):

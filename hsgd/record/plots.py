@@ -87,7 +87,7 @@ def replica_states(events: list[dict]):
             clusters = set(listed) if e.get("cluster") is not None else None
             new = dict(state)
             for rid, s in state.items():
-                if s in ("live", "standby", "joining") and (clusters is None or _cluster_key(rid) in clusters):
+                if s in ("live", "standby", "joining") and (clusters is None or _cluster(rid) in clusters):
                     new[rid] = "joining"
             for members in listed.values():
                 new.update({rid: "live" for rid in members})
@@ -126,13 +126,16 @@ def timeline_data(run_dir: str | Path) -> dict:
     def add(rid, start, stop, kind):
         spans.setdefault(rid, []).append((start, max(start, stop), kind))
 
+    def close_phase(key, at):
+        start, members = open_phase.pop(key)
+        for rid in members:
+            add(rid, start, at, key[0])
+
     def close_all(at):
-        for (phase, _), (start, members) in open_phase.items():
-            for rid in members:
-                add(rid, start, at, phase)
+        for key in list(open_phase):
+            close_phase(key, at)
         for rid, start in open_heal.items():
             add(rid, start, at, "heal")
-        open_phase.clear()
         open_heal.clear()
 
     for e in events:
@@ -140,14 +143,10 @@ def timeline_data(run_dir: str | Path) -> dict:
         key = (e.get("phase"), e.get("cluster"))
         if name == "phase_begin" and e.get("phase") in SPAN_KINDS:
             if key in open_phase:  # begun again without an end: the old one ended here
-                start, members = open_phase.pop(key)
-                for rid in members:
-                    add(rid, start, t, e["phase"])
+                close_phase(key, t)
             open_phase[key] = (t, list(e.get("replicas") or []))
         elif name == "phase_end" and key in open_phase:
-            start, members = open_phase.pop(key)
-            for rid in members:
-                add(rid, start, t, e["phase"])
+            close_phase(key, t)
         elif name == "heal_begin" and e.get("target"):
             open_heal[e["target"]] = t
         elif name == "heal_end" and e.get("target") in open_heal:
@@ -364,8 +363,3 @@ def write_membership_png(run_dir: str | Path) -> Path:
 def write_run_plots(run_dir: str | Path) -> list[Path]:
     """loss.png, timeline.png and membership.png under run_dir; returns their paths."""
     return [write_loss_png(run_dir), write_timeline_png(run_dir), write_membership_png(run_dir)]
-
-
-def _cluster_key(rid: str) -> str:
-    """`c1` for `c1r0` (the key a membership event lists a cluster's members under)."""
-    return rid.split("r", 1)[0]

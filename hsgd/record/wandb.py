@@ -35,8 +35,8 @@ class WandbSink:
             self.run.define_metric("inner_step")
             for key in ("loss", "eval_loss", "tokens_per_s", "live_replicas", "epoch"):
                 self.run.define_metric(key, step_metric="inner_step")
-            self.run.define_metric("outer_bytes", step_metric="round")
-            self.run.define_metric("inner_bytes", step_metric="round")
+            for key in ("outer_bytes", "inner_bytes"):
+                self.run.define_metric(key, step_metric="round")
         except Exception as err:  # noqa: BLE001 — wandb's failures come in many types
             self._fail("wandb init", err)
 

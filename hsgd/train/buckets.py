@@ -186,10 +186,7 @@ class GradBuckets:
             b = self.buckets[self._next]
             try:
                 b.result = self._op.launch(b.flat)
-            except CollectiveError as err:
-                self._error = err
-                return
-            except Exception as err:  # noqa: BLE001 — e.g. OverlappingCollectiveError: raised at finish
+            except Exception as err:  # noqa: BLE001 — a CollectiveError, an OverlappingCollectiveError: raised at finish
                 self._error = err
                 return
             self._next += 1

@@ -48,9 +48,7 @@ class CheckpointError(RuntimeError):
 # -- where ----------------------------------------------------------------------------------------
 def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
     """The checkpoint root: `checkpoint.dir` as given (a URL or a path), or `<run_dir>/checkpoints`."""
-    if checkpoint_dir:
-        return str(checkpoint_dir)
-    return str(Path(run_dir) / "checkpoints")
+    return str(checkpoint_dir) if checkpoint_dir else str(Path(run_dir) / "checkpoints")
 
 
 def _fs(url: str | Path):
@@ -116,10 +114,10 @@ def _safe(owner: str) -> str:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through (torch.save streams into it)."""
+    """A write-only file that hashes what passes through into `sha` (torch.save streams into it)."""
 
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+    def __init__(self, f, sha):
+        self.f, self.sha = f, sha
 
     def writable(self) -> bool:
         return True
@@ -153,14 +151,9 @@ def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     """Write one replica's state into `directory` (a URL or path); returns its sha256 for the manifest."""
     import torch  # imported here so file-only readers (jobs.status) start fast
 
-    digest = {}
-
-    def write(f):
-        w = _HashingWriter(f)
-        torch.save(state, w)
-        digest["sha"] = w.sha.hexdigest()
-    _write_bytes_atomic(_join(directory, f"{rid}.pt"), write)
-    return digest["sha"]
+    sha = hashlib.sha256()
+    _write_bytes_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
+    return sha.hexdigest()
 
 
 def _write_text(url: str, text: str) -> None:
@@ -213,11 +206,8 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
 def finalized(root: str | Path) -> list[str]:
     """Every finalized checkpoint directory (it has a manifest), oldest first."""
     fs, _ = _fs(root)
-    out = []
-    for name in _names(root):
-        if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1]):
-            out.append(_join(root, name))
-    return out
+    return [_join(root, name) for name in _names(root)
+            if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1])]
 
 
 def latest(root: str | Path) -> str | None:

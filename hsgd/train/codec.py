@@ -234,17 +234,11 @@ class _TopK(Codec):
 
 def make_codec(name: str, topk_density: float = 0.01) -> Codec:
     """The codec called `name` (one of CODECS); `topk_density` is used by topk only."""
-    if name == "none":
-        return _Cast("none", torch.float32)
-    if name == "bf16":
-        return _Cast("bf16", torch.bfloat16)
-    if name == "int8":
-        return _Quantize("int8", 8)
-    if name == "int4":
-        return _Quantize("int4", 4)
-    if name == "topk":
-        return _TopK(topk_density)
-    raise ValueError(f"unknown codec {name!r}; expected one of {CODECS}")
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; expected one of {CODECS}")
+    return {"none": lambda: _Cast("none", torch.float32), "bf16": lambda: _Cast("bf16", torch.bfloat16),
+            "int8": lambda: _Quantize("int8", 8), "int4": lambda: _Quantize("int4", 4),
+            "topk": lambda: _TopK(topk_density)}[name]()
 
 
 def encode_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None

@@ -9,8 +9,6 @@ Contract:
 - `batch_for_step(train, seed=, replica_index=, step=, ...)` is a pure function of its
   arguments. A replica carries no data-loader state: its data position IS its step counter,
   so a replica restored at step s draws exactly the batches it would have drawn anyway.
-- `eval_batches(val, ...)` is a fixed list of batches: the same for every call with the
-  same arguments, so val losses from different replicas and runs are comparable.
 - `build_dataset(data_cfg, block_size)` (the default `data._target_`) returns a `Dataset` (hsgd/train/task.py): the
   packaged corpus or a text path (char-level, held in RAM), or a folder of token files
   (train.bin/val.bin, read through np.memmap; see hsgd/train/tokens.py). Every dataset answers
@@ -20,7 +18,6 @@ Contract:
 - `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
 
-import gzip
 import lzma
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,7 +32,6 @@ from hsgd.train import task
 from hsgd.train import tokens as token_files
 
 MIN_CHARS = 2 * 1024  # less text than this is surely the wrong data.path
-ACCEPTED = "a .txt file, a .xz/.gz compressed text file, or a folder of *.txt files"
 _MASK64 = (1 << 64) - 1
 
 
@@ -59,30 +55,10 @@ def _packaged_text(name: str = "shakespeare.txt.xz") -> str:
     return lzma.decompress(raw).decode("utf-8")
 
 
-def _read_file(file: Path, path: str) -> str:
-    opener = {".xz": lzma.open, ".gz": gzip.open}.get(file.suffix, open)
-    try:
-        with opener(file, "rt", encoding="utf-8") as f:
-            return f.read()
-    except (UnicodeDecodeError, lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
-        raise ValueError(f"data.path={path!r}: cannot read {file} as UTF-8 text "
-                         f"({type(e).__name__}); expected {ACCEPTED}") from None
-
-
 def _read_text(path: str) -> str:
-    p = Path(path).expanduser()
-    if p.is_file():
-        text = _read_file(p, path)
-    elif p.is_dir():
-        files = sorted((f for f in p.rglob("*.txt") if f.is_file()),
-                       key=lambda f: f.relative_to(p).as_posix())
-        if not files:
-            raise FileNotFoundError(f"data.path={path!r} is a folder with no *.txt files; "
-                                    f"expected {ACCEPTED}")
-        text = "\n\n".join(_read_file(f, path) for f in files)
-    else:
-        raise FileNotFoundError(f"data.path={path!r} does not exist; expected {ACCEPTED}")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    """The text at `path` (a file or a folder of *.txt), as jobs.prepare reads it: newlines
+    normalised, files joined by a blank line. FileNotFoundError / ValueError naming data.path."""
+    return "".join(token_files.iter_text(token_files.text_files(path), path))
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -92,19 +68,6 @@ def _codepoints(text: str) -> torch.Tensor:
     if not buf:
         return torch.zeros(0, dtype=torch.int64)
     return torch.frombuffer(buf, dtype=torch.int32).long()  # (N,)
-
-
-def encode(text: str, chars) -> torch.Tensor:
-    """text -> (N,) int64 ids into `chars`; ValueError on a character not in `chars`."""
-    cps = _codepoints(text)  # (N,)
-    codes = torch.tensor([ord(c) for c in chars], dtype=torch.int64)  # (V,)
-    sorted_codes, order = codes.sort()
-    pos = torch.searchsorted(sorted_codes, cps).clamp(max=len(codes) - 1)  # (N,)
-    unknown = sorted_codes[pos] != cps
-    if unknown.any():
-        bad = sorted({chr(c) for c in cps[unknown][:100].tolist()})
-        raise ValueError(f"characters not in the vocabulary: {bad!r}")
-    return order[pos]
 
 
 def decode(ids, chars) -> str:
@@ -183,15 +146,6 @@ def _offsets(n_tokens: int, *, seed: int, replica_index: int, step: int, micro: 
 def _batch_at(tokens: torch.Tensor, offsets: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = tokens[offsets[:, None] + torch.arange(block_size + 1)]  # (B, T+1)
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
-
-
-def eval_batches(tokens: torch.Tensor, *, batch_size: int, block_size: int, n_batches: int,
-                 seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed evaluation batches from `tokens` (the val split): stream replica_index=-1,
-    steps 0..n_batches-1, so they never coincide with a training replica's stream."""
-    return [batch_for_step(tokens, seed=seed, replica_index=-1, step=i,
-                           batch_size=batch_size, block_size=block_size)
-            for i in range(n_batches)]
 
 
 # ----------------------------------------------------------------------------- datasets

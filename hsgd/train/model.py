@@ -6,8 +6,7 @@ Contract:
 - `forward(idx, targets=None)` takes idx (B, T) int64 with T <= block_size and returns
   logits (B, T, vocab_size) and, when targets (B, T) are given, the mean cross-entropy.
 - dropout defaults to 0.0, so a training step is a deterministic function of weights and batch.
-- `PRESETS` names model sizes: "tiny" (~0.8 M params), "small" (~10.7 M params) and, for GPU runs,
-  "gpt-30m" (~30 M) and "gpt-86m" (~86 M, GPT-2 small's body: 12 layers x 768, block 1024).
+- Model sizes are config groups, conf/model/{tiny,small,gpt-30m,gpt-86m}.yaml.
 - `build_gpt(model_cfg, vocab_size)` and `lm_loss(model, batch)` are the built-in plug-ins that
   `model._target_` and `loss._target_` name by default (hsgd/train/task.py).
 """
@@ -29,14 +28,6 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False  # bias in Linears and LayerNorms; False is a little better and faster
-
-
-PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # ~0.8 M params
-    "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=128),  # ~10.7 M params
-    "gpt-30m": dict(n_layer=6, n_head=8, n_embd=640, block_size=512),  # ~29.9 M params at vocab 256
-    "gpt-86m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # ~85.9 M params at vocab 256
-}
 
 
 class CausalSelfAttention(nn.Module):

@@ -27,6 +27,7 @@ whole received state.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +56,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def encode(self) -> tuple:
         return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.device)
@@ -183,10 +181,6 @@ def decode_meta(data: bytes) -> tuple[Any, list[TensorSpec]]:
         raise StreamError(f"state stream: unreadable meta ({type(err).__name__}: {err})") from err
 
 
-def chunk_bytes_of(chunk_mb: float) -> int:
-    return max(1, int(chunk_mb * 2**20))
-
-
 # -- over a group ----------------------------------------------------------------------------------
 def _transport_device(group: LevelGroup, device: str | torch.device) -> torch.device:
     """Where chunks are staged: on the GPU for NCCL, else the CPU (gloo sends host memory)."""
@@ -204,7 +198,7 @@ def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, roo
     tensors = [t.detach().contiguous() for t in tensors]  # (a copy only for a non-contiguous one)
     specs = [TensorSpec.of(t) for t in tensors]
     sizes = [s.nbytes for s in specs]
-    chunk_bytes = chunk_bytes_of(chunk_mb)
+    chunk_bytes = max(1, int(chunk_mb * 2**20))
     meta = encode_meta(skeleton, specs)
     dev = _transport_device(group, device)
     header = torch.tensor([MAGIC, len(meta), sum(sizes), chunk_bytes], dtype=torch.int64)

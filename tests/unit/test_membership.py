@@ -37,12 +37,6 @@ def test_global_index_is_cluster_times_replicas_per_cluster_plus_index():
         "global indices must be dense and unique (data sharding and RNG streams depend on it)"
 
 
-def test_contains_checks_bounds_and_syntax():
-    topo = Topology(clusters=2, replicas_per_cluster=2)
-    assert topo.contains("c1r1")
-    assert not topo.contains("c2r0") and not topo.contains("c0r2") and not topo.contains("leader:c0")
-
-
 # -- membership: live_plan and the leader rule ----------------------------------------------------------
 def _plan(live, leaders, clusters=2, rpc=3, **kw) -> Plan:
     return live_plan(Topology(clusters, rpc), set(live), leaders, 1, **kw)

@@ -1,16 +1,21 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from hsgd.train.model import GPT, GPTConfig, PRESETS
+from hsgd.train.model import GPT, GPTConfig
 
 VOCAB = 84
+CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def _gpt(preset="tiny", seed=0):
+    """A GPT of the shape conf/model/<preset>.yaml names (the config groups are the presets)."""
+    shape = yaml.safe_load((CONF_MODEL / f"{preset}.yaml").read_text())
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, **PRESETS[preset]))
+    return GPT(GPTConfig(vocab_size=VOCAB, **{k: shape[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}))
 
 
 @pytest.mark.parametrize("preset,lo,hi", [("tiny", 0.8e6, 1.2e6), ("small", 9e6, 12e6)])

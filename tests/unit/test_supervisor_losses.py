@@ -3,8 +3,13 @@ supervisor faults surface as 11 errors on a slow machine and end the run as `max
 exhausted`)."""
 import json
 
-from actors.launch import supervisor_starts
 from hsgd.core.supervisor_losses import SupervisorLosses
+from hsgd.record.run_state import RunState
+
+
+def supervisor_starts(run_dir: str) -> int:
+    """What the driver reads after a supervisor loss: the durable count of its starts."""
+    return RunState.read(run_dir).supervisor_starts
 
 
 def test_one_death_seen_as_several_errors_is_one_loss():
