@@ -114,12 +114,19 @@ def _memory_bytes() -> int:
 
 
 def is_hsgd_run_folder(folder: Path) -> bool:
-    """What only hsgd writes: its lock, or a run.json naming an hsgd run (a JSON object with a
-    string `run_id`). A common file name (config.yaml, checkpoints/) proves nothing."""
+    """What only hsgd writes: its lock, a run.json naming an hsgd run, or a finalized checkpoint
+    (`checkpoints/round_*/manifest.json` naming its run: a checkpoint copied by hand into a new
+    folder to resume from). Each names a run id (a JSON object with a non-empty string `run_id`); a
+    common file name (config.yaml, checkpoints/) proves nothing."""
     if (folder / LOCK_NAME).exists():
         return True
+    return any(_names_a_run(marker) for marker in
+               [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))])
+
+
+def _names_a_run(path: Path) -> bool:
     try:
-        info = json.loads((folder / "run.json").read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(info, dict) and isinstance(info.get("run_id"), str) and bool(info["run_id"])

@@ -11,6 +11,7 @@ from hsgd.config.compose import check_run_folder, is_hsgd_run_folder
 
 
 @pytest.mark.parametrize("files", [{"config.yaml": "lr: 0.1\n"}, {"checkpoints/x": "1"},
+                                   {"checkpoints/round_000002/manifest.json": '{"files": {}}'},
                                    {"run.json": "{}"}, {"run.json": '{"run_id": 7}'}, {"run.json": "[1]"},
                                    {"run.json": "not json"}])
 def test_a_folder_without_an_hsgd_mark_is_refused_and_left_untouched(tmp_path, files):
@@ -34,6 +35,14 @@ def test_run_json_with_an_hsgd_run_id_marks_a_run_folder(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(ConfigError, match="already holds a run"):
         check_run_folder(str(tmp_path), resume=False)
+
+
+def test_a_checkpoint_copied_by_hand_marks_a_run_folder_to_resume_from(tmp_path):
+    manifest = tmp_path / "checkpoints" / "round_000002" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"run_id": "hsgd-1a2b3c", "round": 2, "files": {}}))
+    assert is_hsgd_run_folder(tmp_path)
+    check_run_folder(str(tmp_path), resume=True)
 
 
 def test_an_empty_folder_and_hydra_s_own_files_are_not_foreign(tmp_path):
