@@ -231,7 +231,7 @@ def call_with_deadline(fn: Callable[[], object], timeout_s: float, what: str = "
     threading.Thread(target=run, name="hsgd-storage-call", daemon=True).start()
     if not wait([future], timeout_s).done:
         raise TimeoutError(f"{what} did not return within {timeout_s:g} s (storage hung?)")
-    return future.result()
+    return future.result(timeout=0)  # done: wait() said so
 
 
 def write_deadline_s(io_grace_s: float) -> float:
