@@ -27,53 +27,45 @@ def _config_error(message: str) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-def _train(cfg: DictConfig, run_dir: str) -> dict:
-    try:
-        return run_training(cfg, run_dir)
-    except ConfigError as err:
-        _config_error(str(err))
-
-
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from actors.placement import PlacementTimeout
+
     try:
         validate(cfg)
     except ConfigError as err:
         _config_error(str(err))
-    from actors.placement import PlacementTimeout
-
     hydra_cfg = HydraConfig.get()
     run_dir = os.path.abspath(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        try:
-            summary = _train(cfg, run_dir)
-        except PlacementTimeout as err:
-            print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
-            sys.exit(1)
-        if summary["status"] == "failed":
-            print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
-            sys.exit(1)
-        return summary.get("final_eval_loss")
     # one job of a sweep: a failed run must not stop the jobs after it (sys.exit would)
-    from jobs.sweep import write_sweep_table
-
-    _SWEEP["dir"] = os.path.abspath(str(hydra_cfg.sweep.dir))
-    print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweep:
+        _SWEEP["dir"] = os.path.abspath(str(hydra_cfg.sweep.dir))
+        print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
     summary = None
     try:
-        summary = _train(cfg, run_dir)
+        summary = run_training(cfg, run_dir)
+    except ConfigError as err:
+        _config_error(str(err))
     except PlacementTimeout as err:
         print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
+        if not sweep:
+            sys.exit(1)
         summary = {"status": "failed", "reason": f"placement: {err}"}
     finally:
-        if summary is None or summary["status"] == "failed":
-            _SWEEP["failed"].append(run_dir)
-        write_sweep_table(_SWEEP["dir"])
+        if sweep:
+            from jobs.sweep import write_sweep_table
+
+            if summary is None or summary["status"] == "failed":
+                _SWEEP["failed"].append(run_dir)
+            write_sweep_table(_SWEEP["dir"])
     if summary["status"] == "failed":
         print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
+        if not sweep:
+            sys.exit(1)
         return None
     return summary.get("final_eval_loss")
 

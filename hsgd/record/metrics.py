@@ -182,25 +182,20 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
                 metrics: list[dict], fired: list[dict], events: list[dict], not_fired: list, committed_steps: int,
                 attempted_steps: int, participation: list[float], supervisor_started: float, now: float,
                 run_dir: str) -> dict:
-    """summary.json (the README's "Summary fields"). `durable`: the supervisor's durable state;
-    `digests`: each live replica's digests answer ({param, global, round})."""
-    evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
+    """summary.json (the README's "Summary fields"): `fallback_summary`'s figures of the durable
+    state (`durable`) and metrics, and what only the live run knows. `digests`: each live
+    replica's digests answer ({param, global, round})."""
+    summary = fallback_summary(status=status, reason=reason, durable=durable, metrics=metrics, now=now,
+                               steps_per_round=steps_per_round, run_dir=run_dir, supervisor_started=supervisor_started)
     rounds = durable["committed_round"]
-    step_eff, training_eff = efficiencies(committed_steps, attempted_steps, participation)
-    return {"status": status, "reason": reason, "rounds_committed": rounds,
-            "inner_steps_committed": rounds * steps_per_round,
-            "initial_eval_loss": durable.get("initial_eval_loss"),
-            "final_eval_loss": evals[-1] if evals else None,
-            "wall_s": now - durable["started_at"],  # the whole run, across supervisor restarts
-            "supervisor_wall_s": now - supervisor_started,
-            "replica_param_digests": {rid: d["param"] for rid, d in digests.items()},
-            # from a replica holding the committed round (one restarted at the very end may not)
-            "global_param_digest": next((d["global"] for d in sorted(digests.values(), key=lambda d: d.get("round") != rounds)
-                                         if d.get("global")), None),
-            "step_efficiency": step_eff, "training_efficiency": training_eff,
-            "faults": fault_figures(fired, events), "faults_not_fired": not_fired,
-            "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
-            "supervisor_starts": durable["supervisor_starts"], "epoch": durable["epoch"], "run_dir": run_dir}
+    summary["step_efficiency"], summary["training_efficiency"] = efficiencies(committed_steps, attempted_steps,
+                                                                              participation)
+    # the global digest from a replica holding the committed round (one restarted at the very end may not)
+    holders = sorted(digests.values(), key=lambda d: d.get("round") != rounds)
+    summary.update(replica_param_digests={rid: d["param"] for rid, d in digests.items()},
+                   global_param_digest=next((d["global"] for d in holders if d.get("global")), None),
+                   faults=fault_figures(fired, events), faults_not_fired=not_fired)
+    return summary
 
 
 def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics: list[dict], steps_per_round: int,
@@ -215,7 +210,7 @@ def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics:
             "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
             "initial_eval_loss": durable.get("initial_eval_loss"),
             "final_eval_loss": evals[-1] if evals else None,
-            "wall_s": None if started is None else now - started,
+            "wall_s": None if started is None else now - started,  # the whole run, across supervisor restarts
             "supervisor_wall_s": None if supervisor_started is None else now - supervisor_started,
             "replica_param_digests": {}, "global_param_digest": None,
             "step_efficiency": None, "training_efficiency": None, "faults": [], "faults_not_fired": [],

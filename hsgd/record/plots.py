@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 
 from hsgd.record.metrics import fault_figures
-from hsgd.record.rundir import read_jsonl
+from hsgd.record.rundir import read_json, read_jsonl
 
 SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")
 SPAN_COLOURS = {"inner": "#4c72b0", "inner_sync": "#8fb3e0", "outer": "#dd8452", "outer_commit": "#55a868",
                 "checkpoint": "#8172b3", "heal": "#e5c100", "down": "#555555"}
+_DOWN_STYLE = {"hatch": "//", "edgecolor": "white"}  # "down" bars: hatched, so they read as absence
 _RID = re.compile(r"^c(\d+)r(\d+)$")
 
 
@@ -51,12 +52,10 @@ def read_events(run_dir: str | Path) -> list[dict]:
     return sorted((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if "t" in e), key=lambda e: e["t"])
 
 
-def known_replicas(run_dir: str | Path, events: list[dict] | None = None) -> list[str]:
-    """Replica ids from config.yaml's topology plus any named in the events, in c/r order."""
-    run_dir = Path(run_dir)
-    events = read_events(run_dir) if events is None else events
+def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
+    """Replica ids from config.yaml's topology plus any named in `events`, in c/r order."""
     rids: set[str] = set()
-    topo = _topology(run_dir)
+    topo = _topology(Path(run_dir))
     if topo:
         rids |= {f"c{c}r{i}" for c in range(topo[0]) for i in range(topo[1])}
     for e in events:
@@ -173,14 +172,7 @@ def timeline_data(run_dir: str | Path) -> dict:
 
 def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float) -> list[tuple[float, float]]:
     """(fault t, recovery t) from summary.json's fault figures, else computed from the logs."""
-    figures = []
-    if (run_dir / "summary.json").exists():
-        import json
-
-        try:
-            figures = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("faults") or []
-        except (OSError, ValueError):
-            figures = []
+    figures = read_json(run_dir / "summary.json").get("faults") or []
     if not any("fired_at" in f for f in figures):
         figures = fault_figures(fired, events) if fired else []
     return [(f["fired_at"] - t0, f["fired_at"] + f["recovery_latency_s"] - t0) for f in figures
@@ -302,9 +294,8 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         for kind in SPAN_KINDS:
             bars = [(s, max(e - s, min_w)) for s, e, k in data["spans"].get(rid, []) if k == kind]
             if bars:
-                ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=SPAN_COLOURS[kind],
-                               hatch="//" if kind == "down" else None, edgecolor="white" if kind == "down" else None,
-                               lw=0)
+                ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=SPAN_COLOURS[kind], lw=0,
+                               **(_DOWN_STYLE if kind == "down" else {}))
     for start, stop in data["recoveries"]:
         ax.axvspan(start, stop, color="red", alpha=0.15, lw=0, zorder=0)
     for t in data["supervisor_starts"]:
@@ -322,11 +313,11 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     ax.set_xlabel("seconds since run start")
     ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), hatch="//" if k == "down" else None,
-                     edgecolor="white" if k == "down" else None) for k in SPAN_KINDS]
+    handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == "down" else {}))
+               for k in SPAN_KINDS]
     handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
-    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12),
-              frameon=False)
+    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center",
+              bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), frameon=False)
     fig.tight_layout()
     return save_png(fig, Path(run_dir) / "timeline.png")
 
