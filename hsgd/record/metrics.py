@@ -17,8 +17,8 @@ def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, li
             "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(losses.items()) if v},
             "eval_loss": eval_loss, "tokens_per_s": tokens / inner_s if inner_s > 0 else None,
             "inner_bytes": inner_bytes, "outer_bytes": outer_bytes, "outer_link_s": outer_link_s,
-            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts, "phase_s": dict(phase_s), "replica_digests": dict(digests),
-            "global_digests": dict(global_digests), "t": t}
+            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts,
+            "phase_s": dict(phase_s), "replica_digests": dict(digests), "global_digests": dict(global_digests), "t": t}
 
 
 def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
@@ -128,20 +128,15 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
             detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
                              and (rid == "supervisor") == (e["event"] == "supervisor_start")
                              and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
-        recovered, _ = _recovery_and_heal(events, rid, detected["t"] if detected else t0)
-        heal = next((e for e in events if e["t"] > t0 and e["event"] == "heal_end" and e.get("target") == rid), None)
-        figures.append({
-            "source": "injected",
-            "rid": rid, "kind": f["kind"], "cause": None if detected is None else "non_finite"
-            if detected["event"] == "non_finite" else detected.get("cause"),
-            "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
-            "fired_at": t0, "detected_at": None if detected is None else detected["t"],
-            "detection_latency_s": None if detected is None else detected["t"] - t0,
-            "detected_by": None if detected is None else detected["event"],
-            "recovery_latency_s": None if recovered is None else recovered["t"] - t0,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes"),
-        })
+        seen = detected or {}
+        recovered, _ = _recovery_and_heal(events, rid, seen.get("t", t0))
+        _, heal = _recovery_and_heal(events, rid, t0)
+        figures.append({"source": "injected", "rid": rid, "kind": f["kind"],
+                        "cause": "non_finite" if seen.get("event") == "non_finite" else seen.get("cause"),
+                        "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
+                        "fired_at": t0, "detected_at": seen.get("t"),
+                        "detection_latency_s": None if detected is None else detected["t"] - t0,
+                        "detected_by": seen.get("event"), **_after(recovered, heal, t0)})
     downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
@@ -151,18 +146,20 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                       and f["t"] - _CLOCK_SKEW_S <= d["t"] <= f["t"] + explain_window_s), None)
         if first is not None:
             claimed.add(first)
-    for i, down in enumerate(downs):
-        if i in claimed:
-            continue
-        figures.append(_observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down"))
-    for i, e in enumerate(non_finite):
-        if i in explained:
-            continue
-        figures.append(_observed_fault(events, e, cause="non_finite", detected_by="non_finite"))
-    for e in _spare_deaths(events):
-        figures.append(_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
-                                       detected_by="spare_lost"))
+    figures += [_observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down")
+                for i, down in enumerate(downs) if i not in claimed]
+    figures += [_observed_fault(events, e, cause="non_finite", detected_by="non_finite")
+                for i, e in enumerate(non_finite) if i not in explained]
+    figures += [_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
+                                detected_by="spare_lost") for e in _spare_deaths(events)]
     return figures
+
+
+def _after(recovered: dict | None, heal: dict | None, t: float) -> dict:
+    """A fault entry's recovery latency (from t) and heal figures."""
+    return {"recovery_latency_s": None if recovered is None else recovered["t"] - t,
+            "heal_s": None if heal is None else heal.get("seconds"),
+            "heal_bytes": None if heal is None else heal.get("bytes")}
 
 
 def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detected_by: str) -> dict:
@@ -173,9 +170,7 @@ def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detect
     return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
             "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
             "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": detected_by,
-            "recovery_latency_s": None if recovered is None else recovered["t"] - t,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes")}
+            **_after(recovered, heal, t)}
 
 
 def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],
