@@ -115,14 +115,13 @@ class RunLog:
     decides how long an outage it tolerates (hsgd.core.deadlines.storage_problem).
     """
 
-    def __init__(self, run_dir: str | Path, *, echo=None, warn=None, write_timeout_s: float = 5.0):
+    def __init__(self, run_dir: str | Path, *, warn=None, write_timeout_s: float = 5.0):
         self.dir = Path(run_dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError:
             pass  # the first write reports it (run_dir_unwritable)
         self._lock = threading.Lock()
-        self._echo = echo  # optional callable(str) for a readable console line
         self._warn = warn  # optional callable(str): the folder's outages, for the console
         self._streams = {name: _Stream(self.dir / f"{name}.jsonl") for name in ("events", "metrics")}
         self._kept = self._written = 0  # records ever kept / ever written (an outage's count: `buffered`)
@@ -130,14 +129,9 @@ class RunLog:
         self.writer = FolderWriter(write_timeout_s, on_change=self._health_changed)
 
     # -- the records ------------------------------------------------------------------------------
-    def event(self, name: str, **fields: Any) -> dict:
+    def event(self, name: str, **fields: Any) -> None:
         check_event(name, fields)
-        record = {"t": time.time(), "event": name, **fields}
-        self._keep("events", record)
-        if self._echo is not None and name not in ("phase_begin", "phase_end"):
-            details = " ".join(f"{k}={v}" for k, v in fields.items())
-            self._echo(f"[hsgd] {name} {details}")
-        return record
+        self._keep("events", {"t": time.time(), "event": name, **fields})
 
     def metrics(self, record: dict) -> None:
         self._keep("metrics", record)

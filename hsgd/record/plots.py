@@ -84,14 +84,12 @@ def replica_states(events: list[dict]):
             listed = e.get("members") or {}
             # authoritative for the clusters it lists (a cluster's group: its own; an older record: all)
             clusters = set(listed) if e.get("cluster") is not None else None
-            new = dict(state)
             for rid, s in state.items():
                 if s in ("live", "standby", "joining") and (clusters is None or _cluster(rid) in clusters):
-                    new[rid] = "joining"
+                    state[rid] = "joining"
             for members in listed.values():
-                new.update({rid: "live" for rid in members})
-            new.update({rid: "standby" for rid in e.get("standby") or []})
-            state = new
+                state.update({rid: "live" for rid in members})
+            state.update({rid: "standby" for rid in e.get("standby") or []})
         elif name == "replica_down" and e.get("rid"):
             state[e["rid"]] = "down"
         elif name == "replica_up" and e.get("rid"):
@@ -257,19 +255,16 @@ def write_loss_png(run_dir: str | Path) -> Path:
     data = loss_plot_data(run_dir)
     fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
     for rid, points in sorted(data["replica_loss"].items(), key=lambda kv: _rid_key(kv[0])):
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, alpha=0.75, marker=".", ms=4,
-                label=f"train {rid}")
+        ax.plot(*zip(*points), lw=1.2, alpha=0.75, marker=".", ms=4, label=f"train {rid}")
     if data["eval_loss"]:
-        ax.plot([p[0] for p in data["eval_loss"]], [p[1] for p in data["eval_loss"]], "k-o", ms=3, lw=2,
-                label="eval (global model)")
+        ax.plot(*zip(*data["eval_loss"]), "k-o", ms=3, lw=2, label="eval (global model)")
     if not data["replica_loss"] and not data["eval_loss"]:
         ax.text(0.5, 0.5, "no committed rounds yet", transform=ax.transAxes, ha="center", color="grey")
     for step, label in data["faults"]:
         ax.axvline(step, color="red", ls="--", lw=1)
         ax.annotate(label, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
                     fontsize=8, color="red")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("cross-entropy loss")
+    ax.set(xlabel="inner step", ylabel="cross-entropy loss")
     ax.set_title("train loss per replica (round mean) and eval loss of the global model", fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -306,11 +301,8 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         ax.annotate(f"{kind} {rid}", (t, y), xytext=(8, 0), textcoords="offset points", ha="left", va="center",
                     fontsize=8, color="red", fontweight="bold", zorder=6,
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "red", "lw": 0.5, "alpha": 0.9})
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(rows)
-    ax.set_ylim(len(rows) - 0.4 + 0.3, -0.6)
-    ax.set_xlim(0, end * 1.01)
-    ax.set_xlabel("seconds since run start")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set(ylim=(len(rows) - 0.4 + 0.3, -0.6), xlim=(0, end * 1.01), xlabel="seconds since run start")
     ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == "down" else {}))
@@ -338,11 +330,8 @@ def write_membership_png(run_dir: str | Path) -> Path:
     for t, rid, kind in data["faults"]:
         ax.axvline(t, color="red", ls="--", lw=1)
         ax.annotate(f"{kind} {rid}", (t, 0.1), rotation=90, ha="right", va="bottom", fontsize=8, color="red")
-    ax.set_ylim(-0.2, top + 0.6)
-    ax.set_yticks(range(top + 1))
-    ax.set_xlim(0, max(data["end"], 1e-3) * 1.01)
-    ax.set_xlabel("seconds since run start")
-    ax.set_ylabel("live replicas")
+    ax.set(ylim=(-0.2, top + 0.6), yticks=range(top + 1), xlim=(0, max(data["end"], 1e-3) * 1.01),
+           xlabel="seconds since run start", ylabel="live replicas")
     ax.set_title("live replicas per cluster (dotted: membership epochs; red: faults)", fontsize=10)
     ax.grid(alpha=0.3)
     if data["clusters"]:

@@ -63,11 +63,6 @@ def append_lines(path: str | Path, data: str) -> None:
             pass  # every byte was written (or the error above is raised): nothing to redo
 
 
-def write_summary(run_dir: str | Path, summary: dict) -> None:
-    # json writes floats with repr(): the shortest string that round-trips, i.e. full precision.
-    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
-
-
 def read_json(path: str | Path) -> dict:
     """A JSON file the run keeps rewriting (status.json, run.json, supervisor_state.json): {} when it
     is absent or unreadable (a reader elsewhere may race the writer's rename, or a crash)."""
