@@ -82,26 +82,19 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
-def _precheck(overrides: list[str], *, run_folder: bool = False) -> None:
-    try:
-        precheck(overrides, run_folder=run_folder)
-    except ConfigError as err:
-        _config_error(str(err))
-
-
 def main() -> None:
     argv = sys.argv[1:]
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if not any(a.startswith("--") and a != "--multirun" for a in argv):
-        if not multirun:
-            _precheck(argv, run_folder=True)  # the folder too: before Hydra writes into it
-        else:
-            try:
-                jobs = sweep_jobs(argv)
-            except Exception as err:  # noqa: BLE001 — a malformed sweep override
-                _config_error(describe_hydra_error(err))
-            for job in jobs or []:
-                _precheck(job)
+        try:
+            jobs = (sweep_jobs(argv) or []) if multirun else [argv]
+        except Exception as err:  # noqa: BLE001 — a malformed sweep override
+            _config_error(describe_hydra_error(err))
+        try:
+            for job in jobs:
+                precheck(job, run_folder=not multirun)  # a single run's folder too: before Hydra writes into it
+        except ConfigError as err:
+            _config_error(str(err))
     hydra_main()
     if multirun and _SWEEP["dir"] is not None:
         from jobs.sweep import markdown_table, sweep_rows
