@@ -1,9 +1,8 @@
-"""The run folder on disk: atomic writes (temp name, fsync, rename), JSON-lines appends that never
-leave a record half-written, JSON-lines readers, and `FolderWriter`, which does a folder's writes
-with a deadline.
+"""The run folder on disk: atomic writes, JSON-lines appends that never leave a record half-written,
+JSON-lines readers, and `FolderWriter`, which does a folder's writes with a deadline.
 
 Nothing under run.dir is ever half-written: every file is written to a temp name in the same
-folder and renamed into place, so a crash leaves the old file or the new one, never a mix.
+folder, fsynced and renamed into place, so a crash leaves the old file or the new one, never a mix.
 """
 from __future__ import annotations
 
