@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from hsgd.record.rundir import read_json
+
 REPLICA_CLASS = "Replica"
 
 
@@ -87,8 +89,7 @@ def local_gcs_addresses() -> set[str]:
 
 
 def _process_uid(pid: int) -> int | None:
-    import ray  # noqa: F401
-    import psutil
+    import psutil  # Ray's bundled one: local_gcs_addresses imported ray first
 
     try:
         return psutil.Process(pid).uids().real
@@ -124,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     status_path = run_dir / "status.json"
-    try:
-        status = json.loads(status_path.read_text()) if status_path.exists() else {}
-    except (OSError, ValueError):
-        status = {}
+    status = read_json(status_path)
 
     # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
     # explicit address, so the run's mode is applied; before Ray is imported (it reads the mode
@@ -165,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             progress = {"error": type(err).__name__}
         actor = _actor_entry(handle)
         pid = int((actor or {}).get("Pid") or 0)
-        verified, why = verified_replica_pid(actor, expected_name=name, here_node=here, answered_pid=progress.get("pid"),
-                                             process_uid=_process_uid(pid) if pid > 0 else None, my_uid=os.getuid())
+        verified, why = verified_replica_pid(actor, expected_name=name, here_node=here, my_uid=os.getuid(),
+                                             answered_pid=progress.get("pid"),
+                                             process_uid=_process_uid(pid) if pid > 0 else None)
         header = (f"{rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
                   f"round {progress.get('round')} step {progress.get('step')}")
         print(f"\n=== {header} ===")

@@ -60,7 +60,7 @@ def _line(e: dict, t0: float) -> str:
 
 
 def _fmt(x, spec=".4f"):
-    return "-" if x is None else format(x, spec)
+    return "-" if x in (None, "") else format(x, spec)
 
 
 def render(state: dict):
@@ -83,9 +83,8 @@ def render(state: dict):
         n = sum(r["state"] in ("live", "standby", "joining") for r in reps)
         table.add_row(cluster, text, f"{n}/{len(reps)}")
     info = Table.grid(padding=(0, 2))
-    info.add_row("epoch", str(state.get("epoch") if state.get("epoch") is not None else "-"),
-                 "round", str(state.get("round") if state.get("round") is not None else "-"),
-                 "phase", str(state.get("phase") or "-"), "inner step", str(state.get("inner_step") or "-"))
+    info.add_row("epoch", _fmt(state.get("epoch"), ""), "round", _fmt(state.get("round"), ""),
+                 "phase", _fmt(state.get("phase"), ""), "inner step", str(state.get("inner_step") or "-"))
     info.add_row("loss", _fmt(state.get("last_loss")), "eval loss", _fmt(state.get("last_eval_loss")),
                  "tokens/s", _fmt(state.get("tokens_per_s"), ".0f"), "", "")
     recent = [Text(line, style="dim", no_wrap=True, overflow="ellipsis") for line in state["recent"]]

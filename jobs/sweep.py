@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import sys
 from pathlib import Path
 
-from hsgd.record.rundir import atomic_write_text
-from hsgd.record.rundir import read_jsonl
+from hsgd.record.rundir import atomic_write_text, read_json, read_jsonl
 
 COLUMNS = ("job", "overrides", "status", "rounds_committed", "final_eval_loss", "outer_bytes", "wall_s", "job_s",
            "run_dir")
@@ -33,15 +31,15 @@ def _job_overrides(job_dir: Path) -> list[str]:
 def sweep_rows(sweep_dir: Path | str) -> list[dict]:
     """One row per job folder (a numbered subfolder with Hydra's overrides or a summary.json)."""
     root = Path(sweep_dir)
-    jobs = sorted((d for d in root.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "summary.json").is_file())),
-                  key=lambda d: (0, int(d.name)) if d.name.isdigit() else (1, d.name)) if root.is_dir() else []
+    jobs = [d for d in (root.iterdir() if root.is_dir() else [])
+            if d.is_dir() and ((d / ".hydra").is_dir() or (d / "summary.json").is_file())]
+    jobs.sort(key=lambda d: (0, int(d.name)) if d.name.isdigit() else (1, d.name))
     overrides = {d: _job_overrides(d) for d in jobs}
     common = set.intersection(*(set(o) for o in overrides.values())) if len(jobs) > 1 else set()
     rows = []
     for d in jobs:
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
-        metrics = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
-        run_info = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
+        summary, run_info = read_json(d / "summary.json"), read_json(d / "run.json")
+        metrics = read_jsonl(d / "metrics.jsonl")
         rows.append({
             "job": d.name,
             "overrides": " ".join(o for o in overrides[d] if o not in common),

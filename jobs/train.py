@@ -27,53 +27,45 @@ def _config_error(message: str) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-def _train(cfg: DictConfig, run_dir: str) -> dict:
-    try:
-        return run_training(cfg, run_dir)
-    except ConfigError as err:
-        _config_error(str(err))
-
-
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from actors.placement import PlacementTimeout
+
     try:
         validate(cfg)
     except ConfigError as err:
         _config_error(str(err))
-    from actors.placement import PlacementTimeout
-
     hydra_cfg = HydraConfig.get()
     run_dir = os.path.abspath(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        try:
-            summary = _train(cfg, run_dir)
-        except PlacementTimeout as err:
-            print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
-            sys.exit(1)
-        if summary["status"] == "failed":
-            print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
-            sys.exit(1)
-        return summary.get("final_eval_loss")
     # one job of a sweep: a failed run must not stop the jobs after it (sys.exit would)
-    from jobs.sweep import write_sweep_table
-
-    _SWEEP["dir"] = os.path.abspath(str(hydra_cfg.sweep.dir))
-    print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweep:
+        _SWEEP["dir"] = os.path.abspath(str(hydra_cfg.sweep.dir))
+        print(f"[hsgd] sweep job {hydra_cfg.job.num}: {' '.join(hydra_cfg.overrides.task)}", flush=True)
     summary = None
     try:
-        summary = _train(cfg, run_dir)
+        summary = run_training(cfg, run_dir)
+    except ConfigError as err:
+        _config_error(str(err))
     except PlacementTimeout as err:
         print(f"hsgd: placement error: {err}", file=sys.stderr, flush=True)
+        if not sweep:
+            sys.exit(1)
         summary = {"status": "failed", "reason": f"placement: {err}"}
     finally:
-        if summary is None or summary["status"] == "failed":
-            _SWEEP["failed"].append(run_dir)
-        write_sweep_table(_SWEEP["dir"])
+        if sweep:
+            from jobs.sweep import write_sweep_table
+
+            if summary is None or summary["status"] == "failed":
+                _SWEEP["failed"].append(run_dir)
+            write_sweep_table(_SWEEP["dir"])
     if summary["status"] == "failed":
         print(f"[hsgd] run failed: {summary.get('reason')}", file=sys.stderr, flush=True)
+        if not sweep:
+            sys.exit(1)
         return None
     return summary.get("final_eval_loss")
 
@@ -90,26 +82,19 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
-def _precheck(overrides: list[str], *, run_folder: bool = False) -> None:
-    try:
-        precheck(overrides, run_folder=run_folder)
-    except ConfigError as err:
-        _config_error(str(err))
-
-
 def main() -> None:
     argv = sys.argv[1:]
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if not any(a.startswith("--") and a != "--multirun" for a in argv):
-        if not multirun:
-            _precheck(argv, run_folder=True)  # the folder too: before Hydra writes into it
-        else:
-            try:
-                jobs = sweep_jobs(argv)
-            except Exception as err:  # noqa: BLE001 — a malformed sweep override
-                _config_error(describe_hydra_error(err))
-            for job in jobs or []:
-                _precheck(job)
+        try:
+            jobs = (sweep_jobs(argv) or []) if multirun else [argv]
+        except Exception as err:  # noqa: BLE001 — a malformed sweep override
+            _config_error(describe_hydra_error(err))
+        try:
+            for job in jobs:
+                precheck(job, run_folder=not multirun)  # a single run's folder too: before Hydra writes into it
+        except ConfigError as err:
+            _config_error(str(err))
     hydra_main()
     if multirun and _SWEEP["dir"] is not None:
         from jobs.sweep import markdown_table, sweep_rows

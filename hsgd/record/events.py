@@ -1,9 +1,10 @@
 """The run's record: `events.jsonl`, `metrics.jsonl` and `summary.json` under run.dir.
 
 - events.jsonl: one JSON object per event — {"t": unix seconds, "event": name, ...fields}. Events
-  are typed: `EVENTS` names every event and the fields it always carries (more may follow), and
-  `RunLog.event` refuses an unknown name or a missing field, so a reader (jobs.status, the plots,
-  a user's notebook) can rely on them; tests/unit/test_event_schema.py checks every call site.
+  are typed: `EVENTS` names every event and the fields it always carries (more may follow; README,
+  "Outputs", says what each means), and `RunLog.event` refuses an unknown name or a missing field,
+  so a reader (jobs.status, the plots, a user's notebook) can rely on them;
+  tests/unit/test_event_schema.py checks every call site.
 - metrics.jsonl: one object per committed round (see README, "Outputs").
 - summary.json: written atomically at the end (and on failure) with full-precision floats.
 How records reach the files while the folder fails and recovers: `RunLog`.
@@ -14,102 +15,66 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from hsgd.record.rundir import NO_WRITE, FolderWriter, append_lines, atomic_write_text, read_jsonl
 
-
-class EventSpec(NamedTuple):
-    fields: tuple[str, ...]  # always present (besides "t" and "event"); an event may carry more
-    doc: str
-
-
-EVENTS: dict[str, EventSpec] = {
+# event -> the fields it always carries (besides "t" and "event")
+EVENTS: dict[str, tuple[str, ...]] = {
     # the run and its supervisor
-    "supervisor_start": EventSpec(("starts", "pid"), "a supervisor incarnation started (its durable start count)"),
-    "initial_eval": EventSpec(("eval_loss",), "held-out loss of the initial model"),
-    "run_stopped": EventSpec(("round",), "a clean stop was requested; the run stops after this round"),
-    "run_failed": EventSpec(("reason",), "the run cannot go on (below quorum too long, total loss, no checkpoint)"),
-    "run_end": EventSpec(("status",), "the last event of a supervisor's run: completed | failed | stopped"),
-    "quorum_wait": EventSpec(("reason", "wait_s"), "below quorum: waiting up to wait_s for replicas to return"),
+    "supervisor_start": ("starts", "pid"),  # starts: the durable start count
+    "initial_eval": ("eval_loss",),  # held-out loss of the initial model
+    "run_stopped": ("round",),  # a clean stop was requested; the run stops after this round
+    "run_failed": ("reason",),  # the run cannot go on (below quorum too long, total loss, no checkpoint)
+    "run_end": ("status",),  # a supervisor's last event: completed | failed | stopped
+    "quorum_wait": ("reason", "wait_s"),  # below quorum: waiting up to wait_s for replicas to return
     # one round's phases
-    "phase_begin": EventSpec(("phase", "round", "cluster", "epoch", "replicas"),
-                             "a phase call went out (cluster: int for a cluster's own phase, null for the outer level)"),
-    "phase_end": EventSpec(("phase", "round", "cluster", "seconds", "ok", "failed"), "every member answered or was given up on"),
-    "membership": EventSpec(("epoch", "level", "cluster", "members", "leaders"),
-                            "a group is being formed (by the first call that uses it) under a fresh epoch"),
-    "cluster_reform": EventSpec(("cluster", "round", "epoch", "members", "reason"),
-                                "one cluster re-formed after a failure (or to take a joiner in); the others untouched"),
-    "yield_requested": EventSpec(("cluster", "round", "at_step", "replicas", "reason"),
-                                 "a cluster's members asked to stop at a step boundary for a replica joining mid-round"),
-    "join_aborted": EventSpec(("cluster", "round", "epoch", "prefix", "dead", "reason"),
-                              "a member of a group being formed is known dead: every member waiting in that "
-                              "group's rendezvous is released (their calls answer collective_failed, "
-                              "error_kind join_aborted)"),
-    "commit_decision": EventSpec(("round", "clusters"), "every leader reduced: the round commits"),
-    "commit": EventSpec(("round", "epoch", "replicas", "digests_agree"), "the round is committed and recorded"),
-    "round_recorded_late": EventSpec(("round",), "a new supervisor recorded a round its predecessor committed"),
+    "phase_begin": ("phase", "round", "cluster", "epoch", "replicas"),
+    "phase_end": ("phase", "round", "cluster", "seconds", "ok", "failed"),
+    "membership": ("epoch", "level", "cluster", "members", "leaders"),
+    "cluster_reform": ("cluster", "round", "epoch", "members", "reason"),
+    "yield_requested": ("cluster", "round", "at_step", "replicas", "reason"),
+    "join_aborted": ("cluster", "round", "epoch", "prefix", "dead", "reason"),
+    "commit_decision": ("round", "clusters"),  # every leader reduced: the round commits
+    "commit": ("round", "epoch", "replicas", "digests_agree"),
+    "round_recorded_late": ("round",),  # a new supervisor recorded a round its predecessor committed
     # failures and recovery
-    "collective_failed": EventSpec(("rid", "phase", "round", "cluster", "outcome", "detail"), "a replica's group broke"),
-    "replica_error": EventSpec(("rid", "phase", "round", "cluster", "outcome", "detail"),
-                               "a replica raised (that replica's failure: it is restarted)"),
-    "replica_down": EventSpec(("rid", "cluster", "cause", "round", "incarnation"),
-                              "a replica is lost (cause: died | hung | error), each death once: incarnation = Ray's "
-                              "restart count of the process that died (null: unknown) in the actor `actor` that "
-                              "served rid; phase `restarting` for one that died before it answered, `joining` for "
-                              "one that answered but was not yet taken back in"),
-    "replica_up": EventSpec(("rid", "pid", "incarnation"), "a replica (re)started and answers (incarnation: Ray's "
-                                                           "restart count of its actor; null: unknown)"),
-    "non_finite": EventSpec(("rid", "rids", "cluster", "round", "phase", "what"),
-                            "a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void, nobody "
-                            "is killed (rid: the first to report, rids: all that did; what: loss | grad_norm | "
-                            "pseudo_gradient)"),
-    "cluster_benched": EventSpec(("cluster", "round", "reason"),
-                                 "warning: non-finite in two rounds running, the cluster sits out until the run's end "
-                                 "or a resume"),
-    "presumed_dead": EventSpec(("rid", "reason"), "its peers saw its connection close: gone, nothing to kill"),
-    "idle_replica_lost": EventSpec(("rid", "round", "detail"), "a replica with no call in flight found dead or restarted"),
-    "hang_detected": EventSpec(("rid", "phase", "round", "cluster", "reason", "waited_s", "deadline_s", "stuck_in",
-                                "report", "waiting"), "silent and not advancing past its limit; report under hangs/"),
-    "kill": EventSpec(("rid", "reason"), "a replica is killed (restartable)"),
-    "kill_failed": EventSpec(("rid", "error"), "the kill did not go through (already dead, most often)"),
-    "heal_begin": EventSpec(("target", "source", "scope"), "target loads source's state (scope: full | global)"),
-    "heal_end": EventSpec(("target", "source", "scope", "seconds", "bytes", "gbps", "transport"),
-                          "the heal is done (transport: group | object_store; gbps: bytes over seconds, gigabits/s)"),
-    "heal_fallback": EventSpec(("target", "source", "round", "detail"),
-                               "a heal over the process group failed: the target is healed through the object store"),
-    "heal_source_lost": EventSpec(("source", "round", "detail"), "a heal's source died before its state arrived"),
-    "spare_ready": EventSpec(("cluster", "spare", "pid"), "a hot spare is warm"),
-    "spare_promoted": EventSpec(("rid", "spare", "replaced", "pid"), "a hot spare took a lost replica's identity"),
-    "spare_lost": EventSpec(("cluster", "spare", "incarnation", "round"),
-                            "a hot spare's process died (ready, warming up, or a replaced replica's actor on its way "
-                            "to becoming one): Ray restarts it as a spare; one summary `faults` entry"),
+    "collective_failed": ("rid", "phase", "round", "cluster", "outcome", "detail"),
+    "replica_error": ("rid", "phase", "round", "cluster", "outcome", "detail"),  # it raised: restarted
+    "replica_down": ("rid", "cluster", "cause", "round", "incarnation"),
+    "replica_up": ("rid", "pid", "incarnation"),
+    "non_finite": ("rid", "rids", "cluster", "round", "phase", "what"),
+    "cluster_benched": ("cluster", "round", "reason"),
+    "presumed_dead": ("rid", "reason"),
+    "idle_replica_lost": ("rid", "round", "detail"),
+    "hang_detected": ("rid", "phase", "round", "cluster", "reason", "waited_s", "deadline_s", "stuck_in", "report",
+                      "waiting"),  # silent and not advancing past its limit; report under hangs/
+    "kill": ("rid", "reason"),  # a replica is killed (restartable)
+    "kill_failed": ("rid", "error"),  # already dead, most often
+    "heal_begin": ("target", "source", "scope"),  # scope: full | global
+    "heal_end": ("target", "source", "scope", "seconds", "bytes", "gbps", "transport"),
+    "heal_fallback": ("target", "source", "round", "detail"),
+    "heal_source_lost": ("source", "round", "detail"),  # a heal's source died before its state arrived
+    "spare_ready": ("cluster", "spare", "pid"),
+    "spare_promoted": ("rid", "spare", "replaced", "pid"),  # a hot spare took a lost replica's identity
+    "spare_lost": ("cluster", "spare", "incarnation", "round"),
     # faults (the injector's own record; observed failures are in summary.json `faults`)
-    "fault_scheduled": EventSpec(("fault",), "a fault added while the run goes (drills), as parsed"),
-    "fault_armed": EventSpec(("fault", "targets"), "a scheduled fault was handed to the replicas it hits"),
-    "fault_fired": EventSpec(("fault", "pid"), "a supervisor fault fired"),
+    "fault_scheduled": ("fault",),  # added by a drill while the run goes, as parsed
+    "fault_armed": ("fault", "targets"),  # handed to the replicas it hits
+    "fault_fired": ("fault", "pid"),  # a supervisor fault
     # checkpoints
-    "checkpoint": EventSpec(("round", "path", "replicas"), "a durable checkpoint is final"),
-    "checkpoint_skipped": EventSpec(("round", "reason"), "no checkpoint this time (and why)"),
-    "checkpoint_refused": EventSpec(("round", "reason"), "a checkpoint whose files disagree was not finalized"),
-    "checkpoint_failed": EventSpec(("round", "error", "replicas"),
-                                   "storage refused this checkpoint (a replica's write or the supervisor's): skipped, "
-                                   "training goes on, the previous one stays"),
-    "model_saved": EventSpec(("path", "round", "rid", "bytes"),
-                             "the run's end: the committed global model written as model.safetensors by replica rid"),
-    "restore": EventSpec(("round", "path", "reason", "replicas"), "every replica loaded a durable checkpoint"),
-    "checkpoint_fallback": EventSpec(("path", "reason"),
-                                     "a checkpoint that does not verify (or is another config's) was skipped for an "
-                                     "older one, at resume or in a restore"),
-    "lock_taken_over": EventSpec(("previous_run_id", "reason"),
-                                 "train.resume took over the stale lock of the run folder (its process gone, or "
-                                 "not refreshed for a minute)"),
+    "checkpoint": ("round", "path", "replicas"),  # durable and final
+    "checkpoint_skipped": ("round", "reason"),
+    "checkpoint_refused": ("round", "reason"),  # its files disagree: not finalized
+    "checkpoint_failed": ("round", "error", "replicas"),
+    "model_saved": ("path", "round", "rid", "bytes"),
+    "restore": ("round", "path", "reason", "replicas"),  # every replica loaded a durable checkpoint
+    "checkpoint_fallback": ("path", "reason"),
+    "lock_taken_over": ("previous_run_id", "reason"),
     # the run folder itself
-    "run_dir_unwritable": EventSpec(("path", "error"),
-                                    "writes to the run folder fail: records are kept in memory meanwhile"),
-    "run_dir_writable": EventSpec(("path", "down_s", "buffered"),
-                                  "the run folder works again; the records kept meanwhile are written, in order"),
-    "write_failed": EventSpec(("what", "error"), "a file of the run could not be written (wandb, plots, a report)"),
+    "run_dir_unwritable": ("path", "error"),
+    "run_dir_writable": ("path", "down_s", "buffered"),
+    "write_failed": ("what", "error"),
 }
 
 
@@ -121,9 +86,9 @@ def check_event(name: str, fields: dict) -> None:
     spec = EVENTS.get(name)
     if spec is None:
         raise EventSchemaError(f"unknown event {name!r}; known events: {', '.join(sorted(EVENTS))}")
-    missing = [f for f in spec.fields if f not in fields]
+    missing = [f for f in spec if f not in fields]
     if missing:
-        raise EventSchemaError(f"event {name!r} lacks {', '.join(missing)} (it always carries {', '.join(spec.fields)})")
+        raise EventSchemaError(f"event {name!r} lacks {', '.join(missing)} (it always carries {', '.join(spec)})")
 
 
 class _Stream:
@@ -141,24 +106,22 @@ class RunLog:
     caller, and the run's other files (status, durable state, reports, summary) with a deadline.
 
     `event` and `metrics` keep the record in memory, in order, and ask the folder's writer thread
-    (hsgd.record.rundir.FolderWriter) to append what is kept; they neither wait for the write nor
-    raise for it. A record leaves memory only once it is in the file (append_lines: all or
-    nothing), so while the folder is unwritable records pile up in memory and the next write
-    that works writes them all, in order, each once. `write_file` writes a whole file atomically
-    through the same thread and waits at most `write_timeout_s`. The folder's health is reported
-    by `unwritable_s()` and by two events, `run_dir_unwritable` when writes start failing and
-    `run_dir_writable` when one works again (with `warn` called for each, for the console); the
-    caller decides how long an outage it tolerates (the supervisor: run.io_grace_s, hsgd.core.deadlines.storage_problem).
+    (`FolderWriter`) to append what is kept; they neither wait for the write nor raise for it. A
+    record leaves memory only once it is in the file (append_lines: all or nothing), so while the
+    folder is unwritable records pile up in memory and the next write that works writes them all,
+    in order, each once. `write_file` writes a whole file atomically through the same thread and
+    waits at most `write_timeout_s`. The folder's health is reported by `unwritable_s()` and by the
+    events `run_dir_unwritable` / `run_dir_writable` (and `warn`, for the console); the caller
+    decides how long an outage it tolerates (hsgd.core.deadlines.storage_problem).
     """
 
-    def __init__(self, run_dir: str | Path, *, echo=None, warn=None, write_timeout_s: float = 5.0):
+    def __init__(self, run_dir: str | Path, *, warn=None, write_timeout_s: float = 5.0):
         self.dir = Path(run_dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError:
             pass  # the first write reports it (run_dir_unwritable)
         self._lock = threading.Lock()
-        self._echo = echo  # optional callable(str) for a readable console line
         self._warn = warn  # optional callable(str): the folder's outages, for the console
         self._streams = {name: _Stream(self.dir / f"{name}.jsonl") for name in ("events", "metrics")}
         self._kept = self._written = 0  # records ever kept / ever written (an outage's count: `buffered`)
@@ -166,14 +129,9 @@ class RunLog:
         self.writer = FolderWriter(write_timeout_s, on_change=self._health_changed)
 
     # -- the records ------------------------------------------------------------------------------
-    def event(self, name: str, **fields: Any) -> dict:
+    def event(self, name: str, **fields: Any) -> None:
         check_event(name, fields)
-        record = {"t": time.time(), "event": name, **fields}
-        self._keep("events", record)
-        if self._echo is not None and name not in ("phase_begin", "phase_end"):
-            details = " ".join(f"{k}={v}" for k, v in fields.items())
-            self._echo(f"[hsgd] {name} {details}")
-        return record
+        self._keep("events", {"t": time.time(), "event": name, **fields})
 
     def metrics(self, record: dict) -> None:
         self._keep("metrics", record)

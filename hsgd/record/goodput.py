@@ -15,13 +15,15 @@ from __future__ import annotations
 from statistics import median
 
 
-def _first(events: list[dict], t: float, pred) -> dict | None:
-    return next((e for e in events if e["t"] >= t and pred(e)), None)
+def _first(events: list[dict], t: float | None, pred) -> dict | None:
+    """The first event at or after t that pred accepts (None: no such event, or no t)."""
+    return None if t is None else next((e for e in events if e["t"] >= t and pred(e)), None)
 
 
 def fault_costs(fired: list[dict], events: list[dict]) -> list[dict]:
     """One record per fired replica fault with the split above (None where it never happened)."""
     events = sorted(events, key=lambda e: e["t"])
+    inner = [e for e in events if e["event"] == "phase_begin" and e.get("phase") == "inner"]
     out = []
     for f in sorted(fired, key=lambda f: f["t"]):
         rid, t0 = f.get("rid"), f["t"]
@@ -30,12 +32,10 @@ def fault_costs(fired: list[dict], events: list[dict]) -> list[dict]:
         cluster = int(rid[1:].split("r")[0])
         down = _first(events, t0, lambda e: e["event"] in ("replica_down", "hang_detected") and e.get("rid") == rid)
         t1 = down["t"] if down else None
-        replan = _first(events, t1, lambda e: e["event"] == "phase_begin" and e.get("phase") == "inner"
-                        and e.get("cluster") == cluster) if t1 else None
-        up = _first(events, t1, lambda e: e["event"] == "replica_up" and e.get("rid") == rid) if t1 else None
-        heal = _first(events, t1, lambda e: e["event"] == "heal_end" and e.get("target") == rid) if t1 else None
-        back = _first(events, t1, lambda e: e["event"] == "phase_begin" and e.get("phase") == "inner"
-                      and rid in (e.get("replicas") or [])) if t1 else None
+        replan = _first(inner, t1, lambda e: e.get("cluster") == cluster)
+        up = _first(events, t1, lambda e: e["event"] == "replica_up" and e.get("rid") == rid)
+        heal = _first(events, t1, lambda e: e["event"] == "heal_end" and e.get("target") == rid)
+        back = _first(inner, t1, lambda e: rid in (e.get("replicas") or []))
         out.append({"rid": rid, "kind": f.get("kind"), "fired_at": t0,
                     "detection_s": None if t1 is None else t1 - t0,
                     "replan_s": None if replan is None else replan["t"] - t1,

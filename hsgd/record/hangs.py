@@ -23,13 +23,9 @@ def _frames(block: str) -> list[tuple[str, str, int]]:
     """Frames of one thread, innermost first, whatever the dump format."""
     frames, innermost_last = [], False
     for line in block.splitlines():
-        m = _TB.search(line)
+        m = _TB.search(line) or _SPY.match(line)
         if m:
             innermost_last = innermost_last or '", line ' in line and ", in " in line  # traceback module
-            frames.append((m["func"], m["file"], int(m["line"])))
-            continue
-        m = _SPY.match(line)
-        if m:
             frames.append((m["func"], m["file"], int(m["line"])))
     return frames[::-1] if innermost_last else frames
 

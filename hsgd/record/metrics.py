@@ -17,8 +17,8 @@ def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, li
             "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(losses.items()) if v},
             "eval_loss": eval_loss, "tokens_per_s": tokens / inner_s if inner_s > 0 else None,
             "inner_bytes": inner_bytes, "outer_bytes": outer_bytes, "outer_link_s": outer_link_s,
-            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts, "phase_s": dict(phase_s), "replica_digests": dict(digests),
-            "global_digests": dict(global_digests), "t": t}
+            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts,
+            "phase_s": dict(phase_s), "replica_digests": dict(digests), "global_digests": dict(global_digests), "t": t}
 
 
 def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
@@ -128,20 +128,15 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
             detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
                              and (rid == "supervisor") == (e["event"] == "supervisor_start")
                              and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
-        recovered, _ = _recovery_and_heal(events, rid, detected["t"] if detected else t0)
-        heal = next((e for e in events if e["t"] > t0 and e["event"] == "heal_end" and e.get("target") == rid), None)
-        figures.append({
-            "source": "injected",
-            "rid": rid, "kind": f["kind"], "cause": None if detected is None else "non_finite"
-            if detected["event"] == "non_finite" else detected.get("cause"),
-            "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
-            "fired_at": t0, "detected_at": None if detected is None else detected["t"],
-            "detection_latency_s": None if detected is None else detected["t"] - t0,
-            "detected_by": None if detected is None else detected["event"],
-            "recovery_latency_s": None if recovered is None else recovered["t"] - t0,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes"),
-        })
+        seen = detected or {}
+        recovered, _ = _recovery_and_heal(events, rid, seen.get("t", t0))
+        _, heal = _recovery_and_heal(events, rid, t0)
+        figures.append({"source": "injected", "rid": rid, "kind": f["kind"],
+                        "cause": "non_finite" if seen.get("event") == "non_finite" else seen.get("cause"),
+                        "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
+                        "fired_at": t0, "detected_at": seen.get("t"),
+                        "detection_latency_s": None if detected is None else detected["t"] - t0,
+                        "detected_by": seen.get("event"), **_after(recovered, heal, t0)})
     downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
@@ -151,18 +146,20 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                       and f["t"] - _CLOCK_SKEW_S <= d["t"] <= f["t"] + explain_window_s), None)
         if first is not None:
             claimed.add(first)
-    for i, down in enumerate(downs):
-        if i in claimed:
-            continue
-        figures.append(_observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down"))
-    for i, e in enumerate(non_finite):
-        if i in explained:
-            continue
-        figures.append(_observed_fault(events, e, cause="non_finite", detected_by="non_finite"))
-    for e in _spare_deaths(events):
-        figures.append(_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
-                                       detected_by="spare_lost"))
+    figures += [_observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down")
+                for i, down in enumerate(downs) if i not in claimed]
+    figures += [_observed_fault(events, e, cause="non_finite", detected_by="non_finite")
+                for i, e in enumerate(non_finite) if i not in explained]
+    figures += [_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
+                                detected_by="spare_lost") for e in _spare_deaths(events)]
     return figures
+
+
+def _after(recovered: dict | None, heal: dict | None, t: float) -> dict:
+    """A fault entry's recovery latency (from t) and heal figures."""
+    return {"recovery_latency_s": None if recovered is None else recovered["t"] - t,
+            "heal_s": None if heal is None else heal.get("seconds"),
+            "heal_bytes": None if heal is None else heal.get("bytes")}
 
 
 def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detected_by: str) -> dict:
@@ -173,34 +170,27 @@ def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detect
     return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
             "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
             "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": detected_by,
-            "recovery_latency_s": None if recovered is None else recovered["t"] - t,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes")}
+            **_after(recovered, heal, t)}
 
 
 def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],
                 metrics: list[dict], fired: list[dict], events: list[dict], not_fired: list, committed_steps: int,
                 attempted_steps: int, participation: list[float], supervisor_started: float, now: float,
                 run_dir: str) -> dict:
-    """summary.json (the README's "Summary fields"). `durable`: the supervisor's durable state;
-    `digests`: each live replica's digests answer ({param, global, round})."""
-    evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
+    """summary.json (the README's "Summary fields"): `fallback_summary`'s figures of the durable
+    state (`durable`) and metrics, and what only the live run knows. `digests`: each live
+    replica's digests answer ({param, global, round})."""
+    summary = fallback_summary(status=status, reason=reason, durable=durable, metrics=metrics, now=now,
+                               steps_per_round=steps_per_round, run_dir=run_dir, supervisor_started=supervisor_started)
     rounds = durable["committed_round"]
-    step_eff, training_eff = efficiencies(committed_steps, attempted_steps, participation)
-    return {"status": status, "reason": reason, "rounds_committed": rounds,
-            "inner_steps_committed": rounds * steps_per_round,
-            "initial_eval_loss": durable.get("initial_eval_loss"),
-            "final_eval_loss": evals[-1] if evals else None,
-            "wall_s": now - durable["started_at"],  # the whole run, across supervisor restarts
-            "supervisor_wall_s": now - supervisor_started,
-            "replica_param_digests": {rid: d["param"] for rid, d in digests.items()},
-            # from a replica holding the committed round (one restarted at the very end may not)
-            "global_param_digest": next((d["global"] for d in sorted(digests.values(), key=lambda d: d.get("round") != rounds)
-                                         if d.get("global")), None),
-            "step_efficiency": step_eff, "training_efficiency": training_eff,
-            "faults": fault_figures(fired, events), "faults_not_fired": not_fired,
-            "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
-            "supervisor_starts": durable["supervisor_starts"], "epoch": durable["epoch"], "run_dir": run_dir}
+    summary["step_efficiency"], summary["training_efficiency"] = efficiencies(committed_steps, attempted_steps,
+                                                                              participation)
+    # the global digest from a replica holding the committed round (one restarted at the very end may not)
+    holders = sorted(digests.values(), key=lambda d: d.get("round") != rounds)
+    summary.update(replica_param_digests={rid: d["param"] for rid, d in digests.items()},
+                   global_param_digest=next((d["global"] for d in holders if d.get("global")), None),
+                   faults=fault_figures(fired, events), faults_not_fired=not_fired)
+    return summary
 
 
 def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics: list[dict], steps_per_round: int,
@@ -215,7 +205,7 @@ def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics:
             "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
             "initial_eval_loss": durable.get("initial_eval_loss"),
             "final_eval_loss": evals[-1] if evals else None,
-            "wall_s": None if started is None else now - started,
+            "wall_s": None if started is None else now - started,  # the whole run, across supervisor restarts
             "supervisor_wall_s": None if supervisor_started is None else now - supervisor_started,
             "replica_param_digests": {}, "global_param_digest": None,
             "step_efficiency": None, "training_efficiency": None, "faults": [], "faults_not_fired": [],

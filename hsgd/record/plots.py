@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 
 from hsgd.record.metrics import fault_figures
-from hsgd.record.rundir import read_jsonl
+from hsgd.record.rundir import read_json, read_jsonl
 
 SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")
 SPAN_COLOURS = {"inner": "#4c72b0", "inner_sync": "#8fb3e0", "outer": "#dd8452", "outer_commit": "#55a868",
                 "checkpoint": "#8172b3", "heal": "#e5c100", "down": "#555555"}
+_DOWN_STYLE = {"hatch": "//", "edgecolor": "white"}  # "down" bars: hatched, so they read as absence
 _RID = re.compile(r"^c(\d+)r(\d+)$")
 
 
@@ -51,12 +52,10 @@ def read_events(run_dir: str | Path) -> list[dict]:
     return sorted((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if "t" in e), key=lambda e: e["t"])
 
 
-def known_replicas(run_dir: str | Path, events: list[dict] | None = None) -> list[str]:
-    """Replica ids from config.yaml's topology plus any named in the events, in c/r order."""
-    run_dir = Path(run_dir)
-    events = read_events(run_dir) if events is None else events
+def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
+    """Replica ids from config.yaml's topology plus any named in `events`, in c/r order."""
     rids: set[str] = set()
-    topo = _topology(run_dir)
+    topo = _topology(Path(run_dir))
     if topo:
         rids |= {f"c{c}r{i}" for c in range(topo[0]) for i in range(topo[1])}
     for e in events:
@@ -85,14 +84,12 @@ def replica_states(events: list[dict]):
             listed = e.get("members") or {}
             # authoritative for the clusters it lists (a cluster's group: its own; an older record: all)
             clusters = set(listed) if e.get("cluster") is not None else None
-            new = dict(state)
             for rid, s in state.items():
                 if s in ("live", "standby", "joining") and (clusters is None or _cluster(rid) in clusters):
-                    new[rid] = "joining"
+                    state[rid] = "joining"
             for members in listed.values():
-                new.update({rid: "live" for rid in members})
-            new.update({rid: "standby" for rid in e.get("standby") or []})
-            state = new
+                state.update({rid: "live" for rid in members})
+            state.update({rid: "standby" for rid in e.get("standby") or []})
         elif name == "replica_down" and e.get("rid"):
             state[e["rid"]] = "down"
         elif name == "replica_up" and e.get("rid"):
@@ -173,14 +170,7 @@ def timeline_data(run_dir: str | Path) -> dict:
 
 def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float) -> list[tuple[float, float]]:
     """(fault t, recovery t) from summary.json's fault figures, else computed from the logs."""
-    figures = []
-    if (run_dir / "summary.json").exists():
-        import json
-
-        try:
-            figures = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("faults") or []
-        except (OSError, ValueError):
-            figures = []
+    figures = read_json(run_dir / "summary.json").get("faults") or []
     if not any("fired_at" in f for f in figures):
         figures = fault_figures(fired, events) if fired else []
     return [(f["fired_at"] - t0, f["fired_at"] + f["recovery_latency_s"] - t0) for f in figures
@@ -265,19 +255,16 @@ def write_loss_png(run_dir: str | Path) -> Path:
     data = loss_plot_data(run_dir)
     fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
     for rid, points in sorted(data["replica_loss"].items(), key=lambda kv: _rid_key(kv[0])):
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2, alpha=0.75, marker=".", ms=4,
-                label=f"train {rid}")
+        ax.plot(*zip(*points), lw=1.2, alpha=0.75, marker=".", ms=4, label=f"train {rid}")
     if data["eval_loss"]:
-        ax.plot([p[0] for p in data["eval_loss"]], [p[1] for p in data["eval_loss"]], "k-o", ms=3, lw=2,
-                label="eval (global model)")
+        ax.plot(*zip(*data["eval_loss"]), "k-o", ms=3, lw=2, label="eval (global model)")
     if not data["replica_loss"] and not data["eval_loss"]:
         ax.text(0.5, 0.5, "no committed rounds yet", transform=ax.transAxes, ha="center", color="grey")
     for step, label in data["faults"]:
         ax.axvline(step, color="red", ls="--", lw=1)
         ax.annotate(label, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
                     fontsize=8, color="red")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("cross-entropy loss")
+    ax.set(xlabel="inner step", ylabel="cross-entropy loss")
     ax.set_title("train loss per replica (round mean) and eval loss of the global model", fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -302,9 +289,8 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         for kind in SPAN_KINDS:
             bars = [(s, max(e - s, min_w)) for s, e, k in data["spans"].get(rid, []) if k == kind]
             if bars:
-                ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=SPAN_COLOURS[kind],
-                               hatch="//" if kind == "down" else None, edgecolor="white" if kind == "down" else None,
-                               lw=0)
+                ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=SPAN_COLOURS[kind], lw=0,
+                               **(_DOWN_STYLE if kind == "down" else {}))
     for start, stop in data["recoveries"]:
         ax.axvspan(start, stop, color="red", alpha=0.15, lw=0, zorder=0)
     for t in data["supervisor_starts"]:
@@ -315,18 +301,15 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         ax.annotate(f"{kind} {rid}", (t, y), xytext=(8, 0), textcoords="offset points", ha="left", va="center",
                     fontsize=8, color="red", fontweight="bold", zorder=6,
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "red", "lw": 0.5, "alpha": 0.9})
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(rows)
-    ax.set_ylim(len(rows) - 0.4 + 0.3, -0.6)
-    ax.set_xlim(0, end * 1.01)
-    ax.set_xlabel("seconds since run start")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set(ylim=(len(rows) - 0.4 + 0.3, -0.6), xlim=(0, end * 1.01), xlabel="seconds since run start")
     ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), hatch="//" if k == "down" else None,
-                     edgecolor="white" if k == "down" else None) for k in SPAN_KINDS]
+    handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == "down" else {}))
+               for k in SPAN_KINDS]
     handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
-    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12),
-              frameon=False)
+    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center",
+              bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), frameon=False)
     fig.tight_layout()
     return save_png(fig, Path(run_dir) / "timeline.png")
 
@@ -347,11 +330,8 @@ def write_membership_png(run_dir: str | Path) -> Path:
     for t, rid, kind in data["faults"]:
         ax.axvline(t, color="red", ls="--", lw=1)
         ax.annotate(f"{kind} {rid}", (t, 0.1), rotation=90, ha="right", va="bottom", fontsize=8, color="red")
-    ax.set_ylim(-0.2, top + 0.6)
-    ax.set_yticks(range(top + 1))
-    ax.set_xlim(0, max(data["end"], 1e-3) * 1.01)
-    ax.set_xlabel("seconds since run start")
-    ax.set_ylabel("live replicas")
+    ax.set(ylim=(-0.2, top + 0.6), yticks=range(top + 1), xlim=(0, max(data["end"], 1e-3) * 1.01),
+           xlabel="seconds since run start", ylabel="live replicas")
     ax.set_title("live replicas per cluster (dotted: membership epochs; red: faults)", fontsize=10)
     ax.grid(alpha=0.3)
     if data["clusters"]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from hsgd.config.rounds import steps_per_round
 from hsgd.record.metrics import fallback_summary
 from hsgd.record.run_state import STATE_FILE
-from hsgd.record.rundir import call_with_deadline, read_json, read_jsonl, write_summary
+from hsgd.record.rundir import atomic_write_text, call_with_deadline, read_json, read_jsonl
 
 DRIVER_IO_S = 10.0  # the driver's wait for one read or write of the run folder at the run's end
 
@@ -32,6 +32,7 @@ def driver_summary(run_dir: str, cfg, reason: str) -> dict:
 def ensure_summary(run_dir: str, summary: dict) -> None:
     """summary.json holds `summary` when this returns, or the summary is printed on the console as
     one JSON line (after a line saying why): a run never ends without its summary."""
+    # json writes floats with repr(): the shortest string that round-trips, i.e. full precision
     text = json.dumps(summary, indent=2, sort_keys=True, default=str)
     path = Path(run_dir) / "summary.json"
     try:
@@ -40,7 +41,8 @@ def ensure_summary(run_dir: str, summary: dict) -> None:
     except Exception:  # noqa: BLE001 — absent, unreadable, hung: write it
         pass
     try:
-        call_with_deadline(lambda: write_summary(run_dir, summary), DRIVER_IO_S, f"writing {path}")
+        call_with_deadline(lambda: atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True)),
+                           DRIVER_IO_S, f"writing {path}")
     except Exception as err:  # noqa: BLE001 — OSError, TimeoutError, or a summary json cannot hold
         print(f"[hsgd] summary.json could not be written to {run_dir} ({type(err).__name__}: {err}); "
               f"the summary follows as one JSON line:", flush=True)

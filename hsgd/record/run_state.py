@@ -4,12 +4,6 @@ One owner: the supervisor holds one `RunState` and saves it whole (through its R
 temp name then a rename) whenever it changes; the driver writes the first one before the
 supervisor starts (`begin`) and reads it when the supervisor is gone. The file's name and JSON
 keys are those of older runs, so an older run folder still resumes.
-
-What lives here: the run id (a supervisor never loads another run's state) and config
-fingerprint, the run's start time, the group epoch, the committed round, the supervisor's start
-count, the faults fired (schedule indices) and added by drills, the initial eval loss, which actor
-serves which replica id (`identity`), the spare pool, deaths already reported, benched clusters and
-their non-finite rounds, failed checkpoints, the last restore.
 """
 from __future__ import annotations
 
@@ -25,31 +19,23 @@ STATE_FILE = "supervisor_state.json"
 
 @dataclass
 class RunState:
-    run_id: str = ""
-    fingerprint: dict | None = None
+    run_id: str = ""  # a supervisor never loads another run's state
+    fingerprint: dict | None = None  # of the config
     started_at: float = field(default_factory=time.time)
     epoch: int = 0
     committed_round: int = 0
     supervisor_starts: int = 0
-    fired: list[int] = field(default_factory=list)
+    fired: list[int] = field(default_factory=list)  # indices into the fault schedule
     added_faults: list[dict] = field(default_factory=list)
     initial_eval_loss: float | None = None
     evaluated: bool = False  # initial_eval_loss is known (on disk: the key is present, even as null)
-    identity: dict[str, str] = field(default_factory=dict)
+    identity: dict[str, str] = field(default_factory=dict)  # replica id -> the actor serving it
     spares: dict[str, list[str]] = field(default_factory=dict)
-    deaths_seen: dict = field(default_factory=dict)
+    deaths_seen: dict = field(default_factory=dict)  # deaths already reported
     benched: list[int] = field(default_factory=list)
     non_finite_rounds: dict[str, int] = field(default_factory=dict)
     checkpoints_failed: int = 0
     last_restore: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "RunState":
-        """From the file's JSON (unknown keys ignored, absent ones defaulted)."""
-        known = {f.name for f in fields(cls)} - {"evaluated"}
-        state = cls(**{k: v for k, v in raw.items() if k in known})
-        state.evaluated = "initial_eval_loss" in raw
-        return state
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -63,12 +49,13 @@ class RunState:
 
     @classmethod
     def read(cls, run_dir: str | Path) -> "RunState":
-        """Whatever state the folder holds (defaults when absent or unreadable)."""
+        """Whatever state the folder holds: unknown keys ignored, absent ones defaulted (all of them
+        when the file is absent or unreadable)."""
         raw = read_json(Path(run_dir) / STATE_FILE)
-        try:
-            return cls.from_dict(raw if isinstance(raw, dict) else {})
-        except TypeError:
-            return cls()
+        raw = raw if isinstance(raw, dict) else {}
+        state = cls(**{k: v for k, v in raw.items() if k in {f.name for f in fields(cls)} - {"evaluated"}})
+        state.evaluated = "initial_eval_loss" in raw
+        return state
 
     @classmethod
     def load(cls, run_dir: str | Path, run_id: str) -> "RunState":

@@ -1,9 +1,8 @@
-"""The run folder on disk: atomic writes (temp name, fsync, rename), JSON-lines appends that never
-leave a record half-written, JSON-lines readers, and `FolderWriter`, which does a folder's writes
-with a deadline.
+"""The run folder on disk: atomic writes, JSON-lines appends that never leave a record half-written,
+JSON-lines readers, and `FolderWriter`, which does a folder's writes with a deadline.
 
 Nothing under run.dir is ever half-written: every file is written to a temp name in the same
-folder and renamed into place, so a crash leaves the old file or the new one, never a mix.
+folder, fsynced and renamed into place, so a crash leaves the old file or the new one, never a mix.
 """
 from __future__ import annotations
 
@@ -17,12 +16,12 @@ from pathlib import Path
 from typing import Callable
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.write(text.encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -63,15 +62,6 @@ def append_lines(path: str | Path, data: str) -> None:
             pass  # every byte was written (or the error above is raised): nothing to redo
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def write_summary(run_dir: str | Path, summary: dict) -> None:
-    # json writes floats with repr(): the shortest string that round-trips, i.e. full precision.
-    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
-
-
 def read_json(path: str | Path) -> dict:
     """A JSON file the run keeps rewriting (status.json, run.json, supervisor_state.json): {} when it
     is absent or unreadable (a reader elsewhere may race the writer's rename, or a crash)."""
@@ -82,17 +72,17 @@ def read_json(path: str | Path) -> dict:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """Every whole record of a JSON-lines file ([] when it is absent); a line being written right
+    now, or a fragment a failed append left, is skipped."""
     path = Path(path)
     if not path.exists():
         return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written right now
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
     return records
 
 
@@ -169,12 +159,6 @@ class FolderWriter:
             if since is None or running < since:
                 since, error = running, stuck
         return (0.0, "") if since is None else (now - since, error)
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every job queued now has run (True) or timeout_s passes (False)."""
-        marker = threading.Event()
-        self.submit(object(), marker.set, wait=False, counts=False)
-        return marker.wait(timeout_s)
 
     def _loop(self) -> None:
         while True:

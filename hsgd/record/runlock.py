@@ -40,14 +40,10 @@ def read_lock(run_dir: str | Path) -> dict | None:
 
 def _read(path: Path) -> dict | None:
     try:
-        text = path.read_text(encoding="utf-8")
+        info = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except OSError:
-        return {}
-    try:
-        info = json.loads(text)
-    except ValueError:
+    except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
 
@@ -62,12 +58,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_reason(info: dict, *, now: float | None = None, host: str | None = None,
-                 mtime: float | None = None) -> str | None:
+def stale_reason(info: dict, *, mtime: float | None = None) -> str | None:
     """Why this lock is stale, or None when it is live. An unreadable lock (being created right
     now) is live until its file is older than STALE_AFTER_S (`mtime`)."""
-    now = time.time() if now is None else now
-    host = socket.gethostname() if host is None else host
+    now, host = time.time(), socket.gethostname()
     if not info:
         if mtime is not None and now - mtime > STALE_AFTER_S:
             return f"unreadable lock not written for {now - mtime:.0f} s"
@@ -206,9 +200,3 @@ class RunLock:
                 self.path.unlink()
             except OSError:
                 pass
-
-    def __enter__(self) -> "RunLock":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
