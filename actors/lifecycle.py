@@ -1,32 +1,27 @@
 """Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
 
-Ray keeps, per actor, NumRestarts (how many times it has been restarted: the process serving
-now is incarnation NumRestarts, counting from 0) and State (ALIVE, RESTARTING, DEAD, ...).
-An actor at NumRestarts n has lost incarnations 0..n-1; one that is DEAD has lost incarnation n
-too (no restart will come). That count goes up whatever the process was doing when it died —
-answering a call, idle, still in its constructor while Ray restarts it, warming up as a spare,
-healing — so a watch over it misses no death, where a call can: a call to a RESTARTING actor is
-held by Ray, and a process that dies and comes back between two calls is never seen failing one.
+Ray keeps, per actor, NumRestarts (the process serving now is incarnation NumRestarts, from 0) and
+State (ALIVE, RESTARTING, DEAD, ...): an actor at NumRestarts n has lost incarnations 0..n-1, and
+one that is DEAD incarnation n too. That count goes up whatever the process was doing when it died
+(answering a call, idle, in its constructor, warming up as a spare, healing), so a watch over it
+misses no death where a call can: Ray holds a call to a RESTARTING actor, and a process that dies
+and comes back between two calls never fails one.
 
-`ActorWatch.poll()` reads the actor table once (one GCS call for every actor: about a
-millisecond for a few dozen) and returns each incarnation that died since the last poll, once; a
-death the supervisor learned otherwise is told with `note_death`, and whichever comes first
-reports it. Which replica id an incarnation served follows the identity map: a spare promoted to
-serve `c0r1` dies as `c0r1`; a replica's own actor that became a spare dies as a spare.
-
-What was reported survives a supervisor restart: the reported incarnations live in the
-supervisor's durable dict (`seen`), saved by `save` whenever they change.
+`ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
+incarnation that died since the last poll, once; a death the supervisor learned otherwise is told
+with `note_death`, and whichever comes first reports it. An incarnation dies as the replica id it
+served: a spare promoted to `c0r1` dies as `c0r1`; a replica's actor that became a spare, as a
+spare. The reported incarnations live in the supervisor's durable dict (`seen`), so they survive
+its restart.
 
 Failure cases: the table cannot be read (GCS briefly unreachable): `poll` returns nothing and the
-next poll reports what happened meanwhile (the count only grows). An actor not in the table yet
-(still being created) is skipped.
+next poll reports what happened meanwhile (the count only grows). An actor not in the table yet is
+skipped.
 """
 from __future__ import annotations
 
 import json
 from typing import Callable, Iterable, NamedTuple
-
-DEAD = "DEAD"  # the actor's State once no restart will come
 
 
 class Death(NamedTuple):
@@ -38,16 +33,11 @@ class Death(NamedTuple):
 
 
 # -- who an actor is: durable across its restarts ---------------------------------------------------
-# Ray restarts an actor with its constructor's arguments. A spare's are another replica's
-# (`c{c}r0`, spare=True), so a promoted spare that restarts would come back under the wrong
-# identity and data stream. Its identity is kept in Ray's internal KV store instead (cluster-wide,
-# on the GCS, reachable from any node, unlike a run folder that may be failing), under the actor's
-# own name, written before the actor serves anything under it and read by its constructor.
+# Ray restarts an actor with its constructor's arguments, a spare's being another replica's, so a
+# promoted spare would come back under the wrong identity and data stream. Its identity is kept in
+# Ray's internal KV store (on the GCS, reachable from any node, unlike a run folder that may be
+# failing) under the actor's name, written before it serves under it, read by its constructor.
 KV_NAMESPACE = "hsgd"
-
-
-def _identity_key(actor_name: str) -> str:
-    return f"{actor_name}:identity"
 
 
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
@@ -55,7 +45,7 @@ def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
     the KV store raises (the caller then does not take the identity on)."""
     from ray.experimental.internal_kv import _internal_kv_put
 
-    _internal_kv_put(_identity_key(actor_name), json.dumps({"rid": rid, "spare": spare}), overwrite=True,
+    _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
                      namespace=KV_NAMESPACE)
 
 
@@ -66,7 +56,7 @@ def read_identity(actor_name: str | None) -> dict | None:
 
     if not actor_name:
         return None
-    raw = _internal_kv_get(_identity_key(actor_name), namespace=KV_NAMESPACE)
+    raw = _internal_kv_get(f"{actor_name}:identity", namespace=KV_NAMESPACE)
     return None if raw is None else json.loads(raw)
 
 
@@ -182,7 +172,7 @@ class ActorWatch:
         deaths = []
         for row in rows:
             name, state = row["Name"], row.get("State", "")
-            lost = int(row.get("NumRestarts", 0)) + (1 if state == DEAD else 0)  # incarnations < lost died
+            lost = int(row.get("NumRestarts", 0)) + (state == "DEAD")  # incarnations < lost died (DEAD: no restart)
             floor, extra = self._reported(name)
             if lost <= floor:
                 continue
