@@ -52,7 +52,6 @@ class Drill:
         self._thread: threading.Thread | None = None
         self._owns_ray = False
         self._injected: list[dict] = []
-        self._writer: FolderWriter | None = None  # faults_fired.jsonl, for faults injected from outside
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 180.0) -> "Drill":
@@ -63,6 +62,7 @@ class Drill:
         cfg = compose_config(["logging.progress=false", *self.overrides])
         validate(cfg)
         self.cfg = cfg
+        self._writer = FolderWriter(write_deadline_s(float(cfg.run.io_grace_s)))  # faults_fired.jsonl
         self._owns_ray = connect_ray(cfg)  # ours, so the run does not shut it down under us
 
         def target() -> None:
@@ -101,11 +101,9 @@ class Drill:
     def state(self) -> dict:
         """Membership per cluster (live and down), leaders, epoch, round, phase, losses, recent events."""
         status = _read_json(self.run_dir / "status.json")
-        info = _read_json(self.run_dir / "run.json")
-        everyone = info.get("replicas", [])
         live = _members(status)
         clusters: dict[str, dict] = {}
-        for rid in everyone:
+        for rid in _read_json(self.run_dir / "run.json").get("replicas", []):
             c = "c" + rid[1:].split("r")[0]
             entry = clusters.setdefault(c, {"live": [], "down": [], "leader": (status.get("leaders") or {}).get(c)})
             entry["live" if rid in live else "down"].append(rid)
@@ -159,19 +157,16 @@ class Drill:
         else:
             record["rids"] = self._resolve(target)
             for rid in record["rids"]:
-                fault = {"kind": kind, "phase": "now", "step": 0, "seconds": seconds}
                 if kind == "kill":  # from outside, as an operator or a node failure would
                     self._record_fired(rid, kind)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
-                    self._replica(rid).inject.remote(fault)
+                    self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
         self._injected.append(record)
         return record
 
     def _record_fired(self, rid: str, kind: str) -> None:
         """Faults injected from outside are logged where in-process faults log themselves."""
-        if self._writer is None:
-            self._writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))
         write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:

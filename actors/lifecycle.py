@@ -27,8 +27,8 @@ from typing import Callable, Iterable, NamedTuple
 class Death(NamedTuple):
     name: str  # the actor's name (hsgd:<run_id>:...)
     incarnation: int  # the actor's NumRestarts while that process lived
-    rid: str | None  # the replica id it served, or None: a spare (ready, warming up, or never promoted)
-    cluster: int | None  # a spare's cluster (the pool's); None for a replica (topology knows)
+    rid: str | None  # the replica id it served, or None: a spare
+    cluster: int | None  # a spare's cluster; None for a replica (topology knows)
     state: str  # the actor's State when the death was seen: RESTARTING, ALIVE (already back), DEAD
 
 
@@ -41,8 +41,8 @@ KV_NAMESPACE = "hsgd"
 
 
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
-    """Record who `actor_name` is from now on: replica `rid`, or a spare (rid None). Raises what
-    the KV store raises (the caller then does not take the identity on)."""
+    """`actor_name` is replica `rid` from now on, or a spare (rid None). Raises what the KV store
+    raises (the caller then does not take the identity on)."""
     from ray.experimental.internal_kv import _internal_kv_put
 
     _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
@@ -50,8 +50,7 @@ def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
 
 
 def read_identity(actor_name: str | None) -> dict | None:
-    """{"rid": str | None, "spare": bool} as last written for `actor_name`, or None (never
-    written: the actor is who its constructor's arguments say)."""
+    """{"rid", "spare"} as last written for `actor_name`, or None (its constructor's arguments say)."""
     from ray.experimental.internal_kv import _internal_kv_get
 
     if not actor_name:
@@ -61,8 +60,7 @@ def read_identity(actor_name: str | None) -> dict | None:
 
 
 def own_incarnation() -> int | None:
-    """In an actor: which incarnation this process is (its NumRestarts: Ray counts the restart
-    before it starts the new process), or None when the table cannot be read."""
+    """In an actor: its NumRestarts (counted before the new process starts), or None (table unreadable)."""
     import ray
     from ray._private.state import state as gcs
 
@@ -73,18 +71,16 @@ def own_incarnation() -> int | None:
 
 
 def read_actor_table() -> list[dict]:
-    """Every actor of the cluster as Ray's GCS lists it (`Name`, State, NumRestarts, `Pid`):
-    one call. Raises what the GCS client raises."""
+    """Every actor of the cluster (`Name`, State, NumRestarts, `Pid`): one GCS call; raises its errors."""
     from ray._private.state import state as gcs
 
     return list(gcs.actor_table(None).values())
 
 
 class ActorWatch:
-    """`identity`: replica id -> the name of the actor serving it (the roster's map itself, so a
-    promotion is followed); `spares`: cluster (str) -> spare actor names (the pool's own dict);
-    `seen`: actor name -> [floor, *extra] — every incarnation below floor was reported, and so
-    were `extra` (a durable dict, mutated here); `table`: returns the actor table's rows."""
+    """`identity`: replica id -> actor name (the roster's map itself, so a promotion is followed);
+    `spares`: cluster (str) -> spare actor names (the pool's dict); `seen`: actor name -> [floor,
+    *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here)."""
 
     def __init__(self, identity: dict[str, str], spares: dict[str, list[str]], seen: dict[str, list[int]], *,
                  table: Callable[[], Iterable[dict]] = read_actor_table, save: Callable[[], None] = lambda: None):
@@ -104,8 +100,7 @@ class ActorWatch:
 
     # -- what the supervisor tells it ---------------------------------------------------------------
     def note_up(self, rid: str, incarnation: int | None) -> None:
-        """The process serving `rid` (the identity map's actor) answered, and says it is
-        `incarnation` (None: it did not say)."""
+        """The process serving `rid` answered, as `incarnation` (None: it did not say)."""
         name = self.identity.get(rid)
         if incarnation is None or name is None:
             return

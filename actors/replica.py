@@ -1,18 +1,16 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
-Its methods are the supervisor's messages. Phase methods (concurrency group "phase", one at a time)
-run at most one level's collectives; control methods (group "control") answer while a phase runs.
+Phase methods (concurrency group "phase", one at a time) run at most one level's collectives;
+control methods (group "control") answer while a phase runs.
 
-Every phase method answers a `PhaseAnswer` (hsgd/core/round/messages.py), built in `_answer` and
-crossing Ray as its `wire()` dict. `behind`: this replica has not reached the round (it must be
-healed; never reported done). `collective_failed`: this replica is fine, its group broke (a peer
-failed or timed out). `non_finite` (`what`: loss | grad_norm | pseudo_gradient): its numbers went
-NaN/inf; the replica and its group are fine, its cluster's round is void. A phase method never
-raises for those: an actor call that raises means the replica died (ActorDiedError) or hit an error
-of its own (RayTaskError), which the supervisor treats as this replica's failure.
+Every phase method answers a `PhaseAnswer` (hsgd/core/round/messages.py), built in `_answer`.
+`behind`: not at the round (it must be healed). `collective_failed`: this replica is fine, its group
+broke. `non_finite` (`what`: loss | grad_norm | pseudo_gradient): its numbers went NaN/inf; its
+cluster's round is void. A call that raises means the replica died (ActorDiedError) or hit an error
+of its own (RayTaskError): this replica's failure.
 
-Kept across a restart: its identity only (a replica id, or a spare: actors/lifecycle.py). A
-restarted replica rebuilds from the seed (or the resume checkpoint) and is healed from a live peer.
+Kept across a restart: its identity only (actors/lifecycle.py); it rebuilds from the seed (or the
+resume checkpoint) and is healed from a live peer.
 """
 from __future__ import annotations
 
@@ -78,10 +76,8 @@ class Replica:
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
-        self.outer_epoch = -1  # the epoch the standing outer group was formed under
-        self.epoch = -1
-        self.phase = "idle"
-        self.phase_since = time.time()
+        self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
+        self.phase, self.phase_since = "idle", time.time()
         self.armed: list[dict] = []
         self.slow_s = 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
@@ -129,7 +125,7 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
-        """sha256 of the params and of the global params (equal digests = bitwise-equal state)."""
+        """sha256 of the params and of the global params."""
         return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
                 "round": self.trainer.round, "step": self.trainer.step}
 
@@ -206,7 +202,6 @@ class Replica:
                            {**progress, **result}).wire()
 
     def _phase(self, name: str, fn, round_index: int, faults: list[dict] | None):
-        """Run `fn` as phase `name` carrying `faults`; its dict (`outcome`, `error` optional) is the answer."""
         self.phase, self.phase_since = name, time.time()
         self.armed = list(faults or [])
         try:
@@ -271,12 +266,10 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
                   overlap: Overlap | None = None) -> dict:
-        """Run this round's remaining inner steps in the cluster's inner group (`join`: form it first).
-        The committed step is readable on `progress` all along (slow vs hung). `behind` if this
-        replica has not reached the round (it joins all the same, so its peers' first collective
-        fails fast rather than their join waiting out its timeout). `overlap`: this replica holds
-        that shard in the standing outer group of `overlap.epoch` and reduces it in the background
-        from the round's snapshot step on (hsgd/train/overlap.py)."""
+        """This round's remaining inner steps in the cluster's inner group (`join`: form it first).
+        `behind` if not at the round (it joins all the same, so its peers' first collective fails
+        fast). `overlap`: this replica holds that shard in the standing outer group of
+        `overlap.epoch` and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -345,11 +338,11 @@ class Replica:
         return self._phase("outer_commit", run, round_index, faults)
 
     def _settle(self) -> None:
-        """Wait out (or abandon) a background outer reduce, within the time an outer reduce of the
-        whole model may take (its all-gather: every holder's payload)."""
+        """Wait out a background outer reduce (abandon it past its deadline)."""
         self.background.settle(None, self._outer_deadline_s())
 
     def _outer_deadline_s(self) -> float:
+        """An outer reduce of the whole model: its all-gather carries every holder's payload."""
         return self.outer.deadline_s(self.trainer.param_bytes * max(1, self.outer.world_size)) + 5.0
 
     def _load(self, state: dict, scope: str) -> None:
@@ -379,12 +372,10 @@ class Replica:
     # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
-        """Heal source (of round `round_index`: the round its faults are scheduled for): join the heal's
-        group `join` = (epoch, store_addr, prefix, 0, world_size) as its root and stream this replica's
-        state to every target, chunk by chunk, from where it lives (no host copy of the whole state).
-        Answers `done` with `bytes`, or `collective_failed` (a target never joined, a peer died, a
-        chunk timed out): the supervisor then heals the same targets through the object store
-        (`heal_state`). The group is dropped either way."""
+        """Heal source (of round `round_index`, for its faults): join the heal's group `join` as rank 0
+        and stream its state to every target, chunk by chunk, from where it lives. Answers `done` with
+        `bytes`, or `collective_failed` (a target never joined, a peer died, a chunk timed out): the
+        supervisor then heals the targets through the object store. The group is dropped either way."""
         def run():
             self._hook("heal", round_index, 0)
             group = self._level_group("inner")  # a heal's own group, never the standing one; in its cluster
@@ -433,14 +424,11 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
-        """Write this replica's state for the checkpoint of round `round_index` (its state after
-        round_index - 1 committed). `behind` unless this replica holds exactly that round.
-
-        A write that storage refuses answers `io_error` with the error's text, never raises: a full
-        disk, a quota, a read-only remount, another node's folder are the run's problem, not this
-        replica's (the supervisor skips the checkpoint). Whatever the write raises counts (OSError,
-        torch's RuntimeError, an fsspec backend's own); the state was taken before, so a bug of the
-        replica's own still answers `error`."""
+        """Write its state for the checkpoint of round `round_index` (after round_index - 1 committed);
+        `behind` unless it holds exactly that round. A write storage refuses (a full disk, a quota, a
+        read-only remount, another node's folder; OSError, torch's RuntimeError, an fsspec backend's
+        own) answers `io_error`, never raises: the run's problem, not this replica's. The state was
+        taken before, so a bug of the replica's own still raises."""
         def run():
             self._hook("checkpoint", round_index - 1, 0)  # the checkpoint taken after round round_index - 1
             if self.trainer.round != round_index:
