@@ -99,8 +99,8 @@ def save(sup: CheckpointPorts, state_round: int) -> str | None:
 
 
 def _write_shards(sup: CheckpointPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
-    """Every live replica at the round writes its file into `temp` (carrying its `checkpoint`
-    faults): (saved, failed, io_errors) by replica id. A replica lost meanwhile is down."""
+    """Every live replica at the round writes its file into `temp`, carrying its `checkpoint`
+    faults: (saved, failed, io_errors) by replica id. One lost meanwhile is down."""
     roster = sup.roster
     members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
     armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch), only=set(members))
@@ -135,9 +135,8 @@ def _failed(sup: CheckpointPorts, state_round: int, error: str, replicas: list[s
 
 
 def save_model(sup: CheckpointPorts) -> None:
-    """model.safetensors in the run folder at the run's end: the committed global model, written by
-    one replica that holds the last committed round (the supervisor never moves model-sized
-    tensors). A write that fails is an event; the run's outcome does not change."""
+    """model.safetensors at the run's end, written by a replica holding the last committed round
+    (the supervisor never moves model-sized tensors). A failed write is an event, nothing more."""
     roster, path = sup.roster, str(Path(sup.run_dir) / "model.safetensors")
     top = current_round(roster.live.values())
     timeout = collective_timeout_s(sup.cfg.supervisor.call_timeout_s, roster.param_bytes, sup.cfg.comm.min_gbps)
@@ -154,8 +153,7 @@ def save_model(sup: CheckpointPorts) -> None:
 
 
 class RestoreFailed(RuntimeError):
-    """No checkpoint can bring the run back (none, none verifies, nobody could load it, or it was
-    restored again and again without a round committed since). The message says which."""
+    """No checkpoint can bring the run back; the message says why."""
 
 
 RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up

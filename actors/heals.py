@@ -49,8 +49,7 @@ class Heals:
         # object store: (action, source) -> the state's ref (handed to targets, never fetched) and its meta's
         self.states: dict[tuple[int, str], Any] = {}
         self.metas: dict[tuple[int, str], Any] = {}
-        # sources' answers not yet taken in (metas and send_state calls) -> (action, source)
-        self.watch: dict[Any, tuple[int, str]] = {}
+        self.watch: dict[Any, tuple[int, str]] = {}  # sources' answers not yet taken in -> (action, source)
         self.sends: set = set()  # the send_state calls among them
         self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
         # over the group: (action, source) -> its group's prefix, and the (round, step) the source was
@@ -122,8 +121,7 @@ class Heals:
         return said
 
     def _read(self, ref, key: tuple[int, str]) -> tuple[bool, StateReady | Lost | None, str]:
-        """(ready, what a source's answer says, why it was lost), without taking it in. Fetches
-        the answer (a meta or send_state's answer, a few hundred bytes) only once it is ready."""
+        """(ready, what a source's answer says, why it was lost), without taking it in."""
         action_id, source = key
         if not ray.wait([ref], num_returns=1, timeout=0, fetch_local=False)[0]:
             return False, None, ""
@@ -141,9 +139,8 @@ class Heals:
         return True, Lost(source, "died"), answer.error[:300]  # it refused: the process it was chosen as is gone
 
     def source_failed(self, action_id: int, target: str) -> bool:
-        """`target`'s heal call of `action_id` raised: True when that is its source's failure (the
-        source's meta raised or refused; the target never ran), not the target's own. A meta not
-        yet ready says no: a target's call fails on its argument only once the source's call did."""
+        """`target`'s heal call of `action_id` raised: was it its source's failure? A meta not yet
+        ready says no: a target's call fails on its argument only once the source's call did."""
         key = (action_id, self.source_of.get((action_id, target)))
         meta = self.metas.get(key)
         return meta is not None and isinstance(self._read(meta, key)[1], Lost)
@@ -213,6 +210,6 @@ class Heals:
 
     def forget(self, action_id: int) -> None:
         """Heal action `action_id` ended: drop its states' refs (the object store frees a state once
-        no call that took it is left). Its sources' answers still to come stay watched."""
+        no call holds it). Its sources' answers still to come stay watched."""
         for key in [k for k in self.states if k[0] == action_id]:
             del self.states[key]

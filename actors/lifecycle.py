@@ -124,10 +124,9 @@ class ActorWatch:
         self._serves(replaced, last + 1, None)
 
     def note_death(self, rid: str) -> tuple[str, int] | None:
-        """The process serving `rid` died and the caller learned it from a call (or killed it): the
-        oldest process seen serving rid that is not yet known dead (a newer one may have answered
-        already: it was restarted between two questions). Returns (actor name, incarnation), to be
-        logged — or None when that death was reported already (a poll saw it first)."""
+        """The process serving `rid` died, learned from a call (or killed): the oldest process seen
+        serving rid not yet known dead (a newer one may have answered already). Returns (actor name,
+        incarnation) to be logged, or None when a poll reported that death first."""
         if rid in self._noted:
             noted = self._noted[rid]
         else:  # never seen answering: the oldest process of the actor the identity map names
@@ -145,9 +144,8 @@ class ActorWatch:
         return name, incarnation
 
     def latest(self, death: Death) -> bool:
-        """`death` is of the process that last answered for its replica (or of a newer one of the
-        same actor, or nothing answered yet): the replica, as the supervisor holds it, is gone. An
-        older process's death (replaced since, or by a spare) is not."""
+        """`death` is of the process that last answered for its replica (or a newer one of that actor,
+        or none answered yet): the replica as the supervisor holds it is gone; an older one's is not."""
         last = self._last.get(death.rid)
         return last is None or (last[0] == death.name and last[1] <= death.incarnation)
 

@@ -3,11 +3,9 @@
 Phase methods (concurrency group "phase", one at a time) run at most one level's collectives;
 control methods (group "control") answer while a phase runs.
 
-Every phase method answers a `PhaseAnswer` (hsgd/core/round/messages.py), built in `_answer`.
-`behind`: not at the round (it must be healed). `collective_failed`: this replica is fine, its group
-broke. `non_finite` (`what`: loss | grad_norm | pseudo_gradient): its numbers went NaN/inf; its
-cluster's round is void. A call that raises means the replica died (ActorDiedError) or hit an error
-of its own (RayTaskError): this replica's failure.
+Every phase method answers a `PhaseAnswer` built in `_answer`, its `Outcome` as
+hsgd/core/round/messages.py defines them. A call that raises means the replica died
+(ActorDiedError) or hit an error of its own (RayTaskError): this replica's failure.
 
 Kept across a restart: its identity only (actors/lifecycle.py); it rebuilds from the seed (or the
 resume checkpoint) and is healed from a live peer.

@@ -67,8 +67,8 @@ class SparePool:
         self.ready.discard(name)
 
     def promote(self, rid: str, cluster: int, dead_handle, dead_name: str, timeout_s: float):
-        """Hand `rid` to a ready spare of `cluster`; the dead actor takes the spare's place in the
-        pool. Returns (spare name, spare handle, its progress answer), or None."""
+        """Hand `rid` to a ready spare of `cluster`; the dead actor takes its place in the pool.
+        Returns (spare name, spare handle, its answer), or None."""
         c = str(cluster)
         for name in [n for n in self.names.get(c, []) if n in self.ready]:
             handle = self.handles[name]
