@@ -271,16 +271,14 @@ class Drill:
     def _replica(self, rid: str):
         from actors.roster import replica_actor_name
 
-        info = self._info()
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor
-        name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(info["run_id"], rid)
-        return ray.get_actor(name, namespace=info["namespace"])
+        name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(self._info()["run_id"], rid)
+        return ray.get_actor(name, namespace=self._info()["namespace"])
 
     def _supervisor(self):
         from actors.supervisor import supervisor_actor_name
 
-        info = self._info()
-        return ray.get_actor(supervisor_actor_name(info["run_id"]), namespace=info["namespace"])
+        return ray.get_actor(supervisor_actor_name(self._info()["run_id"]), namespace=self._info()["namespace"])
 
     def _resolve(self, target: str) -> list[str]:
         status = _read_json(self.run_dir / "status.json")
