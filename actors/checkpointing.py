@@ -131,7 +131,6 @@ def _failed(sup: CheckpointPorts, state_round: int, error: str, replicas: list[s
     sup.save_state()
     sup.log.event("checkpoint_failed", round=state_round, error=error, replicas=replicas or [])
     sup.warn(f"checkpoint of round {state_round} skipped, training goes on (the previous one stays): {error}")
-    return None
 
 
 def save_model(sup: CheckpointPorts) -> None:
