@@ -1,12 +1,12 @@
 """Durable checkpoints, carried out for the supervisor between rounds: every replica at the round
-writes its shard into a temporary folder, which becomes final only if every file reports that round
-(hsgd.train.checkpoint.finalize; an existing checkpoint is never overwritten, the previous good one
-is pruned only after the new one is final); after a total loss every live replica loads the latest
-final one and the rounds after it are trained (and recorded) again. At the run's end one replica
+writes its shard into a temporary folder, final only if every file reports that round
+(hsgd.train.checkpoint.finalize: never overwritten; the previous good one is pruned only after).
+After a total loss every live replica loads the latest (`restore`). At the run's end one replica
 writes the final model (`save_model`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +26,7 @@ ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this m
 
 @dataclass(frozen=True)
 class CheckpointPorts:
-    """What a checkpoint's save or restore may touch (as the round runner's RunnerPorts): never
-    the supervisor itself."""
+    """What a checkpoint's save or restore may touch (as RunnerPorts): never the supervisor itself."""
     roster: Any
     log: Any  # the supervisor's hsgd.record.events.RunLog
     injector: Any  # actors.fault_injector.FaultInjector
@@ -46,12 +45,11 @@ def save(sup: CheckpointPorts, state_round: int) -> str | None:
     Returns its path, or None when it exists already, every attempt lost a replica, or storage
     refused it.
 
-    Storage faults are the run's, never a replica's: a replica whose write fails answers `io_error`
-    (nobody is killed), and the supervisor's own steps (the temp folder, the manifest and rename)
-    raising OSError or passing their deadline (`supervisor.call_timeout_s`: a hung mount) alike skip
-    this checkpoint: event `checkpoint_failed` with the error, a console warning, the summary's
-    `checkpoints_failed` counts it. Training goes on; the previous good checkpoint stays. Pruning
-    old ones failing after the new one is final costs nothing but space (event `write_failed`)."""
+    Storage faults are the run's, never a replica's: a replica's failed write answers `io_error`
+    (nobody is killed); the supervisor's own steps raising OSError or passing their deadline
+    (`supervisor.call_timeout_s`: a hung mount) alike skip this checkpoint: event
+    `checkpoint_failed`, a console warning, the summary's `checkpoints_failed`. Training goes on;
+    the previous good one stays. Pruning failing afterwards is an event (`write_failed`)."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
     deadline_s = sup.cfg.supervisor.call_timeout_s
 
@@ -67,12 +65,14 @@ def save(sup: CheckpointPorts, state_round: int) -> str | None:
             temp = storage(lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
                            "making the checkpoint's temp folder")
             saved, failed, io_errors = _write_shards(sup, str(temp), state_round)
-            if io_errors or failed or not saved or any(a["round"] != state_round for a in saved.values()):
-                _discard(temp, deadline_s)
+            complete = bool(saved) and not failed and all(a["round"] == state_round for a in saved.values())
+            if io_errors or not complete:
+                with contextlib.suppress(OSError):  # a temp folder left behind is `prune`'s
+                    storage(lambda: checkpoint.remove(temp), f"removing {temp}")
             if io_errors:  # the disk will not do better on a second try right away
                 return _failed(sup, state_round, "; ".join(f"{rid}: {e}" for rid, e in sorted(io_errors.items())),
                                replicas=sorted(io_errors))
-            if failed or not saved or any(a["round"] != state_round for a in saved.values()):
+            if not complete:
                 continue
             manifest = {"round": state_round, "step": state_round * sup.steps_per_round, "run_id": sup.run_id,
                         "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
@@ -99,8 +99,8 @@ def save(sup: CheckpointPorts, state_round: int) -> str | None:
 
 
 def _write_shards(sup: CheckpointPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
-    """Every live replica at the round writes its file into `temp` (carrying its `checkpoint`
-    faults): (saved, failed, io_errors) by replica id. A replica lost meanwhile is down."""
+    """Every live replica at the round writes its file into `temp`, carrying its `checkpoint`
+    faults: (saved, failed, io_errors) by replica id. One lost meanwhile is down."""
     roster = sup.roster
     members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
     armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch), only=set(members))
@@ -126,26 +126,16 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _discard(temp: str, deadline_s: float) -> None:
-    """Remove a temp folder that will not become a checkpoint; a failure leaves it to `prune`."""
-    try:
-        call_with_deadline(lambda: checkpoint.remove(temp), deadline_s, f"removing {temp}")
-    except OSError:
-        pass
-
-
 def _failed(sup: CheckpointPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:
     sup.state.checkpoints_failed += 1
     sup.save_state()
     sup.log.event("checkpoint_failed", round=state_round, error=error, replicas=replicas or [])
     sup.warn(f"checkpoint of round {state_round} skipped, training goes on (the previous one stays): {error}")
-    return None
 
 
 def save_model(sup: CheckpointPorts) -> None:
-    """model.safetensors in the run folder at the run's end: the committed global model, written by
-    one replica that holds the last committed round (the supervisor never moves model-sized
-    tensors). A write that fails is an event; the run's outcome does not change."""
+    """model.safetensors at the run's end, written by a replica holding the last committed round
+    (the supervisor never moves model-sized tensors). A failed write is an event, nothing more."""
     roster, path = sup.roster, str(Path(sup.run_dir) / "model.safetensors")
     top = current_round(roster.live.values())
     timeout = collective_timeout_s(sup.cfg.supervisor.call_timeout_s, roster.param_bytes, sup.cfg.comm.min_gbps)
@@ -162,8 +152,7 @@ def save_model(sup: CheckpointPorts) -> None:
 
 
 class RestoreFailed(RuntimeError):
-    """No checkpoint can bring the run back (none, none verifies, nobody could load it, or it was
-    restored again and again without a round committed since). The message says which."""
+    """No checkpoint can bring the run back; the message says why."""
 
 
 RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up
@@ -171,17 +160,15 @@ RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round commit
 
 def restore(sup: CheckpointPorts, reason: str) -> int:
     """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
-    rounds after it are dropped (they are trained again, and each is recorded once). Returns the
-    checkpoint's round.
+    rounds after it are dropped (they are trained and recorded again). Returns its round.
 
-    Order: (1) choose, touching no replica: walk back from the newest checkpoint to the first
-    whose manifest reads, whose every file matches its sha256, and whose config fingerprint is
-    this run's (`checkpoint_fallback` event for each one skipped); (2) bring back restarted
-    replicas; (3) each live replica loads it (one that fails is down, and restarts). Raises
-    RestoreFailed when no checkpoint is usable, when replicas tried and none could load it, or
-    when this checkpoint was restored RESTORES_WITHOUT_PROGRESS times with no round committed
-    since (so a failure that recurs after every restore cannot loop until restarts run out).
-    With no live replica at all it returns the round: the caller waits for quorum."""
+    Order: (1) choose, touching no replica: the newest checkpoint whose manifest reads, whose files
+    match their sha256 and whose config fingerprint is this run's (`checkpoint_fallback` for each
+    one skipped); (2) bring back restarted replicas; (3) each live replica loads it (one that
+    fails is down, and restarts). Raises RestoreFailed when no checkpoint is usable, when none of
+    the replicas that tried could load it, or when it was restored RESTORES_WITHOUT_PROGRESS times
+    with no round committed since (a failure recurring after every restore must not loop until
+    restarts run out). With no live replica it returns the round: the caller waits for quorum."""
     roster = sup.roster
     path, manifest = _choose(sup)
     state_round = int(manifest["round"])

@@ -10,14 +10,13 @@ purpose, and wait for it to heal.
     drill.wait_recovered()
     summary = drill.wait_done()
 
-Every blocking call takes a timeout and raises `DrillError` saying what it was waiting for and
-what the run looked like when it gave up. The run itself is the ordinary `jobs.train` path on
-an embedded Ray started here; its files land in `drill.run_dir` like any run's.
+Every blocking call takes a timeout and raises `DrillError` saying what it waited for and what the
+run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray; its files land
+in `drill.run_dir`.
 
-What happened is read from the run's record (events.jsonl, faults_fired.jsonl), which has every
-death and commit once, in order; status.json (`state()`, `wait_for`) is the live view, only the
-newest state: a short-lived one may never be written, and it may reach the disk before or after
-the events logged with it.
+What happened is read from the run's record (events.jsonl, faults_fired.jsonl: every death and
+commit once, in order). status.json (`state()`, `wait_for`) is only the newest state: a short-lived
+one may never be written, and it may reach the disk before or after the events logged with it.
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
 
-# what the record counts as a failure since an injection (a replica lost, or the supervisor restarted)
-_FAILURES = ("replica_down", "hang_detected", "supervisor_start")
+_DOWN = ("replica_down", "hang_detected")  # a replica lost
+_FAILURES = (*_DOWN, "supervisor_start")  # what the record counts as a failure since an injection
 # events.jsonl is stamped by the supervisor's clock, an injection by this process's: on another node
 # a failure may seem to come just before the injection that caused it
 _CLOCK_SKEW_S = 1.0
@@ -53,7 +52,6 @@ class Drill:
         self._thread: threading.Thread | None = None
         self._owns_ray = False
         self._injected: list[dict] = []
-        self._writer: FolderWriter | None = None  # faults_fired.jsonl, for faults injected from outside
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 180.0) -> "Drill":
@@ -64,6 +62,7 @@ class Drill:
         cfg = compose_config(["logging.progress=false", *self.overrides])
         validate(cfg)
         self.cfg = cfg
+        self._writer = FolderWriter(write_deadline_s(float(cfg.run.io_grace_s)))  # faults_fired.jsonl
         self._owns_ray = connect_ray(cfg)  # ours, so the run does not shut it down under us
 
         def target() -> None:
@@ -102,11 +101,9 @@ class Drill:
     def state(self) -> dict:
         """Membership per cluster (live and down), leaders, epoch, round, phase, losses, recent events."""
         status = _read_json(self.run_dir / "status.json")
-        info = _read_json(self.run_dir / "run.json")
-        everyone = info.get("replicas", [])
         live = _members(status)
         clusters: dict[str, dict] = {}
-        for rid in everyone:
+        for rid in _read_json(self.run_dir / "run.json").get("replicas", []):
             c = "c" + rid[1:].split("r")[0]
             entry = clusters.setdefault(c, {"live": [], "down": [], "leader": (status.get("leaders") or {}).get(c)})
             entry["live" if rid in live else "down"].append(rid)
@@ -160,30 +157,23 @@ class Drill:
         else:
             record["rids"] = self._resolve(target)
             for rid in record["rids"]:
-                fault = {"kind": kind, "phase": "now", "step": 0, "seconds": seconds}
                 if kind == "kill":  # from outside, as an operator or a node failure would
                     self._record_fired(rid, kind)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
-                    self._replica(rid).inject.remote(fault)
+                    self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
         self._injected.append(record)
         return record
 
     def _record_fired(self, rid: str, kind: str) -> None:
         """Faults injected from outside are logged where in-process faults log themselves."""
-        if self._writer is None:
-            self._writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))
         write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
-        """Wait until the run has recorded the last injection taking down what it hit: a
-        `replica_down` (or `hang_detected`) for each replica a kill, crash or hang injected now hit,
-        a `supervisor_start` after a kill or crash of the supervisor. Returns those events.
-
-        Read from events.jsonl, not status.json: the live view is only the newest state (a view
-        still queued for writing is replaced by the next one), so a replica found dead after Ray
-        had already restarted it can be back among the members before a view without it was ever
-        written, while its death is in the log once."""
+        """Wait until the run recorded the last injection (a kill, crash or hang, now) taking down
+        what it hit: a `replica_down` or `hang_detected` for each replica, a `supervisor_start` for
+        the supervisor. Returns those events. Read from events.jsonl, not status.json: a replica
+        found dead after Ray restarted it may never be missing from a written view."""
         last = self._last()
         if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
             raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")
@@ -199,26 +189,19 @@ class Drill:
                          f"last state: {self._brief()}")
 
     def wait_recovered(self, timeout_s: float = 180.0) -> dict:
-        """Wait until the run has recovered from the last injection, read from its record:
-        1. the fault took effect: each replica a kill, crash or hang injected now hit is recorded
-           down (`wait_down`), the supervisor restarted after its kill or crash, and a fault that
-           fires inside a replica or at a scheduled moment is in faults_fired.jsonl with its round;
-        2. then a round was committed by every replica (`commit` names who committed) after the
-           last failure recorded since the injection and after the round the fault fired in (a
-           fault that fires at the commit of the round in flight lets that round commit without
-           its victim);
-        3. and status.json has caught up with that commit: its round is past it and every replica
-           is a member, so `state()` called next shows everyone back.
-        Returns {"recovered_s": seconds from the injection to that commit, "detections": the
-        failure events since the injection}.
+        """Wait until the run recovered from the last injection, read from its record:
+        1. the fault took effect (`wait_down`'s events; a fault that fires inside a replica or at a
+           scheduled moment is in faults_fired.jsonl with its round);
+        2. then every replica committed a round (`commit` names who) after the last failure since
+           the injection and after the round the fault fired in (a fault at the commit of the round
+           in flight lets that round commit without its victim);
+        3. and status.json caught up: its round is past that commit and every replica is a member.
+        Returns {"recovered_s": from the injection to that commit, "detections": the failure events}.
 
-        Why the record and not "every replica in status.json and a commit since the last
-        replica_up": status.json and events.jsonl are written by separate jobs of the supervisor's
-        writer thread, and the newest status replaces one still queued, so a view can reach the
-        disk before events logged earlier (a returned replica shown as a member, its replica_up
-        not yet in the log, so the commit of a round it missed seemed to follow it); a member may
-        still be healing; and a round committed after a replica came back may be one it sat out
-        (it came back during the outer exchange and joins at the next round)."""
+        Why not "every replica in status.json and a commit since the last replica_up": status.json
+        and events.jsonl are separate writes, so a view can reach the disk before events logged
+        earlier; a member may still be healing; and a replica that came back during the outer
+        exchange sits out that round."""
         last = self._last()
         t0 = last["t"]
         everyone = set(self._info()["replicas"])
@@ -265,7 +248,7 @@ class Drill:
             return True
         if last["target"] == "supervisor":
             return any(e["event"] == "supervisor_start" for e in failures)
-        down = {e.get("rid") for e in failures if e["event"] in ("replica_down", "hang_detected")}
+        down = {e.get("rid") for e in failures if e["event"] in _DOWN}
         return set(last.get("rids") or ()) <= down
 
     def _raise_if_ended(self, what: str) -> None:
@@ -288,16 +271,14 @@ class Drill:
     def _replica(self, rid: str):
         from actors.roster import replica_actor_name
 
-        info = self._info()
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor
-        name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(info["run_id"], rid)
-        return ray.get_actor(name, namespace=info["namespace"])
+        name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(self._info()["run_id"], rid)
+        return ray.get_actor(name, namespace=self._info()["namespace"])
 
     def _supervisor(self):
         from actors.supervisor import supervisor_actor_name
 
-        info = self._info()
-        return ray.get_actor(supervisor_actor_name(info["run_id"]), namespace=info["namespace"])
+        return ray.get_actor(supervisor_actor_name(self._info()["run_id"]), namespace=self._info()["namespace"])
 
     def _resolve(self, target: str) -> list[str]:
         status = _read_json(self.run_dir / "status.json")
@@ -329,7 +310,7 @@ def _returned(events: list[dict], failures: list[dict]) -> float | None:
     down."""
     last_down: dict[str, float] = {}
     for e in failures:
-        if e["event"] in ("replica_down", "hang_detected") and e.get("rid"):
+        if e["event"] in _DOWN and e.get("rid"):
             last_down[e["rid"]] = max(last_down.get(e["rid"], 0.0), e["t"])
     back = 0.0
     for rid, t_down in last_down.items():

@@ -1,13 +1,11 @@
 """The fault injector: the one place a run's faults are scheduled, armed and recorded.
 
-Like torchft's FailureInjector (`fail_at`, `check`), but for a schedule of many faults: the
-schedule comes from the config (`faults.schedule`, random `faults.mtbf_s`) and drills (`add`).
-`arm` hands each replica fault to the phase call that must carry it (it fires inside the replica at
-the step or phase boundary named, so runs replay bitwise); a target that takes no part in that call
-(a non-leader of `cluster:c1` during the outer all-reduce) is hit from outside at once, as a node
-failure would. Supervisor faults fire here, in the supervisor. Every fault fires once: the fired
-indices are durable (a restarted supervisor never fires one again); `not_fired` lists what never
-had its moment, for the summary.
+Like torchft's FailureInjector, for a schedule of many faults (`faults.schedule`, random
+`faults.mtbf_s`, drills' `add`). `arm` hands each replica fault to the phase call that must carry
+it (it fires inside the replica at the boundary named, so runs replay bitwise); a target that takes
+no part in that call (a non-leader of `cluster:c1` in the outer all-reduce) is hit from outside at
+once, as a node failure would. Supervisor faults fire here. Every fault fires once: the fired
+indices are durable; `not_fired` lists what never had its moment, for the summary.
 """
 from __future__ import annotations
 
@@ -28,14 +26,13 @@ class FaultInjector:
 
     def __init__(self, cfg, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
-        c, n = cfg.topology.clusters, cfg.topology.replicas_per_cluster
-        self.shape = {"clusters": c, "replicas_per_cluster": n}
+        self.shape = {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster}
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
-        fc = cfg.faults
+        fc, spr = cfg.faults, steps_per_round(cfg)
         if fc.mtbf_s > 0:
             self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
-                                           rounds=cfg.train.rounds, round_s_estimate=steps_per_round(cfg) * fc.step_s,
-                                           steps_per_round=steps_per_round(cfg), **self.shape)
+                                           rounds=cfg.train.rounds, round_s_estimate=spr * fc.step_s,
+                                           steps_per_round=spr, **self.shape)
         for raw in state.added_faults:  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
 

@@ -1,9 +1,7 @@
-"""Stack dumps of replica processes, for hang reports and `jobs.diagnose`.
-
-Three ways, best first: py-spy (native + Python frames of every thread, works even while the
-process holds the GIL; same node only), faulthandler through SIGUSR2 (Python frames of every
-thread, written by a C handler that needs no GIL; same node only), and the replica's own
-`stack_dump` control call (any node, but only if the replica can still run Python).
+"""Stack dumps of replica processes, for hang reports and `jobs.diagnose`. Best first: py-spy
+(native + Python frames, even while the process holds the GIL; same node), faulthandler through
+SIGUSR2 (a C handler that needs no GIL; same node), the replica's own `stack_dump` (any node, if the
+replica can still run Python).
 """
 from __future__ import annotations
 
@@ -36,13 +34,9 @@ def install_faulthandler(run_dir: str, rid: str) -> None:
     faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=False)
 
 
-def _py_spy() -> str | None:
-    return shutil.which("py-spy") or next((str(p) for p in [Path(sys.executable).parent / "py-spy"] if p.exists()), None)
-
-
 def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) -> tuple[str, str] | None:
     """(method, text) for a process on this node, or None."""
-    spy = _py_spy()
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy:
         try:
             out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True,
@@ -82,9 +76,8 @@ def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float
 
 def kill_hung(kill, *, group: list[str], handles: dict, replica_info: dict, run_dir: str, stack_dumps: bool, log,
               round_index: int, view: dict) -> None:
-    """The round machine found `kill.rid` silent and not advancing (a hsgd.core.round.Kill): write
-    a hang report with the stacks of every member of its group (hangs/<time>-<rid>.txt), log
-    `hang_detected` and `kill`, then kill it restartable so Ray brings it back."""
+    """The round machine found `kill.rid` hung (a hsgd.core.round.Kill): write a hang report with
+    its group's stacks (hangs/<time>-<rid>.txt), log `hang_detected` and `kill`, kill it restartable."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hsgd.record.hangs import hang_report, stuck_function

@@ -1,35 +1,27 @@
-"""Heals as Ray calls: a replica's state moves from its source to the replicas it heals, and the
+"""Heals as Ray calls: a replica's state moves from its source to the replicas it heals; the
 supervisor that issues them never holds it.
 
 Protocol
-- Through the object store (`global` heals across clusters; the fallback of a `full` heal): the
-  source answers two objects (`.options(num_returns=2)`): a small meta (a PhaseAnswer: its
-  round, step, and `pid`, `bytes`) and the state. The state's ref goes straight into the target's
-  `load_state` as its argument: Ray moves it from the source's node to the target's. Only the meta
+- Through the object store (`global` heals; the fallback of a `full` heal): the source answers two
+  objects (num_returns=2), a small meta (a PhaseAnswer with `pid`, `bytes`) and the state, whose
+  ref goes straight into the target's `load_state` (Ray moves it between the nodes). Only the meta
   is ever fetched here. A source that refuses (`heal_state`: it is no longer the process it was
-  chosen as) answers `collective_failed` with an `error` and no state; the target's `load_state` then
-  answers `collective_failed`, untouched. (A state under Ray's inline limit, 100 KiB, travels
-  inside the reply like any small value; model states are far larger.)
+  chosen as) answers `collective_failed` and no state; the target's `load_state` then answers
+  `collective_failed`, untouched.
 - Over the process group (`full` heals): one `send_state` on the source (rank 0) and one
-  `receive_state` per target it heals in the action, in a group of their own under a fresh prefix
-  naming the run, the epoch and the heal (the store address carries the run's secret). A target
-  whose transfer fails (`collective_failed`: the group did not form, a peer died, a chunk timed
-  out, a bad stream) is healed once more, within the same action, through the object store from
-  the source's `heal_state` (`heal_fallback` event).
-- The source watch: each source's meta (or its `send_state`) is in `watched()`; the caller waits
-  on it with the rest of its calls and hands it to `source_answer` once it is ready, which
-  returns what the round machine must observe: `Lost(source, cause)` when the answer raised (the
-  source died or raised while giving its state) or refused (`heal_source_lost` event),
-  `StateReady(action, source)` when it delivered (from then on a silent target is the one to
-  blame), nothing for a failed transfer over the group (its targets fall back). A slow answer is
-  never a loss: nothing here decides on a fetch's timeout — an answer not yet ready is left
-  watched, and the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`, scaled to the state's bytes) is the round
-  machine's.
-- A target's call that raised is its source's failure, not its own, when the source's meta raised
-  or refused (`source_failed`): Ray fails a call whose argument failed with the argument's error.
+  `receive_state` per target, in a group of their own under a fresh prefix naming the run, the
+  epoch and the heal. A target whose transfer fails (`collective_failed`) is healed once more,
+  within the same action, through the object store from the source's `heal_state` (`heal_fallback`).
+- The source watch: each source's meta (or `send_state`) is in `watched()`; once it is ready the
+  caller hands it to `source_answer`, which returns what the round machine must observe:
+  `Lost(source, cause)` when it raised or refused (`heal_source_lost` event), `StateReady(action,
+  source)` when it delivered (from then on a silent target is the one to blame), nothing for a
+  failed transfer over the group (its targets fall back). A slow answer is never a loss: nothing
+  here decides on a fetch's timeout; the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`)
+  is the round machine's.
+- A target's call that raised is its source's failure when the source's meta raised or refused
+  (`source_failed`): Ray fails a call whose argument failed with the argument's error.
 - The final heal, outside any round, waits with `settle`, within a deadline scaled to the bytes.
-
-Nothing here waits on a state's ref, fetches one, or decides anything beyond what an answer says.
 """
 from __future__ import annotations
 
@@ -48,19 +40,16 @@ SETTLE_POLL_S = 0.5  # settle's longest wait before it looks at its deadline aga
 
 
 class Heals:
-    """The heals of one round (or of the final heal). `handles`: rid -> the replica's actor handle;
-    `log`: the run's log (`.event(name, **fields)`); `store_addr`: the groups' rendezvous address
+    """The heals of one round (or of the final heal). `store_addr`: the groups' rendezvous address
     (`host:port/<secret>`); `run_id` and `round_index` name the groups' prefixes and the events."""
 
-    def __init__(self, handles: Mapping[str, Any], log, *, store_addr: str | None, run_id: str, round_index: int,
-                 chunk_mb: float = state_stream.CHUNK_MB):
+    def __init__(self, handles: Mapping[str, Any], log, *, store_addr: str | None, run_id: str, round_index: int):
         self.handles, self.log = handles, log
-        self.store_addr, self.run_id, self.r, self.chunk_mb = store_addr, run_id, round_index, chunk_mb
+        self.store_addr, self.run_id, self.r = store_addr, run_id, round_index
         # object store: (action, source) -> the state's ref (handed to targets, never fetched) and its meta's
         self.states: dict[tuple[int, str], Any] = {}
         self.metas: dict[tuple[int, str], Any] = {}
-        # sources' answers not yet taken in (metas and send_state calls) -> (action, source)
-        self.watch: dict[Any, tuple[int, str]] = {}
+        self.watch: dict[Any, tuple[int, str]] = {}  # sources' answers not yet taken in -> (action, source)
         self.sends: set = set()  # the send_state calls among them
         self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
         # over the group: (action, source) -> its group's prefix, and the (round, step) the source was
@@ -74,12 +63,11 @@ class Heals:
     # -- issuing ---------------------------------------------------------------------------------------
     def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
               faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
-        """Heal `target` as heal action `action_id` says (`calls`: target -> its Heal(source, scope), the
-        whole action: a source's state is asked once however many targets it heals). `faults`:
-        rid -> the faults armed on it for this heal (the target's and its source's are handed on).
-        `source_at`: the (round, step) the source holds as it was chosen (a `full` heal's fallback
-        refuses a source that no longer holds it). Returns the target's call: its answer is the
-        heal's, except for a `full` heal's, which goes through `group_answer` first."""
+        """Heal `target` as heal action `action_id` says (`calls`: the whole action; a source's state
+        is asked once however many targets it heals). `faults`: rid -> its armed faults (the target's
+        and its source's are handed on). `source_at`: the (round, step) the source held when chosen
+        (a `full` heal's fallback refuses a source that no longer holds it). Returns the target's
+        call, whose answer is the heal's (a `full` heal's goes through `group_answer` first)."""
         source, scope = calls[target].source, calls[target].scope
         self.source_of[(action_id, target)] = source
         self.log.event("heal_begin", target=target, source=source, scope=scope)
@@ -97,8 +85,7 @@ class Heals:
 
     def _issue_over_group(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
                           faults: Mapping[str, Any], source_at: tuple[int, int] | None):
-        """One send_state per source (issued with its first target), one receive_state per target;
-        the source's call is watched like a meta: its death is the source's loss."""
+        """One send_state per source (watched like a meta), one receive_state per target."""
         source = calls[target].source
         key = (action_id, source)
         targets = sorted(t for t, h in calls.items() if h.source == source and h.scope == "full")
@@ -108,7 +95,7 @@ class Heals:
             self.members[prefix] = (source, *targets)
             self.chosen_at[key] = source_at
             send = self.handles[source].send_state.remote(self.r, (epoch, self.store_addr, prefix, 0, world),
-                                                          self.chunk_mb, faults.get(source))
+                                                          state_stream.CHUNK_MB, faults.get(source))
             self.watch[send] = key
             self.sends.add(send)
         ref = self.handles[target].receive_state.remote(
@@ -118,14 +105,12 @@ class Heals:
 
     # -- sources' answers ------------------------------------------------------------------------------
     def watched(self) -> list:
-        """The sources' answers to wait on (small: metas and send_state answers, never a state)."""
+        """The sources' answers to wait on (metas and send_state answers, never a state)."""
         return list(self.watch)
 
     def source_answer(self, ref) -> StateReady | Lost | None:
-        """Take in a source's answer (`ref` from `watched()`): what the round machine must observe.
-        StateReady (it delivered), Lost (it died, raised or refused: also logged, `heal_source_lost`),
-        or None: its transfer over the group failed (its targets fall back), or the answer is not
-        ready yet (it stays watched: slow is not lost)."""
+        """Take in a source's answer (`ref` from `watched()`): StateReady, Lost (logged), or None
+        (its transfer over the group failed, or the answer is not ready: it stays watched)."""
         ready, said, detail = self._read(ref, self.watch[ref])
         if not ready:
             return None
@@ -136,8 +121,7 @@ class Heals:
         return said
 
     def _read(self, ref, key: tuple[int, str]) -> tuple[bool, StateReady | Lost | None, str]:
-        """(ready, what a source's answer says, why it was lost), without taking it in. Fetches
-        the answer (a meta or send_state's answer, a few hundred bytes) only once it is ready."""
+        """(ready, what a source's answer says, why it was lost), without taking it in."""
         action_id, source = key
         if not ray.wait([ref], num_returns=1, timeout=0, fetch_local=False)[0]:
             return False, None, ""
@@ -155,9 +139,8 @@ class Heals:
         return True, Lost(source, "died"), answer.error[:300]  # it refused: the process it was chosen as is gone
 
     def source_failed(self, action_id: int, target: str) -> bool:
-        """`target`'s heal call of `action_id` raised: True when that is its source's failure (the
-        source's meta raised or refused; the target never ran), not the target's own. A meta not
-        yet ready says no: a target's call fails on its argument only once the source's call did."""
+        """`target`'s heal call of `action_id` raised: was it its source's failure? A meta not yet
+        ready says no: a target's call fails on its argument only once the source's call did."""
         key = (action_id, self.source_of.get((action_id, target)))
         meta = self.metas.get(key)
         return meta is not None and isinstance(self._read(meta, key)[1], Lost)
@@ -167,11 +150,10 @@ class Heals:
         return ref in self.receives
 
     def group_answer(self, ref, waited: bool = True):
-        """A target's receive_state answered (`ref` ready). Returns the ref whose answer is the
-        target's heal: `ref` itself (done; the target died or raised; or its heal is no longer
-        `waited` on), or, when its transfer failed, a new call: the same target healed through the
-        object store from the source's `heal_state`, the state's ref handed straight to its
-        `load_state` (one state per source however many targets fall back)."""
+        """A target's receive_state answered (`ref` ready). Returns the ref whose answer is its heal's:
+        `ref` itself (done; it died or raised; or its heal is no longer `waited` on), or, when its
+        transfer failed, a new call: its `load_state` of the source's `heal_state` through the object
+        store (one state per source however many targets fall back)."""
         action_id, target, source = self.receives.pop(ref)
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))  # the target's answer: a few hundred bytes
@@ -187,11 +169,9 @@ class Heals:
 
     # -- outside a round -------------------------------------------------------------------------------
     def settle(self, targets: Mapping[str, Any], deadline_s: float) -> dict[str, Any]:
-        """The final heal's wait (no round machine): until every target's heal answered or
-        `deadline_s` passed. `targets`: target -> the call `issue` returned. Failed transfers over
-        the group fall back on the way; sources' answers are taken in as they come (a lost source is
-        logged; its targets' calls fail by themselves). Returns target -> the ref whose answer is
-        its heal's (not ready if the deadline passed first)."""
+        """The final heal's wait: until every target's heal (target -> the call `issue` returned)
+        answered or `deadline_s` passed; failed transfers fall back and sources' answers are taken
+        in on the way. Returns target -> the ref whose answer is its heal's (not ready if late)."""
         final = dict(targets)
         pending = {ref: rid for rid, ref in final.items()}
         end = time.monotonic() + deadline_s
@@ -214,15 +194,13 @@ class Heals:
         return final
 
     def groups_of(self, rid: str) -> list[str]:
-        """The heal groups `rid` is a member of whose rendezvous was not released yet: when rid is
-        known dead, the others waiting in them are released (`released`), as the round machine's
-        AbortJoin does for inner and outer groups, instead of waiting out configure_timeout_s."""
+        """The heal groups `rid` is in whose rendezvous was not released yet (when rid is known dead,
+        as AbortJoin for inner and outer groups, instead of waiting out configure_timeout_s)."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
     def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
-        """rid is dead: release every heal group it was in whose members may still be waiting in
-        its rendezvous (`abort(prefix, reason)`; a group already formed is not affected: the abort
-        is a compare-and-set), once each, with a `join_aborted` event."""
+        """rid is dead: `abort(prefix, reason)` each of its heal groups once, with a `join_aborted`
+        event (a group already formed is not affected: the abort is a compare-and-set)."""
         for prefix in self.groups_of(rid):
             self.released.add(prefix)
             reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
@@ -232,6 +210,6 @@ class Heals:
 
     def forget(self, action_id: int) -> None:
         """Heal action `action_id` ended: drop its states' refs (the object store frees a state once
-        no call that took it is left). Its sources' answers still to come stay watched."""
+        no call holds it). Its sources' answers still to come stay watched."""
         for key in [k for k in self.states if k[0] == action_id]:
             del self.states[key]

@@ -1,78 +1,66 @@
 """Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
 
-Ray keeps, per actor, NumRestarts (how many times it has been restarted: the process serving
-now is incarnation NumRestarts, counting from 0) and State (ALIVE, RESTARTING, DEAD, ...).
-An actor at NumRestarts n has lost incarnations 0..n-1; one that is DEAD has lost incarnation n
-too (no restart will come). That count goes up whatever the process was doing when it died —
-answering a call, idle, still in its constructor while Ray restarts it, warming up as a spare,
-healing — so a watch over it misses no death, where a call can: a call to a RESTARTING actor is
-held by Ray, and a process that dies and comes back between two calls is never seen failing one.
+Ray keeps, per actor, NumRestarts (the process serving now is incarnation NumRestarts, from 0) and
+State (ALIVE, RESTARTING, DEAD, ...): an actor at NumRestarts n has lost incarnations 0..n-1, and
+one that is DEAD incarnation n too. That count goes up whatever the process was doing when it died
+(answering a call, idle, in its constructor, warming up as a spare, healing), so a watch over it
+misses no death where a call can: Ray holds a call to a RESTARTING actor, and a process that dies
+and comes back between two calls never fails one.
 
-`ActorWatch.poll()` reads the actor table once (one GCS call for every actor: about a
-millisecond for a few dozen) and returns each incarnation that died since the last poll, once; a
-death the supervisor learned otherwise is told with `note_death`, and whichever comes first
-reports it. Which replica id an incarnation served follows the identity map: a spare promoted to
-serve `c0r1` dies as `c0r1`; a replica's own actor that became a spare dies as a spare.
-
-What was reported survives a supervisor restart: the reported incarnations live in the
-supervisor's durable dict (`seen`), saved by `save` whenever they change.
+`ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
+incarnation that died since the last poll, once; a death the supervisor learned otherwise is told
+with `note_death`, and whichever comes first reports it. An incarnation dies as the replica id it
+served: a spare promoted to `c0r1` dies as `c0r1`; a replica's actor that became a spare, as a
+spare. The reported incarnations live in the supervisor's durable dict (`seen`), so they survive
+its restart.
 
 Failure cases: the table cannot be read (GCS briefly unreachable): `poll` returns nothing and the
-next poll reports what happened meanwhile (the count only grows). An actor not in the table yet
-(still being created) is skipped.
+next poll reports what happened meanwhile (the count only grows). An actor not in the table yet is
+skipped.
 """
 from __future__ import annotations
 
 import json
 from typing import Callable, Iterable, NamedTuple
 
-DEAD = "DEAD"  # the actor's State once no restart will come
-
 
 class Death(NamedTuple):
     name: str  # the actor's name (hsgd:<run_id>:...)
     incarnation: int  # the actor's NumRestarts while that process lived
-    rid: str | None  # the replica id it served, or None: a spare (ready, warming up, or never promoted)
-    cluster: int | None  # a spare's cluster (the pool's); None for a replica (topology knows)
+    rid: str | None  # the replica id it served, or None: a spare
+    cluster: int | None  # a spare's cluster; None for a replica (topology knows)
     state: str  # the actor's State when the death was seen: RESTARTING, ALIVE (already back), DEAD
 
 
 # -- who an actor is: durable across its restarts ---------------------------------------------------
-# Ray restarts an actor with its constructor's arguments. A spare's are another replica's
-# (`c{c}r0`, spare=True), so a promoted spare that restarts would come back under the wrong
-# identity and data stream. Its identity is kept in Ray's internal KV store instead (cluster-wide,
-# on the GCS, reachable from any node, unlike a run folder that may be failing), under the actor's
-# own name, written before the actor serves anything under it and read by its constructor.
+# Ray restarts an actor with its constructor's arguments, a spare's being another replica's, so a
+# promoted spare would come back under the wrong identity and data stream. Its identity is kept in
+# Ray's internal KV store (on the GCS, reachable from any node, unlike a run folder that may be
+# failing) under the actor's name, written before it serves under it, read by its constructor.
 KV_NAMESPACE = "hsgd"
 
 
-def _identity_key(actor_name: str) -> str:
-    return f"{actor_name}:identity"
-
-
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
-    """Record who `actor_name` is from now on: replica `rid`, or a spare (rid None). Raises what
-    the KV store raises (the caller then does not take the identity on)."""
+    """`actor_name` is replica `rid` from now on, or a spare (rid None). Raises what the KV store
+    raises (the caller then does not take the identity on)."""
     from ray.experimental.internal_kv import _internal_kv_put
 
-    _internal_kv_put(_identity_key(actor_name), json.dumps({"rid": rid, "spare": spare}), overwrite=True,
+    _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
                      namespace=KV_NAMESPACE)
 
 
 def read_identity(actor_name: str | None) -> dict | None:
-    """{"rid": str | None, "spare": bool} as last written for `actor_name`, or None (never
-    written: the actor is who its constructor's arguments say)."""
+    """{"rid", "spare"} as last written for `actor_name`, or None (its constructor's arguments say)."""
     from ray.experimental.internal_kv import _internal_kv_get
 
     if not actor_name:
         return None
-    raw = _internal_kv_get(_identity_key(actor_name), namespace=KV_NAMESPACE)
+    raw = _internal_kv_get(f"{actor_name}:identity", namespace=KV_NAMESPACE)
     return None if raw is None else json.loads(raw)
 
 
 def own_incarnation() -> int | None:
-    """In an actor: which incarnation this process is (its NumRestarts: Ray counts the restart
-    before it starts the new process), or None when the table cannot be read."""
+    """In an actor: its NumRestarts (counted before the new process starts), or None (table unreadable)."""
     import ray
     from ray._private.state import state as gcs
 
@@ -83,18 +71,16 @@ def own_incarnation() -> int | None:
 
 
 def read_actor_table() -> list[dict]:
-    """Every actor of the cluster as Ray's GCS lists it (`Name`, State, NumRestarts, `Pid`):
-    one call. Raises what the GCS client raises."""
+    """Every actor of the cluster (`Name`, State, NumRestarts, `Pid`): one GCS call; raises its errors."""
     from ray._private.state import state as gcs
 
     return list(gcs.actor_table(None).values())
 
 
 class ActorWatch:
-    """`identity`: replica id -> the name of the actor serving it (the roster's map itself, so a
-    promotion is followed); `spares`: cluster (str) -> spare actor names (the pool's own dict);
-    `seen`: actor name -> [floor, *extra] — every incarnation below floor was reported, and so
-    were `extra` (a durable dict, mutated here); `table`: returns the actor table's rows."""
+    """`identity`: replica id -> actor name (the roster's map itself, so a promotion is followed);
+    `spares`: cluster (str) -> spare actor names (the pool's dict); `seen`: actor name -> [floor,
+    *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here)."""
 
     def __init__(self, identity: dict[str, str], spares: dict[str, list[str]], seen: dict[str, list[int]], *,
                  table: Callable[[], Iterable[dict]] = read_actor_table, save: Callable[[], None] = lambda: None):
@@ -114,8 +100,7 @@ class ActorWatch:
 
     # -- what the supervisor tells it ---------------------------------------------------------------
     def note_up(self, rid: str, incarnation: int | None) -> None:
-        """The process serving `rid` (the identity map's actor) answered, and says it is
-        `incarnation` (None: it did not say)."""
+        """The process serving `rid` answered, as `incarnation` (None: it did not say)."""
         name = self.identity.get(rid)
         if incarnation is None or name is None:
             return
@@ -139,10 +124,9 @@ class ActorWatch:
         self._serves(replaced, last + 1, None)
 
     def note_death(self, rid: str) -> tuple[str, int] | None:
-        """The process serving `rid` died and the caller learned it from a call (or killed it): the
-        oldest process seen serving rid that is not yet known dead (a newer one may have answered
-        already: it was restarted between two questions). Returns (actor name, incarnation), to be
-        logged — or None when that death was reported already (a poll saw it first)."""
+        """The process serving `rid` died, learned from a call (or killed): the oldest process seen
+        serving rid not yet known dead (a newer one may have answered already). Returns (actor name,
+        incarnation) to be logged, or None when a poll reported that death first."""
         if rid in self._noted:
             noted = self._noted[rid]
         else:  # never seen answering: the oldest process of the actor the identity map names
@@ -160,9 +144,8 @@ class ActorWatch:
         return name, incarnation
 
     def latest(self, death: Death) -> bool:
-        """`death` is of the process that last answered for its replica (or of a newer one of the
-        same actor, or nothing answered yet): the replica, as the supervisor holds it, is gone. An
-        older process's death (replaced since, or by a spare) is not."""
+        """`death` is of the process that last answered for its replica (or a newer one of that actor,
+        or none answered yet): the replica as the supervisor holds it is gone; an older one's is not."""
         last = self._last.get(death.rid)
         return last is None or (last[0] == death.name and last[1] <= death.incarnation)
 
@@ -182,7 +165,7 @@ class ActorWatch:
         deaths = []
         for row in rows:
             name, state = row["Name"], row.get("State", "")
-            lost = int(row.get("NumRestarts", 0)) + (1 if state == DEAD else 0)  # incarnations < lost died
+            lost = int(row.get("NumRestarts", 0)) + (state == "DEAD")  # incarnations < lost died (DEAD: no restart)
             floor, extra = self._reported(name)
             if lost <= floor:
                 continue

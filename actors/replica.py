@@ -1,22 +1,14 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
-Its methods are the messages the supervisor sends. Phase methods (concurrency group "phase", one
-at a time) run at most one level's collectives; control methods (group "control") answer while a
-phase is in flight: progress, digests, stack dumps, fault injection.
+Phase methods (concurrency group "phase", one at a time) run at most one level's collectives;
+control methods (group "control") answer while a phase runs.
 
-Every phase method answers a `PhaseAnswer` (hsgd/core/round/messages.py), built in one place
-(`_answer`) and crossing Ray as its `wire()` dict: its outcome (done | behind | collective_failed |
-(`_answer`) and crossing Ray as its `wire()` dict: its outcome (done | behind | collective_failed |
-(it must be healed; it is never reported done); `collective_failed` means this replica is fine but
-its group broke (a peer failed or timed out); `non_finite` (with `what`: loss | grad_norm |
-pseudo_gradient) means its numbers went NaN/inf: the replica and its group are fine, its cluster's
-round is void. The method itself never raises for those: when the
-actor call raises, the replica died (ActorDiedError) or hit an error of its own (RayTaskError),
-which the supervisor treats as this replica's failure.
+Every phase method answers a `PhaseAnswer` built in `_answer`, its `Outcome` as
+hsgd/core/round/messages.py defines them. A call that raises means the replica died
+(ActorDiedError) or hit an error of its own (RayTaskError): this replica's failure.
 
-State kept across a restart: its identity only (which replica id it serves, or that it is a
-spare: actors/lifecycle.py, Ray's KV store). A restarted replica rebuilds from the seed (or the
-resume checkpoint) in __init__ and is healed by the supervisor from a live peer.
+Kept across a restart: its identity only (actors/lifecycle.py); it rebuilds from the seed (or the
+resume checkpoint) and is healed from a live peer.
 """
 from __future__ import annotations
 
@@ -53,12 +45,11 @@ class InjectedError(RuntimeError):
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False):
-        """`backends`: {"inner", "outer"} as the driver planned them (hsgd.config.capacity.BackendPlan);
-        `auto` is resolved here, where the replica runs: nccl when Ray gave it a GPU of its own and
-        torch here sees CUDA (never on the driver, which may be a CPU-only head node)."""
+        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here, where
+        the replica runs: nccl when Ray gave it a GPU and torch sees CUDA (never on the driver)."""
         torch.set_num_threads(1)  # several replicas share a few cores
-        # who this actor is: a promoted spare that Ray restarts comes back as the replica it
-        # replaced (its data stream), not as its constructor's arguments say (actors/lifecycle.py)
+        # a promoted spare that Ray restarts comes back as the replica it replaced, not as its
+        # constructor's arguments say (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         identity = lifecycle.read_identity(self.actor_name)
         if identity is not None:
@@ -70,27 +61,21 @@ class Replica:
         self.rid, self.run_dir = rid, run_dir
         topo = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
-        # (not `self.backends`: an attribute named like a torch submodule, in a method that uses torch,
-        # makes Ray's cloudpickle pickle torch.backends with the class, which cannot be pickled)
+        # (not `self.backends`: an attribute named like a torch submodule makes Ray's cloudpickle
+        # pickle torch.backends with the class, which cannot be pickled)
         self.level_backends = {level: resolve_level_backend(backends[level], level=level, gpu=gpu)
                                for level in ("inner", "outer")}
-        device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # the model lives where the inner level reduces
+        device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
         self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
-        comm = self.cfg.comm
-        apply_nccl_environment(comm.timeout_s, comm.configure_timeout_s)  # before any group is made
-        self.inner = LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
-                                link=link_from_config(OmegaConf.select(self.cfg, "links.inner"), seed=self.cfg.seed))
-        self.outer = LevelGroup("outer", self.level_backends["outer"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
-                                link=link_from_config(OmegaConf.select(self.cfg, "links.outer"), seed=self.cfg.seed))
+        apply_nccl_environment(self.cfg.comm.timeout_s, self.cfg.comm.configure_timeout_s)  # before any group
+        self.inner, self.outer = self._level_group("inner"), self._level_group("outer")
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
         allow_level_overlap(self.trainer.fragment_delay > 0)
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
-        self.outer_epoch = -1  # the epoch the standing outer group was formed under
-        self.epoch = -1
-        self.phase = "idle"
-        self.phase_since = time.time()
+        self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
+        self.phase, self.phase_since = "idle", time.time()
         self.armed: list[dict] = []
         self.slow_s = 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
@@ -100,21 +85,25 @@ class Replica:
         self.warm_s = self.trainer.warm_up() if spare else 0.0
         self._open_step_log()
 
+    def _level_group(self, level: str) -> LevelGroup:
+        comm = self.cfg.comm
+        return LevelGroup(level, self.level_backends[level], comm.timeout_s, comm.configure_timeout_s,
+                          min_gbps=float(comm.min_gbps),
+                          link=link_from_config(self.cfg.links[level], seed=self.cfg.seed))
+
     def _open_step_log(self) -> None:
-        """logging.step_times: the timeline of this replica's committed steps, under the id it
-        trains as (a spare, which trains nothing, writes none)."""
+        """logging.step_times: this replica's committed steps, under the id it trains as (a spare writes none)."""
         if self.trainer.step_log is not None:
             self.trainer.step_log.close()
             self.trainer.step_log = None
-        if bool(OmegaConf.select(self.cfg, "logging.step_times", default=False)) and not self.spare:
+        if self.cfg.logging.step_times and not self.spare:
             self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid)
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
-        """This replica's committed (round, step), its phase and process. Control group: answers
-        while a phase runs, so a replica whose step advances is seen as slow, never hung. No answer
-        (a GIL-holding hang, a dead process) is no sign of life."""
+        """Committed (round, step), phase and process. Answers while a phase runs, so a replica whose
+        step advances is slow, never hung; no answer (a GIL-holding hang, a dead process) is no sign of life."""
         return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
                 "incarnation": self.incarnation, "replica_index": self.trainer.global_index,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
@@ -122,32 +111,28 @@ class Replica:
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
-        """(meta, state): the global params and outer state, for a `global` heal of another
-        cluster's replica (actors/heals.py: the supervisor fetches only the meta, the state's ref
-        goes to the target). Control group: a donor busy in its own inner phase answers at once
-        (these tensors change only in outer_commit)."""
+        """(meta, state) for a `global` heal (actors/heals.py). Control group: a donor busy in its
+        inner phase answers at once (these tensors change only in outer_commit)."""
         state = self.trainer.global_state()
         return self._state_meta(state), state
 
     def _state_meta(self, state: dict) -> dict:
-        """The small first object of a heal source's answer: what the supervisor fetches instead of
-        the state (actors/heals.py), at the state's own (round, step)."""
+        """A heal source's small first object, at the state's own (round, step)."""
         return PhaseAnswer(self.rid, Outcome.DONE, int(state["round"]), int(state["step"]),
                            result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire()
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
-        """sha256 of the params and of the global params (equal digests = bitwise-equal state)."""
+        """sha256 of the params and of the global params."""
         return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
                 "round": self.trainer.round, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
     def stack_dump(self) -> str:
-        """Python stacks of every thread in this process (for hang reports and jobs.diagnose)."""
-        frames = sys._current_frames()
+        """Python stacks of every thread in this process (hang reports, jobs.diagnose)."""
         names = {t.ident: t.name for t in threading.enumerate()}
         out = [f"replica {self.rid} pid {os.getpid()} phase {self.phase} since {time.time() - self.phase_since:.1f}s"]
-        for ident, frame in frames.items():
+        for ident, frame in sys._current_frames().items():
             out.append(f"--- thread {names.get(ident, ident)} ---")
             out.extend(line.rstrip() for line in traceback.format_stack(frame))
         return "\n".join(out)
@@ -155,35 +140,30 @@ class Replica:
     @ray.method(concurrency_group="control")
     def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
         """Ask the inner phase of group epoch `epoch` to return at the boundary before
-        `step_in_round` (a replica joins the cluster mid-round; every member is asked for the same
-        boundary). A request for another epoch is stale and ignored at the boundary."""
+        `step_in_round` (a replica joins mid-round; every member is asked for the same boundary).
+        A request for another epoch is stale and ignored."""
         self.yield_at = (epoch, round_index, step_in_round)
         return {"rid": self.rid, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: dict) -> dict:
         """A fault from outside the schedule (drills; idle members of a `cluster:` target). A crash
-        fires at once; the others fire at the phase thread's next step or phase boundary, where
-        they stop, slow or cut off the work itself rather than this control thread."""
+        fires at once; the others at the phase thread's next step or phase boundary, so they stop,
+        slow or cut off the work itself rather than this control thread."""
         if fault["kind"] == "crash":
             self._fire(fault, self.trainer.round, self.trainer.step_in_round)
         self.pending_now.append(fault)
         return self._answer(kind=fault["kind"])
 
     # -- faults ---------------------------------------------------------------------------------
-    def _arm(self, faults: list[dict] | None) -> None:
-        self.armed = list(faults or [])
-
     def _hook(self, phase: str, round_index: int, step_in_round: int) -> None:
         while self.pending_now:
             self._fire(self.pending_now.pop(0), round_index, step_in_round)
         for fault in list(self.armed):
-            if fault["phase"] != phase:
-                continue
-            if phase in ("inner", "inner_sync") and fault.get("step", 0) != step_in_round:
-                continue
-            self.armed.remove(fault)
-            self._fire(fault, round_index, step_in_round)
+            if fault["phase"] == phase and (phase not in ("inner", "inner_sync")
+                                            or fault.get("step", 0) == step_in_round):
+                self.armed.remove(fault)
+                self._fire(fault, round_index, step_in_round)
 
     def _fire(self, fault: dict, round_index: int, step_in_round: int) -> None:
         kind = fault["kind"]
@@ -208,9 +188,12 @@ class Replica:
         if kind == "error":  # an exception of the replica's own (CUDA OOM, an I/O error, a bug)
             raise InjectedError(f"{self.rid}: injected error in {fault['phase']} of round {round_index}")
 
+    def _fire_startup(self, faults: list[dict] | None) -> None:
+        for fault in faults or ():
+            self._fire(fault, fault.get("round", self.trainer.round), 0)
+
     def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> dict:
-        """The one place an answer is built: a PhaseAnswer at this replica's committed (round,
-        step), with the call's own numbers (`result`), as it crosses Ray."""
+        """The one place an answer is built, at this replica's committed (round, step)."""
         progress = self.trainer.progress()
         return PhaseAnswer(self.rid, outcome, progress["round"], progress["step"], str(error),
                            getattr(error, "kind", ErrorKind.NONE), getattr(error, "what", ""),
@@ -218,17 +201,17 @@ class Replica:
 
     def _phase(self, name: str, fn, round_index: int, faults: list[dict] | None):
         self.phase, self.phase_since = name, time.time()
-        self._arm(faults)
+        self.armed = list(faults or [])
         try:
             result = dict(fn() or {})
             return self._answer(result.pop("outcome", Outcome.DONE), result.pop("error", ""), **result)
         except Behind as err:
             return self._answer(Outcome.BEHIND, err)
-        except NonFiniteError as err:  # this replica and its group are fine: its cluster's round is void
+        except NonFiniteError as err:
             if name == "outer":  # the other leaders wait in the all-reduce it never joins: they fail now
                 self.outer.abort()
             return self._answer(Outcome.NON_FINITE, err)
-        except CollectiveError as err:  # its kind: how it failed (an ErrorKind), never its text
+        except CollectiveError as err:  # its kind (an ErrorKind) says how it failed, never its text
             return self._answer(Outcome.COLLECTIVE_FAILED, err)
         finally:
             self.phase, self.phase_since = "idle", time.time()
@@ -237,10 +220,9 @@ class Replica:
     # -- phase group ----------------------------------------------------------------------------
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
-        """Hot spare: become replica `rid` (its data stream and name). The supervisor heals it from a
-        live member of the cluster next, like any replica that joins. The identity is recorded
-        first (Ray's KV store, under this actor's name), so a restart of this actor comes back as
-        `rid`; a failed write raises, and the supervisor tries another spare."""
+        """Hot spare: become replica `rid` (its data stream); the supervisor heals it next. The
+        identity is recorded first, so a restart comes back as `rid`; a failed write raises, and the
+        supervisor tries another spare."""
         if self.actor_name:
             lifecycle.write_identity(self.actor_name, rid, spare=False)
         self.trainer.assume_identity(rid)
@@ -261,12 +243,10 @@ class Replica:
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
-        world_size): a fresh group per epoch. Blocks until every member joined, the supervisor
-        aborts the group's rendezvous (a member is known dead: CollectiveError kind `join_aborted`)
-        or comm.configure_timeout_s passes (kind `configure`); the call then answers
-        `collective_failed` and the supervisor re-forms the group. The fault phase `join` fires
-        first, before this member arrives in the rendezvous. Returns the seconds it took (0.0: the
-        standing group is used)."""
+        world_size). Blocks until every member joined, the supervisor aborts the rendezvous (a member
+        is known dead: CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes (kind
+        `configure`); the call then answers `collective_failed`. The fault phase `join` fires before
+        this member arrives. Returns the seconds it took (0.0: the standing group is used)."""
         if join is None:
             return 0.0
         self._hook("join", self.trainer.round, 0)
@@ -284,14 +264,10 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
                   overlap: Overlap | None = None) -> dict:
-        """Run this round's remaining inner steps, syncing in the cluster's inner group. `join`: this
-        call forms that group first (see `_join`): one round trip for a cluster that (re-)forms. The
-        committed step is readable on the control channel (`progress`) all along, so the supervisor
-        can tell slow from hung. `behind` if this replica has not reached the round (it joins the
-        group first all the same, so its peers' first collective fails fast rather than their join
-        waiting out its timeout). `overlap`, an Overlap(epoch, shard, shards): this replica holds that shard
-        in the standing outer group of `epoch`, and reduces it in the background from the round's
-        snapshot step on (sync.fragment_delay; hsgd/train/overlap.py)."""
+        """This round's remaining inner steps in the cluster's inner group (`join`: form it first).
+        `behind` if not at the round (it joins all the same, so its peers' first collective fails
+        fast). `overlap`: this replica holds that shard in the standing outer group of
+        `overlap.epoch` and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -325,10 +301,9 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
                      join: tuple | None = None, shard: int = 0, shards: int = 1) -> dict:
-        """Shard holders (the leaders on the `leader` path), phase 1 of the two-phase commit:
-        reduce shard `shard` of `shards` of the pseudo-gradient over the clusters into a buffer
-        keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
-        `join`: the holders changed, so this call forms the shard's outer group first (`_join`)."""
+        """Phase 1 of the two-phase commit, on shard holders: reduce shard `shard` of `shards` of the
+        pseudo-gradient over the clusters into a buffer keyed by (round, epoch, shard). Nothing is
+        applied; a failure leaves the params untouched. `join`: form the shard's outer group first."""
         def run():
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is
             # waited for (its buffer is keyed by that group's epoch: the supervisor's epoch may have
@@ -348,11 +323,11 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
-        """Phase 2, only after the supervisor decided commit: the member of inner rank roots[j]
-        broadcasts shard j of the buffer in the cluster (the leader alone on the `leader` path)
-        and every member applies the same outer step. A round already committed here is a no-op."""
+        """Phase 2, only once the supervisor decided commit: the member of inner rank roots[j]
+        broadcasts shard j of the buffer in the cluster and every member applies the same outer
+        step. A round already committed here is a no-op."""
         def run():
-            self.background.settle(None, self._outer_deadline_s())  # a reduce of an exchange superseded meanwhile
+            self._settle()  # a reduce of an exchange superseded meanwhile
             self._hook("outer_commit", round_index, 0)
             before = self.inner.bytes_sent
             self.trainer.outer_commit(round_index, self.inner, roots)
@@ -360,9 +335,17 @@ class Replica:
                     "inner_bytes": self.inner.bytes_sent - before}
         return self._phase("outer_commit", run, round_index, faults)
 
+    def _settle(self) -> None:
+        """Wait out a background outer reduce (abandon it past its deadline)."""
+        self.background.settle(None, self._outer_deadline_s())
+
     def _outer_deadline_s(self) -> float:
-        """How long an outer reduce of the whole model may take (its all-gather: every holder's payload)."""
+        """An outer reduce of the whole model: its all-gather carries every holder's payload."""
         return self.outer.deadline_s(self.trainer.param_bytes * max(1, self.outer.world_size)) + 5.0
+
+    def _load(self, state: dict, scope: str) -> None:
+        self._settle()  # its reduce read the state being replaced
+        self.trainer.load_state_dict(state, scope=scope)
 
     @ray.method(concurrency_group="phase")
     def evaluate(self) -> float:
@@ -372,39 +355,28 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
         """Become the source (`full`) or take its global state (`global`); `state` is the second
-        object of the source's answer (Ray fetches it here from the source's node). Answers `done`
-        with `bytes` (the whole state's), or `collective_failed` with this replica untouched when
-        the source refused (`state` None). A source that died or raised surfaces here as an error
-        of this call (Ray fails a call whose argument failed)."""
+        object of the source's answer (Ray fetches it from the source's node). Answers `done` with
+        `bytes`, or `collective_failed`, untouched, when the source refused (`state` None). A source
+        that died or raised surfaces as an error of this call (Ray fails a call whose argument failed)."""
         def run():
             self._hook("heal", self.trainer.round, 0)
-            if state is None:  # nothing to load: this replica is fine, its heal is to be planned again
+            if state is None:  # this replica is fine: its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
                         "error": f"{self.rid}: its heal source refused to give its state"}
-            self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
-            self.trainer.load_state_dict(state, scope=scope)
+            self._load(state, scope)
             return {"bytes": _state_bytes(state)}
         return self._phase("heal", run, self.trainer.round, faults)
 
     # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
-    def _heal_group(self) -> LevelGroup:
-        """A group of its own for each heal (never the cluster's standing inner group, which a
-        commit may still need), on the inner level's backend: a `full` heal stays in its cluster."""
-        comm = self.cfg.comm
-        return LevelGroup("inner", self.level_backends["inner"], comm.timeout_s, comm.configure_timeout_s, **_link(comm),
-                          link=link_from_config(OmegaConf.select(self.cfg, "links.inner"), seed=self.cfg.seed))
-
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
-        """Heal source (a heal of round `round_index`: the round its faults are scheduled for): join
-        the heal's group `join` = (epoch, store_addr, prefix, 0, world_size) as its root and stream
-        this replica's state to every target in it, chunk by chunk, from where the state lives (no
-        host copy of the whole state). Answers `done` with `bytes`, or `collective_failed` (a target
-        never joined, a peer died, a chunk timed out): the supervisor then heals the same targets
-        through the object store (`heal_state`). The group is dropped either way."""
+        """Heal source (of round `round_index`, for its faults): join the heal's group `join` as rank 0
+        and stream its state to every target, chunk by chunk, from where it lives. Answers `done` with
+        `bytes`, or `collective_failed` (a target never joined, a peer died, a chunk timed out): the
+        supervisor then heals the targets through the object store. The group is dropped either way."""
         def run():
             self._hook("heal", round_index, 0)
-            group = self._heal_group()
+            group = self._level_group("inner")  # a heal's own group, never the standing one; in its cluster
             try:
                 join_s = self._join(group, join, "heal")
                 t0 = time.monotonic()
@@ -417,32 +389,29 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
-        """Heal target (a heal of round `round_index`, whatever round this replica holds): join the
-        heal's group `join` (rank ≥ 1), receive the source's whole state, then become the source
-        (load_state_dict `full`). Answers `done` with `bytes` and `transport: group`, or
-        `collective_failed` with this replica's own state untouched (nothing is loaded before the
-        last chunk arrived): the supervisor falls back to the object store."""
+        """Heal target (of round `round_index`, whatever round it holds): join the heal's group `join`
+        (rank >= 1), receive the source's whole state, then load it `full`. Answers `done` with
+        `bytes` and `transport: group`, or `collective_failed` with its own state untouched (nothing
+        is loaded before the last chunk arrived): the supervisor falls back to the object store."""
         def run():
             self._hook("heal", round_index, 0)
-            group = self._heal_group()
+            group = self._level_group("inner")
             try:
                 join_s = self._join(group, join, "heal")
                 t0 = time.monotonic()
                 state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
             finally:
                 group.abort()
-            self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
-            self.trainer.load_state_dict(state, scope="full")
+            self._load(state, "full")
             return {"bytes": nbytes, "transport": "group", "join_s": join_s, "transfer_s": time.monotonic() - t0}
         return self._phase("heal", run, self.trainer.round, faults)
 
     @ray.method(concurrency_group="phase", num_returns=2)
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
-        """(meta, state): the object-store fallback of a heal over the group — this replica's full
-        state, provided it still holds `expect` = (round, step), the progress it was chosen as a
-        source for. Refuses otherwise (meta `collective_failed` with the `error`, state None): a source
-        that died and was restarted meanwhile (Ray runs a call queued for a restarting actor on
-        the new process) must never hand out its fresh state."""
+        """(meta, state): the object-store fallback of a heal over the group, provided this replica
+        still holds `expect` = (round, step), the progress it was chosen as a source with. Refuses
+        otherwise (meta `collective_failed`, state None): a source restarted meanwhile (Ray runs a
+        call queued for a restarting actor on the new process) must never hand out its fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
             return self._answer(Outcome.COLLECTIVE_FAILED,
                                 f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
@@ -453,15 +422,11 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
-        """Write this replica's state for the checkpoint of round `round_index` (its state after
-        round_index - 1 committed). `behind` unless this replica holds exactly that round.
-
-        A write that storage refuses answers `io_error` with the error's text, never raises: a full
-        disk, a quota, a read-only remount, a folder this node cannot see (another node's disk) are
-        the run's problem, not this replica's — it is not killed, the supervisor skips the
-        checkpoint. Whatever the write raises counts (OSError; torch's zip writer raises
-        RuntimeError for a failed write; an fsspec backend its own errors); the state it writes was
-        taken before, so a bug of the replica's own still answers `error`."""
+        """Write its state for the checkpoint of round `round_index` (after round_index - 1 committed);
+        `behind` unless it holds exactly that round. A write storage refuses (a full disk, a quota, a
+        read-only remount, another node's folder; OSError, torch's RuntimeError, an fsspec backend's
+        own) answers `io_error`, never raises: the run's problem, not this replica's. The state was
+        taken before, so a bug of the replica's own still raises."""
         def run():
             self._hook("checkpoint", round_index - 1, 0)  # the checkpoint taken after round round_index - 1
             if self.trainer.round != round_index:
@@ -482,16 +447,12 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:
-        """Restore (resume, or every replica after a total loss) from a durable checkpoint (a URL or
-        path; the caller verified it). Raises CheckpointError naming this replica and its node when
-        the file cannot be read or does not fit the model: that replica's failure. `faults`: the
-        `startup` faults of a resume's load."""
-        for fault in faults or ():
-            self._fire(fault, fault.get("round", self.trainer.round), 0)
+        """Restore from a durable checkpoint the caller verified (resume, or after a total loss).
+        Raises CheckpointError naming this replica and its node when the file cannot be read or does
+        not fit the model: that replica's failure. `faults`: the `startup` faults of a resume's load."""
+        self._fire_startup(faults)
         try:
-            state = checkpoint.load_replica_state(directory, self.rid, sha256)
-            self.background.settle(None, self._outer_deadline_s())  # its reduce read the state being replaced
-            self.trainer.load_state_dict(state, scope="full")
+            self._load(checkpoint.load_replica_state(directory, self.rid, sha256), "full")
         except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
             raise checkpoint.CheckpointError(f"replica {self.rid} on node {_node_name()} cannot load {directory}: "
                                              f"{type(err).__name__}: {err}") from err
@@ -499,15 +460,13 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def reach_checkpoints(self, url: str, nonce: str, faults: list[dict] | None = None) -> dict:
-        """At start, before training: can this replica read the nonce the driver wrote under
-        checkpoint.dir? {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
-        for fault in faults or ():
-            self._fire(fault, fault.get("round", self.trainer.round), 0)
+        """At start: can this replica read the nonce the driver wrote under checkpoint.dir?
+        {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
+        self._fire_startup(faults)
         return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
 
 
 def _state_bytes(state: dict) -> int:
-    """The bytes of every tensor in a heal's state."""
     return sum(t.numel() * t.element_size() for t in state_stream.split_state(state)[1])
 
 
@@ -517,9 +476,3 @@ def _node_name() -> str:
 
     return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, "
             f"{ray.get_runtime_context().get_node_id()[:8]})")
-
-
-def _link(comm) -> dict:
-    """LevelGroup's payload-scaled timeouts, when the config has comm.min_gbps."""
-    gbps = comm.get("min_gbps") if hasattr(comm, "get") else None
-    return {"min_gbps": float(gbps)} if gbps else {}

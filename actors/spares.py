@@ -1,17 +1,14 @@
 """Hot spares: warmed replica processes, per cluster, that take over a dead replica's identity.
 
-A spare is a Replica actor that has paid a fresh process's one-time costs (torch import, model and
-optimizer built, the first step's lazy imports) and sits idle. When a replica dies, a ready spare
-of its cluster `assume`s the dead one's id (its data stream) and joins the cluster like a restarted
-replica: a heal, not a process start. The dead actor's own restart is told to `become_spare`, so
-the pool refills in the background. The pool's names are the supervisor's durable state (a
-restarted supervisor finds the same spares).
+A spare is a Replica actor that paid a fresh process's one-time costs (torch import, model and
+optimizer built, the first step's lazy imports) and sits idle. When a replica dies, a ready spare of
+its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica.
+The dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
+pool's names are the supervisor's durable state.
 
-Who an actor is survives its restarts (actors/lifecycle.py: Ray's KV store, under the actor's
-name): a promoted spare records the id it took before serving it, and the replaced actor is
-recorded as a spare, so either one that Ray restarts comes back as what it had become. A ready
-spare is asked nothing more; its death is seen by the supervisor's ActorWatch (Ray's restart
-count), which calls `lost`: a dead spare is never counted ready, and is asked again once back.
+Who an actor is survives its restarts (actors/lifecycle.py). A ready spare is asked nothing more;
+its death is seen by the supervisor's ActorWatch, which calls `lost`: a dead spare is never counted
+ready, and is asked again once back.
 """
 from __future__ import annotations
 
@@ -35,8 +32,8 @@ class SparePool:
 
     def check(self, log, wait_s: float = 0.0) -> None:
         """Ask every spare not yet ready whether it is (idle and warmed); a restarted replica whose
-        identity a spare took over is told to become one here. Blocks at most `wait_s` (0 in the
-        round loop: each question is sent once and its answer collected on a later call)."""
+        identity a spare took over is told to become one. Blocks at most `wait_s` (0 in the round
+        loop: each question is sent once, its answer collected on a later call)."""
         if wait_s > 0 and self._asked:
             ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=wait_s)
         for c, names in self.names.items():
@@ -66,12 +63,12 @@ class SparePool:
                 log.event("spare_ready", cluster=int(c), spare=name, pid=answer.get("pid"))
 
     def lost(self, name: str) -> None:
-        """Spare `name` died (the watch saw it): not ready until it answers again as a warm spare."""
+        """Spare `name` died: not ready until it answers again as a warm spare."""
         self.ready.discard(name)
 
     def promote(self, rid: str, cluster: int, dead_handle, dead_name: str, timeout_s: float):
-        """Hand `rid` to a ready spare of `cluster`; the dead actor takes the spare's place in the
-        pool. Returns (spare name, spare handle, its progress answer), or None."""
+        """Hand `rid` to a ready spare of `cluster`; the dead actor takes its place in the pool.
+        Returns (spare name, spare handle, its answer), or None."""
         c = str(cluster)
         for name in [n for n in self.names.get(c, []) if n in self.ready]:
             handle = self.handles[name]

@@ -224,4 +224,4 @@ def test_the_replica_sets_the_nccl_environment_before_it_makes_a_group():
 
     src = inspect.getsource(replica.Replica.__ray_actor_class__.__init__)
     assert "apply_nccl_environment(" in src
-    assert src.index("apply_nccl_environment(") < src.index("LevelGroup(")
+    assert src.index("apply_nccl_environment(") < src.index("_level_group(")
