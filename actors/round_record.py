@@ -1,7 +1,7 @@
 """What one round did, for metrics.jsonl and events.jsonl: the numbers replicas report in their
-answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_begin`,
-`membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
-runner hands it each answer's value and each PhaseEnded the machine emits.
+answers (losses, tokens, bytes, digests), the phase timings, and the round's events: `phase_begin`,
+`membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite`, `cluster_benched`. It
+decides nothing and calls nobody: the runner hands it each answer and each PhaseEnded.
 """
 from __future__ import annotations
 
