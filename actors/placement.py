@@ -34,14 +34,7 @@ class PlacementTimeout(RuntimeError):
 
 def replica_resources(cfg: Any, gpus: float) -> dict:
     """One replica's resources: its CPUs and, when a level of it may use nccl, a GPU of its own."""
-    res = {"CPU": float(cfg.topology.cpus_per_replica)}
-    if gpus:
-        res["GPU"] = float(gpus)
-    return res
-
-
-def _alive_nodes() -> list[dict]:
-    return [n for n in ray.nodes() if n.get("Alive")]
+    return {"CPU": float(cfg.topology.cpus_per_replica), **({"GPU": float(gpus)} if gpus else {})}
 
 
 def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
@@ -50,14 +43,16 @@ def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[st
     hsgd.config.capacity's `plan_backends` and `placement_problem`; ConfigError for each refusal."""
     t, c = cfg.topology, cfg.comm
     cluster = dict(clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster,
-                   spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(), nodes=_alive_nodes(),
+                   spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(),
+                   nodes=[nd for nd in ray.nodes() if nd.get("Alive")],
                    strategy=t.placement_strategy, cluster_labels=list(t.cluster_labels or []), label_key=LABEL_KEY)
     plan = plan_backends(backend=c.backend, inner_backend=c.inner_backend, outer_backend=c.outer_backend,
                          cpus_per_replica=float(t.cpus_per_replica), **cluster)
-    problem = placement_problem(need=replica_resources(cfg, plan.gpus_per_replica), **cluster)
+    need = replica_resources(cfg, plan.gpus_per_replica)
+    problem = placement_problem(need=need, **cluster)
     if problem is not None:
         raise ConfigError(*problem)
-    return plan, _check_data_path(cfg, plan.gpus_per_replica, data_timeout_s)
+    return plan, _check_data_path(cfg, need, cluster["nodes"], data_timeout_s)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -66,15 +61,7 @@ def _path_here(path: str) -> tuple[bool, str]:
     return os.path.exists(os.path.expanduser(path)), socket.gethostname()
 
 
-def _replica_nodes(cfg: Any, gpus: float) -> list[dict]:
-    """The live nodes that may run a replica: room for one, and the label of a cluster if labels pin them."""
-    need = replica_resources(cfg, gpus)
-    labels = {str(x) for x in (cfg.topology.cluster_labels or [])}
-    return [nd for nd in _alive_nodes() if replicas_that_fit(nd.get("Resources", {}), need) >= 1
-            and (not labels or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]
-
-
-def _check_data_path(cfg: Any, gpus: float, timeout_s: float) -> list[str]:
+def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) -> list[str]:
     """Refuse (ConfigError on data.path, one line naming the nodes) when data.path does not exist
     on a node that may run replicas: one tiny task per such node, pinned to it (node affinity, no
     CPU), in the job's working directory, so a relative path is checked as the replicas will read
@@ -82,7 +69,9 @@ def _check_data_path(cfg: Any, gpus: float, timeout_s: float) -> list[str]:
     path = cfg.data.path
     if path is None:
         return []
-    nodes = _replica_nodes(cfg, gpus)
+    labels = {str(x) for x in (cfg.topology.cluster_labels or [])}
+    nodes = [nd for nd in alive if replicas_that_fit(nd.get("Resources", {}), need) >= 1  # room for one
+             and (not labels or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]  # a cluster's label, if pinned
     refs = {nd["NodeID"]: _path_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         node_id=nd["NodeID"], soft=False)).remote(str(path)) for nd in nodes}
     names = {nd["NodeID"]: f"{nd.get('NodeManagerAddress', '?')} ({nd['NodeID'][:8]})" for nd in nodes}
