@@ -105,12 +105,10 @@ class Supervisor:
     def run(self) -> dict:
         """Drive rounds until train.rounds are committed, a stop is requested, or the run fails;
         returns summary.json's content (also written). Re-issued by the driver to a restarted
-        supervisor, which resumes from its durable state and the replicas' progress.
-
-        Never raises: any exception (not only RunFailed) ends the run `failed` with the exception's
-        type and message as the reason, and a summary is returned all the same (from the durable
-        state when the full one cannot be made). A run folder failing writes past run.io_grace_s
-        ends the run failed too; a shorter outage at the end is waited out, so its records land."""
+        supervisor, which resumes from its durable state and the replicas' progress. Never raises:
+        any exception ends the run `failed` (its type and message the reason), with a summary all
+        the same; so does a run folder failing writes past run.io_grace_s, while a shorter outage
+        at the end is waited out, so its records land."""
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
