@@ -30,6 +30,7 @@ from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import Topology
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
 from hsgd.record.run_state import RunState
+from hsgd.record.runlock import RunLock, RunLocked
 from hsgd.record.rundir import atomic_write_text, call_with_deadline
 from hsgd.train import checkpoint
 
@@ -60,7 +61,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     refuses a checkpoint.dir that already holds checkpoints. The lock (a stale one is taken over
     with train.resume=true) is refreshed by a driver thread until the run ends, then removed."""
     from actors.startup import find_resume_point, record_takeovers
-    from hsgd.record.runlock import RunLock, RunLocked
 
     run_dir = os.path.abspath(output_path(run_dir))
     cfg.run.dir = run_dir
@@ -165,11 +165,11 @@ def _start(run: Run):
                                     max_task_retries=0, num_cpus=0).remote(
         container, run.run_dir, run.run_id, container, resume_round=resume_from.manifest["round"] if resume_from else None)
     run.actors.append(supervisor)
-    run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
+    nodes = run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
     atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))
     print("[hsgd] placement: " + "; ".join(
-        f"c{c} on node(s) {','.join(sorted({str(n)[:8] for r, n in run.info['replica_nodes'].items() if r.startswith(f'c{c}r')}))}"
-        for c in range(cfg.topology.clusters)), flush=True)
+        f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
+        for c in range(topo.clusters)), flush=True)
     guard = startup.StartupCalls(topo, cfg.supervisor)
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
@@ -181,7 +181,7 @@ def _start(run: Run):
 def _drive(run: Run, supervisor) -> dict:
     """The supervisor's run call to its summary, re-issued to a restarted supervisor."""
     import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
 
     from hsgd.record.console import ProgressView
 
@@ -194,7 +194,7 @@ def _drive(run: Run, supervisor) -> dict:
             _watch(run, supervisor, view, ref)
             try:
                 return ray.get(ref, timeout=60.0)
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
+            except RayActorError as err:
                 verdict = losses.on_error(RunState.read(run.run_dir).supervisor_starts, time.monotonic())
                 if verdict.gone:
                     return driver_summary(run.run_dir, cfg, f"{verdict.reason}: {type(err).__name__}")

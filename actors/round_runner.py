@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
@@ -178,7 +178,7 @@ class RoundRunner:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
         except Exception as err:  # noqa: BLE001 — whose failure is it? (hsgd/core/round/blame.py)
             heal = flight is not None and flight.phase.kind is CallKind.HEAL
-            outcome = raised(actor_gone=isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)),
+            outcome = raised(actor_gone=isinstance(err, RayActorError),  # died or unavailable
                              source_failed=heal and self.heals.source_failed(phase_id, rid))
             detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
             answer = PhaseAnswer(rid, outcome, error=detail)

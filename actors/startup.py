@@ -23,6 +23,7 @@ from hsgd.config.compose import fail_config
 from hsgd.core.faults import due_faults, parse_schedule
 from hsgd.core.membership import live_plan
 from hsgd.core.topology import Topology
+from hsgd.record.events import RunLog
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint
 
@@ -177,8 +178,6 @@ def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[st
 
 def record_takeovers(run_dir: str, lock, resume_from: checkpoint.Choice | None) -> None:
     """Events (and console lines) for a stale lock taken over and for checkpoints skipped at resume."""
-    from hsgd.record.events import RunLog
-
     if lock.taken_over is None and not (resume_from and resume_from.skipped):
         return
     log = RunLog(run_dir)
