@@ -151,9 +151,8 @@ class Supervisor:
 
     def _settings(self) -> RoundSettings:
         """The next round's settings: hsgd.core.round.settings says why each deadline is what it is."""
-        cfg = self.cfg
-        return round_settings(steps_per_round=self.spr, sync=cfg.sync, supervisor=cfg.supervisor, comm=cfg.comm,
-                              param_bytes=self.roster.param_bytes, clock=self.clock)
+        return round_settings(steps_per_round=self.spr, sync=self.cfg.sync, supervisor=self.cfg.supervisor,
+                              comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock)
 
     def _round(self, r: int) -> None:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
