@@ -1,15 +1,14 @@
 """The driver library: start → drive → finish. `jobs.train` is its command line; tests and
-notebooks call `run_training` directly. The config is composed and checked before Ray starts
-(hsgd.config.compose); `run_training` checks the folder, chooses the resume checkpoint
-(hsgd.train.checkpoint.choose) and takes the folder's lock (hsgd.record.runlock), then:
-- start (`_start`): attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start
-  an embedded one; check what only the cluster knows (exit 2); write run.json, config.yaml and the
-  durable state (hsgd.record.run_state.RunState); place and start the replicas (owned by this
-  driver, so they outlive a supervisor crash), spares and supervisor; the start-up calls, which
-  survive replica deaths (actors/startup.py).
-- drive (`_drive`): wait for the supervisor's run, drawing a progress bar; a dead supervisor is
-  restarted by Ray and the run call re-issued (hsgd.core.supervisor_losses).
-- finish (`_finish`): summary.json always there (or printed), plots, the console's last lines.
+notebooks call `run_training` directly, with a config composed and checked before Ray starts
+(hsgd.config.compose). `run_training` checks the folder, chooses the resume checkpoint and takes
+the folder's lock (hsgd.record.runlock), then:
+- start: attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded
+  one; check what only the cluster knows (exit 2); write run.json, config.yaml and the durable
+  state; start the replicas (owned by this driver, so they outlive a supervisor crash), spares and
+  supervisor; the start-up calls, which survive replica deaths (actors/startup.py).
+- drive: the supervisor's run call with a progress bar; a dead supervisor is restarted by Ray and
+  the call re-issued (hsgd.core.supervisor_losses).
+- finish: summary.json always there (or printed), plots, the console's last lines.
 """
 from __future__ import annotations
 
@@ -25,12 +24,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path
-from hsgd.config.compose import (CONF_DIR, attaches_to_cluster, check_embedded_capacity,  # noqa: F401 — the driver's API
-                                 check_run_folder, compose_config, describe_hydra_error, fail_config, precheck)
+from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, fail_config
+from hsgd.config.compose import compose_config, precheck  # noqa: F401 — the driver's API
 from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import Topology
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
 from hsgd.record.run_state import RunState
+from hsgd.record.runlock import RunLock, RunLocked
 from hsgd.record.rundir import atomic_write_text, call_with_deadline
 from hsgd.train import checkpoint
 
@@ -61,7 +61,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     refuses a checkpoint.dir that already holds checkpoints. The lock (a stale one is taken over
     with train.resume=true) is refreshed by a driver thread until the run ends, then removed."""
     from actors.startup import find_resume_point, record_takeovers
-    from hsgd.record.runlock import RunLock, RunLocked
 
     run_dir = os.path.abspath(output_path(run_dir))
     cfg.run.dir = run_dir
@@ -101,6 +100,7 @@ class Run:
     info: dict = field(default_factory=dict)  # run.json: how jobs.diagnose and notebooks find this run's actors
     actors: list = field(default_factory=list)
     placement: object = None
+    stop_asked: bool = False  # Ctrl-C once: a stop is asked of the supervisor
 
 
 def _run_owned(cfg: DictConfig, run: Run) -> dict:
@@ -131,16 +131,12 @@ def _start(run: Run):
     import ray
 
     from actors import startup
-    from actors.placement import ClusterPlacement, check_capacity, check_data_path, plan_backends
+    from actors.placement import ClusterPlacement, check_cluster
     from actors.supervisor import Supervisor, supervisor_actor_name
 
     cfg, resume_from = run.cfg, run.resume_from
-    try:  # what only the cluster knows, before any actor starts: one line, exit 2
-        plan = plan_backends(cfg)  # per-level backends, GPUs per replica: from the cluster, not this machine
-        check_capacity(cfg, plan.gpus_per_replica)
-        unanswered = check_data_path(cfg, plan.gpus_per_replica, timeout_s=min(30.0, cfg.supervisor.call_timeout_s))
-    except ConfigError as err:
-        fail_config(str(err))
+    # what only the cluster knows, before any actor starts: ConfigError (one line, exit 2)
+    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s))
     if plan.notice:
         print(f"[hsgd] {plan.notice}", flush=True)
     if unanswered:
@@ -169,11 +165,11 @@ def _start(run: Run):
                                     max_task_retries=0, num_cpus=0).remote(
         container, run.run_dir, run.run_id, container, resume_round=resume_from.manifest["round"] if resume_from else None)
     run.actors.append(supervisor)
-    run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
+    nodes = run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
     atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))
     print("[hsgd] placement: " + "; ".join(
-        f"c{c} on node(s) {','.join(sorted({str(n)[:8] for r, n in run.info['replica_nodes'].items() if r.startswith(f'c{c}r')}))}"
-        for c in range(cfg.topology.clusters)), flush=True)
+        f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
+        for c in range(topo.clusters)), flush=True)
     guard = startup.StartupCalls(topo, cfg.supervisor)
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
@@ -185,21 +181,20 @@ def _start(run: Run):
 def _drive(run: Run, supervisor) -> dict:
     """The supervisor's run call to its summary, re-issued to a restarted supervisor."""
     import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
 
     from hsgd.record.console import ProgressView
 
     cfg = run.cfg
     view = ProgressView(cfg, run.run_dir, enabled=cfg.logging.progress)
     losses = SupervisorLosses(cfg.supervisor.max_restarts, restart_wait_s=cfg.supervisor.call_timeout_s)
-    watch = _Watch(supervisor, view)
     try:
         while True:
             ref = supervisor.run.remote()
-            watch.until_done(ref)
+            _watch(run, supervisor, view, ref)
             try:
                 return ray.get(ref, timeout=60.0)
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as err:
+            except RayActorError as err:
                 verdict = losses.on_error(RunState.read(run.run_dir).supervisor_starts, time.monotonic())
                 if verdict.gone:
                     return driver_summary(run.run_dir, cfg, f"{verdict.reason}: {type(err).__name__}")
@@ -212,32 +207,26 @@ def _drive(run: Run, supervisor) -> dict:
         view.close()
 
 
-@dataclass
-class _Watch:
+def _watch(run: Run, supervisor, view, ref) -> None:
     """The progress bar while a run call is in flight; Ctrl-C asks for a stop, a second aborts."""
-    supervisor: object
-    view: object
-    stop_asked: bool = False
+    import ray
 
-    def until_done(self, ref) -> None:
-        import ray
-
-        while True:
-            try:
-                done, _ = ray.wait([ref], timeout=1.0)
-            except KeyboardInterrupt:
-                if self.stop_asked:
-                    raise  # a second Ctrl-C: abort now (the caller's finally still cleans up)
-                self.stop_asked = True
-                print("\n[hsgd] stopping after the round in flight (Ctrl-C again to abort)", flush=True)
-                self.supervisor.request_stop.remote()
-                continue
-            try:
-                self.view.update(ray.get(self.supervisor.status.remote(), timeout=5.0))
-            except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
-                pass
-            if done:
-                return
+    while True:
+        try:
+            done, _ = ray.wait([ref], timeout=1.0)
+        except KeyboardInterrupt:
+            if run.stop_asked:
+                raise  # a second Ctrl-C: abort now (the caller's finally still cleans up)
+            run.stop_asked = True
+            print("\n[hsgd] stopping after the round in flight (Ctrl-C again to abort)", flush=True)
+            supervisor.request_stop.remote()
+            continue
+        try:
+            view.update(ray.get(supervisor.status.remote(), timeout=5.0))
+        except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
+            pass
+        if done:
+            return
 
 
 def _finish(run: Run, summary: dict) -> dict:
@@ -247,10 +236,7 @@ def _finish(run: Run, summary: dict) -> dict:
 
     run_dir = run.run_dir
     ensure_summary(run_dir, summary)
-    try:
-        call_with_deadline(lambda: write_run_plots(run_dir), 120.0, f"plotting into {run_dir}")
-    except Exception as err:  # noqa: BLE001 — matplotlib's errors and storage's alike
-        print(f"[hsgd] warning: plots not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    _best_effort(lambda: write_run_plots(run_dir), 120.0, f"plotting into {run_dir}", "plots")
     figures = [summary.get(k) for k in ("initial_eval_loss", "final_eval_loss", "wall_s")]
     if summary["status"] == "completed" and all(isinstance(x, (int, float)) for x in figures):
         print(f"[hsgd] completed: {summary['rounds_committed']} rounds, {summary['inner_steps_committed']} "
@@ -275,13 +261,18 @@ def _clean_up(run: Run) -> None:
     if run.info:
         run.info["job_s"] = time.time() - run.started_at  # the whole job, Ray start and plots included
         path = Path(run.run_dir) / "run.json"
-        try:
-            call_with_deadline(lambda: atomic_write_text(path, json.dumps(run.info, indent=1)), DRIVER_IO_S,
-                               f"writing {path}")
-        except Exception as err:  # noqa: BLE001 — a file the run keeps for tools: a console line, no more
-            print(f"[hsgd] warning: {path} not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        _best_effort(lambda: atomic_write_text(path, json.dumps(run.info, indent=1)), DRIVER_IO_S, f"writing {path}",
+                     str(path))
     if run.started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
         ray.shutdown()
+
+
+def _best_effort(write, deadline_s: float, doing: str, what: str) -> None:
+    """A file kept for people and tools (plots, run.json): a failure is a console warning, no more."""
+    try:
+        call_with_deadline(write, deadline_s, doing)
+    except Exception as err:  # noqa: BLE001 — matplotlib's errors and storage's alike
+        print(f"[hsgd] warning: {what} not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
 def _one_line(err: BaseException) -> str:

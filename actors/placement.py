@@ -6,13 +6,10 @@ actors ask for it with Ray's `label_selector` option). A replica asks for one GP
 a level of it may use nccl (`plan_backends`: decided from the cluster's resources, not from the
 driver's CUDA), so NCCL ranks never share a GPU.
 
-Checked right after connecting to Ray and before any actor starts (each a ConfigError, one line):
-- `plan_backends`: the per-level backends and GPUs per replica (nccl asked where the cluster has
-  too few GPUs, per node as the strategy places them);
-- `check_capacity`: the cluster can never place every replica: too few CPUs/GPUs in total, no
-  node (or set of nodes) that can hold a cluster as the strategy requires, or no live node with a
-  cluster's label;
-- `check_data_path`: data.path missing on a node that may run replicas (one tiny task per node).
+`check_cluster` runs right after connecting to Ray, before any actor starts (each refusal a
+ConfigError, one line): nccl asked where the cluster has too few GPUs; a placement that can never
+happen (too few CPUs/GPUs, no node or set of nodes that can hold a cluster as the strategy
+requires, no live node with a cluster's label); data.path missing on a node that may run replicas.
 """
 from __future__ import annotations
 
@@ -25,9 +22,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hsgd.config import ConfigError
-from hsgd.config.capacity import (BackendPlan, data_path_problem, describe_resources, placement_problem,
+from hsgd.config.capacity import (BackendPlan, data_path_problem, describe_resources, placement_problem, plan_backends,
                                   replicas_that_fit)
-from hsgd.config.capacity import plan_backends as _plan_backends
 
 LABEL_KEY = "hsgd-cluster"
 
@@ -38,38 +34,25 @@ class PlacementTimeout(RuntimeError):
 
 def replica_resources(cfg: Any, gpus: float) -> dict:
     """One replica's resources: its CPUs and, when a level of it may use nccl, a GPU of its own."""
-    res = {"CPU": float(cfg.topology.cpus_per_replica)}
-    if gpus:
-        res["GPU"] = float(gpus)
-    return res
+    return {"CPU": float(cfg.topology.cpus_per_replica), **({"GPU": float(gpus)} if gpus else {})}
 
 
-def _alive_nodes() -> list[dict]:
-    return [n for n in ray.nodes() if n.get("Alive")]
-
-
-def _placement_args(cfg: Any) -> dict:
-    t = cfg.topology
-    return dict(clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster,
-                spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(),
-                nodes=_alive_nodes(), strategy=t.placement_strategy, cluster_labels=list(t.cluster_labels or []),
-                label_key=LABEL_KEY)
-
-
-def plan_backends(cfg: Any) -> BackendPlan:
-    """The per-level backends and GPUs per replica on this Ray cluster (the decision:
-    hsgd.config.capacity.plan_backends). Raises ConfigError (nccl where GPUs are too few)."""
-    c = cfg.comm
-    return _plan_backends(backend=c.backend, inner_backend=c.inner_backend, outer_backend=c.outer_backend,
-                          cpus_per_replica=float(cfg.topology.cpus_per_replica), **_placement_args(cfg))
-
-
-def check_capacity(cfg: Any, gpus: float) -> None:
-    """Fail before any actor starts if the cluster can never place every replica and hot spare
-    (the decision: hsgd.config.capacity.placement_problem)."""
-    problem = placement_problem(need=replica_resources(cfg, gpus), **_placement_args(cfg))
+def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
+    """The per-level backends and GPUs per replica on this Ray cluster, and the nodes that did not
+    answer the data.path check in time (the caller warns). The decisions are
+    hsgd.config.capacity's `plan_backends` and `placement_problem`; ConfigError for each refusal."""
+    t, c = cfg.topology, cfg.comm
+    cluster = dict(clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster,
+                   spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(),
+                   nodes=[nd for nd in ray.nodes() if nd.get("Alive")],
+                   strategy=t.placement_strategy, cluster_labels=list(t.cluster_labels or []), label_key=LABEL_KEY)
+    plan = plan_backends(backend=c.backend, inner_backend=c.inner_backend, outer_backend=c.outer_backend,
+                         cpus_per_replica=float(t.cpus_per_replica), **cluster)
+    need = replica_resources(cfg, plan.gpus_per_replica)
+    problem = placement_problem(need=need, **cluster)
     if problem is not None:
         raise ConfigError(*problem)
+    return plan, _check_data_path(cfg, need, cluster["nodes"], data_timeout_s)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -78,24 +61,17 @@ def _path_here(path: str) -> tuple[bool, str]:
     return os.path.exists(os.path.expanduser(path)), socket.gethostname()
 
 
-def _replica_nodes(cfg: Any, gpus: float) -> list[dict]:
-    """The live nodes that may run a replica: room for one, and the label of a cluster if labels pin them."""
-    need = replica_resources(cfg, gpus)
-    labels = {str(x) for x in (cfg.topology.cluster_labels or [])}
-    return [nd for nd in _alive_nodes() if replicas_that_fit(nd.get("Resources", {}), need) >= 1
-            and (not labels or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]
-
-
-def check_data_path(cfg: Any, gpus: float, timeout_s: float = 30.0) -> list[str]:
+def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) -> list[str]:
     """Refuse (ConfigError on data.path, one line naming the nodes) when data.path does not exist
     on a node that may run replicas: one tiny task per such node, pinned to it (node affinity, no
     CPU), in the job's working directory, so a relative path is checked as the replicas will read
-    it. A node that does not answer within `timeout_s` is not refused; returns their names (the
-    caller warns)."""
+    it. A node that does not answer within `timeout_s` is not refused; returns their names."""
     path = cfg.data.path
     if path is None:
         return []
-    nodes = _replica_nodes(cfg, gpus)
+    labels = {str(x) for x in (cfg.topology.cluster_labels or [])}
+    nodes = [nd for nd in alive if replicas_that_fit(nd.get("Resources", {}), need) >= 1  # room for one
+             and (not labels or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]  # a cluster's label, if pinned
     refs = {nd["NodeID"]: _path_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         node_id=nd["NodeID"], soft=False)).remote(str(path)) for nd in nodes}
     names = {nd["NodeID"]: f"{nd.get('NodeManagerAddress', '?')} ({nd['NodeID'][:8]})" for nd in nodes}
@@ -118,10 +94,9 @@ class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for replica i of c."""
 
     def __init__(self, cfg: Any, gpus: float, timeout_s: float):
-        self.cfg, self.gpus = cfg, gpus
-        self.groups = []
+        self.cfg, self.groups = cfg, []
         strategy = cfg.topology.placement_strategy
-        bundle = replica_resources(cfg, gpus)
+        self.bundle = bundle = replica_resources(cfg, gpus)
         if strategy == "NONE" or cfg.topology.cluster_labels or not any(v > 0 for v in bundle.values()):
             return  # (a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced)
         slots = cfg.topology.replicas_per_cluster + cfg.topology.spares_per_cluster  # replicas, then hot spares
@@ -138,8 +113,7 @@ class ClusterPlacement:
                 f"or raise supervisor.quorum_wait_s")
 
     def options(self, cluster: int, index: int) -> dict:
-        res = replica_resources(self.cfg, self.gpus)
-        opts: dict = {"num_cpus": res["CPU"], "num_gpus": res.get("GPU", 0)}
+        opts: dict = {"num_cpus": self.bundle["CPU"], "num_gpus": self.bundle.get("GPU", 0)}
         if self.groups:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self.groups[cluster], placement_group_bundle_index=index)

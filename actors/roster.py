@@ -1,14 +1,9 @@
 """Who serves each replica id, who is live, and which process groups they still hold: the
-supervisor's view of its replicas between (and across) rounds.
-
-It asks replicas for their progress (the control channel, which answers while a phase runs),
-brings back replicas that (re)started, hands a dead replica's id to a ready hot spare, and marks a
-replica down when it does not answer. A new process under an id holds no group: its cluster's
-inner group (and, for a leader, the outer group) must be configured again. The decisions about
-what a round does with this view are hsgd.core.round's; "stuck after a supervisor restart" is
-hsgd.core.deadlines.StallWatch's.
-
-Deaths are logged here, each once (`died`, `deaths`; actors/lifecycle.py `ActorWatch`).
+supervisor's view of its replicas between (and across) rounds. It asks replicas for their progress
+(the control channel, which answers while a phase runs), brings back replicas that (re)started,
+hands a dead replica's id to a ready hot spare, and marks a replica down when it does not answer.
+A new process under an id holds no group: its cluster's inner group (and, for a leader, the outer
+group) must be configured again. Deaths are logged here, each once (actors/lifecycle.py `ActorWatch`).
 """
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ import time
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.lifecycle import ActorWatch
 from actors.spares import SparePool
@@ -95,16 +90,7 @@ class Roster:
 
     def probe(self, rid: str, timeout_s: float) -> dict | None:
         """Ask a replica for its progress; None if it does not answer in time or is gone."""
-        if rid in self.gone:
-            return None
-        try:
-            return ray.get(self.handles[rid].progress.remote(), timeout=timeout_s)
-        except ActorDiedError:
-            if restarts_exhausted(self.handles[rid]):
-                self.gone.add(rid)
-            return None
-        except (ActorUnavailableError, RayActorError, GetTimeoutError):
-            return None
+        return self._ask_progress([rid], {}, timeout_s).get(rid, (None, True))[0]
 
     def ask_all(self, method: str, timeout_s: float) -> dict[str, Any]:
         """Every live replica's answer to a no-argument call; those that fail are left out."""
@@ -210,8 +196,7 @@ class Roster:
         """Round boundary: bring back replicas that (re)started, waiting up to wait_s for them."""
         deadline = time.monotonic() + wait_s
         while True:
-            for rid in self.deaths(self.live, -1, "rejoin"):
-                self.down_seen(rid)
+            self._reap("rejoin")
             for rid in self.missing():
                 answer = self.probe(rid, min(2.0, max(0.2, deadline - time.monotonic())))
                 if answer is not None:  # one still in a phase of a dead supervisor: await_idle waits
@@ -248,30 +233,24 @@ class Roster:
     def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
                    min_gbps: float = 1.0) -> None:
         """After a supervisor restart, replicas may still run a phase of the old one (the inner
-        phase goes on to the round's end). Wait while they work; kill one stuck in its phase, or
-        silent (hsgd.core.deadlines.StallWatch decides which):
-
-        - in an inner phase: its step has not moved for `stuck_after_s`;
-        - writing a checkpoint, healing, in the outer exchange or commit: its phase call has gone
-          on past that phase's own limit, `call_timeout_s` plus its bytes (3 x the params: params
-          and optimizer state) at `min_gbps` — never `stuck_after_s` of a step that cannot move
-          there (forming a group, which the rendezvous's own timeout bounds: `stuck_after_s`);
-        - no answer at all (a hang that holds the GIL, so even the control channel is silent) for
-          `stuck_after_s`: killed, so Ray restarts it (a dead one is only marked down: Ray
-          restarts it by itself, and a kill could hit its new process).
-        Killed replicas are marked down (`hung`) and come back through `rejoin`. One progress
-        question per replica is outstanding at a time; each pass waits at most a few seconds for
-        the answers (silence is counted from the first pass without one)."""
+        phase goes on to the round's end). Wait while they work; kill (so Ray restarts it) one
+        stuck or silent, as hsgd.core.deadlines.StallWatch decides: an inner phase whose step has
+        not moved for `stuck_after_s`; a checkpoint, heal, outer exchange or commit past its own
+        limit, `call_timeout_s` plus 3 x the params (params and optimizer state) at `min_gbps`; no
+        answer at all (a hang holding the GIL) for `stuck_after_s`. A dead one is only marked down
+        (a kill could hit its new process). Killed replicas are marked down (`hung`) and come back
+        through `rejoin`. One progress question per replica is outstanding at a time; each pass
+        waits at most AWAIT_PASS_S (silence is counted from the first pass without one)."""
         watch = StallWatch(stuck_after_s, silent_s=stuck_after_s)
         asked: dict[str, Any] = {}  # rid -> its progress question still unanswered
         while True:
-            for rid in self.deaths(self.live, -1, "await_idle"):
-                self.down_seen(rid)
+            self._reap("await_idle")
             busy = []
             answers = self._ask_progress(sorted(self.live), asked, min(self.call_timeout_s, AWAIT_PASS_S))
             sizes = [int(a.get("param_bytes") or 0) for a, _ in answers.values() if a]
             self.param_bytes = max([self.param_bytes, *sizes])
-            watch.phase_limits = self._phase_limits(stuck_after_s, min_gbps)
+            state_s = max(stuck_after_s, collective_timeout_s(self.call_timeout_s, 3 * self.param_bytes, min_gbps))
+            watch.phase_limits = dict.fromkeys(("checkpoint", "heal", "outer", "outer_commit", "inner_sync"), state_s)
             for rid, (answer, gone) in answers.items():
                 if gone:  # Ray says its process is gone: restarting by itself, nothing to kill
                     self.down(rid, "died", "await_idle", -1)
@@ -296,15 +275,11 @@ class Roster:
             show(busy)
             time.sleep(period_s)
 
-    def down_seen(self, rid: str) -> None:
-        """rid's process died, as the watch saw (and logged): no longer live."""
-        if self.live.pop(rid, None) is not None:
-            self._forget_groups(rid)
-
-    def _phase_limits(self, stuck_after_s: float, min_gbps: float) -> dict[str, float]:
-        """Each non-stepping phase's limit after a supervisor restart (see await_idle)."""
-        state_s = max(stuck_after_s, collective_timeout_s(self.call_timeout_s, 3 * self.param_bytes, min_gbps))
-        return {phase: state_s for phase in ("checkpoint", "heal", "outer", "outer_commit", "inner_sync")}
+    def _reap(self, phase: str) -> None:
+        """Every death Ray's actor table shows (logged by `deaths`): no longer live."""
+        for rid in self.deaths(self.live, -1, phase):
+            if self.live.pop(rid, None) is not None:
+                self._forget_groups(rid)
 
     def _ask_progress(self, rids: list[str], asked: dict[str, Any],
                       timeout_s: float) -> dict[str, tuple[dict | None, bool]]:

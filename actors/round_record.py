@@ -1,7 +1,7 @@
 """What one round did, for metrics.jsonl and events.jsonl: the numbers replicas report in their
-answers (losses, tokens, bytes, digests) and the phase timings, plus the `phase_begin`,
-`membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite` and `cluster_benched` events. It decides nothing and calls nobody: the
-runner hands it each answer's value and each PhaseEnded the machine emits.
+answers (losses, tokens, bytes, digests), the phase timings, and the round's events: `phase_begin`,
+`membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite`, `cluster_benched`. It
+decides nothing and calls nobody: the runner hands it each answer and each PhaseEnded.
 """
 from __future__ import annotations
 
@@ -22,10 +22,9 @@ class RoundRecord:
         self.heal_transports: dict[str, str] = {}  # target -> group | object_store
         self.steps_run: dict[int, int] = {}  # run_inner phase id -> steps its members ran
         self.join_s: dict[int, float] = {}  # phase id -> the longest its members took to form their group
-        # outer_reduce phase id -> the longest a holder spent in its outer collectives (the simulated
-        # link's wait included); holders exchange at once, so a phase costs its slowest one
+        # outer_reduce phase id -> its slowest holder's time in the outer collectives (the link's wait
+        # included: holders exchange at once); and whether every holder's reduce ran behind the inner steps
         self.outer_link_s: dict[int, float] = {}
-        # outer_reduce phase id -> whether every holder's reduce ran behind the inner steps (overlap)
         self.reduce_overlapped: dict[int, bool] = {}
         self.non_finite_what: dict[str, str] = {}  # rid -> what its non_finite answer named (loss | grad_norm | ...)
         self.logged_void: set[int] = set()

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
@@ -177,7 +178,7 @@ class RoundRunner:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
         except Exception as err:  # noqa: BLE001 — whose failure is it? (hsgd/core/round/blame.py)
             heal = flight is not None and flight.phase.kind is CallKind.HEAL
-            outcome = raised(actor_gone=isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)),
+            outcome = raised(actor_gone=isinstance(err, RayActorError),  # died or unavailable
                              source_failed=heal and self.heals.source_failed(phase_id, rid))
             detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
             answer = PhaseAnswer(rid, outcome, error=detail)
@@ -231,16 +232,12 @@ class RoundRunner:
         for rid, cause in self.m.deaths[self.deaths_logged:]:
             self.deaths_logged += 1
             roster.died(rid, cause, self.phase, self.r)
-            self.heals.release_groups_of(rid, cause, self._abort_heal_group, cluster=self.m.cluster_of(rid),
-                                         epoch=self.m.epoch)
+            self.heals.release_groups_of(rid, cause, partial(abort_rendezvous, self.p.store, self.p.store_addr),
+                                         cluster=self.m.cluster_of(rid), epoch=self.m.epoch)
             if roster.spares and rid not in self.m.progress and (answer := roster.promote_spare(rid)) is not None:
                 self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
                 roster.note_up(rid, answer)
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))
-
-    def _abort_heal_group(self, prefix: str, reason: str) -> None:
-        if self.p.store is not None:
-            abort_rendezvous(self.p.store, self.p.store_addr, prefix, reason)
 
     def _status(self) -> None:
         m = self.m

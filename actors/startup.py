@@ -23,6 +23,7 @@ from hsgd.config.compose import fail_config
 from hsgd.core.faults import due_faults, parse_schedule
 from hsgd.core.membership import live_plan
 from hsgd.core.topology import Topology
+from hsgd.record.events import RunLog
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint
 
@@ -80,10 +81,7 @@ class StartupCalls:
     """The start-up calls to the replicas, each surviving their deaths (see the module docstring)."""
 
     def __init__(self, topology: Topology, supervisor_cfg):
-        self.topology = topology
-        self.call_timeout_s = float(supervisor_cfg.call_timeout_s)
-        self.phase_timeout_s = float(supervisor_cfg.phase_timeout_s)
-        self.min_per_cluster = int(supervisor_cfg.min_replicas_per_cluster)
+        self.topology, self.cfg = topology, supervisor_cfg
 
     def call_all(self, handles: dict, call: Callable, timeout_s: float) -> tuple[dict, dict]:
         """call(key, handle, first_try) -> an ObjectRef, for every handle; retried for those that
@@ -91,7 +89,7 @@ class StartupCalls:
         exception (a RayTaskError) by key. RuntimeError when a replica is still away after the
         retries and its cluster falls below `min_replicas_per_cluster`."""
         answers, errors, pending = {}, {}, dict(handles)
-        deadline, first = time.monotonic() + self.call_timeout_s, True
+        deadline, first = time.monotonic() + self.cfg.call_timeout_s, True
         while pending:
             refs = {key: call(key, handle, first) for key, handle in pending.items()}
             for key, ref in refs.items():
@@ -103,21 +101,20 @@ class StartupCalls:
                 except Exception as err:  # noqa: BLE001 — the live replica's own error: the caller's to judge
                     errors[key] = err
                 pending.pop(key)
-            first = False
-            if pending and time.monotonic() >= deadline:
-                break
-            if pending:
+            if pending and time.monotonic() < deadline:
                 time.sleep(RETRY_PAUSE_S)
+            elif pending:
+                break
+            first = False
         self._check_quorum(set(pending) & set(self.topology.replica_ids()))
         return answers, errors
 
     def _check_quorum(self, away: set[str]) -> None:
         for c in range(self.topology.clusters):
-            members = self.topology.cluster_members(c)
-            if len([rid for rid in members if rid not in away]) < self.min_per_cluster:
+            if len(set(self.topology.cluster_members(c)) - away) < self.cfg.min_replicas_per_cluster:
                 raise RuntimeError(f"start-up: {', '.join(sorted(away))} did not come back within "
-                                   f"{self.call_timeout_s:g} s (supervisor.call_timeout_s) and cluster c{c} is below "
-                                   f"supervisor.min_replicas_per_cluster={self.min_per_cluster}")
+                                   f"{self.cfg.call_timeout_s:g} s (supervisor.call_timeout_s) and cluster c{c} is "
+                                   f"below supervisor.min_replicas_per_cluster={self.cfg.min_replicas_per_cluster}")
         if away:
             print(f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; "
                   f"taken in when back)", flush=True)
@@ -132,7 +129,7 @@ class StartupCalls:
         try:
             answers, errors = self.call_all(
                 handles, lambda key, h, first: h.reach_checkpoints.remote(url, nonce, faults.get(key) if first else None),
-                self.call_timeout_s)
+                self.cfg.call_timeout_s)
             problems = [f"replica {a['rid']} on node {a['node']} cannot read {url}: {a['problem']}"
                         for a in answers.values() if a["problem"]]
             problems += [f"{key} failed the check: {_cause(err)}" for key, err in errors.items()]
@@ -151,7 +148,7 @@ class StartupCalls:
         _, errors = self.call_all(
             {rid: h for rid, h in replicas.items() if rid in files},
             lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None),
-            self.phase_timeout_s)
+            self.cfg.phase_timeout_s)
         for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
             fail_config(f"train.resume: {_cause(err)}")
         absent = sorted(set(replicas) - set(files))
@@ -181,8 +178,6 @@ def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[st
 
 def record_takeovers(run_dir: str, lock, resume_from: checkpoint.Choice | None) -> None:
     """Events (and console lines) for a stale lock taken over and for checkpoints skipped at resume."""
-    from hsgd.record.events import RunLog
-
     if lock.taken_over is None and not (resume_from and resume_from.skipped):
         return
     log = RunLog(run_dir)

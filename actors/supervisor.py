@@ -1,18 +1,15 @@
 """Supervisor actor: carries out hsgd.core.round.RoundMachine's actions and decides nothing
 itself (hsgd/core/round/__init__.py says what happens after any failure). It runs one round
-machine per round through actors/round_runner.py, and between rounds brings back restarted
-replicas and hands dead ones' ids to hot spares (actors/roster.py), records metrics, evaluates,
-checkpoints and, after a total loss, restores (actors/checkpointing.py), waits for quorum. It never
-moves model-sized tensors (heals go replica -> object store -> replica).
+machine per round through actors/round_runner.py; between rounds it brings back restarted
+replicas and hands dead ones' ids to hot spares (actors/roster.py), records, evaluates,
+checkpoints, restores after a total loss (actors/checkpointing.py) and waits for quorum. Heals go
+replica -> object store -> replica, never through it.
 
 Durable state: one `RunState` (hsgd/record/run_state.py), saved whole on every change. A
 restarted supervisor reads it, waits for replicas still in a phase of its predecessor, asks every
-replica for its progress, and resumes: max committed wins.
-
-Storage is never the run loop's master: every file the supervisor writes goes through its RunLog's
-writer thread with a deadline (hsgd.record.events.RunLog); only a folder that stays unwritable for
-`run.io_grace_s` ends the run. Whatever ends the run, `run` returns a summary (written to
-summary.json when the folder allows; the driver prints it otherwise).
+replica for its progress, and resumes: max committed wins. Every file it writes goes through its
+RunLog's writer with a deadline; only a folder unwritable for `run.io_grace_s` ends the run
+(actors/run_record.py). Whatever ends the run, `run` returns a summary.
 """
 from __future__ import annotations
 
@@ -108,12 +105,10 @@ class Supervisor:
     def run(self) -> dict:
         """Drive rounds until train.rounds are committed, a stop is requested, or the run fails;
         returns summary.json's content (also written). Re-issued by the driver to a restarted
-        supervisor, which resumes from its durable state and the replicas' progress.
-
-        Never raises: any exception (not only RunFailed) ends the run `failed` with the exception's
-        type and message as the reason, and a summary is returned all the same (from the durable
-        state when the full one cannot be made). A run folder failing writes past run.io_grace_s
-        ends the run failed too; a shorter outage at the end is waited out, so its records land."""
+        supervisor, which resumes from its durable state and the replicas' progress. Never raises:
+        any exception ends the run `failed` (its type and message the reason), with a summary all
+        the same; so does a run folder failing writes past run.io_grace_s, while a shorter outage
+        at the end is waited out, so its records land."""
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
@@ -152,13 +147,12 @@ class Supervisor:
             self.warn(f"the supervisor raised, the run ends failed:\n{traceback.format_exc()}")
         if status == "failed":
             self.log.event("run_failed", reason=reason)
-        return self.record.publish(self._summary_or_fallback(status, reason, start))
+        return self.record.publish(self._summary(status, reason, start))
 
     def _settings(self) -> RoundSettings:
         """The next round's settings: hsgd.core.round.settings says why each deadline is what it is."""
-        cfg = self.cfg
-        return round_settings(steps_per_round=self.spr, sync=cfg.sync, supervisor=cfg.supervisor, comm=cfg.comm,
-                              param_bytes=self.roster.param_bytes, clock=self.clock)
+        return round_settings(steps_per_round=self.spr, sync=self.cfg.sync, supervisor=self.cfg.supervisor,
+                              comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock)
 
     def _round(self, r: int) -> None:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
@@ -301,7 +295,8 @@ class Supervisor:
             return
         for missing in unrecorded_rounds(r_now, (m["round"] for m in self.log.records("metrics"))):
             last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
-            digests = {rid: d["param"] for rid, d in sorted(self._digests().items()) if d["round"] == r_now} if last else {}
+            asked = self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s) if last else {}
+            digests = {rid: d["param"] for rid, d in sorted(asked.items()) if d["round"] == r_now}
             self.log.metrics(late_round_record(round_index=missing, steps_per_round=self.spr,
                                                live_replicas=len(self.roster.live), epoch=self.state.epoch,
                                                digests=digests, eval_loss=self._evaluate() if last else None,
@@ -310,22 +305,18 @@ class Supervisor:
         if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
             checkpointing.save(self._checkpoint_ports(), r_now)
 
-    def _digests(self) -> dict:
-        return self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s)
-
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
-        """The run's summary from the record: files and what is still in memory alike."""
-        return run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
-                           digests=self._digests(), metrics=self.log.records("metrics"),
-                           fired=self.log.read_jsonl("faults_fired.jsonl"), events=self.log.records("events"),
-                           not_fired=self.injector.not_fired(), committed_steps=self.committed_steps,
-                           attempted_steps=self.attempted_steps, participation=self.participation,
-                           supervisor_started=start, now=time.time(), run_dir=self.run_dir)
-
-    def _summary_or_fallback(self, status: str, reason: str | None, start: float) -> dict:
+        """The run's summary from the record (files and memory alike), or from the durable state
+        alone when that cannot be made: the summary is owed whatever broke."""
         try:
-            return self._summary(status, reason, start)
-        except Exception as err:  # noqa: BLE001 — the summary is owed whatever broke
+            return run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
+                               digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
+                               metrics=self.log.records("metrics"), fired=self.log.read_jsonl("faults_fired.jsonl"),
+                               events=self.log.records("events"), not_fired=self.injector.not_fired(),
+                               committed_steps=self.committed_steps, attempted_steps=self.attempted_steps,
+                               participation=self.participation, supervisor_started=start, now=time.time(),
+                               run_dir=self.run_dir)
+        except Exception as err:  # noqa: BLE001
             self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
             note = f"summary from the durable state only ({type(err).__name__}: {err})"
             return fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
