@@ -28,6 +28,7 @@ from hsgd.config import ConfigError
 from hsgd.config.capacity import (BackendPlan, data_path_problem, describe_resources, placement_problem,
                                   replicas_that_fit)
 from hsgd.config.capacity import plan_backends as _plan_backends
+from hsgd.core.topology import topology_of
 
 LABEL_KEY = "hsgd-cluster"
 
@@ -49,10 +50,11 @@ def _alive_nodes() -> list[dict]:
 
 
 def _placement_args(cfg: Any) -> dict:
-    t = cfg.topology
-    return dict(clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster,
+    t, topo = cfg.topology, topology_of(cfg)
+    return dict(clusters=topo.clusters, replicas_per_cluster=topo.replicas_per_cluster,
+                sizes=None if not t.sites else list(topo.sizes),
                 spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(),
-                nodes=_alive_nodes(), strategy=t.placement_strategy, cluster_labels=list(t.cluster_labels or []),
+                nodes=_alive_nodes(), strategy=t.placement_strategy, cluster_labels=list(topo.labels),
                 label_key=LABEL_KEY)
 
 
@@ -81,9 +83,11 @@ def _path_here(path: str) -> tuple[bool, str]:
 def _replica_nodes(cfg: Any, gpus: float) -> list[dict]:
     """The live nodes that may run a replica: room for one, and the label of a cluster if labels pin them."""
     need = replica_resources(cfg, gpus)
-    labels = {str(x) for x in (cfg.topology.cluster_labels or [])}
+    topo = topology_of(cfg)
+    labels = {str(x) for x in topo.labels}
+    anywhere = not labels or None in topo.labels  # a site without a label may land on any node
     return [nd for nd in _alive_nodes() if replicas_that_fit(nd.get("Resources", {}), need) >= 1
-            and (not labels or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]
+            and (anywhere or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]
 
 
 def check_data_path(cfg: Any, gpus: float, timeout_s: float = 30.0) -> list[str]:
@@ -122,18 +126,20 @@ class ClusterPlacement:
         self.groups = []
         strategy = cfg.topology.placement_strategy
         bundle = replica_resources(cfg, gpus)
-        if strategy == "NONE" or cfg.topology.cluster_labels or not any(v > 0 for v in bundle.values()):
+        self.topology = topo = topology_of(cfg)
+        if strategy == "NONE" or any(topo.labels) or not any(v > 0 for v in bundle.values()):
             return  # (a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced)
-        slots = cfg.topology.replicas_per_cluster + cfg.topology.spares_per_cluster  # replicas, then hot spares
-        self.groups = [placement_group([dict(bundle) for _ in range(slots)], strategy=strategy, name=f"hsgd-cluster-{c}")
-                       for c in range(cfg.topology.clusters)]
+        spares = cfg.topology.spares_per_cluster
+        self.groups = [placement_group([dict(bundle) for _ in range(topo.size(c) + spares)],  # replicas, then hot spares
+                                       strategy=strategy, name=f"hsgd-cluster-{c}")
+                       for c in range(topo.clusters)]
         refs = [pg.ready() for pg in self.groups]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):
             pending = [f"c{c}" for c, ref in enumerate(refs) if ref not in ready]
             self.release()
             raise PlacementTimeout(
-                f"clusters {pending} not placed after {timeout_s:g}s ({strategy}, {cfg.topology.replicas_per_cluster} "
+                f"clusters {pending} not placed after {timeout_s:g}s ({strategy}, up to {topo.replicas_per_cluster} "
                 f"x {describe_resources(bundle)} each): the Ray cluster's resources are busy (other jobs?); free them, "
                 f"or raise supervisor.quorum_wait_s")
 
@@ -143,8 +149,8 @@ class ClusterPlacement:
         if self.groups:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self.groups[cluster], placement_group_bundle_index=index)
-        elif self.cfg.topology.cluster_labels:
-            opts["label_selector"] = {LABEL_KEY: str(self.cfg.topology.cluster_labels[cluster])}
+        elif self.topology.label(cluster) is not None:
+            opts["label_selector"] = {LABEL_KEY: str(self.topology.label(cluster))}
         return opts
 
     def release(self) -> None:

@@ -34,7 +34,7 @@ from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, checkpoint_due, current_round,
                              eval_due, evaluation_order, heals_at_rest, round_settings, unrecorded_rounds)
-from hsgd.core.topology import Topology
+from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
@@ -50,11 +50,12 @@ class Supervisor:
         """`resume_round`: the resumed checkpoint's round (actors/run_record.py)."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
-        self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = steps_per_round(self.cfg)
         # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
         self.streaming = is_streaming(self.cfg)
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
+        self.topology = topology_of(self.cfg, self.state.replica_indices)  # the table the driver wrote
+        self.state.replica_indices = dict(self.topology.index_table)
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
         self.log, self.warn = self.record.log, self.record.warn
@@ -202,7 +203,7 @@ class Supervisor:
             self.record.check_storage()
             self.roster.rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
             counts = live_per_cluster(self.topology, self.roster.live)
-            if quorum_problem(counts, sup.min_replicas_per_cluster, sup.min_clusters) is None:
+            if quorum_problem(counts, self.topology.floors(sup.min_replicas_per_cluster), sup.min_clusters) is None:
                 return
         raise RunFailed(f"quorum lost: {reason}; waited {sup.quorum_wait_s:.0f}s for replicas to return")
 

@@ -42,6 +42,8 @@ class RunState:
     non_finite_rounds: dict[str, int] = field(default_factory=dict)
     checkpoints_failed: int = 0
     last_restore: dict = field(default_factory=dict)
+    # the global replica index table (hsgd.core.topology): rid -> index, kept for the whole run
+    replica_indices: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "RunState":
