@@ -131,7 +131,7 @@ class Roster:
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
             self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"),
-                           incarnation=answer.get("incarnation"))
+                           incarnation=answer.get("incarnation"), replica_index=answer.get("replica_index"))
 
     def down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
         if cause == "error":  # the replica raised: restart it clean, as any failed replica

@@ -324,6 +324,9 @@ class Supervisor:
                            supervisor_started=start, now=time.time(), run_dir=self.run_dir)
 
     def _summary_or_fallback(self, status: str, reason: str | None, start: float) -> dict:
+        return {**self._summary_or_durable(status, reason, start), "topology": self.topology.describe()}
+
+    def _summary_or_durable(self, status: str, reason: str | None, start: float) -> dict:
         try:
             return self._summary(status, reason, start)
         except Exception as err:  # noqa: BLE001 — the summary is owed whatever broke

@@ -99,7 +99,7 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
     for key, amount in need.items():
         if amount * n > total.get(key, 0.0) + 1e-9:
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
-            return ("topology.replicas_per_cluster",
+            return ("topology.sites" if sizes else "topology.replicas_per_cluster",
                     f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
                     f"use fewer replicas{' or spares' if spares_per_cluster else ''}, lower {field}, or a bigger cluster")
     if any(label is not None for label in cluster_labels):
@@ -143,7 +143,7 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
                     f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
                     f"{describe_resources(need)}; the Ray cluster has {sum(1 for f in fits if f >= 1)}")
     if sum(fits) < n:
-        return ("topology.replicas_per_cluster",
+        return ("topology.sites" if sizes else "topology.replicas_per_cluster",
                 f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
                 f"per node {fits[:8]}); use fewer replicas or a bigger cluster")
     return None
