@@ -120,5 +120,5 @@ def test_more_replicas_than_a_labels_nodes_hold_names_the_site():
     assert _place((2, 3), nodes, labels=("rack-a", "rack-b")) is None
     field, reason = _place((3, 2), nodes, labels=("rack-a", "rack-b"))
     assert field == "topology.sites[0].label" and "hold at most 2" in reason
-    field, reason = _place((2, 3, 2), nodes, labels=("rack-a", "rack-b", "rack-b"))
+    field, reason = _place((2, 3, 2), nodes + [_node(4)], labels=("rack-a", "rack-b", "rack-b"))
     assert field == "topology.sites[1].label" and "sharing the label" in reason
