@@ -84,6 +84,7 @@ class Roster:
         self.leaders: dict[int, str] = {}
         self.configured: dict[int, tuple] = {}
         self.outer_configured = None
+        self.on_death: Callable[[str], None] = lambda rid: None  # each replica death, once (quarantine)
 
     # -- questions ------------------------------------------------------------------------------------
     def missing(self) -> list[str]:
@@ -124,7 +125,8 @@ class Roster:
         self.note_up(rid, answer)
 
     def note_up(self, rid: str, answer: dict) -> None:
-        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id"),
+                                  "backends": answer.get("backends")}
         self.watch.note_up(rid, answer.get("incarnation"))
         if rid in self.pids and self.pids[rid] != answer.get("pid"):
             self._forget_groups(rid)  # a new process holds no group
@@ -160,6 +162,7 @@ class Roster:
         actor, incarnation = dead
         self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause, phase=phase,
                        round=round_index, detail=detail[:300], incarnation=incarnation, actor=actor)
+        self.on_death(rid)
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
@@ -181,6 +184,7 @@ class Roster:
             self.log.event("replica_down", rid=d.rid, cluster=self.topology.cluster_of(d.rid), cause="died",
                            phase=where, round=round_index, detail=f"Ray's actor table: {d.state}",
                            incarnation=d.incarnation, actor=d.name)
+            self.on_death(d.rid)
             if latest:
                 lost.append(d.rid)
         return lost
@@ -295,6 +299,18 @@ class Roster:
                 return
             show(busy)
             time.sleep(period_s)
+
+    def replace(self, rid: str, name: str, handle) -> None:
+        """A new actor `name` serves rid (quarantine moved it): it joins as a restarted replica."""
+        self.names[rid], self.handles[rid] = name, handle
+        self.gone.discard(rid)
+        self.down_seen(rid)
+        self._save()
+
+    def set_aside(self, rid: str) -> None:
+        """rid is out for the rest of the run (quarantined where no other node can hold it)."""
+        self.gone.add(rid)
+        self.down_seen(rid)
 
     def down_seen(self, rid: str) -> None:
         """rid's process died, as the watch saw (and logged): no longer live."""

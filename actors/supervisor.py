@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from actors import checkpointing
 from actors.fault_injector import FaultInjector
+from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
@@ -62,6 +63,9 @@ class Supervisor:
         self.roster = Roster(self.topology, run_id, self.state, self.log,
                              call_timeout_s=self.cfg.supervisor.call_timeout_s,
                              spares_per_cluster=self.cfg.topology.spares_per_cluster, save=self.record.save_state)
+        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state.replica_indices, self.state, self.roster,
+                                     self.log, self.record.save_state)
+        self.roster.on_death = self.quarantine.death
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
@@ -324,7 +328,8 @@ class Supervisor:
                            supervisor_started=start, now=time.time(), run_dir=self.run_dir)
 
     def _summary_or_fallback(self, status: str, reason: str | None, start: float) -> dict:
-        return {**self._summary_or_durable(status, reason, start), "topology": self.topology.describe()}
+        return {**self._summary_or_durable(status, reason, start), "topology": self.topology.describe(),
+                "replicas_quarantined": len(self.state.quarantined)}
 
     def _summary_or_durable(self, status: str, reason: str | None, start: float) -> dict:
         try:

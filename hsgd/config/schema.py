@@ -294,6 +294,10 @@ class FaultsConfig:
     # step, so a seed always gives the same schedule (and the same result) on any machine.
     step_s: float = seconds(0.1)
     max_restarts: int = restarts(10)  # restarts allowed per replica actor
+    # a replica that died this many times within quarantine_window_s is re-created on another node,
+    # or kept out when none can hold it (hsgd/core/quarantine.py); 0 = off
+    quarantine_after: int = count_or_zero(3)
+    quarantine_window_s: float = seconds(600.0)
 
 
 @dataclass

@@ -28,7 +28,8 @@ def driver_summary(run_dir: str, cfg, reason: str) -> dict:
         durable, metrics = {}, []
     summary = fallback_summary(status="failed", reason=reason, durable=durable, metrics=metrics,
                                steps_per_round=steps_per_round(cfg), now=time.time(), run_dir=run_dir)
-    return {**summary, "topology": topology_of(cfg, durable.get("replica_indices")).describe()}
+    return {**summary, "topology": topology_of(cfg, durable.get("replica_indices")).describe(),
+            "replicas_quarantined": len(durable.get("quarantined") or {})}
 
 
 def ensure_summary(run_dir: str, summary: dict) -> None:
