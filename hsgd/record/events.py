@@ -80,6 +80,9 @@ EVENTS: dict[str, EventSpec] = {
                                "a heal over the process group failed: the target is healed through the object store"),
     "heal_source_lost": EventSpec(("source", "round", "detail"), "a heal's source died before its state arrived"),
     "spare_ready": EventSpec(("cluster", "spare", "pid"), "a hot spare is warm"),
+    "replica_quarantined": EventSpec(("rid", "node", "moved_to", "deaths"),
+                                     "a replica died faults.quarantine_after times within quarantine_window_s: "
+                                     "re-created on node moved_to, or (null) kept out for the rest of the run"),
     "spare_promoted": EventSpec(("rid", "spare", "replaced", "pid"), "a hot spare took a lost replica's identity"),
     "spare_lost": EventSpec(("cluster", "spare", "incarnation", "round"),
                             "a hot spare's process died (ready, warming up, or a replaced replica's actor on its way "

@@ -139,3 +139,25 @@ def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_w
         assert back is not None, f"{rid} never took part in a commit again after its SIGKILL in round {round_index}"
         assert back["round"] <= round_index + 2, f"{rid} killed in round {round_index} was back only for {back}"
     assert sorted(f["rid"] for f in s["faults"] if f["source"] == "observed") == sorted(kills), s["faults"]
+
+
+# -- quarantine ---------------------------------------------------------------------------------------
+KEEPS_DYING = ("faults.schedule=[" + ",".join(f"{{kind:kill,target:c0r1,round:{r},phase:inner,step:3}}"
+                                             for r in (0, 3, 6)) + "]")
+QUARANTINE = ["sync.outer_every=10", "train.min_step_s=0.3", "train.rounds=9", "train.eval_batches=1",
+              "comm.timeout_s=4", "comm.configure_timeout_s=10", "checkpoint.every=0", "supervisor.rejoin=fast",
+              "faults.quarantine_after=3", "faults.quarantine_window_s=600", KEEPS_DYING]
+
+
+def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_completes(tmp_path):
+    s = train(tmp_path / "run", QUARANTINE)
+    run_dir = tmp_path / "run"
+    assert s["status"] == "completed" and s["replicas_quarantined"] == 1, s
+    check_run(run_dir, rounds=9, steps_per_round=10, victims={"c0r1"})
+    evs = events(run_dir)
+    quarantined = [e for e in evs if e["event"] == "replica_quarantined"]
+    assert len(quarantined) == 1 and quarantined[0]["rid"] == "c0r1" and quarantined[0]["moved_to"] is None, quarantined
+    assert quarantined[0]["deaths"] == 3
+    later = [e for e in evs if e["event"] == "commit" and e["t"] > quarantined[0]["t"]]
+    assert later and all("c0r1" not in e["replicas"] for e in later), "a replica kept out never trains again"
+    assert all(("c0r0" in e["replicas"]) for e in later), "its cluster goes on smaller"
