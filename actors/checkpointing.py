@@ -76,6 +76,7 @@ def save(sup: CheckpointPorts, state_round: int) -> str | None:
                 continue
             manifest = {"round": state_round, "step": state_round * sup.steps_per_round, "run_id": sup.run_id,
                         "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
+                        "sites": list(sup.topology.sizes), "replica_indices": dict(sup.topology.index_table),
                         # the driver's (data size and path as it sees them), carried in the durable state
                         "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
                         "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}

@@ -15,7 +15,8 @@ import time
 import ray
 
 from hsgd.config.rounds import steps_per_round
-from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule
+from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule, topology_shape
+from hsgd.core.topology import topology_of
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import write_fault_fired
 
@@ -26,7 +27,7 @@ class FaultInjector:
 
     def __init__(self, cfg, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
-        self.shape = {"clusters": cfg.topology.clusters, "replicas_per_cluster": cfg.topology.replicas_per_cluster}
+        self.shape = topology_shape(topology_of(cfg))
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
         fc, spr = cfg.faults, steps_per_round(cfg)
         if fc.mtbf_s > 0:

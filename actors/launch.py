@@ -27,7 +27,7 @@ from hsgd.config import ConfigError, output_path
 from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, fail_config
 from hsgd.config.compose import compose_config, precheck  # noqa: F401 — the driver's API
 from hsgd.core.supervisor_losses import SupervisorLosses
-from hsgd.core.topology import Topology
+from hsgd.core.topology import topology_of
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
 from hsgd.record.run_state import RunState
 from hsgd.record.runlock import RunLock, RunLocked
@@ -141,7 +141,8 @@ def _start(run: Run):
         print(f"[hsgd] {plan.notice}", flush=True)
     if unanswered:
         print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
-    topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
+    # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
+    topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
     ctx = ray.get_runtime_context()
     run.info = {"run_id": run.run_id, "namespace": ctx.namespace, "ray_address": ctx.gcs_address,
                 "replicas": list(topo.replica_ids()), "driver_pid": os.getpid(), "started_at": time.time(),
@@ -151,13 +152,14 @@ def _start(run: Run):
     atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))  # first: the folder is hsgd's
     atomic_write_text(Path(run.run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     state = RunState.begin(run.run_dir, run.run_id, run.fingerprint, resumed=resume_from is not None)
+    state.replica_indices = dict(topo.index_table)
     calls_at_start = bool(cfg.checkpoint.every or resume_from is not None)
     faults = startup.startup_faults(cfg, state, topo, resume_from) if calls_at_start else {}
     state.write(run.run_dir)
     # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
     run.placement = ClusterPlacement(cfg, plan.gpus_per_replica, timeout_s=cfg.supervisor.quorum_wait_s)
     container = OmegaConf.to_container(cfg, resolve=True)
-    replicas, spares = startup.start_replicas(cfg, run.run_id, run.run_dir, run.placement, container,
+    replicas, spares = startup.start_replicas(cfg, topo, run.run_id, run.run_dir, run.placement, container,
                                               {"inner": plan.inner, "outer": plan.outer})
     run.actors.extend([*replicas.values(), *spares.values()])
     # started now so its process boots while the replicas do; it sends nothing before run()

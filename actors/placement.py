@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from hsgd.config import ConfigError
 from hsgd.config.capacity import (BackendPlan, data_path_problem, describe_resources, placement_problem, plan_backends,
                                   replicas_that_fit)
+from hsgd.core.topology import topology_of
 
 LABEL_KEY = "hsgd-cluster"
 
@@ -41,11 +42,11 @@ def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[st
     """The per-level backends and GPUs per replica on this Ray cluster, and the nodes that did not
     answer the data.path check in time (the caller warns). The decisions are
     hsgd.config.capacity's `plan_backends` and `placement_problem`; ConfigError for each refusal."""
-    t, c = cfg.topology, cfg.comm
-    cluster = dict(clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster,
-                   spares_per_cluster=t.spares_per_cluster, total=ray.cluster_resources(),
-                   nodes=[nd for nd in ray.nodes() if nd.get("Alive")],
-                   strategy=t.placement_strategy, cluster_labels=list(t.cluster_labels or []), label_key=LABEL_KEY)
+    t, c, topo = cfg.topology, cfg.comm, topology_of(cfg)
+    cluster = dict(clusters=topo.clusters, replicas_per_cluster=topo.replicas_per_cluster,
+                   sizes=list(topo.sizes) if t.sites else None, spares_per_cluster=t.spares_per_cluster,
+                   total=ray.cluster_resources(), nodes=[nd for nd in ray.nodes() if nd.get("Alive")],
+                   strategy=t.placement_strategy, cluster_labels=list(topo.labels), label_key=LABEL_KEY)
     plan = plan_backends(backend=c.backend, inner_backend=c.inner_backend, outer_backend=c.outer_backend,
                          cpus_per_replica=float(t.cpus_per_replica), **cluster)
     need = replica_resources(cfg, plan.gpus_per_replica)
@@ -69,9 +70,11 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
     path = cfg.data.path
     if path is None:
         return []
-    labels = {str(x) for x in (cfg.topology.cluster_labels or [])}
+    site_labels = topology_of(cfg).labels
+    labels = {str(x) for x in site_labels if x is not None}
+    anywhere = not labels or None in site_labels  # a site without a label may land on any node
     nodes = [nd for nd in alive if replicas_that_fit(nd.get("Resources", {}), need) >= 1  # room for one
-             and (not labels or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]  # a cluster's label, if pinned
+             and (anywhere or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]  # a cluster's label, if pinned
     refs = {nd["NodeID"]: _path_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         node_id=nd["NodeID"], soft=False)).remote(str(path)) for nd in nodes}
     names = {nd["NodeID"]: f"{nd.get('NodeManagerAddress', '?')} ({nd['NodeID'][:8]})" for nd in nodes}
@@ -97,18 +100,20 @@ class ClusterPlacement:
         self.cfg, self.groups = cfg, []
         strategy = cfg.topology.placement_strategy
         self.bundle = bundle = replica_resources(cfg, gpus)
-        if strategy == "NONE" or cfg.topology.cluster_labels or not any(v > 0 for v in bundle.values()):
+        self.topology = topo = topology_of(cfg)
+        if strategy == "NONE" or any(topo.labels) or not any(v > 0 for v in bundle.values()):
             return  # (a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced)
-        slots = cfg.topology.replicas_per_cluster + cfg.topology.spares_per_cluster  # replicas, then hot spares
-        self.groups = [placement_group([dict(bundle) for _ in range(slots)], strategy=strategy, name=f"hsgd-cluster-{c}")
-                       for c in range(cfg.topology.clusters)]
+        spares = cfg.topology.spares_per_cluster
+        self.groups = [placement_group([dict(bundle) for _ in range(topo.size(c) + spares)],  # replicas, then hot spares
+                                       strategy=strategy, name=f"hsgd-cluster-{c}")
+                       for c in range(topo.clusters)]
         refs = [pg.ready() for pg in self.groups]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):
             pending = [f"c{c}" for c, ref in enumerate(refs) if ref not in ready]
             self.release()
             raise PlacementTimeout(
-                f"clusters {pending} not placed after {timeout_s:g}s ({strategy}, {cfg.topology.replicas_per_cluster} "
+                f"clusters {pending} not placed after {timeout_s:g}s ({strategy}, up to {topo.replicas_per_cluster} "
                 f"x {describe_resources(bundle)} each): the Ray cluster's resources are busy (other jobs?); free them, "
                 f"or raise supervisor.quorum_wait_s")
 
@@ -117,8 +122,8 @@ class ClusterPlacement:
         if self.groups:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self.groups[cluster], placement_group_bundle_index=index)
-        elif self.cfg.topology.cluster_labels:
-            opts["label_selector"] = {LABEL_KEY: str(self.cfg.topology.cluster_labels[cluster])}
+        elif self.topology.label(cluster) is not None:
+            opts["label_selector"] = {LABEL_KEY: str(self.topology.label(cluster))}
         return opts
 
     def release(self) -> None:

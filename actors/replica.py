@@ -29,7 +29,7 @@ from hsgd.train import checkpoint, state_stream
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
 from hsgd.train.simulate import link_from_config
 from hsgd.train.overlap import BackgroundReduce
-from hsgd.core.topology import Topology
+from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
 from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
@@ -44,9 +44,11 @@ class InjectedError(RuntimeError):
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class Replica:
-    def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False):
+    def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
+                 index_table: dict | None = None):
         """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here, where
-        the replica runs: nccl when Ray gave it a GPU and torch sees CUDA (never on the driver)."""
+        the replica runs: nccl when Ray gave it a GPU and torch sees CUDA (never on the driver).
+        `index_table`: the run's global replica index table (hsgd/core/topology.py)."""
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced, not as its
         # constructor's arguments say (actors/lifecycle.py)
@@ -59,7 +61,7 @@ class Replica:
         self.started_at = time.time()
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
-        topo = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
+        topo = topology_of(self.cfg, index_table)  # the run's index table: this id's data stream
         gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
         # (not `self.backends`: an attribute named like a torch submodule makes Ray's cloudpickle
         # pickle torch.backends with the class, which cannot be pickled)
@@ -281,7 +283,8 @@ class Replica:
 
         def at_snapshot():  # only in the outer group the supervisor named (a restarted process has none)
             if overlap is not None and overlap.epoch == self.outer_epoch:
-                self.background.start((self.trainer.round, overlap.epoch, overlap.shard, overlap.shards))
+                self.background.start((self.trainer.round, overlap.epoch, overlap.shard, overlap.shards,
+                                       overlap.weights))
 
         def run():
             join_s = self._join(self.inner, join, "inner")
@@ -300,21 +303,23 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
-                     join: tuple | None = None, shard: int = 0, shards: int = 1) -> dict:
+                     join: tuple | None = None, shard: int = 0, shards: int = 1,
+                     weights: tuple[float, ...] = ()) -> dict:
         """Phase 1 of the two-phase commit, on shard holders: reduce shard `shard` of `shards` of the
-        pseudo-gradient over the clusters into a buffer keyed by (round, epoch, shard). Nothing is
-        applied; a failure leaves the params untouched. `join`: form the shard's outer group first."""
+        pseudo-gradient over the clusters, token-weighted by `weights` (OuterReduce), into a buffer
+        keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
+        `join`: form the shard's outer group first."""
         def run():
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is
             # waited for (its buffer is keyed by that group's epoch: the supervisor's epoch may have
             # moved on since, with an inner group re-formed); any other is abandoned
-            behind = self.background.settle(None if join else (round_index, self.outer_epoch, shard, shards),
+            behind = self.background.settle(None if join else (round_index, self.outer_epoch, shard, shards, weights),
                                             self._outer_deadline_s())
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
             self.trainer.outer_reduce(round_index, self.outer_epoch if behind is not None else epoch, self.outer,
-                                      shard, shards)
+                                      shard, shards, weights)
             spent = behind or {"outer_bytes": 0, "outer_link_s": 0.0}
             return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
                     "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],

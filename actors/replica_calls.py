@@ -26,8 +26,8 @@ def call(phase: Phase, rid: str, armed: dict, p, heals: Heals, live: dict):
             return h.run_inner.remote(phase.round, faults, join, overlap)
         case ClusterAverage():
             return h.cluster_average.remote(phase.round, phase.epoch, faults)
-        case OuterReduce(shard=shard, shards=shards):
-            return h.outer_reduce.remote(phase.round, phase.epoch, faults, join, shard, shards)
+        case OuterReduce(shard=shard, shards=shards, weights=weights):
+            return h.outer_reduce.remote(phase.round, phase.epoch, faults, join, shard, shards, weights)
         case OuterCommit(roots=roots):
             return h.outer_commit.remote(phase.round, roots, faults)
     raise TypeError(f"not a call: {c!r}")

@@ -79,6 +79,7 @@ class Roster:
         self.leaders: dict[int, str] = {}
         self.configured: dict[int, tuple] = {}
         self.outer_configured = None
+        self.on_death: Callable[[str], None] = lambda rid: None  # each replica death, once (quarantine)
 
     # -- questions ------------------------------------------------------------------------------------
     def missing(self) -> list[str]:
@@ -110,14 +111,15 @@ class Roster:
         self.note_up(rid, answer)
 
     def note_up(self, rid: str, answer: dict) -> None:
-        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id"),
+                                  "backends": answer.get("backends")}
         self.watch.note_up(rid, answer.get("incarnation"))
         if rid in self.pids and self.pids[rid] != answer.get("pid"):
             self._forget_groups(rid)  # a new process holds no group
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
             self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"),
-                           incarnation=answer.get("incarnation"))
+                           incarnation=answer.get("incarnation"), replica_index=answer.get("replica_index"))
 
     def down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
         if cause == "error":  # the replica raised: restart it clean, as any failed replica
@@ -146,6 +148,7 @@ class Roster:
         actor, incarnation = dead
         self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause, phase=phase,
                        round=round_index, detail=detail[:300], incarnation=incarnation, actor=actor)
+        self.on_death(rid)
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
@@ -167,6 +170,7 @@ class Roster:
             self.log.event("replica_down", rid=d.rid, cluster=self.topology.cluster_of(d.rid), cause="died",
                            phase=where, round=round_index, detail=f"Ray's actor table: {d.state}",
                            incarnation=d.incarnation, actor=d.name)
+            self.on_death(d.rid)
             if latest:
                 lost.append(d.rid)
         return lost
@@ -280,6 +284,20 @@ class Roster:
         for rid in self.deaths(self.live, -1, phase):
             if self.live.pop(rid, None) is not None:
                 self._forget_groups(rid)
+
+    def replace(self, rid: str, name: str, handle) -> None:
+        """A new actor `name` serves rid (quarantine moved it): it joins as a restarted replica."""
+        self.names[rid], self.handles[rid] = name, handle
+        self.gone.discard(rid)
+        if self.live.pop(rid, None) is not None:
+            self._forget_groups(rid)
+        self._save()
+
+    def set_aside(self, rid: str) -> None:
+        """rid is out for the rest of the run (quarantined where no other node can hold it)."""
+        self.gone.add(rid)
+        if self.live.pop(rid, None) is not None:
+            self._forget_groups(rid)
 
     def _ask_progress(self, rids: list[str], asked: dict[str, Any],
                       timeout_s: float) -> dict[str, tuple[dict | None, bool]]:

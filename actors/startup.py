@@ -20,9 +20,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from actors.replica import Replica
 from actors.roster import replica_actor_name, spare_actor_name
 from hsgd.config.compose import fail_config
-from hsgd.core.faults import due_faults, parse_schedule
+from hsgd.core.faults import due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
-from hsgd.core.topology import Topology
+from hsgd.core.topology import Topology, parse_replica_id
 from hsgd.record.events import RunLog
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint
@@ -45,21 +45,22 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
     return point
 
 
-def start_replicas(cfg, run_id: str, run_dir: str, placement, container: dict, backends: dict) -> tuple[dict, dict]:
+def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,
+                   backends: dict) -> tuple[dict, dict]:
     """The replica actors (rid -> handle) and the hot spares (actor name -> handle): warmed
-    replicas that take over a dead replica's identity, in the bundles after the replicas."""
-    topo = Topology(cfg.topology.clusters, cfg.topology.replicas_per_cluster)
-    n = cfg.topology.replicas_per_cluster
+    replicas that take over a dead replica's identity, in the bundles after the replicas. Each
+    gets the index table, so its data stream is its id's wherever and whenever it starts."""
+    table = dict(topo.index_table)
 
     def start(name: str, c: int, i: int, *args):
         return Replica.options(name=name, max_restarts=cfg.faults.max_restarts, max_task_retries=0,
-                               **placement.options(c, i)).remote(container, *args)
+                               **placement.options(c, i)).remote(container, *args, index_table=table)
 
-    replicas = {rid: start(replica_actor_name(run_id, rid), *divmod(topo.global_index(rid), n), rid, run_dir, backends)
+    replicas = {rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
                 for rid in topo.replica_ids()}
-    spares = {spare_actor_name(run_id, c, k): start(spare_actor_name(run_id, c, k), c, n + k, f"c{c}r0", run_dir,
-                                                    backends, True)
-              for c in range(cfg.topology.clusters) for k in range(cfg.topology.spares_per_cluster)}
+    spares = {spare_actor_name(run_id, c, k): start(spare_actor_name(run_id, c, k), c, topo.size(c) + k, f"c{c}r0",
+                                                    run_dir, backends, True)
+              for c in range(topo.clusters) for k in range(cfg.topology.spares_per_cluster)}
     return replicas, spares
 
 
@@ -111,10 +112,11 @@ class StartupCalls:
 
     def _check_quorum(self, away: set[str]) -> None:
         for c in range(self.topology.clusters):
-            if len(set(self.topology.cluster_members(c)) - away) < self.cfg.min_replicas_per_cluster:
+            floor = self.topology.min_replicas_of(c, self.cfg.min_replicas_per_cluster)
+            if len(set(self.topology.cluster_members(c)) - away) < floor:
                 raise RuntimeError(f"start-up: {', '.join(sorted(away))} did not come back within "
                                    f"{self.cfg.call_timeout_s:g} s (supervisor.call_timeout_s) and cluster c{c} is "
-                                   f"below supervisor.min_replicas_per_cluster={self.cfg.min_replicas_per_cluster}")
+                                   f"below {self.topology.floor_field(c)}={floor}")
         if away:
             print(f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; "
                   f"taken in when back)", flush=True)
@@ -164,8 +166,7 @@ def _cause(err: BaseException) -> str:
 def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[str, list[dict]]:
     """The schedule's `startup` faults due at the round this run starts at: rid -> fault messages
     for its start-up call; marked fired in the durable state (the supervisor never fires them)."""
-    specs = parse_schedule(list(cfg.faults.schedule), clusters=topo.clusters,
-                           replicas_per_cluster=topo.replicas_per_cluster)
+    specs = parse_schedule(list(cfg.faults.schedule), **topology_shape(topo))
     start_round = int(resume_from.manifest["round"]) if resume_from is not None else 0
     armed: dict[str, list[dict]] = {}
     for d in due_faults(specs, state.fired, round_index=start_round, phases=("startup",),

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from actors import checkpointing
 from actors.fault_injector import FaultInjector
+from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
@@ -31,7 +32,7 @@ from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, checkpoint_due, current_round,
                              eval_due, evaluation_order, heals_at_rest, round_settings, unrecorded_rounds)
-from hsgd.core.topology import Topology
+from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
@@ -47,17 +48,21 @@ class Supervisor:
         """`resume_round`: the resumed checkpoint's round (actors/run_record.py)."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
-        self.topology = Topology(self.cfg.topology.clusters, self.cfg.topology.replicas_per_cluster)
         self.spr = steps_per_round(self.cfg)
         # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
         self.streaming = is_streaming(self.cfg)
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
+        self.topology = topology_of(self.cfg, self.state.replica_indices)  # the table the driver wrote
+        self.state.replica_indices = dict(self.topology.index_table)
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
         self.log, self.warn = self.record.log, self.record.warn
         self.roster = Roster(self.topology, run_id, self.state, self.log,
                              call_timeout_s=self.cfg.supervisor.call_timeout_s,
                              spares_per_cluster=self.cfg.topology.spares_per_cluster, save=self.record.save_state)
+        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state.replica_indices, self.state, self.roster,
+                                     self.log, self.record.save_state)
+        self.roster.on_death = self.quarantine.death
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
@@ -196,7 +201,7 @@ class Supervisor:
             self.record.check_storage()
             self.roster.rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
             counts = live_per_cluster(self.topology, self.roster.live)
-            if quorum_problem(counts, sup.min_replicas_per_cluster, sup.min_clusters) is None:
+            if quorum_problem(counts, self.topology.floors(sup.min_replicas_per_cluster), sup.min_clusters) is None:
                 return
         raise RunFailed(f"quorum lost: {reason}; waited {sup.quorum_wait_s:.0f}s for replicas to return")
 
@@ -308,6 +313,10 @@ class Supervisor:
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         """The run's summary from the record (files and memory alike), or from the durable state
         alone when that cannot be made: the summary is owed whatever broke."""
+        return {**self._summary_of_record(status, reason, start), "topology": self.topology.describe(),
+                "replicas_quarantined": len(self.state.quarantined)}
+
+    def _summary_of_record(self, status: str, reason: str | None, start: float) -> dict:
         try:
             return run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
                                digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),

@@ -87,50 +87,63 @@ def replicas_that_fit(node_resources: dict, need: dict) -> int:
 
 def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cluster: int, need: dict,
                       total: dict, nodes: list[dict], strategy: str, cluster_labels: list,
-                      label_key: str) -> tuple[str, str] | None:
+                      label_key: str, sizes: list[int] | None = None) -> tuple[str, str] | None:
     """(field, one-line reason) when a Ray cluster can never place every cluster's replicas AND hot
     spares (each cluster's placement group holds both), else None. `need`: one replica's resources;
-    `total`: the cluster's resources; `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}}."""
-    k = replicas_per_cluster + spares_per_cluster
-    n = clusters * k
+    `total`: the cluster's resources; `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}};
+    `sizes`: replicas per site (`topology.sites`, whose labels are `cluster_labels`, None = anywhere)."""
+    ks = [m + spares_per_cluster for m in (sizes or [replicas_per_cluster] * clusters)]
+    k, n = max(ks, default=0), sum(ks)
+    label_field = "topology.sites[{c}].label" if sizes else "topology.cluster_labels[{c}]"
     what = f"{n} replicas" + (" (hot spares included)" if spares_per_cluster else "")
     for key, amount in need.items():
         if amount * n > total.get(key, 0.0) + 1e-9:
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
-            return ("topology.replicas_per_cluster",
+            return ("topology.sites" if sizes else "topology.replicas_per_cluster",
                     f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
                     f"use fewer replicas{' or spares' if spares_per_cluster else ''}, lower {field}, or a bigger cluster")
-    if cluster_labels:
+    if any(label is not None for label in cluster_labels):
         present = sorted({str(nd.get("Labels", {}).get(label_key)) for nd in nodes if label_key in nd.get("Labels", {})})
         for c, label in enumerate(cluster_labels):
+            if label is None:
+                continue
             mine = [nd for nd in nodes if nd.get("Labels", {}).get(label_key) == str(label)]
             if not mine:
-                return (f"topology.cluster_labels[{c}]",
+                return (label_field.format(c=c),
                         f"no live Ray node has the label {label_key}={label}; labelled nodes: "
                         f"{present or 'none'} (start nodes with `ray start --labels {label_key}={label}`)")
             room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
-            shared = sum(1 for lab in cluster_labels if str(lab) == str(label))
-            if room < k * shared:
-                return (f"topology.cluster_labels[{c}]",
+            sharing = [kc for kc, lab in zip(ks, cluster_labels) if str(lab) == str(label)]
+            if room < sum(sharing):
+                return (label_field.format(c=c),
                         f"nodes labelled {label_key}={label} hold at most {room} replicas of "
-                        f"{describe_resources(need)}; cluster c{c} needs {k}"
-                        + (f" (x{shared} clusters share the label)" if shared > 1 else ""))
+                        f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
+                        + (f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)"
+                           if len(sharing) > 1 else ""))
         return None
     fits = sorted((replicas_that_fit(nd["Resources"], need) for nd in nodes), reverse=True)
     if strategy == "STRICT_PACK":
-        # every cluster on one node: greedily count how many whole clusters the nodes hold
-        if sum(f // k for f in fits) < clusters:
+        # every cluster on one node: the largest first, each on the node with the most room left
+        room, placed = list(fits), 0
+        for kc in sorted(ks, reverse=True):
+            best = max(range(len(room)), key=room.__getitem__, default=None)
+            if best is None or room[best] < kc:
+                break
+            room[best] -= kc
+            placed += 1
+        if placed < len(ks):
+            each = f"{k}" if len(set(ks)) <= 1 else f"(up to {k})"
             return ("topology.placement_strategy",
-                    f"STRICT_PACK needs each cluster's {k} replicas of {describe_resources(need)} on one node, "
-                    f"but the nodes hold at most {fits[:8]} replicas each, room for {sum(f // k for f in fits)} "
-                    f"of {clusters} clusters; use PACK, fewer replicas per cluster, or bigger nodes")
+                    f"STRICT_PACK needs each cluster's {each} replicas of {describe_resources(need)} on one node, "
+                    f"but the nodes hold at most {fits[:8]} replicas each, room for {placed} "
+                    f"of {len(ks)} clusters; use PACK, fewer replicas per cluster, or bigger nodes")
     elif strategy == "STRICT_SPREAD":
         if sum(1 for f in fits if f >= 1) < k:
             return ("topology.placement_strategy",
                     f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
                     f"{describe_resources(need)}; the Ray cluster has {sum(1 for f in fits if f >= 1)}")
     if sum(fits) < n:
-        return ("topology.replicas_per_cluster",
+        return ("topology.sites" if sizes else "topology.replicas_per_cluster",
                 f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
                 f"per node {fits[:8]}); use fewer replicas or a bigger cluster")
     return None
@@ -166,7 +179,8 @@ def _gpus_per_node(nodes: list[dict]) -> list[int]:
 
 def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str | None, clusters: int,
                   replicas_per_cluster: int, spares_per_cluster: int, cpus_per_replica: float, total: dict,
-                  nodes: list[dict], strategy: str, cluster_labels: list, label_key: str) -> BackendPlan:
+                  nodes: list[dict], strategy: str, cluster_labels: list, label_key: str,
+                  sizes: list[int] | None = None) -> BackendPlan:
     """The per-level backends and GPUs per replica for this Ray cluster (`total`: its resources,
     `nodes`: the live nodes as for `placement_problem`).
 
@@ -179,24 +193,27 @@ def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str
     asked = asked_backends(backend, inner_backend, outer_backend)
     (inner, inner_field), (outer, outer_field) = asked["inner"], asked["outer"]
     k = replicas_per_cluster + spares_per_cluster
-    n = clusters * k
+    n = sum(m + spares_per_cluster for m in sizes) if sizes else clusters * k
     place = dict(clusters=clusters, spares_per_cluster=spares_per_cluster, total=total, nodes=nodes,
                  strategy=strategy, cluster_labels=cluster_labels, label_key=label_key)
     gpu_need = {"CPU": float(cpus_per_replica), "GPU": 1.0}
 
-    def gpus_fit(per_cluster: int) -> bool:
-        return placement_problem(replicas_per_cluster=per_cluster, need=gpu_need, **place) is None
+    def gpus_fit(per_cluster: int) -> bool:  # every site capped at `per_cluster` replicas
+        capped = [min(m, per_cluster) for m in sizes] if sizes else None
+        return placement_problem(replicas_per_cluster=per_cluster, need=gpu_need, sizes=capped, **place) is None
 
     gpus = int(total.get("GPU", 0.0) + 1e-9)
     if gpus_fit(replicas_per_cluster):
         return BackendPlan(inner, outer, 1.0 if "nccl" in (inner, outer) or inner == "auto" else 0.0)
     if placement_problem(replicas_per_cluster=replicas_per_cluster, need={"CPU": float(cpus_per_replica)},
-                         **place) is not None:  # short of CPUs whatever the backend: the placement check says so
+                         sizes=sizes, **place) is not None:  # short of CPUs whatever the backend: the placement check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
     fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
     where = (f", each cluster's {k} on one node ({strategy})" if strategy == "STRICT_PACK" and clusters * k > 1
              else "")
-    counts = (f"{n} replicas ({clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+    shape = f"sites of {list(sizes)}" if sizes else \
+        f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+    counts = (f"{n} replicas ({shape}"
               f"{f' + {spares_per_cluster} spares' if spares_per_cluster else ''}) need {n} GPUs{where}, but the "
               f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {_gpus_per_node(nodes)[:8]})")
     shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares_per_cluster else "")

@@ -19,6 +19,7 @@ from hsgd.config.capacity import (PROCESS_BYTES, STATE_COPIES, embedded_capacity
                                   usable_memory_bytes)
 from hsgd.config.paths import output_path, under_ray_job
 from hsgd.config.schema import ConfigError, register_schema
+from hsgd.core.topology import topology_of
 from hsgd.config.validate import NUMERIC_FIELDS, validate
 from hsgd.record.runlock import LOCK_NAME
 
@@ -94,8 +95,8 @@ def attaches_to_cluster(cfg) -> bool:
 def check_embedded_capacity(cfg) -> int:
     """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares);
     returns how many replica actors it will hold."""
-    t = cfg.topology
-    n = t.clusters * (t.replicas_per_cluster + t.spares_per_cluster)
+    t, topo = cfg.topology, topology_of(cfg)
+    n = topo.num_replicas + topo.clusters * t.spares_per_cluster
     problem = embedded_capacity_problem(
         replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, memory_bytes=_memory_bytes(),
         num_cpus=cfg.ray.num_cpus, per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(

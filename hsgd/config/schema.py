@@ -62,6 +62,17 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class SiteConfig:
+    """One site (cluster) of `topology.sites`: its replicas, and optionally the Ray node label its
+    replicas land on (several sites may share one), a name for the record, and its own quorum
+    floor (overrides supervisor.min_replicas_per_cluster). Checked by hsgd.config.sites."""
+    replicas: int = "???"  # required (OmegaConf: missing), an int >= 1
+    label: Optional[str] = None
+    name: Optional[str] = None
+    min_replicas: Optional[int] = None
+
+
+@dataclass
 class TopologyConfig:
     clusters: int = count(2)
     replicas_per_cluster: int = count(2)
@@ -74,6 +85,8 @@ class TopologyConfig:
     # Optional Ray node label per cluster, e.g. ["rack-a", "rack-b"]: cluster c lands on nodes with
     # label `hsgd-cluster=<cluster_labels[c]>`.
     cluster_labels: List[str] = field(default_factory=list)
+    # Sites of different sizes, one entry per cluster (SiteConfig); [] = the uniform keys above.
+    sites: List[SiteConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -281,6 +294,10 @@ class FaultsConfig:
     # step, so a seed always gives the same schedule (and the same result) on any machine.
     step_s: float = seconds(0.1)
     max_restarts: int = restarts(10)  # restarts allowed per replica actor
+    # a replica that died this many times within quarantine_window_s is re-created on another node,
+    # or kept out when none can hold it (hsgd/core/quarantine.py); 0 = off
+    quarantine_after: int = count_or_zero(3)
+    quarantine_window_s: float = seconds(600.0)
 
 
 @dataclass

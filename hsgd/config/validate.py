@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 from hsgd.config.paths import output_path
 from hsgd.config.rounds import steps_per_round
 from hsgd.config.schema import ConfigError, HsgdConfig
+from hsgd.config.sites import check_sites
 
 # A random fault schedule is drawn in full at the run's start; beyond this many faults it is a typo.
 MAX_RANDOM_FAULTS = 10_000
@@ -178,12 +179,14 @@ def _check_relations(cfg: Any) -> None:
         _check_fragment_delay(s, spr)
     if cfg.model.n_embd % cfg.model.n_head != 0:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
-    if sup.min_replicas_per_cluster > t.replicas_per_cluster:
+    check_sites(cfg)
+    if not t.sites and sup.min_replicas_per_cluster > t.replicas_per_cluster:
         raise ConfigError("supervisor.min_replicas_per_cluster", f"got {sup.min_replicas_per_cluster}; "
                           f"valid: in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
-    if sup.min_clusters > t.clusters:
-        raise ConfigError("supervisor.min_clusters",
-                          f"got {sup.min_clusters}; valid: in [1, topology.clusters={t.clusters}]")
+    clusters = len(t.sites) or t.clusters
+    if sup.min_clusters > clusters:
+        raise ConfigError("supervisor.min_clusters", f"got {sup.min_clusters}; valid: in [1, "
+                          f"{'the number of topology.sites' if t.sites else 'topology.clusters'}={clusters}]")
     if w.ceiling_s < w.floor_s:
         raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; valid: >= watchdog.floor_s={w.floor_s}")
 
@@ -208,7 +211,8 @@ def _check_links(cfg: Any) -> None:
 def _check_faults(cfg: Any) -> None:
     """Random mode's size and kinds, and the explicit schedule's grammar and moments, so a typo
     fails before any actor starts."""
-    from hsgd.core.faults import FAULT_KINDS, parse_schedule
+    from hsgd.core.faults import FAULT_KINDS, parse_schedule, topology_shape
+    from hsgd.core.topology import topology_of
 
     f, t = cfg.faults, cfg.topology
     for kind in f.kinds:
@@ -224,7 +228,7 @@ def _check_faults(cfg: Any) -> None:
             raise ConfigError("faults.mtbf_s", f"got {f.mtbf_s:g}: about {expected:.3g} random faults over the "
                               f"run's {run_s:g} s (train.rounds * sync.outer_every * faults.step_s); "
                               f"valid: 0 (off) or >= {smallest:g} (at most {MAX_RANDOM_FAULTS} faults)")
-    specs = parse_schedule(list(f.schedule), clusters=t.clusters, replicas_per_cluster=t.replicas_per_cluster)
+    specs = parse_schedule(list(f.schedule), **topology_shape(topology_of(cfg)))
     for i, spec in enumerate(specs):  # a fault that can never fire is a typo, not a plan
         if spec.round >= cfg.train.rounds:
             raise ConfigError(f"faults.schedule[{i}].round", f"{spec.round} is past the run's last round "

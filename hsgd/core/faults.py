@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from hsgd.config.schema import ConfigError
 from hsgd.core.topology import parse_replica_id, replica_id
@@ -73,7 +73,8 @@ class FaultSpec:
         return f"{self.kind} {self.target} at {where}"
 
 
-def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: int) -> None:
+def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: int,
+                  sizes: Sequence[int] | None = None) -> None:
     valid = "a replica id like c0r1, leader:c<k>, cluster:c<k> or supervisor"
     if target == "supervisor":
         return
@@ -90,12 +91,16 @@ def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: i
         raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}") from None
     if replica_id(cluster, index) != target:
         raise FaultSpecError(name, f"target {target!r} is not a canonical replica id; write {replica_id(cluster, index)!r}")
-    if cluster >= clusters or index >= replicas_per_cluster:
+    if sizes is not None:  # topology.sites
+        if cluster >= len(sizes) or index >= sizes[cluster]:
+            raise FaultSpecError(name, f"target {target!r} is not in the topology (sites of {list(sizes)} replicas)")
+    elif cluster >= clusters or index >= replicas_per_cluster:
         raise FaultSpecError(name, f"target {target!r} is not in the {clusters}x{replicas_per_cluster} topology")
 
 
 def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
-                replicas_per_cluster: int = 2) -> FaultSpec:
+                replicas_per_cluster: int = 2, sizes: Sequence[int] | None = None) -> FaultSpec:
+    """One schedule entry, checked against the topology (`sizes`: replicas per site, when they differ)."""
     name = f"faults.schedule[{index}]"
     if not isinstance(raw, Mapping):
         raise FaultSpecError(name, f"got {raw!r}; each entry is {{kind:..,target:..,round:..,phase:..,step:..}}")
@@ -111,7 +116,7 @@ def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
         raise FaultSpecError(f"{name}.kind", f"unknown kind {kind!r}; valid: {'|'.join(FAULT_KINDS)}")
     if phase not in FAULT_PHASES:
         raise FaultSpecError(f"{name}.phase", f"unknown phase {phase!r}; valid: {'|'.join(FAULT_PHASES)}")
-    _check_target(f"{name}.target", target, clusters, replicas_per_cluster)
+    _check_target(f"{name}.target", target, clusters, replicas_per_cluster, sizes)
     if target == "supervisor" and kind not in ("kill", "crash"):
         raise FaultSpecError(f"{name}.kind", f"{kind!r} cannot target the supervisor; valid: kill|crash")
     ints = {}
@@ -127,15 +132,23 @@ def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
                      seconds=None if seconds is None else float(seconds))
 
 
-def parse_schedule(raw: list, *, clusters: int, replicas_per_cluster: int) -> list[FaultSpec]:
+def topology_shape(topology) -> dict:
+    """The keyword arguments the parsers take for `topology` (hsgd.core.topology.Topology)."""
+    return {"clusters": topology.clusters, "replicas_per_cluster": topology.replicas_per_cluster,
+            "sizes": None if topology.uniform else topology.sizes}
+
+
+def parse_schedule(raw: list, *, clusters: int, replicas_per_cluster: int,
+                   sizes: Sequence[int] | None = None) -> list[FaultSpec]:
     if not isinstance(raw, (list, tuple)):
         raise FaultSpecError("faults.schedule", f"got {raw!r}; must be a list like '[{{kind:kill,target:c0r1,round:1}}]'")
-    return [parse_fault(entry, index=i, clusters=clusters, replicas_per_cluster=replicas_per_cluster)
+    return [parse_fault(entry, index=i, clusters=clusters, replicas_per_cluster=replicas_per_cluster, sizes=sizes)
             for i, entry in enumerate(raw)]
 
 
 def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, round_s_estimate: float,
-                    steps_per_round: int, clusters: int, replicas_per_cluster: int) -> list[FaultSpec]:
+                    steps_per_round: int, clusters: int, replicas_per_cluster: int,
+                    sizes: Sequence[int] | None = None) -> list[FaultSpec]:
     """Draw faults with exponential gaps (mean `mtbf_s`), mapped to (round, step) boundaries using
     an estimate of one round's seconds so the schedule is a pure function of the seed."""
     rng = random.Random(seed)
@@ -146,7 +159,8 @@ def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, 
             return faults
         round_index = int(t // round_s_estimate)
         step = int((t % round_s_estimate) / round_s_estimate * steps_per_round)
-        target = f"c{rng.randrange(clusters)}r{rng.randrange(replicas_per_cluster)}"
+        cluster = rng.randrange(clusters)
+        target = f"c{cluster}r{rng.randrange(sizes[cluster] if sizes else replicas_per_cluster)}"
         faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=round_index,
                                 phase="inner", step=step))
 

@@ -12,6 +12,7 @@ started in), for the supervisor between rounds and for tools.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from hsgd.core.topology import Topology
 
@@ -47,13 +48,17 @@ def live_per_cluster(topology: Topology, live) -> list[int]:
     return counts
 
 
-def quorum_problem(counts: list[int], min_replicas_per_cluster: int, min_clusters: int) -> str | None:
-    """`counts`: live replicas per cluster. None when training may go on, else a one-line reason."""
-    in_quorum = sum(n >= min_replicas_per_cluster for n in counts)
+def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[int], min_clusters: int) -> str | None:
+    """`counts`: live replicas per cluster; `min_replicas_per_cluster`: one floor for all, or each
+    site's (Topology.floors). None when training may go on, else a one-line reason."""
+    floors = [min_replicas_per_cluster] * len(counts) if isinstance(min_replicas_per_cluster, int) \
+        else list(min_replicas_per_cluster)
+    in_quorum = sum(n >= floor for n, floor in zip(counts, floors))
     if in_quorum >= min_clusters:
         return None
     listed = ", ".join(f"c{c}={n}" for c, n in enumerate(counts))
-    return (f"only {in_quorum} cluster(s) with >= {min_replicas_per_cluster} live replicas ({listed}); "
+    needed = floors[0] if len(set(floors)) <= 1 else "its site's min_replicas"
+    return (f"only {in_quorum} cluster(s) with >= {needed} live replicas ({listed}); "
             f"min_clusters={min_clusters}")
 
 
@@ -64,7 +69,7 @@ def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int,
     members, chosen, standby = {}, {}, []
     for cluster in range(topology.clusters):
         here = tuple(rid for rid in topology.cluster_members(cluster) if rid in live)
-        if len(here) < max(1, min_replicas_per_cluster):
+        if len(here) < max(1, topology.min_replicas_of(cluster, min_replicas_per_cluster)):
             standby.extend(here)
             continue
         members[cluster] = here

@@ -120,3 +120,14 @@ def params_agree(digests: dict[str, str], topology, *, streaming: bool) -> bool:
     for rid, digest in digests.items():
         by_cluster.setdefault(topology.cluster_of(rid), set()).add(digest)
     return all(len(d) <= 1 for d in by_cluster.values())
+
+
+def token_weights(tokens: Sequence[int]) -> tuple[float, ...]:
+    """Each cluster's weight in the outer mean, in outer-rank order: n * t_c / sum(t) for the
+    tokens t_c it trained in the round (live members x steps). The weighted mean of the clusters'
+    pseudo-gradients is then the plain mean of the weighted ones (what the all-reduce computes).
+    Equal tokens give () — the plain mean, bit for bit, with nothing multiplied."""
+    tokens = [int(t) for t in tokens]
+    if len(set(tokens)) <= 1 or sum(tokens) <= 0:
+        return ()
+    return tuple(len(tokens) * t / sum(tokens) for t in tokens)

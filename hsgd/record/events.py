@@ -56,6 +56,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "heal_fallback": ("target", "source", "round", "detail"),
     "heal_source_lost": ("source", "round", "detail"),  # a heal's source died before its state arrived
     "spare_ready": ("cluster", "spare", "pid"),
+    "replica_quarantined": ("rid", "node", "moved_to", "deaths"),  # set aside: re-created on moved_to, or kept out
     "spare_promoted": ("rid", "spare", "replaced", "pid"),  # a hot spare took a lost replica's identity
     "spare_lost": ("cluster", "spare", "incarnation", "round"),
     # faults (the injector's own record; observed failures are in summary.json `faults`)

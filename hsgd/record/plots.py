@@ -36,13 +36,15 @@ def _cluster(rid: str) -> str | None:
     return f"c{m.group(1)}" if m else None
 
 
-def _topology(run_dir: Path) -> tuple[int, int] | None:
-    """(clusters, replicas_per_cluster) from config.yaml, or None."""
+def _topology(run_dir: Path) -> list[int] | None:
+    """Replicas per site from config.yaml (`topology.sites`, else clusters x replicas_per_cluster), or None."""
     try:
         import yaml
 
         topo = (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("topology") or {}
-        return int(topo["clusters"]), int(topo["replicas_per_cluster"])
+        if topo.get("sites"):
+            return [int(site["replicas"]) for site in topo["sites"]]
+        return [int(topo["replicas_per_cluster"])] * int(topo["clusters"])
     except Exception:  # noqa: BLE001 — absent, unreadable, or no topology: infer from events
         return None
 
@@ -57,7 +59,7 @@ def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
     rids: set[str] = set()
     topo = _topology(Path(run_dir))
     if topo:
-        rids |= {f"c{c}r{i}" for c in range(topo[0]) for i in range(topo[1])}
+        rids |= {f"c{c}r{i}" for c, n in enumerate(topo) for i in range(n)}
     for e in events:
         for key in ("rid", "target", "source"):
             if isinstance(e.get(key), str):

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from hsgd.config.rounds import steps_per_round
+from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary
 from hsgd.record.run_state import STATE_FILE
 from hsgd.record.rundir import atomic_write_text, call_with_deadline, read_json, read_jsonl
@@ -25,8 +26,10 @@ def driver_summary(run_dir: str, cfg, reason: str) -> dict:
         durable, metrics = call_with_deadline(read, DRIVER_IO_S, f"reading {run_dir}")
     except Exception:  # noqa: BLE001 — the folder itself is gone or hung: what is known is the reason
         durable, metrics = {}, []
-    return fallback_summary(status="failed", reason=reason, durable=durable, metrics=metrics,
-                            steps_per_round=steps_per_round(cfg), now=time.time(), run_dir=run_dir)
+    summary = fallback_summary(status="failed", reason=reason, durable=durable, metrics=metrics,
+                               steps_per_round=steps_per_round(cfg), now=time.time(), run_dir=run_dir)
+    return {**summary, "topology": topology_of(cfg, durable.get("replica_indices")).describe(),
+            "replicas_quarantined": len(durable.get("quarantined") or {})}
 
 
 def ensure_summary(run_dir: str, summary: dict) -> None:

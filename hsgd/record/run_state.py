@@ -36,6 +36,11 @@ class RunState:
     non_finite_rounds: dict[str, int] = field(default_factory=dict)
     checkpoints_failed: int = 0
     last_restore: dict = field(default_factory=dict)
+    # the global replica index table (hsgd.core.topology): rid -> index, kept for the whole run
+    replica_indices: dict[str, int] = field(default_factory=dict)
+    # quarantine (actors/quarantine.py): each replica's recent deaths, and those set aside
+    death_times: dict[str, list[float]] = field(default_factory=dict)
+    quarantined: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -43,7 +43,7 @@ from typing import Any
 
 from hsgd.train.comm import CollectiveError, LevelGroup
 
-Key = tuple[int, int, int, int]  # (round, epoch, shard, shards)
+Key = tuple  # (round, epoch, shard, shards[, the clusters' token weights: OuterReduce.weights])
 
 
 @dataclass
@@ -77,11 +77,11 @@ class BackgroundReduce:
         threading.Thread(target=self._run, args=(reduce,), name=f"hsgd-outer-overlap-r{key[0]}", daemon=True).start()
 
     def _run(self, reduce: _Reduce) -> None:
-        round_index, epoch, shard, shards = reduce.key
+        round_index, epoch, shard, shards, *weights = reduce.key
         before, before_s = self.outer.bytes_sent, self.outer.link_s
         try:
             with self.outer.peers_may_be_late(self.arrival_s):
-                self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards)
+                self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights)
         except BaseException as err:  # noqa: BLE001 — handed to settle(), which raises it in the phase
             reduce.error = err
             if not isinstance(err, CollectiveError):  # non-finite, or a bug: the peers must not wait on us

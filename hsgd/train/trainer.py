@@ -203,6 +203,7 @@ class ReplicaTrainer:
         # (round, epoch, shard, shards, mean pseudo-grad of that shard as one flat fp32 vector): a
         # buffer of another epoch or shard plan is never reused or committed
         self._outer_buffer: tuple[int, int, int, int, torch.Tensor] | None = None
+        self._outer_weights: tuple[float, ...] = ()  # the token weights the buffer was reduced with
         # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
         # retried average starts from the same point (never averages an averaged replica again)
         self._averaged: tuple[int, int] | None = None
@@ -445,17 +446,24 @@ class ReplicaTrainer:
         return flat
 
     @torch.no_grad()
-    def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup, shard: int = 0, shards: int = 1) -> None:
-        """Shard holders only: the mean over the clusters of shard `shard` (of `shards`) of this
-        round's fragment's pseudo-gradient, into the buffer keyed by (round, epoch, shard,
-        shards); nothing is applied. Uncompressed: one fp32 all-reduce. With a codec: every
-        cluster's encoded shard is all-gathered and each holder decodes and averages them in
-        outer-rank order (so every holder holds the same bits). Idempotent per key. Raises
-        NonFiniteError before sending when this cluster's pseudo-gradient is not finite."""
+    def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup, shard: int = 0, shards: int = 1,
+                     weights: tuple[float, ...] = ()) -> None:
+        """Shard holders only: the token-weighted mean over the clusters of shard `shard` (of
+        `shards`) of this round's fragment's pseudo-gradient, into the buffer keyed by (round,
+        epoch, shard, shards, weights); nothing is applied. `weights`: each cluster's, in outer-rank
+        order (hsgd.core.outer_plan.token_weights; () = all 1.0). Uncompressed: each holder scales
+        its piece by its cluster's weight, then one fp32 all-reduce of the mean. With a codec:
+        every cluster's encoded (unweighted, so the error-feedback residual stays so) shard is
+        all-gathered and each holder decodes, weights and averages them in outer-rank order (so
+        every holder holds the same bits). A weight of 1.0 is never multiplied: equal clusters give
+        the plain mean bit for bit. Idempotent per key. Raises NonFiniteError before sending when
+        this cluster's pseudo-gradient is not finite."""
         if not self._require(round_index, "outer_reduce"):
             return
-        if self._outer_buffer and self._outer_buffer[:4] == (round_index, epoch, shard, shards):
+        if self._outer_buffer and self._outer_buffer[:4] == (round_index, epoch, shard, shards) \
+                and self._outer_weights == tuple(weights):
             return
+        self._outer_weights = tuple(weights)
         self._outer_buffer = None
         if self.cfg.sync.outer == "none":
             self._outer_buffer = (round_index, epoch, shard, shards, torch.zeros(0))
@@ -467,12 +475,17 @@ class ReplicaTrainer:
         lo, hi = shard_bounds(flat.numel(), shards, ALIGN)[shard]
         piece = flat[lo:hi].clone()
         if self.codec is None:
+            own = weights[outer.rank] if weights else 1.0
+            if own != 1.0:
+                piece.mul_(own)
             outer.allreduce_mean([piece], level="outer")
         elif piece.numel():
             payloads = outer.all_gather(self.codec.encode(piece), level="outer")
             mean = torch.zeros_like(piece)
-            for payload in payloads:  # outer-rank order on every holder: the same sum everywhere
-                mean += self.codec.decode(payload.to("cpu"), piece.numel())  # NCCL hands them back on the GPU
+            for rank, payload in enumerate(payloads):  # outer-rank order on every holder: the same sum everywhere
+                decoded = self.codec.decode(payload.to("cpu"), piece.numel())  # NCCL hands them back on the GPU
+                weight = weights[rank] if weights else 1.0
+                mean += decoded if weight == 1.0 else decoded.mul_(weight)
             piece = mean.div_(len(payloads))
         self._outer_buffer = (round_index, epoch, shard, shards, piece)
 

@@ -273,6 +273,25 @@ def final_params_agree(summary: dict, run_dir) -> bool:
 
 
 # -- all of them -------------------------------------------------------------------------------
+def replica_indices_stable(run_dir, events: list[dict]) -> None:
+    """Invariant: a replica id keeps its global replica index (its data stream) for the whole run:
+    every process that came up as `rid` (replica_up, in every job of a resumed run) read the index
+    the run's table gives it, and every checkpoint's table agrees with the run's on the ids both hold."""
+    run_dir = Path(run_dir)
+    table = _json(run_dir / "supervisor_state.json").get("replica_indices") or {}
+    if not table:
+        return  # a run from before the table
+    assert len(set(table.values())) == len(table), f"two replicas share a global index: {table}"
+    for e in events:
+        if e["event"] == "replica_up" and e.get("replica_index") is not None:
+            assert e["replica_index"] == table.get(e["rid"]), \
+                f"{e['rid']} came up reading stream {e['replica_index']}, but the run's table gives {table.get(e['rid'])}"
+    for manifest in sorted((run_dir / "checkpoints").glob("round_*/manifest.json")):
+        kept = _json(manifest).get("replica_indices") or {}
+        moved = {rid: (i, table[rid]) for rid, i in kept.items() if rid in table and table[rid] != i}
+        assert not moved, f"{manifest.parent.name}: replica indices moved (checkpoint, run): {moved}"
+
+
 def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] | None = None,
               expect_status: str = "completed") -> dict:
     """Every invariant above on one finished run; returns its summary. `rounds`: the rounds that
@@ -289,4 +308,5 @@ def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] |
     commits_only_grow(events, metrics)
     checkpoints_never_overwritten(run_dir, events)
     every_scheduled_fault_fired(run_dir, summary)
+    replica_indices_stable(run_dir, events)
     return summary

@@ -303,3 +303,26 @@ def test_placement_that_can_never_fit_is_one_clear_line(cluster, tmp_path, overr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hsgd: config error:")]
     assert len(errors) == 1 and f"config error: {field}" in errors[0], proc.stderr[-3000:]
     assert not (run_dir / "events.jsonl").exists()
+
+
+# -- quarantine (issue 32) -------------------------------------------------------------------------
+KEEPS_DYING = ("faults.schedule=[" + ",".join(f"{{kind:kill,target:c0r1,round:{r},phase:inner,step:3}}"
+                                             for r in (0, 3, 6)) + "]")
+
+
+@on_the_cluster
+def test_a_replica_killed_three_times_is_recreated_on_the_other_node(cluster, tmp_path):
+    run_dir = tmp_path / "quarantine"
+    proc = _run_attached(cluster, run_dir, ["train.rounds=9", "sync.outer_every=10", "train.min_step_s=0.3",
+                                            "supervisor.rejoin=fast", "faults.quarantine_after=3", KEEPS_DYING])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["replicas_quarantined"] == 1, s
+    started_on = json.loads((run_dir / "run.json").read_text())["replica_nodes"]["c0r1"]
+    evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    moved = [e for e in evs if e["event"] == "replica_quarantined"]
+    assert len(moved) == 1 and moved[0]["node"] == started_on, (moved, started_on)
+    assert moved[0]["moved_to"] not in (None, started_on), f"re-created away from the node it died on: {moved}"
+    back = [e for e in evs if e["event"] == "commit" and e["t"] > moved[0]["t"] and "c0r1" in e["replicas"]]
+    assert back, "the re-created replica trains again"
+    assert "quarantined after 3 deaths" in proc.stdout, proc.stdout[-2000:]

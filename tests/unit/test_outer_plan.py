@@ -127,7 +127,9 @@ def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_sh
     m2 = RoundMachine(m.topology, m.settings, 1, progress=dict(m.progress), leaders=m.leaders, epoch=m.epoch,
                       committed_round=1, configured=m.configured_groups(), outer_configured=m.outer_configured)
     reduce2 = next(p for p in _run_round(m2) if p.kind == "outer_reduce")
-    assert not reduce2.forms_group and set(reduce2.calls.values()) == {OuterReduce(None, 0, 2), OuterReduce(None, 1, 2)}
+    weights = (1.125, 0.75, 1.125)  # token-weighted: live members 3, 2, 3 of 8 (hsgd.core.outer_plan.token_weights)
+    assert not reduce2.forms_group and set(reduce2.calls.values()) == {OuterReduce(None, 0, 2, weights),
+                                                                      OuterReduce(None, 1, 2, weights)}
 
 
 def test_the_leader_path_is_one_shard_held_by_the_leaders():

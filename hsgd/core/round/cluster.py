@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from hsgd.core.heal import assign_cluster_heals
 from hsgd.core.membership import leader_of
+from hsgd.core.outer_plan import token_weights
 from hsgd.core.round.calls import InFlight
 from hsgd.core.round.messages import CallKind, ClusterAverage, Effect, Heal, Join, Overlap, RunInner, Yield
 from hsgd.core.round.stages import ClusterStage, OuterStage
@@ -34,7 +35,7 @@ class ClusterPhases:
         st = self.clusters[c]
         self.yielding.pop(c, None)
         members = self.members(c) if members is None else members
-        if not members or len(members) < self.settings.min_replicas_per_cluster:
+        if not members or len(members) < self.floor(c):
             st.members = members
             st.stage = ClusterStage.OUT
             if self.outer_stage is OuterStage.WAIT and len(self.participating()) < self.settings.min_clusters:
@@ -91,7 +92,10 @@ class ClusterPhases:
         epoch, groups = self.outer_configured
         if groups != self._expected_shard_groups():
             return {}
-        return {rid: Overlap(epoch, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
+        # the weights as expected now: every live member finishes the round's steps
+        weights = token_weights([len(self.members(self.cluster_of(holder))) * self.settings.steps_per_round
+                                 for holder in groups[0]])
+        return {rid: Overlap(epoch, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
         """Every member of a phase answered (or was given up on): what the cluster does next."""

@@ -135,6 +135,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         """A participating cluster is not ready for the outer exchange yet."""
         return not all(st.stage.waits_for_outer for st in self.clusters.values())
 
+    def floor(self, cluster: int) -> int:
+        """The live members cluster `cluster` needs to take part (its site's own, else the run's)."""
+        return self.topology.min_replicas_of(cluster, self.settings.min_replicas_per_cluster)
+
     def participating(self) -> list[int]:
         return [c for c, st in self.clusters.items() if st.stage is not ClusterStage.OUT]
 
@@ -187,9 +191,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             self.reason = (f"total loss: no live replica holds committed round {self.committed_round} "
                            f"(best: {top if top >= 0 else 'none'})")
             return []
-        r, smallest = self.round, max(1, self.settings.min_replicas_per_cluster)
+        r = self.round
         if not any(p[0] == r for p in self.progress.values()) \
-                and any(len(self.members(c)) >= smallest for c in range(self.topology.clusters)):
+                and any(len(self.members(c)) >= max(1, self.floor(c)) for c in range(self.topology.clusters)):
             # nobody holds the round asked for: a caller's error, never a stall
             return self._finish("failed", f"round {r} asked, but no live replica holds it")
         effects: list[Effect] = []
@@ -198,7 +202,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
                 self.clusters[c].stage = ClusterStage.OUT  # non-finite in two rounds running: it sits out until the run's end
                 continue
             members = self.members(c)
-            if len(members) < smallest:
+            if len(members) < max(1, self.floor(c)):
                 self.clusters[c].stage = ClusterStage.OUT
                 self.clusters[c].members = members
                 continue

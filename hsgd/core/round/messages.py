@@ -179,10 +179,12 @@ class Join:
 @dataclass(frozen=True)
 class Overlap:
     """Reduce shard `shard` of `shards` in the standing outer group of `epoch` behind the round's
-    last inner steps (sync.fragment_delay; hsgd/train/overlap.py)."""
+    last inner steps (sync.fragment_delay; hsgd/train/overlap.py), with the clusters' token
+    `weights` as expected then (OuterReduce); an exchange with other weights redoes the reduce."""
     epoch: int
     shard: int
     shards: int
+    weights: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,11 +205,14 @@ class ClusterAverage:
 @dataclass(frozen=True)
 class OuterReduce:
     """Reduce shard `shard` of `shards` in the group of that shard's holders (the leaders: shard 0
-    of 1; one group per shard index), the standing one or the one `join` forms first."""
+    of 1; one group per shard index), the standing one or the one `join` forms first. `weights`:
+    each cluster's token weight in outer-rank order (hsgd.core.outer_plan.token_weights); () or
+    all 1.0 is the plain mean."""
     kind: ClassVar[CallKind] = CallKind.OUTER_REDUCE
     join: Join | None = None
     shard: int = 0
     shards: int = 1
+    weights: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from hsgd.core.membership import leader_of, quorum_problem
-from hsgd.core.outer_plan import shard_count, shard_holders
+from hsgd.core.outer_plan import shard_count, shard_holders, token_weights
 from hsgd.core.round.calls import InFlight
 from hsgd.core.round.messages import CallKind, Effect, Join, OuterCommit, OuterReduce
 from hsgd.core.round.stages import ClusterStage, OuterStage
@@ -41,19 +41,30 @@ class OuterExchange:
             return []
         groups = self._shard_groups()
         self.exchange = (self.participating(), groups)
+        weights = self._token_weights(self.exchange[0])
         self.outer_stage = OuterStage.REDUCE
         if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups):
             # the holders changed: the reduce first forms their groups under a fresh epoch
             self.epoch += 1
-            calls = {rid: OuterReduce(Join(self._outer_prefix(j, len(groups)), rank, len(holders)), j, len(groups))
+            calls = {rid: OuterReduce(Join(self._outer_prefix(j, len(groups)), rank, len(holders)), j, len(groups),
+                                      weights)
                      for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
             deadline_s = self.settings.configure_s + self.settings.outer_s
         else:
-            calls = {rid: OuterReduce(None, j, len(groups)) for j, holders in enumerate(groups) for rid in holders}
+            calls = {rid: OuterReduce(None, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
             deadline_s = self.settings.outer_s
         phase = self._issue(None, calls, deadline_s, now)
         self.outer_phase = phase.id
         return [phase]
+
+    def _token_weights(self, clusters: list[int]) -> tuple[float, ...]:
+        """The clusters' weights in the outer mean, in outer-rank order: the tokens each trained this
+        round, its live members x the steps they reached (every batch holds the same tokens)."""
+        start, tokens = self.round * self.settings.steps_per_round, []
+        for c in clusters:
+            live = [m for m in self.clusters[c].members if m in self.progress]
+            tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
+        return token_weights(tokens)
 
     def _shard_groups(self) -> tuple[tuple[str, ...], ...]:
         """Shard j -> its holder in each participating cluster, in outer-rank order."""
@@ -66,8 +77,7 @@ class OuterExchange:
         """The shard groups the exchange will use if every cluster keeps its live replicas: what
         `_shard_groups` gives once they formed (a cluster below min_replicas_per_cluster sits
         out; a cluster without a live leader gets its first live member), read before they all did."""
-        smallest = max(1, self.settings.min_replicas_per_cluster)
-        clusters = [c for c in self.participating() if len(self.members(c)) >= smallest]
+        clusters = [c for c in self.participating() if len(self.members(c)) >= max(1, self.floor(c))]
         members = [self.members(c) for c in clusters]
         leaders = [leader_of(m, self.leaders.get(c)) for c, m in zip(clusters, members)]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
@@ -191,7 +201,8 @@ class OuterExchange:
         if self.void and len(self.participating()) + len(self.void) >= s.min_clusters:
             return self._finish("failed", f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
                                           f"non-finite numbers in {self._non_finite_text(self.void)}")
-        problem = quorum_problem([len(self.members(c)) for c in range(clusters)], s.min_replicas_per_cluster,
+        problem = quorum_problem([len(self.members(c)) for c in range(clusters)],
+                                 self.topology.floors(s.min_replicas_per_cluster),
                                  s.min_clusters)
         return self._finish("below_quorum", problem or "below quorum")
 

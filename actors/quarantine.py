@@ -1,0 +1,83 @@
+"""Quarantine, carried out (the rule: hsgd/core/quarantine.py): count each replica's deaths; one
+that died too often in the window is killed for good and re-created as a new actor pinned to
+another live node with room for it (Ray restarts an actor with its original options, so only a new
+actor can leave the node), or, where no other node can hold it, kept out for the rest of the run.
+
+The moved replica is a fresh process under its id: it rejoins as any restarted replica does (a heal
+from a live peer), reads its id's data stream (the index table), and a restarted supervisor finds it
+by the name kept in the durable identity map. Event `replica_quarantined`: rid, node, moved_to (a
+node id, or null: kept out), deaths, window_s.
+"""
+from __future__ import annotations
+
+import time
+
+import ray
+from omegaconf import OmegaConf
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.placement import replica_resources
+from hsgd.config.capacity import replicas_that_fit
+from hsgd.core.quarantine import quarantine_due, recent_deaths
+
+
+class Quarantine:
+    """`state`: the durable RunState (`death_times`, `quarantined`); `roster`: the Roster whose
+    actors it replaces; `log`: the RunLog."""
+
+    def __init__(self, cfg, run_id: str, run_dir: str, index_table: dict, state, roster, log, save):
+        self.cfg, self.run_id, self.run_dir, self.index_table = cfg, run_id, run_dir, dict(index_table)
+        self.state, self.roster, self.log, self._save = state, roster, log, save
+        self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
+
+    def death(self, rid: str) -> None:
+        """rid's process died (each death once, as the roster logs it)."""
+        kept_out = rid in self.state.quarantined and self.state.quarantined[rid].get("moved_to") is None
+        if self.after <= 0 or kept_out:
+            return
+        now = time.time()
+        times = recent_deaths(self.state.death_times.get(rid, []) + [now], now, self.window_s)
+        self.state.death_times[rid] = times
+        if quarantine_due(times, now, after=self.after, window_s=self.window_s):
+            self._set_aside(rid, (self.roster.replica_info.get(rid) or {}).get("node_id"), len(times))
+        self._save()
+
+    def _set_aside(self, rid: str, node: str | None, deaths: int) -> None:
+        try:
+            ray.kill(self.roster.handles[rid], no_restart=True)
+        except Exception:  # noqa: BLE001 — already gone for good
+            pass
+        backends = (self.roster.replica_info.get(rid) or {}).get("backends") or {"inner": "gloo", "outer": "gloo"}
+        resources = replica_resources(self.cfg, 1.0 if "nccl" in backends.values() else 0.0)
+        target = self._other_node(node, resources)
+        moves = int((self.state.quarantined.get(rid) or {}).get("moves", 0)) + 1
+        if target is None:
+            self.roster.set_aside(rid)
+        else:
+            name = f"hsgd:{self.run_id}:{rid}-q{moves}"
+            from actors.replica import Replica
+
+            handle = Replica.options(name=name, max_restarts=self.cfg.faults.max_restarts, max_task_retries=0,
+                                     num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0),
+                                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=target, soft=False)
+                                     ).remote(OmegaConf.to_container(self.cfg, resolve=True), rid, self.run_dir,
+                                              backends, index_table=self.index_table)
+            self.roster.replace(rid, name, handle)
+            self.state.death_times[rid] = []  # a fresh count on the new node
+        self.state.quarantined[rid] = {"node": node, "moved_to": target, "moves": moves, "t": time.time()}
+        self.log.event("replica_quarantined", rid=rid, node=node, moved_to=target, deaths=deaths,
+                       window_s=self.window_s)
+        where = f"re-created on node {target[:8]}" if target else "kept out for the rest of the run (no other node holds it)"
+        print(f"[hsgd] {rid} quarantined after {deaths} deaths in {self.window_s:g} s on node "
+              f"{(node or '?')[:8]}: {where}", flush=True)
+
+    @staticmethod
+    def _other_node(node: str | None, need: dict) -> str | None:
+        """A live node other than `node` with room for one replica now (its free resources)."""
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        room = [(replicas_that_fit(res, need), nid) for nid, res in free.items() if nid in alive and nid != node]
+        best = max((r for r in room if r[0] >= 1), default=None)
+        return None if best is None else best[1]

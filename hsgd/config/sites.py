@@ -1,0 +1,50 @@
+"""`topology.sites`: sites of different sizes, checked before Ray starts (the checks the schema's
+field metadata cannot say: a list of sites, and its relation to the uniform keys and the quorum)."""
+from __future__ import annotations
+
+from typing import Any
+
+from hsgd.config.schema import ConfigError, TopologyConfig
+
+UNIFORM_KEYS = ("clusters", "replicas_per_cluster", "cluster_labels")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sites(cfg: Any) -> None:
+    """Raises ConfigError (one line) for a bad `topology.sites`; nothing when it is empty."""
+    t = cfg.topology
+    sites = list(t.sites or [])
+    if not sites:
+        return
+    default = TopologyConfig()
+    for key in UNIFORM_KEYS:
+        value = getattr(t, key)
+        if (list(value) if key == "cluster_labels" else value) != getattr(default, key):
+            raise ConfigError("topology.sites", f"is set together with topology.{key}={value!r}; valid: the sites "
+                                                f"alone (each with its replicas and label), or the uniform keys alone")
+    for c, site in enumerate(sites):
+        where = f"topology.sites[{c}]"
+        replicas = _site_value(site, "replicas")
+        if not _is_int(replicas) or replicas < 1:
+            raise ConfigError(f"{where}.replicas", f"got {replicas!r}; valid: an int >= 1 (the site's replicas)")
+        floor = _site_value(site, "min_replicas")
+        if floor is not None and (not _is_int(floor) or not 1 <= floor <= replicas):
+            raise ConfigError(f"{where}.min_replicas", f"got {floor!r}; valid: null or an int in [1, {replicas}] "
+                                                      f"(the site's replicas)")
+        run_floor = cfg.supervisor.min_replicas_per_cluster
+        if floor is None and run_floor > replicas:
+            raise ConfigError("supervisor.min_replicas_per_cluster",
+                              f"got {run_floor}, more than {where} has ({replicas}); valid: <= {replicas}, or "
+                              f"{where}.min_replicas set")
+
+
+def _site_value(site: Any, key: str) -> Any:
+    """A site's field; a missing one (OmegaConf's '???') reads as None."""
+    try:
+        value = site[key] if isinstance(site, dict) else getattr(site, key)
+    except Exception:  # noqa: BLE001 — omegaconf.MissingMandatoryValue
+        return None
+    return None if value == "???" else value
