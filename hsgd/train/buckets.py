@@ -79,7 +79,8 @@ class GradBuckets:
         self._op: Overlapped | None = None
         self._next = 0  # the next bucket to launch (strict bucket order)
         self._error: BaseException | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._hook_for(i))
 
     # -- the protocol ---------------------------------------------------------------------------------
     def arm(self, group: LevelGroup) -> None:
@@ -96,10 +97,6 @@ class GradBuckets:
             for b in self.buckets:
                 b.ready.clear()
                 b.result = None
-
-    @property
-    def armed(self) -> bool:
-        return self._op is not None
 
     def finish(self) -> None:
         """Launch the buckets not launched yet (a parameter without a gradient this step counts as
@@ -147,13 +144,6 @@ class GradBuckets:
                     b.flat = torch.empty_like(b.flat)
         if op is not None:
             op.abandon()
-
-    def close(self) -> None:
-        """Remove the hooks (the model no longer reports its gradients here)."""
-        self.disarm()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # -- hooks ----------------------------------------------------------------------------------------
     def _hook_for(self, i: int):

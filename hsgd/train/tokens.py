@@ -1,24 +1,20 @@
 """Token files as the field uses them: nanoGPT's `train.bin` / `val.bin`, read through `np.memmap`.
 
-Format (nanoGPT's): a flat array of token ids, little-endian `uint16` (vocabularies up to 65,536) or
-`uint32` (larger ones), no header. `train.bin` is sampled for training, `val.bin` for evaluation.
-A `meta.json` beside them (written by `python -m jobs.prepare`) names the vocabulary:
+Format (nanoGPT's): a flat array of little-endian `uint16` token ids (vocabularies up to 65,536) or
+`uint32`, no header. A `meta.json` beside them (written by `python -m jobs.prepare`) names the vocabulary:
   {"format": "hsgd-tokens/1", "vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"|"char",
    "chars": [...] (char tokenizer only), "train_tokens": N, "val_tokens": M, "source": "..."}
-Without meta.json (GPT-2's .bin files from nanoGPT), `data.vocab_size` names the vocabulary and the
-dtype follows from it. nanoGPT's `meta.pkl` is a pickle — loading one runs arbitrary code — so it is
-never loaded; a folder with only a meta.pkl is refused with a line saying so.
+Without one (nanoGPT's GPT-2 files), `data.vocab_size` names the vocabulary and the dtype follows.
+nanoGPT's `meta.pkl` is never loaded (unpickling runs arbitrary code): a folder with only that is refused.
 
-Nothing is read whole: the files are memory-mapped read-only (shared, clean pages: the OS drops
-them under pressure, and they do not count against RLIMIT_DATA), a batch copies only its windows.
-Checks are bounded: byte length a multiple of the dtype, each split long enough for one block, and
-token ids below the vocabulary in a bounded sample (`open_token_folder`) or in the whole val file
-plus a larger train sample (`scan_token_ids`, chunked reads into one fixed buffer). Every error is
-one line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
+Nothing is read whole: the files are memory-mapped read-only (clean pages the OS may drop; they do
+not count against RLIMIT_DATA). Checks are bounded: length a multiple of the dtype, each split
+longer than a block, ids below the vocabulary in a sample (`open_token_folder`) or in all of
+val.bin plus a larger train sample (`scan_token_ids`, through one fixed buffer). Every error is one
+line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 
-`prepare_tokens` writes such a folder from text (byte-level: vocabulary 256, or char-level: the
-sorted characters of the text, the ids `load_corpus` gives the same text), streaming in chunks,
-each file written under a temporary name and renamed into place.
+`prepare_tokens` writes such a folder from text (byte-level, or char-level with the ids
+`load_corpus` gives), streaming in chunks, each file renamed into place.
 """
 from __future__ import annotations
 
