@@ -84,9 +84,6 @@ class Codec:
     def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
-
 
 def _as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret contiguous bytes as `dtype` (copying when the bytes are not aligned for it)."""

@@ -54,11 +54,6 @@ def _codepoints(text: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int32).long()  # (N,)
 
 
-def decode(ids, chars) -> str:
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-    return "".join(chars[i] for i in ids)
-
-
 def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
                 block_size: int = 128) -> Corpus:
     """Load and split a corpus. `block_size` is the longest block a caller will sample:

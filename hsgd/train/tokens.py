@@ -224,12 +224,6 @@ def _codepoints(chunk: str) -> np.ndarray:
     return np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")  # (n,) no BOM
 
 
-def _encode_chunk(chunk: str, tokenizer: str, table: np.ndarray | None) -> np.ndarray:
-    if tokenizer == "byte":
-        return np.frombuffer(chunk.encode("utf-8"), dtype=np.uint8)
-    return table[_codepoints(chunk)]
-
-
 def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction: float = 0.1,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Tokenize the text at `src` into `out`/train.bin, val.bin and meta.json; returns the meta.
@@ -287,7 +281,8 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
             written, done_chars = 0, 0
             for chunk in iter_text(files, src, field="src"):
-                ids = _encode_chunk(chunk, tokenizer, table).astype(dtype)
+                ids = table[_codepoints(chunk)] if table is not None else np.frombuffer(chunk.encode(), np.uint8)
+                ids = ids.astype(dtype)
                 cut = min(len(ids), max(0, n_train - written))
                 ftrain.write(ids[:cut].tobytes())
                 fval.write(ids[cut:].tobytes())
