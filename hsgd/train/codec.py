@@ -224,24 +224,14 @@ def make_codec(name: str, topk_density: float = 0.01) -> Codec:
             "topk": lambda: _TopK(topk_density)}[name]()
 
 
-def encode_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(payload, sent, new_residual) for one round of error feedback; residual None means zeros.
-
-    payload goes to the network; sent = decode(payload) is what the peers see from this cluster (use
-    it for the local share of the reduction, so the sender and its peers use the same values);
-    new_residual = (update + residual) - sent replaces the residual. Inputs are not modified."""
+def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sent, new_residual) for one round of error feedback; residual None means zeros. sent =
+    decode(encode(update + residual)) is what the peers see from this cluster (use it for the local
+    share of the reduction, so the sender and its peers use the same values); new_residual =
+    (update + residual) - sent replaces the residual. Inputs are not modified."""
     if residual is not None and residual.shape != update.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match update {tuple(update.shape)}")
     corrected = update.clone() if residual is None else update + residual
-    payload = codec.encode(corrected)
-    sent = codec.decode(payload, corrected.numel())
-    return payload, sent, corrected.sub_(sent)
-
-
-def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sent, new_residual): encode_with_feedback without the payload."""
-    _, sent, residual = encode_with_feedback(codec, update, residual)
-    return sent, residual
-
+    sent = codec.decode(codec.encode(corrected), corrected.numel())
+    return sent, corrected.sub_(sent)

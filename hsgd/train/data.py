@@ -214,17 +214,15 @@ def check_data(cfg) -> None:
     imported, built, and asked for one batch. Raises ValueError / FileNotFoundError / OSError
     whose message is one line starting with the bad field."""
     target = cfg.data._target_
-    if target == BUILTIN_TARGET:
+    try:
         ds = task.build_dataset(cfg)
         if isinstance(ds, TokenDataset):
             token_files.scan_token_ids(ds.files)
-        for split in SPLITS:
+        for split in SPLITS if target == BUILTIN_TARGET else ("train",):
             ds.batch(split, seed=cfg.seed, replica_index=0, step=0, micro=0)
-        return
-    try:
-        ds = task.build_dataset(cfg)
-        ds.batch("train", seed=cfg.seed, replica_index=0, step=0, micro=0)
     except Exception as e:  # noqa: BLE001 — the user's code may fail in any way: one line naming their field
+        if target == BUILTIN_TARGET:
+            raise
         msg = " ".join(str(e).split())
         if isinstance(e, ValueError) and msg.startswith("data."):
             raise ValueError(msg) from None
