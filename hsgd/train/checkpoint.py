@@ -160,8 +160,7 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
     the temp dir) unless every replica file the manifest names is there and that replica reported
     the manifest's round in `replica_rounds`; never replaces an existing final checkpoint. A replica
     that wrote a file but never reported (its answer was lost) refuses too: its file may hold
-    another round's state. Local: manifest into the temp dir, then one rename (the commit point).
-    Object store: files copied to the final dir, then the manifest written last (the commit point)."""
+    another round's state."""
     temp_dir = str(temp_dir).rstrip("/")
     state_round = int(manifest["round"])
     final = _join(temp_dir.rsplit("/", 1)[0], round_dir_name(state_round))

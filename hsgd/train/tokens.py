@@ -10,7 +10,7 @@ nanoGPT's `meta.pkl` is never loaded (unpickling runs arbitrary code): a folder 
 Nothing is read whole: the files are memory-mapped read-only (clean pages the OS may drop; they do
 not count against RLIMIT_DATA). Checks are bounded: length a multiple of the dtype, each split
 longer than a block, ids below the vocabulary in a sample (`open_token_folder`) or in all of
-val.bin plus a larger train sample (`scan_token_ids`, through one fixed buffer). Every error is one
+val.bin plus a larger train sample (`scan_token_ids`, in bounded pieces). Every error is one
 line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 
 `prepare_tokens` writes such a folder from text (byte-level, or char-level with the ids
@@ -35,7 +35,7 @@ SPLITS = ("train", "val")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKENIZERS = ("byte", "char")
 TEXT_ACCEPTED = "a .txt file, a .xz/.gz compressed text file, or a folder of *.txt files"
-SCAN_BUFFER_BYTES = 16 << 20  # the one buffer a full scan reads through
+SCAN_TOKENS = 8 << 20  # what a scan reads at a time
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -60,11 +60,9 @@ class TokenFiles:
     tokens: dict  # split -> token count
     meta: dict  # meta.json's contents, {} without one
 
-    def path(self, split: str) -> Path:
-        return Path(self.folder) / f"{split}.bin"
-
     def memmap(self, split: str) -> np.memmap:
-        return np.memmap(self.path(split), dtype=DTYPES[self.dtype], mode="r", shape=(self.tokens[split],))
+        path = Path(self.folder) / f"{split}.bin"
+        return np.memmap(path, dtype=DTYPES[self.dtype], mode="r", shape=(self.tokens[split],))
 
 
 def _fail(field: str, value, problem: str, exc=ValueError):
@@ -146,30 +144,22 @@ def _windows(n: int, sample_tokens: int, window: int = 1 << 16) -> Iterator[tupl
 
 
 def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
-    """(max id, its position) over token ranges, read by chunks into one fixed buffer."""
-    dtype = DTYPES[files.dtype]
-    buf = np.empty(SCAN_BUFFER_BYTES // dtype.itemsize, dtype=dtype)
+    """(max id, its position) over token ranges, read through the memmap SCAN_TOKENS at a time."""
+    mm = files.memmap(split)
     best, where = -1, -1
-    with open(files.path(split), "rb", buffering=0) as f:
-        for start, count in ranges:
-            done = 0
-            while done < count:
-                n = min(count - done, len(buf))
-                f.seek((start + done) * dtype.itemsize)
-                got = f.readinto(memoryview(buf[:n]).cast("B")) // dtype.itemsize
-                if got <= 0:
-                    break
-                i = int(buf[:got].argmax())
-                if int(buf[i]) > best:
-                    best, where = int(buf[i]), start + done + i
-                done += got
+    for start, count in ranges:
+        for a in range(start, start + count, SCAN_TOKENS):
+            block = mm[a:min(a + SCAN_TOKENS, start + count)]
+            i = int(block.argmax())
+            if int(block[i]) > best:
+                best, where = int(block[i]), a + i
     return best, where
 
 
 def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit: int | None = None) -> None:
     """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
     token id in the scanned part of `split` is >= the vocabulary. sample_tokens=None scans the
-    whole file (bounded memory: one SCAN_BUFFER_BYTES buffer)."""
+    whole file (bounded memory: read in pieces through the memmap)."""
     n = files.tokens[split]
     ranges = [(0, n)] if sample_tokens is None else list(_windows(n, sample_tokens))
     best, where = _scan(files, split, ranges)
@@ -228,9 +218,8 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Tokenize the text at `src` into `out`/train.bin, val.bin and meta.json; returns the meta.
 
-    Two streaming passes over the text (count, and for `char` collect the characters; then encode
-    and write), so memory stays bounded by one chunk whatever the corpus size. The split is by
-    position as in `load_corpus`: the first int(N * (1 - val_fraction)) tokens train. Each file is
+    Two streaming passes (count, and for `char` collect the characters; then encode and write):
+    memory stays bounded by one chunk. The split is by position as in `load_corpus`. Each file is
     written under a temporary name and renamed; meta.json goes last (after any old one is removed),
     so a folder with a meta.json is complete. `progress(pass_name, chars_done, chars_total)` is
     called after each chunk. Raises FileNotFoundError / ValueError, one line."""
