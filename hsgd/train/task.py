@@ -82,8 +82,7 @@ def _plain(args: Any) -> dict:
 def call(target: Callable, args: Any, context: dict, field: str) -> Any:
     """target(**args, **the context names target accepts)."""
     args = _plain(args)
-    clash = sorted(set(args) & set(context))
-    if clash:
+    if clash := sorted(set(args) & set(context)):
         raise ValueError(f"{field}.args: {clash} are supplied by hsgd ({', '.join(sorted(context))}); remove them")
     params = inspect.signature(target).parameters.values()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
