@@ -131,16 +131,13 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
     return files
 
 
-def _windows(n: int, sample_tokens: int, window: int = 1 << 16) -> Iterator[tuple[int, int]]:
+def _windows(n: int, sample_tokens: int | None, window: int = 1 << 16) -> list[tuple[int, int]]:
     """(start, count) windows spread evenly over n tokens, about sample_tokens in all (all of it
-    when n is smaller): the head, the tail and what lies between."""
-    if n <= sample_tokens:
-        yield 0, n
-        return
+    when n is smaller, or sample_tokens None): the head, the tail and what lies between."""
+    if sample_tokens is None or n <= sample_tokens:
+        return [(0, n)]
     k = max(2, sample_tokens // window)
-    for i in range(k):
-        start = (n - window) * i // (k - 1)
-        yield start, window
+    return [((n - window) * i // (k - 1), window) for i in range(k)]
 
 
 def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
@@ -160,9 +157,7 @@ def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit
     """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
     token id in the scanned part of `split` is >= the vocabulary. sample_tokens=None scans the
     whole file (bounded memory: read in pieces through the memmap)."""
-    n = files.tokens[split]
-    ranges = [(0, n)] if sample_tokens is None else list(_windows(n, sample_tokens))
-    best, where = _scan(files, split, ranges)
+    best, where = _scan(files, split, _windows(files.tokens[split], sample_tokens))
     limit = files.vocab_size if limit is None else limit
     if best >= limit:
         if files.meta:
