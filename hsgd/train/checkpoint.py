@@ -92,9 +92,7 @@ def new_temp_dir(root: str | Path, round_index: int, owner: str = "") -> str:
     tag = f"{_safe(owner)}-" if owner else ""
     url = _join(root, f"{round_dir_name(round_index)}.tmp-{tag}{uuid.uuid4().hex[:8]}")
     fs, path = _fs(url)
-    if fs.exists(path):
-        raise CheckpointError(f"temp checkpoint directory {url} exists already")
-    fs.makedirs(path, exist_ok=True)
+    fs.makedirs(path, exist_ok=True)  # the random nonce makes the name new
     return url
 
 
