@@ -47,13 +47,6 @@ def _packaged_text(name: str = "shakespeare.txt.xz") -> str:
     return lzma.decompress(raw).decode("utf-8")
 
 
-def _codepoints(text: str) -> torch.Tensor:
-    buf = bytearray(text.encode("utf-32-le"))  # 4 bytes per character, no BOM
-    if not buf:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(buf, dtype=torch.int32).long()  # (N,)
-
-
 def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
                 block_size: int = 128) -> Corpus:
     """Load and split a corpus. `block_size` is the longest block a caller will sample:
@@ -67,7 +60,7 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
         raise ValueError(f"data.path={source!r} holds {len(text)} characters; "
                          f"need at least {MIN_CHARS}")
 
-    cps = _codepoints(text)  # (N,)
+    cps = torch.from_numpy(token_files.codepoints(text).astype(np.int64))  # (N,)
     uniq = torch.bincount(cps).nonzero().squeeze(1)  # (V,) sorted codepoints present
     chars = tuple(chr(c) for c in uniq.tolist())  # sorted unique characters
     table = torch.zeros(int(uniq[-1]) + 1, dtype=torch.int64)  # codepoint -> id

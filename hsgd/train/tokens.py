@@ -205,7 +205,7 @@ def iter_text(files: list[Path], source: str, chunk_chars: int = 1 << 22, field:
                              f"({type(e).__name__}); expected {TEXT_ACCEPTED}") from None
 
 
-def _codepoints(chunk: str) -> np.ndarray:
+def codepoints(chunk: str) -> np.ndarray:
     return np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")  # (n,) no BOM
 
 
@@ -236,7 +236,7 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         if tokenizer == "byte":
             n_tokens += len(chunk.encode("utf-8"))
         else:
-            cps = _codepoints(chunk)
+            cps = codepoints(chunk)
             n_tokens += len(cps)
             top = int(cps.max()) + 1 if len(cps) else 0
             if top > len(seen):
@@ -265,7 +265,7 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
             written, done_chars = 0, 0
             for chunk in iter_text(files, src, field="src"):
-                ids = table[_codepoints(chunk)] if table is not None else np.frombuffer(chunk.encode(), np.uint8)
+                ids = table[codepoints(chunk)] if table is not None else np.frombuffer(chunk.encode(), np.uint8)
                 ids = ids.astype(dtype)
                 cut = min(len(ids), max(0, n_train - written))
                 ftrain.write(ids[:cut].tobytes())
