@@ -24,6 +24,7 @@ import torch
 
 from hsgd.train import task
 from hsgd.train import tokens as token_files
+from hsgd.train.tokens import SPLITS
 
 MIN_CHARS = 2 * 1024  # less text than this is surely the wrong data.path
 _MASK64 = (1 << 64) - 1
@@ -118,7 +119,6 @@ def _batch_at(tokens: torch.Tensor, offsets: torch.Tensor, block_size: int) -> t
 
 
 BUILTIN_TARGET = "hsgd.train.data.build_dataset"
-SPLITS = ("train", "val")
 
 
 class TextDataset:
