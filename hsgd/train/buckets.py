@@ -25,6 +25,7 @@ After a failure anywhere in between, `disarm()` drops the in-flight work (never 
 """
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -49,17 +50,14 @@ def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[i
 
 
 class _Bucket:
-    __slots__ = ("index", "members", "offsets", "numel", "flat", "ready", "result")
+    __slots__ = ("index", "members", "offsets", "flat", "ready", "result")
 
     def __init__(self, index: int, members: list[int], params: list[torch.Tensor]):
         self.index, self.members = index, members
-        self.offsets, offset = {}, 0
-        for i in members:
-            self.offsets[i] = offset
-            offset += params[i].numel()
-        self.numel = offset
+        sizes = [params[i].numel() for i in members]
+        self.offsets = dict(zip(members, itertools.accumulate(sizes, initial=0)))
         first = params[members[0]]
-        self.flat = torch.empty(offset, dtype=first.dtype, device=first.device)
+        self.flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.ready: set[int] = set()
         self.result: torch.Tensor | None = None
 
@@ -79,7 +77,8 @@ class GradBuckets:
         self._op: Overlapped | None = None
         self._next = 0  # the next bucket to launch (strict bucket order)
         self._error: BaseException | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._hook_for(i))
 
     # -- the protocol ---------------------------------------------------------------------------------
     def arm(self, group: LevelGroup) -> None:
@@ -97,10 +96,6 @@ class GradBuckets:
                 b.ready.clear()
                 b.result = None
 
-    @property
-    def armed(self) -> bool:
-        return self._op is not None
-
     def finish(self) -> None:
         """Launch the buckets not launched yet (a parameter without a gradient this step counts as
         zeros, and gets the mean like every other, so members stay alike),
@@ -114,9 +109,8 @@ class GradBuckets:
                 if self._error is not None:
                     raise self._error
                 for b in self.buckets[self._next:]:
-                    for i in b.members:
-                        if i not in b.ready:
-                            self._fill(b, i)
+                    for i in set(b.members) - b.ready:
+                        self._fill(b, i)
                 self._launch_ready()
                 if self._error is not None:
                     raise self._error
@@ -147,13 +141,6 @@ class GradBuckets:
                     b.flat = torch.empty_like(b.flat)
         if op is not None:
             op.abandon()
-
-    def close(self) -> None:
-        """Remove the hooks (the model no longer reports its gradients here)."""
-        self.disarm()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # -- hooks ----------------------------------------------------------------------------------------
     def _hook_for(self, i: int):

@@ -1,27 +1,23 @@
 """Durable checkpoints: atomic, verifiable, loaded without executing code, on any fsspec storage.
 
-Where: `checkpoint.dir`, any fsspec URL every replica reaches (a shared mount, `file://...`,
-`s3://...`, `gs://...`, `memory://...` in one process); null = `<run.dir>/checkpoints`
-(`root_url`). Layout under the root:
+The root is `checkpoint.dir`, any fsspec URL every replica reaches (a shared mount, `s3://...`,
+`memory://...` in one process), or `<run.dir>/checkpoints` when null (`root_url`):
 
     round_000005/manifest.json      round, step, run id, config fingerprint, replica files + sha256
     round_000005/c0r0.pt ...        one file per replica: its ReplicaTrainer.state_dict()
 
 Protocol: replicas write their files into `round_000005.tmp-<owner>-<nonce>/` (`new_temp_dir`;
 owner = the run id, so `prune` removes only this run's leftovers, never another run's write in
-progress). On a local filesystem each file is written to a temp name, fsynced and renamed; the
-supervisor then writes the manifest the same way and renames the directory to its final name. On
-an object store (no atomic rename) the files are copied to the final directory and the manifest is
-written LAST: a checkpoint without a manifest does not exist for `latest()`. A crash at any point
-leaves either the old checkpoints untouched or a temp / manifest-less directory that is ignored.
-A final checkpoint is never overwritten.
+progress). Locally each file is written to a temp name, fsynced and renamed, and the supervisor
+writes the manifest the same way and renames the directory (the commit point). On an object store
+(no atomic rename) the files are copied to the final directory and the manifest is written LAST:
+without a manifest a checkpoint does not exist. A crash leaves the old checkpoints untouched and a
+temp or manifest-less directory that is ignored. A final checkpoint is never overwritten.
 
-Trust: the manifest names every file with its sha256; `verify` reads a checkpoint back (manifest
-parses, every file matches) and `choose` walks back from the newest to the first that
-verifies, so a corrupt or truncated latest checkpoint falls back to the previous kept one. Files
-load with `torch.load(weights_only=True)`: a foreign or corrupt file is an error, never code
-execution. `fingerprint` is what a resume may not change (model shape and vocabulary, data,
-algorithms, optimizers, outer_every); `fingerprint_diff` names what differs.
+Trust: `verify` checks the manifest and every file's sha256; `choose` walks back from the newest to
+the first that verifies, so a corrupt latest checkpoint falls back to the previous kept one. Files
+load with `torch.load(weights_only=True)`: a foreign file is an error, never code execution.
+`fingerprint` is what a resume may not change; `fingerprint_diff` names what differs.
 """
 from __future__ import annotations
 
@@ -29,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +53,6 @@ def _fs(url: str | Path):
     return fs, path.rstrip("/") or "/"
 
 
-def _is_local(fs) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
 def _join(url: str | Path, name: str) -> str:
     return f"{str(url).rstrip('/')}/{name}"
 
@@ -69,12 +62,8 @@ def round_dir_name(round_index: int) -> str:
 
 
 def _round_of(name: str) -> int | None:
-    if not name.startswith("round_") or ".tmp-" in name:
-        return None
-    try:
-        return int(name[len("round_"):])
-    except ValueError:
-        return None
+    match = re.fullmatch(r"round_(\d+)", name)
+    return int(match[1]) if match else None
 
 
 def _names(url: str | Path) -> list[str]:
@@ -103,9 +92,7 @@ def new_temp_dir(root: str | Path, round_index: int, owner: str = "") -> str:
     tag = f"{_safe(owner)}-" if owner else ""
     url = _join(root, f"{round_dir_name(round_index)}.tmp-{tag}{uuid.uuid4().hex[:8]}")
     fs, path = _fs(url)
-    if fs.exists(path):
-        raise CheckpointError(f"temp checkpoint directory {url} exists already")
-    fs.makedirs(path, exist_ok=True)
+    fs.makedirs(path, exist_ok=True)  # the random nonce makes the name new
     return url
 
 
@@ -131,7 +118,7 @@ class _HashingWriter(io.RawIOBase):
 def _write_bytes_atomic(url: str, write: Callable[[Any], None]) -> None:
     """`write(f)` into url: local = temp name, fsync, rename; an object store's PUT is atomic."""
     fs, path = _fs(url)
-    if _is_local(fs):
+    if isinstance(fs, LocalFileSystem):
         final = Path(path)
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
         try:
@@ -171,8 +158,7 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
     the temp dir) unless every replica file the manifest names is there and that replica reported
     the manifest's round in `replica_rounds`; never replaces an existing final checkpoint. A replica
     that wrote a file but never reported (its answer was lost) refuses too: its file may hold
-    another round's state. Local: manifest into the temp dir, then one rename (the commit point).
-    Object store: files copied to the final dir, then the manifest written last (the commit point)."""
+    another round's state."""
     temp_dir = str(temp_dir).rstrip("/")
     state_round = int(manifest["round"])
     final = _join(temp_dir.rsplit("/", 1)[0], round_dir_name(state_round))
@@ -180,7 +166,7 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
     _, final_path = _fs(final)
     files = sorted(manifest.get("files", {}))
     problem = None
-    if fs.exists(_fs(_join(final, MANIFEST))[1]) or (_is_local(fs) and fs.exists(final_path)):
+    if fs.exists(_fs(_join(final, MANIFEST))[1]) or (isinstance(fs, LocalFileSystem) and fs.exists(final_path)):
         problem = f"{final} already exists; checkpoints are never overwritten"
     elif missing := [rid for rid in files if not fs.isfile(f"{temp_path}/{rid}.pt")]:
         problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
@@ -190,7 +176,7 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
         remove(temp_dir)
         raise CheckpointError(f"checkpoint of round {state_round} not finalized: {problem}")
     text = json.dumps(manifest, indent=2, sort_keys=True)
-    if _is_local(fs):
+    if isinstance(fs, LocalFileSystem):
         _write_text(_join(temp_dir, MANIFEST), text)
         os.replace(temp_path, final_path)
         return final
@@ -362,41 +348,30 @@ FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_
                       "optim.outer.momentum", "optim.outer.nesterov")
 
 
-def _get(cfg, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = node.get(part) if hasattr(node, "get") else None
-        if node is None:
-            return None
-    if hasattr(node, "items"):  # a DictConfig / dict: plain, sorted, JSON-able
-        from omegaconf import OmegaConf
-
-        plain = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
-        return json.loads(json.dumps(plain, sort_keys=True, default=str))
-    return node
-
-
-def data_size(path: str | None) -> int | None:
-    """Bytes of the training data (a file, or every file of a token folder); None = the corpus
-    shipped in the package (or a path this process cannot see)."""
-    if not path:
-        return None
-    p = Path(os.path.expanduser(str(path)))
-    if p.is_file():
-        return p.stat().st_size
-    if p.is_dir():
-        return sum(f.stat().st_size for f in sorted(p.rglob("*")) if f.is_file())
-    return None
+def _data_size(path: str | None) -> int | None:
+    """Bytes of the training data (a file, or every file of a token folder); None = the packaged
+    corpus, or a path this process cannot see."""
+    p = Path(path) if path else None
+    if p and p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return p.stat().st_size if p and p.is_file() else None
 
 
 def fingerprint(cfg) -> dict:
     """What a resume may not change, as {dotted field: value} (plus `data.size`): the model's
     shape and vocabulary, the data (path and size), the inner/outer algorithms and optimizers and
     outer_every. Topology, rounds, timeouts, logging and faults may change."""
-    out = {name: _get(cfg, name) for name in FINGERPRINT_FIELDS}
+    from omegaconf import OmegaConf
+
+    out = {}
+    for name in FINGERPRINT_FIELDS:
+        value = OmegaConf.select(cfg, name)
+        if OmegaConf.is_config(value):  # model.args: plain, sorted, JSON-able
+            value = json.loads(json.dumps(OmegaConf.to_container(value, resolve=True), sort_keys=True, default=str))
+        out[name] = value
     if out["data.path"]:
         out["data.path"] = os.path.abspath(os.path.expanduser(str(out["data.path"])))
-    out["data.size"] = data_size(out["data.path"])
+    out["data.size"] = _data_size(out["data.path"])
     return out
 
 

@@ -1,55 +1,41 @@
 """Codecs for the outer payload: the pseudo-gradient that crosses the slow link between clusters.
 
-A codec turns a flat fp32 vector into the bytes handed to the network and back:
     payload = codec.encode(flat)              # uint8, 1-D, len == codec.payload_bytes(flat.numel())
     flat_hat = codec.decode(payload, numel)   # fp32, 1-D; what every peer sees from this sender
 Accumulation, the outer optimizer and the global params stay fp32: only the wire is narrow.
 
-What each codec sends (bytes/elem for long vectors; error of one element after a round trip):
-    none   fp32 as is                                     4        exact
-    bf16   round-to-nearest-even bfloat16                 2        |err| <= 2^-8 |x| (|x| in the normal range)
-    int8   per block of 256: fp32 scale + int8 values     1.016    |err| <= scale/2, scale = block absmax / 127
-    int4   per block of 256: fp32 scale + 4-bit values    0.516    |err| <= scale/2, scale = block absmax / 7
-    topk   per chunk of 4096: the k largest |x| as        4k/4096  kept: bf16 rounding, as bf16 above;
-           int16 index in the chunk + bf16 value,         (0.040   dropped: |err| = |x| <= every kept |x|
-           k = max(1, round(density * chunk_len))          at 1%: ~100x fewer bytes than fp32)
+What each codec sends, one record per block (the last may be partial, its record short), and the
+error of one element after a round trip:
+    none   fp32 values                                 block 1      exact
+    bf16   bfloat16 values (round to nearest even)     block 1      |err| <= 2^-8 |x| (|x| normal)
+    int8   [scale fp32][int8 values]                   block 256    |err| <= scale/2, scale = absmax / 127
+    int4   [scale fp32][4-bit values]                  block 256    |err| <= scale/2, scale = absmax / 7
+    topk   [k indices int16][k values bf16]            block 4096   kept: bf16 rounding; dropped:
+           k = max(1, round(density * block len))                   |err| = |x| <= every kept |x|
 (int8/int4: plus fp32 rounding in x/scale and q*scale, under 2^-15 of the scale in all.)
+int8/int4: q = round(x / scale) in [-qmax, qmax] (half to even); an all-zero block has scale 0.
+int4 stores q + 8 in a nibble, element 2i in the low nibble of byte i. topk: among |x| equal to
+the k-th largest the lowest indices are kept (never torch.topk's tie order); indices ascend;
+decode scatters the values into zeros. Multi-byte fields are little-endian.
 
-int8/int4: q = round(x / scale) in [-127, 127] / [-7, 7] (round half to even); decode q * scale. An
-all-zero block has scale 0 and decodes to zeros. int4 stores q + 8 in a nibble, element 2i in the low
-nibble of byte i. topk: among |x| equal to the k-th largest, the lowest indices are kept, so the
-choice never depends on torch.topk's tie order; indices are sent in ascending order; decode scatters
-the values into zeros.
-
-Layout: one record per block, in order; the last block may be partial and its record is then short.
-    none/bf16   the values                          (block = 1 element)
-    int8/int4   [scale fp32][values]                (block = 256 elements: 4 + 256 / 4 + 128 bytes)
-    topk        [k indices int16][k values bf16]    (block = 4096 elements: 4k bytes)
-Multi-byte fields are little-endian (the host order on every machine hsgd runs on).
-
-Why block-wise: a block's bytes depend on that block's elements alone. Every codec's block divides
-ALIGN, so for a, b multiples of ALIGN (or b == n), with x of n elements:
+Why block-wise: a block's bytes depend on that block alone, and every block divides ALIGN, so for
+a, b multiples of ALIGN (or b == n), with x of n elements:
     encode(x[a:b]) == encode(x)[payload_bytes(a):payload_bytes(b)]           (bytes, exactly)
     decode(encode(x[a:b]), b - a) == decode(encode(x), n)[a:b]                (values, bitwise)
-A shard holder that compresses its own slice and a replica that compresses the whole vector (to
-recompute the error-feedback residual, or to check a digest) therefore agree bitwise, and shards
-and fragments are cut at multiples of ALIGN. A slice that ends inside a block (b not a multiple of
-ALIGN and b != n) gets its own, different, last block: cut only at multiples of ALIGN.
+A shard holder compressing its slice and a replica compressing the whole vector (for the error-
+feedback residual, or a digest) agree bitwise; shards and fragments are cut only at multiples of ALIGN.
 
-Error feedback (EF-SGD, Karimireddy et al. 2019; as in the compressed DiLoCo work) — the contract:
+Error feedback (EF-SGD, Karimireddy et al. 2019) — the contract:
     corrected = update + residual        # residual: what this cluster could not send so far
     payload   = encode(corrected)        # handed to the network
     sent      = decode(payload)          # what the peers will see from this cluster
     residual  = corrected - sent         # kept, added next round
-so sum(sent over rounds) + residual == sum(update over rounds) (to fp32 rounding): nothing is ever
-lost, only delayed, and ||sum sent - sum update|| = ||residual|| stays bounded instead of growing with
-the number of rounds. The residual is state: the trainer keeps it, heals and checkpoints it with
-the outer optimizer state (losing it loses updates); replicas that run this on the same vector get
-the same bits, since encoding is deterministic and block-wise.
+so sum(sent) + residual == sum(update) over rounds (to fp32 rounding): nothing is lost, only
+delayed, and the error stays bounded by ||residual||. The residual is state: the trainer heals and
+checkpoints it with the outer optimizer state.
 
-Encoding is deterministic (same input, same bytes; no randomness) and vectorised (blocks as rows of
-a 2-D tensor; no Python loop over elements or blocks). Non-finite input is not handled: the trainer
-refuses to send non-finite pseudo-gradients.
+Encoding is deterministic and vectorised (blocks as rows of a 2-D tensor). Non-finite input is not
+handled: the trainer refuses to send non-finite pseudo-gradients.
 """
 from __future__ import annotations
 
@@ -97,9 +83,6 @@ class Codec:
 
     def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
 
 
 def _as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -241,25 +224,14 @@ def make_codec(name: str, topk_density: float = 0.01) -> Codec:
             "topk": lambda: _TopK(topk_density)}[name]()
 
 
-def encode_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(payload, sent, new_residual) for one round of error feedback; residual None means zeros.
-
-    payload goes to the network; sent = decode(payload) is what the peers see from this cluster (use
-    it for the local share of the reduction, so the sender and its peers use the same values);
-    new_residual = (update + residual) - sent replaces the residual. Inputs are not modified."""
+def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sent, new_residual) for one round of error feedback; residual None means zeros. sent =
+    decode(encode(update + residual)) is what the peers see from this cluster (use it for the local
+    share of the reduction, so the sender and its peers use the same values); new_residual =
+    (update + residual) - sent replaces the residual. Inputs are not modified."""
     if residual is not None and residual.shape != update.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match update {tuple(update.shape)}")
     corrected = update.clone() if residual is None else update + residual
-    payload = codec.encode(corrected)
-    sent = codec.decode(payload, corrected.numel())
-    return payload, sent, corrected.sub_(sent)
-
-
-def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sent, new_residual): encode_with_feedback without the payload (for a path that sends `sent`'s
-    payload elsewhere, or only needs the residual)."""
-    _, sent, residual = encode_with_feedback(codec, update, residual)
-    return sent, residual
-
+    sent = codec.decode(codec.encode(corrected), corrected.numel())
+    return sent, corrected.sub_(sent)

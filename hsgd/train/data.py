@@ -1,20 +1,14 @@
-"""Character-level corpus and stateless, step-indexed batches.
+"""Character-level corpus and stateless, step-indexed batches; `build_dataset`, the default
+`data._target_` (the dataset contract is hsgd/train/task.py's).
 
-Contract:
-- `load_corpus(path=None)` returns a `Corpus`: the whole text encoded as int64 character
-  ids, split by position into `train` (the first 1 - val_fraction) and `val` (the rest).
-  `path=None` is the packaged Shakespeare corpus (hsgd/corpus/shakespeare.txt.xz); otherwise
-  a text file (.txt, or .xz/.gz compressed) or a folder of *.txt files. Bad paths raise
-  FileNotFoundError, too little text raises ValueError; both are one line naming `data.path`.
-- `batch_for_step(train, seed=, replica_index=, step=, ...)` is a pure function of its
-  arguments. A replica carries no data-loader state: its data position IS its step counter,
-  so a replica restored at step s draws exactly the batches it would have drawn anyway.
-- `build_dataset(data_cfg, block_size)` (the default `data._target_`) returns a `Dataset` (hsgd/train/task.py): the
-  packaged corpus or a text path (char-level, held in RAM), or a folder of token files
-  (train.bin/val.bin, read through np.memmap; see hsgd/train/tokens.py). Every dataset answers
-  `batch(split, seed=, replica_index=, step=, micro=)` as a pure function of its arguments;
-  micro-batch 0 is exactly `batch_for_step`'s batch, so a run without gradient accumulation draws
-  what it always drew. Evaluation draws `batch("val", seed=1234, replica_index=-1, step=i, micro=0)`.
+- `load_corpus(path=None)`: the text as int64 character ids, split by position into `train` (the
+  first 1 - val_fraction) and `val`. `path=None` is the packaged Shakespeare corpus; otherwise a
+  text file (.txt, .xz, .gz) or a folder of *.txt. Bad paths raise FileNotFoundError, too little
+  text ValueError, one line naming `data.path`.
+- `batch_for_step` is a pure function of its arguments: a replica's data position IS its step, so
+  a replica restored at step s draws exactly the batches it would have drawn anyway. A dataset's
+  micro-batch 0 is exactly this batch.
+- A token folder (train.bin/val.bin) is read through np.memmap (hsgd/train/tokens.py).
 - `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
 
@@ -30,6 +24,7 @@ import torch
 
 from hsgd.train import task
 from hsgd.train import tokens as token_files
+from hsgd.train.tokens import SPLITS
 
 MIN_CHARS = 2 * 1024  # less text than this is surely the wrong data.path
 _MASK64 = (1 << 64) - 1
@@ -47,35 +42,11 @@ class Corpus:
         return len(self.chars)
 
 
-# ----------------------------------------------------------------------------- text sources
-
 @lru_cache(maxsize=None)  # several replicas in one process share one decoded copy
 def _packaged_text(name: str = "shakespeare.txt.xz") -> str:
     raw = resources.files("hsgd.corpus").joinpath(name).read_bytes()
     return lzma.decompress(raw).decode("utf-8")
 
-
-def _read_text(path: str) -> str:
-    """The text at `path` (a file or a folder of *.txt), as jobs.prepare reads it: newlines
-    normalised, files joined by a blank line. FileNotFoundError / ValueError naming data.path."""
-    return "".join(token_files.iter_text(token_files.text_files(path), path))
-
-
-# ----------------------------------------------------------------------------- encoding
-
-def _codepoints(text: str) -> torch.Tensor:
-    buf = bytearray(text.encode("utf-32-le"))  # 4 bytes per character, no BOM
-    if not buf:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(buf, dtype=torch.int32).long()  # (N,)
-
-
-def decode(ids, chars) -> str:
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-    return "".join(chars[i] for i in ids)
-
-
-# ----------------------------------------------------------------------------- corpus
 
 def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
                 block_size: int = 128) -> Corpus:
@@ -84,12 +55,13 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
     source = "builtin:shakespeare" if path is None else str(path)
-    text = _packaged_text() if path is None else _read_text(str(path))
+    # a file or a folder of *.txt, read as jobs.prepare reads it (newlines normalised, files joined by a blank line)
+    text = _packaged_text() if path is None else "".join(token_files.iter_text(token_files.text_files(source), source))
     if len(text) < MIN_CHARS:
         raise ValueError(f"data.path={source!r} holds {len(text)} characters; "
                          f"need at least {MIN_CHARS}")
 
-    cps = _codepoints(text)  # (N,)
+    cps = torch.from_numpy(token_files.codepoints(text).astype(np.int64))  # (N,)
     uniq = torch.bincount(cps).nonzero().squeeze(1)  # (V,) sorted codepoints present
     chars = tuple(chr(c) for c in uniq.tolist())  # sorted unique characters
     table = torch.zeros(int(uniq[-1]) + 1, dtype=torch.int64)  # codepoint -> id
@@ -106,8 +78,6 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
                          f"val={len(val)}; each needs > block_size={block_size}")
     return Corpus(train=train, val=val, chars=chars, source=source)
 
-
-# ----------------------------------------------------------------------------- batches
 
 def _splitmix64(z: int) -> int:
     z = (z + 0x9E3779B97F4A7C15) & _MASK64
@@ -148,10 +118,7 @@ def _batch_at(tokens: torch.Tensor, offsets: torch.Tensor, block_size: int) -> t
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
 
 
-# ----------------------------------------------------------------------------- datasets
-
 BUILTIN_TARGET = "hsgd.train.data.build_dataset"
-SPLITS = ("train", "val")
 
 
 class TextDataset:
@@ -240,17 +207,15 @@ def check_data(cfg) -> None:
     imported, built, and asked for one batch. Raises ValueError / FileNotFoundError / OSError
     whose message is one line starting with the bad field."""
     target = cfg.data._target_
-    if target == BUILTIN_TARGET:
+    try:
         ds = task.build_dataset(cfg)
         if isinstance(ds, TokenDataset):
             token_files.scan_token_ids(ds.files)
-        for split in SPLITS:
+        for split in SPLITS if target == BUILTIN_TARGET else ("train",):
             ds.batch(split, seed=cfg.seed, replica_index=0, step=0, micro=0)
-        return
-    try:
-        ds = task.build_dataset(cfg)
-        ds.batch("train", seed=cfg.seed, replica_index=0, step=0, micro=0)
     except Exception as e:  # noqa: BLE001 — the user's code may fail in any way: one line naming their field
+        if target == BUILTIN_TARGET:
+            raise
         msg = " ".join(str(e).split())
         if isinstance(e, ValueError) and msg.startswith("data."):
             raise ValueError(msg) from None

@@ -6,6 +6,7 @@ Contract:
 - `forward(idx, targets=None)` takes idx (B, T) int64 with T <= block_size and returns
   logits (B, T, vocab_size) and, when targets (B, T) are given, the mean cross-entropy.
 - dropout defaults to 0.0, so a training step is a deterministic function of weights and batch.
+- Linears and LayerNorms have no bias (a little better and faster).
 - Model sizes are config groups, conf/model/{tiny,small,gpt-30m,gpt-86m}.yaml.
 - `build_gpt(model_cfg, vocab_size)` and `lm_loss(model, batch)` are the built-in plug-ins that
   `model._target_` and `loss._target_` name by default (hsgd/train/task.py).
@@ -27,7 +28,6 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
-    bias: bool = False  # bias in Linears and LayerNorms; False is a little better and faster
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,8 +35,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
@@ -58,9 +58,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
@@ -71,9 +71,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
         self.mlp = MLP(config)
 
     def forward(self, x):  # (B, T, C), pre-norm residual
@@ -92,7 +92,7 @@ class GPT(nn.Module):
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=nn.LayerNorm(config.n_embd, bias=False),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
@@ -106,8 +106,6 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 

@@ -1,28 +1,25 @@
 """A replica's state streamed over a process group in chunks: how an in-cluster (`full`) heal moves
 it from source to target without the object store (GPU to GPU with NCCL, no host copy of the whole
-state), as torchft's PGTransport does.
+state), as torchft's PGTransport does. A state is a tree (dicts, lists, tuples) of tensors and
+plain values; `split_state` lists its tensors (no copies) and `join_state` puts them back.
 
-A state is a tree (dicts, lists, tuples) of tensors and plain values. `split_state` replaces every
-tensor with a placeholder and lists the tensors (no copies); `join_state` puts tensors back.
-
-Protocol (every message a `broadcast` from `root` on one LevelGroup, level `inner`: a heal stays
-in its cluster; the group holds the source and every target healed from it):
+Protocol (every message a `broadcast` from `root`, level `inner`: the group holds the source and
+every target healed from it, never leaving the cluster):
     1. header   int64[4]: MAGIC, meta length, total payload bytes, chunk bytes
-    2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one
-                (shape, dtype name, device type) per tensor. Decoded with
-                torch.load(weights_only=True): a peer's bytes never run code here.
-    3. chunks   uint8[≤ chunk bytes] each, in `plan_chunks` order: the tensors' bytes back to back,
+    2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one (shape, dtype
+                name, device type) per tensor, loaded with weights_only=True (a peer's bytes never
+                run code here)
+    3. chunks   uint8[<= chunk bytes] each, in `plan_chunks` order: the tensors' bytes back to back,
                 a tensor larger than a chunk split over several.
-Both sides plan the chunks from the specs and the header's chunk size, so they agree by
-construction. The source packs one chunk at a time into a reused buffer on the group's device
-(`cuda` for NCCL, else the CPU) and the target unpacks each into tensors it allocates on its own
-device (a tensor the source held on the CPU — the outer state, AdamW's `step` — stays on the CPU).
+Both sides plan the chunks from the specs and the chunk size, so they agree by construction. The
+source packs one chunk at a time into a reused buffer on the group's device (`cuda` for NCCL, else
+the CPU); the target unpacks into tensors on its own device (a tensor the source held on the CPU —
+the outer state, AdamW's `step` — stays on the CPU).
 
-Failure: any failed or timed-out broadcast raises CollectiveError (comm.py's error model) on every
-member; a header that is not this protocol's, or meta that does not match the bytes, raises
-StreamError (a CollectiveError of kind `wait`: the transfer is unusable, the heal falls back).
-The target's half-received tensors are dropped; its own state is untouched until it loads the
-whole received state.
+Failure: a failed or timed-out broadcast raises CollectiveError (comm.py's error model) on every
+member; a header not of this protocol, or meta that does not match the bytes, raises StreamError
+(kind `wait`: the transfer is unusable, the heal falls back). The target's own state is untouched
+until it loads the whole received state.
 """
 from __future__ import annotations
 

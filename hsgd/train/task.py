@@ -4,11 +4,10 @@
     data:  {_target_: hsgd.train.data.build_dataset, args: {...}} -> a Dataset (below)
     loss:  {_target_: hsgd.train.model.lm_loss, args: {...}}      -> loss_fn(model, batch) -> scalar
 
-A `_target_` is a dotted path `package.module.callable`, imported where the replica runs (the
-module must be importable there: the launch directory or the job's working directory is on the
-path). The factory is called as `target(**args, **context)`, where `context` holds what hsgd
-knows and the factory may want; only the context names its signature accepts are passed (all of
-them if it takes **kwargs), so a factory names just what it uses:
+A `_target_` is a dotted path `package.module.callable`, importable where the replica runs (the
+launch or the job's working directory is on the path). The factory is called as
+`target(**args, **context)`; only the context names its signature accepts are passed (all of them
+if it takes **kwargs), so a factory names just what it uses:
 
     model context: model_cfg (cfg.model), vocab_size (the dataset's, may be None)
     data context:  data_cfg (cfg.data), block_size (cfg.model.block_size), batch_size, seed
@@ -82,8 +81,7 @@ def _plain(args: Any) -> dict:
 def call(target: Callable, args: Any, context: dict, field: str) -> Any:
     """target(**args, **the context names target accepts)."""
     args = _plain(args)
-    clash = sorted(set(args) & set(context))
-    if clash:
+    if clash := sorted(set(args) & set(context)):
         raise ValueError(f"{field}.args: {clash} are supplied by hsgd ({', '.join(sorted(context))}); remove them")
     params = inspect.signature(target).parameters.values()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

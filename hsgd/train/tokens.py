@@ -1,24 +1,20 @@
 """Token files as the field uses them: nanoGPT's `train.bin` / `val.bin`, read through `np.memmap`.
 
-Format (nanoGPT's): a flat array of token ids, little-endian `uint16` (vocabularies up to 65,536) or
-`uint32` (larger ones), no header. `train.bin` is sampled for training, `val.bin` for evaluation.
-A `meta.json` beside them (written by `python -m jobs.prepare`) names the vocabulary:
+Format (nanoGPT's): a flat array of little-endian `uint16` token ids (vocabularies up to 65,536) or
+`uint32`, no header. A `meta.json` beside them (written by `python -m jobs.prepare`) names the vocabulary:
   {"format": "hsgd-tokens/1", "vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"|"char",
    "chars": [...] (char tokenizer only), "train_tokens": N, "val_tokens": M, "source": "..."}
-Without meta.json (GPT-2's .bin files from nanoGPT), `data.vocab_size` names the vocabulary and the
-dtype follows from it. nanoGPT's `meta.pkl` is a pickle — loading one runs arbitrary code — so it is
-never loaded; a folder with only a meta.pkl is refused with a line saying so.
+Without one (nanoGPT's GPT-2 files), `data.vocab_size` names the vocabulary and the dtype follows.
+nanoGPT's `meta.pkl` is never loaded (unpickling runs arbitrary code): a folder with only that is refused.
 
-Nothing is read whole: the files are memory-mapped read-only (shared, clean pages: the OS drops
-them under pressure, and they do not count against RLIMIT_DATA), a batch copies only its windows.
-Checks are bounded: byte length a multiple of the dtype, each split long enough for one block, and
-token ids below the vocabulary in a bounded sample (`open_token_folder`) or in the whole val file
-plus a larger train sample (`scan_token_ids`, chunked reads into one fixed buffer). Every error is
-one line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
+Nothing is read whole: the files are memory-mapped read-only (clean pages the OS may drop; they do
+not count against RLIMIT_DATA). Checks are bounded: length a multiple of the dtype, each split
+longer than a block, ids below the vocabulary in a sample (`open_token_folder`) or in all of
+val.bin plus a larger train sample (`scan_token_ids`, in bounded pieces). Every error is one
+line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 
-`prepare_tokens` writes such a folder from text (byte-level: vocabulary 256, or char-level: the
-sorted characters of the text, the ids `load_corpus` gives the same text), streaming in chunks,
-each file written under a temporary name and renamed into place.
+`prepare_tokens` writes such a folder from text (byte-level, or char-level with the ids
+`load_corpus` gives), streaming in chunks, each file renamed into place.
 """
 from __future__ import annotations
 
@@ -39,7 +35,7 @@ SPLITS = ("train", "val")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKENIZERS = ("byte", "char")
 TEXT_ACCEPTED = "a .txt file, a .xz/.gz compressed text file, or a folder of *.txt files"
-SCAN_BUFFER_BYTES = 16 << 20  # the one buffer a full scan reads through
+SCAN_TOKENS = 8 << 20  # what a scan reads at a time
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -64,11 +60,9 @@ class TokenFiles:
     tokens: dict  # split -> token count
     meta: dict  # meta.json's contents, {} without one
 
-    def path(self, split: str) -> Path:
-        return Path(self.folder) / f"{split}.bin"
-
     def memmap(self, split: str) -> np.memmap:
-        return np.memmap(self.path(split), dtype=DTYPES[self.dtype], mode="r", shape=(self.tokens[split],))
+        path = Path(self.folder) / f"{split}.bin"
+        return np.memmap(path, dtype=DTYPES[self.dtype], mode="r", shape=(self.tokens[split],))
 
 
 def _fail(field: str, value, problem: str, exc=ValueError):
@@ -137,46 +131,33 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
     return files
 
 
-def _windows(n: int, sample_tokens: int, window: int = 1 << 16) -> Iterator[tuple[int, int]]:
+def _windows(n: int, sample_tokens: int | None, window: int = 1 << 16) -> list[tuple[int, int]]:
     """(start, count) windows spread evenly over n tokens, about sample_tokens in all (all of it
-    when n is smaller): the head, the tail and what lies between."""
-    if n <= sample_tokens:
-        yield 0, n
-        return
+    when n is smaller, or sample_tokens None): the head, the tail and what lies between."""
+    if sample_tokens is None or n <= sample_tokens:
+        return [(0, n)]
     k = max(2, sample_tokens // window)
-    for i in range(k):
-        start = (n - window) * i // (k - 1)
-        yield start, window
+    return [((n - window) * i // (k - 1), window) for i in range(k)]
 
 
 def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
-    """(max id, its position) over token ranges, read by chunks into one fixed buffer."""
-    dtype = DTYPES[files.dtype]
-    buf = np.empty(SCAN_BUFFER_BYTES // dtype.itemsize, dtype=dtype)
+    """(max id, its position) over token ranges, read through the memmap SCAN_TOKENS at a time."""
+    mm = files.memmap(split)
     best, where = -1, -1
-    with open(files.path(split), "rb", buffering=0) as f:
-        for start, count in ranges:
-            done = 0
-            while done < count:
-                n = min(count - done, len(buf))
-                f.seek((start + done) * dtype.itemsize)
-                got = f.readinto(memoryview(buf[:n]).cast("B")) // dtype.itemsize
-                if got <= 0:
-                    break
-                i = int(buf[:got].argmax())
-                if int(buf[i]) > best:
-                    best, where = int(buf[i]), start + done + i
-                done += got
+    for start, count in ranges:
+        for a in range(start, start + count, SCAN_TOKENS):
+            block = mm[a:min(a + SCAN_TOKENS, start + count)]
+            i = int(block.argmax())
+            if int(block[i]) > best:
+                best, where = int(block[i]), a + i
     return best, where
 
 
 def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit: int | None = None) -> None:
     """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
     token id in the scanned part of `split` is >= the vocabulary. sample_tokens=None scans the
-    whole file (bounded memory: one SCAN_BUFFER_BYTES buffer)."""
-    n = files.tokens[split]
-    ranges = [(0, n)] if sample_tokens is None else list(_windows(n, sample_tokens))
-    best, where = _scan(files, split, ranges)
+    whole file (bounded memory: read in pieces through the memmap)."""
+    best, where = _scan(files, split, _windows(files.tokens[split], sample_tokens))
     limit = files.vocab_size if limit is None else limit
     if best >= limit:
         if files.meta:
@@ -224,23 +205,16 @@ def iter_text(files: list[Path], source: str, chunk_chars: int = 1 << 22, field:
                              f"({type(e).__name__}); expected {TEXT_ACCEPTED}") from None
 
 
-def _codepoints(chunk: str) -> np.ndarray:
+def codepoints(chunk: str) -> np.ndarray:
     return np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")  # (n,) no BOM
-
-
-def _encode_chunk(chunk: str, tokenizer: str, table: np.ndarray | None) -> np.ndarray:
-    if tokenizer == "byte":
-        return np.frombuffer(chunk.encode("utf-8"), dtype=np.uint8)
-    return table[_codepoints(chunk)]
 
 
 def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction: float = 0.1,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Tokenize the text at `src` into `out`/train.bin, val.bin and meta.json; returns the meta.
 
-    Two streaming passes over the text (count, and for `char` collect the characters; then encode
-    and write), so memory stays bounded by one chunk whatever the corpus size. The split is by
-    position as in `load_corpus`: the first int(N * (1 - val_fraction)) tokens train. Each file is
+    Two streaming passes (count, and for `char` collect the characters; then encode and write):
+    memory stays bounded by one chunk. The split is by position as in `load_corpus`. Each file is
     written under a temporary name and renamed; meta.json goes last (after any old one is removed),
     so a folder with a meta.json is complete. `progress(pass_name, chars_done, chars_total)` is
     called after each chunk. Raises FileNotFoundError / ValueError, one line."""
@@ -262,7 +236,7 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         if tokenizer == "byte":
             n_tokens += len(chunk.encode("utf-8"))
         else:
-            cps = _codepoints(chunk)
+            cps = codepoints(chunk)
             n_tokens += len(cps)
             top = int(cps.max()) + 1 if len(cps) else 0
             if top > len(seen):
@@ -291,7 +265,8 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
             written, done_chars = 0, 0
             for chunk in iter_text(files, src, field="src"):
-                ids = _encode_chunk(chunk, tokenizer, table).astype(dtype)
+                ids = table[codepoints(chunk)] if table is not None else np.frombuffer(chunk.encode(), np.uint8)
+                ids = ids.astype(dtype)
                 cut = min(len(ids), max(0, n_train - written))
                 ftrain.write(ids[:cut].tobytes())
                 fval.write(ids[cut:].tobytes())

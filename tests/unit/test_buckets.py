@@ -153,7 +153,7 @@ def test_a_failed_bucket_comes_out_of_finish_as_collective_error(pg, kind):
     with pytest.raises(CollectiveError) as info:
         buckets.finish()
     assert info.value.kind == kind
-    assert not buckets.armed
+    assert buckets._op is None  # disarmed
     with pytest.raises(CollectiveError):
         group.allreduce_mean([torch.ones(1)], level="inner")  # unusable (not OverlappingCollectiveError)
     if kind != "issue":

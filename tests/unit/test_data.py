@@ -4,9 +4,13 @@ import lzma
 import pytest
 import torch
 
-from hsgd.train.data import batch_for_step, decode, load_corpus
+from hsgd.train.data import batch_for_step, load_corpus
 
 PACKAGED_CHARS = 5_057_280  # hsgd/corpus/README.md
+
+
+def decode(ids: torch.Tensor, chars: tuple[str, ...]) -> str:
+    return "".join(chars[i] for i in ids.tolist())
 
 
 @pytest.fixture(scope="module")
