@@ -1,19 +1,14 @@
 """Validation of a resolved config: every rule the types cannot express, checked before any actor starts.
 
 `validate(cfg)` raises `ConfigError` whose message is ONE line, '<field>: <problem>; valid: <what
-would be>'; the entry point (jobs/train.py) prints it and exits with code 2 before Ray starts.
-
-What it checks, in this order (the cheap checks first, the corpus last):
-1. `NUMERIC_FIELDS`: every numeric field of the schema, its type and the range its metadata gives
-   (hsgd/config/schema.py: `count`, `seconds`, ...). Every number must be finite (nan and inf are
-   refused everywhere). A numeric field without a range is an error at import, so no field skips it.
-2. `CHOICE_FIELDS`: fields that name one of a fixed set of values (`one_of` in the schema).
-3. Relations between fields (localsgd's period, quorum within the topology, watchdog floor and
-   ceiling, a simulated link only with its bandwidth and never below comm.min_gbps, a random
-   fault schedule of at most `MAX_RANDOM_FAULTS` faults, the fault schedule).
-4. Places and credentials: `run.dir` is not a filesystem root or the home folder; the
-   `_target_` factories of model, data and loss import to callables; `logging.wandb.mode=online`
-   has credentials; the corpus test-loads (`hsgd.train.data.check_data`).
+would be>'; jobs/train.py prints it and exits 2 before Ray starts. In order, the cheap checks first:
+1. every numeric field's type and range from the schema's metadata (`NUMERIC_FIELDS`; nan and inf
+   are refused everywhere; a numeric field without a range is an error at import), then the
+   `one_of` fields (`CHOICE_FIELDS`);
+2. relations between fields, the simulated links, the fault schedule (at most `MAX_RANDOM_FAULTS`
+   random faults; a scheduled fault that can never fire is a typo);
+3. places and credentials: `run.dir` is not a filesystem root or the home folder; the `_target_`
+   factories import to callables; `logging.wandb.mode=online` has credentials; the corpus test-loads.
 """
 from __future__ import annotations
 
@@ -38,14 +33,15 @@ MAX_RANDOM_FAULTS = 10_000
 
 @dataclass(frozen=True)
 class Bound:
-    """What one numeric field may hold: its type, a range, and whether null or -1 are allowed."""
-    kind: type  # int, or float (an int is fine where a float is asked)
+    """What one numeric field may hold (schema.py `_ranged`): its type (an int is fine where a float
+    is asked), [low, high] with an open end refused, null when `optional`, -1 when `forever`."""
+    kind: type
     low: float | None = None
     high: float | None = None
-    low_open: bool = False  # `low` itself is refused
-    high_open: bool = False  # `high` itself is refused
-    optional: bool = False  # null is allowed
-    forever: bool = False  # -1 is allowed and means "no limit" (Ray's max_restarts)
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+    forever: bool = False
 
     def problem(self, value: Any) -> str | None:
         """None when `value` is valid, else one line: 'got <value>; valid: <describe()>'."""
