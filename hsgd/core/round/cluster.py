@@ -1,20 +1,8 @@
-"""A cluster's phase within a round: who heals, when its inner group forms, when it is ready for
-the outer exchange, and how a replica that comes back mid-round joins. One cluster never waits
-for or disturbs another.
-
-    (re-)form   live members below min_replicas_per_cluster: the cluster sits out. Otherwise
-                members behind the furthest one heal `full` from it; with nobody at the round, every
-                member heals `global` from the lowest-id holder of another cluster. Then the inner
-                phase: in the standing group at a round's start when the members are unchanged,
-                else a run that first forms a group under a fresh epoch.
-    phase ends  every member done: ready (inner `none`: first the cluster's mean). A failure, a
-                member lost, an inner phase ended short: re-form (at most max_reforms a round).
-                A heal done: the inner phase. A void cluster (non-finite): it sits out.
-    mid-round   a restarted replica answers while its cluster runs inner: the members yield at a
-    join        common step boundary a little ahead of the furthest one, the newcomer heals from
-                the furthest member, the group re-forms. A cluster already ready takes it in at
-                once; one in a heal or its average when that ends. A cluster that sits out, or a
-                round already in its outer exchange: the next round's start.
+"""A cluster's phase within a round (the "per cluster" rows of the table in __init__.py): who
+heals, when its inner group forms, when it is ready for the outer exchange, and how a replica that
+comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out. A
+restarted replica is taken in at once by a ready cluster, when it ends by one in a heal or its
+average, after a common yield boundary by one running inner.
 """
 from __future__ import annotations
 

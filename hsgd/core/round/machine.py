@@ -1,14 +1,6 @@
 """The round machine: its state, what it is asked (start, observe, tick) and how each observation
-is taken in. What each kind of decision is lives beside it, one file each:
-
-    cluster.py   a cluster's phase: heal -> inner (forming its group) -> ready; re-form; mid-round
-                 join and yield
-    outer.py     the outer exchange: reduce, commit, retry; void (non-finite) and benched clusters;
-                 how a round ends
-    liveness.py  deadlines, hung vs slow, kill, reap, releasing a rendezvous
-
-Pure: no Ray, no clocks (every entry takes `now`), no I/O. Read hsgd/core/round/__init__.py for
-the failure table this code carries out.
+is taken in; the decisions live beside it (cluster.py, outer.py, liveness.py). Pure: no Ray, no
+clocks (every entry takes `now`), no I/O. The failure table it carries out: __init__.py.
 """
 from __future__ import annotations
 

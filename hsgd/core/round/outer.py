@@ -1,22 +1,7 @@
-"""The outer exchange, and how a round ends.
-
-    reduce   once every participating cluster is ready: the shard holders (on the `leader` path
-             the leaders, one shard) reduce their shard of the pseudo-gradient into buffers keyed
-             by (round, epoch, shard); the same call first forms the holders' groups (one per
-             shard index, hsgd/core/outer_plan.py) when the holders changed. Nothing is applied
-             without a commit.
-    commit   decided once every holder's reduce succeeded: every live member of a participating
-             cluster applies the same step (each shard's holder broadcasts it inside the
-             cluster). Committed when any replica applied it; the others heal at the next
-             round's start.
-    retry    a reduce that failed, or a commit nobody applied: only the exchange is redone.
-             Clusters whose members were lost re-form first (a new leader, a group without the
-             dead); the others keep their inner work and wait. At most max_reforms attempts.
-    void     a leader's pseudo-gradient was non-finite: it was never sent; the exchange is retried
-             without its cluster. A cluster void twice running is benched until the run's end.
-    the end  committed | restore (total loss) | below_quorum (fewer than min_clusters can take
-             part: waiting brings replicas back) | failed (a cause waiting cannot cure: too many
-             re-forms, non-finite numbers everywhere, a round nobody holds).
+"""The outer exchange (reduce, commit, retry), void and benched clusters, and how a round ends:
+committed | restore (total loss) | below_quorum (fewer than min_clusters can take part: waiting
+brings replicas back) | failed (a cause waiting cannot cure: too many re-forms, non-finite numbers
+everywhere, a round nobody holds). The rules are the table's in __init__.py.
 """
 from __future__ import annotations
 
