@@ -9,19 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-INNER_ALGORITHMS = ("ddp", "localsgd", "none")
-OUTER_ALGORITHMS = ("average", "diloco", "none")
-OUTER_CODECS = ("none", "bf16", "int8", "int4", "topk")  # hsgd.train.codec.CODECS
-OUTER_PATHS = ("leader", "sharded")  # hsgd.core.outer_plan.OUTER_PATHS
-INNER_OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
-WANDB_MODES = ("offline", "online", "disabled")
-REJOIN_MODES = ("fast", "boundary")
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE")
-PRECISIONS = ("fp32", "bf16")
-LR_SCHEDULES = ("constant", "cosine")
-OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
-MODEL_NAMES = ("tiny", "small", "custom")
 # Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
 MAX_SECONDS = 1e7
 
@@ -67,20 +55,20 @@ class TopologyConfig:
     replicas_per_cluster: int = count(2)
     cpus_per_replica: float = non_negative(1.0)
     spares_per_cluster: int = count_or_zero(0)  # warmed replicas that take over a dead one's identity
-    placement_strategy: str = one_of("STRICT_PACK", PLACEMENT_STRATEGIES)  # actors/placement.py
+    placement_strategy: str = one_of("STRICT_PACK", ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"))
     # cluster c lands on Ray nodes labelled `hsgd-cluster=<cluster_labels[c]>`
     cluster_labels: List[str] = field(default_factory=list)
 
 
 @dataclass
 class SyncConfig:
-    inner: str = one_of("ddp", INNER_ALGORITHMS)
+    inner: str = one_of("ddp", ("ddp", "localsgd", "none"))
     inner_every: int = count(1)  # localsgd: average parameters in the cluster every this many steps
-    outer: str = one_of("diloco", OUTER_ALGORITHMS)
+    outer: str = one_of("diloco", ("average", "diloco", "none"))
     outer_every: int = count(20)  # a round is outer_every / fragments inner steps (hsgd.config.rounds)
-    outer_compress: str = one_of("none", OUTER_CODECS)  # hsgd/train/codec.py
+    outer_compress: str = one_of("none", ("none", "bf16", "int8", "int4", "topk"))  # hsgd/train/codec.py
     outer_topk: float = share(0.01)  # topk: the fraction of each chunk's entries sent
-    outer_path: str = one_of("leader", OUTER_PATHS)  # hsgd/core/outer_plan.py
+    outer_path: str = one_of("leader", ("leader", "sharded"))  # hsgd/core/outer_plan.py
     fragments: int = count(1)  # Streaming DiLoCo: parameter fragments synced in turn
     fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment
     # Streaming DiLoCo's tau: the outer all-reduce overlaps this many last inner steps; 0 = no overlap
@@ -89,16 +77,16 @@ class SyncConfig:
 
 @dataclass
 class InnerOptimConfig:
-    name: str = one_of("adamw", INNER_OPTIMIZERS)
+    name: str = one_of("adamw", ("adamw", "sgd"))
     lr: float = positive(3e-3)
     momentum: float = fraction(0.9)  # sgd momentum; adamw beta1
     weight_decay: float = non_negative(0.0)
     grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
     # a function of the global inner step (heals and resumes land on the same rate)
     warmup_steps: int = count_or_zero(0)
-    schedule: str = one_of("constant", LR_SCHEDULES)
+    schedule: str = one_of("constant", ("constant", "cosine"))
     min_lr_ratio: float = ratio(0.1)
-    implementation: str = one_of("auto", OPTIMIZER_IMPLEMENTATIONS)
+    implementation: str = one_of("auto", ("auto", "fused", "foreach", "single"))
 
 
 @dataclass
@@ -119,7 +107,7 @@ class ModelConfig:
     # the model factory (Hydra `_target_`) and its keyword `args` (README, "Bring your own model and data")
     _target_: str = "hsgd.train.model.build_gpt"
     args: Dict[str, Any] = field(default_factory=dict)
-    name: str = one_of("tiny", MODEL_NAMES)
+    name: str = one_of("tiny", ("tiny", "small", "custom"))
     n_layer: int = count(4)
     n_head: int = count(4)
     n_embd: int = count(128)
@@ -154,7 +142,7 @@ class TrainConfig:
     min_step_s: float = seconds_or_zero(0.0)
     straggle_p: float = fraction(0.0)
     straggle_factor: float = non_negative(10.0)
-    precision: str = one_of("fp32", PRECISIONS)
+    precision: str = one_of("fp32", ("fp32", "bf16"))
     compile: bool = False  # torch.compile the model
     deterministic: bool = False
 
@@ -210,7 +198,7 @@ class SupervisorConfig:
     min_replicas_per_cluster: int = count(1)  # a cluster with fewer live replicas sits out outer sync
     min_clusters: int = count(1)  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
     quorum_wait_s: float = seconds(60.0)
-    rejoin: str = one_of("fast", REJOIN_MODES)  # a restarted replica joins inside the round, or at the next
+    rejoin: str = one_of("fast", ("fast", "boundary"))  # a restarted replica joins inside the round, or at the next
     rejoin_wait_s: float = seconds_or_zero(30.0)  # boundary: wait this long for a restarting replica
 
 
@@ -225,7 +213,7 @@ class WatchdogConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = one_of("offline", WANDB_MODES)
+    mode: str = one_of("offline", ("offline", "online", "disabled"))
     project: str = "hsgd"
     entity: Optional[str] = None
     group: Optional[str] = None

@@ -20,8 +20,6 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-OUTER_PATHS = ("leader", "sharded")
-
 _INDEX = re.compile(r"\.(\d+)(\.|$)")
 
 
