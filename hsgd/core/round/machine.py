@@ -109,10 +109,6 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def busy(self) -> dict[str, InFlight]:
         return self.calls.busy
 
-    @property
-    def live(self) -> tuple[str, ...]:
-        return tuple(sorted(self.progress, key=self.topology.global_index))
-
     def members(self, cluster: int) -> tuple[str, ...]:
         """The cluster's live members."""
         return tuple(rid for rid in self.ids[cluster] if rid in self.progress)
