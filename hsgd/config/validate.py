@@ -296,18 +296,12 @@ def _check_data(cfg: Any) -> None:
     except ConfigError:
         raise
     except (ValueError, OSError) as err:
-        raise ConfigError(*_field_and_problem(_one_line(err), default="data.path")) from None
+        message = _one_line(err)  # the data module's style: 'data.path=...: problem'
+        found = re.match(r"([a-z_]+(?:\.[a-z_]+)+)\s*[=:]\s*", message)
+        raise ConfigError(*((found.group(1), message[found.end():]) if found else ("data.path", message))) from None
     except Exception as err:  # noqa: BLE001 — a plug-in data factory may fail in any way
         raise ConfigError("data._target_", f"test-loading the data failed ({type(err).__name__}: "
                           f"{_one_line(err)})") from None
-
-
-def _field_and_problem(message: str, *, default: str) -> tuple[str, str]:
-    """Split 'data.path=...: problem' (the data module's style) into the field and the rest."""
-    found = re.match(r"([a-z_]+(?:\.[a-z_]+)+)\s*[=:]\s*", message)
-    if found is None:
-        return default, message
-    return found.group(1), message[found.end():]
 
 
 def _one_line(err: BaseException) -> str:
