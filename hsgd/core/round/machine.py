@@ -30,19 +30,16 @@ class RoundSettings:
     inner_every: int = 1  # localsgd: members may only yield at a sync boundary
     yield_lead_s: float = 1.5  # a yield boundary lies this far ahead of the furthest member's step
     rejoin: str = "fast"  # fast: restarted replicas join inside the round | boundary: at the next round
-    # deadlines, in seconds (the supervisor scales them with payload and learned step times)
-    step_deadline_s: float = 60.0  # an inner replica whose step does not advance for this long is hung
-    group_grace_s: float = 15.0  # after a peer of the same group failed
-    # once every other member of a group reported that its connection to a peer closed (the peer's
-    # process is gone), the one still silent is presumed dead after this long, without waiting for
-    # Ray's death notice (~1.5 s); members in lockstep all fail within a step of each other
-    presumed_dead_s: float = 0.5
+    # deadlines in seconds (settings.py scales them; liveness.py says what each bounds)
+    step_deadline_s: float = 60.0
+    group_grace_s: float = 15.0
+    presumed_dead_s: float = 0.5  # a peer whose connection closed, before Ray's death notice (~1.5 s)
     configure_s: float = 40.0  # joining a group: the allowance before a forming call's first step
     heal_s: float = 60.0
     outer_s: float = 120.0
     commit_s: float = 60.0
     outer_path: str = "leader"  # leader | sharded (hsgd/core/outer_plan.py)
-    fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps (cluster.py `_overlap_plan`)
+    fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps
 
 
 @dataclass
