@@ -264,19 +264,13 @@ class HsgdConfig:
 
 
 def register_schema() -> None:
-    """Make the schema the base of conf/config.yaml (its `hsgd_schema` default)."""
+    """Make the schema the base of conf/config.yaml (its `hsgd_schema` default), and register its
+    resolvers: `${hsgd.output_path:<path>}` (hydra.run.dir / hydra.sweep.dir) and `${hsgd.suffix:}`."""
     from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="hsgd_schema", node=HsgdConfig)
-    register_resolvers()
-
-
-def register_resolvers() -> None:
-    """`${hsgd.output_path:<path>}` (conf/config.yaml's hydra.run.dir / hydra.sweep.dir) and
-    `${hsgd.suffix:}` (the default run.dir's random suffix, one per process)."""
     from omegaconf import OmegaConf
 
     from hsgd.config.paths import output_path, run_suffix
 
+    ConfigStore.instance().store(name="hsgd_schema", node=HsgdConfig)
     OmegaConf.register_new_resolver("hsgd.output_path", output_path, replace=True)
     OmegaConf.register_new_resolver("hsgd.suffix", run_suffix, replace=True)

@@ -54,11 +54,6 @@ def fragment_of_round(round_index: int, fragments: int) -> int:
     return round_index % max(1, fragments)
 
 
-def steps_per_round(outer_every: int, fragments: int) -> int:
-    """Inner steps between two outer syncs (one fragment each)."""
-    return outer_every // max(1, fragments)
-
-
 def shard_count(live_sizes: Sequence[int], path: str) -> int:
     """How many shards the exchange is cut into: 1 on the leader path; the smallest live cluster
     size among the clusters taking part on the sharded path."""
