@@ -1,6 +1,7 @@
 """The run's configuration as a typed schema (Hydra structured configs).
 
-Every key here is public contract (README, "Configuration"). A field's valid values live on the
+Every key here is public contract, documented in README's "Configuration" table (so a field's
+comment here only points to code). A field's valid values live on the
 field: `one_of(default, choices)` or a numeric range (`count`, `seconds`, ...) in its metadata;
 `hsgd.config.validate` derives its checks from them and checks what one field cannot say alone.
 """
@@ -56,7 +57,6 @@ class TopologyConfig:
     cpus_per_replica: float = non_negative(1.0)
     spares_per_cluster: int = count_or_zero(0)  # warmed replicas that take over a dead one's identity
     placement_strategy: str = one_of("STRICT_PACK", ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"))
-    # cluster c lands on Ray nodes labelled `hsgd-cluster=<cluster_labels[c]>`
     cluster_labels: List[str] = field(default_factory=list)
 
 
@@ -71,7 +71,6 @@ class SyncConfig:
     outer_path: str = one_of("leader", ("leader", "sharded"))  # hsgd/core/outer_plan.py
     fragments: int = count(1)  # Streaming DiLoCo: parameter fragments synced in turn
     fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment
-    # Streaming DiLoCo's tau: the outer all-reduce overlaps this many last inner steps; 0 = no overlap
     fragment_delay: int = count_or_zero(0)
 
 
@@ -82,7 +81,6 @@ class InnerOptimConfig:
     momentum: float = fraction(0.9)  # sgd momentum; adamw beta1
     weight_decay: float = non_negative(0.0)
     grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
-    # a function of the global inner step (heals and resumes land on the same rate)
     warmup_steps: int = count_or_zero(0)
     schedule: str = one_of("constant", ("constant", "cosine"))
     min_lr_ratio: float = ratio(0.1)
@@ -104,7 +102,6 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
-    # the model factory (Hydra `_target_`) and its keyword `args` (README, "Bring your own model and data")
     _target_: str = "hsgd.train.model.build_gpt"
     args: Dict[str, Any] = field(default_factory=dict)
     name: str = one_of("tiny", ("tiny", "small", "custom"))
@@ -138,7 +135,6 @@ class TrainConfig:
     resume: bool = False
     eval_every: int = count(1)  # rounds between evaluations of the global model
     eval_batches: int = count(8)
-    # simulated step times and stragglers (hsgd/train/simulate.py); 0 = off
     min_step_s: float = seconds_or_zero(0.0)
     straggle_p: float = fraction(0.0)
     straggle_factor: float = non_negative(10.0)
@@ -150,10 +146,8 @@ class TrainConfig:
 @dataclass
 class RunConfig:
     name: str = "hsgd"  # the experiment name: wandb group, part of the default folders
-    # relative to hsgd.config.paths.output_root() when there is one; the suffix: paths.run_suffix
     dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
     sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
-    # a run folder that stays unwritable this long ends the run (failed); a shorter outage is survived
     io_grace_s: float = seconds(60.0)
 
 
@@ -170,7 +164,6 @@ class CommConfig:
     timeout_s: float = seconds(10.0)  # one collective
     configure_timeout_s: float = seconds(30.0)  # joining a process group (store rendezvous)
     min_gbps: float = positive(1.0)  # the slowest link a payload-scaled wait assumes (hsgd/core/deadlines.py)
-    # per level; null = follow comm.backend (hsgd.config.capacity.asked_backends)
     inner_backend: Optional[str] = one_of(None, BACKENDS)
     outer_backend: Optional[str] = one_of(None, BACKENDS)
     bucket_mb: float = positive(25.0)  # inner ddp: gradient buckets all-reduced from backward hooks as they fill
@@ -178,7 +171,6 @@ class CommConfig:
 
 @dataclass
 class LinkConfig:
-    # a simulated link for this level (hsgd.train.simulate.LinkModel); gbps 0 = no simulation
     gbps: float = non_negative(0.0)
     latency_ms: float = milliseconds_or_zero(0.0)
     jitter_ms: float = milliseconds_or_zero(0.0)
@@ -204,7 +196,6 @@ class SupervisorConfig:
 
 @dataclass
 class WatchdogConfig:
-    # a phase's deadline (hsgd.core.deadlines.PhaseClock)
     multiple: float = count(4.0)
     floor_s: float = seconds(15.0)
     ceiling_s: float = seconds(300.0)

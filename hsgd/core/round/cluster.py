@@ -92,17 +92,14 @@ class ClusterPhases:
         if st.phase_id != phase.id:
             return []
         st.phase_id = None
-        lost = any(rid not in self.progress for rid in st.members)
+        broken = not ok or any(rid not in self.progress for rid in st.members)
+        if broken:
+            st.configured = None  # a failed collective (or join), or a member lost: the group is unusable
         if c in self.void:
-            if not ok or lost:
-                st.configured = None  # a member also failed or was lost: the group is unusable
             return self._void_cluster(c, now)
         if self.joining.get(c) and self.outer_stage is OuterStage.WAIT:
-            if not ok or lost:
-                st.configured = None
             return self._admit_joiners(c, now)
-        if not ok or lost:
-            st.configured = None  # a failed collective (or join) leaves the group unusable
+        if broken:
             return self._reform(c, now, f"{phase.kind} failed")
         if phase.kind is CallKind.HEAL:
             return self._run_inner(c, now, phase.reason)
