@@ -66,11 +66,9 @@ class PhaseClock:
         return statistics.median(history) if history else default
 
     def deadline(self, phase: str, units: int = 1) -> float:
-        history = self._per_unit.get(phase)
-        if not history or len(history) < self.min_samples:
+        if len(self._per_unit.get(phase, ())) < max(1, self.min_samples):
             return self.ceiling_s
-        expected = statistics.median(history) * max(units, 1)
-        return min(self.ceiling_s, max(self.floor_s, self.multiple * expected))
+        return min(self.ceiling_s, max(self.floor_s, self.multiple * self.median(phase, 0.0) * max(units, 1)))
 
 
 # What StallWatch.verdict says about one replica after a supervisor restart

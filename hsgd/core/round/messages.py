@@ -18,15 +18,7 @@ Effects (out of the machine, for the runner to carry out):
     StepTimed  a measured inner step time (the supervisor's learned deadlines).
     PhaseEnded every call of a phase was answered or given up on (the record's phase_end).
 
-Observations (into the machine):
-
-    Answer     a replica's answer to its call of a Phase, or Ray's error for it as the runner
-               classified it (`died`: the actor is gone; `error`: the replica raised).
-    Progress   the committed inner step of a replica in run_inner (control channel, mid-call).
-    Up         a (re)started replica answers: its committed (round, step), pid and incarnation.
-    Lost       a replica is gone while no answer will say so (Ray's actor table, an idle probe,
-               a heal source's failure).
-    StateReady a heal source delivered its state: a silent target is now the one to blame.
+Observations (into the machine): `Observation`, each with its docstring.
 """
 from __future__ import annotations
 
@@ -62,8 +54,9 @@ class ErrorKind(StrEnum):
 
 # -- observations --------------------------------------------------------------------------------------
 class Answer(NamedTuple):
-    """One replica's answer to its call of phase `phase_id` (a tuple: tens of thousands a round
-    at scale). `round`/`step`: its committed position after the call (-1: unknown, it died)."""
+    """One replica's answer to its call of phase `phase_id`, or Ray's error for it as the runner
+    classified it (`died`: the actor is gone; `error`: the replica raised). A tuple: tens of
+    thousands a round at scale. `round`/`step`: its committed position after the call (-1: unknown)."""
     phase_id: int
     rid: str
     outcome: Outcome
@@ -124,13 +117,14 @@ class Up(NamedTuple):
 
 
 class Lost(NamedTuple):
-    """rid is gone and no answer will say so. `cause`: died | error | hung."""
+    """rid is gone and no answer will say so (Ray's actor table, an idle probe, a heal source's
+    failure). `cause`: died | error | hung."""
     rid: str
     cause: str = "died"
 
 
 class StateReady(NamedTuple):
-    """The heal of phase `phase_id` has its source's state (the source is no longer the one to watch)."""
+    """The heal of phase `phase_id` has its source's state: a silent target is now the one to blame."""
     phase_id: int
     source: str
 
