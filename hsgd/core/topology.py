@@ -1,8 +1,6 @@
-"""Who is who: replica ids, clusters and the global replica index.
-
-A replica id is `c<cluster>r<index>` (`c0r0`, `c1r1`). The global replica index, used for data
-sharding and every random stream of a replica, is `cluster * replicas_per_cluster + index`; it
-never changes when a replica restarts, so a restarted replica reads the same data stream.
+"""Who is who: a replica id is `c<cluster>r<index>` (`c0r0`, `c1r1`); its global index,
+`cluster * replicas_per_cluster + index`, drives data sharding and every random stream of the
+replica and never changes when it restarts (a restarted replica reads the same data stream).
 """
 from __future__ import annotations
 

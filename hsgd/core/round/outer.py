@@ -48,9 +48,8 @@ class OuterExchange:
         return shard_holders(members, [self.leaders[c] for c in clusters], shards)
 
     def _expected_shard_groups(self) -> tuple[tuple[str, ...], ...]:
-        """The shard groups the exchange will use if every cluster keeps its live replicas: what
-        `_shard_groups` gives once they formed (a cluster below min_replicas_per_cluster sits
-        out; a cluster without a live leader gets its first live member), read before they all did."""
+        """What `_shard_groups` will give if every cluster keeps its live replicas, read before they
+        all formed (the same quorum and leader rules)."""
         smallest = max(1, self.settings.min_replicas_per_cluster)
         clusters = [c for c in self.participating() if len(self.members(c)) >= smallest]
         members = [self.members(c) for c in clusters]
@@ -106,9 +105,9 @@ class OuterExchange:
         return self._outer_retry(now, "no replica applied the commit", phase.calls)
 
     def _outer_retry(self, now: float, reason: str, answered: Iterable[str] | None = None) -> list[Effect]:
-        """Only the outer exchange is redone: a participating cluster with a member lost or off
-        the round (or whose commit broadcast broke its group) re-forms; the others keep their
-        inner work and wait. `answered`: who the failed outer call went to (informational)."""
+        """Only the outer exchange is redone: a participating cluster with a member lost or off the
+        round (or whose commit broadcast broke its group) re-forms; the others keep their inner work.
+        `answered`: who the failed outer call went to (informational)."""
         self.outer_attempts += 1
         if self.outer_attempts > self.settings.max_reforms:
             return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
@@ -164,10 +163,8 @@ class OuterExchange:
         return []
 
     def _lost_quorum(self) -> list[Effect]:
-        """Fewer than min_clusters clusters can take part. Waiting brings back lost replicas, never
-        the numbers of a cluster that sits out for being non-finite: when the benched alone leave
-        too few clusters, or this round's void ones are all that is missing, the run fails (with
-        the reason) rather than waits."""
+        """Fewer than min_clusters clusters can take part: `below_quorum`, or `failed` when waiting
+        cannot cure it (non-finite clusters: the table's rule)."""
         s, clusters = self.settings, self.topology.clusters
         if len(self.benched) > clusters - s.min_clusters:
             return self._finish("failed", f"{len(self.benched)} of {clusters} clusters benched for non-finite numbers "
