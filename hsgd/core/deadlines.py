@@ -110,9 +110,8 @@ class StallWatch:
 
     def verdict(self, rid: str, answer: dict | None, now: float) -> str:
         """`answer`: rid's progress answer ({"phase", "step", "phase_since"}), or None when it did
-        not answer in time (not when it is known dead: that is the caller's, and no kill).
-        Returns IDLE (admit it), BUSY (wait), WAITING (silent, within silent_s), STUCK (in a phase
-        past its limit: kill) or HUNG (silent past silent_s: kill)."""
+        not answer in time (a known death is the caller's). IDLE (admit it), BUSY (wait), WAITING
+        (silent within silent_s), STUCK or HUNG (kill)."""
         if answer is None:
             since = self._silent.setdefault(rid, now)
             return HUNG if now - since > self.silent_s else WAITING

@@ -3,9 +3,8 @@
 
     hung       the last sign of progress plus the learned step deadline; before its first step,
                a call that forms its group may first spend its join allowance.
-    a peer of  the limit shrinks to the group's grace from the failure. Only its own group: a
-    its group  commit broadcasts in every cluster and each heal is its own transfer.
-    failed
+    peer       a peer of its own group failed (a commit broadcasts per cluster, each heal is its
+    failed     own transfer): the limit shrinks to the group's grace from the failure.
     peer gone  every other member of a group saw its connection to a peer close: the silent one
                is presumed dead after presumed_dead_s and reaped (not killed: Ray is restarting it
                already; a kill could hit the new process).

@@ -150,10 +150,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         return "inner" if ClusterStage.INNER in stages else str(min(stages)) if stages else "idle"
 
     def probes(self, *, idle: bool, gone) -> list[tuple[str, str]]:
-        """What the runner asks whom on the control channel: the step of those in run_inner
-        (`progress`); whether replicas that are down (and not `gone`) are back (`up`, rejoin `fast`:
-        a call to a restarting actor waits until it is up); and, when `idle`, whether live replicas
-        with no call in flight still run (`idle`)."""
+        """What the runner asks whom on the control channel: `progress` of those in run_inner; `up`
+        of those down and not `gone` (rejoin `fast`; a call to a restarting actor waits until it is
+        up); with `idle`, `idle` of live replicas with no call in flight."""
         want = [("progress", rid) for f in self.inflight.values() if f.phase.kind is CallKind.RUN_INNER
                 for rid in f.pending]
         if self.settings.rejoin == "fast":
