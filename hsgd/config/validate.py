@@ -185,9 +185,8 @@ def _check_relations(cfg: Any) -> None:
 
 
 def _check_links(cfg: Any) -> None:
-    """A simulated link (`links.<level>`) is on with gbps > 0: a latency without it would be
-    silently ignored, and a link slower than comm.min_gbps would outlast the deadlines the
-    supervisor scales at comm.min_gbps (the link's sleep is outside each collective's own)."""
+    """A latency without a simulated link's gbps would be silently ignored; a link slower than
+    comm.min_gbps would outlast the deadlines scaled at it (its sleep is outside each collective's)."""
     for level in ("outer", "inner"):
         link, name = getattr(cfg.links, level), f"links.{level}"
         if link.gbps == 0:
@@ -252,9 +251,8 @@ def _check_folders(cfg: Any) -> None:
 
 
 def _check_wandb_credentials(mode: str) -> None:
-    """Online logging fails late and far away (in the supervisor) without credentials: refuse it
-    here. Looks where wandb looks, without the network: the environment, the netrc file, wandb's
-    settings file."""
+    """Online logging without credentials fails late, in the supervisor: refuse it here, looking
+    where wandb looks (the environment, netrc, wandb's settings file), without the network."""
     if mode != "online" or wandb_credentials_found():
         return
     raise ConfigError("logging.wandb.mode", "online needs W&B credentials and none were found (no WANDB_API_KEY, "

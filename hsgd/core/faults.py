@@ -21,8 +21,7 @@ _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 
 
 class FaultSpecError(ConfigError):
-    """One-line error about one fault spec; `field` names the config key (a ConfigError, so
-    `validate()` keeps its contract)."""
+    """One-line error about one fault spec; `field` names the config key (validate's contract)."""
 
 
 @dataclass(frozen=True)
