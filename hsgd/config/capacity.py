@@ -1,22 +1,16 @@
-"""Will the Ray cluster hold this topology? Decisions as pure functions, so they are unit-tested
-(only `usable_memory_bytes` reads a file: the container's limit); the actors (actors/launch.py,
-actors/placement.py) feed them the machine's or the cluster's figures and raise the ConfigError.
+"""Will the Ray cluster hold this topology? Pure decisions (only `usable_memory_bytes` reads a
+file: the container's limit); the actors (actors/launch.py, actors/placement.py) feed them the
+machine's or the cluster's figures and raise the ConfigError, so an impossible run is one config
+error, never thousands of actors fighting for two cores or placement groups that never get ready.
 
-Embedded (local) Ray, `embedded_capacity_problem`: checked before Ray starts, so an impossible run
-is one config error instead of thousands of actors fighting for two cores. A real cluster,
-`placement_problem`: checked before any actor starts, so a placement that can never happen is one
-config error instead of a wait for placement groups that never become ready.
+A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must
+fit in 80 % of the machine; CPUs may be oversubscribed up to `MAX_REPLICAS_PER_CORE` unless
+`ray.num_cpus` is given, which is then honoured exactly.
 
-A replica is a process with torch, the model, its inner optimizer and the outer state: about
-`PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must fit in 80 % of the
-machine; CPUs may be oversubscribed (replicas of small tests mostly wait on each other) up to
-`MAX_REPLICAS_PER_CORE`, unless `ray.num_cpus` is given, which is then honoured exactly.
-
-Backends per level, `plan_backends` (driver, from the Ray cluster's resources, never from the
-driver's own CUDA: a CPU-only head node is the usual `ray job submit` target) and
-`resolve_level_backend` (in each replica, by the GPU Ray gave it). A replica asks Ray for a GPU of
-its own exactly when a level may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU
-detected"); what the cluster cannot give is refused here, before any replica starts.
+Backends per level: `plan_backends` (the driver, from the Ray cluster's resources, never its own
+CUDA: a CPU-only head node is the usual `ray job submit` target) and `resolve_level_backend` (each
+replica, by its GPU). A replica asks Ray for a GPU of its own exactly when a level may use nccl,
+so two NCCL ranks never share a GPU ("Duplicate GPU detected").
 """
 from __future__ import annotations
 
@@ -152,10 +146,9 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
 # -- backends per level --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackendPlan:
-    """What the driver hands each replica. `inner`: gloo | nccl | auto, where auto is left only when
-    the replica gets a GPU of its own and is resolved there (`resolve_level_backend`: nccl when
-    torch there sees the GPU). `outer`: gloo | nccl. `gpus_per_replica`: 0.0 or 1.0, asked of Ray
-    by every replica and hot spare. `notice`: one line for the console (auto fell back to gloo)."""
+    """What the driver hands each replica. `inner`: gloo | nccl | auto (left only when the replica
+    gets a GPU of its own; resolved there). `outer`: gloo | nccl. `gpus_per_replica`: 0.0 or 1.0,
+    asked by every replica and hot spare. `notice`: one console line (auto fell back to gloo)."""
     inner: str
     outer: str
     gpus_per_replica: float
@@ -181,15 +174,11 @@ def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str
                   replicas_per_cluster: int, spares_per_cluster: int, cpus_per_replica: float, total: dict,
                   nodes: list[dict], strategy: str, cluster_labels: list, label_key: str,
                   sizes: list[int] | None = None) -> BackendPlan:
-    """The per-level backends and GPUs per replica for this Ray cluster (`total`: its resources,
-    `nodes`: the live nodes as for `placement_problem`).
-
-    - A level that asks nccl needs every replica and spare to get a GPU of its own, placed as the
-      strategy requires (STRICT_PACK: a cluster's replicas on one node, so that node needs as many
-      GPUs); when the cluster cannot give that, ConfigError naming the counts and what is valid.
-    - inner `auto`: nccl only where every replica gets its own GPU, else gloo on CPU with a notice
-      (no notice on a cluster without GPUs: that is the plain CPU case).
-    - gloo on both levels: no GPU is asked for."""
+    """The per-level backends and GPUs per replica for this Ray cluster (`total`, `nodes` as for
+    `placement_problem`). A level that asks nccl needs every replica and spare to get a GPU of its
+    own, placed as the strategy requires, else ConfigError naming the counts and what is valid.
+    Inner `auto`: nccl only where every replica gets its own GPU, else gloo with a notice (none on
+    a cluster without GPUs). gloo on both levels asks no GPU."""
     asked = asked_backends(backend, inner_backend, outer_backend)
     (inner, inner_field), (outer, outer_field) = asked["inner"], asked["outer"]
     k = replicas_per_cluster + spares_per_cluster

@@ -1,11 +1,6 @@
 """The config before Ray starts: compose it as Hydra would, turn Hydra's nested errors into one
-line, and every check that needs no cluster (`precheck`): the config's types and rules
-(hsgd.config.validate), the embedded cluster's capacity, and whether the run may use its folder
-(`check_run_folder`). Each refusal is a `ConfigError` (one line); jobs.train exits 2 on it.
-
-An hsgd run folder is recognised only by what only hsgd writes: `run.json` holding an hsgd run
-id, or the run's lock `hsgd.lock` (hsgd.record.runlock). A non-empty folder holding anything else
-(someone's own `config.yaml` included) is never written into.
+line, and every check that needs no cluster (`precheck`). Each refusal is a `ConfigError` (one
+line); jobs.train exits 2 on it.
 """
 from __future__ import annotations
 
@@ -65,11 +60,9 @@ def describe_hydra_error(err: BaseException) -> str:
 
 
 def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
-    """Compose and validate the config outside Hydra's runner, before Ray starts: the config's
-    types (OmegaConf), every rule of hsgd.config.validate (numbers, choices, folders, factories,
-    credentials, the corpus test-loaded) and the embedded cluster's capacity. Raises ConfigError
-    (one line, '<field>: <problem>; valid: ...'); jobs.train exits 2 on it. `run_folder` (a single
-    run): also check_run_folder, before Hydra writes its `.hydra/` into the folder."""
+    """Compose and validate the config outside Hydra's runner, before Ray starts: the types
+    (OmegaConf), hsgd.config.validate, the embedded cluster's capacity, and with `run_folder` (a
+    single run) check_run_folder, before Hydra writes its `.hydra/` there. Raises ConfigError."""
     try:
         cfg = compose_config(overrides)
         validate(cfg)
@@ -115,10 +108,9 @@ def _memory_bytes() -> int:
 
 
 def is_hsgd_run_folder(folder: Path) -> bool:
-    """What only hsgd writes: its lock, a run.json naming an hsgd run, or a finalized checkpoint
-    (`checkpoints/round_*/manifest.json` naming its run: a checkpoint copied by hand into a new
-    folder to resume from). Each names a run id (a JSON object with a non-empty string `run_id`); a
-    common file name (config.yaml, checkpoints/) proves nothing."""
+    """What only hsgd writes: its lock, or a run.json or finalized checkpoint manifest
+    (`checkpoints/round_*/manifest.json`: one copied by hand to resume from) naming a run id (a
+    non-empty string `run_id`). A common file name (config.yaml, checkpoints/) proves nothing."""
     if (folder / LOCK_NAME).exists():
         return True
     return any(_names_a_run(marker) for marker in
@@ -134,14 +126,11 @@ def _names_a_run(path: Path) -> bool:
 
 
 def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:
-    """Raise ConfigError (one line; nothing is written) when this run may not use run_dir:
-    - it exists and is not a folder, or is a non-empty folder that is not an hsgd run
-      (is_hsgd_run_folder): someone else's files, never written into;
-    - another run holds its lock (hsgd.record.runlock), or a stale lock without train.resume;
-    - it holds a run (summary.json / supervisor_state.json) and train.resume is not set.
-    `hydra_wrote`: Hydra's own `.hydra/` and `*.log` in the folder do not make it foreign (the job
-    created them a moment ago). Read-only: jobs.train calls it before Hydra writes anything, and
-    run_training again before it takes the lock (the authority)."""
+    """Raise ConfigError (one line; nothing is written) when this run may not use run_dir: it is
+    not a folder, or a non-empty one that is not an hsgd run (someone else's files); another run
+    holds its lock, or a stale lock without train.resume; it holds a run and train.resume is not
+    set. `hydra_wrote`: Hydra's own `.hydra/` and `*.log` there do not make it foreign. Read-only:
+    jobs.train calls it before Hydra writes, run_training again before it takes the lock."""
     from hsgd.record import runlock
 
     p = Path(run_dir)

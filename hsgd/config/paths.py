@@ -1,7 +1,9 @@
 """Where a run writes: run.dir / run.sweep_dir resolved against the persistent output root."""
 from __future__ import annotations
 
+import functools
 import os
+import secrets
 from typing import Optional
 
 
@@ -33,16 +35,9 @@ def output_path(path: str) -> str:
     return os.path.join(root, p) if root is not None and not os.path.isabs(p) else p
 
 
-_SUFFIX: list[str] = []  # this process's run-folder suffix, drawn once
-
-
+@functools.cache
 def run_suffix() -> str:
-    """`${hsgd.suffix:}`: 6 random hex digits, the same for every call in this process. The default
-    run.dir ends with it, so two jobs started in the same second (`ray job submit` twice) get
-    different folders; stable within the process because Hydra resolves hydra.run.dir and
-    cfg.run.dir separately, and both must name the same folder."""
-    if not _SUFFIX:
-        import secrets
-
-        _SUFFIX.append(secrets.token_hex(3))
-    return _SUFFIX[0]
+    """`${hsgd.suffix:}`: 6 random hex digits, drawn once per process. The default run.dir ends with
+    it, so two jobs started in the same second get different folders; one per process because
+    Hydra resolves hydra.run.dir and cfg.run.dir separately, and both must name the same folder."""
+    return secrets.token_hex(3)

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hsgd.core.outer_plan import steps_per_round as _steps_per_round
-
 
 def steps_per_round(cfg: Any) -> int:
     """Inner steps per round: `sync.outer_every / sync.fragments` (each round syncs one fragment,
     so every fragment is synced every `outer_every` steps; without fragments, outer_every)."""
-    return _steps_per_round(int(cfg.sync.outer_every), int(cfg.sync.fragments))
+    return int(cfg.sync.outer_every) // max(1, int(cfg.sync.fragments))
 
 
 def is_streaming(cfg: Any) -> bool:

@@ -1,6 +1,7 @@
 """The run's configuration as a typed schema (Hydra structured configs).
 
-Every key here is public contract (README, "Configuration"). A field's valid values live on the
+Every key here is public contract, documented in README's "Configuration" table (so a field's
+comment here only points to code). A field's valid values live on the
 field: `one_of(default, choices)` or a numeric range (`count`, `seconds`, ...) in its metadata;
 `hsgd.config.validate` derives its checks from them and checks what one field cannot say alone.
 """
@@ -9,19 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-INNER_ALGORITHMS = ("ddp", "localsgd", "none")
-OUTER_ALGORITHMS = ("average", "diloco", "none")
-OUTER_CODECS = ("none", "bf16", "int8", "int4", "topk")  # hsgd.train.codec.CODECS
-OUTER_PATHS = ("leader", "sharded")  # hsgd.core.outer_plan.OUTER_PATHS
-INNER_OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
-WANDB_MODES = ("offline", "online", "disabled")
-REJOIN_MODES = ("fast", "boundary")
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE")
-PRECISIONS = ("fp32", "bf16")
-LR_SCHEDULES = ("constant", "cosine")
-OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "single")
-MODEL_NAMES = ("tiny", "small", "custom")
 # Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
 MAX_SECONDS = 1e7
 
@@ -77,13 +66,8 @@ class TopologyConfig:
     clusters: int = count(2)
     replicas_per_cluster: int = count(2)
     cpus_per_replica: float = non_negative(1.0)
-    # Pre-started, warmed replicas per cluster that take over a dead replica's identity at once
-    # (its rejoin costs a heal, not a process start); the dead one's restart becomes the new spare.
-    spares_per_cluster: int = count_or_zero(0)
-    # How a cluster's replicas are kept together on a real Ray cluster (see actors/placement.py).
-    placement_strategy: str = one_of("STRICT_PACK", PLACEMENT_STRATEGIES)
-    # Optional Ray node label per cluster, e.g. ["rack-a", "rack-b"]: cluster c lands on nodes with
-    # label `hsgd-cluster=<cluster_labels[c]>`.
+    spares_per_cluster: int = count_or_zero(0)  # warmed replicas that take over a dead one's identity
+    placement_strategy: str = one_of("STRICT_PACK", ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"))
     cluster_labels: List[str] = field(default_factory=list)
     # Sites of different sizes, one entry per cluster (SiteConfig); [] = the uniform keys above.
     sites: List[SiteConfig] = field(default_factory=list)
@@ -91,40 +75,29 @@ class TopologyConfig:
 
 @dataclass
 class SyncConfig:
-    inner: str = one_of("ddp", INNER_ALGORITHMS)
+    inner: str = one_of("ddp", ("ddp", "localsgd", "none"))
     inner_every: int = count(1)  # localsgd: average parameters in the cluster every this many steps
-    outer: str = one_of("diloco", OUTER_ALGORITHMS)
-    # inner steps between two syncs of the same parameters (with fragments: of one fragment); a
-    # round is outer_every / fragments inner steps (hsgd.config.steps_per_round)
-    outer_every: int = count(20)
-    # what crosses the slow link (hsgd/train/codec.py): none (fp32) | bf16 | int8 | int4 | topk,
-    # with error feedback for every lossy codec (each cluster re-sends what it could not send)
-    outer_compress: str = one_of("none", OUTER_CODECS)
+    outer: str = one_of("diloco", ("average", "diloco", "none"))
+    outer_every: int = count(20)  # a round is outer_every / fragments inner steps (hsgd.config.rounds)
+    outer_compress: str = one_of("none", ("none", "bf16", "int8", "int4", "topk"))  # hsgd/train/codec.py
     outer_topk: float = share(0.01)  # topk: the fraction of each chunk's entries sent
-    # leader: each cluster's leader exchanges the whole payload; sharded: every member exchanges a
-    # shard (one outer group per shard index) and the cluster gathers the shards (hsgd/core/outer_plan.py)
-    outer_path: str = one_of("leader", OUTER_PATHS)
-    fragments: int = count(1)  # Streaming DiLoCo: parameter fragments (strided over depth) synced in turn
-    fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment (torchft's); 0 = take the global
-    # overlap: the round's pseudo-gradient is taken this many inner steps before the round's end, and
-    # its outer all-reduce runs while those steps compute (Streaming DiLoCo's tau); 0 = no overlap
+    outer_path: str = one_of("leader", ("leader", "sharded"))  # hsgd/core/outer_plan.py
+    fragments: int = count(1)  # Streaming DiLoCo: parameter fragments synced in turn
+    fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment
     fragment_delay: int = count_or_zero(0)
 
 
 @dataclass
 class InnerOptimConfig:
-    name: str = one_of("adamw", INNER_OPTIMIZERS)
+    name: str = one_of("adamw", ("adamw", "sgd"))
     lr: float = positive(3e-3)
     momentum: float = fraction(0.9)  # sgd momentum; adamw beta1
     weight_decay: float = non_negative(0.0)
     grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
-    # learning rate as a function of the global inner step (heals and resumes land on the same rate):
-    # linear warmup over warmup_steps, then constant or cosine decay to lr * min_lr_ratio at the run's end
     warmup_steps: int = count_or_zero(0)
-    schedule: str = one_of("constant", LR_SCHEDULES)
+    schedule: str = one_of("constant", ("constant", "cosine"))
     min_lr_ratio: float = ratio(0.1)
-    # auto: fused on CUDA, single-tensor on CPU (bitwise equal replicas either way) | fused | foreach | single
-    implementation: str = one_of("auto", OPTIMIZER_IMPLEMENTATIONS)
+    implementation: str = one_of("auto", ("auto", "fused", "foreach", "single"))
 
 
 @dataclass
@@ -142,11 +115,9 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
-    # the model factory (Hydra `_target_`): the built-in GPT, or a user's callable returning an nn.Module;
-    # `args` are its keyword arguments (README, "Bring your own model and data")
     _target_: str = "hsgd.train.model.build_gpt"
     args: Dict[str, Any] = field(default_factory=dict)
-    name: str = one_of("tiny", MODEL_NAMES)
+    name: str = one_of("tiny", ("tiny", "small", "custom"))
     n_layer: int = count(4)
     n_head: int = count(4)
     n_embd: int = count(128)
@@ -156,7 +127,6 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # the dataset factory (Hydra `_target_`): built-in text / token files, or a user's batch source
     _target_: str = "hsgd.train.data.build_dataset"
     args: Dict[str, Any] = field(default_factory=dict)
     path: Optional[str] = None  # None = the Shakespeare corpus shipped in the package
@@ -168,7 +138,6 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    # the loss (Hydra `_target_`): callable(model, batch) -> scalar tensor
     _target_: str = "hsgd.train.model.lm_loss"
     args: Dict[str, Any] = field(default_factory=dict)
 
@@ -179,29 +148,19 @@ class TrainConfig:
     resume: bool = False
     eval_every: int = count(1)  # rounds between evaluations of the global model
     eval_batches: int = count(8)
-    # Pad each inner step to at least this many seconds by sleeping: simulates an accelerator's step
-    # time on CPU, so tests and drills run rounds of minutes cheaply. 0 = off.
     min_step_s: float = seconds_or_zero(0.0)
-    # Simulated stragglers (benchmarks): at each inner step a replica sleeps, with probability
-    # straggle_p, straggle_factor times the step's time. 0 = off.
     straggle_p: float = fraction(0.0)
     straggle_factor: float = non_negative(10.0)
-    precision: str = one_of("fp32", PRECISIONS)  # fp32 | bf16 (autocast; master weights, pseudo-gradients, outer state fp32)
+    precision: str = one_of("fp32", ("fp32", "bf16"))
     compile: bool = False  # torch.compile the model
-    # bitwise replay on GPU: deterministic algorithms, cuBLAS workspace, deterministic attention
     deterministic: bool = False
 
 
 @dataclass
 class RunConfig:
     name: str = "hsgd"  # the experiment name: wandb group, part of the default folders
-    # A relative path is relative to the launch directory, except under `ray job submit` (whose
-    # working dir is a temporary copy) or when $HSGD_OUTPUT_ROOT is set: then it is relative to
-    # the persistent output root (see output_root()). Absolute paths are taken as they are.
-    # The default ends with a random suffix drawn once per process (hsgd.config.paths.run_suffix).
     dir: str = "outputs/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
     sweep_dir: str = "outputs/multirun/${now:%Y%m%d-%H%M%S}-${run.name}-${hsgd.suffix:}"
-    # a run folder that stays unwritable this long ends the run (failed); a shorter outage is survived
     io_grace_s: float = seconds(60.0)
 
 
@@ -209,21 +168,15 @@ class RunConfig:
 class CheckpointConfig:
     every: int = count_or_zero(5)  # rounds between durable checkpoints, 0 = never
     keep: int = count(2)
-    # where checkpoints go: null = <run.dir>/checkpoints; or any fsspec URL every replica reaches
-    # (a shared mount, s3://..., gs://..., memory://... in tests)
     dir: Optional[str] = None
 
 
 @dataclass
 class CommConfig:
-    backend: str = one_of("auto", BACKENDS)  # auto (nccl when CUDA is present) | gloo | nccl
+    backend: str = one_of("auto", BACKENDS)
     timeout_s: float = seconds(10.0)  # one collective
     configure_timeout_s: float = seconds(30.0)  # joining a process group (store rendezvous)
-    # The slowest link assumed when a wait is scaled to its payload: a collective waits at most
-    # timeout_s + bytes * 8 / (min_gbps * 1e9), so a multi-GB outer all-reduce gets the time it
-    # needs while a 1 MB inner one still fails fast.
-    min_gbps: float = positive(1.0)
-    # per level; null = follow comm.backend (for the outer level `auto` means gloo: the slow link is TCP)
+    min_gbps: float = positive(1.0)  # the slowest link a payload-scaled wait assumes (hsgd/core/deadlines.py)
     inner_backend: Optional[str] = one_of(None, BACKENDS)
     outer_backend: Optional[str] = one_of(None, BACKENDS)
     bucket_mb: float = positive(25.0)  # inner ddp: gradient buckets all-reduced from backward hooks as they fill
@@ -231,11 +184,9 @@ class CommConfig:
 
 @dataclass
 class LinkConfig:
-    # A simulated link for this level (hsgd.train.simulate.LinkModel): each collective lasts at least
-    # latency + jitter + its bytes * 8 / (gbps * 1e9) s, so one machine behaves like a WAN.
-    gbps: float = non_negative(0.0)  # 0 = no simulation (the real network as it is); else >= comm.min_gbps
-    latency_ms: float = milliseconds_or_zero(0.0)  # per collective
-    jitter_ms: float = milliseconds_or_zero(0.0)  # extra latency, uniform in [0, jitter_ms], per collective
+    gbps: float = non_negative(0.0)
+    latency_ms: float = milliseconds_or_zero(0.0)
+    jitter_ms: float = milliseconds_or_zero(0.0)
 
 
 @dataclass
@@ -252,16 +203,12 @@ class SupervisorConfig:
     min_replicas_per_cluster: int = count(1)  # a cluster with fewer live replicas sits out outer sync
     min_clusters: int = count(1)  # fewer clusters in quorum: wait up to quorum_wait_s, then fail the run
     quorum_wait_s: float = seconds(60.0)
-    # fast: a restarted replica joins its cluster inside the round (at a step boundary, healed from a
-    # live peer); boundary: at the next round, where the supervisor waits up to rejoin_wait_s for it
-    # (bitwise replay of drills: same seed + schedule -> same digest).
-    rejoin: str = one_of("fast", REJOIN_MODES)
-    rejoin_wait_s: float = seconds_or_zero(30.0)  # at a round boundary, wait this long for a restarting replica
+    rejoin: str = one_of("fast", ("fast", "boundary"))  # a restarted replica joins inside the round, or at the next
+    rejoin_wait_s: float = seconds_or_zero(30.0)  # boundary: wait this long for a restarting replica
 
 
 @dataclass
 class WatchdogConfig:
-    # deadline of a phase = clamp(multiple * median recent seconds per step * steps, floor_s, ceiling_s)
     multiple: float = count(4.0)
     floor_s: float = seconds(15.0)
     ceiling_s: float = seconds(300.0)
@@ -270,7 +217,7 @@ class WatchdogConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = one_of("offline", WANDB_MODES)
+    mode: str = one_of("offline", ("offline", "online", "disabled"))
     project: str = "hsgd"
     entity: Optional[str] = None
     group: Optional[str] = None
@@ -280,19 +227,16 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True  # console progress bar
-    step_times: bool = False  # run.dir/steps/<rid>.jsonl: one line per committed inner step (hsgd.record.steps)
+    step_times: bool = False  # run.dir/steps/<rid>.jsonl (hsgd.record.steps)
 
 
 @dataclass
 class FaultsConfig:
-    # List of {kind, target, round, phase, step}; see hsgd/core/faults.py and the README.
     schedule: List[Any] = field(default_factory=list)
     mtbf_s: float = non_negative(0.0)  # random faults with this mean time between failures, 0 = off
     kinds: List[str] = field(default_factory=lambda: ["kill", "crash"])
     seed: int = seed_range(0)
-    # Random faults land on step boundaries, mapped from time assuming this many seconds per inner
-    # step, so a seed always gives the same schedule (and the same result) on any machine.
-    step_s: float = seconds(0.1)
+    step_s: float = seconds(0.1)  # seconds per inner step assumed: a seed gives one schedule on any machine
     max_restarts: int = restarts(10)  # restarts allowed per replica actor
     # a replica that died this many times within quarantine_window_s is re-created on another node,
     # or kept out when none can hold it (hsgd/core/quarantine.py); 0 = off
@@ -302,8 +246,8 @@ class FaultsConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None  # None: attach when RAY_ADDRESS/job context is set, else embedded
-    num_cpus: Optional[int] = count(None)  # embedded cluster only; None = max(cores, replicas + 1)
+    address: Optional[str] = None
+    num_cpus: Optional[int] = count(None)  # embedded cluster only
 
 
 @dataclass
@@ -328,19 +272,13 @@ class HsgdConfig:
 
 
 def register_schema() -> None:
-    """Make the schema the base of conf/config.yaml (its `hsgd_schema` default)."""
+    """Make the schema the base of conf/config.yaml (its `hsgd_schema` default), and register its
+    resolvers: `${hsgd.output_path:<path>}` (hydra.run.dir / hydra.sweep.dir) and `${hsgd.suffix:}`."""
     from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="hsgd_schema", node=HsgdConfig)
-    register_resolvers()
-
-
-def register_resolvers() -> None:
-    """`${hsgd.output_path:<path>}` (conf/config.yaml's hydra.run.dir / hydra.sweep.dir) and
-    `${hsgd.suffix:}` (the default run.dir's random suffix, one per process)."""
     from omegaconf import OmegaConf
 
     from hsgd.config.paths import output_path, run_suffix
 
+    ConfigStore.instance().store(name="hsgd_schema", node=HsgdConfig)
     OmegaConf.register_new_resolver("hsgd.output_path", output_path, replace=True)
     OmegaConf.register_new_resolver("hsgd.suffix", run_suffix, replace=True)

@@ -1,19 +1,14 @@
 """Validation of a resolved config: every rule the types cannot express, checked before any actor starts.
 
 `validate(cfg)` raises `ConfigError` whose message is ONE line, '<field>: <problem>; valid: <what
-would be>'; the entry point (jobs/train.py) prints it and exits with code 2 before Ray starts.
-
-What it checks, in this order (the cheap checks first, the corpus last):
-1. `NUMERIC_FIELDS`: every numeric field of the schema, its type and the range its metadata gives
-   (hsgd/config/schema.py: `count`, `seconds`, ...). Every number must be finite (nan and inf are
-   refused everywhere). A numeric field without a range is an error at import, so no field skips it.
-2. `CHOICE_FIELDS`: fields that name one of a fixed set of values (`one_of` in the schema).
-3. Relations between fields (localsgd's period, quorum within the topology, watchdog floor and
-   ceiling, a simulated link only with its bandwidth and never below comm.min_gbps, a random
-   fault schedule of at most `MAX_RANDOM_FAULTS` faults, the fault schedule).
-4. Places and credentials: `run.dir` is not a filesystem root or the home folder; the
-   `_target_` factories of model, data and loss import to callables; `logging.wandb.mode=online`
-   has credentials; the corpus test-loads (`hsgd.train.data.check_data`).
+would be>'; jobs/train.py prints it and exits 2 before Ray starts. In order, the cheap checks first:
+1. every numeric field's type and range from the schema's metadata (`NUMERIC_FIELDS`; nan and inf
+   are refused everywhere; a numeric field without a range is an error at import), then the
+   `one_of` fields (`CHOICE_FIELDS`);
+2. relations between fields, the simulated links, the fault schedule (at most `MAX_RANDOM_FAULTS`
+   random faults; a scheduled fault that can never fire is a typo);
+3. places and credentials: `run.dir` is not a filesystem root or the home folder; the `_target_`
+   factories import to callables; `logging.wandb.mode=online` has credentials; the corpus test-loads.
 """
 from __future__ import annotations
 
@@ -39,14 +34,15 @@ MAX_RANDOM_FAULTS = 10_000
 
 @dataclass(frozen=True)
 class Bound:
-    """What one numeric field may hold: its type, a range, and whether null or -1 are allowed."""
-    kind: type  # int, or float (an int is fine where a float is asked)
+    """What one numeric field may hold (schema.py `_ranged`): its type (an int is fine where a float
+    is asked), [low, high] with an open end refused, null when `optional`, -1 when `forever`."""
+    kind: type
     low: float | None = None
     high: float | None = None
-    low_open: bool = False  # `low` itself is refused
-    high_open: bool = False  # `high` itself is refused
-    optional: bool = False  # null is allowed
-    forever: bool = False  # -1 is allowed and means "no limit" (Ray's max_restarts)
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+    forever: bool = False
 
     def problem(self, value: Any) -> str | None:
         """None when `value` is valid, else one line: 'got <value>; valid: <describe()>'."""
@@ -192,9 +188,8 @@ def _check_relations(cfg: Any) -> None:
 
 
 def _check_links(cfg: Any) -> None:
-    """A simulated link (`links.<level>`) is on with gbps > 0: a latency without it would be
-    silently ignored, and a link slower than comm.min_gbps would outlast the deadlines the
-    supervisor scales at comm.min_gbps (the link's sleep is outside each collective's own)."""
+    """A latency without a simulated link's gbps would be silently ignored; a link slower than
+    comm.min_gbps would outlast the deadlines scaled at it (its sleep is outside each collective's)."""
     for level in ("outer", "inner"):
         link, name = getattr(cfg.links, level), f"links.{level}"
         if link.gbps == 0:
@@ -260,9 +255,8 @@ def _check_folders(cfg: Any) -> None:
 
 
 def _check_wandb_credentials(mode: str) -> None:
-    """Online logging fails late and far away (in the supervisor) without credentials: refuse it
-    here. Looks where wandb looks, without the network: the environment, the netrc file, wandb's
-    settings file."""
+    """Online logging without credentials fails late, in the supervisor: refuse it here, looking
+    where wandb looks (the environment, netrc, wandb's settings file), without the network."""
     if mode != "online" or wandb_credentials_found():
         return
     raise ConfigError("logging.wandb.mode", "online needs W&B credentials and none were found (no WANDB_API_KEY, "
@@ -304,18 +298,12 @@ def _check_data(cfg: Any) -> None:
     except ConfigError:
         raise
     except (ValueError, OSError) as err:
-        raise ConfigError(*_field_and_problem(_one_line(err), default="data.path")) from None
+        message = _one_line(err)  # the data module's style: 'data.path=...: problem'
+        found = re.match(r"([a-z_]+(?:\.[a-z_]+)+)\s*[=:]\s*", message)
+        raise ConfigError(*((found.group(1), message[found.end():]) if found else ("data.path", message))) from None
     except Exception as err:  # noqa: BLE001 — a plug-in data factory may fail in any way
         raise ConfigError("data._target_", f"test-loading the data failed ({type(err).__name__}: "
                           f"{_one_line(err)})") from None
-
-
-def _field_and_problem(message: str, *, default: str) -> tuple[str, str]:
-    """Split 'data.path=...: problem' (the data module's style) into the field and the rest."""
-    found = re.match(r"([a-z_]+(?:\.[a-z_]+)+)\s*[=:]\s*", message)
-    if found is None:
-        return default, message
-    return found.group(1), message[found.end():]
 
 
 def _one_line(err: BaseException) -> str:

@@ -1,19 +1,11 @@
-"""Hang watchdog: per-phase deadlines learned from the run itself (hang reports: hsgd.record.hangs).
+"""Deadlines: learned from the run itself, or scaled to the bytes moved (hang reports: hsgd.record.hangs).
 
-Deadlines. A fixed timeout is either too short for a slow healthy run or too long for a hang.
-`PhaseClock` keeps the recent durations of each phase, per unit of work (an inner phase of k
-steps counts k units), and sets the deadline of the next call to
-
-    clamp(multiple * median(recent seconds per unit) * units, floor_s, ceiling_s)
-
-so a replica twice as slow as usual is left alone (multiple defaults to 4) while a hung one is
-caught within seconds of the floor. Until a phase has been seen `min_samples` times its deadline
-is the ceiling.
-
-Payload-scaled deadlines. A transfer's deadline is a fixed part plus its bytes at the slowest link
-speed assumed (`collective_timeout_s`, comm.min_gbps); a heal's covers its group's join and the
-whole state twice (`heal_deadline_s`, over `state_bytes_bound`). The round machine's settings
-(hsgd/core/round/settings.py), the collectives themselves (hsgd/train/comm.py) and the actors'
+A fixed timeout is either too short for a slow healthy run or too long for a hang. `PhaseClock`
+keeps each phase's recent seconds per unit of work (an inner phase of k steps is k units) and sets
+the next call's deadline to clamp(multiple * median * units, floor_s, ceiling_s): a replica twice
+as slow as usual is left alone, a hung one caught near the floor; the ceiling until a phase was
+seen `min_samples` times. A transfer's deadline is a fixed part plus its bytes at comm.min_gbps
+(`collective_timeout_s`); the round settings, the collectives (hsgd/train/comm.py) and the actors'
 waits all take them from here.
 """
 from __future__ import annotations
@@ -33,9 +25,8 @@ STATE_SMALL_BYTES = 1 << 20
 
 def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
     """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
-    payload at the slowest link speed assumed. Scales a 1 MB inner all-reduce and a multi-GB outer
-    one (or a heal) from the same two settings. A simulated link's sleep (`hsgd.train.simulate.LinkModel`, config
-    `links.*`) is outside this deadline: it comes after the op returned."""
+    payload at the slowest link speed assumed. A simulated link's sleep (`links.*`) is outside it:
+    it comes after the op returned."""
     return base_s + payload_bytes * 8 / (min_gbps * 1e9)
 
 
@@ -46,11 +37,10 @@ def state_bytes_bound(param_bytes: int) -> int:
 
 def heal_deadline_s(*, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int,
                     min_gbps: float) -> float:
-    """How long one heal of a state of `state_bytes` may take, end to end: a `full` heal may wait
-    for its group to form (configure_timeout_s), stream the whole state and stall one collective's
-    timeout (timeout_s) before it fails, then move the state once more through the object store
-    (call_timeout_s for the calls themselves) — two transfers of the state at comm.min_gbps. The
-    round machine's heal deadline and the final heal's wait."""
+    """How long one heal of `state_bytes` may take, end to end (the round's heal deadline and the
+    final heal's wait): its group's join (configure_timeout_s), one stalled collective (timeout_s)
+    before it fails, the calls themselves (call_timeout_s), and the state twice at comm.min_gbps
+    (over the group, then the object store fallback)."""
     return collective_timeout_s(call_timeout_s + configure_timeout_s + timeout_s, 2 * state_bytes, min_gbps)
 
 
@@ -76,11 +66,9 @@ class PhaseClock:
         return statistics.median(history) if history else default
 
     def deadline(self, phase: str, units: int = 1) -> float:
-        history = self._per_unit.get(phase)
-        if not history or len(history) < self.min_samples:
+        if len(self._per_unit.get(phase, ())) < max(1, self.min_samples):
             return self.ceiling_s
-        expected = statistics.median(history) * max(units, 1)
-        return min(self.ceiling_s, max(self.floor_s, self.multiple * expected))
+        return min(self.ceiling_s, max(self.floor_s, self.multiple * self.median(phase, 0.0) * max(units, 1)))
 
 
 # What StallWatch.verdict says about one replica after a supervisor restart
@@ -92,18 +80,14 @@ class StallWatch:
     """Replicas found mid-phase after a supervisor restart (the old supervisor's calls run on):
     which to wait for, which to kill.
 
-    - In an inner phase a replica is stuck when its step has not moved for `limit_s` (the round
-      machine's rule: a replica whose step still advances is slow, never stuck).
-    - In any other phase (a checkpoint write, a heal, the outer exchange or commit, forming a
-      group) there is no step to watch: it is stuck when the same phase call (same `phase` and
-      `phase_since`) has gone on longer than that phase's own limit, `phase_limits[phase]`
-      (scaled to the work by the caller: bytes at comm.min_gbps for a heal or an outer sync),
-      else `limit_s`. A step that does not move there is no sign of a hang.
-    - A replica that does not answer at all (its control channel is silent: a hang that holds the
-      GIL) is hung after `silent_s` of silence; the caller kills it so Ray restarts it.
+    - Inner phase: stuck when its step has not moved for `limit_s` (advancing = slow, never stuck).
+    - Any other phase (checkpoint, heal, outer exchange, forming a group) has no step to watch:
+      stuck when the same call (`phase`, `phase_since`) has run past `phase_limits[phase]` (the
+      caller scales it to the bytes), else `limit_s`.
+    - No answer at all (a hang holding the GIL): hung after `silent_s`; the caller kills it.
 
-    Clocks are the caller's (`now`, monotonic): a replica's own `phase_since` only tells one
-    phase call from the next, never how long it ran (another node's clock)."""
+    Clocks are the caller's (`now`, monotonic): a replica's `phase_since` only tells one call from
+    the next, never how long it ran (another node's clock)."""
 
     def __init__(self, limit_s: float, phase_limits: dict[str, float] | None = None, silent_s: float | None = None):
         self.limit_s = limit_s
@@ -126,9 +110,8 @@ class StallWatch:
 
     def verdict(self, rid: str, answer: dict | None, now: float) -> str:
         """`answer`: rid's progress answer ({"phase", "step", "phase_since"}), or None when it did
-        not answer in time (not when it is known dead: that is the caller's, and no kill).
-        Returns IDLE (admit it), BUSY (wait), WAITING (silent, within silent_s), STUCK (in a phase
-        past its limit: kill) or HUNG (silent past silent_s: kill)."""
+        not answer in time (a known death is the caller's). IDLE (admit it), BUSY (wait), WAITING
+        (silent within silent_s), STUCK or HUNG (kill)."""
         if answer is None:
             since = self._silent.setdefault(rid, now)
             return HUNG if now - since > self.silent_s else WAITING

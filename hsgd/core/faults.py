@@ -1,29 +1,10 @@
-"""Fault specs: what to break, where and when.
-
-Public form (README, "Fault injection"), as a Hydra override:
+"""Fault specs: what to break, where and when (public form: README, "Fault injection"), e.g.
 
     faults.schedule='[{kind:kill,target:c0r1,round:2,phase:inner,step:3}]'
 
-- kind:   kill (ray.kill of the actor) | crash (os._exit inside the replica) | hang (sleep holding
-          the GIL) | comm (abort the replica's process groups) | slow (straggler delay per step) |
-          error (an exception raised inside the replica's phase: an OOM, an I/O error, a bug) |
-          nan (the replica's next inner step's loss is NaN, as a diverging replica's; fired in
-          another phase, the next inner step it runs. Never in the default random `faults.kinds`)
-- target: a replica id (c0r1) | leader:c1 (whoever leads cluster 1 when it fires) | cluster:c1
-          (every replica of cluster 1) | supervisor
-- round:  the round (0-based) in which it fires
-- phase:  inner | inner_sync | outer | outer_commit | checkpoint | heal (fires in a replica while
-          it sends or receives a heal in that round) | join (fires in a replica at the start of
-          forming a group, before it arrives in the group's rendezvous; only in a call that forms
-          its group: every group forms in round 0, later ones only after a re-form) | startup (fires in
-          a replica while it answers the run's start-up call: the resume load on train.resume, else
-          the checkpoint reach check; `round` is the round the run starts at: 0, or the checkpoint's)
-- step:   inner step within the round (0-based) for the inner phases; the fault fires at the
-          boundary before that step. Ignored by the other phases.
-- seconds: for hang (default 3600) and slow (default 0.5 per step) only.
-
-Faults fire at step/phase boundaries, so a run with the same seed and schedule is reproducible.
-Random mode (`faults.mtbf_s > 0`) draws kill/crash faults with exponential gaps from `faults.seed`.
+Parsing with one-line errors per field, the random schedule (a pure function of `faults.seed`),
+and which scheduled faults are due in a phase call. Faults fire at step/phase boundaries, so a
+run with the same seed and schedule is reproducible.
 """
 from __future__ import annotations
 
@@ -40,8 +21,7 @@ _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 
 
 class FaultSpecError(ConfigError):
-    """One-line error about one fault spec; `field` names the config key (a ConfigError, so
-    `validate()` keeps its contract)."""
+    """One-line error about one fault spec; `field` names the config key (validate's contract)."""
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,10 @@
-"""Heal decisions: after any change, who copies state from whom. Pure; the actors carry it out.
+"""Heal decisions ("max committed wins"): after any change, who copies state from whom. Pure.
 
-Rule ("max committed wins"): every participating replica reports its committed (round, step).
-- A replica whose round is behind the highest round missed a commit. It heals from a replica of
-  its own cluster at the highest round if there is one (scope `full`: everything — params, inner
-  optimizer, global params, outer state, counters), else from the lowest-id replica at the highest
-  round in another cluster (scope `global`: global params, outer state, round; it restarts the
-  round from the global params, since its cluster's inner progress is gone).
-- Inside a cluster at the highest round, a replica behind the cluster's furthest step heals
-  (`full`) from the furthest one, so no completed step is thrown away.
-Sources are chosen by (progress, replica id), never by start or registration order, so the same
-reports always give the same assignments.
+A member behind its cluster's furthest (round, step) heals `full` (everything: params, inner
+optimizer, global params, outer state, counters) from the furthest, so no completed step is thrown
+away. A cluster with nobody at the top round heals `global` (global params, outer state, round: it
+restarts the round, its inner progress is gone) from the lowest-id holder elsewhere. Sources are
+chosen by (progress, replica id), never start order: the same reports give the same assignments.
 """
 from __future__ import annotations
 

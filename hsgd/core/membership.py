@@ -1,13 +1,7 @@
-"""Membership views: a `Plan` says, for one epoch, the live members of every cluster in a fixed
-order (their inner ranks), each cluster's leader (its outer rank is the cluster's position in
-`outer_clusters`), and which clusters take part in outer sync. The round machine
-(hsgd/core/round/) keeps the live view during a round and hands out Plans for fault targeting
-and status; every process group is configured under a prefix that names level and epoch, so a
-group of an old epoch can never be joined by mistake.
-
-`live_plan` builds a Plan from a set of live replicas with the round machine's rules (the leader
-rule `leader_of`, clusters below quorum on standby, nothing depending on the order replicas
-started in), for the supervisor between rounds and for tools.
+"""Membership views: a `Plan` says, for one epoch, the live members of every cluster in inner-rank
+order, each cluster's leader (its outer rank: the cluster's position in `outer_clusters`), and
+which clusters take part in outer sync; for fault targeting and status. `live_plan` builds one
+with the round machine's rules, for the supervisor between rounds and for tools.
 """
 from __future__ import annotations
 

@@ -1,33 +1,24 @@
-"""What the outer exchange of a round moves, and who moves it: fragments and shards.
+"""What the outer exchange of a round moves, and who moves it: fragments and shards. Pure functions
+of names and counts: the round machine plans holders, the trainer cuts vectors, and they agree
+because both call these.
 
-Fragments (Streaming DiLoCo, arXiv 2501.18512): with `sync.fragments = F` the parameters are cut
-into F fragments and a round syncs ONE of them, so the slow link carries 1/F of the model at a
-time (a lower peak, the same total bytes). A round is then `outer_every / F` inner steps and
-fragment `round % F` is synced at its end: each fragment is synced every `outer_every` steps, on
-its own schedule, offset from the others by a round. Fragments are strided over depth: the
-parameters are grouped into depth units (a transformer block, an embedding) in module order and
-unit u goes to fragment u % F, so every fragment holds layers from the whole depth (the paper's
-strided fragments beat contiguous ones). F = 1 is plain DiLoCo: the one fragment every round.
+Fragments (Streaming DiLoCo, arXiv 2501.18512): with `sync.fragments = F` a round syncs ONE of F
+fragments of the parameters (a lower peak on the slow link, the same total bytes), fragment
+`round % F` at the end of each `outer_every / F`-step round, so each is synced every `outer_every`
+steps. Fragments are strided over depth (depth unit u goes to fragment u % F): every fragment holds
+layers from the whole depth, which beats contiguous ones in the paper. F = 1 is plain DiLoCo.
 
-Shards (`sync.outer_path = sharded`): the replicas of a cluster hold bitwise-equal params after
-the inner phase (ddp applies the same mean gradient; localsgd and `none` end the round on an
-average), so each already holds the cluster's whole pseudo-gradient: the intra-cluster
-reduce-scatter reduces to taking a slice, at no inner traffic. Shard j of the fragment's flat
-vector is exchanged across clusters by the j-th holder of every cluster (one outer group per
-shard index), and the commit gathers the shards inside each cluster. Every member's link to the
-other sites carries 1/S of the payload instead of the leader's carrying all of it. Clusters of
-unequal live sizes: S is the smallest live size among the clusters taking part; the members
-beyond S in a larger cluster hold no shard and only receive at the commit. `leader` is S = 1.
-
-Everything here is a pure function of names and counts: the round machine plans holders, the
-trainer cuts vectors, and they agree because both call these.
+Shards (`sync.outer_path = sharded`): after the inner phase a cluster's replicas hold bitwise-equal
+params, so each already holds the cluster's whole pseudo-gradient and the intra-cluster
+reduce-scatter is a slice, at no inner traffic. The j-th holder of every cluster exchanges shard j
+(one outer group per shard index) and the commit gathers the shards inside each cluster: each
+member's link carries 1/S of the payload. S is the smallest live size among the clusters taking
+part (members beyond S hold no shard and only receive). `leader` is S = 1.
 """
 from __future__ import annotations
 
 import re
 from typing import Sequence
-
-OUTER_PATHS = ("leader", "sharded")
 
 _INDEX = re.compile(r"\.(\d+)(\.|$)")
 
@@ -48,10 +39,8 @@ def depth_units(param_names: Sequence[str]) -> list[int]:
 
 
 def fragment_of_params(param_names: Sequence[str], fragments: int) -> list[int]:
-    """Fragment index of each parameter: depth unit u → fragment u % fragments (strided over
-    depth). Every fragment gets at least one parameter when there are enough units; with fewer
-    units than fragments, parameters are dealt out one by one instead (no fragment is empty while
-    there are as many parameters as fragments)."""
+    """Fragment index of each parameter: depth unit u → fragment u % fragments; with fewer units
+    than fragments, parameters are dealt out one by one (no fragment empty while there are enough)."""
     if fragments <= 1:
         return [0] * len(param_names)
     units = depth_units(param_names)
@@ -63,11 +52,6 @@ def fragment_of_params(param_names: Sequence[str], fragments: int) -> list[int]:
 def fragment_of_round(round_index: int, fragments: int) -> int:
     """The fragment a round syncs."""
     return round_index % max(1, fragments)
-
-
-def steps_per_round(outer_every: int, fragments: int) -> int:
-    """Inner steps between two outer syncs (one fragment each)."""
-    return outer_every // max(1, fragments)
 
 
 def shard_count(live_sizes: Sequence[int], path: str) -> int:

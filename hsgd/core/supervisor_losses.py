@@ -12,15 +12,11 @@ class LossVerdict:
 
 
 class SupervisorLosses:
-    """Counts the supervisor's deaths, not the errors a death causes. One death surfaces as several
-    errors: the `run` call in flight fails, and a call re-issued before Ray has noticed the death
-    fails too (ActorUnavailableError), on a slow machine several times in a row. So a loss is
-    counted once per incarnation (`supervisor_starts` in the supervisor's durable state): an error
-    while the incarnation already counted is still the latest one is the same death, seen again.
-
-    Gone: more deaths than `max_restarts` (Ray restarts no more; -1 restarts forever, as Ray means
-    it), or no new incarnation within `restart_wait_s` of a death (it died before recording its
-    start, or Ray gave up)."""
+    """One death surfaces as several errors (the `run` call in flight, then calls re-issued before
+    Ray noticed, ActorUnavailableError), so a loss is counted once per incarnation
+    (`supervisor_starts` in the durable state): an error while the counted one is still the latest
+    is the same death, seen again. Gone: more deaths than `max_restarts` (-1: forever, as Ray means
+    it), or no new incarnation within `restart_wait_s` of a death."""
 
     def __init__(self, max_restarts: int, *, restart_wait_s: float):
         self.max_restarts, self.restart_wait_s = max_restarts, restart_wait_s

@@ -3,10 +3,13 @@ machine's sharded exchange: one outer group per shard index, holders of unequal 
 commits that gather every shard, and a holder's death rolling the exchange back."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from hsgd.config.rounds import steps_per_round as _steps_per_round
 from hsgd.core.outer_plan import (depth_units, fragment_of_params, fragment_of_round, shard_bounds, shard_count,
-                                  shard_holders, steps_per_round)
+                                  shard_holders)
 from hsgd.core.round import Answer, Outcome, OuterReduce, Phase, RoundMachine, RoundSettings
 from hsgd.core.topology import Topology
 
@@ -32,6 +35,10 @@ def test_fragments_are_strided_over_depth_and_cover_every_parameter():
     # fewer depth units than fragments: parameters are dealt out so no fragment is empty
     assert sorted(set(fragment_of_params(["a", "b", "c"], 3))) == [0, 1, 2]
     assert sorted(set(fragment_of_params(["w.0.a", "w.0.b", "w.0.c"], 3))) == [0, 1, 2]
+
+
+def steps_per_round(outer_every: int, fragments: int) -> int:
+    return _steps_per_round(SimpleNamespace(sync=SimpleNamespace(outer_every=outer_every, fragments=fragments)))
 
 
 def test_each_round_syncs_the_next_fragment_so_each_is_synced_every_outer_every_steps():

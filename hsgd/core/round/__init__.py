@@ -1,12 +1,10 @@
 """The round machine: what happens in one round, and after any failure in it. Pure: no Ray, no
-clocks, no I/O. The supervisor's runner (actors/round_runner.py) only carries its effects out and
-feeds back what it saw, as typed messages (messages.py).
+clocks, no I/O. The supervisor's runner (actors/round_runner.py) carries its effects out and feeds
+back what it saw, as typed messages. Read this table first; each file beside it carries out a part:
 
-Read this table first; each file beside it carries out one part of it:
-
-    messages.py  what goes in (Answer, Progress, Up, Lost, StateReady) and out (Phase, Kill,
-                 Reap, Yield, AbortJoin, StepTimed, PhaseEnded), each with its protocol; the typed
-                 calls of a Phase (CallKind, RunInner, OuterReduce, Heal, ...) and a replica's PhaseAnswer
+    messages.py  what goes in (Answer, Progress, Up, Lost, StateReady) and out (Phase, Kill, Reap,
+                 Yield, AbortJoin, StepTimed, PhaseEnded), each with its protocol; a Phase's typed
+                 calls (CallKind, RunInner, OuterReduce, Heal, ...) and a replica's PhaseAnswer
     calls.py     the one record of calls in flight
     stages.py    a cluster's stage and the outer exchange's (ClusterStage, OuterStage)
     machine.py   the machine's state, and how each observation is taken in
@@ -14,100 +12,87 @@ Read this table first; each file beside it carries out one part of it:
     outer.py     the outer exchange (reduce, commit, retry), non-finite clusters, a round's end
     liveness.py  hung vs slow, kill, reap, releasing a rendezvous
     blame.py     whose failure a call with no answer of its own is (the runner's rules)
-    schedule.py  between rounds: the next round, checkpoints due, who evaluates and writes the
-                 model, rounds owed to the record, the final heal
+    schedule.py  between rounds: next round, checkpoints and evaluations due, model writers,
+                 rounds owed to the record, the final heal
     settings.py  a round's settings: every deadline, scaled to the bytes and the learned step times
 
-One round r, as the machine drives it:
+One round r:
 
     start        every live replica reports its committed (round, step). If none holds the last
-                 committed round, the round cannot run: outcome `restore` (every replica loads the
-                 latest durable checkpoint) or `failed` when there is none. Clusters below
-                 `min_replicas_per_cluster` sit out; fewer than `min_clusters` left: `below_quorum`.
-    per cluster  (independently, one cluster never waits for or disturbs another)
-                 heal     members behind the cluster's furthest member copy its state (`full`); a
-                          cluster with nobody at round r copies the global state from another
-                          cluster (`global`)
-                 inner    every member runs the round's remaining inner steps (one call); when the
-                          cluster's members changed, the same call first forms its inner group
-                          under a fresh epoch (no separate configure round trip)
+                 committed round: `restore` (from the latest durable checkpoint), or `failed` when
+                 there is none. Clusters below `min_replicas_per_cluster` sit out; fewer than
+                 `min_clusters` left: `below_quorum`.
+    per cluster  (independently: one cluster never waits for or disturbs another)
+                 heal     members behind the furthest member copy its state (`full`); a cluster
+                          with nobody at round r copies the global state from another (`global`)
+                 inner    every member runs the round's remaining inner steps (one call), first
+                          forming its inner group under a fresh epoch when the members changed
                  average  inner `none` only: the cluster's mean goes to outer sync
-    outer        once every participating cluster is ready: the shard holders (the leaders, one
-                 shard, on the `leader` path; hsgd/core/outer_plan.py) reduce their shard of this
-                 round's fragment's pseudo-gradient into buffers keyed by (round, epoch, shard)
-                 (the same call first forms each shard's outer group when the holders changed),
-                 and commit only if every holder succeeded; then every member gathers the shards
-                 from their holders and applies the same step.
+    outer        once every participating cluster is ready: the shard holders (on the `leader`
+                 path the leaders, one shard; hsgd/core/outer_plan.py) reduce their shard of the
+                 round's fragment's pseudo-gradient into buffers keyed by (round, epoch, shard),
+                 first forming each shard's group when the holders changed, and commit only if
+                 every holder succeeded; then every member gathers the shards and applies the step.
     overlap      sync.fragment_delay = tau: when the standing outer groups are the round's plan,
-                 each holder's run_inner names its group (`RunInner.overlap`); it takes the
-                 round's pseudo-gradient tau steps before the end and reduces its shard in the
-                 background meanwhile, so the reduce above only waits for it (hsgd/train/overlap.py).
-                 The two-phase commit is the same; only where the reduce's time goes changes.
+                 each holder's run_inner names its group (`RunInner.overlap`) and reduces its
+                 shard of the pseudo-gradient taken tau steps before the end in the background, so
+                 the reduce above only waits for it (hsgd/train/overlap.py). The commit is the same.
 
-What happens after a failure (the whole of "Failure scoping"):
+After a failure (the whole of "Failure scoping"):
     replica of cluster c died / hung / raised, or c's collective failed
-                 -> only cluster c re-forms: its surviving members return at their last committed
-                    step (they are waited for, a silent one is killed once its group's grace is
-                    over), the furthest wins, laggards heal, and c's inner phase is issued again,
-                    forming c's group under a new epoch. Other clusters are not interrupted and
-                    their results count.
-    a leader or another shard holder died, or an outer collective failed (any shard's)
-                 -> only the outer exchange is retried, every shard of it: buffers are never
-                    applied without a commit, the dead holder's cluster re-forms (a new leader),
-                    the shards are planned again over the live sizes, inner work stays.
+                 -> only c re-forms: its survivors return at their last committed step (a silent
+                    one is killed once its group's grace is over), the furthest wins, laggards
+                    heal, and c's inner phase is issued again under a new epoch. Other clusters are
+                    not interrupted and their results count.
+    a leader or another shard holder died, or an outer collective failed
+                 -> only the outer exchange is retried, every shard: buffers are never applied
+                    without a commit, the dead holder's cluster re-forms (a new leader), the shards
+                    are planned again over the live sizes, inner work stays.
     every member of a cluster lost
-                 -> the cluster sits the round out; its replicas come back healed from another
-                    cluster at the next round.
+                 -> the cluster sits the round out; its replicas heal from another cluster next round.
     failure during the commit
-                 -> if any replica applied the commit, the round is committed (the decision was
-                    made); the others heal from a committed replica at the next round's start.
-                    If none did, the outer exchange is retried.
-    non-finite numbers in cluster c (a member's run_inner answers `non_finite`: a loss or gradient
-    norm was NaN/inf; or c's leader's outer_reduce: its pseudo-gradient was)
-                 -> c's round is void: nobody is killed, c's pseudo-gradient is never sent (c sits
-                    out this round's outer exchange; found at the reduce, the exchange is retried
-                    without c), the other clusters commit without it, and c restarts the next round
-                    from the committed global params (a `global` heal, as any cluster that sat out).
-                    c non-finite in two rounds running (or twice in one round) is benched: it sits
-                    out until the run's end or a resume (`benched`, carried from round to round).
-                    Non-finite numbers never come back by waiting: when the benched clusters alone
-                    leave fewer than min_clusters, or this round's void ones are all that is
-                    missing, the round ends `failed` with the reason, never `below_quorum`.
+                 -> if any replica applied it, the round is committed; the others heal from a
+                    committed replica at the next round's start. If none did, the exchange is retried.
+    non-finite numbers in c (a member's run_inner answers `non_finite`: a loss or gradient norm
+    was NaN/inf; or c's leader's outer_reduce: its pseudo-gradient was)
+                 -> c's round is void: nobody is killed, c's pseudo-gradient is never sent (found
+                    at the reduce, the exchange is retried without c), the others commit without
+                    it, and c restarts the next round with a `global` heal. Non-finite in two rounds
+                    running (or twice in one round): c is `benched` until the run's end or a resume.
+                    Waiting never cures it: when the benched alone leave fewer than min_clusters,
+                    or this round's void ones are all that is missing, the round ends `failed`,
+                    never `below_quorum`.
     a reduce behind the inner steps failed (a holder died, a peer never came, non-finite)
                  -> nothing was applied: the holders' outer_reduce answers the failure (a dead
                     holder resets the standing groups, so the retry forms new ones and reduces the
-                    same snapshot after the inner phase); a superseded background reduce is
-                    abandoned by aborting its group, never waited out.
+                    same snapshot); a superseded background reduce is aborted, never waited out.
     a member of a group being formed is known dead (died, raised, killed, reaped, lost)
-                 -> every member still waiting in that group's rendezvous is released at once
-                    (AbortJoin: their calls answer `collective_failed`, kind `join_aborted`) and
-                    the cluster re-forms without it; nobody waits out the configure timeout.
+                 -> every member waiting in that rendezvous is released at once (AbortJoin: they
+                    answer `collective_failed`, kind `join_aborted`) and the cluster re-forms
+                    without it; nobody waits out the configure timeout.
     a replica dies and comes back unseen (its Up names a new incarnation)
                  -> the death is taken in first (one `deaths` entry per death), then it joins.
     hung         = silent AND not advancing: a replica whose step still advances is slow, never
-                    hung. Its limit is the learned step deadline, or, once a peer of the same group
+                    hung. Its limit is the learned step deadline, or, once a peer of its group
                     failed, the group's grace (a healthy member leaves a broken collective within
                     its collective timeout).
     the round ends early (below quorum, failed) with calls in flight
-                 -> nobody reads their answers, so no group one of them uses is handed on as
-                    standing: the next round configures those groups afresh.
+                 -> nobody reads their answers, so no group they use is handed on as standing.
     replica answers `behind` (its round is below the one asked)
                  -> it is healed, never counted as done.
     a restarted replica answers again (`Up`, rejoin `fast`)
-                 -> it joins its cluster inside the round: the members are asked to yield at a
-                    step boundary a little ahead of the furthest one (all at the same boundary, so
-                    no collective is left half-joined), the newcomer heals `full` from the furthest
-                    member, the group re-forms, and the inner phase goes on. A cluster already done
-                    with its inner phase takes the newcomer in before the outer exchange. Other
-                    clusters are untouched. A cluster that sat the round out, or a round already in
-                    its outer exchange, takes it at the next round's start. Nobody ever waits for a
-                    replica that is still starting.
+                 -> it joins its cluster inside the round: the members yield at one step boundary
+                    a little ahead of the furthest (no collective is left half-joined), the
+                    newcomer heals `full` from the furthest member, the group re-forms, inner goes
+                    on. A cluster done with inner takes it in before the outer exchange; one that
+                    sat out, or a round in its outer exchange, at the next round's start. Nobody
+                    ever waits for a replica that is still starting.
 
-The machine never issues a call to a replica that has one in flight (`busy`): with one call at a
-time per replica, and each call using one level, a replica is in at most one collective at a time.
-The one exception is overlap, asked for by sync.fragment_delay: a holder's run_inner also runs its
-outer reduce, on the outer level, in the background: at most one collective per level then, never
-two on one group (hsgd/train/comm.py enforces both), and no inner step waits on the outer level.
+The machine never issues a call to a replica with one in flight (`busy`): with one call per
+replica, each on one level, a replica is in at most one collective at a time. The exception is
+overlap (sync.fragment_delay): a holder's run_inner also reduces on the outer level in the
+background; at most one collective per level then, never two on one group (hsgd/train/comm.py
+enforces both), and no inner step waits on the outer level.
 """
 from hsgd.core.round.blame import raised, restarted_unseen, restarts, unanswered_heal
 from hsgd.core.round.machine import RoundMachine, RoundSettings

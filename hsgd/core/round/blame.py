@@ -1,16 +1,5 @@
 """Whose failure it is when a replica's call gives no answer of its own (the runner's rules, pure:
 it only reports what Ray said). Read with the failure table in __init__.py.
-
-    a call raised   its heal source's state never came (Ray fails a call whose argument failed):
-                    the source's failure — the target is fine, `collective_failed`, its heal is
-                    planned again. Else Ray says the actor is gone: `died`. Else the replica
-                    raised (OOM, I/O, a bug): `error`, its own failure, never the job's — it is
-                    killed and restarted clean (`restarts`).
-    the final heal  (outside a round, nobody is killed) a target with no answer by the heal's
-                    deadline, or whose source failed: `collective_failed` (not healed; it heals at
-                    the next start); one whose call raised otherwise: `died`.
-    a pid changed   a live replica with no call in flight that answers from another process died
-                    unseen and is back (`restarted_unseen`): its death is taken in first.
 """
 from __future__ import annotations
 
@@ -18,7 +7,10 @@ from hsgd.core.round.messages import Outcome
 
 
 def raised(*, actor_gone: bool, source_failed: bool) -> Outcome:
-    """The outcome of a round's call that raised instead of answering."""
+    """The outcome of a round's call that raised instead of answering: its heal source's state never
+    came (Ray fails a call whose argument failed): the source's failure, the target is fine and
+    heals again; else Ray says the actor is gone; else the replica raised (OOM, I/O, a bug), its
+    own failure, never the job's."""
     if source_failed:
         return Outcome.COLLECTIVE_FAILED
     return Outcome.DIED if actor_gone else Outcome.ERROR
@@ -30,10 +22,12 @@ def restarts(outcome: Outcome) -> bool:
 
 
 def unanswered_heal(source_failed: bool, *, in_time: bool = True) -> Outcome:
-    """A final heal's target that gave no answer: in time but raised, or not by the deadline."""
+    """A final heal's target (outside a round: nobody is killed) that gave no answer: not by the
+    deadline, or its source failed: not healed, it heals at the next start; else it raised: died."""
     return Outcome.COLLECTIVE_FAILED if source_failed or not in_time else Outcome.DIED
 
 
 def restarted_unseen(known_pid: int | None, pid: int | None) -> bool:
-    """An idle live replica answered from another process than the one last seen up."""
+    """An idle live replica answered from another process than the one last seen up: it died
+    unseen and is back; its death is taken in first."""
     return known_pid is not None and pid != known_pid

@@ -1,10 +1,7 @@
 """The one record of calls in flight: which phase each replica is answering, who has not answered
-yet, and what went wrong in each phase so far. The runner keeps no record of its own (it maps a
-call id, (phase id, rid), to whatever its transport needs), so the two can never disagree.
-
-One call at a time per replica: issuing a call to a replica with one in flight is a bug of the
-machine, never a failure of the run, and raises. With each call using one level, a replica is then
-in at most one collective at a time.
+yet, and what went wrong in each phase so far. The runner keeps none of its own (it maps a call
+id, (phase id, rid), to its transport), so the two can never disagree. One call at a time per
+replica: issuing a second is a bug of the machine, never a failure of the run, and raises.
 """
 from __future__ import annotations
 

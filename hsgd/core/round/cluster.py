@@ -1,20 +1,8 @@
-"""A cluster's phase within a round: who heals, when its inner group forms, when it is ready for
-the outer exchange, and how a replica that comes back mid-round joins. One cluster never waits
-for or disturbs another.
-
-    (re-)form   live members below min_replicas_per_cluster: the cluster sits out. Otherwise
-                members behind the furthest one heal `full` from it; with nobody at the round, every
-                member heals `global` from the lowest-id holder of another cluster. Then the inner
-                phase: in the standing group at a round's start when the members are unchanged,
-                else a run that first forms a group under a fresh epoch.
-    phase ends  every member done: ready (inner `none`: first the cluster's mean). A failure, a
-                member lost, an inner phase ended short: re-form (at most max_reforms a round).
-                A heal done: the inner phase. A void cluster (non-finite): it sits out.
-    mid-round   a restarted replica answers while its cluster runs inner: the members yield at a
-    join        common step boundary a little ahead of the furthest one, the newcomer heals from
-                the furthest member, the group re-forms. A cluster already ready takes it in at
-                once; one in a heal or its average when that ends. A cluster that sits out, or a
-                round already in its outer exchange: the next round's start.
+"""A cluster's phase within a round (the "per cluster" rows of the table in __init__.py): who
+heals, when its inner group forms, when it is ready for the outer exchange, and how a replica that
+comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out. A
+restarted replica is taken in at once by a ready cluster, when it ends by one in a heal or its
+average, after a common yield boundary by one running inner.
 """
 from __future__ import annotations
 
@@ -108,17 +96,14 @@ class ClusterPhases:
         if st.phase_id != phase.id:
             return []
         st.phase_id = None
-        lost = any(rid not in self.progress for rid in st.members)
+        broken = not ok or any(rid not in self.progress for rid in st.members)
+        if broken:
+            st.configured = None  # a failed collective (or join), or a member lost: the group is unusable
         if c in self.void:
-            if not ok or lost:
-                st.configured = None  # a member also failed or was lost: the group is unusable
             return self._void_cluster(c, now)
         if self.joining.get(c) and self.outer_stage is OuterStage.WAIT:
-            if not ok or lost:
-                st.configured = None
             return self._admit_joiners(c, now)
-        if not ok or lost:
-            st.configured = None  # a failed collective (or join) leaves the group unusable
+        if broken:
             return self._reform(c, now, f"{phase.kind} failed")
         if phase.kind is CallKind.HEAL:
             return self._run_inner(c, now, phase.reason)

@@ -1,20 +1,15 @@
-"""Liveness: who is hung, who is only slow, who is gone, and who must not wait for the dead.
+"""Liveness: who is hung, who is only slow, who is gone, and who must not wait for the dead (the
+`hung` and rendezvous rows of the table in __init__.py), with these limits:
 
-    hung       = silent AND not advancing. A replica whose step still advances is slow, never hung.
-                 Its limit is the last sign of progress plus the learned step deadline; before its
-                 first step, a call that forms its group may first spend its join allowance.
-    a peer of  the limit shrinks to the group's grace from the failure (a healthy member leaves a
-    the same   broken collective within its collective timeout). Only its own group: a commit
-    group      broadcasts in every cluster and each heal is its own transfer.
-    failed
-    peer gone  every other member of a group reported that its connection to a peer closed: the
-               silent one is presumed dead after presumed_dead_s and reaped (not killed: Ray is
-               restarting it already; a kill could hit the new process).
-    heal       a target waits for its source's state: while the state has not arrived, the silent
-               one is the source, and it is the one killed.
-    rendezvous a member of a group being formed is known dead (died, raised, killed, reaped, lost):
-               every member still waiting in that rendezvous is released at once (AbortJoin), never
-               left to the configure timeout.
+    hung       the last sign of progress plus the learned step deadline; before its first step,
+               a call that forms its group may first spend its join allowance.
+    peer       a peer of its own group failed (a commit broadcasts per cluster, each heal is its
+    failed     own transfer): the limit shrinks to the group's grace from the failure.
+    peer gone  every other member of a group saw its connection to a peer close: the silent one
+               is presumed dead after presumed_dead_s and reaped (not killed: Ray is restarting it
+               already; a kill could hit the new process).
+    heal       while a target's source state has not arrived, the silent one is the source: it is
+               the one killed.
 """
 from __future__ import annotations
 

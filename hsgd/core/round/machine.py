@@ -1,14 +1,6 @@
 """The round machine: its state, what it is asked (start, observe, tick) and how each observation
-is taken in. What each kind of decision is lives beside it, one file each:
-
-    cluster.py   a cluster's phase: heal -> inner (forming its group) -> ready; re-form; mid-round
-                 join and yield
-    outer.py     the outer exchange: reduce, commit, retry; void (non-finite) and benched clusters;
-                 how a round ends
-    liveness.py  deadlines, hung vs slow, kill, reap, releasing a rendezvous
-
-Pure: no Ray, no clocks (every entry takes `now`), no I/O. Read hsgd/core/round/__init__.py for
-the failure table this code carries out.
+is taken in; the decisions live beside it (cluster.py, outer.py, liveness.py). Pure: no Ray, no
+clocks (every entry takes `now`), no I/O. The failure table it carries out: __init__.py.
 """
 from __future__ import annotations
 
@@ -38,19 +30,16 @@ class RoundSettings:
     inner_every: int = 1  # localsgd: members may only yield at a sync boundary
     yield_lead_s: float = 1.5  # a yield boundary lies this far ahead of the furthest member's step
     rejoin: str = "fast"  # fast: restarted replicas join inside the round | boundary: at the next round
-    # deadlines, in seconds (the supervisor scales them with payload and learned step times)
-    step_deadline_s: float = 60.0  # an inner replica whose step does not advance for this long is hung
-    group_grace_s: float = 15.0  # after a peer of the same group failed
-    # once every other member of a group reported that its connection to a peer closed (the peer's
-    # process is gone), the one still silent is presumed dead after this long, without waiting for
-    # Ray's death notice (~1.5 s); members in lockstep all fail within a step of each other
-    presumed_dead_s: float = 0.5
+    # deadlines in seconds (settings.py scales them; liveness.py says what each bounds)
+    step_deadline_s: float = 60.0
+    group_grace_s: float = 15.0
+    presumed_dead_s: float = 0.5  # a peer whose connection closed, before Ray's death notice (~1.5 s)
     configure_s: float = 40.0  # joining a group: the allowance before a forming call's first step
     heal_s: float = 60.0
     outer_s: float = 120.0
     commit_s: float = 60.0
     outer_path: str = "leader"  # leader | sharded (hsgd/core/outer_plan.py)
-    fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps (cluster.py `_overlap_plan`)
+    fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps
 
 
 @dataclass
@@ -117,10 +106,6 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def busy(self) -> dict[str, InFlight]:
         return self.calls.busy
 
-    @property
-    def live(self) -> tuple[str, ...]:
-        return tuple(sorted(self.progress, key=self.topology.global_index))
-
     def members(self, cluster: int) -> tuple[str, ...]:
         """The cluster's live members."""
         return tuple(rid for rid in self.ids[cluster] if rid in self.progress)
@@ -169,10 +154,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         return "inner" if ClusterStage.INNER in stages else str(min(stages)) if stages else "idle"
 
     def probes(self, *, idle: bool, gone) -> list[tuple[str, str]]:
-        """What the runner asks whom on the control channel: the step of those in run_inner
-        (`progress`); whether replicas that are down (and not `gone`) are back (`up`, rejoin `fast`:
-        a call to a restarting actor waits until it is up); and, when `idle`, whether live replicas
-        with no call in flight still run (`idle`)."""
+        """What the runner asks whom on the control channel: `progress` of those in run_inner; `up`
+        of those down and not `gone` (rejoin `fast`; a call to a restarting actor waits until it is
+        up); with `idle`, `idle` of live replicas with no call in flight."""
         want = [("progress", rid) for f in self.inflight.values() if f.phase.kind is CallKind.RUN_INNER
                 for rid in f.pending]
         if self.settings.rejoin == "fast":

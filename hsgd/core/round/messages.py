@@ -1,33 +1,24 @@
-"""What the round machine and its runner say to each other. Every message is typed; nothing in
-hsgd/core reads error text or a dict.
+"""What the round machine and its runner say to each other, all typed: nothing in hsgd/core
+reads error text or a dict.
 
 Effects (out of the machine, for the runner to carry out):
 
-    Phase      calls the machine waits on: one per replica in `calls`, each answered by exactly one
-               `Answer(phase id, rid, ...)` — or given up on (the replica was killed, reaped or
-               lost: a late answer is stale and ignored). The call id is (phase id, rid).
+    Phase      calls the machine waits on: each of `calls` is answered by exactly one
+               `Answer(phase id, rid, ...)` (the call id), or given up on (the replica was killed,
+               reaped or lost: a late answer is stale and ignored).
     Kill       a replica silent and not advancing past its limit: report it (stacks), kill it
-               restartable. No answer is expected; its call in flight is already given up on.
+               restartable. No answer expected; its call in flight is already given up on.
     Reap       a replica presumed dead (every peer of its group saw its connection close): nothing
                to kill (Ray is restarting it), no hang report; its call is given up on.
-    Yield      ask members running `run_inner` in group `epoch` to return at a step boundary
-               (control channel, no answer of its own: their run_inner answers `yielded`).
-    AbortJoin  release every member waiting in the rendezvous of group `prefix`: a member of that
-               group is known dead, so the others would wait for it until the configure timeout.
-               Their calls answer `collective_failed` with error kind `join_aborted`. Setting the
-               abort of a group that already formed changes nothing (it is read only while waiting).
-    StepTimed  a measured inner step time (for the supervisor's learned deadlines).
-    PhaseEnded every call of a phase was answered or given up on (for the record: phase_end).
+    Yield      ask members in `run_inner` of group `epoch` to return at a step boundary (control
+               channel; their run_inner answers `yielded`).
+    AbortJoin  release every member waiting in the rendezvous of group `prefix` (a member is known
+               dead): their calls answer `collective_failed`, kind `join_aborted`. Aborting a group
+               that already formed changes nothing (it is read only while waiting).
+    StepTimed  a measured inner step time (the supervisor's learned deadlines).
+    PhaseEnded every call of a phase was answered or given up on (the record's phase_end).
 
-Observations (into the machine):
-
-    Answer     a replica's answer to its call of a Phase (or Ray's error for it, classified by the
-               runner: `died` when Ray says the actor is gone, `error` when the replica raised).
-    Progress   the committed inner step of a replica in run_inner (control channel, mid-call).
-    Up         a (re)started replica answers: its committed (round, step), pid and incarnation.
-    Lost       a replica is gone while no answer will say so (Ray's actor table, an idle probe,
-               a heal source's failure).
-    StateReady a heal source delivered its state: a silent target is now the one to blame.
+Observations (into the machine): `Observation`, each with its docstring.
 """
 from __future__ import annotations
 
@@ -63,8 +54,9 @@ class ErrorKind(StrEnum):
 
 # -- observations --------------------------------------------------------------------------------------
 class Answer(NamedTuple):
-    """One replica's answer to its call of phase `phase_id` (a tuple: tens of thousands a round
-    at scale). `round`/`step`: its committed position after the call (-1: unknown, it died)."""
+    """One replica's answer to its call of phase `phase_id`, or Ray's error for it as the runner
+    classified it (`died`: the actor is gone; `error`: the replica raised). A tuple: tens of
+    thousands a round at scale. `round`/`step`: its committed position after the call (-1: unknown)."""
     phase_id: int
     rid: str
     outcome: Outcome
@@ -76,13 +68,11 @@ class Answer(NamedTuple):
 
 @dataclass(frozen=True)
 class PhaseAnswer:
-    """What a replica answers to a call (every phase method of actors/replica.py, and a heal
-    source's meta): its outcome, its committed (round, step) after the call, why it failed
-    (`error`, and `error_kind` for a collective; `what` names the non-finite number: loss |
-    grad_norm | pseudo_gradient), and `result`: the call's own numbers (a run_inner's `report`,
-    `join_s`, `bytes`, digests, ...). Crosses Ray as `wire()`, a flat dict (the result's numbers
-    beside the fields), and is read back with `read` (a field missing from an answer, e.g. from
-    another build of the replica, reads as its default)."""
+    """A replica's answer to a call (actors/replica.py, and a heal source's meta): its outcome, its
+    committed (round, step) after the call, why it failed (`error`; `error_kind` for a collective;
+    `what` the non-finite number: loss | grad_norm | pseudo_gradient), and `result`, the call's own
+    numbers. Crosses Ray as `wire()`, a flat dict, read back with `read` (a missing field, e.g.
+    from another build of the replica, reads as its default)."""
     rid: str
     outcome: Outcome = Outcome.DONE
     round: int = -1
@@ -127,13 +117,14 @@ class Up(NamedTuple):
 
 
 class Lost(NamedTuple):
-    """rid is gone and no answer will say so. `cause`: died | error | hung."""
+    """rid is gone and no answer will say so (Ray's actor table, an idle probe, a heal source's
+    failure). `cause`: died | error | hung."""
     rid: str
     cause: str = "died"
 
 
 class StateReady(NamedTuple):
-    """The heal of phase `phase_id` has its source's state (the source is no longer the one to watch)."""
+    """The heal of phase `phase_id` has its source's state: a silent target is now the one to blame."""
     phase_id: int
     source: str
 
@@ -143,8 +134,7 @@ Observation = Answer | Progress | Up | Lost | StateReady
 
 # -- calls ---------------------------------------------------------------------------------------------
 class CallKind(StrEnum):
-    """A phase's call, and what the run's record and the fault schedule call it: `record` (the
-    `phase` of events.jsonl, the injector's phase name of the call itself), `seconds_key` (its
+    """A phase's call: `record` (its `phase` in events.jsonl and the injector), `seconds_key` (its
     time in metrics.jsonl's `seconds`), `fault_phases` (the scheduled fault phases it fires)."""
     record: str
     seconds_key: str
@@ -234,11 +224,9 @@ Call = RunInner | ClusterAverage | OuterReduce | Heal | OuterCommit
 # -- effects -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phase:
-    """Calls the machine waits on, one typed call per replica, all of one `kind`: Heal (the target
-    loads its source's state), RunInner, ClusterAverage (inner `none`: the cluster's mean),
-    OuterReduce, OuterCommit; a group a call joins is formed under `epoch`.
-    `deadline_s`: the limit of a call whose work is fixed; inner phases use progress instead (a
-    run_inner that forms its group: the seconds its members may take to join before their first step)."""
+    """Calls the machine waits on, one typed call per replica, all of one `kind`; a group a call
+    joins is formed under `epoch`. `deadline_s`: the limit of a call whose work is fixed; inner
+    phases use progress instead (a forming run_inner: its members' join allowance before step one)."""
     id: int
     kind: CallKind
     round: int

@@ -1,22 +1,7 @@
-"""The outer exchange, and how a round ends.
-
-    reduce   once every participating cluster is ready: the shard holders (on the `leader` path
-             the leaders, one shard) reduce their shard of the pseudo-gradient into buffers keyed
-             by (round, epoch, shard); the same call first forms the holders' groups (one per
-             shard index, hsgd/core/outer_plan.py) when the holders changed. Nothing is applied
-             without a commit.
-    commit   decided once every holder's reduce succeeded: every live member of a participating
-             cluster applies the same step (each shard's holder broadcasts it inside the
-             cluster). Committed when any replica applied it; the others heal at the next
-             round's start.
-    retry    a reduce that failed, or a commit nobody applied: only the exchange is redone.
-             Clusters whose members were lost re-form first (a new leader, a group without the
-             dead); the others keep their inner work and wait. At most max_reforms attempts.
-    void     a leader's pseudo-gradient was non-finite: it was never sent; the exchange is retried
-             without its cluster. A cluster void twice running is benched until the run's end.
-    the end  committed | restore (total loss) | below_quorum (fewer than min_clusters can take
-             part: waiting brings replicas back) | failed (a cause waiting cannot cure: too many
-             re-forms, non-finite numbers everywhere, a round nobody holds).
+"""The outer exchange (reduce, commit, retry), void and benched clusters, and how a round ends:
+committed | restore (total loss) | below_quorum (fewer than min_clusters can take part: waiting
+brings replicas back) | failed (a cause waiting cannot cure: too many re-forms, non-finite numbers
+everywhere, a round nobody holds). The rules are the table's in __init__.py.
 """
 from __future__ import annotations
 
@@ -74,9 +59,8 @@ class OuterExchange:
         return shard_holders(members, [self.leaders[c] for c in clusters], shards)
 
     def _expected_shard_groups(self) -> tuple[tuple[str, ...], ...]:
-        """The shard groups the exchange will use if every cluster keeps its live replicas: what
-        `_shard_groups` gives once they formed (a cluster below min_replicas_per_cluster sits
-        out; a cluster without a live leader gets its first live member), read before they all did."""
+        """What `_shard_groups` will give if every cluster keeps its live replicas, read before they
+        all formed (the same quorum and leader rules)."""
         clusters = [c for c in self.participating() if len(self.members(c)) >= max(1, self.floor(c))]
         members = [self.members(c) for c in clusters]
         leaders = [leader_of(m, self.leaders.get(c)) for c, m in zip(clusters, members)]
@@ -131,9 +115,9 @@ class OuterExchange:
         return self._outer_retry(now, "no replica applied the commit", phase.calls)
 
     def _outer_retry(self, now: float, reason: str, answered: Iterable[str] | None = None) -> list[Effect]:
-        """Only the outer exchange is redone: a participating cluster with a member lost or off
-        the round (or whose commit broadcast broke its group) re-forms; the others keep their
-        inner work and wait. `answered`: who the failed outer call went to (informational)."""
+        """Only the outer exchange is redone: a participating cluster with a member lost or off the
+        round (or whose commit broadcast broke its group) re-forms; the others keep their inner work.
+        `answered`: who the failed outer call went to (informational)."""
         self.outer_attempts += 1
         if self.outer_attempts > self.settings.max_reforms:
             return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
@@ -189,10 +173,8 @@ class OuterExchange:
         return []
 
     def _lost_quorum(self) -> list[Effect]:
-        """Fewer than min_clusters clusters can take part. Waiting brings back lost replicas, never
-        the numbers of a cluster that sits out for being non-finite: when the benched alone leave
-        too few clusters, or this round's void ones are all that is missing, the run fails (with
-        the reason) rather than waits."""
+        """Fewer than min_clusters clusters can take part: `below_quorum`, or `failed` when waiting
+        cannot cure it (non-finite clusters: the table's rule)."""
         s, clusters = self.settings, self.topology.clusters
         if len(self.benched) > clusters - s.min_clusters:
             return self._finish("failed", f"{len(self.benched)} of {clusters} clusters benched for non-finite numbers "

@@ -1,9 +1,6 @@
 """The round machine's settings for one round: the config's sync and quorum rules, and every
-deadline, each scaled to the work it bounds — the model's bytes at comm.min_gbps for what moves
-state, the learned step and phase times (PhaseClock) for what computes.
-
-Config sections are read by attribute (an OmegaConf node, a dataclass, a SimpleNamespace alike);
-an optional key may be missing."""
+deadline scaled to the work it bounds — bytes at comm.min_gbps for what moves state, the learned
+times (PhaseClock) for what computes."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,9 +11,8 @@ from hsgd.core.round.machine import RoundSettings
 
 def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: Any, param_bytes: int,
                    clock: PhaseClock) -> RoundSettings:
-    """The settings of the next round. `sync`, `supervisor`, `comm`: the config's sections of those
-    names; `param_bytes`: the model's params in bytes; `clock`: the run's learned phase times (read
-    now: a round's deadlines follow what the rounds before it measured)."""
+    """The settings of the next round from the config's sections (read by attribute), the model's
+    params in bytes and the run's learned phase times (a round follows what the ones before measured)."""
     # a healthy member leaves a broken collective within its (payload-scaled) timeout
     grace = collective_timeout_s(comm.timeout_s, param_bytes, comm.min_gbps) + 5.0
     # one heal, end to end: its group's join, the whole state twice (over the group, then a fallback)
