@@ -208,16 +208,14 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
 
 
 def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
-    """Release every member waiting in the rendezvous of group `prefix` (the prefix their
-    `configure` calls carry, e.g. `run/epoch7/inner/c1`), now and any that arrives later: each
-    raises CollectiveError kind `join_aborted` with `reason`. For the supervisor, once it knows a
-    member of that forming group is dead, killed, reaped or lost; `store` is the run's store (the
-    master `start_store` made), `store_addr` the rendezvous address the members were handed.
-
-    Returns True when the rendezvous is aborted (by this call or an earlier one); False when it
-    had already formed (every member arrived: they are in the backend's connect, bounded by
-    connect_timeout_s) or the store could not be reached. Idempotent; never raises; one store
-    round trip, bounded by the store's timeout."""
+    """Release every member waiting in the rendezvous of group `prefix` (as their `configure`
+    calls name it), now and any that arrives later: each raises CollectiveError kind
+    `join_aborted` with `reason`. For the supervisor, once it knows a member of that forming group
+    is dead, killed, reaped or lost; `store` is the master `start_store` made, `store_addr` the
+    rendezvous address the members were handed. Returns True when the rendezvous is aborted (by
+    this call or an earlier one); False when it had already formed (the members are in the
+    backend's connect, bounded by connect_timeout_s) or the store could not be reached.
+    Idempotent; never raises; one store round trip, bounded by the store's timeout."""
     from torch.distributed import PrefixStore
 
     try:
@@ -297,44 +295,38 @@ class LevelGroup:
 
     # -- membership -----------------------------------------------------------------------------
     def configure(self, store_addr: str | None, prefix: str, rank: int, world_size: int, epoch: int) -> None:
-        """Join the group `prefix` as `rank` of `world_size`; world_size 1 needs no store.
-        `store_addr` is `rendezvous_address(...)` (host:port/<secret>). First the arrival barrier
-        (see the module's protocol), then torchft's configure within connect_timeout_s. Raises
-        CollectiveError kind `join_aborted` (with the reason) at once when the supervisor aborts
-        the rendezvous (`abort_rendezvous`) before every member arrived, kind `configure` when the
-        group cannot be built, not every member arrived within configure_timeout_s (the ranks that
-        never came are named), or the backend's connect failed within connect_timeout_s."""
+        """Join the group `prefix` as `rank` of `world_size` (1 needs no store) with `store_addr`
+        from `rendezvous_address`: the arrival barrier, then torchft's configure (the module's
+        protocol). Raises CollectiveError kind `join_aborted` (with the reason) at once when the
+        supervisor aborts the rendezvous, kind `configure` when the group cannot be built, not
+        every member arrived within configure_timeout_s (naming who never came), or the backend's
+        connect failed within connect_timeout_s."""
         self.abort()
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self._secret = (store_addr or "").partition("/")[2]
+        self._usable = world_size == 1
         if world_size == 1:
-            self._usable = True
             return
-        self._usable = False
         what = f"{self.level}: joining {prefix} as rank {rank}/{world_size}"
+        pg, step = None, f": building the {self.backend} group"  # (e.g. NCCL without a usable CUDA)
         try:  # built before the barrier: once everyone arrived, only the connect is left
             pg = _make_torchft_group(self.backend, self.configure_timeout_s)
-        except Exception as err:  # noqa: BLE001 — e.g. NCCL without a usable CUDA
-            raise CollectiveError(f"{what}: building the {self.backend} group failed: {self._scrub(err)}",
-                                  "configure") from err
-        try:
+            step = ": waiting for every member"  # a member never came, the store is gone
             aborted = _await_members(store_addr, prefix, rank, world_size, self.configure_timeout_s)
-        except Exception as err:  # noqa: BLE001 — a member never came, the store is gone
-            _abort_quietly(pg)
-            raise CollectiveError(f"{what}: waiting for every member failed: {self._scrub(err)}",
-                                  "configure") from err
+            if aborted is None:
+                step = ""
+                pg.set_timeout(timedelta(seconds=self.connect_timeout_s))  # torchft's configure reads it
+                # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
+                pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
+                             world_size=world_size, quorum_id=epoch)
+                pg.set_timeout(timedelta(seconds=self.timeout_s))
+        except Exception as err:  # noqa: BLE001 — any join failure is a failed configure
+            if pg is not None:
+                _abort_quietly(pg)
+            raise CollectiveError(f"{what}{step} failed: {self._scrub(err)}", "configure") from err
         if aborted is not None:
             _abort_quietly(pg)
             raise CollectiveError(f"{what}: the rendezvous was aborted: {aborted}", "join_aborted")
-        try:
-            pg.set_timeout(timedelta(seconds=self.connect_timeout_s))  # torchft's configure reads it
-            # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
-            pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
-                         world_size=world_size, quorum_id=epoch)
-            pg.set_timeout(timedelta(seconds=self.timeout_s))
-        except Exception as err:  # noqa: BLE001 — any join failure is a failed configure
-            _abort_quietly(pg)
-            raise CollectiveError(f"{what} failed: {self._scrub(err)}", "configure") from err
         self._pg, self._usable = pg, True
 
     def abort(self) -> None:
@@ -485,18 +477,13 @@ class LevelGroup:
             self._pace(start, max(sent, payload))
 
     def all_gather(self, payload: torch.Tensor, *, level: str) -> list[torch.Tensor]:
-        """Every member's `payload`, in rank order (this member's own included, as a copy).
-
-        Protocol: every member calls it with a 1-D tensor of the same dtype and length (a codec's
-        uint8 payload, an fp32 shard); the results are on `payload`'s device. `bytes_sent` grows
-        by payload bytes * (world_size - 1): what a member sends in a ring all-gather (its own
-        chunk, then each chunk it forwards). A simulated link paces it by those bytes (a member
-        receives as many). The wait's deadline scales with the whole result (payload bytes *
-        world_size). A group of one returns [payload] (the tensor itself) and sends nothing.
-        Raises WrongLevelError, ValueError (not a 1-D tensor), CollectiveError (a member
-        missing or dead, the deadline). Equal lengths are the caller's protocol, not checked (that
-        would cost a round trip over the slow link): gloo aborts a process that receives more
-        than it expected (its enforce in pair.cc), and its peers then see kind `peer_gone`."""
+        """Every member's `payload`, in rank order (this member's own included, as a copy), on
+        `payload`'s device. Protocol: every member passes a 1-D tensor of the same dtype and
+        length; equal lengths are not checked (a round trip over the slow link): gloo aborts a
+        process that receives more than it expected, and its peers then see kind `peer_gone`.
+        `bytes_sent` and the simulated link count payload bytes * (world_size - 1), what a member
+        sends in a ring all-gather; the deadline scales with the whole result. A group of one
+        returns [payload] itself. Raises WrongLevelError, ValueError (not 1-D), CollectiveError."""
         self._check(level)
         if payload.dim() != 1:
             raise ValueError(f"{self.level} all_gather: payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
@@ -529,12 +516,10 @@ class Overlapped:
 
     Protocol: `launch(flat)` any number of times, in the same order on every member, then exactly
     one of `wait_all()` (every launched buffer holds the sum over the group; raises
-    CollectiveError on any failure or timeout) or `abandon()` (never raises). The process's
-    one-collective guard is held from the first launch until then (OverlappingCollectiveError if
-    another collective is in flight). A failure in any launch, or an abandon with work in flight,
-    leaves the group unusable (aborted) until the next `configure`: the members' sequences of
-    collectives no longer match. A group of one launches nothing: the buffers already hold the sum.
-
+    CollectiveError on any failure or timeout) or `abandon()` (never raises). The one-collective
+    guard is held from the first launch until then. A failure in any launch, or an abandon with
+    work in flight, leaves the group aborted until the next `configure` (the members' sequences of
+    collectives no longer match). A group of one launches nothing: the buffers hold the sum.
     Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
     bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
     """

@@ -22,15 +22,11 @@ Abandoning aborts the outer group, so the reduce's collective fails at once and 
 within a moment; the group is formed afresh by the supervisor's next forming call.
 
 Failure cases (all surface at `settle(key)` as what the call answers):
-    a holder of another cluster died or never arrives   CollectiveError (peer_gone, or the
-                                                        collective's deadline, `arrival_s` longer
-                                                        than a collective started together): the
-                                                        supervisor re-forms the outer groups and
-                                                        retries
-    this cluster's pseudo-gradient is non-finite         NonFiniteError; the group is aborted at
-                                                        once, so the other holders fail fast
-    the reduce outlives `timeout_s`                      the group is aborted, CollectiveError
-                                                        kind `timeout`
+- a holder of another cluster died or never arrives: CollectiveError (peer_gone, or the deadline,
+  `arrival_s` longer than a collective started together); the supervisor re-forms and retries
+- this cluster's pseudo-gradient is non-finite: NonFiniteError; the group is aborted at once, so
+  the other holders fail fast
+- the reduce outlives `timeout_s`: the group is aborted, CollectiveError kind `timeout`
 Invariant 3 holds: the thread runs only outer-level collectives and the phase thread only
 inner-level ones (comm.allow_level_overlap: one collective per level, never two on one group),
 and no inner step waits on the outer level.
@@ -63,11 +59,6 @@ class BackgroundReduce:
         snapshot step (clusters train at their own pace); the reduce's deadline grows by it."""
         self.trainer, self.outer, self.arrival_s = trainer, outer, arrival_s
         self._reduce: _Reduce | None = None
-
-    @property
-    def running(self) -> Key | None:
-        r = self._reduce
-        return r.key if r is not None and not r.done.is_set() else None
 
     def start(self, key: Key) -> None:
         if self._reduce is not None and self._reduce.key == key:
