@@ -406,7 +406,8 @@ class LevelGroup:
         broken group) is a CollectiveError. `outputs`: allgather's (`allgather([outputs], [flat], opts)`)."""
         opts.timeout = self._timeout(payload_bytes)
         with self._failing_as("issue", f"issuing {op}"):
-            return getattr(self._pg, op)(*([flat],) if outputs is None else ([outputs], [flat]), opts)
+            args = ([flat],) if outputs is None else ([outputs], [flat])
+            return getattr(self._pg, op)(*args, opts)
 
     @contextmanager
     def _held(self):
