@@ -1,11 +1,9 @@
 """The outer reduce hidden behind inner steps (sync.fragment_delay, Streaming DiLoCo's overlap).
 
 With a delay tau, a replica takes its round's pseudo-gradient tau inner steps before the round's
-end (ReplicaTrainer.take_outer_snapshot) and, if it holds a shard of the round's outer exchange
-in the standing outer group, reduces that shard on the outer level in a background thread while
-the last tau steps run on the inner level. The supervisor's two-phase commit is unchanged: it
-still asks the holders for `outer_reduce` once every cluster is ready, and that call only waits
-for the background reduce (usually finished already) instead of starting one.
+end (ReplicaTrainer.take_outer_snapshot); a shard holder of the standing outer group reduces its
+shard in a background thread while the last tau steps run. The two-phase commit is unchanged: the
+holders' `outer_reduce` only waits for that reduce (usually finished already).
 
 Protocol, on one replica:
     start(key)    from run_inner's at_snapshot, key = (round, epoch, shard, shards) of the standing
