@@ -1,39 +1,37 @@
 """One process group per level: `inner` (a cluster's replicas) and `outer` (the clusters' leaders).
 
 Protocol
-- The supervisor starts the run's store with `start_store` (it listens on the node's address only)
-  and hands each replica, per epoch, a rendezvous address `host:port/<secret>` (`rendezvous_address`:
-  the secret is ≥ 128 random bits, so nobody outside the run can name a group's keys) and a prefix
-  naming the run, the level and the epoch (`run/epoch7/inner/c1`). `configure` joins that group
-  in two steps:
+- The supervisor starts the run's store (`start_store`, on the node's address only) and hands each
+  replica, per epoch, a rendezvous address `host:port/<secret>` (`rendezvous_address`: ≥ 128
+  random bits, so nobody outside the run can name a group's keys) and a prefix naming the run, the
+  level and the epoch (`run/epoch7/inner/c1`). `configure` joins that group in two steps:
   1. the arrival barrier, in the run's store under the group's keys: each member announces its
-     rank, then waits (a server-side store wait: no polling) on the group's one decision key. The
-     member that sees every rank arrived writes `formed`; the supervisor, once it knows a member
-     of a forming group is dead, killed or lost, writes `aborted: <reason>` there
-     (`abort_rendezvous`). The first writer wins (compare-and-set), so every member reads the same
-     decision: `aborted` releases them all at once with CollectiveError kind `join_aborted`;
-     nothing decided within `configure_timeout_s` is kind `configure` (naming who never came).
+     rank, then waits (server-side, no polling) on the group's one decision key. The member that
+     sees every rank arrived writes `formed`; the supervisor, once it knows a member of a forming
+     group is dead, killed or lost, writes `aborted: <reason>` (`abort_rendezvous`). The first
+     writer wins (compare-and-set), so every member reads the same decision: `aborted` releases
+     them all at once with kind `join_aborted`; nothing decided within `configure_timeout_s` is
+     kind `configure` (naming who never came).
   2. torchft's configure (the backend's connect among members known present), bounded by the
      short `connect_timeout_s`: a member that dies in this last window costs that, not
      `configure_timeout_s`.
   So `configure` takes at most configure_timeout_s + connect_timeout_s.
-- Every collective names its level: `group.allreduce_mean(t, level="inner")`. A call that names the
-  wrong level raises `WrongLevelError` at once — the seeds of this project once all-reduced over
-  the wrong group and silently trained unsynchronised replicas.
+- Every collective names its level: `group.allreduce_mean(t, level="inner")`; the wrong level
+  raises `WrongLevelError` at once (else replicas would silently train unsynchronised).
 - Every collective waits at most `timeout_s` plus its payload at `min_gbps` (collective_timeout_s),
   set on the operation itself and on the wait.
 - A process is in at most one collective at any instant (OverlappingCollectiveError otherwise);
-  where the run overlaps the outer exchange with inner steps (`allow_level_overlap`), at most one per
-  level, so collectives on one group never interleave. An overlapped collective (`overlapped`: buckets launched one by one from backward hooks) is ONE
-  logical collective of one level: it holds that guard from its first launch to its end.
+  with `allow_level_overlap`, at most one per level, so collectives on one group never
+  interleave. An overlapped collective (`overlapped`: buckets launched from backward hooks) is
+  ONE logical collective of one level: it holds that guard from its first launch to its end.
 - A group of one member does no communication at all.
 - `link` (a `hsgd.train.simulate.LinkModel`, where `links.<level>` sets one) paces each collective
   that succeeded. `link_s`: the seconds held in the group's collectives (the modeled sleep included).
 
-Error model: every call into torch.distributed / torchft — building the group, configure,
+Error model: every call into torch.distributed / torchft (building the group, configure,
 set_timeout, issuing an op, the device copies around it, the wait, the group's error state after
-it — raises `CollectiveError` on failure, never torch's own error types (NCCL reports some errors
-when an op is issued, lazily, not when it is waited). The error carries a `kind`:
+it) raises `CollectiveError` on failure, never torch's own error types (NCCL reports some errors
+when an op is issued, lazily, not when it is waited). Its `kind`:
     configure  building or joining the group failed (a member did not come, the store is gone)
     issue      the op could not be started (NCCL's lazy init, a device copy)
     wait       the op failed while in flight (gloo: a peer's connection broke)
@@ -45,10 +43,10 @@ when an op is issued, lazily, not when it is waited). The error carries a `kind`
 After any CollectiveError the group is unusable until the next `configure`; the caller reports the
 failure to the supervisor, which re-plans. `abort` never raises.
 
-Backends: gloo on CPU (torchft's reconfigurable ProcessGroupGloo), nccl on GPU (torchft's
-ProcessGroupNCCL, non-blocking communicators with torchft's own abort-on-timeout) behind the same
-interface; `nccl_environment` is what a replica sets before its first group. Tensors are flattened
-into one buffer per call.
+Backends: gloo on CPU, nccl on GPU (torchft's reconfigurable ProcessGroupGloo / ProcessGroupNCCL,
+the latter with non-blocking communicators and torchft's own abort-on-timeout) behind the same
+interface; `apply_nccl_environment` before a replica's first group. Tensors are flattened into one
+buffer per call.
 """
 from __future__ import annotations
 
@@ -88,16 +86,12 @@ class WrongLevelError(AssertionError):
 
 
 class OverlappingCollectiveError(AssertionError):
-    """Invariant 3: a process is in at most one collective at any instant, whatever the level; with
-    overlap allowed (`allow_level_overlap`), at most one per level (so never two interleaved on one
-    group)."""
+    """Invariant 3 broken: a second collective in this process (per level with `allow_level_overlap`)."""
 
 
-# One per process: the two stacked managers of this project's seeds deadlocked exactly because a
-# process sat in an inner and an outer collective at once. Enforced on every call, not only in tests.
-# The one exception, asked for explicitly: an outer all-reduce hidden behind inner steps
-# (sync.fragment_delay), where the supervisor plans the outer level so that no inner step ever
-# waits on it; then the guard is per level.
+# One per process, on every call: a process in an inner and an outer collective at once can
+# deadlock. The exception, asked for explicitly: an outer reduce hidden behind inner steps
+# (sync.fragment_delay), planned so that no inner step ever waits on it; then one per level.
 _PROCESS_GUARD = threading.Lock()
 _LEVEL_GUARDS = {level: threading.Lock() for level in LEVELS}
 _per_level = False
@@ -129,15 +123,13 @@ def _one_collective(what: str, level: str = "inner"):
 
 # -- the run's store and its secret ----------------------------------------------------------------
 def start_store(host: str, timeout_s: float):
-    """The run's TCPStore (master), listening on `host` only, on a free port; returns the store
-    (`.port` names the port). Raises OSError / torch's DistNetworkError when `host` is not this
-    node's address.
+    """The run's TCPStore (master), listening on `host` only, on a free port (`.port`). Raises
+    OSError / torch's DistNetworkError when `host` is not this node's address.
 
-    torch's TCPStore binds every interface by itself (`::`), and it has no authentication; here it
-    is handed a socket already bound to (host, 0) and listening, through `master_listen_fd`. The
-    store owns that descriptor from then on (it closes it when it is destroyed). torch 2.13's
-    default libuv server accepts the descriptor (the older non-libuv server does not: it fails
-    with 'getsockname failed ... Bad file descriptor' on a descriptor it did not create).
+    TCPStore binds every interface by itself (`::`) and has no authentication, so it is handed a
+    socket already bound to (host, 0) and listening (`master_listen_fd`), which it owns from then
+    on. Only torch's default libuv server accepts such a descriptor (the non-libuv one fails with
+    'getsockname failed ... Bad file descriptor').
     """
     from torch.distributed import TCPStore
 
@@ -206,9 +198,7 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
         try:  # the store wakes the wait when the key is written: released at once, nothing polled
             store.wait([_DECISION], timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except DistStoreError as err:
-            if store.check([_DECISION]):  # decided just as the wait gave up
-                pass
-            else:
+            if not store.check([_DECISION]):  # (else decided just as the wait gave up)
                 missing = [r for r in range(world_size) if not store.check([_ARRIVED.format(rank=r)])]
                 shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
                 raise TimeoutError(f"rank(s) {shown} of {world_size} did not arrive within {timeout_s:g}s") from err
@@ -218,16 +208,14 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
 
 
 def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
-    """Release every member waiting in the rendezvous of group `prefix` (the prefix their
-    `configure` calls carry, e.g. `run/epoch7/inner/c1`), now and any that arrives later: each
-    raises CollectiveError kind `join_aborted` with `reason`. For the supervisor, once it knows a
-    member of that forming group is dead, killed, reaped or lost; `store` is the run's store (the
-    master `start_store` made), `store_addr` the rendezvous address the members were handed.
-
-    Returns True when the rendezvous is aborted (by this call or an earlier one); False when it
-    had already formed (every member arrived: they are in the backend's connect, bounded by
-    connect_timeout_s) or the store could not be reached. Idempotent; never raises; one store
-    round trip, bounded by the store's timeout."""
+    """Release every member waiting in the rendezvous of group `prefix` (as their `configure`
+    calls name it), now and any that arrives later: each raises CollectiveError kind
+    `join_aborted` with `reason`. For the supervisor, once it knows a member of that forming group
+    is dead, killed, reaped or lost; `store` is the master `start_store` made, `store_addr` the
+    rendezvous address the members were handed. Returns True when the rendezvous is aborted (by
+    this call or an earlier one); False when it had already formed (the members are in the
+    backend's connect, bounded by connect_timeout_s) or the store could not be reached.
+    Idempotent; never raises; one store round trip, bounded by the store's timeout."""
     from torch.distributed import PrefixStore
 
     try:
@@ -239,9 +227,9 @@ def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
 
 
 # -- NCCL ------------------------------------------------------------------------------------------
-def nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
-    """The NCCL settings hsgd's error model needs, from comm.*; `apply_nccl_environment` sets them
-    before the process makes its first group (torch reads them when a communicator is built).
+def apply_nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
+    """Set the NCCL settings hsgd's error model needs, from comm.* (overriding what was there), before
+    the process makes its first group (torch reads them when a communicator is built); returns them.
 
     - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): an error or a watchdog timeout aborts the
       communicators and fails the op; torch's default (3) kills the process, a survivor's crash.
@@ -252,17 +240,8 @@ def nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, 
     The NCCL watchdog keeps torch's default timeout (10 min): hsgd's own deadlines, far shorter,
     fire first, and with CleanUpOnly even the watchdog only fails the op.
     """
-    return {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-        "TORCH_NCCL_BLOCKING_WAIT": "0",
-        "TORCH_NCCL_NONBLOCKING_TIMEOUT": f"{configure_timeout_s:g}",
-    }
-
-
-def apply_nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
-    """Set `nccl_environment` in this process (overriding what was there: the values follow comm.*);
-    returns what it set."""
-    env = nccl_environment(timeout_s, configure_timeout_s)
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
+           "TORCH_NCCL_NONBLOCKING_TIMEOUT": f"{configure_timeout_s:g}"}
     os.environ.update(env)
     return env
 
@@ -270,9 +249,7 @@ def apply_nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict
 def _make_torchft_group(backend: str, timeout_s: float):
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if backend == "nccl":
-        return ProcessGroupNCCL(timeout=timedelta(seconds=timeout_s))
-    return ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+    return (ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo)(timeout=timedelta(seconds=timeout_s))
 
 
 _PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
@@ -302,11 +279,8 @@ class LevelGroup:
         self.timeout_s = timeout_s
         self.min_gbps = min_gbps
         self.configure_timeout_s = configure_timeout_s
-        # torchft's configure runs only once every member arrived (the barrier), so what is left is
-        # the backend's connect among members known present: each exchanges addresses with its
-        # peers and connects, a handful of peer answers — the fixed part of one collective
-        # (timeout_s) bounds one such answer. A member dying in that window costs this, not
-        # configure_timeout_s; never more than configure_timeout_s.
+        # after the barrier only the backend's connect among members known present is left: a
+        # handful of peer answers, each bounded like one collective's fixed part (timeout_s)
         self.connect_timeout_s = min(timeout_s, configure_timeout_s)
         self.rank = 0
         self.world_size = 1
@@ -321,44 +295,38 @@ class LevelGroup:
 
     # -- membership -----------------------------------------------------------------------------
     def configure(self, store_addr: str | None, prefix: str, rank: int, world_size: int, epoch: int) -> None:
-        """Join the group `prefix` as `rank` of `world_size`; world_size 1 needs no store.
-        `store_addr` is `rendezvous_address(...)` (host:port/<secret>). First the arrival barrier
-        (see the module's protocol), then torchft's configure within connect_timeout_s. Raises
-        CollectiveError kind `join_aborted` (with the reason) at once when the supervisor aborts
-        the rendezvous (`abort_rendezvous`) before every member arrived, kind `configure` when the
-        group cannot be built, not every member arrived within configure_timeout_s (the ranks that
-        never came are named), or the backend's connect failed within connect_timeout_s."""
+        """Join the group `prefix` as `rank` of `world_size` (1 needs no store) with `store_addr`
+        from `rendezvous_address`: the arrival barrier, then torchft's configure (the module's
+        protocol). Raises CollectiveError kind `join_aborted` (with the reason) at once when the
+        supervisor aborts the rendezvous, kind `configure` when the group cannot be built, not
+        every member arrived within configure_timeout_s (naming who never came), or the backend's
+        connect failed within connect_timeout_s."""
         self.abort()
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self._secret = (store_addr or "").partition("/")[2]
+        self._usable = world_size == 1
         if world_size == 1:
-            self._usable = True
             return
-        self._usable = False
         what = f"{self.level}: joining {prefix} as rank {rank}/{world_size}"
+        pg, step = None, f": building the {self.backend} group"  # (e.g. NCCL without a usable CUDA)
         try:  # built before the barrier: once everyone arrived, only the connect is left
             pg = _make_torchft_group(self.backend, self.configure_timeout_s)
-        except Exception as err:  # noqa: BLE001 — e.g. NCCL without a usable CUDA
-            raise CollectiveError(f"{what}: building the {self.backend} group failed: {self._scrub(err)}",
-                                  "configure") from err
-        try:
+            step = ": waiting for every member"  # a member never came, the store is gone
             aborted = _await_members(store_addr, prefix, rank, world_size, self.configure_timeout_s)
-        except Exception as err:  # noqa: BLE001 — a member never came, the store is gone
-            _abort_quietly(pg)
-            raise CollectiveError(f"{what}: waiting for every member failed: {self._scrub(err)}",
-                                  "configure") from err
+            if aborted is None:
+                step = ""
+                pg.set_timeout(timedelta(seconds=self.connect_timeout_s))  # torchft's configure reads it
+                # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
+                pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
+                             world_size=world_size, quorum_id=epoch)
+                pg.set_timeout(timedelta(seconds=self.timeout_s))
+        except Exception as err:  # noqa: BLE001 — any join failure is a failed configure
+            if pg is not None:
+                _abort_quietly(pg)
+            raise CollectiveError(f"{what}{step} failed: {self._scrub(err)}", "configure") from err
         if aborted is not None:
             _abort_quietly(pg)
             raise CollectiveError(f"{what}: the rendezvous was aborted: {aborted}", "join_aborted")
-        try:
-            pg.set_timeout(timedelta(seconds=self.connect_timeout_s))  # torchft's configure reads it
-            # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
-            pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
-                         world_size=world_size, quorum_id=epoch)
-            pg.set_timeout(timedelta(seconds=self.timeout_s))
-        except Exception as err:  # noqa: BLE001 — any join failure is a failed configure
-            _abort_quietly(pg)
-            raise CollectiveError(f"{what} failed: {self._scrub(err)}", "configure") from err
         self._pg, self._usable = pg, True
 
     def abort(self) -> None:
@@ -388,28 +356,29 @@ class LevelGroup:
         text = str(err)
         return text.replace(self._secret, "<secret>") if self._secret else text
 
+    @contextmanager
+    def _failing_as(self, kind: str, what: str):
+        """Any error inside the block (torch raises DistBackendError, RuntimeError with many texts;
+        NCCL's async errors surface in device copies) is a CollectiveError of `kind`."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001
+            raise self._fail(what, kind, err) from err
+
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """One contiguous buffer; on the GPU for NCCL (the outer pseudo-gradients live on the CPU)."""
-        try:
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            return self._on_device(flat)
-        except Exception as err:  # noqa: BLE001 — a device copy is part of issuing the op
-            raise self._fail("copying the payload to the device", "issue", err) from err
+        with self._failing_as("issue", "copying the payload to the device"):  # part of issuing the op
+            return self._on_device(torch.cat([t.detach().reshape(-1) for t in tensors]))
 
     def _on_device(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.backend == "nccl" and not flat.is_cuda:
-            flat = flat.cuda()
-        return flat
+        return flat.cuda() if self.backend == "nccl" and not flat.is_cuda else flat
 
     def _unflatten(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        try:
+        with self._failing_as("wait", "copying the result back"):
             offset = 0
             for t in tensors:
-                n = t.numel()
-                t.detach().copy_(flat[offset:offset + n].view_as(t))
-                offset += n
-        except Exception as err:  # noqa: BLE001 — a device copy; NCCL's async errors surface here too
-            raise self._fail("copying the result back", "wait", err) from err
+                t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def deadline_s(self, payload_bytes: int) -> float:
         """The longest one collective moving `payload_bytes` may hold a member: its deadline
@@ -432,15 +401,13 @@ class LevelGroup:
     def _timeout(self, payload_bytes: int) -> timedelta:
         return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self._arrival_s)
 
-    def _issue(self, op: str, flat: torch.Tensor, opts, outputs: list[torch.Tensor] | None = None):
-        """Start `op` on the group; any error (NCCL's lazy init, a broken group) is a CollectiveError.
-        `outputs`: allgather's output buffers (torchft: `allgather([outputs], [flat], opts)`)."""
-        try:
-            if outputs is not None:
-                return getattr(self._pg, op)([outputs], [flat], opts)
-            return getattr(self._pg, op)([flat], opts)
-        except Exception as err:  # noqa: BLE001 — torch raises DistBackendError and friends
-            raise self._fail(f"issuing {op}", "issue", err) from err
+    def _issue(self, op: str, flat: torch.Tensor, opts, payload_bytes: int, outputs: list | None = None):
+        """Start `op` on the group with the deadline of `payload_bytes`; any error (NCCL's lazy init, a
+        broken group) is a CollectiveError. `outputs`: allgather's (`allgather([outputs], [flat], opts)`)."""
+        opts.timeout = self._timeout(payload_bytes)
+        with self._failing_as("issue", f"issuing {op}"):
+            args = ([flat],) if outputs is None else ([outputs], [flat])
+            return getattr(self._pg, op)(*args, opts)
 
     @contextmanager
     def _held(self):
@@ -474,66 +441,50 @@ class LevelGroup:
 
     def _errored(self) -> BaseException | None:
         """The group's asynchronous error state (torchft's NCCL group records an abort here)."""
-        pg = self._pg
-        check = getattr(pg, "errored", None)
-        if check is None:
-            return None
+        check = getattr(self._pg, "errored", None)
         try:
-            return check()
+            return None if check is None else check()
         except Exception as err:  # noqa: BLE001 — asking a broken group may fail itself
             return err
 
     def allreduce_mean(self, tensors: list[torch.Tensor], *, level: str) -> None:
         """In place: every tensor becomes the mean over the group's members. Counts the payload
         in `bytes_sent`; a simulated link paces it by the payload. Raises CollectiveError."""
-        self._check(level)
-        if self.world_size == 1 or not tensors:
-            return
-        with _one_collective(f"{self.level} allreduce", self.level), self._held() as start:
-            flat = self._flat(tensors)
-            payload = flat.numel() * flat.element_size()
-            self.bytes_sent += payload
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM
-            opts.timeout = self._timeout(payload)
-            self._wait(self._issue("allreduce", flat, opts), "allreduce", payload)
-            flat.div_(self.world_size)
-            self._unflatten(flat, tensors)
-            self._pace(start, payload)
+        self._in_place("allreduce", tensors, level, _sum_options())
 
     def broadcast(self, tensors: list[torch.Tensor], *, root: int, level: str) -> None:
         """In place: every member's tensors become the root's. The root counts the payload once
         per other member in `bytes_sent`; a simulated link paces the root by what it sent and
         every other member by the payload it received. Raises CollectiveError."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._in_place("broadcast", tensors, level, opts, root)
+
+    def _in_place(self, op: str, tensors: list[torch.Tensor], level: str, opts, root: int | None = None) -> None:
+        """allreduce_mean (`root` None) or broadcast from `root`, as one flat buffer."""
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        with _one_collective(f"{self.level} broadcast", self.level), self._held() as start:
+        with _one_collective(f"{self.level} {op}", self.level), self._held() as start:
             flat = self._flat(tensors)
             payload = flat.numel() * flat.element_size()
-            sent = payload * (self.world_size - 1) if self.rank == root else 0
+            sent = payload if root is None else payload * (self.world_size - 1) if self.rank == root else 0
             self.bytes_sent += sent
-            opts = dist.BroadcastOptions()
-            opts.rootRank = root
-            opts.timeout = self._timeout(payload)
-            self._wait(self._issue("broadcast", flat, opts), "broadcast", payload)
+            self._wait(self._issue(op, flat, opts, payload), op, payload)
+            if root is None:
+                flat.div_(self.world_size)
             if self.rank != root:
                 self._unflatten(flat, tensors)
             self._pace(start, max(sent, payload))
 
     def all_gather(self, payload: torch.Tensor, *, level: str) -> list[torch.Tensor]:
-        """Every member's `payload`, in rank order (this member's own included, as a copy).
-
-        Protocol: every member calls it with a 1-D tensor of the same dtype and length (a codec's
-        uint8 payload, an fp32 shard); the results are on `payload`'s device. `bytes_sent` grows
-        by payload bytes * (world_size - 1): what a member sends in a ring all-gather (its own
-        chunk, then each chunk it forwards). A simulated link paces it by those bytes (a member
-        receives as many). The wait's deadline scales with the whole result (payload bytes *
-        world_size). A group of one returns [payload] (the tensor itself) and sends nothing.
-        Raises WrongLevelError, ValueError (not a 1-D tensor), CollectiveError (a member
-        missing or dead, the deadline). Equal lengths are the caller's protocol, not checked (that
-        would cost a round trip over the slow link): gloo aborts a process that receives more
-        than it expected (its enforce in pair.cc), and its peers then see kind `peer_gone`."""
+        """Every member's `payload`, in rank order (this member's own included, as a copy), on
+        `payload`'s device. Protocol: every member passes a 1-D tensor of the same dtype and
+        length; equal lengths are not checked (a round trip over the slow link): gloo aborts a
+        process that receives more than it expected, and its peers then see kind `peer_gone`.
+        `bytes_sent` and the simulated link count payload bytes * (world_size - 1), what a member
+        sends in a ring all-gather; the deadline scales with the whole result. A group of one
+        returns [payload] itself. Raises WrongLevelError, ValueError (not 1-D), CollectiveError."""
         self._check(level)
         if payload.dim() != 1:
             raise ValueError(f"{self.level} all_gather: payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
@@ -544,17 +495,12 @@ class LevelGroup:
             size = flat.numel() * flat.element_size()
             sent = size * (self.world_size - 1)
             self.bytes_sent += sent
-            try:
+            with self._failing_as("issue", "allocating the all_gather result"):
                 outputs = [torch.empty_like(flat) for _ in range(self.world_size)]
-            except Exception as err:  # noqa: BLE001 — device memory for the result is part of issuing
-                raise self._fail("allocating the all_gather result", "issue", err) from err
-            opts = AllgatherOptions()
-            opts.timeout = self._timeout(size * self.world_size)
-            self._wait(self._issue("allgather", flat, opts, outputs), "all_gather", size * self.world_size)
-            try:
+            work = self._issue("allgather", flat, AllgatherOptions(), size * self.world_size, outputs)
+            self._wait(work, "all_gather", size * self.world_size)
+            with self._failing_as("wait", "copying the result back"):
                 gathered = [t.to(payload.device) for t in outputs]
-            except Exception as err:  # noqa: BLE001 — a device copy; NCCL's async errors surface here too
-                raise self._fail("copying the result back", "wait", err) from err
             self._pace(start, sent)
             return gathered
 
@@ -571,12 +517,10 @@ class Overlapped:
 
     Protocol: `launch(flat)` any number of times, in the same order on every member, then exactly
     one of `wait_all()` (every launched buffer holds the sum over the group; raises
-    CollectiveError on any failure or timeout) or `abandon()` (never raises). The process's
-    one-collective guard is held from the first launch until then (OverlappingCollectiveError if
-    another collective is in flight). A failure in any launch, or an abandon with work in flight,
-    leaves the group unusable (aborted) until the next `configure`: the members' sequences of
-    collectives no longer match. A group of one launches nothing: the buffers already hold the sum.
-
+    CollectiveError on any failure or timeout) or `abandon()` (never raises). The one-collective
+    guard is held from the first launch until then. A failure in any launch, or an abandon with
+    work in flight, leaves the group aborted until the next `configure` (the members' sequences of
+    collectives no longer match). A group of one launches nothing: the buffers hold the sum.
     Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
     bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
     """
@@ -585,12 +529,10 @@ class Overlapped:
         self.group = group
         self.pending: list[tuple[object, torch.Tensor, int]] = []  # (work, flat, payload bytes)
         self.results: list[torch.Tensor] = []
-        self._holding = False
-        self._guard: threading.Lock | None = None  # the one-collective guard held from the first launch
+        self._guard: threading.Lock | None = None  # the one-collective guard, held from the first launch
         self._done = False
         self._error: CollectiveError | None = None  # a failed launch, raised again by wait_all
         self._started: float | None = None  # the first launch (monotonic): the link's clock starts there
-        self._bytes = 0  # payload bytes launched: what the simulated link carries
 
     def launch(self, flat: torch.Tensor) -> torch.Tensor:
         """Start the sum all-reduce of `flat` (in place, on the backend's device). Returns the
@@ -603,36 +545,24 @@ class Overlapped:
         if g.world_size == 1:
             self.results.append(flat)
             return flat
-        if not self._holding:
+        if self._guard is None:
             self._guard = _enter_collective(f"{g.level} overlapped allreduce", g.level)
-            self._holding = True
         with g._held() as start:
-            if self._started is None:
-                self._started = start
-            return self._launch(flat)
-
-    def _launch(self, flat: torch.Tensor) -> torch.Tensor:
-        g = self.group
-        try:
-            if not g._usable or g._pg is None:
-                raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
+            self._started = start if self._started is None else self._started
             try:
-                buf = g._on_device(flat)
-            except Exception as err:  # noqa: BLE001 — a device copy is part of issuing the op
-                raise g._fail("copying a bucket to the device", "issue", err) from err
-            payload = buf.numel() * buf.element_size()
-            g.bytes_sent += payload
-            self._bytes += payload
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM
-            opts.timeout = g._timeout(payload)
-            work = g._issue("allreduce", buf, opts)
-        except CollectiveError as err:
-            self._error = err
-            raise
-        self.pending.append((work, buf, payload))
-        self.results.append(buf)
-        return buf
+                if not g._usable or g._pg is None:
+                    raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
+                with g._failing_as("issue", "copying a bucket to the device"):
+                    buf = g._on_device(flat)
+                payload = buf.numel() * buf.element_size()
+                g.bytes_sent += payload
+                work = g._issue("allreduce", buf, _sum_options(), payload)
+            except CollectiveError as err:
+                self._error = err
+                raise
+            self.pending.append((work, buf, payload))
+            self.results.append(buf)
+            return buf
 
     def wait_all(self) -> list[torch.Tensor]:
         """Wait every launched all-reduce in launch order; returns the buffers (sums). Raises
@@ -642,15 +572,16 @@ class Overlapped:
             raise self._error
         with self.group._held():
             try:
-                last = len(self.pending) - 1
+                n = len(self.pending)
                 for i, (work, _, payload) in enumerate(self.pending):
-                    self.group._wait(work, f"overlapped allreduce (bucket {i + 1}/{last + 1})", payload, check_group=i == last)
+                    what = f"overlapped allreduce (bucket {i + 1}/{n})"
+                    self.group._wait(work, what, payload, check_group=i == n - 1)
             except CollectiveError:
                 self.abandon()
                 raise
+            if self._started is not None:  # every bucket's bytes: what the simulated link carries
+                self.group._pace(self._started, sum(payload for _, _, payload in self.pending))
             self.pending = []
-            if self._started is not None:
-                self.group._pace(self._started, self._bytes)
         self._end()
         return self.results
 
@@ -664,9 +595,15 @@ class Overlapped:
 
     def _end(self) -> None:
         self._done = True
-        if self._holding:
-            self._holding = False
-            self._guard.release()
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.release()
+
+
+def _sum_options() -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return opts
 
 
 def _abort_quietly(pg) -> None:

@@ -15,11 +15,9 @@ pseudo-gradient (bitwise-identical results on every replica, without shipping pa
 """
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 
 import torch
-
-_deepcopy = copy.deepcopy  # (state_dict's `copy` argument shadows the module)
 
 
 def outer_hyperparameters(algorithm: str, lr: float, momentum: float, nesterov: bool) -> dict:
@@ -74,10 +72,10 @@ class OuterOptimizer:
         if not copy:
             return {"global_params": [g.detach() for g in self.global_params], "sgd": self._sgd.state_dict()}
         return {"global_params": [g.detach().clone() for g in self.global_params],
-                "sgd": _deepcopy(self._sgd.state_dict())}
+                "sgd": deepcopy(self._sgd.state_dict())}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         for g, src in zip(self.global_params, state["global_params"]):
             g.copy_(src)
-        self._sgd.load_state_dict(copy.deepcopy(state["sgd"]))
+        self._sgd.load_state_dict(deepcopy(state["sgd"]))

@@ -1,11 +1,9 @@
 """The outer reduce hidden behind inner steps (sync.fragment_delay, Streaming DiLoCo's overlap).
 
 With a delay tau, a replica takes its round's pseudo-gradient tau inner steps before the round's
-end (ReplicaTrainer.take_outer_snapshot) and, if it holds a shard of the round's outer exchange
-in the standing outer group, reduces that shard on the outer level in a background thread while
-the last tau steps run on the inner level. The supervisor's two-phase commit is unchanged: it
-still asks the holders for `outer_reduce` once every cluster is ready, and that call only waits
-for the background reduce (usually finished already) instead of starting one.
+end (ReplicaTrainer.take_outer_snapshot); a shard holder of the standing outer group reduces its
+shard in a background thread while the last tau steps run. The two-phase commit is unchanged: the
+holders' `outer_reduce` only waits for that reduce (usually finished already).
 
 Protocol, on one replica:
     start(key)    from run_inner's at_snapshot, key = (round, epoch, shard, shards) of the standing
@@ -22,15 +20,11 @@ Abandoning aborts the outer group, so the reduce's collective fails at once and 
 within a moment; the group is formed afresh by the supervisor's next forming call.
 
 Failure cases (all surface at `settle(key)` as what the call answers):
-    a holder of another cluster died or never arrives   CollectiveError (peer_gone, or the
-                                                        collective's deadline, `arrival_s` longer
-                                                        than a collective started together): the
-                                                        supervisor re-forms the outer groups and
-                                                        retries
-    this cluster's pseudo-gradient is non-finite         NonFiniteError; the group is aborted at
-                                                        once, so the other holders fail fast
-    the reduce outlives `timeout_s`                      the group is aborted, CollectiveError
-                                                        kind `timeout`
+- a holder of another cluster died or never arrives: CollectiveError (peer_gone, or the deadline,
+  `arrival_s` longer than a collective started together); the supervisor re-forms and retries
+- this cluster's pseudo-gradient is non-finite: NonFiniteError; the group is aborted at once, so
+  the other holders fail fast
+- the reduce outlives `timeout_s`: the group is aborted, CollectiveError kind `timeout`
 Invariant 3 holds: the thread runs only outer-level collectives and the phase thread only
 inner-level ones (comm.allow_level_overlap: one collective per level, never two on one group),
 and no inner step waits on the outer level.
@@ -63,11 +57,6 @@ class BackgroundReduce:
         snapshot step (clusters train at their own pace); the reduce's deadline grows by it."""
         self.trainer, self.outer, self.arrival_s = trainer, outer, arrival_s
         self._reduce: _Reduce | None = None
-
-    @property
-    def running(self) -> Key | None:
-        r = self._reduce
-        return r.key if r is not None and not r.done.is_set() else None
 
     def start(self, key: Key) -> None:
         if self._reduce is not None and self._reduce.key == key:

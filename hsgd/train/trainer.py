@@ -1,39 +1,28 @@
 """What one replica owns and the work it does when the supervisor tells it to.
 
 A `ReplicaTrainer` holds a full model copy, its inner optimizer, the round-start global params
-with the outer optimizer (see outer.py), and its counters: `round` (committed rounds) and `step`
-(committed inner steps in total). What it trains is plugged in (hsgd/train/task.py): a model
-factory, a dataset and a loss, the built-in GPT on Shakespeare by default. Its data position IS
-its step: batches are a pure function of (seed, global replica index, step, micro-batch), so
-healing needs no data-loader state, and there is no RNG state to carry because the model has no
-dropout by default. The inner learning rate is a pure function of the global step too
-(`inner_lr`), so a healed or resumed replica lands on the same rate.
+with the outer optimizer (outer.py), and its counters: `round` (committed rounds) and `step`
+(committed inner steps in total). What it trains is plugged in (hsgd/train/task.py). Its data
+position IS its step: batches are a pure function of (seed, global replica index, step,
+micro-batch), and so is the inner learning rate (`inner_lr`), so healing needs no data-loader
+state and a healed or resumed replica lands on the same rate (no RNG state: no dropout by default).
 
 The phase methods each run ONE level's collectives, never both, so a replica is in at most one
-collective at a time:
-- `run_inner`      inner steps up to a step of the round; `ddp` all-reduces gradients every step
-                   (in buckets launched from backward hooks, overlapping the backward),
-                   `localsgd` averages parameters every `inner_every` steps (level "inner").
-- `cluster_average` (inner `none` only) the cluster's mean, so its leader carries it (level "inner").
-- `outer_reduce`   shard holders only (the leader on the `leader` path): the mean over the clusters
-                   of this round's fragment's pseudo-gradient — of its shard — into a buffer (level
-                   "outer"), compressed by `sync.outer_compress` with this cluster's error-feedback
-                   residual added. Nothing is applied: the first phase of the two-phase commit.
-- `outer_commit`   after the supervisor's commit decision: each shard's holder broadcasts it in the
-                   cluster (level "inner"), every replica applies the same outer step to the
-                   fragment, merges it into its params (`fragment_alpha`), and updates the residual.
-What a round syncs is hsgd/core/outer_plan.py's: fragment `round % sync.fragments` (every
-parameter without fragments), cut into shards at the codec's block boundaries (hsgd/train/codec.py).
+collective at a time: `run_inner` (inner steps; `ddp` all-reduces gradient buckets from backward
+hooks, `localsgd` averages params every `inner_every` steps), `cluster_average` (inner `none`),
+`outer_reduce` (shard holders, level "outer": the first phase of the two-phase commit) and
+`outer_commit` (level "inner": the holders broadcast, every replica applies the outer step).
+What a round syncs is hsgd/core/outer_plan.py's: fragment `round % sync.fragments`, cut into shards
+at the codec's block boundaries (hsgd/train/codec.py).
 Failures:
-- A failed collective raises `hsgd.train.comm.CollectiveError` and leaves the state exactly where the last
-  committed step left it (a localsgd step whose average failed is rolled back, so its retry never
-  applies the optimizer step twice); the step in flight is redone after re-planning.
-- A non-finite loss or gradient norm sets a flag kept on the device (no per-step host sync); it
-  is read once at the phase's end, where `run_inner` raises `NonFiniteError` — the steps ran, the
-  params are poisoned, and the replica must be healed from the committed global params.
-  `outer_reduce` raises `NonFiniteError` before sending a non-finite pseudo-gradient.
+- A failed collective raises `hsgd.train.comm.CollectiveError` and leaves the state exactly where
+  the last committed step left it (a localsgd step whose average failed is rolled back, so its
+  retry never applies the optimizer step twice); the step in flight is redone after re-planning.
+- A non-finite loss or gradient norm sets a flag kept on the device (no per-step host sync), read
+  once at the phase's end, where `run_inner` raises `NonFiniteError`: the params are poisoned and
+  the replica must be healed. `outer_reduce` raises it before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
-and a call for a round this replica has not reached raises `Behind` — it is never reported done.
+and a call for a round this replica has not reached raises `Behind`.
 
 Numerics: `train.precision=bf16` runs forward and loss under autocast; params, gradients, the
 optimizer state, pseudo-gradients and the outer state stay fp32. `train.compile` compiles the
@@ -65,10 +54,6 @@ from hsgd.train.simulate import pacer_from_config
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
 FaultHook = Callable[[str, int, int], None]
-
-
-def _no_fault(phase: str, round_index: int, step_in_round: int) -> None:
-    return None
 
 
 class Behind(RuntimeError):
@@ -114,9 +99,7 @@ def param_digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def build_model(cfg: Any, vocab_size: int | None) -> torch.nn.Module:
-    """The configured model (`model._target_`); seed torch's generator first for identical params."""
-    return task.build_model(cfg, vocab_size)
+build_model = task.build_model  # the configured model; seed torch's generator first for identical params
 
 
 def optimizer_implementation(cfg: Any, device: str = "cpu") -> str:
@@ -155,7 +138,6 @@ class ReplicaTrainer:
                  dataset: task.Dataset | None = None):
         self.cfg, self.rid, self.topology, self.device = cfg, rid, topology, device
         self.device_type = torch.device(device).type
-        self.cluster = topology.cluster_of(rid)
         self.global_index = topology.global_index(rid)
         self.deterministic = bool(cfg.train.deterministic) and self.device_type == "cuda"
         if self.deterministic:  # before the first cuBLAS call: the workspace size is read once
@@ -164,7 +146,7 @@ class ReplicaTrainer:
         self.dataset = dataset or task.build_dataset(cfg)
         torch.manual_seed(cfg.seed)  # identical initial params on every replica
         self.model = build_model(cfg, self.dataset.vocab_size).to(device)
-        self.params = [p for p in self.model.parameters()]
+        self.params = list(self.model.parameters())
         self.param_names = [name for name, _ in self.model.named_parameters()]  # aligned with params
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what a heal or outer sync moves
         self.loss_fn = task.build_loss(cfg)
@@ -175,33 +157,28 @@ class ReplicaTrainer:
         hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
                                    cfg.optim.outer.nesterov)
         self.outer_opt = OuterOptimizer(self.params, pin_memory=self.device_type == "cuda", **hp)
-        # the outer exchange: which fragment each parameter is in, the codec, and this cluster's
-        # error-feedback residual (what compression did not send yet; fp32, one per parameter)
         self.fragments = int(cfg.sync.fragments)
-        self.fragment_of = fragment_of_params(self.param_names, self.fragments)
+        self.fragment_of = fragment_of_params(self.param_names, self.fragments)  # per parameter
         self.fragment_alpha = float(cfg.sync.fragment_alpha)
         self.codec = make_codec(cfg.sync.outer_compress, float(cfg.sync.outer_topk)) \
             if cfg.sync.outer_compress != "none" else None
+        # error feedback: what compression did not send yet, this cluster's (fp32, one per parameter)
         self.outer_residual: list[torch.Tensor] | None = None
-        # overlap (sync.fragment_delay = tau): the round's corrected pseudo-gradient is taken tau
-        # steps before the round's end, (round, flat fp32 vector), and reduced while those steps run;
-        # the commit merges the synced fragment into params that moved on since (Streaming DiLoCo)
+        # sync.fragment_delay = tau: (round, corrected flat fp32 pseudo-gradient) taken tau steps before
+        # the round's end and reduced while those steps run (Streaming DiLoCo's overlap)
         self.fragment_delay = cfg.sync.fragment_delay
         self._outer_snapshot: tuple[int, torch.Tensor] | None = None
-        # streaming (fragments or a mixing weight): working params differ from the global ones between syncs
-        self.streaming = is_streaming(cfg)
         self.grad_accum = int(cfg.data.grad_accum)
         self.tokens_per_step = task.tokens_per_batch(self.dataset, cfg) * self.grad_accum
         self.steps_per_round = steps_per_round(cfg)
-        self.total_steps = cfg.train.rounds * self.steps_per_round  # the LR schedule's horizon
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
         self.buckets = GradBuckets(self.params, bucket_mb) if cfg.sync.inner == "ddp" and bucket_mb > 0 else None
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        # (round, epoch, shard, shards, mean pseudo-grad of that shard as one flat fp32 vector): a
-        # buffer of another epoch or shard plan is never reused or committed
+        # (round, epoch, shard, shards, mean of that shard, flat fp32): never reused or committed
+        # under another epoch or shard plan
         self._outer_buffer: tuple[int, int, int, int, torch.Tensor] | None = None
         self._outer_weights: tuple[float, ...] = ()  # the token weights the buffer was reduced with
         # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
@@ -219,7 +196,6 @@ class ReplicaTrainer:
         """A hot spare takes over `rid`: its data stream (the global replica index) and name. The
         state itself arrives by a heal, as for any replica that (re)joins."""
         self.rid = rid
-        self.cluster = self.topology.cluster_of(rid)
         self.global_index = self.topology.global_index(rid)
 
     def warm_up(self) -> float:
@@ -227,9 +203,8 @@ class ReplicaTrainer:
         first optimizer step's lazy imports): the step model's gradients are dropped after and the
         optimizer steps copies, so the replica's state is untouched. Returns the seconds it took."""
         start = time.perf_counter()
-        batch = task.to_device(self._batch("train", self.step, 0), self.device)
         with self._numerics():
-            loss = self.loss_fn(self.step_model, batch)
+            loss = self.loss_fn(self.step_model, self._train_batch(0))
         loss.backward()
         copies = [p.detach().clone().requires_grad_(True) for p in self.params]
         for c, p in zip(copies, self.params):
@@ -260,8 +235,11 @@ class ReplicaTrainer:
         return round_index == self.round
 
     # -- inner phase ----------------------------------------------------------------------------
-    def _batch(self, split: str, step: int, micro: int) -> Any:
-        return self.dataset.batch(split, seed=self.cfg.seed, replica_index=self.global_index, step=step, micro=micro)
+    def _train_batch(self, micro: int) -> Any:
+        """Micro-batch `micro` of the current step, on the device: a pure function of (seed, replica, step)."""
+        batch = self.dataset.batch("train", seed=self.cfg.seed, replica_index=self.global_index, step=self.step,
+                                   micro=micro)
+        return task.to_device(batch, self.device)
 
     def _numerics(self):
         """Forward and loss: bf16 autocast when asked; the math attention kernel when deterministic."""
@@ -277,12 +255,11 @@ class ReplicaTrainer:
     def _forward_backward(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
         """Gradients of the step's grad_accum micro-batches (their mean loss), all-reduced over the
         cluster for inner `ddp`. Returns the mean loss, on the device (never read here)."""
-        ddp = self.cfg.sync.inner == "ddp"
         self.inner_opt.zero_grad(set_to_none=False)
         total = None
         for micro in range(self.grad_accum):
-            batch = task.to_device(self._batch("train", self.step, micro), self.device)
-            if ddp and self.buckets is not None and micro == self.grad_accum - 1:
+            batch = self._train_batch(micro)
+            if self.buckets is not None and micro == self.grad_accum - 1:  # (buckets: inner ddp only)
                 hook("inner_sync", self.round, self.step_in_round)
                 self.buckets.arm(inner)  # the last backward launches full buckets as it goes
             with self._numerics():
@@ -294,9 +271,9 @@ class ReplicaTrainer:
                 loss = loss * float("nan")
             loss.backward()
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        if ddp and self.buckets is not None:
+        if self.buckets is not None:
             self.buckets.finish()
-        elif ddp:
+        elif self.cfg.sync.inner == "ddp":
             hook("inner_sync", self.round, self.step_in_round)
             inner.allreduce_mean([p.grad for p in self.params], level="inner")
         return total
@@ -304,7 +281,7 @@ class ReplicaTrainer:
     def _one_step(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
         cfg = self.cfg
         started = time.perf_counter()
-        lr = inner_lr(cfg.optim.inner, self.step, self.total_steps)
+        lr = inner_lr(cfg.optim.inner, self.step, cfg.train.rounds * self.steps_per_round)
         for group in self.inner_opt.param_groups:
             group["lr"] = lr
         average = cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0
@@ -348,23 +325,21 @@ class ReplicaTrainer:
         self.inner_opt.state = defaultdict(dict, opt)
         self._nonfinite.copy_(nonfinite)
 
-    def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = _no_fault,
+    def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = lambda phase, r, s: None,
                   at_snapshot: Callable[[], None] | None = None) -> InnerReport:
-        """Run inner steps until the round's last step is committed. Raises CollectiveError (the
-        state stays at the last committed step), NonFiniteError (read at the end: the steps ran on
-        non-finite numbers, heal before training on), or Behind for a round not reached; a round
-        already committed is a no-op. Losses stay on the device until the end: one read-back.
-        With sync.fragment_delay, once the round's snapshot step is reached (`take_outer_snapshot`)
-        `at_snapshot` is called once per call, before the next step: the replica starts the outer
-        reduce there, on the outer level, while these steps go on."""
-        start, bytes_before, done, pending, yielded = time.perf_counter(), inner.bytes_sent, 0, [], False
-        first = self.step
+        """Run inner steps until the round's last step is committed (or a hook raises YieldNow).
+        Raises CollectiveError, NonFiniteError or Behind (see the module's failures). Losses stay on
+        the device until the end: one read-back. With sync.fragment_delay, `at_snapshot` is called
+        once per call at the round's snapshot step (`take_outer_snapshot`), before the next step:
+        the replica starts the outer reduce there, on the outer level, while these steps go on."""
+        start, bytes_before, first, pending, yielded = time.perf_counter(), inner.bytes_sent, self.step, [], False
         losses: list[float] = []
         snapshot_seen = False
 
         def snapshot_point() -> None:
             nonlocal snapshot_seen
-            if self.fragment_delay and not snapshot_seen and self.step_in_round >= self.steps_per_round - self.fragment_delay:
+            due = self.fragment_delay and self.step_in_round >= self.steps_per_round - self.fragment_delay
+            if due and not snapshot_seen:
                 snapshot_seen = True
                 self.take_outer_snapshot()
                 if at_snapshot is not None:
@@ -381,7 +356,6 @@ class ReplicaTrainer:
                         break
                     pending.append(self._one_step(inner, hook))
                     self.step += 1  # committed: the step's collectives all succeeded
-                    done += 1
                     if self.step_log is not None:
                         self.step_log.committed(self.step)
                 if not yielded:
@@ -390,9 +364,8 @@ class ReplicaTrainer:
                 losses = torch.stack(pending).tolist() if pending else []
                 self.round_losses.extend(losses)
             self._raise_if_nonfinite(first)
-        tokens = done * self.tokens_per_step
-        return InnerReport(round=self.round, step=self.step, steps_done=done, loss_sum=sum(losses),
-                           tokens=tokens, seconds=time.perf_counter() - start,
+        return InnerReport(round=self.round, step=self.step, steps_done=len(pending), loss_sum=sum(losses),
+                           tokens=len(pending) * self.tokens_per_step, seconds=time.perf_counter() - start,
                            inner_bytes=inner.bytes_sent - bytes_before, losses=losses, yielded=yielded)
 
     def _raise_if_nonfinite(self, first_step: int) -> None:
@@ -426,19 +399,15 @@ class ReplicaTrainer:
         """sync.fragment_delay: this round's corrected pseudo-gradient, as the params are now (the
         snapshot step, where a cluster's members agree); kept once per round, until the commit.
         Carried by a `full` heal, so a member healed past the snapshot step sends the same."""
-        if self._outer_snapshot is None or self._outer_snapshot[0] != self.round:
-            self._outer_snapshot = (self.round, self._corrected_pseudo_gradient(self.fragment_params(self.round)))
+        self._outer_snapshot = (self.round, self._round_pseudo_gradient(self.round))
 
     def _round_pseudo_gradient(self, round_index: int) -> torch.Tensor:
         """What this cluster sends for round `round_index`: the snapshot when one was taken (overlap),
-        else the corrected pseudo-gradient of the params as they are."""
+        else the fragment's pseudo-gradient (global - local) of the params as they are, as one flat
+        fp32 vector, plus this cluster's residual when a codec is on."""
         if self._outer_snapshot is not None and self._outer_snapshot[0] == round_index:
             return self._outer_snapshot[1]
-        return self._corrected_pseudo_gradient(self.fragment_params(round_index))
-
-    def _corrected_pseudo_gradient(self, index: list[int]) -> torch.Tensor:
-        """The fragment's pseudo-gradient (global - local) as one flat fp32 vector, plus this
-        cluster's residual when a codec is on: what this cluster means to send."""
+        index = self.fragment_params(round_index)
         pg = self.outer_opt.pseudo_gradient([self.params[i] for i in index], index)
         flat = torch.cat([g.reshape(-1) for g in pg]) if pg else torch.zeros(0)
         if self.codec is not None and self.outer_residual is not None:
@@ -448,16 +417,14 @@ class ReplicaTrainer:
     @torch.no_grad()
     def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup, shard: int = 0, shards: int = 1,
                      weights: tuple[float, ...] = ()) -> None:
-        """Shard holders only: the token-weighted mean over the clusters of shard `shard` (of
-        `shards`) of this round's fragment's pseudo-gradient, into the buffer keyed by (round,
-        epoch, shard, shards, weights); nothing is applied. `weights`: each cluster's, in outer-rank
-        order (hsgd.core.outer_plan.token_weights; () = all 1.0). Uncompressed: each holder scales
-        its piece by its cluster's weight, then one fp32 all-reduce of the mean. With a codec:
-        every cluster's encoded (unweighted, so the error-feedback residual stays so) shard is
-        all-gathered and each holder decodes, weights and averages them in outer-rank order (so
-        every holder holds the same bits). A weight of 1.0 is never multiplied: equal clusters give
-        the plain mean bit for bit. Idempotent per key. Raises NonFiniteError before sending when
-        this cluster's pseudo-gradient is not finite."""
+        """The token-weighted mean over the clusters of shard `shard` of `shards` into the buffer keyed
+        by (round, epoch, shard, shards, weights), idempotent per key. `weights`: each cluster's, in
+        outer-rank order (hsgd.core.outer_plan.token_weights; () = the plain mean); a weight of 1.0
+        is never multiplied, so equal clusters give the plain mean bit for bit. Uncompressed: each
+        holder scales its piece by its cluster's weight, then one fp32 all-reduce. With a codec: the
+        encoded shards (unweighted: the error-feedback residual stays so) are all-gathered, decoded,
+        weighted and summed in outer-rank order, so every holder holds the same bits. Raises
+        NonFiniteError before sending a non-finite pseudo-gradient."""
         if not self._require(round_index, "outer_reduce"):
             return
         if self._outer_buffer and self._outer_buffer[:4] == (round_index, epoch, shard, shards) \
@@ -489,16 +456,12 @@ class ReplicaTrainer:
             piece = mean.div_(len(payloads))
         self._outer_buffer = (round_index, epoch, shard, shards, piece)
 
-    def discard_outer_buffer(self) -> None:
-        self._outer_buffer = None
-
     @torch.no_grad()
     def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...]) -> None:
-        """Receive the committed mean pseudo-gradient of this round's fragment — shard j from the
-        member of inner rank roots[j] — and apply it: the outer step on the fragment's global
-        params, then the fragment's params become alpha * local + (1 - alpha) * global. With a
-        codec the cluster's residual is updated by every member alike (the same deterministic
-        encoding of the same corrected vector the holders sent), so any member can lead next."""
+        """Receive the committed mean pseudo-gradient of this round's fragment (shard j from inner
+        rank roots[j]) and apply it: the outer step on the fragment's global params, then params =
+        alpha * local + (1 - alpha) * global. Every member updates the codec's residual alike (the
+        same deterministic encoding of the same corrected vector), so any member can lead next."""
         if not self._require(round_index, "outer_commit"):
             return  # already committed (idempotent re-issue)
         if self.cfg.sync.outer != "none":
@@ -507,23 +470,17 @@ class ReplicaTrainer:
             numel = sum(g.numel() for g in shapes)
             bounds = shard_bounds(numel, len(roots), ALIGN)
             mean = torch.zeros(numel)
-            for j, root in enumerate(roots):
-                lo, hi = bounds[j]
+            for j, (root, (lo, hi)) in enumerate(zip(roots, bounds)):  # one broadcast per shard, from its holder
                 if inner.rank == root:
                     buf = self._outer_buffer
                     assert buf is not None and buf[0] == round_index and buf[2:4] == (j, len(roots)), \
                         f"{self.rid}: commit of round {round_index} without a reduced buffer for shard {j}/{len(roots)}"
                     mean[lo:hi] = buf[4]
-            for j, root in enumerate(roots):  # one broadcast per shard, from its holder
-                lo, hi = bounds[j]
                 if hi > lo:
                     inner.broadcast([mean[lo:hi]], root=root, level="inner")
             if self.codec is not None:
                 self._update_residual(round_index, index)
-            pseudo_grad, offset = [], 0
-            for g in shapes:
-                pseudo_grad.append(mean[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            pseudo_grad = [d.view_as(g) for d, g in zip(mean.split([g.numel() for g in shapes]), shapes)]
             self.outer_opt.step(pseudo_grad, index)
             self._merge_global(index)
             self._nonfinite.zero_()  # the params are the (finite) committed global params again
@@ -541,11 +498,8 @@ class ReplicaTrainer:
         if self.outer_residual is None:
             self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
         _, residual = compress_with_feedback(self.codec, corrected, None)
-        offset = 0
-        for i in index:
-            n = self.outer_residual[i].numel()
-            self.outer_residual[i].copy_(residual[offset:offset + n].view_as(self.outer_residual[i]))
-            offset += n
+        for i, r in zip(index, residual.split([self.outer_residual[i].numel() for i in index])):
+            self.outer_residual[i].copy_(r.view_as(self.outer_residual[i]))
 
     def _merge_global(self, index: list[int]) -> None:
         """The synced fragment's working params after a commit: the global params (alpha 0, plain
@@ -564,7 +518,7 @@ class ReplicaTrainer:
         """Mean loss of the global params on the held-out batches (the same for every replica and
         run: task.EVAL_SEED, replica_index -1). After a commit they are this replica's params;
         under streaming (fragments, a mixing weight) they are swapped in for the evaluation."""
-        saved = [p.detach().clone() for p in self.params] if self.streaming else None
+        saved = [p.detach().clone() for p in self.params] if is_streaming(self.cfg) else None
         if saved is not None:
             self.outer_opt.copy_global_into(self.params)
         self.model.eval()
@@ -619,34 +573,27 @@ class ReplicaTrainer:
     def state_dict(self) -> dict:
         """Everything a `full` heal or a checkpoint carries, on the host. On CUDA the tensors are
         this trainer's pinned buffers, reused by the next call: serialize or copy them before."""
-        state = {"rid": self.rid, "round": self.round, "step": self.step,
-                 "params": self._host(list(self.params), "params"),
-                 "inner_opt": self._host(self.inner_opt.state_dict(), "inner_opt"),
-                 "outer": self.outer_opt.state_dict(),
-                 "outer_residual": self._residual_copy(),
-                 "outer_snapshot": self._snapshot_state(copy=True),
-                 "round_losses": list(self.round_losses)}
+        state = self._state(copy=True)
         if self.device_type == "cuda":
-            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy above
+            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy in _host
         return state
 
     def live_state(self) -> dict:
         """state_dict's tree holding this trainer's own tensors, not copies, where they live (a heal
         over the process group streams them out at once, from the phase thread, which nothing
         else mutates meanwhile). Never modify it or keep it past that call."""
-        return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
-                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
-                "outer_residual": self.outer_residual, "outer_snapshot": self._snapshot_state(copy=False),
-                "round_losses": list(self.round_losses)}
+        return self._state(copy=False)
 
-    def _snapshot_state(self, copy: bool) -> dict | None:
-        if self._outer_snapshot is None:
-            return None
-        r, flat = self._outer_snapshot
-        return {"round": r, "flat": flat.clone() if copy else flat}
-
-    def _residual_copy(self) -> list[torch.Tensor] | None:
-        return None if self.outer_residual is None else [r.clone() for r in self.outer_residual]
+    def _state(self, copy: bool) -> dict:
+        host = self._host if copy else (lambda obj, key: obj)
+        snapshot = None if self._outer_snapshot is None else \
+            {"round": self._outer_snapshot[0], "flat": host(self._outer_snapshot[1], "outer_snapshot")}
+        return {"rid": self.rid, "round": self.round, "step": self.step,
+                "params": host(list(self.params), "params"),
+                "inner_opt": host(self.inner_opt.state_dict(), "inner_opt"),
+                "outer": self.outer_opt.state_dict(copy=copy),
+                "outer_residual": None if self.outer_residual is None else host(list(self.outer_residual), "residual"),
+                "outer_snapshot": snapshot, "round_losses": list(self.round_losses)}
 
     def global_state(self) -> dict:
         """What a `global` heal needs: the round-start global params and outer state. They change
@@ -657,12 +604,10 @@ class ReplicaTrainer:
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
         """scope `full`: become the source (same cluster). scope `global`: take only the global
-        params, outer state and round (the source is in another cluster); params restart from the
-        global params at the round's first step, and the inner optimizer starts fresh — every
-        member of a cluster healed this way gets the same (fresh) state, so the cluster stays
-        consistent. Either way the non-finite flags start clear. The error-feedback residual is
-        the cluster's: a `full` heal carries it, a `global` one starts it at zero (what another
-        cluster could not send is not ours to send)."""
+        params, outer state and round (the source is in another cluster): params restart from the
+        global params at the round's first step with a fresh inner optimizer, the same for every
+        member so healed, and the residual starts at zero (another cluster's is not ours to send).
+        Either way the non-finite flags start clear."""
         self.outer_opt.load_state_dict(state["outer"])
         residual = state.get("outer_residual") if scope == "full" else None
         self.outer_residual = None if residual is None else [r.detach().to("cpu").clone() for r in residual]

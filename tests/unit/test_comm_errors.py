@@ -204,15 +204,14 @@ def test_collective_error_keeps_its_kind_across_pickling():
 
 
 def test_nccl_environment_follows_comm_settings(monkeypatch):
-    env = comm.nccl_environment(timeout_s=7.0, configure_timeout_s=45.0)
+    import os
+
+    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_NONBLOCKING_TIMEOUT"):
+        monkeypatch.setenv(key, "stale")  # restored after the test
+    env = comm.apply_nccl_environment(7.0, 45.0)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "an NCCL error must fail the op, not kill the process"
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
     assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "45"
-    for key in env:
-        monkeypatch.delenv(key, raising=False)
-    comm.apply_nccl_environment(7.0, 45.0)
-    import os
-
     assert all(os.environ[k] == v for k, v in env.items())
 
 

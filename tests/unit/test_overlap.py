@@ -58,7 +58,7 @@ def _overlap_worker(overrides, rounds, rank, port, results) -> None:
                     background.start((r, 1, 0, 1))
             trainer.run_inner(r, inner, at_snapshot=at_snapshot)
             end_params = _host(trainer.params)
-            in_flight = background is not None and background.running is not None
+            in_flight = background is not None and not background._reduce.done.is_set()
             spent = None
             if background is not None:
                 spent = background.settle((r, 1, 0, 1), timeout_s=60)
