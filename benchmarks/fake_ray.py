@@ -235,7 +235,7 @@ class Replica:
         return Ref(self._answer(report=report, join_s=0.0), at=at)
 
     def outer_reduce(self, round_index: int, epoch: int, faults=None, join: tuple | None = None,
-                     shard: int = 0, shards: int = 1) -> Ref:
+                     shard: int = 0, shards: int = 1, weights: tuple = ()) -> Ref:
         failed = self._faulted("outer_reduce", join, round_index)
         return failed or Ref(self._answer(outer_bytes=OUTER_BYTES, join_s=0.0))
 
