@@ -295,7 +295,9 @@ def test_strict_pack_keeps_each_cluster_on_one_node(cluster, tmp_path):
     # 10 CPUs hold 4 x 2.5 in total, but only the head holds a whole cluster (2 x 2.5) on one node
     (["topology.cpus_per_replica=2.5"], "topology.placement_strategy"),
     (["topology.cluster_labels=[a,zzz]"], "topology.cluster_labels[1]"),
-], ids=["strict-pack-never-fits", "unknown-label"])
+    # issue 32: node b (4 CPUs) cannot hold a 5-replica site labelled b
+    (["topology.sites=[{replicas:2,label:a},{replicas:5,label:b}]"], "topology.sites[1].label"),
+], ids=["strict-pack-never-fits", "unknown-label", "site-larger-than-its-label"])
 def test_placement_that_can_never_fit_is_one_clear_line(cluster, tmp_path, overrides, field):
     run_dir = tmp_path / "never"
     proc = _run_attached(cluster, run_dir, overrides)
