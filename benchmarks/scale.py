@@ -200,8 +200,8 @@ class LightReplica:
         return _value(self.replica.run_inner(round_index, faults, join, overlap))
 
     def outer_reduce(self, round_index: int, epoch: int, faults=None, join=None, shard: int = 0,
-                     shards: int = 1) -> dict:
-        return _value(self.replica.outer_reduce(round_index, epoch, faults, join, shard, shards))
+                     shards: int = 1, weights: tuple = ()) -> dict:
+        return _value(self.replica.outer_reduce(round_index, epoch, faults, join, shard, shards, weights))
 
     def outer_commit(self, round_index: int, roots: tuple, faults=None) -> dict:
         return _value(self.replica.outer_commit(round_index, roots, faults))
