@@ -21,12 +21,16 @@ from hsgd.record.run_state import RunState
 from hsgd.record.rundir import write_fault_fired
 
 
+DEADLY = ("kill", "crash", "hang", "error")  # fault kinds that end in the replica's death
+
+
 class FaultInjector:
     """`state`: the run's durable state (fired and added faults live there), saved by `save`;
     `log`: the supervisor's RunLog (events, and faults_fired.jsonl through its writer)."""
 
     def __init__(self, cfg, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
+        self.armed_at: dict[str, list[float]] = {}  # rid -> when deadly faults were armed on it
         self.shape = topology_shape(topology_of(cfg))
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
         fc, spr = cfg.faults, steps_per_round(cfg)
@@ -59,6 +63,9 @@ class FaultInjector:
         due = [d for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
                if set(d.targets) & only]
         for d in due:
+            if d.spec.kind in DEADLY:
+                for rid in d.targets:
+                    self.armed_at.setdefault(rid, []).append(time.time())
             self.state.fired.append(d.index)
             self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
             for rid in d.targets:
@@ -72,6 +79,13 @@ class FaultInjector:
         if due:
             self._save()
         return armed
+
+    def explains_death(self, rid: str, window_s: float = 120.0) -> bool:
+        """A deadly fault armed on rid in the last `window_s` explains its death (each fault one
+        death): an injected failure, which says nothing about rid's node (quarantine skips it)."""
+        recent = [t for t in self.armed_at.get(rid, ()) if time.time() - t <= window_s]
+        self.armed_at[rid] = recent[1:]
+        return bool(recent)
 
     def supervisor_faults(self, round_index: int, phase: str) -> None:
         """Fire a supervisor fault scheduled for this round and phase (the supervisor dies here)."""

@@ -2,6 +2,9 @@
 that died too often in the window is killed for good and re-created as a new actor pinned to
 another live node with room for it (Ray restarts an actor with its original options, so only a new
 actor can leave the node), or, where no other node can hold it, kept out for the rest of the run.
+A death an injected fault explains (the schedule's or a drill's kill, crash, hang or error on that
+replica, armed in the last two minutes) is not counted: it tests recovery and says nothing about
+the node.
 
 The moved replica is a fresh process under its id: it rejoins as any restarted replica does (a heal
 from a live peer), reads its id's data stream (the index table), and a restarted supervisor finds it
@@ -11,6 +14,7 @@ node id, or null: kept out), deaths, window_s.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import ray
 from omegaconf import OmegaConf
@@ -25,15 +29,18 @@ class Quarantine:
     """`state`: the durable RunState (`death_times`, `quarantined`); `roster`: the Roster whose
     actors it replaces; `log`: the RunLog."""
 
-    def __init__(self, cfg, run_id: str, run_dir: str, index_table: dict, state, roster, log, save):
+    def __init__(self, cfg, run_id: str, run_dir: str, index_table: dict, state, roster, log, save,
+                 injected: Callable[[str], bool] = lambda rid: False):
+        """`injected(rid)`: an injected fault explains rid's latest death (it does not count)."""
         self.cfg, self.run_id, self.run_dir, self.index_table = cfg, run_id, run_dir, dict(index_table)
+        self.injected = injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
 
     def death(self, rid: str) -> None:
         """rid's process died (each death once, as the roster logs it)."""
         kept_out = rid in self.state.quarantined and self.state.quarantined[rid].get("moved_to") is None
-        if self.after <= 0 or kept_out:
+        if self.after <= 0 or kept_out or self.injected(rid):
             return
         now = time.time()
         times = recent_deaths(self.state.death_times.get(rid, []) + [now], now, self.window_s)

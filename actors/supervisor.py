@@ -60,12 +60,12 @@ class Supervisor:
         self.roster = Roster(self.topology, run_id, self.state, self.log,
                              call_timeout_s=self.cfg.supervisor.call_timeout_s,
                              spares_per_cluster=self.cfg.topology.spares_per_cluster, save=self.record.save_state)
-        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state.replica_indices, self.state, self.roster,
-                                     self.log, self.record.save_state)
-        self.roster.on_death = self.quarantine.death
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
+        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state.replica_indices, self.state, self.roster,
+                                     self.log, self.record.save_state, injected=self.injector.explains_death)
+        self.roster.on_death = self.quarantine.death
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
