@@ -192,4 +192,4 @@ def record_takeovers(run_dir: str, lock, resume_from: checkpoint.Choice | None) 
             log.event("checkpoint_fallback", path=path, reason=reason)
             print(f"[hsgd] checkpoint {path} skipped: {reason}", flush=True)
     finally:
-        log.close()
+        log.flush(10.0)

@@ -206,10 +206,6 @@ class RunLog:
             if wrote is False or time.monotonic() >= end:
                 return False
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Write what is kept, waiting at most timeout_s (a run's end). True when all is written."""
-        return self.flush(timeout_s)
-
     # -- the writer thread's side -----------------------------------------------------------------
     def _keep(self, name: str, record: dict) -> None:
         line = json.dumps(record, default=str) + "\n"
