@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path
-from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, fail_config
+from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder
 from hsgd.config.compose import compose_config, precheck  # noqa: F401 — the driver's API
 from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import topology_of
@@ -70,15 +70,15 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     fingerprint = checkpoint.fingerprint(cfg)
     resume_from = find_resume_point(ckpt_root, fingerprint) if resume else None
     if not resume and cfg.checkpoint.every and (held := checkpoint.latest(ckpt_root)) is not None:
-        fail_config(f"checkpoint.dir: {ckpt_root} already holds checkpoints ({held}); choose another "
-                    f"checkpoint.dir or add train.resume=true")
+        raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held}); choose another "
+                                            f"checkpoint.dir or add train.resume=true")
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
     os.makedirs(run_dir, exist_ok=True)
     lock = RunLock(run_dir, run_id)
     try:
         lock.acquire(takeover=resume)
     except RunLocked as err:
-        fail_config(f"run.dir: {err}")
+        raise ConfigError("run.dir", str(err))
     try:
         record_takeovers(run_dir, lock, resume_from)
         return _run_owned(cfg, Run(cfg, run_dir, run_id, ckpt_root, fingerprint, resume_from))
