@@ -69,8 +69,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     ckpt_root = checkpoint.root_url(cfg.checkpoint.dir, run_dir)
     fingerprint = checkpoint.fingerprint(cfg)
     resume_from = find_resume_point(ckpt_root, fingerprint) if resume else None
-    if not resume and cfg.checkpoint.every and (held := checkpoint.latest(ckpt_root)) is not None:
-        raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held}); choose another "
+    if not resume and cfg.checkpoint.every and (held := checkpoint.finalized(ckpt_root)):
+        raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held[-1]}); choose another "
                                             f"checkpoint.dir or add train.resume=true")
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
     os.makedirs(run_dir, exist_ok=True)

@@ -196,12 +196,6 @@ def finalized(root: str | Path) -> list[str]:
             if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1])]
 
 
-def latest(root: str | Path) -> str | None:
-    """The newest finalized checkpoint directory, or None (unverified: see `choose`)."""
-    done = finalized(root)
-    return done[-1] if done else None
-
-
 def read_manifest(directory: str | Path) -> dict:
     url = _join(directory, MANIFEST)
     fs, path = _fs(url)
