@@ -227,7 +227,7 @@ def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
 
 
 # -- NCCL ------------------------------------------------------------------------------------------
-def apply_nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
+def apply_nccl_environment(configure_timeout_s: float) -> dict[str, str]:
     """Set the NCCL settings hsgd's error model needs, from comm.* (overriding what was there), before
     the process makes its first group (torch reads them when a communicator is built); returns them.
 
