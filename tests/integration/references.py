@@ -2,8 +2,8 @@
 
 Each reference rebuilds what hsgd is supposed to compute from the algorithm's definition, using only
 the pieces of hsgd that are not under test: the model and inner-optimizer factories
-(`hsgd.train.trainer.build_model`, `build_inner_optimizer`), the corpus and the step-indexed batches
-(`hsgd.train.data`). Everything that hsgd's sync layers do (gradient all-reduce, parameter averaging,
+(`hsgd.train.task.build_model`, `hsgd.train.trainer.build_inner_optimizer`), the corpus and the
+step-indexed batches (`hsgd.train.data`). Everything that hsgd's sync layers do (gradient all-reduce, parameter averaging,
 pseudo-gradients, the outer optimizer) is written here independently.
 
 Replica `c<c>r<i>` has global index `c * replicas_per_cluster + i`; its batch at global inner step
@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from hsgd.train.data import batch_for_step, load_corpus
-from hsgd.train.trainer import build_inner_optimizer, build_model
+from hsgd.train.task import build_model
+from hsgd.train.trainer import build_inner_optimizer
 
 
 # ----------------------------------------------------------------------------- shared pieces
