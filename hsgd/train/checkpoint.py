@@ -35,7 +35,6 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST = "manifest.json"
-CHUNK = 4 << 20  # bytes read at a time when hashing
 
 
 class CheckpointError(RuntimeError):
@@ -211,11 +210,8 @@ def read_manifest(directory: str | Path) -> dict:
 
 def _sha256(url: str) -> str:
     fs, path = _fs(url)
-    sha = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify(directory: str | Path) -> dict:
