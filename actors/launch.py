@@ -12,6 +12,7 @@ the folder's lock (hsgd.record.runlock), then:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -223,10 +224,8 @@ def _watch(run: Run, supervisor, view, ref) -> None:
             print("\n[hsgd] stopping after the round in flight (Ctrl-C again to abort)", flush=True)
             supervisor.request_stop.remote()
             continue
-        try:
+        with contextlib.suppress(Exception):  # supervisor restarting: the view just waits
             view.update(ray.get(supervisor.status.remote(), timeout=5.0))
-        except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
-            pass
         if done:
             return
 
@@ -254,10 +253,8 @@ def _clean_up(run: Run) -> None:
     import ray
 
     for actor in run.actors:
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
     if run.placement is not None:
         run.placement.release()
     if run.info:

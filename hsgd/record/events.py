@@ -11,6 +11,7 @@ How records reach the files while the folder fails and recovers: `RunLog`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -245,8 +246,6 @@ class RunLog:
             self.event("run_dir_unwritable", path=str(self.dir), error=error)
             message = f"run folder {self.dir} is not writable ({error}); records are kept in memory meanwhile"
         if self._warn is not None:
-            try:
+            with contextlib.suppress(Exception):  # the console is best effort too
                 self._warn(message)
-            except Exception:  # noqa: BLE001 — the console is best effort too
-                pass
 

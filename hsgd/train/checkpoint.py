@@ -21,6 +21,7 @@ load with `torch.load(weights_only=True)`: a foreign file is an error, never cod
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -78,10 +79,8 @@ def _names(url: str | Path) -> list[str]:
 def remove(url: str | Path) -> None:
     """Remove a directory (a refused or interrupted checkpoint write); absent is fine."""
     fs, path = _fs(url)
-    try:
+    with contextlib.suppress(OSError):
         fs.rm(path, recursive=True)
-    except (FileNotFoundError, OSError):
-        pass
 
 
 # -- writing --------------------------------------------------------------------------------------

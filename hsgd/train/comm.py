@@ -55,7 +55,7 @@ import secrets
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 
 import torch
@@ -607,7 +607,5 @@ def _sum_options() -> dist.AllreduceOptions:
 
 
 def _abort_quietly(pg) -> None:
-    try:
+    with suppress(Exception):  # aborting a broken group may itself fail
         pg.abort(errored=False)
-    except Exception:  # noqa: BLE001 — aborting a broken group may itself fail
-        pass
