@@ -119,10 +119,8 @@ class RunLog:
 
     def __init__(self, run_dir: str | Path, *, warn=None, write_timeout_s: float = 5.0):
         self.dir = Path(run_dir)
-        try:
+        with contextlib.suppress(OSError):  # the first write reports it (run_dir_unwritable)
             self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # the first write reports it (run_dir_unwritable)
         self._lock = threading.Lock()
         self._warn = warn  # optional callable(str): the folder's outages, for the console
         self._streams = {name: _Stream(self.dir / f"{name}.jsonl") for name in ("events", "metrics")}

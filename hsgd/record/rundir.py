@@ -53,10 +53,8 @@ def append_lines(path: str | Path, data: str) -> None:
                 os.ftruncate(fd, size)
             raise
     finally:
-        try:
+        with contextlib.suppress(OSError):  # every byte was written (or the error above is raised): nothing to redo
             os.close(fd)
-        except OSError:
-            pass  # every byte was written (or the error above is raised): nothing to redo
 
 
 def read_json(path: str | Path) -> dict:
