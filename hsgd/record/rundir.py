@@ -60,10 +60,9 @@ def append_lines(path: str | Path, data: str) -> None:
 def read_json(path: str | Path) -> dict:
     """A JSON file the run keeps rewriting (status.json, run.json, supervisor_state.json): {} when it
     is absent or unreadable (a reader elsewhere may race the writer's rename, or a crash)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    return {}
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

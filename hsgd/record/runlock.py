@@ -104,10 +104,9 @@ def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
 
 
 def _mtime(path: Path) -> float | None:
-    try:
+    with contextlib.suppress(OSError):
         return path.stat().st_mtime
-    except OSError:
-        return None
+    return None
 
 
 class RunLock:
