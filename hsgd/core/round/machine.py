@@ -78,7 +78,6 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.outer_configured = outer_configured
         self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
         self.outer_stage = OuterStage.WAIT
-        self.outer_phase: int | None = None
         self.outer_attempts = 0
         self.calls = CallBook()
         self.dead: dict[str, str] = {}  # rid -> cause, this round
