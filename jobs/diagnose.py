@@ -77,15 +77,13 @@ def local_gcs_addresses() -> set[str]:
 
     found: set[str] = set()
     for proc in psutil.process_iter(["cmdline", "uids"]):
-        try:
+        with contextlib.suppress(psutil.Error, OSError):
             cmdline, uids = proc.info["cmdline"] or [], proc.info["uids"]
             if not cmdline or "raylet" not in os.path.basename(cmdline[0]) or uids is None or uids.real != os.getuid():
                 continue
             for arg in " ".join(cmdline).split(" "):
                 if arg.startswith("--gcs-address=") or arg.startswith("--gcs_address="):
                     found.add(arg.split("=", 1)[1])
-        except (psutil.Error, OSError):
-            continue
     return found
 
 
