@@ -20,6 +20,7 @@ one may never be written, and it may reach the disk before or after the events l
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import threading
@@ -80,10 +81,8 @@ class Drill:
     def stop(self, timeout_s: float = 180.0) -> dict:
         """Ask the supervisor to finish the round in flight and end the run (status `stopped`)."""
         if self.summary is None and self._alive():
-            try:
+            with contextlib.suppress(Exception):  # a restarting supervisor: wait_done still bounds us
                 ray.get(self._supervisor().request_stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 — a restarting supervisor: wait_done still bounds us
-                pass
         return self.wait_done(timeout_s)
 
     def wait_done(self, timeout_s: float = 600.0) -> dict:

@@ -5,6 +5,7 @@ replica can still run Python).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -38,13 +39,11 @@ def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) ->
     """(method, text) for a process on this node, or None."""
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True,
                                  timeout=timeout_s, env={**os.environ, "NO_COLOR": "1", "TERM": "dumb"})
             if out.returncode == 0 and out.stdout.strip():
                 return "py-spy", _ANSI.sub("", out.stdout)  # some terminals' settings make it colour anyway
-        except (subprocess.TimeoutExpired, OSError):
-            pass
     path = faulthandler_path(run_dir, rid, pid)
     try:
         before = path.stat().st_size if path.exists() else 0

@@ -146,9 +146,6 @@ class Heals:
         return meta is not None and isinstance(self._read(meta, key)[1], Lost)
 
     # -- targets' answers over the group ---------------------------------------------------------------
-    def is_group_target(self, ref) -> bool:
-        return ref in self.receives
-
     def group_answer(self, ref, waited: bool = True):
         """A target's receive_state answered (`ref` ready). Returns the ref whose answer is its heal's:
         `ref` itself (done; it died or raised; or its heal is no longer `waited` on), or, when its

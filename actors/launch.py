@@ -12,6 +12,7 @@ the folder's lock (hsgd.record.runlock), then:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path
-from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, fail_config
+from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder
 from hsgd.config.compose import compose_config, precheck  # noqa: F401 — the driver's API
 from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import topology_of
@@ -69,16 +70,16 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     ckpt_root = checkpoint.root_url(cfg.checkpoint.dir, run_dir)
     fingerprint = checkpoint.fingerprint(cfg)
     resume_from = find_resume_point(ckpt_root, fingerprint) if resume else None
-    if not resume and cfg.checkpoint.every and (held := checkpoint.latest(ckpt_root)) is not None:
-        fail_config(f"checkpoint.dir: {ckpt_root} already holds checkpoints ({held}); choose another "
-                    f"checkpoint.dir or add train.resume=true")
+    if not resume and cfg.checkpoint.every and (held := checkpoint.finalized(ckpt_root)):
+        raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held[-1]}); choose another "
+                                            f"checkpoint.dir or add train.resume=true")
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
     os.makedirs(run_dir, exist_ok=True)
     lock = RunLock(run_dir, run_id)
     try:
         lock.acquire(takeover=resume)
     except RunLocked as err:
-        fail_config(f"run.dir: {err}")
+        raise ConfigError("run.dir", str(err))
     try:
         record_takeovers(run_dir, lock, resume_from)
         return _run_owned(cfg, Run(cfg, run_dir, run_id, ckpt_root, fingerprint, resume_from))
@@ -223,10 +224,8 @@ def _watch(run: Run, supervisor, view, ref) -> None:
             print("\n[hsgd] stopping after the round in flight (Ctrl-C again to abort)", flush=True)
             supervisor.request_stop.remote()
             continue
-        try:
+        with contextlib.suppress(Exception):  # supervisor restarting: the view just waits
             view.update(ray.get(supervisor.status.remote(), timeout=5.0))
-        except Exception:  # noqa: BLE001 — supervisor restarting: the view just waits
-            pass
         if done:
             return
 
@@ -254,10 +253,8 @@ def _clean_up(run: Run) -> None:
     import ray
 
     for actor in run.actors:
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
     if run.placement is not None:
         run.placement.release()
     if run.info:

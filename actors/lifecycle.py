@@ -20,6 +20,7 @@ skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Callable, Iterable, NamedTuple
 
@@ -64,10 +65,9 @@ def own_incarnation() -> int | None:
     import ray
     from ray._private.state import state as gcs
 
-    try:
+    with contextlib.suppress(Exception):  # unknown; the supervisor's watch still counts its deaths
         return int(gcs.actor_table(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0))
-    except Exception:  # noqa: BLE001 — unknown; the supervisor's watch still counts its deaths
-        return None
+    return None
 
 
 def read_actor_table() -> list[dict]:

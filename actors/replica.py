@@ -69,7 +69,7 @@ class Replica:
                                for level in ("inner", "outer")}
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
         self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
-        apply_nccl_environment(self.cfg.comm.timeout_s, self.cfg.comm.configure_timeout_s)  # before any group
+        apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
         self.inner, self.outer = self._level_group("inner"), self._level_group("outer")
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
         allow_level_overlap(self.trainer.fragment_delay > 0)

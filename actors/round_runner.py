@@ -157,7 +157,7 @@ class RoundRunner:
     # -- what Ray says -----------------------------------------------------------------------------------
     def _read(self, ref) -> list:
         if ref in self.calls:
-            if self.heals.is_group_target(ref):  # a heal over the group: its answer, or a fallback issued
+            if ref in self.heals.receives:  # a heal over the group: its answer, or a fallback issued
                 phase_id, rid = self.calls[ref]
                 after = self.heals.group_answer(ref, waited=rid in self.m.pending(phase_id))
                 if after is not ref:

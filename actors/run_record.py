@@ -88,5 +88,5 @@ class SupervisorRecord:
         self.wandb.finish(summary)
         self.log.event("run_end", status=summary["status"])
         self.set_status(phase="done", status=summary["status"])
-        self.log.close(timeout_s=self.log.writer.deadline_s)
+        self.log.flush(self.log.writer.deadline_s)
         return summary

@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.replica import Replica
 from actors.roster import replica_actor_name, spare_actor_name
-from hsgd.config.compose import fail_config
+from hsgd.config import ConfigError
 from hsgd.core.faults import due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
 from hsgd.core.topology import Topology, parse_replica_id
@@ -37,11 +37,11 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
     point = checkpoint.choose(root, fingerprint, skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
-        fail_config(f"train.resume: no usable checkpoint under {root}{why}; pass run.dir=<the run to resume> "
-                    f"(and its checkpoint.dir)")
+        raise ConfigError("train.resume", f"no usable checkpoint under {root}{why}; "
+                                          f"pass run.dir=<the run to resume> (and its checkpoint.dir)")
     if point.config_diff:
-        fail_config(f"train.resume: checkpoint {point.path} was written with another config, and a resume may not "
-                    f"change {'; '.join(point.config_diff)}")
+        raise ConfigError("train.resume", f"checkpoint {point.path} was written with another config, "
+                                          f"and a resume may not change {'; '.join(point.config_diff)}")
     return point
 
 
@@ -127,7 +127,8 @@ class StartupCalls:
         try:
             url, nonce = checkpoint.write_reach_nonce(root, run_id)
         except Exception as err:  # noqa: BLE001 — any storage error: the driver cannot write there
-            fail_config(f"checkpoint.dir: the driver cannot write to {root}: {type(err).__name__}: {err}")
+            raise ConfigError("checkpoint.dir",
+                              f"the driver cannot write to {root}: {type(err).__name__}: {err}")
         try:
             answers, errors = self.call_all(
                 handles, lambda key, h, first: h.reach_checkpoints.remote(url, nonce, faults.get(key) if first else None),
@@ -137,8 +138,8 @@ class StartupCalls:
             problems += [f"{key} failed the check: {_cause(err)}" for key, err in errors.items()]
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                fail_config(f"checkpoint.dir: {problems[0]}{more}; every replica must reach checkpoint.dir "
-                            f"(a shared mount or an object store URL)")
+                raise ConfigError("checkpoint.dir", f"{problems[0]}{more}; every replica must reach checkpoint.dir "
+                                                    f"(a shared mount or an object store URL)")
         finally:
             checkpoint.remove(url)
 
@@ -152,7 +153,7 @@ class StartupCalls:
             lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None),
             self.cfg.phase_timeout_s)
         for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
-            fail_config(f"train.resume: {_cause(err)}")
+            raise ConfigError("train.resume", _cause(err))
         absent = sorted(set(replicas) - set(files))
         note = f"; {', '.join(absent)} heal from peers" if absent else ""
         print(f"[hsgd] resumed from {point.path} (round {point.manifest['round']}){note}", flush=True)
@@ -192,4 +193,4 @@ def record_takeovers(run_dir: str, lock, resume_from: checkpoint.Choice | None) 
             log.event("checkpoint_fallback", path=path, reason=reason)
             print(f"[hsgd] checkpoint {path} skipped: {reason}", flush=True)
     finally:
-        log.close()
+        log.flush(10.0)

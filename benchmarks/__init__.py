@@ -3,7 +3,8 @@
 Suites (each a module here named as the suite, with its own `main`): overhead, recovery, goodput,
 scale, straggler, plan, inner, ddp, convergence, report, and with no suite the default one
 (hierarchical vs flat, benchmarks/cli.py). `peers/` holds the systems hsgd is compared with (plain
-DDP, torchft, Ray Train) and `fake_ray.py` the fake Ray `plan` times the supervisor's decisions on.
+DDP, torchft, Ray Train), `fake_ray.py` the fake Ray `plan` times the supervisor's decisions on,
+and `fault_costs.py` the goodput suite's split of a fault's time, read from a run's record.
 The suites' committed results (`<suite>.json`, `<suite>.png`) sit beside them; BENCHMARKS.md is
 rendered from those JSONs by `python -m benchmarks report --from benchmarks`.
 

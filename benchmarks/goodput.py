@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hsgd.record.goodput import fault_costs, goodput, summarize_costs
+from benchmarks.fault_costs import fault_costs, goodput, summarize_costs
 from hsgd.record.rundir import read_jsonl
 from benchmarks.report import bench_ray, header, write_suite
 

@@ -16,6 +16,7 @@ says is never trusted with this user's Ray token or with a signal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -76,35 +77,31 @@ def local_gcs_addresses() -> set[str]:
 
     found: set[str] = set()
     for proc in psutil.process_iter(["cmdline", "uids"]):
-        try:
+        with contextlib.suppress(psutil.Error, OSError):
             cmdline, uids = proc.info["cmdline"] or [], proc.info["uids"]
             if not cmdline or "raylet" not in os.path.basename(cmdline[0]) or uids is None or uids.real != os.getuid():
                 continue
             for arg in " ".join(cmdline).split(" "):
                 if arg.startswith("--gcs-address=") or arg.startswith("--gcs_address="):
                     found.add(arg.split("=", 1)[1])
-        except (psutil.Error, OSError):
-            continue
     return found
 
 
 def _process_uid(pid: int) -> int | None:
     import psutil  # Ray's bundled one: local_gcs_addresses imported ray first
 
-    try:
+    with contextlib.suppress(psutil.Error, OSError):
         return psutil.Process(pid).uids().real
-    except (psutil.Error, OSError):
-        return None
+    return None
 
 
 def _actor_entry(handle) -> dict | None:
     """Ray's own record of the actor behind `handle` (the GCS actor table), or None."""
     from ray._private import state
 
-    try:
+    with contextlib.suppress(Exception):  # an older/newer Ray without this table: nothing is verified
         return state.actors(actor_id=handle._actor_id.hex()) or None
-    except Exception:  # noqa: BLE001 — an older/newer Ray without this table: nothing is verified
-        return None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

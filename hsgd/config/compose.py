@@ -22,12 +22,6 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 HYDRA_ENTRIES = (".hydra",)  # what Hydra writes into the run folder before run_training starts (and *.log)
 
 
-def fail_config(message: str) -> None:
-    """Raise ConfigError from '<field>: <problem>' (a bad value found after composing)."""
-    field, _, problem = message.partition(": ")
-    raise ConfigError(field, problem)
-
-
 def compose_config(overrides: list[str]) -> DictConfig:
     """The resolved config for these overrides, as Hydra would build it (for tests, notebooks and
     the pre-check). Raises Hydra/OmegaConf errors for bad keys or types; does not validate."""
@@ -135,17 +129,17 @@ def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -
 
     p = Path(run_dir)
     if p.exists() and not p.is_dir():
-        fail_config(f"run.dir: {run_dir} exists and is not a folder; choose a new run.dir")
+        raise ConfigError("run.dir", f"{run_dir} exists and is not a folder; choose a new run.dir")
     entries = sorted(os.listdir(p)) if p.is_dir() else []
     if hydra_wrote:
         entries = [e for e in entries if e not in HYDRA_ENTRIES and not e.endswith(".log")]
     if entries and not is_hsgd_run_folder(p):
-        fail_config(f"run.dir: {run_dir} is not empty and is not an hsgd run folder (no {LOCK_NAME}, no run.json "
-                    f"of an hsgd run; it holds {', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
-                    f"choose a new or empty folder")
+        raise ConfigError("run.dir", f"{run_dir} is not empty and is not an hsgd run folder (no {LOCK_NAME}, "
+                                     f"no run.json of an hsgd run; it holds {', '.join(entries[:3])}"
+                                     f"{', ...' if len(entries) > 3 else ''}); choose a new or empty folder")
     try:
         runlock.check(run_dir, takeover=resume)
     except runlock.RunLocked as err:
-        fail_config(f"run.dir: {err}")
+        raise ConfigError("run.dir", str(err))
     if not resume and {"summary.json", "supervisor_state.json"} & set(entries):
-        fail_config(f"run.dir: {run_dir} already holds a run; choose a new run.dir or add train.resume=true")
+        raise ConfigError("run.dir", f"{run_dir} already holds a run; choose a new run.dir or add train.resume=true")

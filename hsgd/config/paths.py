@@ -22,9 +22,7 @@ def output_root() -> Optional[str]:
     root = os.environ.get(OUTPUT_ROOT_ENV, "").strip()
     if root:
         return os.path.abspath(os.path.expanduser(root))
-    if under_ray_job():
-        return os.path.expanduser(RAY_JOB_OUTPUT_ROOT)
-    return None
+    return os.path.expanduser(RAY_JOB_OUTPUT_ROOT) if under_ray_job() else None
 
 
 def output_path(path: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import functools
 import math
 import netrc
 import os
@@ -106,10 +107,7 @@ TARGET_FIELDS = ("model._target_", "data._target_", "loss._target_")
 
 def field_value(cfg: Any, path: str) -> Any:
     """The value at a dotted path, e.g. field_value(cfg, "optim.inner.lr")."""
-    node = cfg
-    for name in path.split("."):
-        node = getattr(node, name)
-    return node
+    return functools.reduce(getattr, path.split("."), cfg)
 
 
 def validate(cfg: Any) -> None:

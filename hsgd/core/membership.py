@@ -5,6 +5,7 @@ with the round machine's rules, for the supervisor between rounds and for tools.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,12 +35,8 @@ def leader_of(members: tuple[str, ...], current: str | None) -> str:
 def live_per_cluster(topology: Topology, live) -> list[int]:
     """How many of the `live` replica ids each cluster has, in cluster order (quorum_problem's
     `counts`); an id of no cluster of `topology` counts nowhere."""
-    counts = [0] * topology.clusters
-    for rid in live:
-        cluster = topology.cluster_of(rid)
-        if 0 <= cluster < topology.clusters:
-            counts[cluster] += 1
-    return counts
+    counts = Counter(map(topology.cluster_of, live))
+    return [counts[c] for c in range(topology.clusters)]
 
 
 def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[int], min_clusters: int) -> str | None:

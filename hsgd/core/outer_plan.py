@@ -57,9 +57,7 @@ def fragment_of_round(round_index: int, fragments: int) -> int:
 def shard_count(live_sizes: Sequence[int], path: str) -> int:
     """How many shards the exchange is cut into: 1 on the leader path; the smallest live cluster
     size among the clusters taking part on the sharded path."""
-    if path == "leader" or not live_sizes:
-        return 1
-    return max(1, min(live_sizes))
+    return 1 if path == "leader" or not live_sizes else max(1, min(live_sizes))
 
 
 def shard_holders(members: Sequence[Sequence[str]], leaders: Sequence[str], shards: int) -> tuple[tuple[str, ...], ...]:

@@ -11,6 +11,7 @@ How records reach the files while the folder fails and recovers: `RunLog`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -118,10 +119,8 @@ class RunLog:
 
     def __init__(self, run_dir: str | Path, *, warn=None, write_timeout_s: float = 5.0):
         self.dir = Path(run_dir)
-        try:
+        with contextlib.suppress(OSError):  # the first write reports it (run_dir_unwritable)
             self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # the first write reports it (run_dir_unwritable)
         self._lock = threading.Lock()
         self._warn = warn  # optional callable(str): the folder's outages, for the console
         self._streams = {name: _Stream(self.dir / f"{name}.jsonl") for name in ("events", "metrics")}
@@ -206,10 +205,6 @@ class RunLog:
             if wrote is False or time.monotonic() >= end:
                 return False
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Write what is kept, waiting at most timeout_s (a run's end). True when all is written."""
-        return self.flush(timeout_s)
-
     # -- the writer thread's side -----------------------------------------------------------------
     def _keep(self, name: str, record: dict) -> None:
         line = json.dumps(record, default=str) + "\n"
@@ -249,8 +244,6 @@ class RunLog:
             self.event("run_dir_unwritable", path=str(self.dir), error=error)
             message = f"run folder {self.dir} is not writable ({error}); records are kept in memory meanwhile"
         if self._warn is not None:
-            try:
+            with contextlib.suppress(Exception):  # the console is best effort too
                 self._warn(message)
-            except Exception:  # noqa: BLE001 — the console is best effort too
-                pass
 

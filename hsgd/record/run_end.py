@@ -2,6 +2,7 @@
 one (`driver_summary`), and `ensure_summary`, which leaves summary.json holding it or prints it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -38,11 +39,9 @@ def ensure_summary(run_dir: str, summary: dict) -> None:
     # json writes floats with repr(): the shortest string that round-trips, i.e. full precision
     text = json.dumps(summary, indent=2, sort_keys=True, default=str)
     path = Path(run_dir) / "summary.json"
-    try:
+    with contextlib.suppress(Exception):  # absent, unreadable, hung: write it
         if call_with_deadline(lambda: path.read_text(encoding="utf-8"), DRIVER_IO_S, f"reading {path}") == text:
             return  # the supervisor wrote it
-    except Exception:  # noqa: BLE001 — absent, unreadable, hung: write it
-        pass
     try:
         call_with_deadline(lambda: atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True)),
                            DRIVER_IO_S, f"writing {path}")

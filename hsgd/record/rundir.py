@@ -6,6 +6,7 @@ folder, fsynced and renamed into place, so a crash leaves the old file or the ne
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -26,10 +27,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)  # a full disk must not also fill up with our temp files
-        except OSError:
-            pass
         raise
 
 
@@ -50,25 +49,20 @@ def append_lines(path: str | Path, data: str) -> None:
             while view:
                 view = view[os.write(fd, view):]
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
-            except OSError:
-                pass
             raise
     finally:
-        try:
+        with contextlib.suppress(OSError):  # every byte was written (or the error above is raised): nothing to redo
             os.close(fd)
-        except OSError:
-            pass  # every byte was written (or the error above is raised): nothing to redo
 
 
 def read_json(path: str | Path) -> dict:
     """A JSON file the run keeps rewriting (status.json, run.json, supervisor_state.json): {} when it
     is absent or unreadable (a reader elsewhere may race the writer's rename, or a crash)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    return {}
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -79,10 +73,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
     return records
 
 
@@ -191,10 +183,8 @@ class FolderWriter:
                         self._failing_since = began
             done.set()
             if self._on_change is not None and ok is not None and was_failing == ok:  # the health flipped
-                try:
+                with contextlib.suppress(Exception):  # the writer thread outlives its listener's bug
                     self._on_change(ok, error, down_s)
-                except Exception:  # noqa: BLE001 — the writer thread outlives its listener's bug
-                    pass
 
 
 def call_with_deadline(fn: Callable[[], object], timeout_s: float, what: str = "a storage call"):

@@ -16,6 +16,7 @@ Protocol:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -103,10 +104,9 @@ def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
 
 
 def _mtime(path: Path) -> float | None:
-    try:
+    with contextlib.suppress(OSError):
         return path.stat().st_mtime
-    except OSError:
-        return None
+    return None
 
 
 class RunLock:
@@ -155,10 +155,8 @@ class RunLock:
                 continue
             moved = _read(aside)
             if moved != info:  # another taker's fresh lock: give it back
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.link(aside, self.path)
-                except FileExistsError:
-                    pass
                 aside.unlink(missing_ok=True)
                 raise RunLocked(f"{self.dir} was just taken by {describe(moved or {})}")
             aside.unlink(missing_ok=True)
@@ -196,7 +194,5 @@ class RunLock:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         if self.still_mine():
-            try:
+            with contextlib.suppress(OSError):
                 self.path.unlink()
-            except OSError:
-                pass

@@ -11,6 +11,7 @@ A write that fails turns the log off for the rest of the process: the timeline n
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -23,11 +24,9 @@ class StepLog:
     def __init__(self, folder: str | os.PathLike, replica: str):
         self.replica = replica
         self.file = None
-        try:
+        with contextlib.suppress(OSError):  # no timeline; training goes on
             Path(folder).mkdir(parents=True, exist_ok=True)
             self.file = open(Path(folder) / f"{replica}.jsonl", "a", buffering=1)  # line-buffered
-        except OSError:
-            pass  # no timeline; training goes on
 
     def committed(self, step: int) -> None:
         if self.file is None:

@@ -21,6 +21,7 @@ load with `torch.load(weights_only=True)`: a foreign file is an error, never cod
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -35,7 +36,6 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST = "manifest.json"
-CHUNK = 4 << 20  # bytes read at a time when hashing
 
 
 class CheckpointError(RuntimeError):
@@ -79,10 +79,8 @@ def _names(url: str | Path) -> list[str]:
 def remove(url: str | Path) -> None:
     """Remove a directory (a refused or interrupted checkpoint write); absent is fine."""
     fs, path = _fs(url)
-    try:
+    with contextlib.suppress(OSError):
         fs.rm(path, recursive=True)
-    except (FileNotFoundError, OSError):
-        pass
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -196,12 +194,6 @@ def finalized(root: str | Path) -> list[str]:
             if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1])]
 
 
-def latest(root: str | Path) -> str | None:
-    """The newest finalized checkpoint directory, or None (unverified: see `choose`)."""
-    done = finalized(root)
-    return done[-1] if done else None
-
-
 def read_manifest(directory: str | Path) -> dict:
     url = _join(directory, MANIFEST)
     fs, path = _fs(url)
@@ -217,11 +209,8 @@ def read_manifest(directory: str | Path) -> dict:
 
 def _sha256(url: str) -> str:
     fs, path = _fs(url)
-    sha = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify(directory: str | Path) -> dict:

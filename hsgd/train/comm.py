@@ -55,7 +55,7 @@ import secrets
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 
 import torch
@@ -227,7 +227,7 @@ def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
 
 
 # -- NCCL ------------------------------------------------------------------------------------------
-def apply_nccl_environment(timeout_s: float, configure_timeout_s: float) -> dict[str, str]:
+def apply_nccl_environment(configure_timeout_s: float) -> dict[str, str]:
     """Set the NCCL settings hsgd's error model needs, from comm.* (overriding what was there), before
     the process makes its first group (torch reads them when a communicator is built); returns them.
 
@@ -607,7 +607,5 @@ def _sum_options() -> dist.AllreduceOptions:
 
 
 def _abort_quietly(pg) -> None:
-    try:
+    with suppress(Exception):  # aborting a broken group may itself fail
         pg.abort(errored=False)
-    except Exception:  # noqa: BLE001 — aborting a broken group may itself fail
-        pass

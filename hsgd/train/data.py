@@ -5,9 +5,8 @@
   first 1 - val_fraction) and `val`. `path=None` is the packaged Shakespeare corpus; otherwise a
   text file (.txt, .xz, .gz) or a folder of *.txt. Bad paths raise FileNotFoundError, too little
   text ValueError, one line naming `data.path`.
-- `batch_for_step` is a pure function of its arguments: a replica's data position IS its step, so
-  a replica restored at step s draws exactly the batches it would have drawn anyway. A dataset's
-  micro-batch 0 is exactly this batch.
+- A dataset's `batch` is a pure function of its arguments: a replica's data position IS its step,
+  so a replica restored at step s draws exactly the batches it would have drawn anyway.
 - A token folder (train.bin/val.bin) is read through np.memmap (hsgd/train/tokens.py).
 - `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
@@ -94,18 +93,10 @@ def _mix(*xs: int) -> int:
     return h >> 1
 
 
-def batch_for_step(tokens: torch.Tensor, *, seed: int, replica_index: int, step: int,
-                   batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch replica `replica_index` trains on at `step`: x, y of shape (B, T) int64,
-    y = x shifted by one. Depends only on the arguments, never on global RNG state."""
-    return _batch_at(tokens, _offsets(len(tokens), seed=seed, replica_index=replica_index, step=step,
-                                       micro=0, batch_size=batch_size, block_size=block_size), block_size)
-
-
 def _offsets(n_tokens: int, *, seed: int, replica_index: int, step: int, micro: int, batch_size: int,
              block_size: int) -> torch.Tensor:
-    """(B,) window starts in [0, N-T-1], a pure function of the arguments. Micro-batch 0 uses the
-    stream batch_for_step always used; micro-batch m > 0 mixes m in as well."""
+    """(B,) window starts in [0, N-T-1], a pure function of the arguments (never global RNG state).
+    Micro-batch 0 mixes (seed, replica, step); micro-batch m > 0 mixes m in as well."""
     if n_tokens < block_size + 1:
         raise ValueError(f"{n_tokens} tokens cannot hold one block of {block_size} plus a target")
     key = _mix(seed, replica_index, step) if micro == 0 else _mix(seed, replica_index, step, micro)

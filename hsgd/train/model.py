@@ -109,10 +109,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self) -> int:
-        """All parameters, the tied embedding / lm_head matrix counted once."""
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, idx, targets=None):
         B, T = idx.size()
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"

@@ -99,9 +99,6 @@ def param_digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-build_model = task.build_model  # the configured model; seed torch's generator first for identical params
-
-
 def optimizer_implementation(cfg: Any, device: str = "cpu") -> str:
     """fused | foreach | single. `auto`: fused on CUDA, single-tensor on CPU. Each is deterministic
     for the same inputs, so replicas that apply the same gradients stay bitwise equal."""
@@ -145,7 +142,7 @@ class ReplicaTrainer:
             torch.use_deterministic_algorithms(True)
         self.dataset = dataset or task.build_dataset(cfg)
         torch.manual_seed(cfg.seed)  # identical initial params on every replica
-        self.model = build_model(cfg, self.dataset.vocab_size).to(device)
+        self.model = task.build_model(cfg, self.dataset.vocab_size).to(device)
         self.params = list(self.model.parameters())
         self.param_names = [name for name, _ in self.model.named_parameters()]  # aligned with params
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what a heal or outer sync moves

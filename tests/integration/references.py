@@ -2,9 +2,10 @@
 
 Each reference rebuilds what hsgd is supposed to compute from the algorithm's definition, using only
 the pieces of hsgd that are not under test: the model and inner-optimizer factories
-(`hsgd.train.trainer.build_model`, `build_inner_optimizer`), the corpus and the step-indexed batches
-(`hsgd.train.data`). Everything that hsgd's sync layers do (gradient all-reduce, parameter averaging,
-pseudo-gradients, the outer optimizer) is written here independently.
+(`hsgd.train.task.build_model`, `hsgd.train.trainer.build_inner_optimizer`), the corpus and the
+step-indexed batches (`hsgd.train.data`, through `batch_for_step` below). Everything that hsgd's sync
+layers do (gradient all-reduce, parameter averaging, pseudo-gradients, the outer optimizer) is
+written here independently.
 
 Replica `c<c>r<i>` has global index `c * replicas_per_cluster + i`; its batch at global inner step
 `s` (0-based) is `batch_for_step(..., replica_index=global_index, step=s)`.
@@ -24,8 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from hsgd.train.data import batch_for_step, load_corpus
-from hsgd.train.trainer import build_inner_optimizer, build_model
+from hsgd.train.data import _batch_at, _offsets, load_corpus
+from hsgd.train.task import build_model
+from hsgd.train.trainer import build_inner_optimizer
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -48,6 +50,14 @@ def fresh_model(cfg: Any, vocab_size: int) -> torch.nn.Module:
     """The initial model every hsgd replica builds: torch.manual_seed(seed), then build_model."""
     torch.manual_seed(cfg.seed)
     return build_model(cfg, vocab_size)
+
+
+def batch_for_step(tokens: torch.Tensor, *, seed: int, replica_index: int, step: int,
+                   batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch replica `replica_index` trains on at `step` (a dataset's micro-batch 0): x, y of
+    shape (B, T) int64, y = x shifted by one. Depends only on the arguments."""
+    return _batch_at(tokens, _offsets(len(tokens), seed=seed, replica_index=replica_index, step=step,
+                                       micro=0, batch_size=batch_size, block_size=block_size), block_size)
 
 
 def batch(cfg: Any, train: torch.Tensor, replica_index: int, step: int):

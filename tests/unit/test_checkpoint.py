@@ -31,10 +31,10 @@ def _write_checkpoint(root, round_index, rids=("c0r0", "c1r0"), owner="run-a", f
     return Path(ckpt.finalize(tmp, manifest, {rid: round_index for rid in rids}))
 
 
-def test_save_finalize_latest_load_round_trip(tmp_path):
+def test_save_finalize_list_load_round_trip(tmp_path):
     final = _write_checkpoint(tmp_path, 5)
     assert final == tmp_path / "round_000005"
-    assert Path(ckpt.latest(tmp_path)) == final
+    assert Path(ckpt.finalized(tmp_path)[-1]) == final
     manifest = ckpt.read_manifest(final)
     assert manifest["round"] == 5 and set(manifest["files"]) == {"c0r0", "c1r0"}
     for i, rid in enumerate(("c0r0", "c1r0")):
@@ -51,24 +51,24 @@ def test_save_returns_the_sha256_of_the_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c0r1.pt"], "no temp file may be left behind"
 
 
-def test_latest_is_none_without_checkpoints(tmp_path):
-    assert ckpt.latest(tmp_path / "missing") is None
-    assert ckpt.latest(tmp_path) is None
+def test_finalized_is_empty_without_checkpoints(tmp_path):
+    assert ckpt.finalized(tmp_path / "missing") == []
+    assert ckpt.finalized(tmp_path) == []
 
 
-def test_latest_ignores_temp_dirs_and_dirs_without_manifest(tmp_path):
+def test_finalized_ignores_temp_dirs_and_dirs_without_manifest(tmp_path):
     good = _write_checkpoint(tmp_path, 3)
     crashed = Path(ckpt.new_temp_dir(tmp_path, 9))  # interrupted write of a newer round
     ckpt.save_replica_state(crashed, "c0r0", _state())
     atomic_write_text(crashed / ckpt.MANIFEST, '{"round": 9, "files": {}}')  # even with a manifest inside
     (tmp_path / "round_000007").mkdir()  # no manifest: never finalized
-    assert Path(ckpt.latest(tmp_path)) == good, "latest must only return a finalized checkpoint"
+    assert Path(ckpt.finalized(tmp_path)[-1]) == good, "only a finalized checkpoint counts"
 
 
-def test_latest_picks_the_newest_round(tmp_path):
+def test_finalized_picks_the_newest_round(tmp_path):
     for r in (5, 10, 2):
         _write_checkpoint(tmp_path, r)
-    assert ckpt.latest(tmp_path).endswith("/round_000010")
+    assert ckpt.finalized(tmp_path)[-1].endswith("/round_000010")
 
 
 def test_corrupt_file_is_a_clear_error_when_sha256_given(tmp_path):
@@ -131,7 +131,7 @@ def test_prune_keeps_newest_n_and_removes_temp_dirs(tmp_path):
     ckpt.save_replica_state(leftover, "c0r0", _state())
     ckpt.prune(tmp_path, keep=2, owner="run-a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_000003", "round_000004"]
-    assert ckpt.latest(tmp_path).endswith("/round_000004")
+    assert ckpt.finalized(tmp_path)[-1].endswith("/round_000004")
 
 
 def test_prune_of_missing_root_is_a_no_op(tmp_path):
@@ -166,7 +166,7 @@ def test_finalize_refuses_replicas_at_another_round(tmp_path):
     files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
     with pytest.raises(CheckpointError, match="another round"):
         ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5, "c0r1": 0})
-    assert ckpt.latest(tmp_path) is None
+    assert ckpt.finalized(tmp_path) == []
 
 
 def test_finalize_refuses_a_manifest_naming_a_missing_file(tmp_path):
@@ -180,7 +180,7 @@ def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
     for r in (1, 2, 3):
         _write_checkpoint(tmp_path, r)
     ckpt.prune(tmp_path, 0)
-    assert ckpt.latest(tmp_path).endswith("/round_000003")
+    assert ckpt.finalized(tmp_path)[-1].endswith("/round_000003")
 
 
 def test_finalize_refuses_a_file_whose_replica_never_reported_its_round(tmp_path):
@@ -189,7 +189,7 @@ def test_finalize_refuses_a_file_whose_replica_never_reported_its_round(tmp_path
     files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
     with pytest.raises(CheckpointError, match="never reported.*c0r1"):
         ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5})
-    assert ckpt.latest(tmp_path) is None and not list(tmp_path.iterdir()), "the refused temp dir must be removed"
+    assert ckpt.finalized(tmp_path) == [] and not list(tmp_path.iterdir()), "the refused temp dir must be removed"
 
 
 # -- fsspec storage: the same protocol on a local path, a file:// URL and an object store (memory://) ---
@@ -215,7 +215,7 @@ def _corrupt(url: str, how: str) -> None:
 
 def test_round_trip_on_every_storage(root):
     final = ckpt.finalize(*_temp_with_files(root, 4), {"c0r0": 4, "c1r0": 4})
-    assert final.rstrip("/").endswith("round_000004") and ckpt.latest(root) == final
+    assert final.rstrip("/").endswith("round_000004") and ckpt.finalized(root)[-1] == final
     assert ckpt.exists(root, 4) and not ckpt.exists(root, 5)
     manifest = ckpt.verify(final)
     for i, rid in enumerate(("c0r0", "c1r0")):
@@ -237,7 +237,7 @@ def test_a_manifest_less_directory_is_not_a_checkpoint_on_every_storage(root):
     fs, path = ckpt._fs(half)
     fs.makedirs(path, exist_ok=True)
     ckpt.save_replica_state(half, "c0r0", _state())
-    assert ckpt.latest(root) == good and not ckpt.exists(root, 3)
+    assert ckpt.finalized(root)[-1] == good and not ckpt.exists(root, 3)
 
 
 def test_final_checkpoint_is_never_overwritten_on_every_storage(root):

@@ -208,7 +208,7 @@ def test_nccl_environment_follows_comm_settings(monkeypatch):
 
     for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_NONBLOCKING_TIMEOUT"):
         monkeypatch.setenv(key, "stale")  # restored after the test
-    env = comm.apply_nccl_environment(7.0, 45.0)
+    env = comm.apply_nccl_environment(45.0)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", "an NCCL error must fail the op, not kill the process"
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
     assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "45"

@@ -4,7 +4,8 @@ import lzma
 import pytest
 import torch
 
-from hsgd.train.data import batch_for_step, load_corpus
+from hsgd.train.data import load_corpus
+from tests.integration.references import batch_for_step
 
 PACKAGED_CHARS = 5_057_280  # hsgd/corpus/README.md
 

@@ -50,7 +50,7 @@ def test_run_log_refuses_an_unknown_event_or_a_missing_field(tmp_path):
     with pytest.raises(EventSchemaError, match="'commit' lacks digests_agree"):
         log.event("commit", round=1, epoch=2, replicas=["c0r0"])
     log.event("commit", round=1, epoch=2, replicas=["c0r0"], digests_agree=True, extra="kept")
-    log.close()
+    log.flush(10.0)
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
     assert len(lines) == 1, "nothing of a refused event reaches the file"
     record = json.loads(lines[0])

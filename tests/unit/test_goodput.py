@@ -1,5 +1,5 @@
-"""hsgd.record.goodput: where a fault's time went, from the run's own records."""
-from hsgd.record.goodput import fault_costs, goodput, summarize_costs
+"""benchmarks.fault_costs: where a fault's time went, from the run's own records."""
+from benchmarks.fault_costs import fault_costs, goodput, summarize_costs
 
 
 def _events():

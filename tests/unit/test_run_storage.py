@@ -57,7 +57,7 @@ def test_events_and_metrics_wait_in_memory_during_an_outage_and_land_in_order_on
         assert log.pending() >= 10, "the records of the outage are kept in memory"
         assert log.write_file("status.json", "{}") is False, "a whole-file write fails too, without raising"
     log.event("run_stopped", round=6)  # the first write after the outage carries everything kept
-    assert log.close(), "everything kept is written once the folder works"
+    assert log.flush(10.0), "everything kept is written once the folder works"
     events = _events(folder)
     rounds = [e["round"] for e in events if e["event"] == "run_stopped"]
     assert rounds == list(range(7)), f"every event once, in order: {rounds}"
@@ -81,7 +81,7 @@ def test_records_read_the_file_and_what_waits_in_memory(tmp_path):
         log.flush()
         assert [m["round"] for m in log.records("metrics")] == [1], "the file is gone: what is in memory"
     assert [m["round"] for m in log.records("metrics")] == [0, 1], "file first, then memory, nothing twice"
-    log.close()
+    log.flush(10.0)
 
 
 def test_a_rewrite_during_an_outage_replaces_the_file_when_the_folder_is_back(tmp_path):
@@ -94,7 +94,7 @@ def test_a_rewrite_during_an_outage_replaces_the_file_when_the_folder_is_back(tm
         log.metrics({"round": 4})
         assert log.rewrite_metrics([{"round": 0}, {"round": 1}]) is False, "kept until the folder works"
         log.metrics({"round": 2})
-    assert log.close()
+    assert log.flush(10.0)
     assert [m["round"] for m in read_jsonl(folder / "metrics.jsonl")] == [0, 1, 2]
 
 
@@ -128,7 +128,7 @@ def test_run_log_never_blocks_on_a_hung_folder(tmp_path):
     assert log.flush() is False and log.pending() == 50
     assert [e["round"] for e in log.records("events")] == list(range(50)), "in memory, readable meanwhile"
     release.set()
-    assert log.close()
+    assert log.flush(10.0)
     assert [e["round"] for e in _events(tmp_path / "run")] == list(range(50))
 
 

@@ -4,6 +4,7 @@ clocks (every entry takes `now`), no I/O. The failure table it carries out: __in
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -77,7 +78,6 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.outer_configured = outer_configured
         self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
         self.outer_stage = OuterStage.WAIT
-        self.outer_phase: int | None = None
         self.outer_attempts = 0
         self.calls = CallBook()
         self.dead: dict[str, str] = {}  # rid -> cause, this round
@@ -94,7 +94,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.non_finite_rounds: dict[int, int] = {int(c): int(r) for c, r in (non_finite_rounds or {}).items()}
         self.void: dict[int, NonFinite] = {}  # cluster -> why its round is void, this round
         self.benched_now: dict[int, str] = {}  # cluster -> why it was benched, this round
-        self._next_id = 0
+        self._ids = itertools.count()  # phase ids
         self.step_seconds: deque[float] = deque(maxlen=20)  # the latest inner step times (yield boundaries)
 
     # -- queries --------------------------------------------------------------------------------------
@@ -311,14 +311,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             self.outer_configured = None
 
     # -- bookkeeping shared by the decision files -------------------------------------------------------
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id - 1
-
     def _issue(self, cluster: int | None, calls: dict[str, Call], deadline_s: float, now: float,
                reason: str = "") -> Phase:
         """A phase the machine waits on: every replica in `calls` answers it (or is given up on)."""
         kind = next(iter(calls.values())).kind
-        phase = Phase(self._new_id(), kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
+        phase = Phase(next(self._ids), kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
         self.calls.issue(phase, now)
         return phase

@@ -38,9 +38,7 @@ class OuterExchange:
         else:
             calls = {rid: OuterReduce(None, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
             deadline_s = self.settings.outer_s
-        phase = self._issue(None, calls, deadline_s, now)
-        self.outer_phase = phase.id
-        return [phase]
+        return [self._issue(None, calls, deadline_s, now)]
 
     def _token_weights(self, clusters: list[int]) -> tuple[float, ...]:
         """The clusters' weights in the outer mean, in outer-rank order: the tokens each trained this
@@ -84,9 +82,7 @@ class OuterExchange:
             calls.update((rid, commit) for rid in members if rid in self.progress)
         if not calls:
             return self._outer_retry(now, "no cluster can apply the commit")
-        phase = self._issue(None, calls, self.settings.commit_s, now, "commit decided")
-        self.outer_phase = phase.id
-        return [phase]
+        return [self._issue(None, calls, self.settings.commit_s, now, "commit decided")]
 
     def _outer_finished(self, flight: InFlight, ok: bool, now: float) -> list[Effect]:
         phase = flight.phase
