@@ -39,6 +39,7 @@ class FaultInjector:
                                            steps_per_round=spr, **self.shape)
         for raw in state.added_faults:  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
+        self.missed: set[int] = set()  # faults whose moment came with the target down or its call ending first
 
     def add(self, raw: dict) -> str:
         """Schedule one more fault (drills). Validated like the config's; recorded durably."""
@@ -63,9 +64,12 @@ class FaultInjector:
                if set(d.targets) & only]
         fired = self._fired_lines(d.index for d in due)
         due = [d for d in due if d.index not in fired]
+        self.missed |= {i for i, f in enumerate(self.faults) if f.round == round_index and f.phase in phases
+                        and f.target_kind == "replica" and f.target not in plan.live}
         for d in due:
             if not set(d.targets) <= only:  # hit from outside now: fired here, never carried again
                 self.state.fired.append(d.index)
+            self.missed.add(d.index)  # carried: unless its line comes, its call ended before its boundary
             self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
             for rid in d.targets:
                 if rid in only:
@@ -105,13 +109,14 @@ class FaultInjector:
         write_fault_fired(self.log.writer, self.run_dir, rid, kind, phase, round_index, 0)
 
     def not_fired(self) -> list[str]:
-        """Faults that never fired. A fault on a replica id in a round the run committed (its moment
-        passed) that did not fire found its target down then (dead, restarting, its cluster sitting
-        the round out): it is recorded in faults_fired.jsonl from outside (no pid) with
+        """Faults that never fired. A fault on a replica id in a round the run committed that did not
+        fire, though its round and phase came (a call carried it, or its target was down at a call
+        of them), found its target down at its moment (dead, restarting, its cluster sitting the
+        round out): it is recorded in faults_fired.jsonl from outside (no pid) with
         `target_down: true` (README, "Fault injection") and is not listed."""
         self._fired_lines(range(len(self.faults)))
         for i, f in enumerate(self.faults):
-            if i not in self.state.fired and f.target_kind == "replica" and f.round < self.state.committed_round:
+            if i not in self.state.fired and i in self.missed and f.round < self.state.committed_round:
                 self.state.fired.append(i)
                 write_fault_fired(self.log.writer, self.run_dir, f.target, f.kind, f.phase, f.round, f.step,
                                   target_down=True)

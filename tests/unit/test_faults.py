@@ -239,7 +239,7 @@ def _injector(tmp_path, schedule):
 
     injector = FaultInjector.__new__(FaultInjector)  # no config: the schedule as given
     injector.run_dir, injector.state, injector.log, injector._save = str(tmp_path), RunState(), _Log(tmp_path), lambda: None
-    injector.shape, injector.faults = TOPO, parse_schedule(schedule, **TOPO)
+    injector.shape, injector.faults, injector.missed = TOPO, parse_schedule(schedule, **TOPO), set()
     return injector
 
 
@@ -281,15 +281,17 @@ def test_a_fault_whose_target_is_down_through_its_moment_is_recorded_target_down
     from hsgd.record.rundir import read_jsonl
 
     injector = _injector(tmp_path, [{"kind": "kill", "target": "c0r0", "round": 6, "step": 8},
-                                    {"kind": "hang", "target": "c1r0", "round": 9, "step": 2}])
+                                    {"kind": "hang", "target": "c1r0", "round": 9, "step": 2},
+                                    {"kind": "kill", "target": "c1r1", "round": 6, "phase": "join"}])
     plan = live_plan(Topology(2, 2), {"c1r0", "c1r1"}, {}, 5)  # cluster 0 down all round
     assert injector.arm(6, ("inner",), plan, only={"c1r0", "c1r1"}) == {}
     injector.state.committed_round = 7  # a run that failed in round 7: round 9's moment never came
-    assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2"]
+    # and no group formed in round 6: its `join` fault's moment never came either (README)
+    assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2", "kill c1r1 at round 6 join"]
     lines = read_jsonl(tmp_path / "faults_fired.jsonl")
     assert [(x["rid"], x["kind"], x["round"], x["step"], x.get("pid"), x["target_down"]) for x in lines] == \
         [("c0r0", "kill", 6, 8, None, True)]
-    assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2"], "recorded once"
+    assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2", "kill c1r1 at round 6 join"], "recorded once"
     assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
 
 
