@@ -4,8 +4,11 @@ Like torchft's FailureInjector, for a schedule of many faults (`faults.schedule`
 `faults.mtbf_s`, drills' `add`). `arm` hands each replica fault to the phase call that must carry
 it (it fires inside the replica at the boundary named, so runs replay bitwise); a target that takes
 no part in that call (a non-leader of `cluster:c1` in the outer all-reduce) is hit from outside at
-once, as a node failure would. Supervisor faults fire here. Every fault fires once: the fired
-indices are durable; `not_fired` lists what never had its moment, for the summary.
+once, as a node failure would. Supervisor faults fire here. Every fault fires once: a replica
+fault counts as fired when its line is in faults_fired.jsonl (the replica writes it as it fires),
+never when armed — a call can end before its boundary (its cluster re-formed, the replica died),
+and the next call of that round and phase carries it again. The fired indices are durable;
+`not_fired` lists what never had its moment, for the summary.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 import ray
 
 from hsgd.config.rounds import steps_per_round
-from hsgd.core.faults import FaultSpec, due_faults, parse_fault, parse_schedule, random_schedule, topology_shape
+from hsgd.core.faults import FaultSpec, due_faults, fired_as, parse_fault, parse_schedule, random_schedule, topology_shape
 from hsgd.core.topology import topology_of
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import write_fault_fired
@@ -31,6 +34,7 @@ class FaultInjector:
     def __init__(self, cfg, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
         self.armed_at: dict[str, list[float]] = {}  # rid -> when deadly faults were armed on it
+        self.deadly_armed: set[int] = set()  # the deadly faults counted in armed_at
         self.shape = topology_shape(topology_of(cfg))
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
         fc, spr = cfg.faults, steps_per_round(cfg)
@@ -40,6 +44,7 @@ class FaultInjector:
                                            steps_per_round=spr, **self.shape)
         for raw in state.added_faults:  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
+        self.missed: set[int] = set()  # faults whose moment came with the target down or its call ending first
 
     def add(self, raw: dict) -> str:
         """Schedule one more fault (drills). Validated like the config's; recorded durably."""
@@ -62,11 +67,18 @@ class FaultInjector:
         armed: dict[str, list[dict]] = {}
         due = [d for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
                if set(d.targets) & only]
+        fired = self._fired_lines(d.index for d in due)
+        due = [d for d in due if d.index not in fired]
+        self.missed |= {i for i, f in enumerate(self.faults) if f.round == round_index and f.phase in phases
+                        and f.target_kind == "replica" and f.target not in plan.live}
         for d in due:
-            if d.spec.kind in DEADLY:
+            if d.spec.kind in DEADLY and d.index not in self.deadly_armed:  # once per fault, though re-carried
+                self.deadly_armed.add(d.index)
                 for rid in d.targets:
                     self.armed_at.setdefault(rid, []).append(time.time())
-            self.state.fired.append(d.index)
+            if not set(d.targets) <= only:  # hit from outside now: fired here, never carried again
+                self.state.fired.append(d.index)
+            self.missed.add(d.index)  # carried: unless its line comes, its call ended before its boundary
             self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
             for rid in d.targets:
                 if rid in only:
@@ -76,7 +88,7 @@ class FaultInjector:
                     ray.kill(handles[rid], no_restart=False)
                 elif handles is not None:
                     handles[rid].inject.remote(d.message())  # fire-and-forget: it may never answer
-        if due:
+        if due or fired:
             self._save()
         return armed
 
@@ -86,6 +98,14 @@ class FaultInjector:
         recent = [t for t in self.armed_at.get(rid, ()) if time.time() - t <= window_s]
         self.armed_at[rid] = recent[1:]
         return bool(recent)
+
+    def _fired_lines(self, indices) -> set[int]:
+        """Which of `indices` a replica fired (its faults_fired.jsonl line); recorded as fired."""
+        indices = [i for i in indices if i not in self.state.fired]
+        lines = self.log.read_jsonl("faults_fired.jsonl") if indices else []
+        fired = {i for i in indices if any(fired_as(self.faults[i], line) for line in lines)}
+        self.state.fired.extend(sorted(fired))
+        return fired
 
     def supervisor_faults(self, round_index: int, phase: str) -> None:
         """Fire a supervisor fault scheduled for this round and phase (the supervisor dies here)."""
@@ -105,4 +125,16 @@ class FaultInjector:
         write_fault_fired(self.log.writer, self.run_dir, rid, kind, phase, round_index, 0)
 
     def not_fired(self) -> list[str]:
+        """Faults that never fired. A fault on a replica id in a round the run committed that did not
+        fire, though its round and phase came (a call carried it, or its target was down at a call
+        of them), found its target down at its moment (dead, restarting, its cluster sitting the
+        round out): it is recorded in faults_fired.jsonl from outside (no pid) with
+        `target_down: true` (README, "Fault injection") and is not listed."""
+        self._fired_lines(range(len(self.faults)))
+        for i, f in enumerate(self.faults):
+            if i not in self.state.fired and i in self.missed and f.round < self.state.committed_round:
+                self.state.fired.append(i)
+                write_fault_fired(self.log.writer, self.run_dir, f.target, f.kind, f.phase, f.round, f.step,
+                                  target_down=True)
+        self._save()
         return [f.describe() for i, f in enumerate(self.faults) if i not in self.state.fired]

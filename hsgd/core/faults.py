@@ -145,6 +145,18 @@ def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, 
                                 phase="inner", step=step))
 
 
+def fired_as(spec: FaultSpec, line: Mapping[str, Any]) -> bool:
+    """Whether a faults_fired.jsonl `line` records `spec` firing: its kind, round and phase, on a
+    replica it targets, at its step in inner phases (a line written from outside has no pid)."""
+    rid, f = str(line.get("rid")), spec
+    if f.target_kind == "replica":
+        hit = rid == f.target
+    else:  # leader:c1 | cluster:c1: a replica of c1 (the supervisor's own faults are recorded as fired)
+        hit = f.target_kind != "supervisor" and rid.startswith(f"c{f.target_cluster}r")
+    return hit and line.get("kind") == f.kind and line.get("round") == f.round and line.get("phase") == f.phase \
+        and not (f.phase.startswith("inner") and line.get("pid") is not None and line.get("step") != f.step)
+
+
 @dataclass(frozen=True)
 class Delivery:
     """One scheduled fault, due now, resolved to the replicas it hits."""

@@ -1,7 +1,8 @@
 """Soak (issue 3, acceptance 5): random faults of every kind every few seconds over a run of a few
 minutes; no hang, and every invariant holds. A `long` test (tests/run_all.sh part 3): 30 rounds,
-about 15 faults (it was 80 rounds and ran only by hand); `python -m pytest tests/integration/test_soak.py -s`
-prints its figures."""
+17 scheduled faults (it was 80 rounds and ran only by hand), of which about 10 fire and the rest find
+their target still down from an earlier one (`target_down` in faults_fired.jsonl, README "Fault
+injection"); `python -m pytest tests/integration/test_soak.py -s` prints its figures."""
 from __future__ import annotations
 
 import json
@@ -16,14 +17,14 @@ ROUNDS, SPR = 30, 10
 
 
 @pytest.mark.long  # a few minutes of kills, crashes, hangs and broken collectives
-@pytest.mark.xfail(strict=False, reason="found when it first ran (issue 31), twice alike: 6 of 15 random faults "
-                   "end in summary.faults_not_fired (e.g. 'kill c0r0 at round 6 inner step 8', after c0r0 was killed "
-                   "in round 5 and rejoined), which the invariant checker refuses; the run completed")
 def test_random_faults_for_minutes_keep_every_invariant(tmp_path):
     run_dir = tmp_path / "run"
     s = train(run_dir, [f"sync.outer_every={SPR}", f"train.rounds={ROUNDS}", "checkpoint.every=10",
                         "comm.timeout_s=4", "watchdog.floor_s=5", "faults.mtbf_s=4", "faults.step_s=0.2",
-                        "faults.kinds=[kill,crash,hang,comm]", "faults.seed=7", "faults.max_restarts=100"])
+                        "faults.kinds=[kill,crash,hang,comm]", "faults.seed=7", "faults.max_restarts=100",
+                        # a rain of injected faults is not a bad node: quarantine (3 deaths in 600 s) would
+                        # keep the replicas it hits out for the rest of the run on this one-node cluster
+                        "faults.quarantine_after=0"])
     assert s["status"] == "completed", s.get("reason")
     assert s["rounds_committed"] == ROUNDS and s["inner_steps_committed"] == ROUNDS * SPR
     check_run(run_dir, rounds=ROUNDS, steps_per_round=SPR)  # victims: the replicas the faults hit

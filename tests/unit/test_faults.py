@@ -213,3 +213,93 @@ def test_due_faults_never_repeat_a_fired_fault_and_respect_only():
     assert due_faults(specs, [0], round_index=1, phases=("heal",), plan=_plan()) == []
     due = due_faults(specs, [], round_index=1, phases=("heal",), plan=_plan(), only={"c0r1"})
     assert [d.targets for d in due] == [("c0r1",)]
+
+
+# -- the injector: a fault counts as fired when its line is written, never when armed ----------------
+class _Log:
+    """The injector's RunLog port: events in memory, faults_fired.jsonl in the folder."""
+
+    def __init__(self, run_dir):
+        from hsgd.record.rundir import FolderWriter
+
+        self.run_dir, self.writer, self.events = run_dir, FolderWriter(5.0), []
+
+    def event(self, name, **fields):
+        self.events.append((name, fields))
+
+    def read_jsonl(self, name):
+        from hsgd.record.rundir import read_jsonl
+
+        return read_jsonl(self.run_dir / name)
+
+
+def _injector(tmp_path, schedule):
+    from actors.fault_injector import FaultInjector
+    from hsgd.record.run_state import RunState
+
+    injector = FaultInjector.__new__(FaultInjector)  # no config: the schedule as given
+    injector.run_dir, injector.state, injector.log, injector._save = str(tmp_path), RunState(), _Log(tmp_path), lambda: None
+    injector.shape, injector.faults, injector.missed = TOPO, parse_schedule(schedule, **TOPO), set()
+    return injector
+
+
+def _fire(injector, rid, message, round_index, step, pid=1234):
+    """What the replica does at the boundary (actors/replica.py `_fire`): its line first."""
+    from hsgd.record.rundir import write_fault_fired
+
+    write_fault_fired(injector.log.writer, injector.run_dir, rid, message["kind"], message["phase"], round_index, step, pid=pid)
+
+
+def test_a_fault_armed_into_a_call_that_ended_before_its_step_is_carried_by_the_next_call(tmp_path):
+    """Soak (seed 7): two kills on c0r1 in round 0, at steps 7 and 9, rode one call; the first killed
+    it, the second was dropped with the call yet counted as fired. Likewise a member whose group
+    broke before its fault's step: the re-formed cluster's next call must carry it."""
+    from hsgd.core.membership import live_plan
+    from hsgd.core.topology import Topology
+
+    injector = _injector(tmp_path, [{"kind": "kill", "target": "c0r1", "round": 0, "step": 7},
+                                    {"kind": "kill", "target": "c0r1", "round": 0, "step": 9}])
+    plan = live_plan(Topology(2, 2), {"c0r0", "c0r1", "c1r0", "c1r1"}, {}, 1)
+    first = injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"})
+    assert [m["step"] for m in first["c0r1"]] == [7, 9]
+    _fire(injector, "c0r1", first["c0r1"][0], 0, 7)  # the kill at step 7 fires; the call dies with it
+    assert injector.pending(0, ("inner",)), "the step-9 kill never fired: it is still to come"
+    again = injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"})  # c0r1 rejoined before step 9
+    assert [m["step"] for m in again["c0r1"]] == [9], "the fired kill must never be carried twice"
+    _fire(injector, "c0r1", again["c0r1"][0], 0, 9)
+    assert injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"}) == {}
+    injector.state.committed_round = 1
+    assert injector.not_fired() == [] and sorted(injector.state.fired) == [0, 1]
+
+
+def test_a_fault_whose_target_is_down_through_its_moment_is_recorded_target_down(tmp_path):
+    """Soak (seed 7): c0r0 killed in round 5 was still restarting all of round 6, so 'kill c0r0 at
+    round 6 inner step 8' had nothing to break: once the run has passed its round it is recorded
+    from outside with target_down (no pid), never listed as a fault whose moment never came."""
+    from hsgd.core.membership import live_plan
+    from hsgd.core.topology import Topology
+    from hsgd.record.rundir import read_jsonl
+
+    injector = _injector(tmp_path, [{"kind": "kill", "target": "c0r0", "round": 6, "step": 8},
+                                    {"kind": "hang", "target": "c1r0", "round": 9, "step": 2},
+                                    {"kind": "kill", "target": "c1r1", "round": 6, "phase": "join"}])
+    plan = live_plan(Topology(2, 2), {"c1r0", "c1r1"}, {}, 5)  # cluster 0 down all round
+    assert injector.arm(6, ("inner",), plan, only={"c1r0", "c1r1"}) == {}
+    injector.state.committed_round = 7  # a run that failed in round 7: round 9's moment never came
+    # and no group formed in round 6: its `join` fault's moment never came either (README)
+    assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2", "kill c1r1 at round 6 join"]
+    lines = read_jsonl(tmp_path / "faults_fired.jsonl")
+    assert [(x["rid"], x["kind"], x["round"], x["step"], x.get("pid"), x["target_down"]) for x in lines] == \
+        [("c0r0", "kill", 6, 8, None, True)]
+    assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2", "kill c1r1 at round 6 join"], "recorded once"
+    assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
+
+
+def test_fired_as_matches_a_line_to_its_fault():
+    from hsgd.core.faults import fired_as
+
+    kill, leader = (parse_fault({"kind": "kill", "target": t, "round": 2, "step": 3}, **TOPO) for t in ("c0r1", "leader:c1"))
+    line = {"rid": "c0r1", "kind": "kill", "phase": "inner", "round": 2, "step": 3, "pid": 7}
+    assert fired_as(kill, line) and not fired_as(kill, {**line, "step": 4}) and fired_as(kill, {**line, "step": 0, "pid": None})
+    assert not fired_as(kill, {**line, "round": 1}) and not fired_as(kill, {**line, "rid": "c0r0"})
+    assert fired_as(leader, {**line, "rid": "c1r0"}) and not fired_as(leader, line)
