@@ -240,6 +240,7 @@ def _injector(tmp_path, schedule):
     injector = FaultInjector.__new__(FaultInjector)  # no config: the schedule as given
     injector.run_dir, injector.state, injector.log, injector._save = str(tmp_path), RunState(), _Log(tmp_path), lambda: None
     injector.shape, injector.faults, injector.missed = TOPO, parse_schedule(schedule, **TOPO), set()
+    injector.armed_at, injector.deadly_armed = {}, set()
     return injector
 
 
