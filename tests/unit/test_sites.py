@@ -10,7 +10,7 @@ from hsgd.config.capacity import placement_problem
 from hsgd.config.compose import precheck
 from hsgd.core.membership import live_plan, quorum_problem
 from hsgd.core.topology import Topology, assign_indices, topology_of
-from tests.unit.test_validate_exit import _train
+from tests.fakes.cli import train_isolated as _train
 
 SITES = "topology.sites=[{replicas:3},{replicas:2},{replicas:1}]"
 

@@ -1,18 +1,11 @@
 """Issue 19, acceptance 4: the values that used to pass validation and then break a run are refused
 before Ray starts — in-process through `actors.launch.precheck`, and a handful through the real
 command line: exit 2, a few lines on stderr, no traceback, no Ray."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from hsgd.config.compose import precheck
 from hsgd.config import ConfigError
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.fakes.cli import train_isolated as _train
 
 @pytest.fixture
 def binary_file(tmp_path):
@@ -51,14 +44,6 @@ def test_a_binary_data_file_is_refused_before_ray(binary_file):
     assert info.value.field == "data.path" and "\n" not in str(info.value)
 
 
-def _train(tmp_path, *overrides):
-    """`python -m jobs.train <overrides>` with Ray's session folder and the outputs under tmp_path."""
-    env = dict(os.environ, RAY_TMPDIR=str(tmp_path / "ray"), HSGD_OUTPUT_ROOT=str(tmp_path / "out"),
-               NETRC=str(tmp_path / "netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb"))
-    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "RAY_ADDRESS"):
-        env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "jobs.train", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("override,field", [
