@@ -207,7 +207,7 @@ def _check_faults(cfg: Any) -> None:
     from hsgd.core.faults import FAULT_KINDS, parse_schedule, topology_shape
     from hsgd.core.topology import topology_of
 
-    f, t = cfg.faults, cfg.topology
+    f = cfg.faults
     for kind in f.kinds:
         _choice("faults.kinds", kind, FAULT_KINDS)
     if f.mtbf_s > 0:
