@@ -51,3 +51,21 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("long") and not item.get_closest_marker("paced") \
                 and not item.get_closest_marker("realistic"):
             item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
+
+
+@pytest.fixture
+def background_drills():
+    """start(overrides, run_dir) -> a run started in the background (actors/drill.py); each one a
+    test left running is stopped at teardown."""
+    from actors.drill import Drill
+
+    drills = []
+
+    def start(overrides, run_dir):
+        drill = Drill(overrides, run_dir=str(run_dir)).start()
+        drills.append(drill)
+        return drill
+    yield start
+    for drill in drills:
+        if drill.summary is None and drill._alive():
+            drill.stop()

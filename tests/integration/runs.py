@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hsgd.record.rundir import read_jsonl
@@ -74,3 +75,40 @@ def events(run_dir: Path | str) -> list[dict]:
 
 def summary(run_dir: Path | str) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+# -- watching a run that goes on in the background ------------------------------------------------
+def poll(what: str, timeout_s: float, probe, every_s: float = 0.2):
+    """probe() until it returns something truthy; fail saying what never happened."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = probe()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def replica_progress(run_dir: Path | str, rid: str) -> dict | None:
+    """The replica's own answer on its control channel (answers while a phase runs): committed
+    round and step, phase, replica_index and the pid of the process that answers; None while it
+    is not up or restarting."""
+    import ray
+
+    from actors.roster import replica_actor_name
+
+    info = json.loads((Path(run_dir) / "run.json").read_text())
+    try:
+        handle = ray.get_actor(replica_actor_name(info["run_id"], rid), namespace=info["namespace"])
+        return ray.get(handle.progress.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 — not up yet, or restarting: ask again
+        return None
+
+
+def inner_running(run_dir: Path | str, rids, round_index: int, min_step: int) -> dict | None:
+    """{rid: progress} once every rid runs round `round_index`'s inner steps at step >= min_step."""
+    answers = {rid: replica_progress(run_dir, rid) for rid in rids}
+    if all(a and a["round"] == round_index and a["phase"] != "idle" and a["step"] >= min_step
+           for a in answers.values()):
+        return answers
+    return None

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import ray
 
-from actors.drill import Drill
 from tests.integration.invariants import check_run
-from tests.integration.runs import FAST, events
+from tests.integration.runs import FAST, events, poll as poll_every
 
 SPR = 10
 # 10 steps x 0.2 s of simulated accelerator time: rounds of ~2 s, so a restart (~2-4 s here)
@@ -24,30 +22,15 @@ BASE = [f"sync.outer_every={SPR}", "train.min_step_s=0.2", "checkpoint.every=0",
         "comm.timeout_s=4", "comm.configure_timeout_s=10", "supervisor.rejoin=fast"]
 
 
-@pytest.fixture
-def drill_run(tmp_path):
-    """A run started in the background; stopped at teardown if a test left it running."""
-    drills = []
-
-    def start(overrides):
-        d = Drill(FAST + BASE + overrides, run_dir=str(tmp_path)).start()
-        drills.append(d)
-        return d
-    yield start
-    for d in drills:
-        if d.summary is None and d._alive():
-            d.stop()
-
-
 def _poll(what: str, timeout_s: float, probe):
-    """probe() until it returns something truthy; fail saying what never happened."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    """Often: a restart here lasts 2-4 s and the tests catch the actor between its processes."""
+    return poll_every(what, timeout_s, probe, every_s=0.02)
+
+
+@pytest.fixture
+def drill_run(background_drills, tmp_path):
+    """A run started in the background; stopped at teardown if a test left it running."""
+    return lambda overrides: background_drills(FAST + BASE + overrides, tmp_path)
 
 
 def _info(run_dir: Path) -> dict:

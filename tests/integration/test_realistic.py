@@ -9,15 +9,12 @@ import json
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
-import ray
 
-from actors.drill import Drill
 from tests.integration.invariants import check_run
-from tests.integration.runs import FAST, events, metrics, train
+from tests.integration.runs import FAST, events, inner_running, metrics, poll, replica_progress, train
 
 pytestmark = pytest.mark.realistic
 
@@ -47,51 +44,10 @@ def _assert_inner_phase_ran_once(evs, cluster, round_index):
         f"cluster c{cluster}'s inner phase of round {round_index} did not end ok for {members}: {ends[0]}"
 
 
-def _poll(what: str, timeout_s: float, probe):
-    """probe() until it returns something truthy; fail saying what never happened."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def _progress(run_dir: Path, rid: str) -> dict | None:
-    """The replica's own answer on its control channel (answers while a phase runs): committed
-    round and step, phase, and the pid of the process that answers."""
-    from actors.roster import replica_actor_name
-
-    info = json.loads((run_dir / "run.json").read_text())
-    try:
-        handle = ray.get_actor(replica_actor_name(info["run_id"], rid), namespace=info["namespace"])
-        return ray.get(handle.progress.remote(), timeout=10)
-    except Exception:  # noqa: BLE001 — not up yet, or restarting: ask again
-        return None
-
-
-def _inner_running(run_dir: Path, rids, min_step: int) -> dict | None:
-    """{rid: progress} once every rid is in round 0's inner phase at step >= min_step."""
-    answers = {rid: _progress(run_dir, rid) for rid in rids}
-    if all(a and a["round"] == 0 and a["phase"] != "idle" and a["step"] >= min_step for a in answers.values()):
-        return answers
-    return None
-
-
 @pytest.fixture
-def drill_run(tmp_path):
+def drill_run(background_drills, tmp_path):
     """A realistic run started in the background; stopped at teardown if a test left it running."""
-    drills = []
-
-    def start(overrides):
-        d = Drill(FAST + REALISTIC + overrides, run_dir=str(tmp_path)).start()
-        drills.append(d)
-        return d
-    yield start
-    for d in drills:
-        if d.summary is None and d._alive():
-            d.stop()
+    return lambda overrides: background_drills(FAST + REALISTIC + overrides, tmp_path)
 
 
 # -- a. one cluster's failure stays in that cluster ----------------------------------------------
@@ -181,8 +137,8 @@ def test_every_replica_lost_without_checkpoint_fails_cleanly(tmp_path):
 # -- d. a failure nobody injected -------------------------------------------------------------------
 def test_replica_sigkilled_from_outside_is_healed_and_reported(drill_run):
     drill = drill_run(["train.rounds=2"])
-    running = _poll("round 0's inner phase to run on every replica", 180,
-                    lambda: _inner_running(drill.run_dir, sorted(EVERYONE), min_step=5))
+    running = poll("round 0's inner phase to run on every replica", 180,
+                    lambda: inner_running(drill.run_dir, sorted(EVERYONE), 0, min_step=5))
     pid = running["c1r0"]["pid"]
     ups = [e["pid"] for e in events(drill.run_dir) if e["event"] == "replica_up" and e["rid"] == "c1r0"]
     assert set(ups) == {pid}, f"c1r0's process: the replica says {pid}, replica_up events say {ups}"
@@ -200,7 +156,7 @@ def test_replica_sigkilled_from_outside_is_healed_and_reported(drill_run):
 
 def _idle_at_round_end(run_dir: Path, rid: str, busy: str) -> dict | None:
     """rid's answer once it finished round 0's inner steps and waits idle, while `busy` still trains."""
-    me, other = _progress(run_dir, rid), _progress(run_dir, busy)
+    me, other = replica_progress(run_dir, rid), replica_progress(run_dir, busy)
     if me and other and me["phase"] == "idle" and (me["round"], me["step"]) == (0, SPR) \
             and other["phase"] != "idle" and other["round"] == 0:
         return me
@@ -214,7 +170,7 @@ def test_replica_killed_from_outside_while_idle_is_noticed_before_the_outer_exch
     # across clusters at round 1; noticed while idle, c1 re-forms before the exchange and applies it.
     drill = drill_run(["train.rounds=2",
                        "faults.schedule=[{kind:slow,target:cluster:c0,round:0,phase:inner,step:0,seconds:0.3}]"])
-    idle = _poll("c1r1 idle after round 0's inner steps while c0 still trains", 240,
+    idle = poll("c1r1 idle after round 0's inner steps while c0 still trains", 240,
                  lambda: _idle_at_round_end(drill.run_dir, "c1r1", busy="c0r0"))
     os.kill(idle["pid"], signal.SIGKILL)  # the OS, not the injector
     s = drill.wait_done(600)
@@ -248,8 +204,8 @@ def test_supervisor_killed_mid_inner_phase(tmp_path, drill_run, when):
     else:
         drill = drill_run(["train.rounds=2"])
         run_dir = drill.run_dir
-        before = _poll("every replica 10 steps into round 0's inner phase", 180,
-                       lambda: _inner_running(run_dir, sorted(EVERYONE), min_step=10))
+        before = poll("every replica 10 steps into round 0's inner phase", 180,
+                       lambda: inner_running(run_dir, sorted(EVERYONE), 0, min_step=10))
         drill.inject("kill", "supervisor")
         s = drill.wait_done(600)
     check_run(run_dir, rounds=2, steps_per_round=SPR, victims=set())

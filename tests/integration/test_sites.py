@@ -12,46 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 
-from actors.drill import Drill
 from hsgd.core.topology import Topology
 from tests.integration.invariants import check_run
-from tests.integration.runs import FAST, events, train
+from tests.integration.runs import FAST, events, inner_running, poll, replica_progress, train
 
 SITES = "topology.sites=[{replicas:3,name:eu-1},{replicas:2,name:us-2},{replicas:1,name:ap-3}]"
 TABLE = dict(Topology.of_sites((3, 2, 1)).index_table)  # c0r0..c0r2 = 0..2, c1r0, c1r1 = 3, 4, c2r0 = 5
-
-
-def _poll(what: str, timeout_s: float, probe):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def _progress(run_dir: Path, rid: str) -> dict | None:
-    """The replica's own answer on its control channel (round, step, phase, pid, replica_index)."""
-    from actors.roster import replica_actor_name
-
-    info = json.loads((run_dir / "run.json").read_text())
-    try:
-        handle = ray.get_actor(replica_actor_name(info["run_id"], rid), namespace=info["namespace"])
-        return ray.get(handle.progress.remote(), timeout=10)
-    except Exception:  # noqa: BLE001 — not up yet, or restarting: ask again
-        return None
-
-
-def _running(run_dir: Path, rids, round_index: int, min_step: int) -> dict | None:
-    """{rid: progress} once every rid runs round `round_index`'s inner steps at step >= min_step."""
-    answers = {rid: _progress(run_dir, rid) for rid in rids}
-    if all(a and a["round"] == round_index and a["phase"] != "idle" and a["step"] >= min_step
-           for a in answers.values()):
-        return answers
-    return None
 
 
 def _table_held(run_dir: Path) -> None:
@@ -60,20 +27,6 @@ def _table_held(run_dir: Path) -> None:
     for e in events(run_dir):
         if e["event"] == "replica_up":
             assert e["replica_index"] == TABLE[e["rid"]], f"{e['rid']} read another replica's stream: {e}"
-
-
-@pytest.fixture
-def drill_run(tmp_path):
-    drills = []
-
-    def start(overrides, run_dir):
-        d = Drill(overrides, run_dir=str(run_dir)).start()
-        drills.append(d)
-        return d
-    yield start
-    for d in drills:
-        if d.summary is None and d._alive():
-            d.stop()
 
 
 SPR = 10
@@ -85,9 +38,9 @@ KILL_IN_EVERY_SITE = ("faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inn
 
 
 def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkill_then_resume(drill_run, tmp_path):
-    drill = drill_run(FAST + SHORT + ["train.rounds=5", KILL_IN_EVERY_SITE], tmp_path)
+    drill = background_drills(FAST + SHORT + ["train.rounds=5", KILL_IN_EVERY_SITE], tmp_path)
     run_dir = Path(drill.run_dir)
-    running = _poll("round 0's inner steps on c0r2", 180, lambda: _running(run_dir, ["c0r2"], 0, 3))
+    running = poll("round 0's inner steps on c0r2", 180, lambda: inner_running(run_dir, ["c0r2"], 0, 3))
     os.kill(running["c0r2"]["pid"], signal.SIGKILL)  # the OS, not the injector
     s = drill.wait_done(600)
     check_run(run_dir, rounds=5, steps_per_round=SPR, victims={"c0r1", "c1r0", "c2r0", "c0r2"})
@@ -120,12 +73,12 @@ def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_w
     round 1 the whole 2-replica site (c1r0, c1r1): completes, the invariants hold, every killed
     replica is back (replica_up) within 2 rounds, in under 10 minutes."""
     start = time.monotonic()
-    drill = drill_run(FAST + REALISTIC + ["train.rounds=4"], tmp_path)
+    drill = background_drills(FAST + REALISTIC + ["train.rounds=4"], tmp_path)
     run_dir = Path(drill.run_dir)
     kills: dict[str, tuple[int, float]] = {}
     for round_index, victims in ((0, ("c0r0", "c0r2")), (1, ("c1r0", "c1r1"))):
-        running = _poll(f"round {round_index}'s inner steps on {victims}", 300,
-                        lambda: _running(run_dir, victims, round_index, 20))
+        running = poll(f"round {round_index}'s inner steps on {victims}", 300,
+                        lambda: inner_running(run_dir, victims, round_index, 20))
         for rid in victims:
             os.kill(running[rid]["pid"], signal.SIGKILL)  # the OS, not the injector
             kills[rid] = (round_index, time.time())
@@ -155,16 +108,16 @@ def sigkill_three_times(progress, rid: str) -> list[int]:
         def working():
             p = progress(rid)
             return p if p and p.get("pid") and p["pid"] not in killed and p.get("phase") not in (None, "idle") else None
-        pid = _poll(f"{rid}'s process #{n + 1} at work", 300, working)["pid"]
+        pid = poll(f"{rid}'s process #{n + 1} at work", 300, working)["pid"]
         os.kill(pid, signal.SIGKILL)  # the OS, not the injector
         killed.append(pid)
     return killed
 
 
 def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_completes(drill_run, tmp_path):
-    drill = drill_run(FAST + QUARANTINE, tmp_path)
+    drill = background_drills(FAST + QUARANTINE, tmp_path)
     run_dir = Path(drill.run_dir)
-    sigkill_three_times(lambda rid: _progress(run_dir, rid), "c0r1")
+    sigkill_three_times(lambda rid: replica_progress(run_dir, rid), "c0r1")
     s = drill.wait_done(600)
     assert s["status"] == "completed" and s["replicas_quarantined"] == 1, s
     check_run(run_dir, rounds=20, steps_per_round=10, victims={"c0r1"})
