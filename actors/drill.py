@@ -11,12 +11,11 @@ purpose, and wait for it to heal.
     summary = drill.wait_done()
 
 Every blocking call takes a timeout and raises `DrillError` saying what it waited for and what the
-run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray; its files land
-in `drill.run_dir`.
-
-What happened is read from the run's record (events.jsonl, faults_fired.jsonl: every death and
-commit once, in order). status.json (`state()`, `wait_for`) is only the newest state: a short-lived
-one may never be written, and it may reach the disk before or after the events logged with it.
+run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray, in
+`drill.run_dir`. What happened is read from the run's record (events.jsonl, faults_fired.jsonl:
+every death and commit once, in order); status.json (`state()`, `wait_for`) is only the newest
+state: a short-lived one may never be written, and it may reach the disk before or after the
+events logged with it.
 """
 from __future__ import annotations
 
@@ -141,13 +140,12 @@ class Drill:
         if round is not None or phase is not None:
             if phase not in FAULT_PHASES or round is None:
                 raise DrillError(f"a scheduled fault needs round and phase (one of {'|'.join(FAULT_PHASES)})")
-            raw = {"kind": kind, "target": target, "round": round, "phase": phase, "step": step}
-            if seconds is not None:
-                raw["seconds"] = seconds
+            raw = {"kind": kind, "target": target, "round": round, "phase": phase, "step": step,
+                   **({} if seconds is None else {"seconds": seconds})}
             record["scheduled"] = ray.get(self._supervisor().add_fault.remote(raw), timeout=30)
         elif target == "supervisor":
-            if kind == "kill":
-                self._record_fired("supervisor", kind)
+            if kind == "kill":  # logged where in-process faults log themselves
+                write_fault_fired(self._writer, self.run_dir, "supervisor", kind, "now", None, None)
                 ray.kill(self._supervisor(), no_restart=False)
             elif kind == "crash":
                 self._supervisor().crash.remote()
@@ -157,16 +155,12 @@ class Drill:
             record["rids"] = self._resolve(target)
             for rid in record["rids"]:
                 if kind == "kill":  # from outside, as an operator or a node failure would
-                    self._record_fired(rid, kind)
+                    write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
                     self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
         self._injected.append(record)
         return record
-
-    def _record_fired(self, rid: str, kind: str) -> None:
-        """Faults injected from outside are logged where in-process faults log themselves."""
-        write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until the run recorded the last injection (a kill, crash or hang, now) taking down
