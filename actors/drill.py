@@ -53,7 +53,6 @@ class Drill:
         self._owns_ray = False
         self._injected: list[dict] = []
 
-    # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 180.0) -> "Drill":
         """Start the run in a background thread; return once its supervisor is driving rounds."""
         from actors.launch import compose_config, connect_ray, run_training
@@ -95,7 +94,6 @@ class Drill:
             ray.shutdown()
         return self.summary or {}
 
-    # -- live state -----------------------------------------------------------------------------
     def state(self) -> dict:
         """Membership per cluster (live and down), leaders, epoch, round, phase, losses, recent events."""
         status = _read_json(self.run_dir / "status.json")
@@ -129,7 +127,6 @@ class Drill:
             time.sleep(0.1)
         raise DrillError(f"timed out after {timeout_s:.0f}s waiting for {what}; last state: {self._brief()}")
 
-    # -- faults ---------------------------------------------------------------------------------
     def inject(self, kind: str, target: str, *, round: int | None = None, phase: str | None = None,
                step: int = 0, seconds: float | None = None) -> dict:
         """Break something. With no round/phase: now. Else at that (round, phase, step) boundary,
@@ -251,7 +248,6 @@ class Drill:
         if not self._alive() and self.summary is None:
             raise DrillError(f"the run ended while waiting for {what}: {self.error}")
 
-    # -- plumbing -------------------------------------------------------------------------------
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -1,15 +1,12 @@
-"""The supervisor's record. `SupervisorRecord`, of the run: the run log (events, metrics, and every
+"""The supervisor's record. `SupervisorRecord`, of the run: the run log (events, metrics, every
 file the supervisor writes, each through the log's writer thread with a deadline), the durable
-state's saves, the live status view (status.json), wandb, the run folder's grace, and the summary
-at the run's end. Storage is never the run loop's master: events and metrics wait in memory while
-the run folder fails, and only a folder that stays unwritable for `run.io_grace_s` ends the run
-(`check_storage`).
+state's saves, status.json, wandb and the summary. Storage is never the run loop's master: records
+wait in memory while the run folder fails; only one unwritable for `run.io_grace_s` ends the run.
 
-`RoundRecord`, of one round, for metrics.jsonl and events.jsonl: the numbers replicas report in
-their answers (losses, tokens, bytes, digests), the phase timings, and the round's events:
-`phase_begin`, `membership`, `cluster_reform`, `phase_end`, `heal_end`, `non_finite`,
-`cluster_benched`. It decides nothing and calls nobody: the runner hands it each answer and each
-PhaseEnded.
+`RoundRecord`, of one round: the numbers replicas report in their answers, the phase timings, and
+the round's events (`phase_begin`, `membership`, `cluster_reform`, `phase_end`, `heal_end`,
+`non_finite`, `cluster_benched`). It decides nothing and calls nobody: the runner hands it each
+answer and each PhaseEnded.
 """
 from __future__ import annotations
 

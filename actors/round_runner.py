@@ -106,7 +106,6 @@ class RoundRunner:
         self._status()  # the round's final view, before its commit is logged
         roster.live = dict(m.progress)
 
-    # -- effects ---------------------------------------------------------------------------------------
     def _carry_out(self, effects: list) -> None:
         p = self.p
         for e in effects:
@@ -154,7 +153,6 @@ class RoundRunner:
         for rid in phase.calls:
             self.calls[call(phase, rid, armed, p, self.heals, self.m.progress)] = (phase.id, rid)
 
-    # -- what Ray says -----------------------------------------------------------------------------------
     def _read(self, ref) -> list:
         if ref in self.calls:
             if ref in self.heals.receives:  # a heal over the group: its answer, or a fallback issued

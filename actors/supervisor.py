@@ -100,7 +100,6 @@ class Supervisor:
         self.injector.record_fired("supervisor", "crash", "now", self.record.view.get("round"))
         os._exit(17)
 
-    # -- the run -----------------------------------------------------------------------------------------
     def _start_store(self) -> None:
         """The groups' store, listening on this node's address only (never the wildcard), and the
         rendezvous address replicas join under: `host:port/<secret>`, a fresh secret of 128 random
@@ -254,7 +253,6 @@ class Supervisor:
         if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
             checkpointing.save(self.checkpoints, r + 1)
 
-    # -- between rounds: evaluate, final heal, catch up ----------------------------------------------------
     def _evaluate(self) -> float | None:
         roster = self.roster
         for rid in evaluation_order(self.topology, roster.live, roster.leaders):
