@@ -91,15 +91,17 @@ class Roster:
         """Ask a replica for its progress; None if it does not answer in time or is gone."""
         return self._ask_progress([rid], {}, timeout_s).get(rid, (None, True))[0]
 
-    def ask_all(self, method: str, timeout_s: float) -> dict[str, Any]:
-        """Every live replica's answer to a no-argument call; those that fail are left out."""
+    def ask_all(self, method: str, timeout_s: float, *, down: str | None = None) -> dict[str, Any]:
+        """Every live replica's answer to a no-argument call; those that fail are left out (and
+        with `down`, the phase to name, marked down)."""
         refs = {rid: getattr(self.handles[rid], method).remote() for rid in sorted(self.live)}
         out = {}
         for rid, ref in refs.items():
             try:
                 out[rid] = ray.get(ref, timeout=timeout_s)
-            except Exception:  # noqa: BLE001 — a replica lost meanwhile: its answer is absent
-                pass
+            except Exception as err:  # noqa: BLE001 — a replica lost meanwhile: its answer is absent
+                if down is not None:
+                    self.down(rid, "died", down, -1, type(err).__name__)
         return out
 
     def admit(self, rid: str, answer: dict) -> None:
@@ -186,12 +188,8 @@ class Roster:
 
     def refresh(self) -> None:
         """Every live replica's committed (round, step); those that do not answer are down."""
-        refs = {rid: self.handles[rid].progress.remote() for rid in sorted(self.live)}
-        for rid, ref in refs.items():
-            try:
-                self.admit(rid, ray.get(ref, timeout=self.call_timeout_s))
-            except Exception as err:  # noqa: BLE001 — any failure to answer means down
-                self.down(rid, "died", "progress", -1, type(err).__name__)
+        for rid, answer in self.ask_all("progress", self.call_timeout_s, down="progress").items():
+            self.admit(rid, answer)
 
     def rejoin(self, wait_s: float) -> None:
         """Round boundary: bring back replicas that (re)started, waiting up to wait_s for them."""

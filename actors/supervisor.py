@@ -49,8 +49,6 @@ class Supervisor:
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
         self.spr = steps_per_round(self.cfg)
-        # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
-        self.streaming = is_streaming(self.cfg)
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
         self.topology = topology_of(self.cfg, self.state.replica_indices)  # the table the driver wrote
         self.state.replica_indices = dict(self.topology.index_table)
@@ -235,7 +233,8 @@ class Supervisor:
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()
         self.log.event("commit", round=r, epoch=machine.epoch, replicas=sorted(run.commit_digests),
-                       digests_agree=params_agree(run.commit_digests, self.topology, streaming=self.streaming))
+                       # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
+                       digests_agree=params_agree(run.commit_digests, self.topology, streaming=is_streaming(self.cfg)))
         eval_loss = None
         if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
