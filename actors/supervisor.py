@@ -1,15 +1,14 @@
-"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions and decides nothing
-itself (hsgd/core/round/__init__.py says what happens after any failure). It runs one round
-machine per round through actors/round_runner.py; between rounds it brings back restarted
-replicas and hands dead ones' ids to hot spares (actors/roster.py), records, evaluates,
-checkpoints, restores after a total loss (actors/checkpointing.py) and waits for quorum. Heals go
-replica -> object store -> replica, never through it.
+"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions, one machine per round
+through actors/round_runner.py, and decides nothing itself (hsgd/core/round/__init__.py says what
+happens after any failure). Between rounds it brings back restarted replicas and hands dead ones'
+ids to hot spares (actors/roster.py), records, evaluates, checkpoints, restores after a total loss
+(actors/checkpointing.py) and waits for quorum. Heals go replica -> object store -> replica, never
+through it.
 
 Durable state: one `RunState` (hsgd/record/run_state.py), saved whole on every change. A
 restarted supervisor reads it, waits for replicas still in a phase of its predecessor, asks every
-replica for its progress, and resumes: max committed wins. Every file it writes goes through its
-RunLog's writer with a deadline; only a folder unwritable for `run.io_grace_s` ends the run
-(actors/round_record.py). Whatever ends the run, `run` returns a summary.
+replica for its progress, and resumes: max committed wins. Its writes and their deadline:
+actors/round_record.py. Whatever ends the run, `run` returns a summary.
 """
 from __future__ import annotations
 
