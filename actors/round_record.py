@@ -106,8 +106,7 @@ class RoundRecord:
         self.commit_digests: dict[str, str] = {}
         self.global_digests: dict[str, str] = {}
         self.attempts = 1
-        self.heal_sizes: dict[str, int] = {}
-        self.heal_transports: dict[str, str] = {}  # target -> group | object_store
+        self.heals_done: dict[str, tuple[int, str]] = {}  # target -> (bytes, transport: group | object_store)
         self.steps_run: dict[int, int] = {}  # run_inner phase id -> steps its members ran
         self.join_s: dict[int, float] = {}  # phase id -> the longest its members took to form their group
         # outer_reduce phase id -> its slowest holder's time in the outer collectives (the link's wait
@@ -166,8 +165,7 @@ class RoundRecord:
             self.commit_digests[rid] = value["digest"]
             self.global_digests[rid] = value["global_digest"]
         if kind is CallKind.HEAL and outcome == Outcome.DONE:
-            self.heal_sizes[rid] = value.get("bytes", 0)
-            self.heal_transports[rid] = value.get("transport", "object_store")
+            self.heals_done[rid] = (value.get("bytes", 0), value.get("transport", "object_store"))
         if outcome == Outcome.NON_FINITE:
             self.non_finite_what.setdefault(rid, answer.what)  # logged once per cluster
         elif outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
@@ -189,10 +187,9 @@ class RoundRecord:
         self.seconds["heal_configure"] += join_s
         if phase.kind is CallKind.HEAL:
             for rid in ok:
-                heal, nbytes = phase.calls[rid], self.heal_sizes.get(rid)
+                heal, (nbytes, transport) = phase.calls[rid], self.heals_done.get(rid, (None, "object_store"))
                 self.log.event("heal_end", target=rid, source=heal.source, scope=heal.scope, seconds=seconds, bytes=nbytes,
-                               gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None,
-                               transport=self.heal_transports.get(rid, "object_store"))
+                               gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None, transport=transport)
         if not failed and phase.kind in (CallKind.OUTER_REDUCE, CallKind.OUTER_COMMIT):
             self.clock.observe(phase.kind.record, work_s, 1)
         steps_run = self.steps_run.pop(phase.id, 0)
