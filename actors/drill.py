@@ -105,10 +105,9 @@ class Drill:
             entry["live" if rid in live else "down"].append(rid)
         events = read_jsonl(self.run_dir / "events.jsonl")
         recent = [e for e in events if e["event"] not in ("phase_begin", "phase_end")][-10:]
-        return {"clusters": clusters, "epoch": status.get("epoch"), "round": status.get("round"),
-                "phase": status.get("phase"), "last_loss": status.get("last_loss"),
-                "last_eval_loss": status.get("last_eval_loss"), "status": status.get("status"),
-                "recent_events": recent, "done": self.summary is not None or not self._alive()}
+        shown = ("epoch", "round", "phase", "last_loss", "last_eval_loss", "status")
+        return {"clusters": clusters, **{k: status.get(k) for k in shown}, "recent_events": recent,
+                "done": self.summary is not None or not self._alive()}
 
     def wait_for(self, predicate=None, timeout_s: float = 120.0, what: str = "a condition", *,
                  phase: str | None = None, round: int | None = None) -> dict:
