@@ -1,8 +1,6 @@
-"""Durable checkpoints, carried out for the supervisor between rounds: every replica at the round
-writes its shard into a temporary folder, final only if every file reports that round
-(hsgd.train.checkpoint.finalize: never overwritten; the previous good one is pruned only after).
-After a total loss every live replica loads the latest (`restore`). At the run's end one replica
-writes the final model (`save_model`).
+"""Durable checkpoints, carried out for the supervisor between rounds (`save`: final only if every
+file reports the round, hsgd.train.checkpoint.finalize), loaded by every live replica after a
+total loss (`restore`); at the run's end one replica writes the final model (`save_model`).
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ class CheckpointPorts:
     roster: Any
     log: Any  # the supervisor's hsgd.record.events.RunLog
     injector: Any  # actors.fault_injector.FaultInjector
-    state: RunState  # the durable state (fingerprint, epoch, checkpoints_failed, last_restore), saved by save_state
+    state: RunState  # saved by save_state
     save_state: Callable[[], None]
     warn: Callable[[str], None]
     cfg: Any
@@ -41,15 +39,13 @@ class CheckpointPorts:
 
 
 def save(sup: CheckpointPorts, state_round: int) -> str | None:
-    """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed).
-    Returns its path, or None when it exists already, every attempt lost a replica, or storage
-    refused it.
-
+    """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed):
+    its path, or None when it exists already, every attempt lost a replica, or storage refused it.
     Storage faults are the run's, never a replica's: a replica's failed write answers `io_error`
-    (nobody is killed); the supervisor's own steps raising OSError or passing their deadline
-    (`supervisor.call_timeout_s`: a hung mount) alike skip this checkpoint: event
-    `checkpoint_failed`, a console warning, the summary's `checkpoints_failed`. Training goes on;
-    the previous good one stays. Pruning failing afterwards is an event (`write_failed`)."""
+    (nobody is killed); it, or the supervisor's own steps raising OSError or passing
+    `supervisor.call_timeout_s` (a hung mount), skip this checkpoint (`checkpoint_failed`, a
+    console warning, the summary's `checkpoints_failed`); training goes on, the previous one stays.
+    Pruning failing afterwards is an event (`write_failed`)."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
     deadline_s = sup.cfg.supervisor.call_timeout_s
 
@@ -161,15 +157,13 @@ RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round commit
 
 def restore(sup: CheckpointPorts, reason: str) -> int:
     """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
-    rounds after it are dropped (they are trained and recorded again). Returns its round.
-
-    Order: (1) choose, touching no replica: the newest checkpoint whose manifest reads, whose files
-    match their sha256 and whose config fingerprint is this run's (`checkpoint_fallback` for each
-    one skipped); (2) bring back restarted replicas; (3) each live replica loads it (one that
-    fails is down, and restarts). Raises RestoreFailed when no checkpoint is usable, when none of
-    the replicas that tried could load it, or when it was restored RESTORES_WITHOUT_PROGRESS times
-    with no round committed since (a failure recurring after every restore must not loop until
-    restarts run out). With no live replica it returns the round: the caller waits for quorum."""
+    rounds after it are dropped (trained and recorded again). Returns its round. Order: (1) choose,
+    touching no replica (hsgd.train.checkpoint.choose; `checkpoint_fallback` for each one skipped);
+    (2) bring back restarted replicas; (3) each live replica loads it (one that fails is down, and
+    restarts). RestoreFailed when no checkpoint is usable, when no replica that tried could load
+    it, or after RESTORES_WITHOUT_PROGRESS restores of it with no round committed since (a failure
+    recurring after every restore must not loop until restarts run out). With no live replica it
+    returns the round: the caller waits for quorum."""
     roster = sup.roster
     path, manifest = _choose(sup)
     state_round = int(manifest["round"])

@@ -11,12 +11,11 @@ purpose, and wait for it to heal.
     summary = drill.wait_done()
 
 Every blocking call takes a timeout and raises `DrillError` saying what it waited for and what the
-run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray; its files land
-in `drill.run_dir`.
-
-What happened is read from the run's record (events.jsonl, faults_fired.jsonl: every death and
-commit once, in order). status.json (`state()`, `wait_for`) is only the newest state: a short-lived
-one may never be written, and it may reach the disk before or after the events logged with it.
+run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray, in
+`drill.run_dir`. What happened is read from the run's record (events.jsonl, faults_fired.jsonl:
+every death and commit once, in order); status.json (`state()`, `wait_for`) is only the newest
+state: a short-lived one may never be written, and it may reach the disk before or after the
+events logged with it.
 """
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ class Drill:
         self._owns_ray = False
         self._injected: list[dict] = []
 
-    # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 180.0) -> "Drill":
         """Start the run in a background thread; return once its supervisor is driving rounds."""
         from actors.launch import compose_config, connect_ray, run_training
@@ -96,7 +94,6 @@ class Drill:
             ray.shutdown()
         return self.summary or {}
 
-    # -- live state -----------------------------------------------------------------------------
     def state(self) -> dict:
         """Membership per cluster (live and down), leaders, epoch, round, phase, losses, recent events."""
         status = _read_json(self.run_dir / "status.json")
@@ -108,10 +105,9 @@ class Drill:
             entry["live" if rid in live else "down"].append(rid)
         events = read_jsonl(self.run_dir / "events.jsonl")
         recent = [e for e in events if e["event"] not in ("phase_begin", "phase_end")][-10:]
-        return {"clusters": clusters, "epoch": status.get("epoch"), "round": status.get("round"),
-                "phase": status.get("phase"), "last_loss": status.get("last_loss"),
-                "last_eval_loss": status.get("last_eval_loss"), "status": status.get("status"),
-                "recent_events": recent, "done": self.summary is not None or not self._alive()}
+        shown = ("epoch", "round", "phase", "last_loss", "last_eval_loss", "status")
+        return {"clusters": clusters, **{k: status.get(k) for k in shown}, "recent_events": recent,
+                "done": self.summary is not None or not self._alive()}
 
     def wait_for(self, predicate=None, timeout_s: float = 120.0, what: str = "a condition", *,
                  phase: str | None = None, round: int | None = None) -> dict:
@@ -130,7 +126,6 @@ class Drill:
             time.sleep(0.1)
         raise DrillError(f"timed out after {timeout_s:.0f}s waiting for {what}; last state: {self._brief()}")
 
-    # -- faults ---------------------------------------------------------------------------------
     def inject(self, kind: str, target: str, *, round: int | None = None, phase: str | None = None,
                step: int = 0, seconds: float | None = None) -> dict:
         """Break something. With no round/phase: now. Else at that (round, phase, step) boundary,
@@ -141,13 +136,12 @@ class Drill:
         if round is not None or phase is not None:
             if phase not in FAULT_PHASES or round is None:
                 raise DrillError(f"a scheduled fault needs round and phase (one of {'|'.join(FAULT_PHASES)})")
-            raw = {"kind": kind, "target": target, "round": round, "phase": phase, "step": step}
-            if seconds is not None:
-                raw["seconds"] = seconds
+            raw = {"kind": kind, "target": target, "round": round, "phase": phase, "step": step,
+                   **({} if seconds is None else {"seconds": seconds})}
             record["scheduled"] = ray.get(self._supervisor().add_fault.remote(raw), timeout=30)
         elif target == "supervisor":
-            if kind == "kill":
-                self._record_fired("supervisor", kind)
+            if kind == "kill":  # logged where in-process faults log themselves
+                write_fault_fired(self._writer, self.run_dir, "supervisor", kind, "now", None, None)
                 ray.kill(self._supervisor(), no_restart=False)
             elif kind == "crash":
                 self._supervisor().crash.remote()
@@ -157,16 +151,12 @@ class Drill:
             record["rids"] = self._resolve(target)
             for rid in record["rids"]:
                 if kind == "kill":  # from outside, as an operator or a node failure would
-                    self._record_fired(rid, kind)
+                    write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
                     self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
         self._injected.append(record)
         return record
-
-    def _record_fired(self, rid: str, kind: str) -> None:
-        """Faults injected from outside are logged where in-process faults log themselves."""
-        write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until the run recorded the last injection (a kill, crash or hang, now) taking down
@@ -257,7 +247,6 @@ class Drill:
         if not self._alive() and self.summary is None:
             raise DrillError(f"the run ended while waiting for {what}: {self.error}")
 
-    # -- plumbing -------------------------------------------------------------------------------
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

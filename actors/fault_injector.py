@@ -1,14 +1,12 @@
-"""The fault injector: the one place a run's faults are scheduled, armed and recorded.
-
-Like torchft's FailureInjector, for a schedule of many faults (`faults.schedule`, random
-`faults.mtbf_s`, drills' `add`). `arm` hands each replica fault to the phase call that must carry
-it (it fires inside the replica at the boundary named, so runs replay bitwise); a target that takes
-no part in that call (a non-leader of `cluster:c1` in the outer all-reduce) is hit from outside at
-once, as a node failure would. Supervisor faults fire here. Every fault fires once: a replica
-fault counts as fired when its line is in faults_fired.jsonl (the replica writes it as it fires),
-never when armed — a call can end before its boundary (its cluster re-formed, the replica died),
-and the next call of that round and phase carries it again. The fired indices are durable;
-`not_fired` lists what never had its moment, for the summary.
+"""The one place a run's faults are scheduled, armed and recorded (torchft's FailureInjector, for
+many faults: `faults.schedule`, random `faults.mtbf_s`, drills' `add`). `arm` hands each replica
+fault to the phase call that must carry it (it fires inside the replica at the boundary named, so
+runs replay bitwise); a target that takes no part in that call (a non-leader of `cluster:c1` in
+the outer all-reduce) is hit from outside at once, as a node failure would. Supervisor faults
+fire here. Every fault fires once: a replica fault counts as fired when its line is in
+faults_fired.jsonl (the replica writes it as it fires), never when armed — a call can end before
+its boundary, and the next call of that round and phase carries it again. The fired indices are
+durable; `not_fired` lists what never had its moment, for the summary.
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ from hsgd.core.faults import FaultSpec, due_faults, fired_as, parse_fault, parse
 from hsgd.core.topology import topology_of
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import write_fault_fired
-
 
 DEADLY = ("kill", "crash", "hang", "error")  # fault kinds that end in the replica's death
 

@@ -1,13 +1,11 @@
-"""The driver library: start → drive → finish. `jobs.train` is its command line; tests and
-notebooks call `run_training` directly, with a config composed and checked before Ray starts
-(hsgd.config.compose). `run_training` checks the folder, chooses the resume checkpoint and takes
-the folder's lock (hsgd.record.runlock), then:
-- start: attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded
-  one; check what only the cluster knows (exit 2); write run.json, config.yaml and the durable
-  state; start the replicas (owned by this driver, so they outlive a supervisor crash), spares and
-  supervisor; the start-up calls, which survive replica deaths (actors/startup.py).
-- drive: the supervisor's run call with a progress bar; a dead supervisor is restarted by Ray and
-  the call re-issued (hsgd.core.supervisor_losses).
+"""The driver library: `jobs.train` is its command line; tests and notebooks call `run_training`
+with a config composed and checked before Ray starts (hsgd.config.compose). It checks the folder,
+chooses the resume checkpoint and takes the folder's lock (hsgd.record.runlock), then:
+- start: attach to a Ray cluster or start an embedded one; check what only the cluster knows
+  (exit 2); write run.json, config.yaml and the durable state; start the replicas (owned by this
+  driver, so they outlive a supervisor crash), spares and supervisor; the start-up calls, which
+  survive replica deaths (actors/startup.py).
+- drive: the supervisor's run call with a progress bar, re-issued to a restarted supervisor.
 - finish: summary.json always there (or printed), plots, the console's last lines.
 """
 from __future__ import annotations
@@ -37,8 +35,9 @@ from hsgd.train import checkpoint
 
 
 def connect_ray(cfg: DictConfig) -> bool:
-    """Returns True if this call connected Ray (and the caller must disconnect when done); a
-    caller that already initialised Ray (a test, a notebook) keeps its connection."""
+    """Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
+    True if this call connected (the caller disconnects when done); a caller that already
+    initialised Ray (a test, a notebook) keeps its connection."""
     import ray
 
     if ray.is_initialized():
@@ -57,10 +56,9 @@ def connect_ray(cfg: DictConfig) -> bool:
 
 def run_training(cfg: DictConfig, run_dir: str) -> dict:
     """Run one training job to its end; returns summary.json's content. A relative run_dir is
-    taken as run.dir is (hsgd.config.output_path): under a Ray job, below the persistent root.
-    Raises ConfigError (one line) for each refusal, before anything is written; a fresh run
-    refuses a checkpoint.dir that already holds checkpoints. The lock (a stale one is taken over
-    with train.resume=true) is refreshed by a driver thread until the run ends, then removed."""
+    taken as run.dir is (hsgd.config.output_path). ConfigError (one line) for each refusal, before
+    anything is written; a fresh run refuses a checkpoint.dir that already holds checkpoints. The
+    lock (a stale one taken over with train.resume=true) is refreshed until the run ends."""
     from actors.startup import find_resume_point, record_takeovers
 
     run_dir = os.path.abspath(output_path(run_dir))

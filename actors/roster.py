@@ -1,9 +1,9 @@
-"""Who serves each replica id, who is live, and which process groups they still hold: the
-supervisor's view of its replicas between (and across) rounds. It asks replicas for their progress
-(the control channel, which answers while a phase runs), brings back replicas that (re)started,
-hands a dead replica's id to a ready hot spare, and marks a replica down when it does not answer.
-A new process under an id holds no group: its cluster's inner group (and, for a leader, the outer
-group) must be configured again. Deaths are logged here, each once (actors/lifecycle.py `ActorWatch`).
+"""The supervisor's view of its replicas between (and across) rounds: who serves each replica id,
+who is live, which process groups they still hold. It asks for progress (the control channel,
+which answers while a phase runs), brings back replicas that (re)started, hands a dead one's id to
+a ready hot spare, and marks down one that does not answer. A new process under an id holds no
+group: its cluster's groups must be configured again. Deaths are logged here, each once
+(actors/lifecycle.py `ActorWatch`).
 """
 from __future__ import annotations
 
@@ -53,9 +53,8 @@ def restarts_exhausted(handle) -> bool:
 
 
 class Roster:
-    """`state`: the run's durable state; the identity map (`identity`: rid -> actor name), the
-    spare pool's names and the deaths seen live in it, so a restarted supervisor finds the same
-    actors."""
+    """`state`: the run's durable state, which holds the identity map, the spare pool's names
+    and the deaths seen live, so a restarted supervisor finds the same actors."""
 
     def __init__(self, topology: Topology, run_id: str, state: RunState, log, *, call_timeout_s: float,
                  spares_per_cluster: int, save: Callable[[], None]):
@@ -81,7 +80,6 @@ class Roster:
         self.outer_configured = None
         self.on_death: Callable[[str], None] = lambda rid: None  # each replica death, once (quarantine)
 
-    # -- questions ------------------------------------------------------------------------------------
     def missing(self) -> list[str]:
         return [rid for rid in self.topology.replica_ids() if rid not in self.live and rid not in self.gone]
 
@@ -93,18 +91,19 @@ class Roster:
         """Ask a replica for its progress; None if it does not answer in time or is gone."""
         return self._ask_progress([rid], {}, timeout_s).get(rid, (None, True))[0]
 
-    def ask_all(self, method: str, timeout_s: float) -> dict[str, Any]:
-        """Every live replica's answer to a no-argument call; those that fail are left out."""
+    def ask_all(self, method: str, timeout_s: float, *, down: str | None = None) -> dict[str, Any]:
+        """Every live replica's answer to a no-argument call; those that fail are left out (and
+        with `down`, the phase to name, marked down)."""
         refs = {rid: getattr(self.handles[rid], method).remote() for rid in sorted(self.live)}
         out = {}
         for rid, ref in refs.items():
             try:
                 out[rid] = ray.get(ref, timeout=timeout_s)
-            except Exception:  # noqa: BLE001 — a replica lost meanwhile: its answer is absent
-                pass
+            except Exception as err:  # noqa: BLE001 — a replica lost meanwhile: its answer is absent
+                if down is not None:
+                    self.down(rid, "died", down, -1, type(err).__name__)
         return out
 
-    # -- changes --------------------------------------------------------------------------------------
     def admit(self, rid: str, answer: dict) -> None:
         self.live[rid] = (int(answer["round"]), int(answer["step"]))
         self.param_bytes = max(self.param_bytes, int(answer.get("param_bytes") or 0))
@@ -189,12 +188,8 @@ class Roster:
 
     def refresh(self) -> None:
         """Every live replica's committed (round, step); those that do not answer are down."""
-        refs = {rid: self.handles[rid].progress.remote() for rid in sorted(self.live)}
-        for rid, ref in refs.items():
-            try:
-                self.admit(rid, ray.get(ref, timeout=self.call_timeout_s))
-            except Exception as err:  # noqa: BLE001 — any failure to answer means down
-                self.down(rid, "died", "progress", -1, type(err).__name__)
+        for rid, answer in self.ask_all("progress", self.call_timeout_s, down="progress").items():
+            self.admit(rid, answer)
 
     def rejoin(self, wait_s: float) -> None:
         """Round boundary: bring back replicas that (re)started, waiting up to wait_s for them."""
@@ -236,15 +231,14 @@ class Roster:
 
     def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
                    min_gbps: float = 1.0) -> None:
-        """After a supervisor restart, replicas may still run a phase of the old one (the inner
-        phase goes on to the round's end). Wait while they work; kill (so Ray restarts it) one
-        stuck or silent, as hsgd.core.deadlines.StallWatch decides: an inner phase whose step has
-        not moved for `stuck_after_s`; a checkpoint, heal, outer exchange or commit past its own
-        limit, `call_timeout_s` plus 3 x the params (params and optimizer state) at `min_gbps`; no
-        answer at all (a hang holding the GIL) for `stuck_after_s`. A dead one is only marked down
-        (a kill could hit its new process). Killed replicas are marked down (`hung`) and come back
-        through `rejoin`. One progress question per replica is outstanding at a time; each pass
-        waits at most AWAIT_PASS_S (silence is counted from the first pass without one)."""
+        """After a supervisor restart, replicas may still run a phase of the old one. Wait while
+        they work; kill (Ray restarts it; marked down `hung`, back through `rejoin`) one stuck or
+        silent, as hsgd.core.deadlines.StallWatch decides: an inner step not moved for
+        `stuck_after_s`; a checkpoint, heal, outer exchange or commit past `call_timeout_s` plus 3 x
+        the params at `min_gbps`; no answer at all (a hang holding the GIL) for `stuck_after_s`. A
+        dead one is only marked down (a kill could hit its new process). One progress question per
+        replica is outstanding; each pass waits at most AWAIT_PASS_S (silence counts from the first
+        pass without an answer)."""
         watch = StallWatch(stuck_after_s, silent_s=stuck_after_s)
         asked: dict[str, Any] = {}  # rid -> its progress question still unanswered
         while True:

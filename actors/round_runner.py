@@ -1,7 +1,7 @@
 """Carrying out one round machine's effects with Ray, and turning what Ray says into the machine's
-observations. It decides nothing (read hsgd/core/round/__init__.py for what happens after any
-failure) and keeps no record of calls in flight of its own: the machine's is the one record, and
-the runner only maps each Ray ref to a call id (phase id, rid) or to a probe.
+observations. It decides nothing (hsgd/core/round/__init__.py says what happens after any failure)
+and keeps no record of calls in flight: the machine's is the one record; the runner only maps each
+Ray ref to a call id (phase id, rid) or to a probe.
 
     Phase      one Ray call per replica (heals through actors/heals.py); the answer, or Ray's
                error for it (`died` when the actor is gone, `error` when the replica raised: it is
@@ -12,11 +12,10 @@ the runner only maps each Ray ref to a call id (phase id, rid) or to a probe.
     AbortJoin  the group's rendezvous is released in the run's store (hsgd.train.comm)
     StepTimed  a sample for the learned step deadline; PhaseEnded: phase_end in the record
 
-Every tick (TICK_S) it asks replicas in run_inner for their step (Progress), asks replicas that are
-down whether they are back (Up), asks idle live replicas whether their process still runs (Lost),
-reads every death from Ray's actor table (actors/lifecycle.py through the roster: Lost), and ticks
-the machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S, and answers are
-fetched only once ready.
+Every tick (TICK_S) it asks replicas in run_inner for their step (Progress), replicas that are down
+whether they are back (Up), idle live replicas whether their process still runs (Lost), reads every
+death from Ray's actor table (actors/lifecycle.py through the roster: Lost), and ticks the machine's
+clock. Every wait is bounded: one `ray.wait` of at most TICK_S; answers are fetched once ready.
 """
 from __future__ import annotations
 
@@ -106,7 +105,6 @@ class RoundRunner:
         self._status()  # the round's final view, before its commit is logged
         roster.live = dict(m.progress)
 
-    # -- effects ---------------------------------------------------------------------------------------
     def _carry_out(self, effects: list) -> None:
         p = self.p
         for e in effects:
@@ -154,7 +152,6 @@ class RoundRunner:
         for rid in phase.calls:
             self.calls[call(phase, rid, armed, p, self.heals, self.m.progress)] = (phase.id, rid)
 
-    # -- what Ray says -----------------------------------------------------------------------------------
     def _read(self, ref) -> list:
         if ref in self.calls:
             if ref in self.heals.receives:  # a heal over the group: its answer, or a fallback issued

@@ -1,13 +1,11 @@
-"""A run's start-up, carried out for the driver (actors/launch.py): start the replica and spare
-actors in their placement, ask where they landed, and the start-up calls — the checkpoint reach
-check and the resume load.
-
-Start-up survives deaths: a replica that dies or cannot be reached while it answers a start-up
-call (a node lost during start-up, a `startup` fault) is a replica failure, never a config error.
-Ray restarts it and the call is retried for it until `supervisor.call_timeout_s` has passed since
-the first try; one still not back then is left out (the supervisor takes it in when it returns)
-where its cluster keeps `supervisor.min_replicas_per_cluster`, else the run ends failed (exit 1).
-Only a live replica's answer (or its own exception) can be a config error (exit 2).
+"""A run's start-up, for the driver (actors/launch.py): start the replica and spare actors in
+their placement, ask where they landed, and the start-up calls (the checkpoint reach check, the
+resume load). These survive deaths: a replica that dies or cannot be reached while it answers one
+(a node lost during start-up, a `startup` fault) is a replica failure, never a config error. Ray
+restarts it and the call is retried for it until `supervisor.call_timeout_s` has passed since the
+first try; one still not back then is left out (taken in when it returns) where its cluster keeps
+`supervisor.min_replicas_per_cluster`, else the run ends failed (exit 1). Only a live replica's
+answer (or its own exception) can be a config error (exit 2).
 """
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
-"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions and decides nothing
-itself (hsgd/core/round/__init__.py says what happens after any failure). It runs one round
-machine per round through actors/round_runner.py; between rounds it brings back restarted
-replicas and hands dead ones' ids to hot spares (actors/roster.py), records, evaluates,
-checkpoints, restores after a total loss (actors/checkpointing.py) and waits for quorum. Heals go
-replica -> object store -> replica, never through it.
+"""Supervisor actor: carries out hsgd.core.round.RoundMachine's actions, one machine per round
+through actors/round_runner.py, and decides nothing itself (hsgd/core/round/__init__.py says what
+happens after any failure). Between rounds it brings back restarted replicas and hands dead ones'
+ids to hot spares (actors/roster.py), records, evaluates, checkpoints, restores after a total loss
+(actors/checkpointing.py) and waits for quorum. Heals go replica -> object store -> replica, never
+through it.
 
 Durable state: one `RunState` (hsgd/record/run_state.py), saved whole on every change. A
 restarted supervisor reads it, waits for replicas still in a phase of its predecessor, asks every
-replica for its progress, and resumes: max committed wins. Every file it writes goes through its
-RunLog's writer with a deadline; only a folder unwritable for `run.io_grace_s` ends the run
-(actors/run_record.py). Whatever ends the run, `run` returns a summary.
+replica for its progress, and resumes: max committed wins. Its writes and their deadline:
+actors/round_record.py. Whatever ends the run, `run` returns a summary.
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
-from actors.run_record import RunFailed, SupervisorRecord
+from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import live_per_cluster, quorum_problem
 from hsgd.core.outer_plan import params_agree
@@ -45,12 +44,10 @@ def supervisor_actor_name(run_id: str) -> str:
 @ray.remote(concurrency_groups={"run": 1, "status": 4})
 class Supervisor:
     def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict, resume_round: int | None = None):
-        """`resume_round`: the resumed checkpoint's round (actors/run_record.py)."""
+        """`resume_round`: the resumed checkpoint's round (actors/round_record.py)."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
         self.spr = steps_per_round(self.cfg)
-        # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
-        self.streaming = is_streaming(self.cfg)
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
         self.topology = topology_of(self.cfg, self.state.replica_indices)  # the table the driver wrote
         self.state.replica_indices = dict(self.topology.index_table)
@@ -70,6 +67,11 @@ class Supervisor:
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
         self.store = self.store_addr = None
+        # what a checkpoint's save or restore may touch: never this actor itself
+        self.checkpoints = checkpointing.CheckpointPorts(
+            roster=self.roster, log=self.log, injector=self.injector, state=self.state, save_state=self.record.save_state,
+            warn=self.warn, cfg=self.cfg, run_dir=self.run_dir, run_id=run_id, steps_per_round=self.spr,
+            topology=self.topology)
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
@@ -95,7 +97,6 @@ class Supervisor:
         self.injector.record_fired("supervisor", "crash", "now", self.record.view.get("round"))
         os._exit(17)
 
-    # -- the run -----------------------------------------------------------------------------------------
     def _start_store(self) -> None:
         """The groups' store, listening on this node's address only (never the wildcard), and the
         rendezvous address replicas join under: `host:port/<secret>`, a fresh secret of 128 random
@@ -118,6 +119,11 @@ class Supervisor:
         roster, status, reason = self.roster, "completed", None
         try:
             self._start_store()
+            # what a round's runner may touch: never this actor itself
+            self.ports = RunnerPorts(roster=self.roster, log=self.log, injector=self.injector, clock=self.clock,
+                                     set_status=self.record.set_status, save_epoch=self._save_epoch, store=self.store,
+                                     store_addr=self.store_addr, run_id=self.run_id, run_dir=self.run_dir,
+                                     stack_dumps=bool(self.cfg.watchdog.stack_dumps))
             self.record.set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
@@ -143,7 +149,7 @@ class Supervisor:
                     break
                 self._round(r)
             self._final_heal()
-            checkpointing.save_model(self._checkpoint_ports())
+            checkpointing.save_model(self.checkpoints)
             self.record.settle_storage()
         except RunFailed as err:
             status, reason = "failed", str(err)
@@ -168,7 +174,7 @@ class Supervisor:
                                benched=self.state.benched,  # non-finite: durable, until a resume
                                non_finite_rounds=self.state.non_finite_rounds)
         self.injector.supervisor_faults(r, "inner")
-        run = RoundRunner(machine, self._ports())
+        run = RoundRunner(machine, self.ports)
         run.drive()
         self.state.epoch = machine.epoch
         roster.leaders, roster.configured = machine.leaders, machine.configured_groups()
@@ -182,7 +188,7 @@ class Supervisor:
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
             try:
-                restored = checkpointing.restore(self._checkpoint_ports(), machine.reason)
+                restored = checkpointing.restore(self.checkpoints, machine.reason)
             except checkpointing.RestoreFailed as err:
                 raise RunFailed(f"{machine.reason}; {err}") from err
             self.state.committed_round = restored
@@ -211,20 +217,6 @@ class Supervisor:
                                lambda busy: self.record.set_status(phase="waiting_for_replicas", busy=busy), TICK_S,
                                min_gbps=float(comm.min_gbps))
 
-    def _ports(self) -> RunnerPorts:
-        """What a round's runner may touch: never this actor itself."""
-        return RunnerPorts(roster=self.roster, log=self.log, injector=self.injector, clock=self.clock,
-                           set_status=self.record.set_status, save_epoch=self._save_epoch, store=self.store,
-                           store_addr=self.store_addr, run_id=self.run_id, run_dir=self.run_dir,
-                           stack_dumps=bool(self.cfg.watchdog.stack_dumps))
-
-    def _checkpoint_ports(self) -> checkpointing.CheckpointPorts:
-        """What a checkpoint's save or restore may touch: never this actor itself."""
-        return checkpointing.CheckpointPorts(
-            roster=self.roster, log=self.log, injector=self.injector, state=self.state, save_state=self.record.save_state,
-            warn=self.warn, cfg=self.cfg, run_dir=self.run_dir, run_id=self.run_id, steps_per_round=self.spr,
-            topology=self.topology)
-
     def _save_epoch(self, epoch: int) -> None:
         """A group is formed under `epoch`: saved before it exists, so a successor never reuses it."""
         if epoch > self.state.epoch:
@@ -240,7 +232,8 @@ class Supervisor:
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()
         self.log.event("commit", round=r, epoch=machine.epoch, replicas=sorted(run.commit_digests),
-                       digests_agree=params_agree(run.commit_digests, self.topology, streaming=self.streaming))
+                       # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
+                       digests_agree=params_agree(run.commit_digests, self.topology, streaming=is_streaming(self.cfg)))
         eval_loss = None
         if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
@@ -256,9 +249,8 @@ class Supervisor:
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
         if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self._checkpoint_ports(), r + 1)
+            checkpointing.save(self.checkpoints, r + 1)
 
-    # -- between rounds: evaluate, final heal, catch up ----------------------------------------------------
     def _evaluate(self) -> float | None:
         roster = self.roster
         for rid in evaluation_order(self.topology, roster.live, roster.leaders):
@@ -282,7 +274,7 @@ class Supervisor:
         for c, heals in heals_by_cluster.items():
             phase = Phase(id=-1, kind=CallKind.HEAL, round=top, cluster=c, epoch=self.state.epoch,
                           calls={h.target: Heal(h.source, h.scope) for h in heals})
-            heal_at_rest(phase, self._ports(), roster.live, self._settings().heal_s)
+            heal_at_rest(phase, self.ports, roster.live, self._settings().heal_s)
         roster.refresh()
         view = roster.plan(self.state.epoch)
         self.record.set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
@@ -308,27 +300,24 @@ class Supervisor:
                                                t=time.time()))
             self.log.event("round_recorded_late", round=missing)
         if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self._checkpoint_ports(), r_now)
+            checkpointing.save(self.checkpoints, r_now)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         """The run's summary from the record (files and memory alike), or from the durable state
         alone when that cannot be made: the summary is owed whatever broke."""
-        return {**self._summary_of_record(status, reason, start), "topology": self.topology.describe(),
-                "replicas_quarantined": len(self.state.quarantined)}
-
-    def _summary_of_record(self, status: str, reason: str | None, start: float) -> dict:
         try:
-            return run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
-                               digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
-                               metrics=self.log.records("metrics"), fired=self.log.read_jsonl("faults_fired.jsonl"),
-                               events=self.log.records("events"), not_fired=self.injector.not_fired(),
-                               committed_steps=self.committed_steps, attempted_steps=self.attempted_steps,
-                               participation=self.participation, supervisor_started=start, now=time.time(),
-                               run_dir=self.run_dir)
+            summary = run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
+                                  digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
+                                  metrics=self.log.records("metrics"), fired=self.log.read_jsonl("faults_fired.jsonl"),
+                                  events=self.log.records("events"), not_fired=self.injector.not_fired(),
+                                  committed_steps=self.committed_steps, attempted_steps=self.attempted_steps,
+                                  participation=self.participation, supervisor_started=start, now=time.time(),
+                                  run_dir=self.run_dir)
         except Exception as err:  # noqa: BLE001
             self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
             note = f"summary from the durable state only ({type(err).__name__}: {err})"
-            return fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
-                                    durable=self.state.to_dict(), metrics=self.log.records("metrics"),
-                                    steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
-                                    supervisor_started=start)
+            summary = fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
+                                       durable=self.state.to_dict(), metrics=self.log.records("metrics"),
+                                       steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
+                                       supervisor_started=start)
+        return {**summary, "topology": self.topology.describe(), "replicas_quarantined": len(self.state.quarantined)}
