@@ -83,16 +83,6 @@ def _distinct_downs(events: list[dict]) -> list[dict]:
     return downs
 
 
-def _spare_deaths(events: list[dict]) -> list[dict]:
-    """spare_lost events, each death of a spare's process once (by spare and incarnation)."""
-    seen, out = set(), []
-    for e in events:
-        if e["event"] == "spare_lost" and (e.get("spare"), e.get("incarnation")) not in seen:
-            seen.add((e.get("spare"), e.get("incarnation")))
-            out.append(e)
-    return out
-
-
 def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 120.0) -> list[dict]:
     """Per failure: detection latency (fault -> the supervisor noticed: a replica marked down, a
     hang detected, a failed collective, or a restarted supervisor), recovery latency (fault -> the
@@ -150,8 +140,12 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                 for i, down in enumerate(downs) if i not in claimed]
     figures += [_observed_fault(events, e, cause="non_finite", detected_by="non_finite")
                 for i, e in enumerate(non_finite) if i not in explained]
+    spare_deaths: dict[tuple, dict] = {}  # each death of a spare's process once (by spare and incarnation)
+    for e in events:
+        if e["event"] == "spare_lost":
+            spare_deaths.setdefault((e.get("spare"), e.get("incarnation")), e)
     figures += [_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
-                                detected_by="spare_lost") for e in _spare_deaths(events)]
+                                detected_by="spare_lost") for e in spare_deaths.values()]
     return figures
 
 
