@@ -85,11 +85,9 @@ def describe(info: dict) -> str:
 def check(run_dir: str | Path, takeover: bool) -> None:
     """Read-only: raise RunLocked when `acquire(takeover)` would refuse (a pre-check before anything
     is written; the lock itself is the authority)."""
-    path = Path(run_dir) / LOCK_NAME
     info = read_lock(run_dir)
-    if info is None:
-        return
-    _refuse(run_dir, info, stale_reason(info, mtime=_mtime(path)), takeover)
+    if info is not None:
+        _refuse(run_dir, info, stale_reason(info, mtime=_mtime(Path(run_dir) / LOCK_NAME)), takeover)
 
 
 def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
