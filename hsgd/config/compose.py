@@ -88,8 +88,9 @@ def check_embedded_capacity(cfg) -> int:
     n = topo.num_replicas + topo.clusters * t.spares_per_cluster
     problem = embedded_capacity_problem(
         replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, num_cpus=cfg.ray.num_cpus,
-        memory_bytes=usable_memory_bytes(physical), per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(
-            cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size))
+        memory_bytes=usable_memory_bytes(physical),
+        per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(cfg.model.n_layer, cfg.model.n_embd,
+                                                                               cfg.model.block_size))
     if problem is not None:
         raise ConfigError("topology.replicas_per_cluster", problem)
     return n
