@@ -96,9 +96,6 @@ CHOICE_FIELDS: dict[str, tuple] = {
     path: ((None,) if type(None) in typing.get_args(hint) else ()) + tuple(f.metadata["choices"])
     for path, hint, f in schema_fields() if "choices" in f.metadata}
 
-# Factories named by Hydra `_target_` strings: each must import to a callable.
-TARGET_FIELDS = ("model._target_", "data._target_", "loss._target_")
-
 
 def field_value(cfg: Any, path: str) -> Any:
     """The value at a dotted path, e.g. field_value(cfg, "optim.inner.lr")."""
@@ -120,7 +117,7 @@ def validate(cfg: Any) -> None:
     _check_folders(cfg)
     from hsgd.train.task import resolve  # imports torch: only when a whole config is validated
 
-    for path in TARGET_FIELDS:
+    for path in ("model._target_", "data._target_", "loss._target_"):  # each must import to a callable
         resolve(field_value(cfg, path), path)
     _check_wandb_credentials(cfg.logging.wandb.mode)
     _check_data(cfg)

@@ -64,11 +64,8 @@ def read_json(path: str | Path) -> dict:
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every whole record of a JSON-lines file ([] when it is absent); a line being written right
     now, or a fragment a failed append left, is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in Path(path).read_text(encoding="utf-8").splitlines() if Path(path).exists() else []:
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
     return records
