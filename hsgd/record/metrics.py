@@ -57,8 +57,9 @@ def _recovery_and_heal(events: list[dict], rid: str, t: float) -> tuple[dict | N
 
 def _distinct_downs(events: list[dict]) -> list[dict]:
     """replica_down events, each failure once. A down naming its `incarnation` (Ray's restart count
-    of the `actor` serving rid) is one death of that process: a repeat of (rid, actor, incarnation)
-    is the same death logged again. A down without one (older runs) repeats an open one when it has
+    of the `actor` serving rid; a promoted spare's actor has its own) is one death of that process:
+    a repeat of (rid, actor, incarnation) is the same death logged again, while two downs with no
+    replica_up between (killed again while Ray restarted it) are two. A down without one (older runs) repeats an open one when it has
     the same round, phase and cause with no replica_up of that rid between."""
     downs, open_down, deaths = [], {}, set()
     for e in events:
@@ -86,9 +87,10 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     survivors' next phase that completed with no failure), and the heal that brought it back.
 
     `source`: `injected` (faults_fired.jsonl) or `observed` — a down no injected fault explains (the
-    OS killed it, a node was lost), reported with `fired_at` and `detection_latency_s` None. A fault
-    of any kind (even `comm` or `slow` can end in a down) explains at most one down of its replica:
-    the first within `explain_window_s` after it fired. Non-finite numbers kill nobody: each
+    OS killed it, a node was lost), with `fired_at` and `detection_latency_s` None and `detected_at`
+    the down's time. A fault of any kind (even `comm` or `slow` can end in a down: a down soon after
+    it is likelier its effect than a coincidence) explains at most one down of its replica: the
+    first within `explain_window_s` after it fired. Non-finite numbers kill nobody: each
     `non_finite` event is one entry with `cause: non_finite`, injected when a `nan` fault on one of
     its `rids` explains it (a `nan` fault explains nothing else), else observed. A hot spare's death
     (`spare_lost`) is observed, its `rid` the spare's actor name and `phase` `spare`. Every entry
