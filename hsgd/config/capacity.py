@@ -1,7 +1,6 @@
 """Will the Ray cluster hold this topology? Pure decisions (only `usable_memory_bytes` reads a
-file: the container's limit); the actors (actors/launch.py, actors/placement.py) feed them the
-machine's or the cluster's figures and raise the ConfigError, so an impossible run is one config
-error, never thousands of actors fighting for two cores or placement groups that never get ready.
+file) fed the machine's or the cluster's figures, so an impossible run is one config error, never
+thousands of actors fighting for two cores or placement groups that never get ready.
 
 A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must
 fit in 80 % of the machine; CPUs may be oversubscribed up to `MAX_REPLICAS_PER_CORE` unless
@@ -166,10 +165,6 @@ def asked_backends(backend: str, inner_backend: str | None, outer_backend: str |
     return {"inner": inner, "outer": outer}
 
 
-def _gpus_per_node(nodes: list[dict]) -> list[int]:
-    return sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
-
-
 def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str | None, clusters: int,
                   replicas_per_cluster: int, spares_per_cluster: int, cpus_per_replica: float, total: dict,
                   nodes: list[dict], strategy: str, cluster_labels: list, label_key: str,
@@ -182,7 +177,7 @@ def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str
     asked = asked_backends(backend, inner_backend, outer_backend)
     (inner, inner_field), (outer, outer_field) = asked["inner"], asked["outer"]
     k = replicas_per_cluster + spares_per_cluster
-    n = sum(m + spares_per_cluster for m in sizes) if sizes else clusters * k
+    n = sum(m + spares_per_cluster for m in sizes or [replicas_per_cluster] * clusters)
     place = dict(clusters=clusters, spares_per_cluster=spares_per_cluster, total=total, nodes=nodes,
                  strategy=strategy, cluster_labels=cluster_labels, label_key=label_key)
     gpu_need = {"CPU": float(cpus_per_replica), "GPU": 1.0}
@@ -202,9 +197,10 @@ def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str
              else "")
     shape = f"sites of {list(sizes)}" if sizes else \
         f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+    per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
     counts = (f"{n} replicas ({shape}"
               f"{f' + {spares_per_cluster} spares' if spares_per_cluster else ''}) need {n} GPUs{where}, but the "
-              f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {_gpus_per_node(nodes)[:8]})")
+              f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})")
     shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares_per_cluster else "")
     if "nccl" in (inner, outer):
         field = inner_field if inner == "nccl" else outer_field

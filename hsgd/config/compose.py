@@ -19,12 +19,11 @@ from hsgd.config.validate import NUMERIC_FIELDS, validate
 from hsgd.record.runlock import LOCK_NAME
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-HYDRA_ENTRIES = (".hydra",)  # what Hydra writes into the run folder before run_training starts (and *.log)
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
-    """The resolved config for these overrides, as Hydra would build it (for tests, notebooks and
-    the pre-check). Raises Hydra/OmegaConf errors for bad keys or types; does not validate."""
+    """The resolved config for these overrides, as Hydra would build it. Raises Hydra/OmegaConf
+    errors for bad keys or types; does not validate."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -54,9 +53,8 @@ def describe_hydra_error(err: BaseException) -> str:
 
 
 def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
-    """Compose and validate the config outside Hydra's runner, before Ray starts: the types
-    (OmegaConf), hsgd.config.validate, the embedded cluster's capacity, and with `run_folder` (a
-    single run) check_run_folder, before Hydra writes its `.hydra/` there. Raises ConfigError."""
+    """Compose and validate the config before Ray starts (and, with `run_folder`, check_run_folder
+    before Hydra writes its `.hydra/` there). Raises ConfigError."""
     try:
         cfg = compose_config(overrides)
         validate(cfg)
@@ -83,22 +81,19 @@ def check_embedded_capacity(cfg) -> int:
     """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares);
     returns how many replica actors it will hold."""
     t, topo = cfg.topology, topology_of(cfg)
-    n = topo.num_replicas + topo.clusters * t.spares_per_cluster
-    problem = embedded_capacity_problem(
-        replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, memory_bytes=_memory_bytes(),
-        num_cpus=cfg.ray.num_cpus, per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(
-            cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size))
-    if problem is not None:
-        raise ConfigError("topology.replicas_per_cluster", problem)
-    return n
-
-
-def _memory_bytes() -> int:
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         physical = 2**40  # unknown: do not refuse on memory (a container limit, if any, still counts)
-    return usable_memory_bytes(physical)
+    n = topo.num_replicas + topo.clusters * t.spares_per_cluster
+    problem = embedded_capacity_problem(
+        replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, num_cpus=cfg.ray.num_cpus,
+        memory_bytes=usable_memory_bytes(physical),
+        per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(cfg.model.n_layer, cfg.model.n_embd,
+                                                                               cfg.model.block_size))
+    if problem is not None:
+        raise ConfigError("topology.replicas_per_cluster", problem)
+    return n
 
 
 def is_hsgd_run_folder(folder: Path) -> bool:
@@ -132,7 +127,7 @@ def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -
         raise ConfigError("run.dir", f"{run_dir} exists and is not a folder; choose a new run.dir")
     entries = sorted(os.listdir(p)) if p.is_dir() else []
     if hydra_wrote:
-        entries = [e for e in entries if e not in HYDRA_ENTRIES and not e.endswith(".log")]
+        entries = [e for e in entries if e != ".hydra" and not e.endswith(".log")]
     if entries and not is_hsgd_run_folder(p):
         raise ConfigError("run.dir", f"{run_dir} is not empty and is not an hsgd run folder (no {LOCK_NAME}, "
                                      f"no run.json of an hsgd run; it holds {', '.join(entries[:3])}"

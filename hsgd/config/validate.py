@@ -1,14 +1,9 @@
 """Validation of a resolved config: every rule the types cannot express, checked before any actor starts.
 
 `validate(cfg)` raises `ConfigError` whose message is ONE line, '<field>: <problem>; valid: <what
-would be>'; jobs/train.py prints it and exits 2 before Ray starts. In order, the cheap checks first:
-1. every numeric field's type and range from the schema's metadata (`NUMERIC_FIELDS`; nan and inf
-   are refused everywhere; a numeric field without a range is an error at import), then the
-   `one_of` fields (`CHOICE_FIELDS`);
-2. relations between fields, the simulated links, the fault schedule (at most `MAX_RANDOM_FAULTS`
-   random faults; a scheduled fault that can never fire is a typo);
-3. places and credentials: `run.dir` is not a filesystem root or the home folder; the `_target_`
-   factories import to callables; `logging.wandb.mode=online` has credentials; the corpus test-loads.
+would be>'; jobs/train.py prints it and exits 2 before Ray starts. The cheap checks first: each
+field's range or choices from the schema's metadata (nan and inf refused everywhere), then the
+relations between fields, the links, the fault schedule, then places, factories, credentials, the corpus.
 """
 from __future__ import annotations
 
@@ -101,9 +96,6 @@ CHOICE_FIELDS: dict[str, tuple] = {
     path: ((None,) if type(None) in typing.get_args(hint) else ()) + tuple(f.metadata["choices"])
     for path, hint, f in schema_fields() if "choices" in f.metadata}
 
-# Factories named by Hydra `_target_` strings: each must import to a callable.
-TARGET_FIELDS = ("model._target_", "data._target_", "loss._target_")
-
 
 def field_value(cfg: Any, path: str) -> Any:
     """The value at a dotted path, e.g. field_value(cfg, "optim.inner.lr")."""
@@ -125,7 +117,7 @@ def validate(cfg: Any) -> None:
     _check_folders(cfg)
     from hsgd.train.task import resolve  # imports torch: only when a whole config is validated
 
-    for path in TARGET_FIELDS:
+    for path in ("model._target_", "data._target_", "loss._target_"):  # each must import to a callable
         resolve(field_value(cfg, path), path)
     _check_wandb_credentials(cfg.logging.wandb.mode)
     _check_data(cfg)
@@ -254,36 +246,27 @@ def _check_folders(cfg: Any) -> None:
 
 def _check_wandb_credentials(mode: str) -> None:
     """Online logging without credentials fails late, in the supervisor: refuse it here, looking
-    where wandb looks (the environment, netrc, wandb's settings file), without the network."""
-    if mode != "online" or wandb_credentials_found():
+    where wandb looks for an API key or identity token (the environment, netrc, wandb's settings
+    file), without the network (no check that it is accepted)."""
+    if mode != "online" or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return
-    raise ConfigError("logging.wandb.mode", "online needs W&B credentials and none were found (no WANDB_API_KEY, "
-                      f"no key for {_wandb_host()} in the netrc file or wandb settings); valid: offline|disabled, "
-                      "or set WANDB_API_KEY as a secret (README, wandb)")
-
-
-def _wandb_host() -> str:
-    return urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
-
-
-def wandb_credentials_found() -> bool:
-    """True when wandb would find an API key or identity token (no check that it is accepted)."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    netrc_path = os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
     try:
-        entry = netrc.netrc(netrc_path).authenticators(_wandb_host())
+        entry = netrc.netrc(os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")).authenticators(host)
     except (OSError, netrc.NetrcParseError):
         entry = None
-    if entry and entry[2]:
-        return True
     settings = configparser.ConfigParser()
     config_dir = os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb"
     try:
         settings.read(os.path.join(os.path.expanduser(config_dir), "settings"))
+        key = settings.get("default", "api_key", fallback="")
     except configparser.Error:
-        return False
-    return bool(settings.get("default", "api_key", fallback=""))
+        key = ""
+    if (entry and entry[2]) or key:
+        return
+    raise ConfigError("logging.wandb.mode", "online needs W&B credentials and none were found (no WANDB_API_KEY, "
+                      f"no key for {host} in the netrc file or wandb settings); valid: offline|disabled, "
+                      "or set WANDB_API_KEY as a secret (README, wandb)")
 
 
 def _check_data(cfg: Any) -> None:

@@ -1,5 +1,4 @@
-"""Console view of a running job: a tqdm bar over inner steps (loss, tokens/s) and one line per
-committed round, read from the supervisor's status and metrics.jsonl."""
+"""Console view of a running job: a tqdm bar over inner steps and one line per committed round."""
 from __future__ import annotations
 
 from pathlib import Path

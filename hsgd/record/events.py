@@ -1,13 +1,7 @@
-"""The run's record: `events.jsonl`, `metrics.jsonl` and `summary.json` under run.dir.
-
-- events.jsonl: one JSON object per event — {"t": unix seconds, "event": name, ...fields}. Events
-  are typed: `EVENTS` names every event and the fields it always carries (more may follow; README,
-  "Outputs", says what each means), and `RunLog.event` refuses an unknown name or a missing field,
-  so a reader (jobs.status, the plots, a user's notebook) can rely on them;
-  tests/unit/test_event_schema.py checks every call site.
-- metrics.jsonl: one object per committed round (see README, "Outputs").
-- summary.json: written atomically at the end (and on failure) with full-precision floats.
-How records reach the files while the folder fails and recovers: `RunLog`.
+"""The run's record under run.dir (README, "Outputs"): events.jsonl, one {"t": unix seconds, "event":
+name, ...fields} per event, and metrics.jsonl, one object per committed round, written by `RunLog`.
+Events are typed: `EVENTS` names every event and the fields it always carries (more may follow),
+and `RunLog.event` refuses an unknown name or a missing field, so readers can rely on them.
 """
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a run reports: the per-round metrics record and the efficiency figures. Pure functions,
-so the numbers in metrics.jsonl and summary.json are unit-tested, not only observed."""
+"""What a run reports (metrics.jsonl's records, summary.json's figures), as pure functions."""
 from __future__ import annotations
 
 
@@ -57,13 +56,11 @@ def _recovery_and_heal(events: list[dict], rid: str, t: float) -> tuple[dict | N
 
 
 def _distinct_downs(events: list[dict]) -> list[dict]:
-    """replica_down events, each failure once. A down that names its `incarnation` (the process
-    that died: Ray's restart count of the `actor` serving rid — a promoted spare's actor has its
-    own count) is one death of that process: a repeat of the same (rid, actor, incarnation) is the
-    same death logged again, and two deaths with no replica_up between them (a replica killed
-    again while Ray restarted it) are two. A down without one (older runs, or the incarnation
-    unknown) repeats an open one when it has the same round, phase and cause with no replica_up of
-    that rid between."""
+    """replica_down events, each failure once. A down naming its `incarnation` (Ray's restart count
+    of the `actor` serving rid; a promoted spare's actor has its own) is one death of that process:
+    a repeat of (rid, actor, incarnation) is the same death logged again, while two downs with no
+    replica_up between (killed again while Ray restarted it) are two. A down without one (older runs) repeats an open one when it has
+    the same round, phase and cause with no replica_up of that rid between."""
     downs, open_down, deaths = [], {}, set()
     for e in events:
         rid = e.get("rid")
@@ -83,36 +80,21 @@ def _distinct_downs(events: list[dict]) -> list[dict]:
     return downs
 
 
-def _spare_deaths(events: list[dict]) -> list[dict]:
-    """spare_lost events, each death of a spare's process once (by spare and incarnation)."""
-    seen, out = set(), []
-    for e in events:
-        if e["event"] == "spare_lost" and (e.get("spare"), e.get("incarnation")) not in seen:
-            seen.add((e.get("spare"), e.get("incarnation")))
-            out.append(e)
-    return out
-
-
 def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 120.0) -> list[dict]:
-    """Per failure: detection latency (fault -> the supervisor noticed: a replica marked down, a
-    hang detected, a failed collective, or a restarted supervisor), recovery latency (fault -> the
-    survivors' next phase that completed with no failure), and the heal that brought the replica
-    back (seconds, bytes). Inputs are faults_fired.jsonl and events.jsonl records (a fired record's
-    rid is the replica actually hit, whatever its target: `leader:c1`, `cluster:c1`).
+    """Per failure, from faults_fired.jsonl and events.jsonl records (a fired record's rid is the
+    replica actually hit, whatever its target): detection latency (fault -> a replica marked down,
+    a hang detected, a failed collective, or a restarted supervisor), recovery latency (fault -> the
+    survivors' next phase that completed with no failure), and the heal that brought it back.
 
-    `source` says where a failure came from: `injected` (faults_fired.jsonl: the schedule or a
-    drill) or `observed` — a replica marked down that no injected fault explains: a process the OS
-    killed, a node lost, an error nobody planned. Those are the failures users care about; they
-    are reported like injected ones, with no firing time (`fired_at` and `detection_latency_s`
-    None, `detected_at` the down's time). A fault fired on a replica explains at most one down of
-    it: the first within `explain_window_s` after it fired. Any kind counts: even `comm` or `slow`
-    can end in a down (a peer declared gone, a straggler past its step deadline), and a down soon
-    after a fault on that replica is far likelier its effect than a coincidence. Non-finite
-    numbers kill nobody: each `non_finite` event (one per cluster and round) is one entry with
-    `cause: non_finite`, injected when a `nan` fault fired on one of its `rids` explains it (a `nan`
-    fault explains only that, and no down), else observed (a diverging run, a flipped bit). Every
-    entry has the same keys. A hot spare's death (`spare_lost`) is an observed entry too, its `rid`
-    the spare's actor name and `phase` `spare`: no injected fault targets a spare."""
+    `source`: `injected` (faults_fired.jsonl) or `observed` — a down no injected fault explains (the
+    OS killed it, a node was lost), with `fired_at` and `detection_latency_s` None and `detected_at`
+    the down's time. A fault of any kind (even `comm` or `slow` can end in a down: a down soon after
+    it is likelier its effect than a coincidence) explains at most one down of its replica: the
+    first within `explain_window_s` after it fired. Non-finite numbers kill nobody: each
+    `non_finite` event is one entry with `cause: non_finite`, injected when a `nan` fault on one of
+    its `rids` explains it (a `nan` fault explains nothing else), else observed. A hot spare's death
+    (`spare_lost`) is observed, its `rid` the spare's actor name and `phase` `spare`. Every entry
+    has the same keys."""
     events = sorted(events, key=lambda e: e["t"])
     figures = []
     non_finite = [e for e in events if e["event"] == "non_finite"]
@@ -150,8 +132,12 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                 for i, down in enumerate(downs) if i not in claimed]
     figures += [_observed_fault(events, e, cause="non_finite", detected_by="non_finite")
                 for i, e in enumerate(non_finite) if i not in explained]
+    spare_deaths: dict[tuple, dict] = {}  # each death of a spare's process once (by spare and incarnation)
+    for e in events:
+        if e["event"] == "spare_lost":
+            spare_deaths.setdefault((e.get("spare"), e.get("incarnation")), e)
     figures += [_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
-                                detected_by="spare_lost") for e in _spare_deaths(events)]
+                                detected_by="spare_lost") for e in spare_deaths.values()]
     return figures
 
 

@@ -1,14 +1,8 @@
-"""Pictures of a run, written next to its JSON (see README, "Outputs"):
-
-- loss.png: train loss per replica and eval loss of the global model vs inner step, faults marked.
-- timeline.png: one row per replica, a coloured bar per phase it took part in (inner, inner sync,
-  outer, outer commit, checkpoint), heals, and the time it was down; faults as red crosses, the
-  time from each fault to the survivors' recovery shaded.
-- membership.png: live replicas per cluster over time (a step plot), epochs and faults marked.
-
-The `*_data` functions are pure (files in, plain data out); tests check them, not pixels. Times
-in the timeline and membership data are seconds since the run's first event. A run that is
-still going, failed, or has no faults or metrics yet draws what it has.
+"""Pictures of a run, written next to its JSON (README, "Outputs"): loss.png (loss vs inner step),
+timeline.png (what each replica was doing, faults and recoveries) and membership.png (live
+replicas per cluster). The `*_data` functions are pure (files in, plain data out; times in seconds
+since the run's first event); tests check them, not pixels. A run still going, failed, or without
+faults or metrics yet draws what it has.
 """
 from __future__ import annotations
 
@@ -25,7 +19,6 @@ _DOWN_STYLE = {"hatch": "//", "edgecolor": "white"}  # "down" bars: hatched, so 
 _RID = re.compile(r"^c(\d+)r(\d+)$")
 
 
-# -- reading -------------------------------------------------------------------------------------
 def _rid_key(rid: str) -> tuple:
     m = _RID.match(str(rid))
     return (0, int(m.group(1)), int(m.group(2))) if m else (1, 0, str(rid))
@@ -101,7 +94,6 @@ def replica_states(events: list[dict]):
         yield e["t"], dict(state)
 
 
-# -- timeline ------------------------------------------------------------------------------------
 def timeline_data(run_dir: str | Path) -> dict:
     """Spans per replica: {rid: [(start_s, end_s, kind)]} with kind in SPAN_KINDS, plus faults
     [(t, rid, kind)], recoveries [(fault t, recovery t)] and supervisor restarts [t]. A phase is
@@ -179,7 +171,6 @@ def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float)
             if f.get("fired_at") is not None and f.get("recovery_latency_s") is not None]
 
 
-# -- membership ----------------------------------------------------------------------------------
 def membership_data(run_dir: str | Path) -> dict:
     """Live replicas (not down) per cluster as step series {cluster: [(t, n)]}: a point where the
     count changes, one at t=0 and one at the end. Also epochs [(t, epoch)] and faults."""
@@ -202,7 +193,6 @@ def membership_data(run_dir: str | Path) -> dict:
     return {"t0": t0, "end": end, "clusters": series, "size": size, "epochs": epochs, "faults": timeline["faults"]}
 
 
-# -- loss ----------------------------------------------------------------------------------------
 def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
     """The inner step a fault hit: from its (round, step) when it fired at a boundary, else (a
     fault injected from outside) the start of the first round that committed after it."""
@@ -231,7 +221,6 @@ def loss_plot_data(run_dir: str | Path) -> dict:
     return {"replica_loss": per_replica, "eval_loss": evals, "faults": fault_steps}
 
 
-# -- drawing -------------------------------------------------------------------------------------
 def pyplot():
     """matplotlib's pyplot on the Agg backend (no display: runs, benches and CI draw to files)."""
     import matplotlib

@@ -1,9 +1,8 @@
 """The run's durable state (`supervisor_state.json` in run.dir), typed, with every default here.
 
-One owner: the supervisor holds one `RunState` and saves it whole (through its RunLog's writer, a
-temp name then a rename) whenever it changes; the driver writes the first one before the
-supervisor starts (`begin`) and reads it when the supervisor is gone. The file's name and JSON
-keys are those of older runs, so an older run folder still resumes.
+The supervisor holds one `RunState` and saves it whole (atomically, through its RunLog) whenever
+it changes; the driver writes the first one (`begin`) and reads it when the supervisor is gone.
+The file's name and JSON keys are those of older runs, so an older run folder still resumes.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The run folder on disk: atomic writes, JSON-lines appends that never leave a record half-written,
-JSON-lines readers, and `FolderWriter`, which does a folder's writes with a deadline.
-
-Nothing under run.dir is ever half-written: every file is written to a temp name in the same
-folder, fsynced and renamed into place, so a crash leaves the old file or the new one, never a mix.
+"""The run folder on disk: nothing under run.dir is ever half-written. A file is written to a temp
+name in the same folder, fsynced and renamed into place (a crash leaves the old file or the new
+one); a JSON-lines append is all or nothing; `FolderWriter` does a folder's writes with a deadline.
 """
 from __future__ import annotations
 
@@ -33,11 +31,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def append_lines(path: str | Path, data: str) -> None:
-    """Append `data` (whole lines, each ending in a newline) to `path`, all of it or nothing: a
-    write that fails part-way is cut back to where it began, so a retry appends the lines once. If
-    even that cut failed, the fragment left at the end is closed by a newline before the next
-    append, so it stays a line of its own that readers skip (read_jsonl) and no record is lost or
-    merged into it. Raises OSError."""
+    """Append `data` (whole lines) to `path`, all of it or nothing: a write that fails part-way is
+    cut back to where it began, so a retry appends the lines once; a fragment left when even that
+    cut failed is closed by a newline first, a line of its own that read_jsonl skips. Raises OSError."""
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -68,11 +64,8 @@ def read_json(path: str | Path) -> dict:
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every whole record of a JSON-lines file ([] when it is absent); a line being written right
     now, or a fragment a failed append left, is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in Path(path).read_text(encoding="utf-8").splitlines() if Path(path).exists() else []:
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
     return records
@@ -188,10 +181,9 @@ class FolderWriter:
 
 
 def call_with_deadline(fn: Callable[[], object], timeout_s: float, what: str = "a storage call"):
-    """fn()'s result, or TimeoutError (an OSError) when it has not returned within timeout_s: a
-    call into storage that may hang (a dead NFS server, an object store) runs on a daemon thread of
-    its own, which is left behind if it never returns. fn's own exception is re-raised. (Not a
-    ThreadPoolExecutor: the interpreter joins its workers at exit, so a hung call would hang the exit.)"""
+    """fn()'s result (or its exception), or TimeoutError (an OSError) when it has not returned
+    within timeout_s. fn runs on a daemon thread, left behind if it hangs (a dead NFS server); not a
+    ThreadPoolExecutor, whose workers the interpreter joins at exit: a hung call would hang the exit."""
     from concurrent.futures import Future, wait
 
     future: Future = Future()

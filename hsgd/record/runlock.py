@@ -25,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 
+from hsgd.record.rundir import atomic_write_text
+
 LOCK_NAME = "hsgd.lock"
 STALE_AFTER_S = 60.0
 REFRESH_S = 10.0
@@ -34,14 +36,10 @@ class RunLocked(RuntimeError):
     """The folder is another run's (live, or stale without a takeover). `str(err)` is one line."""
 
 
-def read_lock(run_dir: str | Path) -> dict | None:
+def read_lock(run_dir: str | Path, name: str = LOCK_NAME) -> dict | None:
     """The lock's content; None when there is no lock; {} when it is unreadable (being written)."""
-    return _read(Path(run_dir) / LOCK_NAME)
-
-
-def _read(path: Path) -> dict | None:
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        info = json.loads((Path(run_dir) / name).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -87,11 +85,9 @@ def describe(info: dict) -> str:
 def check(run_dir: str | Path, takeover: bool) -> None:
     """Read-only: raise RunLocked when `acquire(takeover)` would refuse (a pre-check before anything
     is written; the lock itself is the authority)."""
-    path = Path(run_dir) / LOCK_NAME
     info = read_lock(run_dir)
-    if info is None:
-        return
-    _refuse(run_dir, info, stale_reason(info, mtime=_mtime(path)), takeover)
+    if info is not None:
+        _refuse(run_dir, info, stale_reason(info, mtime=_mtime(Path(run_dir) / LOCK_NAME)), takeover)
 
 
 def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
@@ -120,9 +116,9 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _content(self) -> bytes:
+    def _content(self) -> str:
         return json.dumps({"run_id": self.run_id, "host": self.host, "pid": self.pid,
-                           "started_at": self.started_at, "refreshed_at": time.time()}).encode("utf-8")
+                           "started_at": self.started_at, "refreshed_at": time.time()})
 
     def _create(self) -> bool:
         try:
@@ -130,7 +126,7 @@ class RunLock:
         except FileExistsError:
             return False
         try:
-            os.write(fd, self._content())
+            os.write(fd, self._content().encode("utf-8"))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -153,7 +149,7 @@ class RunLock:
                 os.rename(self.path, aside)
             except FileNotFoundError:
                 continue
-            moved = _read(aside)
+            moved = read_lock(self.dir, aside.name)
             if moved != info:  # another taker's fresh lock: give it back
                 with contextlib.suppress(FileExistsError):
                     os.link(aside, self.path)
@@ -172,12 +168,8 @@ class RunLock:
         if not self.still_mine():
             self.lost = f"{LOCK_NAME} in {self.dir} now names {describe(read_lock(self.dir) or {})}"
             return False
-        tmp = self.path.with_name(f".{LOCK_NAME}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            tmp.write_bytes(self._content())
-            os.replace(tmp, self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)  # an unwritable folder: the run's storage handling reports it
+        with contextlib.suppress(OSError):  # an unwritable folder: the run's storage handling reports it
+            atomic_write_text(self.path, self._content())
         return True
 
     def _start_refresher(self) -> None:

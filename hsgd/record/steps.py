@@ -3,11 +3,10 @@
 
     {"replica": "c0r1", "step": 412, "t": 1764036000.12, "pid": 81234}
 
-`step` is the replica's global step count after the step, `t` wall time (`time.time()`) when its
-collectives all succeeded, `pid` the process that wrote it (a restarted replica appends under its
-new pid). The file is line-buffered: a SIGKILL loses no line already written. The benchmarks read
-these logs (benchmarks.peers.common) to time a kill's stall and rejoin the same way for hsgd and its peers.
-A write that fails turns the log off for the rest of the process: the timeline never stops training.
+`step`: the replica's global step count after the step; `t`: when its collectives all succeeded;
+`pid`: the process that wrote it (a restarted replica appends under its new pid). Line-buffered: a
+SIGKILL loses no line already written. A failed write turns the log off for the rest of the
+process: the timeline never stops training. The benchmarks time a kill's stall and rejoin from it.
 """
 from __future__ import annotations
 
