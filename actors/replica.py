@@ -201,10 +201,14 @@ class Replica:
                            getattr(error, "kind", ErrorKind.NONE), getattr(error, "what", ""),
                            {**progress, **result}).wire()
 
-    def _phase(self, name: str, fn, round_index: int, faults: list[dict] | None):
+    def _phase(self, name: str, fn, faults: list[dict] | None, hook_round: int | None = None):
+        """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
+        as of that round) and answer what it returns, or the outcome its exception means."""
         self.phase, self.phase_since = name, time.time()
         self.armed = list(faults or [])
         try:
+            if hook_round is not None:
+                self._hook(name, hook_round, 0)
             result = dict(fn() or {})
             return self._answer(result.pop("outcome", Outcome.DONE), result.pop("error", ""), **result)
         except Behind as err:
@@ -291,15 +295,14 @@ class Replica:
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot)
             return {"report": report.__dict__, "join_s": join_s,
                     **({"outcome": Outcome.YIELDED} if report.yielded else {})}
-        return self._phase("inner", run, round_index, faults)
+        return self._phase("inner", run, faults)
 
     @ray.method(concurrency_group="phase")
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
-        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch))."""
-        def run():
-            self._hook("inner_sync", round_index, 0)  # one average per round: schedule it at step 0
-            self.trainer.cluster_average(round_index, epoch, self.inner)
-        return self._phase("inner_sync", run, round_index, faults)
+        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch));
+        one average per round: its faults are scheduled at step 0."""
+        return self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
+                           faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
@@ -313,8 +316,7 @@ class Replica:
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is
             # waited for (its buffer is keyed by that group's epoch: the supervisor's epoch may have
             # moved on since, with an inner group re-formed); any other is abandoned
-            behind = self.background.settle(None if join else (round_index, self.outer_epoch, shard, shards, weights),
-                                            self._outer_deadline_s())
+            behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
@@ -324,7 +326,7 @@ class Replica:
             return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
                     "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
                     "join_s": join_s, "overlapped": behind is not None}
-        return self._phase("outer", run, round_index, faults)
+        return self._phase("outer", run, faults)
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
@@ -338,15 +340,13 @@ class Replica:
             self.trainer.outer_commit(round_index, self.inner, roots)
             return {"digest": self.trainer.param_digest(), "global_digest": self.trainer.global_digest(),
                     "inner_bytes": self.inner.bytes_sent - before}
-        return self._phase("outer_commit", run, round_index, faults)
+        return self._phase("outer_commit", run, faults)
 
-    def _settle(self) -> None:
-        """Wait out a background outer reduce (abandon it past its deadline)."""
-        self.background.settle(None, self._outer_deadline_s())
-
-    def _outer_deadline_s(self) -> float:
-        """An outer reduce of the whole model: its all-gather carries every holder's payload."""
-        return self.outer.deadline_s(self.trainer.param_bytes * max(1, self.outer.world_size)) + 5.0
+    def _settle(self, key: tuple | None = None) -> dict | None:
+        """Wait out a background outer reduce (the one keyed `key`; any other is abandoned), within
+        the deadline of an outer reduce of the whole model (its all-gather carries every holder's payload)."""
+        return self.background.settle(key, self.outer.deadline_s(self.trainer.param_bytes
+                                                                 * max(1, self.outer.world_size)) + 5.0)
 
     def _load(self, state: dict, scope: str) -> None:
         self._settle()  # its reduce read the state being replaced
@@ -364,13 +364,12 @@ class Replica:
         `bytes`, or `collective_failed`, untouched, when the source refused (`state` None). A source
         that died or raised surfaces as an error of this call (Ray fails a call whose argument failed)."""
         def run():
-            self._hook("heal", self.trainer.round, 0)
             if state is None:  # this replica is fine: its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
                         "error": f"{self.rid}: its heal source refused to give its state"}
             self._load(state, scope)
             return {"bytes": _state_bytes(state)}
-        return self._phase("heal", run, self.trainer.round, faults)
+        return self._phase("heal", run, faults, hook_round=self.trainer.round)
 
     # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
     @ray.method(concurrency_group="phase")
@@ -379,18 +378,9 @@ class Replica:
         and stream its state to every target, chunk by chunk, from where it lives. Answers `done` with
         `bytes`, or `collective_failed` (a target never joined, a peer died, a chunk timed out): the
         supervisor then heals the targets through the object store. The group is dropped either way."""
-        def run():
-            self._hook("heal", round_index, 0)
-            group = self._level_group("inner")  # a heal's own group, never the standing one; in its cluster
-            try:
-                join_s = self._join(group, join, "heal")
-                t0 = time.monotonic()
-                nbytes = state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
-                                                 device=self.trainer.device)
-                return {"bytes": nbytes, "join_s": join_s, "transfer_s": time.monotonic() - t0, "pid": os.getpid()}
-            finally:
-                group.abort()
-        return self._phase("heal", run, self.trainer.round, faults)
+        return self._over_heal_group(round_index, join, faults, lambda group: {
+            "bytes": state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
+                                             device=self.trainer.device), "pid": os.getpid()})
 
     @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
@@ -398,18 +388,24 @@ class Replica:
         (rank >= 1), receive the source's whole state, then load it `full`. Answers `done` with
         `bytes` and `transport: group`, or `collective_failed` with its own state untouched (nothing
         is loaded before the last chunk arrived): the supervisor falls back to the object store."""
+        def transfer(group: LevelGroup) -> dict:
+            state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
+            self._load(state, "full")
+            return {"bytes": nbytes, "transport": "group"}
+        return self._over_heal_group(round_index, join, faults, transfer)
+
+    def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
+        """A `heal` phase (faults as of `round_index`) that joins a heal's own group (never the
+        standing one; in its cluster) and answers `transfer(group)`, timed; the group is dropped after."""
         def run():
-            self._hook("heal", round_index, 0)
             group = self._level_group("inner")
             try:
                 join_s = self._join(group, join, "heal")
                 t0 = time.monotonic()
-                state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
+                return {**transfer(group), "join_s": join_s, "transfer_s": time.monotonic() - t0}
             finally:
                 group.abort()
-            self._load(state, "full")
-            return {"bytes": nbytes, "transport": "group", "join_s": join_s, "transfer_s": time.monotonic() - t0}
-        return self._phase("heal", run, self.trainer.round, faults)
+        return self._phase("heal", run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
@@ -433,7 +429,6 @@ class Replica:
         own) answers `io_error`, never raises: the run's problem, not this replica's. The state was
         taken before, so a bug of the replica's own still raises."""
         def run():
-            self._hook("checkpoint", round_index - 1, 0)  # the checkpoint taken after round round_index - 1
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
                              f"round {self.trainer.round}")
@@ -442,7 +437,8 @@ class Replica:
                 return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
             except Exception as err:  # noqa: BLE001 — storage's failure, see above
                 return {"outcome": Outcome.IO_ERROR, "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
-        return self._phase("checkpoint", run, self.trainer.round, faults)
+        # its faults are those of the checkpoint taken after round round_index - 1
+        return self._phase("checkpoint", run, faults, hook_round=round_index - 1)
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
