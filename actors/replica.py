@@ -1,18 +1,15 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
-Phase methods (concurrency group "phase", one at a time) run at most one level's collectives;
-control methods (group "control") answer while a phase runs.
-
-Every phase method answers a `PhaseAnswer` built in `_answer`, its `Outcome` as
-hsgd/core/round/messages.py defines them. A call that raises means the replica died
-(ActorDiedError) or hit an error of its own (RayTaskError): this replica's failure.
-
-Kept across a restart: its identity only (actors/lifecycle.py); it rebuilds from the seed (or the
-resume checkpoint) and is healed from a live peer.
+Phase methods (concurrency group "phase", one at a time) run at most one level's collectives and
+answer a `PhaseAnswer` (hsgd/core/round/messages.py); control methods answer while a phase runs.
+A call that raises means the replica died (ActorDiedError) or hit an error of its own
+(RayTaskError): this replica's failure. Kept across a restart: its identity only
+(actors/lifecycle.py); it rebuilds from the seed (or the resume checkpoint) and is healed from a peer.
 """
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -50,8 +47,7 @@ class Replica:
         the replica runs: nccl when Ray gave it a GPU and torch sees CUDA (never on the driver).
         `index_table`: the run's global replica index table (hsgd/core/topology.py)."""
         torch.set_num_threads(1)  # several replicas share a few cores
-        # a promoted spare that Ray restarts comes back as the replica it replaced, not as its
-        # constructor's arguments say (actors/lifecycle.py)
+        # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         identity = lifecycle.read_identity(self.actor_name)
         if identity is not None:
@@ -78,8 +74,7 @@ class Replica:
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
         self.phase, self.phase_since = "idle", time.time()
-        self.armed: list[dict] = []
-        self.slow_s = 0.0
+        self.armed, self.slow_s = [], 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
@@ -97,9 +92,19 @@ class Replica:
         """logging.step_times: this replica's committed steps, under the id it trains as (a spare writes none)."""
         if self.trainer.step_log is not None:
             self.trainer.step_log.close()
-            self.trainer.step_log = None
-        if self.cfg.logging.step_times and not self.spare:
-            self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid)
+        self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid) \
+            if self.cfg.logging.step_times and not self.spare else None
+
+    def _serve_as(self, rid: str | None) -> None:
+        """Serve as replica `rid` (its data stream), or as a spare (None). The identity is recorded
+        first, so a restart comes back as it; a failed write raises with nothing changed."""
+        if self.actor_name:
+            lifecycle.write_identity(self.actor_name, rid, spare=rid is None)
+        if rid is not None:
+            self.trainer.assume_identity(rid)
+            self.rid = rid
+        self.spare = rid is None
+        self._open_step_log()
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -226,24 +231,15 @@ class Replica:
     # -- phase group ----------------------------------------------------------------------------
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
-        """Hot spare: become replica `rid` (its data stream); the supervisor heals it next. The
-        identity is recorded first, so a restart comes back as `rid`; a failed write raises, and the
-        supervisor tries another spare."""
-        if self.actor_name:
-            lifecycle.write_identity(self.actor_name, rid, spare=False)
-        self.trainer.assume_identity(rid)
-        self.rid, self.spare = rid, False
-        self._open_step_log()
+        """Hot spare: become replica `rid`; the supervisor heals it next. A failed identity write
+        raises, and the supervisor tries another spare."""
+        self._serve_as(rid)
         return self._answer(pid=os.getpid(), incarnation=self.incarnation)
 
     @ray.method(concurrency_group="phase")
     def become_spare(self) -> dict:
-        """A restarted replica whose identity a spare took over becomes the cluster's next spare
-        (recorded first, so its own restarts come back as a spare)."""
-        if self.actor_name:
-            lifecycle.write_identity(self.actor_name, None, spare=True)
-        self.spare = True
-        self._open_step_log()
+        """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
+        self._serve_as(None)
         self.warm_s = self.trainer.warm_up()
         return self._answer(warm_s=self.warm_s, pid=os.getpid())
 
@@ -473,7 +469,5 @@ def _state_bytes(state: dict) -> int:
 
 def _node_name() -> str:
     """This node as a person finds it: host name, IP address and Ray node id (short)."""
-    import socket
-
     return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, "
             f"{ray.get_runtime_context().get_node_id()[:8]})")
