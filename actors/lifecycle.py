@@ -1,11 +1,10 @@
 """Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
 
 Ray keeps, per actor, NumRestarts (the process serving now is incarnation NumRestarts, from 0) and
-State (ALIVE, RESTARTING, DEAD, ...): an actor at NumRestarts n has lost incarnations 0..n-1, and
-one that is DEAD incarnation n too. That count goes up whatever the process was doing when it died
-(answering a call, idle, in its constructor, warming up as a spare, healing), so a watch over it
-misses no death where a call can: Ray holds a call to a RESTARTING actor, and a process that dies
-and comes back between two calls never fails one.
+State: an actor at NumRestarts n has lost incarnations 0..n-1, and one that is DEAD incarnation n
+too. That count goes up whatever the process was doing when it died (idle, in its constructor,
+warming up as a spare, healing), so a watch over it misses no death where a call can: Ray holds a
+call to a RESTARTING actor, and a process that dies and comes back between two calls fails none.
 
 `ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
 incarnation that died since the last poll, once; a death the supervisor learned otherwise is told
@@ -33,11 +32,10 @@ class Death(NamedTuple):
     state: str  # the actor's State when the death was seen: RESTARTING, ALIVE (already back), DEAD
 
 
-# -- who an actor is: durable across its restarts ---------------------------------------------------
-# Ray restarts an actor with its constructor's arguments, a spare's being another replica's, so a
-# promoted spare would come back under the wrong identity and data stream. Its identity is kept in
-# Ray's internal KV store (on the GCS, reachable from any node, unlike a run folder that may be
-# failing) under the actor's name, written before it serves under it, read by its constructor.
+# Who an actor is, durable across its restarts: Ray restarts an actor with its constructor's
+# arguments, so a promoted spare would come back under the wrong identity and data stream. Its
+# identity is kept in Ray's internal KV store (on the GCS, reachable from any node, unlike a run
+# folder that may be failing), written before it serves under it, read by its constructor.
 KV_NAMESPACE = "hsgd"
 
 
@@ -98,7 +96,6 @@ class ActorWatch:
             for name in names:
                 self._roles.setdefault(name, [(0, None)])
 
-    # -- what the supervisor tells it ---------------------------------------------------------------
     def note_up(self, rid: str, incarnation: int | None) -> None:
         """The process serving `rid` answered, as `incarnation` (None: it did not say)."""
         name = self.identity.get(rid)
@@ -119,8 +116,8 @@ class ActorWatch:
     def promoted(self, rid: str, spare: str, incarnation: int | None, replaced: str) -> None:
         """Spare actor `spare` (at `incarnation`) now serves `rid`; `replaced`, the actor that served
         it, is a spare from its next incarnation on."""
-        self._serves(spare, incarnation if incarnation is not None else self._floor(spare), rid)
-        last = max((i for n, i in self._noted.get(rid, ()) if n == replaced), default=self._floor(replaced))
+        self._serves(spare, incarnation if incarnation is not None else self._reported(spare)[0], rid)
+        last = max((i for n, i in self._noted.get(rid, ()) if n == replaced), default=self._reported(replaced)[0])
         self._serves(replaced, last + 1, None)
 
     def note_death(self, rid: str) -> tuple[str, int] | None:
@@ -131,7 +128,7 @@ class ActorWatch:
             noted = self._noted[rid]
         else:  # never seen answering: the oldest process of the actor the identity map names
             name = self.identity.get(rid)
-            noted = [] if name is None else [(name, self._floor(name))]
+            noted = [] if name is None else [(name, self._reported(name)[0])]
         noted = [(n, i) for n, i in noted if not self._is_reported(n, i)]
         if not noted:
             return None
@@ -153,7 +150,6 @@ class ActorWatch:
         """The process that died is the one that last answered for its replica."""
         return self._last.get(death.rid) == (death.name, death.incarnation)
 
-    # -- the table ----------------------------------------------------------------------------------
     def poll(self) -> list[Death]:
         """Every incarnation of the watched actors that died since the last poll (or `note_death`),
         oldest first per actor; empty when the table cannot be read."""
@@ -178,7 +174,6 @@ class ActorWatch:
             self._save()
         return deaths
 
-    # -- internals ----------------------------------------------------------------------------------
     def _is_reported(self, name: str, incarnation: int) -> bool:
         floor, extra = self._reported(name)
         return incarnation < floor or incarnation in extra
@@ -186,9 +181,6 @@ class ActorWatch:
     def _reported(self, name: str) -> tuple[int, set[int]]:
         floor, *extra = self.seen.get(name) or [0]
         return floor, set(extra)
-
-    def _floor(self, name: str) -> int:
-        return self._reported(name)[0]
 
     def _store(self, name: str, floor: int, extra: set[int]) -> None:
         # only the table moves the floor (a death it shows is certain); one a caller noted stays an
