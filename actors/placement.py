@@ -13,6 +13,7 @@ requires, no live node with a cluster's label); data.path missing on a node that
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -128,8 +129,6 @@ class ClusterPlacement:
 
     def release(self) -> None:
         for pg in self.groups:
-            try:
+            with contextlib.suppress(Exception):  # the cluster may already be gone
                 remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 — the cluster may already be gone
-                pass
         self.groups = []

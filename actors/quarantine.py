@@ -13,6 +13,7 @@ node id, or null: kept out), deaths, window_s.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -50,10 +51,8 @@ class Quarantine:
         self._save()
 
     def _set_aside(self, rid: str, node: str | None, deaths: int) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already gone for good
             ray.kill(self.roster.handles[rid], no_restart=True)
-        except Exception:  # noqa: BLE001 — already gone for good
-            pass
         backends = (self.roster.replica_info.get(rid) or {}).get("backends") or {"inner": "gloo", "outer": "gloo"}
         resources = replica_resources(self.cfg, 1.0 if "nccl" in backends.values() else 0.0)
         target = self._other_node(node, resources)

@@ -2,16 +2,14 @@
 
 A spare is a Replica actor that paid a fresh process's one-time costs (torch import, model and
 optimizer built, the first step's lazy imports) and sits idle. When a replica dies, a ready spare of
-its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica.
-The dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
-pool's names are the supervisor's durable state.
-
-Who an actor is survives its restarts (actors/lifecycle.py). A ready spare is asked nothing more;
-its death is seen by the supervisor's ActorWatch, which calls `lost`: a dead spare is never counted
-ready, and is asked again once back.
+its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica;
+the dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
+pool's names are the supervisor's durable state. A ready spare is asked nothing more: its death,
+seen by the supervisor's ActorWatch, calls `lost` (never counted ready until it answers again).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import ray
@@ -77,10 +75,9 @@ class SparePool:
                 answer = ray.get(handle.assume.remote(rid), timeout=timeout_s)
             except Exception:  # noqa: BLE001 — that spare is gone too: try the next one
                 continue
-            try:  # its restart warms up as a spare at once (else `check` tells it to)
+            # its restart warms up as a spare at once (the KV store unreachable: `check` tells it to)
+            with contextlib.suppress(Exception):
                 write_identity(dead_name, None, spare=True)
-            except Exception:  # noqa: BLE001 — the KV store unreachable: `check` covers it
-                pass
             self.names[c].remove(name)
             self.names[c].append(dead_name)
             del self.handles[name]
