@@ -32,20 +32,17 @@ from hsgd.record.steps import StepLog
 from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
-CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
-
 
 class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
 
 
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+@ray.remote(concurrency_groups={"phase": 1, "control": 2})
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
                  index_table: dict | None = None):
-        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here, where
-        the replica runs: nccl when Ray gave it a GPU and torch sees CUDA (never on the driver).
-        `index_table`: the run's global replica index table (hsgd/core/topology.py)."""
+        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here: nccl
+        when Ray gave it a GPU and torch sees CUDA. `index_table`: the run's (hsgd/core/topology.py)."""
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -57,7 +54,7 @@ class Replica:
         self.started_at = time.time()
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
-        topo = topology_of(self.cfg, index_table)  # the run's index table: this id's data stream
+        topo = topology_of(self.cfg, index_table)  # this id's data stream
         gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
         # (not `self.backends`: an attribute named like a torch submodule makes Ray's cloudpickle
         # pickle torch.backends with the class, which cannot be pickled)
@@ -118,8 +115,8 @@ class Replica:
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
-        """(meta, state) for a `global` heal (actors/heals.py). Control group: a donor busy in its
-        inner phase answers at once (these tensors change only in outer_commit)."""
+        """(meta, state) for a `global` heal (actors/heals.py); answers while the donor's inner phase
+        runs (these tensors change only in outer_commit)."""
         state = self.trainer.global_state()
         return self._state_meta(state), state
 
@@ -130,7 +127,6 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
-        """sha256 of the params and of the global params."""
         return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
                 "round": self.trainer.round, "step": self.trainer.step}
 
@@ -268,8 +264,8 @@ class Replica:
                   overlap: Overlap | None = None) -> dict:
         """This round's remaining inner steps in the cluster's inner group (`join`: form it first).
         `behind` if not at the round (it joins all the same, so its peers' first collective fails
-        fast). `overlap`: this replica holds that shard in the standing outer group of
-        `overlap.epoch` and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
+        fast). `overlap`: this replica holds that shard in the standing outer group of `overlap.epoch`
+        and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -309,9 +305,8 @@ class Replica:
         keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
         `join`: form the shard's outer group first."""
         def run():
-            # a reduce behind the inner steps (overlap) in the standing group this exchange uses is
-            # waited for (its buffer is keyed by that group's epoch: the supervisor's epoch may have
-            # moved on since, with an inner group re-formed); any other is abandoned
+            # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
+            # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
             behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
@@ -406,9 +401,9 @@ class Replica:
     @ray.method(concurrency_group="phase", num_returns=2)
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
         """(meta, state): the object-store fallback of a heal over the group, provided this replica
-        still holds `expect` = (round, step), the progress it was chosen as a source with. Refuses
-        otherwise (meta `collective_failed`, state None): a source restarted meanwhile (Ray runs a
-        call queued for a restarting actor on the new process) must never hand out its fresh state."""
+        still holds `expect` = (round, step), as when it was chosen as a source. Refuses otherwise
+        (meta `collective_failed`, state None): a source restarted meanwhile (Ray runs a queued call on
+        the new process) must never hand out its fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
             return self._answer(Outcome.COLLECTIVE_FAILED,
                                 f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
@@ -421,9 +416,8 @@ class Replica:
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
         """Write its state for the checkpoint of round `round_index` (after round_index - 1 committed);
         `behind` unless it holds exactly that round. A write storage refuses (a full disk, a quota, a
-        read-only remount, another node's folder; OSError, torch's RuntimeError, an fsspec backend's
-        own) answers `io_error`, never raises: the run's problem, not this replica's. The state was
-        taken before, so a bug of the replica's own still raises."""
+        read-only remount; OSError, torch's RuntimeError, an fsspec backend's own) answers `io_error`,
+        never raises: the run's problem. A bug of the replica's own (taking the state) still raises."""
         def run():
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
