@@ -23,6 +23,10 @@ import contextlib
 import json
 from typing import Callable, Iterable, NamedTuple
 
+import ray
+from ray._private.state import state as gcs
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
 
 class Death(NamedTuple):
     name: str  # the actor's name (hsgd:<run_id>:...)
@@ -42,16 +46,12 @@ KV_NAMESPACE = "hsgd"
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
     """`actor_name` is replica `rid` from now on, or a spare (rid None). Raises what the KV store
     raises (the caller then does not take the identity on)."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
     _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
                      namespace=KV_NAMESPACE)
 
 
 def read_identity(actor_name: str | None) -> dict | None:
     """{"rid", "spare"} as last written for `actor_name`, or None (its constructor's arguments say)."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
     if not actor_name:
         return None
     raw = _internal_kv_get(f"{actor_name}:identity", namespace=KV_NAMESPACE)
@@ -60,28 +60,20 @@ def read_identity(actor_name: str | None) -> dict | None:
 
 def own_incarnation() -> int | None:
     """In an actor: its NumRestarts (counted before the new process starts), or None (table unreadable)."""
-    import ray
-    from ray._private.state import state as gcs
-
     with contextlib.suppress(Exception):  # unknown; the supervisor's watch still counts its deaths
         return int(gcs.actor_table(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0))
     return None
 
 
-def read_actor_table() -> list[dict]:
-    """Every actor of the cluster (`Name`, State, NumRestarts, `Pid`): one GCS call; raises its errors."""
-    from ray._private.state import state as gcs
-
-    return list(gcs.actor_table(None).values())
-
-
 class ActorWatch:
     """`identity`: replica id -> actor name (the roster's map itself, so a promotion is followed);
     `spares`: cluster (str) -> spare actor names (the pool's dict); `seen`: actor name -> [floor,
-    *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here)."""
+    *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here);
+    `table`: every actor of the cluster (`Name`, State, NumRestarts), one GCS call that may raise."""
 
     def __init__(self, identity: dict[str, str], spares: dict[str, list[str]], seen: dict[str, list[int]], *,
-                 table: Callable[[], Iterable[dict]] = read_actor_table, save: Callable[[], None] = lambda: None):
+                 table: Callable[[], Iterable[dict]] = lambda: gcs.actor_table(None).values(),
+                 save: Callable[[], None] = lambda: None):
         self.identity, self.spares, self.seen = identity, spares, seen
         self._table, self._save = table, save
         # rid -> the processes seen serving it, oldest first: (actor name, incarnation); a death
