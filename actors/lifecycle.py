@@ -81,12 +81,8 @@ class ActorWatch:
         self._noted: dict[str, list[tuple[str, int]]] = {}
         self._last: dict[str, tuple[str, int]] = {}  # rid -> the process that answered last
         # actor name -> [(first incarnation, rid or None: a spare)], in order: who it served from when
-        self._roles: dict[str, list[tuple[int, str | None]]] = {}
-        for rid, name in identity.items():
-            self._roles[name] = [(0, rid)]
-        for names in spares.values():
-            for name in names:
-                self._roles.setdefault(name, [(0, None)])
+        self._roles: dict[str, list[tuple[int, str | None]]] = {n: [(0, None)] for ns in spares.values() for n in ns}
+        self._roles.update({name: [(0, rid)] for rid, name in identity.items()})
 
     def note_up(self, rid: str, incarnation: int | None) -> None:
         """The process serving `rid` answered, as `incarnation` (None: it did not say)."""
