@@ -59,10 +59,9 @@ class Heals:
     def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
               faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
         """Heal `target` as heal action `action_id` says (`calls`: the whole action; a source's state
-        is asked once however many targets it heals). `faults`: rid -> its armed faults (the target's
-        and its source's are handed on). `source_at`: the (round, step) the source held when chosen
-        (a `full` heal's fallback refuses a source that no longer holds it). Returns the target's
-        call, whose answer is the heal's (a `full` heal's goes through `group_answer` first)."""
+        is asked once however many targets it heals). `faults`: rid -> its armed faults. `source_at`:
+        the (round, step) the source held when chosen (a `full` heal's fallback refuses a source that
+        no longer holds it). Returns the target's call (a `full` heal's goes through `group_answer`)."""
         source, scope = calls[target].source, calls[target].scope
         key = (action_id, source)
         self.source_of[(action_id, target)] = source
@@ -129,8 +128,7 @@ class Heals:
     def group_answer(self, ref, waited: bool = True):
         """A target's receive_state answered (`ref` ready). Returns the ref whose answer is its heal's:
         `ref` itself (done; it died or raised; or its heal is no longer `waited` on), or, when its
-        transfer failed, a new call: its `load_state` of the source's `heal_state` through the object
-        store (one state per source however many targets fall back)."""
+        transfer failed, its `load_state` of the source's `heal_state` through the object store."""
         action_id, target, source = self.receives.pop(ref)
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))  # the target's answer: a few hundred bytes
@@ -143,8 +141,7 @@ class Heals:
         return self._load_state(key, target, "full", None, self.handles[source].heal_state, self.chosen_at.get(key))
 
     def _load_state(self, key: tuple[int, str], target: str, scope: str, faults, method, *args):
-        """`target`'s load_state of the state source `key` gives through the object store (`method`,
-        asked once per key: its meta watched)."""
+        """`target`'s load_state of the state `method` gives (asked once per key; its meta watched)."""
         if key not in self.states:
             meta, self.states[key] = method.options(num_returns=2).remote(*args)
             self.metas[key] = meta
@@ -177,13 +174,13 @@ class Heals:
         return final
 
     def groups_of(self, rid: str) -> list[str]:
-        """The heal groups `rid` is in whose rendezvous was not released yet (when rid is known dead,
-        as AbortJoin for inner and outer groups, instead of waiting out configure_timeout_s)."""
+        """The heal groups `rid` is in whose rendezvous was not released yet."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
     def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
-        """rid is dead: `abort(prefix, reason)` each of its heal groups once, with a `join_aborted`
-        event (a group already formed is not affected: the abort is a compare-and-set)."""
+        """rid is dead: `abort(prefix, reason)` each of its heal groups once (as AbortJoin does for inner
+        and outer groups, instead of waiting out configure_timeout_s), with a `join_aborted` event;
+        a group already formed is not affected (the abort is a compare-and-set)."""
         for prefix in self.groups_of(rid):
             self.released.add(prefix)
             reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
