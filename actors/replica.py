@@ -241,10 +241,9 @@ class Replica:
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
-        world_size). Blocks until every member joined, the supervisor aborts the rendezvous (a member
-        is known dead: CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes (kind
-        `configure`); the call then answers `collective_failed`. The fault phase `join` fires before
-        this member arrives. Returns the seconds it took (0.0: the standing group is used)."""
+        world_size), after the `join` faults fired. Blocks until every member joined, the supervisor
+        aborts the rendezvous (CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes
+        (kind `configure`): the call then answers `collective_failed`. Returns the seconds it took."""
         if join is None:
             return 0.0
         self._hook("join", self.trainer.round, 0)
@@ -362,13 +361,13 @@ class Replica:
             return {"bytes": _state_bytes(state)}
         return self._phase("heal", run, faults, hook_round=self.trainer.round)
 
-    # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
-        """Heal source (of round `round_index`, for its faults): join the heal's group `join` as rank 0
-        and stream its state to every target, chunk by chunk, from where it lives. Answers `done` with
-        `bytes`, or `collective_failed` (a target never joined, a peer died, a chunk timed out): the
-        supervisor then heals the targets through the object store. The group is dropped either way."""
+        """A `full` heal over the process group, source side (of round `round_index`, for its faults):
+        join the heal's group `join` as rank 0 and stream its state to every target, chunk by chunk
+        (hsgd.train.state_stream). Answers `done` with `bytes`, or `collective_failed` (a target never
+        joined, a peer died, a chunk timed out): the supervisor then heals the targets through the
+        object store. The group is dropped either way."""
         return self._over_heal_group(round_index, join, faults, lambda group: {
             "bytes": state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
                                              device=self.trainer.device), "pid": os.getpid()})
