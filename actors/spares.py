@@ -35,30 +35,25 @@ class SparePool:
         if wait_s > 0 and self._asked:
             ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=wait_s)
         for c, names in self.names.items():
-            for name in names:
-                handle = self.handles.get(name)
-                if handle is None or name in self.ready:
-                    continue
-                ref = self._asked.get(name)
-                if ref is None:
-                    self._asked[name] = handle.progress.remote()
-                    continue
-                if not ray.wait([ref], timeout=0)[0]:
-                    continue  # still starting or restarting: its answer comes later
-                del self._asked[name]
-                try:
-                    answer = ray.get(ref, timeout=1.0)
-                except Exception:  # noqa: BLE001 — it died meanwhile: asked again next time
-                    continue
-                if answer.get("phase") != "idle":
-                    continue
-                if not answer.get("spare"):
-                    if answer.get("pid") not in self._warming:
-                        self._warming.add(answer.get("pid"))
-                        handle.become_spare.remote()  # warms up, then answers spare=True
-                    continue
-                self.ready.add(name)
-                log.event("spare_ready", cluster=int(c), spare=name, pid=answer.get("pid"))
+            for name in [n for n in names if self.handles.get(n) is not None and n not in self.ready]:
+                if name not in self._asked:
+                    self._asked[name] = self.handles[name].progress.remote()
+                elif ray.wait([self._asked[name]], timeout=0)[0]:  # else still (re)starting: asked later
+                    self._take_answer(int(c), name, self._asked.pop(name), log)
+
+    def _take_answer(self, cluster: int, name: str, ref, log) -> None:
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 — it died meanwhile: asked again next time
+            return
+        if answer.get("phase") != "idle":
+            return
+        if answer.get("spare"):
+            self.ready.add(name)
+            log.event("spare_ready", cluster=cluster, spare=name, pid=answer.get("pid"))
+        elif answer.get("pid") not in self._warming:
+            self._warming.add(answer.get("pid"))
+            self.handles[name].become_spare.remote()  # warms up, then answers spare=True
 
     def lost(self, name: str) -> None:
         """Spare `name` died: not ready until it answers again as a warm spare."""
