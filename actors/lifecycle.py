@@ -129,8 +129,8 @@ class ActorWatch:
         return name, incarnation
 
     def latest(self, death: Death) -> bool:
-        """`death` is of the process that last answered for its replica (or a newer one of that actor,
-        or none answered yet): the replica as the supervisor holds it is gone; an older one's is not."""
+        """`death` is of the process that last answered for its replica, a newer one of that actor, or
+        none answered yet: the replica as the supervisor holds it is gone (an older one's is not)."""
         last = self._last.get(death.rid)
         return last is None or (last[0] == death.name and last[1] <= death.incarnation)
 

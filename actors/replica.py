@@ -117,13 +117,12 @@ class Replica:
     def global_state(self) -> tuple[dict, dict]:
         """(meta, state) for a `global` heal (actors/heals.py); answers while the donor's inner phase
         runs (these tensors change only in outer_commit)."""
-        state = self.trainer.global_state()
-        return self._state_meta(state), state
+        return self._with_meta(self.trainer.global_state())
 
-    def _state_meta(self, state: dict) -> dict:
-        """A heal source's small first object, at the state's own (round, step)."""
+    def _with_meta(self, state: dict) -> tuple[dict, dict]:
+        """A heal source's two objects: a small meta, at the state's own (round, step), and the state."""
         return PhaseAnswer(self.rid, Outcome.DONE, int(state["round"]), int(state["step"]),
-                           result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire()
+                           result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire(), state
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
@@ -349,10 +348,9 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
-        """Become the source (`full`) or take its global state (`global`); `state` is the second
-        object of the source's answer (Ray fetches it from the source's node). Answers `done` with
-        `bytes`, or `collective_failed`, untouched, when the source refused (`state` None). A source
-        that died or raised surfaces as an error of this call (Ray fails a call whose argument failed)."""
+        """Become the source (`full`) or take its global state (`global`); `state`: the second object
+        of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched, when the
+        source refused (`state` None). A source that died or raised fails this call (its argument failed)."""
         def run():
             if state is None:  # this replica is fine: its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
@@ -408,8 +406,7 @@ class Replica:
                                 f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
                                 f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
                                 pid=os.getpid(), bytes=0), None
-        state = self.trainer.state_dict()
-        return self._state_meta(state), state
+        return self._with_meta(self.trainer.state_dict())
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
@@ -437,9 +434,9 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:
-        """Restore from a durable checkpoint the caller verified (resume, or after a total loss).
-        Raises CheckpointError naming this replica and its node when the file cannot be read or does
-        not fit the model: that replica's failure. `faults`: the `startup` faults of a resume's load."""
+        """Restore from a durable checkpoint the caller verified (resume, or after a total loss), after
+        its `startup` faults. Raises CheckpointError naming this replica and its node when the file
+        cannot be read or does not fit the model: that replica's failure."""
         self._fire_startup(faults)
         try:
             self._load(checkpoint.load_replica_state(directory, self.rid, sha256), "full")
