@@ -76,7 +76,8 @@ class Replica:
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
-        self.warm_s = self.trainer.warm_up() if spare else 0.0
+        if spare:
+            self.trainer.warm_up()
         self._open_step_log()
 
     def _level_group(self, level: str) -> LevelGroup:
@@ -235,8 +236,7 @@ class Replica:
     def become_spare(self) -> dict:
         """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
         self._serve_as(None)
-        self.warm_s = self.trainer.warm_up()
-        return self._answer(warm_s=self.warm_s, pid=os.getpid())
+        return self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid())
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
