@@ -149,9 +149,9 @@ class Heals:
         return self.handles[target].load_state.remote(self.states[key], scope, faults)
 
     def settle(self, targets: Mapping[str, Any], deadline_s: float) -> dict[str, Any]:
-        """The final heal's wait: until every target's heal (target -> the call `issue` returned)
-        answered or `deadline_s` passed; failed transfers fall back and sources' answers are taken
-        in on the way. Returns target -> the ref whose answer is its heal's (not ready if late)."""
+        """The final heal's wait, until every target's heal (target -> the call `issue` returned)
+        answered (failed transfers fall back; sources' answers taken in) or `deadline_s` passed.
+        Returns target -> the ref whose answer is its heal's (not ready if late)."""
         final = dict(targets)
         pending = {ref: rid for rid, ref in final.items()}
         end = time.monotonic() + deadline_s
@@ -189,7 +189,7 @@ class Heals:
             abort(prefix, reason)
 
     def forget(self, action_id: int) -> None:
-        """Heal action `action_id` ended: drop its states' refs (the object store frees a state once
-        no call holds it). Its sources' answers still to come stay watched."""
+        """Heal action `action_id` ended: drop its states' refs (freed once no call holds them); its
+        sources' answers still to come stay watched."""
         for key in [k for k in self.states if k[0] == action_id]:
             del self.states[key]

@@ -6,12 +6,11 @@ too. That count goes up whatever the process was doing when it died (idle, in it
 warming up as a spare, healing), so a watch over it misses no death where a call can: Ray holds a
 call to a RESTARTING actor, and a process that dies and comes back between two calls fails none.
 
-`ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
-incarnation that died since the last poll, once; a death the supervisor learned otherwise is told
-with `note_death`, and whichever comes first reports it. An incarnation dies as the replica id it
-served: a spare promoted to `c0r1` dies as `c0r1`; a replica's actor that became a spare, as a
-spare. The reported incarnations live in the supervisor's durable dict (`seen`), so they survive
-its restart.
+`ActorWatch.poll()` reads the actor table once (one GCS call) and returns each incarnation that
+died since the last poll, once; a death the supervisor learned otherwise is told with `note_death`,
+and whichever comes first reports it. An incarnation dies as the replica id it served (a spare
+promoted to `c0r1` dies as `c0r1`). The reported incarnations live in the supervisor's durable dict
+(`seen`), so they survive its restart.
 
 Failure cases: the table cannot be read (GCS briefly unreachable): `poll` returns nothing and the
 next poll reports what happened meanwhile (the count only grows). An actor not in the table yet is

@@ -142,17 +142,16 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
-        """Ask the inner phase of group epoch `epoch` to return at the boundary before
-        `step_in_round` (a replica joins mid-round; every member is asked for the same boundary).
-        A request for another epoch is stale and ignored."""
+        """Ask the inner phase of group epoch `epoch` to return at the boundary before `step_in_round`
+        (a replica joins mid-round: every member, the same boundary); another epoch's is ignored."""
         self.yield_at = (epoch, round_index, step_in_round)
         return {"rid": self.rid, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: dict) -> dict:
         """A fault from outside the schedule (drills; idle members of a `cluster:` target). A crash
-        fires at once; the others at the phase thread's next step or phase boundary, so they stop,
-        slow or cut off the work itself rather than this control thread."""
+        fires at once; the others at the phase thread's next step or phase boundary (they act on the
+        work itself, not on this control thread)."""
         if fault["kind"] == "crash":
             self._fire(fault, self.trainer.round, self.trainer.step_in_round)
         self.pending_now.append(fault)
