@@ -6,6 +6,7 @@ replica can still run Python).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import re
 import shutil
@@ -13,9 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ray
+
+from hsgd.record.hangs import hang_report, stuck_function
 
 DUMP_SIGNAL = signal.SIGUSR2
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -27,8 +31,6 @@ def faulthandler_path(run_dir: str, rid: str, pid: int) -> Path:
 
 def install_faulthandler(run_dir: str, rid: str) -> None:
     """Called in the replica: SIGUSR2 writes all threads' stacks to stacks/<rid>-<pid>.txt."""
-    import faulthandler
-
     path = faulthandler_path(run_dir, rid, os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(path, "w")  # kept open for the life of the process, as faulthandler requires
@@ -77,10 +79,6 @@ def kill_hung(kill, *, group: list[str], handles: dict, replica_info: dict, run_
               round_index: int, view: dict) -> None:
     """The round machine found `kill.rid` hung (a hsgd.core.round.Kill): write a hang report with
     its group's stacks (hangs/<time>-<rid>.txt), log `hang_detected` and `kill`, kill it restartable."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from hsgd.record.hangs import hang_report, stuck_function
-
     rid = kill.rid
     dumps: dict[str, str] = {}
     if stack_dumps:

@@ -2,26 +2,22 @@
 supervisor that issues them never holds it.
 
 Protocol
-- Through the object store (`global` heals; the fallback of a `full` heal): the source answers two
-  objects (num_returns=2), a small meta (a PhaseAnswer with `pid`, `bytes`) and the state, whose
-  ref goes straight into the target's `load_state` (Ray moves it between the nodes). Only the meta
-  is ever fetched here. A source that refuses (`heal_state`: it is no longer the process it was
-  chosen as) answers `collective_failed` and no state; the target's `load_state` then answers
-  `collective_failed`, untouched.
+- Through the object store (`global` heals; the fallback of a `full` heal): the source answers a
+  small meta (a PhaseAnswer with `pid`, `bytes`) and the state (num_returns=2), whose ref goes
+  straight into the target's `load_state`; only the meta is fetched here. A source that refuses
+  (`heal_state`: no longer the process it was chosen as) answers `collective_failed` and no state;
+  the target's `load_state` then answers `collective_failed`, untouched.
 - Over the process group (`full` heals): one `send_state` on the source (rank 0) and one
-  `receive_state` per target, in a group of their own under a fresh prefix naming the run, the
-  epoch and the heal. A target whose transfer fails (`collective_failed`) is healed once more,
-  within the same action, through the object store from the source's `heal_state` (`heal_fallback`).
-- The source watch: each source's meta (or `send_state`) is in `watched()`; once it is ready the
-  caller hands it to `source_answer`, which returns what the round machine must observe:
-  `Lost(source, cause)` when it raised or refused (`heal_source_lost` event), `StateReady(action,
-  source)` when it delivered (from then on a silent target is the one to blame), nothing for a
-  failed transfer over the group (its targets fall back). A slow answer is never a loss: nothing
-  here decides on a fetch's timeout; the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`)
-  is the round machine's.
+  `receive_state` per target, in a group of their own under a fresh prefix. A target whose
+  transfer fails (`collective_failed`) is healed once more, within the same action, through the
+  object store from the source's `heal_state` (`heal_fallback`).
+- The source watch (`watched()`, then `source_answer`): `Lost(source, cause)` when the source
+  raised or refused (`heal_source_lost`), `StateReady(action, source)` when it delivered (from then
+  on a silent target is the one to blame), nothing for a failed transfer over the group. A slow
+  answer is never a loss: the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`) is the
+  round machine's.
 - A target's call that raised is its source's failure when the source's meta raised or refused
   (`source_failed`): Ray fails a call whose argument failed with the argument's error.
-- The final heal, outside any round, waits with `settle`, within a deadline scaled to the bytes.
 """
 from __future__ import annotations
 
@@ -46,48 +42,33 @@ class Heals:
     def __init__(self, handles: Mapping[str, Any], log, *, store_addr: str | None, run_id: str, round_index: int):
         self.handles, self.log = handles, log
         self.store_addr, self.run_id, self.r = store_addr, run_id, round_index
-        # object store: (action, source) -> the state's ref (handed to targets, never fetched) and its meta's
+        # keyed (action, source): the state's ref (handed to targets, never fetched) and its meta's
         self.states: dict[tuple[int, str], Any] = {}
         self.metas: dict[tuple[int, str], Any] = {}
         self.watch: dict[Any, tuple[int, str]] = {}  # sources' answers not yet taken in -> (action, source)
         self.sends: set = set()  # the send_state calls among them
         self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
-        # over the group: (action, source) -> its group's prefix, and the (round, step) the source was
-        # chosen holding (its fallback's heal_state checks it); target refs -> (action, target, source)
+        # over the group, keyed (action, source): its group's prefix; the (round, step) the source was
+        # chosen holding (its fallback's heal_state checks it)
         self.prefixes: dict[tuple[int, str], str] = {}
+        self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
         self.members: dict[str, tuple[str, ...]] = {}  # a heal group's prefix -> its source and targets
         self.released: set[str] = set()  # heal groups whose rendezvous was aborted
-        self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
-        self.receives: dict[Any, tuple[int, str, str]] = {}
+        self.receives: dict[Any, tuple[int, str, str]] = {}  # target refs -> (action, target, source)
 
-    # -- issuing ---------------------------------------------------------------------------------------
     def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
               faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
         """Heal `target` as heal action `action_id` says (`calls`: the whole action; a source's state
-        is asked once however many targets it heals). `faults`: rid -> its armed faults (the target's
-        and its source's are handed on). `source_at`: the (round, step) the source held when chosen
-        (a `full` heal's fallback refuses a source that no longer holds it). Returns the target's
-        call, whose answer is the heal's (a `full` heal's goes through `group_answer` first)."""
+        is asked once however many targets it heals). `faults`: rid -> its armed faults. `source_at`:
+        the (round, step) the source held when chosen (a `full` heal's fallback refuses a source that
+        no longer holds it). Returns the target's call (a `full` heal's goes through `group_answer`)."""
         source, scope = calls[target].source, calls[target].scope
+        key = (action_id, source)
         self.source_of[(action_id, target)] = source
         self.log.event("heal_begin", target=target, source=source, scope=scope)
-        if scope == "full":
-            return self._issue_over_group(action_id, epoch, calls, target, faults, source_at)
-        key = (action_id, source)
-        if key not in self.states:
-            self._ask_state(key, self.handles[source].global_state)
-        return self.handles[target].load_state.remote(self.states[key], scope, faults.get(target))
-
-    def _ask_state(self, key: tuple[int, str], method, *args) -> None:
-        meta, state = method.options(num_returns=2).remote(*args)
-        self.metas[key], self.states[key] = meta, state
-        self.watch[meta] = key
-
-    def _issue_over_group(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
-                          faults: Mapping[str, Any], source_at: tuple[int, int] | None):
-        """One send_state per source (watched like a meta), one receive_state per target."""
-        source = calls[target].source
-        key = (action_id, source)
+        if scope != "full":
+            return self._load_state(key, target, scope, faults.get(target), self.handles[source].global_state)
+        # over the group: one send_state per source (watched like a meta), one receive_state per target
         targets = sorted(t for t, h in calls.items() if h.source == source and h.scope == "full")
         world = 1 + len(targets)
         if key not in self.prefixes:
@@ -103,7 +84,6 @@ class Heals:
         self.receives[ref] = (action_id, target, source)
         return ref
 
-    # -- sources' answers ------------------------------------------------------------------------------
     def watched(self) -> list:
         """The sources' answers to wait on (metas and send_state answers, never a state)."""
         return list(self.watch)
@@ -145,12 +125,10 @@ class Heals:
         meta = self.metas.get(key)
         return meta is not None and isinstance(self._read(meta, key)[1], Lost)
 
-    # -- targets' answers over the group ---------------------------------------------------------------
     def group_answer(self, ref, waited: bool = True):
         """A target's receive_state answered (`ref` ready). Returns the ref whose answer is its heal's:
         `ref` itself (done; it died or raised; or its heal is no longer `waited` on), or, when its
-        transfer failed, a new call: its `load_state` of the source's `heal_state` through the object
-        store (one state per source however many targets fall back)."""
+        transfer failed, its `load_state` of the source's `heal_state` through the object store."""
         action_id, target, source = self.receives.pop(ref)
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))  # the target's answer: a few hundred bytes
@@ -160,15 +138,20 @@ class Heals:
             return ref
         key = (action_id, source)
         self.log.event("heal_fallback", target=target, source=source, round=self.r, detail=answer.error[:300])
-        if key not in self.states:
-            self._ask_state(key, self.handles[source].heal_state, self.chosen_at.get(key))
-        return self.handles[target].load_state.remote(self.states[key], "full", None)
+        return self._load_state(key, target, "full", None, self.handles[source].heal_state, self.chosen_at.get(key))
 
-    # -- outside a round -------------------------------------------------------------------------------
+    def _load_state(self, key: tuple[int, str], target: str, scope: str, faults, method, *args):
+        """`target`'s load_state of the state `method` gives (asked once per key; its meta watched)."""
+        if key not in self.states:
+            meta, self.states[key] = method.options(num_returns=2).remote(*args)
+            self.metas[key] = meta
+            self.watch[meta] = key
+        return self.handles[target].load_state.remote(self.states[key], scope, faults)
+
     def settle(self, targets: Mapping[str, Any], deadline_s: float) -> dict[str, Any]:
-        """The final heal's wait: until every target's heal (target -> the call `issue` returned)
-        answered or `deadline_s` passed; failed transfers fall back and sources' answers are taken
-        in on the way. Returns target -> the ref whose answer is its heal's (not ready if late)."""
+        """The final heal's wait, until every target's heal (target -> the call `issue` returned)
+        answered (failed transfers fall back; sources' answers taken in) or `deadline_s` passed.
+        Returns target -> the ref whose answer is its heal's (not ready if late)."""
         final = dict(targets)
         pending = {ref: rid for rid, ref in final.items()}
         end = time.monotonic() + deadline_s
@@ -191,13 +174,13 @@ class Heals:
         return final
 
     def groups_of(self, rid: str) -> list[str]:
-        """The heal groups `rid` is in whose rendezvous was not released yet (when rid is known dead,
-        as AbortJoin for inner and outer groups, instead of waiting out configure_timeout_s)."""
+        """The heal groups `rid` is in whose rendezvous was not released yet."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
     def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
-        """rid is dead: `abort(prefix, reason)` each of its heal groups once, with a `join_aborted`
-        event (a group already formed is not affected: the abort is a compare-and-set)."""
+        """rid is dead: `abort(prefix, reason)` each of its heal groups once (as AbortJoin does for inner
+        and outer groups, instead of waiting out configure_timeout_s), with a `join_aborted` event;
+        a group already formed is not affected (the abort is a compare-and-set)."""
         for prefix in self.groups_of(rid):
             self.released.add(prefix)
             reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
@@ -206,7 +189,7 @@ class Heals:
             abort(prefix, reason)
 
     def forget(self, action_id: int) -> None:
-        """Heal action `action_id` ended: drop its states' refs (the object store frees a state once
-        no call holds it). Its sources' answers still to come stay watched."""
+        """Heal action `action_id` ended: drop its states' refs (freed once no call holds them); its
+        sources' answers still to come stay watched."""
         for key in [k for k in self.states if k[0] == action_id]:
             del self.states[key]

@@ -1,18 +1,16 @@
 """Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
 
 Ray keeps, per actor, NumRestarts (the process serving now is incarnation NumRestarts, from 0) and
-State (ALIVE, RESTARTING, DEAD, ...): an actor at NumRestarts n has lost incarnations 0..n-1, and
-one that is DEAD incarnation n too. That count goes up whatever the process was doing when it died
-(answering a call, idle, in its constructor, warming up as a spare, healing), so a watch over it
-misses no death where a call can: Ray holds a call to a RESTARTING actor, and a process that dies
-and comes back between two calls never fails one.
+State: an actor at NumRestarts n has lost incarnations 0..n-1, and one that is DEAD incarnation n
+too. That count goes up whatever the process was doing when it died (idle, in its constructor,
+warming up as a spare, healing), so a watch over it misses no death where a call can: Ray holds a
+call to a RESTARTING actor, and a process that dies and comes back between two calls fails none.
 
-`ActorWatch.poll()` reads the actor table once (one GCS call for every actor) and returns each
-incarnation that died since the last poll, once; a death the supervisor learned otherwise is told
-with `note_death`, and whichever comes first reports it. An incarnation dies as the replica id it
-served: a spare promoted to `c0r1` dies as `c0r1`; a replica's actor that became a spare, as a
-spare. The reported incarnations live in the supervisor's durable dict (`seen`), so they survive
-its restart.
+`ActorWatch.poll()` reads the actor table once (one GCS call) and returns each incarnation that
+died since the last poll, once; a death the supervisor learned otherwise is told with `note_death`,
+and whichever comes first reports it. An incarnation dies as the replica id it served (a spare
+promoted to `c0r1` dies as `c0r1`). The reported incarnations live in the supervisor's durable dict
+(`seen`), so they survive its restart.
 
 Failure cases: the table cannot be read (GCS briefly unreachable): `poll` returns nothing and the
 next poll reports what happened meanwhile (the count only grows). An actor not in the table yet is
@@ -24,6 +22,10 @@ import contextlib
 import json
 from typing import Callable, Iterable, NamedTuple
 
+import ray
+from ray._private.state import state as gcs
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
 
 class Death(NamedTuple):
     name: str  # the actor's name (hsgd:<run_id>:...)
@@ -33,27 +35,22 @@ class Death(NamedTuple):
     state: str  # the actor's State when the death was seen: RESTARTING, ALIVE (already back), DEAD
 
 
-# -- who an actor is: durable across its restarts ---------------------------------------------------
-# Ray restarts an actor with its constructor's arguments, a spare's being another replica's, so a
-# promoted spare would come back under the wrong identity and data stream. Its identity is kept in
-# Ray's internal KV store (on the GCS, reachable from any node, unlike a run folder that may be
-# failing) under the actor's name, written before it serves under it, read by its constructor.
+# Who an actor is, durable across its restarts: Ray restarts an actor with its constructor's
+# arguments, so a promoted spare would come back under the wrong identity and data stream. Its
+# identity is kept in Ray's internal KV store (on the GCS, reachable from any node, unlike a run
+# folder that may be failing), written before it serves under it, read by its constructor.
 KV_NAMESPACE = "hsgd"
 
 
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
     """`actor_name` is replica `rid` from now on, or a spare (rid None). Raises what the KV store
     raises (the caller then does not take the identity on)."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
     _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
                      namespace=KV_NAMESPACE)
 
 
 def read_identity(actor_name: str | None) -> dict | None:
     """{"rid", "spare"} as last written for `actor_name`, or None (its constructor's arguments say)."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
     if not actor_name:
         return None
     raw = _internal_kv_get(f"{actor_name}:identity", namespace=KV_NAMESPACE)
@@ -62,28 +59,20 @@ def read_identity(actor_name: str | None) -> dict | None:
 
 def own_incarnation() -> int | None:
     """In an actor: its NumRestarts (counted before the new process starts), or None (table unreadable)."""
-    import ray
-    from ray._private.state import state as gcs
-
     with contextlib.suppress(Exception):  # unknown; the supervisor's watch still counts its deaths
         return int(gcs.actor_table(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0))
     return None
 
 
-def read_actor_table() -> list[dict]:
-    """Every actor of the cluster (`Name`, State, NumRestarts, `Pid`): one GCS call; raises its errors."""
-    from ray._private.state import state as gcs
-
-    return list(gcs.actor_table(None).values())
-
-
 class ActorWatch:
     """`identity`: replica id -> actor name (the roster's map itself, so a promotion is followed);
     `spares`: cluster (str) -> spare actor names (the pool's dict); `seen`: actor name -> [floor,
-    *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here)."""
+    *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here);
+    `table`: every actor of the cluster (`Name`, State, NumRestarts), one GCS call that may raise."""
 
     def __init__(self, identity: dict[str, str], spares: dict[str, list[str]], seen: dict[str, list[int]], *,
-                 table: Callable[[], Iterable[dict]] = read_actor_table, save: Callable[[], None] = lambda: None):
+                 table: Callable[[], Iterable[dict]] = lambda: gcs.actor_table(None).values(),
+                 save: Callable[[], None] = lambda: None):
         self.identity, self.spares, self.seen = identity, spares, seen
         self._table, self._save = table, save
         # rid -> the processes seen serving it, oldest first: (actor name, incarnation); a death
@@ -91,14 +80,9 @@ class ActorWatch:
         self._noted: dict[str, list[tuple[str, int]]] = {}
         self._last: dict[str, tuple[str, int]] = {}  # rid -> the process that answered last
         # actor name -> [(first incarnation, rid or None: a spare)], in order: who it served from when
-        self._roles: dict[str, list[tuple[int, str | None]]] = {}
-        for rid, name in identity.items():
-            self._roles[name] = [(0, rid)]
-        for names in spares.values():
-            for name in names:
-                self._roles.setdefault(name, [(0, None)])
+        self._roles: dict[str, list[tuple[int, str | None]]] = {n: [(0, None)] for ns in spares.values() for n in ns}
+        self._roles.update({name: [(0, rid)] for rid, name in identity.items()})
 
-    # -- what the supervisor tells it ---------------------------------------------------------------
     def note_up(self, rid: str, incarnation: int | None) -> None:
         """The process serving `rid` answered, as `incarnation` (None: it did not say)."""
         name = self.identity.get(rid)
@@ -119,8 +103,8 @@ class ActorWatch:
     def promoted(self, rid: str, spare: str, incarnation: int | None, replaced: str) -> None:
         """Spare actor `spare` (at `incarnation`) now serves `rid`; `replaced`, the actor that served
         it, is a spare from its next incarnation on."""
-        self._serves(spare, incarnation if incarnation is not None else self._floor(spare), rid)
-        last = max((i for n, i in self._noted.get(rid, ()) if n == replaced), default=self._floor(replaced))
+        self._serves(spare, incarnation if incarnation is not None else self._reported(spare)[0], rid)
+        last = max((i for n, i in self._noted.get(rid, ()) if n == replaced), default=self._reported(replaced)[0])
         self._serves(replaced, last + 1, None)
 
     def note_death(self, rid: str) -> tuple[str, int] | None:
@@ -131,7 +115,7 @@ class ActorWatch:
             noted = self._noted[rid]
         else:  # never seen answering: the oldest process of the actor the identity map names
             name = self.identity.get(rid)
-            noted = [] if name is None else [(name, self._floor(name))]
+            noted = [] if name is None else [(name, self._reported(name)[0])]
         noted = [(n, i) for n, i in noted if not self._is_reported(n, i)]
         if not noted:
             return None
@@ -144,8 +128,8 @@ class ActorWatch:
         return name, incarnation
 
     def latest(self, death: Death) -> bool:
-        """`death` is of the process that last answered for its replica (or a newer one of that actor,
-        or none answered yet): the replica as the supervisor holds it is gone; an older one's is not."""
+        """`death` is of the process that last answered for its replica, a newer one of that actor, or
+        none answered yet: the replica as the supervisor holds it is gone (an older one's is not)."""
         last = self._last.get(death.rid)
         return last is None or (last[0] == death.name and last[1] <= death.incarnation)
 
@@ -153,7 +137,6 @@ class ActorWatch:
         """The process that died is the one that last answered for its replica."""
         return self._last.get(death.rid) == (death.name, death.incarnation)
 
-    # -- the table ----------------------------------------------------------------------------------
     def poll(self) -> list[Death]:
         """Every incarnation of the watched actors that died since the last poll (or `note_death`),
         oldest first per actor; empty when the table cannot be read."""
@@ -178,7 +161,6 @@ class ActorWatch:
             self._save()
         return deaths
 
-    # -- internals ----------------------------------------------------------------------------------
     def _is_reported(self, name: str, incarnation: int) -> bool:
         floor, extra = self._reported(name)
         return incarnation < floor or incarnation in extra
@@ -186,9 +168,6 @@ class ActorWatch:
     def _reported(self, name: str) -> tuple[int, set[int]]:
         floor, *extra = self.seen.get(name) or [0]
         return floor, set(extra)
-
-    def _floor(self, name: str) -> int:
-        return self._reported(name)[0]
 
     def _store(self, name: str, floor: int, extra: set[int]) -> None:
         # only the table moves the floor (a death it shows is certain); one a caller noted stays an

@@ -1,18 +1,18 @@
 """Where replicas run: one placement group per cluster, so a "cluster" in the config is
-co-located hardware on a real Ray cluster (STRICT_PACK by default: all of a cluster's replicas
-on one node, where the fast link is). `topology.cluster_labels` pins cluster c to nodes carrying
-the Ray node label `hsgd-cluster=<label>` instead (`ray start --labels hsgd-cluster=rack-a`; the
-actors ask for it with Ray's `label_selector` option). A replica asks for one GPU exactly when
-a level of it may use nccl (`plan_backends`: decided from the cluster's resources, not from the
-driver's CUDA), so NCCL ranks never share a GPU.
+co-located hardware (STRICT_PACK by default: one node, where the fast link is), or, with
+`topology.cluster_labels`, nodes carrying the Ray node label `hsgd-cluster=<label>` (`ray start
+--labels hsgd-cluster=rack-a`; Ray's `label_selector` option). A replica asks for one GPU exactly
+when a level of it may use nccl (`plan_backends`, from the cluster's resources), so NCCL ranks
+never share a GPU.
 
-`check_cluster` runs right after connecting to Ray, before any actor starts (each refusal a
-ConfigError, one line): nccl asked where the cluster has too few GPUs; a placement that can never
-happen (too few CPUs/GPUs, no node or set of nodes that can hold a cluster as the strategy
-requires, no live node with a cluster's label); data.path missing on a node that may run replicas.
+`check_cluster` runs before any actor starts; each refusal a one-line ConfigError: nccl where
+the cluster has too few GPUs; a placement that can never happen (too few CPUs/GPUs, no node or
+set of nodes for a cluster as the strategy requires, no live node with a cluster's label);
+data.path missing on a node that may run replicas.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -39,9 +39,8 @@ def replica_resources(cfg: Any, gpus: float) -> dict:
 
 
 def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
-    """The per-level backends and GPUs per replica on this Ray cluster, and the nodes that did not
-    answer the data.path check in time (the caller warns). The decisions are
-    hsgd.config.capacity's `plan_backends` and `placement_problem`; ConfigError for each refusal."""
+    """The per-level backends and GPUs per replica on this Ray cluster (hsgd.config.capacity decides),
+    and the nodes that did not answer the data.path check in time (the caller warns)."""
     t, c, topo = cfg.topology, cfg.comm, topology_of(cfg)
     cluster = dict(clusters=topo.clusters, replicas_per_cluster=topo.replicas_per_cluster,
                    sizes=list(topo.sizes) if t.sites else None, spares_per_cluster=t.spares_per_cluster,
@@ -63,10 +62,9 @@ def _path_here(path: str) -> tuple[bool, str]:
 
 
 def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) -> list[str]:
-    """Refuse (ConfigError on data.path, one line naming the nodes) when data.path does not exist
-    on a node that may run replicas: one tiny task per such node, pinned to it (node affinity, no
-    CPU), in the job's working directory, so a relative path is checked as the replicas will read
-    it. A node that does not answer within `timeout_s` is not refused; returns their names."""
+    """Refuse (ConfigError naming the nodes) when data.path does not exist on a node that may run
+    replicas: one tiny task pinned to each, in the job's working directory as the replicas read it.
+    A node that does not answer within `timeout_s` is not refused; returns their names."""
     path = cfg.data.path
     if path is None:
         return []
@@ -128,8 +126,6 @@ class ClusterPlacement:
 
     def release(self) -> None:
         for pg in self.groups:
-            try:
+            with contextlib.suppress(Exception):  # the cluster may already be gone
                 remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 — the cluster may already be gone
-                pass
         self.groups = []

@@ -2,17 +2,15 @@
 that died too often in the window is killed for good and re-created as a new actor pinned to
 another live node with room for it (Ray restarts an actor with its original options, so only a new
 actor can leave the node), or, where no other node can hold it, kept out for the rest of the run.
-A death an injected fault explains (the schedule's or a drill's kill, crash, hang or error on that
-replica, armed in the last two minutes) is not counted: it tests recovery and says nothing about
-the node.
+A death an injected fault explains is not counted: it says nothing about the node.
 
-The moved replica is a fresh process under its id: it rejoins as any restarted replica does (a heal
-from a live peer), reads its id's data stream (the index table), and a restarted supervisor finds it
-by the name kept in the durable identity map. Event `replica_quarantined`: rid, node, moved_to (a
-node id, or null: kept out), deaths, window_s.
+The moved replica is a fresh process under its id: it rejoins as any restarted replica does, and a
+restarted supervisor finds it by the name in the durable identity map. Event `replica_quarantined`:
+rid, node, moved_to (a node id, or null: kept out), deaths, window_s.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -27,11 +25,10 @@ from hsgd.core.quarantine import quarantine_due, recent_deaths
 
 class Quarantine:
     """`state`: the durable RunState (`death_times`, `quarantined`); `roster`: the Roster whose
-    actors it replaces; `log`: the RunLog."""
+    actors it replaces; `injected(rid)`: an injected fault explains rid's latest death."""
 
     def __init__(self, cfg, run_id: str, run_dir: str, index_table: dict, state, roster, log, save,
                  injected: Callable[[str], bool] = lambda rid: False):
-        """`injected(rid)`: an injected fault explains rid's latest death (it does not count)."""
         self.cfg, self.run_id, self.run_dir, self.index_table = cfg, run_id, run_dir, dict(index_table)
         self.injected = injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
@@ -50,10 +47,8 @@ class Quarantine:
         self._save()
 
     def _set_aside(self, rid: str, node: str | None, deaths: int) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already gone for good
             ray.kill(self.roster.handles[rid], no_restart=True)
-        except Exception:  # noqa: BLE001 — already gone for good
-            pass
         backends = (self.roster.replica_info.get(rid) or {}).get("backends") or {"inner": "gloo", "outer": "gloo"}
         resources = replica_resources(self.cfg, 1.0 if "nccl" in backends.values() else 0.0)
         target = self._other_node(node, resources)

@@ -1,18 +1,15 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
-Phase methods (concurrency group "phase", one at a time) run at most one level's collectives;
-control methods (group "control") answer while a phase runs.
-
-Every phase method answers a `PhaseAnswer` built in `_answer`, its `Outcome` as
-hsgd/core/round/messages.py defines them. A call that raises means the replica died
-(ActorDiedError) or hit an error of its own (RayTaskError): this replica's failure.
-
-Kept across a restart: its identity only (actors/lifecycle.py); it rebuilds from the seed (or the
-resume checkpoint) and is healed from a live peer.
+Phase methods (concurrency group "phase", one at a time) run at most one level's collectives and
+answer a `PhaseAnswer` (hsgd/core/round/messages.py); control methods answer while a phase runs.
+A call that raises means the replica died (ActorDiedError) or hit an error of its own
+(RayTaskError): this replica's failure. Kept across a restart: its identity only
+(actors/lifecycle.py); it rebuilds from the seed (or the resume checkpoint) and is healed from a peer.
 """
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -35,23 +32,19 @@ from hsgd.record.steps import StepLog
 from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
-CONCURRENCY_GROUPS = {"phase": 1, "control": 2}
-
 
 class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
 
 
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+@ray.remote(concurrency_groups={"phase": 1, "control": 2})
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
                  index_table: dict | None = None):
-        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here, where
-        the replica runs: nccl when Ray gave it a GPU and torch sees CUDA (never on the driver).
-        `index_table`: the run's global replica index table (hsgd/core/topology.py)."""
+        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here: nccl
+        when Ray gave it a GPU and torch sees CUDA. `index_table`: the run's (hsgd/core/topology.py)."""
         torch.set_num_threads(1)  # several replicas share a few cores
-        # a promoted spare that Ray restarts comes back as the replica it replaced, not as its
-        # constructor's arguments say (actors/lifecycle.py)
+        # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
         identity = lifecycle.read_identity(self.actor_name)
         if identity is not None:
@@ -61,7 +54,7 @@ class Replica:
         self.started_at = time.time()
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
-        topo = topology_of(self.cfg, index_table)  # the run's index table: this id's data stream
+        topo = topology_of(self.cfg, index_table)  # this id's data stream
         gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
         # (not `self.backends`: an attribute named like a torch submodule makes Ray's cloudpickle
         # pickle torch.backends with the class, which cannot be pickled)
@@ -78,13 +71,13 @@ class Replica:
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
         self.phase, self.phase_since = "idle", time.time()
-        self.armed: list[dict] = []
-        self.slow_s = 0.0
+        self.armed, self.slow_s = [], 0.0
         self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
-        self.warm_s = self.trainer.warm_up() if spare else 0.0
+        if spare:
+            self.trainer.warm_up()
         self._open_step_log()
 
     def _level_group(self, level: str) -> LevelGroup:
@@ -97,9 +90,19 @@ class Replica:
         """logging.step_times: this replica's committed steps, under the id it trains as (a spare writes none)."""
         if self.trainer.step_log is not None:
             self.trainer.step_log.close()
-            self.trainer.step_log = None
-        if self.cfg.logging.step_times and not self.spare:
-            self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid)
+        self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid) \
+            if self.cfg.logging.step_times and not self.spare else None
+
+    def _serve_as(self, rid: str | None) -> None:
+        """Serve as replica `rid` (its data stream), or as a spare (None). The identity is recorded
+        first, so a restart comes back as it; a failed write raises with nothing changed."""
+        if self.actor_name:
+            lifecycle.write_identity(self.actor_name, rid, spare=rid is None)
+        if rid is not None:
+            self.trainer.assume_identity(rid)
+            self.rid = rid
+        self.spare = rid is None
+        self._open_step_log()
 
     # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -113,19 +116,17 @@ class Replica:
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
-        """(meta, state) for a `global` heal (actors/heals.py). Control group: a donor busy in its
-        inner phase answers at once (these tensors change only in outer_commit)."""
-        state = self.trainer.global_state()
-        return self._state_meta(state), state
+        """(meta, state) for a `global` heal (actors/heals.py); answers while the donor's inner phase
+        runs (these tensors change only in outer_commit)."""
+        return self._with_meta(self.trainer.global_state())
 
-    def _state_meta(self, state: dict) -> dict:
-        """A heal source's small first object, at the state's own (round, step)."""
+    def _with_meta(self, state: dict) -> tuple[dict, dict]:
+        """A heal source's two objects: a small meta, at the state's own (round, step), and the state."""
         return PhaseAnswer(self.rid, Outcome.DONE, int(state["round"]), int(state["step"]),
-                           result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire()
+                           result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire(), state
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
-        """sha256 of the params and of the global params."""
         return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
                 "round": self.trainer.round, "step": self.trainer.step}
 
@@ -141,17 +142,16 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
-        """Ask the inner phase of group epoch `epoch` to return at the boundary before
-        `step_in_round` (a replica joins mid-round; every member is asked for the same boundary).
-        A request for another epoch is stale and ignored."""
+        """Ask the inner phase of group epoch `epoch` to return at the boundary before `step_in_round`
+        (a replica joins mid-round: every member, the same boundary); another epoch's is ignored."""
         self.yield_at = (epoch, round_index, step_in_round)
         return {"rid": self.rid, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: dict) -> dict:
         """A fault from outside the schedule (drills; idle members of a `cluster:` target). A crash
-        fires at once; the others at the phase thread's next step or phase boundary, so they stop,
-        slow or cut off the work itself rather than this control thread."""
+        fires at once; the others at the phase thread's next step or phase boundary (they act on the
+        work itself, not on this control thread)."""
         if fault["kind"] == "crash":
             self._fire(fault, self.trainer.round, self.trainer.step_in_round)
         self.pending_now.append(fault)
@@ -201,10 +201,14 @@ class Replica:
                            getattr(error, "kind", ErrorKind.NONE), getattr(error, "what", ""),
                            {**progress, **result}).wire()
 
-    def _phase(self, name: str, fn, round_index: int, faults: list[dict] | None):
+    def _phase(self, name: str, fn, faults: list[dict] | None, hook_round: int | None = None):
+        """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
+        as of that round) and answer what it returns, or the outcome its exception means."""
         self.phase, self.phase_since = name, time.time()
         self.armed = list(faults or [])
         try:
+            if hook_round is not None:
+                self._hook(name, hook_round, 0)
             result = dict(fn() or {})
             return self._answer(result.pop("outcome", Outcome.DONE), result.pop("error", ""), **result)
         except Behind as err:
@@ -222,33 +226,22 @@ class Replica:
     # -- phase group ----------------------------------------------------------------------------
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
-        """Hot spare: become replica `rid` (its data stream); the supervisor heals it next. The
-        identity is recorded first, so a restart comes back as `rid`; a failed write raises, and the
-        supervisor tries another spare."""
-        if self.actor_name:
-            lifecycle.write_identity(self.actor_name, rid, spare=False)
-        self.trainer.assume_identity(rid)
-        self.rid, self.spare = rid, False
-        self._open_step_log()
+        """Hot spare: become replica `rid`; the supervisor heals it next. A failed identity write
+        raises, and the supervisor tries another spare."""
+        self._serve_as(rid)
         return self._answer(pid=os.getpid(), incarnation=self.incarnation)
 
     @ray.method(concurrency_group="phase")
     def become_spare(self) -> dict:
-        """A restarted replica whose identity a spare took over becomes the cluster's next spare
-        (recorded first, so its own restarts come back as a spare)."""
-        if self.actor_name:
-            lifecycle.write_identity(self.actor_name, None, spare=True)
-        self.spare = True
-        self._open_step_log()
-        self.warm_s = self.trainer.warm_up()
-        return self._answer(warm_s=self.warm_s, pid=os.getpid())
+        """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
+        self._serve_as(None)
+        return self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid())
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
-        world_size). Blocks until every member joined, the supervisor aborts the rendezvous (a member
-        is known dead: CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes (kind
-        `configure`); the call then answers `collective_failed`. The fault phase `join` fires before
-        this member arrives. Returns the seconds it took (0.0: the standing group is used)."""
+        world_size), after the `join` faults fired. Blocks until every member joined, the supervisor
+        aborts the rendezvous (CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes
+        (kind `configure`): the call then answers `collective_failed`. Returns the seconds it took."""
         if join is None:
             return 0.0
         self._hook("join", self.trainer.round, 0)
@@ -268,8 +261,8 @@ class Replica:
                   overlap: Overlap | None = None) -> dict:
         """This round's remaining inner steps in the cluster's inner group (`join`: form it first).
         `behind` if not at the round (it joins all the same, so its peers' first collective fails
-        fast). `overlap`: this replica holds that shard in the standing outer group of
-        `overlap.epoch` and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
+        fast). `overlap`: this replica holds that shard in the standing outer group of `overlap.epoch`
+        and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -291,15 +284,14 @@ class Replica:
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot)
             return {"report": report.__dict__, "join_s": join_s,
                     **({"outcome": Outcome.YIELDED} if report.yielded else {})}
-        return self._phase("inner", run, round_index, faults)
+        return self._phase("inner", run, faults)
 
     @ray.method(concurrency_group="phase")
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
-        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch))."""
-        def run():
-            self._hook("inner_sync", round_index, 0)  # one average per round: schedule it at step 0
-            self.trainer.cluster_average(round_index, epoch, self.inner)
-        return self._phase("inner_sync", run, round_index, faults)
+        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch));
+        one average per round: its faults are scheduled at step 0."""
+        return self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
+                           faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
@@ -310,11 +302,9 @@ class Replica:
         keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
         `join`: form the shard's outer group first."""
         def run():
-            # a reduce behind the inner steps (overlap) in the standing group this exchange uses is
-            # waited for (its buffer is keyed by that group's epoch: the supervisor's epoch may have
-            # moved on since, with an inner group re-formed); any other is abandoned
-            behind = self.background.settle(None if join else (round_index, self.outer_epoch, shard, shards, weights),
-                                            self._outer_deadline_s())
+            # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
+            # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
+            behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
             join_s = self._join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
@@ -324,7 +314,7 @@ class Replica:
             return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
                     "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
                     "join_s": join_s, "overlapped": behind is not None}
-        return self._phase("outer", run, round_index, faults)
+        return self._phase("outer", run, faults)
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
@@ -338,15 +328,13 @@ class Replica:
             self.trainer.outer_commit(round_index, self.inner, roots)
             return {"digest": self.trainer.param_digest(), "global_digest": self.trainer.global_digest(),
                     "inner_bytes": self.inner.bytes_sent - before}
-        return self._phase("outer_commit", run, round_index, faults)
+        return self._phase("outer_commit", run, faults)
 
-    def _settle(self) -> None:
-        """Wait out a background outer reduce (abandon it past its deadline)."""
-        self.background.settle(None, self._outer_deadline_s())
-
-    def _outer_deadline_s(self) -> float:
-        """An outer reduce of the whole model: its all-gather carries every holder's payload."""
-        return self.outer.deadline_s(self.trainer.param_bytes * max(1, self.outer.world_size)) + 5.0
+    def _settle(self, key: tuple | None = None) -> dict | None:
+        """Wait out a background outer reduce (the one keyed `key`; any other is abandoned), within
+        the deadline of an outer reduce of the whole model (its all-gather carries every holder's payload)."""
+        return self.background.settle(key, self.outer.deadline_s(self.trainer.param_bytes
+                                                                 * max(1, self.outer.world_size)) + 5.0)
 
     def _load(self, state: dict, scope: str) -> None:
         self._settle()  # its reduce read the state being replaced
@@ -359,38 +347,27 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
-        """Become the source (`full`) or take its global state (`global`); `state` is the second
-        object of the source's answer (Ray fetches it from the source's node). Answers `done` with
-        `bytes`, or `collective_failed`, untouched, when the source refused (`state` None). A source
-        that died or raised surfaces as an error of this call (Ray fails a call whose argument failed)."""
+        """Become the source (`full`) or take its global state (`global`); `state`: the second object
+        of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched, when the
+        source refused (`state` None). A source that died or raised fails this call (its argument failed)."""
         def run():
-            self._hook("heal", self.trainer.round, 0)
             if state is None:  # this replica is fine: its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
                         "error": f"{self.rid}: its heal source refused to give its state"}
             self._load(state, scope)
             return {"bytes": _state_bytes(state)}
-        return self._phase("heal", run, self.trainer.round, faults)
+        return self._phase("heal", run, faults, hook_round=self.trainer.round)
 
-    # -- a `full` heal over the process group (hsgd.train.state_stream) ------------------------
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
-        """Heal source (of round `round_index`, for its faults): join the heal's group `join` as rank 0
-        and stream its state to every target, chunk by chunk, from where it lives. Answers `done` with
-        `bytes`, or `collective_failed` (a target never joined, a peer died, a chunk timed out): the
-        supervisor then heals the targets through the object store. The group is dropped either way."""
-        def run():
-            self._hook("heal", round_index, 0)
-            group = self._level_group("inner")  # a heal's own group, never the standing one; in its cluster
-            try:
-                join_s = self._join(group, join, "heal")
-                t0 = time.monotonic()
-                nbytes = state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
-                                                 device=self.trainer.device)
-                return {"bytes": nbytes, "join_s": join_s, "transfer_s": time.monotonic() - t0, "pid": os.getpid()}
-            finally:
-                group.abort()
-        return self._phase("heal", run, self.trainer.round, faults)
+        """A `full` heal over the process group, source side (of round `round_index`, for its faults):
+        join the heal's group `join` as rank 0 and stream its state to every target, chunk by chunk
+        (hsgd.train.state_stream). Answers `done` with `bytes`, or `collective_failed` (a target never
+        joined, a peer died, a chunk timed out): the supervisor then heals the targets through the
+        object store. The group is dropped either way."""
+        return self._over_heal_group(round_index, join, faults, lambda group: {
+            "bytes": state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
+                                             device=self.trainer.device), "pid": os.getpid()})
 
     @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
@@ -398,42 +375,45 @@ class Replica:
         (rank >= 1), receive the source's whole state, then load it `full`. Answers `done` with
         `bytes` and `transport: group`, or `collective_failed` with its own state untouched (nothing
         is loaded before the last chunk arrived): the supervisor falls back to the object store."""
+        def transfer(group: LevelGroup) -> dict:
+            state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
+            self._load(state, "full")
+            return {"bytes": nbytes, "transport": "group"}
+        return self._over_heal_group(round_index, join, faults, transfer)
+
+    def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
+        """A `heal` phase (faults as of `round_index`) that joins a heal's own group (never the
+        standing one; in its cluster) and answers `transfer(group)`, timed; the group is dropped after."""
         def run():
-            self._hook("heal", round_index, 0)
             group = self._level_group("inner")
             try:
                 join_s = self._join(group, join, "heal")
                 t0 = time.monotonic()
-                state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
+                return {**transfer(group), "join_s": join_s, "transfer_s": time.monotonic() - t0}
             finally:
                 group.abort()
-            self._load(state, "full")
-            return {"bytes": nbytes, "transport": "group", "join_s": join_s, "transfer_s": time.monotonic() - t0}
-        return self._phase("heal", run, self.trainer.round, faults)
+        return self._phase("heal", run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
         """(meta, state): the object-store fallback of a heal over the group, provided this replica
-        still holds `expect` = (round, step), the progress it was chosen as a source with. Refuses
-        otherwise (meta `collective_failed`, state None): a source restarted meanwhile (Ray runs a
-        call queued for a restarting actor on the new process) must never hand out its fresh state."""
+        still holds `expect` = (round, step), as when it was chosen as a source. Refuses otherwise
+        (meta `collective_failed`, state None): a source restarted meanwhile (Ray runs a queued call on
+        the new process) must never hand out its fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
             return self._answer(Outcome.COLLECTIVE_FAILED,
                                 f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
                                 f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
                                 pid=os.getpid(), bytes=0), None
-        state = self.trainer.state_dict()
-        return self._state_meta(state), state
+        return self._with_meta(self.trainer.state_dict())
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
         """Write its state for the checkpoint of round `round_index` (after round_index - 1 committed);
         `behind` unless it holds exactly that round. A write storage refuses (a full disk, a quota, a
-        read-only remount, another node's folder; OSError, torch's RuntimeError, an fsspec backend's
-        own) answers `io_error`, never raises: the run's problem, not this replica's. The state was
-        taken before, so a bug of the replica's own still raises."""
+        read-only remount; OSError, torch's RuntimeError, an fsspec backend's own) answers `io_error`,
+        never raises: the run's problem. A bug of the replica's own (taking the state) still raises."""
         def run():
-            self._hook("checkpoint", round_index - 1, 0)  # the checkpoint taken after round round_index - 1
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
                              f"round {self.trainer.round}")
@@ -442,7 +422,8 @@ class Replica:
                 return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
             except Exception as err:  # noqa: BLE001 — storage's failure, see above
                 return {"outcome": Outcome.IO_ERROR, "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
-        return self._phase("checkpoint", run, self.trainer.round, faults)
+        # its faults are those of the checkpoint taken after round round_index - 1
+        return self._phase("checkpoint", run, faults, hook_round=round_index - 1)
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
@@ -452,9 +433,9 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:
-        """Restore from a durable checkpoint the caller verified (resume, or after a total loss).
-        Raises CheckpointError naming this replica and its node when the file cannot be read or does
-        not fit the model: that replica's failure. `faults`: the `startup` faults of a resume's load."""
+        """Restore from a durable checkpoint the caller verified (resume, or after a total loss), after
+        its `startup` faults. Raises CheckpointError naming this replica and its node when the file
+        cannot be read or does not fit the model: that replica's failure."""
         self._fire_startup(faults)
         try:
             self._load(checkpoint.load_replica_state(directory, self.rid, sha256), "full")
@@ -477,7 +458,5 @@ def _state_bytes(state: dict) -> int:
 
 def _node_name() -> str:
     """This node as a person finds it: host name, IP address and Ray node id (short)."""
-    import socket
-
     return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, "
             f"{ray.get_runtime_context().get_node_id()[:8]})")

@@ -2,16 +2,14 @@
 
 A spare is a Replica actor that paid a fresh process's one-time costs (torch import, model and
 optimizer built, the first step's lazy imports) and sits idle. When a replica dies, a ready spare of
-its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica.
-The dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
-pool's names are the supervisor's durable state.
-
-Who an actor is survives its restarts (actors/lifecycle.py). A ready spare is asked nothing more;
-its death is seen by the supervisor's ActorWatch, which calls `lost`: a dead spare is never counted
-ready, and is asked again once back.
+its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica;
+the dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
+pool's names are the supervisor's durable state. A ready spare is asked nothing more: its death,
+seen by the supervisor's ActorWatch, calls `lost` (never counted ready until it answers again).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import ray
@@ -37,30 +35,25 @@ class SparePool:
         if wait_s > 0 and self._asked:
             ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=wait_s)
         for c, names in self.names.items():
-            for name in names:
-                handle = self.handles.get(name)
-                if handle is None or name in self.ready:
-                    continue
-                ref = self._asked.get(name)
-                if ref is None:
-                    self._asked[name] = handle.progress.remote()
-                    continue
-                if not ray.wait([ref], timeout=0)[0]:
-                    continue  # still starting or restarting: its answer comes later
-                del self._asked[name]
-                try:
-                    answer = ray.get(ref, timeout=1.0)
-                except Exception:  # noqa: BLE001 — it died meanwhile: asked again next time
-                    continue
-                if answer.get("phase") != "idle":
-                    continue
-                if not answer.get("spare"):
-                    if answer.get("pid") not in self._warming:
-                        self._warming.add(answer.get("pid"))
-                        handle.become_spare.remote()  # warms up, then answers spare=True
-                    continue
-                self.ready.add(name)
-                log.event("spare_ready", cluster=int(c), spare=name, pid=answer.get("pid"))
+            for name in [n for n in names if self.handles.get(n) is not None and n not in self.ready]:
+                if name not in self._asked:
+                    self._asked[name] = self.handles[name].progress.remote()
+                elif ray.wait([self._asked[name]], timeout=0)[0]:  # else still (re)starting: asked later
+                    self._take_answer(int(c), name, self._asked.pop(name), log)
+
+    def _take_answer(self, cluster: int, name: str, ref, log) -> None:
+        try:
+            answer = ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 — it died meanwhile: asked again next time
+            return
+        if answer.get("phase") != "idle":
+            return
+        if answer.get("spare"):
+            self.ready.add(name)
+            log.event("spare_ready", cluster=cluster, spare=name, pid=answer.get("pid"))
+        elif answer.get("pid") not in self._warming:
+            self._warming.add(answer.get("pid"))
+            self.handles[name].become_spare.remote()  # warms up, then answers spare=True
 
     def lost(self, name: str) -> None:
         """Spare `name` died: not ready until it answers again as a warm spare."""
@@ -77,10 +70,9 @@ class SparePool:
                 answer = ray.get(handle.assume.remote(rid), timeout=timeout_s)
             except Exception:  # noqa: BLE001 — that spare is gone too: try the next one
                 continue
-            try:  # its restart warms up as a spare at once (else `check` tells it to)
+            # its restart warms up as a spare at once (the KV store unreachable: `check` tells it to)
+            with contextlib.suppress(Exception):
                 write_identity(dead_name, None, spare=True)
-            except Exception:  # noqa: BLE001 — the KV store unreachable: `check` covers it
-                pass
             self.names[c].remove(name)
             self.names[c].append(dead_name)
             del self.handles[name]

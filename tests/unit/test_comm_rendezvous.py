@@ -192,7 +192,7 @@ def test_the_join_fault_fires_before_the_member_arrives_and_only_when_a_group_fo
 
 
 def test_a_failed_collective_answer_carries_its_error_kind():
-    fake = SimpleNamespace(phase="idle", phase_since=0.0, rid="c1r0", armed=[], _arm=lambda faults: None,
+    fake = SimpleNamespace(phase="idle", phase_since=0.0, rid="c1r0", armed=[],
                            trainer=SimpleNamespace(progress=lambda: {"round": 0, "step": 0}))
 
     def fails():
@@ -200,5 +200,5 @@ def test_a_failed_collective_answer_carries_its_error_kind():
                               "join_aborted")
     replica = _replica_class()
     fake._answer = lambda *args, **kw: replica._answer(fake, *args, **kw)  # (the one place answers are built)
-    answer = replica._phase(fake, "inner", fails, 0, None)
+    answer = replica._phase(fake, "inner", fails, None)
     assert answer["outcome"] == "collective_failed" and answer["error_kind"] == "join_aborted"
