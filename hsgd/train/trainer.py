@@ -36,7 +36,6 @@ import hashlib
 import math
 import os
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +50,7 @@ from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 from hsgd.train.simulate import pacer_from_config
+from hsgd.train.state_stream import join_state, split_state
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
 FaultHook = Callable[[str, int, int], None]
@@ -187,7 +187,7 @@ class ReplicaTrainer:
         # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
         self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self._poisoned = False  # test hook (the `nan` fault): the next step's loss is NaN
-        self._host_buffers: dict[str, torch.Tensor] = {}  # pinned state_dict buffers (CUDA), reused
+        self._host_buffers: dict[int, torch.Tensor] = {}  # pinned state_dict buffers (CUDA), reused
 
     def assume_identity(self, rid: str) -> None:
         """A hot spare takes over `rid`: its data stream (the global replica index) and name. The
@@ -310,16 +310,15 @@ class ReplicaTrainer:
 
     @torch.no_grad()
     def _step_state(self) -> tuple:
-        opt = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
-               for p, s in self.inner_opt.state.items()}
-        return [p.detach().clone() for p in self.params], opt, self._nonfinite.clone()
+        return ([p.detach().clone() for p in self.params], copy.deepcopy(self.inner_opt.state_dict()),
+                self._nonfinite.clone())
 
     @torch.no_grad()
     def _restore_step_state(self, saved: tuple) -> None:
         params, opt, nonfinite = saved
         for p, s in zip(self.params, params):
             p.copy_(s)
-        self.inner_opt.state = defaultdict(dict, opt)
+        self.inner_opt.load_state_dict(opt)
         self._nonfinite.copy_(nonfinite)
 
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = lambda phase, r, s: None,
@@ -550,47 +549,33 @@ class ReplicaTrainer:
                 "global_digest": meta["global_digest"]}
 
     # -- state for heal and checkpoint ----------------------------------------------------------
-    def _host(self, obj: Any, key: str) -> Any:
-        """A host copy of obj's tensors: on CUDA into this trainer's reusable pinned buffers
-        (non-blocking copies; the caller synchronizes once), on the CPU a plain clone."""
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "cuda":
-                return obj.detach().clone()
-            buf = self._host_buffers.get(key)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = self._host_buffers[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-            buf.copy_(obj.detach(), non_blocking=True)
-            return buf
-        if isinstance(obj, dict):
-            return {k: self._host(v, f"{key}/{k}") for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._host(v, f"{key}/{i}") for i, v in enumerate(obj))
-        return obj
-
     def state_dict(self) -> dict:
         """Everything a `full` heal or a checkpoint carries, on the host. On CUDA the tensors are
         this trainer's pinned buffers, reused by the next call: serialize or copy them before."""
-        state = self._state(copy=True)
+        skeleton, tensors = split_state(self.live_state())
+        copies = []
+        for i, t in enumerate(tensors):
+            if t.device.type != "cuda":
+                copies.append(t.detach().clone())
+                continue
+            buf = self._host_buffers.get(i)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._host_buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            copies.append(buf.copy_(t.detach(), non_blocking=True))
         if self.device_type == "cuda":
-            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy in _host
-        return state
+            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy above
+        return join_state(skeleton, copies)
 
     def live_state(self) -> dict:
         """state_dict's tree holding this trainer's own tensors, not copies, where they live (a heal
         over the process group streams them out at once, from the phase thread, which nothing
         else mutates meanwhile). Never modify it or keep it past that call."""
-        return self._state(copy=False)
-
-    def _state(self, copy: bool) -> dict:
-        host = self._host if copy else (lambda obj, key: obj)
-        snapshot = None if self._outer_snapshot is None else \
-            {"round": self._outer_snapshot[0], "flat": host(self._outer_snapshot[1], "outer_snapshot")}
-        return {"rid": self.rid, "round": self.round, "step": self.step,
-                "params": host(list(self.params), "params"),
-                "inner_opt": host(self.inner_opt.state_dict(), "inner_opt"),
-                "outer": self.outer_opt.state_dict(copy=copy),
-                "outer_residual": None if self.outer_residual is None else host(list(self.outer_residual), "residual"),
-                "outer_snapshot": snapshot, "round_losses": list(self.round_losses)}
+        snapshot = self._outer_snapshot
+        return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
+                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
+                "outer_residual": None if self.outer_residual is None else list(self.outer_residual),
+                "outer_snapshot": None if snapshot is None else {"round": snapshot[0], "flat": snapshot[1]},
+                "round_losses": list(self.round_losses)}
 
     def global_state(self) -> dict:
         """What a `global` heal needs: the round-start global params and outer state. They change
