@@ -41,9 +41,6 @@ LEVEL = "inner"  # a `full` heal never leaves its cluster
 class StreamError(CollectiveError):
     """What arrived is not a consistent state (wrong header, meta that does not match the bytes)."""
 
-    def __init__(self, message: str, kind: str = "wait"):
-        super().__init__(message, kind)
-
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -70,7 +70,6 @@ class NonFiniteError(RuntimeError):
     "loss" | "grad_norm" | "pseudo_gradient". Nothing non-finite was sent to another cluster."""
 
     def __init__(self, what: str, message: str):
-        assert what in ("loss", "grad_norm", "pseudo_gradient"), what
         super().__init__(message)
         self.what = what
 
@@ -590,25 +589,23 @@ class ReplicaTrainer:
         global params at the round's first step with a fresh inner optimizer, the same for every
         member so healed, and the residual starts at zero (another cluster's is not ours to send).
         Either way the non-finite flags start clear."""
+        full = scope == "full"
         self.outer_opt.load_state_dict(state["outer"])
-        residual = state.get("outer_residual") if scope == "full" else None
+        residual = state.get("outer_residual") if full else None
         self.outer_residual = None if residual is None else [r.detach().to("cpu").clone() for r in residual]
-        if scope == "full":
+        snapshot = state.get("outer_snapshot") if full else None  # a source past the snapshot step: send the same
+        self._outer_snapshot = None if snapshot is None else (int(snapshot["round"]),
+                                                              snapshot["flat"].detach().to("cpu").clone())
+        self.round = int(state["round"])
+        self.step = int(state["step"]) if full else self.round * self.steps_per_round  # `global`: ours is gone
+        self.round_losses = list(state.get("round_losses", [])) if full else []
+        if full:
             for p, src in zip(self.params, state["params"]):
                 p.copy_(src.to(p.device))
             self.inner_opt.load_state_dict(state["inner_opt"])
-            self.round_losses = list(state.get("round_losses", []))
-            self.round, self.step = int(state["round"]), int(state["step"])
-            snapshot = state.get("outer_snapshot")  # taken past the snapshot step: send the same as the source
-            self._outer_snapshot = None if snapshot is None else (int(snapshot["round"]),
-                                                                  snapshot["flat"].detach().to("cpu").clone())
         else:
             self.outer_opt.copy_global_into(self.params)
             self.inner_opt = build_inner_optimizer(self.cfg, self.params, self.device)
-            self.round_losses = []
-            self.round = int(state["round"])
-            self.step = self.round * self.steps_per_round  # our cluster's progress in this round is gone
-            self._outer_snapshot = None
         self._outer_buffer = None
         self._averaged = self._pre_average = None
         self._nonfinite.zero_()
