@@ -201,7 +201,8 @@ def check_data(cfg) -> None:
     try:
         ds = task.build_dataset(cfg)
         if isinstance(ds, TokenDataset):
-            token_files.scan_token_ids(ds.files)
+            token_files.check_ids(ds.files, "val", sample_tokens=None)
+            token_files.check_ids(ds.files, "train", sample_tokens=64 << 20)
         for split in SPLITS if target == BUILTIN_TARGET else ("train",):
             ds.batch(split, seed=cfg.seed, replica_index=0, step=0, micro=0)
     except Exception as e:  # noqa: BLE001 — the user's code may fail in any way: one line naming their field

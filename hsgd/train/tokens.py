@@ -10,7 +10,7 @@ nanoGPT's `meta.pkl` is never loaded (unpickling runs arbitrary code): a folder 
 Nothing is read whole: the files are memory-mapped read-only (clean pages the OS may drop; they do
 not count against RLIMIT_DATA). Checks are bounded: length a multiple of the dtype, each split
 longer than a block, ids below the vocabulary in a sample (`open_token_folder`) or in all of
-val.bin plus a larger train sample (`scan_token_ids`, in bounded pieces). Every error is one
+val.bin plus a larger train sample (`check_ids`, in bounded pieces). Every error is one
 line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 
 `prepare_tokens` writes such a folder from text (byte-level, or char-level with the ids
@@ -109,7 +109,7 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
                          "set data.vocab_size to the tokenizer's vocabulary (50257 for GPT-2), or write the "
                          "folder with `python -m jobs.prepare`")
     else:
-        vocab = data_vocab = vocab_size
+        vocab = vocab_size
         dtype = dtype_for_vocab(vocab_size)
     itemsize = DTYPES[dtype].itemsize
     tokens = {}
@@ -127,7 +127,7 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
                         f"{meta[f'{split}_tokens']}; the folder is half-written or mixed up")
     files = TokenFiles(folder=str(folder), source=path, dtype=dtype, vocab_size=vocab, tokens=tokens, meta=meta)
     for split in SPLITS:
-        check_ids(files, split, sample_tokens=sample_tokens, limit=data_vocab)
+        check_ids(files, split, sample_tokens=sample_tokens)
     return files
 
 
@@ -153,12 +153,14 @@ def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
     return best, where
 
 
-def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit: int | None = None) -> None:
+def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> None:
     """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
-    token id in the scanned part of `split` is >= the vocabulary. sample_tokens=None scans the
-    whole file (bounded memory: read in pieces through the memmap)."""
+    token id in the scanned part of `split` is >= the vocabulary meta.json names (else
+    data.vocab_size). sample_tokens=None scans the whole file (bounded memory: read in pieces
+    through the memmap). Before a run starts (data.check_data): all of val.bin and a large sample
+    of train.bin."""
     best, where = _scan(files, split, _windows(files.tokens[split], sample_tokens))
-    limit = files.vocab_size if limit is None else limit
+    limit = files.meta.get("vocab_size", files.vocab_size)
     if best >= limit:
         if files.meta:
             raise _fail("data.path", files.source, f"{split}.bin holds token id {best} at token {where}, but "
@@ -166,11 +168,6 @@ def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit
         raise _fail("data.vocab_size", files.vocab_size, f"{split}.bin in data.path={files.source!r} holds "
                     f"token id {best} at token {where}; data.vocab_size must be > {best}")
 
-
-def scan_token_ids(files: TokenFiles, *, train_sample_tokens: int = 64 << 20) -> None:
-    """The thorough check before a run starts: every id of val.bin and a large sample of train.bin."""
-    check_ids(files, "val", sample_tokens=None)
-    check_ids(files, "train", sample_tokens=train_sample_tokens)
 
 
 # ----------------------------------------------------------------------------- writing token files
