@@ -6,8 +6,8 @@ plain values; `split_state` lists its tensors (no copies) and `join_state` puts 
 Protocol (every message a `broadcast` from `root`, level `inner`: the group holds the source and
 every target healed from it, never leaving the cluster):
     1. header   int64[4]: MAGIC, meta length, total payload bytes, chunk bytes
-    2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one (shape, dtype
-                name, device type) per tensor, loaded with weights_only=True (a peer's bytes never
+    2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one (shape, torch
+                dtype, device type) per tensor, loaded with weights_only=True (a peer's bytes never
                 run code here)
     3. chunks   uint8[<= chunk bytes] each, in `plan_chunks` order: the tensors' bytes back to back,
                 a tensor larger than a chunk split over several.
@@ -51,18 +51,6 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-    def encode(self) -> tuple:
-        return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.device)
-
-    @staticmethod
-    def decode(t: Any) -> "TensorSpec":
-        shape, dtype, device = t
-        dt = getattr(torch, str(dtype), None)
-        if not isinstance(dt, torch.dtype) or device not in ("cpu", "cuda") \
-                or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise StreamError(f"state stream: bad tensor spec {t!r}")
-        return TensorSpec(tuple(shape), dt, device)
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorSpec":
@@ -160,7 +148,7 @@ def unpack_chunk(pieces: list[Piece], chunk: torch.Tensor, tensors: list[torch.T
 
 def encode_meta(skeleton: Any, specs: list[TensorSpec]) -> bytes:
     buf = io.BytesIO()
-    torch.save({"skeleton": skeleton, "specs": [s.encode() for s in specs]}, buf)
+    torch.save({"skeleton": skeleton, "specs": [(s.shape, s.dtype, s.device) for s in specs]}, buf)
     return buf.getvalue()
 
 
@@ -168,11 +156,15 @@ def decode_meta(data: bytes) -> tuple[Any, list[TensorSpec]]:
     """Raises StreamError for bytes that are not encode_meta's (weights_only: no code runs)."""
     try:
         meta = torch.load(io.BytesIO(data), weights_only=True)
-        return meta["skeleton"], [TensorSpec.decode(s) for s in meta["specs"]]
-    except StreamError:
-        raise
+        skeleton = meta["skeleton"]
+        specs = [TensorSpec(tuple(shape), dtype, device) for shape, dtype, device in meta["specs"]]
     except Exception as err:  # noqa: BLE001 — unpickling refused or malformed
         raise StreamError(f"state stream: unreadable meta ({type(err).__name__}: {err})") from err
+    for s in specs:
+        if not isinstance(s.dtype, torch.dtype) or s.device not in ("cpu", "cuda") \
+                or not all(isinstance(d, int) and d >= 0 for d in s.shape):
+            raise StreamError(f"state stream: bad tensor spec {s!r}")
+    return skeleton, specs
 
 
 # -- over a group ----------------------------------------------------------------------------------
