@@ -227,7 +227,7 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
 
     # pass 1: how many tokens, and (char) which characters
     n_chars = n_tokens = 0
-    seen = np.zeros(0, dtype=bool)
+    seen = np.zeros(0x110000, dtype=bool)  # every Unicode code point
     for chunk in iter_text(files, src, field="src"):
         n_chars += len(chunk)
         if tokenizer == "byte":
@@ -235,9 +235,6 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         else:
             cps = codepoints(chunk)
             n_tokens += len(cps)
-            top = int(cps.max()) + 1 if len(cps) else 0
-            if top > len(seen):
-                seen = np.concatenate([seen, np.zeros(top - len(seen), dtype=bool)])
             seen[cps] = True
         report("count", n_chars, 0)
     if tokenizer == "byte":

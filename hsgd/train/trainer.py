@@ -36,6 +36,7 @@ import hashlib
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -165,7 +166,8 @@ class ReplicaTrainer:
         self.fragment_delay = cfg.sync.fragment_delay
         self._outer_snapshot: tuple[int, torch.Tensor] | None = None
         self.grad_accum = int(cfg.data.grad_accum)
-        self.tokens_per_step = task.tokens_per_batch(self.dataset, cfg) * self.grad_accum
+        per_batch = getattr(self.dataset, "tokens_per_batch", None) or cfg.data.batch_size * cfg.model.block_size
+        self.tokens_per_step = int(per_batch) * self.grad_accum
         self.steps_per_round = steps_per_round(cfg)
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
@@ -539,12 +541,24 @@ class ReplicaTrainer:
     def save_model(self, path: str) -> dict:
         """Write the committed global model (the global params of round `round`) to `path` as
         safetensors, under the module's parameter names (a tied weight once), with the round, the
-        plug-ins and the digest as metadata. Raises OSError when the file cannot be written."""
-        tensors = {name: g.detach() for name, g in zip(self.param_names, self.outer_opt.global_params)}
+        plug-ins and the digest as metadata, under a temporary name renamed into place (a reader
+        never sees half a file). Load it back with `model.load_state_dict(
+        safetensors.torch.load_file(path), strict=False)`. Raises OSError when it cannot be written."""
+        from safetensors.torch import save_file
+
+        tensors = {name: g.detach().to("cpu").contiguous()
+                   for name, g in zip(self.param_names, self.outer_opt.global_params)}
         meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
                 "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
                 "global_digest": self.global_digest()}
-        return {"path": str(path), "round": self.round, "bytes": task.save_model(path, tensors, meta),
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return {"path": str(path), "round": self.round, "bytes": os.path.getsize(path),
                 "global_digest": meta["global_digest"]}
 
     # -- state for heal and checkpoint ----------------------------------------------------------
