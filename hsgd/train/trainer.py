@@ -175,10 +175,9 @@ class ReplicaTrainer:
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        # (round, epoch, shard, shards, mean of that shard, flat fp32): never reused or committed
-        # under another epoch or shard plan
-        self._outer_buffer: tuple[int, int, int, int, torch.Tensor] | None = None
-        self._outer_weights: tuple[float, ...] = ()  # the token weights the buffer was reduced with
+        # ((round, epoch, shard, shards, token weights), mean of that shard, flat fp32): never reused
+        # or committed under another epoch, shard plan or weights
+        self._outer_buffer: tuple[tuple, torch.Tensor] | None = None
         # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
         # retried average starts from the same point (never averages an averaged replica again)
         self._averaged: tuple[int, int] | None = None
@@ -224,7 +223,7 @@ class ReplicaTrainer:
 
     def progress(self) -> dict:
         return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.param_bytes,
-                "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0]}
+                "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0][0]}
 
     def _require(self, round_index: int, what: str) -> bool:
         """True if the call's work is still to do; False if the round is already committed here."""
@@ -424,13 +423,12 @@ class ReplicaTrainer:
         NonFiniteError before sending a non-finite pseudo-gradient."""
         if not self._require(round_index, "outer_reduce"):
             return
-        if self._outer_buffer and self._outer_buffer[:4] == (round_index, epoch, shard, shards) \
-                and self._outer_weights == tuple(weights):
+        key = (round_index, epoch, shard, shards, tuple(weights))
+        if self._outer_buffer and self._outer_buffer[0] == key:
             return
-        self._outer_weights = tuple(weights)
         self._outer_buffer = None
         if self.cfg.sync.outer == "none":
-            self._outer_buffer = (round_index, epoch, shard, shards, torch.zeros(0))
+            self._outer_buffer = (key, torch.zeros(0))
             return
         flat = self._round_pseudo_gradient(round_index)
         if not bool(torch.isfinite(flat).all()):
@@ -451,7 +449,7 @@ class ReplicaTrainer:
                 weight = weights[rank] if weights else 1.0
                 mean += decoded if weight == 1.0 else decoded.mul_(weight)
             piece = mean.div_(len(payloads))
-        self._outer_buffer = (round_index, epoch, shard, shards, piece)
+        self._outer_buffer = (key, piece)
 
     @torch.no_grad()
     def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...]) -> None:
@@ -470,9 +468,9 @@ class ReplicaTrainer:
             for j, (root, (lo, hi)) in enumerate(zip(roots, bounds)):  # one broadcast per shard, from its holder
                 if inner.rank == root:
                     buf = self._outer_buffer
-                    assert buf is not None and buf[0] == round_index and buf[2:4] == (j, len(roots)), \
+                    assert buf is not None and buf[0][0] == round_index and buf[0][2:4] == (j, len(roots)), \
                         f"{self.rid}: commit of round {round_index} without a reduced buffer for shard {j}/{len(roots)}"
-                    mean[lo:hi] = buf[4]
+                    mean[lo:hi] = buf[1]
                 if hi > lo:
                     inner.broadcast([mean[lo:hi]], root=root, level="inner")
             if self.codec is not None:
