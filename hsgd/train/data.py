@@ -1,14 +1,11 @@
 """Character-level corpus and stateless, step-indexed batches; `build_dataset`, the default
-`data._target_` (the dataset contract is hsgd/train/task.py's).
+`data._target_` (the dataset contract, batches pure in their arguments, is hsgd/train/task.py's).
 
 - `load_corpus(path=None)`: the text as int64 character ids, split by position into `train` (the
   first 1 - val_fraction) and `val`. `path=None` is the packaged Shakespeare corpus; otherwise a
   text file (.txt, .xz, .gz) or a folder of *.txt. Bad paths raise FileNotFoundError, too little
   text ValueError, one line naming `data.path`.
-- A dataset's `batch` is a pure function of its arguments: a replica's data position IS its step,
-  so a replica restored at step s draws exactly the batches it would have drawn anyway.
 - A token folder (train.bin/val.bin) is read through np.memmap (hsgd/train/tokens.py).
-- `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
 
 import lzma

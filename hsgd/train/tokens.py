@@ -155,10 +155,8 @@ def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
 
 def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> None:
     """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
-    token id in the scanned part of `split` is >= the vocabulary meta.json names (else
-    data.vocab_size). sample_tokens=None scans the whole file (bounded memory: read in pieces
-    through the memmap). Before a run starts (data.check_data): all of val.bin and a large sample
-    of train.bin."""
+    token id in the scanned part of `split` is >= meta.json's vocab_size (else data.vocab_size).
+    sample_tokens=None scans the whole file."""
     best, where = _scan(files, split, _windows(files.tokens[split], sample_tokens))
     limit = files.meta.get("vocab_size", files.vocab_size)
     if best >= limit:

@@ -359,17 +359,14 @@ class ReplicaTrainer:
             finally:
                 losses = torch.stack(pending).tolist() if pending else []
                 self.round_losses.extend(losses)
-            self._raise_if_nonfinite(first)
+            bad_loss, bad_norm = self._nonfinite.tolist()
+            if bad_loss or bad_norm:
+                what = "loss" if bad_loss else "grad_norm"
+                raise NonFiniteError(what, f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
+                                           f"(inner steps {first}..{self.step - 1}); its params must be healed")
         return InnerReport(round=self.round, step=self.step, steps_done=len(pending), loss_sum=sum(losses),
                            tokens=len(pending) * self.tokens_per_step, seconds=time.perf_counter() - start,
                            inner_bytes=inner.bytes_sent - bytes_before, losses=losses, yielded=yielded)
-
-    def _raise_if_nonfinite(self, first_step: int) -> None:
-        bad_loss, bad_norm = self._nonfinite.tolist()
-        if bad_loss or bad_norm:
-            what = "loss" if bad_loss else "grad_norm"
-            raise NonFiniteError(what, f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
-                                       f"(inner steps {first_step}..{self.step - 1}); its params must be healed")
 
     # -- outer phase ----------------------------------------------------------------------------
     @torch.no_grad()
