@@ -29,6 +29,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from hsgd.record.rundir import atomic_write_text
+
 META = "meta.json"
 FORMAT = "hsgd-tokens/1"
 SPLITS = ("train", "val")
@@ -280,7 +282,5 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
             "train_tokens": n_train, "val_tokens": n_tokens - n_train, "source": str(src)}
     if chars is not None:
         meta["chars"] = chars
-    meta_tmp = out_dir / f".{META}.tmp-{tag}"
-    meta_tmp.write_text(json.dumps(meta, ensure_ascii=True), encoding="utf-8")
-    os.replace(meta_tmp, out_dir / META)
+    atomic_write_text(out_dir / META, json.dumps(meta, ensure_ascii=True))
     return meta
