@@ -23,10 +23,7 @@ Failures:
   the replica must be healed. `outer_reduce` raises it before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
 and a call for a round this replica has not reached raises `Behind`.
-
-Numerics: `train.precision=bf16` runs forward and loss under autocast; params, gradients, the
-optimizer state, pseudo-gradients and the outer state stay fp32. `train.compile` compiles the
-model for the steps; heals, checkpoints and evaluation use the module itself (the same params).
+Numerics (`train.precision`, `train.compile`): README, "Numerics for GPU runs".
 """
 from __future__ import annotations
 
