@@ -168,10 +168,11 @@ def decode_meta(data: bytes) -> tuple[Any, list[TensorSpec]]:
 
 
 # -- over a group ----------------------------------------------------------------------------------
-def _transport_device(group: LevelGroup, device: str | torch.device) -> torch.device:
-    """Where chunks are staged: on the GPU for NCCL, else the CPU (gloo sends host memory)."""
+def _staging(group: LevelGroup, device: str | torch.device, chunk_bytes: int, total: int) -> torch.Tensor:
+    """The one chunk buffer, reused: on the GPU for NCCL, else the CPU (gloo sends host memory)."""
     d = torch.device(device)
-    return d if group.backend == "nccl" and d.type == "cuda" else torch.device("cpu")
+    d = d if group.backend == "nccl" and d.type == "cuda" else torch.device("cpu")
+    return torch.empty(min(chunk_bytes, max(total, 1)), dtype=torch.uint8, device=d)
 
 
 def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, root: int = 0,
@@ -186,13 +187,11 @@ def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, roo
     sizes = [s.nbytes for s in specs]
     chunk_bytes = max(1, int(chunk_mb * 2**20))
     meta = encode_meta(skeleton, specs)
-    dev = _transport_device(group, device)
     header = torch.tensor([MAGIC, len(meta), sum(sizes), chunk_bytes], dtype=torch.int64)
     group.broadcast([header], root=root, level=LEVEL)
     group.broadcast([torch.frombuffer(bytearray(meta), dtype=torch.uint8)], root=root, level=LEVEL)
-    plan = plan_chunks(sizes, chunk_bytes)
-    staging = torch.empty(min(chunk_bytes, max(sum(sizes), 1)), dtype=torch.uint8, device=dev)
-    for pieces in plan:
+    staging = _staging(group, device, chunk_bytes, sum(sizes))
+    for pieces in plan_chunks(sizes, chunk_bytes):
         group.broadcast([pack_chunk(pieces, tensors, staging)], root=root, level=LEVEL)
     return sum(sizes)
 
@@ -216,8 +215,7 @@ def receive_state(group: LevelGroup, *, root: int = 0, device: str | torch.devic
     target = torch.device(device)
     tensors = [torch.empty(s.shape, dtype=s.dtype, device=target if s.device == "cuda" and target.type == "cuda"
                            else "cpu") for s in specs]
-    dev = _transport_device(group, device)
-    staging = torch.empty(min(chunk_bytes, max(total, 1)), dtype=torch.uint8, device=dev)
+    staging = _staging(group, device, chunk_bytes, total)
     for pieces in plan_chunks(sizes, chunk_bytes):
         chunk = staging[:chunk_length(pieces)]
         group.broadcast([chunk], root=root, level=LEVEL)
