@@ -207,20 +207,16 @@ def read_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-def _sha256(url: str) -> str:
-    fs, path = _fs(url)
-    with fs.open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def verify(directory: str | Path) -> dict:
     """Read a checkpoint back: the manifest parses and every file it names matches its sha256.
     Returns the manifest; raises CheckpointError naming the first problem. Loads nothing."""
     manifest = read_manifest(directory)
     for rid, expected in sorted(manifest["files"].items()):
         url = _join(directory, f"{rid}.pt")
+        fs, path = _fs(url)
         try:
-            actual = _sha256(url)
+            with fs.open(path, "rb") as f:
+                actual = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as err:
             raise CheckpointError(f"checkpoint file {url} is unreadable: {err}") from err
         if actual != expected:
