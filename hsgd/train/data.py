@@ -181,7 +181,8 @@ def build_dataset(data_cfg: Any, block_size: int) -> TextDataset | TokenDataset:
         if p.is_file() and p.suffix == ".bin":
             raise ValueError(f"data.path={str(path)!r}: point data.path at the folder that holds "
                              "train.bin and val.bin, not at one .bin file")
-        if token_files.is_token_folder(p):
+        # a folder that holds (or means to hold) token files rather than text
+        if p.is_dir() and any((p / name).exists() for name in ("train.bin", "val.bin", token_files.META, "meta.pkl")):
             files = token_files.open_token_folder(str(path), vocab_size=vocab_size, block_size=block_size)
             return TokenDataset(files, batch_size=data_cfg.batch_size, block_size=block_size)
     corpus = load_corpus(path, data_cfg.val_fraction, block_size=block_size)

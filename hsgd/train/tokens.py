@@ -45,12 +45,6 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def is_token_folder(path: str | os.PathLike) -> bool:
-    """A folder that holds (or means to hold) token files rather than text."""
-    p = Path(path).expanduser()
-    return p.is_dir() and any((p / name).exists() for name in ("train.bin", "val.bin", META, "meta.pkl"))
-
-
 @dataclass(frozen=True)
 class TokenFiles:
     """A checked token folder: where the files are and how to read them (no open handles, so it
