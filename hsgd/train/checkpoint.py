@@ -333,15 +333,6 @@ FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_
                       "optim.outer.momentum", "optim.outer.nesterov")
 
 
-def _data_size(path: str | None) -> int | None:
-    """Bytes of the training data (a file, or every file of a token folder); None = the packaged
-    corpus, or a path this process cannot see."""
-    p = Path(path) if path else None
-    if p and p.is_dir():
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-    return p.stat().st_size if p and p.is_file() else None
-
-
 def fingerprint(cfg) -> dict:
     """What a resume may not change, as {dotted field: value} (plus `data.size`): the model's
     shape and vocabulary, the data (path and size), the inner/outer algorithms and optimizers and
@@ -356,7 +347,12 @@ def fingerprint(cfg) -> dict:
         out[name] = value
     if out["data.path"]:
         out["data.path"] = os.path.abspath(os.path.expanduser(str(out["data.path"])))
-    out["data.size"] = _data_size(out["data.path"])
+    # bytes of the data (a file, or every file of a token folder); None = the packaged corpus, or
+    # a path this process cannot see
+    p = Path(out["data.path"]) if out["data.path"] else None
+    out["data.size"] = p.stat().st_size if p and p.is_file() else None
+    if p and p.is_dir():
+        out["data.size"] = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
     return out
 
 

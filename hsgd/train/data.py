@@ -148,16 +148,13 @@ class TokenDataset:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": {}}
 
-    def _memmap(self, split: str) -> np.memmap:
+    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
+              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         if split not in self._maps:
             if split not in SPLITS:
                 raise ValueError(f"split {split!r} is not one of {SPLITS}")
             self._maps[split] = self.files.memmap(split)
-        return self._maps[split]
-
-    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
-              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mm = self._memmap(split)
+        mm = self._maps[split]
         T = self.block_size
         offsets = _offsets(len(mm), seed=seed, replica_index=replica_index, step=step, micro=micro,
                            batch_size=self.batch_size, block_size=T)

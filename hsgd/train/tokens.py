@@ -136,24 +136,18 @@ def _windows(n: int, sample_tokens: int | None, window: int = 1 << 16) -> list[t
     return [((n - window) * i // (k - 1), window) for i in range(k)]
 
 
-def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
-    """(max id, its position) over token ranges, read through the memmap SCAN_TOKENS at a time."""
+def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> None:
+    """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
+    token id in the scanned part of `split` is >= meta.json's vocab_size (else data.vocab_size).
+    sample_tokens=None scans the whole file."""
     mm = files.memmap(split)
-    best, where = -1, -1
-    for start, count in ranges:
+    best, where = -1, -1  # the largest id, and its position, read SCAN_TOKENS at a time
+    for start, count in _windows(files.tokens[split], sample_tokens):
         for a in range(start, start + count, SCAN_TOKENS):
             block = mm[a:min(a + SCAN_TOKENS, start + count)]
             i = int(block.argmax())
             if int(block[i]) > best:
                 best, where = int(block[i]), a + i
-    return best, where
-
-
-def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> None:
-    """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
-    token id in the scanned part of `split` is >= meta.json's vocab_size (else data.vocab_size).
-    sample_tokens=None scans the whole file."""
-    best, where = _scan(files, split, _windows(files.tokens[split], sample_tokens))
     limit = files.meta.get("vocab_size", files.vocab_size)
     if best >= limit:
         if files.meta:

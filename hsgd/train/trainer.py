@@ -281,7 +281,10 @@ class ReplicaTrainer:
         average = cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0
         # a step that ends with a parameter average changes params and optimizer state before its
         # collective: keep what it started from, so a failed average leaves no step applied
-        saved = self._step_state() if average and inner.world_size > 1 else None
+        keep = average and inner.world_size > 1
+        saved = [p.detach().clone() for p in self.params] if keep else None
+        saved_opt = copy.deepcopy(self.inner_opt.state_dict()) if keep else None
+        saved_nonfinite = self._nonfinite.clone() if keep else None
         try:
             loss = self._forward_backward(inner, hook)
             if cfg.optim.inner.grad_clip > 0:
@@ -298,25 +301,15 @@ class ReplicaTrainer:
         except BaseException:
             if self.buckets is not None:
                 self.buckets.disarm()
-            if saved is not None:
-                self._restore_step_state(saved)
+            if keep:
+                for p, before in zip(self.params, saved):
+                    p.data.copy_(before)
+                self.inner_opt.load_state_dict(saved_opt)
+                self._nonfinite.copy_(saved_nonfinite)
             raise
         if self.pacer is not None:
             self.pacer.after_step(started, self.global_index, self.step)
         return loss
-
-    @torch.no_grad()
-    def _step_state(self) -> tuple:
-        return ([p.detach().clone() for p in self.params], copy.deepcopy(self.inner_opt.state_dict()),
-                self._nonfinite.clone())
-
-    @torch.no_grad()
-    def _restore_step_state(self, saved: tuple) -> None:
-        params, opt, nonfinite = saved
-        for p, s in zip(self.params, params):
-            p.copy_(s)
-        self.inner_opt.load_state_dict(opt)
-        self._nonfinite.copy_(nonfinite)
 
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = lambda phase, r, s: None,
                   at_snapshot: Callable[[], None] | None = None) -> InnerReport:
