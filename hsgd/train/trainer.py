@@ -449,9 +449,9 @@ class ReplicaTrainer:
         if self.cfg.sync.outer != "none":
             index = self.fragment_params(round_index)
             shapes = [self.outer_opt.global_params[i] for i in index]
-            numel = sum(g.numel() for g in shapes)
-            bounds = shard_bounds(numel, len(roots), ALIGN)
-            mean = torch.zeros(numel)
+            sizes = [g.numel() for g in shapes]
+            bounds = shard_bounds(sum(sizes), len(roots), ALIGN)
+            mean = torch.zeros(sum(sizes))
             for j, (root, (lo, hi)) in enumerate(zip(roots, bounds)):  # one broadcast per shard, from its holder
                 if inner.rank == root:
                     buf = self._outer_buffer
@@ -460,11 +460,21 @@ class ReplicaTrainer:
                     mean[lo:hi] = buf[1]
                 if hi > lo:
                     inner.broadcast([mean[lo:hi]], root=root, level="inner")
-            if self.codec is not None:
-                self._update_residual(round_index, index)
-            pseudo_grad = [d.view_as(g) for d, g in zip(mean.split([g.numel() for g in shapes]), shapes)]
-            self.outer_opt.step(pseudo_grad, index)
-            self._merge_global(index)
+            if self.codec is not None:  # residual = corrected - what was sent, before the params change
+                corrected = self._round_pseudo_gradient(round_index)
+                if self.outer_residual is None:
+                    self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
+                _, residual = compress_with_feedback(self.codec, corrected, None)
+                for i, r, g in zip(index, residual.split(sizes), shapes):
+                    self.outer_residual[i].copy_(r.view_as(g))
+            self.outer_opt.step([d.view_as(g) for d, g in zip(mean.split(sizes), shapes)], index)
+            alpha = self.fragment_alpha  # 0: the global params (plain DiLoCo); else Streaming DiLoCo's mixing
+            for i in index:
+                p, g = self.params[i], self.outer_opt.global_params[i].to(self.params[i].device)
+                if alpha == 0:
+                    p.copy_(g)
+                else:
+                    p.mul_(alpha).add_(g, alpha=1 - alpha)
             self._nonfinite.zero_()  # the params are the (finite) committed global params again
         else:
             self.outer_opt.reset_global(self.params)
@@ -472,27 +482,6 @@ class ReplicaTrainer:
         self._averaged = self._pre_average = None
         self.round += 1
         self.round_losses = []
-
-    def _update_residual(self, round_index: int, index: list[int]) -> None:
-        """residual = corrected - what was sent, for the fragment's parameters (before the commit
-        changes the params the pseudo-gradient is computed from)."""
-        corrected = self._round_pseudo_gradient(round_index)
-        if self.outer_residual is None:
-            self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
-        _, residual = compress_with_feedback(self.codec, corrected, None)
-        for i, r in zip(index, residual.split([self.outer_residual[i].numel() for i in index])):
-            self.outer_residual[i].copy_(r.view_as(self.outer_residual[i]))
-
-    def _merge_global(self, index: list[int]) -> None:
-        """The synced fragment's working params after a commit: the global params (alpha 0, plain
-        DiLoCo), or alpha * local + (1 - alpha) * global (Streaming DiLoCo's mixing)."""
-        alpha = self.fragment_alpha
-        for i in index:
-            p, g = self.params[i], self.outer_opt.global_params[i]
-            if alpha == 0:
-                p.copy_(g.to(p.device))
-            else:
-                p.mul_(alpha).add_(g.to(p.device), alpha=1 - alpha)
 
     # -- evaluation, digests, the final model ---------------------------------------------------
     @torch.no_grad()
