@@ -207,20 +207,16 @@ def read_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-def _sha256(url: str) -> str:
-    fs, path = _fs(url)
-    with fs.open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def verify(directory: str | Path) -> dict:
     """Read a checkpoint back: the manifest parses and every file it names matches its sha256.
     Returns the manifest; raises CheckpointError naming the first problem. Loads nothing."""
     manifest = read_manifest(directory)
     for rid, expected in sorted(manifest["files"].items()):
         url = _join(directory, f"{rid}.pt")
+        fs, path = _fs(url)
         try:
-            actual = _sha256(url)
+            with fs.open(path, "rb") as f:
+                actual = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as err:
             raise CheckpointError(f"checkpoint file {url} is unreadable: {err}") from err
         if actual != expected:
@@ -337,15 +333,6 @@ FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_
                       "optim.outer.momentum", "optim.outer.nesterov")
 
 
-def _data_size(path: str | None) -> int | None:
-    """Bytes of the training data (a file, or every file of a token folder); None = the packaged
-    corpus, or a path this process cannot see."""
-    p = Path(path) if path else None
-    if p and p.is_dir():
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-    return p.stat().st_size if p and p.is_file() else None
-
-
 def fingerprint(cfg) -> dict:
     """What a resume may not change, as {dotted field: value} (plus `data.size`): the model's
     shape and vocabulary, the data (path and size), the inner/outer algorithms and optimizers and
@@ -360,7 +347,12 @@ def fingerprint(cfg) -> dict:
         out[name] = value
     if out["data.path"]:
         out["data.path"] = os.path.abspath(os.path.expanduser(str(out["data.path"])))
-    out["data.size"] = _data_size(out["data.path"])
+    # bytes of the data (a file, or every file of a token folder); None = the packaged corpus, or
+    # a path this process cannot see
+    p = Path(out["data.path"]) if out["data.path"] else None
+    out["data.size"] = p.stat().st_size if p and p.is_file() else None
+    if p and p.is_dir():
+        out["data.size"] = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
     return out
 
 

@@ -1,14 +1,11 @@
 """Character-level corpus and stateless, step-indexed batches; `build_dataset`, the default
-`data._target_` (the dataset contract is hsgd/train/task.py's).
+`data._target_` (the dataset contract, batches pure in their arguments, is hsgd/train/task.py's).
 
 - `load_corpus(path=None)`: the text as int64 character ids, split by position into `train` (the
   first 1 - val_fraction) and `val`. `path=None` is the packaged Shakespeare corpus; otherwise a
   text file (.txt, .xz, .gz) or a folder of *.txt. Bad paths raise FileNotFoundError, too little
   text ValueError, one line naming `data.path`.
-- A dataset's `batch` is a pure function of its arguments: a replica's data position IS its step,
-  so a replica restored at step s draws exactly the batches it would have drawn anyway.
 - A token folder (train.bin/val.bin) is read through np.memmap (hsgd/train/tokens.py).
-- `check_data(cfg)` test-loads whatever the config names before any actor starts.
 """
 
 import lzma
@@ -151,16 +148,13 @@ class TokenDataset:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": {}}
 
-    def _memmap(self, split: str) -> np.memmap:
+    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
+              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         if split not in self._maps:
             if split not in SPLITS:
                 raise ValueError(f"split {split!r} is not one of {SPLITS}")
             self._maps[split] = self.files.memmap(split)
-        return self._maps[split]
-
-    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
-              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mm = self._memmap(split)
+        mm = self._maps[split]
         T = self.block_size
         offsets = _offsets(len(mm), seed=seed, replica_index=replica_index, step=step, micro=micro,
                            batch_size=self.batch_size, block_size=T)
@@ -184,7 +178,8 @@ def build_dataset(data_cfg: Any, block_size: int) -> TextDataset | TokenDataset:
         if p.is_file() and p.suffix == ".bin":
             raise ValueError(f"data.path={str(path)!r}: point data.path at the folder that holds "
                              "train.bin and val.bin, not at one .bin file")
-        if token_files.is_token_folder(p):
+        # a folder that holds (or means to hold) token files rather than text
+        if p.is_dir() and any((p / name).exists() for name in ("train.bin", "val.bin", token_files.META, "meta.pkl")):
             files = token_files.open_token_folder(str(path), vocab_size=vocab_size, block_size=block_size)
             return TokenDataset(files, batch_size=data_cfg.batch_size, block_size=block_size)
     corpus = load_corpus(path, data_cfg.val_fraction, block_size=block_size)
@@ -201,7 +196,8 @@ def check_data(cfg) -> None:
     try:
         ds = task.build_dataset(cfg)
         if isinstance(ds, TokenDataset):
-            token_files.scan_token_ids(ds.files)
+            token_files.check_ids(ds.files, "val", sample_tokens=None)
+            token_files.check_ids(ds.files, "train", sample_tokens=64 << 20)
         for split in SPLITS if target == BUILTIN_TARGET else ("train",):
             ds.batch(split, seed=cfg.seed, replica_index=0, step=0, micro=0)
     except Exception as e:  # noqa: BLE001 — the user's code may fail in any way: one line naming their field

@@ -6,8 +6,8 @@ plain values; `split_state` lists its tensors (no copies) and `join_state` puts 
 Protocol (every message a `broadcast` from `root`, level `inner`: the group holds the source and
 every target healed from it, never leaving the cluster):
     1. header   int64[4]: MAGIC, meta length, total payload bytes, chunk bytes
-    2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one (shape, dtype
-                name, device type) per tensor, loaded with weights_only=True (a peer's bytes never
+    2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one (shape, torch
+                dtype, device type) per tensor, loaded with weights_only=True (a peer's bytes never
                 run code here)
     3. chunks   uint8[<= chunk bytes] each, in `plan_chunks` order: the tensors' bytes back to back,
                 a tensor larger than a chunk split over several.
@@ -41,9 +41,6 @@ LEVEL = "inner"  # a `full` heal never leaves its cluster
 class StreamError(CollectiveError):
     """What arrived is not a consistent state (wrong header, meta that does not match the bytes)."""
 
-    def __init__(self, message: str, kind: str = "wait"):
-        super().__init__(message, kind)
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -54,18 +51,6 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-    def encode(self) -> tuple:
-        return (tuple(self.shape), str(self.dtype).removeprefix("torch."), self.device)
-
-    @staticmethod
-    def decode(t: Any) -> "TensorSpec":
-        shape, dtype, device = t
-        dt = getattr(torch, str(dtype), None)
-        if not isinstance(dt, torch.dtype) or device not in ("cpu", "cuda") \
-                or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise StreamError(f"state stream: bad tensor spec {t!r}")
-        return TensorSpec(tuple(shape), dt, device)
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorSpec":
@@ -163,7 +148,7 @@ def unpack_chunk(pieces: list[Piece], chunk: torch.Tensor, tensors: list[torch.T
 
 def encode_meta(skeleton: Any, specs: list[TensorSpec]) -> bytes:
     buf = io.BytesIO()
-    torch.save({"skeleton": skeleton, "specs": [s.encode() for s in specs]}, buf)
+    torch.save({"skeleton": skeleton, "specs": [(s.shape, s.dtype, s.device) for s in specs]}, buf)
     return buf.getvalue()
 
 
@@ -171,18 +156,23 @@ def decode_meta(data: bytes) -> tuple[Any, list[TensorSpec]]:
     """Raises StreamError for bytes that are not encode_meta's (weights_only: no code runs)."""
     try:
         meta = torch.load(io.BytesIO(data), weights_only=True)
-        return meta["skeleton"], [TensorSpec.decode(s) for s in meta["specs"]]
-    except StreamError:
-        raise
+        skeleton = meta["skeleton"]
+        specs = [TensorSpec(tuple(shape), dtype, device) for shape, dtype, device in meta["specs"]]
     except Exception as err:  # noqa: BLE001 — unpickling refused or malformed
         raise StreamError(f"state stream: unreadable meta ({type(err).__name__}: {err})") from err
+    for s in specs:
+        if not isinstance(s.dtype, torch.dtype) or s.device not in ("cpu", "cuda") \
+                or not all(isinstance(d, int) and d >= 0 for d in s.shape):
+            raise StreamError(f"state stream: bad tensor spec {s!r}")
+    return skeleton, specs
 
 
 # -- over a group ----------------------------------------------------------------------------------
-def _transport_device(group: LevelGroup, device: str | torch.device) -> torch.device:
-    """Where chunks are staged: on the GPU for NCCL, else the CPU (gloo sends host memory)."""
+def _staging(group: LevelGroup, device: str | torch.device, chunk_bytes: int, total: int) -> torch.Tensor:
+    """The one chunk buffer, reused: on the GPU for NCCL, else the CPU (gloo sends host memory)."""
     d = torch.device(device)
-    return d if group.backend == "nccl" and d.type == "cuda" else torch.device("cpu")
+    d = d if group.backend == "nccl" and d.type == "cuda" else torch.device("cpu")
+    return torch.empty(min(chunk_bytes, max(total, 1)), dtype=torch.uint8, device=d)
 
 
 def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, root: int = 0,
@@ -197,13 +187,11 @@ def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, roo
     sizes = [s.nbytes for s in specs]
     chunk_bytes = max(1, int(chunk_mb * 2**20))
     meta = encode_meta(skeleton, specs)
-    dev = _transport_device(group, device)
     header = torch.tensor([MAGIC, len(meta), sum(sizes), chunk_bytes], dtype=torch.int64)
     group.broadcast([header], root=root, level=LEVEL)
     group.broadcast([torch.frombuffer(bytearray(meta), dtype=torch.uint8)], root=root, level=LEVEL)
-    plan = plan_chunks(sizes, chunk_bytes)
-    staging = torch.empty(min(chunk_bytes, max(sum(sizes), 1)), dtype=torch.uint8, device=dev)
-    for pieces in plan:
+    staging = _staging(group, device, chunk_bytes, sum(sizes))
+    for pieces in plan_chunks(sizes, chunk_bytes):
         group.broadcast([pack_chunk(pieces, tensors, staging)], root=root, level=LEVEL)
     return sum(sizes)
 
@@ -227,8 +215,7 @@ def receive_state(group: LevelGroup, *, root: int = 0, device: str | torch.devic
     target = torch.device(device)
     tensors = [torch.empty(s.shape, dtype=s.dtype, device=target if s.device == "cuda" and target.type == "cuda"
                            else "cpu") for s in specs]
-    dev = _transport_device(group, device)
-    staging = torch.empty(min(chunk_bytes, max(total, 1)), dtype=torch.uint8, device=dev)
+    staging = _staging(group, device, chunk_bytes, total)
     for pieces in plan_chunks(sizes, chunk_bytes):
         chunk = staging[:chunk_length(pieces)]
         group.broadcast([chunk], root=root, level=LEVEL)

@@ -35,8 +35,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
-import uuid
 from typing import Any, Callable, Protocol
 
 import torch
@@ -115,10 +113,6 @@ def build_loss(cfg: Any) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
     return functools.partial(resolve(cfg.loss._target_, "loss._target_"), **_plain(cfg.loss.args))
 
 
-def tokens_per_batch(dataset: Any, cfg: Any) -> int:
-    return int(getattr(dataset, "tokens_per_batch", None) or cfg.data.batch_size * cfg.model.block_size)
-
-
 def to_device(batch: Any, device: str) -> Any:
     """Move a batch (a tensor, or a tuple/list/dict of them) to `device`. On CUDA through pinned
     memory without blocking the host: the copy is ordered on the stream before the step's kernels."""
@@ -131,21 +125,3 @@ def to_device(batch: Any, device: str) -> Any:
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
-
-
-def save_model(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Write named tensors as safetensors at `path` (under a temporary name, renamed into place:
-    a reader never sees half a file). Returns the bytes written. Load it back with
-    `model.load_state_dict(safetensors.torch.load_file(path), strict=False)` (a tied weight is
-    stored once, under its first name)."""
-    from safetensors.torch import save_file
-
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return os.path.getsize(path)

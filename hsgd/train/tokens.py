@@ -10,7 +10,7 @@ nanoGPT's `meta.pkl` is never loaded (unpickling runs arbitrary code): a folder 
 Nothing is read whole: the files are memory-mapped read-only (clean pages the OS may drop; they do
 not count against RLIMIT_DATA). Checks are bounded: length a multiple of the dtype, each split
 longer than a block, ids below the vocabulary in a sample (`open_token_folder`) or in all of
-val.bin plus a larger train sample (`scan_token_ids`, in bounded pieces). Every error is one
+val.bin plus a larger train sample (`check_ids`, in bounded pieces). Every error is one
 line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 
 `prepare_tokens` writes such a folder from text (byte-level, or char-level with the ids
@@ -29,6 +29,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from hsgd.record.rundir import atomic_write_text
+
 META = "meta.json"
 FORMAT = "hsgd-tokens/1"
 SPLITS = ("train", "val")
@@ -41,12 +43,6 @@ SCAN_TOKENS = 8 << 20  # what a scan reads at a time
 def dtype_for_vocab(vocab_size: int) -> str:
     """nanoGPT's convention: uint16 while every id fits, else uint32."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def is_token_folder(path: str | os.PathLike) -> bool:
-    """A folder that holds (or means to hold) token files rather than text."""
-    p = Path(path).expanduser()
-    return p.is_dir() and any((p / name).exists() for name in ("train.bin", "val.bin", META, "meta.pkl"))
 
 
 @dataclass(frozen=True)
@@ -109,7 +105,7 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
                          "set data.vocab_size to the tokenizer's vocabulary (50257 for GPT-2), or write the "
                          "folder with `python -m jobs.prepare`")
     else:
-        vocab = data_vocab = vocab_size
+        vocab = vocab_size
         dtype = dtype_for_vocab(vocab_size)
     itemsize = DTYPES[dtype].itemsize
     tokens = {}
@@ -127,7 +123,7 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
                         f"{meta[f'{split}_tokens']}; the folder is half-written or mixed up")
     files = TokenFiles(folder=str(folder), source=path, dtype=dtype, vocab_size=vocab, tokens=tokens, meta=meta)
     for split in SPLITS:
-        check_ids(files, split, sample_tokens=sample_tokens, limit=data_vocab)
+        check_ids(files, split, sample_tokens=sample_tokens)
     return files
 
 
@@ -140,25 +136,19 @@ def _windows(n: int, sample_tokens: int | None, window: int = 1 << 16) -> list[t
     return [((n - window) * i // (k - 1), window) for i in range(k)]
 
 
-def _scan(files: TokenFiles, split: str, ranges) -> tuple[int, int]:
-    """(max id, its position) over token ranges, read through the memmap SCAN_TOKENS at a time."""
+def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> None:
+    """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
+    token id in the scanned part of `split` is >= meta.json's vocab_size (else data.vocab_size).
+    sample_tokens=None scans the whole file."""
     mm = files.memmap(split)
-    best, where = -1, -1
-    for start, count in ranges:
+    best, where = -1, -1  # the largest id, and its position, read SCAN_TOKENS at a time
+    for start, count in _windows(files.tokens[split], sample_tokens):
         for a in range(start, start + count, SCAN_TOKENS):
             block = mm[a:min(a + SCAN_TOKENS, start + count)]
             i = int(block.argmax())
             if int(block[i]) > best:
                 best, where = int(block[i]), a + i
-    return best, where
-
-
-def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit: int | None = None) -> None:
-    """Raise ValueError (one line naming data.path, or data.vocab_size without meta.json) when a
-    token id in the scanned part of `split` is >= the vocabulary. sample_tokens=None scans the
-    whole file (bounded memory: read in pieces through the memmap)."""
-    best, where = _scan(files, split, _windows(files.tokens[split], sample_tokens))
-    limit = files.vocab_size if limit is None else limit
+    limit = files.meta.get("vocab_size", files.vocab_size)
     if best >= limit:
         if files.meta:
             raise _fail("data.path", files.source, f"{split}.bin holds token id {best} at token {where}, but "
@@ -166,11 +156,6 @@ def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None, limit
         raise _fail("data.vocab_size", files.vocab_size, f"{split}.bin in data.path={files.source!r} holds "
                     f"token id {best} at token {where}; data.vocab_size must be > {best}")
 
-
-def scan_token_ids(files: TokenFiles, *, train_sample_tokens: int = 64 << 20) -> None:
-    """The thorough check before a run starts: every id of val.bin and a large sample of train.bin."""
-    check_ids(files, "val", sample_tokens=None)
-    check_ids(files, "train", sample_tokens=train_sample_tokens)
 
 
 # ----------------------------------------------------------------------------- writing token files
@@ -230,7 +215,7 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
 
     # pass 1: how many tokens, and (char) which characters
     n_chars = n_tokens = 0
-    seen = np.zeros(0, dtype=bool)
+    seen = np.zeros(0x110000, dtype=bool)  # every Unicode code point
     for chunk in iter_text(files, src, field="src"):
         n_chars += len(chunk)
         if tokenizer == "byte":
@@ -238,9 +223,6 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
         else:
             cps = codepoints(chunk)
             n_tokens += len(cps)
-            top = int(cps.max()) + 1 if len(cps) else 0
-            if top > len(seen):
-                seen = np.concatenate([seen, np.zeros(top - len(seen), dtype=bool)])
             seen[cps] = True
         report("count", n_chars, 0)
     if tokenizer == "byte":
@@ -288,7 +270,5 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
             "train_tokens": n_train, "val_tokens": n_tokens - n_train, "source": str(src)}
     if chars is not None:
         meta["chars"] = chars
-    meta_tmp = out_dir / f".{META}.tmp-{tag}"
-    meta_tmp.write_text(json.dumps(meta, ensure_ascii=True), encoding="utf-8")
-    os.replace(meta_tmp, out_dir / META)
+    atomic_write_text(out_dir / META, json.dumps(meta, ensure_ascii=True))
     return meta

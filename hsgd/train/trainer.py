@@ -23,10 +23,7 @@ Failures:
   the replica must be healed. `outer_reduce` raises it before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
 and a call for a round this replica has not reached raises `Behind`.
-
-Numerics: `train.precision=bf16` runs forward and loss under autocast; params, gradients, the
-optimizer state, pseudo-gradients and the outer state stay fp32. `train.compile` compiles the
-model for the steps; heals, checkpoints and evaluation use the module itself (the same params).
+Numerics (`train.precision`, `train.compile`): README, "Numerics for GPU runs".
 """
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ import hashlib
 import math
 import os
 import time
-from collections import defaultdict
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +48,7 @@ from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 from hsgd.train.simulate import pacer_from_config
+from hsgd.train.state_stream import join_state, split_state
 
 # hook(phase, round, step_in_round) is called at every step/phase boundary; fault injection uses it.
 FaultHook = Callable[[str, int, int], None]
@@ -70,7 +68,6 @@ class NonFiniteError(RuntimeError):
     "loss" | "grad_norm" | "pseudo_gradient". Nothing non-finite was sent to another cluster."""
 
     def __init__(self, what: str, message: str):
-        assert what in ("loss", "grad_norm", "pseudo_gradient"), what
         super().__init__(message)
         self.what = what
 
@@ -166,7 +163,8 @@ class ReplicaTrainer:
         self.fragment_delay = cfg.sync.fragment_delay
         self._outer_snapshot: tuple[int, torch.Tensor] | None = None
         self.grad_accum = int(cfg.data.grad_accum)
-        self.tokens_per_step = task.tokens_per_batch(self.dataset, cfg) * self.grad_accum
+        per_batch = getattr(self.dataset, "tokens_per_batch", None) or cfg.data.batch_size * cfg.model.block_size
+        self.tokens_per_step = int(per_batch) * self.grad_accum
         self.steps_per_round = steps_per_round(cfg)
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
@@ -174,10 +172,9 @@ class ReplicaTrainer:
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        # (round, epoch, shard, shards, mean of that shard, flat fp32): never reused or committed
-        # under another epoch or shard plan
-        self._outer_buffer: tuple[int, int, int, int, torch.Tensor] | None = None
-        self._outer_weights: tuple[float, ...] = ()  # the token weights the buffer was reduced with
+        # ((round, epoch, shard, shards, token weights), mean of that shard, flat fp32): never reused
+        # or committed under another epoch, shard plan or weights
+        self._outer_buffer: tuple[tuple, torch.Tensor] | None = None
         # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
         # retried average starts from the same point (never averages an averaged replica again)
         self._averaged: tuple[int, int] | None = None
@@ -187,7 +184,7 @@ class ReplicaTrainer:
         # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
         self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self._poisoned = False  # test hook (the `nan` fault): the next step's loss is NaN
-        self._host_buffers: dict[str, torch.Tensor] = {}  # pinned state_dict buffers (CUDA), reused
+        self._host_buffers: dict[int, torch.Tensor] = {}  # pinned state_dict buffers (CUDA), reused
 
     def assume_identity(self, rid: str) -> None:
         """A hot spare takes over `rid`: its data stream (the global replica index) and name. The
@@ -223,7 +220,7 @@ class ReplicaTrainer:
 
     def progress(self) -> dict:
         return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.param_bytes,
-                "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0]}
+                "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0][0]}
 
     def _require(self, round_index: int, what: str) -> bool:
         """True if the call's work is still to do; False if the round is already committed here."""
@@ -284,7 +281,10 @@ class ReplicaTrainer:
         average = cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0
         # a step that ends with a parameter average changes params and optimizer state before its
         # collective: keep what it started from, so a failed average leaves no step applied
-        saved = self._step_state() if average and inner.world_size > 1 else None
+        keep = average and inner.world_size > 1
+        saved = [p.detach().clone() for p in self.params] if keep else None
+        saved_opt = copy.deepcopy(self.inner_opt.state_dict()) if keep else None
+        saved_nonfinite = self._nonfinite.clone() if keep else None
         try:
             loss = self._forward_backward(inner, hook)
             if cfg.optim.inner.grad_clip > 0:
@@ -301,26 +301,15 @@ class ReplicaTrainer:
         except BaseException:
             if self.buckets is not None:
                 self.buckets.disarm()
-            if saved is not None:
-                self._restore_step_state(saved)
+            if keep:
+                for p, before in zip(self.params, saved):
+                    p.data.copy_(before)
+                self.inner_opt.load_state_dict(saved_opt)
+                self._nonfinite.copy_(saved_nonfinite)
             raise
         if self.pacer is not None:
             self.pacer.after_step(started, self.global_index, self.step)
         return loss
-
-    @torch.no_grad()
-    def _step_state(self) -> tuple:
-        opt = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
-               for p, s in self.inner_opt.state.items()}
-        return [p.detach().clone() for p in self.params], opt, self._nonfinite.clone()
-
-    @torch.no_grad()
-    def _restore_step_state(self, saved: tuple) -> None:
-        params, opt, nonfinite = saved
-        for p, s in zip(self.params, params):
-            p.copy_(s)
-        self.inner_opt.state = defaultdict(dict, opt)
-        self._nonfinite.copy_(nonfinite)
 
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = lambda phase, r, s: None,
                   at_snapshot: Callable[[], None] | None = None) -> InnerReport:
@@ -360,17 +349,14 @@ class ReplicaTrainer:
             finally:
                 losses = torch.stack(pending).tolist() if pending else []
                 self.round_losses.extend(losses)
-            self._raise_if_nonfinite(first)
+            bad_loss, bad_norm = self._nonfinite.tolist()
+            if bad_loss or bad_norm:
+                what = "loss" if bad_loss else "grad_norm"
+                raise NonFiniteError(what, f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
+                                           f"(inner steps {first}..{self.step - 1}); its params must be healed")
         return InnerReport(round=self.round, step=self.step, steps_done=len(pending), loss_sum=sum(losses),
                            tokens=len(pending) * self.tokens_per_step, seconds=time.perf_counter() - start,
                            inner_bytes=inner.bytes_sent - bytes_before, losses=losses, yielded=yielded)
-
-    def _raise_if_nonfinite(self, first_step: int) -> None:
-        bad_loss, bad_norm = self._nonfinite.tolist()
-        if bad_loss or bad_norm:
-            what = "loss" if bad_loss else "grad_norm"
-            raise NonFiniteError(what, f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
-                                       f"(inner steps {first_step}..{self.step - 1}); its params must be healed")
 
     # -- outer phase ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -424,13 +410,12 @@ class ReplicaTrainer:
         NonFiniteError before sending a non-finite pseudo-gradient."""
         if not self._require(round_index, "outer_reduce"):
             return
-        if self._outer_buffer and self._outer_buffer[:4] == (round_index, epoch, shard, shards) \
-                and self._outer_weights == tuple(weights):
+        key = (round_index, epoch, shard, shards, tuple(weights))
+        if self._outer_buffer and self._outer_buffer[0] == key:
             return
-        self._outer_weights = tuple(weights)
         self._outer_buffer = None
         if self.cfg.sync.outer == "none":
-            self._outer_buffer = (round_index, epoch, shard, shards, torch.zeros(0))
+            self._outer_buffer = (key, torch.zeros(0))
             return
         flat = self._round_pseudo_gradient(round_index)
         if not bool(torch.isfinite(flat).all()):
@@ -451,7 +436,7 @@ class ReplicaTrainer:
                 weight = weights[rank] if weights else 1.0
                 mean += decoded if weight == 1.0 else decoded.mul_(weight)
             piece = mean.div_(len(payloads))
-        self._outer_buffer = (round_index, epoch, shard, shards, piece)
+        self._outer_buffer = (key, piece)
 
     @torch.no_grad()
     def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...]) -> None:
@@ -464,22 +449,32 @@ class ReplicaTrainer:
         if self.cfg.sync.outer != "none":
             index = self.fragment_params(round_index)
             shapes = [self.outer_opt.global_params[i] for i in index]
-            numel = sum(g.numel() for g in shapes)
-            bounds = shard_bounds(numel, len(roots), ALIGN)
-            mean = torch.zeros(numel)
+            sizes = [g.numel() for g in shapes]
+            bounds = shard_bounds(sum(sizes), len(roots), ALIGN)
+            mean = torch.zeros(sum(sizes))
             for j, (root, (lo, hi)) in enumerate(zip(roots, bounds)):  # one broadcast per shard, from its holder
                 if inner.rank == root:
                     buf = self._outer_buffer
-                    assert buf is not None and buf[0] == round_index and buf[2:4] == (j, len(roots)), \
+                    assert buf is not None and buf[0][0] == round_index and buf[0][2:4] == (j, len(roots)), \
                         f"{self.rid}: commit of round {round_index} without a reduced buffer for shard {j}/{len(roots)}"
-                    mean[lo:hi] = buf[4]
+                    mean[lo:hi] = buf[1]
                 if hi > lo:
                     inner.broadcast([mean[lo:hi]], root=root, level="inner")
-            if self.codec is not None:
-                self._update_residual(round_index, index)
-            pseudo_grad = [d.view_as(g) for d, g in zip(mean.split([g.numel() for g in shapes]), shapes)]
-            self.outer_opt.step(pseudo_grad, index)
-            self._merge_global(index)
+            if self.codec is not None:  # residual = corrected - what was sent, before the params change
+                corrected = self._round_pseudo_gradient(round_index)
+                if self.outer_residual is None:
+                    self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
+                _, residual = compress_with_feedback(self.codec, corrected, None)
+                for i, r, g in zip(index, residual.split(sizes), shapes):
+                    self.outer_residual[i].copy_(r.view_as(g))
+            self.outer_opt.step([d.view_as(g) for d, g in zip(mean.split(sizes), shapes)], index)
+            alpha = self.fragment_alpha  # 0: the global params (plain DiLoCo); else Streaming DiLoCo's mixing
+            for i in index:
+                p, g = self.params[i], self.outer_opt.global_params[i].to(self.params[i].device)
+                if alpha == 0:
+                    p.copy_(g)
+                else:
+                    p.mul_(alpha).add_(g, alpha=1 - alpha)
             self._nonfinite.zero_()  # the params are the (finite) committed global params again
         else:
             self.outer_opt.reset_global(self.params)
@@ -487,27 +482,6 @@ class ReplicaTrainer:
         self._averaged = self._pre_average = None
         self.round += 1
         self.round_losses = []
-
-    def _update_residual(self, round_index: int, index: list[int]) -> None:
-        """residual = corrected - what was sent, for the fragment's parameters (before the commit
-        changes the params the pseudo-gradient is computed from)."""
-        corrected = self._round_pseudo_gradient(round_index)
-        if self.outer_residual is None:
-            self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
-        _, residual = compress_with_feedback(self.codec, corrected, None)
-        for i, r in zip(index, residual.split([self.outer_residual[i].numel() for i in index])):
-            self.outer_residual[i].copy_(r.view_as(self.outer_residual[i]))
-
-    def _merge_global(self, index: list[int]) -> None:
-        """The synced fragment's working params after a commit: the global params (alpha 0, plain
-        DiLoCo), or alpha * local + (1 - alpha) * global (Streaming DiLoCo's mixing)."""
-        alpha = self.fragment_alpha
-        for i in index:
-            p, g = self.params[i], self.outer_opt.global_params[i]
-            if alpha == 0:
-                p.copy_(g.to(p.device))
-            else:
-                p.mul_(alpha).add_(g.to(p.device), alpha=1 - alpha)
 
     # -- evaluation, digests, the final model ---------------------------------------------------
     @torch.no_grad()
@@ -541,56 +515,54 @@ class ReplicaTrainer:
     def save_model(self, path: str) -> dict:
         """Write the committed global model (the global params of round `round`) to `path` as
         safetensors, under the module's parameter names (a tied weight once), with the round, the
-        plug-ins and the digest as metadata. Raises OSError when the file cannot be written."""
-        tensors = {name: g.detach() for name, g in zip(self.param_names, self.outer_opt.global_params)}
+        plug-ins and the digest as metadata, under a temporary name renamed into place (a reader
+        never sees half a file). Load it back with `model.load_state_dict(
+        safetensors.torch.load_file(path), strict=False)`. Raises OSError when it cannot be written."""
+        from safetensors.torch import save_file
+
+        tensors = {name: g.detach().to("cpu").contiguous()
+                   for name, g in zip(self.param_names, self.outer_opt.global_params)}
         meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
                 "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
                 "global_digest": self.global_digest()}
-        return {"path": str(path), "round": self.round, "bytes": task.save_model(path, tensors, meta),
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return {"path": str(path), "round": self.round, "bytes": os.path.getsize(path),
                 "global_digest": meta["global_digest"]}
 
     # -- state for heal and checkpoint ----------------------------------------------------------
-    def _host(self, obj: Any, key: str) -> Any:
-        """A host copy of obj's tensors: on CUDA into this trainer's reusable pinned buffers
-        (non-blocking copies; the caller synchronizes once), on the CPU a plain clone."""
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "cuda":
-                return obj.detach().clone()
-            buf = self._host_buffers.get(key)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = self._host_buffers[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-            buf.copy_(obj.detach(), non_blocking=True)
-            return buf
-        if isinstance(obj, dict):
-            return {k: self._host(v, f"{key}/{k}") for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._host(v, f"{key}/{i}") for i, v in enumerate(obj))
-        return obj
-
     def state_dict(self) -> dict:
         """Everything a `full` heal or a checkpoint carries, on the host. On CUDA the tensors are
         this trainer's pinned buffers, reused by the next call: serialize or copy them before."""
-        state = self._state(copy=True)
+        skeleton, tensors = split_state(self.live_state())
+        copies = []
+        for i, t in enumerate(tensors):
+            if t.device.type != "cuda":
+                copies.append(t.detach().clone())
+                continue
+            buf = self._host_buffers.get(i)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._host_buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            copies.append(buf.copy_(t.detach(), non_blocking=True))
         if self.device_type == "cuda":
-            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy in _host
-        return state
+            torch.cuda.synchronize(self.device)  # the one wait for every non-blocking copy above
+        return join_state(skeleton, copies)
 
     def live_state(self) -> dict:
         """state_dict's tree holding this trainer's own tensors, not copies, where they live (a heal
         over the process group streams them out at once, from the phase thread, which nothing
         else mutates meanwhile). Never modify it or keep it past that call."""
-        return self._state(copy=False)
-
-    def _state(self, copy: bool) -> dict:
-        host = self._host if copy else (lambda obj, key: obj)
-        snapshot = None if self._outer_snapshot is None else \
-            {"round": self._outer_snapshot[0], "flat": host(self._outer_snapshot[1], "outer_snapshot")}
-        return {"rid": self.rid, "round": self.round, "step": self.step,
-                "params": host(list(self.params), "params"),
-                "inner_opt": host(self.inner_opt.state_dict(), "inner_opt"),
-                "outer": self.outer_opt.state_dict(copy=copy),
-                "outer_residual": None if self.outer_residual is None else host(list(self.outer_residual), "residual"),
-                "outer_snapshot": snapshot, "round_losses": list(self.round_losses)}
+        snapshot = self._outer_snapshot
+        return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
+                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
+                "outer_residual": None if self.outer_residual is None else list(self.outer_residual),
+                "outer_snapshot": None if snapshot is None else {"round": snapshot[0], "flat": snapshot[1]},
+                "round_losses": list(self.round_losses)}
 
     def global_state(self) -> dict:
         """What a `global` heal needs: the round-start global params and outer state. They change
@@ -605,25 +577,23 @@ class ReplicaTrainer:
         global params at the round's first step with a fresh inner optimizer, the same for every
         member so healed, and the residual starts at zero (another cluster's is not ours to send).
         Either way the non-finite flags start clear."""
+        full = scope == "full"
         self.outer_opt.load_state_dict(state["outer"])
-        residual = state.get("outer_residual") if scope == "full" else None
+        residual = state.get("outer_residual") if full else None
         self.outer_residual = None if residual is None else [r.detach().to("cpu").clone() for r in residual]
-        if scope == "full":
+        snapshot = state.get("outer_snapshot") if full else None  # a source past the snapshot step: send the same
+        self._outer_snapshot = None if snapshot is None else (int(snapshot["round"]),
+                                                              snapshot["flat"].detach().to("cpu").clone())
+        self.round = int(state["round"])
+        self.step = int(state["step"]) if full else self.round * self.steps_per_round  # `global`: ours is gone
+        self.round_losses = list(state.get("round_losses", [])) if full else []
+        if full:
             for p, src in zip(self.params, state["params"]):
                 p.copy_(src.to(p.device))
             self.inner_opt.load_state_dict(state["inner_opt"])
-            self.round_losses = list(state.get("round_losses", []))
-            self.round, self.step = int(state["round"]), int(state["step"])
-            snapshot = state.get("outer_snapshot")  # taken past the snapshot step: send the same as the source
-            self._outer_snapshot = None if snapshot is None else (int(snapshot["round"]),
-                                                                  snapshot["flat"].detach().to("cpu").clone())
         else:
             self.outer_opt.copy_global_into(self.params)
             self.inner_opt = build_inner_optimizer(self.cfg, self.params, self.device)
-            self.round_losses = []
-            self.round = int(state["round"])
-            self.step = self.round * self.steps_per_round  # our cluster's progress in this round is gone
-            self._outer_snapshot = None
         self._outer_buffer = None
         self._averaged = self._pre_average = None
         self._nonfinite.zero_()

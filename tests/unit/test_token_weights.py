@@ -59,10 +59,10 @@ def _worker(rank, port, results) -> None:
             rec = {"pseudo_gradient": t._round_pseudo_gradient(0).tolist()}
             if leader_outer is not None:
                 t.outer_reduce(0, 1, leader_outer, 0, 1, weights)
-                rec["leader"] = t._outer_buffer[4].tolist()
+                rec["leader"] = t._outer_buffer[1].tolist()
             if shard_outer is not None:
                 t.outer_reduce(0, 2, shard_outer, my_shard, 2, weights)
-                rec["shard"] = (my_shard, t._outer_buffer[4].tolist())
+                rec["shard"] = (my_shard, t._outer_buffer[1].tolist())
             out[(codec, weights)] = rec
         for g in (inner, leader_outer, shard_outer):
             if g is not None:

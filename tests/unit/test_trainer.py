@@ -69,7 +69,7 @@ def test_outer_buffer_is_keyed_by_round_and_epoch(dataset):
     t.outer_reduce(0, 3, outer)  # the same (round, epoch): idempotent
     assert outer.calls == 1
     t.outer_reduce(0, 4, outer)  # a new epoch never reuses the old buffer
-    assert outer.calls == 2 and t._outer_buffer[:2] == (0, 4)
+    assert outer.calls == 2 and t._outer_buffer[0][:2] == (0, 4)
 
 
 def test_global_heal_gives_every_cluster_member_the_same_inner_optimizer_state(dataset):
