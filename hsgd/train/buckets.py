@@ -2,25 +2,21 @@
 LevelGroup that is re-formed every epoch).
 
 Protocol (one inner step):
-    buckets = GradBuckets(params, bucket_mb)     # once: registers a post-accumulate-grad hook per param
-    buckets.arm(inner)                           # before the LAST micro-batch's backward
-    loss.backward()                              # hooks copy each grad into its bucket; a full bucket
-                                                 # is launched at once (sum all-reduce, level "inner")
-    buckets.finish()                             # before the optimizer step: launches what is left,
-                                                 # waits every bucket, writes the means into p.grad
+    buckets = GradBuckets(params, bucket_mb)  # once: a post-accumulate-grad hook per param
+    buckets.arm(inner)                        # before the LAST micro-batch's backward
+    loss.backward()                           # hooks fill buckets; a full one is launched at once
+    buckets.finish()                          # before the optimizer step: launches the rest, waits
+                                              # every bucket, writes the means into p.grad
 After a failure anywhere in between, `disarm()` drops the in-flight work (never raises).
 
-- Buckets hold parameters in reverse order (gradients become ready roughly from the last layer to
-  the first during backward), at most `bucket_mb` MB each (a parameter larger than that is a bucket
-  of its own), one dtype and device per bucket.
-- Buckets are launched strictly in bucket order, on every member alike (a bucket that is full
-  waits for the ones before it): gloo and NCCL match collectives by their order.
-- All buckets of a step are ONE logical collective of level "inner" (comm.Overlapped): the
-  process's one-collective guard is held from the first launch to finish/disarm.
-- Failures: a hook never raises (an error during backward would escape as the autograd engine's
-  own type); it records the CollectiveError and launches nothing more; `finish` raises it. A peer's
-  death mid-backward fails its buckets within the collective timeout (gloo: at once), so the
-  survivor's `finish` raises CollectiveError; the inner group is then aborted until re-formed.
+- Buckets hold parameters in reverse order (gradients become ready roughly last layer first), at
+  most `bucket_mb` MB each (a larger parameter is a bucket of its own), one dtype and device each.
+- Buckets are launched strictly in bucket order on every member (gloo and NCCL match collectives
+  by their order); all buckets of a step are ONE logical collective of level "inner"
+  (comm.Overlapped), holding the one-collective guard from the first launch to finish/disarm.
+- A hook never raises (the error would escape as the autograd engine's own type): it records the
+  CollectiveError and launches nothing more; `finish` raises it. A peer's death mid-backward fails
+  the buckets within the collective timeout; the inner group is then aborted until re-formed.
 - A group of one launches nothing and leaves p.grad as it is (it already is the mean).
 """
 from __future__ import annotations
@@ -30,7 +26,7 @@ import threading
 
 import torch
 
-from hsgd.train.comm import CollectiveError, LevelGroup, Overlapped
+from hsgd.train.comm import LevelGroup, Overlapped
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
@@ -98,9 +94,9 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Launch the buckets not launched yet (a parameter without a gradient this step counts as
-        zeros, and gets the mean like every other, so members stay alike),
-        wait every bucket, write the means into p.grad. Raises CollectiveError on any failure or
-        timeout (then everything is dropped as by `disarm`). Does nothing when not armed."""
+        zeros, so members stay alike), wait every bucket, write the means into p.grad. Raises
+        CollectiveError on any failure or timeout (then all is dropped as by `disarm`). Does nothing
+        when not armed."""
         op = self._op
         if op is None:
             return
@@ -169,8 +165,9 @@ class GradBuckets:
 
     def _launch_ready(self) -> None:
         """Launch full buckets in bucket order; record (never raise) a failure."""
-        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members):
-            b = self.buckets[self._next]
+        for b in self.buckets[self._next:]:
+            if len(b.ready) < len(b.members):
+                return
             try:
                 b.result = self._op.launch(b.flat)
             except Exception as err:  # noqa: BLE001 — a CollectiveError, an OverlappingCollectiveError: raised at finish

@@ -468,10 +468,11 @@ class Overlapped:
 
     Protocol: `launch(flat)` any number of times, in the same order on every member, then exactly
     one of `wait_all()` (every launched buffer holds the sum over the group; raises
-    CollectiveError on any failure or timeout) or `abandon()` (never raises). The one-collective
-    guard is held from the first launch until then. A failure in any launch, or an abandon with
-    work in flight, leaves the group aborted until the next `configure` (the members' sequences of
-    collectives no longer match). A group of one launches nothing: the buffers hold the sum.
+    CollectiveError on any failure or timeout) or `abandon()` (never raises); after a launch that
+    raised, only `abandon()`. The one-collective guard is held from the first launch until then.
+    A failed launch leaves the group unusable, an abandon with work in flight aborts it, until the
+    next `configure` (the members' sequences of collectives no longer match). A group of one
+    launches nothing: the buffers hold the sum.
     Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
     bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
     """
@@ -480,7 +481,6 @@ class Overlapped:
         self.group = group
         self.pending: list[tuple[object, int]] = []  # (work, payload bytes)
         self._guard: threading.Lock | None = None  # the one-collective guard, held from the first launch
-        self._error: CollectiveError | None = None  # a failed launch, raised again by wait_all
         self._started: float | None = None  # the first launch (monotonic): the link's clock starts there
 
     def launch(self, flat: torch.Tensor) -> torch.Tensor:
@@ -488,33 +488,24 @@ class Overlapped:
         buffer that will hold the sum after `wait_all` (for NCCL with a CPU input: a device copy).
         Raises CollectiveError (kind issue / aborted)."""
         g = self.group
-        if self._error is not None:
-            raise self._error
         if g.world_size == 1:
             return flat
         if self._guard is None:
             self._guard = _enter_collective(f"{g.level} overlapped allreduce", g.level)
         with g._held() as start:
             self._started = start if self._started is None else self._started
-            try:
-                if not g._usable or g._pg is None:
-                    raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
-                with g._failing_as("issue", "copying a bucket to the device"):
-                    buf = g._on_device(flat)
-                payload = buf.numel() * buf.element_size()
-                g.bytes_sent += payload
-                self.pending.append((g._issue("allreduce", buf, _sum_options(), payload), payload))
-            except CollectiveError as err:
-                self._error = err
-                raise
+            if not g._usable or g._pg is None:
+                raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
+            with g._failing_as("issue", "copying a bucket to the device"):
+                buf = g._on_device(flat)
+            payload = buf.numel() * buf.element_size()
+            g.bytes_sent += payload
+            self.pending.append((g._issue("allreduce", buf, _sum_options(), payload), payload))
             return buf
 
     def wait_all(self) -> None:
         """Wait every launched all-reduce in launch order. Raises CollectiveError at the first
         failure (the rest are abandoned, the group aborted)."""
-        if self._error is not None:
-            self.abandon()
-            raise self._error
         with self.group._held():
             try:
                 n = len(self.pending)
