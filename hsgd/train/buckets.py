@@ -13,7 +13,9 @@ After a failure anywhere in between, `disarm()` drops the in-flight work (never 
   most `bucket_mb` MB each (a larger parameter is a bucket of its own), one dtype and device each.
 - Buckets are launched strictly in bucket order on every member (gloo and NCCL match collectives
   by their order); all buckets of a step are ONE logical collective of level "inner"
-  (comm.Overlapped), holding the one-collective guard from the first launch to finish/disarm.
+  (LevelGroup.launch_sum, then wait_sums), holding the one-collective guard from the first launch
+  to finish/disarm. A failure with buckets in flight aborts the group (its members' collectives no
+  longer line up).
 - A hook never raises (the error would escape as the autograd engine's own type): it records the
   CollectiveError and launches nothing more; `finish` raises it. A peer's death mid-backward fails
   the buckets within the collective timeout; the inner group is then aborted until re-formed.
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from contextlib import ExitStack
 
 import torch
 
-from hsgd.train.comm import LevelGroup, Overlapped
+from hsgd.train.comm import LevelGroup, one_collective
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
@@ -70,9 +74,12 @@ class GradBuckets:
                                                                                           self.bucket_bytes))]
         self._bucket_of = {i: b for b in self.buckets for i in b.members}
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
-        self._op: Overlapped | None = None
+        self._group: LevelGroup | None = None  # armed: the inner group the hooks launch on
         self._next = 0  # the next bucket to launch (strict bucket order)
         self._error: BaseException | None = None
+        self._launched: list[tuple[object, int]] = []  # (work, payload bytes) in flight
+        self._started = 0.0  # the first launch (monotonic): the simulated link's clock starts there
+        self._guard = ExitStack()  # the one-collective guard, held from the first launch
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._hook_for(i))
 
@@ -82,12 +89,11 @@ class GradBuckets:
         Raises WrongLevelError (not the inner group) or CollectiveError (group not usable) at once.
         A group of one arms nothing."""
         self.disarm()
+        group._check("inner")
         if group.world_size == 1:
-            group._check("inner")
             return
-        op = group.overlapped(level="inner")
         with self._lock:
-            self._op, self._next, self._error = op, 0, None
+            self._group, self._next, self._error = group, 0, None
             for b in self.buckets:
                 b.ready.clear()
                 b.result = None
@@ -97,8 +103,8 @@ class GradBuckets:
         zeros, so members stay alike), wait every bucket, write the means into p.grad. Raises
         CollectiveError on any failure or timeout (then all is dropped as by `disarm`). Does nothing
         when not armed."""
-        op = self._op
-        if op is None:
+        group = self._group
+        if group is None:
             return
         try:
             with self._lock:
@@ -110,11 +116,11 @@ class GradBuckets:
                 self._launch_ready()
                 if self._error is not None:
                     raise self._error
-            op.wait_all()
-            n = op.group.world_size
+            group.wait_sums(self._launched, self._started)
+            self._launched = []
             with torch.no_grad():
                 for b in self.buckets:
-                    b.result.div_(n)
+                    b.result.div_(group.world_size)
                     for i in b.members:
                         p = self.params[i]
                         mean = b.result[b.offsets[i]:b.offsets[i] + p.numel()].view_as(p)
@@ -125,26 +131,28 @@ class GradBuckets:
         except BaseException:
             self.disarm()
             raise
-        self._op = None
+        self.disarm()  # nothing in flight: releases the guard
 
     def disarm(self) -> None:
         """Drop in-flight work after a failure (the inner group is aborted when anything was in
         flight). Never raises."""
         with self._lock:
-            op, self._op = self._op, None
-            if op is not None and op.pending:
+            group, self._group = self._group, None
+            launched, self._launched = self._launched, []
+            if launched:
                 for b in self.buckets:  # an aborted op may still write into the old buffers
                     b.flat = torch.empty_like(b.flat)
-        if op is not None:
-            op.abandon()
+        if launched:
+            group.abort()
+        self._guard.close()
 
     # -- hooks ----------------------------------------------------------------------------------------
     def _hook_for(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            if self._op is None:
+            if self._group is None:
                 return
             with self._lock:
-                if self._op is None or self._error is not None:
+                if self._group is None or self._error is not None:
                     return
                 b = self._bucket_of[i]
                 if b.index < self._next or i in b.ready:
@@ -169,8 +177,12 @@ class GradBuckets:
             if len(b.ready) < len(b.members):
                 return
             try:
-                b.result = self._op.launch(b.flat)
+                if self._next == 0:
+                    self._guard.enter_context(one_collective("inner overlapped allreduce", "inner"))
+                    self._started = time.monotonic()
+                b.result, work, payload = self._group.launch_sum(b.flat)
             except Exception as err:  # noqa: BLE001 — a CollectiveError, an OverlappingCollectiveError: raised at finish
                 self._error = err
                 return
+            self._launched.append((work, payload))
             self._next += 1

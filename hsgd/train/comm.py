@@ -18,8 +18,8 @@ Protocol
 - Every collective waits at most `timeout_s` plus its payload at `min_gbps` (collective_timeout_s),
   set on the operation itself and on the wait.
 - A process is in at most one collective at any instant (OverlappingCollectiveError otherwise);
-  with `allow_level_overlap`, at most one per level. An overlapped collective (`overlapped`) is ONE
-  logical collective of one level: it holds that guard from its first launch to its end.
+  with `allow_level_overlap`, at most one per level. An overlapped collective (`launch_sum` ...
+  `wait_sums`) is ONE logical collective of one level: its caller holds that guard throughout.
 - A group of one member does no communication at all.
 - `link` (a `hsgd.train.simulate.LinkModel`) paces each collective that succeeded. `link_s`: the
   seconds held in the group's collectives (the modeled sleep included).
@@ -98,17 +98,14 @@ def allow_level_overlap(allowed: bool) -> None:
     _per_level = bool(allowed)
 
 
-def _enter_collective(what: str, level: str) -> threading.Lock:
+@contextmanager
+def one_collective(what: str, level: str = "inner"):
+    """Hold the one-collective guard of `level` (of the process without `allow_level_overlap`) for
+    the block; raises OverlappingCollectiveError at once when another collective holds it."""
     guard = _LEVEL_GUARDS[level] if _per_level else _PROCESS_GUARD
     if not guard.acquire(blocking=False):
         scope = f"on the {level} level" if _per_level else "in this process"
         raise OverlappingCollectiveError(f"{what} started while another collective is in flight {scope}")
-    return guard
-
-
-@contextmanager
-def _one_collective(what: str, level: str = "inner"):
-    guard = _enter_collective(what, level)
     try:
         yield
     finally:
@@ -360,7 +357,7 @@ class LevelGroup:
     def _held(self, what: str | None = None):
         """Count the time inside the block in `link_s` (a failure's time too), holding the
         one-collective guard for `what` when given; yields its start."""
-        with _one_collective(what, self.level) if what else nullcontext():
+        with one_collective(what, self.level) if what else nullcontext():
             start = time.monotonic()
             try:
                 yield start
@@ -455,80 +452,32 @@ class LevelGroup:
             self._pace(start, size * (self.world_size - 1))
             return gathered
 
-    def overlapped(self, *, level: str) -> "Overlapped":
-        """A new overlapped all-reduce of sums on this group (see `Overlapped`). Raises
-        WrongLevelError / CollectiveError (group not usable) at once."""
-        self._check(level)
-        return Overlapped(self)
-
-
-class Overlapped:
-    """ONE logical collective of one level made of several sum all-reduces, launched one by one as
-    their inputs become ready (gradient buckets from backward hooks) and waited together.
-
-    Protocol: `launch(flat)` any number of times, in the same order on every member, then exactly
-    one of `wait_all()` (every launched buffer holds the sum over the group; raises
-    CollectiveError on any failure or timeout) or `abandon()` (never raises); after a launch that
-    raised, only `abandon()`. The one-collective guard is held from the first launch until then.
-    A failed launch leaves the group unusable, an abandon with work in flight aborts it, until the
-    next `configure` (the members' sequences of collectives no longer match). A group of one
-    launches nothing: the buffers hold the sum.
-    Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
-    bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
-    """
-
-    def __init__(self, group: LevelGroup):
-        self.group = group
-        self.pending: list[tuple[object, int]] = []  # (work, payload bytes)
-        self._guard: threading.Lock | None = None  # the one-collective guard, held from the first launch
-        self._started: float | None = None  # the first launch (monotonic): the link's clock starts there
-
-    def launch(self, flat: torch.Tensor) -> torch.Tensor:
-        """Start the sum all-reduce of `flat` (in place, on the backend's device). Returns the
-        buffer that will hold the sum after `wait_all` (for NCCL with a CPU input: a device copy).
-        Raises CollectiveError (kind issue / aborted)."""
-        g = self.group
-        if g.world_size == 1:
-            return flat
-        if self._guard is None:
-            self._guard = _enter_collective(f"{g.level} overlapped allreduce", g.level)
-        with g._held() as start:
-            self._started = start if self._started is None else self._started
-            if not g._usable or g._pg is None:
-                raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
-            with g._failing_as("issue", "copying a bucket to the device"):
-                buf = g._on_device(flat)
+    def launch_sum(self, flat: torch.Tensor) -> tuple[torch.Tensor, object, int]:
+        """Start the sum all-reduce of `flat` in place on the backend's device, not waiting: one
+        launch of an overlapped collective (hsgd.train.buckets), whose caller holds the level's
+        `one_collective` guard from the first launch to the end of `wait_sums`. Returns (the buffer
+        that will hold the sum: for NCCL with a CPU input a device copy, its work, payload bytes).
+        Raises CollectiveError (kind issue / aborted); the group is then unusable."""
+        with self._held():
+            if not self._usable or self._pg is None:
+                raise self._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
+            with self._failing_as("issue", "copying a bucket to the device"):
+                buf = self._on_device(flat)
             payload = buf.numel() * buf.element_size()
-            g.bytes_sent += payload
-            self.pending.append((g._issue("allreduce", buf, _sum_options(), payload), payload))
-            return buf
+            self.bytes_sent += payload
+            return buf, self._issue("allreduce", buf, _sum_options(), payload), payload
 
-    def wait_all(self) -> None:
-        """Wait every launched all-reduce in launch order. Raises CollectiveError at the first
-        failure (the rest are abandoned, the group aborted)."""
-        with self.group._held():
-            try:
-                n = len(self.pending)
-                for i, (work, payload) in enumerate(self.pending):
-                    what = f"overlapped allreduce (bucket {i + 1}/{n})"
-                    self.group._wait(work, what, payload, check_group=i == n - 1)
-            except CollectiveError:
-                self.abandon()
-                raise
-            if self._started is not None:  # every bucket's bytes: what the simulated link carries
-                self.group._pace(self._started, sum(payload for _, payload in self.pending))
-            self.pending = []
-        self.abandon()  # nothing in flight: only releases the guard
-
-    def abandon(self) -> None:
-        """Drop in-flight work after a failure. Never raises; aborts the group if anything was in
-        flight (its members' collectives no longer line up)."""
-        if self.pending:
-            self.pending = []
-            self.group.abort()
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.release()
+    def wait_sums(self, launched: list[tuple[object, int]], started: float) -> None:
+        """Wait each (work, payload bytes) of `launch_sum`, in launch order, then pace the simulated
+        link from `started` (the first launch) by all their bytes: one latency, so compute between
+        launches hides it. Raises CollectiveError at the first failure; the caller must then
+        `abort` the group (the rest are in flight, the members' collectives no longer line up)."""
+        with self._held():
+            for i, (work, payload) in enumerate(launched):
+                what = f"overlapped allreduce (bucket {i + 1}/{len(launched)})"
+                self._wait(work, what, payload, check_group=i == len(launched) - 1)
+            if launched:
+                self._pace(started, sum(payload for _, payload in launched))
 
 
 def _sum_options() -> dist.AllreduceOptions:
