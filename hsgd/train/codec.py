@@ -1,6 +1,6 @@
 """Codecs for the outer payload: the pseudo-gradient that crosses the slow link between clusters.
 
-    payload = codec.encode(flat)              # uint8, 1-D, len == codec.payload_bytes(flat.numel())
+    payload = codec.encode(flat)              # fp32 1-D CPU -> uint8 1-D of codec.payload_bytes(numel)
     flat_hat = codec.decode(payload, numel)   # fp32, 1-D; what every peer sees from this sender
 Accumulation, the outer optimizer and the global params stay fp32: only the wire is narrow.
 
@@ -25,14 +25,10 @@ a, b multiples of ALIGN (or b == n), with x of n elements:
 A shard holder compressing its slice and a replica compressing the whole vector (for the error-
 feedback residual, or a digest) agree bitwise; shards and fragments are cut only at multiples of ALIGN.
 
-Error feedback (EF-SGD, Karimireddy et al. 2019) — the contract:
-    corrected = update + residual        # residual: what this cluster could not send so far
-    payload   = encode(corrected)        # handed to the network
-    sent      = decode(payload)          # what the peers will see from this cluster
-    residual  = corrected - sent         # kept, added next round
-so sum(sent) + residual == sum(update) over rounds (to fp32 rounding): nothing is lost, only
-delayed, and the error stays bounded by ||residual||. The residual is state: the trainer heals and
-checkpoints it with the outer optimizer state.
+Error feedback (EF-SGD, Karimireddy et al. 2019), `compress_with_feedback`: sent =
+decode(encode(update + residual)), residual = update + residual - sent, so sum(sent) + residual ==
+sum(update) over rounds (to fp32 rounding): nothing is lost, only delayed. The residual is state:
+the trainer heals and checkpoints it with the outer optimizer state.
 
 Encoding is deterministic and vectorised (blocks as rows of a 2-D tensor). Non-finite input is not
 handled: the trainer refuses to send non-finite pseudo-gradients.
@@ -48,10 +44,9 @@ ALIGN = 4096          # every codec's block divides it: lcm(1, 256, 4096)
 
 
 class Codec:
-    """Protocol: encode(flat fp32 1-D CPU) -> uint8 1-D of exactly payload_bytes(numel) bytes;
-    decode(payload, numel) -> fp32 1-D of numel elements. decode raises ValueError when the payload's
-    length is not payload_bytes(numel) (a payload cut or joined wrongly is never decoded silently).
-    A codec defines `block`, `_record_bytes(numel)` (one block's record), `_encode_rows(x)` (blocks
+    """encode/decode as in the module's protocol; decode raises ValueError when the payload's length
+    is not payload_bytes(numel) (a payload cut or joined wrongly is never decoded silently). A codec
+    defines `block`, `_record_bytes(numel)` (one block's record), `_encode_rows(x)` (blocks
     as the rows of x -> uint8) and `_decode_rows(data, width)` (rows of `width` elements); encode and
     decode hand them the full blocks, then the partial last one."""
 
@@ -196,10 +191,9 @@ def make_codec(name: str, topk_density: float = 0.01) -> Codec:
 
 def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sent, new_residual) for one round of error feedback; residual None means zeros. sent =
-    decode(encode(update + residual)) is what the peers see from this cluster (use it for the local
-    share of the reduction, so the sender and its peers use the same values); new_residual =
-    (update + residual) - sent replaces the residual. Inputs are not modified."""
+    """(sent, new_residual) for one round of error feedback (the module's); residual None means
+    zeros. `sent` is what the peers see from this cluster: use it for the local share of the
+    reduction, so the sender and its peers use the same values. Inputs are not modified."""
     if residual is not None and residual.shape != update.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match update {tuple(update.shape)}")
     corrected = update.clone() if residual is None else update + residual

@@ -115,12 +115,9 @@ def one_collective(what: str, level: str = "inner"):
 # -- the run's store and its secret ----------------------------------------------------------------
 def start_store(host: str, timeout_s: float):
     """The run's TCPStore (master), listening on `host` only, on a free port (`.port`). Raises
-    OSError / torch's DistNetworkError when `host` is not this node's address.
-
-    TCPStore binds every interface by itself (`::`) and has no authentication, so it is handed a
-    socket already bound to (host, 0) and listening (`master_listen_fd`), which it owns from then
-    on. Only torch's default libuv server accepts such a descriptor.
-    """
+    OSError / torch's DistNetworkError when `host` is not this node's address. TCPStore alone binds
+    every interface (`::`) and has no authentication, so it is handed a socket bound to (host, 0)
+    (`master_listen_fd`, which only torch's default libuv server accepts) and owns it from then on."""
     from torch.distributed import TCPStore
 
     family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
@@ -188,12 +185,11 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
 
 def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
     """Release every member waiting in the rendezvous of group `prefix`, now and any that arrives
-    later: each raises CollectiveError kind `join_aborted` with `reason`. For the supervisor, once it
-    knows a member of that forming group is dead; `store` is the master `start_store` made,
-    `store_addr` the rendezvous address the members were handed. True when the rendezvous is
-    aborted (by this call or an earlier one); False when it had already formed (the members are in
-    the backend's connect, bounded by connect_timeout_s) or the store could not be reached.
-    Idempotent; never raises; one store round trip, bounded by the store's timeout."""
+    later (each raises CollectiveError kind `join_aborted` with `reason`): for the supervisor, once
+    a member of that forming group is known dead. `store`: the master; `store_addr`: the members'.
+    True when aborted (by this call or an earlier one); False when it had already formed (the
+    connect is bounded by connect_timeout_s) or the store could not be reached. Idempotent; never
+    raises; one store round trip, bounded by the store's timeout."""
     from torch.distributed import PrefixStore
 
     try:  # the key prefix torchft's create_store_client makes of it: everything after host:port
@@ -207,7 +203,6 @@ def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
 def apply_nccl_environment(configure_timeout_s: float) -> dict[str, str]:
     """Set (overriding) the NCCL settings hsgd's error model needs, before the process makes its
     first group (torch reads them when a communicator is built); returns them.
-
     - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): an error or a watchdog timeout aborts the
       communicators and fails the op; torch's default (3) kills the process, a survivor's crash.
     - TORCH_NCCL_BLOCKING_WAIT=0: waits do not block the host in NCCL; torchft's non-blocking
@@ -427,13 +422,12 @@ class LevelGroup:
             self._pace(start, max(sent, payload))
 
     def all_gather(self, payload: torch.Tensor, *, level: str) -> list[torch.Tensor]:
-        """Every member's `payload`, in rank order (this member's own included, as a copy), on
-        `payload`'s device. Protocol: every member passes a 1-D tensor of the same dtype and
-        length; equal lengths are not checked (a round trip over the slow link): gloo aborts a
-        process that receives more than it expected, and its peers then see kind `peer_gone`.
-        `bytes_sent` and the simulated link count payload bytes * (world_size - 1), what a member
-        sends in a ring all-gather; the deadline scales with the whole result. A group of one
-        returns [payload] itself. Raises WrongLevelError, ValueError (not 1-D), CollectiveError."""
+        """Every member's `payload`, in rank order (this member's own as a copy), on `payload`'s
+        device. Every member passes a 1-D tensor of the same dtype and length, not checked (a round
+        trip over the slow link): gloo aborts a process that receives more than it expected, its
+        peers see kind `peer_gone`. `bytes_sent` and the link count payload bytes * (world_size - 1)
+        (a ring all-gather); the deadline scales with the whole result. A group of one returns
+        [payload] itself. Raises WrongLevelError, ValueError (not 1-D), CollectiveError."""
         self._check(level)
         if payload.dim() != 1:
             raise ValueError(f"{self.level} all_gather: payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
@@ -453,11 +447,10 @@ class LevelGroup:
             return gathered
 
     def launch_sum(self, flat: torch.Tensor) -> tuple[torch.Tensor, object, int]:
-        """Start the sum all-reduce of `flat` in place on the backend's device, not waiting: one
-        launch of an overlapped collective (hsgd.train.buckets), whose caller holds the level's
-        `one_collective` guard from the first launch to the end of `wait_sums`. Returns (the buffer
-        that will hold the sum: for NCCL with a CPU input a device copy, its work, payload bytes).
-        Raises CollectiveError (kind issue / aborted); the group is then unusable."""
+        """Start, not wait, the sum all-reduce of `flat` in place on the backend's device: one launch
+        of an overlapped collective, whose caller holds `one_collective` until `wait_sums` ends.
+        Returns (the buffer that will hold the sum: for NCCL with a CPU input a device copy, its
+        work, payload bytes). Raises CollectiveError (kind issue / aborted)."""
         with self._held():
             if not self._usable or self._pg is None:
                 raise self._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
