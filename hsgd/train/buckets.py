@@ -50,10 +50,10 @@ def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[i
 
 
 class _Bucket:
-    __slots__ = ("index", "members", "offsets", "flat", "ready", "result")
+    __slots__ = ("members", "offsets", "flat", "ready", "result")
 
-    def __init__(self, index: int, members: list[int], params: list[torch.Tensor]):
-        self.index, self.members = index, members
+    def __init__(self, members: list[int], params: list[torch.Tensor]):
+        self.members = members
         sizes = [params[i].numel() for i in members]
         self.offsets = dict(zip(members, itertools.accumulate(sizes, initial=0)))
         first = params[members[0]]
@@ -70,8 +70,7 @@ class GradBuckets:
         self.params = [p for p in params if p.requires_grad]  # a frozen parameter has no gradient to sync
         assert len({id(p) for p in self.params}) == len(self.params), "a parameter is listed twice"
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.buckets = [_Bucket(k, m, self.params) for k, m in enumerate(assign_buckets(self.params,
-                                                                                          self.bucket_bytes))]
+        self.buckets = [_Bucket(m, self.params) for m in assign_buckets(self.params, self.bucket_bytes)]
         self._bucket_of = {i: b for b in self.buckets for i in b.members}
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
         self._group: LevelGroup | None = None  # armed: the inner group the hooks launch on
@@ -155,8 +154,8 @@ class GradBuckets:
                 if self._group is None or self._error is not None:
                     return
                 b = self._bucket_of[i]
-                if b.index < self._next or i in b.ready:
-                    return  # already launched (a second backward while armed); its copy stands
+                if i in b.ready:
+                    return  # a second backward while armed: the first copy stands (maybe launched)
                 self._fill(b, i)
                 self._launch_ready()
         return hook
@@ -181,7 +180,7 @@ class GradBuckets:
                     self._guard.enter_context(one_collective("inner overlapped allreduce", "inner"))
                     self._started = time.monotonic()
                 b.result, work, payload = self._group.launch_sum(b.flat)
-            except Exception as err:  # noqa: BLE001 — a CollectiveError, an OverlappingCollectiveError: raised at finish
+            except Exception as err:  # noqa: BLE001 — CollectiveError, OverlappingCollectiveError: raised at finish
                 self._error = err
                 return
             self._launched.append((work, payload))

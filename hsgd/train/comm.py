@@ -27,15 +27,11 @@ Protocol
 Error model: every failure in torch.distributed / torchft (building the group, configure, issuing an
 op, the device copies around it, the wait, the group's error state after it) raises
 `CollectiveError`, never torch's own types (NCCL reports some errors lazily, when an op is issued).
-Its `kind`:
-    configure  building or joining the group failed (a member did not come, the store is gone)
-    issue      the op could not be started (NCCL's lazy init, a device copy)
-    wait       the op failed while in flight (gloo: a peer's connection broke)
-    peer_gone  the same, and the backend said the peer's connection closed (its process is gone)
-    timeout    the op did not complete within its deadline (a wait that returns False, too)
-    aborted    the group was aborted (the `comm` fault, torchft's timeout watchdog, an earlier error)
-    join_aborted  the supervisor aborted the rendezvous before every member arrived (a member is
-               known dead): the error's text carries its reason
+Its `kind` (`ErrorKind`, hsgd.core.round.messages): configure (building or joining the group: a
+member did not come, the store is gone), join_aborted (the supervisor's abort; the text carries its
+reason), issue (starting the op: NCCL's lazy init, a device copy), wait (failed in flight), peer_gone
+(the same, the backend saying the peer's connection closed), timeout (past its deadline, or a wait
+that returns False), aborted (the `comm` fault, torchft's timeout watchdog, an earlier error).
 After any CollectiveError the group is unusable until the next `configure`. `abort` never raises.
 
 Backends: gloo on CPU, nccl on GPU (torchft's reconfigurable groups; NCCL with non-blocking
@@ -241,7 +237,9 @@ class LevelGroup:
         self.bytes_sent = 0  # payload bytes handed to collectives (what crossed this level's link)
         self.link_s = 0.0  # seconds held in this group's collectives, the simulated link's sleep included
         self._pg = None
-        self._arrival_s = 0.0  # added to every deadline inside `peers_may_be_late`
+        # added to every deadline: a collective a member starts before its peers are known to be there
+        # (hsgd.train.overlap, while it runs; no other thread uses the group meanwhile)
+        self.arrival_s = 0.0
         self._usable = True
         self._secret = ""  # the rendezvous secret in store_addr: never repeated in an error's text
 
@@ -328,19 +326,8 @@ class LevelGroup:
         return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + \
             (self.link.seconds(payload_bytes, most=True) if self.link is not None else 0.0)
 
-    @contextmanager
-    def peers_may_be_late(self, arrival_s: float):
-        """Inside the block, each collective's deadline is `arrival_s` longer: for a collective a
-        member starts before its peers are known to be there (the outer reduce behind the inner
-        steps). Only for a group no other thread uses meanwhile."""
-        self._arrival_s = float(arrival_s)
-        try:
-            yield
-        finally:
-            self._arrival_s = 0.0
-
     def _timeout(self, payload_bytes: int) -> timedelta:
-        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self._arrival_s)
+        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self.arrival_s)
 
     def _issue(self, op: str, flat: torch.Tensor, opts, payload_bytes: int, outputs: list | None = None):
         """Start `op` with the deadline of `payload_bytes` (`outputs`: allgather's result buffers)."""
@@ -390,7 +377,7 @@ class LevelGroup:
     def allreduce_mean(self, tensors: list[torch.Tensor], *, level: str) -> None:
         """In place: every tensor becomes the mean over the group's members. Counts the payload
         in `bytes_sent`; a simulated link paces it by the payload. Raises CollectiveError."""
-        self._in_place("allreduce", tensors, level, _sum_options())
+        self._in_place("allreduce", tensors, level, dist.AllreduceOptions())  # (its reduceOp: SUM)
 
     def broadcast(self, tensors: list[torch.Tensor], *, root: int, level: str) -> None:
         """In place: every member's tensors become the root's. The root counts the payload once
@@ -458,7 +445,7 @@ class LevelGroup:
                 buf = self._on_device(flat)
             payload = buf.numel() * buf.element_size()
             self.bytes_sent += payload
-            return buf, self._issue("allreduce", buf, _sum_options(), payload), payload
+            return buf, self._issue("allreduce", buf, dist.AllreduceOptions(), payload), payload
 
     def wait_sums(self, launched: list[tuple[object, int]], started: float) -> None:
         """Wait each (work, payload bytes) of `launch_sum`, in launch order, then pace the simulated
@@ -471,12 +458,6 @@ class LevelGroup:
                 self._wait(work, what, payload, check_group=i == len(launched) - 1)
             if launched:
                 self._pace(started, sum(payload for _, payload in launched))
-
-
-def _sum_options() -> dist.AllreduceOptions:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    return opts
 
 
 def _abort_quietly(pg) -> None:

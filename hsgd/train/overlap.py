@@ -66,14 +66,15 @@ class BackgroundReduce:
     def _run(self, reduce: _Reduce) -> None:
         round_index, epoch, shard, shards, *weights = reduce.key
         before, before_s = self.outer.bytes_sent, self.outer.link_s
+        self.outer.arrival_s = self.arrival_s
         try:
-            with self.outer.peers_may_be_late(self.arrival_s):
-                self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights)
+            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights)
         except BaseException as err:  # noqa: BLE001 — handed to settle(), which raises it in the phase
             reduce.error = err
             if not isinstance(err, CollectiveError):  # non-finite, or a bug: the peers must not wait on us
                 self.outer.abort()
         finally:
+            self.outer.arrival_s = 0.0
             reduce.outer_bytes = self.outer.bytes_sent - before
             reduce.outer_link_s = self.outer.link_s - before_s
             reduce.done.set()
