@@ -107,8 +107,6 @@ class GradBuckets:
             return
         try:
             with self._lock:
-                if self._error is not None:
-                    raise self._error
                 for b in self.buckets[self._next:]:
                     for i in set(b.members) - b.ready:
                         self._fill(b, i)
@@ -171,9 +169,9 @@ class GradBuckets:
         b.ready.add(i)
 
     def _launch_ready(self) -> None:
-        """Launch full buckets in bucket order; record (never raise) a failure."""
+        """Launch full buckets in bucket order; record (never raise) a failure, then launch no more."""
         for b in self.buckets[self._next:]:
-            if len(b.ready) < len(b.members):
+            if self._error is not None or len(b.ready) < len(b.members):
                 return
             try:
                 if self._next == 0:

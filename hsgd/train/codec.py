@@ -159,8 +159,6 @@ class _TopK(Codec):
     def _encode_rows(self, x: torch.Tensor) -> torch.Tensor:
         rows, width = x.shape
         k = self.kept(width)
-        if rows == 0:
-            return torch.empty(0, dtype=torch.uint8)
         mag = x.abs()
         kth = mag.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # (rows, 1)
         above = mag > kth
