@@ -43,8 +43,7 @@ class _Reduce:
     key: Key
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    outer_bytes: int = 0
-    outer_link_s: float = 0.0
+    spent: dict = field(default_factory=dict)  # outer_bytes, outer_link_s: what settle(key) returns
 
 
 class BackgroundReduce:
@@ -75,8 +74,7 @@ class BackgroundReduce:
                 self.outer.abort()
         finally:
             self.outer.arrival_s = 0.0
-            reduce.outer_bytes = self.outer.bytes_sent - before
-            reduce.outer_link_s = self.outer.link_s - before_s
+            reduce.spent = {"outer_bytes": self.outer.bytes_sent - before, "outer_link_s": self.outer.link_s - before_s}
             reduce.done.set()
 
     def settle(self, key: Key | None, timeout_s: float = 30.0) -> dict | None:
@@ -96,4 +94,4 @@ class BackgroundReduce:
                                   f"{timeout_s:.0f}s; outer group aborted", "timeout")
         if reduce.error is not None:
             raise reduce.error
-        return {"outer_bytes": reduce.outer_bytes, "outer_link_s": reduce.outer_link_s}
+        return reduce.spent
