@@ -1,6 +1,6 @@
 """Codecs for the outer payload: the pseudo-gradient that crosses the slow link between clusters.
 
-    payload = codec.encode(flat)              # uint8, 1-D, len == codec.payload_bytes(flat.numel())
+    payload = codec.encode(flat)              # fp32 1-D CPU -> uint8 1-D of codec.payload_bytes(numel)
     flat_hat = codec.decode(payload, numel)   # fp32, 1-D; what every peer sees from this sender
 Accumulation, the outer optimizer and the global params stay fp32: only the wire is narrow.
 
@@ -25,14 +25,10 @@ a, b multiples of ALIGN (or b == n), with x of n elements:
 A shard holder compressing its slice and a replica compressing the whole vector (for the error-
 feedback residual, or a digest) agree bitwise; shards and fragments are cut only at multiples of ALIGN.
 
-Error feedback (EF-SGD, Karimireddy et al. 2019) — the contract:
-    corrected = update + residual        # residual: what this cluster could not send so far
-    payload   = encode(corrected)        # handed to the network
-    sent      = decode(payload)          # what the peers will see from this cluster
-    residual  = corrected - sent         # kept, added next round
-so sum(sent) + residual == sum(update) over rounds (to fp32 rounding): nothing is lost, only
-delayed, and the error stays bounded by ||residual||. The residual is state: the trainer heals and
-checkpoints it with the outer optimizer state.
+Error feedback (EF-SGD, Karimireddy et al. 2019), `compress_with_feedback`: sent =
+decode(encode(update + residual)), residual = update + residual - sent, so sum(sent) + residual ==
+sum(update) over rounds (to fp32 rounding): nothing is lost, only delayed. The residual is state:
+the trainer heals and checkpoints it with the outer optimizer state.
 
 Encoding is deterministic and vectorised (blocks as rows of a 2-D tensor). Non-finite input is not
 handled: the trainer refuses to send non-finite pseudo-gradients.
@@ -48,9 +44,11 @@ ALIGN = 4096          # every codec's block divides it: lcm(1, 256, 4096)
 
 
 class Codec:
-    """Protocol: encode(flat fp32 1-D CPU) -> uint8 1-D of exactly payload_bytes(numel) bytes;
-    decode(payload, numel) -> fp32 1-D of numel elements. decode raises ValueError when the payload's
-    length is not payload_bytes(numel) (a payload cut or joined wrongly is never decoded silently)."""
+    """encode/decode as in the module's protocol; decode raises ValueError when the payload's length
+    is not payload_bytes(numel) (a payload cut or joined wrongly is never decoded silently). A codec
+    defines `block`, `_record_bytes(numel)` (one block's record), `_encode_rows(x)` (blocks
+    as the rows of x -> uint8) and `_decode_rows(data, width)` (rows of `width` elements); encode and
+    decode hand them the full blocks, then the partial last one."""
 
     name: str
     block: int  # elements per block; divides ALIGN
@@ -64,7 +62,11 @@ class Codec:
         if flat.dim() != 1 or flat.dtype != torch.float32 or flat.device.type != "cpu":
             raise ValueError(f"codec {self.name}: encode takes a 1-D fp32 CPU tensor, "
                              f"got {tuple(flat.shape)} {flat.dtype} on {flat.device}")
-        return self._encode(flat.contiguous())
+        flat, full = flat.contiguous(), flat.numel() // self.block * self.block
+        parts = [self._encode_rows(flat[:full].view(-1, self.block)).reshape(-1)]
+        if full < flat.numel():
+            parts.append(self._encode_rows(flat[full:].view(1, -1)).reshape(-1))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         if payload.dim() != 1 or payload.dtype != torch.uint8:
@@ -73,16 +75,12 @@ class Codec:
         want = self.payload_bytes(numel)
         if payload.numel() != want:
             raise ValueError(f"codec {self.name}: payload of {payload.numel()} bytes, {numel} elements need {want}")
-        return self._decode(payload.contiguous(), numel)
-
-    def _record_bytes(self, numel: int) -> int:
-        raise NotImplementedError
-
-    def _encode(self, flat: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        raise NotImplementedError
+        payload, full = payload.contiguous(), numel // self.block * self.block
+        split = self.payload_bytes(full)
+        parts = [self._decode_rows(payload[:split], self.block).reshape(-1)]
+        if full < numel:
+            parts.append(self._decode_rows(payload[split:], numel - full).reshape(-1))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,14 +89,6 @@ def _as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if data.storage_offset() % dtype.itemsize:
         data = data.clone()
     return data.view(dtype)
-
-
-def _rows(flat: torch.Tensor, width: int) -> torch.Tensor:
-    """(ceil(n / width), width): flat padded with zeros to whole rows."""
-    rows = -(-flat.numel() // width)
-    if rows * width != flat.numel():
-        flat = torch.nn.functional.pad(flat, (0, rows * width - flat.numel()))
-    return flat.view(rows, width)
 
 
 class _Cast(Codec):
@@ -112,11 +102,11 @@ class _Cast(Codec):
     def _record_bytes(self, numel: int) -> int:
         return numel * self.dtype.itemsize
 
-    def _encode(self, flat):
-        return flat.to(self.dtype, copy=True).view(torch.uint8)  # a copy: never aliases the caller's vector
+    def _encode_rows(self, x):
+        return x.to(self.dtype, copy=True).view(torch.uint8)  # a copy: never aliases the caller's vector
 
-    def _decode(self, payload, numel):
-        return _as(payload, self.dtype).to(torch.float32, copy=True)
+    def _decode_rows(self, data, width):
+        return _as(data, self.dtype).to(torch.float32, copy=True)
 
 
 class _Quantize(Codec):
@@ -131,30 +121,22 @@ class _Quantize(Codec):
     def _record_bytes(self, numel: int) -> int:
         return 4 + -(-numel * self.bits // 8)
 
-    def _encode(self, flat):
-        n = flat.numel()
-        x = _rows(flat, self.block)                                       # (blocks, 256)
+    def _encode_rows(self, x):
         scale = x.abs().amax(dim=1) / self.qmax                           # (blocks,)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))      # all-zero block: q = 0
         q = torch.round(x / safe[:, None]).clamp_(-self.qmax, self.qmax).to(torch.int8)
-        if self.bits == 8:
-            body = q.view(torch.uint8)                                    # (blocks, 256)
-        else:
-            u = (q + 8).view(torch.uint8)                                 # 1..15
-            body = u[:, 0::2] | (u[:, 1::2] << 4)                         # (blocks, 128)
-        records = torch.cat([scale.view(torch.uint8).view(-1, 4), body], dim=1)
-        return records.view(-1)[:self.payload_bytes(n)].clone()         # the last record is cut short
+        if self.bits == 4:  # an odd last element gets q = 0 in its high nibble
+            u = (torch.nn.functional.pad(q, (0, q.shape[1] % 2)) + 8).view(torch.uint8)  # 1..15
+            q = u[:, 0::2] | (u[:, 1::2] << 4)                            # (blocks, 128)
+        return torch.cat([scale.view(torch.uint8).view(-1, 4), q.view(torch.uint8)], dim=1)
 
-    def _decode(self, payload, numel):
-        width = self._record_bytes(self.block)
-        records = _rows(payload, width)                                   # (blocks, 4 + body)
-        scale = _as(records[:, :4], torch.float32).view(-1)               # (blocks,)
+    def _decode_rows(self, data, width):
+        records = data.view(-1, self._record_bytes(width))               # (blocks, 4 + body)
+        scale = _as(records[:, :4].reshape(-1), torch.float32)            # (blocks,)
         body = records[:, 4:].contiguous()
-        if self.bits == 8:
-            q = body.view(torch.int8)
-        else:
-            q = torch.stack([body & 0xF, body >> 4], dim=2).view(body.shape[0], self.block).to(torch.int8) - 8
-        return (q.to(torch.float32) * scale[:, None]).view(-1)[:numel].clone()
+        q = body.view(torch.int8) if self.bits == 8 else \
+            torch.stack([body & 0xF, body >> 4], dim=2).flatten(1)[:, :width].to(torch.int8) - 8
+        return q.to(torch.float32) * scale[:, None]
 
 
 class _TopK(Codec):
@@ -174,19 +156,9 @@ class _TopK(Codec):
     def _record_bytes(self, numel: int) -> int:
         return 4 * self.kept(numel)
 
-    def _encode(self, flat):
-        n = flat.numel()
-        full = n // self.block * self.block
-        parts = [self._encode_rows(flat[:full].view(-1, self.block))]
-        if full < n:
-            parts.append(self._encode_rows(flat[full:].view(1, -1)))     # the partial last chunk
-        return torch.cat(parts)
-
     def _encode_rows(self, x: torch.Tensor) -> torch.Tensor:
         rows, width = x.shape
         k = self.kept(width)
-        if rows == 0:
-            return torch.empty(0, dtype=torch.uint8)
         mag = x.abs()
         kth = mag.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # (rows, 1)
         above = mag > kth
@@ -196,16 +168,7 @@ class _TopK(Codec):
         keep = above | (at & (at.cumsum(dim=1, dtype=torch.int16) <= room))
         idx = keep.nonzero()[:, 1].view(rows, k)                          # ascending within each row
         values = x.gather(1, idx).to(torch.bfloat16)
-        records = torch.cat([idx.to(torch.int16).view(torch.uint8), values.view(torch.uint8)], dim=1)
-        return records.view(-1)
-
-    def _decode(self, payload, numel):
-        full = numel // self.block * self.block
-        split = full // self.block * self._record_bytes(self.block)
-        parts = [self._decode_rows(payload[:split], self.block)]
-        if full < numel:
-            parts.append(self._decode_rows(payload[split:], numel - full))
-        return torch.cat([p.view(-1) for p in parts])
+        return torch.cat([idx.to(torch.int16).view(torch.uint8), values.view(torch.uint8)], dim=1)
 
     def _decode_rows(self, data: torch.Tensor, width: int) -> torch.Tensor:
         k = self.kept(width)
@@ -226,10 +189,9 @@ def make_codec(name: str, topk_density: float = 0.01) -> Codec:
 
 def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sent, new_residual) for one round of error feedback; residual None means zeros. sent =
-    decode(encode(update + residual)) is what the peers see from this cluster (use it for the local
-    share of the reduction, so the sender and its peers use the same values); new_residual =
-    (update + residual) - sent replaces the residual. Inputs are not modified."""
+    """(sent, new_residual) for one round of error feedback (the module's); residual None means
+    zeros. `sent` is what the peers see from this cluster: use it for the local share of the
+    reduction, so the sender and its peers use the same values. Inputs are not modified."""
     if residual is not None and residual.shape != update.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match update {tuple(update.shape)}")
     corrected = update.clone() if residual is None else update + residual

@@ -2,51 +2,41 @@
 
 Protocol
 - The supervisor starts the run's store (`start_store`, on the node's address only) and hands each
-  replica, per epoch, a rendezvous address `host:port/<secret>` (`rendezvous_address`: ≥ 128
-  random bits, so nobody outside the run can name a group's keys) and a prefix naming the run, the
-  level and the epoch (`run/epoch7/inner/c1`). `configure` joins that group in two steps:
-  1. the arrival barrier, in the run's store under the group's keys: each member announces its
-     rank, then waits (server-side, no polling) on the group's one decision key. The member that
-     sees every rank arrived writes `formed`; the supervisor, once it knows a member of a forming
-     group is dead, killed or lost, writes `aborted: <reason>` (`abort_rendezvous`). The first
-     writer wins (compare-and-set), so every member reads the same decision: `aborted` releases
-     them all at once with kind `join_aborted`; nothing decided within `configure_timeout_s` is
-     kind `configure` (naming who never came).
-  2. torchft's configure (the backend's connect among members known present), bounded by the
-     short `connect_timeout_s`: a member that dies in this last window costs that, not
-     `configure_timeout_s`.
+  replica, per epoch, a rendezvous address `host:port/<secret>` (`rendezvous_address`: >= 128 random
+  bits, so nobody outside the run can name a group's keys) and a prefix naming the run, level and
+  epoch (`run/epoch7/inner/c1`). `configure` joins that group in two steps:
+  1. the arrival barrier in the store: each member announces its rank, then waits (server-side) on
+     the group's one decision key. The member that sees every rank arrived writes `formed`; the
+     supervisor, once it knows a member of a forming group is dead, writes `aborted: <reason>`
+     (`abort_rendezvous`). The first writer wins (compare-and-set): `aborted` releases every member
+     at once with kind `join_aborted`; nothing decided within `configure_timeout_s` is kind
+     `configure` (naming who never came).
+  2. torchft's configure (the backend's connect), bounded by the short `connect_timeout_s`.
   So `configure` takes at most configure_timeout_s + connect_timeout_s.
-- Every collective names its level: `group.allreduce_mean(t, level="inner")`; the wrong level
-  raises `WrongLevelError` at once (else replicas would silently train unsynchronised).
+- Every collective names its level (`allreduce_mean(t, level="inner")`); the wrong level raises
+  `WrongLevelError` at once (else replicas would silently train unsynchronised).
 - Every collective waits at most `timeout_s` plus its payload at `min_gbps` (collective_timeout_s),
   set on the operation itself and on the wait.
 - A process is in at most one collective at any instant (OverlappingCollectiveError otherwise);
-  with `allow_level_overlap`, at most one per level, so collectives on one group never
-  interleave. An overlapped collective (`overlapped`: buckets launched from backward hooks) is
-  ONE logical collective of one level: it holds that guard from its first launch to its end.
+  with `allow_level_overlap`, at most one per level. An overlapped collective (`launch_sum` ...
+  `wait_sums`) is ONE logical collective of one level: its caller holds that guard throughout.
 - A group of one member does no communication at all.
-- `link` (a `hsgd.train.simulate.LinkModel`, where `links.<level>` sets one) paces each collective
-  that succeeded. `link_s`: the seconds held in the group's collectives (the modeled sleep included).
+- `link` (a `hsgd.train.simulate.LinkModel`) paces each collective that succeeded. `link_s`: the
+  seconds held in the group's collectives (the modeled sleep included).
 
-Error model: every call into torch.distributed / torchft (building the group, configure,
-set_timeout, issuing an op, the device copies around it, the wait, the group's error state after
-it) raises `CollectiveError` on failure, never torch's own error types (NCCL reports some errors
-when an op is issued, lazily, not when it is waited). Its `kind`:
-    configure  building or joining the group failed (a member did not come, the store is gone)
-    issue      the op could not be started (NCCL's lazy init, a device copy)
-    wait       the op failed while in flight (gloo: a peer's connection broke)
-    peer_gone  the same, and the backend said the peer's connection closed (its process is gone)
-    timeout    the op did not complete within its deadline (a wait that returns False, too)
-    aborted    the group was aborted (the `comm` fault, torchft's timeout watchdog, an earlier error)
-    join_aborted  the supervisor aborted the group's rendezvous before every member arrived (a
-               member is known dead): the error's text carries the reason it wrote
-After any CollectiveError the group is unusable until the next `configure`; the caller reports the
-failure to the supervisor, which re-plans. `abort` never raises.
+Error model: every failure in torch.distributed / torchft (building the group, configure, issuing an
+op, the device copies around it, the wait, the group's error state after it) raises
+`CollectiveError`, never torch's own types (NCCL reports some errors lazily, when an op is issued).
+Its `kind` (`ErrorKind`, hsgd.core.round.messages): configure (building or joining the group: a
+member did not come, the store is gone), join_aborted (the supervisor's abort; the text carries its
+reason), issue (starting the op: NCCL's lazy init, a device copy), wait (failed in flight), peer_gone
+(the same, the backend saying the peer's connection closed), timeout (past its deadline, or a wait
+that returns False), aborted (the `comm` fault, torchft's timeout watchdog, an earlier error).
+After any CollectiveError the group is unusable until the next `configure`. `abort` never raises.
 
-Backends: gloo on CPU, nccl on GPU (torchft's reconfigurable ProcessGroupGloo / ProcessGroupNCCL,
-the latter with non-blocking communicators and torchft's own abort-on-timeout) behind the same
-interface; `apply_nccl_environment` before a replica's first group. Tensors are flattened into one
-buffer per call.
+Backends: gloo on CPU, nccl on GPU (torchft's reconfigurable groups; NCCL with non-blocking
+communicators and torchft's abort-on-timeout); `apply_nccl_environment` before a replica's first
+group. Tensors are flattened into one buffer per call.
 """
 from __future__ import annotations
 
@@ -55,7 +45,7 @@ import secrets
 import socket
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
 
 import torch
@@ -104,17 +94,14 @@ def allow_level_overlap(allowed: bool) -> None:
     _per_level = bool(allowed)
 
 
-def _enter_collective(what: str, level: str) -> threading.Lock:
+@contextmanager
+def one_collective(what: str, level: str = "inner"):
+    """Hold the one-collective guard of `level` (of the process without `allow_level_overlap`) for
+    the block; raises OverlappingCollectiveError at once when another collective holds it."""
     guard = _LEVEL_GUARDS[level] if _per_level else _PROCESS_GUARD
     if not guard.acquire(blocking=False):
         scope = f"on the {level} level" if _per_level else "in this process"
         raise OverlappingCollectiveError(f"{what} started while another collective is in flight {scope}")
-    return guard
-
-
-@contextmanager
-def _one_collective(what: str, level: str = "inner"):
-    guard = _enter_collective(what, level)
     try:
         yield
     finally:
@@ -124,13 +111,9 @@ def _one_collective(what: str, level: str = "inner"):
 # -- the run's store and its secret ----------------------------------------------------------------
 def start_store(host: str, timeout_s: float):
     """The run's TCPStore (master), listening on `host` only, on a free port (`.port`). Raises
-    OSError / torch's DistNetworkError when `host` is not this node's address.
-
-    TCPStore binds every interface by itself (`::`) and has no authentication, so it is handed a
-    socket already bound to (host, 0) and listening (`master_listen_fd`), which it owns from then
-    on. Only torch's default libuv server accepts such a descriptor (the non-libuv one fails with
-    'getsockname failed ... Bad file descriptor').
-    """
+    OSError / torch's DistNetworkError when `host` is not this node's address. TCPStore alone binds
+    every interface (`::`) and has no authentication, so it is handed a socket bound to (host, 0)
+    (`master_listen_fd`, which only torch's default libuv server accepts) and owns it from then on."""
     from torch.distributed import TCPStore
 
     family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
@@ -138,8 +121,7 @@ def start_store(host: str, timeout_s: float):
     try:
         sock.bind(addr)
         sock.listen(128)
-        port = sock.getsockname()[1]
-        store = TCPStore(host_name=host, port=port, is_master=True, wait_for_workers=False,
+        store = TCPStore(host_name=host, port=sock.getsockname()[1], is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
     except BaseException:
         sock.close()
@@ -149,15 +131,14 @@ def start_store(host: str, timeout_s: float):
 
 
 def new_run_secret() -> str:
-    """≥ 128 random bits (hex): every group's store keys live under it, so a process that can reach
+    """>= 128 random bits (hex): every group's store keys live under it, so a process that can reach
     the store but was not handed the secret cannot name, join or disturb a rendezvous."""
     return secrets.token_hex(SECRET_BITS // 8)
 
 
 def rendezvous_address(host: str, port: int, secret: str) -> str:
-    """`host:port/<secret>`: what replicas pass to `LevelGroup.configure` as `store_addr`. The secret
-    sits in the store key prefix of every group but never in `LevelGroup.prefix`, which error
-    messages and events name."""
+    """`host:port/<secret>`, the `store_addr` of `LevelGroup.configure`. The secret is in every
+    group's store key prefix but never in `LevelGroup.prefix`, which errors and events name."""
     assert len(secret) * 4 >= SECRET_BITS, "the rendezvous secret needs at least 128 random bits"
     host = f"[{host}]" if ":" in host else host  # IPv6; torchft strips the brackets
     return f"{host}:{port}/{secret}"
@@ -172,27 +153,18 @@ _FORMED = "formed"
 _ABORTED = "aborted: "
 
 
-def _group_key_prefix(store_addr: str, prefix: str) -> str:
-    """The store key prefix of group `prefix`: exactly what torchft's create_store_client makes of
-    `f"{store_addr}/{prefix}"` (everything after host:port, so `<secret>/<prefix>`)."""
-    return f"{store_addr}/{prefix}".partition("/")[2]
-
-
 def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, timeout_s: float) -> str | None:
-    """The arrival barrier: announce `rank` in group `prefix`'s keys, then wait until the group's
-    decision is written: `formed` (returns None) when every rank arrived, the supervisor's abort
-    (returns its reason) otherwise. The member that sees every rank arrived writes `formed`: the
-    last to announce always does (its announcement follows everyone else's). Raises
-    TimeoutError naming the ranks that never came when nothing is decided within `timeout_s`, and
-    torch's store errors when the store cannot be reached."""
+    """The arrival barrier: announce `rank`, then wait for the group's decision: None when formed
+    (written by whoever sees every rank arrived: the last to announce always does), the
+    supervisor's abort reason otherwise. Raises TimeoutError naming the ranks that never came when
+    nothing is decided within `timeout_s`, torch's store errors when the store cannot be reached."""
     from torch.distributed import DistStoreError
     from torchft.process_group import create_store_client
 
     deadline = time.monotonic() + timeout_s
     store = create_store_client(f"{store_addr}/{prefix}", timeout=timedelta(seconds=timeout_s))
     store.set(_ARRIVED.format(rank=rank), str(os.getpid()))
-    arrived = [_ARRIVED.format(rank=r) for r in range(world_size)]
-    if store.check(arrived):
+    if store.check([_ARRIVED.format(rank=r) for r in range(world_size)]):
         decision = store.compare_set(_DECISION, "", _FORMED)
     else:
         try:  # the store wakes the wait when the key is written: released at once, nothing polled
@@ -208,37 +180,32 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
 
 
 def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
-    """Release every member waiting in the rendezvous of group `prefix` (as their `configure`
-    calls name it), now and any that arrives later: each raises CollectiveError kind
-    `join_aborted` with `reason`. For the supervisor, once it knows a member of that forming group
-    is dead, killed, reaped or lost; `store` is the master `start_store` made, `store_addr` the
-    rendezvous address the members were handed. Returns True when the rendezvous is aborted (by
-    this call or an earlier one); False when it had already formed (the members are in the
-    backend's connect, bounded by connect_timeout_s) or the store could not be reached.
-    Idempotent; never raises; one store round trip, bounded by the store's timeout."""
+    """Release every member waiting in the rendezvous of group `prefix`, now and any that arrives
+    later (each raises CollectiveError kind `join_aborted` with `reason`): for the supervisor, once
+    a member of that forming group is known dead. `store`: the master; `store_addr`: the members'.
+    True when aborted (by this call or an earlier one); False when it had already formed (the
+    connect is bounded by connect_timeout_s) or the store could not be reached. Idempotent; never
+    raises; one store round trip, bounded by the store's timeout."""
     from torch.distributed import PrefixStore
 
-    try:
-        keys = PrefixStore(_group_key_prefix(store_addr, prefix), store)
-        decision = keys.compare_set(_DECISION, "", _ABORTED + reason)
-        return decision.decode("utf-8", "replace").startswith(_ABORTED)
+    try:  # the key prefix torchft's create_store_client makes of it: everything after host:port
+        keys = PrefixStore(f"{store_addr}/{prefix}".partition("/")[2], store)
+        return keys.compare_set(_DECISION, "", _ABORTED + reason).decode("utf-8", "replace").startswith(_ABORTED)
     except Exception:  # noqa: BLE001 — a store that is gone or broken: nobody is waiting on it either
         return False
 
 
 # -- NCCL ------------------------------------------------------------------------------------------
 def apply_nccl_environment(configure_timeout_s: float) -> dict[str, str]:
-    """Set the NCCL settings hsgd's error model needs, from comm.* (overriding what was there), before
-    the process makes its first group (torch reads them when a communicator is built); returns them.
-
+    """Set (overriding) the NCCL settings hsgd's error model needs, before the process makes its
+    first group (torch reads them when a communicator is built); returns them.
     - TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): an error or a watchdog timeout aborts the
       communicators and fails the op; torch's default (3) kills the process, a survivor's crash.
     - TORCH_NCCL_BLOCKING_WAIT=0: waits do not block the host in NCCL; torchft's non-blocking
       communicators with its own timer (which aborts the group at the op's deadline) bound them.
     - TORCH_NCCL_NONBLOCKING_TIMEOUT=configure_timeout_s: how long a non-blocking communicator's
       init or abort may take (torchft warns and falls back to 30 minutes' behaviour otherwise).
-    The NCCL watchdog keeps torch's default timeout (10 min): hsgd's own deadlines, far shorter,
-    fire first, and with CleanUpOnly even the watchdog only fails the op.
+    The NCCL watchdog keeps torch's default (10 min): hsgd's own, far shorter deadlines fire first.
     """
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
            "TORCH_NCCL_NONBLOCKING_TIMEOUT": f"{configure_timeout_s:g}"}
@@ -255,52 +222,34 @@ def _make_torchft_group(backend: str, timeout_s: float):
 _PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
 
 
-def _failure_kind(err: BaseException, waited_s: float, deadline_s: float) -> str:
-    """How a wait failed. The backend's text is read here, in the one module that knows backends."""
-    if waited_s >= 0.95 * deadline_s:
-        return "timeout"
-    text = str(err).lower()
-    if any(t in text for t in _PEER_GONE_TEXT):
-        return "peer_gone"
-    if "timed out" in text or "timeout" in text:
-        return "timeout"
-    return "wait"
-
-
 class LevelGroup:
-    """A reconfigurable process group that belongs to one level; `link` (a simulated link, or None)
-    paces its collectives (see the module's protocol)."""
+    """A reconfigurable process group that belongs to one level (see the module's protocol)."""
 
     def __init__(self, level: str, backend: str = "gloo", timeout_s: float = 10.0,
                  configure_timeout_s: float = 30.0, min_gbps: float = 1.0, link=None):
         assert level in LEVELS, level
-        self.level = level
-        self.backend = backend
-        self.timeout_s = timeout_s
-        self.min_gbps = min_gbps
-        self.configure_timeout_s = configure_timeout_s
+        self.level, self.backend, self.link = level, backend, link
+        self.timeout_s, self.configure_timeout_s, self.min_gbps = timeout_s, configure_timeout_s, min_gbps
         # after the barrier only the backend's connect among members known present is left: a
         # handful of peer answers, each bounded like one collective's fixed part (timeout_s)
         self.connect_timeout_s = min(timeout_s, configure_timeout_s)
-        self.rank = 0
-        self.world_size = 1
-        self.prefix: str | None = None
+        self.rank, self.world_size, self.prefix = 0, 1, None
         self.bytes_sent = 0  # payload bytes handed to collectives (what crossed this level's link)
-        self.link = link
         self.link_s = 0.0  # seconds held in this group's collectives, the simulated link's sleep included
         self._pg = None
-        self._arrival_s = 0.0  # added to every deadline inside `peers_may_be_late`
+        # added to every deadline: a collective a member starts before its peers are known to be there
+        # (hsgd.train.overlap, while it runs; no other thread uses the group meanwhile)
+        self.arrival_s = 0.0
         self._usable = True
         self._secret = ""  # the rendezvous secret in store_addr: never repeated in an error's text
 
     # -- membership -----------------------------------------------------------------------------
     def configure(self, store_addr: str | None, prefix: str, rank: int, world_size: int, epoch: int) -> None:
-        """Join the group `prefix` as `rank` of `world_size` (1 needs no store) with `store_addr`
-        from `rendezvous_address`: the arrival barrier, then torchft's configure (the module's
-        protocol). Raises CollectiveError kind `join_aborted` (with the reason) at once when the
-        supervisor aborts the rendezvous, kind `configure` when the group cannot be built, not
-        every member arrived within configure_timeout_s (naming who never came), or the backend's
-        connect failed within connect_timeout_s."""
+        """Join the group `prefix` as `rank` of `world_size` (1 needs no store), `store_addr` from
+        `rendezvous_address`: the arrival barrier, then torchft's configure. Raises CollectiveError
+        kind `join_aborted` (with the reason) at once when the supervisor aborts the rendezvous, kind
+        `configure` when the group cannot be built, not every member arrived within
+        configure_timeout_s (naming who never came), or the connect failed within connect_timeout_s."""
         self.abort()
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self._secret = (store_addr or "").partition("/")[2]
@@ -351,10 +300,8 @@ class LevelGroup:
         return CollectiveError(text, kind)
 
     def _scrub(self, err: BaseException) -> str:
-        """The error's text without the rendezvous secret (a store timeout names its keys): errors
-        end up in events and logs."""
-        text = str(err)
-        return text.replace(self._secret, "<secret>") if self._secret else text
+        """The error's text without the rendezvous secret (a store timeout names its keys)."""
+        return str(err).replace(self._secret, "<secret>") if self._secret else str(err)
 
     @contextmanager
     def _failing_as(self, kind: str, what: str):
@@ -373,84 +320,64 @@ class LevelGroup:
     def _on_device(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.cuda() if self.backend == "nccl" and not flat.is_cuda else flat
 
-    def _unflatten(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        with self._failing_as("wait", "copying the result back"):
-            offset = 0
-            for t in tensors:
-                t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-
     def deadline_s(self, payload_bytes: int) -> float:
         """The longest one collective moving `payload_bytes` may hold a member: its deadline
         (collective_timeout_s) plus the simulated link's sleep after it."""
         return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + \
             (self.link.seconds(payload_bytes, most=True) if self.link is not None else 0.0)
 
-    @contextmanager
-    def peers_may_be_late(self, arrival_s: float):
-        """Inside the block, each collective's deadline is `arrival_s` longer: for a collective a
-        member starts on its own, before its peers are known to be there (the outer reduce behind the
-        inner steps: each cluster reaches its snapshot step at its own pace). Only for a group no
-        other thread uses meanwhile."""
-        self._arrival_s = float(arrival_s)
-        try:
-            yield
-        finally:
-            self._arrival_s = 0.0
-
     def _timeout(self, payload_bytes: int) -> timedelta:
-        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self._arrival_s)
+        return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self.arrival_s)
 
     def _issue(self, op: str, flat: torch.Tensor, opts, payload_bytes: int, outputs: list | None = None):
-        """Start `op` on the group with the deadline of `payload_bytes`; any error (NCCL's lazy init, a
-        broken group) is a CollectiveError. `outputs`: allgather's (`allgather([outputs], [flat], opts)`)."""
+        """Start `op` with the deadline of `payload_bytes` (`outputs`: allgather's result buffers)."""
         opts.timeout = self._timeout(payload_bytes)
         with self._failing_as("issue", f"issuing {op}"):
-            args = ([flat],) if outputs is None else ([outputs], [flat])
-            return getattr(self._pg, op)(*args, opts)
+            return getattr(self._pg, op)(*(([flat],) if outputs is None else ([outputs], [flat])), opts)
 
     @contextmanager
-    def _held(self):
-        """Count the time inside the block in `link_s` (a failure's time too); yields its start."""
-        start = time.monotonic()
-        try:
-            yield start
-        finally:
-            self.link_s += time.monotonic() - start
+    def _held(self, what: str | None = None):
+        """Count the time inside the block in `link_s` (a failure's time too), holding the
+        one-collective guard for `what` when given; yields its start."""
+        with one_collective(what, self.level) if what else nullcontext():
+            start = time.monotonic()
+            try:
+                yield start
+            finally:
+                self.link_s += time.monotonic() - start
 
     def _pace(self, start: float, link_bytes: int) -> None:
         if self.link is not None:  # a simulated link: its sleep, after the op succeeded
             self.link.pace(start, link_bytes)
 
     def _wait(self, work, what: str, payload_bytes: int = 0, check_group: bool = True) -> None:
-        """Wait `work` within its payload's deadline, then check its result and the group's error
-        state: a wait that raises, returns False, or leaves the group errored (torchft's NCCL group
-        aborted by its timer) is a CollectiveError, never a silent return."""
+        """Wait `work` within its payload's deadline, then check the group's error state: a wait that
+        raises, returns False, or leaves the group errored (torchft's NCCL group aborted by its
+        timer) is a CollectiveError, never a silent return."""
         deadline = self._timeout(payload_bytes)
         start = time.monotonic()
         try:
             ok = work.wait(timeout=deadline)
         except Exception as err:  # noqa: BLE001 — gloo raises RuntimeError with many texts
-            kind = _failure_kind(err, time.monotonic() - start, deadline.total_seconds())
+            text = str(err).lower()  # the backend's text is read here, in the one module that knows backends
+            kind = ("timeout" if time.monotonic() - start >= 0.95 * deadline.total_seconds() else
+                    "peer_gone" if any(t in text for t in _PEER_GONE_TEXT) else
+                    "timeout" if "timed out" in text or "timeout" in text else "wait")
             raise self._fail(f"{what} failed", kind, err) from err
         if ok is False:  # torch's Work.wait: False = not completed
             raise self._fail(f"{what} did not complete within {deadline.total_seconds():.1f}s", "timeout")
-        errored = self._errored() if check_group else None  # NCCL's errored() syncs the device: once per collective
-        if errored is not None:
-            raise self._fail(f"{what} returned but the group errored", "aborted", errored)
-
-    def _errored(self) -> BaseException | None:
-        """The group's asynchronous error state (torchft's NCCL group records an abort here)."""
-        check = getattr(self._pg, "errored", None)
-        try:
-            return None if check is None else check()
-        except Exception as err:  # noqa: BLE001 — asking a broken group may fail itself
-            return err
+        if check_group and getattr(self._pg, "errored", None) is not None:  # NCCL's errored() syncs the device
+            try:
+                errored = self._pg.errored()
+            except Exception as err:  # noqa: BLE001 — asking a broken group may fail itself
+                errored = err
+            if errored is not None:
+                raise self._fail(f"{what} returned but the group errored", "aborted", errored)
 
     def allreduce_mean(self, tensors: list[torch.Tensor], *, level: str) -> None:
         """In place: every tensor becomes the mean over the group's members. Counts the payload
         in `bytes_sent`; a simulated link paces it by the payload. Raises CollectiveError."""
-        self._in_place("allreduce", tensors, level, _sum_options())
+        self._in_place("allreduce", tensors, level, dist.AllreduceOptions())  # (its reduceOp: SUM)
 
     def broadcast(self, tensors: list[torch.Tensor], *, root: int, level: str) -> None:
         """In place: every member's tensors become the root's. The root counts the payload once
@@ -465,7 +392,7 @@ class LevelGroup:
         self._check(level)
         if self.world_size == 1 or not tensors:
             return
-        with _one_collective(f"{self.level} {op}", self.level), self._held() as start:
+        with self._held(f"{self.level} {op}") as start:
             flat = self._flat(tensors)
             payload = flat.numel() * flat.element_size()
             sent = payload if root is None else payload * (self.world_size - 1) if self.rank == root else 0
@@ -474,136 +401,63 @@ class LevelGroup:
             if root is None:
                 flat.div_(self.world_size)
             if self.rank != root:
-                self._unflatten(flat, tensors)
+                with self._failing_as("wait", "copying the result back"):
+                    offset = 0
+                    for t in tensors:
+                        t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
             self._pace(start, max(sent, payload))
 
     def all_gather(self, payload: torch.Tensor, *, level: str) -> list[torch.Tensor]:
-        """Every member's `payload`, in rank order (this member's own included, as a copy), on
-        `payload`'s device. Protocol: every member passes a 1-D tensor of the same dtype and
-        length; equal lengths are not checked (a round trip over the slow link): gloo aborts a
-        process that receives more than it expected, and its peers then see kind `peer_gone`.
-        `bytes_sent` and the simulated link count payload bytes * (world_size - 1), what a member
-        sends in a ring all-gather; the deadline scales with the whole result. A group of one
-        returns [payload] itself. Raises WrongLevelError, ValueError (not 1-D), CollectiveError."""
+        """Every member's `payload`, in rank order (this member's own as a copy), on `payload`'s
+        device. Every member passes a 1-D tensor of the same dtype and length, not checked (a round
+        trip over the slow link): gloo aborts a process that receives more than it expected, its
+        peers see kind `peer_gone`. `bytes_sent` and the link count payload bytes * (world_size - 1)
+        (a ring all-gather); the deadline scales with the whole result. A group of one returns
+        [payload] itself. Raises WrongLevelError, ValueError (not 1-D), CollectiveError."""
         self._check(level)
         if payload.dim() != 1:
             raise ValueError(f"{self.level} all_gather: payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
         if self.world_size == 1:
             return [payload]
-        with _one_collective(f"{self.level} all_gather", self.level), self._held() as start:
+        with self._held(f"{self.level} all_gather") as start:
             flat = self._flat([payload])
             size = flat.numel() * flat.element_size()
-            sent = size * (self.world_size - 1)
-            self.bytes_sent += sent
+            self.bytes_sent += size * (self.world_size - 1)
             with self._failing_as("issue", "allocating the all_gather result"):
                 outputs = [torch.empty_like(flat) for _ in range(self.world_size)]
-            work = self._issue("allgather", flat, AllgatherOptions(), size * self.world_size, outputs)
-            self._wait(work, "all_gather", size * self.world_size)
+            self._wait(self._issue("allgather", flat, AllgatherOptions(), size * self.world_size, outputs),
+                       "all_gather", size * self.world_size)
             with self._failing_as("wait", "copying the result back"):
                 gathered = [t.to(payload.device) for t in outputs]
-            self._pace(start, sent)
+            self._pace(start, size * (self.world_size - 1))
             return gathered
 
-    def overlapped(self, *, level: str) -> "Overlapped":
-        """A new overlapped all-reduce of sums on this group (see `Overlapped`). Raises
-        WrongLevelError / CollectiveError (group not usable) at once."""
-        self._check(level)
-        return Overlapped(self)
+    def launch_sum(self, flat: torch.Tensor) -> tuple[torch.Tensor, object, int]:
+        """Start, not wait, the sum all-reduce of `flat` in place on the backend's device: one launch
+        of an overlapped collective, whose caller holds `one_collective` until `wait_sums` ends.
+        Returns (the buffer that will hold the sum: for NCCL with a CPU input a device copy, its
+        work, payload bytes). Raises CollectiveError (kind issue / aborted)."""
+        with self._held():
+            if not self._usable or self._pg is None:
+                raise self._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
+            with self._failing_as("issue", "copying a bucket to the device"):
+                buf = self._on_device(flat)
+            payload = buf.numel() * buf.element_size()
+            self.bytes_sent += payload
+            return buf, self._issue("allreduce", buf, dist.AllreduceOptions(), payload), payload
 
-
-class Overlapped:
-    """ONE logical collective of one level made of several sum all-reduces, launched one by one as
-    their inputs become ready (gradient buckets from backward hooks) and waited together.
-
-    Protocol: `launch(flat)` any number of times, in the same order on every member, then exactly
-    one of `wait_all()` (every launched buffer holds the sum over the group; raises
-    CollectiveError on any failure or timeout) or `abandon()` (never raises). The one-collective
-    guard is held from the first launch until then. A failure in any launch, or an abandon with
-    work in flight, leaves the group aborted until the next `configure` (the members' sequences of
-    collectives no longer match). A group of one launches nothing: the buffers hold the sum.
-    Simulated link: `wait_all` paces the whole collective from its first launch by all its buckets'
-    bytes (one latency), so compute between launches hides it; `link_s` counts launch and wait_all.
-    """
-
-    def __init__(self, group: LevelGroup):
-        self.group = group
-        self.pending: list[tuple[object, torch.Tensor, int]] = []  # (work, flat, payload bytes)
-        self.results: list[torch.Tensor] = []
-        self._guard: threading.Lock | None = None  # the one-collective guard, held from the first launch
-        self._done = False
-        self._error: CollectiveError | None = None  # a failed launch, raised again by wait_all
-        self._started: float | None = None  # the first launch (monotonic): the link's clock starts there
-
-    def launch(self, flat: torch.Tensor) -> torch.Tensor:
-        """Start the sum all-reduce of `flat` (in place, on the backend's device). Returns the
-        buffer that will hold the sum after `wait_all` (for NCCL with a CPU input: a device copy).
-        Raises CollectiveError (kind issue / aborted)."""
-        g = self.group
-        assert not self._done, "launch after wait_all/abandon"
-        if self._error is not None:
-            raise self._error
-        if g.world_size == 1:
-            self.results.append(flat)
-            return flat
-        if self._guard is None:
-            self._guard = _enter_collective(f"{g.level} overlapped allreduce", g.level)
-        with g._held() as start:
-            self._started = start if self._started is None else self._started
-            try:
-                if not g._usable or g._pg is None:
-                    raise g._fail("overlapped allreduce on a group not configured (aborted or failed)", "aborted")
-                with g._failing_as("issue", "copying a bucket to the device"):
-                    buf = g._on_device(flat)
-                payload = buf.numel() * buf.element_size()
-                g.bytes_sent += payload
-                work = g._issue("allreduce", buf, _sum_options(), payload)
-            except CollectiveError as err:
-                self._error = err
-                raise
-            self.pending.append((work, buf, payload))
-            self.results.append(buf)
-            return buf
-
-    def wait_all(self) -> list[torch.Tensor]:
-        """Wait every launched all-reduce in launch order; returns the buffers (sums). Raises
-        CollectiveError at the first failure (the rest are abandoned, the group aborted)."""
-        if self._error is not None:
-            self.abandon()
-            raise self._error
-        with self.group._held():
-            try:
-                n = len(self.pending)
-                for i, (work, _, payload) in enumerate(self.pending):
-                    what = f"overlapped allreduce (bucket {i + 1}/{n})"
-                    self.group._wait(work, what, payload, check_group=i == n - 1)
-            except CollectiveError:
-                self.abandon()
-                raise
-            if self._started is not None:  # every bucket's bytes: what the simulated link carries
-                self.group._pace(self._started, sum(payload for _, _, payload in self.pending))
-            self.pending = []
-        self._end()
-        return self.results
-
-    def abandon(self) -> None:
-        """Drop in-flight work after a failure. Never raises; aborts the group if anything was in
-        flight (its members' collectives no longer line up)."""
-        if self.pending:
-            self.pending = []
-            self.group.abort()
-        self._end()
-
-    def _end(self) -> None:
-        self._done = True
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.release()
-
-
-def _sum_options() -> dist.AllreduceOptions:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    return opts
+    def wait_sums(self, launched: list[tuple[object, int]], started: float) -> None:
+        """Wait each (work, payload bytes) of `launch_sum`, in launch order, then pace the simulated
+        link from `started` (the first launch) by all their bytes: one latency, so compute between
+        launches hides it. Raises CollectiveError at the first failure; the caller must then
+        `abort` the group (the rest are in flight, the members' collectives no longer line up)."""
+        with self._held():
+            for i, (work, payload) in enumerate(launched):
+                what = f"overlapped allreduce (bucket {i + 1}/{len(launched)})"
+                self._wait(work, what, payload, check_group=i == len(launched) - 1)
+            if launched:
+                self._pace(started, sum(payload for _, payload in launched))
 
 
 def _abort_quietly(pg) -> None:

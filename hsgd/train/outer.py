@@ -69,10 +69,8 @@ class OuterOptimizer:
 
     def state_dict(self, copy: bool = True) -> dict:
         """copy=False: this optimizer's own tensors (to be read at once, never kept or modified)."""
-        if not copy:
-            return {"global_params": [g.detach() for g in self.global_params], "sgd": self._sgd.state_dict()}
-        return {"global_params": [g.detach().clone() for g in self.global_params],
-                "sgd": deepcopy(self._sgd.state_dict())}
+        own = {"global_params": [g.detach() for g in self.global_params], "sgd": self._sgd.state_dict()}
+        return deepcopy(own) if copy else own
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

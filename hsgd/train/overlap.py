@@ -7,17 +7,16 @@ holders' `outer_reduce` only waits for that reduce (usually finished already).
 
 Protocol, on one replica:
     start(key)    from run_inner's at_snapshot, key = (round, epoch, shard, shards) of the standing
-                  outer group the supervisor named in the run_inner call. A reduce already running
-                  or done for the same key is kept (a re-issued run_inner); one for another key is
-                  abandoned first.
-    settle(key)   first in the replica's outer_reduce: waits (at most `timeout_s`) for the reduce
-                  of `key` and raises what it raised; then the trainer's outer_reduce for the same
-                  key returns at once (its buffer is filled). Returns the outer bytes and link
-                  seconds it spent, or None when no reduce of `key` ran (the call reduces itself).
-    settle(None)  first in every other call that touches the outer group or the outer state (a
-                  heal, a commit, a new group): a reduce still running is abandoned.
-Abandoning aborts the outer group, so the reduce's collective fails at once and the thread ends
-within a moment; the group is formed afresh by the supervisor's next forming call.
+                  outer group named in the run_inner call. A reduce running or done for the same
+                  key is kept (a re-issued run_inner); one for another key is abandoned first.
+    settle(key)   first in the replica's outer_reduce: waits (at most `timeout_s`) for the reduce of
+                  `key` and raises what it raised, else returns the outer bytes and link seconds it
+                  spent (the trainer's outer_reduce then returns at once), or None when no reduce
+                  of `key` ran (the call reduces itself).
+    settle(None)  first in every other call that touches the outer group or state (a heal, a
+                  commit, a new group): a reduce still running is abandoned.
+Abandoning aborts the outer group, so the reduce's collective fails at once and the thread ends;
+the supervisor's next forming call forms the group afresh.
 
 Failure cases (all surface at `settle(key)` as what the call answers):
 - a holder of another cluster died or never arrives: CollectiveError (peer_gone, or the deadline,
@@ -25,9 +24,8 @@ Failure cases (all surface at `settle(key)` as what the call answers):
 - this cluster's pseudo-gradient is non-finite: NonFiniteError; the group is aborted at once, so
   the other holders fail fast
 - the reduce outlives `timeout_s`: the group is aborted, CollectiveError kind `timeout`
-Invariant 3 holds: the thread runs only outer-level collectives and the phase thread only
-inner-level ones (comm.allow_level_overlap: one collective per level, never two on one group),
-and no inner step waits on the outer level.
+Invariant 3 holds: the thread runs only outer-level collectives, the phase thread only inner-level
+ones (comm.allow_level_overlap), and no inner step waits on the outer level.
 """
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ class _Reduce:
     key: Key
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    outer_bytes: int = 0
-    outer_link_s: float = 0.0
+    spent: dict = field(default_factory=dict)  # outer_bytes, outer_link_s: what settle(key) returns
 
 
 class BackgroundReduce:
@@ -68,16 +65,16 @@ class BackgroundReduce:
     def _run(self, reduce: _Reduce) -> None:
         round_index, epoch, shard, shards, *weights = reduce.key
         before, before_s = self.outer.bytes_sent, self.outer.link_s
+        self.outer.arrival_s = self.arrival_s
         try:
-            with self.outer.peers_may_be_late(self.arrival_s):
-                self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights)
+            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights)
         except BaseException as err:  # noqa: BLE001 — handed to settle(), which raises it in the phase
             reduce.error = err
             if not isinstance(err, CollectiveError):  # non-finite, or a bug: the peers must not wait on us
                 self.outer.abort()
         finally:
-            reduce.outer_bytes = self.outer.bytes_sent - before
-            reduce.outer_link_s = self.outer.link_s - before_s
+            self.outer.arrival_s = 0.0
+            reduce.spent = {"outer_bytes": self.outer.bytes_sent - before, "outer_link_s": self.outer.link_s - before_s}
             reduce.done.set()
 
     def settle(self, key: Key | None, timeout_s: float = 30.0) -> dict | None:
@@ -97,4 +94,4 @@ class BackgroundReduce:
                                   f"{timeout_s:.0f}s; outer group aborted", "timeout")
         if reduce.error is not None:
             raise reduce.error
-        return {"outer_bytes": reduce.outer_bytes, "outer_link_s": reduce.outer_link_s}
+        return reduce.spent

@@ -53,7 +53,7 @@ class Member(threading.Thread):
 
 
 def _arrived(master, addr, prefix, ranks):
-    keys = torch.distributed.PrefixStore(comm._group_key_prefix(addr, prefix), master)
+    keys = torch.distributed.PrefixStore(f"{addr}/{prefix}".partition("/")[2], master)
     return keys.check([comm._ARRIVED.format(rank=r) for r in ranks])
 
 
