@@ -117,11 +117,7 @@ class RoundRunner:
             elif isinstance(e, StepTimed):
                 p.clock.observe("inner_step", e.seconds, 1)
             elif isinstance(e, Kill):
-                group = sorted(x for x in (self.m.ids[e.cluster] if e.cluster is not None else p.roster.handles)
-                               if x in self.m.progress or x == e.rid)
-                kill_hung(e, group=group, handles=p.roster.handles, replica_info=p.roster.replica_info,
-                          run_dir=p.run_dir, stack_dumps=p.stack_dumps, log=p.log, round_index=self.r,
-                          view={"epoch": self.m.epoch, "leaders": self.m.leaders})
+                kill_hung(e, p, self.m)
             elif isinstance(e, Reap):  # not killed: a kill now could hit the process Ray is starting
                 p.log.event("presumed_dead", rid=e.rid, reason=e.reason)
             elif isinstance(e, Yield):

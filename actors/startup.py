@@ -43,16 +43,19 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
     return point
 
 
+def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
+    """One replica actor (args: rid, run_dir, backends[, spare]; also quarantine's re-created one):
+    it gets the index table, so its data stream is its id's wherever and whenever it starts."""
+    return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
+                           **options).remote(container, *args, index_table=index_table)
+
+
 def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,
                    backends: dict) -> tuple[dict, dict]:
     """The replica actors (rid -> handle) and the hot spares (actor name -> handle): warmed
-    replicas that take over a dead replica's identity, in the bundles after the replicas. Each
-    gets the index table, so its data stream is its id's wherever and whenever it starts."""
-    table = dict(topo.index_table)
-
+    replicas that take over a dead replica's identity, in the bundles after the replicas."""
     def start(name: str, c: int, i: int, *args):
-        return Replica.options(name=name, max_restarts=cfg.faults.max_restarts, max_task_retries=0,
-                               **placement.options(c, i)).remote(container, *args, index_table=table)
+        return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
 
     replicas = {rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
                 for rid in topo.replica_ids()}

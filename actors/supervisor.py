@@ -60,7 +60,7 @@ class Supervisor:
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
-        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state.replica_indices, self.state, self.roster,
+        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state, self.roster,
                                      self.log, self.record.save_state, injected=self.injector.explains_death)
         self.roster.on_death = self.quarantine.death
         self.stop_requested = False
