@@ -42,9 +42,11 @@ STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(repli
 
 @dataclass
 class RunnerPorts:
-    """What a round's runner may touch (never the supervisor itself): the replicas (`roster`:
-    handles, spares, deaths), the run's record (`log`, `set_status`, `save_epoch` for the durable
-    epoch), the fault injector, the learned deadlines (`clock`), and the groups' store."""
+    """What a round's runner, a checkpoint's save or restore (actors/checkpointing.py) and the final
+    heal may touch (never the supervisor itself): the replicas (`roster`: handles, spares, deaths),
+    the run's record (`log`, `set_status`, `save_epoch` for the durable epoch, `state` saved by
+    `save_state`, `warn` on the console), the fault injector, the learned deadlines (`clock`), and
+    the groups' store."""
     roster: Any
     log: Any
     injector: Any
@@ -56,6 +58,12 @@ class RunnerPorts:
     run_id: str
     run_dir: str
     stack_dumps: bool = True
+    cfg: Any = None
+    state: Any = None  # hsgd.record.run_state.RunState
+    save_state: Callable[[], None] = lambda: None
+    warn: Callable[[str], None] = print
+    steps_per_round: int = 0
+    topology: Any = None
 
 
 class RoundRunner:
