@@ -69,10 +69,11 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                 storage(lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id),
                         "pruning old checkpoints")
             except OSError as err:
-                sup.log.event("write_failed", what=f"pruning old checkpoints under {root}", error=_describe(err))
+                sup.log.event("write_failed", what=f"pruning old checkpoints under {root}",
+                              error=f"{type(err).__name__}: {err}")
             return str(final)
     except OSError as err:  # the supervisor's own storage steps (TimeoutError included)
-        return _failed(sup, state_round, _describe(err))
+        return _failed(sup, state_round, f"{type(err).__name__}: {err}")
     sup.log.event("checkpoint_skipped", round=state_round, reason="replicas failed while saving")
     return None
 
@@ -99,10 +100,6 @@ def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, 
         else:
             failed[rid] = answer
     return saved, failed, io_errors
-
-
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
 
 
 def _failed(sup: RunnerPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:
@@ -188,7 +185,7 @@ def _choose(sup: RunnerPorts) -> tuple[str, dict]:
         found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
                                    sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
     except OSError as err:
-        raise RestoreFailed(f"checkpoints under {root} cannot be read: {_describe(err)}") from err
+        raise RestoreFailed(f"checkpoints under {root} cannot be read: {type(err).__name__}: {err}") from err
     if found.path is None:
         none_good = f", {len(found.skipped)} failed verification (checkpoint_fallback events)" if found.skipped else ""
         raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "
