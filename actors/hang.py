@@ -84,7 +84,8 @@ def kill_hung(kill, ports, machine) -> None:
     dumps: dict[str, str] = {}
     if ports.stack_dumps:
         with ThreadPoolExecutor(max_workers=8) as pool:
-            futures = {p: pool.submit(dump_replica, roster.handles[p], roster.replica_info.get(p, {}), run_dir, p)
+            futures = {p: pool.submit(dump_replica, roster.handles[p], {**roster.replica_info.get(p, {}),
+                                                                        "pid": roster.pids.get(p)}, run_dir, p)
                        for p in group}
             for p, fut in futures.items():
                 try:

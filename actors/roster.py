@@ -72,8 +72,8 @@ class Roster:
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
         self.param_bytes = 0  # model size, as replicas report it: scales heal and collective deadlines
-        self.pids: dict[str, int] = {}
-        self.replica_info: dict[str, dict] = {}  # rid -> {pid, node_id}: for stack dumps
+        self.pids: dict[str, int] = {}  # rid -> the pid that last answered up
+        self.replica_info: dict[str, dict] = {}  # rid -> {node_id, backends}: for stack dumps and quarantine
         # the groups formed last round, handed to the next round's machine
         self.leaders: dict[int, str] = {}
         self.configured: dict[int, tuple] = {}
@@ -110,8 +110,7 @@ class Roster:
         self.note_up(rid, answer)
 
     def note_up(self, rid: str, answer: dict) -> None:
-        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id"),
-                                  "backends": answer.get("backends")}
+        self.replica_info[rid] = {"node_id": answer.get("node_id"), "backends": answer.get("backends")}
         self.watch.note_up(rid, answer.get("incarnation"))
         if rid in self.pids and self.pids[rid] != answer.get("pid"):
             self._forget_groups(rid)  # a new process holds no group

@@ -211,8 +211,7 @@ class RoundRunner:
             return []
         except Exception:  # noqa: BLE001 — no answer in time is no sign of life: the machine's limits decide
             return []
-        if what == "progress":
-            self.p.roster.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        if what == "progress":  # (its pid and node as it answered up: actors/roster.py note_up)
             return [Progress(rid, int(answer["step"]))]
         if answer.get("phase", "idle") != "idle" or answer.get("spare"):
             return []
