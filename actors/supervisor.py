@@ -91,21 +91,15 @@ class Supervisor:
         self.injector.record_fired("supervisor", "crash", "now", self.record.view.get("round"))
         os._exit(17)
 
-    def _start_store(self) -> RunnerPorts:
+    def _start_store(self) -> tuple:
         """The groups' store, listening on this node's address only (never the wildcard), and the
         rendezvous address replicas join under: `host:port/<secret>`, a fresh secret of 128 random
-        bits per store, so nobody outside the run can name a group (the store has no auth). Returns
-        what a round's runner, a checkpoint and the final heal may touch: never this actor itself."""
+        bits per store, so nobody outside the run can name a group (the store has no auth)."""
         from hsgd.train.comm import new_run_secret, rendezvous_address, start_store
 
         host = ray.util.get_node_ip_address()
         store = start_store(host, self.cfg.comm.configure_timeout_s)
-        return RunnerPorts(roster=self.roster, log=self.log, injector=self.injector, clock=self.clock,
-                           set_status=self.record.set_status, save_epoch=self._save_epoch, store=store,
-                           store_addr=rendezvous_address(host, store.port, new_run_secret()), run_id=self.run_id,
-                           run_dir=self.run_dir, stack_dumps=bool(self.cfg.watchdog.stack_dumps), cfg=self.cfg,
-                           state=self.state, save_state=self.record.save_state, warn=self.warn,
-                           steps_per_round=self.spr, topology=self.topology)
+        return store, rendezvous_address(host, store.port, new_run_secret())
 
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
@@ -118,7 +112,13 @@ class Supervisor:
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
-            self.ports = self._start_store()
+            store, store_addr = self._start_store()
+            # what a round's runner, a checkpoint and the final heal may touch: never this actor itself
+            self.ports = RunnerPorts(
+                roster=roster, log=self.log, injector=self.injector, clock=self.clock, run_id=self.run_id,
+                set_status=self.record.set_status, save_epoch=self._save_epoch, store=store, store_addr=store_addr,
+                run_dir=self.run_dir, stack_dumps=bool(self.cfg.watchdog.stack_dumps), cfg=self.cfg, state=self.state,
+                save_state=self.record.save_state, warn=self.warn, steps_per_round=self.spr, topology=self.topology)
             self.record.set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
