@@ -233,9 +233,8 @@ class Supervisor:
         if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
         record = round_record(round_index=r, steps_per_round=self.spr, losses=run.losses, tokens=run.tokens,
-                              inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes,
+                              inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes, phase_s=run.seconds,
                               outer_link_s=sum(run.outer_link_s.values()), outer_overlapped=run.outer_overlapped,
-                              phase_s=run.seconds,
                               eval_loss=eval_loss, live_replicas=len(run.commit_digests), epoch=machine.epoch,
                               attempts=run.attempts, digests=run.commit_digests, global_digests=run.global_digests,
                               t=time.time())
