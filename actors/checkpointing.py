@@ -1,44 +1,26 @@
 """Durable checkpoints, carried out for the supervisor between rounds (`save`: final only if every
 file reports the round, hsgd.train.checkpoint.finalize), loaded by every live replica after a
-total loss (`restore`); at the run's end one replica writes the final model (`save_model`).
+total loss (`restore`); at the run's end one replica writes the final model (`save_model`). Each
+takes the supervisor's ports (`RunnerPorts`), never the supervisor itself.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import ray
 
+from actors.round_runner import RunnerPorts
 from hsgd.core.deadlines import collective_timeout_s
 from hsgd.core.round import Outcome, current_round, model_writers
-from hsgd.core.topology import Topology
-from hsgd.record.run_state import RunState
 from hsgd.record.rundir import call_with_deadline
 from hsgd.train import checkpoint
 
 ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this many times
 
 
-@dataclass(frozen=True)
-class CheckpointPorts:
-    """What a checkpoint's save or restore may touch (as RunnerPorts): never the supervisor itself."""
-    roster: Any
-    log: Any  # the supervisor's hsgd.record.events.RunLog
-    injector: Any  # actors.fault_injector.FaultInjector
-    state: RunState  # saved by save_state
-    save_state: Callable[[], None]
-    warn: Callable[[str], None]
-    cfg: Any
-    run_dir: str
-    run_id: str
-    steps_per_round: int
-    topology: Topology
-
-
-def save(sup: CheckpointPorts, state_round: int) -> str | None:
+def save(sup: RunnerPorts, state_round: int) -> str | None:
     """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed):
     its path, or None when it exists already, every attempt lost a replica, or storage refused it.
     Storage faults are the run's, never a replica's: a replica's failed write answers `io_error`
@@ -87,15 +69,16 @@ def save(sup: CheckpointPorts, state_round: int) -> str | None:
                 storage(lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id),
                         "pruning old checkpoints")
             except OSError as err:
-                sup.log.event("write_failed", what=f"pruning old checkpoints under {root}", error=_describe(err))
+                sup.log.event("write_failed", what=f"pruning old checkpoints under {root}",
+                              error=f"{type(err).__name__}: {err}")
             return str(final)
     except OSError as err:  # the supervisor's own storage steps (TimeoutError included)
-        return _failed(sup, state_round, _describe(err))
+        return _failed(sup, state_round, f"{type(err).__name__}: {err}")
     sup.log.event("checkpoint_skipped", round=state_round, reason="replicas failed while saving")
     return None
 
 
-def _write_shards(sup: CheckpointPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
+def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
     """Every live replica at the round writes its file into `temp`, carrying its `checkpoint`
     faults: (saved, failed, io_errors) by replica id. One lost meanwhile is down."""
     roster = sup.roster
@@ -119,18 +102,14 @@ def _write_shards(sup: CheckpointPorts, temp: str, state_round: int) -> tuple[di
     return saved, failed, io_errors
 
 
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
-
-
-def _failed(sup: CheckpointPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:
+def _failed(sup: RunnerPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:
     sup.state.checkpoints_failed += 1
     sup.save_state()
     sup.log.event("checkpoint_failed", round=state_round, error=error, replicas=replicas or [])
     sup.warn(f"checkpoint of round {state_round} skipped, training goes on (the previous one stays): {error}")
 
 
-def save_model(sup: CheckpointPorts) -> None:
+def save_model(sup: RunnerPorts) -> None:
     """model.safetensors at the run's end, written by a replica holding the last committed round
     (the supervisor never moves model-sized tensors). A failed write is an event, nothing more."""
     roster, path = sup.roster, str(Path(sup.run_dir) / "model.safetensors")
@@ -155,7 +134,7 @@ class RestoreFailed(RuntimeError):
 RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up
 
 
-def restore(sup: CheckpointPorts, reason: str) -> int:
+def restore(sup: RunnerPorts, reason: str) -> int:
     """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
     rounds after it are dropped (trained and recorded again). Returns its round. Order: (1) choose,
     touching no replica (hsgd.train.checkpoint.choose; `checkpoint_fallback` for each one skipped);
@@ -194,7 +173,7 @@ def restore(sup: CheckpointPorts, reason: str) -> int:
     return state_round
 
 
-def _choose(sup: CheckpointPorts) -> tuple[str, dict]:
+def _choose(sup: RunnerPorts) -> tuple[str, dict]:
     """The checkpoint a restore loads (hsgd.train.checkpoint.choose), or RestoreFailed."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
 
@@ -206,7 +185,7 @@ def _choose(sup: CheckpointPorts) -> tuple[str, dict]:
         found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
                                    sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
     except OSError as err:
-        raise RestoreFailed(f"checkpoints under {root} cannot be read: {_describe(err)}") from err
+        raise RestoreFailed(f"checkpoints under {root} cannot be read: {type(err).__name__}: {err}") from err
     if found.path is None:
         none_good = f", {len(found.skipped)} failed verification (checkpoint_fallback events)" if found.skipped else ""
         raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "

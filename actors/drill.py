@@ -159,10 +159,9 @@ class Drill:
         return record
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
-        """Wait until the run recorded the last injection (a kill, crash or hang, now) taking down
-        what it hit: a `replica_down` or `hang_detected` for each replica, a `supervisor_start` for
-        the supervisor. Returns those events. Read from events.jsonl, not status.json: a replica
-        found dead after Ray restarted it may never be missing from a written view."""
+        """Wait until events.jsonl records the last injection (a kill, crash or hang, now) taking down
+        what it hit (`replica_down` or `hang_detected` per replica, `supervisor_start`); returns those
+        events. Not status.json: a replica found dead after Ray restarted it may never leave a view."""
         last = self._last()
         if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
             raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")
@@ -178,19 +177,14 @@ class Drill:
                          f"last state: {self._brief()}")
 
     def wait_recovered(self, timeout_s: float = 180.0) -> dict:
-        """Wait until the run recovered from the last injection, read from its record:
-        1. the fault took effect (`wait_down`'s events; a fault that fires inside a replica or at a
-           scheduled moment is in faults_fired.jsonl with its round);
-        2. then every replica committed a round (`commit` names who) after the last failure since
-           the injection and after the round the fault fired in (a fault at the commit of the round
-           in flight lets that round commit without its victim);
-        3. and status.json caught up: its round is past that commit and every replica is a member.
-        Returns {"recovered_s": from the injection to that commit, "detections": the failure events}.
-
-        Why not "every replica in status.json and a commit since the last replica_up": status.json
-        and events.jsonl are separate writes, so a view can reach the disk before events logged
-        earlier; a member may still be healing; and a replica that came back during the outer
-        exchange sits out that round."""
+        """Wait until the run recovered from the last injection, read from its record: the fault took
+        effect (`wait_down`'s events, or its faults_fired.jsonl line with its round); then a `commit`
+        naming every replica came after the last failure and after the round the fault fired in (a
+        fault at the commit in flight lets that round commit without its victim); and status.json
+        caught up (its round past that commit, every replica a member). Returns {"recovered_s": from
+        the injection to that commit, "detections": the failure events}. Not "all in status.json and
+        a commit since the last replica_up": the view can reach the disk before earlier events, a
+        member may still be healing, and one back during the outer exchange sits that round out."""
         last = self._last()
         t0 = last["t"]
         everyone = set(self._info()["replicas"])

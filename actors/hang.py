@@ -75,15 +75,18 @@ def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float
         return f"[no stack: {type(err).__name__}: replica did not answer within {timeout_s:.0f}s and is not on this node]"
 
 
-def kill_hung(kill, *, group: list[str], handles: dict, replica_info: dict, run_dir: str, stack_dumps: bool, log,
-              round_index: int, view: dict) -> None:
-    """The round machine found `kill.rid` hung (a hsgd.core.round.Kill): write a hang report with
+def kill_hung(kill, ports, machine) -> None:
+    """`machine` (the round's RoundMachine) found `kill.rid` hung (a Kill): write a hang report with
     its group's stacks (hangs/<time>-<rid>.txt), log `hang_detected` and `kill`, kill it restartable."""
-    rid = kill.rid
+    rid, roster, run_dir, log, round_index = kill.rid, ports.roster, ports.run_dir, ports.log, machine.round
+    group = sorted(x for x in (machine.ids[kill.cluster] if kill.cluster is not None else roster.handles)
+                   if x in machine.progress or x == rid)
     dumps: dict[str, str] = {}
-    if stack_dumps:
+    if ports.stack_dumps:
         with ThreadPoolExecutor(max_workers=8) as pool:
-            futures = {p: pool.submit(dump_replica, handles[p], replica_info.get(p, {}), run_dir, p) for p in group}
+            futures = {p: pool.submit(dump_replica, roster.handles[p], {**roster.replica_info.get(p, {}),
+                                                                        "pid": roster.pids.get(p)}, run_dir, p)
+                       for p in group}
             for p, fut in futures.items():
                 try:
                     dumps[p] = fut.result(timeout=30.0)
@@ -91,15 +94,15 @@ def kill_hung(kill, *, group: list[str], handles: dict, replica_info: dict, run_
                     dumps[p] = f"(no stack: {err})"
     peers = {p: ("stuck" if p == rid else "in its group") for p in group}
     text = hang_report(rid=rid, phase=kill.phase, round_index=round_index, waited_s=kill.silent_s,
-                       deadline_s=kill.limit_s, peers=peers, dumps=dumps, view=view)
+                       deadline_s=kill.limit_s, peers=peers, dumps=dumps,
+                       view={"epoch": machine.epoch, "leaders": machine.leaders})
     path = Path(run_dir) / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
     log.write_file(path, text, make_parent=True)  # with a deadline; a failure is the folder's health
-    phase = kill.phase.record  # (hsgd.core.round.CallKind)
-    log.event("hang_detected", rid=rid, phase=phase, round=round_index, cluster=kill.cluster, reason=kill.reason,
+    log.event("hang_detected", rid=rid, phase=kill.phase.record, round=round_index, cluster=kill.cluster, reason=kill.reason,
               waited_s=kill.silent_s, deadline_s=kill.limit_s, stuck_in=stuck_function(dumps.get(rid, "")),
               report=str(path), waiting=[p for p in group if p != rid])
     log.event("kill", rid=rid, reason=kill.reason)
     try:
-        ray.kill(handles[rid], no_restart=False)
+        ray.kill(roster.handles[rid], no_restart=False)
     except Exception as err:  # noqa: BLE001 — already dead is fine
         log.event("kill_failed", rid=rid, error=str(err))

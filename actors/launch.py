@@ -105,6 +105,7 @@ class Run:
 def _run_owned(cfg: DictConfig, run: Run) -> dict:
     """Start, drive, finish; whatever breaks once the folder is ours, the run ends with a summary."""
     from actors.placement import PlacementTimeout
+    from actors.startup import one_line
 
     os.environ.setdefault("WANDB_MODE", cfg.logging.wandb.mode)
     run.started_ray = connect_ray(cfg)
@@ -114,7 +115,7 @@ def _run_owned(cfg: DictConfig, run: Run) -> dict:
     except ConfigError:
         raise  # a bad value (exit 2): not a run that ended
     except Exception as err:  # noqa: BLE001
-        summary = driver_summary(run.run_dir, cfg, f"{type(err).__name__}: {_one_line(err)}")
+        summary = driver_summary(run.run_dir, cfg, f"{type(err).__name__}: {one_line(err)}")
         ensure_summary(run.run_dir, summary)
         if isinstance(err, PlacementTimeout):
             raise  # jobs.train says what it waited for (exit 1)
@@ -184,6 +185,7 @@ def _drive(run: Run, supervisor) -> dict:
     import ray
     from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
 
+    from actors.startup import one_line
     from hsgd.record.console import ProgressView
 
     cfg = run.cfg
@@ -203,7 +205,7 @@ def _drive(run: Run, supervisor) -> dict:
                     print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
                 time.sleep(1.0)
             except Exception as err:  # noqa: BLE001 — RayTaskError (run() raised: it must not), a lost answer
-                return driver_summary(run.run_dir, cfg, f"the supervisor's run call failed: {_one_line(err)}")
+                return driver_summary(run.run_dir, cfg, f"the supervisor's run call failed: {one_line(err)}")
     finally:
         view.close()
 
@@ -270,8 +272,3 @@ def _best_effort(write, deadline_s: float, doing: str, what: str) -> None:
         call_with_deadline(write, deadline_s, doing)
     except Exception as err:  # noqa: BLE001 — matplotlib's errors and storage's alike
         print(f"[hsgd] warning: {what} not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-
-
-def _one_line(err: BaseException) -> str:
-    cause = getattr(err, "cause", None) or err  # a RayTaskError names the remote exception as its cause
-    return f"{type(cause).__name__}: {' '.join(str(cause).split())[:400]}"

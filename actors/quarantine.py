@@ -27,9 +27,9 @@ class Quarantine:
     """`state`: the durable RunState (`death_times`, `quarantined`); `roster`: the Roster whose
     actors it replaces; `injected(rid)`: an injected fault explains rid's latest death."""
 
-    def __init__(self, cfg, run_id: str, run_dir: str, index_table: dict, state, roster, log, save,
+    def __init__(self, cfg, run_id: str, run_dir: str, state, roster, log, save,
                  injected: Callable[[str], bool] = lambda rid: False):
-        self.cfg, self.run_id, self.run_dir, self.index_table = cfg, run_id, run_dir, dict(index_table)
+        self.cfg, self.run_id, self.run_dir = cfg, run_id, run_dir
         self.injected = injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
@@ -57,13 +57,12 @@ class Quarantine:
             self.roster.set_aside(rid)
         else:
             name = f"hsgd:{self.run_id}:{rid}-q{moves}"
-            from actors.replica import Replica
+            from actors.startup import start_replica
 
-            handle = Replica.options(name=name, max_restarts=self.cfg.faults.max_restarts, max_task_retries=0,
-                                     num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0),
-                                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=target, soft=False)
-                                     ).remote(OmegaConf.to_container(self.cfg, resolve=True), rid, self.run_dir,
-                                              backends, index_table=self.index_table)
+            options = {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0),
+                       "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=target, soft=False)}
+            handle = start_replica(OmegaConf.to_container(self.cfg, resolve=True), name, options, rid,
+                                   self.run_dir, backends, index_table=self.state.replica_indices)
             self.roster.replace(rid, name, handle)
             self.state.death_times[rid] = []  # a fresh count on the new node
         self.state.quarantined[rid] = {"node": node, "moved_to": target, "moves": moves, "t": time.time()}

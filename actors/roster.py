@@ -72,8 +72,8 @@ class Roster:
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
         self.param_bytes = 0  # model size, as replicas report it: scales heal and collective deadlines
-        self.pids: dict[str, int] = {}
-        self.replica_info: dict[str, dict] = {}  # rid -> {pid, node_id}: for stack dumps
+        self.pids: dict[str, int] = {}  # rid -> the pid that last answered up
+        self.replica_info: dict[str, dict] = {}  # rid -> {node_id, backends}: for stack dumps and quarantine
         # the groups formed last round, handed to the next round's machine
         self.leaders: dict[int, str] = {}
         self.configured: dict[int, tuple] = {}
@@ -110,8 +110,7 @@ class Roster:
         self.note_up(rid, answer)
 
     def note_up(self, rid: str, answer: dict) -> None:
-        self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id"),
-                                  "backends": answer.get("backends")}
+        self.replica_info[rid] = {"node_id": answer.get("node_id"), "backends": answer.get("backends")}
         self.watch.note_up(rid, answer.get("incarnation"))
         if rid in self.pids and self.pids[rid] != answer.get("pid"):
             self._forget_groups(rid)  # a new process holds no group
@@ -151,12 +150,10 @@ class Roster:
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
-        """Every death Ray's actor table shows since the last look, logged once (a replica's
-        `replica_down` with its incarnation, a warm spare's `spare_lost`; the pool stops counting
-        a dead spare ready). Returns the replicas whose latest known process died (not an older one,
-        replaced since): the caller tells its round machine, which ignores one it does not hold.
-        `phase` names what a replica in `live` was doing; one not in `live` died `joining` (it had
-        answered up: being healed, waiting to be taken in) or `restarting` (it never had)."""
+        """Every death Ray's actor table shows since the last look, logged once (`replica_down` with
+        its incarnation; a spare's `spare_lost`, no longer ready). Returns the replicas whose latest
+        known process died (not an older one): the caller tells its round machine. `phase`: what one
+        in `live` was doing; one not in `live` died `joining` (it had answered up) or `restarting`."""
         lost = []
         for d in self.watch.poll():
             if d.rid is None:
@@ -205,10 +202,9 @@ class Roster:
             time.sleep(0.2)
 
     def promote_spare(self, rid: str, wait_s: float = 0.0) -> dict | None:
-        """A ready spare of rid's cluster takes over rid (the dead actor becomes a spare once back).
-        Returns the spare's progress: it joins like any restarted replica. None: no spare ready, or
-        (between rounds, `wait_s` > 0) rid's own restarted actor answers: it rejoins as itself, never
-        two processes serving one id."""
+        """A ready spare of rid's cluster takes over rid (the dead actor becomes a spare once back);
+        returns its progress (it joins as a restarted replica), or None: no spare ready, or (between
+        rounds, `wait_s` > 0) rid's own restarted actor answers: never two processes serving one id."""
         if not self.spares:
             return None
         self.spares.check(self.log)
@@ -224,21 +220,18 @@ class Roster:
         self.log.event("spare_promoted", rid=rid, spare=name, replaced=self.names[rid], pid=answer.get("pid"),
                        incarnation=answer.get("incarnation"))
         self.watch.promoted(rid, name, answer.get("incarnation"), self.names[rid])
-        self.names[rid], self.handles[rid] = name, handle
-        self.gone.discard(rid)
-        self._save()
+        self.replace(rid, name, handle)
         return answer
 
     def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
                    min_gbps: float = 1.0) -> None:
-        """After a supervisor restart, replicas may still run a phase of the old one. Wait while
-        they work; kill (Ray restarts it; marked down `hung`, back through `rejoin`) one stuck or
-        silent, as hsgd.core.deadlines.StallWatch decides: an inner step not moved for
-        `stuck_after_s`; a checkpoint, heal, outer exchange or commit past `call_timeout_s` plus 3 x
-        the params at `min_gbps`; no answer at all (a hang holding the GIL) for `stuck_after_s`. A
-        dead one is only marked down (a kill could hit its new process). One progress question per
-        replica is outstanding; each pass waits at most AWAIT_PASS_S (silence counts from the first
-        pass without an answer)."""
+        """After a supervisor restart, replicas may still run a phase of the old one: wait while they
+        work; kill (marked down `hung`; Ray restarts it) one stuck or silent, as StallWatch decides: an
+        inner step not moved, or no answer at all (a hang holding the GIL), for `stuck_after_s`; a
+        checkpoint, heal, outer exchange or commit past `call_timeout_s` plus 3 x the params at
+        `min_gbps`. A dead one is only marked down (a kill could hit its new process). One progress
+        question per replica is outstanding; each pass waits at most AWAIT_PASS_S (silence counts
+        from the first pass without an answer)."""
         watch = StallWatch(stuck_after_s, silent_s=stuck_after_s)
         asked: dict[str, Any] = {}  # rid -> its progress question still unanswered
         while True:
@@ -280,7 +273,8 @@ class Roster:
                 self._forget_groups(rid)
 
     def replace(self, rid: str, name: str, handle) -> None:
-        """A new actor `name` serves rid (quarantine moved it): it joins as a restarted replica."""
+        """A new actor `name` serves rid (a spare promoted, or quarantine moved it): it joins as a
+        restarted replica."""
         self.names[rid], self.handles[rid] = name, handle
         self.gone.discard(rid)
         if self.live.pop(rid, None) is not None:
@@ -295,9 +289,9 @@ class Roster:
 
     def _ask_progress(self, rids: list[str], asked: dict[str, Any],
                       timeout_s: float) -> dict[str, tuple[dict | None, bool]]:
-        """Every rid's progress, asked at once (a question still unanswered in `asked` is not asked
-        again): rid -> (answer or None, gone), waiting at most timeout_s. `gone`: Ray says the
-        actor died (not a silence); no answer yet, or unreachable for now, is (None, False)."""
+        """rid -> (progress or None, gone), every rid asked at once (not again while its question in
+        `asked` is unanswered), waiting at most timeout_s. `gone`: Ray says the actor died; no
+        answer yet, or unreachable for now, is (None, False)."""
         for rid in rids:
             if rid not in asked and rid not in self.gone:
                 asked[rid] = self.handles[rid].progress.remote()

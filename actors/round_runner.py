@@ -42,9 +42,11 @@ STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(repli
 
 @dataclass
 class RunnerPorts:
-    """What a round's runner may touch (never the supervisor itself): the replicas (`roster`:
-    handles, spares, deaths), the run's record (`log`, `set_status`, `save_epoch` for the durable
-    epoch), the fault injector, the learned deadlines (`clock`), and the groups' store."""
+    """What a round's runner, a checkpoint's save or restore (actors/checkpointing.py) and the final
+    heal may touch (never the supervisor itself): the replicas (`roster`: handles, spares, deaths),
+    the run's record (`log`, `set_status`, `save_epoch` for the durable epoch, `state` saved by
+    `save_state`, `warn` on the console), the fault injector, the learned deadlines (`clock`), and
+    the groups' store."""
     roster: Any
     log: Any
     injector: Any
@@ -56,6 +58,12 @@ class RunnerPorts:
     run_id: str
     run_dir: str
     stack_dumps: bool = True
+    cfg: Any = None
+    state: Any = None  # hsgd.record.run_state.RunState
+    save_state: Callable[[], None] = lambda: None
+    warn: Callable[[str], None] = print
+    steps_per_round: int = 0
+    topology: Any = None
 
 
 class RoundRunner:
@@ -117,11 +125,7 @@ class RoundRunner:
             elif isinstance(e, StepTimed):
                 p.clock.observe("inner_step", e.seconds, 1)
             elif isinstance(e, Kill):
-                group = sorted(x for x in (self.m.ids[e.cluster] if e.cluster is not None else p.roster.handles)
-                               if x in self.m.progress or x == e.rid)
-                kill_hung(e, group=group, handles=p.roster.handles, replica_info=p.roster.replica_info,
-                          run_dir=p.run_dir, stack_dumps=p.stack_dumps, log=p.log, round_index=self.r,
-                          view={"epoch": self.m.epoch, "leaders": self.m.leaders})
+                kill_hung(e, p, self.m)
             elif isinstance(e, Reap):  # not killed: a kill now could hit the process Ray is starting
                 p.log.event("presumed_dead", rid=e.rid, reason=e.reason)
             elif isinstance(e, Yield):
@@ -207,8 +211,7 @@ class RoundRunner:
             return []
         except Exception:  # noqa: BLE001 — no answer in time is no sign of life: the machine's limits decide
             return []
-        if what == "progress":
-            self.p.roster.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
+        if what == "progress":  # (its pid and node as it answered up: actors/roster.py note_up)
             return [Progress(rid, int(answer["step"]))]
         if answer.get("phase", "idle") != "idle" or answer.get("spare"):
             return []

@@ -43,16 +43,19 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
     return point
 
 
+def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
+    """One replica actor (args: rid, run_dir, backends[, spare]; also quarantine's re-created one):
+    it gets the index table, so its data stream is its id's wherever and whenever it starts."""
+    return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
+                           **options).remote(container, *args, index_table=index_table)
+
+
 def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,
                    backends: dict) -> tuple[dict, dict]:
     """The replica actors (rid -> handle) and the hot spares (actor name -> handle): warmed
-    replicas that take over a dead replica's identity, in the bundles after the replicas. Each
-    gets the index table, so its data stream is its id's wherever and whenever it starts."""
-    table = dict(topo.index_table)
-
+    replicas that take over a dead replica's identity, in the bundles after the replicas."""
     def start(name: str, c: int, i: int, *args):
-        return Replica.options(name=name, max_restarts=cfg.faults.max_restarts, max_task_retries=0,
-                               **placement.options(c, i)).remote(container, *args, index_table=table)
+        return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
 
     replicas = {rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
                 for rid in topo.replica_ids()}
@@ -133,7 +136,7 @@ class StartupCalls:
                 self.cfg.call_timeout_s)
             problems = [f"replica {a['rid']} on node {a['node']} cannot read {url}: {a['problem']}"
                         for a in answers.values() if a["problem"]]
-            problems += [f"{key} failed the check: {_cause(err)}" for key, err in errors.items()]
+            problems += [f"{key} failed the check: {one_line(err, typed=False)}" for key, err in errors.items()]
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise ConfigError("checkpoint.dir", f"{problems[0]}{more}; every replica must reach checkpoint.dir "
@@ -151,15 +154,17 @@ class StartupCalls:
             lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None),
             self.cfg.phase_timeout_s)
         for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
-            raise ConfigError("train.resume", _cause(err))
+            raise ConfigError("train.resume", one_line(err, typed=False))
         absent = sorted(set(replicas) - set(files))
         note = f"; {', '.join(absent)} heal from peers" if absent else ""
         print(f"[hsgd] resumed from {point.path} (round {point.manifest['round']}){note}", flush=True)
 
 
-def _cause(err: BaseException) -> str:
+def one_line(err: BaseException, *, typed: bool = True) -> str:
+    """An exception as one console line (a RayTaskError as the remote exception it wraps)."""
     cause = getattr(err, "cause", None) or err
-    return " ".join(str(cause).split())[:400]
+    text = " ".join(str(cause).split())[:400]
+    return f"{type(cause).__name__}: {text}" if typed else text
 
 
 def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[str, list[dict]]:

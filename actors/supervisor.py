@@ -60,18 +60,12 @@ class Supervisor:
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
-        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state.replica_indices, self.state, self.roster,
+        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state, self.roster,
                                      self.log, self.record.save_state, injected=self.injector.explains_death)
         self.roster.on_death = self.quarantine.death
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
-        self.store = self.store_addr = None
-        # what a checkpoint's save or restore may touch: never this actor itself
-        self.checkpoints = checkpointing.CheckpointPorts(
-            roster=self.roster, log=self.log, injector=self.injector, state=self.state, save_state=self.record.save_state,
-            warn=self.warn, cfg=self.cfg, run_dir=self.run_dir, run_id=run_id, steps_per_round=self.spr,
-            topology=self.topology)
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
@@ -97,15 +91,15 @@ class Supervisor:
         self.injector.record_fired("supervisor", "crash", "now", self.record.view.get("round"))
         os._exit(17)
 
-    def _start_store(self) -> None:
+    def _start_store(self) -> tuple:
         """The groups' store, listening on this node's address only (never the wildcard), and the
         rendezvous address replicas join under: `host:port/<secret>`, a fresh secret of 128 random
         bits per store, so nobody outside the run can name a group (the store has no auth)."""
         from hsgd.train.comm import new_run_secret, rendezvous_address, start_store
 
         host = ray.util.get_node_ip_address()
-        self.store = start_store(host, self.cfg.comm.configure_timeout_s)
-        self.store_addr = rendezvous_address(host, self.store.port, new_run_secret())
+        store = start_store(host, self.cfg.comm.configure_timeout_s)
+        return store, rendezvous_address(host, store.port, new_run_secret())
 
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
@@ -118,12 +112,13 @@ class Supervisor:
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
-            self._start_store()
-            # what a round's runner may touch: never this actor itself
-            self.ports = RunnerPorts(roster=self.roster, log=self.log, injector=self.injector, clock=self.clock,
-                                     set_status=self.record.set_status, save_epoch=self._save_epoch, store=self.store,
-                                     store_addr=self.store_addr, run_id=self.run_id, run_dir=self.run_dir,
-                                     stack_dumps=bool(self.cfg.watchdog.stack_dumps))
+            store, store_addr = self._start_store()
+            # what a round's runner, a checkpoint and the final heal may touch: never this actor itself
+            self.ports = RunnerPorts(
+                roster=roster, log=self.log, injector=self.injector, clock=self.clock, run_id=self.run_id,
+                set_status=self.record.set_status, save_epoch=self._save_epoch, store=store, store_addr=store_addr,
+                run_dir=self.run_dir, stack_dumps=bool(self.cfg.watchdog.stack_dumps), cfg=self.cfg, state=self.state,
+                save_state=self.record.save_state, warn=self.warn, steps_per_round=self.spr, topology=self.topology)
             self.record.set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
@@ -149,7 +144,7 @@ class Supervisor:
                     break
                 self._round(r)
             self._final_heal()
-            checkpointing.save_model(self.checkpoints)
+            checkpointing.save_model(self.ports)
             self.record.settle_storage()
         except RunFailed as err:
             status, reason = "failed", str(err)
@@ -188,7 +183,7 @@ class Supervisor:
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
             try:
-                restored = checkpointing.restore(self.checkpoints, machine.reason)
+                restored = checkpointing.restore(self.ports, machine.reason)
             except checkpointing.RestoreFailed as err:
                 raise RunFailed(f"{machine.reason}; {err}") from err
             self.state.committed_round = restored
@@ -238,9 +233,8 @@ class Supervisor:
         if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
         record = round_record(round_index=r, steps_per_round=self.spr, losses=run.losses, tokens=run.tokens,
-                              inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes,
+                              inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes, phase_s=run.seconds,
                               outer_link_s=sum(run.outer_link_s.values()), outer_overlapped=run.outer_overlapped,
-                              phase_s=run.seconds,
                               eval_loss=eval_loss, live_replicas=len(run.commit_digests), epoch=machine.epoch,
                               attempts=run.attempts, digests=run.commit_digests, global_digests=run.global_digests,
                               t=time.time())
@@ -249,7 +243,7 @@ class Supervisor:
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
         if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self.checkpoints, r + 1)
+            checkpointing.save(self.ports, r + 1)
 
     def _evaluate(self) -> float | None:
         roster = self.roster
@@ -300,7 +294,7 @@ class Supervisor:
                                                t=time.time()))
             self.log.event("round_recorded_late", round=missing)
         if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self.checkpoints, r_now)
+            checkpointing.save(self.ports, r_now)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         """The run's summary from the record (files and memory alike), or from the durable state

@@ -59,14 +59,14 @@ def test_the_supervisor_starts_its_store_on_its_node_with_a_secret_rendezvous(mo
     host = _node_address()
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: host)
     sup = SimpleNamespace(cfg=SimpleNamespace(comm=SimpleNamespace(configure_timeout_s=5.0)))
-    Supervisor.__ray_actor_class__._start_store(sup)
+    store, store_addr = Supervisor.__ray_actor_class__._start_store(sup)
     try:
-        assert _listening(sup.store.port) == [host]
-        addr, _, secret = sup.store_addr.partition("/")
-        assert addr == f"{host}:{sup.store.port}"
+        assert _listening(store.port) == [host]
+        addr, _, secret = store_addr.partition("/")
+        assert addr == f"{host}:{store.port}"
         assert len(secret) * 4 >= 128 and int(secret, 16) >= 0, "the rendezvous secret needs >= 128 random bits"
     finally:
-        del sup.store
+        del store
 
 
 def test_secrets_are_fresh_and_at_least_128_bits():
