@@ -9,6 +9,7 @@ run with the same seed and schedule is reproducible.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +19,7 @@ from hsgd.core.topology import parse_replica_id, replica_id
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error", "nan")
 FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "join", "startup")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
+_GROUP_TARGET = re.compile(r"(?:leader|cluster):c(\d+)")
 
 
 class FaultSpecError(ConfigError):
@@ -55,20 +57,18 @@ class FaultSpec:
 
 def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: int,
                   sizes: Sequence[int] | None = None) -> None:
-    valid = "a replica id like c0r1, leader:c<k>, cluster:c<k> or supervisor"
     if target == "supervisor":
         return
-    if ":" in target:
-        head, _, tail = target.partition(":")
-        if head not in ("leader", "cluster") or not tail.startswith("c") or not tail[1:].isdigit():
-            raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}")
-        if int(tail[1:]) >= clusters:
-            raise FaultSpecError(name, f"target {target!r} names a cluster beyond topology.clusters={clusters}")
+    group = _GROUP_TARGET.fullmatch(target)
+    if group and int(group[1]) >= clusters:
+        raise FaultSpecError(name, f"target {target!r} names a cluster beyond topology.clusters={clusters}")
+    if group:
         return
     try:
         cluster, index = parse_replica_id(target)
     except ValueError:
-        raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}") from None
+        raise FaultSpecError(name, f"unknown target {target!r}; valid: a replica id like c0r1, leader:c<k>, "
+                                   f"cluster:c<k> or supervisor") from None
     if replica_id(cluster, index) != target:
         raise FaultSpecError(name, f"target {target!r} is not a canonical replica id; write {replica_id(cluster, index)!r}")
     if sizes is not None:  # topology.sites
