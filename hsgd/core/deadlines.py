@@ -73,7 +73,6 @@ class PhaseClock:
 
 # What StallWatch.verdict says about one replica after a supervisor restart
 IDLE, BUSY, WAITING, STUCK, HUNG = "idle", "busy", "waiting", "stuck", "hung"
-STEPPED_PHASES = ("inner",)  # phases whose work is steps: alive while the step moves
 
 
 class StallWatch:
@@ -121,7 +120,7 @@ class StallWatch:
             self._last.pop(rid, None)
             self._phase.pop(rid, None)
             return IDLE
-        if phase in STEPPED_PHASES:
+        if phase == "inner":  # its work is steps: alive while the step moves
             self._phase.pop(rid, None)
             return STUCK if self.stuck(rid, int(answer.get("step", -1)), now) else BUSY
         self._last.pop(rid, None)

@@ -44,11 +44,9 @@ class FaultSpec:
 
     @property
     def target_cluster(self) -> int | None:
-        if self.target_kind in ("leader", "cluster"):
-            return int(self.target.split(":", 1)[1][1:])
-        if self.target_kind == "replica":
-            return parse_replica_id(self.target)[0]
-        return None
+        if self.target_kind == "supervisor":
+            return None
+        return int(self.target.partition(":c")[2]) if ":" in self.target else parse_replica_id(self.target)[0]
 
     def describe(self) -> str:
         where = f"round {self.round} {self.phase}" + (f" step {self.step}" if self.phase.startswith("inner") else "")

@@ -87,10 +87,7 @@ def heals_at_rest(topology: Topology, live: dict[str, tuple[int, int]]) -> dict[
     # the one donor any cluster would take (assign_cluster_heals picks the lowest id): one donor,
     # not all, keeps this O(replicas) at 10,000 replicas
     donor = min((rid for rid, p in live.items() if p[0] == top), key=parse_replica_id, default=None)
-    out = {}
-    for c in range(topology.clusters):
-        members = {rid: live[rid] for rid in topology.cluster_members(c) if rid in live}
-        heals = assign_cluster_heals(members, {donor: live[donor]} if donor is not None and donor not in members else {})
-        if heals:
-            out[c] = heals
-    return out
+    donors = {donor: live[donor]} if donor is not None else {}  # (ignored by a cluster that holds the round)
+    heals = {c: assign_cluster_heals({rid: live[rid] for rid in topology.cluster_members(c) if rid in live}, donors)
+             for c in range(topology.clusters)}
+    return {c: h for c, h in heals.items() if h}
