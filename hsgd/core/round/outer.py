@@ -86,26 +86,25 @@ class OuterExchange:
                     self._bench_or_sit_out(c)
                 if self.done:
                     return []
-                return self._outer_retry(now, "non-finite pseudo-gradient from " +
-                                         ",".join(f"c{c}" for c in sorted(voided)), phase.calls)
+                voided_text = ",".join(f"c{c}" for c in sorted(voided))
+                return self._outer_retry(now, f"non-finite pseudo-gradient from {voided_text}")
             if ok:
                 if phase.forms_group:
                     self.outer_configured = (phase.epoch, self.exchange[1])
                 return self._outer_commit(now)
             self.outer_configured = None
-            return self._outer_retry(now, "outer reduce incomplete", phase.calls)
+            return self._outer_retry(now, "outer reduce incomplete")
         # outer_commit: who applied it is known once every member answered (or was given up on)
         self.committed_by.update(phase.calls.keys() - flight.not_applied)
         if self.committed_by:
             self.outer_stage = OuterStage.DONE
             return self._finish("committed")
         self.outer_configured = None
-        return self._outer_retry(now, "no replica applied the commit", phase.calls)
+        return self._outer_retry(now, "no replica applied the commit")
 
-    def _outer_retry(self, now: float, reason: str, answered: Iterable[str] | None = None) -> list[Effect]:
+    def _outer_retry(self, now: float, reason: str) -> list[Effect]:
         """Only the outer exchange is redone: a participating cluster with a member lost or off the
-        round (or whose commit broadcast broke its group) re-forms; the others keep their inner work.
-        `answered`: who the failed outer call went to (informational)."""
+        round (or whose commit broadcast broke its group) re-forms; the others keep their inner work."""
         self.outer_attempts += 1
         if self.outer_attempts > self.settings.max_reforms:
             return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
