@@ -103,10 +103,3 @@ from hsgd.core.round.messages import (AbortJoin, Answer, Call, CallKind, Cluster
 from hsgd.core.round.schedule import (checkpoint_due, current_round, eval_due, evaluation_order, heals_at_rest,
                                       model_writers, unrecorded_rounds)
 from hsgd.core.round.settings import round_settings
-
-__all__ = ["AbortJoin", "Answer", "Call", "CallKind", "ClusterAverage", "ClusterStage", "Effect", "ErrorKind", "Heal",
-           "Join", "Kill", "Lost", "NonFinite", "Observation", "Outcome", "OuterCommit", "OuterReduce", "OuterStage",
-           "Overlap", "Phase", "PhaseAnswer", "PhaseEnded", "Progress", "Reap", "RoundMachine", "RoundSettings",
-           "RunInner", "StateReady", "StepTimed", "Up", "Yield", "checkpoint_due", "current_round", "eval_due",
-           "evaluation_order", "heals_at_rest", "model_writers", "raised", "restarted_unseen", "restarts",
-           "round_settings", "unanswered_heal", "unrecorded_rounds"]

@@ -75,12 +75,8 @@ class CallBook:
 
     def give_up(self, flight: InFlight, rid: str, why: str) -> None:
         """Stop waiting for rid's answer (it was killed or is gone): a late one is stale."""
-        if self.busy.get(rid) is flight:
-            del self.busy[rid]
-            flight.pending.discard(rid)
-            flight.answers[rid] = why
-            if flight.phase.kind is CallKind.OUTER_COMMIT:
-                flight.not_applied.add(rid)
+        if self.take(flight.id, rid, why) is not None and flight.phase.kind is CallKind.OUTER_COMMIT:
+            flight.not_applied.add(rid)
 
     def close(self, flight: InFlight) -> bool:
         """Drop a phase every member answered (or was given up on). False: closed already."""

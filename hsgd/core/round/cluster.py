@@ -80,12 +80,10 @@ class ClusterPhases:
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
         """Every member of a phase answered (or was given up on): what the cluster does next."""
-        phase = flight.phase
-        ok = flight.failed_at is None
+        phase, ok = flight.phase, flight.failed_at is None
         if phase.cluster is None:  # outer_reduce, outer_commit
             return self._outer_finished(flight, ok, now)
-        c = phase.cluster
-        st = self.clusters[c]
+        c, st = phase.cluster, self.clusters[phase.cluster]
         if st.phase_id != phase.id:
             return []
         st.phase_id = None
@@ -113,8 +111,7 @@ class ClusterPhases:
     # -- a replica that comes back mid-round ----------------------------------------------------------------
     def _join_mid_round(self, rid: str, at: tuple[int, int], now: float) -> list[Effect]:
         """rid (re)started and answers, idle at `at` (rejoin `fast`)."""
-        c = self.cluster_of(rid)
-        st = self.clusters[c]
+        c, st = self.cluster_of(rid), self.clusters[self.cluster_of(rid)]
         if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage is ClusterStage.OUT \
                 or self.outer_stage is not OuterStage.WAIT:
             return []  # joins at the next round's start
@@ -123,7 +120,7 @@ class ClusterPhases:
             return self._admit_joiners(c, now)
         if st.stage is not ClusterStage.INNER:
             return []  # a heal or the average in flight: taken in when it ends
-        flight = self.calls.inflight.get(st.phase_id) if st.phase_id is not None else None
+        flight = self.calls.inflight.get(st.phase_id)
         if c in self.yielding or flight is None or flight.failed_at is not None:
             return []  # asked already, or the phase failed: it re-forms, taking the newcomer in
         running = sorted(flight.pending)  # (members that died or answered are asked nothing)
@@ -140,9 +137,8 @@ class ClusterPhases:
         recent = sorted(self.step_seconds)
         step_s = recent[len(recent) // 2] if recent else 0.1
         lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
-        furthest = max(max(self.advance[m][0], self.progress[m][1]) if m in self.advance else self.progress[m][1]
-                       for m in running) - self.round * s.steps_per_round
-        at = furthest + lead
+        furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
+        at = furthest - self.round * s.steps_per_round + lead
         if s.inner == "localsgd":
             at = -(-at // s.inner_every) * s.inner_every
         return at

@@ -66,9 +66,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
         self.incarnations = dict(incarnations or {})  # rid -> the incarnation last seen up
-        self.leaders = dict(leaders)
-        self.epoch = epoch
-        self.committed_round = committed_round
+        self.leaders, self.epoch, self.committed_round = dict(leaders), epoch, committed_round
         self.ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
         self.cluster_index = {rid: c for c, ids in enumerate(self.ids) for rid in ids}
         self.clusters = {c: ClusterState(configured=(configured or {}).get(c)) for c in range(topology.clusters)}
@@ -76,8 +74,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         # standing outer groups (one shard, the leaders, on the `leader` path)
         self.outer_configured = outer_configured
         self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
-        self.outer_stage = OuterStage.WAIT
-        self.outer_attempts = 0
+        self.outer_stage, self.outer_attempts = OuterStage.WAIT, 0
         self.calls = CallBook()
         self.dead: dict[str, str] = {}  # rid -> cause, this round
         self.deaths: list[tuple[str, str]] = []  # every death this round, in order (a rid may die twice)
