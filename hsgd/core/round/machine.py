@@ -166,10 +166,8 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             return self._finish("below_quorum", "no live replica")
         if not any(p[0] >= self.committed_round for p in self.progress.values()):
             top = max(self.progress.values())[0]
-            self.done, self.outcome = True, "restore"
-            self.reason = (f"total loss: no live replica holds committed round {self.committed_round} "
-                           f"(best: {top if top >= 0 else 'none'})")
-            return []
+            return self._finish("restore", f"total loss: no live replica holds committed round {self.committed_round} "
+                                           f"(best: {top if top >= 0 else 'none'})")
         r = self.round
         if not any(p[0] == r for p in self.progress.values()) \
                 and any(len(self.members(c)) >= max(1, self.floor(c)) for c in range(self.topology.clusters)):
