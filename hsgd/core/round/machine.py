@@ -175,13 +175,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             return self._finish("failed", f"round {r} asked, but no live replica holds it")
         effects: list[Effect] = []
         for c in range(self.topology.clusters):
-            if c in self.benched:
-                self.clusters[c].stage = ClusterStage.OUT  # non-finite in two rounds running: it sits out until the run's end
-                continue
             members = self.members(c)
-            if len(members) < max(1, self.floor(c)):
-                self.clusters[c].stage = ClusterStage.OUT
-                self.clusters[c].members = members
+            if c in self.benched or len(members) < max(1, self.floor(c)):
+                # benched (non-finite in two rounds running): it sits out until the run's end
+                self.clusters[c].stage, self.clusters[c].members = ClusterStage.OUT, members
                 continue
             effects += self._reform(c, now, "round start", members=members)
         if len(self.participating()) < self.settings.min_clusters:
