@@ -135,12 +135,10 @@ def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, 
         t += rng.expovariate(1.0 / mtbf_s)
         if t >= horizon:
             return faults
-        round_index = int(t // round_s_estimate)
-        step = int((t % round_s_estimate) / round_s_estimate * steps_per_round)
         cluster = rng.randrange(clusters)
         target = f"c{cluster}r{rng.randrange(sizes[cluster] if sizes else replicas_per_cluster)}"
-        faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=round_index,
-                                phase="inner", step=step))
+        faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=int(t // round_s_estimate),
+                                phase="inner", step=int((t % round_s_estimate) / round_s_estimate * steps_per_round)))
 
 
 def fired_as(spec: FaultSpec, line: Mapping[str, Any]) -> bool:
