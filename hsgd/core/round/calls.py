@@ -54,12 +54,11 @@ class CallBook:
         self.busy: dict[str, InFlight] = {}  # rid -> the phase it has a call in flight in
 
     def issue(self, phase: Phase, now: float) -> InFlight:
-        for rid in phase.calls:
-            if rid in self.busy:
-                raise AssertionError(f"{rid} already has phase {self.busy[rid].id} in flight")
+        clash = next((rid for rid in phase.calls if rid in self.busy), None)
+        if clash is not None:
+            raise AssertionError(f"{clash} already has phase {self.busy[clash].id} in flight")
         flight = self.inflight[phase.id] = InFlight(phase, now)
-        for rid in phase.calls:
-            self.busy[rid] = flight
+        self.busy.update(dict.fromkeys(phase.calls, flight))
         return flight
 
     def take(self, phase_id: int, rid: str, how: str) -> InFlight | None:
