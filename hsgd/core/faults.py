@@ -97,12 +97,10 @@ def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
     _check_target(f"{name}.target", target, clusters, replicas_per_cluster, sizes)
     if target == "supervisor" and kind not in ("kill", "crash"):
         raise FaultSpecError(f"{name}.kind", f"{kind!r} cannot target the supervisor; valid: kill|crash")
-    ints = {}
-    for key, default in (("round", None), ("step", 0)):
-        value = raw.get(key, default)
+    ints = {"round": raw["round"], "step": raw.get("step", 0)}
+    for key, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise FaultSpecError(f"{name}.{key}", f"got {value!r}; must be an integer >= 0")
-        ints[key] = value
     seconds = raw.get("seconds")
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
         raise FaultSpecError(f"{name}.seconds", f"got {seconds!r}; must be a number > 0")
