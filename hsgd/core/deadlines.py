@@ -73,7 +73,6 @@ class PhaseClock:
 
 # What StallWatch.verdict says about one replica after a supervisor restart
 IDLE, BUSY, WAITING, STUCK, HUNG = "idle", "busy", "waiting", "stuck", "hung"
-STEPPED_PHASES = ("inner",)  # phases whose work is steps: alive while the step moves
 
 
 class StallWatch:
@@ -93,17 +92,13 @@ class StallWatch:
         self.limit_s = limit_s
         self.phase_limits = dict(phase_limits or {})
         self.silent_s = limit_s if silent_s is None else silent_s
-        self._last: dict[str, tuple[int, float]] = {}  # rid -> (step, when it was first seen there)
-        self._phase: dict[str, tuple[tuple, float]] = {}  # rid -> ((phase, phase_since), first seen in it)
+        # rid -> (("inner", step) or (phase, phase_since), when it was first seen there)
+        self._seen: dict[str, tuple[tuple, float]] = {}
         self._silent: dict[str, float] = {}  # rid -> when it first did not answer
 
     def stuck(self, rid: str, step: int, now: float) -> bool:
         """The step rule alone: `step` has not moved for longer than limit_s."""
-        seen = self._last.get(rid)
-        if seen is None or seen[0] != step:
-            self._last[rid] = (step, now)
-            return False
-        return now - seen[1] > self.limit_s
+        return self.verdict(rid, {"phase": "inner", "step": step}, now) == STUCK
 
     def limit(self, phase: str) -> float:
         return self.phase_limits.get(phase, self.limit_s)
@@ -118,19 +113,15 @@ class StallWatch:
         self._silent.pop(rid, None)
         phase = answer.get("phase", "idle")
         if phase == "idle":
-            self._last.pop(rid, None)
-            self._phase.pop(rid, None)
+            self._seen.pop(rid, None)
             return IDLE
-        if phase in STEPPED_PHASES:
-            self._phase.pop(rid, None)
-            return STUCK if self.stuck(rid, int(answer.get("step", -1)), now) else BUSY
-        self._last.pop(rid, None)
-        call = (phase, answer.get("phase_since"))
-        seen = self._phase.get(rid)
+        stepped = phase == "inner"  # its work is steps: alive while the step moves
+        call = (phase, int(answer.get("step", -1)) if stepped else answer.get("phase_since"))
+        seen = self._seen.get(rid)
         if seen is None or seen[0] != call:
-            self._phase[rid] = (call, now)
+            self._seen[rid] = (call, now)
             return BUSY
-        return STUCK if now - seen[1] > self.limit(phase) else BUSY
+        return STUCK if now - seen[1] > (self.limit_s if stepped else self.limit(phase)) else BUSY
 
 
 def storage_problem(down_s: float, error: str, *, grace_s: float, run_dir) -> str | None:

@@ -9,6 +9,7 @@ run with the same seed and schedule is reproducible.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +19,7 @@ from hsgd.core.topology import parse_replica_id, replica_id
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error", "nan")
 FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "join", "startup")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
+_GROUP_TARGET = re.compile(r"(?:leader|cluster):c(\d+)")
 
 
 class FaultSpecError(ConfigError):
@@ -42,11 +44,9 @@ class FaultSpec:
 
     @property
     def target_cluster(self) -> int | None:
-        if self.target_kind in ("leader", "cluster"):
-            return int(self.target.split(":", 1)[1][1:])
-        if self.target_kind == "replica":
-            return parse_replica_id(self.target)[0]
-        return None
+        if self.target_kind == "supervisor":
+            return None
+        return int(self.target.partition(":c")[2]) if ":" in self.target else parse_replica_id(self.target)[0]
 
     def describe(self) -> str:
         where = f"round {self.round} {self.phase}" + (f" step {self.step}" if self.phase.startswith("inner") else "")
@@ -55,20 +55,18 @@ class FaultSpec:
 
 def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: int,
                   sizes: Sequence[int] | None = None) -> None:
-    valid = "a replica id like c0r1, leader:c<k>, cluster:c<k> or supervisor"
     if target == "supervisor":
         return
-    if ":" in target:
-        head, _, tail = target.partition(":")
-        if head not in ("leader", "cluster") or not tail.startswith("c") or not tail[1:].isdigit():
-            raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}")
-        if int(tail[1:]) >= clusters:
-            raise FaultSpecError(name, f"target {target!r} names a cluster beyond topology.clusters={clusters}")
+    group = _GROUP_TARGET.fullmatch(target)
+    if group and int(group[1]) >= clusters:
+        raise FaultSpecError(name, f"target {target!r} names a cluster beyond topology.clusters={clusters}")
+    if group:
         return
     try:
         cluster, index = parse_replica_id(target)
     except ValueError:
-        raise FaultSpecError(name, f"unknown target {target!r}; valid: {valid}") from None
+        raise FaultSpecError(name, f"unknown target {target!r}; valid: a replica id like c0r1, leader:c<k>, "
+                                   f"cluster:c<k> or supervisor") from None
     if replica_id(cluster, index) != target:
         raise FaultSpecError(name, f"target {target!r} is not a canonical replica id; write {replica_id(cluster, index)!r}")
     if sizes is not None:  # topology.sites
@@ -99,12 +97,10 @@ def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
     _check_target(f"{name}.target", target, clusters, replicas_per_cluster, sizes)
     if target == "supervisor" and kind not in ("kill", "crash"):
         raise FaultSpecError(f"{name}.kind", f"{kind!r} cannot target the supervisor; valid: kill|crash")
-    ints = {}
-    for key, default in (("round", None), ("step", 0)):
-        value = raw.get(key, default)
+    ints = {"round": raw["round"], "step": raw.get("step", 0)}
+    for key, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise FaultSpecError(f"{name}.{key}", f"got {value!r}; must be an integer >= 0")
-        ints[key] = value
     seconds = raw.get("seconds")
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
         raise FaultSpecError(f"{name}.seconds", f"got {seconds!r}; must be a number > 0")
@@ -137,12 +133,10 @@ def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, 
         t += rng.expovariate(1.0 / mtbf_s)
         if t >= horizon:
             return faults
-        round_index = int(t // round_s_estimate)
-        step = int((t % round_s_estimate) / round_s_estimate * steps_per_round)
         cluster = rng.randrange(clusters)
         target = f"c{cluster}r{rng.randrange(sizes[cluster] if sizes else replicas_per_cluster)}"
-        faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=round_index,
-                                phase="inner", step=step))
+        faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=int(t // round_s_estimate),
+                                phase="inner", step=int((t % round_s_estimate) / round_s_estimate * steps_per_round)))
 
 
 def fired_as(spec: FaultSpec, line: Mapping[str, Any]) -> bool:

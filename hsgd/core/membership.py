@@ -17,8 +17,11 @@ class Plan:
     epoch: int
     members: dict[int, tuple[str, ...]]  # cluster in quorum -> live replica ids in inner-rank order
     leaders: dict[int, str]  # cluster in quorum -> leader id
-    outer_clusters: tuple[int, ...]  # clusters in quorum, in outer-rank order
-    standby: tuple[str, ...] = ()  # live replicas of clusters below quorum: they wait, then heal
+
+    @property
+    def outer_clusters(self) -> tuple[int, ...]:
+        """The clusters in quorum, in outer-rank order."""
+        return tuple(sorted(self.members))
 
     @property
     def live(self) -> tuple[str, ...]:
@@ -56,13 +59,12 @@ def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[i
 def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int,
               min_replicas_per_cluster: int = 1) -> Plan:
     """The plan of `live` replicas: members in index order, sticky leaders (a missing one replaced
-    by the lowest-index member; `leaders` is updated), clusters below quorum on standby."""
-    members, chosen, standby = {}, {}, []
+    by the lowest-index member; `leaders` is updated); a cluster below quorum is left out (its
+    replicas wait, then heal)."""
+    members, chosen = {}, {}
     for cluster in range(topology.clusters):
         here = tuple(rid for rid in topology.cluster_members(cluster) if rid in live)
-        if len(here) < max(1, topology.min_replicas_of(cluster, min_replicas_per_cluster)):
-            standby.extend(here)
-            continue
-        members[cluster] = here
-        chosen[cluster] = leaders[cluster] = leader_of(here, leaders.get(cluster))
-    return Plan(epoch=epoch, members=members, leaders=chosen, outer_clusters=tuple(members), standby=tuple(standby))
+        if len(here) >= max(1, topology.min_replicas_of(cluster, min_replicas_per_cluster)):
+            members[cluster] = here
+            chosen[cluster] = leaders[cluster] = leader_of(here, leaders.get(cluster))
+    return Plan(epoch=epoch, members=members, leaders=chosen)

@@ -28,13 +28,10 @@ def depth_units(param_names: Sequence[str]) -> list[int]:
     the prefix up to the first numeric component (`transformer.h.3.`) form one unit (a block of a
     ModuleList); a parameter with no numeric component is a unit of its own (an embedding, a norm)."""
     units: list[int] = []
-    keys: dict[str, int] = {}
+    keys: dict[str, int] = {}  # a unit's key -> its number, in order of first appearance
     for name in param_names:
         m = _INDEX.search(name)
-        key = name[:m.end(1)] if m else name
-        if key not in keys:
-            keys[key] = len(keys)
-        units.append(keys[key])
+        units.append(keys.setdefault(name[:m.end(1)] if m else name, len(keys)))
     return units
 
 

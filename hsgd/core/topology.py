@@ -8,8 +8,7 @@ The global replica index picks a replica's data and random streams. It comes fro
 from arithmetic on sizes: an id gets the next free index when it is first created, and keeps it
 through restarts, heals, spare take-overs and resumes (the table lives in the supervisor's state
 and every checkpoint manifest), so a site that grows or shrinks on a resume moves nobody else's
-stream. A fresh table numbers the ids cluster by cluster (`c0r0` = 0, `c0r1` = 1, ...): for equal
-sites that is `cluster * replicas_per_cluster + index`, as it always was.
+stream. A fresh table numbers the ids cluster by cluster (`c0r0` = 0, `c0r1` = 1, ...).
 """
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ def assign_indices(ids: list[str], known: Mapping[str, int] | None = None) -> di
 
 @dataclass(frozen=True)
 class Topology:
-    """The sites and the index table. `Topology(clusters, replicas_per_cluster)` is the uniform
-    form; `Topology.of_sites(sizes)` the per-site one, where `replicas_per_cluster` is the largest
-    site's size (use `size(c)` for a site's own)."""
+    """The sites and the index table: `Topology(clusters, replicas_per_cluster)`, or
+    `Topology.of_sites(sizes)` where `replicas_per_cluster` is the largest site's size (`size(c)`)."""
     clusters: int
     replicas_per_cluster: int
     sizes: tuple[int, ...] = ()  # replicas per site; () = every site has replicas_per_cluster
@@ -99,7 +97,6 @@ class Topology:
         return "supervisor.min_replicas_per_cluster" if own is None else f"topology.sites[{cluster}].min_replicas"
 
     def floors(self, default: int) -> list[int]:
-        """Every site's quorum floor, in cluster order (`min_replicas_of`)."""
         return [self.min_replicas_of(c, default) for c in range(self.clusters)]
 
     def label(self, cluster: int) -> str | None:

@@ -1,4 +1,4 @@
-"""hsgd.core.heal: "max committed wins" — who copies state from whom, deterministically.
+"""hsgd.core.round.schedule: "max committed wins" — who copies state from whom, deterministically.
 
 Semantics applied below (module docstring + ReplicaTrainer.load_state_dict): `full` makes the
 target equal to its source's (round, step); `global` gives it the source's round and restarts that
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from hsgd.core.heal import HealAssignment
 from hsgd.core.membership import live_plan
 from hsgd.core.round import heals_at_rest
+from hsgd.core.round.schedule import HealAssignment
 from hsgd.core.topology import Topology, parse_replica_id
 
 SPR = 10  # steps per round
@@ -23,7 +23,7 @@ def _plan(clusters, rpc, alive=None, min_replicas_per_cluster=1):
 
 def assign_heals(progress, plan):
     """The heals of the plan's members that reported, as the supervisor computes them
-    (hsgd.core.heal.assign_cluster_heals per cluster, through heals_at_rest)."""
+    (hsgd.core.round.schedule.assign_cluster_heals per cluster, through heals_at_rest)."""
     ids = [parse_replica_id(rid) for rid in plan.live] or [(0, 0)]
     topo = Topology(max(c for c, _ in ids) + 1, max(r for _, r in ids) + 1)
     live = {rid: progress[rid] for rid in plan.live if rid in progress}
@@ -102,7 +102,7 @@ def test_only_reported_plan_members_are_considered():
 
 def test_standby_replicas_are_neither_healed_nor_sources():
     plan = _plan(2, 2, alive=("c0r0", "c0r1", "c1r0"), min_replicas_per_cluster=2)
-    assert plan.standby == ("c1r0",)
+    assert "c1r0" not in plan.live
     heals = assign_heals({"c0r0": (1, 10), "c0r1": (1, 10), "c1r0": (5, 50)}, plan)
     assert heals == [], "a standby replica is outside the quorum: it neither heals nor serves as source"
 

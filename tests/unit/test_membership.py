@@ -46,7 +46,7 @@ def test_first_plan_has_every_live_replica_in_index_order():
     plan = _plan(Topology(2, 3).replica_ids(), {})
     assert plan.members == {0: ("c0r0", "c0r1", "c0r2"), 1: ("c1r0", "c1r1", "c1r2")}
     assert plan.leaders == {0: "c0r0", 1: "c1r0"}
-    assert plan.outer_clusters == (0, 1) and plan.standby == ()
+    assert plan.outer_clusters == (0, 1)
     assert plan.live == ("c0r0", "c0r1", "c0r2", "c1r0", "c1r1", "c1r2")
 
 
@@ -77,12 +77,11 @@ def test_plan_does_not_depend_on_the_order_replicas_came_alive(seed):
         assert b.leaders[cluster] == members[0]
 
 
-def test_cluster_below_min_replicas_goes_to_standby_and_out_of_outer_sync():
+def test_cluster_below_min_replicas_goes_out_of_outer_sync():
     live = set(Topology(3, 3).replica_ids()) - {"c1r0", "c1r2"}
     plan = _plan(live, {}, 3, 3, min_replicas_per_cluster=2)
     assert plan.outer_clusters == (0, 2), "a cluster below min_replicas_per_cluster must sit out outer sync"
     assert 1 not in plan.members and 1 not in plan.leaders
-    assert plan.standby == ("c1r1",), "its live replicas wait in standby"
     assert "c1r1" not in plan.live
 
 
@@ -103,8 +102,8 @@ def test_no_live_replicas_gives_an_empty_plan():
 
 
 def test_plan_equality_is_by_value():
-    assert Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}, outer_clusters=(0,)) == \
-        Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}, outer_clusters=(0,))
+    assert Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}) == \
+        Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"})
 
 
 # -- quorum_problem / live_plan: the rules the supervisor applies between rounds --------------------------
@@ -125,5 +124,5 @@ def test_live_plan_keeps_sticky_leaders_replaces_a_missing_one_and_puts_small_cl
     plan = live_plan(topo, live, leaders, epoch=7, min_replicas_per_cluster=2)
     assert plan.members == {0: ("c0r0", "c0r2"), 1: ("c1r1", "c1r2")}
     assert plan.leaders == {0: "c0r2", 1: "c1r1"}, "c0 keeps its leader; c1's is gone: the lowest live index"
-    assert plan.outer_clusters == (0, 1) and plan.standby == ("c2r1",) and plan.epoch == 7
+    assert plan.outer_clusters == (0, 1) and "c2r1" not in plan.live and plan.epoch == 7
     assert leaders[1] == "c1r1", "the choice is remembered"

@@ -46,7 +46,7 @@ def test_each_site_may_set_its_own_quorum_floor():
     topo = Topology.of_sites((3, 2, 1), min_replicas=(2, None, None))
     assert topo.floors(1) == [2, 1, 1]
     plan = live_plan(topo, {"c0r0", "c1r0", "c2r0"}, {}, epoch=1, min_replicas_per_cluster=1)
-    assert sorted(plan.members) == [1, 2] and "c0r0" in plan.standby, "c0 with one live replica is below its own 2"
+    assert sorted(plan.members) == [1, 2] and "c0r0" not in plan.live, "c0 with one live replica is below its own 2"
     assert quorum_problem([1, 1, 1], topo.floors(1), min_clusters=3) is not None
     assert quorum_problem([2, 1, 1], topo.floors(1), min_clusters=3) is None
 

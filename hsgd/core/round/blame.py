@@ -11,9 +11,7 @@ def raised(*, actor_gone: bool, source_failed: bool) -> Outcome:
     came (Ray fails a call whose argument failed): the source's failure, the target is fine and
     heals again; else Ray says the actor is gone; else the replica raised (OOM, I/O, a bug), its
     own failure, never the job's."""
-    if source_failed:
-        return Outcome.COLLECTIVE_FAILED
-    return Outcome.DIED if actor_gone else Outcome.ERROR
+    return Outcome.COLLECTIVE_FAILED if source_failed else Outcome.DIED if actor_gone else Outcome.ERROR
 
 
 def restarts(outcome: Outcome) -> bool:

@@ -5,27 +5,29 @@ replica: issuing a second is a bug of the machine, never a failure of the run, a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from hsgd.core.round.messages import CallKind, Phase
 
 
+@dataclass(slots=True, eq=False)
 class InFlight:
     """A phase the machine waits on."""
-    __slots__ = ("phase", "started", "pending", "failed_at", "failed_groups", "peer_gone", "delivered",
-                 "not_applied", "aborted", "answers")
+    phase: Phase
+    started: float
+    pending: set[str] = field(init=False)  # members still to answer (and not given up on)
+    failed_at: float | None = None  # when the phase saw its first failure
+    # group -> when a member of that group first failed: a failure shortens the wait only for its own
+    # group (one phase may span several: a commit broadcasts in every cluster, heals are one transfer each)
+    failed_groups: dict[object, float] = field(default_factory=dict)
+    peer_gone: dict[object, float] = field(default_factory=dict)  # group -> when a member saw a peer's connection close
+    delivered: set[str] = field(default_factory=set)  # heal sources whose state arrived
+    not_applied: set[str] = field(default_factory=set)  # (a commit) members that answered not done, or given up on
+    aborted: bool = False  # (a forming phase) its rendezvous was released
+    answers: dict[str, str] = field(default_factory=dict)  # rid -> how its call ended (PhaseEnded)
 
-    def __init__(self, phase: Phase, started: float):
-        self.phase = phase
-        self.started = started
-        self.pending: set[str] = set(phase.calls)  # members still to answer (and not given up on)
-        self.failed_at: float | None = None  # when the phase saw its first failure
-        # group -> when a member of that group first failed: a failure shortens the wait only for its own
-        # group (one phase may span several: a commit broadcasts in every cluster, heals are one transfer each)
-        self.failed_groups: dict[object, float] = {}
-        self.peer_gone: dict[object, float] = {}  # group -> when a member saw a peer's connection close
-        self.delivered: set[str] = set()  # heal sources whose state arrived
-        self.not_applied: set[str] = set()  # (a commit) members that answered anything but done, or were given up on
-        self.aborted = False  # (a forming phase) its rendezvous was released
-        self.answers: dict[str, str] = {}  # rid -> how its call ended (PhaseEnded)
+    def __post_init__(self) -> None:
+        self.pending = set(self.phase.calls)
 
     @property
     def id(self) -> int:
@@ -52,12 +54,11 @@ class CallBook:
         self.busy: dict[str, InFlight] = {}  # rid -> the phase it has a call in flight in
 
     def issue(self, phase: Phase, now: float) -> InFlight:
-        for rid in phase.calls:
-            if rid in self.busy:
-                raise AssertionError(f"{rid} already has phase {self.busy[rid].id} in flight")
+        clash = next((rid for rid in phase.calls if rid in self.busy), None)
+        if clash is not None:
+            raise AssertionError(f"{clash} already has phase {self.busy[clash].id} in flight")
         flight = self.inflight[phase.id] = InFlight(phase, now)
-        for rid in phase.calls:
-            self.busy[rid] = flight
+        self.busy.update(dict.fromkeys(phase.calls, flight))
         return flight
 
     def take(self, phase_id: int, rid: str, how: str) -> InFlight | None:
@@ -73,12 +74,8 @@ class CallBook:
 
     def give_up(self, flight: InFlight, rid: str, why: str) -> None:
         """Stop waiting for rid's answer (it was killed or is gone): a late one is stale."""
-        if self.busy.get(rid) is flight:
-            del self.busy[rid]
-            flight.pending.discard(rid)
-            flight.answers[rid] = why
-            if flight.phase.kind is CallKind.OUTER_COMMIT:
-                flight.not_applied.add(rid)
+        if self.take(flight.id, rid, why) is not None and flight.phase.kind is CallKind.OUTER_COMMIT:
+            flight.not_applied.add(rid)
 
     def close(self, flight: InFlight) -> bool:
         """Drop a phase every member answered (or was given up on). False: closed already."""

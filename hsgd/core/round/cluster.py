@@ -6,12 +6,12 @@ average, after a common yield boundary by one running inner.
 """
 from __future__ import annotations
 
-from hsgd.core.heal import assign_cluster_heals
 from hsgd.core.membership import leader_of
 from hsgd.core.outer_plan import token_weights
 from hsgd.core.round.calls import InFlight
-from hsgd.core.round.messages import CallKind, ClusterAverage, Effect, Heal, Join, Overlap, RunInner, Yield
-from hsgd.core.round.stages import ClusterStage, OuterStage
+from hsgd.core.round.messages import (CallKind, ClusterAverage, ClusterStage, Effect, Heal, Join, OuterStage, Overlap,
+                                      RunInner, Yield)
+from hsgd.core.round.schedule import assign_cluster_heals
 
 
 class ClusterPhases:
@@ -36,18 +36,14 @@ class ClusterPhases:
                                               f"giving up ({reason})")
         st.members = members
         self.leaders[c] = leader_of(members, self.leaders.get(c))
-        where = {rid: self.progress[rid] for rid in members}
-        if any(p[0] == self.round for p in where.values()):
-            donors = {}  # a member holds the round: heals stay inside c
-        else:  # nobody in c holds the round: the global state of the lowest-id holder elsewhere
-            source = next((rid for ids in self.ids for rid in ids if self.progress.get(rid, (-1,))[0] == self.round), None)
-            donors = {source: self.progress[source]} if source is not None else {}
-        heals = assign_cluster_heals(where, donors)
+        # the donor, should nobody in c hold the round: the lowest-id holder (heals stay inside c when one does)
+        donor = next((rid for ids in self.ids for rid in ids if self.progress.get(rid, (-1,))[0] == self.round), None)
+        heals = assign_cluster_heals({rid: self.progress[rid] for rid in members},
+                                     {donor: self.progress[donor]} if donor is not None else {})
         if heals:
             st.stage = ClusterStage.HEAL
-            phase = self._issue(c, {h.target: Heal(h.source, h.scope) for h in heals}, self.settings.heal_s, now, reason)
-            st.phase_id = phase.id
-            return [phase]
+            calls = {h.target: Heal(h.source, h.scope) for h in heals}
+            return [self._issue(c, calls, self.settings.heal_s, now, reason)]
         return self._run_inner(c, now, reason)
 
     def _run_inner(self, c: int, now: float, reason: str) -> list[Effect]:
@@ -58,17 +54,14 @@ class ClusterPhases:
         st.stage = ClusterStage.INNER
         for rid in st.members:  # marks of an earlier inner run this round are stale
             self.advance.pop(rid, None)
-        overlap = self._overlap_plan()
-        if reason == "round start" and st.configured is not None and st.configured[1] == st.members:
-            phase = self._issue(c, {rid: RunInner(None, overlap.get(rid)) for rid in st.members}, 0.0, now, reason)
-        else:
+        overlap, n = self._overlap_plan(), len(st.members)
+        forms = reason != "round start" or st.configured is None or st.configured[1] != st.members
+        if forms:
             self.epoch += 1
-            prefix, n = f"epoch{self.epoch}/inner/c{c}", len(st.members)
-            calls = {rid: RunInner(Join(prefix, rank, n), overlap.get(rid)) for rank, rid in enumerate(st.members)}
             st.configured = (self.epoch, st.members)
-            phase = self._issue(c, calls, self.settings.configure_s, now, reason)
-        st.phase_id = phase.id
-        return [phase]
+        calls = {rid: RunInner(Join(f"epoch{self.epoch}/inner/c{c}", rank, n) if forms else None, overlap.get(rid))
+                 for rank, rid in enumerate(st.members)}
+        return [self._issue(c, calls, self.settings.configure_s if forms else 0.0, now, reason)]
 
     def _overlap_plan(self) -> dict[str, Overlap]:
         """sync.fragment_delay: holder -> the Overlap (epoch, shard, shards) of the standing outer group it
@@ -78,7 +71,7 @@ class ClusterPhases:
         if not self.settings.fragment_delay or self.settings.outer == "none" or self.outer_configured is None:
             return {}
         epoch, groups = self.outer_configured
-        if groups != self._expected_shard_groups():
+        if groups != self._shard_groups(expected=True):
             return {}
         # the weights as expected now: every live member finishes the round's steps
         weights = token_weights([len(self.members(self.cluster_of(holder))) * self.settings.steps_per_round
@@ -87,12 +80,10 @@ class ClusterPhases:
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
         """Every member of a phase answered (or was given up on): what the cluster does next."""
-        phase = flight.phase
-        ok = flight.failed_at is None
+        phase, ok = flight.phase, flight.failed_at is None
         if phase.cluster is None:  # outer_reduce, outer_commit
             return self._outer_finished(flight, ok, now)
-        c = phase.cluster
-        st = self.clusters[c]
+        c, st = phase.cluster, self.clusters[phase.cluster]
         if st.phase_id != phase.id:
             return []
         st.phase_id = None
@@ -113,17 +104,14 @@ class ClusterPhases:
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
                 st.stage = ClusterStage.AVERAGE
-                average = self._issue(c, dict.fromkeys(st.members, ClusterAverage()), self.settings.commit_s, now)
-                st.phase_id = average.id
-                return [average]
+                return [self._issue(c, dict.fromkeys(st.members, ClusterAverage()), self.settings.commit_s, now)]
         st.stage = ClusterStage.READY  # run_inner done, or cluster_average done
         return self._maybe_outer(now)
 
     # -- a replica that comes back mid-round ----------------------------------------------------------------
     def _join_mid_round(self, rid: str, at: tuple[int, int], now: float) -> list[Effect]:
         """rid (re)started and answers, idle at `at` (rejoin `fast`)."""
-        c = self.cluster_of(rid)
-        st = self.clusters[c]
+        c, st = self.cluster_of(rid), self.clusters[self.cluster_of(rid)]
         if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage is ClusterStage.OUT \
                 or self.outer_stage is not OuterStage.WAIT:
             return []  # joins at the next round's start
@@ -132,7 +120,7 @@ class ClusterPhases:
             return self._admit_joiners(c, now)
         if st.stage is not ClusterStage.INNER:
             return []  # a heal or the average in flight: taken in when it ends
-        flight = self.calls.inflight.get(st.phase_id) if st.phase_id is not None else None
+        flight = self.calls.inflight.get(st.phase_id)
         if c in self.yielding or flight is None or flight.failed_at is not None:
             return []  # asked already, or the phase failed: it re-forms, taking the newcomer in
         running = sorted(flight.pending)  # (members that died or answered are asked nothing)
@@ -149,9 +137,8 @@ class ClusterPhases:
         recent = sorted(self.step_seconds)
         step_s = recent[len(recent) // 2] if recent else 0.1
         lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
-        furthest = max(max(self.advance[m][0], self.progress[m][1]) if m in self.advance else self.progress[m][1]
-                       for m in running) - self.round * s.steps_per_round
-        at = furthest + lead
+        furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
+        at = furthest - self.round * s.steps_per_round + lead
         if s.inner == "localsgd":
             at = -(-at // s.inner_every) * s.inner_every
         return at

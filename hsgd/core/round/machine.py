@@ -14,11 +14,11 @@ from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
-from hsgd.core.round.messages import (Answer, Call, CallKind, Effect, ErrorKind, Lost, NonFinite, Observation, Outcome,
-                                      Phase, PhaseEnded, Progress, StateReady, Up)
+from hsgd.core.round.messages import (Answer, Call, CallKind, ClusterStage, Effect, ErrorKind, Lost, NonFinite,
+                                      Observation, Outcome, OuterStage, Phase, PhaseEnded, Progress, StateReady, Up)
 from hsgd.core.round.outer import OuterExchange
-from hsgd.core.round.stages import ClusterStage, OuterStage
 from hsgd.core.topology import Topology
+
 
 @dataclass
 class RoundSettings:
@@ -66,19 +66,15 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
         self.incarnations = dict(incarnations or {})  # rid -> the incarnation last seen up
-        self.leaders = dict(leaders)
-        self.epoch = epoch
-        self.committed_round = committed_round
+        self.leaders, self.epoch, self.committed_round = dict(leaders), epoch, committed_round
         self.ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
         self.cluster_index = {rid: c for c, ids in enumerate(self.ids) for rid in ids}
-        groups = configured or {}
-        self.clusters = {c: ClusterState(configured=groups.get(c)) for c in range(topology.clusters)}
+        self.clusters = {c: ClusterState(configured=(configured or {}).get(c)) for c in range(topology.clusters)}
         # (epoch, shard holders): shard j -> its holder per cluster in outer-rank order, of the
         # standing outer groups (one shard, the leaders, on the `leader` path)
         self.outer_configured = outer_configured
         self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
-        self.outer_stage = OuterStage.WAIT
-        self.outer_attempts = 0
+        self.outer_stage, self.outer_attempts = OuterStage.WAIT, 0
         self.calls = CallBook()
         self.dead: dict[str, str] = {}  # rid -> cause, this round
         self.deaths: list[tuple[str, str]] = []  # every death this round, in order (a rid may die twice)
@@ -130,8 +126,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def plan(self) -> Plan:
         """The membership view for fault targeting and status (leaders of participating clusters)."""
         members = {c: m for c in self.participating() if (m := self.members(c))}
-        return Plan(epoch=self.epoch, members=members, leaders={c: self.leaders[c] for c in members if c in self.leaders},
-                    outer_clusters=tuple(sorted(members)))
+        return Plan(self.epoch, members, {c: self.leaders[c] for c in members if c in self.leaders})
 
     def configured_groups(self) -> dict[int, tuple[int, tuple[str, ...]]]:
         return {c: st.configured for c, st in self.clusters.items() if st.configured is not None}
@@ -171,10 +166,8 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             return self._finish("below_quorum", "no live replica")
         if not any(p[0] >= self.committed_round for p in self.progress.values()):
             top = max(self.progress.values())[0]
-            self.done, self.outcome = True, "restore"
-            self.reason = (f"total loss: no live replica holds committed round {self.committed_round} "
-                           f"(best: {top if top >= 0 else 'none'})")
-            return []
+            return self._finish("restore", f"total loss: no live replica holds committed round {self.committed_round} "
+                                           f"(best: {top if top >= 0 else 'none'})")
         r = self.round
         if not any(p[0] == r for p in self.progress.values()) \
                 and any(len(self.members(c)) >= max(1, self.floor(c)) for c in range(self.topology.clusters)):
@@ -182,13 +175,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             return self._finish("failed", f"round {r} asked, but no live replica holds it")
         effects: list[Effect] = []
         for c in range(self.topology.clusters):
-            if c in self.benched:
-                self.clusters[c].stage = ClusterStage.OUT  # non-finite in two rounds running: it sits out until the run's end
-                continue
             members = self.members(c)
-            if len(members) < max(1, self.floor(c)):
-                self.clusters[c].stage = ClusterStage.OUT
-                self.clusters[c].members = members
+            if c in self.benched or len(members) < max(1, self.floor(c)):
+                # benched (non-finite in two rounds running): it sits out until the run's end
+                self.clusters[c].stage, self.clusters[c].members = ClusterStage.OUT, members
                 continue
             effects += self._reform(c, now, "round start", members=members)
         if len(self.participating()) < self.settings.min_clusters:
@@ -214,10 +204,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
 
     def observe_all(self, observations: Iterable[Observation], now: float) -> list[Effect]:
         """Observations in the order they arrived (everything one wait returned)."""
-        effects: list[Effect] = []
-        for observation in observations:
-            effects += self.observe(observation, now)
-        return effects
+        return [effect for observation in observations for effect in self.observe(observation, now)]
 
     def _answer(self, answer: Answer, now: float) -> list[Effect]:
         """An answer to a call in flight. A stale one (its phase was given up on: the cluster
@@ -267,14 +254,11 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     def _up(self, up: Up, now: float) -> list[Effect]:
         """A (re)started replica answers. One the machine holds live whose incarnation changed died
         and came back unseen: that death is taken in first. Joins inside the round (rejoin `fast`)."""
-        rid = up.rid
-        effects: list[Effect] = []
-        known = self.incarnations.get(rid)
+        rid, known = up.rid, self.incarnations.get(up.rid)
         self.incarnations[rid] = up.incarnation
-        if rid in self.progress:
-            if known is None or up.incarnation == known:
-                return []
-            effects += self._lost(rid, now, "died")
+        if rid in self.progress and known in (None, up.incarnation):
+            return []
+        effects = self._lost(rid, now, "died") if rid in self.progress else []
         return effects + self._join_mid_round(rid, (up.round, up.step), now)
 
     def _lost(self, rid: str, now: float, cause: str = "died") -> list[Effect]:
@@ -284,11 +268,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
                 joiners.pop(rid, None)
             return []
         flight = self.calls.busy.get(rid)
+        self._mark_dead(rid, cause)  # first: the synthesized answer must not count as alive
         if flight is not None:
-            outcome = Outcome.ERROR if cause == "error" else Outcome.DIED
-            self._mark_dead(rid, cause)  # (so the synthesized answer does not count as alive)
-            return self._answer(Answer(flight.id, rid, outcome), now)
-        self._mark_dead(rid, cause)
+            return self._answer(Answer(flight.id, rid, Outcome.ERROR if cause == "error" else Outcome.DIED), now)
         c = self.cluster_of(rid)
         st = self.clusters[c]
         if st.stage is ClusterStage.READY and self.outer_stage is OuterStage.WAIT:
@@ -313,8 +295,11 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     # -- bookkeeping shared by the decision files -------------------------------------------------------
     def _issue(self, cluster: int | None, calls: dict[str, Call], deadline_s: float, now: float,
                reason: str = "") -> Phase:
-        """A phase the machine waits on: every replica in `calls` answers it (or is given up on)."""
+        """A phase the machine waits on: every replica in `calls` answers it (or is given up on); a
+        cluster's phase is the one it waits on."""
         kind = next(iter(calls.values())).kind
         phase = Phase(next(self._ids), kind, self.round, cluster, self.epoch, calls, deadline_s, reason)
         self.calls.issue(phase, now)
+        if cluster is not None:
+            self.clusters[cluster].phase_id = phase.id
         return phase

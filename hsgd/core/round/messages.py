@@ -18,7 +18,9 @@ Effects (out of the machine, for the runner to carry out):
     StepTimed  a measured inner step time (the supervisor's learned deadlines).
     PhaseEnded every call of a phase was answered or given up on (the record's phase_end).
 
-Observations (into the machine): `Observation`, each with its docstring.
+Observations (into the machine): `Observation`, each with its docstring. The machine's own
+stages (`ClusterStage`, `OuterStage`) are here too: what is derived from a stage is a property of
+it, never a set kept in step by hand.
 """
 from __future__ import annotations
 
@@ -37,6 +39,30 @@ class Outcome(str, Enum):
     ERROR = "error"  # the replica raised: that replica's failure; it is killed and restarted
     IO_ERROR = "io_error"  # a write to the run's storage failed (a checkpoint): the run's problem, nobody is killed
     NON_FINITE = "non_finite"  # a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void
+
+
+class ClusterStage(StrEnum):
+    """Where a cluster is in its round (cluster.py)."""
+    NEW = "new"  # the round has not started it yet
+    HEAL = "heal"  # laggards copy state
+    INNER = "inner"  # its inner phase runs (forming its group first when its members changed)
+    AVERAGE = "average"  # inner `none`: the cluster's mean
+    READY = "ready"  # done: waiting for the outer exchange
+    REFORM = "reform"  # an outer retry broke it: it re-forms before the next exchange
+    OUT = "out"  # it sits the round out (too few members, void, benched)
+
+    @property
+    def waits_for_outer(self) -> bool:
+        """Nothing left to do before the outer exchange (ready, or sitting out)."""
+        return self in (ClusterStage.READY, ClusterStage.OUT)
+
+
+class OuterStage(StrEnum):
+    """Where the outer exchange is (outer.py)."""
+    WAIT = "wait"  # for every participating cluster to be ready
+    REDUCE = "reduce"
+    COMMIT = "commit"
+    DONE = "done"
 
 
 class ErrorKind(StrEnum):
@@ -209,7 +235,7 @@ class OuterReduce:
 class Heal:
     kind: ClassVar[CallKind] = CallKind.HEAL
     source: str
-    scope: str  # full | global (hsgd/core/heal.py)
+    scope: str  # full | global (hsgd/core/round/schedule.py)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ from typing import Iterable
 from hsgd.core.membership import leader_of, quorum_problem
 from hsgd.core.outer_plan import shard_count, shard_holders, token_weights
 from hsgd.core.round.calls import InFlight
-from hsgd.core.round.messages import CallKind, Effect, Join, OuterCommit, OuterReduce
-from hsgd.core.round.stages import ClusterStage, OuterStage
+from hsgd.core.round.messages import CallKind, ClusterStage, Effect, Join, OuterCommit, OuterReduce, OuterStage
 
 
 class OuterExchange:
@@ -22,23 +21,21 @@ class OuterExchange:
             return []
         if len(self.participating()) < self.settings.min_clusters:
             return self._lost_quorum()
-        if self.not_ready:  # a participating cluster is not ready yet
+        if self.not_ready:
             return []
         groups = self._shard_groups()
         self.exchange = (self.participating(), groups)
         weights = self._token_weights(self.exchange[0])
         self.outer_stage = OuterStage.REDUCE
-        if self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups):
-            # the holders changed: the reduce first forms their groups under a fresh epoch
+        # the holders changed: the reduce first forms their groups (one per shard) under a fresh epoch
+        forms = self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups)
+        if forms:
             self.epoch += 1
-            calls = {rid: OuterReduce(Join(self._outer_prefix(j, len(groups)), rank, len(holders)), j, len(groups),
-                                      weights)
-                     for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
-            deadline_s = self.settings.configure_s + self.settings.outer_s
-        else:
-            calls = {rid: OuterReduce(None, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
-            deadline_s = self.settings.outer_s
-        return [self._issue(None, calls, deadline_s, now)]
+        shards = len(groups)
+        prefixes = [f"epoch{self.epoch}/outer" + (f"/s{j}" if shards > 1 else "") for j in range(shards)]
+        calls = {rid: OuterReduce(Join(prefixes[j], rank, len(holders)) if forms else None, j, shards, weights)
+                 for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
+        return [self._issue(None, calls, self.settings.outer_s + (self.settings.configure_s if forms else 0.0), now)]
 
     def _token_weights(self, clusters: list[int]) -> tuple[float, ...]:
         """The clusters' weights in the outer mean, in outer-rank order: the tokens each trained this
@@ -49,23 +46,18 @@ class OuterExchange:
             tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
         return token_weights(tokens)
 
-    def _shard_groups(self) -> tuple[tuple[str, ...], ...]:
-        """Shard j -> its holder in each participating cluster, in outer-rank order."""
-        clusters = self.participating()
-        members = [self.clusters[c].members for c in clusters]
-        shards = shard_count([len(m) for m in members], self.settings.outer_path)
-        return shard_holders(members, [self.leaders[c] for c in clusters], shards)
-
-    def _expected_shard_groups(self) -> tuple[tuple[str, ...], ...]:
-        """What `_shard_groups` will give if every cluster keeps its live replicas, read before they
-        all formed (the same quorum and leader rules)."""
-        clusters = [c for c in self.participating() if len(self.members(c)) >= max(1, self.floor(c))]
-        members = [self.members(c) for c in clusters]
+    def _shard_groups(self, expected: bool = False) -> tuple[tuple[str, ...], ...]:
+        """Shard j -> its holder in each participating cluster, in outer-rank order. `expected`: what
+        it will be if every cluster keeps its live replicas, read before they all formed (the same
+        quorum and leader rules)."""
+        if expected:
+            clusters = [c for c in self.participating() if len(self.members(c)) >= max(1, self.floor(c))]
+            members = [self.members(c) for c in clusters]
+        else:
+            clusters = self.participating()
+            members = [self.clusters[c].members for c in clusters]
         leaders = [leader_of(m, self.leaders.get(c)) for c, m in zip(clusters, members)]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
-
-    def _outer_prefix(self, shard: int, shards: int) -> str:
-        return f"epoch{self.epoch}/outer" if shards == 1 else f"epoch{self.epoch}/outer/s{shard}"
 
     def _outer_commit(self, now: float) -> list[Effect]:
         """Every live member of a participating cluster whose shard holders are all live applies
@@ -94,26 +86,25 @@ class OuterExchange:
                     self._bench_or_sit_out(c)
                 if self.done:
                     return []
-                return self._outer_retry(now, "non-finite pseudo-gradient from " +
-                                         ",".join(f"c{c}" for c in sorted(voided)), phase.calls)
+                voided_text = ",".join(f"c{c}" for c in sorted(voided))
+                return self._outer_retry(now, f"non-finite pseudo-gradient from {voided_text}")
             if ok:
                 if phase.forms_group:
                     self.outer_configured = (phase.epoch, self.exchange[1])
                 return self._outer_commit(now)
             self.outer_configured = None
-            return self._outer_retry(now, "outer reduce incomplete", phase.calls)
+            return self._outer_retry(now, "outer reduce incomplete")
         # outer_commit: who applied it is known once every member answered (or was given up on)
         self.committed_by.update(phase.calls.keys() - flight.not_applied)
         if self.committed_by:
             self.outer_stage = OuterStage.DONE
             return self._finish("committed")
         self.outer_configured = None
-        return self._outer_retry(now, "no replica applied the commit", phase.calls)
+        return self._outer_retry(now, "no replica applied the commit")
 
-    def _outer_retry(self, now: float, reason: str, answered: Iterable[str] | None = None) -> list[Effect]:
+    def _outer_retry(self, now: float, reason: str) -> list[Effect]:
         """Only the outer exchange is redone: a participating cluster with a member lost or off the
-        round (or whose commit broadcast broke its group) re-forms; the others keep their inner work.
-        `answered`: who the failed outer call went to (informational)."""
+        round (or whose commit broadcast broke its group) re-forms; the others keep their inner work."""
         self.outer_attempts += 1
         if self.outer_attempts > self.settings.max_reforms:
             return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "

@@ -1,12 +1,45 @@
-"""Between rounds: which round runs next, when a checkpoint is due, who evaluates and who writes
-the final model, which rounds a restarted supervisor still owes the record, and the heals that
-bring every live replica to the furthest committed round at the run's end."""
+"""Heals ("max committed wins": who copies state from whom, in a round and at the run's end), and
+between rounds: which round runs next, when a checkpoint is due, who evaluates and who writes the
+final model, which rounds a restarted supervisor still owes the record."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
-from hsgd.core.heal import HealAssignment, assign_cluster_heals
 from hsgd.core.topology import Topology, parse_replica_id
+
+
+@dataclass(frozen=True)
+class HealAssignment:
+    target: str
+    source: str
+    scope: str  # "full" | "global"
+
+
+def assign_cluster_heals(members: dict[str, tuple[int, int]],
+                         donors: dict[str, tuple[int, int]]) -> list[HealAssignment]:
+    """The heals of one cluster, after any change. `members`: its live members' (round, step), in
+    id order; `donors`: replicas of other clusters it may take the global state from.
+
+    A member behind its cluster's furthest (round, step) heals `full` (everything: params, inner
+    optimizer, global params, outer state, counters) from the furthest, so no completed step is
+    thrown away. A cluster with nobody at the top round (of members and donors alike) heals `global`
+    (global params, outer state, round: it restarts the round, its inner progress is gone) from the
+    lowest-id holder elsewhere. Sources are chosen by (progress, replica id), never start order: the
+    same reports give the same assignments."""
+    if not members:
+        return []
+    top_round = max(p[0] for p in (*members.values(), *donors.values()))
+    at_top = [rid for rid, p in members.items() if p[0] == top_round]
+    if at_top:
+        # furthest step first, then lowest id: a deterministic source
+        source = min(at_top, key=lambda r: (-members[r][1], parse_replica_id(r)))
+        return [HealAssignment(rid, source, "full") for rid, p in members.items() if p < members[source]]
+    candidates = [rid for rid, p in donors.items() if p[0] == top_round and rid not in members]
+    if not candidates:
+        return []
+    source = min(candidates, key=parse_replica_id)
+    return [HealAssignment(rid, source, "global") for rid in members]
 
 
 def current_round(progress: Iterable[tuple[int, int]]) -> int:
@@ -54,10 +87,7 @@ def heals_at_rest(topology: Topology, live: dict[str, tuple[int, int]]) -> dict[
     # the one donor any cluster would take (assign_cluster_heals picks the lowest id): one donor,
     # not all, keeps this O(replicas) at 10,000 replicas
     donor = min((rid for rid, p in live.items() if p[0] == top), key=parse_replica_id, default=None)
-    out = {}
-    for c in range(topology.clusters):
-        members = {rid: live[rid] for rid in topology.cluster_members(c) if rid in live}
-        heals = assign_cluster_heals(members, {donor: live[donor]} if donor is not None and donor not in members else {})
-        if heals:
-            out[c] = heals
-    return out
+    donors = {donor: live[donor]} if donor is not None else {}  # (ignored by a cluster that holds the round)
+    heals = {c: assign_cluster_heals({rid: live[rid] for rid in topology.cluster_members(c) if rid in live}, donors)
+             for c in range(topology.clusters)}
+    return {c: h for c, h in heals.items() if h}

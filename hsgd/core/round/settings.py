@@ -15,7 +15,6 @@ def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: An
     params in bytes and the run's learned phase times (a round follows what the ones before measured)."""
     # a healthy member leaves a broken collective within its (payload-scaled) timeout
     grace = collective_timeout_s(comm.timeout_s, param_bytes, comm.min_gbps) + 5.0
-    # one heal, end to end: its group's join, the whole state twice (over the group, then a fallback)
     heal_s = heal_deadline_s(call_timeout_s=supervisor.call_timeout_s, configure_timeout_s=comm.configure_timeout_s,
                              timeout_s=comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
                              min_gbps=comm.min_gbps)
