@@ -78,6 +78,6 @@ def test_live_view_stops_on_timeout_and_when_done(tmp_path):
     run = make_run(tmp_path / "run", status=None, rounds=7)
     start = time.monotonic()
     assert main([str(run), "--interval", "0.05", "--timeout", "0.3"]) == 0
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # it stops (a loaded machine may take seconds), never hangs
     make_run(tmp_path / "done")
     assert main([str(tmp_path / "done"), "--interval", "0.05"]) == 0  # done at once: no timeout needed
