@@ -1,23 +1,24 @@
 """What a run reports (metrics.jsonl's records, summary.json's figures), as pure functions."""
 from __future__ import annotations
 
+from typing import Any
 
-def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, list[float]], tokens: int,
-                 inner_bytes: int, outer_bytes: int, phase_s: dict[str, float], eval_loss: float | None,
-                 live_replicas: int, epoch: int, attempts: int, digests: dict[str, str],
-                 global_digests: dict[str, str], t: float, outer_link_s: float = 0.0,
-                 outer_overlapped: bool = False) -> dict:
-    """One line of metrics.jsonl for a committed round. `losses`: every committed step's loss per
-    replica in this round (steps redone after a failure count once, in the attempt that committed)."""
-    all_losses = [x for v in losses.values() for x in v]
-    inner_s = phase_s.get("inner", 0.0)
-    return {"round": round_index, "inner_step": (round_index + 1) * steps_per_round,
+
+def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epoch: int, t: float) -> dict:
+    """One line of metrics.jsonl for the committed round `run.r` (`run`: the round's record that the
+    supervisor kept, actors/round_record.py). `run.losses`: every committed step's loss per replica
+    in this round (steps redone after a failure count once, in the attempt that committed)."""
+    all_losses = [x for v in run.losses.values() for x in v]
+    inner_s = run.seconds.get("inner", 0.0)
+    return {"round": run.r, "inner_step": (run.r + 1) * steps_per_round,
             "loss": sum(all_losses) / len(all_losses) if all_losses else None,
-            "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(losses.items()) if v},
-            "eval_loss": eval_loss, "tokens_per_s": tokens / inner_s if inner_s > 0 else None,
-            "inner_bytes": inner_bytes, "outer_bytes": outer_bytes, "outer_link_s": outer_link_s,
-            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts,
-            "phase_s": dict(phase_s), "replica_digests": dict(digests), "global_digests": dict(global_digests), "t": t}
+            "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(run.losses.items()) if v},
+            "eval_loss": eval_loss, "tokens_per_s": run.tokens / inner_s if inner_s > 0 else None,
+            "inner_bytes": run.inner_bytes, "outer_bytes": run.outer_bytes,
+            "outer_link_s": sum(run.outer_link_s.values()), "outer_overlapped": run.outer_overlapped,
+            "live_replicas": len(run.commit_digests), "epoch": epoch, "attempts": run.attempts,
+            "phase_s": dict(run.seconds), "replica_digests": dict(run.commit_digests),
+            "global_digests": dict(run.global_digests), "t": t}
 
 
 def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
