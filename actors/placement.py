@@ -1,9 +1,7 @@
-"""Where replicas run: one placement group per cluster, so a "cluster" in the config is
-co-located hardware (STRICT_PACK by default: one node, where the fast link is), or, with
-`topology.cluster_labels`, nodes carrying the Ray node label `hsgd-cluster=<label>` (`ray start
---labels hsgd-cluster=rack-a`; Ray's `label_selector` option). A replica asks for one GPU exactly
-when a level of it may use nccl (`plan_backends`, from the cluster's resources), so NCCL ranks
-never share a GPU.
+"""Where replicas run: one placement group per cluster (STRICT_PACK by default: one node, where
+the fast link is), or Ray's `label_selector` on the node label `hsgd-cluster=<label>` of each
+cluster's `topology.cluster_labels` / sites. A replica asks for one GPU exactly when a level of it
+may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU detected").
 
 `check_cluster` runs before any actor starts; each refusal a one-line ConfigError: nccl where
 the cluster has too few GPUs; a placement that can never happen (too few CPUs/GPUs, no node or

@@ -1,15 +1,10 @@
 """Will the Ray cluster hold this topology? Pure decisions (only `usable_memory_bytes` reads a
-file) fed the machine's or the cluster's figures, so an impossible run is one config error, never
-thousands of actors fighting for two cores or placement groups that never get ready.
-
-A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must
-fit in 80 % of the machine; CPUs may be oversubscribed up to `MAX_REPLICAS_PER_CORE` unless
-`ray.num_cpus` is given, which is then honoured exactly.
-
-Backends per level: `plan_backends` (the driver, from the Ray cluster's resources, never its own
-CUDA: a CPU-only head node is the usual `ray job submit` target) and `resolve_level_backend` (each
-replica, by its GPU). A replica asks Ray for a GPU of its own exactly when a level may use nccl,
-so two NCCL ranks never share a GPU ("Duplicate GPU detected").
+file), so an impossible run is one config error, never actors fighting for two cores or placement
+groups that never get ready. A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the
+model's parameters; memory must fit in 80 % of the machine; CPUs may be oversubscribed up to
+`MAX_REPLICAS_PER_CORE` unless `ray.num_cpus` is given, which is then honoured exactly.
+Backends per level: the driver plans them from the Ray cluster's resources, never its own CUDA (a
+CPU-only head node is the usual `ray job submit` target); each replica resolves them by its GPU.
 """
 from __future__ import annotations
 
@@ -82,18 +77,14 @@ def replicas_that_fit(node_resources: dict, need: dict) -> int:
     return min(counts) if counts else 1 << 30
 
 
-def cluster_total(nodes: list[dict]) -> Counter:
-    """The Ray cluster's resources: the sum of its live nodes' (as ray.cluster_resources() sums them)."""
-    return sum((Counter(nd.get("Resources", {})) for nd in nodes), Counter())
-
-
 def placement_problem(cfg: Any, need: dict, nodes: list[dict],
                       sizes: list[int] | None = None) -> tuple[str, str] | None:
     """(field, one-line reason) when the Ray cluster can never place every cluster's replicas AND hot
     spares (each cluster's placement group holds both), else None. `need`: one replica's resources;
     `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}}; `sizes`: replicas per site when
     not the topology's own (the backend plan caps them)."""
-    t, topo, total = cfg.topology, topology_of(cfg), cluster_total(nodes)
+    t, topo = cfg.topology, topology_of(cfg)
+    total = sum((Counter(nd.get("Resources", {})) for nd in nodes), Counter())  # as ray.cluster_resources() sums
     spares, strategy, cluster_labels = t.spares_per_cluster, t.placement_strategy, topo.labels
     ks = [m + spares for m in (sizes or topo.sizes)]
     k, n = max(ks, default=0), sum(ks)
@@ -191,7 +182,7 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     def gpus_fit(per_cluster: int) -> bool:  # every site capped at `per_cluster` replicas
         return placement_problem(cfg, {**cpus, "GPU": 1.0}, nodes, [min(m, per_cluster) for m in topo.sizes]) is None
 
-    gpus = int(cluster_total(nodes).get("GPU", 0.0) + 1e-9)
+    gpus = int(sum(nd.get("Resources", {}).get("GPU", 0.0) for nd in nodes) + 1e-9)
     if gpus_fit(replicas_per_cluster):
         return BackendPlan(inner, outer, 1.0 if "nccl" in (inner, outer) or inner == "auto" else 0.0)
     if placement_problem(cfg, cpus, nodes) is not None:  # short of CPUs whatever the backend: that check says so
