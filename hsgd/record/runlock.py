@@ -1,17 +1,14 @@
-"""A run owns its folder: an exclusive lock file `run.dir/hsgd.lock`.
+"""A run owns its folder: an exclusive lock file `run.dir/hsgd.lock` (README, "Run folders").
 
 Protocol:
-- `acquire` creates the lock with O_CREAT | O_EXCL (exactly one creator wins) holding the run id,
-  host, pid, start and refresh times. A lock already there is *live* unless it is stale: its
-  process is gone (same host: the pid no longer exists) or its refresh is older than
-  STALE_AFTER_S (another host, or a pid reused). A live lock is refused (`RunLocked`); a stale
-  one is taken over only when the caller says so (`train.resume=true`), else refused too.
-- A takeover first renames the stale lock to a private name and reads it back: if what it moved
-  is not the stale lock it judged (another taker won meanwhile and wrote a fresh one), it puts
-  that one back and refuses. So two takers never both hold the lock.
-- While the run lives, a daemon thread refreshes the lock every REFRESH_S (a temp file renamed
-  over it, never a half-written lock); it stops when the lock no longer names this run (taken
-  over by another run after this one stalled past STALE_AFTER_S) and says so in `lost`.
+- `acquire` creates the lock with O_CREAT | O_EXCL (one creator wins). A lock already there is
+  live unless stale: its process is gone (same host) or its refresh is older than STALE_AFTER_S
+  (another host, or a pid reused). A live lock is refused (`RunLocked`); a stale one is taken
+  over only when the caller says so (`train.resume=true`), else refused too.
+- A takeover renames the stale lock to a private name and reads it back: if that is not the lock
+  it judged (another taker won meanwhile), it puts it back and refuses. Two takers never both hold it.
+- A daemon thread refreshes the lock every REFRESH_S (temp file + rename); it stops when the lock
+  no longer names this run (taken over after this one stalled) and says so in `lost`.
 - `release` removes the lock if it is still this run's.
 """
 from __future__ import annotations
