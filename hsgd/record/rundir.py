@@ -206,9 +206,6 @@ def write_deadline_s(io_grace_s: float) -> float:
     return max(0.2, min(5.0, io_grace_s / 4))
 
 
-FAULTS_FIRED = "faults_fired.jsonl"
-
-
 def write_fault_fired(writer: FolderWriter, run_dir: str | Path, rid: str, kind: str, phase: str, round_index,
                       step, **extra) -> bool:
     """The one writer of faults_fired.jsonl (the supervisor's RunLog writer, a replica's own, the
@@ -216,4 +213,4 @@ def write_fault_fired(writer: FolderWriter, run_dir: str | Path, rid: str, kind:
     deadline. False when the line is not written in time (the fault fires all the same)."""
     line = json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase, "round": round_index,
                        "step": step, **extra}) + "\n"
-    return bool(writer.submit(object(), lambda: append_lines(Path(run_dir) / FAULTS_FIRED, line)))
+    return bool(writer.submit(object(), lambda: append_lines(Path(run_dir) / "faults_fired.jsonl", line)))

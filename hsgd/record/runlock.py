@@ -54,13 +54,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_reason(info: dict, *, mtime: float | None = None) -> str | None:
-    """Why this lock is stale, or None when it is live. An unreadable lock (being created right
-    now) is live until its file is older than STALE_AFTER_S (`mtime`)."""
+def stale_reason(info: dict, path: Path) -> str | None:
+    """Why the lock at `path` (read: `info`) is stale, or None when it is live. An unreadable lock
+    (being created right now) is live until its file is older than STALE_AFTER_S."""
     now, host = time.time(), socket.gethostname()
     if not info:
-        if mtime is not None and now - mtime > STALE_AFTER_S:
-            return f"unreadable lock not written for {now - mtime:.0f} s"
+        with contextlib.suppress(OSError):
+            age = now - path.stat().st_mtime
+            if age > STALE_AFTER_S:
+                return f"unreadable lock not written for {age:.0f} s"
         return None
     pid = info.get("pid")
     if info.get("host") == host and isinstance(pid, int) and not _pid_alive(pid):
@@ -84,7 +86,7 @@ def check(run_dir: str | Path, takeover: bool) -> None:
     is written; the lock itself is the authority)."""
     info = read_lock(run_dir)
     if info is not None:
-        _refuse(run_dir, info, stale_reason(info, mtime=_mtime(Path(run_dir) / LOCK_NAME)), takeover)
+        _refuse(run_dir, info, stale_reason(info, Path(run_dir) / LOCK_NAME), takeover)
 
 
 def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
@@ -94,12 +96,6 @@ def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
     if not takeover:
         raise RunLocked(f"{run_dir} holds the stale lock of run {info.get('run_id')} ({reason}); "
                         f"add train.resume=true to take it over and resume")
-
-
-def _mtime(path: Path) -> float | None:
-    with contextlib.suppress(OSError):
-        return path.stat().st_mtime
-    return None
 
 
 class RunLock:
@@ -139,7 +135,7 @@ class RunLock:
             info = read_lock(self.dir)
             if info is None:
                 continue
-            reason = stale_reason(info, mtime=_mtime(self.path))
+            reason = stale_reason(info, self.path)
             _refuse(self.dir, info, reason, takeover)
             aside = self.path.with_name(f".{LOCK_NAME}.stale-{uuid.uuid4().hex[:8]}")
             try:
