@@ -48,14 +48,6 @@ _PROGRESS_PHASES = ("inner", "inner_sync", "outer", "outer_commit")
 _CLOCK_SKEW_S = 2.0
 
 
-def _recovery_and_heal(events: list[dict], rid: str, t: float) -> tuple[dict | None, dict | None]:
-    """The survivors' next phase that completed with no failure, and the next heal of `rid`, after t."""
-    recovered = next((e for e in events if e["t"] > t and e["event"] == "phase_end"
-                      and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
-    heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
-    return recovered, heal
-
-
 def _distinct_downs(events: list[dict]) -> list[dict]:
     """replica_down events, each failure once. A down naming its `incarnation` (Ray's restart count
     of the `actor` serving rid; a promoted spare's actor has its own) is one death of that process:
@@ -112,14 +104,12 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                              and (rid == "supervisor") == (e["event"] == "supervisor_start")
                              and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
         seen = detected or {}
-        recovered, _ = _recovery_and_heal(events, rid, seen.get("t", t0))
-        _, heal = _recovery_and_heal(events, rid, t0)
         figures.append({"source": "injected", "rid": rid, "kind": f["kind"],
                         "cause": "non_finite" if seen.get("event") == "non_finite" else seen.get("cause"),
                         "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
                         "fired_at": t0, "detected_at": seen.get("t"),
                         "detection_latency_s": None if detected is None else detected["t"] - t0,
-                        "detected_by": seen.get("event"), **_after(recovered, heal, t0)})
+                        "detected_by": seen.get("event"), **_after(events, rid, t0, seen.get("t", t0))})
     downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
@@ -142,8 +132,12 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     return figures
 
 
-def _after(recovered: dict | None, heal: dict | None, t: float) -> dict:
-    """A fault entry's recovery latency (from t) and heal figures."""
+def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:
+    """A fault entry's recovery latency from t (to the survivors' next phase that completed with no
+    failure after `detected_at`) and the figures of the next heal of `rid` after t."""
+    recovered = next((e for e in events if e["t"] > detected_at and e["event"] == "phase_end"
+                      and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+    heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
     return {"recovery_latency_s": None if recovered is None else recovered["t"] - t,
             "heal_s": None if heal is None else heal.get("seconds"),
             "heal_bytes": None if heal is None else heal.get("bytes")}
@@ -153,11 +147,10 @@ def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detect
     """A fault entry for a failure no injected fault explains (`seen`: its replica_down or
     non_finite event): detected when seen, recovery and heal read from the events after it."""
     rid, t = seen["rid"], seen["t"]
-    recovered, heal = _recovery_and_heal(events, rid, t)
     return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
             "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
             "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": detected_by,
-            **_after(recovered, heal, t)}
+            **_after(events, rid, t, t)}
 
 
 def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],
