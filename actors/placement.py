@@ -86,7 +86,7 @@ class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for replica i of c."""
 
     def __init__(self, cfg: Any, gpus: float, timeout_s: float):
-        self.cfg, self.groups = cfg, []
+        self.groups = []
         strategy = cfg.topology.placement_strategy
         self.bundle = bundle = replica_resources(cfg, gpus)
         self.topology = topo = topology_of(cfg)
