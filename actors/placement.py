@@ -1,9 +1,7 @@
-"""Where replicas run: one placement group per cluster, so a "cluster" in the config is
-co-located hardware (STRICT_PACK by default: one node, where the fast link is), or, with
-`topology.cluster_labels`, nodes carrying the Ray node label `hsgd-cluster=<label>` (`ray start
---labels hsgd-cluster=rack-a`; Ray's `label_selector` option). A replica asks for one GPU exactly
-when a level of it may use nccl (`plan_backends`, from the cluster's resources), so NCCL ranks
-never share a GPU.
+"""Where replicas run: one placement group per cluster (STRICT_PACK by default: one node, where
+the fast link is), or Ray's `label_selector` on the node label `hsgd-cluster=<label>` of each
+cluster's `topology.cluster_labels` / sites. A replica asks for one GPU exactly when a level of it
+may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU detected").
 
 `check_cluster` runs before any actor starts; each refusal a one-line ConfigError: nccl where
 the cluster has too few GPUs; a placement that can never happen (too few CPUs/GPUs, no node or
@@ -22,11 +20,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hsgd.config import ConfigError
-from hsgd.config.capacity import (BackendPlan, data_path_problem, describe_resources, placement_problem, plan_backends,
-                                  replicas_that_fit)
+from hsgd.config.capacity import (LABEL_KEY, BackendPlan, data_path_problem, describe_resources, placement_problem,
+                                  plan_backends, replicas_that_fit)
 from hsgd.core.topology import topology_of
-
-LABEL_KEY = "hsgd-cluster"
 
 
 class PlacementTimeout(RuntimeError):
@@ -41,18 +37,13 @@ def replica_resources(cfg: Any, gpus: float) -> dict:
 def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
     """The per-level backends and GPUs per replica on this Ray cluster (hsgd.config.capacity decides),
     and the nodes that did not answer the data.path check in time (the caller warns)."""
-    t, c, topo = cfg.topology, cfg.comm, topology_of(cfg)
-    cluster = dict(clusters=topo.clusters, replicas_per_cluster=topo.replicas_per_cluster,
-                   sizes=list(topo.sizes) if t.sites else None, spares_per_cluster=t.spares_per_cluster,
-                   total=ray.cluster_resources(), nodes=[nd for nd in ray.nodes() if nd.get("Alive")],
-                   strategy=t.placement_strategy, cluster_labels=list(topo.labels), label_key=LABEL_KEY)
-    plan = plan_backends(backend=c.backend, inner_backend=c.inner_backend, outer_backend=c.outer_backend,
-                         cpus_per_replica=float(t.cpus_per_replica), **cluster)
+    nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
+    plan = plan_backends(cfg, nodes)
     need = replica_resources(cfg, plan.gpus_per_replica)
-    problem = placement_problem(need=need, **cluster)
+    problem = placement_problem(cfg, need, nodes)
     if problem is not None:
         raise ConfigError(*problem)
-    return plan, _check_data_path(cfg, need, cluster["nodes"], data_timeout_s)
+    return plan, _check_data_path(cfg, need, nodes, data_timeout_s)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -95,7 +86,7 @@ class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for replica i of c."""
 
     def __init__(self, cfg: Any, gpus: float, timeout_s: float):
-        self.cfg, self.groups = cfg, []
+        self.groups = []
         strategy = cfg.topology.placement_strategy
         self.bundle = bundle = replica_resources(cfg, gpus)
         self.topology = topo = topology_of(cfg)

@@ -232,12 +232,7 @@ class Supervisor:
         eval_loss = None
         if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
-        record = round_record(round_index=r, steps_per_round=self.spr, losses=run.losses, tokens=run.tokens,
-                              inner_bytes=run.inner_bytes, outer_bytes=run.outer_bytes, phase_s=run.seconds,
-                              outer_link_s=sum(run.outer_link_s.values()), outer_overlapped=run.outer_overlapped,
-                              eval_loss=eval_loss, live_replicas=len(run.commit_digests), epoch=machine.epoch,
-                              attempts=run.attempts, digests=run.commit_digests, global_digests=run.global_digests,
-                              t=time.time())
+        record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time())
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         self.record.wandb.log_round(record)
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,

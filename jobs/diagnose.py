@@ -1,17 +1,13 @@
 """Diagnose a live run: `python -m jobs.diagnose <run.dir>`.
 
-Prints the supervisor's phase view (status.json) and one stack section per replica, taken the
-same way the hang watchdog takes them (py-spy, faulthandler, or the replica's own answer).
-
-Trust: `run.json` sits in the run folder, which may be shared and writable by others, so what it
-says is never trusted with this user's Ray token or with a signal.
-- Attach: only to the Ray cluster diagnose would use by itself: $RAY_ADDRESS when set, else a
-  cluster that a raylet of this user on this node belongs to (the local node's cluster). When
-  run.json names another address, diagnose refuses with one line (exit 2) and connects nowhere.
-- Signal: py-spy and SIGUSR2 (faulthandler) go only to a process that Ray's own actor table
-  reports as the live `actors.replica.Replica` actor named for this run and replica, on this node, owned by this
-  user (and, when the replica answered, the pid it gave). Any other replica is asked for its own
-  stack over Ray instead.
+Prints the supervisor's phase view (status.json) and one stack section per replica, taken as the
+hang watchdog takes them (py-spy, faulthandler, or the replica's own answer). run.json sits in a
+folder others may write, so it is trusted with neither this user's Ray token nor a signal:
+- Attach: only to $RAY_ADDRESS when set, else to the cluster of this user's raylet on this node;
+  when run.json names another address, refuse with one line (exit 2) and connect nowhere.
+- Signal (py-spy, SIGUSR2): only a process Ray's actor table reports as the live
+  `actors.replica.Replica` actor named for this run and replica, on this node, owned by this user
+  (and, when it answered, with the pid it gave). Any other replica is asked over Ray instead.
 """
 from __future__ import annotations
 

@@ -66,14 +66,12 @@ def _fmt(x, spec=".4f"):
 def render(state: dict):
     from rich.console import Group
     from rich.markup import escape
-    from rich.table import Table
+    from rich.table import Column, Table
     from rich.text import Text
 
     done = f" [{state['status']}]" if state.get("status") else (" [done]" if state["done"] else " [running]")
-    table = Table(title=escape(f"hsgd run {state['run_dir']}{done}"), title_justify="left", expand=False)
-    table.add_column("cluster")
-    table.add_column("replicas (* leader)")
-    table.add_column("live", justify="right")
+    table = Table("cluster", "replicas (* leader)", Column("live", justify="right"),
+                  title=escape(f"hsgd run {state['run_dir']}{done}"), title_justify="left", expand=False)
     for cluster, reps in state["clusters"].items():
         text = Text()
         for r in reps:

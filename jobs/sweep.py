@@ -1,10 +1,7 @@
 """The summary table of a Hydra multirun sweep: `python -m jobs.sweep <sweep dir>`.
 
-`python -m jobs.train -m sync.outer_every=10,50` runs one job per value in `<sweep dir>/<n>/`;
-after every job, jobs.train rewrites `<sweep dir>/sweep.csv` and `<sweep dir>/sweep.md`: one row
-per job with the overrides that vary across the sweep, the status, the final eval loss, the bytes
-sent across clusters (sum of `outer_bytes` over metrics.jsonl), the training wall time (summary's
-`wall_s`) and the whole job's (`job_s` in run.json: Ray start, placement and plots included).
+jobs.train rewrites `<sweep dir>/sweep.csv` and `sweep.md` after every job of `-m a=1,2` (README,
+"Sweeps"): one row per `<sweep dir>/<n>/` with the overrides that vary across the sweep (COLUMNS).
 """
 from __future__ import annotations
 

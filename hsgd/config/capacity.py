@@ -1,27 +1,26 @@
 """Will the Ray cluster hold this topology? Pure decisions (only `usable_memory_bytes` reads a
-file) fed the machine's or the cluster's figures, so an impossible run is one config error, never
-thousands of actors fighting for two cores or placement groups that never get ready.
-
-A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the model's parameters. Memory must
-fit in 80 % of the machine; CPUs may be oversubscribed up to `MAX_REPLICAS_PER_CORE` unless
-`ray.num_cpus` is given, which is then honoured exactly.
-
-Backends per level: `plan_backends` (the driver, from the Ray cluster's resources, never its own
-CUDA: a CPU-only head node is the usual `ray job submit` target) and `resolve_level_backend` (each
-replica, by its GPU). A replica asks Ray for a GPU of its own exactly when a level may use nccl,
-so two NCCL ranks never share a GPU ("Duplicate GPU detected").
+file), so an impossible run is one config error, never actors fighting for two cores or placement
+groups that never get ready. A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the
+model's parameters; memory must fit in 80 % of the machine; CPUs may be oversubscribed up to
+`MAX_REPLICAS_PER_CORE` unless `ray.num_cpus` is given, which is then honoured exactly.
+Backends per level: the driver plans them from the Ray cluster's resources, never its own CUDA (a
+CPU-only head node is the usual `ray job submit` target); each replica resolves them by its GPU.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hsgd.config.schema import ConfigError
+from hsgd.core.topology import topology_of
 
 PROCESS_BYTES = 350 * 2**20  # a replica process with torch imported
 STATE_COPIES = 8  # params, grads, 2 AdamW moments, global params, outer momentum, error-feedback residual, outer snapshot
 MAX_REPLICAS_PER_CORE = 8
 GiB = 2**30
+LABEL_KEY = "hsgd-cluster"  # the Ray node label that pins a cluster (`ray start --labels hsgd-cluster=rack-a`)
 
 
 def model_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: int = 256) -> int:
@@ -78,38 +77,40 @@ def replicas_that_fit(node_resources: dict, need: dict) -> int:
     return min(counts) if counts else 1 << 30
 
 
-def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cluster: int, need: dict,
-                      total: dict, nodes: list[dict], strategy: str, cluster_labels: list,
-                      label_key: str, sizes: list[int] | None = None) -> tuple[str, str] | None:
-    """(field, one-line reason) when a Ray cluster can never place every cluster's replicas AND hot
+def placement_problem(cfg: Any, need: dict, nodes: list[dict],
+                      sizes: list[int] | None = None) -> tuple[str, str] | None:
+    """(field, one-line reason) when the Ray cluster can never place every cluster's replicas AND hot
     spares (each cluster's placement group holds both), else None. `need`: one replica's resources;
-    `total`: the cluster's resources; `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}};
-    `sizes`: replicas per site (`topology.sites`, whose labels are `cluster_labels`, None = anywhere)."""
-    ks = [m + spares_per_cluster for m in (sizes or [replicas_per_cluster] * clusters)]
+    `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}}; `sizes`: replicas per site when
+    not the topology's own (the backend plan caps them)."""
+    t, topo = cfg.topology, topology_of(cfg)
+    total = sum((Counter(nd.get("Resources", {})) for nd in nodes), Counter())  # as ray.cluster_resources() sums
+    spares, strategy, cluster_labels = t.spares_per_cluster, t.placement_strategy, topo.labels
+    ks = [m + spares for m in (sizes or topo.sizes)]
     k, n = max(ks, default=0), sum(ks)
-    label_field = "topology.sites[{c}].label" if sizes else "topology.cluster_labels[{c}]"
-    what = f"{n} replicas" + (" (hot spares included)" if spares_per_cluster else "")
+    label_field = "topology.sites[{c}].label" if t.sites else "topology.cluster_labels[{c}]"
+    what = f"{n} replicas" + (" (hot spares included)" if spares else "")
     for key, amount in need.items():
         if amount * n > total.get(key, 0.0) + 1e-9:
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
-            return ("topology.sites" if sizes else "topology.replicas_per_cluster",
+            return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
                     f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
-                    f"use fewer replicas{' or spares' if spares_per_cluster else ''}, lower {field}, or a bigger cluster")
+                    f"use fewer replicas{' or spares' if spares else ''}, lower {field}, or a bigger cluster")
     if any(label is not None for label in cluster_labels):
-        present = sorted({str(nd.get("Labels", {}).get(label_key)) for nd in nodes if label_key in nd.get("Labels", {})})
+        present = sorted({str(nd["Labels"][LABEL_KEY]) for nd in nodes if LABEL_KEY in nd.get("Labels", {})})
         for c, label in enumerate(cluster_labels):
             if label is None:
                 continue
-            mine = [nd for nd in nodes if nd.get("Labels", {}).get(label_key) == str(label)]
+            mine = [nd for nd in nodes if nd.get("Labels", {}).get(LABEL_KEY) == str(label)]
             if not mine:
                 return (label_field.format(c=c),
-                        f"no live Ray node has the label {label_key}={label}; labelled nodes: "
-                        f"{present or 'none'} (start nodes with `ray start --labels {label_key}={label}`)")
+                        f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
+                        f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)")
             room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
             sharing = [kc for kc, lab in zip(ks, cluster_labels) if str(lab) == str(label)]
             if room < sum(sharing):
                 return (label_field.format(c=c),
-                        f"nodes labelled {label_key}={label} hold at most {room} replicas of "
+                        f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
                         f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
                         + (f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)"
                            if len(sharing) > 1 else ""))
@@ -136,7 +137,7 @@ def placement_problem(*, clusters: int, replicas_per_cluster: int, spares_per_cl
                     f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
                     f"{describe_resources(need)}; the Ray cluster has {sum(1 for f in fits if f >= 1)}")
     if sum(fits) < n:
-        return ("topology.sites" if sizes else "topology.replicas_per_cluster",
+        return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
                 f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
                 f"per node {fits[:8]}); use fewer replicas or a bigger cluster")
     return None
@@ -165,43 +166,37 @@ def asked_backends(backend: str, inner_backend: str | None, outer_backend: str |
     return {"inner": inner, "outer": outer}
 
 
-def plan_backends(*, backend: str, inner_backend: str | None, outer_backend: str | None, clusters: int,
-                  replicas_per_cluster: int, spares_per_cluster: int, cpus_per_replica: float, total: dict,
-                  nodes: list[dict], strategy: str, cluster_labels: list, label_key: str,
-                  sizes: list[int] | None = None) -> BackendPlan:
-    """The per-level backends and GPUs per replica for this Ray cluster (`total`, `nodes` as for
+def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
+    """The per-level backends and GPUs per replica for the Ray cluster of live `nodes` (as for
     `placement_problem`). A level that asks nccl needs every replica and spare to get a GPU of its
     own, placed as the strategy requires, else ConfigError naming the counts and what is valid.
     Inner `auto`: nccl only where every replica gets its own GPU, else gloo with a notice (none on
     a cluster without GPUs). gloo on both levels asks no GPU."""
-    asked = asked_backends(backend, inner_backend, outer_backend)
-    (inner, inner_field), (outer, outer_field) = asked["inner"], asked["outer"]
-    k = replicas_per_cluster + spares_per_cluster
-    n = sum(m + spares_per_cluster for m in sizes or [replicas_per_cluster] * clusters)
-    place = dict(clusters=clusters, spares_per_cluster=spares_per_cluster, total=total, nodes=nodes,
-                 strategy=strategy, cluster_labels=cluster_labels, label_key=label_key)
-    gpu_need = {"CPU": float(cpus_per_replica), "GPU": 1.0}
+    c, t, topo = cfg.comm, cfg.topology, topology_of(cfg)
+    (inner, inner_field), (outer, outer_field) = asked_backends(c.backend, c.inner_backend, c.outer_backend).values()
+    spares, strategy, clusters, replicas_per_cluster = (t.spares_per_cluster, t.placement_strategy, topo.clusters,
+                                                        topo.replicas_per_cluster)
+    k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares
+    cpus = {"CPU": float(t.cpus_per_replica)}
 
     def gpus_fit(per_cluster: int) -> bool:  # every site capped at `per_cluster` replicas
-        capped = [min(m, per_cluster) for m in sizes] if sizes else None
-        return placement_problem(replicas_per_cluster=per_cluster, need=gpu_need, sizes=capped, **place) is None
+        return placement_problem(cfg, {**cpus, "GPU": 1.0}, nodes, [min(m, per_cluster) for m in topo.sizes]) is None
 
-    gpus = int(total.get("GPU", 0.0) + 1e-9)
+    gpus = int(sum(nd.get("Resources", {}).get("GPU", 0.0) for nd in nodes) + 1e-9)
     if gpus_fit(replicas_per_cluster):
         return BackendPlan(inner, outer, 1.0 if "nccl" in (inner, outer) or inner == "auto" else 0.0)
-    if placement_problem(replicas_per_cluster=replicas_per_cluster, need={"CPU": float(cpus_per_replica)},
-                         sizes=sizes, **place) is not None:  # short of CPUs whatever the backend: the placement check says so
+    if placement_problem(cfg, cpus, nodes) is not None:  # short of CPUs whatever the backend: that check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
     fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
     where = (f", each cluster's {k} on one node ({strategy})" if strategy == "STRICT_PACK" and clusters * k > 1
              else "")
-    shape = f"sites of {list(sizes)}" if sizes else \
+    shape = f"sites of {list(topo.sizes)}" if t.sites else \
         f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
     per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
     counts = (f"{n} replicas ({shape}"
-              f"{f' + {spares_per_cluster} spares' if spares_per_cluster else ''}) need {n} GPUs{where}, but the "
+              f"{f' + {spares} spares' if spares else ''}) need {n} GPUs{where}, but the "
               f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})")
-    shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares_per_cluster else "")
+    shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares else "")
     if "nccl" in (inner, outer):
         field = inner_field if inner == "nccl" else outer_field
         valid = " or ".join(([shorter] if fewer else []) + [f"{field}=gloo"] +

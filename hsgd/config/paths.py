@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import os
 import secrets
-from typing import Optional
 
 
 OUTPUT_ROOT_ENV = "HSGD_OUTPUT_ROOT"
@@ -16,21 +15,13 @@ def under_ray_job() -> bool:
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
 
 
-def output_root() -> Optional[str]:
-    """Where relative run.dir / run.sweep_dir land: $HSGD_OUTPUT_ROOT, else ~/hsgd under a Ray
-    job, else None (the launch directory)."""
-    root = os.environ.get(OUTPUT_ROOT_ENV, "").strip()
-    if root:
-        return os.path.abspath(os.path.expanduser(root))
-    return os.path.expanduser(RAY_JOB_OUTPUT_ROOT) if under_ray_job() else None
-
-
 def output_path(path: str) -> str:
-    """run.dir / run.sweep_dir as the job will use it: `~` expanded, a relative path joined to
-    output_root() when there is one (left relative to the launch directory otherwise)."""
+    """run.dir / run.sweep_dir as the job will use it: `~` expanded, a relative path joined to the
+    output root — $HSGD_OUTPUT_ROOT, else ~/hsgd under a Ray job — and, with neither, left relative
+    to the launch directory."""
     p = os.path.expanduser(str(path))
-    root = output_root()
-    return os.path.join(root, p) if root is not None and not os.path.isabs(p) else p
+    root = os.environ.get(OUTPUT_ROOT_ENV, "").strip() or (RAY_JOB_OUTPUT_ROOT if under_ray_job() else "")
+    return os.path.join(os.path.abspath(os.path.expanduser(root)), p) if root and not os.path.isabs(p) else p
 
 
 @functools.cache

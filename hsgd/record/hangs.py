@@ -1,8 +1,5 @@
-"""Hang reports: which replica is stuck, in which function, and who waits on it.
-
-When a deadline passes, the supervisor collects a stack dump of every replica of the broken group
-(py-spy when present, else faulthandler through a signal, else the replica's own answer) and
-`hang_report` writes the text of `hangs/<time>-<rid>.txt`.
+"""Hang reports (`hangs/<time>-<rid>.txt`): which replica is stuck, in which function, and who waits
+on it, from the stack dumps of the broken group (py-spy, faulthandler, or the replica's own answer).
 """
 from __future__ import annotations
 

@@ -1,23 +1,24 @@
 """What a run reports (metrics.jsonl's records, summary.json's figures), as pure functions."""
 from __future__ import annotations
 
+from typing import Any
 
-def round_record(*, round_index: int, steps_per_round: int, losses: dict[str, list[float]], tokens: int,
-                 inner_bytes: int, outer_bytes: int, phase_s: dict[str, float], eval_loss: float | None,
-                 live_replicas: int, epoch: int, attempts: int, digests: dict[str, str],
-                 global_digests: dict[str, str], t: float, outer_link_s: float = 0.0,
-                 outer_overlapped: bool = False) -> dict:
-    """One line of metrics.jsonl for a committed round. `losses`: every committed step's loss per
-    replica in this round (steps redone after a failure count once, in the attempt that committed)."""
-    all_losses = [x for v in losses.values() for x in v]
-    inner_s = phase_s.get("inner", 0.0)
-    return {"round": round_index, "inner_step": (round_index + 1) * steps_per_round,
+
+def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epoch: int, t: float) -> dict:
+    """One line of metrics.jsonl for the committed round `run.r` (`run`: the round's record that the
+    supervisor kept, actors/round_record.py). `run.losses`: every committed step's loss per replica
+    in this round (steps redone after a failure count once, in the attempt that committed)."""
+    all_losses = [x for v in run.losses.values() for x in v]
+    inner_s = run.seconds.get("inner", 0.0)
+    return {"round": run.r, "inner_step": (run.r + 1) * steps_per_round,
             "loss": sum(all_losses) / len(all_losses) if all_losses else None,
-            "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(losses.items()) if v},
-            "eval_loss": eval_loss, "tokens_per_s": tokens / inner_s if inner_s > 0 else None,
-            "inner_bytes": inner_bytes, "outer_bytes": outer_bytes, "outer_link_s": outer_link_s,
-            "outer_overlapped": outer_overlapped, "live_replicas": live_replicas, "epoch": epoch, "attempts": attempts,
-            "phase_s": dict(phase_s), "replica_digests": dict(digests), "global_digests": dict(global_digests), "t": t}
+            "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(run.losses.items()) if v},
+            "eval_loss": eval_loss, "tokens_per_s": run.tokens / inner_s if inner_s > 0 else None,
+            "inner_bytes": run.inner_bytes, "outer_bytes": run.outer_bytes,
+            "outer_link_s": sum(run.outer_link_s.values()), "outer_overlapped": run.outer_overlapped,
+            "live_replicas": len(run.commit_digests), "epoch": epoch, "attempts": run.attempts,
+            "phase_s": dict(run.seconds), "replica_digests": dict(run.commit_digests),
+            "global_digests": dict(run.global_digests), "t": t}
 
 
 def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
@@ -45,14 +46,6 @@ _PROGRESS_PHASES = ("inner", "inner_sync", "outer", "outer_commit")
 # faults_fired.jsonl is stamped by the replica's clock, events.jsonl by the supervisor's: on
 # another node a fault may seem to fire just after the down it caused.
 _CLOCK_SKEW_S = 2.0
-
-
-def _recovery_and_heal(events: list[dict], rid: str, t: float) -> tuple[dict | None, dict | None]:
-    """The survivors' next phase that completed with no failure, and the next heal of `rid`, after t."""
-    recovered = next((e for e in events if e["t"] > t and e["event"] == "phase_end"
-                      and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
-    heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
-    return recovered, heal
 
 
 def _distinct_downs(events: list[dict]) -> list[dict]:
@@ -111,14 +104,12 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                              and (rid == "supervisor") == (e["event"] == "supervisor_start")
                              and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
         seen = detected or {}
-        recovered, _ = _recovery_and_heal(events, rid, seen.get("t", t0))
-        _, heal = _recovery_and_heal(events, rid, t0)
         figures.append({"source": "injected", "rid": rid, "kind": f["kind"],
                         "cause": "non_finite" if seen.get("event") == "non_finite" else seen.get("cause"),
                         "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
                         "fired_at": t0, "detected_at": seen.get("t"),
                         "detection_latency_s": None if detected is None else detected["t"] - t0,
-                        "detected_by": seen.get("event"), **_after(recovered, heal, t0)})
+                        "detected_by": seen.get("event"), **_after(events, rid, t0, seen.get("t", t0))})
     downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
@@ -141,8 +132,12 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     return figures
 
 
-def _after(recovered: dict | None, heal: dict | None, t: float) -> dict:
-    """A fault entry's recovery latency (from t) and heal figures."""
+def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:
+    """A fault entry's recovery latency from t (to the survivors' next phase that completed with no
+    failure after `detected_at`) and the figures of the next heal of `rid` after t."""
+    recovered = next((e for e in events if e["t"] > detected_at and e["event"] == "phase_end"
+                      and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+    heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
     return {"recovery_latency_s": None if recovered is None else recovered["t"] - t,
             "heal_s": None if heal is None else heal.get("seconds"),
             "heal_bytes": None if heal is None else heal.get("bytes")}
@@ -152,11 +147,10 @@ def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detect
     """A fault entry for a failure no injected fault explains (`seen`: its replica_down or
     non_finite event): detected when seen, recovery and heal read from the events after it."""
     rid, t = seen["rid"], seen["t"]
-    recovered, heal = _recovery_and_heal(events, rid, t)
     return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
             "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
             "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": detected_by,
-            **_after(recovered, heal, t)}
+            **_after(events, rid, t, t)}
 
 
 def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],

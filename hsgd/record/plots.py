@@ -6,6 +6,7 @@ faults or metrics yet draws what it has.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -29,30 +30,22 @@ def _cluster(rid: str) -> str | None:
     return f"c{m.group(1)}" if m else None
 
 
-def _topology(run_dir: Path) -> list[int] | None:
-    """Replicas per site from config.yaml (`topology.sites`, else clusters x replicas_per_cluster), or None."""
-    try:
-        import yaml
-
-        topo = (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("topology") or {}
-        if topo.get("sites"):
-            return [int(site["replicas"]) for site in topo["sites"]]
-        return [int(topo["replicas_per_cluster"])] * int(topo["clusters"])
-    except Exception:  # noqa: BLE001 — absent, unreadable, or no topology: infer from events
-        return None
-
-
 def read_events(run_dir: str | Path) -> list[dict]:
     """events.jsonl in time order (a line being written right now is skipped)."""
     return sorted((e for e in read_jsonl(Path(run_dir) / "events.jsonl") if "t" in e), key=lambda e: e["t"])
 
 
 def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
-    """Replica ids from config.yaml's topology plus any named in `events`, in c/r order."""
+    """Replica ids from config.yaml's topology (`topology.sites`, else clusters x replicas_per_cluster)
+    plus any named in `events`, in c/r order."""
     rids: set[str] = set()
-    topo = _topology(Path(run_dir))
-    if topo:
-        rids |= {f"c{c}r{i}" for c, n in enumerate(topo) for i in range(n)}
+    with contextlib.suppress(Exception):  # absent, unreadable, or no topology: the events name them
+        import yaml
+
+        t = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["topology"]
+        sizes = ([int(site["replicas"]) for site in t["sites"]] if t.get("sites")
+                 else [int(t["replicas_per_cluster"])] * int(t["clusters"]))
+        rids |= {f"c{c}r{i}" for c, n in enumerate(sizes) for i in range(n)}
     for e in events:
         for key in ("rid", "target", "source"):
             if isinstance(e.get(key), str):

@@ -76,18 +76,16 @@ NO_WRITE = object()  # a FolderWriter job's answer when it had nothing to write:
 
 class FolderWriter:
     """Does one folder's writes on a thread of its own, so that no write blocks its caller past a
-    deadline: a write to a hung NFS mount costs a waiting caller `deadline_s` once; while that
-    write is stuck, later callers queue theirs and return at once (the writes run in order when
-    the stuck one returns).
+    deadline: a write to a hung NFS mount costs a waiting caller `deadline_s` once; while it is
+    stuck, later callers queue theirs and return at once (they run in order when it returns).
 
-    Protocol: `submit(key, fn, wait)` queues `fn()`; a job with the same key still queued is
-    replaced (its caller's result follows the newer job: the newest status.json wins). With `wait`
-    it returns fn's result (True for None) when fn returned within the deadline, False when it
-    raised OSError or did not return in time (it may still run and succeed later; while the thread
-    is stuck past the deadline, at once); without `wait` it returns None at once. A caller that
-    names its own `deadline_s` (the run's end) waits that long in any case.
-    It never raises a write's failure: an OSError is recorded as the folder's health (`health()`),
-    any other exception is a bug and is re-raised to a waiting caller.
+    Protocol: `submit(key, fn, wait)` queues `fn()`, replacing a queued job of the same key (whose
+    caller then gets the newer job's result: the newest status.json wins). With `wait` it returns
+    fn's result (True for None) when fn returned within the deadline, False when it raised OSError
+    or did not return in time (it may still succeed later; while the thread is stuck, at once);
+    without `wait`, None at once. A caller naming its own `deadline_s` (the run's end) waits that
+    long in any case. A write's OSError is never raised but recorded as the folder's health
+    (`health()`); any other exception is a bug, re-raised to a waiting caller.
 
     Health: the folder is failing from its first failed (or stuck) write until a write succeeds.
     `on_change(ok, error, down_s)` is called on the writer thread when that flips (never with a
@@ -206,9 +204,6 @@ def write_deadline_s(io_grace_s: float) -> float:
     return max(0.2, min(5.0, io_grace_s / 4))
 
 
-FAULTS_FIRED = "faults_fired.jsonl"
-
-
 def write_fault_fired(writer: FolderWriter, run_dir: str | Path, rid: str, kind: str, phase: str, round_index,
                       step, **extra) -> bool:
     """The one writer of faults_fired.jsonl (the supervisor's RunLog writer, a replica's own, the
@@ -216,4 +211,4 @@ def write_fault_fired(writer: FolderWriter, run_dir: str | Path, rid: str, kind:
     deadline. False when the line is not written in time (the fault fires all the same)."""
     line = json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase, "round": round_index,
                        "step": step, **extra}) + "\n"
-    return bool(writer.submit(object(), lambda: append_lines(Path(run_dir) / FAULTS_FIRED, line)))
+    return bool(writer.submit(object(), lambda: append_lines(Path(run_dir) / "faults_fired.jsonl", line)))

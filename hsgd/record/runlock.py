@@ -1,17 +1,14 @@
-"""A run owns its folder: an exclusive lock file `run.dir/hsgd.lock`.
+"""A run owns its folder: an exclusive lock file `run.dir/hsgd.lock` (README, "Run folders").
 
 Protocol:
-- `acquire` creates the lock with O_CREAT | O_EXCL (exactly one creator wins) holding the run id,
-  host, pid, start and refresh times. A lock already there is *live* unless it is stale: its
-  process is gone (same host: the pid no longer exists) or its refresh is older than
-  STALE_AFTER_S (another host, or a pid reused). A live lock is refused (`RunLocked`); a stale
-  one is taken over only when the caller says so (`train.resume=true`), else refused too.
-- A takeover first renames the stale lock to a private name and reads it back: if what it moved
-  is not the stale lock it judged (another taker won meanwhile and wrote a fresh one), it puts
-  that one back and refuses. So two takers never both hold the lock.
-- While the run lives, a daemon thread refreshes the lock every REFRESH_S (a temp file renamed
-  over it, never a half-written lock); it stops when the lock no longer names this run (taken
-  over by another run after this one stalled past STALE_AFTER_S) and says so in `lost`.
+- `acquire` creates the lock with O_CREAT | O_EXCL (one creator wins). A lock already there is
+  live unless stale: its process is gone (same host) or its refresh is older than STALE_AFTER_S
+  (another host, or a pid reused). A live lock is refused (`RunLocked`); a stale one is taken
+  over only when the caller says so (`train.resume=true`), else refused too.
+- A takeover renames the stale lock to a private name and reads it back: if that is not the lock
+  it judged (another taker won meanwhile), it puts it back and refuses. Two takers never both hold it.
+- A daemon thread refreshes the lock every REFRESH_S (temp file + rename); it stops when the lock
+  no longer names this run (taken over after this one stalled) and says so in `lost`.
 - `release` removes the lock if it is still this run's.
 """
 from __future__ import annotations
@@ -57,13 +54,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_reason(info: dict, *, mtime: float | None = None) -> str | None:
-    """Why this lock is stale, or None when it is live. An unreadable lock (being created right
-    now) is live until its file is older than STALE_AFTER_S (`mtime`)."""
+def stale_reason(info: dict, path: Path) -> str | None:
+    """Why the lock at `path` (read: `info`) is stale, or None when it is live. An unreadable lock
+    (being created right now) is live until its file is older than STALE_AFTER_S."""
     now, host = time.time(), socket.gethostname()
     if not info:
-        if mtime is not None and now - mtime > STALE_AFTER_S:
-            return f"unreadable lock not written for {now - mtime:.0f} s"
+        with contextlib.suppress(OSError):
+            age = now - path.stat().st_mtime
+            if age > STALE_AFTER_S:
+                return f"unreadable lock not written for {age:.0f} s"
         return None
     pid = info.get("pid")
     if info.get("host") == host and isinstance(pid, int) and not _pid_alive(pid):
@@ -87,7 +86,7 @@ def check(run_dir: str | Path, takeover: bool) -> None:
     is written; the lock itself is the authority)."""
     info = read_lock(run_dir)
     if info is not None:
-        _refuse(run_dir, info, stale_reason(info, mtime=_mtime(Path(run_dir) / LOCK_NAME)), takeover)
+        _refuse(run_dir, info, stale_reason(info, Path(run_dir) / LOCK_NAME), takeover)
 
 
 def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
@@ -97,12 +96,6 @@ def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
     if not takeover:
         raise RunLocked(f"{run_dir} holds the stale lock of run {info.get('run_id')} ({reason}); "
                         f"add train.resume=true to take it over and resume")
-
-
-def _mtime(path: Path) -> float | None:
-    with contextlib.suppress(OSError):
-        return path.stat().st_mtime
-    return None
 
 
 class RunLock:
@@ -142,7 +135,7 @@ class RunLock:
             info = read_lock(self.dir)
             if info is None:
                 continue
-            reason = stale_reason(info, mtime=_mtime(self.path))
+            reason = stale_reason(info, self.path)
             _refuse(self.dir, info, reason, takeover)
             aside = self.path.with_name(f".{LOCK_NAME}.stale-{uuid.uuid4().hex[:8]}")
             try:

@@ -1,12 +1,7 @@
-"""Per-step timeline (`logging.step_times=true`): one JSON line per committed inner step in
-`run.dir/steps/<rid>.jsonl`,
-
-    {"replica": "c0r1", "step": 412, "t": 1764036000.12, "pid": 81234}
-
-`step`: the replica's global step count after the step; `t`: when its collectives all succeeded;
-`pid`: the process that wrote it (a restarted replica appends under its new pid). Line-buffered: a
-SIGKILL loses no line already written. A failed write turns the log off for the rest of the
-process: the timeline never stops training. The benchmarks time a kill's stall and rejoin from it.
+"""Per-step timeline (`logging.step_times=true`): `run.dir/steps/<rid>.jsonl`, one line per committed
+inner step (README, "Outputs"; `t`: when its collectives all succeeded). Line-buffered: a SIGKILL
+loses no line already written. A failed write turns the log off for the rest of the process: the
+timeline never stops training.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Weights & Biases logging of the supervisor's global view (one run per job).
-
-Offline by default (`logging.wandb.mode=offline`): the run files land under `<run.dir>/wandb`
-and nothing touches the network; `online` needs WANDB_API_KEY in the environment (never in a
-config or a log); `disabled` writes nothing. Rounds and inner steps are both step axes.
+"""Weights & Biases logging of the supervisor's global view, one run per job (README, "wandb": offline
+by default under `<run.dir>/wandb`; online needs a key, never in a config or a log). Rounds and
+inner steps are both step axes.
 """
 from __future__ import annotations
 

@@ -49,18 +49,26 @@ def test_cli_refuses_a_64x64_topology_in_one_line_with_exit_2(tmp_path):
     assert not (tmp_path / "run").exists(), "nothing may be written before the error"
 
 
-# -- a real Ray cluster: placement (actors/placement.py feeds ray.cluster_resources() and ray.nodes()) --
+# -- a real Ray cluster: placement (actors/placement.py feeds the live ray.nodes()) --
 def _node(cpus, label=None):
     return {"Resources": {"CPU": float(cpus)}, "Labels": {"hsgd-cluster": label} if label else {}}
 
 
-def _placement(**kw):
+def _cfg(spares_per_cluster=0, cluster_labels=(), strategy="STRICT_PACK", **comm):
+    from hsgd.config import HsgdConfig
+
+    cfg = HsgdConfig()
+    t = cfg.topology
+    t.spares_per_cluster, t.cluster_labels, t.placement_strategy = spares_per_cluster, list(cluster_labels), strategy
+    for key, value in comm.items():
+        setattr(cfg.comm, key, value)
+    return cfg
+
+
+def _placement(need=None, nodes=None, **kw):
     from hsgd.config.capacity import placement_problem
 
-    args = dict(clusters=2, replicas_per_cluster=2, spares_per_cluster=0, need={"CPU": 1.0},
-                total={"CPU": 10.0}, nodes=[_node(6), _node(4)], strategy="STRICT_PACK", cluster_labels=[],
-                label_key="hsgd-cluster")
-    return placement_problem(**{**args, **kw})
+    return placement_problem(_cfg(**kw), need or {"CPU": 1.0}, nodes or [_node(6), _node(4)])
 
 
 def test_a_placement_that_fits_is_fine():
@@ -79,12 +87,11 @@ def test_hot_spares_count_in_the_placement_check():
     and the run then waits supervisor.quorum_wait_s for a placement that can never happen."""
     field, text = _placement(need={"CPU": 2.0}, spares_per_cluster=1)
     assert field == "topology.replicas_per_cluster" and "6 replicas (hot spares included)" in text
-    assert _placement(need={"CPU": 2.0}, spares_per_cluster=1, total={"CPU": 12.0}, nodes=[_node(6), _node(6)]) is None
-    pack = dict(need={"CPU": 2.0}, total={"CPU": 12.0}, nodes=[_node(8), _node(4)])
+    assert _placement(need={"CPU": 2.0}, spares_per_cluster=1, nodes=[_node(6), _node(6)]) is None
+    pack = dict(need={"CPU": 2.0}, nodes=[_node(8), _node(4)])
     assert _placement(**pack) is None
     assert _placement(**pack, spares_per_cluster=1)[0] == "topology.placement_strategy"  # 3 x 2 CPUs on one node
-    labelled = dict(need={"CPU": 2.0}, cluster_labels=["a", "b"], total={"CPU": 12.0},
-                    nodes=[_node(4, "a"), _node(4, "b"), _node(4)])
+    labelled = dict(need={"CPU": 2.0}, cluster_labels=["a", "b"], nodes=[_node(4, "a"), _node(4, "b"), _node(4)])
     assert _placement(**labelled) is None
     assert _placement(**labelled, spares_per_cluster=1)[0] == "topology.cluster_labels[0]"
 
@@ -118,11 +125,7 @@ def _gpu_node(gpus, cpus=16):
 def _plan(*nodes, backend="auto", inner=None, outer=None, **kw):
     from hsgd.config.capacity import plan_backends
 
-    nodes = list(nodes)
-    total = {"CPU": sum(n["Resources"]["CPU"] for n in nodes), "GPU": sum(n["Resources"].get("GPU", 0) for n in nodes)}
-    args = dict(clusters=2, replicas_per_cluster=2, spares_per_cluster=0, cpus_per_replica=1.0, total=total,
-                nodes=nodes, strategy="STRICT_PACK", cluster_labels=[], label_key="hsgd-cluster")
-    return plan_backends(backend=backend, inner_backend=inner, outer_backend=outer, **{**args, **kw})
+    return plan_backends(_cfg(backend=backend, inner_backend=inner, outer_backend=outer, **kw), list(nodes))
 
 
 def test_comm_backend_is_the_shorthand_and_per_level_keys_override_it():
@@ -193,8 +196,7 @@ def test_more_nccl_replicas_than_gpus_on_a_node_is_refused_naming_counts_and_wha
 def test_short_of_cpus_is_left_to_the_placement_check():
     plan = _plan(_gpu_node(4, cpus=1), _gpu_node(4, cpus=1), backend="nccl")
     assert plan.gpus_per_replica == 1.0
-    assert _placement(need={"CPU": 1.0, "GPU": 1.0}, total={"CPU": 2.0, "GPU": 8.0},
-                      nodes=[_gpu_node(4, cpus=1), _gpu_node(4, cpus=1)]) is not None
+    assert _placement(need={"CPU": 1.0, "GPU": 1.0}, nodes=[_gpu_node(4, cpus=1), _gpu_node(4, cpus=1)]) is not None
 
 
 @pytest.mark.parametrize("asked,level,gpu,expected", [

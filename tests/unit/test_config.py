@@ -3,7 +3,7 @@ or choices: tests/unit/test_validate_schema.py)."""
 import pytest
 
 from hsgd.config import ConfigError, HsgdConfig, validate
-from hsgd.core.faults import FAULT_KINDS, FaultSpecError
+from hsgd.core.faults import FAULT_KINDS
 
 
 def _cfg(**changes) -> HsgdConfig:
@@ -18,8 +18,8 @@ def _cfg(**changes) -> HsgdConfig:
     return cfg
 
 
-def _rejects(cfg, field, *, error_types=(ConfigError,), choices=()):
-    with pytest.raises(error_types) as info:
+def _rejects(cfg, field, *, choices=()):
+    with pytest.raises(ConfigError) as info:
         validate(cfg)
     err = info.value
     text = str(err)
@@ -51,10 +51,6 @@ def test_outer_every_need_not_be_a_multiple_of_inner_every_without_localsgd(inne
     validate(_cfg(**{"sync.inner": inner, "sync.inner_every": 3, "sync.outer_every": 20}))
 
 
-def test_zero_inner_every_fails_as_a_period_not_a_division_by_zero():
-    _rejects(_cfg(**{"sync.inner": "localsgd", "sync.inner_every": 0}), "sync.inner_every")
-
-
 def test_missing_data_path_is_rejected(tmp_path):
     err = _rejects(_cfg(**{"data.path": str(tmp_path / "nope.txt")}), "data.path")
     assert "does not exist" in str(err), f"error should say what is wrong with the path: {err}"
@@ -68,16 +64,13 @@ def test_n_embd_must_be_divisible_by_n_head():
     assert "model.n_head" in str(err)
 
 
-@pytest.mark.parametrize("bad", [0, 3])
-def test_min_clusters_must_be_within_topology(bad):
-    err = _rejects(_cfg(**{"topology.clusters": 2, "supervisor.min_clusters": bad}), "supervisor.min_clusters")
-    if bad > 2:
-        assert "topology.clusters=2" in str(err), f"error should show the valid range: {err}"
+def test_min_clusters_must_be_within_topology():  # below 1: the field's own range (test_validate_schema.py)
+    err = _rejects(_cfg(**{"topology.clusters": 2, "supervisor.min_clusters": 3}), "supervisor.min_clusters")
+    assert "topology.clusters=2" in str(err), f"error should show the valid range: {err}"
 
 
-@pytest.mark.parametrize("bad", [0, 3])
-def test_min_replicas_per_cluster_must_be_within_topology(bad):
-    _rejects(_cfg(**{"topology.replicas_per_cluster": 2, "supervisor.min_replicas_per_cluster": bad}),
+def test_min_replicas_per_cluster_must_be_within_topology():
+    _rejects(_cfg(**{"topology.replicas_per_cluster": 2, "supervisor.min_replicas_per_cluster": 3}),
              "supervisor.min_replicas_per_cluster")
 
 
@@ -90,7 +83,7 @@ def test_empty_run_dir_is_rejected():
     _rejects(_cfg(**{"run.dir": "  "}), "run.dir")
 
 
-# The entry point catches (ConfigError, FaultSpecError); the field and one-line text are the contract.
+# FaultSpecError is a ConfigError: the field and one-line text are the contract.
 @pytest.mark.parametrize("entry,field", [
     ({"kind": "explode", "target": "c0r0", "round": 1}, "faults.schedule[0].kind"),
     ({"kind": "kill", "target": "c9r0", "round": 1}, "faults.schedule[0].target"),
@@ -98,12 +91,7 @@ def test_empty_run_dir_is_rejected():
     ({"kind": "kill", "target": "c0r0", "round": 1, "when": 3}, "faults.schedule[0].when"),
 ])
 def test_bad_fault_schedule_entry_fails_validation_naming_the_entry(entry, field):
-    _rejects(_cfg(**{"faults.schedule": [entry]}), field, error_types=(ConfigError, FaultSpecError))
-
-
-def test_validate_reports_bad_fault_entry_as_config_error():
-    with pytest.raises(ConfigError):
-        validate(_cfg(**{"faults.schedule": [{"kind": "explode", "target": "c0r0", "round": 1}]}))
+    _rejects(_cfg(**{"faults.schedule": [entry]}), field)
 
 
 def test_good_fault_schedule_passes_validation():
@@ -151,7 +139,6 @@ def test_faults_whose_moment_comes_pass(changes):
     ({"sync.fragment_delay": 2, "sync.outer": "none"}, "sync.outer is none"),
     ({"sync.fragment_delay": 2, "sync.inner": "none"}, "sync.inner=none"),
     ({"sync.fragment_delay": 3, "sync.inner": "localsgd", "sync.inner_every": 2}, "inner_every=2"),
-    ({"sync.fragment_delay": -1}, "sync.fragment_delay"),
 ])
 def test_a_fragment_delay_that_cannot_overlap_is_refused_naming_the_field(overrides, needle):
     err = _rejects(_cfg(**overrides), "sync.fragment_delay")

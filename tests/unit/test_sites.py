@@ -101,10 +101,13 @@ def _node(cpus, label=None):
 
 
 def _place(sizes, nodes, labels=(), strategy="STRICT_PACK"):
-    total = {"CPU": sum(nd["Resources"]["CPU"] for nd in nodes)}
-    return placement_problem(clusters=len(sizes), replicas_per_cluster=max(sizes), spares_per_cluster=0,
-                             need={"CPU": 1.0}, total=total, nodes=nodes, strategy=strategy,
-                             cluster_labels=list(labels), label_key="hsgd-cluster", sizes=list(sizes))
+    from hsgd.config.schema import HsgdConfig, SiteConfig
+
+    cfg = HsgdConfig()
+    cfg.topology.placement_strategy = strategy
+    labels = list(labels) or [None] * len(sizes)
+    cfg.topology.sites = [SiteConfig(replicas=n, label=label) for n, label in zip(sizes, labels)]
+    return placement_problem(cfg, {"CPU": 1.0}, nodes)
 
 
 def test_capacity_counts_each_site_at_its_own_size():
