@@ -113,8 +113,9 @@ class _HashingWriter(io.RawIOBase):
         return len(b)
 
 
-def _write_bytes_atomic(url: str, write: Callable[[Any], None]) -> None:
-    """`write(f)` into url: local = temp name, fsync, rename; an object store's PUT is atomic."""
+def write_atomic(url: str, write: Callable[[Any], None]) -> None:
+    """`write(f)` into url, all or nothing: locally a temp name, fsynced and renamed (a reader never
+    sees half a file); an object store's PUT is atomic."""
     fs, path = _fs(url)
     if isinstance(fs, LocalFileSystem):
         final = Path(path)
@@ -137,12 +138,12 @@ def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     import torch  # imported here so file-only readers (jobs.status) start fast
 
     sha = hashlib.sha256()
-    _write_bytes_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
+    write_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
     return sha.hexdigest()
 
 
 def _write_text(url: str, text: str) -> None:
-    _write_bytes_atomic(url, lambda f: f.write(text.encode("utf-8")))
+    write_atomic(url, lambda f: f.write(text.encode("utf-8")))
 
 
 def exists(root: str | Path, round_index: int) -> bool:

@@ -1,29 +1,25 @@
 """What one replica owns and the work it does when the supervisor tells it to.
 
 A `ReplicaTrainer` holds a full model copy, its inner optimizer, the round-start global params
-with the outer optimizer (outer.py), and its counters: `round` (committed rounds) and `step`
-(committed inner steps in total). What it trains is plugged in (hsgd/train/task.py). Its data
-position IS its step: batches are a pure function of (seed, global replica index, step,
-micro-batch), and so is the inner learning rate (`inner_lr`), so healing needs no data-loader
-state and a healed or resumed replica lands on the same rate (no RNG state: no dropout by default).
+with the outer optimizer (outer.py) and its counters: `round` (committed rounds) and `step`
+(committed inner steps in total). Its data position IS its step (task.py's Dataset contract), and
+so is the inner learning rate (`inner_lr`): a healed or resumed replica needs no data-loader or
+RNG state (no dropout by default).
 
-The phase methods each run ONE level's collectives, never both, so a replica is in at most one
-collective at a time: `run_inner` (inner steps; `ddp` all-reduces gradient buckets from backward
-hooks, `localsgd` averages params every `inner_every` steps), `cluster_average` (inner `none`),
-`outer_reduce` (shard holders, level "outer": the first phase of the two-phase commit) and
-`outer_commit` (level "inner": the holders broadcast, every replica applies the outer step).
-What a round syncs is hsgd/core/outer_plan.py's: fragment `round % sync.fragments`, cut into shards
-at the codec's block boundaries (hsgd/train/codec.py).
+Each phase method runs ONE level's collectives, never both, so a replica is in at most one
+collective at a time: `run_inner` (inner steps), `cluster_average` (inner `none`), `outer_reduce`
+(shard holders, level "outer": the first phase of the two-phase commit) and `outer_commit` (level
+"inner": the holders broadcast, every replica applies the outer step). What a round syncs is
+hsgd/core/outer_plan.py's, cut into shards at the codec's block boundaries.
 Failures:
 - A failed collective raises `hsgd.train.comm.CollectiveError` and leaves the state exactly where
   the last committed step left it (a localsgd step whose average failed is rolled back, so its
   retry never applies the optimizer step twice); the step in flight is redone after re-planning.
-- A non-finite loss or gradient norm sets a flag kept on the device (no per-step host sync), read
-  once at the phase's end, where `run_inner` raises `NonFiniteError`: the params are poisoned and
-  the replica must be healed. `outer_reduce` raises it before sending a non-finite pseudo-gradient.
+- A non-finite loss or gradient norm sets a flag on the device (no per-step host sync), read once
+  at the phase's end, where `run_inner` raises `NonFiniteError`: the replica must be healed.
+  `outer_reduce` raises it before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
-and a call for a round this replica has not reached raises `Behind`.
-Numerics (`train.precision`, `train.compile`): README, "Numerics for GPU runs".
+one for a round this replica has not reached raises `Behind`.
 """
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ import hashlib
 import math
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +39,7 @@ from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bo
 from hsgd.core.topology import Topology
 from hsgd.train import task
 from hsgd.train.buckets import GradBuckets
+from hsgd.train.checkpoint import write_atomic
 from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
@@ -515,23 +511,16 @@ class ReplicaTrainer:
     def save_model(self, path: str) -> dict:
         """Write the committed global model (the global params of round `round`) to `path` as
         safetensors, under the module's parameter names (a tied weight once), with the round, the
-        plug-ins and the digest as metadata, under a temporary name renamed into place (a reader
-        never sees half a file). Load it back with `model.load_state_dict(
+        plug-ins and the digest as metadata (`write_atomic`). Load it back with `model.load_state_dict(
         safetensors.torch.load_file(path), strict=False)`. Raises OSError when it cannot be written."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         tensors = {name: g.detach().to("cpu").contiguous()
                    for name, g in zip(self.param_names, self.outer_opt.global_params)}
         meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
                 "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
                 "global_digest": self.global_digest()}
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_atomic(str(path), lambda f: f.write(save(tensors, metadata=meta)))
         return {"path": str(path), "round": self.round, "bytes": os.path.getsize(path),
                 "global_digest": meta["global_digest"]}
 
@@ -559,7 +548,7 @@ class ReplicaTrainer:
         else mutates meanwhile). Never modify it or keep it past that call."""
         snapshot = self._outer_snapshot
         return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
-                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
+                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(),
                 "outer_residual": None if self.outer_residual is None else list(self.outer_residual),
                 "outer_snapshot": None if snapshot is None else {"round": snapshot[0], "flat": snapshot[1]},
                 "round_losses": list(self.round_losses)}
@@ -568,7 +557,7 @@ class ReplicaTrainer:
         """What a `global` heal needs: the round-start global params and outer state. They change
         only in outer_commit, so this may be read while an inner phase runs."""
         return {"rid": self.rid, "round": self.round, "step": self.round * self.steps_per_round,
-                "outer": self.outer_opt.state_dict()}
+                "outer": copy.deepcopy(self.outer_opt.state_dict())}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
