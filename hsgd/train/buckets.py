@@ -34,8 +34,7 @@ from hsgd.train.comm import LevelGroup, one_collective
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Indices into `params`, grouped into buckets in reverse parameter order: a bucket closes when
-    the next parameter would take it past `bucket_bytes`, or changes dtype or device."""
+    """Indices into `params`, grouped into buckets as the module says (`bucket_bytes` each)."""
     buckets: list[list[int]] = []
     size, key = 0, None
     for i in reversed(range(len(params))):
@@ -63,8 +62,7 @@ class _Bucket:
 
 
 class GradBuckets:
-    """Buckets of comm.bucket_mb launched from backward hooks as they fill (level 'inner'), waited
-    before the optimizer step. See the module docstring for the protocol."""
+    """The buckets of one replica's parameters (the module's protocol)."""
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float):
         self.params = [p for p in params if p.requires_grad]  # a frozen parameter has no gradient to sync

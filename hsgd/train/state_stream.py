@@ -1,7 +1,7 @@
 """A replica's state streamed over a process group in chunks: how an in-cluster (`full`) heal moves
 it from source to target without the object store (GPU to GPU with NCCL, no host copy of the whole
 state), as torchft's PGTransport does. A state is a tree (dicts, lists, tuples) of tensors and
-plain values; `split_state` lists its tensors (no copies) and `join_state` puts them back.
+plain values.
 
 Protocol (every message a `broadcast` from `root`, level `inner`: the group holds the source and
 every target healed from it, never leaving the cluster):
@@ -197,9 +197,8 @@ def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, roo
 
 
 def receive_state(group: LevelGroup, *, root: int = 0, device: str | torch.device = "cpu") -> tuple[Any, int]:
-    """Receive a state `send_state` broadcasts from `root`: (state, payload bytes). Tensors the
-    source held on a GPU land on `device`, the others on the CPU. Raises CollectiveError (StreamError
-    when what arrives is not a consistent state)."""
+    """Receive a state `send_state` broadcasts from `root` onto `device` (the module's protocol):
+    (state, payload bytes). Raises CollectiveError (StreamError: not a consistent state)."""
     assert group.rank != root, "receive_state on the root"
     header = torch.zeros(4, dtype=torch.int64)
     group.broadcast([header], root=root, level=LEVEL)

@@ -111,9 +111,8 @@ def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter], device: st
 
 
 def inner_lr(o: Any, step: int, total_steps: int) -> float:
-    """The inner learning rate at global inner step `step` (0-based) of a run of `total_steps`:
-    linear warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at
-    the run's last step. A pure function, so heals and resumes land on the same rate."""
+    """The inner learning rate at global inner step `step` (0-based) of a run of `total_steps`: linear
+    warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at the last step."""
     if o.warmup_steps > 0 and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
@@ -154,8 +153,7 @@ class ReplicaTrainer:
             if cfg.sync.outer_compress != "none" else None
         # error feedback: what compression did not send yet, this cluster's (fp32, one per parameter)
         self.outer_residual: list[torch.Tensor] | None = None
-        # sync.fragment_delay = tau: (round, corrected flat fp32 pseudo-gradient) taken tau steps before
-        # the round's end and reduced while those steps run (Streaming DiLoCo's overlap)
+        # sync.fragment_delay: (round, corrected flat fp32 pseudo-gradient), see take_outer_snapshot
         self.fragment_delay = cfg.sync.fragment_delay
         self._outer_snapshot: tuple[int, torch.Tensor] | None = None
         self.grad_accum = int(cfg.data.grad_accum)
@@ -168,11 +166,9 @@ class ReplicaTrainer:
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        # ((round, epoch, shard, shards, token weights), mean of that shard, flat fp32): never reused
-        # or committed under another epoch, shard plan or weights
+        # (outer_reduce's key, mean of that shard, flat fp32): never reused or committed under another key
         self._outer_buffer: tuple[tuple, torch.Tensor] | None = None
-        # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
-        # retried average starts from the same point (never averages an averaged replica again)
+        # inner `none`: (round, epoch) of the last cluster_average, and (round, the params before it)
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
         self.pacer = pacer_from_config(cfg)  # simulated step time / stragglers: None unless configured
@@ -358,7 +354,8 @@ class ReplicaTrainer:
     @torch.no_grad()
     def cluster_average(self, round_index: int, epoch: int, inner: LevelGroup) -> None:
         """inner `none`: make every replica of the cluster hold the cluster mean. Idempotent per
-        (round, epoch); a retry under a new epoch first restores the params it had before."""
+        (round, epoch); a retry under a new epoch first restores the params it had before (an
+        averaged replica is never averaged again)."""
         if not self._require(round_index, "cluster_average") or self._averaged == (round_index, epoch):
             return
         if self._pre_average is not None and self._pre_average[0] == round_index:
@@ -482,9 +479,8 @@ class ReplicaTrainer:
     # -- evaluation, digests, the final model ---------------------------------------------------
     @torch.no_grad()
     def eval_loss(self) -> float:
-        """Mean loss of the global params on the held-out batches (the same for every replica and
-        run: task.EVAL_SEED, replica_index -1). After a commit they are this replica's params;
-        under streaming (fragments, a mixing weight) they are swapped in for the evaluation."""
+        """Mean loss of the global params on task.py's evaluation batches. After a commit they are this
+        replica's params; under streaming (fragments, a mixing weight) they are swapped in for it."""
         saved = [p.detach().clone() for p in self.params] if is_streaming(self.cfg) else None
         if saved is not None:
             self.outer_opt.copy_global_into(self.params)
