@@ -17,7 +17,6 @@ temp or manifest-less directory that is ignored. A final checkpoint is never ove
 Trust: `verify` checks the manifest and every file's sha256; `choose` walks back from the newest to
 the first that verifies, so a corrupt latest checkpoint falls back to the previous kept one. Files
 load with `torch.load(weights_only=True)`: a foreign file is an error, never code execution.
-`fingerprint` is what a resume may not change; `fingerprint_diff` names what differs.
 """
 from __future__ import annotations
 

@@ -86,8 +86,7 @@ _per_level = False
 
 
 def allow_level_overlap(allowed: bool) -> None:
-    """Per-level guards (an inner and an outer collective may overlap; two of one level never) or
-    one for the process. Set once, when the process starts, before any collective."""
+    """Per-level guards (see above) or one for the process; set once, before any collective."""
     global _per_level
     _per_level = bool(allowed)
 

@@ -149,7 +149,6 @@ def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> No
                     f"token id {best} at token {where}; data.vocab_size must be > {best}")
 
 
-
 # ----------------------------------------------------------------------------- writing token files
 
 def text_files(src: str, field: str = "data.path") -> list[Path]:
