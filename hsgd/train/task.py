@@ -55,7 +55,6 @@ def resolve(path: str, field: str) -> Callable:
 
 
 def _plain(args: Any) -> dict:
-    """`args` as a plain dict (an OmegaConf node becomes Python containers)."""
     return OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args or {})
 
 

@@ -396,9 +396,8 @@ class ReplicaTrainer:
         """The token-weighted mean over the clusters of shard `shard` of `shards` into the buffer keyed
         by (round, epoch, shard, shards, weights), idempotent per key. `weights`: each cluster's, in
         outer-rank order (hsgd.core.outer_plan.token_weights; () = the plain mean); a weight of 1.0
-        is never multiplied, so equal clusters give the plain mean bit for bit. Uncompressed: each
-        holder scales its piece by its cluster's weight, then one fp32 all-reduce. With a codec: the
-        encoded shards (unweighted: the error-feedback residual stays so) are all-gathered, decoded,
+        is never multiplied, so equal clusters give the plain mean bit for bit. With a codec the
+        encoded shards are gathered unweighted (the error-feedback residual stays so), then decoded,
         weighted and summed in outer-rank order, so every holder holds the same bits. Raises
         NonFiniteError before sending a non-finite pseudo-gradient."""
         if not self._require(round_index, "outer_reduce"):
