@@ -307,9 +307,8 @@ class ReplicaTrainer:
                   at_snapshot: Callable[[], None] | None = None) -> InnerReport:
         """Run inner steps until the round's last step is committed (or a hook raises YieldNow).
         Raises CollectiveError, NonFiniteError or Behind (see the module's failures). Losses stay on
-        the device until the end: one read-back. With sync.fragment_delay, `at_snapshot` is called
-        once per call at the round's snapshot step (`take_outer_snapshot`), before the next step:
-        the replica starts the outer reduce there, on the outer level, while these steps go on."""
+        the device until the end: one read-back. At the round's snapshot step, before running it, it calls
+        `take_outer_snapshot`, then `at_snapshot` (once per call: hsgd.train.overlap's reduce starts there)."""
         start, bytes_before, first, pending, yielded = time.perf_counter(), inner.bytes_sent, self.step, [], False
         losses: list[float] = []
         snapshot_seen = False
