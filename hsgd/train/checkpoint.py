@@ -43,7 +43,6 @@ class CheckpointError(RuntimeError):
 
 # -- where ----------------------------------------------------------------------------------------
 def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
-    """The checkpoint root: `checkpoint.dir` as given (a URL or a path), or `<run_dir>/checkpoints`."""
     return str(checkpoint_dir) if checkpoint_dir else str(Path(run_dir) / "checkpoints")
 
 
