@@ -34,8 +34,7 @@ from hsgd.train.comm import LevelGroup, one_collective
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Indices into `params`, grouped into buckets in reverse parameter order: a bucket closes when
-    the next parameter would take it past `bucket_bytes`, or changes dtype or device."""
+    """Indices into `params`, grouped into buckets as the module says (`bucket_bytes` each)."""
     buckets: list[list[int]] = []
     size, key = 0, None
     for i in reversed(range(len(params))):
@@ -63,8 +62,7 @@ class _Bucket:
 
 
 class GradBuckets:
-    """Buckets of comm.bucket_mb launched from backward hooks as they fill (level 'inner'), waited
-    before the optimizer step. See the module docstring for the protocol."""
+    """The buckets of one replica's parameters (the module's protocol)."""
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float):
         self.params = [p for p in params if p.requires_grad]  # a frozen parameter has no gradient to sync
@@ -84,8 +82,7 @@ class GradBuckets:
     # -- the protocol ---------------------------------------------------------------------------------
     def arm(self, group: LevelGroup) -> None:
         """Before the last micro-batch's backward: from now on, hooks launch full buckets on `group`.
-        Raises WrongLevelError (not the inner group) or CollectiveError (group not usable) at once.
-        A group of one arms nothing."""
+        Raises WrongLevelError (not the inner group) or CollectiveError (group not usable) at once."""
         self.disarm()
         group._check("inner")
         if group.world_size == 1:
@@ -98,9 +95,8 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Launch the buckets not launched yet (a parameter without a gradient this step counts as
-        zeros, so members stay alike), wait every bucket, write the means into p.grad. Raises
-        CollectiveError on any failure or timeout (then all is dropped as by `disarm`). Does nothing
-        when not armed."""
+        zeros, so members stay alike), wait every bucket, write the means into p.grad; nothing when
+        not armed. Raises CollectiveError on any failure or timeout (then all is dropped as by `disarm`)."""
         group = self._group
         if group is None:
             return
@@ -130,8 +126,7 @@ class GradBuckets:
         self.disarm()  # nothing in flight: releases the guard
 
     def disarm(self) -> None:
-        """Drop in-flight work after a failure (the inner group is aborted when anything was in
-        flight). Never raises."""
+        """Drop in-flight work after a failure, aborting the inner group if any was in flight. Never raises."""
         with self._lock:
             group, self._group = self._group, None
             launched, self._launched = self._launched, []

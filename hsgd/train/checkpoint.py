@@ -8,8 +8,8 @@ The root is `checkpoint.dir`, any fsspec URL every replica reaches (a shared mou
 
 Protocol: replicas write their files into `round_000005.tmp-<owner>-<nonce>/` (`new_temp_dir`;
 owner = the run id, so `prune` removes only this run's leftovers, never another run's write in
-progress). Locally each file is written to a temp name, fsynced and renamed, and the supervisor
-writes the manifest the same way and renames the directory (the commit point). On an object store
+progress). Locally each file and then the supervisor's manifest is `write_atomic`, and the
+supervisor renames the directory (the commit point). On an object store
 (no atomic rename) the files are copied to the final directory and the manifest is written LAST:
 without a manifest a checkpoint does not exist. A crash leaves the old checkpoints untouched and a
 temp or manifest-less directory that is ignored. A final checkpoint is never overwritten.
@@ -17,7 +17,6 @@ temp or manifest-less directory that is ignored. A final checkpoint is never ove
 Trust: `verify` checks the manifest and every file's sha256; `choose` walks back from the newest to
 the first that verifies, so a corrupt latest checkpoint falls back to the previous kept one. Files
 load with `torch.load(weights_only=True)`: a foreign file is an error, never code execution.
-`fingerprint` is what a resume may not change; `fingerprint_diff` names what differs.
 """
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ class CheckpointError(RuntimeError):
 
 # -- where ----------------------------------------------------------------------------------------
 def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
-    """The checkpoint root: `checkpoint.dir` as given (a URL or a path), or `<run_dir>/checkpoints`."""
     return str(checkpoint_dir) if checkpoint_dir else str(Path(run_dir) / "checkpoints")
 
 
@@ -85,8 +83,7 @@ def remove(url: str | Path) -> None:
 
 # -- writing --------------------------------------------------------------------------------------
 def new_temp_dir(root: str | Path, round_index: int, owner: str = "") -> str:
-    """A fresh temp directory for the checkpoint of `round_index`, tagged with `owner` (the run id):
-    `prune` of that owner may remove it, nobody else's."""
+    """A fresh temp directory for round `round_index`'s checkpoint, tagged with `owner` (the run id)."""
     tag = f"{_safe(owner)}-" if owner else ""
     url = _join(root, f"{round_dir_name(round_index)}.tmp-{tag}{uuid.uuid4().hex[:8]}")
     fs, path = _fs(url)
@@ -113,8 +110,9 @@ class _HashingWriter(io.RawIOBase):
         return len(b)
 
 
-def _write_bytes_atomic(url: str, write: Callable[[Any], None]) -> None:
-    """`write(f)` into url: local = temp name, fsync, rename; an object store's PUT is atomic."""
+def write_atomic(url: str, write: Callable[[Any], None]) -> None:
+    """`write(f)` into url, all or nothing: locally a temp name, fsynced and renamed (a reader never
+    sees half a file); an object store's PUT is atomic."""
     fs, path = _fs(url)
     if isinstance(fs, LocalFileSystem):
         final = Path(path)
@@ -137,12 +135,12 @@ def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     import torch  # imported here so file-only readers (jobs.status) start fast
 
     sha = hashlib.sha256()
-    _write_bytes_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
+    write_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
     return sha.hexdigest()
 
 
 def _write_text(url: str, text: str) -> None:
-    _write_bytes_atomic(url, lambda f: f.write(text.encode("utf-8")))
+    write_atomic(url, lambda f: f.write(text.encode("utf-8")))
 
 
 def exists(root: str | Path, round_index: int) -> bool:
@@ -236,10 +234,9 @@ class Choice:
 
 def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_config: bool = True,
            on_skip: Callable[[str, str], None] | None = None) -> Choice:
-    """The one checkpoint chooser, for a resume and for a restore after a total loss alike: newest
-    first, the first whose manifest reads and whose every file matches its sha256, calling
-    on_skip(directory, reason) for each newer one that does not. Its config fingerprint against
-    `fingerprint`: `skip_other_config` (a restore) passes over one another config wrote; else (a
+    """The one checkpoint chooser, for a resume and a restore after a total loss alike: the newest
+    that `verify`s, calling on_skip(directory, reason) for each newer one passed over. Against
+    `fingerprint`, `skip_other_config` (a restore) passes over one another config wrote; else (a
     resume, which refuses it) it is chosen with its `config_diff`."""
     skipped: list[tuple[str, str]] = []
     for directory in reversed(finalized(root)):
@@ -277,11 +274,10 @@ def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | N
 
 
 def prune(root: str | Path, keep: int, owner: str = "") -> None:
-    """Keep the newest `keep` (at least one) finalized checkpoints; remove this owner's leftovers
-    of interrupted writes (temp dirs tagged with another run id are another run's write in
-    progress: never touched; with no owner, no temp dir is removed). Called after a new checkpoint
-    is final, so the previous good one outlives its successor's write. Also removes final-round
-    directories without a manifest older than the newest final one (interrupted object-store copies)."""
+    """Keep the newest `keep` (at least one) finalized checkpoints; remove this owner's temp dirs
+    (another run id's are its write in progress; no owner: none) and manifest-less round directories
+    older than the newest final one (interrupted object-store copies). Called after a new checkpoint
+    is final, so the previous good one outlives its successor's write."""
     names = _names(root)
     if owner:
         prefix = f".tmp-{_safe(owner)}-"
@@ -334,9 +330,9 @@ FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_
 
 
 def fingerprint(cfg) -> dict:
-    """What a resume may not change, as {dotted field: value} (plus `data.size`): the model's
-    shape and vocabulary, the data (path and size), the inner/outer algorithms and optimizers and
-    outer_every. Topology, rounds, timeouts, logging and faults may change."""
+    """What a resume may not change: {field: value} of FINGERPRINT_FIELDS plus `data.size`, the bytes
+    of the data (a file, or every file of a token folder; None: the packaged corpus, or a path this
+    process cannot see). Topology, rounds, timeouts, logging and faults may change."""
     from omegaconf import OmegaConf
 
     out = {}
@@ -347,8 +343,6 @@ def fingerprint(cfg) -> dict:
         out[name] = value
     if out["data.path"]:
         out["data.path"] = os.path.abspath(os.path.expanduser(str(out["data.path"])))
-    # bytes of the data (a file, or every file of a token folder); None = the packaged corpus, or
-    # a path this process cannot see
     p = Path(out["data.path"]) if out["data.path"] else None
     out["data.size"] = p.stat().st_size if p and p.is_file() else None
     if p and p.is_dir():

@@ -30,8 +30,7 @@ decode(encode(update + residual)), residual = update + residual - sent, so sum(s
 sum(update) over rounds (to fp32 rounding): nothing is lost, only delayed. The residual is state:
 the trainer heals and checkpoints it with the outer optimizer state.
 
-Encoding is deterministic and vectorised (blocks as rows of a 2-D tensor). Non-finite input is not
-handled: the trainer refuses to send non-finite pseudo-gradients.
+Encoding is deterministic. Non-finite input is not handled: the trainer never sends it.
 """
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ ALIGN = 4096          # every codec's block divides it: lcm(1, 256, 4096)
 class Codec:
     """encode/decode as in the module's protocol; decode raises ValueError when the payload's length
     is not payload_bytes(numel) (a payload cut or joined wrongly is never decoded silently). A codec
-    defines `block`, `_record_bytes(numel)` (one block's record), `_encode_rows(x)` (blocks
-    as the rows of x -> uint8) and `_decode_rows(data, width)` (rows of `width` elements); encode and
-    decode hand them the full blocks, then the partial last one."""
+    defines `block`, `_record_bytes(numel)` (one block's record), `_encode_rows(x)` (blocks as the
+    rows of x -> uint8) and `_decode_rows(data, width)`, handed the full blocks, then the partial last."""
 
     name: str
     block: int  # elements per block; divides ALIGN
@@ -150,7 +148,6 @@ class _TopK(Codec):
         self.name, self.density = "topk", density
 
     def kept(self, chunk_len: int) -> int:
-        """k for a chunk of `chunk_len` elements."""
         return min(chunk_len, max(1, round(self.density * chunk_len)))
 
     def _record_bytes(self, numel: int) -> int:
@@ -179,7 +176,6 @@ class _TopK(Codec):
 
 
 def make_codec(name: str, topk_density: float = 0.01) -> Codec:
-    """The codec called `name` (one of CODECS); `topk_density` is used by topk only."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {CODECS}")
     return {"none": lambda: _Cast("none", torch.float32), "bf16": lambda: _Cast("bf16", torch.bfloat16),

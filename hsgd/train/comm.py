@@ -21,8 +21,7 @@ Protocol
   with `allow_level_overlap`, at most one per level. An overlapped collective (`launch_sum` ...
   `wait_sums`) is ONE logical collective of one level: its caller holds that guard throughout.
 - A group of one member does no communication at all.
-- `link` (a `hsgd.train.simulate.LinkModel`) paces each collective that succeeded. `link_s`: the
-  seconds held in the group's collectives (the modeled sleep included).
+- `link` (a `hsgd.train.simulate.LinkModel`) paces each collective that succeeded.
 
 Error model: every failure in torch.distributed / torchft (building the group, configure, issuing an
 op, the device copies around it, the wait, the group's error state after it) raises
@@ -60,8 +59,7 @@ SECRET_BITS = 128
 
 
 class CollectiveError(RuntimeError):
-    """A collective or a group join failed or timed out; the group must be reconfigured. `kind`
-    (an ErrorKind, hsgd.core.round.messages) says how, so callers never match the backend's error text."""
+    """A collective or a group join failed or timed out; `kind`: how (the module's error model)."""
 
     def __init__(self, message: str, kind: ErrorKind | str = ErrorKind.WAIT):
         super().__init__(message)
@@ -88,8 +86,7 @@ _per_level = False
 
 
 def allow_level_overlap(allowed: bool) -> None:
-    """Per-level guards (an inner and an outer collective may overlap; two of one level never) or
-    one for the process. Set once, when the process starts, before any collective."""
+    """Per-level guards (see above) or one for the process; set once, before any collective."""
     global _per_level
     _per_level = bool(allowed)
 
@@ -131,8 +128,7 @@ def start_store(host: str, timeout_s: float):
 
 
 def new_run_secret() -> str:
-    """>= 128 random bits (hex): every group's store keys live under it, so a process that can reach
-    the store but was not handed the secret cannot name, join or disturb a rendezvous."""
+    """SECRET_BITS random bits, as hex: the run's rendezvous secret (the module's protocol)."""
     return secrets.token_hex(SECRET_BITS // 8)
 
 
@@ -154,10 +150,9 @@ _ABORTED = "aborted: "
 
 
 def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, timeout_s: float) -> str | None:
-    """The arrival barrier: announce `rank`, then wait for the group's decision: None when formed
-    (written by whoever sees every rank arrived: the last to announce always does), the
-    supervisor's abort reason otherwise. Raises TimeoutError naming the ranks that never came when
-    nothing is decided within `timeout_s`, torch's store errors when the store cannot be reached."""
+    """The arrival barrier (the module's protocol, step 1): None when formed (the last to announce
+    always sees every rank), else the supervisor's abort reason. Raises TimeoutError naming the
+    ranks that never came within `timeout_s`, torch's store errors when the store is unreachable."""
     from torch.distributed import DistStoreError
     from torchft.process_group import create_store_client
 
@@ -180,12 +175,11 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
 
 
 def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
-    """Release every member waiting in the rendezvous of group `prefix`, now and any that arrives
-    later (each raises CollectiveError kind `join_aborted` with `reason`): for the supervisor, once
-    a member of that forming group is known dead. `store`: the master; `store_addr`: the members'.
-    True when aborted (by this call or an earlier one); False when it had already formed (the
-    connect is bounded by connect_timeout_s) or the store could not be reached. Idempotent; never
-    raises; one store round trip, bounded by the store's timeout."""
+    """The supervisor's abort of forming group `prefix`, once a member is known dead: every member
+    waiting now or arriving later raises CollectiveError kind `join_aborted` with `reason`. `store`:
+    the master; `store_addr`: the members'. True when aborted (now or earlier); False when it had
+    already formed (the connect is bounded by connect_timeout_s) or the store could not be reached.
+    Idempotent; never raises; one store round trip, bounded by the store's timeout."""
     from torch.distributed import PrefixStore
 
     try:  # the key prefix torchft's create_store_client makes of it: everything after host:port
@@ -245,11 +239,9 @@ class LevelGroup:
 
     # -- membership -----------------------------------------------------------------------------
     def configure(self, store_addr: str | None, prefix: str, rank: int, world_size: int, epoch: int) -> None:
-        """Join the group `prefix` as `rank` of `world_size` (1 needs no store), `store_addr` from
-        `rendezvous_address`: the arrival barrier, then torchft's configure. Raises CollectiveError
-        kind `join_aborted` (with the reason) at once when the supervisor aborts the rendezvous, kind
-        `configure` when the group cannot be built, not every member arrived within
-        configure_timeout_s (naming who never came), or the connect failed within connect_timeout_s."""
+        """Join the group `prefix` as `rank` of `world_size` (1 needs no store; `store_addr` from
+        `rendezvous_address`) in the module protocol's two steps. Raises CollectiveError kind
+        `join_aborted` or `configure`, each in the cases the module's protocol names."""
         self.abort()
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
         self._secret = (store_addr or "").partition("/")[2]

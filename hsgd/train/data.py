@@ -1,11 +1,5 @@
 """Character-level corpus and stateless, step-indexed batches; `build_dataset`, the default
 `data._target_` (the dataset contract, batches pure in their arguments, is hsgd/train/task.py's).
-
-- `load_corpus(path=None)`: the text as int64 character ids, split by position into `train` (the
-  first 1 - val_fraction) and `val`. `path=None` is the packaged Shakespeare corpus; otherwise a
-  text file (.txt, .xz, .gz) or a folder of *.txt. Bad paths raise FileNotFoundError, too little
-  text ValueError, one line naming `data.path`.
-- A token folder (train.bin/val.bin) is read through np.memmap (hsgd/train/tokens.py).
 """
 
 import lzma
@@ -46,8 +40,10 @@ def _packaged_text(name: str = "shakespeare.txt.xz") -> str:
 
 def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
                 block_size: int = 128) -> Corpus:
-    """Load and split a corpus. `block_size` is the longest block a caller will sample:
-    train and val must each hold at least one block plus its shifted target."""
+    """The text at `path` (None: the packaged Shakespeare; a .txt/.xz/.gz file or a folder of *.txt)
+    as int64 character ids, split by position into `train` (the first 1 - val_fraction) and `val`,
+    each at least one `block_size` block plus its shifted target. Raises FileNotFoundError (bad
+    path) or ValueError (too little text), one line naming `data.path`."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1)")
     source = "builtin:shakespeare" if path is None else str(path)
@@ -187,11 +183,10 @@ def build_dataset(data_cfg: Any, block_size: int) -> TextDataset | TokenDataset:
 
 
 def check_data(cfg) -> None:
-    """Test-load the configured data before any actor starts (validation calls this), cheaply:
-    token files are memory-mapped and scanned in bounded chunks (all of val.bin, a sample of
-    train.bin), text is read (char-level text lives in RAM anyway), a user's `data._target_` is
-    imported, built, and asked for one batch. Raises ValueError / FileNotFoundError / OSError
-    whose message is one line starting with the bad field."""
+    """Test-load the configured data before any actor starts (validation calls this), cheaply: a
+    token folder's ids scanned in bounded chunks, text read (it lives in RAM anyway), a user's
+    `data._target_` built and asked for one batch. Raises ValueError / FileNotFoundError / OSError,
+    one line starting with the bad field."""
     target = cfg.data._target_
     try:
         ds = task.build_dataset(cfg)

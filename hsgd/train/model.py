@@ -8,8 +8,6 @@ Contract:
 - dropout defaults to 0.0, so a training step is a deterministic function of weights and batch.
 - Linears and LayerNorms have no bias (a little better and faster).
 - Model sizes are config groups, conf/model/{tiny,small,gpt-30m,gpt-86m}.yaml.
-- `build_gpt(model_cfg, vocab_size)` and `lm_loss(model, batch)` are the built-in plug-ins that
-  `model._target_` and `loss._target_` name by default (hsgd/train/task.py).
 """
 
 import math

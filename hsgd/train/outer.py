@@ -67,10 +67,9 @@ class OuterOptimizer:
         for p, g in zip(params, self.global_params):
             p.copy_(g.to(p.device))
 
-    def state_dict(self, copy: bool = True) -> dict:
-        """copy=False: this optimizer's own tensors (to be read at once, never kept or modified)."""
-        own = {"global_params": [g.detach() for g in self.global_params], "sgd": self._sgd.state_dict()}
-        return deepcopy(own) if copy else own
+    def state_dict(self) -> dict:
+        """This optimizer's own tensors: read them at once, never keep or modify them (deepcopy to keep)."""
+        return {"global_params": [g.detach() for g in self.global_params], "sgd": self._sgd.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

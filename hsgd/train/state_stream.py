@@ -1,7 +1,7 @@
 """A replica's state streamed over a process group in chunks: how an in-cluster (`full`) heal moves
 it from source to target without the object store (GPU to GPU with NCCL, no host copy of the whole
 state), as torchft's PGTransport does. A state is a tree (dicts, lists, tuples) of tensors and
-plain values; `split_state` lists its tensors (no copies) and `join_state` puts them back.
+plain values.
 
 Protocol (every message a `broadcast` from `root`, level `inner`: the group holds the source and
 every target healed from it, never leaving the cluster):
@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,36 +67,33 @@ class Piece:
 
 
 # -- pure: trees and chunk plans -------------------------------------------------------------------
+def _tree_map(x: Any, is_leaf: Callable[[Any], bool], leaf: Callable[[Any], Any]) -> Any:
+    """x with leaf(node) for every node is_leaf claims, depth-first; dict keys keep their order."""
+    if is_leaf(x):
+        return leaf(x)
+    if isinstance(x, dict):
+        return {k: _tree_map(v, is_leaf, leaf) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_tree_map(v, is_leaf, leaf) for v in x)
+    return x
+
+
 def split_state(tree: Any) -> tuple[Any, list[torch.Tensor]]:
     """(skeleton, tensors): the tree with each tensor replaced by {TENSOR: i}, and the tensors in
-    depth-first order (the tree's own tensors, not copies). Dict keys keep their order."""
+    depth-first order (the tree's own tensors, not copies)."""
     tensors: list[torch.Tensor] = []
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return {TENSOR: len(tensors) - 1}
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
+    def take(t: torch.Tensor) -> dict:
+        tensors.append(t)
+        return {TENSOR: len(tensors) - 1}
 
-    return walk(tree), tensors
+    return _tree_map(tree, lambda x: isinstance(x, torch.Tensor), take), tensors
 
 
 def join_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """split_state's inverse: the tree with each placeholder replaced by its tensor."""
-    def walk(x: Any) -> Any:
-        if isinstance(x, dict):
-            if len(x) == 1 and TENSOR in x:
-                return tensors[x[TENSOR]]
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
-
-    return walk(skeleton)
+    return _tree_map(skeleton, lambda x: isinstance(x, dict) and len(x) == 1 and TENSOR in x,
+                     lambda x: tensors[x[TENSOR]])
 
 
 def plan_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
@@ -197,9 +194,8 @@ def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, roo
 
 
 def receive_state(group: LevelGroup, *, root: int = 0, device: str | torch.device = "cpu") -> tuple[Any, int]:
-    """Receive a state `send_state` broadcasts from `root`: (state, payload bytes). Tensors the
-    source held on a GPU land on `device`, the others on the CPU. Raises CollectiveError (StreamError
-    when what arrives is not a consistent state)."""
+    """Receive a state `send_state` broadcasts from `root` onto `device` (the module's protocol):
+    (state, payload bytes). Raises CollectiveError (StreamError: not a consistent state)."""
     assert group.rank != root, "receive_state on the root"
     header = torch.zeros(4, dtype=torch.int64)
     group.broadcast([header], root=root, level=LEVEL)

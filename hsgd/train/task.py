@@ -1,34 +1,17 @@
-"""What a run trains: the model, its data and its loss, each named by a Hydra-style `_target_`.
+"""What a run trains: the model, its data and its loss, each a Hydra-style `_target_` (a dotted
+`package.module.callable`, importable where the replica runs) called as `target(**args, **context)`
+with only the context names its signature accepts (all if it takes **kwargs; README, "Bring your
+own model and data", lists them). An `args` name that is also a context name is refused
+(ValueError): hsgd supplies it. A `_target_` that does not import to a callable is a ConfigError
+naming the field (`resolve`).
 
-    model: {_target_: hsgd.train.model.build_gpt, args: {...}}   -> an nn.Module
-    data:  {_target_: hsgd.train.data.build_dataset, args: {...}} -> a Dataset (below)
-    loss:  {_target_: hsgd.train.model.lm_loss, args: {...}}      -> loss_fn(model, batch) -> scalar
-
-A `_target_` is a dotted path `package.module.callable`, importable where the replica runs (the
-launch or the job's working directory is on the path). The factory is called as
-`target(**args, **context)`; only the context names its signature accepts are passed (all of them
-if it takes **kwargs), so a factory names just what it uses:
-
-    model context: model_cfg (cfg.model), vocab_size (the dataset's, may be None)
-    data context:  data_cfg (cfg.data), block_size (cfg.model.block_size), batch_size, seed
-
-A name in `args` that is also a context name is refused (ValueError): hsgd supplies it. A
-`_target_` that does not import to a callable is a ConfigError naming the field (`resolve`).
-
-The DATASET CONTRACT. A Dataset has
-    source: str                    where the data comes from (for the record)
-    vocab_size: int | None         the token vocabulary, or None for data that is not tokens
-    batch(split, *, seed, replica_index, step, micro) -> batch
-        split "train" or "val". PURE in its arguments: the same call gives the same batch in any
-        process at any time, so a healed or restarted replica reads exactly the stream it would
-        have read (a replica carries no data-loader state; its data position IS its step).
-        A batch is a tensor, or a tuple/list/dict of tensors, on the CPU; the trainer moves it to
-        the device and hands it to the loss as it is.
-    tokens_per_batch: int          optional: what one batch counts for the tokens/s figures
-                                   (default batch_size * block_size)
-Training draws batch("train", seed=cfg.seed, replica_index=<global replica index>, step=<global
-inner step>, micro=<0..grad_accum-1>); evaluation draws batch("val", seed=1234, replica_index=-1,
-step=i, micro=0) for i < train.eval_batches, the same batches for every replica and run.
+The Dataset contract: `source: str` (for the record), `vocab_size: int | None` (None: not tokens),
+optional `tokens_per_batch` (what one batch counts for tokens/s; default batch_size * block_size),
+and `batch(split, *, seed, replica_index, step, micro)` -> a CPU tensor or a tuple/list/dict of
+them, handed to the loss as it is. `batch` is PURE in its arguments: the same call gives the same
+batch in any process at any time, so a healed or restarted replica reads exactly the stream it
+would have read (no data-loader state; its data position IS its step). Evaluation draws
+batch("val", seed=EVAL_SEED, replica_index=-1, step=i, micro=0) for i < train.eval_batches.
 """
 from __future__ import annotations
 
@@ -72,7 +55,6 @@ def resolve(path: str, field: str) -> Callable:
 
 
 def _plain(args: Any) -> dict:
-    """`args` as a plain dict (an OmegaConf node becomes Python containers)."""
     return OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args or {})
 
 

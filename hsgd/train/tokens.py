@@ -1,20 +1,12 @@
-"""Token files as the field uses them: nanoGPT's `train.bin` / `val.bin`, read through `np.memmap`.
-
-Format (nanoGPT's): a flat array of little-endian `uint16` token ids (vocabularies up to 65,536) or
-`uint32`, no header. A `meta.json` beside them (written by `python -m jobs.prepare`) names the vocabulary:
-  {"format": "hsgd-tokens/1", "vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"|"char",
-   "chars": [...] (char tokenizer only), "train_tokens": N, "val_tokens": M, "source": "..."}
-Without one (nanoGPT's GPT-2 files), `data.vocab_size` names the vocabulary and the dtype follows.
-nanoGPT's `meta.pkl` is never loaded (unpickling runs arbitrary code): a folder with only that is refused.
+"""Token files as the field uses them: nanoGPT's `train.bin` / `val.bin` (a flat array of
+little-endian `uint16` token ids, `uint32` past 65,536; no header), read through `np.memmap`. A
+`meta.json` beside them (`prepare_tokens` writes it) names the vocabulary; without one (nanoGPT's
+GPT-2 files) `data.vocab_size` does and the dtype follows. nanoGPT's `meta.pkl` is never loaded
+(unpickling runs arbitrary code): a folder with only that is refused.
 
 Nothing is read whole: the files are memory-mapped read-only (clean pages the OS may drop; they do
-not count against RLIMIT_DATA). Checks are bounded: length a multiple of the dtype, each split
-longer than a block, ids below the vocabulary in a sample (`open_token_folder`) or in all of
-val.bin plus a larger train sample (`check_ids`, in bounded pieces). Every error is one
-line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
-
-`prepare_tokens` writes such a folder from text (byte-level, or char-level with the ids
-`load_corpus` gives), streaming in chunks, each file renamed into place.
+not count against RLIMIT_DATA) and every check is bounded (`open_token_folder`, `check_ids`). Every
+error is one line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 """
 from __future__ import annotations
 
@@ -157,7 +149,6 @@ def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> No
                     f"token id {best} at token {where}; data.vocab_size must be > {best}")
 
 
-
 # ----------------------------------------------------------------------------- writing token files
 
 def text_files(src: str, field: str = "data.path") -> list[Path]:
@@ -197,12 +188,10 @@ def codepoints(chunk: str) -> np.ndarray:
 def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction: float = 0.1,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Tokenize the text at `src` into `out`/train.bin, val.bin and meta.json; returns the meta.
-
-    Two streaming passes (count, and for `char` collect the characters; then encode and write):
-    memory stays bounded by one chunk. The split is by position as in `load_corpus`. Each file is
-    written under a temporary name and renamed; meta.json goes last (after any old one is removed),
-    so a folder with a meta.json is complete. `progress(pass_name, chars_done, chars_total)` is
-    called after each chunk. Raises FileNotFoundError / ValueError, one line."""
+    Two streaming passes (count; encode and write): memory stays bounded by one chunk. The split
+    is by position as in `load_corpus`. Each file is renamed into place, meta.json last (after any
+    old one is removed), so a folder with a meta.json is complete. `progress(pass_name, chars_done,
+    chars_total)` after each chunk. Raises FileNotFoundError / ValueError, one line."""
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"--tokenizer={tokenizer!r}: must be one of {list(TOKENIZERS)}")
     if not 0.0 < val_fraction < 1.0:

@@ -1,29 +1,25 @@
 """What one replica owns and the work it does when the supervisor tells it to.
 
 A `ReplicaTrainer` holds a full model copy, its inner optimizer, the round-start global params
-with the outer optimizer (outer.py), and its counters: `round` (committed rounds) and `step`
-(committed inner steps in total). What it trains is plugged in (hsgd/train/task.py). Its data
-position IS its step: batches are a pure function of (seed, global replica index, step,
-micro-batch), and so is the inner learning rate (`inner_lr`), so healing needs no data-loader
-state and a healed or resumed replica lands on the same rate (no RNG state: no dropout by default).
+with the outer optimizer (outer.py) and its counters: `round` (committed rounds) and `step`
+(committed inner steps in total). Its data position IS its step (task.py's Dataset contract), and
+so is the inner learning rate (`inner_lr`): a healed or resumed replica needs no data-loader or
+RNG state (no dropout by default).
 
-The phase methods each run ONE level's collectives, never both, so a replica is in at most one
-collective at a time: `run_inner` (inner steps; `ddp` all-reduces gradient buckets from backward
-hooks, `localsgd` averages params every `inner_every` steps), `cluster_average` (inner `none`),
-`outer_reduce` (shard holders, level "outer": the first phase of the two-phase commit) and
-`outer_commit` (level "inner": the holders broadcast, every replica applies the outer step).
-What a round syncs is hsgd/core/outer_plan.py's: fragment `round % sync.fragments`, cut into shards
-at the codec's block boundaries (hsgd/train/codec.py).
+Each phase method runs ONE level's collectives, never both, so a replica is in at most one
+collective at a time: `run_inner` (inner steps), `cluster_average` (inner `none`), `outer_reduce`
+(shard holders, level "outer": the first phase of the two-phase commit) and `outer_commit` (level
+"inner": the holders broadcast, every replica applies the outer step). What a round syncs is
+hsgd/core/outer_plan.py's, cut into shards at the codec's block boundaries.
 Failures:
 - A failed collective raises `hsgd.train.comm.CollectiveError` and leaves the state exactly where
   the last committed step left it (a localsgd step whose average failed is rolled back, so its
   retry never applies the optimizer step twice); the step in flight is redone after re-planning.
-- A non-finite loss or gradient norm sets a flag kept on the device (no per-step host sync), read
-  once at the phase's end, where `run_inner` raises `NonFiniteError`: the params are poisoned and
-  the replica must be healed. `outer_reduce` raises it before sending a non-finite pseudo-gradient.
+- A non-finite loss or gradient norm sets a flag on the device (no per-step host sync), read once
+  at the phase's end, where `run_inner` raises `NonFiniteError`: the replica must be healed.
+  `outer_reduce` raises it before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
-and a call for a round this replica has not reached raises `Behind`.
-Numerics (`train.precision`, `train.compile`): README, "Numerics for GPU runs".
+one for a round this replica has not reached raises `Behind`.
 """
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ import hashlib
 import math
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +39,7 @@ from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bo
 from hsgd.core.topology import Topology
 from hsgd.train import task
 from hsgd.train.buckets import GradBuckets
+from hsgd.train.checkpoint import write_atomic
 from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
@@ -115,9 +111,8 @@ def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter], device: st
 
 
 def inner_lr(o: Any, step: int, total_steps: int) -> float:
-    """The inner learning rate at global inner step `step` (0-based) of a run of `total_steps`:
-    linear warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at
-    the run's last step. A pure function, so heals and resumes land on the same rate."""
+    """The inner learning rate at global inner step `step` (0-based) of a run of `total_steps`: linear
+    warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at the last step."""
     if o.warmup_steps > 0 and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
@@ -158,8 +153,7 @@ class ReplicaTrainer:
             if cfg.sync.outer_compress != "none" else None
         # error feedback: what compression did not send yet, this cluster's (fp32, one per parameter)
         self.outer_residual: list[torch.Tensor] | None = None
-        # sync.fragment_delay = tau: (round, corrected flat fp32 pseudo-gradient) taken tau steps before
-        # the round's end and reduced while those steps run (Streaming DiLoCo's overlap)
+        # sync.fragment_delay: (round, corrected flat fp32 pseudo-gradient), see take_outer_snapshot
         self.fragment_delay = cfg.sync.fragment_delay
         self._outer_snapshot: tuple[int, torch.Tensor] | None = None
         self.grad_accum = int(cfg.data.grad_accum)
@@ -172,11 +166,9 @@ class ReplicaTrainer:
         self.round = 0
         self.step = 0
         self.round_losses: list[float] = []
-        # ((round, epoch, shard, shards, token weights), mean of that shard, flat fp32): never reused
-        # or committed under another epoch, shard plan or weights
+        # (outer_reduce's key, mean of that shard, flat fp32): never reused or committed under another key
         self._outer_buffer: tuple[tuple, torch.Tensor] | None = None
-        # inner `none`: (round, epoch) of the last cluster average, and the params before it, so a
-        # retried average starts from the same point (never averages an averaged replica again)
+        # inner `none`: (round, epoch) of the last cluster_average, and (round, the params before it)
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
         self.pacer = pacer_from_config(cfg)  # simulated step time / stragglers: None unless configured
@@ -315,9 +307,8 @@ class ReplicaTrainer:
                   at_snapshot: Callable[[], None] | None = None) -> InnerReport:
         """Run inner steps until the round's last step is committed (or a hook raises YieldNow).
         Raises CollectiveError, NonFiniteError or Behind (see the module's failures). Losses stay on
-        the device until the end: one read-back. With sync.fragment_delay, `at_snapshot` is called
-        once per call at the round's snapshot step (`take_outer_snapshot`), before the next step:
-        the replica starts the outer reduce there, on the outer level, while these steps go on."""
+        the device until the end: one read-back. At the round's snapshot step, before running it, it calls
+        `take_outer_snapshot`, then `at_snapshot` (once per call: hsgd.train.overlap's reduce starts there)."""
         start, bytes_before, first, pending, yielded = time.perf_counter(), inner.bytes_sent, self.step, [], False
         losses: list[float] = []
         snapshot_seen = False
@@ -362,7 +353,8 @@ class ReplicaTrainer:
     @torch.no_grad()
     def cluster_average(self, round_index: int, epoch: int, inner: LevelGroup) -> None:
         """inner `none`: make every replica of the cluster hold the cluster mean. Idempotent per
-        (round, epoch); a retry under a new epoch first restores the params it had before."""
+        (round, epoch); a retry under a new epoch first restores the params it had before (an
+        averaged replica is never averaged again)."""
         if not self._require(round_index, "cluster_average") or self._averaged == (round_index, epoch):
             return
         if self._pre_average is not None and self._pre_average[0] == round_index:
@@ -403,9 +395,8 @@ class ReplicaTrainer:
         """The token-weighted mean over the clusters of shard `shard` of `shards` into the buffer keyed
         by (round, epoch, shard, shards, weights), idempotent per key. `weights`: each cluster's, in
         outer-rank order (hsgd.core.outer_plan.token_weights; () = the plain mean); a weight of 1.0
-        is never multiplied, so equal clusters give the plain mean bit for bit. Uncompressed: each
-        holder scales its piece by its cluster's weight, then one fp32 all-reduce. With a codec: the
-        encoded shards (unweighted: the error-feedback residual stays so) are all-gathered, decoded,
+        is never multiplied, so equal clusters give the plain mean bit for bit. With a codec the
+        encoded shards are gathered unweighted (the error-feedback residual stays so), then decoded,
         weighted and summed in outer-rank order, so every holder holds the same bits. Raises
         NonFiniteError before sending a non-finite pseudo-gradient."""
         if not self._require(round_index, "outer_reduce"):
@@ -486,9 +477,8 @@ class ReplicaTrainer:
     # -- evaluation, digests, the final model ---------------------------------------------------
     @torch.no_grad()
     def eval_loss(self) -> float:
-        """Mean loss of the global params on the held-out batches (the same for every replica and
-        run: task.EVAL_SEED, replica_index -1). After a commit they are this replica's params;
-        under streaming (fragments, a mixing weight) they are swapped in for the evaluation."""
+        """Mean loss of the global params on task.py's evaluation batches. After a commit they are this
+        replica's params; under streaming (fragments, a mixing weight) they are swapped in for it."""
         saved = [p.detach().clone() for p in self.params] if is_streaming(self.cfg) else None
         if saved is not None:
             self.outer_opt.copy_global_into(self.params)
@@ -515,23 +505,16 @@ class ReplicaTrainer:
     def save_model(self, path: str) -> dict:
         """Write the committed global model (the global params of round `round`) to `path` as
         safetensors, under the module's parameter names (a tied weight once), with the round, the
-        plug-ins and the digest as metadata, under a temporary name renamed into place (a reader
-        never sees half a file). Load it back with `model.load_state_dict(
+        plug-ins and the digest as metadata (`write_atomic`). Load it back with `model.load_state_dict(
         safetensors.torch.load_file(path), strict=False)`. Raises OSError when it cannot be written."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         tensors = {name: g.detach().to("cpu").contiguous()
                    for name, g in zip(self.param_names, self.outer_opt.global_params)}
         meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
                 "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
                 "global_digest": self.global_digest()}
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_atomic(str(path), lambda f: f.write(save(tensors, metadata=meta)))
         return {"path": str(path), "round": self.round, "bytes": os.path.getsize(path),
                 "global_digest": meta["global_digest"]}
 
@@ -559,7 +542,7 @@ class ReplicaTrainer:
         else mutates meanwhile). Never modify it or keep it past that call."""
         snapshot = self._outer_snapshot
         return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
-                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(copy=False),
+                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(),
                 "outer_residual": None if self.outer_residual is None else list(self.outer_residual),
                 "outer_snapshot": None if snapshot is None else {"round": snapshot[0], "flat": snapshot[1]},
                 "round_losses": list(self.round_losses)}
@@ -568,7 +551,7 @@ class ReplicaTrainer:
         """What a `global` heal needs: the round-start global params and outer state. They change
         only in outer_commit, so this may be read while an inner phase runs."""
         return {"rid": self.rid, "round": self.round, "step": self.round * self.steps_per_round,
-                "outer": self.outer_opt.state_dict()}
+                "outer": copy.deepcopy(self.outer_opt.state_dict())}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:

@@ -89,6 +89,19 @@ def test_global_heal_gives_every_cluster_member_the_same_inner_optimizer_state(d
     assert a.param_digest() == b.param_digest() == donor.global_digest()
 
 
+def test_global_state_is_a_snapshot(dataset):
+    t = _trainer(dataset, "c0r0")
+    t.outer_opt.step([torch.ones_like(g) for g in t.outer_opt.global_params])
+    state = t.global_state()
+    saved = [g.clone() for g in state["outer"]["global_params"]]
+    saved_momentum = [v["momentum_buffer"].clone() for v in state["outer"]["sgd"]["state"].values()]
+    t.outer_opt.step([torch.ones_like(g) for g in t.outer_opt.global_params])
+    now_momentum = [v["momentum_buffer"] for v in state["outer"]["sgd"]["state"].values()]
+    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum)), \
+        "a saved state must not change after later steps"
+    assert all(torch.equal(x, y) for x, y in zip(saved, state["outer"]["global_params"]))
+
+
 # -- issue 19 Build 6: a failed localsgd average never leaves a step applied twice ------------------
 class FlakyPeerGroup:
     """A localsgd inner group of two whose other member holds params of 0.5 everywhere; the
