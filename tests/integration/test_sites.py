@@ -37,7 +37,7 @@ KILL_IN_EVERY_SITE = ("faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inn
                       "{kind:kill,target:c2r0,round:3,phase:inner,step:3}]")
 
 
-def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkill_then_resume(drill_run, tmp_path):
+def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkill_then_resume(background_drills, tmp_path):
     drill = background_drills(FAST + SHORT + ["train.rounds=5", KILL_IN_EVERY_SITE], tmp_path)
     run_dir = Path(drill.run_dir)
     running = poll("round 0's inner steps on c0r2", 180, lambda: inner_running(run_dir, ["c0r2"], 0, 3))
@@ -68,7 +68,7 @@ REALISTIC = [SITES, f"sync.outer_every={REALISTIC_SPR}", "train.min_step_s=0.3",
 
 
 @pytest.mark.realistic
-def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_whole_site(drill_run, tmp_path):
+def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_whole_site(background_drills, tmp_path):
     """Rounds of 30 s of inner work; in round 0 c0r0 and c0r2 are SIGKILLed from outside at once, in
     round 1 the whole 2-replica site (c1r0, c1r1): completes, the invariants hold, every killed
     replica is back (replica_up) within 2 rounds, in under 10 minutes."""
@@ -114,7 +114,7 @@ def sigkill_three_times(progress, rid: str) -> list[int]:
     return killed
 
 
-def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_completes(drill_run, tmp_path):
+def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_completes(background_drills, tmp_path):
     drill = background_drills(FAST + QUARANTINE, tmp_path)
     run_dir = Path(drill.run_dir)
     sigkill_three_times(lambda rid: replica_progress(run_dir, rid), "c0r1")
