@@ -1,21 +1,9 @@
 """Failure drills: start a run in the background (a notebook, a script), watch it, break it on
-purpose, and wait for it to heal.
-
-    drill = Drill(["train.rounds=12"]).start()
-    drill.wait_for(phase="inner")
-    drill.inject("kill", "c0r1")                       # now
-    drill.wait_down()                                  # the run recorded c0r1 down
-    drill.wait_recovered()
-    drill.inject("hang", "leader:c1", round=5, phase="outer")   # at a phase boundary
-    drill.wait_recovered()
-    summary = drill.wait_done()
-
-Every blocking call takes a timeout and raises `DrillError` saying what it waited for and what the
-run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray, in
-`drill.run_dir`. What happened is read from the run's record (events.jsonl, faults_fired.jsonl:
-every death and commit once, in order); status.json (`state()`, `wait_for`) is only the newest
-state: a short-lived one may never be written, and it may reach the disk before or after the
-events logged with it.
+purpose, and wait for it to heal (README, "Failure drills", shows the API). The run is the ordinary
+`jobs.train` path on an embedded Ray, in `drill.run_dir`. Every blocking call takes a timeout and
+raises `DrillError` saying what it waited for and what the run looked like then. Waits read the
+run's record (events.jsonl, faults_fired.jsonl: every death and commit once, in order), not
+status.json alone: that is only the newest state, and may reach the disk before or after its events.
 """
 from __future__ import annotations
 
@@ -177,14 +165,13 @@ class Drill:
                          f"last state: {self._brief()}")
 
     def wait_recovered(self, timeout_s: float = 180.0) -> dict:
-        """Wait until the run recovered from the last injection, read from its record: the fault took
-        effect (`wait_down`'s events, or its faults_fired.jsonl line with its round); then a `commit`
-        naming every replica came after the last failure and after the round the fault fired in (a
-        fault at the commit in flight lets that round commit without its victim); and status.json
-        caught up (its round past that commit, every replica a member). Returns {"recovered_s": from
-        the injection to that commit, "detections": the failure events}. Not "all in status.json and
-        a commit since the last replica_up": the view can reach the disk before earlier events, a
-        member may still be healing, and one back during the outer exchange sits that round out."""
+        """Wait until the record shows the last injection took effect (`wait_down`'s events, or its
+        faults_fired.jsonl line with its round), then a `commit` naming every replica after the last
+        failure and after the round the fault fired in (a fault at the commit in flight lets that
+        round commit without its victim), and status.json caught up (its round past that commit,
+        every replica a member). Returns {"recovered_s": injection to that commit, "detections"}.
+        Not "a commit since the last replica_up": a member may still be healing, and one back
+        during the outer exchange sits that round out."""
         last = self._last()
         t0 = last["t"]
         everyone = set(self._info()["replicas"])

@@ -1,12 +1,7 @@
-"""Quarantine, carried out (the rule: hsgd/core/quarantine.py): count each replica's deaths; one
-that died too often in the window is killed for good and re-created as a new actor pinned to
-another live node with room for it (Ray restarts an actor with its original options, so only a new
-actor can leave the node), or, where no other node can hold it, kept out for the rest of the run.
-A death an injected fault explains is not counted: it says nothing about the node.
-
-The moved replica is a fresh process under its id: it rejoins as any restarted replica does, and a
-restarted supervisor finds it by the name in the durable identity map. Event `replica_quarantined`:
-rid, node, moved_to (a node id, or null: kept out), deaths, window_s.
+"""Quarantine, carried out (the rule: hsgd/core/quarantine.py; README, "Quarantine"): a replica
+killed for good is re-created as a new actor pinned to another node (Ray restarts an actor with its
+original options, so only a new actor can leave the node). It rejoins as any restarted replica; a
+restarted supervisor finds it by the name in the durable identity map.
 """
 from __future__ import annotations
 

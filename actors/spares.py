@@ -1,11 +1,8 @@
-"""Hot spares: warmed replica processes, per cluster, that take over a dead replica's identity.
-
-A spare is a Replica actor that paid a fresh process's one-time costs (torch import, model and
-optimizer built, the first step's lazy imports) and sits idle. When a replica dies, a ready spare of
-its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica;
-the dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
-pool's names are the supervisor's durable state. A ready spare is asked nothing more: its death,
-seen by the supervisor's ActorWatch, calls `lost` (never counted ready until it answers again).
+"""Hot spares: warmed Replica actors (torch imported, model and optimizer built, first step run),
+idle per cluster. A ready spare `assume`s a dead replica's id and is healed like a restarted one;
+the dead actor's restart is told to `become_spare`, refilling the pool. The pool's names are the
+supervisor's durable state. A ready spare is asked nothing more: its death, seen by ActorWatch,
+calls `lost` (not ready until it answers again).
 """
 from __future__ import annotations
 
