@@ -2,20 +2,18 @@
 supervisor that issues them never holds it.
 
 Protocol
-- Through the object store (`global` heals; the fallback of a `full` heal): the source answers a
-  small meta (a PhaseAnswer with `pid`, `bytes`) and the state (num_returns=2), whose ref goes
-  straight into the target's `load_state`; only the meta is fetched here. A source that refuses
-  (`heal_state`: no longer the process it was chosen as) answers `collective_failed` and no state;
-  the target's `load_state` then answers `collective_failed`, untouched.
-- Over the process group (`full` heals): one `send_state` on the source (rank 0) and one
-  `receive_state` per target, in a group of their own under a fresh prefix. A target whose
-  transfer fails (`collective_failed`) is healed once more, within the same action, through the
-  object store from the source's `heal_state` (`heal_fallback`).
+- Through the object store (`global` heals; a `full` heal's fallback): the source answers a small
+  meta (a PhaseAnswer with `pid`, `bytes`) and the state (num_returns=2), whose ref goes straight
+  into the target's `load_state`; only the meta is fetched here. A source that refuses
+  (`heal_state`: not the process it was chosen as) answers `collective_failed` and no state; the
+  target's `load_state` then answers `collective_failed`, untouched.
+- Over the process group (`full` heals): one `send_state` on the source (rank 0), one
+  `receive_state` per target, in a group of their own. A target whose transfer fails is healed
+  once more, in the same action, through the object store (`heal_fallback`).
 - The source watch (`watched()`, then `source_answer`): `Lost(source, cause)` when the source
   raised or refused (`heal_source_lost`), `StateReady(action, source)` when it delivered (from then
-  on a silent target is the one to blame), nothing for a failed transfer over the group. A slow
-  answer is never a loss: the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`) is the
-  round machine's.
+  on a silent target is to blame), nothing for a failed group transfer. A slow answer is never a
+  loss: the heal's deadline is the round machine's.
 - A target's call that raised is its source's failure when the source's meta raised or refused
   (`source_failed`): Ray fails a call whose argument failed with the argument's error.
 """
@@ -48,8 +46,7 @@ class Heals:
         self.watch: dict[Any, tuple[int, str]] = {}  # sources' answers not yet taken in -> (action, source)
         self.sends: set = set()  # the send_state calls among them
         self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
-        # over the group, keyed (action, source): its group's prefix; the (round, step) the source was
-        # chosen holding (its fallback's heal_state checks it)
+        # over the group, keyed (action, source): its group's prefix; the source's (round, step) when chosen
         self.prefixes: dict[tuple[int, str], str] = {}
         self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
         self.members: dict[str, tuple[str, ...]] = {}  # a heal group's prefix -> its source and targets
@@ -58,10 +55,9 @@ class Heals:
 
     def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
               faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
-        """Heal `target` as heal action `action_id` says (`calls`: the whole action; a source's state
-        is asked once however many targets it heals). `faults`: rid -> its armed faults. `source_at`:
-        the (round, step) the source held when chosen (a `full` heal's fallback refuses a source that
-        no longer holds it). Returns the target's call (a `full` heal's goes through `group_answer`)."""
+        """Heal `target` as action `action_id`'s `calls` say (a source's state is asked once however
+        many targets it heals). `source_at`: the source's (round, step) when chosen, which a `full`
+        heal's fallback checks. Returns the target's call (a `full` heal's goes through `group_answer`)."""
         source, scope = calls[target].source, calls[target].scope
         key = (action_id, source)
         self.source_of[(action_id, target)] = source
@@ -149,9 +145,8 @@ class Heals:
         return self.handles[target].load_state.remote(self.states[key], scope, faults)
 
     def settle(self, targets: Mapping[str, Any], deadline_s: float) -> dict[str, Any]:
-        """The final heal's wait, until every target's heal (target -> the call `issue` returned)
-        answered (failed transfers fall back; sources' answers taken in) or `deadline_s` passed.
-        Returns target -> the ref whose answer is its heal's (not ready if late)."""
+        """The final heal's wait: until every target's call (from `issue`) answered, failed transfers
+        falling back, or `deadline_s` passed. Returns target -> the ref whose answer is its heal's."""
         final = dict(targets)
         pending = {ref: rid for rid, ref in final.items()}
         end = time.monotonic() + deadline_s
@@ -178,9 +173,8 @@ class Heals:
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
     def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
-        """rid is dead: `abort(prefix, reason)` each of its heal groups once (as AbortJoin does for inner
-        and outer groups, instead of waiting out configure_timeout_s), with a `join_aborted` event;
-        a group already formed is not affected (the abort is a compare-and-set)."""
+        """rid is dead: `abort(prefix, reason)` each of its heal groups once, as AbortJoin does (a
+        `join_aborted` event); a group already formed is not affected (the abort is a compare-and-set)."""
         for prefix in self.groups_of(rid):
             self.released.add(prefix)
             reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"

@@ -1,9 +1,6 @@
 """The supervisor's view of its replicas between (and across) rounds: who serves each replica id,
-who is live, which process groups they still hold. It asks for progress (the control channel,
-which answers while a phase runs), brings back replicas that (re)started, hands a dead one's id to
-a ready hot spare, and marks down one that does not answer. A new process under an id holds no
-group: its cluster's groups must be configured again. Deaths are logged here, each once
-(actors/lifecycle.py `ActorWatch`).
+who is live, which process groups they still hold. A new process under an id holds no group: its
+cluster's groups must be configured again. Deaths are logged here, each once (ActorWatch).
 """
 from __future__ import annotations
 
@@ -127,9 +124,8 @@ class Roster:
             self._forget_groups(rid)
 
     def restart_raised(self, rid: str, phase: str | None, round_index: int, detail: str = "") -> None:
-        """rid raised inside a phase (an OOM, an I/O error, a bug): its `replica_down` (cause
-        `error`) is logged *before* it is killed, so that the next look at Ray's actor table does
-        not report the kill first as a plain death; then Ray restarts it clean."""
+        """rid raised in a phase: its `replica_down` (cause `error`) is logged *before* the kill, so
+        Ray's actor table does not report the kill first as a plain death; Ray restarts it clean."""
         self.died(rid, "error", phase, round_index, detail)
         try:
             ray.kill(self.handles[rid], no_restart=False)
@@ -137,9 +133,8 @@ class Roster:
             pass
 
     def died(self, rid: str, cause: str, phase: str | None, round_index: int, detail: str = "") -> bool:
-        """The process serving rid died (or was killed), learned from a call: log its `replica_down`
-        with the incarnation that died — unless the watch already reported that death. True if
-        logged."""
+        """The process serving rid died (or was killed), learned from a call: its `replica_down`,
+        unless the watch already reported that death (ActorWatch.note_death). True if logged."""
         dead = self.watch.note_death(rid)
         if dead is None:
             return False  # the watch saw this death first: logged then
@@ -157,7 +152,7 @@ class Roster:
         lost = []
         for d in self.watch.poll():
             if d.rid is None:
-                self.spares.lost(d.name)
+                self.spares.ready.discard(d.name)  # not ready until it answers again
                 self.log.event("spare_lost", cluster=d.cluster, spare=d.name, incarnation=d.incarnation,
                                round=round_index, state=d.state)
                 continue
@@ -226,12 +221,10 @@ class Roster:
     def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
                    min_gbps: float = 1.0) -> None:
         """After a supervisor restart, replicas may still run a phase of the old one: wait while they
-        work; kill (marked down `hung`; Ray restarts it) one stuck or silent, as StallWatch decides: an
-        inner step not moved, or no answer at all (a hang holding the GIL), for `stuck_after_s`; a
-        checkpoint, heal, outer exchange or commit past `call_timeout_s` plus 3 x the params at
-        `min_gbps`. A dead one is only marked down (a kill could hit its new process). One progress
-        question per replica is outstanding; each pass waits at most AWAIT_PASS_S (silence counts
-        from the first pass without an answer)."""
+        work; kill (down `hung`, Ray restarts it) one StallWatch finds stuck or silent for
+        `stuck_after_s` (a checkpoint, heal, outer exchange or commit: `call_timeout_s` plus 3 x the
+        params at `min_gbps`). A dead one is only marked down (a kill could hit its new process). One
+        progress question per replica at a time; a pass waits at most AWAIT_PASS_S."""
         watch = StallWatch(stuck_after_s, silent_s=stuck_after_s)
         asked: dict[str, Any] = {}  # rid -> its progress question still unanswered
         while True:

@@ -1,12 +1,10 @@
 """The supervisor's record. `SupervisorRecord`, of the run: the run log (events, metrics, every
-file the supervisor writes, each through the log's writer thread with a deadline), the durable
-state's saves, status.json, wandb and the summary. Storage is never the run loop's master: records
-wait in memory while the run folder fails; only one unwritable for `run.io_grace_s` ends the run.
+file the supervisor writes, through the log's writer thread with a deadline), durable-state saves,
+status.json, wandb and the summary. Storage never masters the run loop: records wait in memory while
+the run folder fails; only one unwritable for `run.io_grace_s` ends the run.
 
-`RoundRecord`, of one round: the numbers replicas report in their answers, the phase timings, and
-the round's events (`phase_begin`, `membership`, `cluster_reform`, `phase_end`, `heal_end`,
-`non_finite`, `cluster_benched`). It decides nothing and calls nobody: the runner hands it each
-answer and each PhaseEnded.
+`RoundRecord`, of one round: the replicas' numbers, the phase timings and the round's events. It
+decides nothing and calls nobody: the runner hands it each answer and each PhaseEnded.
 """
 from __future__ import annotations
 
@@ -123,9 +121,8 @@ class RoundRecord:
         return bool(self.reduce_overlapped) and self.reduce_overlapped[max(self.reduce_overlapped)]
 
     def phase_begun(self, phase: Phase, leaders: dict[int, str], cluster_of) -> None:
-        """phase_begin; for a phase that forms its group, the group it forms (`membership`: its
-        members and their leader, not the whole run's view: a round where every cluster forms its
-        group would otherwise log O(clusters²)), and `cluster_reform` for a cluster re-formed."""
+        """phase_begin; a `membership` of the group a phase forms (not the whole run's view: O(clusters²)
+        when every cluster forms its group), and `cluster_reform` for a cluster re-formed."""
         log, inner = self.log, phase.kind is CallKind.RUN_INNER
         log.event("phase_begin", phase=phase.kind.record, round=self.r, cluster=phase.cluster, epoch=phase.epoch,
                   replicas=sorted(phase.calls), reason=phase.reason or None)
@@ -201,9 +198,8 @@ class RoundRecord:
             self.attempts += 1
 
     def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
-        """Each void cluster logged once (one `non_finite` per cluster and round, however many
-        members reported it), once its phase ended (it sits out: `rids` names every member), and a
-        benched one with a console warning."""
+        """One `non_finite` per void cluster and round, once its phase ended (`rids`: every member that
+        reported it); a benched one with a console warning."""
         for c, nf in void.items():
             if c not in self.logged_void and (final or c in out):
                 self.logged_void.add(c)

@@ -1,8 +1,8 @@
 """Hot spares: warmed Replica actors (torch imported, model and optimizer built, first step run),
 idle per cluster. A ready spare `assume`s a dead replica's id and is healed like a restarted one;
 the dead actor's restart is told to `become_spare`, refilling the pool. The pool's names are the
-supervisor's durable state. A ready spare is asked nothing more: its death, seen by ActorWatch,
-calls `lost` (not ready until it answers again).
+supervisor's durable state. A ready spare is asked nothing more: once ActorWatch sees it die, it
+leaves `ready` until it answers again as a warm spare.
 """
 from __future__ import annotations
 
@@ -51,10 +51,6 @@ class SparePool:
         elif answer.get("pid") not in self._warming:
             self._warming.add(answer.get("pid"))
             self.handles[name].become_spare.remote()  # warms up, then answers spare=True
-
-    def lost(self, name: str) -> None:
-        """Spare `name` died: not ready until it answers again as a warm spare."""
-        self.ready.discard(name)
 
     def promote(self, rid: str, cluster: int, dead_handle, dead_name: str, timeout_s: float):
         """Hand `rid` to a ready spare of `cluster`; the dead actor takes its place in the pool.

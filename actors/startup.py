@@ -1,11 +1,10 @@
-"""A run's start-up, for the driver (actors/launch.py): start the replica and spare actors in
-their placement, ask where they landed, and the start-up calls (the checkpoint reach check, the
-resume load). These survive deaths: a replica that dies or cannot be reached while it answers one
-(a node lost during start-up, a `startup` fault) is a replica failure, never a config error. Ray
-restarts it and the call is retried for it until `supervisor.call_timeout_s` has passed since the
-first try; one still not back then is left out (taken in when it returns) where its cluster keeps
-`supervisor.min_replicas_per_cluster`, else the run ends failed (exit 1). Only a live replica's
-answer (or its own exception) can be a config error (exit 2).
+"""A run's start-up, for the driver: start the replica and spare actors in their placement, ask where
+they landed, and the start-up calls (checkpoint reach check, resume load). A replica that dies or
+cannot be reached during one (a lost node, a `startup` fault) is a replica failure, never a config
+error: Ray restarts it and the call is retried until `supervisor.call_timeout_s` since the first
+try; one still away then is left out (taken in when back) where its cluster keeps
+`supervisor.min_replicas_per_cluster`, else the run fails (exit 1). Only a live replica's answer
+(or its own exception) can be a config error (exit 2).
 """
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
 
 
 def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
-    """One replica actor (args: rid, run_dir, backends[, spare]; also quarantine's re-created one):
-    it gets the index table, so its data stream is its id's wherever and whenever it starts."""
+    """One replica actor (args: rid, run_dir, backends[, spare]); the index table keeps its data
+    stream its id's wherever and whenever it starts."""
     return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
                            **options).remote(container, *args, index_table=index_table)
 
@@ -86,10 +85,9 @@ class StartupCalls:
         self.topology, self.cfg = topology, supervisor_cfg
 
     def call_all(self, handles: dict, call: Callable, timeout_s: float) -> tuple[dict, dict]:
-        """call(key, handle, first_try) -> an ObjectRef, for every handle; retried for those that
-        died or did not answer. Returns (answers, errors): a live replica's answer or its own
-        exception (a RayTaskError) by key. RuntimeError when a replica is still away after the
-        retries and its cluster falls below `min_replicas_per_cluster`."""
+        """call(key, handle, first_try) -> an ObjectRef, retried for those that died or did not
+        answer. Returns (answers, errors: a live replica's own exception) by key. RuntimeError when
+        one still away after the retries leaves its cluster below `min_replicas_per_cluster`."""
         answers, errors, pending = {}, {}, dict(handles)
         deadline, first = time.monotonic() + self.cfg.call_timeout_s, True
         while pending:
