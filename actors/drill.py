@@ -269,14 +269,12 @@ class Drill:
 
 
 def _members(status: dict) -> set[str]:
-    """The replicas a status view lists as members of their cluster (live)."""
     return {rid for members in (status.get("members") or {}).values() for rid in members}
 
 
 def _returned(events: list[dict], failures: list[dict]) -> float | None:
-    """When the last replica recorded down among `failures` came back (its `replica_up`, or a spare
-    promoted under its id, after its last down); None while one is still away; 0.0 when none went
-    down."""
+    """When the last replica down in `failures` came back (`replica_up` or `spare_promoted` after its
+    last down); None while one is still away; 0.0 when none went down."""
     last_down: dict[str, float] = {}
     for e in failures:
         if e["event"] in _DOWN and e.get("rid"):

@@ -51,7 +51,6 @@ class FaultInjector:
         return spec.describe()
 
     def pending(self, round_index: int, phases: tuple[str, ...]) -> bool:
-        """Any replica fault of this round and these phases still to fire? (cheap: no plan needed)"""
         return any(i not in self.state.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
                    for i, f in enumerate(self.faults))
 

@@ -34,8 +34,7 @@ SETTLE_POLL_S = 0.5  # settle's longest wait before it looks at its deadline aga
 
 
 class Heals:
-    """The heals of one round (or of the final heal). `store_addr`: the groups' rendezvous address
-    (`host:port/<secret>`); `run_id` and `round_index` name the groups' prefixes and the events."""
+    """The heals of one round (or the final heal); `store_addr`: the heal groups' rendezvous."""
 
     def __init__(self, handles: Mapping[str, Any], log, *, store_addr: str | None, run_id: str, round_index: int):
         self.handles, self.log = handles, log
@@ -169,7 +168,6 @@ class Heals:
         return final
 
     def groups_of(self, rid: str) -> list[str]:
-        """The heal groups `rid` is in whose rendezvous was not released yet."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
     def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:

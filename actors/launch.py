@@ -36,8 +36,7 @@ from hsgd.train import checkpoint
 
 def connect_ray(cfg: DictConfig) -> bool:
     """Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
-    True if this call connected (the caller disconnects when done); a caller that already
-    initialised Ray (a test, a notebook) keeps its connection."""
+    True if this call connected; Ray already initialised (a test, a notebook) stays as it is."""
     import ray
 
     if ray.is_initialized():
@@ -231,8 +230,7 @@ def _watch(run: Run, supervisor, view, ref) -> None:
 
 
 def _finish(run: Run, summary: dict) -> dict:
-    """summary.json always there (or on the console), plots (a failure is a warning: the record is
-    what counts) and the console's last lines."""
+    """summary.json always there (or on the console), plots (a failure only warns), the last lines."""
     from hsgd.record.plots import write_run_plots
 
     run_dir = run.run_dir
@@ -249,7 +247,6 @@ def _finish(run: Run, summary: dict) -> dict:
 
 
 def _clean_up(run: Run) -> None:
-    """Kill the run's actors, release the placement, note the job's time, leave Ray if we joined it."""
     import ray
 
     for actor in run.actors:

@@ -128,7 +128,6 @@ class ActorWatch:
         return last is None or (last[0] == death.name and last[1] <= death.incarnation)
 
     def answered(self, death: Death) -> bool:
-        """The process that died is the one that last answered for its replica."""
         return self._last.get(death.rid) == (death.name, death.incarnation)
 
     def poll(self) -> list[Death]:

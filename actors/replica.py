@@ -41,8 +41,7 @@ class InjectedError(RuntimeError):
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
                  index_table: dict | None = None):
-        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here: nccl
-        when Ray gave it a GPU and torch sees CUDA. `index_table`: the run's (hsgd/core/topology.py)."""
+        """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's."""
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -237,10 +236,9 @@ class Replica:
         return self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid())
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
-        """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
-        world_size), after the `join` faults fired. Blocks until every member joined, the supervisor
-        aborts the rendezvous (CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes
-        (kind `configure`): the call then answers `collective_failed`. Returns the seconds it took."""
+        """Form `group` when the call carries `join` = (epoch, store_addr, prefix, rank, world_size), after
+        the `join` faults; the seconds it took. Blocks until every member joined, the supervisor aborts the
+        rendezvous (CollectiveError `join_aborted`) or comm.configure_timeout_s passes (`configure`)."""
         if join is None:
             return 0.0
         self._hook("join", self.trainer.round, 0)
@@ -258,10 +256,9 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
                   overlap: Overlap | None = None) -> dict:
-        """This round's remaining inner steps in the cluster's inner group (`join`: form it first).
-        `behind` if not at the round (it joins all the same, so its peers' first collective fails
-        fast). `overlap`: this replica holds that shard in the standing outer group of `overlap.epoch`
-        and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
+        """This round's remaining inner steps (`join`: form the group first). `behind` if not at the
+        round (it joins all the same, so its peers' first collective fails fast). `overlap`: reduce
+        that shard in the background from the snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -316,9 +313,8 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
-        """Phase 2, only once the supervisor decided commit: the member of inner rank roots[j]
-        broadcasts shard j of the buffer in the cluster and every member applies the same outer
-        step. A round already committed here is a no-op."""
+        """Phase 2, once the supervisor decided commit: inner rank roots[j] broadcasts shard j of the
+        buffer, every member applies the same outer step. A round already committed is a no-op."""
         def run():
             self._settle()  # a reduce of an exchange superseded meanwhile
             self._hook("outer_commit", round_index, 0)

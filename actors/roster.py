@@ -167,7 +167,6 @@ class Roster:
         return lost
 
     def down_after(self, rid: str, err: BaseException, phase: str, round_index: int) -> None:
-        """A call to rid raised: Ray says it died, or the replica itself raised."""
         self.down(rid, "died" if isinstance(err, RayActorError) else "error", phase, round_index, str(err))
 
     def _forget_groups(self, rid: str) -> None:
@@ -179,7 +178,6 @@ class Roster:
             self.outer_configured = None  # a shard holder's (the leader's) outer group is gone
 
     def refresh(self) -> None:
-        """Every live replica's committed (round, step); those that do not answer are down."""
         for rid, answer in self.ask_all("progress", self.call_timeout_s, down="progress").items():
             self.admit(rid, answer)
 
@@ -266,8 +264,7 @@ class Roster:
                 self._forget_groups(rid)
 
     def replace(self, rid: str, name: str, handle) -> None:
-        """A new actor `name` serves rid (a spare promoted, or quarantine moved it): it joins as a
-        restarted replica."""
+        """A new actor `name` serves rid (a promoted spare, quarantine's): it joins as a restarted one."""
         self.names[rid], self.handles[rid] = name, handle
         self.gone.discard(rid)
         if self.live.pop(rid, None) is not None:

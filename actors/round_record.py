@@ -66,7 +66,6 @@ class SupervisorRecord:
         self.log.write_file("status.json", json.dumps(self.view, default=str), wait=False)
 
     def check_storage(self) -> None:
-        """RunFailed when the run folder has failed writes for longer than run.io_grace_s."""
         problem = storage_problem(*self.log.unwritable_s(), grace_s=self.io_grace_s, run_dir=self.run_dir)
         if problem is not None:
             raise RunFailed(problem)

@@ -28,9 +28,8 @@ RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
 def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
-    """train.resume: the newest checkpoint under root that verifies, falling back past corrupt or
-    truncated ones; ConfigError (one line) when there is none, or when it was written with a
-    config a resume may not change."""
+    """train.resume: the newest checkpoint under root that verifies; ConfigError (one line) when there
+    is none, or when it was written with a config a resume may not change."""
     point = checkpoint.choose(root, fingerprint, skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
@@ -51,8 +50,7 @@ def start_replica(container: dict, name: str, options: dict, *args, index_table:
 
 def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,
                    backends: dict) -> tuple[dict, dict]:
-    """The replica actors (rid -> handle) and the hot spares (actor name -> handle): warmed
-    replicas that take over a dead replica's identity, in the bundles after the replicas."""
+    """The replica actors (rid -> handle) and the hot spares (name -> handle), after them in the bundles."""
     def start(name: str, c: int, i: int, *args):
         return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
 
@@ -65,8 +63,7 @@ def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, co
 
 
 def replica_nodes(replicas: dict, timeout_s: float) -> dict:
-    """replica id -> the Ray node id the replica reports from its own runtime context (None if it
-    did not answer in time: a replica still starting or already dead; the run goes on)."""
+    """rid -> the Ray node id the replica reports (None: no answer in time; the run goes on)."""
     refs = {rid: handle.progress.remote() for rid, handle in replicas.items()}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     nodes = {}
@@ -79,8 +76,6 @@ def replica_nodes(replicas: dict, timeout_s: float) -> dict:
 
 
 class StartupCalls:
-    """The start-up calls to the replicas, each surviving their deaths (see the module docstring)."""
-
     def __init__(self, topology: Topology, supervisor_cfg):
         self.topology, self.cfg = topology, supervisor_cfg
 
