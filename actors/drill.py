@@ -189,9 +189,8 @@ class Drill:
                 fired_round = max(fired, default=None)
             back = _returned(events, failures)
             if fired_round is not None and back is not None and self._took_effect(last, failures):
-                # after the last failure AND after every replica that went down came back: a commit
-                # logged just after a death may still name the dead one (it applied the commit
-                # before it died), which is no recovery
+                # after every replica that went down came back: a commit logged just after a death
+                # may still name the dead one (it applied the commit before it died)
                 since = max([e["t"] for e in failures] + [back], default=t0)
                 commit = next((e for e in events if e["event"] == "commit" and e["t"] > since
                                and e["round"] > fired_round and everyone <= set(e.get("replicas") or ())), None)

@@ -23,8 +23,7 @@ DEADLY = ("kill", "crash", "hang", "error")  # fault kinds that end in the repli
 
 
 class FaultInjector:
-    """`state`: the run's durable state (fired and added faults live there), saved by `save`;
-    `log`: the supervisor's RunLog (events, and faults_fired.jsonl through its writer)."""
+    """`state`: the durable state (fired and added faults), saved by `save`; `log`: the supervisor's RunLog."""
 
     def __init__(self, cfg, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
@@ -87,8 +86,7 @@ class FaultInjector:
         return armed
 
     def explains_death(self, rid: str, window_s: float = 120.0) -> bool:
-        """A deadly fault armed on rid in the last `window_s` explains its death (each fault one
-        death); quarantine does not count it."""
+        """A deadly fault armed on rid in the last `window_s` explains its death (one each): quarantine skips it."""
         recent = [t for t in self.armed_at.get(rid, ()) if time.time() - t <= window_s]
         self.armed_at[rid] = recent[1:]
         return bool(recent)

@@ -1,12 +1,7 @@
 """The driver library: `jobs.train` is its command line; tests and notebooks call `run_training`
-with a config composed and checked before Ray starts (hsgd.config.compose). It checks the folder,
-chooses the resume checkpoint and takes the folder's lock (hsgd.record.runlock), then:
-- start: attach to a Ray cluster or start an embedded one; check what only the cluster knows
-  (exit 2); write run.json, config.yaml and the durable state; start the replicas (owned by this
-  driver, so they outlive a supervisor crash), spares and supervisor; the start-up calls, which
-  survive replica deaths (actors/startup.py).
-- drive: the supervisor's run call with a progress bar, re-issued to a restarted supervisor.
-- finish: summary.json always there (or printed), plots, the console's last lines.
+with a config composed and checked before Ray starts (hsgd.config.compose). The driver owns the
+replicas, so they outlive a supervisor crash; it re-issues the run call to a restarted supervisor;
+whatever breaks once the folder is locked, summary.json is there (or printed).
 """
 from __future__ import annotations
 
@@ -54,10 +49,9 @@ def connect_ray(cfg: DictConfig) -> bool:
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> dict:
-    """Run one training job to its end; returns summary.json's content. A relative run_dir is
-    taken as run.dir is (hsgd.config.output_path). ConfigError (one line) for each refusal, before
-    anything is written; a fresh run refuses a checkpoint.dir that already holds checkpoints. The
-    lock (a stale one taken over with train.resume=true) is refreshed until the run ends."""
+    """Run one training job to its end; returns summary.json's content. ConfigError (one line) for
+    each refusal, before anything is written (a fresh run refuses a checkpoint.dir holding checkpoints).
+    The lock (a stale one taken over with train.resume=true) is refreshed until the run ends."""
     from actors.startup import find_resume_point, record_takeovers
 
     run_dir = os.path.abspath(output_path(run_dir))

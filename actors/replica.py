@@ -103,7 +103,6 @@ class Replica:
         self.spare = rid is None
         self._open_step_log()
 
-    # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
         """Committed (round, step), phase and process. Answers while a phase runs, so a replica whose
@@ -155,7 +154,6 @@ class Replica:
         self.pending_now.append(fault)
         return self._answer(kind=fault["kind"])
 
-    # -- faults ---------------------------------------------------------------------------------
     def _hook(self, phase: str, round_index: int, step_in_round: int) -> None:
         while self.pending_now:
             self._fire(self.pending_now.pop(0), round_index, step_in_round)
@@ -221,7 +219,6 @@ class Replica:
             self.phase, self.phase_since = "idle", time.time()
             self.armed = []
 
-    # -- phase group ----------------------------------------------------------------------------
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
         """Hot spare: become replica `rid`; the supervisor heals it next. A failed identity write

@@ -60,10 +60,8 @@ class Roster:
             state.identity.update({rid: replica_actor_name(run_id, rid) for rid in topology.replica_ids()})
             state.spares.update({str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
                                  for c in range(topology.clusters)})
-        # which actor serves which replica id (a hot spare that took over serves a dead one's id)
         self.names: dict[str, str] = state.identity
         self.spares = SparePool(state.spares, lookup)
-        # every death of the replicas' and spares' actors, once (what was reported is durable too)
         self.watch = ActorWatch(self.names, self.spares.names, state.deaths_seen, save=save)
         self.handles = {rid: lookup(name) for rid, name in self.names.items()}
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
