@@ -148,8 +148,7 @@ class Drill:
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until events.jsonl records the last injection (a kill, crash or hang, now) taking down
-        what it hit (`replica_down` or `hang_detected` per replica, `supervisor_start`); returns those
-        events. Not status.json: a replica found dead after Ray restarted it may never leave a view."""
+        what it hit (`replica_down` or `hang_detected` per replica, `supervisor_start`); those events."""
         last = self._last()
         if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
             raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")

@@ -45,9 +45,8 @@ class Heals:
         self.watch: dict[Any, tuple[int, str]] = {}  # sources' answers not yet taken in -> (action, source)
         self.sends: set = set()  # the send_state calls among them
         self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
-        # over the group, keyed (action, source): its group's prefix; the source's (round, step) when chosen
-        self.prefixes: dict[tuple[int, str], str] = {}
-        self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
+        # over the group, (action, source) -> (its group's prefix, the source's (round, step) when chosen)
+        self.groups: dict[tuple[int, str], tuple[str, tuple[int, int] | None]] = {}
         self.members: dict[str, tuple[str, ...]] = {}  # a heal group's prefix -> its source and targets
         self.released: set[str] = set()  # heal groups whose rendezvous was aborted
         self.receives: dict[Any, tuple[int, str, str]] = {}  # target refs -> (action, target, source)
@@ -66,16 +65,16 @@ class Heals:
         # over the group: one send_state per source (watched like a meta), one receive_state per target
         targets = sorted(t for t, h in calls.items() if h.source == source and h.scope == "full")
         world = 1 + len(targets)
-        if key not in self.prefixes:
-            prefix = self.prefixes[key] = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
+        if key not in self.groups:
+            prefix = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
             self.members[prefix] = (source, *targets)
-            self.chosen_at[key] = source_at
+            self.groups[key] = (prefix, source_at)
             send = self.handles[source].send_state.remote(self.r, (epoch, self.store_addr, prefix, 0, world),
                                                           state_stream.CHUNK_MB, faults.get(source))
             self.watch[send] = key
             self.sends.add(send)
         ref = self.handles[target].receive_state.remote(
-            self.r, (epoch, self.store_addr, self.prefixes[key], 1 + targets.index(target), world), faults.get(target))
+            self.r, (epoch, self.store_addr, self.groups[key][0], 1 + targets.index(target), world), faults.get(target))
         self.receives[ref] = (action_id, target, source)
         return ref
 
@@ -133,7 +132,7 @@ class Heals:
             return ref
         key = (action_id, source)
         self.log.event("heal_fallback", target=target, source=source, round=self.r, detail=answer.error[:300])
-        return self._load_state(key, target, "full", None, self.handles[source].heal_state, self.chosen_at.get(key))
+        return self._load_state(key, target, "full", None, self.handles[source].heal_state, self.groups[key][1])
 
     def _load_state(self, key: tuple[int, str], target: str, scope: str, faults, method, *args):
         """`target`'s load_state of the state `method` gives (asked once per key; its meta watched)."""

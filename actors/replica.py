@@ -1,10 +1,9 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
 Phase methods (concurrency group "phase", one at a time) run at most one level's collectives and
-answer a `PhaseAnswer` (hsgd/core/round/messages.py); control methods answer while a phase runs.
-A call that raises means the replica died (ActorDiedError) or hit an error of its own
-(RayTaskError): this replica's failure. Kept across a restart: its identity only
-(actors/lifecycle.py); it rebuilds from the seed (or the resume checkpoint) and is healed from a peer.
+answer a `PhaseAnswer`; control methods answer while a phase runs. A call that raises is this
+replica's failure (ActorDiedError: it died; RayTaskError: its own error). A restart keeps only its
+identity (actors/lifecycle.py): it rebuilds from the seed (or the resume checkpoint), healed by a peer.
 """
 from __future__ import annotations
 

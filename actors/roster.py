@@ -143,10 +143,9 @@ class Roster:
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
-        """Every death Ray's actor table shows since the last look, logged once (`replica_down` with
-        its incarnation; a spare's `spare_lost`, no longer ready). Returns the replicas whose latest
-        known process died (not an older one): the caller tells its round machine. `phase`: what one
-        in `live` was doing; one not in `live` died `joining` (it had answered up) or `restarting`."""
+        """Every death Ray's actor table shows since the last look, logged once (`replica_down`, or a
+        spare's `spare_lost`). Returns the replicas whose latest known process died (for the round
+        machine). `phase`: what one in `live` was doing; another died `joining` or `restarting`."""
         lost = []
         for d in self.watch.poll():
             if d.rid is None:

@@ -26,9 +26,8 @@ class SparePool:
         return any(self.names.values())
 
     def check(self, log, wait_s: float = 0.0) -> None:
-        """Ask every spare not yet ready whether it is (idle and warmed); a restarted replica whose
-        identity a spare took over is told to become one. Blocks at most `wait_s` (0 in the round
-        loop: each question is sent once, its answer collected on a later call)."""
+        """Ask every spare not yet ready whether it is; a replaced replica's restart is told to become
+        one. Blocks at most `wait_s` (0 in the round loop: an answer is collected on a later call)."""
         if wait_s > 0 and self._asked:
             ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=wait_s)
         for c, names in self.names.items():

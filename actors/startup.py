@@ -138,9 +138,8 @@ class StartupCalls:
             checkpoint.remove(url)
 
     def load_resume_point(self, point: checkpoint.Choice, replicas: dict, faults: dict) -> None:
-        """Every replica with a file in the checkpoint loads it (files already verified). A replica id
-        the checkpoint lacks (the topology grew) starts fresh and heals from a peer like a restarted
-        replica; files of replica ids this run lacks are not loaded."""
+        """Every replica with a file in the (verified) checkpoint loads it. One it lacks (the topology
+        grew) starts fresh and heals from a peer; files of replica ids this run lacks stay unread."""
         files = point.manifest["files"]
         _, errors = self.call_all(
             {rid: h for rid, h in replicas.items() if rid in files},
