@@ -16,6 +16,10 @@ from pathlib import Path
 
 import ray
 
+from actors.launch import compose_config, connect_ray, run_training
+from actors.roster import replica_actor_name
+from actors.supervisor import supervisor_actor_name
+from hsgd.config import validate
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
@@ -43,9 +47,6 @@ class Drill:
 
     def start(self, timeout_s: float = 180.0) -> "Drill":
         """Start the run in a background thread; return once its supervisor is driving rounds."""
-        from actors.launch import compose_config, connect_ray, run_training
-        from hsgd.config import validate
-
         cfg = compose_config(["logging.progress=false", *self.overrides])
         validate(cfg)
         self.cfg = cfg
@@ -236,15 +237,11 @@ class Drill:
         return info
 
     def _replica(self, rid: str):
-        from actors.roster import replica_actor_name
-
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor
         name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(self._info()["run_id"], rid)
         return ray.get_actor(name, namespace=self._info()["namespace"])
 
     def _supervisor(self):
-        from actors.supervisor import supervisor_actor_name
-
         return ray.get_actor(supervisor_actor_name(self._info()["run_id"]), namespace=self._info()["namespace"])
 
     def _resolve(self, target: str) -> list[str]:

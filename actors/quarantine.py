@@ -11,6 +11,7 @@ from typing import Callable
 
 import ray
 from omegaconf import OmegaConf
+from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.placement import replica_resources
@@ -70,8 +71,6 @@ class Quarantine:
     @staticmethod
     def _other_node(node: str | None, need: dict) -> str | None:
         """A live node other than `node` with room for one replica now (its free resources)."""
-        from ray._private.state import available_resources_per_node
-
         free = available_resources_per_node()
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         room = [(replicas_that_fit(res, need), nid) for nid, res in free.items() if nid in alive and nid != node]

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 import ray
+from ray._private.state import state as gcs
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.lifecycle import ActorWatch
@@ -41,8 +42,6 @@ def restarts_exhausted(handle) -> bool:
     """`gone` only when Ray's actor table says DEAD (no restart will come): Ray also raises
     ActorDiedError for an actor it is about to restart."""
     try:
-        from ray._private.state import state as gcs
-
         info = gcs.actor_table(handle._actor_id.hex())
         return info.get("State") == "DEAD"
     except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
