@@ -75,8 +75,7 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
 
 
 def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
-    """Every live replica at the round writes its file into `temp`, carrying its `checkpoint`
-    faults: (saved, failed, io_errors) by replica id. One lost meanwhile is down."""
+    """(saved, failed, io_errors) by rid: each live replica at the round writes into `temp`; one lost is down."""
     roster = sup.roster
     members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
     armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch), only=set(members))

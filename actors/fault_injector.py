@@ -55,8 +55,7 @@ class FaultInjector:
 
     def arm(self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str],
             handles: dict | None = None) -> dict[str, list[dict]]:
-        """Faults due in a call of `round_index` covering `phases` made to the replicas `only`:
-        rid -> fault messages to pass with that replica's call."""
+        """rid -> the fault messages due in its call of `round_index` covering `phases` (rid in `only`)."""
         armed: dict[str, list[dict]] = {}
         due = [d for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
                if set(d.targets) & only]

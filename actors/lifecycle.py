@@ -102,9 +102,8 @@ class ActorWatch:
         self._serves(replaced, last + 1, None)
 
     def note_death(self, rid: str) -> tuple[str, int] | None:
-        """The process serving `rid` died, learned from a call (or killed): the oldest process seen
-        serving rid not yet known dead (a newer one may have answered already). Returns (actor name,
-        incarnation) to be logged, or None when a poll reported that death first."""
+        """The process serving `rid` died, learned from a call (or killed): the oldest seen serving it not
+        yet known dead (a newer one may have answered). (actor name, incarnation) to log, or None: polled first."""
         if rid in self._noted:
             noted = self._noted[rid]
         else:  # never seen answering: the oldest process of the actor the identity map names

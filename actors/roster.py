@@ -86,8 +86,7 @@ class Roster:
         return self._ask_progress([rid], {}, timeout_s).get(rid, (None, True))[0]
 
     def ask_all(self, method: str, timeout_s: float, *, down: str | None = None) -> dict[str, Any]:
-        """Every live replica's answer to a no-argument call; those that fail are left out (and
-        with `down`, the phase to name, marked down)."""
+        """Every live replica's answer to a no-argument call; one that fails is left out (`down`: marked down)."""
         refs = {rid: getattr(self.handles[rid], method).remote() for rid in sorted(self.live)}
         out = {}
         for rid, ref in refs.items():

@@ -29,8 +29,7 @@ class RunFailed(RuntimeError):
 
 class SupervisorRecord:
     def __init__(self, cfg, run_dir: str, state: RunState, resolved_config: dict, resume_round: int | None):
-        """`resume_round`: the resumed checkpoint's round; the first incarnation drops the metrics
-        of the rounds after it (trained again, each recorded once), as a restore does."""
+        """`resume_round`: the resumed checkpoint's round (a first start drops later, retrained, rounds' metrics)."""
         self.run_dir, self.state = run_dir, state
         self.io_grace_s = float(cfg.run.io_grace_s)
         self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
@@ -71,9 +70,8 @@ class SupervisorRecord:
             raise RunFailed(problem)
 
     def settle_storage(self) -> None:
-        """The run's end with the folder failing or records still in memory: keep trying (a write
-        of status.json each time, which also tells when the folder is back) until everything is
-        written, or RunFailed once the outage passes run.io_grace_s."""
+        """The run's end with the folder failing or records in memory: retry (writing status.json, which
+        tells when the folder is back) until all is written, or RunFailed once the outage passes run.io_grace_s."""
         while self.log.unwritable_s()[0] > 0 or not self.log.flush():
             self.check_storage()
             self.set_status(phase="waiting_for_storage")

@@ -52,8 +52,7 @@ class SparePool:
             self.handles[name].become_spare.remote()  # warms up, then answers spare=True
 
     def promote(self, rid: str, cluster: int, dead_handle, dead_name: str, timeout_s: float):
-        """Hand `rid` to a ready spare of `cluster`; the dead actor takes its place in the pool.
-        Returns (spare name, spare handle, its answer), or None."""
+        """Hand `rid` to a ready spare of `cluster` (the dead actor joins the pool): (name, handle, answer) or None."""
         c = str(cluster)
         for name in [n for n in self.names.get(c, []) if n in self.ready]:
             handle = self.handles[name]
