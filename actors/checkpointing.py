@@ -1,7 +1,5 @@
-"""Durable checkpoints, carried out for the supervisor between rounds (`save`: final only if every
-file reports the round, hsgd.train.checkpoint.finalize), loaded by every live replica after a
-total loss (`restore`); at the run's end one replica writes the final model (`save_model`). Each
-takes the supervisor's ports (`RunnerPorts`), never the supervisor itself.
+"""Durable checkpoints, carried out for the supervisor (through its `RunnerPorts`): `save` between
+rounds, `restore` after a total loss, `save_model` at the run's end.
 """
 from __future__ import annotations
 
@@ -21,13 +19,11 @@ ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this m
 
 
 def save(sup: RunnerPorts, state_round: int) -> str | None:
-    """Durable checkpoint of the state at `state_round` (after round state_round - 1 committed):
-    its path, or None when it exists already, every attempt lost a replica, or storage refused it.
-    Storage faults are the run's, never a replica's: a replica's failed write answers `io_error`
-    (nobody is killed); it, or the supervisor's own steps raising OSError or passing
-    `supervisor.call_timeout_s` (a hung mount), skip this checkpoint (`checkpoint_failed`, a
-    console warning, the summary's `checkpoints_failed`); training goes on, the previous one stays.
-    Pruning failing afterwards is an event (`write_failed`)."""
+    """Durable checkpoint of the state at `state_round`: its path, or None when it exists already,
+    every attempt lost a replica, or storage refused it. Storage faults are the run's, never a
+    replica's (nobody is killed): a replica's `io_error`, or the supervisor's own steps raising
+    OSError or passing `supervisor.call_timeout_s` (a hung mount), skip this checkpoint
+    (`checkpoint_failed`); training goes on, the previous one stays. Failed pruning: `write_failed`."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
     deadline_s = sup.cfg.supervisor.call_timeout_s
 
@@ -79,8 +75,7 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
 
 
 def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
-    """Every live replica at the round writes its file into `temp`, carrying its `checkpoint`
-    faults: (saved, failed, io_errors) by replica id. One lost meanwhile is down."""
+    """(saved, failed, io_errors) by rid: each live replica at the round writes into `temp`; one lost is down."""
     roster = sup.roster
     members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
     armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch), only=set(members))
@@ -135,14 +130,12 @@ RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round commit
 
 
 def restore(sup: RunnerPorts, reason: str) -> int:
-    """Total loss: every live replica loads the newest checkpoint that verifies; metrics of the
-    rounds after it are dropped (trained and recorded again). Returns its round. Order: (1) choose,
-    touching no replica (hsgd.train.checkpoint.choose; `checkpoint_fallback` for each one skipped);
-    (2) bring back restarted replicas; (3) each live replica loads it (one that fails is down, and
-    restarts). RestoreFailed when no checkpoint is usable, when no replica that tried could load
-    it, or after RESTORES_WITHOUT_PROGRESS restores of it with no round committed since (a failure
-    recurring after every restore must not loop until restarts run out). With no live replica it
-    returns the round: the caller waits for quorum."""
+    """Total loss: choose the newest checkpoint that verifies, touching no replica; bring back
+    restarted replicas; every live one loads it (one that fails is down); metrics after it are
+    dropped (trained and recorded again). Returns its round (with no live replica too: the caller
+    waits for quorum). RestoreFailed when no checkpoint is usable, no replica that tried could load
+    it, or after RESTORES_WITHOUT_PROGRESS restores of it with no commit since (a failure recurring
+    after every restore must not loop until restarts run out)."""
     roster = sup.roster
     path, manifest = _choose(sup)
     state_round = int(manifest["round"])

@@ -1,21 +1,9 @@
 """Failure drills: start a run in the background (a notebook, a script), watch it, break it on
-purpose, and wait for it to heal.
-
-    drill = Drill(["train.rounds=12"]).start()
-    drill.wait_for(phase="inner")
-    drill.inject("kill", "c0r1")                       # now
-    drill.wait_down()                                  # the run recorded c0r1 down
-    drill.wait_recovered()
-    drill.inject("hang", "leader:c1", round=5, phase="outer")   # at a phase boundary
-    drill.wait_recovered()
-    summary = drill.wait_done()
-
-Every blocking call takes a timeout and raises `DrillError` saying what it waited for and what the
-run looked like then. The run is the ordinary `jobs.train` path on an embedded Ray, in
-`drill.run_dir`. What happened is read from the run's record (events.jsonl, faults_fired.jsonl:
-every death and commit once, in order); status.json (`state()`, `wait_for`) is only the newest
-state: a short-lived one may never be written, and it may reach the disk before or after the
-events logged with it.
+purpose, and wait for it to heal (README, "Failure drills", shows the API). The run is the ordinary
+`jobs.train` path on an embedded Ray, in `drill.run_dir`. Every blocking call takes a timeout and
+raises `DrillError` saying what it waited for and what the run looked like then. Waits read the
+run's record (events.jsonl, faults_fired.jsonl: every death and commit once, in order), not
+status.json alone: that is only the newest state, and may reach the disk before or after its events.
 """
 from __future__ import annotations
 
@@ -28,6 +16,10 @@ from pathlib import Path
 
 import ray
 
+from actors.launch import compose_config, connect_ray, run_training
+from actors.roster import replica_actor_name
+from actors.supervisor import supervisor_actor_name
+from hsgd.config import validate
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
@@ -55,9 +47,6 @@ class Drill:
 
     def start(self, timeout_s: float = 180.0) -> "Drill":
         """Start the run in a background thread; return once its supervisor is driving rounds."""
-        from actors.launch import compose_config, connect_ray, run_training
-        from hsgd.config import validate
-
         cfg = compose_config(["logging.progress=false", *self.overrides])
         validate(cfg)
         self.cfg = cfg
@@ -160,8 +149,7 @@ class Drill:
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until events.jsonl records the last injection (a kill, crash or hang, now) taking down
-        what it hit (`replica_down` or `hang_detected` per replica, `supervisor_start`); returns those
-        events. Not status.json: a replica found dead after Ray restarted it may never leave a view."""
+        what it hit (`replica_down` or `hang_detected` per replica, `supervisor_start`); those events."""
         last = self._last()
         if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
             raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")
@@ -177,14 +165,13 @@ class Drill:
                          f"last state: {self._brief()}")
 
     def wait_recovered(self, timeout_s: float = 180.0) -> dict:
-        """Wait until the run recovered from the last injection, read from its record: the fault took
-        effect (`wait_down`'s events, or its faults_fired.jsonl line with its round); then a `commit`
-        naming every replica came after the last failure and after the round the fault fired in (a
-        fault at the commit in flight lets that round commit without its victim); and status.json
-        caught up (its round past that commit, every replica a member). Returns {"recovered_s": from
-        the injection to that commit, "detections": the failure events}. Not "all in status.json and
-        a commit since the last replica_up": the view can reach the disk before earlier events, a
-        member may still be healing, and one back during the outer exchange sits that round out."""
+        """Wait until the record shows the last injection took effect (`wait_down`'s events, or its
+        faults_fired.jsonl line with its round), then a `commit` naming every replica after the last
+        failure and after the round the fault fired in (a fault at the commit in flight lets that
+        round commit without its victim), and status.json caught up (its round past that commit,
+        every replica a member). Returns {"recovered_s": injection to that commit, "detections"}.
+        Not "a commit since the last replica_up": a member may still be healing, and one back
+        during the outer exchange sits that round out."""
         last = self._last()
         t0 = last["t"]
         everyone = set(self._info()["replicas"])
@@ -202,9 +189,8 @@ class Drill:
                 fired_round = max(fired, default=None)
             back = _returned(events, failures)
             if fired_round is not None and back is not None and self._took_effect(last, failures):
-                # after the last failure AND after every replica that went down came back: a commit
-                # logged just after a death may still name the dead one (it applied the commit
-                # before it died), which is no recovery
+                # after every replica that went down came back: a commit logged just after a death
+                # may still name the dead one (it applied the commit before it died)
                 since = max([e["t"] for e in failures] + [back], default=t0)
                 commit = next((e for e in events if e["event"] == "commit" and e["t"] > since
                                and e["round"] > fired_round and everyone <= set(e.get("replicas") or ())), None)
@@ -251,15 +237,11 @@ class Drill:
         return info
 
     def _replica(self, rid: str):
-        from actors.roster import replica_actor_name
-
         # a hot spare may serve this id now: the supervisor's durable identity map says which actor
         name = RunState.read(self.run_dir).identity.get(rid) or replica_actor_name(self._info()["run_id"], rid)
         return ray.get_actor(name, namespace=self._info()["namespace"])
 
     def _supervisor(self):
-        from actors.supervisor import supervisor_actor_name
-
         return ray.get_actor(supervisor_actor_name(self._info()["run_id"]), namespace=self._info()["namespace"])
 
     def _resolve(self, target: str) -> list[str]:
@@ -282,14 +264,12 @@ class Drill:
 
 
 def _members(status: dict) -> set[str]:
-    """The replicas a status view lists as members of their cluster (live)."""
     return {rid for members in (status.get("members") or {}).values() for rid in members}
 
 
 def _returned(events: list[dict], failures: list[dict]) -> float | None:
-    """When the last replica recorded down among `failures` came back (its `replica_up`, or a spare
-    promoted under its id, after its last down); None while one is still away; 0.0 when none went
-    down."""
+    """When the last replica down in `failures` came back (`replica_up` or `spare_promoted` after its
+    last down); None while one is still away; 0.0 when none went down."""
     last_down: dict[str, float] = {}
     for e in failures:
         if e["event"] in _DOWN and e.get("rid"):

@@ -1,12 +1,10 @@
 """The one place a run's faults are scheduled, armed and recorded (torchft's FailureInjector, for
 many faults: `faults.schedule`, random `faults.mtbf_s`, drills' `add`). `arm` hands each replica
 fault to the phase call that must carry it (it fires inside the replica at the boundary named, so
-runs replay bitwise); a target that takes no part in that call (a non-leader of `cluster:c1` in
-the outer all-reduce) is hit from outside at once, as a node failure would. Supervisor faults
-fire here. Every fault fires once: a replica fault counts as fired when its line is in
-faults_fired.jsonl (the replica writes it as it fires), never when armed — a call can end before
-its boundary, and the next call of that round and phase carries it again. The fired indices are
-durable; `not_fired` lists what never had its moment, for the summary.
+runs replay bitwise); a target not in that call (a non-leader of `cluster:c1` in the outer reduce)
+is hit from outside at once. Supervisor faults fire here. A replica fault counts as fired once its
+line is in faults_fired.jsonl (the replica writes it), never when armed: a call can end before its
+boundary, and the round and phase's next call carries it again. The fired indices are durable.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ DEADLY = ("kill", "crash", "hang", "error")  # fault kinds that end in the repli
 
 
 class FaultInjector:
-    """`state`: the run's durable state (fired and added faults live there), saved by `save`;
-    `log`: the supervisor's RunLog (events, and faults_fired.jsonl through its writer)."""
+    """`state`: the durable state (fired and added faults), saved by `save`; `log`: the supervisor's RunLog."""
 
     def __init__(self, cfg, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
@@ -53,14 +50,12 @@ class FaultInjector:
         return spec.describe()
 
     def pending(self, round_index: int, phases: tuple[str, ...]) -> bool:
-        """Any replica fault of this round and these phases still to fire? (cheap: no plan needed)"""
         return any(i not in self.state.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
                    for i, f in enumerate(self.faults))
 
     def arm(self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str],
             handles: dict | None = None) -> dict[str, list[dict]]:
-        """Faults due in a call of `round_index` covering `phases` made to the replicas `only`:
-        rid -> fault messages to pass with that replica's call."""
+        """rid -> the fault messages due in its call of `round_index` covering `phases` (rid in `only`)."""
         armed: dict[str, list[dict]] = {}
         due = [d for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
                if set(d.targets) & only]
@@ -90,8 +85,7 @@ class FaultInjector:
         return armed
 
     def explains_death(self, rid: str, window_s: float = 120.0) -> bool:
-        """A deadly fault armed on rid in the last `window_s` explains its death (each fault one
-        death): an injected failure, which says nothing about rid's node (quarantine skips it)."""
+        """A deadly fault armed on rid in the last `window_s` explains its death (one each): quarantine skips it."""
         recent = [t for t in self.armed_at.get(rid, ()) if time.time() - t <= window_s]
         self.armed_at[rid] = recent[1:]
         return bool(recent)
@@ -122,10 +116,8 @@ class FaultInjector:
         write_fault_fired(self.log.writer, self.run_dir, rid, kind, phase, round_index, 0)
 
     def not_fired(self) -> list[str]:
-        """Faults that never fired. A fault on a replica id in a round the run committed that did not
-        fire, though its round and phase came (a call carried it, or its target was down at a call
-        of them), found its target down at its moment (dead, restarting, its cluster sitting the
-        round out): it is recorded in faults_fired.jsonl from outside (no pid) with
+        """Faults that never fired. One whose round (committed) and phase came without it firing found
+        its target down: it is recorded in faults_fired.jsonl from outside (no pid) with
         `target_down: true` (README, "Fault injection") and is not listed."""
         self._fired_lines(range(len(self.faults)))
         for i, f in enumerate(self.faults):

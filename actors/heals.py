@@ -2,20 +2,18 @@
 supervisor that issues them never holds it.
 
 Protocol
-- Through the object store (`global` heals; the fallback of a `full` heal): the source answers a
-  small meta (a PhaseAnswer with `pid`, `bytes`) and the state (num_returns=2), whose ref goes
-  straight into the target's `load_state`; only the meta is fetched here. A source that refuses
-  (`heal_state`: no longer the process it was chosen as) answers `collective_failed` and no state;
-  the target's `load_state` then answers `collective_failed`, untouched.
-- Over the process group (`full` heals): one `send_state` on the source (rank 0) and one
-  `receive_state` per target, in a group of their own under a fresh prefix. A target whose
-  transfer fails (`collective_failed`) is healed once more, within the same action, through the
-  object store from the source's `heal_state` (`heal_fallback`).
+- Through the object store (`global` heals; a `full` heal's fallback): the source answers a small
+  meta (a PhaseAnswer with `pid`, `bytes`) and the state (num_returns=2), whose ref goes straight
+  into the target's `load_state`; only the meta is fetched here. A source that refuses
+  (`heal_state`: not the process it was chosen as) answers `collective_failed` and no state; the
+  target's `load_state` then answers `collective_failed`, untouched.
+- Over the process group (`full` heals): one `send_state` on the source (rank 0), one
+  `receive_state` per target, in a group of their own. A target whose transfer fails is healed
+  once more, in the same action, through the object store (`heal_fallback`).
 - The source watch (`watched()`, then `source_answer`): `Lost(source, cause)` when the source
   raised or refused (`heal_source_lost`), `StateReady(action, source)` when it delivered (from then
-  on a silent target is the one to blame), nothing for a failed transfer over the group. A slow
-  answer is never a loss: the heal's deadline (`hsgd.core.deadlines.heal_deadline_s`) is the
-  round machine's.
+  on a silent target is to blame), nothing for a failed group transfer. A slow answer is never a
+  loss: the heal's deadline is the round machine's.
 - A target's call that raised is its source's failure when the source's meta raised or refused
   (`source_failed`): Ray fails a call whose argument failed with the argument's error.
 """
@@ -36,8 +34,7 @@ SETTLE_POLL_S = 0.5  # settle's longest wait before it looks at its deadline aga
 
 
 class Heals:
-    """The heals of one round (or of the final heal). `store_addr`: the groups' rendezvous address
-    (`host:port/<secret>`); `run_id` and `round_index` name the groups' prefixes and the events."""
+    """The heals of one round (or the final heal); `store_addr`: the heal groups' rendezvous."""
 
     def __init__(self, handles: Mapping[str, Any], log, *, store_addr: str | None, run_id: str, round_index: int):
         self.handles, self.log = handles, log
@@ -48,20 +45,17 @@ class Heals:
         self.watch: dict[Any, tuple[int, str]] = {}  # sources' answers not yet taken in -> (action, source)
         self.sends: set = set()  # the send_state calls among them
         self.source_of: dict[tuple[int, str], str] = {}  # (action, target) -> its source
-        # over the group, keyed (action, source): its group's prefix; the (round, step) the source was
-        # chosen holding (its fallback's heal_state checks it)
-        self.prefixes: dict[tuple[int, str], str] = {}
-        self.chosen_at: dict[tuple[int, str], tuple[int, int] | None] = {}
+        # over the group, (action, source) -> (its group's prefix, the source's (round, step) when chosen)
+        self.groups: dict[tuple[int, str], tuple[str, tuple[int, int] | None]] = {}
         self.members: dict[str, tuple[str, ...]] = {}  # a heal group's prefix -> its source and targets
         self.released: set[str] = set()  # heal groups whose rendezvous was aborted
         self.receives: dict[Any, tuple[int, str, str]] = {}  # target refs -> (action, target, source)
 
     def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
               faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
-        """Heal `target` as heal action `action_id` says (`calls`: the whole action; a source's state
-        is asked once however many targets it heals). `faults`: rid -> its armed faults. `source_at`:
-        the (round, step) the source held when chosen (a `full` heal's fallback refuses a source that
-        no longer holds it). Returns the target's call (a `full` heal's goes through `group_answer`)."""
+        """Heal `target` as action `action_id`'s `calls` say (a source's state is asked once however
+        many targets it heals). `source_at`: the source's (round, step) when chosen, which a `full`
+        heal's fallback checks. Returns the target's call (a `full` heal's goes through `group_answer`)."""
         source, scope = calls[target].source, calls[target].scope
         key = (action_id, source)
         self.source_of[(action_id, target)] = source
@@ -71,16 +65,16 @@ class Heals:
         # over the group: one send_state per source (watched like a meta), one receive_state per target
         targets = sorted(t for t, h in calls.items() if h.source == source and h.scope == "full")
         world = 1 + len(targets)
-        if key not in self.prefixes:
-            prefix = self.prefixes[key] = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
+        if key not in self.groups:
+            prefix = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
             self.members[prefix] = (source, *targets)
-            self.chosen_at[key] = source_at
+            self.groups[key] = (prefix, source_at)
             send = self.handles[source].send_state.remote(self.r, (epoch, self.store_addr, prefix, 0, world),
                                                           state_stream.CHUNK_MB, faults.get(source))
             self.watch[send] = key
             self.sends.add(send)
         ref = self.handles[target].receive_state.remote(
-            self.r, (epoch, self.store_addr, self.prefixes[key], 1 + targets.index(target), world), faults.get(target))
+            self.r, (epoch, self.store_addr, self.groups[key][0], 1 + targets.index(target), world), faults.get(target))
         self.receives[ref] = (action_id, target, source)
         return ref
 
@@ -138,7 +132,7 @@ class Heals:
             return ref
         key = (action_id, source)
         self.log.event("heal_fallback", target=target, source=source, round=self.r, detail=answer.error[:300])
-        return self._load_state(key, target, "full", None, self.handles[source].heal_state, self.chosen_at.get(key))
+        return self._load_state(key, target, "full", None, self.handles[source].heal_state, self.groups[key][1])
 
     def _load_state(self, key: tuple[int, str], target: str, scope: str, faults, method, *args):
         """`target`'s load_state of the state `method` gives (asked once per key; its meta watched)."""
@@ -149,9 +143,8 @@ class Heals:
         return self.handles[target].load_state.remote(self.states[key], scope, faults)
 
     def settle(self, targets: Mapping[str, Any], deadline_s: float) -> dict[str, Any]:
-        """The final heal's wait, until every target's heal (target -> the call `issue` returned)
-        answered (failed transfers fall back; sources' answers taken in) or `deadline_s` passed.
-        Returns target -> the ref whose answer is its heal's (not ready if late)."""
+        """The final heal's wait: until every target's call (from `issue`) answered, failed transfers
+        falling back, or `deadline_s` passed. Returns target -> the ref whose answer is its heal's."""
         final = dict(targets)
         pending = {ref: rid for rid, ref in final.items()}
         end = time.monotonic() + deadline_s
@@ -174,13 +167,11 @@ class Heals:
         return final
 
     def groups_of(self, rid: str) -> list[str]:
-        """The heal groups `rid` is in whose rendezvous was not released yet."""
         return [prefix for prefix, members in self.members.items() if rid in members and prefix not in self.released]
 
     def release_groups_of(self, rid: str, cause: str, abort, *, cluster: int, epoch: int) -> None:
-        """rid is dead: `abort(prefix, reason)` each of its heal groups once (as AbortJoin does for inner
-        and outer groups, instead of waiting out configure_timeout_s), with a `join_aborted` event;
-        a group already formed is not affected (the abort is a compare-and-set)."""
+        """rid is dead: `abort(prefix, reason)` each of its heal groups once, as AbortJoin does (a
+        `join_aborted` event); a group already formed is not affected (the abort is a compare-and-set)."""
         for prefix in self.groups_of(rid):
             self.released.add(prefix)
             reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"

@@ -1,12 +1,7 @@
 """The driver library: `jobs.train` is its command line; tests and notebooks call `run_training`
-with a config composed and checked before Ray starts (hsgd.config.compose). It checks the folder,
-chooses the resume checkpoint and takes the folder's lock (hsgd.record.runlock), then:
-- start: attach to a Ray cluster or start an embedded one; check what only the cluster knows
-  (exit 2); write run.json, config.yaml and the durable state; start the replicas (owned by this
-  driver, so they outlive a supervisor crash), spares and supervisor; the start-up calls, which
-  survive replica deaths (actors/startup.py).
-- drive: the supervisor's run call with a progress bar, re-issued to a restarted supervisor.
-- finish: summary.json always there (or printed), plots, the console's last lines.
+with a config composed and checked before Ray starts (hsgd.config.compose). The driver owns the
+replicas, so they outlive a supervisor crash; it re-issues the run call to a restarted supervisor;
+whatever breaks once the folder is locked, summary.json is there (or printed).
 """
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ from hsgd.train import checkpoint
 
 def connect_ray(cfg: DictConfig) -> bool:
     """Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
-    True if this call connected (the caller disconnects when done); a caller that already
-    initialised Ray (a test, a notebook) keeps its connection."""
+    True if this call connected; Ray already initialised (a test, a notebook) stays as it is."""
     import ray
 
     if ray.is_initialized():
@@ -55,10 +49,9 @@ def connect_ray(cfg: DictConfig) -> bool:
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> dict:
-    """Run one training job to its end; returns summary.json's content. A relative run_dir is
-    taken as run.dir is (hsgd.config.output_path). ConfigError (one line) for each refusal, before
-    anything is written; a fresh run refuses a checkpoint.dir that already holds checkpoints. The
-    lock (a stale one taken over with train.resume=true) is refreshed until the run ends."""
+    """Run one training job to its end; returns summary.json's content. ConfigError (one line) for
+    each refusal, before anything is written (a fresh run refuses a checkpoint.dir holding checkpoints).
+    The lock (a stale one taken over with train.resume=true) is refreshed until the run ends."""
     from actors.startup import find_resume_point, record_takeovers
 
     run_dir = os.path.abspath(output_path(run_dir))
@@ -231,8 +224,7 @@ def _watch(run: Run, supervisor, view, ref) -> None:
 
 
 def _finish(run: Run, summary: dict) -> dict:
-    """summary.json always there (or on the console), plots (a failure is a warning: the record is
-    what counts) and the console's last lines."""
+    """summary.json always there (or on the console), plots (a failure only warns), the last lines."""
     from hsgd.record.plots import write_run_plots
 
     run_dir = run.run_dir
@@ -249,7 +241,6 @@ def _finish(run: Run, summary: dict) -> dict:
 
 
 def _clean_up(run: Run) -> None:
-    """Kill the run's actors, release the placement, note the job's time, leave Ray if we joined it."""
     import ray
 
     for actor in run.actors:

@@ -1,20 +1,15 @@
 """Every death of the run's replica and spare actors, seen once, from Ray's own restart count.
 
-Ray keeps, per actor, NumRestarts (the process serving now is incarnation NumRestarts, from 0) and
-State: an actor at NumRestarts n has lost incarnations 0..n-1, and one that is DEAD incarnation n
-too. That count goes up whatever the process was doing when it died (idle, in its constructor,
-warming up as a spare, healing), so a watch over it misses no death where a call can: Ray holds a
-call to a RESTARTING actor, and a process that dies and comes back between two calls fails none.
+Ray's actor table gives NumRestarts (the live process is incarnation NumRestarts, from 0) and State:
+incarnations 0..n-1 died, and n too when DEAD. The count grows whatever the process was doing (idle,
+constructing, warming up, healing), so it misses no death, where a call can: Ray holds a call to a
+RESTARTING actor, and a process that dies and comes back between two calls fails none.
 
-`ActorWatch.poll()` reads the actor table once (one GCS call) and returns each incarnation that
-died since the last poll, once; a death the supervisor learned otherwise is told with `note_death`,
-and whichever comes first reports it. An incarnation dies as the replica id it served (a spare
-promoted to `c0r1` dies as `c0r1`). The reported incarnations live in the supervisor's durable dict
-(`seen`), so they survive its restart.
-
-Failure cases: the table cannot be read (GCS briefly unreachable): `poll` returns nothing and the
-next poll reports what happened meanwhile (the count only grows). An actor not in the table yet is
-skipped.
+`ActorWatch.poll()` (one GCS call) returns each incarnation dead since the last poll, once; a death
+learned from a call is told with `note_death`; whichever comes first reports it. An incarnation dies
+as the replica id it served (a promoted spare as `c0r1`). The reported ones live in the supervisor's
+durable dict (`seen`). Table unreadable: `poll` returns nothing and the next catches up (the count
+only grows); an actor not in the table yet is skipped.
 """
 from __future__ import annotations
 
@@ -35,10 +30,9 @@ class Death(NamedTuple):
     state: str  # the actor's State when the death was seen: RESTARTING, ALIVE (already back), DEAD
 
 
-# Who an actor is, durable across its restarts: Ray restarts an actor with its constructor's
-# arguments, so a promoted spare would come back under the wrong identity and data stream. Its
-# identity is kept in Ray's internal KV store (on the GCS, reachable from any node, unlike a run
-# folder that may be failing), written before it serves under it, read by its constructor.
+# Ray restarts an actor with its constructor's arguments: a promoted spare's identity (its data
+# stream) lives in Ray's internal KV store (on the GCS, unlike a run folder that may be failing),
+# written before it serves under it, read by its constructor.
 KV_NAMESPACE = "hsgd"
 
 
@@ -108,9 +102,8 @@ class ActorWatch:
         self._serves(replaced, last + 1, None)
 
     def note_death(self, rid: str) -> tuple[str, int] | None:
-        """The process serving `rid` died, learned from a call (or killed): the oldest process seen
-        serving rid not yet known dead (a newer one may have answered already). Returns (actor name,
-        incarnation) to be logged, or None when a poll reported that death first."""
+        """The process serving `rid` died, learned from a call (or killed): the oldest seen serving it not
+        yet known dead (a newer one may have answered). (actor name, incarnation) to log, or None: polled first."""
         if rid in self._noted:
             noted = self._noted[rid]
         else:  # never seen answering: the oldest process of the actor the identity map names
@@ -134,7 +127,6 @@ class ActorWatch:
         return last is None or (last[0] == death.name and last[1] <= death.incarnation)
 
     def answered(self, death: Death) -> bool:
-        """The process that died is the one that last answered for its replica."""
         return self._last.get(death.rid) == (death.name, death.incarnation)
 
     def poll(self) -> list[Death]:

@@ -1,12 +1,7 @@
-"""Quarantine, carried out (the rule: hsgd/core/quarantine.py): count each replica's deaths; one
-that died too often in the window is killed for good and re-created as a new actor pinned to
-another live node with room for it (Ray restarts an actor with its original options, so only a new
-actor can leave the node), or, where no other node can hold it, kept out for the rest of the run.
-A death an injected fault explains is not counted: it says nothing about the node.
-
-The moved replica is a fresh process under its id: it rejoins as any restarted replica does, and a
-restarted supervisor finds it by the name in the durable identity map. Event `replica_quarantined`:
-rid, node, moved_to (a node id, or null: kept out), deaths, window_s.
+"""Quarantine, carried out (the rule: hsgd/core/quarantine.py; README, "Quarantine"): a replica
+killed for good is re-created as a new actor pinned to another node (Ray restarts an actor with its
+original options, so only a new actor can leave the node). It rejoins as any restarted replica; a
+restarted supervisor finds it by the name in the durable identity map.
 """
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ from typing import Callable
 
 import ray
 from omegaconf import OmegaConf
+from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.placement import replica_resources
@@ -75,8 +71,6 @@ class Quarantine:
     @staticmethod
     def _other_node(node: str | None, need: dict) -> str | None:
         """A live node other than `node` with room for one replica now (its free resources)."""
-        from ray._private.state import available_resources_per_node
-
         free = available_resources_per_node()
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         room = [(replicas_that_fit(res, need), nid) for nid, res in free.items() if nid in alive and nid != node]

@@ -1,10 +1,9 @@
 """Replica actor: a thin Ray shell around hsgd.train.trainer.ReplicaTrainer.
 
 Phase methods (concurrency group "phase", one at a time) run at most one level's collectives and
-answer a `PhaseAnswer` (hsgd/core/round/messages.py); control methods answer while a phase runs.
-A call that raises means the replica died (ActorDiedError) or hit an error of its own
-(RayTaskError): this replica's failure. Kept across a restart: its identity only
-(actors/lifecycle.py); it rebuilds from the seed (or the resume checkpoint) and is healed from a peer.
+answer a `PhaseAnswer`; control methods answer while a phase runs. A call that raises is this
+replica's failure (ActorDiedError: it died; RayTaskError: its own error). A restart keeps only its
+identity (actors/lifecycle.py): it rebuilds from the seed (or the resume checkpoint), healed by a peer.
 """
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class InjectedError(RuntimeError):
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
                  index_table: dict | None = None):
-        """`backends`: {"inner", "outer"} as the driver planned them; `auto` is resolved here: nccl
-        when Ray gave it a GPU and torch sees CUDA. `index_table`: the run's (hsgd/core/topology.py)."""
+        """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's."""
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -104,7 +102,6 @@ class Replica:
         self.spare = rid is None
         self._open_step_log()
 
-    # -- control group --------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
         """Committed (round, step), phase and process. Answers while a phase runs, so a replica whose
@@ -149,15 +146,13 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: dict) -> dict:
-        """A fault from outside the schedule (drills; idle members of a `cluster:` target). A crash
-        fires at once; the others at the phase thread's next step or phase boundary (they act on the
-        work itself, not on this control thread)."""
+        """A fault from outside the schedule (drills; idle members of a `cluster:` target): a crash at
+        once, the others at the phase thread's next step or phase boundary (they act on its work)."""
         if fault["kind"] == "crash":
             self._fire(fault, self.trainer.round, self.trainer.step_in_round)
         self.pending_now.append(fault)
         return self._answer(kind=fault["kind"])
 
-    # -- faults ---------------------------------------------------------------------------------
     def _hook(self, phase: str, round_index: int, step_in_round: int) -> None:
         while self.pending_now:
             self._fire(self.pending_now.pop(0), round_index, step_in_round)
@@ -223,7 +218,6 @@ class Replica:
             self.phase, self.phase_since = "idle", time.time()
             self.armed = []
 
-    # -- phase group ----------------------------------------------------------------------------
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
         """Hot spare: become replica `rid`; the supervisor heals it next. A failed identity write
@@ -238,10 +232,9 @@ class Replica:
         return self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid())
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
-        """Form `group` first when the call carries `join` = (epoch, store_addr, prefix, rank,
-        world_size), after the `join` faults fired. Blocks until every member joined, the supervisor
-        aborts the rendezvous (CollectiveError kind `join_aborted`) or comm.configure_timeout_s passes
-        (kind `configure`): the call then answers `collective_failed`. Returns the seconds it took."""
+        """Form `group` when the call carries `join` = (epoch, store_addr, prefix, rank, world_size), after
+        the `join` faults; the seconds it took. Blocks until every member joined, the supervisor aborts the
+        rendezvous (CollectiveError `join_aborted`) or comm.configure_timeout_s passes (`configure`)."""
         if join is None:
             return 0.0
         self._hook("join", self.trainer.round, 0)
@@ -259,10 +252,9 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
                   overlap: Overlap | None = None) -> dict:
-        """This round's remaining inner steps in the cluster's inner group (`join`: form it first).
-        `behind` if not at the round (it joins all the same, so its peers' first collective fails
-        fast). `overlap`: this replica holds that shard in the standing outer group of `overlap.epoch`
-        and reduces it in the background from the snapshot step (hsgd/train/overlap.py)."""
+        """This round's remaining inner steps (`join`: form the group first). `behind` if not at the
+        round (it joins all the same, so its peers' first collective fails fast). `overlap`: reduce
+        that shard in the background from the snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -297,10 +289,9 @@ class Replica:
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
                      join: tuple | None = None, shard: int = 0, shards: int = 1,
                      weights: tuple[float, ...] = ()) -> dict:
-        """Phase 1 of the two-phase commit, on shard holders: reduce shard `shard` of `shards` of the
-        pseudo-gradient over the clusters, token-weighted by `weights` (OuterReduce), into a buffer
-        keyed by (round, epoch, shard). Nothing is applied; a failure leaves the params untouched.
-        `join`: form the shard's outer group first."""
+        """Phase 1 of the two-phase commit (OuterReduce; `join`: form the shard's outer group first):
+        reduce into a buffer keyed (round, epoch, shard). Nothing is applied: a failure leaves the
+        params untouched."""
         def run():
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
             # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
@@ -318,9 +309,8 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
-        """Phase 2, only once the supervisor decided commit: the member of inner rank roots[j]
-        broadcasts shard j of the buffer in the cluster and every member applies the same outer
-        step. A round already committed here is a no-op."""
+        """Phase 2, once the supervisor decided commit: inner rank roots[j] broadcasts shard j of the
+        buffer, every member applies the same outer step. A round already committed is a no-op."""
         def run():
             self._settle()  # a reduce of an exchange superseded meanwhile
             self._hook("outer_commit", round_index, 0)
@@ -347,9 +337,9 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
-        """Become the source (`full`) or take its global state (`global`); `state`: the second object
-        of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched, when the
-        source refused (`state` None). A source that died or raised fails this call (its argument failed)."""
+        """Become the source (`full`) or take its global state (`global`) from `state`, the second
+        object of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched,
+        when the source refused (`state` None). A source that died or raised fails this call."""
         def run():
             if state is None:  # this replica is fine: its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
@@ -360,21 +350,19 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
-        """A `full` heal over the process group, source side (of round `round_index`, for its faults):
-        join the heal's group `join` as rank 0 and stream its state to every target, chunk by chunk
-        (hsgd.train.state_stream). Answers `done` with `bytes`, or `collective_failed` (a target never
-        joined, a peer died, a chunk timed out): the supervisor then heals the targets through the
-        object store. The group is dropped either way."""
+        """A `full` heal's source (faults as of `round_index`): join heal group `join` as rank 0 and
+        stream its state to every target (hsgd.train.state_stream). Answers `done` with `bytes`, or
+        `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
+        then heals the targets through the object store."""
         return self._over_heal_group(round_index, join, faults, lambda group: {
             "bytes": state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
                                              device=self.trainer.device), "pid": os.getpid()})
 
     @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
-        """Heal target (of round `round_index`, whatever round it holds): join the heal's group `join`
-        (rank >= 1), receive the source's whole state, then load it `full`. Answers `done` with
-        `bytes` and `transport: group`, or `collective_failed` with its own state untouched (nothing
-        is loaded before the last chunk arrived): the supervisor falls back to the object store."""
+        """A heal target (faults as of `round_index`): join heal group `join` (rank >= 1), receive the
+        source's whole state, load it `full`. Answers `done` (`bytes`, `transport: group`), or
+        `collective_failed` with its state untouched (nothing loads before the last chunk)."""
         def transfer(group: LevelGroup) -> dict:
             state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
             self._load(state, "full")
@@ -382,8 +370,8 @@ class Replica:
         return self._over_heal_group(round_index, join, faults, transfer)
 
     def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
-        """A `heal` phase (faults as of `round_index`) that joins a heal's own group (never the
-        standing one; in its cluster) and answers `transfer(group)`, timed; the group is dropped after."""
+        """A `heal` phase in a heal's own group (never the standing one), dropped after; answers
+        `transfer(group)`, timed."""
         def run():
             group = self._level_group("inner")
             try:
@@ -396,10 +384,9 @@ class Replica:
 
     @ray.method(concurrency_group="phase", num_returns=2)
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
-        """(meta, state): the object-store fallback of a heal over the group, provided this replica
-        still holds `expect` = (round, step), as when it was chosen as a source. Refuses otherwise
-        (meta `collective_failed`, state None): a source restarted meanwhile (Ray runs a queued call on
-        the new process) must never hand out its fresh state."""
+        """(meta, state): a group heal's object-store fallback, only while this replica holds `expect`
+        = (round, step), as when chosen as source; else meta `collective_failed`, state None: a source
+        restarted meanwhile (Ray runs a queued call on the new process) never hands out fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
             return self._answer(Outcome.COLLECTIVE_FAILED,
                                 f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
@@ -409,10 +396,9 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
-        """Write its state for the checkpoint of round `round_index` (after round_index - 1 committed);
-        `behind` unless it holds exactly that round. A write storage refuses (a full disk, a quota, a
-        read-only remount; OSError, torch's RuntimeError, an fsspec backend's own) answers `io_error`,
-        never raises: the run's problem. A bug of the replica's own (taking the state) still raises."""
+        """Its file of the checkpoint of round `round_index`; `behind` unless it holds exactly that
+        round. A write storage refuses (full disk, quota, read-only remount: any exception type)
+        answers `io_error`, never raises: the run's problem. Taking the state may still raise."""
         def run():
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
@@ -433,9 +419,8 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:
-        """Restore from a durable checkpoint the caller verified (resume, or after a total loss), after
-        its `startup` faults. Raises CheckpointError naming this replica and its node when the file
-        cannot be read or does not fit the model: that replica's failure."""
+        """Load a checkpoint the caller verified (resume, restore), after its `startup` faults. Raises
+        CheckpointError (this replica's failure) naming it and its node: a file unreadable or unfit."""
         self._fire_startup(faults)
         try:
             self._load(checkpoint.load_replica_state(directory, self.rid, sha256), "full")

@@ -1,9 +1,6 @@
 """The supervisor's view of its replicas between (and across) rounds: who serves each replica id,
-who is live, which process groups they still hold. It asks for progress (the control channel,
-which answers while a phase runs), brings back replicas that (re)started, hands a dead one's id to
-a ready hot spare, and marks down one that does not answer. A new process under an id holds no
-group: its cluster's groups must be configured again. Deaths are logged here, each once
-(actors/lifecycle.py `ActorWatch`).
+who is live, which process groups they still hold. A new process under an id holds no group: its
+cluster's groups must be configured again. Deaths are logged here, each once (ActorWatch).
 """
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import time
 from typing import Any, Callable
 
 import ray
+from ray._private.state import state as gcs
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.lifecycle import ActorWatch
@@ -44,8 +42,6 @@ def restarts_exhausted(handle) -> bool:
     """`gone` only when Ray's actor table says DEAD (no restart will come): Ray also raises
     ActorDiedError for an actor it is about to restart."""
     try:
-        from ray._private.state import state as gcs
-
         info = gcs.actor_table(handle._actor_id.hex())
         return info.get("State") == "DEAD"
     except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
@@ -63,10 +59,8 @@ class Roster:
             state.identity.update({rid: replica_actor_name(run_id, rid) for rid in topology.replica_ids()})
             state.spares.update({str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
                                  for c in range(topology.clusters)})
-        # which actor serves which replica id (a hot spare that took over serves a dead one's id)
         self.names: dict[str, str] = state.identity
         self.spares = SparePool(state.spares, lookup)
-        # every death of the replicas' and spares' actors, once (what was reported is durable too)
         self.watch = ActorWatch(self.names, self.spares.names, state.deaths_seen, save=save)
         self.handles = {rid: lookup(name) for rid, name in self.names.items()}
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
@@ -92,8 +86,7 @@ class Roster:
         return self._ask_progress([rid], {}, timeout_s).get(rid, (None, True))[0]
 
     def ask_all(self, method: str, timeout_s: float, *, down: str | None = None) -> dict[str, Any]:
-        """Every live replica's answer to a no-argument call; those that fail are left out (and
-        with `down`, the phase to name, marked down)."""
+        """Every live replica's answer to a no-argument call; one that fails is left out (`down`: marked down)."""
         refs = {rid: getattr(self.handles[rid], method).remote() for rid in sorted(self.live)}
         out = {}
         for rid, ref in refs.items():
@@ -127,9 +120,8 @@ class Roster:
             self._forget_groups(rid)
 
     def restart_raised(self, rid: str, phase: str | None, round_index: int, detail: str = "") -> None:
-        """rid raised inside a phase (an OOM, an I/O error, a bug): its `replica_down` (cause
-        `error`) is logged *before* it is killed, so that the next look at Ray's actor table does
-        not report the kill first as a plain death; then Ray restarts it clean."""
+        """rid raised in a phase: its `replica_down` (cause `error`) is logged *before* the kill, so
+        Ray's actor table does not report the kill first as a plain death; Ray restarts it clean."""
         self.died(rid, "error", phase, round_index, detail)
         try:
             ray.kill(self.handles[rid], no_restart=False)
@@ -137,9 +129,8 @@ class Roster:
             pass
 
     def died(self, rid: str, cause: str, phase: str | None, round_index: int, detail: str = "") -> bool:
-        """The process serving rid died (or was killed), learned from a call: log its `replica_down`
-        with the incarnation that died — unless the watch already reported that death. True if
-        logged."""
+        """The process serving rid died (or was killed), learned from a call: its `replica_down`,
+        unless the watch already reported that death (ActorWatch.note_death). True if logged."""
         dead = self.watch.note_death(rid)
         if dead is None:
             return False  # the watch saw this death first: logged then
@@ -150,14 +141,13 @@ class Roster:
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
-        """Every death Ray's actor table shows since the last look, logged once (`replica_down` with
-        its incarnation; a spare's `spare_lost`, no longer ready). Returns the replicas whose latest
-        known process died (not an older one): the caller tells its round machine. `phase`: what one
-        in `live` was doing; one not in `live` died `joining` (it had answered up) or `restarting`."""
+        """Every death Ray's actor table shows since the last look, logged once (`replica_down`, or a
+        spare's `spare_lost`). Returns the replicas whose latest known process died (for the round
+        machine). `phase`: what one in `live` was doing; another died `joining` or `restarting`."""
         lost = []
         for d in self.watch.poll():
             if d.rid is None:
-                self.spares.lost(d.name)
+                self.spares.ready.discard(d.name)  # not ready until it answers again
                 self.log.event("spare_lost", cluster=d.cluster, spare=d.name, incarnation=d.incarnation,
                                round=round_index, state=d.state)
                 continue
@@ -172,7 +162,6 @@ class Roster:
         return lost
 
     def down_after(self, rid: str, err: BaseException, phase: str, round_index: int) -> None:
-        """A call to rid raised: Ray says it died, or the replica itself raised."""
         self.down(rid, "died" if isinstance(err, RayActorError) else "error", phase, round_index, str(err))
 
     def _forget_groups(self, rid: str) -> None:
@@ -184,7 +173,6 @@ class Roster:
             self.outer_configured = None  # a shard holder's (the leader's) outer group is gone
 
     def refresh(self) -> None:
-        """Every live replica's committed (round, step); those that do not answer are down."""
         for rid, answer in self.ask_all("progress", self.call_timeout_s, down="progress").items():
             self.admit(rid, answer)
 
@@ -226,12 +214,10 @@ class Roster:
     def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
                    min_gbps: float = 1.0) -> None:
         """After a supervisor restart, replicas may still run a phase of the old one: wait while they
-        work; kill (marked down `hung`; Ray restarts it) one stuck or silent, as StallWatch decides: an
-        inner step not moved, or no answer at all (a hang holding the GIL), for `stuck_after_s`; a
-        checkpoint, heal, outer exchange or commit past `call_timeout_s` plus 3 x the params at
-        `min_gbps`. A dead one is only marked down (a kill could hit its new process). One progress
-        question per replica is outstanding; each pass waits at most AWAIT_PASS_S (silence counts
-        from the first pass without an answer)."""
+        work; kill (down `hung`, Ray restarts it) one StallWatch finds stuck or silent for
+        `stuck_after_s` (a checkpoint, heal, outer exchange or commit: `call_timeout_s` plus 3 x the
+        params at `min_gbps`). A dead one is only marked down (a kill could hit its new process). One
+        progress question per replica at a time; a pass waits at most AWAIT_PASS_S."""
         watch = StallWatch(stuck_after_s, silent_s=stuck_after_s)
         asked: dict[str, Any] = {}  # rid -> its progress question still unanswered
         while True:
@@ -273,8 +259,7 @@ class Roster:
                 self._forget_groups(rid)
 
     def replace(self, rid: str, name: str, handle) -> None:
-        """A new actor `name` serves rid (a spare promoted, or quarantine moved it): it joins as a
-        restarted replica."""
+        """A new actor `name` serves rid (a promoted spare, quarantine's): it joins as a restarted one."""
         self.names[rid], self.handles[rid] = name, handle
         self.gone.discard(rid)
         if self.live.pop(rid, None) is not None:

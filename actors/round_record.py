@@ -1,12 +1,10 @@
 """The supervisor's record. `SupervisorRecord`, of the run: the run log (events, metrics, every
-file the supervisor writes, each through the log's writer thread with a deadline), the durable
-state's saves, status.json, wandb and the summary. Storage is never the run loop's master: records
-wait in memory while the run folder fails; only one unwritable for `run.io_grace_s` ends the run.
+file the supervisor writes, through the log's writer thread with a deadline), durable-state saves,
+status.json, wandb and the summary. Storage never masters the run loop: records wait in memory while
+the run folder fails; only one unwritable for `run.io_grace_s` ends the run.
 
-`RoundRecord`, of one round: the numbers replicas report in their answers, the phase timings, and
-the round's events (`phase_begin`, `membership`, `cluster_reform`, `phase_end`, `heal_end`,
-`non_finite`, `cluster_benched`). It decides nothing and calls nobody: the runner hands it each
-answer and each PhaseEnded.
+`RoundRecord`, of one round: the replicas' numbers, the phase timings and the round's events. It
+decides nothing and calls nobody: the runner hands it each answer and each PhaseEnded.
 """
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ class RunFailed(RuntimeError):
 
 class SupervisorRecord:
     def __init__(self, cfg, run_dir: str, state: RunState, resolved_config: dict, resume_round: int | None):
-        """`resume_round`: the resumed checkpoint's round; the first incarnation drops the metrics
-        of the rounds after it (trained again, each recorded once), as a restore does."""
+        """`resume_round`: the resumed checkpoint's round (a first start drops later, retrained, rounds' metrics)."""
         self.run_dir, self.state = run_dir, state
         self.io_grace_s = float(cfg.run.io_grace_s)
         self.log = RunLog(run_dir, warn=self.warn, write_timeout_s=write_deadline_s(self.io_grace_s))
@@ -68,15 +65,13 @@ class SupervisorRecord:
         self.log.write_file("status.json", json.dumps(self.view, default=str), wait=False)
 
     def check_storage(self) -> None:
-        """RunFailed when the run folder has failed writes for longer than run.io_grace_s."""
         problem = storage_problem(*self.log.unwritable_s(), grace_s=self.io_grace_s, run_dir=self.run_dir)
         if problem is not None:
             raise RunFailed(problem)
 
     def settle_storage(self) -> None:
-        """The run's end with the folder failing or records still in memory: keep trying (a write
-        of status.json each time, which also tells when the folder is back) until everything is
-        written, or RunFailed once the outage passes run.io_grace_s."""
+        """The run's end with the folder failing or records in memory: retry (writing status.json, which
+        tells when the folder is back) until all is written, or RunFailed once the outage passes run.io_grace_s."""
         while self.log.unwritable_s()[0] > 0 or not self.log.flush():
             self.check_storage()
             self.set_status(phase="waiting_for_storage")
@@ -123,9 +118,8 @@ class RoundRecord:
         return bool(self.reduce_overlapped) and self.reduce_overlapped[max(self.reduce_overlapped)]
 
     def phase_begun(self, phase: Phase, leaders: dict[int, str], cluster_of) -> None:
-        """phase_begin; for a phase that forms its group, the group it forms (`membership`: its
-        members and their leader, not the whole run's view: a round where every cluster forms its
-        group would otherwise log O(clusters²)), and `cluster_reform` for a cluster re-formed."""
+        """phase_begin; a `membership` of the group a phase forms (not the whole run's view: O(clusters²)
+        when every cluster forms its group), and `cluster_reform` for a cluster re-formed."""
         log, inner = self.log, phase.kind is CallKind.RUN_INNER
         log.event("phase_begin", phase=phase.kind.record, round=self.r, cluster=phase.cluster, epoch=phase.epoch,
                   replicas=sorted(phase.calls), reason=phase.reason or None)
@@ -201,9 +195,8 @@ class RoundRecord:
             self.attempts += 1
 
     def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
-        """Each void cluster logged once (one `non_finite` per cluster and round, however many
-        members reported it), once its phase ended (it sits out: `rids` names every member), and a
-        benched one with a console warning."""
+        """One `non_finite` per void cluster and round, once its phase ended (`rids`: every member that
+        reported it); a benched one with a console warning."""
         for c, nf in void.items():
             if c not in self.logged_void and (final or c in out):
                 self.logged_void.add(c)

@@ -1,11 +1,8 @@
-"""Hot spares: warmed replica processes, per cluster, that take over a dead replica's identity.
-
-A spare is a Replica actor that paid a fresh process's one-time costs (torch import, model and
-optimizer built, the first step's lazy imports) and sits idle. When a replica dies, a ready spare of
-its cluster `assume`s the dead one's id (its data stream) and is healed like a restarted replica;
-the dead actor's own restart is told to `become_spare`, so the pool refills in the background. The
-pool's names are the supervisor's durable state. A ready spare is asked nothing more: its death,
-seen by the supervisor's ActorWatch, calls `lost` (never counted ready until it answers again).
+"""Hot spares: warmed Replica actors (torch imported, model and optimizer built, first step run),
+idle per cluster. A ready spare `assume`s a dead replica's id and is healed like a restarted one;
+the dead actor's restart is told to `become_spare`, refilling the pool. The pool's names are the
+supervisor's durable state. A ready spare is asked nothing more: once ActorWatch sees it die, it
+leaves `ready` until it answers again as a warm spare.
 """
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ class SparePool:
         return any(self.names.values())
 
     def check(self, log, wait_s: float = 0.0) -> None:
-        """Ask every spare not yet ready whether it is (idle and warmed); a restarted replica whose
-        identity a spare took over is told to become one. Blocks at most `wait_s` (0 in the round
-        loop: each question is sent once, its answer collected on a later call)."""
+        """Ask every spare not yet ready whether it is; a replaced replica's restart is told to become
+        one. Blocks at most `wait_s` (0 in the round loop: an answer is collected on a later call)."""
         if wait_s > 0 and self._asked:
             ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=wait_s)
         for c, names in self.names.items():
@@ -55,13 +51,8 @@ class SparePool:
             self._warming.add(answer.get("pid"))
             self.handles[name].become_spare.remote()  # warms up, then answers spare=True
 
-    def lost(self, name: str) -> None:
-        """Spare `name` died: not ready until it answers again as a warm spare."""
-        self.ready.discard(name)
-
     def promote(self, rid: str, cluster: int, dead_handle, dead_name: str, timeout_s: float):
-        """Hand `rid` to a ready spare of `cluster`; the dead actor takes its place in the pool.
-        Returns (spare name, spare handle, its answer), or None."""
+        """Hand `rid` to a ready spare of `cluster` (the dead actor joins the pool): (name, handle, answer) or None."""
         c = str(cluster)
         for name in [n for n in self.names.get(c, []) if n in self.ready]:
             handle = self.handles[name]

@@ -1,11 +1,10 @@
-"""A run's start-up, for the driver (actors/launch.py): start the replica and spare actors in
-their placement, ask where they landed, and the start-up calls (the checkpoint reach check, the
-resume load). These survive deaths: a replica that dies or cannot be reached while it answers one
-(a node lost during start-up, a `startup` fault) is a replica failure, never a config error. Ray
-restarts it and the call is retried for it until `supervisor.call_timeout_s` has passed since the
-first try; one still not back then is left out (taken in when it returns) where its cluster keeps
-`supervisor.min_replicas_per_cluster`, else the run ends failed (exit 1). Only a live replica's
-answer (or its own exception) can be a config error (exit 2).
+"""A run's start-up, for the driver: start the replica and spare actors in their placement, ask where
+they landed, and the start-up calls (checkpoint reach check, resume load). A replica that dies or
+cannot be reached during one (a lost node, a `startup` fault) is a replica failure, never a config
+error: Ray restarts it and the call is retried until `supervisor.call_timeout_s` since the first
+try; one still away then is left out (taken in when back) where its cluster keeps
+`supervisor.min_replicas_per_cluster`, else the run fails (exit 1). Only a live replica's answer
+(or its own exception) can be a config error (exit 2).
 """
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
 def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
-    """train.resume: the newest checkpoint under root that verifies, falling back past corrupt or
-    truncated ones; ConfigError (one line) when there is none, or when it was written with a
-    config a resume may not change."""
+    """train.resume: the newest checkpoint under root that verifies; ConfigError (one line) when there
+    is none, or when it was written with a config a resume may not change."""
     point = checkpoint.choose(root, fingerprint, skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
@@ -44,16 +42,15 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
 
 
 def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
-    """One replica actor (args: rid, run_dir, backends[, spare]; also quarantine's re-created one):
-    it gets the index table, so its data stream is its id's wherever and whenever it starts."""
+    """One replica actor (args: rid, run_dir, backends[, spare]); the index table keeps its data
+    stream its id's wherever and whenever it starts."""
     return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
                            **options).remote(container, *args, index_table=index_table)
 
 
 def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,
                    backends: dict) -> tuple[dict, dict]:
-    """The replica actors (rid -> handle) and the hot spares (actor name -> handle): warmed
-    replicas that take over a dead replica's identity, in the bundles after the replicas."""
+    """The replica actors (rid -> handle) and the hot spares (name -> handle), after them in the bundles."""
     def start(name: str, c: int, i: int, *args):
         return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
 
@@ -66,8 +63,7 @@ def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, co
 
 
 def replica_nodes(replicas: dict, timeout_s: float) -> dict:
-    """replica id -> the Ray node id the replica reports from its own runtime context (None if it
-    did not answer in time: a replica still starting or already dead; the run goes on)."""
+    """rid -> the Ray node id the replica reports (None: no answer in time; the run goes on)."""
     refs = {rid: handle.progress.remote() for rid, handle in replicas.items()}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     nodes = {}
@@ -80,16 +76,13 @@ def replica_nodes(replicas: dict, timeout_s: float) -> dict:
 
 
 class StartupCalls:
-    """The start-up calls to the replicas, each surviving their deaths (see the module docstring)."""
-
     def __init__(self, topology: Topology, supervisor_cfg):
         self.topology, self.cfg = topology, supervisor_cfg
 
     def call_all(self, handles: dict, call: Callable, timeout_s: float) -> tuple[dict, dict]:
-        """call(key, handle, first_try) -> an ObjectRef, for every handle; retried for those that
-        died or did not answer. Returns (answers, errors): a live replica's answer or its own
-        exception (a RayTaskError) by key. RuntimeError when a replica is still away after the
-        retries and its cluster falls below `min_replicas_per_cluster`."""
+        """call(key, handle, first_try) -> an ObjectRef, retried for those that died or did not
+        answer. Returns (answers, errors: a live replica's own exception) by key. RuntimeError when
+        one still away after the retries leaves its cluster below `min_replicas_per_cluster`."""
         answers, errors, pending = {}, {}, dict(handles)
         deadline, first = time.monotonic() + self.cfg.call_timeout_s, True
         while pending:
@@ -145,9 +138,8 @@ class StartupCalls:
             checkpoint.remove(url)
 
     def load_resume_point(self, point: checkpoint.Choice, replicas: dict, faults: dict) -> None:
-        """Every replica with a file in the checkpoint loads it (files already verified). A replica id
-        the checkpoint lacks (the topology grew) starts fresh and heals from a peer like a restarted
-        replica; files of replica ids this run lacks are not loaded."""
+        """Every replica with a file in the (verified) checkpoint loads it. One it lacks (the topology
+        grew) starts fresh and heals from a peer; files of replica ids this run lacks stay unread."""
         files = point.manifest["files"]
         _, errors = self.call_all(
             {rid: h for rid, h in replicas.items() if rid in files},
