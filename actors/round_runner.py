@@ -32,7 +32,7 @@ from actors.heals import Heals
 from actors.replica_calls import FETCH_S, call, up
 from actors.round_record import RoundRecord
 from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, Phase, PhaseAnswer, PhaseEnded,
-                             Progress, Reap, RoundMachine, StepTimed, Yield, raised, restarted_unseen, restarts)
+                             Progress, Reap, RoundMachine, StepTimed, Yield, raised)
 from hsgd.train.comm import abort_rendezvous
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
@@ -177,13 +177,13 @@ class RoundRunner:
         flight = self.m.inflight.get(phase_id)
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
-        except Exception as err:  # noqa: BLE001 — whose failure is it? (hsgd/core/round/blame.py)
+        except Exception as err:  # noqa: BLE001 — whose failure is it? (messages.raised)
             heal = flight is not None and flight.phase.kind is CallKind.HEAL
             outcome = raised(actor_gone=isinstance(err, RayActorError),  # died or unavailable
                              source_failed=heal and self.heals.source_failed(phase_id, rid))
             detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
             answer = PhaseAnswer(rid, outcome, error=detail)
-            if restarts(outcome):
+            if outcome == Outcome.ERROR:  # the replica raised: killed, restarted clean
                 self.p.roster.restart_raised(rid, self.phase, self.r, detail)
         if flight is not None and rid in flight.pending:  # (a stale answer is not the round's)
             self.record.answered(flight.phase, answer)
@@ -216,7 +216,7 @@ class RoundRunner:
         if answer.get("phase", "idle") != "idle" or answer.get("spare"):
             return []
         if what == "idle":
-            if not restarted_unseen(known_pid, answer.get("pid")) or rid not in self.m.progress:
+            if known_pid is None or answer.get("pid") == known_pid or rid not in self.m.progress:
                 return []  # the same process: alive
             self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
                              detail=f"restarted while idle (pid {known_pid} -> {answer.get('pid')})")

@@ -156,7 +156,7 @@ class Supervisor:
         return self.record.publish(self._summary(status, reason, start))
 
     def _settings(self) -> RoundSettings:
-        """The next round's settings: hsgd.core.round.settings says why each deadline is what it is."""
+        """The next round's settings: hsgd.core.round.machine.round_settings says why each deadline is what it is."""
         return round_settings(steps_per_round=self.spr, sync=self.cfg.sync, supervisor=self.cfg.supervisor,
                               comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock)
 
