@@ -99,5 +99,5 @@ from hsgd.core.round.messages import (AbortJoin, Answer, Call, CallKind, Cluster
                                       OuterReduce, OuterStage, Overlap, Phase, PhaseAnswer, PhaseEnded, Progress, Reap,
                                       RunInner, StateReady, StepTimed, Up, Yield, raised,
                                       unanswered_heal)
-from hsgd.core.round.schedule import (checkpoint_due, current_round, eval_due, evaluation_order, heals_at_rest,
-                                      model_writers, unrecorded_rounds)
+from hsgd.core.round.schedule import (current_round, due, evaluation_order, heals_at_rest, model_writers,
+                                      unrecorded_rounds)
