@@ -1,11 +1,9 @@
 """Carrying out one round machine's effects with Ray, and turning what Ray says into the machine's
 observations. It decides nothing (hsgd/core/round/__init__.py says what happens after any failure)
-and keeps no record of calls in flight: the machine's is the one record; the runner only maps each
-Ray ref to a call id (phase id, rid) or to a probe.
+and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray refs to call ids.
 
     Phase      one Ray call per replica (heals through actors/heals.py); the answer, or Ray's
-               error for it (`died` when the actor is gone, `error` when the replica raised: it is
-               killed restartable), goes back as an Answer
+               error for it as messages.raised classifies it (`error`: killed restartable), as an Answer
     Kill       hang report with every stack of its group, then kill (actors/hang.py)
     Reap       logged only: its process is gone and Ray restarts it already
     Yield      request_yield on each member's control channel (no answer waited for)
@@ -43,10 +41,7 @@ STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(repli
 @dataclass
 class RunnerPorts:
     """What a round's runner, a checkpoint's save or restore (actors/checkpointing.py) and the final
-    heal may touch (never the supervisor itself): the replicas (`roster`: handles, spares, deaths),
-    the run's record (`log`, `set_status`, `save_epoch` for the durable epoch, `state` saved by
-    `save_state`, `warn` on the console), the fault injector, the learned deadlines (`clock`), and
-    the groups' store."""
+    heal may touch: never the supervisor itself. `save_epoch` saves the durable epoch."""
     roster: Any
     log: Any
     injector: Any

@@ -113,7 +113,6 @@ class Supervisor:
         roster, status, reason = self.roster, "completed", None
         try:
             store, store_addr = self._start_store()
-            # what a round's runner, a checkpoint and the final heal may touch: never this actor itself
             self.ports = RunnerPorts(
                 roster=roster, log=self.log, injector=self.injector, clock=self.clock, run_id=self.run_id,
                 set_status=self.record.set_status, save_epoch=self._save_epoch, store=store, store_addr=store_addr,

@@ -1,8 +1,6 @@
 """A cluster's phase within a round (the "per cluster" rows of the table in __init__.py): who
 heals, when its inner group forms, when it is ready for the outer exchange, and how a replica that
-comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out. A
-restarted replica is taken in at once by a ready cluster, when it ends by one in a heal or its
-average, after a common yield boundary by one running inner.
+comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out.
 """
 from __future__ import annotations
 

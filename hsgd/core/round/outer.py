@@ -145,9 +145,8 @@ class OuterExchange:
     # -- the end of a round ---------------------------------------------------------------------------------
     def _finish(self, outcome: str, reason: str = "") -> list[Effect]:
         self.done, self.outcome, self.reason = True, outcome, reason
-        # A round that ends early (below quorum, failed) leaves calls in flight whose answers nobody
-        # reads: a group they are using may still break (a collective fails, a member is killed while
-        # the supervisor waits for them), so the groups they touch are not handed on as standing.
+        # ended early: calls left in flight, whose answers nobody reads, may still break the groups
+        # they use, so none of those is handed on as standing
         for flight in self.calls.inflight.values():
             kind = flight.phase.kind
             if kind is CallKind.OUTER_REDUCE:
@@ -171,8 +170,7 @@ class OuterExchange:
             return self._finish("failed", f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
                                           f"non-finite numbers in {self._non_finite_text(self.void)}")
         problem = quorum_problem([len(self.members(c)) for c in range(clusters)],
-                                 self.topology.floors(s.min_replicas_per_cluster),
-                                 s.min_clusters)
+                                 self.topology.floors(s.min_replicas_per_cluster), s.min_clusters)
         return self._finish("below_quorum", problem or "below quorum")
 
     def _non_finite_text(self, clusters: Iterable[int]) -> str:
