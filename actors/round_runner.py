@@ -92,7 +92,7 @@ class RoundRunner:
                 if roster.spares:
                     roster.spares.check(self.p.log)
                 for rid in roster.deaths(m.progress, self.r, self.phase):  # Ray's actor table
-                    if rid not in m.busy:  # no call would ever have said so
+                    if rid not in m.calls.busy:  # no call would ever have said so
                         self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
                                          detail="died while idle (Ray's actor table)")
                     self._carry_out(m.observe(Lost(rid, "died"), now))
@@ -169,7 +169,7 @@ class RoundRunner:
 
     def _answer(self, ref) -> Answer:
         phase_id, rid = self.calls.pop(ref)
-        flight = self.m.inflight.get(phase_id)
+        flight = self.m.calls.inflight.get(phase_id)
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
         except Exception as err:  # noqa: BLE001 — whose failure is it? (messages.raised)

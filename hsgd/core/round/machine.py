@@ -124,14 +124,6 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.step_seconds: deque[float] = deque(maxlen=20)  # the latest inner step times (yield boundaries)
 
     # -- queries --------------------------------------------------------------------------------------
-    @property
-    def inflight(self) -> dict[int, InFlight]:
-        return self.calls.inflight
-
-    @property
-    def busy(self) -> dict[str, InFlight]:
-        return self.calls.busy
-
     def members(self, cluster: int) -> tuple[str, ...]:
         """The cluster's live members."""
         return tuple(rid for rid in self.ids[cluster] if rid in self.progress)
@@ -182,12 +174,12 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         """What the runner asks whom on the control channel: `progress` of those in run_inner; `up`
         of those down and not `gone` (rejoin `fast`; a call to a restarting actor waits until it is
         up); with `idle`, `idle` of live replicas with no call in flight."""
-        want = [("progress", rid) for f in self.inflight.values() if f.phase.kind is CallKind.RUN_INNER
+        want = [("progress", rid) for f in self.calls.inflight.values() if f.phase.kind is CallKind.RUN_INNER
                 for rid in f.pending]
         if self.settings.rejoin == "fast":
             want += [("up", rid) for ids in self.ids for rid in ids if rid not in self.progress and rid not in gone]
         if idle:
-            want += [("idle", rid) for rid in self.progress if rid not in self.busy]
+            want += [("idle", rid) for rid in self.progress if rid not in self.calls.busy]
         return want
 
     # -- the round's start ----------------------------------------------------------------------------
