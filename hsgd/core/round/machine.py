@@ -91,11 +91,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
                  progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
                  committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
                  outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None = None, benched: Iterable[int] = (),
-                 non_finite_rounds: Mapping[int, int] | None = None,
-                 incarnations: Mapping[str, int] | None = None):
+                 non_finite_rounds: Mapping[int, int] | None = None):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
-        self.incarnations = dict(incarnations or {})  # rid -> the incarnation last seen up
+        self.incarnations: dict[str, int] = {}  # rid -> the incarnation last seen up, this round
         self.leaders, self.epoch, self.committed_round = dict(leaders), epoch, committed_round
         self.ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
         self.cluster_index = {rid: c for c, ids in enumerate(self.ids) for rid in ids}
