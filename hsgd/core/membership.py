@@ -50,9 +50,8 @@ def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[i
 
 def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int,
               min_replicas_per_cluster: int = 1) -> Plan:
-    """The plan of `live` replicas: members in index order, sticky leaders (a missing one replaced
-    by the lowest-index member; `leaders` is updated); a cluster below quorum is left out (its
-    replicas wait, then heal)."""
+    """The plan of `live` replicas, leaders by leader_of (`leaders` is updated); a cluster below its
+    quorum floor is left out (its replicas wait, then heal)."""
     members, chosen = {}, {}
     for cluster in range(topology.clusters):
         here = tuple(rid for rid in topology.cluster_members(cluster) if rid in live)

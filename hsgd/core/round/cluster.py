@@ -62,10 +62,9 @@ class ClusterPhases:
         return [self._issue(c, calls, self.settings.configure_s if forms else 0.0, now, reason)]
 
     def _overlap_plan(self) -> dict[str, Overlap]:
-        """sync.fragment_delay: holder -> the Overlap (epoch, shard, shards) of the standing outer group it
-        reduces its shard in, behind the round's last inner steps (hsgd/train/overlap.py). Only
-        while the standing groups are this round's plan; when the holders change, the outer
-        exchange forms new groups after the inner phase instead (the reduce is not hidden then)."""
+        """sync.fragment_delay: holder -> its Overlap, only while the standing outer groups are this
+        round's plan; when the holders change, the outer exchange forms new groups after the inner
+        phase instead (the reduce is not hidden then)."""
         if not self.settings.fragment_delay or self.settings.outer == "none" or self.outer_configured is None:
             return {}
         epoch, groups = self.outer_configured

@@ -42,10 +42,9 @@ class Outcome(str, Enum):
 
 
 def raised(*, actor_gone: bool, source_failed: bool) -> Outcome:
-    """Whose failure a round's call that raised instead of answering is (the runner's rule): its heal
-    source's state never came (Ray fails a call whose argument failed): the source's, the target
-    heals again; else Ray says the actor is gone; else the replica raised (OOM, I/O, a bug): its own,
-    never the job's."""
+    """Whose failure a round's call that raised instead of answering is: its heal source's (the state
+    never came: Ray fails a call whose argument failed; the target heals again), else the actor is
+    gone (Ray says so), else the replica raised (OOM, I/O, a bug): its own, never the job's."""
     return Outcome.COLLECTIVE_FAILED if source_failed else Outcome.DIED if actor_gone else Outcome.ERROR
 
 
