@@ -87,8 +87,9 @@ class ClusterPhases:
         broken = not ok or any(rid not in self.progress for rid in st.members)
         if broken:
             st.configured = None  # a failed collective (or join), or a member lost: the group is unusable
-        if c in self.void:
-            return self._void_cluster(c, now)
+        if c in self.void:  # a non-finite answer: c sits out the outer exchange
+            self._bench_or_sit_out(c)
+            return self._maybe_outer(now) if self.outer_stage is OuterStage.WAIT else []
         if self.joining.get(c) and self.outer_stage is OuterStage.WAIT:
             return self._admit_joiners(c, now)
         if broken:

@@ -25,7 +25,13 @@ class OuterExchange:
             return []
         groups = self._shard_groups()
         self.exchange = (self.participating(), groups)
-        weights = self._token_weights(self.exchange[0])
+        # each cluster's weight in the outer mean: the tokens it trained this round, its live members
+        # x the steps they reached (every batch holds the same tokens)
+        start, tokens = self.round * self.settings.steps_per_round, []
+        for c in self.exchange[0]:
+            live = [m for m in self.clusters[c].members if m in self.progress]
+            tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
+        weights = token_weights(tokens)
         self.outer_stage = OuterStage.REDUCE
         # the holders changed: the reduce first forms their groups (one per shard) under a fresh epoch
         forms = self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups)
@@ -36,15 +42,6 @@ class OuterExchange:
         calls = {rid: OuterReduce(Join(prefixes[j], rank, len(holders)) if forms else None, j, shards, weights)
                  for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
         return [self._issue(None, calls, self.settings.outer_s + (self.settings.configure_s if forms else 0.0), now)]
-
-    def _token_weights(self, clusters: list[int]) -> tuple[float, ...]:
-        """The clusters' weights in the outer mean, in outer-rank order: the tokens each trained this
-        round, its live members x the steps they reached (every batch holds the same tokens)."""
-        start, tokens = self.round * self.settings.steps_per_round, []
-        for c in clusters:
-            live = [m for m in self.clusters[c].members if m in self.progress]
-            tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
-        return token_weights(tokens)
 
     def _shard_groups(self, expected: bool = False) -> tuple[tuple[str, ...], ...]:
         """Shard j -> its holder in each participating cluster, in outer-rank order. `expected`: what
@@ -124,11 +121,6 @@ class OuterExchange:
         return effects + self._maybe_outer(now)
 
     # -- non-finite numbers ---------------------------------------------------------------------------------
-    def _void_cluster(self, c: int, now: float) -> list[Effect]:
-        """c's phase ended with a non-finite answer: c sits out the outer exchange."""
-        self._bench_or_sit_out(c)
-        return self._maybe_outer(now) if self.outer_stage is OuterStage.WAIT else []
-
     def _bench_or_sit_out(self, c: int) -> None:
         """c's round is void: it sits out this round; non-finite in the last round too (or in an
         earlier attempt of this one), it is benched for the rest of the run."""
