@@ -1,6 +1,5 @@
-"""The round machine: its state, what it is asked (start, observe, tick) and how each observation
-is taken in; the decisions live beside it (cluster.py, outer.py, liveness.py). Pure: no Ray, no
-clocks (every entry takes `now`), no I/O. The failure table it carries out: __init__.py.
+"""The round machine's state, what it is asked (start, observe, tick: each takes `now`, it reads no
+clock) and how each observation is taken in; __init__.py has the failure table and the file map.
 """
 from __future__ import annotations
 
