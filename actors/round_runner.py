@@ -1,11 +1,9 @@
 """Carrying out one round machine's effects with Ray, and turning what Ray says into the machine's
 observations. It decides nothing (hsgd/core/round/__init__.py says what happens after any failure)
-and keeps no record of calls in flight: the machine's is the one record; the runner only maps each
-Ray ref to a call id (phase id, rid) or to a probe.
+and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray refs to call ids.
 
     Phase      one Ray call per replica (heals through actors/heals.py); the answer, or Ray's
-               error for it (`died` when the actor is gone, `error` when the replica raised: it is
-               killed restartable), goes back as an Answer
+               error for it as messages.raised classifies it (`error`: killed restartable), as an Answer
     Kill       hang report with every stack of its group, then kill (actors/hang.py)
     Reap       logged only: its process is gone and Ray restarts it already
     Yield      request_yield on each member's control channel (no answer waited for)
@@ -32,7 +30,7 @@ from actors.heals import Heals
 from actors.replica_calls import FETCH_S, call, up
 from actors.round_record import RoundRecord
 from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, Phase, PhaseAnswer, PhaseEnded,
-                             Progress, Reap, RoundMachine, StepTimed, Yield, raised, restarted_unseen, restarts)
+                             Progress, Reap, RoundMachine, StepTimed, Yield, raised)
 from hsgd.train.comm import abort_rendezvous
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
@@ -43,10 +41,7 @@ STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(repli
 @dataclass
 class RunnerPorts:
     """What a round's runner, a checkpoint's save or restore (actors/checkpointing.py) and the final
-    heal may touch (never the supervisor itself): the replicas (`roster`: handles, spares, deaths),
-    the run's record (`log`, `set_status`, `save_epoch` for the durable epoch, `state` saved by
-    `save_state`, `warn` on the console), the fault injector, the learned deadlines (`clock`), and
-    the groups' store."""
+    heal may touch: never the supervisor itself. `save_epoch` saves the durable epoch."""
     roster: Any
     log: Any
     injector: Any
@@ -97,7 +92,7 @@ class RoundRunner:
                 if roster.spares:
                     roster.spares.check(self.p.log)
                 for rid in roster.deaths(m.progress, self.r, self.phase):  # Ray's actor table
-                    if rid not in m.busy:  # no call would ever have said so
+                    if rid not in m.calls.busy:  # no call would ever have said so
                         self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
                                          detail="died while idle (Ray's actor table)")
                     self._carry_out(m.observe(Lost(rid, "died"), now))
@@ -174,16 +169,16 @@ class RoundRunner:
 
     def _answer(self, ref) -> Answer:
         phase_id, rid = self.calls.pop(ref)
-        flight = self.m.inflight.get(phase_id)
+        flight = self.m.calls.inflight.get(phase_id)
         try:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
-        except Exception as err:  # noqa: BLE001 — whose failure is it? (hsgd/core/round/blame.py)
+        except Exception as err:  # noqa: BLE001 — whose failure is it? (messages.raised)
             heal = flight is not None and flight.phase.kind is CallKind.HEAL
             outcome = raised(actor_gone=isinstance(err, RayActorError),  # died or unavailable
                              source_failed=heal and self.heals.source_failed(phase_id, rid))
             detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
             answer = PhaseAnswer(rid, outcome, error=detail)
-            if restarts(outcome):
+            if outcome == Outcome.ERROR:  # the replica raised: killed, restarted clean
                 self.p.roster.restart_raised(rid, self.phase, self.r, detail)
         if flight is not None and rid in flight.pending:  # (a stale answer is not the round's)
             self.record.answered(flight.phase, answer)
@@ -216,7 +211,7 @@ class RoundRunner:
         if answer.get("phase", "idle") != "idle" or answer.get("spare"):
             return []
         if what == "idle":
-            if not restarted_unseen(known_pid, answer.get("pid")) or rid not in self.m.progress:
+            if known_pid is None or answer.get("pid") == known_pid or rid not in self.m.progress:
                 return []  # the same process: alive
             self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
                              detail=f"restarted while idle (pid {known_pid} -> {answer.get('pid')})")

@@ -27,10 +27,10 @@ from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
 from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
-from hsgd.core.membership import live_per_cluster, quorum_problem
+from hsgd.core.membership import quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, checkpoint_due, current_round,
-                             eval_due, evaluation_order, heals_at_rest, round_settings, unrecorded_rounds)
+from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, current_round, due, evaluation_order,
+                             heals_at_rest, round_settings, unrecorded_rounds)
 from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
@@ -113,7 +113,6 @@ class Supervisor:
         roster, status, reason = self.roster, "completed", None
         try:
             store, store_addr = self._start_store()
-            # what a round's runner, a checkpoint and the final heal may touch: never this actor itself
             self.ports = RunnerPorts(
                 roster=roster, log=self.log, injector=self.injector, clock=self.clock, run_id=self.run_id,
                 set_status=self.record.set_status, save_epoch=self._save_epoch, store=store, store_addr=store_addr,
@@ -156,7 +155,7 @@ class Supervisor:
         return self.record.publish(self._summary(status, reason, start))
 
     def _settings(self) -> RoundSettings:
-        """The next round's settings: hsgd.core.round.settings says why each deadline is what it is."""
+        """The next round's settings: hsgd.core.round.machine.round_settings says why each deadline is what it is."""
         return round_settings(steps_per_round=self.spr, sync=self.cfg.sync, supervisor=self.cfg.supervisor,
                               comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock)
 
@@ -201,7 +200,8 @@ class Supervisor:
         while time.monotonic() < deadline:
             self.record.check_storage()
             self.roster.rejoin(min(5.0, max(0.0, deadline - time.monotonic())))
-            counts = live_per_cluster(self.topology, self.roster.live)
+            live, topo = self.roster.live, self.topology
+            counts = [sum(rid in live for rid in topo.cluster_members(c)) for c in range(topo.clusters)]
             if quorum_problem(counts, self.topology.floors(sup.min_replicas_per_cluster), sup.min_clusters) is None:
                 return
         raise RunFailed(f"quorum lost: {reason}; waited {sup.quorum_wait_s:.0f}s for replicas to return")
@@ -230,14 +230,14 @@ class Supervisor:
                        # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
                        digests_agree=params_agree(run.commit_digests, self.topology, streaming=is_streaming(self.cfg)))
         eval_loss = None
-        if eval_due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
+        if due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
         record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time())
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         self.record.wandb.log_round(record)
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
-        if checkpoint_due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
+        if self.cfg.checkpoint.every and due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
             checkpointing.save(self.ports, r + 1)
 
     def _evaluate(self) -> float | None:
@@ -288,7 +288,7 @@ class Supervisor:
                                                digests=digests, eval_loss=self._evaluate() if last else None,
                                                t=time.time()))
             self.log.event("round_recorded_late", round=missing)
-        if checkpoint_due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
+        if self.cfg.checkpoint.every and due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
             checkpointing.save(self.ports, r_now)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:

@@ -96,10 +96,6 @@ class StallWatch:
         self._seen: dict[str, tuple[tuple, float]] = {}
         self._silent: dict[str, float] = {}  # rid -> when it first did not answer
 
-    def stuck(self, rid: str, step: int, now: float) -> bool:
-        """The step rule alone: `step` has not moved for longer than limit_s."""
-        return self.verdict(rid, {"phase": "inner", "step": step}, now) == STUCK
-
     def limit(self, phase: str) -> float:
         return self.phase_limits.get(phase, self.limit_s)
 

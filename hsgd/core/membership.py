@@ -5,7 +5,6 @@ with the round machine's rules, for the supervisor between rounds and for tools.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,15 +34,8 @@ def leader_of(members: tuple[str, ...], current: str | None) -> str:
     return current if current in members else members[0]
 
 
-def live_per_cluster(topology: Topology, live) -> list[int]:
-    """How many of the `live` replica ids each cluster has, in cluster order (quorum_problem's
-    `counts`); an id of no cluster of `topology` counts nowhere."""
-    counts = Counter(map(topology.cluster_of, live))
-    return [counts[c] for c in range(topology.clusters)]
-
-
 def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[int], min_clusters: int) -> str | None:
-    """`counts`: live replicas per cluster; `min_replicas_per_cluster`: one floor for all, or each
+    """`counts`: live replicas per cluster, in cluster order; `min_replicas_per_cluster`: one floor for all, or each
     site's (Topology.floors). None when training may go on, else a one-line reason."""
     floors = [min_replicas_per_cluster] * len(counts) if isinstance(min_replicas_per_cluster, int) \
         else list(min_replicas_per_cluster)
@@ -58,9 +50,8 @@ def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[i
 
 def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int,
               min_replicas_per_cluster: int = 1) -> Plan:
-    """The plan of `live` replicas: members in index order, sticky leaders (a missing one replaced
-    by the lowest-index member; `leaders` is updated); a cluster below quorum is left out (its
-    replicas wait, then heal)."""
+    """The plan of `live` replicas, leaders by leader_of (`leaders` is updated); a cluster below its
+    quorum floor is left out (its replicas wait, then heal)."""
     members, chosen = {}, {}
     for cluster in range(topology.clusters):
         here = tuple(rid for rid in topology.cluster_members(cluster) if rid in live)

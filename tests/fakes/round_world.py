@@ -276,7 +276,7 @@ class World:
             if self.now > t_end:
                 raise AssertionError(f"round {m.round} did not finish in {limit_s}s of simulated time: "
                                      f"stages {[st.stage for st in m.clusters.values()][:20]}, outer {m.outer_stage}, "
-                                     f"in flight {[(f.phase.kind, sorted(f.pending)[:5]) for f in m.inflight.values()][:10]}")
+                                     f"in flight {[(f.phase.kind, sorted(f.pending)[:5]) for f in m.calls.inflight.values()][:10]}")
         self.m = None
 
     def drain(self) -> None:

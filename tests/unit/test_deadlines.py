@@ -1,5 +1,5 @@
 """hsgd.core.deadlines: learned phase deadlines and the stall rule (advancing = alive)."""
-from hsgd.core.deadlines import PhaseClock, StallWatch
+from hsgd.core.deadlines import STUCK, PhaseClock, StallWatch
 
 
 def test_deadline_is_the_ceiling_until_the_phase_was_seen_then_a_clamped_multiple_of_its_median():
@@ -16,9 +16,13 @@ def test_deadline_is_the_ceiling_until_the_phase_was_seen_then_a_clamped_multipl
 
 def test_a_replica_whose_step_moves_is_never_stuck_and_one_that_stops_is_after_the_limit():
     watch = StallWatch(limit_s=10.0)
-    assert not watch.stuck("c0r0", 5, now=0.0)
-    assert not watch.stuck("c0r0", 6, now=9.0)
-    assert not watch.stuck("c0r0", 7, now=30.0), "it advanced: the clock starts again"
-    assert not watch.stuck("c0r0", 7, now=40.0)
-    assert watch.stuck("c0r0", 7, now=40.5)
-    assert not watch.stuck("c0r1", 7, now=40.5), "per replica"
+
+    def stuck(rid, step, now):
+        return watch.verdict(rid, {"phase": "inner", "step": step}, now) == STUCK
+
+    assert not stuck("c0r0", 5, now=0.0)
+    assert not stuck("c0r0", 6, now=9.0)
+    assert not stuck("c0r0", 7, now=30.0), "it advanced: the clock starts again"
+    assert not stuck("c0r0", 7, now=40.0)
+    assert stuck("c0r0", 7, now=40.5)
+    assert not stuck("c0r1", 7, now=40.5), "per replica"

@@ -1,4 +1,4 @@
-"""hsgd.core.round.settings: the round machine's settings from the config, the model's bytes and the
+"""hsgd.core.round.machine.round_settings: the round machine's settings from the config, the model's bytes and the
 learned phase clock — every deadline scaled to the work it bounds."""
 from types import SimpleNamespace
 

@@ -7,14 +7,13 @@ back what it saw, as typed messages. Read this table first; each file beside it 
                  calls (CallKind, RunInner, OuterReduce, Heal, ...), a replica's PhaseAnswer, and
                  the stages of a cluster and of the outer exchange (ClusterStage, OuterStage)
     calls.py     the one record of calls in flight
-    machine.py   the machine's state, and how each observation is taken in
+    machine.py   the machine's state, and how each observation is taken in; a round's settings:
+                 every deadline, scaled to the bytes and the learned step times
     cluster.py   a cluster's phase: heal, inner, ready; re-form; a replica joining mid-round
     outer.py     the outer exchange (reduce, commit, retry), non-finite clusters, a round's end
     liveness.py  hung vs slow, kill, reap, releasing a rendezvous
-    blame.py     whose failure a call with no answer of its own is (the runner's rules)
     schedule.py  who heals from whom; between rounds: next round, checkpoints and evaluations
                  due, model writers, rounds owed to the record, the final heal
-    settings.py  a round's settings: every deadline, scaled to the bytes and the learned step times
 
 One round r:
 
@@ -94,12 +93,11 @@ overlap (sync.fragment_delay): a holder's run_inner also reduces on the outer le
 background; at most one collective per level then, never two on one group (hsgd/train/comm.py
 enforces both), and no inner step waits on the outer level.
 """
-from hsgd.core.round.blame import raised, restarted_unseen, restarts, unanswered_heal
-from hsgd.core.round.machine import RoundMachine, RoundSettings
+from hsgd.core.round.machine import RoundMachine, RoundSettings, round_settings
 from hsgd.core.round.messages import (AbortJoin, Answer, Call, CallKind, ClusterAverage, ClusterStage, Effect,
                                       ErrorKind, Heal, Join, Kill, Lost, NonFinite, Observation, Outcome, OuterCommit,
                                       OuterReduce, OuterStage, Overlap, Phase, PhaseAnswer, PhaseEnded, Progress, Reap,
-                                      RunInner, StateReady, StepTimed, Up, Yield)
-from hsgd.core.round.schedule import (checkpoint_due, current_round, eval_due, evaluation_order, heals_at_rest,
-                                      model_writers, unrecorded_rounds)
-from hsgd.core.round.settings import round_settings
+                                      RunInner, StateReady, StepTimed, Up, Yield, raised,
+                                      unanswered_heal)
+from hsgd.core.round.schedule import (current_round, due, evaluation_order, heals_at_rest, model_writers,
+                                      unrecorded_rounds)

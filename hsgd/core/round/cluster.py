@@ -1,8 +1,6 @@
 """A cluster's phase within a round (the "per cluster" rows of the table in __init__.py): who
 heals, when its inner group forms, when it is ready for the outer exchange, and how a replica that
-comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out. A
-restarted replica is taken in at once by a ready cluster, when it ends by one in a heal or its
-average, after a common yield boundary by one running inner.
+comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out.
 """
 from __future__ import annotations
 
@@ -64,10 +62,9 @@ class ClusterPhases:
         return [self._issue(c, calls, self.settings.configure_s if forms else 0.0, now, reason)]
 
     def _overlap_plan(self) -> dict[str, Overlap]:
-        """sync.fragment_delay: holder -> the Overlap (epoch, shard, shards) of the standing outer group it
-        reduces its shard in, behind the round's last inner steps (hsgd/train/overlap.py). Only
-        while the standing groups are this round's plan; when the holders change, the outer
-        exchange forms new groups after the inner phase instead (the reduce is not hidden then)."""
+        """sync.fragment_delay: holder -> its Overlap, only while the standing outer groups are this
+        round's plan; when the holders change, the outer exchange forms new groups after the inner
+        phase instead (the reduce is not hidden then)."""
         if not self.settings.fragment_delay or self.settings.outer == "none" or self.outer_configured is None:
             return {}
         epoch, groups = self.outer_configured
@@ -90,8 +87,9 @@ class ClusterPhases:
         broken = not ok or any(rid not in self.progress for rid in st.members)
         if broken:
             st.configured = None  # a failed collective (or join), or a member lost: the group is unusable
-        if c in self.void:
-            return self._void_cluster(c, now)
+        if c in self.void:  # a non-finite answer: c sits out the outer exchange
+            self._bench_or_sit_out(c)
+            return self._maybe_outer(now) if self.outer_stage is OuterStage.WAIT else []
         if self.joining.get(c) and self.outer_stage is OuterStage.WAIT:
             return self._admit_joiners(c, now)
         if broken:

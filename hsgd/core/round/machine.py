@@ -1,14 +1,14 @@
-"""The round machine: its state, what it is asked (start, observe, tick) and how each observation
-is taken in; the decisions live beside it (cluster.py, outer.py, liveness.py). Pure: no Ray, no
-clocks (every entry takes `now`), no I/O. The failure table it carries out: __init__.py.
+"""The round machine's state, what it is asked (start, observe, tick: each takes `now`, it reads no
+clock) and how each observation is taken in; __init__.py has the failure table and the file map.
 """
 from __future__ import annotations
 
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
+from hsgd.core.deadlines import PhaseClock, collective_timeout_s, heal_deadline_s, state_bytes_bound
 from hsgd.core.membership import Plan
 from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.round.calls import CallBook, InFlight
@@ -31,7 +31,7 @@ class RoundSettings:
     inner_every: int = 1  # localsgd: members may only yield at a sync boundary
     yield_lead_s: float = 1.5  # a yield boundary lies this far ahead of the furthest member's step
     rejoin: str = "fast"  # fast: restarted replicas join inside the round | boundary: at the next round
-    # deadlines in seconds (settings.py scales them; liveness.py says what each bounds)
+    # deadlines in seconds (round_settings scales them; liveness.py says what each bounds)
     step_deadline_s: float = 60.0
     group_grace_s: float = 15.0
     presumed_dead_s: float = 0.5  # a peer whose connection closed, before Ray's death notice (~1.5 s)
@@ -41,6 +41,35 @@ class RoundSettings:
     commit_s: float = 60.0
     outer_path: str = "leader"  # leader | sharded (hsgd/core/outer_plan.py)
     fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps
+
+
+def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: Any, param_bytes: int,
+                   clock: PhaseClock) -> RoundSettings:
+    """The next round's settings from the config's sections (read by attribute): every deadline scaled
+    to the work it bounds, bytes (of `param_bytes`) at comm.min_gbps for what moves state, the run's
+    learned phase times for what computes (a round follows what the ones before measured)."""
+    # a healthy member leaves a broken collective within its (payload-scaled) timeout
+    grace = collective_timeout_s(comm.timeout_s, param_bytes, comm.min_gbps) + 5.0
+    heal_s = heal_deadline_s(call_timeout_s=supervisor.call_timeout_s, configure_timeout_s=comm.configure_timeout_s,
+                             timeout_s=comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
+                             min_gbps=comm.min_gbps)
+    return RoundSettings(steps_per_round=steps_per_round, inner=sync.inner, outer=sync.outer,
+                         outer_path=sync.outer_path, fragment_delay=sync.fragment_delay,
+                         inner_every=sync.inner_every, rejoin=supervisor.rejoin,
+                         min_replicas_per_cluster=supervisor.min_replicas_per_cluster,
+                         min_clusters=supervisor.min_clusters,
+                         step_deadline_s=clock.deadline("inner_step", 1), group_grace_s=grace,
+                         # a closed connection means the peer's process is gone; only Ray's own
+                         # notice (which names the cause) is worth a short wait — nothing is killed
+                         presumed_dead_s=max(0.25, clock.median("inner_step", 0.5)),
+                         # the rendezvous, then the backend's connect among members known present
+                         # (hsgd.train.comm.LevelGroup.connect_timeout_s), then a margin
+                         configure_s=comm.configure_timeout_s + min(comm.timeout_s, comm.configure_timeout_s) + 5.0,
+                         heal_s=heal_s,
+                         # the learned time of the exchange (the ceiling until it was seen), plus the
+                         # grace a member needs to leave a broken collective; never past phase_timeout_s
+                         outer_s=min(supervisor.phase_timeout_s, clock.deadline("outer", 1) + grace),
+                         commit_s=min(supervisor.phase_timeout_s, clock.deadline("outer_commit", 1) + grace))
 
 
 @dataclass
@@ -61,11 +90,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
                  progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
                  committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
                  outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None = None, benched: Iterable[int] = (),
-                 non_finite_rounds: Mapping[int, int] | None = None,
-                 incarnations: Mapping[str, int] | None = None):
+                 non_finite_rounds: Mapping[int, int] | None = None):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
-        self.incarnations = dict(incarnations or {})  # rid -> the incarnation last seen up
+        self.incarnations: dict[str, int] = {}  # rid -> the incarnation last seen up, this round
         self.leaders, self.epoch, self.committed_round = dict(leaders), epoch, committed_round
         self.ids = tuple(tuple(topology.cluster_members(c)) for c in range(topology.clusters))
         self.cluster_index = {rid: c for c, ids in enumerate(self.ids) for rid in ids}
@@ -94,14 +122,6 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.step_seconds: deque[float] = deque(maxlen=20)  # the latest inner step times (yield boundaries)
 
     # -- queries --------------------------------------------------------------------------------------
-    @property
-    def inflight(self) -> dict[int, InFlight]:
-        return self.calls.inflight
-
-    @property
-    def busy(self) -> dict[str, InFlight]:
-        return self.calls.busy
-
     def members(self, cluster: int) -> tuple[str, ...]:
         """The cluster's live members."""
         return tuple(rid for rid in self.ids[cluster] if rid in self.progress)
@@ -152,12 +172,12 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         """What the runner asks whom on the control channel: `progress` of those in run_inner; `up`
         of those down and not `gone` (rejoin `fast`; a call to a restarting actor waits until it is
         up); with `idle`, `idle` of live replicas with no call in flight."""
-        want = [("progress", rid) for f in self.inflight.values() if f.phase.kind is CallKind.RUN_INNER
+        want = [("progress", rid) for f in self.calls.inflight.values() if f.phase.kind is CallKind.RUN_INNER
                 for rid in f.pending]
         if self.settings.rejoin == "fast":
             want += [("up", rid) for ids in self.ids for rid in ids if rid not in self.progress and rid not in gone]
         if idle:
-            want += [("idle", rid) for rid in self.progress if rid not in self.busy]
+            want += [("idle", rid) for rid in self.progress if rid not in self.calls.busy]
         return want
 
     # -- the round's start ----------------------------------------------------------------------------

@@ -41,6 +41,19 @@ class Outcome(str, Enum):
     NON_FINITE = "non_finite"  # a loss, gradient norm or pseudo-gradient was NaN/inf: the cluster's round is void
 
 
+def raised(*, actor_gone: bool, source_failed: bool) -> Outcome:
+    """Whose failure a round's call that raised instead of answering is: its heal source's (the state
+    never came: Ray fails a call whose argument failed; the target heals again), else the actor is
+    gone (Ray says so), else the replica raised (OOM, I/O, a bug): its own, never the job's."""
+    return Outcome.COLLECTIVE_FAILED if source_failed else Outcome.DIED if actor_gone else Outcome.ERROR
+
+
+def unanswered_heal(source_failed: bool, *, in_time: bool = True) -> Outcome:
+    """A final heal's target (outside a round: nobody is killed) that gave no answer: not by the
+    deadline, or its source failed: not healed, it heals at the next start; else it raised: died."""
+    return Outcome.COLLECTIVE_FAILED if source_failed or not in_time else Outcome.DIED
+
+
 class ClusterStage(StrEnum):
     """Where a cluster is in its round (cluster.py)."""
     NEW = "new"  # the round has not started it yet

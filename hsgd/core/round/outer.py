@@ -25,7 +25,13 @@ class OuterExchange:
             return []
         groups = self._shard_groups()
         self.exchange = (self.participating(), groups)
-        weights = self._token_weights(self.exchange[0])
+        # each cluster's weight in the outer mean: the tokens it trained this round, its live members
+        # x the steps they reached (every batch holds the same tokens)
+        start, tokens = self.round * self.settings.steps_per_round, []
+        for c in self.exchange[0]:
+            live = [m for m in self.clusters[c].members if m in self.progress]
+            tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
+        weights = token_weights(tokens)
         self.outer_stage = OuterStage.REDUCE
         # the holders changed: the reduce first forms their groups (one per shard) under a fresh epoch
         forms = self.settings.outer != "none" and (self.outer_configured is None or self.outer_configured[1] != groups)
@@ -36,15 +42,6 @@ class OuterExchange:
         calls = {rid: OuterReduce(Join(prefixes[j], rank, len(holders)) if forms else None, j, shards, weights)
                  for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
         return [self._issue(None, calls, self.settings.outer_s + (self.settings.configure_s if forms else 0.0), now)]
-
-    def _token_weights(self, clusters: list[int]) -> tuple[float, ...]:
-        """The clusters' weights in the outer mean, in outer-rank order: the tokens each trained this
-        round, its live members x the steps they reached (every batch holds the same tokens)."""
-        start, tokens = self.round * self.settings.steps_per_round, []
-        for c in clusters:
-            live = [m for m in self.clusters[c].members if m in self.progress]
-            tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
-        return token_weights(tokens)
 
     def _shard_groups(self, expected: bool = False) -> tuple[tuple[str, ...], ...]:
         """Shard j -> its holder in each participating cluster, in outer-rank order. `expected`: what
@@ -124,11 +121,6 @@ class OuterExchange:
         return effects + self._maybe_outer(now)
 
     # -- non-finite numbers ---------------------------------------------------------------------------------
-    def _void_cluster(self, c: int, now: float) -> list[Effect]:
-        """c's phase ended with a non-finite answer: c sits out the outer exchange."""
-        self._bench_or_sit_out(c)
-        return self._maybe_outer(now) if self.outer_stage is OuterStage.WAIT else []
-
     def _bench_or_sit_out(self, c: int) -> None:
         """c's round is void: it sits out this round; non-finite in the last round too (or in an
         earlier attempt of this one), it is benched for the rest of the run."""
@@ -145,9 +137,8 @@ class OuterExchange:
     # -- the end of a round ---------------------------------------------------------------------------------
     def _finish(self, outcome: str, reason: str = "") -> list[Effect]:
         self.done, self.outcome, self.reason = True, outcome, reason
-        # A round that ends early (below quorum, failed) leaves calls in flight whose answers nobody
-        # reads: a group they are using may still break (a collective fails, a member is killed while
-        # the supervisor waits for them), so the groups they touch are not handed on as standing.
+        # ended early: calls left in flight, whose answers nobody reads, may still break the groups
+        # they use, so none of those is handed on as standing
         for flight in self.calls.inflight.values():
             kind = flight.phase.kind
             if kind is CallKind.OUTER_REDUCE:
@@ -171,8 +162,7 @@ class OuterExchange:
             return self._finish("failed", f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
                                           f"non-finite numbers in {self._non_finite_text(self.void)}")
         problem = quorum_problem([len(self.members(c)) for c in range(clusters)],
-                                 self.topology.floors(s.min_replicas_per_cluster),
-                                 s.min_clusters)
+                                 self.topology.floors(s.min_replicas_per_cluster), s.min_clusters)
         return self._finish("below_quorum", problem or "below quorum")
 
     def _non_finite_text(self, clusters: Iterable[int]) -> str:

@@ -47,13 +47,9 @@ def current_round(progress: Iterable[tuple[int, int]]) -> int:
     return max((r for r, _ in progress), default=0)
 
 
-def checkpoint_due(rounds_done: int, every: int, total_rounds: int) -> bool:
-    """A durable checkpoint after round rounds_done - 1 committed?"""
-    return bool(every) and (rounds_done % every == 0 or rounds_done == total_rounds)
-
-
-def eval_due(rounds_done: int, every: int, total_rounds: int) -> bool:
-    """An evaluation after round rounds_done - 1 committed? (every `every` rounds, and the last)"""
+def due(rounds_done: int, every: int, total_rounds: int) -> bool:
+    """A checkpoint or evaluation after round rounds_done - 1 committed? Every `every` rounds, and
+    after the last (every=0: the last only; checkpoint.every=0 means none: its caller checks)."""
     return bool(every) and rounds_done % every == 0 or rounds_done == total_rounds
 
 
