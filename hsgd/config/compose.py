@@ -4,7 +4,6 @@ line); jobs.train exits 2 on it.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from hsgd.config.paths import output_path, under_ray_job
 from hsgd.config.schema import ConfigError, register_schema
 from hsgd.core.topology import topology_of
 from hsgd.config.validate import NUMERIC_FIELDS, validate
+from hsgd.record.rundir import read_json
 from hsgd.record.runlock import LOCK_NAME
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -100,18 +100,9 @@ def is_hsgd_run_folder(folder: Path) -> bool:
     """What only hsgd writes: its lock, or a run.json or finalized checkpoint manifest
     (`checkpoints/round_*/manifest.json`: one copied by hand to resume from) naming a run id (a
     non-empty string `run_id`). A common file name (config.yaml, checkpoints/) proves nothing."""
-    if (folder / LOCK_NAME).exists():
-        return True
-    return any(_names_a_run(marker) for marker in
-               [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))])
-
-
-def _names_a_run(path: Path) -> bool:
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and isinstance(info.get("run_id"), str) and bool(info["run_id"])
+    infos = [read_json(m) for m in [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))]]
+    return (folder / LOCK_NAME).exists() or any(
+        isinstance(info, dict) and isinstance(info.get("run_id"), str) and info["run_id"] != "" for info in infos)
 
 
 def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:
