@@ -1,9 +1,7 @@
-"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`).
+"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`; README, "Sweeps" for `-m`).
 
-The command line of actors/launch.py: a bad value prints one line and exits 2 before Ray starts
-(hsgd.config.compose.precheck; for a multirun `-m a=1,2`: every job of the sweep, before the first
-one starts); a failed run exits 1. A multirun runs its jobs one after the other (Ray shut down
-between them) and keeps `sweep.csv` / `sweep.md` in the sweep folder.
+A bad value prints one line and exits 2 before Ray starts (hsgd.config.compose.precheck; for a
+multirun: every job's, before the first starts); a failed run exits 1.
 """
 from __future__ import annotations
 
