@@ -99,16 +99,14 @@ class _Stream:
 
 class RunLog:
     """events.jsonl and metrics.jsonl, written so that a failing run folder never reaches the
-    caller, and the run's other files (status, durable state, reports, summary) with a deadline.
+    caller, and the run's other files with a deadline, all through the folder's `FolderWriter`.
 
-    `event` and `metrics` keep the record in memory, in order, and ask the folder's writer thread
-    (`FolderWriter`) to append what is kept; they neither wait for the write nor raise for it. A
-    record leaves memory only once it is in the file (append_lines: all or nothing), so while the
-    folder is unwritable records pile up in memory and the next write that works writes them all,
-    in order, each once. `write_file` writes a whole file atomically through the same thread and
-    waits at most `write_timeout_s`. The folder's health is reported by `unwritable_s()` and by the
-    events `run_dir_unwritable` / `run_dir_writable` (and `warn`, for the console); the caller
-    decides how long an outage it tolerates (hsgd.core.deadlines.storage_problem).
+    `event` and `metrics` keep the record in memory, in order, and neither wait for the write nor
+    raise for it. A record leaves memory only once it is in the file (append_lines: all or nothing),
+    so an unwritable folder piles records up in memory and the next write that works writes them
+    all, in order, each once. Health: `unwritable_s()`, the events `run_dir_unwritable` /
+    `run_dir_writable`, and `warn` for the console; the caller decides how long an outage it
+    tolerates (hsgd.core.deadlines.storage_problem).
     """
 
     def __init__(self, run_dir: str | Path, *, warn=None, write_timeout_s: float = 5.0):
