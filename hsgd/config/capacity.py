@@ -155,17 +155,6 @@ class BackendPlan:
     notice: str | None = None
 
 
-def asked_backends(backend: str, inner_backend: str | None, outer_backend: str | None) -> dict:
-    """{level: (asked, field that asked it)}: comm.backend is the shorthand for both levels, a
-    per-level key (not null) overrides it; on the outer level `auto` means gloo (the slow link
-    between sites is TCP; NCCL over it buys nothing and needs a GPU)."""
-    inner = (inner_backend, "comm.inner_backend") if inner_backend else (backend, "comm.backend")
-    outer = (outer_backend, "comm.outer_backend") if outer_backend else (backend, "comm.backend")
-    if outer[0] == "auto":
-        outer = ("gloo", outer[1])
-    return {"inner": inner, "outer": outer}
-
-
 def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     """The per-level backends and GPUs per replica for the Ray cluster of live `nodes` (as for
     `placement_problem`). A level that asks nccl needs every replica and spare to get a GPU of its
@@ -173,7 +162,10 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     Inner `auto`: nccl only where every replica gets its own GPU, else gloo with a notice (none on
     a cluster without GPUs). gloo on both levels asks no GPU."""
     c, t, topo = cfg.comm, cfg.topology, topology_of(cfg)
-    (inner, inner_field), (outer, outer_field) = asked_backends(c.backend, c.inner_backend, c.outer_backend).values()
+    # comm.backend asks both levels; a per-level key (not null) overrides it
+    inner, inner_field = (c.inner_backend, "comm.inner_backend") if c.inner_backend else (c.backend, "comm.backend")
+    outer, outer_field = (c.outer_backend, "comm.outer_backend") if c.outer_backend else (c.backend, "comm.backend")
+    outer = "gloo" if outer == "auto" else outer  # the slow link between sites is TCP: NCCL over it buys nothing
     spares, strategy, clusters, replicas_per_cluster = (t.spares_per_cluster, t.placement_strategy, topo.clusters,
                                                         topo.replicas_per_cluster)
     k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares
