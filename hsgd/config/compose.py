@@ -1,7 +1,5 @@
 """The config before Ray starts: compose it as Hydra would, turn Hydra's nested errors into one
-line, and every check that needs no cluster (`precheck`). Each refusal is a `ConfigError` (one
-line); jobs.train exits 2 on it.
-"""
+line, and every check that needs no cluster (`precheck`), each refusal a one-line `ConfigError`."""
 from __future__ import annotations
 
 import os
@@ -106,11 +104,9 @@ def is_hsgd_run_folder(folder: Path) -> bool:
 
 
 def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:
-    """Raise ConfigError (one line; nothing is written) when this run may not use run_dir: it is
-    not a folder, or a non-empty one that is not an hsgd run (someone else's files); another run
-    holds its lock, or a stale lock without train.resume; it holds a run and train.resume is not
-    set. `hydra_wrote`: Hydra's own `.hydra/` and `*.log` there do not make it foreign. Read-only:
-    jobs.train calls it before Hydra writes, run_training again before it takes the lock."""
+    """Raise ConfigError (one line) when this run may not use run_dir. Read-only: jobs.train calls it
+    before Hydra writes, run_training again before it takes the lock (`hydra_wrote`: Hydra's own
+    `.hydra/` and `*.log` there then do not make the folder foreign)."""
     from hsgd.record import runlock
 
     p = Path(run_dir)

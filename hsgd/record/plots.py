@@ -1,8 +1,6 @@
-"""Pictures of a run, written next to its JSON (README, "Outputs"): loss.png (loss vs inner step),
-timeline.png (what each replica was doing, faults and recoveries) and membership.png (live
-replicas per cluster). The `*_data` functions are pure (files in, plain data out; times in seconds
-since the run's first event); tests check them, not pixels. A run still going, failed, or without
-faults or metrics yet draws what it has.
+"""Pictures of a run (README, "Outputs"): loss.png, timeline.png, membership.png. The `*_data`
+functions are pure (files in, plain data out; times in seconds since the run's first event); tests
+check them, not pixels. A run still going, failed, or without faults or metrics yet draws what it has.
 """
 from __future__ import annotations
 
@@ -196,7 +194,7 @@ def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
 
 
 def loss_plot_data(run_dir: str | Path) -> dict:
-    """The series loss.png is drawn from (tests check these, not pixels)."""
+    """The series loss.png is drawn from."""
     run_dir = Path(run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     per_replica: dict[str, list[tuple[int, float]]] = {}
