@@ -1,8 +1,6 @@
-"""Validation of a resolved config: every rule the types cannot express, checked before any actor starts.
-
-`validate(cfg)` raises `ConfigError` whose message is ONE line, '<field>: <problem>; valid: <what
-would be>'; jobs/train.py prints it and exits 2 before Ray starts. The cheap checks first, each
-field's range or choices from the schema's metadata (nan and inf refused everywhere).
+"""Validation of a resolved config: every rule the types cannot express, checked before any actor
+starts; `validate(cfg)` raises a one-line `ConfigError`. Each field's range or choices come from the
+schema's metadata (nan and inf refused everywhere).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The run's record under run.dir (README, "Outputs"): events.jsonl, one {"t": unix seconds, "event":
-name, ...fields} per event, and metrics.jsonl, one object per committed round, written by `RunLog`.
-Events are typed: `EVENTS` names every event and the fields it always carries (more may follow),
-and `RunLog.event` refuses an unknown name or a missing field, so readers can rely on them.
+"""The run's record under run.dir (README, "Outputs"): events.jsonl (`t`: unix seconds) and
+metrics.jsonl, written by `RunLog`. Events are typed: `EVENTS` names every event and the fields it
+always carries (more may follow); `RunLog.event` refuses an unknown name or a missing field.
 """
 from __future__ import annotations
 
