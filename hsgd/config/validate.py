@@ -86,7 +86,6 @@ def _numeric_bounds() -> dict[str, Bound]:
     return bounds
 
 
-# Derived from the schema's field metadata (hsgd/config/schema.py), one entry per field.
 NUMERIC_FIELDS: dict[str, Bound] = _numeric_bounds()
 # Fields that name one of a fixed set of values (None in the set: null is allowed).
 CHOICE_FIELDS: dict[str, tuple] = {

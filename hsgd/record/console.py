@@ -15,8 +15,7 @@ def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
 
 
 def round_line(m: dict) -> str:
-    """One console line per committed round (a round recorded late after a supervisor restart
-    has no loss or throughput: shown as '-')."""
+    """One console line per committed round (a round recorded late has no loss or throughput: '-')."""
     ev, loss = _num(m.get("eval_loss")), _num(m.get("loss"))
     tps = m.get("tokens_per_s") or 0.0
     return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {loss} | eval {ev} | "

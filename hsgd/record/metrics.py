@@ -135,8 +135,7 @@ def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:
 
 
 def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detected_by: str) -> dict:
-    """A fault entry for a failure no injected fault explains (`seen`: its replica_down or
-    non_finite event): detected when seen, recovery and heal read from the events after it."""
+    """A fault entry for a failure no injected fault explains (`seen`: its replica_down or non_finite event)."""
     rid, t = seen["rid"], seen["t"]
     return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
             "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
@@ -166,9 +165,8 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
 
 def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics: list[dict], steps_per_round: int,
                      now: float, run_dir: str, supervisor_started: float | None = None) -> dict:
-    """summary.json when run_summary cannot be had (the supervisor failed making it, or the driver
-    writes it for a supervisor that is gone): the same keys, from what is still known — the
-    durable state and metrics.jsonl — and None (or empty) for what only the live run knew."""
+    """summary.json when run_summary cannot be had (the supervisor failed making it, or is gone): the
+    same keys, from the durable state and metrics.jsonl; None (or empty) for what only the live run knew."""
     evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
     rounds = durable.get("committed_round")
     started = durable.get("started_at")

@@ -185,8 +185,8 @@ def membership_data(run_dir: str | Path) -> dict:
 
 
 def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
-    """The inner step a fault hit: from its (round, step) when it fired at a boundary, else (a
-    fault injected from outside) the start of the first round that committed after it."""
+    """The inner step a fault hit: its (round, step), else (injected from outside) the start of the
+    first round that committed after it."""
     if fault.get("round") is not None:
         return fault["round"] * spr + (fault.get("step") or 0)
     later = [m for m in metrics if m.get("t", 0) >= fault["t"]]
