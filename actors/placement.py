@@ -49,9 +49,8 @@ def _path_here(path: str) -> tuple[bool, str]:
 
 
 def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) -> list[str]:
-    """Refuse (ConfigError naming the nodes) when data.path does not exist on a node that may run
-    replicas: one tiny task pinned to each, in the job's working directory as the replicas read it.
-    A node that does not answer within `timeout_s` is not refused; returns their names."""
+    """Refuse (ConfigError) when data.path does not exist on a node that may run replicas, asking each
+    with a tiny pinned task. A node that does not answer within `timeout_s` is not refused; returns their names."""
     path = cfg.data.path
     if path is None:
         return []

@@ -128,9 +128,8 @@ class RunLog:
         self._keep("metrics", record)
 
     def rewrite_metrics(self, records: list[dict]) -> bool:
-        """Replace metrics.jsonl by `records` atomically (after a restore, the rounds that are
-        trained again lose their old lines, so every round is recorded once); records still in
-        memory are dropped with the file's. True when the file is replaced within the deadline,
+        """Replace metrics.jsonl by `records` atomically (after a restore, rounds trained again lose
+        their old lines), dropping those still in memory. True when replaced within the deadline,
         False when the replacement is kept in memory until the folder works."""
         stream = self._streams["metrics"]
         with self._lock:

@@ -69,9 +69,8 @@ class RunState:
 
     @classmethod
     def begin(cls, run_dir: str | Path, run_id: str, fingerprint: dict, *, resumed: bool) -> "RunState":
-        """A run's first state, which the driver writes before the supervisor starts: this run's id
-        and config fingerprint; a resumed run keeps the old state's epoch, fired faults and initial
-        eval loss (its view of replicas is stale)."""
+        """A run's first state (the driver's, before the supervisor starts); a resumed run keeps the old
+        state's epoch, fired faults and initial eval loss (its view of replicas is stale)."""
         state = cls(run_id=run_id, fingerprint=fingerprint)
         if resumed:
             old = cls.read(run_dir)
