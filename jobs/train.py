@@ -16,13 +16,12 @@ from hsgd.config import ConfigError, register_schema, validate
 from hsgd.config.compose import describe_hydra_error, precheck
 
 register_schema()
-EXIT_CONFIG = 2
 _SWEEP = {"dir": None, "failed": []}  # a multirun's folder and its failed jobs' run dirs
 
 
 def _config_error(message: str) -> None:
     print(f"hsgd: config error: {message}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG)
+    sys.exit(2)  # a config error: before Ray starts
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -26,9 +26,8 @@ def round_line(m: dict) -> str:
 class ProgressView:
     def __init__(self, cfg: Any, run_dir: str, enabled: bool = True):
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
-        self.total = cfg.train.rounds * steps_per_round(cfg)
         self.enabled = enabled
-        self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, disable=not enabled)
+        self.bar = tqdm(total=cfg.train.rounds * steps_per_round(cfg), unit="step", dynamic_ncols=True, disable=not enabled)
         self.rounds_printed = len(read_jsonl(self.metrics_path))  # a resumed run's earlier rounds
 
     def update(self, status: dict) -> None:
