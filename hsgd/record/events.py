@@ -166,10 +166,8 @@ class RunLog:
 
     # -- other files ------------------------------------------------------------------------------
     def write_file(self, path: str | Path, text: str, *, wait: bool = True, make_parent: bool = False) -> bool | None:
-        """Write `path` (relative: under the run folder) atomically on the writer thread. With
-        `wait`: True when written within the deadline, False otherwise (it failed — the folder's
-        health says why — or it is still under way). Without: None at once (a later write of the
-        same path, queued meanwhile, replaces this one)."""
+        """Write `path` (relative: under the run folder) atomically on the writer thread; answers as
+        `FolderWriter.submit` (a later write of the same path, queued meanwhile, replaces this one)."""
         path = self.dir / path
 
         def write() -> None:

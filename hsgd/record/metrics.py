@@ -147,9 +147,8 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
                 metrics: list[dict], fired: list[dict], events: list[dict], not_fired: list, committed_steps: int,
                 attempted_steps: int, participation: list[float], supervisor_started: float, now: float,
                 run_dir: str) -> dict:
-    """summary.json (the README's "Summary fields"): `fallback_summary`'s figures of the durable
-    state (`durable`) and metrics, and what only the live run knows. `digests`: each live
-    replica's digests answer ({param, global, round})."""
+    """summary.json: `fallback_summary`'s figures of the durable state and metrics, plus what only the
+    live run knows. `digests`: each live replica's digests answer ({param, global, round})."""
     summary = fallback_summary(status=status, reason=reason, durable=durable, metrics=metrics, now=now,
                                steps_per_round=steps_per_round, run_dir=run_dir, supervisor_started=supervisor_started)
     rounds = durable["committed_round"]
