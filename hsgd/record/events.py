@@ -98,7 +98,7 @@ class _Stream:
 
 class RunLog:
     """events.jsonl and metrics.jsonl, written so that a failing run folder never reaches the
-    caller, and the run's other files with a deadline, all through the folder's `FolderWriter`.
+    caller, and the run's other files within `write_timeout_s`, all through the folder's `FolderWriter`.
 
     `event` and `metrics` keep the record in memory, in order, and neither wait for the write nor
     raise for it. A record leaves memory only once it is in the file (append_lines: all or nothing),
