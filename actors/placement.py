@@ -1,12 +1,8 @@
 """Where replicas run: one placement group per cluster (STRICT_PACK by default: one node, where
-the fast link is), or Ray's `label_selector` on the node label `hsgd-cluster=<label>` of each
-cluster's `topology.cluster_labels` / sites. A replica asks for one GPU exactly when a level of it
-may use nccl, so two NCCL ranks never share a GPU ("Duplicate GPU detected").
-
-`check_cluster` runs before any actor starts; each refusal a one-line ConfigError: nccl where
-the cluster has too few GPUs; a placement that can never happen (too few CPUs/GPUs, no node or
-set of nodes for a cluster as the strategy requires, no live node with a cluster's label);
-data.path missing on a node that may run replicas.
+the fast link is), or Ray's `label_selector` on the node label `hsgd-cluster=<label>`. A replica asks
+for a GPU of its own exactly when a level of it may use nccl ("Duplicate GPU detected" otherwise).
+`check_cluster` runs before any actor starts: hsgd.config.capacity's refusals, and data.path missing
+on a node that may run replicas, each a one-line ConfigError.
 """
 from __future__ import annotations
 
@@ -53,9 +49,8 @@ def _path_here(path: str) -> tuple[bool, str]:
 
 
 def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) -> list[str]:
-    """Refuse (ConfigError naming the nodes) when data.path does not exist on a node that may run
-    replicas: one tiny task pinned to each, in the job's working directory as the replicas read it.
-    A node that does not answer within `timeout_s` is not refused; returns their names."""
+    """Refuse (ConfigError) when data.path does not exist on a node that may run replicas, asking each
+    with a tiny pinned task. A node that does not answer within `timeout_s` is not refused; returns their names."""
     path = cfg.data.path
     if path is None:
         return []

@@ -1,8 +1,6 @@
-"""Diagnose a live run: `python -m jobs.diagnose <run.dir>`.
+"""Diagnose a live run: `python -m jobs.diagnose <run.dir>` (README, "Watching, hangs and diagnosis").
 
-Prints the supervisor's phase view (status.json) and one stack section per replica, taken as the
-hang watchdog takes them (py-spy, faulthandler, or the replica's own answer). run.json sits in a
-folder others may write, so it is trusted with neither this user's Ray token nor a signal:
+run.json sits in a folder others may write: it is trusted with neither this user's Ray token nor a signal.
 - Attach: only to $RAY_ADDRESS when set, else to the cluster of this user's raylet on this node;
   when run.json names another address, refuse with one line (exit 2) and connect nowhere.
 - Signal (py-spy, SIGUSR2): only a process Ray's actor table reports as the live

@@ -1,11 +1,6 @@
-"""Tokenize text into token files: `python -m jobs.prepare <text file or folder> <out dir>
-[--tokenizer byte|char] [--val-fraction 0.1]`.
+"""Tokenize text into train.bin, val.bin and meta.json for `data.path` (README, "Token files").
 
-Writes <out dir>/train.bin, val.bin (uint16 ids, nanoGPT's format) and meta.json; then
-`python -m jobs.train data.path=<out dir>` trains on them through np.memmap. `byte` (default):
-the UTF-8 bytes, vocabulary 256, any text. `char`: the sorted distinct characters of the text (the
-ids `data.path=<the text>` would give). No network. Exit 0 on success, 2 on a bad argument or
-unreadable input (one line on stderr).
+No network. Exit 0 on success, 2 on a bad argument or unreadable input (one line on stderr).
 """
 from __future__ import annotations
 

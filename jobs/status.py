@@ -1,11 +1,7 @@
-"""Live console view of a run, read from its files only (no Ray):
+"""Live console view of a run, read from its files only (no Ray); README, "Watching, hangs and diagnosis".
 
-    python -m jobs.status <run.dir> [--once] [--interval 1.0] [--timeout S]
-
-A table of clusters -> replicas (live/standby/joining/down, leader marked), epoch, round and
-phase, last loss, eval loss and tokens/s, plus the last events (phase events left out). It
-refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
---timeout passes; --once prints once. Exit 0; 2 if the run dir does not exist.
+Refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
+--timeout passes. Exit 0; 2 if the run dir does not exist.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The summary table of a Hydra multirun sweep: `python -m jobs.sweep <sweep dir>`.
-
-jobs.train rewrites `<sweep dir>/sweep.csv` and `sweep.md` after every job of `-m a=1,2` (README,
-"Sweeps"): one row per `<sweep dir>/<n>/` with the overrides that vary across the sweep (COLUMNS).
+"""The summary table of a Hydra multirun sweep (README, "Sweeps"): `python -m jobs.sweep <sweep dir>`
+rebuilds the `sweep.csv` and `sweep.md` that jobs.train rewrites after every job.
 """
 from __future__ import annotations
 

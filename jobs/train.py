@@ -1,9 +1,7 @@
-"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`).
+"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`; README, "Sweeps" for `-m`).
 
-The command line of actors/launch.py: a bad value prints one line and exits 2 before Ray starts
-(hsgd.config.compose.precheck; for a multirun `-m a=1,2`: every job of the sweep, before the first
-one starts); a failed run exits 1. A multirun runs its jobs one after the other (Ray shut down
-between them) and keeps `sweep.csv` / `sweep.md` in the sweep folder.
+A bad value prints one line and exits 2 before Ray starts (hsgd.config.compose.precheck; for a
+multirun: every job's, before the first starts); a failed run exits 1.
 """
 from __future__ import annotations
 
@@ -18,13 +16,12 @@ from hsgd.config import ConfigError, register_schema, validate
 from hsgd.config.compose import describe_hydra_error, precheck
 
 register_schema()
-EXIT_CONFIG = 2
 _SWEEP = {"dir": None, "failed": []}  # a multirun's folder and its failed jobs' run dirs
 
 
 def _config_error(message: str) -> None:
     print(f"hsgd: config error: {message}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG)
+    sys.exit(2)  # a config error: before Ray starts
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -1,5 +1,4 @@
-"""The run's configuration: typed schema (`schema`), validation (`validate`), output paths (`paths`).
-The names most callers need are importable from here."""
+"""The run's configuration; the names most callers need are importable from here."""
 from hsgd.config.paths import output_path
 from hsgd.config.schema import ConfigError, HsgdConfig, register_schema
 from hsgd.config.validate import CHOICE_FIELDS, NUMERIC_FIELDS, field_value, validate

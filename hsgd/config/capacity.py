@@ -1,10 +1,8 @@
 """Will the Ray cluster hold this topology? Pure decisions (only `usable_memory_bytes` reads a
 file), so an impossible run is one config error, never actors fighting for two cores or placement
-groups that never get ready. A replica is about `PROCESS_BYTES` plus `STATE_COPIES` times the
-model's parameters; memory must fit in 80 % of the machine; CPUs may be oversubscribed up to
-`MAX_REPLICAS_PER_CORE` unless `ray.num_cpus` is given, which is then honoured exactly.
-Backends per level: the driver plans them from the Ray cluster's resources, never its own CUDA (a
-CPU-only head node is the usual `ray job submit` target); each replica resolves them by its GPU.
+groups that never get ready (the embedded cluster's limits: README, `ray.num_cpus`). Backends per
+level: the driver plans them from the Ray cluster's resources, never its own CUDA (a CPU-only head
+node is the usual `ray job submit` target); each replica resolves them by its GPU.
 """
 from __future__ import annotations
 
@@ -155,25 +153,16 @@ class BackendPlan:
     notice: str | None = None
 
 
-def asked_backends(backend: str, inner_backend: str | None, outer_backend: str | None) -> dict:
-    """{level: (asked, field that asked it)}: comm.backend is the shorthand for both levels, a
-    per-level key (not null) overrides it; on the outer level `auto` means gloo (the slow link
-    between sites is TCP; NCCL over it buys nothing and needs a GPU)."""
-    inner = (inner_backend, "comm.inner_backend") if inner_backend else (backend, "comm.backend")
-    outer = (outer_backend, "comm.outer_backend") if outer_backend else (backend, "comm.backend")
-    if outer[0] == "auto":
-        outer = ("gloo", outer[1])
-    return {"inner": inner, "outer": outer}
-
-
 def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
-    """The per-level backends and GPUs per replica for the Ray cluster of live `nodes` (as for
-    `placement_problem`). A level that asks nccl needs every replica and spare to get a GPU of its
-    own, placed as the strategy requires, else ConfigError naming the counts and what is valid.
-    Inner `auto`: nccl only where every replica gets its own GPU, else gloo with a notice (none on
-    a cluster without GPUs). gloo on both levels asks no GPU."""
+    """The per-level backends and GPUs per replica for the live `nodes` (as for `placement_problem`).
+    nccl on a level needs every replica and spare to get a GPU of its own, placed as the strategy
+    requires, else ConfigError. Inner `auto`: nccl only where every replica gets its own GPU, else
+    gloo with a notice (none on a cluster without GPUs)."""
     c, t, topo = cfg.comm, cfg.topology, topology_of(cfg)
-    (inner, inner_field), (outer, outer_field) = asked_backends(c.backend, c.inner_backend, c.outer_backend).values()
+    # comm.backend asks both levels; a per-level key (not null) overrides it
+    inner, inner_field = (c.inner_backend, "comm.inner_backend") if c.inner_backend else (c.backend, "comm.backend")
+    outer, outer_field = (c.outer_backend, "comm.outer_backend") if c.outer_backend else (c.backend, "comm.backend")
+    outer = "gloo" if outer == "auto" else outer  # the slow link between sites is TCP: NCCL over it buys nothing
     spares, strategy, clusters, replicas_per_cluster = (t.spares_per_cluster, t.placement_strategy, topo.clusters,
                                                         topo.replicas_per_cluster)
     k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares

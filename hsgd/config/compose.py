@@ -1,10 +1,7 @@
 """The config before Ray starts: compose it as Hydra would, turn Hydra's nested errors into one
-line, and every check that needs no cluster (`precheck`). Each refusal is a `ConfigError` (one
-line); jobs.train exits 2 on it.
-"""
+line, and every check that needs no cluster (`precheck`), each refusal a one-line `ConfigError`."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,6 +13,7 @@ from hsgd.config.paths import output_path, under_ray_job
 from hsgd.config.schema import ConfigError, register_schema
 from hsgd.core.topology import topology_of
 from hsgd.config.validate import NUMERIC_FIELDS, validate
+from hsgd.record.rundir import read_json
 from hsgd.record.runlock import LOCK_NAME
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -100,26 +98,15 @@ def is_hsgd_run_folder(folder: Path) -> bool:
     """What only hsgd writes: its lock, or a run.json or finalized checkpoint manifest
     (`checkpoints/round_*/manifest.json`: one copied by hand to resume from) naming a run id (a
     non-empty string `run_id`). A common file name (config.yaml, checkpoints/) proves nothing."""
-    if (folder / LOCK_NAME).exists():
-        return True
-    return any(_names_a_run(marker) for marker in
-               [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))])
-
-
-def _names_a_run(path: Path) -> bool:
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and isinstance(info.get("run_id"), str) and bool(info["run_id"])
+    infos = [read_json(m) for m in [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))]]
+    return (folder / LOCK_NAME).exists() or any(
+        isinstance(info, dict) and isinstance(info.get("run_id"), str) and info["run_id"] != "" for info in infos)
 
 
 def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:
-    """Raise ConfigError (one line; nothing is written) when this run may not use run_dir: it is
-    not a folder, or a non-empty one that is not an hsgd run (someone else's files); another run
-    holds its lock, or a stale lock without train.resume; it holds a run and train.resume is not
-    set. `hydra_wrote`: Hydra's own `.hydra/` and `*.log` there do not make it foreign. Read-only:
-    jobs.train calls it before Hydra writes, run_training again before it takes the lock."""
+    """Raise ConfigError (one line) when this run may not use run_dir. Read-only: jobs.train calls it
+    before Hydra writes, run_training again before it takes the lock (`hydra_wrote`: Hydra's own
+    `.hydra/` and `*.log` there then do not make the folder foreign)."""
     from hsgd.record import runlock
 
     p = Path(run_dir)

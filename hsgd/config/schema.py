@@ -1,10 +1,7 @@
-"""The run's configuration as a typed schema (Hydra structured configs).
-
-Every key here is public contract, documented in README's "Configuration" table (so a field's
-comment here only points to code). A field's valid values live on the
-field: `one_of(default, choices)` or a numeric range (`count`, `seconds`, ...) in its metadata;
-`hsgd.config.validate` derives its checks from them and checks what one field cannot say alone.
-"""
+"""The run's configuration as a typed schema (Hydra structured configs). Every key is public
+contract, documented in README's "Configuration" table. A field's valid values live on the field:
+`one_of(default, choices)` or a numeric range (`count`, `seconds`, ...) in its metadata, from which
+`hsgd.config.validate` derives its checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,9 +49,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class SiteConfig:
-    """One site (cluster) of `topology.sites`: its replicas, and optionally the Ray node label its
-    replicas land on (several sites may share one), a name for the record, and its own quorum
-    floor (overrides supervisor.min_replicas_per_cluster). Checked by hsgd.config.sites."""
+    """One cluster of `topology.sites`: its replicas, the Ray node label they land on (sites may share
+    one), a name for the record, its own quorum floor. Checked by hsgd.config.sites."""
     replicas: int = "???"  # required (OmegaConf: missing), an int >= 1
     label: Optional[str] = None
     name: Optional[str] = None
@@ -69,8 +65,7 @@ class TopologyConfig:
     spares_per_cluster: int = count_or_zero(0)  # warmed replicas that take over a dead one's identity
     placement_strategy: str = one_of("STRICT_PACK", ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"))
     cluster_labels: List[str] = field(default_factory=list)
-    # Sites of different sizes, one entry per cluster (SiteConfig); [] = the uniform keys above.
-    sites: List[SiteConfig] = field(default_factory=list)
+    sites: List[SiteConfig] = field(default_factory=list)  # one per cluster; [] = the uniform keys above
 
 
 @dataclass
@@ -238,9 +233,7 @@ class FaultsConfig:
     seed: int = seed_range(0)
     step_s: float = seconds(0.1)  # seconds per inner step assumed: a seed gives one schedule on any machine
     max_restarts: int = restarts(10)  # restarts allowed per replica actor
-    # a replica that died this many times within quarantine_window_s is re-created on another node,
-    # or kept out when none can hold it (hsgd/core/quarantine.py); 0 = off
-    quarantine_after: int = count_or_zero(3)
+    quarantine_after: int = count_or_zero(3)  # deaths in quarantine_window_s (hsgd/core/quarantine.py)
     quarantine_window_s: float = seconds(600.0)
 
 

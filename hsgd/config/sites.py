@@ -1,5 +1,4 @@
-"""`topology.sites`: sites of different sizes, checked before Ray starts (the checks the schema's
-field metadata cannot say: a list of sites, and its relation to the uniform keys and the quorum)."""
+"""`topology.sites`' checks that its field metadata cannot say (each site, the uniform keys, the quorum)."""
 from __future__ import annotations
 
 from typing import Any

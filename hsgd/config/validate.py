@@ -1,8 +1,6 @@
-"""Validation of a resolved config: every rule the types cannot express, checked before any actor starts.
-
-`validate(cfg)` raises `ConfigError` whose message is ONE line, '<field>: <problem>; valid: <what
-would be>'; jobs/train.py prints it and exits 2 before Ray starts. The cheap checks first, each
-field's range or choices from the schema's metadata (nan and inf refused everywhere).
+"""Validation of a resolved config: every rule the types cannot express, checked before any actor
+starts; `validate(cfg)` raises a one-line `ConfigError`. Each field's range or choices come from the
+schema's metadata (nan and inf refused everywhere).
 """
 from __future__ import annotations
 
@@ -88,7 +86,6 @@ def _numeric_bounds() -> dict[str, Bound]:
     return bounds
 
 
-# Derived from the schema's field metadata (hsgd/config/schema.py), one entry per field.
 NUMERIC_FIELDS: dict[str, Bound] = _numeric_bounds()
 # Fields that name one of a fixed set of values (None in the set: null is allowed).
 CHOICE_FIELDS: dict[str, tuple] = {

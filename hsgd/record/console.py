@@ -15,8 +15,7 @@ def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
 
 
 def round_line(m: dict) -> str:
-    """One console line per committed round (a round recorded late after a supervisor restart
-    has no loss or throughput: shown as '-')."""
+    """One console line per committed round (a round recorded late has no loss or throughput: '-')."""
     ev, loss = _num(m.get("eval_loss")), _num(m.get("loss"))
     tps = m.get("tokens_per_s") or 0.0
     return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {loss} | eval {ev} | "
@@ -27,9 +26,8 @@ def round_line(m: dict) -> str:
 class ProgressView:
     def __init__(self, cfg: Any, run_dir: str, enabled: bool = True):
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
-        self.total = cfg.train.rounds * steps_per_round(cfg)
         self.enabled = enabled
-        self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, disable=not enabled)
+        self.bar = tqdm(total=cfg.train.rounds * steps_per_round(cfg), unit="step", dynamic_ncols=True, disable=not enabled)
         self.rounds_printed = len(read_jsonl(self.metrics_path))  # a resumed run's earlier rounds
 
     def update(self, status: dict) -> None:

@@ -1,7 +1,6 @@
-"""The run's record under run.dir (README, "Outputs"): events.jsonl, one {"t": unix seconds, "event":
-name, ...fields} per event, and metrics.jsonl, one object per committed round, written by `RunLog`.
-Events are typed: `EVENTS` names every event and the fields it always carries (more may follow),
-and `RunLog.event` refuses an unknown name or a missing field, so readers can rely on them.
+"""The run's record under run.dir (README, "Outputs"): events.jsonl (`t`: unix seconds) and
+metrics.jsonl, written by `RunLog`. Events are typed: `EVENTS` names every event and the fields it
+always carries (more may follow); `RunLog.event` refuses an unknown name or a missing field.
 """
 from __future__ import annotations
 
@@ -99,16 +98,14 @@ class _Stream:
 
 class RunLog:
     """events.jsonl and metrics.jsonl, written so that a failing run folder never reaches the
-    caller, and the run's other files (status, durable state, reports, summary) with a deadline.
+    caller, and the run's other files within `write_timeout_s`, all through the folder's `FolderWriter`.
 
-    `event` and `metrics` keep the record in memory, in order, and ask the folder's writer thread
-    (`FolderWriter`) to append what is kept; they neither wait for the write nor raise for it. A
-    record leaves memory only once it is in the file (append_lines: all or nothing), so while the
-    folder is unwritable records pile up in memory and the next write that works writes them all,
-    in order, each once. `write_file` writes a whole file atomically through the same thread and
-    waits at most `write_timeout_s`. The folder's health is reported by `unwritable_s()` and by the
-    events `run_dir_unwritable` / `run_dir_writable` (and `warn`, for the console); the caller
-    decides how long an outage it tolerates (hsgd.core.deadlines.storage_problem).
+    `event` and `metrics` keep the record in memory, in order, and neither wait for the write nor
+    raise for it. A record leaves memory only once it is in the file (append_lines: all or nothing),
+    so an unwritable folder piles records up in memory and the next write that works writes them
+    all, in order, each once. Health: `unwritable_s()`, the events `run_dir_unwritable` /
+    `run_dir_writable`, and `warn` for the console; the caller decides how long an outage it
+    tolerates (hsgd.core.deadlines.storage_problem).
     """
 
     def __init__(self, run_dir: str | Path, *, warn=None, write_timeout_s: float = 5.0):
@@ -131,9 +128,8 @@ class RunLog:
         self._keep("metrics", record)
 
     def rewrite_metrics(self, records: list[dict]) -> bool:
-        """Replace metrics.jsonl by `records` atomically (after a restore, the rounds that are
-        trained again lose their old lines, so every round is recorded once); records still in
-        memory are dropped with the file's. True when the file is replaced within the deadline,
+        """Replace metrics.jsonl by `records` atomically (after a restore, rounds trained again lose
+        their old lines), dropping those still in memory. True when replaced within the deadline,
         False when the replacement is kept in memory until the folder works."""
         stream = self._streams["metrics"]
         with self._lock:
@@ -170,10 +166,8 @@ class RunLog:
 
     # -- other files ------------------------------------------------------------------------------
     def write_file(self, path: str | Path, text: str, *, wait: bool = True, make_parent: bool = False) -> bool | None:
-        """Write `path` (relative: under the run folder) atomically on the writer thread. With
-        `wait`: True when written within the deadline, False otherwise (it failed — the folder's
-        health says why — or it is still under way). Without: None at once (a later write of the
-        same path, queued meanwhile, replaces this one)."""
+        """Write `path` (relative: under the run folder) atomically on the writer thread; answers as
+        `FolderWriter.submit` (a later write of the same path, queued meanwhile, replaces this one)."""
         path = self.dir / path
 
         def write() -> None:

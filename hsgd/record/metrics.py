@@ -33,9 +33,8 @@ def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: 
 
 
 def efficiencies(committed_steps: int, attempted_steps: int, participation: list[float]) -> tuple[float, float]:
-    """torchft's figures: step efficiency = committed / attempted replica-steps (work lost to
-    failures lowers it); training efficiency = step efficiency x mean fraction of the replicas
-    that took part in each round's inner phase (replicas down lower it)."""
+    """torchft's figures (README, "Fault injection"): step efficiency, and training efficiency = step
+    efficiency x mean fraction of the replicas that took part in each round's inner phase."""
     step = min(1.0, committed_steps / attempted_steps) if attempted_steps else 1.0
     mean_participation = sum(participation) / len(participation) if participation else 1.0
     return step, step * mean_participation
@@ -50,10 +49,9 @@ _CLOCK_SKEW_S = 2.0
 
 def _distinct_downs(events: list[dict]) -> list[dict]:
     """replica_down events, each failure once. A down naming its `incarnation` (Ray's restart count
-    of the `actor` serving rid; a promoted spare's actor has its own) is one death of that process:
-    a repeat of (rid, actor, incarnation) is the same death logged again, while two downs with no
-    replica_up between (killed again while Ray restarted it) are two. A down without one (older runs) repeats an open one when it has
-    the same round, phase and cause with no replica_up of that rid between."""
+    of the `actor` serving rid) is one death of that process: a repeat of (rid, actor, incarnation)
+    is that death logged again; a kill while Ray restarts it is another. A down without one (older
+    runs) repeats an open one of the same round, phase and cause with no replica_up of rid between."""
     downs, open_down, deaths = [], {}, set()
     for e in events:
         rid = e.get("rid")
@@ -74,20 +72,13 @@ def _distinct_downs(events: list[dict]) -> list[dict]:
 
 
 def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 120.0) -> list[dict]:
-    """Per failure, from faults_fired.jsonl and events.jsonl records (a fired record's rid is the
-    replica actually hit, whatever its target): detection latency (fault -> a replica marked down,
-    a hang detected, a failed collective, or a restarted supervisor), recovery latency (fault -> the
-    survivors' next phase that completed with no failure), and the heal that brought it back.
-
-    `source`: `injected` (faults_fired.jsonl) or `observed` — a down no injected fault explains (the
-    OS killed it, a node was lost), with `fired_at` and `detection_latency_s` None and `detected_at`
-    the down's time. A fault of any kind (even `comm` or `slow` can end in a down: a down soon after
-    it is likelier its effect than a coincidence) explains at most one down of its replica: the
-    first within `explain_window_s` after it fired. Non-finite numbers kill nobody: each
-    `non_finite` event is one entry with `cause: non_finite`, injected when a `nan` fault on one of
-    its `rids` explains it (a `nan` fault explains nothing else), else observed. A hot spare's death
-    (`spare_lost`) is observed, its `rid` the spare's actor name and `phase` `spare`. Every entry
-    has the same keys."""
+    """summary.json's `faults` (README, "Fault injection": each entry's figures and sources), from
+    faults_fired.jsonl (a fired record's rid is the replica actually hit, whatever its target) and
+    events.jsonl. A fault of any kind (even `comm` or `slow`: a down soon after it is likelier its
+    effect than a coincidence) explains at most one down of its replica: the first within
+    `explain_window_s` after it fired. A `nan` fault explains only a `non_finite` event naming its
+    replica (each such event is one entry). What no fault explains is `observed`, a spare's death
+    (`spare_lost`) included. Every entry has the same keys."""
     events = sorted(events, key=lambda e: e["t"])
     figures = []
     non_finite = [e for e in events if e["event"] == "non_finite"]
@@ -144,8 +135,7 @@ def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:
 
 
 def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detected_by: str) -> dict:
-    """A fault entry for a failure no injected fault explains (`seen`: its replica_down or
-    non_finite event): detected when seen, recovery and heal read from the events after it."""
+    """A fault entry for a failure no injected fault explains (`seen`: its replica_down or non_finite event)."""
     rid, t = seen["rid"], seen["t"]
     return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
             "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
@@ -157,9 +147,8 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
                 metrics: list[dict], fired: list[dict], events: list[dict], not_fired: list, committed_steps: int,
                 attempted_steps: int, participation: list[float], supervisor_started: float, now: float,
                 run_dir: str) -> dict:
-    """summary.json (the README's "Summary fields"): `fallback_summary`'s figures of the durable
-    state (`durable`) and metrics, and what only the live run knows. `digests`: each live
-    replica's digests answer ({param, global, round})."""
+    """summary.json: `fallback_summary`'s figures of the durable state and metrics, plus what only the
+    live run knows. `digests`: each live replica's digests answer ({param, global, round})."""
     summary = fallback_summary(status=status, reason=reason, durable=durable, metrics=metrics, now=now,
                                steps_per_round=steps_per_round, run_dir=run_dir, supervisor_started=supervisor_started)
     rounds = durable["committed_round"]
@@ -175,9 +164,8 @@ def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_rou
 
 def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics: list[dict], steps_per_round: int,
                      now: float, run_dir: str, supervisor_started: float | None = None) -> dict:
-    """summary.json when run_summary cannot be had (the supervisor failed making it, or the driver
-    writes it for a supervisor that is gone): the same keys, from what is still known — the
-    durable state and metrics.jsonl — and None (or empty) for what only the live run knew."""
+    """summary.json when run_summary cannot be had (the supervisor failed making it, or is gone): the
+    same keys, from the durable state and metrics.jsonl; None (or empty) for what only the live run knew."""
     evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
     rounds = durable.get("committed_round")
     started = durable.get("started_at")

@@ -1,15 +1,13 @@
-"""Pictures of a run, written next to its JSON (README, "Outputs"): loss.png (loss vs inner step),
-timeline.png (what each replica was doing, faults and recoveries) and membership.png (live
-replicas per cluster). The `*_data` functions are pure (files in, plain data out; times in seconds
-since the run's first event); tests check them, not pixels. A run still going, failed, or without
-faults or metrics yet draws what it has.
+"""Pictures of a run (README, "Outputs"): loss.png, timeline.png, membership.png. The `*_data`
+functions are pure (files in, plain data out; times in seconds since the run's first event); tests
+check them, not pixels. A run still going, failed, or without faults or metrics yet draws what it has.
 """
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
+from hsgd.core.topology import parse_replica_id, replica_id
 from hsgd.record.metrics import fault_figures
 from hsgd.record.rundir import read_json, read_jsonl
 
@@ -17,17 +15,17 @@ SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "hea
 SPAN_COLOURS = {"inner": "#4c72b0", "inner_sync": "#8fb3e0", "outer": "#dd8452", "outer_commit": "#55a868",
                 "checkpoint": "#8172b3", "heal": "#e5c100", "down": "#555555"}
 _DOWN_STYLE = {"hatch": "//", "edgecolor": "white"}  # "down" bars: hatched, so they read as absence
-_RID = re.compile(r"^c(\d+)r(\d+)$")
 
 
 def _rid_key(rid: str) -> tuple:
-    m = _RID.match(str(rid))
-    return (0, int(m.group(1)), int(m.group(2))) if m else (1, 0, str(rid))
+    with contextlib.suppress(ValueError):
+        return (0, *parse_replica_id(rid))
+    return (1, 0, str(rid))
 
 
 def _cluster(rid: str) -> str | None:
-    m = _RID.match(str(rid))
-    return f"c{m.group(1)}" if m else None
+    key = _rid_key(rid)
+    return f"c{key[1]}" if key[0] == 0 else None
 
 
 def read_events(run_dir: str | Path) -> list[dict]:
@@ -45,7 +43,7 @@ def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
         t = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["topology"]
         sizes = ([int(site["replicas"]) for site in t["sites"]] if t.get("sites")
                  else [int(t["replicas_per_cluster"])] * int(t["clusters"]))
-        rids |= {f"c{c}r{i}" for c, n in enumerate(sizes) for i in range(n)}
+        rids |= {replica_id(c, i) for c, n in enumerate(sizes) for i in range(n)}
     for e in events:
         for key in ("rid", "target", "source"):
             if isinstance(e.get(key), str):
@@ -55,7 +53,7 @@ def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
         for group in (members.values() if isinstance(members, dict) else [members]):
             rids |= set(group)
         rids |= set(e.get("standby") or [])
-    return sorted((r for r in rids if _RID.match(r)), key=_rid_key)
+    return sorted((r for r in rids if _rid_key(r)[0] == 0), key=_rid_key)
 
 
 def replica_states(events: list[dict]):
@@ -187,8 +185,8 @@ def membership_data(run_dir: str | Path) -> dict:
 
 
 def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
-    """The inner step a fault hit: from its (round, step) when it fired at a boundary, else (a
-    fault injected from outside) the start of the first round that committed after it."""
+    """The inner step a fault hit: its (round, step), else (injected from outside) the start of the
+    first round that committed after it."""
     if fault.get("round") is not None:
         return fault["round"] * spr + (fault.get("step") or 0)
     later = [m for m in metrics if m.get("t", 0) >= fault["t"]]
@@ -196,7 +194,7 @@ def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
 
 
 def loss_plot_data(run_dir: str | Path) -> dict:
-    """The series loss.png is drawn from (tests check these, not pixels)."""
+    """The series loss.png is drawn from."""
     run_dir = Path(run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     per_replica: dict[str, list[tuple[int, float]]] = {}

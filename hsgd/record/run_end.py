@@ -17,9 +17,8 @@ DRIVER_IO_S = 10.0  # the driver's wait for one read or write of the run folder 
 
 
 def driver_summary(run_dir: str, cfg, reason: str) -> dict:
-    """The run failed and the supervisor could not say so itself (it is gone, or its run call
-    raised): summary.json from what the driver can still read — the durable state, metrics.jsonl —
-    with the same keys as the supervisor's (hsgd.record.metrics.fallback_summary)."""
+    """summary.json of a run that failed where the supervisor could not say so itself (it is gone, or
+    its run call raised), from what the driver can still read within DRIVER_IO_S."""
     def read() -> tuple[dict, list[dict]]:
         return read_json(Path(run_dir) / STATE_FILE), read_jsonl(Path(run_dir) / "metrics.jsonl")
 

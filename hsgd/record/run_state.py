@@ -1,8 +1,6 @@
 """The run's durable state (`supervisor_state.json` in run.dir), typed, with every default here.
-
-The supervisor holds one `RunState` and saves it whole (atomically, through its RunLog) whenever
-it changes; the driver writes the first one (`begin`) and reads it when the supervisor is gone.
-The file's name and JSON keys are those of older runs, so an older run folder still resumes.
+The supervisor saves it whole whenever it changes; the driver writes the first (`begin`) and reads
+it when the supervisor is gone. Its file name and JSON keys never change: an older run folder resumes.
 """
 from __future__ import annotations
 
@@ -35,10 +33,8 @@ class RunState:
     non_finite_rounds: dict[str, int] = field(default_factory=dict)
     checkpoints_failed: int = 0
     last_restore: dict = field(default_factory=dict)
-    # the global replica index table (hsgd.core.topology): rid -> index, kept for the whole run
-    replica_indices: dict[str, int] = field(default_factory=dict)
-    # quarantine (actors/quarantine.py): each replica's recent deaths, and those set aside
-    death_times: dict[str, list[float]] = field(default_factory=dict)
+    replica_indices: dict[str, int] = field(default_factory=dict)  # rid -> global index, for the whole run
+    death_times: dict[str, list[float]] = field(default_factory=dict)  # each replica's recent deaths (quarantine)
     quarantined: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -73,9 +69,8 @@ class RunState:
 
     @classmethod
     def begin(cls, run_dir: str | Path, run_id: str, fingerprint: dict, *, resumed: bool) -> "RunState":
-        """A run's first state, which the driver writes before the supervisor starts: this run's id
-        and config fingerprint; a resumed run keeps the old state's epoch, fired faults and initial
-        eval loss (its view of replicas is stale)."""
+        """A run's first state (the driver's, before the supervisor starts); a resumed run keeps the old
+        state's epoch, fired faults and initial eval loss (its view of replicas is stale)."""
         state = cls(run_id=run_id, fingerprint=fingerprint)
         if resumed:
             old = cls.read(run_dir)

@@ -79,17 +79,14 @@ class FolderWriter:
     deadline: a write to a hung NFS mount costs a waiting caller `deadline_s` once; while it is
     stuck, later callers queue theirs and return at once (they run in order when it returns).
 
-    Protocol: `submit(key, fn, wait)` queues `fn()`, replacing a queued job of the same key (whose
-    caller then gets the newer job's result: the newest status.json wins). With `wait` it returns
-    fn's result (True for None) when fn returned within the deadline, False when it raised OSError
-    or did not return in time (it may still succeed later; while the thread is stuck, at once);
-    without `wait`, None at once. A caller naming its own `deadline_s` (the run's end) waits that
-    long in any case. A write's OSError is never raised but recorded as the folder's health
-    (`health()`); any other exception is a bug, re-raised to a waiting caller.
-
-    Health: the folder is failing from its first failed (or stuck) write until a write succeeds.
-    `on_change(ok, error, down_s)` is called on the writer thread when that flips (never with a
-    lock held: it may submit more writes).
+    `submit(key, fn, wait)` queues `fn()`, replacing a queued job of the same key (whose caller then
+    gets the newer job's result: the newest status.json wins). With `wait`: fn's result (True for
+    None) when it returned within the deadline; False when it raised OSError or is late (it may still
+    succeed; at once while the thread is stuck); a caller's own `deadline_s` (the run's end) is waited
+    in any case. Without `wait`: None at once. OSError is never raised but recorded as the folder's
+    health (`health()`: failing from its first failed or stuck write until a write succeeds;
+    `on_change(ok, error, down_s)` runs on the writer thread when that flips, never with a lock held:
+    it may submit more writes). Any other exception is a bug, re-raised to a waiting caller.
     """
 
     def __init__(self, deadline_s: float, on_change: Callable[[bool, str, float], None] | None = None):

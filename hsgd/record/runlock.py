@@ -1,15 +1,13 @@
 """A run owns its folder: an exclusive lock file `run.dir/hsgd.lock` (README, "Run folders").
 
-Protocol:
 - `acquire` creates the lock with O_CREAT | O_EXCL (one creator wins). A lock already there is
   live unless stale: its process is gone (same host) or its refresh is older than STALE_AFTER_S
-  (another host, or a pid reused). A live lock is refused (`RunLocked`); a stale one is taken
-  over only when the caller says so (`train.resume=true`), else refused too.
+  (another host, or a pid reused). A live lock is refused (`RunLocked`); a stale one too, unless
+  the caller takes it over (`train.resume=true`).
 - A takeover renames the stale lock to a private name and reads it back: if that is not the lock
   it judged (another taker won meanwhile), it puts it back and refuses. Two takers never both hold it.
-- A daemon thread refreshes the lock every REFRESH_S (temp file + rename); it stops when the lock
-  no longer names this run (taken over after this one stalled) and says so in `lost`.
-- `release` removes the lock if it is still this run's.
+- A daemon thread refreshes the lock every REFRESH_S; it stops when the lock no longer names this
+  run (taken over after this one stalled) and says so in `lost`.
 """
 from __future__ import annotations
 
@@ -174,7 +172,7 @@ class RunLock:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop refreshing and remove the lock if it is still this run's."""
+        """Stop refreshing and remove the lock if it is still this run's (never another's)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)

@@ -1,7 +1,6 @@
-"""Per-step timeline (`logging.step_times=true`): `run.dir/steps/<rid>.jsonl`, one line per committed
-inner step (README, "Outputs"; `t`: when its collectives all succeeded). Line-buffered: a SIGKILL
-loses no line already written. A failed write turns the log off for the rest of the process: the
-timeline never stops training.
+"""Per-step timeline (`logging.step_times=true`; README, "Outputs"; a line's `t`: when the step's
+collectives all succeeded). Line-buffered: a SIGKILL loses no line already written. A failed write
+turns the log off for the rest of the process: the timeline never stops training.
 """
 from __future__ import annotations
 

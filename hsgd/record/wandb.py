@@ -1,7 +1,5 @@
-"""Weights & Biases logging of the supervisor's global view, one run per job (README, "wandb": offline
-by default under `<run.dir>/wandb`; online needs a key, never in a config or a log). Rounds and
-inner steps are both step axes.
-"""
+"""Weights & Biases logging of the supervisor's global view, one run per job (README, "wandb").
+Rounds and inner steps are both step axes."""
 from __future__ import annotations
 
 import os

@@ -11,3 +11,14 @@ def tiny_cfg(overrides):
     from hsgd.config.schema import HsgdConfig
 
     return OmegaConf.merge(OmegaConf.structured(HsgdConfig), OmegaConf.from_dotlist(BASE + list(overrides)))
+
+
+def default_cfg(**changes):
+    """A fresh default HsgdConfig with dotted-path overrides, e.g. default_cfg(**{"sync.inner": "x"})."""
+    from hsgd.config import HsgdConfig, field_value
+
+    cfg = HsgdConfig()
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        setattr(field_value(cfg, ".".join(parents)) if parents else cfg, leaf, value)
+    return cfg

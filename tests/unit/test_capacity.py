@@ -129,13 +129,17 @@ def _plan(*nodes, backend="auto", inner=None, outer=None, **kw):
 
 
 def test_comm_backend_is_the_shorthand_and_per_level_keys_override_it():
-    from hsgd.config.capacity import asked_backends
+    gpus = (_gpu_node(2), _gpu_node(2))  # every replica gets its own GPU: the plan keeps what was asked
 
-    assert asked_backends("auto", None, None) == {"inner": ("auto", "comm.backend"), "outer": ("gloo", "comm.backend")}
-    assert asked_backends("nccl", None, None) == {"inner": ("nccl", "comm.backend"), "outer": ("nccl", "comm.backend")}
-    assert asked_backends("gloo", "nccl", None)["inner"] == ("nccl", "comm.inner_backend")
-    assert asked_backends("nccl", None, "gloo")["outer"] == ("gloo", "comm.outer_backend")
-    assert asked_backends("nccl", None, "auto")["outer"] == ("gloo", "comm.outer_backend"), "outer auto is gloo"
+    def asked(backend, inner, outer):
+        plan = _plan(*gpus, backend=backend, inner=inner, outer=outer)
+        return plan.inner, plan.outer
+
+    assert asked("auto", None, None) == ("auto", "gloo")
+    assert asked("nccl", None, None) == ("nccl", "nccl")
+    assert asked("gloo", "nccl", None)[0] == "nccl"
+    assert asked("nccl", None, "gloo")[1] == "gloo"
+    assert asked("nccl", None, "auto")[1] == "gloo", "outer auto is gloo"
 
 
 def test_auto_on_a_one_gpu_workstation_runs_the_default_job_with_gloo_and_a_notice():

@@ -4,18 +4,7 @@ import pytest
 
 from hsgd.config import ConfigError, HsgdConfig, validate
 from hsgd.core.faults import FAULT_KINDS
-
-
-def _cfg(**changes) -> HsgdConfig:
-    """A fresh default config with dotted-path overrides, e.g. _cfg(**{"sync.inner": "x"})."""
-    cfg = HsgdConfig()
-    for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = cfg
-        for name in parents:
-            node = getattr(node, name)
-        setattr(node, leaf, value)
-    return cfg
+from tests.fakes.configs import default_cfg as _cfg
 
 
 def _rejects(cfg, field, *, choices=()):

@@ -12,14 +12,7 @@ import pytest
 from actors.launch import SupervisorLosses, precheck
 from hsgd.config import CHOICE_FIELDS, NUMERIC_FIELDS, ConfigError, HsgdConfig, field_value, validate
 from hsgd.config.validate import MAX_RANDOM_FAULTS, schema_fields
-
-
-def _cfg(**changes) -> HsgdConfig:
-    cfg = HsgdConfig()
-    for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        setattr(field_value(cfg, ".".join(parents)) if parents else cfg, leaf, value)
-    return cfg
+from tests.fakes.configs import default_cfg as _cfg
 
 
 def _assert_one_line_naming(err: ConfigError, path: str):
