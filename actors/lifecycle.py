@@ -147,7 +147,8 @@ class ActorWatch:
             for incarnation in range(floor, lost):
                 if incarnation not in extra:
                     rid = self._role(name, incarnation)
-                    deaths.append(Death(name, incarnation, rid, None if rid else self._spare_cluster(name), state))
+                    cluster = None if rid else next((int(c) for c, ns in self.spares.items() if name in ns), None)
+                    deaths.append(Death(name, incarnation, rid, cluster, state))
             self._store(name, lost, {i for i in extra if i >= lost})
         if deaths:
             self._save()
@@ -176,6 +177,3 @@ class ActorWatch:
         if not roles:  # never told: the identity map now
             return next((rid for rid, n in self.identity.items() if n == name), None)
         return next((rid for first, rid in reversed(roles) if first <= incarnation), None)
-
-    def _spare_cluster(self, name: str) -> int | None:
-        return next((int(c) for c, names in self.spares.items() if name in names), None)

@@ -42,8 +42,7 @@ def restarts_exhausted(handle) -> bool:
     """`gone` only when Ray's actor table says DEAD (no restart will come): Ray also raises
     ActorDiedError for an actor it is about to restart."""
     try:
-        info = gcs.actor_table(handle._actor_id.hex())
-        return info.get("State") == "DEAD"
+        return gcs.actor_table(handle._actor_id.hex()).get("State") == "DEAD"
     except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
         return False
 
