@@ -39,8 +39,7 @@ def lookup(name: str):
 
 
 def restarts_exhausted(handle) -> bool:
-    """`gone` only when Ray's actor table says DEAD (no restart will come): Ray also raises
-    ActorDiedError for an actor it is about to restart."""
+    """DEAD in Ray's actor table (no restart comes): Ray raises ActorDiedError for one about to restart too."""
     try:
         return gcs.actor_table(handle._actor_id.hex()).get("State") == "DEAD"
     except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back

@@ -42,8 +42,7 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
 
 
 def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
-    """One replica actor (args: rid, run_dir, backends[, spare]); the index table keeps its data
-    stream its id's wherever and whenever it starts."""
+    """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream."""
     return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
                            **options).remote(container, *args, index_table=index_table)
 

@@ -270,8 +270,7 @@ class Supervisor:
                          leaders={f"c{c}": r for c, r in view.leaders.items()})
 
     def _catch_up(self) -> None:
-        """After a supervisor restart: record rounds the old one committed but did not record, and
-        take the checkpoint it owed."""
+        """After a supervisor restart: record rounds the old one committed unrecorded; take the checkpoint it owed."""
         self.roster.refresh()
         r_now = current_round(self.roster.live.values())
         if r_now > self.state.committed_round:
