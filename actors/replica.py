@@ -278,8 +278,7 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
-        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch));
-        one average per round: its faults are scheduled at step 0."""
+        """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
         return self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
                            faults, hook_round=round_index)
 

@@ -195,8 +195,7 @@ class RoundRecord:
             self.attempts += 1
 
     def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
-        """One `non_finite` per void cluster and round, once its phase ended (`rids`: every member that
-        reported it); a benched one with a console warning."""
+        """One `non_finite` per void cluster and round after its phase (`rids`: its reporters); a benched one warns."""
         for c, nf in void.items():
             if c not in self.logged_void and (final or c in out):
                 self.logged_void.add(c)

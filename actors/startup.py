@@ -100,10 +100,7 @@ class StartupCalls:
             elif pending:
                 break
             first = False
-        self._check_quorum(set(pending) & set(self.topology.replica_ids()))
-        return answers, errors
-
-    def _check_quorum(self, away: set[str]) -> None:
+        away = set(pending) & set(self.topology.replica_ids())
         for c in range(self.topology.clusters):
             floor = self.topology.min_replicas_of(c, self.cfg.min_replicas_per_cluster)
             if len(set(self.topology.cluster_members(c)) - away) < floor:
@@ -113,6 +110,7 @@ class StartupCalls:
         if away:
             print(f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; "
                   f"taken in when back)", flush=True)
+        return answers, errors
 
     def check_reach(self, root: str, run_id: str, handles: dict, faults: dict) -> None:
         """Every replica (and spare) must reach the checkpoint root: the driver writes a nonce there

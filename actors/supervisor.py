@@ -291,8 +291,7 @@ class Supervisor:
             checkpointing.save(self.ports, r_now)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
-        """The run's summary from the record (files and memory alike), or from the durable state
-        alone when that cannot be made: the summary is owed whatever broke."""
+        """The summary from the record (files and memory), else from the durable state alone: owed whatever broke."""
         try:
             summary = run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
                                   digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
