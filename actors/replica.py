@@ -409,8 +409,7 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
-        """Write the committed global model to `path` (model.safetensors, at the run's end).
-        Raises OSError when storage refuses it: the run's problem, not this replica's."""
+        """The committed global model to `path` (model.safetensors); OSError when storage refuses: the run's problem."""
         return {"rid": self.rid, **self.trainer.save_model(path)}
 
     @ray.method(concurrency_group="phase")

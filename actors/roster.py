@@ -47,8 +47,7 @@ def restarts_exhausted(handle) -> bool:
 
 
 class Roster:
-    """`state`: the run's durable state, which holds the identity map, the spare pool's names
-    and the deaths seen live, so a restarted supervisor finds the same actors."""
+    """`state`: durable (identity map, spare names, deaths seen), so a restarted supervisor finds the same actors."""
 
     def __init__(self, topology: Topology, run_id: str, state: RunState, log, *, call_timeout_s: float,
                  spares_per_cluster: int, save: Callable[[], None]):

@@ -78,8 +78,7 @@ class SupervisorRecord:
             time.sleep(0.5)
 
     def publish(self, summary: dict) -> dict:
-        """Write summary.json (waiting at most the write deadline), close the record. A summary
-        that cannot be written is still returned: the driver prints it on the console."""
+        """Write summary.json (within the write deadline), close; returned even unwritten: the driver prints it."""
         if not self.log.write_file("summary.json", json.dumps(summary, indent=2, sort_keys=True)):
             down_s, error = self.log.unwritable_s()
             self.warn(f"summary.json could not be written to {self.run_dir} ({error or 'the write timed out'}); "

@@ -28,8 +28,7 @@ RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
 def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
-    """train.resume: the newest checkpoint under root that verifies; ConfigError (one line) when there
-    is none, or when it was written with a config a resume may not change."""
+    """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume."""
     point = checkpoint.choose(root, fingerprint, skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""

@@ -250,8 +250,7 @@ class Supervisor:
         return None
 
     def _final_heal(self) -> None:
-        """A replica that died in the last round comes back and heals before the run ends — also
-        one that came back just before (admitted at the last boundary, still behind)."""
+        """Replicas back from the last round (or admitted behind at its boundary) heal before the run ends."""
         roster = self.roster
         if roster.missing():
             self.record.set_status(phase="final_heal")
