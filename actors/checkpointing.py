@@ -105,8 +105,7 @@ def _failed(sup: RunnerPorts, state_round: int, error: str, replicas: list[str] 
 
 
 def save_model(sup: RunnerPorts) -> None:
-    """model.safetensors at the run's end, written by a replica holding the last committed round
-    (the supervisor never moves model-sized tensors). A failed write is an event, nothing more."""
+    """model.safetensors, written by a replica at the last committed round (never the supervisor); failure: an event."""
     roster, path = sup.roster, str(Path(sup.run_dir) / "model.safetensors")
     top = current_round(roster.live.values())
     timeout = collective_timeout_s(sup.cfg.supervisor.call_timeout_s, roster.param_bytes, sup.cfg.comm.min_gbps)

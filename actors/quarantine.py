@@ -25,8 +25,7 @@ class Quarantine:
 
     def __init__(self, cfg, run_id: str, run_dir: str, state, roster, log, save,
                  injected: Callable[[str], bool] = lambda rid: False):
-        self.cfg, self.run_id, self.run_dir = cfg, run_id, run_dir
-        self.injected = injected
+        self.cfg, self.run_id, self.run_dir, self.injected = cfg, run_id, run_dir, injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
 

@@ -104,11 +104,10 @@ class Supervisor:
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
         """Drive rounds until train.rounds are committed, a stop is requested, or the run fails;
-        returns summary.json's content (also written). Re-issued by the driver to a restarted
-        supervisor, which resumes from its durable state and the replicas' progress. Never raises:
-        any exception ends the run `failed` (its type and message the reason), with a summary all
-        the same; so does a run folder failing writes past run.io_grace_s, while a shorter outage
-        at the end is waited out, so its records land."""
+        returns summary.json's content (also written); re-issued by the driver to a restarted one.
+        Never raises: any exception ends the run `failed` (its type and message the reason), with a
+        summary all the same; so does a run folder failing writes past run.io_grace_s, while a
+        shorter outage at the end is waited out, so its records land."""
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
