@@ -25,10 +25,9 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
     OSError or passing `supervisor.call_timeout_s` (a hung mount), skip this checkpoint
     (`checkpoint_failed`); training goes on, the previous one stays. Failed pruning: `write_failed`."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
-    deadline_s = sup.cfg.supervisor.call_timeout_s
 
     def storage(fn, what: str):
-        return call_with_deadline(fn, deadline_s, f"{what} under {root}")
+        return call_with_deadline(fn, sup.cfg.supervisor.call_timeout_s, f"{what} under {root}")
 
     try:
         if storage(lambda: checkpoint.exists(root, state_round), "checking for a checkpoint"):
