@@ -25,10 +25,9 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
     OSError or passing `supervisor.call_timeout_s` (a hung mount), skip this checkpoint
     (`checkpoint_failed`); training goes on, the previous one stays. Failed pruning: `write_failed`."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
-    deadline_s = sup.cfg.supervisor.call_timeout_s
 
     def storage(fn, what: str):
-        return call_with_deadline(fn, deadline_s, f"{what} under {root}")
+        return call_with_deadline(fn, sup.cfg.supervisor.call_timeout_s, f"{what} under {root}")
 
     try:
         if storage(lambda: checkpoint.exists(root, state_round), "checking for a checkpoint"):
@@ -105,8 +104,7 @@ def _failed(sup: RunnerPorts, state_round: int, error: str, replicas: list[str] 
 
 
 def save_model(sup: RunnerPorts) -> None:
-    """model.safetensors at the run's end, written by a replica holding the last committed round
-    (the supervisor never moves model-sized tensors). A failed write is an event, nothing more."""
+    """model.safetensors, written by a replica at the last committed round (never the supervisor); failure: an event."""
     roster, path = sup.roster, str(Path(sup.run_dir) / "model.safetensors")
     top = current_round(roster.live.values())
     timeout = collective_timeout_s(sup.cfg.supervisor.call_timeout_s, roster.param_bytes, sup.cfg.comm.min_gbps)

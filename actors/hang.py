@@ -63,9 +63,8 @@ def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) ->
 
 def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float = 3.0) -> str:
     """Best available stack dump of one replica; never raises, never blocks past its timeouts."""
-    here = ray.get_runtime_context().get_node_id()
     pid = info.get("pid")
-    if pid and info.get("node_id") == here:
+    if pid and info.get("node_id") == ray.get_runtime_context().get_node_id():
         got = dump_local_pid(int(pid), run_dir, rid)
         if got:
             return f"[{got[0]} dump of pid {pid}]\n{got[1]}"

@@ -180,7 +180,6 @@ class Heals:
             abort(prefix, reason)
 
     def forget(self, action_id: int) -> None:
-        """Heal action `action_id` ended: drop its states' refs (freed once no call holds them); its
-        sources' answers still to come stay watched."""
+        """Action `action_id` ended: drop its states' refs (freed when no call holds them); its sources stay watched."""
         for key in [k for k in self.states if k[0] == action_id]:
             del self.states[key]

@@ -37,8 +37,7 @@ KV_NAMESPACE = "hsgd"
 
 
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
-    """`actor_name` is replica `rid` from now on, or a spare (rid None). Raises what the KV store
-    raises (the caller then does not take the identity on)."""
+    """`actor_name` is replica `rid` from now on, or a spare (None). A KV store error raises (identity not taken)."""
     _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
                      namespace=KV_NAMESPACE)
 
@@ -95,8 +94,7 @@ class ActorWatch:
             self._noted[rid] = sorted(noted, key=lambda p: p != (name, incarnation))  # the one to die next
 
     def promoted(self, rid: str, spare: str, incarnation: int | None, replaced: str) -> None:
-        """Spare actor `spare` (at `incarnation`) now serves `rid`; `replaced`, the actor that served
-        it, is a spare from its next incarnation on."""
+        """`spare` (at `incarnation`) now serves `rid`; `replaced`, its old actor, is a spare from its next one on."""
         self._serves(spare, incarnation if incarnation is not None else self._reported(spare)[0], rid)
         last = max((i for n, i in self._noted.get(rid, ()) if n == replaced), default=self._reported(replaced)[0])
         self._serves(replaced, last + 1, None)
@@ -130,8 +128,7 @@ class ActorWatch:
         return self._last.get(death.rid) == (death.name, death.incarnation)
 
     def poll(self) -> list[Death]:
-        """Every incarnation of the watched actors that died since the last poll (or `note_death`),
-        oldest first per actor; empty when the table cannot be read."""
+        """Watched actors' incarnations dead since the last poll (or `note_death`), oldest first; [] if no table."""
         watched = set(self.identity.values()) | {n for names in self.spares.values() for n in names}
         try:
             rows = [r for r in self._table() if r.get("Name") in watched]
@@ -147,7 +144,8 @@ class ActorWatch:
             for incarnation in range(floor, lost):
                 if incarnation not in extra:
                     rid = self._role(name, incarnation)
-                    deaths.append(Death(name, incarnation, rid, None if rid else self._spare_cluster(name), state))
+                    cluster = None if rid else next((int(c) for c, ns in self.spares.items() if name in ns), None)
+                    deaths.append(Death(name, incarnation, rid, cluster, state))
             self._store(name, lost, {i for i in extra if i >= lost})
         if deaths:
             self._save()
@@ -176,6 +174,3 @@ class ActorWatch:
         if not roles:  # never told: the identity map now
             return next((rid for rid, n in self.identity.items() if n == name), None)
         return next((rid for first, rid in reversed(roles) if first <= incarnation), None)
-
-    def _spare_cluster(self, name: str) -> int | None:
-        return next((int(c) for c, names in self.spares.items() if name in names), None)

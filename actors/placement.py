@@ -31,8 +31,7 @@ def replica_resources(cfg: Any, gpus: float) -> dict:
 
 
 def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
-    """The per-level backends and GPUs per replica on this Ray cluster (hsgd.config.capacity decides),
-    and the nodes that did not answer the data.path check in time (the caller warns)."""
+    """The backend plan for this Ray cluster (hsgd.config.capacity) and the nodes silent on the data.path check."""
     nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
     plan = plan_backends(cfg, nodes)
     need = replica_resources(cfg, plan.gpus_per_replica)

@@ -25,8 +25,7 @@ class Quarantine:
 
     def __init__(self, cfg, run_id: str, run_dir: str, state, roster, log, save,
                  injected: Callable[[str], bool] = lambda rid: False):
-        self.cfg, self.run_id, self.run_dir = cfg, run_id, run_dir
-        self.injected = injected
+        self.cfg, self.run_id, self.run_dir, self.injected = cfg, run_id, run_dir, injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
 
@@ -47,7 +46,10 @@ class Quarantine:
             ray.kill(self.roster.handles[rid], no_restart=True)
         backends = (self.roster.replica_info.get(rid) or {}).get("backends") or {"inner": "gloo", "outer": "gloo"}
         resources = replica_resources(self.cfg, 1.0 if "nccl" in backends.values() else 0.0)
-        target = self._other_node(node, resources)
+        free = available_resources_per_node()  # a live node other than `node` with room for one replica now
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        room = [(replicas_that_fit(res, resources), nid) for nid, res in free.items() if nid in alive and nid != node]
+        target = max((r for r in room if r[0] >= 1), default=(0, None))[1]
         moves = int((self.state.quarantined.get(rid) or {}).get("moves", 0)) + 1
         if target is None:
             self.roster.set_aside(rid)
@@ -68,11 +70,3 @@ class Quarantine:
         print(f"[hsgd] {rid} quarantined after {deaths} deaths in {self.window_s:g} s on node "
               f"{(node or '?')[:8]}: {where}", flush=True)
 
-    @staticmethod
-    def _other_node(node: str | None, need: dict) -> str | None:
-        """A live node other than `node` with room for one replica now (its free resources)."""
-        free = available_resources_per_node()
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        room = [(replicas_that_fit(res, need), nid) for nid, res in free.items() if nid in alive and nid != node]
-        best = max((r for r in room if r[0] >= 1), default=None)
-        return None if best is None else best[1]

@@ -113,8 +113,7 @@ class Replica:
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
-        """(meta, state) for a `global` heal (actors/heals.py); answers while the donor's inner phase
-        runs (these tensors change only in outer_commit)."""
+        """(meta, state) for a `global` heal; answers while the donor's inner phase runs (outer_commit changes it)."""
         return self._with_meta(self.trainer.global_state())
 
     def _with_meta(self, state: dict) -> tuple[dict, dict]:
@@ -220,8 +219,7 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
-        """Hot spare: become replica `rid`; the supervisor heals it next. A failed identity write
-        raises, and the supervisor tries another spare."""
+        """Hot spare: become replica `rid` (healed next). A failed identity write raises: try another spare."""
         self._serve_as(rid)
         return self._answer(pid=os.getpid(), incarnation=self.incarnation)
 
@@ -280,8 +278,7 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
-        """inner `none`: the cluster's mean params on every member (idempotent per (round, epoch));
-        one average per round: its faults are scheduled at step 0."""
+        """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
         return self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
                            faults, hook_round=round_index)
 
@@ -370,8 +367,7 @@ class Replica:
         return self._over_heal_group(round_index, join, faults, transfer)
 
     def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
-        """A `heal` phase in a heal's own group (never the standing one), dropped after; answers
-        `transfer(group)`, timed."""
+        """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`, timed."""
         def run():
             group = self._level_group("inner")
             try:
@@ -413,8 +409,7 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
-        """Write the committed global model to `path` (model.safetensors, at the run's end).
-        Raises OSError when storage refuses it: the run's problem, not this replica's."""
+        """The committed global model to `path` (model.safetensors); OSError when storage refuses: the run's problem."""
         return {"rid": self.rid, **self.trainer.save_model(path)}
 
     @ray.method(concurrency_group="phase")

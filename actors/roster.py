@@ -39,18 +39,15 @@ def lookup(name: str):
 
 
 def restarts_exhausted(handle) -> bool:
-    """`gone` only when Ray's actor table says DEAD (no restart will come): Ray also raises
-    ActorDiedError for an actor it is about to restart."""
+    """DEAD in Ray's actor table (no restart comes): Ray raises ActorDiedError for one about to restart too."""
     try:
-        info = gcs.actor_table(handle._actor_id.hex())
-        return info.get("State") == "DEAD"
+        return gcs.actor_table(handle._actor_id.hex()).get("State") == "DEAD"
     except Exception:  # noqa: BLE001 — the table is best effort; assume it may come back
         return False
 
 
 class Roster:
-    """`state`: the run's durable state, which holds the identity map, the spare pool's names
-    and the deaths seen live, so a restarted supervisor finds the same actors."""
+    """`state`: durable (identity map, spare names, deaths seen), so a restarted supervisor finds the same actors."""
 
     def __init__(self, topology: Topology, run_id: str, state: RunState, log, *, call_timeout_s: float,
                  spares_per_cluster: int, save: Callable[[], None]):

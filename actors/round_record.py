@@ -78,8 +78,7 @@ class SupervisorRecord:
             time.sleep(0.5)
 
     def publish(self, summary: dict) -> dict:
-        """Write summary.json (waiting at most the write deadline), close the record. A summary
-        that cannot be written is still returned: the driver prints it on the console."""
+        """Write summary.json (within the write deadline), close; returned even unwritten: the driver prints it."""
         if not self.log.write_file("summary.json", json.dumps(summary, indent=2, sort_keys=True)):
             down_s, error = self.log.unwritable_s()
             self.warn(f"summary.json could not be written to {self.run_dir} ({error or 'the write timed out'}); "
@@ -195,8 +194,7 @@ class RoundRecord:
             self.attempts += 1
 
     def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
-        """One `non_finite` per void cluster and round, once its phase ended (`rids`: every member that
-        reported it); a benched one with a console warning."""
+        """One `non_finite` per void cluster and round after its phase (`rids`: its reporters); a benched one warns."""
         for c, nf in void.items():
             if c not in self.logged_void and (final or c in out):
                 self.logged_void.add(c)

@@ -40,8 +40,7 @@ STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(repli
 
 @dataclass
 class RunnerPorts:
-    """What a round's runner, a checkpoint's save or restore (actors/checkpointing.py) and the final
-    heal may touch: never the supervisor itself. `save_epoch` saves the durable epoch."""
+    """What a round's runner, actors/checkpointing.py and the final heal may touch: never the supervisor itself."""
     roster: Any
     log: Any
     injector: Any

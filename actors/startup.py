@@ -28,8 +28,7 @@ RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
 def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
-    """train.resume: the newest checkpoint under root that verifies; ConfigError (one line) when there
-    is none, or when it was written with a config a resume may not change."""
+    """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume."""
     point = checkpoint.choose(root, fingerprint, skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
@@ -42,8 +41,7 @@ def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
 
 
 def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
-    """One replica actor (args: rid, run_dir, backends[, spare]); the index table keeps its data
-    stream its id's wherever and whenever it starts."""
+    """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream."""
     return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
                            **options).remote(container, *args, index_table=index_table)
 
@@ -101,10 +99,7 @@ class StartupCalls:
             elif pending:
                 break
             first = False
-        self._check_quorum(set(pending) & set(self.topology.replica_ids()))
-        return answers, errors
-
-    def _check_quorum(self, away: set[str]) -> None:
+        away = set(pending) & set(self.topology.replica_ids())
         for c in range(self.topology.clusters):
             floor = self.topology.min_replicas_of(c, self.cfg.min_replicas_per_cluster)
             if len(set(self.topology.cluster_members(c)) - away) < floor:
@@ -114,6 +109,7 @@ class StartupCalls:
         if away:
             print(f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; "
                   f"taken in when back)", flush=True)
+        return answers, errors
 
     def check_reach(self, root: str, run_id: str, handles: dict, faults: dict) -> None:
         """Every replica (and spare) must reach the checkpoint root: the driver writes a nonce there

@@ -104,11 +104,10 @@ class Supervisor:
     @ray.method(concurrency_group="run")
     def run(self) -> dict:
         """Drive rounds until train.rounds are committed, a stop is requested, or the run fails;
-        returns summary.json's content (also written). Re-issued by the driver to a restarted
-        supervisor, which resumes from its durable state and the replicas' progress. Never raises:
-        any exception ends the run `failed` (its type and message the reason), with a summary all
-        the same; so does a run folder failing writes past run.io_grace_s, while a shorter outage
-        at the end is waited out, so its records land."""
+        returns summary.json's content (also written); re-issued by the driver to a restarted one.
+        Never raises: any exception ends the run `failed` (its type and message the reason), with a
+        summary all the same; so does a run folder failing writes past run.io_grace_s, while a
+        shorter outage at the end is waited out, so its records land."""
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
@@ -250,8 +249,7 @@ class Supervisor:
         return None
 
     def _final_heal(self) -> None:
-        """A replica that died in the last round comes back and heals before the run ends — also
-        one that came back just before (admitted at the last boundary, still behind)."""
+        """Replicas back from the last round (or admitted behind at its boundary) heal before the run ends."""
         roster = self.roster
         if roster.missing():
             self.record.set_status(phase="final_heal")
@@ -270,8 +268,7 @@ class Supervisor:
                          leaders={f"c{c}": r for c, r in view.leaders.items()})
 
     def _catch_up(self) -> None:
-        """After a supervisor restart: record rounds the old one committed but did not record, and
-        take the checkpoint it owed."""
+        """After a supervisor restart: record rounds the old one committed unrecorded; take the checkpoint it owed."""
         self.roster.refresh()
         r_now = current_round(self.roster.live.values())
         if r_now > self.state.committed_round:
@@ -292,8 +289,7 @@ class Supervisor:
             checkpointing.save(self.ports, r_now)
 
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
-        """The run's summary from the record (files and memory alike), or from the durable state
-        alone when that cannot be made: the summary is owed whatever broke."""
+        """The summary from the record (files and memory), else from the durable state alone: owed whatever broke."""
         try:
             summary = run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
                                   digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
