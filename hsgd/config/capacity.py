@@ -26,15 +26,11 @@ def model_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: in
     return vocab_size * n_embd + block_size * n_embd + n_layer * 12 * n_embd * n_embd + 2 * n_embd
 
 
-# cgroup v2, then v1: a container's memory limit, which the host's page count does not show.
-_CGROUP_MEMORY_FILES = ("memory.max", "memory/memory.limit_in_bytes")
-
-
 def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
     """The memory this process may use: the machine's, or its container's limit when lower (in a
     container the page count is the host's, so a check against it passes and replicas get OOM-killed)."""
     limits = [physical_bytes]
-    for name in _CGROUP_MEMORY_FILES:
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):  # cgroup v2, then v1
         try:
             text = (Path(cgroup_root) / name).read_text().strip()
         except OSError:

@@ -124,8 +124,7 @@ class FolderWriter:
     def stuck_s(self) -> float:
         """How long the job on the thread has run past the deadline (0: none has)."""
         since = self._running_since
-        late = 0.0 if since is None else time.monotonic() - since - self.deadline_s
-        return max(0.0, late)
+        return 0.0 if since is None else max(0.0, time.monotonic() - since - self.deadline_s)
 
     def health(self) -> tuple[float, str]:
         """(seconds the folder has failed — 0 when it works —, the last error). A write stuck past
