@@ -167,8 +167,7 @@ def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics:
     """summary.json when run_summary cannot be had (the supervisor failed making it, or is gone): the
     same keys, from the durable state and metrics.jsonl; None (or empty) for what only the live run knew."""
     evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
-    rounds = durable.get("committed_round")
-    started = durable.get("started_at")
+    rounds, started = durable.get("committed_round"), durable.get("started_at")
     return {"status": status, "reason": reason, "rounds_committed": rounds,
             "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
             "initial_eval_loss": durable.get("initial_eval_loss"),

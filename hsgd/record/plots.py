@@ -223,11 +223,11 @@ def pyplot():
 
 
 def save_png(fig, out: Path) -> Path:
-    """Write to a temp name, then rename: a reader never sees half a picture. Closes the figure."""
-    plt = pyplot()
+    """Lay out, write to a temp name, then rename: a reader never sees half a picture. Closes the figure."""
+    fig.tight_layout()
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp)
-    plt.close(fig)
+    pyplot().close(fig)
     tmp.replace(out)
     return out
 
@@ -251,7 +251,6 @@ def write_loss_png(run_dir: str | Path) -> Path:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
     return save_png(fig, Path(run_dir) / "loss.png")
 
 
@@ -292,7 +291,6 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
     ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center",
               bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), frameon=False)
-    fig.tight_layout()
     return save_png(fig, Path(run_dir) / "timeline.png")
 
 
@@ -318,7 +316,6 @@ def write_membership_png(run_dir: str | Path) -> Path:
     ax.grid(alpha=0.3)
     if data["clusters"]:
         ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
     return save_png(fig, Path(run_dir) / "membership.png")
 
 
