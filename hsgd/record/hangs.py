@@ -29,13 +29,11 @@ def _frames(block: str) -> list[tuple[str, str, int]]:
 
 def stuck_function(dump: str) -> str | None:
     """'func (dir/file.py:line)' of the innermost frame of the thread that runs a phase, or None."""
-    blocks = re.split(r"\n(?=Thread |--- thread|Current thread |\s*$)", dump)
-    for block in blocks:
+    for block in re.split(r"\n(?=Thread |--- thread|Current thread |\s*$)", dump):
         frames = _frames(block)
         if frames and any(f[0].rsplit(".", 1)[-1] in _PHASE_METHODS for f in frames):
             func, file, line = frames[0]
-            short = "/".join(file.split("/")[-2:])
-            return f"{func} ({short}:{line})"
+            return f"{func} ({'/'.join(file.split('/')[-2:])}:{line})"
     return None
 
 
