@@ -18,8 +18,6 @@ from pathlib import Path
 
 from hsgd.record.rundir import read_json
 
-REPLICA_CLASS = "Replica"
-
 
 # -- decisions (pure) ----------------------------------------------------------------------------
 def attach_address(recorded: str | None, env_address: str | None, local: set[str]) -> tuple[str | None, str | None]:
@@ -48,7 +46,7 @@ def verified_replica_pid(actor: dict | None, *, expected_name: str, here_node: s
     if not actor:
         return None, "not in Ray's actor table"
     pid = int(actor.get("Pid") or 0)
-    if actor.get("Name") != expected_name or str(actor.get("ActorClassName", "")).split(".")[-1] != REPLICA_CLASS:
+    if actor.get("Name") != expected_name or str(actor.get("ActorClassName", "")).split(".")[-1] != "Replica":
         return None, f"actor {actor.get('Name')!r} ({actor.get('ActorClassName')}) is not this run's replica"
     if actor.get("State") != "ALIVE" or pid <= 0:
         return None, f"actor is {actor.get('State')}"
