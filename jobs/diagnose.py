@@ -155,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         verified, why = verified_replica_pid(actor, expected_name=name, here_node=here, my_uid=os.getuid(),
                                              answered_pid=progress.get("pid"),
                                              process_uid=_process_uid(pid) if pid > 0 else None)
-        header = (f"{rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
-                  f"round {progress.get('round')} step {progress.get('step')}")
-        print(f"\n=== {header} ===")
+        print(f"\n=== {rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
+              f"round {progress.get('round')} step {progress.get('step')} ===")
         if verified is None:
             print(f"[not signalled: {why}]")
         target = {"pid": verified, "node_id": here if verified else None}

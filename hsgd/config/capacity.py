@@ -125,11 +125,10 @@ def placement_problem(cfg: Any, need: dict, nodes: list[dict],
                     f"STRICT_PACK needs each cluster's {each} replicas of {describe_resources(need)} on one node, "
                     f"but the nodes hold at most {fits[:8]} replicas each, room for {placed} "
                     f"of {len(ks)} clusters; use PACK, fewer replicas per cluster, or bigger nodes")
-    elif strategy == "STRICT_SPREAD":
-        if sum(1 for f in fits if f >= 1) < k:
-            return ("topology.placement_strategy",
-                    f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
-                    f"{describe_resources(need)}; the Ray cluster has {sum(1 for f in fits if f >= 1)}")
+    elif strategy == "STRICT_SPREAD" and (usable := sum(1 for f in fits if f >= 1)) < k:
+        return ("topology.placement_strategy",
+                f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
+                f"{describe_resources(need)}; the Ray cluster has {usable}")
     if sum(fits) < n:
         return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
                 f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "

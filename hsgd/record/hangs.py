@@ -40,13 +40,12 @@ def stuck_function(dump: str) -> str | None:
 def hang_report(*, rid: str, phase: str, round_index: int, waited_s: float, deadline_s: float,
                 peers: dict[str, str], dumps: dict[str, str], view: dict) -> str:
     """The text of hangs/<time>-<rid>.txt. peers: rid -> what that peer was doing."""
-    where = stuck_function(dumps.get(rid, "")) or "unknown (no stack available)"
     # everyone else in the call who did not finish was blocked on the stuck replica
     waiting = sorted(p for p, state in peers.items() if p != rid and state != "returned ok")
     lines = [
         f"HANG: replica {rid} missed the {phase} deadline of round {round_index}",
         f"  deadline {deadline_s:.1f}s, waited {waited_s:.1f}s",
-        f"  stuck in: {where}",
+        f"  stuck in: {stuck_function(dumps.get(rid, '')) or 'unknown (no stack available)'}",
         f"  peers waiting on it: {', '.join(waiting) if waiting else 'none'}",
         "",
         "supervisor view:",

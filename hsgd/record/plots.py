@@ -96,8 +96,7 @@ def timeline_data(run_dir: str | Path) -> dict:
     stamps = [e["t"] for e in events] or [r["t"] for r in fired + metrics if "t" in r] or [0.0]
     t0 = min(stamps)
     end = max([*stamps, *(r["t"] for r in fired + metrics if "t" in r)]) - t0
-    rids = known_replicas(run_dir, events)
-    spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in rids}
+    spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in known_replicas(run_dir, events)}
     # keyed by (phase, cluster): clusters run their own inner phases at once, so one cluster's
     # phase_begin must not end another's span (cluster None: the outer level's phases)
     open_phase: dict[tuple[str, int | None], tuple[float, list[str]]] = {}

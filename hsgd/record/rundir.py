@@ -155,8 +155,7 @@ class FolderWriter:
                 job[2], ok, error = False, False, f"{type(err).__name__}: {err}"
             except BaseException as err:  # noqa: BLE001 — a bug: handed to a waiting caller, not swallowed
                 job[2], ok = err, None
-            if not counts:
-                ok = None
+            ok = ok if counts else None
             now = time.monotonic()
             with self._lock:
                 began, self._running_since = self._running_since, None
