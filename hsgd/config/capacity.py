@@ -158,8 +158,7 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     inner, inner_field = (c.inner_backend, "comm.inner_backend") if c.inner_backend else (c.backend, "comm.backend")
     outer, outer_field = (c.outer_backend, "comm.outer_backend") if c.outer_backend else (c.backend, "comm.backend")
     outer = "gloo" if outer == "auto" else outer  # the slow link between sites is TCP: NCCL over it buys nothing
-    spares, strategy, clusters, replicas_per_cluster = (t.spares_per_cluster, t.placement_strategy, topo.clusters,
-                                                        topo.replicas_per_cluster)
+    spares, clusters, replicas_per_cluster = t.spares_per_cluster, topo.clusters, topo.replicas_per_cluster
     k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares
     cpus = {"CPU": float(t.cpus_per_replica)}
 
@@ -172,8 +171,8 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     if placement_problem(cfg, cpus, nodes) is not None:  # short of CPUs whatever the backend: that check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
     fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
-    where = (f", each cluster's {k} on one node ({strategy})" if strategy == "STRICT_PACK" and clusters * k > 1
-             else "")
+    where = (f", each cluster's {k} on one node (STRICT_PACK)"
+             if t.placement_strategy == "STRICT_PACK" and clusters * k > 1 else "")
     shape = f"sites of {list(topo.sizes)}" if t.sites else \
         f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
     per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)

@@ -36,8 +36,7 @@ def efficiencies(committed_steps: int, attempted_steps: int, participation: list
     """torchft's figures (README, "Fault injection"): step efficiency, and training efficiency = step
     efficiency x mean fraction of the replicas that took part in each round's inner phase."""
     step = min(1.0, committed_steps / attempted_steps) if attempted_steps else 1.0
-    mean_participation = sum(participation) / len(participation) if participation else 1.0
-    return step, step * mean_participation
+    return step, step * (sum(participation) / len(participation) if participation else 1.0)
 
 
 _DETECTIONS = ("replica_down", "hang_detected", "collective_failed", "supervisor_start")
