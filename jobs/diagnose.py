@@ -18,8 +18,6 @@ from pathlib import Path
 
 from hsgd.record.rundir import read_json
 
-REPLICA_CLASS = "Replica"
-
 
 # -- decisions (pure) ----------------------------------------------------------------------------
 def attach_address(recorded: str | None, env_address: str | None, local: set[str]) -> tuple[str | None, str | None]:
@@ -48,7 +46,7 @@ def verified_replica_pid(actor: dict | None, *, expected_name: str, here_node: s
     if not actor:
         return None, "not in Ray's actor table"
     pid = int(actor.get("Pid") or 0)
-    if actor.get("Name") != expected_name or str(actor.get("ActorClassName", "")).split(".")[-1] != REPLICA_CLASS:
+    if actor.get("Name") != expected_name or str(actor.get("ActorClassName", "")).split(".")[-1] != "Replica":
         return None, f"actor {actor.get('Name')!r} ({actor.get('ActorClassName')}) is not this run's replica"
     if actor.get("State") != "ALIVE" or pid <= 0:
         return None, f"actor is {actor.get('State')}"
@@ -157,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         verified, why = verified_replica_pid(actor, expected_name=name, here_node=here, my_uid=os.getuid(),
                                              answered_pid=progress.get("pid"),
                                              process_uid=_process_uid(pid) if pid > 0 else None)
-        header = (f"{rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
-                  f"round {progress.get('round')} step {progress.get('step')}")
-        print(f"\n=== {header} ===")
+        print(f"\n=== {rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
+              f"round {progress.get('round')} step {progress.get('step')} ===")
         if verified is None:
             print(f"[not signalled: {why}]")
         target = {"pid": verified, "node_id": here if verified else None}

@@ -18,9 +18,7 @@ def _job_overrides(job_dir: Path) -> list[str]:
     import yaml
 
     path = job_dir / ".hydra" / "overrides.yaml"
-    if not path.is_file():
-        return []
-    return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+    return [str(o) for o in (yaml.safe_load(path.read_text()) or [])] if path.is_file() else []
 
 
 def sweep_rows(sweep_dir: Path | str) -> list[dict]:
@@ -34,14 +32,13 @@ def sweep_rows(sweep_dir: Path | str) -> list[dict]:
     rows = []
     for d in jobs:
         summary, run_info = read_json(d / "summary.json"), read_json(d / "run.json")
-        metrics = read_jsonl(d / "metrics.jsonl")
         rows.append({
             "job": d.name,
             "overrides": " ".join(o for o in overrides[d] if o not in common),
             "status": summary.get("status", "no summary"),
             "rounds_committed": summary.get("rounds_committed"),
             "final_eval_loss": summary.get("final_eval_loss"),
-            "outer_bytes": sum(int(m.get("outer_bytes") or 0) for m in metrics),
+            "outer_bytes": sum(int(m.get("outer_bytes") or 0) for m in read_jsonl(d / "metrics.jsonl")),
             "wall_s": summary.get("wall_s"),
             "job_s": run_info.get("job_s"),
             "run_dir": str(d.resolve()),
@@ -59,8 +56,7 @@ def _cell(value) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(" --- " for _ in COLUMNS) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(row[c]).replace("|", "\\|") for c in COLUMNS) + " |")
+    lines += ["| " + " | ".join(_cell(row[c]).replace("|", "\\|") for c in COLUMNS) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -81,8 +77,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         print("usage: python -m jobs.sweep <sweep dir>", file=sys.stderr)
         sys.exit(2)
-    rows = write_sweep_table(sys.argv[1])
-    print(markdown_table(rows), end="")
+    print(markdown_table(write_sweep_table(sys.argv[1])), end="")
 
 
 if __name__ == "__main__":

@@ -26,15 +26,11 @@ def model_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: in
     return vocab_size * n_embd + block_size * n_embd + n_layer * 12 * n_embd * n_embd + 2 * n_embd
 
 
-# cgroup v2, then v1: a container's memory limit, which the host's page count does not show.
-_CGROUP_MEMORY_FILES = ("memory.max", "memory/memory.limit_in_bytes")
-
-
 def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
     """The memory this process may use: the machine's, or its container's limit when lower (in a
     container the page count is the host's, so a check against it passes and replicas get OOM-killed)."""
     limits = [physical_bytes]
-    for name in _CGROUP_MEMORY_FILES:
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):  # cgroup v2, then v1
         try:
             text = (Path(cgroup_root) / name).read_text().strip()
         except OSError:
@@ -129,11 +125,10 @@ def placement_problem(cfg: Any, need: dict, nodes: list[dict],
                     f"STRICT_PACK needs each cluster's {each} replicas of {describe_resources(need)} on one node, "
                     f"but the nodes hold at most {fits[:8]} replicas each, room for {placed} "
                     f"of {len(ks)} clusters; use PACK, fewer replicas per cluster, or bigger nodes")
-    elif strategy == "STRICT_SPREAD":
-        if sum(1 for f in fits if f >= 1) < k:
-            return ("topology.placement_strategy",
-                    f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
-                    f"{describe_resources(need)}; the Ray cluster has {sum(1 for f in fits if f >= 1)}")
+    elif strategy == "STRICT_SPREAD" and (usable := sum(1 for f in fits if f >= 1)) < k:
+        return ("topology.placement_strategy",
+                f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
+                f"{describe_resources(need)}; the Ray cluster has {usable}")
     if sum(fits) < n:
         return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
                 f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
@@ -163,8 +158,7 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     inner, inner_field = (c.inner_backend, "comm.inner_backend") if c.inner_backend else (c.backend, "comm.backend")
     outer, outer_field = (c.outer_backend, "comm.outer_backend") if c.outer_backend else (c.backend, "comm.backend")
     outer = "gloo" if outer == "auto" else outer  # the slow link between sites is TCP: NCCL over it buys nothing
-    spares, strategy, clusters, replicas_per_cluster = (t.spares_per_cluster, t.placement_strategy, topo.clusters,
-                                                        topo.replicas_per_cluster)
+    spares, clusters, replicas_per_cluster = t.spares_per_cluster, topo.clusters, topo.replicas_per_cluster
     k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares
     cpus = {"CPU": float(t.cpus_per_replica)}
 
@@ -177,8 +171,8 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     if placement_problem(cfg, cpus, nodes) is not None:  # short of CPUs whatever the backend: that check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
     fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
-    where = (f", each cluster's {k} on one node ({strategy})" if strategy == "STRICT_PACK" and clusters * k > 1
-             else "")
+    where = (f", each cluster's {k} on one node (STRICT_PACK)"
+             if t.placement_strategy == "STRICT_PACK" and clusters * k > 1 else "")
     shape = f"sites of {list(topo.sizes)}" if t.sites else \
         f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
     per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)

@@ -6,10 +6,6 @@ import os
 import secrets
 
 
-OUTPUT_ROOT_ENV = "HSGD_OUTPUT_ROOT"
-RAY_JOB_OUTPUT_ROOT = "~/hsgd"  # the persistent root under `ray job submit` when $HSGD_OUTPUT_ROOT is unset
-
-
 def under_ray_job() -> bool:
     """True in the entrypoint of `ray job submit` (Ray's job supervisor sets this variable)."""
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
@@ -20,7 +16,7 @@ def output_path(path: str) -> str:
     output root — $HSGD_OUTPUT_ROOT, else ~/hsgd under a Ray job — and, with neither, left relative
     to the launch directory."""
     p = os.path.expanduser(str(path))
-    root = os.environ.get(OUTPUT_ROOT_ENV, "").strip() or (RAY_JOB_OUTPUT_ROOT if under_ray_job() else "")
+    root = os.environ.get("HSGD_OUTPUT_ROOT", "").strip() or ("~/hsgd" if under_ray_job() else "")
     return os.path.join(os.path.abspath(os.path.expanduser(root)), p) if root and not os.path.isabs(p) else p
 
 

@@ -5,8 +5,6 @@ from typing import Any
 
 from hsgd.config.schema import ConfigError, TopologyConfig
 
-UNIFORM_KEYS = ("clusters", "replicas_per_cluster", "cluster_labels")
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -19,7 +17,7 @@ def check_sites(cfg: Any) -> None:
     if not sites:
         return
     default = TopologyConfig()
-    for key in UNIFORM_KEYS:
+    for key in ("clusters", "replicas_per_cluster", "cluster_labels"):
         value = getattr(t, key)
         if (list(value) if key == "cluster_labels" else value) != getattr(default, key):
             raise ConfigError("topology.sites", f"is set together with topology.{key}={value!r}; valid: the sites "

@@ -102,8 +102,7 @@ def validate(cfg: Any) -> None:
     """Check a resolved config (HsgdConfig or a DictConfig of the same shape). Raises ConfigError
     (one line) for the first problem found; returns None when the run may start."""
     for path, bound in NUMERIC_FIELDS.items():
-        problem = bound.problem(field_value(cfg, path))
-        if problem is not None:
+        if (problem := bound.problem(field_value(cfg, path))) is not None:
             raise ConfigError(path, problem)
     for path, valid in CHOICE_FIELDS.items():
         _choice(path, field_value(cfg, path), valid)
@@ -218,8 +217,7 @@ def _check_faults(cfg: Any) -> None:
             raise ConfigError(f"faults.schedule[{i}].step", f"{spec.step} is past the round's last step "
                               f"(a round is {steps_per_round(cfg)} steps: sync.outer_every / sync.fragments); "
                               f"valid: 0..{steps_per_round(cfg) - 1}")
-        problem = unfirable_reason(spec, cfg)
-        if problem is not None:
+        if (problem := unfirable_reason(spec, cfg)) is not None:
             raise ConfigError(f"faults.schedule[{i}].{problem[0]}", problem[1])
 
 

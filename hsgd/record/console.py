@@ -17,9 +17,8 @@ def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
 def round_line(m: dict) -> str:
     """One console line per committed round (a round recorded late has no loss or throughput: '-')."""
     ev, loss = _num(m.get("eval_loss")), _num(m.get("loss"))
-    tps = m.get("tokens_per_s") or 0.0
     return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {loss} | eval {ev} | "
-            f"{tps:8.0f} tok/s | live {m['live_replicas']} | epoch {m['epoch']} | "
+            f"{m.get('tokens_per_s') or 0.0:8.0f} tok/s | live {m['live_replicas']} | epoch {m['epoch']} | "
             f"outer {m['outer_bytes'] / 1e6:.2f} MB")
 
 

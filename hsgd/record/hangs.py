@@ -29,26 +29,23 @@ def _frames(block: str) -> list[tuple[str, str, int]]:
 
 def stuck_function(dump: str) -> str | None:
     """'func (dir/file.py:line)' of the innermost frame of the thread that runs a phase, or None."""
-    blocks = re.split(r"\n(?=Thread |--- thread|Current thread |\s*$)", dump)
-    for block in blocks:
+    for block in re.split(r"\n(?=Thread |--- thread|Current thread |\s*$)", dump):
         frames = _frames(block)
         if frames and any(f[0].rsplit(".", 1)[-1] in _PHASE_METHODS for f in frames):
             func, file, line = frames[0]
-            short = "/".join(file.split("/")[-2:])
-            return f"{func} ({short}:{line})"
+            return f"{func} ({'/'.join(file.split('/')[-2:])}:{line})"
     return None
 
 
 def hang_report(*, rid: str, phase: str, round_index: int, waited_s: float, deadline_s: float,
                 peers: dict[str, str], dumps: dict[str, str], view: dict) -> str:
     """The text of hangs/<time>-<rid>.txt. peers: rid -> what that peer was doing."""
-    where = stuck_function(dumps.get(rid, "")) or "unknown (no stack available)"
     # everyone else in the call who did not finish was blocked on the stuck replica
     waiting = sorted(p for p, state in peers.items() if p != rid and state != "returned ok")
     lines = [
         f"HANG: replica {rid} missed the {phase} deadline of round {round_index}",
         f"  deadline {deadline_s:.1f}s, waited {waited_s:.1f}s",
-        f"  stuck in: {where}",
+        f"  stuck in: {stuck_function(dumps.get(rid, '')) or 'unknown (no stack available)'}",
         f"  peers waiting on it: {', '.join(waiting) if waiting else 'none'}",
         "",
         "supervisor view:",

@@ -36,8 +36,7 @@ def efficiencies(committed_steps: int, attempted_steps: int, participation: list
     """torchft's figures (README, "Fault injection"): step efficiency, and training efficiency = step
     efficiency x mean fraction of the replicas that took part in each round's inner phase."""
     step = min(1.0, committed_steps / attempted_steps) if attempted_steps else 1.0
-    mean_participation = sum(participation) / len(participation) if participation else 1.0
-    return step, step * mean_participation
+    return step, step * (sum(participation) / len(participation) if participation else 1.0)
 
 
 _DETECTIONS = ("replica_down", "hang_detected", "collective_failed", "supervisor_start")
@@ -167,8 +166,7 @@ def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics:
     """summary.json when run_summary cannot be had (the supervisor failed making it, or is gone): the
     same keys, from the durable state and metrics.jsonl; None (or empty) for what only the live run knew."""
     evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
-    rounds = durable.get("committed_round")
-    started = durable.get("started_at")
+    rounds, started = durable.get("committed_round"), durable.get("started_at")
     return {"status": status, "reason": reason, "rounds_committed": rounds,
             "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
             "initial_eval_loss": durable.get("initial_eval_loss"),

@@ -96,8 +96,7 @@ def timeline_data(run_dir: str | Path) -> dict:
     stamps = [e["t"] for e in events] or [r["t"] for r in fired + metrics if "t" in r] or [0.0]
     t0 = min(stamps)
     end = max([*stamps, *(r["t"] for r in fired + metrics if "t" in r)]) - t0
-    rids = known_replicas(run_dir, events)
-    spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in rids}
+    spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in known_replicas(run_dir, events)}
     # keyed by (phase, cluster): clusters run their own inner phases at once, so one cluster's
     # phase_begin must not end another's span (cluster None: the outer level's phases)
     open_phase: dict[tuple[str, int | None], tuple[float, list[str]]] = {}
@@ -223,11 +222,11 @@ def pyplot():
 
 
 def save_png(fig, out: Path) -> Path:
-    """Write to a temp name, then rename: a reader never sees half a picture. Closes the figure."""
-    plt = pyplot()
+    """Lay out, write to a temp name, then rename: a reader never sees half a picture. Closes the figure."""
+    fig.tight_layout()
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp)
-    plt.close(fig)
+    pyplot().close(fig)
     tmp.replace(out)
     return out
 
@@ -251,7 +250,6 @@ def write_loss_png(run_dir: str | Path) -> Path:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
     return save_png(fig, Path(run_dir) / "loss.png")
 
 
@@ -292,7 +290,6 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
     ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center",
               bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), frameon=False)
-    fig.tight_layout()
     return save_png(fig, Path(run_dir) / "timeline.png")
 
 
@@ -318,7 +315,6 @@ def write_membership_png(run_dir: str | Path) -> Path:
     ax.grid(alpha=0.3)
     if data["clusters"]:
         ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
     return save_png(fig, Path(run_dir) / "membership.png")
 
 

@@ -19,11 +19,10 @@ DRIVER_IO_S = 10.0  # the driver's wait for one read or write of the run folder 
 def driver_summary(run_dir: str, cfg, reason: str) -> dict:
     """summary.json of a run that failed where the supervisor could not say so itself (it is gone, or
     its run call raised), from what the driver can still read within DRIVER_IO_S."""
-    def read() -> tuple[dict, list[dict]]:
-        return read_json(Path(run_dir) / STATE_FILE), read_jsonl(Path(run_dir) / "metrics.jsonl")
-
     try:
-        durable, metrics = call_with_deadline(read, DRIVER_IO_S, f"reading {run_dir}")
+        durable, metrics = call_with_deadline(
+            lambda: (read_json(Path(run_dir) / STATE_FILE), read_jsonl(Path(run_dir) / "metrics.jsonl")),
+            DRIVER_IO_S, f"reading {run_dir}")
     except Exception:  # noqa: BLE001 — the folder itself is gone or hung: what is known is the reason
         durable, metrics = {}, []
     summary = fallback_summary(status="failed", reason=reason, durable=durable, metrics=metrics,

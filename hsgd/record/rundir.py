@@ -124,8 +124,7 @@ class FolderWriter:
     def stuck_s(self) -> float:
         """How long the job on the thread has run past the deadline (0: none has)."""
         since = self._running_since
-        late = 0.0 if since is None else time.monotonic() - since - self.deadline_s
-        return max(0.0, late)
+        return 0.0 if since is None else max(0.0, time.monotonic() - since - self.deadline_s)
 
     def health(self) -> tuple[float, str]:
         """(seconds the folder has failed — 0 when it works —, the last error). A write stuck past
@@ -156,8 +155,7 @@ class FolderWriter:
                 job[2], ok, error = False, False, f"{type(err).__name__}: {err}"
             except BaseException as err:  # noqa: BLE001 — a bug: handed to a waiting caller, not swallowed
                 job[2], ok = err, None
-            if not counts:
-                ok = None
+            ok = ok if counts else None
             now = time.monotonic()
             with self._lock:
                 began, self._running_since = self._running_since, None
