@@ -97,9 +97,8 @@ def join_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def plan_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
-    """Lay tensors of `sizes` bytes back to back into chunks of at most `chunk_bytes`: a tensor
-    that does not fit in what is left of a chunk continues in the next one. Every chunk but the
-    last is full; empty tensors take no piece."""
+    """Lay tensors of `sizes` bytes back to back into chunks of at most `chunk_bytes` (a tensor continues
+    in the next chunk): every chunk but the last is full; empty tensors take no piece."""
     assert chunk_bytes > 0, chunk_bytes
     chunks: list[list[Piece]] = []
     current: list[Piece] = []

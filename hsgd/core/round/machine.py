@@ -1,6 +1,5 @@
 """The round machine's state, what it is asked (start, observe, tick: each takes `now`, it reads no
-clock) and how each observation is taken in; __init__.py has the failure table and the file map.
-"""
+clock) and how each observation is taken in; __init__.py has the failure table."""
 from __future__ import annotations
 
 import itertools

@@ -63,8 +63,7 @@ def evaluation_order(topology: Topology, live: dict[str, tuple[int, int]], leade
 
 
 def model_writers(live: dict[str, tuple[int, int]]) -> list[str]:
-    """The replicas that may write the final model, in turn: those holding the furthest committed
-    round, by id."""
+    """The replicas that may write the final model, in turn: those at the furthest committed round, by id."""
     top = current_round(live.values())
     return sorted(rid for rid, (r, _) in live.items() if r == top)
 
