@@ -557,9 +557,8 @@ class ReplicaTrainer:
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
         """scope `full`: become the source (same cluster). scope `global`: take only the global
         params, outer state and round (the source is in another cluster): params restart from the
-        global params at the round's first step with a fresh inner optimizer, the same for every
-        member so healed, and the residual starts at zero (another cluster's is not ours to send).
-        Either way the non-finite flags start clear."""
+        global params at the round's first step with a fresh inner optimizer, and the residual at
+        zero (another cluster's is not ours to send). Either way the non-finite flags start clear."""
         full = scope == "full"
         self.outer_opt.load_state_dict(state["outer"])
         residual = state.get("outer_residual") if full else None

@@ -1,8 +1,7 @@
 """The outer exchange (reduce, commit, retry), void and benched clusters, and how a round ends:
 committed | restore (total loss) | below_quorum (fewer than min_clusters can take part: waiting
 brings replicas back) | failed (a cause waiting cannot cure: too many re-forms, non-finite numbers
-everywhere, a round nobody holds). The rules are the table's in __init__.py.
-"""
+everywhere, a round nobody holds), by the table in __init__.py."""
 from __future__ import annotations
 
 from typing import Iterable
