@@ -278,11 +278,9 @@ def prune(root: str | Path, keep: int, owner: str = "") -> None:
     older than the newest final one (interrupted object-store copies). Called after a new checkpoint
     is final, so the previous good one outlives its successor's write."""
     names = _names(root)
-    if owner:
-        prefix = f".tmp-{_safe(owner)}-"
-        for name in names:
-            if prefix in name:
-                remove(_join(root, name))
+    for name in names:
+        if owner and f".tmp-{_safe(owner)}-" in name:
+            remove(_join(root, name))
     done = finalized(root)
     for directory in done[:-max(1, keep)]:
         remove(directory)
