@@ -25,8 +25,7 @@ STATE_SMALL_BYTES = 1 << 20
 
 def collective_timeout_s(base_s: float, payload_bytes: int, min_gbps: float) -> float:
     """How long one transfer of `payload_bytes` may take: a fixed part (a peer's answer) plus the
-    payload at the slowest link speed assumed. A simulated link's sleep (`links.*`) is outside it:
-    it comes after the op returned."""
+    payload at the slowest link speed assumed; a simulated link's sleep (`links.*`) comes after it."""
     return base_s + payload_bytes * 8 / (min_gbps * 1e9)
 
 
@@ -38,9 +37,8 @@ def state_bytes_bound(param_bytes: int) -> int:
 def heal_deadline_s(*, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int,
                     min_gbps: float) -> float:
     """How long one heal of `state_bytes` may take, end to end (the round's heal deadline and the
-    final heal's wait): its group's join (configure_timeout_s), one stalled collective (timeout_s)
-    before it fails, the calls themselves (call_timeout_s), and the state twice at comm.min_gbps
-    (over the group, then the object store fallback)."""
+    final heal's wait): its group's join, one stalled collective before it fails, the calls
+    themselves, and the state twice at min_gbps (over the group, then the object store fallback)."""
     return collective_timeout_s(call_timeout_s + configure_timeout_s + timeout_s, 2 * state_bytes, min_gbps)
 
 

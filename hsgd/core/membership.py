@@ -1,7 +1,6 @@
 """Membership views: a `Plan` says, for one epoch, the live members of every cluster in inner-rank
 order, each cluster's leader (its outer rank: the cluster's position in `outer_clusters`), and
-which clusters take part in outer sync; for fault targeting and status. `live_plan` builds one
-with the round machine's rules, for the supervisor between rounds and for tools.
+which clusters take part in outer sync. `live_plan` builds one with the round machine's rules.
 """
 from __future__ import annotations
 

@@ -70,10 +70,9 @@ def shard_holders(members: Sequence[Sequence[str]], leaders: Sequence[str], shar
 
 
 def shard_bounds(numel: int, shards: int, align: int) -> list[tuple[int, int]]:
-    """[lo, hi) of each shard of a flat vector of `numel` elements: contiguous, cut at multiples
-    of `align` (so a block-wise codec encodes a shard exactly as it encodes that piece of the
-    whole vector), as equal as that allows; a vector too short for every shard leaves the last
-    shards empty (lo == hi)."""
+    """[lo, hi) of each shard of a flat vector of `numel` elements: contiguous, cut at multiples of
+    `align` (a block-wise codec encodes a shard as it encodes that piece of the whole vector), as
+    equal as that allows; a vector too short for every shard leaves the last shards empty."""
     blocks = -(-numel // align)
     bounds, start = [], 0
     for j in range(shards):

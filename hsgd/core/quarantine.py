@@ -1,5 +1,4 @@
-"""A replica that keeps dying is set aside: the rule (the supervisor's actors/quarantine.py carries
-it out).
+"""A replica that keeps dying is set aside: the rule (the supervisor's actors/quarantine.py applies it).
 
 A replica restarted in place after every death costs its cluster a re-form each time; a bad GPU or
 a flaky node makes it die again and again until `faults.max_restarts` runs out. So: a replica that

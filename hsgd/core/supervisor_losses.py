@@ -13,10 +13,9 @@ class LossVerdict:
 
 class SupervisorLosses:
     """One death surfaces as several errors (the `run` call in flight, then calls re-issued before
-    Ray noticed, ActorUnavailableError), so a loss is counted once per incarnation
-    (`supervisor_starts` in the durable state): an error while the counted one is still the latest
-    is the same death, seen again. Gone: more deaths than `max_restarts` (-1: forever, as Ray means
-    it), or no new incarnation within `restart_wait_s` of a death."""
+    Ray noticed), so a loss is counted once per incarnation (`supervisor_starts` in the durable
+    state). Gone: more deaths than `max_restarts` (-1: forever, as Ray means it), or no new
+    incarnation within `restart_wait_s` of a death."""
 
     def __init__(self, max_restarts: int, *, restart_wait_s: float):
         self.max_restarts, self.restart_wait_s = max_restarts, restart_wait_s

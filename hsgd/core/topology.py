@@ -35,9 +35,8 @@ def parse_replica_id(rid: str) -> tuple[int, int]:
 
 
 def assign_indices(ids: list[str], known: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The index table for `ids`: every id in `known` keeps its index (ids no longer in the
-    topology keep theirs too, should they come back); a new id gets the next index after the
-    largest ever given, in the order of `ids`."""
+    """The index table for `ids`: every id in `known` keeps its index (also one no longer in the
+    topology, should it come back); a new id gets the next index after the largest ever given."""
     table = {sys.intern(str(rid)): int(i) for rid, i in (known or {}).items()}
     next_free = max(table.values(), default=-1) + 1
     for rid in ids:

@@ -14,8 +14,7 @@ After a failure anywhere in between, `disarm()` drops the in-flight work (never 
 - Buckets are launched strictly in bucket order on every member (gloo and NCCL match collectives
   by their order); all buckets of a step are ONE logical collective of level "inner"
   (LevelGroup.launch_sum, then wait_sums), holding the one-collective guard from the first launch
-  to finish/disarm. A failure with buckets in flight aborts the group (its members' collectives no
-  longer line up).
+  to finish/disarm; a failure with buckets in flight aborts the group (as wait_sums says).
 - A hook never raises (the error would escape as the autograd engine's own type): it records the
   CollectiveError and launches nothing more; `finish` raises it. A peer's death mid-backward fails
   the buckets within the collective timeout; the inner group is then aborted until re-formed.

@@ -152,9 +152,8 @@ def exists(root: str | Path, round_index: int) -> bool:
 def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int]) -> str:
     """Commit the checkpoint in `temp_dir`: returns the final directory's URL. Refuses (and removes
     the temp dir) unless every replica file the manifest names is there and that replica reported
-    the manifest's round in `replica_rounds`; never replaces an existing final checkpoint. A replica
-    that wrote a file but never reported (its answer was lost) refuses too: its file may hold
-    another round's state."""
+    the manifest's round in `replica_rounds` (a lost answer refuses too: its file may hold another
+    round's state); never replaces an existing final checkpoint."""
     temp_dir = str(temp_dir).rstrip("/")
     state_round = int(manifest["round"])
     final = _join(temp_dir.rsplit("/", 1)[0], round_dir_name(state_round))
@@ -279,11 +278,9 @@ def prune(root: str | Path, keep: int, owner: str = "") -> None:
     older than the newest final one (interrupted object-store copies). Called after a new checkpoint
     is final, so the previous good one outlives its successor's write."""
     names = _names(root)
-    if owner:
-        prefix = f".tmp-{_safe(owner)}-"
-        for name in names:
-            if prefix in name:
-                remove(_join(root, name))
+    for name in names:
+        if owner and f".tmp-{_safe(owner)}-" in name:
+            remove(_join(root, name))
     done = finalized(root)
     for directory in done[:-max(1, keep)]:
         remove(directory)

@@ -1,6 +1,5 @@
 """Character-level corpus and stateless, step-indexed batches; `build_dataset`, the default
-`data._target_` (the dataset contract, batches pure in their arguments, is hsgd/train/task.py's).
-"""
+`data._target_` (the dataset contract, batches pure in their arguments, is hsgd/train/task.py's)."""
 
 import lzma
 from dataclasses import dataclass

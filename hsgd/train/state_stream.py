@@ -9,8 +9,7 @@ every target healed from it, never leaving the cluster):
     2. meta     uint8[meta length]: torch.save of {"skeleton", "specs"}; specs = one (shape, torch
                 dtype, device type) per tensor, loaded with weights_only=True (a peer's bytes never
                 run code here)
-    3. chunks   uint8[<= chunk bytes] each, in `plan_chunks` order: the tensors' bytes back to back,
-                a tensor larger than a chunk split over several.
+    3. chunks   uint8[<= chunk bytes] each: the tensors' bytes back to back, in `plan_chunks` order.
 Both sides plan the chunks from the specs and the chunk size, so they agree by construction. The
 source packs one chunk at a time into a reused buffer on the group's device (`cuda` for NCCL, else
 the CPU); the target unpacks into tensors on its own device (a tensor the source held on the CPU —
@@ -97,9 +96,8 @@ def join_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def plan_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
-    """Lay tensors of `sizes` bytes back to back into chunks of at most `chunk_bytes`: a tensor
-    that does not fit in what is left of a chunk continues in the next one. Every chunk but the
-    last is full; empty tensors take no piece."""
+    """Lay tensors of `sizes` bytes back to back into chunks of at most `chunk_bytes` (a tensor continues
+    in the next chunk): every chunk but the last is full; empty tensors take no piece."""
     assert chunk_bytes > 0, chunk_bytes
     chunks: list[list[Piece]] = []
     current: list[Piece] = []

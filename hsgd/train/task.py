@@ -99,9 +99,7 @@ def to_device(batch: Any, device: str) -> Any:
     """Move a batch (a tensor, or a tuple/list/dict of them) to `device`. On CUDA through pinned
     memory without blocking the host: the copy is ordered on the stream before the step's kernels."""
     if isinstance(batch, torch.Tensor):
-        if device.startswith("cuda"):
-            return batch.pin_memory().to(device, non_blocking=True)
-        return batch.to(device)
+        return batch.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else batch.to(device)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):

@@ -89,16 +89,14 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
         if vocab_size is not None and vocab_size < data_vocab:
             raise _fail("data.vocab_size", vocab_size, f"is smaller than the {data_vocab} tokens {META} "
                         f"in {path!r} names; leave it null or make it >= {data_vocab}")
-        vocab = vocab_size or data_vocab
-        dtype = meta.get("dtype", dtype_for_vocab(data_vocab))
+        vocab, dtype = vocab_size or data_vocab, meta.get("dtype", dtype_for_vocab(data_vocab))
     elif vocab_size is None:
         pkl = " (its meta.pkl is a pickle and is never loaded)" if (folder / "meta.pkl").exists() else ""
         raise ValueError(f"data.vocab_size=null: data.path={path!r} has train.bin/val.bin but no {META}{pkl}; "
                          "set data.vocab_size to the tokenizer's vocabulary (50257 for GPT-2), or write the "
                          "folder with `python -m jobs.prepare`")
     else:
-        vocab = vocab_size
-        dtype = dtype_for_vocab(vocab_size)
+        vocab, dtype = vocab_size, dtype_for_vocab(vocab_size)
     itemsize = DTYPES[dtype].itemsize
     tokens = {}
     for split in SPLITS:

@@ -163,8 +163,7 @@ class ReplicaTrainer:
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
         self.buckets = GradBuckets(self.params, bucket_mb) if cfg.sync.inner == "ddp" and bucket_mb > 0 else None
-        self.round = 0
-        self.step = 0
+        self.round, self.step = 0, 0
         self.round_losses: list[float] = []
         # (outer_reduce's key, mean of that shard, flat fp32): never reused or committed under another key
         self._outer_buffer: tuple[tuple, torch.Tensor] | None = None
@@ -469,8 +468,7 @@ class ReplicaTrainer:
             self._nonfinite.zero_()  # the params are the (finite) committed global params again
         else:
             self.outer_opt.reset_global(self.params)
-        self._outer_buffer = self._outer_snapshot = None
-        self._averaged = self._pre_average = None
+        self._outer_buffer = self._outer_snapshot = self._averaged = self._pre_average = None
         self.round += 1
         self.round_losses = []
 
@@ -557,9 +555,8 @@ class ReplicaTrainer:
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
         """scope `full`: become the source (same cluster). scope `global`: take only the global
         params, outer state and round (the source is in another cluster): params restart from the
-        global params at the round's first step with a fresh inner optimizer, the same for every
-        member so healed, and the residual starts at zero (another cluster's is not ours to send).
-        Either way the non-finite flags start clear."""
+        global params at the round's first step with a fresh inner optimizer, and the residual at
+        zero (another cluster's is not ours to send). Either way the non-finite flags start clear."""
         full = scope == "full"
         self.outer_opt.load_state_dict(state["outer"])
         residual = state.get("outer_residual") if full else None
@@ -577,6 +574,5 @@ class ReplicaTrainer:
         else:
             self.outer_opt.copy_global_into(self.params)
             self.inner_opt = build_inner_optimizer(self.cfg, self.params, self.device)
-        self._outer_buffer = None
-        self._averaged = self._pre_average = None
+        self._outer_buffer = self._averaged = self._pre_average = None
         self._nonfinite.zero_()

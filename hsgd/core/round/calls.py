@@ -1,7 +1,6 @@
 """The one record of calls in flight: which phase each replica is answering, who has not answered
-yet, and what went wrong in each phase so far. The runner keeps none of its own (it maps a call
-id, (phase id, rid), to its transport), so the two can never disagree. One call at a time per
-replica: issuing a second is a bug of the machine, never a failure of the run, and raises.
+yet, and what went wrong in each phase so far (the runner only maps a call id, (phase id, rid), to
+its transport). One call at a time per replica: issuing a second is a bug of the machine, and raises.
 """
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ class ClusterPhases:
         self.yielding.pop(c, None)
         members = self.members(c) if members is None else members
         if not members or len(members) < self.floor(c):
-            st.members = members
-            st.stage = ClusterStage.OUT
+            st.stage, st.members = ClusterStage.OUT, members
             if self.outer_stage is OuterStage.WAIT and len(self.participating()) < self.settings.min_clusters:
                 return self._lost_quorum()
             return self._maybe_outer(now)
@@ -137,9 +136,7 @@ class ClusterPhases:
         lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
         furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
         at = furthest - self.round * s.steps_per_round + lead
-        if s.inner == "localsgd":
-            at = -(-at // s.inner_every) * s.inner_every
-        return at
+        return -(-at // s.inner_every) * s.inner_every if s.inner == "localsgd" else at  # localsgd: a sync boundary
 
     def _admit_joiners(self, c: int, now: float) -> list[Effect]:
         joiners = self.joining.pop(c, {})

@@ -90,8 +90,7 @@ class Liveness:
         return seen is not None and seen[0] > self.progress.get(rid, (-1, -1))[1]
 
     def _only_suspects_pending(self, flight: InFlight, group) -> bool:
-        """Every member of `group` but one answered (so the silent one is the peer whose
-        connection closed)."""
+        """Every member of `group` but one answered (the silent one is the peer whose connection closed)."""
         members = [r for r in flight.phase.calls if flight.group_of(r, self.cluster_of) == group]
         answered = [r for r in members if r not in flight.pending]
         return bool(answered) and len(answered) >= len(members) - 1

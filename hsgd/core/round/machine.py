@@ -1,6 +1,5 @@
 """The round machine's state, what it is asked (start, observe, tick: each takes `now`, it reads no
-clock) and how each observation is taken in; __init__.py has the failure table and the file map.
-"""
+clock) and how each observation is taken in; __init__.py has the failure table."""
 from __future__ import annotations
 
 import itertools
@@ -201,9 +200,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
                 self.clusters[c].stage, self.clusters[c].members = ClusterStage.OUT, members
                 continue
             effects += self._reform(c, now, "round start", members=members)
-        if len(self.participating()) < self.settings.min_clusters:
-            return self._lost_quorum()
-        return effects
+        return self._lost_quorum() if len(self.participating()) < self.settings.min_clusters else effects
 
     # -- observations ---------------------------------------------------------------------------------
     def observe(self, observation: Observation, now: float) -> list[Effect]:

@@ -234,9 +234,8 @@ class ClusterAverage:
 @dataclass(frozen=True)
 class OuterReduce:
     """Reduce shard `shard` of `shards` in the group of that shard's holders (the leaders: shard 0
-    of 1; one group per shard index), the standing one or the one `join` forms first. `weights`:
-    each cluster's token weight in outer-rank order (hsgd.core.outer_plan.token_weights); () or
-    all 1.0 is the plain mean."""
+    of 1), the standing one or the one `join` forms first. `weights`: each cluster's token weight
+    in outer-rank order (hsgd.core.outer_plan.token_weights); () or all 1.0 is the plain mean."""
     kind: ClassVar[CallKind] = CallKind.OUTER_REDUCE
     join: Join | None = None
     shard: int = 0

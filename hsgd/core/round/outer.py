@@ -1,8 +1,7 @@
 """The outer exchange (reduce, commit, retry), void and benched clusters, and how a round ends:
 committed | restore (total loss) | below_quorum (fewer than min_clusters can take part: waiting
 brings replicas back) | failed (a cause waiting cannot cure: too many re-forms, non-finite numbers
-everywhere, a round nobody holds). The rules are the table's in __init__.py.
-"""
+everywhere, a round nobody holds), by the table in __init__.py."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -44,9 +43,8 @@ class OuterExchange:
         return [self._issue(None, calls, self.settings.outer_s + (self.settings.configure_s if forms else 0.0), now)]
 
     def _shard_groups(self, expected: bool = False) -> tuple[tuple[str, ...], ...]:
-        """Shard j -> its holder in each participating cluster, in outer-rank order. `expected`: what
-        it will be if every cluster keeps its live replicas, read before they all formed (the same
-        quorum and leader rules)."""
+        """Shard j -> its holder in each participating cluster, in outer-rank order. `expected`: what it
+        will be if every cluster keeps its live replicas (the same quorum and leader rules)."""
         if expected:
             clusters = [c for c in self.participating() if len(self.members(c)) >= max(1, self.floor(c))]
             members = [self.members(c) for c in clusters]

@@ -35,11 +35,9 @@ def assign_cluster_heals(members: dict[str, tuple[int, int]],
         # furthest step first, then lowest id: a deterministic source
         source = min(at_top, key=lambda r: (-members[r][1], parse_replica_id(r)))
         return [HealAssignment(rid, source, "full") for rid, p in members.items() if p < members[source]]
-    candidates = [rid for rid, p in donors.items() if p[0] == top_round and rid not in members]
-    if not candidates:
-        return []
-    source = min(candidates, key=parse_replica_id)
-    return [HealAssignment(rid, source, "global") for rid in members]
+    source = min((rid for rid, p in donors.items() if p[0] == top_round and rid not in members),
+                 key=parse_replica_id, default=None)
+    return [] if source is None else [HealAssignment(rid, source, "global") for rid in members]
 
 
 def current_round(progress: Iterable[tuple[int, int]]) -> int:
@@ -63,8 +61,7 @@ def evaluation_order(topology: Topology, live: dict[str, tuple[int, int]], leade
 
 
 def model_writers(live: dict[str, tuple[int, int]]) -> list[str]:
-    """The replicas that may write the final model, in turn: those holding the furthest committed
-    round, by id."""
+    """The replicas that may write the final model, in turn: those at the furthest committed round, by id."""
     top = current_round(live.values())
     return sorted(rid for rid, (r, _) in live.items() if r == top)
 
