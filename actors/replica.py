@@ -362,20 +362,23 @@ class Replica:
         `collective_failed` with its state untouched (nothing loads before the last chunk)."""
         def transfer(group: LevelGroup) -> dict:
             state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
-            self._load(state, "full")
-            return {"bytes": nbytes, "transport": "group"}
+            return {"bytes": nbytes, "transport": "group", "state": state}
         return self._over_heal_group(round_index, join, faults, transfer)
 
     def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
-        """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`, timed."""
+        """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
+        timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
         def run():
             group = self._level_group("inner")
             try:
                 join_s = self._join(group, join, "heal")
                 t0 = time.monotonic()
-                return {**transfer(group), "join_s": join_s, "transfer_s": time.monotonic() - t0}
+                answer = transfer(group)
             finally:
                 group.abort()
+            if "state" in answer:
+                self._load(answer.pop("state"), "full")
+            return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0}
         return self._phase("heal", run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)

@@ -171,7 +171,10 @@ class Roster:
 
     def refresh(self) -> None:
         for rid, answer in self.ask_all("progress", self.call_timeout_s, down="progress").items():
-            self.admit(rid, answer)
+            try:
+                self.admit(rid, answer)
+            except (KeyError, TypeError, ValueError) as err:  # a malformed answer: that replica's failure
+                self.down(rid, "died", "progress", -1, type(err).__name__)
 
     def rejoin(self, wait_s: float) -> None:
         """Round boundary: bring back replicas that (re)started, waiting up to wait_s for them."""

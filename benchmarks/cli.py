@@ -129,7 +129,6 @@ def _plot(results: list[dict], path: Path) -> None:
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     fig.suptitle("hsgd bench: hierarchical vs flat, same run", fontsize=10)
-    fig.tight_layout()
     save_png(fig, path)
 
 

@@ -346,7 +346,6 @@ def plot(table: list[dict], path: Path) -> None:
     ax.set_ylabel("final eval loss")
     ax.set_title("hsgd convergence: eval loss vs slow-link bytes, same seed and tokens", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
-    fig.tight_layout()
     save_png(fig, path)
 
 

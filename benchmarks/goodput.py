@@ -224,7 +224,6 @@ def _plot_spares(cases: list[dict], plt):
     ax2.legend(fontsize=8)
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.tight_layout()
     return fig
 
 
@@ -241,5 +240,4 @@ def _plot_peers(runs: list[dict], plt):
     ax.set_ylabel("fault-free wall / wall")
     ax.set_title("goodput under the same failure process (SIGKILL from outside)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return fig

@@ -77,5 +77,4 @@ def _plot(models: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="#888", lw=1, ls="--")
     ax.set_ylabel("tokens/s, hsgd / torch DDP")
     ax.set_title("hsgd 1x2 ddp vs torch DDP (median, spread over repeats)", fontsize=9)
-    fig.tight_layout()
     save_png(fig, path)

@@ -139,5 +139,4 @@ def _plot(report: dict, path: Path) -> None:
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(f"one SIGKILL at step {report['kill_at']} (step padded to {report['min_step_s']} s)", fontsize=10)
-    fig.tight_layout()
     save_png(fig, path)

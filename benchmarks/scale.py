@@ -460,7 +460,6 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("ms per round")
     ax.set_title("hsgd control plane vs size", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
     save_png(fig, path)
 
 

@@ -124,5 +124,4 @@ def _plot(report: dict, path: Path) -> None:
                   fontsize=9)
     ax2.bar(names, [a["final_eval_loss"] or 0 for a in arms_], color=["#888", "#55a868", "#3b75af"])
     ax2.set_title("final eval loss", fontsize=9)
-    fig.tight_layout()
     save_png(fig, path)

@@ -1,4 +1,5 @@
-"""Live console view of a run, read from its files only (no Ray); README, "Watching, hangs and diagnosis".
+"""Live console view of a run, read from its files only (no Ray).
+README, "Watching, hangs and diagnosis".
 
 Refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
 --timeout passes. Exit 0; 2 if the run dir does not exist.

@@ -98,9 +98,11 @@ def is_hsgd_run_folder(folder: Path) -> bool:
     """What only hsgd writes: its lock, or a run.json or finalized checkpoint manifest
     (`checkpoints/round_*/manifest.json`: one copied by hand to resume from) naming a run id (a
     non-empty string `run_id`). A common file name (config.yaml, checkpoints/) proves nothing."""
-    infos = [read_json(m) for m in [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))]]
-    return (folder / LOCK_NAME).exists() or any(
-        isinstance(info, dict) and isinstance(info.get("run_id"), str) and info["run_id"] != "" for info in infos)
+    if (folder / LOCK_NAME).exists():
+        return True
+    infos = (read_json(m) for m in [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))])
+    return any(isinstance(info, dict) and isinstance(info.get("run_id"), str) and info["run_id"] != ""
+               for info in infos)  # lazily: stops at the first marker that names a run
 
 
 def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:

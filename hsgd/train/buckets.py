@@ -65,6 +65,7 @@ class GradBuckets:
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float):
         self.params = [p for p in params if p.requires_grad]  # a frozen parameter has no gradient to sync
+        assert len({id(p) for p in self.params}) == len(self.params), "a parameter is listed twice"
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.buckets = [_Bucket(m, self.params) for m in assign_buckets(self.params, self.bucket_bytes)]
         self._bucket_of = {i: b for b in self.buckets for i in b.members}

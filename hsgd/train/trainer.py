@@ -64,6 +64,7 @@ class NonFiniteError(RuntimeError):
     "loss" | "grad_norm" | "pseudo_gradient". Nothing non-finite was sent to another cluster."""
 
     def __init__(self, what: str, message: str):
+        assert what in ("loss", "grad_norm", "pseudo_gradient"), what
         super().__init__(message)
         self.what = what
 

@@ -7,6 +7,7 @@ import pytest
 from pathlib import Path
 
 from hsgd.config.capacity import GiB, embedded_capacity_problem
+from tests.fakes.configs import default_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,14 +56,9 @@ def _node(cpus, label=None):
 
 
 def _cfg(spares_per_cluster=0, cluster_labels=(), strategy="STRICT_PACK", **comm):
-    from hsgd.config import HsgdConfig
-
-    cfg = HsgdConfig()
-    t = cfg.topology
-    t.spares_per_cluster, t.cluster_labels, t.placement_strategy = spares_per_cluster, list(cluster_labels), strategy
-    for key, value in comm.items():
-        setattr(cfg.comm, key, value)
-    return cfg
+    return default_cfg(**{"topology.spares_per_cluster": spares_per_cluster,
+                          "topology.cluster_labels": list(cluster_labels), "topology.placement_strategy": strategy,
+                          **{f"comm.{key}": value for key, value in comm.items()}})
 
 
 def _placement(need=None, nodes=None, **kw):

@@ -40,6 +40,11 @@ def test_outer_every_need_not_be_a_multiple_of_inner_every_without_localsgd(inne
     validate(_cfg(**{"sync.inner": inner, "sync.inner_every": 3, "sync.outer_every": 20}))
 
 
+def test_zero_inner_every_fails_as_a_period_not_a_division_by_zero():
+    # localsgd is the one mode whose relation checks divide by inner_every
+    _rejects(_cfg(**{"sync.inner": "localsgd", "sync.inner_every": 0}), "sync.inner_every")
+
+
 def test_missing_data_path_is_rejected(tmp_path):
     err = _rejects(_cfg(**{"data.path": str(tmp_path / "nope.txt")}), "data.path")
     assert "does not exist" in str(err), f"error should say what is wrong with the path: {err}"

@@ -51,7 +51,9 @@ class OuterExchange:
         else:
             clusters = self.participating()
             members = [self.clusters[c].members for c in clusters]
-        leaders = [leader_of(m, self.leaders.get(c)) for c, m in zip(clusters, members)]
+        # the real exchange reads the formed groups' leaders (a missing one is a bug: fail loudly)
+        leaders = [leader_of(m, self.leaders.get(c)) if expected else self.leaders[c]
+                   for c, m in zip(clusters, members)]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
 
     def _outer_commit(self, now: float) -> list[Effect]:
