@@ -29,8 +29,9 @@ from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, StepPlan, current_round, due,
-                             evaluation_order, heals_at_rest, plan_round, round_settings, unrecorded_rounds)
+from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, current_round, due, evaluation_order,
+                             heals_at_rest, round_settings, unrecorded_rounds)
+from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
 from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
@@ -173,8 +174,10 @@ class Supervisor:
                               [self.clock.median(f"inner_step/c{c}", None) for c in clusters])
             self.state.round_plan = plan.to_dict()
             self.record.save_state()
+        delay = self.cfg.sync.fragment_delay  # clamped to a shorter plan: recorded with it
         self.log.event("round_plan", round=plan.round, steps=list(plan.steps), step_s=list(plan.step_s),
-                       source=plan.source)
+                       source=plan.source, **({"fragment_delay": [fragment_delay_of(delay, n) for n in plan.steps]}
+                                              if delay else {}))
         return plan
 
     def _round(self, r: int) -> None:
