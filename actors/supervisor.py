@@ -33,6 +33,7 @@ from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings,
                              heals_at_rest, round_settings, unrecorded_rounds)
 from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
 from hsgd.core.topology import topology_of
+from hsgd.record.outer_watch import OuterStepWatch, cluster_losses
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
@@ -68,6 +69,9 @@ class Supervisor:
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
+        o = self.cfg.optim.outer
+        self.outer_watch = OuterStepWatch(f"optim.outer.lr={o.lr}, optim.outer.momentum={o.momentum}, "
+                                          f"optim.outer.nesterov={o.nesterov}")
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
@@ -260,6 +264,10 @@ class Supervisor:
         record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time(),
                               cluster_steps=[steps_of(c) for c in range(topo.clusters)])
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
+        if self.cfg.sync.outer == "diloco" and (warning := self.outer_watch.observe(
+                r, eval_loss, cluster_losses(record["replica_loss"], topo.cluster_of))):
+            self.log.event("outer_step_warning", round=r, detail=warning)
+            self.warn(warning)
         self.record.wandb.log_round(record)
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
