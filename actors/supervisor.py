@@ -33,7 +33,7 @@ from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings,
                              heals_at_rest, round_settings, unrecorded_rounds)
 from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
 from hsgd.core.topology import topology_of
-from hsgd.record.outer_watch import OuterStepWatch, cluster_losses
+from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
@@ -265,7 +265,7 @@ class Supervisor:
                               cluster_steps=[steps_of(c) for c in range(topo.clusters)])
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         if self.cfg.sync.outer == "diloco" and (warning := self.outer_watch.observe(
-                r, eval_loss, cluster_losses(record["replica_loss"], topo.cluster_of))):
+                r, eval_loss, cluster_trends(run.losses, topo.cluster_of))):
             self.log.event("outer_step_warning", round=r, detail=warning)
             self.warn(warning)
         self.record.wandb.log_round(record)

@@ -10,34 +10,40 @@ from typing import Mapping
 
 
 class OuterStepWatch:
-    """Feed it every evaluated round: `observe` returns the warning's text the first time the global
-    eval loss rose across two outer steps in a row (three evaluations, each higher) while every
-    cluster's own mean training loss fell across the same rounds; None otherwise, and always after."""
+    """Feed it every committed round: `observe` returns the warning's text the first time the global
+    eval loss rose across two outer steps in a row (three evaluations, each higher) while, in both
+    of those rounds, every cluster's own training loss fell over the round's inner steps (the inner
+    phase improves each model, the outer step undoes it); None otherwise, and always after."""
 
     def __init__(self, knobs: str):
         self.knobs = knobs  # e.g. "optim.outer.lr=0.7, optim.outer.momentum=0.9, nesterov=True"
-        self.seen: list[tuple[int, float, dict[int, float]]] = []  # (round, eval loss, cluster -> train loss)
+        # evaluated rounds: (round, eval loss, cluster -> (early, late) training loss in that round)
+        self.seen: list[tuple[int, float, dict[int, tuple[float, float]]]] = []
         self.fired = False
 
-    def observe(self, round_index: int, eval_loss: float | None, cluster_loss: Mapping[int, float]) -> str | None:
-        if self.fired or eval_loss is None or not cluster_loss:
+    def observe(self, round_index: int, eval_loss: float | None,
+                cluster_trend: Mapping[int, tuple[float, float]]) -> str | None:
+        if self.fired or eval_loss is None:
             return None
-        self.seen = (self.seen + [(round_index, float(eval_loss), dict(cluster_loss))])[-3:]
+        self.seen = (self.seen + [(round_index, float(eval_loss), dict(cluster_trend))])[-3:]
         if len(self.seen) < 3:
             return None
-        (r0, e0, l0), (_, e1, l1), (r2, e2, l2) = self.seen
-        clusters = set(l0) & set(l1) & set(l2)
-        if not (e0 < e1 < e2) or not clusters or not all(l0[c] > l1[c] > l2[c] for c in clusters):
+        (r0, e0, _), (_, e1, t1), (r2, e2, t2) = self.seen
+        inner_fell = all(t and all(late < early for early, late in t.values()) for t in (t1, t2))
+        if not (e0 < e1 < e2) or not inner_fell:
             return None
         self.fired = True
         return (f"the global eval loss rose across two outer steps in a row ({e0:.4f} -> {e1:.4f} -> {e2:.4f}, "
-                f"rounds {r0}..{r2}) while every cluster's own training loss fell: the outer step overshoots; "
-                f"try a smaller optim.outer.lr or optim.outer.momentum (now {self.knobs})")
+                f"rounds {r0}..{r2}) while every cluster's own training loss fell inside those rounds: the outer "
+                f"step overshoots; try a smaller optim.outer.lr or optim.outer.momentum (now {self.knobs})")
 
 
-def cluster_losses(replica_loss: Mapping[str, float], cluster_of) -> dict[int, float]:
-    """Each cluster's mean of its replicas' mean training loss in a round (metrics' `replica_loss`)."""
-    by_cluster: dict[int, list[float]] = {}
-    for rid, loss in replica_loss.items():
-        by_cluster.setdefault(cluster_of(rid), []).append(float(loss))
-    return {c: sum(v) / len(v) for c, v in by_cluster.items()}
+def cluster_trends(losses: Mapping[str, list[float]], cluster_of) -> dict[int, tuple[float, float]]:
+    """Each cluster's training loss early and late in a round: the mean over its replicas of the mean of
+    their first and of their last third of step losses (replicas with fewer than 2 steps left out)."""
+    by_cluster: dict[int, list[tuple[float, float]]] = {}
+    for rid, steps in losses.items():
+        if len(steps) >= 2:
+            k = max(1, len(steps) // 3)
+            by_cluster.setdefault(cluster_of(rid), []).append((sum(steps[:k]) / k, sum(steps[-k:]) / k))
+    return {c: (sum(e for e, _ in v) / len(v), sum(l for _, l in v) / len(v)) for c, v in by_cluster.items()}
