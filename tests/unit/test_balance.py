@@ -96,6 +96,18 @@ def test_fragment_delay_of_clamps_the_delay_into_the_planned_round():
     assert fragment_delay_of(0, 4) == 0
 
 
+def test_fragment_delay_of_moves_a_localsgd_snapshot_back_to_the_last_average():
+    # plan 5, inner_every 2: the members agree after steps 2 and 4 (and 5); a delay of 2 would snapshot
+    # after 3 steps, between two averages: moved back to after 2 (delay 3)
+    assert fragment_delay_of(2, 5, 2) == 3
+    assert fragment_delay_of(2, 10, 2) == 2, "no plan (spr a multiple of inner_every): unchanged"
+    assert fragment_delay_of(1, 3, 4) == 3, "no average inside the plan: the round's start"
+
+
+def test_plan_steps_rounds_halves_up():
+    assert plan_steps(5, [0.1, 0.2]) == (5, 3)
+
+
 # -- 2. the round machine on a plan -----------------------------------------------------------------------------
 SPR = 20
 
@@ -358,11 +370,6 @@ def test_localsgd_averages_at_the_plans_last_step(dataset, inner_every, steps, a
     assert report.steps_done == steps and group.at == averages
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: with sync.inner=localsgd and sync.fragment_delay, a plan that is not a multiple of "
-    "sync.inner_every puts the snapshot (plan - fragment_delay) between two averages, where the cluster's "
-    "members hold different params (take_outer_snapshot promises 'where a cluster's members agree'); "
-    "hsgd/core/round/balance.py plans any step count and hsgd/config/validate.py lets the three together"))
 def test_a_localsgd_snapshot_on_a_plan_lies_where_the_members_agree(dataset):
     # spr 10, inner_every 2, fragment_delay 2 (both valid); plan 5: averages after steps 2, 4 and 5 (the plan's
     # last); the snapshot is taken after 5 - 2 = 3 steps, past the average at 2
