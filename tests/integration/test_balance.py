@@ -68,7 +68,7 @@ def _committed_steps_follow_the_plan(run_dir: Path, evs: list[dict], plan: dict[
     """Every member committed exactly its cluster's planned steps in every round it took part in
     from the round's start: the steps/<rid>.jsonl lines between the previous round's commit and the
     round's. A replica in `healed_at` (rid -> the time of its last heal_end after its kill) counts
-    only in rounds that began after that heal and whose commit names it."""
+    only in rounds whose inner phase (its cluster's) began after that heal and whose commit names it."""
     lines = _step_lines(run_dir)
     assert lines, "logging.step_times wrote no steps/<rid>.jsonl"
     rounds = sorted(plan)
@@ -80,7 +80,9 @@ def _committed_steps_follow_the_plan(run_dir: Path, evs: list[dict], plan: dict[
             since = commits[r - 1]["t"] if r > 0 else float("-inf")
             if rid not in commits[r]["replicas"]:
                 continue
-            if rid in healed_at and healed_at[rid] >= since:
+            begun = min(e["t"] for e in evs if e["event"] == "phase_begin" and e["phase"] == "inner"
+                        and e.get("cluster") == cluster and e["round"] == r)
+            if rid in healed_at and healed_at[rid] >= begun:
                 continue  # killed or healing in this round: it did not run the round from its start
             done = [s for s in steps if since < s["t"] <= commits[r]["t"]]
             assert len(done) == plan[r][cluster], \
