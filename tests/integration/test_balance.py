@@ -216,6 +216,18 @@ def test_replicas_sigkilled_mid_inner_in_the_slow_and_the_fast_site_heal_into_th
     # the plan of every round (configured: the kills change nothing) followed by its cluster
     planned = _plan_is_recorded(run_dir, KILL_ROUNDS, KILL_PLAN)
     _committed_steps_follow_the_plan(run_dir, evs, planned, healed_at=healed_at)
+    # a cluster's inner phase that ran once with both members: its tokens are 2 x its plan's steps
+    clean = 0
+    for m in metrics(run_dir):
+        r = m["round"]
+        for c in (0, 1):
+            ends = [e for e in evs if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == c
+                    and e["round"] == r]
+            if len(ends) == 1 and len(ends[0]["ok"]) == 2:
+                clean += 1
+                assert m["cluster_tokens"][c] == 2 * planned[r][c] * TOKENS_PER_STEP, \
+                    f"round {r}: c{c} trained {planned[r][c]} steps on 2 replicas, cluster_tokens says {m['cluster_tokens']}"
+    assert clean >= 2 * KILL_ROUNDS - len(KILLS) * 2, f"only {clean} clean (round, cluster) inner phases"
 
 
 # -- 3. balance=none is today's run ---------------------------------------------------------------
