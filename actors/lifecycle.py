@@ -75,6 +75,7 @@ class ActorWatch:
         # actor name -> [(first incarnation, rid or None: a spare)], in order: who it served from when
         self._roles: dict[str, list[tuple[int, str | None]]] = {n: [(0, None)] for ns in spares.values() for n in ns}
         self._roles.update({name: [(0, rid)] for rid, name in identity.items()})
+        self._listed: set[str] = set()  # the watched actors the last poll's table listed (none: no table)
 
     def note_up(self, rid: str, incarnation: int | None) -> None:
         """The process serving `rid` answered, as `incarnation` (None: it did not say)."""
@@ -133,7 +134,9 @@ class ActorWatch:
         try:
             rows = [r for r in self._table() if r.get("Name") in watched]
         except Exception:  # noqa: BLE001 — the GCS briefly unreachable: the count keeps, next poll
+            self._listed = set()
             return []
+        self._listed = {r["Name"] for r in rows}
         deaths = []
         for row in rows:
             name, state = row["Name"], row.get("State", "")
@@ -150,6 +153,10 @@ class ActorWatch:
         if deaths:
             self._save()
         return deaths
+
+    def tells(self, name: str | None) -> bool:
+        """The last poll's table listed actor `name`: a death or restart of it shows at the next poll."""
+        return name in self._listed
 
     def _is_reported(self, name: str, incarnation: int) -> bool:
         floor, extra = self._reported(name)

@@ -160,6 +160,10 @@ class Roster:
                 lost.append(d.rid)
         return lost
 
+    def table_tells(self, rid: str) -> bool:
+        """Ray's actor table, read every tick, shows a death or restart of the process serving rid."""
+        return self.watch.tells(self.names.get(rid))
+
     def down_after(self, rid: str, err: BaseException, phase: str, round_index: int) -> None:
         self.down(rid, "died" if isinstance(err, RayActorError) else "error", phase, round_index, str(err))
 

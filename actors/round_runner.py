@@ -11,9 +11,10 @@ and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray r
     StepTimed  a sample for the learned step deadline; PhaseEnded: phase_end in the record
 
 Every tick (TICK_S) it asks replicas in run_inner for their step (Progress), replicas that are down
-whether they are back (Up), idle live replicas whether their process still runs (Lost), reads every
-death from Ray's actor table (actors/lifecycle.py through the roster: Lost), and ticks the machine's
-clock. Every wait is bounded: one `ray.wait` of at most TICK_S; answers are fetched once ready.
+whether they are back (Up), reads every death and restart from Ray's actor table (actors/lifecycle.py
+through the roster: Lost), and ticks the machine's clock. Idle live replicas are asked whether their
+process still runs (every IDLE_POLL_S) only while the table does not list their actor (the GCS
+unreachable, an actor not yet registered): one table read per tick replaces a call per idle replica. Every wait is bounded: one `ray.wait` of at most TICK_S; answers are fetched once ready.
 """
 from __future__ import annotations
 
@@ -189,6 +190,8 @@ class RoundRunner:
         roster = self.p.roster
         asked = {rid for _, rid, _ in self.probes.values()}
         for what, rid in self.m.probes(idle=idle, gone=roster.gone):
+            if what == "idle" and roster.table_tells(rid):
+                continue  # its death or restart shows in the actor table read every tick: no call
             if rid not in asked:
                 asked.add(rid)
                 self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))

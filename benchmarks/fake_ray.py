@@ -361,6 +361,9 @@ class FakeRoster:
             self.died(rid, "died", phase, round_index)
         return lost
 
+    def table_tells(self, rid: str) -> bool:
+        return True  # the world's `unseen` is its actor table: every death shows there
+
     def promote_spare(self, rid: str, wait_s: float = 0.0) -> None:
         return None
 

@@ -176,6 +176,20 @@ def test_an_unreadable_table_reports_nothing_now_and_everything_later():
     assert deaths(watch.poll()) == [("c0r1", 0, "c0r1")]
 
 
+def test_the_watch_tells_which_actors_its_last_table_listed():
+    """issue 36, Build 2: idle replicas are asked whether they run only while the table cannot tell."""
+    table = Table()
+    table.set("c0r0", "ALIVE", 0)
+    watch = watch_of(table)
+    assert not watch.tells(name("c0r0")), "before the first poll nothing is known"
+    watch.poll()
+    assert watch.tells(name("c0r0")) and not watch.tells(name("c0r1")), "c0r1 is not in the table yet"
+    assert not watch.tells(None)
+    table.fail = True
+    watch.poll()
+    assert not watch.tells(name("c0r0")), "an unreadable table tells nothing: the calls come back"
+
+
 # -- the roster: one replica_down per death, whoever saw it first -----------------------------------
 class Log:
     def __init__(self):
