@@ -133,9 +133,34 @@ def compare(none: dict, steps: dict) -> dict:
     ratios = {"tokens_per_s": steps["tokens_per_s"] / none["tokens_per_s"]
               if steps["tokens_per_s"] and none["tokens_per_s"] else None,
               "time_to_loss": none["train_wall_s"] / steps_wall if steps_wall else None}
+    steps_tokens = wall_to_loss(steps["curve"], target, key="tokens")
     return {"loss_target": target, "none_wall_to_loss_s": none["train_wall_s"], "steps_wall_to_loss_s": steps_wall,
-            "steps_tokens_to_loss": wall_to_loss(steps["curve"], target, key="tokens"), "ratios": ratios,
-            "holds": {k: ratios[k] is not None and ratios[k] >= v for k, v in TARGETS.items()}}
+            "steps_tokens_to_loss": steps_tokens, "ratios": ratios,
+            "holds": {k: ratios[k] is not None and ratios[k] >= v for k, v in TARGETS.items()},
+            "gap": gap(none, steps, steps_tokens)}
+
+
+def gap(none: dict, steps: dict, steps_tokens: float | None) -> dict:
+    """Where the figures fall short of the ceiling: tokens/s steps/none = (tokens per round ratio) x
+    (none's round / steps' round), 1.5 only when a round is its inner steps alone; the per-round
+    rest (outer sync, then the eval and the next round's start) weighs twice as much in the shorter
+    balanced round. Time to loss loses, besides, the tokens `steps` needs to reach none's loss."""
+    def split(a: dict) -> tuple[float, float]:
+        p = a["round_parts_median_s"]
+        return p["inner_s"], p["sync_s"] + (p["between_s"] or 0.0)
+
+    (n_inner, n_rest), (s_inner, s_rest) = split(none), split(steps)
+    tokens_ratio = steps_tokens / none["tokens"] if steps_tokens is not None else None
+    figures = (f"per round, inner + the rest: none {n_inner:.2f} + {n_rest:.2f} s, steps {s_inner:.2f} + "
+               f"{s_rest:.2f} s; tokens to the loss, steps / none: {_x(tokens_ratio)}")
+    sentence = (f"tokens/s: the outer sync and eval between rounds ({s_rest:.2f} s) are "
+                f"{s_rest / (s_inner + s_rest):.0%} of a balanced round, {n_rest / (n_inner + n_rest):.0%} of an "
+                f"unbalanced one, and the fast site still waits {steps['outer_wait_fraction_median']['c0']:.0%} of "
+                f"a balanced round; time to loss: besides, steps "
+                + ("never reaches none's final loss" if tokens_ratio is None
+                   else f"needs {tokens_ratio:.2f}x none's tokens to reach it"))
+    return {"none_inner_s": n_inner, "none_rest_s": n_rest, "steps_inner_s": s_inner, "steps_rest_s": s_rest,
+            "steps_tokens_to_loss_vs_none": tokens_ratio, "figures": figures, "sentence": sentence}
 
 
 def main(argv: list[str] | None = None) -> int:
