@@ -56,7 +56,8 @@ def steps_rounds(rounds: int, spr: int) -> int:
 
 
 def arms(args) -> dict[str, list[str]]:
-    sites = f"topology.sites=[{{replicas:1,min_step_s:{args.min_step_s:g}}},{{replicas:1,min_step_s:{args.min_step_s * SLOW:g}}}]"
+    fast, slow = args.min_step_s, args.min_step_s * SLOW
+    sites = f"topology.sites=[{{replicas:1,min_step_s:{fast:g}}},{{replicas:1,min_step_s:{slow:g}}}]"
     common = [sites, f"seed={args.seed}", f"sync.outer_every={args.outer_every}", "train.eval_every=1"]
     return {"none": common + ["sync.balance=none", f"train.rounds={args.rounds}"],
             "steps": common + ["sync.balance=steps", f"train.rounds={steps_rounds(args.rounds, args.outer_every)}"]}
@@ -123,7 +124,8 @@ def read_arm(run_dir: Path) -> dict:
     from hsgd.record.rundir import read_jsonl
 
     events = sorted(read_jsonl(run_dir / "events.jsonl"), key=lambda e: e["t"])
-    return arm_figures(events, read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text()))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return arm_figures(events, read_jsonl(run_dir / "metrics.jsonl"), summary)
 
 
 def compare(none: dict, steps: dict) -> dict:
