@@ -249,10 +249,11 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
-                  overlap: Overlap | None = None) -> dict:
-        """This round's remaining inner steps (`join`: form the group first). `behind` if not at the
-        round (it joins all the same, so its peers' first collective fails fast). `overlap`: reduce
-        that shard in the background from the snapshot step (hsgd/train/overlap.py)."""
+                  overlap: Overlap | None = None, steps: int | None = None) -> dict:
+        """This round's remaining inner steps, of `steps` (sync.balance's plan; None: all of them;
+        `join`: form the group first). `behind` if not at the round (it joins all the same, so its
+        peers' first collective fails fast). `overlap`: reduce that shard in the background from the
+        snapshot step (hsgd/train/overlap.py)."""
         self.slow_s = 0.0
 
         def hook(phase, r, s):
@@ -271,7 +272,7 @@ class Replica:
 
         def run():
             join_s = self._join(self.inner, join, "inner")
-            report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot)
+            report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot, steps)
             return {"report": report.__dict__, "join_s": join_s,
                     **({"outcome": Outcome.YIELDED} if report.yielded else {})}
         return self._phase("inner", run, faults)

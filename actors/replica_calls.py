@@ -22,8 +22,8 @@ def call(phase: Phase, rid: str, armed: dict, p, heals: Heals, live: dict):
     match c:
         case Heal(source=source):  # the source's (round, step) as chosen, for a fallback's check
             return heals.issue(phase.id, phase.epoch, phase.calls, rid, armed, source_at=live.get(source))
-        case RunInner(overlap=overlap):
-            return h.run_inner.remote(phase.round, faults, join, overlap)
+        case RunInner(overlap=overlap, steps=steps):
+            return h.run_inner.remote(phase.round, faults, join, overlap, steps)
         case ClusterAverage():
             return h.cluster_average.remote(phase.round, phase.epoch, faults)
         case OuterReduce(shard=shard, shards=shards, weights=weights):

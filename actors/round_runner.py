@@ -118,6 +118,7 @@ class RoundRunner:
                     self.heals.forget(e.phase.id)
             elif isinstance(e, StepTimed):
                 p.clock.observe("inner_step", e.seconds, 1)
+                p.clock.observe(f"inner_step/c{self.m.cluster_of(e.rid)}", e.seconds, 1)
             elif isinstance(e, Kill):
                 kill_hung(e, p, self.m)
             elif isinstance(e, Reap):  # not killed: a kill now could hit the process Ray is starting

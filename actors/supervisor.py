@@ -29,12 +29,13 @@ from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, current_round, due, evaluation_order,
-                             heals_at_rest, round_settings, unrecorded_rounds)
+from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, StepPlan, current_round, due,
+                             evaluation_order, heals_at_rest, plan_round, round_settings, unrecorded_rounds)
 from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
+from hsgd.config.sites import expected_step_s
 
 
 def supervisor_actor_name(run_id: str) -> str:
@@ -153,15 +154,34 @@ class Supervisor:
             self.log.event("run_failed", reason=reason)
         return self.record.publish(self._summary(status, reason, start))
 
-    def _settings(self) -> RoundSettings:
+    def _settings(self, plan: StepPlan | None = None) -> RoundSettings:
         """The next round's settings: hsgd.core.round.machine.round_settings says why each deadline is what it is."""
         return round_settings(steps_per_round=self.spr, sync=self.cfg.sync, supervisor=self.cfg.supervisor,
-                              comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock)
+                              comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock,
+                              cluster_steps=plan.steps if plan else (), clusters=self.topology.clusters)
+
+    def _plan(self, r: int) -> StepPlan | None:
+        """sync.balance=steps: round r's inner steps per cluster (hsgd/core/round/balance.py), planned once
+        and saved before any call; a successor, or a retry of the round, follows the recorded plan."""
+        if self.cfg.sync.balance != "steps":
+            return None
+        if self.state.round_plan.get("round") == r:
+            plan = StepPlan.from_dict(self.state.round_plan)
+        else:
+            clusters = range(self.topology.clusters)
+            plan = plan_round(r, self.spr, [expected_step_s(self.cfg, c) for c in clusters],
+                              [self.clock.median(f"inner_step/c{c}", None) for c in clusters])
+            self.state.round_plan = plan.to_dict()
+            self.record.save_state()
+        self.log.event("round_plan", round=plan.round, steps=list(plan.steps), step_s=list(plan.step_s),
+                       source=plan.source)
+        return plan
 
     def _round(self, r: int) -> None:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
         roster = self.roster
-        machine = RoundMachine(self.topology, self._settings(), r, progress=dict(roster.live), leaders=roster.leaders,
+        settings = self._settings(self._plan(r))
+        machine = RoundMachine(self.topology, settings, r, progress=dict(roster.live), leaders=roster.leaders,
                                epoch=self.state.epoch, committed_round=self.state.committed_round,
                                configured=roster.configured, outer_configured=roster.outer_configured,
                                benched=self.state.benched,  # non-finite: durable, until a resume
@@ -221,7 +241,10 @@ class Supervisor:
         """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
         self.state.committed_round = r + 1
         self.record.save_state()
-        self.committed_steps += self.spr * len(run.inner_participants)
+        steps_of, topo = machine.settings.steps_of, self.topology
+        self.committed_steps += sum(steps_of(topo.cluster_of(rid)) for rid in run.inner_participants)
+        tokens = self.state.tokens_per_cluster + [0] * (topo.clusters - len(self.state.tokens_per_cluster))
+        self.state.tokens_per_cluster = [n + run.cluster_tokens.get(c, 0) for c, n in enumerate(tokens)]
         self.attempted_steps += run.attempted_steps
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()
@@ -231,7 +254,8 @@ class Supervisor:
         eval_loss = None
         if due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
-        record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time())
+        record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time(),
+                              cluster_steps=[steps_of(c) for c in range(topo.clusters)])
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
         self.record.wandb.log_round(record)
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,

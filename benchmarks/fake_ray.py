@@ -217,13 +217,14 @@ class Replica:
             self.step = max(self.step, end_of_half[1])  # it committed the steps before its group broke
         return Ref(self._answer("collective_failed", error=f"fake {what} in {method}", error_kind=kind))
 
-    def run_inner(self, round_index: int, faults=None, join: tuple | None = None, overlap: tuple | None = None) -> Ref:
+    def run_inner(self, round_index: int, faults=None, join: tuple | None = None, overlap: tuple | None = None,
+                  steps: int | None = None) -> Ref:
         failed = self._faulted("run_inner", join, round_index)
         if failed is not None:
             return failed
         if self.round < round_index:
             return Ref(self._answer("behind", error=f"{self.rid} holds round {self.round}"))
-        end = (round_index + 1) * self.world.spr
+        end = round_index * self.world.spr + (steps or self.world.spr)  # steps: sync.balance's plan
         steps = max(0, end - self.step)
         report = {"steps_done": steps, "tokens": steps * TOKENS_PER_STEP, "inner_bytes": steps * INNER_BYTES_PER_STEP,
                   "losses": [2.5] * steps, "yielded": False}
@@ -242,6 +243,7 @@ class Replica:
     def outer_commit(self, round_index: int, roots: tuple, faults=None) -> Ref:
         if self.round == round_index:
             self.round = round_index + 1
+            self.step = self.round * self.world.spr
             self.global_digest = hashlib.sha256(f"{self.global_digest}/{round_index}".encode()).hexdigest()[:16]
         self.running = None
         return Ref(self._answer(digest=f"{self.global_digest}@{self.step}", global_digest=self.global_digest,

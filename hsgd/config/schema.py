@@ -55,6 +55,10 @@ class SiteConfig:
     label: Optional[str] = None
     name: Optional[str] = None
     min_replicas: Optional[int] = None
+    # the site's simulated step time and stragglers (null: train.min_step_s / straggle_p / straggle_factor)
+    min_step_s: Optional[float] = None
+    straggle_p: Optional[float] = None
+    straggle_factor: Optional[float] = None
 
 
 @dataclass
@@ -80,6 +84,9 @@ class SyncConfig:
     fragments: int = count(1)  # Streaming DiLoCo: parameter fragments synced in turn
     fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment
     fragment_delay: int = count_or_zero(0)
+    # steps: each cluster takes its own number of inner steps per round, planned at the round's start so
+    # every cluster's inner phase lasts about as long as the fastest one's (hsgd/core/round/balance.py)
+    balance: str = one_of("none", ("none", "steps"))
 
 
 @dataclass

@@ -31,11 +31,33 @@ def check_sites(cfg: Any) -> None:
         if floor is not None and (not _is_int(floor) or not 1 <= floor <= replicas):
             raise ConfigError(f"{where}.min_replicas", f"got {floor!r}; valid: null or an int in [1, {replicas}] "
                                                       f"(the site's replicas)")
+        for key, high in (("min_step_s", None), ("straggle_p", 1.0), ("straggle_factor", None)):
+            value = _site_value(site, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value <= (high if high is not None else float("inf"))):
+                valid = "[0, 1]" if high is not None else ">= 0"
+                raise ConfigError(f"{where}.{key}", f"got {value!r}; valid: null (train.{key}) or a number {valid}")
         run_floor = cfg.supervisor.min_replicas_per_cluster
         if floor is None and run_floor > replicas:
             raise ConfigError("supervisor.min_replicas_per_cluster",
                               f"got {run_floor}, more than {where} has ({replicas}); valid: <= {replicas}, or "
                               f"{where}.min_replicas set")
+
+
+def site_pacing(cfg: Any, cluster: int) -> tuple[float, float, float]:
+    """Cluster `cluster`'s simulated step time and stragglers: (min_step_s, straggle_p, straggle_factor),
+    its site's own where set, else the run-wide `train.*` values."""
+    sites = list(getattr(cfg.topology, "sites", None) or [])
+    site = sites[cluster] if cluster < len(sites) else {}
+    return tuple(float(_site_value(site, key) if _site_value(site, key) is not None else getattr(cfg.train, key))
+                 for key in ("min_step_s", "straggle_p", "straggle_factor"))
+
+
+def expected_step_s(cfg: Any, cluster: int) -> float | None:
+    """The step time cluster `cluster` is configured to take (its min_step_s, stretched by its stragglers'
+    expected extra), or None when no min_step_s is set for it: sync.balance then learns it."""
+    min_step_s, straggle_p, straggle_factor = site_pacing(cfg, cluster)
+    return min_step_s * (1.0 + straggle_p * straggle_factor) if min_step_s > 0 else None
 
 
 def _site_value(site: Any, key: str) -> Any:

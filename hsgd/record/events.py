@@ -28,6 +28,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "membership": ("epoch", "level", "cluster", "members", "leaders"),
     "cluster_reform": ("cluster", "round", "epoch", "members", "reason"),
     "yield_requested": ("cluster", "round", "at_step", "replicas", "reason"),
+    "round_plan": ("round", "steps", "step_s", "source"),  # sync.balance=steps: each cluster's inner steps
     "join_aborted": ("cluster", "round", "epoch", "prefix", "dead", "reason"),
     "commit_decision": ("round", "clusters"),  # every leader reduced: the round commits
     "commit": ("round", "epoch", "replicas", "digests_agree"),

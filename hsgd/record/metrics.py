@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Any
 
 
-def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epoch: int, t: float) -> dict:
+def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epoch: int, t: float,
+                 cluster_steps: list[int]) -> dict:
     """One line of metrics.jsonl for the committed round `run.r` (`run`: the round's record that the
     supervisor kept, actors/round_record.py). `run.losses`: every committed step's loss per replica
-    in this round (steps redone after a failure count once, in the attempt that committed)."""
+    in this round (steps redone after a failure count once, in the attempt that committed).
+    `cluster_steps`: each cluster's inner steps this round (sync.balance's plan, else steps_per_round)."""
     all_losses = [x for v in run.losses.values() for x in v]
     inner_s = run.seconds.get("inner", 0.0)
     return {"round": run.r, "inner_step": (run.r + 1) * steps_per_round,
@@ -18,7 +20,8 @@ def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epo
             "outer_link_s": sum(run.outer_link_s.values()), "outer_overlapped": run.outer_overlapped,
             "live_replicas": len(run.commit_digests), "epoch": epoch, "attempts": run.attempts,
             "phase_s": dict(run.seconds), "replica_digests": dict(run.commit_digests),
-            "global_digests": dict(run.global_digests), "t": t}
+            "global_digests": dict(run.global_digests), "cluster_steps": list(cluster_steps),
+            "cluster_tokens": [run.cluster_tokens.get(c, 0) for c in range(len(cluster_steps))], "t": t}
 
 
 def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
@@ -177,4 +180,5 @@ def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics:
             "step_efficiency": None, "training_efficiency": None, "faults": [], "faults_not_fired": [],
             "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
             "supervisor_starts": durable.get("supervisor_starts", 0), "epoch": durable.get("epoch"),
+            "tokens_per_cluster": list(durable.get("tokens_per_cluster") or []),
             "run_dir": run_dir}

@@ -36,10 +36,15 @@ class RunState:
     replica_indices: dict[str, int] = field(default_factory=dict)  # rid -> global index, for the whole run
     death_times: dict[str, list[float]] = field(default_factory=dict)  # each replica's recent deaths (quarantine)
     quarantined: dict[str, dict] = field(default_factory=dict)
+    round_plan: dict = field(default_factory=dict)  # sync.balance=steps: the latest round's StepPlan (a successor follows it)
+    tokens_per_cluster: list[int] = field(default_factory=list)  # committed rounds' tokens, per cluster
 
     def to_dict(self) -> dict:
         out = asdict(self)
         del out["evaluated"]
+        for key in ("round_plan", "tokens_per_cluster"):  # newer keys: an older run's file keeps its keys
+            if not out[key]:
+                del out[key]
         if not self.evaluated:
             del out["initial_eval_loss"]
         return out

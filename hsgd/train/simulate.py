@@ -1,12 +1,14 @@
 """Simulated hardware for benchmarks and tests on CPU: a slow link, and paced, straggling steps.
 
 Off unless configured: a comm group gets a `LinkModel` only when `links.<level>.gbps` > 0, the
-trainer a `StepPacer` only when `train.min_step_s` or `train.straggle_p` > 0; else both are None.
+trainer a `StepPacer` only when its site's (else `train.`) `min_step_s` or `straggle_p` > 0; else both are None.
 Each sleeps after the work it paces: a link after a collective succeeded (never inside its deadline).
 """
 import random
 import time
 from dataclasses import dataclass
+
+from hsgd.config.sites import site_pacing
 
 
 @dataclass
@@ -58,7 +60,8 @@ class StepPacer:
         return random.Random(hash((self.seed, replica_index, step)) & (2**63 - 1)).random() < self.straggle_p
 
 
-def pacer_from_config(cfg) -> StepPacer | None:
-    t = cfg.train
-    return None if t.min_step_s <= 0 and t.straggle_p <= 0 else \
-        StepPacer(float(t.min_step_s), float(t.straggle_p), float(t.straggle_factor), int(cfg.seed))
+def pacer_from_config(cfg, cluster: int = 0) -> StepPacer | None:
+    """Cluster `cluster`'s pacer: its site's `min_step_s` / `straggle_*` where set, else `train.*`."""
+    min_step_s, straggle_p, straggle_factor = site_pacing(cfg, cluster)
+    return None if min_step_s <= 0 and straggle_p <= 0 else \
+        StepPacer(min_step_s, straggle_p, straggle_factor, int(cfg.seed))

@@ -36,6 +36,7 @@ import torch
 
 from hsgd.config.rounds import is_streaming, steps_per_round
 from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
+from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.topology import Topology
 from hsgd.train import task
 from hsgd.train.buckets import GradBuckets
@@ -111,8 +112,9 @@ def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter], device: st
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.momentum, 0.95), weight_decay=o.weight_decay, **kind)
 
 
-def inner_lr(o: Any, step: int, total_steps: int) -> float:
-    """The inner learning rate at global inner step `step` (0-based) of a run of `total_steps`: linear
+def inner_lr(o: Any, step: float, total_steps: int) -> float:
+    """The inner learning rate at global inner step `step` (0-based; fractional for a balanced cluster's
+    steps, see ReplicaTrainer._schedule_step) of a run of `total_steps`: linear
     warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at the last step."""
     if o.warmup_steps > 0 and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
@@ -165,13 +167,14 @@ class ReplicaTrainer:
         bucket_mb = float(cfg.comm.bucket_mb)
         self.buckets = GradBuckets(self.params, bucket_mb) if cfg.sync.inner == "ddp" and bucket_mb > 0 else None
         self.round, self.step = 0, 0
+        self.round_steps = self.steps_per_round  # this round's inner steps (sync.balance plans fewer)
         self.round_losses: list[float] = []
         # (outer_reduce's key, mean of that shard, flat fp32): never reused or committed under another key
         self._outer_buffer: tuple[tuple, torch.Tensor] | None = None
         # inner `none`: (round, epoch) of the last cluster_average, and (round, the params before it)
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
-        self.pacer = pacer_from_config(cfg)  # simulated step time / stragglers: None unless configured
+        self.pacer = pacer_from_config(cfg, topology.cluster_of(rid))  # simulated step time / stragglers: None unless configured
         self.step_log = None  # logging.step_times: an hsgd.record.steps.StepLog, told each committed step
         # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
         self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
@@ -209,6 +212,13 @@ class ReplicaTrainer:
     @property
     def step_in_round(self) -> int:
         return self.step - self.round * self.steps_per_round
+
+    def _schedule_step(self) -> float:
+        """Where the inner lr schedule stands: a cluster that takes fewer steps in a round (sync.balance)
+        covers the same stretch of it per round, so its step s is at round * spr + s * spr / its steps."""
+        if self.round_steps == self.steps_per_round:
+            return self.step
+        return self.round * self.steps_per_round + self.step_in_round * self.steps_per_round / self.round_steps
 
     def progress(self) -> dict:
         return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.param_bytes,
@@ -267,10 +277,12 @@ class ReplicaTrainer:
     def _one_step(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
         cfg = self.cfg
         started = time.perf_counter()
-        lr = inner_lr(cfg.optim.inner, self.step, cfg.train.rounds * self.steps_per_round)
+        lr = inner_lr(cfg.optim.inner, self._schedule_step(), cfg.train.rounds * self.steps_per_round)
         for group in self.inner_opt.param_groups:
             group["lr"] = lr
-        average = cfg.sync.inner == "localsgd" and (self.step_in_round + 1) % cfg.sync.inner_every == 0
+        # localsgd: every inner_every steps, and at a balanced round's last step
+        average = cfg.sync.inner == "localsgd" and ((self.step_in_round + 1) % cfg.sync.inner_every == 0
+                                                    or self.step_in_round + 1 == self.round_steps)
         # a step that ends with a parameter average changes params and optimizer state before its
         # collective: keep what it started from, so a failed average leaves no step applied
         keep = average and inner.world_size > 1
@@ -304,18 +316,21 @@ class ReplicaTrainer:
         return loss
 
     def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = lambda phase, r, s: None,
-                  at_snapshot: Callable[[], None] | None = None) -> InnerReport:
-        """Run inner steps until the round's last step is committed (or a hook raises YieldNow).
+                  at_snapshot: Callable[[], None] | None = None, steps: int | None = None) -> InnerReport:
+        """Run inner steps until the round's last step is committed (or a hook raises YieldNow): `steps`
+        of them (sync.balance's plan for this cluster), else sync.outer_every / fragments.
         Raises CollectiveError, NonFiniteError or Behind (see the module's failures). Losses stay on
         the device until the end: one read-back. At the round's snapshot step, before running it, it calls
         `take_outer_snapshot`, then `at_snapshot` (once per call: hsgd.train.overlap's reduce starts there)."""
         start, bytes_before, first, pending, yielded = time.perf_counter(), inner.bytes_sent, self.step, [], False
         losses: list[float] = []
         snapshot_seen = False
+        self.round_steps = steps or self.steps_per_round
+        delay = fragment_delay_of(self.fragment_delay, self.round_steps)
 
         def snapshot_point() -> None:
             nonlocal snapshot_seen
-            due = self.fragment_delay and self.step_in_round >= self.steps_per_round - self.fragment_delay
+            due = delay and self.step_in_round >= self.round_steps - delay
             if due and not snapshot_seen:
                 snapshot_seen = True
                 self.take_outer_snapshot()
@@ -324,7 +339,7 @@ class ReplicaTrainer:
 
         if self._require(round_index, "run_inner"):
             try:
-                while self.step_in_round < self.steps_per_round:
+                while self.step_in_round < self.round_steps:
                     snapshot_point()
                     try:
                         hook("inner", self.round, self.step_in_round)
@@ -471,6 +486,7 @@ class ReplicaTrainer:
             self.outer_opt.reset_global(self.params)
         self._outer_buffer = self._outer_snapshot = self._averaged = self._pre_average = None
         self.round += 1
+        self.step = self.round * self.steps_per_round  # a balanced round ends short of it: the next starts here
         self.round_losses = []
 
     # -- evaluation, digests, the final model ---------------------------------------------------

@@ -87,12 +87,18 @@ After a failure (the whole of "Failure scoping"):
                     sat out, or a round in its outer exchange, at the next round's start. Nobody
                     ever waits for a replica that is still starting.
 
+Sites of different speeds (sync.balance=steps, balance.py): each cluster runs its planned steps of
+the round; the plan is fixed at the round's start (recorded, never re-measured by a successor),
+a heal or rejoin lands on its cluster's plan, the round's end for cluster c is its planned step,
+and the outer mean weighs clusters by the tokens they trained.
+
 The machine never issues a call to a replica with one in flight (`busy`): with one call per
 replica, each on one level, a replica is in at most one collective at a time. The exception is
 overlap (sync.fragment_delay): a holder's run_inner also reduces on the outer level in the
 background; at most one collective per level then, never two on one group (hsgd/train/comm.py
 enforces both), and no inner step waits on the outer level.
 """
+from hsgd.core.round.balance import StepPlan, plan_round
 from hsgd.core.round.machine import RoundMachine, RoundSettings, round_settings
 from hsgd.core.round.messages import (AbortJoin, Answer, Call, CallKind, ClusterAverage, ClusterStage, Effect,
                                       ErrorKind, Heal, Join, Kill, Lost, NonFinite, Observation, Outcome, OuterCommit,

@@ -56,7 +56,8 @@ class ClusterPhases:
         if forms:
             self.epoch += 1
             st.configured = (self.epoch, st.members)
-        calls = {rid: RunInner(Join(f"epoch{self.epoch}/inner/c{c}", rank, n) if forms else None, overlap.get(rid))
+        steps = self.settings.steps_of(c) if self.settings.cluster_steps else None
+        calls = {rid: RunInner(Join(f"epoch{self.epoch}/inner/c{c}", rank, n) if forms else None, overlap.get(rid), steps)
                  for rank, rid in enumerate(st.members)}
         return [self._issue(c, calls, self.settings.configure_s if forms else 0.0, now, reason)]
 
@@ -70,8 +71,8 @@ class ClusterPhases:
         if groups != self._shard_groups(expected=True):
             return {}
         # the weights as expected now: every live member finishes the round's steps
-        weights = token_weights([len(self.members(self.cluster_of(holder))) * self.settings.steps_per_round
-                                 for holder in groups[0]])
+        weights = token_weights([len(self.members(c)) * self.settings.steps_of(c)
+                                 for c in map(self.cluster_of, groups[0])])
         return {rid: Overlap(epoch, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
@@ -96,7 +97,7 @@ class ClusterPhases:
         if phase.kind is CallKind.HEAL:
             return self._run_inner(c, now, phase.reason)
         if phase.kind is CallKind.RUN_INNER:
-            end = (self.round, (self.round + 1) * self.settings.steps_per_round)
+            end = (self.round, self.round * self.settings.steps_per_round + self.settings.steps_of(c))
             if any(self.progress[rid] != end for rid in st.members):
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
@@ -122,7 +123,7 @@ class ClusterPhases:
             return []  # asked already, or the phase failed: it re-forms, taking the newcomer in
         running = sorted(flight.pending)  # (members that died or answered are asked nothing)
         step = self._yield_step(running)
-        if step >= self.settings.steps_per_round:
+        if step >= self.settings.steps_of(c):
             return []  # the members finish first; the newcomer is taken in when they are ready
         self.yielding[c] = step
         group_epoch = st.configured[0] if st.configured else self.epoch
@@ -131,12 +132,15 @@ class ClusterPhases:
     def _yield_step(self, running: list[str]) -> int:
         """A step boundary every member still running reaches after the yield request arrives."""
         s = self.settings
-        recent = sorted(self.step_seconds)
+        recent = sorted(self.step_seconds.get(self.cluster_of(running[0]), ()))
         step_s = recent[len(recent) // 2] if recent else 0.1
         lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
         furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
         at = furthest - self.round * s.steps_per_round + lead
-        return -(-at // s.inner_every) * s.inner_every if s.inner == "localsgd" else at  # localsgd: a sync boundary
+        if s.inner != "localsgd":
+            return at
+        # localsgd: a sync boundary (a balanced cluster also averages at its plan's last step)
+        return min(-(-at // s.inner_every) * s.inner_every, s.steps_of(self.cluster_of(running[0])))
 
     def _admit_joiners(self, c: int, now: float) -> list[Effect]:
         joiners = self.joining.pop(c, {})

@@ -1,7 +1,8 @@
 """Liveness: who is hung, who is only slow, who is gone, and who must not wait for the dead (the
 `hung` and rendezvous rows of the table in __init__.py), with these limits:
 
-    hung       the last sign of progress plus the learned step deadline; before its first step,
+    hung       the last sign of progress plus the learned step deadline (with sync.balance=steps, its
+               cluster's own); before its first step,
                a call that forms its group may first spend its join allowance.
     peer       a peer of its own group failed (a commit broadcasts per cluster, each heal is its
     failed     own transfer): the limit shrinks to the group's grace from the failure.
@@ -27,7 +28,7 @@ class Liveness:
             self.advance[seen.rid] = (seen.step, now)
         elif seen.step > last[0]:
             step_s = (now - last[1]) / (seen.step - last[0])
-            self.step_seconds.append(step_s)
+            self.step_seconds[self.cluster_of(seen.rid)].append(step_s)
             self.advance[seen.rid] = (seen.step, now)
             return [StepTimed(seen.rid, step_s)]
         return []
@@ -36,8 +37,8 @@ class Liveness:
         """Kill replicas that are silent and not advancing past their limit. The machine gives up
         on a killed replica's call at once (its late answer is stale) and goes on without it."""
         effects: list[Effect] = []
-        window = max(self.settings.step_deadline_s, self.settings.group_grace_s)
         for flight in list(self.calls.inflight.values()):
+            window = max(self._step_deadline(flight), self.settings.group_grace_s)
             if flight.phase.kind is CallKind.RUN_INNER and not flight.failed_groups and not flight.peer_gone \
                     and now <= flight.started + window:
                 continue  # every member's limit is at least started + window (see _limit): nobody is due
@@ -67,7 +68,7 @@ class Liveness:
             else:  # no step yet: a run that forms its group may spend its join allowance (deadline_s) first
                 first = flight.started + phase.deadline_s
                 last = max(first, seen[1]) if seen else first
-            limit = last + max(s.step_deadline_s, s.group_grace_s)
+            limit = last + max(self._step_deadline(flight), s.group_grace_s)
         else:
             limit = flight.started + phase.deadline_s
         group = flight.group_of(rid, self.cluster_of)
@@ -83,6 +84,11 @@ class Liveness:
         if gone_at is not None and self._only_suspects_pending(flight, group):
             limit = min(limit, gone_at + s.presumed_dead_s)
         return limit
+
+    def _step_deadline(self, flight: InFlight) -> float:
+        """The learned step deadline of the flight's cluster (sync.balance: each its own), else the run's."""
+        c = flight.phase.cluster
+        return self.settings.step_deadline_s if c is None else self.settings.step_deadline_of(c)
 
     def _stepped(self, rid: str) -> bool:
         """rid's step advanced in its current inner run (so it is past any join that run began with)."""

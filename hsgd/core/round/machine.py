@@ -3,7 +3,7 @@ clock) and how each observation is taken in; __init__.py has the failure table."
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -40,13 +40,23 @@ class RoundSettings:
     commit_s: float = 60.0
     outer_path: str = "leader"  # leader | sharded (hsgd/core/outer_plan.py)
     fragment_delay: int = 0  # > 0: holders reduce behind the round's last inner steps
+    # sync.balance=steps: this round's inner steps per cluster (hsgd/core/round/balance.py); () = steps_per_round
+    cluster_steps: tuple[int, ...] = ()
+    cluster_step_deadline_s: tuple[float, ...] = ()  # per cluster, from its own learned step time; () = step_deadline_s
+
+    def steps_of(self, cluster: int) -> int:
+        return self.cluster_steps[cluster] if self.cluster_steps else self.steps_per_round
+
+    def step_deadline_of(self, cluster: int) -> float:
+        return self.cluster_step_deadline_s[cluster] if self.cluster_step_deadline_s else self.step_deadline_s
 
 
 def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: Any, param_bytes: int,
-                   clock: PhaseClock) -> RoundSettings:
+                   clock: PhaseClock, cluster_steps: tuple[int, ...] = (), clusters: int = 0) -> RoundSettings:
     """The next round's settings from the config's sections (read by attribute): every deadline scaled
     to the work it bounds, bytes (of `param_bytes`) at comm.min_gbps for what moves state, the run's
-    learned phase times for what computes (a round follows what the ones before measured)."""
+    learned phase times for what computes (a round follows what the ones before measured).
+    `cluster_steps`: sync.balance's plan; with it, each of the `clusters` learns its own step deadline."""
     # a healthy member leaves a broken collective within its (payload-scaled) timeout
     grace = collective_timeout_s(comm.timeout_s, param_bytes, comm.min_gbps) + 5.0
     heal_s = heal_deadline_s(call_timeout_s=supervisor.call_timeout_s, configure_timeout_s=comm.configure_timeout_s,
@@ -58,6 +68,9 @@ def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: An
                          min_replicas_per_cluster=supervisor.min_replicas_per_cluster,
                          min_clusters=supervisor.min_clusters,
                          step_deadline_s=clock.deadline("inner_step", 1), group_grace_s=grace,
+                         cluster_steps=tuple(cluster_steps),
+                         cluster_step_deadline_s=tuple(clock.deadline(f"inner_step/c{c}", 1) for c in range(clusters))
+                         if cluster_steps else (),
                          # a closed connection means the peer's process is gone; only Ray's own
                          # notice (which names the cause) is worth a short wait — nothing is killed
                          presumed_dead_s=max(0.25, clock.median("inner_step", 0.5)),
@@ -118,7 +131,8 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.void: dict[int, NonFinite] = {}  # cluster -> why its round is void, this round
         self.benched_now: dict[int, str] = {}  # cluster -> why it was benched, this round
         self._ids = itertools.count()  # phase ids
-        self.step_seconds: deque[float] = deque(maxlen=20)  # the latest inner step times (yield boundaries)
+        # cluster -> its latest inner step times (yield boundaries; clusters may differ in speed)
+        self.step_seconds: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
 
     # -- queries --------------------------------------------------------------------------------------
     def members(self, cluster: int) -> tuple[str, ...]:

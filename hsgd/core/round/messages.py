@@ -220,10 +220,12 @@ class Overlap:
 class RunInner:
     """Run the round's remaining inner steps in the cluster's inner group: the standing one, or the
     one `join` forms first (the rendezvous waits for every member; the machine aborts it when one
-    is known dead). A shard holder's call carries an `overlap` under sync.fragment_delay."""
+    is known dead). A shard holder's call carries an `overlap` under sync.fragment_delay. `steps`: the
+    round's inner steps for this cluster under sync.balance=steps (None: sync.outer_every / fragments)."""
     kind: ClassVar[CallKind] = CallKind.RUN_INNER
     join: Join | None = None
     overlap: Overlap | None = None
+    steps: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""sync.balance=steps: each cluster's inner steps for one round, so no site idles at the outer sync.
+
+Every round is `steps_per_round` (spr) inner steps in every cluster unless balanced. Balanced, a
+cluster whose steps take t_c seconds runs
+
+    n_c = clamp(round(spr * t_fastest / t_c), 1, spr)
+
+steps, so its inner phase lasts about as long as the fastest cluster's spr steps (async Local-SGD,
+arXiv 2401.09135: each worker its own number of local steps). t_c is the site's configured step
+time when set (deterministic: a benchmark or a replay plans alike), else the cluster's learned
+median; a cluster with neither runs spr. The outer mean weighs clusters by the tokens they trained
+(hsgd.core.outer_plan.token_weights), so fewer steps count for less.
+
+The plan is decided once, at the round's start, and recorded (durable state, a `round_plan`
+event): a restarted supervisor follows the recorded plan of the round it resumes, never re-measures.
+A heal inside the round copies a member of the same cluster, so it lands on that cluster's plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Round `round`'s inner steps per cluster, what they were planned from, and its origin:
+    configured | learned | mixed | recorded (a restarted supervisor's, read back)."""
+    round: int
+    steps: tuple[int, ...]
+    step_s: tuple[float | None, ...]
+    source: str
+
+    def to_dict(self) -> dict:
+        return {"round": self.round, "steps": list(self.steps), "step_s": list(self.step_s), "source": self.source}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "StepPlan":
+        return cls(int(raw["round"]), tuple(int(n) for n in raw["steps"]),
+                   tuple(None if s is None else float(s) for s in raw.get("step_s") or ()), "recorded")
+
+
+def plan_steps(steps_per_round: int, step_s: Sequence[float | None]) -> tuple[int, ...]:
+    """The rule above: one step count per cluster, each in [1, steps_per_round]."""
+    known = [s for s in step_s if s is not None and s > 0]
+    if not known:
+        return (steps_per_round,) * len(step_s)
+    fastest = min(known)
+    return tuple(steps_per_round if s is None or s <= 0
+                 else max(1, min(steps_per_round, round(steps_per_round * fastest / s))) for s in step_s)
+
+
+def plan_round(round_index: int, steps_per_round: int, configured: Sequence[float | None],
+               learned: Sequence[float | None]) -> StepPlan:
+    """Round `round_index`'s plan: each cluster's configured step time where set, else its learned one."""
+    step_s = tuple(c if c is not None else l for c, l in zip(configured, learned))
+    used = {"configured" if c is not None else "learned" for c, s in zip(configured, step_s) if s is not None}
+    source = used.pop() if len(used) == 1 else "mixed" if used else "learned"
+    return StepPlan(round_index, plan_steps(steps_per_round, step_s), step_s, source)
+
+
+def fragment_delay_of(fragment_delay: int, steps: int) -> int:
+    """sync.fragment_delay in a round of `steps` planned steps: clamped so the snapshot it takes lies
+    inside the round (at its first step at the latest)."""
+    return min(fragment_delay, steps)
