@@ -158,9 +158,9 @@ def gap(none: dict, steps: dict, steps_tokens: float | None) -> dict:
     sentence = (f"tokens/s: the outer sync and eval between rounds ({s_rest:.2f} s) are "
                 f"{s_rest / (s_inner + s_rest):.0%} of a balanced round, {n_rest / (n_inner + n_rest):.0%} of an "
                 f"unbalanced one, and the fast site still waits {steps['outer_wait_fraction_median']['c0']:.0%} of "
-                f"a balanced round; time to loss: besides, steps "
-                + ("never reaches none's final loss" if tokens_ratio is None
-                   else f"needs {tokens_ratio:.2f}x none's tokens to reach it"))
+                f"a balanced round; time to loss scales, besides, with the tokens steps needs to reach none's "
+                f"final loss: " + ("never reached" if tokens_ratio is None else f"{tokens_ratio:.2f}x none's "
+                                   f"({steps['rounds']} outer steps against {none['rounds']})"))
     return {"none_inner_s": n_inner, "none_rest_s": n_rest, "steps_inner_s": s_inner, "steps_rest_s": s_rest,
             "steps_tokens_to_loss_vs_none": tokens_ratio, "figures": figures, "sentence": sentence}
 
@@ -230,6 +230,9 @@ def _plot(report: dict, path: Path) -> None:
             ax.plot([p[key] for p in a["curve"]], [p["eval_loss"] for p in a["curve"]], "o-", ms=3,
                     color=colors[a["name"]], label=f"balance={a['name']}")
         ax.axhline(report["loss_target"], color="#c44e52", lw=0.8, ls="--", label="none's final eval loss")
+        after = [p["eval_loss"] for a in report["arms"] for p in a["curve"][1:]]  # the initial eval: off the top
+        if after:
+            ax.set_ylim(min(after) - 0.05 * (max(after) - min(after)), max(after) + 0.1 * (max(after) - min(after)))
         ax.set_xlabel(label, fontsize=9)
         ax.set_ylabel("eval loss", fontsize=9)
         ax.legend(fontsize=8)
