@@ -63,6 +63,7 @@ class Roster:
         self.gone = {rid for rid, h in self.handles.items() if h is None}  # restarts exhausted
         self.live: dict[str, tuple[int, int]] = {}  # rid -> committed (round, step)
         self.param_bytes = 0  # model size, as replicas report it: scales heal and collective deadlines
+        self.tokens_per_step = 0  # a replica's tokens per inner step, as replicas report it (the record's counts)
         self.pids: dict[str, int] = {}  # rid -> the pid that last answered up
         self.replica_info: dict[str, dict] = {}  # rid -> {node_id, backends}: for stack dumps and quarantine
         # the groups formed last round, handed to the next round's machine
@@ -97,6 +98,7 @@ class Roster:
     def admit(self, rid: str, answer: dict) -> None:
         self.live[rid] = (int(answer["round"]), int(answer["step"]))
         self.param_bytes = max(self.param_bytes, int(answer.get("param_bytes") or 0))
+        self.tokens_per_step = max(self.tokens_per_step, int(answer.get("tokens_per_step") or 0))
         self.note_up(rid, answer)
 
     def note_up(self, rid: str, answer: dict) -> None:

@@ -97,7 +97,6 @@ class RoundRecord:
         self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
         self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
         self.inner_participants: set[str] = set()
-        self.cluster_tokens: dict[int, int] = {}  # cluster -> tokens its members trained this round
         self.commit_digests: dict[str, str] = {}
         self.global_digests: dict[str, str] = {}
         self.attempts = 1
@@ -147,8 +146,6 @@ class RoundRecord:
             rep = value["report"]
             self.steps_run[phase.id] = max(self.steps_run.get(phase.id, 0), rep["steps_done"])
             self.tokens += rep["tokens"]
-            if phase.cluster is not None:
-                self.cluster_tokens[phase.cluster] = self.cluster_tokens.get(phase.cluster, 0) + rep["tokens"]
             self.inner_bytes += rep["inner_bytes"]
             self.attempted_steps += rep["steps_done"]
             self.losses.setdefault(rid, []).extend(rep["losses"])

@@ -12,6 +12,7 @@ actors/round_record.py. Whatever ends the run, `run` returns a summary.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import traceback
@@ -29,10 +30,12 @@ from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, StepPlan, current_round, due,
-                             evaluation_order, heals_at_rest, plan_round, round_settings, unrecorded_rounds)
+from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, current_round, due, evaluation_order,
+                             heals_at_rest, round_settings, unrecorded_rounds)
+from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
 from hsgd.core.topology import topology_of
-from hsgd.record.metrics import fallback_summary, late_round_record, round_record, run_summary
+from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
+from hsgd.record.metrics import committed_tokens, fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
 from hsgd.config.rounds import is_streaming, steps_per_round
 from hsgd.config.sites import expected_step_s
@@ -67,6 +70,9 @@ class Supervisor:
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
+        o = self.cfg.optim.outer
+        self.outer_watch = OuterStepWatch(f"optim.outer.lr={o.lr}, optim.outer.momentum={o.momentum}, "
+                                          f"optim.outer.nesterov={o.nesterov}")
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
@@ -173,8 +179,11 @@ class Supervisor:
                               [self.clock.median(f"inner_step/c{c}", None) for c in clusters])
             self.state.round_plan = plan.to_dict()
             self.record.save_state()
+        s = self.cfg.sync  # a delay clamped to a shorter plan is recorded with it
+        every = s.inner_every if s.inner == "localsgd" else 1
         self.log.event("round_plan", round=plan.round, steps=list(plan.steps), step_s=list(plan.step_s),
-                       source=plan.source)
+                       source=plan.source, **({"fragment_delay": [fragment_delay_of(s.fragment_delay, n, every)
+                                                                  for n in plan.steps]} if s.fragment_delay else {}))
         return plan
 
     def _round(self, r: int) -> None:
@@ -243,8 +252,9 @@ class Supervisor:
         self.record.save_state()
         steps_of, topo = machine.settings.steps_of, self.topology
         self.committed_steps += sum(steps_of(topo.cluster_of(rid)) for rid in run.inner_participants)
-        tokens = self.state.tokens_per_cluster + [0] * (topo.clusters - len(self.state.tokens_per_cluster))
-        self.state.tokens_per_cluster = [n + run.cluster_tokens.get(c, 0) for c, n in enumerate(tokens)]
+        cluster_tokens = committed_tokens(run.commit_digests, topo, steps_of, self.roster.tokens_per_step)
+        self.state.tokens_per_cluster = [n + t for n, t in itertools.zip_longest(
+            self.state.tokens_per_cluster, cluster_tokens, fillvalue=0)]
         self.attempted_steps += run.attempted_steps
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()
@@ -255,8 +265,12 @@ class Supervisor:
         if due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
         record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time(),
-                              cluster_steps=[steps_of(c) for c in range(topo.clusters)])
+                              cluster_steps=[steps_of(c) for c in range(topo.clusters)], cluster_tokens=cluster_tokens)
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
+        if self.cfg.sync.outer == "diloco" and (warning := self.outer_watch.observe(
+                r, eval_loss, cluster_trends(run.losses, topo.cluster_of))):
+            self.log.event("outer_step_warning", round=r, detail=warning)
+            self.warn(warning)
         self.record.wandb.log_round(record)
         self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
                          tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])

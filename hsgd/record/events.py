@@ -28,7 +28,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "membership": ("epoch", "level", "cluster", "members", "leaders"),
     "cluster_reform": ("cluster", "round", "epoch", "members", "reason"),
     "yield_requested": ("cluster", "round", "at_step", "replicas", "reason"),
-    "round_plan": ("round", "steps", "step_s", "source"),  # sync.balance=steps: each cluster's inner steps
+    "round_plan": ("round", "steps", "step_s", "source"),
+    "outer_step_warning": ("round", "detail"),  # the global eval loss rose while every cluster's fell (once)  # sync.balance=steps: each cluster's inner steps
     "join_aborted": ("cluster", "round", "epoch", "prefix", "dead", "reason"),
     "commit_decision": ("round", "clusters"),  # every leader reduced: the round commits
     "commit": ("round", "epoch", "replicas", "digests_agree"),

@@ -1,15 +1,16 @@
 """What a run reports (metrics.jsonl's records, summary.json's figures), as pure functions."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 
 def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epoch: int, t: float,
-                 cluster_steps: list[int]) -> dict:
+                 cluster_steps: list[int], cluster_tokens: list[int]) -> dict:
     """One line of metrics.jsonl for the committed round `run.r` (`run`: the round's record that the
     supervisor kept, actors/round_record.py). `run.losses`: every committed step's loss per replica
     in this round (steps redone after a failure count once, in the attempt that committed).
-    `cluster_steps`: each cluster's inner steps this round (sync.balance's plan, else steps_per_round)."""
+    `cluster_steps`: each cluster's inner steps this round (sync.balance's plan, else steps_per_round);
+    `cluster_tokens`: the tokens each cluster's members at the commit trained in them."""
     all_losses = [x for v in run.losses.values() for x in v]
     inner_s = run.seconds.get("inner", 0.0)
     return {"round": run.r, "inner_step": (run.r + 1) * steps_per_round,
@@ -21,7 +22,14 @@ def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epo
             "live_replicas": len(run.commit_digests), "epoch": epoch, "attempts": run.attempts,
             "phase_s": dict(run.seconds), "replica_digests": dict(run.commit_digests),
             "global_digests": dict(run.global_digests), "cluster_steps": list(cluster_steps),
-            "cluster_tokens": [run.cluster_tokens.get(c, 0) for c in range(len(cluster_steps))], "t": t}
+            "cluster_tokens": list(cluster_tokens), "t": t}
+
+
+def committed_tokens(committed: Iterable[str], topology: Any, steps_of, tokens_per_step: int) -> list[int]:
+    """Each cluster's tokens in a committed round: its members at the commit x its steps x a step's tokens
+    (from the plan, not the calls' reports: a restarted supervisor never saw its predecessor's)."""
+    at_commit = [topology.cluster_of(rid) for rid in committed]
+    return [at_commit.count(c) * steps_of(c) * tokens_per_step for c in range(topology.clusters)]
 
 
 def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,

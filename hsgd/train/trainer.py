@@ -222,6 +222,7 @@ class ReplicaTrainer:
 
     def progress(self) -> dict:
         return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.param_bytes,
+                "tokens_per_step": self.tokens_per_step,
                 "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0][0]}
 
     def _require(self, round_index: int, what: str) -> bool:
@@ -326,7 +327,8 @@ class ReplicaTrainer:
         losses: list[float] = []
         snapshot_seen = False
         self.round_steps = steps or self.steps_per_round
-        delay = fragment_delay_of(self.fragment_delay, self.round_steps)
+        delay = fragment_delay_of(self.fragment_delay, self.round_steps,
+                                  self.cfg.sync.inner_every if self.cfg.sync.inner == "localsgd" else 1)
 
         def snapshot_point() -> None:
             nonlocal snapshot_seen

@@ -292,6 +292,29 @@ def replica_indices_stable(run_dir, events: list[dict]) -> None:
         assert not moved, f"{manifest.parent.name}: replica indices moved (checkpoint, run): {moved}"
 
 
+def plans_followed(events: list[dict], metrics: list[dict]) -> None:
+    """sync.balance=steps: a round's plan is decided once — every `round_plan` event of a round (a
+    restarted supervisor's, a retry's) names the same steps, the later ones `recorded` — and each
+    committed round's `cluster_steps` is that plan. Without plans: every cluster ran the same steps."""
+    plans: dict[int, list[int]] = {}
+    for job in _jobs(events):  # a resume may plan a round afresh (its learned times start over)
+        plans_in_job: dict[int, dict] = {}
+        for e in (e for e in job if e["event"] == "round_plan"):
+            first = plans_in_job.setdefault(e["round"], e)
+            assert e["steps"] == first["steps"], \
+                f"round {e['round']}'s plan changed from {first['steps']} to {e['steps']} (planned once, then followed)"
+            assert e is first or e["source"] == "recorded", f"round {e['round']} was planned twice: {e}"
+        plans.update({r: e["steps"] for r, e in plans_in_job.items()})
+    for m in metrics:
+        steps = m.get("cluster_steps")
+        if steps is None or m.get("recovered"):
+            continue
+        if m["round"] in plans:
+            assert steps == plans[m["round"]], f"round {m['round']} ran {steps}, not its plan {plans[m['round']]}"
+        else:
+            assert len(set(steps)) <= 1, f"round {m['round']} has unequal cluster steps {steps} but no round_plan"
+
+
 def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] | None = None,
               expect_status: str = "completed") -> dict:
     """Every invariant above on one finished run; returns its summary. `rounds`: the rounds that
@@ -309,4 +332,5 @@ def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] |
     checkpoints_never_overwritten(run_dir, events)
     every_scheduled_fault_fired(run_dir, summary)
     replica_indices_stable(run_dir, events)
+    plans_followed(events, metrics)
     return summary

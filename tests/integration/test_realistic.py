@@ -223,3 +223,36 @@ def test_supervisor_killed_mid_inner_phase(tmp_path, drill_run, when):
             f"{rid} lost progress across the supervisor restart: at step {answer['step']} before, " \
             f"{found[rid]['step']} after"
         assert found[rid]["pid"] == answer["pid"], f"{rid} is another process after the supervisor restart"
+
+
+# -- sites of different speeds (issue 35): kills in two sites at once, then the supervisor ---------
+BALANCED = FAST + ["topology.sites=[{replicas:2,min_step_s:0.3},{replicas:2,min_step_s:0.45},"
+                   "{replicas:2,min_step_s:0.6}]", "sync.balance=steps", f"sync.outer_every={SPR}",
+                   "checkpoint.every=0", "train.eval_batches=1", "comm.timeout_s=5", "train.rounds=2"]
+PLAN = [SPR, 67, 50]  # 100 x 0.3 s = 30 s of inner work in each site: 0.3 / 0.45 and 0.3 / 0.6 of 100 steps
+
+
+def test_balanced_sites_heal_into_their_plans_through_kills_and_a_supervisor_restart(background_drills, tmp_path):
+    drill = background_drills(BALANCED, tmp_path)
+    running = poll("round 0's inner phase to run on every replica", 180,
+                   lambda: inner_running(drill.run_dir, sorted(EVERYONE), 0, min_step=5))
+    for rid in ("c1r0", "c2r1"):  # two sites at once, from outside the injector
+        os.kill(running[rid]["pid"], signal.SIGKILL)
+    poll("round 1's inner phase to run on every replica", 300,
+         lambda: inner_running(drill.run_dir, sorted(EVERYONE), 1, min_step=SPR + 5))
+    drill.inject("kill", "supervisor")  # mid-inner: its successor must follow round 1's recorded plan
+    s = drill.wait_done(600)
+    check_run(drill.run_dir, rounds=2, steps_per_round=SPR, victims={"c1r0", "c2r1"})
+    assert s["supervisor_starts"] == 2, s["supervisor_starts"]
+    evs, ms = events(drill.run_dir), metrics(drill.run_dir)
+    plans = [e for e in evs if e["event"] == "round_plan"]
+    assert [(e["round"], e["steps"]) for e in plans if e["source"] == "configured"] == [(0, PLAN), (1, PLAN)], plans
+    assert [(e["round"], e["steps"]) for e in plans if e["source"] == "recorded"] == [(1, PLAN)], \
+        f"the restarted supervisor must follow round 1's recorded plan, never plan it again: {plans}"
+    assert [m["cluster_steps"] for m in ms] == [PLAN, PLAN]
+    heals = {e["target"]: e["source"] for e in evs if e["event"] == "heal_end"}
+    for rid in ("c1r0", "c2r1"):  # healed from its own site, so it lands on its site's plan
+        assert rid in heals and heals[rid][:2] == rid[:2], f"{rid} healed from {heals.get(rid)}: {heals}"
+    _assert_inner_phase_ran_once(evs, 0, 0)  # the fast site never waited for the slow sites' kills
+    per_step = ms[0]["cluster_tokens"][0] // (2 * SPR)
+    assert s["tokens_per_cluster"] == [2 * 2 * n * per_step for n in PLAN], s["tokens_per_cluster"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -223,3 +224,29 @@ def test_the_summary_must_say_what_the_record_says(tmp_path):
     _fails(run_dir, "invariant 2", "30 inner steps committed, expected 2 / 20")
     (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "failed", "reason": "boom"}))
     _fails(run_dir, "summary status 'failed', expected 'completed': boom")
+
+
+# -- sync.balance: a round's plan is decided once --------------------------------------------------
+def _plan(r, steps, source="configured"):
+    return {"t": 0.0, "event": "round_plan", "round": r, "steps": steps, "step_s": [0.1, 0.2], "source": source}
+
+
+def test_plans_followed_accepts_a_plan_read_back_by_a_successor():
+    from tests.integration.invariants import plans_followed
+
+    events = [{"event": "supervisor_start", "starts": 1}, _plan(0, [10, 5]),
+              {"event": "supervisor_start", "starts": 2}, _plan(0, [10, 5], "recorded")]
+    plans_followed(events, [{"round": 0, "cluster_steps": [10, 5]}])
+
+
+@pytest.mark.parametrize("events,metrics,message", [
+    ([_plan(0, [10, 5]), _plan(0, [10, 4], "recorded")], [], "plan changed from [10, 5] to [10, 4]"),
+    ([_plan(0, [10, 5]), _plan(0, [10, 5], "learned")], [], "round 0 was planned twice"),
+    ([_plan(0, [10, 5])], [{"round": 0, "cluster_steps": [10, 10]}], "round 0 ran [10, 10], not its plan [10, 5]"),
+    ([], [{"round": 1, "cluster_steps": [10, 5]}], "unequal cluster steps [10, 5] but no round_plan"),
+])
+def test_plans_followed_refuses_a_plan_changed_or_not_followed(events, metrics, message):
+    from tests.integration.invariants import plans_followed
+
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        plans_followed([{"event": "supervisor_start", "starts": 1}] + events, metrics)

@@ -9,7 +9,7 @@ from hsgd.record.metrics import efficiencies, round_record
 def _run(**kw):
     """A round's record as the supervisor hands it (actors/round_record.py RoundRecord's fields)."""
     base = dict(inner_bytes=0, outer_bytes=0, outer_link_s={}, outer_overlapped=False, attempts=1, commit_digests={},
-                global_digests={}, cluster_tokens={})
+                global_digests={})
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -17,8 +17,8 @@ def test_round_record_means_losses_and_derives_throughput():
     run = _run(r=2, losses={"c0r0": [2.0, 4.0], "c0r1": [3.0], "c1r0": []}, tokens=1000, inner_bytes=10,
                 outer_bytes=4, seconds={"inner": 2.0, "outer": 0.5}, attempts=2,
                 commit_digests={"c0r0": "a", "c0r1": "b", "c1r0": "c"}, global_digests={"c0r0": "g"})
-    run.cluster_tokens = {0: 600, 1: 400}
-    rec = round_record(run, steps_per_round=5, eval_loss=2.5, epoch=4, t=1.0, cluster_steps=[5, 3])
+    rec = round_record(run, steps_per_round=5, eval_loss=2.5, epoch=4, t=1.0, cluster_steps=[5, 3],
+                       cluster_tokens=[600, 400])
     assert rec["round"] == 2 and rec["inner_step"] == 15
     assert math.isclose(rec["loss"], 3.0)
     assert rec["replica_loss"] == {"c0r0": 3.0, "c0r1": 3.0}, "replicas with no committed step are left out"
@@ -29,7 +29,7 @@ def test_round_record_means_losses_and_derives_throughput():
 
 def test_round_record_without_steps_or_time_has_no_loss_or_throughput():
     rec = round_record(_run(r=0, losses={}, tokens=0, seconds={}), steps_per_round=5, eval_loss=None, epoch=1, t=0.0,
-                       cluster_steps=[5])
+                       cluster_steps=[5], cluster_tokens=[0])
     assert rec["loss"] is None and rec["tokens_per_s"] is None
 
 

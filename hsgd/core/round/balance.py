@@ -17,6 +17,7 @@ A heal inside the round copies a member of the same cluster, so it lands on that
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,8 +46,8 @@ def plan_steps(steps_per_round: int, step_s: Sequence[float | None]) -> tuple[in
     if not known:
         return (steps_per_round,) * len(step_s)
     fastest = min(known)
-    return tuple(steps_per_round if s is None or s <= 0
-                 else max(1, min(steps_per_round, round(steps_per_round * fastest / s))) for s in step_s)
+    return tuple(steps_per_round if s is None or s <= 0  # (halves round up, never to even)
+                 else max(1, min(steps_per_round, math.floor(steps_per_round * fastest / s + 0.5))) for s in step_s)
 
 
 def plan_round(round_index: int, steps_per_round: int, configured: Sequence[float | None],
@@ -58,7 +59,9 @@ def plan_round(round_index: int, steps_per_round: int, configured: Sequence[floa
     return StepPlan(round_index, plan_steps(steps_per_round, step_s), step_s, source)
 
 
-def fragment_delay_of(fragment_delay: int, steps: int) -> int:
-    """sync.fragment_delay in a round of `steps` planned steps: clamped so the snapshot it takes lies
-    inside the round (at its first step at the latest)."""
-    return min(fragment_delay, steps)
+def fragment_delay_of(fragment_delay: int, steps: int, inner_every: int = 1) -> int:
+    """sync.fragment_delay in a round of `steps` planned steps: clamped so the snapshot lies inside the
+    round (at its start at the latest) and, under localsgd (`inner_every` > 1), moved back to the last
+    step boundary where the members agree (an average, or the round's start)."""
+    delay = min(fragment_delay, steps)
+    return steps - (steps - delay) // inner_every * inner_every
