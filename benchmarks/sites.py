@@ -46,8 +46,10 @@ CEILING = 1.5  # (spr + spr) / (spr + spr/2) rounds' worth of tokens per fast ro
 
 
 def planned_slow_steps(spr: int) -> int:
-    """The slow site's steps per round under `balance=steps` (the plan's clamp(round(...), 1, spr))."""
-    return min(spr, max(1, round(spr / SLOW)))
+    """The slow site's steps per round under `balance=steps` (the round machine's own rule)."""
+    from hsgd.core.round.balance import plan_steps
+
+    return plan_steps(spr, [1.0, SLOW])[1]
 
 
 def steps_rounds(rounds: int, spr: int) -> int:
@@ -61,10 +63,6 @@ def arms(args) -> dict[str, list[str]]:
     common = [sites, f"seed={args.seed}", f"sync.outer_every={args.outer_every}", "train.eval_every=1"]
     return {"none": common + ["sync.balance=none", f"train.rounds={args.rounds}"],
             "steps": common + ["sync.balance=steps", f"train.rounds={steps_rounds(args.rounds, args.outer_every)}"]}
-
-
-def _last(events: list[dict], pred) -> dict | None:
-    return next((e for e in reversed(events) if pred(e)), None)
 
 
 def _first(events: list[dict], pred) -> dict | None:
