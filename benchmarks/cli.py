@@ -11,7 +11,9 @@ loops, one process, no Ray; see benchmarks/inner.py), or
 replicas, vs torch's DistributedDataParallel over gloo, interleaved; see benchmarks/ddp.py), or
 `python -m benchmarks convergence [--quick] [--model small] [--steps 2000] [--out DIR]` (flat DDP,
 LocalSGD and DiLoCo arms — H, codecs, fragments, sharded — on the same tokens: final eval loss vs
-slow-link bytes, wall-clock under a simulated slow link; see benchmarks/convergence.py).
+slow-link bytes, wall-clock under a simulated slow link; see benchmarks/convergence.py), or
+`python -m benchmarks sites [--quick] [--out DIR] [--rounds 12]` (2 sites, one 2x slower: fixed steps per round
+vs steps planned per site, `sync.balance` none vs steps, on the same tokens; see benchmarks/sites.py).
 
 Runs, one after another on one embedded Ray, the same model and data as:
 - `flat`: one cluster of all replicas, ddp every step (what a flat trainer does across the slow link);
@@ -56,7 +58,8 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
             "initial_eval_loss": summary["initial_eval_loss"], "faults": summary.get("faults", [])}
 
 
-SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "plan", "inner", "ddp", "convergence", "report")
+SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "plan", "inner", "ddp", "convergence", "sites",
+          "report")
 
 
 def main(argv: list[str] | None = None) -> int:

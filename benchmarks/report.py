@@ -1,4 +1,4 @@
-"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`) writes, and
+"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`, `sites`) writes, and
 BENCHMARKS.md made from it.
 
 Each suite writes `<out>/<suite>.json` through `write_suite`: its own figures plus a header that
@@ -30,7 +30,7 @@ from typing import Callable
 
 from hsgd.record.rundir import atomic_write_text
 
-SUITES = ("overhead", "recovery", "goodput", "scale", "straggler")
+SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "sites")
 
 
 def header(suite: str, argv: list[str], quick: bool) -> dict:
@@ -116,15 +116,35 @@ def _straggler_rows(r: dict) -> list[list[str]]:
              f"speed-up vs flat {_f(a.get('speedup_vs_flat'), '.2f')}×"] for a in r["arms"]]
 
 
+def _sites_rows(r: dict) -> list[list[str]]:
+    rows = []
+    for a in r["arms"]:
+        rows.append([f"balance={a['name']}: tokens/s / final eval loss / fast site's wait at the outer sync",
+                     f"{_f(a.get('tokens_per_s'), '.0f')} / {_f(a.get('final_eval_loss'), '.4f')} / "
+                     f"{_f((a.get('outer_wait_fraction_median') or {}).get('c0'), '.1%')}",
+                     f"{a['rounds']} rounds, {a['tokens']:,} tokens in {_f(a.get('train_wall_s'), '.1f', ' s')}"])
+    ratios, holds, targets = r["ratios"], r["holds"], r["targets"]
+    rows.append(["tokens/s, steps / none", f"{_f(ratios['tokens_per_s'], '.2f')}×",
+                 f"target ≥ {targets['tokens_per_s']:g}×: {'holds' if holds['tokens_per_s'] else 'does not hold'}"])
+    rows.append([f"time to none's final eval loss ({r['loss_target']:.4f}), none / steps",
+                 f"{_f(r['none_wall_to_loss_s'], '.1f', ' s')} / {_f(r['steps_wall_to_loss_s'], '.1f', ' s')} = "
+                 f"{_f(ratios['time_to_loss'], '.2f')}×",
+                 f"target ≥ {targets['time_to_loss']:g}×: {'holds' if holds['time_to_loss'] else 'does not hold'}"])
+    if r.get("gap"):
+        rows.append([f"the gap to {r['ceiling']:g}×", r["gap"]["figures"], r["gap"]["sentence"]])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
     "overhead": _overhead_rows, "recovery": _recovery_rows, "goodput": _goodput_rows,
-    "scale": _scale_rows, "straggler": _straggler_rows}
+    "scale": _scale_rows, "straggler": _straggler_rows, "sites": _sites_rows}
 
 TITLES = {"overhead": "Overhead: hsgd's inner DDP vs plain torch DDP",
           "recovery": "Recovery from one kill: hsgd vs torchft vs Ray Train",
           "goodput": "Goodput under a steady rain of failures",
           "scale": "Control plane vs size",
-          "straggler": "Stragglers: flat DDP vs local SGD vs DiLoCo"}
+          "straggler": "Stragglers: flat DDP vs local SGD vs DiLoCo",
+          "sites": "Sites of different speeds: `sync.balance` none vs steps"}
 
 
 def newest_reports(folders: list[Path]) -> dict[str, dict]:

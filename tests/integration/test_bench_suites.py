@@ -86,3 +86,23 @@ def test_straggler_times_flat_ddp_local_sgd_and_diloco(results):
     for arm in report["arms"]:
         assert arm["completed"] and arm["wall_s"] > 0 and arm["final_eval_loss"] is not None
     assert report["arms"][0]["speedup_vs_flat"] == 1.0
+
+
+@pytest.mark.paced  # steps padded (the sites' min_step_s): mostly asleep
+def test_sites_runs_balance_none_and_steps_on_the_same_tokens(results):
+    out = results / "sites"
+    assert bench(["sites", "--quick", "--out", str(out)]) == 0
+    report = _report(out, "sites")
+    assert [a["name"] for a in report["arms"]] == ["none", "steps"]
+    none, steps = report["arms"]
+    for arm in report["arms"]:
+        assert arm["completed"] and arm["final_eval_loss"] is not None and arm["tokens"] > 0
+        assert len(arm["curve"]) == arm["rounds"] + 1  # the initial eval, then every round's
+        assert arm["tokens"] == sum(arm["tokens_per_cluster"])  # the rounds' record agrees with the summary
+        assert set(arm["outer_wait_fraction_median"]) == {"c0", "c1"}
+    spr = report["settings"]["outer_every"]
+    assert none["cluster_steps"] == [[spr, spr]] * none["rounds"]
+    assert steps["cluster_steps"] == [[spr, spr // 2]] * steps["rounds"]  # the slow site plans half
+    assert steps["tokens"] == none["tokens"]  # the same total tokens
+    assert set(report["ratios"]) == set(report["targets"]) == set(report["holds"]) == {"tokens_per_s", "time_to_loss"}
+    assert report["ratios"]["tokens_per_s"] > 0
