@@ -64,6 +64,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -161,57 +162,106 @@ class _OwnWorld:
 
 
 def _value(ref):
-    """A fake Ref's answer, as the actor's reply (the Ray side arms no fault, so nothing is held)."""
+    """A fake Ref's answer, as the actor's reply (the Ray side arms no fault, so nothing is held). A
+    Ref ready later (a run_inner while `inner_s` > 0: a round that trains) is waited for here, in the
+    actor's phase thread, as a replica's training would hold it."""
     if ref.error is not None:
         raise ref.error
-    assert ref.at == 0.0, "a light replica answers at once"
+    if ref.at > 0.0:
+        assert math.isfinite(ref.at), "the Ray side holds no call forever"
+        time.sleep(max(0.0, ref.at - time.monotonic()))
     return ref.value
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"phase": 1, "control": 2})
 class LightReplica:
     """A replica actor that skips the model work: benchmarks/fake_ray.py's Replica answers behind real
     Ray calls. `reset` gives it an id and a fresh state (round 0, step 0) and the handles of its
-    cluster's members (a heal target takes its source's state from the source's actor)."""
+    cluster's members (a heal target takes its source's state from the source's actor).
+
+    Its concurrency groups are actors/replica.py's: phase methods one at a time in the "phase" group,
+    the control channel (progress, request_yield) in "control", so `progress` answers while a
+    lasting run_inner holds the phase thread (`set_inner_s`: how long each run_inner lasts, from its
+    call). It counts its own invocations of the replica API per method (`calls`); the bench's own
+    calls (reset, restart, set_inner_s, calls, sent_state: a heal target's, actor to actor) are not
+    counted."""
 
     def __init__(self):
         self.replica, self.world, self.peers = None, None, {}
+        self.counts: Counter = Counter()
+        self.lock = threading.Lock()
 
+    def _count(self, method: str) -> None:
+        with self.lock:
+            self.counts[method] += 1
+
+    @ray.method(concurrency_group="control")
     def reset(self, rid: str, steps_per_round: int, peers: dict) -> dict:
         from benchmarks.fake_ray import Replica  # ray.exceptions and hsgd's topology and events: no torch
 
         self.world = _OwnWorld(steps_per_round)
         self.replica = Replica(self.world, rid, pid=os.getpid())
         self.peers = peers
+        with self.lock:
+            self.counts.clear()
         return _value(self.replica.progress())
 
+    @ray.method(concurrency_group="control")
     def restart(self) -> dict:
         """As Ray restarting the actor: a new incarnation at (0, 0). Its answer to the probe."""
         return self.replica.restart()
 
+    @ray.method(concurrency_group="control")
+    def set_inner_s(self, seconds: float) -> None:
+        """Each run_inner from now on answers `seconds` after its call (0: at once)."""
+        self.world.inner_s = float(seconds)
+
+    @ray.method(concurrency_group="control")
+    def calls(self, clear: bool = True) -> dict:
+        """Its invocations per method since the last clear (the replica API only)."""
+        with self.lock:
+            counts = dict(self.counts)
+            if clear:
+                self.counts.clear()
+        return counts
+
     # -- the replica API the round runner calls ------------------------------------------------------------
+    @ray.method(concurrency_group="control")
     def progress(self) -> dict:
+        self._count("progress")
         return _value(self.replica.progress())
 
+    @ray.method(concurrency_group="control")
     def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
+        self._count("request_yield")
         return _value(self.replica.request_yield(epoch, round_index, step_in_round))
 
+    @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults=None, join=None, overlap=None, steps=None) -> dict:
+        self._count("run_inner")
         return _value(self.replica.run_inner(round_index, faults, join, overlap, steps))
 
+    @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults=None, join=None, shard: int = 0,
                      shards: int = 1, weights: tuple = ()) -> dict:
+        self._count("outer_reduce")
         return _value(self.replica.outer_reduce(round_index, epoch, faults, join, shard, shards, weights))
 
+    @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults=None) -> dict:
+        self._count("outer_commit")
         return _value(self.replica.outer_commit(round_index, roots, faults))
 
+    @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults=None) -> dict:
+        self._count("send_state")
         return _value(self.replica.send_state(round_index, join, chunk_mb, faults))
 
+    @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults=None) -> dict:
         """The source's state, from its actor (the prefix names the source: actors/heals.py
         `.../heal/r<round>/<source>/<token>`), once its send_state ran; within STATE_WAIT_S."""
+        self._count("receive_state")
         prefix = join[2]
         source = self.peers[prefix.split("/")[-2]]
         deadline = time.monotonic() + STATE_WAIT_S
@@ -222,6 +272,7 @@ class LightReplica:
         self.world.heal_sources[prefix] = tuple(state)
         return _value(self.replica.receive_state(round_index, join, faults))
 
+    @ray.method(concurrency_group="control")
     def sent_state(self, prefix: str):
         return self.world.heal_sources.get(prefix)
 
@@ -255,10 +306,12 @@ class RayWorld:
         return answer
 
 
-def start_actors(n: int) -> list:
-    actors = [LightReplica.options(num_cpus=0).remote() for _ in range(n)]
+def start_actors(n: int) -> tuple[list, list[str]]:
+    """n light actors, named (Ray's actor table lists them by name: part 3's ActorWatch reads it)."""
+    names = [f"hsgd-bench-scale-{os.getpid()}-{i}" for i in range(n)]
+    actors = [LightReplica.options(num_cpus=0, name=name).remote() for name in names]
     ray.get([a.__ray_ready__.remote() for a in actors], timeout=CALL_S)
-    return actors
+    return actors, names
 
 
 def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed: int) -> dict:
@@ -308,24 +361,237 @@ def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed:
             "events": dict(run.log.counts)}
 
 
-def ray_side(sizes, rounds: int, seed: int, on_size) -> list[dict]:
+def driver_idle_cpu_per_s(seconds: float = 2.0) -> float:
+    """This process's CPU per second while its main thread sleeps: Ray's own threads in the driver."""
+    t0, cpu0 = time.monotonic(), time.process_time()
+    time.sleep(seconds)
+    return (time.process_time() - cpu0) / (time.monotonic() - t0)
+
+
+def ray_side(sizes, rounds: int, seed: int, on_size, inner_s: float, on_lasting) -> tuple[list[dict], list[dict], float]:
+    """Parts 2 and 3 in one Ray over the same actors: part 2's rows, part 3's rows, and the driver's
+    CPU per second at rest (measured between them)."""
     repo = str(Path(__file__).resolve().parent.parent)
     from benchmarks.report import bench_ray  # here, not at import: the actors import this module
 
     with bench_ray(num_cpus=4, namespace="hsgd-bench-scale",
                    runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}}):
         t0 = time.monotonic()
-        actors = start_actors(max(c * n for c, n in sizes))
+        actors, names = start_actors(max(c * n for c, n in sizes))
         try:
             print(f"scale: {len(actors)} light replica actors up in {time.monotonic() - t0:.1f} s", flush=True)
             results = []
             for clusters, per_cluster in sizes:
                 results.append(ray_rounds(actors, clusters, per_cluster, rounds, seed))
                 on_size(results[-1])
-            return results
+            idle = driver_idle_cpu_per_s()
+            print(f"scale lasting: the driver at rest uses {idle:.1%} of a core (Ray's threads in it); "
+                  f"rounds whose inner phase lasts {inner_s:g} s next", flush=True)
+            lasting = []
+            for clusters, per_cluster in sizes:
+                lasting.append(lasting_rounds(actors, names, clusters, per_cluster, inner_s, seed))
+                on_lasting(lasting[-1])
+            return results, lasting, idle
         finally:
             for actor in actors:
                 ray.kill(actor)  # in a Ray the caller keeps running, nothing of ours stays behind
+
+
+# -- 3. lasting rounds: the supervisor's polling while replicas train -------------------------------------
+TARGET_CPU_FRACTION = 0.05  # the issue's target: the supervisor's CPU during the inner phase at 64 actors
+TARGET_CALLS_PER_CLUSTER_TICK = 2  # the issue's target: extra calls per round <= 2 x clusters x ticks
+INNER_S, QUICK_INNER_S = 5.0, 2.0
+API = ("progress", "run_inner", "outer_reduce", "outer_commit", "request_yield", "send_state", "receive_state")
+
+
+class TableRoster:
+    """bench_plan's FakeRoster with Ray's real actor table behind it, as actors/roster.py reads it:
+    a real `actors.lifecycle.ActorWatch` over the light actors' names, polled once per tick
+    (`deaths`), and `table_tells` from its last poll (actors/round_runner.py `_ask` skips an idle
+    replica's liveness call when the table lists its actor). Counts the table's reads and the idle
+    liveness probes the machine wanted (`idle_wanted`) and those the table could not tell
+    (`idle_untold`: a call was made, unless one was outstanding)."""
+
+    def __init__(self, fake_roster, names: dict):
+        from actors.lifecycle import ActorWatch
+        from ray._private.state import state as gcs
+
+        self.fake, self.names = fake_roster, names
+        self.table_reads = self.idle_wanted = self.idle_untold = 0
+
+        def table():
+            self.table_reads += 1
+            return gcs.actor_table(None).values()
+
+        self.watch = ActorWatch(dict(names), {}, {}, table=table)
+
+    def __getattr__(self, name):  # handles, live, pids, gone, spares, note_up, died, promote_spare: the fake's
+        return getattr(self.fake, name)
+
+    def __setattr__(self, name, value):
+        if name == "live":  # the runner and FakeRun keep the live view on the roster
+            setattr(self.fake, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def deaths(self, live, round_index: int, phase: str | None) -> list[str]:
+        lost = []
+        for d in self.watch.poll():  # the light actors never die here: a death is a broken bench
+            raise RuntimeError(f"a light actor died ({d}): the bench is broken")
+        return lost + self.fake.deaths(live, round_index, phase)
+
+    def table_tells(self, rid: str) -> bool:
+        self.idle_wanted += 1
+        tells = self.watch.tells(self.names.get(rid))
+        self.idle_untold += not tells
+        return tells
+
+
+class InnerPhaseClock:
+    """The supervisor process's clocks at the inner phase's ends, from the round's own events: the
+    first `phase_begin` of run_inner (its calls issued) and the last run_inner `phase_end` (every
+    cluster's answers in). `process_time`: every thread of this process (the runner's, and Ray's
+    core-worker threads in it: gRPC, its event loops); `thread_time`: the thread running drive()."""
+
+    def __init__(self, log):
+        self.event, self.open, self.begun, self.ended = log.event, set(), None, None
+        log.event = self._event
+
+    @staticmethod
+    def now() -> tuple[float, float, float]:
+        return time.monotonic(), time.process_time(), time.thread_time()
+
+    def _event(self, name: str, **fields) -> None:
+        if fields.get("phase") == "inner" and name in ("phase_begin", "phase_end"):
+            if name == "phase_begin":
+                self.open.add(fields["cluster"])
+                if self.begun is None:
+                    self.begun = self.now()
+            else:
+                self.open.discard(fields["cluster"])
+                if not self.open:
+                    self.ended = self.now()
+        self.event(name, **fields)
+
+    def reset(self) -> None:
+        self.open, self.begun, self.ended = set(), None, None
+
+    def figures(self) -> dict:
+        if self.begun is None or self.ended is None:
+            raise RuntimeError("the round had no inner phase: the bench is broken")
+        wall, cpu, thread = (b - a for a, b in zip(self.begun, self.ended))
+        return {"inner_wall_s": wall, "supervisor_cpu_s": cpu, "supervisor_main_thread_cpu_s": thread,
+                "supervisor_cpu_per_inner_s": cpu / wall if wall > 0 else 0.0,
+                "supervisor_main_thread_cpu_per_inner_s": thread / wall if wall > 0 else 0.0}
+
+
+def actor_calls(handles: dict) -> dict:
+    """Each light actor's own count of the replica API's invocations since the last read (cleared)."""
+    total: Counter = Counter()
+    for counts in ray.get([h.calls.remote() for h in handles.values()], timeout=CALL_S):
+        total.update(counts)
+    return {**{m: 0 for m in ("progress", "run_inner", "outer_reduce", "outer_commit")}, **dict(sorted(total.items()))}
+
+
+def lasting_rounds(actors: list, names: list, clusters: int, per_cluster: int, inner_s: float, seed: int) -> dict:
+    """One size over the first clusters x per_cluster actors: the first round (groups formed), an
+    instant round (run_inner answers at once) and a lasting round (each run_inner answers inner_s
+    after its call), each counted by the actors; the lasting round's inner phase timed on the
+    supervisor process's clocks."""
+    from actors.round_runner import IDLE_POLL_S, TICK_S
+    from hsgd.core.topology import Topology
+    from benchmarks.plan import FakeRun
+
+    topology = Topology(clusters, per_cluster)
+    handles = dict(zip(topology.replica_ids(), actors))
+    answers = ray.get([h.reset.remote(rid, STEPS_PER_ROUND,
+                                      {p: handles[p] for p in topology.cluster_members(topology.cluster_of(rid))})
+                       for rid, h in handles.items()], timeout=CALL_S)
+    world = RayWorld(topology, handles, {a["rid"]: a for a in answers})
+    run = FakeRun(topology, STEPS_PER_ROUND, random.Random(seed), world=world)
+    roster = TableRoster(run.roster, dict(zip(topology.replica_ids(), names)))
+    run.roster = run.ports.roster = roster
+    clock = InnerPhaseClock(run.log)
+
+    def counted(case: str, seconds: float) -> dict:
+        ray.get([h.set_inner_s.remote(seconds) for h in handles.values()], timeout=CALL_S)
+        actor_calls(handles)  # cleared: this round's calls only
+        reads0, wanted0, untold0 = roster.table_reads, roster.idle_wanted, roster.idle_untold
+        events0 = run.log.counts.copy()
+        clock.reset()
+        t0, cpu0 = time.monotonic(), time.process_time()
+        record = run.round(case)
+        wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        calls = actor_calls(handles)
+        events = run.log.counts - events0
+        if record["outcome"] != "committed" or events["commit_decision"] != 1:
+            raise RuntimeError(f"{case} round at {topology.num_replicas} actors did not commit: the bench is broken")
+        return {"round_wall_s": wall, "round_supervisor_cpu_s": cpu, "machine_ticks": record["ticks"],
+                "calls_per_round": sum(calls.values()), "calls_by_method": calls,
+                "table_reads": roster.table_reads - reads0, "idle_probes_wanted": roster.idle_wanted - wanted0,
+                "idle_probes_untold": roster.idle_untold - untold0, **clock.figures()}
+
+    counted("first_round", 0.0)  # every group formed: neither figure is of it
+    instant = counted("instant", 0.0)
+    lasting = counted("lasting", inner_s)
+    ray.get([h.set_inner_s.remote(0.0) for h in handles.values()], timeout=CALL_S)
+    ticks = inner_s / TICK_S
+    target = TARGET_CALLS_PER_CLUSTER_TICK * clusters * ticks
+    extra = lasting["calls_per_round"] - instant["calls_per_round"]
+    extra_by_method = {m: lasting["calls_by_method"].get(m, 0) - instant["calls_by_method"].get(m, 0)
+                       for m in sorted(set(lasting["calls_by_method"]) | set(instant["calls_by_method"]))}
+    # progress calls: the runner's progress probes of replicas in run_inner, plus the idle liveness
+    # probes the actor table could not tell (both call `progress`; `up` probes: none, nobody is down)
+    idle_calls = lasting["idle_probes_untold"]
+    return {"replicas": topology.num_replicas, "clusters": clusters, "replicas_per_cluster": per_cluster,
+            "inner_s": inner_s, "tick_s": TICK_S, "idle_poll_s": IDLE_POLL_S, "ticks": ticks,
+            "lasting": lasting, "instant": instant,
+            "calls_per_round": lasting["calls_per_round"], "instant_calls_per_round": instant["calls_per_round"],
+            "extra_calls_per_round": extra, "extra_calls_by_method": extra_by_method,
+            "progress_calls_lasting": lasting["calls_by_method"].get("progress", 0) - idle_calls,
+            "idle_liveness_calls_lasting": idle_calls,
+            "idle_liveness_calls_skipped_lasting": lasting["idle_probes_wanted"] - lasting["idle_probes_untold"],
+            "target_extra_calls": target, "extra_calls_hold": extra <= target,
+            "supervisor_cpu_per_inner_s": lasting["supervisor_cpu_per_inner_s"],
+            "supervisor_main_thread_cpu_per_inner_s": lasting["supervisor_main_thread_cpu_per_inner_s"]}
+
+
+def affine(xs: list[float], ys: list[float]) -> dict:
+    """Least squares of y = fixed + slope * x, with r2."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if len(xs) < 2 or sxx == 0:
+        raise ValueError(f"a fit needs two sizes or more: {xs}")
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    syy = sum((y - my) ** 2 for y in ys)
+    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    return {"fixed": a, "per_replica": b, "r2": 1.0 - residual / syy if syy > 0 else 1.0, "sizes": len(xs)}
+
+
+def lasting_fit(rows: list[dict]) -> dict:
+    """Extra calls per round and the supervisor's CPU per second of inner phase, each affine in replicas."""
+    xs = [r["replicas"] for r in rows]
+    calls = affine(xs, [r["extra_calls_per_round"] for r in rows])
+    cpu = affine(xs, [r["supervisor_cpu_per_inner_s"] for r in rows])
+    ticks = rows[0]["ticks"]
+    return {"extra_calls": {**calls, "per_replica_per_tick": calls["per_replica"] / ticks if ticks else None,
+                            "at_10000": calls["fixed"] + calls["per_replica"] * AT},
+            "supervisor_cpu_per_inner_s": {**cpu, "at_10000": cpu["fixed"] + cpu["per_replica"] * AT,
+                                           "one_core_at_replicas": (1.0 - cpu["fixed"]) / cpu["per_replica"]
+                                           if cpu["per_replica"] > 0 else None},
+            "calls_per_round": affine(xs, [r["calls_per_round"] for r in rows]),
+            "instant_calls_per_round": affine(xs, [r["instant_calls_per_round"] for r in rows])}
+
+
+def lasting_holds(rows: list[dict]) -> dict:
+    """The issue's targets as figures, never asserts: extra calls <= 2 x clusters x ticks at every
+    size; the supervisor's CPU per second of inner phase <= 5 % of a core at the largest size (64 actors)."""
+    top = max(rows, key=lambda r: r["replicas"])
+    return {"extra_calls_le_2_clusters_ticks": all(r["extra_calls_hold"] for r in rows),
+            "extra_calls_le_2_clusters_ticks_by_size": {str(r["replicas"]): r["extra_calls_hold"] for r in rows},
+            "cpu_le_5pct_at_largest": top["supervisor_cpu_per_inner_s"] <= TARGET_CPU_FRACTION,
+            "largest_replicas": top["replicas"]}
 
 
 # -- fits --------------------------------------------------------------------------------------------------
@@ -385,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the two smallest decision sizes, one round a case; Ray at 4 and 8 actors")
     parser.add_argument("--rounds", type=int, default=5, help="rounds timed per case and size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--inner-s", type=float, default=None,
+                        help=f"how long each run_inner of part 3's lasting rounds lasts (default {INNER_S:g} s; "
+                             f"--quick: {QUICK_INNER_S:g} s)")
     args = parser.parse_args(argv)
     from benchmarks.report import header, write_suite
 
@@ -392,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     ray_rounds_n = args.rounds
     if args.quick:
         decision_sizes, ray_sizes, rounds, ray_rounds_n = QUICK_DECISION_SIZES, QUICK_RAY_SIZES, 1, 2
+    inner_s = args.inner_s if args.inner_s is not None else QUICK_INNER_S if args.quick else INNER_S
+    if inner_s <= 0:
+        parser.error("--inner-s must be > 0 (the instant round is measured beside it)")
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-scale-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -411,20 +683,50 @@ def main(argv: list[str] | None = None) -> int:
               f"median (spread {r['round_ms_spread']:.1f}, driver CPU {r['driver_cpu_ms_median']:.1f} ms), first "
               f"{r['first_round_ms']:.1f} ms, after a restart {r['heal_round_ms']:.1f} ms", flush=True)
 
-    ray_rows = ray_side(ray_sizes, ray_rounds_n, args.seed, on_size)
+    def on_lasting(r: dict) -> None:
+        by = r["lasting"]["calls_by_method"]
+        print(f"scale lasting {r['replicas']:>3} actors / {r['clusters']:>2} clusters: actor calls per round "
+              f"{r['calls_per_round']} with a {r['inner_s']:g}-s inner phase ({', '.join(f'{m} {n}' for m, n in by.items())}), "
+              f"{r['instant_calls_per_round']} instant: extra {r['extra_calls_per_round']} vs target "
+              f"2 x clusters x ticks = {r['target_extra_calls']:.0f} ({'holds' if r['extra_calls_hold'] else 'does not hold'}); "
+              f"idle-liveness calls {r['idle_liveness_calls_lasting']} (skipped, the table tells: "
+              f"{r['idle_liveness_calls_skipped_lasting']}), table reads {r['lasting']['table_reads']}; "
+              f"supervisor CPU {r['supervisor_cpu_per_inner_s']:.1%} of a core over the inner phase "
+              f"(main thread {r['supervisor_main_thread_cpu_per_inner_s']:.1%})", flush=True)
+
+    ray_rows, lasting_rows, idle_cpu = ray_side(ray_sizes, ray_rounds_n, args.seed, on_size, inner_s, on_lasting)
     rfit = ray_fit(ray_rows)
+    lfit = lasting_fit(lasting_rows)
+    holds = lasting_holds(lasting_rows)
     report = {**header("scale", argv, args.quick), "budget_ms": BUDGET_MS,
               "note": "ms per round on this machine; compare growth exponents and the extrapolation with the budget "
                       "(1 % of a 60-s round), never as an assert",
               "steps_per_round": STEPS_PER_ROUND, "decisions": rows, "decisions_fit": fit,
-              "ray_control_plane": ray_rows, "ray_fit": rfit, "ray_extrapolated_10000_ms": at(rfit, AT)}
+              "ray_control_plane": ray_rows, "ray_fit": rfit, "ray_extrapolated_10000_ms": at(rfit, AT),
+              "lasting_inner_s": inner_s, "lasting_rounds": lasting_rows, "lasting_fit": lfit,
+              "lasting_targets": {"extra_calls_per_cluster_tick": TARGET_CALLS_PER_CLUSTER_TICK,
+                                  "cpu_fraction_at_largest": TARGET_CPU_FRACTION},
+              "lasting_holds": holds, "driver_idle_cpu_per_s": idle_cpu,
+              "lasting_note": "actor calls counted by the actors themselves (the replica API only); CPU: "
+                              "time.process_time() of the driver process running drive() (every thread: the runner's "
+                              "and Ray's core-worker threads; not the raylet, GCS or actors) over the lasting round's "
+                              "inner phase, first run_inner phase_begin to last phase_end, per wall second; "
+                              "targets are figures, never asserts"}
     write_suite(out, report)
     plot(report, out / "scale.png")
     print(f"scale: decisions grow as replicas^{fit['growth_exponent']:.2f} "
           f"({rows[-1]['machine_plus_runner_ms']:.1f} ms "
           f"at {rows[-1]['replicas']:,}); Ray per round grows as replicas^{rfit['growth_exponent']:.2f}, "
           f"{report['ray_extrapolated_10000_ms']:.0f} ms at {AT:,} (affine {rfit['affine']['at_10000_ms']:.0f} ms); "
-          f"budget {BUDGET_MS:.0f} ms; scale.json and scale.png in {out}", flush=True)
+          f"budget {BUDGET_MS:.0f} ms", flush=True)
+    print(f"scale lasting: extra calls per round = {lfit['extra_calls']['fixed']:.1f} + "
+          f"{lfit['extra_calls']['per_replica']:.2f} x replicas ({lfit['extra_calls']['per_replica_per_tick']:.2f} per "
+          f"replica per tick); supervisor CPU per inner second = {lfit['supervisor_cpu_per_inner_s']['fixed']:.2%} + "
+          f"{lfit['supervisor_cpu_per_inner_s']['per_replica']:.3%} x replicas; targets: extra calls <= 2 x clusters "
+          f"x ticks {'holds' if holds['extra_calls_le_2_clusters_ticks'] else 'does not hold'}, CPU at "
+          f"{holds['largest_replicas']} actors <= {TARGET_CPU_FRACTION:.0%} "
+          f"{'holds' if holds['cpu_le_5pct_at_largest'] else 'does not hold'}; scale.json and scale.png in {out}",
+          flush=True)
     return 0
 
 
@@ -433,7 +735,11 @@ def plot(report: dict, path: Path) -> None:
 
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    lasting = report.get("lasting_rounds") or []
+    if lasting:
+        fig, (ax, calls_ax, cpu_ax) = plt.subplots(1, 3, figsize=(17, 4.5), dpi=110)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     rows, ray_rows = report["decisions"], report["ray_control_plane"]
     span = [min(r["replicas"] for r in ray_rows + rows), AT]
     grid = [span[0] * (span[1] / span[0]) ** (i / 40) for i in range(41)]
@@ -460,7 +766,43 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("ms per round")
     ax.set_title("hsgd control plane vs size", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
+    if lasting:
+        plot_lasting(report, calls_ax, cpu_ax)
+        fig.tight_layout()
     save_png(fig, path)
+
+
+def plot_lasting(report: dict, calls_ax, cpu_ax) -> None:
+    """Part 3: actor calls per round vs replicas (lasting, instant, their difference, the target) and
+    the supervisor's CPU per second of inner phase vs replicas (the 5 % target)."""
+    rows = report["lasting_rounds"]
+    xs = [r["replicas"] for r in rows]
+    inner_s = report["lasting_inner_s"]
+    calls_ax.plot(xs, [r["calls_per_round"] for r in rows], "o-", color="#c44e52",
+                  label=f"lasting round ({inner_s:g}-s inner phase)")
+    calls_ax.plot(xs, [r["instant_calls_per_round"] for r in rows], "s-", color="#3b75af", label="instant round")
+    calls_ax.plot(xs, [r["extra_calls_per_round"] for r in rows], "^--", color="#8172b2",
+                  label="extra: lasting - instant")
+    calls_ax.plot(xs, [r["target_extra_calls"] for r in rows], ":", color="#888", marker="x",
+                  label="target for extra: 2 x clusters x ticks")
+    calls_ax.set_xlabel("replicas (light actors)")
+    calls_ax.set_ylabel("actor calls per round (counted by the actors)")
+    calls_ax.set_title("supervisor's actor calls per round", fontsize=10)
+    calls_ax.legend(fontsize=7, loc="upper left")
+    cpu_ax.plot(xs, [100 * r["supervisor_cpu_per_inner_s"] for r in rows], "o-", color="#c44e52",
+                label="driver process (all its threads)")
+    cpu_ax.plot(xs, [100 * r["supervisor_main_thread_cpu_per_inner_s"] for r in rows], "s-", color="#55a868",
+                label="drive()'s thread only")
+    if report.get("driver_idle_cpu_per_s") is not None:
+        cpu_ax.axhline(100 * report["driver_idle_cpu_per_s"], color="#55a868", lw=1, ls="--",
+                       label="driver process at rest")
+    cpu_ax.axhline(100 * report["lasting_targets"]["cpu_fraction_at_largest"], color="#888", lw=1, ls=":",
+                   label="target at 64 actors")
+    cpu_ax.set_xlabel("replicas (light actors)")
+    cpu_ax.set_ylabel("% of one core")
+    cpu_ax.set_title(f"supervisor CPU per second of inner phase ({inner_s:g}-s phase)", fontsize=10)
+    cpu_ax.set_ylim(bottom=0)
+    cpu_ax.legend(fontsize=7, loc="upper left")
 
 
 if __name__ == "__main__":
