@@ -108,6 +108,49 @@ def _scale_rows(r: dict) -> list[list[str]]:
                      f"{_f((fit.get('affine') or {}).get('at_10000_ms'), '.0f', ' ms')}",
                      f"exponent {_f(fit.get('growth_exponent'), '.2f')} (r² {_f(fit.get('r2'), '.2f')}); "
                      f"budget {r.get('budget_ms', 600):g} ms"])
+    return rows + _lasting_rows(r)
+
+
+def _holds(value) -> str:
+    return "holds" if value else "does not hold"
+
+
+def _lasting_rows(r: dict) -> list[list[str]]:
+    """scale's part 3: rounds whose inner phase lasts `lasting_inner_s` (none in older reports)."""
+    lasting = r.get("lasting_rounds") or []
+    if not lasting:
+        return []
+    inner_s, rows = r["lasting_inner_s"], []
+    for p in lasting:
+        by = p["lasting"]["calls_by_method"]
+        rows.append([f"actor calls per round, {p['replicas']} actors / {p['clusters']} clusters: "
+                     f"{inner_s:g}-s inner phase / instant / extra",
+                     f"{p['calls_per_round']} / {p['instant_calls_per_round']} / {p['extra_calls_per_round']}",
+                     f"target extra ≤ 2×clusters×ticks = {p['target_extra_calls']:.0f}: "
+                     f"{_holds(p['extra_calls_hold'])}; "
+                     f"progress {by.get('progress', 0)} (idle-liveness {p['idle_liveness_calls_lasting']}, "
+                     f"{p['idle_liveness_calls_skipped_lasting']} told by the actor table)"])
+    for p in lasting:
+        rows.append([f"supervisor CPU per second of inner phase, {p['replicas']} actors",
+                     _f(100 * p["supervisor_cpu_per_inner_s"], ".1f", " % of a core"),
+                     f"drive()'s thread {_f(100 * p['supervisor_main_thread_cpu_per_inner_s'], '.1f', ' %')}; "
+                     f"at rest {_f(100 * r['driver_idle_cpu_per_s'], '.1f', ' %')}"])
+    fit, holds = r["lasting_fit"], r["lasting_holds"]
+    calls, cpu = fit["extra_calls"], fit["supervisor_cpu_per_inner_s"]
+    rows.append(["extra calls per round vs replicas (affine fit)",
+                 f"{calls['fixed']:.1f} + {calls['per_replica']:.2f} × replicas",
+                 f"{_f(calls.get('per_replica_per_tick'), '.2f')} per replica per tick; "
+                 f"{_f(calls['at_10000'], ',.0f')} at 10,000"])
+    rows.append(["supervisor CPU per second of inner phase vs replicas (affine fit)",
+                 f"{100 * cpu['fixed']:.2f} % + {100 * cpu['per_replica']:.3f} % × replicas",
+                 f"one core at ~{_f(cpu.get('one_core_at_replicas'), ',.0f')} replicas"])
+    targets = r["lasting_targets"]
+    rows.append([f"issue 36 targets ({inner_s:g}-s inner phases)",
+                 f"extra calls ≤ {targets['extra_calls_per_cluster_tick']:g}×clusters×ticks at every size: "
+                 f"{_holds(holds['extra_calls_le_2_clusters_ticks'])}; CPU at {holds['largest_replicas']} actors ≤ "
+                 f"{100 * targets['cpu_fraction_at_largest']:g} % of a core: "
+                 f"{_holds(holds['cpu_le_5pct_at_largest'])}",
+                 "figures, never asserts"])
     return rows
 
 

@@ -27,7 +27,8 @@ How the supervisor's control plane grows with the number of replicas, two ways.
    sharded path).
 
 2. The Ray control plane per round (real Ray). A local Ray (`ray.init(num_cpus=4)`, token auth as
-   by default) holds lightweight replica actors (`LightReplica`, `num_cpus=0`): each answers the
+   by default) holds lightweight replica actors (`LightReplica`, `num_cpus=0`, in actors/replica.py's
+   concurrency groups): each answers the
    replica API the round runner uses — run_inner, outer_reduce, outer_commit, progress,
    request_yield, send_state/receive_state — at once, with the answers of benchmarks/fake_ray.py's
    `Replica` (its own small state: committed round and step, a digest chain of the commits it
@@ -42,6 +43,41 @@ How the supervisor's control plane grows with the number of replicas, two ways.
    The actors share this machine's cores with Ray and the supervisor; on a cluster they would not,
    so the wall here is an upper bound of what the supervisor waits on.
 
+3. Lasting rounds: the supervisor's polling while replicas train (real Ray, issue 36). The same
+   light actors and the same `RoundRunner.drive()`, but each run_inner answers `--inner-s` seconds
+   after its call (default 5 s; --quick: 2 s), held in the actor's "phase" thread as training would
+   hold it, while its "control" thread answers `progress` (the light actor's concurrency groups are
+   actors/replica.py's). Meanwhile the runner polls as it does for real: a `progress` call every
+   TICK_S to each replica in run_inner, idle-liveness calls to idle replicas only where the table
+   cannot tell, and Ray's real actor table read once per tick (`TableRoster`: a real
+   actors.lifecycle.ActorWatch over the light actors' names, behind bench_plan's FakeRoster). Per size
+   (the sizes of part 2): the first round (groups formed; not reported), an instant round (inner_s
+   = 0) and a lasting round, each counted BY THE ACTORS — every light actor counts its own
+   invocations of the replica API per method (progress, run_inner, outer_reduce, outer_commit, ...),
+   read and cleared after the round; the bench's own calls (reset, set_inner_s, the counters) are
+   not counted:
+
+       calls_per_round / instant_calls_per_round   every actor call of the round, and by method
+       extra_calls_per_round     lasting - instant: what a lasting inner phase costs in calls
+       ticks                     inner_s / TICK_S (actors.round_runner); machine_ticks: counted
+       progress_calls_lasting / idle_liveness_calls_lasting   the lasting round's `progress` calls
+                                 split by why (the runner's progress probes of replicas in
+                                 run_inner; idle-liveness probes the actor table could not tell);
+                                 idle_liveness_calls_skipped_lasting: those the table told
+       supervisor_cpu_per_inner_s   time.process_time() of the driver process (the one running
+                                 drive(): every thread in it — the runner's and Ray's core-worker
+                                 threads; not the raylet, the GCS or the actors) over the lasting
+                                 round's inner phase (its first run_inner phase_begin to its last
+                                 run_inner phase_end, from the round's own events), per wall second:
+                                 a fraction of one core; supervisor_main_thread_cpu_per_inner_s:
+                                 time.thread_time() of drive()'s thread alone. driver_idle_cpu_per_s:
+                                 the driver process's CPU per second at rest (its main thread asleep)
+
+   `lasting_fit`: affine fits vs replicas of the extra calls (per replica, per replica per tick,
+   at 10,000) and of the CPU fraction (at 10,000, the size where it reaches one core). The issue's
+   targets as figures, never asserts (`lasting_holds`): extra calls per round <= 2 x clusters x
+   ticks at every size, and the CPU at the largest size (64 actors) <= 5 % of one core.
+
 Growth order: the least-squares slope of log(time) against log(replicas), `growth_exponent`
 (1.0: linear; ~0: a fixed cost dominates), with `coefficient_ms` (time = coefficient x
 replicas^exponent) and r2. The Ray side is extrapolated to 10,000 replicas with its own fit
@@ -51,9 +87,11 @@ comparison. `budget_ms` (600: 1 % of a 60-s round) is a figure to compare, never
 Every round must commit with the replicas' digests agreeing (bench_plan's checks), and the round
 after a restart must heal, or the bench stops: a timing of a broken run means nothing. Writes
 `<out>/scale.json` (the header of benchmarks/report.py, then `decisions`, `decisions_fit`,
-`ray_control_plane`, `ray_fit`, `ray_extrapolated_10000_ms`, `budget_ms`) and `<out>/scale.png`
-(log-log time vs replicas with the fits). `--quick` (a smoke run): the two smallest decision sizes,
-one round a case; Ray at 4 and 8 actors.
+`ray_control_plane`, `ray_fit`, `ray_extrapolated_10000_ms`, `budget_ms`, and part 3's
+`lasting_inner_s`, `lasting_rounds`, `lasting_fit`, `lasting_targets`, `lasting_holds`,
+`driver_idle_cpu_per_s`) and `<out>/scale.png` (log-log time vs replicas with the fits; part 3's
+calls per round and CPU fraction vs replicas beside it). `--quick` (a smoke run): the two smallest
+decision sizes, one round a case; Ray at 4 and 8 actors; 2-s lasting rounds.
 """
 from __future__ import annotations
 
@@ -368,7 +406,8 @@ def driver_idle_cpu_per_s(seconds: float = 2.0) -> float:
     return (time.process_time() - cpu0) / (time.monotonic() - t0)
 
 
-def ray_side(sizes, rounds: int, seed: int, on_size, inner_s: float, on_lasting) -> tuple[list[dict], list[dict], float]:
+def ray_side(sizes, rounds: int, seed: int, on_size, inner_s: float,
+             on_lasting) -> tuple[list[dict], list[dict], float]:
     """Parts 2 and 3 in one Ray over the same actors: part 2's rows, part 3's rows, and the driver's
     CPU per second at rest (measured between them)."""
     repo = str(Path(__file__).resolve().parent.parent)
@@ -684,11 +723,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['first_round_ms']:.1f} ms, after a restart {r['heal_round_ms']:.1f} ms", flush=True)
 
     def on_lasting(r: dict) -> None:
-        by = r["lasting"]["calls_by_method"]
+        by = ", ".join(f"{m} {n}" for m, n in r["lasting"]["calls_by_method"].items())
+        holds = "holds" if r["extra_calls_hold"] else "does not hold"
         print(f"scale lasting {r['replicas']:>3} actors / {r['clusters']:>2} clusters: actor calls per round "
-              f"{r['calls_per_round']} with a {r['inner_s']:g}-s inner phase ({', '.join(f'{m} {n}' for m, n in by.items())}), "
+              f"{r['calls_per_round']} with a {r['inner_s']:g}-s inner phase ({by}), "
               f"{r['instant_calls_per_round']} instant: extra {r['extra_calls_per_round']} vs target "
-              f"2 x clusters x ticks = {r['target_extra_calls']:.0f} ({'holds' if r['extra_calls_hold'] else 'does not hold'}); "
+              f"2 x clusters x ticks = {r['target_extra_calls']:.0f} ({holds}); "
               f"idle-liveness calls {r['idle_liveness_calls_lasting']} (skipped, the table tells: "
               f"{r['idle_liveness_calls_skipped_lasting']}), table reads {r['lasting']['table_reads']}; "
               f"supervisor CPU {r['supervisor_cpu_per_inner_s']:.1%} of a core over the inner phase "

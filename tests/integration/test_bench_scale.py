@@ -3,7 +3,10 @@
 actors (a local Ray, started and shut down by the suite). Timings are never checked here; what is:
 scale.json's schema, that every size of both sides ran with positive figures and committed every
 round with agreeing digests, that the Ray side's round after a restart healed over real actors,
-that both sides were fitted and extrapolated, and that scale.png was written."""
+that both sides were fitted and extrapolated, and that scale.png was written. Part 3 (rounds whose
+inner phase lasts 2 s, issue 36): the JSON's shape, and that the actors' own counts are consistent —
+one run_inner per replica in each fault-free round, progress calls in the lasting round, extra calls
+>= 0 and all of them progress calls — never its timings or whether the issue's targets hold."""
 from __future__ import annotations
 
 import json
@@ -11,7 +14,7 @@ import math
 
 import ray
 
-from benchmarks.scale import QUICK_DECISION_SIZES, QUICK_RAY_SIZES, main
+from benchmarks.scale import QUICK_DECISION_SIZES, QUICK_INNER_S, QUICK_RAY_SIZES, main
 
 MS = ("machine_ms", "runner_ms", "machine_plus_runner_ms")
 FIT = {"growth_exponent", "coefficient_ms", "r2", "sizes"}
@@ -61,6 +64,40 @@ def test_scale_quick_measures_decisions_and_the_ray_control_plane_at_every_size(
     assert FIT <= set(rfit) and rfit["sizes"] == len(QUICK_RAY_SIZES)
     assert _positive(report["ray_extrapolated_10000_ms"])
     assert math.isfinite(rfit["affine"]["at_10000_ms"]) and _positive(rfit["driver_cpu"]["at_10000_ms"])
+
+    assert report["lasting_inner_s"] == QUICK_INNER_S
+    lasting = report["lasting_rounds"]
+    assert [(r["clusters"], r["replicas"]) for r in lasting] == [(c, c * n) for c, n in QUICK_RAY_SIZES]
+    for r in lasting:
+        n, clusters = r["replicas"], r["clusters"]
+        assert r["ticks"] == QUICK_INNER_S / r["tick_s"] and r["target_extra_calls"] == 2 * clusters * r["ticks"]
+        for case in ("lasting", "instant"):
+            by = r[case]["calls_by_method"]
+            assert r[case]["calls_per_round"] == sum(by.values()), (case, by)
+            assert by["run_inner"] == n and by["outer_commit"] == n, (case, by)  # fault-free: one each per replica
+            assert 1 <= by["outer_reduce"] <= n, (case, by)
+            assert set(by) <= {"progress", "run_inner", "outer_reduce", "outer_commit", "request_yield",
+                                "send_state", "receive_state"}, by
+            assert r[case]["table_reads"] >= 1 and r[case]["idle_probes_untold"] <= r[case]["idle_probes_wanted"]
+        assert r["calls_per_round"] == r["lasting"]["calls_per_round"]
+        assert r["instant_calls_per_round"] == r["instant"]["calls_per_round"]
+        assert r["lasting"]["calls_by_method"]["progress"] > 0, "replicas in a lasting run_inner are polled"
+        assert r["extra_calls_per_round"] == r["calls_per_round"] - r["instant_calls_per_round"] >= 0
+        assert r["extra_calls_by_method"]["progress"] == r["extra_calls_per_round"], "the extra calls are polling"
+        assert r["progress_calls_lasting"] + r["idle_liveness_calls_lasting"] == \
+            r["lasting"]["calls_by_method"]["progress"] and r["progress_calls_lasting"] > 0
+        assert r["lasting"]["inner_wall_s"] >= QUICK_INNER_S * 0.9 and r["lasting"]["machine_ticks"] >= 1
+        assert r["supervisor_cpu_per_inner_s"] >= 0 and r["supervisor_main_thread_cpu_per_inner_s"] >= 0
+        assert isinstance(r["extra_calls_hold"], bool)
+    lfit = report["lasting_fit"]
+    for key in ("extra_calls", "supervisor_cpu_per_inner_s", "calls_per_round", "instant_calls_per_round"):
+        assert {"fixed", "per_replica", "r2", "sizes"} <= set(lfit[key]) and lfit[key]["sizes"] == len(lasting)
+    holds = report["lasting_holds"]
+    assert isinstance(holds["extra_calls_le_2_clusters_ticks"], bool)
+    assert isinstance(holds["cpu_le_5pct_at_largest"], bool)
+    assert holds["largest_replicas"] == lasting[-1]["replicas"]
+    assert report["lasting_targets"] == {"extra_calls_per_cluster_tick": 2, "cpu_fraction_at_largest": 0.05}
+    assert report["driver_idle_cpu_per_s"] >= 0
 
     assert (tmp_path / "scale.png").stat().st_size > 0
     assert ray.is_initialized() == ray_was_up, "the suite leaves Ray as it found it"
