@@ -28,9 +28,8 @@ How the supervisor's control plane grows with the number of replicas, two ways.
 
 2. The Ray control plane per round (real Ray). A local Ray (`ray.init(num_cpus=4)`, token auth as
    by default) holds lightweight replica actors (`LightReplica`, `num_cpus=0`, in actors/replica.py's
-   concurrency groups): each answers the
-   replica API the round runner uses — run_inner, outer_reduce, outer_commit, progress,
-   request_yield, send_state/receive_state — at once, with the answers of benchmarks/fake_ray.py's
+   concurrency groups): each answers the replica API the round runner uses — run_inner,
+   outer_reduce, outer_commit, progress, request_yield, send_state/receive_state — at once, with the answers of benchmarks/fake_ray.py's
    `Replica` (its own small state: committed round and step, a digest chain of the commits it
    applied), no model, no torch. The same round (bench_plan's `FakeRun`: a RoundMachine and
    `RoundRunner(machine, RunnerPorts(...)).drive()`) runs over the real actor handles with the
