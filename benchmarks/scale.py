@@ -196,7 +196,7 @@ class LightReplica:
     def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
         return _value(self.replica.request_yield(epoch, round_index, step_in_round))
 
-    def run_inner(self, round_index: int, faults=None, join=None, overlap=None, steps=None) -> dict:
+    def run_inner(self, round_index: int, faults=None, join=None, overlap=None, steps=None, store_addr=None) -> dict:
         return _value(self.replica.run_inner(round_index, faults, join, overlap, steps))
 
     def outer_reduce(self, round_index: int, epoch: int, faults=None, join=None, shard: int = 0,
