@@ -22,6 +22,7 @@ from actors import lifecycle
 from actors.hang import install_faulthandler
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.train import checkpoint, state_stream
+from hsgd.train.progress_board import Publisher
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
 from hsgd.train.simulate import link_from_config
 from hsgd.train.overlap import BackgroundReduce
@@ -74,6 +75,7 @@ class Replica:
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
+        self.board = Publisher(rid)  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
         if spare:
             self.trainer.warm_up()
         self._open_step_log()
@@ -98,7 +100,7 @@ class Replica:
             lifecycle.write_identity(self.actor_name, rid, spare=rid is None)
         if rid is not None:
             self.trainer.assume_identity(rid)
-            self.rid = rid
+            self.rid = self.board.rid = rid
         self.spare = rid is None
         self._open_step_log()
 
@@ -249,14 +251,17 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
-                  overlap: Overlap | None = None, steps: int | None = None) -> dict:
+                  overlap: Overlap | None = None, steps: int | None = None, store_addr: str | None = None) -> dict:
         """This round's remaining inner steps, of `steps` (sync.balance's plan; None: all of them;
         `join`: form the group first). `behind` if not at the round (it joins all the same, so its
         peers' first collective fails fast). `overlap`: reduce that shard in the background from the
-        snapshot step (hsgd/train/overlap.py)."""
+        snapshot step (hsgd/train/overlap.py). `store_addr`: where its steps are published."""
         self.slow_s = 0.0
+        self.board.address(store_addr)
 
         def hook(phase, r, s):
+            if phase == "inner":  # before each step: the steps so far are committed
+                self.board.publish(r, self.trainer.step)
             self._hook(phase, r, s)
             if phase == "inner" and self.yield_at is not None and self.yield_at[:2] == (self.epoch, r) \
                     and s >= self.yield_at[2]:

@@ -8,6 +8,7 @@ import ray
 
 from actors.heals import Heals
 from actors.round_record import RoundRecord
+from hsgd.train.progress_board import Board
 from hsgd.core.round import (ClusterAverage, Heal, Outcome, OuterCommit, OuterReduce, Phase, PhaseAnswer, PhaseEnded,
                              RunInner, Up, unanswered_heal)
 
@@ -23,7 +24,7 @@ def call(phase: Phase, rid: str, armed: dict, p, heals: Heals, live: dict):
         case Heal(source=source):  # the source's (round, step) as chosen, for a fallback's check
             return heals.issue(phase.id, phase.epoch, phase.calls, rid, armed, source_at=live.get(source))
         case RunInner(overlap=overlap, steps=steps):
-            return h.run_inner.remote(phase.round, faults, join, overlap, steps)
+            return h.run_inner.remote(phase.round, faults, join, overlap, steps, p.store_addr)
         case ClusterAverage():
             return h.cluster_average.remote(phase.round, phase.epoch, faults)
         case OuterReduce(shard=shard, shards=shards, weights=weights):
@@ -31,6 +32,16 @@ def call(phase: Phase, rid: str, armed: dict, p, heals: Heals, live: dict):
         case OuterCommit(roots=roots):
             return h.outer_commit.remote(phase.round, roots, faults)
     raise TypeError(f"not a call: {c!r}")
+
+
+def progress_board(ports, rids: list[str]) -> Board | None:
+    """The round's progress board (hsgd/train/progress_board.py), every replica's key cleared; None
+    without the run's store (the runner then asks by calls)."""
+    if ports.store is None or not ports.store_addr:
+        return None
+    board = Board(ports.store, ports.store_addr)
+    board.reset(rids)
+    return board
 
 
 def heal_at_rest(phase: Phase, ports, live: dict, deadline_s: float) -> None:

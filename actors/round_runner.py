@@ -10,8 +10,9 @@ and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray r
     AbortJoin  the group's rendezvous is released in the run's store (hsgd.train.comm)
     StepTimed  a sample for the learned step deadline; PhaseEnded: phase_end in the record
 
-Every tick (TICK_S) it asks replicas in run_inner for their step (Progress), replicas that are down
-whether they are back (Up), reads every death and restart from Ray's actor table (actors/lifecycle.py
+Every tick (TICK_S) it reads the steps of replicas in run_inner off the run's progress board, one
+store round trip for all (hsgd/train/progress_board.py: replicas push them; by calls if it fails),
+asks replicas that are down whether they are back (Up), reads every death and restart from Ray's actor table (actors/lifecycle.py
 through the roster: Lost), and ticks the machine's clock. Idle live replicas are asked whether their
 process still runs (every IDLE_POLL_S) only while the table does not list their actor (the GCS
 unreachable, an actor not yet registered): one table read per tick replaces a call per idle replica. Every wait is bounded: one `ray.wait` of at most TICK_S; answers are fetched once ready.
@@ -28,7 +29,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
-from actors.replica_calls import FETCH_S, call, up
+from actors.replica_calls import FETCH_S, call, progress_board, up
 from actors.round_record import RoundRecord
 from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, Phase, PhaseAnswer, PhaseEnded,
                              Progress, Reap, RoundMachine, StepTimed, Yield, raised)
@@ -69,6 +70,7 @@ class RoundRunner:
         self.record = RoundRecord(self.r, ports.log, ports.clock)
         self.heals = Heals(ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id,
                            round_index=self.r)
+        self.board = progress_board(ports, list(ports.roster.handles))  # None: progress asked by calls
         self.deaths_logged = 0  # how many of the machine's `deaths` are logged
         self.phase = "starting"  # what the status shows (the view's phase)
 
@@ -87,7 +89,7 @@ class RoundRunner:
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 last_tick = now
-                self._ask(idle=now - last_idle >= IDLE_POLL_S)
+                self._carry_out(m.observe_all(self._ask(idle=now - last_idle >= IDLE_POLL_S), now))
                 last_idle = now if now - last_idle >= IDLE_POLL_S else last_idle
                 if roster.spares:
                     roster.spares.check(self.p.log)
@@ -185,16 +187,19 @@ class RoundRunner:
             self.record.answered(flight.phase, answer)
         return Answer(phase_id, rid, answer.outcome, answer.round, answer.step, answer.error_kind, answer.error)
 
-    def _ask(self, *, idle: bool) -> None:
-        """The machine's probes (RoundMachine.probes), one outstanding per replica."""
-        roster = self.p.roster
+    def _ask(self, *, idle: bool) -> list:
+        """The machine's probes (RoundMachine.probes), one outstanding call per replica; the steps of
+        those in run_inner are read off the progress board in one store round trip (asked by calls
+        only when it fails), and returned as observations."""
+        roster, probes = self.p.roster, self.m.probes(idle=idle, gone=self.p.roster.gone)
+        board = self.board.read([rid for what, rid in probes if what == "progress"]) if self.board else None
         asked = {rid for _, rid, _ in self.probes.values()}
-        for what, rid in self.m.probes(idle=idle, gone=roster.gone):
-            if what == "idle" and roster.table_tells(rid):
-                continue  # its death or restart shows in the actor table read every tick: no call
-            if rid not in asked:
-                asked.add(rid)
-                self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
+        for what, rid in probes:  # an idle one's death or restart shows in the actor table, read every tick
+            if rid in asked or (what == "idle" and roster.table_tells(rid)) or (what == "progress" and board is not None):
+                continue
+            asked.add(rid)
+            self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
+        return [Progress(rid, step) for rid, (r, step) in (board or {}).items() if r == self.r]
 
     def _probe_answer(self, ref) -> list:
         what, rid, known_pid = self.probes.pop(ref)

@@ -218,7 +218,7 @@ class Replica:
         return Ref(self._answer("collective_failed", error=f"fake {what} in {method}", error_kind=kind))
 
     def run_inner(self, round_index: int, faults=None, join: tuple | None = None, overlap: tuple | None = None,
-                  steps: int | None = None) -> Ref:
+                  steps: int | None = None, store_addr: str | None = None) -> Ref:
         failed = self._faulted("run_inner", join, round_index)
         if failed is not None:
             return failed

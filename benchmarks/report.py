@@ -116,41 +116,53 @@ def _holds(value) -> str:
 
 
 def _lasting_rows(r: dict) -> list[list[str]]:
-    """scale's part 3: rounds whose inner phase lasts `lasting_inner_s` (none in older reports)."""
+    """scale's part 3: rounds whose inner phase lasts `lasting_inner_s` (none in older reports), the
+    runner reading steps off the progress board (the default) and by calls (its fallback)."""
     lasting = r.get("lasting_rounds") or []
     if not lasting:
         return []
     inner_s, rows = r["lasting_inner_s"], []
     for p in lasting:
-        by = p["lasting"]["calls_by_method"]
-        rows.append([f"actor calls per round, {p['replicas']} actors / {p['clusters']} clusters: "
-                     f"{inner_s:g}-s inner phase / instant / extra",
-                     f"{p['calls_per_round']} / {p['instant_calls_per_round']} / {p['extra_calls_per_round']}",
-                     f"target extra ≤ 2×clusters×ticks = {p['target_extra_calls']:.0f}: "
-                     f"{_holds(p['extra_calls_hold'])}; "
-                     f"progress {by.get('progress', 0)} (idle-liveness {p['idle_liveness_calls_lasting']}, "
-                     f"{p['idle_liveness_calls_skipped_lasting']} told by the actor table)"])
+        for path, f in (("progress board", p), ("by calls", p.get("by_calls"))):
+            if f is None:
+                continue
+            by = f["lasting"]["calls_by_method"]
+            rows.append([f"actor calls per round, {p['replicas']} actors / {p['clusters']} clusters, {path}: "
+                         f"{inner_s:g}-s inner phase / instant / extra",
+                         f"{f['calls_per_round']} / {f['instant_calls_per_round']} / {f['extra_calls_per_round']}",
+                         f"target extra ≤ 2×clusters×ticks = {f['target_extra_calls']:.0f}: "
+                         f"{_holds(f['extra_calls_hold'])}; progress calls {by.get('progress', 0)} (idle-liveness "
+                         f"{f['idle_liveness_calls_lasting']}); supervisor CPU "
+                         f"{_f(100 * f['supervisor_cpu_per_inner_s'], '.1f', ' %')} of a core"])
     for p in lasting:
-        rows.append([f"supervisor CPU per second of inner phase, {p['replicas']} actors",
-                     _f(100 * p["supervisor_cpu_per_inner_s"], ".1f", " % of a core"),
-                     f"drive()'s thread {_f(100 * p['supervisor_main_thread_cpu_per_inner_s'], '.1f', ' %')}; "
-                     f"at rest {_f(100 * r['driver_idle_cpu_per_s'], '.1f', ' %')}"])
-    fit, holds = r["lasting_fit"], r["lasting_holds"]
-    calls, cpu = fit["extra_calls"], fit["supervisor_cpu_per_inner_s"]
-    rows.append(["extra calls per round vs replicas (affine fit)",
-                 f"{calls['fixed']:.1f} + {calls['per_replica']:.2f} × replicas",
-                 f"{_f(calls.get('per_replica_per_tick'), '.2f')} per replica per tick; "
-                 f"{_f(calls['at_10000'], ',.0f')} at 10,000"])
-    rows.append(["supervisor CPU per second of inner phase vs replicas (affine fit)",
-                 f"{100 * cpu['fixed']:.2f} % + {100 * cpu['per_replica']:.3f} % × replicas",
-                 f"one core at ~{_f(cpu.get('one_core_at_replicas'), ',.0f')} replicas"])
+        cells = [f"{_f(100 * p['supervisor_cpu_per_inner_s'], '.1f', ' %')}"]
+        if p.get("by_calls"):
+            cells.append(f"{_f(100 * p['by_calls']['supervisor_cpu_per_inner_s'], '.1f', ' %')}")
+        rows.append([f"supervisor CPU per second of inner phase, {p['replicas']} actors: "
+                     f"progress board{' / by calls' if p.get('by_calls') else ''}",
+                     " / ".join(cells) + " of a core",
+                     f"drive()'s thread (board) {_f(100 * p['supervisor_main_thread_cpu_per_inner_s'], '.1f', ' %')}; "
+                     f"driver at rest {_f(100 * r['driver_idle_cpu_per_s'], '.1f', ' %')}"])
     targets = r["lasting_targets"]
-    rows.append([f"issue 36 targets ({inner_s:g}-s inner phases)",
-                 f"extra calls ≤ {targets['extra_calls_per_cluster_tick']:g}×clusters×ticks at every size: "
-                 f"{_holds(holds['extra_calls_le_2_clusters_ticks'])}; CPU at {holds['largest_replicas']} actors ≤ "
-                 f"{100 * targets['cpu_fraction_at_largest']:g} % of a core: "
-                 f"{_holds(holds['cpu_le_5pct_at_largest'])}",
-                 "figures, never asserts"])
+    for path, fit, holds in (("progress board", r["lasting_fit"], r["lasting_holds"]),
+                             ("by calls", r["lasting_fit"].get("by_calls"), r["lasting_holds"].get("by_calls"))):
+        if fit is None:
+            continue
+        calls, cpu = fit["extra_calls"], fit["supervisor_cpu_per_inner_s"]
+        rows.append([f"{path}: extra calls per round vs replicas (affine fit)",
+                     f"{calls['fixed']:.1f} + {calls['per_replica']:.2f} × replicas",
+                     f"{_f(calls.get('per_replica_per_tick'), '.2f')} per replica per tick; "
+                     f"{_f(calls['at_10000'], ',.0f')} at 10,000"])
+        rows.append([f"{path}: supervisor CPU per second of inner phase vs replicas (affine fit)",
+                     f"{100 * cpu['fixed']:.2f} % + {100 * cpu['per_replica']:.3f} % × replicas",
+                     f"one core at ~{_f(cpu.get('one_core_at_replicas'), ',.0f')} replicas"])
+        rows.append([f"{path}: issue 36 targets ({inner_s:g}-s inner phases)",
+                     f"extra calls ≤ {targets['extra_calls_per_cluster_tick']:g}×clusters×ticks at every size: "
+                     f"{_holds(holds['extra_calls_le_2_clusters_ticks'])}; "
+                     f"CPU at {holds['largest_replicas']} actors ≤ "
+                     f"{100 * targets['cpu_fraction_at_largest']:g} % of a core: "
+                     f"{_holds(holds['cpu_le_5pct_at_largest'])}",
+                     "figures, never asserts"])
     return rows
 
 

@@ -29,7 +29,7 @@ def _sites(replicas: int, fast_s: float, slow_s: float) -> str:
 
 def _planned(spr: int, step_s: list[float]) -> list[int]:
     """The rule of issue 35 (written out here, not imported): n_c = clamp(round(spr * fastest / t_c), 1, spr)."""
-    return [max(1, min(spr, round(spr * min(step_s) / s))) for s in step_s]
+    return [max(1, min(spr, int(spr * min(step_s) / s + 0.5))) for s in step_s]  # halves round up
 
 
 # -- reading the record -----------------------------------------------------------------------------
@@ -254,3 +254,19 @@ def test_balance_none_is_the_run_without_the_key_and_every_cluster_takes_every_s
     for r in range(2):
         wait, duration = _fast_wait(evs, r, cluster=0)
         assert wait > 0.3 * duration, f"round {r}: the fast site waited only {wait:.2f}s of {duration:.2f}s unbalanced"
+
+
+@pytest.mark.long  # two runs with the same scheduled kill (~1.5 minutes on 2 cores)
+@pytest.mark.paced
+def test_a_replay_of_the_same_seed_and_faults_ends_on_the_same_digest(tmp_path):
+    """Acceptance 1's replay with faults: the same seed and the same scheduled kill in the slow site
+    (the injector fires it at the same step of the same round) end on the same global digest."""
+    overrides = [_sites(2, 0.1, 0.2), "sync.balance=steps", "sync.outer_every=10", "train.rounds=3",
+                 "checkpoint.every=0", "seed=3", "faults.schedule=[{kind:kill,target:c1r1,round:1,phase:inner,step:2}]"]
+    first = train(tmp_path / "a", overrides)
+    again = train(tmp_path / "b", overrides)
+    for run_dir, s in ((tmp_path / "a", first), (tmp_path / "b", again)):
+        check_run(run_dir, rounds=3, steps_per_round=10, victims={"c1r1"})
+        assert [e["steps"] for e in events(run_dir) if e["event"] == "round_plan"] == [[10, 5]] * 3
+    assert first["global_param_digest"] == again["global_param_digest"], (first["global_param_digest"],
+                                                                          again["global_param_digest"])
