@@ -26,35 +26,41 @@ How the supervisor's control plane grows with the number of replicas, two ways.
    inside machine_ms) and `outer_plan_ms` (hsgd.core.outer_plan.shard_count + shard_holders on the
    sharded path).
 
-2. The Ray control plane per round (real Ray). A local Ray (`ray.init(num_cpus=4)`, token auth as
-   by default) holds lightweight replica actors (`LightReplica`, `num_cpus=0`, in actors/replica.py's
+2. The Ray control plane per round (real Ray). A local Ray (`ray.init(num_cpus=4)`, token auth as by
+   default) holds lightweight replica actors (`LightReplica`, `num_cpus=0`, in actors/replica.py's
    concurrency groups): each answers the replica API the round runner uses — run_inner,
-   outer_reduce, outer_commit, progress, request_yield, send_state/receive_state — at once, with the answers of benchmarks/fake_ray.py's
-   `Replica` (its own small state: committed round and step, a digest chain of the commits it
-   applied), no model, no torch. The same round (bench_plan's `FakeRun`: a RoundMachine and
-   `RoundRunner(machine, RunnerPorts(...)).drive()`) runs over the real actor handles with the
-   real `ray.wait` / `ray.get` — nothing patched — at 4, 8, 16, 32 and 64 actors (2x2, 4x2, 8x2,
-   16x2, 16x4). Per size: the first round (every group formed), `--rounds` fault-free rounds
-   (`round_ms_median`: their wall, machine build to the end of `drive()`; `round_ms_spread`:
-   max - min of them, ms; `driver_cpu_ms_median`: the supervisor process's CPU in them, Ray's
-   threads in it included), then one round after one replica restarted (its state back at (0, 0),
-   as Ray restarting it: a `full` heal over its cluster, the state passed from actor to actor).
-   The actors share this machine's cores with Ray and the supervisor; on a cluster they would not,
-   so the wall here is an upper bound of what the supervisor waits on.
+   outer_reduce, outer_commit, progress, request_yield, send_state/receive_state — at once, with the
+   answers of benchmarks/fake_ray.py's `Replica` (its own small state: committed round and step, a
+   digest chain of the commits it applied), no model, no torch. The same round (bench_plan's
+   `FakeRun`: a RoundMachine and `RoundRunner(machine, RunnerPorts(...)).drive()`) runs over the
+   real actor handles with the real `ray.wait` / `ray.get` — nothing patched — at 4, 8, 16, 32 and
+   64 actors (2x2, 4x2, 8x2, 16x2, 16x4). Per size: the first round (every group formed), `--rounds`
+   fault-free rounds (`round_ms_median`: their wall, machine build to the end of `drive()`;
+   `round_ms_spread`: max - min of them, ms; `driver_cpu_ms_median`: the supervisor process's CPU in
+   them, Ray's threads in it included), then one round after one replica restarted (its state back
+   at (0, 0), as Ray restarting it: a `full` heal over its cluster, the state passed from actor to
+   actor). The actors share this machine's cores with Ray and the supervisor; on a cluster they
+   would not, so the wall here is an upper bound of what the supervisor waits on.
 
 3. Lasting rounds: the supervisor's polling while replicas train (real Ray, issue 36). The same
    light actors and the same `RoundRunner.drive()`, but each run_inner answers `--inner-s` seconds
    after its call (default 5 s; --quick: 2 s), held in the actor's "phase" thread as training would
    hold it, while its "control" thread answers `progress` (the light actor's concurrency groups are
-   actors/replica.py's). Meanwhile the runner polls as it does for real: a `progress` call every
-   TICK_S to each replica in run_inner, idle-liveness calls to idle replicas only where the table
-   cannot tell, and Ray's real actor table read once per tick (`TableRoster`: a real
-   actors.lifecycle.ActorWatch over the light actors' names, behind bench_plan's FakeRoster). Per size
-   (the sizes of part 2): the first round (groups formed; not reported), an instant round (inner_s
-   = 0) and a lasting round, each counted BY THE ACTORS — every light actor counts its own
-   invocations of the replica API per method (progress, run_inner, outer_reduce, outer_commit, ...),
-   read and cleared after the round; the bench's own calls (reset, set_inner_s, the counters) are
-   not counted:
+   actors/replica.py's). The runner has a real store, as the supervisor's (hsgd.train.comm
+   start_store, a rendezvous address under a fresh secret), and polls as it does for real: the
+   steps of replicas in run_inner read off the progress board (hsgd/train/progress_board.py) with
+   one multi_get per tick, idle-liveness calls to idle replicas only where the table cannot tell,
+   and Ray's real actor table read once per tick (`TableRoster`: a real actors.lifecycle.ActorWatch
+   over the light actors' names, behind bench_plan's FakeRoster). The replicas' side of the board —
+   each replica's `round,step` written to the store every 0.5 s, the Publisher's interval, over
+   its own connection — is `BoardWriter`, one process for all (torch imported once, not 64 times).
+   Per size (the sizes of part 2): the first round (groups formed; not reported), then an instant
+   round (inner_s = 0) and a lasting round on two paths: the progress board (the product's default;
+   the headline figures) and `by_calls` (the runner without a store: its fallback, a `progress`
+   call to each replica in run_inner every TICK_S — the path before issue 36's Build 1). Each
+   round counted BY THE ACTORS — every light actor counts its own invocations of the replica API
+   per method (progress, run_inner, outer_reduce, outer_commit, ...), read and cleared after the
+   round; the bench's own calls (reset, set_inner_s, the counters) are not counted:
 
        calls_per_round / instant_calls_per_round   every actor call of the round, and by method
        extra_calls_per_round     lasting - instant: what a lasting inner phase costs in calls
@@ -63,19 +69,22 @@ How the supervisor's control plane grows with the number of replicas, two ways.
                                  split by why (the runner's progress probes of replicas in
                                  run_inner; idle-liveness probes the actor table could not tell);
                                  idle_liveness_calls_skipped_lasting: those the table told
+       board_writes              the replicas' writes to the progress board in the round
        supervisor_cpu_per_inner_s   time.process_time() of the driver process (the one running
-                                 drive(): every thread in it — the runner's and Ray's core-worker
-                                 threads; not the raylet, the GCS or the actors) over the lasting
-                                 round's inner phase (its first run_inner phase_begin to its last
-                                 run_inner phase_end, from the round's own events), per wall second:
-                                 a fraction of one core; supervisor_main_thread_cpu_per_inner_s:
-                                 time.thread_time() of drive()'s thread alone. driver_idle_cpu_per_s:
-                                 the driver process's CPU per second at rest (its main thread asleep)
+                                 drive(): every thread in it — the runner's, Ray's core-worker
+                                 threads and the store's server; not the raylet, the GCS or the
+                                 actors) over the lasting round's inner phase (its first run_inner
+                                 phase_begin to its last run_inner phase_end, from the round's own
+                                 events), per wall second: a fraction of one core;
+                                 supervisor_main_thread_cpu_per_inner_s: time.thread_time() of
+                                 drive()'s thread alone. driver_idle_cpu_per_s: the driver process's
+                                 CPU per second at rest (its main thread asleep)
 
-   `lasting_fit`: affine fits vs replicas of the extra calls (per replica, per replica per tick,
-   at 10,000) and of the CPU fraction (at 10,000, the size where it reaches one core). The issue's
-   targets as figures, never asserts (`lasting_holds`): extra calls per round <= 2 x clusters x
-   ticks at every size, and the CPU at the largest size (64 actors) <= 5 % of one core.
+   `lasting_fit` (and its `by_calls`): affine fits vs replicas of the extra calls (per replica, per
+   replica per tick, at 10,000) and of the CPU fraction (at 10,000, the size where it reaches one
+   core). The issue's targets as figures, never asserts (`lasting_holds`, and its `by_calls`):
+   extra calls per round <= 2 x clusters x ticks at every size, and the CPU at the largest size
+   (64 actors) <= 5 % of one core.
 
 Growth order: the least-squares slope of log(time) against log(replicas), `growth_exponent`
 (1.0: linear; ~0: a fixed cost dominates), with `coefficient_ms` (time = coefficient x
@@ -854,8 +863,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scale lasting, {path}: extra calls per round = {fit['extra_calls']['fixed']:.1f} + "
               f"{fit['extra_calls']['per_replica']:.2f} x replicas ({fit['extra_calls']['per_replica_per_tick']:.2f} "
               f"per replica per tick); supervisor CPU per inner second = "
-              f"{fit['supervisor_cpu_per_inner_s']['fixed']:.2%} + {fit['supervisor_cpu_per_inner_s']['per_replica']:.3%}"
-              f" x replicas; targets: extra calls <= 2 x clusters x ticks "
+              f"{fit['supervisor_cpu_per_inner_s']['fixed']:.2%} + "
+              f"{fit['supervisor_cpu_per_inner_s']['per_replica']:.3%} x replicas; "
+              f"targets: extra calls <= 2 x clusters x ticks "
               f"{'holds' if hold['extra_calls_le_2_clusters_ticks'] else 'does not hold'}, CPU at "
               f"{hold['largest_replicas']} actors <= {TARGET_CPU_FRACTION:.0%} "
               f"{'holds' if hold['cpu_le_5pct_at_largest'] else 'does not hold'}", flush=True)

@@ -5,8 +5,9 @@ scale.json's schema, that every size of both sides ran with positive figures and
 round with agreeing digests, that the Ray side's round after a restart healed over real actors,
 that both sides were fitted and extrapolated, and that scale.png was written. Part 3 (rounds whose
 inner phase lasts 2 s, issue 36): the JSON's shape, and that the actors' own counts are consistent —
-one run_inner per replica in each fault-free round, progress calls in the lasting round, extra calls
->= 0 and all of them progress calls — never its timings or whether the issue's targets hold."""
+one run_inner per replica in each fault-free round; by calls, progress calls in the lasting round
+and all the extra calls progress calls; with the progress board, steps written to the store and no
+progress call for them — never its timings or whether the issue's targets hold."""
 from __future__ import annotations
 
 import json
@@ -70,32 +71,40 @@ def test_scale_quick_measures_decisions_and_the_ray_control_plane_at_every_size(
     assert [(r["clusters"], r["replicas"]) for r in lasting] == [(c, c * n) for c, n in QUICK_RAY_SIZES]
     for r in lasting:
         n, clusters = r["replicas"], r["clusters"]
-        assert r["ticks"] == QUICK_INNER_S / r["tick_s"] and r["target_extra_calls"] == 2 * clusters * r["ticks"]
-        for case in ("lasting", "instant"):
-            by = r[case]["calls_by_method"]
-            assert r[case]["calls_per_round"] == sum(by.values()), (case, by)
-            assert by["run_inner"] == n and by["outer_commit"] == n, (case, by)  # fault-free: one each per replica
-            assert 1 <= by["outer_reduce"] <= n, (case, by)
-            assert set(by) <= {"progress", "run_inner", "outer_reduce", "outer_commit", "request_yield",
-                                "send_state", "receive_state"}, by
-            assert r[case]["table_reads"] >= 1 and r[case]["idle_probes_untold"] <= r[case]["idle_probes_wanted"]
-        assert r["calls_per_round"] == r["lasting"]["calls_per_round"]
-        assert r["instant_calls_per_round"] == r["instant"]["calls_per_round"]
-        assert r["lasting"]["calls_by_method"]["progress"] > 0, "replicas in a lasting run_inner are polled"
-        assert r["extra_calls_per_round"] == r["calls_per_round"] - r["instant_calls_per_round"] >= 0
-        assert r["extra_calls_by_method"]["progress"] == r["extra_calls_per_round"], "the extra calls are polling"
-        assert r["progress_calls_lasting"] + r["idle_liveness_calls_lasting"] == \
-            r["lasting"]["calls_by_method"]["progress"] and r["progress_calls_lasting"] > 0
-        assert r["lasting"]["inner_wall_s"] >= QUICK_INNER_S * 0.9 and r["lasting"]["machine_ticks"] >= 1
-        assert r["supervisor_cpu_per_inner_s"] >= 0 and r["supervisor_main_thread_cpu_per_inner_s"] >= 0
-        assert isinstance(r["extra_calls_hold"], bool)
+        assert r["ticks"] == QUICK_INNER_S / r["tick_s"]
+        for path, f in (("board", r), ("by calls", r["by_calls"])):
+            assert f["target_extra_calls"] == 2 * clusters * r["ticks"], path
+            for case in ("lasting", "instant"):
+                by = f[case]["calls_by_method"]
+                assert f[case]["calls_per_round"] == sum(by.values()), (path, case, by)
+                assert by["run_inner"] == n and by["outer_commit"] == n, (path, case, by)  # fault-free: one each
+                assert 1 <= by["outer_reduce"] <= n, (path, case, by)
+                assert set(by) <= {"progress", "run_inner", "outer_reduce", "outer_commit", "request_yield",
+                                    "send_state", "receive_state"}, by
+                assert f[case]["table_reads"] >= 1 and f[case]["idle_probes_untold"] <= f[case]["idle_probes_wanted"]
+            assert f["calls_per_round"] == f["lasting"]["calls_per_round"]
+            assert f["instant_calls_per_round"] == f["instant"]["calls_per_round"]
+            assert f["extra_calls_per_round"] == f["calls_per_round"] - f["instant_calls_per_round"]
+            assert f["progress_calls_lasting"] + f["idle_liveness_calls_lasting"] == \
+                f["lasting"]["calls_by_method"]["progress"]
+            assert f["lasting"]["inner_wall_s"] >= QUICK_INNER_S * 0.9 and f["lasting"]["machine_ticks"] >= 1
+            assert f["supervisor_cpu_per_inner_s"] >= 0 and f["supervisor_main_thread_cpu_per_inner_s"] >= 0
+            assert isinstance(f["extra_calls_hold"], bool)
+        # by calls: replicas in a lasting run_inner are polled with a call each per tick, and that is all the extra
+        calls = r["by_calls"]
+        assert calls["progress_calls_lasting"] > 0 and calls["lasting"]["board_writes"] == 0
+        assert calls["extra_calls_per_round"] == calls["extra_calls_by_method"]["progress"] > 0
+        # the progress board: the steps come from the store (written), no progress call is needed for them
+        assert r["lasting"]["board_writes"] > 0 and r["progress_calls_lasting"] == 0, r["lasting"]
+        assert 0 <= r["extra_calls_per_round"] < calls["extra_calls_per_round"]
     lfit = report["lasting_fit"]
-    for key in ("extra_calls", "supervisor_cpu_per_inner_s", "calls_per_round", "instant_calls_per_round"):
-        assert {"fixed", "per_replica", "r2", "sizes"} <= set(lfit[key]) and lfit[key]["sizes"] == len(lasting)
-    holds = report["lasting_holds"]
-    assert isinstance(holds["extra_calls_le_2_clusters_ticks"], bool)
-    assert isinstance(holds["cpu_le_5pct_at_largest"], bool)
-    assert holds["largest_replicas"] == lasting[-1]["replicas"]
+    for fit in (lfit, lfit["by_calls"]):
+        for key in ("extra_calls", "supervisor_cpu_per_inner_s", "calls_per_round", "instant_calls_per_round"):
+            assert {"fixed", "per_replica", "r2", "sizes"} <= set(fit[key]) and fit[key]["sizes"] == len(lasting)
+    for holds in (report["lasting_holds"], report["lasting_holds"]["by_calls"]):
+        assert isinstance(holds["extra_calls_le_2_clusters_ticks"], bool)
+        assert isinstance(holds["cpu_le_5pct_at_largest"], bool)
+        assert holds["largest_replicas"] == lasting[-1]["replicas"]
     assert report["lasting_targets"] == {"extra_calls_per_cluster_tick": 2, "cpu_fraction_at_largest": 0.05}
     assert report["driver_idle_cpu_per_s"] >= 0
 
