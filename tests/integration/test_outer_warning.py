@@ -2,8 +2,12 @@
 so once; the same run at the default outer step says nothing."""
 from __future__ import annotations
 
+import pytest
+
 from tests.integration.invariants import check_run
 from tests.integration.runs import events, train
+
+pytestmark = pytest.mark.long  # two runs of the full tiny model (~1 minute on 2 cores)
 
 BASE = ["model=tiny", "topology.clusters=2", "topology.replicas_per_cluster=1", "sync.outer_every=20",
         "sync.outer=diloco", "sync.fragments=1", "train.rounds=6", "checkpoint.every=0", "seed=0",
