@@ -7,12 +7,15 @@ identity (actors/lifecycle.py): it rebuilds from the seed (or the resume checkpo
 """
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import threading
 import time
-import traceback
+
+_MODULE_T0 = time.time()  # a restarted process: the worker is up and loads this class (startup breakdown)
+
+import os  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
 
 import ray
 import torch
@@ -32,6 +35,8 @@ from hsgd.record.steps import StepLog
 from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
+_MODULE_T1 = time.time()  # its imports done
+
 
 class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
@@ -42,6 +47,7 @@ class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
                  index_table: dict | None = None):
         """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's."""
+        marks = {"init_begin": time.time()}
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -51,6 +57,7 @@ class Replica:
         self.incarnation = lifecycle.own_incarnation()
         install_faulthandler(run_dir, rid)
         self.started_at = time.time()
+        marks["identity"] = self.started_at
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
         topo = topology_of(self.cfg, index_table)  # this id's data stream
@@ -60,7 +67,9 @@ class Replica:
         self.level_backends = {level: resolve_level_backend(backends[level], level=level, gpu=gpu)
                                for level in ("inner", "outer")}
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
+        marks["config"] = time.time()
         self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
+        marks["trainer"] = time.time()
         apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
         self.inner, self.outer = self._level_group("inner"), self._level_group("outer")
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
@@ -68,6 +77,14 @@ class Replica:
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
+        marks["groups"] = time.time()
+        self._init_state(spare)
+        if spare:
+            self.trainer.warm_up()
+        self._open_step_log()
+        self.startup = _startup_marks(marks)
+
+    def _init_state(self, spare: bool) -> None:
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
         self.phase, self.phase_since = "idle", time.time()
         self.armed, self.slow_s = [], 0.0
@@ -75,10 +92,7 @@ class Replica:
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
-        self.board = Publisher(rid)  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
-        if spare:
-            self.trainer.warm_up()
-        self._open_step_log()
+        self.board = Publisher(self.rid)  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
 
     def _level_group(self, level: str) -> LevelGroup:
         comm = self.cfg.comm
@@ -111,7 +125,8 @@ class Replica:
         return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
                 "incarnation": self.incarnation, "replica_index": self.trainer.global_index,
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
-                "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends}
+                "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends,
+                "startup": self.startup}
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
@@ -439,6 +454,19 @@ class Replica:
         {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
         self._fire_startup(faults)
         return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
+
+
+def _startup_marks(marks: dict) -> dict:
+    """Wall times (time.time()) of this process's start-up, for the recovery bench's breakdown:
+    process created, this module loaded and imported, then __init__'s parts; `init_s` in all."""
+    try:
+        import psutil  # Ray's own dependency
+        created = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 — only a figure
+        created = None
+    end = time.time()
+    return {"process_start": created, "module_t0": _MODULE_T0, "module_t1": _MODULE_T1, **marks, "init_end": end,
+            "init_s": end - marks["init_begin"]}
 
 
 def _state_bytes(state: dict) -> int:
