@@ -42,6 +42,9 @@ class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
 
 
+_BUILT = ("trainer", "inner", "outer", "background")  # built in __init__, or behind it on a restart
+
+
 @ray.remote(concurrency_groups={"phase": 1, "control": 2})
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
@@ -68,8 +71,21 @@ class Replica:
                                for level in ("inner", "outer")}
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
         marks["config"] = time.time()
-        self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
-        marks["trainer"] = time.time()
+        self.topo = topo
+        self._init_state(spare)
+        self.startup = _startup_marks(marks)
+        self._built, self._build_error = threading.Event(), None
+        if self.incarnation and not spare:  # a restart: answer `up` now, build while the supervisor plans its heal
+            threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
+        else:  # the first start (a config error surfaces here) and spares (warmed before they are ready)
+            self._build(device)
+        self.startup["init_end"] = time.time()
+        self.startup["init_s"] = self.startup["init_end"] - marks["init_begin"]
+
+    def _build(self, device: str) -> None:
+        """The trainer (dataset, model, optimizers: torch's lazy imports on the first one) and the level groups."""
+        self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device)
+        self.startup["trainer"] = time.time()
         apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
         self.inner, self.outer = self._level_group("inner"), self._level_group("outer")
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
@@ -77,12 +93,28 @@ class Replica:
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
-        marks["groups"] = time.time()
-        self._init_state(spare)
-        if spare:
+        if self.spare:
             self.trainer.warm_up()
         self._open_step_log()
-        self.startup = _startup_marks(marks)
+        self.startup["built"] = time.time()
+        self._built.set()
+
+    def _build_behind(self, device: str) -> None:
+        torch.set_num_threads(1)  # (per thread for OpenMP)
+        try:
+            self._build(device)
+        except BaseException as err:  # noqa: BLE001 — every call that needs the trainer raises it: the replica's error
+            self._build_error = err
+            self._built.set()
+
+    def __getattr__(self, name: str):
+        """`trainer`, `inner`, `outer`, `background` of a restart still building: wait for them."""
+        if name in _BUILT and "_built" in self.__dict__:
+            self._built.wait()
+            if self._build_error is not None:
+                raise RuntimeError(f"{self.rid}: its restart could not build its trainer") from self._build_error
+            return self.__dict__[name]
+        raise AttributeError(name)
 
     def _init_state(self, spare: bool) -> None:
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
@@ -122,11 +154,19 @@ class Replica:
     def progress(self) -> dict:
         """Committed (round, step), phase and process. Answers while a phase runs, so a replica whose
         step advances is slow, never hung; no answer (a GIL-holding hang, a dead process) is no sign of life."""
-        return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
-                "incarnation": self.incarnation, "replica_index": self.trainer.global_index,
+        return {**self._progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
+                "incarnation": self.incarnation, "replica_index": self.topo.global_index(self.rid),
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
                 "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends,
                 "startup": self.startup}
+
+    def _progress(self) -> dict:
+        """The trainer's progress; a restart still building holds a fresh trainer's (round 0, step 0)
+        and reports no sizes yet (0: the supervisor keeps the largest it heard)."""
+        if self._built.is_set() and self._build_error is None:
+            return self.trainer.progress()
+        return {"rid": self.rid, "round": 0, "step": 0, "param_bytes": 0, "tokens_per_step": 0,
+                "outer_buffer_round": None}
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
@@ -458,15 +498,14 @@ class Replica:
 
 def _startup_marks(marks: dict) -> dict:
     """Wall times (time.time()) of this process's start-up, for the recovery bench's breakdown:
-    process created, this module loaded and imported, then __init__'s parts; `init_s` in all."""
+    process created, this module loaded and imported, then __init__'s parts (`init_end`, `init_s`
+    in all; `trainer` and `built` when the build ends, behind __init__ on a restart)."""
     try:
         import psutil  # Ray's own dependency
         created = psutil.Process().create_time()
     except Exception:  # noqa: BLE001 — only a figure
         created = None
-    end = time.time()
-    return {"process_start": created, "module_t0": _MODULE_T0, "module_t1": _MODULE_T1, **marks, "init_end": end,
-            "init_s": end - marks["init_begin"]}
+    return {"process_start": created, "module_t0": _MODULE_T0, "module_t1": _MODULE_T1, **marks}
 
 
 def _state_bytes(state: dict) -> int:

@@ -133,8 +133,9 @@ def restarted_startup(run_dir: Path, replica: str, killed_pid: int, deadline: fl
                 continue
             if answer.get("pid") != killed_pid:
                 out.update(answer.get("startup") or {}, pid=answer.get("pid"), spare=answer.get("spare"))
-                return
-            time.sleep(0.05)
+                if "built" in out:  # (a restart builds its trainer behind __init__: asked again until it did)
+                    return
+            time.sleep(0.1)
 
     threading.Thread(target=ask, name=f"startup-{replica}", daemon=True).start()
     return out
@@ -142,8 +143,11 @@ def restarted_startup(run_dir: Path, replica: str, killed_pid: int, deadline: fl
 
 def restart_breakdown(run_dir: Path, steps_log: dict, kill: Kill, startup: dict) -> dict:
     """Seconds from `kill` to each mark of the victim's way back (None: not seen); `stages`: each
-    stage's own length, in order (ray_restart, worker_boot, imports, init: identity, config, trainer =
-    dataset + model + optimizers, groups, rest; up_probe, wait_heal, heal, first_step)."""
+    stage's own length, in order (ray_restart: the kill to the new process, negative when Ray reused
+    an idle one; worker_boot: to this module's loading, torch's import included when Ray's class
+    unpickling pulls it in first; imports, class_load, init: identity, config, rest; up_probe,
+    wait_heal, heal, first_step); `build_s`: the trainer and groups (inside init_rest on a first
+    start, behind __init__ on a restart: `build_slack_s` < 0 when the heal waited for it)."""
     events = _events(run_dir)
     rid, t0 = kill.replica, kill.t
 
@@ -159,7 +163,7 @@ def restart_breakdown(run_dir: Path, steps_log: dict, kill: Kill, startup: dict)
     marks = {"replica_down": first("replica_down", rid=rid), "process_start": mark("process_start"),
              "module_t0": mark("module_t0"), "module_t1": mark("module_t1"), "init_begin": mark("init_begin"),
              "identity": mark("identity"), "config": mark("config"), "trainer": mark("trainer"),
-             "groups": mark("groups"), "init_end": mark("init_end"),
+             "init_end": mark("init_end"), "built": mark("built"),
              "replica_up": first("replica_up", rid=rid), "spare_promoted": first("spare_promoted", rid=rid),
              "heal_begin": first("heal_begin", target=rid), "heal_end": first("heal_end", target=rid),
              "first_step": after[0] if after else None}
@@ -167,8 +171,7 @@ def restart_breakdown(run_dir: Path, steps_log: dict, kill: Kill, startup: dict)
     order = [("ray_restart", None, "process_start"), ("worker_boot", "process_start", "module_t0"),
              ("imports", "module_t0", "module_t1"), ("class_load", "module_t1", "init_begin"),
              ("init_identity", "init_begin", "identity"), ("init_config", "identity", "config"),
-             ("init_trainer", "config", "trainer"), ("init_groups", "trainer", "groups"),
-             ("init_rest", "groups", "init_end")]
+             ("init_rest", "config", "init_end")]
     stages = {name: _gap(0.0 if a is None else marks[a], marks[b]) for name, a, b in order}
     if marks["spare_promoted"] is not None:  # a spare took the id: the restart is not on the way back
         stages = {"promote": marks["spare_promoted"]}
@@ -177,6 +180,8 @@ def restart_breakdown(run_dir: Path, steps_log: dict, kill: Kill, startup: dict)
     stages.update(wait_heal=_gap(back, marks["heal_begin"]), heal=_gap(marks["heal_begin"], marks["heal_end"]),
                   first_step=_gap(marks["heal_end"], marks["first_step"]))
     return {"victim": rid, "marks_s": marks, "stages_s": stages, "detect_s": marks["replica_down"],
+            "build_s": _gap(marks["config"], marks["built"]),  # trainer + groups (+ warm-up: a spare)
+            "build_slack_s": _gap(marks["built"], marks["heal_begin"]),  # < 0: the heal waited for the build
             "init_s": startup.get("init_s"), "restarted_pid": startup.get("pid"), "error": startup.get("error")}
 
 
