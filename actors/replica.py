@@ -4,6 +4,21 @@ Phase methods (concurrency group "phase", one at a time) run at most one level's
 answer a `PhaseAnswer`; control methods answer while a phase runs. A call that raises is this
 replica's failure (ActorDiedError: it died; RayTaskError: its own error). A restart keeps only its
 identity (actors/lifecycle.py): it rebuilds from the seed (or the resume checkpoint), healed by a peer.
+
+The way back after a restart (issue 36; the recovery bench's `restart_breakdown` times each part):
+Ray hands the restarted actor a worker (an idle pre-started one when it has one), which imports
+torch while it unpickles this class; __init__ then reads its identity and config and returns at
+once, so the supervisor's `up` probe is answered within ~10 ms of the class loading. What costs
+seconds after that — the trainer (dataset, model, optimizers: the first optimizer pulls in
+torch._dynamo, ~1 s) and the level groups — a restart builds on a thread of its own while the
+supervisor plans its heal (a yield boundary, or the round's end); any call that needs them waits
+for the build (`__getattr__`), and `progress()` answers a fresh trainer's round 0, step 0 until
+then, as the built one would. Nothing it trains on changes: the same build from the seed, the same
+data stream, the same state after the heal. A build that raises makes every call that needs it raise
+(the replica's own error: the supervisor restarts it), where a first start's raises from __init__.
+A first start builds in __init__ (a config error surfaces there); a spare builds and warms up there
+too (it is ready only when warm). A hot spare (`topology.spares_per_cluster`) skips all of it: it
+takes the dead replica's id at once and is healed like a restart.
 """
 from __future__ import annotations
 
