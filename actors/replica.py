@@ -10,7 +10,7 @@ Ray hands the restarted actor a worker (an idle pre-started one when it has one)
 torch while it unpickles this class; __init__ then reads its identity and config and returns at
 once, so the supervisor's `up` probe is answered within ~10 ms of the class loading. What costs
 seconds after that — the trainer (dataset, model, optimizers: the first optimizer pulls in
-torch._dynamo, ~1 s) and the level groups — a restart builds on a thread of its own while the
+torch._dynamo, ~1 s) and what holds it — a restart builds on a thread of its own while the
 supervisor plans its heal (a yield boundary, or the round's end); any call that needs them waits
 for the build (`__getattr__`), and `progress()` answers a fresh trainer's round 0, step 0 until
 then, as the built one would. Nothing it trains on changes: the same build from the seed, the same
@@ -57,7 +57,7 @@ class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
 
 
-_BUILT = ("trainer", "inner", "outer", "background")  # built in __init__, or behind it on a restart
+_BUILT = ("trainer", "background")  # built in __init__, or behind it on a restart
 
 
 @ray.remote(concurrency_groups={"phase": 1, "control": 2})
@@ -87,6 +87,10 @@ class Replica:
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
         marks["config"] = time.time()
         self.topo = topo
+        apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
+        self.inner, self.outer = self._level_group("inner"), self._level_group("outer")  # (configured when joined)
+        # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
+        allow_level_overlap(int(self.cfg.sync.fragment_delay) > 0)
         self._init_state(spare)
         self.startup = _startup_marks(marks)
         self._built, self._build_error = threading.Event(), None
@@ -98,13 +102,9 @@ class Replica:
         self.startup["init_s"] = self.startup["init_end"] - marks["init_begin"]
 
     def _build(self, device: str) -> None:
-        """The trainer (dataset, model, optimizers: torch's lazy imports on the first one) and the level groups."""
+        """The trainer (dataset, model, optimizers: torch's lazy imports on the first one)."""
         self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device)
         self.startup["trainer"] = time.time()
-        apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
-        self.inner, self.outer = self._level_group("inner"), self._level_group("outer")
-        # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
-        allow_level_overlap(self.trainer.fragment_delay > 0)
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
@@ -123,7 +123,7 @@ class Replica:
             self._built.set()
 
     def __getattr__(self, name: str):
-        """`trainer`, `inner`, `outer`, `background` of a restart still building: wait for them."""
+        """`trainer` and `background` of a restart still building: wait for them."""
         if name in _BUILT and "_built" in self.__dict__:
             self._built.wait()
             if self._build_error is not None:
