@@ -69,7 +69,7 @@ def run_hsgd(*, model: str, clusters: int, replicas_per_cluster: int, steps: int
     startups: list[dict] = []
     for replica, at_step in kills:
         done.append(kill_at_step(steps_dir, replica, at_step, max(1.0, deadline - time.monotonic())))
-        startups.append(restarted_startup(run_dir, replica, done[-1].pid, deadline))
+        startups.append(restarted_startup(run_dir, replica, done[-1].pid, deadline, alive=thread.is_alive))
     if kill_times_s:
         first = wait_for_step(steps_dir, "c0r0", 1, max(1.0, deadline - time.monotonic()))["t"]
         done += kill_on_schedule(steps_dir, first, kill_times_s, deadline, alive=thread.is_alive)
@@ -111,9 +111,10 @@ def kill_on_schedule(steps_dir: Path, first_t: float, kill_times_s: Sequence[tup
     return done
 
 
-def restarted_startup(run_dir: Path, replica: str, killed_pid: int, deadline: float) -> dict:
+def restarted_startup(run_dir: Path, replica: str, killed_pid: int, deadline: float, alive=lambda: True) -> dict:
     """The start-up marks of the process Ray restarts for `replica`'s actor after `killed_pid` was
-    killed (asked in the background: the kill's caller goes on). A dict filled in when it answers."""
+    killed (asked in the background while the run is `alive`: the kill's caller goes on). A dict
+    filled in when it answers."""
     out: dict = {}
 
     def ask() -> None:
@@ -125,9 +126,9 @@ def restarted_startup(run_dir: Path, replica: str, killed_pid: int, deadline: fl
         except Exception as err:  # noqa: BLE001 — only a figure
             out["error"] = f"{type(err).__name__}: {err}"
             return
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and alive():
             try:
-                answer = ray.get(handle.progress.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                answer = ray.get(handle.progress.remote(), timeout=max(1.0, min(30.0, deadline - time.monotonic())))
             except Exception:  # noqa: BLE001 — the dead process's call failed: the restarted one answers next
                 time.sleep(0.1)
                 continue
