@@ -4,15 +4,33 @@ Phase methods (concurrency group "phase", one at a time) run at most one level's
 answer a `PhaseAnswer`; control methods answer while a phase runs. A call that raises is this
 replica's failure (ActorDiedError: it died; RayTaskError: its own error). A restart keeps only its
 identity (actors/lifecycle.py): it rebuilds from the seed (or the resume checkpoint), healed by a peer.
+
+The way back after a restart (issue 36; the recovery bench's `restart_breakdown` times each part):
+Ray hands the restarted actor a worker (an idle pre-started one when it has one), which imports
+torch while it unpickles this class; __init__ then reads its identity and config and returns at
+once, so the supervisor's `up` probe is answered within ~10 ms of the class loading. What costs
+seconds after that — the trainer (dataset, model, optimizers: the first optimizer pulls in
+torch._dynamo, ~1 s) and what holds it — a restart builds on a thread of its own while the
+supervisor plans its heal (a yield boundary, or the round's end); any call that needs them waits
+for the build (`__getattr__`), and `progress()` answers a fresh trainer's round 0, step 0 until
+then, as the built one would. Nothing it trains on changes: the same build from the seed, the same
+data stream, the same state after the heal. A build that raises makes every call that needs it raise
+(the replica's own error: the supervisor restarts it), where a first start's raises from __init__.
+A first start builds in __init__ (a config error surfaces there); a spare builds and warms up there
+too (it is ready only when warm). A hot spare (`topology.spares_per_cluster`) skips all of it: it
+takes the dead replica's id at once and is healed like a restart.
 """
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import threading
 import time
-import traceback
+
+_MODULE_T0 = time.time()  # a restarted process: the worker is up and loads this class (startup breakdown)
+
+import os  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
 
 import ray
 import torch
@@ -32,9 +50,14 @@ from hsgd.record.steps import StepLog
 from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
+_MODULE_T1 = time.time()  # its imports done
+
 
 class InjectedError(RuntimeError):
     """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
+
+
+_BUILT = ("trainer", "background")  # built in __init__, or behind it on a restart
 
 
 @ray.remote(concurrency_groups={"phase": 1, "control": 2})
@@ -42,6 +65,7 @@ class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
                  index_table: dict | None = None):
         """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's."""
+        marks = {"init_begin": time.time()}
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -51,6 +75,7 @@ class Replica:
         self.incarnation = lifecycle.own_incarnation()
         install_faulthandler(run_dir, rid)
         self.started_at = time.time()
+        marks["identity"] = self.started_at
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
         topo = topology_of(self.cfg, index_table)  # this id's data stream
@@ -60,14 +85,53 @@ class Replica:
         self.level_backends = {level: resolve_level_backend(backends[level], level=level, gpu=gpu)
                                for level in ("inner", "outer")}
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
-        self.trainer = ReplicaTrainer(self.cfg, rid, topo, device=device)
+        marks["config"] = time.time()
+        self.topo = topo
         apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
-        self.inner, self.outer = self._level_group("inner"), self._level_group("outer")
+        self.inner, self.outer = self._level_group("inner"), self._level_group("outer")  # (configured when joined)
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
-        allow_level_overlap(self.trainer.fragment_delay > 0)
+        allow_level_overlap(int(self.cfg.sync.fragment_delay) > 0)
+        self._init_state(spare)
+        self.startup = _startup_marks(marks)
+        self._built, self._build_error = threading.Event(), None
+        if self.incarnation and not spare:  # a restart: answer `up` now, build while the supervisor plans its heal
+            threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
+        else:  # the first start (a config error surfaces here) and spares (warmed before they are ready)
+            self._build(device)
+        self.startup["init_end"] = time.time()
+        self.startup["init_s"] = self.startup["init_end"] - marks["init_begin"]
+
+    def _build(self, device: str) -> None:
+        """The trainer (dataset, model, optimizers: torch's lazy imports on the first one)."""
+        self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device)
+        self.startup["trainer"] = time.time()
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
+        if self.spare:
+            self.trainer.warm_up()
+        self._open_step_log()
+        self.startup["built"] = time.time()
+        self._built.set()
+
+    def _build_behind(self, device: str) -> None:
+        torch.set_num_threads(1)  # (per thread for OpenMP)
+        try:
+            self._build(device)
+        except BaseException as err:  # noqa: BLE001 — every call that needs the trainer raises it: the replica's error
+            self._build_error = err
+            self._built.set()
+
+    def __getattr__(self, name: str):
+        """`trainer` and `background` of a restart still building: wait for them."""
+        if name in _BUILT and "_built" in self.__dict__:
+            self._built.wait()
+            if self._build_error is not None:
+                raise RuntimeError(f"{self.rid}: its restart could not build its trainer") from self._build_error
+            return self.__dict__[name]
+        raise AttributeError(name)
+
+    def _init_state(self, spare: bool) -> None:
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
         self.phase, self.phase_since = "idle", time.time()
         self.armed, self.slow_s = [], 0.0
@@ -75,10 +139,7 @@ class Replica:
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
-        self.board = Publisher(rid)  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
-        if spare:
-            self.trainer.warm_up()
-        self._open_step_log()
+        self.board = Publisher(self.rid)  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
 
     def _level_group(self, level: str) -> LevelGroup:
         comm = self.cfg.comm
@@ -108,10 +169,19 @@ class Replica:
     def progress(self) -> dict:
         """Committed (round, step), phase and process. Answers while a phase runs, so a replica whose
         step advances is slow, never hung; no answer (a GIL-holding hang, a dead process) is no sign of life."""
-        return {**self.trainer.progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
-                "incarnation": self.incarnation, "replica_index": self.trainer.global_index,
+        return {**self._progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
+                "incarnation": self.incarnation, "replica_index": self.topo.global_index(self.rid),
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
-                "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends}
+                "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends,
+                "startup": self.startup}
+
+    def _progress(self) -> dict:
+        """The trainer's progress; a restart still building holds a fresh trainer's (round 0, step 0)
+        and reports no sizes yet (0: the supervisor keeps the largest it heard)."""
+        if self._built.is_set() and self._build_error is None:
+            return self.trainer.progress()
+        return {"rid": self.rid, "round": 0, "step": 0, "param_bytes": 0, "tokens_per_step": 0,
+                "outer_buffer_round": None}
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
@@ -439,6 +509,18 @@ class Replica:
         {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
         self._fire_startup(faults)
         return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
+
+
+def _startup_marks(marks: dict) -> dict:
+    """Wall times (time.time()) of this process's start-up, for the recovery bench's breakdown:
+    process created, this module loaded and imported, then __init__'s parts (`init_end`, `init_s`
+    in all; `trainer` and `built` when the build ends, behind __init__ on a restart)."""
+    try:
+        import psutil  # Ray's own dependency
+        created = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 — only a figure
+        created = None
+    return {"process_start": created, "module_t0": _MODULE_T0, "module_t1": _MODULE_T1, **marks}
 
 
 def _state_bytes(state: dict) -> int:

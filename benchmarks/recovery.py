@@ -7,6 +7,8 @@ interleaved over `--repeats`:
 
     hsgd_1x3        one cluster of 3, ddp every step: the same work as the flat peers
     hsgd_3x1        3 clusters of 1, DiLoCo every steps/4 (the hierarchy: the others keep training)
+    hsgd_1x3_spare  hsgd_1x3 with one warm hot spare (`topology.spares_per_cluster=1`): the spare
+                    takes the dead replica's id at once; Ray's restart of it becomes the next spare
     torchft_readme  torchft Manager + Lighthouse, DDP, the README's settings (benchmarks/peers/torchft_peer.py)
     torchft_fast    the same with a 100 ms join timeout and short heartbeats
     ray_train       Ray Train v2 TorchTrainer + FailureConfig, checkpoint every 10 steps
@@ -18,6 +20,8 @@ torchft, as torchx would). From the step logs (benchmarks/peers/common.py): the 
 committed step before the kill to the next after it), the victim's rejoin (kill to its next
 committed step) and the step time before the kill. `recovery.json`: per side and repeat those
 figures, medians per side, and the ratios hsgd_1x3 / peer for stall and rejoin; `recovery.png`.
+hsgd's sides add `detect_s` (the SIGKILL to hsgd's `replica_down` event: median, p95, each) and
+`restart_breakdown` (the median of each stage of the victim's way back, benchmarks/peers/hsgd_peer.py).
 `--quick`: 100 steps of 0.2 s, kill at 6, one repeat (the victim must have time to come back: ~19 s): a smoke run
 (`--sides` picks the sides; the test suite runs hsgd_1x3 and torchft_fast).
 The peers need the bench extra: `pip install -e ".[bench]"`.
@@ -32,8 +36,10 @@ from pathlib import Path
 
 from benchmarks.report import bench_ray, header, write_suite
 
-SIDES = ("hsgd_1x3", "hsgd_3x1", "torchft_readme", "torchft_fast", "ray_train")
-VICTIM = {"hsgd_1x3": "c0r1", "hsgd_3x1": "c1r0"}  # the peers': r1
+SIDES = ("hsgd_1x3", "hsgd_3x1", "hsgd_1x3_spare", "torchft_readme", "torchft_fast", "ray_train")
+COLORS = {"hsgd_1x3": "#3b75af", "hsgd_3x1": "#6a9fd4", "hsgd_1x3_spare": "#234b73", "torchft_readme": "#c44e52",
+          "torchft_fast": "#e07b7d", "ray_train": "#55a868"}
+VICTIM = {"hsgd_1x3": "c0r1", "hsgd_3x1": "c1r0", "hsgd_1x3_spare": "c0r1"}  # the peers': r1
 
 
 def run_side(name: str, *, model: str, steps: int, kill_at: int, min_step_s: float, out: Path, seed: int) -> dict:
@@ -42,8 +48,9 @@ def run_side(name: str, *, model: str, steps: int, kill_at: int, min_step_s: flo
     if name.startswith("hsgd"):
         from benchmarks.peers.hsgd_peer import run_hsgd
 
-        clusters, per = (1, 3) if name == "hsgd_1x3" else (3, 1)
-        return run_hsgd(clusters=clusters, replicas_per_cluster=per, **common)
+        clusters, per = (3, 1) if name == "hsgd_3x1" else (1, 3)
+        spares = ["topology.spares_per_cluster=1"] if name.endswith("_spare") else []
+        return run_hsgd(clusters=clusters, replicas_per_cluster=per, overrides=spares, **common)
     if name.startswith("torchft"):
         from benchmarks.peers.torchft_peer import run_torchft
 
@@ -58,14 +65,26 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _p95(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[min(len(values) - 1, max(0, -(-95 * len(values) // 100) - 1))] if values else None
+
+
 def summarize(name: str, runs: list[dict]) -> dict:
     recs = [r["recoveries"][0] if r.get("recoveries") else {} for r in runs]
-    return {"name": name, "runs": runs,
-            "recovery": {"survivors_stall_median_s": _median([x.get("survivors_stall_median_s") for x in recs]),
-                         "survivors_stall_max_s": _median([x.get("survivors_stall_max_s") for x in recs]),
-                         "rejoin_s": _median([x.get("rejoin_s") for x in recs])},
-            "step_time_s": _median([r.get("step_time_s") for r in runs]),
-            "completed": all(r.get("result_error") is None for r in runs)}
+    out = {"name": name, "runs": runs,
+           "recovery": {"survivors_stall_median_s": _median([x.get("survivors_stall_median_s") for x in recs]),
+                        "survivors_stall_max_s": _median([x.get("survivors_stall_max_s") for x in recs]),
+                        "rejoin_s": _median([x.get("rejoin_s") for x in recs])},
+           "step_time_s": _median([r.get("step_time_s") for r in runs]),
+           "completed": all(r.get("result_error") is None for r in runs)}
+    breakdowns = [b for r in runs for b in r.get("restart_breakdown") or []]
+    if breakdowns:  # hsgd's sides: detection, and the median of each stage of the way back
+        detect = [b.get("detect_s") for b in breakdowns]
+        out["detect_s"] = {"median": _median(detect), "p95": _p95(detect), "each": detect}
+        stages = [s for b in breakdowns for s in b["stages_s"]]
+        out["restart_breakdown"] = {s: _median([b["stages_s"].get(s) for b in breakdowns]) for s in dict.fromkeys(stages)}
+    return out
 
 
 def ratios(sides: dict[str, dict]) -> dict[str, float | None]:
@@ -113,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"recovery {name} #{repeat}: stall {rec.get('survivors_stall_median_s')} s, "
                       f"rejoin {rec.get('rejoin_s')} s, step {run.get('step_time_s')} s, "
                       f"error {run.get('result_error')}", flush=True)
+                for b in run.get("restart_breakdown") or []:
+                    print(f"  {name} #{repeat} way back (s): detect {_r(b['detect_s'])}, "
+                          + ", ".join(f"{k} {_r(v)}" for k, v in b["stages_s"].items()), flush=True)
     sides = {n: summarize(n, r) for n, r in runs.items()}
     report = {**header("recovery", argv, args.quick), "model": args.model, "steps": args.steps,
               "kill_at": args.kill_at, "min_step_s": args.min_step_s, "repeats": args.repeats,
@@ -125,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _plot(report: dict, path: Path) -> None:
     from hsgd.record.plots import pyplot, save_png
 
@@ -135,7 +161,7 @@ def _plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), dpi=110)
     for ax, key, label in zip(axes, ("survivors_stall_median_s", "rejoin_s"),
                               ("survivors' stall (s)", "killed replica: kill to next committed step (s)")):
-        ax.bar(names, [s["recovery"][key] or 0 for s in sides], color=["#3b75af", "#6a9fd4", "#c44e52", "#e07b7d", "#55a868"])
+        ax.bar(names, [s["recovery"][key] or 0 for s in sides], color=[COLORS.get(n, "#888888") for n in names])
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(f"one SIGKILL at step {report['kill_at']} (step padded to {report['min_step_s']} s)", fontsize=10)

@@ -4,11 +4,19 @@ not by hsgd's fault injector, so hsgd learns of each death as it would in produc
 same figures as the peers' (benchmarks/peers/common.py) read from its step logs (`run.dir/steps`).
 
 Replicas are hsgd's ids (`c0r1`); the step counted is a replica's global inner step. Ray restarts a
-killed replica; it rejoins inside the round (`supervisor.rejoin=fast`) and heals from a live peer.
+killed replica; it rejoins inside the round (`supervisor.rejoin=fast`) and heals from a live peer
+(with `topology.spares_per_cluster`, a warm spare takes its id at once and the restart becomes a spare).
 The caller must have called `ray.init` (the bench's one embedded Ray for every side).
+
+`restart_breakdown` (per kill): where the time from the SIGKILL to the victim's next committed step
+went, from the run's events and the restarted process's own start-up marks (its `progress()`
+answer's `startup`, asked by the bench once Ray has restarted it): seconds from the kill to Ray's
+`replica_down`, to the new process, to its module loading, imports done, __init__'s parts, the
+supervisor's `replica_up` (or `spare_promoted`), the heal and the first step.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -58,8 +66,10 @@ def run_hsgd(*, model: str, clusters: int, replicas_per_cluster: int, steps: int
     thread.start()
     done: list[Kill] = []
     deadline = time.monotonic() + timeout_s
+    startups: list[dict] = []
     for replica, at_step in kills:
         done.append(kill_at_step(steps_dir, replica, at_step, max(1.0, deadline - time.monotonic())))
+        startups.append(restarted_startup(run_dir, replica, done[-1].pid, deadline, alive=thread.is_alive))
     if kill_times_s:
         first = wait_for_step(steps_dir, "c0r0", 1, max(1.0, deadline - time.monotonic()))["t"]
         done += kill_on_schedule(steps_dir, first, kill_times_s, deadline, alive=thread.is_alive)
@@ -72,6 +82,7 @@ def run_hsgd(*, model: str, clusters: int, replicas_per_cluster: int, steps: int
             "steps": steps, "outer_every": outer_every, "min_step_s": min_step_s, "settings": settings,
             "wall_s": time.time() - start, "status": summary.get("status"), "result_error": result.get("error"),
             "kills": [k.__dict__ for k in done], "recoveries": [recovery(steps_log, k).as_dict() for k in done],
+            "restart_breakdown": [restart_breakdown(run_dir, steps_log, k, st) for k, st in zip(done, startups)],
             "step_time_s": step_time_s(steps_log, before_t=done[0].t if done else None),
             "committed_steps": committed_steps(steps_log), "faults_in_summary": len(summary.get("faults") or []),
             "digests_agree": len(set((summary.get("replica_param_digests") or {}).values())) == 1 if clusters == 1
@@ -98,3 +109,93 @@ def kill_on_schedule(steps_dir: Path, first_t: float, kill_times_s: Sequence[tup
             continue
         done.append(Kill(replica=replica, pid=rows[-1]["pid"], t=time.time()))
     return done
+
+
+def restarted_startup(run_dir: Path, replica: str, killed_pid: int, deadline: float, alive=lambda: True) -> dict:
+    """The start-up marks of the process Ray restarts for `replica`'s actor after `killed_pid` was
+    killed (asked in the background while the run is `alive`: the kill's caller goes on). A dict
+    filled in when it answers."""
+    out: dict = {}
+
+    def ask() -> None:
+        import ray
+
+        try:
+            info = json.loads((run_dir / "run.json").read_text())
+            handle = ray.get_actor(f"hsgd:{info['run_id']}:{replica}", namespace=info["namespace"])
+        except Exception as err:  # noqa: BLE001 — only a figure
+            out["error"] = f"{type(err).__name__}: {err}"
+            return
+        while time.monotonic() < deadline and alive():
+            try:
+                answer = ray.get(handle.progress.remote(), timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 — the dead process's call failed: the restarted one answers next
+                time.sleep(0.1)
+                continue
+            if answer.get("pid") != killed_pid:
+                out.update(answer.get("startup") or {}, pid=answer.get("pid"), spare=answer.get("spare"))
+                if "built" in out:  # (a restart builds its trainer behind __init__: asked again until it did)
+                    return
+            time.sleep(0.1)
+
+    threading.Thread(target=ask, name=f"startup-{replica}", daemon=True).start()
+    return out
+
+
+def restart_breakdown(run_dir: Path, steps_log: dict, kill: Kill, startup: dict) -> dict:
+    """Seconds from `kill` to each mark of the victim's way back (None: not seen); `stages`: each
+    stage's own length, in order (ray_restart: the kill to the new process, negative when Ray reused
+    an idle one; worker_boot: to this module's loading, torch's import included when Ray's class
+    unpickling pulls it in first; imports, class_load, init: identity, config, rest; up_probe,
+    wait_heal, heal, first_step); `build_s`: the trainer and groups (inside init_rest on a first
+    start, behind __init__ on a restart: `build_slack_s` < 0 when the heal waited for it)."""
+    events = _events(run_dir)
+    rid, t0 = kill.replica, kill.t
+
+    def first(name: str, **match) -> float | None:
+        return next((e["t"] - t0 for e in events if e["event"] == name and e["t"] >= t0
+                     and all(e.get(k) == v for k, v in match.items())), None)
+
+    def mark(key: str) -> float | None:
+        value = startup.get(key)
+        return value - t0 if isinstance(value, (int, float)) else None
+
+    after = [row["t"] - t0 for row in steps_log.get(rid, []) if row["t"] > t0]
+    marks = {"replica_down": first("replica_down", rid=rid), "process_start": mark("process_start"),
+             "module_t0": mark("module_t0"), "module_t1": mark("module_t1"), "init_begin": mark("init_begin"),
+             "identity": mark("identity"), "config": mark("config"), "trainer": mark("trainer"),
+             "init_end": mark("init_end"), "built": mark("built"),
+             "replica_up": first("replica_up", rid=rid), "spare_promoted": first("spare_promoted", rid=rid),
+             "heal_begin": first("heal_begin", target=rid), "heal_end": first("heal_end", target=rid),
+             "first_step": after[0] if after else None}
+    back = marks["spare_promoted"] if marks["spare_promoted"] is not None else marks["replica_up"]
+    order = [("ray_restart", None, "process_start"), ("worker_boot", "process_start", "module_t0"),
+             ("imports", "module_t0", "module_t1"), ("class_load", "module_t1", "init_begin"),
+             ("init_identity", "init_begin", "identity"), ("init_config", "identity", "config"),
+             ("init_rest", "config", "init_end")]
+    stages = {name: _gap(0.0 if a is None else marks[a], marks[b]) for name, a, b in order}
+    if marks["spare_promoted"] is not None:  # a spare took the id: the restart is not on the way back
+        stages = {"promote": marks["spare_promoted"]}
+    else:
+        stages["up_probe"] = _gap(marks["init_end"], back)
+    stages.update(wait_heal=_gap(back, marks["heal_begin"]), heal=_gap(marks["heal_begin"], marks["heal_end"]),
+                  first_step=_gap(marks["heal_end"], marks["first_step"]))
+    return {"victim": rid, "marks_s": marks, "stages_s": stages, "detect_s": marks["replica_down"],
+            "build_s": _gap(marks["config"], marks["built"]),  # trainer + groups (+ warm-up: a spare)
+            "build_slack_s": _gap(marks["built"], marks["heal_begin"]),  # < 0: the heal waited for the build
+            "init_s": startup.get("init_s"), "restarted_pid": startup.get("pid"), "error": startup.get("error")}
+
+
+def _gap(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def _events(run_dir: Path) -> list[dict]:
+    rows = []
+    path = Path(run_dir) / "events.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
