@@ -90,15 +90,17 @@ def compose(overrides: Sequence[str]):
 
 
 def check_supported(cfg) -> None:
-    """What this peer reproduces: DiLoCo, one fragment, no delay, no codec, no balance. ValueError otherwise."""
-    s = cfg.sync
-    wrong = {k: v for k, v in {"sync.outer": s.outer, "sync.inner": s.inner, "sync.fragments": s.fragments,
-                                "sync.fragment_delay": s.fragment_delay, "sync.outer_compress": s.outer_compress,
-                                "sync.balance": s.balance}.items()
-             if v != {"sync.outer": "diloco", "sync.inner": "ddp", "sync.fragments": 1, "sync.fragment_delay": 0,
-                      "sync.outer_compress": "none", "sync.balance": "none"}[k]}
+    """What this peer reproduces: DiLoCo, inner ddp, one fragment, no delay, no codec, no balance, fp32,
+    eager, on the CPU (it pads no steps: train.min_step_s and stragglers are ignored, they change
+    timings only). ValueError naming the keys otherwise."""
+    s, t = cfg.sync, cfg.train
+    wanted = {"sync.outer": (s.outer, "diloco"), "sync.inner": (s.inner, "ddp"), "sync.fragments": (s.fragments, 1),
+              "sync.fragment_delay": (s.fragment_delay, 0), "sync.outer_compress": (s.outer_compress, "none"),
+              "sync.balance": (s.balance, "none"), "train.precision": (t.precision, "fp32"),
+              "train.compile": (bool(t.compile), False)}
+    wrong = {k: have for k, (have, want) in wanted.items() if have != want}
     if wrong:
-        raise ValueError(f"the torchft DiLoCo peer runs sync.outer=diloco, inner ddp, 1 fragment, no delay, no codec; "
+        raise ValueError(f"the torchft DiLoCo peer runs {', '.join(f'{k}={w}' for k, (_, w) in wanted.items())}; "
                          f"not {wrong}")
 
 
