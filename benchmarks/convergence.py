@@ -340,7 +340,8 @@ def _run_peer(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict
         cfg = compose(overrides)
         if steps_per_round(cfg) * int(cfg.train.rounds) != steps:
             raise ValueError(f"{arm.name}: {cfg.train.rounds} rounds x {steps_per_round(cfg)} steps != {steps} inner steps")
-        r = run_diloco(overrides=overrides, out=run_dir, timeout_s=max(600.0, steps * 3.0))
+        # a stuck worker fails on its own (gloo 120 s, quorum 600 s); this bound is for the run as a whole
+        r = run_diloco(overrides=overrides, out=run_dir, timeout_s=max(3600.0, steps * 60.0))
     except Exception as err:  # noqa: BLE001 — one arm's failure is recorded; the others still run
         return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500], "final_eval_loss": None,
                 "slow_link_bytes": None, "outer_overlapped_rounds": None, "wall_s": None,
