@@ -28,7 +28,19 @@ function of seed, global replica index and step) and the same number of inner st
   (`sync.fragment_delay=tau`), the synced params merged with `sync.fragment_alpha=0.5` (Streaming
   DiLoCo's mixing, which its paper found to help under a delay); tau = 5 (the paper's for H=100);
 - `diloco_h<H>_streaming` (full only): the combination Streaming DiLoCo reports: 4 fragments (a
-  round is H/4 steps), `sync.fragment_delay=5`, `sync.fragment_alpha=0.5`, `sync.outer_compress=int4`.
+  round is H/4 steps), `sync.fragment_delay=5`, `sync.fragment_alpha=0.5`, `sync.outer_compress=int4`;
+- `torchft_diloco_h<H>` (a peer, in the default list when torchft is importable; `peer_arms`):
+  torchft 0.2.0's `DiLoCo` (its Manager, a LighthouseServer, its outer optimizer: torch SGD with
+  Nesterov momentum at the invocation's `--outer-lr` / `--outer-momentum`) on the config the
+  `diloco_h<H>` arm composes: the same model, seed, batches (rank r of group g reads hsgd replica
+  c{g}r{r}'s), inner optimizer and schedule, H and inner steps; 2 replica groups of 2 processes,
+  torch DDP over gloo inside each, fp32 (torchft's quantization needs triton). It runs outside Ray
+  (benchmarks/peers/torchft_diloco.py). Its slow-link bytes are what every rank hands to torchft's
+  cross-group all-reduce (`Manager.allreduce`), summed: under DDP each rank sends the whole
+  pseudo-gradient, so 4 senders per outer step where hsgd's leader path has 2. Its eval loss is
+  hsgd's evaluation (the same batches and loss as `ReplicaTrainer.eval_loss`) of the final global
+  params, computed in the peer. `hsgd_diloco_vs_torchft_diloco` (JSON, table footer): the eval loss of
+  `diloco_h<H>` (codec none) / that of `torchft_diloco_h<H>`, both of the same invocation (< 1: hsgd ends lower).
 Every arm sets every `sync.*` key it varies (`fragment_delay` 0 and `fragment_alpha` 0 where unused).
 Every arm trains with the same inner schedule: warmup over 5 % of the steps, then cosine decay
 (`schedule_overrides`; `--set optim.inner.schedule=constant` for the config's default).
@@ -100,6 +112,7 @@ class Arm:
     senders: int  # members sending on the slow link in each of its collectives (modeled WAN)
     overrides: tuple[str, ...] = field(default=())
     delay: int = 0  # inner steps the outer exchange hides behind (sync.fragment_delay)
+    peer: str = ""  # "" = hsgd through Ray; "torchft_diloco" = benchmarks/peers/torchft_diloco.py
 
 
 def _sync(outer: str, every: int, *, compress: str = "none", fragments: int = 1, path: str = "leader",
@@ -165,6 +178,57 @@ def plan_arms(steps: int, *, quick: bool = False, every: int | None = None) -> l
         arms.append(Arm(name, what, hierarchical, spr, steps // spr, senders,
                         tuple(overrides) + (f"train.rounds={steps // spr}",), delay))
     return arms
+
+
+PEER_PREFIX = "torchft_diloco_h"
+
+
+def torchft_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchft") is not None
+
+
+def peer_arms(steps: int, *, quick: bool = False, every: int | None = None) -> list[Arm]:
+    """The peer arms: `torchft_diloco_h<H>` at the main H, on exactly the overrides of hsgd's
+    `diloco_h<H>` (2 x 2, DiLoCo every H, fp32, leader path: the peer reads what it reproduces
+    from them). Every rank of both groups sends on the slow link (senders 4). Raises ValueError
+    when `steps` is not a whole number of H-step rounds."""
+    h = main_every(quick, every)
+    if steps % h:
+        raise ValueError(f"--steps {steps} is not a whole number of {h}-step rounds for arm {PEER_PREFIX}{h}")
+    hier = [f"topology.clusters={CLUSTERS}", f"topology.replicas_per_cluster={REPLICAS_PER_CLUSTER}"]
+    return [Arm(f"{PEER_PREFIX}{h}", f"torchft 0.2.0 DiLoCo every {h} steps, fp32: Manager + Lighthouse, "
+                f"{CLUSTERS} groups x {REPLICAS_PER_CLUSTER} ranks, torch DDP inside", True, h, steps // h,
+                CLUSTERS * REPLICAS_PER_CLUSTER,
+                tuple(hier + _sync("diloco", h)) + (f"train.rounds={steps // h}",), 0, "torchft_diloco")]
+
+
+def peer_ratios(results: dict[str, dict]) -> dict[str, dict]:
+    """Per H where both ran: hsgd's `diloco_h<H>` (codec none) final eval loss / torchft's
+    `torchft_diloco_h<H>`, of the same invocation (ratio None when either has no loss)."""
+    out = {}
+    for name, r in results.items():
+        if not name.startswith(PEER_PREFIX) or "@" in name:
+            continue
+        h = name[len(PEER_PREFIX):]
+        hsgd = results.get(f"diloco_h{h}")
+        if hsgd is None:
+            continue
+        a, b = hsgd.get("final_eval_loss"), r.get("final_eval_loss")
+        out[h] = {"hsgd_arm": f"diloco_h{h}", "torchft_arm": name, "hsgd_eval_loss": a, "torchft_eval_loss": b,
+                  "hsgd_slow_link_bytes": hsgd.get("slow_link_bytes"),
+                  "torchft_slow_link_bytes": r.get("slow_link_bytes"),
+                  "ratio": a / b if a is not None and b else None}
+    return out
+
+
+def ratios_md(ratios: dict[str, dict]) -> str:
+    """The table's footer: a line per H with both arms (empty without)."""
+    lines = [f"hsgd_diloco_vs_torchft_diloco (H={h}): {c['hsgd_arm']} {_fmt(c['hsgd_eval_loss'], '.4f')} / "
+             f"{c['torchft_arm']} {_fmt(c['torchft_eval_loss'], '.4f')} = {_fmt(c['ratio'], '.4f')} "
+             f"(eval loss; < 1: hsgd ends lower)" for h, c in ratios.items()]
+    return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def schedule_overrides(steps: int) -> list[str]:
@@ -265,6 +329,26 @@ def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
             "faults": len(summary.get("faults") or [])}
 
 
+def _run_peer(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
+    """One peer arm's run, as `_run`'s result (plus the peer's own figures); an error is recorded."""
+    from hsgd.config.rounds import steps_per_round
+
+    from benchmarks.peers.torchft_diloco import compose, run_diloco
+
+    start = time.monotonic()
+    try:
+        cfg = compose(overrides)
+        if steps_per_round(cfg) * int(cfg.train.rounds) != steps:
+            raise ValueError(f"{arm.name}: {cfg.train.rounds} rounds x {steps_per_round(cfg)} steps != {steps} inner steps")
+        # a stuck worker fails on its own (gloo 120 s, quorum 600 s); this bound is for the run as a whole
+        r = run_diloco(overrides=overrides, out=run_dir, timeout_s=max(3600.0, steps * 60.0))
+    except Exception as err:  # noqa: BLE001 — one arm's failure is recorded; the others still run
+        return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500], "final_eval_loss": None,
+                "slow_link_bytes": None, "outer_overlapped_rounds": None, "wall_s": None,
+                "driver_wall_s": time.monotonic() - start}
+    return {**r, "outer_overlapped_rounds": 0, "driver_wall_s": time.monotonic() - start, "faults": 0}
+
+
 def rows(arms: list[Arm], results: dict[str, dict], *, gbps: float, latency_ms: float) -> list[dict]:
     """The table: per arm its eval loss, gap and bytes ratio against flat_ddp of the same
     invocation, wall-clock plain, under the simulated link measured (when run) and modeled, and
@@ -327,7 +411,8 @@ def plot(table: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     labels: dict[tuple[int, float], list[str]] = {}  # arms landing on the same point share one label
     for r in points:
-        color = "#444" if r["arm"] == "flat_ddp" else "#2ca02c" if r["meets_target"] else "#3b75af"
+        color = "#444" if r["arm"] == "flat_ddp" else "#ff7f0e" if r["arm"].startswith(PEER_PREFIX) \
+            else "#2ca02c" if r["meets_target"] else "#3b75af"
         ax.scatter(r["slow_link_bytes"], r["final_eval_loss"], color=color, zorder=3)
         labels.setdefault((r["slow_link_bytes"], r["final_eval_loss"]), []).append(r["arm"])
     for (x, y), names in labels.items():
@@ -355,11 +440,15 @@ def write_report(out: Path, arms: list[Arm], results: dict[str, dict], meta: dic
     from hsgd.record.rundir import atomic_write_text
 
     table = rows(arms, results, gbps=gbps, latency_ms=latency_ms)
-    text = table_md(table, gbps=gbps, latency_ms=latency_ms)
+    ratios = peer_ratios(results)
+    text = table_md(table, gbps=gbps, latency_ms=latency_ms) + ratios_md(ratios)
     report = {"machine_note": "timings are this machine's; compare within one invocation", **meta,
               "target": {"bytes_ratio_vs_flat": TARGET_RATIO, "gap": TARGET_GAP},
               "link": {"gbps": gbps, "latency_ms": latency_ms},
               "arms": [asdict(a) for a in arms], "results": results, "rows": table}
+    if ratios:  # eval loss of hsgd's diloco_h<H> (codec none) / torchft's DiLoCo at the same H, per H
+        report["hsgd_diloco_vs_torchft_diloco"] = {h: c["ratio"] for h, c in ratios.items()}
+        report["peer_comparison"] = ratios
     atomic_write_text(out / "convergence.json", json.dumps(report, indent=2, default=str))
     atomic_write_text(out / "convergence.md", text)
     plot(table, out / "convergence.png")
@@ -393,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or ("tiny" if args.quick else "small")
     steps = args.steps or (200 if args.quick else 2000)
     arms = plan_arms(steps, quick=args.quick, every=args.every)
+    if torchft_available():  # the peer arms (benchmarks/peers/torchft_diloco.py)
+        arms += peer_arms(steps, quick=args.quick, every=args.every)
     if args.arms:
         wanted = args.arms.split(",")
         unknown = sorted(set(wanted) - {a.name for a in arms})
@@ -405,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.wan_runs is not None:
         parser.error(f"--wan-runs names arms not in this invocation: {unknown}")
     wan_names = [n for n in wan_names if n not in unknown]
+    peers = sorted(n for n in wan_names if any(a.name == n and a.peer for a in arms))
+    if peers:
+        parser.error(f"--wan-runs: the peer arms {peers} run outside hsgd and cannot simulate its link")
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-convergence-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     batch_size = args.batch_size or (QUICK_BATCH_SIZE if args.quick else BATCH_SIZE)
@@ -431,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides = arm_overrides(arm, common, eval_every_steps=eval_every)
             if wan:
                 overrides += link_overrides(arm, args.gbps, args.latency_ms)
-            r = _run(arm, overrides, out / "runs" / name.replace("@", "_"), steps)
+            run = _run_peer if arm.peer else _run
+            r = run(arm, overrides, out / "runs" / name.replace("@", "_"), steps)
             r["overrides"] = overrides
             results[name] = r
             elapsed = time.monotonic() - t0
