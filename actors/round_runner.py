@@ -10,12 +10,11 @@ and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray r
     AbortJoin  the group's rendezvous is released in the run's store (hsgd.train.comm)
     StepTimed  a sample for the learned step deadline; PhaseEnded: phase_end in the record
 
-Every tick (TICK_S) it reads the steps of replicas in run_inner off the run's progress board, one
-store round trip for all (hsgd/train/progress_board.py: replicas push them; by calls if it fails),
-asks replicas that are down whether they are back (Up), reads every death and restart from Ray's actor table (actors/lifecycle.py
-through the roster: Lost), and ticks the machine's clock. Idle live replicas are asked whether their
-process still runs (every IDLE_POLL_S) only while the table does not list their actor (the GCS
-unreachable, an actor not yet registered): one table read per tick replaces a call per idle replica. Every wait is bounded: one `ray.wait` of at most TICK_S; answers are fetched once ready.
+Every tick (TICK_S) it reads the steps of replicas in run_inner off the run's progress board in
+one store round trip (hsgd/train/progress_board.py; by calls if it fails), asks replicas that are
+down whether they are back (Up), reads deaths and restarts from Ray's actor table (Lost; an idle
+replica is asked whether it runs, every IDLE_POLL_S, only while the table does not list its actor)
+and ticks the machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S.
 """
 from __future__ import annotations
 
@@ -188,9 +187,9 @@ class RoundRunner:
         return Answer(phase_id, rid, answer.outcome, answer.round, answer.step, answer.error_kind, answer.error)
 
     def _ask(self, *, idle: bool) -> list:
-        """The machine's probes (RoundMachine.probes), one outstanding call per replica; the steps of
-        those in run_inner are read off the progress board in one store round trip (asked by calls
-        only when it fails), and returned as observations."""
+        """The machine's probes (RoundMachine.probes), one outstanding call per replica; the steps of those in
+        run_inner read off the progress board in one round trip (by calls if it fails): this round's, from the
+        process the roster knows (not a dead one's), never below the committed step, as observations."""
         roster, probes = self.p.roster, self.m.probes(idle=idle, gone=self.p.roster.gone)
         board = self.board.read([rid for what, rid in probes if what == "progress"]) if self.board else None
         asked = {rid for _, rid, _ in self.probes.values()}
@@ -199,7 +198,8 @@ class RoundRunner:
                 continue
             asked.add(rid)
             self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
-        return [Progress(rid, step) for rid, (r, step) in (board or {}).items() if r == self.r]
+        return [Progress(rid, step) for rid, (r, step, pid) in (board or {}).items()
+                if r == self.r and pid == roster.pids.get(rid) and step >= self.m.progress.get(rid, (r, step))[1]]
 
     def _probe_answer(self, ref) -> list:
         what, rid, known_pid = self.probes.pop(ref)

@@ -248,13 +248,13 @@ class Supervisor:
 
     def _record(self, r: int, machine: RoundMachine, run) -> None:
         """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
+        steps_of, topo = machine.settings.steps_of, self.topology
+        cluster_tokens = committed_tokens(run.commit_digests, topo, steps_of, self.roster.tokens_per_step)
+        self.state.tokens_per_cluster = [n + t for n, t in itertools.zip_longest(  # saved with the commit
+            self.state.tokens_per_cluster, cluster_tokens, fillvalue=0)]
         self.state.committed_round = r + 1
         self.record.save_state()
-        steps_of, topo = machine.settings.steps_of, self.topology
         self.committed_steps += sum(steps_of(topo.cluster_of(rid)) for rid in run.inner_participants)
-        cluster_tokens = committed_tokens(run.commit_digests, topo, steps_of, self.roster.tokens_per_step)
-        self.state.tokens_per_cluster = [n + t for n, t in itertools.zip_longest(
-            self.state.tokens_per_cluster, cluster_tokens, fillvalue=0)]
         self.attempted_steps += run.attempted_steps
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()

@@ -30,15 +30,15 @@ function of seed, global replica index and step) and the same number of inner st
 - `diloco_h<H>_streaming` (full only): the combination Streaming DiLoCo reports: 4 fragments (a
   round is H/4 steps), `sync.fragment_delay=5`, `sync.fragment_alpha=0.5`, `sync.outer_compress=int4`;
 - `torchft_diloco_h<H>` (a peer, in the default list when torchft is importable; `peer_arms`):
-  torchft 0.2.0's `DiLoCo` (its Manager, a LighthouseServer, its outer optimizer: torch SGD with
+  torchft 0.2.0's `torchft.local_sgd.DiLoCo` (its Manager, a LighthouseServer, its outer optimizer: torch SGD with
   Nesterov momentum at the invocation's `--outer-lr` / `--outer-momentum`) on the config the
   `diloco_h<H>` arm composes: the same model, seed, batches (rank r of group g reads hsgd replica
   c{g}r{r}'s), inner optimizer and schedule, H and inner steps; 2 replica groups of 2 processes,
   torch DDP over gloo inside each, fp32 (torchft's quantization needs triton). It runs outside Ray
   (benchmarks/peers/torchft_diloco.py). Its slow-link bytes are what every rank hands to torchft's
-  cross-group all-reduce (`Manager.allreduce`), summed: under DDP each rank sends the whole
+  cross-group all-reduce (`torchft.manager.Manager.allreduce`), summed: under DDP each rank sends the whole
   pseudo-gradient, so 4 senders per outer step where hsgd's leader path has 2. Its eval loss is
-  hsgd's evaluation (the same batches and loss as `ReplicaTrainer.eval_loss`) of the final global
+  hsgd's evaluation (the same batches and loss as `hsgd.train.trainer.ReplicaTrainer.eval_loss`) of the final global
   params, computed in the peer. `hsgd_diloco_vs_torchft_diloco` (JSON, table footer): the eval loss of
   `diloco_h<H>` (codec none) / that of `torchft_diloco_h<H>`, both of the same invocation (< 1: hsgd ends lower).
 Every arm sets every `sync.*` key it varies (`fragment_delay` 0 and `fragment_alpha` 0 where unused).

@@ -1,4 +1,4 @@
-"""The torchft DiLoCo peer: hsgd's own model trained by torchft 0.2.0's `DiLoCo` (its Manager, a
+"""The torchft DiLoCo peer: hsgd's own model trained by torchft 0.2.0's `torchft.local_sgd.DiLoCo` (its Manager, a
 LighthouseServer and its outer optimizer), for the convergence benchmark's `torchft_diloco_h<H>`
 arm (`python -m benchmarks convergence`, issue 33, Build 3).
 
@@ -27,19 +27,19 @@ Topology
       joining rank r of every group; `torchft.local_sgd.DiLoCo` wraps the inner optimizer: its
       step hook counts inner steps and every H-th step asks for a quorum (synchronous:
       `use_async_quorum=False`, which DiLoCo requires), takes the pseudo-gradient (params at the
-      last sync - params now), averages it over the quorum (`Manager.allreduce`, one all-reduce
+      last sync - params now), averages it over the quorum (`torchft.manager.Manager.allreduce`, one all-reduce
       per parameter tensor, fp32: no quantization, which needs triton in 0.2.0), restores the
       last sync's params, sets the mean pseudo-gradient as their `.grad` and steps the outer
       optimizer (`torch.optim.SGD(lr, momentum, nesterov)`) if `should_commit()` says so.
     Lighthouse: `min_replicas = groups` (every outer step waits for every group: hsgd's arm has
     both clusters in every round), README's quorum tick (100 ms) and join timeout (10 s), the
     default heartbeat timeout (5 s). Manager: `min_replica_size = groups`, `init_sync=False` (every
-    replica builds the same params from the seed; with the default `True` the first quorum, which
+    replica builds the same params from the seed; with the default True the first quorum, which
     DiLoCo asks for only at the first sync, would overwrite one group's first H steps with the
     other's), quorum timeout 10 min (a quorum is asked once per H steps).
 
 Slow-link bytes (as convergence.py's docstring counts hsgd's): the bytes each sender hands to
-the cross-group all-reduce, summed over senders and outer steps. Every rank's `Manager.allreduce`
+the cross-group all-reduce, summed over senders and outer steps. Every rank's `torchft.manager.Manager.allreduce`
 is wrapped to count its tensor's payload (numel x element size, fp32) when the manager has not
 errored (an errored manager sends nothing). Under DDP every rank of a group holds the whole model,
 and torchft's cross-group process group joins rank r of every group, so every rank sends its full
@@ -49,7 +49,7 @@ intended HSDP, each rank would send its shard.) The per-rank figures are in `per
 
 Evaluation: rank 0 of group 0 computes the loss of the global params (after a sync with
 `fragment_update_alpha=0` the model's params are the outer optimizer's) on hsgd's evaluation
-batches, exactly as `ReplicaTrainer.eval_loss` does (`dataset.batch("val", seed=task.EVAL_SEED,
+batches, exactly as `hsgd.train.trainer.ReplicaTrainer.eval_loss` does (`dataset.batch("val", seed=task.EVAL_SEED,
 replica_index=-1, step=i, micro=0)` for i < `train.eval_batches`, model in eval mode, mean of the
 batch losses), before the first step and after the outer steps `train.eval_every` says
 (`hsgd.core.round.schedule.due`, as hsgd's supervisor decides), the last always.

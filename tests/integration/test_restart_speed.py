@@ -54,6 +54,8 @@ def test_a_restarted_replica_answers_up_before_its_build_and_then_trains_as_one_
         assert (answer["round"], answer["step"]) == (expected["round"], expected["step"])
         after = ray.get(victim.progress.remote(), timeout=60)
         assert "built" in after["startup"]
+        assert after["startup"]["built"] > after["startup"]["init_end"], \
+            "a restart answers up first and builds behind __init__ (its build ends after __init__ returned)"
         assert after["param_bytes"] == first["param_bytes"] and after["tokens_per_step"] == first["tokens_per_step"]
         ours, theirs = (ray.get(h.digests.remote(), timeout=60) for h in (victim, fresh))
         assert ours == theirs, "a restart built behind __init__ trains other params or another data stream"

@@ -183,7 +183,8 @@ def test_equal_tokens_of_unequal_plans_give_the_plain_mean():
 
 def test_the_reduce_behind_the_steps_carries_the_planned_token_weights_the_exchange_then_uses():
     """sync.fragment_delay: holders reduce during run_inner with the weights expected then (live
-    members x planned steps); the exchange after the steps computes the same, so nothing is redone."""
+    members x the planned steps before the snapshot); the exchange after the steps computes the same,
+    so nothing is redone."""
     from hsgd.core.outer_plan import shard_holders
 
     topo = Topology(2, 1)
@@ -192,7 +193,7 @@ def test_the_reduce_behind_the_steps_carries_the_planned_token_weights_the_excha
     m = RoundMachine(topo, settings, 1, progress={"c0r0": (1, 20), "c1r0": (1, 20)}, leaders={0: "c0r0", 1: "c1r0"},
                      epoch=9, committed_round=1, outer_configured=(7, groups))
     runs = _runs(m.start(0.0))
-    expected = token_weights([20, 10])
+    expected = token_weights([20 - 3, 10 - 3])  # the steps before each cluster's snapshot (delay 3)
     assert {rid: call.overlap for run in runs.values() for rid, call in run.calls.items()} == \
         {"c0r0": Overlap(7, 0, 1, expected), "c1r0": Overlap(7, 0, 1, expected)}
     m.observe(Answer(runs[1].id, "c1r0", DONE, 1, 30), 1.0)
@@ -520,3 +521,16 @@ def test_the_round_plan_and_tokens_per_cluster_are_saved_and_read_back(tmp_path)
     assert StepPlan.from_dict(back.round_plan) == replace(plan, source="recorded")
     fresh = RunState(run_id="hsgd-bal").to_dict()
     assert "round_plan" not in fresh and "tokens_per_cluster" not in fresh, "empty: an older file's keys"
+
+
+def test_a_clusters_weight_counts_only_the_steps_before_its_snapshot():
+    """Under sync.fragment_delay a pseudo-gradient holds the steps before the snapshot: a cluster whose
+    plan the delay covers whole sends nothing and weighs nothing; without a delay, the steps reached."""
+    from hsgd.core.round.machine import RoundSettings
+
+    s = RoundSettings(steps_per_round=20, cluster_steps=(20, 5), fragment_delay=5)
+    assert [s.snapshot_steps_of(c, s.steps_of(c)) for c in (0, 1)] == [15, 0]
+    assert s.snapshot_steps_of(0, 12) == 12, "members short of the snapshot: the steps they reached"
+    assert RoundSettings(steps_per_round=20, cluster_steps=(20, 5)).snapshot_steps_of(1, 5) == 5
+    lsgd = RoundSettings(steps_per_round=20, cluster_steps=(20, 5), fragment_delay=2, inner="localsgd", inner_every=2)
+    assert lsgd.snapshot_steps_of(1, 5) == 2, "moved back to the last average (after step 2)"

@@ -1,5 +1,6 @@
 """issue 36, Build 1: replicas push their steps to the run's store; the supervisor reads them all with
 one round trip (hsgd/train/progress_board.py), and nothing waits on a store that is gone."""
+import os
 import time
 
 from hsgd.train.comm import new_run_secret, rendezvous_address, start_store
@@ -28,10 +29,13 @@ def test_published_steps_are_read_in_one_round_trip_and_cleared_at_a_round_start
         pub.address(addr)
         pub.publish(3, 60 + i)
     got = _until(lambda: (r := board.read(["c0r0", "c0r1", "c1r0"])) and len(r) == 2 and r)
-    assert got == {"c0r0": (3, 60), "c0r1": (3, 61)}
+    me = os.getpid()  # the process that wrote it: a dead one's value is told apart from its successor's
+    assert got == {"c0r0": (3, 60, me), "c0r1": (3, 61, me)}
     pubs["c0r0"].publish(3, 65)
-    assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (3, 65)})
+    assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (3, 65, me)})
     assert board.reset(["c0r0", "c0r1", "c1r0"]) and board.read(["c0r0", "c0r1"]) == {}, "a new round: stale values gone"
+    pubs["c0r0"].address(addr)  # the next run_inner call: the current value is written again
+    assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (3, 65, me)})
 
 
 def test_another_runs_store_or_secret_is_not_read():
@@ -64,4 +68,4 @@ def test_the_training_thread_never_waits_on_a_store_that_is_gone():
     board.reset(["c0r0"])
     pub.address(addr2)
     pub.publish(1, 25)
-    assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (1, 25)}, timeout_s=10)
+    assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (1, 25, os.getpid())}, timeout_s=10)

@@ -71,7 +71,7 @@ class ClusterPhases:
         if groups != self._shard_groups(expected=True):
             return {}
         # the weights as expected now: every live member finishes the round's steps
-        weights = token_weights([len(self.members(c)) * self.settings.steps_of(c)
+        weights = token_weights([len(self.members(c)) * self.settings.snapshot_steps_of(c, self.settings.steps_of(c))
                                  for c in map(self.cluster_of, groups[0])])
         return {rid: Overlap(epoch, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
 

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping
 from hsgd.core.deadlines import PhaseClock, collective_timeout_s, heal_deadline_s, state_bytes_bound
 from hsgd.core.membership import Plan
 from hsgd.core.outer_plan import holds_outer_group
+from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
@@ -46,6 +47,14 @@ class RoundSettings:
 
     def steps_of(self, cluster: int) -> int:
         return self.cluster_steps[cluster] if self.cluster_steps else self.steps_per_round
+
+    def snapshot_steps_of(self, cluster: int, reached: int) -> int:
+        """The steps a cluster's pseudo-gradient holds when its members reached `reached`: under
+        sync.fragment_delay it is taken that many steps (clamped to the plan) before the round's end."""
+        if not self.fragment_delay:
+            return reached
+        every = self.inner_every if self.inner == "localsgd" else 1
+        return max(0, min(reached, self.steps_of(cluster) - fragment_delay_of(self.fragment_delay, self.steps_of(cluster), every)))
 
     def step_deadline_of(self, cluster: int) -> float:
         return self.cluster_step_deadline_s[cluster] if self.cluster_step_deadline_s else self.step_deadline_s

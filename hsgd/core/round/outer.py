@@ -25,11 +25,13 @@ class OuterExchange:
         groups = self._shard_groups()
         self.exchange = (self.participating(), groups)
         # each cluster's weight in the outer mean: the tokens it trained this round, its live members
-        # x the steps they reached (every batch holds the same tokens)
+        # x the steps they reached (every batch holds the same tokens); under sync.fragment_delay only
+        # the steps before the snapshot its pseudo-gradient was taken at
         start, tokens = self.round * self.settings.steps_per_round, []
         for c in self.exchange[0]:
             live = [m for m in self.clusters[c].members if m in self.progress]
-            tokens.append(len(live) * max((self.progress[m][1] - start for m in live), default=0))
+            reached = max((self.progress[m][1] - start for m in live), default=0)
+            tokens.append(len(live) * self.settings.snapshot_steps_of(c, reached))  # what its pseudo-gradient holds
         weights = token_weights(tokens)
         self.outer_stage = OuterStage.REDUCE
         # the holders changed: the reduce first forms their groups (one per shard) under a fresh epoch
