@@ -123,9 +123,12 @@ class Replica:
             self._built.set()
 
     def __getattr__(self, name: str):
-        """`trainer` and `background` of a restart still building: wait for them."""
+        """`trainer` and `background` of a restart still building: wait for them, at most a phase call's
+        deadline (a build that long is the replica's failure: it raises, and is restarted)."""
         if name in _BUILT and "_built" in self.__dict__:
-            self._built.wait()
+            if not self._built.wait(timeout=float(self.cfg.supervisor.phase_timeout_s)):
+                raise RuntimeError(f"{self.rid}: its restart did not build its trainer within "
+                                   f"{self.cfg.supervisor.phase_timeout_s:g}s (supervisor.phase_timeout_s)")
             if self._build_error is not None:
                 raise RuntimeError(f"{self.rid}: its restart could not build its trainer") from self._build_error
             return self.__dict__[name]
