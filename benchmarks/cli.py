@@ -59,7 +59,7 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
 
 
 SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "plan", "inner", "ddp", "convergence", "sites",
-          "report")
+          "outer_sweep", "report")
 
 
 def main(argv: list[str] | None = None) -> int:
