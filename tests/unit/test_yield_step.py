@@ -56,11 +56,14 @@ def test_with_nothing_known_the_yield_plans_with_a_short_step_a_longer_lead():
 
 def test_members_not_seen_since_their_phase_began_are_extrapolated_from_its_start():
     """A phase issued just now (a re-form): the members stand at their committed step, exactly; the
-    boundary is the 2-step minimum past it, not a board value's age."""
+    boundary is the 2-step minimum past it, not a board value's age. Unseen for longer, the time since
+    the phase began counts twice, the margin at most yield_lead_s."""
     m = _machine(cluster_step_s=(0.25,))
     assert _yield(m, 0.01).at_step == 2
-    m = _machine(cluster_step_s=(0.25,))  # the phase began 2 s ago, nobody seen since: 8 steps run at most
-    assert _yield(m, 2.0).at_step == 8
+    m = _machine(cluster_step_s=(0.25,), yield_lead_s=1.0)  # began 2 s ago, nobody seen since: (2 + 1) / 0.25
+    assert _yield(m, 2.0).at_step == 12
+    m = _machine(cluster_step_s=(0.25,), yield_lead_s=1.0)  # 0.4 s ago: (0.4 + 0.4) / 0.25 = 3.2 -> 4
+    assert _yield(m, 0.4).at_step == 4
 
 
 def test_round_settings_carry_each_clusters_learned_step_time():

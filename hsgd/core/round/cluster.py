@@ -142,12 +142,14 @@ class ClusterPhases:
         """A step boundary every member still running reaches after the yield request arrives: each
         member's step extrapolated to `now` at the cluster's step time, from its last sign of progress
         plus yield_lead_s (that sign's age and the request's travel), or, not seen since its phase
-        began at `started`, from its committed step then (exact); at least 2 steps past the furthest."""
+        began at `started`, from its committed step then (exact), plus the time since, at most
+        yield_lead_s (a phase issued just now needs no more); at least 2 steps past the furthest."""
         s = self.settings
         step_s = max(self._step_time(self.cluster_of(running[0])), 1e-3)
         furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
         ahead = max(seen[0] + (now - seen[1] + s.yield_lead_s) / step_s if (seen := self.advance.get(m))
-                    else self.progress[m][1] + (now - started) / step_s for m in running)
+                    else self.progress[m][1] + (now - started + min(now - started, s.yield_lead_s)) / step_s
+                    for m in running)
         at = max(furthest + 2, math.ceil(ahead)) - self.round * s.steps_per_round
         if s.inner != "localsgd":
             return at
