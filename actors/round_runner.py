@@ -10,11 +10,12 @@ and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray r
     AbortJoin  the group's rendezvous is released in the run's store (hsgd.train.comm)
     StepTimed  a sample for the learned step deadline; PhaseEnded: phase_end in the record
 
-Every tick (TICK_S) it reads the steps of replicas in run_inner off the run's progress board in
-one store round trip (hsgd/train/progress_board.py; by calls if it fails), asks replicas that are
-down whether they are back (Up), reads deaths and restarts from Ray's actor table (Lost; an idle
-replica is asked whether it runs, every IDLE_POLL_S, only while the table does not list its actor)
-and ticks the machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S.
+Every tick (TICK_S), and at once after an answer of a broken collective (a peer's death shows there
+first), it reads the steps of replicas in run_inner off the run's progress board in one store round
+trip (hsgd/train/progress_board.py; by calls if it fails), asks replicas that are down whether they
+are back (Up), reads deaths and restarts from Ray's actor table (Lost; an idle replica is asked
+whether it runs, every IDLE_POLL_S, only while the table does not list its actor) and ticks the
+machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S.
 """
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ class RoundRunner:
             seen = [o for ref in ready for o in self._read(ref)]
             self._carry_out(m.observe_all(seen, time.monotonic()) if seen else [])
             now = time.monotonic()
-            if now - last_tick >= TICK_S:
-                last_tick = now
-                self._carry_out(m.observe_all(self._ask(idle=now - last_idle >= IDLE_POLL_S), now))
-                last_idle = now if now - last_idle >= IDLE_POLL_S else last_idle
+            if now - last_tick >= TICK_S or any(getattr(o, "outcome", None) == Outcome.COLLECTIVE_FAILED for o in seen):
+                last_tick, idle = now, now - last_idle >= IDLE_POLL_S
+                self._carry_out(m.observe_all(self._ask(idle=idle), now))
+                last_idle = now if idle else last_idle
                 if roster.spares:
                     roster.spares.check(self.p.log)
                 for rid in roster.deaths(m.progress, self.r, self.phase):  # Ray's actor table
@@ -243,8 +244,7 @@ class RoundRunner:
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))
 
     def _status(self) -> None:
-        m = self.m
-        self.phase = m.view_phase
+        m, self.phase = self.m, self.m.view_phase
         self.p.set_status(epoch=m.epoch, phase=self.phase, round=self.r,
                           members={f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
                           leaders={f"c{c}": r for c, r in m.leaders.items()})

@@ -75,13 +75,33 @@ def _overhead_rows(r: dict) -> list[list[str]]:
              f"{_f(m['ratio_min'], '.3f')}–{_f(m['ratio_max'], '.3f')}"] for m in r["models"]]
 
 
+SPARE_REJOIN_TARGET_S = 2.0  # issue 36: with one hot spare a killed replica is back within this
+
+
 def _recovery_rows(r: dict) -> list[list[str]]:
+    """Per side its stall and rejoin; hsgd's sides (in newer reports) add detection (the SIGKILL to
+    `replica_down`: median / p95 over the kills) and the median of each stage of the way back, in
+    order (benchmarks/peers/hsgd_peer.py `restart_breakdown`: `promote` counts from the kill, the
+    others are each stage's own length); then the ratios."""
     rows = []
     for side in r["sides"]:
-        rec = side.get("recovery") or {}
-        rows.append([f"{side['name']}: survivors' stall (median) / killed replica's rejoin",
+        rec, name = side.get("recovery") or {}, side["name"]
+        note = f"step {_f(side.get('step_time_s'), '.2f', ' s')}"
+        if name == "hsgd_1x3_spare" and rec.get("rejoin_s") is not None:
+            note += f"; one hot spare: target rejoin ≤ {SPARE_REJOIN_TARGET_S:g} s " \
+                    f"{_holds(rec['rejoin_s'] <= SPARE_REJOIN_TARGET_S)}"
+        rows.append([f"{name}: survivors' stall (median) / killed replica's rejoin",
                      f"{_f(rec.get('survivors_stall_median_s'), '.2f', ' s')} / {_f(rec.get('rejoin_s'), '.2f', ' s')}",
-                     f"step {_f(side.get('step_time_s'), '.2f', ' s')}"])
+                     note])
+        if side.get("detect_s"):
+            d = side["detect_s"]
+            rows.append([f"{name}: SIGKILL to `replica_down` (median / p95)",
+                         f"{_f(d.get('median'), '.2f', ' s')} / {_f(d.get('p95'), '.2f', ' s')}",
+                         f"{len([x for x in d.get('each') or [] if x is not None])} kills"])
+        if side.get("restart_breakdown"):
+            rows.append([f"{name}: the way back, median of each stage",
+                         ", ".join(f"{stage} {_f(s, '.2f', ' s')}" for stage, s in side["restart_breakdown"].items()),
+                         "in order; `promote` from the kill"])
     for name, ratio in r.get("ratios", {}).items():
         rows.append([name, f"{_f(ratio, '.3g')}×", "same invocation"])
     return rows

@@ -70,6 +70,9 @@ How the supervisor's control plane grows with the number of replicas, two ways.
                                  run_inner; idle-liveness probes the actor table could not tell);
                                  idle_liveness_calls_skipped_lasting: those the table told
        board_writes              the replicas' writes to the progress board in the round
+       progress_seen_lasting     the observations the machine took in the lasting round beyond the
+                                 instant one's: its `Progress` (board values or progress calls;
+                                 0 would mean the runner saw no step while replicas trained)
        supervisor_cpu_per_inner_s   time.process_time() of the driver process (the one running
                                  drive(): every thread in it — the runner's, Ray's core-worker
                                  threads and the store's server; not the raylet, the GCS or the
@@ -548,11 +551,13 @@ def actor_calls(handles: dict) -> dict:
 class BoardWriter:
     """The light replicas' progress publishers (hsgd/train/progress_board.py `Publisher`), in one
     process: one store client per replica (a connection each, as each replica holds its own), each
-    replica's `round,step` written every `interval_s` (the Publisher's default, 0.5 s; a training
+    replica's `round,step,pid` written every `interval_s` (the Publisher's default, 0.5 s; a training
     replica's step changes faster, so every interval writes) while its inner phase lasts, to the
-    supervisor's store under the run's secret, as the Publisher writes it. One process imports torch
-    for all: 64 light actors importing it would take ~10 GB here. The supervisor's side — its
-    store's server taking the writes, its one multi_get per tick — is the product's."""
+    supervisor's store under the run's secret, as the Publisher writes it: the pid is the light
+    actor's own (the runner drops a value whose pid is not the one the roster knows for the
+    replica). One process imports torch for all: 64 light actors importing it would take ~10 GB
+    here. The supervisor's side — its store's server taking the writes, its one multi_get per
+    tick — is the product's."""
 
     def __init__(self):
         self.clients: dict = {}
@@ -569,20 +574,21 @@ class BoardWriter:
                                                                       timeout=timedelta(seconds=CALL_S))
         return len(self.clients)
 
-    def start(self, store_addr: str, round_index: int, rids: list[str], spr: int, inner_s: float,
+    def start(self, store_addr: str, round_index: int, pids: dict[str, int], spr: int, inner_s: float,
               interval_s: float = 0.5) -> None:
-        """Publish rids' steps of round_index, from its first step to its last over inner_s, from now."""
+        """Publish the steps of round_index of each replica in `pids` (rid -> its actor's pid), from its
+        first step to its last over inner_s, from now."""
         if self.thread is not None:
             self.thread.join()
-        clients = [(rid, self.clients[(store_addr, rid)]) for rid in rids]
+        clients = [(rid, pid, self.clients[(store_addr, rid)]) for rid, pid in pids.items()]
 
         def loop():
             t0 = time.monotonic()
             while (elapsed := time.monotonic() - t0 + interval_s) < inner_s:
                 time.sleep(interval_s)
                 step = round_index * spr + int(elapsed / inner_s * spr)
-                for rid, client in clients:
-                    client.set(rid, f"{round_index},{step}")
+                for rid, pid, client in clients:
+                    client.set(rid, f"{round_index},{step},{pid}")
                     self.writes += 1
 
         self.thread = threading.Thread(target=loop, name="board-writer", daemon=True)
@@ -633,7 +639,8 @@ def lasting_rounds(actors: list, names: list, writer, clusters: int, per_cluster
         actor_calls(handles)  # cleared: this round's calls only
         run.ports.store = store if board else None  # no store: the runner asks by calls
         if board and seconds > 0:
-            ray.get(writer.start.remote(run.ports.store_addr, run.committed_round, rids, STEPS_PER_ROUND, seconds),
+            pids = {rid: roster.pids.get(rid) for rid in rids}  # as the roster knows them (the runner checks)
+            ray.get(writer.start.remote(run.ports.store_addr, run.committed_round, pids, STEPS_PER_ROUND, seconds),
                     timeout=CALL_S)
         reads0, wanted0, untold0 = roster.table_reads, roster.idle_wanted, roster.idle_untold
         events0 = run.log.counts.copy()
@@ -648,6 +655,7 @@ def lasting_rounds(actors: list, names: list, writer, clusters: int, per_cluster
         if record["outcome"] != "committed" or events["commit_decision"] != 1:
             raise RuntimeError(f"{case} round at {topology.num_replicas} actors did not commit: the bench is broken")
         return {"round_wall_s": wall, "round_supervisor_cpu_s": cpu, "machine_ticks": record["ticks"],
+                "observations": record["observations"],
                 "calls_per_round": sum(calls.values()), "calls_by_method": calls, "board_writes": writes,
                 "table_reads": roster.table_reads - reads0, "idle_probes_wanted": roster.idle_wanted - wanted0,
                 "idle_probes_untold": roster.idle_untold - untold0, **clock.figures()}
@@ -679,6 +687,7 @@ def summary(instant: dict, lasting: dict, clusters: int, inner_s: float, tick_s:
     return {"lasting": lasting, "instant": instant,
             "calls_per_round": lasting["calls_per_round"], "instant_calls_per_round": instant["calls_per_round"],
             "extra_calls_per_round": extra, "extra_calls_by_method": extra_by_method,
+            "progress_seen_lasting": lasting["observations"] - instant["observations"],
             "progress_calls_lasting": lasting["calls_by_method"].get("progress", 0) - idle_calls,
             "idle_liveness_calls_lasting": idle_calls,
             "idle_liveness_calls_skipped_lasting": lasting["idle_probes_wanted"] - lasting["idle_probes_untold"],
@@ -830,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"2 x clusters x ticks = {f['target_extra_calls']:.0f} ({holds}); "
                   f"idle-liveness calls {f['idle_liveness_calls_lasting']} (skipped, the table tells: "
                   f"{f['idle_liveness_calls_skipped_lasting']}), table reads {f['lasting']['table_reads']}, board "
-                  f"writes {f['lasting']['board_writes']}; supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
+                  f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
                   f"core over the inner phase (main thread {f['supervisor_main_thread_cpu_per_inner_s']:.1%})",
                   flush=True)
 

@@ -100,3 +100,24 @@ def test_the_committed_benchmarks_md_is_the_render_of_the_committed_jsons():
 def test_every_suite_takes_quick_the_report_too(tmp_path):
     assert bench(["report", "--quick", "--from", str(REPO / "benchmarks"), "--to", str(tmp_path / "B.md")]) == 0
     assert (tmp_path / "B.md").read_text() == render(newest_reports([REPO / "benchmarks"]), tmp_path)
+
+
+def test_recovery_renders_hsgd_detection_the_way_back_per_stage_and_the_spare_side(tmp_path):
+    """A synthetic recovery.json: hsgd's sides carry detect_s and restart_breakdown (a peer's do not);
+    the spare side's rejoin is held against its 2-s target."""
+    spare = {"name": "hsgd_1x3_spare", "step_time_s": 0.25,
+             "recovery": {"survivors_stall_median_s": 0.9, "rejoin_s": 1.74},
+             "detect_s": {"median": 0.59, "p95": 0.6, "each": [0.594, 0.6, 0.576]},
+             "restart_breakdown": {"promote": 0.606, "wait_heal": 0.512, "heal": 0.335, "first_step": 0.303}}
+    slow = {**spare, "name": "hsgd_1x3_spare", "recovery": {"survivors_stall_median_s": 0.9, "rejoin_s": 2.76}}
+    peer = {"name": "torchft_readme", "step_time_s": 0.25, "recovery": {"survivors_stall_median_s": 1.0, "rejoin_s": 5.1}}
+    report = _report("recovery", "2026-11-27T00:00:00Z", sides=[spare, peer], ratios={},
+                     json_path=str(tmp_path / "recovery.json"))
+    text = render({"recovery": report})
+    assert "| hsgd_1x3_spare: survivors' stall (median) / killed replica's rejoin | 0.90 s / 1.74 s | " \
+           "step 0.25 s; one hot spare: target rejoin ≤ 2 s holds |" in text
+    assert "| hsgd_1x3_spare: SIGKILL to `replica_down` (median / p95) | 0.59 s / 0.60 s | 3 kills |" in text
+    assert "| hsgd_1x3_spare: the way back, median of each stage | promote 0.61 s, wait_heal 0.51 s, heal 0.34 s, " \
+           "first_step 0.30 s | in order; `promote` from the kill |" in text
+    assert "torchft_readme: SIGKILL" not in text and "torchft_readme: the way back" not in text
+    assert "target rejoin ≤ 2 s does not hold" in render({"recovery": {**report, "sides": [slow]}})

@@ -4,6 +4,8 @@ comes back mid-round joins. A re-form counts against max_reforms; a void cluster
 """
 from __future__ import annotations
 
+import math
+
 from hsgd.core.membership import leader_of
 from hsgd.core.outer_plan import token_weights
 from hsgd.core.round.calls import InFlight
@@ -122,21 +124,33 @@ class ClusterPhases:
         if c in self.yielding or flight is None or flight.failed_at is not None:
             return []  # asked already, or the phase failed: it re-forms, taking the newcomer in
         running = sorted(flight.pending)  # (members that died or answered are asked nothing)
-        step = self._yield_step(running)
+        step = self._yield_step(running, flight.started, now)
         if step >= self.settings.steps_of(c):
             return []  # the members finish first; the newcomer is taken in when they are ready
         self.yielding[c] = step
         group_epoch = st.configured[0] if st.configured else self.epoch
         return [Yield(c, group_epoch, self.round, step, tuple(running), f"{rid} joins at step {step}")]
 
-    def _yield_step(self, running: list[str]) -> int:
-        """A step boundary every member still running reaches after the yield request arrives."""
+    def _step_time(self, c: int) -> float:
+        """Cluster c's seconds per inner step: this round's samples, else its learned time from the
+        rounds before (RoundSettings.cluster_step_s), else 0.1 (short: a longer lead, never a late one)."""
+        recent = sorted(self.step_seconds.get(c, ()))
+        learned = self.settings.cluster_step_s[c] if c < len(self.settings.cluster_step_s) else None
+        return recent[len(recent) // 2] if recent else learned if learned else 0.1
+
+    def _yield_step(self, running: list[str], started: float, now: float) -> int:
+        """A step boundary every member still running reaches after the yield request arrives: each
+        member's step extrapolated to `now` at the cluster's step time, from its last sign of progress
+        plus yield_lead_s (that sign's age and the request's travel), or, not seen since its phase
+        began at `started`, from its committed step then (exact), plus the time since, at most
+        yield_lead_s (a phase issued just now needs no more); at least 2 steps past the furthest."""
         s = self.settings
-        recent = sorted(self.step_seconds.get(self.cluster_of(running[0]), ()))
-        step_s = recent[len(recent) // 2] if recent else 0.1
-        lead = max(2, int(s.yield_lead_s / max(step_s, 1e-3)) + 1)
+        step_s = max(self._step_time(self.cluster_of(running[0])), 1e-3)
         furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
-        at = furthest - self.round * s.steps_per_round + lead
+        ahead = max(seen[0] + (now - seen[1] + s.yield_lead_s) / step_s if (seen := self.advance.get(m))
+                    else self.progress[m][1] + (now - started + min(now - started, s.yield_lead_s)) / step_s
+                    for m in running)
+        at = max(furthest + 2, math.ceil(ahead)) - self.round * s.steps_per_round
         if s.inner != "localsgd":
             return at
         # localsgd: a sync boundary (a balanced cluster also averages at its plan's last step)

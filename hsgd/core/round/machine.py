@@ -29,7 +29,9 @@ class RoundSettings:
     min_clusters: int = 1
     max_reforms: int = 25  # per cluster (and for the outer exchange) per round: then the run fails
     inner_every: int = 1  # localsgd: members may only yield at a sync boundary
-    yield_lead_s: float = 1.5  # a yield boundary lies this far ahead of the furthest member's step
+    # a yield boundary lies this far past a member's step as last seen (extrapolated to now): the
+    # age of that sign (the progress board writes at most every 0.5 s) and the request's travel
+    yield_lead_s: float = 1.0
     rejoin: str = "fast"  # fast: restarted replicas join inside the round | boundary: at the next round
     # deadlines in seconds (round_settings scales them; liveness.py says what each bounds)
     step_deadline_s: float = 60.0
@@ -44,6 +46,7 @@ class RoundSettings:
     # sync.balance=steps: this round's inner steps per cluster (hsgd/core/round/balance.py); () = steps_per_round
     cluster_steps: tuple[int, ...] = ()
     cluster_step_deadline_s: tuple[float, ...] = ()  # per cluster, from its own learned step time; () = step_deadline_s
+    cluster_step_s: tuple[float | None, ...] = ()  # per cluster, its learned seconds per step (None: not seen yet)
 
     def steps_of(self, cluster: int) -> int:
         return self.cluster_steps[cluster] if self.cluster_steps else self.steps_per_round
@@ -80,6 +83,7 @@ def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: An
                          cluster_steps=tuple(cluster_steps),
                          cluster_step_deadline_s=tuple(clock.deadline(f"inner_step/c{c}", 1) for c in range(clusters))
                          if cluster_steps else (),
+                         cluster_step_s=tuple(clock.median(f"inner_step/c{c}", None) for c in range(clusters)),
                          # a closed connection means the peer's process is gone; only Ray's own
                          # notice (which names the cause) is worth a short wait — nothing is killed
                          presumed_dead_s=max(0.25, clock.median("inner_step", 0.5)),
