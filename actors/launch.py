@@ -53,14 +53,16 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     each refusal, before anything is written (a fresh run refuses a checkpoint.dir holding checkpoints).
     The lock (a stale one taken over with train.resume=true) is refreshed until the run ends."""
     from actors.startup import find_resume_point, record_takeovers
+    from hsgd.config.auto import resolve as resolve_auto
 
     run_dir = os.path.abspath(output_path(run_dir))
     cfg.run.dir = run_dir
     resume = bool(cfg.train.resume)
     check_run_folder(run_dir, resume, hydra_wrote=True)
     ckpt_root = checkpoint.root_url(cfg.checkpoint.dir, run_dir)
+    auto_filled = resolve_auto(cfg)  # null = auto: the values this run trains with (hsgd/config/auto.py)
+    resume_from = find_resume_point(ckpt_root, cfg, adopt=tuple(auto_filled)) if resume else None
     fingerprint = checkpoint.fingerprint(cfg)
-    resume_from = find_resume_point(ckpt_root, fingerprint) if resume else None
     if not resume and cfg.checkpoint.every and (held := checkpoint.finalized(ckpt_root)):
         raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held[-1]}); choose another "
                                             f"checkpoint.dir or add train.resume=true")

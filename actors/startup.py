@@ -9,9 +9,11 @@ try; one still away then is left out (taken in when back) where its cluster keep
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import ray
+from omegaconf import OmegaConf, open_dict
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.replica import Replica
@@ -27,13 +29,22 @@ from hsgd.train import checkpoint
 RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
-def find_resume_point(root: str, fingerprint: dict) -> checkpoint.Choice:
-    """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume."""
-    point = checkpoint.choose(root, fingerprint, skip_other_config=False)
+def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint.Choice:
+    """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume.
+    Keys in `adopt` (those the run left auto) take the values the checkpoint recorded, so a run started under
+    other defaults resumes with the ones it trained with."""
+    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
         raise ConfigError("train.resume", f"no usable checkpoint under {root}{why}; "
                                           f"pass run.dir=<the run to resume> (and its checkpoint.dir)")
+    saved = (point.manifest or {}).get("fingerprint") or {}
+    if adopt and any(key in saved for key in adopt):
+        with open_dict(cfg):
+            for key in adopt:
+                if key in saved:
+                    OmegaConf.update(cfg, key, saved[key])
+        point = replace(point, config_diff=tuple(checkpoint.fingerprint_diff(saved, checkpoint.fingerprint(cfg))))
     if point.config_diff:
         raise ConfigError("train.resume", f"checkpoint {point.path} was written with another config, "
                                           f"and a resume may not change {'; '.join(point.config_diff)}")

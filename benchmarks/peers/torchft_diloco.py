@@ -226,6 +226,7 @@ def _worker(spec: dict) -> int:
     torch.set_num_threads(1)
     from hsgd.core.round.schedule import due
     from hsgd.train import task
+    from hsgd.config.auto import outer_step_of
     from hsgd.train.outer import outer_hyperparameters
     from hsgd.train.trainer import build_inner_optimizer, inner_lr, optimizer_implementation, param_digest
 
@@ -299,7 +300,7 @@ def _worker(spec: dict) -> int:
 
     manager.allreduce = counting_allreduce
 
-    hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum, cfg.optim.outer.nesterov)
+    hp = outer_hyperparameters(cfg.sync.outer, *outer_step_of(cfg), cfg.optim.outer.nesterov)
     outer = torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], nesterov=hp["nesterov"])
     evaluator = group == 0 and rank == 0
     curve = [[0, eval_loss()]] if evaluator else []

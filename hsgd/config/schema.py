@@ -96,16 +96,17 @@ class InnerOptimConfig:
     momentum: float = fraction(0.9)  # sgd momentum; adamw beta1
     weight_decay: float = non_negative(0.0)
     grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
-    warmup_steps: int = count_or_zero(0)
-    schedule: str = one_of("constant", ("constant", "cosine"))
+    warmup_steps: Optional[int] = count_or_zero(None)  # null = auto: 5 % of the run's steps (hsgd/config/auto.py)
+    schedule: str = one_of("cosine", ("constant", "cosine"))
     min_lr_ratio: float = ratio(0.1)
     implementation: str = one_of("auto", ("auto", "fused", "foreach", "single"))
 
 
 @dataclass
 class OuterOptimConfig:
-    lr: float = positive(0.7)
-    momentum: float = fraction(0.9)
+    # null = auto, from the run's clusters and outer steps (hsgd/config/auto.py); explicit values win
+    lr: Optional[float] = positive(None)
+    momentum: Optional[float] = fraction(None)
     nesterov: bool = True
 
 

@@ -329,7 +329,8 @@ FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_
 def fingerprint(cfg) -> dict:
     """What a resume may not change: {field: value} of FINGERPRINT_FIELDS plus `data.size`, the bytes
     of the data (a file, or every file of a token folder; None: the packaged corpus, or a path this
-    process cannot see). Topology, rounds, timeouts, logging and faults may change."""
+    process cannot see). Topology, rounds, timeouts, logging and faults may change. The outer step's lr and
+    momentum are the values the run uses (hsgd.config.auto resolves a null one)."""
     from omegaconf import OmegaConf
 
     out = {}
@@ -338,6 +339,9 @@ def fingerprint(cfg) -> dict:
         if OmegaConf.is_config(value):  # model.args: plain, sorted, JSON-able
             value = json.loads(json.dumps(OmegaConf.to_container(value, resolve=True), sort_keys=True, default=str))
         out[name] = value
+    from hsgd.config.auto import outer_step_of  # what the run uses: an auto (null) value resolved
+
+    out["optim.outer.lr"], out["optim.outer.momentum"] = outer_step_of(cfg)
     if out["data.path"]:
         out["data.path"] = os.path.abspath(os.path.expanduser(str(out["data.path"])))
     p = Path(out["data.path"]) if out["data.path"] else None

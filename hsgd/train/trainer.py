@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from hsgd.config.auto import outer_step_of, warmup_steps_of
 from hsgd.config.rounds import is_streaming, steps_per_round
 from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
 from hsgd.core.round.balance import fragment_delay_of
@@ -114,13 +115,15 @@ def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter], device: st
 
 def inner_lr(o: Any, step: float, total_steps: int) -> float:
     """The inner learning rate at global inner step `step` (0-based; fractional for a balanced cluster's
-    steps, see ReplicaTrainer._schedule_step) of a run of `total_steps`: linear
-    warmup over `warmup_steps`, then `constant`, or `cosine` decay to lr * min_lr_ratio at the last step."""
-    if o.warmup_steps > 0 and step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
+    steps, see ReplicaTrainer._schedule_step) of a run of `total_steps`: linear warmup over
+    `warmup_steps` (null: hsgd.config.auto's 5 % of the run), then `constant`, or `cosine` decay to
+    lr * min_lr_ratio at the last step."""
+    warmup = warmup_steps_of(o, total_steps)
+    if warmup > 0 and step < warmup:
+        return o.lr * (step + 1) / warmup
     if o.schedule == "constant":
         return o.lr
-    progress = min(1.0, (step - o.warmup_steps) / max(1, total_steps - 1 - o.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
     low = o.lr * o.min_lr_ratio
     return low + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - low)
 
@@ -146,8 +149,7 @@ class ReplicaTrainer:
         self.step_model = torch.compile(self.model) if cfg.train.compile else self.model
         self.inner_opt = build_inner_optimizer(cfg, self.params, device)
         self.foreach = optimizer_implementation(cfg, device) != "single"
-        hp = outer_hyperparameters(cfg.sync.outer, cfg.optim.outer.lr, cfg.optim.outer.momentum,
-                                   cfg.optim.outer.nesterov)
+        hp = outer_hyperparameters(cfg.sync.outer, *outer_step_of(cfg), cfg.optim.outer.nesterov)
         self.outer_opt = OuterOptimizer(self.params, pin_memory=self.device_type == "cuda", **hp)
         self.fragments = int(cfg.sync.fragments)
         self.fragment_of = fragment_of_params(self.param_names, self.fragments)  # per parameter

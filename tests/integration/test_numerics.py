@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 TOL = 1e-6
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=4",
-        "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=1000", "train.eval_batches=1"]
+        "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=1000", "train.eval_batches=1",
+        "optim.inner.schedule=constant", "optim.inner.warmup_steps=0"]  # the references step at a constant rate
 # Inner optimizer of the DDP test: SGD with momentum is linear in the gradient, so the ulp-level
 # differences between hsgd's all-reduce (sum, then divide) and torch DDP's (divide, then sum in
 # buckets) stay ~1e-7 after 30 steps. AdamW (the default) reached 8.6e-7 there: too close to 1e-6.

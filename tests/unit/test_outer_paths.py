@@ -125,7 +125,10 @@ def _streaming_worker(rank, port, results) -> None:
         cfg = _cfg(["sync.outer_every=4", "sync.fragments=1", "sync.fragment_alpha=0"])
         t = ReplicaTrainer(cfg, rid, topo)
         ref_global = [g.detach().clone().requires_grad_(True) for g in t.outer_opt.global_params]
-        ref_opt = torch.optim.SGD(ref_global, lr=cfg.optim.outer.lr, momentum=cfg.optim.outer.momentum, nesterov=True)
+        from hsgd.config.auto import outer_step_of
+
+        lr, momentum = outer_step_of(cfg)
+        ref_opt = torch.optim.SGD(ref_global, lr=lr, momentum=momentum, nesterov=True)
         equal = []
         for r in range(3):
             t.run_inner(r, inner)
