@@ -53,7 +53,7 @@ def test_the_auto_outer_step_is_a_valid_nesterov_step(outer_steps):
 
 def test_momentum_grows_with_the_number_of_outer_steps():
     momenta = [auto_outer_step(2, n)[1] for n in (10, 40, 100, 200, 1000)]
-    assert momenta == sorted(momenta) and momenta[-1] == 0.9, "DiLoCo's 0.9 for the runs it was fitted to"
+    assert momenta == sorted(momenta) and auto_outer_step(2, 1000) == (0.7, 0.9), "DiLoCo's for the runs it was fitted to"
 
 
 def test_the_fingerprint_holds_the_values_the_run_uses():
@@ -71,7 +71,7 @@ def test_a_resume_keeps_the_outer_step_its_checkpoint_recorded_for_keys_left_aut
     old = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.outer.momentum=0.9")
     _write_checkpoint(tmp_path, 3, fingerprint=ckpt.fingerprint(old))
     # the same run resumed with the keys left auto, and more rounds (the rule would pick other values)
-    cfg = _cfg("train.rounds=4000", "sync.outer_every=50")
+    cfg = _cfg("train.rounds=100", "sync.outer_every=50")
     filled = resolve(cfg)
     assert (cfg.optim.outer.lr, cfg.optim.outer.momentum) != (0.7, 0.9)
     point = find_resume_point(str(tmp_path), cfg, adopt=tuple(filled))
