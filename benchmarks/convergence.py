@@ -303,6 +303,20 @@ def flat_lr_arms(flat: Arm, lrs: Sequence[float], own_lr: float) -> list[Arm]:
     return out
 
 
+def invocation_arms(arms: list[Arm], *, at: str, flat_lrs: Sequence[float] = (), own_lr: float = 0.0) -> list[Arm]:
+    """The arms one invocation runs, in order: `arms` with flat DDP's sweep (`flat_lr_arms`) right
+    after `flat_ddp`, at each kind `--at` names (`expand_at`). ValueError when rates are given
+    without flat_ddp among `arms`."""
+    arms = list(arms)
+    if flat_lrs:
+        flat = next((a for a in arms if a.name == FLAT), None)
+        if flat is None:
+            raise ValueError("--flat-lrs sweeps flat_ddp: name it in --arms")
+        i = arms.index(flat) + 1
+        arms[i:i] = flat_lr_arms(flat, flat_lrs, own_lr)
+    return expand_at(arms, at)
+
+
 def best_flat(arms: list[Arm], results: dict[str, dict], at: str) -> dict | None:
     """Flat DDP of kind `at` at its best inner rate: of the flat arms (flat_ddp and its `--flat-lrs`
     sweep) with a final eval loss, the lowest; with every rate tried (`rates`, lr -> eval loss).
@@ -755,15 +769,14 @@ def main(argv: list[str] | None = None) -> int:
                "defaults": defaults_overrides(model=model, seed=args.seed, eval_batches=args.eval_batches,
                                               extra=args.set)}
     eval_every = args.eval_every_steps if args.eval_every_steps is not None else steps // 4
-    if args.flat_lrs:
-        flat = next((a for a in arms if a.name == FLAT), None)
-        if flat is None:
-            parser.error("--flat-lrs sweeps flat_ddp: name it in --arms")
-        # the rate every arm trains with: neither kind's common overrides set it, only --set does
-        own_lr = config_inner_lr(arm_overrides(flat, commons[kinds[0]], eval_every_steps=eval_every))
-        at = arms.index(flat) + 1
-        arms[at:at] = flat_lr_arms(flat, args.flat_lrs, own_lr)
-    arms = expand_at(arms, args.at)
+    flat = next((a for a in arms if a.name == FLAT), None)
+    # the rate every arm trains with: neither kind's common overrides set it, only --set does
+    own_lr = config_inner_lr(arm_overrides(flat, commons[kinds[0]], eval_every_steps=eval_every)) \
+        if args.flat_lrs and flat is not None else 0.0
+    try:
+        arms = invocation_arms(arms, at=args.at, flat_lrs=args.flat_lrs, own_lr=own_lr)
+    except ValueError as err:
+        parser.error(str(err))
     wan_names = ([] if args.wan_runs == "none" else args.wan_runs.split(",")) if args.wan_runs is not None \
         else [n + suffix_of(kinds[0]) for n in (FLAT, f"diloco_h{main_every(args.quick, args.every)}")]
     unknown = sorted(set(wan_names) - {a.name for a in arms})
