@@ -334,14 +334,18 @@ def best_flat(arms: list[Arm], results: dict[str, dict], at: str) -> dict | None
     return {**min(done, key=lambda t: t["final_eval_loss"]), "rates": tried}
 
 
+def _lr(lr: float | None) -> str:
+    return "-" if lr is None else lr_label(lr)
+
+
 def flat_best_md(bests: dict[str, dict]) -> str:
     """The table's footer: flat DDP's best rate per kind, and every rate it tried (empty without a sweep)."""
     lines = []
     for at, b in bests.items():
         if len(b["rates"]) < 2:
             continue
-        tried = ", ".join(f"{_fmt(t['inner_lr'], '.3g')}: {_fmt(t['final_eval_loss'], '.4f')}" for t in b["rates"])
-        lines.append(f"flat DDP's best inner rate ({at}): {b['arm']}, lr {_fmt(b['inner_lr'], '.3g')}, eval loss "
+        tried = ", ".join(f"{_lr(t['inner_lr'])}: {_fmt(t['final_eval_loss'], '.4f')}" for t in b["rates"])
+        lines.append(f"flat DDP's best inner rate ({at}): {b['arm']}, lr {_lr(b['inner_lr'])}, eval loss "
                      f"{_fmt(b['final_eval_loss'], '.4f')} (tried lr: eval loss {tried})")
     return "\n" + "\n".join(lines) + "\n" if lines else ""
 

@@ -386,7 +386,8 @@ def test_report_writes_the_curves_plot_the_best_rate_and_the_header_fields(tmp_p
     assert report["suite"] == "convergence" and report["plots"] == ["convergence.png", "convergence_curves.png"]
     assert report["flat_best"]["bench"]["arm"] == "flat_ddp_lr6e-3"
     assert report["flat_best"]["defaults"]["arm"] == "flat_ddp@defaults"
-    assert "flat DDP's best inner rate (bench): flat_ddp_lr6e-3, lr 0.006, eval loss 1.9000" in text
+    assert "flat DDP's best inner rate (bench): flat_ddp_lr6e-3, lr 6e-3, eval loss 1.9000 (tried lr: eval loss " \
+           "3e-3: 2.0000, 1.5e-3: 2.2000, 6e-3: 1.9000)" in text
     for name in ("convergence.png", "convergence_curves.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
