@@ -1,5 +1,5 @@
-"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`, `sites`) writes, and
-BENCHMARKS.md made from it.
+"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`, `sites`, and
+`convergence`) writes, and BENCHMARKS.md made from it.
 
 Each suite writes `<out>/<suite>.json` through `write_suite`: its own figures plus a header that
 says when, where and how they were measured —
@@ -11,8 +11,10 @@ says when, where and how they were measured —
 [--to BENCHMARKS.md]` reads every `<suite>.json` under the given folders (the newest of each suite
 wins) and writes BENCHMARKS.md: one section per suite, its header (date, machine, and the command
 without its `--out`, a path of the machine it ran on), the suite's figures in a table, and its plot
-(linked relative to BENCHMARKS.md). A quick run's figures are never written there. Suites describe
-their own rows (`ROWS`: a suite's headline rows from its JSON).
+(linked relative to BENCHMARKS.md; a report listing `plots`, file names beside its JSON, gets each
+of them). A quick run's figures are never written there. Suites describe their own rows (`ROWS`: a
+suite's headline rows from its JSON). The `OPTIONAL` suites (`convergence`: hours on this machine)
+get a section only once a full report of theirs exists; the others say "Not measured yet" until then.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Callable
 from hsgd.record.rundir import atomic_write_text
 
 SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "sites")
+OPTIONAL = ("convergence",)  # rendered when a full report exists, else left out (not "Not measured yet")
 
 
 def header(suite: str, argv: list[str], quick: bool) -> dict:
@@ -210,16 +213,56 @@ def _sites_rows(r: dict) -> list[list[str]]:
     return rows
 
 
+def _pct(gap) -> str:
+    return "—" if gap is None else f"{100 * gap:+.2f} %"
+
+
+def _yes(meets) -> str:
+    return "—" if meets is None else "yes" if meets else "no"
+
+
+def _convergence_rows(r: dict) -> list[list[str]]:
+    """benchmarks/convergence.py's table: per arm its final eval loss, its gap against flat DDP of its
+    kind at the arm's own inner rate and (with a `--flat-lrs` sweep) at flat DDP's best rate, and the
+    slow-link bytes ratio, the target held against each; then flat DDP's best rate per kind and
+    hsgd's DiLoCo against torchft's at the same H."""
+    target = r.get("target") or {}
+    bar = f"≥ {_f(target.get('bytes_ratio_vs_flat'), 'g')}×, ≤ {_f(100 * target['gap'] if 'gap' in target else None, 'g')} %"
+    rows = []
+    for row in r["rows"]:
+        swept = (row.get("flat_rates") or 0) > 1
+        status = "" if row.get("status") == "completed" else f" ({row.get('status')})"
+        gaps = _pct(row.get("gap")) + (f" / {_pct(row.get('gap_vs_best_flat'))}" if swept else "")
+        holds = _yes(row.get("meets_target")) + (f" / {_yes(row.get('meets_target_vs_best_flat'))}" if swept else "")
+        rows.append([f"`{row['arm']}`{status}: eval loss / gap vs flat DDP (its rate{' / best rate' if swept else ''})"
+                     f" / flat ÷ arm slow-link bytes",
+                     f"{_f(row.get('final_eval_loss'), '.4f')} / {gaps} / {_f(row.get('bytes_ratio_vs_flat'), ',.1f')}×",
+                     f"{row.get('what', '')}; target ({bar}): {holds}"])
+    for at, best in (r.get("flat_best") or {}).items():
+        if len(best.get("rates") or []) < 2:
+            continue
+        rows.append([f"flat DDP's best inner rate ({at})",
+                     f"lr {_f(best.get('inner_lr'), '.3g')}: {_f(best.get('final_eval_loss'), '.4f')} (`{best['arm']}`)",
+                     "tried " + ", ".join(f"lr {_f(t.get('inner_lr'), '.3g')}: {_f(t.get('final_eval_loss'), '.4f')}"
+                                          for t in best["rates"])])
+    for h, c in (r.get("peer_comparison") or {}).items():
+        rows.append([f"hsgd DiLoCo / torchft DiLoCo eval loss, H={h}", f"{_f(c.get('ratio'), '.4f')}",
+                     f"`{c['hsgd_arm']}` {_f(c.get('hsgd_eval_loss'), '.4f')} / `{c['torchft_arm']}` "
+                     f"{_f(c.get('torchft_eval_loss'), '.4f')} (< 1: hsgd ends lower)"])
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
     "overhead": _overhead_rows, "recovery": _recovery_rows, "goodput": _goodput_rows,
-    "scale": _scale_rows, "straggler": _straggler_rows, "sites": _sites_rows}
+    "scale": _scale_rows, "straggler": _straggler_rows, "sites": _sites_rows, "convergence": _convergence_rows}
 
 TITLES = {"overhead": "Overhead: hsgd's inner DDP vs plain torch DDP",
           "recovery": "Recovery from one kill: hsgd vs torchft vs Ray Train",
           "goodput": "Goodput under a steady rain of failures",
           "scale": "Control plane vs size",
           "straggler": "Stragglers: flat DDP vs local SGD vs DiLoCo",
-          "sites": "Sites of different speeds: `sync.balance` none vs steps"}
+          "sites": "Sites of different speeds: `sync.balance` none vs steps",
+          "convergence": "Convergence: flat DDP vs LocalSGD vs DiLoCo, eval loss vs slow-link bytes"}
 
 
 def newest_reports(folders: list[Path]) -> dict[str, dict]:
@@ -251,9 +294,11 @@ def render(reports: dict[str, dict], to_dir: Path = Path(".")) -> str:
              "ratio or a distribution from runs interleaved in one invocation (shared machines are noisy), never a",
              "threshold. Reproduce a suite with its command, from the repository root (`python -m jobs.bench` is",
              "an alias of `python -m benchmarks`). Suites not run yet are listed as such.", ""]
-    for suite in SUITES:
-        lines += [f"## {TITLES[suite]} (`{suite}`)", ""]
+    for suite in SUITES + OPTIONAL:
         report = reports.get(suite)
+        if report is None and suite in OPTIONAL:
+            continue
+        lines += [f"## {TITLES[suite]} (`{suite}`)", ""]
         if report is None:
             lines += [f"Not measured yet: `python -m benchmarks {suite}`.", ""]
             continue
@@ -263,9 +308,11 @@ def render(reports: dict[str, dict], to_dir: Path = Path(".")) -> str:
                   f"- Command: `{portable(report['command'])}`", "",
                   "| figure | value | note |", "| --- | --- | --- |"]
         lines += [f"| {' | '.join(row)} |" for row in ROWS[suite](report)]
-        png = Path(report.get("json_path", "")).with_suffix(".png")
-        if report.get("json_path") and png.is_file():
-            lines += ["", f"![{suite}]({Path(os.path.relpath(png.resolve(), Path(to_dir).resolve())).as_posix()})"]
+        if report.get("json_path"):
+            json_path = Path(report["json_path"])
+            pngs = [json_path.parent / name for name in report.get("plots") or []] or [json_path.with_suffix(".png")]
+            for png in (p for p in pngs if p.is_file()):
+                lines += ["", f"![{suite}]({Path(os.path.relpath(png.resolve(), Path(to_dir).resolve())).as_posix()})"]
         lines.append("")
     return "\n".join(lines)
 

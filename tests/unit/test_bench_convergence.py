@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from benchmarks.convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, common_overrides,
-                                    link_overrides, modeled_link_s, plan_arms, rows, schedule_overrides,
-                                    slow_link_bytes, table_md, write_report)
+from benchmarks.convergence import (QUIET, TARGET_GAP, TARGET_RATIO, Arm, arm_overrides, best_flat, common_overrides,
+                                    defaults_overrides, eval_points, flat_lr_arms, invocation_arms, link_overrides,
+                                    lr_label, modeled_link_s, peer_arms, peer_eval_points, peer_ratios, plan_arms,
+                                    rows, schedule_overrides, slow_link_bytes, table_md, write_report)
 
 GBPS, LATENCY_MS = 1.0, 50.0
 
@@ -240,3 +241,166 @@ def test_report_writes_json_table_and_plot(tmp_path):
     assert (tmp_path / "convergence.md").read_text() == text and "diloco_h250" in text
     png = (tmp_path / "convergence.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+# --- issue 33, Build 4: arms at the config's defaults, flat DDP at its best rate, curves ---------------
+
+def test_arms_at_defaults_keep_what_makes_each_arm_and_take_nothing_else_from_the_bench():
+    from hsgd.config.auto import outer_step_of, run_steps, warmup_steps_of
+    from hsgd.config.schema import DataConfig
+
+    bench = plan_arms(2000)
+    arms = invocation_arms(bench, at="both")
+    assert [a.name for a in arms] == [a.name for a in bench] + [f"{a.name}@defaults" for a in bench]
+    assert [a.name for a in invocation_arms(bench, at="defaults")] == [f"{a.name}@defaults" for a in bench]
+    assert invocation_arms(bench, at="bench") == bench  # today's behaviour
+    defaults = defaults_overrides(model="tiny", seed=3, eval_batches=4, extra=["train.min_step_s=0"])
+    assert defaults == ["model=tiny", "seed=3", "train.eval_batches=4", "train.min_step_s=0"]
+    for arm, at in zip(bench, arms[len(bench):]):
+        assert at.at == "defaults" and arm.at == "bench", at.name
+        assert (at.overrides, at.rounds, at.steps_per_round, at.hierarchical, at.senders, at.delay) == \
+            (arm.overrides, arm.rounds, arm.steps_per_round, arm.hierarchical, arm.senders, arm.delay), at.name
+        cfg = _composed(at, defaults)
+        assert cfg.seed == 3 and cfg.model.name == "tiny" and cfg.train.eval_batches == 4, at.name
+        # nothing of the bench's: the config's batch, schedule, auto warmup and auto outer step
+        assert cfg.data.batch_size == DataConfig.batch_size, at.name
+        assert cfg.optim.inner.warmup_steps is None and cfg.optim.outer.lr is None and cfg.optim.outer.momentum is None
+        assert warmup_steps_of(cfg.optim.inner, run_steps(cfg)) == 100, at.name  # 5 % of 2000
+        assert outer_step_of(cfg)[0] == 1.0, at.name
+        same = _composed(arm, defaults)  # the same arm's sync and topology, whichever kind
+        assert (cfg.sync, cfg.topology, cfg.train.rounds) == (same.sync, same.topology, same.train.rounds), at.name
+    for o in ("data.batch_size", "optim.inner.schedule", "optim.inner.warmup_steps", "optim.outer."):
+        assert not any(x.startswith(o) for a in arms for x in a.overrides), o
+
+
+def test_flat_lr_arms_run_flat_ddp_once_per_rate_the_own_rate_only_once_and_the_sweep_rate_wins():
+    flat = plan_arms(200, quick=True)[0]
+    swept = flat_lr_arms(flat, [1.5e-3, 3e-3, 6e-3, 6e-3], own_lr=3e-3)
+    assert [a.name for a in swept] == ["flat_ddp_lr1.5e-3", "flat_ddp_lr6e-3"]
+    assert [a.inner_lr for a in swept] == [1.5e-3, 6e-3] and not any(a.hierarchical for a in swept)
+    assert all(a.overrides[:-1] == flat.overrides for a in swept)
+    cfg = _composed(swept[1], ["model=tiny", "optim.inner.lr=1e-4"])  # --set comes before the arm's own
+    assert cfg.optim.inner.lr == 6e-3 and cfg.topology.clusters == 1 and cfg.sync.outer_every == flat.steps_per_round
+    assert [lr_label(x) for x in (6e-3, 1.5e-3, 0.1, 3e-4)] == ["6e-3", "1.5e-3", "1e-1", "3e-4"]
+    arms = invocation_arms(plan_arms(200, quick=True)[:1] + plan_arms(200, quick=True)[3:4], at="both",
+                           flat_lrs=[3e-3, 6e-3], own_lr=3e-3)
+    assert [a.name for a in arms] == ["flat_ddp", "flat_ddp_lr6e-3", "diloco_h50", "flat_ddp@defaults",
+                                      "flat_ddp_lr6e-3@defaults", "diloco_h50@defaults"]
+    with pytest.raises(ValueError, match="flat_ddp"):
+        invocation_arms(plan_arms(200, quick=True)[3:4], at="bench", flat_lrs=[6e-3], own_lr=3e-3)
+
+
+def _swept_results():
+    def r(loss, nbytes, lr=None):
+        return {"status": "completed", "final_eval_loss": loss, "slow_link_bytes": nbytes, "wall_s": 10.0,
+                "rounds_committed": 4, **({} if lr is None else {"inner_lr": lr})}
+    return {"flat_ddp": r(2.0, 1_000_000_000, 3e-3), "flat_ddp_lr6e-3": r(1.9, 1_000_000_000),
+            "flat_ddp_lr1.5e-3": r(2.2, 1_000_000_000), "diloco_h50": r(2.03, 1_000_000),
+            "flat_ddp@defaults": r(2.5, 250_000_000, 3e-3), "flat_ddp_lr6e-3@defaults": r(2.6, 250_000_000),
+            "flat_ddp_lr1.5e-3@defaults": {"status": "error", "final_eval_loss": None, "slow_link_bytes": None,
+                                           "wall_s": None},
+            "diloco_h50@defaults": r(2.55, 400_000)}
+
+
+def _swept_arms():
+    quick = plan_arms(200, quick=True)
+    return invocation_arms([quick[0], quick[3]], at="both", flat_lrs=[1.5e-3, 6e-3], own_lr=3e-3)
+
+
+def test_every_arm_has_its_gap_against_flat_ddp_at_its_own_rate_and_at_flat_ddps_best_of_its_kind():
+    arms, results = _swept_arms(), _swept_results()
+    best = best_flat(arms, results, "bench")
+    assert (best["arm"], best["inner_lr"], best["final_eval_loss"]) == ("flat_ddp_lr6e-3", 6e-3, 1.9)
+    assert [(t["arm"], t["inner_lr"]) for t in best["rates"]] == \
+        [("flat_ddp", 3e-3), ("flat_ddp_lr1.5e-3", 1.5e-3), ("flat_ddp_lr6e-3", 6e-3)]
+    # at the defaults the own rate wins; the failed rate is listed, not chosen
+    assert best_flat(arms, results, "defaults")["arm"] == "flat_ddp@defaults"
+    table = {r["arm"]: r for r in rows(arms, results, gbps=GBPS, latency_ms=LATENCY_MS)}
+    h50 = table["diloco_h50"]
+    assert h50["gap"] == pytest.approx(0.015) and h50["gap_vs_best_flat"] == pytest.approx(0.13 / 1.9)
+    assert h50["best_flat_arm"] == "flat_ddp_lr6e-3" and h50["flat_rates"] == 3
+    assert h50["meets_target"] is True and h50["meets_target_vs_best_flat"] is False
+    assert h50["bytes_ratio_vs_flat"] == pytest.approx(1000)
+    # @defaults against flat DDP @defaults only: its gap, bytes ratio and best
+    d50 = table["diloco_h50@defaults"]
+    assert d50["gap"] == pytest.approx(0.02) and d50["gap_vs_best_flat"] == pytest.approx(0.02)
+    assert d50["bytes_ratio_vs_flat"] == pytest.approx(625) and d50["best_flat_arm"] == "flat_ddp@defaults"
+    assert table["flat_ddp_lr6e-3"]["gap"] == pytest.approx(-0.05) and table["flat_ddp_lr6e-3"]["gap_vs_best_flat"] == 0
+    text = table_md(list(table.values()), gbps=GBPS, latency_ms=LATENCY_MS)
+    assert "| gap vs flat | gap vs best flat |" in text and text.splitlines()[0].endswith("| target vs best flat |")
+    line = next(x for x in text.splitlines() if x.startswith("| diloco_h50 |"))
+    assert "| +1.50 % | +6.84 % |" in line and line.endswith("| yes | no |")
+    assert len({x.count("|") for x in text.splitlines()}) == 1, "every line has the header's columns"
+
+
+def test_without_a_sweep_the_table_keeps_todays_columns():
+    arms = plan_arms(200, quick=True)
+    results = {k: v for k, v in _swept_results().items() if k in ("flat_ddp", "diloco_h50")}
+    table = rows(arms, results, gbps=GBPS, latency_ms=LATENCY_MS)
+    assert all(r["gap"] == r["gap_vs_best_flat"] and r["flat_rates"] == 1 for r in table)
+    assert "best flat" not in table_md(table, gbps=GBPS, latency_ms=LATENCY_MS)
+
+
+def test_the_torchft_ratio_compares_like_with_like():
+    results = {"diloco_h50": {"final_eval_loss": 2.0}, "torchft_diloco_h50": {"final_eval_loss": 2.5},
+               "diloco_h50@defaults": {"final_eval_loss": 3.0}, "torchft_diloco_h50@defaults": {"final_eval_loss": 2.0},
+               "torchft_diloco_h50@defaults@wan": {"final_eval_loss": 9.0}}
+    ratios = peer_ratios(results)
+    assert {h: c["ratio"] for h, c in ratios.items()} == {"50": pytest.approx(0.8), "50@defaults": pytest.approx(1.5)}
+    assert ratios["50@defaults"]["hsgd_arm"] == "diloco_h50@defaults"
+    assert peer_ratios({"torchft_diloco_h50@defaults": {"final_eval_loss": 2.0}, "diloco_h50": {"final_eval_loss": 1}}) == {}
+    (peer,) = invocation_arms(peer_arms(200, quick=True), at="defaults")
+    assert peer.name == "torchft_diloco_h50@defaults" and peer.peer == "torchft_diloco"
+
+
+def test_eval_points_carry_tokens_and_cumulative_slow_link_bytes():
+    flat, h50 = plan_arms(200, quick=True)[0], plan_arms(200, quick=True)[3]
+    metrics = [{"inner_step": 50, "outer_bytes": 10, "inner_bytes": 1000, "eval_loss": None, "cluster_tokens": [5, 5]},
+               {"inner_step": 100, "outer_bytes": 10, "inner_bytes": 1000, "eval_loss": 3.0, "cluster_tokens": [5, 5]},
+               {"inner_step": 150, "outer_bytes": 10, "inner_bytes": 1000, "eval_loss": None, "cluster_tokens": [5, 5]},
+               {"inner_step": 200, "outer_bytes": 10, "inner_bytes": 1000, "eval_loss": 2.5, "cluster_tokens": [5, 5]}]
+    points = eval_points(h50, metrics, initial_eval_loss=4.0, step_tokens=7)
+    assert points == [{"inner_step": 0, "tokens": 0, "slow_link_bytes": 0, "eval_loss": 4.0},
+                      {"inner_step": 100, "tokens": 20, "slow_link_bytes": 20, "eval_loss": 3.0},
+                      {"inner_step": 200, "tokens": 40, "slow_link_bytes": 40, "eval_loss": 2.5}]
+    # flat: inner bytes; without the metrics' own token counts, inner steps x a step's tokens
+    bare = [{k: v for k, v in m.items() if k != "cluster_tokens"} for m in metrics]
+    assert [(p["tokens"], p["slow_link_bytes"]) for p in eval_points(flat, bare, initial_eval_loss=None, step_tokens=7)] \
+        == [(700, 2000), (1400, 4000)]
+    peer = peer_eval_points({"eval_curve": [[0, 4.0], [100, 3.0], [200, 2.5]], "slow_link_bytes": 80}, steps=200,
+                            step_tokens=7)
+    assert [(p["inner_step"], p["tokens"], p["slow_link_bytes"], p["eval_loss"]) for p in peer] == \
+        [(0, 0, 0, 4.0), (100, 700, 40, 3.0), (200, 1400, 80, 2.5)]
+
+
+def test_report_writes_the_curves_plot_the_best_rate_and_the_header_fields(tmp_path):
+    arms, results = _swept_arms(), _swept_results()
+    for i, name in enumerate(results):
+        if results[name]["final_eval_loss"] is not None:
+            loss = results[name]["final_eval_loss"]
+            results[name]["eval_points"] = [{"inner_step": s, "tokens": s * 2048, "slow_link_bytes": s * (i + 1) * 1000,
+                                             "eval_loss": loss + (200 - s) / 100} for s in (0, 50, 100, 150, 200)]
+    text = write_report(tmp_path, arms, results, {"suite": "convergence", "quick": False}, gbps=GBPS,
+                        latency_ms=LATENCY_MS)
+    report = json.loads((tmp_path / "convergence.json").read_text())
+    assert report["suite"] == "convergence" and report["plots"] == ["convergence.png", "convergence_curves.png"]
+    assert report["flat_best"]["bench"]["arm"] == "flat_ddp_lr6e-3"
+    assert report["flat_best"]["defaults"]["arm"] == "flat_ddp@defaults"
+    assert "flat DDP's best inner rate (bench): flat_ddp_lr6e-3, lr 6e-3, eval loss 1.9000 (tried lr: eval loss " \
+           "3e-3: 2.0000, 1.5e-3: 2.2000, 6e-3: 1.9000)" in text
+    for name in ("convergence.png", "convergence_curves.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
+
+
+def test_a_run_records_what_it_trained_with_auto_values_resolved_and_its_tokens_per_step():
+    from benchmarks.convergence import tokens_per_step, trained_with
+
+    h50 = plan_arms(200, quick=True)[3]
+    cfg = _composed(h50, defaults_overrides(model="tiny", seed=0, eval_batches=4))
+    assert trained_with(cfg) == {"inner_lr": cfg.optim.inner.lr, "batch_size": 8, "schedule": "cosine",
+                                 "warmup_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.3}  # 4 outer steps
+    assert tokens_per_step(cfg) == 4 * 8 * 1 * 64  # replicas x batch x grad_accum x block
+    bench = _composed(h50, common_overrides(model="tiny", seed=0, eval_batches=4, steps=200, batch_size=16,
+                                            outer_lr=0.7, outer_momentum=0.9))
+    assert trained_with(bench)["batch_size"] == 16 and trained_with(bench)["outer_momentum"] == 0.9

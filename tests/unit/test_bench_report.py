@@ -8,7 +8,7 @@ from pathlib import Path
 from benchmarks.cli import main as bench
 from benchmarks.goodput import failure_process
 from benchmarks.recovery import ratios
-from benchmarks.report import SUITES, newest_reports, portable, render
+from benchmarks.report import OPTIONAL, SUITES, newest_reports, portable, render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,8 @@ def test_benchmarks_md_renders_each_committed_suite_with_its_command_its_plot_an
     suite dated later: BENCHMARKS.md renders the full one of every suite, with its command (no
     absolute path) and its PNG."""
     committed = {p.stem: json.loads(p.read_text()) for p in sorted((REPO / "benchmarks").glob("*.json"))}
-    assert set(committed) == set(SUITES) and not any(r["quick"] for r in committed.values())
+    assert set(SUITES) <= set(committed) <= set(SUITES) | set(OPTIONAL)  # an optional suite once measured
+    assert not any(r["quick"] for r in committed.values())
     for suite, report in committed.items():
         (tmp_path / "quick" / suite).mkdir(parents=True)
         quick = {**report, "quick": True, "date": "2999-01-01T00:00:00Z", "command": f"python -m benchmarks {suite} --quick"}
@@ -121,3 +122,56 @@ def test_recovery_renders_hsgd_detection_the_way_back_per_stage_and_the_spare_si
            "first_step 0.30 s | in order; `promote` from the kill |" in text
     assert "torchft_readme: SIGKILL" not in text and "torchft_readme: the way back" not in text
     assert "target rejoin ≤ 2 s does not hold" in render({"recovery": {**report, "sides": [slow]}})
+
+
+def _convergence(date="2026-11-27T00:00:00Z", quick=False):
+    def row(arm, at, loss, gap, best_gap, ratio, meets, meets_best, rates=3, what="DiLoCo every 50, fp32"):
+        return {"arm": arm, "what": what, "at": at, "status": "completed", "final_eval_loss": loss, "gap": gap,
+                "gap_vs_best_flat": best_gap, "flat_rates": rates, "bytes_ratio_vs_flat": ratio,
+                "meets_target": meets, "meets_target_vs_best_flat": meets_best}
+    rates = [{"arm": "flat_ddp", "inner_lr": 3e-3, "final_eval_loss": 1.65},
+             {"arm": "flat_ddp_lr6e-3", "inner_lr": 6e-3, "final_eval_loss": 1.62}]
+    return _report("convergence", date, quick=quick, target={"bytes_ratio_vs_flat": 500.0, "gap": 0.02},
+                   rows=[row("flat_ddp", "bench", 1.65, 0.0, 0.0185, 1.0, False, False, what="1 cluster x 4"),
+                         row("diloco_h50", "bench", 1.678, 0.017, 0.0358, 1563.0, True, False),
+                         row("diloco_h50@defaults", "defaults", 1.70, 0.03, 0.03, 1563.0, False, False, rates=1)],
+                   flat_best={"bench": {"arm": "flat_ddp_lr6e-3", "inner_lr": 6e-3, "final_eval_loss": 1.62,
+                                        "rates": rates},
+                              "defaults": {"arm": "flat_ddp@defaults", "inner_lr": 3e-3, "final_eval_loss": 1.65,
+                                           "rates": rates[:1]}},
+                   peer_comparison={"50": {"hsgd_arm": "diloco_h50", "torchft_arm": "torchft_diloco_h50",
+                                           "hsgd_eval_loss": 1.678, "torchft_eval_loss": 1.7, "ratio": 0.987}},
+                   plots=["convergence.png", "convergence_curves.png"])
+
+
+def test_convergence_renders_its_table_best_flat_rate_peer_ratio_and_both_plots_once_measured(tmp_path):
+    """A synthetic convergence.json (benchmarks/convergence.py): a row per arm with its gap against
+    flat DDP at its own rate and at the best one, flat DDP's best rate, the torchft ratio, both plots."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "convergence.json").write_text(json.dumps(_convergence()))
+    for name in ("convergence.png", "convergence_curves.png"):
+        (tmp_path / "full" / name).write_bytes(b"png")
+    (tmp_path / "quick").mkdir()  # a later quick run is never rendered
+    (tmp_path / "quick" / "convergence.json").write_text(json.dumps(_convergence("2999-01-01T00:00:00Z", quick=True)))
+    reports = newest_reports([tmp_path])
+    assert reports["convergence"]["date"] == "2026-11-27T00:00:00Z"
+    text = render(reports, tmp_path)
+    section = text[text.index("## Convergence"):]
+    assert "(`convergence`)" in section.splitlines()[0]
+    assert "| `diloco_h50`: eval loss / gap vs flat DDP (its rate / best rate) / flat ÷ arm slow-link bytes | " \
+           "1.6780 / +1.70 % / +3.58 % / 1,563.0× | DiLoCo every 50, fp32; target (≥ 500×, ≤ 2 %): yes / no |" in section
+    assert "| `diloco_h50@defaults`: eval loss / gap vs flat DDP (its rate) / flat ÷ arm slow-link bytes | " \
+           "1.7000 / +3.00 % / 1,563.0× |" in section  # no sweep at the defaults: one gap
+    assert "| flat DDP's best inner rate (bench) | lr 0.006: 1.6200 (`flat_ddp_lr6e-3`) | " \
+           "tried lr 0.003: 1.6500, lr 0.006: 1.6200 |" in section
+    assert "flat DDP's best inner rate (defaults)" not in section  # one rate tried: nothing to choose
+    assert "| hsgd DiLoCo / torchft DiLoCo eval loss, H=50 | 0.9870 | `diloco_h50` 1.6780 / `torchft_diloco_h50` " \
+           "1.7000 (< 1: hsgd ends lower) |" in section
+    assert "![convergence](full/convergence.png)" in section and "![convergence](full/convergence_curves.png)" in section
+    assert "2999" not in text
+
+
+def test_convergence_gets_no_section_until_measured():
+    text = render({})
+    assert "convergence" not in text.lower()
+    assert all(f"Not measured yet: `python -m benchmarks {suite}`." in text for suite in SUITES)
