@@ -104,8 +104,9 @@ class InnerOptimConfig:
 
 @dataclass
 class OuterOptimConfig:
-    # null = auto (hsgd/config/auto.py), from the run's N outer steps: lr 1.0 with momentum 0.3 below 50,
-    # 0.5 below 500, DiLoCo's 0.7 / 0.9 from 500 (README "Defaults that converge"); explicit values win
+    # null = auto (hsgd/config/auto.py), from the run's N outer steps and clusters: lr 1.0 with momentum 0.3
+    # below 50 (0.5 with 4 clusters or more), 0.5 below 500, DiLoCo's 0.7 / 0.9 from 500 (README "Defaults
+    # that converge"); explicit values win
     lr: Optional[float] = positive(None)
     momentum: Optional[float] = fraction(None)
     nesterov: bool = True

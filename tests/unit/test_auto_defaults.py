@@ -56,6 +56,12 @@ def test_momentum_grows_with_the_number_of_outer_steps():
     assert momenta == sorted(momenta) and auto_outer_step(2, 1000) == (0.7, 0.9), "DiLoCo's for the runs it was fitted to"
 
 
+def test_four_clusters_or_more_take_the_higher_momentum_already_below_50_outer_steps():
+    assert auto_outer_step(2, 40) == (1.0, 0.3) and auto_outer_step(3, 40) == (1.0, 0.3)
+    assert auto_outer_step(4, 40) == (1.0, 0.5) and auto_outer_step(8, 10) == (1.0, 0.5)
+    assert auto_outer_step(2, 100) == auto_outer_step(4, 100) == (1.0, 0.5)
+
+
 def test_the_fingerprint_holds_the_values_the_run_uses():
     cfg = _cfg("train.rounds=40", "sync.outer_every=50")
     fp = ckpt.fingerprint(cfg)
