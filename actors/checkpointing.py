@@ -10,6 +10,7 @@ from pathlib import Path
 import ray
 
 from actors.round_runner import RunnerPorts
+from hsgd.config.auto import inner_schedule
 from hsgd.core.deadlines import collective_timeout_s
 from hsgd.core.round import Outcome, current_round, model_writers
 from hsgd.record.rundir import call_with_deadline
@@ -52,6 +53,7 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                         "sites": list(sup.topology.sizes), "replica_indices": dict(sup.topology.index_table),
                         # the driver's (data size and path as it sees them), carried in the durable state
                         "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
+                        "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
                         "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}
             try:
                 final = storage(lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),

@@ -62,6 +62,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     ckpt_root = checkpoint.root_url(cfg.checkpoint.dir, run_dir)
     auto_filled = resolve_auto(cfg)  # null = auto: the values this run trains with (hsgd/config/auto.py)
     resume_from = find_resume_point(ckpt_root, cfg, adopt=tuple(auto_filled)) if resume else None
+    if auto_filled:  # what null resolved to (or, on a resume, what the checkpoint recorded)
+        print("[hsgd] auto: " + ", ".join(f"{k}={OmegaConf.select(cfg, k)}" for k in auto_filled), flush=True)
     fingerprint = checkpoint.fingerprint(cfg)
     if not resume and cfg.checkpoint.every and (held := checkpoint.finalized(ckpt_root)):
         raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held[-1]}); choose another "

@@ -87,7 +87,7 @@ class RoundRunner:
             seen = [o for ref in ready for o in self._read(ref)]
             self._carry_out(m.observe_all(seen, time.monotonic()) if seen else [])
             now = time.monotonic()
-            if now - last_tick >= TICK_S or any(getattr(o, "outcome", None) == Outcome.COLLECTIVE_FAILED for o in seen):
+            if now - last_tick >= (TICK_S if not any(getattr(o, "outcome", None) == Outcome.COLLECTIVE_FAILED for o in seen) else 0.05):
                 last_tick, idle = now, now - last_idle >= IDLE_POLL_S
                 self._carry_out(m.observe_all(self._ask(idle=idle), now))
                 last_idle = now if idle else last_idle

@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from actors.replica import Replica
 from actors.roster import replica_actor_name, spare_actor_name
 from hsgd.config import ConfigError
+from hsgd.config.auto import recorded
 from hsgd.core.faults import due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
 from hsgd.core.topology import Topology, parse_replica_id
@@ -31,20 +32,21 @@ RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint.Choice:
     """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume.
-    Keys in `adopt` (those the run left auto) take the values the checkpoint recorded, so a run started under
-    other defaults resumes with the ones it trained with."""
+    Keys in `adopt` (those the run left auto) take the values the checkpoint recorded (hsgd.config.auto.recorded),
+    so a run started under other defaults resumes with the ones it trained with."""
     point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
         raise ConfigError("train.resume", f"no usable checkpoint under {root}{why}; "
                                           f"pass run.dir=<the run to resume> (and its checkpoint.dir)")
-    saved = (point.manifest or {}).get("fingerprint") or {}
+    saved = recorded(point.manifest or {})
     if adopt and any(key in saved for key in adopt):
         with open_dict(cfg):
             for key in adopt:
                 if key in saved:
                     OmegaConf.update(cfg, key, saved[key])
-        point = replace(point, config_diff=tuple(checkpoint.fingerprint_diff(saved, checkpoint.fingerprint(cfg))))
+        diff = checkpoint.fingerprint_diff((point.manifest or {}).get("fingerprint"), checkpoint.fingerprint(cfg))
+        point = replace(point, config_diff=tuple(diff))
     if point.config_diff:
         raise ConfigError("train.resume", f"checkpoint {point.path} was written with another config, "
                                           f"and a resume may not change {'; '.join(point.config_diff)}")

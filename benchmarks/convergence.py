@@ -361,7 +361,7 @@ def ratios_md(ratios: dict[str, dict]) -> str:
 def schedule_overrides(steps: int) -> list[str]:
     """The inner learning rate every arm trains with, as a run of `steps` steps is trained: linear
     warmup over the first 5 % of the steps, then cosine decay to a tenth (DiLoCo's and nanoGPT's
-    shape). A constant rate (the config's default) leaves the clusters' models far apart at the end
+    shape; the config's default too since issue 33). A constant rate (the old default) leaves the clusters' models far apart at the end
     and the comparison says more about the rate than the sync. `--set` overrides it."""
     return ["optim.inner.schedule=cosine", f"optim.inner.warmup_steps={max(1, steps // 20)}"]
 
@@ -464,11 +464,11 @@ def peer_eval_points(result: dict, *, steps: int, step_tokens: int) -> list[dict
 def trained_with(cfg) -> dict:
     """What a run trained with, auto values resolved (hsgd/config/auto.py): inner rate, batch,
     schedule and warmup, and the outer step (read by `sync.outer=diloco` only)."""
-    from hsgd.config.auto import outer_step_of, run_steps, warmup_steps_of
+    from hsgd.config.auto import outer_step_of, run_steps, schedule_of, warmup_steps_of
 
     lr, momentum = outer_step_of(cfg)
     return {"inner_lr": float(cfg.optim.inner.lr), "batch_size": int(cfg.data.batch_size),
-            "schedule": str(cfg.optim.inner.schedule),
+            "schedule": schedule_of(cfg.optim.inner),
             "warmup_steps": warmup_steps_of(cfg.optim.inner, run_steps(cfg)), "outer_lr": lr,
             "outer_momentum": momentum}
 

@@ -1,5 +1,6 @@
 """Defaults a run derives from itself once, at its start (issue 33): `null` in the config means "auto".
 
+- `optim.inner.schedule: null` -> `cosine`.
 - `optim.inner.warmup_steps: null` -> 5 % of the run's inner steps (`train.rounds x outer_every / fragments`),
   at least 0: the inner rate rises linearly over them, then follows `optim.inner.schedule` (cosine by default).
 - `optim.outer.lr` / `optim.outer.momentum: null` -> `auto_outer_step` of the run's clusters and outer steps.
@@ -14,15 +15,19 @@ rate leaves the clusters' models far apart at the end); the outer step does the 
 to hundreds of outer steps, and a run of tens overshoots with it. From 500 outer steps on the rule returns
 DiLoCo's published 0.7 / 0.9 (not measured here).
 
-Explicit values always win. A resume keeps the values its checkpoint's fingerprint recorded for keys left
-auto (actors.startup.find_resume_point), so a run started under other defaults resumes unchanged.
+Explicit values always win. A resume keeps, for keys left auto, what its checkpoint recorded (`recorded`: the
+fingerprint's outer step, the manifest's `inner_schedule`; a checkpoint written before these defaults holds no
+`inner_schedule` and ran the old constant rate without warmup), so a run started under other defaults, or resumed
+with more rounds, resumes on the same rates (actors.startup.find_resume_point).
 """
 from __future__ import annotations
 
 from typing import Any
 
 WARMUP_FRACTION = 0.05  # of the run's inner steps
-AUTO_FIELDS = ("optim.outer.lr", "optim.outer.momentum", "optim.inner.warmup_steps")
+SCHEDULE = "cosine"
+# what a checkpoint written before these defaults (no `inner_schedule` in its manifest) trained with
+OLD_INNER_SCHEDULE = {"optim.inner.schedule": "constant", "optim.inner.warmup_steps": 0}
 
 
 def run_steps(cfg: Any) -> int:
@@ -38,8 +43,9 @@ def outer_steps(cfg: Any) -> int:
 
 
 def clusters_of(cfg: Any) -> int:
-    sites = list(getattr(cfg.topology, "sites", None) or [])
-    return len(sites) if sites else int(cfg.topology.clusters)
+    from hsgd.core.topology import topology_of
+
+    return topology_of(cfg).clusters
 
 
 def auto_outer_step(clusters: int, outer_steps: int) -> tuple[float, float]:
@@ -55,6 +61,24 @@ def warmup_steps_of(inner: Any, total_steps: int) -> int:
     return int(total_steps * WARMUP_FRACTION) if value is None else int(value)
 
 
+def schedule_of(inner: Any) -> str:
+    """`optim.inner.schedule`, or cosine when null."""
+    return inner.schedule or SCHEDULE
+
+
+def inner_schedule(cfg: Any) -> dict:
+    """The inner schedule's keys as the run uses them, for a checkpoint's manifest."""
+    o = cfg.optim.inner
+    return {"optim.inner.schedule": schedule_of(o), "optim.inner.warmup_steps": warmup_steps_of(o, run_steps(cfg))}
+
+
+def recorded(manifest: dict) -> dict:
+    """{key: value} a checkpoint recorded for the keys this module resolves."""
+    fingerprint = manifest.get("fingerprint") or {}
+    outer = {k: fingerprint[k] for k in ("optim.outer.lr", "optim.outer.momentum") if k in fingerprint}
+    return {**outer, **(manifest.get("inner_schedule") or OLD_INNER_SCHEDULE)}
+
+
 def outer_step_of(cfg: Any) -> tuple[float, float]:
     """(lr, momentum) the run's outer optimizer uses: each explicit value, else the auto one."""
     o = cfg.optim.outer
@@ -64,8 +88,9 @@ def outer_step_of(cfg: Any) -> tuple[float, float]:
 
 
 def resolve(cfg: Any) -> dict:
-    """Write the auto values into `cfg` (keys left null); returns {key: value} of those it filled, so the run's
-    record shows what it ran with. Idempotent: a resolved config has nothing left to fill."""
+    """Write the auto values into `cfg` (keys left null); returns {key: value} of those it filled (a resume
+    adopts what its checkpoint recorded for them instead; the run's config.yaml shows the values it ran with).
+    Idempotent: a resolved config has nothing left to fill."""
     from omegaconf import open_dict
 
     filled = {}
@@ -75,6 +100,8 @@ def resolve(cfg: Any) -> dict:
             cfg.optim.outer.lr = filled["optim.outer.lr"] = lr
         if cfg.optim.outer.momentum is None:
             cfg.optim.outer.momentum = filled["optim.outer.momentum"] = momentum
+        if cfg.optim.inner.schedule is None:
+            cfg.optim.inner.schedule = filled["optim.inner.schedule"] = SCHEDULE
         if cfg.optim.inner.warmup_steps is None:
             cfg.optim.inner.warmup_steps = filled["optim.inner.warmup_steps"] = \
                 warmup_steps_of(cfg.optim.inner, run_steps(cfg))

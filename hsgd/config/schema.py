@@ -97,7 +97,7 @@ class InnerOptimConfig:
     weight_decay: float = non_negative(0.0)
     grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
     warmup_steps: Optional[int] = count_or_zero(None)  # null = auto: 5 % of the run's steps (hsgd/config/auto.py)
-    schedule: str = one_of("cosine", ("constant", "cosine"))
+    schedule: Optional[str] = one_of(None, ("constant", "cosine"))  # null = auto: cosine
     min_lr_ratio: float = ratio(0.1)
     implementation: str = one_of("auto", ("auto", "fused", "foreach", "single"))
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from hsgd.config.auto import outer_step_of, warmup_steps_of
+from hsgd.config.auto import outer_step_of, schedule_of, warmup_steps_of
 from hsgd.config.rounds import is_streaming, steps_per_round
 from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
 from hsgd.core.round.balance import fragment_delay_of
@@ -116,12 +116,12 @@ def build_inner_optimizer(cfg: Any, params: list[torch.nn.Parameter], device: st
 def inner_lr(o: Any, step: float, total_steps: int) -> float:
     """The inner learning rate at global inner step `step` (0-based; fractional for a balanced cluster's
     steps, see ReplicaTrainer._schedule_step) of a run of `total_steps`: linear warmup over
-    `warmup_steps` (null: hsgd.config.auto's 5 % of the run), then `constant`, or `cosine` decay to
+    `warmup_steps` (null: hsgd.config.auto's 5 % of the run), then `constant`, or `cosine` (also null) decay to
     lr * min_lr_ratio at the last step."""
     warmup = warmup_steps_of(o, total_steps)
     if warmup > 0 and step < warmup:
         return o.lr * (step + 1) / warmup
-    if o.schedule == "constant":
+    if schedule_of(o) == "constant":
         return o.lr
     progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
     low = o.lr * o.min_lr_ratio

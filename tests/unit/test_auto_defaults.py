@@ -20,6 +20,8 @@ def _cfg(*overrides):
 def test_the_defaults_are_auto_with_a_cosine_inner_schedule():
     cfg = _cfg()
     assert cfg.optim.outer.lr is None and cfg.optim.outer.momentum is None and cfg.optim.inner.warmup_steps is None
+    assert cfg.optim.inner.schedule is None
+    resolve(cfg)
     assert cfg.optim.inner.schedule == "cosine"
 
 
@@ -27,10 +29,12 @@ def test_resolve_fills_only_what_was_left_auto_and_says_what():
     cfg = _cfg("train.rounds=40", "sync.outer_every=50", "topology.clusters=2")
     filled = resolve(cfg)
     lr, momentum = auto_outer_step(2, 40)
-    assert filled == {"optim.outer.lr": lr, "optim.outer.momentum": momentum, "optim.inner.warmup_steps": 100}
+    assert filled == {"optim.outer.lr": lr, "optim.outer.momentum": momentum, "optim.inner.schedule": "cosine",
+                      "optim.inner.warmup_steps": 100}
     assert (cfg.optim.outer.lr, cfg.optim.outer.momentum, cfg.optim.inner.warmup_steps) == (lr, momentum, 100)
     assert resolve(cfg) == {}, "a resolved config has nothing left to fill"
-    mine = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.inner.warmup_steps=0")
+    mine = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.inner.warmup_steps=0",
+                "optim.inner.schedule=constant")
     assert resolve(mine) == {"optim.outer.momentum": momentum}
     assert mine.optim.outer.lr == 0.7 and mine.optim.inner.warmup_steps == 0, "explicit values win"
 
@@ -87,3 +91,42 @@ def test_a_resume_keeps_the_outer_step_its_checkpoint_recorded_for_keys_left_aut
     mine = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.5", "optim.outer.momentum=0.9")
     with pytest.raises(ConfigError, match=r"optim.outer.lr 0.7 -> 0.5"):
         find_resume_point(str(tmp_path), mine, adopt=tuple(resolve(mine)))
+
+
+def _checkpoint(root, cfg, *, with_schedule: bool):
+    """A finalized checkpoint of `cfg` (resolved); `with_schedule=False`: as one written before issue 33's defaults."""
+    from hsgd.config.auto import inner_schedule
+    from tests.unit.test_checkpoint import _state
+
+    tmp = ckpt.new_temp_dir(root, 3, owner="run-a")
+    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c1r0"))}
+    manifest = {"round": 3, "step": 60, "files": files, "fingerprint": ckpt.fingerprint(cfg)}
+    if with_schedule:
+        manifest["inner_schedule"] = inner_schedule(cfg)
+    ckpt.finalize(tmp, manifest, {rid: 3 for rid in files})
+
+
+def test_a_resume_of_a_checkpoint_from_before_the_new_defaults_keeps_the_constant_rate(tmp_path):
+    from actors.startup import find_resume_point
+
+    old = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.outer.momentum=0.9",
+               "optim.inner.schedule=constant", "optim.inner.warmup_steps=0")
+    _checkpoint(tmp_path, old, with_schedule=False)
+    cfg = _cfg("train.rounds=40", "sync.outer_every=50")
+    point = find_resume_point(str(tmp_path), cfg, adopt=tuple(resolve(cfg)))
+    assert point.config_diff == ()
+    assert (cfg.optim.inner.schedule, cfg.optim.inner.warmup_steps) == ("constant", 0)
+    assert (cfg.optim.outer.lr, cfg.optim.outer.momentum) == (0.7, 0.9)
+
+
+def test_a_resume_with_more_rounds_keeps_the_warmup_its_checkpoint_recorded(tmp_path):
+    from actors.startup import find_resume_point
+
+    first = _cfg("train.rounds=40", "sync.outer_every=50")
+    resolve(first)
+    _checkpoint(tmp_path, first, with_schedule=True)
+    cfg = _cfg("train.rounds=80", "sync.outer_every=50")
+    assert resolve(cfg)["optim.inner.warmup_steps"] == 200
+    find_resume_point(str(tmp_path), cfg, adopt=("optim.outer.lr", "optim.outer.momentum", "optim.inner.schedule",
+                                                "optim.inner.warmup_steps"))
+    assert (cfg.optim.inner.schedule, cfg.optim.inner.warmup_steps) == ("cosine", 100)
