@@ -54,7 +54,8 @@ def make_cfg(preset: str, batch_size: int, steps: int, sets: list[str]):
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(PRESET_DIR / f"{preset}.yaml"))
     base = [f"data.batch_size={batch_size}", f"sync.outer_every={steps}", "sync.outer=none",
             "topology.clusters=1", "topology.replicas_per_cluster=1", "train.rounds=1000000",
-            "logging.wandb.mode=disabled"]
+            "logging.wandb.mode=disabled",
+            "optim.inner.schedule=constant", "optim.inner.warmup_steps=0"]  # the plain loops step at a constant rate
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(base + sets))
 
 

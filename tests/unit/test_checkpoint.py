@@ -351,8 +351,10 @@ def test_fingerprint_names_what_a_resume_may_not_change():
 
 
 def test_fingerprint_ignores_what_a_resume_may_change():
-    base = ckpt.fingerprint(_cfg())
-    changed = _cfg(**{"topology.clusters": 3, "topology.replicas_per_cluster": 1, "train.rounds": 99,
+    # an auto (null) outer step follows the rounds; a resume adopts the recorded one (tests/unit/test_auto_defaults.py)
+    pinned = {"optim.outer.lr": 1.0, "optim.outer.momentum": 0.3}
+    base = ckpt.fingerprint(_cfg(**pinned))
+    changed = _cfg(**pinned, **{"topology.clusters": 3, "topology.replicas_per_cluster": 1, "train.rounds": 99,
                       "comm.timeout_s": 3.0, "supervisor.phase_timeout_s": 9.0, "logging.progress": False,
                       "faults.mtbf_s": 5.0, "checkpoint.every": 1, "optim.inner.lr": 0.1, "seed": 3})
     assert ckpt.fingerprint_diff(base, ckpt.fingerprint(changed)) == []
