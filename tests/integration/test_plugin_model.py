@@ -17,7 +17,9 @@ from tests.integration.runs import REPO, events, metrics, summary, train, train_
 ROUNDS, SPR = 4, 6
 EXAMPLE = ["model._target_=examples.regression.build_mlp", "data._target_=examples.regression.build_dataset",
            "loss._target_=examples.regression.mse_loss", "+model.args.hidden=32", "+data.args.noise=0.02",
-           "model.block_size=16", "data.batch_size=16", "optim.inner.lr=0.001"]
+           "model.block_size=16", "data.batch_size=16", "optim.inner.lr=0.001",
+           # the rates these tests' thresholds were set with (24 steps: a constant inner rate, DiLoCo's outer step)
+           "optim.inner.schedule=constant", "optim.inner.warmup_steps=0", "optim.outer.lr=0.7", "optim.outer.momentum=0.9"]
 BASE = [f"sync.outer_every={SPR}", f"train.rounds={ROUNDS}", "checkpoint.every=0", "comm.timeout_s=4",
         "supervisor.rejoin=boundary", "supervisor.rejoin_wait_s=30", "train.eval_batches=4"]
 
