@@ -1,4 +1,4 @@
-"""`python -m benchmarks outer_sweep [--steps 2000] [--grid before|cosine|spread|flat_rate|defaults|all] [--jobs 2] [--out DIR]
+"""`python -m benchmarks outer_sweep [--steps 2000] [--grid before|cosine|spread|flat_rate|four|defaults|all] [--jobs 2] [--out DIR]
 [--set key=value ...]`: issue 33 Build 1's sweeps of the outer step and the inner schedule, in one process per
 job, no Ray, no process groups, so a 2,000-step tiny run takes about a minute of one core.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from hsgd.record.rundir import atomic_write_text
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
-GRIDS = ("before", "cosine", "spread", "flat_rate", "defaults", "all")
+GRIDS = ("before", "cosine", "spread", "flat_rate", "four", "defaults", "all")
 
 
 class ClusterBatches:
@@ -196,6 +196,12 @@ def grid(name: str, steps: int, extra: list[str]) -> dict[str, list[str]]:
             jobs[f"4x1_h50_cos_lr{lr}m{mom}"] = run(4, 1, 50, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
         for lr, mom in ((1.0, 0.0), (1.0, 0.3)):
             jobs[f"h100_cos_lr{lr}m{mom}"] = run(2, 2, 100, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
+    if name in ("four", "all"):  # four clusters of one replica: the levers left past the outer step tried in `spread`
+        for lr, mom in ((1.0, 0.7), (1.3, 0.5)):
+            jobs[f"4x1_h50_cos_lr{lr}m{mom}"] = run(4, 1, 50, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
+        jobs["4x1_h50_cos_inner1.5e-3"] = run(4, 1, 50, *cos, "optim.inner.lr=1.5e-3", "optim.outer.lr=1.0",
+                                              "optim.outer.momentum=0.5")
+        jobs["4x1_h20_cos_lr1.0m0.5"] = run(4, 1, 20, *cos, "optim.outer.lr=1.0", "optim.outer.momentum=0.5")
     if name in ("flat_rate", "all"):  # flat DDP's own best inner rate (cosine: 3e-3 and 6e-3 ran in `cosine`)
         jobs["flat_cos_lr1.5e-3"] = run(1, 4, 50, "sync.outer=none", *cos, "optim.inner.lr=1.5e-3")
     return jobs
