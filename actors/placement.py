@@ -3,6 +3,14 @@ the fast link is), or Ray's `label_selector` on the node label `hsgd-cluster=<la
 for a GPU of its own exactly when a level of it may use nccl ("Duplicate GPU detected" otherwise).
 `check_cluster` runs before any actor starts: hsgd.config.capacity's refusals, and data.path missing
 on a node that may run replicas, each a one-line ConfigError.
+
+A replica of k ranks (`topology.gpus_per_replica`, issue 34) is ONE bundle of k x a rank's resources,
+and its k rank actors all schedule into that bundle (`options(c, i)`, the same for each). Why one bundle rather
+than k bundles in a STRICT_PACK sub-group: a bundle always lives on one node, so the replica's ranks
+are together under every cluster strategy (PACK and SPREAD place a cluster's bundles apart, which
+would split k separate bundles), the bundle index stays the replica index, and Ray gives each actor
+in a shared bundle GPUs of its own from the bundle's. With labels or NONE, k > 1 still needs one
+bundle per replica: the cluster gets a PACK group whose bundles carry the label (`group_specs`).
 """
 from __future__ import annotations
 
@@ -17,7 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from hsgd.config import ConfigError
 from hsgd.config.capacity import (LABEL_KEY, BackendPlan, data_path_problem, describe_resources, placement_problem,
-                                  plan_backends, replicas_that_fit)
+                                  plan_backends, replica_need, replicas_that_fit)
+from hsgd.config.compose import check_launcher_supports
+from hsgd.config.sites import ranks_per_replica
 from hsgd.core.topology import topology_of
 
 
@@ -25,20 +35,49 @@ class PlacementTimeout(RuntimeError):
     """The replicas could fit, but Ray did not place a cluster in time (resources busy)."""
 
 
-def replica_resources(cfg: Any, gpus: float) -> dict:
-    """One replica's resources: its CPUs and, when a level of it may use nccl, a GPU of its own."""
+def rank_resources(cfg: Any, gpus: float) -> dict:
+    """One rank actor's resources (the whole replica's when gpus_per_replica=1): its CPUs
+    (topology.cpus_per_replica, per rank) and, when a level of it may use nccl, a GPU of its own."""
     return {"CPU": float(cfg.topology.cpus_per_replica), **({"GPU": float(gpus)} if gpus else {})}
+
+
+def replica_resources(cfg: Any, gpus: float) -> dict:
+    """One replica's resources, its placement-group bundle: its k ranks' together, so one node holds them."""
+    return replica_need(cfg, rank_resources(cfg, gpus))
+
+
+def group_specs(cfg: Any, gpus: float) -> list[dict]:
+    """The placement group of each cluster, as keyword arguments of ray's `placement_group` (no group
+    at all: []): one bundle per replica, then one per hot spare. Pure, so it is tested without Ray."""
+    topo, strategy, ranks = topology_of(cfg), cfg.topology.placement_strategy, ranks_per_replica(cfg)
+    bundle = replica_resources(cfg, gpus)
+    if not any(v > 0 for v in bundle.values()):
+        return []  # a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced
+    labelled = any(topo.labels)
+    if (strategy == "NONE" or labelled) and ranks == 1:
+        return []  # one actor per replica: a label selector (or nothing) places it whole
+    specs = []
+    for c in range(topo.clusters):
+        n = topo.size(c) + cfg.topology.spares_per_cluster  # replicas, then hot spares
+        spec = {"bundles": [dict(bundle) for _ in range(n)], "name": f"hsgd-cluster-{c}",
+                # k ranks need their bundle even where the cluster asked no strategy: PACK is the loosest
+                "strategy": "PACK" if strategy == "NONE" or labelled else strategy}
+        if labelled and topo.label(c) is not None:
+            spec["bundle_label_selector"] = [{LABEL_KEY: str(topo.label(c))} for _ in range(n)]
+        specs.append(spec)
+    return specs
 
 
 def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
     """The backend plan for this Ray cluster (hsgd.config.capacity) and the nodes silent on the data.path check."""
     nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
     plan = plan_backends(cfg, nodes)
-    need = replica_resources(cfg, plan.gpus_per_replica)
+    need = rank_resources(cfg, plan.gpus_per_rank)
     problem = placement_problem(cfg, need, nodes)
     if problem is not None:
         raise ConfigError(*problem)
-    return plan, _check_data_path(cfg, need, nodes, data_timeout_s)
+    check_launcher_supports(cfg)  # issue 34: k > 1 refused until the rank actors exist (delete with it)
+    return plan, _check_data_path(cfg, replica_need(cfg, need), nodes, data_timeout_s)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -77,19 +116,17 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
 
 
 class ClusterPlacement:
-    """Placement groups (or label selectors) for every cluster; `options(c, i)` for replica i of c."""
+    """Placement groups (or label selectors) for every cluster; `options(c, i)` for each rank actor of
+    replica i of c (with gpus_per_replica=1 the one actor is the replica)."""
 
     def __init__(self, cfg: Any, gpus: float, timeout_s: float):
-        self.groups = []
-        strategy = cfg.topology.placement_strategy
-        self.bundle = bundle = replica_resources(cfg, gpus)
+        self.rank = rank_resources(cfg, gpus)  # what one actor asks; its replica's bundle holds k of these
         self.topology = topo = topology_of(cfg)
-        if strategy == "NONE" or any(topo.labels) or not any(v > 0 for v in bundle.values()):
-            return  # (a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced)
-        spares = cfg.topology.spares_per_cluster
-        self.groups = [placement_group([dict(bundle) for _ in range(topo.size(c) + spares)],  # replicas, then hot spares
-                                       strategy=strategy, name=f"hsgd-cluster-{c}")
-                       for c in range(topo.clusters)]
+        specs = group_specs(cfg, gpus)
+        self.groups = [placement_group(**spec) for spec in specs]
+        if not self.groups:
+            return
+        strategy, bundle = specs[0]["strategy"], specs[0]["bundles"][0]
         refs = [pg.ready() for pg in self.groups]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):
@@ -101,7 +138,9 @@ class ClusterPlacement:
                 f"or raise supervisor.quorum_wait_s")
 
     def options(self, cluster: int, index: int) -> dict:
-        opts: dict = {"num_cpus": self.bundle["CPU"], "num_gpus": self.bundle.get("GPU", 0)}
+        """Ray options for one rank actor of replica `index` of `cluster`: every rank of it gets the same
+        (one rank's resources, scheduled into the replica's one bundle)."""
+        opts: dict = {"num_cpus": self.rank["CPU"], "num_gpus": self.rank.get("GPU", 0)}
         if self.groups:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self.groups[cluster], placement_group_bundle_index=index)

@@ -3,6 +3,11 @@ file), so an impossible run is one config error, never actors fighting for two c
 groups that never get ready (the embedded cluster's limits: README, `ray.num_cpus`). Backends per
 level: the driver plans them from the Ray cluster's resources, never its own CUDA (a CPU-only head
 node is the usual `ray job submit` target); each replica resolves them by its GPU.
+
+A replica of k ranks (`topology.gpus_per_replica`, issue 34) is k processes on one node: every
+resource check counts a replica as k times one rank's resources on one node, a GPU node's count
+must be a multiple of k, and a rank's memory is its shard of the state plus one gathered layer
+(`rank_state_bytes`).
 """
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from hsgd.config.schema import ConfigError
+from hsgd.config.sites import ranks_per_replica
 from hsgd.core.topology import topology_of
 
-PROCESS_BYTES = 350 * 2**20  # a replica process with torch imported
+PROCESS_BYTES = 350 * 2**20  # a replica (or rank) process with torch imported
 STATE_COPIES = 8  # params, grads, 2 AdamW moments, global params, outer momentum, error-feedback residual, outer snapshot
+GATHERED_COPIES = 2  # FSDP2's one unsharded layer at a time: its gathered params, and its full gradient in backward
 MAX_REPLICAS_PER_CORE = 8
 GiB = 2**30
 LABEL_KEY = "hsgd-cluster"  # the Ray node label that pins a cluster (`ray start --labels hsgd-cluster=rack-a`)
@@ -24,6 +31,26 @@ LABEL_KEY = "hsgd-cluster"  # the Ray node label that pins a cluster (`ray start
 def model_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: int = 256) -> int:
     """nanoGPT's parameter count (tied embeddings), for the memory estimate."""
     return vocab_size * n_embd + block_size * n_embd + n_layer * 12 * n_embd * n_embd + 2 * n_embd
+
+
+def layer_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: int = 256) -> int:
+    """The largest unit FSDP2 gathers whole (`fully_shard` per block, then the root): a transformer
+    block (attention + MLP, 12 n_embd^2, plus its two layer norms) or the root's embeddings."""
+    del n_layer  # every block is the same size
+    return max(12 * n_embd * n_embd + 4 * n_embd, vocab_size * n_embd + block_size * n_embd + 2 * n_embd)
+
+
+def rank_state_bytes(n_layer: int, n_embd: int, block_size: int, ranks: int, vocab_size: int = 256) -> int:
+    """Training-state bytes one rank process holds (fp32, activations not counted). The rule: with k
+    ranks a rank keeps 1/k of the STATE_COPIES copies of the parameters (its shard of params, grads,
+    optimizer and outer state) plus one full gathered layer (GATHERED_COPIES copies of the largest
+    unit, `layer_param_count`), which exists only while that layer runs. k = 1: the whole
+    STATE_COPIES copies, nothing gathered (no sharding)."""
+    params = model_param_count(n_layer, n_embd, block_size, vocab_size)
+    if ranks == 1:
+        return STATE_COPIES * 4 * params
+    shard = -(-params // ranks)  # FSDP2 pads each tensor's dim 0 to a multiple of k: round the shard up
+    return STATE_COPIES * 4 * shard + GATHERED_COPIES * 4 * layer_param_count(n_layer, n_embd, block_size, vocab_size)
 
 
 def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
@@ -41,21 +68,24 @@ def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/
 
 
 def embedded_capacity_problem(*, replicas: int, cpus_per_replica: float, cores: int, memory_bytes: int,
-                              per_replica_bytes: int, num_cpus: int | None) -> str | None:
-    """None if the embedded cluster can hold `replicas` actors, else a one-line reason with a hint."""
-    need = replicas * per_replica_bytes
+                              per_replica_bytes: int, num_cpus: int | None, ranks: int = 1) -> str | None:
+    """None if the embedded cluster can hold `replicas` replicas of `ranks` processes each, else a
+    one-line reason with a hint. `per_replica_bytes` and `cpus_per_replica` are per process (per rank)."""
+    processes = replicas * ranks
+    what = f"{replicas} replicas" + (f" x {ranks} ranks (topology.gpus_per_replica)" if ranks > 1 else "")
+    need = processes * per_replica_bytes
     if need > 0.8 * memory_bytes:
-        return (f"{replicas} replicas need ~{need / GiB:,.0f} GiB but this machine has {memory_bytes / GiB:,.0f} GiB; "
+        return (f"{what} need ~{need / GiB:,.0f} GiB but this machine has {memory_bytes / GiB:,.0f} GiB; "
                 f"use fewer replicas (topology.clusters x topology.replicas_per_cluster), or attach to a real "
                 f"cluster with ray.address=<head>:6379")
     if num_cpus is not None:
-        if replicas * cpus_per_replica > num_cpus:
-            return (f"{replicas} replicas x topology.cpus_per_replica={cpus_per_replica:g} need "
-                    f"{replicas * cpus_per_replica:g} CPUs but ray.num_cpus={num_cpus}; raise ray.num_cpus, lower "
+        if processes * cpus_per_replica > num_cpus:
+            return (f"{what} x topology.cpus_per_replica={cpus_per_replica:g} need "
+                    f"{processes * cpus_per_replica:g} CPUs but ray.num_cpus={num_cpus}; raise ray.num_cpus, lower "
                     f"topology.cpus_per_replica, or attach to a real cluster with ray.address=<head>:6379")
         return None
-    if replicas > MAX_REPLICAS_PER_CORE * cores:
-        return (f"{replicas} replicas on {cores} cores is more than {MAX_REPLICAS_PER_CORE} per core; use fewer "
+    if processes > MAX_REPLICAS_PER_CORE * cores:
+        return (f"{what} on {cores} cores is more than {MAX_REPLICAS_PER_CORE} per core; use fewer "
                 f"replicas, set ray.num_cpus to size the embedded cluster yourself, or attach to a real cluster "
                 f"with ray.address=<head>:6379")
     return None
@@ -66,18 +96,26 @@ def describe_resources(need: dict) -> str:
 
 
 def replicas_that_fit(node_resources: dict, need: dict) -> int:
-    """How many replicas with resources `need` one node can hold at most."""
+    """How many replicas with resources `need` (the whole replica's: all its ranks) one node can hold at most."""
     counts = [int(node_resources.get(k, 0.0) / v + 1e-9) for k, v in need.items() if v > 0]
     return min(counts) if counts else 1 << 30
 
 
-def placement_problem(cfg: Any, need: dict, nodes: list[dict],
+def replica_need(cfg: Any, rank_need: dict) -> dict:
+    """One replica's resources: its k ranks' (topology.gpus_per_replica), all on one node."""
+    ranks = ranks_per_replica(cfg)
+    return {key: amount * ranks for key, amount in rank_need.items()}
+
+
+def placement_problem(cfg: Any, rank_need: dict, nodes: list[dict],
                       sizes: list[int] | None = None) -> tuple[str, str] | None:
     """(field, one-line reason) when the Ray cluster can never place every cluster's replicas AND hot
-    spares (each cluster's placement group holds both), else None. `need`: one replica's resources;
-    `nodes`: the live nodes, {"Resources": {...}, "Labels": {...}}; `sizes`: replicas per site when
-    not the topology's own (the backend plan caps them)."""
+    spares (each cluster's placement group holds both), else None. `rank_need`: one rank process's
+    resources (a replica is k of them on one node: `replica_need`); `nodes`: the live nodes,
+    {"Resources": {...}, "Labels": {...}}; `sizes`: replicas per site when not the topology's own
+    (the backend plan caps them)."""
     t, topo = cfg.topology, topology_of(cfg)
+    need = replica_need(cfg, rank_need)
     total = sum((Counter(nd.get("Resources", {})) for nd in nodes), Counter())  # as ray.cluster_resources() sums
     spares, strategy, cluster_labels = t.spares_per_cluster, t.placement_strategy, topo.labels
     ks = [m + spares for m in (sizes or topo.sizes)]
@@ -87,6 +125,8 @@ def placement_problem(cfg: Any, need: dict, nodes: list[dict],
     for key, amount in need.items():
         if amount * n > total.get(key, 0.0) + 1e-9:
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
+            if ranks_per_replica(cfg) > 1:
+                field += " or topology.gpus_per_replica"
             return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
                     f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
                     f"use fewer replicas{' or spares' if spares else ''}, lower {field}, or a bigger cluster")
@@ -140,20 +180,40 @@ def placement_problem(cfg: Any, need: dict, nodes: list[dict],
 @dataclass(frozen=True)
 class BackendPlan:
     """What the driver hands each replica. `inner`: gloo | nccl | auto (left only when the replica
-    gets a GPU of its own; resolved there). `outer`: gloo | nccl. `gpus_per_replica`: 0.0 or 1.0,
-    asked by every replica and hot spare. `notice`: one console line (auto fell back to gloo)."""
+    gets a GPU of its own; resolved there). `outer`: gloo | nccl. `gpus_per_rank`: 0.0 or 1.0, the
+    GPUs one rank actor asks Ray for (every rank of every replica and hot spare; a replica of
+    topology.gpus_per_replica=k ranks asks k times that). `notice`: one console line (auto fell back to gloo)."""
     inner: str
     outer: str
-    gpus_per_replica: float
+    gpus_per_rank: float
     notice: str | None = None
 
 
+def gpu_node_problem(ranks: int, nodes: list[dict]) -> str | None:
+    """One line when `ranks` (topology.gpus_per_replica) does not divide some GPU node's GPU count
+    (a replica's ranks share one node, so the rest of that node's GPUs would idle), else None. Nodes
+    without GPUs (a CPU head node) do not count; a cluster without GPUs has nothing to divide."""
+    counts = sorted({int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes} - {0})
+    if ranks == 1 or not counts:
+        return None
+    bad = [g for g in counts if g % ranks]
+    if not bad:
+        return None
+    divisors = [d for d in range(1, min(counts) + 1) if all(g % d == 0 for g in counts)]
+    return (f"{ranks} does not divide the GPUs of every GPU node (per node: {counts[::-1][:8]}; {bad[0]} is not a "
+            f"multiple of {ranks}): a replica's ranks share one node; valid: {', '.join(map(str, divisors))}")
+
+
 def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
-    """The per-level backends and GPUs per replica for the live `nodes` (as for `placement_problem`).
-    nccl on a level needs every replica and spare to get a GPU of its own, placed as the strategy
-    requires, else ConfigError. Inner `auto`: nccl only where every replica gets its own GPU, else
-    gloo with a notice (none on a cluster without GPUs)."""
+    """The per-level backends and GPUs per rank for the live `nodes` (as for `placement_problem`).
+    nccl on a level needs every rank of every replica and spare to get a GPU of its own, placed as
+    the strategy requires, else ConfigError; so does a `topology.gpus_per_replica` that does not
+    divide a GPU node's count. Inner `auto`: nccl only where every rank gets its own GPU, else gloo
+    with a notice (none on a cluster without GPUs)."""
     c, t, topo = cfg.comm, cfg.topology, topology_of(cfg)
+    ranks = ranks_per_replica(cfg)
+    if (problem := gpu_node_problem(ranks, nodes)) is not None:
+        raise ConfigError("topology.gpus_per_replica", problem)
     # comm.backend asks both levels; a per-level key (not null) overrides it
     inner, inner_field = (c.inner_backend, "comm.inner_backend") if c.inner_backend else (c.backend, "comm.backend")
     outer, outer_field = (c.outer_backend, "comm.outer_backend") if c.outer_backend else (c.backend, "comm.backend")
@@ -177,14 +237,16 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
         f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
     per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
     counts = (f"{n} replicas ({shape}"
-              f"{f' + {spares} spares' if spares else ''}) need {n} GPUs{where}, but the "
+              f"{f' + {spares} spares' if spares else ''}{f' of {ranks} ranks' if ranks > 1 else ''}) "
+              f"need {n * ranks} GPUs{where}, but the "
               f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})")
     shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares else "")
     if "nccl" in (inner, outer):
         field = inner_field if inner == "nccl" else outer_field
         valid = " or ".join(([shorter] if fewer else []) + [f"{field}=gloo"] +
                             ([f"{field}=auto"] if field != "comm.outer_backend" else []))
-        raise ConfigError(field, f"nccl needs one GPU per replica: {counts}; valid: {valid}")
+        raise ConfigError(field, f"nccl needs one GPU per {'rank' if ranks > 1 else 'replica'}: {counts}; "
+                                 f"valid: {valid}")
     if inner == "auto" and gpus > 0:
         hint = f"; {shorter} would give each replica its own GPU" if fewer else ""
         return BackendPlan("gloo", outer, 0.0, f"{inner_field}=auto: gloo on CPU, not nccl: {counts}{hint}")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsgd.config.capacity import (PROCESS_BYTES, STATE_COPIES, embedded_capacity_problem, model_param_count,
-                                  usable_memory_bytes)
+from hsgd.config.capacity import PROCESS_BYTES, embedded_capacity_problem, rank_state_bytes, usable_memory_bytes
 from hsgd.config.paths import output_path, under_ray_job
 from hsgd.config.schema import ConfigError, register_schema
+from hsgd.config.sites import ranks_per_replica
 from hsgd.core.topology import topology_of
 from hsgd.config.validate import NUMERIC_FIELDS, validate
 from hsgd.record.rundir import read_json
@@ -58,6 +58,7 @@ def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
         validate(cfg)
         if not attaches_to_cluster(cfg):
             check_embedded_capacity(cfg)
+        check_launcher_supports(cfg)
         if run_folder:
             check_run_folder(os.path.abspath(output_path(cfg.run.dir)), bool(cfg.train.resume))
     except ConfigError:
@@ -69,6 +70,18 @@ def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
         raise ConfigError(field, problem) from err
 
 
+def check_launcher_supports(cfg) -> None:
+    """Issue 34: the trainer can shard a replica over k ranks, but the Ray launcher (actors/replica.py,
+    actors/placement.py's rank actors) does not start k rank actors yet: refuse k > 1 rather than run
+    a silent k = 1. Called by precheck (before Ray starts) and by actors.placement.check_cluster
+    (before any actor starts, whoever launches). Delete this function and its two calls when the
+    actors start a replica's ranks."""
+    k = ranks_per_replica(cfg)
+    if k > 1:
+        raise ConfigError("topology.gpus_per_replica", f"{k} is not yet supported by the Ray launcher (the rank "
+                                                       f"actors of a sharded replica are issue 34's next step); valid: 1")
+
+
 def attaches_to_cluster(cfg) -> bool:
     """True when the run attaches to an existing Ray cluster instead of starting an embedded one."""
     return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS") or under_ray_job() or os.environ.get("RAY_JOB_ID")
@@ -76,9 +89,9 @@ def attaches_to_cluster(cfg) -> bool:
 
 
 def check_embedded_capacity(cfg) -> int:
-    """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares);
-    returns how many replica actors it will hold."""
-    t, topo = cfg.topology, topology_of(cfg)
+    """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares, each
+    of topology.gpus_per_replica rank processes); returns how many replicas it will hold."""
+    t, topo, ranks = cfg.topology, topology_of(cfg), ranks_per_replica(cfg)
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -86,9 +99,9 @@ def check_embedded_capacity(cfg) -> int:
     n = topo.num_replicas + topo.clusters * t.spares_per_cluster
     problem = embedded_capacity_problem(
         replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, num_cpus=cfg.ray.num_cpus,
-        memory_bytes=usable_memory_bytes(physical),
-        per_replica_bytes=PROCESS_BYTES + STATE_COPIES * 4 * model_param_count(cfg.model.n_layer, cfg.model.n_embd,
-                                                                               cfg.model.block_size))
+        memory_bytes=usable_memory_bytes(physical), ranks=ranks,
+        per_replica_bytes=PROCESS_BYTES + rank_state_bytes(cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size,
+                                                           ranks))
     if problem is not None:
         raise ConfigError("topology.replicas_per_cluster", problem)
     return n

@@ -59,13 +59,18 @@ class SiteConfig:
     min_step_s: Optional[float] = None
     straggle_p: Optional[float] = None
     straggle_factor: Optional[float] = None
+    # the site's ranks per replica (null: topology.gpus_per_replica); every site must end up with the same one
+    gpus_per_replica: Optional[int] = None
 
 
 @dataclass
 class TopologyConfig:
     clusters: int = count(2)
     replicas_per_cluster: int = count(2)
-    cpus_per_replica: float = non_negative(1.0)
+    # k rank processes make one replica, placed together on one node, the model sharded over them (FSDP2,
+    # issue 34); on GPU one GPU each, on CPU k processes over gloo. 1 = one process with a full copy
+    gpus_per_replica: int = count(1)
+    cpus_per_replica: float = non_negative(1.0)  # Ray CPUs per RANK process (per replica when gpus_per_replica=1)
     spares_per_cluster: int = count_or_zero(0)  # warmed replicas that take over a dead one's identity
     placement_strategy: str = one_of("STRICT_PACK", ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"))
     cluster_labels: List[str] = field(default_factory=list)

@@ -1,4 +1,6 @@
-"""`topology.sites`' checks that its field metadata cannot say (each site, the uniform keys, the quorum)."""
+"""`topology.sites`' checks that its field metadata cannot say (each site, the uniform keys, the quorum),
+and the run's one `gpus_per_replica` (a site may restate it, never differ: rank j of every replica
+holds shard j, so the outer sync pairs shards across clusters only when every cluster cuts alike)."""
 from __future__ import annotations
 
 from typing import Any
@@ -42,6 +44,37 @@ def check_sites(cfg: Any) -> None:
             raise ConfigError("supervisor.min_replicas_per_cluster",
                               f"got {run_floor}, more than {where} has ({replicas}); valid: <= {replicas}, or "
                               f"{where}.min_replicas set")
+
+
+def site_ranks(cfg: Any) -> list[tuple[str, int]]:
+    """(field, k) per cluster that sets its ranks per replica: each site's own `gpus_per_replica` where
+    given, else `topology.gpus_per_replica` (one entry for the uniform keys)."""
+    t = cfg.topology
+    run_k = t.gpus_per_replica
+    sites = list(t.sites or [])
+    if not sites:
+        return [("topology.gpus_per_replica", run_k)]
+    return [(f"topology.sites[{c}].gpus_per_replica", own) if (own := _site_value(site, "gpus_per_replica")) is not None
+            else ("topology.gpus_per_replica", run_k) for c, site in enumerate(sites)]
+
+
+def check_ranks_per_replica(cfg: Any) -> None:
+    """Raises ConfigError (one line) for a site's `gpus_per_replica` that is not an int >= 1, or for
+    clusters with different ranks per replica (issue 34: every cluster shards a replica alike)."""
+    chosen = site_ranks(cfg)
+    for field, k in chosen:
+        if not _is_int(k) or k < 1:
+            raise ConfigError(field, f"got {k!r}; valid: null (topology.gpus_per_replica) or an int >= 1")
+    first_field, first_k = chosen[0]
+    for field, k in chosen[1:]:
+        if k != first_k:
+            raise ConfigError(field, f"is {k} but cluster c0 has {first_k} ({first_field}); valid: the same "
+                                     f"gpus_per_replica for every site (rank j of each replica holds shard j)")
+
+
+def ranks_per_replica(cfg: Any) -> int:
+    """The run's k: rank processes per replica (after check_ranks_per_replica, one value for all clusters)."""
+    return int(site_ranks(cfg)[0][1])
 
 
 def site_pacing(cfg: Any, cluster: int) -> tuple[float, float, float]:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from hsgd.config.paths import output_path
 from hsgd.config.rounds import steps_per_round
 from hsgd.config.schema import ConfigError, HsgdConfig
-from hsgd.config.sites import check_sites
+from hsgd.config.sites import check_ranks_per_replica, check_sites, ranks_per_replica
 
 # A random fault schedule is drawn in full at the run's start; beyond this many faults it is a typo.
 MAX_RANDOM_FAULTS = 10_000
@@ -161,6 +161,7 @@ def _check_relations(cfg: Any) -> None:
     if cfg.model.n_embd % cfg.model.n_head != 0:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
     check_sites(cfg)
+    _check_ranks(cfg)
     if not t.sites and sup.min_replicas_per_cluster > t.replicas_per_cluster:
         raise ConfigError("supervisor.min_replicas_per_cluster", f"got {sup.min_replicas_per_cluster}; "
                           f"valid: in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
@@ -170,6 +171,23 @@ def _check_relations(cfg: Any) -> None:
                           f"{'the number of topology.sites' if t.sites else 'topology.clusters'}={clusters}]")
     if w.ceiling_s < w.floor_s:
         raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; valid: >= watchdog.floor_s={w.floor_s}")
+
+
+def _check_ranks(cfg: Any) -> None:
+    """A replica of k ranks (topology.gpus_per_replica, issue 34): one k for every cluster, its batch
+    split evenly over its ranks, and the sharded outer path not yet generalised to shards of replicas.
+    The per-node device count is checked against k where the nodes are known (hsgd.config.capacity)."""
+    check_ranks_per_replica(cfg)
+    k = ranks_per_replica(cfg)
+    if k == 1:
+        return
+    if cfg.sync.outer_path == "sharded":
+        raise ConfigError("sync.outer_path", f"sharded is not supported with topology.gpus_per_replica={k} (each rank "
+                          f"already holds one shard of the replica); valid: leader with gpus_per_replica > 1, or "
+                          f"sharded with gpus_per_replica=1")
+    if cfg.data.batch_size % k != 0:
+        raise ConfigError("data.batch_size", f"{cfg.data.batch_size} sequences per replica do not split over "
+                          f"topology.gpus_per_replica={k} ranks; valid: a multiple of {k}")
 
 
 def _check_links(cfg: Any) -> None:

@@ -141,37 +141,37 @@ def test_comm_backend_is_the_shorthand_and_per_level_keys_override_it():
 def test_auto_on_a_one_gpu_workstation_runs_the_default_job_with_gloo_and_a_notice():
     """The default 2 x 2 job on one GPU: today '4 replicas need 4 GPU but the Ray cluster has 1'."""
     plan = _plan(_gpu_node(1))
-    assert (plan.inner, plan.outer, plan.gpus_per_replica) == ("gloo", "gloo", 0.0)
+    assert (plan.inner, plan.outer, plan.gpus_per_rank) == ("gloo", "gloo", 0.0)
     assert plan.notice and "\n" not in plan.notice and "4 replicas" in plan.notice and "1 GPU" in plan.notice
     assert "topology.replicas_per_cluster<=" not in plan.notice, "1 GPU cannot hold 2 clusters of one either"
 
 
 def test_auto_asks_a_gpu_per_replica_only_where_every_replica_gets_its_own():
     plan = _plan(_gpu_node(2), _gpu_node(2))  # STRICT_PACK: each cluster's 2 replicas on a 2-GPU node
-    assert (plan.inner, plan.outer, plan.gpus_per_replica, plan.notice) == ("auto", "gloo", 1.0, None)
+    assert (plan.inner, plan.outer, plan.gpus_per_rank, plan.notice) == ("auto", "gloo", 1.0, None)
     # 4 GPUs in total but not 2 on one node: STRICT_PACK cannot give each replica of a cluster its own
     spread = _plan(_gpu_node(1), _gpu_node(1), _gpu_node(1), _gpu_node(1))
-    assert spread.gpus_per_replica == 0.0 and spread.inner == "gloo" and "STRICT_PACK" in spread.notice
-    assert _plan(_gpu_node(1), _gpu_node(1), _gpu_node(1), _gpu_node(1), strategy="PACK").gpus_per_replica == 1.0
+    assert spread.gpus_per_rank == 0.0 and spread.inner == "gloo" and "STRICT_PACK" in spread.notice
+    assert _plan(_gpu_node(1), _gpu_node(1), _gpu_node(1), _gpu_node(1), strategy="PACK").gpus_per_rank == 1.0
     # hot spares need their GPU too
-    assert _plan(_gpu_node(2), _gpu_node(2), spares_per_cluster=1).gpus_per_replica == 0.0
+    assert _plan(_gpu_node(2), _gpu_node(2), spares_per_cluster=1).gpus_per_rank == 0.0
 
 
 def test_a_cpu_cluster_trains_with_gloo_silently():
     plan = _plan(_gpu_node(0))
-    assert (plan.inner, plan.outer, plan.gpus_per_replica, plan.notice) == ("gloo", "gloo", 0.0, None)
+    assert (plan.inner, plan.outer, plan.gpus_per_rank, plan.notice) == ("gloo", "gloo", 0.0, None)
 
 
 def test_nccl_is_decided_from_the_clusters_gpus_not_the_drivers_cuda():
     """A CPU-only driver (head node) with GPU workers: nccl is accepted (it used to be refused as
     'nccl needs CUDA'); the plan has no idea of the driver's CUDA at all."""
     plan = _plan(_gpu_node(0), _gpu_node(2), _gpu_node(2), backend="nccl")
-    assert (plan.inner, plan.outer, plan.gpus_per_replica) == ("nccl", "nccl", 1.0)
+    assert (plan.inner, plan.outer, plan.gpus_per_rank) == ("nccl", "nccl", 1.0)
     mixed = _plan(_gpu_node(2), _gpu_node(2), backend="nccl", outer="gloo")
-    assert (mixed.inner, mixed.outer, mixed.gpus_per_replica) == ("nccl", "gloo", 1.0)
+    assert (mixed.inner, mixed.outer, mixed.gpus_per_rank) == ("nccl", "gloo", 1.0)
     outer_only = _plan(_gpu_node(2), _gpu_node(2), backend="gloo", outer="nccl")
-    assert (outer_only.inner, outer_only.outer, outer_only.gpus_per_replica) == ("gloo", "nccl", 1.0)
-    assert _plan(_gpu_node(2), _gpu_node(2), backend="gloo").gpus_per_replica == 0.0
+    assert (outer_only.inner, outer_only.outer, outer_only.gpus_per_rank) == ("gloo", "nccl", 1.0)
+    assert _plan(_gpu_node(2), _gpu_node(2), backend="gloo").gpus_per_rank == 0.0
 
 
 def test_more_nccl_replicas_than_gpus_on_a_node_is_refused_naming_counts_and_what_is_valid():
@@ -195,7 +195,7 @@ def test_more_nccl_replicas_than_gpus_on_a_node_is_refused_naming_counts_and_wha
 
 def test_short_of_cpus_is_left_to_the_placement_check():
     plan = _plan(_gpu_node(4, cpus=1), _gpu_node(4, cpus=1), backend="nccl")
-    assert plan.gpus_per_replica == 1.0
+    assert plan.gpus_per_rank == 1.0
     assert _placement(need={"CPU": 1.0, "GPU": 1.0}, nodes=[_gpu_node(4, cpus=1), _gpu_node(4, cpus=1)]) is not None
 
 
