@@ -33,10 +33,9 @@ def model_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: in
     return vocab_size * n_embd + block_size * n_embd + n_layer * 12 * n_embd * n_embd + 2 * n_embd
 
 
-def layer_param_count(n_layer: int, n_embd: int, block_size: int, vocab_size: int = 256) -> int:
+def layer_param_count(n_embd: int, block_size: int, vocab_size: int = 256) -> int:
     """The largest unit FSDP2 gathers whole (`fully_shard` per block, then the root): a transformer
     block (attention + MLP, 12 n_embd^2, plus its two layer norms) or the root's embeddings."""
-    del n_layer  # every block is the same size
     return max(12 * n_embd * n_embd + 4 * n_embd, vocab_size * n_embd + block_size * n_embd + 2 * n_embd)
 
 
@@ -50,7 +49,7 @@ def rank_state_bytes(n_layer: int, n_embd: int, block_size: int, ranks: int, voc
     if ranks == 1:
         return STATE_COPIES * 4 * params
     shard = -(-params // ranks)  # FSDP2 pads each tensor's dim 0 to a multiple of k: round the shard up
-    return STATE_COPIES * 4 * shard + GATHERED_COPIES * 4 * layer_param_count(n_layer, n_embd, block_size, vocab_size)
+    return STATE_COPIES * 4 * shard + GATHERED_COPIES * 4 * layer_param_count(n_embd, block_size, vocab_size)
 
 
 def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/cgroup") -> int:

@@ -136,14 +136,14 @@ def test_the_launchers_cluster_check_refuses_before_any_actor_starts(monkeypatch
 # -- capacity: the per-rank memory rule and placement of whole replicas -----------------------------------
 def test_a_rank_holds_its_shard_of_the_state_plus_one_gathered_layer():
     n_layer, n_embd, block = 6, 384, 128  # model=small
-    params, layer = model_param_count(n_layer, n_embd, block), layer_param_count(n_layer, n_embd, block)
+    params, layer = model_param_count(n_layer, n_embd, block), layer_param_count(n_embd, block)
     assert layer == 12 * n_embd * n_embd + 4 * n_embd, "small's largest unit is a block, not the embeddings"
     for k in (2, 3, 4):
         shard = -(-params // k)
         assert rank_state_bytes(n_layer, n_embd, block, k) == STATE_COPIES * 4 * shard + GATHERED_COPIES * 4 * layer
     assert rank_state_bytes(n_layer, n_embd, block, 2) <= 0.6 * rank_state_bytes(n_layer, n_embd, block, 1), \
         "issue 34 Acceptance 5: a rank's state at model=small with k=2 is at most 0.6x of k=1"
-    assert layer_param_count(2, 32, 1024, vocab_size=50304) == 50304 * 32 + 1024 * 32 + 64, "embeddings largest"
+    assert layer_param_count(32, 1024, vocab_size=50304) == 50304 * 32 + 1024 * 32 + 64, "embeddings largest"
 
 
 def test_the_embedded_capacity_counts_every_rank_process():
