@@ -1,4 +1,4 @@
-"""`python -m benchmarks outer_sweep [--steps 2000] [--grid before|cosine|spread|flat_rate|four|defaults|all] [--jobs 2] [--out DIR]
+"""`python -m benchmarks outer_sweep [--steps 2000] [--grid before|cosine|spread|flat_rate|four|small|defaults|all] [--jobs 2] [--out DIR]
 [--set key=value ...]`: issue 33 Build 1's sweeps of the outer step and the inner schedule, in one process per
 job, no Ray, no process groups, so a 2,000-step tiny run takes about a minute of one core.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from hsgd.record.rundir import atomic_write_text
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
-GRIDS = ("before", "cosine", "spread", "flat_rate", "four", "defaults", "all")
+GRIDS = ("before", "cosine", "spread", "flat_rate", "four", "small", "defaults", "all")
 
 
 class ClusterBatches:
@@ -165,8 +165,8 @@ def _job(name: str, overrides: list[str]) -> tuple[str, dict]:
 
 def grid(name: str, steps: int, extra: list[str]) -> dict[str, list[str]]:
     """The jobs of grid `name`: {job name: overrides}. Every job has the same model, seed and inner steps."""
-    def run(clusters: int, replicas: int, every: int, *more: str) -> list[str]:
-        return ["model=tiny", "seed=12", f"topology.clusters={clusters}", f"topology.replicas_per_cluster={replicas}",
+    def run(clusters: int, replicas: int, every: int, *more: str, model: str = "tiny") -> list[str]:
+        return [f"model={model}", "seed=12", f"topology.clusters={clusters}", f"topology.replicas_per_cluster={replicas}",
                 f"sync.outer_every={every}", f"train.rounds={steps // every}", *extra, *more]
 
     jobs: dict[str, list[str]] = {}
@@ -202,6 +202,9 @@ def grid(name: str, steps: int, extra: list[str]) -> dict[str, list[str]]:
         jobs["4x1_h50_cos_inner1.5e-3"] = run(4, 1, 50, *cos, "optim.inner.lr=1.5e-3", "optim.outer.lr=1.0",
                                               "optim.outer.momentum=0.5")
         jobs["4x1_h20_cos_lr1.0m0.5"] = run(4, 1, 20, *cos, "optim.outer.lr=1.0", "optim.outer.momentum=0.5")
+    if name in ("small", "all"):  # issue 33 Acceptance 2's model=small pair at the defaults (run with --steps 1000)
+        jobs["small_flat"] = run(1, 4, 50, "sync.outer=none", model="small")
+        jobs["small_h50_int4"] = run(2, 2, 50, "sync.outer_compress=int4", model="small")
     if name in ("flat_rate", "all"):  # flat DDP's own best inner rate (cosine: 3e-3 and 6e-3 ran in `cosine`)
         jobs["flat_cos_lr1.5e-3"] = run(1, 4, 50, "sync.outer=none", *cos, "optim.inner.lr=1.5e-3")
     return jobs
