@@ -5,6 +5,9 @@ and one of 2 processes (2 replicas x 1 rank), on the same seed and tokens. Each 
   A. one `ddp` cluster of 2 replicas with grad_accum 2 and grad clipping, one diloco round whose
      pseudo-gradient is reduced in 2 shards (one per replica) and committed by broadcast;
   B. 2 clusters of 1 replica, int4 + error feedback, 2 fragments: 2 outer rounds over level outer;
+  C. one `localsgd` cluster (average every 2 steps) stopped after 2 steps, `cluster_average`, the
+     final model saved by replica 0, then one step with rank 0 of each replica alone poisoned: every
+     rank raises for the loss (rank 1's own loss is finite: the flags are OR'd over the replica);
   D. replica 0 of B runs one more round, then replica 1 builds a fresh trainer and loads rank j's
      `state_dict` of replica 0 (sent through the store as bytes, loaded weights_only): a `full` heal
      shard by shard. (Spawns processes: run it under the shared lock.)"""
@@ -25,6 +28,8 @@ BASE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_siz
         "train.rounds=3", "train.eval_batches=2"]
 SCENARIO_A = ["topology.clusters=1", "topology.replicas_per_cluster=2", "sync.inner=ddp", f"sync.outer_every={STEPS}",
               "data.grad_accum=2", "optim.inner.grad_clip=0.5"]
+SCENARIO_C = ["topology.clusters=1", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
+              "sync.outer_every=4"]
 SCENARIO_B = ["topology.clusters=2", "topology.replicas_per_cluster=1", f"sync.outer_every={STEPS}",
               "sync.fragments=2", "sync.outer_compress=int4"]
 
@@ -37,7 +42,16 @@ def _level(level: str, port: int, prefix: str, rank: int, world: int):
     return group
 
 
-def _run(k: int, rank: int, port: int) -> dict:
+def _stop_after(steps: int):
+    from hsgd.train.trainer import YieldNow
+
+    def hook(phase, round_index, step_in_round):
+        if phase == "inner" and step_in_round == steps:
+            raise YieldNow()
+    return hook
+
+
+def _run(k: int, rank: int, port: int, folder: str) -> dict:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -45,7 +59,7 @@ def _run(k: int, rank: int, port: int) -> dict:
 
     from hsgd.config.schema import HsgdConfig
     from hsgd.core.topology import Topology
-    from hsgd.train.trainer import ReplicaTrainer
+    from hsgd.train.trainer import NonFiniteError, ReplicaTrainer
 
     torch.set_num_threads(1)
     replica, shard = divmod(rank, k)
@@ -69,6 +83,24 @@ def _run(k: int, rank: int, port: int) -> dict:
     t.outer_commit(0, inner, roots=(0, 1))
     out["a"] = {"eval": t.eval_loss(), "digest": t.param_digest(), "global": t.global_digest(),
                 "losses": report.losses, "shapes": [tuple(p.shape) for p in t.params]}
+    inner.abort()
+
+    # C: localsgd, cluster_average, the final model, a non-finite loss on one rank of each replica
+    inner = _level("inner", port, f"sharded-k{k}/c/inner/s{shard}", replica, 2)
+    t = ReplicaTrainer(config(SCENARIO_C), f"c0r{replica}", Topology(1, 2), ranks=ranks)
+    t.run_inner(0, inner, hook=_stop_after(2))
+    out["c"] = {"eval": t.eval_loss(), "digest": t.param_digest()}
+    t.cluster_average(0, 1, inner)
+    out["c"]["averaged"] = t.param_digest()
+    if replica == 0:
+        out["c"]["saved"] = t.save_model(f"{folder}/k{k}.safetensors")["global_digest"]
+    if shard == 0:
+        t.poison()
+    try:
+        t.run_inner(0, inner, hook=_stop_after(3))  # one step: rank 1's own loss stays finite
+        out["c"]["raised"] = None
+    except NonFiniteError as err:
+        out["c"]["raised"] = err.what
     inner.abort()
 
     # B: 2 clusters of 1 replica, int4 + error feedback, 2 fragments, 2 outer rounds
@@ -100,19 +132,20 @@ def _run(k: int, rank: int, port: int) -> dict:
     return out
 
 
-def _worker(k: int, rank: int, port: int, results) -> None:
+def _worker(k: int, folder: str, rank: int, port: int, results) -> None:
     try:
-        out = _run(k, rank, port)
+        out = _run(k, rank, port, folder)
     except BaseException:  # noqa: BLE001 — report everything to the parent
         out = {"rank": rank, "exception": traceback.format_exc()}
     results.put(out)
 
 
 @pytest.fixture(scope="module")
-def runs():
-    sharded = run_ranks(functools.partial(_worker, 2), 4, timeout_s=240, store_timeout_s=60, join_s=10)
-    whole = run_ranks(functools.partial(_worker, 1), 2, timeout_s=180, store_timeout_s=60, join_s=10)
-    return {2: [sharded[0], sharded[2]], 1: [whole[0], whole[1]], "ranks": sharded}
+def runs(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("sharded"))
+    sharded = run_ranks(functools.partial(_worker, 2, folder), 4, timeout_s=240, store_timeout_s=60, join_s=10)
+    whole = run_ranks(functools.partial(_worker, 1, folder), 2, timeout_s=180, store_timeout_s=60, join_s=10)
+    return {2: [sharded[0], sharded[2]], 1: [whole[0], whole[1]], "ranks": sharded, "folder": folder}
 
 
 def _relative(a: float, b: float) -> float:
@@ -125,7 +158,27 @@ def test_every_rank_holds_a_piece_of_every_param_and_all_ranks_of_a_replica_agre
     assert ranks[0]["a"]["shapes"] == ranks[2]["a"]["shapes"], "rank 0's shapes differ between replicas"
     for a, b in ((0, 1), (2, 3)):  # the replica-level numbers are the same on each of its ranks
         assert ranks[a]["a"] == {**ranks[b]["a"], "shapes": ranks[a]["a"]["shapes"]}
-        assert ranks[a]["b"] == ranks[b]["b"]
+        assert ranks[a]["b"] == ranks[b]["b"] and ranks[a]["c"] == ranks[b]["c"]
+
+
+def test_localsgd_matches_k1_and_a_non_finite_loss_on_one_rank_fails_every_rank(runs):
+    for replica in range(2):
+        sharded, whole = runs[2][replica]["c"], runs[1][replica]["c"]
+        assert _relative(sharded["eval"], whole["eval"]) <= 1e-4, (sharded["eval"], whole["eval"])
+    assert runs[2][0]["c"]["digest"] == runs[2][1]["c"]["digest"], "localsgd left the sharded replicas apart"
+    assert runs[2][0]["c"]["averaged"] == runs[2][1]["c"]["averaged"]
+    assert [r["c"]["raised"] for r in runs["ranks"].values()] == ["loss"] * 4, "only rank 0 was poisoned"
+
+
+def test_the_sharded_final_model_is_the_whole_model_k1_writes(runs):
+    from safetensors.torch import load_file
+
+    sharded, whole = (load_file(f"{runs['folder']}/k{k}.safetensors") for k in (2, 1))
+    assert sharded.keys() == whole.keys() and len(sharded) > 0
+    for name in whole:
+        assert sharded[name].shape == whole[name].shape, name
+        assert torch.allclose(sharded[name], whole[name], rtol=1e-4, atol=1e-5), name
+    assert runs["ranks"][1]["c"]["saved"] == runs["ranks"][0]["c"]["saved"]  # rank 1 gathered, did not write
 
 
 def test_hsdp_and_a_sharded_outer_round_match_k1(runs):
