@@ -2,7 +2,7 @@
 with k=1, over real gloo groups: one spawn of 4 processes (2 replicas x 2 ranks; replica groups
 {0,1} and {2,3}, and the inner/outer LevelGroups of shard index j joining rank j of each replica)
 and one of 2 processes (2 replicas x 1 rank), on the same seed and tokens. Each process runs:
-  A. one `ddp` cluster of 2 replicas with grad_accum 2 and grad clipping, one diloco round whose
+  A. one `ddp` cluster of 2 replicas (warmed up first) with grad_accum 2 and grad clipping, one diloco round whose
      pseudo-gradient is reduced in 2 shards (one per replica) and committed by broadcast;
   B. 2 clusters of 1 replica, int4 + error feedback, 2 fragments: 2 outer rounds over level outer;
   C. one `localsgd` cluster (average every 2 steps) stopped after 2 steps, `cluster_average`, the
@@ -78,6 +78,7 @@ def _run(k: int, rank: int, port: int, folder: str) -> dict:
     inner = _level("inner", port, f"sharded-k{k}/a/inner/s{shard}", replica, 2)
     outer = _level("outer", port, f"sharded-k{k}/a/outer/c0/h{replica}", 0, 1)  # one cluster: itself
     t = ReplicaTrainer(config(SCENARIO_A), f"c0r{replica}", Topology(1, 2), ranks=ranks)
+    t.warm_up()  # a forward/backward whose gradients are dropped: the replica's state is untouched
     report = t.run_inner(0, inner)
     t.outer_reduce(0, 1, outer, shard=replica, shards=2)
     t.outer_commit(0, inner, roots=(0, 1))
