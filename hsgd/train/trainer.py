@@ -20,6 +20,17 @@ Failures:
   `outer_reduce` raises it before sending a non-finite pseudo-gradient.
 Phase calls are idempotent per (round, phase): a call for a round already committed is a no-op,
 one for a round this replica has not reached raises `Behind`.
+
+A replica larger than one device (`ranks`, hsgd.train.sharding, issue 34): the trainer runs on
+each of the replica's k rank processes, every phase method called identically on each. The
+model is sharded with FSDP2 and `self.params` (so the inner optimizer, the outer state, the codec
+residuals, the snapshot, a heal's and a checkpoint's state) holds this rank's local shards; the
+LevelGroups a rank is given join rank j of every replica, so sync works shard by shard unchanged.
+Inner `ddp` is HSDP: FSDP2 reduce-scatters inside the replica, then the local gradient shards
+are all-reduced over `inner`. Replica-level collectives (sharding.REPLICA_LEVEL) run inside the
+phase methods — the global gradient norm, the phase-end losses and non-finite flags, a
+pseudo-gradient's finiteness, the digests, the gathered final model — so every rank of a replica
+raises together. A `full` heal loads rank j's `state_dict` from rank j of the source replica.
 """
 from __future__ import annotations
 
@@ -39,12 +50,13 @@ from hsgd.config.rounds import is_streaming, steps_per_round
 from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
 from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.topology import Topology
-from hsgd.train import task
+from hsgd.train import sharding, task
 from hsgd.train.buckets import GradBuckets
 from hsgd.train.checkpoint import write_atomic
 from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
+from hsgd.train.sharding import ReplicaRanks
 from hsgd.train.simulate import pacer_from_config
 from hsgd.train.state_stream import join_state, split_state
 
@@ -130,8 +142,9 @@ def inner_lr(o: Any, step: float, total_steps: int) -> float:
 
 class ReplicaTrainer:
     def __init__(self, cfg: Any, rid: str, topology: Topology, *, device: str = "cpu",
-                 dataset: task.Dataset | None = None):
+                 dataset: task.Dataset | None = None, ranks: ReplicaRanks | None = None):
         self.cfg, self.rid, self.topology, self.device = cfg, rid, topology, device
+        self.ranks = ranks if sharding.is_sharded(ranks) else None  # None: one process holds the whole replica
         self.device_type = torch.device(device).type
         self.global_index = topology.global_index(rid)
         self.deterministic = bool(cfg.train.deterministic) and self.device_type == "cuda"
@@ -141,7 +154,10 @@ class ReplicaTrainer:
         self.dataset = dataset or task.build_dataset(cfg)
         torch.manual_seed(cfg.seed)  # identical initial params on every replica
         self.model = task.build_model(cfg, self.dataset.vocab_size).to(device)
-        self.params = list(self.model.parameters())
+        if self.ranks is not None:  # sharded after the same seed: rank j's shards are k=1's rows
+            sharding.shard_model(self.model, self.ranks, self.device_type)
+        self.sharded = list(self.model.parameters())  # the module's own (DTensors when sharded)
+        self.params = [sharding.local(p) for p in self.sharded]  # this rank's (k=1: the params themselves)
         self.param_names = [name for name, _ in self.model.named_parameters()]  # aligned with params
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what a heal or outer sync moves
         self.loss_fn = task.build_loss(cfg)
@@ -167,7 +183,9 @@ class ReplicaTrainer:
         self.steps_per_round = steps_per_round(cfg)
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
-        self.buckets = GradBuckets(self.params, bucket_mb) if cfg.sync.inner == "ddp" and bucket_mb > 0 else None
+        # (sharded: FSDP2's own per-block buckets reduce inside the replica; the shards after backward)
+        self.buckets = GradBuckets(self.params, bucket_mb) \
+            if cfg.sync.inner == "ddp" and bucket_mb > 0 and self.ranks is None else None
         self.round, self.step = 0, 0
         self.round_steps = self.steps_per_round  # this round's inner steps (sync.balance plans fewer)
         self.round_losses: list[float] = []
@@ -197,10 +215,13 @@ class ReplicaTrainer:
         with self._numerics():
             loss = self.loss_fn(self.step_model, self._train_batch(0))
         loss.backward()
+        self._link_grads()
         copies = [p.detach().clone().requires_grad_(True) for p in self.params]
         for c, p in zip(copies, self.params):
             c.grad = None if p.grad is None else p.grad.detach().clone()
             p.grad = None
+        if self.ranks is not None:
+            self.model.zero_grad(set_to_none=True)
         build_inner_optimizer(self.cfg, copies, self.device).step()
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -238,7 +259,7 @@ class ReplicaTrainer:
         """Micro-batch `micro` of the current step, on the device: a pure function of (seed, replica, step)."""
         batch = self.dataset.batch("train", seed=self.cfg.seed, replica_index=self.global_index, step=self.step,
                                    micro=micro)
-        return task.to_device(batch, self.device)
+        return task.to_device(sharding.rows_of(batch, self.ranks), self.device)
 
     def _numerics(self):
         """Forward and loss: bf16 autocast when asked; the math attention kernel when deterministic."""
@@ -254,10 +275,15 @@ class ReplicaTrainer:
     def _forward_backward(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
         """Gradients of the step's grad_accum micro-batches (their mean loss), all-reduced over the
         cluster for inner `ddp`. Returns the mean loss, on the device (never read here)."""
-        self.inner_opt.zero_grad(set_to_none=False)
+        if self.ranks is None:
+            self.inner_opt.zero_grad(set_to_none=False)
+        else:  # FSDP2 accumulates into the sharded grads it finds: start from none
+            self.model.zero_grad(set_to_none=True)
         total = None
         for micro in range(self.grad_accum):
             batch = self._train_batch(micro)
+            if self.ranks is not None:  # reduce-scatter inside the replica once, after the last micro-batch
+                self.model.set_requires_gradient_sync(micro == self.grad_accum - 1)
             if self.buckets is not None and micro == self.grad_accum - 1:  # (buckets: inner ddp only)
                 hook("inner_sync", self.round, self.step_in_round)
                 self.buckets.arm(inner)  # the last backward launches full buckets as it goes
@@ -270,12 +296,30 @@ class ReplicaTrainer:
                 loss = loss * float("nan")
             loss.backward()
             total = loss.detach().float() if total is None else total + loss.detach().float()
+        self._link_grads()
         if self.buckets is not None:
             self.buckets.finish()
         elif self.cfg.sync.inner == "ddp":
             hook("inner_sync", self.round, self.step_in_round)
             inner.allreduce_mean([p.grad for p in self.params], level="inner")
         return total
+
+    def _link_grads(self) -> None:
+        """Sharded: hand this rank's local gradient shards (FSDP2's, reduce-scattered over the
+        replica) to the local param tensors the optimizer steps. k=1: nothing to do."""
+        if self.ranks is not None:
+            for p, full in zip(self.params, self.sharded):
+                p.grad = None if full.grad is None else sharding.local(full.grad)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The replica's global gradient norm, clipping to optim.inner.grad_clip when it is > 0."""
+        clip = self.cfg.optim.inner.grad_clip
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.ranks is not None:
+            return sharding.clip_grad_norm_(grads, clip, self.ranks, foreach=self.foreach)
+        if clip > 0:
+            return torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=self.foreach)
+        return torch.nn.utils.get_total_norm(grads, foreach=self.foreach)
 
     def _one_step(self, inner: LevelGroup, hook: FaultHook) -> torch.Tensor:
         cfg = self.cfg
@@ -294,11 +338,7 @@ class ReplicaTrainer:
         saved_nonfinite = self._nonfinite.clone() if keep else None
         try:
             loss = self._forward_backward(inner, hook)
-            if cfg.optim.inner.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.inner.grad_clip, foreach=self.foreach)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
-                                                     foreach=self.foreach)
+            norm = self._grad_norm()
             self._nonfinite |= ~torch.isfinite(torch.stack([loss, norm.to(loss.device, torch.float32)]))
             self.inner_opt.step()
             if average:
@@ -356,8 +396,12 @@ class ReplicaTrainer:
                         self.step_log.committed(self.step)
                 if not yielded:
                     snapshot_point()  # entered at the round's end (a re-issued call): the reduce may still be due
+                if self.ranks is not None:  # (not after a failure: the replica fails whole, its ranks apart)
+                    losses, self._nonfinite = sharding.combine_phase_end(pending, self._nonfinite, self.ranks)
+                    pending = []
             finally:
-                losses = torch.stack(pending).tolist() if pending else []
+                if pending:
+                    losses = torch.stack(pending).tolist()
                 self.round_losses.extend(losses)
             bad_loss, bad_norm = self._nonfinite.tolist()
             if bad_loss or bad_norm:
@@ -428,7 +472,10 @@ class ReplicaTrainer:
             self._outer_buffer = (key, torch.zeros(0))
             return
         flat = self._round_pseudo_gradient(round_index)
-        if not bool(torch.isfinite(flat).all()):
+        finite = bool(torch.isfinite(flat).all())
+        if self.ranks is not None:  # every rank of the replica raises, or none sends
+            finite = not sharding.any_rank(not finite, self.ranks)
+        if not finite:
             raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
                                                     f"{round_index}; not sent")
         lo, hi = shard_bounds(flat.numel(), shards, ALIGN)[shard]
@@ -516,23 +563,32 @@ class ReplicaTrainer:
         return sum(torch.stack(losses).tolist()) / len(losses)
 
     def param_digest(self) -> str:
-        return param_digest(self.params)
+        """Sharded: one digest of the whole replica, combined from its ranks' (every rank calls it)."""
+        digest = param_digest(self.params)
+        return digest if self.ranks is None else sharding.combined_digest(digest, self.ranks)
 
     def global_digest(self) -> str:
-        return param_digest(self.outer_opt.global_params)
+        digest = param_digest(self.outer_opt.global_params)
+        return digest if self.ranks is None else sharding.combined_digest(digest, self.ranks)
 
     def save_model(self, path: str) -> dict:
         """Write the committed global model (the global params of round `round`) to `path` as
         safetensors, under the module's parameter names (a tied weight once), with the round, the
         plug-ins and the digest as metadata (`write_atomic`). Load it back with `model.load_state_dict(
-        safetensors.torch.load_file(path), strict=False)`. Raises OSError when it cannot be written."""
+        safetensors.torch.load_file(path), strict=False)`. Raises OSError when it cannot be written.
+        Sharded: every rank calls it; the whole tensors are gathered and rank 0 writes the same file
+        as k=1 (its digest is the replica's combined one); the others return without writing."""
         from safetensors.torch import save
 
-        tensors = {name: g.detach().to("cpu").contiguous()
-                   for name, g in zip(self.param_names, self.outer_opt.global_params)}
+        globals_ = self.outer_opt.global_params
+        if self.ranks is not None:
+            globals_ = sharding.full_tensors(globals_, self.sharded)
+        tensors = {name: g.detach().to("cpu").contiguous() for name, g in zip(self.param_names, globals_)}
         meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
                 "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
                 "global_digest": self.global_digest()}
+        if self.ranks is not None and self.ranks.rank != 0:
+            return {"path": str(path), "round": self.round, "bytes": 0, "global_digest": meta["global_digest"]}
         write_atomic(str(path), lambda f: f.write(save(tensors, metadata=meta)))
         return {"path": str(path), "round": self.round, "bytes": os.path.getsize(path),
                 "global_digest": meta["global_digest"]}
@@ -540,7 +596,8 @@ class ReplicaTrainer:
     # -- state for heal and checkpoint ----------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything a `full` heal or a checkpoint carries, on the host. On CUDA the tensors are
-        this trainer's pinned buffers, reused by the next call: serialize or copy them before."""
+        this trainer's pinned buffers, reused by the next call: serialize or copy them before.
+        Sharded: this rank's shards only (plain local tensors), loaded by rank j of the target."""
         skeleton, tensors = split_state(self.live_state())
         copies = []
         for i, t in enumerate(tensors):

@@ -1,0 +1,161 @@
+"""A replica larger than one device: its model sharded with FSDP2 over the replica's k rank processes.
+
+Protocol (issue 34; hsgd.train.trainer.ReplicaTrainer with `ranks`):
+- `ReplicaRanks(rank, size, group)`: this process is rank `rank` of the `size` ranks of one replica;
+  `group` is a torch.distributed ProcessGroup of exactly those k processes. It is fixed for the
+  replica's life: a rank that dies is its whole replica's failure, so it is never reconfigured. Its
+  collectives are the "replica" level: inside one replica, issued by every rank in the same order
+  from the same phase method, so they never interleave with another replica's.
+- `shard_model` applies FSDP2 `fully_shard` per transformer block, then to the root, over a 1-D
+  mesh of the replica group. FSDP2 shards every parameter on dim 0, so every rank holds a piece
+  of every parameter: rank j's list of local shards has the same length, order and shapes in
+  every replica, and everything hsgd does per parameter (fragments, codec blocks, shard bounds,
+  the outer state, heals) applies to rank j's shards over the group of rank j of every replica.
+- The replica's batch (`data.batch_size`) is split evenly across its ranks (`rows_of`); FSDP2's
+  reduce-scatter averages over the k ranks, so the replica's gradient equals k=1's up to the
+  order of summation.
+- Replica-wide numbers are combined here: the global gradient norm (`clip_grad_norm_`), the
+  phase-end losses and non-finite flags (`combine_phase_end`), a digest (`combined_digest`).
+Failures: a replica-level collective that fails or times out raises (torch.distributed's error);
+the replica is then failed as a whole and rebuilt. Every collective here runs under the group's
+timeout, set when the group is made.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPLICA_LEVEL = "replica"  # the level of this module's collectives (see the module's protocol)
+
+
+@dataclass(frozen=True)
+class ReplicaRanks:
+    """This process is rank `rank` of the `size` ranks of one replica; `group` holds exactly them."""
+    rank: int
+    size: int
+    group: Any  # torch.distributed.ProcessGroup
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"ReplicaRanks.rank {self.rank} must be in [0, size={self.size})")
+
+
+def is_sharded(ranks: ReplicaRanks | None) -> bool:
+    return ranks is not None and ranks.size > 1
+
+
+def _transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules sharded one by one (each its own all-gather unit): a GPT's `transformer.h`
+    blocks, else every direct child holding parameters (a plug-in model of another shape)."""
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    if isinstance(blocks, torch.nn.ModuleList):
+        return list(blocks)
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def shard_model(model: torch.nn.Module, ranks: ReplicaRanks, device_type: str) -> torch.nn.Module:
+    """FSDP2 over the replica group: each block, then the root. On CUDA the compute runs in bf16
+    with fp32 gradient reduction and fp32 master shards; on the CPU in fp32. The model must hold
+    identical full params on every rank (built after the same seed). Returns the same module."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(ranks.group, device_type)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device_type == "cuda" else MixedPrecisionPolicy()
+    for block in _transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # FSDP2 re-pads and re-saves its local shards at its lazy init (the first forward) unless they
+    # are unchanged; running it now makes the local tensors handed out by local() final.
+    model._get_fsdp_state()._lazy_init()
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself, sharing its storage: writing it writes the
+    shard); a plain tensor passes through."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t._local_tensor  # to_local() under no_grad returns this same tensor
+    return t
+
+
+def full_tensors(shards: list[torch.Tensor], templates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole tensors of `shards` (this rank's local pieces, shaped like `templates`' — the
+    model's sharded DTensor params — local shards): an all-gather over the replica group per
+    tensor, on every rank (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return [DTensor.from_local(s.to(t.device), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                               stride=t.stride()).full_tensor() for s, t in zip(shards, templates)]
+
+
+def rows_of(batch: Any, ranks: ReplicaRanks | None) -> Any:
+    """This rank's contiguous slice of the replica's batch, cut on dim 0 of every tensor in it
+    (tuples, lists and dicts are walked). Raises ValueError when the rows do not split evenly."""
+    if not is_sharded(ranks):
+        return batch
+    if isinstance(batch, torch.Tensor):
+        rows = batch.shape[0]
+        if rows % ranks.size:
+            raise ValueError(f"data.batch_size: {rows} rows do not split evenly across the replica's "
+                             f"{ranks.size} ranks; use a multiple of {ranks.size}")
+        per = rows // ranks.size
+        return batch[ranks.rank * per:(ranks.rank + 1) * per]
+    if isinstance(batch, dict):
+        return {k: rows_of(v, ranks) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(rows_of(v, ranks) for v in batch)
+    return batch
+
+
+@torch.no_grad()
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, ranks: ReplicaRanks,
+                    foreach: bool = False) -> torch.Tensor:
+    """The replica's global gradient norm from this rank's local gradient shards (the sum of
+    squares all-reduced over the replica group), and, when max_norm > 0, every shard scaled by
+    min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. Returns the norm."""
+    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads \
+        else torch.zeros(())
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=ranks.group)
+    norm = squares.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if foreach:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        else:
+            for g in grads:
+                g.mul_(coef.to(g.device))
+    return norm
+
+
+def combine_phase_end(losses: list[torch.Tensor], flags: torch.Tensor, ranks: ReplicaRanks
+                      ) -> tuple[list[float], torch.Tensor]:
+    """Once per phase, on the replica group: the replica's losses (the mean of its ranks' losses
+    of their equal slices) and the non-finite flags OR'd over its ranks, so every rank reports the
+    same losses and all raise together or none does."""
+    packed = torch.cat([flags.float().to("cpu"), torch.stack(losses).float().to("cpu") if losses
+                        else torch.zeros(0)])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ranks.group)
+    return (packed[2:] / ranks.size).tolist(), (packed[:2] > 0).to(flags.device)
+
+
+def any_rank(flag: bool, ranks: ReplicaRanks) -> bool:
+    """True on every rank when `flag` is true on any rank of the replica."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ranks.group)
+    return bool(t.item() > 0)
+
+
+def combined_digest(shard_digest: str, ranks: ReplicaRanks) -> str:
+    """sha256 over the k ranks' shard digests in rank order: one digest of the whole replica's
+    state, the same on every rank (a collective: every rank calls it)."""
+    digests: list[Any] = [None] * ranks.size
+    dist.all_gather_object(digests, shard_digest, group=ranks.group)
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
