@@ -12,8 +12,9 @@ Save protocol (`save_sharded`, every rank of the replica calls it with the same 
 collectives below run on `group`, the replica's k-rank group: the shard level, each one bounded by
 `timeout_s`, DCP's own by the group's timeout):
   1. rank 0 draws a nonce and broadcasts it: every rank writes into `<directory>.tmp-<owner>-<nonce>`.
-  2. `dcp.save` into that temp folder, one writer per rank (`FileSystemWriter`; `FsspecWriter` for
-     a URL). DCP gathers the plans, each rank writes its file, rank 0 writes `.metadata`; a rank's
+  2. `dcp.save` into that temp folder, one writer per rank
+     (`torch.distributed.checkpoint.FileSystemWriter`; for a URL DCP's fsspec writer,
+     `torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter`). DCP gathers the plans, each rank writes its file, rank 0 writes `.metadata`; a rank's
      error reaches every rank (DCP's CheckpointException).
   3. barrier; rank 0 hashes EVERY file in the temp folder (`.metadata` included), writes
      `manifest.json` and moves the folder to `directory` — locally one rename (the commit point);
@@ -47,6 +48,8 @@ import hashlib
 import json
 import os
 import secrets
+import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -65,6 +68,15 @@ _PROBLEMS = {1: "missing", 2: "altered (does not match its manifest sha256)", 3:
 # -- the replica's group: a world of one needs no collective ----------------------------------------
 def _rank_and_size(group) -> tuple[int, int]:
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+@contextmanager
+def _quiet_world_of_one(group):
+    """DCP warns on every call without a process group; a world of one is meant, not a mistake."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
 
 
 def _wait(work, timeout_s: float, what: str) -> None:
@@ -91,6 +103,17 @@ def _broadcast_nonce(group, timeout_s: float) -> str:
     if group is not None:
         _wait(dist.broadcast(t, group_src=0, group=group, async_op=True), timeout_s, "shard-level nonce broadcast")
     return f"{int(t.item()):016x}"[-8:]
+
+
+def _one_line(err: BaseException) -> str:
+    """DCP's CheckpointException holds every failed rank's error with its traceback: one line of it."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # each failure is (exception, its stack summary)
+        return "; ".join(f"rank {rank}: {_one_line(e[0] if isinstance(e, tuple) else e)}"
+                         for rank, e in sorted(failures.items()))
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 # -- files --------------------------------------------------------------------------------------
@@ -155,11 +178,12 @@ def save_sharded(state: dict, directory: str, *, group, manifest_extra: dict, ow
     tag = f"{_safe(owner)}-" if owner else ""
     temp = f"{directory}.tmp-{tag}{_broadcast_nonce(group, timeout_s)}"
     try:
-        dcp.save(state, storage_writer=_writer(temp), process_group=group, no_dist=group is None)
-    except Exception as err:  # noqa: BLE001 — DCP's CheckpointException carries every rank's error
+        with _quiet_world_of_one(group):
+            dcp.save(state, storage_writer=_writer(temp), process_group=group, no_dist=group is None)
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 — DCP's is a BaseException
         if rank == 0:
             remove(temp)
-        raise CheckpointError(f"sharded checkpoint {directory}: writing the shards failed: {err}") from err
+        raise CheckpointError(f"sharded checkpoint {directory}: writing the shards failed: {_one_line(err)}") from err
     _reduce(group, 0, dist.ReduceOp.MAX, timeout_s, "barrier after the shards were written")
     problem = ""
     if rank == 0:
@@ -167,7 +191,7 @@ def save_sharded(state: dict, directory: str, *, group, manifest_extra: dict, ow
             _finalize(temp, directory, {**manifest_extra, "format": FORMAT, "ranks": world})
         except Exception as err:  # noqa: BLE001 — any failure here leaves the final name empty
             remove(temp)
-            problem = str(err)
+            problem = _one_line(err)
     failed = _reduce(group, int(bool(problem)), dist.ReduceOp.MAX, timeout_s, "barrier after the rename")
     if failed:
         raise CheckpointError(f"sharded checkpoint {directory} not finalized: "
@@ -265,8 +289,9 @@ def load_sharded(state: dict, directory: str, *, group, timeout_s: float = DEFAU
 
     manifest = verify_sharded(directory, group=group, timeout_s=timeout_s)
     try:
-        dcp.load(state, storage_reader=_reader(str(directory).rstrip("/")), process_group=group,
-                 no_dist=group is None)
-    except Exception as err:  # noqa: BLE001 — DCP's CheckpointException carries every rank's error
-        raise CheckpointError(f"sharded checkpoint {directory} could not be loaded: {err}") from err
+        with _quiet_world_of_one(group):
+            dcp.load(state, storage_reader=_reader(str(directory).rstrip("/")), process_group=group,
+                     no_dist=group is None)
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 — DCP's is a BaseException
+        raise CheckpointError(f"sharded checkpoint {directory} could not be loaded: {_one_line(err)}") from err
     return manifest

@@ -87,6 +87,29 @@ def _refusing_dcp_load(*args, **kwargs):
     raise DcpWasCalled("dcp.load was called on a checkpoint that failed verification")
 
 
+def _failing_saves(root: str, rank: int, group, state: dict) -> dict[str, str]:
+    """Two saves that fail on one rank: rank 1's shard write, then rank 0's rename. Returns
+    {case: this rank's CheckpointError text} (no error: the case is missing)."""
+    import torch.distributed.checkpoint as dcp
+
+    def fail(*args, **kwargs):
+        raise OSError("simulated disk failure")
+
+    refusals = {}
+    for case, failing_rank, module, name in [("write", 1, dcp.FileSystemWriter, "write_data"),
+                                             ("rename", 0, dcp_checkpoint, "_rename_into_place")]:
+        real = getattr(module, name)
+        if rank == failing_rank:
+            setattr(module, name, fail)
+        try:
+            save_sharded(state, os.path.join(root, case), group=group, manifest_extra={"round": 1}, timeout_s=60)
+        except CheckpointError as err:
+            refusals[case] = str(err)
+        finally:
+            setattr(module, name, real)
+    return refusals
+
+
 def _worker(job: dict, rank: int, port: int, results) -> None:
     """job: directory, world, mode ('save' | 'load'), seed; 'tampered': a copy to try (and be
     refused on) before the load, with dcp.load made to raise meanwhile."""
@@ -105,7 +128,9 @@ def _worker(job: dict, rank: int, port: int, results) -> None:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
             group = dist.group.WORLD
         model, opt = _replica(job["seed"], world, group)
-        if job["mode"] == "save":
+        if job["mode"] == "failing_saves":
+            out["refusals"] = _failing_saves(job["directory"], rank, group, _sharded_state(model, opt, 0))
+        elif job["mode"] == "save":
             _train(model, opt, rank)
             out["manifest"] = save_sharded(_sharded_state(model, opt, TRAIN_STEPS), job["directory"], group=group,
                                            manifest_extra={"round": 1, "step": TRAIN_STEPS}, timeout_s=60)
@@ -172,6 +197,12 @@ def resharded(tmp_path_factory):
     loaded_by_two = _run(2, directory=by_one, mode="load", seed=8, tampered=str(tampered))
     return dict(by_two=by_two, saved_by_two=saved_by_two, loaded_by_one=loaded_by_one, saved_by_one=saved_by_one,
                 loaded_by_two=loaded_by_two)
+
+
+@pytest.fixture(scope="module")
+def failing_saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp_failing")
+    return root, _run(2, directory=str(root), mode="failing_saves", seed=0)
 
 
 @pytest.fixture
@@ -297,6 +328,20 @@ def test_a_crash_before_the_rename_leaves_nothing_under_the_final_name(tmp_path,
         assert (tmp_path / left[0] / ".metadata").exists(), "the crash was meant to come after DCP wrote"
     else:  # rank 0 alive: it removes its temp folder
         assert left == [], left
+
+
+@pytest.mark.parametrize("case, failing_rank", [("write", 1), ("rename", 0)])
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(failing_saves, case, failing_rank):
+    root, outs = failing_saves
+    for rank, out in outs.items():
+        assert case in out["refusals"], f"rank {rank} returned from a save whose rank {failing_rank} failed"
+        assert "\n" not in out["refusals"][case], f"rank {rank}: not one line: {out['refusals'][case]}"
+    assert "OSError: simulated disk failure" in outs[0]["refusals"][case], outs[0]["refusals"][case]
+    if case == "write":  # DCP carries rank 1's error to rank 0, which names the rank
+        assert "rank 1: OSError: simulated disk failure" in outs[0]["refusals"][case], outs[0]["refusals"][case]
+    else:  # rank 1 hears of rank 0's failure at the barrier
+        assert "rank 0 failed to finalize" in outs[1]["refusals"][case], outs[1]["refusals"][case]
+    assert sorted(p.name for p in root.iterdir()) == [], "a final or temp folder was left by the failed saves"
 
 
 def test_an_existing_checkpoint_is_never_overwritten(plain_checkpoint):
