@@ -39,6 +39,8 @@ Failure cases:
   raise CheckpointError, and no `directory` appears; the temp folder is left and never read (rank 0
   removes it when it is alive to; `checkpoint.prune` removes this owner's leftovers otherwise).
 - A crash after the files but before the rename: the same (nothing half-written under the final name).
+- A rank that dies after rank 0's rename: the checkpoint is complete (it verifies); the survivors'
+  error names the barrier that failed.
 - A verify failure: CheckpointError on every rank, naming the file; the state dict is untouched.
 - `group=None`: a world of one (no process group, DCP without collectives).
 """
@@ -62,7 +64,8 @@ FORMAT = "dcp"
 METADATA = ".metadata"  # DCP's index: unpickled by DCP, so it is verified like every data file
 DEFAULT_TIMEOUT_S = 300.0
 _OK = 2 ** 62  # "no problem found" in the load check's all-reduce (MIN picks the first problem)
-_PROBLEMS = {1: "missing", 2: "altered (does not match its manifest sha256)", 3: "not in the manifest"}
+_PROBLEMS = {1: "missing", 2: "altered (does not match its manifest sha256)", 3: "not in the manifest",
+             4: "unreadable"}
 
 
 # -- the replica's group: a world of one needs no collective ----------------------------------------
@@ -244,7 +247,7 @@ def read_manifest(directory: str) -> dict:
 
 
 def _first_problem(directory: str, rank: int, world: int) -> tuple[int, list[str], str]:
-    """(code, names, text): code = position * 4 + problem kind of the first problem among `names`
+    """(code, names, text): code = position * 8 + problem kind of the first problem among `names`
     (the manifest's and the folder's files, sorted: the same on every rank), _OK when none; this
     rank hashes only its round-robin share. Code 0 is a bad manifest, whose text is `text`."""
     try:
@@ -258,11 +261,16 @@ def _first_problem(directory: str, rank: int, world: int) -> tuple[int, list[str
             kind = 1
         elif name not in expected:
             kind = 3
-        elif position % world == rank and _sha256(_join(directory, name)) != expected[name]:
-            kind = 2
+        elif position % world == rank:
+            try:
+                kind = 2 if _sha256(_join(directory, name)) != expected[name] else 0
+            except OSError:  # reported through the all-reduce, so no rank is left waiting in it
+                kind = 4
+            if not kind:
+                continue
         else:
             continue
-        return position * 4 + kind, names, ""
+        return position * 8 + kind, names, ""
     return _OK, names, ""
 
 
@@ -276,7 +284,7 @@ def verify_sharded(directory: str, *, group=None, timeout_s: float = DEFAULT_TIM
     if code == 0:
         raise CheckpointError(text or f"sharded checkpoint {directory}: another rank could not read its manifest")
     if code != _OK:
-        position, kind = divmod(code, 4)
+        position, kind = divmod(code, 8)
         name = names[position - 1] if position <= len(names) else f"file #{position}"
         raise CheckpointError(f"sharded checkpoint {directory} refused before loading: {name} is {_PROBLEMS[kind]}")
     return read_manifest(directory)

@@ -280,6 +280,7 @@ def test_an_altered_metadata_is_refused_in_a_world_of_one_before_dcp_reads_it(pl
     ("alter", "__0_0.distcp", "altered"),
     ("remove", "__0_0.distcp", "missing"),
     ("extra", "__9_0.distcp", "not in the manifest"),
+    ("unreadable", "__0_0.distcp", "unreadable"),
 ])
 def test_a_damaged_folder_is_refused_naming_the_file(plain_checkpoint, monkeypatch, damage, named, problem):
     import torch.distributed.checkpoint as dcp
@@ -289,8 +290,17 @@ def test_a_damaged_folder_is_refused_naming_the_file(plain_checkpoint, monkeypat
         _alter_one_byte(directory / named)
     elif damage == "remove":
         (directory / named).unlink()
-    else:
+    elif damage == "extra":
         shutil.copy(directory / "__0_0.distcp", directory / named)
+    else:  # an I/O error while hashing it (root reads any file: a permission bit would not do)
+        real_sha256 = dcp_checkpoint._sha256
+
+        def failing_sha256(url):
+            if url.endswith(named):
+                raise OSError("input/output error")
+            return real_sha256(url)
+
+        monkeypatch.setattr(dcp_checkpoint, "_sha256", failing_sha256)
     monkeypatch.setattr(dcp, "load", _refusing_dcp_load)
     with pytest.raises(CheckpointError) as refused:
         _load_plain(directory)
