@@ -14,8 +14,9 @@ collectives below run on `group`, the replica's k-rank group: the shard level, e
   1. rank 0 draws a nonce and broadcasts it: every rank writes into `<directory>.tmp-<owner>-<nonce>`.
   2. `dcp.save` into that temp folder, one writer per rank
      (`torch.distributed.checkpoint.FileSystemWriter`; for a URL DCP's fsspec writer,
-     `torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter`). DCP gathers the plans, each rank writes its file, rank 0 writes `.metadata`; a rank's
-     error reaches every rank (DCP's CheckpointException).
+     `torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter`). DCP gathers the plans, each
+     rank writes its file, rank 0 writes `.metadata`; a rank's error reaches every rank (DCP's
+     CheckpointException, cut to one line naming the rank).
   3. barrier; rank 0 hashes EVERY file in the temp folder (`.metadata` included), writes
      `manifest.json` and moves the folder to `directory` — locally one rename (the commit point);
      on an object store (no rename) the files are copied and the manifest written LAST, since
