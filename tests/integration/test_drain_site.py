@@ -45,3 +45,30 @@ def test_a_site_drained_mid_run_leaves_with_no_fault_no_rollback_and_no_reform(b
     assert not [e for e in later if e["level"] == "inner"], f"an inner group re-formed for the drain: {later}"
     outer = [e for e in later if e["level"] == "outer"]
     assert outer and all(set(e["leaders"]) == {"c0", "c1"} for e in outer), outer
+
+
+def test_a_drain_is_applied_once_across_supervisor_kills_before_and_after_its_effect(background_drills, tmp_path):
+    """Acceptance 3: the supervisor SIGKILLed with the request written and not yet decided: its
+    successor applies it; killed again after the effect: the next one neither applies it again, nor
+    logs it again, nor counts the drained replicas' deaths as faults."""
+    drill = background_drills(RUN + ["train.rounds=10"], tmp_path)
+    drill.wait_for(round=2, timeout_s=180)
+    drill.inject("kill", "supervisor")
+    request_id = drill.drain_site("c1")  # written while no supervisor is alive to read it
+    drill.wait_down(timeout_s=60)
+    decided = drill.wait_site_request(request_id, timeout_s=180)
+    assert decided["outcome"] == "applied", decided
+    drill.wait_for(round=decided["round"] + 1, timeout_s=180)
+    drill.inject("kill", "supervisor")
+    drill.wait_down(timeout_s=60)
+    summary = drill.wait_done(timeout_s=600)
+
+    record = events(drill.run_dir)
+    starts = [e["t"] for e in record if e["event"] == "supervisor_start"]
+    assert len(starts) == 3 and starts[1] < decided["t"] < starts[2], "decided by the first successor"
+    assert [e["id"] for e in record if e["event"] == "site_request"] == [request_id], "decided exactly once"
+    assert not [e for e in record if e["event"] == "replica_down"], "a drained replica's stop is no death"
+    assert summary["status"] == "completed" and summary["topology"]["drained"] == {"c1": decided["round"]}
+    commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
+    assert all(not any(rid.startswith("c1") for rid in commits[r]) for r in range(decided["round"], 10)), commits
+    assert sorted(summary["replica_param_digests"]) == ["c0r0", "c0r1", "c2r0", "c2r1"]
