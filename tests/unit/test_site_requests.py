@@ -188,3 +188,30 @@ def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_pat
     assert "cluster 'two' is not a cluster name" in capsys.readouterr().err
     assert status_job.main([str(tmp_path / "missing"), "drain-site", "c1"]) == 2
     assert len(pending(tmp_path)) == 1
+
+
+# -- the roster: a drained site's deaths are none -----------------------------------------------------------
+def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_returned(monkeypatch, tmp_path):
+    import actors.roster as roster_mod
+    from hsgd.record.run_state import RunState
+    from tests.unit.test_lifecycle import Log, Table
+
+    monkeypatch.setattr(roster_mod, "lookup", lambda actor_name: object())
+    table = Table()
+    for short in ("c0r0", "c1r0", "spare-c0-0", "spare-c1-0"):
+        table.set(short, "ALIVE", 0)
+    roster = roster_mod.Roster(Topology(2, 1), "run-1", RunState(), Log(), call_timeout_s=1.0,
+                               spares_per_cluster=1, save=lambda: None)
+    roster.watch._table = table
+    for rid in ("c0r0", "c1r0"):
+        roster.admit(rid, {"round": 0, "step": 0, "pid": 100, "incarnation": 0})
+    sites = SiteChanges(SimpleNamespace(supervisor=SimpleNamespace(min_clusters=1)), str(tmp_path), Topology(2, 1),
+                        roster, _Log([]))
+    write_request(tmp_path, "drain", "c1")
+    monkeypatch.setattr("actors.site_changes.ray.kill", lambda handle, no_restart: None)
+    sites.at_round_start(2)
+    for short in ("c1r0", "spare-c1-0", "c0r0"):
+        table.set(short, "DEAD", 0)  # the drained site stopped; c0r0 dies for real
+    assert roster.deaths(roster.live, 2, "inner") == ["c0r0"]
+    assert [d["rid"] for d in roster.log.named("replica_down")] == ["c0r0"] and not roster.log.named("spare_lost")
+    assert "c1r0" not in roster.missing() and roster.promote_spare("c1r0") is None
