@@ -11,7 +11,7 @@ from tests.integration.runs import FAST, events
 ROUNDS, SPR = 8, 4
 RUN = FAST + ["topology.clusters=3", "topology.replicas_per_cluster=2", f"train.rounds={ROUNDS}",
               f"sync.outer_every={SPR}", "train.min_step_s=0.05", "train.eval_batches=1", "train.eval_every=100",
-              "checkpoint.every=0", "comm.timeout_s=4", "watchdog.floor_s=5"]
+              "checkpoint.every=2", "comm.timeout_s=4", "watchdog.floor_s=5"]
 FAILURES = ("replica_down", "hang_detected", "kill", "replica_error", "collective_failed", "restore", "quorum_wait",
             "spare_lost", "cluster_reform", "idle_replica_lost", "presumed_dead")
 
@@ -39,6 +39,8 @@ def test_a_site_drained_mid_run_leaves_with_no_fault_no_rollback_and_no_reform(b
     assert all(not any(rid.startswith("c2") for rid in commits[r]) and len(commits[r]) == 4
                for r in range(drained_at, ROUNDS)), commits
     assert sorted(summary["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1"]
+    saved = [e for e in record if e["event"] == "checkpoint" and e["round"] > drained_at]
+    assert saved and not any(rid.startswith("c2") for e in saved for rid in e["replicas"]), saved
     # the other sites' inner groups stand; only the outer group is formed again, over c0 and c1
     t_drain = next(e["t"] for e in record if e["event"] == "site_request")
     later = [e for e in record if e["event"] == "membership" and e["t"] > t_drain]
