@@ -21,7 +21,7 @@ from hsgd.record.plots import known_replicas, read_events, replica_states
 from hsgd.record.rundir import read_json as _read_json, read_jsonl
 
 RECENT = 8
-_STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "?": "dim"}
+_STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "drained": "dim", "?": "dim"}
 
 
 def collect_state(run_dir: str | Path) -> dict:
@@ -44,10 +44,13 @@ def collect_state(run_dir: str | Path) -> dict:
     state.update({k: v for k, v in live.items() if v is not None and k in state})
     if live.get("members") and not states:  # no membership event seen yet: trust status.json
         states = {rid: "live" for members in live["members"].values() for rid in members}
+    drained = {e.get("cluster") for e in events if e.get("event") == "site_request" and e.get("kind") == "drain"
+               and e.get("outcome") == "applied"}  # stopped on purpose: neither live nor down
     clusters: dict[str, list[dict]] = {}
     for rid in known_replicas(run_dir, events) or sorted(states):
         cluster = rid.split("r")[0]
-        clusters.setdefault(cluster, []).append({"rid": rid, "state": states.get(rid, "?"),
+        clusters.setdefault(cluster, []).append({"rid": rid, "state": "drained" if cluster in drained else
+                                                 states.get(rid, "?"),
                                                  "leader": state["leaders"].get(cluster) == rid})
     state["clusters"] = clusters
     state["done"] = bool(summary) or bool(live.get("status")) or live.get("phase") == "done" or bool(run_end)
