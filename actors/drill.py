@@ -21,6 +21,7 @@ from actors.roster import replica_actor_name
 from actors.supervisor import supervisor_actor_name
 from hsgd.config import validate
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
+from hsgd.core.site_requests import RequestError, write_request
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
 
@@ -146,6 +147,29 @@ class Drill:
                     self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
         self._injected.append(record)
         return record
+
+    def drain_site(self, cluster: str) -> str:
+        """Ask the run to drain `cluster` (c<k>) at its next round's start: one request file in
+        run_dir/requests/, exactly as `python -m jobs.status <run> drain-site c<k>`; its id."""
+        try:
+            return write_request(self.run_dir, "drain", cluster).id
+        except RequestError as err:
+            raise DrillError(str(err)) from err
+
+    def wait_site_request(self, request_id: str, timeout_s: float = 120.0) -> dict:
+        """Wait for the supervisor's `site_request` event for `request_id` (applied or refused); that event."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [e for e in read_jsonl(self.run_dir / "events.jsonl")
+                     if e["event"] == "site_request" and e.get("id") == request_id]
+            if found:
+                return found[0]
+            if not self._alive():  # the run ended before a round start read it
+                raise DrillError(f"the run ended before site request {request_id} was decided: "
+                                 f"{self.error or (self.summary or {}).get('status')}")
+            time.sleep(0.1)
+        raise DrillError(f"site request {request_id} not decided {timeout_s:.0f}s after it was written; "
+                         f"last state: {self._brief()}")
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until events.jsonl records the last injection (a kill, crash or hang, now) taking down

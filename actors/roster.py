@@ -71,6 +71,7 @@ class Roster:
         self.configured: dict[int, tuple] = {}
         self.outer_configured = None
         self.on_death: Callable[[str], None] = lambda rid: None  # each replica death, once (quarantine)
+        self.drained_clusters: set[int] = set()  # stopped on purpose (actors/site_changes.py): their deaths are none
 
     def missing(self) -> list[str]:
         return [rid for rid in self.topology.replica_ids() if rid not in self.live and rid not in self.gone]
@@ -145,6 +146,8 @@ class Roster:
         machine). `phase`: what one in `live` was doing; another died `joining` or `restarting`."""
         lost = []
         for d in self.watch.poll():
+            if (self.topology.cluster_of(d.rid) if d.rid else d.cluster) in self.drained_clusters:
+                continue  # drained: stopped on purpose, no failure
             if d.rid is None:
                 self.spares.ready.discard(d.name)  # not ready until it answers again
                 self.log.event("spare_lost", cluster=d.cluster, spare=d.name, incarnation=d.incarnation,
@@ -199,7 +202,7 @@ class Roster:
         """A ready spare of rid's cluster takes over rid (the dead actor becomes a spare once back);
         returns its progress (it joins as a restarted replica), or None: no spare ready, or (between
         rounds, `wait_s` > 0) rid's own restarted actor answers: never two processes serving one id."""
-        if not self.spares:
+        if not self.spares or self.topology.cluster_of(rid) in self.drained_clusters:
             return None
         self.spares.check(self.log)
         if not self.spares.ready and wait_s > 0:

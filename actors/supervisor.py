@@ -26,6 +26,7 @@ from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
+from actors.site_changes import SiteChanges
 from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
@@ -67,6 +68,7 @@ class Supervisor:
         self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state, self.roster,
                                      self.log, self.record.save_state, injected=self.injector.explains_death)
         self.roster.on_death = self.quarantine.death
+        self.sites = SiteChanges(self.cfg, run_dir, self.topology, self.roster, self.log)
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
@@ -147,6 +149,7 @@ class Supervisor:
                     status, reason = "stopped", f"stop requested; stopped after round {r}"
                     self.log.event("run_stopped", round=r)
                     break
+                self.sites.at_round_start(r)  # site requests (drain), before the round is planned
                 self._round(r)
             self._final_heal()
             checkpointing.save_model(self.ports)
@@ -343,4 +346,4 @@ class Supervisor:
                                        durable=self.state.to_dict(), metrics=self.log.records("metrics"),
                                        steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
                                        supervisor_started=start)
-        return {**summary, "topology": self.topology.describe(), "replicas_quarantined": len(self.state.quarantined)}
+        return {**summary, "topology": self.sites.topology_record(), "replicas_quarantined": len(self.state.quarantined)}

@@ -3,6 +3,11 @@ README, "Watching, hangs and diagnosis".
 
 Refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
 --timeout passes. Exit 0; 2 if the run dir does not exist.
+
+`python -m jobs.status <run> drain-site c2` writes one site request into `<run>/requests/`
+(hsgd/core/site_requests.py; README, "Sites that come and go") and exits: the supervisor decides it
+at the next round's start. Exit 0 with the request's id printed; 2: no run dir, or a request that
+cannot be valid (one line on stderr).
 """
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from hsgd.core.site_requests import RequestError, write_request
 from hsgd.record.plots import known_replicas, read_events, replica_states
 from hsgd.record.rundir import read_json as _read_json, read_jsonl
 
 RECENT = 8
-_STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "?": "dim"}
+_STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "drained": "dim", "?": "dim"}
 
 
 def collect_state(run_dir: str | Path) -> dict:
@@ -38,10 +44,13 @@ def collect_state(run_dir: str | Path) -> dict:
     state.update({k: v for k, v in live.items() if v is not None and k in state})
     if live.get("members") and not states:  # no membership event seen yet: trust status.json
         states = {rid: "live" for members in live["members"].values() for rid in members}
+    drained = {e.get("cluster") for e in events if e.get("event") == "site_request" and e.get("kind") == "drain"
+               and e.get("outcome") == "applied"}  # stopped on purpose: neither live nor down
     clusters: dict[str, list[dict]] = {}
     for rid in known_replicas(run_dir, events) or sorted(states):
         cluster = rid.split("r")[0]
-        clusters.setdefault(cluster, []).append({"rid": rid, "state": states.get(rid, "?"),
+        clusters.setdefault(cluster, []).append({"rid": rid, "state": "drained" if cluster in drained else
+                                                 states.get(rid, "?"),
                                                  "leader": state["leaders"].get(cluster) == rid})
     state["clusters"] = clusters
     state["done"] = bool(summary) or bool(live.get("status")) or live.get("phase") == "done" or bool(run_end)
@@ -86,8 +95,30 @@ def render(state: dict):
     return Group(table, info, Text("last events:", style="bold"), *(recent or [Text("(no events yet)")]))
 
 
+def request_site_change(run_dir: Path, kind: str, cluster: str) -> int:
+    """Write one site request file (no Ray); print its id. 2 on a request that cannot be valid."""
+    try:
+        request = write_request(run_dir, kind, cluster)
+    except RequestError as err:
+        print(f"jobs.status: {err}", file=sys.stderr)
+        return 2
+    print(f"site request {request.id} written: {kind} {cluster} (decided at the next round's start)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[1] == "drain-site":  # `<run> drain-site c2`: a request, not a view
+        request = argparse.ArgumentParser(prog="python -m jobs.status <run_dir> drain-site")
+        request.add_argument("cluster", help="the cluster to drain, as c<k>")
+        args = request.parse_args(argv[2:])
+        if not Path(argv[0]).is_dir():
+            print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
+            return 2
+        return request_site_change(Path(argv[0]), "drain", args.cluster)
+    parser = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0],
+                                     epilog="python -m jobs.status <run_dir> drain-site c<k>: ask the run to "
+                                            "drain a site at its next round's start")
     parser.add_argument("run_dir")
     parser.add_argument("--once", action="store_true", help="print once and exit")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")

@@ -22,6 +22,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "run_failed": ("reason",),  # the run cannot go on (below quorum too long, total loss, no checkpoint)
     "run_end": ("status",),  # a supervisor's last event: completed | failed | stopped
     "quorum_wait": ("reason", "wait_s"),  # below quorum: waiting up to wait_s for replicas to return
+    # a site request (hsgd/core/site_requests.py) decided at a round's start, once: outcome applied | refused
+    "site_request": ("id", "kind", "cluster", "outcome", "reason", "round"),
     # one round's phases
     "phase_begin": ("phase", "round", "cluster", "epoch", "replicas"),
     "phase_end": ("phase", "round", "cluster", "seconds", "ok", "failed"),

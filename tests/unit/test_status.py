@@ -81,3 +81,14 @@ def test_live_view_stops_on_timeout_and_when_done(tmp_path):
     assert time.monotonic() - start < 30  # it stops (a loaded machine may take seconds), never hangs
     make_run(tmp_path / "done")
     assert main([str(tmp_path / "done"), "--interval", "0.05"]) == 0  # done at once: no timeout needed
+
+
+def test_a_drained_sites_replicas_show_drained(tmp_path):
+    run = make_run(tmp_path / "run")
+    with open(run / "events.jsonl", "a") as fh:
+        for cluster, outcome in (("c1", "applied"), ("c0", "refused")):
+            fh.write(json.dumps({"t": T0 + 100, "event": "site_request", "id": f"x-{cluster}", "kind": "drain",
+                                 "cluster": cluster, "outcome": outcome, "reason": "r", "round": 5}) + "\n")
+    members = _members(collect_state(run))
+    assert members["c1"] == {"c1r0": ("drained", True), "c1r1": ("drained", False)}
+    assert members["c0"] == {"c0r0": ("live", True), "c0r1": ("live", False)}

@@ -1,0 +1,217 @@
+"""Site requests (issue 37, drain slice): the request file, its decision, applied once across a
+supervisor restart, and each refusal. Pure and fast: no Ray run (the actors' SiteChanges is driven
+with a recording roster and log; its ray.kill calls get no handle)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from actors.site_changes import SiteChanges
+from hsgd.core.site_requests import (APPLIED, REFUSED, RequestError, SiteRequest, decide, drained, mark_done,
+                                     outcomes, pending, requests_dir, write_request)
+from hsgd.core.topology import Topology
+from hsgd.record.events import EVENTS
+from jobs import status as status_job
+
+
+# -- the request file ---------------------------------------------------------------------------------
+def test_a_request_is_one_whole_file_with_a_unique_id_in_its_name_and_content(tmp_path):
+    first = write_request(tmp_path, "drain", "c2", now=1000.0)
+    second = write_request(tmp_path, "drain", "c2", now=1000.0)
+    assert first.id != second.id
+    files = sorted(p.name for p in requests_dir(tmp_path).iterdir())
+    assert files == sorted([f"{first.id}.json", f"{second.id}.json"])  # no temp file left behind
+    content = json.loads((requests_dir(tmp_path) / f"{first.id}.json").read_text())
+    assert content == {"id": first.id, "kind": "drain", "cluster": "c2", "t": 1000.0}
+
+
+@pytest.mark.parametrize("kind, cluster, named", [("add", "c1", "kind"), ("drain", "2", "cluster"),
+                                                  ("drain", "c-1", "cluster"), ("drain", "", "cluster")])
+def test_a_request_that_cannot_be_valid_is_not_written(tmp_path, kind, cluster, named):
+    with pytest.raises(RequestError, match=named):
+        write_request(tmp_path, kind, cluster)
+    assert not requests_dir(tmp_path).exists() or not any(requests_dir(tmp_path).iterdir())
+
+
+def test_pending_is_oldest_first_without_decided_ones_and_empty_without_a_folder(tmp_path):
+    assert pending(tmp_path) == [] and outcomes(tmp_path) == {}
+    late = write_request(tmp_path, "drain", "c1", now=2000.0)
+    early = write_request(tmp_path, "drain", "c2", now=1000.0)
+    (requests_dir(tmp_path) / ".x.json.tmp-1234").write_text("{half")  # a writer mid-rename: never read
+    assert [r.id for r in pending(tmp_path)] == [early.id, late.id]
+    mark_done(tmp_path, early, decide(early, clusters=3, drained_clusters={}, min_clusters=1), 4)
+    assert [r.id for r in pending(tmp_path)] == [late.id]
+    assert drained(outcomes(tmp_path)) == {2: 4}
+
+
+@pytest.mark.parametrize("text, problem", [("{not json", "unreadable"), ("[1]", "not a JSON object"),
+                                           ('{"id": "r1", "kind": "join", "cluster": "c1", "t": 1}', "kind"),
+                                           ('{"id": "r1", "kind": "drain", "cluster": 3, "t": 1}', "cluster"),
+                                           ('{"id": "other", "kind": "drain", "cluster": "c1", "t": 1}', "file name")])
+def test_a_malformed_request_file_is_refused_with_its_reason(tmp_path, text, problem):
+    requests_dir(tmp_path).mkdir()
+    (requests_dir(tmp_path) / "r1.json").write_text(text)
+    [request] = pending(tmp_path)
+    decision = decide(request, clusters=3, drained_clusters={}, min_clusters=1)
+    assert decision.outcome == REFUSED and problem in decision.reason
+
+
+# -- decisions ------------------------------------------------------------------------------------------
+def _drain(cluster: str) -> SiteRequest:
+    return SiteRequest(id="x", kind="drain", cluster=cluster, t=0.0)
+
+
+@pytest.mark.parametrize("cluster, drained_clusters, clusters, min_clusters, reason", [
+    ("c3", {}, 3, 1, "no such cluster; valid: c0..c2"),
+    ("c1", {1: 2}, 3, 1, "already drained"),
+    ("c0", {1: 2}, 2, 1, "last live site"),
+    ("c0", {}, 1, 1, "last live site"),
+    ("c2", {}, 3, 3, "would leave 2 site(s), below supervisor.min_clusters=3"),
+])
+def test_each_refusal_gives_one_line(cluster, drained_clusters, clusters, min_clusters, reason):
+    decision = decide(_drain(cluster), clusters=clusters, drained_clusters=drained_clusters, min_clusters=min_clusters)
+    assert decision.outcome == REFUSED and reason in decision.reason and "\n" not in decision.reason
+
+
+def test_a_drain_that_leaves_enough_sites_is_applied():
+    decision = decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=2)
+    assert (decision.outcome, decision.cluster) == (APPLIED, 2)
+
+
+# -- carried out by the supervisor, once ------------------------------------------------------------------
+class _Log:
+    def __init__(self, events: list[dict]):
+        self.events = events
+
+    def event(self, name: str, **fields) -> None:
+        assert name in EVENTS and set(EVENTS[name]) <= set(fields)  # typed, as RunLog refuses otherwise
+        self.events.append({"event": name, **fields})
+
+    def records(self, name: str) -> list[dict]:
+        assert name == "events"
+        return list(self.events)
+
+
+class _Roster:
+    def __init__(self, topology: Topology):
+        self.drained_clusters: set[int] = set()
+        self.handles = dict.fromkeys(topology.replica_ids())  # no actors: nothing for ray.kill
+        self.live = {rid: (0, 0) for rid in topology.replica_ids()}
+        self.set_aside_ids: list[str] = []
+        self.spares = SimpleNamespace(names={"2": ["spare-c2-0"]}, handles={"spare-c2-0": None}, ready={"spare-c2-0"})
+
+    def set_aside(self, rid: str) -> None:
+        self.set_aside_ids.append(rid)
+        self.live.pop(rid, None)
+
+
+def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
+    topology = Topology(3, 2)
+    roster = _Roster(topology)
+    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=min_clusters))
+    return SiteChanges(cfg, str(tmp_path), topology, roster, _Log(events)), roster
+
+
+def test_a_drain_stops_the_site_once_and_a_restarted_supervisor_never_applies_it_again(tmp_path, capsys):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)
+    request = write_request(tmp_path, "drain", "c2")
+    sites.at_round_start(3)
+    assert roster.drained_clusters == {2} and roster.set_aside_ids == ["c2r0", "c2r1"]
+    assert set(roster.live) == {"c0r0", "c0r1", "c1r0", "c1r1"}
+    assert roster.spares.handles == {"spare-c2-0": None} and not roster.spares.ready
+    [event] = [e for e in events if e["event"] == "site_request"]
+    assert (event["id"], event["outcome"], event["cluster"], event["round"]) == (request.id, APPLIED, "c2", 3)
+    assert f"site request {request.id}: applied at round 3" in capsys.readouterr().err
+    assert sites.topology_record()["drained"] == {"c2": 3}
+    sites.at_round_start(4)  # decided: never again
+    # a restart after the effect: the new supervisor stops c2 again (a no-op), decides nothing, logs nothing
+    restarted, roster2 = _supervisor(tmp_path, events)
+    restarted.at_round_start(5)
+    assert roster2.drained_clusters == {2} and roster2.set_aside_ids == ["c2r0", "c2r1"]
+    assert len([e for e in events if e["event"] == "site_request"]) == 1
+    assert restarted.topology_record()["drained"] == {"c2": 3}
+
+
+def test_a_restart_between_the_outcome_and_its_event_logs_the_event_once(tmp_path):
+    request = write_request(tmp_path, "drain", "c1")
+    mark_done(tmp_path, request, decide(request, clusters=3, drained_clusters={}, min_clusters=1), 2)
+    events: list[dict] = []  # the predecessor died before logging it
+    _supervisor(tmp_path, events)
+    _supervisor(tmp_path, events)
+    assert [(e["id"], e["round"]) for e in events if e["event"] == "site_request"] == [(request.id, 2)]
+
+
+def test_a_restart_before_the_decision_decides_it_once(tmp_path):
+    request = write_request(tmp_path, "drain", "c0")
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)  # a supervisor that dies before a round start reads it
+    assert roster.drained_clusters == set() and not events
+    restarted, roster2 = _supervisor(tmp_path, events)
+    restarted.at_round_start(6)
+    assert roster2.drained_clusters == {0}
+    assert [(e["id"], e["outcome"]) for e in events] == [(request.id, APPLIED)]
+
+
+def test_refusals_leave_every_site_running_and_the_run_goes_on(tmp_path, capsys):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, min_clusters=2)
+    write_request(tmp_path, "drain", "c7", now=1.0)
+    write_request(tmp_path, "drain", "c1", now=2.0)  # applied: leaves 2
+    write_request(tmp_path, "drain", "c1", now=3.0)  # already drained
+    write_request(tmp_path, "drain", "c0", now=4.0)  # would leave 1 < min_clusters=2
+    sites.at_round_start(1)
+    decided = [(e["cluster"], e["outcome"]) for e in events]
+    assert decided == [("c7", REFUSED), ("c1", APPLIED), ("c1", REFUSED), ("c0", REFUSED)]
+    reasons = [e["reason"] for e in events]
+    assert "no such cluster" in reasons[0] and "already drained" in reasons[2] and "min_clusters=2" in reasons[3]
+    assert roster.drained_clusters == {1} and len(capsys.readouterr().err.strip().splitlines()) == 4
+    assert pending(tmp_path) == []
+
+
+def test_no_requests_folder_changes_nothing(tmp_path):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)
+    sites.at_round_start(0)
+    assert not events and roster.drained_clusters == set() and not requests_dir(tmp_path).exists()
+    assert sites.topology_record() == Topology(3, 2).describe()
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_path, capsys):
+    assert status_job.main([str(tmp_path), "drain-site", "c2"]) == 0
+    [request] = pending(tmp_path)
+    assert (request.kind, request.cluster) == ("drain", "c2") and request.id in capsys.readouterr().out
+    assert status_job.main([str(tmp_path), "drain-site", "two"]) == 2
+    assert "cluster 'two' is not a cluster name" in capsys.readouterr().err
+    assert status_job.main([str(tmp_path / "missing"), "drain-site", "c1"]) == 2
+    assert len(pending(tmp_path)) == 1
+
+
+# -- the roster: a drained site's deaths are none -----------------------------------------------------------
+def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_returned(monkeypatch, tmp_path):
+    import actors.roster as roster_mod
+    from hsgd.record.run_state import RunState
+    from tests.unit.test_lifecycle import Log, Table
+
+    monkeypatch.setattr(roster_mod, "lookup", lambda actor_name: object())
+    table = Table()
+    for short in ("c0r0", "c1r0", "spare-c0-0", "spare-c1-0"):
+        table.set(short, "ALIVE", 0)
+    roster = roster_mod.Roster(Topology(2, 1), "run-1", RunState(), Log(), call_timeout_s=1.0,
+                               spares_per_cluster=1, save=lambda: None)
+    roster.watch._table = table
+    for rid in ("c0r0", "c1r0"):
+        roster.admit(rid, {"round": 0, "step": 0, "pid": 100, "incarnation": 0})
+    sites = SiteChanges(SimpleNamespace(supervisor=SimpleNamespace(min_clusters=1)), str(tmp_path), Topology(2, 1),
+                        roster, _Log([]))
+    write_request(tmp_path, "drain", "c1")
+    monkeypatch.setattr("actors.site_changes.ray.kill", lambda handle, no_restart: None)
+    sites.at_round_start(2)
+    for short in ("c1r0", "spare-c1-0", "c0r0"):
+        table.set(short, "DEAD", 0)  # the drained site stopped; c0r0 dies for real
+    assert roster.deaths(roster.live, 2, "inner") == ["c0r0"]
+    assert [d["rid"] for d in roster.log.named("replica_down")] == ["c0r0"] and not roster.log.named("spare_lost")
+    assert "c1r0" not in roster.missing() and roster.promote_spare("c1r0") is None
