@@ -136,7 +136,8 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
     _, final_path = url_to_fs(final)
     files = sorted(manifest.get("files", {}))
     problem = None
-    if fs.exists(url_to_fs(join_url(final, MANIFEST))[1]) or (isinstance(fs, LocalFileSystem) and fs.exists(final_path)):
+    local = isinstance(fs, LocalFileSystem)
+    if fs.exists(url_to_fs(join_url(final, MANIFEST))[1]) or (local and fs.exists(final_path)):
         problem = f"{final} already exists; checkpoints are never overwritten"
     elif missing := [rid for rid in files if not fs.isfile(f"{temp_path}/{rid}.pt")]:
         problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
@@ -146,7 +147,7 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
         remove(temp_dir)
         raise CheckpointError(f"checkpoint of round {state_round} not finalized: {problem}")
     text = json.dumps(manifest, indent=2, sort_keys=True)
-    if isinstance(fs, LocalFileSystem):
+    if local:
         _write_text(join_url(temp_dir, MANIFEST), text)
         os.replace(temp_path, final_path)
         return final

@@ -8,6 +8,10 @@ Layout (`directory` is the final name, a path or any fsspec URL, like `checkpoin
     round_000005/.metadata        DCP's index of every shard (rank 0 writes it; DCP reads it with pickle)
     round_000005/__0_0.distcp ... one data file per rank (each rank writes its own shards)
 
+It sits beside the one-file format under one root: checkpoint.py's `finalized`, `choose` and
+`prune` treat it as a checkpoint of its round, and its `verify` routes `format: "dcp"` to
+`verify_sharded` with no process group (`checkpoint.format_of` / `ranks_of` tell a resume which).
+
 Save protocol (`save_sharded`, every rank of the replica calls it with the same directory; the
 collectives below run on `group`, the replica's k-rank group: the shard level, each one bounded by
 `timeout_s`, DCP's own by the group's timeout):

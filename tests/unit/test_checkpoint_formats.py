@@ -200,7 +200,8 @@ def _crashed_dcp_save(root: str, round_index: int, owner: str, monkeypatch) -> s
     with monkeypatch.context() as patch, pytest.raises(SimulatedDeath):
         patch.setattr(dcp_checkpoint, "_finalize", die)
         _write(root, round_index, "dcp", owner=owner)
-    left = [n for n in ckpt._names(root) if n.startswith(f"{ckpt.round_dir_name(round_index)}.tmp-{ckpt.safe_owner(owner)}-")]
+    prefix = f"{ckpt.round_dir_name(round_index)}.tmp-{ckpt.safe_owner(owner)}-"
+    left = [n for n in ckpt._names(root) if n.startswith(prefix)]
     assert len(left) == 1 and ".metadata" in ckpt._names(ckpt.join_url(root, left[0])), left
     return left[0]
 
@@ -219,7 +220,8 @@ def test_prune_keeps_the_newest_of_either_format_and_removes_this_runs_dcp_lefto
 
     ckpt.prune(root, keep=3, owner="run-a")
     names = ckpt._names(root)
-    assert [n for n in names if ckpt._round_of(n) is not None] == ["round_000003", "round_000004", "round_000005"], names
+    kept = [n for n in names if ckpt._round_of(n) is not None]
+    assert kept == ["round_000003", "round_000004", "round_000005"], names
     assert theirs in names and mine not in names, f"prune must remove only run-a's leftover: {names}"
     assert "round_000003x" in names, names
     for directory in ckpt.finalized(root):  # the kept ones are whole: prune removed nothing inside them
