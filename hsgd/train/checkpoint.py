@@ -251,11 +251,12 @@ class Choice:
 
 
 def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_config: bool = True,
-           on_skip: Callable[[str, str], None] | None = None) -> Choice:
+           on_skip: Callable[[str, str], None] | None = None, formats: tuple[str, ...] | None = None) -> Choice:
     """The one checkpoint chooser, for a resume and a restore after a total loss alike: the newest
     that `verify`s, calling on_skip(directory, reason) for each newer one passed over. Against
     `fingerprint`, `skip_other_config` (a restore) passes over one another config wrote; else (a
-    resume, which refuses it) it is chosen with its `config_diff`."""
+    resume, which refuses it) it is chosen with its `config_diff`. `formats` (None: any): the
+    formats the caller can load; one in another format is passed over, named as such."""
     skipped: list[tuple[str, str]] = []
     for directory in reversed(finalized(root)):
         try:
@@ -263,6 +264,13 @@ def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_conf
         except CheckpointError as err:
             reason = str(err)
         else:
+            if formats is not None and format_of(manifest) not in formats:
+                reason = (f"a {format_of(manifest)} checkpoint of {ranks_of(manifest)} ranks per replica; "
+                          f"this launcher loads {', '.join(formats)} checkpoints only (issue 34)")
+                skipped.append((directory, reason))
+                if on_skip is not None:
+                    on_skip(directory, reason)
+                continue
             diff = tuple(fingerprint_diff(manifest.get("fingerprint"), fingerprint)) if fingerprint else ()
             if not (diff and skip_other_config):
                 return Choice(directory, manifest, tuple(skipped), diff)

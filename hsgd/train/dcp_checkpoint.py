@@ -246,7 +246,7 @@ def read_manifest(directory: str) -> dict:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"sharded checkpoint manifest {url} is unreadable: {err}") from err
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or METADATA not in files:
+    if files is None or manifest.get("format") != FORMAT or not isinstance(files, dict) or METADATA not in files:
         raise CheckpointError(f"{url} is not a sharded (dcp) checkpoint's manifest: "
                               f"it needs format 'dcp' and files naming {METADATA}")
     return manifest

@@ -121,6 +121,16 @@ def test_choose_picks_a_good_dcp_checkpoint_and_says_how_to_load_it(root, dcp_re
     assert (ckpt.Choice(None, None).format, ckpt.Choice(None, None).ranks) == (None, None)
 
 
+def test_a_caller_that_loads_one_format_passes_over_the_other_and_says_why(root, dcp_reads_refused):
+    older = _write(root, 2, "file")
+    newest = _write(root, 4, "dcp")
+    passed_over = []
+    found = ckpt.choose(root, formats=(ckpt.FILE_FORMAT,), on_skip=lambda d, why: passed_over.append((d, why)))
+    assert found.path == older and found.format == "file", found
+    assert [d for d, _ in found.skipped] == [newest] and passed_over == list(found.skipped)
+    assert "dcp checkpoint of 1 ranks" in found.skipped[0][1] and "loads file checkpoints only" in found.skipped[0][1]
+
+
 def test_the_chosen_dcp_checkpoint_loads_back_bitwise(root):
     _write(root, 3, "dcp")
     found = ckpt.choose(root)
