@@ -149,9 +149,11 @@ def drained(done: dict[str, dict]) -> dict[int, int]:
     return out
 
 
-def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int) -> Decision:
+def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int,
+           live_clusters=None) -> Decision:
     """Whether `request` may be applied now. `drained_clusters`: those already drained;
-    `min_clusters`: supervisor.min_clusters. Pure."""
+    `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
+    every cluster not drained), so a drain never leaves no live site while another is down. Pure."""
     if request.problem:
         return Decision(REFUSED, request.problem, None)
     c = cluster_index(request.cluster)
@@ -159,7 +161,8 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
         return Decision(REFUSED, f"drain {request.cluster}: no such cluster; valid: c0..c{clusters - 1}", None)
     if c in drained_clusters:
         return Decision(REFUSED, f"drain {request.cluster}: already drained", c)
-    left = clusters - len(set(drained_clusters)) - 1
+    live = set(range(clusters)) - set(drained_clusters) if live_clusters is None else set(live_clusters)
+    left = len(live - {c})
     if left == 0:
         return Decision(REFUSED, f"drain {request.cluster}: it is the last live site", c)
     if left < min_clusters:
