@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
 KINDS = ("drain",)  # add-site is issue 37's next slice
@@ -67,17 +67,7 @@ def cluster_index(name: str) -> int | None:
 
 
 def _atomic_write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(payload, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(payload, sort_keys=True))
 
 
 def write_request(run_dir: str | Path, kind: str, cluster: str, *, now: float | None = None) -> SiteRequest:

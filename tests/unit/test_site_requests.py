@@ -202,7 +202,7 @@ def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_pat
 def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_returned(monkeypatch, tmp_path):
     import actors.roster as roster_mod
     from hsgd.record.run_state import RunState
-    from tests.unit.test_lifecycle import Log, Table
+    from tests.fakes.actor_table import Log, Table
 
     monkeypatch.setattr(roster_mod, "lookup", lambda actor_name: object())
     table = Table()
