@@ -461,7 +461,8 @@ def print_sharded(section: dict) -> None:
         print(f"sharded replica skipped: {section['skipped']}")
         return
     print(f"a replica sharded over k ranks (FSDP2, {section['backend']}), k=1 vs k={k}, same replica batch")
-    print(f"{'preset':>8} {'k':>3} {'rows/rank':>9} {'tok/s':>10} {'vs k=1':>7} {'state/rank':>11} {'vs k=1':>7}  last loss")
+    print(f"{'preset':>8} {'k':>3} {'rows/rank':>9} {'tok/s':>10} {'vs k=1':>7} {'state/rank':>11} {'vs k=1':>7}"
+          "  last loss")
     for r in section["results"]:
         for key, v in r["k"].items():
             ratio = r["ratio"] if key != "1" else {"tokens_per_s": 1.0, "state_bytes_per_rank": 1.0}
