@@ -240,7 +240,7 @@ def bench_preset(preset: str, args, device: str, device_name: str) -> dict:
 
 
 # -- a replica sharded over k ranks (--gpus-per-replica k) -------------------------------------
-RANK_TIMEOUT_S = 600.0  # one command's deadline per rank (a warm-up round of `small` on a loaded CPU is seconds)
+RANK_TIMEOUT_S = 600.0  # one command's deadline per rank: a first round with compilation takes a minute or two
 
 
 def _progress(line: str) -> None:
@@ -324,6 +324,8 @@ def _rank_main(rank: int, k: int, store_port: int | None, cfg, cuda: bool, comma
             elif command == "state":
                 peak = torch.cuda.max_memory_allocated(device) if cuda else None
                 results.put({"rank": rank, "state": state_bytes(trainer), "peak_device_bytes": peak})
+            else:
+                raise ValueError(f"unknown command {command!r}: round | state | stop")
         if k > 1:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 — every failure goes to the parent, with its traceback
@@ -350,7 +352,11 @@ class ShardedReplica:
                                                            self.results), daemon=True) for rank in range(k)]
         for p in self.procs:
             p.start()
-        self._answers()  # every rank built its trainer
+        try:
+            self._answers()  # every rank built its trainer
+        except BaseException:
+            self.stop()
+            raise
 
     def _answers(self) -> list[dict]:
         """One answer per rank, in rank order. Raises RuntimeError naming the rank that raised,
