@@ -49,6 +49,7 @@ from hsgd.train.checkpoint_storage import (  # re-exported: callers know them as
     MANIFEST,
     CheckpointError,
     join_url,
+    load_manifest,
     remove,
     safe_owner,
     url_to_fs,
@@ -168,13 +169,7 @@ def finalized(root: str | Path) -> list[str]:
 
 
 def read_manifest(directory: str | Path) -> dict:
-    url = join_url(directory, MANIFEST)
-    fs, path = url_to_fs(url)
-    try:
-        with fs.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint manifest {url} is unreadable: {err}") from err
+    manifest, url = load_manifest(directory)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "round" not in manifest:
         raise CheckpointError(f"checkpoint manifest {url} lacks its round or files")
     return manifest

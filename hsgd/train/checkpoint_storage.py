@@ -11,6 +11,7 @@ would make an import cycle. No torch here: file-only readers (jobs.status) start
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from pathlib import Path
@@ -74,3 +75,15 @@ def write_atomic(url: str, write: Callable[[Any], None]) -> None:
         return
     with fs.open(path, "wb") as f:
         write(f)
+
+
+def load_manifest(directory: str | Path, what: str = "checkpoint") -> tuple[Any, str]:
+    """(the parsed JSON of directory's manifest, its URL); CheckpointError naming `what` when it cannot
+    be read or parsed. Its shape is the caller's to check."""
+    url = join_url(directory, MANIFEST)
+    fs, path = url_to_fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8")), url
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{what} manifest {url} is unreadable: {err}") from err

@@ -68,6 +68,7 @@ from hsgd.train.checkpoint_storage import (
     CheckpointError,
     is_local,
     join_url,
+    load_manifest,
     remove,
     safe_owner,
     url_to_fs,
@@ -238,13 +239,7 @@ def _rename_into_place(temp_path: str, final_path: str) -> None:
 # -- load ---------------------------------------------------------------------------------------
 def read_manifest(directory: str) -> dict:
     """The manifest of a sharded checkpoint (JSON); CheckpointError if it is unreadable or not DCP's."""
-    url = join_url(directory, MANIFEST)
-    fs, path = url_to_fs(url)
-    try:
-        with fs.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"sharded checkpoint manifest {url} is unreadable: {err}") from err
+    manifest, url = load_manifest(directory, "sharded checkpoint")
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if files is None or manifest.get("format") != FORMAT or not isinstance(files, dict) or METADATA not in files:
         raise CheckpointError(f"{url} is not a sharded (dcp) checkpoint's manifest: "
