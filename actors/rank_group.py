@@ -14,8 +14,8 @@ Protocol
   it knows a rank is dead); step 2 is c10d's `init_process_group` (gloo on CPU, nccl on GPU) over the
   same prefix, bounded by the same timeout.
 - The group is this process's default (WORLD) group, holding exactly the replica's k ranks. Why:
-  FSDP2's DeviceMesh (`DeviceMesh.from_group` in hsgd.train.sharding.shard_model) reads this
-  process's rank from the default group (torch 2.13: `get_rank()`, which raises without one), and so
+  FSDP2's DeviceMesh (`torch.distributed.device_mesh.DeviceMesh.from_group`, in
+  hsgd.train.sharding.shard_model) reads this process's rank from the default group (torch 2.13: `get_rank()`, which raises without one), and so
   does `new_group`; a rank actor is a process of its own hosting one rank of one replica, so its
   default group can be that replica's, rank for rank. hsgd's inner/outer levels are torchft groups
   of their own and never touch it.
