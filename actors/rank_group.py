@@ -101,6 +101,7 @@ class RankPeers:
 
     def __init__(self, rid: str, handles: list, store, deadline_s: float):
         self.rid, self.handles, self.deadline_s = rid, handles, deadline_s
+        self.pids: list[int] = []  # of ranks 1..k-1, once ready (progress() reports them: diagnostics, drills)
         self.store = store  # the replica group's store: kept alive as long as rank 0 is
 
     @classmethod
@@ -117,7 +118,8 @@ class RankPeers:
 
     def ready(self) -> None:
         """Wait until ranks 1..k-1 are built (their __init__ formed the group and built the trainer)."""
-        ray.get([h.progress.remote() for h in self.handles], timeout=self.deadline_s)
+        answers = ray.get([h.progress.remote() for h in self.handles], timeout=self.deadline_s)
+        self.pids = [answer["pid"] for answer in answers]
 
     def call(self, method: str, args_of: Callable[[int], tuple]) -> list:
         """Start `method` on ranks 1..k-1, rank j with the arguments args_of(j); their refs."""

@@ -107,7 +107,10 @@ class Replica:
         self._init_state(spare)
         self.startup = _startup_marks(marks)
         self._built, self._build_error = threading.Event(), None
-        if self.incarnation and not spare:  # a restart: answer `up` now, build while the supervisor plans its heal
+        # a restart: answer `up` now, build while the supervisor plans its heal; but a replica of k ranks
+        # builds first (starting its other ranks' processes takes seconds, which its heal source and
+        # every member would otherwise spend waiting in the heal)
+        if self.incarnation and not spare and ranks_per_replica(self.cfg) == 1:
             threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
         else:  # the first start (a config error surfaces here) and spares (warmed before they are ready)
             self._build(device)
@@ -225,7 +228,7 @@ class Replica:
                 "incarnation": self.incarnation, "replica_index": self.topo.global_index(self.rid),
                 "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
                 "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends,
-                "startup": self.startup}
+                "startup": self.startup, "rank_pids": [os.getpid(), *(self.peers.pids if self.peers else ())]}
 
     def _progress(self) -> dict:
         """The trainer's progress; a restart still building holds a fresh trainer's (round 0, step 0)

@@ -1,0 +1,162 @@
+"""A replica of k ranks through jobs.train (issue 34; actors/rank_group.py): the embedded local Ray,
+CPU, gloo, each rank its own process. k=2 trains like k=1 on the same seed (same tokens, eval loss
+within 1e-4 relative, every replica's digest agreeing at every commit, the same bytes on both
+levels); int4 with error feedback and 2 fragments within 1e-3; and a rank SIGKILLed from outside
+(not rank 0, the actor the roster knows) fails its replica whole: it comes back with all its ranks,
+healed, while the other cluster never stops, checked by the shared invariant checker."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hsgd.record.rundir import read_jsonl
+from tests.integration.invariants import check_run
+from tests.integration.runs import FAST, events, metrics, poll, replica_progress
+
+# 2 clusters x 2 replicas, tiny model; 6 rounds of 10 inner steps (60 in all), evaluated every round
+TWO_BY_TWO = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.outer_every=10", "train.rounds=6",
+              "checkpoint.every=0", "seed=7"]
+
+
+def _train(run_dir: Path, overrides: list[str]) -> dict:
+    """jobs.train in this process, as runs.train, without the outer variants (fragment_delay is
+    refused with k > 1)."""
+    from actors.launch import compose_config, run_training
+    from hsgd.config import validate
+
+    cfg = compose_config(FAST + overrides)
+    validate(cfg)
+    return run_training(cfg, str(run_dir))
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def _pair(tmp_path: Path, overrides: list[str]) -> dict[int, dict]:
+    """{k: (summary, metrics)} of the same run with k=1 and k=2."""
+    runs = {}
+    for k in (1, 2):
+        run_dir = tmp_path / f"k{k}"
+        summary = _train(run_dir, overrides + [f"topology.gpus_per_replica={k}"])
+        check_run(run_dir, rounds=6, steps_per_round=10, victims=set())
+        runs[k] = (summary, metrics(run_dir))
+    return runs
+
+
+@pytest.mark.timeout(600)
+def test_a_two_by_two_run_of_two_ranks_per_replica_trains_like_one_rank(tmp_path):
+    runs = _pair(tmp_path, TWO_BY_TWO)
+    (whole, whole_rounds), (sharded, sharded_rounds) = runs[1], runs[2]
+    assert sharded["status"] == "completed" and sharded["rounds_committed"] == 6, sharded
+    assert _relative(sharded["final_eval_loss"], whole["final_eval_loss"]) <= 1e-4, \
+        (sharded["final_eval_loss"], whole["final_eval_loss"])
+    for s, w in zip(sharded_rounds, whole_rounds):  # every round, not only the last
+        assert len(set(s["replica_digests"].values())) == 1, f"round {s['round']}: replicas disagree"
+        assert sorted(s["replica_digests"]) == sorted(w["replica_digests"])
+        assert _relative(s["eval_loss"], w["eval_loss"]) <= 1e-4, (s["round"], s["eval_loss"], w["eval_loss"])
+        # each rank moves its own shards: together what one rank moves at k=1
+        assert (s["inner_bytes"], s["outer_bytes"]) == (w["inner_bytes"], w["outer_bytes"]), s["round"]
+    ranks = {e["rid"]: e for e in events(tmp_path / "k2") if e["event"] == "replica_up"}
+    assert sorted(ranks) == ["c0r0", "c0r1", "c1r0", "c1r1"], "one replica_up per replica, never per rank"
+
+
+@pytest.mark.timeout(600)
+def test_int4_with_error_feedback_and_two_fragments_with_two_ranks_ends_near_one_rank(tmp_path):
+    # int4's 256-value blocks are cut along each rank's shard: close to k=1, not the same bits
+    runs = _pair(tmp_path, TWO_BY_TWO + ["sync.outer_compress=int4", "sync.fragments=2", "sync.outer_every=20"])
+    (whole, _), (sharded, _) = runs[1], runs[2]
+    assert sharded["status"] == "completed"
+    assert _relative(sharded["final_eval_loss"], whole["final_eval_loss"]) <= 1e-3, \
+        (sharded["final_eval_loss"], whole["final_eval_loss"])
+
+
+def _stalls(run_dir: Path, rid: str, around: float, steps_per_round: int = 40) -> float:
+    """The longest wait between two of rid's consecutive committed steps of one round, within 30 s
+    after `around` (steps/; a round's end waits for the outer exchange by design)."""
+    lines = [line for line in read_jsonl(run_dir / "steps" / f"{rid}.jsonl") if around - 5 <= line["t"] <= around + 30]
+    return max((b["t"] - a["t"] for a, b in zip(lines, lines[1:])
+                if b["step"] == a["step"] + 1 and a["step"] % steps_per_round), default=0.0)
+
+
+# 0.1 s steps: rounds of 4 s; each kill's phase made long enough to catch from outside by a slow link
+KILLED = ["train.rounds=4", "sync.outer_every=40", "train.min_step_s=0.1", "topology.gpus_per_replica=2",
+          "logging.step_times=true", "comm.timeout_s=5"]
+EVERYONE = ("c0r0", "c0r1", "c1r0", "c1r1")
+
+
+def _in_phase(run_dir: Path, rid: str, phase: str, round_index: int, min_step: int = 0,
+              incarnation: int = 0) -> dict | None:
+    """rid's progress once it runs `phase` of round `round_index` (its ranks known), else None."""
+    answer = replica_progress(run_dir, rid)
+    if answer and answer["round"] == round_index and answer["phase"] == phase and answer["step"] >= min_step \
+            and answer["incarnation"] >= incarnation and len(answer.get("rank_pids", ())) == 2:
+        return answer
+    return None
+
+
+def _kill_rank_1(answer: dict) -> float:
+    """SIGKILL rank 1 of the replica that gave `answer` (the OS, not the injector; not rank 0, the
+    actor the roster knows); when."""
+    os.kill(answer["rank_pids"][1], signal.SIGKILL)
+    return time.time()
+
+
+def _came_back_whole(run_dir: Path, victim: str, killed_at: float, old_pid: int, summary: dict) -> None:
+    """The shared invariants, with only `victim` harmed; it came back as a new process and was healed;
+    every replica agrees at the end; no other replica stalled mid-round more than 2 s."""
+    check_run(run_dir, rounds=4, steps_per_round=40, victims={victim})
+    evs = events(run_dir)
+    assert {e["rid"] for e in evs if e["event"] == "replica_down"} == {victim}, \
+        f"only the replica of the killed rank goes down: {[e for e in evs if e['event'] == 'replica_down']}"
+    back = [e for e in evs if e["event"] == "replica_up" and e["rid"] == victim and e["t"] > killed_at]
+    assert back and back[0]["pid"] != old_pid, f"{victim} came back as a new process: {back}"
+    assert [e for e in evs if e["event"] == "heal_end" and e["target"] == victim and e["t"] > killed_at], \
+        f"{victim}, back, was healed"
+    final = metrics(run_dir)[-1]
+    assert len(set(final["replica_digests"].values())) == 1 and len(final["replica_digests"]) == 4, final
+    assert summary["status"] == "completed"
+    stalls = {rid: round(_stalls(run_dir, rid, killed_at), 3) for rid in EVERYONE if rid != victim}
+    print(json.dumps({"victim": victim, "stall_s": stalls}))
+    assert max(stalls.values()) <= 2.0, stalls
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_rank_sigkilled_from_outside_mid_inner_fails_its_replica_whole_and_it_comes_back_healed(
+        background_drills, tmp_path):
+    drill = background_drills(FAST + TWO_BY_TWO + KILLED, tmp_path)
+    running = poll("round 1's inner steps on c0r1", 240, lambda: _in_phase(drill.run_dir, "c0r1", "inner", 1, 45))
+    killed_at = _kill_rank_1(running)
+    _came_back_whole(drill.run_dir, "c0r1", killed_at, running["pid"], drill.wait_done(600))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_leaders_rank_sigkilled_from_outside_mid_outer_fails_that_replica_whole(background_drills, tmp_path):
+    # the slow link between clusters: 1.5 s per outer collective, the window to kill c0's leader in
+    drill = background_drills(FAST + TWO_BY_TWO + KILLED + ["links.outer.gbps=10", "links.outer.latency_ms=1500"], tmp_path)
+    reducing = poll("c0r0 in round 1's outer reduce", 240, lambda: _in_phase(drill.run_dir, "c0r0", "outer", 1),
+                    every_s=0.05)
+    killed_at = _kill_rank_1(reducing)
+    _came_back_whole(drill.run_dir, "c0r0", killed_at, reducing["pid"], drill.wait_done(600))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_rank_sigkilled_from_outside_mid_heal_fails_the_healing_replica_again_and_it_is_healed(
+        background_drills, tmp_path):
+    # the inner link's latency (0.3 s a collective) stretches the heal's several collectives
+    drill = background_drills(FAST + TWO_BY_TWO + KILLED + ["links.inner.gbps=10", "links.inner.latency_ms=300"], tmp_path)
+    running = poll("round 1's inner steps on c0r1", 240, lambda: _in_phase(drill.run_dir, "c0r1", "inner", 1, 42))
+    _kill_rank_1(running)
+    # (a fresh process holds round 0 until its heal loads the source's state)
+    healing = poll("c0r1, back, healing", 240, lambda: _in_phase(drill.run_dir, "c0r1", "heal", 0, incarnation=1),
+                   every_s=0.05)
+    killed_at = _kill_rank_1(healing)
+    _came_back_whole(drill.run_dir, "c0r1", killed_at, healing["pid"], drill.wait_done(600))
