@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.placement import replica_resources
+from actors.placement import rank_resources, replica_resources
 from hsgd.config.capacity import replicas_that_fit
 from hsgd.core.quarantine import quarantine_due, recent_deaths
 
@@ -45,7 +45,8 @@ class Quarantine:
         with contextlib.suppress(Exception):  # already gone for good
             ray.kill(self.roster.handles[rid], no_restart=True)
         backends = (self.roster.replica_info.get(rid) or {}).get("backends") or {"inner": "gloo", "outer": "gloo"}
-        resources = replica_resources(self.cfg, 1.0 if "nccl" in backends.values() else 0.0)
+        gpus = 1.0 if "nccl" in backends.values() else 0.0
+        resources = replica_resources(self.cfg, gpus)  # room for the whole replica (its k ranks) on one node
         free = available_resources_per_node()  # a live node other than `node` with room for one replica now
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         room = [(replicas_that_fit(res, resources), nid) for nid, res in free.items() if nid in alive and nid != node]
@@ -57,7 +58,8 @@ class Quarantine:
             name = f"hsgd:{self.run_id}:{rid}-q{moves}"
             from actors.startup import start_replica
 
-            options = {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0),
+            rank = rank_resources(self.cfg, gpus)  # each of its k ranks asks one rank's, pinned to that node
+            options = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0),
                        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=target, soft=False)}
             handle = start_replica(OmegaConf.to_container(self.cfg, resolve=True), name, options, rid,
                                    self.run_dir, backends, index_table=self.state.replica_indices)

@@ -160,3 +160,36 @@ def test_a_rank_sigkilled_from_outside_mid_heal_fails_the_healing_replica_again_
                    every_s=0.05)
     killed_at = _kill_rank_1(healing)
     _came_back_whole(drill.run_dir, "c0r1", killed_at, healing["pid"], drill.wait_done(600))
+
+
+@pytest.mark.realistic
+@pytest.mark.timeout(900)
+def test_realistic_ranks_of_two_replicas_in_two_clusters_sigkilled_at_once(background_drills, tmp_path):
+    # 3 clusters x 2 replicas x 2 ranks (12 processes); rounds of 100 steps x 0.3 s = 30 s of inner work;
+    # rank 1 of c0r1 and of c2r0 killed together from outside mid-inner: each replica fails whole, c1 untouched
+    drill = background_drills(FAST + ["topology.clusters=3", "topology.replicas_per_cluster=2",
+                                      "topology.gpus_per_replica=2", "sync.outer_every=100", "train.rounds=2",
+                                      "train.min_step_s=0.3", "checkpoint.every=0", "train.eval_batches=1",
+                                      "comm.timeout_s=5", "logging.step_times=true"], tmp_path)
+    victims = ("c0r1", "c2r0")
+    running = {rid: poll(f"round 0's inner steps on {rid}", 300, lambda rid=rid: _in_phase(drill.run_dir, rid, "inner", 0, 20))
+               for rid in victims}
+    for answer in running.values():
+        os.kill(answer["rank_pids"][1], signal.SIGKILL)
+    killed_at = time.time()
+    summary = drill.wait_done(900)
+    check_run(drill.run_dir, rounds=2, steps_per_round=100, victims=set(victims))
+    evs = events(drill.run_dir)
+    assert {e["rid"] for e in evs if e["event"] == "replica_down"} == set(victims)
+    for rid in victims:
+        assert [e for e in evs if e["event"] == "replica_up" and e["rid"] == rid and e["t"] > killed_at
+                and e["pid"] != running[rid]["pid"]], f"{rid} came back as a new process"
+        assert [e for e in evs if e["event"] == "heal_end" and e["target"] == rid], f"{rid} was healed"
+    assert not [e for e in evs if e["event"] == "cluster_reform" and e.get("cluster") == 1], "c1 never re-forms"
+    final = metrics(drill.run_dir)[-1]
+    assert len(set(final["replica_digests"].values())) == 1 and len(final["replica_digests"]) == 6, final
+    assert summary["status"] == "completed"
+    stalls = {rid: round(_stalls(drill.run_dir, rid, killed_at, steps_per_round=100), 3)
+              for rid in ("c0r0", "c1r0", "c1r1", "c2r1")}
+    print(json.dumps({"stall_s": stalls}))
+    assert max(stalls.values()) <= 2.0, stalls
