@@ -1,5 +1,5 @@
 """Site requests carried out by the supervisor (hsgd/core/site_requests.py is the protocol: files,
-decisions, applied once). Only `drain` exists in this slice.
+decisions, applied once): `drain` and `add-site`; an add-site is decided, never carried out yet.
 
 Drain c at round r's start (its replicas are idle, between rounds): the outcome is written first,
 then c's replicas and hot spares are stopped with no restart. That is no failure: the roster sets
@@ -8,6 +8,14 @@ actor table reports their deaths to nobody (Roster.deaths skips a drained cluste
 `replica_down`, fault count, restart or quorum quarantine follows; nothing is rolled back. The
 machine's plan leaves c out like any cluster with no live member: the other clusters' inner groups
 stand, the outer group of round r is formed over one site fewer (its holders changed).
+
+Add-site at round r's start (issue 37's join, not built yet): the request is decided with the
+live Ray cluster's nodes and free resources (`cluster_resources`: two reads of Ray's GCS tables, as
+quarantine.py's `ray.nodes()` is; no actor is asked), so its refusals are real: a label no live
+node carries, no room for its replicas (hsgd/core/site_requests.py `add_site_problem`), Ray's
+tables unreadable. A request that passes them is still refused, saying that joining a running run
+is not built: creating, placing and healing the new site's replicas mid-run and widening the round
+machine's topology are the missing part. Nothing is reserved or started for it.
 
 A restarted supervisor reads the outcomes before it looks at any replica (`SiteChanges.__init__`),
 stops a drained cluster's actors again (a no-op once they are dead) and logs a `site_request`
@@ -21,7 +29,23 @@ import sys
 
 import ray
 
-from hsgd.core.site_requests import APPLIED, SiteRequest, decide, drained, mark_done, outcomes, pending
+from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, add_site_problem, decide, drained,
+                                     mark_done, next_cluster, outcomes, pending)
+
+JOIN_NOT_BUILT = "joining a running run is not built yet (issue 37's join slice); nothing was started"
+
+
+def cluster_resources(cfg) -> tuple[list[dict], dict[str, dict], dict]:
+    """Ray's node table, each live node's free resources (NodeID -> {resource: amount}), and one
+    replica's bundle as this run places it. Raises whatever Ray raises when its tables cannot be read."""
+    from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public per-node view
+
+    from actors.placement import rank_resources
+    from hsgd.config.capacity import plan_backends, replica_need
+
+    nodes = ray.nodes()
+    gpus = plan_backends(cfg, [nd for nd in nodes if nd.get("Alive")]).gpus_per_rank
+    return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus))
 
 
 class SiteChanges:
@@ -48,11 +72,31 @@ class SiteChanges:
         """The summary's `topology`: Topology.describe(), plus `drained` (cluster -> the round at whose
         start it left) when a cluster was drained; with none, exactly Topology.describe()."""
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
-        return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {})}
+        history = [{"round": d.get("round"), "kind": d.get("kind"), "cluster": d.get("cluster")}
+                   for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
+                   if d.get("outcome") == APPLIED]  # every join and drain, in order
+        return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {}),
+                **({"history": history} if history else {})}
+
+    def _decide_add(self, request: SiteRequest) -> Decision:
+        """An add-site's refusal, always (see the module docstring): its real reason when there is one."""
+        if request.problem:
+            return Decision(REFUSED, request.problem, None)
+        new = next_cluster(self.topology.clusters, self.done)
+        try:
+            nodes, free, need = cluster_resources(self.cfg)
+        except Exception as err:  # noqa: BLE001 — Ray's tables unreadable: refused, the run goes on
+            return Decision(REFUSED, f"add-site c{new}: cannot read the Ray cluster's nodes: "
+                                     f"{type(err).__name__}: {err}".splitlines()[0], None)
+        problem = add_site_problem(request, nodes=nodes, free=free, need=need, new_cluster=new)
+        return Decision(REFUSED, problem or f"add-site c{new}: {JOIN_NOT_BUILT}", None)
 
     def _apply(self, request: SiteRequest, round_index: int) -> None:
-        decision = decide(request, clusters=self.topology.clusters, drained_clusters=self.drained,
-                          min_clusters=int(self.cfg.supervisor.min_clusters))
+        if request.kind == "add-site":
+            decision = self._decide_add(request)
+        else:
+            decision = decide(request, clusters=self.topology.clusters, drained_clusters=self.drained,
+                              min_clusters=int(self.cfg.supervisor.min_clusters))
         record = mark_done(self.run_dir, request, decision, round_index)  # before the effect: applied once
         self.done[request.id] = record
         if decision.outcome == APPLIED and request.kind == "drain":

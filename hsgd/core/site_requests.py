@@ -3,7 +3,8 @@ supervisor applies, each request exactly once.
 
 Protocol:
     ask       `write_request` puts ONE file `<run.dir>/requests/<id>.json` ({"id", "kind", "cluster",
-              "t"}), written under a temp name (a dot first, never read) then renamed: a reader sees
+              "t"}; an add-site also "replicas", "label", "name", and "cluster" is "": the
+              supervisor names the new site c<K>, the next free index, when it decides), written under a temp name (a dot first, never read) then renamed: a reader sees
               the whole file or none. The id is unique (time, kind, cluster, random bits).
     apply     at each round's start the supervisor reads `pending` (requests without an outcome,
               oldest first), `decide`s each against the clusters drained so far, carries out an
@@ -14,10 +15,14 @@ Protocol:
               again; it carries out what the `.done` files say (`drained`), which stopping again
               leaves the same. A request with no `.done` was never decided: it is decided once.
 
-Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a cluster not
-named `c<k>`) is refused with its reason, never skipped silently and never retried; a folder that
+Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's
+cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason, never skipped silently and never retried; a folder that
 cannot be written raises (OSError) to the caller, whose run-folder rules apply. No requests folder:
 `pending` is empty, after one directory check.
+
+add-site refusals (`add_site_problem`, pure, fed the live nodes and their free resources): a label
+that no live node carries, and no room: the free resources of the nodes the site may use (its
+label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node.
 """
 from __future__ import annotations
 
@@ -30,10 +35,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
+
 REQUESTS_DIR = "requests"
-KINDS = ("drain",)  # add-site is issue 37's next slice
+KINDS = ("drain", "add-site")
 APPLIED, REFUSED = "applied", "refused"
 _CLUSTER = re.compile(r"^c(\d+)$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a site's name or label: one token
 
 
 class RequestError(ValueError):
@@ -47,6 +55,9 @@ class SiteRequest:
     cluster: str  # as asked: "c2"
     t: float
     problem: str | None = None  # a malformed file: why (the request is refused with it)
+    replicas: int | None = None  # add-site: the new site's replicas
+    label: str | None = None  # add-site: the node label it is placed by (None: its own placement group)
+    name: str | None = None  # add-site: its name (topology.sites[].name)
 
 
 @dataclass(frozen=True)
@@ -80,19 +91,43 @@ def _atomic_write_json(path: Path, payload: dict) -> None:
         raise
 
 
-def write_request(run_dir: str | Path, kind: str, cluster: str, *, now: float | None = None) -> SiteRequest:
-    """Write one request file; returns it. Raises RequestError for a kind or cluster name that
-    cannot be valid in any run (whether the cluster exists is the supervisor's decision)."""
+def add_site_fields_problem(replicas, label, name) -> str | None:
+    """Why an add-site's fields cannot be valid in any run, one line naming the field; None if they can."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        return f"replicas={replicas!r} is not a replica count; valid: an integer >= 1"
+    for field_name, value in (("label", label), ("name", name)):
+        if value is not None and (not isinstance(value, str) or not _NAME.match(value)):
+            return (f"{field_name}={value!r} is not valid; valid: one token of letters, digits, '_', '.', '-' "
+                    f"(at most 64), or leave it out")
+    return None
+
+
+def write_request(run_dir: str | Path, kind: str, cluster: str = "", *, replicas: int | None = None,
+                  label: str | None = None, name: str | None = None, now: float | None = None) -> SiteRequest:
+    """Write one request file; returns it. Raises RequestError for a kind, cluster name or add-site
+    field that cannot be valid in any run (whether the cluster exists, or the site fits, is the
+    supervisor's decision). A drain names `cluster`; an add-site gives `replicas` (and optionally
+    `label`, `name`) and no cluster."""
     if kind not in KINDS:
         raise RequestError(f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}")
-    if cluster_index(cluster) is None:
+    extra: dict = {}
+    if kind == "add-site":
+        if cluster:
+            raise RequestError(f"add-site names no cluster (got {cluster!r}); valid: leave it out, the run picks "
+                               f"the next free c<k>")
+        problem = add_site_fields_problem(replicas, label, name)
+        if problem:
+            raise RequestError(f"add-site: {problem}")
+        extra = {"replicas": replicas, "label": label, "name": name}
+    elif cluster_index(cluster) is None:
         raise RequestError(f"cluster {cluster!r} is not a cluster name; valid: c0, c1, ...")
     t = time.time() if now is None else now
-    request = SiteRequest(id=f"{int(t * 1000):013d}-{kind}-{cluster}-{uuid.uuid4().hex[:8]}", kind=kind,
-                          cluster=cluster, t=t)
+    request = SiteRequest(id=f"{int(t * 1000):013d}-{kind}-{cluster or 'new'}-{uuid.uuid4().hex[:8]}", kind=kind,
+                          cluster=cluster, t=t, **extra)
     folder = requests_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write_json(folder / f"{request.id}.json", {"id": request.id, "kind": kind, "cluster": cluster, "t": t})
+    _atomic_write_json(folder / f"{request.id}.json",
+                       {"id": request.id, "kind": kind, "cluster": cluster, "t": t, **extra})
     return request
 
 
@@ -110,12 +145,19 @@ def _parse(path: Path) -> SiteRequest:
         problem = f"request id {raw.get('id')!r} does not match its file name {path.name}"
     elif kind not in KINDS:
         problem = f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}"
+    elif kind == "add-site" and cluster not in ("", None):
+        problem = f"add-site names no cluster (got {cluster!r}); the run picks the next free c<k>"
+    elif kind == "add-site":
+        problem = add_site_fields_problem(raw.get("replicas"), raw.get("label"), raw.get("name"))
+        problem = problem and f"add-site: {problem}"
     elif not isinstance(cluster, str) or cluster_index(cluster) is None:
         problem = f"cluster {cluster!r} is not a cluster name; valid: c0, c1, ..."
-    elif not isinstance(t, (int, float)):
+    if problem is None and not isinstance(t, (int, float)):
         problem = f"request time {t!r} is not a number"
-    return SiteRequest(id=rid, kind=str(kind), cluster=str(cluster), t=float(t) if isinstance(t, (int, float)) else 0.0,
-                       problem=problem)
+    extra = ({"replicas": raw.get("replicas"), "label": raw.get("label"), "name": raw.get("name")}
+             if kind == "add-site" and problem is None else {})
+    return SiteRequest(id=rid, kind=str(kind), cluster=str(cluster or ""),
+                       t=float(t) if isinstance(t, (int, float)) else 0.0, problem=problem, **extra)
 
 
 def outcomes(run_dir: str | Path) -> dict[str, dict]:
@@ -149,9 +191,39 @@ def drained(done: dict[str, dict]) -> dict[int, int]:
     return out
 
 
+def next_cluster(clusters: int, done: dict[str, dict]) -> int:
+    """The index a new site gets: past every cluster the run started with and every one added since
+    (a drained site's index is never reused: drained sites keep theirs)."""
+    added = [cluster_index(d.get("cluster", "")) for d in done.values()
+             if d.get("kind") == "add-site" and d.get("outcome") == APPLIED]
+    return max([clusters - 1, *(c for c in added if c is not None)]) + 1
+
+
+def add_site_problem(request: SiteRequest, *, nodes: list[dict], free: dict[str, dict], need: dict,
+                     new_cluster: int) -> str | None:
+    """Why the add-site `request` is refused now, one line; None when it may go ahead. `nodes`: Ray's
+    node table (`ray.nodes()`: NodeID, Alive, Labels); `free`: NodeID -> free resources; `need`: one
+    replica's bundle (all its ranks). Pure, so refusals are tested with fake resources."""
+    alive = [nd for nd in nodes if nd.get("Alive")]
+    what = f"add-site c{new_cluster} ({request.replicas} replica(s))"
+    if request.label is not None:
+        alive = [nd for nd in alive if str((nd.get("Labels") or {}).get(LABEL_KEY)) == request.label]
+        if not alive:
+            known = sorted({str(v) for nd in nodes if nd.get("Alive")
+                            for k, v in (nd.get("Labels") or {}).items() if k == LABEL_KEY})
+            return (f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
+                    f"{', '.join(known) or 'none'}")
+    room = sum(replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive)
+    if room < int(request.replicas or 0):
+        where = f"label {request.label!r}'s nodes" if request.label is not None else "the live nodes"
+        return (f"{what}: no room: {where} have free resources for {room} replica(s) of "
+                f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each")
+    return None
+
+
 def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int) -> Decision:
-    """Whether `request` may be applied now. `drained_clusters`: those already drained;
-    `min_clusters`: supervisor.min_clusters. Pure."""
+    """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
+    `drained_clusters`: those already drained; `min_clusters`: supervisor.min_clusters. Pure."""
     if request.problem:
         return Decision(REFUSED, request.problem, None)
     c = cluster_index(request.cluster)
