@@ -4,8 +4,9 @@ supervisor applies, each request exactly once.
 Protocol:
     ask       `write_request` puts ONE file `<run.dir>/requests/<id>.json` ({"id", "kind", "cluster",
               "t"}; an add-site also "replicas", "label", "name", and "cluster" is "": the
-              supervisor names the new site c<K>, the next free index, when it decides), written under a temp name (a dot first, never read) then renamed: a reader sees
-              the whole file or none. The id is unique (time, kind, cluster, random bits).
+              supervisor names the new site c<K>, the next free index, when it decides), written
+              under a temp name (a dot first, never read) then renamed: a reader sees the whole
+              file or none. The id is unique (time, kind, cluster, random bits).
     apply     at each round's start the supervisor reads `pending` (requests without an outcome,
               oldest first), `decide`s each against the clusters drained so far, carries out an
               applied one, and records the outcome with `mark_done`: `<id>.done` ({"id", "kind",
@@ -16,9 +17,10 @@ Protocol:
               leaves the same. A request with no `.done` was never decided: it is decided once.
 
 Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's
-cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason, never skipped silently and never retried; a folder that
-cannot be written raises (OSError) to the caller, whose run-folder rules apply. No requests folder:
-`pending` is empty, after one directory check.
+cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason,
+never skipped silently and never retried; a folder that cannot be written raises (OSError) to the
+caller, whose run-folder rules apply. No requests folder: `pending` is empty, after one directory
+check.
 
 add-site refusals (`add_site_problem`, pure, fed the live nodes and their free resources): a label
 that no live node carries, and no room: the free resources of the nodes the site may use (its
