@@ -70,7 +70,8 @@ class SiteChanges:
 
     def topology_record(self) -> dict:
         """The summary's `topology`: Topology.describe(), plus `drained` (cluster -> the round at whose
-        start it left) when a cluster was drained; with none, exactly Topology.describe()."""
+        start it left) when a cluster was drained, and `history` (every applied join and drain, in
+        order: round, kind, cluster) when there was one; with none, exactly Topology.describe()."""
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
         history = [{"round": d.get("round"), "kind": d.get("kind"), "cluster": d.get("cluster")}
                    for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
