@@ -175,7 +175,8 @@ def _choose(sup: RunnerPorts) -> tuple[str, dict]:
         sup.warn(f"checkpoint {path} skipped: {why}")
 
     try:
-        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
+        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped,
+                                                            formats=(checkpoint.FILE_FORMAT,)),
                                    sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
     except OSError as err:
         raise RestoreFailed(f"checkpoints under {root} cannot be read: {type(err).__name__}: {err}") from err

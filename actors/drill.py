@@ -182,14 +182,18 @@ class Drill:
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until events.jsonl records the last injection (a kill, crash or hang, now) taking down
-        what it hit (`replica_down` or `hang_detected` per replica, `supervisor_start`); those events."""
+        what it hit; those events: `replica_down` or `hang_detected` per replica hit, or `supervisor_start`
+        for the supervisor."""
         last = self._last()
         if last.get("scheduled") is not None or last["kind"] not in ("kill", "crash", "hang"):
             raise DrillError(f"wait_down is for a kill, crash or hang injected now, not {last}")
+        # only the kind the target can go down as: a supervisor that started just before a replica
+        # kill is no record of that kill (and carries no rid)
+        kinds = ("supervisor_start",) if last["target"] == "supervisor" else _DOWN
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             failures = [e for e in read_jsonl(self.run_dir / "events.jsonl")
-                        if e["event"] in _FAILURES and e["t"] >= last["t"] - _CLOCK_SKEW_S]
+                        if e["event"] in kinds and e["t"] >= last["t"] - _CLOCK_SKEW_S]
             if self._took_effect(last, failures):
                 return failures
             self._raise_if_ended("the fault to take effect")

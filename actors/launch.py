@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from hsgd.config import ConfigError, output_path
 from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder
 from hsgd.config.compose import compose_config, precheck  # noqa: F401 — the driver's API
+from hsgd.config.sites import ranks_per_replica
 from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import topology_of
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
@@ -41,7 +42,8 @@ def connect_ray(cfg: DictConfig) -> bool:
                  log_to_driver=True)
         return True
     n = check_embedded_capacity(cfg)
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(n * cfg.topology.cpus_per_replica + 0.999) + 1)
+    cpus = n * ranks_per_replica(cfg) * cfg.topology.cpus_per_replica  # cpus_per_replica is per rank process
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cpus + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
     ray.init(num_cpus=num_cpus, namespace="hsgd", include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})

@@ -31,6 +31,7 @@ import ray
 
 from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, add_site_problem, decide, drained,
                                      mark_done, next_cluster, outcomes, pending)
+from hsgd.record.rundir import call_with_deadline, write_deadline_s
 
 JOIN_NOT_BUILT = "joining a running run is not built yet (issue 37's join slice); nothing was started"
 
@@ -64,9 +65,21 @@ class SiteChanges:
                 self._report(record)
 
     def at_round_start(self, round_index: int) -> None:
-        """Decide and carry out every pending request, oldest first, before round `round_index` is planned."""
-        for request in pending(self.run_dir, self.done):  # no folder: one directory check, nothing else
-            self._apply(request, round_index)
+        """Decide and carry out every pending request, oldest first, before round `round_index` is planned.
+        The run folder is read and written under the run's I/O deadline: a full disk or a hung mount
+        leaves the request pending for a later round (nothing is applied before its outcome is on disk)
+        and costs a warning, never the run."""
+        try:
+            requests = self._io(lambda: pending(self.run_dir, self.done), "listing site requests")
+            for request in requests:  # no folder: one directory check, nothing else
+                self._apply(request, round_index)
+        except OSError as err:
+            with contextlib.suppress(Exception):
+                print(f"[hsgd] site requests not read at round {round_index} (retried next round): "
+                      f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+
+    def _io(self, fn, what: str):
+        return call_with_deadline(fn, write_deadline_s(float(self.cfg.run.io_grace_s)), what)
 
     def topology_record(self) -> dict:
         """The summary's `topology`: Topology.describe(), plus `drained` (cluster -> the round at whose
@@ -96,9 +109,11 @@ class SiteChanges:
         if request.kind == "add-site":
             decision = self._decide_add(request)
         else:
+            live = {self.topology.cluster_of(rid) for rid in self.roster.live} - set(self.drained)
             decision = decide(request, clusters=self.topology.clusters, drained_clusters=self.drained,
-                              min_clusters=int(self.cfg.supervisor.min_clusters))
-        record = mark_done(self.run_dir, request, decision, round_index)  # before the effect: applied once
+                              min_clusters=int(self.cfg.supervisor.min_clusters), live_clusters=live)
+        # before the effect: applied once (an OSError here leaves it pending, nothing done)
+        record = self._io(lambda: mark_done(self.run_dir, request, decision, round_index), "recording a site request")
         self.done[request.id] = record
         if decision.outcome == APPLIED and request.kind == "drain":
             self.drained[decision.cluster] = round_index

@@ -34,7 +34,8 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
     """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume.
     Keys in `adopt` (those the run left auto) take the values the checkpoint recorded (hsgd.config.auto.recorded),
     so a run started under other defaults resumes with the ones it trained with."""
-    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False)
+    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False,
+                              formats=(checkpoint.FILE_FORMAT,))  # sharded: not yet loaded here (issue 34)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
         raise ConfigError("train.resume", f"no usable checkpoint under {root}{why}; "

@@ -178,8 +178,9 @@ class Supervisor:
             plan = StepPlan.from_dict(self.state.round_plan)
         else:
             clusters = range(self.topology.clusters)
-            plan = plan_round(r, self.spr, [expected_step_s(self.cfg, c) for c in clusters],
-                              [self.clock.median(f"inner_step/c{c}", None) for c in clusters])
+            gone = self.roster.drained_clusters  # a drained site's step times never set the others' steps
+            plan = plan_round(r, self.spr, [None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
+                              [None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters])
             self.state.round_plan = plan.to_dict()
             self.record.save_state()
         s = self.cfg.sync  # a delay clamped to a shorter plan is recorded with it

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import time
 import uuid
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
+from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
 KINDS = ("drain", "add-site")
@@ -80,17 +80,7 @@ def cluster_index(name: str) -> int | None:
 
 
 def _atomic_write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(payload, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(payload, sort_keys=True))
 
 
 def add_site_fields_problem(replicas, label, name) -> str | None:
@@ -223,9 +213,12 @@ def add_site_problem(request: SiteRequest, *, nodes: list[dict], free: dict[str,
     return None
 
 
-def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int) -> Decision:
+def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int,
+           live_clusters=None) -> Decision:
     """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
-    `drained_clusters`: those already drained; `min_clusters`: supervisor.min_clusters. Pure."""
+    `drained_clusters`: those already drained;
+    `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
+    every cluster not drained), so a drain never leaves no live site while another is down. Pure."""
     if request.problem:
         return Decision(REFUSED, request.problem, None)
     c = cluster_index(request.cluster)
@@ -233,7 +226,8 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
         return Decision(REFUSED, f"drain {request.cluster}: no such cluster; valid: c0..c{clusters - 1}", None)
     if c in drained_clusters:
         return Decision(REFUSED, f"drain {request.cluster}: already drained", c)
-    left = clusters - len(set(drained_clusters)) - 1
+    live = set(range(clusters)) - set(drained_clusters) if live_clusters is None else set(live_clusters)
+    left = len(live - {c})
     if left == 0:
         return Decision(REFUSED, f"drain {request.cluster}: it is the last live site", c)
     if left < min_clusters:

@@ -6,6 +6,13 @@ The root is `checkpoint.dir`, any fsspec URL every replica reaches (a shared mou
     round_000005/manifest.json      round, step, run id, config fingerprint, replica files + sha256
     round_000005/c0r0.pt ...        one file per replica: its ReplicaTrainer.state_dict()
 
+That is the "file" format (a manifest without `format`). A replica of k ranks writes the "dcp"
+format instead (`dcp_checkpoint.py`: `format: "dcp"`, `ranks: k`, DCP's `.metadata` and one data
+file per rank, each with its sha256). Both live side by side under one root: `finalized`, `choose`,
+`verify`, `exists` and `prune` treat a round folder of either format alike; `format_of` /
+`Choice.format` and `ranks_of` / `Choice.ranks` tell a resume which loader to use and how many ranks
+wrote it (DCP reshards, so a resume may use another k).
+
 Protocol: replicas write their files into `round_000005.tmp-<owner>-<nonce>/` (`new_temp_dir`;
 owner = the run id, so `prune` removes only this run's leftovers, never another run's write in
 progress). Locally each file and then the supervisor's manifest is `write_atomic`, and the
@@ -14,13 +21,16 @@ supervisor renames the directory (the commit point). On an object store
 without a manifest a checkpoint does not exist. A crash leaves the old checkpoints untouched and a
 temp or manifest-less directory that is ignored. A final checkpoint is never overwritten.
 
-Trust: `verify` checks the manifest and every file's sha256; `choose` walks back from the newest to
-the first that verifies, so a corrupt latest checkpoint falls back to the previous kept one. Files
-load with `torch.load(weights_only=True)`: a foreign file is an error, never code execution.
+Trust: `verify` checks the manifest and every file's sha256 (a "dcp" one through
+`dcp_checkpoint.verify_sharded` in a world of one: this process hashes every file, the `.metadata`
+DCP would unpickle included, and refuses a file the manifest does not name); `choose` walks back
+from the newest to the first that verifies, so a corrupt latest checkpoint of either format falls
+back to the previous kept one of either format, its reason recorded. An unknown `format` is refused
+like a corrupt file. Files load with `torch.load(weights_only=True)`: a foreign file is an error,
+never code execution.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -29,30 +39,27 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    pass
+from hsgd.train.checkpoint_storage import (  # re-exported: callers know them as checkpoint.<name>
+    DCP_FORMAT,
+    FILE_FORMAT,
+    MANIFEST,
+    CheckpointError,
+    join_url,
+    load_manifest,
+    remove,
+    safe_owner,
+    url_to_fs,
+    write_atomic,
+)
 
 
 # -- where ----------------------------------------------------------------------------------------
 def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
     return str(checkpoint_dir) if checkpoint_dir else str(Path(run_dir) / "checkpoints")
-
-
-def _fs(url: str | Path):
-    fs, path = fsspec.core.url_to_fs(str(url))
-    return fs, path.rstrip("/") or "/"
-
-
-def _join(url: str | Path, name: str) -> str:
-    return f"{str(url).rstrip('/')}/{name}"
 
 
 def round_dir_name(round_index: int) -> str:
@@ -66,7 +73,7 @@ def _round_of(name: str) -> int | None:
 
 def _names(url: str | Path) -> list[str]:
     """Base names directly under url ([] when it is not there)."""
-    fs, path = _fs(url)
+    fs, path = url_to_fs(url)
     try:
         entries = fs.ls(path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
@@ -74,25 +81,14 @@ def _names(url: str | Path) -> list[str]:
     return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
 
-def remove(url: str | Path) -> None:
-    """Remove a directory (a refused or interrupted checkpoint write); absent is fine."""
-    fs, path = _fs(url)
-    with contextlib.suppress(OSError):
-        fs.rm(path, recursive=True)
-
-
 # -- writing --------------------------------------------------------------------------------------
 def new_temp_dir(root: str | Path, round_index: int, owner: str = "") -> str:
     """A fresh temp directory for round `round_index`'s checkpoint, tagged with `owner` (the run id)."""
-    tag = f"{_safe(owner)}-" if owner else ""
-    url = _join(root, f"{round_dir_name(round_index)}.tmp-{tag}{uuid.uuid4().hex[:8]}")
-    fs, path = _fs(url)
+    tag = f"{safe_owner(owner)}-" if owner else ""
+    url = join_url(root, f"{round_dir_name(round_index)}.tmp-{tag}{uuid.uuid4().hex[:8]}")
+    fs, path = url_to_fs(url)
     fs.makedirs(path, exist_ok=True)  # the random nonce makes the name new
     return url
-
-
-def _safe(owner: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "_." else "_" for ch in owner)
 
 
 class _HashingWriter(io.RawIOBase):
@@ -110,32 +106,12 @@ class _HashingWriter(io.RawIOBase):
         return len(b)
 
 
-def write_atomic(url: str, write: Callable[[Any], None]) -> None:
-    """`write(f)` into url, all or nothing: locally a temp name, fsynced and renamed (a reader never
-    sees half a file); an object store's PUT is atomic."""
-    fs, path = _fs(url)
-    if isinstance(fs, LocalFileSystem):
-        final = Path(path)
-        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return
-    with fs.open(path, "wb") as f:
-        write(f)
-
-
 def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     """Write one replica's state into `directory` (a URL or path); returns its sha256 for the manifest."""
     import torch  # imported here so file-only readers (jobs.status) start fast
 
     sha = hashlib.sha256()
-    write_atomic(_join(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
+    write_atomic(join_url(directory, f"{rid}.pt"), lambda f: torch.save(state, _HashingWriter(f, sha)))
     return sha.hexdigest()
 
 
@@ -145,7 +121,7 @@ def _write_text(url: str, text: str) -> None:
 
 def exists(root: str | Path, round_index: int) -> bool:
     """A finalized checkpoint of this round is there (it is never written again)."""
-    fs, path = _fs(_join(root, f"{round_dir_name(round_index)}/{MANIFEST}"))
+    fs, path = url_to_fs(join_url(root, f"{round_dir_name(round_index)}/{MANIFEST}"))
     return fs.isfile(path)
 
 
@@ -156,12 +132,13 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
     round's state); never replaces an existing final checkpoint."""
     temp_dir = str(temp_dir).rstrip("/")
     state_round = int(manifest["round"])
-    final = _join(temp_dir.rsplit("/", 1)[0], round_dir_name(state_round))
-    fs, temp_path = _fs(temp_dir)
-    _, final_path = _fs(final)
+    final = join_url(temp_dir.rsplit("/", 1)[0], round_dir_name(state_round))
+    fs, temp_path = url_to_fs(temp_dir)
+    _, final_path = url_to_fs(final)
     files = sorted(manifest.get("files", {}))
     problem = None
-    if fs.exists(_fs(_join(final, MANIFEST))[1]) or (isinstance(fs, LocalFileSystem) and fs.exists(final_path)):
+    local = isinstance(fs, LocalFileSystem)
+    if fs.exists(url_to_fs(join_url(final, MANIFEST))[1]) or (local and fs.exists(final_path)):
         problem = f"{final} already exists; checkpoints are never overwritten"
     elif missing := [rid for rid in files if not fs.isfile(f"{temp_path}/{rid}.pt")]:
         problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
@@ -171,14 +148,14 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
         remove(temp_dir)
         raise CheckpointError(f"checkpoint of round {state_round} not finalized: {problem}")
     text = json.dumps(manifest, indent=2, sort_keys=True)
-    if isinstance(fs, LocalFileSystem):
-        _write_text(_join(temp_dir, MANIFEST), text)
+    if local:
+        _write_text(join_url(temp_dir, MANIFEST), text)
         os.replace(temp_path, final_path)
         return final
     fs.makedirs(final_path, exist_ok=True)
     for rid in files:
         fs.copy(f"{temp_path}/{rid}.pt", f"{final_path}/{rid}.pt")
-    _write_text(_join(final, MANIFEST), text)
+    _write_text(join_url(final, MANIFEST), text)
     remove(temp_dir)
     return final
 
@@ -186,31 +163,58 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
 # -- reading --------------------------------------------------------------------------------------
 def finalized(root: str | Path) -> list[str]:
     """Every finalized checkpoint directory (it has a manifest), oldest first."""
-    fs, _ = _fs(root)
-    return [_join(root, name) for name in _names(root)
-            if _round_of(name) is not None and fs.isfile(_fs(_join(root, f"{name}/{MANIFEST}"))[1])]
+    fs, _ = url_to_fs(root)
+    return [join_url(root, name) for name in _names(root)
+            if _round_of(name) is not None and fs.isfile(url_to_fs(join_url(root, f"{name}/{MANIFEST}"))[1])]
 
 
 def read_manifest(directory: str | Path) -> dict:
-    url = _join(directory, MANIFEST)
-    fs, path = _fs(url)
-    try:
-        with fs.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint manifest {url} is unreadable: {err}") from err
+    manifest, url = load_manifest(directory)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "round" not in manifest:
         raise CheckpointError(f"checkpoint manifest {url} lacks its round or files")
     return manifest
 
 
+def format_of(manifest: dict) -> str:
+    """FILE_FORMAT (one `.pt` per replica; a manifest without `format`, as all written before sharded
+    checkpoints) or DCP_FORMAT (sharded, dcp_checkpoint.py); CheckpointError for anything else."""
+    written = manifest.get("format", FILE_FORMAT)
+    if written not in (FILE_FORMAT, DCP_FORMAT):
+        raise CheckpointError(f"checkpoint format {written!r} is not one this hsgd reads "
+                              f"({FILE_FORMAT!r} or {DCP_FORMAT!r})")
+    return written
+
+
+def ranks_of(manifest: dict) -> int:
+    """How many ranks wrote the checkpoint: the manifest's `ranks` (k) for a sharded one, 1 for the
+    file format (one file per replica, each written whole). A resume may load it with another k."""
+    if format_of(manifest) == FILE_FORMAT:
+        return 1
+    ranks = manifest.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise CheckpointError(f"sharded checkpoint manifest has ranks={ranks!r}; it must be an integer >= 1")
+    return ranks
+
+
+def checkpoint_format(directory: str | Path) -> str:
+    """FILE_FORMAT or DCP_FORMAT of the checkpoint in `directory` (its manifest only; verifies nothing)."""
+    return format_of(read_manifest(directory))
+
+
 def verify(directory: str | Path) -> dict:
-    """Read a checkpoint back: the manifest parses and every file it names matches its sha256.
-    Returns the manifest; raises CheckpointError naming the first problem. Loads nothing."""
+    """Read a checkpoint of either format back: the manifest parses and every file matches its sha256.
+    Returns the manifest; raises CheckpointError naming the first problem. Loads nothing: a sharded
+    one goes to dcp_checkpoint.verify_sharded with no process group (a world of one hashes every
+    file, `.metadata` included, and refuses one the manifest does not name)."""
     manifest = read_manifest(directory)
+    if format_of(manifest) == DCP_FORMAT:
+        ranks_of(manifest)
+        from hsgd.train import dcp_checkpoint  # torch and DCP only where a sharded checkpoint is read
+
+        return dcp_checkpoint.verify_sharded(str(directory), group=None)
     for rid, expected in sorted(manifest["files"].items()):
-        url = _join(directory, f"{rid}.pt")
-        fs, path = _fs(url)
+        url = join_url(directory, f"{rid}.pt")
+        fs, path = url_to_fs(url)
         try:
             with fs.open(path, "rb") as f:
                 actual = hashlib.file_digest(f, "sha256").hexdigest()
@@ -230,13 +234,24 @@ class Choice:
     skipped: tuple[tuple[str, str], ...] = ()
     config_diff: tuple[str, ...] = ()
 
+    @property
+    def format(self) -> str | None:
+        """FILE_FORMAT or DCP_FORMAT: which loader a resume uses (None: nothing chosen)."""
+        return format_of(self.manifest) if self.manifest is not None else None
+
+    @property
+    def ranks(self) -> int | None:
+        """How many ranks wrote the chosen checkpoint (`ranks_of`; None: nothing chosen)."""
+        return ranks_of(self.manifest) if self.manifest is not None else None
+
 
 def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_config: bool = True,
-           on_skip: Callable[[str, str], None] | None = None) -> Choice:
+           on_skip: Callable[[str, str], None] | None = None, formats: tuple[str, ...] | None = None) -> Choice:
     """The one checkpoint chooser, for a resume and a restore after a total loss alike: the newest
     that `verify`s, calling on_skip(directory, reason) for each newer one passed over. Against
     `fingerprint`, `skip_other_config` (a restore) passes over one another config wrote; else (a
-    resume, which refuses it) it is chosen with its `config_diff`."""
+    resume, which refuses it) it is chosen with its `config_diff`. `formats` (None: any): the
+    formats the caller can load; one in another format is passed over, named as such."""
     skipped: list[tuple[str, str]] = []
     for directory in reversed(finalized(root)):
         try:
@@ -244,6 +259,13 @@ def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_conf
         except CheckpointError as err:
             reason = str(err)
         else:
+            if formats is not None and format_of(manifest) not in formats:
+                reason = (f"a {format_of(manifest)} checkpoint of {ranks_of(manifest)} ranks per replica; "
+                          f"this launcher loads {', '.join(formats)} checkpoints only (issue 34)")
+                skipped.append((directory, reason))
+                if on_skip is not None:
+                    on_skip(directory, reason)
+                continue
             diff = tuple(fingerprint_diff(manifest.get("fingerprint"), fingerprint)) if fingerprint else ()
             if not (diff and skip_other_config):
                 return Choice(directory, manifest, tuple(skipped), diff)
@@ -255,8 +277,8 @@ def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_conf
 
 
 def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | None = None) -> dict:
-    url = _join(directory, f"{rid}.pt")
-    fs, path = _fs(url)
+    url = join_url(directory, f"{rid}.pt")
+    fs, path = url_to_fs(url)
     try:
         with fs.open(path, "rb") as f:
             data = f.read()
@@ -273,14 +295,15 @@ def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | N
 
 
 def prune(root: str | Path, keep: int, owner: str = "") -> None:
-    """Keep the newest `keep` (at least one) finalized checkpoints; remove this owner's temp dirs
-    (another run id's are its write in progress; no owner: none) and manifest-less round directories
-    older than the newest final one (interrupted object-store copies). Called after a new checkpoint
-    is final, so the previous good one outlives its successor's write."""
+    """Keep the newest `keep` (at least one) finalized checkpoints, of either format; remove this
+    owner's temp dirs (another run id's are its write in progress; no owner: none; both formats name
+    them `<round>.tmp-<owner>-<nonce>`) and manifest-less round directories older than the newest
+    final one (interrupted object-store copies). Called after a new checkpoint is final, so the
+    previous good one outlives its successor's write."""
     names = _names(root)
     for name in names:
-        if owner and f".tmp-{_safe(owner)}-" in name:
-            remove(_join(root, name))
+        if owner and f".tmp-{safe_owner(owner)}-" in name:
+            remove(join_url(root, name))
     done = finalized(root)
     for directory in done[:-max(1, keep)]:
         remove(directory)
@@ -290,7 +313,7 @@ def prune(root: str | Path, keep: int, owner: str = "") -> None:
         for name in names:
             r = _round_of(name)
             if r is not None and r < newest and name not in final_names:
-                remove(_join(root, name))
+                remove(join_url(root, name))
 
 
 # -- reachability ---------------------------------------------------------------------------------
@@ -301,16 +324,16 @@ def write_reach_nonce(root: str | Path, run_id: str) -> tuple[str, str]:
     """The driver's half of the reachability check: a nonce file under the checkpoint root.
     Returns (its URL, the nonce); each replica must read it back (`read_reach_nonce`)."""
     nonce = uuid.uuid4().hex
-    fs, path = _fs(root)
+    fs, path = url_to_fs(root)
     fs.makedirs(path, exist_ok=True)
-    url = _join(root, f"{REACH_PREFIX}{_safe(run_id)}")
+    url = join_url(root, f"{REACH_PREFIX}{safe_owner(run_id)}")
     _write_text(url, nonce)
     return url, nonce
 
 
 def read_reach_nonce(url: str, nonce: str) -> str | None:
     """A replica's half: None when it reads the driver's nonce at url, else the problem."""
-    fs, path = _fs(url)
+    fs, path = url_to_fs(url)
     try:
         with fs.open(path, "rb") as f:
             got = f.read().decode("utf-8", "replace").strip()

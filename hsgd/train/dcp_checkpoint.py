@@ -8,6 +8,10 @@ Layout (`directory` is the final name, a path or any fsspec URL, like `checkpoin
     round_000005/.metadata        DCP's index of every shard (rank 0 writes it; DCP reads it with pickle)
     round_000005/__0_0.distcp ... one data file per rank (each rank writes its own shards)
 
+It sits beside the one-file format under one root: checkpoint.py's `finalized`, `choose` and
+`prune` treat it as a checkpoint of its round, and its `verify` routes `format: "dcp"` to
+`verify_sharded` with no process group (`checkpoint.format_of` / `ranks_of` tell a resume which).
+
 Save protocol (`save_sharded`, every rank of the replica calls it with the same directory; the
 collectives below run on `group`, the replica's k-rank group: the shard level, each one bounded by
 `timeout_s`, DCP's own by the group's timeout):
@@ -57,11 +61,21 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 
-from hsgd.train.checkpoint import MANIFEST, CheckpointError, _fs, _join, remove, write_atomic
+from hsgd.train.checkpoint_storage import (
+    DCP_FORMAT,
+    MANIFEST,
+    CheckpointError,
+    is_local,
+    join_url,
+    load_manifest,
+    remove,
+    safe_owner,
+    url_to_fs,
+    write_atomic,
+)
 
-FORMAT = "dcp"
+FORMAT = DCP_FORMAT  # checkpoint.py reads this format too: its chooser routes it to verify_sharded
 METADATA = ".metadata"  # DCP's index: unpickled by DCP, so it is verified like every data file
 DEFAULT_TIMEOUT_S = 300.0
 _OK = 2 ** 62  # "no problem found" in the load check's all-reduce (MIN picks the first problem)
@@ -121,15 +135,11 @@ def _one_line(err: BaseException) -> str:
 
 
 # -- files --------------------------------------------------------------------------------------
-def _is_local(url: str) -> bool:
-    return isinstance(_fs(url)[0], LocalFileSystem)
-
-
 def _writer(url: str):
     import torch.distributed.checkpoint as dcp
 
-    if _is_local(url):
-        return dcp.FileSystemWriter(_fs(url)[1])
+    if is_local(url):
+        return dcp.FileSystemWriter(url_to_fs(url)[1])
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # DCP's fsspec writer
 
     return FsspecWriter(url)
@@ -138,8 +148,8 @@ def _writer(url: str):
 def _reader(url: str):
     import torch.distributed.checkpoint as dcp
 
-    if _is_local(url):
-        return dcp.FileSystemReader(_fs(url)[1])
+    if is_local(url):
+        return dcp.FileSystemReader(url_to_fs(url)[1])
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(url)
@@ -147,7 +157,7 @@ def _reader(url: str):
 
 def _files(url: str) -> list[str]:
     """Every file under url, relative to it, sorted ([] when url is not there)."""
-    fs, path = _fs(url)
+    fs, path = url_to_fs(url)
     try:
         found = fs.find(path)
     except FileNotFoundError:
@@ -157,13 +167,9 @@ def _files(url: str) -> list[str]:
 
 
 def _sha256(url: str) -> str:
-    fs, path = _fs(url)
+    fs, path = url_to_fs(url)
     with fs.open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _safe(owner: str) -> str:  # checkpoint.py's temp-name rule, so its prune finds this owner's leftovers
-    return "".join(ch if ch.isalnum() or ch in "_." else "_" for ch in owner)
 
 
 # -- save ---------------------------------------------------------------------------------------
@@ -179,7 +185,7 @@ def save_sharded(state: dict, directory: str, *, group, manifest_extra: dict, ow
     if reserved:
         raise ValueError(f"manifest_extra may not set {sorted(reserved)}: save_sharded writes them")
     rank, world = _rank_and_size(group)
-    tag = f"{_safe(owner)}-" if owner else ""
+    tag = f"{safe_owner(owner)}-" if owner else ""
     temp = f"{directory}.tmp-{tag}{_broadcast_nonce(group, timeout_s)}"
     try:
         with _quiet_world_of_one(group):
@@ -208,20 +214,20 @@ def _finalize(temp: str, directory: str, manifest: dict) -> None:
     names = _files(temp)
     if METADATA not in names:
         raise CheckpointError(f"DCP wrote no {METADATA} into {temp}")
-    manifest["files"] = {name: _sha256(_join(temp, name)) for name in names}
+    manifest["files"] = {name: _sha256(join_url(temp, name)) for name in names}
     text = json.dumps(manifest, indent=2, sort_keys=True).encode("utf-8")
-    fs, final_path = _fs(directory)
+    fs, final_path = url_to_fs(directory)
     if fs.exists(final_path):
         raise CheckpointError(f"{directory} already exists; checkpoints are never overwritten")
-    if _is_local(directory):
-        write_atomic(_join(temp, MANIFEST), lambda f: f.write(text))
-        _rename_into_place(_fs(temp)[1], final_path)
+    if is_local(directory):
+        write_atomic(join_url(temp, MANIFEST), lambda f: f.write(text))
+        _rename_into_place(url_to_fs(temp)[1], final_path)
         return
     fs.makedirs(final_path, exist_ok=True)
-    temp_path = _fs(temp)[1]
+    temp_path = url_to_fs(temp)[1]
     for name in names:
         fs.copy(f"{temp_path}/{name}", f"{final_path}/{name}")
-    write_atomic(_join(directory, MANIFEST), lambda f: f.write(text))  # LAST: the commit point
+    write_atomic(join_url(directory, MANIFEST), lambda f: f.write(text))  # LAST: the commit point
     remove(temp)
 
 
@@ -233,15 +239,9 @@ def _rename_into_place(temp_path: str, final_path: str) -> None:
 # -- load ---------------------------------------------------------------------------------------
 def read_manifest(directory: str) -> dict:
     """The manifest of a sharded checkpoint (JSON); CheckpointError if it is unreadable or not DCP's."""
-    url = _join(directory, MANIFEST)
-    fs, path = _fs(url)
-    try:
-        with fs.open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"sharded checkpoint manifest {url} is unreadable: {err}") from err
+    manifest, url = load_manifest(directory, "sharded checkpoint")
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or METADATA not in files:
+    if files is None or manifest.get("format") != FORMAT or not isinstance(files, dict) or METADATA not in files:
         raise CheckpointError(f"{url} is not a sharded (dcp) checkpoint's manifest: "
                               f"it needs format 'dcp' and files naming {METADATA}")
     return manifest
@@ -264,7 +264,7 @@ def _first_problem(directory: str, rank: int, world: int) -> tuple[int, list[str
             kind = 3
         elif position % world == rank:
             try:
-                kind = 2 if _sha256(_join(directory, name)) != expected[name] else 0
+                kind = 2 if _sha256(join_url(directory, name)) != expected[name] else 0
             except OSError:  # reported through the all-reduce, so no rank is left waiting in it
                 kind = 4
             if not kind:

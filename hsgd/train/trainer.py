@@ -398,9 +398,8 @@ class ReplicaTrainer:
                     snapshot_point()  # entered at the round's end (a re-issued call): the reduce may still be due
                 if self.ranks is not None:  # (not after a failure: the replica fails whole, its ranks apart)
                     losses, self._nonfinite = sharding.combine_phase_end(pending, self._nonfinite, self.ranks)
-                    pending = []
             finally:
-                if pending:
+                if pending and not losses:  # k=1, or a sharded phase that failed before its combine
                     losses = torch.stack(pending).tolist()
                 self.round_losses.extend(losses)
             bad_loss, bad_norm = self._nonfinite.tolist()

@@ -97,6 +97,14 @@ def test_a_death_is_read_from_the_record_even_if_no_view_ever_showed_it(watching
     assert [(e["event"], e["rid"]) for e in downs] == [("replica_down", "c0r1")]
 
 
+def test_a_supervisor_start_just_before_a_replica_kill_is_not_that_kill_going_down(watching):
+    # the CI race the failure-drill notebook hit: wait_for(phase="inner") returned within the clock-skew
+    # allowance of the supervisor's start, and wait_down handed back supervisor_start (no rid) as a failure
+    _written(watching, [(-0.5, "supervisor_start", {"starts": 1, "pid": 7}), DOWN], _view(5, EVERYONE))
+    downs = watching.wait_down(timeout_s=5)
+    assert [(e["event"], e["rid"]) for e in downs] == [("replica_down", "c0r1")]
+
+
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
     # padded steps: replicas mostly sleep, so restarts (CPU-bound process boots) are not starved

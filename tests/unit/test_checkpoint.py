@@ -234,7 +234,7 @@ def test_a_manifest_less_directory_is_not_a_checkpoint_on_every_storage(root):
     """Object stores: files copied, manifest not yet written (a crash mid-commit) = no checkpoint."""
     good = ckpt.finalize(*_temp_with_files(root, 2), {"c0r0": 2, "c1r0": 2})
     half = f"{root}/round_000003"
-    fs, path = ckpt._fs(half)
+    fs, path = ckpt.url_to_fs(half)
     fs.makedirs(path, exist_ok=True)
     ckpt.save_replica_state(half, "c0r0", _state())
     assert ckpt.finalized(root)[-1] == good and not ckpt.exists(root, 3)

@@ -8,29 +8,7 @@ import pytest
 from actors.lifecycle import ActorWatch, Death
 from hsgd.core.deadlines import BUSY, HUNG, IDLE, STUCK, WAITING, StallWatch
 from hsgd.record.metrics import fault_figures
-
-RUN = "hsgd:run-1"
-
-
-def name(short: str) -> str:
-    return f"{RUN}:{short}"
-
-
-class Table:
-    """Ray's actor table as the watch reads it: one row per actor, set by the test."""
-
-    def __init__(self):
-        self.rows: dict[str, dict] = {}
-        self.fail = False
-
-    def set(self, short: str, state: str, restarts: int, pid: int = 0) -> None:
-        self.rows[name(short)] = {"Name": name(short), "State": state, "NumRestarts": restarts, "Pid": pid}
-
-    def __call__(self):
-        if self.fail:
-            raise ConnectionError("GCS unreachable")
-        return list(self.rows.values())
-
+from tests.fakes.actor_table import RUN, Log, Table, name  # noqa: F401 — RUN: the run the names carry
 
 def watch_of(table: Table, replicas=("c0r0", "c0r1"), spares=None, seen=None) -> ActorWatch:
     identity = {rid: name(rid) for rid in replicas}
@@ -191,20 +169,6 @@ def test_the_watch_tells_which_actors_its_last_table_listed():
 
 
 # -- the roster: one replica_down per death, whoever saw it first -----------------------------------
-class Log:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def event(self, name_: str, **fields):
-        from hsgd.record.events import check_event
-
-        check_event(name_, fields)
-        self.events.append((name_, fields))
-
-    def named(self, event: str) -> list[dict]:
-        return [f for n, f in self.events if n == event]
-
-
 @pytest.fixture
 def roster(monkeypatch):
     import actors.roster as roster_mod

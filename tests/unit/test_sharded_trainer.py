@@ -83,7 +83,8 @@ def _run(k: int, rank: int, port: int, folder: str) -> dict:
     t.outer_reduce(0, 1, outer, shard=replica, shards=2)
     t.outer_commit(0, inner, roots=(0, 1))
     out["a"] = {"eval": t.eval_loss(), "digest": t.param_digest(), "global": t.global_digest(),
-                "losses": report.losses, "shapes": [tuple(p.shape) for p in t.params]}
+                "losses": report.losses, "shapes": [tuple(p.shape) for p in t.params],
+                "steps_done": report.steps_done, "tokens": report.tokens}
     inner.abort()
 
     # C: localsgd, cluster_average, the final model, a non-finite loss on one rank of each replica
@@ -187,6 +188,8 @@ def test_hsdp_and_a_sharded_outer_round_match_k1(runs):
         sharded, whole = runs[2][replica]["a"], runs[1][replica]["a"]
         assert _relative(sharded["eval"], whole["eval"]) <= 1e-4, (sharded["eval"], whole["eval"])
         assert max(_relative(s, w) for s, w in zip(sharded["losses"], whole["losses"])) <= 1e-4
+        assert sharded["steps_done"] == whole["steps_done"] == STEPS  # the round record counts them
+        assert len(sharded["losses"]) == STEPS and sharded["tokens"] > 0
     a0, a1 = runs[2][0]["a"], runs[2][1]["a"]
     assert a0["digest"] == a1["digest"] and a0["global"] == a1["global"], "the two sharded replicas differ"
 

@@ -76,6 +76,14 @@ def test_each_refusal_gives_one_line(cluster, drained_clusters, clusters, min_cl
     assert decision.outcome == REFUSED and reason in decision.reason and "\n" not in decision.reason
 
 
+def test_a_drain_counts_the_sites_that_are_live_not_those_configured():
+    # c0 is down (no live replica): draining c1 would leave no live site, even though c0 is not drained
+    decision = decide(_drain("c1"), clusters=2, drained_clusters={}, min_clusters=1, live_clusters={1})
+    assert decision.outcome == REFUSED and "last live site" in decision.reason
+    decision = decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=2, live_clusters={0, 2})
+    assert decision.outcome == REFUSED and "would leave 1 site(s)" in decision.reason
+
+
 def test_a_drain_that_leaves_enough_sites_is_applied():
     decision = decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=2)
     assert (decision.outcome, decision.cluster) == (APPLIED, 2)
@@ -111,7 +119,7 @@ class _Roster:
 def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
     topology = Topology(3, 2)
     roster = _Roster(topology)
-    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=min_clusters))
+    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=min_clusters), run=SimpleNamespace(io_grace_s=4.0))
     return SiteChanges(cfg, str(tmp_path), topology, roster, _Log(events)), roster
 
 
@@ -195,7 +203,7 @@ def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_pat
 def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_returned(monkeypatch, tmp_path):
     import actors.roster as roster_mod
     from hsgd.record.run_state import RunState
-    from tests.unit.test_lifecycle import Log, Table
+    from tests.fakes.actor_table import Log, Table
 
     monkeypatch.setattr(roster_mod, "lookup", lambda actor_name: object())
     table = Table()
@@ -206,8 +214,8 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
     roster.watch._table = table
     for rid in ("c0r0", "c1r0"):
         roster.admit(rid, {"round": 0, "step": 0, "pid": 100, "incarnation": 0})
-    sites = SiteChanges(SimpleNamespace(supervisor=SimpleNamespace(min_clusters=1)), str(tmp_path), Topology(2, 1),
-                        roster, _Log([]))
+    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=1), run=SimpleNamespace(io_grace_s=4.0))
+    sites = SiteChanges(cfg, str(tmp_path), Topology(2, 1), roster, _Log([]))
     write_request(tmp_path, "drain", "c1")
     monkeypatch.setattr("actors.site_changes.ray.kill", lambda handle, no_restart: None)
     sites.at_round_start(2)
@@ -366,3 +374,24 @@ def test_drill_add_site_writes_the_same_request(tmp_path):
                                                                                          "rack-b", None)
     with pytest.raises(DrillError, match="replicas=0"):
         drill.add_site(0)
+
+
+def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_run_going(tmp_path, monkeypatch, capsys):
+    from actors import site_changes
+
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)
+    request = write_request(tmp_path, "drain", "c2")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(site_changes, "mark_done", full_disk)
+    sites.at_round_start(3)  # no exception: the run goes on
+    assert roster.drained_clusters == set() and not [e for e in events if e["event"] == "site_request"]
+    assert "site requests not read at round 3" in capsys.readouterr().err
+    monkeypatch.undo()
+    sites.at_round_start(4)  # the disk is back: decided once, now
+    assert roster.drained_clusters == {2}
+    [event] = [e for e in events if e["event"] == "site_request"]
+    assert (event["id"], event["round"]) == (request.id, 4)

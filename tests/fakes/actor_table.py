@@ -1,0 +1,39 @@
+"""Ray's actor table and the run log, as the roster's and the watch's tests see them: a table the test
+sets row by row (or makes unreadable), and a log that keeps typed events."""
+from __future__ import annotations
+
+RUN = "hsgd:run-1"
+
+
+def name(short: str) -> str:
+    return f"{RUN}:{short}"
+
+
+class Table:
+    """Ray's actor table as the watch reads it: one row per actor, set by the test."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+        self.fail = False
+
+    def set(self, short: str, state: str, restarts: int, pid: int = 0) -> None:
+        self.rows[name(short)] = {"Name": name(short), "State": state, "NumRestarts": restarts, "Pid": pid}
+
+    def __call__(self):
+        if self.fail:
+            raise ConnectionError("GCS unreachable")
+        return list(self.rows.values())
+
+
+class Log:
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+
+    def event(self, name_: str, **fields):
+        from hsgd.record.events import check_event
+
+        check_event(name_, fields)
+        self.events.append((name_, fields))
+
+    def named(self, event: str) -> list[dict]:
+        return [f for n, f in self.events if n == event]
