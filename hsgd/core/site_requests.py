@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
+from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
@@ -237,8 +238,75 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
 
 
 def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, round_index: int) -> dict:
-    """Record the outcome durably (before its effect: the module's `once`); returns what was written."""
+    """Record the outcome durably (before its effect: the module's `once`); returns what was written.
+    An applied add-site's record names its new cluster (`c<K>`) and keeps `replicas`, `label`, `name`:
+    what a restarted supervisor needs to find, or start, the site's replicas again."""
     record = {"id": request.id, "kind": request.kind, "cluster": request.cluster, "outcome": decision.outcome,
               "reason": decision.reason, "round": round_index}
+    if request.kind == "add-site" and decision.outcome == APPLIED:
+        record.update(cluster=f"c{decision.cluster}", replicas=request.replicas, label=request.label,
+                      name=request.name)
     _atomic_write_json(requests_dir(run_dir) / f"{request.id}.done", record)
     return record
+
+
+JOINED_SUFFIX = ".joined"
+
+
+def mark_joined(run_dir: str | Path, request_id: str, cluster: str, round_index: int) -> dict:
+    """An applied add-site's replicas all answered up and the site joined at round `round_index`'s
+    start: `<id>.joined` ({"id", "cluster", "round"}), atomic. Written before the run's topology is
+    widened, so a restarted supervisor builds the widened one (`joined_topology`)."""
+    record = {"id": request_id, "cluster": cluster, "round": round_index}
+    _atomic_write_json(requests_dir(run_dir) / f"{request_id}{JOINED_SUFFIX}", record)
+    return record
+
+
+def joined(run_dir: str | Path) -> dict[str, dict]:
+    """Every site that joined (`<id>.joined`), by request id; {} with no requests folder."""
+    folder = requests_dir(run_dir)
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in sorted(folder.glob(f"*{JOINED_SUFFIX}")):
+        with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
+            out[path.name[:-len(JOINED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
+    return out
+
+
+def applied_sites(done: dict[str, dict]) -> list[dict]:
+    """The applied add-sites' outcome records, by their new cluster's index (the order they were added)."""
+    sites = [d for d in done.values() if d.get("kind") == "add-site" and d.get("outcome") == APPLIED
+             and cluster_index(d.get("cluster", "")) is not None]
+    return sorted(sites, key=lambda d: cluster_index(d["cluster"]))
+
+
+def joined_topology(base: Topology, done: dict[str, dict], joined_ids) -> Topology:
+    """`base` (the config's topology) widened by every applied add-site that
+    joined (`joined_ids`), in the order added. Raises ValueError when a joined site's index is not the
+    next one (a site added while another was still starting, which `SiteChanges` refuses)."""
+    topology = base
+    for d in applied_sites(done):
+        if d["id"] not in joined_ids:
+            continue
+        if cluster_index(d["cluster"]) != topology.clusters:
+            raise ValueError(f"joined site {d['cluster']} is not the next cluster c{topology.clusters}")
+        topology = topology.with_site(int(d["replicas"]), label=d.get("label"), name=d.get("name"))
+    return topology
+
+
+SITE_KEYS = ("replicas", "label", "name", "min_replicas", "min_step_s", "straggle_p", "straggle_factor",
+             "gpus_per_replica")
+
+
+def widened_sites(configured: list[dict], topology: Topology) -> list[dict]:
+    """`topology.sites` for the config a new site's replicas start with: the configured entries as they
+    are (their pacing and floors), then one entry per site past them (the uniform keys' sites, a site
+    that joined) from `topology`: its size, label and name, nothing else set."""
+    out = [dict(site) for site in configured[:topology.clusters]]
+    for c in range(len(out), topology.clusters):
+        site = dict.fromkeys(SITE_KEYS)
+        site.update(replicas=topology.size(c), label=topology.label(c),
+                    name=topology.names[c] if c < len(topology.names) else None)
+        out.append(site)
+    return out
