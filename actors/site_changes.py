@@ -73,9 +73,10 @@ def cluster_resources(cfg) -> tuple[list[dict], dict[str, dict], dict]:
     return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus))
 
 
-def topology_of_run(cfg, replica_indices: dict, run_dir: str) -> Topology:
-    """The run's topology now: the config's, widened by every site that joined (a restarted supervisor's)."""
-    return joined_topology(topology_of(cfg, replica_indices), outcomes(run_dir), joined(run_dir))
+def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> Topology:
+    """The run's topology now: the config's, widened by every site that joined in this run (a
+    restarted supervisor's; a resumed run's sites start again: `SiteChanges`)."""
+    return joined_topology(topology_of(cfg, replica_indices), outcomes(run_dir), joined(run_dir, run_id))
 
 
 def site_group_name(run_id: str, cluster: int) -> str:
@@ -117,7 +118,7 @@ class SiteChanges:
         self.cfg, self.run_dir, self.topology, self.roster, self.log = cfg, run_dir, topology, roster, log
         self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
-        self.joined = joined(run_dir) if self.done else {}  # request id -> {"cluster", "round"} of its join
+        self.joined = joined(run_dir, self.run_id) if self.done else {}  # request id -> {"cluster", "round"} of its join
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         for cluster in self.drained:
@@ -259,7 +260,8 @@ class SiteChanges:
             roster.gone.discard(rid)
         self.save()
         self.joined[joining.request_id] = self._io(
-            lambda: mark_joined(self.run_dir, joining.request_id, name, round_index), "recording a site's join")
+            lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
+            "recording a site's join")
         self.topology = roster.topology = joining.topology
         for rid, answer in sorted(joining.up.items()):
             roster.admit(rid, answer)  # replica_up, with its fresh replica_index

@@ -53,7 +53,7 @@ class Supervisor:
         self.run_dir, self.run_id = run_dir, run_id
         self.spr = steps_per_round(self.cfg)
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
-        self.topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir)  # with sites that joined
+        self.topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir, run_id)  # + joined sites
         self.state.replica_indices = dict(self.topology.index_table)
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)

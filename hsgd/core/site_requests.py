@@ -253,17 +253,19 @@ def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, rou
 JOINED_SUFFIX = ".joined"
 
 
-def mark_joined(run_dir: str | Path, request_id: str, cluster: str, round_index: int) -> dict:
+def mark_joined(run_dir: str | Path, request_id: str, cluster: str, round_index: int, run_id: str = "") -> dict:
     """An applied add-site's replicas all answered up and the site joined at round `round_index`'s
-    start: `<id>.joined` ({"id", "cluster", "round"}), atomic. Written before the run's topology is
-    widened, so a restarted supervisor builds the widened one (`joined_topology`)."""
-    record = {"id": request_id, "cluster": cluster, "round": round_index}
+    start: `<id>.joined` ({"id", "cluster", "round", "run_id"}), atomic. Written before the run's
+    topology is widened, so a restarted supervisor of the same run builds the widened one
+    (`joined_topology`); a resumed run (a new run id) starts the site's replicas again instead."""
+    record = {"id": request_id, "cluster": cluster, "round": round_index, "run_id": run_id}
     _atomic_write_json(requests_dir(run_dir) / f"{request_id}{JOINED_SUFFIX}", record)
     return record
 
 
-def joined(run_dir: str | Path) -> dict[str, dict]:
-    """Every site that joined (`<id>.joined`), by request id; {} with no requests folder."""
+def joined(run_dir: str | Path, run_id: str | None = None) -> dict[str, dict]:
+    """Every site that joined (`<id>.joined`; of run `run_id` only, when given), by request id; {}
+    with no requests folder."""
     folder = requests_dir(run_dir)
     if not folder.is_dir():
         return {}
@@ -271,7 +273,7 @@ def joined(run_dir: str | Path) -> dict[str, dict]:
     for path in sorted(folder.glob(f"*{JOINED_SUFFIX}")):
         with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
             out[path.name[:-len(JOINED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
-    return out
+    return {k: v for k, v in out.items() if run_id is None or v.get("run_id") == run_id}
 
 
 def applied_sites(done: dict[str, dict]) -> list[dict]:

@@ -162,9 +162,11 @@ def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float)
 
 
 def site_changes(events: list[dict], t0: float) -> list[tuple[float, str, str]]:
-    """Every applied join and drain (`site_request` events): [(t, kind, cluster)], in time order."""
-    return [(e["t"] - t0, str(e.get("kind")), str(e.get("cluster"))) for e in events
-            if e.get("event") == "site_request" and e.get("outcome") == "applied"]
+    """Every applied join and drain (`site_request` events), and each added site taking part (`site_up`,
+    kind `joined`): [(t, kind, cluster)], in time order."""
+    return [(e["t"] - t0, "joined" if e.get("event") == "site_up" else str(e.get("kind")), str(e.get("cluster")))
+            for e in events if (e.get("event") == "site_request" and e.get("outcome") == "applied")
+            or e.get("event") == "site_up"]
 
 
 def membership_data(run_dir: str | Path) -> dict:

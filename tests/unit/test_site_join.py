@@ -53,7 +53,7 @@ def test_the_topology_grows_by_the_joined_sites_only_in_the_order_they_were_adde
     base = Topology(3, 2)
     assert joined_topology(base, outcomes(tmp_path), joined(tmp_path)) == base  # applied, not up yet
     mark_joined(tmp_path, first.id, "c3", 4)
-    assert joined(tmp_path) == {first.id: {"id": first.id, "cluster": "c3", "round": 4}}
+    assert joined(tmp_path) == {first.id: {"id": first.id, "cluster": "c3", "round": 4, "run_id": ""}}
     assert not [p for p in requests_dir(tmp_path).iterdir() if p.name.startswith(".")]  # atomic: no temp left
     assert joined_topology(base, outcomes(tmp_path), joined(tmp_path)).sizes == (2, 2, 2, 2)
     mark_joined(tmp_path, second.id, "c4", 8)
@@ -157,7 +157,7 @@ CFG = OmegaConf.create({"supervisor": {"min_clusters": 1}, "run": {"io_grace_s":
 
 def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
-    topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path))
+    topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
     if not state.identity:
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
@@ -290,3 +290,22 @@ def test_a_join_whose_record_cannot_be_written_waits_for_a_later_round(world, tm
     monkeypatch.setattr(site_changes, "mark_joined", written)  # the disk is back
     assert sites.at_round_start(5).clusters == 3 and json.loads(
         next(requests_dir(tmp_path).glob("*.joined")).read_text())["round"] == 5
+
+
+def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_same_indices(world, tmp_path):
+    events: list[dict] = []
+    first_state = _state()
+    sites, _ = _supervisor(tmp_path, events, first_state)
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)
+    # train.resume=true in the same run.dir: a new run id, the driver's table from the checkpoint's manifest
+    resumed_state = SimpleNamespace(run_id="run2", replica_indices=dict(first_state.replica_indices), identity={})
+    resumed, roster = _supervisor(tmp_path, events, resumed_state)
+    assert resumed.topology.clusters == 2 and "c2r0" not in roster.names  # its actors went with the old run
+    assert [s[0] for s in world.started[2:]] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"]
+    assert world.started[2][4]["c2r0"] == 4 and world.started[3][4]["c2r1"] == 5  # the same data streams
+    world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
+    assert resumed.at_round_start(6).clusters == 3
+    assert len([e for e in events if e["event"] == "site_request"]) == 1  # decided once, for good
