@@ -106,3 +106,36 @@ def test_a_site_added_mid_run_joins_heals_and_commits_and_the_others_never_refor
     assert summary["topology"]["history"] == [{"round": decided["round"], "kind": "add-site", "cluster": "c2",
                                                "joined": up["round"]}]
     check_run(drill.run_dir, rounds=JOIN_ROUNDS, steps_per_round=SPR, victims=set())
+
+
+def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in_once(background_drills, tmp_path):
+    """Acceptance 3 for a join: the supervisor SIGKILLed right after it applied the add-site (the new
+    replicas still starting, created by the dead supervisor): its successor finds them by name (they
+    are detached, they outlive it), takes them in once all are up, and nothing is decided, started or
+    logged twice."""
+    drill = background_drills(RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8"],
+                              tmp_path)
+    drill.wait_for(round=2, timeout_s=180)
+    request_id = drill.add_site(2)
+    decided = drill.wait_site_request(request_id, timeout_s=120)
+    assert decided["outcome"] == "applied", decided
+    drill.inject("kill", "supervisor")
+    drill.wait_down(timeout_s=60)
+    summary = drill.wait_done(timeout_s=600)
+
+    record = events(drill.run_dir)
+    assert [e["id"] for e in record if e["event"] == "site_request"] == [request_id], "decided exactly once"
+    assert len([e for e in record if e["event"] == "supervisor_start"]) == 2
+    [up] = [e for e in record if e["event"] == "site_up"]
+    assert up["cluster"] == "c2" and up["round"] < JOIN_ROUNDS - 2, up
+    assert not [e for e in record if e["event"] == "replica_down"], "no replica died: the new ones outlived it"
+    pids = {}
+    for e in record:
+        if e["event"] == "replica_up" and e["rid"] in ("c2r0", "c2r1"):
+            pids.setdefault(e["rid"], set()).add(e["pid"])
+    assert sorted(pids) == ["c2r0", "c2r1"] and all(len(p) == 1 for p in pids.values()), f"started twice: {pids}"
+    assert summary["status"] == "completed", summary.get("reason")
+    assert sorted(summary["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]
+    assert len(set(summary["replica_param_digests"].values())) == 1, "digests agree at the end"
+    commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
+    assert {"c2r0", "c2r1"} <= commits[JOIN_ROUNDS - 1], commits
