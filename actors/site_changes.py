@@ -222,8 +222,7 @@ class SiteChanges:
         if self.state is not None:  # fresh indices, durable before any replica reads its own
             self.state.replica_indices.update(dict(widened.index_table))
             self.save()
-        backends = next((info["backends"] for info in self.roster.replica_info.values() if info.get("backends")),
-                        None) or {"inner": "gloo", "outer": "gloo"}
+        backends = self._backends()
         container = OmegaConf.to_container(self.cfg, resolve=True)  # its replicas' config names the site
         container["topology"]["sites"] = widened_sites(list(container["topology"].get("sites") or []), widened)
         options = site_options(self.cfg, 1.0 if "nccl" in backends.values() else 0.0, n, record.get("label"),
@@ -234,6 +233,16 @@ class SiteChanges:
             handles[rid] = lookup(name) or start_replica(container, name, {**options[i], "lifetime": "detached"}, rid,
                                                          self.run_dir, backends, index_table=dict(widened.index_table))
         self.joining = Joining(record["id"], c, widened, handles)
+
+    def _backends(self) -> dict:
+        """The levels' backends as the run's replicas report them, else as the driver planned them."""
+        known = next((info["backends"] for info in self.roster.replica_info.values() if info.get("backends")), None)
+        if known:
+            return dict(known)
+        from hsgd.config.capacity import plan_backends
+
+        plan = plan_backends(self.cfg, [nd for nd in ray.nodes() if nd.get("Alive")])
+        return {"inner": plan.inner, "outer": plan.outer}
 
     def _take_in(self, joining: Joining, round_index: int) -> None:
         """Ask the starting replicas whether they are up (never waiting); once all are, they join now."""

@@ -12,9 +12,16 @@ Protocol:
               applied one, and records the outcome with `mark_done`: `<id>.done` ({"id", "kind",
               "cluster", "outcome": applied | refused, "reason", "round"}), atomic the same way.
     once      the outcome file is written BEFORE the effect is carried out (for a drain: the
-              replicas stopped), so a supervisor restarted at any point reads it and never decides
-              again; it carries out what the `.done` files say (`drained`), which stopping again
-              leaves the same. A request with no `.done` was never decided: it is decided once.
+              replicas stopped; for an add-site: its replicas started), so a supervisor restarted
+              at any point reads it and never decides again; it carries out what the `.done` files
+              say (`drained`, `applied_sites`), which doing again leaves the same (stopped actors
+              stay stopped; a site's replicas are found by name before any is started). A request
+              with no `.done` was never decided: it is decided once.
+    join      an applied add-site's record names its cluster `c<K>` and keeps `replicas`, `label`,
+              `name`. Once its replicas are all up, `<id>.joined` ({"id", "cluster", "round",
+              "run_id"}) is written, atomic, BEFORE the run's topology takes the site in, so a
+              restarted supervisor of the same run builds its topology with every joined site
+              (`joined_topology`); a resumed run (another run id) starts the site again.
 
 Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's
 cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason,
