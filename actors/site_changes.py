@@ -118,7 +118,7 @@ class SiteChanges:
         self.cfg, self.run_dir, self.topology, self.roster, self.log = cfg, run_dir, topology, roster, log
         self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
-        self.joined = joined(run_dir, self.run_id) if self.done else {}  # request id -> {"cluster", "round"} of its join
+        self.joined = joined(run_dir, self.run_id) if self.done else {}  # request id -> its join ("cluster", "round")
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         for cluster in self.drained:
