@@ -26,7 +26,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from hsgd.config import ConfigError
 from hsgd.config.capacity import (LABEL_KEY, BackendPlan, data_path_problem, describe_resources, placement_problem,
                                   plan_backends, replica_need, replicas_that_fit)
-from hsgd.config.compose import check_launcher_supports
 from hsgd.config.sites import ranks_per_replica
 from hsgd.core.topology import topology_of
 
@@ -76,7 +75,6 @@ def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[st
     problem = placement_problem(cfg, need, nodes)
     if problem is not None:
         raise ConfigError(*problem)
-    check_launcher_supports(cfg)  # issue 34: k > 1 refused until the rank actors exist (delete with it)
     return plan, _check_data_path(cfg, replica_need(cfg, need), nodes, data_timeout_s)
 
 

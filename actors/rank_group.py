@@ -1,18 +1,23 @@
 """A replica's k rank processes (issue 34, `topology.gpus_per_replica`): its fixed replica group, and
-the `RankWorker` actors of ranks 1..k-1 (rank 0 is the Replica actor itself, which fans each call out).
+rank 0's handles of ranks 1..k-1 (`RankPeers`). Rank 0 is the Replica actor the roster knows; ranks
+1..k-1 are Replica actors of their own (actors/replica.py, built with `rank_of`), so every rank runs
+the very same phase bodies and issues the same collectives in the same order.
 
 Protocol
-- `start_rank_workers(rid, k, options)` creates the k-1 `RankWorker`s of replica `rid` with the Ray
-  options of one rank inside the replica's bundle (`ClusterPlacement.options(c, i)`), never restarted
-  by Ray (`max_restarts=0`): a rank's death is the whole replica's failure, and the Replica actor
-  brings all k back together.
+- Rank 0 starts a store of the replica's own (`hsgd.train.comm.start_store`, behind a fresh secret)
+  and `RankPeers.start` creates ranks 1..k-1 with the Ray options of one rank inside the replica's
+  bundle (`ClusterPlacement.options(c, i)`), never restarted by Ray (`max_restarts=0`) and owned by
+  rank 0: when rank 0's process ends, Ray ends them too. A rank's death is the whole replica's
+  failure: rank 0 watches them (`RankPeers.watch`) and ends its own process at once when one ends,
+  so the supervisor sees the replica die, and Ray brings rank 0 back, which starts all k afresh.
 - Every rank calls `form_replica_group(rank, size, store_addr, prefix, timeout_s, ...)` with the same
-  `store_addr` (the run's store, `hsgd.train.comm.rendezvous_address`: its secret keeps the keys
-  private) and a prefix naming the replica and its incarnation (a restarted replica forms under a
-  fresh prefix, so it never reads a dead incarnation's keys). Step 1 is hsgd's arrival barrier in the
-  store (hsgd.train.comm's protocol, step 1: the supervisor may abort it with `abort_rendezvous` once
-  it knows a rank is dead); step 2 is c10d's `init_process_group` (gloo on CPU, nccl on GPU) over the
-  same prefix, bounded by the same timeout.
+  `store_addr` and a prefix naming the replica and its incarnation. Step 1 is hsgd's arrival barrier
+  in the store (hsgd.train.comm's protocol, step 1); step 2 is c10d's `init_process_group` (gloo on
+  CPU; `cpu:gloo,cuda:nccl` on GPU) over the same prefix, bounded by the same timeout.
+- Rank 0 fans every phase call out (`RankPeers.call`: rank j's own arguments, e.g. its level
+  groups under `<prefix>/rank<j>`, rank j of every replica in one group), runs its own part, then
+  merges their answers (`RankPeers.merge`): a rank that raised is the replica's own error; a rank
+  whose answer is not `done` makes the replica's answer that outcome.
 - The group is this process's default (WORLD) group, holding exactly the replica's k ranks. Why:
   FSDP2's DeviceMesh (`torch.distributed.device_mesh.DeviceMesh.from_group`, in
   hsgd.train.sharding.shard_model) reads this process's rank from the default group (torch 2.13: `get_rank()`, which raises without one), and so
@@ -26,20 +31,21 @@ Failures: a rank that never comes: after `timeout_s` every rank that came raises
 kind `configure` whose one line names the replica and the missing rank(s); the supervisor's abort:
 kind `join_aborted` with its reason; a connect that fails or outlasts `timeout_s`: kind `configure`.
 The group's collectives run under `op_timeout_s` (torch.distributed raises past it).
-
-`RankWorker`'s methods are thin calls into its ReplicaTrainer (built with `ranks`), each called on
-every rank of the replica alike, in the same order (hsgd.train.sharding's "replica" level).
 """
 from __future__ import annotations
 
 from datetime import timedelta
 
+import os
+import sys
+import threading
+from typing import Callable
+
 import ray
-import torch
 import torch.distributed as dist
 
 from hsgd.core.round import ErrorKind
-from hsgd.train.comm import CollectiveError, LevelGroup, _await_members
+from hsgd.train.comm import CollectiveError, _await_members, new_run_secret, rendezvous_address, start_store
 from hsgd.train.sharding import REPLICA_LEVEL, ReplicaRanks
 
 
@@ -75,63 +81,83 @@ def form_replica_group(rank: int, size: int, store_addr: str, prefix: str, timeo
     return ReplicaRanks(rank, size, dist.group.WORLD)
 
 
-def start_rank_workers(rid: str, k: int, options: dict) -> list:
-    """The RankWorker handles of ranks 1..k-1 of replica `rid`, each with `options` (one rank's
-    resources in the replica's bundle: ClusterPlacement.options(c, i)), never restarted by Ray."""
-    return [RankWorker.options(**options, max_restarts=0).remote(rid, j) for j in range(1, k)]
+def rank_prefix(join: tuple | None, rank: int) -> tuple | None:
+    """Rank `rank`'s join of a level group: the replica's join (epoch, store_addr, prefix, rank,
+    world_size) under `<prefix>/rank<rank>`, the group of rank `rank` of every replica."""
+    if join is None or rank == 0:
+        return join
+    epoch, store_addr, prefix, member, world_size = join
+    return epoch, store_addr, f"{prefix}/rank{rank}", member, world_size
 
 
-@ray.remote(max_restarts=0)
-class RankWorker:
-    """Rank `rank` of replica `rid` (logs and stacks name it `<rid>.<rank>`)."""
+def replica_group_backend(device: str) -> str:
+    """The replica group's backend: gloo on the CPU; on GPU nccl for FSDP2's tensors and gloo for the
+    small host-side agreements (hsgd.train.sharding's `agreed`, digests)."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
-    def __init__(self, rid: str, rank: int):
-        torch.set_num_threads(1)  # several ranks share a few cores
-        self.name, self.rid, self.rank = f"{rid}.{rank}", rid, rank
-        self.ranks: ReplicaRanks | None = None
-        self.trainer = None
-        self.levels: dict[str, LevelGroup] = {}
 
-    def form(self, size: int, store_addr: str, prefix: str, timeout_s: float, backend: str = "gloo") -> int:
-        self.ranks = form_replica_group(self.rank, size, store_addr, prefix, timeout_s, replica=self.rid,
-                                        backend=backend)
-        return self.ranks.size
+class RankPeers:
+    """Rank 0's handles of ranks 1..k-1 of its replica (the module's protocol)."""
 
-    def build(self, cfg: dict, topology: tuple[int, int], device: str = "cpu") -> int:
-        """The sharded ReplicaTrainer (`topology`: (clusters, replicas per cluster)); its param count here."""
-        from omegaconf import OmegaConf
+    def __init__(self, rid: str, handles: list, store, deadline_s: float):
+        self.rid, self.handles, self.deadline_s = rid, handles, deadline_s
+        self.store = store  # the replica group's store: kept alive as long as rank 0 is
 
-        from hsgd.core.topology import Topology
-        from hsgd.train.trainer import ReplicaTrainer
+    @classmethod
+    def start(cls, rid: str, k: int, options: dict, make: Callable[[int, tuple], object], timeout_s: float,
+              incarnation: int) -> tuple[RankPeers, tuple]:
+        """Rank 0's store and ranks 1..k-1 (`make(rank, rank_of)` creates one, where rank_of =
+        (rank, k, store_addr, prefix)); returns them and rank 0's own rank_of."""
+        host = ray.util.get_node_ip_address()
+        store = start_store(host, timeout_s)
+        store_addr = rendezvous_address(host, store.port, new_run_secret())
+        prefix = f"replica-group/{rid}/{incarnation}"
+        handles = [make(j, (j, k, store_addr, prefix)) for j in range(1, k)]
+        return cls(rid, handles, store, timeout_s), (0, k, store_addr, prefix)
 
-        self.trainer = ReplicaTrainer(OmegaConf.create(cfg), self.rid, Topology(*topology), device=device,
-                                      ranks=self.ranks)
-        return sum(p.numel() for p in self.trainer.params)
+    def ready(self) -> None:
+        """Wait until ranks 1..k-1 are built (their __init__ formed the group and built the trainer)."""
+        ray.get([h.progress.remote() for h in self.handles], timeout=self.deadline_s)
 
-    def join(self, level: str, backend: str, store_addr: str | None, prefix: str, rank: int, world_size: int,
-             epoch: int, timeout_s: float) -> None:
-        """Join this rank's group of `level` (rank j of each replica; world 1: alone, no store)."""
-        self.levels[level] = group = LevelGroup(level, backend, timeout_s, timeout_s)
-        group.configure(store_addr, prefix, rank=rank, world_size=world_size, epoch=epoch)
+    def call(self, method: str, args_of: Callable[[int], tuple]) -> list:
+        """Start `method` on ranks 1..k-1, rank j with the arguments args_of(j); their refs."""
+        return [getattr(h, method).remote(*args_of(j)) for j, h in enumerate(self.handles, start=1)]
 
-    def run_inner(self, round_index: int) -> list[float]:
-        return self.trainer.run_inner(round_index, self.levels["inner"]).losses
+    def merge(self, own: dict, refs: list) -> dict:
+        """Rank 0's answer `own` with ranks 1..k-1's (`refs`): the first that is not `done` when
+        rank 0's is. A rank that raised, died or did not answer within the deadline raises: the
+        replica's own error (it is restarted whole)."""
+        answers = ray.get(refs, timeout=self.deadline_s)
+        if own.get("outcome") != "done":
+            return own
+        for answer in answers:
+            if answer.get("outcome") != "done":
+                return {**own, **{f: answer.get(f) for f in ("outcome", "error", "error_kind", "what")}}
+        return _with_bytes_summed(own, answers)
 
-    def outer_reduce(self, round_index: int, epoch: int) -> None:
-        self.trainer.outer_reduce(round_index, epoch, self.levels["outer"])
+    def watch(self) -> None:
+        """A thread that ends this process (rank 0) when any other rank ends: the replica fails
+        whole, as if rank 0 had been killed (module protocol). Daemon: it never holds a shutdown."""
+        refs = [h.watch.remote() for h in self.handles]
 
-    def outer_commit(self, round_index: int, roots: tuple[int, ...]) -> None:
-        self.trainer.outer_commit(round_index, self.levels["inner"], roots)
+        def wait() -> None:
+            done, _ = ray.wait(refs, num_returns=1)  # a watch call returns only when its rank is gone
+            rank = refs.index(done[0]) + 1
+            print(f"replica {self.rid}: rank {rank} ({self.rid}.{rank}) is gone: the replica fails whole",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
 
-    def param_digest(self) -> str:
-        return self.trainer.param_digest()
+        threading.Thread(target=wait, name="rank-watch", daemon=True).start()
 
-    def eval_loss(self) -> float:
-        return self.trainer.eval_loss()
 
-    def leave(self) -> None:
-        """Abort its level groups and leave the replica group (the process may then end)."""
-        for group in self.levels.values():
-            group.abort()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+_BYTES = ("bytes", "inner_bytes", "outer_bytes")  # what each rank sent or holds of its own shards
+
+
+def _with_bytes_summed(own: dict, answers: list[dict]) -> dict:
+    """Rank 0's answer with the byte counts of every rank added up (each rank moves its own shards),
+    also those of an inner phase's `report`."""
+    merged = {**own, **{key: own[key] + sum(a.get(key, 0) for a in answers) for key in _BYTES if key in own}}
+    if isinstance(own.get("report"), dict) and "inner_bytes" in own["report"]:
+        merged["report"] = {**own["report"], "inner_bytes": own["report"]["inner_bytes"] + sum(
+            a.get("report", {}).get("inner_bytes", 0) for a in answers)}
+    return merged

@@ -19,6 +19,12 @@ data stream, the same state after the heal. A build that raises makes every call
 A first start builds in __init__ (a config error surfaces there); a spare builds and warms up there
 too (it is ready only when warm). A hot spare (`topology.spares_per_cluster`) skips all of it: it
 takes the dead replica's id at once and is healed like a restart.
+
+A replica of k ranks (`topology.gpus_per_replica`, issue 34; actors/rank_group.py): this actor is
+rank 0, the one the roster knows. It creates ranks 1..k-1 as Replica actors of their own (`rank_of`),
+forms the replica group with them, and fans every phase call out to them (each rank runs the same
+body: the same collectives in the same order), answering for all k. Faults, identity, the progress
+board and step logs are rank 0's alone. A rank that dies ends rank 0 (the replica fails whole).
 """
 from __future__ import annotations
 
@@ -38,8 +44,10 @@ from omegaconf import OmegaConf
 
 from actors import lifecycle
 from actors.hang import install_faulthandler
+from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replica_group_backend
 from hsgd.config.capacity import resolve_level_backend
-from hsgd.train import checkpoint, state_stream
+from hsgd.config.sites import ranks_per_replica
+from hsgd.train import checkpoint, sharding, state_stream
 from hsgd.train.progress_board import Publisher
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
 from hsgd.train.simulate import link_from_config
@@ -48,7 +56,7 @@ from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
 from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
-from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
+from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow, param_digest
 
 _MODULE_T1 = time.time()  # its imports done
 
@@ -60,11 +68,13 @@ class InjectedError(RuntimeError):
 _BUILT = ("trainer", "background")  # built in __init__, or behind it on a restart
 
 
-@ray.remote(concurrency_groups={"phase": 1, "control": 2})
+@ray.remote(concurrency_groups={"phase": 1, "control": 2, "watch": 1})
 class Replica:
     def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
-                 index_table: dict | None = None):
-        """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's."""
+                 index_table: dict | None = None, *, rank_options: dict | None = None, rank_of: tuple | None = None):
+        """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's.
+        k > 1 ranks: `rank_options` (rank 0), the Ray options of its other ranks; `rank_of` (ranks 1..k-1),
+        (rank, k, store_addr, prefix) of the replica group to form (actors/rank_group.py)."""
         marks = {"init_begin": time.time()}
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
@@ -73,7 +83,10 @@ class Replica:
         if identity is not None:
             rid, spare = identity["rid"] or rid, bool(identity["spare"])
         self.incarnation = lifecycle.own_incarnation()
-        install_faulthandler(run_dir, rid)
+        self.rank_of, self.rank = rank_of, rank_of[0] if rank_of else 0
+        self.rank_options, self.peers = rank_options, None
+        self.made_with = (cfg, run_dir, backends, index_table)  # what ranks 1..k-1 are created with
+        install_faulthandler(run_dir, rid if not self.rank else f"{rid}.{self.rank}")
         self.started_at = time.time()
         marks["identity"] = self.started_at
         self.cfg = OmegaConf.create(cfg)
@@ -102,8 +115,13 @@ class Replica:
         self.startup["init_s"] = self.startup["init_end"] - marks["init_begin"]
 
     def _build(self, device: str) -> None:
-        """The trainer (dataset, model, optimizers: torch's lazy imports on the first one)."""
-        self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device)
+        """The trainer (dataset, model, optimizers: torch's lazy imports on the first one); k > 1: the
+        replica group first (rank 0 creates the other ranks), and rank 0 waits for them to be built."""
+        ranks = self._form_ranks(device)
+        self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device, ranks=ranks)
+        if self.peers is not None:
+            self.peers.ready()
+            self.peers.watch()
         self.startup["trainer"] = time.time()
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
@@ -113,6 +131,37 @@ class Replica:
         self._open_step_log()
         self.startup["built"] = time.time()
         self._built.set()
+
+    def _form_ranks(self, device: str) -> sharding.ReplicaRanks | None:
+        """k > 1: this rank's place in the replica group (rank 0 first creates ranks 1..k-1); else None."""
+        k = ranks_per_replica(self.cfg)
+        if k <= 1:
+            return None
+        timeout_s = float(self.cfg.comm.configure_timeout_s)
+        if self.rank_of is None:  # rank 0
+            cfg, run_dir, backends, index_table = self.made_with
+
+            def make(rank: int, rank_of: tuple):
+                return Replica.options(**self.rank_options, max_restarts=0, max_task_retries=0).remote(
+                    cfg, self.rid, run_dir, backends, self.spare, index_table, rank_of=rank_of)
+            self.peers, self.rank_of = RankPeers.start(self.rid, k, self.rank_options or {}, make, timeout_s,
+                                                       self.incarnation)
+        rank, size, store_addr, prefix = self.rank_of
+        return form_replica_group(rank, size, store_addr, prefix, timeout_s, replica=self.rid,
+                                  backend=replica_group_backend(device),
+                                  op_timeout_s=float(self.cfg.supervisor.phase_timeout_s))
+
+    def _fan_out(self, method: str, args_of) -> list:
+        """Rank 0 of k > 1: start `method` on the other ranks (rank j with args_of(j)); their refs."""
+        return self.peers.call(method, args_of) if self.peers is not None else []
+
+    def _merged(self, own: dict, refs: list) -> dict:
+        return self.peers.merge(own, refs) if refs else own
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Ranks 1..k-1: never returns while this process lives (rank 0's RankPeers.watch)."""
+        threading.Event().wait()
 
     def _build_behind(self, device: str) -> None:
         torch.set_num_threads(1)  # (per thread for OpenMP)
@@ -155,7 +204,7 @@ class Replica:
         if self.trainer.step_log is not None:
             self.trainer.step_log.close()
         self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid) \
-            if self.cfg.logging.step_times and not self.spare else None
+            if self.cfg.logging.step_times and not self.spare and not self.rank else None
 
     def _serve_as(self, rid: str | None) -> None:
         """Serve as replica `rid` (its data stream), or as a spare (None). The identity is recorded
@@ -189,7 +238,20 @@ class Replica:
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
         """(meta, state) for a `global` heal; answers while the donor's inner phase runs (outer_commit changes it)."""
-        return self._with_meta(self.trainer.global_state())
+        return self._with_ranks("global_state", self._with_meta(self.trainer.global_state()))
+
+    def _with_ranks(self, method: str, own: tuple[dict, dict | None], *args) -> tuple[dict, dict | None]:
+        """A heal source's (meta, state) for the whole replica: k > 1, the state is {"ranks": [rank 0's,
+        ...]}, each rank's `method` gathered here (a rank that refuses makes the replica refuse)."""
+        if self.peers is None or own[1] is None:
+            return own
+        pairs = [getattr(h, method).options(num_returns=2).remote(*args) for h in self.peers.handles]
+        metas = ray.get([meta for meta, _ in pairs], timeout=self.peers.deadline_s)
+        refused = next((meta for meta in metas if meta["outcome"] != Outcome.DONE.value), None)
+        if refused is not None:
+            return refused, None
+        states = [own[1], *ray.get([state for _, state in pairs], timeout=self.peers.deadline_s)]
+        return {**own[0], "bytes": sum(meta["bytes"] for meta in [own[0], *metas])}, {"ranks": states}
 
     def _with_meta(self, state: dict) -> tuple[dict, dict]:
         """A heal source's two objects: a small meta, at the state's own (round, step), and the state."""
@@ -198,8 +260,22 @@ class Replica:
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
-        return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
+        """The replica's digests; k > 1: each rank's shard digests combined in rank order as
+        hsgd.train.sharding.combined_digest does, gathered through Ray (a control call must not run
+        a collective: the phase thread may be in one)."""
+        if self.trainer.ranks is None:
+            return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
+                    "round": self.trainer.round, "step": self.trainer.step}
+        shards = [self.shard_digests()]
+        if self.peers is not None:
+            shards += ray.get([h.shard_digests.remote() for h in self.peers.handles], timeout=self.peers.deadline_s)
+        return {**{key: sharding.digest_of([d[key] for d in shards]) for key in ("param", "global")},
                 "round": self.trainer.round, "step": self.trainer.step}
+
+    @ray.method(concurrency_group="control")
+    def shard_digests(self) -> dict:
+        """This rank's own shards' digests (no collective)."""
+        return {"param": param_digest(self.trainer.params), "global": param_digest(self.trainer.outer_opt.global_params)}
 
     @ray.method(concurrency_group="control")
     def stack_dump(self) -> str:
@@ -216,6 +292,8 @@ class Replica:
         """Ask the inner phase of group epoch `epoch` to return at the boundary before `step_in_round`
         (a replica joins mid-round: every member, the same boundary); another epoch's is ignored."""
         self.yield_at = (epoch, round_index, step_in_round)
+        for handle in self.peers.handles if self.peers is not None else ():  # (the ranks agree at each step)
+            handle.request_yield.remote(epoch, round_index, step_in_round)
         return {"rid": self.rid, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
@@ -295,14 +373,16 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def assume(self, rid: str) -> dict:
         """Hot spare: become replica `rid` (healed next). A failed identity write raises: try another spare."""
+        refs = self._fan_out("assume", lambda j: (rid,))
         self._serve_as(rid)
-        return self._answer(pid=os.getpid(), incarnation=self.incarnation)
+        return self._merged(self._answer(pid=os.getpid(), incarnation=self.incarnation), refs)
 
     @ray.method(concurrency_group="phase")
     def become_spare(self) -> dict:
         """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
+        refs = self._fan_out("become_spare", lambda j: ())
         self._serve_as(None)
-        return self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid())
+        return self._merged(self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid()), refs)
 
     def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
         """Form `group` when the call carries `join` = (epoch, store_addr, prefix, rank, world_size), after
@@ -333,14 +413,18 @@ class Replica:
         self.board.address(store_addr)
 
         def hook(phase, r, s):
-            if phase == "inner":  # before each step: the steps so far are committed
+            if phase == "inner" and not self.rank:  # before each step: the steps so far are committed
                 self.board.publish(r, self.trainer.step)
             self._hook(phase, r, s)
-            if phase == "inner" and self.yield_at is not None and self.yield_at[:2] == (self.epoch, r) \
-                    and s >= self.yield_at[2]:
+            if phase != "inner":
+                return
+            due = self.yield_at is not None and self.yield_at[:2] == (self.epoch, r) and s >= self.yield_at[2]
+            if self.trainer.ranks is not None:  # every rank yields at the same boundary, or none does
+                due = sharding.any_rank(due, self.trainer.ranks)
+            if due:
                 self.yield_at = None
                 raise YieldNow()
-            if self.slow_s and phase == "inner":
+            if self.slow_s:
                 time.sleep(self.slow_s)
 
         def at_snapshot():  # only in the outer group the supervisor named (a restarted process has none)
@@ -353,13 +437,16 @@ class Replica:
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot, steps)
             return {"report": report.__dict__, "join_s": join_s,
                     **({"outcome": Outcome.YIELDED} if report.yielded else {})}
-        return self._phase("inner", run, faults)
+        refs = self._fan_out("run_inner", lambda j: (round_index, None, rank_prefix(join, j), overlap, steps, None))
+        return self._merged(self._phase("inner", run, faults), refs)
 
     @ray.method(concurrency_group="phase")
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
         """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
-        return self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
-                           faults, hook_round=round_index)
+        refs = self._fan_out("cluster_average", lambda j: (round_index, epoch))
+        return self._merged(self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch,
+                                                                                             self.inner),
+                                        faults, hook_round=round_index), refs)
 
     @ray.method(concurrency_group="phase")
     def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
@@ -381,7 +468,9 @@ class Replica:
             return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
                     "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
                     "join_s": join_s, "overlapped": behind is not None}
-        return self._phase("outer", run, faults)
+        refs = self._fan_out("outer_reduce", lambda j: (round_index, epoch, None, rank_prefix(join, j), shard, shards,
+                                                         weights))
+        return self._merged(self._phase("outer", run, faults), refs)
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
@@ -394,7 +483,8 @@ class Replica:
             self.trainer.outer_commit(round_index, self.inner, roots)
             return {"digest": self.trainer.param_digest(), "global_digest": self.trainer.global_digest(),
                     "inner_bytes": self.inner.bytes_sent - before}
-        return self._phase("outer_commit", run, faults)
+        refs = self._fan_out("outer_commit", lambda j: (round_index, roots))
+        return self._merged(self._phase("outer_commit", run, faults), refs)
 
     def _settle(self, key: tuple | None = None) -> dict | None:
         """Wait out a background outer reduce (the one keyed `key`; any other is abandoned), within
@@ -408,21 +498,30 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def evaluate(self) -> float:
-        """Held-out loss of this replica's params (after a commit: the global params)."""
-        return self.trainer.eval_loss()
+        """Held-out loss of this replica's params (after a commit: the global params). k > 1: every
+        rank evaluates (each forward gathers the shards); the losses are the same on every rank."""
+        refs = self._fan_out("evaluate", lambda j: ())
+        loss = self.trainer.eval_loss()
+        if refs:
+            ray.get(refs, timeout=self.peers.deadline_s)
+        return loss
 
     @ray.method(concurrency_group="phase")
     def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
         """Become the source (`full`) or take its global state (`global`) from `state`, the second
         object of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched,
         when the source refused (`state` None). A source that died or raised fails this call."""
+        own = state["ranks"][0] if self.peers is not None and state is not None else state
+
         def run():
             if state is None:  # this replica is fine: its heal is to be planned again
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
                         "error": f"{self.rid}: its heal source refused to give its state"}
-            self._load(state, scope)
+            self._load(own, scope)
             return {"bytes": _state_bytes(state)}
-        return self._phase("heal", run, faults, hook_round=self.trainer.round)
+        # k > 1: a source's state is {"ranks": [rank 0's, ...]} (heal_state, global_state); rank j loads its own
+        refs = self._fan_out("load_state", lambda j: (None if state is None else state["ranks"][j], scope))
+        return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
 
     @ray.method(concurrency_group="phase")
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
@@ -430,9 +529,10 @@ class Replica:
         stream its state to every target (hsgd.train.state_stream). Answers `done` with `bytes`, or
         `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
         then heals the targets through the object store."""
-        return self._over_heal_group(round_index, join, faults, lambda group: {
+        refs = self._fan_out("send_state", lambda j: (round_index, rank_prefix(join, j), chunk_mb))
+        return self._merged(self._over_heal_group(round_index, join, faults, lambda group: {
             "bytes": state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
-                                             device=self.trainer.device), "pid": os.getpid()})
+                                             device=self.trainer.device), "pid": os.getpid()}), refs)
 
     @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
@@ -442,22 +542,25 @@ class Replica:
         def transfer(group: LevelGroup) -> dict:
             state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
             return {"bytes": nbytes, "transport": "group", "state": state}
-        return self._over_heal_group(round_index, join, faults, transfer)
+        refs = self._fan_out("receive_state", lambda j: (round_index, rank_prefix(join, j)))
+        return self._merged(self._over_heal_group(round_index, join, faults, transfer), refs)
 
     def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
         """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
         timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
         def run():
             group = self._level_group("inner")
+            t0 = time.monotonic()
+
+            def over_group():  # (k > 1: every rank of the replica fails its part, or none does)
+                return self._join(group, join, "heal"), transfer(group)
             try:
-                join_s = self._join(group, join, "heal")
-                t0 = time.monotonic()
-                answer = transfer(group)
+                join_s, answer = sharding.agreed(over_group, self.trainer.ranks, f"{self.rid}: heal transfer")
             finally:
                 group.abort()
             if "state" in answer:
                 self._load(answer.pop("state"), "full")
-            return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0}
+            return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0 - join_s}
         return self._phase("heal", run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)
@@ -470,7 +573,7 @@ class Replica:
                                 f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
                                 f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
                                 pid=os.getpid(), bytes=0), None
-        return self._with_meta(self.trainer.state_dict())
+        return self._with_ranks("heal_state", self._with_meta(self.trainer.state_dict()), expect)
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
@@ -492,7 +595,11 @@ class Replica:
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
         """The committed global model to `path` (model.safetensors); OSError when storage refuses: the run's problem."""
-        return {"rid": self.rid, **self.trainer.save_model(path)}
+        refs = self._fan_out("save_model", lambda j: (path,))  # (every rank gathers the whole tensors)
+        saved = {"rid": self.rid, **self.trainer.save_model(path)}
+        if refs:
+            ray.get(refs, timeout=self.peers.deadline_s)
+        return saved
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:

@@ -20,6 +20,7 @@ from actors.replica import Replica
 from actors.roster import replica_actor_name, spare_actor_name
 from hsgd.config import ConfigError
 from hsgd.config.auto import recorded
+from hsgd.config.sites import ranks_per_replica
 from hsgd.core.faults import due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
 from hsgd.core.topology import Topology, parse_replica_id
@@ -56,8 +57,10 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
 
 def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
     """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream."""
+    k = ranks_per_replica(OmegaConf.create(container))  # k > 1: its other ranks get the same options
     return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
-                           **options).remote(container, *args, index_table=index_table)
+                           **options).remote(container, *args, index_table=index_table,
+                                             rank_options=options if k > 1 else None)
 
 
 def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,

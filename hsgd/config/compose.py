@@ -58,7 +58,6 @@ def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
         validate(cfg)
         if not attaches_to_cluster(cfg):
             check_embedded_capacity(cfg)
-        check_launcher_supports(cfg)
         if run_folder:
             check_run_folder(os.path.abspath(output_path(cfg.run.dir)), bool(cfg.train.resume))
     except ConfigError:
@@ -68,18 +67,6 @@ def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
         if field in NUMERIC_FIELDS and "valid:" not in problem:  # e.g. seed=1e23: "could not be converted to Integer"
             problem += f"; valid: {NUMERIC_FIELDS[field].describe()}"
         raise ConfigError(field, problem) from err
-
-
-def check_launcher_supports(cfg) -> None:
-    """Issue 34: the trainer can shard a replica over k ranks, but the Ray launcher (actors/replica.py,
-    actors/placement.py's rank actors) does not start k rank actors yet: refuse k > 1 rather than run
-    a silent k = 1. Called by precheck (before Ray starts) and by actors.placement.check_cluster
-    (before any actor starts, whoever launches). Delete this function and its two calls when the
-    actors start a replica's ranks."""
-    k = ranks_per_replica(cfg)
-    if k > 1:
-        raise ConfigError("topology.gpus_per_replica", f"{k} is not yet supported by the Ray launcher (the rank "
-                                                       f"actors of a sharded replica are issue 34's next step); valid: 1")
 
 
 def attaches_to_cluster(cfg) -> bool:

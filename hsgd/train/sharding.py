@@ -16,6 +16,10 @@ Protocol (issue 34; hsgd.train.trainer.ReplicaTrainer with `ranks`):
   order of summation.
 - Replica-wide numbers are combined here: the global gradient norm (`clip_grad_norm_`), the
   phase-end losses and non-finite flags (`combine_phase_end`), a digest (`combined_digest`).
+- A collective of another level (inner, outer, heal: rank j's group of rank j of every replica) may
+  fail on one rank and not on another (a dead peer replica's ranks go at different moments): after
+  each, every rank learns whether any failed (`agreed`), and all raise the first rank's error
+  together, so no rank walks on into a replica-level collective its peer has left.
 Failures: a replica-level collective that fails or times out raises (torch.distributed's error);
 the replica is then failed as a whole and rebuilt. Every collective here runs under the group's
 timeout, set when the group is made.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -74,6 +78,16 @@ def shard_model(model: torch.nn.Module, ranks: ReplicaRanks, device_type: str) -
     # are unchanged; running it now makes the local tensors handed out by local() final.
     model._get_fsdp_state()._lazy_init()
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered (unsharded) parameter of the FSDP2 modules in `model`, so the next
+    forward gathers the shards as they are then (no collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -153,9 +167,37 @@ def any_rank(flag: bool, ranks: ReplicaRanks) -> bool:
     return bool(t.item() > 0)
 
 
+def agreed(fn: Callable[[], Any], ranks: ReplicaRanks | None, what: str) -> Any:
+    """Run `fn` (one level collective) on this rank, then agree with the replica's other ranks: if
+    any raised hsgd.train.comm.CollectiveError, every rank raises the lowest such rank's error (its
+    kind kept, its text naming the rank); else returns fn's result. Unsharded: just `fn()`."""
+    from hsgd.train.comm import CollectiveError
+
+    if not is_sharded(ranks):
+        return fn()
+    result, failure = None, None
+    try:
+        result = fn()
+    except CollectiveError as err:
+        failure = (str(err), str(err.kind))
+    failures: list[Any] = [None] * ranks.size
+    dist.all_gather_object(failures, failure, group=ranks.group)
+    for rank, failed in enumerate(failures):
+        if failed is not None:
+            message, kind = failed
+            raise CollectiveError(message if rank == ranks.rank else
+                                  f"{what}: rank {rank} of this replica failed: {message}", kind)
+    return result
+
+
 def combined_digest(shard_digest: str, ranks: ReplicaRanks) -> str:
     """sha256 over the k ranks' shard digests in rank order: one digest of the whole replica's
     state, the same on every rank (a collective: every rank calls it)."""
     digests: list[Any] = [None] * ranks.size
     dist.all_gather_object(digests, shard_digest, group=ranks.group)
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
+    return digest_of(digests)
+
+
+def digest_of(shard_digests: list[str]) -> str:
+    """One digest of a replica from its ranks' shard digests, in rank order (combined_digest's)."""
+    return hashlib.sha256("".join(shard_digests).encode()).hexdigest()

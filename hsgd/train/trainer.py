@@ -301,7 +301,8 @@ class ReplicaTrainer:
             self.buckets.finish()
         elif self.cfg.sync.inner == "ddp":
             hook("inner_sync", self.round, self.step_in_round)
-            inner.allreduce_mean([p.grad for p in self.params], level="inner")
+            sharding.agreed(lambda: inner.allreduce_mean([p.grad for p in self.params], level="inner"),
+                            self.ranks, f"{self.rid}: inner gradient all-reduce")
         return total
 
     def _link_grads(self) -> None:
@@ -344,7 +345,8 @@ class ReplicaTrainer:
             if average:
                 hook("inner_sync", self.round, self.step_in_round)
                 with torch.no_grad():
-                    inner.allreduce_mean([p.data for p in self.params], level="inner")
+                    sharding.agreed(lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
+                                    self.ranks, f"{self.rid}: inner parameter average")
         except BaseException:
             if self.buckets is not None:
                 self.buckets.disarm()
@@ -424,7 +426,8 @@ class ReplicaTrainer:
                 p.copy_(saved)
         else:
             self._pre_average = (round_index, [p.detach().clone() for p in self.params])
-        inner.allreduce_mean([p.data for p in self.params], level="inner")
+        sharding.agreed(lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
+                        self.ranks, f"{self.rid}: cluster average")
         self._averaged = (round_index, epoch)
 
     def fragment_params(self, round_index: int) -> list[int]:
@@ -478,7 +481,12 @@ class ReplicaTrainer:
             raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
                                                     f"{round_index}; not sent")
         lo, hi = shard_bounds(flat.numel(), shards, ALIGN)[shard]
-        piece = flat[lo:hi].clone()
+        piece = sharding.agreed(lambda: self._reduce_piece(flat[lo:hi].clone(), outer, weights), self.ranks,
+                                f"{self.rid}: outer reduce")
+        self._outer_buffer = (key, piece)
+
+    def _reduce_piece(self, piece: torch.Tensor, outer: LevelGroup, weights: tuple[float, ...]) -> torch.Tensor:
+        """outer_reduce's collective: the weighted mean of `piece` over the outer group."""
         if self.codec is None:
             own = weights[outer.rank] if weights else 1.0
             if own != 1.0:
@@ -492,7 +500,7 @@ class ReplicaTrainer:
                 weight = weights[rank] if weights else 1.0
                 mean += decoded if weight == 1.0 else decoded.mul_(weight)
             piece = mean.div_(len(payloads))
-        self._outer_buffer = (key, piece)
+        return piece
 
     @torch.no_grad()
     def outer_commit(self, round_index: int, inner: LevelGroup, roots: tuple[int, ...]) -> None:
@@ -515,7 +523,8 @@ class ReplicaTrainer:
                         f"{self.rid}: commit of round {round_index} without a reduced buffer for shard {j}/{len(roots)}"
                     mean[lo:hi] = buf[1]
                 if hi > lo:
-                    inner.broadcast([mean[lo:hi]], root=root, level="inner")
+                    sharding.agreed(lambda: inner.broadcast([mean[lo:hi]], root=root, level="inner"), self.ranks,
+                                    f"{self.rid}: commit broadcast")
             if self.codec is not None:  # residual = corrected - what was sent, before the params change
                 corrected = self._round_pseudo_gradient(round_index)
                 if self.outer_residual is None:
@@ -556,6 +565,8 @@ class ReplicaTrainer:
                     losses.append(self.loss_fn(self.model, task.to_device(batch, self.device)).detach().float())
         finally:
             self.model.train()
+            if self.ranks is not None:  # a no-grad forward leaves the root's params gathered (no backward
+                sharding.reshard(self.model)  # reshards them): the next step would read that stale copy
             if saved is not None:
                 for p, s in zip(self.params, saved):
                     p.copy_(s)

@@ -56,11 +56,16 @@ def test_with_k_1_resources_and_memory_are_what_they_were():
      ("gpus_per_replica=2", "valid: leader")),
     (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size", ("valid: a multiple of 3",)),
     (["topology.gpus_per_replica=0"], "topology.gpus_per_replica", ("valid: an int >= 1",)),
-    (["topology.gpus_per_replica=2"], "topology.gpus_per_replica",
-     ("not yet supported by the Ray launcher", "valid: 1")),
-    # every site restating one k is one k: only the launcher's refusal is left
+    # what a replica of k ranks does not do yet (issue 34): each its own line
+    (["topology.gpus_per_replica=2"], "checkpoint.every",
+     ("do not write checkpoints yet", "valid: 0 with gpus_per_replica > 1")),
+    (["topology.gpus_per_replica=2", "checkpoint.every=0", "train.resume=true"], "train.resume",
+     ("does not load checkpoints yet",)),
+    (["topology.gpus_per_replica=2", "checkpoint.every=0", "sync.fragments=2", "sync.fragment_delay=1"],
+     "sync.fragment_delay", ("second thread", "valid: 0 with gpus_per_replica > 1")),
+    # every site restating one k is one k: only what k > 1 does not do yet is left
     (["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]"],
-     "topology.gpus_per_replica", ("2 is not yet supported by the Ray launcher",)),
+     "checkpoint.every", ("topology.gpus_per_replica=2",)),
 ])
 def test_a_bad_gpus_per_replica_is_one_line_naming_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as info:
@@ -77,7 +82,7 @@ def test_a_site_may_restate_the_runs_k():
     ([TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:2}]")], "topology.sites[1].gpus_per_replica"),
     (["topology.gpus_per_replica=2", "sync.outer_path=sharded"], "sync.outer_path"),
     (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size"),
-    (["topology.gpus_per_replica=2"], "topology.gpus_per_replica"),
+    (["topology.gpus_per_replica=2"], "checkpoint.every"),
 ])
 def test_the_command_line_refuses_with_exit_2_in_one_line_before_ray(tmp_path, overrides, field):
     result = train_isolated(tmp_path, *overrides)
@@ -121,16 +126,15 @@ def test_too_few_gpus_for_k_ranks_counts_every_rank():
 
 def test_the_launchers_cluster_check_refuses_before_any_actor_starts(monkeypatch):
     """actors.placement.check_cluster (what run_training calls first; a ConfigError there is exit 2):
-    the device count with the nodes' resources, then k > 1 itself (issue 34: no rank actors yet)."""
+    the device count with the nodes' resources; a k that divides them passes."""
     import actors.placement as placement
 
     monkeypatch.setattr(placement.ray, "nodes", lambda: [_gpu_node(8), _gpu_node(8)])
     with pytest.raises(ConfigError) as info:
         placement.check_cluster(_k(3, **{"data.batch_size": 9}), data_timeout_s=1.0)
     _assert_one_line_naming(info.value, "topology.gpus_per_replica", "valid: 1, 2, 4, 8")
-    with pytest.raises(ConfigError) as info:
-        placement.check_cluster(_k(2), data_timeout_s=1.0)
-    _assert_one_line_naming(info.value, "topology.gpus_per_replica", "not yet supported by the Ray launcher")
+    plan, silent = placement.check_cluster(_k(2), data_timeout_s=1.0)
+    assert plan.gpus_per_rank == 1 and silent == []
 
 
 # -- capacity: the per-rank memory rule and placement of whole replicas -----------------------------------
