@@ -230,8 +230,8 @@ class SiteChanges:
         handles = {}
         for i, rid in enumerate(widened.cluster_members(c)):
             name = replica_actor_name(self.run_id, rid)
-            handles[rid] = lookup(name) or start_replica(container, name, {**options[i], "lifetime": "detached"}, rid,
-                                                         self.run_dir, backends, index_table=dict(widened.index_table))
+            handles[rid] = lookup(name) or start_replica(container, name, options[i], rid, self.run_dir, backends,
+                                                         index_table=dict(widened.index_table), lifetime="detached")
         self.joining = Joining(record["id"], c, widened, handles)
 
     def _backends(self) -> dict:

@@ -121,8 +121,8 @@ class _World:
         self.actors: dict[str, _Actor] = {}
         self.started: list[tuple] = []
 
-    def start(self, container, name, options, rid, run_dir, backends, index_table):
-        self.started.append((name, options, rid, container, dict(index_table)))
+    def start(self, container, name, options, rid, run_dir, backends, index_table, lifetime=None):
+        self.started.append((name, {**options, "lifetime": lifetime}, rid, container, dict(index_table)))
         self.actors[name] = _Actor(name)
         return self.actors[name]
 
