@@ -121,15 +121,18 @@ def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_
     the run's end. Asynchronous: Ray places the replicas once the group is ready, nobody waits here."""
     rank, bundle = rank_resources(cfg, gpus), replica_resources(cfg, gpus)
     opts: dict = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0)}
-    if label is not None:
+    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
+    if label is not None and ranks == 1:
         return [{**opts, "label_selector": {LABEL_KEY: str(label)}} for _ in range(replicas)]
-    if cfg.topology.placement_strategy == "NONE" or not any(v > 0 for v in bundle.values()):
+    if (strategy == "NONE" and ranks == 1) or not any(v > 0 for v in bundle.values()):
         return [dict(opts) for _ in range(replicas)]
     try:
         group = get_placement_group(group_name)  # a predecessor's, for the same site
-    except ValueError:
-        group = placement_group([dict(bundle) for _ in range(replicas)], strategy=cfg.topology.placement_strategy,
-                                name=group_name, lifetime="detached")
+    except ValueError:  # k ranks need their one bundle even with a label or no strategy (group_specs)
+        group = placement_group([dict(bundle) for _ in range(replicas)], name=group_name, lifetime="detached",
+                                strategy="PACK" if strategy == "NONE" or label is not None else strategy,
+                                **({"bundle_label_selector": [{LABEL_KEY: str(label)}] * replicas}
+                                   if label is not None else {}))
     return [{**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group,
                                                                              placement_group_bundle_index=i)}
             for i in range(replicas)]

@@ -309,3 +309,48 @@ def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_sa
     world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
     assert resumed.at_round_start(6).clusters == 3
     assert len([e for e in events if e["event"] == "site_request"]) == 1  # decided once, for good
+
+
+# -- placed as a cluster is (actors/placement.py site_options), Ray's group calls faked ------------------------
+def _placement_cfg(strategy: str = "STRICT_PACK", k: int = 1):
+    return OmegaConf.create({"topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": [],
+                                          "cpus_per_replica": 1.0, "gpus_per_replica": k,
+                                          "placement_strategy": strategy}})
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    made: list[dict] = []
+
+    def missing(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(placement, "get_placement_group", missing)
+    monkeypatch.setattr(placement, "placement_group", lambda bundles, **kw: made.append({"bundles": bundles, **kw})
+                        or SimpleNamespace(id=len(made)))
+    monkeypatch.setattr(placement, "PlacementGroupSchedulingStrategy",
+                        lambda placement_group, placement_group_bundle_index: (placement_group.id,
+                                                                               placement_group_bundle_index))
+    return made
+
+
+def test_a_new_site_gets_a_detached_group_of_its_own_one_bundle_per_replica(groups):
+    options = placement.site_options(_placement_cfg(), 0.0, 2, None, "hsgd:run1:site-c2")
+    [group] = groups
+    assert group == {"bundles": [{"CPU": 1.0}, {"CPU": 1.0}], "name": "hsgd:run1:site-c2", "lifetime": "detached",
+                     "strategy": "STRICT_PACK"}
+    assert [o["scheduling_strategy"] for o in options] == [(1, 0), (1, 1)] and options[0]["num_cpus"] == 1.0
+
+
+def test_a_labelled_site_is_placed_by_its_label_and_one_with_no_strategy_anywhere(groups):
+    labelled = placement.site_options(_placement_cfg(), 0.0, 2, "rack-b", "g")
+    assert [o["label_selector"] for o in labelled] == [{"hsgd-cluster": "rack-b"}] * 2
+    anywhere = placement.site_options(_placement_cfg("NONE"), 0.0, 1, None, "g")
+    assert anywhere == [{"num_cpus": 1.0, "num_gpus": 0}] and not groups
+
+
+def test_a_labelled_site_of_k_rank_replicas_keeps_each_replica_in_one_bundle_on_its_label(groups):
+    options = placement.site_options(_placement_cfg(k=2), 0.0, 2, "rack-b", "g")
+    [group] = groups
+    assert group["strategy"] == "PACK" and group["bundles"] == [{"CPU": 2.0}] * 2
+    assert group["bundle_label_selector"] == [{"hsgd-cluster": "rack-b"}] * 2 and options[1]["num_cpus"] == 1.0
