@@ -156,6 +156,15 @@ class Drill:
         except RequestError as err:
             raise DrillError(str(err)) from err
 
+    def add_site(self, replicas: int, label: str | None = None, name: str | None = None) -> str:
+        """Ask the run for a new site of `replicas` replicas (placed by node `label`, else its own
+        placement group) at its next round's start: one request file, exactly as `python -m jobs.status
+        <run> add-site replicas=N [label=L] [name=S]`; its id. DrillError on fields that cannot be valid."""
+        try:
+            return write_request(self.run_dir, "add-site", replicas=replicas, label=label, name=name).id
+        except RequestError as err:
+            raise DrillError(str(err)) from err
+
     def wait_site_request(self, request_id: str, timeout_s: float = 120.0) -> dict:
         """Wait for the supervisor's `site_request` event for `request_id` (applied or refused); that event."""
         deadline = time.monotonic() + timeout_s

@@ -249,6 +249,11 @@ def _finish(run: Run, summary: dict) -> dict:
 def _clean_up(run: Run) -> None:
     import ray
 
+    from actors.site_changes import stop_joined_sites
+
+    if run.info:  # sites added mid-run: their replicas and groups are detached (they outlive a supervisor)
+        with contextlib.suppress(Exception):  # best effort, as every stop here
+            call_with_deadline(lambda: stop_joined_sites(run.run_dir, run.run_id), DRIVER_IO_S, "stopping added sites")
     for actor in run.actors:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)

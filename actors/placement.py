@@ -20,7 +20,7 @@ import socket
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hsgd.config import ConfigError
@@ -111,6 +111,37 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
     if problem is not None:
         raise ConfigError("data.path", problem)
     return sorted(name for name, exists in answers.items() if exists is None)
+
+
+def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_name: str) -> list[dict]:
+    """Ray options for each replica of a site joining a running run (actors/site_changes.py), placed the
+    way `ClusterPlacement` places a cluster: by its `label`, else in a placement group of its own
+    (`topology.placement_strategy`), else anywhere. The group is DETACHED and named `group_name`: its
+    replicas outlive a supervisor restart, whose successor finds it by name; the driver removes it at
+    the run's end. Asynchronous: Ray places the replicas once the group is ready, nobody waits here."""
+    rank, bundle = rank_resources(cfg, gpus), replica_resources(cfg, gpus)
+    opts: dict = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0)}
+    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
+    if label is not None and ranks == 1:
+        return [{**opts, "label_selector": {LABEL_KEY: str(label)}} for _ in range(replicas)]
+    if (strategy == "NONE" and ranks == 1) or not any(v > 0 for v in bundle.values()):
+        return [dict(opts) for _ in range(replicas)]
+    try:
+        group = get_placement_group(group_name)  # a predecessor's, for the same site
+    except ValueError:  # k ranks need their one bundle even with a label or no strategy (group_specs)
+        group = placement_group([dict(bundle) for _ in range(replicas)], name=group_name, lifetime="detached",
+                                strategy="PACK" if strategy == "NONE" or label is not None else strategy,
+                                **({"bundle_label_selector": [{LABEL_KEY: str(label)}] * replicas}
+                                   if label is not None else {}))
+    return [{**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                             placement_group_bundle_index=i)}
+            for i in range(replicas)]
+
+
+def remove_site_group(group_name: str) -> None:
+    """The detached group of a joined site, removed (the run's end); none by that name: nothing to do."""
+    with contextlib.suppress(Exception):
+        remove_placement_group(get_placement_group(group_name))
 
 
 class ClusterPlacement:

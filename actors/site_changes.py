@@ -1,5 +1,5 @@
 """Site requests carried out by the supervisor (hsgd/core/site_requests.py is the protocol: files,
-decisions, applied once). Only `drain` exists in this slice.
+decisions, applied once): `drain` and `add-site`.
 
 Drain c at round r's start (its replicas are idle, between rounds): the outcome is written first,
 then c's replicas and hot spares are stopped with no restart. That is no failure: the roster sets
@@ -8,6 +8,34 @@ actor table reports their deaths to nobody (Roster.deaths skips a drained cluste
 `replica_down`, fault count, restart or quorum quarantine follows; nothing is rolled back. The
 machine's plan leaves c out like any cluster with no live member: the other clusters' inner groups
 stand, the outer group of round r is formed over one site fewer (its holders changed).
+
+Add-site at round a's start: decided with the live Ray cluster's nodes and free resources
+(`cluster_resources`: two reads of Ray's GCS tables; no actor is asked). Refused: a label no live
+node carries, no room (hsgd/core/site_requests.py `add_site_problem`), Ray's tables unreadable, or
+another site still starting (one site starts at a time, so every new site is the next index). An
+applied one is the new cluster c<K> (`next_cluster`: a drained site's index is never reused):
+    start     its outcome written, its ids' fresh global indices (Topology.with_site, issue 32's
+              table) saved in the durable state, then its replicas started, named as the driver
+              names replicas, DETACHED (a supervisor's own actors die with it; these must outlive
+              it, as the driver's do) and placed as a cluster is (actors/placement.py
+              `site_options`: its label, else a detached placement group of its own). Nothing
+              waits: the round in flight goes on.
+    up        at each round's start their `progress` is asked without waiting (ray.wait, timeout 0);
+              once ALL have answered up (built, idle), at that round's start: the identity map
+              gets their names (saved), `<id>.joined` is written, then the topology is widened
+              (returned to the supervisor, which hands it to the round machine) and they are
+              admitted at their own (round 0) progress: `site_up`.
+    join      the round machine sees a cluster with nobody at the round: it heals `global` from
+              another cluster (as a whole cluster that restarted), forms the new cluster's inner
+              group and, its leader being new, the outer group; the other sites' inner groups
+              stand (their members did not change). `site_committed` at the first round's start
+              after a round it committed.
+A restarted supervisor builds its topology with every joined site (`topology_of_run`), finds a
+joined site's actors by name, and, for an applied site not joined yet, finds (or, if the crash
+came before they were started, starts) its replicas and waits for them again. The driver stops
+the detached replicas and groups at the run's end (`stop_joined_sites`). Not handled: a new
+replica that dies for good before it is up keeps the site waiting (it never joins; the run goes
+on); a joined site's replica re-created by quarantine starts with the run's config as written.
 
 A restarted supervisor reads the outcomes before it looks at any replica (`SiteChanges.__init__`),
 stops a drained cluster's actors again (a no-op once they are dead) and logs a `site_request`
@@ -18,55 +46,158 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
+from dataclasses import dataclass, field
 
 import ray
+from omegaconf import OmegaConf
 
-from hsgd.core.site_requests import APPLIED, SiteRequest, decide, drained, mark_done, outcomes, pending
+from actors.roster import lookup, replica_actor_name
+from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, add_site_problem, applied_sites,
+                                     cluster_index, decide, drained, joined, joined_topology, mark_done, mark_joined,
+                                     next_cluster, outcomes, pending, widened_sites)
+from hsgd.core.topology import Topology, topology_of
 from hsgd.record.rundir import call_with_deadline, write_deadline_s
 
 
+def cluster_resources(cfg) -> tuple[list[dict], dict[str, dict], dict]:
+    """Ray's node table, each live node's free resources (NodeID -> {resource: amount}), and one
+    replica's bundle as this run places it. Raises whatever Ray raises when its tables cannot be read."""
+    from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public per-node view
+
+    from actors.placement import rank_resources
+    from hsgd.config.capacity import plan_backends, replica_need
+
+    nodes = ray.nodes()
+    gpus = plan_backends(cfg, [nd for nd in nodes if nd.get("Alive")]).gpus_per_rank
+    return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus))
+
+
+def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> Topology:
+    """The run's topology now: the config's, widened by every site that joined in this run (a
+    restarted supervisor's; a resumed run's sites start again: `SiteChanges`)."""
+    return joined_topology(topology_of(cfg, replica_indices), outcomes(run_dir), joined(run_dir, run_id))
+
+
+def site_group_name(run_id: str, cluster: int) -> str:
+    return f"hsgd:{run_id}:site-c{cluster}"
+
+
+def stop_joined_sites(run_dir: str, run_id: str) -> None:
+    """The run's end (the driver): every added site's replicas and placement group are detached, so
+    they outlive their supervisor and are stopped here, each best effort (one already gone is none)."""
+    from actors.placement import remove_site_group
+
+    for d in applied_sites(outcomes(run_dir)):
+        c = cluster_index(d["cluster"])
+        for i in range(int(d["replicas"])):
+            handle = lookup(replica_actor_name(run_id, f"c{c}r{i}"))
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+        remove_site_group(site_group_name(run_id, c))
+
+
+@dataclass
+class Joining:
+    """An applied site whose replicas were started and are not all up yet."""
+    request_id: str
+    cluster: int
+    topology: Topology  # the run's topology with it
+    handles: dict  # rid -> its actor
+    asked: dict = field(default_factory=dict)  # rid -> its progress question still unanswered
+    up: dict = field(default_factory=dict)  # rid -> its progress answer (built, idle)
+    started: float = field(default_factory=time.monotonic)
+
+
 class SiteChanges:
-    def __init__(self, cfg, run_dir: str, topology, roster, log):
+    def __init__(self, cfg, run_dir: str, topology: Topology, roster, log, state=None, save=lambda: None):
         """`log`: the RunLog; its events are read only when outcomes exist (a predecessor's
-        `site_request` events are not logged twice)."""
+        `site_request` events are not logged twice). `state`: the durable RunState (run id, index
+        table, identity map) and `save` its writer: an add-site's fresh indices are saved there."""
         self.cfg, self.run_dir, self.topology, self.roster, self.log = cfg, run_dir, topology, roster, log
+        self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
+        self.joined = joined(run_dir, self.run_id) if self.done else {}  # request id -> its join ("cluster", "round")
+        self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         for cluster in self.drained:
             self._stop(cluster)
         events = log.records("events") if self.done else []
         logged = {e.get("id") for e in events if e.get("event") == "site_request"}
+        self.committed = {e.get("cluster") for e in events if e.get("event") == "site_committed"}
         for record in self.done.values():
             if record.get("id") not in logged:
                 self._report(record)
+        for record in applied_sites(self.done):
+            if record["id"] in self.joined:
+                self._adopt(cluster_index(record["cluster"]))
+            elif cluster_index(record["cluster"]) not in self.drained:
+                self._start(record)
 
-    def at_round_start(self, round_index: int) -> None:
-        """Decide and carry out every pending request, oldest first, before round `round_index` is planned.
+    def at_round_start(self, round_index: int) -> Topology:
+        """Decide and carry out every pending request, oldest first, before round `round_index` is planned;
+        take in a site whose replicas are all up. Returns the run's topology (wider once a site joined).
         The run folder is read and written under the run's I/O deadline: a full disk or a hung mount
-        leaves the request pending for a later round (nothing is applied before its outcome is on disk)
-        and costs a warning, never the run."""
+        leaves the request (or the join) pending for a later round (nothing is applied before its
+        outcome is on disk) and costs a warning, never the run."""
         try:
             requests = self._io(lambda: pending(self.run_dir, self.done), "listing site requests")
             for request in requests:  # no folder: one directory check, nothing else
                 self._apply(request, round_index)
+            if self.joining is not None:
+                self._take_in(self.joining, round_index)
         except OSError as err:
             with contextlib.suppress(Exception):
                 print(f"[hsgd] site requests not read at round {round_index} (retried next round): "
                       f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        self._note_commits(round_index)
+        return self.topology
 
     def _io(self, fn, what: str):
         return call_with_deadline(fn, write_deadline_s(float(self.cfg.run.io_grace_s)), what)
 
     def topology_record(self) -> dict:
         """The summary's `topology`: Topology.describe(), plus `drained` (cluster -> the round at whose
-        start it left) when a cluster was drained; with none, exactly Topology.describe()."""
+        start it left) when a cluster was drained, and `history` (every applied join and drain, in
+        order: round, kind, cluster; an add-site also `joined`: the round at whose start it took part,
+        null if it never did) when there was one; with none, exactly Topology.describe()."""
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
-        return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {})}
+        history = [{"round": d.get("round"), "kind": d.get("kind"), "cluster": d.get("cluster"),
+                    **({"joined": (self.joined.get(d.get("id")) or {}).get("round")} if d.get("kind") == "add-site"
+                       else {})}
+                   for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
+                   if d.get("outcome") == APPLIED]  # every join and drain, in order
+        return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {}),
+                **({"history": history} if history else {})}
+
+    def _decide_add(self, request: SiteRequest) -> Decision:
+        """An add-site's decision (see the module docstring): applied, or refused with its reason."""
+        if request.problem:
+            return Decision(REFUSED, request.problem, None)
+        new = next_cluster(self.topology.clusters, self.done)
+        if self.joining is not None:
+            return Decision(REFUSED, f"add-site c{new}: site c{self.joining.cluster} is still starting; ask again "
+                                     f"once it joined (one site starts at a time)", None)
+        try:
+            nodes, free, need = cluster_resources(self.cfg)
+        except Exception as err:  # noqa: BLE001 — Ray's tables unreadable: refused, the run goes on
+            return Decision(REFUSED, f"add-site c{new}: cannot read the Ray cluster's nodes: "
+                                     f"{type(err).__name__}: {err}".splitlines()[0], None)
+        problem = add_site_problem(request, nodes=nodes, free=free, need=need, new_cluster=new)
+        if problem is not None:
+            return Decision(REFUSED, problem, None)
+        where = f"label {request.label!r}" if request.label is not None else "a placement group of its own"
+        return Decision(APPLIED, f"add-site c{new}: {request.replicas} replica(s) starting ({where}); the site "
+                                 f"joins at the first round's start after all answer up", new)
 
     def _apply(self, request: SiteRequest, round_index: int) -> None:
-        live = {self.topology.cluster_of(rid) for rid in self.roster.live} - set(self.drained)
-        decision = decide(request, clusters=self.topology.clusters, drained_clusters=self.drained,
-                          min_clusters=int(self.cfg.supervisor.min_clusters), live_clusters=live)
+        if request.kind == "add-site":
+            decision = self._decide_add(request)
+        else:
+            live = {self.topology.cluster_of(rid) for rid in self.roster.live} - set(self.drained)
+            decision = decide(request, clusters=self.topology.clusters, drained_clusters=self.drained,
+                              min_clusters=int(self.cfg.supervisor.min_clusters), live_clusters=live)
         # before the effect: applied once (an OSError here leaves it pending, nothing done)
         record = self._io(lambda: mark_done(self.run_dir, request, decision, round_index), "recording a site request")
         self.done[request.id] = record
@@ -74,6 +205,111 @@ class SiteChanges:
             self.drained[decision.cluster] = round_index
             self._stop(decision.cluster)
         self._report(record)
+        if decision.outcome == APPLIED and request.kind == "add-site":
+            self._start(record)
+
+    def _start(self, record: dict) -> None:
+        """Start (or, after a supervisor restart, find) the replicas of the applied add-site `record`;
+        never waits for them (module docstring: `start`)."""
+        from actors.placement import site_options
+        from actors.startup import start_replica
+
+        c, n = cluster_index(record["cluster"]), int(record["replicas"])
+        if c != self.topology.clusters:  # one site starts at a time: cannot happen unless files were edited
+            self._say(f"site {record['cluster']} not started: the next cluster is c{self.topology.clusters}")
+            return
+        widened = self.topology.with_site(n, label=record.get("label"), name=record.get("name"))
+        if self.state is not None:  # fresh indices, durable before any replica reads its own
+            self.state.replica_indices.update(dict(widened.index_table))
+            self.save()
+        backends = self._backends()
+        container = OmegaConf.to_container(self.cfg, resolve=True)  # its replicas' config names the site
+        container["topology"]["sites"] = widened_sites(list(container["topology"].get("sites") or []), widened)
+        options = site_options(self.cfg, 1.0 if "nccl" in backends.values() else 0.0, n, record.get("label"),
+                               site_group_name(self.run_id, c))
+        handles = {}
+        for i, rid in enumerate(widened.cluster_members(c)):
+            name = replica_actor_name(self.run_id, rid)
+            handles[rid] = lookup(name) or start_replica(container, name, options[i], rid, self.run_dir, backends,
+                                                         index_table=dict(widened.index_table), lifetime="detached")
+        self.joining = Joining(record["id"], c, widened, handles)
+
+    def _backends(self) -> dict:
+        """The levels' backends as the run's replicas report them, else as the driver planned them."""
+        known = next((info["backends"] for info in self.roster.replica_info.values() if info.get("backends")), None)
+        if known:
+            return dict(known)
+        from hsgd.config.capacity import plan_backends
+
+        plan = plan_backends(self.cfg, [nd for nd in ray.nodes() if nd.get("Alive")])
+        return {"inner": plan.inner, "outer": plan.outer}
+
+    def _take_in(self, joining: Joining, round_index: int) -> None:
+        """Ask the starting replicas whether they are up (never waiting); once all are, they join now."""
+        for rid, handle in joining.handles.items():
+            if rid not in joining.up and rid not in joining.asked:
+                joining.asked[rid] = handle.progress.remote()
+        refs = list(joining.asked.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
+        for rid, ref in list(joining.asked.items()):
+            if ref not in ready:
+                continue
+            del joining.asked[rid]
+            try:
+                answer = ray.get(ref, timeout=1.0)
+            except Exception:  # noqa: BLE001 — died or restarting: asked again at the next round's start
+                continue
+            if answer.get("phase", "idle") == "idle" and not answer.get("spare"):
+                joining.up[rid] = answer
+        if len(joining.up) < len(joining.handles):
+            return
+        roster, name = self.roster, f"c{joining.cluster}"
+        for rid, handle in joining.handles.items():  # the identity map first: a successor's roster finds them
+            roster.names[rid], roster.handles[rid] = replica_actor_name(self.run_id, rid), handle
+            roster.gone.discard(rid)
+        self.save()
+        self.joined[joining.request_id] = self._io(
+            lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
+            "recording a site's join")
+        self.topology = roster.topology = joining.topology
+        for rid, answer in sorted(joining.up.items()):
+            roster.admit(rid, answer)  # replica_up, with its fresh replica_index
+        self.joining = None
+        seconds = time.monotonic() - joining.started
+        self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.handles),
+                       seconds=round(seconds, 3))
+        self._say(f"site {name} up ({len(joining.handles)} replica(s), {seconds:.1f} s after it was applied): "
+                  f"it joins at round {round_index}'s start, healed from the global state")
+
+    def _adopt(self, cluster: int) -> None:
+        """A joined site after a supervisor restart: its ids are in the identity map (saved before it
+        joined); an id missing there (an older state) gets the name the site's replicas were started under."""
+        roster = self.roster
+        for rid in self.topology.cluster_members(cluster):
+            if rid not in roster.names:
+                roster.names[rid] = replica_actor_name(self.run_id, rid)
+            if roster.handles.get(rid) is None:
+                roster.handles[rid] = lookup(roster.names[rid])
+                if roster.handles[rid] is None:
+                    roster.gone.add(rid)
+
+    def _note_commits(self, round_index: int) -> None:
+        """`site_committed`, once per joined site: at the first round's start where a member of it
+        holds a round after the one it joined at (it took part in that commit)."""
+        for record in applied_sites(self.done):
+            name, joined_at = record["cluster"], (self.joined.get(record["id"]) or {}).get("round")
+            if joined_at is None or name in self.committed or cluster_index(name) >= self.topology.clusters:
+                continue
+            members = [rid for rid in self.topology.cluster_members(cluster_index(name))
+                       if self.roster.live.get(rid, (-1, 0))[0] > joined_at and self.roster.live[rid][0] >= round_index]
+            if members:
+                self.committed.add(name)
+                self.log.event("site_committed", cluster=name, round=round_index - 1, replicas=members)
+                self._say(f"site {name} committed round {round_index - 1} with the others")
+
+    def _say(self, line: str) -> None:
+        with contextlib.suppress(Exception):  # a console that fails must not stop the run
+            print(f"[hsgd] {line}", file=sys.stderr, flush=True)
 
     def _stop(self, cluster: int) -> None:
         """Stop cluster's replicas and spares for good, none of it counted as a failure."""

@@ -55,12 +55,14 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
     return point
 
 
-def start_replica(container: dict, name: str, options: dict, *args, index_table: dict):
-    """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream."""
+def start_replica(container: dict, name: str, options: dict, *args, index_table: dict, lifetime: str | None = None):
+    """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream.
+    `lifetime="detached"`: it outlives its creator (a site added by the supervisor); its other ranks
+    (k > 1) are its own actors, with `options` only, so they go with it."""
     k = ranks_per_replica(OmegaConf.create(container))  # k > 1: its other ranks get the same options
     return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
-                           **options).remote(container, *args, index_table=index_table,
-                                             rank_options=options if k > 1 else None)
+                           **({"lifetime": lifetime} if lifetime else {}), **options).remote(
+        container, *args, index_table=index_table, rank_options=options if k > 1 else None)
 
 
 def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,

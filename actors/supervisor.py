@@ -26,7 +26,7 @@ from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
-from actors.site_changes import SiteChanges
+from actors.site_changes import SiteChanges, topology_of_run
 from actors.round_record import RunFailed, SupervisorRecord
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
@@ -34,7 +34,6 @@ from hsgd.core.outer_plan import params_agree
 from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, current_round, due, evaluation_order,
                              heals_at_rest, round_settings, unrecorded_rounds)
 from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
-from hsgd.core.topology import topology_of
 from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 from hsgd.record.metrics import committed_tokens, fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.run_state import RunState
@@ -54,7 +53,7 @@ class Supervisor:
         self.run_dir, self.run_id = run_dir, run_id
         self.spr = steps_per_round(self.cfg)
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
-        self.topology = topology_of(self.cfg, self.state.replica_indices)  # the table the driver wrote
+        self.topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir, run_id)  # + joined sites
         self.state.replica_indices = dict(self.topology.index_table)
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
@@ -68,7 +67,8 @@ class Supervisor:
         self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state, self.roster,
                                      self.log, self.record.save_state, injected=self.injector.explains_death)
         self.roster.on_death = self.quarantine.death
-        self.sites = SiteChanges(self.cfg, run_dir, self.topology, self.roster, self.log)
+        self.sites = SiteChanges(self.cfg, run_dir, self.topology, self.roster, self.log, self.state,
+                                 self.record.save_state)
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
@@ -149,7 +149,7 @@ class Supervisor:
                     status, reason = "stopped", f"stop requested; stopped after round {r}"
                     self.log.event("run_stopped", round=r)
                     break
-                self.sites.at_round_start(r)  # site requests (drain), before the round is planned
+                self.topology = self.ports.topology = self.sites.at_round_start(r)  # site requests: drain, join
                 self._round(r)
             self._final_heal()
             checkpointing.save_model(self.ports)

@@ -6,8 +6,9 @@ Refreshes until the run is done (summary.json, status.json's `status`, or a run_
 
 `python -m jobs.status <run> drain-site c2` writes one site request into `<run>/requests/`
 (hsgd/core/site_requests.py; README, "Sites that come and go") and exits: the supervisor decides it
-at the next round's start. Exit 0 with the request's id printed; 2: no run dir, or a request that
-cannot be valid (one line on stderr).
+at the next round's start. `... add-site replicas=N [label=L] [name=S]` asks for a new site the same
+way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2: no run dir, or a
+request that cannot be valid (one line on stderr).
 """
 from __future__ import annotations
 
@@ -95,14 +96,39 @@ def render(state: dict):
     return Group(table, info, Text("last events:", style="bold"), *(recent or [Text("(no events yet)")]))
 
 
-def request_site_change(run_dir: Path, kind: str, cluster: str) -> int:
+ADD_SITE_KEYS = ("replicas", "label", "name")
+
+
+def parse_add_site(args: list[str]) -> dict:
+    """`replicas=N [label=L] [name=S]` -> write_request's keywords. RequestError, one line naming the
+    argument and what is valid, on anything else (a field's value is checked by write_request)."""
+    fields: dict = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in ADD_SITE_KEYS:
+            raise RequestError(f"add-site: argument {arg!r} unknown; valid: replicas=N [label=L] [name=S]")
+        if key in fields:
+            raise RequestError(f"add-site: {key} given twice")
+        fields[key] = value
+    if "replicas" not in fields:
+        raise RequestError("add-site: replicas=N missing; valid: replicas=N [label=L] [name=S]")
+    try:
+        fields["replicas"] = int(fields["replicas"])
+    except ValueError:
+        raise RequestError(f"add-site: replicas={fields['replicas']!r} is not a replica count; "
+                           f"valid: an integer >= 1") from None
+    return fields
+
+
+def request_site_change(run_dir: Path, kind: str, cluster: str = "", **fields) -> int:
     """Write one site request file (no Ray); print its id. 2 on a request that cannot be valid."""
     try:
-        request = write_request(run_dir, kind, cluster)
+        request = write_request(run_dir, kind, cluster, **fields)
     except RequestError as err:
         print(f"jobs.status: {err}", file=sys.stderr)
         return 2
-    print(f"site request {request.id} written: {kind} {cluster} (decided at the next round's start)")
+    what = cluster or " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    print(f"site request {request.id} written: {kind} {what} (decided at the next round's start)")
     return 0
 
 
@@ -116,9 +142,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
             return 2
         return request_site_change(Path(argv[0]), "drain", args.cluster)
+    if len(argv) >= 2 and argv[1] == "add-site":  # `<run> add-site replicas=2 [label=..] [name=..]`
+        if not Path(argv[0]).is_dir():
+            print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
+            return 2
+        try:
+            fields = parse_add_site(argv[2:])
+        except RequestError as err:
+            print(f"jobs.status: {err}", file=sys.stderr)
+            return 2
+        return request_site_change(Path(argv[0]), "add-site", **fields)
     parser = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0],
-                                     epilog="python -m jobs.status <run_dir> drain-site c<k>: ask the run to "
-                                            "drain a site at its next round's start")
+                                     epilog="python -m jobs.status <run_dir> drain-site c<k> | add-site replicas=N "
+                                            "[label=L] [name=S]: ask the run to drain or add a site at its next "
+                                            "round's start")
     parser.add_argument("run_dir")
     parser.add_argument("--once", action="store_true", help="print once and exit")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")

@@ -3,21 +3,35 @@ supervisor applies, each request exactly once.
 
 Protocol:
     ask       `write_request` puts ONE file `<run.dir>/requests/<id>.json` ({"id", "kind", "cluster",
-              "t"}), written under a temp name (a dot first, never read) then renamed: a reader sees
-              the whole file or none. The id is unique (time, kind, cluster, random bits).
+              "t"}; an add-site also "replicas", "label", "name", and "cluster" is "": the
+              supervisor names the new site c<K>, the next free index, when it decides), written
+              under a temp name (a dot first, never read) then renamed: a reader sees the whole
+              file or none. The id is unique (time, kind, cluster, random bits).
     apply     at each round's start the supervisor reads `pending` (requests without an outcome,
               oldest first), `decide`s each against the clusters drained so far, carries out an
               applied one, and records the outcome with `mark_done`: `<id>.done` ({"id", "kind",
               "cluster", "outcome": applied | refused, "reason", "round"}), atomic the same way.
     once      the outcome file is written BEFORE the effect is carried out (for a drain: the
-              replicas stopped), so a supervisor restarted at any point reads it and never decides
-              again; it carries out what the `.done` files say (`drained`), which stopping again
-              leaves the same. A request with no `.done` was never decided: it is decided once.
+              replicas stopped; for an add-site: its replicas started), so a supervisor restarted
+              at any point reads it and never decides again; it carries out what the `.done` files
+              say (`drained`, `applied_sites`), which doing again leaves the same (stopped actors
+              stay stopped; a site's replicas are found by name before any is started). A request
+              with no `.done` was never decided: it is decided once.
+    join      an applied add-site's record names its cluster `c<K>` and keeps `replicas`, `label`,
+              `name`. Once its replicas are all up, `<id>.joined` ({"id", "cluster", "round",
+              "run_id"}) is written, atomic, BEFORE the run's topology takes the site in, so a
+              restarted supervisor of the same run builds its topology with every joined site
+              (`joined_topology`); a resumed run (another run id) starts the site again.
 
-Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a cluster not
-named `c<k>`) is refused with its reason, never skipped silently and never retried; a folder that
-cannot be written raises (OSError) to the caller, whose run-folder rules apply. No requests folder:
-`pending` is empty, after one directory check.
+Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's
+cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason,
+never skipped silently and never retried; a folder that cannot be written raises (OSError) to the
+caller, whose run-folder rules apply. No requests folder: `pending` is empty, after one directory
+check.
+
+add-site refusals (`add_site_problem`, pure, fed the live nodes and their free resources): a label
+that no live node carries, and no room: the free resources of the nodes the site may use (its
+label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node.
 """
 from __future__ import annotations
 
@@ -28,12 +42,16 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
+from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
-KINDS = ("drain",)  # add-site is issue 37's next slice
+KINDS = ("drain", "add-site")
 APPLIED, REFUSED = "applied", "refused"
 _CLUSTER = re.compile(r"^c(\d+)$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a site's name or label: one token
 
 
 class RequestError(ValueError):
@@ -47,6 +65,9 @@ class SiteRequest:
     cluster: str  # as asked: "c2"
     t: float
     problem: str | None = None  # a malformed file: why (the request is refused with it)
+    replicas: int | None = None  # add-site: the new site's replicas
+    label: str | None = None  # add-site: the node label it is placed by (None: its own placement group)
+    name: str | None = None  # add-site: its name (topology.sites[].name)
 
 
 @dataclass(frozen=True)
@@ -70,19 +91,43 @@ def _atomic_write_json(path: Path, payload: dict) -> None:
     atomic_write_text(path, json.dumps(payload, sort_keys=True))
 
 
-def write_request(run_dir: str | Path, kind: str, cluster: str, *, now: float | None = None) -> SiteRequest:
-    """Write one request file; returns it. Raises RequestError for a kind or cluster name that
-    cannot be valid in any run (whether the cluster exists is the supervisor's decision)."""
+def add_site_fields_problem(replicas, label, name) -> str | None:
+    """Why an add-site's fields cannot be valid in any run, one line naming the field; None if they can."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        return f"replicas={replicas!r} is not a replica count; valid: an integer >= 1"
+    for field_name, value in (("label", label), ("name", name)):
+        if value is not None and (not isinstance(value, str) or not _NAME.match(value)):
+            return (f"{field_name}={value!r} is not valid; valid: one token of letters, digits, '_', '.', '-' "
+                    f"(at most 64), or leave it out")
+    return None
+
+
+def write_request(run_dir: str | Path, kind: str, cluster: str = "", *, replicas: int | None = None,
+                  label: str | None = None, name: str | None = None, now: float | None = None) -> SiteRequest:
+    """Write one request file; returns it. Raises RequestError for a kind, cluster name or add-site
+    field that cannot be valid in any run (whether the cluster exists, or the site fits, is the
+    supervisor's decision). A drain names `cluster`; an add-site gives `replicas` (and optionally
+    `label`, `name`) and no cluster."""
     if kind not in KINDS:
         raise RequestError(f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}")
-    if cluster_index(cluster) is None:
+    extra: dict = {}
+    if kind == "add-site":
+        if cluster:
+            raise RequestError(f"add-site names no cluster (got {cluster!r}); valid: leave it out, the run picks "
+                               f"the next free c<k>")
+        problem = add_site_fields_problem(replicas, label, name)
+        if problem:
+            raise RequestError(f"add-site: {problem}")
+        extra = {"replicas": replicas, "label": label, "name": name}
+    elif cluster_index(cluster) is None:
         raise RequestError(f"cluster {cluster!r} is not a cluster name; valid: c0, c1, ...")
     t = time.time() if now is None else now
-    request = SiteRequest(id=f"{int(t * 1000):013d}-{kind}-{cluster}-{uuid.uuid4().hex[:8]}", kind=kind,
-                          cluster=cluster, t=t)
+    request = SiteRequest(id=f"{int(t * 1000):013d}-{kind}-{cluster or 'new'}-{uuid.uuid4().hex[:8]}", kind=kind,
+                          cluster=cluster, t=t, **extra)
     folder = requests_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write_json(folder / f"{request.id}.json", {"id": request.id, "kind": kind, "cluster": cluster, "t": t})
+    _atomic_write_json(folder / f"{request.id}.json",
+                       {"id": request.id, "kind": kind, "cluster": cluster, "t": t, **extra})
     return request
 
 
@@ -100,12 +145,19 @@ def _parse(path: Path) -> SiteRequest:
         problem = f"request id {raw.get('id')!r} does not match its file name {path.name}"
     elif kind not in KINDS:
         problem = f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}"
+    elif kind == "add-site" and cluster not in ("", None):
+        problem = f"add-site names no cluster (got {cluster!r}); the run picks the next free c<k>"
+    elif kind == "add-site":
+        problem = add_site_fields_problem(raw.get("replicas"), raw.get("label"), raw.get("name"))
+        problem = problem and f"add-site: {problem}"
     elif not isinstance(cluster, str) or cluster_index(cluster) is None:
         problem = f"cluster {cluster!r} is not a cluster name; valid: c0, c1, ..."
-    elif not isinstance(t, (int, float)):
+    if problem is None and not isinstance(t, (int, float)):
         problem = f"request time {t!r} is not a number"
-    return SiteRequest(id=rid, kind=str(kind), cluster=str(cluster), t=float(t) if isinstance(t, (int, float)) else 0.0,
-                       problem=problem)
+    extra = ({"replicas": raw.get("replicas"), "label": raw.get("label"), "name": raw.get("name")}
+             if kind == "add-site" and problem is None else {})
+    return SiteRequest(id=rid, kind=str(kind), cluster=str(cluster or ""),
+                       t=float(t) if isinstance(t, (int, float)) else 0.0, problem=problem, **extra)
 
 
 def outcomes(run_dir: str | Path) -> dict[str, dict]:
@@ -139,9 +191,40 @@ def drained(done: dict[str, dict]) -> dict[int, int]:
     return out
 
 
+def next_cluster(clusters: int, done: dict[str, dict]) -> int:
+    """The index a new site gets: past every cluster the run started with and every one added since
+    (a drained site's index is never reused: drained sites keep theirs)."""
+    added = [cluster_index(d.get("cluster", "")) for d in done.values()
+             if d.get("kind") == "add-site" and d.get("outcome") == APPLIED]
+    return max([clusters - 1, *(c for c in added if c is not None)]) + 1
+
+
+def add_site_problem(request: SiteRequest, *, nodes: list[dict], free: dict[str, dict], need: dict,
+                     new_cluster: int) -> str | None:
+    """Why the add-site `request` is refused now, one line; None when it may go ahead. `nodes`: Ray's
+    node table (`ray.nodes()`: NodeID, Alive, Labels); `free`: NodeID -> free resources; `need`: one
+    replica's bundle (all its ranks). Pure, so refusals are tested with fake resources."""
+    alive = [nd for nd in nodes if nd.get("Alive")]
+    what = f"add-site c{new_cluster} ({request.replicas} replica(s))"
+    if request.label is not None:
+        alive = [nd for nd in alive if str((nd.get("Labels") or {}).get(LABEL_KEY)) == request.label]
+        if not alive:
+            known = sorted({str(v) for nd in nodes if nd.get("Alive")
+                            for k, v in (nd.get("Labels") or {}).items() if k == LABEL_KEY})
+            return (f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
+                    f"{', '.join(known) or 'none'}")
+    room = sum(replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive)
+    if room < int(request.replicas or 0):
+        where = f"label {request.label!r}'s nodes" if request.label is not None else "the live nodes"
+        return (f"{what}: no room: {where} have free resources for {room} replica(s) of "
+                f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each")
+    return None
+
+
 def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int,
            live_clusters=None) -> Decision:
-    """Whether `request` may be applied now. `drained_clusters`: those already drained;
+    """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
+    `drained_clusters`: those already drained;
     `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
     every cluster not drained), so a drain never leaves no live site while another is down. Pure."""
     if request.problem:
@@ -162,8 +245,77 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
 
 
 def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, round_index: int) -> dict:
-    """Record the outcome durably (before its effect: the module's `once`); returns what was written."""
+    """Record the outcome durably (before its effect: the module's `once`); returns what was written.
+    An applied add-site's record names its new cluster (`c<K>`) and keeps `replicas`, `label`, `name`:
+    what a restarted supervisor needs to find, or start, the site's replicas again."""
     record = {"id": request.id, "kind": request.kind, "cluster": request.cluster, "outcome": decision.outcome,
               "reason": decision.reason, "round": round_index}
+    if request.kind == "add-site" and decision.outcome == APPLIED:
+        record.update(cluster=f"c{decision.cluster}", replicas=request.replicas, label=request.label,
+                      name=request.name)
     _atomic_write_json(requests_dir(run_dir) / f"{request.id}.done", record)
     return record
+
+
+JOINED_SUFFIX = ".joined"
+
+
+def mark_joined(run_dir: str | Path, request_id: str, cluster: str, round_index: int, run_id: str = "") -> dict:
+    """An applied add-site's replicas all answered up and the site joined at round `round_index`'s
+    start: `<id>.joined` ({"id", "cluster", "round", "run_id"}), atomic. Written before the run's
+    topology is widened, so a restarted supervisor of the same run builds the widened one
+    (`joined_topology`); a resumed run (a new run id) starts the site's replicas again instead."""
+    record = {"id": request_id, "cluster": cluster, "round": round_index, "run_id": run_id}
+    _atomic_write_json(requests_dir(run_dir) / f"{request_id}{JOINED_SUFFIX}", record)
+    return record
+
+
+def joined(run_dir: str | Path, run_id: str | None = None) -> dict[str, dict]:
+    """Every site that joined (`<id>.joined`; of run `run_id` only, when given), by request id; {}
+    with no requests folder."""
+    folder = requests_dir(run_dir)
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in sorted(folder.glob(f"*{JOINED_SUFFIX}")):
+        with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
+            out[path.name[:-len(JOINED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
+    return {k: v for k, v in out.items() if run_id is None or v.get("run_id") == run_id}
+
+
+def applied_sites(done: dict[str, dict]) -> list[dict]:
+    """The applied add-sites' outcome records, by their new cluster's index (the order they were added)."""
+    sites = [d for d in done.values() if d.get("kind") == "add-site" and d.get("outcome") == APPLIED
+             and cluster_index(d.get("cluster", "")) is not None]
+    return sorted(sites, key=lambda d: cluster_index(d["cluster"]))
+
+
+def joined_topology(base: Topology, done: dict[str, dict], joined_ids) -> Topology:
+    """`base` (the config's topology) widened by every applied add-site that
+    joined (`joined_ids`), in the order added. Raises ValueError when a joined site's index is not the
+    next one (a site added while another was still starting, which `SiteChanges` refuses)."""
+    topology = base
+    for d in applied_sites(done):
+        if d["id"] not in joined_ids:
+            continue
+        if cluster_index(d["cluster"]) != topology.clusters:
+            raise ValueError(f"joined site {d['cluster']} is not the next cluster c{topology.clusters}")
+        topology = topology.with_site(int(d["replicas"]), label=d.get("label"), name=d.get("name"))
+    return topology
+
+
+SITE_KEYS = ("replicas", "label", "name", "min_replicas", "min_step_s", "straggle_p", "straggle_factor",
+             "gpus_per_replica")
+
+
+def widened_sites(configured: list[dict], topology: Topology) -> list[dict]:
+    """`topology.sites` for the config a new site's replicas start with: the configured entries as they
+    are (their pacing and floors), then one entry per site past them (the uniform keys' sites, a site
+    that joined) from `topology`: its size, label and name, nothing else set."""
+    out = [dict(site) for site in configured[:topology.clusters]]
+    for c in range(len(out), topology.clusters):
+        site = dict.fromkeys(SITE_KEYS)
+        site.update(replicas=topology.size(c), label=topology.label(c),
+                    name=topology.names[c] if c < len(topology.names) else None)
+        out.append(site)
+    return out

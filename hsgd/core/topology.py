@@ -117,6 +117,17 @@ class Topology:
     def cluster_of(self, rid: str) -> int:
         return parse_replica_id(rid)[0]
 
+    def with_site(self, replicas: int, *, label: str | None = None, name: str | None = None) -> "Topology":
+        """This topology with one more site, `c<clusters>`, of `replicas` replicas (a site joining a
+        running run: hsgd/core/site_requests.py). Every id keeps its index; the new ids get the next
+        free ones after the largest ever given (a drained site's ids keep theirs)."""
+        def padded(values: tuple) -> tuple:
+            return tuple(values) + (None,) * (self.clusters - len(values))
+
+        return Topology.of_sites((*self.sizes, int(replicas)), min_replicas=(*padded(self.min_replicas), None),
+                                 labels=(*padded(self.labels), label), names=(*padded(self.names), name),
+                                 index_table=dict(self.index_table))
+
     def describe(self) -> dict:
         """The summary's `topology` field: the sites, their sizes, labels and names."""
         return {"sites": [{"replicas": n, "label": self.label(c),

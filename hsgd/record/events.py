@@ -24,6 +24,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "quorum_wait": ("reason", "wait_s"),  # below quorum: waiting up to wait_s for replicas to return
     # a site request (hsgd/core/site_requests.py) decided at a round's start, once: outcome applied | refused
     "site_request": ("id", "kind", "cluster", "outcome", "reason", "round"),
+    # an added site's replicas all answered up: it joins at round's start (seconds since it was applied)
+    "site_up": ("cluster", "round", "replicas", "seconds"),
+    "site_committed": ("cluster", "round", "replicas"),  # an added site took part in round's commit, the first time
     # one round's phases
     "phase_begin": ("phase", "round", "cluster", "epoch", "replicas"),
     "phase_end": ("phase", "round", "cluster", "seconds", "ok", "failed"),

@@ -161,26 +161,43 @@ def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float)
             if f.get("fired_at") is not None and f.get("recovery_latency_s") is not None]
 
 
+def site_changes(events: list[dict], t0: float) -> list[tuple[float, str, str]]:
+    """Every applied join and drain (`site_request` events), and each added site taking part (`site_up`,
+    kind `joined`): [(t, kind, cluster)], in time order."""
+    return [(e["t"] - t0, "joined" if e.get("event") == "site_up" else str(e.get("kind")), str(e.get("cluster")))
+            for e in events if (e.get("event") == "site_request" and e.get("outcome") == "applied")
+            or e.get("event") == "site_up"]
+
+
 def membership_data(run_dir: str | Path) -> dict:
     """Live replicas (not down) per cluster as step series {cluster: [(t, n)]}: a point where the
-    count changes, one at t=0 and one at the end. Also epochs [(t, epoch)] and faults."""
+    count changes, one at t=0 and one at the end; a drained cluster counts 0 from its drain on (its
+    stopped replicas are in no event as down). Also epochs [(t, epoch)], faults, and `sites`: every
+    applied join and drain [(t, kind, cluster)]."""
     run_dir = Path(run_dir)
     events = read_events(run_dir)
     timeline = timeline_data(run_dir)
     t0, end = timeline["t0"], timeline["end"]
     rids = known_replicas(run_dir, events)
     clusters = sorted({_cluster(r) for r in rids}, key=lambda c: int(c[1:]))
+    sites = site_changes(events, t0)
+    drained_at = {c: t for t, kind, c in reversed(sites) if kind == "drain"}  # the first drain of each
     series: dict[str, list[tuple[float, int]]] = {c: [(0.0, 0)] for c in clusters}
-    for t, state in replica_states(events):
+    states = [(t - t0, state) for t, state in replica_states(events)]
+    for t in drained_at.values():  # a point at each drain, so the count falls there
+        states.append((t, next((s for ts, s in reversed(states) if ts <= t), {})))
+    for t, state in sorted(states, key=lambda ts: ts[0]):
         for c in clusters:
-            n = sum(1 for rid, s in state.items() if s != "down" and _cluster(rid) == c)
+            n = 0 if c in drained_at and t >= drained_at[c] else sum(
+                1 for rid, s in state.items() if s != "down" and _cluster(rid) == c)
             if n != series[c][-1][1]:
-                series[c].append((t - t0, n))
+                series[c].append((t, n))
     for points in series.values():
         points.append((max(end, points[-1][0]), points[-1][1]))
     size = {c: sum(1 for r in rids if _cluster(r) == c) for c in clusters}
     epochs = [(e["t"] - t0, e.get("epoch")) for e in events if e.get("event") == "membership"]
-    return {"t0": t0, "end": end, "clusters": series, "size": size, "epochs": epochs, "faults": timeline["faults"]}
+    return {"t0": t0, "end": end, "clusters": series, "size": size, "epochs": epochs, "faults": timeline["faults"],
+            "sites": sites}
 
 
 def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
@@ -309,9 +326,14 @@ def write_membership_png(run_dir: str | Path) -> Path:
     for t, rid, kind in data["faults"]:
         ax.axvline(t, color="red", ls="--", lw=1)
         ax.annotate(f"{kind} {rid}", (t, 0.1), rotation=90, ha="right", va="bottom", fontsize=8, color="red")
+    for t, kind, cluster in data["sites"]:
+        ax.axvline(t, color="green", ls="-.", lw=1.2)
+        ax.annotate(f"{kind} {cluster}", (t, top + 0.1), rotation=90, ha="right", va="top", fontsize=8,
+                    color="green")
     ax.set(ylim=(-0.2, top + 0.6), yticks=range(top + 1), xlim=(0, max(data["end"], 1e-3) * 1.01),
            xlabel="seconds since run start", ylabel="live replicas")
-    ax.set_title("live replicas per cluster (dotted: membership epochs; red: faults)", fontsize=10)
+    ax.set_title("live replicas per cluster (dotted: membership epochs; red: faults; green: sites joining "
+                 "or drained)", fontsize=10)
     ax.grid(alpha=0.3)
     if data["clusters"]:
         ax.legend(fontsize=8, loc="lower right")

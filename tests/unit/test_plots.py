@@ -150,3 +150,17 @@ def test_timeline_spans_are_each_clusters_own(tmp_path):
         assert len([1 for _, _, k in data["spans"][f"c{c}r0"] if k == "outer_commit"]) == 3
     assert [k for _, _, k in data["spans"]["c0r1"]].count("outer") == 0
     assert [k for _, _, k in data["spans"]["c1r0"]].count("outer") == 3
+
+
+def test_membership_shows_a_drained_site_leaving_and_every_site_change(tmp_path):
+    run = make_run(tmp_path / "run")
+    with open(run / "events.jsonl", "a", encoding="utf-8") as fh:  # c1 drained at +9s; a refusal is no change
+        for t, kind, cluster, outcome in ((9.0, "drain", "c1", "applied"), (9.5, "add-site", "", "refused")):
+            fh.write(json.dumps({"t": T0 + t, "event": "site_request", "id": f"r{t}", "kind": kind,
+                                 "cluster": cluster, "outcome": outcome, "reason": "x", "round": 4}) + "\n")
+    data = membership_data(run)
+    assert data["sites"] == [(pytest.approx(9.0), "drain", "c1")]
+    c1 = data["clusters"]["c1"]
+    assert [n for _, n in c1] == [0, 2, 0, 0] and c1[2][0] == pytest.approx(9.0)
+    assert [n for _, n in data["clusters"]["c0"]] == [0, 2, 1, 2, 2], "the other site is unchanged"
+    assert write_membership_png(run).stat().st_size > 0

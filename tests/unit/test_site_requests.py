@@ -1,16 +1,17 @@
-"""Site requests (issue 37, drain slice): the request file, its decision, applied once across a
+"""Site requests (issue 37, drain and add-site): the request file, its decision, applied once across a
 supervisor restart, and each refusal. Pure and fast: no Ray run (the actors' SiteChanges is driven
 with a recording roster and log; its ray.kill calls get no handle)."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
 
 from actors.site_changes import SiteChanges
-from hsgd.core.site_requests import (APPLIED, REFUSED, RequestError, SiteRequest, decide, drained, mark_done,
-                                     outcomes, pending, requests_dir, write_request)
+from hsgd.core.site_requests import (APPLIED, REFUSED, RequestError, SiteRequest, add_site_problem, decide, drained,
+                                     mark_done, next_cluster, outcomes, pending, requests_dir, write_request)
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 from jobs import status as status_job
@@ -223,6 +224,155 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
     assert roster.deaths(roster.live, 2, "inner") == ["c0r0"]
     assert [d["rid"] for d in roster.log.named("replica_down")] == ["c0r0"] and not roster.log.named("spare_lost")
     assert "c1r0" not in roster.missing() and roster.promote_spare("c1r0") is None
+
+
+# -- add-site (issue 37, join slice): the request and its refusals (the join itself: test_site_join.py) ------
+def test_an_add_site_request_is_one_file_with_its_fields_and_no_cluster(tmp_path):
+    request = write_request(tmp_path, "add-site", replicas=2, label="rack-a", name="berlin", now=1000.0)
+    content = json.loads((requests_dir(tmp_path) / f"{request.id}.json").read_text())
+    assert content == {"id": request.id, "kind": "add-site", "cluster": "", "t": 1000.0, "replicas": 2,
+                       "label": "rack-a", "name": "berlin"}
+    [read] = pending(tmp_path)
+    assert (read.kind, read.replicas, read.label, read.name, read.problem) == ("add-site", 2, "rack-a", "berlin", None)
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"replicas": 0}, "replicas=0"), ({"replicas": "2"}, "replicas='2'"), ({"replicas": True}, "replicas=True"),
+    ({"replicas": None}, "replicas=None"), ({"replicas": 2, "label": "rack a"}, "label='rack a'"),
+    ({"replicas": 2, "name": ""}, "name=''"), ({"replicas": 2, "cluster": "c3"}, "names no cluster")])
+def test_an_add_site_that_cannot_be_valid_is_not_written(tmp_path, fields, named):
+    fields = dict(fields)
+    cluster = fields.pop("cluster", "")
+    with pytest.raises(RequestError, match=re.escape(named)) as err:
+        write_request(tmp_path, "add-site", cluster, **fields)
+    assert "\n" not in str(err.value) and "valid" in str(err.value)
+    assert not requests_dir(tmp_path).exists() or not any(requests_dir(tmp_path).iterdir())
+
+
+@pytest.mark.parametrize("body, problem", [({"replicas": -1}, "replicas=-1"), ({"replicas": 2, "cluster": "c1"},
+                                                                                "names no cluster"),
+                                           ({"replicas": 2, "label": 7}, "label=7")])
+def test_a_malformed_add_site_file_is_refused_with_its_reason(tmp_path, body, problem):
+    requests_dir(tmp_path).mkdir()
+    (requests_dir(tmp_path) / "r1.json").write_text(json.dumps({"id": "r1", "kind": "add-site", "cluster": "", "t": 1,
+                                                                **body}))
+    [request] = pending(tmp_path)
+    assert request.problem is not None and problem in request.problem
+
+
+def test_a_new_site_gets_the_next_free_index_never_a_drained_sites():
+    assert next_cluster(3, {}) == 3
+    drained_c2 = {"a": {"kind": "drain", "cluster": "c2", "outcome": APPLIED, "round": 1}}
+    assert next_cluster(3, drained_c2) == 3  # c2 left: its index stays its own
+    added = {"b": {"kind": "add-site", "cluster": "c3", "outcome": APPLIED, "round": 2},
+             "c": {"kind": "add-site", "cluster": "c9", "outcome": REFUSED, "round": 2}}
+    assert next_cluster(3, {**drained_c2, **added}) == 4
+
+
+_NEED = {"CPU": 2.0}
+_NODES = [{"NodeID": "n1", "Alive": True, "Labels": {"hsgd-cluster": "rack-a"}},
+          {"NodeID": "n2", "Alive": True, "Labels": {}},
+          {"NodeID": "n3", "Alive": False, "Labels": {"hsgd-cluster": "rack-dead"}}]
+
+
+def _add(replicas: int, label: str | None = None) -> SiteRequest:
+    return SiteRequest(id="x", kind="add-site", cluster="", t=0.0, replicas=replicas, label=label)
+
+
+@pytest.mark.parametrize("request_, free, reason", [
+    (_add(1, "rack-z"), {"n1": {"CPU": 8}}, "label 'rack-z' has no live node (hsgd-cluster); live labels: rack-a"),
+    (_add(1, "rack-dead"), {"n3": {"CPU": 8}}, "label 'rack-dead' has no live node"),
+    (_add(2, "rack-a"), {"n1": {"CPU": 3.0}, "n2": {"CPU": 8.0}}, "no room: label 'rack-a''s nodes have free "
+                                                                  "resources for 1 replica(s) of CPU=2 each"),
+    (_add(5), {"n1": {"CPU": 4.0}, "n2": {"CPU": 5.9}, "n3": {"CPU": 99}}, "no room: the live nodes have free "
+                                                                           "resources for 4 replica(s)"),
+])
+def test_each_add_site_refusal_gives_one_line(request_, free, reason):
+    problem = add_site_problem(request_, nodes=_NODES, free=free, need=_NEED, new_cluster=3)
+    assert problem is not None and problem.startswith("add-site c3 (") and reason in problem and "\n" not in problem
+
+
+def test_an_add_site_that_fits_has_no_problem():
+    assert add_site_problem(_add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED,
+                            new_cluster=3) is None
+    assert add_site_problem(_add(4), nodes=_NODES, free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}}, need=_NEED,
+                            new_cluster=3) is None
+
+
+@pytest.mark.parametrize("fields, reason", [({"replicas": 1, "label": "rack-z"}, " (1 replica(s)): label 'rack-z'"),
+                                            ({"replicas": 9}, " (9 replica(s)): no room")])
+def test_the_supervisor_refuses_an_add_site_that_does_not_fit_and_changes_nothing(monkeypatch, tmp_path, capsys,
+                                                                                  fields, reason):
+    import actors.site_changes as site_changes
+
+    monkeypatch.setattr(site_changes, "cluster_resources", lambda cfg: (_NODES, {"n1": {"CPU": 4}}, _NEED))
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)
+    request = write_request(tmp_path, "add-site", **fields)
+    sites.at_round_start(3)
+    [event] = [e for e in events if e["event"] == "site_request"]
+    assert (event["id"], event["kind"], event["outcome"], event["round"]) == (request.id, "add-site", REFUSED, 3)
+    assert event["reason"].startswith(f"add-site c3{reason}")
+    assert f"site request {request.id}: refused at round 3: add-site c3" in capsys.readouterr().err
+    assert roster.drained_clusters == set() and not roster.set_aside_ids and len(roster.live) == 6
+    assert pending(tmp_path) == [] and sites.topology_record() == Topology(3, 2).describe()
+
+
+def test_an_add_site_is_refused_when_rays_tables_cannot_be_read(monkeypatch, tmp_path):
+    import actors.site_changes as site_changes
+
+    def unreadable(cfg):
+        raise ConnectionError("GCS unreachable\nsecond line")
+
+    monkeypatch.setattr(site_changes, "cluster_resources", unreadable)
+    events: list[dict] = []
+    sites, _ = _supervisor(tmp_path, events)
+    write_request(tmp_path, "add-site", replicas=1)
+    sites.at_round_start(1)
+    [event] = events
+    assert event["outcome"] == REFUSED
+    assert event["reason"] == "add-site c3: cannot read the Ray cluster's nodes: ConnectionError: GCS unreachable"
+
+
+def test_the_summary_topology_history_lists_every_applied_change_in_order(tmp_path):
+    events: list[dict] = []
+    sites, _ = _supervisor(tmp_path, events)
+    write_request(tmp_path, "drain", "c2", now=1.0)
+    sites.at_round_start(2)
+    write_request(tmp_path, "drain", "c7", now=2.0)  # refused: not history
+    write_request(tmp_path, "drain", "c1", now=3.0)
+    sites.at_round_start(5)
+    record = sites.topology_record()
+    assert record["drained"] == {"c1": 5, "c2": 2}
+    assert record["history"] == [{"round": 2, "kind": "drain", "cluster": "c2"},
+                                 {"round": 5, "kind": "drain", "cluster": "c1"}]
+
+
+def test_jobs_status_add_site_writes_one_request_and_refuses_bad_arguments_with_one_line(tmp_path, capsys):
+    assert status_job.main([str(tmp_path), "add-site", "replicas=2", "label=rack-a", "name=berlin"]) == 0
+    [request] = pending(tmp_path)
+    assert (request.kind, request.replicas, request.label, request.name) == ("add-site", 2, "rack-a", "berlin")
+    assert request.id in capsys.readouterr().out
+    for args, says in ((["replicas=two"], "replicas='two' is not a replica count"), ([], "replicas=N missing"),
+                       (["replicas=2", "rack=a"], "argument 'rack=a' unknown"), (["replicas=0"], "replicas=0"),
+                       (["replicas=1", "replicas=2"], "replicas given twice"), (["c3"], "argument 'c3' unknown")):
+        assert status_job.main([str(tmp_path), "add-site", *args]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert status_job.main([str(tmp_path / "missing"), "add-site", "replicas=1"]) == 2
+    assert len(pending(tmp_path)) == 1
+
+
+def test_drill_add_site_writes_the_same_request(tmp_path):
+    from actors.drill import Drill, DrillError
+
+    drill = Drill(run_dir=str(tmp_path))
+    request_id = drill.add_site(3, label="rack-b")
+    [request] = pending(drill.run_dir)
+    assert (request.id, request.kind, request.replicas, request.label, request.name) == (request_id, "add-site", 3,
+                                                                                         "rack-b", None)
+    with pytest.raises(DrillError, match="replicas=0"):
+        drill.add_site(0)
 
 
 def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_run_going(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,356 @@
+"""A site joining a running run (issue 37, join slice): the pure pieces (the widened topology and its
+fresh indices, the joined-site records, the new replicas' config) and SiteChanges carrying a join out
+with fake actors: started detached and never waited for, taken in only once ALL answer up, at a
+round's start, durable across a supervisor restart (found again, never started twice, never logged
+twice), and one site starting at a time. No Ray run: Ray's calls in actors/site_changes.py are faked."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+import actors.placement as placement
+import actors.site_changes as site_changes
+import actors.startup as startup
+from actors.site_changes import SiteChanges
+from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, applied_sites, joined, joined_topology, mark_done,
+                                     mark_joined, outcomes, requests_dir, widened_sites, write_request)
+from hsgd.core.topology import Topology
+from hsgd.record.events import EVENTS
+
+
+# -- pure: the widened topology, the records, the new replicas' config ----------------------------------
+def test_a_new_site_gets_the_next_cluster_and_fresh_indices_and_nobody_elses_index_moves():
+    base = Topology(3, 2)
+    wider = base.with_site(3, label="rack-b", name="berlin")
+    assert wider.clusters == 4 and wider.sizes == (2, 2, 2, 3)
+    assert wider.cluster_members(3) == ["c3r0", "c3r1", "c3r2"]
+    assert [wider.global_index(rid) for rid in wider.cluster_members(3)] == [6, 7, 8]
+    assert all(wider.global_index(rid) == base.global_index(rid) for rid in base.replica_ids())
+    assert wider.label(3) == "rack-b" and wider.label(0) is None and wider.min_replicas_of(3, 1) == 1
+    assert wider.describe()["sites"][3] == {"replicas": 3, "label": "rack-b", "name": "berlin", "min_replicas": None}
+    # an index table that already gave ids past the topology (a drained site's, a removed one's): never reused
+    table = {**dict(base.index_table), "c9r0": 11}
+    assert Topology.of_sites([2, 2, 2], index_table=table).with_site(1).global_index("c3r0") == 12
+
+
+def test_an_applied_add_site_record_names_its_cluster_and_keeps_what_a_successor_needs(tmp_path):
+    request = write_request(tmp_path, "add-site", replicas=2, label="rack-b", name="berlin")
+    record = mark_done(tmp_path, request, Decision(APPLIED, "starting", 3), 4)
+    assert (record["cluster"], record["replicas"], record["label"], record["name"]) == ("c3", 2, "rack-b", "berlin")
+    refused = write_request(tmp_path, "add-site", replicas=9)
+    assert mark_done(tmp_path, refused, Decision(REFUSED, "no room", None), 4)["cluster"] == ""
+    assert [d["id"] for d in applied_sites(outcomes(tmp_path))] == [request.id]
+
+
+def test_the_topology_grows_by_the_joined_sites_only_in_the_order_they_were_added(tmp_path):
+    first = write_request(tmp_path, "add-site", replicas=2, now=1.0)
+    second = write_request(tmp_path, "add-site", replicas=1, label="rack-b", now=2.0)
+    mark_done(tmp_path, first, Decision(APPLIED, "", 3), 2)
+    mark_done(tmp_path, second, Decision(APPLIED, "", 4), 6)
+    base = Topology(3, 2)
+    assert joined_topology(base, outcomes(tmp_path), joined(tmp_path)) == base  # applied, not up yet
+    mark_joined(tmp_path, first.id, "c3", 4)
+    assert joined(tmp_path) == {first.id: {"id": first.id, "cluster": "c3", "round": 4, "run_id": ""}}
+    assert not [p for p in requests_dir(tmp_path).iterdir() if p.name.startswith(".")]  # atomic: no temp left
+    assert joined_topology(base, outcomes(tmp_path), joined(tmp_path)).sizes == (2, 2, 2, 2)
+    mark_joined(tmp_path, second.id, "c4", 8)
+    both = joined_topology(base, outcomes(tmp_path), joined(tmp_path))
+    assert both.sizes == (2, 2, 2, 2, 1) and both.label(4) == "rack-b" and both.global_index("c4r0") == 8
+    with pytest.raises(ValueError, match="c4 is not the next cluster c3"):  # c3 never joined, c4 did: edited files
+        joined_topology(base, outcomes(tmp_path), {second.id: {}})
+
+
+def test_the_new_replicas_config_keeps_the_configured_sites_and_names_the_new_one():
+    configured = [{"replicas": 2, "label": None, "name": "a", "min_replicas": 1, "min_step_s": 0.5},
+                  {"replicas": 1, "label": "x", "name": "b", "min_replicas": None, "min_step_s": None}]
+    wider = Topology.of_sites([2, 1], labels=[None, "x"], names=["a", "b"]).with_site(2, label="y", name="c")
+    sites = widened_sites(configured, wider)
+    assert sites[:2] == configured and sites[2]["replicas"] == 2 and sites[2]["label"] == "y"
+    assert sites[2]["name"] == "c" and sites[2]["min_step_s"] is None and sites[2]["min_replicas"] is None
+    uniform = widened_sites([], Topology(2, 3).with_site(1))  # the uniform keys: every site written out
+    assert [s["replicas"] for s in uniform] == [3, 3, 1]
+
+
+# -- SiteChanges carrying a join out, with fake actors ----------------------------------------------------
+class _Log:
+    def __init__(self, events: list[dict]):
+        self.events = events
+
+    def event(self, name: str, **fields) -> None:
+        assert name in EVENTS and set(EVENTS[name]) <= set(fields)  # typed, as RunLog refuses otherwise
+        self.events.append({"event": name, **fields})
+
+    def records(self, name: str) -> list[dict]:
+        return list(self.events)
+
+
+class _Roster:
+    def __init__(self, topology: Topology, names: dict):
+        self.topology, self.names = topology, names
+        self.handles = {rid: SimpleNamespace(name=n) for rid, n in names.items()}
+        self.live = {rid: (3, 12) for rid in topology.replica_ids()}
+        self.gone: set[str] = set()
+        self.drained_clusters: set[int] = set()
+        self.replica_info = {"c0r0": {"node_id": "n1", "backends": {"inner": "gloo", "outer": "gloo"}}}
+        self.spares = SimpleNamespace(names={}, handles={}, ready=set())
+
+    def admit(self, rid: str, answer: dict) -> None:
+        self.live[rid] = (int(answer["round"]), int(answer["step"]))
+
+
+class _Ref:
+    def __init__(self, actor):
+        self.actor = actor
+
+
+class _Actor:
+    """A replica actor: `progress` answers once `answer` is set (its __init__ done)."""
+
+    def __init__(self, name: str):
+        self.name, self.answer = name, None
+        self.progress = SimpleNamespace(remote=lambda: _Ref(self))
+
+
+class _World:
+    """The named actors and Ray's calls SiteChanges makes (started, looked up, waited on)."""
+
+    def __init__(self):
+        self.actors: dict[str, _Actor] = {}
+        self.started: list[tuple] = []
+
+    def start(self, container, name, options, rid, run_dir, backends, index_table, lifetime=None):
+        self.started.append((name, {**options, "lifetime": lifetime}, rid, container, dict(index_table)))
+        self.actors[name] = _Actor(name)
+        return self.actors[name]
+
+    def up(self, *names: str) -> None:
+        for name in names:
+            self.actors[name].answer = {"round": 0, "step": 0, "phase": "idle", "spare": False, "pid": 1}
+
+    @staticmethod
+    def wait(refs, num_returns, timeout, fetch_local=True):
+        assert timeout == 0, "a join is never waited for"
+        ready = [r for r in refs if r.actor.answer is not None]
+        return ready, [r for r in refs if r not in ready]
+
+
+@pytest.fixture
+def world(monkeypatch):
+    w = _World()
+    monkeypatch.setattr(site_changes, "cluster_resources", lambda cfg: (
+        [{"NodeID": "n1", "Alive": True, "Labels": {}}], {"n1": {"CPU": 8.0}}, {"CPU": 1.0}))
+    monkeypatch.setattr(site_changes, "lookup", lambda name: w.actors.get(name))
+    monkeypatch.setattr(site_changes, "ray", SimpleNamespace(wait=w.wait, get=lambda ref, timeout: ref.actor.answer,
+                                                             kill=lambda *a, **k: None))
+    monkeypatch.setattr(startup, "start_replica", w.start)
+    monkeypatch.setattr(placement, "site_options", lambda cfg, gpus, n, label, group: [
+        {"num_cpus": 1.0, "group": group, "label": label, "bundle": i} for i in range(n)])
+    return w
+
+
+CFG = OmegaConf.create({"supervisor": {"min_clusters": 1}, "run": {"io_grace_s": 4.0}, "faults": {"max_restarts": 3},
+                        "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []}})
+
+
+def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace):
+    """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
+    topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
+    state.replica_indices = dict(topology.index_table)
+    if not state.identity:
+        state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
+    roster = _Roster(topology, state.identity)
+    saves = []
+    return SiteChanges(CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1)), roster
+
+
+def _state() -> SimpleNamespace:
+    return SimpleNamespace(run_id="run1", replica_indices={}, identity={})
+
+
+def test_a_site_is_started_at_once_and_joins_at_the_first_round_start_after_all_its_replicas_are_up(world, tmp_path,
+                                                                                                    capsys):
+    events: list[dict] = []
+    state = _state()
+    sites, roster = _supervisor(tmp_path, events, state)
+    request = write_request(tmp_path, "add-site", replicas=2, name="berlin")
+    assert sites.at_round_start(3).clusters == 2  # applied and started, not in the topology yet
+    [decided] = [e for e in events if e["event"] == "site_request"]
+    assert (decided["outcome"], decided["cluster"], decided["round"]) == (APPLIED, "c2", 3)
+    names = [s[0] for s in world.started]
+    assert names == ["hsgd:run1:c2r0", "hsgd:run1:c2r1"]  # named as the driver names replicas
+    for name, options, rid, container, table in world.started:
+        assert options["lifetime"] == "detached" and options["group"] == "hsgd:run1:site-c2"  # outlives a supervisor
+        assert table == {"c0r0": 0, "c0r1": 1, "c1r0": 2, "c1r1": 3, "c2r0": 4, "c2r1": 5}  # fresh global indices
+        assert [s["replicas"] for s in container["topology"]["sites"]] == [2, 2, 2]
+        assert container["topology"]["sites"][2]["name"] == "berlin"
+    assert state.replica_indices["c2r1"] == 5  # durable before any replica reads its own
+    assert "c2r0" not in roster.live and "c2r0" not in roster.names
+
+    world.up("hsgd:run1:c2r0")  # one of two up: nobody waits, nothing joins
+    assert sites.at_round_start(4).clusters == 2 and "c2r0" not in roster.live
+    world.up("hsgd:run1:c2r1")
+    topology = sites.at_round_start(5)  # all up: they join at this round's start
+    assert topology.clusters == 3 and roster.topology is topology and topology.names[2] == "berlin"
+    assert roster.live["c2r0"] == (0, 0) and roster.live["c2r1"] == (0, 0)  # behind: the round machine heals them
+    assert roster.names["c2r0"] == "hsgd:run1:c2r0" and roster.handles["c2r1"] is world.actors["hsgd:run1:c2r1"]
+    assert joined(tmp_path)[request.id]["round"] == 5
+    [up] = [e for e in events if e["event"] == "site_up"]
+    assert (up["cluster"], up["round"], up["replicas"]) == ("c2", 5, ["c2r0", "c2r1"])
+    assert "site c2 up (2 replica(s)" in capsys.readouterr().err
+    assert sites.topology_record()["history"] == [{"round": 3, "kind": "add-site", "cluster": "c2", "joined": 5}]
+
+    assert not [e for e in events if e["event"] == "site_committed"]
+    sites.at_round_start(6)  # its members still at round 0: round 5 did not commit with them
+    assert not [e for e in events if e["event"] == "site_committed"]
+    roster.live.update({"c2r0": (7, 28), "c2r1": (7, 28)})
+    sites.at_round_start(7)
+    sites.at_round_start(8)
+    [committed] = [e for e in events if e["event"] == "site_committed"]
+    assert (committed["cluster"], committed["round"], committed["replicas"]) == ("c2", 6, ["c2r0", "c2r1"])
+    assert len(world.started) == 2
+
+
+def test_a_restarted_supervisor_finds_a_joined_site_and_neither_starts_nor_logs_anything_again(world, tmp_path):
+    events: list[dict] = []
+    state = _state()
+    sites, _ = _supervisor(tmp_path, events, state)
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)
+    logged = list(events)
+
+    restarted, roster = _supervisor(tmp_path, events, state)  # the same durable state and run folder
+    assert restarted.topology.clusters == 3 and roster.topology.sizes == (2, 2, 2)
+    assert roster.handles["c2r0"].name == "hsgd:run1:c2r0" and not roster.gone
+    assert restarted.at_round_start(5).clusters == 3
+    assert events == logged and len(world.started) == 2  # nothing started, decided or logged twice
+    assert restarted.topology.global_index("c2r1") == 5
+
+
+def test_a_supervisor_restarted_before_the_join_finds_the_started_replicas_and_takes_them_in_once(world, tmp_path):
+    events: list[dict] = []
+    state = _state()
+    sites, _ = _supervisor(tmp_path, events, state)
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    restarted, roster = _supervisor(tmp_path, events, state)  # applied, its replicas still starting
+    assert restarted.topology.clusters == 2 and len(world.started) == 2  # found by name, not started again
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    assert restarted.at_round_start(4).clusters == 3 and set(roster.live) >= {"c2r0", "c2r1"}
+    assert len([e for e in events if e["event"] == "site_request"]) == 1
+    assert len([e for e in events if e["event"] == "site_up"]) == 1
+
+
+def test_a_supervisor_that_died_before_starting_the_replicas_starts_them_once(world, tmp_path):
+    request = write_request(tmp_path, "add-site", replicas=1)
+    mark_done(tmp_path, request, Decision(APPLIED, "starting", 2), 3)  # the outcome on disk, no actor yet
+    events: list[dict] = []
+    sites, _ = _supervisor(tmp_path, events, _state())
+    assert [s[0] for s in world.started] == ["hsgd:run1:c2r0"]
+    [decided] = [e for e in events if e["event"] == "site_request"]  # its predecessor never logged it
+    assert decided["cluster"] == "c2"
+
+
+def test_one_site_starts_at_a_time(world, tmp_path):
+    events: list[dict] = []
+    sites, _ = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "add-site", replicas=1, now=1.0)
+    write_request(tmp_path, "add-site", replicas=1, now=2.0)
+    sites.at_round_start(3)
+    first, second = [e for e in events if e["event"] == "site_request"]
+    assert first["outcome"] == APPLIED and second["outcome"] == REFUSED
+    assert second["reason"] == ("add-site c3: site c2 is still starting; ask again once it joined "
+                                "(one site starts at a time)")
+    world.up("hsgd:run1:c2r0")
+    sites.at_round_start(4)
+    write_request(tmp_path, "add-site", replicas=1, now=3.0)
+    assert sites.at_round_start(5).clusters == 3  # c3 applied now, starting
+    assert [s[0] for s in world.started] == ["hsgd:run1:c2r0", "hsgd:run1:c3r0"]
+    assert world.started[1][4]["c3r0"] == 5
+
+
+def test_a_join_whose_record_cannot_be_written_waits_for_a_later_round(world, tmp_path, monkeypatch, capsys):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "add-site", replicas=1)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    written = site_changes.mark_joined
+    monkeypatch.setattr(site_changes, "mark_joined", full_disk)
+    assert sites.at_round_start(4).clusters == 2 and "c2r0" not in roster.live  # not joined, the run goes on
+    assert "retried next round" in capsys.readouterr().err
+    monkeypatch.setattr(site_changes, "mark_joined", written)  # the disk is back
+    assert sites.at_round_start(5).clusters == 3 and json.loads(
+        next(requests_dir(tmp_path).glob("*.joined")).read_text())["round"] == 5
+
+
+def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_same_indices(world, tmp_path):
+    events: list[dict] = []
+    first_state = _state()
+    sites, _ = _supervisor(tmp_path, events, first_state)
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)
+    # train.resume=true in the same run.dir: a new run id, the driver's table from the checkpoint's manifest
+    resumed_state = SimpleNamespace(run_id="run2", replica_indices=dict(first_state.replica_indices), identity={})
+    resumed, roster = _supervisor(tmp_path, events, resumed_state)
+    assert resumed.topology.clusters == 2 and "c2r0" not in roster.names  # its actors went with the old run
+    assert [s[0] for s in world.started[2:]] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"]
+    assert world.started[2][4]["c2r0"] == 4 and world.started[3][4]["c2r1"] == 5  # the same data streams
+    world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
+    assert resumed.at_round_start(6).clusters == 3
+    assert len([e for e in events if e["event"] == "site_request"]) == 1  # decided once, for good
+
+
+# -- placed as a cluster is (actors/placement.py site_options), Ray's group calls faked ------------------------
+def _placement_cfg(strategy: str = "STRICT_PACK", k: int = 1):
+    return OmegaConf.create({"topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": [],
+                                          "cpus_per_replica": 1.0, "gpus_per_replica": k,
+                                          "placement_strategy": strategy}})
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    made: list[dict] = []
+
+    def missing(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(placement, "get_placement_group", missing)
+    monkeypatch.setattr(placement, "placement_group", lambda bundles, **kw: made.append({"bundles": bundles, **kw})
+                        or SimpleNamespace(id=len(made)))
+    monkeypatch.setattr(placement, "PlacementGroupSchedulingStrategy",
+                        lambda placement_group, placement_group_bundle_index: (placement_group.id,
+                                                                               placement_group_bundle_index))
+    return made
+
+
+def test_a_new_site_gets_a_detached_group_of_its_own_one_bundle_per_replica(groups):
+    options = placement.site_options(_placement_cfg(), 0.0, 2, None, "hsgd:run1:site-c2")
+    [group] = groups
+    assert group == {"bundles": [{"CPU": 1.0}, {"CPU": 1.0}], "name": "hsgd:run1:site-c2", "lifetime": "detached",
+                     "strategy": "STRICT_PACK"}
+    assert [o["scheduling_strategy"] for o in options] == [(1, 0), (1, 1)] and options[0]["num_cpus"] == 1.0
+
+
+def test_a_labelled_site_is_placed_by_its_label_and_one_with_no_strategy_anywhere(groups):
+    labelled = placement.site_options(_placement_cfg(), 0.0, 2, "rack-b", "g")
+    assert [o["label_selector"] for o in labelled] == [{"hsgd-cluster": "rack-b"}] * 2
+    anywhere = placement.site_options(_placement_cfg("NONE"), 0.0, 1, None, "g")
+    assert anywhere == [{"num_cpus": 1.0, "num_gpus": 0}] and not groups
+
+
+def test_a_labelled_site_of_k_rank_replicas_keeps_each_replica_in_one_bundle_on_its_label(groups):
+    options = placement.site_options(_placement_cfg(k=2), 0.0, 2, "rack-b", "g")
+    [group] = groups
+    assert group["strategy"] == "PACK" and group["bundles"] == [{"CPU": 2.0}] * 2
+    assert group["bundle_label_selector"] == [{"hsgd-cluster": "rack-b"}] * 2 and options[1]["num_cpus"] == 1.0
