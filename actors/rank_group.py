@@ -45,7 +45,8 @@ import ray
 import torch.distributed as dist
 
 from hsgd.core.round import ErrorKind
-from hsgd.train.comm import CollectiveError, _await_members, new_run_secret, rendezvous_address, start_store
+from hsgd.train.comm import (CollectiveError, _await_members, new_run_secret, rendezvous_address, shard_prefix,
+                             start_store)
 from hsgd.train.sharding import REPLICA_LEVEL, ReplicaRanks
 
 
@@ -83,11 +84,12 @@ def form_replica_group(rank: int, size: int, store_addr: str, prefix: str, timeo
 
 def rank_prefix(join: tuple | None, rank: int) -> tuple | None:
     """Rank `rank`'s join of a level group: the replica's join (epoch, store_addr, prefix, rank,
-    world_size) under `<prefix>/rank<rank>`, the group of rank `rank` of every replica."""
+    world_size) under hsgd.train.comm.shard_prefix, the group of rank `rank` of every replica (the
+    supervisor's abort of the replica's prefix reaches it)."""
     if join is None or rank == 0:
         return join
     epoch, store_addr, prefix, member, world_size = join
-    return epoch, store_addr, f"{prefix}/rank{rank}", member, world_size
+    return epoch, store_addr, shard_prefix(prefix, rank), member, world_size
 
 
 def replica_group_backend(device: str) -> str:
@@ -105,7 +107,7 @@ class RankPeers:
         self.store = store  # the replica group's store: kept alive as long as rank 0 is
 
     @classmethod
-    def start(cls, rid: str, k: int, options: dict, make: Callable[[int, tuple], object], timeout_s: float,
+    def start(cls, rid: str, k: int, make: Callable[[int, tuple], object], timeout_s: float,
               incarnation: int) -> tuple[RankPeers, tuple]:
         """Rank 0's store and ranks 1..k-1 (`make(rank, rank_of)` creates one, where rank_of =
         (rank, k, store_addr, prefix)); returns them and rank 0's own rank_of."""

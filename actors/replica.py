@@ -112,6 +112,13 @@ class Replica:
         # every member would otherwise spend waiting in the heal)
         if self.incarnation and not spare and ranks_per_replica(self.cfg) == 1:
             threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
+        elif self.incarnation and not spare:  # k > 1: a failed build ends the process, so Ray restarts it
+            try:                                # (a constructor that raises is never restarted)
+                self._build(device)
+            except BaseException as err:  # noqa: BLE001 — the replica's own failure, as a restart's build
+                print(f"replica {rid}: its restart could not start its ranks: {type(err).__name__}: {err}",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
         else:  # the first start (a config error surfaces here) and spares (warmed before they are ready)
             self._build(device)
         self.startup["init_end"] = time.time()
@@ -122,15 +129,15 @@ class Replica:
         replica group first (rank 0 creates the other ranks), and rank 0 waits for them to be built."""
         ranks = self._form_ranks(device)
         self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device, ranks=ranks)
-        if self.peers is not None:
-            self.peers.ready()
-            self.peers.watch()
         self.startup["trainer"] = time.time()
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(self.trainer, self.outer,
                                            arrival_s=float(self.cfg.supervisor.phase_timeout_s))
-        if self.spare:
+        if self.spare:  # (k > 1: every rank warms up in its own build, together: its collectives)
             self.trainer.warm_up()
+        if self.peers is not None:
+            self.peers.ready()
+            self.peers.watch()
         self._open_step_log()
         self.startup["built"] = time.time()
         self._built.set()
@@ -147,8 +154,7 @@ class Replica:
             def make(rank: int, rank_of: tuple):
                 return Replica.options(**self.rank_options, max_restarts=0, max_task_retries=0).remote(
                     cfg, self.rid, run_dir, backends, self.spare, index_table, rank_of=rank_of)
-            self.peers, self.rank_of = RankPeers.start(self.rid, k, self.rank_options or {}, make, timeout_s,
-                                                       self.incarnation)
+            self.peers, self.rank_of = RankPeers.start(self.rid, k, make, timeout_s, self.incarnation)
         rank, size, store_addr, prefix = self.rank_of
         return form_replica_group(rank, size, store_addr, prefix, timeout_s, replica=self.rid,
                                   backend=replica_group_backend(device),
@@ -253,6 +259,10 @@ class Replica:
         refused = next((meta for meta in metas if meta["outcome"] != Outcome.DONE.value), None)
         if refused is not None:
             return refused, None
+        apart = [meta for meta in metas if (meta["round"], meta["step"]) != (own[0]["round"], own[0]["step"])]
+        if apart:  # a commit landed between the ranks' reads (a global heal reads while the donor trains)
+            return self._answer(Outcome.COLLECTIVE_FAILED, f"{self.rid}: its ranks' states were read at different "
+                                                           f"rounds (a commit in between): asked again", bytes=0), None
         states = [own[1], *ray.get([state for _, state in pairs], timeout=self.peers.deadline_s)]
         return {**own[0], "bytes": sum(meta["bytes"] for meta in [own[0], *metas])}, {"ranks": states}
 
@@ -405,6 +415,10 @@ class Replica:
         self.phase, self.phase_since = then, time.time()
         return time.monotonic() - t0
 
+    def _agreed_join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
+        """_join; k > 1: every rank of the replica fails it together, or none does (hsgd.train.sharding.agreed)."""
+        return sharding.agreed(lambda: self._join(group, join, then), self.trainer.ranks, f"{self.rid}: {then} join")
+
     @ray.method(concurrency_group="phase")
     def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
                   overlap: Overlap | None = None, steps: int | None = None, store_addr: str | None = None) -> dict:
@@ -436,7 +450,7 @@ class Replica:
                                        overlap.weights))
 
         def run():
-            join_s = self._join(self.inner, join, "inner")
+            join_s = self._agreed_join(self.inner, join, "inner")
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot, steps)
             return {"report": report.__dict__, "join_s": join_s,
                     **({"outcome": Outcome.YIELDED} if report.yielded else {})}
@@ -462,7 +476,7 @@ class Replica:
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
             # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
             behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
-            join_s = self._join(self.outer, join, "outer")
+            join_s = self._agreed_join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
             self.trainer.outer_reduce(round_index, self.outer_epoch if behind is not None else epoch, self.outer,
@@ -521,7 +535,7 @@ class Replica:
                 return {"outcome": Outcome.COLLECTIVE_FAILED,
                         "error": f"{self.rid}: its heal source refused to give its state"}
             self._load(own, scope)
-            return {"bytes": _state_bytes(state)}
+            return {"bytes": _state_bytes(own)}  # (k > 1: each rank counts its own; the answers add up)
         # k > 1: a source's state is {"ranks": [rank 0's, ...]} (heal_state, global_state); rank j loads its own
         refs = self._fan_out("load_state", lambda j: (None if state is None else state["ranks"][j], scope))
         return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
@@ -553,17 +567,18 @@ class Replica:
         timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
         def run():
             group = self._level_group("inner")
-            t0 = time.monotonic()
 
             def over_group():  # (k > 1: every rank of the replica fails its part, or none does)
-                return self._join(group, join, "heal"), transfer(group)
+                join_s = self._join(group, join, "heal")
+                t0 = time.monotonic()
+                return join_s, t0, transfer(group)
             try:
-                join_s, answer = sharding.agreed(over_group, self.trainer.ranks, f"{self.rid}: heal transfer")
+                join_s, t0, answer = sharding.agreed(over_group, self.trainer.ranks, f"{self.rid}: heal transfer")
             finally:
                 group.abort()
             if "state" in answer:
                 self._load(answer.pop("state"), "full")
-            return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0 - join_s}
+            return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0}
         return self._phase("heal", run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)

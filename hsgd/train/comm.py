@@ -149,6 +149,37 @@ _FORMED = "formed"
 _ABORTED = "aborted: "
 
 
+# A replica of k ranks (topology.gpus_per_replica) joins every level group k times: rank 0 under the
+# group's prefix, rank j under `shard_prefix(prefix, j)` with rank j of every other replica. Rank j
+# marks shards 1..j as present in the group's own keys before its barrier, then obeys an abort already
+# written there (_SHARDS_ABORTED); `abort_rendezvous` writes that, then aborts every shard group marked
+# (one store serves both, so one of the two always sees the other's write). The supervisor thus aborts
+# one prefix and releases all k, even where the level group itself had formed.
+_SHARD = "hsgd_rendezvous/shard/{rank}"
+_SHARDS_ABORTED = "hsgd_rendezvous/shards_aborted"  # the reason; written even when the level group had formed
+
+
+def shard_prefix(prefix: str, rank: int) -> str:
+    """The group of rank `rank` of every replica of k ranks, for level group `prefix` (rank 0: itself)."""
+    return prefix if rank == 0 else f"{prefix}/rank{rank}"
+
+
+def _mark_shard(store_addr: str, prefix: str, timeout_s: float) -> str | None:
+    """For a shard group's member: mark it in its level group's keys (the comment above); that group's
+    abort reason when it is already aborted, else None. Not a shard group: None."""
+    from torchft.process_group import create_store_client
+
+    parent, _, last = prefix.rpartition("/rank")
+    if not parent or not last.isdigit():
+        return None
+    keys = create_store_client(f"{store_addr}/{parent}", timeout=timedelta(seconds=timeout_s))
+    for j in range(1, int(last) + 1):  # every lower shard too: the abort scans 1, 2, ... to the first unmarked
+        keys.set(_SHARD.format(rank=j), "1")
+    if keys.check([_SHARDS_ABORTED]):
+        return keys.get(_SHARDS_ABORTED).decode("utf-8", "replace")
+    return None
+
+
 def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, timeout_s: float) -> str | None:
     """The arrival barrier (the module's protocol, step 1): None when formed (the last to announce
     always sees every rank), else the supervisor's abort reason. Raises TimeoutError naming the
@@ -158,6 +189,9 @@ def _await_members(store_addr: str, prefix: str, rank: int, world_size: int, tim
 
     deadline = time.monotonic() + timeout_s
     store = create_store_client(f"{store_addr}/{prefix}", timeout=timedelta(seconds=timeout_s))
+    aborted = _mark_shard(store_addr, prefix, timeout_s)
+    if aborted is not None:  # its level group was aborted before it came: so is its shard group
+        store.compare_set(_DECISION, "", _ABORTED + aborted)
     store.set(_ARRIVED.format(rank=rank), str(os.getpid()))
     if store.check([_ARRIVED.format(rank=r) for r in range(world_size)]):
         decision = store.compare_set(_DECISION, "", _FORMED)
@@ -184,7 +218,14 @@ def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
 
     try:  # the key prefix torchft's create_store_client makes of it: everything after host:port
         keys = PrefixStore(f"{store_addr}/{prefix}".partition("/")[2], store)
-        return keys.compare_set(_DECISION, "", _ABORTED + reason).decode("utf-8", "replace").startswith(_ABORTED)
+        aborted = keys.compare_set(_DECISION, "", _ABORTED + reason).decode("utf-8", "replace").startswith(_ABORTED)
+        keys.compare_set(_SHARDS_ABORTED, "", reason)  # (its shard groups: a formed level group's may not be)
+        j = 1
+        while keys.check([_SHARD.format(rank=j)]):
+            PrefixStore(f"{store_addr}/{shard_prefix(prefix, j)}".partition("/")[2], store).compare_set(
+                _DECISION, "", _ABORTED + reason)
+            j += 1
+        return aborted
     except Exception:  # noqa: BLE001 — a store that is gone or broken: nobody is waiting on it either
         return False
 

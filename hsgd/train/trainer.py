@@ -160,6 +160,9 @@ class ReplicaTrainer:
         self.params = [sharding.local(p) for p in self.sharded]  # this rank's (k=1: the params themselves)
         self.param_names = [name for name, _ in self.model.named_parameters()]  # aligned with params
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what a heal or outer sync moves
+        # the whole replica's (sharded: every rank's together; a DTensor's numel is the whole tensor's),
+        # what the supervisor scales deadlines by: a heal through the object store carries every rank's state
+        self.replica_param_bytes = sum(p.numel() * p.element_size() for p in self.sharded)
         self.loss_fn = task.build_loss(cfg)
         # the steps run the compiled module; heals, checkpoints and evaluation use self.model's params
         self.step_model = torch.compile(self.model) if cfg.train.compile else self.model
@@ -244,7 +247,7 @@ class ReplicaTrainer:
         return self.round * self.steps_per_round + self.step_in_round * self.steps_per_round / self.round_steps
 
     def progress(self) -> dict:
-        return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.param_bytes,
+        return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.replica_param_bytes,
                 "tokens_per_step": self.tokens_per_step,
                 "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0][0]}
 

@@ -86,6 +86,25 @@ def test_an_abort_releases_every_member_waiting_in_the_rendezvous(store):
     assert comm.abort_rendezvous(master, addr, PREFIX, "again") is True, "abort is idempotent"
 
 
+def test_an_abort_of_a_level_group_releases_its_shard_groups_waiting_and_late(store):
+    """Replicas of k=3 ranks: rank j joins shard_prefix(PREFIX, j). The supervisor aborts PREFIX only
+    (it knows replicas, not ranks): every shard group is released, even after PREFIX itself formed, and
+    a shard member arriving after the abort is released as it comes."""
+    master, addr = store
+    formed = [Member(addr, PREFIX, rank, 2) for rank in (0, 1)]  # the replicas' rank 0s formed their group
+    shard2 = Member(addr, comm.shard_prefix(PREFIX, 2), 0, 2)  # rank 2 of one replica; the other's died
+    _until(lambda: all(not m.is_alive() for m in formed), "the level group to form")
+    assert all(m.error is None for m in formed), [repr(m.error) for m in formed]
+    _until(lambda: _arrived(master, addr, comm.shard_prefix(PREFIX, 2), (0,)), "rank 2's shard group waiting")
+    assert comm.abort_rendezvous(master, addr, PREFIX, "c1r1 died") is False, "the level group had formed"
+    shard2.join(RELEASED_S)
+    assert not shard2.is_alive() and getattr(shard2.error, "kind", None) == "join_aborted", repr(shard2.error)
+    late = Member(addr, comm.shard_prefix(PREFIX, 3), 0, 2)  # rank 3 of a replica, arriving after the abort
+    late.join(RELEASED_S)
+    assert not late.is_alive() and getattr(late.error, "kind", None) == "join_aborted", repr(late.error)
+    assert "c1r1 died" in str(late.error)
+
+
 def test_an_abort_of_one_group_leaves_another_groups_rendezvous_alone(store):
     """c1 and c10: one prefix is the start of the other, their keys still never meet."""
     master, addr = store
