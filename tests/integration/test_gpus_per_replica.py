@@ -76,6 +76,20 @@ def test_int4_with_error_feedback_and_two_fragments_with_two_ranks_ends_near_one
         (sharded["final_eval_loss"], whole["final_eval_loss"])
 
 
+@pytest.mark.timeout(600)
+def test_a_hot_spare_of_two_ranks_warms_up_and_takes_a_killed_replicas_place(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _train(run_dir, TWO_BY_TWO + [
+        "train.rounds=4", "topology.gpus_per_replica=2", "topology.spares_per_cluster=1", "topology.cpus_per_replica=0.5",
+        "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:3}]"])
+    check_run(run_dir, rounds=4, steps_per_round=10)
+    evs = events(run_dir)
+    # each cluster's spare warmed up (its 2 ranks together); the killed c0r1, restarted, became c0's next spare
+    assert sorted(e["cluster"] for e in evs if e["event"] == "spare_ready") == [0, 0, 1]
+    assert [e["rid"] for e in evs if e["event"] == "spare_promoted"] == ["c0r1"]
+    assert summary["status"] == "completed"
+
+
 def _stalls(run_dir: Path, rid: str, around: float, steps_per_round: int = 40) -> float:
     """The longest wait between two of rid's consecutive committed steps of one round, within 30 s
     after `around` (steps/; a round's end waits for the outer exchange by design)."""
