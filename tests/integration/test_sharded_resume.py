@@ -5,7 +5,8 @@ altered on disk, so the resume with k=1 refuses that checkpoint before DCP reads
 and falls back to round 2; it trains to round 6 and ends within 1e-4 relative eval loss of the
 uninterrupted 6-round k=1 run at the same seed. The other way round: a k=1 run's file checkpoint
 resumed with k=2 (each rank cuts its shards out of the whole tensors), its later checkpoints written
-as DCP, ending within 1e-4 too."""
+as DCP, ending within 1e-4 too. And a total loss of a k=2 run (every replica killed mid-round) restores
+from its sharded checkpoint and ends within 1e-4 of the uninterrupted run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -96,3 +97,20 @@ def test_a_one_rank_checkpoint_resumes_with_two_ranks(tmp_path, uninterrupted):
     last = _checkpoints(run_dir)["round_000006"]  # written by the k=2 replicas: one DCP folder each
     assert (last["format"], last["ranks"]) == ("dcp", 2), last
     checkpoint.verify(str(run_dir / "checkpoints" / "round_000006"))
+
+
+@pytest.mark.timeout(900)
+def test_every_replica_of_two_ranks_lost_restores_from_their_sharded_checkpoint(tmp_path, uninterrupted):
+    # a total loss: every replica killed mid-inner of round 2; all come back (2 ranks each) and load round 2's
+    kill_all = "faults.schedule=[" + ",".join(f"{{kind:kill,target:cluster:c{c},round:2,phase:inner,step:3}}"
+                                              for c in range(2)) + "]"
+    run_dir = tmp_path / "run"
+    summary = _train(run_dir, ["train.rounds=6", "checkpoint.every=1", "checkpoint.keep=10",
+                               "topology.gpus_per_replica=2", kill_all])
+    assert summary["status"] == "completed" and summary["rounds_committed"] == 6, summary
+    restores = [e for e in events(run_dir) if e["event"] == "restore"]
+    assert len(restores) == 1 and restores[0]["path"].endswith("round_000002"), restores
+    assert checkpoint.format_of(_checkpoints(run_dir)["round_000002"]) == checkpoint.DCP_FORMAT
+    check_run(run_dir, rounds=6, steps_per_round=10, victims={"c0r0", "c0r1", "c1r0", "c1r1"})
+    assert _relative(summary["final_eval_loss"], uninterrupted["final_eval_loss"]) <= 1e-4, \
+        (summary["final_eval_loss"], uninterrupted["final_eval_loss"])
