@@ -1,5 +1,7 @@
 """Durable checkpoints, carried out for the supervisor (through its `RunnerPorts`): `save` between
-rounds, `restore` after a total loss, `save_model` at the run's end.
+rounds, `restore` after a total loss, `save_model` at the run's end. Replicas of one rank write the
+"file" format (`<rid>.pt`), replicas of k > 1 ranks the "dcp" format (`<rid>/`, one DCP checkpoint of
+its ranks): hsgd.train.checkpoint. A restore loads either, into any k (its format passed to each replica).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import ray
 
 from actors.round_runner import RunnerPorts
 from hsgd.config.auto import inner_schedule
+from hsgd.config.sites import ranks_per_replica
 from hsgd.core.deadlines import collective_timeout_s
 from hsgd.core.round import Outcome, current_round, model_writers
 from hsgd.record.rundir import call_with_deadline
@@ -54,7 +57,8 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                         # the driver's (data size and path as it sees them), carried in the durable state
                         "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
                         "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
-                        "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time()}
+                        "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time(),
+                        **_format_keys(ranks_per_replica(sup.cfg))}
             try:
                 final = storage(lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
                                 "finalizing the checkpoint")
@@ -73,6 +77,12 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
         return _failed(sup, state_round, f"{type(err).__name__}: {err}")
     sup.log.event("checkpoint_skipped", round=state_round, reason="replicas failed while saving")
     return None
+
+
+def _format_keys(k: int) -> dict:
+    """k = 1: the "file" format, a manifest without `format` (as ever); k > 1: each replica wrote its
+    `<rid>/` DCP folder (hsgd.train.checkpoint's "dcp" format), `ranks` saying how many ranks wrote it."""
+    return {} if k == 1 else {"format": checkpoint.DCP_FORMAT, "ranks": k}
 
 
 def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
@@ -151,7 +161,8 @@ def restore(sup: RunnerPorts, reason: str) -> int:
     tried, errors = sorted(roster.live), []
     for rid in tried:
         try:
-            answer = ray.get(roster.handles[rid].load_checkpoint.remote(path, manifest["files"].get(rid)),
+            answer = ray.get(roster.handles[rid].load_checkpoint.remote(path, manifest["files"].get(rid),
+                                                                        fmt=checkpoint.format_of(manifest)),
                              timeout=sup.cfg.supervisor.phase_timeout_s)
             roster.live[rid] = (answer["round"], answer["step"])
         except Exception as err:  # noqa: BLE001 — that replica's failure; it heals from a restored peer later
@@ -175,8 +186,7 @@ def _choose(sup: RunnerPorts) -> tuple[str, dict]:
         sup.warn(f"checkpoint {path} skipped: {why}")
 
     try:
-        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped,
-                                                            formats=(checkpoint.FILE_FORMAT,)),
+        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
                                    sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
     except OSError as err:
         raise RestoreFailed(f"checkpoints under {root} cannot be read: {type(err).__name__}: {err}") from err

@@ -47,7 +47,7 @@ from actors.hang import install_faulthandler
 from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replica_group_backend
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
-from hsgd.train import checkpoint, sharding, state_stream
+from hsgd.train import checkpoint, dcp_checkpoint, sharding, state_stream
 from hsgd.train.progress_board import Publisher
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
 from hsgd.train.simulate import link_from_config
@@ -595,20 +595,30 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
-        """Its file of the checkpoint of round `round_index`; `behind` unless it holds exactly that
-        round. A write storage refuses (full disk, quota, read-only remount: any exception type)
-        answers `io_error`, never raises: the run's problem. Taking the state may still raise."""
+        """Its part of the checkpoint of round `round_index`: its `<rid>.pt` file (one rank), or k > 1 its
+        `<rid>/` folder, one DCP checkpoint written by every rank of it (hsgd.train.dcp_checkpoint; the
+        sha256 answered is that of its manifest.json). `behind` unless it holds exactly that round. A
+        write storage refuses (full disk, quota, read-only remount: any exception type) answers
+        `io_error`, never raises: the run's problem. Taking the state may still raise."""
         def run():
             if self.trainer.round != round_index:
                 raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
                              f"round {self.trainer.round}")
-            state = self.trainer.state_dict()
+            ranks = self.trainer.ranks
+            state = self.trainer.state_dict() if ranks is None else self.trainer.sharded_state()
             try:
-                return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
+                if ranks is None:
+                    return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
+                dcp_checkpoint.save_sharded(state, checkpoint.join_url(directory, self.rid), group=ranks.group,
+                                            manifest_extra={"round": round_index, "rid": self.rid},
+                                            timeout_s=float(self.cfg.supervisor.phase_timeout_s))
+                return {"sha256": checkpoint.sharded_replica_sha256(directory, self.rid) if not self.rank else ""}
             except Exception as err:  # noqa: BLE001 — storage's failure, see above
                 return {"outcome": Outcome.IO_ERROR, "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
+        # k > 1: every rank writes its shards (its faults are rank 0's alone)
+        refs = self._fan_out("save_checkpoint", lambda j: (directory, round_index))
         # its faults are those of the checkpoint taken after round round_index - 1
-        return self._phase("checkpoint", run, faults, hook_round=round_index - 1)
+        return self._merged(self._phase("checkpoint", run, faults, hook_round=round_index - 1), refs)
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
@@ -620,16 +630,40 @@ class Replica:
         return saved
 
     @ray.method(concurrency_group="phase")
-    def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None) -> dict:
-        """Load a checkpoint the caller verified (resume, restore), after its `startup` faults. Raises
-        CheckpointError (this replica's failure) naming it and its node: a file unreadable or unfit."""
+    def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None,
+                        fmt: str = checkpoint.FILE_FORMAT) -> dict:
+        """Load a checkpoint the caller verified (resume, restore), after its `startup` faults; `fmt` is
+        its format (checkpoint.format_of). "file": its `<rid>.pt` (k > 1: each rank cuts its own shards
+        out of the whole tensors, ReplicaTrainer.rank_slice). "dcp": its `<rid>/` folder, checked
+        against `sha256` and every file against its manifest, then loaded by DCP on every rank,
+        resharded to this replica's k (k=1: a world of one). Raises CheckpointError (this replica's
+        failure) naming it and its node: a file unreadable or unfit; its state is then untouched."""
         self._fire_startup(faults)
+        refs = self._fan_out("load_checkpoint", lambda j: (directory, sha256, None, fmt))
         try:
-            self._load(checkpoint.load_replica_state(directory, self.rid, sha256), "full")
+            if fmt == checkpoint.DCP_FORMAT:
+                self._load_sharded(directory, sha256)
+            else:
+                state = checkpoint.load_replica_state(directory, self.rid, sha256)
+                self._load(self.trainer.rank_slice(state), "full")
         except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
             raise checkpoint.CheckpointError(f"replica {self.rid} on node {_node_name()} cannot load {directory}: "
                                              f"{type(err).__name__}: {err}") from err
-        return self._answer()
+        return self._merged(self._answer(), refs)
+
+    def _load_sharded(self, directory: str, sha256: str | None) -> None:
+        """Its DCP folder of a "dcp" checkpoint into this trainer: verified (its manifest against
+        `sha256` here; every file by dcp_checkpoint on every rank together), loaded into a template
+        (the trainer untouched until DCP read every byte), then applied."""
+        ranks = self.trainer.ranks
+        # the run manifest's hash of its manifest, on every rank (so all refuse together, none waits in DCP)
+        _check_sha(checkpoint.sharded_replica_sha256(directory, self.rid), sha256, directory, self.rid)
+        self._settle()  # a background reduce reads the state being replaced
+        target = self.trainer.sharded_template()
+        dcp_checkpoint.load_sharded(target, checkpoint.join_url(directory, self.rid),
+                                    group=None if ranks is None else ranks.group,
+                                    timeout_s=float(self.cfg.supervisor.phase_timeout_s))
+        self.trainer.load_sharded_state(target)
 
     @ray.method(concurrency_group="control")
     def reach_checkpoints(self, url: str, nonce: str, faults: list[dict] | None = None) -> dict:
@@ -649,6 +683,12 @@ def _startup_marks(marks: dict) -> dict:
     except Exception:  # noqa: BLE001 — only a figure
         created = None
     return {"process_start": created, "module_t0": _MODULE_T0, "module_t1": _MODULE_T1, **marks}
+
+
+def _check_sha(actual: str, expected: str | None, directory: str, rid: str) -> None:
+    if expected and actual != expected:
+        raise checkpoint.CheckpointError(f"checkpoint file {checkpoint.join_url(directory, rid)}/manifest.json "
+                                         f"does not match the run manifest's sha256 (corrupt or replaced)")
 
 
 def _state_bytes(state: dict) -> int:

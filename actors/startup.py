@@ -35,8 +35,8 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
     """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume.
     Keys in `adopt` (those the run left auto) take the values the checkpoint recorded (hsgd.config.auto.recorded),
     so a run started under other defaults resumes with the ones it trained with."""
-    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False,
-                              formats=(checkpoint.FILE_FORMAT,))  # sharded: not yet loaded here (issue 34)
+    # either format, into any k: a replica cuts a file's whole tensors to its shards, DCP reshards
+    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
         raise ConfigError("train.resume", f"no usable checkpoint under {root}{why}; "
@@ -153,12 +153,13 @@ class StartupCalls:
             checkpoint.remove(url)
 
     def load_resume_point(self, point: checkpoint.Choice, replicas: dict, faults: dict) -> None:
-        """Every replica with a file in the (verified) checkpoint loads it. One it lacks (the topology
+        """Every replica with a file (or DCP folder) in the (verified) checkpoint loads it, in its format. One it lacks (the topology
         grew) starts fresh and heals from a peer; files of replica ids this run lacks stay unread."""
-        files = point.manifest["files"]
+        files, fmt = point.manifest["files"], point.format
         _, errors = self.call_all(
             {rid: h for rid, h in replicas.items() if rid in files},
-            lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None),
+            lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None,
+                                                          fmt),
             self.cfg.phase_timeout_s)
         for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
             raise ConfigError("train.resume", one_line(err, typed=False))

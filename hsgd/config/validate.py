@@ -194,13 +194,6 @@ def _check_ranks(cfg: Any) -> None:
         raise ConfigError("sync.fragment_delay", f"{cfg.sync.fragment_delay} is not supported with "
                           f"topology.gpus_per_replica={k} (its outer reduce runs behind the inner steps, on a "
                           f"second thread of each rank); valid: 0 with gpus_per_replica > 1")
-    # Sharded checkpoints are written and read by hsgd.train.dcp_checkpoint, not yet by the replicas.
-    if int(cfg.checkpoint.every) > 0:
-        raise ConfigError("checkpoint.every", f"{cfg.checkpoint.every}: the replicas of topology.gpus_per_replica={k} "
-                          f"do not write checkpoints yet (issue 34); valid: 0 with gpus_per_replica > 1")
-    if cfg.train.resume:
-        raise ConfigError("train.resume", f"a replica of topology.gpus_per_replica={k} ranks does not load "
-                          f"checkpoints yet (issue 34); valid: false with gpus_per_replica > 1")
 
 
 def _check_links(cfg: Any) -> None:

@@ -4,30 +4,35 @@ The root is `checkpoint.dir`, any fsspec URL every replica reaches (a shared mou
 `memory://...` in one process), or `<run.dir>/checkpoints` when null (`root_url`):
 
     round_000005/manifest.json      round, step, run id, config fingerprint, replica files + sha256
-    round_000005/c0r0.pt ...        one file per replica: its ReplicaTrainer.state_dict()
+    round_000005/c0r0.pt ...        "file" format: one file per replica, its ReplicaTrainer.state_dict()
+    round_000005/c0r0/ ...          "dcp" format: one sharded checkpoint per replica (dcp_checkpoint.py:
+                                    its own manifest.json, DCP's .metadata, one data file per rank)
 
-That is the "file" format (a manifest without `format`). A replica of k ranks writes the "dcp"
-format instead (`dcp_checkpoint.py`: `format: "dcp"`, `ranks: k`, DCP's `.metadata` and one data
-file per rank, each with its sha256). Both live side by side under one root: `finalized`, `choose`,
-`verify`, `exists` and `prune` treat a round folder of either format alike; `format_of` /
-`Choice.format` and `ranks_of` / `Choice.ranks` tell a resume which loader to use and how many ranks
-wrote it (DCP reshards, so a resume may use another k).
+The "file" format is a manifest without `format` (a replica of one rank writes it). A run whose
+replicas have k > 1 ranks writes the "dcp" format: the manifest says `format: "dcp"`, `ranks: k`,
+and its `files` maps each replica id to the sha256 of `<rid>/manifest.json`, which in turn holds
+the sha256 of every file of that replica's DCP checkpoint (`.metadata` included). Both formats
+live side by side under one root: `finalized`, `choose`, `verify`, `exists` and `prune` treat a
+round folder of either alike; `format_of` / `Choice.format` and `ranks_of` / `Choice.ranks` tell a
+resume which loader to use and how many ranks wrote it (DCP reshards, so a resume may use another k).
 
-Protocol: replicas write their files into `round_000005.tmp-<owner>-<nonce>/` (`new_temp_dir`;
-owner = the run id, so `prune` removes only this run's leftovers, never another run's write in
-progress). Locally each file and then the supervisor's manifest is `write_atomic`, and the
-supervisor renames the directory (the commit point). On an object store
-(no atomic rename) the files are copied to the final directory and the manifest is written LAST:
-without a manifest a checkpoint does not exist. A crash leaves the old checkpoints untouched and a
-temp or manifest-less directory that is ignored. A final checkpoint is never overwritten.
+Protocol: replicas write their files (or folders) into `round_000005.tmp-<owner>-<nonce>/`
+(`new_temp_dir`; owner = the run id, so `prune` removes only this run's leftovers, never another
+run's write in progress). Locally each file and then the supervisor's manifest is `write_atomic`
+(a replica's DCP folder is renamed into the temp folder whole), and the supervisor renames the
+directory (the commit point). On an object store (no atomic rename) the files are copied to the
+final directory and the manifest is written LAST: without a manifest a checkpoint does not exist.
+A crash leaves the old checkpoints untouched and a temp or manifest-less directory that is ignored.
+A final checkpoint is never overwritten.
 
-Trust: `verify` checks the manifest and every file's sha256 (a "dcp" one through
-`dcp_checkpoint.verify_sharded` in a world of one: this process hashes every file, the `.metadata`
-DCP would unpickle included, and refuses a file the manifest does not name); `choose` walks back
-from the newest to the first that verifies, so a corrupt latest checkpoint of either format falls
-back to the previous kept one of either format, its reason recorded. An unknown `format` is refused
-like a corrupt file. Files load with `torch.load(weights_only=True)`: a foreign file is an error,
-never code execution.
+Trust: `verify` checks the manifest and every file's sha256 (a "dcp" one: each replica's folder
+through `dcp_checkpoint.verify_sharded` in a world of one — this process hashes every file, the
+`.metadata` DCP would unpickle included, and refuses a file the replica's manifest does not name —
+and that manifest against the run manifest's sha256); `choose` walks back from the newest to the
+first that verifies, so a corrupt latest checkpoint of either format falls back to the previous
+kept one of either format, its reason recorded. An unknown `format` is refused like a corrupt
+file. Files load with `torch.load(weights_only=True)`: a foreign file is an error, never code
+execution.
 """
 from __future__ import annotations
 
@@ -115,6 +120,23 @@ def save_replica_state(directory: str | Path, rid: str, state: dict) -> str:
     return sha.hexdigest()
 
 
+def replica_entry(rid: str, fmt: str) -> str:
+    """What replica `rid` writes into a round folder: `<rid>.pt` (FILE_FORMAT) or its DCP folder `<rid>`."""
+    return f"{rid}.pt" if fmt == FILE_FORMAT else rid
+
+
+def _entry_file(entry: str) -> str:
+    """The file whose presence (and sha256) stands for an entry: the `.pt` itself, or a DCP folder's manifest."""
+    return entry if entry.endswith(".pt") else f"{entry}/{MANIFEST}"
+
+
+def sharded_replica_sha256(directory: str | Path, rid: str) -> str:
+    """The sha256 the run manifest records for replica `rid`'s DCP folder: that of its manifest.json."""
+    fs, path = url_to_fs(join_url(directory, f"{rid}/{MANIFEST}"))
+    with fs.open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _write_text(url: str, text: str) -> None:
     write_atomic(url, lambda f: f.write(text.encode("utf-8")))
 
@@ -136,11 +158,12 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
     fs, temp_path = url_to_fs(temp_dir)
     _, final_path = url_to_fs(final)
     files = sorted(manifest.get("files", {}))
+    entries = {rid: replica_entry(rid, format_of(manifest)) for rid in files}  # what each replica wrote
     problem = None
     local = isinstance(fs, LocalFileSystem)
     if fs.exists(url_to_fs(join_url(final, MANIFEST))[1]) or (local and fs.exists(final_path)):
         problem = f"{final} already exists; checkpoints are never overwritten"
-    elif missing := [rid for rid in files if not fs.isfile(f"{temp_path}/{rid}.pt")]:
+    elif missing := [rid for rid in files if not fs.isfile(f"{temp_path}/{_entry_file(entries[rid])}")]:
         problem = f"replica files missing from {temp_dir}: {', '.join(missing)}"
     elif wrong := {rid: replica_rounds.get(rid) for rid in files if replica_rounds.get(rid) != state_round}:
         problem = f"replicas at another round than {state_round} (None: never reported): {wrong}"
@@ -154,7 +177,7 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
         return final
     fs.makedirs(final_path, exist_ok=True)
     for rid in files:
-        fs.copy(f"{temp_path}/{rid}.pt", f"{final_path}/{rid}.pt")
+        fs.copy(f"{temp_path}/{entries[rid]}", f"{final_path}/{entries[rid]}", recursive=entries[rid] != f"{rid}.pt")
     _write_text(join_url(final, MANIFEST), text)
     remove(temp_dir)
     return final
@@ -209,9 +232,9 @@ def verify(directory: str | Path) -> dict:
     manifest = read_manifest(directory)
     if format_of(manifest) == DCP_FORMAT:
         ranks_of(manifest)
-        from hsgd.train import dcp_checkpoint  # torch and DCP only where a sharded checkpoint is read
-
-        return dcp_checkpoint.verify_sharded(str(directory), group=None)
+        for rid, expected in sorted(manifest["files"].items()):
+            verify_sharded_replica(directory, rid, expected)
+        return manifest
     for rid, expected in sorted(manifest["files"].items()):
         url = join_url(directory, f"{rid}.pt")
         fs, path = url_to_fs(url)
@@ -223,6 +246,24 @@ def verify(directory: str | Path) -> dict:
         if actual != expected:
             raise CheckpointError(f"checkpoint file {url} does not match its manifest sha256 (corrupt or truncated)")
     return manifest
+
+
+def verify_sharded_replica(directory: str | Path, rid: str, expected_sha256: str | None) -> dict:
+    """Replica `rid`'s DCP folder of a "dcp" checkpoint: every file against its own manifest (nothing
+    read with DCP or pickle), and that manifest against the run manifest's sha256 (`expected_sha256`;
+    None: not checked). Returns the replica's manifest; CheckpointError naming the file otherwise."""
+    from hsgd.train import dcp_checkpoint  # torch and DCP only where a sharded checkpoint is read
+
+    replica_dir = join_url(directory, rid)
+    found = dcp_checkpoint.verify_sharded(replica_dir, group=None)
+    try:
+        actual = sharded_replica_sha256(directory, rid)
+    except OSError as err:
+        raise CheckpointError(f"checkpoint file {join_url(replica_dir, MANIFEST)} is unreadable: {err}") from err
+    if expected_sha256 and actual != expected_sha256:
+        raise CheckpointError(f"checkpoint file {join_url(replica_dir, MANIFEST)} does not match the run "
+                              f"manifest's sha256 (corrupt or replaced)")
+    return found
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,20 @@
 """Sharded checkpoints of one replica's k ranks through torch.distributed.checkpoint (DCP),
 sha256-verified against hsgd's manifest before DCP reads a byte.
 
-Layout (`directory` is the final name, a path or any fsspec URL, like `checkpoint.dir`):
+Layout (`directory` is the final name, a path or any fsspec URL, like `checkpoint.dir`; in a run it
+is replica `<rid>`'s folder inside the round folder, checkpoint.py's "dcp" format):
 
-    round_000005/manifest.json    format "dcp", ranks (k), every file's sha256, plus the caller's
-                                  manifest_extra (round, step, run id, fingerprint: checkpoint.py's keys)
-    round_000005/.metadata        DCP's index of every shard (rank 0 writes it; DCP reads it with pickle)
-    round_000005/__0_0.distcp ... one data file per rank (each rank writes its own shards)
+    round_000005/c0r0/manifest.json    format "dcp", ranks (k), every file's sha256, plus the caller's
+                                       manifest_extra (round, replica id)
+    round_000005/c0r0/.metadata        DCP's index of every shard (rank 0 writes it; DCP reads it with pickle)
+    round_000005/c0r0/__0_0.distcp ... one data file per rank (each rank writes its own shards)
 
-It sits beside the one-file format under one root: checkpoint.py's `finalized`, `choose` and
-`prune` treat it as a checkpoint of its round, and its `verify` routes `format: "dcp"` to
-`verify_sharded` with no process group (`checkpoint.format_of` / `ranks_of` tell a resume which).
+The run's own manifest (round_000005/manifest.json, checkpoint.py) records the sha256 of each
+replica's manifest.json, so one chain of hashes covers every byte. checkpoint.py's `finalized`,
+`choose` and `prune` treat such a round as a checkpoint of its round, and its `verify` checks each
+replica's folder with `verify_sharded` in a world of one (`checkpoint.format_of` / `ranks_of` tell a
+resume which loader to use). The state a replica saves is ReplicaTrainer.sharded_state(): DTensors
+of its local shards, so DCP reshards a load to the loading replica's k.
 
 Save protocol (`save_sharded`, every rank of the replica calls it with the same directory; the
 collectives below run on `group`, the replica's k-rank group: the shard level, each one bounded by

@@ -188,11 +188,18 @@ def checkpoints_never_overwritten(run_dir, events: list[dict]) -> None:
             continue
         manifest = json.loads((d / "manifest.json").read_text())
         assert d.name == f"round_{manifest['round']:06d}", f"checkpoint {d.name} holds the manifest of round {manifest['round']}"
+        sharded = manifest.get("format") == "dcp"  # each replica's DCP folder: its manifest.json, then its files
         for rid, sha in (manifest.get("files") or {}).items():
-            path = d / f"{rid}.pt"
-            assert path.is_file(), f"checkpoint {d.name} lacks {rid}.pt that its manifest lists"
-            actual = hashlib.sha256(path.read_bytes()).hexdigest()
-            assert actual == sha, f"checkpoint {d.name}/{rid}.pt was rewritten: sha256 {actual[:12]} != manifest {sha[:12]}"
+            listed = [(f"{rid}/manifest.json", sha)] if sharded else [(f"{rid}.pt", sha)]
+            if sharded and (d / rid / "manifest.json").is_file():
+                listed += [(f"{rid}/{name}", h) for name, h in
+                           json.loads((d / rid / "manifest.json").read_text())["files"].items()]
+            for name, expected in listed:
+                path = d / name
+                assert path.is_file(), f"checkpoint {d.name} lacks {name} that its manifest lists"
+                actual = hashlib.sha256(path.read_bytes()).hexdigest()
+                assert actual == expected, \
+                    f"checkpoint {d.name}/{name} was rewritten: sha256 {actual[:12]} != manifest {expected[:12]}"
         event = announced.get(manifest["round"])
         if event is None:
             continue  # brought in from elsewhere (a checkpoint copied in to resume from)

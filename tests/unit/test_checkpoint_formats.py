@@ -1,8 +1,9 @@
 """Both checkpoint formats under one root: hsgd.train.checkpoint's chooser, verifier and pruner treat a
-sharded (DCP) round folder as a checkpoint of its round, refuse a damaged one before DCP reads a byte of
-it, fall back past it to the previous good checkpoint of either format with the reason recorded, and
-prune both by the same rule. DCP checkpoints are written by `save_sharded(group=None)`: a world of one,
-in this process."""
+"dcp" round folder (one DCP folder per replica, `<rid>/`, each replica manifest's sha256 in the run
+manifest) as a checkpoint of its round, refuse a damaged one before DCP reads a byte of it, fall back
+past it to the previous good checkpoint of either format with the reason recorded, and prune both by
+the same rule. Each replica's DCP folder is written by `save_sharded(group=None)`: a world of one, in
+this process, into the round's temp folder, finalized as the supervisor does."""
 from __future__ import annotations
 
 import json
@@ -40,15 +41,20 @@ def root(request, tmp_path):
 
 
 def _write(root: str, round_index: int, kind: str, owner: str = "run-a", fingerprint: dict | None = None) -> str:
-    """A finalized checkpoint of `kind` ("file": c0r0.pt + c1r0.pt; "dcp": one replica of one rank)."""
+    """A finalized checkpoint of `kind` ("file": c0r0.pt + c1r0.pt; "dcp": c0r0/ + c1r0/, each one
+    replica's DCP folder written by one rank; c0r0 holds _state(round_index))."""
     extra = {"round": round_index, "step": round_index * 20, **({"fingerprint": fingerprint} if fingerprint else {})}
-    if kind == "dcp":
-        directory = ckpt.join_url(root, ckpt.round_dir_name(round_index))
-        dcp_checkpoint.save_sharded(_state(round_index), directory, group=None, manifest_extra=extra, owner=owner)
-        return directory
     tmp = ckpt.new_temp_dir(root, round_index, owner=owner)
-    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c1r0"))}
-    return ckpt.finalize(tmp, {**extra, "files": files}, {"c0r0": round_index, "c1r0": round_index})
+    rids = ("c0r0", "c1r0")
+    if kind == "dcp":
+        for i, rid in enumerate(rids):
+            dcp_checkpoint.save_sharded(_state(round_index + i), ckpt.join_url(tmp, rid), group=None,
+                                        manifest_extra={"round": round_index, "rid": rid})
+        files = {rid: ckpt.sharded_replica_sha256(tmp, rid) for rid in rids}
+        extra.update(format="dcp", ranks=1)
+    else:
+        files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(rids)}
+    return ckpt.finalize(tmp, {**extra, "files": files}, {rid: round_index for rid in rids})
 
 
 def _alter_one_byte(url: str) -> None:
@@ -108,7 +114,9 @@ def test_a_dcp_round_folder_is_a_finalized_checkpoint_of_its_round(root):
     assert ckpt.exists(root, 2) and not ckpt.exists(root, 3)
     assert ckpt.checkpoint_format(file_dir) == "file" and ckpt.checkpoint_format(dcp_dir) == "dcp"
     manifest = ckpt.verify(dcp_dir)
-    assert manifest["round"] == 2 and manifest["ranks"] == 1 and ".metadata" in manifest["files"]
+    assert manifest["round"] == 2 and manifest["ranks"] == 1 and sorted(manifest["files"]) == ["c0r0", "c1r0"]
+    replica = ckpt.verify_sharded_replica(dcp_dir, "c1r0", manifest["files"]["c1r0"])
+    assert replica["rid"] == "c1r0" and ".metadata" in replica["files"], replica
 
 
 # -- choose: the newest good checkpoint, of either format --------------------------------------------
@@ -135,7 +143,7 @@ def test_the_chosen_dcp_checkpoint_loads_back_bitwise(root):
     _write(root, 3, "dcp")
     found = ckpt.choose(root)
     state = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5)}, "step": 0}
-    dcp_checkpoint.load_sharded(state, found.path, group=None)
+    dcp_checkpoint.load_sharded(state, ckpt.join_url(found.path, "c0r0"), group=None)
     want = _state(3)
     assert state["step"] == 3 and all(torch.equal(state["model"][k], want["model"][k]) for k in want["model"])
 
@@ -148,7 +156,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_of_either_fo
     Choice.skipped, the reason the restore's checkpoint_fallback event records), the previous chosen."""
     older = _write(root, 2, previous)
     newest = _write(root, 4, newest_kind)
-    _alter_one_byte(ckpt.join_url(newest, ".metadata" if newest_kind == "dcp" else "c1r0.pt"))
+    _alter_one_byte(ckpt.join_url(newest, "c1r0/.metadata" if newest_kind == "dcp" else "c1r0.pt"))
     skipped = []
     found = ckpt.choose(root, on_skip=lambda d, why: skipped.append((d, why)))
     assert found.path == older and found.manifest["round"] == 2 and found.format == previous, found
@@ -156,18 +164,20 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_of_either_fo
     reason = skipped[0][1]
     assert "sha256" in reason and "\n" not in reason, reason
     if newest_kind == "dcp":
-        assert ".metadata is altered" in reason and "refused before loading" in reason, reason
+        assert "c1r0 refused before loading: .metadata is altered" in reason, reason
     with pytest.raises(CheckpointError):
         ckpt.verify(newest)
 
 
 @pytest.mark.parametrize("damage, reason", [
-    ("data altered", "__0_0.distcp is altered"),
+    ("data altered", "c0r0 refused before loading: __0_0.distcp is altered"),
     ("data removed", "__0_0.distcp is missing"),
     ("file added", "__7_0.distcp is not in the manifest"),
+    # a replica's manifest rewritten to match its (consistent) files: the run manifest's sha256 refuses it
+    ("replica manifest replaced", "c0r0/manifest.json does not match the run manifest's sha256"),
     ("format unknown", "format 'zarr' is not one this hsgd reads"),
     ("ranks missing", "ranks=None; it must be an integer >= 1"),
-    ("format removed", ".metadata.pt is unreadable"),  # read as the file format: refused, never loaded
+    ("format removed", "c0r0.pt is unreadable"),  # read as the file format: refused, never loaded
 ])
 def test_every_damage_of_a_dcp_checkpoint_is_passed_over_before_dcp_reads_it(tmp_path, dcp_reads_refused,
                                                                               damage, reason):
@@ -175,11 +185,13 @@ def test_every_damage_of_a_dcp_checkpoint_is_passed_over_before_dcp_reads_it(tmp
     older, newest = _write(root, 1, "dcp"), _write(root, 2, "dcp")
     fs, path = ckpt.url_to_fs(newest)
     if damage == "data altered":
-        _alter_one_byte(f"{newest}/__0_0.distcp")
+        _alter_one_byte(f"{newest}/c0r0/__0_0.distcp")
     elif damage == "data removed":
-        fs.rm(f"{path}/__0_0.distcp")
+        fs.rm(f"{path}/c0r0/__0_0.distcp")
     elif damage == "file added":
-        fs.copy(f"{path}/__0_0.distcp", f"{path}/__7_0.distcp")
+        fs.copy(f"{path}/c0r0/__0_0.distcp", f"{path}/c0r0/__7_0.distcp")
+    elif damage == "replica manifest replaced":
+        _rewrite_manifest(f"{newest}/c0r0", round=7)
     else:
         _rewrite_manifest(newest, **{"format unknown": {"format": "zarr"}, "ranks missing": {"ranks": None},
                                      "format removed": {"format": None}}[damage])
@@ -212,7 +224,8 @@ def _crashed_dcp_save(root: str, round_index: int, owner: str, monkeypatch) -> s
         _write(root, round_index, "dcp", owner=owner)
     prefix = f"{ckpt.round_dir_name(round_index)}.tmp-{ckpt.safe_owner(owner)}-"
     left = [n for n in ckpt._names(root) if n.startswith(prefix)]
-    assert len(left) == 1 and ".metadata" in ckpt._names(ckpt.join_url(root, left[0])), left
+    inside = [ckpt.join_url(ckpt.join_url(root, left[0]), n) for n in ckpt._names(ckpt.join_url(root, left[0]))]
+    assert len(left) == 1 and any(".metadata" in ckpt._names(d) for d in inside), (left, inside)
     return left[0]
 
 

@@ -1,7 +1,7 @@
 """`topology.gpus_per_replica: k` (issue 34, Build 1 and Acceptance 6): a replica of k rank processes
 on one node. Its refusals are one line naming the field, exit 2 before any actor starts (mixed k across
 sites, sync.outer_path=sharded, a data.batch_size that does not split over k, k not dividing a GPU
-node's devices, and — until the rank actors exist — any k > 1 at the Ray launcher); the default k = 1
+node's devices, a fragment_delay with k > 1); the default k = 1
 config and its resources are unchanged; the per-rank memory rule and one bundle per replica."""
 from __future__ import annotations
 
@@ -56,21 +56,23 @@ def test_with_k_1_resources_and_memory_are_what_they_were():
      ("gpus_per_replica=2", "valid: leader")),
     (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size", ("valid: a multiple of 3",)),
     (["topology.gpus_per_replica=0"], "topology.gpus_per_replica", ("valid: an int >= 1",)),
-    # what a replica of k ranks does not do yet (issue 34): each its own line
-    (["topology.gpus_per_replica=2"], "checkpoint.every",
-     ("do not write checkpoints yet", "valid: 0 with gpus_per_replica > 1")),
-    (["topology.gpus_per_replica=2", "checkpoint.every=0", "train.resume=true"], "train.resume",
-     ("does not load checkpoints yet",)),
-    (["topology.gpus_per_replica=2", "checkpoint.every=0", "sync.fragments=2", "sync.fragment_delay=1"],
+    # what a replica of k ranks does not do yet (issue 34): its own line
+    (["topology.gpus_per_replica=2", "sync.fragments=2", "sync.fragment_delay=1"],
      "sync.fragment_delay", ("second thread", "valid: 0 with gpus_per_replica > 1")),
     # every site restating one k is one k: only what k > 1 does not do yet is left
-    (["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]"],
-     "checkpoint.every", ("topology.gpus_per_replica=2",)),
+    (["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]", "sync.fragments=2",
+      "sync.fragment_delay=1"], "sync.fragment_delay", ("topology.gpus_per_replica=2",)),
 ])
 def test_a_bad_gpus_per_replica_is_one_line_naming_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as info:
         precheck(overrides)
     _assert_one_line_naming(info.value, field, *words)
+
+
+def test_a_replica_of_k_ranks_may_write_checkpoints_and_resume():
+    # sharded (DCP) checkpoints: written by every rank, loaded into any k (issue 34, Acceptance 3)
+    precheck(["topology.gpus_per_replica=2", "checkpoint.every=2"])
+    precheck(["topology.gpus_per_replica=2", "checkpoint.every=2", "train.resume=true"])
 
 
 def test_a_site_may_restate_the_runs_k():
@@ -82,7 +84,6 @@ def test_a_site_may_restate_the_runs_k():
     ([TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:2}]")], "topology.sites[1].gpus_per_replica"),
     (["topology.gpus_per_replica=2", "sync.outer_path=sharded"], "sync.outer_path"),
     (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size"),
-    (["topology.gpus_per_replica=2"], "checkpoint.every"),
 ])
 def test_the_command_line_refuses_with_exit_2_in_one_line_before_ray(tmp_path, overrides, field):
     result = train_isolated(tmp_path, *overrides)

@@ -29,7 +29,8 @@ class _Handle:
         self.rid, self.calls, self.fail = rid, calls, fail
         self.load_checkpoint = SimpleNamespace(remote=self._load)
 
-    def _load(self, path, sha):
+    def _load(self, path, sha, fmt=ckpt.FILE_FORMAT):
+        assert fmt == ckpt.FILE_FORMAT, f"{self.rid}: a file checkpoint loaded as {fmt}"
         self.calls.append(("load", self.rid, path))
         if self.fail:
             raise RuntimeError(f"{self.rid} cannot read {path}")
