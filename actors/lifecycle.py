@@ -57,6 +57,23 @@ def own_incarnation() -> int | None:
     return None
 
 
+def current_rows(rows: Iterable[dict]) -> list[dict]:
+    """One row per actor name: the actor holding the name now. Ray keeps the row of a dead actor whose
+    name a new actor took since: a supervisor killed between registering a site's replica and
+    creating it leaves a DEAD row that never ran, and its successor creates the replica again under
+    that name. The live row wins, else the one started last."""
+    current: dict[str, dict] = {}
+    for row in rows:
+        held = current.get(row["Name"])
+        if held is None or _holds_name(row) > _holds_name(held):
+            current[row["Name"]] = row
+    return list(current.values())
+
+
+def _holds_name(row: dict) -> tuple[bool, int]:
+    return row.get("State") != "DEAD", int(row.get("StartTime") or 0)
+
+
 class ActorWatch:
     """`identity`: replica id -> actor name (the roster's map itself, so a promotion is followed);
     `spares`: cluster (str) -> spare actor names (the pool's dict); `seen`: actor name -> [floor,
@@ -132,7 +149,7 @@ class ActorWatch:
         """Watched actors' incarnations dead since the last poll (or `note_death`), oldest first; [] if no table."""
         watched = set(self.identity.values()) | {n for names in self.spares.values() for n in names}
         try:
-            rows = [r for r in self._table() if r.get("Name") in watched]
+            rows = current_rows(r for r in self._table() if r.get("Name") in watched)
         except Exception:  # noqa: BLE001 — the GCS briefly unreachable: the count keeps, next poll
             self._listed = set()
             return []

@@ -15,14 +15,21 @@ class Table:
     def __init__(self):
         self.rows: dict[str, dict] = {}
         self.fail = False
+        self.namesakes: list[dict] = []
 
     def set(self, short: str, state: str, restarts: int, pid: int = 0) -> None:
-        self.rows[name(short)] = {"Name": name(short), "State": state, "NumRestarts": restarts, "Pid": pid}
+        self.rows[name(short)] = {"Name": name(short), "State": state, "NumRestarts": restarts, "Pid": pid,
+                                  "StartTime": 1}
+
+    def add_dead_namesake(self, short: str) -> None:
+        """A DEAD row under `short`'s name that never started: an actor registered by a supervisor
+        killed before it created it (Ray keeps the row once a new actor takes the name)."""
+        self.namesakes.append({"Name": name(short), "State": "DEAD", "NumRestarts": 0, "Pid": 0, "StartTime": 0})
 
     def __call__(self):
         if self.fail:
             raise ConnectionError("GCS unreachable")
-        return list(self.rows.values())
+        return self.namesakes + list(self.rows.values())
 
 
 class Log:

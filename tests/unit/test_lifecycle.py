@@ -154,6 +154,21 @@ def test_an_unreadable_table_reports_nothing_now_and_everything_later():
     assert deaths(watch.poll()) == [("c0r1", 0, "c0r1")]
 
 
+def test_a_dead_namesake_that_never_ran_is_not_a_death_of_the_actor_holding_the_name_now():
+    """A supervisor SIGKILLed between registering a joining site's replica and creating it leaves a DEAD
+    row under that name; its successor creates the replica again under the same name. The CI failure of
+    stop 44: the watch read the old row and reported the new, healthy replica dead."""
+    table = Table()
+    table.set("c0r0", "ALIVE", 0)
+    table.add_dead_namesake("c0r1")
+    table.set("c0r1", "ALIVE", 0)
+    watch = watch_of(table)
+    assert watch.poll() == [], "the replica holding the name is alive"
+    table.set("c0r1", "DEAD", 0)  # the new one dies for good: that death is reported, once
+    assert deaths(watch.poll()) == [("c0r1", 0, "c0r1")]
+    assert watch.poll() == []
+
+
 def test_the_watch_tells_which_actors_its_last_table_listed():
     """issue 36, Build 2: idle replicas are asked whether they run only while the table cannot tell."""
     table = Table()
