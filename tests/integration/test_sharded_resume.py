@@ -17,6 +17,10 @@ from hsgd.train import checkpoint
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events
 
+# a minute and more of runs (four jobs.train runs, 8 rank processes each): with the long runs, out of the
+# default suite's 20-minute budget
+pytestmark = pytest.mark.long
+
 # 2 clusters x 2 replicas, rounds of 10 inner steps; a schedule that does not depend on train.rounds
 # (constant lr, no warmup, the outer step given), so a 4-round run resumed to 6 is the 6-round run
 TWO_BY_TWO = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.outer_every=10", "seed=7",

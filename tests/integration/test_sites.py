@@ -114,6 +114,7 @@ def sigkill_three_times(progress, rid: str) -> list[int]:
     return killed
 
 
+@pytest.mark.long  # three SIGKILLs each awaited at work: over a minute
 def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_completes(background_drills, tmp_path):
     drill = background_drills(FAST + QUARANTINE, tmp_path)
     run_dir = Path(drill.run_dir)
