@@ -35,7 +35,9 @@ finiteness, then whether any rank's collective failed) goes over the replica's b
 replica group. A failure on one rank fails the reduce on all k: each raises the same error kind at
 `settle(key)`; a non-finite pseudo-gradient on one rank is NonFiniteError on all k, each aborting its
 own shard's outer group. Abandoning (every rank's settle(None)) aborts every rank's outer group; each
-rank's thread then fails at once and they agree. A thread that ends otherwise (it did not finish once
+rank's thread fails as its collective does, and they agree (over gloo, where an abort does not end a
+collective whose peer is alive and silent, that is when the peer's group goes, or at its deadline,
+as with k=1: ARCHITECTURE.md). A thread that ends otherwise (it did not finish once
 its group was aborted, or raised past the agreement: the background group's own error) may have left
 the ranks at different points of the background group: settle raises ReplicaOutOfStep, which is not a
 CollectiveError, so the replica fails whole and comes back with its groups formed afresh.

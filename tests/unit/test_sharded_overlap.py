@@ -12,10 +12,13 @@ thread's FSDP2 collectives do. Then, k=2 only, in fresh outer groups each time:
   F3. cluster 1 never starts its reduce; cluster 0 abandons its (settle(None) on both ranks), which
       aborts both ranks' groups, while cluster 1 drops its own: both threads end at once, agreed;
   F4. then a reduce on every rank succeeds and commits: the background groups are still in step.
+Without processes: a sharded reduce that ends outside its ranks' agreement (the background group's own
+error, or a thread that outlives its aborted group) raises ReplicaOutOfStep: the replica fails whole.
 (Spawns processes: run it under the shared lock.)"""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import traceback
 
@@ -233,3 +236,68 @@ def test_abandoning_a_reduce_in_flight_aborts_both_ranks_and_the_next_reduce_com
     assert all(f["ok"] and f["round"] == ROUNDS + 1 for f in f4), f4
     assert f4[0]["digest"] == f4[1]["digest"] and f4[2]["digest"] == f4[3]["digest"]
     assert len({f["global_"] for f in f4}) == 1, "after the abandoned reduce the clusters committed different params"
+
+
+# -- the end of a sharded reduce outside its ranks' agreement fails the replica whole (no processes) --------
+class _ReduceThat:
+    """A trainer of rank 0 of 2 (k=1 with `sharded=False`) whose outer_reduce raises `error`, or waits
+    for `release` (a collective that outlives its aborted group); no process group is touched."""
+
+    def __init__(self, error: BaseException | None = None, sharded: bool = True):
+        from hsgd.train.sharding import ReplicaRanks
+
+        self.ranks = ReplicaRanks(0, 2, None) if sharded else None
+        self.rid, self.error, self.release = "c0r0", error, threading.Event()
+
+    def outer_reduce(self, *args, behind: bool):
+        assert behind, "a reduce behind the inner steps must say so (its ranks agree over the background group)"
+        if self.error is not None:
+            raise self.error
+        self.release.wait(10)
+
+
+class _Group:
+    bytes_sent, link_s, arrival_s, aborted = 0, 0.0, 0.0, 0
+
+    def abort(self):
+        self.aborted += 1
+
+
+@pytest.mark.parametrize("error,raised", [
+    ("collective", "CollectiveError"),  # every rank raised it at the agreement: the exchange is retried
+    ("non_finite", "NonFiniteError"),
+    ("backend", "ReplicaOutOfStep"),  # the background group's own error: past the agreement
+])
+def test_a_sharded_reduce_that_fails_outside_its_agreement_fails_the_replica_whole(error, raised):
+    from hsgd.train.comm import CollectiveError
+    from hsgd.train.overlap import BackgroundReduce
+    from hsgd.train.trainer import NonFiniteError
+
+    errors = {"collective": CollectiveError("outer: peer gone", "peer_gone"),
+              "non_finite": NonFiniteError("pseudo_gradient", "c0r0: non-finite"),
+              "backend": RuntimeError("[gloo] Timed out waiting 300000ms for recv operation")}
+    background = BackgroundReduce(_ReduceThat(errors[error]), _Group())
+    background.start((0, 1, 0, 1))
+    with pytest.raises(Exception) as info:
+        background.settle((0, 1, 0, 1), timeout_s=10)
+    assert type(info.value).__name__ == raised, info.value
+    if raised == "ReplicaOutOfStep":
+        assert "fails whole" in str(info.value) and info.value.__cause__ is errors[error]
+
+
+def test_an_abandoned_sharded_reduce_that_does_not_end_fails_the_replica_whole_and_k1_returns():
+    from hsgd.train.overlap import BackgroundReduce, ReplicaOutOfStep
+
+    for sharded in (True, False):
+        trainer, group = _ReduceThat(sharded=sharded), _Group()
+        background = BackgroundReduce(trainer, group)
+        background.start((0, 1, 0, 1))
+        try:
+            if sharded:
+                with pytest.raises(ReplicaOutOfStep, match="did not end once its outer group was aborted"):
+                    background.settle(None, timeout_s=0.2)
+            else:  # one process: nobody to be out of step with (what k=1 always did)
+                assert background.settle(None, timeout_s=0.2) is None
+            assert group.aborted == 1
+        finally:
+            trainer.release.set()
