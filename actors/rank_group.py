@@ -13,7 +13,10 @@ Protocol
 - Every rank calls `form_replica_group(rank, size, store_addr, prefix, timeout_s, ...)` with the same
   `store_addr` and a prefix naming the replica and its incarnation. Step 1 is hsgd's arrival barrier
   in the store (hsgd.train.comm's protocol, step 1); step 2 is c10d's `init_process_group` (gloo on
-  CPU; `cpu:gloo,cuda:nccl` on GPU) over the same prefix, bounded by the same timeout.
+  CPU; `cpu:gloo,cuda:nccl` on GPU) over the same prefix, bounded by the same timeout; step 3 forms
+  the replica's background group (`ReplicaRanks.background`: the same k ranks, gloo, under c10d's
+  own prefix of a second group), which the thread of an outer reduce behind the inner steps agrees
+  over (sync.fragment_delay, hsgd.train.overlap), never interleaving with FSDP2's on the first.
 - Rank 0 fans every phase call out (`RankPeers.call`: rank j's own arguments, e.g. its level
   groups under `<prefix>/rank<j>`, rank j of every replica in one group), runs its own part, then
   merges their answers (`RankPeers.merge`): a rank that raised is the replica's own error; a rank
@@ -75,11 +78,14 @@ def form_replica_group(rank: int, size: int, store_addr: str, prefix: str, timeo
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=op_timeout_s or timeout_s))
+        # the background group: a collective of every rank, in the same order (right after the first)
+        background = dist.new_group(list(range(size)), timeout=timedelta(seconds=op_timeout_s or timeout_s),
+                                    backend="gloo")
     except Exception as err:  # noqa: BLE001 — a rank died between the barrier and the connect
         raise CollectiveError(f"replica {who}: {REPLICA_LEVEL} group: rank {rank} could not connect "
                               f"({backend}): {str(err).splitlines()[0] if str(err) else type(err).__name__}",
                               ErrorKind.CONFIGURE) from err
-    return ReplicaRanks(rank, size, dist.group.WORLD)
+    return ReplicaRanks(rank, size, dist.group.WORLD, background)
 
 
 def rank_prefix(join: tuple | None, rank: int) -> tuple | None:

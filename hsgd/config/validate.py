@@ -188,12 +188,6 @@ def _check_ranks(cfg: Any) -> None:
     if cfg.data.batch_size % k != 0:
         raise ConfigError("data.batch_size", f"{cfg.data.batch_size} sequences per replica do not split over "
                           f"topology.gpus_per_replica={k} ranks; valid: a multiple of {k}")
-    # A background outer reduce (fragment_delay) would run replica-level collectives on a second
-    # thread, in an order the ranks need not share with the phase thread's FSDP2 collectives.
-    if int(cfg.sync.fragment_delay) > 0:
-        raise ConfigError("sync.fragment_delay", f"{cfg.sync.fragment_delay} is not supported with "
-                          f"topology.gpus_per_replica={k} (its outer reduce runs behind the inner steps, on a "
-                          f"second thread of each rank); valid: 0 with gpus_per_replica > 1")
 
 
 def _check_links(cfg: Any) -> None:

@@ -26,6 +26,21 @@ Failure cases (all surface at `settle(key)` as what the call answers):
 - the reduce outlives `timeout_s`: the group is aborted, CollectiveError kind `timeout`
 Invariant 3 holds: the thread runs only outer-level collectives, the phase thread only inner-level
 ones (comm.allow_level_overlap), and no inner step waits on the outer level.
+
+A replica of k ranks (topology.gpus_per_replica, hsgd.train.sharding): every rank runs its own
+BackgroundReduce of its own shard over its shard's outer group (rank j of every holder), started and
+settled by the same phase calls on every rank. The ranks' agreement on it (the pseudo-gradient's
+finiteness, then whether any rank's collective failed) goes over the replica's background group
+(`ReplicaRanks.behind`), so it never interleaves with the phase thread's FSDP2 collectives on the
+replica group. A failure on one rank fails the reduce on all k: each raises the same error kind at
+`settle(key)`; a non-finite pseudo-gradient on one rank is NonFiniteError on all k, each aborting its
+own shard's outer group. Abandoning (every rank's settle(None)) aborts every rank's outer group; each
+rank's thread fails as its collective does, and they agree (over gloo, where an abort does not end a
+collective whose peer is alive and silent, that is when the peer's group goes, or at its deadline,
+as with k=1: ARCHITECTURE.md). A thread that ends otherwise (it did not finish once
+its group was aborted, or raised past the agreement: the background group's own error) may have left
+the ranks at different points of the background group: settle raises ReplicaOutOfStep, which is not a
+CollectiveError, so the replica fails whole and comes back with its groups formed afresh.
 """
 from __future__ import annotations
 
@@ -34,8 +49,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsgd.train.comm import CollectiveError, LevelGroup
+from hsgd.train.trainer import Behind, NonFiniteError
 
 Key = tuple  # (round, epoch, shard, shards[, the clusters' token weights: OuterReduce.weights])
+
+
+class ReplicaOutOfStep(RuntimeError):
+    """A sharded replica's reduce behind the inner steps ended outside its ranks' agreement (see the
+    module's protocol): its ranks may disagree on the background group's order; the replica fails whole."""
 
 
 @dataclass
@@ -67,7 +88,7 @@ class BackgroundReduce:
         before, before_s = self.outer.bytes_sent, self.outer.link_s
         self.outer.arrival_s = self.arrival_s
         try:
-            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights)
+            self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights, behind=True)
         except BaseException as err:  # noqa: BLE001 — handed to settle(), which raises it in the phase
             reduce.error = err
             if not isinstance(err, CollectiveError):  # non-finite, or a bug: the peers must not wait on us
@@ -86,12 +107,30 @@ class BackgroundReduce:
             if not reduce.done.is_set():
                 self.outer.abort()  # its collective fails at once
                 reduce.done.wait(timeout_s)
+            self._check_in_step(reduce)
             return None
         if not reduce.done.wait(timeout_s):
             self.outer.abort()
             reduce.done.wait(5.0)
+            self._check_in_step(reduce)
             raise CollectiveError(f"outer reduce of round {key[0]} behind the inner steps did not finish within "
                                   f"{timeout_s:.0f}s; outer group aborted", "timeout")
+        self._check_in_step(reduce)
         if reduce.error is not None:
             raise reduce.error
         return reduce.spent
+
+    def _check_in_step(self, reduce: _Reduce) -> None:
+        """Sharded: raise ReplicaOutOfStep unless `reduce` ended at its ranks' agreement (done, and
+        either fine or with an error every rank raised alike); unsharded ranks cannot be out of step."""
+        if self.trainer.ranks is None:
+            return
+        if not reduce.done.is_set():
+            raise ReplicaOutOfStep(f"{self.trainer.rid}: its outer reduce behind the inner steps of round "
+                                   f"{reduce.key[0]} did not end once its outer group was aborted; its ranks may be "
+                                   f"out of step on the background group: the replica fails whole")
+        if reduce.error is not None and not isinstance(reduce.error, (CollectiveError, NonFiniteError, Behind)):
+            raise ReplicaOutOfStep(f"{self.trainer.rid}: its outer reduce behind the inner steps of round "
+                                   f"{reduce.key[0]} failed outside its ranks' agreement ({type(reduce.error).__name__}: "
+                                   f"{str(reduce.error).splitlines()[0] if str(reduce.error) else ''}); the replica "
+                                   f"fails whole") from reduce.error

@@ -20,6 +20,11 @@ Protocol (issue 34; hsgd.train.trainer.ReplicaTrainer with `ranks`):
   fail on one rank and not on another (a dead peer replica's ranks go at different moments): after
   each, every rank learns whether any failed (`agreed`), and all raise the first rank's error
   together, so no rank walks on into a replica-level collective its peer has left.
+- An outer reduce behind the inner steps (sync.fragment_delay, hsgd.train.overlap) runs on a second
+  thread of every rank while the phase thread's FSDP2 collectives run on `group`. Two threads issue
+  in no order the ranks share, so that reduce's agreement (its pseudo-gradient's finiteness, `agreed`)
+  goes over `background`: a second group of the same k ranks, formed with `group` (`behind()` hands
+  it out). Its collectives come from that one thread only, in the same order on every rank.
 Failures: a replica-level collective that fails or times out raises (torch.distributed's error);
 the replica is then failed as a whole and rebuilt. Every collective here runs under the group's
 timeout, set when the group is made.
@@ -38,14 +43,24 @@ REPLICA_LEVEL = "replica"  # the level of this module's collectives (see the mod
 
 @dataclass(frozen=True)
 class ReplicaRanks:
-    """This process is rank `rank` of the `size` ranks of one replica; `group` holds exactly them."""
+    """This process is rank `rank` of the `size` ranks of one replica; `group` holds exactly them;
+    `background` too (a second group, for the thread of a reduce behind the inner steps; or None)."""
     rank: int
     size: int
     group: Any  # torch.distributed.ProcessGroup
+    background: Any = None  # torch.distributed.ProcessGroup of the same ranks, or None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
             raise ValueError(f"ReplicaRanks.rank {self.rank} must be in [0, size={self.size})")
+
+    def behind(self) -> ReplicaRanks:
+        """These ranks over `background`: what a reduce behind the inner steps agrees over (the
+        module's protocol). Raises ValueError when the replica group was formed without one."""
+        if self.background is None:
+            raise ValueError(f"rank {self.rank} of a replica of {self.size}: its replica group was formed without "
+                             f"a background group, so no outer reduce may run behind its inner steps")
+        return ReplicaRanks(self.rank, self.size, self.background)
 
 
 def is_sharded(ranks: ReplicaRanks | None) -> bool:

@@ -30,7 +30,8 @@ Inner `ddp` is HSDP: FSDP2 reduce-scatters inside the replica, then the local gr
 are all-reduced over `inner`. Replica-level collectives (sharding.REPLICA_LEVEL) run inside the
 phase methods — the global gradient norm, the phase-end losses and non-finite flags, a
 pseudo-gradient's finiteness, the digests, the gathered final model — so every rank of a replica
-raises together. A `full` heal loads rank j's `state_dict` from rank j of the source replica. A
+raises together (an outer reduce behind the inner steps, `outer_reduce(behind=True)` on a second
+thread, agrees over the replica's background group instead: hsgd.train.overlap). A `full` heal loads rank j's `state_dict` from rank j of the source replica. A
 checkpoint holds `sharded_state()` (DTensors of the shards: DCP reshards it to any k on load,
 `load_sharded_state`); a k=1 checkpoint file loads into k ranks through `rank_slice`.
 """
@@ -461,14 +462,16 @@ class ReplicaTrainer:
 
     @torch.no_grad()
     def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup, shard: int = 0, shards: int = 1,
-                     weights: tuple[float, ...] = ()) -> None:
+                     weights: tuple[float, ...] = (), *, behind: bool = False) -> None:
         """The token-weighted mean over the clusters of shard `shard` of `shards` into the buffer keyed
         by (round, epoch, shard, shards, weights), idempotent per key. `weights`: each cluster's, in
         outer-rank order (hsgd.core.outer_plan.token_weights; () = the plain mean); a weight of 1.0
         is never multiplied, so equal clusters give the plain mean bit for bit. With a codec the
         encoded shards are gathered unweighted (the error-feedback residual stays so), then decoded,
         weighted and summed in outer-rank order, so every holder holds the same bits. Raises
-        NonFiniteError before sending a non-finite pseudo-gradient."""
+        NonFiniteError before sending a non-finite pseudo-gradient. `behind`: called on a second thread
+        while inner steps run (hsgd.train.overlap): sharded, its ranks agree over the replica's
+        background group, never over the one the phase thread's FSDP2 collectives use."""
         if not self._require(round_index, "outer_reduce"):
             return
         key = (round_index, epoch, shard, shards, tuple(weights))
@@ -478,15 +481,16 @@ class ReplicaTrainer:
         if self.cfg.sync.outer == "none":
             self._outer_buffer = (key, torch.zeros(0))
             return
+        ranks = self.ranks.behind() if behind and self.ranks is not None else self.ranks
         flat = self._round_pseudo_gradient(round_index)
         finite = bool(torch.isfinite(flat).all())
-        if self.ranks is not None:  # every rank of the replica raises, or none sends
-            finite = not sharding.any_rank(not finite, self.ranks)
+        if ranks is not None:  # every rank of the replica raises, or none sends
+            finite = not sharding.any_rank(not finite, ranks)
         if not finite:
             raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
                                                     f"{round_index}; not sent")
         lo, hi = shard_bounds(flat.numel(), shards, ALIGN)[shard]
-        piece = sharding.agreed(lambda: self._reduce_piece(flat[lo:hi].clone(), outer, weights), self.ranks,
+        piece = sharding.agreed(lambda: self._reduce_piece(flat[lo:hi].clone(), outer, weights), ranks,
                                 f"{self.rid}: outer reduce")
         self._outer_buffer = (key, piece)
 

@@ -1,7 +1,8 @@
 """A replica of k ranks through jobs.train (issue 34; actors/rank_group.py): the embedded local Ray,
 CPU, gloo, each rank its own process. k=2 trains like k=1 on the same seed (same tokens, eval loss
 within 1e-4 relative, every replica's digest agreeing at every commit, the same bytes on both
-levels); int4 with error feedback and 2 fragments within 1e-3; and a rank SIGKILLed from outside
+levels); int4 with error feedback and 2 fragments within 1e-3; with sync.fragment_delay (the outer
+reduce behind the inner steps) within 1e-4; and a rank SIGKILLed from outside
 (not rank 0, the actor the roster knows) fails its replica whole: it comes back with all its ranks,
 healed, while the other cluster never stops, checked by the shared invariant checker."""
 from __future__ import annotations
@@ -24,8 +25,8 @@ TWO_BY_TWO = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.ou
 
 
 def _train(run_dir: Path, overrides: list[str]) -> dict:
-    """jobs.train in this process, as runs.train, without the outer variants (fragment_delay is
-    refused with k > 1)."""
+    """jobs.train in this process, as runs.train, without the outer variants (sync.outer_path=sharded
+    is refused with k > 1)."""
     from actors.launch import compose_config, run_training
     from hsgd.config import validate
 
@@ -74,6 +75,23 @@ def test_int4_with_error_feedback_and_two_fragments_with_two_ranks_ends_near_one
     assert sharded["status"] == "completed"
     assert _relative(sharded["final_eval_loss"], whole["final_eval_loss"]) <= 1e-3, \
         (sharded["final_eval_loss"], whole["final_eval_loss"])
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_fragment_delay_with_two_ranks_per_replica_ends_like_one_rank(tmp_path):
+    # 2 fragments of 10 steps a round, each reduced behind its round's last 2 inner steps: every rank's
+    # thread reduces its shard and agrees over the replica's background group (hsgd/train/overlap.py)
+    runs = _pair(tmp_path, TWO_BY_TWO + ["sync.fragments=2", "sync.outer_every=20", "sync.fragment_delay=2"])
+    (whole, whole_rounds), (sharded, sharded_rounds) = runs[1], runs[2]
+    assert sharded["status"] == "completed" and sharded["rounds_committed"] == 6, sharded
+    assert _relative(sharded["final_eval_loss"], whole["final_eval_loss"]) <= 1e-4, \
+        (sharded["final_eval_loss"], whole["final_eval_loss"])
+    overlapped = [s["round"] for s in sharded_rounds if s["outer_overlapped"]]
+    assert overlapped, "no round's reduce ran behind the inner steps with k=2"
+    assert overlapped == [w["round"] for w in whole_rounds if w["outer_overlapped"]], "k=2 overlapped other rounds"
+    for s, w in zip(sharded_rounds, whole_rounds):
+        assert _relative(s["eval_loss"], w["eval_loss"]) <= 1e-4, (s["round"], s["eval_loss"], w["eval_loss"])
 
 
 @pytest.mark.timeout(600)

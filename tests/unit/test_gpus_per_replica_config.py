@@ -1,7 +1,7 @@
 """`topology.gpus_per_replica: k` (issue 34, Build 1 and Acceptance 6): a replica of k rank processes
 on one node. Its refusals are one line naming the field, exit 2 before any actor starts (mixed k across
 sites, sync.outer_path=sharded, a data.batch_size that does not split over k, k not dividing a GPU
-node's devices, a fragment_delay with k > 1); the default k = 1
+node's devices; a sync.fragment_delay with k > 1 is accepted); the default k = 1
 config and its resources are unchanged; the per-rank memory rule and one bundle per replica."""
 from __future__ import annotations
 
@@ -56,17 +56,27 @@ def test_with_k_1_resources_and_memory_are_what_they_were():
      ("gpus_per_replica=2", "valid: leader")),
     (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size", ("valid: a multiple of 3",)),
     (["topology.gpus_per_replica=0"], "topology.gpus_per_replica", ("valid: an int >= 1",)),
-    # what a replica of k ranks does not do yet (issue 34): its own line
-    (["topology.gpus_per_replica=2", "sync.fragments=2", "sync.fragment_delay=1"],
-     "sync.fragment_delay", ("second thread", "valid: 0 with gpus_per_replica > 1")),
-    # every site restating one k is one k: only what k > 1 does not do yet is left
-    (["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]", "sync.fragments=2",
-      "sync.fragment_delay=1"], "sync.fragment_delay", ("topology.gpus_per_replica=2",)),
+    # every site restating one k is one k: only what k > 1 does not do is left
+    (["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]",
+      "sync.outer_path=sharded"], "sync.outer_path", ("topology.gpus_per_replica=2",)),
 ])
 def test_a_bad_gpus_per_replica_is_one_line_naming_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as info:
         precheck(overrides)
     _assert_one_line_naming(info.value, field, *words)
+
+
+def test_a_replica_of_k_ranks_may_overlap_its_outer_reduce_with_inner_steps():
+    # sync.fragment_delay with k > 1: the reduce's thread agrees over a group of its own (hsgd.train.overlap)
+    cfg = compose_config(["topology.gpus_per_replica=2", "sync.fragments=2", "sync.fragment_delay=1"])
+    assert ranks_per_replica(cfg) == 2 and cfg.sync.fragment_delay == 1
+    precheck(["topology.gpus_per_replica=2", "sync.fragments=2", "sync.fragment_delay=1"])
+    precheck(["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]",
+              "sync.fragments=2", "sync.fragment_delay=2"])
+    # what holds for every k still holds for k > 1: the delay stays below a round's steps
+    with pytest.raises(ConfigError) as info:
+        precheck(["topology.gpus_per_replica=2", "sync.outer_every=4", "sync.fragments=2", "sync.fragment_delay=2"])
+    _assert_one_line_naming(info.value, "sync.fragment_delay", "not below a round's 2 steps")
 
 
 def test_a_replica_of_k_ranks_may_write_checkpoints_and_resume():
