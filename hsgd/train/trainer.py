@@ -31,9 +31,10 @@ are all-reduced over `inner`. Replica-level collectives (sharding.REPLICA_LEVEL)
 phase methods — the global gradient norm, the phase-end losses and non-finite flags, a
 pseudo-gradient's finiteness, the digests, the gathered final model — so every rank of a replica
 raises together (an outer reduce behind the inner steps, `outer_reduce(behind=True)` on a second
-thread, agrees over the replica's background group instead: hsgd.train.overlap). A `full` heal loads rank j's `state_dict` from rank j of the source replica. A
-checkpoint holds `sharded_state()` (DTensors of the shards: DCP reshards it to any k on load,
-`load_sharded_state`); a k=1 checkpoint file loads into k ranks through `rank_slice`.
+thread, agrees over the replica's background group instead: hsgd.train.overlap). A `full` heal
+loads rank j's `state_dict` from rank j of the source replica. A checkpoint holds `sharded_state()`
+(DTensors of the shards: DCP reshards it to any k on load, `load_sharded_state`); a k=1 checkpoint
+file loads into k ranks through `rank_slice`.
 """
 from __future__ import annotations
 
