@@ -99,7 +99,8 @@ def test_a_hot_spare_of_two_ranks_warms_up_and_takes_a_killed_replicas_place(tmp
     run_dir = tmp_path / "run"
     summary = _train(run_dir, TWO_BY_TWO + [
         "train.rounds=4", "topology.gpus_per_replica=2", "topology.spares_per_cluster=1", "topology.cpus_per_replica=0.5",
-        "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:3}]"])
+        # 3-s rounds: the killed actor rebuilds its 2 ranks (~5 s on 2 cores) and is a spare again before the end
+        "train.min_step_s=0.3", "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:3}]"])
     check_run(run_dir, rounds=4, steps_per_round=10)
     evs = events(run_dir)
     # each cluster's spare warmed up (its 2 ranks together); the killed c0r1, restarted, became c0's next spare
