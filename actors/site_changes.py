@@ -29,13 +29,23 @@ applied one is the new cluster c<K> (`next_cluster`: a drained site's index is n
               another cluster (as a whole cluster that restarted), forms the new cluster's inner
               group and, its leader being new, the outer group; the other sites' inner groups
               stand (their members did not change). `site_committed` at the first round's start
-              after a round it committed.
+              after a round it committed, or at the run's end (`at_run_end`) when that was the last.
+    lost      a new replica that dies for good before it is up (Ray's restarts spent:
+              roster.restarts_exhausted) is created again under its name, at most
+              `faults.max_restarts` times in all for the site. Once those are spent, a replica dead for
+              good again is lost: when every other one is up, the site joins with those up if they
+              are at least its floor (`supervisor.min_replicas_per_cluster`, or its `min_replicas`;
+              the lost ones are `gone`, as any replica whose restarts are spent), else it is
+              abandoned: its replicas and placement group stopped, then `<id>.abandoned` written,
+              `site_abandoned` (cluster, round, reason) and a console line; a later add-site may go
+              on (it gets the abandoned index). Nothing in the other sites is touched.
 A restarted supervisor builds its topology with every joined site (`topology_of_run`), finds a
 joined site's actors by name, and, for an applied site not joined yet, finds (or, if the crash
 came before they were started, starts) its replicas and waits for them again. The driver stops
-the detached replicas and groups at the run's end (`stop_joined_sites`). Not handled: a new
-replica that dies for good before it is up keeps the site waiting (it never joins; the run goes
-on); a joined site's replica re-created by quarantine starts with the run's config as written.
+the detached replicas and groups at the run's end (`stop_joined_sites`). The re-creation count
+lives in memory: a restarted supervisor's starts again. Not handled: a new replica that never
+answers and never dies keeps the site waiting (the run goes on); a joined site's replica
+re-created by quarantine starts with the run's config as written.
 
 A restarted supervisor reads the outcomes before it looks at any replica (`SiteChanges.__init__`),
 stops a drained cluster's actors again (a no-op once they are dead) and logs a `site_request`
@@ -48,14 +58,17 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import ray
 from omegaconf import OmegaConf
 
-from actors.roster import lookup, replica_actor_name
-from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, add_site_problem, applied_sites,
-                                     cluster_index, decide, drained, joined, joined_topology, mark_done, mark_joined,
-                                     next_cluster, outcomes, pending, widened_sites)
+from actors.roster import lookup, replica_actor_name, restarts_exhausted
+from hsgd.core.round import current_round
+from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, abandoned, add_site_problem,
+                                     applied_sites, cluster_index, decide, drained, joined, joined_topology,
+                                     mark_abandoned, mark_done, mark_joined, next_cluster, outcomes, pending,
+                                     widened_sites)
 from hsgd.core.topology import Topology, topology_of
 from hsgd.record.rundir import call_with_deadline, write_deadline_s
 
@@ -105,8 +118,11 @@ class Joining:
     cluster: int
     topology: Topology  # the run's topology with it
     handles: dict  # rid -> its actor
+    make: Callable[[str], object]  # rid -> a new actor under rid's name (one that died for good)
     asked: dict = field(default_factory=dict)  # rid -> its progress question still unanswered
     up: dict = field(default_factory=dict)  # rid -> its progress answer (built, idle)
+    lost: set = field(default_factory=set)  # rids dead for good once the site's re-creations were spent
+    recreated: int = 0  # re-creations so far, for the whole site (at most faults.max_restarts)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -119,6 +135,7 @@ class SiteChanges:
         self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
         self.joined = joined(run_dir, self.run_id) if self.done else {}  # request id -> its join ("cluster", "round")
+        self.abandoned = abandoned(run_dir) if self.done else {}  # request id -> given up before it joined
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         for cluster in self.drained:
@@ -130,6 +147,8 @@ class SiteChanges:
             if record.get("id") not in logged:
                 self._report(record)
         for record in applied_sites(self.done):
+            if record["id"] in self.abandoned:
+                continue  # stopped for good (its index may serve a later site)
             if record["id"] in self.joined:
                 self._adopt(cluster_index(record["cluster"]))
             elif cluster_index(record["cluster"]) not in self.drained:
@@ -154,6 +173,13 @@ class SiteChanges:
         self._note_commits(round_index)
         return self.topology
 
+    def at_run_end(self) -> dict:
+        """The run's end: `site_committed` for a site whose first commit was the run's last round (no
+        round's start came after it); returns the summary's `topology` (`topology_record`)."""
+        with contextlib.suppress(Exception):  # a record owed, never a reason for the summary to fail
+            self._note_commits(current_round(self.roster.live.values()))
+        return self.topology_record()
+
     def _io(self, fn, what: str):
         return call_with_deadline(fn, write_deadline_s(float(self.cfg.run.io_grace_s)), what)
 
@@ -165,7 +191,8 @@ class SiteChanges:
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
         history = [{"round": d.get("round"), "kind": d.get("kind"), "cluster": d.get("cluster"),
                     **({"joined": (self.joined.get(d.get("id")) or {}).get("round")} if d.get("kind") == "add-site"
-                       else {})}
+                       else {}),
+                    **({"abandoned": self.abandoned[d["id"]].get("round")} if d.get("id") in self.abandoned else {})}
                    for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
                    if d.get("outcome") == APPLIED]  # every join and drain, in order
         return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {}),
@@ -175,7 +202,7 @@ class SiteChanges:
         """An add-site's decision (see the module docstring): applied, or refused with its reason."""
         if request.problem:
             return Decision(REFUSED, request.problem, None)
-        new = next_cluster(self.topology.clusters, self.done)
+        new = next_cluster(self.topology.clusters, self.done, self.abandoned)
         if self.joining is not None:
             return Decision(REFUSED, f"add-site c{new}: site c{self.joining.cluster} is still starting; ask again "
                                      f"once it joined (one site starts at a time)", None)
@@ -227,12 +254,14 @@ class SiteChanges:
         container["topology"]["sites"] = widened_sites(list(container["topology"].get("sites") or []), widened)
         options = site_options(self.cfg, 1.0 if "nccl" in backends.values() else 0.0, n, record.get("label"),
                                site_group_name(self.run_id, c))
-        handles = {}
-        for i, rid in enumerate(widened.cluster_members(c)):
-            name = replica_actor_name(self.run_id, rid)
-            handles[rid] = lookup(name) or start_replica(container, name, options[i], rid, self.run_dir, backends,
-                                                         index_table=dict(widened.index_table), lifetime="detached")
-        self.joining = Joining(record["id"], c, widened, handles)
+        members = widened.cluster_members(c)
+
+        def make(rid: str):
+            return start_replica(container, replica_actor_name(self.run_id, rid), options[members.index(rid)], rid,
+                                 self.run_dir, backends, index_table=dict(widened.index_table), lifetime="detached")
+
+        handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
+        self.joining = Joining(record["id"], c, widened, handles, make)
 
     def _backends(self) -> dict:
         """The levels' backends as the run's replicas report them, else as the driver planned them."""
@@ -245,28 +274,23 @@ class SiteChanges:
         return {"inner": plan.inner, "outer": plan.outer}
 
     def _take_in(self, joining: Joining, round_index: int) -> None:
-        """Ask the starting replicas whether they are up (never waiting); once all are, they join now."""
-        for rid, handle in joining.handles.items():
-            if rid not in joining.up and rid not in joining.asked:
-                joining.asked[rid] = handle.progress.remote()
-        refs = list(joining.asked.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
-        for rid, ref in list(joining.asked.items()):
-            if ref not in ready:
-                continue
-            del joining.asked[rid]
-            try:
-                answer = ray.get(ref, timeout=1.0)
-            except Exception:  # noqa: BLE001 — died or restarting: asked again at the next round's start
-                continue
-            if answer.get("phase", "idle") == "idle" and not answer.get("spare"):
-                joining.up[rid] = answer
-        if len(joining.up) < len(joining.handles):
+        """Ask the starting replicas whether they are up (never waiting); once each is up or lost for
+        good, the site joins now with those up, if they are at least its floor
+        (`supervisor.min_replicas_per_cluster`, or its own `min_replicas`), else it is abandoned."""
+        self._ask_up(joining)
+        if len(joining.up) + len(joining.lost) < len(joining.handles):
+            return
+        floor = joining.topology.min_replicas_of(joining.cluster, int(self.cfg.supervisor.min_replicas_per_cluster))
+        if len(joining.up) < floor:
+            self._abandon(joining, round_index, f"{len(joining.up)} of {len(joining.handles)} replica(s) up, below "
+                                                f"its floor of {floor}: {', '.join(sorted(joining.lost))} died for "
+                                                f"good after {joining.recreated} re-creation(s)")
             return
         roster, name = self.roster, f"c{joining.cluster}"
         for rid, handle in joining.handles.items():  # the identity map first: a successor's roster finds them
             roster.names[rid], roster.handles[rid] = replica_actor_name(self.run_id, rid), handle
             roster.gone.discard(rid)
+        roster.gone.update(joining.lost)  # out, as any replica whose restarts are spent
         self.save()
         self.joined[joining.request_id] = self._io(
             lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
@@ -276,10 +300,70 @@ class SiteChanges:
             roster.admit(rid, answer)  # replica_up, with its fresh replica_index
         self.joining = None
         seconds = time.monotonic() - joining.started
-        self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.handles),
+        self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.up),
                        seconds=round(seconds, 3))
-        self._say(f"site {name} up ({len(joining.handles)} replica(s), {seconds:.1f} s after it was applied): "
+        without = f"; without {', '.join(sorted(joining.lost))} (died for good)" if joining.lost else ""
+        self._say(f"site {name} up ({len(joining.up)} replica(s), {seconds:.1f} s after it was applied{without}): "
                   f"it joins at round {round_index}'s start, healed from the global state")
+
+    def _ask_up(self, joining: Joining) -> None:
+        """One look at the starting replicas, never waiting: an answer up (built, idle) is kept; one
+        that died for good (Ray's restarts spent) is created again under its name while the site's
+        re-creations last (faults.max_restarts in all), else it is lost; any other failure (restarting,
+        no answer yet) is asked again at the next round's start."""
+        for rid, handle in joining.handles.items():
+            if rid not in joining.up and rid not in joining.lost and rid not in joining.asked:
+                joining.asked[rid] = handle.progress.remote()
+        refs = list(joining.asked.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
+        for rid, ref in list(joining.asked.items()):
+            if ref not in ready:
+                continue
+            del joining.asked[rid]
+            try:
+                answer = ray.get(ref, timeout=1.0)
+            except Exception:  # noqa: BLE001 — died: for good, or restarting (asked again next round)
+                if restarts_exhausted(joining.handles[rid]):
+                    self._recreate(joining, rid)
+                continue
+            if answer.get("phase", "idle") == "idle" and not answer.get("spare"):
+                joining.up[rid] = answer
+
+    def _recreate(self, joining: Joining, rid: str) -> None:
+        """rid died for good before it was up: a new actor under its name, or lost once the site's
+        re-creations are spent (a failed creation spends one too)."""
+        bound = int(self.cfg.faults.max_restarts)
+        if joining.recreated >= bound:
+            joining.lost.add(rid)
+            self._say(f"site c{joining.cluster}: {rid} died for good before it was up; the site's {bound} "
+                      f"re-creation(s) are spent, it joins without it if enough are up")
+            return
+        joining.recreated += 1
+        self._say(f"site c{joining.cluster}: {rid} died for good before it was up; started again under its name "
+                  f"(re-creation {joining.recreated} of {bound})")
+        try:
+            joining.handles[rid] = joining.make(rid)
+        except Exception as err:  # noqa: BLE001 — the name still held, no room: the next look tries again
+            self._say(f"site c{joining.cluster}: {rid} not started again: {type(err).__name__}: {err}")
+
+    def _abandon(self, joining: Joining, round_index: int, reason: str) -> None:
+        """Give the site up: its replicas and placement group stopped first, then `<id>.abandoned`
+        (a supervisor restarted in between starts it again: a fresh try); a later add-site may go on.
+        Nothing of the other sites is touched."""
+        from actors.placement import remove_site_group
+
+        name = f"c{joining.cluster}"
+        for handle in joining.handles.values():
+            with contextlib.suppress(Exception):  # already gone: stopped all the same
+                ray.kill(handle, no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_site_group(site_group_name(self.run_id, joining.cluster))
+        self.abandoned[joining.request_id] = self._io(
+            lambda: mark_abandoned(self.run_dir, joining.request_id, name, round_index, reason, self.run_id),
+            "recording an abandoned site")
+        self.joining = None
+        self.log.event("site_abandoned", cluster=name, round=round_index, reason=reason)
+        self._say(f"site {name} abandoned at round {round_index}'s start: {reason}; a new add-site may be asked")
 
     def _adopt(self, cluster: int) -> None:
         """A joined site after a supervisor restart: its ids are in the identity map (saved before it

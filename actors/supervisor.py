@@ -347,4 +347,4 @@ class Supervisor:
                                        durable=self.state.to_dict(), metrics=self.log.records("metrics"),
                                        steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
                                        supervisor_started=start)
-        return {**summary, "topology": self.sites.topology_record(), "replicas_quarantined": len(self.state.quarantined)}
+        return {**summary, "topology": self.sites.at_run_end(), "replicas_quarantined": len(self.state.quarantined)}
