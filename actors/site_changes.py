@@ -39,6 +39,11 @@ applied one is the new cluster c<K> (`next_cluster`: a drained site's index is n
               abandoned: its replicas and placement group stopped, then `<id>.abandoned` written,
               `site_abandoned` (cluster, round, reason) and a console line; a later add-site may go
               on (it gets the abandoned index). Nothing in the other sites is touched.
+    resume    a resumed run (`train.resume=true`, a new run id) starts every applied site that was
+              neither drained nor abandoned again, under its names and indices, at once (the
+              supervisor's constructor, while the driver's replicas load); each replica the resumed
+              checkpoint holds loads its own state, and the first round's start waits for them (up
+              to `supervisor.phase_timeout_s`): the site joins at the resume round, as it left off.
 A restarted supervisor builds its topology with every joined site (`topology_of_run`), finds a
 joined site's actors by name, and, for an applied site not joined yet, finds (or, if the crash
 came before they were started, starts) its replicas and waits for them again. The driver stops
@@ -48,7 +53,9 @@ answers and never dies keeps the site waiting (the run goes on); a joined site's
 re-created by quarantine starts with the run's config as written.
 
 A restarted supervisor reads the outcomes before it looks at any replica (`SiteChanges.__init__`),
-stops a drained cluster's actors again (a no-op once they are dead) and logs a `site_request`
+sets a drained cluster's actors aside and stops them again at its first round's start (a no-op
+once they are dead; not in the constructor: a resumed run's driver, which started them, still has
+its start-up calls to them in flight, and a kill there would fail its start) and logs a `site_request`
 event its predecessor decided but did not live to log. No requests folder: one directory check
 per round, nothing else.
 """
@@ -122,15 +129,19 @@ class Joining:
     asked: dict = field(default_factory=dict)  # rid -> its progress question still unanswered
     up: dict = field(default_factory=dict)  # rid -> its progress answer (built, idle)
     lost: set = field(default_factory=set)  # rids dead for good once the site's re-creations were spent
+    loading: dict = field(default_factory=dict)  # rid -> its resume checkpoint load still in flight
+    wait_s: float = 0.0  # how long the next look may wait for them (a resumed site's first look only)
     recreated: int = 0  # re-creations so far, for the whole site (at most faults.max_restarts)
     started: float = field(default_factory=time.monotonic)
 
 
 class SiteChanges:
-    def __init__(self, cfg, run_dir: str, topology: Topology, roster, log, state=None, save=lambda: None):
+    def __init__(self, cfg, run_dir: str, topology: Topology, roster, log, state=None, save=lambda: None,
+                 resume_round: int | None = None):
         """`log`: the RunLog; its events are read only when outcomes exist (a predecessor's
         `site_request` events are not logged twice). `state`: the durable RunState (run id, index
-        table, identity map) and `save` its writer: an add-site's fresh indices are saved there."""
+        table, identity map) and `save` its writer: an add-site's fresh indices are saved there.
+        `resume_round`: the checkpoint round a resumed run started from (module docstring: `resume`)."""
         self.cfg, self.run_dir, self.topology, self.roster, self.log = cfg, run_dir, topology, roster, log
         self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
@@ -138,8 +149,9 @@ class SiteChanges:
         self.abandoned = abandoned(run_dir) if self.done else {}  # request id -> given up before it joined
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
+        self.to_stop: list = []  # drained sites' actors set aside, to be killed at the first round's start
         for cluster in self.drained:
-            self._stop(cluster)
+            self._stop(cluster, now=False)
         events = log.records("events") if self.done else []
         logged = {e.get("id") for e in events if e.get("event") == "site_request"}
         self.committed = {e.get("cluster") for e in events if e.get("event") == "site_committed"}
@@ -153,6 +165,8 @@ class SiteChanges:
                 self._adopt(cluster_index(record["cluster"]))
             elif cluster_index(record["cluster"]) not in self.drained:
                 self._start(record)
+                if resume_round is not None and self.joining is not None:
+                    self._load_resume_point(self.joining, resume_round)
 
     def at_round_start(self, round_index: int) -> Topology:
         """Decide and carry out every pending request, oldest first, before round `round_index` is planned;
@@ -160,6 +174,7 @@ class SiteChanges:
         The run folder is read and written under the run's I/O deadline: a full disk or a hung mount
         leaves the request (or the join) pending for a later round (nothing is applied before its
         outcome is on disk) and costs a warning, never the run."""
+        self._stop_set_aside()
         try:
             requests = self._io(lambda: pending(self.run_dir, self.done), "listing site requests")
             for request in requests:  # no folder: one directory check, nothing else
@@ -263,6 +278,25 @@ class SiteChanges:
         handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
         self.joining = Joining(record["id"], c, widened, handles, make)
 
+    def _load_resume_point(self, joining: Joining, resume_round: int) -> None:
+        """A resumed run's site: each replica the resumed checkpoint holds loads its own state (as the
+        driver's replicas do), and the first round's start waits for them up to
+        `supervisor.phase_timeout_s`, so the site takes part from the resume round. A manifest not
+        read, or a load that fails: that replica heals from the global state when it joins."""
+        from hsgd.train import checkpoint
+
+        directory = checkpoint.join_url(checkpoint.root_url(self.cfg.checkpoint.dir, self.run_dir),
+                                        checkpoint.round_dir_name(resume_round))
+        try:
+            manifest = self._io(lambda: checkpoint.read_manifest(directory), "reading the resumed checkpoint")
+        except Exception as err:  # noqa: BLE001 — the site still joins, healed
+            self._say(f"site c{joining.cluster}: {directory} not read ({type(err).__name__}: {err}); it heals instead")
+            return
+        fmt = checkpoint.format_of(manifest)
+        joining.loading = {rid: handle.load_checkpoint.remote(directory, manifest["files"][rid], None, fmt)
+                           for rid, handle in joining.handles.items() if rid in manifest["files"]}
+        joining.wait_s = float(self.cfg.supervisor.phase_timeout_s)
+
     def _backends(self) -> dict:
         """The levels' backends as the run's replicas report them, else as the driver planned them."""
         known = next((info["backends"] for info in self.roster.replica_info.values() if info.get("backends")), None)
@@ -303,19 +337,23 @@ class SiteChanges:
         self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.up),
                        seconds=round(seconds, 3))
         without = f"; without {', '.join(sorted(joining.lost))} (died for good)" if joining.lost else ""
+        how = ("as it left off (the resumed checkpoint)" if all(a["round"] >= round_index for a in joining.up.values())
+               else "healed from the global state")
         self._say(f"site {name} up ({len(joining.up)} replica(s), {seconds:.1f} s after it was applied{without}): "
-                  f"it joins at round {round_index}'s start, healed from the global state")
+                  f"it joins at round {round_index}'s start, {how}")
 
     def _ask_up(self, joining: Joining) -> None:
         """One look at the starting replicas, never waiting: an answer up (built, idle) is kept; one
         that died for good (Ray's restarts spent) is created again under its name while the site's
         re-creations last (faults.max_restarts in all), else it is lost; any other failure (restarting,
         no answer yet) is asked again at the next round's start."""
+        wait_s, joining.wait_s = joining.wait_s, 0.0
+        self._loaded(joining, wait_s)
         for rid, handle in joining.handles.items():
-            if rid not in joining.up and rid not in joining.lost and rid not in joining.asked:
+            if rid not in joining.up and rid not in joining.lost and rid not in joining.asked | joining.loading:
                 joining.asked[rid] = handle.progress.remote()
         refs = list(joining.asked.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)[0]) if refs else set()
         for rid, ref in list(joining.asked.items()):
             if ref not in ready:
                 continue
@@ -328,6 +366,20 @@ class SiteChanges:
                 continue
             if answer.get("phase", "idle") == "idle" and not answer.get("spare"):
                 joining.up[rid] = answer
+
+    def _loaded(self, joining: Joining, wait_s: float) -> None:
+        """Resume loads done (waited for up to wait_s): their replicas may be asked whether they are
+        up; one that failed heals from the global state when it joins."""
+        refs = list(joining.loading.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)[0]) if refs else set()
+        for rid, ref in list(joining.loading.items()):
+            if ref in ready:
+                del joining.loading[rid]
+                try:
+                    ray.get(ref, timeout=1.0)
+                except Exception as err:  # noqa: BLE001 — its own failure (or death: seen when asked)
+                    self._say(f"site c{joining.cluster}: {rid} did not load the resumed checkpoint "
+                              f"({type(err).__name__}); it heals from the global state")
 
     def _recreate(self, joining: Joining, rid: str) -> None:
         """rid died for good before it was up: a new actor under its name, or lost once the site's
@@ -395,23 +447,29 @@ class SiteChanges:
         with contextlib.suppress(Exception):  # a console that fails must not stop the run
             print(f"[hsgd] {line}", file=sys.stderr, flush=True)
 
-    def _stop(self, cluster: int) -> None:
-        """Stop cluster's replicas and spares for good, none of it counted as a failure."""
+    def _stop(self, cluster: int, *, now: bool = True) -> None:
+        """Stop cluster's replicas and spares for good, none of it counted as a failure. `now=False`
+        (the constructor): set aside at once, killed at the first round's start (`_stop_set_aside`),
+        since a resumed run's driver still has its start-up calls in flight to the actors it started
+        for the drained site (killing them there fails those calls, and the start)."""
         roster = self.roster
         roster.drained_clusters.add(cluster)
         for rid in self.topology.cluster_members(cluster):
-            handle = roster.handles.get(rid)
+            self.to_stop.append(roster.handles.get(rid))
             roster.set_aside(rid)
+        for name in list(roster.spares.names.get(str(cluster), ())):
+            self.to_stop.append(roster.spares.handles.get(name))
+            roster.spares.ready.discard(name)
+            roster.spares.handles[name] = None  # never asked again
+        if now:
+            self._stop_set_aside()
+
+    def _stop_set_aside(self) -> None:
+        for handle in self.to_stop:
             if handle is not None:
                 with contextlib.suppress(Exception):  # already gone: stopped all the same
                     ray.kill(handle, no_restart=True)
-        for name in list(roster.spares.names.get(str(cluster), ())):
-            handle = roster.spares.handles.get(name)
-            roster.spares.ready.discard(name)
-            roster.spares.handles[name] = None  # never asked again
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
+        self.to_stop = []
 
     def _report(self, record: dict) -> None:
         self.log.event("site_request", id=record.get("id"), kind=record.get("kind"), cluster=record.get("cluster"),

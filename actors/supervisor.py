@@ -68,7 +68,7 @@ class Supervisor:
                                      self.log, self.record.save_state, injected=self.injector.explains_death)
         self.roster.on_death = self.quarantine.death
         self.sites = SiteChanges(self.cfg, run_dir, self.topology, self.roster, self.log, self.state,
-                                 self.record.save_state)
+                                 self.record.save_state, resume_round)
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []

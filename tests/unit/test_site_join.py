@@ -112,6 +112,8 @@ class _Actor:
     def __init__(self, name: str):
         self.name, self.answer, self.dead = name, None, False  # dead: for good (Ray's restarts spent)
         self.progress = SimpleNamespace(remote=lambda: _Ref(self))
+        self.loads: list[tuple] = []  # load_checkpoint's arguments; done once it answers up
+        self.load_checkpoint = SimpleNamespace(remote=lambda *args: self.loads.append(args) or _Ref(self))
 
 
 class _World:
@@ -121,6 +123,7 @@ class _World:
         self.actors: dict[str, _Actor] = {}
         self.started: list[tuple] = []
         self.killed: list[str] = []
+        self.waits: list[float] = []  # every ray.wait's timeout
         self.groups_removed: list[str] = []
 
     def start(self, container, name, options, rid, run_dir, backends, index_table, lifetime=None):
@@ -136,9 +139,8 @@ class _World:
         for name in names:
             self.actors[name].dead = True
 
-    @staticmethod
-    def wait(refs, num_returns, timeout, fetch_local=True):
-        assert timeout == 0, "a join is never waited for"
+    def wait(self, refs, num_returns, timeout, fetch_local=True):
+        self.waits.append(timeout)
         ready = [r for r in refs if r.actor.answer is not None or r.actor.dead]
         return ready, [r for r in refs if r not in ready]
 
@@ -167,11 +169,12 @@ def world(monkeypatch):
     return w
 
 
-CFG = OmegaConf.create({"supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1}, "run": {"io_grace_s": 4.0}, "faults": {"max_restarts": 3},
+CFG = OmegaConf.create({"supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1, "phase_timeout_s": 30.0},
+                        "checkpoint": {"dir": None}, "run": {"io_grace_s": 4.0}, "faults": {"max_restarts": 3},
                         "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []}})
 
 
-def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace):
+def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
     topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
@@ -179,7 +182,8 @@ def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace):
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
     roster = _Roster(topology, state.identity)
     saves = []
-    return SiteChanges(CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1)), roster
+    return SiteChanges(CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1),
+                       resume_round), roster
 
 
 def _state() -> SimpleNamespace:
@@ -193,6 +197,7 @@ def test_a_site_is_started_at_once_and_joins_at_the_first_round_start_after_all_
     sites, roster = _supervisor(tmp_path, events, state)
     request = write_request(tmp_path, "add-site", replicas=2, name="berlin")
     assert sites.at_round_start(3).clusters == 2  # applied and started, not in the topology yet
+    assert world.waits and set(world.waits) == {0}, "a join is never waited for"
     [decided] = [e for e in events if e["event"] == "site_request"]
     assert (decided["outcome"], decided["cluster"], decided["round"]) == (APPLIED, "c2", 3)
     names = [s[0] for s in world.started]
@@ -325,6 +330,33 @@ def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_sa
     world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
     assert resumed.at_round_start(6).clusters == 3
     assert len([e for e in events if e["event"] == "site_request"]) == 1  # decided once, for good
+
+
+def test_a_resumed_run_loads_an_added_sites_replicas_from_its_checkpoint_and_takes_the_site_in_at_the_resume_round(
+        world, tmp_path):
+    events: list[dict] = []
+    first_state = _state()
+    sites, _ = _supervisor(tmp_path, events, first_state)
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)
+    saved = tmp_path / "checkpoints" / "round_000006"  # the last checkpoint: c2r0's file in it, c2r1's not
+    saved.mkdir(parents=True)
+    (saved / "manifest.json").write_text(json.dumps({"round": 6, "files": {"c0r0": "a", "c2r0": "sha-c2r0"}}))
+    resumed_state = SimpleNamespace(run_id="run2", replica_indices=dict(first_state.replica_indices), identity={})
+    resumed, roster = _supervisor(tmp_path, events, resumed_state, resume_round=6)
+    new = {rid: world.actors[f"hsgd:run2:{rid}"] for rid in ("c2r0", "c2r1")}
+    assert new["c2r0"].loads == [(str(saved), "sha-c2r0", None, "file")] and new["c2r1"].loads == []
+    world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
+    for actor in new.values():
+        actor.answer.update(round=6, step=24)  # its own state loaded (c2r1: none held, it heals when it joins)
+    assert resumed.at_round_start(6).clusters == 3  # the resume round: the site takes part from it
+    assert world.waits[-2:] == [30.0, 30.0], "the resumed site's first look waits (phase_timeout_s), once"
+    assert roster.live["c2r0"] == (6, 24)
+    world.waits.clear()
+    resumed.at_round_start(7)
+    assert set(world.waits) <= {0}
 
 
 # -- a new replica that dies for good before it is up ------------------------------------------------------
