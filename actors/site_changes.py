@@ -22,7 +22,8 @@ applied one is the new cluster c<K> (`next_cluster`: a drained site's index is n
               waits: the round in flight goes on.
     up        at each round's start their `progress` is asked without waiting (ray.wait, timeout 0);
               once ALL have answered up (built, idle), at that round's start: the identity map
-              gets their names (saved), `<id>.joined` is written, then the topology is widened
+              gets their names (saved), `<id>.joined` is written (run.json's `replicas` then lists
+              them: `note_in_run_json`), then the topology is widened
               (returned to the supervisor, which hands it to the round machine) and they are
               admitted at their own (round 0) progress: `site_up`.
     join      the round machine sees a cluster with nobody at the round: it heals `global` from
@@ -62,9 +63,11 @@ per round, nothing else.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import ray
@@ -77,7 +80,7 @@ from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, ab
                                      mark_abandoned, mark_done, mark_joined, next_cluster, outcomes, pending,
                                      widened_sites)
 from hsgd.core.topology import Topology, topology_of
-from hsgd.record.rundir import call_with_deadline, write_deadline_s
+from hsgd.record.rundir import atomic_write_text, call_with_deadline, write_deadline_s
 
 
 def cluster_resources(cfg) -> tuple[list[dict], dict[str, dict], dict]:
@@ -101,6 +104,27 @@ def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> To
 
 def site_group_name(run_id: str, cluster: int) -> str:
     return f"hsgd:{run_id}:site-c{cluster}"
+
+
+def with_joined_replicas(run_dir: str, run_id: str, replicas: list[str]) -> list[str]:
+    """run.json's `replicas` (the ids the driver started) and every id of a site that joined in run
+    `run_id`, in the order they came: how drills, `jobs.diagnose` and `jobs.status` readers find the
+    actors of a site added mid-run (named `hsgd:<run_id>:<rid>` as the driver's)."""
+    ids, took_part, gave_up = list(replicas), joined(run_dir, run_id), abandoned(run_dir)
+    for d in applied_sites(outcomes(run_dir)):
+        if d["id"] in took_part and d["id"] not in gave_up:
+            ids += [f"{d['cluster']}r{i}" for i in range(int(d["replicas"])) if f"{d['cluster']}r{i}" not in ids]
+    return ids
+
+
+def note_in_run_json(run_dir: str, run_id: str) -> None:
+    """run.json's `replicas` widened by the sites joined so far (`with_joined_replicas`): written by
+    the supervisor at each join; the driver writes it last at the run's end, the same way."""
+    path = Path(run_dir) / "run.json"
+    info = json.loads(path.read_text(encoding="utf-8"))
+    if info.get("run_id") == run_id:  # another run's file (a folder reused by hand) is left alone
+        info["replicas"] = with_joined_replicas(run_dir, run_id, list(info.get("replicas") or []))
+        atomic_write_text(path, json.dumps(info, indent=1))
 
 
 def stop_joined_sites(run_dir: str, run_id: str) -> None:
@@ -329,6 +353,10 @@ class SiteChanges:
         self.joined[joining.request_id] = self._io(
             lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
             "recording a site's join")
+        try:  # run.json lists them too (drills, jobs.diagnose); a failure there costs the join nothing
+            self._io(lambda: note_in_run_json(self.run_dir, self.run_id), "listing a site's replicas in run.json")
+        except Exception as err:  # noqa: BLE001
+            self._say(f"run.json not updated for site {name}: {type(err).__name__}: {err}")
         self.topology = roster.topology = joining.topology
         for rid, answer in sorted(joining.up.items()):
             roster.admit(rid, answer)  # replica_up, with its fresh replica_index

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jobs.status import collect_state
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, metrics, train
 
@@ -146,9 +147,10 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
 
 def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     """Issue 37, resume: a site added and committed, then the whole run started again from its last
-    checkpoint (`train.resume=true` in the same run.dir, more rounds): the resumed run takes the
-    site in again (its replicas started under the new run's names, the same global indices), the
-    site commits with the others, every digest agrees."""
+    checkpoint (`train.resume=true` in the same run.dir, more rounds): the resumed run starts the
+    site again (under the new run's names, the same global indices), its replicas load their own
+    state from the checkpoint and it takes part from the resume round, every digest agrees; run.json
+    and jobs.status list its replicas."""
     drill = background_drills(RUN + ["train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=8",
                                       "checkpoint.every=2"], tmp_path)
     drill.wait_for(round=2, timeout_s=180)
@@ -169,8 +171,13 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
                              if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit")])
     commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
     assert sorted(commits) == list(range(12, 16)), sorted(commits)
-    assert {"c2r0", "c2r1"} <= commits[15], commits
+    # its replicas loaded their own state from the checkpoint: in from the resume round, never healed
+    assert all({"c2r0", "c2r1"} <= commits[r] for r in range(12, 16)), commits
+    assert not [e for e in later if e["event"] == "heal_end" and e["target"].startswith("c2")], "healed, not loaded"
     assert resumed["topology"]["sizes"] == [2, 2, 2] and resumed["topology"]["sites"][2]["name"] == "berlin"
+    # where a reader looks for the run's replicas: run.json (drills, jobs.diagnose) and jobs.status
+    assert json.loads((Path(drill.run_dir) / "run.json").read_text())["replicas"][-2:] == ["c2r0", "c2r1"]
+    assert [r["rid"] for r in collect_state(drill.run_dir)["clusters"]["c2"]] == ["c2r0", "c2r1"]
     assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]
     assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
 

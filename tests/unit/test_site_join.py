@@ -359,6 +359,21 @@ def test_a_resumed_run_loads_an_added_sites_replicas_from_its_checkpoint_and_tak
     assert set(world.waits) <= {0}
 
 
+def test_run_json_lists_a_joined_sites_replicas_and_the_drivers_last_write_keeps_them(world, tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "run1", "replicas": ["c0r0", "c0r1", "c1r0", "c1r1"]}))
+    sites, _ = _supervisor(tmp_path, [], _state())
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    assert json.loads((tmp_path / "run.json").read_text())["replicas"] == ["c0r0", "c0r1", "c1r0", "c1r1"]
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)  # joined: listed, the file's other keys kept
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info == {"run_id": "run1", "replicas": ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]}
+    # the driver's own copy (the ids it started) gets them at its last write; another run's joins do not count
+    assert site_changes.with_joined_replicas(str(tmp_path), "run1", ["c0r0"]) == ["c0r0", "c2r0", "c2r1"]
+    assert site_changes.with_joined_replicas(str(tmp_path), "run2", ["c0r0"]) == ["c0r0"]
+
+
 # -- a new replica that dies for good before it is up ------------------------------------------------------
 def test_a_replica_dead_for_good_before_it_is_up_is_started_again_under_its_name_and_the_site_joins_whole(world,
                                                                                                        tmp_path):
