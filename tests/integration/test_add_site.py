@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from jobs.status import collect_state
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, metrics, train
@@ -145,6 +147,7 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
     assert {"c2r0", "c2r1"} <= commits[JOIN_ROUNDS - 1], commits
 
 
+@pytest.mark.long  # two runs, ~80 s
 def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     """Issue 37, resume: a site added and committed, then the whole run started again from its last
     checkpoint (`train.resume=true` in the same run.dir, more rounds): the resumed run starts the
@@ -182,6 +185,7 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
 
 
+@pytest.mark.long  # two runs, ~80 s
 def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_brings_the_new_one_back(
         background_drills, tmp_path):
     """Issue 37, resume after a drain followed by an add-site: three sites, c1 drained, then a site
