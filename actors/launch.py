@@ -249,7 +249,7 @@ def _finish(run: Run, summary: dict) -> dict:
 def _clean_up(run: Run) -> None:
     import ray
 
-    from actors.site_changes import stop_joined_sites
+    from actors.site_changes import stop_joined_sites, with_joined_replicas
 
     if run.info:  # sites added mid-run: their replicas and groups are detached (they outlive a supervisor)
         with contextlib.suppress(Exception):  # best effort, as every stop here
@@ -262,8 +262,11 @@ def _clean_up(run: Run) -> None:
     if run.info:
         run.info["job_s"] = time.time() - run.started_at  # the whole job, Ray start and plots included
         path = Path(run.run_dir) / "run.json"
-        _best_effort(lambda: atomic_write_text(path, json.dumps(run.info, indent=1)), DRIVER_IO_S, f"writing {path}",
-                     str(path))
+
+        def write() -> None:  # with the replicas of sites added mid-run, as the supervisor wrote them
+            run.info["replicas"] = with_joined_replicas(run.run_dir, run.run_id, run.info["replicas"])
+            atomic_write_text(path, json.dumps(run.info, indent=1))
+        _best_effort(write, DRIVER_IO_S, f"writing {path}", str(path))
     if run.started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
         ray.shutdown()
 

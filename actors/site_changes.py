@@ -22,42 +22,65 @@ applied one is the new cluster c<K> (`next_cluster`: a drained site's index is n
               waits: the round in flight goes on.
     up        at each round's start their `progress` is asked without waiting (ray.wait, timeout 0);
               once ALL have answered up (built, idle), at that round's start: the identity map
-              gets their names (saved), `<id>.joined` is written, then the topology is widened
+              gets their names (saved), `<id>.joined` is written (run.json's `replicas` then lists
+              them: `note_in_run_json`), then the topology is widened
               (returned to the supervisor, which hands it to the round machine) and they are
               admitted at their own (round 0) progress: `site_up`.
     join      the round machine sees a cluster with nobody at the round: it heals `global` from
               another cluster (as a whole cluster that restarted), forms the new cluster's inner
               group and, its leader being new, the outer group; the other sites' inner groups
               stand (their members did not change). `site_committed` at the first round's start
-              after a round it committed.
+              after a round it committed, or at the run's end (`at_run_end`) when that was the last.
+    lost      a new replica that dies for good before it is up (Ray's restarts spent:
+              roster.restarts_exhausted) is created again under its name, at most
+              `faults.max_restarts` times in all for the site. Once those are spent, a replica dead for
+              good again is lost: when every other one is up, the site joins with those up if they
+              are at least its floor (`supervisor.min_replicas_per_cluster`, or its `min_replicas`;
+              the lost ones are `gone`, as any replica whose restarts are spent), else it is
+              abandoned: its replicas and placement group stopped, then `<id>.abandoned` written,
+              `site_abandoned` (cluster, round, reason) and a console line; a later add-site may go
+              on (it gets the abandoned index). Nothing in the other sites is touched.
+    resume    a resumed run (`train.resume=true`, a new run id) starts every applied site that was
+              neither drained nor abandoned again, under its names and indices, at once (the
+              supervisor's constructor, while the driver's replicas load); each replica the resumed
+              checkpoint holds loads its own state, and the first round's start waits for them (up
+              to `supervisor.phase_timeout_s`): the site joins at the resume round, as it left off.
 A restarted supervisor builds its topology with every joined site (`topology_of_run`), finds a
 joined site's actors by name, and, for an applied site not joined yet, finds (or, if the crash
 came before they were started, starts) its replicas and waits for them again. The driver stops
-the detached replicas and groups at the run's end (`stop_joined_sites`). Not handled: a new
-replica that dies for good before it is up keeps the site waiting (it never joins; the run goes
-on); a joined site's replica re-created by quarantine starts with the run's config as written.
+the detached replicas and groups at the run's end (`stop_joined_sites`). The re-creation count
+lives in memory: a restarted supervisor's starts again. Not handled: a new replica that never
+answers and never dies keeps the site waiting (the run goes on); a joined site's replica
+re-created by quarantine starts with the run's config as written.
 
 A restarted supervisor reads the outcomes before it looks at any replica (`SiteChanges.__init__`),
-stops a drained cluster's actors again (a no-op once they are dead) and logs a `site_request`
+sets a drained cluster's actors aside and stops them again at its first round's start (a no-op
+once they are dead; not in the constructor: a resumed run's driver, which started them, still has
+its start-up calls to them in flight, and a kill there would fail its start) and logs a `site_request`
 event its predecessor decided but did not live to log. No requests folder: one directory check
 per round, nothing else.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import ray
 from omegaconf import OmegaConf
 
-from actors.roster import lookup, replica_actor_name
-from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, add_site_problem, applied_sites,
-                                     cluster_index, decide, drained, joined, joined_topology, mark_done, mark_joined,
-                                     next_cluster, outcomes, pending, widened_sites)
+from actors.roster import lookup, replica_actor_name, restarts_exhausted
+from hsgd.core.round import current_round
+from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, abandoned, add_site_problem,
+                                     applied_sites, cluster_index, decide, drained, joined, joined_topology,
+                                     mark_abandoned, mark_done, mark_joined, next_cluster, outcomes, pending,
+                                     widened_sites)
 from hsgd.core.topology import Topology, topology_of
-from hsgd.record.rundir import call_with_deadline, write_deadline_s
+from hsgd.record.rundir import atomic_write_text, call_with_deadline, write_deadline_s
 
 
 def cluster_resources(cfg) -> tuple[list[dict], dict[str, dict], dict]:
@@ -83,6 +106,27 @@ def site_group_name(run_id: str, cluster: int) -> str:
     return f"hsgd:{run_id}:site-c{cluster}"
 
 
+def with_joined_replicas(run_dir: str, run_id: str, replicas: list[str]) -> list[str]:
+    """run.json's `replicas` (the ids the driver started) and every id of a site that joined in run
+    `run_id`, in the order they came: how drills, `jobs.diagnose` and `jobs.status` readers find the
+    actors of a site added mid-run (named `hsgd:<run_id>:<rid>` as the driver's)."""
+    ids, took_part, gave_up = list(replicas), joined(run_dir, run_id), abandoned(run_dir)
+    for d in applied_sites(outcomes(run_dir)):
+        if d["id"] in took_part and d["id"] not in gave_up:
+            ids += [f"{d['cluster']}r{i}" for i in range(int(d["replicas"])) if f"{d['cluster']}r{i}" not in ids]
+    return ids
+
+
+def note_in_run_json(run_dir: str, run_id: str) -> None:
+    """run.json's `replicas` widened by the sites joined so far (`with_joined_replicas`): written by
+    the supervisor at each join; the driver writes it last at the run's end, the same way."""
+    path = Path(run_dir) / "run.json"
+    info = json.loads(path.read_text(encoding="utf-8"))
+    if info.get("run_id") == run_id:  # another run's file (a folder reused by hand) is left alone
+        info["replicas"] = with_joined_replicas(run_dir, run_id, list(info.get("replicas") or []))
+        atomic_write_text(path, json.dumps(info, indent=1))
+
+
 def stop_joined_sites(run_dir: str, run_id: str) -> None:
     """The run's end (the driver): every added site's replicas and placement group are detached, so
     they outlive their supervisor and are stopped here, each best effort (one already gone is none)."""
@@ -105,24 +149,33 @@ class Joining:
     cluster: int
     topology: Topology  # the run's topology with it
     handles: dict  # rid -> its actor
+    make: Callable[[str], object]  # rid -> a new actor under rid's name (one that died for good)
     asked: dict = field(default_factory=dict)  # rid -> its progress question still unanswered
     up: dict = field(default_factory=dict)  # rid -> its progress answer (built, idle)
+    lost: set = field(default_factory=set)  # rids dead for good once the site's re-creations were spent
+    loading: dict = field(default_factory=dict)  # rid -> its resume checkpoint load still in flight
+    wait_s: float = 0.0  # how long the next look may wait for them (a resumed site's first look only)
+    recreated: int = 0  # re-creations so far, for the whole site (at most faults.max_restarts)
     started: float = field(default_factory=time.monotonic)
 
 
 class SiteChanges:
-    def __init__(self, cfg, run_dir: str, topology: Topology, roster, log, state=None, save=lambda: None):
+    def __init__(self, cfg, run_dir: str, topology: Topology, roster, log, state=None, save=lambda: None,
+                 resume_round: int | None = None):
         """`log`: the RunLog; its events are read only when outcomes exist (a predecessor's
         `site_request` events are not logged twice). `state`: the durable RunState (run id, index
-        table, identity map) and `save` its writer: an add-site's fresh indices are saved there."""
+        table, identity map) and `save` its writer: an add-site's fresh indices are saved there.
+        `resume_round`: the checkpoint round a resumed run started from (module docstring: `resume`)."""
         self.cfg, self.run_dir, self.topology, self.roster, self.log = cfg, run_dir, topology, roster, log
         self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
         self.joined = joined(run_dir, self.run_id) if self.done else {}  # request id -> its join ("cluster", "round")
+        self.abandoned = abandoned(run_dir) if self.done else {}  # request id -> given up before it joined
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
+        self.to_stop: list = []  # drained sites' actors set aside, to be killed at the first round's start
         for cluster in self.drained:
-            self._stop(cluster)
+            self._stop(cluster, now=False)
         events = log.records("events") if self.done else []
         logged = {e.get("id") for e in events if e.get("event") == "site_request"}
         self.committed = {e.get("cluster") for e in events if e.get("event") == "site_committed"}
@@ -130,10 +183,14 @@ class SiteChanges:
             if record.get("id") not in logged:
                 self._report(record)
         for record in applied_sites(self.done):
+            if record["id"] in self.abandoned:
+                continue  # stopped for good (its index may serve a later site)
             if record["id"] in self.joined:
                 self._adopt(cluster_index(record["cluster"]))
             elif cluster_index(record["cluster"]) not in self.drained:
                 self._start(record)
+                if resume_round is not None and self.joining is not None:
+                    self._load_resume_point(self.joining, resume_round)
 
     def at_round_start(self, round_index: int) -> Topology:
         """Decide and carry out every pending request, oldest first, before round `round_index` is planned;
@@ -141,6 +198,7 @@ class SiteChanges:
         The run folder is read and written under the run's I/O deadline: a full disk or a hung mount
         leaves the request (or the join) pending for a later round (nothing is applied before its
         outcome is on disk) and costs a warning, never the run."""
+        self._stop_set_aside()
         try:
             requests = self._io(lambda: pending(self.run_dir, self.done), "listing site requests")
             for request in requests:  # no folder: one directory check, nothing else
@@ -154,6 +212,13 @@ class SiteChanges:
         self._note_commits(round_index)
         return self.topology
 
+    def at_run_end(self) -> dict:
+        """The run's end: `site_committed` for a site whose first commit was the run's last round (no
+        round's start came after it); returns the summary's `topology` (`topology_record`)."""
+        with contextlib.suppress(Exception):  # a record owed, never a reason for the summary to fail
+            self._note_commits(current_round(self.roster.live.values()))
+        return self.topology_record()
+
     def _io(self, fn, what: str):
         return call_with_deadline(fn, write_deadline_s(float(self.cfg.run.io_grace_s)), what)
 
@@ -165,7 +230,8 @@ class SiteChanges:
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
         history = [{"round": d.get("round"), "kind": d.get("kind"), "cluster": d.get("cluster"),
                     **({"joined": (self.joined.get(d.get("id")) or {}).get("round")} if d.get("kind") == "add-site"
-                       else {})}
+                       else {}),
+                    **({"abandoned": self.abandoned[d["id"]].get("round")} if d.get("id") in self.abandoned else {})}
                    for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
                    if d.get("outcome") == APPLIED]  # every join and drain, in order
         return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {}),
@@ -175,7 +241,7 @@ class SiteChanges:
         """An add-site's decision (see the module docstring): applied, or refused with its reason."""
         if request.problem:
             return Decision(REFUSED, request.problem, None)
-        new = next_cluster(self.topology.clusters, self.done)
+        new = next_cluster(self.topology.clusters, self.done, self.abandoned)
         if self.joining is not None:
             return Decision(REFUSED, f"add-site c{new}: site c{self.joining.cluster} is still starting; ask again "
                                      f"once it joined (one site starts at a time)", None)
@@ -227,12 +293,33 @@ class SiteChanges:
         container["topology"]["sites"] = widened_sites(list(container["topology"].get("sites") or []), widened)
         options = site_options(self.cfg, 1.0 if "nccl" in backends.values() else 0.0, n, record.get("label"),
                                site_group_name(self.run_id, c))
-        handles = {}
-        for i, rid in enumerate(widened.cluster_members(c)):
-            name = replica_actor_name(self.run_id, rid)
-            handles[rid] = lookup(name) or start_replica(container, name, options[i], rid, self.run_dir, backends,
-                                                         index_table=dict(widened.index_table), lifetime="detached")
-        self.joining = Joining(record["id"], c, widened, handles)
+        members = widened.cluster_members(c)
+
+        def make(rid: str):
+            return start_replica(container, replica_actor_name(self.run_id, rid), options[members.index(rid)], rid,
+                                 self.run_dir, backends, index_table=dict(widened.index_table), lifetime="detached")
+
+        handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
+        self.joining = Joining(record["id"], c, widened, handles, make)
+
+    def _load_resume_point(self, joining: Joining, resume_round: int) -> None:
+        """A resumed run's site: each replica the resumed checkpoint holds loads its own state (as the
+        driver's replicas do), and the first round's start waits for them up to
+        `supervisor.phase_timeout_s`, so the site takes part from the resume round. A manifest not
+        read, or a load that fails: that replica heals from the global state when it joins."""
+        from hsgd.train import checkpoint
+
+        directory = checkpoint.join_url(checkpoint.root_url(self.cfg.checkpoint.dir, self.run_dir),
+                                        checkpoint.round_dir_name(resume_round))
+        try:
+            manifest = self._io(lambda: checkpoint.read_manifest(directory), "reading the resumed checkpoint")
+        except Exception as err:  # noqa: BLE001 — the site still joins, healed
+            self._say(f"site c{joining.cluster}: {directory} not read ({type(err).__name__}: {err}); it heals instead")
+            return
+        fmt = checkpoint.format_of(manifest)
+        joining.loading = {rid: handle.load_checkpoint.remote(directory, manifest["files"][rid], None, fmt)
+                           for rid, handle in joining.handles.items() if rid in manifest["files"]}
+        joining.wait_s = float(self.cfg.supervisor.phase_timeout_s)
 
     def _backends(self) -> dict:
         """The levels' backends as the run's replicas report them, else as the driver planned them."""
@@ -245,41 +332,118 @@ class SiteChanges:
         return {"inner": plan.inner, "outer": plan.outer}
 
     def _take_in(self, joining: Joining, round_index: int) -> None:
-        """Ask the starting replicas whether they are up (never waiting); once all are, they join now."""
+        """Ask the starting replicas whether they are up (never waiting); once each is up or lost for
+        good, the site joins now with those up, if they are at least its floor
+        (`supervisor.min_replicas_per_cluster`, or its own `min_replicas`), else it is abandoned."""
+        self._ask_up(joining)
+        if len(joining.up) + len(joining.lost) < len(joining.handles):
+            return
+        floor = joining.topology.min_replicas_of(joining.cluster, int(self.cfg.supervisor.min_replicas_per_cluster))
+        if len(joining.up) < floor:
+            self._abandon(joining, round_index, f"{len(joining.up)} of {len(joining.handles)} replica(s) up, below "
+                                                f"its floor of {floor}: {', '.join(sorted(joining.lost))} died for "
+                                                f"good after {joining.recreated} re-creation(s)")
+            return
+        roster, name = self.roster, f"c{joining.cluster}"
+        for rid, handle in joining.handles.items():  # the identity map first: a successor's roster finds them
+            roster.names[rid], roster.handles[rid] = replica_actor_name(self.run_id, rid), handle
+            roster.gone.discard(rid)
+        roster.gone.update(joining.lost)  # out, as any replica whose restarts are spent
+        self.save()
+        self.joined[joining.request_id] = self._io(
+            lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
+            "recording a site's join")
+        try:  # run.json lists them too (drills, jobs.diagnose); a failure there costs the join nothing
+            self._io(lambda: note_in_run_json(self.run_dir, self.run_id), "listing a site's replicas in run.json")
+        except Exception as err:  # noqa: BLE001
+            self._say(f"run.json not updated for site {name}: {type(err).__name__}: {err}")
+        self.topology = roster.topology = joining.topology
+        for rid, answer in sorted(joining.up.items()):
+            roster.admit(rid, answer)  # replica_up, with its fresh replica_index
+        self.joining = None
+        seconds = time.monotonic() - joining.started
+        self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.up),
+                       seconds=round(seconds, 3))
+        without = f"; without {', '.join(sorted(joining.lost))} (died for good)" if joining.lost else ""
+        how = ("as it left off (the resumed checkpoint)" if all(a["round"] >= round_index for a in joining.up.values())
+               else "healed from the global state")
+        self._say(f"site {name} up ({len(joining.up)} replica(s), {seconds:.1f} s after it was applied{without}): "
+                  f"it joins at round {round_index}'s start, {how}")
+
+    def _ask_up(self, joining: Joining) -> None:
+        """One look at the starting replicas, never waiting: an answer up (built, idle) is kept; one
+        that died for good (Ray's restarts spent) is created again under its name while the site's
+        re-creations last (faults.max_restarts in all), else it is lost; any other failure (restarting,
+        no answer yet) is asked again at the next round's start."""
+        wait_s, joining.wait_s = joining.wait_s, 0.0
+        self._loaded(joining, wait_s)
         for rid, handle in joining.handles.items():
-            if rid not in joining.up and rid not in joining.asked:
+            if rid not in joining.up and rid not in joining.lost and rid not in joining.asked | joining.loading:
                 joining.asked[rid] = handle.progress.remote()
         refs = list(joining.asked.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)[0]) if refs else set()
         for rid, ref in list(joining.asked.items()):
             if ref not in ready:
                 continue
             del joining.asked[rid]
             try:
                 answer = ray.get(ref, timeout=1.0)
-            except Exception:  # noqa: BLE001 — died or restarting: asked again at the next round's start
+            except Exception:  # noqa: BLE001 — died: for good, or restarting (asked again next round)
+                if restarts_exhausted(joining.handles[rid]):
+                    self._recreate(joining, rid)
                 continue
             if answer.get("phase", "idle") == "idle" and not answer.get("spare"):
                 joining.up[rid] = answer
-        if len(joining.up) < len(joining.handles):
+
+    def _loaded(self, joining: Joining, wait_s: float) -> None:
+        """Resume loads done (waited for up to wait_s): their replicas may be asked whether they are
+        up; one that failed heals from the global state when it joins."""
+        refs = list(joining.loading.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)[0]) if refs else set()
+        for rid, ref in list(joining.loading.items()):
+            if ref in ready:
+                del joining.loading[rid]
+                try:
+                    ray.get(ref, timeout=1.0)
+                except Exception as err:  # noqa: BLE001 — its own failure (or death: seen when asked)
+                    self._say(f"site c{joining.cluster}: {rid} did not load the resumed checkpoint "
+                              f"({type(err).__name__}); it heals from the global state")
+
+    def _recreate(self, joining: Joining, rid: str) -> None:
+        """rid died for good before it was up: a new actor under its name, or lost once the site's
+        re-creations are spent (a failed creation spends one too)."""
+        bound = int(self.cfg.faults.max_restarts)
+        if joining.recreated >= bound:
+            joining.lost.add(rid)
+            self._say(f"site c{joining.cluster}: {rid} died for good before it was up; the site's {bound} "
+                      f"re-creation(s) are spent, it joins without it if enough are up")
             return
-        roster, name = self.roster, f"c{joining.cluster}"
-        for rid, handle in joining.handles.items():  # the identity map first: a successor's roster finds them
-            roster.names[rid], roster.handles[rid] = replica_actor_name(self.run_id, rid), handle
-            roster.gone.discard(rid)
-        self.save()
-        self.joined[joining.request_id] = self._io(
-            lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
-            "recording a site's join")
-        self.topology = roster.topology = joining.topology
-        for rid, answer in sorted(joining.up.items()):
-            roster.admit(rid, answer)  # replica_up, with its fresh replica_index
+        joining.recreated += 1
+        self._say(f"site c{joining.cluster}: {rid} died for good before it was up; started again under its name "
+                  f"(re-creation {joining.recreated} of {bound})")
+        try:
+            joining.handles[rid] = joining.make(rid)
+        except Exception as err:  # noqa: BLE001 — the name still held, no room: the next look tries again
+            self._say(f"site c{joining.cluster}: {rid} not started again: {type(err).__name__}: {err}")
+
+    def _abandon(self, joining: Joining, round_index: int, reason: str) -> None:
+        """Give the site up: its replicas and placement group stopped first, then `<id>.abandoned`
+        (a supervisor restarted in between starts it again: a fresh try); a later add-site may go on.
+        Nothing of the other sites is touched."""
+        from actors.placement import remove_site_group
+
+        name = f"c{joining.cluster}"
+        for handle in joining.handles.values():
+            with contextlib.suppress(Exception):  # already gone: stopped all the same
+                ray.kill(handle, no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_site_group(site_group_name(self.run_id, joining.cluster))
+        self.abandoned[joining.request_id] = self._io(
+            lambda: mark_abandoned(self.run_dir, joining.request_id, name, round_index, reason, self.run_id),
+            "recording an abandoned site")
         self.joining = None
-        seconds = time.monotonic() - joining.started
-        self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.handles),
-                       seconds=round(seconds, 3))
-        self._say(f"site {name} up ({len(joining.handles)} replica(s), {seconds:.1f} s after it was applied): "
-                  f"it joins at round {round_index}'s start, healed from the global state")
+        self.log.event("site_abandoned", cluster=name, round=round_index, reason=reason)
+        self._say(f"site {name} abandoned at round {round_index}'s start: {reason}; a new add-site may be asked")
 
     def _adopt(self, cluster: int) -> None:
         """A joined site after a supervisor restart: its ids are in the identity map (saved before it
@@ -311,23 +475,29 @@ class SiteChanges:
         with contextlib.suppress(Exception):  # a console that fails must not stop the run
             print(f"[hsgd] {line}", file=sys.stderr, flush=True)
 
-    def _stop(self, cluster: int) -> None:
-        """Stop cluster's replicas and spares for good, none of it counted as a failure."""
+    def _stop(self, cluster: int, *, now: bool = True) -> None:
+        """Stop cluster's replicas and spares for good, none of it counted as a failure. `now=False`
+        (the constructor): set aside at once, killed at the first round's start (`_stop_set_aside`),
+        since a resumed run's driver still has its start-up calls in flight to the actors it started
+        for the drained site (killing them there fails those calls, and the start)."""
         roster = self.roster
         roster.drained_clusters.add(cluster)
         for rid in self.topology.cluster_members(cluster):
-            handle = roster.handles.get(rid)
+            self.to_stop.append(roster.handles.get(rid))
             roster.set_aside(rid)
+        for name in list(roster.spares.names.get(str(cluster), ())):
+            self.to_stop.append(roster.spares.handles.get(name))
+            roster.spares.ready.discard(name)
+            roster.spares.handles[name] = None  # never asked again
+        if now:
+            self._stop_set_aside()
+
+    def _stop_set_aside(self) -> None:
+        for handle in self.to_stop:
             if handle is not None:
                 with contextlib.suppress(Exception):  # already gone: stopped all the same
                     ray.kill(handle, no_restart=True)
-        for name in list(roster.spares.names.get(str(cluster), ())):
-            handle = roster.spares.handles.get(name)
-            roster.spares.ready.discard(name)
-            roster.spares.handles[name] = None  # never asked again
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
+        self.to_stop = []
 
     def _report(self, record: dict) -> None:
         self.log.event("site_request", id=record.get("id"), kind=record.get("kind"), cluster=record.get("cluster"),

@@ -68,7 +68,7 @@ class Supervisor:
                                      self.log, self.record.save_state, injected=self.injector.explains_death)
         self.roster.on_death = self.quarantine.death
         self.sites = SiteChanges(self.cfg, run_dir, self.topology, self.roster, self.log, self.state,
-                                 self.record.save_state)
+                                 self.record.save_state, resume_round)
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
@@ -347,4 +347,4 @@ class Supervisor:
                                        durable=self.state.to_dict(), metrics=self.log.records("metrics"),
                                        steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
                                        supervisor_started=start)
-        return {**summary, "topology": self.sites.topology_record(), "replicas_quarantined": len(self.state.quarantined)}
+        return {**summary, "topology": self.sites.at_run_end(), "replicas_quarantined": len(self.state.quarantined)}

@@ -22,6 +22,10 @@ Protocol:
               "run_id"}) is written, atomic, BEFORE the run's topology takes the site in, so a
               restarted supervisor of the same run builds its topology with every joined site
               (`joined_topology`); a resumed run (another run id) starts the site again.
+    abandon   an applied add-site whose replicas died for good before they were all up, with too
+              few left up (actors/site_changes.py), is stopped, then `<id>.abandoned` is written
+              ({"id", "cluster", "round", "reason", "run_id"}): never started again, in this run or
+              a resumed one; its index is the next add-site's (it never was in the topology).
 
 Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's
 cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason,
@@ -191,11 +195,12 @@ def drained(done: dict[str, dict]) -> dict[int, int]:
     return out
 
 
-def next_cluster(clusters: int, done: dict[str, dict]) -> int:
+def next_cluster(clusters: int, done: dict[str, dict], abandoned_ids=()) -> int:
     """The index a new site gets: past every cluster the run started with and every one added since
-    (a drained site's index is never reused: drained sites keep theirs)."""
+    (a drained site's index is never reused: drained sites keep theirs). A site abandoned before it
+    joined (`abandoned_ids`, `mark_abandoned`) never was in the topology: its index is free again."""
     added = [cluster_index(d.get("cluster", "")) for d in done.values()
-             if d.get("kind") == "add-site" and d.get("outcome") == APPLIED]
+             if d.get("kind") == "add-site" and d.get("outcome") == APPLIED and d.get("id") not in abandoned_ids]
     return max([clusters - 1, *(c for c in added if c is not None)]) + 1
 
 
@@ -281,6 +286,33 @@ def joined(run_dir: str | Path, run_id: str | None = None) -> dict[str, dict]:
         with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
             out[path.name[:-len(JOINED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
     return {k: v for k, v in out.items() if run_id is None or v.get("run_id") == run_id}
+
+
+ABANDONED_SUFFIX = ".abandoned"
+
+
+def mark_abandoned(run_dir: str | Path, request_id: str, cluster: str, round_index: int, reason: str,
+                   run_id: str = "") -> dict:
+    """An applied add-site given up at round `round_index`'s start, before it joined (its replicas died
+    for good, too few left up): `<id>.abandoned` ({"id", "cluster", "round", "reason", "run_id"}),
+    atomic, written AFTER its replicas were stopped (a supervisor restarted in between starts the site
+    again: a fresh try, never a site half stopped). For good, across resumes: such a site is never
+    started again, and its index is free for the next add-site (`next_cluster`)."""
+    record = {"id": request_id, "cluster": cluster, "round": round_index, "reason": reason, "run_id": run_id}
+    _atomic_write_json(requests_dir(run_dir) / f"{request_id}{ABANDONED_SUFFIX}", record)
+    return record
+
+
+def abandoned(run_dir: str | Path) -> dict[str, dict]:
+    """Every add-site abandoned before it joined (`<id>.abandoned`), by request id; {} with no requests folder."""
+    folder = requests_dir(run_dir)
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in sorted(folder.glob(f"*{ABANDONED_SUFFIX}")):
+        with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
+            out[path.name[:-len(ABANDONED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
+    return out
 
 
 def applied_sites(done: dict[str, dict]) -> list[dict]:

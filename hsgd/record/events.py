@@ -27,6 +27,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     # an added site's replicas all answered up: it joins at round's start (seconds since it was applied)
     "site_up": ("cluster", "round", "replicas", "seconds"),
     "site_committed": ("cluster", "round", "replicas"),  # an added site took part in round's commit, the first time
+    # an applied add-site given up before it joined (its replicas died for good, too few left): stopped, none join
+    "site_abandoned": ("cluster", "round", "reason"),
     # one round's phases
     "phase_begin": ("phase", "round", "cluster", "epoch", "replicas"),
     "phase_end": ("phase", "round", "cluster", "seconds", "ok", "failed"),

@@ -14,8 +14,14 @@ inner groups never re-form for it (only its own inner group and the outer group 
 counts as a failure, and the run completes with six replicas."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.status import collect_state
 from tests.integration.invariants import check_run
-from tests.integration.runs import FAST, events, metrics
+from tests.integration.runs import FAST, events, metrics, train
 
 ROUNDS, SPR = 6, 4
 RUN = FAST + ["topology.clusters=2", "topology.replicas_per_cluster=2", f"train.rounds={ROUNDS}",
@@ -139,3 +145,75 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
     assert len(set(summary["replica_param_digests"].values())) == 1, "digests agree at the end"
     commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
     assert {"c2r0", "c2r1"} <= commits[JOIN_ROUNDS - 1], commits
+
+
+@pytest.mark.long  # two runs, ~80 s
+def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
+    """Issue 37, resume: a site added and committed, then the whole run started again from its last
+    checkpoint (`train.resume=true` in the same run.dir, more rounds): the resumed run starts the
+    site again (under the new run's names, the same global indices), its replicas load their own
+    state from the checkpoint and it takes part from the resume round, every digest agrees; run.json
+    and jobs.status list its replicas."""
+    drill = background_drills(RUN + ["train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=8",
+                                      "checkpoint.every=2"], tmp_path)
+    drill.wait_for(round=2, timeout_s=180)
+    decided = drill.wait_site_request(drill.add_site(2, name="berlin"), timeout_s=120)
+    assert decided["outcome"] == "applied" and decided["cluster"] == "c2", decided
+    first = drill.wait_done(timeout_s=600)
+    assert first["status"] == "completed" and first["topology"]["sizes"] == [2, 2, 2], first.get("reason")
+    manifest = json.loads(sorted((Path(drill.run_dir) / "checkpoints").glob("round_*/manifest.json"))[-1].read_text())
+    assert manifest["round"] == 12 and {"c2r0", "c2r1"} <= set(manifest["files"]), manifest
+
+    resumed = train(drill.run_dir, RUN[len(FAST):] + ["train.rounds=16", "train.min_step_s=0.4", "ray.num_cpus=8",
+                                                      "checkpoint.every=2", "train.resume=true"])
+    assert resumed["status"] == "completed", resumed.get("reason")
+    record = events(drill.run_dir)
+    t_resumed = [e["t"] for e in record if e["event"] == "supervisor_start"][-1]
+    later = [e for e in record if e["t"] >= t_resumed]
+    print("RESUMED EVENTS", [(e["event"], e.get("rid") or e.get("cluster"), e.get("round")) for e in later
+                             if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit")])
+    commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
+    assert sorted(commits) == list(range(12, 16)), sorted(commits)
+    # its replicas loaded their own state from the checkpoint: in from the resume round, never healed
+    assert all({"c2r0", "c2r1"} <= commits[r] for r in range(12, 16)), commits
+    assert not [e for e in later if e["event"] == "heal_end" and e["target"].startswith("c2")], "healed, not loaded"
+    assert resumed["topology"]["sizes"] == [2, 2, 2] and resumed["topology"]["sites"][2]["name"] == "berlin"
+    # where a reader looks for the run's replicas: run.json (drills, jobs.diagnose) and jobs.status
+    assert json.loads((Path(drill.run_dir) / "run.json").read_text())["replicas"][-2:] == ["c2r0", "c2r1"]
+    assert [r["rid"] for r in collect_state(drill.run_dir)["clusters"]["c2"]] == ["c2r0", "c2r1"]
+    assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]
+    assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
+
+
+@pytest.mark.long  # two runs, ~80 s
+def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_brings_the_new_one_back(
+        background_drills, tmp_path):
+    """Issue 37, resume after a drain followed by an add-site: three sites, c1 drained, then a site
+    added (c3: a drained index is never reused); the whole run started again from its last checkpoint:
+    c1 stays drained (its replicas stopped at the start, no failure), c3 is taken in again and
+    commits with c0 and c2, every digest agrees."""
+    drill = background_drills(RUN + ["topology.clusters=3", "train.rounds=12", "train.min_step_s=0.4",
+                                      "ray.num_cpus=10", "checkpoint.every=2"], tmp_path)
+    drill.wait_for(round=2, timeout_s=180)
+    drained = drill.wait_site_request(drill.drain_site("c1"), timeout_s=120)
+    added = drill.wait_site_request(drill.add_site(2), timeout_s=120)
+    assert drained["outcome"] == added["outcome"] == "applied" and added["cluster"] == "c3", (drained, added)
+    first = drill.wait_done(timeout_s=600)
+    assert first["status"] == "completed" and first["topology"]["sizes"] == [2, 2, 2, 2], first.get("reason")
+
+    resumed = train(drill.run_dir, RUN[len(FAST):] + ["topology.clusters=3", "train.rounds=16", "train.min_step_s=0.4",
+                                                      "ray.num_cpus=10", "checkpoint.every=2", "train.resume=true"])
+    assert resumed["status"] == "completed", resumed.get("reason")
+    record = events(drill.run_dir)
+    t_resumed = [e["t"] for e in record if e["event"] == "supervisor_start"][-1]
+    later = [e for e in record if e["t"] >= t_resumed]
+    print("RESUMED EVENTS", [(e["event"], e.get("rid") or e.get("cluster"), e.get("round")) for e in later
+                             if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit",
+                                               "replica_down")])
+    assert not [e for e in later if e["event"] in FAILURES], "a drained site's stop at the resume is no failure"
+    commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
+    assert sorted(commits) == list(range(12, 16)), sorted(commits)
+    assert commits[15] == {"c0r0", "c0r1", "c2r0", "c2r1", "c3r0", "c3r1"}, commits
+    assert resumed["topology"]["drained"] == {"c1": drained["round"]}
+    assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c2r0", "c2r1", "c3r0", "c3r1"]
+    assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"

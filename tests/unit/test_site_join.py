@@ -15,8 +15,8 @@ import actors.placement as placement
 import actors.site_changes as site_changes
 import actors.startup as startup
 from actors.site_changes import SiteChanges
-from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, applied_sites, joined, joined_topology, mark_done,
-                                     mark_joined, outcomes, requests_dir, widened_sites, write_request)
+from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, abandoned, applied_sites, joined, joined_topology,
+                                     mark_done, mark_joined, outcomes, requests_dir, widened_sites, write_request)
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 
@@ -110,8 +110,10 @@ class _Actor:
     """A replica actor: `progress` answers once `answer` is set (its __init__ done)."""
 
     def __init__(self, name: str):
-        self.name, self.answer = name, None
+        self.name, self.answer, self.dead = name, None, False  # dead: for good (Ray's restarts spent)
         self.progress = SimpleNamespace(remote=lambda: _Ref(self))
+        self.loads: list[tuple] = []  # load_checkpoint's arguments; done once it answers up
+        self.load_checkpoint = SimpleNamespace(remote=lambda *args: self.loads.append(args) or _Ref(self))
 
 
 class _World:
@@ -120,6 +122,9 @@ class _World:
     def __init__(self):
         self.actors: dict[str, _Actor] = {}
         self.started: list[tuple] = []
+        self.killed: list[str] = []
+        self.waits: list[float] = []  # every ray.wait's timeout
+        self.groups_removed: list[str] = []
 
     def start(self, container, name, options, rid, run_dir, backends, index_table, lifetime=None):
         self.started.append((name, {**options, "lifetime": lifetime}, rid, container, dict(index_table)))
@@ -130,11 +135,23 @@ class _World:
         for name in names:
             self.actors[name].answer = {"round": 0, "step": 0, "phase": "idle", "spare": False, "pid": 1}
 
-    @staticmethod
-    def wait(refs, num_returns, timeout, fetch_local=True):
-        assert timeout == 0, "a join is never waited for"
-        ready = [r for r in refs if r.actor.answer is not None]
+    def die(self, *names: str) -> None:
+        for name in names:
+            self.actors[name].dead = True
+
+    def wait(self, refs, num_returns, timeout, fetch_local=True):
+        self.waits.append(timeout)
+        ready = [r for r in refs if r.actor.answer is not None or r.actor.dead]
         return ready, [r for r in refs if r not in ready]
+
+    @staticmethod
+    def get(ref, timeout):
+        if ref.actor.dead:
+            raise RuntimeError(f"ActorDiedError: {ref.actor.name}")
+        return ref.actor.answer
+
+    def kill(self, handle, no_restart=True):
+        self.killed.append(handle.name)
 
 
 @pytest.fixture
@@ -143,19 +160,21 @@ def world(monkeypatch):
     monkeypatch.setattr(site_changes, "cluster_resources", lambda cfg: (
         [{"NodeID": "n1", "Alive": True, "Labels": {}}], {"n1": {"CPU": 8.0}}, {"CPU": 1.0}))
     monkeypatch.setattr(site_changes, "lookup", lambda name: w.actors.get(name))
-    monkeypatch.setattr(site_changes, "ray", SimpleNamespace(wait=w.wait, get=lambda ref, timeout: ref.actor.answer,
-                                                             kill=lambda *a, **k: None))
+    monkeypatch.setattr(site_changes, "ray", SimpleNamespace(wait=w.wait, get=w.get, kill=w.kill))
+    monkeypatch.setattr(site_changes, "restarts_exhausted", lambda handle: handle.dead)
+    monkeypatch.setattr(placement, "remove_site_group", w.groups_removed.append)
     monkeypatch.setattr(startup, "start_replica", w.start)
     monkeypatch.setattr(placement, "site_options", lambda cfg, gpus, n, label, group: [
         {"num_cpus": 1.0, "group": group, "label": label, "bundle": i} for i in range(n)])
     return w
 
 
-CFG = OmegaConf.create({"supervisor": {"min_clusters": 1}, "run": {"io_grace_s": 4.0}, "faults": {"max_restarts": 3},
+CFG = OmegaConf.create({"supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1, "phase_timeout_s": 30.0},
+                        "checkpoint": {"dir": None}, "run": {"io_grace_s": 4.0}, "faults": {"max_restarts": 3},
                         "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []}})
 
 
-def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace):
+def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
     topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
@@ -163,7 +182,8 @@ def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace):
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
     roster = _Roster(topology, state.identity)
     saves = []
-    return SiteChanges(CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1)), roster
+    return SiteChanges(CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1),
+                       resume_round), roster
 
 
 def _state() -> SimpleNamespace:
@@ -177,6 +197,7 @@ def test_a_site_is_started_at_once_and_joins_at_the_first_round_start_after_all_
     sites, roster = _supervisor(tmp_path, events, state)
     request = write_request(tmp_path, "add-site", replicas=2, name="berlin")
     assert sites.at_round_start(3).clusters == 2  # applied and started, not in the topology yet
+    assert world.waits and set(world.waits) == {0}, "a join is never waited for"
     [decided] = [e for e in events if e["event"] == "site_request"]
     assert (decided["outcome"], decided["cluster"], decided["round"]) == (APPLIED, "c2", 3)
     names = [s[0] for s in world.started]
@@ -309,6 +330,142 @@ def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_sa
     world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
     assert resumed.at_round_start(6).clusters == 3
     assert len([e for e in events if e["event"] == "site_request"]) == 1  # decided once, for good
+
+
+def test_a_resumed_run_loads_an_added_sites_replicas_from_its_checkpoint_and_takes_the_site_in_at_the_resume_round(
+        world, tmp_path):
+    events: list[dict] = []
+    first_state = _state()
+    sites, _ = _supervisor(tmp_path, events, first_state)
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)
+    saved = tmp_path / "checkpoints" / "round_000006"  # the last checkpoint: c2r0's file in it, c2r1's not
+    saved.mkdir(parents=True)
+    (saved / "manifest.json").write_text(json.dumps({"round": 6, "files": {"c0r0": "a", "c2r0": "sha-c2r0"}}))
+    resumed_state = SimpleNamespace(run_id="run2", replica_indices=dict(first_state.replica_indices), identity={})
+    resumed, roster = _supervisor(tmp_path, events, resumed_state, resume_round=6)
+    new = {rid: world.actors[f"hsgd:run2:{rid}"] for rid in ("c2r0", "c2r1")}
+    assert new["c2r0"].loads == [(str(saved), "sha-c2r0", None, "file")] and new["c2r1"].loads == []
+    world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
+    for actor in new.values():
+        actor.answer.update(round=6, step=24)  # its own state loaded (c2r1: none held, it heals when it joins)
+    assert resumed.at_round_start(6).clusters == 3  # the resume round: the site takes part from it
+    assert world.waits[-2:] == [30.0, 30.0], "the resumed site's first look waits (phase_timeout_s), once"
+    assert roster.live["c2r0"] == (6, 24)
+    world.waits.clear()
+    resumed.at_round_start(7)
+    assert set(world.waits) <= {0}
+
+
+def test_run_json_lists_a_joined_sites_replicas_and_the_drivers_last_write_keeps_them(world, tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "run1", "replicas": ["c0r0", "c0r1", "c1r0", "c1r1"]}))
+    sites, _ = _supervisor(tmp_path, [], _state())
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    assert json.loads((tmp_path / "run.json").read_text())["replicas"] == ["c0r0", "c0r1", "c1r0", "c1r1"]
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(4)  # joined: listed, the file's other keys kept
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info == {"run_id": "run1", "replicas": ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]}
+    # the driver's own copy (the ids it started) gets them at its last write; another run's joins do not count
+    assert site_changes.with_joined_replicas(str(tmp_path), "run1", ["c0r0"]) == ["c0r0", "c2r0", "c2r1"]
+    assert site_changes.with_joined_replicas(str(tmp_path), "run2", ["c0r0"]) == ["c0r0"]
+
+
+# -- a new replica that dies for good before it is up ------------------------------------------------------
+def test_a_replica_dead_for_good_before_it_is_up_is_started_again_under_its_name_and_the_site_joins_whole(world,
+                                                                                                       tmp_path):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0")
+    world.die("hsgd:run1:c2r1")
+    assert sites.at_round_start(4).clusters == 2  # not up: started again, never waited for
+    assert [s[0] for s in world.started] == ["hsgd:run1:c2r0", "hsgd:run1:c2r1", "hsgd:run1:c2r1"]
+    assert world.started[2][4]["c2r1"] == 5 and world.started[2][1]["lifetime"] == "detached"  # its own index
+    world.up("hsgd:run1:c2r1")  # the new actor under that name
+    assert sites.at_round_start(5).clusters == 3 and {"c2r0", "c2r1"} <= set(roster.live) and not roster.gone
+    [up] = [e for e in events if e["event"] == "site_up"]
+    assert up["replicas"] == ["c2r0", "c2r1"] and not [e for e in events if e["event"] == "site_abandoned"]
+
+
+def test_once_the_re_creations_are_spent_the_site_joins_with_the_replicas_up_when_they_keep_its_floor(world, tmp_path,
+                                                                                                     capsys):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0")
+    for r in range(4, 7):  # faults.max_restarts=3 re-creations for the site, each dead for good again
+        world.die("hsgd:run1:c2r1")
+        assert sites.at_round_start(r).clusters == 2, f"round {r}: joined while c2r1 may still come"
+    assert [s[0] for s in world.started].count("hsgd:run1:c2r1") == 4  # the first, then 3 re-creations
+    world.die("hsgd:run1:c2r1")
+    topology = sites.at_round_start(7)  # lost; c2r0 alone keeps the floor (min_replicas_per_cluster=1)
+    assert topology.clusters == 3 and topology.sizes == (2, 2, 2)
+    assert "c2r0" in roster.live and "c2r1" not in roster.live and roster.gone == {"c2r1"}
+    assert roster.names["c2r1"] == "hsgd:run1:c2r1"  # a successor finds (and misses) it by name
+    [up] = [e for e in events if e["event"] == "site_up"]
+    assert up["replicas"] == ["c2r0"] and up["round"] == 7
+    err = capsys.readouterr().err
+    assert "re-creation 3 of 3" in err and "without c2r1 (died for good)" in err
+    assert len(world.started) == 5 and not world.killed  # nothing stopped: it joined
+
+
+def test_a_site_below_its_floor_is_abandoned_stopped_once_and_a_later_add_site_goes_on(world, tmp_path, capsys):
+    events: list[dict] = []
+    state = _state()
+    sites, roster = _supervisor(tmp_path, events, state)
+    first = write_request(tmp_path, "add-site", replicas=1, now=1.0)
+    sites.at_round_start(3)
+    for r in range(4, 7):
+        world.die("hsgd:run1:c2r0")
+        sites.at_round_start(r)
+    refused = write_request(tmp_path, "add-site", replicas=1, now=2.0)  # asked while c2 still starts
+    world.die("hsgd:run1:c2r0")
+    assert sites.at_round_start(7).clusters == 2  # abandoned: the run goes on as it was
+    [gave_up] = [e for e in events if e["event"] == "site_abandoned"]
+    assert (gave_up["cluster"], gave_up["round"]) == ("c2", 7), gave_up
+    assert gave_up["reason"] == "0 of 1 replica(s) up, below its floor of 1: c2r0 died for good after 3 re-creation(s)"
+    assert "\n" not in gave_up["reason"] and "site c2 abandoned at round 7's start" in capsys.readouterr().err
+    assert world.killed == ["hsgd:run1:c2r0"] and world.groups_removed == ["hsgd:run1:site-c2"]
+    assert set(abandoned(tmp_path)) == {first.id} and not joined(tmp_path)
+    assert "c2r0" not in roster.live and "c2r0" not in roster.names  # never in the run
+    assert [e["outcome"] for e in events if e["event"] == "site_request"] == [APPLIED, REFUSED]
+    assert next(e for e in events if e.get("id") == refused.id)["reason"].endswith("(one site starts at a time)")
+
+    again = write_request(tmp_path, "add-site", replicas=1, now=3.0)  # no longer "still starting"
+    sites.at_round_start(8)
+    assert outcomes(tmp_path)[again.id]["outcome"] == APPLIED
+    assert outcomes(tmp_path)[again.id]["cluster"] == "c2"  # the abandoned index: it never was in the topology
+    assert world.started[-1][0] == "hsgd:run1:c2r0" and world.started[-1][4]["c2r0"] == 4
+    starts = len(world.started)
+    restarted, _ = _supervisor(tmp_path, events, state)  # finds the new site's replica, never the abandoned one
+    assert len(world.started) == starts
+    world.up("hsgd:run1:c2r0")
+    assert restarted.at_round_start(9).clusters == 3
+    assert restarted.topology_record()["history"] == [
+        {"round": 3, "kind": "add-site", "cluster": "c2", "joined": None, "abandoned": 7},
+        {"round": 8, "kind": "add-site", "cluster": "c2", "joined": 9}]
+
+
+def test_a_site_whose_first_commit_is_the_runs_last_round_is_logged_committed_at_the_runs_end(world, tmp_path):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "add-site", replicas=2)
+    sites.at_round_start(3)
+    world.up("hsgd:run1:c2r0", "hsgd:run1:c2r1")
+    sites.at_round_start(5)  # joins at the last round's start (train.rounds=6)
+    roster.live.update({rid: (6, 24) for rid in roster.live})  # round 5 committed by all: the run ends
+    record = sites.at_run_end()
+    [committed] = [e for e in events if e["event"] == "site_committed"]
+    assert (committed["cluster"], committed["round"], committed["replicas"]) == ("c2", 5, ["c2r0", "c2r1"])
+    assert record == sites.topology_record() and record["sizes"] == [2, 2, 2]
+    sites.at_run_end()  # once
+    assert len([e for e in events if e["event"] == "site_committed"]) == 1
 
 
 # -- placed as a cluster is (actors/placement.py site_options), Ray's group calls faked ------------------------
