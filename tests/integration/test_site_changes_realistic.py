@@ -57,9 +57,8 @@ def _kill_supervisor(run_dir) -> dict:
     """SIGKILL the supervisor's process from outside (the pid of its `supervisor_start`); its successor's start."""
     [boss] = [e for e in events(run_dir) if e["event"] == "supervisor_start"]
     os.kill(boss["pid"], signal.SIGKILL)
-    return poll("the supervisor restarted", 120,
-                lambda: next((e for e in events(run_dir) if e["event"] == "supervisor_start" and e["pid"] != boss["pid"]),
-                             None))
+    return poll("the supervisor restarted", 120, lambda: next(
+        (e for e in events(run_dir) if e["event"] == "supervisor_start" and e["pid"] != boss["pid"]), None))
 
 
 def _pids(record: list[dict]) -> dict[str, set[int]]:
@@ -204,7 +203,8 @@ def test_a_drain_asked_mid_round_then_a_supervisor_kill_lets_the_site_finish_its
     assert not [e for e in record if e["event"] in ("replica_down", "hang_detected", "kill", "idle_replica_lost",
                                                     "cluster_reform", "restore")], "a drain is no failure"
     assert not _replica_faults(summary), summary["faults"]
-    assert all(_pids(record)[rid] == {before[rid]["pid"]} for rid in FIRST), "the supervisor restart restarted a replica"
+    assert all(_pids(record)[rid] == {before[rid]["pid"]} for rid in FIRST), \
+        f"the supervisor restart restarted a replica: {_pids(record)}"
     # the expected behaviour: c1 was mid-round 1 when the drain was asked, so it finishes round 1
     # (its inner work in round 1's commit) and leaves at round 2's start
     commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
