@@ -53,6 +53,9 @@ lives in memory: a restarted supervisor's starts again. Not handled: a new repli
 answers and never dies keeps the site waiting (the run goes on); a joined site's replica
 re-created by quarantine starts with the run's config as written.
 
+A restarted supervisor decides no request at the first round's start it sees: that round may be one
+its predecessor started, and a drain takes effect only between rounds ("the site finishes its
+current round"); pending requests are decided at the next round's start.
 A restarted supervisor reads the outcomes before it looks at any replica (`SiteChanges.__init__`),
 sets a drained cluster's actors aside and stops them again at its first round's start (a no-op
 once they are dead; not in the constructor: a resumed run's driver, which started them, still has
@@ -174,6 +177,9 @@ class SiteChanges:
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         self.to_stop: list = []  # drained sites' actors set aside, to be killed at the first round's start
+        # a supervisor restarted within the run (not a resume) takes over a round its predecessor may have
+        # started: requests wait for the next round's start, so a drain lets the site finish that round
+        self.taken_over = getattr(state, "supervisor_starts", 1) > 1 and resume_round is None
         for cluster in self.drained:
             self._stop(cluster, now=False)
         events = log.records("events") if self.done else []
@@ -194,13 +200,17 @@ class SiteChanges:
 
     def at_round_start(self, round_index: int) -> Topology:
         """Decide and carry out every pending request, oldest first, before round `round_index` is planned;
-        take in a site whose replicas are all up. Returns the run's topology (wider once a site joined).
+        take in a site whose replicas are all up. A restarted supervisor's first call decides nothing: the
+        round it takes over may be in flight (a drain applied there would drop the site's finished
+        inner steps from that round's commit); its requests wait for the next round's start. Returns the run's topology (wider once a site joined).
         The run folder is read and written under the run's I/O deadline: a full disk or a hung mount
         leaves the request (or the join) pending for a later round (nothing is applied before its
         outcome is on disk) and costs a warning, never the run."""
         self._stop_set_aside()
         try:
-            requests = self._io(lambda: pending(self.run_dir, self.done), "listing site requests")
+            requests = [] if self.taken_over else self._io(lambda: pending(self.run_dir, self.done),
+                                                           "listing site requests")
+            self.taken_over = False
             for request in requests:  # no folder: one directory check, nothing else
                 self._apply(request, round_index)
             if self.joining is not None:

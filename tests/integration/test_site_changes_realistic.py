@@ -14,7 +14,8 @@ API, the same request files as `python -m jobs.status <run> add-site replicas=2`
    fault counted, nothing rolled back.
 2. A drain asked mid-round with the supervisor SIGKILLed before the next round's start: its successor
    must apply it at the NEXT round's start, so c1 finishes the round it was in (its inner work is
-   in that round's commit). It applies it to the round in flight instead: a product bug, xfail.
+   in that round's commit). (It once applied it to the round in flight: a restarted supervisor now
+   decides no request at the round it took over; actors/site_changes.py.)
 
 What must NOT happen, checked on events.jsonl, metrics.jsonl and summary.json: a replica other than
 c0's two going down or restarting; a round recorded or committed twice; a checkpoint rewritten (the
@@ -181,10 +182,6 @@ DRAIN_ROUNDS = 3
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "product bug: a supervisor restarted mid-round applies a drain written during that round at the "
-    "round in flight (Supervisor.run calls SiteChanges.at_round_start(r) for the round its predecessor "
-    "already started), so the drained site's finished inner work is left out of that round's commit"))
 def test_a_drain_asked_mid_round_then_a_supervisor_kill_lets_the_site_finish_its_round(background_drills, tmp_path):
     drill = background_drills(RUN + [f"train.rounds={DRAIN_ROUNDS}"], tmp_path)
     run_dir = drill.run_dir
@@ -195,7 +192,7 @@ def test_a_drain_asked_mid_round_then_a_supervisor_kill_lets_the_site_finish_its
     drained = drill.wait_site_request(drain_id, timeout_s=180)
     summary = drill.wait_done(timeout_s=240)
 
-    # what holds today: the run completes, every round once, nobody harmed, no fault, no rollback
+    # the run completes, every round once, nobody harmed, no fault, no rollback
     check_run(run_dir, rounds=DRAIN_ROUNDS, steps_per_round=SPR, victims=set())
     record = events(run_dir)
     assert drained["outcome"] == "applied" and drained["t"] > successor["t"], drained

@@ -276,6 +276,33 @@ def test_a_supervisor_that_died_before_starting_the_replicas_starts_them_once(wo
     assert decided["cluster"] == "c2"
 
 
+def test_a_restarted_supervisor_decides_no_request_at_the_round_it_took_over_only_at_the_next(world, tmp_path):
+    """A request written mid-round, then the supervisor SIGKILLed: its successor's first round start is the
+    round its predecessor started (a site to drain may have finished its inner steps there; the realistic
+    test's bug), so every request waits for the next round's start."""
+    events: list[dict] = []
+    state = _state()
+    state.supervisor_starts = 2  # a restart within the run
+    sites, _ = _supervisor(tmp_path, events, state)
+    write_request(tmp_path, "add-site", replicas=1)
+    sites.at_round_start(1)  # the round taken over
+    assert not [e for e in events if e["event"] == "site_request"] and not world.started
+    sites.at_round_start(2)
+    [decided] = [e for e in events if e["event"] == "site_request"]
+    assert (decided["kind"], decided["outcome"], decided["round"]) == ("add-site", APPLIED, 2)
+    assert [s[0] for s in world.started] == ["hsgd:run1:c2r0"]
+
+
+def test_a_resumed_run_decides_requests_at_its_first_round_start(world, tmp_path):
+    events: list[dict] = []
+    state = _state()
+    state.supervisor_starts = 3  # the count goes on across a resume; no round is in flight there
+    sites, _ = _supervisor(tmp_path, events, state, resume_round=4)
+    write_request(tmp_path, "add-site", replicas=1)
+    sites.at_round_start(4)
+    assert [e["round"] for e in events if e["event"] == "site_request"] == [4]
+
+
 def test_one_site_starts_at_a_time(world, tmp_path):
     events: list[dict] = []
     sites, _ = _supervisor(tmp_path, events, _state())
