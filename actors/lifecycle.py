@@ -171,6 +171,19 @@ class ActorWatch:
             self._save()
         return deaths
 
+    def given_up(self, name: str) -> None:
+        """Every death the table shows so far for actor `name` is known: a new site's replica the run
+        gave up before it ever joined (actors/site_changes.py, `lost`) died outside the run, and its
+        name enters the identity map only to keep it out; reporting those deaths now would count faults
+        (and quarantine it) for a replica that never served. A table not read: nothing changes."""
+        try:
+            rows = current_rows(r for r in self._table() if r.get("Name") == name)
+        except Exception:  # noqa: BLE001 — its deaths are then reported once, as any
+            return
+        for row in rows:
+            self._store(name, int(row.get("NumRestarts", 0)) + (row.get("State") == "DEAD"), set())
+        self._save()
+
     def tells(self, name: str | None) -> bool:
         """The last poll's table listed actor `name`: a death or restart of it shows at the next poll."""
         return name in self._listed

@@ -177,9 +177,11 @@ class SiteChanges:
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         self.to_stop: list = []  # drained sites' actors set aside, to be killed at the first round's start
-        # a supervisor restarted within the run (not a resume) takes over a round its predecessor may have
-        # started: requests wait for the next round's start, so a drain lets the site finish that round
-        self.taken_over = getattr(state, "supervisor_starts", 1) > 1 and resume_round is None
+        # a restarted supervisor (Ray re-runs this constructor with the same arguments, a resume's
+        # `resume_round` too) takes over a round its predecessor may have started: requests wait for
+        # the next round's start, so a drain lets the site finish that round
+        first = getattr(state, "supervisor_starts", 1) == 1  # a resumed run's first supervisor too
+        self.taken_over = not first
         for cluster in self.drained:
             self._stop(cluster, now=False)
         events = log.records("events") if self.done else []
@@ -195,7 +197,7 @@ class SiteChanges:
                 self._adopt(cluster_index(record["cluster"]))
             elif cluster_index(record["cluster"]) not in self.drained:
                 self._start(record)
-                if resume_round is not None and self.joining is not None:
+                if first and resume_round is not None and self.joining is not None:  # (a restart: loaded)
                     self._load_resume_point(self.joining, resume_round)
 
     def at_round_start(self, round_index: int) -> Topology:
@@ -359,6 +361,8 @@ class SiteChanges:
             roster.names[rid], roster.handles[rid] = replica_actor_name(self.run_id, rid), handle
             roster.gone.discard(rid)
         roster.gone.update(joining.lost)  # out, as any replica whose restarts are spent
+        for rid in joining.lost:  # its deaths before the join were never the run's: no faults, no quarantine
+            roster.watch.given_up(roster.names[rid])
         self.save()
         self.joined[joining.request_id] = self._io(
             lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),

@@ -24,7 +24,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "quorum_wait": ("reason", "wait_s"),  # below quorum: waiting up to wait_s for replicas to return
     # a site request (hsgd/core/site_requests.py) decided at a round's start, once: outcome applied | refused
     "site_request": ("id", "kind", "cluster", "outcome", "reason", "round"),
-    # an added site's replicas all answered up: it joins at round's start (seconds since it was applied)
+    # an added site's replicas answered up (all, or those left at its floor when others died for good):
+    # it joins at round's start (seconds since it was applied); `replicas`: those up
     "site_up": ("cluster", "round", "replicas", "seconds"),
     "site_committed": ("cluster", "round", "replicas"),  # an added site took part in round's commit, the first time
     # an applied add-site given up before it joined (its replicas died for good, too few left): stopped, none join

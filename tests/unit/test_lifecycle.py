@@ -169,6 +169,20 @@ def test_a_dead_namesake_that_never_ran_is_not_a_death_of_the_actor_holding_the_
     assert watch.poll() == []
 
 
+def test_an_actor_given_up_before_it_served_has_its_earlier_deaths_taken_as_known():
+    """A new site's replica the run gave up before it joined (dead for good, its name then in the
+    identity map only to keep it out): the deaths its table row shows are not the run's faults."""
+    table = Table()
+    table.set("c0r0", "ALIVE", 0)
+    table.set("c2r1", "DEAD", 10)  # 11 processes died while the site started
+    watch = watch_of(table, replicas=("c0r0",))
+    watch.given_up(name("c2r1"))
+    watch.identity["c2r1"] = name("c2r1")
+    assert watch.poll() == [], "deaths from before it was given up"
+    table.set("c0r0", "RESTARTING", 1)
+    assert deaths(watch.poll()) == [("c0r0", 0, "c0r0")], "the others' deaths are still reported"
+
+
 def test_the_watch_tells_which_actors_its_last_table_listed():
     """issue 36, Build 2: idle replicas are asked whether they run only while the table cannot tell."""
     table = Table()

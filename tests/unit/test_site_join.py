@@ -96,6 +96,8 @@ class _Roster:
         self.drained_clusters: set[int] = set()
         self.replica_info = {"c0r0": {"node_id": "n1", "backends": {"inner": "gloo", "outer": "gloo"}}}
         self.spares = SimpleNamespace(names={}, handles={}, ready=set())
+        self.given_up: list[str] = []  # names whose earlier deaths the watch was told to take as known
+        self.watch = SimpleNamespace(given_up=self.given_up.append)
 
     def admit(self, rid: str, answer: dict) -> None:
         self.live[rid] = (int(answer["round"]), int(answer["step"]))
@@ -296,7 +298,7 @@ def test_a_restarted_supervisor_decides_no_request_at_the_round_it_took_over_onl
 def test_a_resumed_run_decides_requests_at_its_first_round_start(world, tmp_path):
     events: list[dict] = []
     state = _state()
-    state.supervisor_starts = 3  # the count goes on across a resume; no round is in flight there
+    state.supervisor_starts = 1  # a resumed run's first supervisor (RunState.begin starts the count again)
     sites, _ = _supervisor(tmp_path, events, state, resume_round=4)
     write_request(tmp_path, "add-site", replicas=1)
     sites.at_round_start(4)
@@ -435,6 +437,7 @@ def test_once_the_re_creations_are_spent_the_site_joins_with_the_replicas_up_whe
     assert topology.clusters == 3 and topology.sizes == (2, 2, 2)
     assert "c2r0" in roster.live and "c2r1" not in roster.live and roster.gone == {"c2r1"}
     assert roster.names["c2r1"] == "hsgd:run1:c2r1"  # a successor finds (and misses) it by name
+    assert roster.given_up == ["hsgd:run1:c2r1"], "its deaths before the join would count as the run's faults"
     [up] = [e for e in events if e["event"] == "site_up"]
     assert up["replicas"] == ["c2r0"] and up["round"] == 7
     err = capsys.readouterr().err
