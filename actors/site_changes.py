@@ -41,8 +41,10 @@ applied one is the new cluster c<K> (`next_cluster`: a drained site's index is n
               `site_abandoned` (cluster, round, reason) and a console line; a later add-site may go
               on (it gets the abandoned index). Nothing in the other sites is touched.
     resume    a resumed run (`train.resume=true`, a new run id) starts every applied site that was
-              neither drained nor abandoned again, under its names and indices, at once (the
-              supervisor's constructor, while the driver's replicas load); each replica the resumed
+              neither drained nor abandoned again, under its names and indices, one after the other
+              in the order added (`queued`: the first at once, in the supervisor's constructor while
+              the driver's replicas load, each next one once the one before joined; a drained site
+              keeps its index in the topology, its replicas never started); each replica the resumed
               checkpoint holds loads its own state, and the first round's start waits for them (up
               to `supervisor.phase_timeout_s`): the site joins at the resume round, as it left off.
 A restarted supervisor builds its topology with every joined site (`topology_of_run`), finds a
@@ -100,9 +102,12 @@ def cluster_resources(cfg) -> tuple[list[dict], dict[str, dict], dict]:
 
 
 def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> Topology:
-    """The run's topology now: the config's, widened by every site that joined in this run (a
-    restarted supervisor's; a resumed run's sites start again: `SiteChanges`)."""
-    return joined_topology(topology_of(cfg, replica_indices), outcomes(run_dir), joined(run_dir, run_id))
+    """The run's topology now: the config's, widened by every site that joined in this run or was
+    drained (a restarted supervisor's), up to the first other one (a resumed run starts it and those
+    after it again, in order: `SiteChanges`)."""
+    done = outcomes(run_dir)
+    return joined_topology(topology_of(cfg, replica_indices), done, joined(run_dir, run_id), drained(done),
+                           abandoned(run_dir) if done else {})
 
 
 def site_group_name(run_id: str, cluster: int) -> str:
@@ -183,22 +188,26 @@ class SiteChanges:
         first = getattr(state, "supervisor_starts", 1) == 1  # a resumed run's first supervisor too
         self.taken_over = not first
         for cluster in self.drained:
-            self._stop(cluster, now=False)
+            if cluster < topology.clusters:  # (a drained site past a resumed run's queue head: widened later)
+                self._stop(cluster, now=False)
         events = log.records("events") if self.done else []
         logged = {e.get("id") for e in events if e.get("event") == "site_request"}
         self.committed = {e.get("cluster") for e in events if e.get("event") == "site_committed"}
         for record in self.done.values():
             if record.get("id") not in logged:
                 self._report(record)
+        # applied sites not in the topology yet, in the order added: the one starting (a restart) or,
+        # in a resumed run, every one not drained before it (each starts once the one before joined)
+        self.queued: list[dict] = []
         for record in applied_sites(self.done):
             if record["id"] in self.abandoned:
                 continue  # stopped for good (its index may serve a later site)
-            if record["id"] in self.joined:
+            if cluster_index(record["cluster"]) < topology.clusters:
                 self._adopt(cluster_index(record["cluster"]))
-            elif cluster_index(record["cluster"]) not in self.drained:
-                self._start(record)
-                if first and resume_round is not None and self.joining is not None:  # (a restart: loaded)
-                    self._load_resume_point(self.joining, resume_round)
+            else:
+                self.queued.append(record)
+        self.resume_round = resume_round if first else None  # a restart's site loaded already
+        self._next_queued()
 
     def at_round_start(self, round_index: int) -> Topology:
         """Decide and carry out every pending request, oldest first, before round `round_index` is planned;
@@ -314,6 +323,22 @@ class SiteChanges:
         handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
         self.joining = Joining(record["id"], c, widened, handles, make)
 
+    def _next_queued(self) -> None:
+        """Start the next queued site (none while one is starting); a drained one on the way is only
+        widened into the topology (it keeps its index; its replicas are never started again)."""
+        while self.queued and self.joining is None:
+            record = self.queued.pop(0)
+            c = cluster_index(record["cluster"])
+            if c in self.drained:
+                if c == self.topology.clusters:
+                    self.topology = self.roster.topology = self.topology.with_site(
+                        int(record["replicas"]), label=record.get("label"), name=record.get("name"))
+                    self._stop(c, now=False)
+                continue
+            self._start(record)
+            if self.resume_round is not None and self.joining is not None:
+                self._load_resume_point(self.joining, self.resume_round)
+
     def _load_resume_point(self, joining: Joining, resume_round: int) -> None:
         """A resumed run's site: each replica the resumed checkpoint holds loads its own state (as the
         driver's replicas do), and the first round's start waits for them up to
@@ -375,6 +400,7 @@ class SiteChanges:
         for rid, answer in sorted(joining.up.items()):
             roster.admit(rid, answer)  # replica_up, with its fresh replica_index
         self.joining = None
+        self._next_queued()  # a resumed run's next added site, if any
         seconds = time.monotonic() - joining.started
         self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.up),
                        seconds=round(seconds, 3))
@@ -456,6 +482,7 @@ class SiteChanges:
             lambda: mark_abandoned(self.run_dir, joining.request_id, name, round_index, reason, self.run_id),
             "recording an abandoned site")
         self.joining = None
+        self._next_queued()  # (a resumed run's later site: started only if its index is now the next)
         self.log.event("site_abandoned", cluster=name, round=round_index, reason=reason)
         self._say(f"site {name} abandoned at round {round_index}'s start: {reason}; a new add-site may be asked")
 

@@ -322,14 +322,19 @@ def applied_sites(done: dict[str, dict]) -> list[dict]:
     return sorted(sites, key=lambda d: cluster_index(d["cluster"]))
 
 
-def joined_topology(base: Topology, done: dict[str, dict], joined_ids) -> Topology:
-    """`base` (the config's topology) widened by every applied add-site that
-    joined (`joined_ids`), in the order added. Raises ValueError when a joined site's index is not the
-    next one (a site added while another was still starting, which `SiteChanges` refuses)."""
+def joined_topology(base: Topology, done: dict[str, dict], joined_ids, drained_clusters=(), abandoned_ids=()) -> Topology:
+    """`base` (the config's topology) widened by the applied add-sites in the order added: each that
+    joined in this run (`joined_ids`) or was drained since (`drained_clusters`: it joined once, and a
+    drained index is never reused), up to the first that is neither (a resumed run starts it again:
+    it and those after it are `SiteChanges`' queue); one abandoned before it joined (`abandoned_ids`)
+    never was in it. Raises ValueError when a site's index is not the next one (a site added while
+    another was still starting, which `SiteChanges` refuses)."""
     topology = base
     for d in applied_sites(done):
-        if d["id"] not in joined_ids:
+        if d["id"] in abandoned_ids:
             continue
+        if d["id"] not in joined_ids and cluster_index(d["cluster"]) not in drained_clusters:
+            break
         if cluster_index(d["cluster"]) != topology.clusters:
             raise ValueError(f"joined site {d['cluster']} is not the next cluster c{topology.clusters}")
         topology = topology.with_site(int(d["replicas"]), label=d.get("label"), name=d.get("name"))

@@ -59,8 +59,11 @@ def test_the_topology_grows_by_the_joined_sites_only_in_the_order_they_were_adde
     mark_joined(tmp_path, second.id, "c4", 8)
     both = joined_topology(base, outcomes(tmp_path), joined(tmp_path))
     assert both.sizes == (2, 2, 2, 2, 1) and both.label(4) == "rack-b" and both.global_index("c4r0") == 8
-    with pytest.raises(ValueError, match="c4 is not the next cluster c3"):  # c3 never joined, c4 did: edited files
-        joined_topology(base, outcomes(tmp_path), {second.id: {}})
+    # a resumed run: c3 neither joined in it nor drained, so it stops there (c3 and c4 start again, in order)
+    assert joined_topology(base, outcomes(tmp_path), {second.id: {}}) == base
+    # c3 drained (it keeps its index) and c4 joined: both in, in order
+    drained_c3 = joined_topology(base, outcomes(tmp_path), {second.id: {}}, drained_clusters={3})
+    assert drained_c3.sizes == (2, 2, 2, 2, 1) and drained_c3.global_index("c4r0") == 8
 
 
 def test_the_new_replicas_config_keeps_the_configured_sites_and_names_the_new_one():
@@ -101,6 +104,10 @@ class _Roster:
 
     def admit(self, rid: str, answer: dict) -> None:
         self.live[rid] = (int(answer["round"]), int(answer["step"]))
+
+    def set_aside(self, rid: str) -> None:
+        self.gone.add(rid)
+        self.live.pop(rid, None)
 
 
 class _Ref:
@@ -386,6 +393,43 @@ def test_a_resumed_run_loads_an_added_sites_replicas_from_its_checkpoint_and_tak
     world.waits.clear()
     resumed.at_round_start(7)
     assert set(world.waits) <= {0}
+
+
+def _added_in_an_earlier_run(tmp_path, *, drain_c2: bool) -> None:
+    """The run folder of a run (run1) where c2 (2 replicas) then c3 (1) were added and joined, and c2
+    perhaps drained afterwards."""
+    for cluster, replicas, applied_at in ((2, 2, 3), (3, 1, 5)):
+        request = write_request(tmp_path, "add-site", replicas=replicas, now=float(cluster))
+        mark_done(tmp_path, request, Decision(APPLIED, "", cluster), applied_at)
+        mark_joined(tmp_path, request.id, f"c{cluster}", applied_at + 1, "run1")
+    if drain_c2:
+        drain = write_request(tmp_path, "drain", "c2", now=9.0)
+        mark_done(tmp_path, drain, Decision(APPLIED, "", 2), 8)
+
+
+def test_a_resumed_run_starts_its_added_sites_again_one_after_the_other_in_the_order_added(world, tmp_path):
+    _added_in_an_earlier_run(tmp_path, drain_c2=False)
+    events: list[dict] = []
+    resumed, roster = _supervisor(tmp_path, events, SimpleNamespace(run_id="run2", replica_indices={}, identity={}))
+    assert [s[0] for s in world.started] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"], "c3 waits for c2 (its index)"
+    world.up("hsgd:run2:c2r0", "hsgd:run2:c2r1")
+    assert resumed.at_round_start(9).clusters == 3  # c2 in; c3 starts now
+    assert [s[0] for s in world.started][2:] == ["hsgd:run2:c3r0"] and world.started[2][4]["c3r0"] == 6
+    world.up("hsgd:run2:c3r0")
+    assert resumed.at_round_start(10).sizes == (2, 2, 2, 1)
+    assert [e["cluster"] for e in events if e["event"] == "site_up"] == ["c2", "c3"]
+
+
+def test_a_resumed_run_keeps_a_drained_added_site_drained_and_starts_the_site_added_after_it(world, tmp_path):
+    _added_in_an_earlier_run(tmp_path, drain_c2=True)
+    events: list[dict] = []
+    resumed, roster = _supervisor(tmp_path, events, SimpleNamespace(run_id="run2", replica_indices={}, identity={}))
+    assert resumed.topology.clusters == 3 and resumed.drained == {2: 8}  # c2 keeps its index, drained
+    assert {"c2r0", "c2r1"} <= roster.gone and "c2r0" not in roster.live
+    assert [s[0] for s in world.started] == ["hsgd:run2:c3r0"]  # never c2's
+    world.up("hsgd:run2:c3r0")
+    assert resumed.at_round_start(9).sizes == (2, 2, 2, 1)
+    assert resumed.topology_record()["drained"] == {"c2": 8}
 
 
 def test_run_json_lists_a_joined_sites_replicas_and_the_drivers_last_write_keeps_them(world, tmp_path):
