@@ -187,8 +187,10 @@ def test_a_leaders_rank_sigkilled_from_outside_mid_outer_fails_that_replica_whol
 @pytest.mark.timeout(600)
 def test_a_rank_sigkilled_from_outside_mid_heal_fails_the_healing_replica_again_and_it_is_healed(
         background_drills, tmp_path):
-    # the inner link's latency (0.3 s a collective) stretches the heal's several collectives
-    drill = background_drills(FAST + TWO_BY_TWO + KILLED + ["links.inner.gbps=10", "links.inner.latency_ms=300"], tmp_path)
+    # the inner link's latency (1.5 s a collective) stretches the heal's several collectives into a window
+    # a poll catches on busy cores; localsgd (one average a round) keeps it off the inner steps
+    drill = background_drills(FAST + TWO_BY_TWO + KILLED + ["links.inner.gbps=10", "links.inner.latency_ms=1500",
+                                                            "sync.inner=localsgd", "sync.inner_every=40"], tmp_path)
     running = poll("round 1's inner steps on c0r1", 240, lambda: _in_phase(drill.run_dir, "c0r1", "inner", 1, 42))
     _kill_rank_1(running)
     # (a fresh process holds round 0 until its heal loads the source's state)
