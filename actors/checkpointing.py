@@ -3,6 +3,7 @@ rounds, `restore` after a total loss, `save_model` at the run's end. Replicas of
 "file" format (`<rid>.pt`), replicas of k > 1 ranks the "dcp" format (`<rid>/`, one DCP checkpoint of
 its ranks): hsgd.train.checkpoint. A restore loads either, into any k (its format passed to each replica).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,39 +40,55 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
             return None
         for _ in range(ATTEMPTS):
             sup.injector.supervisor_faults(state_round - 1, "checkpoint")
-            temp = storage(lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
-                           "making the checkpoint's temp folder")
+            temp = storage(
+                lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
+                "making the checkpoint's temp folder",
+            )
             saved, failed, io_errors = _write_shards(sup, str(temp), state_round)
             complete = bool(saved) and not failed and all(a["round"] == state_round for a in saved.values())
             if io_errors or not complete:
                 with contextlib.suppress(OSError):  # a temp folder left behind is `prune`'s
                     storage(lambda: checkpoint.remove(temp), f"removing {temp}")
             if io_errors:  # the disk will not do better on a second try right away
-                return _failed(sup, state_round, "; ".join(f"{rid}: {e}" for rid, e in sorted(io_errors.items())),
-                               replicas=sorted(io_errors))
+                return _failed(
+                    sup,
+                    state_round,
+                    "; ".join(f"{rid}: {e}" for rid, e in sorted(io_errors.items())),
+                    replicas=sorted(io_errors),
+                )
             if not complete:
                 continue
-            manifest = {"round": state_round, "step": state_round * sup.steps_per_round, "run_id": sup.run_id,
-                        "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
-                        "sites": list(sup.topology.sizes), "replica_indices": dict(sup.topology.index_table),
-                        # the driver's (data size and path as it sees them), carried in the durable state
-                        "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
-                        "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
-                        "files": {rid: a["sha256"] for rid, a in saved.items()}, "t": time.time(),
-                        **_format_keys(ranks_per_replica(sup.cfg))}
+            manifest = {
+                "round": state_round,
+                "step": state_round * sup.steps_per_round,
+                "run_id": sup.run_id,
+                "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
+                "sites": list(sup.topology.sizes),
+                "replica_indices": dict(sup.topology.index_table),
+                # the driver's (data size and path as it sees them), carried in the durable state
+                "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
+                "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
+                "files": {rid: a["sha256"] for rid, a in saved.items()},
+                "t": time.time(),
+                **_format_keys(ranks_per_replica(sup.cfg)),
+            }
             try:
-                final = storage(lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
-                                "finalizing the checkpoint")
+                final = storage(
+                    lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
+                    "finalizing the checkpoint",
+                )
             except checkpoint.CheckpointError as err:
                 sup.log.event("checkpoint_refused", round=state_round, reason=str(err))
                 continue
             sup.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(saved))
             try:
-                storage(lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id),
-                        "pruning old checkpoints")
+                storage(
+                    lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id), "pruning old checkpoints"
+                )
             except OSError as err:
-                sup.log.event("write_failed", what=f"pruning old checkpoints under {root}",
-                              error=f"{type(err).__name__}: {err}")
+                sup.log.event(
+                    "write_failed", what=f"pruning old checkpoints under {root}", error=f"{type(err).__name__}: {err}"
+                )
             return str(final)
     except OSError as err:  # the supervisor's own storage steps (TimeoutError included)
         return _failed(sup, state_round, f"{type(err).__name__}: {err}")
@@ -153,17 +170,22 @@ def restore(sup: RunnerPorts, reason: str) -> int:
     again = last.get("round") == state_round and sup.state.committed_round <= state_round
     repeats = last.get("count", 0) + 1 if again else 1
     if repeats > RESTORES_WITHOUT_PROGRESS:
-        raise RestoreFailed(f"checkpoint {path} (round {state_round}) restored {repeats - 1} times without "
-                            f"committing a round since; giving up")
+        raise RestoreFailed(
+            f"checkpoint {path} (round {state_round}) restored {repeats - 1} times without "
+            f"committing a round since; giving up"
+        )
     sup.state.last_restore = {"round": state_round, "count": repeats}
     sup.save_state()
     roster.rejoin(sup.cfg.supervisor.rejoin_wait_s)
     tried, errors = sorted(roster.live), []
     for rid in tried:
         try:
-            answer = ray.get(roster.handles[rid].load_checkpoint.remote(path, manifest["files"].get(rid),
-                                                                        fmt=checkpoint.format_of(manifest)),
-                             timeout=sup.cfg.supervisor.phase_timeout_s)
+            answer = ray.get(
+                roster.handles[rid].load_checkpoint.remote(
+                    path, manifest["files"].get(rid), fmt=checkpoint.format_of(manifest)
+                ),
+                timeout=sup.cfg.supervisor.phase_timeout_s,
+            )
             roster.live[rid] = (answer["round"], answer["step"])
         except Exception as err:  # noqa: BLE001 — that replica's failure; it heals from a restored peer later
             errors.append(" ".join(str(err).split())[-300:])
@@ -186,12 +208,16 @@ def _choose(sup: RunnerPorts) -> tuple[str, dict]:
         sup.warn(f"checkpoint {path} skipped: {why}")
 
     try:
-        found = call_with_deadline(lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
-                                   sup.cfg.supervisor.phase_timeout_s, f"verifying checkpoints under {root}")
+        found = call_with_deadline(
+            lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
+            sup.cfg.supervisor.phase_timeout_s,
+            f"verifying checkpoints under {root}",
+        )
     except OSError as err:
         raise RestoreFailed(f"checkpoints under {root} cannot be read: {type(err).__name__}: {err}") from err
     if found.path is None:
         none_good = f", {len(found.skipped)} failed verification (checkpoint_fallback events)" if found.skipped else ""
-        raise RestoreFailed(f"no durable checkpoint to restore under {root}{none_good} "
-                            f"(checkpoint.every={sup.cfg.checkpoint.every})")
+        raise RestoreFailed(
+            f"no durable checkpoint to restore under {root}{none_good} (checkpoint.every={sup.cfg.checkpoint.every})"
+        )
     return found.path, found.manifest

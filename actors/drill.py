@@ -5,6 +5,7 @@ raises `DrillError` saying what it waited for and what the run looked like then.
 run's record (events.jsonl, faults_fired.jsonl: every death and commit once, in order), not
 status.json alone: that is only the newest state, and may reach the disk before or after its events.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,8 @@ from hsgd.config import validate
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
 from hsgd.core.site_requests import RequestError, write_request
 from hsgd.record.run_state import RunState
-from hsgd.record.rundir import FolderWriter, read_json as _read_json, read_jsonl, write_deadline_s, write_fault_fired
+from hsgd.record.rundir import FolderWriter, read_jsonl, write_deadline_s, write_fault_fired
+from hsgd.record.rundir import read_json as _read_json
 
 _DOWN = ("replica_down", "hang_detected")  # a replica lost
 _FAILURES = (*_DOWN, "supervisor_start")  # what the record counts as a failure since an injection
@@ -46,7 +48,7 @@ class Drill:
         self._owns_ray = False
         self._injected: list[dict] = []
 
-    def start(self, timeout_s: float = 180.0) -> "Drill":
+    def start(self, timeout_s: float = 180.0) -> Drill:
         """Start the run in a background thread; return once its supervisor is driving rounds."""
         cfg = compose_config(["logging.progress=false", *self.overrides])
         validate(cfg)
@@ -62,8 +64,11 @@ class Drill:
 
         self._thread = threading.Thread(target=target, name="hsgd-drill-run", daemon=True)
         self._thread.start()
-        self.wait_for(lambda st: st.get("phase") not in (None, "starting", "waiting_for_replicas"),
-                      timeout_s, "the supervisor to start driving rounds")
+        self.wait_for(
+            lambda st: st.get("phase") not in (None, "starting", "waiting_for_replicas"),
+            timeout_s,
+            "the supervisor to start driving rounds",
+        )
         return self
 
     def stop(self, timeout_s: float = 180.0) -> dict:
@@ -96,15 +101,30 @@ class Drill:
         events = read_jsonl(self.run_dir / "events.jsonl")
         recent = [e for e in events if e["event"] not in ("phase_begin", "phase_end")][-10:]
         shown = ("epoch", "round", "phase", "last_loss", "last_eval_loss", "status")
-        return {"clusters": clusters, **{k: status.get(k) for k in shown}, "recent_events": recent,
-                "done": self.summary is not None or not self._alive()}
+        return {
+            "clusters": clusters,
+            **{k: status.get(k) for k in shown},
+            "recent_events": recent,
+            "done": self.summary is not None or not self._alive(),
+        }
 
-    def wait_for(self, predicate=None, timeout_s: float = 120.0, what: str = "a condition", *,
-                 phase: str | None = None, round: int | None = None) -> dict:
+    def wait_for(
+        self,
+        predicate=None,
+        timeout_s: float = 120.0,
+        what: str = "a condition",
+        *,
+        phase: str | None = None,
+        round: int | None = None,
+    ) -> dict:
         """Poll status.json until predicate(status) (or the phase/round given) holds."""
         if predicate is None:
+
             def predicate(st: dict) -> bool:
-                return (phase is None or st.get("phase") == phase) and (round is None or (st.get("round") or 0) >= round)
+                return (phase is None or st.get("phase") == phase) and (
+                    round is None or (st.get("round") or 0) >= round
+                )
+
             what = f"phase={phase} round>={round}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -116,8 +136,16 @@ class Drill:
             time.sleep(0.1)
         raise DrillError(f"timed out after {timeout_s:.0f}s waiting for {what}; last state: {self._brief()}")
 
-    def inject(self, kind: str, target: str, *, round: int | None = None, phase: str | None = None,
-               step: int = 0, seconds: float | None = None) -> dict:
+    def inject(
+        self,
+        kind: str,
+        target: str,
+        *,
+        round: int | None = None,
+        phase: str | None = None,
+        step: int = 0,
+        seconds: float | None = None,
+    ) -> dict:
         """Break something. With no round/phase: now. Else at that (round, phase, step) boundary,
         exactly like a `faults.schedule` entry. target: c0r1 | leader:c1 | cluster:c1 | supervisor."""
         if kind not in FAULT_KINDS:
@@ -126,8 +154,14 @@ class Drill:
         if round is not None or phase is not None:
             if phase not in FAULT_PHASES or round is None:
                 raise DrillError(f"a scheduled fault needs round and phase (one of {'|'.join(FAULT_PHASES)})")
-            raw = {"kind": kind, "target": target, "round": round, "phase": phase, "step": step,
-                   **({} if seconds is None else {"seconds": seconds})}
+            raw = {
+                "kind": kind,
+                "target": target,
+                "round": round,
+                "phase": phase,
+                "step": step,
+                **({} if seconds is None else {"seconds": seconds}),
+            }
             record["scheduled"] = ray.get(self._supervisor().add_fault.remote(raw), timeout=30)
         elif target == "supervisor":
             if kind == "kill":  # logged where in-process faults log themselves
@@ -169,16 +203,22 @@ class Drill:
         """Wait for the supervisor's `site_request` event for `request_id` (applied or refused); that event."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            found = [e for e in read_jsonl(self.run_dir / "events.jsonl")
-                     if e["event"] == "site_request" and e.get("id") == request_id]
+            found = [
+                e
+                for e in read_jsonl(self.run_dir / "events.jsonl")
+                if e["event"] == "site_request" and e.get("id") == request_id
+            ]
             if found:
                 return found[0]
             if not self._alive():  # the run ended before a round start read it
-                raise DrillError(f"the run ended before site request {request_id} was decided: "
-                                 f"{self.error or (self.summary or {}).get('status')}")
+                raise DrillError(
+                    f"the run ended before site request {request_id} was decided: "
+                    f"{self.error or (self.summary or {}).get('status')}"
+                )
             time.sleep(0.1)
-        raise DrillError(f"site request {request_id} not decided {timeout_s:.0f}s after it was written; "
-                         f"last state: {self._brief()}")
+        raise DrillError(
+            f"site request {request_id} not decided {timeout_s:.0f}s after it was written; last state: {self._brief()}"
+        )
 
     def wait_down(self, timeout_s: float = 60.0) -> list[dict]:
         """Wait until events.jsonl records the last injection (a kill, crash or hang, now) taking down
@@ -192,14 +232,18 @@ class Drill:
         kinds = ("supervisor_start",) if last["target"] == "supervisor" else _DOWN
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            failures = [e for e in read_jsonl(self.run_dir / "events.jsonl")
-                        if e["event"] in kinds and e["t"] >= last["t"] - _CLOCK_SKEW_S]
+            failures = [
+                e
+                for e in read_jsonl(self.run_dir / "events.jsonl")
+                if e["event"] in kinds and e["t"] >= last["t"] - _CLOCK_SKEW_S
+            ]
             if self._took_effect(last, failures):
                 return failures
             self._raise_if_ended("the fault to take effect")
             time.sleep(0.1)
-        raise DrillError(f"{last['target']} not recorded down {timeout_s:.0f}s after the injection; "
-                         f"last state: {self._brief()}")
+        raise DrillError(
+            f"{last['target']} not recorded down {timeout_s:.0f}s after the injection; last state: {self._brief()}"
+        )
 
     def wait_recovered(self, timeout_s: float = 180.0) -> dict:
         """Wait until the record shows the last injection took effect (`wait_down`'s events, or its
@@ -220,20 +264,32 @@ class Drill:
             failures = [e for e in events if e["event"] in _FAILURES]
             fired_round = -1
             if fires_later:
-                fired = [f["round"] for f in read_jsonl(self.run_dir / "faults_fired.jsonl")
-                         if f["t"] >= t0 - _CLOCK_SKEW_S and f.get("round") is not None
-                         and (not last.get("rids") or f.get("rid") in last["rids"])]
+                fired = [
+                    f["round"]
+                    for f in read_jsonl(self.run_dir / "faults_fired.jsonl")
+                    if f["t"] >= t0 - _CLOCK_SKEW_S
+                    and f.get("round") is not None
+                    and (not last.get("rids") or f.get("rid") in last["rids"])
+                ]
                 fired_round = max(fired, default=None)
             back = _returned(events, failures)
             if fired_round is not None and back is not None and self._took_effect(last, failures):
                 # after every replica that went down came back: a commit logged just after a death
                 # may still name the dead one (it applied the commit before it died)
                 since = max([e["t"] for e in failures] + [back], default=t0)
-                commit = next((e for e in events if e["event"] == "commit" and e["t"] > since
-                               and e["round"] > fired_round and everyone <= set(e.get("replicas") or ())), None)
+                commit = next(
+                    (
+                        e
+                        for e in events
+                        if e["event"] == "commit"
+                        and e["t"] > since
+                        and e["round"] > fired_round
+                        and everyone <= set(e.get("replicas") or ())
+                    ),
+                    None,
+                )
                 status = _read_json(self.run_dir / "status.json")
-                if commit is not None and (status.get("round") or 0) > commit["round"] \
-                        and everyone <= _members(status):
+                if commit is not None and (status.get("round") or 0) > commit["round"] and everyone <= _members(status):
                     return {"recovered_s": commit["t"] - t0, "detections": [e["event"] for e in failures]}
             if not self._alive() and self.summary is not None and self.summary.get("status") == "completed":
                 return {"recovered_s": None, "detections": [e["event"] for e in failures], "run_ended": True}
@@ -259,8 +315,9 @@ class Drill:
 
     def _raise_if_ended(self, what: str) -> None:
         if self.summary is not None and self.summary.get("status") != "completed":
-            raise DrillError(f"the run ended as {self.summary.get('status')} while waiting for {what}: "
-                             f"{self.summary.get('reason')}")
+            raise DrillError(
+                f"the run ended as {self.summary.get('status')} while waiting for {what}: {self.summary.get('reason')}"
+            )
         if not self._alive() and self.summary is None:
             raise DrillError(f"the run ended while waiting for {what}: {self.error}")
 
@@ -313,8 +370,11 @@ def _returned(events: list[dict], failures: list[dict]) -> float | None:
             last_down[e["rid"]] = max(last_down.get(e["rid"], 0.0), e["t"])
     back = 0.0
     for rid, t_down in last_down.items():
-        ups = [e["t"] for e in events if e["event"] in ("replica_up", "spare_promoted") and e.get("rid") == rid
-               and e["t"] > t_down]
+        ups = [
+            e["t"]
+            for e in events
+            if e["event"] in ("replica_up", "spare_promoted") and e.get("rid") == rid and e["t"] > t_down
+        ]
         if not ups:
             return None
         back = max(back, min(ups))

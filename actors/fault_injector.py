@@ -6,6 +6,7 @@ is hit from outside at once. Supervisor faults fire here. A replica fault counts
 line is in faults_fired.jsonl (the replica writes it), never when armed: a call can end before its
 boundary, and the round and phase's next call carries it again. The fired indices are durable.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,15 @@ import time
 import ray
 
 from hsgd.config.rounds import steps_per_round
-from hsgd.core.faults import FaultSpec, due_faults, fired_as, parse_fault, parse_schedule, random_schedule, topology_shape
+from hsgd.core.faults import (
+    FaultSpec,
+    due_faults,
+    fired_as,
+    parse_fault,
+    parse_schedule,
+    random_schedule,
+    topology_shape,
+)
 from hsgd.core.topology import topology_of
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import write_fault_fired
@@ -33,9 +42,15 @@ class FaultInjector:
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
         fc, spr = cfg.faults, steps_per_round(cfg)
         if fc.mtbf_s > 0:
-            self.faults += random_schedule(mtbf_s=fc.mtbf_s, kinds=list(fc.kinds), seed=fc.seed,
-                                           rounds=cfg.train.rounds, round_s_estimate=spr * fc.step_s,
-                                           steps_per_round=spr, **self.shape)
+            self.faults += random_schedule(
+                mtbf_s=fc.mtbf_s,
+                kinds=list(fc.kinds),
+                seed=fc.seed,
+                rounds=cfg.train.rounds,
+                round_s_estimate=spr * fc.step_s,
+                steps_per_round=spr,
+                **self.shape,
+            )
         for raw in state.added_faults:  # faults a drill added before a restart
             self.faults.append(parse_fault(raw, index=len(self.faults), **self.shape))
         self.missed: set[int] = set()  # faults whose moment came with the target down or its call ending first
@@ -50,19 +65,28 @@ class FaultInjector:
         return spec.describe()
 
     def pending(self, round_index: int, phases: tuple[str, ...]) -> bool:
-        return any(i not in self.state.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
-                   for i, f in enumerate(self.faults))
+        return any(
+            i not in self.state.fired and f.round == round_index and f.phase in phases and f.target_kind != "supervisor"
+            for i, f in enumerate(self.faults)
+        )
 
-    def arm(self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str],
-            handles: dict | None = None) -> dict[str, list[dict]]:
+    def arm(
+        self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str], handles: dict | None = None
+    ) -> dict[str, list[dict]]:
         """rid -> the fault messages due in its call of `round_index` covering `phases` (rid in `only`)."""
         armed: dict[str, list[dict]] = {}
-        due = [d for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
-               if set(d.targets) & only]
+        due = [
+            d
+            for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
+            if set(d.targets) & only
+        ]
         fired = self._fired_lines(d.index for d in due)
         due = [d for d in due if d.index not in fired]
-        self.missed |= {i for i, f in enumerate(self.faults) if f.round == round_index and f.phase in phases
-                        and f.target_kind == "replica" and f.target not in plan.live}
+        self.missed |= {
+            i
+            for i, f in enumerate(self.faults)
+            if f.round == round_index and f.phase in phases and f.target_kind == "replica" and f.target not in plan.live
+        }
         for d in due:
             if d.spec.kind in DEADLY and d.index not in self.deadly_armed:  # once per fault, though re-carried
                 self.deadly_armed.add(d.index)
@@ -123,7 +147,8 @@ class FaultInjector:
         for i, f in enumerate(self.faults):
             if i not in self.state.fired and i in self.missed and f.round < self.state.committed_round:
                 self.state.fired.append(i)
-                write_fault_fired(self.log.writer, self.run_dir, f.target, f.kind, f.phase, f.round, f.step,
-                                  target_down=True)
+                write_fault_fired(
+                    self.log.writer, self.run_dir, f.target, f.kind, f.phase, f.round, f.step, target_down=True
+                )
         self._save()
         return [f.describe() for i, f in enumerate(self.faults) if i not in self.state.fired]

@@ -3,6 +3,7 @@
 SIGUSR2 (a C handler that needs no GIL; same node), the replica's own `stack_dump` (any node, if the
 replica can still run Python).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,13 @@ def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) ->
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-            out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True,
-                                 timeout=timeout_s, env={**os.environ, "NO_COLOR": "1", "TERM": "dumb"})
+            out = subprocess.run(
+                [spy, "dump", "--pid", str(pid), "--native"],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env={**os.environ, "NO_COLOR": "1", "TERM": "dumb"},
+            )
             if out.returncode == 0 and out.stdout.strip():
                 return "py-spy", _ANSI.sub("", out.stdout)  # some terminals' settings make it colour anyway
     path = faulthandler_path(run_dir, rid, pid)
@@ -71,35 +77,64 @@ def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float
     try:
         return "[replica's own stack_dump]\n" + ray.get(handle.stack_dump.remote(), timeout=timeout_s)
     except Exception as err:  # noqa: BLE001 — a hung or dead replica cannot answer
-        return f"[no stack: {type(err).__name__}: replica did not answer within {timeout_s:.0f}s and is not on this node]"
+        return (
+            f"[no stack: {type(err).__name__}: replica did not answer within {timeout_s:.0f}s and is not on this node]"
+        )
 
 
 def kill_hung(kill, ports, machine) -> None:
     """`machine` (the round's RoundMachine) found `kill.rid` hung (a Kill): write a hang report with
     its group's stacks (hangs/<time>-<rid>.txt), log `hang_detected` and `kill`, kill it restartable."""
     rid, roster, run_dir, log, round_index = kill.rid, ports.roster, ports.run_dir, ports.log, machine.round
-    group = sorted(x for x in (machine.ids[kill.cluster] if kill.cluster is not None else roster.handles)
-                   if x in machine.progress or x == rid)
+    group = sorted(
+        x
+        for x in (machine.ids[kill.cluster] if kill.cluster is not None else roster.handles)
+        if x in machine.progress or x == rid
+    )
     dumps: dict[str, str] = {}
     if ports.stack_dumps:
         with ThreadPoolExecutor(max_workers=8) as pool:
-            futures = {p: pool.submit(dump_replica, roster.handles[p], {**roster.replica_info.get(p, {}),
-                                                                        "pid": roster.pids.get(p)}, run_dir, p)
-                       for p in group}
+            futures = {
+                p: pool.submit(
+                    dump_replica,
+                    roster.handles[p],
+                    {**roster.replica_info.get(p, {}), "pid": roster.pids.get(p)},
+                    run_dir,
+                    p,
+                )
+                for p in group
+            }
             for p, fut in futures.items():
                 try:
                     dumps[p] = fut.result(timeout=30.0)
                 except Exception as err:  # noqa: BLE001 — a dump that failed is reported as such
                     dumps[p] = f"(no stack: {err})"
     peers = {p: ("stuck" if p == rid else "in its group") for p in group}
-    text = hang_report(rid=rid, phase=kill.phase, round_index=round_index, waited_s=kill.silent_s,
-                       deadline_s=kill.limit_s, peers=peers, dumps=dumps,
-                       view={"epoch": machine.epoch, "leaders": machine.leaders})
+    text = hang_report(
+        rid=rid,
+        phase=kill.phase,
+        round_index=round_index,
+        waited_s=kill.silent_s,
+        deadline_s=kill.limit_s,
+        peers=peers,
+        dumps=dumps,
+        view={"epoch": machine.epoch, "leaders": machine.leaders},
+    )
     path = Path(run_dir) / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{rid}.txt"
     log.write_file(path, text, make_parent=True)  # with a deadline; a failure is the folder's health
-    log.event("hang_detected", rid=rid, phase=kill.phase.record, round=round_index, cluster=kill.cluster, reason=kill.reason,
-              waited_s=kill.silent_s, deadline_s=kill.limit_s, stuck_in=stuck_function(dumps.get(rid, "")),
-              report=str(path), waiting=[p for p in group if p != rid])
+    log.event(
+        "hang_detected",
+        rid=rid,
+        phase=kill.phase.record,
+        round=round_index,
+        cluster=kill.cluster,
+        reason=kill.reason,
+        waited_s=kill.silent_s,
+        deadline_s=kill.limit_s,
+        stuck_in=stuck_function(dumps.get(rid, "")),
+        report=str(path),
+        waiting=[p for p in group if p != rid],
+    )
     log.event("kill", rid=rid, reason=kill.reason)
     try:
         ray.kill(roster.handles[rid], no_restart=False)

@@ -17,11 +17,13 @@ Protocol
 - A target's call that raised is its source's failure when the source's meta raised or refused
   (`source_failed`): Ray fails a call whose argument failed with the argument's error.
 """
+
 from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -51,8 +53,15 @@ class Heals:
         self.released: set[str] = set()  # heal groups whose rendezvous was aborted
         self.receives: dict[Any, tuple[int, str, str]] = {}  # target refs -> (action, target, source)
 
-    def issue(self, action_id: int, epoch: int, calls: Mapping[str, Heal], target: str,
-              faults: Mapping[str, Any], source_at: tuple[int, int] | None = None):
+    def issue(
+        self,
+        action_id: int,
+        epoch: int,
+        calls: Mapping[str, Heal],
+        target: str,
+        faults: Mapping[str, Any],
+        source_at: tuple[int, int] | None = None,
+    ):
         """Heal `target` as action `action_id`'s `calls` say (a source's state is asked once however
         many targets it heals). `source_at`: the source's (round, step) when chosen, which a `full`
         heal's fallback checks. Returns the target's call (a `full` heal's goes through `group_answer`)."""
@@ -69,12 +78,14 @@ class Heals:
             prefix = f"{self.run_id}/epoch{epoch}/heal/r{self.r}/{source}/{secrets.token_hex(4)}"
             self.members[prefix] = (source, *targets)
             self.groups[key] = (prefix, source_at)
-            send = self.handles[source].send_state.remote(self.r, (epoch, self.store_addr, prefix, 0, world),
-                                                          state_stream.CHUNK_MB, faults.get(source))
+            send = self.handles[source].send_state.remote(
+                self.r, (epoch, self.store_addr, prefix, 0, world), state_stream.CHUNK_MB, faults.get(source)
+            )
             self.watch[send] = key
             self.sends.add(send)
         ref = self.handles[target].receive_state.remote(
-            self.r, (epoch, self.store_addr, self.groups[key][0], 1 + targets.index(target), world), faults.get(target))
+            self.r, (epoch, self.store_addr, self.groups[key][0], 1 + targets.index(target), world), faults.get(target)
+        )
         self.receives[ref] = (action_id, target, source)
         return ref
 
@@ -175,8 +186,9 @@ class Heals:
         for prefix in self.groups_of(rid):
             self.released.add(prefix)
             reason = f"{rid} is gone ({cause}): heal group {prefix} cannot form"
-            self.log.event("join_aborted", cluster=cluster, round=self.r, epoch=epoch, prefix=prefix, dead=[rid],
-                           reason=reason)
+            self.log.event(
+                "join_aborted", cluster=cluster, round=self.r, epoch=epoch, prefix=prefix, dead=[rid], reason=reason
+            )
             abort(prefix, reason)
 
     def forget(self, action_id: int) -> None:

@@ -3,6 +3,7 @@ with a config composed and checked before Ray starts (hsgd.config.compose). The 
 replicas, so they outlive a supervisor crash; it re-issues the run call to a restarted supervisor;
 whatever breaks once the folder is locked, summary.json is there (or printed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,15 +19,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path
-from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder
-from hsgd.config.compose import compose_config, precheck  # noqa: F401 — the driver's API
+from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, compose_config, precheck  # noqa: F401 — the driver's API
 from hsgd.config.sites import ranks_per_replica
 from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import topology_of
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
 from hsgd.record.run_state import RunState
-from hsgd.record.runlock import RunLock, RunLocked
 from hsgd.record.rundir import atomic_write_text, call_with_deadline
+from hsgd.record.runlock import RunLock, RunLocked
 from hsgd.train import checkpoint
 
 
@@ -38,15 +38,21 @@ def connect_ray(cfg: DictConfig) -> bool:
     if ray.is_initialized():
         return False
     if attaches_to_cluster(cfg):
-        ray.init(address=cfg.ray.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="hsgd",
-                 log_to_driver=True)
+        ray.init(
+            address=cfg.ray.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="hsgd", log_to_driver=True
+        )
         return True
     n = check_embedded_capacity(cfg)
     cpus = n * ranks_per_replica(cfg) * cfg.topology.cpus_per_replica  # cpus_per_replica is per rank process
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cpus + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
-    ray.init(num_cpus=num_cpus, namespace="hsgd", include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    ray.init(
+        num_cpus=num_cpus,
+        namespace="hsgd",
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}},
+    )
     return True
 
 
@@ -68,8 +74,11 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
         print("[hsgd] auto: " + ", ".join(f"{k}={OmegaConf.select(cfg, k)}" for k in auto_filled), flush=True)
     fingerprint = checkpoint.fingerprint(cfg)
     if not resume and cfg.checkpoint.every and (held := checkpoint.finalized(ckpt_root)):
-        raise ConfigError("checkpoint.dir", f"{ckpt_root} already holds checkpoints ({held[-1]}); choose another "
-                                            f"checkpoint.dir or add train.resume=true")
+        raise ConfigError(
+            "checkpoint.dir",
+            f"{ckpt_root} already holds checkpoints ({held[-1]}); choose another "
+            f"checkpoint.dir or add train.resume=true",
+        )
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:6]}"
     os.makedirs(run_dir, exist_ok=True)
     lock = RunLock(run_dir, run_id)
@@ -87,6 +96,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
 @dataclass
 class Run:
     """One run in a folder it holds the lock of: what start, drive and finish share."""
+
     cfg: DictConfig
     run_dir: str
     run_id: str
@@ -143,11 +153,17 @@ def _start(run: Run):
     # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
     topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
     ctx = ray.get_runtime_context()
-    run.info = {"run_id": run.run_id, "namespace": ctx.namespace, "ray_address": ctx.gcs_address,
-                "replicas": list(topo.replica_ids()), "driver_pid": os.getpid(), "started_at": time.time(),
-                # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
-                # explicit address, so a tool that attaches by the address above (jobs.diagnose) applies this mode
-                "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    run.info = {
+        "run_id": run.run_id,
+        "namespace": ctx.namespace,
+        "ray_address": ctx.gcs_address,
+        "replicas": list(topo.replica_ids()),
+        "driver_pid": os.getpid(),
+        "started_at": time.time(),
+        # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
+        # explicit address, so a tool that attaches by the address above (jobs.diagnose) applies this mode
+        "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
     atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))  # first: the folder is hsgd's
     atomic_write_text(Path(run.run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     state = RunState.begin(run.run_dir, run.run_id, run.fingerprint, resumed=resume_from is not None)
@@ -158,19 +174,31 @@ def _start(run: Run):
     # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
     run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s)
     container = OmegaConf.to_container(cfg, resolve=True)
-    replicas, spares = startup.start_replicas(cfg, topo, run.run_id, run.run_dir, run.placement, container,
-                                              {"inner": plan.inner, "outer": plan.outer})
+    replicas, spares = startup.start_replicas(
+        cfg, topo, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}
+    )
     run.actors.extend([*replicas.values(), *spares.values()])
     # started now so its process boots while the replicas do; it sends nothing before run()
-    supervisor = Supervisor.options(name=supervisor_actor_name(run.run_id), max_restarts=cfg.supervisor.max_restarts,
-                                    max_task_retries=0, num_cpus=0).remote(
-        container, run.run_dir, run.run_id, container, resume_round=resume_from.manifest["round"] if resume_from else None)
+    supervisor = Supervisor.options(
+        name=supervisor_actor_name(run.run_id), max_restarts=cfg.supervisor.max_restarts, max_task_retries=0, num_cpus=0
+    ).remote(
+        container,
+        run.run_dir,
+        run.run_id,
+        container,
+        resume_round=resume_from.manifest["round"] if resume_from else None,
+    )
     run.actors.append(supervisor)
     nodes = run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
     atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))
-    print("[hsgd] placement: " + "; ".join(
-        f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
-        for c in range(topo.clusters)), flush=True)
+    print(
+        "[hsgd] placement: "
+        + "; ".join(
+            f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
+            for c in range(topo.clusters)
+        ),
+        flush=True,
+    )
     guard = startup.StartupCalls(topo, cfg.supervisor)
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
@@ -201,7 +229,9 @@ def _drive(run: Run, supervisor) -> dict:
                 if verdict.gone:
                     return driver_summary(run.run_dir, cfg, f"{verdict.reason}: {type(err).__name__}")
                 if verdict.new_loss:
-                    print(f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True)
+                    print(
+                        f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True
+                    )
                 time.sleep(1.0)
             except Exception as err:  # noqa: BLE001 — RayTaskError (run() raised: it must not), a lost answer
                 return driver_summary(run.run_dir, cfg, f"the supervisor's run call failed: {one_line(err)}")
@@ -238,8 +268,11 @@ def _finish(run: Run, summary: dict) -> dict:
     _best_effort(lambda: write_run_plots(run_dir), 120.0, f"plotting into {run_dir}", "plots")
     figures = [summary.get(k) for k in ("initial_eval_loss", "final_eval_loss", "wall_s")]
     if summary["status"] == "completed" and all(isinstance(x, (int, float)) for x in figures):
-        print(f"[hsgd] completed: {summary['rounds_committed']} rounds, {summary['inner_steps_committed']} "
-              f"inner steps, eval loss {figures[0]:.4f} -> {figures[1]:.4f} in {figures[2]:.1f}s", flush=True)
+        print(
+            f"[hsgd] completed: {summary['rounds_committed']} rounds, {summary['inner_steps_committed']} "
+            f"inner steps, eval loss {figures[0]:.4f} -> {figures[1]:.4f} in {figures[2]:.1f}s",
+            flush=True,
+        )
     else:
         print(f"[hsgd] {summary['status']}: {summary.get('reason')}", flush=True)
     print(f"[hsgd] outputs in {run_dir}", flush=True)
@@ -266,6 +299,7 @@ def _clean_up(run: Run) -> None:
         def write() -> None:  # with the replicas of sites added mid-run, as the supervisor wrote them
             run.info["replicas"] = with_joined_replicas(run.run_dir, run.run_id, run.info["replicas"])
             atomic_write_text(path, json.dumps(run.info, indent=1))
+
         _best_effort(write, DRIVER_IO_S, f"writing {path}", str(path))
     if run.started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh
         ray.shutdown()

@@ -11,11 +11,13 @@ as the replica id it served (a promoted spare as `c0r1`). The reported ones live
 durable dict (`seen`). Table unreadable: `poll` returns nothing and the next catches up (the count
 only grows); an actor not in the table yet is skipped.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import ray
 from ray._private.state import state as gcs
@@ -38,8 +40,9 @@ KV_NAMESPACE = "hsgd"
 
 def write_identity(actor_name: str, rid: str | None, *, spare: bool) -> None:
     """`actor_name` is replica `rid` from now on, or a spare (None). A KV store error raises (identity not taken)."""
-    _internal_kv_put(f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True,
-                     namespace=KV_NAMESPACE)
+    _internal_kv_put(
+        f"{actor_name}:identity", json.dumps({"rid": rid, "spare": spare}), overwrite=True, namespace=KV_NAMESPACE
+    )
 
 
 def read_identity(actor_name: str | None) -> dict | None:
@@ -80,9 +83,15 @@ class ActorWatch:
     *extra]: every incarnation below floor was reported, and so were `extra` (durable, mutated here);
     `table`: every actor of the cluster (`Name`, State, NumRestarts), one GCS call that may raise."""
 
-    def __init__(self, identity: dict[str, str], spares: dict[str, list[str]], seen: dict[str, list[int]], *,
-                 table: Callable[[], Iterable[dict]] = lambda: gcs.actor_table(None).values(),
-                 save: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        identity: dict[str, str],
+        spares: dict[str, list[str]],
+        seen: dict[str, list[int]],
+        *,
+        table: Callable[[], Iterable[dict]] = lambda: gcs.actor_table(None).values(),
+        save: Callable[[], None] = lambda: None,
+    ):
         self.identity, self.spares, self.seen = identity, spares, seen
         self._table, self._save = table, save
         # rid -> the processes seen serving it, oldest first: (actor name, incarnation); a death

@@ -12,6 +12,7 @@ would split k separate bundles), the bundle index stays the replica index, and R
 in a shared bundle GPUs of its own from the bundle's. With labels or NONE, k > 1 still needs one
 bundle per replica: the cluster gets a PACK group whose bundles carry the label (`group_specs`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,16 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hsgd.config import ConfigError
-from hsgd.config.capacity import (LABEL_KEY, BackendPlan, data_path_problem, describe_resources, placement_problem,
-                                  plan_backends, replica_need, replicas_that_fit)
+from hsgd.config.capacity import (
+    LABEL_KEY,
+    BackendPlan,
+    data_path_problem,
+    describe_resources,
+    placement_problem,
+    plan_backends,
+    replica_need,
+    replicas_that_fit,
+)
 from hsgd.config.sites import ranks_per_replica
 from hsgd.core.topology import topology_of
 
@@ -58,9 +67,12 @@ def group_specs(cfg: Any, gpus: float) -> list[dict]:
     specs = []
     for c in range(topo.clusters):
         n = topo.size(c) + cfg.topology.spares_per_cluster  # replicas, then hot spares
-        spec = {"bundles": [dict(bundle) for _ in range(n)], "name": f"hsgd-cluster-{c}",
-                # k ranks need their bundle even where the cluster asked no strategy: PACK is the loosest
-                "strategy": "PACK" if strategy == "NONE" or labelled else strategy}
+        spec = {
+            "bundles": [dict(bundle) for _ in range(n)],
+            "name": f"hsgd-cluster-{c}",
+            # k ranks need their bundle even where the cluster asked no strategy: PACK is the loosest
+            "strategy": "PACK" if strategy == "NONE" or labelled else strategy,
+        }
         if labelled and topo.label(c) is not None:
             spec["bundle_label_selector"] = [{LABEL_KEY: str(topo.label(c))} for _ in range(n)]
         specs.append(spec)
@@ -93,10 +105,18 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
     site_labels = topology_of(cfg).labels
     labels = {str(x) for x in site_labels if x is not None}
     anywhere = not labels or None in site_labels  # a site without a label may land on any node
-    nodes = [nd for nd in alive if replicas_that_fit(nd.get("Resources", {}), need) >= 1  # room for one
-             and (anywhere or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)]  # a cluster's label, if pinned
-    refs = {nd["NodeID"]: _path_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id=nd["NodeID"], soft=False)).remote(str(path)) for nd in nodes}
+    nodes = [
+        nd
+        for nd in alive
+        if replicas_that_fit(nd.get("Resources", {}), need) >= 1  # room for one
+        and (anywhere or str(nd.get("Labels", {}).get(LABEL_KEY)) in labels)
+    ]  # a cluster's label, if pinned
+    refs = {
+        nd["NodeID"]: _path_here.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nd["NodeID"], soft=False)
+        ).remote(str(path))
+        for nd in nodes
+    }
     names = {nd["NodeID"]: f"{nd.get('NodeManagerAddress', '?')} ({nd['NodeID'][:8]})" for nd in nodes}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     answers: dict = {}
@@ -129,13 +149,22 @@ def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_
     try:
         group = get_placement_group(group_name)  # a predecessor's, for the same site
     except ValueError:  # k ranks need their one bundle even with a label or no strategy (group_specs)
-        group = placement_group([dict(bundle) for _ in range(replicas)], name=group_name, lifetime="detached",
-                                strategy="PACK" if strategy == "NONE" or label is not None else strategy,
-                                **({"bundle_label_selector": [{LABEL_KEY: str(label)}] * replicas}
-                                   if label is not None else {}))
-    return [{**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group,
-                                                                             placement_group_bundle_index=i)}
-            for i in range(replicas)]
+        group = placement_group(
+            [dict(bundle) for _ in range(replicas)],
+            name=group_name,
+            lifetime="detached",
+            strategy="PACK" if strategy == "NONE" or label is not None else strategy,
+            **({"bundle_label_selector": [{LABEL_KEY: str(label)}] * replicas} if label is not None else {}),
+        )
+    return [
+        {
+            **opts,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=i
+            ),
+        }
+        for i in range(replicas)
+    ]
 
 
 def remove_site_group(group_name: str) -> None:
@@ -164,7 +193,8 @@ class ClusterPlacement:
             raise PlacementTimeout(
                 f"clusters {pending} not placed after {timeout_s:g}s ({strategy}, up to {topo.replicas_per_cluster} "
                 f"x {describe_resources(bundle)} each): the Ray cluster's resources are busy (other jobs?); free them, "
-                f"or raise supervisor.quorum_wait_s")
+                f"or raise supervisor.quorum_wait_s"
+            )
 
     def options(self, cluster: int, index: int) -> dict:
         """Ray options for one rank actor of replica `index` of `cluster`: every rank of it gets the same
@@ -172,7 +202,8 @@ class ClusterPlacement:
         opts: dict = {"num_cpus": self.rank["CPU"], "num_gpus": self.rank.get("GPU", 0)}
         if self.groups:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self.groups[cluster], placement_group_bundle_index=index)
+                placement_group=self.groups[cluster], placement_group_bundle_index=index
+            )
         elif self.topology.label(cluster) is not None:
             opts["label_selector"] = {LABEL_KEY: str(self.topology.label(cluster))}
         return opts

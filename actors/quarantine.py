@@ -3,11 +3,12 @@ killed for good is re-created as a new actor pinned to another node (Ray restart
 original options, so only a new actor can leave the node). It rejoins as any restarted replica; a
 restarted supervisor finds it by the name in the durable identity map.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 from omegaconf import OmegaConf
@@ -23,8 +24,17 @@ class Quarantine:
     """`state`: the durable RunState (`death_times`, `quarantined`); `roster`: the Roster whose
     actors it replaces; `injected(rid)`: an injected fault explains rid's latest death."""
 
-    def __init__(self, cfg, run_id: str, run_dir: str, state, roster, log, save,
-                 injected: Callable[[str], bool] = lambda rid: False):
+    def __init__(
+        self,
+        cfg,
+        run_id: str,
+        run_dir: str,
+        state,
+        roster,
+        log,
+        save,
+        injected: Callable[[str], bool] = lambda rid: False,
+    ):
         self.cfg, self.run_id, self.run_dir, self.injected = cfg, run_id, run_dir, injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
@@ -59,16 +69,33 @@ class Quarantine:
             from actors.startup import start_replica
 
             rank = rank_resources(self.cfg, gpus)  # each of its k ranks asks one rank's, pinned to that node
-            options = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0),
-                       "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=target, soft=False)}
-            handle = start_replica(OmegaConf.to_container(self.cfg, resolve=True), name, options, rid,
-                                   self.run_dir, backends, index_table=self.state.replica_indices)
+            options = {
+                "num_cpus": rank["CPU"],
+                "num_gpus": rank.get("GPU", 0),
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=target, soft=False),
+            }
+            handle = start_replica(
+                OmegaConf.to_container(self.cfg, resolve=True),
+                name,
+                options,
+                rid,
+                self.run_dir,
+                backends,
+                index_table=self.state.replica_indices,
+            )
             self.roster.replace(rid, name, handle)
             self.state.death_times[rid] = []  # a fresh count on the new node
         self.state.quarantined[rid] = {"node": node, "moved_to": target, "moves": moves, "t": time.time()}
-        self.log.event("replica_quarantined", rid=rid, node=node, moved_to=target, deaths=deaths,
-                       window_s=self.window_s)
-        where = f"re-created on node {target[:8]}" if target else "kept out for the rest of the run (no other node holds it)"
-        print(f"[hsgd] {rid} quarantined after {deaths} deaths in {self.window_s:g} s on node "
-              f"{(node or '?')[:8]}: {where}", flush=True)
-
+        self.log.event(
+            "replica_quarantined", rid=rid, node=node, moved_to=target, deaths=deaths, window_s=self.window_s
+        )
+        where = (
+            f"re-created on node {target[:8]}"
+            if target
+            else "kept out for the rest of the run (no other node holds it)"
+        )
+        print(
+            f"[hsgd] {rid} quarantined after {deaths} deaths in {self.window_s:g} s on node "
+            f"{(node or '?')[:8]}: {where}",
+            flush=True,
+        )

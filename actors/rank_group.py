@@ -35,27 +35,41 @@ kind `configure` whose one line names the replica and the missing rank(s); the s
 kind `join_aborted` with its reason; a connect that fails or outlasts `timeout_s`: kind `configure`.
 The group's collectives run under `op_timeout_s` (torch.distributed raises past it).
 """
-from __future__ import annotations
 
-from datetime import timedelta
+from __future__ import annotations
 
 import os
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
+from datetime import timedelta
 
 import ray
 import torch.distributed as dist
 
 from hsgd.core.round import ErrorKind
-from hsgd.train.comm import (CollectiveError, _await_members, new_run_secret, rendezvous_address, shard_prefix,
-                             start_store)
+from hsgd.train.comm import (
+    CollectiveError,
+    _await_members,
+    new_run_secret,
+    rendezvous_address,
+    shard_prefix,
+    start_store,
+)
 from hsgd.train.sharding import REPLICA_LEVEL, ReplicaRanks
 
 
-def form_replica_group(rank: int, size: int, store_addr: str, prefix: str, timeout_s: float, *,
-                       replica: str = "", backend: str = "gloo", op_timeout_s: float | None = None
-                       ) -> ReplicaRanks:
+def form_replica_group(
+    rank: int,
+    size: int,
+    store_addr: str,
+    prefix: str,
+    timeout_s: float,
+    *,
+    replica: str = "",
+    backend: str = "gloo",
+    op_timeout_s: float | None = None,
+) -> ReplicaRanks:
     """Join this process's replica group as `rank` of `size` (the module's protocol); returns its
     ReplicaRanks. `replica`: the id errors name (default: `prefix`); `op_timeout_s`: the group's
     collective timeout (default `timeout_s`). Raises CollectiveError (the module's failures)."""
@@ -67,24 +81,32 @@ def form_replica_group(rank: int, size: int, store_addr: str, prefix: str, timeo
     try:
         reason = _await_members(store_addr, prefix, rank, size, timeout_s)
     except TimeoutError as err:  # "rank(s) 1 of 2 did not arrive within 3s"
-        raise CollectiveError(f"replica {who}: {REPLICA_LEVEL} group: {err} (rank {rank} waited)",
-                              ErrorKind.CONFIGURE) from None
+        raise CollectiveError(
+            f"replica {who}: {REPLICA_LEVEL} group: {err} (rank {rank} waited)", ErrorKind.CONFIGURE
+        ) from None
     except Exception as err:  # noqa: BLE001 — the store is gone or unreachable
-        raise CollectiveError(f"replica {who}: {REPLICA_LEVEL} group: the store at its rendezvous did not "
-                              f"answer rank {rank}: {type(err).__name__}", ErrorKind.CONFIGURE) from err
+        raise CollectiveError(
+            f"replica {who}: {REPLICA_LEVEL} group: the store at its rendezvous did not "
+            f"answer rank {rank}: {type(err).__name__}",
+            ErrorKind.CONFIGURE,
+        ) from err
     if reason is not None:
         raise CollectiveError(f"replica {who}: {REPLICA_LEVEL} group aborted: {reason}", ErrorKind.JOIN_ABORTED)
     store = create_store_client(f"{store_addr}/{prefix}/c10d", timeout=timedelta(seconds=timeout_s))
     try:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=op_timeout_s or timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=op_timeout_s or timeout_s)
+        )
         # the background group: a collective of every rank, in the same order (right after the first)
-        background = dist.new_group(list(range(size)), timeout=timedelta(seconds=op_timeout_s or timeout_s),
-                                    backend="gloo")
+        background = dist.new_group(
+            list(range(size)), timeout=timedelta(seconds=op_timeout_s or timeout_s), backend="gloo"
+        )
     except Exception as err:  # noqa: BLE001 — a rank died between the barrier and the connect
-        raise CollectiveError(f"replica {who}: {REPLICA_LEVEL} group: rank {rank} could not connect "
-                              f"({backend}): {str(err).splitlines()[0] if str(err) else type(err).__name__}",
-                              ErrorKind.CONFIGURE) from err
+        raise CollectiveError(
+            f"replica {who}: {REPLICA_LEVEL} group: rank {rank} could not connect "
+            f"({backend}): {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            ErrorKind.CONFIGURE,
+        ) from err
     return ReplicaRanks(rank, size, dist.group.WORLD, background)
 
 
@@ -113,8 +135,9 @@ class RankPeers:
         self.store = store  # the replica group's store: kept alive as long as rank 0 is
 
     @classmethod
-    def start(cls, rid: str, k: int, make: Callable[[int, tuple], object], timeout_s: float,
-              incarnation: int) -> tuple[RankPeers, tuple]:
+    def start(
+        cls, rid: str, k: int, make: Callable[[int, tuple], object], timeout_s: float, incarnation: int
+    ) -> tuple[RankPeers, tuple]:
         """Rank 0's store and ranks 1..k-1 (`make(rank, rank_of)` creates one, where rank_of =
         (rank, k, store_addr, prefix)); returns them and rank 0's own rank_of."""
         host = ray.util.get_node_ip_address()
@@ -153,8 +176,11 @@ class RankPeers:
         def wait() -> None:
             done, _ = ray.wait(refs, num_returns=1)  # a watch call returns only when its rank is gone
             rank = refs.index(done[0]) + 1
-            print(f"replica {self.rid}: rank {rank} ({self.rid}.{rank}) is gone: the replica fails whole",
-                  file=sys.stderr, flush=True)
+            print(
+                f"replica {self.rid}: rank {rank} ({self.rid}.{rank}) is gone: the replica fails whole",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
         threading.Thread(target=wait, name="rank-watch", daemon=True).start()
@@ -168,6 +194,9 @@ def _with_bytes_summed(own: dict, answers: list[dict]) -> dict:
     also those of an inner phase's `report`."""
     merged = {**own, **{key: own[key] + sum(a.get(key, 0) for a in answers) for key in _BYTES if key in own}}
     if isinstance(own.get("report"), dict) and "inner_bytes" in own["report"]:
-        merged["report"] = {**own["report"], "inner_bytes": own["report"]["inner_bytes"] + sum(
-            a.get("report", {}).get("inner_bytes", 0) for a in answers)}
+        merged["report"] = {
+            **own["report"],
+            "inner_bytes": own["report"]["inner_bytes"]
+            + sum(a.get("report", {}).get("inner_bytes", 0) for a in answers),
+        }
     return merged

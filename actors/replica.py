@@ -26,6 +26,7 @@ forms the replica group with them, and fans every phase call out to them (each r
 body: the same collectives in the same order), answering for all k. Faults, identity, the progress
 board and step logs are rank 0's alone. A rank that dies ends rank 0 (the replica fails whole).
 """
+
 from __future__ import annotations
 
 import time
@@ -47,15 +48,15 @@ from actors.hang import install_faulthandler
 from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replica_group_backend
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
-from hsgd.train import checkpoint, dcp_checkpoint, sharding, state_stream
-from hsgd.train.progress_board import Publisher
-from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
-from hsgd.train.simulate import link_from_config
-from hsgd.train.overlap import BackgroundReduce
+from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
 from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
-from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
+from hsgd.train import checkpoint, dcp_checkpoint, sharding, state_stream
+from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
+from hsgd.train.overlap import BackgroundReduce
+from hsgd.train.progress_board import Publisher
+from hsgd.train.simulate import link_from_config
 from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow, param_digest
 
 _MODULE_T1 = time.time()  # its imports done
@@ -70,8 +71,18 @@ _BUILT = ("trainer", "background")  # built in __init__, or behind it on a resta
 
 @ray.remote(concurrency_groups={"phase": 1, "control": 2, "watch": 1})
 class Replica:
-    def __init__(self, cfg: dict, rid: str, run_dir: str, backends: dict, spare: bool = False,
-                 index_table: dict | None = None, *, rank_options: dict | None = None, rank_of: tuple | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        rid: str,
+        run_dir: str,
+        backends: dict,
+        spare: bool = False,
+        index_table: dict | None = None,
+        *,
+        rank_options: dict | None = None,
+        rank_of: tuple | None = None,
+    ):
         """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's.
         k > 1 ranks: `rank_options` (rank 0), the Ray options of its other ranks; `rank_of` (ranks 1..k-1),
         (rank, k, store_addr, prefix) of the replica group to form (actors/rank_group.py)."""
@@ -95,8 +106,9 @@ class Replica:
         gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
         # (not `self.backends`: an attribute named like a torch submodule makes Ray's cloudpickle
         # pickle torch.backends with the class, which cannot be pickled)
-        self.level_backends = {level: resolve_level_backend(backends[level], level=level, gpu=gpu)
-                               for level in ("inner", "outer")}
+        self.level_backends = {
+            level: resolve_level_backend(backends[level], level=level, gpu=gpu) for level in ("inner", "outer")
+        }
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
         marks["config"] = time.time()
         self.topo = topo
@@ -113,11 +125,14 @@ class Replica:
         if self.incarnation and not spare and ranks_per_replica(self.cfg) == 1:
             threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
         elif self.incarnation and not spare:  # k > 1: a failed build ends the process, so Ray restarts it
-            try:                                # (a constructor that raises is never restarted)
+            try:  # (a constructor that raises is never restarted)
                 self._build(device)
             except BaseException as err:  # noqa: BLE001 — the replica's own failure, as a restart's build
-                print(f"replica {rid}: its restart could not start its ranks: {type(err).__name__}: {err}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"replica {rid}: its restart could not start its ranks: {type(err).__name__}: {err}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
         else:  # the first start (a config error surfaces here) and spares (warmed before they are ready)
             self._build(device)
@@ -131,8 +146,9 @@ class Replica:
         self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device, ranks=ranks)
         self.startup["trainer"] = time.time()
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
-        self.background = BackgroundReduce(self.trainer, self.outer,
-                                           arrival_s=float(self.cfg.supervisor.phase_timeout_s))
+        self.background = BackgroundReduce(
+            self.trainer, self.outer, arrival_s=float(self.cfg.supervisor.phase_timeout_s)
+        )
         if self.spare:  # (k > 1: every rank warms up in its own build, together: its collectives)
             self.trainer.warm_up()
         if self.peers is not None:
@@ -153,12 +169,21 @@ class Replica:
 
             def make(rank: int, rank_of: tuple):
                 return Replica.options(**self.rank_options, max_restarts=0, max_task_retries=0).remote(
-                    cfg, self.rid, run_dir, backends, self.spare, index_table, rank_of=rank_of)
+                    cfg, self.rid, run_dir, backends, self.spare, index_table, rank_of=rank_of
+                )
+
             self.peers, self.rank_of = RankPeers.start(self.rid, k, make, timeout_s, self.incarnation)
         rank, size, store_addr, prefix = self.rank_of
-        return form_replica_group(rank, size, store_addr, prefix, timeout_s, replica=self.rid,
-                                  backend=replica_group_backend(device),
-                                  op_timeout_s=float(self.cfg.supervisor.phase_timeout_s))
+        return form_replica_group(
+            rank,
+            size,
+            store_addr,
+            prefix,
+            timeout_s,
+            replica=self.rid,
+            backend=replica_group_backend(device),
+            op_timeout_s=float(self.cfg.supervisor.phase_timeout_s),
+        )
 
     def _fan_out(self, method: str, args_of) -> list:
         """Rank 0 of k > 1: start `method` on the other ranks (rank j with args_of(j)); their refs."""
@@ -185,8 +210,10 @@ class Replica:
         deadline (a build that long is the replica's failure: it raises, and is restarted)."""
         if name in _BUILT and "_built" in self.__dict__:
             if not self._built.wait(timeout=float(self.cfg.supervisor.phase_timeout_s)):
-                raise RuntimeError(f"{self.rid}: its restart did not build its trainer within "
-                                   f"{self.cfg.supervisor.phase_timeout_s:g}s (supervisor.phase_timeout_s)")
+                raise RuntimeError(
+                    f"{self.rid}: its restart did not build its trainer within "
+                    f"{self.cfg.supervisor.phase_timeout_s:g}s (supervisor.phase_timeout_s)"
+                )
             if self._build_error is not None:
                 raise RuntimeError(f"{self.rid}: its restart could not build its trainer") from self._build_error
             return self.__dict__[name]
@@ -200,20 +227,30 @@ class Replica:
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
-        self.board = Publisher(self.rid)  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
+        self.board = Publisher(
+            self.rid
+        )  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
 
     def _level_group(self, level: str) -> LevelGroup:
         comm = self.cfg.comm
-        return LevelGroup(level, self.level_backends[level], comm.timeout_s, comm.configure_timeout_s,
-                          min_gbps=float(comm.min_gbps),
-                          link=link_from_config(self.cfg.links[level], seed=self.cfg.seed))
+        return LevelGroup(
+            level,
+            self.level_backends[level],
+            comm.timeout_s,
+            comm.configure_timeout_s,
+            min_gbps=float(comm.min_gbps),
+            link=link_from_config(self.cfg.links[level], seed=self.cfg.seed),
+        )
 
     def _open_step_log(self) -> None:
         """logging.step_times: this replica's committed steps, under the id it trains as (a spare writes none)."""
         if self.trainer.step_log is not None:
             self.trainer.step_log.close()
-        self.trainer.step_log = StepLog(os.path.join(self.run_dir, "steps"), self.rid) \
-            if self.cfg.logging.step_times and not self.spare and not self.rank else None
+        self.trainer.step_log = (
+            StepLog(os.path.join(self.run_dir, "steps"), self.rid)
+            if self.cfg.logging.step_times and not self.spare and not self.rank
+            else None
+        )
 
     def _serve_as(self, rid: str | None) -> None:
         """Serve as replica `rid` (its data stream), or as a spare (None). The identity is recorded
@@ -230,19 +267,35 @@ class Replica:
     def progress(self) -> dict:
         """Committed (round, step), phase and process. Answers while a phase runs, so a replica whose
         step advances is slow, never hung; no answer (a GIL-holding hang, a dead process) is no sign of life."""
-        return {**self._progress(), "epoch": self.epoch, "phase": self.phase, "spare": self.spare,
-                "incarnation": self.incarnation, "replica_index": self.topo.global_index(self.rid),
-                "phase_since": self.phase_since, "pid": os.getpid(), "started_at": self.started_at,
-                "node_id": ray.get_runtime_context().get_node_id(), "backends": self.level_backends,
-                "startup": self.startup, "rank_pids": [os.getpid(), *(self.peers.pids if self.peers else ())]}
+        return {
+            **self._progress(),
+            "epoch": self.epoch,
+            "phase": self.phase,
+            "spare": self.spare,
+            "incarnation": self.incarnation,
+            "replica_index": self.topo.global_index(self.rid),
+            "phase_since": self.phase_since,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "backends": self.level_backends,
+            "startup": self.startup,
+            "rank_pids": [os.getpid(), *(self.peers.pids if self.peers else ())],
+        }
 
     def _progress(self) -> dict:
         """The trainer's progress; a restart still building holds a fresh trainer's (round 0, step 0)
         and reports no sizes yet (0: the supervisor keeps the largest it heard)."""
         if self._built.is_set() and self._build_error is None:
             return self.trainer.progress()
-        return {"rid": self.rid, "round": 0, "step": 0, "param_bytes": 0, "tokens_per_step": 0,
-                "outer_buffer_round": None}
+        return {
+            "rid": self.rid,
+            "round": 0,
+            "step": 0,
+            "param_bytes": 0,
+            "tokens_per_step": 0,
+            "outer_buffer_round": None,
+        }
 
     @ray.method(concurrency_group="control", num_returns=2)
     def global_state(self) -> tuple[dict, dict]:
@@ -261,15 +314,23 @@ class Replica:
             return refused, None
         apart = [meta for meta in metas if (meta["round"], meta["step"]) != (own[0]["round"], own[0]["step"])]
         if apart:  # a commit landed between the ranks' reads (a global heal reads while the donor trains)
-            return self._answer(Outcome.COLLECTIVE_FAILED, f"{self.rid}: its ranks' states were read at different "
-                                                           f"rounds (a commit in between): asked again", bytes=0), None
+            return self._answer(
+                Outcome.COLLECTIVE_FAILED,
+                f"{self.rid}: its ranks' states were read at different rounds (a commit in between): asked again",
+                bytes=0,
+            ), None
         states = [own[1], *ray.get([state for _, state in pairs], timeout=self.peers.deadline_s)]
         return {**own[0], "bytes": sum(meta["bytes"] for meta in [own[0], *metas])}, {"ranks": states}
 
     def _with_meta(self, state: dict) -> tuple[dict, dict]:
         """A heal source's two objects: a small meta, at the state's own (round, step), and the state."""
-        return PhaseAnswer(self.rid, Outcome.DONE, int(state["round"]), int(state["step"]),
-                           result={"pid": os.getpid(), "bytes": _state_bytes(state)}).wire(), state
+        return PhaseAnswer(
+            self.rid,
+            Outcome.DONE,
+            int(state["round"]),
+            int(state["step"]),
+            result={"pid": os.getpid(), "bytes": _state_bytes(state)},
+        ).wire(), state
 
     @ray.method(concurrency_group="control")
     def digests(self) -> dict:
@@ -277,18 +338,28 @@ class Replica:
         hsgd.train.sharding.combined_digest does, gathered through Ray (a control call must not run
         a collective: the phase thread may be in one)."""
         if self.trainer.ranks is None:
-            return {"param": self.trainer.param_digest(), "global": self.trainer.global_digest(),
-                    "round": self.trainer.round, "step": self.trainer.step}
+            return {
+                "param": self.trainer.param_digest(),
+                "global": self.trainer.global_digest(),
+                "round": self.trainer.round,
+                "step": self.trainer.step,
+            }
         shards = [self.shard_digests()]
         if self.peers is not None:
             shards += ray.get([h.shard_digests.remote() for h in self.peers.handles], timeout=self.peers.deadline_s)
-        return {**{key: sharding.digest_of([d[key] for d in shards]) for key in ("param", "global")},
-                "round": self.trainer.round, "step": self.trainer.step}
+        return {
+            **{key: sharding.digest_of([d[key] for d in shards]) for key in ("param", "global")},
+            "round": self.trainer.round,
+            "step": self.trainer.step,
+        }
 
     @ray.method(concurrency_group="control")
     def shard_digests(self) -> dict:
         """This rank's own shards' digests (no collective)."""
-        return {"param": param_digest(self.trainer.params), "global": param_digest(self.trainer.outer_opt.global_params)}
+        return {
+            "param": param_digest(self.trainer.params),
+            "global": param_digest(self.trainer.outer_opt.global_params),
+        }
 
     @ray.method(concurrency_group="control")
     def stack_dump(self) -> str:
@@ -322,15 +393,17 @@ class Replica:
         while self.pending_now:
             self._fire(self.pending_now.pop(0), round_index, step_in_round)
         for fault in list(self.armed):
-            if fault["phase"] == phase and (phase not in ("inner", "inner_sync")
-                                            or fault.get("step", 0) == step_in_round):
+            if fault["phase"] == phase and (
+                phase not in ("inner", "inner_sync") or fault.get("step", 0) == step_in_round
+            ):
                 self.armed.remove(fault)
                 self._fire(fault, round_index, step_in_round)
 
     def _fire(self, fault: dict, round_index: int, step_in_round: int) -> None:
         kind = fault["kind"]
-        write_fault_fired(self.fault_writer, self.run_dir, self.rid, kind, fault["phase"], round_index, step_in_round,
-                          pid=os.getpid())
+        write_fault_fired(
+            self.fault_writer, self.run_dir, self.rid, kind, fault["phase"], round_index, step_in_round, pid=os.getpid()
+        )
         if kind == "crash":
             os._exit(17)
         if kind == "kill":
@@ -357,9 +430,16 @@ class Replica:
     def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> dict:
         """The one place an answer is built, at this replica's committed (round, step)."""
         progress = self.trainer.progress()
-        return PhaseAnswer(self.rid, outcome, progress["round"], progress["step"], str(error),
-                           getattr(error, "kind", ErrorKind.NONE), getattr(error, "what", ""),
-                           {**progress, **result}).wire()
+        return PhaseAnswer(
+            self.rid,
+            outcome,
+            progress["round"],
+            progress["step"],
+            str(error),
+            getattr(error, "kind", ErrorKind.NONE),
+            getattr(error, "what", ""),
+            {**progress, **result},
+        ).wire()
 
     def _phase(self, name: str, fn, faults: list[dict] | None, hook_round: int | None = None):
         """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
@@ -420,8 +500,15 @@ class Replica:
         return sharding.agreed(lambda: self._join(group, join, then), self.trainer.ranks, f"{self.rid}: {then} join")
 
     @ray.method(concurrency_group="phase")
-    def run_inner(self, round_index: int, faults: list[dict] | None = None, join: tuple | None = None,
-                  overlap: Overlap | None = None, steps: int | None = None, store_addr: str | None = None) -> dict:
+    def run_inner(
+        self,
+        round_index: int,
+        faults: list[dict] | None = None,
+        join: tuple | None = None,
+        overlap: Overlap | None = None,
+        steps: int | None = None,
+        store_addr: str | None = None,
+    ) -> dict:
         """This round's remaining inner steps, of `steps` (sync.balance's plan; None: all of them;
         `join`: form the group first). `behind` if not at the round (it joins all the same, so its
         peers' first collective fails fast). `overlap`: reduce that shard in the background from the
@@ -446,14 +533,19 @@ class Replica:
 
         def at_snapshot():  # only in the outer group the supervisor named (a restarted process has none)
             if overlap is not None and overlap.epoch == self.outer_epoch:
-                self.background.start((self.trainer.round, overlap.epoch, overlap.shard, overlap.shards,
-                                       overlap.weights))
+                self.background.start(
+                    (self.trainer.round, overlap.epoch, overlap.shard, overlap.shards, overlap.weights)
+                )
 
         def run():
             join_s = self._agreed_join(self.inner, join, "inner")
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot, steps)
-            return {"report": report.__dict__, "join_s": join_s,
-                    **({"outcome": Outcome.YIELDED} if report.yielded else {})}
+            return {
+                "report": report.__dict__,
+                "join_s": join_s,
+                **({"outcome": Outcome.YIELDED} if report.yielded else {}),
+            }
+
         refs = self._fan_out("run_inner", lambda j: (round_index, None, rank_prefix(join, j), overlap, steps, None))
         return self._merged(self._phase("inner", run, faults), refs)
 
@@ -461,17 +553,31 @@ class Replica:
     def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
         """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
         refs = self._fan_out("cluster_average", lambda j: (round_index, epoch))
-        return self._merged(self._phase("inner_sync", lambda: self.trainer.cluster_average(round_index, epoch,
-                                                                                             self.inner),
-                                        faults, hook_round=round_index), refs)
+        return self._merged(
+            self._phase(
+                "inner_sync",
+                lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
+                faults,
+                hook_round=round_index,
+            ),
+            refs,
+        )
 
     @ray.method(concurrency_group="phase")
-    def outer_reduce(self, round_index: int, epoch: int, faults: list[dict] | None = None,
-                     join: tuple | None = None, shard: int = 0, shards: int = 1,
-                     weights: tuple[float, ...] = ()) -> dict:
+    def outer_reduce(
+        self,
+        round_index: int,
+        epoch: int,
+        faults: list[dict] | None = None,
+        join: tuple | None = None,
+        shard: int = 0,
+        shards: int = 1,
+        weights: tuple[float, ...] = (),
+    ) -> dict:
         """Phase 1 of the two-phase commit (OuterReduce; `join`: form the shard's outer group first):
         reduce into a buffer keyed (round, epoch, shard). Nothing is applied: a failure leaves the
         params untouched."""
+
         def run():
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
             # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
@@ -479,35 +585,47 @@ class Replica:
             join_s = self._agreed_join(self.outer, join, "outer")
             self._hook("outer", round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
-            self.trainer.outer_reduce(round_index, self.outer_epoch if behind is not None else epoch, self.outer,
-                                      shard, shards, weights)
+            self.trainer.outer_reduce(
+                round_index, self.outer_epoch if behind is not None else epoch, self.outer, shard, shards, weights
+            )
             spent = behind or {"outer_bytes": 0, "outer_link_s": 0.0}
-            return {"outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
-                    "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
-                    "join_s": join_s, "overlapped": behind is not None}
-        refs = self._fan_out("outer_reduce", lambda j: (round_index, epoch, None, rank_prefix(join, j), shard, shards,
-                                                         weights))
+            return {
+                "outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
+                "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
+                "join_s": join_s,
+                "overlapped": behind is not None,
+            }
+
+        refs = self._fan_out(
+            "outer_reduce", lambda j: (round_index, epoch, None, rank_prefix(join, j), shard, shards, weights)
+        )
         return self._merged(self._phase("outer", run, faults), refs)
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
         """Phase 2, once the supervisor decided commit: inner rank roots[j] broadcasts shard j of the
         buffer, every member applies the same outer step. A round already committed is a no-op."""
+
         def run():
             self._settle()  # a reduce of an exchange superseded meanwhile
             self._hook("outer_commit", round_index, 0)
             before = self.inner.bytes_sent
             self.trainer.outer_commit(round_index, self.inner, roots)
-            return {"digest": self.trainer.param_digest(), "global_digest": self.trainer.global_digest(),
-                    "inner_bytes": self.inner.bytes_sent - before}
+            return {
+                "digest": self.trainer.param_digest(),
+                "global_digest": self.trainer.global_digest(),
+                "inner_bytes": self.inner.bytes_sent - before,
+            }
+
         refs = self._fan_out("outer_commit", lambda j: (round_index, roots))
         return self._merged(self._phase("outer_commit", run, faults), refs)
 
     def _settle(self, key: tuple | None = None) -> dict | None:
         """Wait out a background outer reduce (the one keyed `key`; any other is abandoned), within
         the deadline of an outer reduce of the whole model (its all-gather carries every holder's payload)."""
-        return self.background.settle(key, self.outer.deadline_s(self.trainer.param_bytes
-                                                                 * max(1, self.outer.world_size)) + 5.0)
+        return self.background.settle(
+            key, self.outer.deadline_s(self.trainer.param_bytes * max(1, self.outer.world_size)) + 5.0
+        )
 
     def _load(self, state: dict, scope: str) -> None:
         self._settle()  # its reduce read the state being replaced
@@ -532,10 +650,13 @@ class Replica:
 
         def run():
             if state is None:  # this replica is fine: its heal is to be planned again
-                return {"outcome": Outcome.COLLECTIVE_FAILED,
-                        "error": f"{self.rid}: its heal source refused to give its state"}
+                return {
+                    "outcome": Outcome.COLLECTIVE_FAILED,
+                    "error": f"{self.rid}: its heal source refused to give its state",
+                }
             self._load(own, scope)
             return {"bytes": _state_bytes(own)}  # (k > 1: each rank counts its own; the answers add up)
+
         # k > 1: a source's state is {"ranks": [rank 0's, ...]} (heal_state, global_state); rank j loads its own
         refs = self._fan_out("load_state", lambda j: (None if state is None else state["ranks"][j], scope))
         return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
@@ -547,24 +668,38 @@ class Replica:
         `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
         then heals the targets through the object store."""
         refs = self._fan_out("send_state", lambda j: (round_index, rank_prefix(join, j), chunk_mb))
-        return self._merged(self._over_heal_group(round_index, join, faults, lambda group: {
-            "bytes": state_stream.send_state(group, self.trainer.live_state(), chunk_mb=chunk_mb,
-                                             device=self.trainer.device), "pid": os.getpid()}), refs)
+        return self._merged(
+            self._over_heal_group(
+                round_index,
+                join,
+                faults,
+                lambda group: {
+                    "bytes": state_stream.send_state(
+                        group, self.trainer.live_state(), chunk_mb=chunk_mb, device=self.trainer.device
+                    ),
+                    "pid": os.getpid(),
+                },
+            ),
+            refs,
+        )
 
     @ray.method(concurrency_group="phase")
     def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
         """A heal target (faults as of `round_index`): join heal group `join` (rank >= 1), receive the
         source's whole state, load it `full`. Answers `done` (`bytes`, `transport: group`), or
         `collective_failed` with its state untouched (nothing loads before the last chunk)."""
+
         def transfer(group: LevelGroup) -> dict:
             state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
             return {"bytes": nbytes, "transport": "group", "state": state}
+
         refs = self._fan_out("receive_state", lambda j: (round_index, rank_prefix(join, j)))
         return self._merged(self._over_heal_group(round_index, join, faults, transfer), refs)
 
     def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
         """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
         timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
+
         def run():
             group = self._level_group("inner")
 
@@ -572,6 +707,7 @@ class Replica:
                 join_s = self._join(group, join, "heal")
                 t0 = time.monotonic()
                 return join_s, t0, transfer(group)
+
             try:
                 join_s, t0, answer = sharding.agreed(over_group, self.trainer.ranks, f"{self.rid}: heal transfer")
             finally:
@@ -579,6 +715,7 @@ class Replica:
             if "state" in answer:
                 self._load(answer.pop("state"), "full")
             return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0}
+
         return self._phase("heal", run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)
@@ -587,10 +724,13 @@ class Replica:
         = (round, step), as when chosen as source; else meta `collective_failed`, state None: a source
         restarted meanwhile (Ray runs a queued call on the new process) never hands out fresh state."""
         if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
-            return self._answer(Outcome.COLLECTIVE_FAILED,
-                                f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
-                                f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
-                                pid=os.getpid(), bytes=0), None
+            return self._answer(
+                Outcome.COLLECTIVE_FAILED,
+                f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
+                f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
+                pid=os.getpid(),
+                bytes=0,
+            ), None
         return self._with_ranks("heal_state", self._with_meta(self.trainer.state_dict()), expect)
 
     @ray.method(concurrency_group="phase")
@@ -600,21 +740,31 @@ class Replica:
         sha256 answered is that of its manifest.json). `behind` unless it holds exactly that round. A
         write storage refuses (full disk, quota, read-only remount: any exception type) answers
         `io_error`, never raises: the run's problem. Taking the state may still raise."""
+
         def run():
             if self.trainer.round != round_index:
-                raise Behind(f"{self.rid}: checkpoint of round {round_index}, but this replica holds "
-                             f"round {self.trainer.round}")
+                raise Behind(
+                    f"{self.rid}: checkpoint of round {round_index}, but this replica holds round {self.trainer.round}"
+                )
             ranks = self.trainer.ranks
             state = self.trainer.state_dict() if ranks is None else self.trainer.sharded_state()
             try:
                 if ranks is None:
                     return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
-                dcp_checkpoint.save_sharded(state, checkpoint.join_url(directory, self.rid), group=ranks.group,
-                                            manifest_extra={"round": round_index, "rid": self.rid},
-                                            timeout_s=float(self.cfg.supervisor.phase_timeout_s))
+                dcp_checkpoint.save_sharded(
+                    state,
+                    checkpoint.join_url(directory, self.rid),
+                    group=ranks.group,
+                    manifest_extra={"round": round_index, "rid": self.rid},
+                    timeout_s=float(self.cfg.supervisor.phase_timeout_s),
+                )
                 return {"sha256": checkpoint.sharded_replica_sha256(directory, self.rid) if not self.rank else ""}
             except Exception as err:  # noqa: BLE001 — storage's failure, see above
-                return {"outcome": Outcome.IO_ERROR, "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}"}
+                return {
+                    "outcome": Outcome.IO_ERROR,
+                    "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}",
+                }
+
         # k > 1: every rank writes its shards (its faults are rank 0's alone)
         refs = self._fan_out("save_checkpoint", lambda j: (directory, round_index))
         # its faults are those of the checkpoint taken after round round_index - 1
@@ -630,8 +780,9 @@ class Replica:
         return saved
 
     @ray.method(concurrency_group="phase")
-    def load_checkpoint(self, directory: str, sha256: str | None, faults: list[dict] | None = None,
-                        fmt: str = checkpoint.FILE_FORMAT) -> dict:
+    def load_checkpoint(
+        self, directory: str, sha256: str | None, faults: list[dict] | None = None, fmt: str = checkpoint.FILE_FORMAT
+    ) -> dict:
         """Load a checkpoint the caller verified (resume, restore), after its `startup` faults; `fmt` is
         its format (checkpoint.format_of). "file": its `<rid>.pt` (k > 1: each rank cuts its own shards
         out of the whole tensors, ReplicaTrainer.rank_slice). "dcp": its `<rid>/` folder, checked
@@ -647,8 +798,9 @@ class Replica:
                 state = checkpoint.load_replica_state(directory, self.rid, sha256)
                 self._load(self.trainer.rank_slice(state), "full")
         except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
-            raise checkpoint.CheckpointError(f"replica {self.rid} on node {_node_name()} cannot load {directory}: "
-                                             f"{type(err).__name__}: {err}") from err
+            raise checkpoint.CheckpointError(
+                f"replica {self.rid} on node {_node_name()} cannot load {directory}: {type(err).__name__}: {err}"
+            ) from err
         return self._merged(self._answer(), refs)
 
     def _load_sharded(self, directory: str, sha256: str | None) -> None:
@@ -660,9 +812,12 @@ class Replica:
         _check_sha(checkpoint.sharded_replica_sha256(directory, self.rid), sha256, directory, self.rid)
         self._settle()  # a background reduce reads the state being replaced
         target = self.trainer.sharded_template()
-        dcp_checkpoint.load_sharded(target, checkpoint.join_url(directory, self.rid),
-                                    group=None if ranks is None else ranks.group,
-                                    timeout_s=float(self.cfg.supervisor.phase_timeout_s))
+        dcp_checkpoint.load_sharded(
+            target,
+            checkpoint.join_url(directory, self.rid),
+            group=None if ranks is None else ranks.group,
+            timeout_s=float(self.cfg.supervisor.phase_timeout_s),
+        )
         self.trainer.load_sharded_state(target)
 
     @ray.method(concurrency_group="control")
@@ -679,6 +834,7 @@ def _startup_marks(marks: dict) -> dict:
     in all; `trainer` and `built` when the build ends, behind __init__ on a restart)."""
     try:
         import psutil  # Ray's own dependency
+
         created = psutil.Process().create_time()
     except Exception:  # noqa: BLE001 — only a figure
         created = None
@@ -687,8 +843,10 @@ def _startup_marks(marks: dict) -> dict:
 
 def _check_sha(actual: str, expected: str | None, directory: str, rid: str) -> None:
     if expected and actual != expected:
-        raise checkpoint.CheckpointError(f"checkpoint file {checkpoint.join_url(directory, rid)}/manifest.json "
-                                         f"does not match the run manifest's sha256 (corrupt or replaced)")
+        raise checkpoint.CheckpointError(
+            f"checkpoint file {checkpoint.join_url(directory, rid)}/manifest.json "
+            f"does not match the run manifest's sha256 (corrupt or replaced)"
+        )
 
 
 def _state_bytes(state: dict) -> int:
@@ -697,5 +855,4 @@ def _state_bytes(state: dict) -> int:
 
 def _node_name() -> str:
     """This node as a person finds it: host name, IP address and Ray node id (short)."""
-    return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, "
-            f"{ray.get_runtime_context().get_node_id()[:8]})")
+    return f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, {ray.get_runtime_context().get_node_id()[:8]})"

@@ -1,5 +1,6 @@
 """The Ray calls that carry out a round machine's phases on replicas, and what their answers
 become (typed observations). Shared by the round's runner and the final heal."""
+
 from __future__ import annotations
 
 import time
@@ -8,9 +9,20 @@ import ray
 
 from actors.heals import Heals
 from actors.round_record import RoundRecord
+from hsgd.core.round import (
+    ClusterAverage,
+    Heal,
+    Outcome,
+    OuterCommit,
+    OuterReduce,
+    Phase,
+    PhaseAnswer,
+    PhaseEnded,
+    RunInner,
+    Up,
+    unanswered_heal,
+)
 from hsgd.train.progress_board import Board
-from hsgd.core.round import (ClusterAverage, Heal, Outcome, OuterCommit, OuterReduce, Phase, PhaseAnswer, PhaseEnded,
-                             RunInner, Up, unanswered_heal)
 
 FETCH_S = 5.0  # fetching an answer already ready (a few hundred bytes)
 
@@ -47,23 +59,30 @@ def progress_board(ports, rids: list[str]) -> Board | None:
 def heal_at_rest(phase: Phase, ports, live: dict, deadline_s: float) -> None:
     """A heal outside a round (the final heal): issue it and wait for it at most `deadline_s`
     (scaled to the state's bytes: hsgd.core.deadlines.heal_deadline_s); heal_end for each that healed."""
-    heals = Heals(ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id,
-                  round_index=phase.round)
+    heals = Heals(
+        ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id, round_index=phase.round
+    )
     record, started = RoundRecord(phase.round, ports.log, ports.clock), time.monotonic()
     refs = {rid: call(phase, rid, {}, ports, heals, live) for rid in phase.calls}
     answers = {}
     for rid, ref in heals.settle(refs, deadline_s).items():
         if not ray.wait([ref], timeout=0, fetch_local=False)[0]:  # past the deadline: not healed
-            answer = PhaseAnswer(rid, unanswered_heal(False, in_time=False), error=f"no answer within {deadline_s:.0f}s")
+            answer = PhaseAnswer(
+                rid, unanswered_heal(False, in_time=False), error=f"no answer within {deadline_s:.0f}s"
+            )
         else:
             try:
                 answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
             except Exception as err:  # noqa: BLE001 — not healed: it heals at the next start, or stays behind
-                answer = PhaseAnswer(rid, unanswered_heal(heals.source_failed(phase.id, rid)),
-                                     error=f"{type(err).__name__}: {str(err)[-200:]}")
+                answer = PhaseAnswer(
+                    rid,
+                    unanswered_heal(heals.source_failed(phase.id, rid)),
+                    error=f"{type(err).__name__}: {str(err)[-200:]}",
+                )
         record.answered(phase, answer)
-        answers[rid] = answer.outcome.value if answer.outcome == Outcome.DONE \
-            else f"{answer.outcome.value}: {answer.error[:200]}"
+        answers[rid] = (
+            answer.outcome.value if answer.outcome == Outcome.DONE else f"{answer.outcome.value}: {answer.error[:200]}"
+        )
     record.phase_ended(PhaseEnded(phase, answers, started, time.monotonic()))
 
 

@@ -2,10 +2,12 @@
 who is live, which process groups they still hold. A new process under an id holds no group: its
 cluster's groups must be configured again. Deaths are logged here, each once (ActorWatch).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray._private.state import state as gcs
@@ -49,13 +51,26 @@ def restarts_exhausted(handle) -> bool:
 class Roster:
     """`state`: durable (identity map, spare names, deaths seen), so a restarted supervisor finds the same actors."""
 
-    def __init__(self, topology: Topology, run_id: str, state: RunState, log, *, call_timeout_s: float,
-                 spares_per_cluster: int, save: Callable[[], None]):
+    def __init__(
+        self,
+        topology: Topology,
+        run_id: str,
+        state: RunState,
+        log,
+        *,
+        call_timeout_s: float,
+        spares_per_cluster: int,
+        save: Callable[[], None],
+    ):
         self.topology, self.log, self.call_timeout_s, self._save = topology, log, call_timeout_s, save
         if not state.identity:  # the first supervisor: the actors the driver started
             state.identity.update({rid: replica_actor_name(run_id, rid) for rid in topology.replica_ids()})
-            state.spares.update({str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
-                                 for c in range(topology.clusters)})
+            state.spares.update(
+                {
+                    str(c): [spare_actor_name(run_id, c, k) for k in range(spares_per_cluster)]
+                    for c in range(topology.clusters)
+                }
+            )
         self.names: dict[str, str] = state.identity
         self.spares = SparePool(state.spares, lookup)
         self.watch = ActorWatch(self.names, self.spares.names, state.deaths_seen, save=save)
@@ -109,8 +124,15 @@ class Roster:
             self._forget_groups(rid)  # a new process holds no group
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
-            self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"),
-                           incarnation=answer.get("incarnation"), replica_index=answer.get("replica_index"))
+            self.log.event(
+                "replica_up",
+                rid=rid,
+                round=answer["round"],
+                step=answer["step"],
+                pid=answer.get("pid"),
+                incarnation=answer.get("incarnation"),
+                replica_index=answer.get("replica_index"),
+            )
 
     def down(self, rid: str, cause: str, phase: str, round_index: int, detail: str = "") -> None:
         if cause == "error":  # the replica raised: restart it clean, as any failed replica
@@ -135,8 +157,17 @@ class Roster:
         if dead is None:
             return False  # the watch saw this death first: logged then
         actor, incarnation = dead
-        self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause, phase=phase,
-                       round=round_index, detail=detail[:300], incarnation=incarnation, actor=actor)
+        self.log.event(
+            "replica_down",
+            rid=rid,
+            cluster=self.topology.cluster_of(rid),
+            cause=cause,
+            phase=phase,
+            round=round_index,
+            detail=detail[:300],
+            incarnation=incarnation,
+            actor=actor,
+        )
         self.on_death(rid)
         return True
 
@@ -150,14 +181,28 @@ class Roster:
                 continue  # drained: stopped on purpose, no failure
             if d.rid is None:
                 self.spares.ready.discard(d.name)  # not ready until it answers again
-                self.log.event("spare_lost", cluster=d.cluster, spare=d.name, incarnation=d.incarnation,
-                               round=round_index, state=d.state)
+                self.log.event(
+                    "spare_lost",
+                    cluster=d.cluster,
+                    spare=d.name,
+                    incarnation=d.incarnation,
+                    round=round_index,
+                    state=d.state,
+                )
                 continue
             latest = self.watch.latest(d)
             where = phase if d.rid in live and latest else "joining" if self.watch.answered(d) else "restarting"
-            self.log.event("replica_down", rid=d.rid, cluster=self.topology.cluster_of(d.rid), cause="died",
-                           phase=where, round=round_index, detail=f"Ray's actor table: {d.state}",
-                           incarnation=d.incarnation, actor=d.name)
+            self.log.event(
+                "replica_down",
+                rid=d.rid,
+                cluster=self.topology.cluster_of(d.rid),
+                cause="died",
+                phase=where,
+                round=round_index,
+                detail=f"Ray's actor table: {d.state}",
+                incarnation=d.incarnation,
+                actor=d.name,
+            )
             self.on_death(d.rid)
             if latest:
                 lost.append(d.rid)
@@ -209,19 +254,27 @@ class Roster:
             self.spares.check(self.log, wait_s=wait_s)  # between rounds: give pending answers a moment
         if wait_s > 0 and self.probe(rid, 0.2) is not None:
             return None  # rid's own actor is back (it may have answered mid-round already): it rejoins as itself
-        taken = self.spares.promote(rid, self.topology.cluster_of(rid), self.handles[rid], self.names[rid],
-                                    self.call_timeout_s)
+        taken = self.spares.promote(
+            rid, self.topology.cluster_of(rid), self.handles[rid], self.names[rid], self.call_timeout_s
+        )
         if taken is None:
             return None
         name, handle, answer = taken
-        self.log.event("spare_promoted", rid=rid, spare=name, replaced=self.names[rid], pid=answer.get("pid"),
-                       incarnation=answer.get("incarnation"))
+        self.log.event(
+            "spare_promoted",
+            rid=rid,
+            spare=name,
+            replaced=self.names[rid],
+            pid=answer.get("pid"),
+            incarnation=answer.get("incarnation"),
+        )
         self.watch.promoted(rid, name, answer.get("incarnation"), self.names[rid])
         self.replace(rid, name, handle)
         return answer
 
-    def await_idle(self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *,
-                   min_gbps: float = 1.0) -> None:
+    def await_idle(
+        self, stuck_after_s: float, show: Callable[[list[str]], None], period_s: float, *, min_gbps: float = 1.0
+    ) -> None:
         """After a supervisor restart, replicas may still run a phase of the old one: wait while they
         work; kill (down `hung`, Ray restarts it) one StallWatch finds stuck or silent for
         `stuck_after_s` (a checkpoint, heal, outer exchange or commit: `call_timeout_s` plus 3 x the
@@ -247,8 +300,12 @@ class Roster:
                 elif verdict in (STUCK, HUNG):
                     phase = "silent" if verdict == HUNG else answer.get("phase", "?")
                     limit = watch.silent_s if verdict == HUNG else watch.limit(phase)
-                    self.log.event("kill", rid=rid, reason=f"{'no answer' if verdict == HUNG else f'stuck in {phase}'} "
-                                                           f"for over {limit:.0f}s after a supervisor restart")
+                    self.log.event(
+                        "kill",
+                        rid=rid,
+                        reason=f"{'no answer' if verdict == HUNG else f'stuck in {phase}'} "
+                        f"for over {limit:.0f}s after a supervisor restart",
+                    )
                     try:
                         ray.kill(self.handles[rid], no_restart=False)
                     except Exception:  # noqa: BLE001 — already gone: Ray restarts it anyway
@@ -281,8 +338,9 @@ class Roster:
         if self.live.pop(rid, None) is not None:
             self._forget_groups(rid)
 
-    def _ask_progress(self, rids: list[str], asked: dict[str, Any],
-                      timeout_s: float) -> dict[str, tuple[dict | None, bool]]:
+    def _ask_progress(
+        self, rids: list[str], asked: dict[str, Any], timeout_s: float
+    ) -> dict[str, tuple[dict | None, bool]]:
         """rid -> (progress or None, gone), every rid asked at once (not again while its question in
         `asked` is unanswered), waiting at most timeout_s. `gone`: Ray says the actor died; no
         answer yet, or unreachable for now, is (None, False)."""

@@ -6,6 +6,7 @@ the run folder fails; only one unwritable for `run.io_grace_s` ends the run.
 `RoundRecord`, of one round: the replicas' numbers, the phase timings and the round's events. It
 decides nothing and calls nobody: the runner hands it each answer and each PhaseEnded.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,13 @@ class SupervisorRecord:
         if first and resume_round is not None:
             self.log.rewrite_metrics([m for m in self.log.records("metrics") if m.get("round", 0) < resume_round])
         self.view: dict[str, Any] = {"phase": "starting", "round": 0, "epoch": state.epoch}
-        self.wandb = WandbSink(cfg if first else OmegaConf.merge(cfg, {"logging": {"wandb": {"mode": "disabled"}}}),
-                               run_dir, resolved_config if first else {}, on_error=self._wandb_failed,
-                               finish_s=max(5.0, self.io_grace_s / 2))
+        self.wandb = WandbSink(
+            cfg if first else OmegaConf.merge(cfg, {"logging": {"wandb": {"mode": "disabled"}}}),
+            run_dir,
+            resolved_config if first else {},
+            on_error=self._wandb_failed,
+            finish_s=max(5.0, self.io_grace_s / 2),
+        )
 
     def save_state(self) -> None:
         """The durable state, whole, through the run log: waits at most the write deadline; a
@@ -81,8 +86,10 @@ class SupervisorRecord:
         """Write summary.json (within the write deadline), close; returned even unwritten: the driver prints it."""
         if not self.log.write_file("summary.json", json.dumps(summary, indent=2, sort_keys=True)):
             down_s, error = self.log.unwritable_s()
-            self.warn(f"summary.json could not be written to {self.run_dir} ({error or 'the write timed out'}); "
-                      f"the driver prints it")
+            self.warn(
+                f"summary.json could not be written to {self.run_dir} ({error or 'the write timed out'}); "
+                f"the driver prints it"
+            )
         self.wandb.finish(summary)
         self.log.event("run_end", status=summary["status"])
         self.set_status(phase="done", status=summary["status"])
@@ -120,8 +127,15 @@ class RoundRecord:
         """phase_begin; a `membership` of the group a phase forms (not the whole run's view: O(clusters²)
         when every cluster forms its group), and `cluster_reform` for a cluster re-formed."""
         log, inner = self.log, phase.kind is CallKind.RUN_INNER
-        log.event("phase_begin", phase=phase.kind.record, round=self.r, cluster=phase.cluster, epoch=phase.epoch,
-                  replicas=sorted(phase.calls), reason=phase.reason or None)
+        log.event(
+            "phase_begin",
+            phase=phase.kind.record,
+            round=self.r,
+            cluster=phase.cluster,
+            epoch=phase.epoch,
+            replicas=sorted(phase.calls),
+            reason=phase.reason or None,
+        )
         if inner:
             self.inner_participants.update(phase.calls)
         if not phase.forms_group:
@@ -131,11 +145,24 @@ class RoundRecord:
         else:  # the leaders' group (one per shard): one per round at most
             members = {f"c{cluster_of(rid)}": [rid] for rid in phase.calls}
             leads = {f"c{cluster_of(rid)}": rid for rid in phase.calls}
-        log.event("membership", epoch=phase.epoch, members=members, leaders=leads, standby=[],
-                  level="inner" if inner else "outer", cluster=phase.cluster)
+        log.event(
+            "membership",
+            epoch=phase.epoch,
+            members=members,
+            leaders=leads,
+            standby=[],
+            level="inner" if inner else "outer",
+            cluster=phase.cluster,
+        )
         if inner and phase.reason != "round start":
-            log.event("cluster_reform", cluster=phase.cluster, round=self.r, epoch=phase.epoch,
-                      members=sorted(phase.calls), reason=phase.reason)
+            log.event(
+                "cluster_reform",
+                cluster=phase.cluster,
+                round=self.r,
+                epoch=phase.epoch,
+                members=sorted(phase.calls),
+                reason=phase.reason,
+            )
 
     def answered(self, phase: Phase, answer: PhaseAnswer) -> None:
         """One call's answer (the replica's, or the one the runner made of Ray's error for it)."""
@@ -152,7 +179,9 @@ class RoundRecord:
         if kind is CallKind.OUTER_REDUCE:
             self.outer_bytes += value.get("outer_bytes", 0)
             self.outer_link_s[phase.id] = max(self.outer_link_s.get(phase.id, 0.0), value.get("outer_link_s", 0.0))
-            self.reduce_overlapped[phase.id] = self.reduce_overlapped.get(phase.id, True) and bool(value.get("overlapped"))
+            self.reduce_overlapped[phase.id] = self.reduce_overlapped.get(phase.id, True) and bool(
+                value.get("overlapped")
+            )
         if kind is CallKind.OUTER_COMMIT and outcome == Outcome.DONE:
             self.inner_bytes += value.get("inner_bytes", 0)
             self.commit_digests[rid] = value["digest"]
@@ -162,10 +191,16 @@ class RoundRecord:
         if outcome == Outcome.NON_FINITE:
             self.non_finite_what.setdefault(rid, answer.what)  # logged once per cluster
         elif outcome not in (Outcome.DONE, Outcome.DIED, Outcome.YIELDED):
-            self.log.event("collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
-                           rid=rid, phase=kind.record, round=self.r, cluster=phase.cluster,
-                           outcome=outcome.value, detail=answer.error[:300],
-                           **({"error_kind": answer.error_kind.value} if answer.error_kind else {}))
+            self.log.event(
+                "collective_failed" if outcome == Outcome.COLLECTIVE_FAILED else "replica_error",
+                rid=rid,
+                phase=kind.record,
+                round=self.r,
+                cluster=phase.cluster,
+                outcome=outcome.value,
+                detail=answer.error[:300],
+                **({"error_kind": answer.error_kind.value} if answer.error_kind else {}),
+            )
 
     def phase_ended(self, ended: PhaseEnded) -> None:
         phase, seconds = ended.phase, max(0.0, ended.ended - ended.started)
@@ -173,16 +208,32 @@ class RoundRecord:
         failed = {rid: how.split(": ", 1) for rid, how in ended.answers.items() if how not in ("done", "yielded")}
         ok = sorted(rid for rid, how in ended.answers.items() if how == "done")
         yielded = sorted(rid for rid, how in ended.answers.items() if how == "yielded")
-        self.log.event("phase_end", phase=phase.kind.record, round=self.r, cluster=phase.cluster,
-                       seconds=seconds, ok=ok, failed=failed, **({"yielded": yielded} if yielded else {}))
+        self.log.event(
+            "phase_end",
+            phase=phase.kind.record,
+            round=self.r,
+            cluster=phase.cluster,
+            seconds=seconds,
+            ok=ok,
+            failed=failed,
+            **({"yielded": yielded} if yielded else {}),
+        )
         key, work_s = phase.kind.seconds_key, seconds - join_s
         self.seconds[key] = max(self.seconds[key], work_s) if key == "inner" else self.seconds[key] + work_s
         self.seconds["heal_configure"] += join_s
         if phase.kind is CallKind.HEAL:
             for rid in ok:
                 heal, (nbytes, transport) = phase.calls[rid], self.heals_done.get(rid, (None, "object_store"))
-                self.log.event("heal_end", target=rid, source=heal.source, scope=heal.scope, seconds=seconds, bytes=nbytes,
-                               gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None, transport=transport)
+                self.log.event(
+                    "heal_end",
+                    target=rid,
+                    source=heal.source,
+                    scope=heal.scope,
+                    seconds=seconds,
+                    bytes=nbytes,
+                    gbps=round(nbytes * 8 / 1e9 / seconds, 4) if nbytes and seconds else None,
+                    transport=transport,
+                )
         if not failed and phase.kind in (CallKind.OUTER_REDUCE, CallKind.OUTER_COMMIT):
             self.clock.observe(phase.kind.record, work_s, 1)
         steps_run = self.steps_run.pop(phase.id, 0)
@@ -194,14 +245,23 @@ class RoundRecord:
         if phase.kind is CallKind.RUN_INNER and failed:
             self.attempts += 1
 
-    def non_finite(self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool) -> None:
+    def non_finite(
+        self, void: dict[int, NonFinite], out: set[int], benched_now: dict[int, str], *, final: bool
+    ) -> None:
         """One `non_finite` per void cluster and round after its phase (`rids`: its reporters); a benched one warns."""
         for c, nf in void.items():
             if c not in self.logged_void and (final or c in out):
                 self.logged_void.add(c)
-                self.log.event("non_finite", rid=nf.rids[0], rids=list(nf.rids), cluster=c, round=self.r,
-                               phase=nf.phase.record, what=self.non_finite_what.get(nf.rids[0], ""),
-                               detail=nf.detail[:300])
+                self.log.event(
+                    "non_finite",
+                    rid=nf.rids[0],
+                    rids=list(nf.rids),
+                    cluster=c,
+                    round=self.r,
+                    phase=nf.phase.record,
+                    what=self.non_finite_what.get(nf.rids[0], ""),
+                    detail=nf.detail[:300],
+                )
         for c, reason in benched_now.items():
             if c not in self.logged_benched:
                 self.logged_benched.add(c)

@@ -17,12 +17,14 @@ are back (Up), reads deaths and restarts from Ray's actor table (Lost; an idle r
 whether it runs, every IDLE_POLL_S, only while the table does not list its actor) and ticks the
 machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -31,8 +33,23 @@ from actors.hang import kill_hung
 from actors.heals import Heals
 from actors.replica_calls import FETCH_S, call, progress_board, up
 from actors.round_record import RoundRecord
-from hsgd.core.round import (AbortJoin, Answer, CallKind, Kill, Lost, Outcome, Phase, PhaseAnswer, PhaseEnded,
-                             Progress, Reap, RoundMachine, StepTimed, Yield, raised)
+from hsgd.core.round import (
+    AbortJoin,
+    Answer,
+    CallKind,
+    Kill,
+    Lost,
+    Outcome,
+    Phase,
+    PhaseAnswer,
+    PhaseEnded,
+    Progress,
+    Reap,
+    RoundMachine,
+    StepTimed,
+    Yield,
+    raised,
+)
 from hsgd.train.comm import abort_rendezvous
 
 TICK_S = 0.5  # how often the machine's clock ticks and in-flight replicas are asked for progress
@@ -43,6 +60,7 @@ STATUS_MIN_S = 0.1  # status.json is rewritten at most this often (it is O(repli
 @dataclass
 class RunnerPorts:
     """What a round's runner, actors/checkpointing.py and the final heal may touch: never the supervisor itself."""
+
     roster: Any
     log: Any
     injector: Any
@@ -68,8 +86,9 @@ class RoundRunner:
         self.calls: dict[Any, tuple[int, str]] = {}  # ref -> call id (phase id, rid)
         self.probes: dict[Any, tuple[str, str, int | None]] = {}  # ref -> (progress | up | idle, rid, pid asked)
         self.record = RoundRecord(self.r, ports.log, ports.clock)
-        self.heals = Heals(ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id,
-                           round_index=self.r)
+        self.heals = Heals(
+            ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id, round_index=self.r
+        )
         self.board = progress_board(ports, list(ports.roster.handles))  # None: progress asked by calls
         self.deaths_logged = 0  # how many of the machine's `deaths` are logged
         self.phase = "starting"  # what the status shows (the view's phase)
@@ -80,14 +99,19 @@ class RoundRunner:
         last_tick = last_idle = last_status = 0.0
         while not m.done:
             waiting = list(self.calls) + list(self.probes) + self.heals.watched()
-            ready = ray.wait(waiting, num_returns=1, timeout=TICK_S, fetch_local=False)[0] if waiting \
+            ready = (
+                ray.wait(waiting, num_returns=1, timeout=TICK_S, fetch_local=False)[0]
+                if waiting
                 else time.sleep(TICK_S) or []
+            )
             if ready and len(waiting) > 1:  # and every other answer already in: the machine takes them at once
                 ready = ray.wait(waiting, num_returns=len(waiting), timeout=0, fetch_local=False)[0]
             seen = [o for ref in ready for o in self._read(ref)]
             self._carry_out(m.observe_all(seen, time.monotonic()) if seen else [])
             now = time.monotonic()
-            if now - last_tick >= (TICK_S if not any(getattr(o, "outcome", None) == Outcome.COLLECTIVE_FAILED for o in seen) else 0.05):
+            if now - last_tick >= (
+                TICK_S if not any(getattr(o, "outcome", None) == Outcome.COLLECTIVE_FAILED for o in seen) else 0.05
+            ):
                 last_tick, idle = now, now - last_idle >= IDLE_POLL_S
                 self._carry_out(m.observe_all(self._ask(idle=idle), now))
                 last_idle = now if idle else last_idle
@@ -95,8 +119,9 @@ class RoundRunner:
                     roster.spares.check(self.p.log)
                 for rid in roster.deaths(m.progress, self.r, self.phase):  # Ray's actor table
                     if rid not in m.calls.busy:  # no call would ever have said so
-                        self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
-                                         detail="died while idle (Ray's actor table)")
+                        self.p.log.event(
+                            "idle_replica_lost", rid=rid, round=self.r, detail="died while idle (Ray's actor table)"
+                        )
                     self._carry_out(m.observe(Lost(rid, "died"), now))
                 self._carry_out(m.tick(now))
             self._log_deaths()
@@ -127,13 +152,26 @@ class RoundRunner:
             elif isinstance(e, Reap):  # not killed: a kill now could hit the process Ray is starting
                 p.log.event("presumed_dead", rid=e.rid, reason=e.reason)
             elif isinstance(e, Yield):
-                p.log.event("yield_requested", cluster=e.cluster, round=self.r, reason=e.reason, at_step=e.at_step,
-                            replicas=sorted(e.rids))
+                p.log.event(
+                    "yield_requested",
+                    cluster=e.cluster,
+                    round=self.r,
+                    reason=e.reason,
+                    at_step=e.at_step,
+                    replicas=sorted(e.rids),
+                )
                 for rid in e.rids:
                     p.roster.handles[rid].request_yield.remote(e.epoch, e.round, e.at_step)  # control channel
             elif isinstance(e, AbortJoin):
-                p.log.event("join_aborted", cluster=e.cluster, round=self.r, epoch=e.epoch, prefix=e.prefix,
-                            dead=list(e.dead), reason=e.reason)
+                p.log.event(
+                    "join_aborted",
+                    cluster=e.cluster,
+                    round=self.r,
+                    epoch=e.epoch,
+                    prefix=e.prefix,
+                    dead=list(e.dead),
+                    reason=e.reason,
+                )
                 abort_rendezvous(p.store, p.store_addr, f"{p.run_id}/{e.prefix}", e.reason)
             else:
                 raise TypeError(f"not an effect: {e!r}")
@@ -146,8 +184,11 @@ class RoundRunner:
             p.injector.supervisor_faults(self.r, kind.record)
         fault_phases = kind.fault_phases + (("join",) if phase.forms_group else ())
         involved = set(phase.calls) | {c.source for c in phase.calls.values() if kind is CallKind.HEAL}
-        armed = p.injector.arm(self.r, fault_phases, self.m.plan(), only=involved, handles=p.roster.handles) \
-            if p.injector.pending(self.r, fault_phases) else {}
+        armed = (
+            p.injector.arm(self.r, fault_phases, self.m.plan(), only=involved, handles=p.roster.handles)
+            if p.injector.pending(self.r, fault_phases)
+            else {}
+        )
         self.record.phase_begun(phase, self.m.leaders, self.m.cluster_of)
         if phase.forms_group:
             p.save_epoch(phase.epoch)  # before the group is used: a successor never reuses an epoch
@@ -177,8 +218,10 @@ class RoundRunner:
             answer = PhaseAnswer.read(ray.get(ref, timeout=FETCH_S))
         except Exception as err:  # noqa: BLE001 — whose failure is it? (messages.raised)
             heal = flight is not None and flight.phase.kind is CallKind.HEAL
-            outcome = raised(actor_gone=isinstance(err, RayActorError),  # died or unavailable
-                             source_failed=heal and self.heals.source_failed(phase_id, rid))
+            outcome = raised(
+                actor_gone=isinstance(err, RayActorError),  # died or unavailable
+                source_failed=heal and self.heals.source_failed(phase_id, rid),
+            )
             detail = type(err).__name__ if outcome == Outcome.DIED else f"{type(err).__name__}: {str(err)[-300:]}"
             answer = PhaseAnswer(rid, outcome, error=detail)
             if outcome == Outcome.ERROR:  # the replica raised: killed, restarted clean
@@ -195,12 +238,19 @@ class RoundRunner:
         board = self.board.read([rid for what, rid in probes if what == "progress"]) if self.board else None
         asked = {rid for _, rid, _ in self.probes.values()}
         for what, rid in probes:  # an idle one's death or restart shows in the actor table, read every tick
-            if rid in asked or (what == "idle" and roster.table_tells(rid)) or (what == "progress" and board is not None):
+            if (
+                rid in asked
+                or (what == "idle" and roster.table_tells(rid))
+                or (what == "progress" and board is not None)
+            ):
                 continue
             asked.add(rid)
             self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
-        return [Progress(rid, step) for rid, (r, step, pid) in (board or {}).items()
-                if r == self.r and pid == roster.pids.get(rid) and step >= self.m.progress.get(rid, (r, step))[1]]
+        return [
+            Progress(rid, step)
+            for rid, (r, step, pid) in (board or {}).items()
+            if r == self.r and pid == roster.pids.get(rid) and step >= self.m.progress.get(rid, (r, step))[1]
+        ]
 
     def _probe_answer(self, ref) -> list:
         what, rid, known_pid = self.probes.pop(ref)
@@ -210,7 +260,9 @@ class RoundRunner:
             return []
         except RayActorError as err:  # its process is gone (the actor table reports the death too)
             if what == "idle" and rid in self.m.progress and self.p.roster.pids.get(rid) == known_pid:
-                self.p.log.event("idle_replica_lost", rid=rid, round=self.r, detail=f"died while idle ({type(err).__name__})")
+                self.p.log.event(
+                    "idle_replica_lost", rid=rid, round=self.r, detail=f"died while idle ({type(err).__name__})"
+                )
                 return [Lost(rid, "died")]
             return []
         except Exception:  # noqa: BLE001 — no answer in time is no sign of life: the machine's limits decide
@@ -222,8 +274,12 @@ class RoundRunner:
         if what == "idle":
             if known_pid is None or answer.get("pid") == known_pid or rid not in self.m.progress:
                 return []  # the same process: alive
-            self.p.log.event("idle_replica_lost", rid=rid, round=self.r,
-                             detail=f"restarted while idle (pid {known_pid} -> {answer.get('pid')})")
+            self.p.log.event(
+                "idle_replica_lost",
+                rid=rid,
+                round=self.r,
+                detail=f"restarted while idle (pid {known_pid} -> {answer.get('pid')})",
+            )
             self.p.roster.note_up(rid, answer)
             return [Lost(rid, "died"), up(rid, answer)]  # it died unseen, and is back
         self.p.roster.note_up(rid, answer)
@@ -233,11 +289,16 @@ class RoundRunner:
         """Each death the machine took in is logged once (with its incarnation, unless Ray's actor
         table showed it first); with hot spares, a ready one takes over the dead one's id."""
         roster = self.p.roster
-        for rid, cause in self.m.deaths[self.deaths_logged:]:
+        for rid, cause in self.m.deaths[self.deaths_logged :]:
             self.deaths_logged += 1
             roster.died(rid, cause, self.phase, self.r)
-            self.heals.release_groups_of(rid, cause, partial(abort_rendezvous, self.p.store, self.p.store_addr),
-                                         cluster=self.m.cluster_of(rid), epoch=self.m.epoch)
+            self.heals.release_groups_of(
+                rid,
+                cause,
+                partial(abort_rendezvous, self.p.store, self.p.store_addr),
+                cluster=self.m.cluster_of(rid),
+                epoch=self.m.epoch,
+            )
             if roster.spares and rid not in self.m.progress and (answer := roster.promote_spare(rid)) is not None:
                 self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
                 roster.note_up(rid, answer)
@@ -245,6 +306,10 @@ class RoundRunner:
 
     def _status(self) -> None:
         m, self.phase = self.m, self.m.view_phase
-        self.p.set_status(epoch=m.epoch, phase=self.phase, round=self.r,
-                          members={f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
-                          leaders={f"c{c}": r for c, r in m.leaders.items()})
+        self.p.set_status(
+            epoch=m.epoch,
+            phase=self.phase,
+            round=self.r,
+            members={f"c{c}": list(m.members(c)) for c in m.participating() if m.members(c)},
+            leaders={f"c{c}": r for c, r in m.leaders.items()},
+        )

@@ -65,25 +65,43 @@ its start-up calls to them in flight, and a kill there would fail its start) and
 event its predecessor decided but did not live to log. No requests folder: one directory check
 per round, nothing else.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import ray
 from omegaconf import OmegaConf
 
 from actors.roster import lookup, replica_actor_name, restarts_exhausted
 from hsgd.core.round import current_round
-from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, SiteRequest, abandoned, add_site_problem,
-                                     applied_sites, cluster_index, decide, drained, joined, joined_topology,
-                                     mark_abandoned, mark_done, mark_joined, next_cluster, outcomes, pending,
-                                     widened_sites)
+from hsgd.core.site_requests import (
+    APPLIED,
+    REFUSED,
+    Decision,
+    SiteRequest,
+    abandoned,
+    add_site_problem,
+    applied_sites,
+    cluster_index,
+    decide,
+    drained,
+    joined,
+    joined_topology,
+    mark_abandoned,
+    mark_done,
+    mark_joined,
+    next_cluster,
+    outcomes,
+    pending,
+    widened_sites,
+)
 from hsgd.core.topology import Topology, topology_of
 from hsgd.record.rundir import atomic_write_text, call_with_deadline, write_deadline_s
 
@@ -106,8 +124,13 @@ def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> To
     drained (a restarted supervisor's), up to the first other one (a resumed run starts it and those
     after it again, in order: `SiteChanges`)."""
     done = outcomes(run_dir)
-    return joined_topology(topology_of(cfg, replica_indices), done, joined(run_dir, run_id), drained(done),
-                           abandoned(run_dir) if done else {})
+    return joined_topology(
+        topology_of(cfg, replica_indices),
+        done,
+        joined(run_dir, run_id),
+        drained(done),
+        abandoned(run_dir) if done else {},
+    )
 
 
 def site_group_name(run_id: str, cluster: int) -> str:
@@ -153,6 +176,7 @@ def stop_joined_sites(run_dir: str, run_id: str) -> None:
 @dataclass
 class Joining:
     """An applied site whose replicas were started and are not all up yet."""
+
     request_id: str
     cluster: int
     topology: Topology  # the run's topology with it
@@ -168,8 +192,17 @@ class Joining:
 
 
 class SiteChanges:
-    def __init__(self, cfg, run_dir: str, topology: Topology, roster, log, state=None, save=lambda: None,
-                 resume_round: int | None = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str,
+        topology: Topology,
+        roster,
+        log,
+        state=None,
+        save=lambda: None,
+        resume_round: int | None = None,
+    ):
         """`log`: the RunLog; its events are read only when outcomes exist (a predecessor's
         `site_request` events are not logged twice). `state`: the durable RunState (run id, index
         table, identity map) and `save` its writer: an add-site's fresh indices are saved there.
@@ -219,8 +252,9 @@ class SiteChanges:
         outcome is on disk) and costs a warning, never the run."""
         self._stop_set_aside()
         try:
-            requests = [] if self.taken_over else self._io(lambda: pending(self.run_dir, self.done),
-                                                           "listing site requests")
+            requests = (
+                [] if self.taken_over else self._io(lambda: pending(self.run_dir, self.done), "listing site requests")
+            )
             self.taken_over = False
             for request in requests:  # no folder: one directory check, nothing else
                 self._apply(request, round_index)
@@ -228,8 +262,12 @@ class SiteChanges:
                 self._take_in(self.joining, round_index)
         except OSError as err:
             with contextlib.suppress(Exception):
-                print(f"[hsgd] site requests not read at round {round_index} (retried next round): "
-                      f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                print(
+                    f"[hsgd] site requests not read at round {round_index} (retried next round): "
+                    f"{type(err).__name__}: {err}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self._note_commits(round_index)
         return self.topology
 
@@ -249,14 +287,24 @@ class SiteChanges:
         order: round, kind, cluster; an add-site also `joined`: the round at whose start it took part,
         null if it never did) when there was one; with none, exactly Topology.describe()."""
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
-        history = [{"round": d.get("round"), "kind": d.get("kind"), "cluster": d.get("cluster"),
-                    **({"joined": (self.joined.get(d.get("id")) or {}).get("round")} if d.get("kind") == "add-site"
-                       else {}),
-                    **({"abandoned": self.abandoned[d["id"]].get("round")} if d.get("id") in self.abandoned else {})}
-                   for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
-                   if d.get("outcome") == APPLIED]  # every join and drain, in order
-        return {**self.topology.describe(), **({"drained": drained_at} if drained_at else {}),
-                **({"history": history} if history else {})}
+        history = [
+            {
+                "round": d.get("round"),
+                "kind": d.get("kind"),
+                "cluster": d.get("cluster"),
+                **(
+                    {"joined": (self.joined.get(d.get("id")) or {}).get("round")} if d.get("kind") == "add-site" else {}
+                ),
+                **({"abandoned": self.abandoned[d["id"]].get("round")} if d.get("id") in self.abandoned else {}),
+            }
+            for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
+            if d.get("outcome") == APPLIED
+        ]  # every join and drain, in order
+        return {
+            **self.topology.describe(),
+            **({"drained": drained_at} if drained_at else {}),
+            **({"history": history} if history else {}),
+        }
 
     def _decide_add(self, request: SiteRequest) -> Decision:
         """An add-site's decision (see the module docstring): applied, or refused with its reason."""
@@ -264,27 +312,43 @@ class SiteChanges:
             return Decision(REFUSED, request.problem, None)
         new = next_cluster(self.topology.clusters, self.done, self.abandoned)
         if self.joining is not None:
-            return Decision(REFUSED, f"add-site c{new}: site c{self.joining.cluster} is still starting; ask again "
-                                     f"once it joined (one site starts at a time)", None)
+            return Decision(
+                REFUSED,
+                f"add-site c{new}: site c{self.joining.cluster} is still starting; ask again "
+                f"once it joined (one site starts at a time)",
+                None,
+            )
         try:
             nodes, free, need = cluster_resources(self.cfg)
         except Exception as err:  # noqa: BLE001 — Ray's tables unreadable: refused, the run goes on
-            return Decision(REFUSED, f"add-site c{new}: cannot read the Ray cluster's nodes: "
-                                     f"{type(err).__name__}: {err}".splitlines()[0], None)
+            return Decision(
+                REFUSED,
+                f"add-site c{new}: cannot read the Ray cluster's nodes: {type(err).__name__}: {err}".splitlines()[0],
+                None,
+            )
         problem = add_site_problem(request, nodes=nodes, free=free, need=need, new_cluster=new)
         if problem is not None:
             return Decision(REFUSED, problem, None)
         where = f"label {request.label!r}" if request.label is not None else "a placement group of its own"
-        return Decision(APPLIED, f"add-site c{new}: {request.replicas} replica(s) starting ({where}); the site "
-                                 f"joins at the first round's start after all answer up", new)
+        return Decision(
+            APPLIED,
+            f"add-site c{new}: {request.replicas} replica(s) starting ({where}); the site "
+            f"joins at the first round's start after all answer up",
+            new,
+        )
 
     def _apply(self, request: SiteRequest, round_index: int) -> None:
         if request.kind == "add-site":
             decision = self._decide_add(request)
         else:
             live = {self.topology.cluster_of(rid) for rid in self.roster.live} - set(self.drained)
-            decision = decide(request, clusters=self.topology.clusters, drained_clusters=self.drained,
-                              min_clusters=int(self.cfg.supervisor.min_clusters), live_clusters=live)
+            decision = decide(
+                request,
+                clusters=self.topology.clusters,
+                drained_clusters=self.drained,
+                min_clusters=int(self.cfg.supervisor.min_clusters),
+                live_clusters=live,
+            )
         # before the effect: applied once (an OSError here leaves it pending, nothing done)
         record = self._io(lambda: mark_done(self.run_dir, request, decision, round_index), "recording a site request")
         self.done[request.id] = record
@@ -312,13 +376,26 @@ class SiteChanges:
         backends = self._backends()
         container = OmegaConf.to_container(self.cfg, resolve=True)  # its replicas' config names the site
         container["topology"]["sites"] = widened_sites(list(container["topology"].get("sites") or []), widened)
-        options = site_options(self.cfg, 1.0 if "nccl" in backends.values() else 0.0, n, record.get("label"),
-                               site_group_name(self.run_id, c))
+        options = site_options(
+            self.cfg,
+            1.0 if "nccl" in backends.values() else 0.0,
+            n,
+            record.get("label"),
+            site_group_name(self.run_id, c),
+        )
         members = widened.cluster_members(c)
 
         def make(rid: str):
-            return start_replica(container, replica_actor_name(self.run_id, rid), options[members.index(rid)], rid,
-                                 self.run_dir, backends, index_table=dict(widened.index_table), lifetime="detached")
+            return start_replica(
+                container,
+                replica_actor_name(self.run_id, rid),
+                options[members.index(rid)],
+                rid,
+                self.run_dir,
+                backends,
+                index_table=dict(widened.index_table),
+                lifetime="detached",
+            )
 
         handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
         self.joining = Joining(record["id"], c, widened, handles, make)
@@ -332,7 +409,8 @@ class SiteChanges:
             if c in self.drained:
                 if c == self.topology.clusters:
                     self.topology = self.roster.topology = self.topology.with_site(
-                        int(record["replicas"]), label=record.get("label"), name=record.get("name"))
+                        int(record["replicas"]), label=record.get("label"), name=record.get("name")
+                    )
                     self._stop(c, now=False)
                 continue
             self._start(record)
@@ -346,16 +424,20 @@ class SiteChanges:
         read, or a load that fails: that replica heals from the global state when it joins."""
         from hsgd.train import checkpoint
 
-        directory = checkpoint.join_url(checkpoint.root_url(self.cfg.checkpoint.dir, self.run_dir),
-                                        checkpoint.round_dir_name(resume_round))
+        directory = checkpoint.join_url(
+            checkpoint.root_url(self.cfg.checkpoint.dir, self.run_dir), checkpoint.round_dir_name(resume_round)
+        )
         try:
             manifest = self._io(lambda: checkpoint.read_manifest(directory), "reading the resumed checkpoint")
         except Exception as err:  # noqa: BLE001 — the site still joins, healed
             self._say(f"site c{joining.cluster}: {directory} not read ({type(err).__name__}: {err}); it heals instead")
             return
         fmt = checkpoint.format_of(manifest)
-        joining.loading = {rid: handle.load_checkpoint.remote(directory, manifest["files"][rid], None, fmt)
-                           for rid, handle in joining.handles.items() if rid in manifest["files"]}
+        joining.loading = {
+            rid: handle.load_checkpoint.remote(directory, manifest["files"][rid], None, fmt)
+            for rid, handle in joining.handles.items()
+            if rid in manifest["files"]
+        }
         joining.wait_s = float(self.cfg.supervisor.phase_timeout_s)
 
     def _backends(self) -> dict:
@@ -377,9 +459,13 @@ class SiteChanges:
             return
         floor = joining.topology.min_replicas_of(joining.cluster, int(self.cfg.supervisor.min_replicas_per_cluster))
         if len(joining.up) < floor:
-            self._abandon(joining, round_index, f"{len(joining.up)} of {len(joining.handles)} replica(s) up, below "
-                                                f"its floor of {floor}: {', '.join(sorted(joining.lost))} died for "
-                                                f"good after {joining.recreated} re-creation(s)")
+            self._abandon(
+                joining,
+                round_index,
+                f"{len(joining.up)} of {len(joining.handles)} replica(s) up, below "
+                f"its floor of {floor}: {', '.join(sorted(joining.lost))} died for "
+                f"good after {joining.recreated} re-creation(s)",
+            )
             return
         roster, name = self.roster, f"c{joining.cluster}"
         for rid, handle in joining.handles.items():  # the identity map first: a successor's roster finds them
@@ -391,7 +477,8 @@ class SiteChanges:
         self.save()
         self.joined[joining.request_id] = self._io(
             lambda: mark_joined(self.run_dir, joining.request_id, name, round_index, self.run_id),
-            "recording a site's join")
+            "recording a site's join",
+        )
         try:  # run.json lists them too (drills, jobs.diagnose); a failure there costs the join nothing
             self._io(lambda: note_in_run_json(self.run_dir, self.run_id), "listing a site's replicas in run.json")
         except Exception as err:  # noqa: BLE001
@@ -402,13 +489,19 @@ class SiteChanges:
         self.joining = None
         self._next_queued()  # a resumed run's next added site, if any
         seconds = time.monotonic() - joining.started
-        self.log.event("site_up", cluster=name, round=round_index, replicas=sorted(joining.up),
-                       seconds=round(seconds, 3))
+        self.log.event(
+            "site_up", cluster=name, round=round_index, replicas=sorted(joining.up), seconds=round(seconds, 3)
+        )
         without = f"; without {', '.join(sorted(joining.lost))} (died for good)" if joining.lost else ""
-        how = ("as it left off (the resumed checkpoint)" if all(a["round"] >= round_index for a in joining.up.values())
-               else "healed from the global state")
-        self._say(f"site {name} up ({len(joining.up)} replica(s), {seconds:.1f} s after it was applied{without}): "
-                  f"it joins at round {round_index}'s start, {how}")
+        how = (
+            "as it left off (the resumed checkpoint)"
+            if all(a["round"] >= round_index for a in joining.up.values())
+            else "healed from the global state"
+        )
+        self._say(
+            f"site {name} up ({len(joining.up)} replica(s), {seconds:.1f} s after it was applied{without}): "
+            f"it joins at round {round_index}'s start, {how}"
+        )
 
     def _ask_up(self, joining: Joining) -> None:
         """One look at the starting replicas, never waiting: an answer up (built, idle) is kept; one
@@ -446,8 +539,10 @@ class SiteChanges:
                 try:
                     ray.get(ref, timeout=1.0)
                 except Exception as err:  # noqa: BLE001 — its own failure (or death: seen when asked)
-                    self._say(f"site c{joining.cluster}: {rid} did not load the resumed checkpoint "
-                              f"({type(err).__name__}); it heals from the global state")
+                    self._say(
+                        f"site c{joining.cluster}: {rid} did not load the resumed checkpoint "
+                        f"({type(err).__name__}); it heals from the global state"
+                    )
 
     def _recreate(self, joining: Joining, rid: str) -> None:
         """rid died for good before it was up: a new actor under its name, or lost once the site's
@@ -455,12 +550,16 @@ class SiteChanges:
         bound = int(self.cfg.faults.max_restarts)
         if joining.recreated >= bound:
             joining.lost.add(rid)
-            self._say(f"site c{joining.cluster}: {rid} died for good before it was up; the site's {bound} "
-                      f"re-creation(s) are spent, it joins without it if enough are up")
+            self._say(
+                f"site c{joining.cluster}: {rid} died for good before it was up; the site's {bound} "
+                f"re-creation(s) are spent, it joins without it if enough are up"
+            )
             return
         joining.recreated += 1
-        self._say(f"site c{joining.cluster}: {rid} died for good before it was up; started again under its name "
-                  f"(re-creation {joining.recreated} of {bound})")
+        self._say(
+            f"site c{joining.cluster}: {rid} died for good before it was up; started again under its name "
+            f"(re-creation {joining.recreated} of {bound})"
+        )
         try:
             joining.handles[rid] = joining.make(rid)
         except Exception as err:  # noqa: BLE001 — the name still held, no room: the next look tries again
@@ -480,7 +579,8 @@ class SiteChanges:
             remove_site_group(site_group_name(self.run_id, joining.cluster))
         self.abandoned[joining.request_id] = self._io(
             lambda: mark_abandoned(self.run_dir, joining.request_id, name, round_index, reason, self.run_id),
-            "recording an abandoned site")
+            "recording an abandoned site",
+        )
         self.joining = None
         self._next_queued()  # (a resumed run's later site: started only if its index is now the next)
         self.log.event("site_abandoned", cluster=name, round=round_index, reason=reason)
@@ -505,8 +605,11 @@ class SiteChanges:
             name, joined_at = record["cluster"], (self.joined.get(record["id"]) or {}).get("round")
             if joined_at is None or name in self.committed or cluster_index(name) >= self.topology.clusters:
                 continue
-            members = [rid for rid in self.topology.cluster_members(cluster_index(name))
-                       if self.roster.live.get(rid, (-1, 0))[0] > joined_at and self.roster.live[rid][0] >= round_index]
+            members = [
+                rid
+                for rid in self.topology.cluster_members(cluster_index(name))
+                if self.roster.live.get(rid, (-1, 0))[0] > joined_at and self.roster.live[rid][0] >= round_index
+            ]
             if members:
                 self.committed.add(name)
                 self.log.event("site_committed", cluster=name, round=round_index - 1, replicas=members)
@@ -541,8 +644,19 @@ class SiteChanges:
         self.to_stop = []
 
     def _report(self, record: dict) -> None:
-        self.log.event("site_request", id=record.get("id"), kind=record.get("kind"), cluster=record.get("cluster"),
-                       outcome=record.get("outcome"), reason=record.get("reason"), round=record.get("round"))
+        self.log.event(
+            "site_request",
+            id=record.get("id"),
+            kind=record.get("kind"),
+            cluster=record.get("cluster"),
+            outcome=record.get("outcome"),
+            reason=record.get("reason"),
+            round=record.get("round"),
+        )
         with contextlib.suppress(Exception):  # a console that fails must not stop the run
-            print(f"[hsgd] site request {record.get('id')}: {record.get('outcome')} at round {record.get('round')}: "
-                  f"{record.get('reason')}", file=sys.stderr, flush=True)
+            print(
+                f"[hsgd] site request {record.get('id')}: {record.get('outcome')} at round {record.get('round')}: "
+                f"{record.get('reason')}",
+                file=sys.stderr,
+                flush=True,
+            )

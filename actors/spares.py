@@ -4,10 +4,12 @@ the dead actor's restart is told to `become_spare`, refilling the pool. The pool
 supervisor's durable state. A ready spare is asked nothing more: once ActorWatch sees it die, it
 leaves `ready` until it answers again as a warm spare.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
 

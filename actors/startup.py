@@ -6,11 +6,12 @@ try; one still away then is left out (taken in when back) where its cluster keep
 `supervisor.min_replicas_per_cluster`, else the run fails (exit 1). Only a live replica's answer
 (or its own exception) can be a config error (exit 2).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import ray
 from omegaconf import OmegaConf, open_dict
@@ -39,8 +40,10 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
     point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False)
     if point.path is None:
         why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
-        raise ConfigError("train.resume", f"no usable checkpoint under {root}{why}; "
-                                          f"pass run.dir=<the run to resume> (and its checkpoint.dir)")
+        raise ConfigError(
+            "train.resume",
+            f"no usable checkpoint under {root}{why}; pass run.dir=<the run to resume> (and its checkpoint.dir)",
+        )
     saved = recorded(point.manifest or {})
     if adopt and any(key in saved for key in adopt):
         with open_dict(cfg):
@@ -50,8 +53,11 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
         diff = checkpoint.fingerprint_diff((point.manifest or {}).get("fingerprint"), checkpoint.fingerprint(cfg))
         point = replace(point, config_diff=tuple(diff))
     if point.config_diff:
-        raise ConfigError("train.resume", f"checkpoint {point.path} was written with another config, "
-                                          f"and a resume may not change {'; '.join(point.config_diff)}")
+        raise ConfigError(
+            "train.resume",
+            f"checkpoint {point.path} was written with another config, "
+            f"and a resume may not change {'; '.join(point.config_diff)}",
+        )
     return point
 
 
@@ -60,22 +66,34 @@ def start_replica(container: dict, name: str, options: dict, *args, index_table:
     `lifetime="detached"`: it outlives its creator (a site added by the supervisor); its other ranks
     (k > 1) are its own actors, with `options` only, so they go with it."""
     k = ranks_per_replica(OmegaConf.create(container))  # k > 1: its other ranks get the same options
-    return Replica.options(name=name, max_restarts=container["faults"]["max_restarts"], max_task_retries=0,
-                           **({"lifetime": lifetime} if lifetime else {}), **options).remote(
-        container, *args, index_table=index_table, rank_options=options if k > 1 else None)
+    return Replica.options(
+        name=name,
+        max_restarts=container["faults"]["max_restarts"],
+        max_task_retries=0,
+        **({"lifetime": lifetime} if lifetime else {}),
+        **options,
+    ).remote(container, *args, index_table=index_table, rank_options=options if k > 1 else None)
 
 
-def start_replicas(cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict,
-                   backends: dict) -> tuple[dict, dict]:
+def start_replicas(
+    cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict, backends: dict
+) -> tuple[dict, dict]:
     """The replica actors (rid -> handle) and the hot spares (name -> handle), after them in the bundles."""
+
     def start(name: str, c: int, i: int, *args):
         return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
 
-    replicas = {rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
-                for rid in topo.replica_ids()}
-    spares = {spare_actor_name(run_id, c, k): start(spare_actor_name(run_id, c, k), c, topo.size(c) + k, f"c{c}r0",
-                                                    run_dir, backends, True)
-              for c in range(topo.clusters) for k in range(cfg.topology.spares_per_cluster)}
+    replicas = {
+        rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
+        for rid in topo.replica_ids()
+    }
+    spares = {
+        spare_actor_name(run_id, c, k): start(
+            spare_actor_name(run_id, c, k), c, topo.size(c) + k, f"c{c}r0", run_dir, backends, True
+        )
+        for c in range(topo.clusters)
+        for k in range(cfg.topology.spares_per_cluster)
+    }
     return replicas, spares
 
 
@@ -122,12 +140,16 @@ class StartupCalls:
         for c in range(self.topology.clusters):
             floor = self.topology.min_replicas_of(c, self.cfg.min_replicas_per_cluster)
             if len(set(self.topology.cluster_members(c)) - away) < floor:
-                raise RuntimeError(f"start-up: {', '.join(sorted(away))} did not come back within "
-                                   f"{self.cfg.call_timeout_s:g} s (supervisor.call_timeout_s) and cluster c{c} is "
-                                   f"below {self.topology.floor_field(c)}={floor}")
+                raise RuntimeError(
+                    f"start-up: {', '.join(sorted(away))} did not come back within "
+                    f"{self.cfg.call_timeout_s:g} s (supervisor.call_timeout_s) and cluster c{c} is "
+                    f"below {self.topology.floor_field(c)}={floor}"
+                )
         if away:
-            print(f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; "
-                  f"taken in when back)", flush=True)
+            print(
+                f"[hsgd] starting without {', '.join(sorted(away))} (lost during start-up; taken in when back)",
+                flush=True,
+            )
         return answers, errors
 
     def check_reach(self, root: str, run_id: str, handles: dict, faults: dict) -> None:
@@ -136,19 +158,26 @@ class StartupCalls:
         try:
             url, nonce = checkpoint.write_reach_nonce(root, run_id)
         except Exception as err:  # noqa: BLE001 — any storage error: the driver cannot write there
-            raise ConfigError("checkpoint.dir",
-                              f"the driver cannot write to {root}: {type(err).__name__}: {err}")
+            raise ConfigError("checkpoint.dir", f"the driver cannot write to {root}: {type(err).__name__}: {err}")
         try:
             answers, errors = self.call_all(
-                handles, lambda key, h, first: h.reach_checkpoints.remote(url, nonce, faults.get(key) if first else None),
-                self.cfg.call_timeout_s)
-            problems = [f"replica {a['rid']} on node {a['node']} cannot read {url}: {a['problem']}"
-                        for a in answers.values() if a["problem"]]
+                handles,
+                lambda key, h, first: h.reach_checkpoints.remote(url, nonce, faults.get(key) if first else None),
+                self.cfg.call_timeout_s,
+            )
+            problems = [
+                f"replica {a['rid']} on node {a['node']} cannot read {url}: {a['problem']}"
+                for a in answers.values()
+                if a["problem"]
+            ]
             problems += [f"{key} failed the check: {one_line(err, typed=False)}" for key, err in errors.items()]
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise ConfigError("checkpoint.dir", f"{problems[0]}{more}; every replica must reach checkpoint.dir "
-                                                    f"(a shared mount or an object store URL)")
+                raise ConfigError(
+                    "checkpoint.dir",
+                    f"{problems[0]}{more}; every replica must reach checkpoint.dir "
+                    f"(a shared mount or an object store URL)",
+                )
         finally:
             checkpoint.remove(url)
 
@@ -158,9 +187,11 @@ class StartupCalls:
         files, fmt = point.manifest["files"], point.format
         _, errors = self.call_all(
             {rid: h for rid, h in replicas.items() if rid in files},
-            lambda rid, h, first: h.load_checkpoint.remote(point.path, files[rid], faults.get(rid) if first else None,
-                                                          fmt),
-            self.cfg.phase_timeout_s)
+            lambda rid, h, first: h.load_checkpoint.remote(
+                point.path, files[rid], faults.get(rid) if first else None, fmt
+            ),
+            self.cfg.phase_timeout_s,
+        )
         for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
             raise ConfigError("train.resume", one_line(err, typed=False))
         absent = sorted(set(replicas) - set(files))
@@ -181,8 +212,13 @@ def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[st
     specs = parse_schedule(list(cfg.faults.schedule), **topology_shape(topo))
     start_round = int(resume_from.manifest["round"]) if resume_from is not None else 0
     armed: dict[str, list[dict]] = {}
-    for d in due_faults(specs, state.fired, round_index=start_round, phases=("startup",),
-                        plan=live_plan(topo, set(topo.replica_ids()), {}, state.epoch)):
+    for d in due_faults(
+        specs,
+        state.fired,
+        round_index=start_round,
+        phases=("startup",),
+        plan=live_plan(topo, set(topo.replica_ids()), {}, state.epoch),
+    ):
         state.fired.append(d.index)
         for rid in d.targets:
             armed.setdefault(rid, []).append({**d.message(), "round": start_round})
@@ -196,11 +232,14 @@ def record_takeovers(run_dir: str, lock, resume_from: checkpoint.Choice | None) 
     log = RunLog(run_dir)
     try:
         if lock.taken_over is not None:
-            log.event("lock_taken_over", previous_run_id=lock.taken_over.get("run_id"),
-                      reason=lock.taken_over["reason"])
-            print(f"[hsgd] took over the stale lock of run {lock.taken_over.get('run_id')} "
-                  f"({lock.taken_over['reason']})", flush=True)
-        for path, reason in (resume_from.skipped if resume_from else ()):
+            log.event(
+                "lock_taken_over", previous_run_id=lock.taken_over.get("run_id"), reason=lock.taken_over["reason"]
+            )
+            print(
+                f"[hsgd] took over the stale lock of run {lock.taken_over.get('run_id')} ({lock.taken_over['reason']})",
+                flush=True,
+            )
+        for path, reason in resume_from.skipped if resume_from else ():
             log.event("checkpoint_fallback", path=path, reason=reason)
             print(f"[hsgd] checkpoint {path} skipped: {reason}", flush=True)
     finally:

@@ -10,6 +10,7 @@ restarted supervisor reads it, waits for replicas still in a phase of its predec
 replica for its progress, and resumes: max committed wins. Its writes and their deadline:
 actors/round_record.py. Whatever ends the run, `run` returns a summary.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,21 +25,32 @@ from actors import checkpointing
 from actors.fault_injector import FaultInjector
 from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
-from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.roster import Roster
-from actors.site_changes import SiteChanges, topology_of_run
 from actors.round_record import RunFailed, SupervisorRecord
+from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
+from actors.site_changes import SiteChanges, topology_of_run
+from hsgd.config.rounds import is_streaming, steps_per_round
+from hsgd.config.sites import expected_step_s
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
 from hsgd.core.outer_plan import params_agree
-from hsgd.core.round import (CallKind, Heal, Phase, RoundMachine, RoundSettings, current_round, due, evaluation_order,
-                             heals_at_rest, round_settings, unrecorded_rounds)
+from hsgd.core.round import (
+    CallKind,
+    Heal,
+    Phase,
+    RoundMachine,
+    RoundSettings,
+    current_round,
+    due,
+    evaluation_order,
+    heals_at_rest,
+    round_settings,
+    unrecorded_rounds,
+)
 from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
-from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 from hsgd.record.metrics import committed_tokens, fallback_summary, late_round_record, round_record, run_summary
+from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 from hsgd.record.run_state import RunState
-from hsgd.config.rounds import is_streaming, steps_per_round
-from hsgd.config.sites import expected_step_s
 
 
 def supervisor_actor_name(run_id: str) -> str:
@@ -58,23 +70,39 @@ class Supervisor:
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
         self.log, self.warn = self.record.log, self.record.warn
-        self.roster = Roster(self.topology, run_id, self.state, self.log,
-                             call_timeout_s=self.cfg.supervisor.call_timeout_s,
-                             spares_per_cluster=self.cfg.topology.spares_per_cluster, save=self.record.save_state)
+        self.roster = Roster(
+            self.topology,
+            run_id,
+            self.state,
+            self.log,
+            call_timeout_s=self.cfg.supervisor.call_timeout_s,
+            spares_per_cluster=self.cfg.topology.spares_per_cluster,
+            save=self.record.save_state,
+        )
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
-        self.quarantine = Quarantine(self.cfg, run_id, run_dir, self.state, self.roster,
-                                     self.log, self.record.save_state, injected=self.injector.explains_death)
+        self.quarantine = Quarantine(
+            self.cfg,
+            run_id,
+            run_dir,
+            self.state,
+            self.roster,
+            self.log,
+            self.record.save_state,
+            injected=self.injector.explains_death,
+        )
         self.roster.on_death = self.quarantine.death
-        self.sites = SiteChanges(self.cfg, run_dir, self.topology, self.roster, self.log, self.state,
-                                 self.record.save_state, resume_round)
+        self.sites = SiteChanges(
+            self.cfg, run_dir, self.topology, self.roster, self.log, self.state, self.record.save_state, resume_round
+        )
         self.stop_requested = False
         self.attempted_steps = self.committed_steps = 0
         self.participation: list[float] = []
         o = self.cfg.optim.outer
-        self.outer_watch = OuterStepWatch(f"optim.outer.lr={o.lr}, optim.outer.momentum={o.momentum}, "
-                                          f"optim.outer.nesterov={o.nesterov}")
+        self.outer_watch = OuterStepWatch(
+            f"optim.outer.lr={o.lr}, optim.outer.momentum={o.momentum}, optim.outer.nesterov={o.nesterov}"
+        )
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
 
@@ -122,10 +150,24 @@ class Supervisor:
         try:
             store, store_addr = self._start_store()
             self.ports = RunnerPorts(
-                roster=roster, log=self.log, injector=self.injector, clock=self.clock, run_id=self.run_id,
-                set_status=self.record.set_status, save_epoch=self._save_epoch, store=store, store_addr=store_addr,
-                run_dir=self.run_dir, stack_dumps=bool(self.cfg.watchdog.stack_dumps), cfg=self.cfg, state=self.state,
-                save_state=self.record.save_state, warn=self.warn, steps_per_round=self.spr, topology=self.topology)
+                roster=roster,
+                log=self.log,
+                injector=self.injector,
+                clock=self.clock,
+                run_id=self.run_id,
+                set_status=self.record.set_status,
+                save_epoch=self._save_epoch,
+                store=store,
+                store_addr=store_addr,
+                run_dir=self.run_dir,
+                stack_dumps=bool(self.cfg.watchdog.stack_dumps),
+                cfg=self.cfg,
+                state=self.state,
+                save_state=self.record.save_state,
+                warn=self.warn,
+                steps_per_round=self.spr,
+                topology=self.topology,
+            )
             self.record.set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
@@ -165,9 +207,16 @@ class Supervisor:
 
     def _settings(self, plan: StepPlan | None = None) -> RoundSettings:
         """The next round's settings: hsgd.core.round.machine.round_settings says why each deadline is what it is."""
-        return round_settings(steps_per_round=self.spr, sync=self.cfg.sync, supervisor=self.cfg.supervisor,
-                              comm=self.cfg.comm, param_bytes=self.roster.param_bytes, clock=self.clock,
-                              cluster_steps=plan.steps if plan else (), clusters=self.topology.clusters)
+        return round_settings(
+            steps_per_round=self.spr,
+            sync=self.cfg.sync,
+            supervisor=self.cfg.supervisor,
+            comm=self.cfg.comm,
+            param_bytes=self.roster.param_bytes,
+            clock=self.clock,
+            cluster_steps=plan.steps if plan else (),
+            clusters=self.topology.clusters,
+        )
 
     def _plan(self, r: int) -> StepPlan | None:
         """sync.balance=steps: round r's inner steps per cluster (hsgd/core/round/balance.py), planned once
@@ -179,26 +228,47 @@ class Supervisor:
         else:
             clusters = range(self.topology.clusters)
             gone = self.roster.drained_clusters  # a drained site's step times never set the others' steps
-            plan = plan_round(r, self.spr, [None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
-                              [None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters])
+            plan = plan_round(
+                r,
+                self.spr,
+                [None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
+                [None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters],
+            )
             self.state.round_plan = plan.to_dict()
             self.record.save_state()
         s = self.cfg.sync  # a delay clamped to a shorter plan is recorded with it
         every = s.inner_every if s.inner == "localsgd" else 1
-        self.log.event("round_plan", round=plan.round, steps=list(plan.steps), step_s=list(plan.step_s),
-                       source=plan.source, **({"fragment_delay": [fragment_delay_of(s.fragment_delay, n, every)
-                                                                  for n in plan.steps]} if s.fragment_delay else {}))
+        self.log.event(
+            "round_plan",
+            round=plan.round,
+            steps=list(plan.steps),
+            step_s=list(plan.step_s),
+            source=plan.source,
+            **(
+                {"fragment_delay": [fragment_delay_of(s.fragment_delay, n, every) for n in plan.steps]}
+                if s.fragment_delay
+                else {}
+            ),
+        )
         return plan
 
     def _round(self, r: int) -> None:
         """Run round r through the machine; record it, or restore / wait for quorum / fail."""
         roster = self.roster
         settings = self._settings(self._plan(r))
-        machine = RoundMachine(self.topology, settings, r, progress=dict(roster.live), leaders=roster.leaders,
-                               epoch=self.state.epoch, committed_round=self.state.committed_round,
-                               configured=roster.configured, outer_configured=roster.outer_configured,
-                               benched=self.state.benched,  # non-finite: durable, until a resume
-                               non_finite_rounds=self.state.non_finite_rounds)
+        machine = RoundMachine(
+            self.topology,
+            settings,
+            r,
+            progress=dict(roster.live),
+            leaders=roster.leaders,
+            epoch=self.state.epoch,
+            committed_round=self.state.committed_round,
+            configured=roster.configured,
+            outer_configured=roster.outer_configured,
+            benched=self.state.benched,  # non-finite: durable, until a resume
+            non_finite_rounds=self.state.non_finite_rounds,
+        )
         self.injector.supervisor_faults(r, "inner")
         run = RoundRunner(machine, self.ports)
         run.drive()
@@ -240,9 +310,12 @@ class Supervisor:
 
     def _await_idle(self) -> None:
         comm = self.cfg.comm
-        self.roster.await_idle(comm.configure_timeout_s + comm.timeout_s + self.cfg.watchdog.floor_s,
-                               lambda busy: self.record.set_status(phase="waiting_for_replicas", busy=busy), TICK_S,
-                               min_gbps=float(comm.min_gbps))
+        self.roster.await_idle(
+            comm.configure_timeout_s + comm.timeout_s + self.cfg.watchdog.floor_s,
+            lambda busy: self.record.set_status(phase="waiting_for_replicas", busy=busy),
+            TICK_S,
+            min_gbps=float(comm.min_gbps),
+        )
 
     def _save_epoch(self, epoch: int) -> None:
         """A group is formed under `epoch`: saved before it exists, so a successor never reuses it."""
@@ -254,30 +327,52 @@ class Supervisor:
         """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
         steps_of, topo = machine.settings.steps_of, self.topology
         cluster_tokens = committed_tokens(run.commit_digests, topo, steps_of, self.roster.tokens_per_step)
-        self.state.tokens_per_cluster = [n + t for n, t in itertools.zip_longest(  # saved with the commit
-            self.state.tokens_per_cluster, cluster_tokens, fillvalue=0)]
+        self.state.tokens_per_cluster = [
+            n + t
+            for n, t in itertools.zip_longest(  # saved with the commit
+                self.state.tokens_per_cluster, cluster_tokens, fillvalue=0
+            )
+        ]
         self.state.committed_round = r + 1
         self.record.save_state()
         self.committed_steps += sum(steps_of(topo.cluster_of(rid)) for rid in run.inner_participants)
         self.attempted_steps += run.attempted_steps
         self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
         self.roster.refresh()
-        self.log.event("commit", round=r, epoch=machine.epoch, replicas=sorted(run.commit_digests),
-                       # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
-                       digests_agree=params_agree(run.commit_digests, self.topology, streaming=is_streaming(self.cfg)))
+        self.log.event(
+            "commit",
+            round=r,
+            epoch=machine.epoch,
+            replicas=sorted(run.commit_digests),
+            # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
+            digests_agree=params_agree(run.commit_digests, self.topology, streaming=is_streaming(self.cfg)),
+        )
         eval_loss = None
         if due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
             eval_loss = self._evaluate()
-        record = round_record(run, steps_per_round=self.spr, eval_loss=eval_loss, epoch=machine.epoch, t=time.time(),
-                              cluster_steps=[steps_of(c) for c in range(topo.clusters)], cluster_tokens=cluster_tokens)
+        record = round_record(
+            run,
+            steps_per_round=self.spr,
+            eval_loss=eval_loss,
+            epoch=machine.epoch,
+            t=time.time(),
+            cluster_steps=[steps_of(c) for c in range(topo.clusters)],
+            cluster_tokens=cluster_tokens,
+        )
         self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
-        if self.cfg.sync.outer == "diloco" and (warning := self.outer_watch.observe(
-                r, eval_loss, cluster_trends(run.losses, topo.cluster_of))):
+        if self.cfg.sync.outer == "diloco" and (
+            warning := self.outer_watch.observe(r, eval_loss, cluster_trends(run.losses, topo.cluster_of))
+        ):
             self.log.event("outer_step_warning", round=r, detail=warning)
             self.warn(warning)
         self.record.wandb.log_round(record)
-        self.record.set_status(round=r + 1, last_loss=record["loss"], last_eval_loss=eval_loss,
-                         tokens_per_s=record["tokens_per_s"], inner_step=record["inner_step"])
+        self.record.set_status(
+            round=r + 1,
+            last_loss=record["loss"],
+            last_eval_loss=eval_loss,
+            tokens_per_s=record["tokens_per_s"],
+            inner_step=record["inner_step"],
+        )
         if self.cfg.checkpoint.every and due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
             checkpointing.save(self.ports, r + 1)
 
@@ -285,7 +380,9 @@ class Supervisor:
         roster = self.roster
         for rid in evaluation_order(self.topology, roster.live, roster.leaders):
             try:
-                return float(ray.get(roster.handles[rid].evaluate.remote(), timeout=self.cfg.supervisor.phase_timeout_s))
+                return float(
+                    ray.get(roster.handles[rid].evaluate.remote(), timeout=self.cfg.supervisor.phase_timeout_s)
+                )
             except Exception as err:  # noqa: BLE001 — that replica's failure; ask the next one
                 roster.down_after(rid, err, "evaluate", -1)
         return None
@@ -301,13 +398,21 @@ class Supervisor:
             return
         top = current_round(roster.live.values())
         for c, heals in heals_by_cluster.items():
-            phase = Phase(id=-1, kind=CallKind.HEAL, round=top, cluster=c, epoch=self.state.epoch,
-                          calls={h.target: Heal(h.source, h.scope) for h in heals})
+            phase = Phase(
+                id=-1,
+                kind=CallKind.HEAL,
+                round=top,
+                cluster=c,
+                epoch=self.state.epoch,
+                calls={h.target: Heal(h.source, h.scope) for h in heals},
+            )
             heal_at_rest(phase, self.ports, roster.live, self._settings().heal_s)
         roster.refresh()
         view = roster.plan(self.state.epoch)
-        self.record.set_status(members={f"c{c}": list(m) for c, m in view.members.items()},
-                         leaders={f"c{c}": r for c, r in view.leaders.items()})
+        self.record.set_status(
+            members={f"c{c}": list(m) for c, m in view.members.items()},
+            leaders={f"c{c}": r for c, r in view.leaders.items()},
+        )
 
     def _catch_up(self) -> None:
         """After a supervisor restart: record rounds the old one committed unrecorded; take the checkpoint it owed."""
@@ -322,10 +427,17 @@ class Supervisor:
             last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
             asked = self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s) if last else {}
             digests = {rid: d["param"] for rid, d in sorted(asked.items()) if d["round"] == r_now}
-            self.log.metrics(late_round_record(round_index=missing, steps_per_round=self.spr,
-                                               live_replicas=len(self.roster.live), epoch=self.state.epoch,
-                                               digests=digests, eval_loss=self._evaluate() if last else None,
-                                               t=time.time()))
+            self.log.metrics(
+                late_round_record(
+                    round_index=missing,
+                    steps_per_round=self.spr,
+                    live_replicas=len(self.roster.live),
+                    epoch=self.state.epoch,
+                    digests=digests,
+                    eval_loss=self._evaluate() if last else None,
+                    t=time.time(),
+                )
+            )
             self.log.event("round_recorded_late", round=missing)
         if self.cfg.checkpoint.every and due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
             checkpointing.save(self.ports, r_now)
@@ -333,18 +445,34 @@ class Supervisor:
     def _summary(self, status: str, reason: str | None, start: float) -> dict:
         """The summary from the record (files and memory), else from the durable state alone: owed whatever broke."""
         try:
-            summary = run_summary(status=status, reason=reason, durable=self.state.to_dict(), steps_per_round=self.spr,
-                                  digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
-                                  metrics=self.log.records("metrics"), fired=self.log.read_jsonl("faults_fired.jsonl"),
-                                  events=self.log.records("events"), not_fired=self.injector.not_fired(),
-                                  committed_steps=self.committed_steps, attempted_steps=self.attempted_steps,
-                                  participation=self.participation, supervisor_started=start, now=time.time(),
-                                  run_dir=self.run_dir)
+            summary = run_summary(
+                status=status,
+                reason=reason,
+                durable=self.state.to_dict(),
+                steps_per_round=self.spr,
+                digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
+                metrics=self.log.records("metrics"),
+                fired=self.log.read_jsonl("faults_fired.jsonl"),
+                events=self.log.records("events"),
+                not_fired=self.injector.not_fired(),
+                committed_steps=self.committed_steps,
+                attempted_steps=self.attempted_steps,
+                participation=self.participation,
+                supervisor_started=start,
+                now=time.time(),
+                run_dir=self.run_dir,
+            )
         except Exception as err:  # noqa: BLE001
             self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
             note = f"summary from the durable state only ({type(err).__name__}: {err})"
-            summary = fallback_summary(status=status, reason=f"{reason}; {note}" if reason else note,
-                                       durable=self.state.to_dict(), metrics=self.log.records("metrics"),
-                                       steps_per_round=self.spr, now=time.time(), run_dir=self.run_dir,
-                                       supervisor_started=start)
+            summary = fallback_summary(
+                status=status,
+                reason=f"{reason}; {note}" if reason else note,
+                durable=self.state.to_dict(),
+                metrics=self.log.records("metrics"),
+                steps_per_round=self.spr,
+                now=time.time(),
+                run_dir=self.run_dir,
+                supervisor_started=start,
+            )
         return {**summary, "topology": self.sites.at_run_end(), "replicas_quarantined": len(self.state.quarantined)}

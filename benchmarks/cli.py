@@ -24,6 +24,7 @@ eval loss and wall time, and the ratios against `flat` measured in this same inv
 absolute thresholds. Bytes over the slow link: for `flat`, every inner all-reduce crosses it (one
 cluster spans the sites); for `hierarchical`, only the outer all-reduce does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,16 +51,38 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
     summary = run_training(cfg, str(run_dir))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     tps = [m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
-    slow_link = sum(m["outer_bytes"] for m in metrics) if "topology.clusters=1" not in overrides \
+    slow_link = (
+        sum(m["outer_bytes"] for m in metrics)
+        if "topology.clusters=1" not in overrides
         else sum(m["inner_bytes"] for m in metrics)
-    return {"name": name, "overrides": overrides, "status": summary["status"], "wall_s": time.monotonic() - start,
-            "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
-            "slow_link_bytes": slow_link, "final_eval_loss": summary["final_eval_loss"],
-            "initial_eval_loss": summary["initial_eval_loss"], "faults": summary.get("faults", [])}
+    )
+    return {
+        "name": name,
+        "overrides": overrides,
+        "status": summary["status"],
+        "wall_s": time.monotonic() - start,
+        "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
+        "slow_link_bytes": slow_link,
+        "final_eval_loss": summary["final_eval_loss"],
+        "initial_eval_loss": summary["initial_eval_loss"],
+        "faults": summary.get("faults", []),
+    }
 
 
-SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "plan", "inner", "ddp", "convergence", "sites",
-          "outer_sweep", "report")
+SUITES = (
+    "overhead",
+    "recovery",
+    "goodput",
+    "scale",
+    "straggler",
+    "plan",
+    "inner",
+    "ddp",
+    "convergence",
+    "sites",
+    "outer_sweep",
+    "report",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     cases = [
         ("flat", common + ["topology.clusters=1", f"topology.replicas_per_cluster={n}", "sync.outer=average"]),
         ("hierarchical", hier),
-        ("hierarchical+fault", hier + [f"faults.schedule=[{{kind:kill,target:c0r1,round:{args.rounds // 2},"
-                                       f"phase:inner,step:{args.outer_every // 2}}}]"]),
+        (
+            "hierarchical+fault",
+            hier
+            + [
+                f"faults.schedule=[{{kind:kill,target:c0r1,round:{args.rounds // 2},"
+                f"phase:inner,step:{args.outer_every // 2}}}]"
+            ],
+        ),
     ]
     import ray
 
@@ -102,19 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         r["ratio_vs_flat"] = {
             "tokens_per_s": (r["tokens_per_s_median"] / flat["tokens_per_s_median"])
-            if r["tokens_per_s_median"] and flat["tokens_per_s_median"] else None,
+            if r["tokens_per_s_median"] and flat["tokens_per_s_median"]
+            else None,
             "slow_link_bytes": r["slow_link_bytes"] / flat["slow_link_bytes"] if flat["slow_link_bytes"] else None,
             "wall_s": r["wall_s"] / flat["wall_s"],
             "final_eval_loss": r["final_eval_loss"] / flat["final_eval_loss"] if flat["final_eval_loss"] else None,
         }
-    report = {"machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
-              "args": vars(args), "results": results}
+    report = {
+        "machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
+        "args": vars(args),
+        "results": results,
+    }
     atomic_write_text(out / "bench.json", json.dumps(report, indent=2))
     _plot(results, out / "bench.png")
     for r in results:
         ratio = r["ratio_vs_flat"]
-        print(f"{r['name']:>20}: {r['tokens_per_s_median'] or 0:9.0f} tok/s  slow link {r['slow_link_bytes'] / 1e6:8.2f} MB "
-              f"(x{ratio['slow_link_bytes'] or 0:.3f})  eval {r['final_eval_loss']:.4f}  wall {r['wall_s']:.1f}s")
+        print(
+            f"{r['name']:>20}: {r['tokens_per_s_median'] or 0:9.0f} tok/s  slow link {r['slow_link_bytes'] / 1e6:8.2f} MB "
+            f"(x{ratio['slow_link_bytes'] or 0:.3f})  eval {r['final_eval_loss']:.4f}  wall {r['wall_s']:.1f}s"
+        )
     print(f"bench.json and bench.png in {out}")
     return 0
 
@@ -126,8 +161,11 @@ def _plot(results: list[dict], path: Path) -> None:
 
     names = [r["name"] for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), dpi=110)
-    for ax, key, label in zip(axes, ("tokens_per_s_median", "slow_link_bytes", "final_eval_loss"),
-                              ("tokens/s (median round)", "bytes over the slow link", "final eval loss")):
+    for ax, key, label in zip(
+        axes,
+        ("tokens_per_s_median", "slow_link_bytes", "final_eval_loss"),
+        ("tokens/s (median round)", "bytes over the slow link", "final eval loss"),
+    ):
         ax.bar(names, [r[key] or 0 for r in results], color=["#888", "#3b75af", "#c44e52"])
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)

@@ -105,6 +105,7 @@ eval loss vs slow-link bytes, log x, one labelled point per arm, the <= 2 % gap 
 evaluation vs tokens trained and vs cumulative slow-link bytes: `eval_points`). One progress line
 per arm as it ends. An arm that fails is recorded (status, error) and the others still run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,9 +113,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
 CLUSTERS, REPLICAS_PER_CLUSTER = 2, 2
@@ -131,6 +132,7 @@ OUTER_LR, OUTER_MOMENTUM = 1.0, 0.3  # the DiLoCo arms' outer step, for tens of 
 class Arm:
     """One way of training the same tokens: its name, a line saying what it is, the overrides
     that make it (on top of the invocation's common ones), and its round geometry."""
+
     name: str
     what: str
     hierarchical: bool  # slow-link bytes are outer_bytes (else: one cluster spanning the sites, inner_bytes)
@@ -144,12 +146,28 @@ class Arm:
     inner_lr: float | None = None  # flat DDP's sweep (`--flat-lrs`): its optim.inner.lr; None = the config's
 
 
-def _sync(outer: str, every: int, *, compress: str = "none", fragments: int = 1, path: str = "leader",
-          delay: int = 0, alpha: float = 0.0) -> list[str]:
+def _sync(
+    outer: str,
+    every: int,
+    *,
+    compress: str = "none",
+    fragments: int = 1,
+    path: str = "leader",
+    delay: int = 0,
+    alpha: float = 0.0,
+) -> list[str]:
     # every sync key set on every arm: no arm inherits a default another arm overrides
-    return ["sync.inner=ddp", f"sync.outer={outer}", f"sync.outer_every={every}", f"sync.outer_compress={compress}",
-            f"sync.outer_topk={TOPK_DENSITY}", f"sync.fragments={fragments}", f"sync.fragment_alpha={alpha}",
-            f"sync.fragment_delay={delay}", f"sync.outer_path={path}"]
+    return [
+        "sync.inner=ddp",
+        f"sync.outer={outer}",
+        f"sync.outer_every={every}",
+        f"sync.outer_compress={compress}",
+        f"sync.outer_topk={TOPK_DENSITY}",
+        f"sync.fragments={fragments}",
+        f"sync.fragment_alpha={alpha}",
+        f"sync.fragment_delay={delay}",
+        f"sync.outer_path={path}",
+    ]
 
 
 def main_every(quick: bool, every: int | None = None) -> int:
@@ -171,41 +189,133 @@ def plan_arms(steps: int, *, quick: bool = False, every: int | None = None) -> l
     n = CLUSTERS * REPLICAS_PER_CLUSTER
     hier = [f"topology.clusters={CLUSTERS}", f"topology.replicas_per_cluster={REPLICAS_PER_CLUSTER}"]
     # (name, what, hierarchical, H, fragments, senders, overrides, delay)
-    specs = [("flat_ddp", f"1 cluster x {n} replicas, ddp every step", False, every, 1, n,
-              ["topology.clusters=1", f"topology.replicas_per_cluster={n}"] + _sync("average", every), 0),
-             (f"localsgd_h{every}", f"ddp inside, params averaged across clusters every {every} steps", True, every, 1,
-              CLUSTERS, hier + _sync("average", every), 0),
-             (f"localsgd_h{every}_int4", f"as localsgd_h{every}, the averaged update sent as int4 + error feedback", True,
-              every, 1, CLUSTERS, hier + _sync("average", every, compress="int4"), 0)]
+    specs = [
+        (
+            "flat_ddp",
+            f"1 cluster x {n} replicas, ddp every step",
+            False,
+            every,
+            1,
+            n,
+            ["topology.clusters=1", f"topology.replicas_per_cluster={n}"] + _sync("average", every),
+            0,
+        ),
+        (
+            f"localsgd_h{every}",
+            f"ddp inside, params averaged across clusters every {every} steps",
+            True,
+            every,
+            1,
+            CLUSTERS,
+            hier + _sync("average", every),
+            0,
+        ),
+        (
+            f"localsgd_h{every}_int4",
+            f"as localsgd_h{every}, the averaged update sent as int4 + error feedback",
+            True,
+            every,
+            1,
+            CLUSTERS,
+            hier + _sync("average", every, compress="int4"),
+            0,
+        ),
+    ]
     for h in sorted({every, *others}):
-        specs.append((f"diloco_h{h}", f"ddp inside, DiLoCo every {h} steps, fp32", True, h, 1, CLUSTERS,
-                      hier + _sync("diloco", h), 0))
+        specs.append(
+            (
+                f"diloco_h{h}",
+                f"ddp inside, DiLoCo every {h} steps, fp32",
+                True,
+                h,
+                1,
+                CLUSTERS,
+                hier + _sync("diloco", h),
+                0,
+            )
+        )
     for codec in codecs:
         label = f"topk{TOPK_DENSITY * 100:g}" if codec == "topk" else codec
         what = f"top-{TOPK_DENSITY:.0%} (bf16 values + int16 indices)" if codec == "topk" else codec
-        specs.append((f"diloco_h{every}_{label}", f"DiLoCo every {every}, {what} + error feedback", True, every, 1,
-                      CLUSTERS, hier + _sync("diloco", every, compress=codec), 0))
-    specs.append((f"diloco_h{every}_frag{fragments}", f"Streaming DiLoCo every {every}, {fragments} fragments in turn",
-                  True, every, fragments, CLUSTERS, hier + _sync("diloco", every, fragments=fragments), 0))
-    specs.append((f"diloco_h{every}_sharded", f"DiLoCo every {every}, sharded outer path (every member a shard)", True,
-                  every, 1, n, hier + _sync("diloco", every, path="sharded"), 0))
-    specs.append((f"diloco_h{every}_delay{DELAY}",
-                  f"DiLoCo every {every}, fp32, outer all-reduce behind the last {DELAY} steps, alpha {DELAY_ALPHA:g}",
-                  True, every, 1, CLUSTERS, hier + _sync("diloco", every, delay=DELAY, alpha=DELAY_ALPHA), DELAY))
+        specs.append(
+            (
+                f"diloco_h{every}_{label}",
+                f"DiLoCo every {every}, {what} + error feedback",
+                True,
+                every,
+                1,
+                CLUSTERS,
+                hier + _sync("diloco", every, compress=codec),
+                0,
+            )
+        )
+    specs.append(
+        (
+            f"diloco_h{every}_frag{fragments}",
+            f"Streaming DiLoCo every {every}, {fragments} fragments in turn",
+            True,
+            every,
+            fragments,
+            CLUSTERS,
+            hier + _sync("diloco", every, fragments=fragments),
+            0,
+        )
+    )
+    specs.append(
+        (
+            f"diloco_h{every}_sharded",
+            f"DiLoCo every {every}, sharded outer path (every member a shard)",
+            True,
+            every,
+            1,
+            n,
+            hier + _sync("diloco", every, path="sharded"),
+            0,
+        )
+    )
+    specs.append(
+        (
+            f"diloco_h{every}_delay{DELAY}",
+            f"DiLoCo every {every}, fp32, outer all-reduce behind the last {DELAY} steps, alpha {DELAY_ALPHA:g}",
+            True,
+            every,
+            1,
+            CLUSTERS,
+            hier + _sync("diloco", every, delay=DELAY, alpha=DELAY_ALPHA),
+            DELAY,
+        )
+    )
     if not quick:
         f = STREAMING_FRAGMENTS
-        specs.append((f"diloco_h{every}_streaming",
-                      f"Streaming DiLoCo every {every}: {f} fragments, delay {DELAY}, alpha {DELAY_ALPHA:g}, int4",
-                      True, every, f, CLUSTERS,
-                      hier + _sync("diloco", every, compress="int4", fragments=f, delay=DELAY, alpha=DELAY_ALPHA),
-                      DELAY))
+        specs.append(
+            (
+                f"diloco_h{every}_streaming",
+                f"Streaming DiLoCo every {every}: {f} fragments, delay {DELAY}, alpha {DELAY_ALPHA:g}, int4",
+                True,
+                every,
+                f,
+                CLUSTERS,
+                hier + _sync("diloco", every, compress="int4", fragments=f, delay=DELAY, alpha=DELAY_ALPHA),
+                DELAY,
+            )
+        )
     arms = []
     for name, what, hierarchical, h, f, senders, overrides, delay in specs:
         spr = h // f
         if steps % spr:
             raise ValueError(f"--steps {steps} is not a whole number of {spr}-step rounds for arm {name}")
-        arms.append(Arm(name, what, hierarchical, spr, steps // spr, senders,
-                        tuple(overrides) + (f"train.rounds={steps // spr}",), delay))
+        arms.append(
+            Arm(
+                name,
+                what,
+                hierarchical,
+                spr,
+                steps // spr,
+                senders,
+                tuple(overrides) + (f"train.rounds={steps // spr}",),
+                delay,
+            )
+        )
     return arms
 
 
@@ -227,10 +337,20 @@ def peer_arms(steps: int, *, quick: bool = False, every: int | None = None) -> l
     if steps % h:
         raise ValueError(f"--steps {steps} is not a whole number of {h}-step rounds for arm {PEER_PREFIX}{h}")
     hier = [f"topology.clusters={CLUSTERS}", f"topology.replicas_per_cluster={REPLICAS_PER_CLUSTER}"]
-    return [Arm(f"{PEER_PREFIX}{h}", f"torchft 0.2.0 DiLoCo every {h} steps, fp32: Manager + Lighthouse, "
-                f"{CLUSTERS} groups x {REPLICAS_PER_CLUSTER} ranks, torch DDP inside", True, h, steps // h,
-                CLUSTERS * REPLICAS_PER_CLUSTER,
-                tuple(hier + _sync("diloco", h)) + (f"train.rounds={steps // h}",), 0, "torchft_diloco")]
+    return [
+        Arm(
+            f"{PEER_PREFIX}{h}",
+            f"torchft 0.2.0 DiLoCo every {h} steps, fp32: Manager + Lighthouse, "
+            f"{CLUSTERS} groups x {REPLICAS_PER_CLUSTER} ranks, torch DDP inside",
+            True,
+            h,
+            steps // h,
+            CLUSTERS * REPLICAS_PER_CLUSTER,
+            tuple(hier + _sync("diloco", h)) + (f"train.rounds={steps // h}",),
+            0,
+            "torchft_diloco",
+        )
+    ]
 
 
 def peer_ratios(results: dict[str, dict]) -> dict[str, dict]:
@@ -244,16 +364,20 @@ def peer_ratios(results: dict[str, dict]) -> dict[str, dict]:
         if not base.startswith(PEER_PREFIX) or kind not in ("", "defaults"):
             continue
         suffix = f"@{kind}" if kind else ""
-        h = base[len(PEER_PREFIX):]
+        h = base[len(PEER_PREFIX) :]
         hsgd = results.get(f"diloco_h{h}{suffix}")
         if hsgd is None:
             continue
         a, b = hsgd.get("final_eval_loss"), r.get("final_eval_loss")
-        out[h + suffix] = {"hsgd_arm": f"diloco_h{h}{suffix}", "torchft_arm": name, "hsgd_eval_loss": a,
-                           "torchft_eval_loss": b,
-                  "hsgd_slow_link_bytes": hsgd.get("slow_link_bytes"),
-                  "torchft_slow_link_bytes": r.get("slow_link_bytes"),
-                  "ratio": a / b if a is not None and b else None}
+        out[h + suffix] = {
+            "hsgd_arm": f"diloco_h{h}{suffix}",
+            "torchft_arm": name,
+            "hsgd_eval_loss": a,
+            "torchft_eval_loss": b,
+            "hsgd_slow_link_bytes": hsgd.get("slow_link_bytes"),
+            "torchft_slow_link_bytes": r.get("slow_link_bytes"),
+            "ratio": a / b if a is not None and b else None,
+        }
     return out
 
 
@@ -298,8 +422,15 @@ def flat_lr_arms(flat: Arm, lrs: Sequence[float], own_lr: float) -> list[Arm]:
         if float(lr) in seen:
             continue
         seen.add(float(lr))
-        out.append(replace(flat, name=f"{flat.name}_lr{lr_label(lr)}", what=f"{flat.what}, inner lr {lr_label(lr)}",
-                           overrides=tuple(flat.overrides) + (f"optim.inner.lr={lr!r}",), inner_lr=float(lr)))
+        out.append(
+            replace(
+                flat,
+                name=f"{flat.name}_lr{lr_label(lr)}",
+                what=f"{flat.what}, inner lr {lr_label(lr)}",
+                overrides=tuple(flat.overrides) + (f"optim.inner.lr={lr!r}",),
+                inner_lr=float(lr),
+            )
+        )
     return out
 
 
@@ -345,16 +476,21 @@ def flat_best_md(bests: dict[str, dict]) -> str:
         if len(b["rates"]) < 2:
             continue
         tried = ", ".join(f"{_lr(t['inner_lr'])}: {_fmt(t['final_eval_loss'], '.4f')}" for t in b["rates"])
-        lines.append(f"flat DDP's best inner rate ({at}): {b['arm']}, lr {_lr(b['inner_lr'])}, eval loss "
-                     f"{_fmt(b['final_eval_loss'], '.4f')} (tried lr: eval loss {tried})")
+        lines.append(
+            f"flat DDP's best inner rate ({at}): {b['arm']}, lr {_lr(b['inner_lr'])}, eval loss "
+            f"{_fmt(b['final_eval_loss'], '.4f')} (tried lr: eval loss {tried})"
+        )
     return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def ratios_md(ratios: dict[str, dict]) -> str:
     """The table's footer: a line per H with both arms (empty without)."""
-    lines = [f"hsgd_diloco_vs_torchft_diloco (H={h}): {c['hsgd_arm']} {_fmt(c['hsgd_eval_loss'], '.4f')} / "
-             f"{c['torchft_arm']} {_fmt(c['torchft_eval_loss'], '.4f')} = {_fmt(c['ratio'], '.4f')} "
-             f"(eval loss; < 1: hsgd ends lower)" for h, c in ratios.items()]
+    lines = [
+        f"hsgd_diloco_vs_torchft_diloco (H={h}): {c['hsgd_arm']} {_fmt(c['hsgd_eval_loss'], '.4f')} / "
+        f"{c['torchft_arm']} {_fmt(c['torchft_eval_loss'], '.4f')} = {_fmt(c['ratio'], '.4f')} "
+        f"(eval loss; < 1: hsgd ends lower)"
+        for h, c in ratios.items()
+    ]
     return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
@@ -366,8 +502,17 @@ def schedule_overrides(steps: int) -> list[str]:
     return ["optim.inner.schedule=cosine", f"optim.inner.warmup_steps={max(1, steps // 20)}"]
 
 
-def common_overrides(*, model: str, seed: int, eval_batches: int, steps: int, batch_size: int, outer_lr: float,
-                     outer_momentum: float, extra: list[str] = ()) -> list[str]:
+def common_overrides(
+    *,
+    model: str,
+    seed: int,
+    eval_batches: int,
+    steps: int,
+    batch_size: int,
+    outer_lr: float,
+    outer_momentum: float,
+    extra: list[str] = (),
+) -> list[str]:
     """The overrides every arm of one invocation shares: model, seed, batch, eval size, the inner
     schedule (`schedule_overrides`) and the DiLoCo arms' outer step; `extra` (`--set`) last, so it wins.
 
@@ -377,9 +522,16 @@ def common_overrides(*, model: str, seed: int, eval_batches: int, steps: int, ba
     DiLoCo's lr 0.7 with Nesterov momentum 0.9 is tuned for thousands of outer steps, and a run of
     2,000 steps at H = 100 has 20; lr 1.0 with momentum 0.3 was the best of seven settings at
     `--model tiny`, 1,000 steps, H = 100, int4 (README "Benchmarks")."""
-    return [f"model={model}", f"seed={seed}", f"train.eval_batches={eval_batches}", f"data.batch_size={batch_size}",
-            *schedule_overrides(steps), f"optim.outer.lr={outer_lr:g}", f"optim.outer.momentum={outer_momentum:g}",
-            *extra]
+    return [
+        f"model={model}",
+        f"seed={seed}",
+        f"train.eval_batches={eval_batches}",
+        f"data.batch_size={batch_size}",
+        *schedule_overrides(steps),
+        f"optim.outer.lr={outer_lr:g}",
+        f"optim.outer.momentum={outer_momentum:g}",
+        *extra,
+    ]
 
 
 def defaults_overrides(*, model: str, seed: int, eval_batches: int, extra: list[str] = ()) -> list[str]:
@@ -392,8 +544,11 @@ def defaults_overrides(*, model: str, seed: int, eval_batches: int, extra: list[
 def arm_overrides(arm: Arm, common: list[str], *, eval_every_steps: int) -> list[str]:
     """Every override of one arm's run: the common ones, its own, and its eval cadence (every
     `eval_every_steps` inner steps when that is a whole number of its rounds, else at the end only)."""
-    every = eval_every_steps // arm.steps_per_round if eval_every_steps and not eval_every_steps % arm.steps_per_round \
+    every = (
+        eval_every_steps // arm.steps_per_round
+        if eval_every_steps and not eval_every_steps % arm.steps_per_round
         else arm.rounds
+    )
     return list(common) + list(arm.overrides) + [f"train.eval_every={max(1, every)}"]
 
 
@@ -438,8 +593,11 @@ def eval_points(arm: Arm, metrics: list[dict], *, initial_eval_loss: float | Non
     replica), `tokens` trained (the metrics' own `cluster_tokens` summed over the rounds so far when
     every round has them, else inner steps x `step_tokens`) and `slow_link_bytes` (counted as
     `slow_link_bytes` does, over the rounds so far). The initial evaluation is the point at 0."""
-    points = [] if initial_eval_loss is None else \
-        [{"inner_step": 0, "tokens": 0, "slow_link_bytes": 0, "eval_loss": initial_eval_loss}]
+    points = (
+        []
+        if initial_eval_loss is None
+        else [{"inner_step": 0, "tokens": 0, "slow_link_bytes": 0, "eval_loss": initial_eval_loss}]
+    )
     key = "outer_bytes" if arm.hierarchical else "inner_bytes"
     own_tokens = bool(metrics) and all(m.get("cluster_tokens") for m in metrics)
     tokens = nbytes = 0
@@ -447,8 +605,14 @@ def eval_points(arm: Arm, metrics: list[dict], *, initial_eval_loss: float | Non
         nbytes += m.get(key) or 0
         tokens = tokens + sum(m["cluster_tokens"]) if own_tokens else m["inner_step"] * step_tokens
         if m.get("eval_loss") is not None:
-            points.append({"inner_step": m["inner_step"], "tokens": int(tokens), "slow_link_bytes": int(nbytes),
-                           "eval_loss": m["eval_loss"]})
+            points.append(
+                {
+                    "inner_step": m["inner_step"],
+                    "tokens": int(tokens),
+                    "slow_link_bytes": int(nbytes),
+                    "eval_loss": m["eval_loss"],
+                }
+            )
     return points
 
 
@@ -457,8 +621,15 @@ def peer_eval_points(result: dict, *, steps: int, step_tokens: int) -> list[dict
     steps x `step_tokens`; slow-link bytes = its total x inner step / `steps` (it sends the same
     payload at every outer step, and evaluates only at outer steps)."""
     total = result.get("slow_link_bytes") or 0
-    return [{"inner_step": s, "tokens": int(s * step_tokens), "slow_link_bytes": int(total * s / steps) if steps else 0,
-             "eval_loss": loss} for s, loss in result.get("eval_curve") or []]
+    return [
+        {
+            "inner_step": s,
+            "tokens": int(s * step_tokens),
+            "slow_link_bytes": int(total * s / steps) if steps else 0,
+            "eval_loss": loss,
+        }
+        for s, loss in result.get("eval_curve") or []
+    ]
 
 
 def trained_with(cfg) -> dict:
@@ -467,10 +638,14 @@ def trained_with(cfg) -> dict:
     from hsgd.config.auto import outer_step_of, run_steps, schedule_of, warmup_steps_of
 
     lr, momentum = outer_step_of(cfg)
-    return {"inner_lr": float(cfg.optim.inner.lr), "batch_size": int(cfg.data.batch_size),
-            "schedule": schedule_of(cfg.optim.inner),
-            "warmup_steps": warmup_steps_of(cfg.optim.inner, run_steps(cfg)), "outer_lr": lr,
-            "outer_momentum": momentum}
+    return {
+        "inner_lr": float(cfg.optim.inner.lr),
+        "batch_size": int(cfg.data.batch_size),
+        "schedule": schedule_of(cfg.optim.inner),
+        "warmup_steps": warmup_steps_of(cfg.optim.inner, run_steps(cfg)),
+        "outer_lr": lr,
+        "outer_momentum": momentum,
+    }
 
 
 def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
@@ -487,50 +662,76 @@ def _run(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
     try:
         summary = run_training(cfg, str(run_dir))
     except Exception as err:  # noqa: BLE001 — one arm's failure is recorded; the others still run
-        return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500], "final_eval_loss": None,
-                "slow_link_bytes": None, "outer_overlapped_rounds": None, "wall_s": None,
-                "driver_wall_s": time.monotonic() - start}
+        return {
+            "status": "error",
+            "error": f"{type(err).__name__}: {err}"[:500],
+            "final_eval_loss": None,
+            "slow_link_bytes": None,
+            "outer_overlapped_rounds": None,
+            "wall_s": None,
+            "driver_wall_s": time.monotonic() - start,
+        }
     metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    return {"status": summary.get("status"), "final_eval_loss": summary.get("final_eval_loss"),
-            **trained_with(cfg),
-            "initial_eval_loss": summary.get("initial_eval_loss"),
-            "rounds_committed": summary.get("rounds_committed"),
-            "inner_steps_committed": summary.get("inner_steps_committed"),
-            "slow_link_bytes": slow_link_bytes(arm, metrics),
-            "outer_bytes": int(sum(m.get("outer_bytes") or 0 for m in metrics)),
-            "inner_bytes": int(sum(m.get("inner_bytes") or 0 for m in metrics)),
-            # committed rounds whose outer reduce ran behind the last inner steps (sync.fragment_delay)
-            "outer_overlapped_rounds": sum(1 for m in metrics if m.get("outer_overlapped")),
-            "eval_curve": [[m["inner_step"], m["eval_loss"]] for m in metrics if m.get("eval_loss") is not None],
-            "eval_points": eval_points(arm, metrics, initial_eval_loss=summary.get("initial_eval_loss"),
-                                       step_tokens=tokens_per_step(cfg)),
-            # seconds per phase over the run (the slowest member's inner phase per round): the outer
-            # phases show a simulated link apart from the compute noise of a shared machine
-            "phase_s": {k: sum((m.get("phase_s") or {}).get(k, 0.0) for m in metrics)
-                        for k in sorted({k for m in metrics for k in (m.get("phase_s") or {})})},
-            "wall_s": summary.get("wall_s"), "driver_wall_s": time.monotonic() - start,
-            "faults": len(summary.get("faults") or [])}
+    return {
+        "status": summary.get("status"),
+        "final_eval_loss": summary.get("final_eval_loss"),
+        **trained_with(cfg),
+        "initial_eval_loss": summary.get("initial_eval_loss"),
+        "rounds_committed": summary.get("rounds_committed"),
+        "inner_steps_committed": summary.get("inner_steps_committed"),
+        "slow_link_bytes": slow_link_bytes(arm, metrics),
+        "outer_bytes": int(sum(m.get("outer_bytes") or 0 for m in metrics)),
+        "inner_bytes": int(sum(m.get("inner_bytes") or 0 for m in metrics)),
+        # committed rounds whose outer reduce ran behind the last inner steps (sync.fragment_delay)
+        "outer_overlapped_rounds": sum(1 for m in metrics if m.get("outer_overlapped")),
+        "eval_curve": [[m["inner_step"], m["eval_loss"]] for m in metrics if m.get("eval_loss") is not None],
+        "eval_points": eval_points(
+            arm, metrics, initial_eval_loss=summary.get("initial_eval_loss"), step_tokens=tokens_per_step(cfg)
+        ),
+        # seconds per phase over the run (the slowest member's inner phase per round): the outer
+        # phases show a simulated link apart from the compute noise of a shared machine
+        "phase_s": {
+            k: sum((m.get("phase_s") or {}).get(k, 0.0) for m in metrics)
+            for k in sorted({k for m in metrics for k in (m.get("phase_s") or {})})
+        },
+        "wall_s": summary.get("wall_s"),
+        "driver_wall_s": time.monotonic() - start,
+        "faults": len(summary.get("faults") or []),
+    }
 
 
 def _run_peer(arm: Arm, overrides: list[str], run_dir: Path, steps: int) -> dict:
     """One peer arm's run, as `_run`'s result (plus the peer's own figures); an error is recorded."""
-    from hsgd.config.rounds import steps_per_round
-
     from benchmarks.peers.torchft_diloco import compose, run_diloco
+    from hsgd.config.rounds import steps_per_round
 
     start = time.monotonic()
     try:
         cfg = compose(overrides)
         if steps_per_round(cfg) * int(cfg.train.rounds) != steps:
-            raise ValueError(f"{arm.name}: {cfg.train.rounds} rounds x {steps_per_round(cfg)} steps != {steps} inner steps")
+            raise ValueError(
+                f"{arm.name}: {cfg.train.rounds} rounds x {steps_per_round(cfg)} steps != {steps} inner steps"
+            )
         # a stuck worker fails on its own (gloo 120 s, quorum 600 s); this bound is for the run as a whole
         r = run_diloco(overrides=overrides, out=run_dir, timeout_s=max(3600.0, steps * 60.0))
     except Exception as err:  # noqa: BLE001 — one arm's failure is recorded; the others still run
-        return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500], "final_eval_loss": None,
-                "slow_link_bytes": None, "outer_overlapped_rounds": None, "wall_s": None,
-                "driver_wall_s": time.monotonic() - start}
-    return {**trained_with(cfg), **r, "outer_overlapped_rounds": 0, "driver_wall_s": time.monotonic() - start,
-            "faults": 0, "eval_points": peer_eval_points(r, steps=steps, step_tokens=tokens_per_step(cfg))}
+        return {
+            "status": "error",
+            "error": f"{type(err).__name__}: {err}"[:500],
+            "final_eval_loss": None,
+            "slow_link_bytes": None,
+            "outer_overlapped_rounds": None,
+            "wall_s": None,
+            "driver_wall_s": time.monotonic() - start,
+        }
+    return {
+        **trained_with(cfg),
+        **r,
+        "outer_overlapped_rounds": 0,
+        "driver_wall_s": time.monotonic() - start,
+        "faults": 0,
+        "eval_points": peer_eval_points(r, steps=steps, step_tokens=tokens_per_step(cfg)),
+    }
 
 
 def _gap(loss: float | None, flat_loss: float | None) -> float | None:
@@ -559,16 +760,34 @@ def rows(arms: list[Arm], results: dict[str, dict], *, gbps: float, latency_ms: 
         ratio = flat_bytes / nbytes if flat_bytes and nbytes else None
         rounds = r.get("rounds_committed") or 0
         step_s = wall / (arm.rounds * arm.steps_per_round) if wall is not None else 0.0
-        modeled = wall + modeled_link_s(arm, nbytes, rounds, gbps, latency_ms, step_s) \
-            if wall is not None and nbytes is not None else None
+        modeled = (
+            wall + modeled_link_s(arm, nbytes, rounds, gbps, latency_ms, step_s)
+            if wall is not None and nbytes is not None
+            else None
+        )
         wan = results.get(f"{arm.name}@wan") or {}
-        out.append({"arm": arm.name, "what": arm.what, "at": arm.at, "status": r.get("status"),
-                    "final_eval_loss": loss, "gap": gap, "gap_vs_best_flat": gap_best,
-                    "best_flat_arm": best.get("arm"), "flat_rates": flat_rates[arm.at],
-                    "slow_link_bytes": nbytes, "bytes_ratio_vs_flat": ratio, "wall_s": wall,
-                    "wan_wall_s": wan.get("wall_s"), "wan_final_eval_loss": wan.get("final_eval_loss"),
-                    "wan_wall_s_modeled": modeled, "outer_overlapped_rounds": r.get("outer_overlapped_rounds"),
-                    "meets_target": _meets(gap, ratio), "meets_target_vs_best_flat": _meets(gap_best, ratio)})
+        out.append(
+            {
+                "arm": arm.name,
+                "what": arm.what,
+                "at": arm.at,
+                "status": r.get("status"),
+                "final_eval_loss": loss,
+                "gap": gap,
+                "gap_vs_best_flat": gap_best,
+                "best_flat_arm": best.get("arm"),
+                "flat_rates": flat_rates[arm.at],
+                "slow_link_bytes": nbytes,
+                "bytes_ratio_vs_flat": ratio,
+                "wall_s": wall,
+                "wan_wall_s": wan.get("wall_s"),
+                "wan_final_eval_loss": wan.get("final_eval_loss"),
+                "wan_wall_s_modeled": modeled,
+                "outer_overlapped_rounds": r.get("outer_overlapped_rounds"),
+                "meets_target": _meets(gap, ratio),
+                "meets_target_vs_best_flat": _meets(gap_best, ratio),
+            }
+        )
     return out
 
 
@@ -594,18 +813,22 @@ def table_md(table: list[dict], *, gbps: float, latency_ms: float) -> str:
     link = f"{gbps:g} Gb/s, {latency_ms:g} ms"
     swept = any((r.get("flat_rates") or 0) > 1 for r in table)
     target = f"target (>= {TARGET_RATIO:g}x, <= {TARGET_GAP:.0%})"
-    lines = [f"| arm | eval loss | gap vs flat |{' gap vs best flat |' if swept else ''} slow-link MB "
-             f"| flat / arm bytes | wall s | wall s @ {link} (run) | wall s @ {link} (modeled) | {target} |"
-             f"{' target vs best flat |' if swept else ''}",
-             "|---|---:|---:|" + ("---:|" if swept else "") + "---:|---:|---:|---:|---:|---|" + ("---|" if swept else "")]
+    lines = [
+        f"| arm | eval loss | gap vs flat |{' gap vs best flat |' if swept else ''} slow-link MB "
+        f"| flat / arm bytes | wall s | wall s @ {link} (run) | wall s @ {link} (modeled) | {target} |"
+        f"{' target vs best flat |' if swept else ''}",
+        "|---|---:|---:|" + ("---:|" if swept else "") + "---:|---:|---:|---:|---:|---|" + ("---|" if swept else ""),
+    ]
     for r in table:
         status = "" if r["status"] == "completed" else f" ({r['status']})"
-        lines.append(f"| {r['arm']}{status} | {_fmt(r['final_eval_loss'], '.4f')} | {_pct(r['gap'])} | "
-                     + (f"{_pct(r.get('gap_vs_best_flat'))} | " if swept else "")
-                     + f"{_fmt(None if r['slow_link_bytes'] is None else r['slow_link_bytes'] / 1e6, '.2f')} | "
-                     f"{_fmt(r['bytes_ratio_vs_flat'], '.1f')} | {_fmt(r['wall_s'], '.1f')} | "
-                     f"{_fmt(r['wan_wall_s'], '.1f')} | {_fmt(r['wan_wall_s_modeled'], '.1f')} | "
-                     f"{_yes(r['meets_target'])} |" + (f" {_yes(r.get('meets_target_vs_best_flat'))} |" if swept else ""))
+        lines.append(
+            f"| {r['arm']}{status} | {_fmt(r['final_eval_loss'], '.4f')} | {_pct(r['gap'])} | "
+            + (f"{_pct(r.get('gap_vs_best_flat'))} | " if swept else "")
+            + f"{_fmt(None if r['slow_link_bytes'] is None else r['slow_link_bytes'] / 1e6, '.2f')} | "
+            f"{_fmt(r['bytes_ratio_vs_flat'], '.1f')} | {_fmt(r['wall_s'], '.1f')} | "
+            f"{_fmt(r['wan_wall_s'], '.1f')} | {_fmt(r['wan_wall_s_modeled'], '.1f')} | "
+            f"{_yes(r['meets_target'])} |" + (f" {_yes(r.get('meets_target_vs_best_flat'))} |" if swept else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -617,13 +840,21 @@ def plot(table: list[dict], path: Path) -> None:
     plt = pyplot()
 
     points = [r for r in table if r["final_eval_loss"] is not None and r["slow_link_bytes"]]
-    flat = next((r for r in points if r["arm"] == FLAT), None) or \
-        next((r for r in points if r["arm"] == FLAT + DEFAULTS), None)
+    flat = next((r for r in points if r["arm"] == FLAT), None) or next(
+        (r for r in points if r["arm"] == FLAT + DEFAULTS), None
+    )
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     labels: dict[tuple[int, float], list[str]] = {}  # arms landing on the same point share one label
     for r in points:
-        color = "#444" if r["arm"].startswith(FLAT) else "#ff7f0e" if r["arm"].startswith(PEER_PREFIX) \
-            else "#2ca02c" if r["meets_target"] else "#3b75af"
+        color = (
+            "#444"
+            if r["arm"].startswith(FLAT)
+            else "#ff7f0e"
+            if r["arm"].startswith(PEER_PREFIX)
+            else "#2ca02c"
+            if r["meets_target"]
+            else "#3b75af"
+        )
         marker = "s" if r.get("at") == "defaults" else "o"  # at the config's defaults: squares
         ax.scatter(r["slow_link_bytes"], r["final_eval_loss"], color=color, marker=marker, zorder=3)
         labels.setdefault((r["slow_link_bytes"], r["final_eval_loss"]), []).append(r["arm"])
@@ -636,8 +867,13 @@ def plot(table: list[dict], path: Path) -> None:
         ax.axhspan(bottom, band_top, color="#2ca02c", alpha=0.12, label=f"gap <= {TARGET_GAP:.0%} vs flat DDP")
         ax.set_ylim(bottom, max(top, band_top * 1.002))
         ax.axhline(flat["final_eval_loss"], color="#444", lw=0.8, ls=":")  # the band and line: vs `flat`
-        ax.axvline(flat["slow_link_bytes"] / TARGET_RATIO, color="#c44e52", ls="--", lw=1,
-                   label=f"{TARGET_RATIO:g}x fewer bytes than flat DDP")
+        ax.axvline(
+            flat["slow_link_bytes"] / TARGET_RATIO,
+            color="#c44e52",
+            ls="--",
+            lw=1,
+            label=f"{TARGET_RATIO:g}x fewer bytes than flat DDP",
+        )
         ax.legend(fontsize=8, loc="upper right")
     ax.set_xlabel("bytes over the slow link (log)")
     ax.set_ylabel("final eval loss")
@@ -661,10 +897,22 @@ def plot_curves(arms: list[Arm], results: dict[str, dict], path: Path) -> None:
         if not points:
             continue
         base = arm.name.split("@")[0]
-        color = "#444" if base == FLAT else "#999" if not arm.hierarchical and not arm.peer \
-            else "#ff7f0e" if arm.peer else colors.setdefault(base, next(others))
-        style = {"color": color, "ls": "--" if arm.at == "defaults" else "-", "marker": ".", "lw": 1.2,
-                 "label": arm.name}
+        color = (
+            "#444"
+            if base == FLAT
+            else "#999"
+            if not arm.hierarchical and not arm.peer
+            else "#ff7f0e"
+            if arm.peer
+            else colors.setdefault(base, next(others))
+        )
+        style = {
+            "color": color,
+            "ls": "--" if arm.at == "defaults" else "-",
+            "marker": ".",
+            "lw": 1.2,
+            "label": arm.name,
+        }
         by_tokens.plot([p["tokens"] for p in points], [p["eval_loss"] for p in points], **style)
         spent = [p for p in points if p["slow_link_bytes"] > 0]
         by_bytes.plot([p["slow_link_bytes"] for p in spent], [p["eval_loss"] for p in spent], **style)
@@ -676,13 +924,17 @@ def plot_curves(arms: list[Arm], results: dict[str, dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.25)
     if by_tokens.lines:
         by_tokens.legend(fontsize=7, loc="upper right")
-    fig.suptitle("hsgd convergence: eval loss vs tokens and vs slow-link bytes, same seed and tokens "
-                 "(dashed: at the config's defaults)", fontsize=10)
+    fig.suptitle(
+        "hsgd convergence: eval loss vs tokens and vs slow-link bytes, same seed and tokens "
+        "(dashed: at the config's defaults)",
+        fontsize=10,
+    )
     save_png(fig, path)
 
 
-def write_report(out: Path, arms: list[Arm], results: dict[str, dict], meta: dict, *, gbps: float,
-                 latency_ms: float) -> str:
+def write_report(
+    out: Path, arms: list[Arm], results: dict[str, dict], meta: dict, *, gbps: float, latency_ms: float
+) -> str:
     """convergence.json, convergence.md, convergence.png and convergence_curves.png in `out`;
     returns the table's text (the table, then flat DDP's best rate and the peer ratios)."""
     from hsgd.record.rundir import atomic_write_text
@@ -691,11 +943,17 @@ def write_report(out: Path, arms: list[Arm], results: dict[str, dict], meta: dic
     ratios = peer_ratios(results)
     bests = {at: b for at in AT if (b := best_flat(arms, results, at))}
     text = table_md(table, gbps=gbps, latency_ms=latency_ms) + flat_best_md(bests) + ratios_md(ratios)
-    report = {"machine_note": "timings are this machine's; compare within one invocation", **meta,
-              "target": {"bytes_ratio_vs_flat": TARGET_RATIO, "gap": TARGET_GAP},
-              "link": {"gbps": gbps, "latency_ms": latency_ms},
-              "arms": [asdict(a) for a in arms], "results": results, "rows": table, "flat_best": bests,
-              "plots": ["convergence.png", "convergence_curves.png"]}
+    report = {
+        "machine_note": "timings are this machine's; compare within one invocation",
+        **meta,
+        "target": {"bytes_ratio_vs_flat": TARGET_RATIO, "gap": TARGET_GAP},
+        "link": {"gbps": gbps, "latency_ms": latency_ms},
+        "arms": [asdict(a) for a in arms],
+        "results": results,
+        "rows": table,
+        "flat_best": bests,
+        "plots": ["convergence.png", "convergence_curves.png"],
+    }
     if ratios:  # eval loss of hsgd's diloco_h<H> (codec none) / torchft's DiLoCo at the same H, per H and kind
         report["hsgd_diloco_vs_torchft_diloco"] = {h: c["ratio"] for h, c in ratios.items()}
         report["peer_comparison"] = ratios
@@ -728,30 +986,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="folder for convergence.{json,md,png} and the runs")
     parser.add_argument("--quick", action="store_true", help="smoke run: model=tiny, 200 steps, few arms")
     parser.add_argument("--model", default=None, help="model preset (default small; tiny with --quick)")
-    parser.add_argument("--steps", type=int, default=None, help="inner steps per replica (default 2000; 200 with --quick)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="inner steps per replica (default 2000; 200 with --quick)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=32, help="held-out batches per evaluation")
     parser.add_argument("--eval-every-steps", type=int, default=None, help="default: steps / 4")
-    parser.add_argument("--every", type=int, default=None,
-                        help="H of the main arms (LocalSGD, codecs, fragments, sharded, delay; default 100, 50 quick)")
-    parser.add_argument("--arms", default=None,
-                        help="comma-separated subset of the arm names (as planned, without @defaults; "
-                             "flat_ddp brings its --flat-lrs sweep)")
-    parser.add_argument("--at", choices=("bench", "defaults", "both"), default="bench",
-                        help="every arm at the bench's settings (batch, schedule, outer step), at the config's "
-                             "defaults (<arm>@defaults), or both")
-    parser.add_argument("--flat-lrs", type=_lrs, default=[], metavar="LR,LR,...",
-                        help="flat_ddp again at each optim.inner.lr (flat_ddp_lr<lr>); the table names the best")
-    parser.add_argument("--wan-runs", default=None,
-                        help="arms run again under the simulated link (comma-separated, or 'none'); "
-                             "default: flat_ddp and the main DiLoCo arm, of the first kind --at runs")
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help="H of the main arms (LocalSGD, codecs, fragments, sharded, delay; default 100, 50 quick)",
+    )
+    parser.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated subset of the arm names (as planned, without @defaults; "
+        "flat_ddp brings its --flat-lrs sweep)",
+    )
+    parser.add_argument(
+        "--at",
+        choices=("bench", "defaults", "both"),
+        default="bench",
+        help="every arm at the bench's settings (batch, schedule, outer step), at the config's "
+        "defaults (<arm>@defaults), or both",
+    )
+    parser.add_argument(
+        "--flat-lrs",
+        type=_lrs,
+        default=[],
+        metavar="LR,LR,...",
+        help="flat_ddp again at each optim.inner.lr (flat_ddp_lr<lr>); the table names the best",
+    )
+    parser.add_argument(
+        "--wan-runs",
+        default=None,
+        help="arms run again under the simulated link (comma-separated, or 'none'); "
+        "default: flat_ddp and the main DiLoCo arm, of the first kind --at runs",
+    )
     parser.add_argument("--gbps", type=float, default=1.0)
     parser.add_argument("--latency-ms", type=float, default=50.0)
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"sequences per replica and step, every arm (default {BATCH_SIZE}; {QUICK_BATCH_SIZE} with --quick)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per replica and step, every arm (default {BATCH_SIZE}; {QUICK_BATCH_SIZE} with --quick)",
+    )
     parser.add_argument("--outer-lr", type=float, default=OUTER_LR, help="the DiLoCo arms' outer learning rate")
-    parser.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
-                        help="the DiLoCo arms' outer Nesterov momentum")
+    parser.add_argument(
+        "--outer-momentum", type=float, default=OUTER_MOMENTUM, help="the DiLoCo arms' outer Nesterov momentum"
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every arm")
     args = parser.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "small")
@@ -767,22 +1051,36 @@ def main(argv: list[str] | None = None) -> int:
         arms = [a for a in arms if a.name in wanted]
     kinds = at_kinds(args.at)
     batch_size = args.batch_size or (QUICK_BATCH_SIZE if args.quick else BATCH_SIZE)
-    commons = {"bench": common_overrides(model=model, seed=args.seed, eval_batches=args.eval_batches, steps=steps,
-                                         batch_size=batch_size, outer_lr=args.outer_lr,
-                                         outer_momentum=args.outer_momentum, extra=args.set),
-               "defaults": defaults_overrides(model=model, seed=args.seed, eval_batches=args.eval_batches,
-                                              extra=args.set)}
+    commons = {
+        "bench": common_overrides(
+            model=model,
+            seed=args.seed,
+            eval_batches=args.eval_batches,
+            steps=steps,
+            batch_size=batch_size,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            extra=args.set,
+        ),
+        "defaults": defaults_overrides(model=model, seed=args.seed, eval_batches=args.eval_batches, extra=args.set),
+    }
     eval_every = args.eval_every_steps if args.eval_every_steps is not None else steps // 4
     flat = next((a for a in arms if a.name == FLAT), None)
     # the rate every arm trains with: neither kind's common overrides set it, only --set does
-    own_lr = config_inner_lr(arm_overrides(flat, commons[kinds[0]], eval_every_steps=eval_every)) \
-        if args.flat_lrs and flat is not None else 0.0
+    own_lr = (
+        config_inner_lr(arm_overrides(flat, commons[kinds[0]], eval_every_steps=eval_every))
+        if args.flat_lrs and flat is not None
+        else 0.0
+    )
     try:
         arms = invocation_arms(arms, at=args.at, flat_lrs=args.flat_lrs, own_lr=own_lr)
     except ValueError as err:
         parser.error(str(err))
-    wan_names = ([] if args.wan_runs == "none" else args.wan_runs.split(",")) if args.wan_runs is not None \
+    wan_names = (
+        ([] if args.wan_runs == "none" else args.wan_runs.split(","))
+        if args.wan_runs is not None
         else [n + suffix_of(kinds[0]) for n in (FLAT, f"diloco_h{main_every(args.quick, args.every)}")]
+    )
     unknown = sorted(set(wan_names) - {a.name for a in arms})
     if unknown and args.wan_runs is not None:
         parser.error(f"--wan-runs names arms not in this invocation: {unknown}")
@@ -793,13 +1091,23 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-convergence-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs = [item for arm in arms for item in ([(arm, False)] + ([(arm, True)] if arm.name in wan_names else []))]
-    meta = {**header("convergence", argv, args.quick), "args": vars(args), "model": model, "steps": steps,
-            "seed": args.seed, "at": kinds,
-            "topology": f"{CLUSTERS} clusters x {REPLICAS_PER_CLUSTER} replicas", "wan_runs": wan_names,
-            "wan_wall_note": "wan_wall_s: measured, the arm run again under the simulated link; wan_wall_s_modeled: "
-                             "wall_s + modeled_link_s (every arm)"}
-    print(f"convergence: {len(arms)} arms ({len(runs)} runs), model={model}, {steps} inner steps per replica, "
-          f"seed {args.seed}, out {out}", flush=True)
+    meta = {
+        **header("convergence", argv, args.quick),
+        "args": vars(args),
+        "model": model,
+        "steps": steps,
+        "seed": args.seed,
+        "at": kinds,
+        "topology": f"{CLUSTERS} clusters x {REPLICAS_PER_CLUSTER} replicas",
+        "wan_runs": wan_names,
+        "wan_wall_note": "wan_wall_s: measured, the arm run again under the simulated link; wan_wall_s_modeled: "
+        "wall_s + modeled_link_s (every arm)",
+    }
+    print(
+        f"convergence: {len(arms)} arms ({len(runs)} runs), model={model}, {steps} inner steps per replica, "
+        f"seed {args.seed}, out {out}",
+        flush=True,
+    )
     results: dict[str, dict] = {}
     import ray
 
@@ -818,9 +1126,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = r
             elapsed = time.monotonic() - t0
             mb = "-" if r["slow_link_bytes"] is None else f"{r['slow_link_bytes'] / 1e6:.2f}"
-            print(f"[{i}/{len(runs)}] {name:<26} {r['status']}: eval {_fmt(r['final_eval_loss'], '.4f')}  "
-                  f"slow link {mb} MB  wall {_fmt(r['wall_s'], '.1f')}s  (bench {elapsed / 60:.1f} min, "
-                  f"~{elapsed / i * (len(runs) - i) / 60:.0f} min left)", flush=True)
+            print(
+                f"[{i}/{len(runs)}] {name:<26} {r['status']}: eval {_fmt(r['final_eval_loss'], '.4f')}  "
+                f"slow link {mb} MB  wall {_fmt(r['wall_s'], '.1f')}s  (bench {elapsed / 60:.1f} min, "
+                f"~{elapsed / i * (len(runs) - i) / 60:.0f} min left)",
+                flush=True,
+            )
             write_report(out, arms, results, meta, gbps=args.gbps, latency_ms=args.latency_ms)  # partial, kept
     finally:
         ray.shutdown()

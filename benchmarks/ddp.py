@@ -13,6 +13,7 @@ median over the repeats) and the ratios hsgd / torch_ddp measured in this one in
 are this machine's: compare the ratios. One warm-up round of each is not counted. The bench ends a
 round by hand (`trainer.round += 1`): no outer sync is run or measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,19 @@ CASES = ("hsgd", "hsgd_unbucketed", "torch_ddp")
 def _config(model: str, steps: int, overrides: list[str]):
     from actors.launch import compose_config
 
-    return compose_config([f"model={model}", "topology.clusters=1", "topology.replicas_per_cluster=2",
-                           "sync.inner=ddp", f"sync.outer_every={steps}", "train.rounds=1000",
-                           "logging.wandb.mode=disabled", "checkpoint.every=0", *overrides])
+    return compose_config(
+        [
+            f"model={model}",
+            "topology.clusters=1",
+            "topology.replicas_per_cluster=2",
+            "sync.inner=ddp",
+            f"sync.outer_every={steps}",
+            "train.rounds=1000",
+            "logging.wandb.mode=disabled",
+            "checkpoint.every=0",
+            *overrides,
+        ]
+    )
 
 
 def _worker(rank: int, port: int, args: dict, results) -> None:
@@ -109,9 +120,13 @@ def _measure(rank: int, port: int, args: dict) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     group.abort()
-    return {"rank": rank, "seconds": seconds, "tokens_per_step": ref.tokens_per_step,
-            "buckets": trainers["hsgd"].buckets is not None and len(trainers["hsgd"].buckets.buckets),
-            "params": ref.param_bytes // 4}
+    return {
+        "rank": rank,
+        "seconds": seconds,
+        "tokens_per_step": ref.tokens_per_step,
+        "buckets": trainers["hsgd"].buckets is not None and len(trainers["hsgd"].buckets.buckets),
+        "params": ref.param_bytes // 4,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    shared = {"model": args.model, "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
-              "overrides": args.overrides}
+    shared = {
+        "model": args.model,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "overrides": args.overrides,
+    }
     procs = [ctx.Process(target=_worker, args=(rank, store.port, shared, results), daemon=True) for rank in range(2)]
     start = time.monotonic()
     for p in procs:
@@ -153,22 +173,35 @@ def main(argv: list[str] | None = None) -> int:
             if p.is_alive():
                 p.kill()
     tokens = 2 * args.steps * outs[0]["tokens_per_step"]  # both replicas' tokens per timed round
-    report: dict = {"machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
-                    "args": vars(args), "params": outs[0]["params"], "trainer_used_buckets": bool(outs[0]["buckets"]),
-                    "buckets": outs[0]["buckets"] or 0, "wall_s": time.monotonic() - start, "cases": {}}
+    report: dict = {
+        "machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
+        "args": vars(args),
+        "params": outs[0]["params"],
+        "trainer_used_buckets": bool(outs[0]["buckets"]),
+        "buckets": outs[0]["buckets"] or 0,
+        "wall_s": time.monotonic() - start,
+        "cases": {},
+    }
     for name in CASES:
         per_round = [max(a, b) for a, b in zip(outs[0]["seconds"][name], outs[1]["seconds"][name])]
-        report["cases"][name] = {"seconds": per_round, "tokens_per_s": tokens / statistics.median(per_round),
-                                 "tokens_per_s_each": [tokens / s for s in per_round]}
+        report["cases"][name] = {
+            "seconds": per_round,
+            "tokens_per_s": tokens / statistics.median(per_round),
+            "tokens_per_s_each": [tokens / s for s in per_round],
+        }
     ddp_tps = report["cases"]["torch_ddp"]["tokens_per_s"]
     report["ratio_hsgd_vs_torch_ddp"] = report["cases"]["hsgd"]["tokens_per_s"] / ddp_tps
     report["ratio_hsgd_unbucketed_vs_torch_ddp"] = report["cases"]["hsgd_unbucketed"]["tokens_per_s"] / ddp_tps
-    report["ratio_each_repeat"] = [h / d for h, d in zip(report["cases"]["hsgd"]["tokens_per_s_each"],
-                                                         report["cases"]["torch_ddp"]["tokens_per_s_each"])]
+    report["ratio_each_repeat"] = [
+        h / d
+        for h, d in zip(report["cases"]["hsgd"]["tokens_per_s_each"], report["cases"]["torch_ddp"]["tokens_per_s_each"])
+    ]
     atomic_write_text(out / "ddp.json", json.dumps(report, indent=2))
     for name in CASES:
         print(f"{name:>16}: {report['cases'][name]['tokens_per_s']:9.0f} tok/s")
-    print(f"hsgd / torch DDP: {report['ratio_hsgd_vs_torch_ddp']:.3f} "
-          f"(unbucketed {report['ratio_hsgd_unbucketed_vs_torch_ddp']:.3f}; "
-          f"trainer buckets: {report['buckets']}); ddp.json in {out}")
+    print(
+        f"hsgd / torch DDP: {report['ratio_hsgd_vs_torch_ddp']:.3f} "
+        f"(unbucketed {report['ratio_hsgd_unbucketed_vs_torch_ddp']:.3f}; "
+        f"trainer buckets: {report['buckets']}); ddp.json in {out}"
+    )
     return 0

@@ -32,6 +32,7 @@ trains), `wait` sleeps until the soonest answer or its timeout, and counts that 
 (`slept_s`), so a caller can take it out of a wall-clock figure; `fake_s` counts the time spent
 inside the fake itself (building answers, scanning refs).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,9 +41,10 @@ import importlib.util
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import ray.exceptions
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
@@ -61,6 +63,7 @@ STATE_BYTES = 1 << 24
 class Ref:
     """An object ref: its answer (`value`, or `error` to raise), ready from monotonic time `at`
     (0.0: at once; inf: never — a held call)."""
+
     __slots__ = ("value", "error", "at")
 
     def __init__(self, value: Any = None, error: Exception | None = None, at: float = 0.0):
@@ -126,7 +129,7 @@ class World:
         finally:
             self.fake_s += time.perf_counter() - t0
 
-    def kill(self, handle: "Handle", *, no_restart: bool = True) -> None:
+    def kill(self, handle: Handle, *, no_restart: bool = True) -> None:
         self.calls["ray.kill"] += 1
         handle.replica.die()
 
@@ -151,8 +154,11 @@ class World:
 
     def disarm(self) -> list[str]:
         """Drop every armed fault; returns those that never fired (their case did not happen)."""
-        unfired = [f"{f['what']} in {method} of {'the leaders' if c is None else f'c{c}'}"
-                   for (method, c), f in self.armed.items() if f["attempt"] is None]
+        unfired = [
+            f"{f['what']} in {method} of {'the leaders' if c is None else f'c{c}'}"
+            for (method, c), f in self.armed.items()
+            if f["attempt"] is None
+        ]
         self.armed.clear()
         return unfired
 
@@ -186,16 +192,26 @@ class Replica:
             done = (time.monotonic() - started) / seconds
             if done < 1.0:
                 step, phase = first + int(done * (last - first)), "inner"
-        return Ref({"rid": self.rid, "round": self.round, "step": step, "epoch": 0, "phase": phase, "spare": False,
-                    "incarnation": self.incarnation, "pid": self.pid, "node_id": "fake"})
+        return Ref(
+            {
+                "rid": self.rid,
+                "round": self.round,
+                "step": step,
+                "epoch": 0,
+                "phase": phase,
+                "spare": False,
+                "incarnation": self.incarnation,
+                "pid": self.pid,
+                "node_id": "fake",
+            }
+        )
 
     def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> Ref:
         return Ref({"rid": self.rid, "step": self.step})
 
     # -- phases ------------------------------------------------------------------------------------------
     def _answer(self, outcome: str = "done", **fields) -> dict:
-        return {"outcome": outcome, "rid": self.rid, **fields, "round": self.round,
-                "step": self.step}
+        return {"outcome": outcome, "rid": self.rid, **fields, "round": self.round, "step": self.step}
 
     def _faulted(self, method: str, join: tuple | None, round_index: int) -> Ref | None:
         """The answer of a call hit by an armed fault (None: not hit)."""
@@ -217,8 +233,15 @@ class Replica:
             self.step = max(self.step, end_of_half[1])  # it committed the steps before its group broke
         return Ref(self._answer("collective_failed", error=f"fake {what} in {method}", error_kind=kind))
 
-    def run_inner(self, round_index: int, faults=None, join: tuple | None = None, overlap: tuple | None = None,
-                  steps: int | None = None, store_addr: str | None = None) -> Ref:
+    def run_inner(
+        self,
+        round_index: int,
+        faults=None,
+        join: tuple | None = None,
+        overlap: tuple | None = None,
+        steps: int | None = None,
+        store_addr: str | None = None,
+    ) -> Ref:
         failed = self._faulted("run_inner", join, round_index)
         if failed is not None:
             return failed
@@ -226,8 +249,13 @@ class Replica:
             return Ref(self._answer("behind", error=f"{self.rid} holds round {self.round}"))
         end = round_index * self.world.spr + (steps or self.world.spr)  # steps: sync.balance's plan
         steps = max(0, end - self.step)
-        report = {"steps_done": steps, "tokens": steps * TOKENS_PER_STEP, "inner_bytes": steps * INNER_BYTES_PER_STEP,
-                  "losses": [2.5] * steps, "yielded": False}
+        report = {
+            "steps_done": steps,
+            "tokens": steps * TOKENS_PER_STEP,
+            "inner_bytes": steps * INNER_BYTES_PER_STEP,
+            "losses": [2.5] * steps,
+            "yielded": False,
+        }
         first, self.step = self.step, end
         at = 0.0
         if self.world.inner_s > 0:
@@ -235,8 +263,16 @@ class Replica:
             at = time.monotonic() + self.world.inner_s
         return Ref(self._answer(report=report, join_s=0.0), at=at)
 
-    def outer_reduce(self, round_index: int, epoch: int, faults=None, join: tuple | None = None,
-                     shard: int = 0, shards: int = 1, weights: tuple = ()) -> Ref:
+    def outer_reduce(
+        self,
+        round_index: int,
+        epoch: int,
+        faults=None,
+        join: tuple | None = None,
+        shard: int = 0,
+        shards: int = 1,
+        weights: tuple = (),
+    ) -> Ref:
         failed = self._faulted("outer_reduce", join, round_index)
         return failed or Ref(self._answer(outer_bytes=OUTER_BYTES, join_s=0.0))
 
@@ -246,8 +282,9 @@ class Replica:
             self.step = self.round * self.world.spr
             self.global_digest = hashlib.sha256(f"{self.global_digest}/{round_index}".encode()).hexdigest()[:16]
         self.running = None
-        return Ref(self._answer(digest=f"{self.global_digest}@{self.step}", global_digest=self.global_digest,
-                                inner_bytes=0))
+        return Ref(
+            self._answer(digest=f"{self.global_digest}@{self.step}", global_digest=self.global_digest, inner_bytes=0)
+        )
 
     def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults=None) -> Ref:
         self.world.heal_sources[join[2]] = (self.round, self.step, self.global_digest)
@@ -267,8 +304,16 @@ class Replica:
         self.pid += 100_000
         self.round = self.step = 0
         self.global_digest = "g0"
-        return {"rid": self.rid, "round": 0, "step": 0, "phase": "idle", "spare": False, "pid": self.pid,
-                "incarnation": self.incarnation, "node_id": "fake"}
+        return {
+            "rid": self.rid,
+            "round": 0,
+            "step": 0,
+            "phase": "idle",
+            "spare": False,
+            "pid": self.pid,
+            "incarnation": self.incarnation,
+            "node_id": "fake",
+        }
 
 
 PHASE_METHODS = ("run_inner", "outer_reduce", "outer_commit", "send_state", "receive_state")
@@ -342,16 +387,29 @@ class FakeRoster:
         self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
         if self.pids.get(rid) != answer.get("pid"):
             self.pids[rid] = answer.get("pid")
-            self.log.event("replica_up", rid=rid, round=answer["round"], step=answer["step"], pid=answer.get("pid"),
-                           incarnation=answer.get("incarnation"))
+            self.log.event(
+                "replica_up",
+                rid=rid,
+                round=answer["round"],
+                step=answer["step"],
+                pid=answer.get("pid"),
+                incarnation=answer.get("incarnation"),
+            )
 
     def died(self, rid: str, cause: str, phase: str | None, round_index: int, detail: str = "") -> bool:
         seen = (rid, self.world.replicas[rid].incarnation)
         if seen in self.reported:
             return False
         self.reported.add(seen)
-        self.log.event("replica_down", rid=rid, cluster=self.topology.cluster_of(rid), cause=cause, phase=phase,
-                       round=round_index, incarnation=seen[1])
+        self.log.event(
+            "replica_down",
+            rid=rid,
+            cluster=self.topology.cluster_of(rid),
+            cause=cause,
+            phase=phase,
+            round=round_index,
+            incarnation=seen[1],
+        )
         return True
 
     def deaths(self, live, round_index: int, phase: str | None) -> list[str]:

@@ -10,6 +10,7 @@ Per fault on a replica (t0 = when it fired):
     rejoin_s     t0 -> the replica is in an inner phase again (phase_begin `inner` naming it)
 Goodput of a run = fault-free wall time / its wall time, both of the same config and step count.
 """
+
 from __future__ import annotations
 
 from statistics import median
@@ -36,20 +37,28 @@ def fault_costs(fired: list[dict], events: list[dict]) -> list[dict]:
         up = _first(events, t1, lambda e: e["event"] == "replica_up" and e.get("rid") == rid)
         heal = _first(events, t1, lambda e: e["event"] == "heal_end" and e.get("target") == rid)
         back = _first(inner, t1, lambda e: rid in (e.get("replicas") or []))
-        out.append({"rid": rid, "kind": f.get("kind"), "fired_at": t0,
-                    "detection_s": None if t1 is None else t1 - t0,
-                    "replan_s": None if replan is None else replan["t"] - t1,
-                    "restart_s": None if up is None else up["t"] - t1,
-                    "heal_s": None if heal is None else heal.get("seconds"),
-                    "rejoin_s": None if back is None else back["t"] - t0})
+        out.append(
+            {
+                "rid": rid,
+                "kind": f.get("kind"),
+                "fired_at": t0,
+                "detection_s": None if t1 is None else t1 - t0,
+                "replan_s": None if replan is None else replan["t"] - t1,
+                "restart_s": None if up is None else up["t"] - t1,
+                "heal_s": None if heal is None else heal.get("seconds"),
+                "rejoin_s": None if back is None else back["t"] - t0,
+            }
+        )
     return out
 
 
 def summarize_costs(costs: list[dict]) -> dict:
     """Median of each part over the faults that have it, and how many faults there were."""
     parts = ("detection_s", "replan_s", "restart_s", "heal_s", "rejoin_s")
-    return {"faults": len(costs),
-            **{p: (median(v) if (v := [c[p] for c in costs if c[p] is not None]) else None) for p in parts}}
+    return {
+        "faults": len(costs),
+        **{p: (median(v) if (v := [c[p] for c in costs if c[p] is not None]) else None) for p in parts},
+    }
 
 
 def goodput(fault_free_wall_s: float, wall_s: float) -> float:

@@ -21,6 +21,7 @@ machine's training. Writes `goodput.json` (wall time, goodput = wall of the faul
 same spares / wall, the ratio to the fault-free run without spares, and per fault the median
 detection, re-plan, restart, heal and rejoin seconds) and `goodput.png` (where the time went).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.fault_costs import fault_costs, goodput, summarize_costs
-from hsgd.record.rundir import read_jsonl
 from benchmarks.report import bench_ray, header, write_suite
-
+from hsgd.record.rundir import read_jsonl
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
 
@@ -46,12 +46,21 @@ def _run(name: str, overrides: list[str], out: Path) -> dict:
     run_dir = out / name
     summary = run_training(cfg, str(run_dir))
     costs = fault_costs(read_jsonl(run_dir / "faults_fired.jsonl"), read_jsonl(run_dir / "events.jsonl"))
-    return {"name": name, "overrides": overrides, "status": summary["status"], "train_wall_s": summary.get("wall_s"),
-            "rounds_committed": summary.get("rounds_committed"), "final_eval_loss": summary.get("final_eval_loss"),
-            "costs": costs, "cost_medians": summarize_costs(costs)}
+    return {
+        "name": name,
+        "overrides": overrides,
+        "status": summary["status"],
+        "train_wall_s": summary.get("wall_s"),
+        "rounds_committed": summary.get("rounds_committed"),
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "costs": costs,
+        "cost_medians": summarize_costs(costs),
+    }
 
 
-def failure_process(mtbf_s: float, span_s: float, replicas: int, seed: int, start_s: float = 3.0) -> list[tuple[float, int]]:
+def failure_process(
+    mtbf_s: float, span_s: float, replicas: int, seed: int, start_s: float = 3.0
+) -> list[tuple[float, int]]:
     """(seconds after the first committed step, replica index) of each failure: exponential gaps of
     mean mtbf_s from start_s up to span_s, victims drawn uniformly — one seeded draw, used by every side."""
     rng = random.Random(f"{seed}:{mtbf_s}")
@@ -73,25 +82,49 @@ def step_efficiency(run: dict) -> float | None:
     return sum(len({x["step"] for x in r}) for r in rows.values()) / total if total else None
 
 
-def _side(side: str, *, replicas: int, steps: int, min_step_s: float, out: Path, kills: list[tuple[float, int]],
-          seed: int) -> dict:
+def _side(
+    side: str, *, replicas: int, steps: int, min_step_s: float, out: Path, kills: list[tuple[float, int]], seed: int
+) -> dict:
     if side == "hsgd":
         from benchmarks.peers.hsgd_peer import run_hsgd
 
-        run = run_hsgd(model="tiny", clusters=1, replicas_per_cluster=replicas, steps=steps, min_step_s=min_step_s,
-                       out=out, kill_times_s=[(t, f"c0r{i}") for t, i in kills], seed=seed)
+        run = run_hsgd(
+            model="tiny",
+            clusters=1,
+            replicas_per_cluster=replicas,
+            steps=steps,
+            min_step_s=min_step_s,
+            out=out,
+            kill_times_s=[(t, f"c0r{i}") for t, i in kills],
+            seed=seed,
+        )
         run["steps_dir"] = str(Path(run["run_dir"]) / "steps")
     elif side == "torchft":
         from benchmarks.peers.torchft_peer import run_torchft
 
-        run = run_torchft(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, settings="fast", out=out,
-                          kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
+        run = run_torchft(
+            model="tiny",
+            replicas=replicas,
+            steps=steps,
+            min_step_s=min_step_s,
+            settings="fast",
+            out=out,
+            kill_times_s=[(t, f"r{i}") for t, i in kills],
+            seed=seed,
+        )
         run["steps_dir"] = str(Path(out) / "steps")
     else:  # ray_train: the peer that loses steps (a restart resumes from its last checkpoint)
         from benchmarks.peers.raytrain_peer import run_raytrain
 
-        run = run_raytrain(model="tiny", replicas=replicas, steps=steps, min_step_s=min_step_s, out=out,
-                           kill_times_s=[(t, f"r{i}") for t, i in kills], seed=seed)
+        run = run_raytrain(
+            model="tiny",
+            replicas=replicas,
+            steps=steps,
+            min_step_s=min_step_s,
+            out=out,
+            kill_times_s=[(t, f"r{i}") for t, i in kills],
+            seed=seed,
+        )
         run["steps_dir"] = str(Path(out) / "steps")
     run["step_efficiency"] = step_efficiency(run)
     return run
@@ -104,23 +137,58 @@ def compare_peers(args, out: Path) -> list[dict]:
         return []
     runs, free = [], {}
     for side in sides:
-        free[side] = _side(side, replicas=args.replicas, steps=args.steps, min_step_s=args.min_step_s,
-                           out=out / f"{side}_fault_free", kills=[], seed=args.seed)
-        runs.append({"side": side, "mtbf_s": None, "goodput": 1.0, "faults": 0, "wall_s": free[side]["wall_s"],
-                     "step_efficiency": free[side]["step_efficiency"], "result_error": free[side].get("result_error")})
+        free[side] = _side(
+            side,
+            replicas=args.replicas,
+            steps=args.steps,
+            min_step_s=args.min_step_s,
+            out=out / f"{side}_fault_free",
+            kills=[],
+            seed=args.seed,
+        )
+        runs.append(
+            {
+                "side": side,
+                "mtbf_s": None,
+                "goodput": 1.0,
+                "faults": 0,
+                "wall_s": free[side]["wall_s"],
+                "step_efficiency": free[side]["step_efficiency"],
+                "result_error": free[side].get("result_error"),
+            }
+        )
         print(f"goodput {side} fault-free: wall {free[side]['wall_s']:.1f} s", flush=True)
     span = 0.8 * args.steps * args.min_step_s  # failures while every side still trains (times count from step 1)
     for mtbf in args.mtbf:
         kills = failure_process(mtbf, span, args.replicas, args.seed)
         for side in sides:  # interleaved: one MTBF, every side, then the next
-            run = _side(side, replicas=args.replicas, steps=args.steps, min_step_s=args.min_step_s,
-                        out=out / f"{side}_mtbf{mtbf:g}", kills=kills, seed=args.seed)
-            runs.append({"side": side, "mtbf_s": mtbf, "faults": len(run["kills"]), "failure_process": kills,
-                         "wall_s": run["wall_s"], "goodput": goodput(free[side]["wall_s"], run["wall_s"]),
-                         "step_efficiency": run["step_efficiency"], "recoveries": run["recoveries"],
-                         "result_error": run.get("result_error")})
-            print(f"goodput {side} MTBF {mtbf:g} s: {len(run['kills'])} kills, goodput {runs[-1]['goodput']:.3f}, "
-                  f"step efficiency {run['step_efficiency']}", flush=True)
+            run = _side(
+                side,
+                replicas=args.replicas,
+                steps=args.steps,
+                min_step_s=args.min_step_s,
+                out=out / f"{side}_mtbf{mtbf:g}",
+                kills=kills,
+                seed=args.seed,
+            )
+            runs.append(
+                {
+                    "side": side,
+                    "mtbf_s": mtbf,
+                    "faults": len(run["kills"]),
+                    "failure_process": kills,
+                    "wall_s": run["wall_s"],
+                    "goodput": goodput(free[side]["wall_s"], run["wall_s"]),
+                    "step_efficiency": run["step_efficiency"],
+                    "recoveries": run["recoveries"],
+                    "result_error": run.get("result_error"),
+                }
+            )
+            print(
+                f"goodput {side} MTBF {mtbf:g} s: {len(run['kills'])} kills, goodput {runs[-1]['goodput']:.3f}, "
+                f"step efficiency {run['step_efficiency']}",
+                flush=True,
+            )
     return runs
 
 
@@ -130,13 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 60 steps, one MTBF of 4 s")
     parser.add_argument("--mtbf", type=float, nargs="+", default=[30.0, 10.0])
-    parser.add_argument("--peers", nargs="+", default=["torchft"], choices=["torchft", "ray_train", "none"],
-                        help="torchft and/or ray_train (steps lost to rollbacks: its committed-step efficiency), or none")
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        default=["torchft"],
+        choices=["torchft", "ray_train", "none"],
+        help="torchft and/or ray_train (steps lost to rollbacks: its committed-step efficiency), or none",
+    )
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--min-step-s", type=float, default=0.3)
-    parser.add_argument("--spares", type=int, nargs="*", default=[],
-                        help="also hsgd alone with its fault injector, without and with these hot spares per cluster")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also hsgd alone with its fault injector, without and with these hot spares per cluster",
+    )
     parser.add_argument("--rounds", type=int, default=60, help="(--spares) rounds")
     parser.add_argument("--outer-every", type=int, default=20, help="(--spares) steps per round")
     parser.add_argument("--seed", type=int, default=1)
@@ -150,26 +228,40 @@ def main(argv: list[str] | None = None) -> int:
         runs = compare_peers(args, out)
         if args.spares:
             cases, step_s = _with_spares(args, out)
-    report = {**header("goodput", argv, args.quick), "replicas": args.replicas, "steps": args.steps,
-              "min_step_s": args.min_step_s, "runs": runs}
+    report = {
+        **header("goodput", argv, args.quick),
+        "replicas": args.replicas,
+        "steps": args.steps,
+        "min_step_s": args.min_step_s,
+        "runs": runs,
+    }
     if cases:
         report.update(seconds_per_step=step_s, cases=cases)
     write_suite(out, report)
     _plot(runs, cases, out / "goodput.png")
     for c in cases:
         m = c["cost_medians"]
-        parts = " ".join(f"{k[:-2]} {m[k]:.2f}s" for k in ("detection_s", "replan_s", "restart_s", "heal_s", "rejoin_s")
-                         if m.get(k) is not None)
-        print(f"{c['name']:>20}: wall {c['train_wall_s']:7.1f}s goodput {c['goodput']:.3f} "
-              f"(vs no-spare fault-free {c['vs_fault_free_without_spares']:.3f}) faults {m['faults']:2d}  {parts}")
+        parts = " ".join(
+            f"{k[:-2]} {m[k]:.2f}s"
+            for k in ("detection_s", "replan_s", "restart_s", "heal_s", "rejoin_s")
+            if m.get(k) is not None
+        )
+        print(
+            f"{c['name']:>20}: wall {c['train_wall_s']:7.1f}s goodput {c['goodput']:.3f} "
+            f"(vs no-spare fault-free {c['vs_fault_free_without_spares']:.3f}) faults {m['faults']:2d}  {parts}"
+        )
     print(f"goodput.json and goodput.png in {out}")
     return 0
 
 
 def _with_spares(args, out: Path) -> tuple[list[dict], float]:
     """hsgd alone, its fault injector's random kill/crash faults, without and with hot spares."""
-    base = [f"train.rounds={args.rounds}", f"sync.outer_every={args.outer_every}", "train.eval_every=1000",
-            "supervisor.rejoin=fast"]
+    base = [
+        f"train.rounds={args.rounds}",
+        f"sync.outer_every={args.outer_every}",
+        "train.eval_every=1000",
+        "supervisor.rejoin=fast",
+    ]
     # one fault-free baseline per spare count: the same config, so spares' own cost is not
     # counted as fault cost (goodput) — and the ratio to the no-spare baseline says what they cost
     free = {}
@@ -180,9 +272,18 @@ def _with_spares(args, out: Path) -> tuple[list[dict], float]:
     cases = [free[spares] for spares in sorted(free)]
     for mtbf in args.mtbf:
         for spares in args.spares:
-            case = _run(f"mtbf{mtbf:g}_spares{spares}",
-                        base + [f"faults.mtbf_s={mtbf}", f"faults.step_s={step_s:.4f}", f"faults.seed={args.seed}",
-                                "faults.kinds=[kill,crash]", f"topology.spares_per_cluster={spares}"], out)
+            case = _run(
+                f"mtbf{mtbf:g}_spares{spares}",
+                base
+                + [
+                    f"faults.mtbf_s={mtbf}",
+                    f"faults.step_s={step_s:.4f}",
+                    f"faults.seed={args.seed}",
+                    "faults.kinds=[kill,crash]",
+                    f"topology.spares_per_cluster={spares}",
+                ],
+                out,
+            )
             case["spares"] = spares
             cases.append(case)
     for c in cases:
@@ -214,8 +315,12 @@ def _plot_spares(cases: list[dict], plt):
     ax1.set_title("goodput (fault-free wall / wall)", fontsize=9)
     ax1.legend(fontsize=8)
     bottom = [0.0] * len(cases)
-    for part, color in (("detection_s", "#c44e52"), ("replan_s", "#dd8452"), ("heal_s", "#55a868"),
-                        ("restart_s", "#8172b3")):
+    for part, color in (
+        ("detection_s", "#c44e52"),
+        ("replan_s", "#dd8452"),
+        ("heal_s", "#55a868"),
+        ("restart_s", "#8172b3"),
+    ):
         values = [c["cost_medians"].get(part) or 0.0 for c in cases]
         ax2.bar(names, values, bottom=bottom, color=color, label=part[:-2])
         bottom = [b + v for b, v in zip(bottom, values)]

@@ -34,6 +34,7 @@ per rank. With fewer than k GPUs on CUDA the section is skipped with a line sayi
 a rank that raises, dies or answers no command within RANK_TIMEOUT_S fails the invocation, naming
 the rank (its traceback when it had one); every rank process is stopped on the way out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,16 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 BATCH = {"tiny": 8, "small": 64, "gpt-30m": 32, "gpt-86m": 16}
 GPU_ONLY = {"gpt-30m", "gpt-86m"}
 # dense bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name (first match)
-PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12),
-             ("L40S", 362e12), ("L4", 121e12), ("RTX 4090", 165e12)]
+PEAK_BF16 = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+]
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -68,10 +77,17 @@ def make_cfg(preset: str, batch_size: int, steps: int, sets: list[str]):
 
     cfg = OmegaConf.structured(HsgdConfig)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(PRESET_DIR / f"{preset}.yaml"))
-    base = [f"data.batch_size={batch_size}", f"sync.outer_every={steps}", "sync.outer=none",
-            "topology.clusters=1", "topology.replicas_per_cluster=1", "train.rounds=1000000",
-            "logging.wandb.mode=disabled",
-            "optim.inner.schedule=constant", "optim.inner.warmup_steps=0"]  # the plain loops step at a constant rate
+    base = [
+        f"data.batch_size={batch_size}",
+        f"sync.outer_every={steps}",
+        "sync.outer=none",
+        "topology.clusters=1",
+        "topology.replicas_per_cluster=1",
+        "train.rounds=1000000",
+        "logging.wandb.mode=disabled",
+        "optim.inner.schedule=constant",
+        "optim.inner.warmup_steps=0",
+    ]  # the plain loops step at a constant rate
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(base + sets))
 
 
@@ -126,8 +142,9 @@ class LoopVariant:
         self.step_model = torch.compile(self.model) if compile_model else self.model
         o = cfg.optim.inner
         kind = {"fused": True} if implementation == "fused" else {"foreach": implementation == "foreach"}
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.momentum, 0.95), weight_decay=o.weight_decay,
-                                     **kind)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=(o.momentum, 0.95), weight_decay=o.weight_decay, **kind
+        )
         self.foreach = implementation != "single"
         self.step = 0
 
@@ -185,8 +202,13 @@ def measure_heal(trainer, device: str, repeats: int = 3) -> dict:
         nbytes = _tensor_bytes(state)
         del state
     steady = statistics.median(times[1:])
-    return {"bytes": nbytes, "first_s": times[0], "steady_s": steady,
-            "first_gb_per_s": nbytes / times[0] / 1e9, "steady_gb_per_s": nbytes / steady / 1e9}
+    return {
+        "bytes": nbytes,
+        "first_s": times[0],
+        "steady_s": steady,
+        "first_gb_per_s": nbytes / times[0] / 1e9,
+        "steady_gb_per_s": nbytes / steady / 1e9,
+    }
 
 
 def batch_of(preset: str, args, device: str) -> int:
@@ -203,19 +225,39 @@ def bench_preset(preset: str, args, device: str, device_name: str) -> dict:
     tuned_compile = args.compile_tuned == "on" or (args.compile_tuned == "auto" and device.startswith("cuda"))
     variants = {
         "hsgd": HsgdVariant(cfg, device),
-        "plain": LoopVariant(cfg, device, precision=cfg.train.precision, compile_model=bool(cfg.train.compile),
-                             implementation=optimizer_implementation(cfg, device)),
-        "tuned": LoopVariant(cfg, device, precision="bf16", compile_model=tuned_compile,
-                             implementation="fused" if device.startswith("cuda") else "foreach"),
+        "plain": LoopVariant(
+            cfg,
+            device,
+            precision=cfg.train.precision,
+            compile_model=bool(cfg.train.compile),
+            implementation=optimizer_implementation(cfg, device),
+        ),
+        "tuned": LoopVariant(
+            cfg,
+            device,
+            precision="bf16",
+            compile_model=tuned_compile,
+            implementation="fused" if device.startswith("cuda") else "foreach",
+        ),
     }
     settings = {
-        "hsgd": {"precision": cfg.train.precision, "compile": bool(cfg.train.compile),
-                 "optimizer": optimizer_implementation(cfg, device), "sync.inner": cfg.sync.inner,
-                 "comm.bucket_mb": float(cfg.comm.bucket_mb)},
-        "plain": {"precision": cfg.train.precision, "compile": bool(cfg.train.compile),
-                  "optimizer": optimizer_implementation(cfg, device)},
-        "tuned": {"precision": "bf16", "compile": tuned_compile,
-                  "optimizer": "fused" if device.startswith("cuda") else "foreach"},
+        "hsgd": {
+            "precision": cfg.train.precision,
+            "compile": bool(cfg.train.compile),
+            "optimizer": optimizer_implementation(cfg, device),
+            "sync.inner": cfg.sync.inner,
+            "comm.bucket_mb": float(cfg.comm.bucket_mb),
+        },
+        "plain": {
+            "precision": cfg.train.precision,
+            "compile": bool(cfg.train.compile),
+            "optimizer": optimizer_implementation(cfg, device),
+        },
+        "tuned": {
+            "precision": "bf16",
+            "compile": tuned_compile,
+            "optimizer": "fused" if device.startswith("cuda") else "foreach",
+        },
     }
     for v in variants.values():  # one untimed round each: compilation and lazy initialisation
         v.run()
@@ -226,13 +268,24 @@ def bench_preset(preset: str, args, device: str, device_name: str) -> dict:
             runs[name].append({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "loss": loss})
     n_params = variants["hsgd"].num_params
     peak = peak_flops(device_name) if device.startswith("cuda") else None
-    result = {"preset": preset, "params": n_params, "batch_size": batch_size, "block_size": cfg.model.block_size,
-              "steps_per_repeat": args.steps, "repeats": args.repeats, "variants": {}}
+    result = {
+        "preset": preset,
+        "params": n_params,
+        "batch_size": batch_size,
+        "block_size": cfg.model.block_size,
+        "steps_per_repeat": args.steps,
+        "repeats": args.repeats,
+        "variants": {},
+    }
     for name, rs in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
-        result["variants"][name] = {**settings[name], "tokens_per_s": [r["tokens_per_s"] for r in rs],
-                                    "tokens_per_s_median": tps, "last_loss": rs[-1]["loss"],
-                                    "mfu": 6 * n_params * tps / peak if peak else None}
+        result["variants"][name] = {
+            **settings[name],
+            "tokens_per_s": [r["tokens_per_s"] for r in rs],
+            "tokens_per_s_median": tps,
+            "last_loss": rs[-1]["loss"],
+            "mfu": 6 * n_params * tps / peak if peak else None,
+        }
     med = {name: result["variants"][name]["tokens_per_s_median"] for name in runs}
     result["ratio"] = {"hsgd_vs_plain": med["hsgd"] / med["plain"], "hsgd_vs_tuned": med["hsgd"] / med["tuned"]}
     result["heal"] = measure_heal(variants["hsgd"].trainer, device)
@@ -291,12 +344,15 @@ def _rank_main(rank: int, k: int, store_port: int | None, cfg, cuda: bool, comma
 
         ranks = None
         if k > 1:  # the replica's own group of its k processes (level "replica")
-            store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                                  timeout=timedelta(seconds=RANK_TIMEOUT_S))
-            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                                    store=dist.PrefixStore(f"bench-inner/k{k}", store), rank=rank, world_size=k,
-                                    timeout=timedelta(seconds=RANK_TIMEOUT_S),
-                                    device_id=torch.device(device) if cuda else None)
+            store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=RANK_TIMEOUT_S))
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl" if cuda else "gloo",
+                store=dist.PrefixStore(f"bench-inner/k{k}", store),
+                rank=rank,
+                world_size=k,
+                timeout=timedelta(seconds=RANK_TIMEOUT_S),
+                device_id=torch.device(device) if cuda else None,
+            )
             ranks = ReplicaRanks(rank, k, dist.group.WORLD)
         trainer = ReplicaTrainer(cfg, "c0r0", Topology(1, 1), device=device, ranks=ranks)
         inner, outer = LevelGroup("inner", backend="gloo"), LevelGroup("outer", backend="gloo")
@@ -344,12 +400,19 @@ class ShardedReplica:
         self.k = k
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: no inherited torch threads
         self.results = ctx.Queue()
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=RANK_TIMEOUT_S)) if k > 1 else None
+        self.store = (
+            TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=RANK_TIMEOUT_S))
+            if k > 1
+            else None
+        )
         port = self.store.port if self.store is not None else None
         self.commands = [ctx.Queue() for _ in range(k)]
-        self.procs = [ctx.Process(target=_rank_main, args=(rank, k, port, cfg, cuda, self.commands[rank],
-                                                           self.results), daemon=True) for rank in range(k)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_main, args=(rank, k, port, cfg, cuda, self.commands[rank], self.results), daemon=True
+            )
+            for rank in range(k)
+        ]
         for p in self.procs:
             p.start()
         try:
@@ -409,18 +472,28 @@ def bench_sharded(preset: str, args, device: str) -> dict:
     replicas: dict[int, ShardedReplica] = {}
     try:
         for ranks in (1, k):
-            _progress(f"{preset}: starting k={ranks} ({ranks} rank process{'es' if ranks > 1 else ''}), "
-                      f"then one untimed round")
+            _progress(
+                f"{preset}: starting k={ranks} ({ranks} rank process{'es' if ranks > 1 else ''}), "
+                f"then one untimed round"
+            )
             replicas[ranks] = ShardedReplica(ranks, cfg, cuda)
             replicas[ranks].ask("round")  # compilation, lazy initialisation
         for repeat in range(args.repeats):
             for ranks, replica in replicas.items():
                 answers = replica.ask("round")
                 seconds = max(a["seconds"] for a in answers)  # the replica's round ends with its slowest rank
-                runs[ranks].append({"tokens": answers[0]["tokens"], "seconds": seconds,
-                                    "tokens_per_s": answers[0]["tokens"] / seconds, "loss": answers[0]["loss"]})
-                _progress(f"{preset}: repeat {repeat + 1}/{args.repeats} k={ranks}: "
-                          f"{runs[ranks][-1]['tokens_per_s']:.0f} tokens/s")
+                runs[ranks].append(
+                    {
+                        "tokens": answers[0]["tokens"],
+                        "seconds": seconds,
+                        "tokens_per_s": answers[0]["tokens"] / seconds,
+                        "loss": answers[0]["loss"],
+                    }
+                )
+                _progress(
+                    f"{preset}: repeat {repeat + 1}/{args.repeats} k={ranks}: "
+                    f"{runs[ranks][-1]['tokens_per_s']:.0f} tokens/s"
+                )
         states = {ranks: replica.ask("state") for ranks, replica in replicas.items()}
     finally:
         for replica in replicas.values():
@@ -429,21 +502,36 @@ def bench_sharded(preset: str, args, device: str) -> dict:
     for ranks, rs in runs.items():
         per_rank = [a["state"]["total"] for a in states[ranks]]
         peaks = [a["peak_device_bytes"] for a in states[ranks]]
-        per_k[str(ranks)] = {"ranks": ranks, "rows_per_rank": batch_size // ranks,
-                             "tokens_per_s": [r["tokens_per_s"] for r in rs],
-                             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
-                             "last_loss": rs[-1]["loss"],
-                             "state_bytes_per_rank": per_rank, "state_bytes_per_rank_max": max(per_rank),
-                             "state_bytes_by_part_rank0": states[ranks][0]["state"],
-                             "peak_device_bytes_per_rank": None if peaks[0] is None else peaks}
+        per_k[str(ranks)] = {
+            "ranks": ranks,
+            "rows_per_rank": batch_size // ranks,
+            "tokens_per_s": [r["tokens_per_s"] for r in rs],
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
+            "last_loss": rs[-1]["loss"],
+            "state_bytes_per_rank": per_rank,
+            "state_bytes_per_rank_max": max(per_rank),
+            "state_bytes_by_part_rank0": states[ranks][0]["state"],
+            "peak_device_bytes_per_rank": None if peaks[0] is None else peaks,
+        }
     one, many = per_k["1"], per_k[str(k)]
-    return {"preset": preset, "batch_size": batch_size, "block_size": cfg.model.block_size,
-            "steps_per_repeat": args.steps, "repeats": args.repeats,
-            "settings": {"precision": cfg.train.precision, "compile": bool(cfg.train.compile),
-                         "sync.outer": cfg.sync.outer, "sync.outer_compress": cfg.sync.outer_compress},
-            "k": per_k,
-            "ratio": {"tokens_per_s": many["tokens_per_s_median"] / one["tokens_per_s_median"],
-                      "state_bytes_per_rank": many["state_bytes_per_rank_max"] / one["state_bytes_per_rank_max"]}}
+    return {
+        "preset": preset,
+        "batch_size": batch_size,
+        "block_size": cfg.model.block_size,
+        "steps_per_repeat": args.steps,
+        "repeats": args.repeats,
+        "settings": {
+            "precision": cfg.train.precision,
+            "compile": bool(cfg.train.compile),
+            "sync.outer": cfg.sync.outer,
+            "sync.outer_compress": cfg.sync.outer_compress,
+        },
+        "k": per_k,
+        "ratio": {
+            "tokens_per_s": many["tokens_per_s_median"] / one["tokens_per_s_median"],
+            "state_bytes_per_rank": many["state_bytes_per_rank_max"] / one["state_bytes_per_rank_max"],
+        },
+    }
 
 
 def sharded_section(presets: list[str], args, device: str) -> dict:
@@ -454,8 +542,9 @@ def sharded_section(presets: list[str], args, device: str) -> dict:
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     section = {"gpus_per_replica": k, "backend": backend, "skipped": None, "results": []}
     if device.startswith("cuda") and torch.cuda.device_count() < k:
-        section["skipped"] = (f"--gpus-per-replica {k} needs {k} GPUs (one per rank); "
-                              f"this machine has {torch.cuda.device_count()}")
+        section["skipped"] = (
+            f"--gpus-per-replica {k} needs {k} GPUs (one per rank); this machine has {torch.cuda.device_count()}"
+        )
         return section
     section["results"] = [bench_sharded(p, args, device) for p in presets]
     return section
@@ -467,33 +556,52 @@ def print_sharded(section: dict) -> None:
         print(f"sharded replica skipped: {section['skipped']}")
         return
     print(f"a replica sharded over k ranks (FSDP2, {section['backend']}), k=1 vs k={k}, same replica batch")
-    print(f"{'preset':>8} {'k':>3} {'rows/rank':>9} {'tok/s':>10} {'vs k=1':>7} {'state/rank':>11} {'vs k=1':>7}"
-          "  last loss")
+    print(
+        f"{'preset':>8} {'k':>3} {'rows/rank':>9} {'tok/s':>10} {'vs k=1':>7} {'state/rank':>11} {'vs k=1':>7}"
+        "  last loss"
+    )
     for r in section["results"]:
         for key, v in r["k"].items():
             ratio = r["ratio"] if key != "1" else {"tokens_per_s": 1.0, "state_bytes_per_rank": 1.0}
-            print(f"{r['preset']:>8} {v['ranks']:>3} {v['rows_per_rank']:>4}x{r['block_size']:<4} "
-                  f"{v['tokens_per_s_median']:10.0f} {ratio['tokens_per_s']:6.3f}x "
-                  f"{v['state_bytes_per_rank_max'] / 1e6:8.1f} MB {ratio['state_bytes_per_rank']:6.3f}x  "
-                  f"{v['last_loss']:.5f}")
+            print(
+                f"{r['preset']:>8} {v['ranks']:>3} {v['rows_per_rank']:>4}x{r['block_size']:<4} "
+                f"{v['tokens_per_s_median']:10.0f} {ratio['tokens_per_s']:6.3f}x "
+                f"{v['state_bytes_per_rank_max'] / 1e6:8.1f} MB {ratio['state_bytes_per_rank']:6.3f}x  "
+                f"{v['last_loss']:.5f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks inner", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for inner.json")
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (CPU: batch 8)")
-    parser.add_argument("--presets", nargs="+", default=None,
-                        help="conf/model presets (default: tiny small, + gpt-86m on CUDA)")
+    parser.add_argument(
+        "--presets", nargs="+", default=None, help="conf/model presets (default: tiny small, + gpt-86m on CUDA)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per variant")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: per preset)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    parser.add_argument("--compile-tuned", choices=("auto", "on", "off"), default="auto",
-                        help="torch.compile the tuned loop (auto: on CUDA only)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides for hsgd's trainer (and the plain loop's settings)")
-    parser.add_argument("--gpus-per-replica", type=int, default=None, metavar="K",
-                        help="also run hsgd's replica at k=1 and sharded over K ranks (FSDP2), interleaved")
+    parser.add_argument(
+        "--compile-tuned",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile the tuned loop (auto: on CUDA only)",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for hsgd's trainer (and the plain loop's settings)",
+    )
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also run hsgd's replica at k=1 and sharded over K ranks (FSDP2), interleaved",
+    )
     args = parser.parse_args(argv)
     if args.gpus_per_replica is not None and args.gpus_per_replica < 2:
         parser.error(f"--gpus-per-replica {args.gpus_per_replica}: must be at least 2 (k=1 always runs beside it)")
@@ -508,19 +616,28 @@ def main(argv: list[str] | None = None) -> int:
     presets = [p for p in presets if p not in skipped]
     uneven = [p for p in presets if args.gpus_per_replica and batch_of(p, args, device) % args.gpus_per_replica]
     if uneven:
-        parser.error(f"--gpus-per-replica {args.gpus_per_replica}: the batch of preset {uneven[0]} "
-                     f"({batch_of(uneven[0], args, device)} sequences) does not split across "
-                     f"{args.gpus_per_replica} ranks; pass --batch-size as a multiple of {args.gpus_per_replica}")
+        parser.error(
+            f"--gpus-per-replica {args.gpus_per_replica}: the batch of preset {uneven[0]} "
+            f"({batch_of(uneven[0], args, device)} sequences) does not split across "
+            f"{args.gpus_per_replica} ranks; pass --batch-size as a multiple of {args.gpus_per_replica}"
+        )
     device_name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-bench-inner-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results = [bench_preset(p, args, device, device_name) for p in presets]
     sharded = sharded_section(presets, args, device) if args.gpus_per_replica else None
-    report = {"machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
-              "device": device, "device_name": device_name, "peak_bf16_flops": peak_flops(device_name) if cuda else None,
-              "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-              "ray_imported": sys.modules.get("ray") is not None, "skipped_gpu_only_presets": skipped,
-              "args": vars(args), "results": results}
+    report = {
+        "machine_note": "timings are this machine's; compare the ratios, measured in one invocation",
+        "device": device,
+        "device_name": device_name,
+        "peak_bf16_flops": peak_flops(device_name) if cuda else None,
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "ray_imported": sys.modules.get("ray") is not None,
+        "skipped_gpu_only_presets": skipped,
+        "args": vars(args),
+        "results": results,
+    }
     if sharded is not None:
         report["sharded"] = sharded
     atomic_write_text(out / "inner.json", json.dumps(report, indent=2))
@@ -530,13 +647,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in r["variants"].items():
             numerics = f"{v['precision']} {v['optimizer']}{' compiled' if v['compile'] else ''}"
             mfu = f"{v['mfu'] * 100:5.1f}%" if v["mfu"] is not None else "    -"
-            ratio = {"hsgd": "", "plain": f"hsgd/plain {r['ratio']['hsgd_vs_plain']:.3f}",
-                     "tuned": f"hsgd/tuned {r['ratio']['hsgd_vs_tuned']:.3f}"}[name]
-            print(f"{r['preset']:>8} {r['params'] / 1e6:7.1f}M {r['batch_size']:>3}x{r['block_size']:<4} {name:>6} "
-                  f"{numerics:>24} {v['tokens_per_s_median']:10.0f} {mfu:>6}  {ratio}")
+            ratio = {
+                "hsgd": "",
+                "plain": f"hsgd/plain {r['ratio']['hsgd_vs_plain']:.3f}",
+                "tuned": f"hsgd/tuned {r['ratio']['hsgd_vs_tuned']:.3f}",
+            }[name]
+            print(
+                f"{r['preset']:>8} {r['params'] / 1e6:7.1f}M {r['batch_size']:>3}x{r['block_size']:<4} {name:>6} "
+                f"{numerics:>24} {v['tokens_per_s_median']:10.0f} {mfu:>6}  {ratio}"
+            )
         h = r["heal"]
-        print(f"{r['preset']:>8} heal: state_dict of {h['bytes'] / 1e6:.1f} MB to host: "
-              f"{h['steady_gb_per_s']:.2f} GB/s steady, {h['first_gb_per_s']:.2f} GB/s first call")
+        print(
+            f"{r['preset']:>8} heal: state_dict of {h['bytes'] / 1e6:.1f} MB to host: "
+            f"{h['steady_gb_per_s']:.2f} GB/s steady, {h['first_gb_per_s']:.2f} GB/s first call"
+        )
     if sharded is not None:
         print_sharded(sharded)
     if skipped:

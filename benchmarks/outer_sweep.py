@@ -18,6 +18,7 @@ with inner ddp over gloo.
 Writes `<out>/outer_sweep.json` (every job: its overrides, final and per-round eval loss, the gap to
 its grid's flat DDP) and `<out>/outer_sweep.md` (one table per grid), one progress line per job.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,7 @@ class ThreadGroup:
     through its own `ThreadGroup.Rank`. A barrier that waits over 600 s raises (a bug, never a run's state)."""
 
     class Rank:
-        def __init__(self, group: "ThreadGroup", rank: int):
+        def __init__(self, group: ThreadGroup, rank: int):
             self.group, self.rank, self.world_size, self.bytes_sent = group, rank, group.world, 0
 
         def allreduce_mean(self, tensors, *, level: str) -> None:
@@ -70,7 +71,7 @@ class ThreadGroup:
             mean = torch.stack(pieces).sum(dim=0) / len(pieces)
             offset = 0
             for t in tensors:
-                t.copy_(mean[offset:offset + t.numel()].view_as(t))
+                t.copy_(mean[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
         def all_gather(self, payload, *, level: str):
@@ -93,9 +94,14 @@ class ThreadGroup:
 
 def check_supported(cfg) -> None:
     s = cfg.sync
-    bad = {"sync.inner": (s.inner, ("ddp",)), "sync.fragments": (s.fragments, (1,)),
-           "sync.fragment_delay": (s.fragment_delay, (0,)), "sync.balance": (s.balance, ("none",)),
-           "sync.outer_path": (s.outer_path, ("leader",)), "data.grad_accum": (cfg.data.grad_accum, (1,))}
+    bad = {
+        "sync.inner": (s.inner, ("ddp",)),
+        "sync.fragments": (s.fragments, (1,)),
+        "sync.fragment_delay": (s.fragment_delay, (0,)),
+        "sync.balance": (s.balance, ("none",)),
+        "sync.outer_path": (s.outer_path, ("leader",)),
+        "data.grad_accum": (cfg.data.grad_accum, (1,)),
+    }
     for key, (value, allowed) in bad.items():
         if value not in allowed:
             raise ValueError(f"outer_sweep: {key}={value} is not simulated; valid: {', '.join(map(str, allowed))}")
@@ -119,8 +125,10 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
     topology = topology_of(cfg)
     dataset = task.build_dataset(cfg)
     clusters = [[topology.global_index(rid) for rid in topology.cluster_members(c)] for c in range(topology.clusters)]
-    trainers = [ReplicaTrainer(cfg, topology.cluster_members(c)[0], topology, dataset=ClusterBatches(dataset, members))
-                for c, members in enumerate(clusters)]
+    trainers = [
+        ReplicaTrainer(cfg, topology.cluster_members(c)[0], topology, dataset=ClusterBatches(dataset, members))
+        for c, members in enumerate(clusters)
+    ]
     solo = LevelGroup("inner")
     started = time.perf_counter()
     losses = [trainers[0].eval_loss()]
@@ -151,9 +159,15 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
             t.outer_commit(r, solo, (0,))
         if (eval_every and (r + 1) % eval_every == 0) or r == rounds - 1:
             losses.append(trainers[0].eval_loss())
-    return {"overrides": list(overrides), "initial_eval_loss": losses[0], "final_eval_loss": losses[-1],
-            "eval_losses": losses, "outer_bytes": outer_bytes, "inner_steps": rounds * int(cfg.sync.outer_every),
-            "wall_s": round(time.perf_counter() - started, 1)}
+    return {
+        "overrides": list(overrides),
+        "initial_eval_loss": losses[0],
+        "final_eval_loss": losses[-1],
+        "eval_losses": losses,
+        "outer_bytes": outer_bytes,
+        "inner_steps": rounds * int(cfg.sync.outer_every),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
 
 
 def _job(name: str, overrides: list[str]) -> tuple[str, dict]:
@@ -165,14 +179,27 @@ def _job(name: str, overrides: list[str]) -> tuple[str, dict]:
 
 def grid(name: str, steps: int, extra: list[str]) -> dict[str, list[str]]:
     """The jobs of grid `name`: {job name: overrides}. Every job has the same model, seed and inner steps."""
+
     def run(clusters: int, replicas: int, every: int, *more: str, model: str = "tiny") -> list[str]:
-        return [f"model={model}", "seed=12", f"topology.clusters={clusters}", f"topology.replicas_per_cluster={replicas}",
-                f"sync.outer_every={every}", f"train.rounds={steps // every}", *extra, *more]
+        return [
+            f"model={model}",
+            "seed=12",
+            f"topology.clusters={clusters}",
+            f"topology.replicas_per_cluster={replicas}",
+            f"sync.outer_every={every}",
+            f"train.rounds={steps // every}",
+            *extra,
+            *more,
+        ]
 
     jobs: dict[str, list[str]] = {}
     if name in ("before", "all"):  # the issue's runs: the old defaults (constant rate, DiLoCo's outer step)
-        old = ["optim.inner.schedule=constant", "optim.inner.warmup_steps=0", "optim.outer.lr=0.7",
-               "optim.outer.momentum=0.9"]
+        old = [
+            "optim.inner.schedule=constant",
+            "optim.inner.warmup_steps=0",
+            "optim.outer.lr=0.7",
+            "optim.outer.momentum=0.9",
+        ]
         jobs["flat_const"] = run(1, 4, 50, "sync.outer=none", *old)
         jobs["h50_const"] = run(2, 2, 50, *old)
         jobs["h50_const_avg"] = run(2, 2, 50, *old, "sync.outer=average")
@@ -190,17 +217,23 @@ def grid(name: str, steps: int, extra: list[str]) -> dict[str, list[str]]:
     if name in ("spread", "all"):  # the best of `cosine` and its neighbours at other H, clusters and a codec
         for lr, mom in ((1.0, 0.3), (1.0, 0.5), (0.7, 0.9)):
             jobs[f"h20_cos_lr{lr}m{mom}"] = run(2, 2, 20, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
-        jobs["h50_cos_int4_lr1.0m0.3"] = run(2, 2, 50, *cos, "sync.outer_compress=int4", "optim.outer.lr=1.0",
-                                             "optim.outer.momentum=0.3")
+        jobs["h50_cos_int4_lr1.0m0.3"] = run(
+            2, 2, 50, *cos, "sync.outer_compress=int4", "optim.outer.lr=1.0", "optim.outer.momentum=0.3"
+        )
         for lr, mom in ((1.0, 0.3), (1.0, 0.5)):
-            jobs[f"4x1_h50_cos_lr{lr}m{mom}"] = run(4, 1, 50, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
+            jobs[f"4x1_h50_cos_lr{lr}m{mom}"] = run(
+                4, 1, 50, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}"
+            )
         for lr, mom in ((1.0, 0.0), (1.0, 0.3)):
             jobs[f"h100_cos_lr{lr}m{mom}"] = run(2, 2, 100, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
     if name in ("four", "all"):  # four clusters of one replica: the levers left past the outer step tried in `spread`
         for lr, mom in ((1.0, 0.7), (1.3, 0.5)):
-            jobs[f"4x1_h50_cos_lr{lr}m{mom}"] = run(4, 1, 50, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}")
-        jobs["4x1_h50_cos_inner1.5e-3"] = run(4, 1, 50, *cos, "optim.inner.lr=1.5e-3", "optim.outer.lr=1.0",
-                                              "optim.outer.momentum=0.5")
+            jobs[f"4x1_h50_cos_lr{lr}m{mom}"] = run(
+                4, 1, 50, *cos, f"optim.outer.lr={lr}", f"optim.outer.momentum={mom}"
+            )
+        jobs["4x1_h50_cos_inner1.5e-3"] = run(
+            4, 1, 50, *cos, "optim.inner.lr=1.5e-3", "optim.outer.lr=1.0", "optim.outer.momentum=0.5"
+        )
         jobs["4x1_h20_cos_lr1.0m0.5"] = run(4, 1, 20, *cos, "optim.outer.lr=1.0", "optim.outer.momentum=0.5")
     if name in ("small", "all"):  # issue 33 Acceptance 2's model=small pair at the defaults (run with --steps 1000)
         jobs["small_flat"] = run(1, 4, 50, "sync.outer=none", model="small")
@@ -211,16 +244,18 @@ def grid(name: str, steps: int, extra: list[str]) -> dict[str, list[str]]:
 
 
 def table_md(results: dict[str, dict]) -> str:
-    flat = next((v["final_eval_loss"] for k, v in results.items() if k.startswith("flat") and "final_eval_loss" in v),
-                None)
+    flat = next(
+        (v["final_eval_loss"] for k, v in results.items() if k.startswith("flat") and "final_eval_loss" in v), None
+    )
     lines = ["| job | final eval loss | gap vs first flat | outer MB | wall s |", "| --- | --- | --- | --- | --- |"]
     for name, res in results.items():
         if "error" in res:
             lines.append(f"| {name} | failed: {res['error']} | | | |")
             continue
         gap = f"{(res['final_eval_loss'] / flat - 1) * 100:+.1f} %" if flat else "-"
-        lines.append(f"| {name} | {res['final_eval_loss']:.4f} | {gap} | {res['outer_bytes'] / 1e6:.1f} | "
-                     f"{res['wall_s']:.0f} |")
+        lines.append(
+            f"| {name} | {res['final_eval_loss']:.4f} | {gap} | {res['outer_bytes'] / 1e6:.1f} | {res['wall_s']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -245,10 +280,15 @@ def main(argv: list[str] | None = None) -> int:
             name, res = future.result()
             results[name] = res
             loss = res.get("final_eval_loss")
-            print(f"[outer_sweep] {done}/{len(jobs)} {name}: "
-                  f"{f'{loss:.4f}' if loss is not None else res.get('error')} ({res.get('wall_s', '-')} s)", flush=True)
-            atomic_write_text(out / "outer_sweep.json", json.dumps(
-                {"steps": args.steps, "grid": args.grid, "set": args.set, "results": results}, indent=1))
+            print(
+                f"[outer_sweep] {done}/{len(jobs)} {name}: "
+                f"{f'{loss:.4f}' if loss is not None else res.get('error')} ({res.get('wall_s', '-')} s)",
+                flush=True,
+            )
+            atomic_write_text(
+                out / "outer_sweep.json",
+                json.dumps({"steps": args.steps, "grid": args.grid, "set": args.set, "results": results}, indent=1),
+            )
     ordered = {k: results[k] for k in jobs if k in results}
     atomic_write_text(out / "outer_sweep.md", table_md(ordered))
     print(table_md(ordered))

@@ -10,6 +10,7 @@ spread over the repeats (min, max of the per-repeat ratios); `overhead.png` plot
 near 1 means the orchestration costs nothing per step; timings are this machine's, the ratio is the
 figure. `--quick` (a smoke run): the tiny model, 3 steps, 1 repeat.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,19 @@ def measure(model: str, steps: int, repeats: int, out: Path) -> dict:
         raise RuntimeError(f"benchmarks ddp failed for model {model}")
     ddp = json.loads((folder / "ddp.json").read_text())
     each = ddp["ratio_each_repeat"]
-    return {"model": model, "params": ddp["params"], "steps": steps, "repeats": repeats,
-            "hsgd_tokens_per_s": ddp["cases"]["hsgd"]["tokens_per_s"],
-            "torch_ddp_tokens_per_s": ddp["cases"]["torch_ddp"]["tokens_per_s"],
-            "ratio_median": statistics.median(each), "ratio_min": min(each), "ratio_max": max(each),
-            "ratio_each_repeat": each, "ddp_json": str(folder / "ddp.json")}
+    return {
+        "model": model,
+        "params": ddp["params"],
+        "steps": steps,
+        "repeats": repeats,
+        "hsgd_tokens_per_s": ddp["cases"]["hsgd"]["tokens_per_s"],
+        "torch_ddp_tokens_per_s": ddp["cases"]["torch_ddp"]["tokens_per_s"],
+        "ratio_median": statistics.median(each),
+        "ratio_min": min(each),
+        "ratio_max": max(each),
+        "ratio_each_repeat": each,
+        "ddp_json": str(folder / "ddp.json"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         models.append(measure(model, args.steps, args.repeats, out))
         m = models[-1]
-        print(f"overhead {model}: hsgd {m['hsgd_tokens_per_s']:.0f} tok/s, torch DDP {m['torch_ddp_tokens_per_s']:.0f} "
-              f"tok/s, ratio {m['ratio_median']:.3f} ({m['ratio_min']:.3f}-{m['ratio_max']:.3f})", flush=True)
+        print(
+            f"overhead {model}: hsgd {m['hsgd_tokens_per_s']:.0f} tok/s, torch DDP {m['torch_ddp_tokens_per_s']:.0f} "
+            f"tok/s, ratio {m['ratio_median']:.3f} ({m['ratio_min']:.3f}-{m['ratio_max']:.3f})",
+            flush=True,
+        )
     report = {**header("overhead", argv, args.quick), "models": models}
     write_suite(out, report)
     _plot(models, out / "overhead.png")
@@ -71,9 +83,17 @@ def _plot(models: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=110)
     names = [m["model"] for m in models]
     ax.bar(names, [m["ratio_median"] for m in models], color="#3b75af")
-    ax.errorbar(names, [m["ratio_median"] for m in models],
-                yerr=[[m["ratio_median"] - m["ratio_min"] for m in models],
-                      [m["ratio_max"] - m["ratio_median"] for m in models]], fmt="none", color="k", capsize=4)
+    ax.errorbar(
+        names,
+        [m["ratio_median"] for m in models],
+        yerr=[
+            [m["ratio_median"] - m["ratio_min"] for m in models],
+            [m["ratio_max"] - m["ratio_median"] for m in models],
+        ],
+        fmt="none",
+        color="k",
+        capsize=4,
+    )
     ax.axhline(1.0, color="#888", lw=1, ls="--")
     ax.set_ylabel("tokens/s, hsgd / torch DDP")
     ax.set_title("hsgd 1x2 ddp vs torch DDP (median, spread over repeats)", fontsize=9)

@@ -32,6 +32,7 @@ Every round must commit with the replicas' digests agreeing, and every armed fai
 fired, or the bench stops (a timing of a broken run means nothing). Writes plan.json. The budget —
 under 1 % of a 60-s round, 600 ms for machine + runner — is a figure to compare, never an assert.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,11 @@ import time
 from pathlib import Path
 
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
+from benchmarks.fake_ray import PHASE_METHODS, FakeInjector, FakeLog, FakeRoster, World, patched_ray
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.round import RoundMachine, RoundSettings
 from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
-from benchmarks.fake_ray import PHASE_METHODS, FakeInjector, FakeLog, FakeRoster, World, patched_ray
 
 BUDGET_MS = 600.0  # 1 % of a 60-s round
 ROUND_S = 60.0
@@ -65,8 +66,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--replicas-per-cluster", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5, help="rounds timed per case (fault-free, few failures)")
     parser.add_argument("--steps-per-round", type=int, default=100)
-    parser.add_argument("--train-s", type=float, default=3.0,
-                        help="how long run_inner takes in the round that trains (0: no such round)")
+    parser.add_argument(
+        "--train-s",
+        type=float,
+        default=3.0,
+        help="how long run_inner takes in the round that trains (0: no such round)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="4 clusters x 3 replicas, 2 rounds, a 1-s training round")
     args = parser.parse_args(argv)
@@ -74,11 +79,20 @@ def main(argv: list[str]) -> int:
         args.clusters, args.replicas_per_cluster, args.rounds, args.train_s = 4, 3, 2, 1.0
     out = Path(args.out or tempfile.mkdtemp(prefix="hsgd-bench-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    report = plan_bench(args.clusters, args.replicas_per_cluster, rounds=args.rounds, spr=args.steps_per_round,
-                        train_s=args.train_s, seed=args.seed)
-    report.update(reference_ms=reference_ms(), args=vars(args),
-                  machine_note=f"one process, {platform.python_implementation()} {platform.python_version()} on "
-                               f"{platform.machine()}; the fake Ray's own time and its waits are taken out")
+    report = plan_bench(
+        args.clusters,
+        args.replicas_per_cluster,
+        rounds=args.rounds,
+        spr=args.steps_per_round,
+        train_s=args.train_s,
+        seed=args.seed,
+    )
+    report.update(
+        reference_ms=reference_ms(),
+        args=vars(args),
+        machine_note=f"one process, {platform.python_implementation()} {platform.python_version()} on "
+        f"{platform.machine()}; the fake Ray's own time and its waits are taken out",
+    )
     atomic_write_text(out / "plan.json", json.dumps(report, indent=2))
     print(summary_line(report, out))
     return 0
@@ -86,15 +100,21 @@ def main(argv: list[str]) -> int:
 
 def summary_line(report: dict, out: Path) -> str:
     per, cases, train = report["per_round_ms"], report["cases"], report.get("while_training")
-    each = ", ".join(f"{case.replace('_', ' ')} {c['machine_plus_runner_ms']['mean']:.0f} "
-                     f"(machine {c['machine_ms']['mean']:.0f})" for case, c in cases.items())
-    line = (f"plan at {report['replicas']:,} replicas / {report['clusters']:,} clusters, machine + runner per round, "
-            f"mean ms: {each}; all rounds {per['machine_plus_runner']['mean']:.0f} mean, "
-            f"{per['machine_plus_runner']['max']:.0f} max (machine one call per answer "
-            f"{per['machine_one_call_per_answer']['mean']:.0f} mean); budget {BUDGET_MS:.0f} ms")
+    each = ", ".join(
+        f"{case.replace('_', ' ')} {c['machine_plus_runner_ms']['mean']:.0f} (machine {c['machine_ms']['mean']:.0f})"
+        for case, c in cases.items()
+    )
+    line = (
+        f"plan at {report['replicas']:,} replicas / {report['clusters']:,} clusters, machine + runner per round, "
+        f"mean ms: {each}; all rounds {per['machine_plus_runner']['mean']:.0f} mean, "
+        f"{per['machine_plus_runner']['max']:.0f} max (machine one call per answer "
+        f"{per['machine_one_call_per_answer']['mean']:.0f} mean); budget {BUDGET_MS:.0f} ms"
+    )
     if train:
-        line += (f"; while training {train['per_tick_ms']:.1f} ms per tick, a {ROUND_S:.0f}-s round "
-                 f"~{train['a_60s_round_ms_estimate']:.0f} ms")
+        line += (
+            f"; while training {train['per_tick_ms']:.1f} ms per tick, a {ROUND_S:.0f}-s round "
+            f"~{train['a_60s_round_ms_estimate']:.0f} ms"
+        )
     return line + f"; reference workload {report['reference_ms']:.1f} ms; plan.json in {out}"
 
 
@@ -126,22 +146,36 @@ def plan_bench(clusters: int, per_cluster: int, *, rounds: int, spr: int, train_
         records += [run.round("few_failures") for _ in range(rounds)]
         if train_s > 0:
             records.append(run.round("while_training", train_s=train_s))
-    report = {"suite": "plan", "replicas": clusters * per_cluster, "clusters": clusters, "steps_per_round": spr,
-              "budget_ms_per_round": BUDGET_MS, "tick_s": TICK_S}
+    report = {
+        "suite": "plan",
+        "replicas": clusters * per_cluster,
+        "clusters": clusters,
+        "steps_per_round": spr,
+        "budget_ms_per_round": BUDGET_MS,
+        "tick_s": TICK_S,
+    }
     at_once = [r for r in records if r["case"] in AT_ONCE_CASES]
-    report["per_round_ms"] = {"machine_plus_runner": _stats(at_once, "machine_plus_runner_ms"),
-                              "machine": _stats(at_once, "machine_ms"),
-                              "machine_one_call_per_answer": _stats(at_once, "machine_one_call_per_answer_ms")}
+    report["per_round_ms"] = {
+        "machine_plus_runner": _stats(at_once, "machine_plus_runner_ms"),
+        "machine": _stats(at_once, "machine_ms"),
+        "machine_one_call_per_answer": _stats(at_once, "machine_one_call_per_answer_ms"),
+    }
     report["cases"] = {case: _case(rs) for case in AT_ONCE_CASES if (rs := [r for r in records if r["case"] == case])}
     training = [r for r in records if r["case"] == "while_training"]
     if training:
-        report["while_training"] = _while_training(training[0], [r for r in records if r["case"] == "fault_free"],
-                                                   train_s)
-    report["checks"] = {"rounds": len(records), "committed": sum(r["outcome"] == "committed" for r in records),
-                        "digests_agree": all(r["digests_agree"] for r in records),
-                        "failures_fired": dict(run.world.fired), "events": dict(run.log.counts),
-                        "fake_calls": dict(run.world.calls), "waits_fetching_local": run.world.fetch_local_waits,
-                        "ray_patched_in": patched}
+        report["while_training"] = _while_training(
+            training[0], [r for r in records if r["case"] == "fault_free"], train_s
+        )
+    report["checks"] = {
+        "rounds": len(records),
+        "committed": sum(r["outcome"] == "committed" for r in records),
+        "digests_agree": all(r["digests_agree"] for r in records),
+        "failures_fired": dict(run.world.fired),
+        "events": dict(run.log.counts),
+        "fake_calls": dict(run.world.calls),
+        "waits_fetching_local": run.world.fetch_local_waits,
+        "ray_patched_in": patched,
+    }
     report["rounds"] = records
     return report
 
@@ -150,6 +184,7 @@ class MachineTimer:
     """Times a machine's entry points (start, observe, observe_all, tick: wrappers set on the
     instance, shadowing its methods) and records every call made from outside, for the replay. A
     call made from within one of them (observe_all -> observe) counts as part of it."""
+
     ENTRIES = ("start", "observe", "observe_all", "tick")
 
     def __init__(self, machine: RoundMachine):
@@ -169,6 +204,7 @@ class MachineTimer:
             finally:
                 self.seconds += time.perf_counter() - t0
                 self.inside = False
+
         return timed
 
     def observations(self) -> int:
@@ -205,10 +241,19 @@ class FakeRun:
         self.roster = FakeRoster(self.world, self.log)
         self.settings = RoundSettings(steps_per_round=spr)
         self.statuses = 0
-        self.ports = RunnerPorts(roster=self.roster, log=self.log, injector=FakeInjector(), clock=PhaseClock(),
-                                 set_status=self._set_status, save_epoch=self._save_epoch, store=HashStore(),
-                                 store_addr="127.0.0.1:0/bench-secret", run_id="bench", run_dir=tempfile.gettempdir(),
-                                 stack_dumps=False)
+        self.ports = RunnerPorts(
+            roster=self.roster,
+            log=self.log,
+            injector=FakeInjector(),
+            clock=PhaseClock(),
+            set_status=self._set_status,
+            save_epoch=self._save_epoch,
+            store=HashStore(),
+            store_addr="127.0.0.1:0/bench-secret",
+            run_id="bench",
+            run_dir=tempfile.gettempdir(),
+            stack_dumps=False,
+        )
         self.epoch = self.committed_round = 0
         self.leaders: dict[int, str] = {}
         self.configured: dict[int, tuple] = {}
@@ -225,9 +270,17 @@ class FakeRun:
         r, world = self.committed_round, self.world
         armed = self._arm_failures() if case == "few_failures" else []
         world.inner_s = train_s
-        build = dict(topology=self.topology, settings=self.settings, round_index=r, progress=dict(self.roster.live),
-                     leaders=dict(self.leaders), epoch=self.epoch, committed_round=r, configured=dict(self.configured),
-                     outer_configured=self.outer_configured)
+        build = dict(
+            topology=self.topology,
+            settings=self.settings,
+            round_index=r,
+            progress=dict(self.roster.live),
+            leaders=dict(self.leaders),
+            epoch=self.epoch,
+            committed_round=r,
+            configured=dict(self.configured),
+            outer_configured=self.outer_configured,
+        )
         fake0, slept0, calls0 = world.fake_s, world.slept_s, world.calls.copy()
         t0 = time.perf_counter()
         machine = RoundMachine(**build)
@@ -240,12 +293,16 @@ class FakeRun:
         world.inner_s = 0.0
         replay_s, again = replay(build, timer.calls)
         if (again.outcome, again.epoch, again.progress) != (machine.outcome, machine.epoch, machine.progress):
-            raise RuntimeError(f"round {r} ({case}): the replayed machine ended {again.outcome!r}, not "
-                               f"{machine.outcome!r}: the machine is not a pure function of its inputs")
+            raise RuntimeError(
+                f"round {r} ({case}): the replayed machine ended {again.outcome!r}, not "
+                f"{machine.outcome!r}: the machine is not a pure function of its inputs"
+            )
         digests = set(runner.record.commit_digests.values())
         if machine.outcome != "committed" or len(digests) != 1:
-            raise RuntimeError(f"round {r} ({case}) ended {machine.outcome!r} ({machine.reason}) with commit digests "
-                               f"{sorted(digests)}: the fake world or the runner is broken; no timing of it")
+            raise RuntimeError(
+                f"round {r} ({case}) ended {machine.outcome!r} ({machine.reason}) with commit digests "
+                f"{sorted(digests)}: the fake world or the runner is broken; no timing of it"
+            )
         unfired = world.disarm()
         if unfired:
             raise RuntimeError(f"round {r} ({case}): armed failures never happened: {unfired}")
@@ -253,13 +310,25 @@ class FakeRun:
         calls = world.calls - calls0
         total_s = wall_s - fake_s - slept_s
         machine_s = built_s + timer.seconds
-        return {"case": case, "round": r, "outcome": machine.outcome, "digests_agree": True, "failures": armed,
-                "machine_plus_runner_ms": total_s * 1e3, "machine_ms": machine_s * 1e3,
-                "runner_ms": (total_s - machine_s) * 1e3, "machine_one_call_per_answer_ms": replay_s * 1e3,
-                "fake_ray_ms": fake_s * 1e3, "waited_ms": slept_s * 1e3, "wall_ms": wall_s * 1e3,
-                "ticks": sum(name == "tick" for name, _ in timer.calls), "observations": timer.observations(),
-                "phase_calls": sum(calls[m] for m in PHASE_METHODS), "probes": calls["progress"],
-                "deaths": len(machine.deaths)}
+        return {
+            "case": case,
+            "round": r,
+            "outcome": machine.outcome,
+            "digests_agree": True,
+            "failures": armed,
+            "machine_plus_runner_ms": total_s * 1e3,
+            "machine_ms": machine_s * 1e3,
+            "runner_ms": (total_s - machine_s) * 1e3,
+            "machine_one_call_per_answer_ms": replay_s * 1e3,
+            "fake_ray_ms": fake_s * 1e3,
+            "waited_ms": slept_s * 1e3,
+            "wall_ms": wall_s * 1e3,
+            "ticks": sum(name == "tick" for name, _ in timer.calls),
+            "observations": timer.observations(),
+            "phase_calls": sum(calls[m] for m in PHASE_METHODS),
+            "probes": calls["progress"],
+            "deaths": len(machine.deaths),
+        }
 
     def _arm_failures(self) -> list[str]:
         """This round's failures, on distinct clusters (one left clean), plus the outer reduce's."""
@@ -299,8 +368,14 @@ def _stats(records: list[dict], key: str) -> dict:
 def _case(records: list[dict]) -> dict:
     n = len(records)
     out = {"rounds": n}
-    for key in ("machine_plus_runner_ms", "machine_ms", "runner_ms", "machine_one_call_per_answer_ms", "fake_ray_ms",
-                "waited_ms"):
+    for key in (
+        "machine_plus_runner_ms",
+        "machine_ms",
+        "runner_ms",
+        "machine_one_call_per_answer_ms",
+        "fake_ray_ms",
+        "waited_ms",
+    ):
         out[key] = _stats(records, key)
     for key in ("ticks", "observations", "phase_calls", "probes", "deaths"):
         out[f"{key}_per_round"] = sum(r[key] for r in records) / n
@@ -315,10 +390,15 @@ def _while_training(trained: dict, fault_free: list[dict], train_s: float) -> di
     base_ticks = sum(r["ticks"] for r in fault_free) / len(fault_free) if fault_free else 0.0
     per_tick_ms = max(0.0, trained["machine_plus_runner_ms"] - base_ms) / max(1.0, trained["ticks"] - base_ticks)
     ticks_60s = ROUND_S / TICK_S
-    return {"train_s": train_s, "ticks": trained["ticks"],
-            "machine_plus_runner_ms": trained["machine_plus_runner_ms"], "machine_ms": trained["machine_ms"],
-            "per_tick_ms": per_tick_ms, "ticks_per_60s_round": ticks_60s,
-            "a_60s_round_ms_estimate": base_ms + ticks_60s * per_tick_ms}
+    return {
+        "train_s": train_s,
+        "ticks": trained["ticks"],
+        "machine_plus_runner_ms": trained["machine_plus_runner_ms"],
+        "machine_ms": trained["machine_ms"],
+        "per_tick_ms": per_tick_ms,
+        "ticks_per_60s_round": ticks_60s,
+        "a_60s_round_ms_estimate": base_ms + ticks_60s * per_tick_ms,
+    }
 
 
 if __name__ == "__main__":

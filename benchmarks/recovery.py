@@ -26,6 +26,7 @@ hsgd's sides add `detect_s` (the SIGKILL to hsgd's `replica_down` event: median,
 (`--sides` picks the sides; the test suite runs hsgd_1x3 and torchft_fast).
 The peers need the bench extra: `pip install -e ".[bench]"`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ from pathlib import Path
 from benchmarks.report import bench_ray, header, write_suite
 
 SIDES = ("hsgd_1x3", "hsgd_3x1", "hsgd_1x3_spare", "torchft_readme", "torchft_fast", "ray_train")
-COLORS = {"hsgd_1x3": "#3b75af", "hsgd_3x1": "#6a9fd4", "hsgd_1x3_spare": "#234b73", "torchft_readme": "#c44e52",
-          "torchft_fast": "#e07b7d", "ray_train": "#55a868"}
+COLORS = {
+    "hsgd_1x3": "#3b75af",
+    "hsgd_3x1": "#6a9fd4",
+    "hsgd_1x3_spare": "#234b73",
+    "torchft_readme": "#c44e52",
+    "torchft_fast": "#e07b7d",
+    "ray_train": "#55a868",
+}
 VICTIM = {"hsgd_1x3": "c0r1", "hsgd_3x1": "c1r0", "hsgd_1x3_spare": "c0r1"}  # the peers': r1
 
 
@@ -72,18 +79,25 @@ def _p95(values: list) -> float | None:
 
 def summarize(name: str, runs: list[dict]) -> dict:
     recs = [r["recoveries"][0] if r.get("recoveries") else {} for r in runs]
-    out = {"name": name, "runs": runs,
-           "recovery": {"survivors_stall_median_s": _median([x.get("survivors_stall_median_s") for x in recs]),
-                        "survivors_stall_max_s": _median([x.get("survivors_stall_max_s") for x in recs]),
-                        "rejoin_s": _median([x.get("rejoin_s") for x in recs])},
-           "step_time_s": _median([r.get("step_time_s") for r in runs]),
-           "completed": all(r.get("result_error") is None for r in runs)}
+    out = {
+        "name": name,
+        "runs": runs,
+        "recovery": {
+            "survivors_stall_median_s": _median([x.get("survivors_stall_median_s") for x in recs]),
+            "survivors_stall_max_s": _median([x.get("survivors_stall_max_s") for x in recs]),
+            "rejoin_s": _median([x.get("rejoin_s") for x in recs]),
+        },
+        "step_time_s": _median([r.get("step_time_s") for r in runs]),
+        "completed": all(r.get("result_error") is None for r in runs),
+    }
     breakdowns = [b for r in runs for b in r.get("restart_breakdown") or []]
     if breakdowns:  # hsgd's sides: detection, and the median of each stage of the way back
         detect = [b.get("detect_s") for b in breakdowns]
         out["detect_s"] = {"median": _median(detect), "p95": _p95(detect), "each": detect}
         stages = [s for b in breakdowns for s in b["stages_s"]]
-        out["restart_breakdown"] = {s: _median([b["stages_s"].get(s) for b in breakdowns]) for s in dict.fromkeys(stages)}
+        out["restart_breakdown"] = {
+            s: _median([b["stages_s"].get(s) for b in breakdowns]) for s in dict.fromkeys(stages)
+        }
     return out
 
 
@@ -125,20 +139,40 @@ def main(argv: list[str] | None = None) -> int:
     with bench_ray():
         for repeat in range(args.repeats):  # interleaved: each repeat runs every side once
             for name in names:
-                run = run_side(name, model=args.model, steps=args.steps, kill_at=args.kill_at,
-                               min_step_s=args.min_step_s, out=out / f"{name}_{repeat}", seed=args.seed)
+                run = run_side(
+                    name,
+                    model=args.model,
+                    steps=args.steps,
+                    kill_at=args.kill_at,
+                    min_step_s=args.min_step_s,
+                    out=out / f"{name}_{repeat}",
+                    seed=args.seed,
+                )
                 runs[name].append(run)
                 rec = (run.get("recoveries") or [{}])[0]
-                print(f"recovery {name} #{repeat}: stall {rec.get('survivors_stall_median_s')} s, "
-                      f"rejoin {rec.get('rejoin_s')} s, step {run.get('step_time_s')} s, "
-                      f"error {run.get('result_error')}", flush=True)
+                print(
+                    f"recovery {name} #{repeat}: stall {rec.get('survivors_stall_median_s')} s, "
+                    f"rejoin {rec.get('rejoin_s')} s, step {run.get('step_time_s')} s, "
+                    f"error {run.get('result_error')}",
+                    flush=True,
+                )
                 for b in run.get("restart_breakdown") or []:
-                    print(f"  {name} #{repeat} way back (s): detect {_r(b['detect_s'])}, "
-                          + ", ".join(f"{k} {_r(v)}" for k, v in b["stages_s"].items()), flush=True)
+                    print(
+                        f"  {name} #{repeat} way back (s): detect {_r(b['detect_s'])}, "
+                        + ", ".join(f"{k} {_r(v)}" for k, v in b["stages_s"].items()),
+                        flush=True,
+                    )
     sides = {n: summarize(n, r) for n, r in runs.items()}
-    report = {**header("recovery", argv, args.quick), "model": args.model, "steps": args.steps,
-              "kill_at": args.kill_at, "min_step_s": args.min_step_s, "repeats": args.repeats,
-              "sides": list(sides.values()), "ratios": ratios(sides)}
+    report = {
+        **header("recovery", argv, args.quick),
+        "model": args.model,
+        "steps": args.steps,
+        "kill_at": args.kill_at,
+        "min_step_s": args.min_step_s,
+        "repeats": args.repeats,
+        "sides": list(sides.values()),
+        "ratios": ratios(sides),
+    }
     write_suite(out, report)
     _plot(report, out / "recovery.png")
     for key, value in report["ratios"].items():
@@ -159,8 +193,11 @@ def _plot(report: dict, path: Path) -> None:
     sides = report["sides"]
     names = [s["name"] for s in sides]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), dpi=110)
-    for ax, key, label in zip(axes, ("survivors_stall_median_s", "rejoin_s"),
-                              ("survivors' stall (s)", "killed replica: kill to next committed step (s)")):
+    for ax, key, label in zip(
+        axes,
+        ("survivors_stall_median_s", "rejoin_s"),
+        ("survivors' stall (s)", "killed replica: kill to next committed step (s)"),
+    ):
         ax.bar(names, [s["recovery"][key] or 0 for s in sides], color=[COLORS.get(n, "#888888") for n in names])
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)

@@ -104,6 +104,7 @@ after a restart must heal, or the bench stops: a timing of a broken run means no
 calls per round and CPU fraction vs replicas beside it). `--quick` (a smoke run): the two smallest
 decision sizes, one round a case; Ray at 4 and 8 actors; 2-s lasting rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -135,22 +136,39 @@ CALL_S = 120.0  # actors' start and resets (64 worker processes starting on 2 co
 # -- 1. decisions vs size ----------------------------------------------------------------------------------
 def decisions(clusters: int, per_cluster: int, rounds: int, seed: int) -> dict:
     """One simulated size: bench_plan's per-round figures (medians per case) and the pure decisions."""
-    from hsgd.core.topology import Topology
     from benchmarks.plan import plan_bench
+    from hsgd.core.topology import Topology
 
     report = plan_bench(clusters, per_cluster, rounds=rounds, spr=STEPS_PER_ROUND, train_s=0.0, seed=seed)
     cases = {}
-    for case, label in (("first_round", "first_round"), ("fault_free", "fault_free"),
-                        ("few_failures", "with_failures")):
+    for case, label in (
+        ("first_round", "first_round"),
+        ("fault_free", "fault_free"),
+        ("few_failures", "with_failures"),
+    ):
         records = [r for r in report["rounds"] if r["case"] == case]
-        cases[label] = {"rounds": len(records), **{key: statistics.median(r[key] for r in records)
-                                                  for key in ("machine_ms", "runner_ms", "machine_plus_runner_ms")}}
+        cases[label] = {
+            "rounds": len(records),
+            **{
+                key: statistics.median(r[key] for r in records)
+                for key in ("machine_ms", "runner_ms", "machine_plus_runner_ms")
+            },
+        }
     checks = report["checks"]
-    return {"clusters": clusters, "replicas_per_cluster": per_cluster, "replicas": clusters * per_cluster,
-            **{key: cases["fault_free"][key] for key in ("machine_ms", "runner_ms", "machine_plus_runner_ms")},
-            **cases, **pure_decisions_ms(Topology(clusters, per_cluster)),
-            "checks": {"rounds": checks["rounds"], "committed": checks["committed"],
-                       "digests_agree": checks["digests_agree"], "failures_fired": checks["failures_fired"]}}
+    return {
+        "clusters": clusters,
+        "replicas_per_cluster": per_cluster,
+        "replicas": clusters * per_cluster,
+        **{key: cases["fault_free"][key] for key in ("machine_ms", "runner_ms", "machine_plus_runner_ms")},
+        **cases,
+        **pure_decisions_ms(Topology(clusters, per_cluster)),
+        "checks": {
+            "rounds": checks["rounds"],
+            "committed": checks["committed"],
+            "digests_agree": checks["digests_agree"],
+            "failures_fired": checks["failures_fired"],
+        },
+    }
 
 
 def pure_decisions_ms(topology) -> dict:
@@ -172,10 +190,13 @@ def pure_decisions_ms(topology) -> dict:
         raise RuntimeError("the heal assignment's case heals nobody: it times nothing")
     members = [plan.members[c] for c in plan.outer_clusters]
     holders = [plan.leaders[c] for c in plan.outer_clusters]
-    return {"plan_ms": _per_call_ms(lambda: live_plan(topology, live, dict(leaders), 7)),
-            "heal_assignment_ms": _per_call_ms(lambda: heals_at_rest(topology, progress)),
-            "outer_plan_ms": _per_call_ms(
-                lambda: shard_holders(members, holders, shard_count([len(m) for m in members], "sharded")))}
+    return {
+        "plan_ms": _per_call_ms(lambda: live_plan(topology, live, dict(leaders), 7)),
+        "heal_assignment_ms": _per_call_ms(lambda: heals_at_rest(topology, progress)),
+        "outer_plan_ms": _per_call_ms(
+            lambda: shard_holders(members, holders, shard_count([len(m) for m in members], "sharded"))
+        ),
+    }
 
 
 def _per_call_ms(fn, target_s: float = 0.005) -> float:
@@ -293,8 +314,9 @@ class LightReplica:
         return _value(self.replica.run_inner(round_index, faults, join, overlap, steps))
 
     @ray.method(concurrency_group="phase")
-    def outer_reduce(self, round_index: int, epoch: int, faults=None, join=None, shard: int = 0,
-                     shards: int = 1, weights: tuple = ()) -> dict:
+    def outer_reduce(
+        self, round_index: int, epoch: int, faults=None, join=None, shard: int = 0, shards: int = 1, weights: tuple = ()
+    ) -> dict:
         self._count("outer_reduce")
         return _value(self.replica.outer_reduce(round_index, epoch, faults, join, shard, shards, weights))
 
@@ -368,15 +390,21 @@ def start_actors(n: int) -> tuple[list, list[str]]:
 def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed: int) -> dict:
     """One size over the first clusters x per_cluster actors: the first round, `rounds`
     fault-free rounds, then one round after a replica restarted (it heals)."""
+    from benchmarks.plan import FakeRun
     from hsgd.core.outer_plan import holds_outer_group
     from hsgd.core.topology import Topology
-    from benchmarks.plan import FakeRun
 
     topology = Topology(clusters, per_cluster)
     handles = dict(zip(topology.replica_ids(), actors))
-    answers = ray.get([h.reset.remote(rid, STEPS_PER_ROUND,
-                                      {p: handles[p] for p in topology.cluster_members(topology.cluster_of(rid))})
-                       for rid, h in handles.items()], timeout=CALL_S)
+    answers = ray.get(
+        [
+            h.reset.remote(
+                rid, STEPS_PER_ROUND, {p: handles[p] for p in topology.cluster_members(topology.cluster_of(rid))}
+            )
+            for rid, h in handles.items()
+        ],
+        timeout=CALL_S,
+    )
     world = RayWorld(topology, handles, {a["rid"]: a for a in answers})
     run = FakeRun(topology, STEPS_PER_ROUND, random.Random(seed), world=world)
     victim = topology.cluster_members(clusters - 1)[-1]  # not a leader: the leaders' group stands
@@ -401,15 +429,23 @@ def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed:
     if run.log.counts["heal_begin"] - heals0 < 1:
         raise RuntimeError(f"{victim} restarted at (0, 0) but the next round healed nobody: the bench is broken")
     walls = [r["machine_plus_runner_ms"] for r in fault_free]
-    return {"replicas": topology.num_replicas, "clusters": clusters, "replicas_per_cluster": per_cluster,
-            "rounds": rounds, "round_ms_median": statistics.median(walls), "round_ms_spread": max(walls) - min(walls),
-            "round_ms_min": min(walls), "round_ms_max": max(walls),
-            "machine_ms_median": statistics.median(r["machine_ms"] for r in fault_free),
-            "driver_cpu_ms_median": statistics.median(r["driver_cpu_ms"] for r in fault_free),
-            "first_round_ms": first["machine_plus_runner_ms"], "heal_round_ms": healed["machine_plus_runner_ms"],
-            "heals": run.log.counts["heal_begin"] - heals0,
-            "committed": sum(r["outcome"] == "committed" for r in [first, *fault_free, healed]),
-            "events": dict(run.log.counts)}
+    return {
+        "replicas": topology.num_replicas,
+        "clusters": clusters,
+        "replicas_per_cluster": per_cluster,
+        "rounds": rounds,
+        "round_ms_median": statistics.median(walls),
+        "round_ms_spread": max(walls) - min(walls),
+        "round_ms_min": min(walls),
+        "round_ms_max": max(walls),
+        "machine_ms_median": statistics.median(r["machine_ms"] for r in fault_free),
+        "driver_cpu_ms_median": statistics.median(r["driver_cpu_ms"] for r in fault_free),
+        "first_round_ms": first["machine_plus_runner_ms"],
+        "heal_round_ms": healed["machine_plus_runner_ms"],
+        "heals": run.log.counts["heal_begin"] - heals0,
+        "committed": sum(r["outcome"] == "committed" for r in [first, *fault_free, healed]),
+        "events": dict(run.log.counts),
+    }
 
 
 def driver_idle_cpu_per_s(seconds: float = 2.0) -> float:
@@ -419,15 +455,19 @@ def driver_idle_cpu_per_s(seconds: float = 2.0) -> float:
     return (time.process_time() - cpu0) / (time.monotonic() - t0)
 
 
-def ray_side(sizes, rounds: int, seed: int, on_size, inner_s: float,
-             on_lasting) -> tuple[list[dict], list[dict], float]:
+def ray_side(
+    sizes, rounds: int, seed: int, on_size, inner_s: float, on_lasting
+) -> tuple[list[dict], list[dict], float]:
     """Parts 2 and 3 in one Ray over the same actors: part 2's rows, part 3's rows, and the driver's
     CPU per second at rest (measured between them)."""
     repo = str(Path(__file__).resolve().parent.parent)
     from benchmarks.report import bench_ray  # here, not at import: the actors import this module
 
-    with bench_ray(num_cpus=4, namespace="hsgd-bench-scale",
-                   runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}}):
+    with bench_ray(
+        num_cpus=4,
+        namespace="hsgd-bench-scale",
+        runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}},
+    ):
         t0 = time.monotonic()
         actors, names = start_actors(max(c * n for c, n in sizes))
         try:
@@ -437,8 +477,11 @@ def ray_side(sizes, rounds: int, seed: int, on_size, inner_s: float,
                 results.append(ray_rounds(actors, clusters, per_cluster, rounds, seed))
                 on_size(results[-1])
             idle = driver_idle_cpu_per_s()
-            print(f"scale lasting: the driver at rest uses {idle:.1%} of a core (Ray's threads in it); "
-                  f"rounds whose inner phase lasts {inner_s:g} s next", flush=True)
+            print(
+                f"scale lasting: the driver at rest uses {idle:.1%} of a core (Ray's threads in it); "
+                f"rounds whose inner phase lasts {inner_s:g} s next",
+                flush=True,
+            )
             writer = BoardWriter.options(num_cpus=0).remote()
             actors.append(writer)  # killed with them (the light actors are the first ones: zip stops before it)
             lasting = []
@@ -467,8 +510,9 @@ class TableRoster:
     (`idle_untold`: a call was made, unless one was outstanding)."""
 
     def __init__(self, fake_roster, names: dict):
-        from actors.lifecycle import ActorWatch
         from ray._private.state import state as gcs
+
+        from actors.lifecycle import ActorWatch
 
         self.fake, self.names = fake_roster, names
         self.table_reads = self.idle_wanted = self.idle_untold = 0
@@ -534,9 +578,13 @@ class InnerPhaseClock:
         if self.begun is None or self.ended is None:
             raise RuntimeError("the round had no inner phase: the bench is broken")
         wall, cpu, thread = (b - a for a, b in zip(self.begun, self.ended))
-        return {"inner_wall_s": wall, "supervisor_cpu_s": cpu, "supervisor_main_thread_cpu_s": thread,
-                "supervisor_cpu_per_inner_s": cpu / wall if wall > 0 else 0.0,
-                "supervisor_main_thread_cpu_per_inner_s": thread / wall if wall > 0 else 0.0}
+        return {
+            "inner_wall_s": wall,
+            "supervisor_cpu_s": cpu,
+            "supervisor_main_thread_cpu_s": thread,
+            "supervisor_cpu_per_inner_s": cpu / wall if wall > 0 else 0.0,
+            "supervisor_main_thread_cpu_per_inner_s": thread / wall if wall > 0 else 0.0,
+        }
 
 
 def actor_calls(handles: dict) -> dict:
@@ -566,16 +614,19 @@ class BoardWriter:
 
     def connect(self, store_addr: str, rids: list[str]) -> int:
         from torchft.process_group import create_store_client
+
         from hsgd.train.progress_board import KEYS
 
         for rid in rids:
             if (store_addr, rid) not in self.clients:
-                self.clients[(store_addr, rid)] = create_store_client(f"{store_addr}/{KEYS}",
-                                                                      timeout=timedelta(seconds=CALL_S))
+                self.clients[(store_addr, rid)] = create_store_client(
+                    f"{store_addr}/{KEYS}", timeout=timedelta(seconds=CALL_S)
+                )
         return len(self.clients)
 
-    def start(self, store_addr: str, round_index: int, pids: dict[str, int], spr: int, inner_s: float,
-              interval_s: float = 0.5) -> None:
+    def start(
+        self, store_addr: str, round_index: int, pids: dict[str, int], spr: int, inner_s: float, interval_s: float = 0.5
+    ) -> None:
         """Publish the steps of round_index of each replica in `pids` (rid -> its actor's pid), from its
         first step to its last over inner_s, from now."""
         if self.thread is not None:
@@ -603,8 +654,9 @@ class BoardWriter:
         return writes
 
 
-def lasting_rounds(actors: list, names: list, writer, clusters: int, per_cluster: int, inner_s: float,
-                   seed: int) -> dict:
+def lasting_rounds(
+    actors: list, names: list, writer, clusters: int, per_cluster: int, inner_s: float, seed: int
+) -> dict:
     """One size over the first clusters x per_cluster actors, the runner given a real store (the
     supervisor's: hsgd.train.comm.start_store, a rendezvous address under a fresh secret): the first
     round (groups formed; not reported), then an instant round (run_inner answers at once) and a
@@ -614,16 +666,22 @@ def lasting_rounds(actors: list, names: list, writer, clusters: int, per_cluster
     Each round counted by the actors; the lasting rounds' inner phase timed on the supervisor
     process's clocks."""
     from actors.round_runner import IDLE_POLL_S, TICK_S
+    from benchmarks.plan import FakeRun
     from hsgd.core.topology import Topology
     from hsgd.train.comm import new_run_secret, rendezvous_address, start_store
-    from benchmarks.plan import FakeRun
 
     topology = Topology(clusters, per_cluster)
     rids = topology.replica_ids()
     handles = dict(zip(rids, actors))
-    answers = ray.get([h.reset.remote(rid, STEPS_PER_ROUND,
-                                      {p: handles[p] for p in topology.cluster_members(topology.cluster_of(rid))})
-                       for rid, h in handles.items()], timeout=CALL_S)
+    answers = ray.get(
+        [
+            h.reset.remote(
+                rid, STEPS_PER_ROUND, {p: handles[p] for p in topology.cluster_members(topology.cluster_of(rid))}
+            )
+            for rid, h in handles.items()
+        ],
+        timeout=CALL_S,
+    )
     world = RayWorld(topology, handles, {a["rid"]: a for a in answers})
     run = FakeRun(topology, STEPS_PER_ROUND, random.Random(seed), world=world)
     roster = TableRoster(run.roster, dict(zip(rids, names)))
@@ -640,8 +698,10 @@ def lasting_rounds(actors: list, names: list, writer, clusters: int, per_cluster
         run.ports.store = store if board else None  # no store: the runner asks by calls
         if board and seconds > 0:
             pids = {rid: roster.pids.get(rid) for rid in rids}  # as the roster knows them (the runner checks)
-            ray.get(writer.start.remote(run.ports.store_addr, run.committed_round, pids, STEPS_PER_ROUND, seconds),
-                    timeout=CALL_S)
+            ray.get(
+                writer.start.remote(run.ports.store_addr, run.committed_round, pids, STEPS_PER_ROUND, seconds),
+                timeout=CALL_S,
+            )
         reads0, wanted0, untold0 = roster.table_reads, roster.idle_wanted, roster.idle_untold
         events0 = run.log.counts.copy()
         clock.reset()
@@ -654,23 +714,40 @@ def lasting_rounds(actors: list, names: list, writer, clusters: int, per_cluster
         events = run.log.counts - events0
         if record["outcome"] != "committed" or events["commit_decision"] != 1:
             raise RuntimeError(f"{case} round at {topology.num_replicas} actors did not commit: the bench is broken")
-        return {"round_wall_s": wall, "round_supervisor_cpu_s": cpu, "machine_ticks": record["ticks"],
-                "observations": record["observations"],
-                "calls_per_round": sum(calls.values()), "calls_by_method": calls, "board_writes": writes,
-                "table_reads": roster.table_reads - reads0, "idle_probes_wanted": roster.idle_wanted - wanted0,
-                "idle_probes_untold": roster.idle_untold - untold0, **clock.figures()}
+        return {
+            "round_wall_s": wall,
+            "round_supervisor_cpu_s": cpu,
+            "machine_ticks": record["ticks"],
+            "observations": record["observations"],
+            "calls_per_round": sum(calls.values()),
+            "calls_by_method": calls,
+            "board_writes": writes,
+            "table_reads": roster.table_reads - reads0,
+            "idle_probes_wanted": roster.idle_wanted - wanted0,
+            "idle_probes_untold": roster.idle_untold - untold0,
+            **clock.figures(),
+        }
 
     try:
         counted("first_round", 0.0, True)  # every group formed: no figure is of it
         board = summary(counted("instant", 0.0, True), counted("lasting", inner_s, True), clusters, inner_s, TICK_S)
-        by_calls = summary(counted("instant", 0.0, False), counted("lasting", inner_s, False), clusters, inner_s,
-                           TICK_S)
+        by_calls = summary(
+            counted("instant", 0.0, False), counted("lasting", inner_s, False), clusters, inner_s, TICK_S
+        )
     finally:
         ray.get([h.set_inner_s.remote(0.0) for h in handles.values()], timeout=CALL_S)
         run.ports.store = None  # the store's server stops with its last reference, at the return
-    return {"replicas": topology.num_replicas, "clusters": clusters, "replicas_per_cluster": per_cluster,
-            "inner_s": inner_s, "tick_s": TICK_S, "idle_poll_s": IDLE_POLL_S, "ticks": inner_s / TICK_S,
-            **board, "by_calls": by_calls}
+    return {
+        "replicas": topology.num_replicas,
+        "clusters": clusters,
+        "replicas_per_cluster": per_cluster,
+        "inner_s": inner_s,
+        "tick_s": TICK_S,
+        "idle_poll_s": IDLE_POLL_S,
+        "ticks": inner_s / TICK_S,
+        **board,
+        "by_calls": by_calls,
+    }
 
 
 def summary(instant: dict, lasting: dict, clusters: int, inner_s: float, tick_s: float) -> dict:
@@ -678,22 +755,30 @@ def summary(instant: dict, lasting: dict, clusters: int, inner_s: float, tick_s:
     ticks = inner_s / tick_s
     target = TARGET_CALLS_PER_CLUSTER_TICK * clusters * ticks
     extra = lasting["calls_per_round"] - instant["calls_per_round"]
-    extra_by_method = {m: lasting["calls_by_method"].get(m, 0) - instant["calls_by_method"].get(m, 0)
-                       for m in sorted(set(lasting["calls_by_method"]) | set(instant["calls_by_method"]))}
+    extra_by_method = {
+        m: lasting["calls_by_method"].get(m, 0) - instant["calls_by_method"].get(m, 0)
+        for m in sorted(set(lasting["calls_by_method"]) | set(instant["calls_by_method"]))
+    }
     # progress calls: the runner's progress probes of replicas in run_inner (none while the board
     # answers), plus the idle liveness probes the actor table could not tell (both call `progress`;
     # `up` probes: none, nobody is down)
     idle_calls = lasting["idle_probes_untold"]
-    return {"lasting": lasting, "instant": instant,
-            "calls_per_round": lasting["calls_per_round"], "instant_calls_per_round": instant["calls_per_round"],
-            "extra_calls_per_round": extra, "extra_calls_by_method": extra_by_method,
-            "progress_seen_lasting": lasting["observations"] - instant["observations"],
-            "progress_calls_lasting": lasting["calls_by_method"].get("progress", 0) - idle_calls,
-            "idle_liveness_calls_lasting": idle_calls,
-            "idle_liveness_calls_skipped_lasting": lasting["idle_probes_wanted"] - lasting["idle_probes_untold"],
-            "target_extra_calls": target, "extra_calls_hold": extra <= target,
-            "supervisor_cpu_per_inner_s": lasting["supervisor_cpu_per_inner_s"],
-            "supervisor_main_thread_cpu_per_inner_s": lasting["supervisor_main_thread_cpu_per_inner_s"]}
+    return {
+        "lasting": lasting,
+        "instant": instant,
+        "calls_per_round": lasting["calls_per_round"],
+        "instant_calls_per_round": instant["calls_per_round"],
+        "extra_calls_per_round": extra,
+        "extra_calls_by_method": extra_by_method,
+        "progress_seen_lasting": lasting["observations"] - instant["observations"],
+        "progress_calls_lasting": lasting["calls_by_method"].get("progress", 0) - idle_calls,
+        "idle_liveness_calls_lasting": idle_calls,
+        "idle_liveness_calls_skipped_lasting": lasting["idle_probes_wanted"] - lasting["idle_probes_untold"],
+        "target_extra_calls": target,
+        "extra_calls_hold": extra <= target,
+        "supervisor_cpu_per_inner_s": lasting["supervisor_cpu_per_inner_s"],
+        "supervisor_main_thread_cpu_per_inner_s": lasting["supervisor_main_thread_cpu_per_inner_s"],
+    }
 
 
 def affine(xs: list[float], ys: list[float]) -> dict:
@@ -717,13 +802,20 @@ def lasting_fit(rows: list[dict], by_calls: bool = False) -> dict:
     calls = affine(xs, [f["extra_calls_per_round"] for f in figs])
     cpu = affine(xs, [f["supervisor_cpu_per_inner_s"] for f in figs])
     ticks = rows[0]["ticks"]
-    fit = {"extra_calls": {**calls, "per_replica_per_tick": calls["per_replica"] / ticks if ticks else None,
-                           "at_10000": calls["fixed"] + calls["per_replica"] * AT},
-           "supervisor_cpu_per_inner_s": {**cpu, "at_10000": cpu["fixed"] + cpu["per_replica"] * AT,
-                                          "one_core_at_replicas": (1.0 - cpu["fixed"]) / cpu["per_replica"]
-                                          if cpu["per_replica"] > 0 else None},
-           "calls_per_round": affine(xs, [f["calls_per_round"] for f in figs]),
-           "instant_calls_per_round": affine(xs, [f["instant_calls_per_round"] for f in figs])}
+    fit = {
+        "extra_calls": {
+            **calls,
+            "per_replica_per_tick": calls["per_replica"] / ticks if ticks else None,
+            "at_10000": calls["fixed"] + calls["per_replica"] * AT,
+        },
+        "supervisor_cpu_per_inner_s": {
+            **cpu,
+            "at_10000": cpu["fixed"] + cpu["per_replica"] * AT,
+            "one_core_at_replicas": (1.0 - cpu["fixed"]) / cpu["per_replica"] if cpu["per_replica"] > 0 else None,
+        },
+        "calls_per_round": affine(xs, [f["calls_per_round"] for f in figs]),
+        "instant_calls_per_round": affine(xs, [f["instant_calls_per_round"] for f in figs]),
+    }
     return fit if by_calls else {**fit, "by_calls": lasting_fit(rows, by_calls=True)}
 
 
@@ -733,10 +825,12 @@ def lasting_holds(rows: list[dict], by_calls: bool = False) -> dict:
     actors). The board path's (the product's default), and the by-calls path's beside it."""
     figs = [(r["replicas"], r["by_calls"] if by_calls else r) for r in rows]
     top = max(figs, key=lambda rf: rf[0])
-    holds = {"extra_calls_le_2_clusters_ticks": all(f["extra_calls_hold"] for _, f in figs),
-             "extra_calls_le_2_clusters_ticks_by_size": {str(n): f["extra_calls_hold"] for n, f in figs},
-             "cpu_le_5pct_at_largest": top[1]["supervisor_cpu_per_inner_s"] <= TARGET_CPU_FRACTION,
-             "largest_replicas": top[0]}
+    holds = {
+        "extra_calls_le_2_clusters_ticks": all(f["extra_calls_hold"] for _, f in figs),
+        "extra_calls_le_2_clusters_ticks_by_size": {str(n): f["extra_calls_hold"] for n, f in figs},
+        "cpu_le_5pct_at_largest": top[1]["supervisor_cpu_per_inner_s"] <= TARGET_CPU_FRACTION,
+        "largest_replicas": top[0],
+    }
     return holds if by_calls else {**holds, "by_calls": lasting_holds(rows, by_calls=True)}
 
 
@@ -751,8 +845,12 @@ def power_fit(xs: list[float], ys: list[float]) -> dict:
     k = sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sxx
     syy = sum((b - my) ** 2 for b in ly)
     residual = sum((b - (my + k * (a - mx))) ** 2 for a, b in zip(lx, ly))
-    return {"growth_exponent": k, "coefficient_ms": math.exp(my - k * mx),
-            "r2": 1.0 - residual / syy if syy > 0 else 1.0, "sizes": len(xs)}
+    return {
+        "growth_exponent": k,
+        "coefficient_ms": math.exp(my - k * mx),
+        "r2": 1.0 - residual / syy if syy > 0 else 1.0,
+        "sizes": len(xs),
+    }
 
 
 def at(fit: dict, replicas: float) -> float:
@@ -769,13 +867,17 @@ def affine_fit(xs: list[float], ys: list[float]) -> dict:
 def decisions_fit(rows: list[dict]) -> dict:
     """The headline (fault-free machine + runner per round) and each figure's own growth order."""
     xs = [r["replicas"] for r in rows]
-    figures = {f"fault_free_{key}": [r[key] for r in rows]
-               for key in ("machine_plus_runner_ms", "machine_ms", "runner_ms")}
+    figures = {
+        f"fault_free_{key}": [r[key] for r in rows] for key in ("machine_plus_runner_ms", "machine_ms", "runner_ms")
+    }
     figures["with_failures_machine_plus_runner_ms"] = [r["with_failures"]["machine_plus_runner_ms"] for r in rows]
     figures.update({key: [r[key] for r in rows] for key in ("plan_ms", "heal_assignment_ms", "outer_plan_ms")})
     by_figure = {name: power_fit(xs, ys) for name, ys in figures.items()}
-    return {**by_figure["fault_free_machine_plus_runner_ms"], "figure": "fault_free_machine_plus_runner_ms",
-            "by_figure": by_figure}
+    return {
+        **by_figure["fault_free_machine_plus_runner_ms"],
+        "figure": "fault_free_machine_plus_runner_ms",
+        "by_figure": by_figure,
+    }
 
 
 def ray_fit(rows: list[dict]) -> dict:
@@ -783,9 +885,12 @@ def ray_fit(rows: list[dict]) -> dict:
     fit = power_fit(xs, [r["round_ms_median"] for r in rows])
     affine = affine_fit(xs, [r["round_ms_median"] for r in rows])
     cpu = power_fit(xs, [max(r["driver_cpu_ms_median"], 1e-3) for r in rows])
-    return {**fit, "figure": "round_ms_median", "affine": {**affine, "at_10000_ms": affine["fixed_ms"] +
-                                                          affine["per_replica_ms"] * AT},
-            "driver_cpu": {**cpu, "at_10000_ms": at(cpu, AT)}}
+    return {
+        **fit,
+        "figure": "round_ms_median",
+        "affine": {**affine, "at_10000_ms": affine["fixed_ms"] + affine["per_replica_ms"] * AT},
+        "driver_cpu": {**cpu, "at_10000_ms": at(cpu, AT)},
+    }
 
 
 # -- the suite ---------------------------------------------------------------------------------------------
@@ -793,13 +898,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks scale", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for scale.json and scale.png")
-    parser.add_argument("--quick", action="store_true",
-                        help="the two smallest decision sizes, one round a case; Ray at 4 and 8 actors")
+    parser.add_argument(
+        "--quick", action="store_true", help="the two smallest decision sizes, one round a case; Ray at 4 and 8 actors"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="rounds timed per case and size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--inner-s", type=float, default=None,
-                        help=f"how long each run_inner of part 3's lasting rounds lasts (default {INNER_S:g} s; "
-                             f"--quick: {QUICK_INNER_S:g} s)")
+    parser.add_argument(
+        "--inner-s",
+        type=float,
+        default=None,
+        help=f"how long each run_inner of part 3's lasting rounds lasts (default {INNER_S:g} s; "
+        f"--quick: {QUICK_INNER_S:g} s)",
+    )
     args = parser.parse_args(argv)
     from benchmarks.report import header, write_suite
 
@@ -817,67 +927,93 @@ def main(argv: list[str] | None = None) -> int:
     for clusters, per_cluster in decision_sizes:
         rows.append(decisions(clusters, per_cluster, rounds, args.seed))
         d = rows[-1]
-        print(f"scale decisions {d['replicas']:>6,} replicas / {clusters:>4} clusters: machine + runner per round "
-              f"{d['machine_plus_runner_ms']:8.2f} ms fault-free (machine {d['machine_ms']:.2f}), "
-              f"{d['with_failures']['machine_plus_runner_ms']:8.2f} ms with failures; plan {d['plan_ms']:.3f}, "
-              f"heal assignment {d['heal_assignment_ms']:.3f}, outer plan {d['outer_plan_ms']:.3f} ms", flush=True)
+        print(
+            f"scale decisions {d['replicas']:>6,} replicas / {clusters:>4} clusters: machine + runner per round "
+            f"{d['machine_plus_runner_ms']:8.2f} ms fault-free (machine {d['machine_ms']:.2f}), "
+            f"{d['with_failures']['machine_plus_runner_ms']:8.2f} ms with failures; plan {d['plan_ms']:.3f}, "
+            f"heal assignment {d['heal_assignment_ms']:.3f}, outer plan {d['outer_plan_ms']:.3f} ms",
+            flush=True,
+        )
     fit = decisions_fit(rows)
 
     def on_size(r: dict) -> None:
-        print(f"scale ray {r['replicas']:>3} actors / {r['clusters']:>2} clusters: "
-              f"round {r['round_ms_median']:7.1f} ms "
-              f"median (spread {r['round_ms_spread']:.1f}, driver CPU {r['driver_cpu_ms_median']:.1f} ms), first "
-              f"{r['first_round_ms']:.1f} ms, after a restart {r['heal_round_ms']:.1f} ms", flush=True)
+        print(
+            f"scale ray {r['replicas']:>3} actors / {r['clusters']:>2} clusters: "
+            f"round {r['round_ms_median']:7.1f} ms "
+            f"median (spread {r['round_ms_spread']:.1f}, driver CPU {r['driver_cpu_ms_median']:.1f} ms), first "
+            f"{r['first_round_ms']:.1f} ms, after a restart {r['heal_round_ms']:.1f} ms",
+            flush=True,
+        )
 
     def on_lasting(r: dict) -> None:
         for path, f in (("board", r), ("by calls", r["by_calls"])):
             by = ", ".join(f"{m} {n}" for m, n in f["lasting"]["calls_by_method"].items())
             holds = "holds" if f["extra_calls_hold"] else "does not hold"
-            print(f"scale lasting {r['replicas']:>3} actors / {r['clusters']:>2} clusters, {path:>8}: actor calls per "
-                  f"round {f['calls_per_round']} with a {r['inner_s']:g}-s inner phase ({by}), "
-                  f"{f['instant_calls_per_round']} instant: extra {f['extra_calls_per_round']} vs target "
-                  f"2 x clusters x ticks = {f['target_extra_calls']:.0f} ({holds}); "
-                  f"idle-liveness calls {f['idle_liveness_calls_lasting']} (skipped, the table tells: "
-                  f"{f['idle_liveness_calls_skipped_lasting']}), table reads {f['lasting']['table_reads']}, board "
-                  f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
-                  f"core over the inner phase (main thread {f['supervisor_main_thread_cpu_per_inner_s']:.1%})",
-                  flush=True)
+            print(
+                f"scale lasting {r['replicas']:>3} actors / {r['clusters']:>2} clusters, {path:>8}: actor calls per "
+                f"round {f['calls_per_round']} with a {r['inner_s']:g}-s inner phase ({by}), "
+                f"{f['instant_calls_per_round']} instant: extra {f['extra_calls_per_round']} vs target "
+                f"2 x clusters x ticks = {f['target_extra_calls']:.0f} ({holds}); "
+                f"idle-liveness calls {f['idle_liveness_calls_lasting']} (skipped, the table tells: "
+                f"{f['idle_liveness_calls_skipped_lasting']}), table reads {f['lasting']['table_reads']}, board "
+                f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
+                f"core over the inner phase (main thread {f['supervisor_main_thread_cpu_per_inner_s']:.1%})",
+                flush=True,
+            )
 
     ray_rows, lasting_rows, idle_cpu = ray_side(ray_sizes, ray_rounds_n, args.seed, on_size, inner_s, on_lasting)
     rfit = ray_fit(ray_rows)
     lfit = lasting_fit(lasting_rows)
     holds = lasting_holds(lasting_rows)
-    report = {**header("scale", argv, args.quick), "budget_ms": BUDGET_MS,
-              "note": "ms per round on this machine; compare growth exponents and the extrapolation with the budget "
-                      "(1 % of a 60-s round), never as an assert",
-              "steps_per_round": STEPS_PER_ROUND, "decisions": rows, "decisions_fit": fit,
-              "ray_control_plane": ray_rows, "ray_fit": rfit, "ray_extrapolated_10000_ms": at(rfit, AT),
-              "lasting_inner_s": inner_s, "lasting_rounds": lasting_rows, "lasting_fit": lfit,
-              "lasting_targets": {"extra_calls_per_cluster_tick": TARGET_CALLS_PER_CLUSTER_TICK,
-                                  "cpu_fraction_at_largest": TARGET_CPU_FRACTION},
-              "lasting_holds": holds, "driver_idle_cpu_per_s": idle_cpu,
-              "lasting_note": "actor calls counted by the actors themselves (the replica API only); CPU: "
-                              "time.process_time() of the driver process running drive() (every thread: the runner's "
-                              "and Ray's core-worker threads; not the raylet, GCS or actors) over the lasting round's "
-                              "inner phase, first run_inner phase_begin to last phase_end, per wall second; "
-                              "targets are figures, never asserts"}
+    report = {
+        **header("scale", argv, args.quick),
+        "budget_ms": BUDGET_MS,
+        "note": "ms per round on this machine; compare growth exponents and the extrapolation with the budget "
+        "(1 % of a 60-s round), never as an assert",
+        "steps_per_round": STEPS_PER_ROUND,
+        "decisions": rows,
+        "decisions_fit": fit,
+        "ray_control_plane": ray_rows,
+        "ray_fit": rfit,
+        "ray_extrapolated_10000_ms": at(rfit, AT),
+        "lasting_inner_s": inner_s,
+        "lasting_rounds": lasting_rows,
+        "lasting_fit": lfit,
+        "lasting_targets": {
+            "extra_calls_per_cluster_tick": TARGET_CALLS_PER_CLUSTER_TICK,
+            "cpu_fraction_at_largest": TARGET_CPU_FRACTION,
+        },
+        "lasting_holds": holds,
+        "driver_idle_cpu_per_s": idle_cpu,
+        "lasting_note": "actor calls counted by the actors themselves (the replica API only); CPU: "
+        "time.process_time() of the driver process running drive() (every thread: the runner's "
+        "and Ray's core-worker threads; not the raylet, GCS or actors) over the lasting round's "
+        "inner phase, first run_inner phase_begin to last phase_end, per wall second; "
+        "targets are figures, never asserts",
+    }
     write_suite(out, report)
     plot(report, out / "scale.png")
-    print(f"scale: decisions grow as replicas^{fit['growth_exponent']:.2f} "
-          f"({rows[-1]['machine_plus_runner_ms']:.1f} ms "
-          f"at {rows[-1]['replicas']:,}); Ray per round grows as replicas^{rfit['growth_exponent']:.2f}, "
-          f"{report['ray_extrapolated_10000_ms']:.0f} ms at {AT:,} (affine {rfit['affine']['at_10000_ms']:.0f} ms); "
-          f"budget {BUDGET_MS:.0f} ms", flush=True)
+    print(
+        f"scale: decisions grow as replicas^{fit['growth_exponent']:.2f} "
+        f"({rows[-1]['machine_plus_runner_ms']:.1f} ms "
+        f"at {rows[-1]['replicas']:,}); Ray per round grows as replicas^{rfit['growth_exponent']:.2f}, "
+        f"{report['ray_extrapolated_10000_ms']:.0f} ms at {AT:,} (affine {rfit['affine']['at_10000_ms']:.0f} ms); "
+        f"budget {BUDGET_MS:.0f} ms",
+        flush=True,
+    )
     for path, fit, hold in (("board", lfit, holds), ("by calls", lfit["by_calls"], holds["by_calls"])):
-        print(f"scale lasting, {path}: extra calls per round = {fit['extra_calls']['fixed']:.1f} + "
-              f"{fit['extra_calls']['per_replica']:.2f} x replicas ({fit['extra_calls']['per_replica_per_tick']:.2f} "
-              f"per replica per tick); supervisor CPU per inner second = "
-              f"{fit['supervisor_cpu_per_inner_s']['fixed']:.2%} + "
-              f"{fit['supervisor_cpu_per_inner_s']['per_replica']:.3%} x replicas; "
-              f"targets: extra calls <= 2 x clusters x ticks "
-              f"{'holds' if hold['extra_calls_le_2_clusters_ticks'] else 'does not hold'}, CPU at "
-              f"{hold['largest_replicas']} actors <= {TARGET_CPU_FRACTION:.0%} "
-              f"{'holds' if hold['cpu_le_5pct_at_largest'] else 'does not hold'}", flush=True)
+        print(
+            f"scale lasting, {path}: extra calls per round = {fit['extra_calls']['fixed']:.1f} + "
+            f"{fit['extra_calls']['per_replica']:.2f} x replicas ({fit['extra_calls']['per_replica_per_tick']:.2f} "
+            f"per replica per tick); supervisor CPU per inner second = "
+            f"{fit['supervisor_cpu_per_inner_s']['fixed']:.2%} + "
+            f"{fit['supervisor_cpu_per_inner_s']['per_replica']:.3%} x replicas; "
+            f"targets: extra calls <= 2 x clusters x ticks "
+            f"{'holds' if hold['extra_calls_le_2_clusters_ticks'] else 'does not hold'}, CPU at "
+            f"{hold['largest_replicas']} actors <= {TARGET_CPU_FRACTION:.0%} "
+            f"{'holds' if hold['cpu_le_5pct_at_largest'] else 'does not hold'}",
+            flush=True,
+        )
     print(f"scale: scale.json and scale.png in {out}", flush=True)
     return 0
 
@@ -895,21 +1031,48 @@ def plot(report: dict, path: Path) -> None:
     rows, ray_rows = report["decisions"], report["ray_control_plane"]
     span = [min(r["replicas"] for r in ray_rows + rows), AT]
     grid = [span[0] * (span[1] / span[0]) ** (i / 40) for i in range(41)]
-    series = [("decisions, fault-free round", [r["machine_plus_runner_ms"] for r in rows], "#3b75af", "o"),
-              ("decisions, round with failures", [r["with_failures"]["machine_plus_runner_ms"] for r in rows],
-               "#c44e52", "s"),
-              ("plan + heal assignment + outer plan", [r["plan_ms"] + r["heal_assignment_ms"] + r["outer_plan_ms"]
-                                                       for r in rows], "#55a868", "^")]
+    series = [
+        ("decisions, fault-free round", [r["machine_plus_runner_ms"] for r in rows], "#3b75af", "o"),
+        (
+            "decisions, round with failures",
+            [r["with_failures"]["machine_plus_runner_ms"] for r in rows],
+            "#c44e52",
+            "s",
+        ),
+        (
+            "plan + heal assignment + outer plan",
+            [r["plan_ms"] + r["heal_assignment_ms"] + r["outer_plan_ms"] for r in rows],
+            "#55a868",
+            "^",
+        ),
+    ]
     for label, ys, color, marker in series:
         ax.plot([r["replicas"] for r in rows], ys, marker, color=color, label=label)
     fit = report["decisions_fit"]
-    ax.plot(grid, [at(fit, x) for x in grid], "-", color="#3b75af", lw=1,
-            label=f"fit ∝ replicas^{fit['growth_exponent']:.2f}")
+    ax.plot(
+        grid,
+        [at(fit, x) for x in grid],
+        "-",
+        color="#3b75af",
+        lw=1,
+        label=f"fit ∝ replicas^{fit['growth_exponent']:.2f}",
+    )
     rfit = report["ray_fit"]
-    ax.plot([r["replicas"] for r in ray_rows], [r["round_ms_median"] for r in ray_rows], "D", color="#8172b2",
-            label="Ray control plane, fault-free round (median)")
-    ax.plot(grid, [at(rfit, x) for x in grid], "--", color="#8172b2", lw=1,
-            label=f"fit ∝ replicas^{rfit['growth_exponent']:.2f}, extrapolated")
+    ax.plot(
+        [r["replicas"] for r in ray_rows],
+        [r["round_ms_median"] for r in ray_rows],
+        "D",
+        color="#8172b2",
+        label="Ray control plane, fault-free round (median)",
+    )
+    ax.plot(
+        grid,
+        [at(rfit, x) for x in grid],
+        "--",
+        color="#8172b2",
+        lw=1,
+        label=f"fit ∝ replicas^{rfit['growth_exponent']:.2f}, extrapolated",
+    )
     ax.plot([AT], [report["ray_extrapolated_10000_ms"]], "D", mfc="none", color="#8172b2")
     ax.axhline(report["budget_ms"], color="#888", lw=1, ls=":", label=f"budget {report['budget_ms']:.0f} ms")
     ax.set_xscale("log")
@@ -931,35 +1094,70 @@ def plot_lasting(report: dict, calls_ax, cpu_ax) -> None:
     rows = report["lasting_rounds"]
     xs = [r["replicas"] for r in rows]
     inner_s = report["lasting_inner_s"]
-    paths = [("board", "-", rows)] + ([("by calls", "--", [r["by_calls"] for r in rows])]
-                                      if all(r.get("by_calls") for r in rows) else [])
+    paths = [("board", "-", rows)] + (
+        [("by calls", "--", [r["by_calls"] for r in rows])] if all(r.get("by_calls") for r in rows) else []
+    )
     for name, ls, figs in paths:
-        calls_ax.plot(xs, [f["calls_per_round"] for f in figs], "o" + ls, color="#c44e52",
-                      label=f"{name}: lasting round ({inner_s:g}-s inner phase)")
-        calls_ax.plot(xs, [f["instant_calls_per_round"] for f in figs], "s" + ls, color="#3b75af",
-                      label=f"{name}: instant round")
-        calls_ax.plot(xs, [f["extra_calls_per_round"] for f in figs], "^" + ls, color="#8172b2",
-                      label=f"{name}: extra (lasting - instant)")
-        cpu_ax.plot(xs, [100 * f["supervisor_cpu_per_inner_s"] for f in figs], "o" + ls, color="#c44e52",
-                    label=f"{name}: driver process (all its threads)")
-        cpu_ax.plot(xs, [100 * f["supervisor_main_thread_cpu_per_inner_s"] for f in figs], "s" + ls,
-                    color="#55a868", label=f"{name}: drive()'s thread only")
-    calls_ax.plot(xs, [r["target_extra_calls"] for r in rows], ":", color="#888", marker="x",
-                  label="target for extra: 2 x clusters x ticks")
+        calls_ax.plot(
+            xs,
+            [f["calls_per_round"] for f in figs],
+            "o" + ls,
+            color="#c44e52",
+            label=f"{name}: lasting round ({inner_s:g}-s inner phase)",
+        )
+        calls_ax.plot(
+            xs, [f["instant_calls_per_round"] for f in figs], "s" + ls, color="#3b75af", label=f"{name}: instant round"
+        )
+        calls_ax.plot(
+            xs,
+            [f["extra_calls_per_round"] for f in figs],
+            "^" + ls,
+            color="#8172b2",
+            label=f"{name}: extra (lasting - instant)",
+        )
+        cpu_ax.plot(
+            xs,
+            [100 * f["supervisor_cpu_per_inner_s"] for f in figs],
+            "o" + ls,
+            color="#c44e52",
+            label=f"{name}: driver process (all its threads)",
+        )
+        cpu_ax.plot(
+            xs,
+            [100 * f["supervisor_main_thread_cpu_per_inner_s"] for f in figs],
+            "s" + ls,
+            color="#55a868",
+            label=f"{name}: drive()'s thread only",
+        )
+    calls_ax.plot(
+        xs,
+        [r["target_extra_calls"] for r in rows],
+        ":",
+        color="#888",
+        marker="x",
+        label="target for extra: 2 x clusters x ticks",
+    )
     calls_ax.set_xlabel("replicas (light actors)")
     calls_ax.set_ylabel("actor calls per round (counted by the actors)")
     calls_ax.set_title("supervisor's actor calls per round", fontsize=10)
     calls_ax.legend(fontsize=7, loc="upper left")
     if report.get("driver_idle_cpu_per_s") is not None:
-        cpu_ax.axhline(100 * report["driver_idle_cpu_per_s"], color="#888", lw=1, ls="-.",
-                       label="driver process at rest")
-    cpu_ax.axhline(100 * report["lasting_targets"]["cpu_fraction_at_largest"], color="#888", lw=1, ls=":",
-                   label="target at 64 actors")
+        cpu_ax.axhline(
+            100 * report["driver_idle_cpu_per_s"], color="#888", lw=1, ls="-.", label="driver process at rest"
+        )
+    cpu_ax.axhline(
+        100 * report["lasting_targets"]["cpu_fraction_at_largest"],
+        color="#888",
+        lw=1,
+        ls=":",
+        label="target at 64 actors",
+    )
     cpu_ax.set_xlabel("replicas (light actors)")
     cpu_ax.set_ylabel("% of one core")
     cpu_ax.set_title(f"supervisor CPU per second of inner phase ({inner_s:g}-s phase)", fontsize=10)
     cpu_ax.set_ylim(bottom=0)
     cpu_ax.legend(fontsize=7, loc="upper left")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,6 +27,7 @@ initial eval at 0); the fast site's wait at the outer sync as a fraction of the 
 `sites.json`, `sites.png` (eval loss vs tokens, vs wall). `--quick`: 3 rounds of 4 short steps (a
 smoke run; its figures are not results).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,10 @@ def arms(args) -> dict[str, list[str]]:
     fast, slow = args.min_step_s, args.min_step_s * SLOW
     sites = f"topology.sites=[{{replicas:1,min_step_s:{fast:g}}},{{replicas:1,min_step_s:{slow:g}}}]"
     common = [sites, f"seed={args.seed}", f"sync.outer_every={args.outer_every}", "train.eval_every=1"]
-    return {"none": common + ["sync.balance=none", f"train.rounds={args.rounds}"],
-            "steps": common + ["sync.balance=steps", f"train.rounds={steps_rounds(args.rounds, args.outer_every)}"]}
+    return {
+        "none": common + ["sync.balance=none", f"train.rounds={args.rounds}"],
+        "steps": common + ["sync.balance=steps", f"train.rounds={steps_rounds(args.rounds, args.outer_every)}"],
+    }
 
 
 def _first(events: list[dict], pred) -> dict | None:
@@ -98,14 +101,20 @@ def arm_figures(events: list[dict], metrics: list[dict], summary: dict) -> dict:
             nxt = _first(events, lambda e: e.get("round") == rounds[i + 1]["round"] and e["event"] == "phase_begin")
             parts["between_s"].append(nxt["t"] - commits[r])
     wall = commits[rounds[-1]["round"]] - start
-    return {"status": summary.get("status"), "rounds": len(rounds), "tokens": tokens,
-            "tokens_per_cluster": summary.get("tokens_per_cluster"), "train_wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else None,
-            "final_eval_loss": summary.get("final_eval_loss"), "initial_eval_loss": summary.get("initial_eval_loss"),
-            "cluster_steps": [m["cluster_steps"] for m in rounds],
-            "outer_wait_fraction_median": {f"c{c}": statistics.median(w) for c, w in sorted(waits.items())},
-            "round_parts_median_s": {k: statistics.median(v) if v else None for k, v in parts.items()},
-            "curve": curve}
+    return {
+        "status": summary.get("status"),
+        "rounds": len(rounds),
+        "tokens": tokens,
+        "tokens_per_cluster": summary.get("tokens_per_cluster"),
+        "train_wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "initial_eval_loss": summary.get("initial_eval_loss"),
+        "cluster_steps": [m["cluster_steps"] for m in rounds],
+        "outer_wait_fraction_median": {f"c{c}": statistics.median(w) for c, w in sorted(waits.items())},
+        "round_parts_median_s": {k: statistics.median(v) if v else None for k, v in parts.items()},
+        "curve": curve,
+    }
 
 
 def wall_to_loss(curve: list[dict], loss: float, key: str = "wall_s") -> float | None:
@@ -130,14 +139,22 @@ def compare(none: dict, steps: dict) -> dict:
     """The ratios (steps vs none) and whether each target holds."""
     target = none["curve"][-1]["eval_loss"]
     steps_wall = wall_to_loss(steps["curve"], target)
-    ratios = {"tokens_per_s": steps["tokens_per_s"] / none["tokens_per_s"]
-              if steps["tokens_per_s"] and none["tokens_per_s"] else None,
-              "time_to_loss": none["train_wall_s"] / steps_wall if steps_wall else None}
+    ratios = {
+        "tokens_per_s": steps["tokens_per_s"] / none["tokens_per_s"]
+        if steps["tokens_per_s"] and none["tokens_per_s"]
+        else None,
+        "time_to_loss": none["train_wall_s"] / steps_wall if steps_wall else None,
+    }
     steps_tokens = wall_to_loss(steps["curve"], target, key="tokens")
-    return {"loss_target": target, "none_wall_to_loss_s": none["train_wall_s"], "steps_wall_to_loss_s": steps_wall,
-            "steps_tokens_to_loss": steps_tokens, "ratios": ratios,
-            "holds": {k: ratios[k] is not None and ratios[k] >= v for k, v in TARGETS.items()},
-            "gap": gap(none, steps, steps_tokens)}
+    return {
+        "loss_target": target,
+        "none_wall_to_loss_s": none["train_wall_s"],
+        "steps_wall_to_loss_s": steps_wall,
+        "steps_tokens_to_loss": steps_tokens,
+        "ratios": ratios,
+        "holds": {k: ratios[k] is not None and ratios[k] >= v for k, v in TARGETS.items()},
+        "gap": gap(none, steps, steps_tokens),
+    }
 
 
 def gap(none: dict, steps: dict, steps_tokens: float | None) -> dict:
@@ -145,22 +162,38 @@ def gap(none: dict, steps: dict, steps_tokens: float | None) -> dict:
     (none's round / steps' round), 1.5 only when a round is its inner steps alone; the per-round
     rest (outer sync, then the eval and the next round's start) weighs twice as much in the shorter
     balanced round. Time to loss loses, besides, the tokens `steps` needs to reach none's loss."""
+
     def split(a: dict) -> tuple[float, float]:
         p = a["round_parts_median_s"]
         return p["inner_s"], p["sync_s"] + (p["between_s"] or 0.0)
 
     (n_inner, n_rest), (s_inner, s_rest) = split(none), split(steps)
     tokens_ratio = steps_tokens / none["tokens"] if steps_tokens is not None else None
-    figures = (f"per round, inner + the rest: none {n_inner:.2f} + {n_rest:.2f} s, steps {s_inner:.2f} + "
-               f"{s_rest:.2f} s; tokens to the loss, steps / none: {_x(tokens_ratio)}")
-    sentence = (f"tokens/s: the outer sync and eval between rounds ({s_rest:.2f} s) are "
-                f"{s_rest / (s_inner + s_rest):.0%} of a balanced round, {n_rest / (n_inner + n_rest):.0%} of an "
-                f"unbalanced one, and the fast site still waits {steps['outer_wait_fraction_median']['c0']:.0%} of "
-                f"a balanced round; time to loss scales, besides, with the tokens steps needs to reach none's "
-                f"final loss: " + ("never reached" if tokens_ratio is None else f"{tokens_ratio:.2f}x none's "
-                                   f"({steps['rounds']} outer steps against {none['rounds']})"))
-    return {"none_inner_s": n_inner, "none_rest_s": n_rest, "steps_inner_s": s_inner, "steps_rest_s": s_rest,
-            "steps_tokens_to_loss_vs_none": tokens_ratio, "figures": figures, "sentence": sentence}
+    figures = (
+        f"per round, inner + the rest: none {n_inner:.2f} + {n_rest:.2f} s, steps {s_inner:.2f} + "
+        f"{s_rest:.2f} s; tokens to the loss, steps / none: {_x(tokens_ratio)}"
+    )
+    sentence = (
+        f"tokens/s: the outer sync and eval between rounds ({s_rest:.2f} s) are "
+        f"{s_rest / (s_inner + s_rest):.0%} of a balanced round, {n_rest / (n_inner + n_rest):.0%} of an "
+        f"unbalanced one, and the fast site still waits {steps['outer_wait_fraction_median']['c0']:.0%} of "
+        f"a balanced round; time to loss scales, besides, with the tokens steps needs to reach none's "
+        f"final loss: "
+        + (
+            "never reached"
+            if tokens_ratio is None
+            else f"{tokens_ratio:.2f}x none's ({steps['rounds']} outer steps against {none['rounds']})"
+        )
+    )
+    return {
+        "none_inner_s": n_inner,
+        "none_rest_s": n_rest,
+        "steps_inner_s": s_inner,
+        "steps_rest_s": s_rest,
+        "steps_tokens_to_loss_vs_none": tokens_ratio,
+        "figures": figures,
+        "sentence": sentence,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,33 +215,58 @@ def main(argv: list[str] | None = None) -> int:
         for name, overrides in arms(args).items():
             print(f"sites {name}: {' '.join(overrides)}", flush=True)
             run = run_arm(name, overrides, out / name)
-            results[name] = {"name": name, "overrides": overrides, "run_dir": run["run_dir"],
-                             **read_arm(Path(run["run_dir"]))}
+            results[name] = {
+                "name": name,
+                "overrides": overrides,
+                "run_dir": run["run_dir"],
+                **read_arm(Path(run["run_dir"])),
+            }
             a = results[name]
-            print(f"sites {name}: {a['status']}, {a['tokens']} tokens in {a['train_wall_s']:.1f} s "
-                  f"({a['tokens_per_s']:.0f} tok/s), eval {a['final_eval_loss']:.4f}, fast site waits "
-                  f"{a['outer_wait_fraction_median']['c0']:.1%} of a round", flush=True)
+            print(
+                f"sites {name}: {a['status']}, {a['tokens']} tokens in {a['train_wall_s']:.1f} s "
+                f"({a['tokens_per_s']:.0f} tok/s), eval {a['final_eval_loss']:.4f}, fast site waits "
+                f"{a['outer_wait_fraction_median']['c0']:.1%} of a round",
+                flush=True,
+            )
     for a in results.values():
         a["completed"] = a["status"] == "completed"
     cmp = compare(results["none"], results["steps"])
-    report = {**header("sites", argv, args.quick),
-              "settings": {"model": "tiny", "sites": [{"replicas": 1, "min_step_s": args.min_step_s},
-                                                      {"replicas": 1, "min_step_s": args.min_step_s * SLOW}],
-                           "outer_every": args.outer_every, "rounds": {n: a["rounds"] for n, a in results.items()},
-                           "eval_every": 1, "seed": args.seed, "checkpoint_every": 0, "wandb": "disabled"},
-              "sources": {"tokens": "metrics.jsonl cluster_tokens, summed over rounds",
-                          "train_wall_s": "events.jsonl: first round's first phase_begin -> last commit",
-                          "curve": "metrics.jsonl eval_loss at events.jsonl commit of the same round",
-                          "outer_wait_fraction": "events.jsonl: (outer phase_begin - the cluster's last inner "
-                                                 "phase_end) / (round's first phase_begin -> commit)"},
-              "arms": list(results.values()), **cmp, "targets": TARGETS, "ceiling": CEILING}
+    report = {
+        **header("sites", argv, args.quick),
+        "settings": {
+            "model": "tiny",
+            "sites": [
+                {"replicas": 1, "min_step_s": args.min_step_s},
+                {"replicas": 1, "min_step_s": args.min_step_s * SLOW},
+            ],
+            "outer_every": args.outer_every,
+            "rounds": {n: a["rounds"] for n, a in results.items()},
+            "eval_every": 1,
+            "seed": args.seed,
+            "checkpoint_every": 0,
+            "wandb": "disabled",
+        },
+        "sources": {
+            "tokens": "metrics.jsonl cluster_tokens, summed over rounds",
+            "train_wall_s": "events.jsonl: first round's first phase_begin -> last commit",
+            "curve": "metrics.jsonl eval_loss at events.jsonl commit of the same round",
+            "outer_wait_fraction": "events.jsonl: (outer phase_begin - the cluster's last inner "
+            "phase_end) / (round's first phase_begin -> commit)",
+        },
+        "arms": list(results.values()),
+        **cmp,
+        "targets": TARGETS,
+        "ceiling": CEILING,
+    }
     write_suite(out, report)
     _plot(report, out / "sites.png")
     r = cmp["ratios"]
-    print(f"sites: tokens/s steps/none {_x(r['tokens_per_s'])} (target {TARGETS['tokens_per_s']}x: "
-          f"{'holds' if cmp['holds']['tokens_per_s'] else 'does not hold'}), time to eval "
-          f"{cmp['loss_target']:.4f} none/steps {_x(r['time_to_loss'])} (target {TARGETS['time_to_loss']}x: "
-          f"{'holds' if cmp['holds']['time_to_loss'] else 'does not hold'})")
+    print(
+        f"sites: tokens/s steps/none {_x(r['tokens_per_s'])} (target {TARGETS['tokens_per_s']}x: "
+        f"{'holds' if cmp['holds']['tokens_per_s'] else 'does not hold'}), time to eval "
+        f"{cmp['loss_target']:.4f} none/steps {_x(r['time_to_loss'])} (target {TARGETS['time_to_loss']}x: "
+        f"{'holds' if cmp['holds']['time_to_loss'] else 'does not hold'})"
+    )
     print(f"sites.json and sites.png in {out}")
     return 0
 
@@ -225,8 +283,14 @@ def _plot(report: dict, path: Path) -> None:
     colors = {"none": "#888", "steps": "#3b75af"}
     for ax, key, label in zip(axes, ("tokens", "wall_s"), ("tokens trained", "training wall (s)")):
         for a in report["arms"]:
-            ax.plot([p[key] for p in a["curve"]], [p["eval_loss"] for p in a["curve"]], "o-", ms=3,
-                    color=colors[a["name"]], label=f"balance={a['name']}")
+            ax.plot(
+                [p[key] for p in a["curve"]],
+                [p["eval_loss"] for p in a["curve"]],
+                "o-",
+                ms=3,
+                color=colors[a["name"]],
+                label=f"balance={a['name']}",
+            )
         ax.axhline(report["loss_target"], color="#c44e52", lw=0.8, ls="--", label="none's final eval loss")
         after = [p["eval_loss"] for a in report["arms"] for p in a["curve"][1:]]  # the initial eval: off the top
         if after:
@@ -237,6 +301,9 @@ def _plot(report: dict, path: Path) -> None:
     if report["steps_wall_to_loss_s"] is not None:
         axes[1].axvline(report["steps_wall_to_loss_s"], color="#3b75af", lw=0.8, ls=":")
     r = report["ratios"]
-    fig.suptitle(f"2 sites, one {SLOW:g}x slower: tokens/s x{r['tokens_per_s'] or 0:.2f}, "
-                 f"time to loss x{r['time_to_loss'] or 0:.2f} (steps vs none)", fontsize=10)
+    fig.suptitle(
+        f"2 sites, one {SLOW:g}x slower: tokens/s x{r['tokens_per_s'] or 0:.2f}, "
+        f"time to loss x{r['time_to_loss'] or 0:.2f} (steps vs none)",
+        fontsize=10,
+    )
     save_png(fig, path)

@@ -16,6 +16,7 @@ What hsgd asks of each piece (hsgd/train/task.py, README "Bring your own model a
   and y the next one;
 - the loss takes (model, batch) and returns a scalar tensor.
 """
+
 from __future__ import annotations
 
 import hashlib

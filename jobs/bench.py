@@ -1,5 +1,6 @@
 """`python -m jobs.bench <suite> [args]`: an alias of `python -m benchmarks <suite> [args]` (the
 benchmarks live in the top-level `benchmarks` package; other issues and users name this one)."""
+
 import sys
 
 from benchmarks.cli import main

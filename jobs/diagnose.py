@@ -8,6 +8,7 @@ run.json sits in a folder others may write: it is trusted with neither this user
   `actors.replica.Replica` actor named for this run and replica, on this node, owned by this user
   (and, when it answered, with the pid it gave). Any other replica is asked over Ray instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,29 @@ def attach_address(recorded: str | None, env_address: str | None, local: set[str
         return None, "run.json names no ray_address; give the run.dir of a running job"
     if env_address and env_address != "auto":
         if env_address != recorded:
-            return None, (f"run.json names the Ray cluster at {recorded}, but RAY_ADDRESS is {env_address}; "
-                          f"diagnose attaches only where RAY_ADDRESS points (unset it to use this node's cluster)")
+            return None, (
+                f"run.json names the Ray cluster at {recorded}, but RAY_ADDRESS is {env_address}; "
+                f"diagnose attaches only where RAY_ADDRESS points (unset it to use this node's cluster)"
+            )
         return env_address, None
     if recorded in local:
         return recorded, None
-    return None, (f"run.json names the Ray cluster at {recorded}, which no Ray node of this user on this machine "
-                  f"belongs to (local: {sorted(local) or 'none'}); run diagnose on a node of the run's cluster, "
-                  f"or set RAY_ADDRESS to attach explicitly")
+    return None, (
+        f"run.json names the Ray cluster at {recorded}, which no Ray node of this user on this machine "
+        f"belongs to (local: {sorted(local) or 'none'}); run diagnose on a node of the run's cluster, "
+        f"or set RAY_ADDRESS to attach explicitly"
+    )
 
 
-def verified_replica_pid(actor: dict | None, *, expected_name: str, here_node: str, answered_pid: int | None,
-                         process_uid: int | None, my_uid: int) -> tuple[int | None, str]:
+def verified_replica_pid(
+    actor: dict | None,
+    *,
+    expected_name: str,
+    here_node: str,
+    answered_pid: int | None,
+    process_uid: int | None,
+    my_uid: int,
+) -> tuple[int | None, str]:
     """(pid, "") when the pid may be signalled, else (None, why not). `actor`: Ray's actor table
     entry of the handle diagnose looked up by name (Name, ActorClassName, State, Pid,
     Address.NodeID); `process_uid`: the owner of that pid on this node (None: no such process)."""
@@ -65,8 +77,8 @@ def verified_replica_pid(actor: dict | None, *, expected_name: str, here_node: s
 # -- what this machine says ----------------------------------------------------------------------
 def local_gcs_addresses() -> set[str]:
     """The GCS addresses of the raylets this user runs on this node (their --gcs-address flag)."""
-    import ray  # noqa: F401 — puts Ray's bundled psutil on the path
     import psutil
+    import ray  # noqa: F401 — puts Ray's bundled psutil on the path
 
     found: set[str] = set()
     for proc in psutil.process_iter(["cmdline", "uids"]):
@@ -111,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         info = json.loads(info_path.read_text())
         run_id, namespace, rids = str(info["run_id"]), str(info["namespace"]), [str(r) for r in info["replicas"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"hsgd: diagnose: {info_path} is not a run.json this version wrote ({type(err).__name__}: {err})",
-              file=sys.stderr)
+        print(
+            f"hsgd: diagnose: {info_path} is not a run.json this version wrote ({type(err).__name__}: {err})",
+            file=sys.stderr,
+        )
         return 2
     status_path = run_dir / "status.json"
     status = read_json(status_path)
@@ -153,11 +167,18 @@ def main(argv: list[str] | None = None) -> int:
             progress = {"error": type(err).__name__}
         actor = _actor_entry(handle)
         pid = int((actor or {}).get("Pid") or 0)
-        verified, why = verified_replica_pid(actor, expected_name=name, here_node=here, my_uid=os.getuid(),
-                                             answered_pid=progress.get("pid"),
-                                             process_uid=_process_uid(pid) if pid > 0 else None)
-        print(f"\n=== {rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
-              f"round {progress.get('round')} step {progress.get('step')} ===")
+        verified, why = verified_replica_pid(
+            actor,
+            expected_name=name,
+            here_node=here,
+            my_uid=os.getuid(),
+            answered_pid=progress.get("pid"),
+            process_uid=_process_uid(pid) if pid > 0 else None,
+        )
+        print(
+            f"\n=== {rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
+            f"round {progress.get('round')} step {progress.get('step')} ==="
+        )
         if verified is None:
             print(f"[not signalled: {why}]")
         target = {"pid": verified, "node_id": here if verified else None}

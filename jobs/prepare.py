@@ -2,6 +2,7 @@
 
 No network. Exit 0 on success, 2 on a bad argument or unreadable input (one line on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        meta = prepare_tokens(args.src, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                              progress=_progress())
+        meta = prepare_tokens(
+            args.src, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction, progress=_progress()
+        )
     except (OSError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: train.bin {meta['train_tokens']:,} and val.bin {meta['val_tokens']:,} "
-          f"{meta['dtype']} tokens, {args.tokenizer} tokenizer, vocab_size {meta['vocab_size']} "
-          f"({time.monotonic() - start:.1f}s); train with `python -m jobs.train data.path={args.out}`")
+    print(
+        f"wrote {args.out}: train.bin {meta['train_tokens']:,} and val.bin {meta['val_tokens']:,} "
+        f"{meta['dtype']} tokens, {args.tokenizer} tokenizer, vocab_size {meta['vocab_size']} "
+        f"({time.monotonic() - start:.1f}s); train with `python -m jobs.train data.path={args.out}`"
+    )
     return 0
 
 

@@ -10,6 +10,7 @@ at the next round's start. `... add-site replicas=N [label=L] [name=S]` asks for
 way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2: no run dir, or a
 request that cannot be valid (one line on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from hsgd.core.site_requests import RequestError, write_request
 from hsgd.record.plots import known_replicas, read_events, replica_states
-from hsgd.record.rundir import read_json as _read_json, read_jsonl
+from hsgd.record.rundir import read_json as _read_json
+from hsgd.record.rundir import read_jsonl
 
 RECENT = 8
 _STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "drained": "dim", "?": "dim"}
@@ -36,33 +38,51 @@ def collect_state(run_dir: str | Path) -> dict:
     last_m, last_p = (ms or [{}])[-1], next((e for e in reversed(events) if e.get("event") == "phase_begin"), {})
     last = metrics[-1] if metrics else {}
     run_end = next((e for e in reversed(events) if e.get("event") == "run_end"), {})
-    state = {"run_dir": str(run_dir), "epoch": last_m.get("epoch"), "leaders": last_m.get("leaders") or {},
-             "phase": last_p.get("phase"), "round": last_p.get("round"), "inner_step": last.get("inner_step"),
-             "last_loss": last.get("loss"), "last_eval_loss": next((m["eval_loss"] for m in reversed(metrics)
-                                                                    if m.get("eval_loss") is not None), None),
-             "tokens_per_s": last.get("tokens_per_s"), "status": summary.get("status") or run_end.get("status"),
-             "updated": events[-1]["t"] if events else None}
+    state = {
+        "run_dir": str(run_dir),
+        "epoch": last_m.get("epoch"),
+        "leaders": last_m.get("leaders") or {},
+        "phase": last_p.get("phase"),
+        "round": last_p.get("round"),
+        "inner_step": last.get("inner_step"),
+        "last_loss": last.get("loss"),
+        "last_eval_loss": next((m["eval_loss"] for m in reversed(metrics) if m.get("eval_loss") is not None), None),
+        "tokens_per_s": last.get("tokens_per_s"),
+        "status": summary.get("status") or run_end.get("status"),
+        "updated": events[-1]["t"] if events else None,
+    }
     state.update({k: v for k, v in live.items() if v is not None and k in state})
     if live.get("members") and not states:  # no membership event seen yet: trust status.json
         states = {rid: "live" for members in live["members"].values() for rid in members}
-    drained = {e.get("cluster") for e in events if e.get("event") == "site_request" and e.get("kind") == "drain"
-               and e.get("outcome") == "applied"}  # stopped on purpose: neither live nor down
+    drained = {
+        e.get("cluster")
+        for e in events
+        if e.get("event") == "site_request" and e.get("kind") == "drain" and e.get("outcome") == "applied"
+    }  # stopped on purpose: neither live nor down
     clusters: dict[str, list[dict]] = {}
     for rid in known_replicas(run_dir, events) or sorted(states):
         cluster = rid.split("r")[0]
-        clusters.setdefault(cluster, []).append({"rid": rid, "state": "drained" if cluster in drained else
-                                                 states.get(rid, "?"),
-                                                 "leader": state["leaders"].get(cluster) == rid})
+        clusters.setdefault(cluster, []).append(
+            {
+                "rid": rid,
+                "state": "drained" if cluster in drained else states.get(rid, "?"),
+                "leader": state["leaders"].get(cluster) == rid,
+            }
+        )
     state["clusters"] = clusters
     state["done"] = bool(summary) or bool(live.get("status")) or live.get("phase") == "done" or bool(run_end)
-    state["recent"] = [_line(e, events[0]["t"]) for e in events if e.get("event") not in ("phase_begin", "phase_end")
-                       ][-RECENT:]
+    state["recent"] = [_line(e, events[0]["t"]) for e in events if e.get("event") not in ("phase_begin", "phase_end")][
+        -RECENT:
+    ]
     return state
 
 
 def _line(e: dict, t0: float) -> str:
-    fields = " ".join(f"{k}={format(v, '.4g') if isinstance(v, float) else v}" for k, v in e.items()
-                      if k not in ("t", "event") and v not in (None, [], {}))
+    fields = " ".join(
+        f"{k}={format(v, '.4g') if isinstance(v, float) else v}"
+        for k, v in e.items()
+        if k not in ("t", "event") and v not in (None, [], {})
+    )
     return f"+{e['t'] - t0:6.1f}s {e.get('event')} {fields}"
 
 
@@ -77,8 +97,14 @@ def render(state: dict):
     from rich.text import Text
 
     done = f" [{state['status']}]" if state.get("status") else (" [done]" if state["done"] else " [running]")
-    table = Table("cluster", "replicas (* leader)", Column("live", justify="right"),
-                  title=escape(f"hsgd run {state['run_dir']}{done}"), title_justify="left", expand=False)
+    table = Table(
+        "cluster",
+        "replicas (* leader)",
+        Column("live", justify="right"),
+        title=escape(f"hsgd run {state['run_dir']}{done}"),
+        title_justify="left",
+        expand=False,
+    )
     for cluster, reps in state["clusters"].items():
         text = Text()
         for r in reps:
@@ -88,10 +114,26 @@ def render(state: dict):
         n = sum(r["state"] in ("live", "standby", "joining") for r in reps)
         table.add_row(cluster, text, f"{n}/{len(reps)}")
     info = Table.grid(padding=(0, 2))
-    info.add_row("epoch", _fmt(state.get("epoch"), ""), "round", _fmt(state.get("round"), ""),
-                 "phase", _fmt(state.get("phase"), ""), "inner step", str(state.get("inner_step") or "-"))
-    info.add_row("loss", _fmt(state.get("last_loss")), "eval loss", _fmt(state.get("last_eval_loss")),
-                 "tokens/s", _fmt(state.get("tokens_per_s"), ".0f"), "", "")
+    info.add_row(
+        "epoch",
+        _fmt(state.get("epoch"), ""),
+        "round",
+        _fmt(state.get("round"), ""),
+        "phase",
+        _fmt(state.get("phase"), ""),
+        "inner step",
+        str(state.get("inner_step") or "-"),
+    )
+    info.add_row(
+        "loss",
+        _fmt(state.get("last_loss")),
+        "eval loss",
+        _fmt(state.get("last_eval_loss")),
+        "tokens/s",
+        _fmt(state.get("tokens_per_s"), ".0f"),
+        "",
+        "",
+    )
     recent = [Text(line, style="dim", no_wrap=True, overflow="ellipsis") for line in state["recent"]]
     return Group(table, info, Text("last events:", style="bold"), *(recent or [Text("(no events yet)")]))
 
@@ -115,8 +157,9 @@ def parse_add_site(args: list[str]) -> dict:
     try:
         fields["replicas"] = int(fields["replicas"])
     except ValueError:
-        raise RequestError(f"add-site: replicas={fields['replicas']!r} is not a replica count; "
-                           f"valid: an integer >= 1") from None
+        raise RequestError(
+            f"add-site: replicas={fields['replicas']!r} is not a replica count; valid: an integer >= 1"
+        ) from None
     return fields
 
 
@@ -152,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jobs.status: {err}", file=sys.stderr)
             return 2
         return request_site_change(Path(argv[0]), "add-site", **fields)
-    parser = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0],
-                                     epilog="python -m jobs.status <run_dir> drain-site c<k> | add-site replicas=N "
-                                            "[label=L] [name=S]: ask the run to drain or add a site at its next "
-                                            "round's start")
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs.status",
+        description=__doc__.splitlines()[0],
+        epilog="python -m jobs.status <run_dir> drain-site c<k> | add-site replicas=N "
+        "[label=L] [name=S]: ask the run to drain or add a site at its next "
+        "round's start",
+    )
     parser.add_argument("run_dir")
     parser.add_argument("--once", action="store_true", help="print once and exit")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")

@@ -1,6 +1,7 @@
 """The summary table of a Hydra multirun sweep (README, "Sweeps"): `python -m jobs.sweep <sweep dir>`
 rebuilds the `sweep.csv` and `sweep.md` that jobs.train rewrites after every job.
 """
+
 from __future__ import annotations
 
 import csv
@@ -10,8 +11,17 @@ from pathlib import Path
 
 from hsgd.record.rundir import atomic_write_text, read_json, read_jsonl
 
-COLUMNS = ("job", "overrides", "status", "rounds_committed", "final_eval_loss", "outer_bytes", "wall_s", "job_s",
-           "run_dir")
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "rounds_committed",
+    "final_eval_loss",
+    "outer_bytes",
+    "wall_s",
+    "job_s",
+    "run_dir",
+)
 
 
 def _job_overrides(job_dir: Path) -> list[str]:
@@ -24,25 +34,30 @@ def _job_overrides(job_dir: Path) -> list[str]:
 def sweep_rows(sweep_dir: Path | str) -> list[dict]:
     """One row per job folder (a numbered subfolder with Hydra's overrides or a summary.json)."""
     root = Path(sweep_dir)
-    jobs = [d for d in (root.iterdir() if root.is_dir() else [])
-            if d.is_dir() and ((d / ".hydra").is_dir() or (d / "summary.json").is_file())]
+    jobs = [
+        d
+        for d in (root.iterdir() if root.is_dir() else [])
+        if d.is_dir() and ((d / ".hydra").is_dir() or (d / "summary.json").is_file())
+    ]
     jobs.sort(key=lambda d: (0, int(d.name)) if d.name.isdigit() else (1, d.name))
     overrides = {d: _job_overrides(d) for d in jobs}
     common = set.intersection(*(set(o) for o in overrides.values())) if len(jobs) > 1 else set()
     rows = []
     for d in jobs:
         summary, run_info = read_json(d / "summary.json"), read_json(d / "run.json")
-        rows.append({
-            "job": d.name,
-            "overrides": " ".join(o for o in overrides[d] if o not in common),
-            "status": summary.get("status", "no summary"),
-            "rounds_committed": summary.get("rounds_committed"),
-            "final_eval_loss": summary.get("final_eval_loss"),
-            "outer_bytes": sum(int(m.get("outer_bytes") or 0) for m in read_jsonl(d / "metrics.jsonl")),
-            "wall_s": summary.get("wall_s"),
-            "job_s": run_info.get("job_s"),
-            "run_dir": str(d.resolve()),
-        })
+        rows.append(
+            {
+                "job": d.name,
+                "overrides": " ".join(o for o in overrides[d] if o not in common),
+                "status": summary.get("status", "no summary"),
+                "rounds_committed": summary.get("rounds_committed"),
+                "final_eval_loss": summary.get("final_eval_loss"),
+                "outer_bytes": sum(int(m.get("outer_bytes") or 0) for m in read_jsonl(d / "metrics.jsonl")),
+                "wall_s": summary.get("wall_s"),
+                "job_s": run_info.get("job_s"),
+                "run_dir": str(d.resolve()),
+            }
+        )
     return rows
 
 

@@ -3,6 +3,7 @@
 A bad value prints one line and exits 2 before Ray starts (hsgd.config.compose.precheck; for a
 multirun: every job's, before the first starts); a failed run exits 1.
 """
+
 from __future__ import annotations
 
 import os
@@ -99,8 +100,11 @@ def main() -> None:
         print(f"[hsgd] sweep table ({_SWEEP['dir']}/sweep.csv, sweep.md):", flush=True)
         print(markdown_table(sweep_rows(_SWEEP["dir"])), end="", flush=True)
     if _SWEEP["failed"]:
-        print(f"[hsgd] {len(_SWEEP['failed'])} sweep job(s) failed: {' '.join(_SWEEP['failed'])}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[hsgd] {len(_SWEEP['failed'])} sweep job(s) failed: {' '.join(_SWEEP['failed'])}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
 
 

@@ -1,4 +1,5 @@
 """Shared test settings: wandb off, quiet progress, the repo importable by Ray workers."""
+
 import os
 import sys
 from pathlib import Path

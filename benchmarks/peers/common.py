@@ -15,6 +15,7 @@ the last line's), then reads the logs:
 
 The peers are benchmark-only dependencies (the `bench` extra); this module imports none of them.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,7 @@ def read_steps(folder: str | os.PathLike) -> dict[str, list[dict]]:
     return steps
 
 
-def wait_for_step(folder: str | os.PathLike, replica: str, step: int, timeout_s: float,
-                  poll_s: float = 0.05) -> dict:
+def wait_for_step(folder: str | os.PathLike, replica: str, step: int, timeout_s: float, poll_s: float = 0.05) -> dict:
     """The first line of `replica` at `step` or later; TimeoutError after timeout_s."""
     path = Path(folder) / f"{replica}.jsonl"
     deadline = time.monotonic() + timeout_s
@@ -74,15 +74,20 @@ def kill_at_step(folder: str | os.PathLike, replica: str, step: int, timeout_s: 
 @dataclass
 class Recovery:
     """The figures of one kill (seconds)."""
+
     victim: str
     survivors_stall_s: dict[str, float] = field(default_factory=dict)
     rejoin_s: float | None = None  # None: the victim never committed a step again
 
     def as_dict(self) -> dict:
         stalls = list(self.survivors_stall_s.values())
-        return {"victim": self.victim, "survivors_stall_s": self.survivors_stall_s,
-                "survivors_stall_median_s": statistics.median(stalls) if stalls else None,
-                "survivors_stall_max_s": max(stalls) if stalls else None, "rejoin_s": self.rejoin_s}
+        return {
+            "victim": self.victim,
+            "survivors_stall_s": self.survivors_stall_s,
+            "survivors_stall_median_s": statistics.median(stalls) if stalls else None,
+            "survivors_stall_max_s": max(stalls) if stalls else None,
+            "rejoin_s": self.rejoin_s,
+        }
 
 
 def kept(rows: list[dict]) -> list[dict]:

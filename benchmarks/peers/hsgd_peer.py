@@ -14,6 +14,7 @@ answer's `startup`, asked by the bench once Ray has restarted it): seconds from 
 `replica_down`, to the new process, to its module loading, imports done, __init__'s parts, the
 supervisor's `replica_up` (or `spare_promoted`), the heal and the first step.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,20 +22,44 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from benchmarks.peers.common import (Kill, committed_steps, kill_at_step, read_steps, recovery, step_time_s,
-                               wait_for_step)
+from benchmarks.peers.common import (
+    Kill,
+    committed_steps,
+    kill_at_step,
+    read_steps,
+    recovery,
+    step_time_s,
+    wait_for_step,
+)
 
-QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0", "train.eval_every=1000",
-         "logging.step_times=true", "supervisor.rejoin=fast"]
+QUIET = [
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+    "checkpoint.every=0",
+    "train.eval_every=1000",
+    "logging.step_times=true",
+    "supervisor.rejoin=fast",
+]
 
 
-def run_hsgd(*, model: str, clusters: int, replicas_per_cluster: int, steps: int, min_step_s: float, out: Path,
-             outer_every: int | None = None, kills: Sequence[tuple[str, int]] = (),
-             kill_times_s: Sequence[tuple[float, str]] = (), timeout_s: float = 600, seed: int = 0,
-             overrides: Sequence[str] = ()) -> dict:
+def run_hsgd(
+    *,
+    model: str,
+    clusters: int,
+    replicas_per_cluster: int,
+    steps: int,
+    min_step_s: float,
+    out: Path,
+    outer_every: int | None = None,
+    kills: Sequence[tuple[str, int]] = (),
+    kill_times_s: Sequence[tuple[float, str]] = (),
+    timeout_s: float = 600,
+    seed: int = 0,
+    overrides: Sequence[str] = (),
+) -> dict:
     """One hsgd run of `steps` inner steps per replica (rounds of `outer_every` steps, default a
     quarter of them), with the given kills from outside. `kills`: (replica,
     at_step); `kill_times_s`: (seconds after the first committed step, replica). Returns the same
@@ -45,10 +70,17 @@ def run_hsgd(*, model: str, clusters: int, replicas_per_cluster: int, steps: int
     outer_every = outer_every or max(1, steps // 4)
     if steps % outer_every:
         raise ValueError(f"steps ({steps}) must be a multiple of outer_every ({outer_every})")
-    settings = [f"model={model}", f"seed={seed}", f"topology.clusters={clusters}",
-                f"topology.replicas_per_cluster={replicas_per_cluster}", f"sync.outer_every={outer_every}",
-                f"train.rounds={steps // outer_every}", f"train.min_step_s={min_step_s}",
-                *(["sync.outer=average"] if clusters == 1 else []), *overrides]
+    settings = [
+        f"model={model}",
+        f"seed={seed}",
+        f"topology.clusters={clusters}",
+        f"topology.replicas_per_cluster={replicas_per_cluster}",
+        f"sync.outer_every={outer_every}",
+        f"train.rounds={steps // outer_every}",
+        f"train.min_step_s={min_step_s}",
+        *(["sync.outer=average"] if clusters == 1 else []),
+        *overrides,
+    ]
     cfg = compose_config(QUIET + settings)
     validate(cfg)
     run_dir = Path(out) / "run"
@@ -78,19 +110,33 @@ def run_hsgd(*, model: str, clusters: int, replicas_per_cluster: int, steps: int
         result.setdefault("error", f"the run did not end within {timeout_s:.0f} s")
     summary = result.get("summary") or {}
     steps_log = read_steps(steps_dir)
-    return {"peer": "hsgd", "topology": f"{clusters}x{replicas_per_cluster}", "replicas": clusters * replicas_per_cluster,
-            "steps": steps, "outer_every": outer_every, "min_step_s": min_step_s, "settings": settings,
-            "wall_s": time.time() - start, "status": summary.get("status"), "result_error": result.get("error"),
-            "kills": [k.__dict__ for k in done], "recoveries": [recovery(steps_log, k).as_dict() for k in done],
-            "restart_breakdown": [restart_breakdown(run_dir, steps_log, k, st) for k, st in zip(done, startups)],
-            "step_time_s": step_time_s(steps_log, before_t=done[0].t if done else None),
-            "committed_steps": committed_steps(steps_log), "faults_in_summary": len(summary.get("faults") or []),
-            "digests_agree": len(set((summary.get("replica_param_digests") or {}).values())) == 1 if clusters == 1
-            else None, "run_dir": str(run_dir)}
+    return {
+        "peer": "hsgd",
+        "topology": f"{clusters}x{replicas_per_cluster}",
+        "replicas": clusters * replicas_per_cluster,
+        "steps": steps,
+        "outer_every": outer_every,
+        "min_step_s": min_step_s,
+        "settings": settings,
+        "wall_s": time.time() - start,
+        "status": summary.get("status"),
+        "result_error": result.get("error"),
+        "kills": [k.__dict__ for k in done],
+        "recoveries": [recovery(steps_log, k).as_dict() for k in done],
+        "restart_breakdown": [restart_breakdown(run_dir, steps_log, k, st) for k, st in zip(done, startups)],
+        "step_time_s": step_time_s(steps_log, before_t=done[0].t if done else None),
+        "committed_steps": committed_steps(steps_log),
+        "faults_in_summary": len(summary.get("faults") or []),
+        "digests_agree": len(set((summary.get("replica_param_digests") or {}).values())) == 1
+        if clusters == 1
+        else None,
+        "run_dir": str(run_dir),
+    }
 
 
-def kill_on_schedule(steps_dir: Path, first_t: float, kill_times_s: Sequence[tuple[float, str]], deadline: float,
-                     alive=lambda: True) -> list[Kill]:
+def kill_on_schedule(
+    steps_dir: Path, first_t: float, kill_times_s: Sequence[tuple[float, str]], deadline: float, alive=lambda: True
+) -> list[Kill]:
     """SIGKILL each (seconds after `first_t`, replica) at its time: the replica's newest pid (the
     live process), unless it has not come back since its last kill (that fault is skipped, as a
     failure process would not hit a dead machine twice). Shared with the peers' failure processes."""
@@ -153,37 +199,68 @@ def restart_breakdown(run_dir: Path, steps_log: dict, kill: Kill, startup: dict)
     rid, t0 = kill.replica, kill.t
 
     def first(name: str, **match) -> float | None:
-        return next((e["t"] - t0 for e in events if e["event"] == name and e["t"] >= t0
-                     and all(e.get(k) == v for k, v in match.items())), None)
+        return next(
+            (
+                e["t"] - t0
+                for e in events
+                if e["event"] == name and e["t"] >= t0 and all(e.get(k) == v for k, v in match.items())
+            ),
+            None,
+        )
 
     def mark(key: str) -> float | None:
         value = startup.get(key)
         return value - t0 if isinstance(value, (int, float)) else None
 
     after = [row["t"] - t0 for row in steps_log.get(rid, []) if row["t"] > t0]
-    marks = {"replica_down": first("replica_down", rid=rid), "process_start": mark("process_start"),
-             "module_t0": mark("module_t0"), "module_t1": mark("module_t1"), "init_begin": mark("init_begin"),
-             "identity": mark("identity"), "config": mark("config"), "trainer": mark("trainer"),
-             "init_end": mark("init_end"), "built": mark("built"),
-             "replica_up": first("replica_up", rid=rid), "spare_promoted": first("spare_promoted", rid=rid),
-             "heal_begin": first("heal_begin", target=rid), "heal_end": first("heal_end", target=rid),
-             "first_step": after[0] if after else None}
+    marks = {
+        "replica_down": first("replica_down", rid=rid),
+        "process_start": mark("process_start"),
+        "module_t0": mark("module_t0"),
+        "module_t1": mark("module_t1"),
+        "init_begin": mark("init_begin"),
+        "identity": mark("identity"),
+        "config": mark("config"),
+        "trainer": mark("trainer"),
+        "init_end": mark("init_end"),
+        "built": mark("built"),
+        "replica_up": first("replica_up", rid=rid),
+        "spare_promoted": first("spare_promoted", rid=rid),
+        "heal_begin": first("heal_begin", target=rid),
+        "heal_end": first("heal_end", target=rid),
+        "first_step": after[0] if after else None,
+    }
     back = marks["spare_promoted"] if marks["spare_promoted"] is not None else marks["replica_up"]
-    order = [("ray_restart", None, "process_start"), ("worker_boot", "process_start", "module_t0"),
-             ("imports", "module_t0", "module_t1"), ("class_load", "module_t1", "init_begin"),
-             ("init_identity", "init_begin", "identity"), ("init_config", "identity", "config"),
-             ("init_rest", "config", "init_end")]
+    order = [
+        ("ray_restart", None, "process_start"),
+        ("worker_boot", "process_start", "module_t0"),
+        ("imports", "module_t0", "module_t1"),
+        ("class_load", "module_t1", "init_begin"),
+        ("init_identity", "init_begin", "identity"),
+        ("init_config", "identity", "config"),
+        ("init_rest", "config", "init_end"),
+    ]
     stages = {name: _gap(0.0 if a is None else marks[a], marks[b]) for name, a, b in order}
     if marks["spare_promoted"] is not None:  # a spare took the id: the restart is not on the way back
         stages = {"promote": marks["spare_promoted"]}
     else:
         stages["up_probe"] = _gap(marks["init_end"], back)
-    stages.update(wait_heal=_gap(back, marks["heal_begin"]), heal=_gap(marks["heal_begin"], marks["heal_end"]),
-                  first_step=_gap(marks["heal_end"], marks["first_step"]))
-    return {"victim": rid, "marks_s": marks, "stages_s": stages, "detect_s": marks["replica_down"],
-            "build_s": _gap(marks["config"], marks["built"]),  # trainer + groups (+ warm-up: a spare)
-            "build_slack_s": _gap(marks["built"], marks["heal_begin"]),  # < 0: the heal waited for the build
-            "init_s": startup.get("init_s"), "restarted_pid": startup.get("pid"), "error": startup.get("error")}
+    stages.update(
+        wait_heal=_gap(back, marks["heal_begin"]),
+        heal=_gap(marks["heal_begin"], marks["heal_end"]),
+        first_step=_gap(marks["heal_end"], marks["first_step"]),
+    )
+    return {
+        "victim": rid,
+        "marks_s": marks,
+        "stages_s": stages,
+        "detect_s": marks["replica_down"],
+        "build_s": _gap(marks["config"], marks["built"]),  # trainer + groups (+ warm-up: a spare)
+        "build_slack_s": _gap(marks["built"], marks["heal_begin"]),  # < 0: the heal waited for the build
+        "init_s": startup.get("init_s"),
+        "restarted_pid": startup.get("pid"),
+        "error": startup.get("error"),
+    }
 
 
 def _gap(a: float | None, b: float | None) -> float | None:

@@ -43,6 +43,7 @@ and `result_error` says so. A timed kill that falls while the group restarts wai
 is back (a step logged after the previous kill), so it always hits a live process; its recorded
 time is when it was sent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,11 +52,12 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from hsgd.record.rundir import atomic_write_text
 from benchmarks.peers import common
+from hsgd.record.rundir import atomic_write_text
 
 REPO = str(Path(__file__).resolve().parents[2])
 STATE_FILE = "state.pt"  # inside each checkpoint directory: model, optimizer state, step
@@ -70,11 +72,11 @@ def _write_start(folder: str, rank: int, resumed_at: int) -> None:
 
 def _train_loop(config: dict) -> None:
     """The training function each worker runs (on every (re)start of the worker group)."""
+    import ray.train
+    import ray.train.torch
     import torch
     from omegaconf import OmegaConf
 
-    import ray.train
-    import ray.train.torch
     from hsgd.core.topology import Topology
     from hsgd.train import task
     from hsgd.train.trainer import build_inner_optimizer, inner_lr, optimizer_implementation
@@ -132,8 +134,10 @@ def _train_loop(config: dict) -> None:
             metrics = {"step": step, "loss": total}
             if rank == 0:
                 with tempfile.TemporaryDirectory() as folder:
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               os.path.join(folder, STATE_FILE))
+                    torch.save(
+                        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                        os.path.join(folder, STATE_FILE),
+                    )
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
             else:
                 ray.train.report(metrics, checkpoint=None)  # every worker reports: it is a barrier
@@ -146,16 +150,35 @@ def _config(model: str, replicas: int, steps: int, min_step_s: float, seed: int,
 
     from actors.launch import compose_config
 
-    cfg = compose_config([f"model={model}", "topology.clusters=1", f"topology.replicas_per_cluster={replicas}",
-                          "sync.inner=ddp", f"sync.outer_every={steps}", "train.rounds=1",
-                          f"train.min_step_s={min_step_s}", f"seed={seed}", "logging.wandb.mode=disabled",
-                          "checkpoint.every=0", *overrides])
+    cfg = compose_config(
+        [
+            f"model={model}",
+            "topology.clusters=1",
+            f"topology.replicas_per_cluster={replicas}",
+            "sync.inner=ddp",
+            f"sync.outer_every={steps}",
+            "train.rounds=1",
+            f"train.min_step_s={min_step_s}",
+            f"seed={seed}",
+            "logging.wandb.mode=disabled",
+            "checkpoint.every=0",
+            *overrides,
+        ]
+    )
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def _killer(steps_dir: Path, kills: Sequence[tuple[str, int]], kill_times_s: Sequence[tuple[float, str]],
-            deadline: float, stop: threading.Event, done: list[common.Kill], errors: list[str]) -> None:
+def _killer(
+    steps_dir: Path,
+    kills: Sequence[tuple[str, int]],
+    kill_times_s: Sequence[tuple[float, str]],
+    deadline: float,
+    stop: threading.Event,
+    done: list[common.Kill],
+    errors: list[str],
+) -> None:
     """Send the kills in order (step kills first, then timed ones), each bounded by `deadline`."""
+
     def live_row(replica: str, at_step: int) -> dict | None:
         """The replica's newest line once it is at `at_step` or later in a group started after the
         previous kill (so the pid is a live process); None when stopped or past the deadline."""
@@ -208,17 +231,34 @@ def _kill_figures(steps: dict[str, list[dict]], starts: list[dict], kill: common
     restarts = sorted((s for s in starts if s["t"] > kill.t), key=lambda s: s["t"])
     resumed_at = restarts[0]["resumed_at"] if restarts else None
     back = [r["t"] for r in steps.get(kill.replica, []) if r["t"] > kill.t and r["step"] > highest]
-    figures.update({"t": kill.t, "pid": kill.pid, "highest_step_before": highest, "resumed_at_step": resumed_at,
-                    "steps_lost": None if resumed_at is None else highest - resumed_at,
-                    "group_restarted_s": restarts[0]["t"] - kill.t if restarts else None,
-                    "back_at_failed_step_s": back[0] - kill.t if back else None})
+    figures.update(
+        {
+            "t": kill.t,
+            "pid": kill.pid,
+            "highest_step_before": highest,
+            "resumed_at_step": resumed_at,
+            "steps_lost": None if resumed_at is None else highest - resumed_at,
+            "group_restarted_s": restarts[0]["t"] - kill.t if restarts else None,
+            "back_at_failed_step_s": back[0] - kill.t if back else None,
+        }
+    )
     return figures
 
 
-def run_raytrain(*, model: str, replicas: int, steps: int, min_step_s: float, out: Path,
-                 kills: Sequence[tuple[str, int]] = (), kill_times_s: Sequence[tuple[float, str]] = (),
-                 checkpoint_every: int = 10, timeout_s: float = 300, seed: int = 0,
-                 overrides: Sequence[str] = ()) -> dict:
+def run_raytrain(
+    *,
+    model: str,
+    replicas: int,
+    steps: int,
+    min_step_s: float,
+    out: Path,
+    kills: Sequence[tuple[str, int]] = (),
+    kill_times_s: Sequence[tuple[float, str]] = (),
+    checkpoint_every: int = 10,
+    timeout_s: float = 300,
+    seed: int = 0,
+    overrides: Sequence[str] = (),
+) -> dict:
     """Train `steps` steps of hsgd's `model` on `replicas` Ray Train workers, kill as told, and
     return the figures (JSON-able; see the module docstring), also written to <out>/raytrain.json.
     `out` must hold no step logs yet.
@@ -238,22 +278,37 @@ def run_raytrain(*, model: str, replicas: int, steps: int, min_step_s: float, ou
 
     if not is_v2_enabled():
         raise RuntimeError("Ray Train v2 is off in this process (RAY_TRAIN_V2_ENABLED was 0 at import)")
-    config = {"cfg": _config(model, replicas, steps, min_step_s, seed, overrides), "replicas": replicas,
-              "steps": steps, "checkpoint_every": checkpoint_every, "min_step_s": float(min_step_s),
-              "steps_dir": str(steps_dir), "starts_dir": str(starts_dir)}
+    config = {
+        "cfg": _config(model, replicas, steps, min_step_s, seed, overrides),
+        "replicas": replicas,
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "min_step_s": float(min_step_s),
+        "steps_dir": str(steps_dir),
+        "starts_dir": str(starts_dir),
+    }
     pythonpath = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     started_ray = not ray.is_initialized()
     if started_ray:  # a fresh local cluster, never another one found on this machine
-        ray.init(address="local", num_cpus=replicas + 1, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": pythonpath})
+        ray.init(
+            address="local",
+            num_cpus=replicas + 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": pythonpath},
+        )
     trainer = TorchTrainer(
-        _train_loop, train_loop_config=config,
+        _train_loop,
+        train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(num_workers=replicas, use_gpu=False),
         run_config=ray.train.RunConfig(
-            name=f"hsgd-peer-raytrain-{int(time.time())}", storage_path=str(out / "ray_train"),
+            name=f"hsgd-peer-raytrain-{int(time.time())}",
+            storage_path=str(out / "ray_train"),
             failure_config=ray.train.FailureConfig(max_failures=len(kills) + len(kill_times_s) + 1),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": pythonpath}))
+            worker_runtime_env={"env_vars": pythonpath},
+        ),
+    )
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -270,8 +325,12 @@ def run_raytrain(*, model: str, replicas: int, steps: int, min_step_s: float, ou
     stop = threading.Event()
     deadline = time.monotonic() + timeout_s
     fitting = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
-    killing = threading.Thread(target=_killer, name="raytrain-kills", daemon=True,
-                               args=(steps_dir, kills, kill_times_s, deadline, stop, done, kill_errors))
+    killing = threading.Thread(
+        target=_killer,
+        name="raytrain-kills",
+        daemon=True,
+        args=(steps_dir, kills, kill_times_s, deadline, stop, done, kill_errors),
+    )
     fit_start = time.monotonic()
     timed_out = False
     try:
@@ -293,15 +352,23 @@ def run_raytrain(*, model: str, replicas: int, steps: int, min_step_s: float, ou
     error = outcome.get("error")
     if timed_out:
         error = f"fit() did not end within {timeout_s:g} s; Ray was shut down" + (f" ({error})" if error else "")
-    result = {"peer": "ray_train", "replicas": replicas, "steps": steps, "min_step_s": min_step_s,
-            "checkpoint_every": checkpoint_every, "model": model, "seed": seed,
-            "wall_s": outcome.get("wall_s", time.monotonic() - fit_start),
-            "kills": [{"replica": k.replica, "pid": k.pid, "t": k.t} for k in done], "kill_errors": kill_errors,
-            "recoveries": [_kill_figures(steps_seen, starts, k) for k in done],
-            "step_time_s": common.step_time_s(steps_seen, before_t=done[0].t if done else None),
-            "committed_steps": common.committed_steps(steps_seen),
-            "last_step": {replica: max((r["step"] for r in rows), default=0) for replica, rows in steps_seen.items()},
-            "group_starts": len([s for s in starts if s["rank"] == 0]),
-            "result_error": error}
+    result = {
+        "peer": "ray_train",
+        "replicas": replicas,
+        "steps": steps,
+        "min_step_s": min_step_s,
+        "checkpoint_every": checkpoint_every,
+        "model": model,
+        "seed": seed,
+        "wall_s": outcome.get("wall_s", time.monotonic() - fit_start),
+        "kills": [{"replica": k.replica, "pid": k.pid, "t": k.t} for k in done],
+        "kill_errors": kill_errors,
+        "recoveries": [_kill_figures(steps_seen, starts, k) for k in done],
+        "step_time_s": common.step_time_s(steps_seen, before_t=done[0].t if done else None),
+        "committed_steps": common.committed_steps(steps_seen),
+        "last_step": {replica: max((r["step"] for r in rows), default=0) for replica, rows in steps_seen.items()},
+        "group_starts": len([s for s in starts if s["rank"] == 0]),
+        "result_error": error,
+    }
     atomic_write_text(out / "raytrain.json", json.dumps(result, indent=2))
     return result

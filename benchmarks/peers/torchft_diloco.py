@@ -60,6 +60,7 @@ whose `should_commit()` says no leaves the params at the last sync (torchft's be
 counted in `commit_failures`; the status is then "incomplete" (fewer outer steps committed than
 rounds). No faults are injected here: this peer measures convergence, not recovery.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.every=0"]
@@ -94,14 +95,21 @@ def check_supported(cfg) -> None:
     eager, on the CPU (it pads no steps: train.min_step_s and stragglers are ignored, they change
     timings only). ValueError naming the keys otherwise."""
     s, t = cfg.sync, cfg.train
-    wanted = {"sync.outer": (s.outer, "diloco"), "sync.inner": (s.inner, "ddp"), "sync.fragments": (s.fragments, 1),
-              "sync.fragment_delay": (s.fragment_delay, 0), "sync.outer_compress": (s.outer_compress, "none"),
-              "sync.balance": (s.balance, "none"), "train.precision": (t.precision, "fp32"),
-              "train.compile": (bool(t.compile), False)}
+    wanted = {
+        "sync.outer": (s.outer, "diloco"),
+        "sync.inner": (s.inner, "ddp"),
+        "sync.fragments": (s.fragments, 1),
+        "sync.fragment_delay": (s.fragment_delay, 0),
+        "sync.outer_compress": (s.outer_compress, "none"),
+        "sync.balance": (s.balance, "none"),
+        "train.precision": (t.precision, "fp32"),
+        "train.compile": (bool(t.compile), False),
+    }
     wrong = {k: have for k, (have, want) in wanted.items() if have != want}
     if wrong:
-        raise ValueError(f"the torchft DiLoCo peer runs {', '.join(f'{k}={w}' for k, (_, w) in wanted.items())}; "
-                         f"not {wrong}")
+        raise ValueError(
+            f"the torchft DiLoCo peer runs {', '.join(f'{k}={w}' for k, (_, w) in wanted.items())}; not {wrong}"
+        )
 
 
 def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: float = 1800) -> dict:
@@ -111,10 +119,9 @@ def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: f
     committed, commit failures, whether every rank ended with the same params, wall seconds.
     Raises ValueError for a config this peer does not reproduce, TimeoutError after `timeout_s`,
     RuntimeError when a worker exits non-zero."""
+    from benchmarks.peers.torchft_peer import _lighthouse_class
     from hsgd.config.rounds import steps_per_round
     from hsgd.core.topology import Topology, replica_id
-
-    from benchmarks.peers.torchft_peer import _lighthouse_class
 
     cfg = compose(overrides)
     check_supported(cfg)
@@ -129,8 +136,16 @@ def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: f
     for stale in list((out / "results").glob("*.json")) + list((out / "stores").glob("*")):
         stale.unlink()
     lighthouse = _lighthouse_class()(bind="[::]:0", min_replicas=groups, **LIGHTHOUSE)
-    spec = {"overrides": list(overrides), "out": str(out), "lighthouse": lighthouse.address(), "groups": groups,
-            "ranks": ranks, "steps": steps, "every": every, "rounds": rounds}
+    spec = {
+        "overrides": list(overrides),
+        "out": str(out),
+        "lighthouse": lighthouse.address(),
+        "groups": groups,
+        "ranks": ranks,
+        "steps": steps,
+        "every": every,
+        "rounds": rounds,
+    }
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("RUST_LOG", "warn")
     procs: dict[str, subprocess.Popen] = {}
@@ -144,7 +159,12 @@ def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: f
                 with open(out / "logs" / f"{name}.log", "wb") as log:
                     procs[name] = subprocess.Popen(
                         [sys.executable, "-m", "benchmarks.peers.torchft_diloco", "worker", json.dumps(wspec)],
-                        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
         while True:
             codes = {name: p.poll() for name, p in procs.items()}
             failed = {name: rc for name, rc in codes.items() if rc not in (None, 0)}
@@ -155,8 +175,9 @@ def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: f
             if all(rc == 0 for rc in codes.values()):
                 break
             if time.monotonic() > deadline:
-                tails = "\n".join(f"--- {n} ---\n{(out / 'logs' / f'{n}.log').read_text(errors='replace')[-1200:]}"
-                                  for n in procs)
+                tails = "\n".join(
+                    f"--- {n} ---\n{(out / 'logs' / f'{n}.log').read_text(errors='replace')[-1200:]}" for n in procs
+                )
                 raise TimeoutError(f"torchft DiLoCo run did not finish within {timeout_s:.0f} s\n{tails}")
             time.sleep(0.1)
         wall = time.time() - start
@@ -176,24 +197,47 @@ def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: f
     digests = {r["digest"] for r in per_rank.values()}
     sent = sum(r["bytes_sent"] for r in per_rank.values())
     return {
-        "peer": "torchft_diloco", "status": "completed" if committed == rounds and len(digests) == 1 else "incomplete",
-        "final_eval_loss": first["final_eval_loss"], "initial_eval_loss": first["initial_eval_loss"],
-        "eval_curve": first["eval_curve"], "rounds_committed": committed, "inner_steps_committed": steps,
-        "slow_link_bytes": sent, "outer_bytes": sent, "inner_bytes": None,
-        "params_agree": len(digests) == 1, "commit_failures": sum(r["commit_failures"] for r in per_rank.values()),
-        "param_count": first["param_count"], "senders": len(per_rank),
-        "per_rank": {n: {k: r[k] for k in ("index", "bytes_sent", "bytes_per_outer_step", "outer_steps",
-                                           "commit_failures", "train_s")} for n, r in per_rank.items()},
-        "outer": first["outer"], "groups": groups, "ranks": ranks, "every": every, "rounds": rounds,
-        "wall_s": wall, "train_s": max(r["train_s"] for r in per_rank.values()),
-        "settings": {"lighthouse": dict(LIGHTHOUSE, min_replicas=groups),
-                     "manager": dict(MANAGER, min_replica_size=groups, use_async_quorum=False, init_sync=False),
-                     "gloo_timeout_s": GLOO_TIMEOUT_S, "ddp": "torch.nn.parallel.DistributedDataParallel (gloo)",
-                     "quantization": False, "bucketization": False},
+        "peer": "torchft_diloco",
+        "status": "completed" if committed == rounds and len(digests) == 1 else "incomplete",
+        "final_eval_loss": first["final_eval_loss"],
+        "initial_eval_loss": first["initial_eval_loss"],
+        "eval_curve": first["eval_curve"],
+        "rounds_committed": committed,
+        "inner_steps_committed": steps,
+        "slow_link_bytes": sent,
+        "outer_bytes": sent,
+        "inner_bytes": None,
+        "params_agree": len(digests) == 1,
+        "commit_failures": sum(r["commit_failures"] for r in per_rank.values()),
+        "param_count": first["param_count"],
+        "senders": len(per_rank),
+        "per_rank": {
+            n: {
+                k: r[k]
+                for k in ("index", "bytes_sent", "bytes_per_outer_step", "outer_steps", "commit_failures", "train_s")
+            }
+            for n, r in per_rank.items()
+        },
+        "outer": first["outer"],
+        "groups": groups,
+        "ranks": ranks,
+        "every": every,
+        "rounds": rounds,
+        "wall_s": wall,
+        "train_s": max(r["train_s"] for r in per_rank.values()),
+        "settings": {
+            "lighthouse": dict(LIGHTHOUSE, min_replicas=groups),
+            "manager": dict(MANAGER, min_replica_size=groups, use_async_quorum=False, init_sync=False),
+            "gloo_timeout_s": GLOO_TIMEOUT_S,
+            "ddp": "torch.nn.parallel.DistributedDataParallel (gloo)",
+            "quantization": False,
+            "bucketization": False,
+        },
     }
 
 
 # -- the worker side -----------------------------------------------------------------------------
+
 
 def _group_store(out: Path, group: int, rank: int, timeout_s: float):
     """The group's TCPStore: hosted by its rank 0, which writes the port to a file the others read."""
@@ -213,8 +257,13 @@ def _group_store(out: Path, group: int, rank: int, timeout_s: float):
         if time.monotonic() > deadline:
             raise TimeoutError(f"g{group}r{rank}: the group's store did not come up within {timeout_s:g} s")
         time.sleep(0.02)
-    return TCPStore("127.0.0.1", int(path.read_text()), is_master=False, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s))
+    return TCPStore(
+        "127.0.0.1",
+        int(path.read_text()),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def _worker(spec: dict) -> int:
@@ -224,9 +273,9 @@ def _worker(spec: dict) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from hsgd.config.auto import outer_step_of
     from hsgd.core.round.schedule import due
     from hsgd.train import task
-    from hsgd.config.auto import outer_step_of
     from hsgd.train.outer import outer_hyperparameters
     from hsgd.train.trainer import build_inner_optimizer, inner_lr, optimizer_implementation, param_digest
 
@@ -249,8 +298,12 @@ def _worker(spec: dict) -> int:
     def eval_loss() -> float:  # as ReplicaTrainer.eval_loss (fp32, CPU: no autocast)
         model.eval()
         try:
-            losses = [loss_fn(model, dataset.batch("val", seed=task.EVAL_SEED, replica_index=-1, step=i, micro=0))
-                      .detach().float() for i in range(cfg.train.eval_batches)]
+            losses = [
+                loss_fn(model, dataset.batch("val", seed=task.EVAL_SEED, replica_index=-1, step=i, micro=0))
+                .detach()
+                .float()
+                for i in range(cfg.train.eval_batches)
+            ]
         finally:
             model.train()
         return sum(torch.stack(losses).tolist()) / len(losses)
@@ -267,8 +320,13 @@ def _worker(spec: dict) -> int:
 
     store = _group_store(out, group, rank, MANAGER["connect_timeout_s"])
     # inside the group: plain torch DDP over gloo
-    dist.init_process_group("gloo", store=PrefixStore("hsgd_ddp", store), rank=rank, world_size=ranks,
-                            timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=PrefixStore("hsgd_ddp", store),
+        rank=rank,
+        world_size=ranks,
+        timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+    )
     ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
 
     def state_dict() -> dict:  # what a healing peer would receive (no heal is expected here)
@@ -281,13 +339,24 @@ def _worker(spec: dict) -> int:
     m = MANAGER
     pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     manager = torchft.Manager(
-        pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=groups,
-        use_async_quorum=False, init_sync=False, replica_id=f"g{group}", lighthouse_addr=spec["lighthouse"],
-        store_addr="127.0.0.1", store_port=store.port, rank=rank, world_size=ranks,
-        timeout=timedelta(seconds=m["timeout_s"]), quorum_timeout=timedelta(seconds=m["quorum_timeout_s"]),
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=groups,
+        use_async_quorum=False,
+        init_sync=False,
+        replica_id=f"g{group}",
+        lighthouse_addr=spec["lighthouse"],
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=rank,
+        world_size=ranks,
+        timeout=timedelta(seconds=m["timeout_s"]),
+        quorum_timeout=timedelta(seconds=m["quorum_timeout_s"]),
         connect_timeout=timedelta(seconds=m["connect_timeout_s"]),
         heartbeat_interval=timedelta(milliseconds=m["heartbeat_interval_ms"]),
-        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=m["timeout_s"]), device=torch.device("cpu")))
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=m["timeout_s"]), device=torch.device("cpu")),
+    )
 
     # the slow link: what this rank hands to the cross-group all-reduce
     sent = [0]
@@ -307,8 +376,9 @@ def _worker(spec: dict) -> int:
     per_step_bytes: list[int] = []
     commit_failures = 0
     started = time.perf_counter()
-    with DiLoCo(manager, [model], inner, outer, sync_every=every, backup_device=torch.device("cpu"),
-                pin_memory=False) as _diloco:
+    with DiLoCo(
+        manager, [model], inner, outer, sync_every=every, backup_device=torch.device("cpu"), pin_memory=False
+    ) as _diloco:
         for step in range(steps):
             for g in inner.param_groups:  # a pure function of the step, as hsgd's inner_lr
                 g["lr"] = inner_lr(o, step, steps)
@@ -332,12 +402,22 @@ def _worker(spec: dict) -> int:
                 if evaluator and due(done, int(cfg.train.eval_every), rounds):
                     curve.append([step + 1, eval_loss()])
     train_s = time.perf_counter() - started
-    result = {"name": spec["name"], "index": index, "pid": os.getpid(), "outer_steps": manager.current_step(),
-              "commit_failures": commit_failures, "bytes_sent": sent[0], "bytes_per_outer_step": per_step_bytes,
-              "digest": param_digest(params), "param_count": sum(p.numel() for p in params),
-              "initial_eval_loss": curve[0][1] if curve else None,
-              "final_eval_loss": curve[-1][1] if evaluator and curve[-1][0] == steps else None,
-              "eval_curve": curve, "train_s": train_s, "outer": hp}
+    result = {
+        "name": spec["name"],
+        "index": index,
+        "pid": os.getpid(),
+        "outer_steps": manager.current_step(),
+        "commit_failures": commit_failures,
+        "bytes_sent": sent[0],
+        "bytes_per_outer_step": per_step_bytes,
+        "digest": param_digest(params),
+        "param_count": sum(p.numel() for p in params),
+        "initial_eval_loss": curve[0][1] if curve else None,
+        "final_eval_loss": curve[-1][1] if evaluator and curve[-1][0] == steps else None,
+        "eval_curve": curve,
+        "train_s": train_s,
+        "outer": hp,
+    }
     path = out / "results" / f"{spec['name']}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result))
@@ -350,8 +430,9 @@ def _worker(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.torchft_diloco",
-                                     description="a torchft DiLoCo worker (spawned by run_diloco)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers.torchft_diloco", description="a torchft DiLoCo worker (spawned by run_diloco)"
+    )
     parser.add_argument("role", choices=["worker"])
     parser.add_argument("spec", help="the worker's spec as JSON")
     args = parser.parse_args(argv)

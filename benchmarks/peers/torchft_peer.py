@@ -91,6 +91,7 @@ Settings
     connect_timeout 60 s (a restarted replica may wait that long for its first quorum while the
     survivors stall; shortening them only adds ways for a live replica to fail).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,9 +103,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
 
 from benchmarks.peers import common
 
@@ -112,20 +113,42 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_CRASHES = 5  # unplanned worker exits tolerated (restarted) before the run is declared broken
 
 SETTINGS: dict[str, dict] = {
-    "readme": {"lighthouse": {"min_replicas": 1, "join_timeout_ms": 10000, "quorum_tick_ms": 100,
-                              "heartbeat_timeout_ms": 5000},
-               "manager": {"min_replica_size": 1, "timeout_s": 30.0, "quorum_timeout_s": 60.0,
-                           "connect_timeout_s": 60.0, "heartbeat_interval_ms": 100},
-               "pg_gloo_timeout_s": 5.0, "checkpoint_transport": "PGTransport", "transport_timeout_s": 10.0},
-    "fast": {"lighthouse": {"min_replicas": 1, "join_timeout_ms": 100, "quorum_tick_ms": 10,
-                            "heartbeat_timeout_ms": 1000},
-             "manager": {"min_replica_size": 1, "timeout_s": 10.0, "quorum_timeout_s": 60.0,
-                         "connect_timeout_s": 60.0, "heartbeat_interval_ms": 100},
-             "pg_gloo_timeout_s": 5.0, "checkpoint_transport": "PGTransport", "transport_timeout_s": 10.0},
+    "readme": {
+        "lighthouse": {
+            "min_replicas": 1,
+            "join_timeout_ms": 10000,
+            "quorum_tick_ms": 100,
+            "heartbeat_timeout_ms": 5000,
+        },
+        "manager": {
+            "min_replica_size": 1,
+            "timeout_s": 30.0,
+            "quorum_timeout_s": 60.0,
+            "connect_timeout_s": 60.0,
+            "heartbeat_interval_ms": 100,
+        },
+        "pg_gloo_timeout_s": 5.0,
+        "checkpoint_transport": "PGTransport",
+        "transport_timeout_s": 10.0,
+    },
+    "fast": {
+        "lighthouse": {"min_replicas": 1, "join_timeout_ms": 100, "quorum_tick_ms": 10, "heartbeat_timeout_ms": 1000},
+        "manager": {
+            "min_replica_size": 1,
+            "timeout_s": 10.0,
+            "quorum_timeout_s": 60.0,
+            "connect_timeout_s": 60.0,
+            "heartbeat_interval_ms": 100,
+        },
+        "pg_gloo_timeout_s": 5.0,
+        "checkpoint_transport": "PGTransport",
+        "transport_timeout_s": 10.0,
+    },
 }
 
 
 # -- the bench side ------------------------------------------------------------------------------
+
 
 class _Replicas:
     """The worker processes by replica name: spawn, kill, restart, and stop them all."""
@@ -144,9 +167,14 @@ class _Replicas:
         spec = dict(self.spec, replica=replica, index=int(replica[1:]))
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with open(self.logs / f"{replica}.{n}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peers.torchft_peer", "worker", json.dumps(spec)],
-                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.peers.torchft_peer", "worker", json.dumps(spec)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.procs[replica] = proc
         with open(self.logs / "processes.jsonl", "a") as f:  # every worker ever started, for the record
             f.write(json.dumps({"replica": replica, "attempt": n, "pid": proc.pid, "t": time.time()}) + "\n")
@@ -202,10 +230,23 @@ def _crash_reason(log_tail: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, settings: str,
-                out: Path, kills: Sequence[tuple[str, int]] = (), kill_times_s: Sequence[tuple[float, str]] = (),
-                timeout_s: float = 300, seed: int = 0, overrides: Sequence[str] = (), digest_every: int = 0,
-                patch_ddp_hook: bool = False, grace_s: float | None = None) -> dict:
+def run_torchft(
+    *,
+    model: str,
+    replicas: int,
+    steps: int,
+    min_step_s: float,
+    settings: str,
+    out: Path,
+    kills: Sequence[tuple[str, int]] = (),
+    kill_times_s: Sequence[tuple[float, str]] = (),
+    timeout_s: float = 300,
+    seed: int = 0,
+    overrides: Sequence[str] = (),
+    digest_every: int = 0,
+    patch_ddp_hook: bool = False,
+    grace_s: float | None = None,
+) -> dict:
     """Train under torchft with `replicas` replica groups ("r0".."r{N-1}") to `steps` committed
     steps, killing as told, and return the figures (see the module docstring).
 
@@ -227,18 +268,30 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
     unknown = ({r for r, _ in kills} | {r for _, r in kill_times_s}) - set(names)
     if unknown:
         raise ValueError(f"kills of unknown replicas {sorted(unknown)} (replicas are {names})")
-    detail = dict(SETTINGS[settings], patch_ddp_hook=patch_ddp_hook,
-                  ddp="torchft.DistributedDataParallel" +
-                  (" with an error-reporting comm hook (patched here)" if patch_ddp_hook else " (as shipped)"))
+    detail = dict(
+        SETTINGS[settings],
+        patch_ddp_hook=patch_ddp_hook,
+        ddp="torchft.DistributedDataParallel"
+        + (" with an error-reporting comm hook (patched here)" if patch_ddp_hook else " (as shipped)"),
+    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "started", ignore_errors=True)  # the start barrier's (a previous run's would pass it)
     folder = out / "steps"
     grace_s = max(10.0, 20 * min_step_s) if grace_s is None else grace_s
     lighthouse = _lighthouse_class()(bind="[::]:0", **detail["lighthouse"])
-    spec = {"model": model, "steps": steps, "min_step_s": min_step_s, "seed": seed, "out": str(out),
-            "lighthouse": lighthouse.address(), "settings": detail, "overrides": list(overrides),
-            "digest_every": digest_every, "replicas": replicas}
+    spec = {
+        "model": model,
+        "steps": steps,
+        "min_step_s": min_step_s,
+        "seed": seed,
+        "out": str(out),
+        "lighthouse": lighthouse.address(),
+        "settings": detail,
+        "overrides": list(overrides),
+        "digest_every": digest_every,
+        "replicas": replicas,
+    }
     workers = _Replicas(out, spec)
     step_kills, time_kills = list(kills), sorted(kill_times_s)
     done_kills: list[common.Kill] = []
@@ -256,8 +309,9 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
         while True:
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {r} ---\n{workers.log_tail(r, 1500)}" for r in names)
-                raise TimeoutError(f"torchft run did not finish within {timeout_s:.0f} s "
-                                   f"(finished: {sorted(finished)})\n{logs}")
+                raise TimeoutError(
+                    f"torchft run did not finish within {timeout_s:.0f} s (finished: {sorted(finished)})\n{logs}"
+                )
             steps_now = common.read_steps(folder)
             if first_t is None:
                 ts = [row["t"] for rows in steps_now.values() for row in rows]
@@ -271,8 +325,16 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
                     finished[replica] = time.time()
                     continue
                 tail = workers.log_tail(replica, 3000)
-                crashes.append({"replica": replica, "pid": proc.pid, "rc": rc, "t": time.time(),
-                                "reason": _crash_reason(tail), "log_tail": tail[-1500:]})
+                crashes.append(
+                    {
+                        "replica": replica,
+                        "pid": proc.pid,
+                        "rc": rc,
+                        "t": time.time(),
+                        "reason": _crash_reason(tail),
+                        "log_tail": tail[-1500:],
+                    }
+                )
                 if len(crashes) > MAX_CRASHES:
                     raise RuntimeError(f"{len(crashes)} unplanned torchft worker exits; last: {crashes[-1]}")
                 if not finished:
@@ -317,8 +379,13 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
         path = out / "digests" / f"{replica}.json"
         final[replica] = json.loads(path.read_text()) if path.exists() else None
     return {
-        "peer": "torchft", "settings": settings, "replicas": replicas, "steps": steps, "min_step_s": min_step_s,
-        "model": model, "overrides": list(overrides),
+        "peer": "torchft",
+        "settings": settings,
+        "replicas": replicas,
+        "steps": steps,
+        "min_step_s": min_step_s,
+        "model": model,
+        "overrides": list(overrides),
         "wall_s": (max(reached) - start) if reached else None,
         "kills": [asdict(k) for k in done_kills],
         "recoveries": [common.recovery(steps_all, k).as_dict() for k in done_kills],
@@ -326,8 +393,9 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
         "committed_steps": common.committed_steps(steps_all),
         "restarts": restarts,
         "crashes": crashes,
-        "kills_skipped": [{"replica": r, "at_step": s} for r, s in step_kills] +
-                         [{"replica": r, "at_s": s} for s, r in time_kills] + down_skips,
+        "kills_skipped": [{"replica": r, "at_step": s} for r, s in step_kills]
+        + [{"replica": r, "at_s": s} for s, r in time_kills]
+        + down_skips,
         "unfinished": unfinished,
         # the field every side's runner has: None when every replica reached `steps`
         "result_error": f"replicas did not reach step {steps}: {unfinished}" if unfinished else None,
@@ -337,7 +405,7 @@ def run_torchft(*, model: str, replicas: int, steps: int, min_step_s: float, set
     }
 
 
-def _logged_live(steps: dict[str, list[dict]], workers: "_Replicas", replica: str, at_step: int) -> bool:
+def _logged_live(steps: dict[str, list[dict]], workers: _Replicas, replica: str, at_step: int) -> bool:
     """Has `replica`'s live process logged `at_step` (or later)? (A line of a dead incarnation,
     killed earlier, does not count: kill_at_step kills the newest line's writer.)"""
     rows = steps.get(replica, [])
@@ -363,11 +431,16 @@ def _digest_agreement(folder: Path) -> dict:
             checked += 1
             by_step.setdefault(row["step"], set()).add(row["digest"])
     mismatched = sorted(step for step, digests in by_step.items() if len(digests) > 1)
-    return {"params_agree": checked > 0 and not mismatched, "digest_steps_checked": sorted(by_step),
-            "digest_mismatch_steps": mismatched, "solo_commits": solo}
+    return {
+        "params_agree": checked > 0 and not mismatched,
+        "digest_steps_checked": sorted(by_step),
+        "digest_mismatch_steps": mismatched,
+        "solo_commits": solo,
+    }
 
 
 # -- the worker side -----------------------------------------------------------------------------
+
 
 class _CountQuorums:
     """A logging handler on torchft's "torchft_quorums" / "torchft_commits" loggers (one record per
@@ -434,8 +507,10 @@ def _start_barrier(folder: Path, replica: str, replicas: int, *, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     while len(list(folder.iterdir())) < replicas:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{replica}: only {sorted(f.name for f in folder.iterdir())} of {replicas} replicas "
-                               f"started within {timeout_s:g} s")
+            raise TimeoutError(
+                f"{replica}: only {sorted(f.name for f in folder.iterdir())} of {replicas} replicas "
+                f"started within {timeout_s:g} s"
+            )
         time.sleep(0.01)
     time.sleep(2 * heartbeat_s)
 
@@ -453,8 +528,9 @@ def _worker(spec: dict) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     replica, index, steps, detail = spec["replica"], spec["index"], spec["steps"], spec["settings"]
-    cfg = compose_config([f"model={spec['model']}", f"seed={spec['seed']}", "logging.wandb.mode=disabled",
-                          *spec["overrides"]])
+    cfg = compose_config(
+        [f"model={spec['model']}", f"seed={spec['seed']}", "logging.wandb.mode=disabled", *spec["overrides"]]
+    )
     dataset = task.build_dataset(cfg)
     torch.manual_seed(cfg.seed)  # identical initial params everywhere, as hsgd's replicas
     model = task.build_model(cfg, dataset.vocab_size)
@@ -494,21 +570,41 @@ def _worker(spec: dict) -> int:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
     m = detail["manager"]
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=m["connect_timeout_s"]))
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=m["connect_timeout_s"])
+    )
     pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=detail["pg_gloo_timeout_s"]))
     transport = PGTransport(pg, timeout=timedelta(seconds=detail["transport_timeout_s"]), device=torch.device("cpu"))
     manager = torchft.Manager(
-        pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=m["min_replica_size"],
-        replica_id=replica, lighthouse_addr=spec["lighthouse"], store_addr="127.0.0.1", store_port=store.port,
-        rank=0, world_size=1, timeout=timedelta(seconds=m["timeout_s"]),
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=m["min_replica_size"],
+        replica_id=replica,
+        lighthouse_addr=spec["lighthouse"],
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=m["timeout_s"]),
         quorum_timeout=timedelta(seconds=m["quorum_timeout_s"]),
         connect_timeout=timedelta(seconds=m["connect_timeout_s"]),
-        heartbeat_interval=timedelta(milliseconds=m["heartbeat_interval_ms"]), checkpoint_transport=transport)
+        heartbeat_interval=timedelta(milliseconds=m["heartbeat_interval_ms"]),
+        checkpoint_transport=transport,
+    )
     manager_ref.append(manager)
-    _start_barrier(Path(spec["out"]) / "started", replica, int(spec["replicas"]), timeout_s=m["connect_timeout_s"],
-                   heartbeat_s=m["heartbeat_interval_ms"] / 1000)
-    ddp = (_reporting_ddp_class(timedelta(seconds=m["timeout_s"])) if detail["patch_ddp_hook"] else torchft.DistributedDataParallel)(manager, model)
+    _start_barrier(
+        Path(spec["out"]) / "started",
+        replica,
+        int(spec["replicas"]),
+        timeout_s=m["connect_timeout_s"],
+        heartbeat_s=m["heartbeat_interval_ms"] / 1000,
+    )
+    ddp = (
+        _reporting_ddp_class(timedelta(seconds=m["timeout_s"]))
+        if detail["patch_ddp_hook"]
+        else torchft.DistributedDataParallel
+    )(manager, model)
     optimizer = torchft.Optimizer(manager, inner)
     log = common.StepLog(Path(spec["out"]) / "steps", replica)
     digests = Path(spec["out"]) / "digests"
@@ -536,13 +632,33 @@ def _worker(spec: dict) -> int:
         if done == before + 1:
             log.committed(done)
             if done == steps or (every > 0 and done % every == 0):
-                digest_log.write(json.dumps({"replica": replica, "pid": os.getpid(), "step": done,
-                                             "digest": param_digest(params), "quorum_size": pg.size()}) + "\n")
+                digest_log.write(
+                    json.dumps(
+                        {
+                            "replica": replica,
+                            "pid": os.getpid(),
+                            "step": done,
+                            "digest": param_digest(params),
+                            "quorum_size": pg.size(),
+                        }
+                    )
+                    + "\n"
+                )
         time.sleep(max(0.0, spec["min_step_s"] - (time.perf_counter() - started)))  # as hsgd's train.min_step_s
     tmp = digests / f".{replica}.{os.getpid()}.json"
-    tmp.write_text(json.dumps({"replica": replica, "pid": os.getpid(), "step": manager.current_step(),
-                               "digest": param_digest(params), "quorums": len(counts.quorum_ids),
-                               "heals": heals[0], "commit_failures": counts.commit_failures}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "replica": replica,
+                "pid": os.getpid(),
+                "step": manager.current_step(),
+                "digest": param_digest(params),
+                "quorums": len(counts.quorum_ids),
+                "heals": heals[0],
+                "commit_failures": counts.commit_failures,
+            }
+        )
+    )
     tmp.replace(digests / f"{replica}.json")
     digest_log.close()
     log.close()
@@ -553,8 +669,9 @@ def _worker(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.torchft_peer",
-                                     description="a torchft worker (spawned by run_torchft)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers.torchft_peer", description="a torchft worker (spawned by run_torchft)"
+    )
     parser.add_argument("role", choices=["worker"])
     parser.add_argument("spec", help="the worker's spec as JSON")
     args = parser.parse_args(argv)

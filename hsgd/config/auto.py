@@ -20,6 +20,7 @@ fingerprint's outer step, the manifest's `inner_schedule`; a checkpoint written 
 `inner_schedule` and ran the old constant rate without warmup), so a run started under other defaults, or resumed
 with more rounds, resumes on the same rates (actors.startup.find_resume_point).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -82,8 +83,9 @@ def recorded(manifest: dict) -> dict:
 def outer_step_of(cfg: Any) -> tuple[float, float]:
     """(lr, momentum) the run's outer optimizer uses: each explicit value, else the auto one."""
     o = cfg.optim.outer
-    lr, momentum = auto_outer_step(clusters_of(cfg), outer_steps(cfg)) if o.lr is None or o.momentum is None \
-        else (None, None)
+    lr, momentum = (
+        auto_outer_step(clusters_of(cfg), outer_steps(cfg)) if o.lr is None or o.momentum is None else (None, None)
+    )
     return (float(o.lr) if o.lr is not None else lr, float(o.momentum) if o.momentum is not None else momentum)
 
 
@@ -103,6 +105,7 @@ def resolve(cfg: Any) -> dict:
         if cfg.optim.inner.schedule is None:
             cfg.optim.inner.schedule = filled["optim.inner.schedule"] = SCHEDULE
         if cfg.optim.inner.warmup_steps is None:
-            cfg.optim.inner.warmup_steps = filled["optim.inner.warmup_steps"] = \
-                warmup_steps_of(cfg.optim.inner, run_steps(cfg))
+            cfg.optim.inner.warmup_steps = filled["optim.inner.warmup_steps"] = warmup_steps_of(
+                cfg.optim.inner, run_steps(cfg)
+            )
     return filled

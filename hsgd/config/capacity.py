@@ -9,6 +9,7 @@ resource check counts a replica as k times one rank's resources on one node, a G
 must be a multiple of k, and a rank's memory is its shard of the state plus one gathered layer
 (`rank_state_bytes`).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,7 +22,9 @@ from hsgd.config.sites import ranks_per_replica
 from hsgd.core.topology import topology_of
 
 PROCESS_BYTES = 350 * 2**20  # a replica (or rank) process with torch imported
-STATE_COPIES = 8  # params, grads, 2 AdamW moments, global params, outer momentum, error-feedback residual, outer snapshot
+STATE_COPIES = (
+    8  # params, grads, 2 AdamW moments, global params, outer momentum, error-feedback residual, outer snapshot
+)
 GATHERED_COPIES = 2  # FSDP2's one unsharded layer at a time: its gathered params, and its full gradient in backward
 MAX_REPLICAS_PER_CORE = 8
 GiB = 2**30
@@ -66,27 +69,41 @@ def usable_memory_bytes(physical_bytes: int, cgroup_root: str | Path = "/sys/fs/
     return min(limits)
 
 
-def embedded_capacity_problem(*, replicas: int, cpus_per_replica: float, cores: int, memory_bytes: int,
-                              per_replica_bytes: int, num_cpus: int | None, ranks: int = 1) -> str | None:
+def embedded_capacity_problem(
+    *,
+    replicas: int,
+    cpus_per_replica: float,
+    cores: int,
+    memory_bytes: int,
+    per_replica_bytes: int,
+    num_cpus: int | None,
+    ranks: int = 1,
+) -> str | None:
     """None if the embedded cluster can hold `replicas` replicas of `ranks` processes each, else a
     one-line reason with a hint. `per_replica_bytes` and `cpus_per_replica` are per process (per rank)."""
     processes = replicas * ranks
     what = f"{replicas} replicas" + (f" x {ranks} ranks (topology.gpus_per_replica)" if ranks > 1 else "")
     need = processes * per_replica_bytes
     if need > 0.8 * memory_bytes:
-        return (f"{what} need ~{need / GiB:,.0f} GiB but this machine has {memory_bytes / GiB:,.0f} GiB; "
-                f"use fewer replicas (topology.clusters x topology.replicas_per_cluster), or attach to a real "
-                f"cluster with ray.address=<head>:6379")
+        return (
+            f"{what} need ~{need / GiB:,.0f} GiB but this machine has {memory_bytes / GiB:,.0f} GiB; "
+            f"use fewer replicas (topology.clusters x topology.replicas_per_cluster), or attach to a real "
+            f"cluster with ray.address=<head>:6379"
+        )
     if num_cpus is not None:
         if processes * cpus_per_replica > num_cpus:
-            return (f"{what} x topology.cpus_per_replica={cpus_per_replica:g} need "
-                    f"{processes * cpus_per_replica:g} CPUs but ray.num_cpus={num_cpus}; raise ray.num_cpus, lower "
-                    f"topology.cpus_per_replica, or attach to a real cluster with ray.address=<head>:6379")
+            return (
+                f"{what} x topology.cpus_per_replica={cpus_per_replica:g} need "
+                f"{processes * cpus_per_replica:g} CPUs but ray.num_cpus={num_cpus}; raise ray.num_cpus, lower "
+                f"topology.cpus_per_replica, or attach to a real cluster with ray.address=<head>:6379"
+            )
         return None
     if processes > MAX_REPLICAS_PER_CORE * cores:
-        return (f"{what} on {cores} cores is more than {MAX_REPLICAS_PER_CORE} per core; use fewer "
-                f"replicas, set ray.num_cpus to size the embedded cluster yourself, or attach to a real cluster "
-                f"with ray.address=<head>:6379")
+        return (
+            f"{what} on {cores} cores is more than {MAX_REPLICAS_PER_CORE} per core; use fewer "
+            f"replicas, set ray.num_cpus to size the embedded cluster yourself, or attach to a real cluster "
+            f"with ray.address=<head>:6379"
+        )
     return None
 
 
@@ -106,8 +123,9 @@ def replica_need(cfg: Any, rank_need: dict) -> dict:
     return {key: amount * ranks for key, amount in rank_need.items()}
 
 
-def placement_problem(cfg: Any, rank_need: dict, nodes: list[dict],
-                      sizes: list[int] | None = None) -> tuple[str, str] | None:
+def placement_problem(
+    cfg: Any, rank_need: dict, nodes: list[dict], sizes: list[int] | None = None
+) -> tuple[str, str] | None:
     """(field, one-line reason) when the Ray cluster can never place every cluster's replicas AND hot
     spares (each cluster's placement group holds both), else None. `rank_need`: one rank process's
     resources (a replica is k of them on one node: `replica_need`); `nodes`: the live nodes,
@@ -126,9 +144,11 @@ def placement_problem(cfg: Any, rank_need: dict, nodes: list[dict],
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
             if ranks_per_replica(cfg) > 1:
                 field += " or topology.gpus_per_replica"
-            return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
-                    f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
-                    f"use fewer replicas{' or spares' if spares else ''}, lower {field}, or a bigger cluster")
+            return (
+                "topology.sites" if t.sites else "topology.replicas_per_cluster",
+                f"{what} need {amount * n:g} {key} but the Ray cluster has {total.get(key, 0.0):g}; "
+                f"use fewer replicas{' or spares' if spares else ''}, lower {field}, or a bigger cluster",
+            )
     if any(label is not None for label in cluster_labels):
         present = sorted({str(nd["Labels"][LABEL_KEY]) for nd in nodes if LABEL_KEY in nd.get("Labels", {})})
         for c, label in enumerate(cluster_labels):
@@ -136,17 +156,24 @@ def placement_problem(cfg: Any, rank_need: dict, nodes: list[dict],
                 continue
             mine = [nd for nd in nodes if nd.get("Labels", {}).get(LABEL_KEY) == str(label)]
             if not mine:
-                return (label_field.format(c=c),
-                        f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
-                        f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)")
+                return (
+                    label_field.format(c=c),
+                    f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
+                    f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)",
+                )
             room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
             sharing = [kc for kc, lab in zip(ks, cluster_labels) if str(lab) == str(label)]
             if room < sum(sharing):
-                return (label_field.format(c=c),
-                        f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
-                        f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
-                        + (f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)"
-                           if len(sharing) > 1 else ""))
+                return (
+                    label_field.format(c=c),
+                    f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
+                    f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
+                    + (
+                        f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)"
+                        if len(sharing) > 1
+                        else ""
+                    ),
+                )
         return None
     fits = sorted((replicas_that_fit(nd["Resources"], need) for nd in nodes), reverse=True)
     if strategy == "STRICT_PACK":
@@ -160,18 +187,24 @@ def placement_problem(cfg: Any, rank_need: dict, nodes: list[dict],
             placed += 1
         if placed < len(ks):
             each = f"{k}" if len(set(ks)) <= 1 else f"(up to {k})"
-            return ("topology.placement_strategy",
-                    f"STRICT_PACK needs each cluster's {each} replicas of {describe_resources(need)} on one node, "
-                    f"but the nodes hold at most {fits[:8]} replicas each, room for {placed} "
-                    f"of {len(ks)} clusters; use PACK, fewer replicas per cluster, or bigger nodes")
+            return (
+                "topology.placement_strategy",
+                f"STRICT_PACK needs each cluster's {each} replicas of {describe_resources(need)} on one node, "
+                f"but the nodes hold at most {fits[:8]} replicas each, room for {placed} "
+                f"of {len(ks)} clusters; use PACK, fewer replicas per cluster, or bigger nodes",
+            )
     elif strategy == "STRICT_SPREAD" and (usable := sum(1 for f in fits if f >= 1)) < k:
-        return ("topology.placement_strategy",
-                f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
-                f"{describe_resources(need)}; the Ray cluster has {usable}")
+        return (
+            "topology.placement_strategy",
+            f"STRICT_SPREAD needs {k} nodes per cluster that each fit one replica of "
+            f"{describe_resources(need)}; the Ray cluster has {usable}",
+        )
     if sum(fits) < n:
-        return ("topology.sites" if t.sites else "topology.replicas_per_cluster",
-                f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
-                f"per node {fits[:8]}); use fewer replicas or a bigger cluster")
+        return (
+            "topology.sites" if t.sites else "topology.replicas_per_cluster",
+            f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
+            f"per node {fits[:8]}); use fewer replicas or a bigger cluster",
+        )
     return None
 
 
@@ -182,6 +215,7 @@ class BackendPlan:
     gets a GPU of its own; resolved there). `outer`: gloo | nccl. `gpus_per_rank`: 0.0 or 1.0, the
     GPUs one rank actor asks Ray for (every rank of every replica and hot spare; a replica of
     topology.gpus_per_replica=k ranks asks k times that). `notice`: one console line (auto fell back to gloo)."""
+
     inner: str
     outer: str
     gpus_per_rank: float
@@ -199,8 +233,10 @@ def gpu_node_problem(ranks: int, nodes: list[dict]) -> str | None:
     if not bad:
         return None
     divisors = [d for d in range(1, min(counts) + 1) if all(g % d == 0 for g in counts)]
-    return (f"{ranks} does not divide the GPUs of every GPU node (per node: {counts[::-1][:8]}; {bad[0]} is not a "
-            f"multiple of {ranks}): a replica's ranks share one node; valid: {', '.join(map(str, divisors))}")
+    return (
+        f"{ranks} does not divide the GPUs of every GPU node (per node: {counts[::-1][:8]}; {bad[0]} is not a "
+        f"multiple of {ranks}): a replica's ranks share one node; valid: {', '.join(map(str, divisors))}"
+    )
 
 
 def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
@@ -230,22 +266,34 @@ def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
     if placement_problem(cfg, cpus, nodes) is not None:  # short of CPUs whatever the backend: that check says so
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
     fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
-    where = (f", each cluster's {k} on one node (STRICT_PACK)"
-             if t.placement_strategy == "STRICT_PACK" and clusters * k > 1 else "")
-    shape = f"sites of {list(topo.sizes)}" if t.sites else \
-        f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+    where = (
+        f", each cluster's {k} on one node (STRICT_PACK)"
+        if t.placement_strategy == "STRICT_PACK" and clusters * k > 1
+        else ""
+    )
+    shape = (
+        f"sites of {list(topo.sizes)}"
+        if t.sites
+        else f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+    )
     per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
-    counts = (f"{n} replicas ({shape}"
-              f"{f' + {spares} spares' if spares else ''}{f' of {ranks} ranks' if ranks > 1 else ''}) "
-              f"need {n * ranks} GPUs{where}, but the "
-              f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})")
+    counts = (
+        f"{n} replicas ({shape}"
+        f"{f' + {spares} spares' if spares else ''}{f' of {ranks} ranks' if ranks > 1 else ''}) "
+        f"need {n * ranks} GPUs{where}, but the "
+        f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})"
+    )
     shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares else "")
     if "nccl" in (inner, outer):
         field = inner_field if inner == "nccl" else outer_field
-        valid = " or ".join(([shorter] if fewer else []) + [f"{field}=gloo"] +
-                            ([f"{field}=auto"] if field != "comm.outer_backend" else []))
-        raise ConfigError(field, f"nccl needs one GPU per {'rank' if ranks > 1 else 'replica'}: {counts}; "
-                                 f"valid: {valid}")
+        valid = " or ".join(
+            ([shorter] if fewer else [])
+            + [f"{field}=gloo"]
+            + ([f"{field}=auto"] if field != "comm.outer_backend" else [])
+        )
+        raise ConfigError(
+            field, f"nccl needs one GPU per {'rank' if ranks > 1 else 'replica'}: {counts}; valid: {valid}"
+        )
     if inner == "auto" and gpus > 0:
         hint = f"; {shorter} would give each replica its own GPU" if fewer else ""
         return BackendPlan("gloo", outer, 0.0, f"{inner_field}=auto: gloo on CPU, not nccl: {counts}{hint}")
@@ -259,8 +307,11 @@ def resolve_level_backend(asked: str, *, level: str, gpu: bool) -> str:
     if asked == "auto":
         return "nccl" if gpu and level == "inner" else "gloo"
     if asked == "nccl" and not gpu:
-        raise ConfigError(f"comm.{level}_backend", "nccl needs a GPU of this replica's own, but it has none (Ray "
-                          "gave it no GPU, or torch here lacks CUDA); valid here: gloo|auto")
+        raise ConfigError(
+            f"comm.{level}_backend",
+            "nccl needs a GPU of this replica's own, but it has none (Ray "
+            "gave it no GPU, or torch here lacks CUDA); valid here: gloo|auto",
+        )
     return asked
 
 
@@ -272,6 +323,8 @@ def data_path_problem(path: str, answers: dict) -> str | None:
     if not missing:
         return None
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-    return (f"{path!r} does not exist on node{'s' if len(missing) > 1 else ''} {shown} "
-            f"({len(missing)} of {len(answers)} nodes that may run replicas); put the data on every node at the "
-            f"same path (an absolute path, or relative to the job's working directory), or use shared storage")
+    return (
+        f"{path!r} does not exist on node{'s' if len(missing) > 1 else ''} {shown} "
+        f"({len(missing)} of {len(answers)} nodes that may run replicas); put the data on every node at the "
+        f"same path (an absolute path, or relative to the job's working directory), or use shared storage"
+    )

@@ -1,5 +1,6 @@
 """The config before Ray starts: compose it as Hydra would, turn Hydra's nested errors into one
 line, and every check that needs no cluster (`precheck`), each refusal a one-line `ConfigError`."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,8 @@ from hsgd.config.capacity import PROCESS_BYTES, embedded_capacity_problem, rank_
 from hsgd.config.paths import output_path, under_ray_job
 from hsgd.config.schema import ConfigError, register_schema
 from hsgd.config.sites import ranks_per_replica
-from hsgd.core.topology import topology_of
 from hsgd.config.validate import NUMERIC_FIELDS, validate
+from hsgd.core.topology import topology_of
 from hsgd.record.rundir import read_json
 from hsgd.record.runlock import LOCK_NAME
 
@@ -71,8 +72,13 @@ def precheck(overrides: list[str], *, run_folder: bool = False) -> None:
 
 def attaches_to_cluster(cfg) -> bool:
     """True when the run attaches to an existing Ray cluster instead of starting an embedded one."""
-    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS") or under_ray_job() or os.environ.get("RAY_JOB_ID")
-                or os.environ.get("RAY_JOB_SUBMISSION_ID"))
+    return bool(
+        cfg.ray.address
+        or os.environ.get("RAY_ADDRESS")
+        or under_ray_job()
+        or os.environ.get("RAY_JOB_ID")
+        or os.environ.get("RAY_JOB_SUBMISSION_ID")
+    )
 
 
 def check_embedded_capacity(cfg) -> int:
@@ -85,10 +91,15 @@ def check_embedded_capacity(cfg) -> int:
         physical = 2**40  # unknown: do not refuse on memory (a container limit, if any, still counts)
     n = topo.num_replicas + topo.clusters * t.spares_per_cluster
     problem = embedded_capacity_problem(
-        replicas=n, cpus_per_replica=t.cpus_per_replica, cores=os.cpu_count() or 1, num_cpus=cfg.ray.num_cpus,
-        memory_bytes=usable_memory_bytes(physical), ranks=ranks,
-        per_replica_bytes=PROCESS_BYTES + rank_state_bytes(cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size,
-                                                           ranks))
+        replicas=n,
+        cpus_per_replica=t.cpus_per_replica,
+        cores=os.cpu_count() or 1,
+        num_cpus=cfg.ray.num_cpus,
+        memory_bytes=usable_memory_bytes(physical),
+        ranks=ranks,
+        per_replica_bytes=PROCESS_BYTES
+        + rank_state_bytes(cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size, ranks),
+    )
     if problem is not None:
         raise ConfigError("topology.replicas_per_cluster", problem)
     return n
@@ -101,8 +112,9 @@ def is_hsgd_run_folder(folder: Path) -> bool:
     if (folder / LOCK_NAME).exists():
         return True
     infos = (read_json(m) for m in [folder / "run.json", *sorted(folder.glob("checkpoints/round_*/manifest.json"))])
-    return any(isinstance(info, dict) and isinstance(info.get("run_id"), str) and info["run_id"] != ""
-               for info in infos)  # lazily: stops at the first marker that names a run
+    return any(
+        isinstance(info, dict) and isinstance(info.get("run_id"), str) and info["run_id"] != "" for info in infos
+    )  # lazily: stops at the first marker that names a run
 
 
 def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -> None:
@@ -118,9 +130,12 @@ def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -
     if hydra_wrote:
         entries = [e for e in entries if e != ".hydra" and not e.endswith(".log")]
     if entries and not is_hsgd_run_folder(p):
-        raise ConfigError("run.dir", f"{run_dir} is not empty and is not an hsgd run folder (no {LOCK_NAME}, "
-                                     f"no run.json of an hsgd run; it holds {', '.join(entries[:3])}"
-                                     f"{', ...' if len(entries) > 3 else ''}); choose a new or empty folder")
+        raise ConfigError(
+            "run.dir",
+            f"{run_dir} is not empty and is not an hsgd run folder (no {LOCK_NAME}, "
+            f"no run.json of an hsgd run; it holds {', '.join(entries[:3])}"
+            f"{', ...' if len(entries) > 3 else ''}); choose a new or empty folder",
+        )
     try:
         runlock.check(run_dir, takeover=resume)
     except runlock.RunLocked as err:

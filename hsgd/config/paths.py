@@ -1,4 +1,5 @@
 """Where a run writes: run.dir / run.sweep_dir resolved against the persistent output root."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """How long a round is, from the config (a round is the span between two outer syncs)."""
+
 from __future__ import annotations
 
 from typing import Any

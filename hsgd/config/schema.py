@@ -2,10 +2,11 @@
 contract, documented in README's "Configuration" table. A field's valid values live on the field:
 `one_of(default, choices)` or a numeric range (`count`, `seconds`, ...) in its metadata, from which
 `hsgd.config.validate` derives its checks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 BACKENDS = ("auto", "gloo", "nccl")
 # Longer than any sane deadline, far below what timedelta / threading / time.sleep overflow at (~1e9 s).
@@ -51,16 +52,17 @@ class ConfigError(ValueError):
 class SiteConfig:
     """One cluster of `topology.sites`: its replicas, the Ray node label they land on (sites may share
     one), a name for the record, its own quorum floor. Checked by hsgd.config.sites."""
+
     replicas: int = "???"  # required (OmegaConf: missing), an int >= 1
-    label: Optional[str] = None
-    name: Optional[str] = None
-    min_replicas: Optional[int] = None
+    label: str | None = None
+    name: str | None = None
+    min_replicas: int | None = None
     # the site's simulated step time and stragglers (null: train.min_step_s / straggle_p / straggle_factor)
-    min_step_s: Optional[float] = None
-    straggle_p: Optional[float] = None
-    straggle_factor: Optional[float] = None
+    min_step_s: float | None = None
+    straggle_p: float | None = None
+    straggle_factor: float | None = None
     # the site's ranks per replica (null: topology.gpus_per_replica); every site must end up with the same one
-    gpus_per_replica: Optional[int] = None
+    gpus_per_replica: int | None = None
 
 
 @dataclass
@@ -73,8 +75,8 @@ class TopologyConfig:
     cpus_per_replica: float = non_negative(1.0)  # Ray CPUs per RANK process (per replica when gpus_per_replica=1)
     spares_per_cluster: int = count_or_zero(0)  # warmed replicas that take over a dead one's identity
     placement_strategy: str = one_of("STRICT_PACK", ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD", "NONE"))
-    cluster_labels: List[str] = field(default_factory=list)
-    sites: List[SiteConfig] = field(default_factory=list)  # one per cluster; [] = the uniform keys above
+    cluster_labels: list[str] = field(default_factory=list)
+    sites: list[SiteConfig] = field(default_factory=list)  # one per cluster; [] = the uniform keys above
 
 
 @dataclass
@@ -101,8 +103,8 @@ class InnerOptimConfig:
     momentum: float = fraction(0.9)  # sgd momentum; adamw beta1
     weight_decay: float = non_negative(0.0)
     grad_clip: float = non_negative(1.0)  # max global grad norm, 0 = off
-    warmup_steps: Optional[int] = count_or_zero(None)  # null = auto: 5 % of the run's steps (hsgd/config/auto.py)
-    schedule: Optional[str] = one_of(None, ("constant", "cosine"))  # null = auto: cosine
+    warmup_steps: int | None = count_or_zero(None)  # null = auto: 5 % of the run's steps (hsgd/config/auto.py)
+    schedule: str | None = one_of(None, ("constant", "cosine"))  # null = auto: cosine
     min_lr_ratio: float = ratio(0.1)
     implementation: str = one_of("auto", ("auto", "fused", "foreach", "single"))
 
@@ -112,8 +114,8 @@ class OuterOptimConfig:
     # null = auto (hsgd/config/auto.py), from the run's N outer steps and clusters: lr 1.0 with momentum 0.3
     # below 50 (0.5 with 4 clusters or more), 0.5 below 500, DiLoCo's 0.7 / 0.9 from 500 (README "Defaults
     # that converge"); explicit values win
-    lr: Optional[float] = positive(None)
-    momentum: Optional[float] = fraction(None)
+    lr: float | None = positive(None)
+    momentum: float | None = fraction(None)
     nesterov: bool = True
 
 
@@ -126,7 +128,7 @@ class OptimConfig:
 @dataclass
 class ModelConfig:
     _target_: str = "hsgd.train.model.build_gpt"
-    args: Dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
     name: str = one_of("tiny", ("tiny", "small", "custom"))
     n_layer: int = count(4)
     n_head: int = count(4)
@@ -138,18 +140,18 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     _target_: str = "hsgd.train.data.build_dataset"
-    args: Dict[str, Any] = field(default_factory=dict)
-    path: Optional[str] = None  # None = the Shakespeare corpus shipped in the package
+    args: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None  # None = the Shakespeare corpus shipped in the package
     batch_size: int = count(8)
     val_fraction: float = open_fraction(0.1)
     grad_accum: int = count(1)  # micro-batches per inner step (each of batch_size sequences)
-    vocab_size: Optional[int] = count(None)  # token folders without meta.json (nanoGPT's GPT-2 .bin files)
+    vocab_size: int | None = count(None)  # token folders without meta.json (nanoGPT's GPT-2 .bin files)
 
 
 @dataclass
 class LossConfig:
     _target_: str = "hsgd.train.model.lm_loss"
-    args: Dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,7 +180,7 @@ class RunConfig:
 class CheckpointConfig:
     every: int = count_or_zero(5)  # rounds between durable checkpoints, 0 = never
     keep: int = count(2)
-    dir: Optional[str] = None
+    dir: str | None = None
 
 
 @dataclass
@@ -187,8 +189,8 @@ class CommConfig:
     timeout_s: float = seconds(10.0)  # one collective
     configure_timeout_s: float = seconds(30.0)  # joining a process group (store rendezvous)
     min_gbps: float = positive(1.0)  # the slowest link a payload-scaled wait assumes (hsgd/core/deadlines.py)
-    inner_backend: Optional[str] = one_of(None, BACKENDS)
-    outer_backend: Optional[str] = one_of(None, BACKENDS)
+    inner_backend: str | None = one_of(None, BACKENDS)
+    outer_backend: str | None = one_of(None, BACKENDS)
     bucket_mb: float = positive(25.0)  # inner ddp: gradient buckets all-reduced from backward hooks as they fill
 
 
@@ -229,8 +231,8 @@ class WatchdogConfig:
 class WandbConfig:
     mode: str = one_of("offline", ("offline", "online", "disabled"))
     project: str = "hsgd"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
 
 
 @dataclass
@@ -242,9 +244,9 @@ class LoggingConfig:
 
 @dataclass
 class FaultsConfig:
-    schedule: List[Any] = field(default_factory=list)
+    schedule: list[Any] = field(default_factory=list)
     mtbf_s: float = non_negative(0.0)  # random faults with this mean time between failures, 0 = off
-    kinds: List[str] = field(default_factory=lambda: ["kill", "crash"])
+    kinds: list[str] = field(default_factory=lambda: ["kill", "crash"])
     seed: int = seed_range(0)
     step_s: float = seconds(0.1)  # seconds per inner step assumed: a seed gives one schedule on any machine
     max_restarts: int = restarts(10)  # restarts allowed per replica actor
@@ -254,8 +256,8 @@ class FaultsConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None
-    num_cpus: Optional[int] = count(None)  # embedded cluster only
+    address: str | None = None
+    num_cpus: int | None = count(None)  # embedded cluster only
 
 
 @dataclass

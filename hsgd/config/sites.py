@@ -1,6 +1,7 @@
 """`topology.sites`' checks that its field metadata cannot say (each site, the uniform keys, the quorum),
 and the run's one `gpus_per_replica` (a site may restate it, never differ: rank j of every replica
 holds shard j, so the outer sync pairs shards across clusters only when every cluster cuts alike)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,8 +23,11 @@ def check_sites(cfg: Any) -> None:
     for key in ("clusters", "replicas_per_cluster", "cluster_labels"):
         value = getattr(t, key)
         if (list(value) if key == "cluster_labels" else value) != getattr(default, key):
-            raise ConfigError("topology.sites", f"is set together with topology.{key}={value!r}; valid: the sites "
-                                                f"alone (each with its replicas and label), or the uniform keys alone")
+            raise ConfigError(
+                "topology.sites",
+                f"is set together with topology.{key}={value!r}; valid: the sites "
+                f"alone (each with its replicas and label), or the uniform keys alone",
+            )
     for c, site in enumerate(sites):
         where = f"topology.sites[{c}]"
         replicas = _site_value(site, "replicas")
@@ -31,19 +35,26 @@ def check_sites(cfg: Any) -> None:
             raise ConfigError(f"{where}.replicas", f"got {replicas!r}; valid: an int >= 1 (the site's replicas)")
         floor = _site_value(site, "min_replicas")
         if floor is not None and (not _is_int(floor) or not 1 <= floor <= replicas):
-            raise ConfigError(f"{where}.min_replicas", f"got {floor!r}; valid: null or an int in [1, {replicas}] "
-                                                      f"(the site's replicas)")
+            raise ConfigError(
+                f"{where}.min_replicas",
+                f"got {floor!r}; valid: null or an int in [1, {replicas}] (the site's replicas)",
+            )
         for key, high in (("min_step_s", None), ("straggle_p", 1.0), ("straggle_factor", None)):
             value = _site_value(site, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 <= value <= (high if high is not None else float("inf"))):
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value <= (high if high is not None else float("inf"))
+            ):
                 valid = "[0, 1]" if high is not None else ">= 0"
                 raise ConfigError(f"{where}.{key}", f"got {value!r}; valid: null (train.{key}) or a number {valid}")
         run_floor = cfg.supervisor.min_replicas_per_cluster
         if floor is None and run_floor > replicas:
-            raise ConfigError("supervisor.min_replicas_per_cluster",
-                              f"got {run_floor}, more than {where} has ({replicas}); valid: <= {replicas}, or "
-                              f"{where}.min_replicas set")
+            raise ConfigError(
+                "supervisor.min_replicas_per_cluster",
+                f"got {run_floor}, more than {where} has ({replicas}); valid: <= {replicas}, or "
+                f"{where}.min_replicas set",
+            )
 
 
 def site_ranks(cfg: Any) -> list[tuple[str, int]]:
@@ -54,8 +65,12 @@ def site_ranks(cfg: Any) -> list[tuple[str, int]]:
     sites = list(t.sites or [])
     if not sites:
         return [("topology.gpus_per_replica", run_k)]
-    return [(f"topology.sites[{c}].gpus_per_replica", own) if (own := _site_value(site, "gpus_per_replica")) is not None
-            else ("topology.gpus_per_replica", run_k) for c, site in enumerate(sites)]
+    return [
+        (f"topology.sites[{c}].gpus_per_replica", own)
+        if (own := _site_value(site, "gpus_per_replica")) is not None
+        else ("topology.gpus_per_replica", run_k)
+        for c, site in enumerate(sites)
+    ]
 
 
 def check_ranks_per_replica(cfg: Any) -> None:
@@ -68,8 +83,11 @@ def check_ranks_per_replica(cfg: Any) -> None:
     first_field, first_k = chosen[0]
     for field, k in chosen[1:]:
         if k != first_k:
-            raise ConfigError(field, f"is {k} but cluster c0 has {first_k} ({first_field}); valid: the same "
-                                     f"gpus_per_replica for every site (rank j of each replica holds shard j)")
+            raise ConfigError(
+                field,
+                f"is {k} but cluster c0 has {first_k} ({first_field}); valid: the same "
+                f"gpus_per_replica for every site (rank j of each replica holds shard j)",
+            )
 
 
 def ranks_per_replica(cfg: Any) -> int:
@@ -82,8 +100,10 @@ def site_pacing(cfg: Any, cluster: int) -> tuple[float, float, float]:
     its site's own where set, else the run-wide `train.*` values."""
     sites = list(getattr(cfg.topology, "sites", None) or [])
     site = sites[cluster] if cluster < len(sites) else {}
-    return tuple(float(_site_value(site, key) if _site_value(site, key) is not None else getattr(cfg.train, key))
-                 for key in ("min_step_s", "straggle_p", "straggle_factor"))
+    return tuple(
+        float(_site_value(site, key) if _site_value(site, key) is not None else getattr(cfg.train, key))
+        for key in ("min_step_s", "straggle_p", "straggle_factor")
+    )
 
 
 def expected_step_s(cfg: Any, cluster: int) -> float | None:

@@ -2,6 +2,7 @@
 starts; `validate(cfg)` raises a one-line `ConfigError`. Each field's range or choices come from the
 schema's metadata (nan and inf refused everywhere).
 """
+
 from __future__ import annotations
 
 import configparser
@@ -29,6 +30,7 @@ MAX_RANDOM_FAULTS = 10_000
 class Bound:
     """What one numeric field may hold (schema.py `_ranged`): its type (an int is fine where a float
     is asked), [low, high] with an open end refused, null when `optional`, -1 when `forever`."""
+
     kind: type
     low: float | None = None
     high: float | None = None
@@ -40,18 +42,27 @@ class Bound:
     def problem(self, value: Any) -> str | None:
         """None when `value` is valid, else one line: 'got <value>; valid: <describe()>'."""
         ok = (value is None and self.optional) or (
-            not isinstance(value, bool) and isinstance(value, int if self.kind is int else (int, float))
-            and math.isfinite(value) and ((self.forever and value == -1) or (
-                (self.low is None or value > self.low or (value == self.low and not self.low_open))
-                and (self.high is None or value < self.high or (value == self.high and not self.high_open)))))
+            not isinstance(value, bool)
+            and isinstance(value, int if self.kind is int else (int, float))
+            and math.isfinite(value)
+            and (
+                (self.forever and value == -1)
+                or (
+                    (self.low is None or value > self.low or (value == self.low and not self.low_open))
+                    and (self.high is None or value < self.high or (value == self.high and not self.high_open))
+                )
+            )
+        )
         return None if ok else f"got {value!r}; valid: {self.describe()}"
 
     def describe(self) -> str:
         """The valid values in words, e.g. 'an int >= 0, or -1 for forever'."""
         text = "an int" if self.kind is int else "a finite number"
         if self.low is not None and self.high is not None:
-            text += (f" in {'(' if self.low_open else '['}{_number(self.low)}, "
-                     f"{_number(self.high)}{')' if self.high_open else ']'}")
+            text += (
+                f" in {'(' if self.low_open else '['}{_number(self.low)}, "
+                f"{_number(self.high)}{')' if self.high_open else ']'}"
+            )
         elif self.low is not None:
             text += f" {'>' if self.low_open else '>='} {_number(self.low)}"
         if self.forever:
@@ -81,7 +92,9 @@ def _numeric_bounds() -> dict[str, Bound]:
         if kind is None:
             continue
         if "range" not in f.metadata:
-            raise TypeError(f"{path}: a numeric schema field needs a range (hsgd/config/schema.py: count, seconds, ...)")
+            raise TypeError(
+                f"{path}: a numeric schema field needs a range (hsgd/config/schema.py: count, seconds, ...)"
+            )
         bounds[path] = Bound(kind, optional=type(None) in args, **f.metadata["range"])
     return bounds
 
@@ -90,7 +103,9 @@ NUMERIC_FIELDS: dict[str, Bound] = _numeric_bounds()
 # Fields that name one of a fixed set of values (None in the set: null is allowed).
 CHOICE_FIELDS: dict[str, tuple] = {
     path: ((None,) if type(None) in typing.get_args(hint) else ()) + tuple(f.metadata["choices"])
-    for path, hint, f in schema_fields() if "choices" in f.metadata}
+    for path, hint, f in schema_fields()
+    if "choices" in f.metadata
+}
 
 
 def field_value(cfg: Any, path: str) -> Any:
@@ -128,34 +143,57 @@ def _check_fragment_delay(s: Any, spr: int) -> None:
     """The pseudo-gradient is taken `fragment_delay` steps before the round's end, where every
     member of a cluster holds the same params, and its all-reduce runs behind the remaining steps."""
     if s.outer == "none":
-        raise ConfigError("sync.fragment_delay", f"is {s.fragment_delay} but sync.outer is none: no outer all-reduce "
-                          f"to overlap; valid: 0 with sync.outer=none")
+        raise ConfigError(
+            "sync.fragment_delay",
+            f"is {s.fragment_delay} but sync.outer is none: no outer all-reduce "
+            f"to overlap; valid: 0 with sync.outer=none",
+        )
     if s.fragment_delay >= spr:
-        raise ConfigError("sync.fragment_delay", f"{s.fragment_delay} is not below a round's {spr} steps "
-                          f"(sync.outer_every / sync.fragments); valid: 0 <= fragment_delay < {spr}")
+        raise ConfigError(
+            "sync.fragment_delay",
+            f"{s.fragment_delay} is not below a round's {spr} steps "
+            f"(sync.outer_every / sync.fragments); valid: 0 <= fragment_delay < {spr}",
+        )
     if s.inner == "none":
-        raise ConfigError("sync.fragment_delay", f"is {s.fragment_delay} with sync.inner=none, where a cluster's members "
-                          f"agree only after the round's average; valid: 0 with inner none, or inner ddp | localsgd")
+        raise ConfigError(
+            "sync.fragment_delay",
+            f"is {s.fragment_delay} with sync.inner=none, where a cluster's members "
+            f"agree only after the round's average; valid: 0 with inner none, or inner ddp | localsgd",
+        )
     if s.inner == "localsgd" and s.fragment_delay % s.inner_every != 0:
-        raise ConfigError("sync.fragment_delay", f"{s.fragment_delay} is not a multiple of sync.inner_every="
-                          f"{s.inner_every}; localsgd members agree only at an average: valid: k * inner_every")
+        raise ConfigError(
+            "sync.fragment_delay",
+            f"{s.fragment_delay} is not a multiple of sync.inner_every="
+            f"{s.inner_every}; localsgd members agree only at an average: valid: k * inner_every",
+        )
 
 
 def _check_relations(cfg: Any) -> None:
     t, s, sup, w = cfg.topology, cfg.sync, cfg.supervisor, cfg.watchdog
     if t.cluster_labels and len(t.cluster_labels) != t.clusters:
-        raise ConfigError("topology.cluster_labels",
-                          f"has {len(t.cluster_labels)} labels; valid: one per cluster ({t.clusters}) or none")
+        raise ConfigError(
+            "topology.cluster_labels",
+            f"has {len(t.cluster_labels)} labels; valid: one per cluster ({t.clusters}) or none",
+        )
     if s.outer_every % s.fragments != 0:
-        raise ConfigError("sync.outer_every", f"{s.outer_every} is not a multiple of sync.fragments={s.fragments}; "
-                          f"valid: outer_every = k * fragments (a round is outer_every / fragments steps)")
+        raise ConfigError(
+            "sync.outer_every",
+            f"{s.outer_every} is not a multiple of sync.fragments={s.fragments}; "
+            f"valid: outer_every = k * fragments (a round is outer_every / fragments steps)",
+        )
     spr = steps_per_round(cfg)
     if s.inner == "localsgd" and spr % s.inner_every != 0:
-        raise ConfigError("sync.outer_every", f"{s.outer_every} gives rounds of {spr} steps, not a multiple of "
-                          f"sync.inner_every={s.inner_every}; localsgd needs outer_every / fragments = k * inner_every")
+        raise ConfigError(
+            "sync.outer_every",
+            f"{s.outer_every} gives rounds of {spr} steps, not a multiple of "
+            f"sync.inner_every={s.inner_every}; localsgd needs outer_every / fragments = k * inner_every",
+        )
     if s.outer == "none" and (s.outer_compress != "none" or s.fragments > 1 or s.outer_path != "leader"):
-        raise ConfigError("sync.outer", "is none, so nothing crosses clusters to compress, fragment or shard; valid: "
-                          "sync.outer_compress=none, sync.fragments=1, sync.outer_path=leader with sync.outer=none")
+        raise ConfigError(
+            "sync.outer",
+            "is none, so nothing crosses clusters to compress, fragment or shard; valid: "
+            "sync.outer_compress=none, sync.fragments=1, sync.outer_path=leader with sync.outer=none",
+        )
     if s.fragment_delay:
         _check_fragment_delay(s, spr)
     if cfg.model.n_embd % cfg.model.n_head != 0:
@@ -163,12 +201,18 @@ def _check_relations(cfg: Any) -> None:
     check_sites(cfg)
     _check_ranks(cfg)
     if not t.sites and sup.min_replicas_per_cluster > t.replicas_per_cluster:
-        raise ConfigError("supervisor.min_replicas_per_cluster", f"got {sup.min_replicas_per_cluster}; "
-                          f"valid: in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]")
+        raise ConfigError(
+            "supervisor.min_replicas_per_cluster",
+            f"got {sup.min_replicas_per_cluster}; "
+            f"valid: in [1, topology.replicas_per_cluster={t.replicas_per_cluster}]",
+        )
     clusters = len(t.sites) or t.clusters
     if sup.min_clusters > clusters:
-        raise ConfigError("supervisor.min_clusters", f"got {sup.min_clusters}; valid: in [1, "
-                          f"{'the number of topology.sites' if t.sites else 'topology.clusters'}={clusters}]")
+        raise ConfigError(
+            "supervisor.min_clusters",
+            f"got {sup.min_clusters}; valid: in [1, "
+            f"{'the number of topology.sites' if t.sites else 'topology.clusters'}={clusters}]",
+        )
     if w.ceiling_s < w.floor_s:
         raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; valid: >= watchdog.floor_s={w.floor_s}")
 
@@ -182,12 +226,18 @@ def _check_ranks(cfg: Any) -> None:
     if k == 1:
         return
     if cfg.sync.outer_path == "sharded":
-        raise ConfigError("sync.outer_path", f"sharded is not supported with topology.gpus_per_replica={k} (each rank "
-                          f"already holds one shard of the replica); valid: leader with gpus_per_replica > 1, or "
-                          f"sharded with gpus_per_replica=1")
+        raise ConfigError(
+            "sync.outer_path",
+            f"sharded is not supported with topology.gpus_per_replica={k} (each rank "
+            f"already holds one shard of the replica); valid: leader with gpus_per_replica > 1, or "
+            f"sharded with gpus_per_replica=1",
+        )
     if cfg.data.batch_size % k != 0:
-        raise ConfigError("data.batch_size", f"{cfg.data.batch_size} sequences per replica do not split over "
-                          f"topology.gpus_per_replica={k} ranks; valid: a multiple of {k}")
+        raise ConfigError(
+            "data.batch_size",
+            f"{cfg.data.batch_size} sequences per replica do not split over "
+            f"topology.gpus_per_replica={k} ranks; valid: a multiple of {k}",
+        )
 
 
 def _check_links(cfg: Any) -> None:
@@ -198,12 +248,18 @@ def _check_links(cfg: Any) -> None:
         if link.gbps == 0:
             for key in ("latency_ms", "jitter_ms"):
                 if getattr(link, key) > 0:
-                    raise ConfigError(f"{name}.{key}", f"{getattr(link, key):g} has no effect with {name}.gbps=0 "
-                                      f"(no simulated link); valid: 0, or set {name}.gbps > 0")
+                    raise ConfigError(
+                        f"{name}.{key}",
+                        f"{getattr(link, key):g} has no effect with {name}.gbps=0 "
+                        f"(no simulated link); valid: 0, or set {name}.gbps > 0",
+                    )
         elif link.gbps < cfg.comm.min_gbps:
-            raise ConfigError(f"{name}.gbps", f"{link.gbps:g} is below comm.min_gbps={cfg.comm.min_gbps:g}, the slowest "
-                              f"link every deadline assumes; valid: 0 (off) or >= comm.min_gbps (lower comm.min_gbps "
-                              f"to simulate a slower link)")
+            raise ConfigError(
+                f"{name}.gbps",
+                f"{link.gbps:g} is below comm.min_gbps={cfg.comm.min_gbps:g}, the slowest "
+                f"link every deadline assumes; valid: 0 (off) or >= comm.min_gbps (lower comm.min_gbps "
+                f"to simulate a slower link)",
+            )
 
 
 def _check_faults(cfg: Any) -> None:
@@ -217,24 +273,34 @@ def _check_faults(cfg: Any) -> None:
         _choice("faults.kinds", kind, FAULT_KINDS)
     if f.mtbf_s > 0:
         if not f.kinds:
-            raise ConfigError("faults.kinds", f"is empty but faults.mtbf_s={f.mtbf_s}; "
-                              f"valid: at least one of {'|'.join(FAULT_KINDS)}")
+            raise ConfigError(
+                "faults.kinds", f"is empty but faults.mtbf_s={f.mtbf_s}; valid: at least one of {'|'.join(FAULT_KINDS)}"
+            )
         # the schedule is drawn whole at the start (hsgd/core/faults.py random_schedule): bound its size
         run_s = cfg.train.rounds * steps_per_round(cfg) * f.step_s
         expected, smallest = run_s / f.mtbf_s, run_s / MAX_RANDOM_FAULTS
         if expected > MAX_RANDOM_FAULTS:
-            raise ConfigError("faults.mtbf_s", f"got {f.mtbf_s:g}: about {expected:.3g} random faults over the "
-                              f"run's {run_s:g} s (train.rounds * sync.outer_every * faults.step_s); "
-                              f"valid: 0 (off) or >= {smallest:g} (at most {MAX_RANDOM_FAULTS} faults)")
+            raise ConfigError(
+                "faults.mtbf_s",
+                f"got {f.mtbf_s:g}: about {expected:.3g} random faults over the "
+                f"run's {run_s:g} s (train.rounds * sync.outer_every * faults.step_s); "
+                f"valid: 0 (off) or >= {smallest:g} (at most {MAX_RANDOM_FAULTS} faults)",
+            )
     specs = parse_schedule(list(f.schedule), **topology_shape(topology_of(cfg)))
     for i, spec in enumerate(specs):  # a fault that can never fire is a typo, not a plan
         if spec.round >= cfg.train.rounds:
-            raise ConfigError(f"faults.schedule[{i}].round", f"{spec.round} is past the run's last round "
-                              f"(train.rounds={cfg.train.rounds}); valid: 0..{cfg.train.rounds - 1}")
+            raise ConfigError(
+                f"faults.schedule[{i}].round",
+                f"{spec.round} is past the run's last round "
+                f"(train.rounds={cfg.train.rounds}); valid: 0..{cfg.train.rounds - 1}",
+            )
         if spec.phase.startswith("inner") and spec.step >= steps_per_round(cfg):
-            raise ConfigError(f"faults.schedule[{i}].step", f"{spec.step} is past the round's last step "
-                              f"(a round is {steps_per_round(cfg)} steps: sync.outer_every / sync.fragments); "
-                              f"valid: 0..{steps_per_round(cfg) - 1}")
+            raise ConfigError(
+                f"faults.schedule[{i}].step",
+                f"{spec.step} is past the round's last step "
+                f"(a round is {steps_per_round(cfg)} steps: sync.outer_every / sync.fragments); "
+                f"valid: 0..{steps_per_round(cfg) - 1}",
+            )
         if (problem := unfirable_reason(spec, cfg)) is not None:
             raise ConfigError(f"faults.schedule[{i}].{problem[0]}", problem[1])
 
@@ -252,8 +318,11 @@ def _check_folders(cfg: Any) -> None:
             raise ConfigError(path, f"{raw!r} is {what}; valid: a folder of the run's own, e.g. outputs/<name>")
     where = cfg.checkpoint.dir
     if where is not None and (not isinstance(where, str) or not where.strip()):
-        raise ConfigError("checkpoint.dir", f"got {where!r}; valid: null (<run.dir>/checkpoints), "
-                          "a folder path or an fsspec URL (file://, s3://, gs://, ...)")
+        raise ConfigError(
+            "checkpoint.dir",
+            f"got {where!r}; valid: null (<run.dir>/checkpoints), "
+            "a folder path or an fsspec URL (file://, s3://, gs://, ...)",
+        )
 
 
 def _check_wandb_credentials(mode: str) -> None:
@@ -276,9 +345,12 @@ def _check_wandb_credentials(mode: str) -> None:
         key = ""
     if (entry and entry[2]) or key:
         return
-    raise ConfigError("logging.wandb.mode", "online needs W&B credentials and none were found (no WANDB_API_KEY, "
-                      f"no key for {host} in the netrc file or wandb settings); valid: offline|disabled, "
-                      "or set WANDB_API_KEY as a secret (README, wandb)")
+    raise ConfigError(
+        "logging.wandb.mode",
+        "online needs W&B credentials and none were found (no WANDB_API_KEY, "
+        f"no key for {host} in the netrc file or wandb settings); valid: offline|disabled, "
+        "or set WANDB_API_KEY as a secret (README, wandb)",
+    )
 
 
 def _check_data(cfg: Any) -> None:
@@ -293,10 +365,11 @@ def _check_data(cfg: Any) -> None:
     except (ValueError, OSError) as err:
         message = _one_line(err)  # the data module's style: 'data.path=...: problem'
         found = re.match(r"([a-z_]+(?:\.[a-z_]+)+)\s*[=:]\s*", message)
-        raise ConfigError(*((found.group(1), message[found.end():]) if found else ("data.path", message))) from None
+        raise ConfigError(*((found.group(1), message[found.end() :]) if found else ("data.path", message))) from None
     except Exception as err:  # noqa: BLE001 — a plug-in data factory may fail in any way
-        raise ConfigError("data._target_", f"test-loading the data failed ({type(err).__name__}: "
-                          f"{_one_line(err)})") from None
+        raise ConfigError(
+            "data._target_", f"test-loading the data failed ({type(err).__name__}: {_one_line(err)})"
+        ) from None
 
 
 def _one_line(err: BaseException) -> str:
@@ -314,15 +387,22 @@ def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
         saved = [r for r in range(rounds) if every and ((r + 1) % every == 0 or r + 1 == rounds)]
         if spec.round not in saved:
             shown = ", ".join(map(str, saved[:6])) + (", ..." if len(saved) > 6 else "")
-            return "phase", (f"checkpoint never happens in round {spec.round} (checkpoint.every={every} saves after "
-                             f"rounds {shown or 'none'}); valid rounds for checkpoint: {shown or 'none'}")
+            return "phase", (
+                f"checkpoint never happens in round {spec.round} (checkpoint.every={every} saves after "
+                f"rounds {shown or 'none'}); valid rounds for checkpoint: {shown or 'none'}"
+            )
     if spec.phase == "inner_sync":
         if s.inner == "none" and t.replicas_per_cluster == 1:
-            return "phase", "inner_sync never happens with sync.inner=none and one replica per cluster; valid: inner|outer|outer_commit|checkpoint"
+            return (
+                "phase",
+                "inner_sync never happens with sync.inner=none and one replica per cluster; valid: inner|outer|outer_commit|checkpoint",
+            )
         if s.inner == "localsgd" and (spec.step + 1) % s.inner_every != 0:
             steps = [k for k in range(steps_per_round(cfg)) if (k + 1) % s.inner_every == 0]
-            return "step", (f"localsgd syncs after steps {', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''} "
-                            f"(sync.inner_every={s.inner_every}); inner_sync at step {spec.step} never happens")
+            return "step", (
+                f"localsgd syncs after steps {', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''} "
+                f"(sync.inner_every={s.inner_every}); inner_sync at step {spec.step} never happens"
+            )
         if s.inner == "none" and spec.step != 0:
             return "step", "with sync.inner=none the cluster average happens once, at the round's end; use step 0"
     return None  # outer and outer_commit happen in every round, whatever the algorithm

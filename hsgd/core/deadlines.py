@@ -8,12 +8,12 @@ seen `min_samples` times. A transfer's deadline is a fixed part plus its bytes a
 (`collective_timeout_s`); the round settings, the collectives (hsgd/train/comm.py) and the actors'
 waits all take them from here.
 """
+
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
-
 
 # A full state is at most 7x its params — the params, AdamW's two moments, the global params, the
 # outer momentum, the error-feedback residual (with a codec) and the outer snapshot (with
@@ -34,8 +34,9 @@ def state_bytes_bound(param_bytes: int) -> int:
     return STATE_PER_PARAM_BYTE * param_bytes + STATE_SMALL_BYTES
 
 
-def heal_deadline_s(*, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int,
-                    min_gbps: float) -> float:
+def heal_deadline_s(
+    *, call_timeout_s: float, configure_timeout_s: float, timeout_s: float, state_bytes: int, min_gbps: float
+) -> float:
     """How long one heal of `state_bytes` may take, end to end (the round's heal deadline and the
     final heal's wait): its group's join, one stalled collective before it fails, the calls
     themselves, and the state twice at min_gbps (over the group, then the object store fallback)."""

@@ -6,12 +6,14 @@ Parsing with one-line errors per field, the random schedule (a pure function of 
 and which scheduled faults are due in a phase call. Faults fire at step/phase boundaries, so a
 run with the same seed and schedule is reproducible.
 """
+
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from hsgd.config.schema import ConfigError
 from hsgd.core.topology import parse_replica_id, replica_id
@@ -53,8 +55,9 @@ class FaultSpec:
         return f"{self.kind} {self.target} at {where}"
 
 
-def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: int,
-                  sizes: Sequence[int] | None = None) -> None:
+def _check_target(
+    name: str, target: str, clusters: int, replicas_per_cluster: int, sizes: Sequence[int] | None = None
+) -> None:
     if target == "supervisor":
         return
     group = _GROUP_TARGET.fullmatch(target)
@@ -65,10 +68,13 @@ def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: i
     try:
         cluster, index = parse_replica_id(target)
     except ValueError:
-        raise FaultSpecError(name, f"unknown target {target!r}; valid: a replica id like c0r1, leader:c<k>, "
-                                   f"cluster:c<k> or supervisor") from None
+        raise FaultSpecError(
+            name, f"unknown target {target!r}; valid: a replica id like c0r1, leader:c<k>, cluster:c<k> or supervisor"
+        ) from None
     if replica_id(cluster, index) != target:
-        raise FaultSpecError(name, f"target {target!r} is not a canonical replica id; write {replica_id(cluster, index)!r}")
+        raise FaultSpecError(
+            name, f"target {target!r} is not a canonical replica id; write {replica_id(cluster, index)!r}"
+        )
     if sizes is not None:  # topology.sites
         if cluster >= len(sizes) or index >= sizes[cluster]:
             raise FaultSpecError(name, f"target {target!r} is not in the topology (sites of {list(sizes)} replicas)")
@@ -76,8 +82,14 @@ def _check_target(name: str, target: str, clusters: int, replicas_per_cluster: i
         raise FaultSpecError(name, f"target {target!r} is not in the {clusters}x{replicas_per_cluster} topology")
 
 
-def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
-                replicas_per_cluster: int = 2, sizes: Sequence[int] | None = None) -> FaultSpec:
+def parse_fault(
+    raw: Mapping[str, Any],
+    *,
+    index: int = 0,
+    clusters: int = 2,
+    replicas_per_cluster: int = 2,
+    sizes: Sequence[int] | None = None,
+) -> FaultSpec:
     """One schedule entry, checked against the topology (`sizes`: replicas per site, when they differ)."""
     name = f"faults.schedule[{index}]"
     if not isinstance(raw, Mapping):
@@ -104,27 +116,50 @@ def parse_fault(raw: Mapping[str, Any], *, index: int = 0, clusters: int = 2,
     seconds = raw.get("seconds")
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
         raise FaultSpecError(f"{name}.seconds", f"got {seconds!r}; must be a number > 0")
-    return FaultSpec(kind=kind, target=target, round=ints["round"], phase=phase, step=ints["step"],
-                     seconds=None if seconds is None else float(seconds))
+    return FaultSpec(
+        kind=kind,
+        target=target,
+        round=ints["round"],
+        phase=phase,
+        step=ints["step"],
+        seconds=None if seconds is None else float(seconds),
+    )
 
 
 def topology_shape(topology) -> dict:
     """The keyword arguments the parsers take for `topology` (hsgd.core.topology.Topology)."""
-    return {"clusters": topology.clusters, "replicas_per_cluster": topology.replicas_per_cluster,
-            "sizes": None if topology.uniform else topology.sizes}
+    return {
+        "clusters": topology.clusters,
+        "replicas_per_cluster": topology.replicas_per_cluster,
+        "sizes": None if topology.uniform else topology.sizes,
+    }
 
 
-def parse_schedule(raw: list, *, clusters: int, replicas_per_cluster: int,
-                   sizes: Sequence[int] | None = None) -> list[FaultSpec]:
+def parse_schedule(
+    raw: list, *, clusters: int, replicas_per_cluster: int, sizes: Sequence[int] | None = None
+) -> list[FaultSpec]:
     if not isinstance(raw, (list, tuple)):
-        raise FaultSpecError("faults.schedule", f"got {raw!r}; must be a list like '[{{kind:kill,target:c0r1,round:1}}]'")
-    return [parse_fault(entry, index=i, clusters=clusters, replicas_per_cluster=replicas_per_cluster, sizes=sizes)
-            for i, entry in enumerate(raw)]
+        raise FaultSpecError(
+            "faults.schedule", f"got {raw!r}; must be a list like '[{{kind:kill,target:c0r1,round:1}}]'"
+        )
+    return [
+        parse_fault(entry, index=i, clusters=clusters, replicas_per_cluster=replicas_per_cluster, sizes=sizes)
+        for i, entry in enumerate(raw)
+    ]
 
 
-def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, round_s_estimate: float,
-                    steps_per_round: int, clusters: int, replicas_per_cluster: int,
-                    sizes: Sequence[int] | None = None) -> list[FaultSpec]:
+def random_schedule(
+    *,
+    mtbf_s: float,
+    kinds: list[str],
+    seed: int,
+    rounds: int,
+    round_s_estimate: float,
+    steps_per_round: int,
+    clusters: int,
+    replicas_per_cluster: int,
+    sizes: Sequence[int] | None = None,
+) -> list[FaultSpec]:
     """Draw faults with exponential gaps (mean `mtbf_s`), mapped to (round, step) boundaries using
     an estimate of one round's seconds so the schedule is a pure function of the seed."""
     rng = random.Random(seed)
@@ -135,8 +170,15 @@ def random_schedule(*, mtbf_s: float, kinds: list[str], seed: int, rounds: int, 
             return faults
         cluster = rng.randrange(clusters)
         target = f"c{cluster}r{rng.randrange(sizes[cluster] if sizes else replicas_per_cluster)}"
-        faults.append(FaultSpec(kind=rng.choice(list(kinds)), target=target, round=int(t // round_s_estimate),
-                                phase="inner", step=int((t % round_s_estimate) / round_s_estimate * steps_per_round)))
+        faults.append(
+            FaultSpec(
+                kind=rng.choice(list(kinds)),
+                target=target,
+                round=int(t // round_s_estimate),
+                phase="inner",
+                step=int((t % round_s_estimate) / round_s_estimate * steps_per_round),
+            )
+        )
 
 
 def fired_as(spec: FaultSpec, line: Mapping[str, Any]) -> bool:
@@ -147,13 +189,19 @@ def fired_as(spec: FaultSpec, line: Mapping[str, Any]) -> bool:
         hit = rid == f.target
     else:  # leader:c1 | cluster:c1: a replica of c1 (the supervisor's own faults are recorded as fired)
         hit = f.target_kind != "supervisor" and rid.startswith(f"c{f.target_cluster}r")
-    return hit and line.get("kind") == f.kind and line.get("round") == f.round and line.get("phase") == f.phase \
+    return (
+        hit
+        and line.get("kind") == f.kind
+        and line.get("round") == f.round
+        and line.get("phase") == f.phase
         and not (f.phase.startswith("inner") and line.get("pid") is not None and line.get("step") != f.step)
+    )
 
 
 @dataclass(frozen=True)
 class Delivery:
     """One scheduled fault, due now, resolved to the replicas it hits."""
+
     index: int  # position in the schedule: recorded as fired so it never fires twice
     spec: FaultSpec
     targets: tuple[str, ...]
@@ -163,8 +211,9 @@ class Delivery:
         return {"kind": self.spec.kind, "phase": self.spec.phase, "step": self.spec.step, "seconds": self.spec.seconds}
 
 
-def due_faults(faults: list[FaultSpec], fired, *, round_index: int, phases: tuple[str, ...], plan,
-               only: set[str] | None = None) -> list[Delivery]:
+def due_faults(
+    faults: list[FaultSpec], fired, *, round_index: int, phases: tuple[str, ...], plan, only: set[str] | None = None
+) -> list[Delivery]:
     """Replica faults of the schedule that are due in a phase call of `round_index` covering
     `phases`, with targets resolved under `plan` (a membership.Plan): `leader:c1` is whoever leads
     c1 now, `cluster:c1` every live member. A fault whose targets are all gone (or outside `only`)

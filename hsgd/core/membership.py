@@ -2,10 +2,11 @@
 order, each cluster's leader (its outer rank: the cluster's position in `outer_clusters`), and
 which clusters take part in outer sync. `live_plan` builds one with the round machine's rules.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hsgd.core.topology import Topology
 
@@ -36,19 +37,20 @@ def leader_of(members: tuple[str, ...], current: str | None) -> str:
 def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[int], min_clusters: int) -> str | None:
     """`counts`: live replicas per cluster, in cluster order; `min_replicas_per_cluster`: one floor for all, or each
     site's (Topology.floors). None when training may go on, else a one-line reason."""
-    floors = [min_replicas_per_cluster] * len(counts) if isinstance(min_replicas_per_cluster, int) \
+    floors = (
+        [min_replicas_per_cluster] * len(counts)
+        if isinstance(min_replicas_per_cluster, int)
         else list(min_replicas_per_cluster)
+    )
     in_quorum = sum(n >= floor for n, floor in zip(counts, floors))
     if in_quorum >= min_clusters:
         return None
     listed = ", ".join(f"c{c}={n}" for c, n in enumerate(counts))
     needed = floors[0] if len(set(floors)) <= 1 else "its site's min_replicas"
-    return (f"only {in_quorum} cluster(s) with >= {needed} live replicas ({listed}); "
-            f"min_clusters={min_clusters}")
+    return f"only {in_quorum} cluster(s) with >= {needed} live replicas ({listed}); min_clusters={min_clusters}"
 
 
-def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int,
-              min_replicas_per_cluster: int = 1) -> Plan:
+def live_plan(topology: Topology, live, leaders: dict[int, str], epoch: int, min_replicas_per_cluster: int = 1) -> Plan:
     """The plan of `live` replicas, leaders by leader_of (`leaders` is updated); a cluster below its
     quorum floor is left out (its replicas wait, then heal)."""
     members, chosen = {}, {}

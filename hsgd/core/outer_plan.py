@@ -15,10 +15,11 @@ reduce-scatter is a slice, at no inner traffic. The j-th holder of every cluster
 member's link carries 1/S of the payload. S is the smallest live size among the clusters taking
 part (members beyond S hold no shard and only receive). `leader` is S = 1.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 _INDEX = re.compile(r"\.(\d+)(\.|$)")
 
@@ -31,7 +32,7 @@ def depth_units(param_names: Sequence[str]) -> list[int]:
     keys: dict[str, int] = {}  # a unit's key -> its number, in order of first appearance
     for name in param_names:
         m = _INDEX.search(name)
-        units.append(keys.setdefault(name[:m.end(1)] if m else name, len(keys)))
+        units.append(keys.setdefault(name[: m.end(1)] if m else name, len(keys)))
     return units
 
 

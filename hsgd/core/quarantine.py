@@ -7,6 +7,7 @@ as a new actor away from the node it last died on when another node can hold it 
 again there), else kept out for the rest of the run (its cluster goes on smaller, or sits out below
 its quorum floor). `quarantine_after` 0 turns it off.
 """
+
 from __future__ import annotations
 
 

@@ -37,6 +37,7 @@ add-site refusals (`add_site_problem`, pure, fed the live nodes and their free r
 that no live node carries, and no room: the free resources of the nodes the site may use (its
 label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,7 +87,7 @@ def requests_dir(run_dir: str | Path) -> Path:
 
 
 def cluster_index(name: str) -> int | None:
-    """"c2" -> 2; None for a name that is not c<k>."""
+    """ "c2" -> 2; None for a name that is not c<k>."""
     m = _CLUSTER.match(name or "")
     return int(m.group(1)) if m else None
 
@@ -101,13 +102,23 @@ def add_site_fields_problem(replicas, label, name) -> str | None:
         return f"replicas={replicas!r} is not a replica count; valid: an integer >= 1"
     for field_name, value in (("label", label), ("name", name)):
         if value is not None and (not isinstance(value, str) or not _NAME.match(value)):
-            return (f"{field_name}={value!r} is not valid; valid: one token of letters, digits, '_', '.', '-' "
-                    f"(at most 64), or leave it out")
+            return (
+                f"{field_name}={value!r} is not valid; valid: one token of letters, digits, '_', '.', '-' "
+                f"(at most 64), or leave it out"
+            )
     return None
 
 
-def write_request(run_dir: str | Path, kind: str, cluster: str = "", *, replicas: int | None = None,
-                  label: str | None = None, name: str | None = None, now: float | None = None) -> SiteRequest:
+def write_request(
+    run_dir: str | Path,
+    kind: str,
+    cluster: str = "",
+    *,
+    replicas: int | None = None,
+    label: str | None = None,
+    name: str | None = None,
+    now: float | None = None,
+) -> SiteRequest:
     """Write one request file; returns it. Raises RequestError for a kind, cluster name or add-site
     field that cannot be valid in any run (whether the cluster exists, or the site fits, is the
     supervisor's decision). A drain names `cluster`; an add-site gives `replicas` (and optionally
@@ -117,8 +128,9 @@ def write_request(run_dir: str | Path, kind: str, cluster: str = "", *, replicas
     extra: dict = {}
     if kind == "add-site":
         if cluster:
-            raise RequestError(f"add-site names no cluster (got {cluster!r}); valid: leave it out, the run picks "
-                               f"the next free c<k>")
+            raise RequestError(
+                f"add-site names no cluster (got {cluster!r}); valid: leave it out, the run picks the next free c<k>"
+            )
         problem = add_site_fields_problem(replicas, label, name)
         if problem:
             raise RequestError(f"add-site: {problem}")
@@ -126,12 +138,18 @@ def write_request(run_dir: str | Path, kind: str, cluster: str = "", *, replicas
     elif cluster_index(cluster) is None:
         raise RequestError(f"cluster {cluster!r} is not a cluster name; valid: c0, c1, ...")
     t = time.time() if now is None else now
-    request = SiteRequest(id=f"{int(t * 1000):013d}-{kind}-{cluster or 'new'}-{uuid.uuid4().hex[:8]}", kind=kind,
-                          cluster=cluster, t=t, **extra)
+    request = SiteRequest(
+        id=f"{int(t * 1000):013d}-{kind}-{cluster or 'new'}-{uuid.uuid4().hex[:8]}",
+        kind=kind,
+        cluster=cluster,
+        t=t,
+        **extra,
+    )
     folder = requests_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write_json(folder / f"{request.id}.json",
-                       {"id": request.id, "kind": kind, "cluster": cluster, "t": t, **extra})
+    _atomic_write_json(
+        folder / f"{request.id}.json", {"id": request.id, "kind": kind, "cluster": cluster, "t": t, **extra}
+    )
     return request
 
 
@@ -158,10 +176,19 @@ def _parse(path: Path) -> SiteRequest:
         problem = f"cluster {cluster!r} is not a cluster name; valid: c0, c1, ..."
     if problem is None and not isinstance(t, (int, float)):
         problem = f"request time {t!r} is not a number"
-    extra = ({"replicas": raw.get("replicas"), "label": raw.get("label"), "name": raw.get("name")}
-             if kind == "add-site" and problem is None else {})
-    return SiteRequest(id=rid, kind=str(kind), cluster=str(cluster or ""),
-                       t=float(t) if isinstance(t, (int, float)) else 0.0, problem=problem, **extra)
+    extra = (
+        {"replicas": raw.get("replicas"), "label": raw.get("label"), "name": raw.get("name")}
+        if kind == "add-site" and problem is None
+        else {}
+    )
+    return SiteRequest(
+        id=rid,
+        kind=str(kind),
+        cluster=str(cluster or ""),
+        t=float(t) if isinstance(t, (int, float)) else 0.0,
+        problem=problem,
+        **extra,
+    )
 
 
 def outcomes(run_dir: str | Path) -> dict[str, dict]:
@@ -199,13 +226,17 @@ def next_cluster(clusters: int, done: dict[str, dict], abandoned_ids=()) -> int:
     """The index a new site gets: past every cluster the run started with and every one added since
     (a drained site's index is never reused: drained sites keep theirs). A site abandoned before it
     joined (`abandoned_ids`, `mark_abandoned`) never was in the topology: its index is free again."""
-    added = [cluster_index(d.get("cluster", "")) for d in done.values()
-             if d.get("kind") == "add-site" and d.get("outcome") == APPLIED and d.get("id") not in abandoned_ids]
+    added = [
+        cluster_index(d.get("cluster", ""))
+        for d in done.values()
+        if d.get("kind") == "add-site" and d.get("outcome") == APPLIED and d.get("id") not in abandoned_ids
+    ]
     return max([clusters - 1, *(c for c in added if c is not None)]) + 1
 
 
-def add_site_problem(request: SiteRequest, *, nodes: list[dict], free: dict[str, dict], need: dict,
-                     new_cluster: int) -> str | None:
+def add_site_problem(
+    request: SiteRequest, *, nodes: list[dict], free: dict[str, dict], need: dict, new_cluster: int
+) -> str | None:
     """Why the add-site `request` is refused now, one line; None when it may go ahead. `nodes`: Ray's
     node table (`ray.nodes()`: NodeID, Alive, Labels); `free`: NodeID -> free resources; `need`: one
     replica's bundle (all its ranks). Pure, so refusals are tested with fake resources."""
@@ -214,20 +245,30 @@ def add_site_problem(request: SiteRequest, *, nodes: list[dict], free: dict[str,
     if request.label is not None:
         alive = [nd for nd in alive if str((nd.get("Labels") or {}).get(LABEL_KEY)) == request.label]
         if not alive:
-            known = sorted({str(v) for nd in nodes if nd.get("Alive")
-                            for k, v in (nd.get("Labels") or {}).items() if k == LABEL_KEY})
-            return (f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
-                    f"{', '.join(known) or 'none'}")
+            known = sorted(
+                {
+                    str(v)
+                    for nd in nodes
+                    if nd.get("Alive")
+                    for k, v in (nd.get("Labels") or {}).items()
+                    if k == LABEL_KEY
+                }
+            )
+            return (
+                f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
+                f"{', '.join(known) or 'none'}"
+            )
     room = sum(replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive)
     if room < int(request.replicas or 0):
         where = f"label {request.label!r}'s nodes" if request.label is not None else "the live nodes"
-        return (f"{what}: no room: {where} have free resources for {room} replica(s) of "
-                f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each")
+        return (
+            f"{what}: no room: {where} have free resources for {room} replica(s) of "
+            f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each"
+        )
     return None
 
 
-def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int,
-           live_clusters=None) -> Decision:
+def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int, live_clusters=None) -> Decision:
     """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
     `drained_clusters`: those already drained;
     `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
@@ -244,8 +285,11 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
     if left == 0:
         return Decision(REFUSED, f"drain {request.cluster}: it is the last live site", c)
     if left < min_clusters:
-        return Decision(REFUSED, f"drain {request.cluster}: would leave {left} site(s), below "
-                                 f"supervisor.min_clusters={min_clusters}", c)
+        return Decision(
+            REFUSED,
+            f"drain {request.cluster}: would leave {left} site(s), below supervisor.min_clusters={min_clusters}",
+            c,
+        )
     return Decision(APPLIED, f"drain {request.cluster}: {left} site(s) go on", c)
 
 
@@ -253,11 +297,16 @@ def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, rou
     """Record the outcome durably (before its effect: the module's `once`); returns what was written.
     An applied add-site's record names its new cluster (`c<K>`) and keeps `replicas`, `label`, `name`:
     what a restarted supervisor needs to find, or start, the site's replicas again."""
-    record = {"id": request.id, "kind": request.kind, "cluster": request.cluster, "outcome": decision.outcome,
-              "reason": decision.reason, "round": round_index}
+    record = {
+        "id": request.id,
+        "kind": request.kind,
+        "cluster": request.cluster,
+        "outcome": decision.outcome,
+        "reason": decision.reason,
+        "round": round_index,
+    }
     if request.kind == "add-site" and decision.outcome == APPLIED:
-        record.update(cluster=f"c{decision.cluster}", replicas=request.replicas, label=request.label,
-                      name=request.name)
+        record.update(cluster=f"c{decision.cluster}", replicas=request.replicas, label=request.label, name=request.name)
     _atomic_write_json(requests_dir(run_dir) / f"{request.id}.done", record)
     return record
 
@@ -284,15 +333,16 @@ def joined(run_dir: str | Path, run_id: str | None = None) -> dict[str, dict]:
     out = {}
     for path in sorted(folder.glob(f"*{JOINED_SUFFIX}")):
         with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
-            out[path.name[:-len(JOINED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
+            out[path.name[: -len(JOINED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
     return {k: v for k, v in out.items() if run_id is None or v.get("run_id") == run_id}
 
 
 ABANDONED_SUFFIX = ".abandoned"
 
 
-def mark_abandoned(run_dir: str | Path, request_id: str, cluster: str, round_index: int, reason: str,
-                   run_id: str = "") -> dict:
+def mark_abandoned(
+    run_dir: str | Path, request_id: str, cluster: str, round_index: int, reason: str, run_id: str = ""
+) -> dict:
     """An applied add-site given up at round `round_index`'s start, before it joined (its replicas died
     for good, too few left up): `<id>.abandoned` ({"id", "cluster", "round", "reason", "run_id"}),
     atomic, written AFTER its replicas were stopped (a supervisor restarted in between starts the site
@@ -311,18 +361,25 @@ def abandoned(run_dir: str | Path) -> dict[str, dict]:
     out = {}
     for path in sorted(folder.glob(f"*{ABANDONED_SUFFIX}")):
         with contextlib.suppress(OSError, ValueError):  # written atomically: unreadable only if tampered with
-            out[path.name[:-len(ABANDONED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
+            out[path.name[: -len(ABANDONED_SUFFIX)]] = json.loads(path.read_text(encoding="utf-8"))
     return out
 
 
 def applied_sites(done: dict[str, dict]) -> list[dict]:
     """The applied add-sites' outcome records, by their new cluster's index (the order they were added)."""
-    sites = [d for d in done.values() if d.get("kind") == "add-site" and d.get("outcome") == APPLIED
-             and cluster_index(d.get("cluster", "")) is not None]
+    sites = [
+        d
+        for d in done.values()
+        if d.get("kind") == "add-site"
+        and d.get("outcome") == APPLIED
+        and cluster_index(d.get("cluster", "")) is not None
+    ]
     return sorted(sites, key=lambda d: cluster_index(d["cluster"]))
 
 
-def joined_topology(base: Topology, done: dict[str, dict], joined_ids, drained_clusters=(), abandoned_ids=()) -> Topology:
+def joined_topology(
+    base: Topology, done: dict[str, dict], joined_ids, drained_clusters=(), abandoned_ids=()
+) -> Topology:
     """`base` (the config's topology) widened by the applied add-sites in the order added: each that
     joined in this run (`joined_ids`) or was drained since (`drained_clusters`: it joined once, and a
     drained index is never reused), up to the first that is neither (a resumed run starts it again:
@@ -341,18 +398,29 @@ def joined_topology(base: Topology, done: dict[str, dict], joined_ids, drained_c
     return topology
 
 
-SITE_KEYS = ("replicas", "label", "name", "min_replicas", "min_step_s", "straggle_p", "straggle_factor",
-             "gpus_per_replica")
+SITE_KEYS = (
+    "replicas",
+    "label",
+    "name",
+    "min_replicas",
+    "min_step_s",
+    "straggle_p",
+    "straggle_factor",
+    "gpus_per_replica",
+)
 
 
 def widened_sites(configured: list[dict], topology: Topology) -> list[dict]:
     """`topology.sites` for the config a new site's replicas start with: the configured entries as they
     are (their pacing and floors), then one entry per site past them (the uniform keys' sites, a site
     that joined) from `topology`: its size, label and name, nothing else set."""
-    out = [dict(site) for site in configured[:topology.clusters]]
+    out = [dict(site) for site in configured[: topology.clusters]]
     for c in range(len(out), topology.clusters):
         site = dict.fromkeys(SITE_KEYS)
-        site.update(replicas=topology.size(c), label=topology.label(c),
-                    name=topology.names[c] if c < len(topology.names) else None)
+        site.update(
+            replicas=topology.size(c),
+            label=topology.label(c),
+            name=topology.names[c] if c < len(topology.names) else None,
+        )
         out.append(site)
     return out

@@ -1,4 +1,5 @@
 """The driver's rule for the supervisor's deaths: count deaths, not the errors one death causes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,10 +28,17 @@ class SupervisorLosses:
         if starts != self._counted_start:
             self.count, self._counted_start, self._down_since = self.count + 1, starts, now
             if self.max_restarts != -1 and self.count > self.max_restarts:
-                return LossVerdict(True, True, f"supervisor lost {self.count} times "
-                                   f"(supervisor.max_restarts={self.max_restarts} exhausted)")
+                return LossVerdict(
+                    True,
+                    True,
+                    f"supervisor lost {self.count} times (supervisor.max_restarts={self.max_restarts} exhausted)",
+                )
             return LossVerdict(True, False)
         if now - self._down_since > self.restart_wait_s:
-            return LossVerdict(False, True, f"supervisor did not come back within {self.restart_wait_s:g} s "
-                               f"(supervisor.call_timeout_s) of its death {self.count}")
+            return LossVerdict(
+                False,
+                True,
+                f"supervisor did not come back within {self.restart_wait_s:g} s "
+                f"(supervisor.call_timeout_s) of its death {self.count}",
+            )
         return LossVerdict(False, False)

@@ -10,12 +10,14 @@ through restarts, heals, spare take-overs and resumes (the table lives in the su
 and every checkpoint manifest), so a site that grows or shrinks on a resume moves nobody else's
 stream. A fresh table numbers the ids cluster by cluster (`c0r0` = 0, `c0r1` = 1, ...).
 """
+
 from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 _REPLICA_ID = re.compile(r"^c(\d+)r(\d+)$")
 
@@ -49,6 +51,7 @@ def assign_indices(ids: list[str], known: Mapping[str, int] | None = None) -> di
 class Topology:
     """The sites and the index table: `Topology(clusters, replicas_per_cluster)`, or
     `Topology.of_sites(sizes)` where `replicas_per_cluster` is the largest site's size (`size(c)`)."""
+
     clusters: int
     replicas_per_cluster: int
     sizes: tuple[int, ...] = ()  # replicas per site; () = every site has replicas_per_cluster
@@ -68,11 +71,19 @@ class Topology:
         object.__setattr__(self, "_index", table)
 
     @classmethod
-    def of_sites(cls, sizes, *, min_replicas=(), labels=(), names=(),
-                 index_table: Mapping[str, int] | None = None) -> "Topology":
+    def of_sites(
+        cls, sizes, *, min_replicas=(), labels=(), names=(), index_table: Mapping[str, int] | None = None
+    ) -> Topology:
         sizes = tuple(int(n) for n in sizes)
-        return cls(len(sizes), max(sizes, default=0), sizes, tuple(min_replicas), tuple(labels), tuple(names),
-                   tuple((index_table or {}).items()))
+        return cls(
+            len(sizes),
+            max(sizes, default=0),
+            sizes,
+            tuple(min_replicas),
+            tuple(labels),
+            tuple(names),
+            tuple((index_table or {}).items()),
+        )
 
     @property
     def num_replicas(self) -> int:
@@ -117,24 +128,37 @@ class Topology:
     def cluster_of(self, rid: str) -> int:
         return parse_replica_id(rid)[0]
 
-    def with_site(self, replicas: int, *, label: str | None = None, name: str | None = None) -> "Topology":
+    def with_site(self, replicas: int, *, label: str | None = None, name: str | None = None) -> Topology:
         """This topology with one more site, `c<clusters>`, of `replicas` replicas (a site joining a
         running run: hsgd/core/site_requests.py). Every id keeps its index; the new ids get the next
         free ones after the largest ever given (a drained site's ids keep theirs)."""
+
         def padded(values: tuple) -> tuple:
             return tuple(values) + (None,) * (self.clusters - len(values))
 
-        return Topology.of_sites((*self.sizes, int(replicas)), min_replicas=(*padded(self.min_replicas), None),
-                                 labels=(*padded(self.labels), label), names=(*padded(self.names), name),
-                                 index_table=dict(self.index_table))
+        return Topology.of_sites(
+            (*self.sizes, int(replicas)),
+            min_replicas=(*padded(self.min_replicas), None),
+            labels=(*padded(self.labels), label),
+            names=(*padded(self.names), name),
+            index_table=dict(self.index_table),
+        )
 
     def describe(self) -> dict:
         """The summary's `topology` field: the sites, their sizes, labels and names."""
-        return {"sites": [{"replicas": n, "label": self.label(c),
-                           "name": self.names[c] if c < len(self.names) else None,
-                           "min_replicas": self.min_replicas[c] if c < len(self.min_replicas) else None}
-                          for c, n in enumerate(self.sizes)],
-                "sizes": list(self.sizes), "replicas": self.num_replicas}
+        return {
+            "sites": [
+                {
+                    "replicas": n,
+                    "label": self.label(c),
+                    "name": self.names[c] if c < len(self.names) else None,
+                    "min_replicas": self.min_replicas[c] if c < len(self.min_replicas) else None,
+                }
+                for c, n in enumerate(self.sizes)
+            ],
+            "sizes": list(self.sizes),
+            "replicas": self.num_replicas,
+        }
 
 
 def topology_of(cfg: Any, index_table: Mapping[str, int] | None = None) -> Topology:
@@ -144,9 +168,14 @@ def topology_of(cfg: Any, index_table: Mapping[str, int] | None = None) -> Topol
     t = cfg.topology
     sites = list(getattr(t, "sites", None) or [])
     if sites:
-        return Topology.of_sites([s.replicas for s in sites], min_replicas=[s.min_replicas for s in sites],
-                                 labels=[s.label for s in sites], names=[s.name for s in sites],
-                                 index_table=index_table)
+        return Topology.of_sites(
+            [s.replicas for s in sites],
+            min_replicas=[s.min_replicas for s in sites],
+            labels=[s.label for s in sites],
+            names=[s.name for s in sites],
+            index_table=index_table,
+        )
     labels = tuple(str(x) for x in (t.cluster_labels or []))
-    return Topology(int(t.clusters), int(t.replicas_per_cluster), labels=labels,
-                    index_table=tuple((index_table or {}).items()))
+    return Topology(
+        int(t.clusters), int(t.replicas_per_cluster), labels=labels, index_table=tuple((index_table or {}).items())
+    )

@@ -1,4 +1,5 @@
 """Console view of a running job: a tqdm bar over inner steps and one line per committed round."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hsgd.record.rundir import read_jsonl
 from hsgd.config.rounds import steps_per_round
+from hsgd.record.rundir import read_jsonl
 
 
 def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
@@ -17,20 +18,24 @@ def _num(value, fmt: str = ".4f", blank: str = "     -") -> str:
 def round_line(m: dict) -> str:
     """One console line per committed round (a round recorded late has no loss or throughput: '-')."""
     ev, loss = _num(m.get("eval_loss")), _num(m.get("loss"))
-    return (f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {loss} | eval {ev} | "
-            f"{m.get('tokens_per_s') or 0.0:8.0f} tok/s | live {m['live_replicas']} | epoch {m['epoch']} | "
-            f"outer {m['outer_bytes'] / 1e6:.2f} MB")
+    return (
+        f"round {m['round']:>4} | step {m['inner_step']:>6} | loss {loss} | eval {ev} | "
+        f"{m.get('tokens_per_s') or 0.0:8.0f} tok/s | live {m['live_replicas']} | epoch {m['epoch']} | "
+        f"outer {m['outer_bytes'] / 1e6:.2f} MB"
+    )
 
 
 class ProgressView:
     def __init__(self, cfg: Any, run_dir: str, enabled: bool = True):
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
-        self.bar = tqdm(total=cfg.train.rounds * steps_per_round(cfg), unit="step", dynamic_ncols=True, disable=not enabled)
+        self.bar = tqdm(
+            total=cfg.train.rounds * steps_per_round(cfg), unit="step", dynamic_ncols=True, disable=not enabled
+        )
         self.rounds_printed = len(read_jsonl(self.metrics_path))  # a resumed run's earlier rounds
 
     def update(self, status: dict) -> None:
-        for m in read_jsonl(self.metrics_path)[self.rounds_printed:]:
+        for m in read_jsonl(self.metrics_path)[self.rounds_printed :]:
             self.rounds_printed += 1
             line = round_line(m)
             if self.enabled:

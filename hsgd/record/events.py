@@ -2,6 +2,7 @@
 metrics.jsonl, written by `RunLog`. Events are typed: `EVENTS` names every event and the fields it
 always carries (more may follow); `RunLog.event` refuses an unknown name or a missing field.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,10 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "cluster_reform": ("cluster", "round", "epoch", "members", "reason"),
     "yield_requested": ("cluster", "round", "at_step", "replicas", "reason"),
     "round_plan": ("round", "steps", "step_s", "source"),
-    "outer_step_warning": ("round", "detail"),  # the global eval loss rose while every cluster's fell (once)  # sync.balance=steps: each cluster's inner steps
+    "outer_step_warning": (
+        "round",
+        "detail",
+    ),  # the global eval loss rose while every cluster's fell (once)  # sync.balance=steps: each cluster's inner steps
     "join_aborted": ("cluster", "round", "epoch", "prefix", "dead", "reason"),
     "commit_decision": ("round", "clusters"),  # every leader reduced: the round commits
     "commit": ("round", "epoch", "replicas", "digests_agree"),
@@ -51,8 +55,18 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "cluster_benched": ("cluster", "round", "reason"),
     "presumed_dead": ("rid", "reason"),
     "idle_replica_lost": ("rid", "round", "detail"),
-    "hang_detected": ("rid", "phase", "round", "cluster", "reason", "waited_s", "deadline_s", "stuck_in", "report",
-                      "waiting"),  # silent and not advancing past its limit; report under hangs/
+    "hang_detected": (
+        "rid",
+        "phase",
+        "round",
+        "cluster",
+        "reason",
+        "waited_s",
+        "deadline_s",
+        "stuck_in",
+        "report",
+        "waiting",
+    ),  # silent and not advancing past its limit; report under hangs/
     "kill": ("rid", "reason"),  # a replica is killed (restartable)
     "kill_failed": ("rid", "error"),  # already dead, most often
     "heal_begin": ("target", "source", "scope"),  # scope: full | global
@@ -225,7 +239,7 @@ class RunLog:
             wrote = True
             with self._lock:
                 if stream.generation == generation:
-                    del stream.pending[:len(lines)]
+                    del stream.pending[: len(lines)]
                     stream.rewrite = False
                 self._written += len(lines)
         return None if wrote else NO_WRITE
@@ -244,4 +258,3 @@ class RunLog:
         if self._warn is not None:
             with contextlib.suppress(Exception):  # the console is best effort too
                 self._warn(message)
-

@@ -1,10 +1,10 @@
 """Hang reports (`hangs/<time>-<rid>.txt`): which replica is stuck, in which function, and who waits
 on it, from the stack dumps of the broken group (py-spy, faulthandler, or the replica's own answer).
 """
+
 from __future__ import annotations
 
 import re
-
 
 # One frame of a stack dump, in the three formats we read:
 #   traceback:    File "/x/trainer.py", line 140, in run_inner
@@ -12,8 +12,16 @@ import re
 #   py-spy:       run_inner (hsgd/train/trainer.py:140)
 _TB = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>[\w<>.]+)')
 _SPY = re.compile(r"^\s+(?P<func>[\w<>.]+) \((?P<file>[^:()]+):(?P<line>\d+)\)")
-_PHASE_METHODS = ("run_inner", "cluster_average", "outer_reduce", "outer_commit", "save_checkpoint",
-                  "load_state", "inject", "_fire")
+_PHASE_METHODS = (
+    "run_inner",
+    "cluster_average",
+    "outer_reduce",
+    "outer_commit",
+    "save_checkpoint",
+    "load_state",
+    "inject",
+    "_fire",
+)
 
 
 def _frames(block: str) -> list[tuple[str, str, int]]:
@@ -37,8 +45,17 @@ def stuck_function(dump: str) -> str | None:
     return None
 
 
-def hang_report(*, rid: str, phase: str, round_index: int, waited_s: float, deadline_s: float,
-                peers: dict[str, str], dumps: dict[str, str], view: dict) -> str:
+def hang_report(
+    *,
+    rid: str,
+    phase: str,
+    round_index: int,
+    waited_s: float,
+    deadline_s: float,
+    peers: dict[str, str],
+    dumps: dict[str, str],
+    view: dict,
+) -> str:
     """The text of hangs/<time>-<rid>.txt. peers: rid -> what that peer was doing."""
     # everyone else in the call who did not finish was blocked on the stuck replica
     waiting = sorted(p for p, state in peers.items() if p != rid and state != "returned ok")

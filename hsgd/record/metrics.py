@@ -1,11 +1,21 @@
 """What a run reports (metrics.jsonl's records, summary.json's figures), as pure functions."""
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
-def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epoch: int, t: float,
-                 cluster_steps: list[int], cluster_tokens: list[int]) -> dict:
+def round_record(
+    run: Any,
+    *,
+    steps_per_round: int,
+    eval_loss: float | None,
+    epoch: int,
+    t: float,
+    cluster_steps: list[int],
+    cluster_tokens: list[int],
+) -> dict:
     """One line of metrics.jsonl for the committed round `run.r` (`run`: the round's record that the
     supervisor kept, actors/round_record.py). `run.losses`: every committed step's loss per replica
     in this round (steps redone after a failure count once, in the attempt that committed).
@@ -13,16 +23,27 @@ def round_record(run: Any, *, steps_per_round: int, eval_loss: float | None, epo
     `cluster_tokens`: the tokens each cluster's members at the commit trained in them."""
     all_losses = [x for v in run.losses.values() for x in v]
     inner_s = run.seconds.get("inner", 0.0)
-    return {"round": run.r, "inner_step": (run.r + 1) * steps_per_round,
-            "loss": sum(all_losses) / len(all_losses) if all_losses else None,
-            "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(run.losses.items()) if v},
-            "eval_loss": eval_loss, "tokens_per_s": run.tokens / inner_s if inner_s > 0 else None,
-            "inner_bytes": run.inner_bytes, "outer_bytes": run.outer_bytes,
-            "outer_link_s": sum(run.outer_link_s.values()), "outer_overlapped": run.outer_overlapped,
-            "live_replicas": len(run.commit_digests), "epoch": epoch, "attempts": run.attempts,
-            "phase_s": dict(run.seconds), "replica_digests": dict(run.commit_digests),
-            "global_digests": dict(run.global_digests), "cluster_steps": list(cluster_steps),
-            "cluster_tokens": list(cluster_tokens), "t": t}
+    return {
+        "round": run.r,
+        "inner_step": (run.r + 1) * steps_per_round,
+        "loss": sum(all_losses) / len(all_losses) if all_losses else None,
+        "replica_loss": {rid: sum(v) / len(v) for rid, v in sorted(run.losses.items()) if v},
+        "eval_loss": eval_loss,
+        "tokens_per_s": run.tokens / inner_s if inner_s > 0 else None,
+        "inner_bytes": run.inner_bytes,
+        "outer_bytes": run.outer_bytes,
+        "outer_link_s": sum(run.outer_link_s.values()),
+        "outer_overlapped": run.outer_overlapped,
+        "live_replicas": len(run.commit_digests),
+        "epoch": epoch,
+        "attempts": run.attempts,
+        "phase_s": dict(run.seconds),
+        "replica_digests": dict(run.commit_digests),
+        "global_digests": dict(run.global_digests),
+        "cluster_steps": list(cluster_steps),
+        "cluster_tokens": list(cluster_tokens),
+        "t": t,
+    }
 
 
 def committed_tokens(committed: Iterable[str], topology: Any, steps_of, tokens_per_step: int) -> list[int]:
@@ -32,15 +53,35 @@ def committed_tokens(committed: Iterable[str], topology: Any, steps_of, tokens_p
     return [at_commit.count(c) * steps_of(c) * tokens_per_step for c in range(topology.clusters)]
 
 
-def late_round_record(*, round_index: int, steps_per_round: int, live_replicas: int, epoch: int,
-                      digests: dict[str, str], eval_loss: float | None, t: float) -> dict:
+def late_round_record(
+    *,
+    round_index: int,
+    steps_per_round: int,
+    live_replicas: int,
+    epoch: int,
+    digests: dict[str, str],
+    eval_loss: float | None,
+    t: float,
+) -> dict:
     """metrics.jsonl's line for a round a supervisor committed but did not live to record (its
     successor records it on resume, `recovered`): what the replicas still tell, nothing invented."""
-    return {"round": round_index, "inner_step": (round_index + 1) * steps_per_round, "loss": None,
-            "replica_loss": {}, "eval_loss": eval_loss, "tokens_per_s": None, "inner_bytes": 0, "outer_bytes": 0,
-            "outer_link_s": None, "outer_overlapped": None,
-            "live_replicas": live_replicas, "epoch": epoch, "replica_digests": dict(digests), "recovered": True,
-            "t": t}
+    return {
+        "round": round_index,
+        "inner_step": (round_index + 1) * steps_per_round,
+        "loss": None,
+        "replica_loss": {},
+        "eval_loss": eval_loss,
+        "tokens_per_s": None,
+        "inner_bytes": 0,
+        "outer_bytes": 0,
+        "outer_link_s": None,
+        "outer_overlapped": None,
+        "live_replicas": live_replicas,
+        "epoch": epoch,
+        "replica_digests": dict(digests),
+        "recovered": True,
+        "t": t,
+    }
 
 
 def efficiencies(committed_steps: int, attempted_steps: int, participation: list[float]) -> tuple[float, float]:
@@ -96,97 +137,202 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     for f in sorted(fired, key=lambda f: f["t"]):
         t0, rid = f["t"], f["rid"]
         if f["kind"] == "nan":
-            i = next((i for i, e in enumerate(non_finite) if i not in explained and e["t"] >= t0 - _CLOCK_SKEW_S
-                      and rid in e.get("rids", (e.get("rid"),))), None)
+            i = next(
+                (
+                    i
+                    for i, e in enumerate(non_finite)
+                    if i not in explained and e["t"] >= t0 - _CLOCK_SKEW_S and rid in e.get("rids", (e.get("rid"),))
+                ),
+                None,
+            )
             detected = None if i is None else non_finite[i]
             explained.add(i)  # (None when nothing explained: never an index)
         else:
-            detected = next((e for e in events if e["t"] >= t0 and e["event"] in _DETECTIONS
-                             and (rid == "supervisor") == (e["event"] == "supervisor_start")
-                             and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")), None)
+            detected = next(
+                (
+                    e
+                    for e in events
+                    if e["t"] >= t0
+                    and e["event"] in _DETECTIONS
+                    and (rid == "supervisor") == (e["event"] == "supervisor_start")
+                    and (e.get("rid") in (rid, None) or e["event"] == "collective_failed")
+                ),
+                None,
+            )
         seen = detected or {}
-        figures.append({"source": "injected", "rid": rid, "kind": f["kind"],
-                        "cause": "non_finite" if seen.get("event") == "non_finite" else seen.get("cause"),
-                        "phase": f.get("phase"), "round": f.get("round"), "step": f.get("step"),
-                        "fired_at": t0, "detected_at": seen.get("t"),
-                        "detection_latency_s": None if detected is None else detected["t"] - t0,
-                        "detected_by": seen.get("event"), **_after(events, rid, t0, seen.get("t", t0))})
+        figures.append(
+            {
+                "source": "injected",
+                "rid": rid,
+                "kind": f["kind"],
+                "cause": "non_finite" if seen.get("event") == "non_finite" else seen.get("cause"),
+                "phase": f.get("phase"),
+                "round": f.get("round"),
+                "step": f.get("step"),
+                "fired_at": t0,
+                "detected_at": seen.get("t"),
+                "detection_latency_s": None if detected is None else detected["t"] - t0,
+                "detected_by": seen.get("event"),
+                **_after(events, rid, t0, seen.get("t", t0)),
+            }
+        )
     downs = _distinct_downs(events)
     claimed: set[int] = set()
     for f in sorted(fired, key=lambda f: f["t"]):
         if f["kind"] == "nan":
             continue  # it kills nobody: a down after it is another failure
-        first = next((i for i, d in enumerate(downs) if i not in claimed and d.get("rid") == f["rid"]
-                      and f["t"] - _CLOCK_SKEW_S <= d["t"] <= f["t"] + explain_window_s), None)
+        first = next(
+            (
+                i
+                for i, d in enumerate(downs)
+                if i not in claimed
+                and d.get("rid") == f["rid"]
+                and f["t"] - _CLOCK_SKEW_S <= d["t"] <= f["t"] + explain_window_s
+            ),
+            None,
+        )
         if first is not None:
             claimed.add(first)
-    figures += [_observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down")
-                for i, down in enumerate(downs) if i not in claimed]
-    figures += [_observed_fault(events, e, cause="non_finite", detected_by="non_finite")
-                for i, e in enumerate(non_finite) if i not in explained]
+    figures += [
+        _observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down")
+        for i, down in enumerate(downs)
+        if i not in claimed
+    ]
+    figures += [
+        _observed_fault(events, e, cause="non_finite", detected_by="non_finite")
+        for i, e in enumerate(non_finite)
+        if i not in explained
+    ]
     spare_deaths: dict[tuple, dict] = {}  # each death of a spare's process once (by spare and incarnation)
     for e in events:
         if e["event"] == "spare_lost":
             spare_deaths.setdefault((e.get("spare"), e.get("incarnation")), e)
-    figures += [_observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died",
-                                detected_by="spare_lost") for e in spare_deaths.values()]
+    figures += [
+        _observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died", detected_by="spare_lost")
+        for e in spare_deaths.values()
+    ]
     return figures
 
 
 def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:
     """A fault entry's recovery latency from t (to the survivors' next phase that completed with no
     failure after `detected_at`) and the figures of the next heal of `rid` after t."""
-    recovered = next((e for e in events if e["t"] > detected_at and e["event"] == "phase_end"
-                      and e.get("phase") in _PROGRESS_PHASES and not e.get("failed")), None)
+    recovered = next(
+        (
+            e
+            for e in events
+            if e["t"] > detected_at
+            and e["event"] == "phase_end"
+            and e.get("phase") in _PROGRESS_PHASES
+            and not e.get("failed")
+        ),
+        None,
+    )
     heal = next((e for e in events if e["t"] > t and e["event"] == "heal_end" and e.get("target") == rid), None)
-    return {"recovery_latency_s": None if recovered is None else recovered["t"] - t,
-            "heal_s": None if heal is None else heal.get("seconds"),
-            "heal_bytes": None if heal is None else heal.get("bytes")}
+    return {
+        "recovery_latency_s": None if recovered is None else recovered["t"] - t,
+        "heal_s": None if heal is None else heal.get("seconds"),
+        "heal_bytes": None if heal is None else heal.get("bytes"),
+    }
 
 
 def _observed_fault(events: list[dict], seen: dict, *, cause: str | None, detected_by: str) -> dict:
     """A fault entry for a failure no injected fault explains (`seen`: its replica_down or non_finite event)."""
     rid, t = seen["rid"], seen["t"]
-    return {"source": "observed", "rid": rid, "kind": "observed", "cause": cause,
-            "phase": seen.get("phase"), "round": seen.get("round"), "step": None,
-            "fired_at": None, "detected_at": t, "detection_latency_s": None, "detected_by": detected_by,
-            **_after(events, rid, t, t)}
+    return {
+        "source": "observed",
+        "rid": rid,
+        "kind": "observed",
+        "cause": cause,
+        "phase": seen.get("phase"),
+        "round": seen.get("round"),
+        "step": None,
+        "fired_at": None,
+        "detected_at": t,
+        "detection_latency_s": None,
+        "detected_by": detected_by,
+        **_after(events, rid, t, t),
+    }
 
 
-def run_summary(*, status: str, reason: str | None, durable: dict, steps_per_round: int, digests: dict[str, dict],
-                metrics: list[dict], fired: list[dict], events: list[dict], not_fired: list, committed_steps: int,
-                attempted_steps: int, participation: list[float], supervisor_started: float, now: float,
-                run_dir: str) -> dict:
+def run_summary(
+    *,
+    status: str,
+    reason: str | None,
+    durable: dict,
+    steps_per_round: int,
+    digests: dict[str, dict],
+    metrics: list[dict],
+    fired: list[dict],
+    events: list[dict],
+    not_fired: list,
+    committed_steps: int,
+    attempted_steps: int,
+    participation: list[float],
+    supervisor_started: float,
+    now: float,
+    run_dir: str,
+) -> dict:
     """summary.json: `fallback_summary`'s figures of the durable state and metrics, plus what only the
     live run knows. `digests`: each live replica's digests answer ({param, global, round})."""
-    summary = fallback_summary(status=status, reason=reason, durable=durable, metrics=metrics, now=now,
-                               steps_per_round=steps_per_round, run_dir=run_dir, supervisor_started=supervisor_started)
+    summary = fallback_summary(
+        status=status,
+        reason=reason,
+        durable=durable,
+        metrics=metrics,
+        now=now,
+        steps_per_round=steps_per_round,
+        run_dir=run_dir,
+        supervisor_started=supervisor_started,
+    )
     rounds = durable["committed_round"]
-    summary["step_efficiency"], summary["training_efficiency"] = efficiencies(committed_steps, attempted_steps,
-                                                                              participation)
+    summary["step_efficiency"], summary["training_efficiency"] = efficiencies(
+        committed_steps, attempted_steps, participation
+    )
     # the global digest from a replica holding the committed round (one restarted at the very end may not)
     holders = sorted(digests.values(), key=lambda d: d.get("round") != rounds)
-    summary.update(replica_param_digests={rid: d["param"] for rid, d in digests.items()},
-                   global_param_digest=next((d["global"] for d in holders if d.get("global")), None),
-                   faults=fault_figures(fired, events), faults_not_fired=not_fired)
+    summary.update(
+        replica_param_digests={rid: d["param"] for rid, d in digests.items()},
+        global_param_digest=next((d["global"] for d in holders if d.get("global")), None),
+        faults=fault_figures(fired, events),
+        faults_not_fired=not_fired,
+    )
     return summary
 
 
-def fallback_summary(*, status: str, reason: str | None, durable: dict, metrics: list[dict], steps_per_round: int,
-                     now: float, run_dir: str, supervisor_started: float | None = None) -> dict:
+def fallback_summary(
+    *,
+    status: str,
+    reason: str | None,
+    durable: dict,
+    metrics: list[dict],
+    steps_per_round: int,
+    now: float,
+    run_dir: str,
+    supervisor_started: float | None = None,
+) -> dict:
     """summary.json when run_summary cannot be had (the supervisor failed making it, or is gone): the
     same keys, from the durable state and metrics.jsonl; None (or empty) for what only the live run knew."""
     evals = [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None]
     rounds, started = durable.get("committed_round"), durable.get("started_at")
-    return {"status": status, "reason": reason, "rounds_committed": rounds,
-            "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
-            "initial_eval_loss": durable.get("initial_eval_loss"),
-            "final_eval_loss": evals[-1] if evals else None,
-            "wall_s": None if started is None else now - started,  # the whole run, across supervisor restarts
-            "supervisor_wall_s": None if supervisor_started is None else now - supervisor_started,
-            "replica_param_digests": {}, "global_param_digest": None,
-            "step_efficiency": None, "training_efficiency": None, "faults": [], "faults_not_fired": [],
-            "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
-            "supervisor_starts": durable.get("supervisor_starts", 0), "epoch": durable.get("epoch"),
-            "tokens_per_cluster": list(durable.get("tokens_per_cluster") or []),
-            "run_dir": run_dir}
+    return {
+        "status": status,
+        "reason": reason,
+        "rounds_committed": rounds,
+        "inner_steps_committed": None if rounds is None else rounds * steps_per_round,
+        "initial_eval_loss": durable.get("initial_eval_loss"),
+        "final_eval_loss": evals[-1] if evals else None,
+        "wall_s": None if started is None else now - started,  # the whole run, across supervisor restarts
+        "supervisor_wall_s": None if supervisor_started is None else now - supervisor_started,
+        "replica_param_digests": {},
+        "global_param_digest": None,
+        "step_efficiency": None,
+        "training_efficiency": None,
+        "faults": [],
+        "faults_not_fired": [],
+        "checkpoints_failed": int(durable.get("checkpoints_failed", 0)),
+        "supervisor_starts": durable.get("supervisor_starts", 0),
+        "epoch": durable.get("epoch"),
+        "tokens_per_cluster": list(durable.get("tokens_per_cluster") or []),
+        "run_dir": run_dir,
+    }

@@ -4,9 +4,10 @@ momentum for this many clusters and this H; DiLoCo's 0.7 / 0.9 were fitted to hu
 steps of 8 workers), not the data or the inner optimizer. The run says so once and changes nothing:
 a user's setting is never changed behind their back.
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 
 class OuterStepWatch:
@@ -21,8 +22,9 @@ class OuterStepWatch:
         self.seen: list[tuple[int, float, dict[int, tuple[float, float]]]] = []
         self.fired = False
 
-    def observe(self, round_index: int, eval_loss: float | None,
-                cluster_trend: Mapping[int, tuple[float, float]]) -> str | None:
+    def observe(
+        self, round_index: int, eval_loss: float | None, cluster_trend: Mapping[int, tuple[float, float]]
+    ) -> str | None:
         if self.fired or eval_loss is None:
             return None
         self.seen = (self.seen + [(round_index, float(eval_loss), dict(cluster_trend))])[-3:]
@@ -33,9 +35,11 @@ class OuterStepWatch:
         if not (e0 < e1 < e2) or not inner_fell:
             return None
         self.fired = True
-        return (f"the global eval loss rose across two outer steps in a row ({e0:.4f} -> {e1:.4f} -> {e2:.4f}, "
-                f"rounds {r0}..{r2}) while every cluster's own training loss fell inside those rounds: the outer "
-                f"step overshoots; try a smaller optim.outer.lr or optim.outer.momentum (now {self.knobs})")
+        return (
+            f"the global eval loss rose across two outer steps in a row ({e0:.4f} -> {e1:.4f} -> {e2:.4f}, "
+            f"rounds {r0}..{r2}) while every cluster's own training loss fell inside those rounds: the outer "
+            f"step overshoots; try a smaller optim.outer.lr or optim.outer.momentum (now {self.knobs})"
+        )
 
 
 def cluster_trends(losses: Mapping[str, list[float]], cluster_of) -> dict[int, tuple[float, float]]:

@@ -2,6 +2,7 @@
 functions are pure (files in, plain data out; times in seconds since the run's first event); tests
 check them, not pixels. A run still going, failed, or without faults or metrics yet draws what it has.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,15 @@ from hsgd.record.metrics import fault_figures
 from hsgd.record.rundir import read_json, read_jsonl
 
 SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")
-SPAN_COLOURS = {"inner": "#4c72b0", "inner_sync": "#8fb3e0", "outer": "#dd8452", "outer_commit": "#55a868",
-                "checkpoint": "#8172b3", "heal": "#e5c100", "down": "#555555"}
+SPAN_COLOURS = {
+    "inner": "#4c72b0",
+    "inner_sync": "#8fb3e0",
+    "outer": "#dd8452",
+    "outer_commit": "#55a868",
+    "checkpoint": "#8172b3",
+    "heal": "#e5c100",
+    "down": "#555555",
+}
 _DOWN_STYLE = {"hatch": "//", "edgecolor": "white"}  # "down" bars: hatched, so they read as absence
 
 
@@ -41,8 +49,11 @@ def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
         import yaml
 
         t = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["topology"]
-        sizes = ([int(site["replicas"]) for site in t["sites"]] if t.get("sites")
-                 else [int(t["replicas_per_cluster"])] * int(t["clusters"]))
+        sizes = (
+            [int(site["replicas"]) for site in t["sites"]]
+            if t.get("sites")
+            else [int(t["replicas_per_cluster"])] * int(t["clusters"])
+        )
         rids |= {replica_id(c, i) for c, n in enumerate(sizes) for i in range(n)}
     for e in events:
         for key in ("rid", "target", "source"):
@@ -50,7 +61,7 @@ def known_replicas(run_dir: str | Path, events: list[dict]) -> list[str]:
                 rids.add(e[key])
         rids |= set(e.get("replicas") or [])
         members = e.get("members") or {}
-        for group in (members.values() if isinstance(members, dict) else [members]):
+        for group in members.values() if isinstance(members, dict) else [members]:
             rids |= set(group)
         rids |= set(e.get("standby") or [])
     return sorted((r for r in rids if _rid_key(r)[0] == 0), key=_rid_key)
@@ -147,9 +158,15 @@ def timeline_data(run_dir: str | Path) -> dict:
     for rid, start in open_down.items():
         add(rid, start, end, "down")
     faults = [(f["t"] - t0, f.get("rid", "?"), f.get("kind", "?")) for f in fired]
-    return {"t0": t0, "end": end, "replicas": sorted(spans, key=_rid_key), "spans": spans, "faults": faults,
-            "recoveries": _recoveries(run_dir, fired, events, t0),
-            "supervisor_starts": [e["t"] - t0 for e in events if e.get("event") == "supervisor_start"][1:]}
+    return {
+        "t0": t0,
+        "end": end,
+        "replicas": sorted(spans, key=_rid_key),
+        "spans": spans,
+        "faults": faults,
+        "recoveries": _recoveries(run_dir, fired, events, t0),
+        "supervisor_starts": [e["t"] - t0 for e in events if e.get("event") == "supervisor_start"][1:],
+    }
 
 
 def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float) -> list[tuple[float, float]]:
@@ -157,16 +174,21 @@ def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float)
     figures = read_json(run_dir / "summary.json").get("faults") or []
     if not any("fired_at" in f for f in figures):
         figures = fault_figures(fired, events) if fired else []
-    return [(f["fired_at"] - t0, f["fired_at"] + f["recovery_latency_s"] - t0) for f in figures
-            if f.get("fired_at") is not None and f.get("recovery_latency_s") is not None]
+    return [
+        (f["fired_at"] - t0, f["fired_at"] + f["recovery_latency_s"] - t0)
+        for f in figures
+        if f.get("fired_at") is not None and f.get("recovery_latency_s") is not None
+    ]
 
 
 def site_changes(events: list[dict], t0: float) -> list[tuple[float, str, str]]:
     """Every applied join and drain (`site_request` events), and each added site taking part (`site_up`,
     kind `joined`): [(t, kind, cluster)], in time order."""
-    return [(e["t"] - t0, "joined" if e.get("event") == "site_up" else str(e.get("kind")), str(e.get("cluster")))
-            for e in events if (e.get("event") == "site_request" and e.get("outcome") == "applied")
-            or e.get("event") == "site_up"]
+    return [
+        (e["t"] - t0, "joined" if e.get("event") == "site_up" else str(e.get("kind")), str(e.get("cluster")))
+        for e in events
+        if (e.get("event") == "site_request" and e.get("outcome") == "applied") or e.get("event") == "site_up"
+    ]
 
 
 def membership_data(run_dir: str | Path) -> dict:
@@ -188,16 +210,26 @@ def membership_data(run_dir: str | Path) -> dict:
         states.append((t, next((s for ts, s in reversed(states) if ts <= t), {})))
     for t, state in sorted(states, key=lambda ts: ts[0]):
         for c in clusters:
-            n = 0 if c in drained_at and t >= drained_at[c] else sum(
-                1 for rid, s in state.items() if s != "down" and _cluster(rid) == c)
+            n = (
+                0
+                if c in drained_at and t >= drained_at[c]
+                else sum(1 for rid, s in state.items() if s != "down" and _cluster(rid) == c)
+            )
             if n != series[c][-1][1]:
                 series[c].append((t, n))
     for points in series.values():
         points.append((max(end, points[-1][0]), points[-1][1]))
     size = {c: sum(1 for r in rids if _cluster(r) == c) for c in clusters}
     epochs = [(e["t"] - t0, e.get("epoch")) for e in events if e.get("event") == "membership"]
-    return {"t0": t0, "end": end, "clusters": series, "size": size, "epochs": epochs, "faults": timeline["faults"],
-            "sites": sites}
+    return {
+        "t0": t0,
+        "end": end,
+        "clusters": series,
+        "size": size,
+        "epochs": epochs,
+        "faults": timeline["faults"],
+        "sites": sites,
+    }
 
 
 def _fault_step(fault: dict, metrics: list[dict], spr: int) -> int:
@@ -218,8 +250,11 @@ def loss_plot_data(run_dir: str | Path) -> dict:
         for rid, loss in (m.get("replica_loss") or {}).items():
             per_replica.setdefault(rid, []).append((m["inner_step"], loss))
     evals = [(m["inner_step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
-    initial = [e["eval_loss"] for e in read_jsonl(run_dir / "events.jsonl")
-               if e.get("event") == "initial_eval" and e.get("eval_loss") is not None]
+    initial = [
+        e["eval_loss"]
+        for e in read_jsonl(run_dir / "events.jsonl")
+        if e.get("event") == "initial_eval" and e.get("eval_loss") is not None
+    ]
     if initial:  # the global model before any step
         evals.insert(0, (0, initial[0]))
     faults = read_jsonl(run_dir / "faults_fired.jsonl")
@@ -260,8 +295,16 @@ def write_loss_png(run_dir: str | Path) -> Path:
         ax.text(0.5, 0.5, "no committed rounds yet", transform=ax.transAxes, ha="center", color="grey")
     for step, label in data["faults"]:
         ax.axvline(step, color="red", ls="--", lw=1)
-        ax.annotate(label, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
-                    fontsize=8, color="red")
+        ax.annotate(
+            label,
+            (step, 0.98),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color="red",
+        )
     ax.set(xlabel="inner step", ylabel="cross-entropy loss")
     ax.set_title("train loss per replica (round mean) and eval loss of the global model", fontsize=10)
     ax.grid(alpha=0.3)
@@ -286,8 +329,13 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         for kind in SPAN_KINDS:
             bars = [(s, max(e - s, min_w)) for s, e, k in data["spans"].get(rid, []) if k == kind]
             if bars:
-                ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=SPAN_COLOURS[kind], lw=0,
-                               **(_DOWN_STYLE if kind == "down" else {}))
+                ax.broken_barh(
+                    bars,
+                    (i - 0.35, 0.7),
+                    facecolors=SPAN_COLOURS[kind],
+                    lw=0,
+                    **(_DOWN_STYLE if kind == "down" else {}),
+                )
     for start, stop in data["recoveries"]:
         ax.axvspan(start, stop, color="red", alpha=0.15, lw=0, zorder=0)
     for t in data["supervisor_starts"]:
@@ -295,18 +343,36 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     for t, rid, kind in data["faults"]:
         y = rows.index(rid) if rid in rows else len(rows) - 1
         ax.plot([t], [y], marker="X", color="red", ms=11, mec="white", mew=1, ls="", zorder=5)
-        ax.annotate(f"{kind} {rid}", (t, y), xytext=(8, 0), textcoords="offset points", ha="left", va="center",
-                    fontsize=8, color="red", fontweight="bold", zorder=6,
-                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "red", "lw": 0.5, "alpha": 0.9})
+        ax.annotate(
+            f"{kind} {rid}",
+            (t, y),
+            xytext=(8, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            fontsize=8,
+            color="red",
+            fontweight="bold",
+            zorder=6,
+            bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "red", "lw": 0.5, "alpha": 0.9},
+        )
     ax.set_yticks(range(len(rows)), rows)
     ax.set(ylim=(len(rows) - 0.4 + 0.3, -0.6), xlim=(0, end * 1.01), xlabel="seconds since run start")
     ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == "down" else {}))
-               for k in SPAN_KINDS]
+    handles = [
+        Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == "down" else {}))
+        for k in SPAN_KINDS
+    ]
     handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
-    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center",
-              bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12), frameon=False)
+    ax.legend(
+        handles=handles,
+        fontsize=8,
+        ncol=len(handles),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12),
+        frameon=False,
+    )
     return save_png(fig, Path(run_dir) / "timeline.png")
 
 
@@ -317,8 +383,13 @@ def write_membership_png(run_dir: str | Path) -> Path:
     n = max(len(data["clusters"]), 1)
     for i, (cluster, points) in enumerate(data["clusters"].items()):
         offset = (i - (n - 1) / 2) * 0.04  # keep equal counts of different clusters apart
-        ax.step([p[0] for p in points], [p[1] + offset for p in points], where="post", lw=2,
-                label=f"{cluster} ({data['size'].get(cluster, '?')} replicas)")
+        ax.step(
+            [p[0] for p in points],
+            [p[1] + offset for p in points],
+            where="post",
+            lw=2,
+            label=f"{cluster} ({data['size'].get(cluster, '?')} replicas)",
+        )
     top = max(list(data["size"].values()) or [1])
     for t, epoch in data["epochs"]:
         ax.axvline(t, color="grey", ls=":", lw=1)
@@ -328,12 +399,18 @@ def write_membership_png(run_dir: str | Path) -> Path:
         ax.annotate(f"{kind} {rid}", (t, 0.1), rotation=90, ha="right", va="bottom", fontsize=8, color="red")
     for t, kind, cluster in data["sites"]:
         ax.axvline(t, color="green", ls="-.", lw=1.2)
-        ax.annotate(f"{kind} {cluster}", (t, top + 0.1), rotation=90, ha="right", va="top", fontsize=8,
-                    color="green")
-    ax.set(ylim=(-0.2, top + 0.6), yticks=range(top + 1), xlim=(0, max(data["end"], 1e-3) * 1.01),
-           xlabel="seconds since run start", ylabel="live replicas")
-    ax.set_title("live replicas per cluster (dotted: membership epochs; red: faults; green: sites joining "
-                 "or drained)", fontsize=10)
+        ax.annotate(f"{kind} {cluster}", (t, top + 0.1), rotation=90, ha="right", va="top", fontsize=8, color="green")
+    ax.set(
+        ylim=(-0.2, top + 0.6),
+        yticks=range(top + 1),
+        xlim=(0, max(data["end"], 1e-3) * 1.01),
+        xlabel="seconds since run start",
+        ylabel="live replicas",
+    )
+    ax.set_title(
+        "live replicas per cluster (dotted: membership epochs; red: faults; green: sites joining or drained)",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     if data["clusters"]:
         ax.legend(fontsize=8, loc="lower right")

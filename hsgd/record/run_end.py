@@ -1,5 +1,6 @@
 """A run never ends without its summary: the driver's summary when the supervisor could not make
 one (`driver_summary`), and `ensure_summary`, which leaves summary.json holding it or prints it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,13 +23,25 @@ def driver_summary(run_dir: str, cfg, reason: str) -> dict:
     try:
         durable, metrics = call_with_deadline(
             lambda: (read_json(Path(run_dir) / STATE_FILE), read_jsonl(Path(run_dir) / "metrics.jsonl")),
-            DRIVER_IO_S, f"reading {run_dir}")
+            DRIVER_IO_S,
+            f"reading {run_dir}",
+        )
     except Exception:  # noqa: BLE001 — the folder itself is gone or hung: what is known is the reason
         durable, metrics = {}, []
-    summary = fallback_summary(status="failed", reason=reason, durable=durable, metrics=metrics,
-                               steps_per_round=steps_per_round(cfg), now=time.time(), run_dir=run_dir)
-    return {**summary, "topology": topology_of(cfg, durable.get("replica_indices")).describe(),
-            "replicas_quarantined": len(durable.get("quarantined") or {})}
+    summary = fallback_summary(
+        status="failed",
+        reason=reason,
+        durable=durable,
+        metrics=metrics,
+        steps_per_round=steps_per_round(cfg),
+        now=time.time(),
+        run_dir=run_dir,
+    )
+    return {
+        **summary,
+        "topology": topology_of(cfg, durable.get("replica_indices")).describe(),
+        "replicas_quarantined": len(durable.get("quarantined") or {}),
+    }
 
 
 def ensure_summary(run_dir: str, summary: dict) -> None:
@@ -41,9 +54,15 @@ def ensure_summary(run_dir: str, summary: dict) -> None:
         if call_with_deadline(lambda: path.read_text(encoding="utf-8"), DRIVER_IO_S, f"reading {path}") == text:
             return  # the supervisor wrote it
     try:
-        call_with_deadline(lambda: atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True)),
-                           DRIVER_IO_S, f"writing {path}")
+        call_with_deadline(
+            lambda: atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True)),
+            DRIVER_IO_S,
+            f"writing {path}",
+        )
     except Exception as err:  # noqa: BLE001 — OSError, TimeoutError, or a summary json cannot hold
-        print(f"[hsgd] summary.json could not be written to {run_dir} ({type(err).__name__}: {err}); "
-              f"the summary follows as one JSON line:", flush=True)
+        print(
+            f"[hsgd] summary.json could not be written to {run_dir} ({type(err).__name__}: {err}); "
+            f"the summary follows as one JSON line:",
+            flush=True,
+        )
         print(json.dumps(summary, sort_keys=True, default=str), flush=True)

@@ -2,6 +2,7 @@
 The supervisor saves it whole whenever it changes; the driver writes the first (`begin`) and reads
 it when the supervisor is gone. Its file name and JSON keys never change: an older run folder resumes.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ class RunState:
     replica_indices: dict[str, int] = field(default_factory=dict)  # rid -> global index, for the whole run
     death_times: dict[str, list[float]] = field(default_factory=dict)  # each replica's recent deaths (quarantine)
     quarantined: dict[str, dict] = field(default_factory=dict)
-    round_plan: dict = field(default_factory=dict)  # sync.balance=steps: the latest round's StepPlan (a successor follows it)
+    round_plan: dict = field(
+        default_factory=dict
+    )  # sync.balance=steps: the latest round's StepPlan (a successor follows it)
     tokens_per_cluster: list[int] = field(default_factory=list)  # committed rounds' tokens, per cluster
 
     def to_dict(self) -> dict:
@@ -53,7 +56,7 @@ class RunState:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def read(cls, run_dir: str | Path) -> "RunState":
+    def read(cls, run_dir: str | Path) -> RunState:
         """Whatever state the folder holds: unknown keys ignored, absent ones defaulted (all of them
         when the file is absent or unreadable)."""
         raw = read_json(Path(run_dir) / STATE_FILE)
@@ -63,7 +66,7 @@ class RunState:
         return state
 
     @classmethod
-    def load(cls, run_dir: str | Path, run_id: str) -> "RunState":
+    def load(cls, run_dir: str | Path, run_id: str) -> RunState:
         """This run's state; another run's (or none) is never loaded: a fresh one for run_id."""
         state = cls.read(run_dir)
         return state if state.run_id == run_id else cls(run_id=run_id)
@@ -73,7 +76,7 @@ class RunState:
         atomic_write_text(Path(run_dir) / STATE_FILE, self.to_json())
 
     @classmethod
-    def begin(cls, run_dir: str | Path, run_id: str, fingerprint: dict, *, resumed: bool) -> "RunState":
+    def begin(cls, run_dir: str | Path, run_id: str, fingerprint: dict, *, resumed: bool) -> RunState:
         """A run's first state (the driver's, before the supervisor starts); a resumed run keeps the old
         state's epoch, fired faults and initial eval loss (its view of replicas is stale)."""
         state = cls(run_id=run_id, fingerprint=fingerprint)

@@ -2,6 +2,7 @@
 name in the same folder, fsynced and renamed into place (a crash leaves the old file or the new
 one); a JSON-lines append is all or nothing; `FolderWriter` does a folder's writes with a deadline.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,8 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -43,7 +44,7 @@ def append_lines(path: str | Path, data: str) -> None:
         try:
             view = memoryview(blob)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
@@ -101,8 +102,14 @@ class FolderWriter:
         self._thread = threading.Thread(target=self._loop, name="hsgd-folder-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: object, fn: Callable[[], object], wait: bool = True, deadline_s: float | None = None,
-               counts: bool = True):
+    def submit(
+        self,
+        key: object,
+        fn: Callable[[], object],
+        wait: bool = True,
+        deadline_s: float | None = None,
+        counts: bool = True,
+    ):
         """`counts`: the job is a write whose outcome tells the folder's health (a read is not)."""
         with self._lock:
             job = self._queued.get(key)
@@ -199,11 +206,16 @@ def write_deadline_s(io_grace_s: float) -> float:
     return max(0.2, min(5.0, io_grace_s / 4))
 
 
-def write_fault_fired(writer: FolderWriter, run_dir: str | Path, rid: str, kind: str, phase: str, round_index,
-                      step, **extra) -> bool:
+def write_fault_fired(
+    writer: FolderWriter, run_dir: str | Path, rid: str, kind: str, phase: str, round_index, step, **extra
+) -> bool:
     """The one writer of faults_fired.jsonl (the supervisor's RunLog writer, a replica's own, the
     drill's): one line per fault as it fired, appended whole through `writer`, waiting at most its
     deadline. False when the line is not written in time (the fault fires all the same)."""
-    line = json.dumps({"t": time.time(), "rid": rid, "kind": kind, "phase": phase, "round": round_index,
-                       "step": step, **extra}) + "\n"
+    line = (
+        json.dumps(
+            {"t": time.time(), "rid": rid, "kind": kind, "phase": phase, "round": round_index, "step": step, **extra}
+        )
+        + "\n"
+    )
     return bool(writer.submit(object(), lambda: append_lines(Path(run_dir) / "faults_fired.jsonl", line)))

@@ -9,6 +9,7 @@
 - A daemon thread refreshes the lock every REFRESH_S; it stops when the lock no longer names this
   run (taken over after this one stalled) and says so in `lost`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +76,9 @@ def describe(info: dict) -> str:
     if not info:
         return "a run whose lock is being written"
     age = time.time() - float(info.get("refreshed_at") or 0.0)
-    return (f"run {info.get('run_id')} (pid {info.get('pid')} on {info.get('host')}, "
-            f"refreshed {max(0.0, age):.0f} s ago)")
+    return (
+        f"run {info.get('run_id')} (pid {info.get('pid')} on {info.get('host')}, refreshed {max(0.0, age):.0f} s ago)"
+    )
 
 
 def check(run_dir: str | Path, takeover: bool) -> None:
@@ -92,8 +94,10 @@ def _refuse(run_dir, info: dict, reason: str | None, takeover: bool) -> None:
     if reason is None:
         raise RunLocked(f"{run_dir} is in use by {describe(info)}; wait for it to end or choose another run.dir")
     if not takeover:
-        raise RunLocked(f"{run_dir} holds the stale lock of run {info.get('run_id')} ({reason}); "
-                        f"add train.resume=true to take it over and resume")
+        raise RunLocked(
+            f"{run_dir} holds the stale lock of run {info.get('run_id')} ({reason}); "
+            f"add train.resume=true to take it over and resume"
+        )
 
 
 class RunLock:
@@ -108,8 +112,15 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def _content(self) -> str:
-        return json.dumps({"run_id": self.run_id, "host": self.host, "pid": self.pid,
-                           "started_at": self.started_at, "refreshed_at": time.time()})
+        return json.dumps(
+            {
+                "run_id": self.run_id,
+                "host": self.host,
+                "pid": self.pid,
+                "started_at": self.started_at,
+                "refreshed_at": time.time(),
+            }
+        )
 
     def _create(self) -> bool:
         try:
@@ -123,7 +134,7 @@ class RunLock:
             os.close(fd)
         return True
 
-    def acquire(self, takeover: bool) -> "RunLock":
+    def acquire(self, takeover: bool) -> RunLock:
         """Hold the lock or raise RunLocked (one line). With `takeover`, a stale lock is replaced
         (`taken_over` holds what it said). Starts the refresher."""
         for _ in range(3):  # a lock removed between our O_EXCL and our read: try again
@@ -168,6 +179,7 @@ class RunLock:
             while not self._stop.wait(self.refresh_s):
                 if not self.refresh():
                     return
+
         self._thread = threading.Thread(target=loop, name="hsgd-runlock", daemon=True)
         self._thread.start()
 

@@ -2,6 +2,7 @@
 collectives all succeeded). Line-buffered: a SIGKILL loses no line already written. A failed write
 turns the log off for the rest of the process: the timeline never stops training.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ class StepLog:
         if self.file is None:
             return
         try:
-            self.file.write(json.dumps({"replica": self.replica, "step": int(step), "t": time.time(),
-                                        "pid": os.getpid()}) + "\n")
+            self.file.write(
+                json.dumps({"replica": self.replica, "step": int(step), "t": time.time(), "pid": os.getpid()}) + "\n"
+            )
         except (OSError, ValueError):  # a full disk, a closed file
             self.file = None
 

@@ -1,9 +1,11 @@
 """Weights & Biases logging of the supervisor's global view, one run per job (README, "wandb").
 Rounds and inner steps are both step axes."""
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hsgd.record.rundir import call_with_deadline
 
@@ -13,8 +15,15 @@ class WandbSink:
     (offline) or to the network (online), and either can fail or hang. The first failure turns the
     sink off (`on_error(what, error)` tells the caller once); `finish` waits at most `finish_s`."""
 
-    def __init__(self, cfg: Any, run_dir: str, resolved_config: dict, *,
-                 on_error: Callable[[str, str], None] | None = None, finish_s: float = 30.0):
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str,
+        resolved_config: dict,
+        *,
+        on_error: Callable[[str, str], None] | None = None,
+        finish_s: float = 30.0,
+    ):
         self.run = None
         self._on_error, self.finish_s = on_error, finish_s
         mode = cfg.logging.wandb.mode
@@ -24,9 +33,16 @@ class WandbSink:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity,
-                                  group=cfg.logging.wandb.group or cfg.run.name, name=os.path.basename(run_dir),
-                                  dir=run_dir, mode=mode, config=resolved_config, reinit="finish_previous")
+            self.run = wandb.init(
+                project=cfg.logging.wandb.project,
+                entity=cfg.logging.wandb.entity,
+                group=cfg.logging.wandb.group or cfg.run.name,
+                name=os.path.basename(run_dir),
+                dir=run_dir,
+                mode=mode,
+                config=resolved_config,
+                reinit="finish_previous",
+            )
             self.run.define_metric("round")
             self.run.define_metric("inner_step")
             for key in ("loss", "eval_loss", "tokens_per_s", "live_replicas", "epoch"):

@@ -20,6 +20,7 @@ After a failure anywhere in between, `disarm()` drops the in-flight work (never 
   the buckets within the collective timeout; the inner group is then aborted until re-formed.
 - A group of one launches nothing and leaves p.grad as it is (it already is the mean).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -102,7 +103,7 @@ class GradBuckets:
             return
         try:
             with self._lock:
-                for b in self.buckets[self._next:]:
+                for b in self.buckets[self._next :]:
                     for i in set(b.members) - b.ready:
                         self._fill(b, i)
                 self._launch_ready()
@@ -115,7 +116,7 @@ class GradBuckets:
                     b.result.div_(group.world_size)
                     for i in b.members:
                         p = self.params[i]
-                        mean = b.result[b.offsets[i]:b.offsets[i] + p.numel()].view_as(p)
+                        mean = b.result[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
                         if p.grad is None:
                             p.grad = mean.to(p.device, copy=True)
                         else:
@@ -150,11 +151,12 @@ class GradBuckets:
                     return  # a second backward while armed: the first copy stands (maybe launched)
                 self._fill(b, i)
                 self._launch_ready()
+
         return hook
 
     def _fill(self, b: _Bucket, i: int) -> None:
         p = self.params[i]
-        view = b.flat[b.offsets[i]:b.offsets[i] + p.numel()]
+        view = b.flat[b.offsets[i] : b.offsets[i] + p.numel()]
         with torch.no_grad():
             if p.grad is None:
                 view.zero_()
@@ -164,7 +166,7 @@ class GradBuckets:
 
     def _launch_ready(self) -> None:
         """Launch full buckets in bucket order; record (never raise) a failure, then launch no more."""
-        for b in self.buckets[self._next:]:
+        for b in self.buckets[self._next :]:
             if self._error is not None or len(b.ready) < len(b.members):
                 return
             try:

@@ -34,6 +34,7 @@ kept one of either format, its reason recorded. An unknown `format` is refused l
 file. Files load with `torch.load(weights_only=True)`: a foreign file is an error, never code
 execution.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,9 +43,9 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -187,8 +188,11 @@ def finalize(temp_dir: str | Path, manifest: dict, replica_rounds: dict[str, int
 def finalized(root: str | Path) -> list[str]:
     """Every finalized checkpoint directory (it has a manifest), oldest first."""
     fs, _ = url_to_fs(root)
-    return [join_url(root, name) for name in _names(root)
-            if _round_of(name) is not None and fs.isfile(url_to_fs(join_url(root, f"{name}/{MANIFEST}"))[1])]
+    return [
+        join_url(root, name)
+        for name in _names(root)
+        if _round_of(name) is not None and fs.isfile(url_to_fs(join_url(root, f"{name}/{MANIFEST}"))[1])
+    ]
 
 
 def read_manifest(directory: str | Path) -> dict:
@@ -203,8 +207,9 @@ def format_of(manifest: dict) -> str:
     checkpoints) or DCP_FORMAT (sharded, dcp_checkpoint.py); CheckpointError for anything else."""
     written = manifest.get("format", FILE_FORMAT)
     if written not in (FILE_FORMAT, DCP_FORMAT):
-        raise CheckpointError(f"checkpoint format {written!r} is not one this hsgd reads "
-                              f"({FILE_FORMAT!r} or {DCP_FORMAT!r})")
+        raise CheckpointError(
+            f"checkpoint format {written!r} is not one this hsgd reads ({FILE_FORMAT!r} or {DCP_FORMAT!r})"
+        )
     return written
 
 
@@ -261,8 +266,10 @@ def verify_sharded_replica(directory: str | Path, rid: str, expected_sha256: str
     except OSError as err:
         raise CheckpointError(f"checkpoint file {join_url(replica_dir, MANIFEST)} is unreadable: {err}") from err
     if expected_sha256 and actual != expected_sha256:
-        raise CheckpointError(f"checkpoint file {join_url(replica_dir, MANIFEST)} does not match the run "
-                              f"manifest's sha256 (corrupt or replaced)")
+        raise CheckpointError(
+            f"checkpoint file {join_url(replica_dir, MANIFEST)} does not match the run "
+            f"manifest's sha256 (corrupt or replaced)"
+        )
     return found
 
 
@@ -270,6 +277,7 @@ def verify_sharded_replica(directory: str | Path, rid: str, expected_sha256: str
 class Choice:
     """What `choose` found: the checkpoint (None when none is usable), the newer ones passed over
     (directory, reason), and how a verified checkpoint's config differs from this one's."""
+
     path: str | None
     manifest: dict | None
     skipped: tuple[tuple[str, str], ...] = ()
@@ -286,8 +294,14 @@ class Choice:
         return ranks_of(self.manifest) if self.manifest is not None else None
 
 
-def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_config: bool = True,
-           on_skip: Callable[[str, str], None] | None = None, formats: tuple[str, ...] | None = None) -> Choice:
+def choose(
+    root: str | Path,
+    fingerprint: dict | None = None,
+    *,
+    skip_other_config: bool = True,
+    on_skip: Callable[[str, str], None] | None = None,
+    formats: tuple[str, ...] | None = None,
+) -> Choice:
     """The one checkpoint chooser, for a resume and a restore after a total loss alike: the newest
     that `verify`s, calling on_skip(directory, reason) for each newer one passed over. Against
     `fingerprint`, `skip_other_config` (a restore) passes over one another config wrote; else (a
@@ -301,8 +315,10 @@ def choose(root: str | Path, fingerprint: dict | None = None, *, skip_other_conf
             reason = str(err)
         else:
             if formats is not None and format_of(manifest) not in formats:
-                reason = (f"a {format_of(manifest)} checkpoint of {ranks_of(manifest)} ranks per replica; "
-                          f"this launcher loads {', '.join(formats)} checkpoints only (issue 34)")
+                reason = (
+                    f"a {format_of(manifest)} checkpoint of {ranks_of(manifest)} ranks per replica; "
+                    f"this launcher loads {', '.join(formats)} checkpoints only (issue 34)"
+                )
                 skipped.append((directory, reason))
                 if on_skip is not None:
                     on_skip(directory, reason)
@@ -346,7 +362,7 @@ def prune(root: str | Path, keep: int, owner: str = "") -> None:
         if owner and f".tmp-{safe_owner(owner)}-" in name:
             remove(join_url(root, name))
     done = finalized(root)
-    for directory in done[:-max(1, keep)]:
+    for directory in done[: -max(1, keep)]:
         remove(directory)
     if done:
         newest = _round_of(done[-1].rsplit("/", 1)[-1])
@@ -384,10 +400,25 @@ def read_reach_nonce(url: str, nonce: str) -> str | None:
 
 
 # -- what a resume may not change -----------------------------------------------------------------
-FINGERPRINT_FIELDS = ("model._target_", "model.args", "model.n_layer", "model.n_head", "model.n_embd",
-                      "model.block_size", "data._target_", "data.vocab_size", "data.path", "sync.inner",
-                      "sync.outer", "sync.outer_every", "sync.fragments", "optim.inner.name", "optim.outer.lr",
-                      "optim.outer.momentum", "optim.outer.nesterov")
+FINGERPRINT_FIELDS = (
+    "model._target_",
+    "model.args",
+    "model.n_layer",
+    "model.n_head",
+    "model.n_embd",
+    "model.block_size",
+    "data._target_",
+    "data.vocab_size",
+    "data.path",
+    "sync.inner",
+    "sync.outer",
+    "sync.outer_every",
+    "sync.fragments",
+    "optim.inner.name",
+    "optim.outer.lr",
+    "optim.outer.momentum",
+    "optim.outer.nesterov",
+)
 
 
 def fingerprint(cfg) -> dict:
@@ -420,5 +451,6 @@ def fingerprint_diff(saved: dict | None, now: dict) -> list[str]:
     that a manifest without a fingerprint, written before fingerprints existed, is not checked)."""
     if not saved:
         return []
-    return [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
+    return [
+        f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+    ]

@@ -8,14 +8,16 @@ leftovers, and every folder removal tolerates an absent folder (`remove`). Its o
 checkpoint.py reads sharded checkpoints through dcp_checkpoint.py: sharing these through either one
 would make an import cycle. No torch here: file-only readers (jobs.status) start fast.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem

@@ -32,14 +32,15 @@ the trainer heals and checkpoints it with the outer optimizer state.
 
 Encoding is deterministic. Non-finite input is not handled: the trainer never sends it.
 """
+
 from __future__ import annotations
 
 import torch
 
 CODECS = ("none", "bf16", "int8", "int4", "topk")
-QUANT_BLOCK = 256     # int8/int4: elements per scale
-TOPK_CHUNK = 4096     # topk: elements per chunk (indices are int16 within a chunk, so <= 32768)
-ALIGN = 4096          # every codec's block divides it: lcm(1, 256, 4096)
+QUANT_BLOCK = 256  # int8/int4: elements per scale
+TOPK_CHUNK = 4096  # topk: elements per chunk (indices are int16 within a chunk, so <= 32768)
+ALIGN = 4096  # every codec's block divides it: lcm(1, 256, 4096)
 
 
 class Codec:
@@ -58,8 +59,10 @@ class Codec:
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.dim() != 1 or flat.dtype != torch.float32 or flat.device.type != "cpu":
-            raise ValueError(f"codec {self.name}: encode takes a 1-D fp32 CPU tensor, "
-                             f"got {tuple(flat.shape)} {flat.dtype} on {flat.device}")
+            raise ValueError(
+                f"codec {self.name}: encode takes a 1-D fp32 CPU tensor, "
+                f"got {tuple(flat.shape)} {flat.dtype} on {flat.device}"
+            )
         flat, full = flat.contiguous(), flat.numel() // self.block * self.block
         parts = [self._encode_rows(flat[:full].view(-1, self.block)).reshape(-1)]
         if full < flat.numel():
@@ -68,8 +71,9 @@ class Codec:
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         if payload.dim() != 1 or payload.dtype != torch.uint8:
-            raise ValueError(f"codec {self.name}: decode takes a 1-D uint8 tensor, got {tuple(payload.shape)} "
-                             f"{payload.dtype}")
+            raise ValueError(
+                f"codec {self.name}: decode takes a 1-D uint8 tensor, got {tuple(payload.shape)} {payload.dtype}"
+            )
         want = self.payload_bytes(numel)
         if payload.numel() != want:
             raise ValueError(f"codec {self.name}: payload of {payload.numel()} bytes, {numel} elements need {want}")
@@ -120,20 +124,23 @@ class _Quantize(Codec):
         return 4 + -(-numel * self.bits // 8)
 
     def _encode_rows(self, x):
-        scale = x.abs().amax(dim=1) / self.qmax                           # (blocks,)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))      # all-zero block: q = 0
+        scale = x.abs().amax(dim=1) / self.qmax  # (blocks,)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block: q = 0
         q = torch.round(x / safe[:, None]).clamp_(-self.qmax, self.qmax).to(torch.int8)
         if self.bits == 4:  # an odd last element gets q = 0 in its high nibble
             u = (torch.nn.functional.pad(q, (0, q.shape[1] % 2)) + 8).view(torch.uint8)  # 1..15
-            q = u[:, 0::2] | (u[:, 1::2] << 4)                            # (blocks, 128)
+            q = u[:, 0::2] | (u[:, 1::2] << 4)  # (blocks, 128)
         return torch.cat([scale.view(torch.uint8).view(-1, 4), q.view(torch.uint8)], dim=1)
 
     def _decode_rows(self, data, width):
-        records = data.view(-1, self._record_bytes(width))               # (blocks, 4 + body)
-        scale = _as(records[:, :4].reshape(-1), torch.float32)            # (blocks,)
+        records = data.view(-1, self._record_bytes(width))  # (blocks, 4 + body)
+        scale = _as(records[:, :4].reshape(-1), torch.float32)  # (blocks,)
         body = records[:, 4:].contiguous()
-        q = body.view(torch.int8) if self.bits == 8 else \
-            torch.stack([body & 0xF, body >> 4], dim=2).flatten(1)[:, :width].to(torch.int8) - 8
+        q = (
+            body.view(torch.int8)
+            if self.bits == 8
+            else torch.stack([body & 0xF, body >> 4], dim=2).flatten(1)[:, :width].to(torch.int8) - 8
+        )
         return q.to(torch.float32) * scale[:, None]
 
 
@@ -163,28 +170,33 @@ class _TopK(Codec):
         # ties at the k-th magnitude: keep the lowest indices, whatever order topk returned them in
         room = k - above.sum(dim=1, keepdim=True)
         keep = above | (at & (at.cumsum(dim=1, dtype=torch.int16) <= room))
-        idx = keep.nonzero()[:, 1].view(rows, k)                          # ascending within each row
+        idx = keep.nonzero()[:, 1].view(rows, k)  # ascending within each row
         values = x.gather(1, idx).to(torch.bfloat16)
         return torch.cat([idx.to(torch.int16).view(torch.uint8), values.view(torch.uint8)], dim=1)
 
     def _decode_rows(self, data: torch.Tensor, width: int) -> torch.Tensor:
         k = self.kept(width)
-        records = data.view(-1, 4 * k)                                    # (rows, 4k)
-        idx = _as(records[:, :2 * k], torch.int16).view(-1, k).long()
-        values = _as(records[:, 2 * k:], torch.bfloat16).view(-1, k).to(torch.float32)
+        records = data.view(-1, 4 * k)  # (rows, 4k)
+        idx = _as(records[:, : 2 * k], torch.int16).view(-1, k).long()
+        values = _as(records[:, 2 * k :], torch.bfloat16).view(-1, k).to(torch.float32)
         return torch.zeros(records.shape[0], width).scatter_(1, idx, values)
 
 
 def make_codec(name: str, topk_density: float = 0.01) -> Codec:
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {CODECS}")
-    return {"none": lambda: _Cast("none", torch.float32), "bf16": lambda: _Cast("bf16", torch.bfloat16),
-            "int8": lambda: _Quantize("int8", 8), "int4": lambda: _Quantize("int4", 4),
-            "topk": lambda: _TopK(topk_density)}[name]()
+    return {
+        "none": lambda: _Cast("none", torch.float32),
+        "bf16": lambda: _Cast("bf16", torch.bfloat16),
+        "int8": lambda: _Quantize("int8", 8),
+        "int4": lambda: _Quantize("int4", 4),
+        "topk": lambda: _TopK(topk_density),
+    }[name]()
 
 
-def compress_with_feedback(codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_with_feedback(
+    codec: Codec, update: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sent, new_residual) for one round of error feedback (the module's); residual None means
     zeros. `sent` is what the peers see from this cluster: use it for the local share of the
     reduction, so the sender and its peers use the same values. Inputs are not modified."""

@@ -37,6 +37,7 @@ Backends: gloo on CPU, nccl on GPU (torchft's reconfigurable groups; NCCL with n
 communicators and torchft's abort-on-timeout); `apply_nccl_environment` before a replica's first
 group. Tensors are flattened into one buffer per call.
 """
+
 from __future__ import annotations
 
 import os
@@ -118,8 +119,14 @@ def start_store(host: str, timeout_s: float):
     try:
         sock.bind(addr)
         sock.listen(128)
-        store = TCPStore(host_name=host, port=sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+        store = TCPStore(
+            host_name=host,
+            port=sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
@@ -223,7 +230,8 @@ def abort_rendezvous(store, store_addr: str, prefix: str, reason: str) -> bool:
         j = 1
         while keys.check([_SHARD.format(rank=j)]):
             PrefixStore(f"{store_addr}/{shard_prefix(prefix, j)}".partition("/")[2], store).compare_set(
-                _DECISION, "", _ABORTED + reason)
+                _DECISION, "", _ABORTED + reason
+            )
             j += 1
         return aborted
     except Exception:  # noqa: BLE001 — a store that is gone or broken: nobody is waiting on it either
@@ -242,8 +250,11 @@ def apply_nccl_environment(configure_timeout_s: float) -> dict[str, str]:
       init or abort may take (torchft warns and falls back to 30 minutes' behaviour otherwise).
     The NCCL watchdog keeps torch's default (10 min): hsgd's own, far shorter deadlines fire first.
     """
-    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
-           "TORCH_NCCL_NONBLOCKING_TIMEOUT": f"{configure_timeout_s:g}"}
+    env = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_BLOCKING_WAIT": "0",
+        "TORCH_NCCL_NONBLOCKING_TIMEOUT": f"{configure_timeout_s:g}",
+    }
     os.environ.update(env)
     return env
 
@@ -260,8 +271,15 @@ _PEER_GONE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "connection
 class LevelGroup:
     """A reconfigurable process group that belongs to one level (see the module's protocol)."""
 
-    def __init__(self, level: str, backend: str = "gloo", timeout_s: float = 10.0,
-                 configure_timeout_s: float = 30.0, min_gbps: float = 1.0, link=None):
+    def __init__(
+        self,
+        level: str,
+        backend: str = "gloo",
+        timeout_s: float = 10.0,
+        configure_timeout_s: float = 30.0,
+        min_gbps: float = 1.0,
+        link=None,
+    ):
         assert level in LEVELS, level
         self.level, self.backend, self.link = level, backend, link
         self.timeout_s, self.configure_timeout_s, self.min_gbps = timeout_s, configure_timeout_s, min_gbps
@@ -299,8 +317,13 @@ class LevelGroup:
                 step = ""
                 pg.set_timeout(timedelta(seconds=self.connect_timeout_s))  # torchft's configure reads it
                 # Keyword arguments on purpose: torchft 0.2.0's positional order differs from older releases.
-                pg.configure(store_addr=f"{store_addr}/{prefix}", replica_id=prefix, rank=rank,
-                             world_size=world_size, quorum_id=epoch)
+                pg.configure(
+                    store_addr=f"{store_addr}/{prefix}",
+                    replica_id=prefix,
+                    rank=rank,
+                    world_size=world_size,
+                    quorum_id=epoch,
+                )
                 pg.set_timeout(timedelta(seconds=self.timeout_s))
         except Exception as err:  # noqa: BLE001 — any join failure is a failed configure
             if pg is not None:
@@ -323,8 +346,7 @@ class LevelGroup:
         if level != self.level:
             raise WrongLevelError(f"collective for level {level!r} issued on the {self.level!r} group")
         if not self._usable or (self.world_size > 1 and self._pg is None):
-            raise CollectiveError(f"{self.level}: group {self.prefix} is not configured (aborted or failed)",
-                                  "aborted")
+            raise CollectiveError(f"{self.level}: group {self.prefix} is not configured (aborted or failed)", "aborted")
 
     def _fail(self, message: str, kind: str, err: BaseException | None = None) -> CollectiveError:
         """Mark the group unusable and make the error to raise."""
@@ -356,8 +378,9 @@ class LevelGroup:
     def deadline_s(self, payload_bytes: int) -> float:
         """The longest one collective moving `payload_bytes` may hold a member: its deadline
         (collective_timeout_s) plus the simulated link's sleep after it."""
-        return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + \
-            (self.link.seconds(payload_bytes, most=True) if self.link is not None else 0.0)
+        return collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + (
+            self.link.seconds(payload_bytes, most=True) if self.link is not None else 0.0
+        )
 
     def _timeout(self, payload_bytes: int) -> timedelta:
         return timedelta(seconds=collective_timeout_s(self.timeout_s, payload_bytes, self.min_gbps) + self.arrival_s)
@@ -393,9 +416,15 @@ class LevelGroup:
             ok = work.wait(timeout=deadline)
         except Exception as err:  # noqa: BLE001 — gloo raises RuntimeError with many texts
             text = str(err).lower()  # the backend's text is read here, in the one module that knows backends
-            kind = ("timeout" if time.monotonic() - start >= 0.95 * deadline.total_seconds() else
-                    "peer_gone" if any(t in text for t in _PEER_GONE_TEXT) else
-                    "timeout" if "timed out" in text or "timeout" in text else "wait")
+            kind = (
+                "timeout"
+                if time.monotonic() - start >= 0.95 * deadline.total_seconds()
+                else "peer_gone"
+                if any(t in text for t in _PEER_GONE_TEXT)
+                else "timeout"
+                if "timed out" in text or "timeout" in text
+                else "wait"
+            )
             raise self._fail(f"{what} failed", kind, err) from err
         if ok is False:  # torch's Work.wait: False = not completed
             raise self._fail(f"{what} did not complete within {deadline.total_seconds():.1f}s", "timeout")
@@ -437,7 +466,7 @@ class LevelGroup:
                 with self._failing_as("wait", "copying the result back"):
                     offset = 0
                     for t in tensors:
-                        t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+                        t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
                         offset += t.numel()
             self._pace(start, max(sent, payload))
 
@@ -459,8 +488,11 @@ class LevelGroup:
             self.bytes_sent += size * (self.world_size - 1)
             with self._failing_as("issue", "allocating the all_gather result"):
                 outputs = [torch.empty_like(flat) for _ in range(self.world_size)]
-            self._wait(self._issue("allgather", flat, AllgatherOptions(), size * self.world_size, outputs),
-                       "all_gather", size * self.world_size)
+            self._wait(
+                self._issue("allgather", flat, AllgatherOptions(), size * self.world_size, outputs),
+                "all_gather",
+                size * self.world_size,
+            )
             with self._failing_as("wait", "copying the result back"):
                 gathered = [t.to(payload.device) for t in outputs]
             self._pace(start, size * (self.world_size - 1))

@@ -3,7 +3,7 @@
 
 import lzma
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,14 +31,13 @@ class Corpus:
         return len(self.chars)
 
 
-@lru_cache(maxsize=None)  # several replicas in one process share one decoded copy
+@cache  # several replicas in one process share one decoded copy
 def _packaged_text(name: str = "shakespeare.txt.xz") -> str:
     raw = resources.files("hsgd.corpus").joinpath(name).read_bytes()
     return lzma.decompress(raw).decode("utf-8")
 
 
-def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
-                block_size: int = 128) -> Corpus:
+def load_corpus(path: str | None = None, val_fraction: float = 0.1, *, block_size: int = 128) -> Corpus:
     """The text at `path` (None: the packaged Shakespeare; a .txt/.xz/.gz file or a folder of *.txt)
     as int64 character ids, split by position into `train` (the first 1 - val_fraction) and `val`,
     each at least one `block_size` block plus its shifted target. Raises FileNotFoundError (bad
@@ -49,8 +48,7 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
     # a file or a folder of *.txt, read as jobs.prepare reads it (newlines normalised, files joined by a blank line)
     text = _packaged_text() if path is None else "".join(token_files.iter_text(token_files.text_files(source), source))
     if len(text) < MIN_CHARS:
-        raise ValueError(f"data.path={source!r} holds {len(text)} characters; "
-                         f"need at least {MIN_CHARS}")
+        raise ValueError(f"data.path={source!r} holds {len(text)} characters; need at least {MIN_CHARS}")
 
     cps = torch.from_numpy(token_files.codepoints(text).astype(np.int64))  # (N,)
     uniq = torch.bincount(cps).nonzero().squeeze(1)  # (V,) sorted codepoints present
@@ -64,9 +62,11 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, *,
     n_train = int(len(ids) * (1.0 - val_fraction))
     train, val = ids[:n_train], ids[n_train:]
     if min(len(train), len(val)) < block_size + 1:
-        raise ValueError(f"data.path={source!r}: split of {len(ids)} characters at "
-                         f"val_fraction={val_fraction} leaves train={len(train)}, "
-                         f"val={len(val)}; each needs > block_size={block_size}")
+        raise ValueError(
+            f"data.path={source!r}: split of {len(ids)} characters at "
+            f"val_fraction={val_fraction} leaves train={len(train)}, "
+            f"val={len(val)}; each needs > block_size={block_size}"
+        )
     return Corpus(train=train, val=val, chars=chars, source=source)
 
 
@@ -85,8 +85,9 @@ def _mix(*xs: int) -> int:
     return h >> 1
 
 
-def _offsets(n_tokens: int, *, seed: int, replica_index: int, step: int, micro: int, batch_size: int,
-             block_size: int) -> torch.Tensor:
+def _offsets(
+    n_tokens: int, *, seed: int, replica_index: int, step: int, micro: int, batch_size: int, block_size: int
+) -> torch.Tensor:
     """(B,) window starts in [0, N-T-1], a pure function of the arguments (never global RNG state).
     Micro-batch 0 mixes (seed, replica, step); micro-batch m > 0 mixes m in as well."""
     if n_tokens < block_size + 1:
@@ -109,20 +110,30 @@ class TextDataset:
 
     def __init__(self, corpus: Corpus, *, batch_size: int, block_size: int, vocab_size: int | None = None):
         if vocab_size is not None and vocab_size < corpus.vocab_size:
-            raise ValueError(f"data.vocab_size={vocab_size}: the text at data.path={corpus.source!r} has "
-                             f"{corpus.vocab_size} distinct characters; leave it null or make it >= that")
+            raise ValueError(
+                f"data.vocab_size={vocab_size}: the text at data.path={corpus.source!r} has "
+                f"{corpus.vocab_size} distinct characters; leave it null or make it >= that"
+            )
         self.corpus = corpus
         self.source = corpus.source
         self.vocab_size = vocab_size or corpus.vocab_size
         self.batch_size, self.block_size = batch_size, block_size
 
-    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
-              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, split: str, *, seed: int, replica_index: int, step: int, micro: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.corpus.train if split == "train" else self.corpus.val if split == "val" else None
         if tokens is None:
             raise ValueError(f"split {split!r} is not one of {SPLITS}")
-        offsets = _offsets(len(tokens), seed=seed, replica_index=replica_index, step=step, micro=micro,
-                           batch_size=self.batch_size, block_size=self.block_size)
+        offsets = _offsets(
+            len(tokens),
+            seed=seed,
+            replica_index=replica_index,
+            step=step,
+            micro=micro,
+            batch_size=self.batch_size,
+            block_size=self.block_size,
+        )
         return _batch_at(tokens, offsets, self.block_size)
 
 
@@ -143,21 +154,31 @@ class TokenDataset:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": {}}
 
-    def batch(self, split: str, *, seed: int, replica_index: int, step: int,
-              micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, split: str, *, seed: int, replica_index: int, step: int, micro: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if split not in self._maps:
             if split not in SPLITS:
                 raise ValueError(f"split {split!r} is not one of {SPLITS}")
             self._maps[split] = self.files.memmap(split)
         mm = self._maps[split]
         T = self.block_size
-        offsets = _offsets(len(mm), seed=seed, replica_index=replica_index, step=step, micro=micro,
-                           batch_size=self.batch_size, block_size=T)
-        chunk = np.stack([mm[o:o + T + 1] for o in offsets.tolist()]).astype(np.int64)  # (B, T+1)
+        offsets = _offsets(
+            len(mm),
+            seed=seed,
+            replica_index=replica_index,
+            step=step,
+            micro=micro,
+            batch_size=self.batch_size,
+            block_size=T,
+        )
+        chunk = np.stack([mm[o : o + T + 1] for o in offsets.tolist()]).astype(np.int64)  # (B, T+1)
         top = int(chunk.max())
         if top >= self._id_limit:  # the bounded check at open time cannot see every window
-            raise ValueError(f"data.path={self.source!r}: {split}.bin holds token id {top} (in a batch of step "
-                             f"{step}), not below the vocabulary of {self._id_limit}")
+            raise ValueError(
+                f"data.path={self.source!r}: {split}.bin holds token id {top} (in a batch of step "
+                f"{step}), not below the vocabulary of {self._id_limit}"
+            )
         chunk = torch.from_numpy(chunk)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
 
@@ -171,8 +192,10 @@ def build_dataset(data_cfg: Any, block_size: int) -> TextDataset | TokenDataset:
     if path is not None:
         p = Path(str(path)).expanduser()
         if p.is_file() and p.suffix == ".bin":
-            raise ValueError(f"data.path={str(path)!r}: point data.path at the folder that holds "
-                             "train.bin and val.bin, not at one .bin file")
+            raise ValueError(
+                f"data.path={str(path)!r}: point data.path at the folder that holds "
+                "train.bin and val.bin, not at one .bin file"
+            )
         # a folder that holds (or means to hold) token files rather than text
         if p.is_dir() and any((p / name).exists() for name in ("train.bin", "val.bin", token_files.META, "meta.pkl")):
             files = token_files.open_token_folder(str(path), vocab_size=vocab_size, block_size=block_size)
@@ -200,5 +223,7 @@ def check_data(cfg) -> None:
         msg = " ".join(str(e).split())
         if isinstance(e, ValueError) and msg.startswith("data."):
             raise ValueError(msg) from None
-        raise ValueError(f"data._target_={target!r}: building the dataset or drawing one batch failed "
-                         f"({type(e).__name__}: {msg[:200]})") from None
+        raise ValueError(
+            f"data._target_={target!r}: building the dataset or drawing one batch failed "
+            f"({type(e).__name__}: {msg[:200]})"
+        ) from None

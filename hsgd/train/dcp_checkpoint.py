@@ -53,6 +53,7 @@ Failure cases:
 - A verify failure: CheckpointError on every rank, naming the file; the state dict is untouched.
 - `group=None`: a world of one (no process group, DCP without collectives).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,9 +83,8 @@ from hsgd.train.checkpoint_storage import (
 FORMAT = DCP_FORMAT  # checkpoint.py reads this format too: its chooser routes it to verify_sharded
 METADATA = ".metadata"  # DCP's index: unpickled by DCP, so it is verified like every data file
 DEFAULT_TIMEOUT_S = 300.0
-_OK = 2 ** 62  # "no problem found" in the load check's all-reduce (MIN picks the first problem)
-_PROBLEMS = {1: "missing", 2: "altered (does not match its manifest sha256)", 3: "not in the manifest",
-             4: "unreadable"}
+_OK = 2**62  # "no problem found" in the load check's all-reduce (MIN picks the first problem)
+_PROBLEMS = {1: "missing", 2: "altered (does not match its manifest sha256)", 3: "not in the manifest", 4: "unreadable"}
 
 
 # -- the replica's group: a world of one needs no collective ----------------------------------------
@@ -132,8 +132,9 @@ def _one_line(err: BaseException) -> str:
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         # each failure is (exception, its stack summary)
-        return "; ".join(f"rank {rank}: {_one_line(e[0] if isinstance(e, tuple) else e)}"
-                         for rank, e in sorted(failures.items()))
+        return "; ".join(
+            f"rank {rank}: {_one_line(e[0] if isinstance(e, tuple) else e)}" for rank, e in sorted(failures.items())
+        )
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
@@ -167,7 +168,7 @@ def _files(url: str) -> list[str]:
     except FileNotFoundError:
         return []
     base = path.rstrip("/") + "/"
-    return sorted(str(f)[len(base):] if str(f).startswith(base) else str(f).rsplit("/", 1)[-1] for f in found)
+    return sorted(str(f)[len(base) :] if str(f).startswith(base) else str(f).rsplit("/", 1)[-1] for f in found)
 
 
 def _sha256(url: str) -> str:
@@ -177,8 +178,9 @@ def _sha256(url: str) -> str:
 
 
 # -- save ---------------------------------------------------------------------------------------
-def save_sharded(state: dict, directory: str, *, group, manifest_extra: dict, owner: str = "",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def save_sharded(
+    state: dict, directory: str, *, group, manifest_extra: dict, owner: str = "", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> dict:
     """Write `state` (DTensors, plain tensors, ints) of every rank of `group` as the sharded
     checkpoint `directory` (module protocol). Every rank calls it; returns the manifest on every
     rank, or raises CheckpointError on every rank still alive, with nothing under `directory`."""
@@ -208,8 +210,10 @@ def save_sharded(state: dict, directory: str, *, group, manifest_extra: dict, ow
             problem = _one_line(err)
     failed = _reduce(group, int(bool(problem)), dist.ReduceOp.MAX, timeout_s, "barrier after the rename")
     if failed:
-        raise CheckpointError(f"sharded checkpoint {directory} not finalized: "
-                              f"{problem or 'rank 0 failed to finalize it (its error names why)'}")
+        raise CheckpointError(
+            f"sharded checkpoint {directory} not finalized: "
+            f"{problem or 'rank 0 failed to finalize it (its error names why)'}"
+        )
     return read_manifest(directory)
 
 
@@ -246,8 +250,9 @@ def read_manifest(directory: str) -> dict:
     manifest, url = load_manifest(directory, "sharded checkpoint")
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if files is None or manifest.get("format") != FORMAT or not isinstance(files, dict) or METADATA not in files:
-        raise CheckpointError(f"{url} is not a sharded (dcp) checkpoint's manifest: "
-                              f"it needs format 'dcp' and files naming {METADATA}")
+        raise CheckpointError(
+            f"{url} is not a sharded (dcp) checkpoint's manifest: it needs format 'dcp' and files naming {METADATA}"
+        )
     return manifest
 
 
@@ -303,8 +308,9 @@ def load_sharded(state: dict, directory: str, *, group, timeout_s: float = DEFAU
     manifest = verify_sharded(directory, group=group, timeout_s=timeout_s)
     try:
         with _quiet_world_of_one(group):
-            dcp.load(state, storage_reader=_reader(str(directory).rstrip("/")), process_group=group,
-                     no_dist=group is None)
+            dcp.load(
+                state, storage_reader=_reader(str(directory).rstrip("/")), process_group=group, no_dist=group is None
+            )
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 — DCP's is a BaseException
         raise CheckpointError(f"sharded checkpoint {directory} could not be loaded: {_one_line(err)}") from err
     return manifest

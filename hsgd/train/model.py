@@ -29,7 +29,6 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0
@@ -43,14 +42,14 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         # q, k, v: 3 x (B, T, C) -> 3 x (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
@@ -63,7 +62,6 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
@@ -78,17 +76,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=False),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=False),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
@@ -104,7 +103,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+        assert self.config.block_size >= T, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
@@ -119,10 +118,20 @@ class GPT(nn.Module):
 def build_gpt(model_cfg, vocab_size: int | None) -> GPT:
     """The built-in model plug-in: a GPT of cfg.model's shape over the dataset's vocabulary."""
     if not vocab_size:
-        raise ValueError("model._target_=hsgd.train.model.build_gpt needs a token vocabulary, but the dataset "
-                         "has none (vocab_size=None); set data.vocab_size or use a token dataset")
-    return GPT(GPTConfig(vocab_size=int(vocab_size), block_size=model_cfg.block_size, n_layer=model_cfg.n_layer,
-                         n_head=model_cfg.n_head, n_embd=model_cfg.n_embd, dropout=model_cfg.dropout))
+        raise ValueError(
+            "model._target_=hsgd.train.model.build_gpt needs a token vocabulary, but the dataset "
+            "has none (vocab_size=None); set data.vocab_size or use a token dataset"
+        )
+    return GPT(
+        GPTConfig(
+            vocab_size=int(vocab_size),
+            block_size=model_cfg.block_size,
+            n_layer=model_cfg.n_layer,
+            n_head=model_cfg.n_head,
+            n_embd=model_cfg.n_embd,
+            dropout=model_cfg.dropout,
+        )
+    )
 
 
 def lm_loss(model: nn.Module, batch) -> torch.Tensor:

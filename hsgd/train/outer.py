@@ -13,6 +13,7 @@ Every replica keeps the global params and the outer optimizer state — not only
 any replica can become leader, and a commit is applied by every replica from the same reduced
 pseudo-gradient (bitwise-identical results on every replica, without shipping parameters).
 """
+
 from __future__ import annotations
 
 from copy import deepcopy
@@ -30,8 +31,9 @@ def outer_hyperparameters(algorithm: str, lr: float, momentum: float, nesterov: 
 class OuterOptimizer:
     """Owns the round-start global params (on CPU) and the outer SGD state that updates them."""
 
-    def __init__(self, params: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool,
-                 pin_memory: bool = False):
+    def __init__(
+        self, params: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool, pin_memory: bool = False
+    ):
         self.global_params = [p.detach().to("cpu", copy=True) for p in params]
         if pin_memory:  # GPU runs: faster host<->device copies at every round boundary
             self.global_params = [g.pin_memory() for g in self.global_params]

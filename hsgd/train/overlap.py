@@ -42,6 +42,7 @@ its group was aborted, or raised past the agreement: the background group's own 
 the ranks at different points of the background group: settle raises ReplicaOutOfStep, which is not a
 CollectiveError, so the replica fails whole and comes back with its groups formed afresh.
 """
+
 from __future__ import annotations
 
 import threading
@@ -113,8 +114,11 @@ class BackgroundReduce:
             self.outer.abort()
             reduce.done.wait(5.0)
             self._check_in_step(reduce)
-            raise CollectiveError(f"outer reduce of round {key[0]} behind the inner steps did not finish within "
-                                  f"{timeout_s:.0f}s; outer group aborted", "timeout")
+            raise CollectiveError(
+                f"outer reduce of round {key[0]} behind the inner steps did not finish within "
+                f"{timeout_s:.0f}s; outer group aborted",
+                "timeout",
+            )
         self._check_in_step(reduce)
         if reduce.error is not None:
             raise reduce.error
@@ -126,11 +130,15 @@ class BackgroundReduce:
         if self.trainer.ranks is None:
             return
         if not reduce.done.is_set():
-            raise ReplicaOutOfStep(f"{self.trainer.rid}: its outer reduce behind the inner steps of round "
-                                   f"{reduce.key[0]} did not end once its outer group was aborted; its ranks may be "
-                                   f"out of step on the background group: the replica fails whole")
+            raise ReplicaOutOfStep(
+                f"{self.trainer.rid}: its outer reduce behind the inner steps of round "
+                f"{reduce.key[0]} did not end once its outer group was aborted; its ranks may be "
+                f"out of step on the background group: the replica fails whole"
+            )
         if reduce.error is not None and not isinstance(reduce.error, (CollectiveError, NonFiniteError, Behind)):
-            raise ReplicaOutOfStep(f"{self.trainer.rid}: its outer reduce behind the inner steps of round "
-                                   f"{reduce.key[0]} failed outside its ranks' agreement ({type(reduce.error).__name__}: "
-                                   f"{str(reduce.error).splitlines()[0] if str(reduce.error) else ''}); the replica "
-                                   f"fails whole") from reduce.error
+            raise ReplicaOutOfStep(
+                f"{self.trainer.rid}: its outer reduce behind the inner steps of round "
+                f"{reduce.key[0]} failed outside its ranks' agreement ({type(reduce.error).__name__}: "
+                f"{str(reduce.error).splitlines()[0] if str(reduce.error) else ''}); the replica "
+                f"fails whole"
+            ) from reduce.error

@@ -18,6 +18,7 @@ and never the training thread. A replica that has not stepped since the reset re
 observation (the machine's limits decide, as for a call not answered). A failed read returns None:
 the runner asks by calls for that tick.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,15 +63,21 @@ class Publisher:
                 if self._client is None or self._client[0] != addr:
                     from torchft.process_group import create_store_client
 
-                    self._client = (addr, create_store_client(f"{addr}/{KEYS}", timeout=timedelta(seconds=self.timeout_s)))
+                    self._client = (
+                        addr,
+                        create_store_client(f"{addr}/{KEYS}", timeout=timedelta(seconds=self.timeout_s)),
+                    )
                 self._client[1].set(self.rid, f"{value[0]},{value[1]},{os.getpid()}")
                 self._sent = (addr, value)
             except Exception as err:  # noqa: BLE001 — the store is gone (its supervisor died): a new address comes
                 self._client = None
                 if self._warned != addr:  # once per store: a replica that cannot publish looks silent
                     self._warned = addr
-                    print(f"[hsgd] {self.rid}: cannot publish its progress ({type(err).__name__}: {err})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[hsgd] {self.rid}: cannot publish its progress ({type(err).__name__}: {err})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
 
 class Board:

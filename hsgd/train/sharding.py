@@ -29,11 +29,13 @@ Failures: a replica-level collective that fails or times out raises (torch.distr
 the replica is then failed as a whole and rebuilt. Every collective here runs under the group's
 timeout, set when the group is made.
 """
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,7 @@ REPLICA_LEVEL = "replica"  # the level of this module's collectives (see the mod
 class ReplicaRanks:
     """This process is rank `rank` of the `size` ranks of one replica; `group` holds exactly them;
     `background` too (a second group, for the thread of a reduce behind the inner steps; or None)."""
+
     rank: int
     size: int
     group: Any  # torch.distributed.ProcessGroup
@@ -58,8 +61,10 @@ class ReplicaRanks:
         """These ranks over `background`: what a reduce behind the inner steps agrees over (the
         module's protocol). Raises ValueError when the replica group was formed without one."""
         if self.background is None:
-            raise ValueError(f"rank {self.rank} of a replica of {self.size}: its replica group was formed without "
-                             f"a background group, so no outer reduce may run behind its inner steps")
+            raise ValueError(
+                f"rank {self.rank} of a replica of {self.size}: its replica group was formed without "
+                f"a background group, so no outer reduce may run behind its inner steps"
+            )
         return ReplicaRanks(self.rank, self.size, self.background)
 
 
@@ -84,8 +89,11 @@ def shard_model(model: torch.nn.Module, ranks: ReplicaRanks, device_type: str) -
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(ranks.group, device_type)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device_type == "cuda" else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device_type == "cuda"
+        else MixedPrecisionPolicy()
+    )
     for block in _transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -121,8 +129,12 @@ def full_tensors(shards: list[torch.Tensor], templates: list[torch.Tensor]) -> l
     tensor, on every rank (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    return [DTensor.from_local(s.to(t.device), t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                               stride=t.stride()).full_tensor() for s, t in zip(shards, templates)]
+    return [
+        DTensor.from_local(
+            s.to(t.device), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        ).full_tensor()
+        for s, t in zip(shards, templates)
+    ]
 
 
 def rows_of(batch: Any, ranks: ReplicaRanks | None) -> Any:
@@ -133,10 +145,12 @@ def rows_of(batch: Any, ranks: ReplicaRanks | None) -> Any:
     if isinstance(batch, torch.Tensor):
         rows = batch.shape[0]
         if rows % ranks.size:
-            raise ValueError(f"data.batch_size: {rows} rows do not split evenly across the replica's "
-                             f"{ranks.size} ranks; use a multiple of {ranks.size}")
+            raise ValueError(
+                f"data.batch_size: {rows} rows do not split evenly across the replica's "
+                f"{ranks.size} ranks; use a multiple of {ranks.size}"
+            )
         per = rows // ranks.size
-        return batch[ranks.rank * per:(ranks.rank + 1) * per]
+        return batch[ranks.rank * per : (ranks.rank + 1) * per]
     if isinstance(batch, dict):
         return {k: rows_of(v, ranks) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
@@ -145,13 +159,13 @@ def rows_of(batch: Any, ranks: ReplicaRanks | None) -> Any:
 
 
 @torch.no_grad()
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, ranks: ReplicaRanks,
-                    foreach: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    grads: list[torch.Tensor], max_norm: float, ranks: ReplicaRanks, foreach: bool = False
+) -> torch.Tensor:
     """The replica's global gradient norm from this rank's local gradient shards (the sum of
     squares all-reduced over the replica group), and, when max_norm > 0, every shard scaled by
     min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. Returns the norm."""
-    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads \
-        else torch.zeros(())
+    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
     dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=ranks.group)
     norm = squares.sqrt()
     if max_norm > 0 and grads:
@@ -164,13 +178,13 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, ranks: ReplicaRa
     return norm
 
 
-def combine_phase_end(losses: list[torch.Tensor], flags: torch.Tensor, ranks: ReplicaRanks
-                      ) -> tuple[list[float], torch.Tensor]:
+def combine_phase_end(
+    losses: list[torch.Tensor], flags: torch.Tensor, ranks: ReplicaRanks
+) -> tuple[list[float], torch.Tensor]:
     """Once per phase, on the replica group: the replica's losses (the mean of its ranks' losses
     of their equal slices) and the non-finite flags OR'd over its ranks, so every rank reports the
     same losses and all raise together or none does."""
-    packed = torch.cat([flags.float().to("cpu"), torch.stack(losses).float().to("cpu") if losses
-                        else torch.zeros(0)])
+    packed = torch.cat([flags.float().to("cpu"), torch.stack(losses).float().to("cpu") if losses else torch.zeros(0)])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ranks.group)
     return (packed[2:] / ranks.size).tolist(), (packed[:2] > 0).to(flags.device)
 
@@ -200,8 +214,9 @@ def agreed(fn: Callable[[], Any], ranks: ReplicaRanks | None, what: str) -> Any:
     for rank, failed in enumerate(failures):
         if failed is not None:
             message, kind = failed
-            raise CollectiveError(message if rank == ranks.rank else
-                                  f"{what}: rank {rank} of this replica failed: {message}", kind)
+            raise CollectiveError(
+                message if rank == ranks.rank else f"{what}: rank {rank} of this replica failed: {message}", kind
+            )
     return result
 
 

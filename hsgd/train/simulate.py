@@ -4,6 +4,7 @@ Off unless configured: a comm group gets a `LinkModel` only when `links.<level>.
 trainer a `StepPacer` only when its site's (else `train.`) `min_step_s` or `straggle_p` > 0; else both are None.
 Each sleeps after the work it paces: a link after a collective succeeded (never inside its deadline).
 """
+
 import random
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from hsgd.config.sites import site_pacing
 class LinkModel:
     """`n` bytes take latency + jitter + n * 8 / (gbps * 1e9) s, the jitter uniform in [0, jitter_ms]
     from the link's own seeded generator (no other random stream moves); values validated by the config."""
+
     gbps: float
     latency_ms: float
     jitter_ms: float = 0.0
@@ -37,14 +39,18 @@ class LinkModel:
 
 def link_from_config(level, seed: int = 0) -> LinkModel | None:
     """The link of one level's config node (`cfg.links.outer`); None when absent or gbps is 0."""
-    return None if level is None or not float(level.gbps) else \
-        LinkModel(float(level.gbps), float(level.latency_ms), float(level.jitter_ms), seed=seed)
+    return (
+        None
+        if level is None or not float(level.gbps)
+        else LinkModel(float(level.gbps), float(level.latency_ms), float(level.jitter_ms), seed=seed)
+    )
 
 
 @dataclass(frozen=True)
 class StepPacer:
     """Sleep until a step lasted `min_step_s`; then, with probability `straggle_p` drawn from (seed,
     replica index, step) alone (a replay straggles alike), `straggle_factor` times its time so far."""
+
     min_step_s: float
     straggle_p: float
     straggle_factor: float
@@ -63,5 +69,8 @@ class StepPacer:
 def pacer_from_config(cfg, cluster: int = 0) -> StepPacer | None:
     """Cluster `cluster`'s pacer: its site's `min_step_s` / `straggle_*` where set, else `train.*`."""
     min_step_s, straggle_p, straggle_factor = site_pacing(cfg, cluster)
-    return None if min_step_s <= 0 and straggle_p <= 0 else \
-        StepPacer(min_step_s, straggle_p, straggle_factor, int(cfg.seed))
+    return (
+        None
+        if min_step_s <= 0 and straggle_p <= 0
+        else StepPacer(min_step_s, straggle_p, straggle_factor, int(cfg.seed))
+    )

@@ -20,12 +20,14 @@ member; a header not of this protocol, or meta that does not match the bytes, ra
 (kind `wait`: the transfer is unusable, the heal falls back). The target's own state is untouched
 until it loads the whole received state.
 """
+
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -52,13 +54,14 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorSpec":
+    def of(t: torch.Tensor) -> TensorSpec:
         return TensorSpec(tuple(t.shape), t.dtype, t.device.type)
 
 
 @dataclass(frozen=True)
 class Piece:
     """Bytes [tensor_offset, tensor_offset + nbytes) of tensor `tensor` sit at chunk_offset in a chunk."""
+
     tensor: int
     tensor_offset: int
     chunk_offset: int
@@ -91,8 +94,9 @@ def split_state(tree: Any) -> tuple[Any, list[torch.Tensor]]:
 
 def join_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """split_state's inverse: the tree with each placeholder replaced by its tensor."""
-    return _tree_map(skeleton, lambda x: isinstance(x, dict) and len(x) == 1 and TENSOR in x,
-                     lambda x: tensors[x[TENSOR]])
+    return _tree_map(
+        skeleton, lambda x: isinstance(x, dict) and len(x) == 1 and TENSOR in x, lambda x: tensors[x[TENSOR]]
+    )
 
 
 def plan_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
@@ -129,16 +133,18 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 def pack_chunk(pieces: list[Piece], tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the pieces' bytes into `out` (uint8, at least chunk_length long); returns the used part."""
     for p in pieces:
-        out[p.chunk_offset:p.chunk_offset + p.nbytes].copy_(
-            _bytes_of(tensors[p.tensor])[p.tensor_offset:p.tensor_offset + p.nbytes], non_blocking=True)
-    return out[:chunk_length(pieces)]
+        out[p.chunk_offset : p.chunk_offset + p.nbytes].copy_(
+            _bytes_of(tensors[p.tensor])[p.tensor_offset : p.tensor_offset + p.nbytes], non_blocking=True
+        )
+    return out[: chunk_length(pieces)]
 
 
 def unpack_chunk(pieces: list[Piece], chunk: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """pack_chunk's inverse: the pieces' bytes from `chunk` into `tensors` (contiguous)."""
     for p in pieces:
-        _bytes_of(tensors[p.tensor])[p.tensor_offset:p.tensor_offset + p.nbytes].copy_(
-            chunk[p.chunk_offset:p.chunk_offset + p.nbytes], non_blocking=True)
+        _bytes_of(tensors[p.tensor])[p.tensor_offset : p.tensor_offset + p.nbytes].copy_(
+            chunk[p.chunk_offset : p.chunk_offset + p.nbytes], non_blocking=True
+        )
 
 
 def encode_meta(skeleton: Any, specs: list[TensorSpec]) -> bytes:
@@ -156,8 +162,11 @@ def decode_meta(data: bytes) -> tuple[Any, list[TensorSpec]]:
     except Exception as err:  # noqa: BLE001 — unpickling refused or malformed
         raise StreamError(f"state stream: unreadable meta ({type(err).__name__}: {err})") from err
     for s in specs:
-        if not isinstance(s.dtype, torch.dtype) or s.device not in ("cpu", "cuda") \
-                or not all(isinstance(d, int) and d >= 0 for d in s.shape):
+        if (
+            not isinstance(s.dtype, torch.dtype)
+            or s.device not in ("cpu", "cuda")
+            or not all(isinstance(d, int) and d >= 0 for d in s.shape)
+        ):
             raise StreamError(f"state stream: bad tensor spec {s!r}")
     return skeleton, specs
 
@@ -170,8 +179,9 @@ def _staging(group: LevelGroup, device: str | torch.device, chunk_bytes: int, to
     return torch.empty(min(chunk_bytes, max(total, 1)), dtype=torch.uint8, device=d)
 
 
-def send_state(group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, root: int = 0,
-               device: str | torch.device = "cpu") -> int:
+def send_state(
+    group: LevelGroup, state: Any, *, chunk_mb: float = CHUNK_MB, root: int = 0, device: str | torch.device = "cpu"
+) -> int:
     """Broadcast `state` from this member (`root`) to the others; returns the payload bytes.
     `device`: the sender's device (chunks are staged there for NCCL). The state's tensors are read,
     never modified; the caller keeps them unchanged until this returns. Raises CollectiveError."""
@@ -207,11 +217,13 @@ def receive_state(group: LevelGroup, *, root: int = 0, device: str | torch.devic
     if sum(sizes) != total:
         raise StreamError(f"state stream: meta names {sum(sizes)} bytes, header {total}, on {group.prefix}")
     target = torch.device(device)
-    tensors = [torch.empty(s.shape, dtype=s.dtype, device=target if s.device == "cuda" and target.type == "cuda"
-                           else "cpu") for s in specs]
+    tensors = [
+        torch.empty(s.shape, dtype=s.dtype, device=target if s.device == "cuda" and target.type == "cuda" else "cpu")
+        for s in specs
+    ]
     staging = _staging(group, device, chunk_bytes, total)
     for pieces in plan_chunks(sizes, chunk_bytes):
-        chunk = staging[:chunk_length(pieces)]
+        chunk = staging[: chunk_length(pieces)]
         group.broadcast([chunk], root=root, level=LEVEL)
         unpack_chunk(pieces, chunk, tensors)
     if target.type == "cuda":

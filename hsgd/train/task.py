@@ -13,12 +13,14 @@ batch in any process at any time, so a healed or restarted replica reads exactly
 would have read (no data-loader state; its data position IS its step). Evaluation draws
 batch("val", seed=EVAL_SEED, replica_index=-1, step=i, micro=0) for i < train.eval_batches.
 """
+
 from __future__ import annotations
 
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -46,7 +48,9 @@ def resolve(path: str, field: str) -> Callable:
         target = getattr(importlib.import_module(module_name), name, None)
     except Exception as err:  # noqa: BLE001 — ImportError, or the user's module failing on import
         reason = " ".join(str(err).split())[:400]
-        raise ConfigError(field, f"{path!r}: cannot import {module_name} ({type(err).__name__}: {reason}); {valid}") from None
+        raise ConfigError(
+            field, f"{path!r}: cannot import {module_name} ({type(err).__name__}: {reason}); {valid}"
+        ) from None
     if target is None:
         raise ConfigError(field, f"{path!r}: {module_name} has no callable {name!r} (AttributeError); {valid}")
     if not callable(target):
@@ -72,19 +76,28 @@ def call(target: Callable, args: Any, context: dict, field: str) -> Any:
 
 def build_dataset(cfg: Any) -> Dataset:
     data = cfg.data
-    dataset = call(resolve(data._target_, "data._target_"), data.args,
-                   {"data_cfg": data, "block_size": cfg.model.block_size, "batch_size": data.batch_size,
-                    "seed": cfg.seed}, "data")
+    dataset = call(
+        resolve(data._target_, "data._target_"),
+        data.args,
+        {"data_cfg": data, "block_size": cfg.model.block_size, "batch_size": data.batch_size, "seed": cfg.seed},
+        "data",
+    )
     if not callable(getattr(dataset, "batch", None)):
-        raise ValueError(f"data._target_={data._target_!r} returned {type(dataset).__name__}, which has no "
-                         f"batch(split, *, seed, replica_index, step, micro)")
+        raise ValueError(
+            f"data._target_={data._target_!r} returned {type(dataset).__name__}, which has no "
+            f"batch(split, *, seed, replica_index, step, micro)"
+        )
     return dataset
 
 
 def build_model(cfg: Any, vocab_size: int | None) -> torch.nn.Module:
     """The model. Call torch.manual_seed(seed) first for identical initial params everywhere."""
-    model = call(resolve(cfg.model._target_, "model._target_"), cfg.model.args,
-                 {"model_cfg": cfg.model, "vocab_size": vocab_size}, "model")
+    model = call(
+        resolve(cfg.model._target_, "model._target_"),
+        cfg.model.args,
+        {"model_cfg": cfg.model, "vocab_size": vocab_size},
+        "model",
+    )
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model._target_={cfg.model._target_!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -8,6 +8,7 @@ Nothing is read whole: the files are memory-mapped read-only (clean pages the OS
 not count against RLIMIT_DATA) and every check is bounded (`open_token_folder`, `check_ids`). Every
 error is one line starting with the field to fix (`data.path=...` or `data.vocab_size=...`).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -15,9 +16,9 @@ import json
 import lzma
 import os
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -41,6 +42,7 @@ def dtype_for_vocab(vocab_size: int) -> str:
 class TokenFiles:
     """A checked token folder: where the files are and how to read them (no open handles, so it
     pickles as a few strings; memmaps are opened where the batches are drawn)."""
+
     folder: str
     source: str  # data.path as the user wrote it, for messages
     dtype: str  # "uint16" | "uint32"
@@ -64,8 +66,9 @@ def _read_meta(folder: Path, source: str) -> dict:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise _fail("data.path", source, f"cannot read {meta_path.name} ({type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:120]})") from None
+        raise _fail(
+            "data.path", source, f"cannot read {meta_path.name} ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+        ) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
         raise _fail("data.path", source, f"{meta_path.name} has no positive integer vocab_size")
     if meta.get("dtype", dtype_for_vocab(meta["vocab_size"])) not in DTYPES:
@@ -73,28 +76,39 @@ def _read_meta(folder: Path, source: str) -> dict:
     return meta
 
 
-def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
-                      sample_tokens: int = 1 << 20) -> TokenFiles:
+def open_token_folder(
+    path: str, *, vocab_size: int | None, block_size: int, sample_tokens: int = 1 << 20
+) -> TokenFiles:
     """Check a token folder cheaply and describe it. Raises FileNotFoundError / ValueError, one line
     naming `data.path` (files, lengths, ids) or `data.vocab_size` (missing, too small)."""
     folder = Path(path).expanduser()
     meta = _read_meta(folder, path)
     missing = [f"{s}.bin" for s in SPLITS if not (folder / f"{s}.bin").is_file()]
     if missing:
-        raise _fail("data.path", path, f"token folder without {' and '.join(missing)}; a token folder holds "
-                    "train.bin and val.bin (write one with `python -m jobs.prepare <text> <folder>`)",
-                    FileNotFoundError)
+        raise _fail(
+            "data.path",
+            path,
+            f"token folder without {' and '.join(missing)}; a token folder holds "
+            "train.bin and val.bin (write one with `python -m jobs.prepare <text> <folder>`)",
+            FileNotFoundError,
+        )
     if meta:
         data_vocab = meta["vocab_size"]
         if vocab_size is not None and vocab_size < data_vocab:
-            raise _fail("data.vocab_size", vocab_size, f"is smaller than the {data_vocab} tokens {META} "
-                        f"in {path!r} names; leave it null or make it >= {data_vocab}")
+            raise _fail(
+                "data.vocab_size",
+                vocab_size,
+                f"is smaller than the {data_vocab} tokens {META} "
+                f"in {path!r} names; leave it null or make it >= {data_vocab}",
+            )
         vocab, dtype = vocab_size or data_vocab, meta.get("dtype", dtype_for_vocab(data_vocab))
     elif vocab_size is None:
         pkl = " (its meta.pkl is a pickle and is never loaded)" if (folder / "meta.pkl").exists() else ""
-        raise ValueError(f"data.vocab_size=null: data.path={path!r} has train.bin/val.bin but no {META}{pkl}; "
-                         "set data.vocab_size to the tokenizer's vocabulary (50257 for GPT-2), or write the "
-                         "folder with `python -m jobs.prepare`")
+        raise ValueError(
+            f"data.vocab_size=null: data.path={path!r} has train.bin/val.bin but no {META}{pkl}; "
+            "set data.vocab_size to the tokenizer's vocabulary (50257 for GPT-2), or write the "
+            "folder with `python -m jobs.prepare`"
+        )
     else:
         vocab, dtype = vocab_size, dtype_for_vocab(vocab_size)
     itemsize = DTYPES[dtype].itemsize
@@ -102,15 +116,26 @@ def open_token_folder(path: str, *, vocab_size: int | None, block_size: int,
     for split in SPLITS:
         size = (folder / f"{split}.bin").stat().st_size
         if size % itemsize:
-            raise _fail("data.path", path, f"{split}.bin holds {size} bytes, not a whole number of {dtype} "
-                        f"tokens ({itemsize} bytes each); truncated, or not {dtype} token ids")
+            raise _fail(
+                "data.path",
+                path,
+                f"{split}.bin holds {size} bytes, not a whole number of {dtype} "
+                f"tokens ({itemsize} bytes each); truncated, or not {dtype} token ids",
+            )
         tokens[split] = size // itemsize
         if tokens[split] < block_size + 1:
-            raise _fail("data.path", path, f"{split}.bin holds {tokens[split]} tokens; it needs more than "
-                        f"model.block_size={block_size}")
+            raise _fail(
+                "data.path",
+                path,
+                f"{split}.bin holds {tokens[split]} tokens; it needs more than model.block_size={block_size}",
+            )
         if meta.get(f"{split}_tokens", tokens[split]) != tokens[split]:
-            raise _fail("data.path", path, f"{split}.bin holds {tokens[split]} tokens but {META} says "
-                        f"{meta[f'{split}_tokens']}; the folder is half-written or mixed up")
+            raise _fail(
+                "data.path",
+                path,
+                f"{split}.bin holds {tokens[split]} tokens but {META} says "
+                f"{meta[f'{split}_tokens']}; the folder is half-written or mixed up",
+            )
     files = TokenFiles(folder=str(folder), source=path, dtype=dtype, vocab_size=vocab, tokens=tokens, meta=meta)
     for split in SPLITS:
         check_ids(files, split, sample_tokens=sample_tokens)
@@ -134,20 +159,29 @@ def check_ids(files: TokenFiles, split: str, *, sample_tokens: int | None) -> No
     best, where = -1, -1  # the largest id, and its position, read SCAN_TOKENS at a time
     for start, count in _windows(files.tokens[split], sample_tokens):
         for a in range(start, start + count, SCAN_TOKENS):
-            block = mm[a:min(a + SCAN_TOKENS, start + count)]
+            block = mm[a : min(a + SCAN_TOKENS, start + count)]
             i = int(block.argmax())
             if int(block[i]) > best:
                 best, where = int(block[i]), a + i
     limit = files.meta.get("vocab_size", files.vocab_size)
     if best >= limit:
         if files.meta:
-            raise _fail("data.path", files.source, f"{split}.bin holds token id {best} at token {where}, but "
-                        f"{META} says vocab_size={limit}; the files do not match their meta.json")
-        raise _fail("data.vocab_size", files.vocab_size, f"{split}.bin in data.path={files.source!r} holds "
-                    f"token id {best} at token {where}; data.vocab_size must be > {best}")
+            raise _fail(
+                "data.path",
+                files.source,
+                f"{split}.bin holds token id {best} at token {where}, but "
+                f"{META} says vocab_size={limit}; the files do not match their meta.json",
+            )
+        raise _fail(
+            "data.vocab_size",
+            files.vocab_size,
+            f"{split}.bin in data.path={files.source!r} holds "
+            f"token id {best} at token {where}; data.vocab_size must be > {best}",
+        )
 
 
 # ----------------------------------------------------------------------------- writing token files
+
 
 def text_files(src: str, field: str = "data.path") -> list[Path]:
     """The text files `load_corpus` reads for `src`, in its order (one file, or a folder's *.txt
@@ -175,16 +209,23 @@ def iter_text(files: list[Path], source: str, chunk_chars: int = 1 << 22, field:
                 while chunk := f.read(chunk_chars):
                     yield chunk
         except (UnicodeDecodeError, lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
-            raise ValueError(f"{field}={source!r}: cannot read {file} as UTF-8 text "
-                             f"({type(e).__name__}); expected {TEXT_ACCEPTED}") from None
+            raise ValueError(
+                f"{field}={source!r}: cannot read {file} as UTF-8 text ({type(e).__name__}); expected {TEXT_ACCEPTED}"
+            ) from None
 
 
 def codepoints(chunk: str) -> np.ndarray:
     return np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")  # (n,) no BOM
 
 
-def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction: float = 0.1,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict:
+def prepare_tokens(
+    src: str,
+    out: str,
+    *,
+    tokenizer: str = "byte",
+    val_fraction: float = 0.1,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict:
     """Tokenize the text at `src` into `out`/train.bin, val.bin and meta.json; returns the meta.
     Two streaming passes (count; encode and write): memory stays bounded by one chunk. The split
     is by position as in `load_corpus`. Each file is renamed into place, meta.json last (after any
@@ -223,8 +264,10 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
     dtype = DTYPES[dtype_for_vocab(vocab)]
     n_train = int(n_tokens * (1.0 - val_fraction))
     if min(n_train, n_tokens - n_train) < 2:
-        raise ValueError(f"src={src!r}: {n_tokens} tokens at --val-fraction={val_fraction} leave "
-                         f"train={n_train}, val={n_tokens - n_train}; too little text")
+        raise ValueError(
+            f"src={src!r}: {n_tokens} tokens at --val-fraction={val_fraction} leave "
+            f"train={n_train}, val={n_tokens - n_train}; too little text"
+        )
 
     # pass 2: encode and write, switching from train to val at n_train
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -253,8 +296,15 @@ def prepare_tokens(src: str, out: str, *, tokenizer: str = "byte", val_fraction:
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
-    meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype_for_vocab(vocab), "tokenizer": tokenizer,
-            "train_tokens": n_train, "val_tokens": n_tokens - n_train, "source": str(src)}
+    meta = {
+        "format": FORMAT,
+        "vocab_size": vocab,
+        "dtype": dtype_for_vocab(vocab),
+        "tokenizer": tokenizer,
+        "train_tokens": n_train,
+        "val_tokens": n_tokens - n_train,
+        "source": str(src),
+    }
     if chars is not None:
         meta["chars"] = chars
     atomic_write_text(out_dir / META, json.dumps(meta, ensure_ascii=True))

@@ -36,6 +36,7 @@ loads rank j's `state_dict` from rank j of the source replica. A checkpoint hold
 (DTensors of the shards: DCP reshards it to any k on load, `load_sharded_state`); a k=1 checkpoint
 file loads into k ranks through `rank_slice`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -145,8 +147,16 @@ def inner_lr(o: Any, step: float, total_steps: int) -> float:
 
 
 class ReplicaTrainer:
-    def __init__(self, cfg: Any, rid: str, topology: Topology, *, device: str = "cpu",
-                 dataset: task.Dataset | None = None, ranks: ReplicaRanks | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        rid: str,
+        topology: Topology,
+        *,
+        device: str = "cpu",
+        dataset: task.Dataset | None = None,
+        ranks: ReplicaRanks | None = None,
+    ):
         self.cfg, self.rid, self.topology, self.device = cfg, rid, topology, device
         self.ranks = ranks if sharding.is_sharded(ranks) else None  # None: one process holds the whole replica
         self.device_type = torch.device(device).type
@@ -177,8 +187,11 @@ class ReplicaTrainer:
         self.fragments = int(cfg.sync.fragments)
         self.fragment_of = fragment_of_params(self.param_names, self.fragments)  # per parameter
         self.fragment_alpha = float(cfg.sync.fragment_alpha)
-        self.codec = make_codec(cfg.sync.outer_compress, float(cfg.sync.outer_topk)) \
-            if cfg.sync.outer_compress != "none" else None
+        self.codec = (
+            make_codec(cfg.sync.outer_compress, float(cfg.sync.outer_topk))
+            if cfg.sync.outer_compress != "none"
+            else None
+        )
         # error feedback: what compression did not send yet, this cluster's (fp32, one per parameter)
         self.outer_residual: list[torch.Tensor] | None = None
         # sync.fragment_delay: (round, corrected flat fp32 pseudo-gradient), see take_outer_snapshot
@@ -191,8 +204,11 @@ class ReplicaTrainer:
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
         # (sharded: FSDP2's own per-block buckets reduce inside the replica; the shards after backward)
-        self.buckets = GradBuckets(self.params, bucket_mb) \
-            if cfg.sync.inner == "ddp" and bucket_mb > 0 and self.ranks is None else None
+        self.buckets = (
+            GradBuckets(self.params, bucket_mb)
+            if cfg.sync.inner == "ddp" and bucket_mb > 0 and self.ranks is None
+            else None
+        )
         self.round, self.step = 0, 0
         self.round_steps = self.steps_per_round  # this round's inner steps (sync.balance plans fewer)
         self.round_losses: list[float] = []
@@ -201,7 +217,9 @@ class ReplicaTrainer:
         # inner `none`: (round, epoch) of the last cluster_average, and (round, the params before it)
         self._averaged: tuple[int, int] | None = None
         self._pre_average: tuple[int, list[torch.Tensor]] | None = None
-        self.pacer = pacer_from_config(cfg, topology.cluster_of(rid))  # simulated step time / stragglers: None unless configured
+        self.pacer = pacer_from_config(
+            cfg, topology.cluster_of(rid)
+        )  # simulated step time / stragglers: None unless configured
         self.step_log = None  # logging.step_times: an hsgd.record.steps.StepLog, told each committed step
         # [loss, grad norm] ever non-finite since the last heal/commit: on the device, read at a phase's end
         self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
@@ -251,9 +269,14 @@ class ReplicaTrainer:
         return self.round * self.steps_per_round + self.step_in_round * self.steps_per_round / self.round_steps
 
     def progress(self) -> dict:
-        return {"rid": self.rid, "round": self.round, "step": self.step, "param_bytes": self.replica_param_bytes,
-                "tokens_per_step": self.tokens_per_step,
-                "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0][0]}
+        return {
+            "rid": self.rid,
+            "round": self.round,
+            "step": self.step,
+            "param_bytes": self.replica_param_bytes,
+            "tokens_per_step": self.tokens_per_step,
+            "outer_buffer_round": None if self._outer_buffer is None else self._outer_buffer[0][0],
+        }
 
     def _require(self, round_index: int, what: str) -> bool:
         """True if the call's work is still to do; False if the round is already committed here."""
@@ -264,8 +287,9 @@ class ReplicaTrainer:
     # -- inner phase ----------------------------------------------------------------------------
     def _train_batch(self, micro: int) -> Any:
         """Micro-batch `micro` of the current step, on the device: a pure function of (seed, replica, step)."""
-        batch = self.dataset.batch("train", seed=self.cfg.seed, replica_index=self.global_index, step=self.step,
-                                   micro=micro)
+        batch = self.dataset.batch(
+            "train", seed=self.cfg.seed, replica_index=self.global_index, step=self.step, micro=micro
+        )
         return task.to_device(sharding.rows_of(batch, self.ranks), self.device)
 
     def _numerics(self):
@@ -308,8 +332,11 @@ class ReplicaTrainer:
             self.buckets.finish()
         elif self.cfg.sync.inner == "ddp":
             hook("inner_sync", self.round, self.step_in_round)
-            sharding.agreed(lambda: inner.allreduce_mean([p.grad for p in self.params], level="inner"),
-                            self.ranks, f"{self.rid}: inner gradient all-reduce")
+            sharding.agreed(
+                lambda: inner.allreduce_mean([p.grad for p in self.params], level="inner"),
+                self.ranks,
+                f"{self.rid}: inner gradient all-reduce",
+            )
         return total
 
     def _link_grads(self) -> None:
@@ -336,8 +363,9 @@ class ReplicaTrainer:
         for group in self.inner_opt.param_groups:
             group["lr"] = lr
         # localsgd: every inner_every steps, and at a balanced round's last step
-        average = cfg.sync.inner == "localsgd" and ((self.step_in_round + 1) % cfg.sync.inner_every == 0
-                                                    or self.step_in_round + 1 == self.round_steps)
+        average = cfg.sync.inner == "localsgd" and (
+            (self.step_in_round + 1) % cfg.sync.inner_every == 0 or self.step_in_round + 1 == self.round_steps
+        )
         # a step that ends with a parameter average changes params and optimizer state before its
         # collective: keep what it started from, so a failed average leaves no step applied
         keep = average and inner.world_size > 1
@@ -352,8 +380,11 @@ class ReplicaTrainer:
             if average:
                 hook("inner_sync", self.round, self.step_in_round)
                 with torch.no_grad():
-                    sharding.agreed(lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
-                                    self.ranks, f"{self.rid}: inner parameter average")
+                    sharding.agreed(
+                        lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
+                        self.ranks,
+                        f"{self.rid}: inner parameter average",
+                    )
         except BaseException:
             if self.buckets is not None:
                 self.buckets.disarm()
@@ -367,8 +398,14 @@ class ReplicaTrainer:
             self.pacer.after_step(started, self.global_index, self.step)
         return loss
 
-    def run_inner(self, round_index: int, inner: LevelGroup, hook: FaultHook = lambda phase, r, s: None,
-                  at_snapshot: Callable[[], None] | None = None, steps: int | None = None) -> InnerReport:
+    def run_inner(
+        self,
+        round_index: int,
+        inner: LevelGroup,
+        hook: FaultHook = lambda phase, r, s: None,
+        at_snapshot: Callable[[], None] | None = None,
+        steps: int | None = None,
+    ) -> InnerReport:
         """Run inner steps until the round's last step is committed (or a hook raises YieldNow): `steps`
         of them (sync.balance's plan for this cluster), else sync.outer_every / fragments.
         Raises CollectiveError, NonFiniteError or Behind (see the module's failures). Losses stay on
@@ -378,8 +415,9 @@ class ReplicaTrainer:
         losses: list[float] = []
         snapshot_seen = False
         self.round_steps = steps or self.steps_per_round
-        delay = fragment_delay_of(self.fragment_delay, self.round_steps,
-                                  self.cfg.sync.inner_every if self.cfg.sync.inner == "localsgd" else 1)
+        delay = fragment_delay_of(
+            self.fragment_delay, self.round_steps, self.cfg.sync.inner_every if self.cfg.sync.inner == "localsgd" else 1
+        )
 
         def snapshot_point() -> None:
             nonlocal snapshot_seen
@@ -414,11 +452,22 @@ class ReplicaTrainer:
             bad_loss, bad_norm = self._nonfinite.tolist()
             if bad_loss or bad_norm:
                 what = "loss" if bad_loss else "grad_norm"
-                raise NonFiniteError(what, f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
-                                           f"(inner steps {first}..{self.step - 1}); its params must be healed")
-        return InnerReport(round=self.round, step=self.step, steps_done=len(pending), loss_sum=sum(losses),
-                           tokens=len(pending) * self.tokens_per_step, seconds=time.perf_counter() - start,
-                           inner_bytes=inner.bytes_sent - bytes_before, losses=losses, yielded=yielded)
+                raise NonFiniteError(
+                    what,
+                    f"{self.rid}: non-finite {what.replace('_', ' ')} in round {self.round} "
+                    f"(inner steps {first}..{self.step - 1}); its params must be healed",
+                )
+        return InnerReport(
+            round=self.round,
+            step=self.step,
+            steps_done=len(pending),
+            loss_sum=sum(losses),
+            tokens=len(pending) * self.tokens_per_step,
+            seconds=time.perf_counter() - start,
+            inner_bytes=inner.bytes_sent - bytes_before,
+            losses=losses,
+            yielded=yielded,
+        )
 
     # -- outer phase ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -433,8 +482,11 @@ class ReplicaTrainer:
                 p.copy_(saved)
         else:
             self._pre_average = (round_index, [p.detach().clone() for p in self.params])
-        sharding.agreed(lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
-                        self.ranks, f"{self.rid}: cluster average")
+        sharding.agreed(
+            lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
+            self.ranks,
+            f"{self.rid}: cluster average",
+        )
         self._averaged = (round_index, epoch)
 
     def fragment_params(self, round_index: int) -> list[int]:
@@ -462,8 +514,17 @@ class ReplicaTrainer:
         return flat
 
     @torch.no_grad()
-    def outer_reduce(self, round_index: int, epoch: int, outer: LevelGroup, shard: int = 0, shards: int = 1,
-                     weights: tuple[float, ...] = (), *, behind: bool = False) -> None:
+    def outer_reduce(
+        self,
+        round_index: int,
+        epoch: int,
+        outer: LevelGroup,
+        shard: int = 0,
+        shards: int = 1,
+        weights: tuple[float, ...] = (),
+        *,
+        behind: bool = False,
+    ) -> None:
         """The token-weighted mean over the clusters of shard `shard` of `shards` into the buffer keyed
         by (round, epoch, shard, shards, weights), idempotent per key. `weights`: each cluster's, in
         outer-rank order (hsgd.core.outer_plan.token_weights; () = the plain mean); a weight of 1.0
@@ -488,11 +549,13 @@ class ReplicaTrainer:
         if ranks is not None:  # every rank of the replica raises, or none sends
             finite = not sharding.any_rank(not finite, ranks)
         if not finite:
-            raise NonFiniteError("pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round "
-                                                    f"{round_index}; not sent")
+            raise NonFiniteError(
+                "pseudo_gradient", f"{self.rid}: non-finite pseudo-gradient in round {round_index}; not sent"
+            )
         lo, hi = shard_bounds(flat.numel(), shards, ALIGN)[shard]
-        piece = sharding.agreed(lambda: self._reduce_piece(flat[lo:hi].clone(), outer, weights), ranks,
-                                f"{self.rid}: outer reduce")
+        piece = sharding.agreed(
+            lambda: self._reduce_piece(flat[lo:hi].clone(), outer, weights), ranks, f"{self.rid}: outer reduce"
+        )
         self._outer_buffer = (key, piece)
 
     def _reduce_piece(self, piece: torch.Tensor, outer: LevelGroup, weights: tuple[float, ...]) -> torch.Tensor:
@@ -529,12 +592,16 @@ class ReplicaTrainer:
             for j, (root, (lo, hi)) in enumerate(zip(roots, bounds)):  # one broadcast per shard, from its holder
                 if inner.rank == root:
                     buf = self._outer_buffer
-                    assert buf is not None and buf[0][0] == round_index and buf[0][2:4] == (j, len(roots)), \
+                    assert buf is not None and buf[0][0] == round_index and buf[0][2:4] == (j, len(roots)), (
                         f"{self.rid}: commit of round {round_index} without a reduced buffer for shard {j}/{len(roots)}"
+                    )
                     mean[lo:hi] = buf[1]
                 if hi > lo:
-                    sharding.agreed(lambda: inner.broadcast([mean[lo:hi]], root=root, level="inner"), self.ranks,
-                                    f"{self.rid}: commit broadcast")
+                    sharding.agreed(
+                        lambda: inner.broadcast([mean[lo:hi]], root=root, level="inner"),
+                        self.ranks,
+                        f"{self.rid}: commit broadcast",
+                    )
             if self.codec is not None:  # residual = corrected - what was sent, before the params change
                 corrected = self._round_pseudo_gradient(round_index)
                 if self.outer_residual is None:
@@ -604,14 +671,22 @@ class ReplicaTrainer:
         if self.ranks is not None:
             globals_ = sharding.full_tensors(globals_, self.sharded)
         tensors = {name: g.detach().to("cpu").contiguous() for name, g in zip(self.param_names, globals_)}
-        meta = {"round": str(self.round), "step": str(self.round * self.steps_per_round),
-                "model_target": str(self.cfg.model._target_), "data_source": str(self.dataset.source),
-                "global_digest": self.global_digest()}
+        meta = {
+            "round": str(self.round),
+            "step": str(self.round * self.steps_per_round),
+            "model_target": str(self.cfg.model._target_),
+            "data_source": str(self.dataset.source),
+            "global_digest": self.global_digest(),
+        }
         if self.ranks is not None and self.ranks.rank != 0:
             return {"path": str(path), "round": self.round, "bytes": 0, "global_digest": meta["global_digest"]}
         write_atomic(str(path), lambda f: f.write(save(tensors, metadata=meta)))
-        return {"path": str(path), "round": self.round, "bytes": os.path.getsize(path),
-                "global_digest": meta["global_digest"]}
+        return {
+            "path": str(path),
+            "round": self.round,
+            "bytes": os.path.getsize(path),
+            "global_digest": meta["global_digest"],
+        }
 
     # -- state for heal and checkpoint ----------------------------------------------------------
     def state_dict(self) -> dict:
@@ -637,11 +712,17 @@ class ReplicaTrainer:
         over the process group streams them out at once, from the phase thread, which nothing
         else mutates meanwhile). Never modify it or keep it past that call."""
         snapshot = self._outer_snapshot
-        return {"rid": self.rid, "round": self.round, "step": self.step, "params": list(self.params),
-                "inner_opt": self.inner_opt.state_dict(), "outer": self.outer_opt.state_dict(),
-                "outer_residual": None if self.outer_residual is None else list(self.outer_residual),
-                "outer_snapshot": None if snapshot is None else {"round": snapshot[0], "flat": snapshot[1]},
-                "round_losses": list(self.round_losses)}
+        return {
+            "rid": self.rid,
+            "round": self.round,
+            "step": self.step,
+            "params": list(self.params),
+            "inner_opt": self.inner_opt.state_dict(),
+            "outer": self.outer_opt.state_dict(),
+            "outer_residual": None if self.outer_residual is None else list(self.outer_residual),
+            "outer_snapshot": None if snapshot is None else {"round": snapshot[0], "flat": snapshot[1]},
+            "round_losses": list(self.round_losses),
+        }
 
     # -- state for a sharded (DCP) checkpoint: resharded on load ----------------------------------
     def sharded_state(self) -> dict:
@@ -653,8 +734,10 @@ class ReplicaTrainer:
         the round's losses and a fragment_delay snapshot are empty there, and not carried. Copies:
         safe to keep. Every rank of the replica calls it (no collective)."""
         if self.round_losses or self._outer_snapshot is not None:
-            raise ValueError(f"{self.rid}: a sharded state is taken between rounds (round {self.round} has "
-                             f"losses or an outer snapshot pending)")
+            raise ValueError(
+                f"{self.rid}: a sharded state is taken between rounds (round {self.round} has "
+                f"losses or an outer snapshot pending)"
+            )
         return self.sharded_template()
 
     def sharded_template(self) -> dict:
@@ -662,17 +745,30 @@ class ReplicaTrainer:
         mid-round the round's losses and snapshot are left out, as a checkpoint never has them)."""
         inner = self.inner_opt.state_dict()["state"]
         sgd = self.outer_opt.state_dict()["sgd"]["state"]
-        state = {"round": self.round, "step": self.step, "inner_started": bool(inner),
-                 "momentum_started": any(s.get("momentum_buffer") is not None for s in sgd.values()),
-                 "residual_started": self.outer_residual is not None}
+        state = {
+            "round": self.round,
+            "step": self.step,
+            "inner_started": bool(inner),
+            "momentum_started": any(s.get("momentum_buffer") is not None for s in sgd.values()),
+            "residual_started": self.outer_residual is not None,
+        }
         for i, name in enumerate(self.param_names):
-            state.update(self._param_entries(i, name, {
-                "param": self.params[i], "global": self.outer_opt.global_params[i],
-                "momentum": sgd.get(i, {}).get("momentum_buffer"),
-                "residual": None if self.outer_residual is None else self.outer_residual[i],
-                **{f"inner.{slot}": inner.get(i, {}).get(slot) for slot in self._inner_slots()}}))
-            state[f"inner.step/{name}"] = torch.as_tensor(inner.get(i, {}).get("step", 0.0),
-                                                          dtype=torch.float32).detach().to("cpu").clone()
+            state.update(
+                self._param_entries(
+                    i,
+                    name,
+                    {
+                        "param": self.params[i],
+                        "global": self.outer_opt.global_params[i],
+                        "momentum": sgd.get(i, {}).get("momentum_buffer"),
+                        "residual": None if self.outer_residual is None else self.outer_residual[i],
+                        **{f"inner.{slot}": inner.get(i, {}).get(slot) for slot in self._inner_slots()},
+                    },
+                )
+            )
+            state[f"inner.step/{name}"] = (
+                torch.as_tensor(inner.get(i, {}).get("step", 0.0), dtype=torch.float32).detach().to("cpu").clone()
+            )
         return state
 
     def _inner_slots(self) -> tuple[str, ...]:
@@ -696,14 +792,21 @@ class ReplicaTrainer:
         from torch.distributed.tensor import DTensor
 
         template = self.sharded[i]
-        return DTensor.from_local(shard, template.device_mesh, template.placements, run_check=False,
-                                  shape=template.shape, stride=template.stride())
+        return DTensor.from_local(
+            shard,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
 
     @torch.no_grad()
     def load_sharded_state(self, state: dict) -> None:
         """Become the replica `state` describes (sharded_state's keys, loaded by DCP into a
         `sharded_state()` of this trainer, resharded to its k): a `full` load, the flags deciding
         which optimizer slots were started; non-finite flags clear, as after any load."""
+
         def local(key: str) -> torch.Tensor:
             return sharding.local(state[key]).detach().to("cpu").clone()
 
@@ -711,19 +814,37 @@ class ReplicaTrainer:
         inner = {}
         if state["inner_started"]:
             steps = self.cfg.optim.inner.name != "sgd"  # AdamW counts its steps per parameter; SGD does not
-            inner = {i: {**({"step": state[f"inner.step/{name}"].clone()} if steps else {}),
-                         **{slot: local(f"inner.{slot}/{name}") for slot in self._inner_slots()}} for i, name in names}
+            inner = {
+                i: {
+                    **({"step": state[f"inner.step/{name}"].clone()} if steps else {}),
+                    **{slot: local(f"inner.{slot}/{name}") for slot in self._inner_slots()},
+                }
+                for i, name in names
+            }
         outer = self.outer_opt.state_dict()
-        momentum = {i: {"momentum_buffer": local(f"momentum/{name}")} for i, name in names} \
-            if state["momentum_started"] else {}
-        self.load_state_dict({
-            "round": int(state["round"]), "step": int(state["step"]), "round_losses": [],
-            "params": [local(f"param/{name}") for _, name in names],
-            "inner_opt": {"state": inner, "param_groups": self.inner_opt.state_dict()["param_groups"]},
-            "outer": {"global_params": [local(f"global/{name}") for _, name in names],
-                      "sgd": {"state": momentum, "param_groups": outer["sgd"]["param_groups"]}},
-            "outer_residual": [local(f"residual/{name}") for _, name in names] if state["residual_started"] else None,
-            "outer_snapshot": None}, scope="full")
+        momentum = (
+            {i: {"momentum_buffer": local(f"momentum/{name}")} for i, name in names}
+            if state["momentum_started"]
+            else {}
+        )
+        self.load_state_dict(
+            {
+                "round": int(state["round"]),
+                "step": int(state["step"]),
+                "round_losses": [],
+                "params": [local(f"param/{name}") for _, name in names],
+                "inner_opt": {"state": inner, "param_groups": self.inner_opt.state_dict()["param_groups"]},
+                "outer": {
+                    "global_params": [local(f"global/{name}") for _, name in names],
+                    "sgd": {"state": momentum, "param_groups": outer["sgd"]["param_groups"]},
+                },
+                "outer_residual": [local(f"residual/{name}") for _, name in names]
+                if state["residual_started"]
+                else None,
+                "outer_snapshot": None,
+            },
+            scope="full",
+        )
 
     def rank_slice(self, state: dict) -> dict:
         """A whole replica's `state_dict` (a k=1 checkpoint's file) cut to this rank's shards: every
@@ -738,28 +859,45 @@ class ReplicaTrainer:
             chunks = torch.chunk(t, self.ranks.size, dim=0)
             piece = chunks[self.ranks.rank] if self.ranks.rank < len(chunks) else t[:0]
             if piece.shape != self.params[i].shape:
-                raise ValueError(f"{self.rid}: parameter {self.param_names[i]}: a whole tensor of {tuple(t.shape)} "
-                                 f"cuts to {tuple(piece.shape)} on rank {self.ranks.rank}, not its shard's "
-                                 f"{tuple(self.params[i].shape)}")
+                raise ValueError(
+                    f"{self.rid}: parameter {self.param_names[i]}: a whole tensor of {tuple(t.shape)} "
+                    f"cuts to {tuple(piece.shape)} on rank {self.ranks.rank}, not its shard's "
+                    f"{tuple(self.params[i].shape)}"
+                )
             return piece.clone()
 
         def cut_optimizer(sd: dict) -> dict:
-            return {**sd, "state": {i: {slot: cut(int(i), v) if torch.is_tensor(v) else v for slot, v in slots.items()}
-                                    for i, slots in sd["state"].items()}}
+            return {
+                **sd,
+                "state": {
+                    i: {slot: cut(int(i), v) if torch.is_tensor(v) else v for slot, v in slots.items()}
+                    for i, slots in sd["state"].items()
+                },
+            }
 
         outer = state["outer"]
         residual = state.get("outer_residual")
-        return {**state, "params": [cut(i, t) for i, t in enumerate(state["params"])],
-                "inner_opt": cut_optimizer(state["inner_opt"]),
-                "outer": {**outer, "global_params": [cut(i, g) for i, g in enumerate(outer["global_params"])],
-                          "sgd": cut_optimizer(outer["sgd"])},
-                "outer_residual": None if residual is None else [cut(i, r) for i, r in enumerate(residual)]}
+        return {
+            **state,
+            "params": [cut(i, t) for i, t in enumerate(state["params"])],
+            "inner_opt": cut_optimizer(state["inner_opt"]),
+            "outer": {
+                **outer,
+                "global_params": [cut(i, g) for i, g in enumerate(outer["global_params"])],
+                "sgd": cut_optimizer(outer["sgd"]),
+            },
+            "outer_residual": None if residual is None else [cut(i, r) for i, r in enumerate(residual)],
+        }
 
     def global_state(self) -> dict:
         """What a `global` heal needs: the round-start global params and outer state. They change
         only in outer_commit, so this may be read while an inner phase runs."""
-        return {"rid": self.rid, "round": self.round, "step": self.round * self.steps_per_round,
-                "outer": copy.deepcopy(self.outer_opt.state_dict())}
+        return {
+            "rid": self.rid,
+            "round": self.round,
+            "step": self.round * self.steps_per_round,
+            "outer": copy.deepcopy(self.outer_opt.state_dict()),
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, scope: str = "full") -> None:
@@ -772,8 +910,9 @@ class ReplicaTrainer:
         residual = state.get("outer_residual") if full else None
         self.outer_residual = None if residual is None else [r.detach().to("cpu").clone() for r in residual]
         snapshot = state.get("outer_snapshot") if full else None  # a source past the snapshot step: send the same
-        self._outer_snapshot = None if snapshot is None else (int(snapshot["round"]),
-                                                              snapshot["flat"].detach().to("cpu").clone())
+        self._outer_snapshot = (
+            None if snapshot is None else (int(snapshot["round"]), snapshot["flat"].detach().to("cpu").clone())
+        )
         self.round = int(state["round"])
         self.step = int(state["step"]) if full else self.round * self.steps_per_round  # `global`: ours is gone
         self.round_losses = list(state.get("round_losses", [])) if full else []

@@ -1,5 +1,6 @@
 """Ray's actor table and the run log, as the roster's and the watch's tests see them: a table the test
 sets row by row (or makes unreadable), and a log that keeps typed events."""
+
 from __future__ import annotations
 
 RUN = "hsgd:run-1"
@@ -18,8 +19,13 @@ class Table:
         self.namesakes: list[dict] = []
 
     def set(self, short: str, state: str, restarts: int, pid: int = 0) -> None:
-        self.rows[name(short)] = {"Name": name(short), "State": state, "NumRestarts": restarts, "Pid": pid,
-                                  "StartTime": 1}
+        self.rows[name(short)] = {
+            "Name": name(short),
+            "State": state,
+            "NumRestarts": restarts,
+            "Pid": pid,
+            "StartTime": 1,
+        }
 
     def add_dead_namesake(self, short: str) -> None:
         """A DEAD row under `short`'s name that never started: an actor registered by a supervisor

@@ -1,8 +1,17 @@
 """A small composed config for tests that build real trainers (hsgd.config.schema)."""
+
 from __future__ import annotations
 
-BASE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=2",
-        "sync.inner=ddp", "optim.inner.lr=0.01", "train.rounds=10"]
+BASE = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "data.batch_size=2",
+    "sync.inner=ddp",
+    "optim.inner.lr=0.01",
+    "train.rounds=10",
+]
 
 
 def tiny_cfg(overrides):

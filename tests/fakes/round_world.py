@@ -16,14 +16,27 @@ configured, members of an inner phase at the same step, and no replica ever goin
 (round, step) except by a restart or a restore. test_round_simulation.py drives the same world
 at 10,000 replicas with random failures.
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from hsgd.core.round import (AbortJoin, Answer, ErrorKind, Kill, Lost, Outcome, Phase, PhaseEnded, Progress, RoundMachine,
-                             RoundSettings, StateReady, StepTimed, Up, Yield)
+from hsgd.core.round import (
+    AbortJoin,
+    Answer,
+    Kill,
+    Lost,
+    Outcome,
+    PhaseEnded,
+    Progress,
+    RoundMachine,
+    RoundSettings,
+    StateReady,
+    StepTimed,
+    Yield,
+)
 from hsgd.core.topology import Topology
 
 SPR = 10  # inner steps per round
@@ -37,8 +50,15 @@ def decisions(effects) -> list:
 
 
 def make_settings(**overrides) -> RoundSettings:
-    base = dict(steps_per_round=SPR, step_deadline_s=30.0, group_grace_s=10.0, configure_s=20.0, heal_s=20.0,
-                outer_s=20.0, commit_s=20.0)
+    base = dict(
+        steps_per_round=SPR,
+        step_deadline_s=30.0,
+        group_grace_s=10.0,
+        configure_s=20.0,
+        heal_s=20.0,
+        outer_s=20.0,
+        commit_s=20.0,
+    )
     base.update(overrides)
     return RoundSettings(**base)
 
@@ -49,6 +69,7 @@ class Fault:
     member reaches in-round step `step`. `what`: die | hang | collective. `applied`: in an
     outer_commit whose group breaks, these members applied the commit anyway; in a run_inner
     collective failure, these members completed the step anyway."""
+
     rid: str
     kind: str
     what: str
@@ -93,9 +114,18 @@ class Issued:
 
 
 class World:
-    def __init__(self, clusters: int, per_cluster: int, *, settings: RoundSettings | None = None,
-                 start: tuple[int, int] = (0, 0), step_s: float = 1.0, timeout_s: float = 5.0,
-                 configure_timeout_s: float = 8.0, report_heal_source_deaths: bool = True):
+    def __init__(
+        self,
+        clusters: int,
+        per_cluster: int,
+        *,
+        settings: RoundSettings | None = None,
+        start: tuple[int, int] = (0, 0),
+        step_s: float = 1.0,
+        timeout_s: float = 5.0,
+        configure_timeout_s: float = 8.0,
+        report_heal_source_deaths: bool = True,
+    ):
         self.topo = Topology(clusters, per_cluster)
         self.settings = settings or make_settings()
         self.spr = self.settings.steps_per_round
@@ -134,8 +164,13 @@ class World:
 
     # -- queries ---------------------------------------------------------------------------------------
     def calls(self, kind: str, cluster: int | None = "any", gen: int | None = None) -> list[Issued]:
-        return [i for i in self.issued if i.action.kind == kind and (cluster == "any" or i.action.cluster == cluster)
-                and (gen is None or i.gen == gen)]
+        return [
+            i
+            for i in self.issued
+            if i.action.kind == kind
+            and (cluster == "any" or i.action.cluster == cluster)
+            and (gen is None or i.gen == gen)
+        ]
 
     def forming(self, level: str, cluster: int | None = "any") -> list[Issued]:
         """The calls that formed a group of `level` (inner: run_inner, outer: outer_reduce)."""
@@ -154,8 +189,9 @@ class World:
             self.trace.append(f"VIOLATION t={self.now:.2f} {text}")
 
     # -- injection -------------------------------------------------------------------------------------
-    def fault(self, rid: str, kind: str, what: str, round: int | None = None, step: int = 0,
-              applied: tuple[str, ...] = ()) -> None:
+    def fault(
+        self, rid: str, kind: str, what: str, round: int | None = None, step: int = 0, applied: tuple[str, ...] = ()
+    ) -> None:
         f = Fault(rid, kind, what, round, step, tuple(applied))
         self.faults.append(f)
         self._faults_of.setdefault(rid, []).append(f)
@@ -207,8 +243,13 @@ class World:
         for target in sorted(self._sourcing.pop(source, ())):
             trep = self.reps[target]
             issued = self._issued_by_call.get(trep.call) if trep.call is not None else None
-            if trep.alive and not trep.hung and issued is not None and issued.action.kind == "heal" \
-                    and issued.action.calls[target].source == source:
+            if (
+                trep.alive
+                and not trep.hung
+                and issued is not None
+                and issued.action.kind == "heal"
+                and issued.action.calls[target].source == source
+            ):
                 self._push(0.1, trep, CFAILED, effect=self._source_lost(source))
 
     def restart(self, rid: str) -> None:
@@ -236,8 +277,14 @@ class World:
     def machine(self, round_index: int | None = None, **overrides) -> RoundMachine:
         progress = self.live_progress()
         r = max((p[0] for p in progress.values()), default=0) if round_index is None else round_index
-        kwargs = dict(progress=progress, leaders=self.leaders, epoch=self.epoch, committed_round=self.committed_round,
-                      configured=self.configured, outer_configured=self.outer_configured)
+        kwargs = dict(
+            progress=progress,
+            leaders=self.leaders,
+            epoch=self.epoch,
+            committed_round=self.committed_round,
+            configured=self.configured,
+            outer_configured=self.outer_configured,
+        )
         kwargs.update(overrides)
         return RoundMachine(self.topo, self.settings, r, **kwargs)
 
@@ -247,7 +294,11 @@ class World:
         m = self.machine(round_index, **overrides)
         self.drive(m, limit_s=limit_s)
         self.epoch = m.epoch
-        self.leaders, self.configured, self.outer_configured = dict(m.leaders), m.configured_groups(), m.outer_configured
+        self.leaders, self.configured, self.outer_configured = (
+            dict(m.leaders),
+            m.configured_groups(),
+            m.outer_configured,
+        )
         if m.outcome == "committed":
             self.committed_round = m.round + 1
         return m
@@ -274,9 +325,11 @@ class World:
                 self._poll_progress()
                 self.carry_out(m.tick(self.now))
             if self.now > t_end:
-                raise AssertionError(f"round {m.round} did not finish in {limit_s}s of simulated time: "
-                                     f"stages {[st.stage for st in m.clusters.values()][:20]}, outer {m.outer_stage}, "
-                                     f"in flight {[(f.phase.kind, sorted(f.pending)[:5]) for f in m.calls.inflight.values()][:10]}")
+                raise AssertionError(
+                    f"round {m.round} did not finish in {limit_s}s of simulated time: "
+                    f"stages {[st.stage for st in m.clusters.values()][:20]}, outer {m.outer_stage}, "
+                    f"in flight {[(f.phase.kind, sorted(f.pending)[:5]) for f in m.calls.inflight.values()][:10]}"
+                )
         self.m = None
 
     def drain(self) -> None:
@@ -331,8 +384,10 @@ class World:
             issued = Issued(self.gen, self.now, a, {rid: self.reps[rid].pos for rid in a.calls})
             self.issued.append(issued)
             if self.trace is not None:
-                self.trace.append(f"t={self.now:.2f} g{self.gen} #{a.id} {a.kind} c{a.cluster} e{a.epoch} "
-                                  f"{dict(list(a.calls.items())[:12])} {a.reason} before={dict(list(issued.before.items())[:12])}")
+                self.trace.append(
+                    f"t={self.now:.2f} g{self.gen} #{a.id} {a.kind} c{a.cluster} e{a.epoch} "
+                    f"{dict(list(a.calls.items())[:12])} {a.reason} before={dict(list(issued.before.items())[:12])}"
+                )
             for rid in a.calls:
                 rep = self.reps[rid]
                 if rep.call is not None:
@@ -368,7 +423,13 @@ class World:
         """Members still waiting in the rendezvous of a.prefix leave it now (collective_failed)."""
         for rid in sorted(self._rendezvous.pop(a.prefix, ())):
             rep = self.reps[rid]
-            if rep.alive and not rep.hung and rep.call is not None and rep.call[0] == self.gen and rep.token is not None:
+            if (
+                rep.alive
+                and not rep.hung
+                and rep.call is not None
+                and rep.call[0] == self.gen
+                and rep.token is not None
+            ):
                 level = "outer" if "/outer" in a.prefix else "inner"
                 self._push(0.05, rep, CFAILED, effect=lambda rep, level=level: setattr(rep, level, None))
 
@@ -389,7 +450,9 @@ class World:
     # -- answers ---------------------------------------------------------------------------------------
     def _push(self, delay: float, rep: Rep, outcome: Outcome, new=None, effect=None) -> None:
         rep.token = next(self._tokens)
-        heapq.heappush(self.events, (self.now + delay, next(self._seq), rep.token, rep.rid, (rep.call, outcome, new, effect)))
+        heapq.heappush(
+            self.events, (self.now + delay, next(self._seq), rep.token, rep.rid, (rep.call, outcome, new, effect))
+        )
 
     def _deliver(self, token: int | None, rid: str | None, payload) -> None:
         if token is None:
@@ -431,8 +494,11 @@ class World:
         """Faults of `rid` due in this call (run_inner: at an in-round step in [lo, hi))."""
         out = []
         for f in self._faults_of.get(rid, ()):
-            if f.kind == kind and (f.round is None or f.round == round_index) \
-                    and (kind != "run_inner" or lo <= f.step < hi):
+            if (
+                f.kind == kind
+                and (f.round is None or f.round == round_index)
+                and (kind != "run_inner" or lo <= f.step < hi)
+            ):
                 out.append(f)
         return out
 
@@ -482,9 +548,20 @@ class World:
     def _simple(self, a, rid: str, delay: float, outcome: Outcome, new=None, effect=None) -> None:
         self._push(delay, self.reps[rid], outcome, new, effect)
 
-    def _fail_on_hang_or_death(self, a, rids: list[str], kind: str, round_index: int, *, ok_delay: float,
-                               fail_wait: float, level: str, effect=None, new=None,
-                               group_size: int | None = None) -> None:
+    def _fail_on_hang_or_death(
+        self,
+        a,
+        rids: list[str],
+        kind: str,
+        round_index: int,
+        *,
+        ok_delay: float,
+        fail_wait: float,
+        level: str,
+        effect=None,
+        new=None,
+        group_size: int | None = None,
+    ) -> None:
         """A fixed-work collective (configure, outer_reduce, one cluster's commit): faults fire
         at its start; a death or collective failure fails the peers fast (a rendezvous waits
         its timeout), a hang at the peers' timeout."""
@@ -557,8 +634,16 @@ class World:
         kind = f"configure_{level}"
         if any(self._take_faults(rid, kind, a.round) for rid in live):
             self._rendezvous[group[0]] = set(live)  # a death there leaves the others waiting in it
-            self._fail_on_hang_or_death(a, live, kind, a.round, ok_delay=0.2, fail_wait=self.configure_timeout_s,
-                                        group_size=len(order), level=level)
+            self._fail_on_hang_or_death(
+                a,
+                live,
+                kind,
+                a.round,
+                ok_delay=0.2,
+                fail_wait=self.configure_timeout_s,
+                group_size=len(order),
+                level=level,
+            )
             return False
         for rid in live:
             setattr(self.reps[rid], level, group)
@@ -607,6 +692,7 @@ class World:
             # the supervisor saw the source's ActorDiedError in the target's error: it tells the machine
             if self.report_heal_source_deaths and self.m is not None:
                 self.carry_out(self.m.observe(Lost(source), self.now))
+
         return tell
 
     def _do_run_inner(self, a) -> None:
@@ -624,8 +710,9 @@ class World:
             return
         steps = {self.reps[x].step for x in runners}
         if len(steps) > 1:
-            self.violation(f"run_inner of c{a.cluster} with members at different steps "
-                           f"{ {x: self.reps[x].pos for x in runners} }")
+            self.violation(
+                f"run_inner of c{a.cluster} with members at different steps { {x: self.reps[x].pos for x in runners} }"
+            )
         s0 = min(steps)
         p0, end = s0 - r * self.spr, (r + 1) * self.spr
         dt = max([self.step_s] + [self.slow.get(x, 0.0) for x in runners])
@@ -681,8 +768,16 @@ class World:
                 self._break_group(self.reps[x], "inner")
                 self._simple(a, x, 0.01 if dead else self.timeout_s, CFAILED)
             return
-        self._fail_on_hang_or_death(a, runners, "cluster_average", a.round, ok_delay=0.2, fail_wait=self.timeout_s,
-                                    group_size=len(a.calls), level="inner")
+        self._fail_on_hang_or_death(
+            a,
+            runners,
+            "cluster_average",
+            a.round,
+            ok_delay=0.2,
+            fail_wait=self.timeout_s,
+            group_size=len(a.calls),
+            level="inner",
+        )
 
     def _do_outer_reduce(self, a) -> None:
         if a.forms_group and not self._configure(a, "outer"):
@@ -716,8 +811,18 @@ class World:
         def reduced(rep):
             if rep.buffer is None or rep.buffer[:2] != (r, a.epoch):  # idempotent per (round, epoch)
                 rep.buffer = content
-        self._fail_on_hang_or_death(a, runners, "outer_reduce", r, ok_delay=1.0, fail_wait=self.timeout_s,
-                                    effect=reduced, group_size=len(leaders), level="outer")
+
+        self._fail_on_hang_or_death(
+            a,
+            runners,
+            "outer_reduce",
+            r,
+            ok_delay=1.0,
+            fail_wait=self.timeout_s,
+            effect=reduced,
+            group_size=len(leaders),
+            level="outer",
+        )
 
     def _do_outer_commit(self, a) -> None:
         r = a.round
@@ -748,15 +853,25 @@ class World:
 
             def applied(rep, buf=buffers.get(c)):
                 rep.applied = buf
+
             if missing and len(members) > 1:
                 dead = any(not self.reps[x].alive for x in missing)
                 for x in runners:
                     self._break_group(self.reps[x], "inner")
                     self._simple(a, x, 0.01 if dead else self.timeout_s, CFAILED)
                 continue
-            self._fail_on_hang_or_death(a, runners, "outer_commit", r, ok_delay=delay, fail_wait=self.timeout_s,
-                                        new=(r + 1, (r + 1) * self.spr), effect=applied, group_size=len(members),
-                                        level="inner")
+            self._fail_on_hang_or_death(
+                a,
+                runners,
+                "outer_commit",
+                r,
+                ok_delay=delay,
+                fail_wait=self.timeout_s,
+                new=(r + 1, (r + 1) * self.spr),
+                effect=applied,
+                group_size=len(members),
+                level="inner",
+            )
         contents = {b for b in buffers.values()}
         if len(contents) > 1:
             self.violation(f"commit of round {r} with different reduced buffers across clusters: {contents}")
@@ -765,5 +880,3 @@ class World:
 def outcome_of(world: World, m: RoundMachine) -> str:
     assert not world.violations, "the machine broke a promise:\n" + "\n".join(world.violations)
     return m.outcome
-
-

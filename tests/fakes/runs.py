@@ -1,5 +1,6 @@
 """A synthetic run folder (events, faults, metrics, summary; no Ray), for the tests of what reads
 one (hsgd/record/plots.py, jobs/status.py)."""
+
 import json
 
 T0 = 1_700_000_000.0
@@ -59,18 +60,51 @@ def make_run(run_dir, *, faults=True, metrics=True, summary=True, status="comple
         ev.append({"t": T0 + rounds, "event": "run_end", "status": status})
     _write_jsonl(run_dir / "events.jsonl", sorted(ev, key=lambda e: e["t"]))
     if faults:
-        _write_jsonl(run_dir / "faults_fired.jsonl", [{"t": T0 + 5.0, "rid": "c0r1", "kind": "kill", "phase": "inner",
-                                                        "round": 5, "step": 2}])
+        _write_jsonl(
+            run_dir / "faults_fired.jsonl",
+            [{"t": T0 + 5.0, "rid": "c0r1", "kind": "kill", "phase": "inner", "round": 5, "step": 2}],
+        )
     if metrics:
-        _write_jsonl(run_dir / "metrics.jsonl", [
-            {"t": T0 + r + 0.95, "round": r, "inner_step": (r + 1) * 4, "loss": 4.0 - 0.1 * r,
-             "replica_loss": {rid: 4.0 - 0.1 * r + 0.01 * i for i, rid in enumerate(RIDS)
-                              if not (faults and rid == "c0r1" and 5 <= r < 8)},
-             "eval_loss": 4.05 - 0.1 * r if r % 3 == 2 else None, "tokens_per_s": 1000.0,
-             "live_replicas": 3 if faults and 5 <= r < 8 else 4, "epoch": 1} for r in range(rounds)])
+        _write_jsonl(
+            run_dir / "metrics.jsonl",
+            [
+                {
+                    "t": T0 + r + 0.95,
+                    "round": r,
+                    "inner_step": (r + 1) * 4,
+                    "loss": 4.0 - 0.1 * r,
+                    "replica_loss": {
+                        rid: 4.0 - 0.1 * r + 0.01 * i
+                        for i, rid in enumerate(RIDS)
+                        if not (faults and rid == "c0r1" and 5 <= r < 8)
+                    },
+                    "eval_loss": 4.05 - 0.1 * r if r % 3 == 2 else None,
+                    "tokens_per_s": 1000.0,
+                    "live_replicas": 3 if faults and 5 <= r < 8 else 4,
+                    "epoch": 1,
+                }
+                for r in range(rounds)
+            ],
+        )
     if summary and status:
-        (run_dir / "summary.json").write_text(json.dumps({
-            "status": status, "rounds_committed": rounds,
-            "faults": [{"rid": "c0r1", "kind": "kill", "fired_at": T0 + 5.0, "detection_latency_s": 0.2,
-                        "recovery_latency_s": 0.9, "heal_s": 0.3}] if faults else []}))
+        (run_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "rounds_committed": rounds,
+                    "faults": [
+                        {
+                            "rid": "c0r1",
+                            "kind": "kill",
+                            "fired_at": T0 + 5.0,
+                            "detection_latency_s": 0.2,
+                            "recovery_latency_s": 0.9,
+                            "heal_s": 0.3,
+                        }
+                    ]
+                    if faults
+                    else [],
+                }
+            )
+        )
     return run_dir

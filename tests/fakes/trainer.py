@@ -1,5 +1,6 @@
 """A tiny one-replica trainer setup (config, dataset fixture, a group of one), for the tests of
 hsgd.train.trainer and what reads its step log."""
+
 from __future__ import annotations
 
 import pytest

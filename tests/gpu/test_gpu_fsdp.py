@@ -11,6 +11,7 @@ many times that tolerance (so the tolerance can tell), both ranks report the sam
 same combined digest (hsgd.train.sharding.combined_digest), and after each commit the replica's
 params are its global params. Each rank process fails with its traceback, never hangs
 (run_ranks' deadline; the replica group's timeout)."""
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,10 @@ import traceback
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs 2 CUDA GPUs (one per rank of the sharded replica)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs (one per rank of the sharded replica)",
+)
 
 ROUNDS, STEPS = 2, 4
 # bf16 keeps 8 bits of mantissa (relative spacing 2^-8 = 0.4 %): two replicas that round and sum
@@ -28,10 +31,22 @@ ROUNDS, STEPS = 2, 4
 # backward) drift apart by a few of those over a few steps. 2 % relative is about five bf16 steps
 # of the loss; a wrong shard, a gradient summed instead of averaged or a step lost is far more.
 BF16_RTOL = 2e-2
-OVERRIDES = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32", "data.batch_size=8",
-             "topology.clusters=1", "topology.replicas_per_cluster=1", f"sync.outer_every={STEPS}",
-             "sync.outer=diloco", f"train.rounds={ROUNDS}", "train.eval_batches=2", "train.precision=bf16",
-             "optim.inner.lr=3e-3", "optim.inner.warmup_steps=0"]
+OVERRIDES = [
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.n_head=2",
+    "model.block_size=32",
+    "data.batch_size=8",
+    "topology.clusters=1",
+    "topology.replicas_per_cluster=1",
+    f"sync.outer_every={STEPS}",
+    "sync.outer=diloco",
+    f"train.rounds={ROUNDS}",
+    "train.eval_batches=2",
+    "train.precision=bf16",
+    "optim.inner.lr=3e-3",
+    "optim.inner.warmup_steps=0",
+]
 
 
 def _run(k: int, rank: int, port: int) -> dict:
@@ -51,8 +66,14 @@ def _run(k: int, rank: int, port: int) -> dict:
     ranks = None
     if k > 1:  # the replica's own group of its k processes (level "replica")
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.PrefixStore("gpu-fsdp", store), rank=rank,
-                                world_size=k, timeout=timedelta(seconds=60), device_id=torch.device(device))
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            store=dist.PrefixStore("gpu-fsdp", store),
+            rank=rank,
+            world_size=k,
+            timeout=timedelta(seconds=60),
+            device_id=torch.device(device),
+        )
         ranks = ReplicaRanks(rank, k, dist.group.WORLD)
     cfg = OmegaConf.merge(OmegaConf.structured(HsgdConfig), OmegaConf.from_dotlist(OVERRIDES))
     t = ReplicaTrainer(cfg, "c0r0", Topology(1, 1), device=device, ranks=ranks)
@@ -66,8 +87,7 @@ def _run(k: int, rank: int, port: int) -> dict:
         t.outer_reduce(r, 1, outer)
         t.outer_commit(r, inner, roots=(0,))
         out["committed"].append(t.param_digest() == t.global_digest())
-    out.update(final=t.eval_loss(), digest=t.param_digest(), step=t.step,
-               local_numel=sum(p.numel() for p in t.params))
+    out.update(final=t.eval_loss(), digest=t.param_digest(), step=t.step, local_numel=sum(p.numel() for p in t.params))
     if k > 1:
         dist.destroy_process_group()
     return out
@@ -107,8 +127,10 @@ def test_both_ranks_of_the_sharded_replica_agree_and_each_holds_half(runs):
 def test_the_sharded_replica_trains_as_the_whole_one_within_bf16_tolerance(runs):
     sharded, whole = runs[2][0], runs[1]
     gap = _relative(sharded["final"], whole["final"])
-    print(f"\n[gpu fsdp] {torch.cuda.get_device_name(0)} x2: eval loss {whole['initial']:.4f} -> "
-          f"k=1 {whole['final']:.5f}, k=2 {sharded['final']:.5f} (relative {gap:.2e}, tolerance {BF16_RTOL})")
+    print(
+        f"\n[gpu fsdp] {torch.cuda.get_device_name(0)} x2: eval loss {whole['initial']:.4f} -> "
+        f"k=1 {whole['final']:.5f}, k=2 {sharded['final']:.5f} (relative {gap:.2e}, tolerance {BF16_RTOL})"
+    )
     assert whole["initial"] - whole["final"] > 5 * BF16_RTOL * whole["final"], "too little training to tell"
     assert _relative(sharded["initial"], whole["initial"]) <= BF16_RTOL
     assert gap <= BF16_RTOL, (sharded["final"], whole["final"])

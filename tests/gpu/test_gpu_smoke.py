@@ -2,6 +2,7 @@
 steps, the outer step with pinned host copies of the global params, heals and checkpoints of
 CUDA state, and the NCCL level group's buffers. No Ray needed: run anywhere torch sees a GPU with
 `python -m pytest -q tests/gpu -s`."""
+
 from __future__ import annotations
 
 import time
@@ -59,9 +60,11 @@ def test_a_round_on_the_gpu_commits_and_every_copy_agrees(corpus):
     t.outer_commit(1, inner, roots=(0,))
     assert (t.round, t.step) == (2, 20)
     assert t.param_digest() == t.global_digest(), "after a commit the params are the global params"
-    print(f"\n[gpu smoke] {torch.cuda.get_device_name()}: {report.tokens / seconds:,.0f} tokens/s, "
-          f"{seconds / report.steps_done * 1e3:.1f} ms per inner step (tiny model, batch 16 x 64), "
-          f"eval loss {t.eval_loss():.4f}")
+    print(
+        f"\n[gpu smoke] {torch.cuda.get_device_name()}: {report.tokens / seconds:,.0f} tokens/s, "
+        f"{seconds / report.steps_done * 1e3:.1f} ms per inner step (tiny model, batch 16 x 64), "
+        f"eval loss {t.eval_loss():.4f}"
+    )
 
 
 def test_heals_of_cuda_state_give_bitwise_copies(corpus):

@@ -3,6 +3,7 @@ that is already up (and leaves it up), which saves several seconds of start-up p
 that must be separate processes (the CLI, `ray job submit`, the notebook) start their own. A test
 that ends the process's Ray session (Ray Train's trainer does, in the peer suites) leaves the next
 test a fresh shared one, not one embedded Ray started and stopped per run."""
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,13 @@ from tests.integration.runs import REPO
 def _init_shared_ray() -> None:
     import ray
 
-    ray.init(num_cpus=max(os.cpu_count() or 1, 8), namespace="hsgd-tests", include_dashboard=False,
-             log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, 8),
+        namespace="hsgd-tests",
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}},
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,8 +53,11 @@ def pytest_collection_modifyitems(config, items):
     `one_at_a_time`); the realistic and other `paced` runs (padded steps, cores mostly idle) take
     the other worker, beside them. Without xdist the group means nothing."""
     for item in items:
-        if item.get_closest_marker("long") and not item.get_closest_marker("paced") \
-                and not item.get_closest_marker("realistic"):
+        if (
+            item.get_closest_marker("long")
+            and not item.get_closest_marker("paced")
+            and not item.get_closest_marker("realistic")
+        ):
             item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
 
 
@@ -65,6 +73,7 @@ def background_drills():
         drill = Drill(overrides, run_dir=str(run_dir)).start()
         drills.append(drill)
         return drill
+
     yield start
     for drill in drills:
         if drill.summary is None and drill._alive():

@@ -13,6 +13,7 @@ faults_fired.jsonl (each line names the concrete replica a fault hit, so `cluste
 expanded here). A replica outside `victims` that was marked down, declared hung, killed or
 restarted is a healthy replica harmed (invariant 7).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,7 +47,9 @@ def scheduled_faults(run_dir) -> list[dict]:
 
 def victims_from_faults(run_dir) -> set[str]:
     """The replicas that faults_fired.jsonl says were hit (the supervisor is no replica)."""
-    return {f["rid"] for f in read_jsonl(Path(run_dir) / "faults_fired.jsonl") if f.get("rid") not in (None, "supervisor")}
+    return {
+        f["rid"] for f in read_jsonl(Path(run_dir) / "faults_fired.jsonl") if f.get("rid") not in (None, "supervisor")
+    }
 
 
 def _jobs(events: list[dict]) -> list[list[dict]]:
@@ -65,16 +68,21 @@ def rounds_recorded_once(metrics: list[dict], rounds: int, steps_per_round: int)
     """Invariant 2: rounds 0..rounds-1 each recorded exactly once, in order, at their inner step."""
     seen = [m["round"] for m in metrics]
     dupes = sorted({r for r in seen if seen.count(r) > 1})
-    assert not dupes, f"invariant 2 (each round recorded once) broken: round(s) {dupes} recorded more than " \
-                      f"once in metrics.jsonl (rounds in file order: {seen})"
+    assert not dupes, (
+        f"invariant 2 (each round recorded once) broken: round(s) {dupes} recorded more than "
+        f"once in metrics.jsonl (rounds in file order: {seen})"
+    )
     missing, extra = sorted(set(range(rounds)) - set(seen)), sorted(set(seen) - set(range(rounds)))
-    assert not missing and not extra, f"invariant 2 (no round lost or invented) broken: metrics.jsonl lacks " \
-                                      f"round(s) {missing} and has unexpected round(s) {extra}; expected 0..{rounds - 1}"
+    assert not missing and not extra, (
+        f"invariant 2 (no round lost or invented) broken: metrics.jsonl lacks "
+        f"round(s) {missing} and has unexpected round(s) {extra}; expected 0..{rounds - 1}"
+    )
     assert seen == sorted(seen), f"invariant 2: metrics.jsonl records rounds out of order: {seen}"
     for m in metrics:
-        assert m["inner_step"] == (m["round"] + 1) * steps_per_round, \
-            f"invariant 2 (no step lost) broken: round {m['round']} recorded at inner step {m['inner_step']}, " \
+        assert m["inner_step"] == (m["round"] + 1) * steps_per_round, (
+            f"invariant 2 (no step lost) broken: round {m['round']} recorded at inner step {m['inner_step']}, "
             f"expected {(m['round'] + 1) * steps_per_round}"
+        )
 
 
 def _disagreement(digests: dict[str, str]) -> str:
@@ -101,28 +109,33 @@ def digests_agree_every_round(metrics: list[dict], *, streaming: bool = False) -
         if m.get("recovered") and not digests:
             continue  # recorded late by a restarted supervisor: no digests of that moment exist
         assert digests, f"invariant 1: round {m['round']} was recorded as committed with no replica digests"
-        for group in (_by_cluster(digests).values() if streaming else [digests]):
-            assert len(set(group.values())) == 1, \
+        for group in _by_cluster(digests).values() if streaming else [digests]:
+            assert len(set(group.values())) == 1, (
                 f"invariant 1 (identical params after every commit) broken in round {m['round']}: {_disagreement(group)}"
+            )
         globals_ = m.get("global_digests") or {}
-        assert len(set(globals_.values())) <= 1, \
-            f"invariant 1 (identical global params after every commit) broken in round {m['round']}: " \
+        assert len(set(globals_.values())) <= 1, (
+            f"invariant 1 (identical global params after every commit) broken in round {m['round']}: "
             f"{_disagreement(globals_)}"
+        )
 
 
-def summary_matches(summary: dict, *, rounds: int, steps_per_round: int, expect_status: str,
-                    streaming: bool = False) -> None:
+def summary_matches(
+    summary: dict, *, rounds: int, steps_per_round: int, expect_status: str, streaming: bool = False
+) -> None:
     """summary.json says what happened: its status, and invariant 2's committed rounds and steps."""
     assert summary, "summary.json is missing: the run never ended"
-    assert summary.get("status") == expect_status, \
+    assert summary.get("status") == expect_status, (
         f"summary status {summary.get('status')!r}, expected {expect_status!r}: {summary.get('reason')}"
-    assert summary["rounds_committed"] == rounds and summary["inner_steps_committed"] == rounds * steps_per_round, \
-        f"invariant 2 broken: summary says {summary['rounds_committed']} rounds / {summary['inner_steps_committed']} " \
+    )
+    assert summary["rounds_committed"] == rounds and summary["inner_steps_committed"] == rounds * steps_per_round, (
+        f"invariant 2 broken: summary says {summary['rounds_committed']} rounds / {summary['inner_steps_committed']} "
         f"inner steps committed, expected {rounds} / {rounds * steps_per_round}"
+    )
     if expect_status == "completed":
         final = summary.get("replica_param_digests") or {}
         assert final, "invariant 1: no replica digests at the end of the run"
-        for group in (_by_cluster(final).values() if streaming else [final]):
+        for group in _by_cluster(final).values() if streaming else [final]:
             assert len(set(group.values())) == 1, f"invariant 1 broken at the end of the run: {_disagreement(group)}"
 
 
@@ -133,7 +146,8 @@ def no_healthy_replica_harmed(events: list[dict], victims: set[str]) -> None:
     for e in events:
         if e["event"] in HARM_EVENTS and e.get("rid") not in victims:
             harmed.setdefault(e.get("rid"), []).append(
-                f"{e['event']}({e.get('cause') or e.get('reason') or e.get('phase') or ''})")
+                f"{e['event']}({e.get('cause') or e.get('reason') or e.get('phase') or ''})"
+            )
     for job in _jobs(events):
         pids: dict[str, set] = {}
         for e in job:
@@ -142,8 +156,10 @@ def no_healthy_replica_harmed(events: list[dict], victims: set[str]) -> None:
         for rid, seen in sorted(pids.items()):
             if len(seen) > 1 and rid not in victims:
                 harmed.setdefault(rid, []).append(f"restarted ({len(seen)} processes: {sorted(seen)})")
-    assert not harmed, f"invariant 7 (no healthy replica harmed) broken: replicas outside the victims " \
-                       f"{sorted(victims)} were harmed: {harmed}"
+    assert not harmed, (
+        f"invariant 7 (no healthy replica harmed) broken: replicas outside the victims "
+        f"{sorted(victims)} were harmed: {harmed}"
+    )
 
 
 def commits_only_grow(events: list[dict], metrics: list[dict]) -> None:
@@ -156,21 +172,29 @@ def commits_only_grow(events: list[dict], metrics: list[dict]) -> None:
         last = None  # a resumed job starts at its checkpoint's round, unknown until its first commit
         for e in job:
             if e["event"] == "restore":
-                assert last is None or e["round"] <= last + 1, \
+                assert last is None or e["round"] <= last + 1, (
                     f"restore to round {e['round']} after round {last} committed: it skips rounds"
+                )
                 last = e["round"] - 1
             elif e["event"] in ("commit", "round_recorded_late"):
                 r = e["round"]
                 if e["event"] == "round_recorded_late" and r in committed and last is not None and r <= last:
                     continue  # its commit was announced; the supervisor died before recording it
-                assert last is None or r == last + 1, \
-                    f"commits only grow, one round at a time: {e['event']} of round {r} after round {last}: " \
-                    + ("a round committed twice" if r <= last else f"round(s) {list(range(last + 1, r))} never committed")
+                assert last is None or r == last + 1, (
+                    f"commits only grow, one round at a time: {e['event']} of round {r} after round {last}: "
+                    + (
+                        "a round committed twice"
+                        if r <= last
+                        else f"round(s) {list(range(last + 1, r))} never committed"
+                    )
+                )
                 last = r
                 committed.add(r)
     uncommitted = sorted({m["round"] for m in metrics} - committed)
-    assert not uncommitted, f"round(s) {uncommitted} recorded in metrics.jsonl with no commit event: " \
-                            f"recorded as committed but never committed"
+    assert not uncommitted, (
+        f"round(s) {uncommitted} recorded in metrics.jsonl with no commit event: "
+        f"recorded as committed but never committed"
+    )
 
 
 def checkpoints_never_overwritten(run_dir, events: list[dict]) -> None:
@@ -187,27 +211,34 @@ def checkpoints_never_overwritten(run_dir, events: list[dict]) -> None:
             assert not (d / "manifest.json").exists(), f"half-written checkpoint {d.name} holds a manifest"
             continue
         manifest = json.loads((d / "manifest.json").read_text())
-        assert d.name == f"round_{manifest['round']:06d}", f"checkpoint {d.name} holds the manifest of round {manifest['round']}"
+        assert d.name == f"round_{manifest['round']:06d}", (
+            f"checkpoint {d.name} holds the manifest of round {manifest['round']}"
+        )
         sharded = manifest.get("format") == "dcp"  # each replica's DCP folder: its manifest.json, then its files
         for rid, sha in (manifest.get("files") or {}).items():
             listed = [(f"{rid}/manifest.json", sha)] if sharded else [(f"{rid}.pt", sha)]
             if sharded and (d / rid / "manifest.json").is_file():
-                listed += [(f"{rid}/{name}", h) for name, h in
-                           json.loads((d / rid / "manifest.json").read_text())["files"].items()]
+                listed += [
+                    (f"{rid}/{name}", h)
+                    for name, h in json.loads((d / rid / "manifest.json").read_text())["files"].items()
+                ]
             for name, expected in listed:
                 path = d / name
                 assert path.is_file(), f"checkpoint {d.name} lacks {name} that its manifest lists"
                 actual = hashlib.sha256(path.read_bytes()).hexdigest()
-                assert actual == expected, \
+                assert actual == expected, (
                     f"checkpoint {d.name}/{name} was rewritten: sha256 {actual[:12]} != manifest {expected[:12]}"
+                )
         event = announced.get(manifest["round"])
         if event is None:
             continue  # brought in from elsewhere (a checkpoint copied in to resume from)
-        assert manifest.get("t", 0) <= event["t"], \
+        assert manifest.get("t", 0) <= event["t"], (
             f"checkpoint {d.name} was rewritten: its manifest (t={manifest.get('t')}) is newer than its checkpoint event"
+        )
         for f in d.iterdir():
-            assert f.stat().st_mtime <= event["t"] + MTIME_SLACK_S, \
+            assert f.stat().st_mtime <= event["t"] + MTIME_SLACK_S, (
                 f"checkpoint {d.name}/{f.name} was rewritten {f.stat().st_mtime - event['t']:.1f}s after the checkpoint was final"
+            )
 
 
 def _hits(target: str, rid: str) -> bool:
@@ -220,8 +251,12 @@ def _hits(target: str, rid: str) -> bool:
 
 def _matches(spec: dict, fired: dict) -> bool:
     # str(): YAML reads the kind `nan` as a float (config.yaml says `.nan`), as parse_fault does
-    if not (fired.get("kind") == str(spec["kind"]) and fired.get("round") == spec["round"]
-            and fired.get("phase") == spec.get("phase", "inner") and _hits(str(spec["target"]), str(fired.get("rid")))):
+    if not (
+        fired.get("kind") == str(spec["kind"])
+        and fired.get("round") == spec["round"]
+        and fired.get("phase") == spec.get("phase", "inner")
+        and _hits(str(spec["target"]), str(fired.get("rid")))
+    ):
         return False
     # a fault fired inside a replica at an inner step boundary records that step; one fired from
     # outside (ray.kill of a target that takes no part in the call) has no pid and step 0
@@ -232,7 +267,8 @@ def _matches(spec: dict, fired: dict) -> bool:
 def _describe(spec: dict) -> str:
     where = f"round {spec['round']} {spec.get('phase', 'inner')}"
     return f"{spec['kind']} {spec['target']} at {where}" + (
-        f" step {spec.get('step', 0)}" if spec.get("phase", "inner").startswith("inner") else "")
+        f" step {spec.get('step', 0)}" if spec.get("phase", "inner").startswith("inner") else ""
+    )
 
 
 def every_scheduled_fault_fired(run_dir, summary: dict) -> None:
@@ -241,7 +277,9 @@ def every_scheduled_fault_fired(run_dir, summary: dict) -> None:
     fired = read_jsonl(Path(run_dir) / "faults_fired.jsonl")
     specs = scheduled_faults(run_dir)
     # the most specific targets first, so a replica fault never takes a cluster fault's line
-    order = sorted(range(len(specs)), key=lambda i: ("cluster:" in str(specs[i]["target"]), "leader:" in str(specs[i]["target"])))
+    order = sorted(
+        range(len(specs)), key=lambda i: ("cluster:" in str(specs[i]["target"]), "leader:" in str(specs[i]["target"]))
+    )
     used: set[int] = set()
     never = []
     for i in order:
@@ -252,11 +290,15 @@ def every_scheduled_fault_fired(run_dir, summary: dict) -> None:
             used.add(line)
             if "cluster:" in str(specs[i]["target"]):  # every member it hit wrote its own line
                 used |= {j for j, f in enumerate(fired) if _matches(specs[i], f)}
-    assert not never, f"scheduled faults never fired: {never} ({len(fired)} line(s) in faults_fired.jsonl " \
-                      f"for {len(specs)} scheduled)"
+    assert not never, (
+        f"scheduled faults never fired: {never} ({len(fired)} line(s) in faults_fired.jsonl for {len(specs)} scheduled)"
+    )
     assert not summary.get("faults_not_fired"), f"scheduled faults never fired: {summary['faults_not_fired']}"
-    keys = [(f.get("rid"), f.get("kind"), f.get("round"), f.get("phase"), f.get("step"))
-            for f in fired if f.get("phase") != "now"]  # drills' injections "now" carry no round
+    keys = [
+        (f.get("rid"), f.get("kind"), f.get("round"), f.get("phase"), f.get("step"))
+        for f in fired
+        if f.get("phase") != "now"
+    ]  # drills' injections "now" carry no round
     twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
     assert not twice, f"a fault fired more than once (rid, kind, round, phase, step): {twice}"
 
@@ -291,8 +333,9 @@ def replica_indices_stable(run_dir, events: list[dict]) -> None:
     assert len(set(table.values())) == len(table), f"two replicas share a global index: {table}"
     for e in events:
         if e["event"] == "replica_up" and e.get("replica_index") is not None:
-            assert e["replica_index"] == table.get(e["rid"]), \
+            assert e["replica_index"] == table.get(e["rid"]), (
                 f"{e['rid']} came up reading stream {e['replica_index']}, but the run's table gives {table.get(e['rid'])}"
+            )
     for manifest in sorted((run_dir / "checkpoints").glob("round_*/manifest.json")):
         kept = _json(manifest).get("replica_indices") or {}
         moved = {rid: (i, table[rid]) for rid, i in kept.items() if rid in table and table[rid] != i}
@@ -308,8 +351,9 @@ def plans_followed(events: list[dict], metrics: list[dict]) -> None:
         plans_in_job: dict[int, dict] = {}
         for e in (e for e in job if e["event"] == "round_plan"):
             first = plans_in_job.setdefault(e["round"], e)
-            assert e["steps"] == first["steps"], \
+            assert e["steps"] == first["steps"], (
                 f"round {e['round']}'s plan changed from {first['steps']} to {e['steps']} (planned once, then followed)"
+            )
             assert e is first or e["source"] == "recorded", f"round {e['round']} was planned twice: {e}"
         plans.update({r: e["steps"] for r, e in plans_in_job.items()})
     for m in metrics:
@@ -322,16 +366,21 @@ def plans_followed(events: list[dict], metrics: list[dict]) -> None:
             assert len(set(steps)) <= 1, f"round {m['round']} has unequal cluster steps {steps} but no round_plan"
 
 
-def check_run(run_dir, *, rounds: int, steps_per_round: int, victims: set[str] | None = None,
-              expect_status: str = "completed") -> dict:
+def check_run(
+    run_dir, *, rounds: int, steps_per_round: int, victims: set[str] | None = None, expect_status: str = "completed"
+) -> dict:
     """Every invariant above on one finished run; returns its summary. `rounds`: the rounds that
     must be committed and recorded (for a failed run, those committed before it failed)."""
     run_dir = Path(run_dir)
-    metrics, events, summary = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl"), \
-        _json(run_dir / "summary.json")
+    metrics, events, summary = (
+        read_jsonl(run_dir / "metrics.jsonl"),
+        read_jsonl(run_dir / "events.jsonl"),
+        _json(run_dir / "summary.json"),
+    )
     streaming = run_is_streaming(run_dir)
-    summary_matches(summary, rounds=rounds, steps_per_round=steps_per_round, expect_status=expect_status,
-                    streaming=streaming)
+    summary_matches(
+        summary, rounds=rounds, steps_per_round=steps_per_round, expect_status=expect_status, streaming=streaming
+    )
     rounds_recorded_once(metrics, rounds, steps_per_round)
     digests_agree_every_round(metrics, streaming=streaming)
     no_healthy_replica_harmed(events, victims_from_faults(run_dir) if victims is None else set(victims))

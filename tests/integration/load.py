@@ -13,6 +13,7 @@ the run and keeps every other core busy (at least one loop).
 
 Each loop process exits by itself after `max_s`, and when the process that started it is gone,
 so a test killed before its `finally` leaves nothing spinning."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,15 @@ def busy_cores(processes: int | None = None, max_s: float = 900.0):
     """`processes` busy loops (default: one per core but one, at least one) for the body's
     duration, each at most max_s. Yields their Popen objects."""
     count = default_processes() if processes is None else processes
-    procs = [subprocess.Popen([sys.executable, "-c", _LOOP, str(os.getpid()), str(max_s)],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for _ in range(count)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LOOP, str(os.getpid()), str(max_s)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(count)
+    ]
     try:
         yield procs
     finally:
@@ -58,10 +65,16 @@ def busy_cores(processes: int | None = None, max_s: float = 900.0):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.integration.load",
-                                     description="run a command while busy loops keep the cores busy")
-    parser.add_argument("-n", "--processes", type=int, default=None,
-                        help=f"busy loops (default: cores - 1, at least 1; here {default_processes()})")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.integration.load", description="run a command while busy loops keep the cores busy"
+    )
+    parser.add_argument(
+        "-n",
+        "--processes",
+        type=int,
+        default=None,
+        help=f"busy loops (default: cores - 1, at least 1; here {default_processes()})",
+    )
     parser.add_argument("--max-s", type=float, default=3600.0, help="the loops stop after this many seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)

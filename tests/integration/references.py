@@ -13,6 +13,7 @@ Replica `c<c>r<i>` has global index `c * replicas_per_cluster + i`; its batch at
 All references run torch with ONE intra-op thread, as hsgd's Replica actors do
 (`torch.set_num_threads(1)`): CPU matmul results may depend on the thread count.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,8 @@ from hsgd.train.data import _batch_at, _offsets, load_corpus
 from hsgd.train.task import build_model
 from hsgd.train.trainer import build_inner_optimizer
 
-
 # ----------------------------------------------------------------------------- shared pieces
+
 
 @contextlib.contextmanager
 def one_thread():
@@ -52,17 +53,35 @@ def fresh_model(cfg: Any, vocab_size: int) -> torch.nn.Module:
     return build_model(cfg, vocab_size)
 
 
-def batch_for_step(tokens: torch.Tensor, *, seed: int, replica_index: int, step: int,
-                   batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for_step(
+    tokens: torch.Tensor, *, seed: int, replica_index: int, step: int, batch_size: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch replica `replica_index` trains on at `step` (a dataset's micro-batch 0): x, y of
     shape (B, T) int64, y = x shifted by one. Depends only on the arguments."""
-    return _batch_at(tokens, _offsets(len(tokens), seed=seed, replica_index=replica_index, step=step,
-                                       micro=0, batch_size=batch_size, block_size=block_size), block_size)
+    return _batch_at(
+        tokens,
+        _offsets(
+            len(tokens),
+            seed=seed,
+            replica_index=replica_index,
+            step=step,
+            micro=0,
+            batch_size=batch_size,
+            block_size=block_size,
+        ),
+        block_size,
+    )
 
 
 def batch(cfg: Any, train: torch.Tensor, replica_index: int, step: int):
-    return batch_for_step(train, seed=cfg.seed, replica_index=replica_index, step=step,
-                          batch_size=cfg.data.batch_size, block_size=cfg.model.block_size)
+    return batch_for_step(
+        train,
+        seed=cfg.seed,
+        replica_index=replica_index,
+        step=step,
+        batch_size=cfg.data.batch_size,
+        block_size=cfg.model.block_size,
+    )
 
 
 def clip(cfg: Any, params) -> None:
@@ -75,6 +94,7 @@ def snapshot(params) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- 1. torch DDP (gloo)
+
 
 def _ddp_worker(rank: int, world: int, cfg_dict: dict, total_steps: int, init_file: str, out_file: str) -> None:
     torch.set_num_threads(1)
@@ -104,12 +124,17 @@ def torch_ddp_reference(cfg: Any, world: int, total_steps: int, workdir: str) ->
     rank r trains on replica r's batches, `total_steps` steps. DDP all-reduces the gradient every step."""
     init_file = os.path.join(workdir, "ddp_store")
     out_file = os.path.join(workdir, "ddp_rank0.pt")
-    mp.spawn(_ddp_worker, args=(world, OmegaConf.to_container(cfg, resolve=True), total_steps, init_file, out_file),
-             nprocs=world, join=True)
+    mp.spawn(
+        _ddp_worker,
+        args=(world, OmegaConf.to_container(cfg, resolve=True), total_steps, init_file, out_file),
+        nprocs=world,
+        join=True,
+    )
     return torch.load(out_file, weights_only=True)
 
 
 # ----------------------------------------------------------------------------- 2. local SGD + averaging
+
 
 def localsgd_average_reference(cfg: Any, total_steps: int) -> list[list[torch.Tensor]]:
     """Hierarchical local SGD in one process. Every replica has its own model and inner optimizer
@@ -135,7 +160,7 @@ def localsgd_average_reference(cfg: Any, total_steps: int) -> list[list[torch.Te
             with torch.no_grad():
                 cluster_means = []
                 for c in range(C):
-                    members = params[c * R:(c + 1) * R]
+                    members = params[c * R : (c + 1) * R]
                     means = [torch.stack([ps[k] for ps in members]).sum(0) / R for k in range(len(members[0]))]
                     cluster_means.append(means)
                     if n % cfg.sync.inner_every == 0:
@@ -143,8 +168,9 @@ def localsgd_average_reference(cfg: Any, total_steps: int) -> list[list[torch.Te
                             for p, m in zip(ps, means):
                                 p.copy_(m)
                 if n % cfg.sync.outer_every == 0:
-                    means = [torch.stack([cm[k] for cm in cluster_means]).sum(0) / C
-                             for k in range(len(cluster_means[0]))]
+                    means = [
+                        torch.stack([cm[k] for cm in cluster_means]).sum(0) / C for k in range(len(cluster_means[0]))
+                    ]
                     for ps in params:
                         for p, m in zip(ps, means):
                             p.copy_(m)
@@ -167,9 +193,11 @@ def _hma_worker(rank: int, world: int, cfg_dict: dict, total_steps: int, init_fi
         # its calls from 0 and averages when its counter divides a period; hsgd averages after the
         # n-th step with n = 1, 2, ...: one warm-up call (a no-op) shifts the counter to match.
         averager = HierarchicalModelAverager(
-            period_group_size_dict=OrderedDict([(cfg.sync.inner_every, cfg.topology.replicas_per_cluster),
-                                                (cfg.sync.outer_every, world)]),
-            warmup_steps=1)
+            period_group_size_dict=OrderedDict(
+                [(cfg.sync.inner_every, cfg.topology.replicas_per_cluster), (cfg.sync.outer_every, world)]
+            ),
+            warmup_steps=1,
+        )
         averager.average_parameters(params)  # warm-up: no averaging, counter 0 -> 1
         for step in range(total_steps):
             x, y = batch(cfg, corpus.train, rank, step)
@@ -188,12 +216,17 @@ def hierarchical_model_averager_reference(cfg: Any, total_steps: int, workdir: s
     """The same schedule with PyTorch's HierarchicalModelAverager: one process per replica (gloo)."""
     world = cfg.topology.clusters * cfg.topology.replicas_per_cluster
     init_file = os.path.join(workdir, "hma_store")
-    mp.spawn(_hma_worker, args=(world, OmegaConf.to_container(cfg, resolve=True), total_steps, init_file, workdir),
-             nprocs=world, join=True)
+    mp.spawn(
+        _hma_worker,
+        args=(world, OmegaConf.to_container(cfg, resolve=True), total_steps, init_file, workdir),
+        nprocs=world,
+        join=True,
+    )
     return [torch.load(os.path.join(workdir, f"hma_rank{r}.pt"), weights_only=True) for r in range(world)]
 
 
 # ----------------------------------------------------------------------------- 3. DiLoCo Algorithm 1
+
 
 def diloco_reference(cfg: Any, rounds: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[torch.Tensor]]:
     """DiLoCo (arXiv 2311.08105, Algorithm 1) with synchronous data parallelism inside each cluster.

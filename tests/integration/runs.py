@@ -1,4 +1,5 @@
 """Running the real job (Ray actors, gloo groups) from tests, and reading what it wrote."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ from pathlib import Path
 from hsgd.record.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["logging.wandb.mode=disabled", "logging.progress=false", "model.n_layer=1", "model.n_embd=32",
-        "model.n_head=2", "model.block_size=32", "data.batch_size=4", "train.eval_batches=2"]
+FAST = [
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=32",
+    "data.batch_size=4",
+    "train.eval_batches=2",
+]
 
 
 # HSGD_TEST_OUTER=streaming reruns every integration run with the outer exchange sharded, int4 with
@@ -37,8 +46,10 @@ def with_outer_variant(overrides: list[str], variant: str | None = None) -> list
     if not variant:
         return list(overrides)
     fragments, extra = OUTER_VARIANTS[variant]
-    if any(o.startswith(("sync.outer=none", "sync.fragments=", "sync.outer_path=", "sync.outer_compress="))
-           for o in overrides):
+    if any(
+        o.startswith(("sync.outer=none", "sync.fragments=", "sync.outer_path=", "sync.outer_compress="))
+        for o in overrides
+    ):
         return list(overrides)  # the test chose its own outer exchange
     every = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("sync.outer_every=")), 20)
     kept = [o for o in overrides if not o.startswith("sync.outer_every=")]
@@ -58,11 +69,19 @@ def train(run_dir: Path | str, overrides: list[str], *, fast: bool = True) -> di
     return run_training(cfg, str(run_dir))
 
 
-def train_cli(args: list[str], *, cwd: Path | str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def train_cli(
+    args: list[str], *, cwd: Path | str, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """`python -m jobs.train <args>` in a subprocess, as a user would type it."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "jobs.train", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.train", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def metrics(run_dir: Path | str) -> list[dict]:
@@ -108,7 +127,8 @@ def replica_progress(run_dir: Path | str, rid: str) -> dict | None:
 def inner_running(run_dir: Path | str, rids, round_index: int, min_step: int) -> dict | None:
     """{rid: progress} once every rid runs round `round_index`'s inner steps at step >= min_step."""
     answers = {rid: replica_progress(run_dir, rid) for rid in rids}
-    if all(a and a["round"] == round_index and a["phase"] != "idle" and a["step"] >= min_step
-           for a in answers.values()):
+    if all(
+        a and a["round"] == round_index and a["phase"] != "idle" and a["step"] >= min_step for a in answers.values()
+    ):
         return answers
     return None

@@ -12,6 +12,7 @@ joins at the first round's start after both answer up, is healed from the global
 within 2 rounds of being up; every replica's digest agrees after every commit, the first two sites'
 inner groups never re-form for it (only its own inner group and the outer group are formed), nothing
 counts as a failure, and the run completes with six replicas."""
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,31 @@ from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, metrics, train
 
 ROUNDS, SPR = 6, 4
-RUN = FAST + ["topology.clusters=2", "topology.replicas_per_cluster=2", f"train.rounds={ROUNDS}",
-              f"sync.outer_every={SPR}", "train.min_step_s=0.05", "train.eval_batches=1", "train.eval_every=100",
-              "checkpoint.every=100", "comm.timeout_s=4", "watchdog.floor_s=5"]
-FAILURES = ("replica_down", "hang_detected", "kill", "replica_error", "collective_failed", "restore", "quorum_wait",
-            "spare_lost", "cluster_reform", "idle_replica_lost", "presumed_dead")
+RUN = FAST + [
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=2",
+    f"train.rounds={ROUNDS}",
+    f"sync.outer_every={SPR}",
+    "train.min_step_s=0.05",
+    "train.eval_batches=1",
+    "train.eval_every=100",
+    "checkpoint.every=100",
+    "comm.timeout_s=4",
+    "watchdog.floor_s=5",
+]
+FAILURES = (
+    "replica_down",
+    "hang_detected",
+    "kill",
+    "replica_error",
+    "collective_failed",
+    "restore",
+    "quorum_wait",
+    "spare_lost",
+    "cluster_reform",
+    "idle_replica_lost",
+    "presumed_dead",
+)
 
 
 def test_add_site_refusals_give_one_line_each_and_the_run_completes_untouched(background_drills, tmp_path):
@@ -68,8 +89,7 @@ JOIN_ROUNDS = 14  # rounds of ~1.6 s: a new replica's process start (seconds) sp
 
 
 def test_a_site_added_mid_run_joins_heals_and_commits_and_the_others_never_reform(background_drills, tmp_path):
-    drill = background_drills(RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8"],
-                              tmp_path)
+    drill = background_drills(RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8"], tmp_path)
     drill.wait_for(round=3, timeout_s=180)
     request_id = drill.add_site(2, name="berlin")
     decided = drill.wait_site_request(request_id, timeout_s=120)
@@ -109,8 +129,9 @@ def test_a_site_added_mid_run_joins_heals_and_commits_and_the_others_never_refor
     assert sorted(summary["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]
     assert len(set(summary["replica_param_digests"].values())) == 1, "digests agree at the end"
     assert summary["topology"]["sizes"] == [2, 2, 2] and summary["topology"]["sites"][2]["name"] == "berlin"
-    assert summary["topology"]["history"] == [{"round": decided["round"], "kind": "add-site", "cluster": "c2",
-                                               "joined": up["round"]}]
+    assert summary["topology"]["history"] == [
+        {"round": decided["round"], "kind": "add-site", "cluster": "c2", "joined": up["round"]}
+    ]
     check_run(drill.run_dir, rounds=JOIN_ROUNDS, steps_per_round=SPR, victims=set())
 
 
@@ -119,8 +140,7 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
     replicas still starting, created by the dead supervisor): its successor finds them by name (they
     are detached, they outlive it), takes them in once all are up, and nothing is decided, started or
     logged twice."""
-    drill = background_drills(RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8"],
-                              tmp_path)
+    drill = background_drills(RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8"], tmp_path)
     drill.wait_for(round=2, timeout_s=180)
     request_id = drill.add_site(2)
     decided = drill.wait_site_request(request_id, timeout_s=120)
@@ -154,8 +174,9 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     site again (under the new run's names, the same global indices), its replicas load their own
     state from the checkpoint and it takes part from the resume round, every digest agrees; run.json
     and jobs.status list its replicas."""
-    drill = background_drills(RUN + ["train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=8",
-                                      "checkpoint.every=2"], tmp_path)
+    drill = background_drills(
+        RUN + ["train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=8", "checkpoint.every=2"], tmp_path
+    )
     drill.wait_for(round=2, timeout_s=180)
     decided = drill.wait_site_request(drill.add_site(2, name="berlin"), timeout_s=120)
     assert decided["outcome"] == "applied" and decided["cluster"] == "c2", decided
@@ -164,14 +185,23 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     manifest = json.loads(sorted((Path(drill.run_dir) / "checkpoints").glob("round_*/manifest.json"))[-1].read_text())
     assert manifest["round"] == 12 and {"c2r0", "c2r1"} <= set(manifest["files"]), manifest
 
-    resumed = train(drill.run_dir, RUN[len(FAST):] + ["train.rounds=16", "train.min_step_s=0.4", "ray.num_cpus=8",
-                                                      "checkpoint.every=2", "train.resume=true"])
+    resumed = train(
+        drill.run_dir,
+        RUN[len(FAST) :]
+        + ["train.rounds=16", "train.min_step_s=0.4", "ray.num_cpus=8", "checkpoint.every=2", "train.resume=true"],
+    )
     assert resumed["status"] == "completed", resumed.get("reason")
     record = events(drill.run_dir)
     t_resumed = [e["t"] for e in record if e["event"] == "supervisor_start"][-1]
     later = [e for e in record if e["t"] >= t_resumed]
-    print("RESUMED EVENTS", [(e["event"], e.get("rid") or e.get("cluster"), e.get("round")) for e in later
-                             if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit")])
+    print(
+        "RESUMED EVENTS",
+        [
+            (e["event"], e.get("rid") or e.get("cluster"), e.get("round"))
+            for e in later
+            if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit")
+        ],
+    )
     commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
     assert sorted(commits) == list(range(12, 16)), sorted(commits)
     # its replicas loaded their own state from the checkpoint: in from the resume round, never healed
@@ -187,13 +217,17 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
 
 @pytest.mark.long  # two runs, ~80 s
 def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_brings_the_new_one_back(
-        background_drills, tmp_path):
+    background_drills, tmp_path
+):
     """Issue 37, resume after a drain followed by an add-site: three sites, c1 drained, then a site
     added (c3: a drained index is never reused); the whole run started again from its last checkpoint:
     c1 stays drained (its replicas stopped at the start, no failure), c3 is taken in again and
     commits with c0 and c2, every digest agrees."""
-    drill = background_drills(RUN + ["topology.clusters=3", "train.rounds=12", "train.min_step_s=0.4",
-                                      "ray.num_cpus=10", "checkpoint.every=2"], tmp_path)
+    drill = background_drills(
+        RUN
+        + ["topology.clusters=3", "train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=10", "checkpoint.every=2"],
+        tmp_path,
+    )
     drill.wait_for(round=2, timeout_s=180)
     drained = drill.wait_site_request(drill.drain_site("c1"), timeout_s=120)
     added = drill.wait_site_request(drill.add_site(2), timeout_s=120)
@@ -201,15 +235,30 @@ def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_
     first = drill.wait_done(timeout_s=600)
     assert first["status"] == "completed" and first["topology"]["sizes"] == [2, 2, 2, 2], first.get("reason")
 
-    resumed = train(drill.run_dir, RUN[len(FAST):] + ["topology.clusters=3", "train.rounds=16", "train.min_step_s=0.4",
-                                                      "ray.num_cpus=10", "checkpoint.every=2", "train.resume=true"])
+    resumed = train(
+        drill.run_dir,
+        RUN[len(FAST) :]
+        + [
+            "topology.clusters=3",
+            "train.rounds=16",
+            "train.min_step_s=0.4",
+            "ray.num_cpus=10",
+            "checkpoint.every=2",
+            "train.resume=true",
+        ],
+    )
     assert resumed["status"] == "completed", resumed.get("reason")
     record = events(drill.run_dir)
     t_resumed = [e["t"] for e in record if e["event"] == "supervisor_start"][-1]
     later = [e for e in record if e["t"] >= t_resumed]
-    print("RESUMED EVENTS", [(e["event"], e.get("rid") or e.get("cluster"), e.get("round")) for e in later
-                             if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit",
-                                               "replica_down")])
+    print(
+        "RESUMED EVENTS",
+        [
+            (e["event"], e.get("rid") or e.get("cluster"), e.get("round"))
+            for e in later
+            if e["event"] in ("site_up", "site_committed", "replica_up", "heal_end", "commit", "replica_down")
+        ],
+    )
     assert not [e for e in later if e["event"] in FAILURES], "a drained site's stop at the resume is no failure"
     commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
     assert sorted(commits) == list(range(12, 16)), sorted(commits)

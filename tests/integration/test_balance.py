@@ -4,6 +4,7 @@ per round so the fast site no longer idles at the outer sync. The plan is in the
 metrics, supervisor_state.json, the summary's tokens per cluster) and a replay of the same seed ends
 on the same digest; replicas SIGKILLed from outside in either site heal into their cluster's plan;
 `balance=none` is today's run bit for bit. Every run goes through the shared invariant checker."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ TOKENS_PER_STEP = 4 * 32
 
 
 def _sites(replicas: int, fast_s: float, slow_s: float) -> str:
-    return (f"topology.sites=[{{replicas:{replicas},min_step_s:{fast_s}}},"
-            f"{{replicas:{replicas},min_step_s:{slow_s}}}]")
+    return f"topology.sites=[{{replicas:{replicas},min_step_s:{fast_s}}},{{replicas:{replicas},min_step_s:{slow_s}}}]"
 
 
 def _planned(spr: int, step_s: list[float]) -> list[int]:
@@ -52,8 +52,11 @@ def _fast_wait(evs: list[dict], round_index: int, cluster: int) -> tuple[float, 
     to its commit."""
     in_round = [e for e in evs if e.get("round") == round_index]
     outer = next(e for e in in_round if e["event"] == "phase_begin" and e["phase"] == "outer")
-    inner_end = max(e["t"] for e in in_round if e["event"] == "phase_end" and e["phase"] == "inner"
-                    and e.get("cluster") == cluster and e["t"] <= outer["t"])
+    inner_end = max(
+        e["t"]
+        for e in in_round
+        if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == cluster and e["t"] <= outer["t"]
+    )
     first = min(e["t"] for e in in_round if e["event"] == "phase_begin")
     return outer["t"] - inner_end, _commit(evs, round_index)["t"] - first
 
@@ -63,8 +66,9 @@ def _step_lines(run_dir: Path) -> dict[str, list[dict]]:
     return {p.stem: read_jsonl(p) for p in sorted((Path(run_dir) / "steps").glob("*.jsonl"))}
 
 
-def _committed_steps_follow_the_plan(run_dir: Path, evs: list[dict], plan: dict[int, list[int]],
-                                     healed_at: dict[str, float]) -> None:
+def _committed_steps_follow_the_plan(
+    run_dir: Path, evs: list[dict], plan: dict[int, list[int]], healed_at: dict[str, float]
+) -> None:
     """Every member committed exactly its cluster's planned steps in every round it took part in
     from the round's start: the steps/<rid>.jsonl lines between the previous round's commit and the
     round's. A replica in `healed_at` (rid -> the time of its last heal_end after its kill) counts
@@ -80,14 +84,21 @@ def _committed_steps_follow_the_plan(run_dir: Path, evs: list[dict], plan: dict[
             since = commits[r - 1]["t"] if r > 0 else float("-inf")
             if rid not in commits[r]["replicas"]:
                 continue
-            begun = min(e["t"] for e in evs if e["event"] == "phase_begin" and e["phase"] == "inner"
-                        and e.get("cluster") == cluster and e["round"] == r)
+            begun = min(
+                e["t"]
+                for e in evs
+                if e["event"] == "phase_begin"
+                and e["phase"] == "inner"
+                and e.get("cluster") == cluster
+                and e["round"] == r
+            )
             if rid in healed_at and healed_at[rid] >= begun:
                 continue  # killed or healing in this round: it did not run the round from its start
             done = [s for s in steps if since < s["t"] <= commits[r]["t"]]
-            assert len(done) == plan[r][cluster], \
-                f"{rid} committed {len(done)} inner steps in round {r}, its cluster c{cluster}'s plan is " \
+            assert len(done) == plan[r][cluster], (
+                f"{rid} committed {len(done)} inner steps in round {r}, its cluster c{cluster}'s plan is "
                 f"{plan[r][cluster]} (plan {plan[r]})"
+            )
             checked += 1
     assert checked, "no replica's steps were checked against the plan"
 
@@ -98,20 +109,26 @@ def _plan_is_recorded(run_dir: Path, rounds: int, expected: list[int]) -> dict[i
     supervisor_state.json holds a `round_plan`. Returns round -> planned steps."""
     evs, ms = events(run_dir), metrics(run_dir)
     plans = _plans(evs)
-    assert sorted(plans) == list(range(rounds)), f"round_plan events for rounds {sorted(plans)}, expected 0..{rounds - 1}"
+    assert sorted(plans) == list(range(rounds)), (
+        f"round_plan events for rounds {sorted(plans)}, expected 0..{rounds - 1}"
+    )
     planned: dict[int, list[int]] = {}
     for r, es in plans.items():
         lists = {tuple(e["steps"]) for e in es}
         assert len(lists) == 1, f"round {r} was planned more than once, differently: {es}"
         planned[r] = list(lists.pop())
         assert planned[r] == expected, f"round {r}'s plan {planned[r]} (events {es}), the rule gives {expected}"
-        assert es[0]["source"] == "configured", f"round {r}: both sites' min_step_s are set, the plan is configured: {es[0]}"
+        assert es[0]["source"] == "configured", (
+            f"round {r}: both sites' min_step_s are set, the plan is configured: {es[0]}"
+        )
     for m in ms:
-        assert m["cluster_steps"] == planned[m["round"]], \
+        assert m["cluster_steps"] == planned[m["round"]], (
             f"round {m['round']}: metrics cluster_steps {m['cluster_steps']} != its round_plan {planned[m['round']]}"
+        )
     state = json.loads((Path(run_dir) / "supervisor_state.json").read_text())
-    assert state.get("round_plan") and list(state["round_plan"]["steps"]) == expected, \
+    assert state.get("round_plan") and list(state["round_plan"]["steps"]) == expected, (
         f"supervisor_state.json's round_plan: {state.get('round_plan')}"
+    )
     return planned
 
 
@@ -120,8 +137,15 @@ SPR = 20
 FAST_S, SLOW_S = 0.2, 0.4  # 20 x 0.2 s = 4 s of inner work in the fast site, 10 x 0.4 s in the slow one
 PLAN = _planned(SPR, [FAST_S, SLOW_S])  # [20, 10]
 ROUNDS = 3
-BALANCED = [_sites(1, FAST_S, SLOW_S), "sync.balance=steps", f"sync.outer_every={SPR}", f"train.rounds={ROUNDS}",
-            "train.eval_batches=1", "checkpoint.every=0", "logging.step_times=true"]
+BALANCED = [
+    _sites(1, FAST_S, SLOW_S),
+    "sync.balance=steps",
+    f"sync.outer_every={SPR}",
+    f"train.rounds={ROUNDS}",
+    "train.eval_batches=1",
+    "checkpoint.every=0",
+    "logging.step_times=true",
+]
 
 
 @pytest.mark.long  # two runs, one after the other (~1 minute on 2 cores)
@@ -140,21 +164,25 @@ def test_a_site_twice_as_slow_takes_half_the_steps_so_the_fast_site_never_waits_
     # (a) configured times plan round 0 too: the fast site waits under 10 % of every round
     for r in range(ROUNDS):
         wait, duration = _fast_wait(evs, r, cluster=0)
-        assert wait < 0.1 * duration, \
+        assert wait < 0.1 * duration, (
             f"round {r}: the fast site waited {wait:.2f}s at the outer sync, {wait / duration:.0%} of the round's {duration:.2f}s"
+        )
     # (c) tokens: each cluster's planned steps x its replicas x tokens per step
     for m in metrics(run_dir):
-        assert m["cluster_tokens"] == [n * TOKENS_PER_STEP for n in planned[m["round"]]], \
+        assert m["cluster_tokens"] == [n * TOKENS_PER_STEP for n in planned[m["round"]]], (
             f"round {m['round']}: cluster_tokens {m['cluster_tokens']}, plan {planned[m['round']]}"
+        )
     assert s["tokens_per_cluster"] == [ROUNDS * n * TOKENS_PER_STEP for n in PLAN], s["tokens_per_cluster"]
     # (d) the replay: the same seed and config end on the same digest, through the same plans
     replay_dir = tmp_path / "replay"
     replay = train(replay_dir, BALANCED)
     check_run(replay_dir, rounds=ROUNDS, steps_per_round=SPR, victims=set())
-    assert replay["global_param_digest"] == s["global_param_digest"], \
+    assert replay["global_param_digest"] == s["global_param_digest"], (
         f"a replay of the same seed ended on {replay['global_param_digest'][:12]}, the run on {s['global_param_digest'][:12]}"
-    assert [[e["steps"] for e in es] for _, es in sorted(_plans(events(replay_dir)).items())] == \
-        [[e["steps"] for e in es] for _, es in sorted(_plans(evs).items())], "the replay planned other steps"
+    )
+    assert [[e["steps"] for e in es] for _, es in sorted(_plans(events(replay_dir)).items())] == [
+        [e["steps"] for e in es] for _, es in sorted(_plans(evs).items())
+    ], "the replay planned other steps"
     assert replay["tokens_per_cluster"] == s["tokens_per_cluster"]
 
 
@@ -163,17 +191,31 @@ KILL_SPR, KILL_FAST_S, KILL_SLOW_S = 20, 0.25, 0.5  # 5 s of inner work per roun
 KILL_PLAN = _planned(KILL_SPR, [KILL_FAST_S, KILL_SLOW_S])  # [20, 10]
 KILL_ROUNDS = 5
 KILLS = [(1, "c1r1"), (2, "c0r1")]  # (round, replica): the slow site's first, then the fast site's
-KILLED = [_sites(2, KILL_FAST_S, KILL_SLOW_S), "sync.balance=steps", f"sync.outer_every={KILL_SPR}",
-          f"train.rounds={KILL_ROUNDS}", "train.eval_batches=1", "checkpoint.every=0", "logging.step_times=true",
-          "comm.timeout_s=4", "comm.configure_timeout_s=10"]
+KILLED = [
+    _sites(2, KILL_FAST_S, KILL_SLOW_S),
+    "sync.balance=steps",
+    f"sync.outer_every={KILL_SPR}",
+    f"train.rounds={KILL_ROUNDS}",
+    "train.eval_batches=1",
+    "checkpoint.every=0",
+    "logging.step_times=true",
+    "comm.timeout_s=4",
+    "comm.configure_timeout_s=10",
+]
 
 
 def _mid_inner(run_dir: Path, rid: str, round_index: int, after_s: float) -> dict | None:
     """rid's answer once its cluster's inner phase of the round has run `after_s` seconds and rid still
     works in it (not by step count: a balanced cluster's steps are its own)."""
     cluster = int(rid[1:].split("r")[0])
-    begun = [e for e in events(run_dir) if e["event"] == "phase_begin" and e["phase"] == "inner"
-             and e.get("cluster") == cluster and e["round"] == round_index]
+    begun = [
+        e
+        for e in events(run_dir)
+        if e["event"] == "phase_begin"
+        and e["phase"] == "inner"
+        and e.get("cluster") == cluster
+        and e["round"] == round_index
+    ]
     if not begun or time.time() - begun[0]["t"] < after_s:
         return None
     answer = replica_progress(run_dir, rid)
@@ -189,8 +231,11 @@ def test_replicas_sigkilled_mid_inner_in_the_slow_and_the_fast_site_heal_into_th
     kills: dict[str, tuple[int, float]] = {}
     for round_index, rid in KILLS:
         # 1.5 s in: 3 steps of the slow site, 6 of the fast one; 3.5 s of the round's inner work left
-        running = poll(f"{rid} 1.5 s into round {round_index}'s inner phase", 240,
-                       lambda: _mid_inner(run_dir, rid, round_index, 1.5))
+        running = poll(
+            f"{rid} 1.5 s into round {round_index}'s inner phase",
+            240,
+            lambda: _mid_inner(run_dir, rid, round_index, 1.5),
+        )
         os.kill(running["pid"], signal.SIGKILL)  # the OS, not the injector
         kills[rid] = (round_index, time.time())
     s = drill.wait_done(600)
@@ -200,17 +245,25 @@ def test_replicas_sigkilled_mid_inner_in_the_slow_and_the_fast_site_heal_into_th
     healed_at: dict[str, float] = {}
     for rid, (round_index, t_kill) in kills.items():
         cluster = int(rid[1:].split("r")[0])
-        ended = [e for e in evs if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == cluster
-                 and e["round"] == round_index]
-        assert ended and ended[-1]["t"] > t_kill, f"{rid} was not killed mid-inner: c{cluster}'s inner phase of " \
-                                                  f"round {round_index} ended before the kill"
+        ended = [
+            e
+            for e in evs
+            if e["event"] == "phase_end"
+            and e["phase"] == "inner"
+            and e.get("cluster") == cluster
+            and e["round"] == round_index
+        ]
+        assert ended and ended[-1]["t"] > t_kill, (
+            f"{rid} was not killed mid-inner: c{cluster}'s inner phase of round {round_index} ended before the kill"
+        )
         back = [e for e in evs if e["event"] == "replica_up" and e["rid"] == rid and e["t"] > t_kill]
         assert back, f"{rid} never came back after its SIGKILL in round {round_index}"
         heals = [e for e in evs if e["event"] == "heal_end" and e["target"] == rid and e["t"] > t_kill]
         assert heals, f"{rid} came back but never healed after its SIGKILL in round {round_index}"
         healed_at[rid] = heals[-1]["t"]
-        commit = next((e for e in evs if e["event"] == "commit" and e["t"] > heals[-1]["t"] and rid in e["replicas"]),
-                      None)
+        commit = next(
+            (e for e in evs if e["event"] == "commit" and e["t"] > heals[-1]["t"] and rid in e["replicas"]), None
+        )
         assert commit is not None, f"{rid} healed but never took part in a commit again"
         assert commit["round"] <= round_index + 2, f"{rid} killed in round {round_index} was back only for {commit}"
     # the plan of every round (configured: the kills change nothing) followed by its cluster
@@ -221,19 +274,28 @@ def test_replicas_sigkilled_mid_inner_in_the_slow_and_the_fast_site_heal_into_th
     for m in metrics(run_dir):
         r = m["round"]
         for c in (0, 1):
-            ends = [e for e in evs if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == c
-                    and e["round"] == r]
+            ends = [
+                e
+                for e in evs
+                if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == c and e["round"] == r
+            ]
             if len(ends) == 1 and len(ends[0]["ok"]) == 2:
                 clean += 1
-                assert m["cluster_tokens"][c] == 2 * planned[r][c] * TOKENS_PER_STEP, \
+                assert m["cluster_tokens"][c] == 2 * planned[r][c] * TOKENS_PER_STEP, (
                     f"round {r}: c{c} trained {planned[r][c]} steps on 2 replicas, cluster_tokens says {m['cluster_tokens']}"
+                )
     assert clean >= 2 * KILL_ROUNDS - len(KILLS) * 2, f"only {clean} clean (round, cluster) inner phases"
 
 
 # -- 3. balance=none is today's run ---------------------------------------------------------------
 NONE_SPR = 10
-UNBALANCED = [_sites(1, 0.1, 0.2), f"sync.outer_every={NONE_SPR}", "train.rounds=2", "train.eval_batches=1",
-              "checkpoint.every=0"]
+UNBALANCED = [
+    _sites(1, 0.1, 0.2),
+    f"sync.outer_every={NONE_SPR}",
+    "train.rounds=2",
+    "train.eval_batches=1",
+    "checkpoint.every=0",
+]
 
 
 @pytest.mark.long  # two short runs (~40 s on 2 cores); the default suite is at its budget
@@ -245,8 +307,9 @@ def test_balance_none_is_the_run_without_the_key_and_every_cluster_takes_every_s
         check_run(tmp_path / name, rounds=2, steps_per_round=NONE_SPR, victims=set())
         for m in metrics(tmp_path / name):
             assert m["cluster_steps"] == [NONE_SPR, NONE_SPR], f"{name}: round {m['round']}: {m['cluster_steps']}"
-    assert explicit["global_param_digest"] == absent["global_param_digest"], \
+    assert explicit["global_param_digest"] == absent["global_param_digest"], (
         "sync.balance=none must be the run without the key, bit for bit"
+    )
     assert explicit["tokens_per_cluster"] == absent["tokens_per_cluster"] == [2 * NONE_SPR * TOKENS_PER_STEP] * 2
     # unbalanced, the fast site idles at every outer sync for the slow one (about half of the round):
     # what balance=steps removes (and a check that _fast_wait measures it)
@@ -261,12 +324,21 @@ def test_balance_none_is_the_run_without_the_key_and_every_cluster_takes_every_s
 def test_a_replay_of_the_same_seed_and_faults_ends_on_the_same_digest(tmp_path):
     """Acceptance 1's replay with faults: the same seed and the same scheduled kill in the slow site
     (the injector fires it at the same step of the same round) end on the same global digest."""
-    overrides = [_sites(2, 0.1, 0.2), "sync.balance=steps", "sync.outer_every=10", "train.rounds=3",
-                 "checkpoint.every=0", "seed=3", "faults.schedule=[{kind:kill,target:c1r1,round:1,phase:inner,step:2}]"]
+    overrides = [
+        _sites(2, 0.1, 0.2),
+        "sync.balance=steps",
+        "sync.outer_every=10",
+        "train.rounds=3",
+        "checkpoint.every=0",
+        "seed=3",
+        "faults.schedule=[{kind:kill,target:c1r1,round:1,phase:inner,step:2}]",
+    ]
     first = train(tmp_path / "a", overrides)
     again = train(tmp_path / "b", overrides)
     for run_dir, s in ((tmp_path / "a", first), (tmp_path / "b", again)):
         check_run(run_dir, rounds=3, steps_per_round=10, victims={"c1r1"})
         assert [e["steps"] for e in events(run_dir) if e["event"] == "round_plan"] == [[10, 5]] * 3
-    assert first["global_param_digest"] == again["global_param_digest"], (first["global_param_digest"],
-                                                                          again["global_param_digest"])
+    assert first["global_param_digest"] == again["global_param_digest"], (
+        first["global_param_digest"],
+        again["global_param_digest"],
+    )

@@ -8,6 +8,7 @@ inner phase lasts 2 s, issue 36): the JSON's shape, and that the actors' own cou
 one run_inner per replica in each fault-free round; by calls, progress calls in the lasting round
 and all the extra calls progress calls; with the progress board, steps written to the store and no
 progress call for them — never its timings or whether the issue's targets hold."""
+
 from __future__ import annotations
 
 import json
@@ -45,24 +46,27 @@ def test_scale_quick_measures_decisions_and_the_ray_control_plane_at_every_size(
         assert all(_positive(d[key]) for key in ("plan_ms", "heal_assignment_ms", "outer_plan_ms")), d
         checks = d["checks"]
         assert checks["committed"] == checks["rounds"] >= 3 and checks["digests_agree"], checks
-    assert sum(d["checks"]["failures_fired"].get("die", 0) for d in decisions) >= 1, \
+    assert sum(d["checks"]["failures_fired"].get("die", 0) for d in decisions) >= 1, (
         "the rounds with failures had replicas die"
+    )
     fit = report["decisions_fit"]
-    assert FIT <= set(fit) and fit["sizes"] == len(QUICK_DECISION_SIZES) and _positive(fit["coefficient_ms"])
-    assert {"plan_ms", "heal_assignment_ms", "outer_plan_ms",
-            "with_failures_machine_plus_runner_ms"} <= set(fit["by_figure"])
+    assert set(fit) >= FIT and fit["sizes"] == len(QUICK_DECISION_SIZES) and _positive(fit["coefficient_ms"])
+    assert {"plan_ms", "heal_assignment_ms", "outer_plan_ms", "with_failures_machine_plus_runner_ms"} <= set(
+        fit["by_figure"]
+    )
 
     ray_rows = report["ray_control_plane"]
     assert [(r["clusters"], r["replicas"]) for r in ray_rows] == [(c, c * n) for c, n in QUICK_RAY_SIZES]
     for r in ray_rows:
-        assert all(_positive(r[key]) for key in ("round_ms_median", "first_round_ms", "heal_round_ms",
-                                                 "driver_cpu_ms_median")), r
+        assert all(
+            _positive(r[key]) for key in ("round_ms_median", "first_round_ms", "heal_round_ms", "driver_cpu_ms_median")
+        ), r
         assert isinstance(r["round_ms_spread"], float) and r["round_ms_spread"] >= 0
         assert r["committed"] == r["rounds"] + 2, "the first round, the fault-free ones and the one after a restart"
         assert r["heals"] >= 1 and r["events"]["heal_end"] >= 1, "the restarted actor healed from its peer's actor"
         assert r["events"]["commit_decision"] == r["committed"]
     rfit = report["ray_fit"]
-    assert FIT <= set(rfit) and rfit["sizes"] == len(QUICK_RAY_SIZES)
+    assert set(rfit) >= FIT and rfit["sizes"] == len(QUICK_RAY_SIZES)
     assert _positive(report["ray_extrapolated_10000_ms"])
     assert math.isfinite(rfit["affine"]["at_10000_ms"]) and _positive(rfit["driver_cpu"]["at_10000_ms"])
 
@@ -79,14 +83,23 @@ def test_scale_quick_measures_decisions_and_the_ray_control_plane_at_every_size(
                 assert f[case]["calls_per_round"] == sum(by.values()), (path, case, by)
                 assert by["run_inner"] == n and by["outer_commit"] == n, (path, case, by)  # fault-free: one each
                 assert 1 <= by["outer_reduce"] <= n, (path, case, by)
-                assert set(by) <= {"progress", "run_inner", "outer_reduce", "outer_commit", "request_yield",
-                                    "send_state", "receive_state"}, by
+                assert set(by) <= {
+                    "progress",
+                    "run_inner",
+                    "outer_reduce",
+                    "outer_commit",
+                    "request_yield",
+                    "send_state",
+                    "receive_state",
+                }, by
                 assert f[case]["table_reads"] >= 1 and f[case]["idle_probes_untold"] <= f[case]["idle_probes_wanted"]
             assert f["calls_per_round"] == f["lasting"]["calls_per_round"]
             assert f["instant_calls_per_round"] == f["instant"]["calls_per_round"]
             assert f["extra_calls_per_round"] == f["calls_per_round"] - f["instant_calls_per_round"]
-            assert f["progress_calls_lasting"] + f["idle_liveness_calls_lasting"] == \
-                f["lasting"]["calls_by_method"]["progress"]
+            assert (
+                f["progress_calls_lasting"] + f["idle_liveness_calls_lasting"]
+                == f["lasting"]["calls_by_method"]["progress"]
+            )
             assert f["lasting"]["inner_wall_s"] >= QUICK_INNER_S * 0.9 and f["lasting"]["machine_ticks"] >= 1
             assert f["supervisor_cpu_per_inner_s"] >= 0 and f["supervisor_main_thread_cpu_per_inner_s"] >= 0
             assert isinstance(f["extra_calls_hold"], bool)

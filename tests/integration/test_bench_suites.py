@@ -1,6 +1,7 @@
 """Issue 23's peer suites, each once with `--quick`: the JSON's schema, and that both sides of every
 comparison ran (hsgd and plain DDP, torchft; Ray Train's kill in test_peer_raytrain.py) — never a timing. BENCHMARKS.md is made from
 the JSONs and names each suite's command. (`scale` has its own test: tests/integration/test_bench_scale.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ HEADER = {"suite", "date", "machine", "command", "quick"}
 
 def _report(out: Path, suite: str) -> dict:
     report = json.loads((out / f"{suite}.json").read_text())
-    assert HEADER <= set(report) and report["suite"] == suite and report["quick"] is True
+    assert set(report) >= HEADER and report["suite"] == suite and report["quick"] is True
     assert report["command"].startswith(f"python -m benchmarks {suite}")
     assert (out / f"{suite}.png").stat().st_size > 0
     return report
@@ -69,7 +70,12 @@ def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
     out = results / "goodput"
     assert bench(["goodput", "--quick", "--out", str(out)]) == 0
     runs = _report(out, "goodput")["runs"]
-    assert {(r["side"], r["mtbf_s"]) for r in runs} == {("hsgd", None), ("torchft", None), ("hsgd", 4.0), ("torchft", 4.0)}
+    assert {(r["side"], r["mtbf_s"]) for r in runs} == {
+        ("hsgd", None),
+        ("torchft", None),
+        ("hsgd", 4.0),
+        ("torchft", 4.0),
+    }
     faulted = [r for r in runs if r["mtbf_s"]]
     assert faulted[0]["failure_process"] == faulted[1]["failure_process"] and faulted[0]["failure_process"]
     for r in runs:

@@ -7,6 +7,7 @@ that cluster carries HSGD_TEST_CLUSTER=<this module's tag> in its environment; t
 exactly those processes (`ray stop` would end every Ray on the machine). The multirun tests come
 first and use the embedded Ray of `python -m jobs.train`, one per job.
 """
+
 from __future__ import annotations
 
 import csv
@@ -63,8 +64,11 @@ def test_relative_run_dirs_resolve_against_the_persistent_root(monkeypatch, tmp_
 @pytest.mark.long
 def test_multirun_runs_each_job_and_writes_the_sweep_table(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = train_cli(["-m", "sync.outer_every=4,6", *FAST, "train.rounds=2", "checkpoint.every=0",
-                      f"run.sweep_dir={sweep}"], cwd=tmp_path, timeout=400)
+    proc = train_cli(
+        ["-m", "sync.outer_every=4,6", *FAST, "train.rounds=2", "checkpoint.every=0", f"run.sweep_dir={sweep}"],
+        cwd=tmp_path,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # one after the other, each with its own embedded Ray (shut down before the next starts)
     assert (proc.stdout + proc.stderr).count("Started a local Ray instance") == 2, proc.stderr[-3000:]
@@ -100,28 +104,57 @@ class LocalRayCluster:
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "HSGD_"))}
-        self.env = {**env, "HSGD_TEST_CLUSTER": self.tag, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                    "RAY_USAGE_STATS_ENABLED": "0", "WANDB_MODE": "disabled",
-                    # the job's entrypoint `python` is this venv's
-                    "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+        self.env = {
+            **env,
+            "HSGD_TEST_CLUSTER": self.tag,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "WANDB_MODE": "disabled",
+            # the job's entrypoint `python` is this venv's
+            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+        }
         self.gcs = self.dashboard = None
         self.nodes = 0
 
     def _start(self, args: list[str]) -> str:
         self.nodes += 1
         temp = self.root / f"n{self.nodes}"
-        proc = subprocess.run([RAY, "start", f"--temp-dir={temp}", "--min-worker-port=0", "--max-worker-port=0",
-                               "--object-store-memory=100000000", "--disable-usage-stats", *args],
-                              env=self.env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                RAY,
+                "start",
+                f"--temp-dir={temp}",
+                "--min-worker-port=0",
+                "--max-worker-port=0",
+                "--object-store-memory=100000000",
+                "--disable-usage-stats",
+                *args,
+            ],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, f"ray start failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout + proc.stderr
 
     def start_head(self, num_cpus: int, label: str) -> None:
         gcs, dash, agent, agent_grpc, client, env_agent = _free_ports(6)
-        out = self._start(["--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-                           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-                           f"--ray-client-server-port={client}", f"--runtime-env-agent-port={env_agent}",
-                           f"--num-cpus={num_cpus}", f"--labels=hsgd-cluster={label}"])
+        out = self._start(
+            [
+                "--head",
+                f"--port={gcs}",
+                f"--dashboard-port={dash}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-agent-listen-port={agent}",
+                f"--dashboard-agent-grpc-port={agent_grpc}",
+                f"--ray-client-server-port={client}",
+                f"--runtime-env-agent-port={env_agent}",
+                f"--num-cpus={num_cpus}",
+                f"--labels=hsgd-cluster={label}",
+            ]
+        )
         # the address other nodes and drivers join with (`ray start` writes it into its temp dir)
         current = self.root / "n1" / "ray_current_cluster"
         found = re.search(r"--address='([^']+)'", out)
@@ -130,12 +163,22 @@ class LocalRayCluster:
 
     def add_node(self, num_cpus: int, label: str) -> None:
         agent, agent_grpc, env_agent, metrics = _free_ports(4)
-        self._start([f"--address={self.gcs}", f"--dashboard-agent-listen-port={agent}",
-                     f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
-                     f"--metrics-export-port={metrics}", f"--num-cpus={num_cpus}", f"--labels=hsgd-cluster={label}"])
+        self._start(
+            [
+                f"--address={self.gcs}",
+                f"--dashboard-agent-listen-port={agent}",
+                f"--dashboard-agent-grpc-port={agent_grpc}",
+                f"--runtime-env-agent-port={env_agent}",
+                f"--metrics-export-port={metrics}",
+                f"--num-cpus={num_cpus}",
+                f"--labels=hsgd-cluster={label}",
+            ]
+        )
 
     def ray_cli(self, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([RAY, *args], env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.root)
+        return subprocess.run(
+            [RAY, *args], env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.root
+        )
 
     def job_info(self, job_id: str, token: bool = True) -> dict:
         """GET /api/jobs/<id> from the job API, with the cluster's token (or without: refused)."""
@@ -202,8 +245,21 @@ def _submit(cluster: LocalRayCluster, args: list[str], env_vars: dict | None = N
     """`ray job submit --working-dir <repo> -- python -m jobs.train <args>`; returns the job's id."""
     job_id = f"hsgd-test-{uuid.uuid4().hex[:8]}"
     runtime_env = ["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars else []
-    proc = cluster.ray_cli(["job", "submit", f"--address={cluster.dashboard}", f"--submission-id={job_id}",
-                            f"--working-dir={REPO}", *runtime_env, "--", "python", "-m", "jobs.train", *args])
+    proc = cluster.ray_cli(
+        [
+            "job",
+            "submit",
+            f"--address={cluster.dashboard}",
+            f"--submission-id={job_id}",
+            f"--working-dir={REPO}",
+            *runtime_env,
+            "--",
+            "python",
+            "-m",
+            "jobs.train",
+            *args,
+        ]
+    )
     assert proc.returncode == 0, f"job {job_id} did not succeed:\n{proc.stdout[-5000:]}\n{proc.stderr[-3000:]}"
     info = cluster.job_info(job_id)
     assert info["status"] == "SUCCEEDED", info
@@ -223,7 +279,9 @@ def test_submitted_job_writes_its_run_dir_and_token_auth_is_on(cluster, tmp_path
     assert s["status"] == "completed" and s["rounds_committed"] == 2, s
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file()
     # the job ran from the uploaded copy, which .rayignore keeps free of outputs, caches and .git
-    copies = [p for p in cluster.root.glob("n1/session_2*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()]
+    copies = [
+        p for p in cluster.root.glob("n1/session_2*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()
+    ]
     assert copies, "no uploaded working dir found on the head"
     for copy in copies:
         assert (copy / "jobs" / "train.py").is_file()
@@ -238,9 +296,17 @@ def test_submitted_job_with_a_fault_lands_under_the_output_root(cluster, tmp_pat
     root ($HSGD_OUTPUT_ROOT), not against the job's temporary working dir; a replica killed in
     round 1 is restarted and the run completes."""
     root = tmp_path / "persistent"
-    _submit(cluster, [*FAST, "train.rounds=3", "sync.outer_every=4", "run.name=drill",
-                      "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:1}]"],
-            env_vars={"HSGD_OUTPUT_ROOT": str(root)})
+    _submit(
+        cluster,
+        [
+            *FAST,
+            "train.rounds=3",
+            "sync.outer_every=4",
+            "run.name=drill",
+            "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:1}]",
+        ],
+        env_vars={"HSGD_OUTPUT_ROOT": str(root)},
+    )
     runs = list((root / "outputs").glob("*-drill-*"))  # <timestamp>-<name>-<random suffix>
     assert len(runs) == 1, list(root.rglob("*"))
     s = summary(runs[0])
@@ -252,8 +318,12 @@ def test_submitted_job_with_a_fault_lands_under_the_output_root(cluster, tmp_pat
 def _run_attached(cluster: LocalRayCluster, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     """jobs.train as a driver attached to the test cluster through RAY_ADDRESS."""
     env = {k: v for k, v in cluster.env.items() if k != "PATH"}
-    return train_cli([*SHORT, "checkpoint.every=0", f"run.dir={run_dir}", *overrides], cwd=run_dir.parent,
-                     env={**env, "RAY_ADDRESS": cluster.gcs}, timeout=300)
+    return train_cli(
+        [*SHORT, "checkpoint.every=0", f"run.dir={run_dir}", *overrides],
+        cwd=run_dir.parent,
+        env={**env, "RAY_ADDRESS": cluster.gcs},
+        timeout=300,
+    )
 
 
 def _clusters_by_node(run_dir: Path) -> dict[str, set]:
@@ -291,13 +361,17 @@ def test_strict_pack_keeps_each_cluster_on_one_node(cluster, tmp_path):
 
 
 @on_the_cluster
-@pytest.mark.parametrize("overrides,field", [
-    # 10 CPUs hold 4 x 2.5 in total, but only the head holds a whole cluster (2 x 2.5) on one node
-    (["topology.cpus_per_replica=2.5"], "topology.placement_strategy"),
-    (["topology.cluster_labels=[a,zzz]"], "topology.cluster_labels[1]"),
-    # issue 32: node b (4 CPUs) cannot hold a 5-replica site labelled b
-    (["topology.sites=[{replicas:2,label:a},{replicas:5,label:b}]"], "topology.sites[1].label"),
-], ids=["strict-pack-never-fits", "unknown-label", "site-larger-than-its-label"])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        # 10 CPUs hold 4 x 2.5 in total, but only the head holds a whole cluster (2 x 2.5) on one node
+        (["topology.cpus_per_replica=2.5"], "topology.placement_strategy"),
+        (["topology.cluster_labels=[a,zzz]"], "topology.cluster_labels[1]"),
+        # issue 32: node b (4 CPUs) cannot hold a 5-replica site labelled b
+        (["topology.sites=[{replicas:2,label:a},{replicas:5,label:b}]"], "topology.sites[1].label"),
+    ],
+    ids=["strict-pack-never-fits", "unknown-label", "site-larger-than-its-label"],
+)
 def test_placement_that_can_never_fit_is_one_clear_line(cluster, tmp_path, overrides, field):
     run_dir = tmp_path / "never"
     proc = _run_attached(cluster, run_dir, overrides)
@@ -310,8 +384,20 @@ def test_placement_that_can_never_fit_is_one_clear_line(cluster, tmp_path, overr
 # -- quarantine (issue 32) -------------------------------------------------------------------------
 def _alive_actor(cluster: LocalRayCluster, name: str) -> dict | None:
     """The ALIVE actor of that name (its pid, node_id), from Ray's state API."""
-    proc = cluster.ray_cli(["list", "actors", "--format=json", "--detail", f"--address={cluster.dashboard}",
-                            "--filter", f"name={name}", "--filter", "state=ALIVE"], timeout=60)
+    proc = cluster.ray_cli(
+        [
+            "list",
+            "actors",
+            "--format=json",
+            "--detail",
+            f"--address={cluster.dashboard}",
+            "--filter",
+            f"name={name}",
+            "--filter",
+            "state=ALIVE",
+        ],
+        timeout=60,
+    )
     rows = json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip().startswith("[") else []
     return rows[0] if rows else None
 
@@ -320,11 +406,24 @@ def _alive_actor(cluster: LocalRayCluster, name: str) -> dict | None:
 def test_a_replica_sigkilled_three_times_is_recreated_on_the_other_node(cluster, tmp_path):
     run_dir = tmp_path / "quarantine"
     env = {k: v for k, v in cluster.env.items() if k != "PATH"}
-    args = [*FAST, "train.rounds=20", "sync.outer_every=10", "train.min_step_s=0.3", "checkpoint.every=0",
-            "supervisor.rejoin=fast", "faults.quarantine_after=3", f"run.dir={run_dir}"]
-    driver = subprocess.Popen([sys.executable, "-m", "jobs.train", *args], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(REPO), **env, "RAY_ADDRESS": cluster.gcs})
+    args = [
+        *FAST,
+        "train.rounds=20",
+        "sync.outer_every=10",
+        "train.min_step_s=0.3",
+        "checkpoint.every=0",
+        "supervisor.rejoin=fast",
+        "faults.quarantine_after=3",
+        f"run.dir={run_dir}",
+    ]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", *args],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env, "RAY_ADDRESS": cluster.gcs},
+    )
     try:
         deadline = time.monotonic() + 180
         while not (run_dir / "run.json").is_file() and time.monotonic() < deadline:

@@ -5,6 +5,7 @@ with fewer GPUs than replicas, and `auto` on a cluster with too few GPUs (gloo, 
 One subprocess with its own Ray, started the way `ray job submit --working-dir` runs a job: the
 workers' working directory is an uploaded copy that lacks the driver's data folder. GPUs are Ray
 resources only (this machine has no CUDA), which is all the driver's decision may look at."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import pytest
 
 from tests.integration.runs import FAST, REPO
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import ray
 ray.init(num_cpus=8, num_gpus=GPUS, include_dashboard=False, log_to_driver=False,
@@ -38,7 +39,7 @@ def attempt(name, overrides):
 for name, overrides in CASES:
     attempt(name, overrides)
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def _run(tmp_path, gpus, cases):
@@ -46,24 +47,33 @@ def _run(tmp_path, gpus, cases):
     (tmp_path / "wd" / "README").write_text("the job's uploaded working dir, without data/\n")
     (tmp_path / "data").mkdir()
     shutil.copy(REPO / "hsgd" / "corpus" / "shakespeare.txt.xz", tmp_path / "data" / "corpus.txt.xz")
-    script = (SCRIPT.replace("GPUS", str(gpus)).replace("REPO", repr(str(REPO)))
-              .replace("FAST + overrides", f"{FAST!r} + overrides").replace("CASES", repr(cases)))
+    script = (
+        SCRIPT.replace("GPUS", str(gpus))
+        .replace("REPO", repr(str(REPO)))
+        .replace("FAST + overrides", f"{FAST!r} + overrides")
+        .replace("CASES", repr(cases))
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-3000:])
-    return json.loads(lines[-1][len("RESULT "):]), out.stdout
+    return json.loads(lines[-1][len("RESULT ") :]), out.stdout
 
 
 @pytest.mark.long  # its own Ray cluster with a working_dir upload and three driver runs
 def test_cluster_only_checks_refuse_before_any_replica_starts(tmp_path):
-    results, stdout = _run(tmp_path, 2, [
-        ("missing_data", ["data.path=data/corpus.txt.xz", "train.rounds=1"]),
-        ("nccl_too_few_gpus", ["comm.backend=nccl", "train.rounds=1"]),
-        ("auto_one_run", ["train.rounds=1", "sync.outer_every=2", "checkpoint.every=0"]),
-    ])
+    results, stdout = _run(
+        tmp_path,
+        2,
+        [
+            ("missing_data", ["data.path=data/corpus.txt.xz", "train.rounds=1"]),
+            ("nccl_too_few_gpus", ["comm.backend=nccl", "train.rounds=1"]),
+            ("auto_one_run", ["train.rounds=1", "sync.outer_every=2", "checkpoint.every=0"]),
+        ],
+    )
     missing = results["missing_data"]
     assert missing["field"] == "data.path" and "'data/corpus.txt.xz' does not exist on node" in missing["error"]
     assert "1 of 1 nodes" in missing["error"] and "\n" not in missing["error"]

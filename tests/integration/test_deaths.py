@@ -2,6 +2,7 @@
 call ever sees — a process SIGKILLed while Ray restarts it, a promoted spare's process killed from
 outside — are read from Ray's own restart count (actors/lifecycle.py). Every run goes through the
 shared invariant checker; the tests add what is particular to their failure."""
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,21 @@ import pytest
 import ray
 
 from tests.integration.invariants import check_run
-from tests.integration.runs import FAST, events, poll as poll_every
+from tests.integration.runs import FAST, events
+from tests.integration.runs import poll as poll_every
 
 SPR = 10
 # 10 steps x 0.2 s of simulated accelerator time: rounds of ~2 s, so a restart (~2-4 s here)
 # happens while the run still trains
-BASE = [f"sync.outer_every={SPR}", "train.min_step_s=0.2", "checkpoint.every=0", "train.eval_batches=1",
-        "comm.timeout_s=4", "comm.configure_timeout_s=10", "supervisor.rejoin=fast"]
+BASE = [
+    f"sync.outer_every={SPR}",
+    "train.min_step_s=0.2",
+    "checkpoint.every=0",
+    "train.eval_batches=1",
+    "comm.timeout_s=4",
+    "comm.configure_timeout_s=10",
+    "supervisor.rejoin=fast",
+]
 
 
 def _poll(what: str, timeout_s: float, probe):
@@ -45,8 +54,9 @@ def _row(actor_name: str) -> dict | None:
 
 
 def _event(run_dir: Path, name: str, **fields) -> dict | None:
-    return next((e for e in events(run_dir) if e["event"] == name and all(e.get(k) == v for k, v in fields.items())),
-                None)
+    return next(
+        (e for e in events(run_dir) if e["event"] == name and all(e.get(k) == v for k, v in fields.items())), None
+    )
 
 
 def test_a_replica_killed_again_while_ray_restarts_it_is_two_faults(drill_run):
@@ -55,20 +65,30 @@ def test_a_replica_killed_again_while_ray_restarts_it_is_two_faults(drill_run):
     first = _poll("c0r1's actor alive", 60, lambda: (r := _row(actor)) and r["State"] == "ALIVE" and r)
     # the injector's kill: Ray restarts the actor in a new process; SIGKILL that one while its
     # constructor still runs (no call reaches it there: only the restart count shows this death)
-    again = _poll("c0r1's actor restarting in a new process after the injector's kill", 120,
-                  lambda: (r := _row(actor)) and r["State"] == "RESTARTING" and r["NumRestarts"] == 1
-                  and r["Pid"] not in (0, first["Pid"]) and r)
+    again = _poll(
+        "c0r1's actor restarting in a new process after the injector's kill",
+        120,
+        lambda: (
+            (r := _row(actor))
+            and r["State"] == "RESTARTING"
+            and r["NumRestarts"] == 1
+            and r["Pid"] not in (0, first["Pid"])
+            and r
+        ),
+    )
     os.kill(again["Pid"], signal.SIGKILL)  # the OS, not the injector
     s = drill.wait_done(300)
     check_run(drill.run_dir, rounds=4, steps_per_round=SPR, victims={"c0r1"})
     evs = events(drill.run_dir)
     downs = [e for e in evs if e["event"] == "replica_down" and e["rid"] == "c0r1"]
-    assert [e["incarnation"] for e in downs] == [0, 1], \
+    assert [e["incarnation"] for e in downs] == [0, 1], (
         f"each of c0r1's two deaths is one replica_down, with the incarnation that died: {downs}"
+    )
     assert downs[1]["phase"] == "restarting", downs[1]
     faults = [f for f in s["faults"] if f["rid"] == "c0r1"]
-    assert sorted(f["source"] for f in faults) == ["injected", "observed"], \
+    assert sorted(f["source"] for f in faults) == ["injected", "observed"], (
         f"two faults for c0r1 in summary.json (the injector's kill and the SIGKILL): {s['faults']}"
+    )
     assert len(s["faults"]) == 2, s["faults"]
     up = [e for e in evs if e["event"] == "replica_up" and e["rid"] == "c0r1" and e["t"] > downs[1]["t"]]
     assert up and up[0]["incarnation"] == 2, f"c0r1 came back as its actor's third process: {up}"
@@ -89,10 +109,12 @@ def test_a_promoted_spare_that_dies_comes_back_as_the_replica_it_replaced(drill_
             return ray.get(handle.progress.remote(), timeout=5)
         except Exception:  # noqa: BLE001 — restarting: ask again
             return None
+
     assert serving()["rid"] == "c0r1"
     os.kill(promoted["pid"], signal.SIGKILL)  # the promoted spare's process, from outside
-    back = _poll("the spare's actor back in a new process", 60,
-                 lambda: (a := serving()) and a["pid"] != promoted["pid"] and a)
+    back = _poll(
+        "the spare's actor back in a new process", 60, lambda: (a := serving()) and a["pid"] != promoted["pid"] and a
+    )
     assert back["incarnation"] == 1, back
     s = drill.wait_done(300)
     check_run(drill.run_dir, rounds=8, steps_per_round=SPR, victims={"c0r1"})
@@ -104,11 +126,13 @@ def test_a_promoted_spare_that_dies_comes_back_as_the_replica_it_replaced(drill_
     repromoted = [e for e in evs if e["event"] == "spare_promoted" and e["rid"] == "c0r1"][1:]
     spared = [e for e in evs if e["event"] == "spare_ready" and e["spare"] == spare and e["pid"] == back["pid"]]
     if repromoted:
-        assert spared and not up, f"c0r1 went to {repromoted[0]['spare']}; this process must become the spare: " \
-                                  f"{spared}, {up}"
+        assert spared and not up, (
+            f"c0r1 went to {repromoted[0]['spare']}; this process must become the spare: {spared}, {up}"
+        )
     else:
-        assert up and up[0]["incarnation"] == 1 and not spared, \
+        assert up and up[0]["incarnation"] == 1 and not spared, (
             f"c0r1 rejoined as the spare's actor's new process: {up}"
+        )
         # it is c0r1 again — that replica's id and data stream — not the spare it was constructed as
         assert back["rid"] == "c0r1" and back["spare"] is False, back
         assert back["replica_index"] == 1, f"c0r1's data stream is replica index 1: {back}"

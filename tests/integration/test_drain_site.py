@@ -3,17 +3,38 @@ replicas train; a request written mid-run (the drill API, the same file as `pyth
 <run> drain-site c2`) drains c2 at the next round's start. Its replicas stop with zero faults
 counted and nothing rolled back, the other sites' inner groups never re-form for it (the outer
 group simply has one site fewer), the run completes, and the request is decided once."""
+
 from __future__ import annotations
 
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events
 
 ROUNDS, SPR = 8, 4
-RUN = FAST + ["topology.clusters=3", "topology.replicas_per_cluster=2", f"train.rounds={ROUNDS}",
-              f"sync.outer_every={SPR}", "train.min_step_s=0.05", "train.eval_batches=1", "train.eval_every=100",
-              "checkpoint.every=2", "comm.timeout_s=4", "watchdog.floor_s=5"]
-FAILURES = ("replica_down", "hang_detected", "kill", "replica_error", "collective_failed", "restore", "quorum_wait",
-            "spare_lost", "cluster_reform", "idle_replica_lost", "presumed_dead")
+RUN = FAST + [
+    "topology.clusters=3",
+    "topology.replicas_per_cluster=2",
+    f"train.rounds={ROUNDS}",
+    f"sync.outer_every={SPR}",
+    "train.min_step_s=0.05",
+    "train.eval_batches=1",
+    "train.eval_every=100",
+    "checkpoint.every=2",
+    "comm.timeout_s=4",
+    "watchdog.floor_s=5",
+]
+FAILURES = (
+    "replica_down",
+    "hang_detected",
+    "kill",
+    "replica_error",
+    "collective_failed",
+    "restore",
+    "quorum_wait",
+    "spare_lost",
+    "cluster_reform",
+    "idle_replica_lost",
+    "presumed_dead",
+)
 
 
 def test_a_site_drained_mid_run_leaves_with_no_fault_no_rollback_and_no_reform(background_drills, tmp_path):
@@ -36,8 +57,9 @@ def test_a_site_drained_mid_run_leaves_with_no_fault_no_rollback_and_no_reform(b
     commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
     assert sorted(commits) == list(range(ROUNDS))
     assert all({"c2r0", "c2r1"} <= commits[r] for r in range(drained_at))
-    assert all(not any(rid.startswith("c2") for rid in commits[r]) and len(commits[r]) == 4
-               for r in range(drained_at, ROUNDS)), commits
+    assert all(
+        not any(rid.startswith("c2") for rid in commits[r]) and len(commits[r]) == 4 for r in range(drained_at, ROUNDS)
+    ), commits
     assert sorted(summary["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1"]
     saved = [e for e in record if e["event"] == "checkpoint" and e["round"] > drained_at]
     assert saved and not any(rid.startswith("c2") for e in saved for rid in e["replicas"]), saved

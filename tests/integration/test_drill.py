@@ -5,6 +5,7 @@ the live state shows everyone back with the membership epoch bumped.
 The drill's waits read the run's record, never a view of it alone: status.json (newest view wins)
 and events.jsonl are written by separate jobs of the supervisor's writer thread, so either may be
 ahead of the other. The first tests replay such interleavings on a folder written by hand."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,12 @@ T0 = 1_900_000_000.0  # when c0r1 was killed (the drill's clock)
 
 
 def _view(round_index: int, members: list[str]) -> dict:
-    return {"phase": "inner", "round": round_index, "epoch": 7,
-            "members": {c: [r for r in members if r.startswith(c)] for c in ("c0", "c1")}}
+    return {
+        "phase": "inner",
+        "round": round_index,
+        "epoch": 7,
+        "members": {c: [r for r in members if r.startswith(c)] for c in ("c0", "c1")},
+    }
 
 
 # (seconds after the kill, event, fields) as the supervisor logs them
@@ -61,12 +66,16 @@ NOT_RECOVERED = {
     # it came back during the outer exchange: that round commits without it, it is healed at the next
     "a round it sat out after coming back": ([DOWN, (1.5, *UP[1:]), MISSED], _view(6, EVERYONE)),
     # the round in flight committed with c0r1 before its death was noticed; the view without it is not written yet
-    "a commit from before its death": ([(0.5, "commit", {"round": 4, "epoch": 6, "replicas": EVERYONE}), DOWN],
-                                       _view(5, EVERYONE)),
+    "a commit from before its death": (
+        [(0.5, "commit", {"round": 4, "epoch": 6, "replicas": EVERYONE}), DOWN],
+        _view(5, EVERYONE),
+    ),
     # the race a loaded CI machine hit: the round in flight commits just AFTER c0r1's death is logged and
     # still names it (it applied the commit, then died); the view still lists it, the round is past it
     "a commit logged after its death that it applied before dying": (
-        [DOWN, (1.2, "commit", {"round": 5, "epoch": 6, "replicas": EVERYONE})], _view(6, EVERYONE)),
+        [DOWN, (1.2, "commit", {"round": 5, "epoch": 6, "replicas": EVERYONE})],
+        _view(6, EVERYONE),
+    ),
     # the full commit is logged, the view of that round without c0r1 is still on disk
     "the log ahead of status": ([DOWN, MISSED, UP, FULL], _view(6, ["c0r0", "c1r0", "c1r1"])),
 }
@@ -91,8 +100,11 @@ def test_a_death_is_read_from_the_record_even_if_no_view_ever_showed_it(watching
     _written(watching, [], _view(5, ["c0r0", "c1r0", "c1r1"]))
     with pytest.raises(DrillError, match="not recorded down"):
         watching.wait_down(timeout_s=0.5)  # a view without it is not the record of its death
-    _written(watching, [(0.9, "idle_replica_lost", {"rid": "c0r1", "round": 5, "detail": "restarted"}), DOWN, UP],
-             _view(5, EVERYONE))
+    _written(
+        watching,
+        [(0.9, "idle_replica_lost", {"rid": "c0r1", "round": 5, "detail": "restarted"}), DOWN, UP],
+        _view(5, EVERYONE),
+    )
     downs = watching.wait_down(timeout_s=5)
     assert [(e["event"], e["rid"]) for e in downs] == [("replica_down", "c0r1")]
 
@@ -108,8 +120,18 @@ def test_a_supervisor_start_just_before_a_replica_kill_is_not_that_kill_going_do
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
     # padded steps: replicas mostly sleep, so restarts (CPU-bound process boots) are not starved
-    d = Drill(FAST + ["train.rounds=2000", "sync.outer_every=6", "train.min_step_s=0.05", "checkpoint.every=0",
-                      "comm.timeout_s=4", "watchdog.floor_s=5"], run_dir=str(tmp_path_factory.mktemp("drill")))
+    d = Drill(
+        FAST
+        + [
+            "train.rounds=2000",
+            "sync.outer_every=6",
+            "train.min_step_s=0.05",
+            "checkpoint.every=0",
+            "comm.timeout_s=4",
+            "watchdog.floor_s=5",
+        ],
+        run_dir=str(tmp_path_factory.mktemp("drill")),
+    )
     d.start()
     yield d
     if d.summary is None:
@@ -120,8 +142,17 @@ def _epoch(d):
     return d.state()["epoch"]
 
 
-@pytest.mark.parametrize("kind,target", [("kill", "c0r1"), ("crash", "leader:c1"), ("hang", "c1r1"),
-                                         ("comm", "c0r0"), ("kill", "supervisor"), ("crash", "cluster:c1")])
+@pytest.mark.parametrize(
+    "kind,target",
+    [
+        ("kill", "c0r1"),
+        ("crash", "leader:c1"),
+        ("hang", "c1r1"),
+        ("comm", "c0r0"),
+        ("kill", "supervisor"),
+        ("crash", "cluster:c1"),
+    ],
+)
 def test_each_fault_kind_through_the_api_is_recovered(drill, kind, target):
     drill.wait_for(phase="inner", timeout_s=60)
     epoch = _epoch(drill)

@@ -9,6 +9,7 @@ invariants of the whole run, and in the case's own rounds the faults it must cou
 with the case's own victims (no replica outside them marked down, declared hung, killed or
 restarted there). One run instead of five saves four start-ups (~15 s each: five processes
 importing torch on 2 cores)."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ import json
 import pytest
 
 from hsgd.record.rundir import read_jsonl
-from tests.integration.invariants import HARM_EVENTS, check_run as check_invariants, final_params_agree
+from tests.integration.invariants import HARM_EVENTS, final_params_agree
+from tests.integration.invariants import check_run as check_invariants
 from tests.integration.runs import events, metrics, train
 
 ROUNDS, SPR = 8, 6
@@ -26,9 +28,16 @@ ROUNDS, SPR = 8, 6
 # watchdog.floor_s=5 (as in test_watchdog.py; healthy phases here last under a second): a hung
 # replica is killed after ~9 s of silence (the group's grace, comm.timeout_s + 5), not 15 (the
 # default floor).
-BASE = [f"sync.outer_every={SPR}", "checkpoint.every=1", "comm.timeout_s=4",
-        "supervisor.phase_timeout_s=40", "supervisor.rejoin_wait_s=30", "supervisor.rejoin=boundary",
-        "watchdog.floor_s=5", "optim.inner.lr=0.01"]
+BASE = [
+    f"sync.outer_every={SPR}",
+    "checkpoint.every=1",
+    "comm.timeout_s=4",
+    "supervisor.phase_timeout_s=40",
+    "supervisor.rejoin_wait_s=30",
+    "supervisor.rejoin=boundary",
+    "watchdog.floor_s=5",
+    "optim.inner.lr=0.01",
+]
 
 # case -> its faults as (round within the case, fault without its round); round 0 of a case is
 # the round its first fault hits (round 1 of a run of its own)
@@ -95,6 +104,7 @@ def fault_free(tmp_path_factory):
         if rounds not in runs:
             runs[rounds] = train(tmp_path_factory.mktemp("fault_free") / "run", BASE + [f"train.rounds={rounds}"])
         return runs[rounds]
+
     return run
 
 
@@ -116,7 +126,9 @@ def check_run(run_dir, s, fault_free, min_faults, rounds=ROUNDS):
     assert final_params_agree(s, run_dir), s["replica_param_digests"]
     assert set(s["replica_param_digests"]) == {"c0r0", "c0r1", "c1r0", "c1r1"}, "a replica never came back"
     ratio = s["final_eval_loss"] / fault_free["final_eval_loss"]
-    assert abs(ratio - 1) < 0.05, f"final eval loss {s['final_eval_loss']} vs fault-free {fault_free['final_eval_loss']}"
+    assert abs(ratio - 1) < 0.05, (
+        f"final eval loss {s['final_eval_loss']} vs fault-free {fault_free['final_eval_loss']}"
+    )
     assert len(s["faults"]) >= min_faults, s["faults"]
     for f in s["faults"]:
         if f["kind"] != "slow":
@@ -128,8 +140,9 @@ def check_run(run_dir, s, fault_free, min_faults, rounds=ROUNDS):
 def _after_round(record: list[dict], r: int) -> int:
     """Index in events.jsonl just after round r was committed (its `commit`, or its
     `round_recorded_late` when a supervisor died before logging the commit)."""
-    return 1 + next(i for i, e in enumerate(record) if e["event"] in ("commit", "round_recorded_late")
-                    and e["round"] == r)
+    return 1 + next(
+        i for i, e in enumerate(record) if e["event"] in ("commit", "round_recorded_late") and e["round"] == r
+    )
 
 
 def check_case(shared_run, case: str, min_faults: int) -> list[dict]:
@@ -143,8 +156,11 @@ def check_case(shared_run, case: str, min_faults: int) -> list[dict]:
     first, end = SPANS[case]
     mine = [f for f in s["faults"] if f.get("round") is not None and first <= f["round"] < end]
     assert len(mine) >= min_faults, mine
-    victims = {f["rid"] for f in read_jsonl(run_dir / "faults_fired.jsonl")
-               if first <= f["round"] < end and f["rid"] != "supervisor"}
+    victims = {
+        f["rid"]
+        for f in read_jsonl(run_dir / "faults_fired.jsonl")
+        if first <= f["round"] < end and f["rid"] != "supervisor"
+    }
     record = events(run_dir)
     lo = _after_round(record, first - 1)
     hi = len(record) if end == SHARED_ROUNDS else _after_round(record, end - 1)
@@ -152,11 +168,19 @@ def check_case(shared_run, case: str, min_faults: int) -> list[dict]:
     for e in record[:lo]:
         if e.get("rid") is not None and e.get("pid") is not None:
             pids.setdefault(e["rid"], set()).add(e["pid"])
-    harmed = [e for e in record[lo:hi] if e.get("rid") not in victims and (
-        e["event"] in HARM_EVENTS
-        or (e.get("rid") is not None and e.get("pid") is not None and e["pid"] not in pids.get(e["rid"], set())))]
-    assert not harmed, f"invariant 7 (no healthy replica harmed) broken in rounds {first}..{end - 1} " \
-                       f"(victims {sorted(victims)}): {harmed}"
+    harmed = [
+        e
+        for e in record[lo:hi]
+        if e.get("rid") not in victims
+        and (
+            e["event"] in HARM_EVENTS
+            or (e.get("rid") is not None and e.get("pid") is not None and e["pid"] not in pids.get(e["rid"], set()))
+        )
+    ]
+    assert not harmed, (
+        f"invariant 7 (no healthy replica harmed) broken in rounds {first}..{end - 1} "
+        f"(victims {sorted(victims)}): {harmed}"
+    )
     return record[lo:hi]
 
 
@@ -167,14 +191,21 @@ def test_non_leader_faults_in_every_phase(shared_run):
 @pytest.mark.long
 def test_leader_faults_in_every_phase(tmp_path, fault_free):
     run_dir = tmp_path / "run"
-    s = train(run_dir, BASE + [f"train.rounds={ROUNDS}", schedule(
-        "kind:kill,target:leader:c0,round:1,phase:inner,step:2",
-        "kind:crash,target:leader:c1,round:2,phase:outer",
-        "kind:hang,target:leader:c0,round:3,phase:outer,seconds:120",
-        "kind:comm,target:leader:c1,round:4,phase:outer",
-        "kind:kill,target:leader:c0,round:5,phase:outer_commit",
-        "kind:crash,target:leader:c1,round:6,phase:checkpoint",
-    )])
+    s = train(
+        run_dir,
+        BASE
+        + [
+            f"train.rounds={ROUNDS}",
+            schedule(
+                "kind:kill,target:leader:c0,round:1,phase:inner,step:2",
+                "kind:crash,target:leader:c1,round:2,phase:outer",
+                "kind:hang,target:leader:c0,round:3,phase:outer,seconds:120",
+                "kind:comm,target:leader:c1,round:4,phase:outer",
+                "kind:kill,target:leader:c0,round:5,phase:outer_commit",
+                "kind:crash,target:leader:c1,round:6,phase:checkpoint",
+            ),
+        ],
+    )
     check_run(run_dir, s, fault_free(ROUNDS), min_faults=6)
     downs = [e for e in events(run_dir) if e["event"] == "replica_down"]
     assert len(downs) >= 5
@@ -206,12 +237,20 @@ def test_two_faults_at_once_and_a_fault_during_heal(shared_run):
 
 @pytest.mark.long
 def test_same_seed_and_schedule_give_the_same_digest(tmp_path):
-    faults = schedule("kind:kill,target:c0r1,round:1,phase:inner,step:2",
-                      "kind:crash,target:leader:c1,round:2,phase:outer",
-                      "kind:crash,target:leader:c0,round:3,phase:outer_commit")
+    faults = schedule(
+        "kind:kill,target:c0r1,round:1,phase:inner,step:2",
+        "kind:crash,target:leader:c1,round:2,phase:outer",
+        "kind:crash,target:leader:c0,round:3,phase:outer_commit",
+    )
     # rejoin `boundary`: restarted replicas join at round boundaries, which makes the replay bitwise
-    overrides = [f"sync.outer_every={SPR}", "train.rounds=5", "checkpoint.every=0", "comm.timeout_s=4", faults,
-                 "supervisor.rejoin=boundary"]
+    overrides = [
+        f"sync.outer_every={SPR}",
+        "train.rounds=5",
+        "checkpoint.every=0",
+        "comm.timeout_s=4",
+        faults,
+        "supervisor.rejoin=boundary",
+    ]
     first = train(tmp_path / "a", overrides)
     second = train(tmp_path / "b", overrides)
     for run in ("a", "b"):
@@ -222,10 +261,18 @@ def test_same_seed_and_schedule_give_the_same_digest(tmp_path):
 
 def test_below_quorum_fails_cleanly_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [f"sync.outer_every={SPR}", "train.rounds=5", "checkpoint.every=1", "comm.timeout_s=4",
-                 "supervisor.min_clusters=2", "supervisor.quorum_wait_s=5"]
-    s = train(run_dir, overrides + ["faults.max_restarts=0",
-                                    schedule("kind:kill,target:cluster:c1,round:2,phase:inner,step:1")])
+    overrides = [
+        f"sync.outer_every={SPR}",
+        "train.rounds=5",
+        "checkpoint.every=1",
+        "comm.timeout_s=4",
+        "supervisor.min_clusters=2",
+        "supervisor.quorum_wait_s=5",
+    ]
+    s = train(
+        run_dir,
+        overrides + ["faults.max_restarts=0", schedule("kind:kill,target:cluster:c1,round:2,phase:inner,step:1")],
+    )
     assert s["status"] == "failed"
     assert "quorum" in s["reason"] and "min_clusters=2" in s["reason"], s["reason"]
     # it gave up after one bounded wait for the lost cluster (quorum_wait_s), not round after round
@@ -233,7 +280,7 @@ def test_below_quorum_fails_cleanly_and_resumes(tmp_path):
     waits = [e for e in record if e["event"] == "quorum_wait"]
     assert len(waits) == 1 and waits[0]["wait_s"] == 5, waits
     names = [e["event"] for e in record]
-    after = names[names.index("quorum_wait"):]
+    after = names[names.index("quorum_wait") :]
     assert after.count("run_failed") == 1 and "commit" not in after and "phase_begin" not in after, after
     check_invariants(run_dir, rounds=2, steps_per_round=SPR, expect_status="failed")
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

@@ -4,6 +4,7 @@ Ray actors: the test process drives actors/heals.py as the supervisor does, with
 whose state is larger than a second's transfer at `comm.min_gbps`. Then one real run: a whole
 cluster killed comes back healed through the object store at that link speed. (Starts Ray: run
 it under the shared lock.)"""
+
 from __future__ import annotations
 
 import pickle
@@ -21,8 +22,15 @@ from tests.integration.runs import FAST, events, train
 
 MIN_GBPS = 0.0005  # 62.5 kB a second: the states below take several seconds' worth
 SPR = 2
-OVERRIDES = ["topology.clusters=2", "topology.replicas_per_cluster=1", "model.n_embd=64", f"comm.min_gbps={MIN_GBPS}",
-             "comm.timeout_s=2", "comm.configure_timeout_s=2", f"sync.outer_every={SPR}"]
+OVERRIDES = [
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=1",
+    "model.n_embd=64",
+    f"comm.min_gbps={MIN_GBPS}",
+    "comm.timeout_s=2",
+    "comm.configure_timeout_s=2",
+    f"sync.outer_every={SPR}",
+]
 SECOND_AT_MIN_GBPS = MIN_GBPS * 1e9 / 8  # bytes
 
 
@@ -66,7 +74,7 @@ class Fetches:
             assert ref not in self.pulled, "a state's ref was waited on with fetch_local=True (pulled to its node)"
         for value in self.values:
             assert not _tensors(value), f"the supervisor fetched tensors: {str(value)[:200]}"
-            assert len(pickle.dumps(value)) < state_bytes // 10, f"the supervisor fetched a state-sized value"
+            assert len(pickle.dumps(value)) < state_bytes // 10, "the supervisor fetched a state-sized value"
 
 
 def _tensors(value) -> list:
@@ -105,8 +113,10 @@ def cluster(tmp_path_factory):
     cfg = compose_config(FAST + OVERRIDES)
     run_dir = str(tmp_path_factory.mktemp("heal_path"))
     container = OmegaConf.to_container(cfg, resolve=True)
-    handles = {rid: Replica.options(max_restarts=0).remote(container, rid, run_dir, {"inner": "gloo", "outer": "gloo"})
-               for rid in ("c0r0", "c1r0")}
+    handles = {
+        rid: Replica.options(max_restarts=0).remote(container, rid, run_dir, {"inner": "gloo", "outer": "gloo"})
+        for rid in ("c0r0", "c1r0")
+    }
     src = handles["c0r0"]
     alone = lambda level: (0, None, f"solo/{level}", 0, 1)  # noqa: E731 — a group of one needs no store
     assert ray.get(src.run_inner.remote(0, None, alone("inner")), timeout=180)["outcome"] == "done"
@@ -123,9 +133,13 @@ def _digests(h) -> dict:
 
 
 def _deadline_s(cfg, param_bytes: int, call_timeout_s: float | None = None) -> float:
-    return heal_deadline_s(call_timeout_s=call_timeout_s or cfg.supervisor.call_timeout_s,
-                           configure_timeout_s=cfg.comm.configure_timeout_s, timeout_s=cfg.comm.timeout_s,
-                           state_bytes=state_bytes_bound(param_bytes), min_gbps=cfg.comm.min_gbps)
+    return heal_deadline_s(
+        call_timeout_s=call_timeout_s or cfg.supervisor.call_timeout_s,
+        configure_timeout_s=cfg.comm.configure_timeout_s,
+        timeout_s=cfg.comm.timeout_s,
+        state_bytes=state_bytes_bound(param_bytes),
+        min_gbps=cfg.comm.min_gbps,
+    )
 
 
 def test_a_global_heal_larger_than_a_seconds_transfer_never_passes_through_the_supervisor(cluster, monkeypatch):
@@ -136,7 +150,7 @@ def test_a_global_heal_larger_than_a_seconds_transfer_never_passes_through_the_s
     heals = Heals(handles, Log(), store_addr=None, run_id="t", round_index=1)
     target = heals.issue(1, 0, {"c1r0": Heal("c0r0", "global")}, "c1r0", {})
     states = list(heals.states.values())
-    meta, = heals.watched()
+    (meta,) = heals.watched()
     assert ray.wait([meta], timeout=120, fetch_local=False)[0], "the source never answered"
     assert heals.source_answer(meta) == StateReady(1, "c0r0")
     assert ray.wait([target], timeout=120, fetch_local=False)[0], "the target never answered"
@@ -150,7 +164,8 @@ def test_a_global_heal_larger_than_a_seconds_transfer_never_passes_through_the_s
 
 
 def test_a_full_heal_whose_group_fails_falls_back_through_the_object_store_and_never_through_the_supervisor(
-        cluster, monkeypatch):
+    cluster, monkeypatch
+):
     from hsgd.train.comm import new_run_secret, rendezvous_address, start_store
 
     cfg, handles, _ = cluster
@@ -159,8 +174,13 @@ def test_a_full_heal_whose_group_fails_falls_back_through_the_object_store_and_n
     source_at = (lambda p: (p["round"], p["step"]))(ray.get(handles["c0r0"].progress.remote(), timeout=60))
     param_bytes = ray.get(handles["c0r0"].progress.remote(), timeout=60)["param_bytes"]
     fetched = Fetches(monkeypatch)
-    heals = Heals(handles, log, store_addr=rendezvous_address("127.0.0.1", store.port, new_run_secret()), run_id="t",
-                  round_index=1)
+    heals = Heals(
+        handles,
+        log,
+        store_addr=rendezvous_address("127.0.0.1", store.port, new_run_secret()),
+        run_id="t",
+        round_index=1,
+    )
     # the target joins the heal's group only after the source gave up waiting for it (configure_timeout_s=2)
     hang = {"kind": "hang", "phase": "heal", "seconds": cfg.comm.configure_timeout_s + 1.5}
     target = heals.issue(2, 0, {"c1r0": Heal("c0r0", "full")}, "c1r0", {"c1r0": [hang]}, source_at=source_at)
@@ -185,7 +205,7 @@ def test_a_source_slower_than_the_call_timeout_is_waited_for_as_its_bytes_allow(
     heals = Heals({"slow": slow, "c1r0": handles["c1r0"]}, log, store_addr=None, run_id="t", round_index=1)
     fetched = Fetches(monkeypatch)
     target = heals.issue(3, 0, {"c1r0": Heal("slow", "global")}, "c1r0", {})
-    meta, = heals.watched()
+    (meta,) = heals.watched()
     assert not ray.wait([meta], timeout=call_timeout_s + 0.5, fetch_local=False)[0]
     assert heals.source_answer(meta) is None and heals.watched() == [meta], "a slow source is not a lost one"
     final = heals.settle({"c1r0": target}, deadline_s)
@@ -199,9 +219,18 @@ def test_a_source_slower_than_the_call_timeout_is_waited_for_as_its_bytes_allow(
 def test_a_whole_cluster_killed_is_healed_through_the_object_store_at_a_slow_link(tmp_path):
     run_dir = tmp_path / "run"
     rounds = 4
-    s = train(run_dir, OVERRIDES + [f"train.rounds={rounds}", "checkpoint.every=0", "supervisor.rejoin=boundary",
-                                    "supervisor.rejoin_wait_s=30", "supervisor.phase_timeout_s=60",
-                                    "faults.schedule=[{kind:kill,target:c0r0,round:1,phase:inner,step:1}]"])
+    s = train(
+        run_dir,
+        OVERRIDES
+        + [
+            f"train.rounds={rounds}",
+            "checkpoint.every=0",
+            "supervisor.rejoin=boundary",
+            "supervisor.rejoin_wait_s=30",
+            "supervisor.phase_timeout_s=60",
+            "faults.schedule=[{kind:kill,target:c0r0,round:1,phase:inner,step:1}]",
+        ],
+    )
     assert s["status"] == "completed", s.get("reason")
     check_run(run_dir, rounds=rounds, steps_per_round=SPR)  # digests agree after every commit, nobody else harmed
     ev = events(run_dir)

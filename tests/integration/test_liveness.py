@@ -1,5 +1,6 @@
 """A replica is `gone` only when Ray will not restart it (it raises ActorDiedError for a replica it
 is about to restart too): the supervisor must never give up on a restarting replica."""
+
 from __future__ import annotations
 
 import time

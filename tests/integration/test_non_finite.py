@@ -2,6 +2,7 @@
 mid-round (the `nan` fault) voids its cluster's round — nobody is killed, its pseudo-gradient is
 never sent, the other clusters commit without it, it comes back from the committed global params
 — and the run completes with finite numbers and one `non_finite` fault in its summary."""
+
 from __future__ import annotations
 
 import math
@@ -10,9 +11,16 @@ from tests.integration.invariants import check_run
 from tests.integration.runs import events, metrics, train
 
 CLUSTERS, ROUNDS, SPR = 3, 4, 6
-BASE = [f"topology.clusters={CLUSTERS}", "topology.replicas_per_cluster=2", f"sync.outer_every={SPR}",
-        f"train.rounds={ROUNDS}", "checkpoint.every=0", "comm.timeout_s=10", "supervisor.phase_timeout_s=60",
-        "optim.inner.lr=0.01"]
+BASE = [
+    f"topology.clusters={CLUSTERS}",
+    "topology.replicas_per_cluster=2",
+    f"sync.outer_every={SPR}",
+    f"train.rounds={ROUNDS}",
+    "checkpoint.every=0",
+    "comm.timeout_s=10",
+    "supervisor.phase_timeout_s=60",
+    "optim.inner.lr=0.01",
+]
 
 
 def test_a_nan_loss_mid_round_voids_its_cluster_and_never_commits(tmp_path):
@@ -52,5 +60,10 @@ def test_a_nan_loss_mid_round_voids_its_cluster_and_never_commits(tmp_path):
 
     # one fault in the summary, injected, with cause non_finite
     (fault,) = [f for f in s["faults"] if f["cause"] == "non_finite"]
-    assert (fault["source"], fault["kind"], fault["rid"], fault["detected_by"]) == ("injected", "nan", "c1r0", "non_finite")
+    assert (fault["source"], fault["kind"], fault["rid"], fault["detected_by"]) == (
+        "injected",
+        "nan",
+        "c1r0",
+        "non_finite",
+    )
     assert len(s["faults"]) == 1, s["faults"]

@@ -10,6 +10,7 @@ record agree).
 Why a wrong-level collective fails these tests is spelled out in each test's docstring; the
 guard itself (a collective naming the other level raises WrongLevelError) is in tests/unit/test_comm.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsgd.train.checkpoint import load_replica_state
 from hsgd.core.topology import Topology
+from hsgd.train.checkpoint import load_replica_state
 from tests.integration import references as ref
 
 REPO = Path(__file__).resolve().parents[2]
 
 TOL = 1e-6
-TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=4",
-        "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=1000", "train.eval_batches=1",
-        "optim.inner.schedule=constant", "optim.inner.warmup_steps=0"]  # the references step at a constant rate
+TINY = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "data.batch_size=4",
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+    "train.eval_every=1000",
+    "train.eval_batches=1",
+    "optim.inner.schedule=constant",
+    "optim.inner.warmup_steps=0",
+]  # the references step at a constant rate
 # Inner optimizer of the DDP test: SGD with momentum is linear in the gradient, so the ulp-level
 # differences between hsgd's all-reduce (sum, then divide) and torch DDP's (divide, then sum in
 # buckets) stay ~1e-7 after 30 steps. AdamW (the default) reached 8.6e-7 there: too close to 1e-6.
@@ -45,9 +56,15 @@ def ray_session():
     if ray.is_initialized():
         yield
         return
-    ray.init(num_cpus=6, namespace="hsgd", include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}})
+    ray.init(
+        num_cpus=6,
+        namespace="hsgd",
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        },
+    )
     try:
         yield
     finally:
@@ -55,8 +72,16 @@ def ray_session():
 
 
 # 2 clusters x 2 replicas, inner `localsgd` every 2 steps, outer `average` every 6 steps, 2 rounds
-LOCALSGD_2X2 = ["topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
-                "sync.outer=average", "sync.outer_every=6", "train.rounds=2", *ADAMW]
+LOCALSGD_2X2 = [
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=2",
+    "sync.inner=localsgd",
+    "sync.inner_every=2",
+    "sync.outer=average",
+    "sync.outer_every=6",
+    "train.rounds=2",
+    *ADAMW,
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +131,7 @@ def report(name: str, **diffs: float) -> None:
 
 # ----------------------------------------------------------------------------------------------------
 
+
 def test_ddp_inner_matches_torch_distributed_ddp(ray_session, tmp_path):
     """1 cluster x 3 replicas, inner `ddp`, 3 rounds of 10 steps == torch DDP over 3 gloo processes.
 
@@ -119,17 +145,27 @@ def test_ddp_inner_matches_torch_distributed_ddp(ray_session, tmp_path):
     comparison needs the tolerance, not bitwise equality. Torch DDP also divides gradients by the
     world size before its all-reduce where hsgd divides after, another ulp-level difference.
     """
-    cfg, _, states, metrics = run_hsgd(tmp_path / "run", [
-        "topology.clusters=1", "topology.replicas_per_cluster=3", "sync.inner=ddp", "sync.outer=average",
-        "sync.outer_every=10", "train.rounds=3", *SGD])
+    cfg, _, states, metrics = run_hsgd(
+        tmp_path / "run",
+        [
+            "topology.clusters=1",
+            "topology.replicas_per_cluster=3",
+            "sync.inner=ddp",
+            "sync.outer=average",
+            "sync.outer_every=10",
+            "train.rounds=3",
+            *SGD,
+        ],
+    )
     assert_digests_agree(metrics, 3)
     assert all(m["outer_bytes"] == 0 for m in metrics), "one cluster: nothing may cross the outer level"
     assert all(m["inner_bytes"] > 0 for m in metrics), "ddp: gradients must cross the inner level"
 
     work = tmp_path / "ddp"
     work.mkdir()
-    expected = ref.torch_ddp_reference(cfg, world=3, total_steps=cfg.train.rounds * cfg.sync.outer_every,
-                                       workdir=str(work))
+    expected = ref.torch_ddp_reference(
+        cfg, world=3, total_steps=cfg.train.rounds * cfg.sync.outer_every, workdir=str(work)
+    )
     diffs = {rid: max_abs_diff(s["params"], expected) for rid, s in states.items()}
     global_diff = max_abs_diff(states["c0r0"]["outer"]["global_params"], expected)
     report("ddp_1x3", **diffs, global_vs_ddp=global_diff)
@@ -166,8 +202,12 @@ def test_localsgd_average_matches_reference_schedule(localsgd_run, tmp_path):
     work.mkdir()
     hma = ref.hierarchical_model_averager_reference(cfg, total, str(work))
     hma_diffs = {rid: max_abs_diff(states[rid]["params"], hma[g]) for g, rid in enumerate(rids)}
-    report("localsgd_average_2x2", **diffs, global_vs_ref=global_diff,
-           **{f"{rid}_vs_hma": d for rid, d in hma_diffs.items()})
+    report(
+        "localsgd_average_2x2",
+        **diffs,
+        global_vs_ref=global_diff,
+        **{f"{rid}_vs_hma": d for rid, d in hma_diffs.items()},
+    )
     assert max(diffs.values()) < TOL, diffs
     assert global_diff < TOL
     assert max(hma_diffs.values()) < TOL, hma_diffs
@@ -185,16 +225,28 @@ def test_diloco_matches_reference_algorithm1(ray_session, tmp_path):
     params on its own delta. Measured with these mutations: 0.10 off, and disagreeing digests.
     """
     outer = ["optim.outer.lr=0.7", "optim.outer.momentum=0.9", "optim.outer.nesterov=true"]
-    cfg, _, states, metrics = run_hsgd(tmp_path / "run", [
-        "topology.clusters=2", "topology.replicas_per_cluster=2", "sync.inner=ddp", "sync.outer=diloco",
-        "sync.outer_every=5", "train.rounds=3", *ADAMW, *outer])
+    cfg, _, states, metrics = run_hsgd(
+        tmp_path / "run",
+        [
+            "topology.clusters=2",
+            "topology.replicas_per_cluster=2",
+            "sync.inner=ddp",
+            "sync.outer=diloco",
+            "sync.outer_every=5",
+            "train.rounds=3",
+            *ADAMW,
+            *outer,
+        ],
+    )
     assert_digests_agree(metrics, 4)
 
     expected_global, expected_clusters, expected_momentum = ref.diloco_reference(cfg, cfg.train.rounds)
-    diffs = {rid: max_abs_diff(s["params"], expected_clusters[Topology(2, 2).cluster_of(rid)])
-             for rid, s in states.items()}
-    global_diffs = {f"{rid}_global": max_abs_diff(s["outer"]["global_params"], expected_global)
-                    for rid, s in states.items()}
+    diffs = {
+        rid: max_abs_diff(s["params"], expected_clusters[Topology(2, 2).cluster_of(rid)]) for rid, s in states.items()
+    }
+    global_diffs = {
+        f"{rid}_global": max_abs_diff(s["outer"]["global_params"], expected_global) for rid, s in states.items()
+    }
     momentum = [states["c0r0"]["outer"]["sgd"]["state"][k]["momentum_buffer"] for k in range(len(expected_momentum))]
     momentum_diff = max_abs_diff(momentum, expected_momentum)
     report("diloco_2x2", **diffs, **global_diffs, outer_momentum=momentum_diff)
@@ -213,12 +265,16 @@ def test_a_comm_fault_at_a_localsgd_average_leaves_the_digest_of_the_fault_free_
     fault = "faults.schedule=[{kind:comm,target:c0r1,round:0,phase:inner_sync,step:1}]"
     _, summary, faulted, metrics = run_hsgd(tmp_path / "faulted", LOCALSGD_2X2 + [fault])
     assert_digests_agree(metrics, 4)
-    fired = [json.loads(line) for line in (tmp_path / "faulted" / "faults_fired.jsonl").read_text().splitlines()
-             if line.strip()]
+    fired = [
+        json.loads(line)
+        for line in (tmp_path / "faulted" / "faults_fired.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     assert [(f["kind"], f["rid"]) for f in fired] == [("comm", "c0r1")], "the comm fault must have fired, once"
     events = [json.loads(line) for line in (tmp_path / "faulted" / "events.jsonl").read_text().splitlines()]
-    assert any(e["event"] == "cluster_reform" and e.get("cluster") == 0 for e in events), \
+    assert any(e["event"] == "cluster_reform" and e.get("cluster") == 0 for e in events), (
         "c0 must have re-formed after its failed average"
+    )
     diffs = {rid: max_abs_diff(faulted[rid]["params"], clean[rid]["params"]) for rid in clean}
     report("localsgd_comm_fault_vs_clean", **diffs)
     assert all(d == 0.0 for d in diffs.values()), f"a retried localsgd step differs from the fault-free run: {diffs}"

@@ -6,6 +6,7 @@ heals from a live peer (the residual with it), a holder killed while its reduce 
 a retry of that exchange only, once the groups stand again the reduce is hidden again, and every
 invariant holds every round. One run for all of it (a run's start-up is most of its cost on 2
 cores). (Starts Ray: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -15,16 +16,29 @@ from tests.integration.runs import events, metrics, train
 
 SPR = 4  # steps per round: outer_every 8 over 2 fragments
 ROUNDS = 7
-STREAMING = ["topology.clusters=3", "topology.replicas_per_cluster=2", "sync.outer_every=8", "sync.fragments=2",
-             "sync.outer_path=sharded", "sync.outer_compress=int4", "sync.fragment_delay=2",
-             "links.outer.gbps=1", "links.outer.latency_ms=400", f"train.rounds={ROUNDS}", "checkpoint.every=2",
-             "comm.timeout_s=5", "comm.configure_timeout_s=10"]
-FAULTS = ("faults.schedule=["
-          "{kind:kill,target:c0r1,round:1,phase:outer},"        # a non-leader shard holder dies in its shard's reduce
-          "{kind:comm,target:c1r0,round:2,phase:inner,step:3},"  # a holder's groups break, its reduce in flight
-          "{kind:kill,target:c2r0,round:3,phase:inner,step:1},"  # a leader (holder of shard 0) dies before its snapshot
-          "{kind:crash,target:c1r1,round:4,phase:outer_commit},"  # a member crashes while its cluster gathers
-          "{kind:kill,target:c0r0,round:5,phase:inner,step:3}]")  # a holder dies with its reduce in flight
+STREAMING = [
+    "topology.clusters=3",
+    "topology.replicas_per_cluster=2",
+    "sync.outer_every=8",
+    "sync.fragments=2",
+    "sync.outer_path=sharded",
+    "sync.outer_compress=int4",
+    "sync.fragment_delay=2",
+    "links.outer.gbps=1",
+    "links.outer.latency_ms=400",
+    f"train.rounds={ROUNDS}",
+    "checkpoint.every=2",
+    "comm.timeout_s=5",
+    "comm.configure_timeout_s=10",
+]
+FAULTS = (
+    "faults.schedule=["
+    "{kind:kill,target:c0r1,round:1,phase:outer},"  # a non-leader shard holder dies in its shard's reduce
+    "{kind:comm,target:c1r0,round:2,phase:inner,step:3},"  # a holder's groups break, its reduce in flight
+    "{kind:kill,target:c2r0,round:3,phase:inner,step:1},"  # a leader (holder of shard 0) dies before its snapshot
+    "{kind:crash,target:c1r1,round:4,phase:outer_commit},"  # a member crashes while its cluster gathers
+    "{kind:kill,target:c0r0,round:5,phase:inner,step:3}]"
+)  # a holder dies with its reduce in flight
 # (victims restart in several ~1-s rounds on 2 cores: each fault hits a replica that is surely up)
 VICTIMS = {"c0r1", "c1r1", "c2r0", "c1r0", "c0r0"}
 
@@ -63,8 +77,10 @@ def test_compression_and_fragments_cut_the_bytes_each_round_sends(tmp_path):
     base = ["topology.clusters=2", "topology.replicas_per_cluster=2", "train.rounds=2", "checkpoint.every=0"]
     plain_dir, lean_dir = tmp_path / "plain", tmp_path / "lean"
     train(plain_dir, base + ["sync.outer_every=4"])
-    train(lean_dir, base + ["sync.outer_every=8", "sync.fragments=2", "sync.outer_compress=int4",
-                            "sync.outer_path=sharded"])
+    train(
+        lean_dir,
+        base + ["sync.outer_every=8", "sync.fragments=2", "sync.outer_compress=int4", "sync.outer_path=sharded"],
+    )
     plain = sum(m["outer_bytes"] for m in metrics(plain_dir))
     lean = sum(m["outer_bytes"] for m in metrics(lean_dir))
     assert plain > 0 and lean > 0

@@ -1,5 +1,6 @@
 """issue 33, Acceptance 4: a run forced to a bad outer step (lr 2.0, momentum 0.95) completes and says
 so once; the same run at the default outer step says nothing."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,12 +10,23 @@ from tests.integration.runs import events, train
 
 pytestmark = pytest.mark.long  # two runs of the full tiny model (~1 minute on 2 cores)
 
-BASE = ["model=tiny", "topology.clusters=2", "topology.replicas_per_cluster=1", "sync.outer_every=20",
-        "sync.outer=diloco", "sync.fragments=1", "train.rounds=6", "checkpoint.every=0", "seed=0",
-        "logging.wandb.mode=disabled", "logging.progress=false",
-        # a constant inner rate: under the default cosine decay a 6-round run's later rounds barely move the
-        # clusters, and the overshoot of lr 2.0 / momentum 0.95 shows in fewer than two rising evaluations
-        "optim.inner.schedule=constant", "optim.inner.warmup_steps=0"]
+BASE = [
+    "model=tiny",
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=1",
+    "sync.outer_every=20",
+    "sync.outer=diloco",
+    "sync.fragments=1",
+    "train.rounds=6",
+    "checkpoint.every=0",
+    "seed=0",
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+    # a constant inner rate: under the default cosine decay a 6-round run's later rounds barely move the
+    # clusters, and the overshoot of lr 2.0 / momentum 0.95 shows in fewer than two rising evaluations
+    "optim.inner.schedule=constant",
+    "optim.inner.warmup_steps=0",
+]
 
 
 def test_a_bad_outer_step_completes_and_is_named_once(tmp_path):

@@ -1,5 +1,6 @@
 """The Ray Train v2 peer (benchmarks/peers/raytrain_peer.py) survives a SIGKILL the way Ray Train does:
 the whole worker group restarts from the latest checkpoint, and the figures come from the logs."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import threading
 import time
 
 import pytest
-
 import ray.train  # noqa: F401 — the bench extra is installed in CI: a missing Ray Train fails here, never skips
 
 from benchmarks.peers import common
@@ -22,8 +22,16 @@ STEPS, EVERY, KILL_AT = 30, 5, 12
 @pytest.mark.long  # a Ray Train worker group started twice: about a minute on 2 cores
 @pytest.mark.paced  # steps padded to 0.2 s: run beside the realistic tests (tests/run_all.sh)
 def test_raytrain_peer_restarts_the_group_from_its_checkpoint_after_a_kill(tmp_path):
-    result = run_raytrain(model="tiny", replicas=2, steps=STEPS, min_step_s=0.2, out=tmp_path,
-                          kills=[("r1", KILL_AT)], checkpoint_every=EVERY, timeout_s=150)
+    result = run_raytrain(
+        model="tiny",
+        replicas=2,
+        steps=STEPS,
+        min_step_s=0.2,
+        out=tmp_path,
+        kills=[("r1", KILL_AT)],
+        checkpoint_every=EVERY,
+        timeout_s=150,
+    )
     assert result["result_error"] is None, result
     assert result["peer"] == "ray_train" and [k["replica"] for k in result["kills"]] == ["r1"], result
     steps = common.read_steps(tmp_path / "steps")
@@ -62,8 +70,9 @@ def test_a_timed_kill_hits_the_group_started_after_the_previous_kill_not_a_dying
         with open(tmp_path / "r1.jsonl", "w") as f:
             f.writelines(_row("r1", s, first_r1.pid, now) for s in (1, 2, 3))
         done, errors, stop = [], [], threading.Event()
-        killer = threading.Thread(target=_killer, args=(tmp_path, [("r1", 3)], [(0.0, "r0")],
-                                                        time.monotonic() + 30, stop, done, errors))
+        killer = threading.Thread(
+            target=_killer, args=(tmp_path, [("r1", 3)], [(0.0, "r0")], time.monotonic() + 30, stop, done, errors)
+        )
         killer.start()
         while not done and killer.is_alive():
             time.sleep(0.02)
@@ -83,14 +92,18 @@ def test_a_timed_kill_hits_the_group_started_after_the_previous_kill_not_a_dying
 
 def test_steps_lost_and_back_at_the_failed_step_are_read_against_the_resumed_checkpoint():
     pid_old, pid_new = 10, 20
-    steps = {"r0": [{"step": s, "t": float(s), "pid": pid_old} for s in range(1, 13)]
-             + [{"step": s, "t": 20.0 + s, "pid": pid_new + 1} for s in range(6, 16)],
-             "r1": [{"step": s, "t": float(s), "pid": pid_old + 1} for s in range(1, 13)]
-             + [{"step": s, "t": 20.0 + s, "pid": pid_new} for s in range(6, 16)]}
-    starts = [{"rank": 0, "resumed_at": 0, "t": 0.5, "pid": pid_old},
-              {"rank": 0, "resumed_at": 5, "t": 25.5, "pid": pid_new + 1},
-              {"rank": 1, "resumed_at": 0, "t": 0.5, "pid": pid_old + 1},
-              {"rank": 1, "resumed_at": 5, "t": 25.6, "pid": pid_new}]
+    steps = {
+        "r0": [{"step": s, "t": float(s), "pid": pid_old} for s in range(1, 13)]
+        + [{"step": s, "t": 20.0 + s, "pid": pid_new + 1} for s in range(6, 16)],
+        "r1": [{"step": s, "t": float(s), "pid": pid_old + 1} for s in range(1, 13)]
+        + [{"step": s, "t": 20.0 + s, "pid": pid_new} for s in range(6, 16)],
+    }
+    starts = [
+        {"rank": 0, "resumed_at": 0, "t": 0.5, "pid": pid_old},
+        {"rank": 0, "resumed_at": 5, "t": 25.5, "pid": pid_new + 1},
+        {"rank": 1, "resumed_at": 0, "t": 0.5, "pid": pid_old + 1},
+        {"rank": 1, "resumed_at": 5, "t": 25.6, "pid": pid_new},
+    ]
     figures = _kill_figures(steps, starts, common.Kill(replica="r1", pid=pid_old + 1, t=12.5))
     assert figures["highest_step_before"] == 12 and figures["resumed_at_step"] == 5 and figures["steps_lost"] == 7
     assert figures["back_at_failed_step_s"] == 33.0 - 12.5  # step 13, past the 12 committed before the kill

@@ -2,20 +2,36 @@
 torchft's DiLoCo (Manager + Lighthouse, 2 groups x 2 ranks, torch DDP inside) trains hsgd's model on
 the config of hsgd's `diloco_h<H>` arm; its loss falls, its slow-link bytes are counted, and the
 comparison with hsgd's arm reaches the report."""
+
 import json
 
 import pytest
 
-from benchmarks.convergence import (arm_overrides, common_overrides, peer_arms, peer_ratios, plan_arms, _run_peer,
-                                    write_report)
+from benchmarks.convergence import (
+    _run_peer,
+    arm_overrides,
+    common_overrides,
+    peer_arms,
+    peer_ratios,
+    plan_arms,
+    write_report,
+)
 from benchmarks.peers.torchft_diloco import run_diloco
 
 STEPS, H = 40, 10
 
 
 def _common():
-    return common_overrides(model="tiny", seed=0, eval_batches=4, steps=STEPS, batch_size=4, outer_lr=1.0,
-                            outer_momentum=0.3, extra=["model.n_layer=1"])
+    return common_overrides(
+        model="tiny",
+        seed=0,
+        eval_batches=4,
+        steps=STEPS,
+        batch_size=4,
+        outer_lr=1.0,
+        outer_momentum=0.3,
+        extra=["model.n_layer=1"],
+    )
 
 
 def test_the_peer_arm_runs_the_config_of_hsgds_diloco_arm_at_the_same_h():
@@ -54,8 +70,13 @@ def test_torchft_diloco_trains_hsgds_model_its_loss_falls_and_its_slow_link_byte
     assert r["slow_link_bytes"] == r["outer_bytes"] == 4 * payload * (STEPS // H)
 
     # in the report beside hsgd's arm of the same H: a row each and the eval-loss ratio
-    hsgd = {"status": "completed", "final_eval_loss": r["final_eval_loss"] * 0.99, "wall_s": 10.0,
-            "slow_link_bytes": 2 * payload * (STEPS // H), "rounds_committed": STEPS // H}
+    hsgd = {
+        "status": "completed",
+        "final_eval_loss": r["final_eval_loss"] * 0.99,
+        "wall_s": 10.0,
+        "slow_link_bytes": 2 * payload * (STEPS // H),
+        "rounds_committed": STEPS // H,
+    }
     results = {"diloco_h10": hsgd, arm.name: r}
     assert peer_ratios(results)["10"]["ratio"] == pytest.approx(0.99)
     arms = [a for a in plan_arms(STEPS, every=H, quick=True) if a.name == "diloco_h10"] + [arm]

@@ -3,25 +3,42 @@
 plug-in config, through a kill and a heal, with every replica bitwise equal after every commit;
 bf16 on the CPU trains the built-in GPT with the same guarantees. Both write the final global
 model as model.safetensors."""
+
 from __future__ import annotations
 
 import shutil
 
 import pytest
-
 from safetensors import safe_open
 
 from tests.integration.invariants import check_run
 from tests.integration.runs import REPO, events, metrics, summary, train, train_cli
 
 ROUNDS, SPR = 4, 6
-EXAMPLE = ["model._target_=examples.regression.build_mlp", "data._target_=examples.regression.build_dataset",
-           "loss._target_=examples.regression.mse_loss", "+model.args.hidden=32", "+data.args.noise=0.02",
-           "model.block_size=16", "data.batch_size=16", "optim.inner.lr=0.001",
-           # the rates these tests' thresholds were set with (24 steps: a constant inner rate, DiLoCo's outer step)
-           "optim.inner.schedule=constant", "optim.inner.warmup_steps=0", "optim.outer.lr=0.7", "optim.outer.momentum=0.9"]
-BASE = [f"sync.outer_every={SPR}", f"train.rounds={ROUNDS}", "checkpoint.every=0", "comm.timeout_s=4",
-        "supervisor.rejoin=boundary", "supervisor.rejoin_wait_s=30", "train.eval_batches=4"]
+EXAMPLE = [
+    "model._target_=examples.regression.build_mlp",
+    "data._target_=examples.regression.build_dataset",
+    "loss._target_=examples.regression.mse_loss",
+    "+model.args.hidden=32",
+    "+data.args.noise=0.02",
+    "model.block_size=16",
+    "data.batch_size=16",
+    "optim.inner.lr=0.001",
+    # the rates these tests' thresholds were set with (24 steps: a constant inner rate, DiLoCo's outer step)
+    "optim.inner.schedule=constant",
+    "optim.inner.warmup_steps=0",
+    "optim.outer.lr=0.7",
+    "optim.outer.momentum=0.9",
+]
+BASE = [
+    f"sync.outer_every={SPR}",
+    f"train.rounds={ROUNDS}",
+    "checkpoint.every=0",
+    "comm.timeout_s=4",
+    "supervisor.rejoin=boundary",
+    "supervisor.rejoin_wait_s=30",
+    "train.eval_batches=4",
+]
 
 
 def _saved_model(run_dir) -> dict:
@@ -59,9 +76,20 @@ def test_a_module_in_the_launch_directory_is_importable_on_every_replica(tmp_pat
     shutil.copy(REPO / "examples" / "regression.py", tmp_path / "my_forecast.py")
     run_dir = tmp_path / "run"
     overrides = [o.replace("examples.regression", "my_forecast") for o in EXAMPLE]
-    proc = train_cli(overrides + ["topology.clusters=1", "sync.outer_every=3", "train.rounds=2", "checkpoint.every=0",
-                                  "logging.wandb.mode=disabled", "logging.progress=false", f"run.dir={run_dir}"],
-                     cwd=tmp_path, timeout=300)
+    proc = train_cli(
+        overrides
+        + [
+            "topology.clusters=1",
+            "sync.outer_every=3",
+            "train.rounds=2",
+            "checkpoint.every=0",
+            "logging.wandb.mode=disabled",
+            "logging.progress=false",
+            f"run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert summary(run_dir)["status"] == "completed"
     assert _saved_model(run_dir)["model_target"] == "my_forecast.build_mlp"

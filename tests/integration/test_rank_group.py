@@ -2,6 +2,7 @@
 gloo: a rank that never comes fails the one that came within its timeout, with one line naming the
 replica and the missing rank; an abort of the forming group (a rank known dead) releases it at once.
 A whole replica of k ranks training like k=1 through jobs.train is tests/integration/test_gpus_per_replica.py."""
+
 from __future__ import annotations
 
 import time
@@ -58,6 +59,7 @@ def test_a_rank_that_never_comes_fails_the_other_within_its_timeout_and_an_abort
         def abort():  # the supervisor, once it knows rank 1 is dead
             time.sleep(1.0)
             assert abort_rendezvous(store, store_addr, "replica-group/c1r3/aborted", "c1r3.1 died")
+
         aborted, took = _form_error(worker, store_addr, "replica-group/c1r3/aborted", 30.0, during=abort)
         assert str(aborted) == "replica c1r3: replica group aborted: c1r3.1 died"
         assert aborted.kind == "join_aborted" and took < 10.0, (aborted.kind, took)

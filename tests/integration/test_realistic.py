@@ -3,6 +3,7 @@ accelerator step time, `train.min_step_s`, keeps that cheap on CPU), three clust
 replicas, correlated failures, a process killed from outside the injector, the supervisor killed
 while replicas are mid-phase. Every run goes through the shared invariant checker
 (tests/integration/invariants.py); the tests add what is particular to their failure."""
+
 from __future__ import annotations
 
 import json
@@ -21,27 +22,43 @@ pytestmark = pytest.mark.realistic
 SPR = 100
 EVERYONE = {f"c{c}r{i}" for c in range(3) for i in range(2)}
 # 3 clusters x 2 replicas; 100 steps x 0.3 s = 30 s of inner work per round; eval and checkpoint cheap
-REALISTIC = ["topology.clusters=3", "topology.replicas_per_cluster=2", f"sync.outer_every={SPR}",
-             "train.min_step_s=0.3", "checkpoint.every=0", "train.eval_batches=1", "comm.timeout_s=5"]
+REALISTIC = [
+    "topology.clusters=3",
+    "topology.replicas_per_cluster=2",
+    f"sync.outer_every={SPR}",
+    "train.min_step_s=0.3",
+    "checkpoint.every=0",
+    "train.eval_batches=1",
+    "comm.timeout_s=5",
+]
 
 
 # -- reading and watching a run ------------------------------------------------------------------
 def _inner_phases(evs, cluster, round_index):
     def pick(name):
-        return [e for e in evs if e["event"] == name and e["phase"] == "inner" and e.get("cluster") == cluster
-                and e["round"] == round_index]
+        return [
+            e
+            for e in evs
+            if e["event"] == name
+            and e["phase"] == "inner"
+            and e.get("cluster") == cluster
+            and e["round"] == round_index
+        ]
+
     return pick("phase_begin"), pick("phase_end")
 
 
 def _assert_inner_phase_ran_once(evs, cluster, round_index):
     """Cluster `cluster`'s inner phase of the round was issued once, ran to its end, and counted."""
     begins, ends = _inner_phases(evs, cluster, round_index)
-    assert len(begins) == 1 and len(ends) == 1, \
-        f"invariant 7: cluster c{cluster}'s inner phase of round {round_index} was interrupted or re-issued: " \
+    assert len(begins) == 1 and len(ends) == 1, (
+        f"invariant 7: cluster c{cluster}'s inner phase of round {round_index} was interrupted or re-issued: "
         f"{len(begins)} begin(s), {len(ends)} end(s): {ends}"
+    )
     members = sorted(f"c{cluster}r{i}" for i in range(2))
-    assert not ends[0]["failed"] and sorted(ends[0]["ok"]) == members, \
+    assert not ends[0]["failed"] and sorted(ends[0]["ok"]) == members, (
         f"cluster c{cluster}'s inner phase of round {round_index} did not end ok for {members}: {ends[0]}"
+    )
 
 
 @pytest.fixture
@@ -53,8 +70,9 @@ def drill_run(background_drills, tmp_path):
 # -- a. one cluster's failure stays in that cluster ----------------------------------------------
 def test_kill_in_one_cluster_leaves_other_clusters_untouched(tmp_path):
     run_dir = tmp_path / "run"
-    train(run_dir, REALISTIC + ["train.rounds=2",
-                                "faults.schedule=[{kind:kill,target:c0r1,round:0,phase:inner,step:5}]"])
+    train(
+        run_dir, REALISTIC + ["train.rounds=2", "faults.schedule=[{kind:kill,target:c0r1,round:0,phase:inner,step:5}]"]
+    )
     check_run(run_dir, rounds=2, steps_per_round=SPR, victims={"c0r1"})
     evs = events(run_dir)
     downs = [e["rid"] for e in evs if e["event"] in ("replica_down", "hang_detected", "kill")]
@@ -62,17 +80,27 @@ def test_kill_in_one_cluster_leaves_other_clusters_untouched(tmp_path):
     for c in (1, 2):  # their round-0 inner phase ran once, to its end, and counted
         _assert_inner_phase_ran_once(evs, c, 0)
     commit = next(e for e in evs if e["event"] == "commit" and e["round"] == 0)
-    assert set(commit["replicas"]) == EVERYONE, \
+    assert set(commit["replicas"]) == EVERYONE, (
         f"round 0 must commit with every replica's steps (c0r1 rejoined inside the round): {commit['replicas']}"
+    )
     reforms = [e for e in evs if e["event"] == "cluster_reform"]
     assert reforms and {e["cluster"] for e in reforms} == {0}, f"only c0 may re-form: {reforms}"
 
 
 # -- b, c. every replica lost at once --------------------------------------------------------------
-LOSE_EVERYONE = ["topology.clusters=3", "topology.replicas_per_cluster=2", "sync.outer_every=20",
-                 "train.min_step_s=0.05", "train.rounds=4", "train.eval_batches=1"]
-KILL_EVERY_CLUSTER = "faults.schedule=[" + ",".join(
-    f"{{kind:kill,target:cluster:c{c},round:2,phase:inner,step:3}}" for c in range(3)) + "]"
+LOSE_EVERYONE = [
+    "topology.clusters=3",
+    "topology.replicas_per_cluster=2",
+    "sync.outer_every=20",
+    "train.min_step_s=0.05",
+    "train.rounds=4",
+    "train.eval_batches=1",
+]
+KILL_EVERY_CLUSTER = (
+    "faults.schedule=["
+    + ",".join(f"{{kind:kill,target:cluster:c{c},round:2,phase:inner,step:3}}" for c in range(3))
+    + "]"
+)
 
 
 def _files(d: Path) -> dict[str, tuple[float, str]]:
@@ -91,8 +119,9 @@ def test_every_replica_lost_restores_from_checkpoint(tmp_path):
     check_run(run_dir, rounds=4, steps_per_round=20, victims=EVERYONE)
     evs = events(run_dir)
     restores = [e for e in evs if e["event"] == "restore"]
-    assert len(restores) == 1 and restores[0]["round"] == 2 and restores[0]["path"].endswith("round_000002"), \
+    assert len(restores) == 1 and restores[0]["round"] == 2 and restores[0]["path"].endswith("round_000002"), (
         f"one restore from the latest checkpoint, round_000002: {restores}"
+    )
     restore = restores[0]
     # every round after the checkpoint was recorded once, after the restore: none faked before it
     late = {m["round"]: m["t"] for m in metrics(run_dir) if m["round"] >= 2}
@@ -110,15 +139,17 @@ def test_every_replica_lost_restores_from_checkpoint(tmp_path):
     # (c0r0's own digest: under streaming the clusters' working params differ by design)
     committed_1 = next(m for m in metrics(run_dir) if m["round"] == 1)["replica_digests"]["c0r0"]
     state = torch.load(ckpts / "round_000002" / "c0r0.pt", weights_only=True)
-    assert state["round"] == 2 and param_digest(state["params"]) == committed_1, \
+    assert state["round"] == 2 and param_digest(state["params"]) == committed_1, (
         "round_000002 does not hold the parameters committed in round 1"
+    )
     # the same as resuming that checkpoint by hand
     by_hand = tmp_path / "by_hand"
     shutil.copytree(ckpts / "round_000002", by_hand / "checkpoints" / "round_000002")
     resumed = train(by_hand, LOSE_EVERYONE + ["checkpoint.every=1", "checkpoint.keep=10", "train.resume=true"])
     assert resumed["status"] == "completed" and resumed["rounds_committed"] == 4, resumed.get("reason")
-    assert resumed["global_param_digest"] == s["global_param_digest"], \
+    assert resumed["global_param_digest"] == s["global_param_digest"], (
         "restore after a total loss must equal resuming the same checkpoint by hand with train.resume=true"
+    )
 
 
 def test_every_replica_lost_without_checkpoint_fails_cleanly(tmp_path):
@@ -137,8 +168,11 @@ def test_every_replica_lost_without_checkpoint_fails_cleanly(tmp_path):
 # -- d. a failure nobody injected -------------------------------------------------------------------
 def test_replica_sigkilled_from_outside_is_healed_and_reported(drill_run):
     drill = drill_run(["train.rounds=2"])
-    running = poll("round 0's inner phase to run on every replica", 180,
-                    lambda: inner_running(drill.run_dir, sorted(EVERYONE), 0, min_step=5))
+    running = poll(
+        "round 0's inner phase to run on every replica",
+        180,
+        lambda: inner_running(drill.run_dir, sorted(EVERYONE), 0, min_step=5),
+    )
     pid = running["c1r0"]["pid"]
     ups = [e["pid"] for e in events(drill.run_dir) if e["event"] == "replica_up" and e["rid"] == "c1r0"]
     assert set(ups) == {pid}, f"c1r0's process: the replica says {pid}, replica_up events say {ups}"
@@ -157,8 +191,14 @@ def test_replica_sigkilled_from_outside_is_healed_and_reported(drill_run):
 def _idle_at_round_end(run_dir: Path, rid: str, busy: str) -> dict | None:
     """rid's answer once it finished round 0's inner steps and waits idle, while `busy` still trains."""
     me, other = replica_progress(run_dir, rid), replica_progress(run_dir, busy)
-    if me and other and me["phase"] == "idle" and (me["round"], me["step"]) == (0, SPR) \
-            and other["phase"] != "idle" and other["round"] == 0:
+    if (
+        me
+        and other
+        and me["phase"] == "idle"
+        and (me["round"], me["step"]) == (0, SPR)
+        and other["phase"] != "idle"
+        and other["round"] == 0
+    ):
         return me
     return None
 
@@ -168,25 +208,31 @@ def test_replica_killed_from_outside_while_idle_is_noticed_before_the_outer_exch
     # c1's replicas finish and wait idle for the outer exchange; c1r1's process is SIGKILLed then.
     # Noticed only when a call fails, c1's commit broadcast would break and c1's survivor would heal
     # across clusters at round 1; noticed while idle, c1 re-forms before the exchange and applies it.
-    drill = drill_run(["train.rounds=2",
-                       "faults.schedule=[{kind:slow,target:cluster:c0,round:0,phase:inner,step:0,seconds:0.3}]"])
-    idle = poll("c1r1 idle after round 0's inner steps while c0 still trains", 240,
-                 lambda: _idle_at_round_end(drill.run_dir, "c1r1", busy="c0r0"))
+    drill = drill_run(
+        ["train.rounds=2", "faults.schedule=[{kind:slow,target:cluster:c0,round:0,phase:inner,step:0,seconds:0.3}]"]
+    )
+    idle = poll(
+        "c1r1 idle after round 0's inner steps while c0 still trains",
+        240,
+        lambda: _idle_at_round_end(drill.run_dir, "c1r1", busy="c0r0"),
+    )
     os.kill(idle["pid"], signal.SIGKILL)  # the OS, not the injector
     s = drill.wait_done(600)
     check_run(drill.run_dir, rounds=2, steps_per_round=SPR, victims={"c1r1"})
     evs = events(drill.run_dir)
     commit = next(e for e in evs if e["event"] == "commit" and e["round"] == 0)
     assert "c1r0" in commit["replicas"], f"c1's survivor must apply round 0's commit: {commit['replicas']}"
-    assert not [e for e in evs if e["event"] == "heal_begin" and e["scope"] == "global"], \
+    assert not [e for e in evs if e["event"] == "heal_begin" and e["scope"] == "global"], (
         "nobody heals across clusters: c1's survivor holds the commit"
+    )
     lost = [e for e in evs if e["event"] == "idle_replica_lost"]
     assert [e["rid"] for e in lost] == ["c1r1"], f"c1r1's death while idle went unnoticed: {lost}"
     decision = next(e for e in evs if e["event"] == "commit_decision" and e["round"] == 0)
     assert lost[0]["t"] < decision["t"], "c1r1's loss must be noticed before round 0's outer exchange"
     reforms = [e for e in evs if e["event"] == "cluster_reform"]
-    assert {e["cluster"] for e in reforms} == {1} and all(e["t"] < decision["t"] for e in reforms), \
+    assert {e["cluster"] for e in reforms} == {1} and all(e["t"] < decision["t"] for e in reforms), (
         f"only c1 re-forms, before the outer exchange: {reforms}"
+    )
     observed = [f for f in s["faults"] if f["source"] == "observed"]
     assert [f["rid"] for f in observed] == ["c1r1"], f"the SIGKILL of c1r1 must be reported as observed: {s['faults']}"
     for c in (0, 2):
@@ -199,13 +245,18 @@ def test_supervisor_killed_mid_inner_phase(tmp_path, drill_run, when):
     before: dict[str, dict] = {}
     if when == "scheduled_round0_inner":
         run_dir = tmp_path / "run"
-        s = train(run_dir, REALISTIC + ["train.rounds=2",
-                                        "faults.schedule=[{kind:kill,target:supervisor,round:0,phase:inner}]"])
+        s = train(
+            run_dir,
+            REALISTIC + ["train.rounds=2", "faults.schedule=[{kind:kill,target:supervisor,round:0,phase:inner}]"],
+        )
     else:
         drill = drill_run(["train.rounds=2"])
         run_dir = drill.run_dir
-        before = poll("every replica 10 steps into round 0's inner phase", 180,
-                       lambda: inner_running(run_dir, sorted(EVERYONE), 0, min_step=10))
+        before = poll(
+            "every replica 10 steps into round 0's inner phase",
+            180,
+            lambda: inner_running(run_dir, sorted(EVERYONE), 0, min_step=10),
+        )
         drill.inject("kill", "supervisor")
         s = drill.wait_done(600)
     check_run(run_dir, rounds=2, steps_per_round=SPR, victims=set())
@@ -219,27 +270,40 @@ def test_supervisor_killed_mid_inner_phase(tmp_path, drill_run, when):
     found = {e["rid"]: e for e in evs[second:] if e["event"] == "replica_up"}
     assert set(found) == EVERYONE, f"the restarted supervisor did not re-admit every replica: {sorted(found)}"
     for rid, answer in before.items():
-        assert (found[rid]["round"], found[rid]["step"]) >= (answer["round"], answer["step"]), \
-            f"{rid} lost progress across the supervisor restart: at step {answer['step']} before, " \
+        assert (found[rid]["round"], found[rid]["step"]) >= (answer["round"], answer["step"]), (
+            f"{rid} lost progress across the supervisor restart: at step {answer['step']} before, "
             f"{found[rid]['step']} after"
+        )
         assert found[rid]["pid"] == answer["pid"], f"{rid} is another process after the supervisor restart"
 
 
 # -- sites of different speeds (issue 35): kills in two sites at once, then the supervisor ---------
-BALANCED = FAST + ["topology.sites=[{replicas:2,min_step_s:0.3},{replicas:2,min_step_s:0.45},"
-                   "{replicas:2,min_step_s:0.6}]", "sync.balance=steps", f"sync.outer_every={SPR}",
-                   "checkpoint.every=0", "train.eval_batches=1", "comm.timeout_s=5", "train.rounds=2"]
+BALANCED = FAST + [
+    "topology.sites=[{replicas:2,min_step_s:0.3},{replicas:2,min_step_s:0.45},{replicas:2,min_step_s:0.6}]",
+    "sync.balance=steps",
+    f"sync.outer_every={SPR}",
+    "checkpoint.every=0",
+    "train.eval_batches=1",
+    "comm.timeout_s=5",
+    "train.rounds=2",
+]
 PLAN = [SPR, 67, 50]  # 100 x 0.3 s = 30 s of inner work in each site: 0.3 / 0.45 and 0.3 / 0.6 of 100 steps
 
 
 def test_balanced_sites_heal_into_their_plans_through_kills_and_a_supervisor_restart(background_drills, tmp_path):
     drill = background_drills(BALANCED, tmp_path)
-    running = poll("round 0's inner phase to run on every replica", 180,
-                   lambda: inner_running(drill.run_dir, sorted(EVERYONE), 0, min_step=5))
+    running = poll(
+        "round 0's inner phase to run on every replica",
+        180,
+        lambda: inner_running(drill.run_dir, sorted(EVERYONE), 0, min_step=5),
+    )
     for rid in ("c1r0", "c2r1"):  # two sites at once, from outside the injector
         os.kill(running[rid]["pid"], signal.SIGKILL)
-    poll("round 1's inner phase to run on every replica", 300,
-         lambda: inner_running(drill.run_dir, sorted(EVERYONE), 1, min_step=SPR + 5))
+    poll(
+        "round 1's inner phase to run on every replica",
+        300,
+        lambda: inner_running(drill.run_dir, sorted(EVERYONE), 1, min_step=SPR + 5),
+    )
     drill.inject("kill", "supervisor")  # mid-inner: its successor must follow round 1's recorded plan
     s = drill.wait_done(600)
     check_run(drill.run_dir, rounds=2, steps_per_round=SPR, victims={"c1r0", "c2r1"})
@@ -247,8 +311,9 @@ def test_balanced_sites_heal_into_their_plans_through_kills_and_a_supervisor_res
     evs, ms = events(drill.run_dir), metrics(drill.run_dir)
     plans = [e for e in evs if e["event"] == "round_plan"]
     assert [(e["round"], e["steps"]) for e in plans if e["source"] == "configured"] == [(0, PLAN), (1, PLAN)], plans
-    assert [(e["round"], e["steps"]) for e in plans if e["source"] == "recorded"] == [(1, PLAN)], \
+    assert [(e["round"], e["steps"]) for e in plans if e["source"] == "recorded"] == [(1, PLAN)], (
         f"the restarted supervisor must follow round 1's recorded plan, never plan it again: {plans}"
+    )
     assert [m["cluster_steps"] for m in ms] == [PLAN, PLAN]
     heals = {e["target"]: e["source"] for e in evs if e["event"] == "heal_end"}
     for rid in ("c1r0", "c2r1"):  # healed from its own site, so it lands on its site's plan

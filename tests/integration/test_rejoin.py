@@ -1,6 +1,7 @@
 """Mid-round rejoin and hot spares (issue 10), in rounds of 30 s of inner work: a killed replica
 trains again inside the round it died in; with a spare, its cluster is whole again before a
 process restart could have finished, and a new spare appears."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,14 @@ from tests.integration.invariants import check_run
 from tests.integration.runs import events, train
 
 # 100 steps x 0.3 s (simulated accelerator step time) = 30 s of inner work per round
-REALISTIC = ["sync.outer_every=100", "train.min_step_s=0.3", "train.rounds=1", "checkpoint.every=0",
-             "train.eval_batches=1", "supervisor.rejoin=fast"]
+REALISTIC = [
+    "sync.outer_every=100",
+    "train.min_step_s=0.3",
+    "train.rounds=1",
+    "checkpoint.every=0",
+    "train.eval_batches=1",
+    "supervisor.rejoin=fast",
+]
 KILL = "faults.schedule=[{kind:kill,target:c0r1,round:0,phase:inner,step:5}]"
 
 
@@ -28,8 +35,15 @@ def test_killed_replica_trains_again_in_the_round_it_died_in(tmp_path):
     down = _first(evs, "replica_down", rid="c0r1")
     commit = _first(evs, "commit", round=0)
     assert down and commit and down["t"] < commit["t"]
-    back = [e for e in evs if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("round") == 0
-            and "c0r1" in e.get("ok", []) and e["t"] > down["t"]]
+    back = [
+        e
+        for e in evs
+        if e["event"] == "phase_end"
+        and e["phase"] == "inner"
+        and e.get("round") == 0
+        and "c0r1" in e.get("ok", [])
+        and e["t"] > down["t"]
+    ]
     assert back, "c0r1 never ran inner steps again in round 0"
     assert "c0r1" in commit["replicas"], "the restarted replica missed the commit of the round it died in"
     yielded = _first(evs, "yield_requested", cluster=0)
@@ -50,12 +64,20 @@ def test_hot_spare_takes_over_before_a_restart_could_and_is_replaced(tmp_path):
     down = _first(evs, "replica_down", rid="c0r1")
     promoted = _first(evs, "spare_promoted", rid="c0r1")
     assert down and promoted, "no spare took over c0r1"
-    whole = next(e for e in evs if e["event"] == "phase_begin" and e["phase"] == "inner" and e.get("cluster") == 0
-                 and "c0r1" in e["replicas"] and e["t"] > down["t"])
+    whole = next(
+        e
+        for e in evs
+        if e["event"] == "phase_begin"
+        and e["phase"] == "inner"
+        and e.get("cluster") == 0
+        and "c0r1" in e["replicas"]
+        and e["t"] > down["t"]
+    )
     # the killed actor's own restart, now the cluster's new spare
     replacement = _first(evs, "spare_ready", spare=promoted["replaced"])
     assert replacement, "no new spare appeared after the old one was used"
-    assert whole["t"] < replacement["t"], \
-        f"the cluster was whole again {whole['t'] - down['t']:.1f}s after the failure, not before the " \
+    assert whole["t"] < replacement["t"], (
+        f"the cluster was whole again {whole['t'] - down['t']:.1f}s after the failure, not before the "
         f"killed process was back ({replacement['t'] - down['t']:.1f}s)"
+    )
     assert fired

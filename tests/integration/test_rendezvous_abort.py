@@ -4,6 +4,7 @@ before it arrives in the rendezvous (fault phase `join`). The supervisor learns 
 Ray and aborts that rendezvous: c1r0 leaves it with a `join_aborted` error, c1 re-forms without
 c1r1 and later takes it back, and the run completes with digests agreeing. Read from the run's
 events, never from a wall clock. (Starts Ray: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 from tests.integration.invariants import check_run
@@ -11,8 +12,16 @@ from tests.integration.runs import events, train
 
 ROUNDS, SPR = 3, 6
 # a configure timeout far longer than the whole run: the only way out of the rendezvous in time is the abort
-BASE = [f"sync.outer_every={SPR}", f"train.rounds={ROUNDS}", "topology.clusters=2", "topology.replicas_per_cluster=2",
-        "comm.timeout_s=5", "comm.configure_timeout_s=300", "supervisor.phase_timeout_s=60", "optim.inner.lr=0.01"]
+BASE = [
+    f"sync.outer_every={SPR}",
+    f"train.rounds={ROUNDS}",
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=2",
+    "comm.timeout_s=5",
+    "comm.configure_timeout_s=300",
+    "supervisor.phase_timeout_s=60",
+    "optim.inner.lr=0.01",
+]
 
 
 def test_a_member_dying_in_its_group_s_rendezvous_releases_its_peers_by_an_abort(tmp_path):
@@ -25,10 +34,12 @@ def test_a_member_dying_in_its_group_s_rendezvous_releases_its_peers_by_an_abort
     assert aborts and aborts[0]["cluster"] == 1 and aborts[0]["dead"] == ["c1r1"], aborts
     assert aborts[0]["prefix"].endswith("/inner/c1"), aborts[0]
     released = [e for e in ev if e["event"] == "collective_failed" and e["rid"] == "c1r0" and e["round"] == 0]
-    assert released and released[0].get("error_kind") == "join_aborted", \
+    assert released and released[0].get("error_kind") == "join_aborted", (
         f"c1r0 left the rendezvous by something else than the abort: {released}"
-    assert not [e for e in ev if e["event"] == "collective_failed" and e.get("error_kind") == "configure"], \
+    )
+    assert not [e for e in ev if e["event"] == "collective_failed" and e.get("error_kind") == "configure"], (
         "a member waited out the configure timeout"
+    )
     reform = [e for e in ev if e["event"] == "cluster_reform" and e["cluster"] == 1 and e["t"] > aborts[0]["t"]]
     assert reform and reform[0]["round"] == 0, f"c1 did not re-form in round 0 after the abort: {reform}"
     assert not [e for e in ev if e["event"] == "cluster_reform" and e["cluster"] == 0], "c0 is untouched"

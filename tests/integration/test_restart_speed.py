@@ -2,6 +2,7 @@
 behind it (actors/replica.py, issue 36 Build 3): what it then trains is exactly what a replica built
 in __init__ trains — the same params from the seed, the same data stream. Behaviour only: how fast
 it comes back is the recovery bench's figure (`restart_breakdown`), never asserted here."""
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,13 @@ def test_a_restarted_replica_answers_up_before_its_build_and_then_trains_as_one_
         assert first["startup"]["built"] <= first["startup"]["init_end"]  # a first start builds in __init__
         os.kill(first["pid"], signal.SIGKILL)
         back = _restarted(victim, first["pid"])
-        assert (back["incarnation"], back["round"], back["step"], back["spare"], back["phase"]) == (1, 0, 0, False, "idle")
+        assert (back["incarnation"], back["round"], back["step"], back["spare"], back["phase"]) == (
+            1,
+            0,
+            0,
+            False,
+            "idle",
+        )
         assert back["replica_index"] == first["replica_index"]
         # a phase call at once: it waits for the build behind __init__, then runs
         answer = ray.get(victim.run_inner.remote(0, None, ALONE), timeout=300)
@@ -54,8 +61,9 @@ def test_a_restarted_replica_answers_up_before_its_build_and_then_trains_as_one_
         assert (answer["round"], answer["step"]) == (expected["round"], expected["step"])
         after = ray.get(victim.progress.remote(), timeout=60)
         assert "built" in after["startup"]
-        assert after["startup"]["built"] > after["startup"]["init_end"], \
+        assert after["startup"]["built"] > after["startup"]["init_end"], (
             "a restart answers up first and builds behind __init__ (its build ends after __init__ returned)"
+        )
         assert after["param_bytes"] == first["param_bytes"] and after["tokens_per_step"] == first["tokens_per_step"]
         ours, theirs = (ray.get(h.digests.remote(), timeout=60) for h in (victim, fresh))
         assert ours == theirs, "a restart built behind __init__ trains other params or another data stream"

@@ -2,6 +2,7 @@
 an injected kill in every site and processes SIGKILLed from outside; every replica reads the data
 stream its id was given when first created (the index table), through restarts and a resume. Every
 run goes through the shared invariant checker, which checks the table too."""
+
 from __future__ import annotations
 
 import json
@@ -30,21 +31,37 @@ def _table_held(run_dir: Path) -> None:
 
 
 SPR = 10
-SHORT = [SITES, f"sync.outer_every={SPR}", "train.min_step_s=0.2", "train.eval_batches=1", "comm.timeout_s=4",
-         "comm.configure_timeout_s=10", "checkpoint.every=1", "checkpoint.keep=10"]
-KILL_IN_EVERY_SITE = ("faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:3},"
-                      "{kind:kill,target:c1r0,round:2,phase:inner,step:3},"
-                      "{kind:kill,target:c2r0,round:3,phase:inner,step:3}]")
+SHORT = [
+    SITES,
+    f"sync.outer_every={SPR}",
+    "train.min_step_s=0.2",
+    "train.eval_batches=1",
+    "comm.timeout_s=4",
+    "comm.configure_timeout_s=10",
+    "checkpoint.every=1",
+    "checkpoint.keep=10",
+]
+KILL_IN_EVERY_SITE = (
+    "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:3},"
+    "{kind:kill,target:c1r0,round:2,phase:inner,step:3},"
+    "{kind:kill,target:c2r0,round:3,phase:inner,step:3}]"
+)
 
 
-def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkill_then_resume(background_drills, tmp_path):
+def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkill_then_resume(
+    background_drills, tmp_path
+):
     drill = background_drills(FAST + SHORT + ["train.rounds=5", KILL_IN_EVERY_SITE], tmp_path)
     run_dir = Path(drill.run_dir)
     running = poll("round 0's inner steps on c0r2", 180, lambda: inner_running(run_dir, ["c0r2"], 0, 3))
     os.kill(running["c0r2"]["pid"], signal.SIGKILL)  # the OS, not the injector
     s = drill.wait_done(600)
     check_run(run_dir, rounds=5, steps_per_round=SPR, victims={"c0r1", "c1r0", "c2r0", "c0r2"})
-    assert s["topology"]["sizes"] == [3, 2, 1] and [x["name"] for x in s["topology"]["sites"]] == ["eu-1", "us-2", "ap-3"]
+    assert s["topology"]["sizes"] == [3, 2, 1] and [x["name"] for x in s["topology"]["sites"]] == [
+        "eu-1",
+        "us-2",
+        "ap-3",
+    ]
     observed = [f["rid"] for f in s["faults"] if f["source"] == "observed"]
     assert observed == ["c0r2"], f"the outside SIGKILL must be reported as observed: {s['faults']}"
     assert sorted(f["rid"] for f in s["faults"] if f["source"] == "injected") == ["c0r1", "c1r0", "c2r0"]
@@ -63,8 +80,14 @@ def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkil
 
 # -- the regime users run --------------------------------------------------------------------------
 REALISTIC_SPR = 100
-REALISTIC = [SITES, f"sync.outer_every={REALISTIC_SPR}", "train.min_step_s=0.3", "checkpoint.every=0",
-             "train.eval_batches=1", "comm.timeout_s=5"]
+REALISTIC = [
+    SITES,
+    f"sync.outer_every={REALISTIC_SPR}",
+    "train.min_step_s=0.3",
+    "checkpoint.every=0",
+    "train.eval_batches=1",
+    "comm.timeout_s=5",
+]
 
 
 @pytest.mark.realistic
@@ -77,8 +100,11 @@ def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_w
     run_dir = Path(drill.run_dir)
     kills: dict[str, tuple[int, float]] = {}
     for round_index, victims in ((0, ("c0r0", "c0r2")), (1, ("c1r0", "c1r1"))):
-        running = poll(f"round {round_index}'s inner steps on {victims}", 300,
-                        lambda: inner_running(run_dir, victims, round_index, 20))
+        running = poll(
+            f"round {round_index}'s inner steps on {victims}",
+            300,
+            lambda: inner_running(run_dir, victims, round_index, 20),
+        )
         for rid in victims:
             os.kill(running[rid]["pid"], signal.SIGKILL)  # the OS, not the injector
             kills[rid] = (round_index, time.time())
@@ -95,9 +121,18 @@ def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_w
 
 
 # -- quarantine ---------------------------------------------------------------------------------------
-QUARANTINE = ["sync.outer_every=10", "train.min_step_s=0.3", "train.rounds=20", "train.eval_batches=1",
-              "comm.timeout_s=4", "comm.configure_timeout_s=10", "checkpoint.every=0", "supervisor.rejoin=fast",
-              "faults.quarantine_after=3", "faults.quarantine_window_s=600"]
+QUARANTINE = [
+    "sync.outer_every=10",
+    "train.min_step_s=0.3",
+    "train.rounds=20",
+    "train.eval_batches=1",
+    "comm.timeout_s=4",
+    "comm.configure_timeout_s=10",
+    "checkpoint.every=0",
+    "supervisor.rejoin=fast",
+    "faults.quarantine_after=3",
+    "faults.quarantine_window_s=600",
+]
 
 
 def sigkill_three_times(progress, rid: str) -> list[int]:
@@ -105,9 +140,11 @@ def sigkill_three_times(progress, rid: str) -> list[int]:
     phase (a flaky node: no injected fault explains these deaths). Returns the pids killed."""
     killed: list[int] = []
     for n in range(3):
+
         def working():
             p = progress(rid)
             return p if p and p.get("pid") and p["pid"] not in killed and p.get("phase") not in (None, "idle") else None
+
         pid = poll(f"{rid}'s process #{n + 1} at work", 300, working)["pid"]
         os.kill(pid, signal.SIGKILL)  # the OS, not the injector
         killed.append(pid)
@@ -134,7 +171,9 @@ def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_com
 def test_deaths_an_injected_fault_explains_never_quarantine(tmp_path):
     """Three injected kills of one replica (a drill) test recovery, not the node: it comes back each time."""
     kills = ",".join(f"{{kind:kill,target:c0r1,round:{r},phase:inner,step:3}}" for r in (0, 2, 4))
-    s = train(tmp_path / "run", [*QUARANTINE[:-1], "faults.quarantine_window_s=600", "train.rounds=6",
-                                 f"faults.schedule=[{kills}]"])
+    s = train(
+        tmp_path / "run",
+        [*QUARANTINE[:-1], "faults.quarantine_window_s=600", "train.rounds=6", f"faults.schedule=[{kills}]"],
+    )
     assert s["status"] == "completed" and s["replicas_quarantined"] == 0, s
     assert not [e for e in events(tmp_path / "run") if e["event"] == "replica_quarantined"]

@@ -2,10 +2,11 @@
 start-up call — the checkpoint reach check of a fresh run, the resume load of a resumed one — is a
 replica failure: Ray restarts it, the call is retried, the run starts and completes, and the death
 is counted as a fault. Before, it ended the run as a config error (exit 2)."""
+
 from __future__ import annotations
 
-from tests.integration.runs import summary, train
 from hsgd.record.rundir import read_jsonl
+from tests.integration.runs import summary, train
 
 TINY = ["sync.outer_every=2", "checkpoint.every=1", "checkpoint.keep=2"]
 
@@ -31,8 +32,15 @@ def test_a_replica_killed_in_the_checkpoint_reach_check_is_restarted_and_the_run
 def test_a_replica_killed_in_the_resume_load_is_restarted_and_the_resumed_run_completes(tmp_path):
     run_dir = tmp_path / "run"
     assert train(run_dir, [*TINY, "train.rounds=1"])["status"] == "completed"
-    s = train(run_dir, [*TINY, "train.rounds=2", "train.resume=true",
-                        "faults.schedule=[{kind:kill,target:c1r0,round:1,phase:startup}]"])
+    s = train(
+        run_dir,
+        [
+            *TINY,
+            "train.rounds=2",
+            "train.resume=true",
+            "faults.schedule=[{kind:kill,target:c1r0,round:1,phase:startup}]",
+        ],
+    )
     assert s["status"] == "completed" and s["rounds_committed"] == 2, s.get("reason")
     fired = _fired(run_dir)
     assert [(f["rid"], f["kind"], f["round"]) for f in fired] == [("c1r0", "kill", 1)], fired

@@ -12,6 +12,7 @@ nothing, and no mount is available):
   the kernel reports it (Python ignores SIGXFSZ; torch's zip writer turns it into a RuntimeError);
   its other files stay far below the limit.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ from pathlib import Path
 
 from tests.integration.runs import events, metrics, summary, train
 
-SMALL = ["topology.clusters=2", "topology.replicas_per_cluster=1", "sync.outer_every=2",
-         "supervisor.phase_timeout_s=60", "comm.timeout_s=5"]
+SMALL = [
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=1",
+    "sync.outer_every=2",
+    "supervisor.phase_timeout_s=60",
+    "comm.timeout_s=5",
+]
 
 
 def _wait_for(run_dir: Path, predicate, timeout_s: float = 120.0) -> dict | None:
@@ -91,8 +97,10 @@ def test_a_replica_whose_checkpoint_write_fails_kills_nobody(tmp_path):
             limited["pid"] = up["pid"]
 
     thread = _in_background(limit)
-    s = train(run_dir, SMALL + ["train.rounds=4", "checkpoint.every=2", "model.n_embd=128", "model.n_layer=2",
-                                "model.n_head=2"])
+    s = train(
+        run_dir,
+        SMALL + ["train.rounds=4", "checkpoint.every=2", "model.n_embd=128", "model.n_layer=2", "model.n_head=2"],
+    )
     thread.join(5)
     assert limited, "the replica never came up"
     assert s["status"] == "completed", s.get("reason")
@@ -138,8 +146,9 @@ def test_a_run_folder_unwritable_past_the_grace_fails_the_run_with_the_summary_o
 
     thread = _in_background(take_after_first_commit)
     try:
-        s = train(run_dir, SMALL + ["train.rounds=200", "checkpoint.every=0", "train.min_step_s=0.05",
-                                    "run.io_grace_s=3"])
+        s = train(
+            run_dir, SMALL + ["train.rounds=200", "checkpoint.every=0", "train.min_step_s=0.05", "run.io_grace_s=3"]
+        )
         thread.join(5)
         assert outage.gone.is_set(), "the outage never began"
         out = capfd.readouterr().out
@@ -169,8 +178,10 @@ def test_a_short_outage_of_the_run_folder_is_survived_and_every_record_written_o
 
     thread = _in_background(short_outage)
     try:
-        s = train(run_dir, SMALL + [f"train.rounds={rounds}", "checkpoint.every=0", "train.min_step_s=0.05",
-                                    "run.io_grace_s=30"])
+        s = train(
+            run_dir,
+            SMALL + [f"train.rounds={rounds}", "checkpoint.every=0", "train.min_step_s=0.05", "run.io_grace_s=30"],
+        )
         thread.join(10)
     finally:
         outage.give_back()

@@ -1,6 +1,7 @@
 """Token files end to end (issue 20, acceptance 2): jobs.prepare writes them, a run trains on them
 through np.memmap, a token file several times larger than the memory the process may use trains,
 nanoGPT's meta-less folders train with data.vocab_size, and bad files stop the job with exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ import numpy as np
 from hsgd.train.data import _packaged_text
 from tests.integration.runs import FAST, REPO, train, train_cli
 
-SHORT = ["topology.clusters=1", "topology.replicas_per_cluster=2", "sync.outer_every=4", "train.rounds=3",
-         "checkpoint.every=0", "optim.inner.lr=1e-2"]
+SHORT = [
+    "topology.clusters=1",
+    "topology.replicas_per_cluster=2",
+    "sync.outer_every=4",
+    "train.rounds=3",
+    "checkpoint.every=0",
+    "optim.inner.lr=1e-2",
+]
 
 
 def _text_folder(tmp_path):
@@ -34,8 +41,14 @@ def _env():
 
 def test_prepared_folder_of_text_trains_through_memmap(tmp_path):
     out = tmp_path / "tokens"
-    proc = subprocess.run([sys.executable, "-m", "jobs.prepare", str(_text_folder(tmp_path)), str(out)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.prepare", str(_text_folder(tmp_path)), str(out)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
@@ -153,8 +166,14 @@ def test_token_file_several_times_larger_than_the_memory_limit_trains(tmp_path):
     rng.integers(0, 256, 100_000, dtype=np.uint16).tofile(folder / "val.bin")
     (folder / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"}))
     headroom = 256 << 20
-    proc = subprocess.run([sys.executable, "-c", LIMITED, str(folder), str(headroom)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", LIMITED, str(folder), str(headroom)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["whole_read"] == "refused", "the RLIMIT_DATA limit did not bind; the test proves nothing"

@@ -1,4 +1,5 @@
 """The fault-free path end to end: jobs.train on real Ray actors and gloo groups."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,27 @@ from tests.integration.invariants import check_run
 from tests.integration.runs import events, metrics, summary, train, train_cli
 
 
-@pytest.mark.parametrize("inner,outer,extra", [
-    ("ddp", "diloco", []),
-    ("localsgd", "average", ["sync.inner_every=2"]),
-    ("none", "diloco", []),
-])
+@pytest.mark.parametrize(
+    "inner,outer,extra",
+    [
+        ("ddp", "diloco", []),
+        ("localsgd", "average", ["sync.inner_every=2"]),
+        ("none", "diloco", []),
+    ],
+)
 def test_digests_agree_after_every_outer_sync(tmp_path, inner, outer, extra):
     run_dir = tmp_path / "run"
-    s = train(run_dir, [f"sync.inner={inner}", f"sync.outer={outer}", "sync.outer_every=4", "train.rounds=3",
-                        "checkpoint.every=0", *extra])
+    s = train(
+        run_dir,
+        [
+            f"sync.inner={inner}",
+            f"sync.outer={outer}",
+            "sync.outer_every=4",
+            "train.rounds=3",
+            "checkpoint.every=0",
+            *extra,
+        ],
+    )
     assert s["status"] == "completed"
     assert s["rounds_committed"] == 3 and s["inner_steps_committed"] == 12
     assert len(metrics(run_dir)) == 3
@@ -31,12 +44,30 @@ def test_outputs_are_written_and_complete(tmp_path):
     s = train(run_dir, ["sync.outer_every=4", "train.rounds=2", "checkpoint.every=1"])
     for name in ("config.yaml", "events.jsonl", "metrics.jsonl", "summary.json", "loss.png"):
         assert (run_dir / name).is_file(), f"{name} missing from run.dir"
-    for key in ("status", "rounds_committed", "inner_steps_committed", "initial_eval_loss", "final_eval_loss",
-                "wall_s", "replica_param_digests", "global_param_digest"):
+    for key in (
+        "status",
+        "rounds_committed",
+        "inner_steps_committed",
+        "initial_eval_loss",
+        "final_eval_loss",
+        "wall_s",
+        "replica_param_digests",
+        "global_param_digest",
+    ):
         assert key in s, f"summary.json lacks {key}"
     m = metrics(run_dir)[-1]
-    for key in ("round", "inner_step", "loss", "eval_loss", "tokens_per_s", "inner_bytes", "outer_bytes",
-                "live_replicas", "epoch", "phase_s"):
+    for key in (
+        "round",
+        "inner_step",
+        "loss",
+        "eval_loss",
+        "tokens_per_s",
+        "inner_bytes",
+        "outer_bytes",
+        "live_replicas",
+        "epoch",
+        "phase_s",
+    ):
         assert key in m, f"metrics.jsonl lacks {key}"
     assert m["outer_bytes"] > 0 and m["inner_bytes"] > 0
     kinds = {e["event"] for e in events(run_dir)}
@@ -59,8 +90,9 @@ def test_resume_continues_to_the_uninterrupted_digest(tmp_path):
     assert first["rounds_committed"] == 2
     resumed = train(part, rate + ["train.rounds=4", "train.resume=true"])
     assert resumed["status"] == "completed" and resumed["rounds_committed"] == 4
-    assert resumed["global_param_digest"] == whole["global_param_digest"], \
+    assert resumed["global_param_digest"] == whole["global_param_digest"], (
         "resume after round 2 must end bitwise where the uninterrupted run ends"
+    )
     assert [m["round"] for m in metrics(part)] == [0, 1, 2, 3]
 
 
@@ -118,17 +150,21 @@ def test_default_job_trains_the_model(tmp_path):
         if 32768 - pos % 32768 < 7:
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-        part = (part if kind in (3, 4) else b"") + raw[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        part = (part if kind in (3, 4) else b"") + raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             records.append(wandb_internal_pb2.Record.FromString(part))
     run = next(r.run for r in records if r.HasField("run"))
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert run.run_group == "hsgd" and config["sync"]["outer_every"] == 20 and config["train"]["rounds"] == 15
-    history = [{".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
-               for r in records if r.HasField("history")]
+    history = [
+        {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.HasField("history")
+    ]
     rounds = [h for h in history if "eval_loss" in h]
-    assert [(h["round"], h["loss"], h["eval_loss"]) for h in rounds] == \
-        [(m["round"], m["loss"], m["eval_loss"]) for m in metrics(runs[0])]
+    assert [(h["round"], h["loss"], h["eval_loss"]) for h in rounds] == [
+        (m["round"], m["loss"], m["eval_loss"]) for m in metrics(runs[0])
+    ]
     assert (runs[0] / "loss.png").stat().st_size > 10_000

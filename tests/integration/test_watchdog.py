@@ -1,4 +1,5 @@
 """Hang watchdog (issue 6): stalls become diagnosed, recovered failures within seconds."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, REPO, events, train
 
 SPR = 6
-BASE = [f"sync.outer_every={SPR}", "train.rounds=5", "checkpoint.every=0", "comm.timeout_s=4",
-        "watchdog.floor_s=5", "watchdog.multiple=4"]
+BASE = [
+    f"sync.outer_every={SPR}",
+    "train.rounds=5",
+    "checkpoint.every=0",
+    "comm.timeout_s=4",
+    "watchdog.floor_s=5",
+    "watchdog.multiple=4",
+]
 
 
 def hangs(run_dir):
@@ -25,9 +32,14 @@ def hangs(run_dir):
 
 def test_gil_hang_in_inner_and_collective_stall_in_outer_are_caught(tmp_path):
     run_dir = tmp_path / "run"
-    s = train(run_dir, BASE + [
-        "faults.schedule=[{kind:hang,target:c0r1,round:2,phase:inner,step:2,seconds:300},"
-        "{kind:hang,target:leader:c1,round:3,phase:outer,seconds:300}]"])
+    s = train(
+        run_dir,
+        BASE
+        + [
+            "faults.schedule=[{kind:hang,target:c0r1,round:2,phase:inner,step:2,seconds:300},"
+            "{kind:hang,target:leader:c1,round:3,phase:outer,seconds:300}]"
+        ],
+    )
     assert s["status"] == "completed" and s["rounds_committed"] == 5
     check_run(run_dir, rounds=5, steps_per_round=SPR, victims={"c0r1", "c1r0"})  # c1r0 leads c1
     found = hangs(run_dir)
@@ -46,8 +58,17 @@ def test_gil_hang_in_inner_and_collective_stall_in_outer_are_caught(tmp_path):
 def test_slow_but_healthy_replica_is_not_killed(tmp_path):
     run_dir = tmp_path / "run"
     slow = ",".join(f"{{kind:slow,target:c0r1,round:{r},phase:inner,step:0,seconds:0.03}}" for r in range(1, 6))
-    s = train(run_dir, ["sync.outer_every=20", "train.rounds=6", "checkpoint.every=0",
-                        "watchdog.floor_s=1", "watchdog.multiple=4", f"faults.schedule=[{slow}]"])
+    s = train(
+        run_dir,
+        [
+            "sync.outer_every=20",
+            "train.rounds=6",
+            "checkpoint.every=0",
+            "watchdog.floor_s=1",
+            "watchdog.multiple=4",
+            f"faults.schedule=[{slow}]",
+        ],
+    )
     assert s["status"] == "completed"
     check_run(run_dir, rounds=6, steps_per_round=20, victims=set())  # slow is not harmed
     assert hangs(run_dir) == [], "a replica twice as slow is healthy, not hung"
@@ -65,9 +86,23 @@ def test_diagnose_prints_one_stack_section_per_replica(tmp_path):
     env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     # padded steps (min_step_s): the replicas sleep most of each step, so the diagnose process is not
     # starved of the 2 cores by 4 replicas training flat out (it took 45-115 s that way)
-    job = subprocess.Popen([sys.executable, "-m", "jobs.train", *FAST, f"run.dir={run_dir}", "train.rounds=500",
-                            "sync.outer_every=20", "train.min_step_s=0.1", "checkpoint.every=0"], cwd=tmp_path, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            *FAST,
+            f"run.dir={run_dir}",
+            "train.rounds=500",
+            "sync.outer_every=20",
+            "train.min_step_s=0.1",
+            "checkpoint.every=0",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -77,8 +112,14 @@ def test_diagnose_prints_one_stack_section_per_replica(tmp_path):
             time.sleep(0.5)
         else:
             raise AssertionError("the job never reached its inner phase")
-        out = subprocess.run([sys.executable, "-m", "jobs.diagnose", str(run_dir)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=180)
+        out = subprocess.run(
+            [sys.executable, "-m", "jobs.diagnose", str(run_dir)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         sections = [line for line in out.stdout.splitlines() if line.startswith("=== c")]
         assert [s.split()[1] for s in sections] == ["c0r0", "c0r1", "c1r0", "c1r1"], out.stdout[-3000:]

@@ -1,4 +1,5 @@
 """Fixtures shared by the unit tests."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 collect each rank's report, and fail with the rank's traceback (or the ranks that never reported)
 instead of hanging. A worker is `worker(rank, store_port, results)` and puts one dict with
 "rank" (and "exception" on failure) into `results`."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -9,16 +10,15 @@ import time
 from datetime import timedelta
 
 
-def run_ranks(worker, world_size: int, *, timeout_s: float, store_timeout_s: float = 30.0,
-              join_s: float = 5.0) -> dict[int, dict]:
+def run_ranks(
+    worker, world_size: int, *, timeout_s: float, store_timeout_s: float = 30.0, join_s: float = 5.0
+) -> dict[int, dict]:
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=store_timeout_s))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=store_timeout_s))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(rank, store.port, results), daemon=True)
-             for rank in range(world_size)]
+    procs = [ctx.Process(target=worker, args=(rank, store.port, results), daemon=True) for rank in range(world_size)]
     for p in procs:
         p.start()
     outs: dict[int, dict] = {}

@@ -1,5 +1,6 @@
 """Issue 33's defaults (hsgd/config/auto.py): null = auto, resolved once at the run's start, explicit values win,
 the fingerprint holds what the run uses, and a resume keeps what its checkpoint recorded for keys left auto."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,12 +30,21 @@ def test_resolve_fills_only_what_was_left_auto_and_says_what():
     cfg = _cfg("train.rounds=40", "sync.outer_every=50", "topology.clusters=2")
     filled = resolve(cfg)
     lr, momentum = auto_outer_step(2, 40)
-    assert filled == {"optim.outer.lr": lr, "optim.outer.momentum": momentum, "optim.inner.schedule": "cosine",
-                      "optim.inner.warmup_steps": 100}
+    assert filled == {
+        "optim.outer.lr": lr,
+        "optim.outer.momentum": momentum,
+        "optim.inner.schedule": "cosine",
+        "optim.inner.warmup_steps": 100,
+    }
     assert (cfg.optim.outer.lr, cfg.optim.outer.momentum, cfg.optim.inner.warmup_steps) == (lr, momentum, 100)
     assert resolve(cfg) == {}, "a resolved config has nothing left to fill"
-    mine = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.inner.warmup_steps=0",
-                "optim.inner.schedule=constant")
+    mine = _cfg(
+        "train.rounds=40",
+        "sync.outer_every=50",
+        "optim.outer.lr=0.7",
+        "optim.inner.warmup_steps=0",
+        "optim.inner.schedule=constant",
+    )
     assert resolve(mine) == {"optim.outer.momentum": momentum}
     assert mine.optim.outer.lr == 0.7 and mine.optim.inner.warmup_steps == 0, "explicit values win"
 
@@ -57,7 +67,9 @@ def test_the_auto_outer_step_is_a_valid_nesterov_step(outer_steps):
 
 def test_momentum_grows_with_the_number_of_outer_steps():
     momenta = [auto_outer_step(2, n)[1] for n in (10, 40, 100, 200, 1000)]
-    assert momenta == sorted(momenta) and auto_outer_step(2, 1000) == (0.7, 0.9), "DiLoCo's for the runs it was fitted to"
+    assert momenta == sorted(momenta) and auto_outer_step(2, 1000) == (0.7, 0.9), (
+        "DiLoCo's for the runs it was fitted to"
+    )
 
 
 def test_four_clusters_or_more_take_the_higher_momentum_already_below_50_outer_steps():
@@ -109,8 +121,14 @@ def _checkpoint(root, cfg, *, with_schedule: bool):
 def test_a_resume_of_a_checkpoint_from_before_the_new_defaults_keeps_the_constant_rate(tmp_path):
     from actors.startup import find_resume_point
 
-    old = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.outer.momentum=0.9",
-               "optim.inner.schedule=constant", "optim.inner.warmup_steps=0")
+    old = _cfg(
+        "train.rounds=40",
+        "sync.outer_every=50",
+        "optim.outer.lr=0.7",
+        "optim.outer.momentum=0.9",
+        "optim.inner.schedule=constant",
+        "optim.inner.warmup_steps=0",
+    )
     _checkpoint(tmp_path, old, with_schedule=False)
     cfg = _cfg("train.rounds=40", "sync.outer_every=50")
     point = find_resume_point(str(tmp_path), cfg, adopt=tuple(resolve(cfg)))
@@ -127,6 +145,9 @@ def test_a_resume_with_more_rounds_keeps_the_warmup_its_checkpoint_recorded(tmp_
     _checkpoint(tmp_path, first, with_schedule=True)
     cfg = _cfg("train.rounds=80", "sync.outer_every=50")
     assert resolve(cfg)["optim.inner.warmup_steps"] == 200
-    find_resume_point(str(tmp_path), cfg, adopt=("optim.outer.lr", "optim.outer.momentum", "optim.inner.schedule",
-                                                "optim.inner.warmup_steps"))
+    find_resume_point(
+        str(tmp_path),
+        cfg,
+        adopt=("optim.outer.lr", "optim.outer.momentum", "optim.inner.schedule", "optim.inner.warmup_steps"),
+    )
     assert (cfg.optim.inner.schedule, cfg.optim.inner.warmup_steps) == ("cosine", 100)

@@ -7,6 +7,7 @@ The round simulation world (tests/fakes/round_world.py) is not driven here: its 
 to (round + 1) * steps_per_round, whatever the RunInner call's `steps`, so a plan cannot be passed to it
 without changing it. The machine is driven by hand below, as the lower-level tests of test_round.py do.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,21 @@ import pytest
 import torch
 
 from hsgd.core.outer_plan import token_weights
-from hsgd.core.round import (Answer, ClusterStage, Kill, OuterReduce, Overlap, Phase, Progress, RoundMachine, RunInner,
-                             StepPlan, Up, Yield, plan_round)
+from hsgd.core.round import (
+    Answer,
+    ClusterStage,
+    Kill,
+    OuterReduce,
+    Overlap,
+    Phase,
+    Progress,
+    RoundMachine,
+    RunInner,
+    StepPlan,
+    Up,
+    Yield,
+    plan_round,
+)
 from hsgd.core.round.balance import fragment_delay_of, plan_steps
 from hsgd.core.topology import Topology
 from tests.fakes.round_world import DONE, decisions, make_settings
@@ -127,8 +141,10 @@ def _runs(effects) -> dict[int, Phase]:
 def test_each_clusters_run_inner_carries_its_planned_steps():
     m = _machine(2, 2, (20, 10))
     runs = _runs(m.start(0.0))
-    assert {c: {rid: call.steps for rid, call in run.calls.items()} for c, run in runs.items()} == \
-        {0: {"c0r0": 20, "c0r1": 20}, 1: {"c1r0": 10, "c1r1": 10}}
+    assert {c: {rid: call.steps for rid, call in run.calls.items()} for c, run in runs.items()} == {
+        0: {"c0r0": 20, "c0r1": 20},
+        1: {"c1r0": 10, "c1r1": 10},
+    }
     assert all(isinstance(call, RunInner) for run in runs.values() for call in run.calls.values())
 
 
@@ -190,12 +206,22 @@ def test_the_reduce_behind_the_steps_carries_the_planned_token_weights_the_excha
     topo = Topology(2, 1)
     groups = shard_holders([("c0r0",), ("c1r0",)], ["c0r0", "c1r0"], 1)
     settings = make_settings(steps_per_round=SPR, cluster_steps=(20, 10), fragment_delay=3)
-    m = RoundMachine(topo, settings, 1, progress={"c0r0": (1, 20), "c1r0": (1, 20)}, leaders={0: "c0r0", 1: "c1r0"},
-                     epoch=9, committed_round=1, outer_configured=(7, groups))
+    m = RoundMachine(
+        topo,
+        settings,
+        1,
+        progress={"c0r0": (1, 20), "c1r0": (1, 20)},
+        leaders={0: "c0r0", 1: "c1r0"},
+        epoch=9,
+        committed_round=1,
+        outer_configured=(7, groups),
+    )
     runs = _runs(m.start(0.0))
     expected = token_weights([20 - 3, 10 - 3])  # the steps before each cluster's snapshot (delay 3)
-    assert {rid: call.overlap for run in runs.values() for rid, call in run.calls.items()} == \
-        {"c0r0": Overlap(7, 0, 1, expected), "c1r0": Overlap(7, 0, 1, expected)}
+    assert {rid: call.overlap for run in runs.values() for rid, call in run.calls.items()} == {
+        "c0r0": Overlap(7, 0, 1, expected),
+        "c1r0": Overlap(7, 0, 1, expected),
+    }
     m.observe(Answer(runs[1].id, "c1r0", DONE, 1, 30), 1.0)
     (reduce,) = decisions(m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 40), 2.0))
     assert {call.weights for call in reduce.calls.values()} == {expected}
@@ -204,8 +230,7 @@ def test_the_reduce_behind_the_steps_carries_the_planned_token_weights_the_excha
 def test_each_cluster_is_taken_for_hung_at_its_own_step_deadline():
     """c0's deadline is 5 s, c1's 60 s, the run's 30 s: both stop stepping at t=2; c0 is killed
     past 2 + 5 s, c1 still not at 2 + 30 s (where the run's deadline would kill it)."""
-    m = _machine(2, 1, (20, 10), r=0, cluster_step_deadline_s=(5.0, 60.0), step_deadline_s=30.0,
-                 group_grace_s=1.0)
+    m = _machine(2, 1, (20, 10), r=0, cluster_step_deadline_s=(5.0, 60.0), step_deadline_s=30.0, group_grace_s=1.0)
     m.start(0.0)
     for t, step in ((1.0, 1), (2.0, 2)):
         for rid in ("c0r0", "c1r0"):
@@ -358,12 +383,15 @@ class _AveragingPeer:
             x.mul_(0.5).add_(0.25)
 
 
-@pytest.mark.parametrize("inner_every,steps,averages", [
-    (10, 5, [4]),  # inner_every past the plan: one average, at the plan's last step
-    (4, 5, [3, 4]),  # at its boundary, and at the plan's last step
-    (5, 10, [4, 9]),  # no plan: every inner_every steps only (the last step is a boundary)
-    (4, 8, [3, 7]),  # the plan's last step is a boundary: averaged once there
-])
+@pytest.mark.parametrize(
+    "inner_every,steps,averages",
+    [
+        (10, 5, [4]),  # inner_every past the plan: one average, at the plan's last step
+        (4, 5, [3, 4]),  # at its boundary, and at the plan's last step
+        (5, 10, [4, 9]),  # no plan: every inner_every steps only (the last step is a boundary)
+        (4, 8, [3, 7]),  # the plan's last step is a boundary: averaged once there
+    ],
+)
 def test_localsgd_averages_at_the_plans_last_step(dataset, inner_every, steps, averages):
     t = _trainer(dataset, "c0r0", *SCHEDULE, inner="localsgd", inner_every=inner_every)
     group = _AveragingPeer(t)
@@ -389,8 +417,8 @@ def _localsgd_worker(rank: int, port: int, results) -> None:
     out = {"rank": rank}
     try:
         from hsgd.train.comm import LevelGroup
-        from tests.fakes.trainer import _cfg
         from hsgd.train.trainer import ReplicaTrainer
+        from tests.fakes.trainer import _cfg
 
         torch.set_num_threads(1)
         group = LevelGroup("inner", "gloo", timeout_s=20, configure_timeout_s=30)
@@ -441,9 +469,13 @@ def _sites_cfg(sites: str, *train: str):
 def test_a_sites_own_pacing_wins_and_null_takes_the_run_wide_value():
     from hsgd.train.simulate import StepPacer, pacer_from_config
 
-    cfg = _sites_cfg("[{replicas:1,min_step_s:0.25,straggle_p:0.5,straggle_factor:3},"
-                     "{replicas:1},{replicas:1,min_step_s:0.5}]",
-                     "train.min_step_s=0.1", "train.straggle_p=0.2", "train.straggle_factor=2", "seed=7")
+    cfg = _sites_cfg(
+        "[{replicas:1,min_step_s:0.25,straggle_p:0.5,straggle_factor:3},{replicas:1},{replicas:1,min_step_s:0.5}]",
+        "train.min_step_s=0.1",
+        "train.straggle_p=0.2",
+        "train.straggle_factor=2",
+        "seed=7",
+    )
     assert pacer_from_config(cfg, 0) == StepPacer(0.25, 0.5, 3.0, 7)
     assert pacer_from_config(cfg, 1) == StepPacer(0.1, 0.2, 2.0, 7)
     assert pacer_from_config(cfg, 2) == StepPacer(0.5, 0.2, 2.0, 7), "only min_step_s is the site's own"
@@ -461,23 +493,37 @@ def test_no_pacing_set_anywhere_gives_no_pacer():
 def test_the_expected_step_time_is_min_step_s_stretched_by_the_expected_straggle():
     from hsgd.config.sites import expected_step_s
 
-    cfg = _sites_cfg("[{replicas:1,min_step_s:0.25,straggle_p:0.5,straggle_factor:3},{replicas:1},"
-                     "{replicas:1,straggle_p:0.5}]", "train.straggle_p=0.2", "train.straggle_factor=2")
+    cfg = _sites_cfg(
+        "[{replicas:1,min_step_s:0.25,straggle_p:0.5,straggle_factor:3},{replicas:1},{replicas:1,straggle_p:0.5}]",
+        "train.straggle_p=0.2",
+        "train.straggle_factor=2",
+    )
     assert expected_step_s(cfg, 0) == pytest.approx(0.25 * (1 + 0.5 * 3))
     assert expected_step_s(cfg, 1) is None and expected_step_s(cfg, 2) is None, "no min_step_s: learned"
-    run_wide = _sites_cfg("[{replicas:1},{replicas:1,min_step_s:0.3,straggle_p:0}]", "train.min_step_s=0.1",
-                          "train.straggle_p=0.2", "train.straggle_factor=2")
+    run_wide = _sites_cfg(
+        "[{replicas:1},{replicas:1,min_step_s:0.3,straggle_p:0}]",
+        "train.min_step_s=0.1",
+        "train.straggle_p=0.2",
+        "train.straggle_factor=2",
+    )
     assert expected_step_s(run_wide, 0) == pytest.approx(0.1 * 1.4)
     assert expected_step_s(run_wide, 1) == pytest.approx(0.3), "a site's straggle_p of 0 is its own, not null"
 
 
 # -- 6. the config's refusals ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides,field,valid", [
-    (["topology.sites=[{replicas:1},{replicas:1,min_step_s:-1}]"], "topology.sites[1].min_step_s", ">= 0"),
-    (["topology.sites=[{replicas:1},{replicas:1,straggle_p:1.5}]"], "topology.sites[1].straggle_p", "[0, 1]"),
-    (["topology.sites=[{replicas:1},{replicas:1,straggle_factor:-2}]"], "topology.sites[1].straggle_factor", ">= 0"),
-    (["sync.balance=fast"], "sync.balance", "none|steps"),
-])
+@pytest.mark.parametrize(
+    "overrides,field,valid",
+    [
+        (["topology.sites=[{replicas:1},{replicas:1,min_step_s:-1}]"], "topology.sites[1].min_step_s", ">= 0"),
+        (["topology.sites=[{replicas:1},{replicas:1,straggle_p:1.5}]"], "topology.sites[1].straggle_p", "[0, 1]"),
+        (
+            ["topology.sites=[{replicas:1},{replicas:1,straggle_factor:-2}]"],
+            "topology.sites[1].straggle_factor",
+            ">= 0",
+        ),
+        (["sync.balance=fast"], "sync.balance", "none|steps"),
+    ],
+)
 def test_bad_balance_and_pacing_values_are_one_line_config_errors(overrides, field, valid):
     from hsgd.config import ConfigError
     from hsgd.config.compose import precheck
@@ -492,8 +538,13 @@ def test_bad_balance_and_pacing_values_are_one_line_config_errors(overrides, fie
 def test_good_balance_and_pacing_values_pass_the_checks():
     from hsgd.config.compose import precheck
 
-    precheck(["topology.sites=[{replicas:1,min_step_s:0.25,straggle_p:1,straggle_factor:0},"
-              "{replicas:1,min_step_s:0,straggle_p:0}]", "sync.balance=steps"])
+    precheck(
+        [
+            "topology.sites=[{replicas:1,min_step_s:0.25,straggle_p:1,straggle_factor:0},"
+            "{replicas:1,min_step_s:0,straggle_p:0}]",
+            "sync.balance=steps",
+        ]
+    )
 
 
 def test_the_command_line_refuses_an_unknown_balance_with_exit_2_before_ray(tmp_path):

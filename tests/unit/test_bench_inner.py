@@ -1,5 +1,6 @@
 """`python -m benchmarks inner`: one process, no Ray, three variants of the same inner step; with
 `--gpus-per-replica 2`, hsgd's replica at k=1 and sharded over 2 gloo rank processes as well."""
+
 import json
 import subprocess
 import sys
@@ -18,9 +19,11 @@ def test_peak_table_matches_device_names():
 
 def test_bench_inner_runs_without_ray_and_writes_every_figure(tmp_path):
     # sys.modules["ray"] = None makes any `import ray` on the bench's path raise ImportError
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from benchmarks.cli import main\n"
-            f"sys.exit(main(['inner', '--presets', 'tiny', '--steps', '2', '--repeats', '2', '--out', {str(tmp_path)!r}]))")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from benchmarks.cli import main\n"
+        f"sys.exit(main(['inner', '--presets', 'tiny', '--steps', '2', '--repeats', '2', '--out', {str(tmp_path)!r}]))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "inner.json").read_text())
@@ -39,10 +42,12 @@ def test_bench_inner_runs_without_ray_and_writes_every_figure(tmp_path):
 
 
 def test_gpus_per_replica_runs_k1_and_k2_in_one_invocation_and_k2_holds_less_state_per_rank(tmp_path):
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from benchmarks.cli import main\n"
-            "sys.exit(main(['inner', '--presets', 'tiny', '--steps', '2', '--repeats', '2', "
-            f"'--gpus-per-replica', '2', '--out', {str(tmp_path)!r}]))")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from benchmarks.cli import main\n"
+        "sys.exit(main(['inner', '--presets', 'tiny', '--steps', '2', '--repeats', '2', "
+        f"'--gpus-per-replica', '2', '--out', {str(tmp_path)!r}]))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "inner.json").read_text())
@@ -71,8 +76,25 @@ def test_gpus_per_replica_runs_k1_and_k2_in_one_invocation_and_k2_holds_less_sta
 
 
 def test_gpus_per_replica_refuses_a_batch_that_does_not_split_across_the_ranks(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "inner", "--presets", "tiny", "--batch-size", "5",
-                           "--gpus-per-replica", "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "inner",
+            "--presets",
+            "tiny",
+            "--batch-size",
+            "5",
+            "--gpus-per-replica",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and not (tmp_path / "inner.json").exists()
     assert "--gpus-per-replica 2" in proc.stderr and "--batch-size" in proc.stderr

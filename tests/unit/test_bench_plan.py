@@ -3,6 +3,7 @@ drives them, against the fake Ray of benchmarks/fake_ray.py — at a quick size 
 2 rounds a case). Timings are never checked here; what is: plan.json's schema, that the machine and
 the runner both ran every case (every round committed with agreeing digests; the failures armed
 happened and took their paths), and that the runner's `ray` is the real one again afterwards."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def test_plan_bench_drives_the_machine_and_its_runner_through_every_case(tmp_pat
     assert report["reference_ms"] > 0
 
     rounds = report["rounds"]
-    assert [r["case"] for r in rounds] == ["first_round"] + ["fault_free"] * 2 + ["few_failures"] * 2 \
-        + ["while_training"]
+    assert [r["case"] for r in rounds] == ["first_round"] + ["fault_free"] * 2 + ["few_failures"] * 2 + [
+        "while_training"
+    ]
     assert [r["round"] for r in rounds] == list(range(6)), "each round starts where the last one committed"
     checks = report["checks"]
     assert checks["committed"] == checks["rounds"] == 6 and checks["digests_agree"]

@@ -1,6 +1,7 @@
 """benchmarks/scale.py part 3's `BoardWriter` (the light replicas' progress publishers, in one process)
 writes what a replica's Publisher writes, `round,step,pid` with each light actor's own pid: the
 runner's board read keeps a value only from the process the roster knows for that replica."""
+
 import time
 
 from benchmarks.scale import BoardWriter
@@ -20,7 +21,8 @@ def test_the_bench_board_writer_publishes_each_light_actors_pid_as_the_publisher
     deadline = time.monotonic() + 5.0
     while len(got := board.read(["c0r0", "c0r1"]) or {}) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert {rid: (r, pid) for rid, (r, _, pid) in got.items()} == {"c0r0": (2, 4101), "c0r1": (2, 4102)}, \
+    assert {rid: (r, pid) for rid, (r, _, pid) in got.items()} == {"c0r0": (2, 4101), "c0r1": (2, 4102)}, (
         f"each replica's value must carry its own actor's pid (the runner drops others): {got}"
+    )
     assert all(20 <= step < 30 for _, step, _ in got.values()), f"round 2's steps: {got}"
     assert writer.written() > 0

@@ -7,6 +7,7 @@ Two real gloo processes (ONE spawned session): parity with the non-overlapped `a
 path over 30 AdamW steps of a small GPT, then a peer killed mid-backward -> the survivor's
 `finish` raises CollectiveError within the timeout, and its group stays unusable until re-formed.
 """
+
 import os
 import time
 import traceback
@@ -93,8 +94,9 @@ def _group(pg, level="inner", world_size=2):
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+    )
 
 
 def _backward(model, log=None):
@@ -114,7 +116,7 @@ def test_buckets_are_launched_from_hooks_during_backward_in_bucket_order():
     group = _group(PG(log=log))
     buckets.arm(group)
     _backward(model, log)
-    launched_in_backward = [e for e in log[:log.index(("backward_returned",))] if e[0] == "launch"]
+    launched_in_backward = [e for e in log[: log.index(("backward_returned",))] if e[0] == "launch"]
     assert len(launched_in_backward) == len(expected), "every bucket fills during backward and is launched there"
     ref = [p.grad.clone() for p in params]
     buckets.finish()
@@ -137,11 +139,16 @@ def test_the_guard_is_held_from_the_first_launch_to_finish():
     group.allreduce_mean([torch.ones(1)], level="inner")
 
 
-@pytest.mark.parametrize("pg,kind", [(PG(work=Work(result=False)), "timeout"),
-                                     (PG(work=Work(error=RuntimeError("Connection closed by peer"))), "peer_gone"),
-                                     (PG(issue_error=torch.distributed.DistBackendError("lazy NCCL init")), "issue"),
-                                     (type("ErroredPG", (PG,), {"errored_with": RuntimeError("aborted")})(), "aborted")],
-                         ids=["wait_returns_false", "wait_raises", "issue_raises", "group_errored_after_wait"])
+@pytest.mark.parametrize(
+    "pg,kind",
+    [
+        (PG(work=Work(result=False)), "timeout"),
+        (PG(work=Work(error=RuntimeError("Connection closed by peer"))), "peer_gone"),
+        (PG(issue_error=torch.distributed.DistBackendError("lazy NCCL init")), "issue"),
+        (type("ErroredPG", (PG,), {"errored_with": RuntimeError("aborted")})(), "aborted"),
+    ],
+    ids=["wait_returns_false", "wait_raises", "issue_raises", "group_errored_after_wait"],
+)
 def test_a_failed_bucket_comes_out_of_finish_as_collective_error(pg, kind):
     model = _model()
     params = list(model.parameters())
@@ -245,7 +252,9 @@ def _worker(rank, port, results):
             buckets.finish()
             opt_b.step()
         out["max_diff"] = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), overlapped.parameters()))
-        out["params"] = [p.detach().reshape(-1).tolist() for p in overlapped.parameters()]  # no tensors in a queue: shared memory dies with the sender
+        out["params"] = [
+            p.detach().reshape(-1).tolist() for p in overlapped.parameters()
+        ]  # no tensors in a queue: shared memory dies with the sender
         out["moved"] = max((a - b).abs().max().item() for a, b in zip(_gpt().parameters(), overlapped.parameters()))
         # a peer killed mid-backward: rank 1 dies from a hook halfway through its backward, after
         # it launched some buckets; rank 0 must get CollectiveError from finish, within the timeout
@@ -290,7 +299,9 @@ def test_overlapped_buckets_match_the_plain_allreduce_over_many_steps(gloo_pair)
     for rank, o in gloo_pair.items():
         assert o["n_buckets"] >= 3, "the parity run must use several buckets"
         assert o["moved"] > 1e-3, "the model must actually train"
-        assert o["max_diff"] <= 1e-6, f"rank {rank}: overlapped vs plain differ by {o['max_diff']:.2e} after {STEPS} steps"
+        assert o["max_diff"] <= 1e-6, (
+            f"rank {rank}: overlapped vs plain differ by {o['max_diff']:.2e} after {STEPS} steps"
+        )
     assert gloo_pair[0]["params"] == gloo_pair[1]["params"], "both members hold the same params after every step"
 
 

@@ -1,10 +1,11 @@
 """An embedded run that cannot fit is one config error, before Ray or any actor starts."""
+
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from hsgd.config.capacity import GiB, embedded_capacity_problem
 from tests.fakes.configs import default_cfg
@@ -13,8 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _problem(**kw):
-    args = dict(replicas=4, cpus_per_replica=1.0, cores=2, memory_bytes=24 * GiB, per_replica_bytes=400 * 2**20,
-                num_cpus=None)
+    args = dict(
+        replicas=4, cpus_per_replica=1.0, cores=2, memory_bytes=24 * GiB, per_replica_bytes=400 * 2**20, num_cpus=None
+    )
     return embedded_capacity_problem(**{**args, **kw})
 
 
@@ -41,12 +43,27 @@ def test_an_explicit_ray_num_cpus_is_honoured_exactly():
 def test_cli_refuses_a_64x64_topology_in_one_line_with_exit_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-m", "jobs.train", "topology.clusters=64", "topology.replicas_per_cluster=64",
-                          f"run.dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            "topology.clusters=64",
+            "topology.replicas_per_cluster=64",
+            f"run.dir={tmp_path / 'run'}",
+            "logging.wandb.mode=disabled",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert lines == [lines[0]] and lines[0].startswith("hsgd: config error: topology.replicas_per_cluster: 4096 replicas need"), out.stderr
+    assert lines == [lines[0]] and lines[0].startswith(
+        "hsgd: config error: topology.replicas_per_cluster: 4096 replicas need"
+    ), out.stderr
     assert not (tmp_path / "run").exists(), "nothing may be written before the error"
 
 
@@ -56,9 +73,14 @@ def _node(cpus, label=None):
 
 
 def _cfg(spares_per_cluster=0, cluster_labels=(), strategy="STRICT_PACK", **comm):
-    return default_cfg(**{"topology.spares_per_cluster": spares_per_cluster,
-                          "topology.cluster_labels": list(cluster_labels), "topology.placement_strategy": strategy,
-                          **{f"comm.{key}": value for key, value in comm.items()}})
+    return default_cfg(
+        **{
+            "topology.spares_per_cluster": spares_per_cluster,
+            "topology.cluster_labels": list(cluster_labels),
+            "topology.placement_strategy": strategy,
+            **{f"comm.{key}": value for key, value in comm.items()},
+        }
+    )
 
 
 def _placement(need=None, nodes=None, **kw):
@@ -199,9 +221,17 @@ def test_short_of_cpus_is_left_to_the_placement_check():
     assert _placement(need={"CPU": 1.0, "GPU": 1.0}, nodes=[_gpu_node(4, cpus=1), _gpu_node(4, cpus=1)]) is not None
 
 
-@pytest.mark.parametrize("asked,level,gpu,expected", [
-    ("auto", "inner", True, "nccl"), ("auto", "inner", False, "gloo"), ("auto", "outer", True, "gloo"),
-    ("gloo", "inner", True, "gloo"), ("nccl", "outer", True, "nccl"), ("nccl", "inner", True, "nccl")])
+@pytest.mark.parametrize(
+    "asked,level,gpu,expected",
+    [
+        ("auto", "inner", True, "nccl"),
+        ("auto", "inner", False, "gloo"),
+        ("auto", "outer", True, "gloo"),
+        ("gloo", "inner", True, "gloo"),
+        ("nccl", "outer", True, "nccl"),
+        ("nccl", "inner", True, "nccl"),
+    ],
+)
 def test_the_replica_resolves_auto_by_its_own_gpu(asked, level, gpu, expected):
     from hsgd.config.capacity import resolve_level_backend
 

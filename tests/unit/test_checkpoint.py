@@ -1,4 +1,5 @@
 """hsgd.train.checkpoint: atomic, verifiable checkpoints that load without executing code."""
+
 import builtins
 import hashlib
 import json
@@ -17,9 +18,14 @@ from hsgd.train.checkpoint import CheckpointError
 
 def _state(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"rid": "c0r0", "round": 5, "step": 100, "params": [torch.randn(3, 4, generator=g), torch.randn(7, generator=g)],
-            "inner_opt": {"state": {}, "param_groups": [{"lr": 0.003, "params": [0, 1]}]},
-            "round_losses": [1.5, 1.25]}
+    return {
+        "rid": "c0r0",
+        "round": 5,
+        "step": 100,
+        "params": [torch.randn(3, 4, generator=g), torch.randn(7, generator=g)],
+        "inner_opt": {"state": {}, "param_groups": [{"lr": 0.003, "params": [0, 1]}]},
+        "round_losses": [1.5, 1.25],
+    }
 
 
 def _write_checkpoint(root, round_index, rids=("c0r0", "c1r0"), owner="run-a", fingerprint=None):
@@ -77,7 +83,7 @@ def test_corrupt_file_is_a_clear_error_when_sha256_given(tmp_path):
     path = final / "c0r0.pt"
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 8] = bytes(b ^ 0xFF for b in data[mid:mid + 8])
+    data[mid : mid + 8] = bytes(b ^ 0xFF for b in data[mid : mid + 8])
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="sha256"):
         ckpt.load_replica_state(final, "c0r0", sha)
@@ -197,8 +203,11 @@ def test_finalize_refuses_a_file_whose_replica_never_reported_its_round(tmp_path
 def root(request, tmp_path):
     """A checkpoint root as a plain path, a file:// URL, or fsspec's in-process memory store (no
     atomic rename: the manifest written last is the commit point)."""
-    url = {"path": str(tmp_path / "ckpts"), "file": f"file://{tmp_path}/ckpts",
-           "memory": f"memory://hsgd-test-{uuid.uuid4().hex[:8]}/ckpts"}[request.param]
+    url = {
+        "path": str(tmp_path / "ckpts"),
+        "file": f"file://{tmp_path}/ckpts",
+        "memory": f"memory://hsgd-test-{uuid.uuid4().hex[:8]}/ckpts",
+    }[request.param]
     yield url
     ckpt.remove(url)
 
@@ -208,7 +217,11 @@ def _corrupt(url: str, how: str) -> None:
 
     fs, path = fsspec.core.url_to_fs(url)
     data = fs.cat_file(path)
-    data = data[:len(data) // 3] if how == "truncate" else data[:100] + bytes(b ^ 0xFF for b in data[100:108]) + data[108:]
+    data = (
+        data[: len(data) // 3]
+        if how == "truncate"
+        else data[:100] + bytes(b ^ 0xFF for b in data[100:108]) + data[108:]
+    )
     with fs.open(path, "wb") as f:
         f.write(data)
 
@@ -342,10 +355,21 @@ def _cfg(**over):
 def test_fingerprint_names_what_a_resume_may_not_change():
     base = ckpt.fingerprint(_cfg())
     json.dumps(base)  # it goes into the manifest
-    for field, value in [("model.n_embd", 64), ("model.n_layer", 7), ("model.n_head", 8), ("model.block_size", 16),
-                         ("model._target_", "x.y"), ("data.vocab_size", 99), ("sync.inner", "localsgd"),
-                         ("sync.outer", "average"), ("sync.outer_every", 7), ("optim.inner.name", "sgd"),
-                         ("optim.outer.lr", 0.5), ("optim.outer.momentum", 0.1), ("optim.outer.nesterov", False)]:
+    for field, value in [
+        ("model.n_embd", 64),
+        ("model.n_layer", 7),
+        ("model.n_head", 8),
+        ("model.block_size", 16),
+        ("model._target_", "x.y"),
+        ("data.vocab_size", 99),
+        ("sync.inner", "localsgd"),
+        ("sync.outer", "average"),
+        ("sync.outer_every", 7),
+        ("optim.inner.name", "sgd"),
+        ("optim.outer.lr", 0.5),
+        ("optim.outer.momentum", 0.1),
+        ("optim.outer.nesterov", False),
+    ]:
         diff = ckpt.fingerprint_diff(base, ckpt.fingerprint(_cfg(**{field: value})))
         assert len(diff) == 1 and diff[0].startswith(field + " "), f"{field}: {diff}"
 
@@ -354,9 +378,21 @@ def test_fingerprint_ignores_what_a_resume_may_change():
     # an auto (null) outer step follows the rounds; a resume adopts the recorded one (tests/unit/test_auto_defaults.py)
     pinned = {"optim.outer.lr": 1.0, "optim.outer.momentum": 0.3}
     base = ckpt.fingerprint(_cfg(**pinned))
-    changed = _cfg(**pinned, **{"topology.clusters": 3, "topology.replicas_per_cluster": 1, "train.rounds": 99,
-                      "comm.timeout_s": 3.0, "supervisor.phase_timeout_s": 9.0, "logging.progress": False,
-                      "faults.mtbf_s": 5.0, "checkpoint.every": 1, "optim.inner.lr": 0.1, "seed": 3})
+    changed = _cfg(
+        **pinned,
+        **{
+            "topology.clusters": 3,
+            "topology.replicas_per_cluster": 1,
+            "train.rounds": 99,
+            "comm.timeout_s": 3.0,
+            "supervisor.phase_timeout_s": 9.0,
+            "logging.progress": False,
+            "faults.mtbf_s": 5.0,
+            "checkpoint.every": 1,
+            "optim.inner.lr": 0.1,
+            "seed": 3,
+        },
+    )
     assert ckpt.fingerprint_diff(base, ckpt.fingerprint(changed)) == []
 
 

@@ -4,13 +4,13 @@ manifest) as a checkpoint of its round, refuse a damaged one before DCP reads a 
 past it to the previous good checkpoint of either format with the reason recorded, and prune both by
 the same rule. Each replica's DCP folder is written by `save_sharded(group=None)`: a world of one, in
 this process, into the round's temp folder, finalized as the supervisor does."""
+
 from __future__ import annotations
 
 import json
 import uuid
 import warnings
 
-import fsspec
 import pytest
 import torch
 
@@ -34,8 +34,11 @@ def _world_of_one_is_meant():
 @pytest.fixture(params=["path", "file", "memory"])
 def root(request, tmp_path):
     """A checkpoint root as a path, a file:// URL, or fsspec's memory store (no rename: manifest last)."""
-    url = {"path": str(tmp_path / "ckpts"), "file": f"file://{tmp_path}/ckpts",
-           "memory": f"memory://hsgd-formats-{uuid.uuid4().hex[:8]}/ckpts"}[request.param]
+    url = {
+        "path": str(tmp_path / "ckpts"),
+        "file": f"file://{tmp_path}/ckpts",
+        "memory": f"memory://hsgd-formats-{uuid.uuid4().hex[:8]}/ckpts",
+    }[request.param]
     yield url
     ckpt.remove(url)
 
@@ -48,8 +51,12 @@ def _write(root: str, round_index: int, kind: str, owner: str = "run-a", fingerp
     rids = ("c0r0", "c1r0")
     if kind == "dcp":
         for i, rid in enumerate(rids):
-            dcp_checkpoint.save_sharded(_state(round_index + i), ckpt.join_url(tmp, rid), group=None,
-                                        manifest_extra={"round": round_index, "rid": rid})
+            dcp_checkpoint.save_sharded(
+                _state(round_index + i),
+                ckpt.join_url(tmp, rid),
+                group=None,
+                manifest_extra={"round": round_index, "rid": rid},
+            )
         files = {rid: ckpt.sharded_replica_sha256(tmp, rid) for rid in rids}
         extra.update(format="dcp", ranks=1)
     else:
@@ -151,7 +158,8 @@ def test_the_chosen_dcp_checkpoint_loads_back_bitwise(root):
 @pytest.mark.parametrize("previous", ["file", "dcp"])
 @pytest.mark.parametrize("newest_kind", ["dcp", "file"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_of_either_format(
-        root, dcp_reads_refused, newest_kind, previous):
+    root, dcp_reads_refused, newest_kind, previous
+):
     """Mirrors test_checkpoint.py's one-file fallback: the altered newest is skipped (on_skip and
     Choice.skipped, the reason the restore's checkpoint_fallback event records), the previous chosen."""
     older = _write(root, 2, previous)
@@ -169,18 +177,22 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_of_either_fo
         ckpt.verify(newest)
 
 
-@pytest.mark.parametrize("damage, reason", [
-    ("data altered", "c0r0 refused before loading: __0_0.distcp is altered"),
-    ("data removed", "__0_0.distcp is missing"),
-    ("file added", "__7_0.distcp is not in the manifest"),
-    # a replica's manifest rewritten to match its (consistent) files: the run manifest's sha256 refuses it
-    ("replica manifest replaced", "c0r0/manifest.json does not match the run manifest's sha256"),
-    ("format unknown", "format 'zarr' is not one this hsgd reads"),
-    ("ranks missing", "ranks=None; it must be an integer >= 1"),
-    ("format removed", "c0r0.pt is unreadable"),  # read as the file format: refused, never loaded
-])
-def test_every_damage_of_a_dcp_checkpoint_is_passed_over_before_dcp_reads_it(tmp_path, dcp_reads_refused,
-                                                                              damage, reason):
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("data altered", "c0r0 refused before loading: __0_0.distcp is altered"),
+        ("data removed", "__0_0.distcp is missing"),
+        ("file added", "__7_0.distcp is not in the manifest"),
+        # a replica's manifest rewritten to match its (consistent) files: the run manifest's sha256 refuses it
+        ("replica manifest replaced", "c0r0/manifest.json does not match the run manifest's sha256"),
+        ("format unknown", "format 'zarr' is not one this hsgd reads"),
+        ("ranks missing", "ranks=None; it must be an integer >= 1"),
+        ("format removed", "c0r0.pt is unreadable"),  # read as the file format: refused, never loaded
+    ],
+)
+def test_every_damage_of_a_dcp_checkpoint_is_passed_over_before_dcp_reads_it(
+    tmp_path, dcp_reads_refused, damage, reason
+):
     root = str(tmp_path)
     older, newest = _write(root, 1, "dcp"), _write(root, 2, "dcp")
     fs, path = ckpt.url_to_fs(newest)
@@ -193,8 +205,14 @@ def test_every_damage_of_a_dcp_checkpoint_is_passed_over_before_dcp_reads_it(tmp
     elif damage == "replica manifest replaced":
         _rewrite_manifest(f"{newest}/c0r0", round=7)
     else:
-        _rewrite_manifest(newest, **{"format unknown": {"format": "zarr"}, "ranks missing": {"ranks": None},
-                                     "format removed": {"format": None}}[damage])
+        _rewrite_manifest(
+            newest,
+            **{
+                "format unknown": {"format": "zarr"},
+                "ranks missing": {"ranks": None},
+                "format removed": {"format": None},
+            }[damage],
+        )
     found = ckpt.choose(root)
     assert found.path == older, found
     assert [d for d, _ in found.skipped] == [newest] and reason in found.skipped[0][1], found.skipped

@@ -1,5 +1,6 @@
 """hsgd.train.codec: outer-payload codecs (error bounds, payload sizes, block-wise pieces,
 determinism) and error feedback."""
+
 import math
 
 import pytest
@@ -45,7 +46,7 @@ def test_bf16_round_trip_relative_error_at_most_2_pow_minus_8(n):
     got = _round_trip(make_codec("bf16"), x)
     err = (got.double() - x.double()).abs()
     worst = (err / x.double().abs()).max().item()
-    assert worst <= 2 ** -8, f"bf16 must round to nearest (relative error <= 2^-8), worst {worst:.3g}"
+    assert worst <= 2**-8, f"bf16 must round to nearest (relative error <= 2^-8), worst {worst:.3g}"
     assert torch.equal(got, x.to(torch.bfloat16).float()), "bf16 must be torch's round-to-nearest-even cast"
 
 
@@ -56,18 +57,19 @@ def test_int_round_trip_error_at_most_half_a_step_of_its_block(name, n):
     got = _round_trip(make_codec(name), x)
     scale = _blocks(x, 256).abs().amax(dim=1, keepdim=True) / BITS[name]  # exact, per block
     err = _blocks(got, 256) - _blocks(x, 256)
-    bound = scale * (0.5 + 2 ** -15)  # half a step, plus fp32 rounding of x/scale and q*scale
+    bound = scale * (0.5 + 2**-15)  # half a step, plus fp32 rounding of x/scale and q*scale
     worst = (err.abs() / bound).max().item()
     assert worst <= 1.0, f"{name}: an element is off by {worst:.4f} x (scale/2) of its block"
     levels = (_blocks(got, 256) / scale).nan_to_num()
-    assert torch.allclose(levels, levels.round(), atol=1e-4) and levels.abs().max() <= BITS[name] + 1e-4, \
+    assert torch.allclose(levels, levels.round(), atol=1e-4) and levels.abs().max() <= BITS[name] + 1e-4, (
         f"{name}: decoded values must be integer multiples of the block scale within +-{BITS[name]}"
+    )
 
 
 def test_int_all_zero_blocks_decode_to_zeros_without_nan():
     x = _vector(5 * 256 + 10)
     x[256:768] = 0.0  # two whole zero blocks between non-zero ones
-    x[-10:] = 0.0     # and a zero partial last block
+    x[-10:] = 0.0  # and a zero partial last block
     for name in ("int8", "int4", "topk"):
         got = _round_trip(make_codec(name), x)
         assert torch.isfinite(got).all(), f"{name}: an all-zero block must not decode to NaN/inf"
@@ -81,15 +83,17 @@ def test_topk_keeps_exactly_k_largest_per_chunk_as_bf16(n, density):
     x = _vector(n, seed=n)  # no exact zeros: kept <=> decoded non-zero
     got = _round_trip(make_codec("topk", density), x)
     for start in range(0, n, 4096):
-        xs, gs = x[start:start + 4096], got[start:start + 4096]
+        xs, gs = x[start : start + 4096], got[start : start + 4096]
         kept = gs != 0
         k = max(1, round(density * xs.numel()))
         assert kept.sum().item() == k, f"topk chunk at {start}: kept {kept.sum().item()} entries, want {k}"
-        assert torch.equal(gs[kept], xs[kept].to(torch.bfloat16).float()), \
+        assert torch.equal(gs[kept], xs[kept].to(torch.bfloat16).float()), (
             f"topk chunk at {start}: kept entries must be the bf16 rounding of the originals"
+        )
         if k < xs.numel():
-            assert xs[~kept].abs().max() <= xs[kept].abs().min(), \
+            assert xs[~kept].abs().max() <= xs[kept].abs().min(), (
                 f"topk chunk at {start}: a dropped |x| is larger than a kept |x|"
+            )
 
 
 def test_topk_breaks_ties_towards_the_lowest_indices():
@@ -98,7 +102,7 @@ def test_topk_breaks_ties_towards_the_lowest_indices():
     k = round(0.01 * 4096)
     want = torch.zeros_like(x)
     for start in range(0, x.numel(), 4096):
-        want[start:start + k] = x[start:start + k]
+        want[start : start + k] = x[start : start + k]
     assert torch.equal(got, want), "topk ties must keep the lowest indices of each chunk"
 
 
@@ -123,9 +127,10 @@ def test_payload_bytes_is_the_encoded_length(name, n):
     codec = make_codec(name)
     payload = codec.encode(_vector(n))
     assert payload.dtype == torch.uint8 and payload.dim() == 1
-    assert payload.numel() == codec.payload_bytes(n) == _expected_bytes(name, n), \
-        f"{name}, n={n}: encoded {payload.numel()} bytes, payload_bytes says {codec.payload_bytes(n)}, " \
+    assert payload.numel() == codec.payload_bytes(n) == _expected_bytes(name, n), (
+        f"{name}, n={n}: encoded {payload.numel()} bytes, payload_bytes says {codec.payload_bytes(n)}, "
         f"the documented layout {_expected_bytes(name, n)}"
+    )
 
 
 def test_compression_ratios_vs_fp32_are_as_documented():
@@ -155,10 +160,12 @@ def test_encoding_of_a_piece_is_the_piece_of_the_encoding(name):
         for a, b in PIECES:
             b = n if b is None else b
             piece = codec.encode(x[a:b])
-            assert torch.equal(piece, whole[codec.payload_bytes(a):codec.payload_bytes(b)]), \
+            assert torch.equal(piece, whole[codec.payload_bytes(a) : codec.payload_bytes(b)]), (
                 f"{name}: encode(x[{a}:{b}]) is not the matching slice of encode(x)"
-            assert torch.equal(_bits(codec.decode(piece, b - a)), _bits(decoded[a:b])), \
+            )
+            assert torch.equal(_bits(codec.decode(piece, b - a)), _bits(decoded[a:b])), (
                 f"{name}: decode(encode(x[{a}:{b}])) differs bitwise from decode(encode(x))[{a}:{b}]"
+            )
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -197,7 +204,7 @@ def _contraction(codec, n):
     most 2^-8 relative (bf16)."""
     lens = [min(4096, n - s) for s in range(0, n, 4096)]
     delta = min(max(1, round(codec.density * m)) / m for m in lens)
-    return math.sqrt(1 - delta + 2 ** -16)
+    return math.sqrt(1 - delta + 2**-16)
 
 
 @pytest.mark.parametrize("name", ["int4", "topk"])
@@ -220,21 +227,24 @@ def test_error_feedback_carries_the_residual_so_sent_sums_track_true_sums(name):
         true_sum += update.double()
         plain_sum += codec.decode(codec.encode(update), n).double()  # the same codec, no feedback
         # fp32 rounding of update + residual and of corrected - sent, at most 2^-24 |corrected| each
-        tol += 2 ** -23 * corrected.abs().max().item()
+        tol += 2**-23 * corrected.abs().max().item()
         gap = (sent_sum + residual.double() - true_sum).abs().max().item()
         assert gap <= tol, f"{name} round {t}: sum(sent) + residual != sum(updates) (off by {gap:.3g} > {tol:.3g})"
         max_update = max(max_update, update.norm().item())
         with_fb.append((sent_sum - true_sum).norm().item())
         without_fb.append((plain_sum - true_sum).norm().item())
     quarter = rounds // 4
-    assert max(with_fb[-quarter:]) <= 1.5 * max(with_fb[:quarter]), \
-        f"{name}: with feedback ||sum sent - sum updates|| kept growing: {with_fb[quarter - 1]:.1f} at round " \
+    assert max(with_fb[-quarter:]) <= 1.5 * max(with_fb[:quarter]), (
+        f"{name}: with feedback ||sum sent - sum updates|| kept growing: {with_fb[quarter - 1]:.1f} at round "
         f"{quarter}, {with_fb[-1]:.1f} at round {rounds}"
-    assert without_fb[-1] >= 1.8 * max(without_fb[:quarter]), \
+    )
+    assert without_fb[-1] >= 1.8 * max(without_fb[:quarter]), (
         f"{name}: the test's premise broke: without feedback the error should grow with the rounds"
-    assert with_fb[-1] * 4 <= without_fb[-1], \
-        f"{name}: feedback must track the true sum far better than no feedback " \
+    )
+    assert with_fb[-1] * 4 <= without_fb[-1], (
+        f"{name}: feedback must track the true sum far better than no feedback "
         f"({with_fb[-1]:.1f} vs {without_fb[-1]:.1f})"
+    )
     if name == "topk":  # the bound EF theory gives a contractive compressor, whatever the number of rounds
         gamma = _contraction(codec, n)
         bound = gamma / (1 - gamma) * max_update

@@ -5,6 +5,7 @@ slow part) and checks several promises in it: mean all-reduce, root broadcast, b
 dead peer turning the survivors' next collective into CollectiveError within the timeout, the
 group being unusable after an error, and the survivors re-forming under a fresh epoch prefix.
 """
+
 import os
 import time
 import traceback

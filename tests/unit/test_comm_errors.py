@@ -2,6 +2,7 @@
 the group, configure, set_timeout, issuing an op, a device copy, the wait, a wait that returns
 False, a group left errored — is a CollectiveError with a kind, never torch's own error type; the
 group is unusable afterwards; abort never raises. Fake process groups and works, no processes."""
+
 import pickle
 from datetime import timedelta
 
@@ -72,8 +73,10 @@ def _configured(monkeypatch, pg, world_size=2):
 
 
 def _ops(group):
-    return [lambda: group.allreduce_mean([torch.ones(3)], level="inner"),
-            lambda: group.broadcast([torch.ones(3)], root=1, level="inner")]
+    return [
+        lambda: group.allreduce_mean([torch.ones(3)], level="inner"),
+        lambda: group.broadcast([torch.ones(3)], root=1, level="inner"),
+    ]
 
 
 def test_a_group_that_cannot_be_built_raises_collective_error(monkeypatch):
@@ -113,9 +116,14 @@ def test_an_error_raised_when_the_op_is_issued_is_a_collective_error(monkeypatch
 
 
 @pytest.mark.parametrize("op", [0, 1], ids=["allreduce", "broadcast"])
-@pytest.mark.parametrize("error,kind", [(RuntimeError("[pair.cc:534] Connection closed by peer [1.2.3.4]:5"), "peer_gone"),
-                                        (RuntimeError("Timed out waiting 1000ms for recv operation"), "timeout"),
-                                        (DIST_BACKEND, "wait")])
+@pytest.mark.parametrize(
+    "error,kind",
+    [
+        (RuntimeError("[pair.cc:534] Connection closed by peer [1.2.3.4]:5"), "peer_gone"),
+        (RuntimeError("Timed out waiting 1000ms for recv operation"), "timeout"),
+        (DIST_BACKEND, "wait"),
+    ],
+)
 def test_an_error_raised_by_the_wait_is_a_collective_error_with_its_kind(monkeypatch, op, error, kind):
     group = _configured(monkeypatch, FakePG(work=FakeWork(wait=error)))
     with pytest.raises(CollectiveError) as info:
@@ -128,8 +136,7 @@ def test_a_wait_that_returns_false_is_a_timeout_not_a_silent_return(monkeypatch,
     t = torch.ones(3)
     group = _configured(monkeypatch, FakePG(work=FakeWork(result=False)))
     with pytest.raises(CollectiveError) as info:
-        [lambda: group.allreduce_mean([t], level="inner"),
-         lambda: group.broadcast([t], root=1, level="inner")][op]()
+        [lambda: group.allreduce_mean([t], level="inner"), lambda: group.broadcast([t], root=1, level="inner")][op]()
     assert info.value.kind == "timeout"
     assert torch.equal(t, torch.ones(3)), "a collective that did not complete must not write its result"
 

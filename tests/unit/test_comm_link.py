@@ -5,6 +5,7 @@ Build 5): LinkModel's arithmetic, LevelGroup pacing each collective to the link'
 Timing: only lower bounds are asserted (a collective over a simulated link lasts at least its
 modeled time: that is the behaviour); never an upper bound.
 """
+
 import os
 import time
 import traceback
@@ -81,7 +82,13 @@ class _PG:
 
 
 def _live(group, pg, world_size=2, rank=0):
-    group._pg, group.world_size, group.rank, group._usable, group.prefix = pg, world_size, rank, True, "run/epoch1/outer"
+    group._pg, group.world_size, group.rank, group._usable, group.prefix = (
+        pg,
+        world_size,
+        rank,
+        True,
+        "run/epoch1/outer",
+    )
     return group
 
 
@@ -123,8 +130,10 @@ def test_without_a_link_nothing_sleeps(monkeypatch):
 def test_a_failed_collective_does_not_sleep(monkeypatch):
     slept = []
     monkeypatch.setattr(comm.time, "sleep", lambda s: slept.append(s))
-    group = _live(LevelGroup("outer", link=LinkModel(gbps=1.0, latency_ms=500.0)),
-                  _PG(fail=RuntimeError("Connection closed by peer")))
+    group = _live(
+        LevelGroup("outer", link=LinkModel(gbps=1.0, latency_ms=500.0)),
+        _PG(fail=RuntimeError("Connection closed by peer")),
+    )
     with pytest.raises(CollectiveError) as info:
         group.allreduce_mean([torch.zeros(10)], level="outer")
     assert info.value.kind == "peer_gone"
@@ -244,6 +253,7 @@ def _gather_worker(world_size, with_link):
         except BaseException:  # noqa: BLE001 — report everything to the parent
             out["exception"] = traceback.format_exc()
         results.put(out)
+
     return worker
 
 
@@ -288,7 +298,9 @@ def test_all_gather_counts_what_a_member_sends_in_a_ring(session, request):
 def test_a_dead_peer_makes_all_gather_raise_collective_error(session, request):
     outs = request.getfixturevalue(session)
     for rank in range(len(outs) - 1):
-        assert outs[rank]["after_death"] in ("peer_gone", "wait", "timeout"), f"rank {rank}: {outs[rank]['after_death']}"
+        assert outs[rank]["after_death"] in ("peer_gone", "wait", "timeout"), (
+            f"rank {rank}: {outs[rank]['after_death']}"
+        )
 
 
 def test_a_real_allreduce_over_a_simulated_link_lasts_its_modeled_time(two_with_link):

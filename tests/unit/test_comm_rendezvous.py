@@ -5,6 +5,7 @@ everyone arriving — late or not — forms a working group; nobody arriving is 
 abort touches only its own group; an abort through a store that is gone is False, never an error.
 Real TCPStores and gloo groups; the configure timeouts are long (60 s) so the only way out in time
 is the abort."""
+
 import os
 import subprocess
 import sys
@@ -110,8 +111,10 @@ def test_an_abort_of_one_group_leaves_another_groups_rendezvous_alone(store):
     master, addr = store
     other = "run-x/epoch3/inner/c10"
     aborted, untouched = Member(addr, PREFIX, 0, 2), Member(addr, other, 0, 2)
-    _until(lambda: _arrived(master, addr, PREFIX, (0,)) and _arrived(master, addr, other, (0,)),
-           "both groups' rank 0 in their rendezvous")
+    _until(
+        lambda: _arrived(master, addr, PREFIX, (0,)) and _arrived(master, addr, other, (0,)),
+        "both groups' rank 0 in their rendezvous",
+    )
     assert comm.abort_rendezvous(master, addr, PREFIX, "c1r1 died")
     aborted.join(RELEASED_S)
     assert getattr(aborted.error, "kind", None) == "join_aborted", repr(aborted.error)
@@ -135,13 +138,21 @@ def test_nobody_arriving_is_a_configure_error_naming_who_never_came(store):
 
 def test_abort_rendezvous_through_a_store_that_is_gone_is_false_not_an_error():
     server = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from hsgd.train.comm import start_store; "
-         "s = start_store('127.0.0.1', 5); print(s.port, flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from hsgd.train.comm import start_store; "
+            "s = start_store('127.0.0.1', 5); print(s.port, flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
     try:
         port = int(server.stdout.readline())
-        client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                            timeout=timedelta(seconds=5))
+        client = torch.distributed.TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
+        )
         addr = comm.rendezvous_address("127.0.0.1", port, SECRET)
         assert comm.abort_rendezvous(client, addr, PREFIX, "first") is True  # the store is there
     finally:
@@ -159,8 +170,9 @@ def _forming_worker(rank, port, results):
     try:
         addr = comm.rendezvous_address("127.0.0.1", port, SECRET)
         group = LevelGroup("inner", "gloo", timeout_s=10.0, configure_timeout_s=LONG_S)
-        client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                            timeout=timedelta(seconds=10))
+        client = torch.distributed.TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
+        )
         for epoch, late in ((3, False), (4, rank == 2)):
             prefix = f"run-x/epoch{epoch}/inner/c1"
             if late:
@@ -195,15 +207,21 @@ def test_a_member_arriving_late_within_the_timeout_still_forms_the_group(formed)
 # -- the replica's side ------------------------------------------------------------------------------
 def _replica_class():
     from actors.replica import Replica
+
     return Replica.__ray_actor_class__
 
 
 def test_the_join_fault_fires_before_the_member_arrives_and_only_when_a_group_forms():
     seen = []
     group = SimpleNamespace(configure=lambda *args: seen.append(("configure", args)))
-    fake = SimpleNamespace(inner=group, epoch=-1, phase="idle", phase_since=0.0,
-                           trainer=SimpleNamespace(round=4),
-                           _hook=lambda phase, r, s: seen.append(("hook", phase, r)))
+    fake = SimpleNamespace(
+        inner=group,
+        epoch=-1,
+        phase="idle",
+        phase_since=0.0,
+        trainer=SimpleNamespace(round=4),
+        _hook=lambda phase, r, s: seen.append(("hook", phase, r)),
+    )
     join = _replica_class()._join
     assert join(fake, group, None, "inner") == 0.0 and seen == [], "a standing group forms nothing"
     join(fake, group, (7, "h:1/s", "run/epoch7/inner/c1", 1, 2), "inner")
@@ -211,12 +229,19 @@ def test_the_join_fault_fires_before_the_member_arrives_and_only_when_a_group_fo
 
 
 def test_a_failed_collective_answer_carries_its_error_kind():
-    fake = SimpleNamespace(phase="idle", phase_since=0.0, rid="c1r0", armed=[],
-                           trainer=SimpleNamespace(progress=lambda: {"round": 0, "step": 0}))
+    fake = SimpleNamespace(
+        phase="idle",
+        phase_since=0.0,
+        rid="c1r0",
+        armed=[],
+        trainer=SimpleNamespace(progress=lambda: {"round": 0, "step": 0}),
+    )
 
     def fails():
-        raise CollectiveError("inner: joining run/epoch7/inner/c1 as rank 0/2: the rendezvous was aborted: c1r1 died",
-                              "join_aborted")
+        raise CollectiveError(
+            "inner: joining run/epoch7/inner/c1 as rank 0/2: the rendezvous was aborted: c1r1 died", "join_aborted"
+        )
+
     replica = _replica_class()
     fake._answer = lambda *args, **kw: replica._answer(fake, *args, **kw)  # (the one place answers are built)
     answer = replica._phase(fake, "inner", fails, None)

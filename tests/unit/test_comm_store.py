@@ -1,6 +1,7 @@
 """The run's control traffic is locked down: the supervisor's store listens on the node's address
 only (read back from the listening socket, not the wildcard), and every group's store keys sit
 under a per-run secret of at least 128 random bits that never appears in a group's prefix."""
+
 import socket
 from datetime import timedelta
 from types import SimpleNamespace
@@ -26,8 +27,11 @@ def _node_address() -> str:
 
 
 def _listening(port: int) -> list[str]:
-    return [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    return [
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", _node_address()])
@@ -35,8 +39,9 @@ def test_the_store_listens_on_the_node_address_not_the_wildcard(host):
     store = comm.start_store(host, timeout_s=5)
     try:
         assert _listening(store.port) == [host], f"store on port {store.port} listens on {_listening(store.port)}"
-        client = torch.distributed.TCPStore(host, store.port, is_master=False, wait_for_workers=False,
-                                            timeout=timedelta(seconds=5))
+        client = torch.distributed.TCPStore(
+            host, store.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
+        )
         client.set("k", "v")
         assert store.get("k") == b"v", "the store must work through the socket it was handed"
     finally:
@@ -46,8 +51,9 @@ def test_the_store_listens_on_the_node_address_not_the_wildcard(host):
 def test_a_plain_tcpstore_would_listen_on_the_wildcard():
     """Why start_store exists: torch binds every interface by itself (if this ever changes, the
     wildcard check above stays the promise)."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=5))
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
     assert set(_listening(store.port)) & {"0.0.0.0", "::"}
 
 
@@ -98,8 +104,9 @@ def test_group_store_keys_carry_the_secret_but_its_prefix_does_not(monkeypatch):
     monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     secret = comm.new_run_secret()
     group = comm.LevelGroup("outer")
-    group.configure(comm.rendezvous_address("10.0.0.5", 29500, secret), "run-abc123/epoch4/outer",
-                    rank=1, world_size=3, epoch=4)
+    group.configure(
+        comm.rendezvous_address("10.0.0.5", 29500, secret), "run-abc123/epoch4/outer", rank=1, world_size=3, epoch=4
+    )
     _, _, key_prefix = seen["store_addr"].partition("/")  # torchft's create_store_client does this
     assert key_prefix.startswith(secret + "/") and key_prefix.endswith("run-abc123/epoch4/outer")
     assert secret not in group.prefix and secret not in seen["replica_id"]
@@ -124,6 +131,7 @@ def test_a_failed_join_does_not_repeat_the_secret(monkeypatch):
     monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     group = comm.LevelGroup("inner")
     with pytest.raises(comm.CollectiveError) as info:
-        group.configure(comm.rendezvous_address("10.0.0.5", 1, secret), "run/epoch1/inner/c0", rank=0,
-                        world_size=2, epoch=1)
+        group.configure(
+            comm.rendezvous_address("10.0.0.5", 1, secret), "run/epoch1/inner/c0", rank=0, world_size=2, epoch=1
+        )
     assert secret not in str(info.value) and "<secret>/run/epoch1/inner/c0/0" in str(info.value)

@@ -52,15 +52,19 @@ def test_batch_for_step_is_deterministic_and_shifted(corpus):
 def test_batch_for_step_differs_across_replicas_steps_and_seeds(corpus):
     kw = dict(batch_size=4, block_size=16)
     base = batch_for_step(corpus.train, seed=0, replica_index=0, step=0, **kw)[0]
-    for other in [dict(seed=0, replica_index=1, step=0), dict(seed=0, replica_index=0, step=1),
-                  dict(seed=1, replica_index=0, step=0)]:
+    for other in [
+        dict(seed=0, replica_index=1, step=0),
+        dict(seed=0, replica_index=0, step=1),
+        dict(seed=1, replica_index=0, step=0),
+    ]:
         assert not torch.equal(base, batch_for_step(corpus.train, **other, **kw)[0])
 
 
 def test_batch_offsets_reach_but_never_pass_the_end():
     tokens = torch.arange(10)
-    xs = torch.cat([batch_for_step(tokens, seed=0, replica_index=0, step=s,
-                                   batch_size=8, block_size=8)[1] for s in range(20)])
+    xs = torch.cat(
+        [batch_for_step(tokens, seed=0, replica_index=0, step=s, batch_size=8, block_size=8)[1] for s in range(20)]
+    )
     assert xs.max() == 9  # y may end on the last token, never beyond
 
 
@@ -164,8 +168,9 @@ def test_token_folder_batches_are_int64_windows_of_the_memmap(tmp_path, dtype, v
         x, y = ds.batch(split, seed=1, replica_index=0, step=3, micro=2)
         assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
         assert torch.equal(x[:, 1:], y[:, :-1])
-        ref = batch_for_step(torch.from_numpy(tokens.astype(np.int64)), seed=1, replica_index=0, step=3,
-                             batch_size=4, block_size=16)
+        ref = batch_for_step(
+            torch.from_numpy(tokens.astype(np.int64)), seed=1, replica_index=0, step=3, batch_size=4, block_size=16
+        )
         if split == "train":  # micro 2 is not today's stream; micro 0 is
             x0, y0 = ds.batch(split, seed=1, replica_index=0, step=3, micro=0)
             assert torch.equal(x0, ref[0]) and torch.equal(y0, ref[1])
@@ -221,8 +226,14 @@ def test_bad_token_files_fail_with_one_line_naming_the_field(tmp_path):
     cases.append((no_val, None, FileNotFoundError, "^data.path=.*without val.bin"))
     nometa = _token_folder(tmp_path, ok, ok[:300], meta=False, name="nometa")
     cases.append((nometa, 50, ValueError, "^data.vocab_size=50: .*token id 99"))
-    cases.append((_token_folder(tmp_path, ok, ok[:300], name="small_vocab"), 64, ValueError,
-                  "^data.vocab_size=64: is smaller than the 100"))
+    cases.append(
+        (
+            _token_folder(tmp_path, ok, ok[:300], name="small_vocab"),
+            64,
+            ValueError,
+            "^data.vocab_size=64: is smaller than the 100",
+        )
+    )
     short = _token_folder(tmp_path, ok, ok[:10], name="short")
     cases.append((short, None, ValueError, "^data.path=.*val.bin holds 10 tokens.*block_size=16"))
     cases.append((big / "train.bin", None, ValueError, "^data.path=.*point data.path at the folder"))
@@ -237,30 +248,46 @@ def test_check_data_scans_all_of_val_and_batches_check_every_window(tmp_path, mo
     val[n // 2 + 7] = 999  # between the sampled windows
     folder = _token_folder(tmp_path, train, val, vocab=10)
     ds = build_dataset(DataConfig(path=str(folder), batch_size=4), 16)  # the bounded sample misses it
-    _one_line_error(ValueError, lambda: check_data(_cfg(path=str(folder))),
-                    f"^data.path=.*val.bin holds token id 999 at token {n // 2 + 7}")
+    _one_line_error(
+        ValueError,
+        lambda: check_data(_cfg(path=str(folder))),
+        f"^data.path=.*val.bin holds token id 999 at token {n // 2 + 7}",
+    )
     monkeypatch.setattr("hsgd.train.data._offsets", lambda *a, **k: torch.tensor([n // 2]))
-    _one_line_error(ValueError, lambda: ds.batch("val", seed=0, replica_index=0, step=0, micro=0),
-                    "^data.path=.*val.bin holds token id 999")
+    _one_line_error(
+        ValueError,
+        lambda: ds.batch("val", seed=0, replica_index=0, step=0, micro=0),
+        "^data.path=.*val.bin holds token id 999",
+    )
 
 
 def make_counting_dataset(data_cfg, block_size, *, start=0):
     """A user's data plug-in (the shape README documents): counts from `start`."""
+
     def batch(split, *, seed, replica_index, step, micro):
         x = torch.arange(start, start + block_size).repeat(data_cfg.batch_size, 1) + step
         return x, x + 1
+
     return types.SimpleNamespace(source="counting", vocab_size=None, batch=batch)
 
 
 def test_check_data_builds_a_user_target_and_names_it_when_it_fails():
     check_data(_cfg(_target_=f"{__name__}.make_counting_dataset", args={"start": 5}))
-    _one_line_error(ValueError, lambda: check_data(_cfg(_target_="no_such_module_h5.build")),
-                    "^data._target_: 'no_such_module_h5.build': cannot import no_such_module_h5")
-    _one_line_error(ValueError, lambda: check_data(_cfg(_target_=f"{__name__}.make_counting_dataset",
-                                                        args={"stop": 5})),
-                    "^data._target_=.*failed .TypeError")
-    _one_line_error(ValueError, lambda: check_data(_cfg(_target_=f"{__name__}.make_no_batches")),
-                    "^data._target_=.*returned dict, which has no batch")
+    _one_line_error(
+        ValueError,
+        lambda: check_data(_cfg(_target_="no_such_module_h5.build")),
+        "^data._target_: 'no_such_module_h5.build': cannot import no_such_module_h5",
+    )
+    _one_line_error(
+        ValueError,
+        lambda: check_data(_cfg(_target_=f"{__name__}.make_counting_dataset", args={"stop": 5})),
+        "^data._target_=.*failed .TypeError",
+    )
+    _one_line_error(
+        ValueError,
+        lambda: check_data(_cfg(_target_=f"{__name__}.make_no_batches")),
+        "^data._target_=.*returned dict, which has no batch",
+    )
 
 
 def make_no_batches(data_cfg, block_size):

@@ -2,6 +2,7 @@
 way round with every full tensor equal (model and AdamW state); nothing DCP would read (its pickled
 `.metadata` first) is read before every file matches the manifest; a crash before the rename leaves
 nothing under the final name. (Spawns gloo processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -13,11 +14,11 @@ import warnings
 
 import pytest
 import torch
-from tests.unit.gloo_world import run_ranks
 
 from hsgd.train import dcp_checkpoint
 from hsgd.train.checkpoint import CheckpointError
 from hsgd.train.dcp_checkpoint import load_sharded, read_manifest, save_sharded
+from tests.unit.gloo_world import run_ranks
 
 SHAPE = dict(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16)
 TRAIN_STEPS = 3
@@ -96,8 +97,10 @@ def _failing_saves(root: str, rank: int, group, state: dict) -> dict[str, str]:
         raise OSError("simulated disk failure")
 
     refusals = {}
-    for case, failing_rank, module, name in [("write", 1, dcp.FileSystemWriter, "write_data"),
-                                             ("rename", 0, dcp_checkpoint, "_rename_into_place")]:
+    for case, failing_rank, module, name in [
+        ("write", 1, dcp.FileSystemWriter, "write_data"),
+        ("rename", 0, dcp_checkpoint, "_rename_into_place"),
+    ]:
         real = getattr(module, name)
         if rank == failing_rank:
             setattr(module, name, fail)
@@ -132,8 +135,13 @@ def _worker(job: dict, rank: int, port: int, results) -> None:
             out["refusals"] = _failing_saves(job["directory"], rank, group, _sharded_state(model, opt, 0))
         elif job["mode"] == "save":
             _train(model, opt, rank)
-            out["manifest"] = save_sharded(_sharded_state(model, opt, TRAIN_STEPS), job["directory"], group=group,
-                                           manifest_extra={"round": 1, "step": TRAIN_STEPS}, timeout_s=60)
+            out["manifest"] = save_sharded(
+                _sharded_state(model, opt, TRAIN_STEPS),
+                job["directory"],
+                group=group,
+                manifest_extra={"round": 1, "step": TRAIN_STEPS},
+                timeout_s=60,
+            )
         else:
             if job.get("tampered"):
                 real_load, dcp.load = dcp.load, _refusing_dcp_load
@@ -195,8 +203,13 @@ def resharded(tmp_path_factory):
     shutil.copytree(by_one, tampered)
     _alter_one_byte(tampered / ".metadata")
     loaded_by_two = _run(2, directory=by_one, mode="load", seed=8, tampered=str(tampered))
-    return dict(by_two=by_two, saved_by_two=saved_by_two, loaded_by_one=loaded_by_one, saved_by_one=saved_by_one,
-                loaded_by_two=loaded_by_two)
+    return dict(
+        by_two=by_two,
+        saved_by_two=saved_by_two,
+        loaded_by_one=loaded_by_one,
+        saved_by_one=saved_by_one,
+        loaded_by_two=loaded_by_two,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +226,7 @@ def plain_checkpoint(tmp_path):
     directory = tmp_path / "round_000001"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        save_sharded(_sharded_state(model, opt, TRAIN_STEPS), str(directory), group=None,
-                     manifest_extra={"round": 1})
+        save_sharded(_sharded_state(model, opt, TRAIN_STEPS), str(directory), group=None, manifest_extra={"round": 1})
     return directory, _full(model, opt)
 
 
@@ -233,8 +245,9 @@ def test_a_checkpoint_written_by_two_ranks_loads_into_one_with_every_tensor_equa
     saved, loaded = resharded["saved_by_two"], resharded["loaded_by_one"]
     assert saved[0]["manifest"] == saved[1]["manifest"], "the two ranks returned different manifests"
     assert saved[0]["manifest"]["ranks"] == 2
-    assert sorted(saved[0]["manifest"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"], \
+    assert sorted(saved[0]["manifest"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"], (
         "one data file per rank plus DCP's .metadata, each with its sha256"
+    )
     assert loaded[0]["changed"], "the load left the fresh model as it was"
     assert loaded[0]["step"] == TRAIN_STEPS
     _assert_same_tensors(saved[0]["full"], loaded[0]["full"], "k=2 -> k=1")
@@ -276,12 +289,15 @@ def test_an_altered_metadata_is_refused_in_a_world_of_one_before_dcp_reads_it(pl
 
 
 # -- c: a data file altered, removed, or one added -------------------------------------------------
-@pytest.mark.parametrize("damage, named, problem", [
-    ("alter", "__0_0.distcp", "altered"),
-    ("remove", "__0_0.distcp", "missing"),
-    ("extra", "__9_0.distcp", "not in the manifest"),
-    ("unreadable", "__0_0.distcp", "unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, named, problem",
+    [
+        ("alter", "__0_0.distcp", "altered"),
+        ("remove", "__0_0.distcp", "missing"),
+        ("extra", "__9_0.distcp", "not in the manifest"),
+        ("unreadable", "__0_0.distcp", "unreadable"),
+    ],
+)
 def test_a_damaged_folder_is_refused_naming_the_file(plain_checkpoint, monkeypatch, damage, named, problem):
     import torch.distributed.checkpoint as dcp
 
@@ -329,8 +345,9 @@ def test_a_crash_before_the_rename_leaves_nothing_under_the_final_name(tmp_path,
     directory = tmp_path / "round_000002"
     with warnings.catch_warnings(), pytest.raises((CheckpointError, SimulatedDeath)):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        save_sharded(_sharded_state(model, opt, 0), str(directory), group=None, manifest_extra={"round": 2},
-                     owner="run1")
+        save_sharded(
+            _sharded_state(model, opt, 0), str(directory), group=None, manifest_extra={"round": 2}, owner="run1"
+        )
     assert not directory.exists(), "a checkpoint is visible under its final name without its rename"
     left = sorted(p.name for p in tmp_path.iterdir())
     if isinstance(crash, SimulatedDeath):  # the temp folder is left for checkpoint.prune, never read
@@ -381,8 +398,9 @@ def test_a_url_checkpoint_round_trips_through_dcps_fsspec_writer():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            manifest = save_sharded(_sharded_state(model, opt, TRAIN_STEPS), url, group=None,
-                                    manifest_extra={"round": 3})
+            manifest = save_sharded(
+                _sharded_state(model, opt, TRAIN_STEPS), url, group=None, manifest_extra={"round": 3}
+            )
             assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp"]
             fs = fsspec.filesystem("memory")
             assert [p for p in fs.ls("/hsgd-dcp-test", detail=False) if ".tmp-" in p] == [], "temp left behind"

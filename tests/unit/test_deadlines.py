@@ -1,4 +1,5 @@
 """hsgd.core.deadlines: learned phase deadlines and the stall rule (advancing = alive)."""
+
 from hsgd.core.deadlines import STUCK, PhaseClock, StallWatch
 
 

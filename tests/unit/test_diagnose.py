@@ -1,5 +1,6 @@
 """jobs.diagnose trusts nothing in run.json (it may sit in a shared, writable folder) with the
 local Ray token or a signal: the attach and signal decisions (pure; no Ray)."""
+
 import json
 import os
 import subprocess
@@ -14,13 +15,20 @@ NAME = "hsgd-run-abc-c0r1"
 
 
 def _actor(**kw):
-    return {"Name": NAME, "ActorClassName": "Replica", "State": "ALIVE", "Pid": 4242,
-            "Address": {"NodeID": HERE, "IPAddress": "10.0.0.1"}, **kw}
+    return {
+        "Name": NAME,
+        "ActorClassName": "Replica",
+        "State": "ALIVE",
+        "Pid": 4242,
+        "Address": {"NodeID": HERE, "IPAddress": "10.0.0.1"},
+        **kw,
+    }
 
 
 def _verify(actor, answered=4242, uid=ME):
-    return verified_replica_pid(actor, expected_name=NAME, here_node=HERE, answered_pid=answered,
-                                process_uid=uid, my_uid=ME)
+    return verified_replica_pid(
+        actor, expected_name=NAME, here_node=HERE, answered_pid=answered, process_uid=uid, my_uid=ME
+    )
 
 
 def test_attaches_to_this_users_local_cluster_named_in_run_json():
@@ -64,13 +72,28 @@ def test_only_this_runs_live_replica_on_this_node_owned_by_this_user_is_signalle
 def test_a_run_json_pointing_elsewhere_exits_2_without_connecting(tmp_path):
     """The old diagnose set RAY_AUTH_MODE=token and ray.init(address=<run.json's>): the local token
     went to whatever address the folder named."""
-    (tmp_path / "run.json").write_text(json.dumps({
-        "run_id": "x", "namespace": "hsgd", "ray_address": "203.0.113.9:6379", "replicas": ["c0r0"],
-        "auth_mode": "token", "pids": {"c0r0": {"pid": 1}}}))
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": "x",
+                "namespace": "hsgd",
+                "ray_address": "203.0.113.9:6379",
+                "replicas": ["c0r0"],
+                "auth_mode": "token",
+                "pids": {"c0r0": {"pid": 1}},
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-m", "jobs.diagnose", str(tmp_path)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.diagnose", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "203.0.113.9:6379" in lines[0], out.stderr

@@ -3,6 +3,7 @@ where the docstring says. A dotted name (`hsgd.train.comm.CollectiveError`, `Tra
 imported and resolved; a bare one (`RunnerPorts`) must be defined in the module, imported into it,
 or found in a module the docstring names (`hsgd.core.round`, hsgd/core/round/messages.py).
 Importing actors/* does not start Ray (only ray.init does)."""
+
 from __future__ import annotations
 
 import ast
@@ -84,6 +85,8 @@ def test_the_scan_finds_the_names_it_should():
 
 @pytest.mark.parametrize("module,doc,name", CASES, ids=[f"{m}:{n}" for m, _, n in CASES])
 def test_a_docstring_names_only_what_exists(module, doc, name):
-    assert resolves(module, doc, name), (f"{module}'s docstring names `{name}`, which is neither defined nor "
-                                         f"imported there nor in a module the docstring names: write it dotted "
-                                         f"(`torchft.process_group.ProcessGroupGloo`) or unquoted")
+    assert resolves(module, doc, name), (
+        f"{module}'s docstring names `{name}`, which is neither defined nor "
+        f"imported there nor in a module the docstring names: write it dotted "
+        f"(`torchft.process_group.ProcessGroupGloo`) or unquoted"
+    )

@@ -1,6 +1,7 @@
 """The typed event schema (hsgd/record/events.py EVENTS): every event the code logs is declared
 with the fields it always carries, RunLog refuses anything else, and README's events.jsonl row
 names every event (the public contract)."""
+
 from __future__ import annotations
 
 import ast
@@ -19,15 +20,20 @@ def _event_calls():
     for folder in ("actors", "hsgd", "jobs"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr == "event" and node.args):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "event"
+                    and node.args
+                ):
                     continue
                 first = node.args[0]
                 branches = [first.body, first.orelse] if isinstance(first, ast.IfExp) else [first]
                 where = f"{path.relative_to(REPO)}:{node.lineno}"
                 for branch in branches:
-                    assert isinstance(branch, ast.Constant) and isinstance(branch.value, str), \
+                    assert isinstance(branch, ast.Constant) and isinstance(branch.value, str), (
                         f"{where}: an event's name must be a literal, so it can be checked against the schema"
+                    )
                     keywords = {k.arg for k in node.keywords if k.arg is not None}
                     yield where, branch.value, keywords, any(k.arg is None for k in node.keywords)
 

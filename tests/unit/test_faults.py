@@ -1,7 +1,16 @@
 """hsgd.core.faults: the public fault grammar, its one-line errors, and reproducible random schedules."""
+
 import pytest
 
-from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES, FaultSpec, FaultSpecError, parse_fault, parse_schedule, random_schedule
+from hsgd.core.faults import (
+    FAULT_KINDS,
+    FAULT_PHASES,
+    FaultSpec,
+    FaultSpecError,
+    parse_fault,
+    parse_schedule,
+    random_schedule,
+)
 from hsgd.core.topology import parse_replica_id, replica_id
 
 TOPO = {"clusters": 2, "replicas_per_cluster": 2}
@@ -12,7 +21,9 @@ def _fails(raw, field, *, index=0, **topo):
         parse_fault(raw, index=index, **(topo or TOPO))
     err = info.value
     assert err.field == field, f"rule broke: error should name {field!r}, named {err.field!r}: {err}"
-    assert "\n" not in str(err) and str(err).startswith(field + ":"), f"error must be one line naming the field: {err!r}"
+    assert "\n" not in str(err) and str(err).startswith(field + ":"), (
+        f"error must be one line naming the field: {err!r}"
+    )
     return err
 
 
@@ -28,10 +39,15 @@ def test_phase_and_step_default_to_inner_step_zero():
     assert (spec.phase, spec.step) == ("inner", 0)
 
 
-@pytest.mark.parametrize("target,target_kind,cluster", [
-    ("c1r0", "replica", 1), ("leader:c1", "leader", 1), ("cluster:c0", "cluster", 0),
-    ("supervisor", "supervisor", None),
-])
+@pytest.mark.parametrize(
+    "target,target_kind,cluster",
+    [
+        ("c1r0", "replica", 1),
+        ("leader:c1", "leader", 1),
+        ("cluster:c0", "cluster", 0),
+        ("supervisor", "supervisor", None),
+    ],
+)
 def test_every_target_form_is_accepted(target, target_kind, cluster):
     spec = parse_fault({"kind": "kill", "target": target, "round": 1}, **TOPO)
     assert (spec.target, spec.target_kind, spec.target_cluster) == (target, target_kind, cluster)
@@ -74,8 +90,9 @@ def test_unknown_phase_is_rejected_listing_phases():
     assert "|".join(FAULT_PHASES) in str(err)
 
 
-@pytest.mark.parametrize("target", ["c0", "r1", "replica:c0", "leader:1", "leader:c", "cluster:cx",
-                                    "boss", "", "c0r1r2"])
+@pytest.mark.parametrize(
+    "target", ["c0", "r1", "replica:c0", "leader:1", "leader:c", "cluster:cx", "boss", "", "c0r1r2"]
+)
 def test_unknown_target_is_rejected(target):
     err = _fails({"kind": "kill", "target": target, "round": 1}, "faults.schedule[0].target")
     assert "supervisor" in str(err), f"error should list the valid target forms: {err}"
@@ -88,8 +105,9 @@ def test_target_outside_the_topology_is_rejected(target):
 
 def test_topology_bounds_follow_the_given_topology():
     parse_fault({"kind": "kill", "target": "c2r3", "round": 1}, clusters=3, replicas_per_cluster=4)
-    _fails({"kind": "kill", "target": "c2r3", "round": 1}, "faults.schedule[0].target", clusters=3,
-           replicas_per_cluster=3)
+    _fails(
+        {"kind": "kill", "target": "c2r3", "round": 1}, "faults.schedule[0].target", clusters=3, replicas_per_cluster=3
+    )
 
 
 def test_unknown_key_is_rejected_naming_the_key():
@@ -154,13 +172,21 @@ def test_a_replica_target_that_validates_is_the_canonical_id_the_supervisor_matc
     except FaultSpecError as err:
         assert err.field == "faults.schedule[0].target"
         return
-    assert spec.target == replica_id(*parse_replica_id(spec.target)), \
+    assert spec.target == replica_id(*parse_replica_id(spec.target)), (
         f"accepted target {spec.target!r} is not a canonical replica id; it can never match a live replica"
+    )
 
 
 # -- random mode ----------------------------------------------------------------------------------
-RANDOM = dict(mtbf_s=5.0, kinds=["kill", "crash"], rounds=10, round_s_estimate=4.0, steps_per_round=20,
-              clusters=2, replicas_per_cluster=3)
+RANDOM = dict(
+    mtbf_s=5.0,
+    kinds=["kill", "crash"],
+    rounds=10,
+    round_s_estimate=4.0,
+    steps_per_round=20,
+    clusters=2,
+    replicas_per_cluster=3,
+)
 
 
 def test_random_schedule_is_a_pure_function_of_the_seed():
@@ -179,8 +205,9 @@ def test_random_schedule_stays_within_the_run_and_topology(seed):
         assert f.kind in RANDOM["kinds"] and f.phase == "inner"
         cluster, index = parse_replica_id(f.target)
         assert cluster < RANDOM["clusters"] and index < RANDOM["replicas_per_cluster"]
-    assert [(f.round, f.step) for f in faults] == sorted((f.round, f.step) for f in faults), \
+    assert [(f.round, f.step) for f in faults] == sorted((f.round, f.step) for f in faults), (
         "faults should come in firing order"
+    )
 
 
 def _plan():
@@ -193,13 +220,17 @@ def _plan():
 def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
     from hsgd.core.faults import due_faults
 
-    specs = parse_schedule([
-        {"kind": "kill", "target": "leader:c1", "round": 2, "phase": "outer"},
-        {"kind": "crash", "target": "cluster:c0", "round": 2, "phase": "outer"},
-        {"kind": "hang", "target": "c1r0", "round": 2, "phase": "outer"},  # dead: stays pending
-        {"kind": "kill", "target": "supervisor", "round": 2, "phase": "outer"},
-        {"kind": "kill", "target": "c0r0", "round": 3, "phase": "outer"},
-    ], clusters=2, replicas_per_cluster=2)
+    specs = parse_schedule(
+        [
+            {"kind": "kill", "target": "leader:c1", "round": 2, "phase": "outer"},
+            {"kind": "crash", "target": "cluster:c0", "round": 2, "phase": "outer"},
+            {"kind": "hang", "target": "c1r0", "round": 2, "phase": "outer"},  # dead: stays pending
+            {"kind": "kill", "target": "supervisor", "round": 2, "phase": "outer"},
+            {"kind": "kill", "target": "c0r0", "round": 3, "phase": "outer"},
+        ],
+        clusters=2,
+        replicas_per_cluster=2,
+    )
     due = due_faults(specs, [], round_index=2, phases=("outer",), plan=_plan())
     assert [(d.index, d.targets) for d in due] == [(0, ("c1r1",)), (1, ("c0r0", "c0r1"))]
     assert due[0].message() == {"kind": "kill", "phase": "outer", "step": 0, "seconds": None}
@@ -208,8 +239,9 @@ def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
 def test_due_faults_never_repeat_a_fired_fault_and_respect_only():
     from hsgd.core.faults import due_faults
 
-    specs = parse_schedule([{"kind": "crash", "target": "cluster:c0", "round": 1, "phase": "heal"}],
-                           clusters=2, replicas_per_cluster=2)
+    specs = parse_schedule(
+        [{"kind": "crash", "target": "cluster:c0", "round": 1, "phase": "heal"}], clusters=2, replicas_per_cluster=2
+    )
     assert due_faults(specs, [0], round_index=1, phases=("heal",), plan=_plan()) == []
     due = due_faults(specs, [], round_index=1, phases=("heal",), plan=_plan(), only={"c0r1"})
     assert [d.targets for d in due] == [("c0r1",)]
@@ -238,7 +270,12 @@ def _injector(tmp_path, schedule):
     from hsgd.record.run_state import RunState
 
     injector = FaultInjector.__new__(FaultInjector)  # no config: the schedule as given
-    injector.run_dir, injector.state, injector.log, injector._save = str(tmp_path), RunState(), _Log(tmp_path), lambda: None
+    injector.run_dir, injector.state, injector.log, injector._save = (
+        str(tmp_path),
+        RunState(),
+        _Log(tmp_path),
+        lambda: None,
+    )
     injector.shape, injector.faults, injector.missed = TOPO, parse_schedule(schedule, **TOPO), set()
     injector.armed_at, injector.deadly_armed = {}, set()
     return injector
@@ -248,7 +285,9 @@ def _fire(injector, rid, message, round_index, step, pid=1234):
     """What the replica does at the boundary (actors/replica.py `_fire`): its line first."""
     from hsgd.record.rundir import write_fault_fired
 
-    write_fault_fired(injector.log.writer, injector.run_dir, rid, message["kind"], message["phase"], round_index, step, pid=pid)
+    write_fault_fired(
+        injector.log.writer, injector.run_dir, rid, message["kind"], message["phase"], round_index, step, pid=pid
+    )
 
 
 def test_a_fault_armed_into_a_call_that_ended_before_its_step_is_carried_by_the_next_call(tmp_path):
@@ -258,8 +297,13 @@ def test_a_fault_armed_into_a_call_that_ended_before_its_step_is_carried_by_the_
     from hsgd.core.membership import live_plan
     from hsgd.core.topology import Topology
 
-    injector = _injector(tmp_path, [{"kind": "kill", "target": "c0r1", "round": 0, "step": 7},
-                                    {"kind": "kill", "target": "c0r1", "round": 0, "step": 9}])
+    injector = _injector(
+        tmp_path,
+        [
+            {"kind": "kill", "target": "c0r1", "round": 0, "step": 7},
+            {"kind": "kill", "target": "c0r1", "round": 0, "step": 9},
+        ],
+    )
     plan = live_plan(Topology(2, 2), {"c0r0", "c0r1", "c1r0", "c1r1"}, {}, 1)
     first = injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"})
     assert [m["step"] for m in first["c0r1"]] == [7, 9]
@@ -281,17 +325,23 @@ def test_a_fault_whose_target_is_down_through_its_moment_is_recorded_target_down
     from hsgd.core.topology import Topology
     from hsgd.record.rundir import read_jsonl
 
-    injector = _injector(tmp_path, [{"kind": "kill", "target": "c0r0", "round": 6, "step": 8},
-                                    {"kind": "hang", "target": "c1r0", "round": 9, "step": 2},
-                                    {"kind": "kill", "target": "c1r1", "round": 6, "phase": "join"}])
+    injector = _injector(
+        tmp_path,
+        [
+            {"kind": "kill", "target": "c0r0", "round": 6, "step": 8},
+            {"kind": "hang", "target": "c1r0", "round": 9, "step": 2},
+            {"kind": "kill", "target": "c1r1", "round": 6, "phase": "join"},
+        ],
+    )
     plan = live_plan(Topology(2, 2), {"c1r0", "c1r1"}, {}, 5)  # cluster 0 down all round
     assert injector.arm(6, ("inner",), plan, only={"c1r0", "c1r1"}) == {}
     injector.state.committed_round = 7  # a run that failed in round 7: round 9's moment never came
     # and no group formed in round 6: its `join` fault's moment never came either (README)
     assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2", "kill c1r1 at round 6 join"]
     lines = read_jsonl(tmp_path / "faults_fired.jsonl")
-    assert [(x["rid"], x["kind"], x["round"], x["step"], x.get("pid"), x["target_down"]) for x in lines] == \
-        [("c0r0", "kill", 6, 8, None, True)]
+    assert [(x["rid"], x["kind"], x["round"], x["step"], x.get("pid"), x["target_down"]) for x in lines] == [
+        ("c0r0", "kill", 6, 8, None, True)
+    ]
     assert injector.not_fired() == ["hang c1r0 at round 9 inner step 2", "kill c1r1 at round 6 join"], "recorded once"
     assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
 
@@ -299,8 +349,14 @@ def test_a_fault_whose_target_is_down_through_its_moment_is_recorded_target_down
 def test_fired_as_matches_a_line_to_its_fault():
     from hsgd.core.faults import fired_as
 
-    kill, leader = (parse_fault({"kind": "kill", "target": t, "round": 2, "step": 3}, **TOPO) for t in ("c0r1", "leader:c1"))
+    kill, leader = (
+        parse_fault({"kind": "kill", "target": t, "round": 2, "step": 3}, **TOPO) for t in ("c0r1", "leader:c1")
+    )
     line = {"rid": "c0r1", "kind": "kill", "phase": "inner", "round": 2, "step": 3, "pid": 7}
-    assert fired_as(kill, line) and not fired_as(kill, {**line, "step": 4}) and fired_as(kill, {**line, "step": 0, "pid": None})
+    assert (
+        fired_as(kill, line)
+        and not fired_as(kill, {**line, "step": 4})
+        and fired_as(kill, {**line, "step": 0, "pid": None})
+    )
     assert not fired_as(kill, {**line, "round": 1}) and not fired_as(kill, {**line, "rid": "c0r0"})
     assert fired_as(leader, {**line, "rid": "c1r0"}) and not fired_as(leader, line)

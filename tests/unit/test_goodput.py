@@ -1,4 +1,5 @@
 """benchmarks.fault_costs: where a fault's time went, from the run's own records."""
+
 from benchmarks.fault_costs import fault_costs, goodput, summarize_costs
 
 
@@ -22,8 +23,9 @@ def test_fault_cost_is_split_into_detection_replan_restart_heal_and_rejoin():
 
 
 def test_an_undetected_fault_has_no_figures_and_supervisor_faults_are_skipped():
-    costs = fault_costs([{"t": 20.0, "rid": "c1r0", "kind": "kill"}, {"t": 1.0, "rid": "supervisor", "kind": "kill"}],
-                        _events())
+    costs = fault_costs(
+        [{"t": 20.0, "rid": "c1r0", "kind": "kill"}, {"t": 1.0, "rid": "supervisor", "kind": "kill"}], _events()
+    )
     assert len(costs) == 1 and costs[0]["detection_s"] is None and costs[0]["rejoin_s"] is None
     assert summarize_costs(costs)["detection_s"] is None
 

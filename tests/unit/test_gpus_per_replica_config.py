@@ -3,13 +3,23 @@ on one node. Its refusals are one line naming the field, exit 2 before any actor
 sites, sync.outer_path=sharded, a data.batch_size that does not split over k, k not dividing a GPU
 node's devices; a sync.fragment_delay with k > 1 is accepted); the default k = 1
 config and its resources are unchanged; the per-rank memory rule and one bundle per replica."""
+
 from __future__ import annotations
 
 import pytest
 
 from hsgd.config import ConfigError
-from hsgd.config.capacity import (GATHERED_COPIES, STATE_COPIES, GiB, embedded_capacity_problem, layer_param_count,
-                                  model_param_count, placement_problem, plan_backends, rank_state_bytes)
+from hsgd.config.capacity import (
+    GATHERED_COPIES,
+    STATE_COPIES,
+    GiB,
+    embedded_capacity_problem,
+    layer_param_count,
+    model_param_count,
+    placement_problem,
+    plan_backends,
+    rank_state_bytes,
+)
 from hsgd.config.compose import compose_config, precheck
 from hsgd.config.sites import ranks_per_replica
 from tests.fakes.cli import train_isolated
@@ -37,29 +47,51 @@ def test_with_k_1_resources_and_memory_are_what_they_were():
 
     cfg = default_cfg()
     assert rank_resources(cfg, 0.0) == replica_resources(cfg, 0.0) == {"CPU": 1.0}
-    assert group_specs(cfg, 0.0) == [{"bundles": [{"CPU": 1.0}] * 2, "name": f"hsgd-cluster-{c}",
-                                      "strategy": "STRICT_PACK"} for c in range(2)]
+    assert group_specs(cfg, 0.0) == [
+        {"bundles": [{"CPU": 1.0}] * 2, "name": f"hsgd-cluster-{c}", "strategy": "STRICT_PACK"} for c in range(2)
+    ]
     assert group_specs(default_cfg(**{"topology.placement_strategy": "NONE"}), 0.0) == []
     assert group_specs(default_cfg(**{"topology.cluster_labels": ["a", "b"]}), 1.0) == [], "labels: a selector"
     assert rank_state_bytes(4, 128, 64, 1) == STATE_COPIES * 4 * model_param_count(4, 128, 64)
 
 
 # -- refusals before Ray: one line, the field, what is valid -----------------------------------------------
-@pytest.mark.parametrize("overrides,field,words", [
-    ([TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:2}]")],
-     "topology.sites[1].gpus_per_replica", ("is 2 but cluster c0 has 1", "the same gpus_per_replica for every site")),
-    (["topology.sites=[{replicas:2,gpus_per_replica:4},{replicas:2,gpus_per_replica:2}]", "data.batch_size=8"],
-     "topology.sites[1].gpus_per_replica", ("is 2 but cluster c0 has 4",)),
-    ([TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:0}]")],
-     "topology.sites[1].gpus_per_replica", ("valid: null (topology.gpus_per_replica) or an int >= 1",)),
-    (["topology.gpus_per_replica=2", "sync.outer_path=sharded"], "sync.outer_path",
-     ("gpus_per_replica=2", "valid: leader")),
-    (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size", ("valid: a multiple of 3",)),
-    (["topology.gpus_per_replica=0"], "topology.gpus_per_replica", ("valid: an int >= 1",)),
-    # every site restating one k is one k: only what k > 1 does not do is left
-    (["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]",
-      "sync.outer_path=sharded"], "sync.outer_path", ("topology.gpus_per_replica=2",)),
-])
+@pytest.mark.parametrize(
+    "overrides,field,words",
+    [
+        (
+            [TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:2}]")],
+            "topology.sites[1].gpus_per_replica",
+            ("is 2 but cluster c0 has 1", "the same gpus_per_replica for every site"),
+        ),
+        (
+            ["topology.sites=[{replicas:2,gpus_per_replica:4},{replicas:2,gpus_per_replica:2}]", "data.batch_size=8"],
+            "topology.sites[1].gpus_per_replica",
+            ("is 2 but cluster c0 has 4",),
+        ),
+        (
+            [TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:0}]")],
+            "topology.sites[1].gpus_per_replica",
+            ("valid: null (topology.gpus_per_replica) or an int >= 1",),
+        ),
+        (
+            ["topology.gpus_per_replica=2", "sync.outer_path=sharded"],
+            "sync.outer_path",
+            ("gpus_per_replica=2", "valid: leader"),
+        ),
+        (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size", ("valid: a multiple of 3",)),
+        (["topology.gpus_per_replica=0"], "topology.gpus_per_replica", ("valid: an int >= 1",)),
+        # every site restating one k is one k: only what k > 1 does not do is left
+        (
+            [
+                "topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]",
+                "sync.outer_path=sharded",
+            ],
+            "sync.outer_path",
+            ("topology.gpus_per_replica=2",),
+        ),
+    ],
+)
 def test_a_bad_gpus_per_replica_is_one_line_naming_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as info:
         precheck(overrides)
@@ -71,8 +103,13 @@ def test_a_replica_of_k_ranks_may_overlap_its_outer_reduce_with_inner_steps():
     cfg = compose_config(["topology.gpus_per_replica=2", "sync.fragments=2", "sync.fragment_delay=1"])
     assert ranks_per_replica(cfg) == 2 and cfg.sync.fragment_delay == 1
     precheck(["topology.gpus_per_replica=2", "sync.fragments=2", "sync.fragment_delay=1"])
-    precheck(["topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]",
-              "sync.fragments=2", "sync.fragment_delay=2"])
+    precheck(
+        [
+            "topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1,gpus_per_replica:2}]",
+            "sync.fragments=2",
+            "sync.fragment_delay=2",
+        ]
+    )
     # what holds for every k still holds for k > 1: the delay stays below a round's steps
     with pytest.raises(ConfigError) as info:
         precheck(["topology.gpus_per_replica=2", "sync.outer_every=4", "sync.fragments=2", "sync.fragment_delay=2"])
@@ -86,15 +123,23 @@ def test_a_replica_of_k_ranks_may_write_checkpoints_and_resume():
 
 
 def test_a_site_may_restate_the_runs_k():
-    cfg = compose_config(["topology.gpus_per_replica=2", "topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1}]"])
+    cfg = compose_config(
+        ["topology.gpus_per_replica=2", "topology.sites=[{replicas:2,gpus_per_replica:2},{replicas:1}]"]
+    )
     assert ranks_per_replica(cfg) == 2
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ([TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:2}]")], "topology.sites[1].gpus_per_replica"),
-    (["topology.gpus_per_replica=2", "sync.outer_path=sharded"], "sync.outer_path"),
-    (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (
+            [TWO_SITES.replace("{replicas:2}]", "{replicas:2,gpus_per_replica:2}]")],
+            "topology.sites[1].gpus_per_replica",
+        ),
+        (["topology.gpus_per_replica=2", "sync.outer_path=sharded"], "sync.outer_path"),
+        (["topology.gpus_per_replica=3", "data.batch_size=8"], "data.batch_size"),
+    ],
+)
 def test_the_command_line_refuses_with_exit_2_in_one_line_before_ray(tmp_path, overrides, field):
     result = train_isolated(tmp_path, *overrides)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -106,8 +151,12 @@ def test_the_command_line_refuses_with_exit_2_in_one_line_before_ray(tmp_path, o
 
 # -- the device count, from the nodes' resources (faked as ray.nodes() reports them) ------------------------
 def _gpu_node(gpus, cpus=64):
-    return {"Alive": True, "NodeID": f"n{gpus}", "Resources": {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})},
-            "Labels": {}}
+    return {
+        "Alive": True,
+        "NodeID": f"n{gpus}",
+        "Resources": {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})},
+        "Labels": {},
+    }
 
 
 def _k(k, **changes):
@@ -156,8 +205,9 @@ def test_a_rank_holds_its_shard_of_the_state_plus_one_gathered_layer():
     for k in (2, 3, 4):
         shard = -(-params // k)
         assert rank_state_bytes(n_layer, n_embd, block, k) == STATE_COPIES * 4 * shard + GATHERED_COPIES * 4 * layer
-    assert rank_state_bytes(n_layer, n_embd, block, 2) <= 0.6 * rank_state_bytes(n_layer, n_embd, block, 1), \
+    assert rank_state_bytes(n_layer, n_embd, block, 2) <= 0.6 * rank_state_bytes(n_layer, n_embd, block, 1), (
         "issue 34 Acceptance 5: a rank's state at model=small with k=2 is at most 0.6x of k=1"
+    )
     assert layer_param_count(32, 1024, vocab_size=50304) == 50304 * 32 + 1024 * 32 + 64, "embeddings largest"
 
 
@@ -177,10 +227,15 @@ def test_a_replicas_ranks_are_placed_whole_on_one_node():
     field, text = placement_problem(_k(2), rank, [_gpu_node(2, cpus=2)] * 4)
     assert field == "topology.placement_strategy" and "{CPU: 2, GPU: 2}" in text, text
     # PACK: 4 replicas of 2 ranks on four 3-CPU nodes: 12 CPUs hold 8 ranks, but only one whole replica per node
-    assert placement_problem(_k(2, **{"topology.placement_strategy": "PACK"}), {"CPU": 1.0},
-                             [{"Resources": {"CPU": 3.0}}] * 4) is None
-    field, _ = placement_problem(_k(2, **{"topology.placement_strategy": "PACK"}), {"CPU": 1.0},
-                                 [{"Resources": {"CPU": 3.0}}] * 3)
+    assert (
+        placement_problem(
+            _k(2, **{"topology.placement_strategy": "PACK"}), {"CPU": 1.0}, [{"Resources": {"CPU": 3.0}}] * 4
+        )
+        is None
+    )
+    field, _ = placement_problem(
+        _k(2, **{"topology.placement_strategy": "PACK"}), {"CPU": 1.0}, [{"Resources": {"CPU": 3.0}}] * 3
+    )
     assert field == "topology.replicas_per_cluster", "9 CPUs hold 8 ranks only if replicas split across nodes"
 
 

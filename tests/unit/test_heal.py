@@ -4,6 +4,7 @@ Semantics applied below (module docstring + ReplicaTrainer.load_state_dict): `fu
 target equal to its source's (round, step); `global` gives it the source's round and restarts that
 round, so step = round * steps_per_round (step counts committed inner steps in total).
 """
+
 import random
 
 import pytest
@@ -49,12 +50,12 @@ def test_nothing_to_heal_without_reports():
 
 def test_laggard_heals_full_from_the_furthest_step_of_its_cluster():
     plan = _plan(2, 3)
-    progress = {"c0r0": (1, 13), "c0r1": (1, 17), "c0r2": (1, 15),
-                "c1r0": (1, 14), "c1r1": (1, 14), "c1r2": (1, 14)}
+    progress = {"c0r0": (1, 13), "c0r1": (1, 17), "c0r2": (1, 15), "c1r0": (1, 14), "c1r1": (1, 14), "c1r2": (1, 14)}
     heals = assign_heals(progress, plan)
-    assert sorted(heals, key=lambda h: h.target) == [HealAssignment("c0r0", "c0r1", "full"),
-                                                      HealAssignment("c0r2", "c0r1", "full")], \
-        "a replica behind its cluster's furthest step must heal (full) from it: no completed step thrown away"
+    assert sorted(heals, key=lambda h: h.target) == [
+        HealAssignment("c0r0", "c0r1", "full"),
+        HealAssignment("c0r2", "c0r1", "full"),
+    ], "a replica behind its cluster's furthest step must heal (full) from it: no completed step thrown away"
 
 
 def test_tie_on_furthest_step_picks_lowest_index_numerically():
@@ -69,15 +70,21 @@ def test_tie_on_furthest_step_picks_lowest_index_numerically():
 def test_replica_behind_a_round_heals_full_from_its_own_cluster_when_possible():
     plan = _plan(2, 2)
     progress = {"c0r0": (2, 20), "c0r1": (2, 20), "c1r0": (1, 20), "c1r1": (2, 22)}
-    assert assign_heals(progress, plan) == [HealAssignment("c1r0", "c1r1", "full")], \
+    assert assign_heals(progress, plan) == [HealAssignment("c1r0", "c1r1", "full")], (
         "a replica that missed a commit heals from its own cluster (keeps the cluster's inner progress)"
+    )
 
 
 def test_cluster_behind_a_round_heals_global_from_lowest_id_at_top_round():
     plan = _plan(3, 2)
-    progress = {"c0r0": (2, 21), "c0r1": (2, 25),  # c0r1 is further in step, but c0r0 has the lowest id
-                "c1r0": (1, 14), "c1r1": (1, 12),
-                "c2r0": (2, 29), "c2r1": (2, 29)}
+    progress = {
+        "c0r0": (2, 21),
+        "c0r1": (2, 25),  # c0r1 is further in step, but c0r0 has the lowest id
+        "c1r0": (1, 14),
+        "c1r1": (1, 12),
+        "c2r0": (2, 29),
+        "c2r1": (2, 29),
+    }
     heals = assign_heals(progress, plan)
     assert HealAssignment("c1r0", "c0r0", "global") in heals and HealAssignment("c1r1", "c0r0", "global") in heals
     assert HealAssignment("c0r0", "c0r1", "full") in heals
@@ -153,7 +160,7 @@ def test_after_healing_every_cluster_agrees_and_nobody_goes_back(seed):
         for cluster, members in plan.members.items():
             states = {after[rid] for rid in members}
             assert len(states) == 1, f"cluster c{cluster} disagrees after healing: {states} ({progress}, {heals})"
-            (rnd, step), = states
+            ((rnd, step),) = states
             assert rnd == top_round, f"cluster c{cluster} left behind the committed round {top_round}"
             at_top = [progress[rid][1] for rid in members if progress[rid][0] == top_round]
             expected_step = max(at_top) if at_top else top_round * SPR

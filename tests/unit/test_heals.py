@@ -2,6 +2,7 @@
 concludes, against replicas whose answers the test scripts (a fake `ray.wait` / `ray.get` record
 every ref waited on and fetched). The same protocol with real Ray actors:
 tests/integration/test_heal_path.py."""
+
 from __future__ import annotations
 
 import time
@@ -55,7 +56,7 @@ class FakeRay:
 
 
 class Method:
-    def __init__(self, actor: "Replica", name: str, num_returns: int = 1):
+    def __init__(self, actor: Replica, name: str, num_returns: int = 1):
         self.actor, self.name, self.num_returns = actor, name, num_returns
 
     def options(self, num_returns: int = 1):
@@ -64,8 +65,9 @@ class Method:
     def remote(self, *args):
         self.actor.calls.append((self.name, args, self.num_returns))
         refs = self.actor.answers[self.name](*args)
-        assert (len(refs) if isinstance(refs, tuple) else 1) == self.num_returns, \
+        assert (len(refs) if isinstance(refs, tuple) else 1) == self.num_returns, (
             f"{self.name} answers {self.num_returns} object(s) as called"
+        )
         return refs
 
 
@@ -93,10 +95,19 @@ class Log:
 
 
 def source_answer(name="c1r0", meta_ready=True, error=None, ok=True):
-    meta = Ref(f"{name}.meta", PhaseAnswer(name, Outcome.DONE if ok else Outcome.COLLECTIVE_FAILED, 3, 12,
-                                           "" if ok else "restarted since it was chosen",
-                                           result={"pid": 1, "bytes": 1 << 30}).wire(),
-               error=error, ready=meta_ready)
+    meta = Ref(
+        f"{name}.meta",
+        PhaseAnswer(
+            name,
+            Outcome.DONE if ok else Outcome.COLLECTIVE_FAILED,
+            3,
+            12,
+            "" if ok else "restarted since it was chosen",
+            result={"pid": 1, "bytes": 1 << 30},
+        ).wire(),
+        error=error,
+        ready=meta_ready,
+    )
     state = Ref(f"{name}.state", "<the state: never to be fetched here>", error=error, ready=meta_ready)
     return meta, state
 
@@ -104,6 +115,7 @@ def source_answer(name="c1r0", meta_ready=True, error=None, ok=True):
 def load_answer(target):
     def load_state(state, scope, faults):
         return Ref(f"{target}.load_state", {**DONE, "rid": target}, error=state.error, ready=state.ready)
+
     return load_state
 
 
@@ -135,9 +147,10 @@ def test_a_global_heal_hands_the_states_ref_to_each_target_and_fetches_only_the_
     assert [c[0] for c in src.calls] == ["global_state"], "one state per source, however many targets"
     assert src.calls[0][2] == 2, "the source answers two objects: meta and state"
     for t, replica in targets.items():
-        (name, (arg, scope, faults), _), = replica.calls
-        assert name == "load_state" and arg is state and scope == "global", \
+        ((name, (arg, scope, faults), _),) = replica.calls
+        assert name == "load_state" and arg is state and scope == "global", (
             f"{t}'s load_state must take the state's ref itself, not a value fetched from it"
+        )
     assert targets["c0r0"].calls[0][1][2] == ["f"] and targets["c0r1"].calls[0][1][2] is None
     assert h.watched() == [meta]
     assert h.source_answer(meta) == StateReady(7, "c1r0")
@@ -148,8 +161,12 @@ def test_a_global_heal_hands_the_states_ref_to_each_target_and_fetches_only_the_
 
 def test_a_slow_source_is_never_lost_it_stays_watched_until_it_answers(fake):
     meta, state = source_answer(meta_ready=False)
-    h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
-                "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))})
+    h = _heals(
+        {
+            "c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
+            "c0r0": Replica("c0r0", load_state=load_answer("c0r0")),
+        }
+    )
     h.issue(1, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     for _ in range(3):  # asked early and again: nothing is concluded from a slow answer
         assert h.source_answer(meta) is None
@@ -164,8 +181,13 @@ def test_a_source_that_dies_giving_its_state_is_lost_and_its_targets_failure_is_
     died = ActorDiedError()
     meta, state = source_answer(error=died)
     log = Log()
-    h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
-                "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))}, log)
+    h = _heals(
+        {
+            "c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
+            "c0r0": Replica("c0r0", load_state=load_answer("c0r0")),
+        },
+        log,
+    )
     target = h.issue(4, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     with pytest.raises(ActorDiedError):  # Ray fails the target's call with its argument's error
         ray.get(target)
@@ -178,16 +200,24 @@ def test_a_source_that_dies_giving_its_state_is_lost_and_its_targets_failure_is_
 
 def test_a_source_that_raises_is_lost_with_cause_error(fake):
     meta, state = source_answer(error=RayTaskError("global_state", "Traceback ...", RuntimeError("boom")))
-    h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
-                "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))})
+    h = _heals(
+        {
+            "c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
+            "c0r0": Replica("c0r0", load_state=load_answer("c0r0")),
+        }
+    )
     h.issue(4, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     assert h.source_answer(meta) == Lost("c1r0", "error")
 
 
 def test_a_target_that_dies_on_its_own_is_not_its_sources_failure(fake):
     meta, state = source_answer()
-    h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
-                "c0r0": Replica("c0r0", load_state=lambda s, scope, f: Ref("load", error=ActorDiedError()))})
+    h = _heals(
+        {
+            "c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
+            "c0r0": Replica("c0r0", load_state=lambda s, scope, f: Ref("load", error=ActorDiedError())),
+        }
+    )
     h.issue(4, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     assert not h.source_failed(4, "c0r0")
     slow_meta, slow_state = source_answer("c1r1", meta_ready=False)
@@ -202,8 +232,12 @@ def _group(send_answer, receive_answers, fallback_meta_ok=True):
     meta, state = source_answer("c0r0", ok=fallback_meta_ok)
     send = Ref("c0r0.send_state", send_answer)
     src = Replica("c0r0", send_state=lambda *a: send, heal_state=lambda expect: (meta, state))
-    targets = {t: Replica(t, receive_state=lambda *a, t=t: Ref(f"{t}.receive_state", receive_answers[t]),
-                          load_state=load_answer(t)) for t in receive_answers}
+    targets = {
+        t: Replica(
+            t, receive_state=lambda *a, t=t: Ref(f"{t}.receive_state", receive_answers[t]), load_state=load_answer(t)
+        )
+        for t in receive_answers
+    }
     return src, targets, send, meta, state
 
 
@@ -213,7 +247,7 @@ def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_on
     h = _heals({"c0r0": src, **targets}, log, round_index=5)
     calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(9, 4, calls, t, {"c0r0": ["sf"]}, source_at=(5, 30)) for t in calls}
-    (name, (round_index, join, chunk_mb, faults), _), = src.calls
+    ((name, (round_index, join, chunk_mb, faults), _),) = src.calls
     assert name == "send_state" and round_index == 5 and join[0] == 4 and join[3:] == (0, 3) and faults == ["sf"]
     assert join[2].startswith("run/epoch4/heal/r5/c0r0/")
     ranks = {t: r.calls[0][1][1][3] for t, r in targets.items()}
@@ -221,8 +255,9 @@ def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_on
     assert h.watched() == [send] and h.source_answer(send) is None, "a failed transfer is not the source's loss"
     after = {t: h.group_answer(ref) for t, ref in refs.items()}
     assert all(after[t] is not refs[t] for t in refs), "each target is healed again through the object store"
-    assert [c[:2] for c in src.calls[1:]] == [("heal_state", ((5, 30),))], \
+    assert [c[:2] for c in src.calls[1:]] == [("heal_state", ((5, 30),))], (
         "one heal_state per source, checking the progress the source was chosen holding"
+    )
     for t, replica in targets.items():
         name, (arg, scope, faults), _ = replica.calls[-1]
         assert name == "load_state" and arg is state and scope == "full"
@@ -232,8 +267,9 @@ def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_on
 
 
 def test_a_transfer_over_the_group_that_is_done_or_no_longer_waited_on_is_the_heals_answer(fake):
-    src, targets, send, meta, state = _group({**DONE, "bytes": 10}, {"c0r1": {**DONE, "transport": "group"},
-                                                                       "c0r2": FAILED})
+    src, targets, send, meta, state = _group(
+        {**DONE, "bytes": 10}, {"c0r1": {**DONE, "transport": "group"}, "c0r2": FAILED}
+    )
     h = _heals({"c0r0": src, **targets})
     calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(9, 4, calls, t, {}) for t in calls}
@@ -264,8 +300,12 @@ def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fak
     _no_state_fetched(fake, state)
 
     never = Ref("c0r1.receive_state", ready=False)
-    h2 = _heals({"c0r0": Replica("c0r0", send_state=lambda *a: Ref("send", ready=False)),
-                 "c0r1": Replica("c0r1", receive_state=lambda *a: never)})
+    h2 = _heals(
+        {
+            "c0r0": Replica("c0r0", send_state=lambda *a: Ref("send", ready=False)),
+            "c0r1": Replica("c0r1", receive_state=lambda *a: never),
+        }
+    )
     t0 = time.monotonic()
     final = h2.settle({"c0r1": h2.issue(-1, 1, {"c0r1": Heal("c0r0", "full")}, "c0r1", {})}, deadline_s=0.3)
     assert final == {"c0r1": never} and time.monotonic() - t0 < 3.0
@@ -273,8 +313,12 @@ def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fak
 
 def test_forgetting_an_ended_heal_drops_its_states_refs_but_keeps_watching_its_source(fake):
     meta, state = source_answer(meta_ready=False)
-    h = _heals({"c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
-                "c0r0": Replica("c0r0", load_state=load_answer("c0r0"))})
+    h = _heals(
+        {
+            "c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
+            "c0r0": Replica("c0r0", load_state=load_answer("c0r0")),
+        }
+    )
     h.issue(3, 0, {"c0r0": Heal("c1r0", "global")}, "c0r0", {})
     h.forget(3)
     assert state not in h.states.values() and h.watched() == [meta]
@@ -307,8 +351,9 @@ def test_a_full_state_never_holds_more_than_the_bound_its_deadline_assumes():
         t.outer_commit(0, solo("inner"), roots=(0,))  # every buffer exists now: optimizer moments, outer momentum
         t.run_inner(1, solo("inner"))
         nbytes = sum(x.numel() * x.element_size() for x in state_stream.split_state(t.state_dict())[1])
-        assert nbytes <= state_bytes_bound(t.param_bytes), \
+        assert nbytes <= state_bytes_bound(t.param_bytes), (
             f"inner {inner}: a full state of {nbytes} bytes, params {t.param_bytes}: over the bound"
+        )
         if inner == "adamw":  # the bound is not loose: AdamW's state is over 4x the params
             assert nbytes > 4 * t.param_bytes, f"{nbytes} bytes, params {t.param_bytes}"
 
@@ -322,7 +367,6 @@ def test_a_heals_deadline_covers_its_group_the_state_twice_at_min_gbps_and_grows
     assert deadline == pytest.approx(fixed + 2 * state * 8 / 1e9)
     assert deadline > fixed + collective_timeout_s(0.0, state, 1.0) * 2 - 1e-6
     assert heal_deadline_s(state_bytes=state, **{**kw, "min_gbps": 0.5}) == pytest.approx(fixed + 4 * state * 8 / 1e9)
-
 
 
 def test_a_dead_member_s_heal_groups_are_released_once_and_only_those_it_was_in(fake):

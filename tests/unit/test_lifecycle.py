@@ -1,6 +1,7 @@
 """Every death seen once (actors/lifecycle.py ActorWatch, actors/roster.py), counted once per
 process in summary.json (hsgd/record/metrics.py), and the decision after a supervisor restart
 (hsgd/core/deadlines.py StallWatch). Ray's actor table is faked by rows the tests write."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from actors.lifecycle import ActorWatch, Death
 from hsgd.core.deadlines import BUSY, HUNG, IDLE, STUCK, WAITING, StallWatch
 from hsgd.record.metrics import fault_figures
 from tests.fakes.actor_table import RUN, Log, Table, name  # noqa: F401 — RUN: the run the names carry
+
 
 def watch_of(table: Table, replicas=("c0r0", "c0r1"), spares=None, seen=None) -> ActorWatch:
     identity = {rid: name(rid) for rid in replicas}
@@ -43,8 +45,12 @@ def test_deaths_between_two_polls_are_each_reported_and_a_dead_actor_s_last_proc
     watch.poll()
     table.set("c0r1", "RESTARTING", 2)  # killed, then killed again while Ray restarted it
     table.set("c0r0", "DEAD", 1)  # died twice: restarts exhausted after the second
-    assert sorted(deaths(watch.poll())) == [("c0r0", 0, "c0r0"), ("c0r0", 1, "c0r0"),
-                                            ("c0r1", 0, "c0r1"), ("c0r1", 1, "c0r1")]
+    assert sorted(deaths(watch.poll())) == [
+        ("c0r0", 0, "c0r0"),
+        ("c0r0", 1, "c0r0"),
+        ("c0r1", 0, "c0r1"),
+        ("c0r1", 1, "c0r1"),
+    ]
 
 
 def test_a_death_learned_from_a_call_is_not_reported_again_by_the_table_nor_the_other_way_round():
@@ -139,8 +145,9 @@ def test_what_was_reported_survives_a_supervisor_restart_and_other_runs_actors_a
     table.rows["hsgd:other-run:c0r1"] = {"Name": "hsgd:other-run:c0r1", "State": "RESTARTING", "NumRestarts": 3}
     durable: dict = {}
     assert deaths(watch_of(table, replicas=("c0r1",), seen=durable).poll()) == [("c0r1", 0, "c0r1")]
-    assert watch_of(table, replicas=("c0r1",), seen=durable).poll() == [], \
+    assert watch_of(table, replicas=("c0r1",), seen=durable).poll() == [], (
         "a new supervisor's watch reads what its predecessor reported from the durable state"
+    )
 
 
 def test_an_unreadable_table_reports_nothing_now_and_everything_later():
@@ -208,8 +215,9 @@ def roster(monkeypatch):
     table = Table()
     for short in ("c0r0", "c0r1", "spare-c0-0"):
         table.set(short, "ALIVE", 0)
-    r = roster_mod.Roster(Topology(1, 2), "run-1", RunState(), Log(), call_timeout_s=1.0, spares_per_cluster=1,
-                          save=lambda: None)
+    r = roster_mod.Roster(
+        Topology(1, 2), "run-1", RunState(), Log(), call_timeout_s=1.0, spares_per_cluster=1, save=lambda: None
+    )
     r.watch._table = table
     r.table = table
     for rid in ("c0r0", "c0r1"):
@@ -232,8 +240,10 @@ def test_a_death_the_table_shows_is_logged_once_with_its_incarnation_and_returne
     roster.table.set("c0r1", "RESTARTING", 3)
     roster.deaths(roster.live, 3, "inner")
     downs = roster.log.named("replica_down")
-    assert [(d["rid"], d["incarnation"], d["phase"]) for d in downs][1:] == \
-        [("c0r1", 1, "restarting"), ("c0r1", 2, "joining")], "not live: it died restarting, then joining"
+    assert [(d["rid"], d["incarnation"], d["phase"]) for d in downs][1:] == [
+        ("c0r1", 1, "restarting"),
+        ("c0r1", 2, "joining"),
+    ], "not live: it died restarting, then joining"
 
 
 def test_only_the_death_of_the_latest_process_serving_a_replica_is_returned(roster):
@@ -254,6 +264,7 @@ def test_a_late_death_of_a_replaced_actor_does_not_take_down_the_spare_serving_i
             @staticmethod
             def remote(rid):
                 return {"outcome": "done", "rid": rid, "round": 0, "step": 0, "pid": 200, "incarnation": 0}
+
     roster.spares.handles[spare] = Handle()
     roster.spares.ready.add(spare)
     monkeypatch.setattr("actors.spares.write_identity", lambda *a, **k: None)
@@ -264,8 +275,9 @@ def test_a_late_death_of_a_replaced_actor_does_not_take_down_the_spare_serving_i
     roster.table.set("c0r1", "RESTARTING", 1)
     assert roster.deaths(roster.live, 0, "inner") == [], "the spare serving c0r1 is alive"
     downs = roster.log.named("replica_down")
-    assert [(d["rid"], d["actor"], d["incarnation"], d["phase"]) for d in downs] == \
-        [("c0r1", name("c0r1"), 0, "restarting")]
+    assert [(d["rid"], d["actor"], d["incarnation"], d["phase"]) for d in downs] == [
+        ("c0r1", name("c0r1"), 0, "restarting")
+    ]
     roster.table.set("spare-c0-0", "RESTARTING", 1)
     assert roster.deaths(roster.live, 0, "inner") == ["c0r1"], "the spare serving c0r1 died: c0r1 is lost"
 
@@ -283,8 +295,11 @@ def test_a_replica_that_raised_is_one_error_death_even_when_the_table_shows_the_
     import actors.roster as roster_mod
 
     killed = []
-    monkeypatch.setattr(roster_mod.ray, "kill", lambda handle, no_restart: killed.append(no_restart)
-                        or roster.table.set("c0r1", "RESTARTING", 1))
+    monkeypatch.setattr(
+        roster_mod.ray,
+        "kill",
+        lambda handle, no_restart: killed.append(no_restart) or roster.table.set("c0r1", "RESTARTING", 1),
+    )
     roster.restart_raised("c0r1", "inner", 0, "InjectedError: c0r1: injected error in inner of round 0")
     assert killed == [False], "restarted clean, not killed for good"
     assert roster.deaths(roster.live, 0, "inner") == [], "logged already; the machine learns it from the answer"
@@ -305,43 +320,65 @@ def test_a_warm_spare_s_death_is_a_spare_lost_and_the_pool_no_longer_counts_it_r
 
 # -- summary.json: one fault per death ---------------------------------------------------------------
 def _down(t, rid, incarnation=None, **more):
-    e = {"t": t, "event": "replica_down", "rid": rid, "cluster": 0, "cause": "died", "round": 0, "phase": "inner",
-         **more}
+    e = {
+        "t": t,
+        "event": "replica_down",
+        "rid": rid,
+        "cluster": 0,
+        "cause": "died",
+        "round": 0,
+        "phase": "inner",
+        **more,
+    }
     return e if incarnation is None else {**e, "incarnation": incarnation}
 
 
 def test_a_replica_killed_again_while_restarting_is_two_faults():
     fired = [{"t": 10.0, "rid": "c0r1", "kind": "kill", "phase": "inner", "round": 0, "step": 3}]
-    events = [_down(10.2, "c0r1", 0), _down(12.0, "c0r1", 1, phase="restarting"),
-              {"t": 15.0, "event": "replica_up", "rid": "c0r1", "pid": 3, "incarnation": 2}]
+    events = [
+        _down(10.2, "c0r1", 0),
+        _down(12.0, "c0r1", 1, phase="restarting"),
+        {"t": 15.0, "event": "replica_up", "rid": "c0r1", "pid": 3, "incarnation": 2},
+    ]
     faults = fault_figures(fired, events)
     assert [(f["source"], f["rid"]) for f in faults] == [("injected", "c0r1"), ("observed", "c0r1")]
 
 
 def test_a_replica_s_death_and_the_death_of_the_spare_that_replaced_it_are_two_faults():
     """Each actor counts its own restarts: the promoted spare's first process is incarnation 0 too."""
-    events = [_down(1.0, "c0r1", 0, actor=name("c0r1")),
-              {"t": 1.1, "event": "replica_up", "rid": "c0r1", "pid": 7, "incarnation": 0},
-              _down(3.0, "c0r1", 0, actor=name("spare-c0-0")), _down(3.2, "c0r1", 0, actor=name("spare-c0-0"))]
+    events = [
+        _down(1.0, "c0r1", 0, actor=name("c0r1")),
+        {"t": 1.1, "event": "replica_up", "rid": "c0r1", "pid": 7, "incarnation": 0},
+        _down(3.0, "c0r1", 0, actor=name("spare-c0-0")),
+        _down(3.2, "c0r1", 0, actor=name("spare-c0-0")),
+    ]
     assert [f["rid"] for f in fault_figures([], events)] == ["c0r1", "c0r1"]
 
 
 def test_the_same_death_logged_twice_is_one_fault_and_downs_without_incarnation_keep_the_old_rule():
     assert len(fault_figures([], [_down(1.0, "c0r1", 0), _down(1.5, "c0r1", 0)])) == 1
-    assert len(fault_figures([], [_down(1.0, "c0r1"), _down(1.5, "c0r1")])) == 1, \
+    assert len(fault_figures([], [_down(1.0, "c0r1"), _down(1.5, "c0r1")])) == 1, (
         "no incarnation, same round/phase/cause, no replica_up between: logged again"
-    assert len(fault_figures([], [_down(1.0, "c0r1"), {"t": 1.2, "event": "replica_up", "rid": "c0r1", "pid": 2},
-                                  _down(1.5, "c0r1")])) == 2
+    )
+    assert (
+        len(
+            fault_figures(
+                [], [_down(1.0, "c0r1"), {"t": 1.2, "event": "replica_up", "rid": "c0r1", "pid": 2}, _down(1.5, "c0r1")]
+            )
+        )
+        == 2
+    )
 
 
 def test_a_spare_s_death_is_an_observed_fault_named_by_its_actor():
-    events = [{"t": 5.0, "event": "spare_lost", "cluster": 0, "spare": name("spare-c0-0"), "incarnation": 0,
-               "round": 1},
-              {"t": 5.5, "event": "spare_lost", "cluster": 0, "spare": name("spare-c0-0"), "incarnation": 0,
-               "round": 1}]
+    events = [
+        {"t": 5.0, "event": "spare_lost", "cluster": 0, "spare": name("spare-c0-0"), "incarnation": 0, "round": 1},
+        {"t": 5.5, "event": "spare_lost", "cluster": 0, "spare": name("spare-c0-0"), "incarnation": 0, "round": 1},
+    ]
     faults = fault_figures([], events)
-    assert [(f["source"], f["rid"], f["phase"], f["detected_by"]) for f in faults] == \
-        [("observed", name("spare-c0-0"), "spare", "spare_lost")]
+    assert [(f["source"], f["rid"], f["phase"], f["detected_by"]) for f in faults] == [
+        ("observed", name("spare-c0-0"), "spare", "spare_lost")
+    ]
     assert set(faults[0]) == set(fault_figures([], [_down(1.0, "c0r1", 0)])[0]), "every entry has the same keys"
 
 

@@ -1,4 +1,5 @@
 """hsgd.core.topology and hsgd.core.membership: ids, the epoch/leader/quorum state machine and its plans."""
+
 import random
 
 import pytest
@@ -33,8 +34,9 @@ def test_global_index_is_cluster_times_replicas_per_cluster_plus_index():
     for c in range(3):
         for r in range(4):
             assert topo.global_index(replica_id(c, r)) == c * 4 + r
-    assert [topo.global_index(rid) for rid in topo.replica_ids()] == list(range(12)), \
+    assert [topo.global_index(rid) for rid in topo.replica_ids()] == list(range(12)), (
         "global indices must be dense and unique (data sharding and RNG streams depend on it)"
+    )
 
 
 # -- membership: live_plan and the leader rule ----------------------------------------------------------
@@ -97,8 +99,9 @@ def test_no_live_replicas_gives_an_empty_plan():
 
 
 def test_plan_equality_is_by_value():
-    assert Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}) == \
-        Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"})
+    assert Plan(epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}) == Plan(
+        epoch=1, members={0: ("c0r0",)}, leaders={0: "c0r0"}
+    )
 
 
 # -- quorum_problem / live_plan: the rules the supervisor applies between rounds --------------------------

@@ -1,4 +1,5 @@
 """hsgd.train.outer: the outer optimizer (average / DiLoCo Nesterov), pseudo-gradients, commit rule."""
+
 import io
 
 import pytest
@@ -21,8 +22,9 @@ def _mean(lists):
 def test_average_hyperparameters_ignore_outer_optim_settings():
     assert outer_hyperparameters("average", 0.7, 0.9, True) == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
     assert outer_hyperparameters("diloco", 0.7, 0.9, True) == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-    assert outer_hyperparameters("diloco", 0.5, 0.0, True)["nesterov"] is False, \
+    assert outer_hyperparameters("diloco", 0.5, 0.0, True)["nesterov"] is False, (
         "torch SGD refuses nesterov without momentum"
+    )
 
 
 def test_average_makes_global_params_the_exact_mean_of_the_clusters():
@@ -36,8 +38,9 @@ def test_average_makes_global_params_the_exact_mean_of_the_clusters():
     for opt in opts:
         for got, w in zip(opt.global_params, want):
             assert torch.allclose(got, w, atol=1e-6), "`average` must yield the mean of the clusters' params"
-    assert all(torch.equal(a, b) for a, b in zip(opts[0].global_params, opts[1].global_params)), \
+    assert all(torch.equal(a, b) for a, b in zip(opts[0].global_params, opts[1].global_params)), (
         "every replica applying the same reduced pseudo-gradient must hold bitwise-equal global params"
+    )
 
 
 def test_diloco_matches_hand_written_nesterov_over_three_outer_steps():
@@ -47,8 +50,10 @@ def test_diloco_matches_hand_written_nesterov_over_three_outer_steps():
     theta = [p.clone().double() for p in start]
     buf = None
     for step in range(3):
-        local = [t.float() - 0.1 * (step + 1) * torch.randn(t.shape, generator=torch.Generator().manual_seed(step))
-                 for t in theta]
+        local = [
+            t.float() - 0.1 * (step + 1) * torch.randn(t.shape, generator=torch.Generator().manual_seed(step))
+            for t in theta
+        ]
         pg = opt.pseudo_gradient(local)
         opt.step(pg)
         d = [t - lp.double() for t, lp in zip(theta, local)]  # global - local
@@ -111,5 +116,6 @@ def test_state_dict_round_trip_gives_identical_next_steps(transfer):
         d = _params(200 + i)
         a.step(d)
         b.step(d)
-        assert all(torch.equal(x, y) for x, y in zip(a.global_params, b.global_params)), \
+        assert all(torch.equal(x, y) for x, y in zip(a.global_params, b.global_params)), (
             f"after loading the state, outer step {i} must be bitwise identical (invariant 1)"
+        )

@@ -2,6 +2,7 @@
 leader path (equal and unequal live cluster sizes, uncompressed and compressed), one fragment with
 no mixing is plain DiLoCo bitwise, and with several fragments each round changes exactly its
 fragment. (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -9,9 +10,10 @@ import traceback
 
 import pytest
 import torch
-from tests.unit.gloo_world import run_ranks
 
-from tests.fakes.configs import BASE, tiny_cfg as _cfg  # noqa: F401
+from tests.fakes.configs import BASE  # noqa: F401
+from tests.fakes.configs import tiny_cfg as _cfg
+from tests.unit.gloo_world import run_ranks
 
 
 def _layout(sizes, rank):
@@ -46,6 +48,7 @@ def _paths_worker(sizes, codecs, rounds, rank, port, results) -> None:
             g = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
             g.configure(addr, prefix, rank=r, world_size=n, epoch=1)
             return g
+
         inner = group("inner", f"t/inner/c{c}", i, sizes[c])
         leader_outer = group("outer", "t/outer", c, len(sizes)) if i == 0 else None
         my_shard = next((j for j, g in enumerate(holders) if rid in g), None)
@@ -64,12 +67,18 @@ def _paths_worker(sizes, codecs, rounds, rank, port, results) -> None:
                 if shard_outer is not None:
                     shard.outer_reduce(r, 1, shard_outer, my_shard, len(holders))
                 shard.outer_commit(r, inner, roots)
-                out[codec].append({
-                    "max_diff": max(float((a - b).abs().max()) for a, b in
-                                    zip(lead.outer_opt.global_params, shard.outer_opt.global_params)),
-                    "scale": max(float(a.abs().max()) for a in lead.outer_opt.global_params),
-                    "digest": shard.global_digest(), "param_digest": shard.param_digest(),
-                    "lead_digest": lead.global_digest()})
+                out[codec].append(
+                    {
+                        "max_diff": max(
+                            float((a - b).abs().max())
+                            for a, b in zip(lead.outer_opt.global_params, shard.outer_opt.global_params)
+                        ),
+                        "scale": max(float(a.abs().max()) for a in lead.outer_opt.global_params),
+                        "digest": shard.global_digest(),
+                        "param_digest": shard.param_digest(),
+                        "lead_digest": lead.global_digest(),
+                    }
+                )
         for g in (inner, leader_outer, shard_outer):
             if g is not None:
                 g.abort()
@@ -90,17 +99,21 @@ def test_the_sharded_path_equals_the_leader_path_within_fp32_rounding(paths, cod
     sizes, outs = paths
     for rank, out in outs.items():
         for r, rec in enumerate(out[codec]):
-            assert rec["max_diff"] <= 1e-6 * max(1.0, rec["scale"]), \
+            assert rec["max_diff"] <= 1e-6 * max(1.0, rec["scale"]), (
                 f"{sizes} {codec}: rank {rank} round {r}: sharded vs leader global params differ by {rec['max_diff']}"
+            )
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_every_replica_holds_the_same_global_params_and_each_cluster_the_same_params(paths, codec):
     sizes, outs = paths
     for r in range(2):
-        assert len({o[codec][r]["digest"] for o in outs.values()}) == 1, f"{sizes} {codec} round {r}: global digests differ"
-        assert len({o[codec][r]["param_digest"] for o in outs.values()}) == 1, \
+        assert len({o[codec][r]["digest"] for o in outs.values()}) == 1, (
+            f"{sizes} {codec} round {r}: global digests differ"
+        )
+        assert len({o[codec][r]["param_digest"] for o in outs.values()}) == 1, (
             f"{sizes} {codec} round {r}: with one fragment and alpha 0 every replica's params are the global ones"
+        )
 
 
 # -- streaming: fragments and mixing --------------------------------------------------------------------
@@ -141,12 +154,14 @@ def _streaming_worker(rank, port, results) -> None:
                 offset = 0
                 for g in ref_global:
                     n = g.numel()
-                    pg = [(g.detach() - b[offset:offset + n].view_as(g)) for b in both]
+                    pg = [(g.detach() - b[offset : offset + n].view_as(g)) for b in both]
                     g.grad = (pg[0] + pg[1]) / 2
                     offset += n
                 ref_opt.step()
-            equal.append(all(torch.equal(a, b.detach()) for a, b in zip(t.outer_opt.global_params, ref_global))
-                         and all(torch.equal(p, g.detach()) for p, g in zip(t.params, ref_global)))
+            equal.append(
+                all(torch.equal(a, b.detach()) for a, b in zip(t.outer_opt.global_params, ref_global))
+                and all(torch.equal(p, g.detach()) for p, g in zip(t.params, ref_global))
+            )
         out["plain_bitwise"] = equal
 
         # 2. three fragments: round r changes fragment r % 3's global params and only those
@@ -159,13 +174,22 @@ def _streaming_worker(rank, port, results) -> None:
             before_local = [p.detach().clone() for p in t.params]
             t.outer_reduce(r, 1, outer)
             t.outer_commit(r, inner, (0,))
-            changes.append({
-                "global_changed": [i for i, (a, b) in enumerate(zip(before_global, t.outer_opt.global_params))
-                                   if not torch.equal(a, b)],
-                "local_set_to_global": [i for i, (p, g) in enumerate(zip(t.params, t.outer_opt.global_params))
-                                        if torch.equal(p, g)],
-                "local_untouched": [i for i, (a, p) in enumerate(zip(before_local, t.params)) if torch.equal(a, p)],
-                "fragment": t.fragment_params(r), "steps_per_round": t.steps_per_round, "step": t.step})
+            changes.append(
+                {
+                    "global_changed": [
+                        i
+                        for i, (a, b) in enumerate(zip(before_global, t.outer_opt.global_params))
+                        if not torch.equal(a, b)
+                    ],
+                    "local_set_to_global": [
+                        i for i, (p, g) in enumerate(zip(t.params, t.outer_opt.global_params)) if torch.equal(p, g)
+                    ],
+                    "local_untouched": [i for i, (a, p) in enumerate(zip(before_local, t.params)) if torch.equal(a, p)],
+                    "fragment": t.fragment_params(r),
+                    "steps_per_round": t.steps_per_round,
+                    "step": t.step,
+                }
+            )
         out["fragments"] = changes
         out["n_params"] = len(t.params)
 
@@ -176,8 +200,9 @@ def _streaming_worker(rank, port, results) -> None:
         local = [p.detach().clone() for p in t.params]
         t.outer_reduce(0, 1, outer)
         t.outer_commit(0, inner, (0,))
-        out["mix_err"] = max(float((p - (0.5 * a + 0.5 * g)).abs().max())
-                             for p, a, g in zip(t.params, local, t.outer_opt.global_params))
+        out["mix_err"] = max(
+            float((p - (0.5 * a + 0.5 * g)).abs().max()) for p, a, g in zip(t.params, local, t.outer_opt.global_params)
+        )
         out["mix_param_digest"] = t.param_digest()
         out["mix_global_digest"] = t.global_digest()
         outer.abort()
@@ -202,8 +227,9 @@ def test_with_three_fragments_each_round_changes_exactly_its_fragment(streaming)
     for r, rec in enumerate(out["fragments"]):
         frag = set(rec["fragment"])
         assert rec["steps_per_round"] == 2 and rec["step"] == 2 * (r + 1), "a round is outer_every / fragments steps"
-        assert set(rec["global_changed"]) <= frag and rec["global_changed"], \
+        assert set(rec["global_changed"]) <= frag and rec["global_changed"], (
             f"round {r}: global params changed {rec['global_changed']}, its fragment is {sorted(frag)}"
+        )
         assert frag <= set(rec["local_set_to_global"]), f"round {r}: the synced fragment's params are the global ones"
         others = set(range(out["n_params"])) - frag
         assert others <= set(rec["local_untouched"]), "the commit left the other fragments' working params alone"
@@ -217,8 +243,9 @@ def test_a_mixing_weight_merges_local_and_global_and_both_clusters_agree_on_the_
     for out in streaming.values():
         assert out["mix_err"] <= 1e-6
     assert streaming[0]["mix_global_digest"] == streaming[1]["mix_global_digest"]
-    assert streaming[0]["mix_param_digest"] != streaming[1]["mix_param_digest"], \
+    assert streaming[0]["mix_param_digest"] != streaming[1]["mix_param_digest"], (
         "with alpha > 0 the clusters' working params keep their own part (they differ)"
+    )
 
 
 # -- the error-feedback residual is state ---------------------------------------------------------------
@@ -245,8 +272,9 @@ def test_the_residual_travels_with_a_full_heal_and_a_checkpoint_and_a_global_hea
     t = ReplicaTrainer(cfg, "c0r0", Topology(1, 2))
     for r in range(2):
         _round(t, r, inner, outer)
-    assert t.outer_residual is not None and any(float(x.abs().max()) > 0 for x in t.outer_residual), \
+    assert t.outer_residual is not None and any(float(x.abs().max()) > 0 for x in t.outer_residual), (
         "int4 leaves something unsent: the residual holds it"
+    )
     healed = ReplicaTrainer(cfg, "c0r1", Topology(1, 2))
     healed.load_state_dict(t.state_dict(), scope="full")
     assert all(torch.equal(a, b) for a, b in zip(healed.outer_residual, t.outer_residual))
@@ -268,8 +296,9 @@ def test_error_feedback_sends_this_round_what_the_last_round_could_not():
     from hsgd.train.trainer import ReplicaTrainer
 
     inner, outer = _solo("inner"), _solo("outer")
-    lossy = ReplicaTrainer(_cfg(["sync.outer_compress=int4", "sync.outer_every=3", "sync.outer=average"]), "c0r0",
-                           Topology(1, 1))
+    lossy = ReplicaTrainer(
+        _cfg(["sync.outer_compress=int4", "sync.outer_every=3", "sync.outer=average"]), "c0r0", Topology(1, 1)
+    )
     before = [torch.zeros_like(p) for p in lossy.params]
     for r in range(3):
         lossy.run_inner(r, inner)

@@ -1,6 +1,7 @@
 """What a round's outer exchange moves and who moves it (hsgd/core/outer_plan.py), and the round
 machine's sharded exchange: one outer group per shard index, holders of unequal live clusters,
 commits that gather every shard, and a holder's death rolling the exchange back."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,14 +9,23 @@ from types import SimpleNamespace
 import pytest
 
 from hsgd.config.rounds import steps_per_round as _steps_per_round
-from hsgd.core.outer_plan import (depth_units, fragment_of_params, fragment_of_round, shard_bounds, shard_count,
-                                  shard_holders)
+from hsgd.core.outer_plan import (
+    depth_units,
+    fragment_of_params,
+    fragment_of_round,
+    shard_bounds,
+    shard_count,
+    shard_holders,
+)
 from hsgd.core.round import Answer, Outcome, OuterReduce, Phase, RoundMachine, RoundSettings
 from hsgd.core.topology import Topology
 
-GPT_NAMES = ["transformer.wte.weight", "transformer.wpe.weight",
-             *[f"transformer.h.{i}.{p}" for i in range(4) for p in ("ln_1.weight", "attn.c_attn.weight", "mlp.c_fc.weight")],
-             "transformer.ln_f.weight"]
+GPT_NAMES = [
+    "transformer.wte.weight",
+    "transformer.wpe.weight",
+    *[f"transformer.h.{i}.{p}" for i in range(4) for p in ("ln_1.weight", "attn.c_attn.weight", "mlp.c_fc.weight")],
+    "transformer.ln_f.weight",
+]
 
 
 def test_depth_units_group_a_block_s_parameters_and_keep_others_apart():
@@ -61,8 +71,10 @@ def test_the_leader_holds_shard_zero_and_larger_clusters_leave_members_without_a
     assert shard_holders([("a", "b"), ("c", "d")], ["b", "c"], 1) == (("b", "c"),)
 
 
-@pytest.mark.parametrize("numel,shards,align", [(10_000, 3, 256), (4096, 2, 4096), (100, 4, 64), (0, 2, 8),
-                                                (1, 3, 4096), (8192 * 3 + 5, 3, 4096)])
+@pytest.mark.parametrize(
+    "numel,shards,align",
+    [(10_000, 3, 256), (4096, 2, 4096), (100, 4, 64), (0, 2, 8), (1, 3, 4096), (8192 * 3 + 5, 3, 4096)],
+)
 def test_shards_are_contiguous_cover_the_vector_and_start_on_block_boundaries(numel, shards, align):
     bounds = shard_bounds(numel, shards, align)
     assert len(bounds) == shards and bounds[0][0] == 0 and bounds[-1][1] == numel
@@ -103,10 +115,12 @@ def _run_round(m: RoundMachine, fail: dict | None = None) -> list[Phase]:
 def _machine(sizes, path="sharded", **kw) -> RoundMachine:
     topo = Topology(len(sizes), max(sizes))
     live = [rid for c, n in enumerate(sizes) for rid in topo.cluster_members(c)[:n]]
-    settings = RoundSettings(steps_per_round=SPR, outer_path=path, configure_s=5, heal_s=5, outer_s=5, commit_s=5,
-                             step_deadline_s=30)
-    return RoundMachine(topo, settings, 0, progress={rid: (0, 0) for rid in live}, leaders={}, epoch=0,
-                        committed_round=0, **kw)
+    settings = RoundSettings(
+        steps_per_round=SPR, outer_path=path, configure_s=5, heal_s=5, outer_s=5, commit_s=5, step_deadline_s=30
+    )
+    return RoundMachine(
+        topo, settings, 0, progress={rid: (0, 0) for rid in live}, leaders={}, epoch=0, committed_round=0, **kw
+    )
 
 
 def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_shard_at_commit():
@@ -131,12 +145,23 @@ def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_sh
         members = m.clusters[c].members
         assert len(roots) == 2 and [members[i] for i in roots] == [g[c] for g in m.outer_configured[1]]
     # the next round reuses the standing groups: (shard, shards) only
-    m2 = RoundMachine(m.topology, m.settings, 1, progress=dict(m.progress), leaders=m.leaders, epoch=m.epoch,
-                      committed_round=1, configured=m.configured_groups(), outer_configured=m.outer_configured)
+    m2 = RoundMachine(
+        m.topology,
+        m.settings,
+        1,
+        progress=dict(m.progress),
+        leaders=m.leaders,
+        epoch=m.epoch,
+        committed_round=1,
+        configured=m.configured_groups(),
+        outer_configured=m.outer_configured,
+    )
     reduce2 = next(p for p in _run_round(m2) if p.kind == "outer_reduce")
     weights = (1.125, 0.75, 1.125)  # token-weighted: live members 3, 2, 3 of 8 (hsgd.core.outer_plan.token_weights)
-    assert not reduce2.forms_group and set(reduce2.calls.values()) == {OuterReduce(None, 0, 2, weights),
-                                                                      OuterReduce(None, 1, 2, weights)}
+    assert not reduce2.forms_group and set(reduce2.calls.values()) == {
+        OuterReduce(None, 0, 2, weights),
+        OuterReduce(None, 1, 2, weights),
+    }
 
 
 def test_the_leader_path_is_one_shard_held_by_the_leaders():
@@ -165,5 +190,6 @@ def test_a_shard_holder_lost_before_the_commit_leaves_its_cluster_to_heal_next_r
     m.outer_configured = None
     issued = _run_round(m, fail={("outer_commit", "c0r1"): Outcome.DIED})
     assert m.outcome == "committed" and "c0r1" not in m.committed_by
-    assert m.outer_configured is None or all("c0r1" not in g for g in m.outer_configured[1]), \
+    assert m.outer_configured is None or all("c0r1" not in g for g in m.outer_configured[1]), (
         "a dead holder's outer group is never handed on as standing"
+    )

@@ -1,6 +1,7 @@
 """The outer sweep's shortcut (benchmarks/outer_sweep.py): one trainer per cluster on its replicas' batches
 side by side trains what a real `ddp` cluster over gloo trains, and the in-process outer group averages as
 the trainers' own outer_reduce expects. (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import threading
@@ -14,8 +15,17 @@ from benchmarks.outer_sweep import ClusterBatches, ThreadGroup, check_supported,
 from tests.unit.gloo_world import run_ranks
 
 STEPS = 12
-BASE = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=2",
-        f"sync.outer_every={STEPS}", "sync.inner=ddp", "comm.bucket_mb=0", "seed=3"]
+BASE = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "data.batch_size=2",
+    f"sync.outer_every={STEPS}",
+    "sync.inner=ddp",
+    "comm.bucket_mb=0",
+    "seed=3",
+]
 
 
 def _cfg(extra=()):
@@ -79,7 +89,9 @@ def test_the_thread_group_means_in_rank_order_and_gathers_everything():
     for th in threads:
         th.join(timeout=30)
     for k in range(3):
-        assert torch.equal(tensors[k][0], torch.full((5,), 2.0)) and torch.equal(tensors[k][1], torch.full((2, 2), 20.0))
+        assert torch.equal(tensors[k][0], torch.full((5,), 2.0)) and torch.equal(
+            tensors[k][1], torch.full((2, 2), 20.0)
+        )
         assert [int(p) for p in gathered[k]] == [0, 1, 2]
     assert ranks[0].bytes_sent == 9 * 4 + 2  # the fp32 payload once, the int8 one to each of 2 peers
 
@@ -90,7 +102,17 @@ def test_a_run_the_sweep_cannot_simulate_is_refused_with_the_key():
 
 
 def test_a_hierarchical_run_with_a_codec_trains_and_counts_its_outer_bytes():
-    res = simulate(BASE[:5] + ["topology.clusters=2", "topology.replicas_per_cluster=1", "sync.outer_every=4",
-                               "train.rounds=3", "train.eval_batches=2", "sync.outer_compress=int4"], eval_every=1)
+    res = simulate(
+        BASE[:5]
+        + [
+            "topology.clusters=2",
+            "topology.replicas_per_cluster=1",
+            "sync.outer_every=4",
+            "train.rounds=3",
+            "train.eval_batches=2",
+            "sync.outer_compress=int4",
+        ],
+        eval_every=1,
+    )
     assert len(res["eval_losses"]) == 4 and res["final_eval_loss"] < res["initial_eval_loss"]
     assert res["outer_bytes"] > 0 and res["inner_steps"] == 12

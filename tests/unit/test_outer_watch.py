@@ -1,5 +1,6 @@
 """issue 33, Build 2: the guard against a bad outer step fires once, on a global eval loss rising two
 outer steps in a row while every cluster's own loss falls inside those rounds, and is silent otherwise."""
+
 from hsgd.core.topology import Topology
 from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 
@@ -42,7 +43,8 @@ def test_rounds_without_an_evaluation_do_not_count():
 
 def test_cluster_trends_average_each_clusters_first_and_last_thirds():
     topo = Topology(2, 2)
-    got = cluster_trends({"c0r0": [4.0, 3.0, 3.0, 2.0, 1.0, 0.0], "c0r1": [2.0, 2.0, 2.0],
-                          "c1r0": [5.0], "c1r1": []}, topo.cluster_of)
+    got = cluster_trends(
+        {"c0r0": [4.0, 3.0, 3.0, 2.0, 1.0, 0.0], "c0r1": [2.0, 2.0, 2.0], "c1r0": [5.0], "c1r1": []}, topo.cluster_of
+    )
     # c0r0: first 2 mean 3.5, last 2 mean 0.5; c0r1: (2, 2); c1: fewer than 2 steps each -> left out
     assert got == {0: ((3.5 + 2.0) / 2, (0.5 + 2.0) / 2)}

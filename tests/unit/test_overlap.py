@@ -4,6 +4,7 @@ outer link keeps it in flight past the round's last step, with per-level collect
 is committed is the mean of the clusters' params at the snapshot step, a fragment not synced this
 round keeps its local progress, and cluster members stay bitwise equal. Plus the guards alone:
 per level with overlap, per process without. (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,9 @@ import traceback
 
 import pytest
 import torch
-from tests.unit.gloo_world import run_ranks
+
 from tests.fakes.configs import tiny_cfg as _cfg
+from tests.unit.gloo_world import run_ranks
 
 SIZES = (2, 2)
 H, DELAY = 4, 2  # steps per round (outer_every / fragments), inner steps behind the reduce
@@ -28,8 +30,8 @@ def _overlap_worker(overrides, rounds, rank, port, results) -> None:
     try:
         from hsgd.core.topology import Topology
         from hsgd.train.comm import LevelGroup, allow_level_overlap
-        from hsgd.train.simulate import LinkModel
         from hsgd.train.overlap import BackgroundReduce
+        from hsgd.train.simulate import LinkModel
         from hsgd.train.trainer import ReplicaTrainer
 
         torch.set_num_threads(1)
@@ -56,6 +58,7 @@ def _overlap_worker(overrides, rounds, rank, port, results) -> None:
                 seen["params"] = _host(trainer.params)
                 if background is not None:
                     background.start((r, 1, 0, 1))
+
             trainer.run_inner(r, inner, at_snapshot=at_snapshot)
             end_params = _host(trainer.params)
             in_flight = background is not None and not background._reduce.done.is_set()
@@ -64,11 +67,19 @@ def _overlap_worker(overrides, rounds, rank, port, results) -> None:
                 spent = background.settle((r, 1, 0, 1), timeout_s=60)
                 trainer.outer_reduce(r, 1, outer, 0, 1)  # the buffer is there: returns at once
             trainer.outer_commit(r, inner, (0,))
-            out["rounds"].append({
-                "snapshot_step": seen["step"], "snapshot": seen["params"], "end": end_params,
-                "in_flight_at_end": in_flight, "spent": spent, "fragment": trainer.fragment_params(r),
-                "global": _host(trainer.outer_opt.global_params), "params": _host(trainer.params),
-                "digest": trainer.param_digest()})
+            out["rounds"].append(
+                {
+                    "snapshot_step": seen["step"],
+                    "snapshot": seen["params"],
+                    "end": end_params,
+                    "in_flight_at_end": in_flight,
+                    "spent": spent,
+                    "fragment": trainer.fragment_params(r),
+                    "global": _host(trainer.outer_opt.global_params),
+                    "params": _host(trainer.params),
+                    "digest": trainer.param_digest(),
+                }
+            )
     except BaseException:  # noqa: BLE001 — reported to the parent
         out["exception"] = traceback.format_exc()
     results.put(out)
@@ -101,8 +112,9 @@ def test_the_reduce_runs_behind_the_last_inner_steps_and_commits_the_snapshot_me
 
 
 def test_with_fragments_the_unsynced_fragment_keeps_its_local_progress_past_the_snapshot():
-    outs = _run(["sync.outer=diloco", f"sync.outer_every={2 * H}", "sync.fragments=2",
-                 f"sync.fragment_delay={DELAY}"], rounds=2)
+    outs = _run(
+        ["sync.outer=diloco", f"sync.outer_every={2 * H}", "sync.fragments=2", f"sync.fragment_delay={DELAY}"], rounds=2
+    )
     for r in range(2):
         o = outs[0]["rounds"][r]
         synced = set(o["fragment"])
@@ -135,14 +147,16 @@ def _late_cluster_worker(arrival_s, rank, port, results) -> None:
         inner = LevelGroup("inner", "gloo")
         outer = LevelGroup("outer", "gloo", timeout_s=2, configure_timeout_s=60)
         outer.configure(f"127.0.0.1:{port}", "t/outer", rank=rank, world_size=2, epoch=1)
-        trainer = ReplicaTrainer(_cfg(["sync.outer=average", f"sync.outer_every={H}", f"sync.fragment_delay={DELAY}"]),
-                                 rid, topo)
+        trainer = ReplicaTrainer(
+            _cfg(["sync.outer=average", f"sync.outer_every={H}", f"sync.fragment_delay={DELAY}"]), rid, topo
+        )
         background = BackgroundReduce(trainer, outer, arrival_s=arrival_s)
 
         def at_snapshot():
             if rank == 1:
                 time.sleep(4.0)
             background.start((0, 1, 0, 1))
+
         trainer.run_inner(0, inner, at_snapshot=at_snapshot)
         try:
             background.settle((0, 1, 0, 1), timeout_s=60)

@@ -1,10 +1,18 @@
 """Run pictures: the data they are drawn from (synthetic run dirs, no Ray), and that they get written."""
+
 import json
 
 import pytest
 
-from hsgd.record.plots import (loss_plot_data, membership_data, timeline_data, write_loss_png, write_membership_png,
-                        write_run_plots, write_timeline_png)
+from hsgd.record.plots import (
+    loss_plot_data,
+    membership_data,
+    timeline_data,
+    write_loss_png,
+    write_membership_png,
+    write_run_plots,
+    write_timeline_png,
+)
 from tests.fakes.runs import LEADERS, RIDS, T0, _write_jsonl, make_run  # noqa: F401
 
 
@@ -81,8 +89,13 @@ def test_pngs_written(tmp_path, kind):
     if kind == "empty":
         run.mkdir()
     else:
-        make_run(run, faults=kind != "no_faults", metrics=kind != "no_metrics",
-                 status="failed" if kind == "failed" else "completed", rounds=6 if kind == "failed" else 12)
+        make_run(
+            run,
+            faults=kind != "no_faults",
+            metrics=kind != "no_metrics",
+            status="failed" if kind == "failed" else "completed",
+            rounds=6 if kind == "failed" else 12,
+        )
     paths = write_run_plots(run)
     assert [p.name for p in paths] == ["loss.png", "timeline.png", "membership.png"]
     for p in paths:
@@ -125,14 +138,30 @@ def _two_cluster_events(run_dir, rounds=3):
             event(at, "phase_end", phase="inner", round=r, cluster=c, seconds=seconds, ok=members[c], failed={})
         ends.clear()
         event(base + 1.85, "phase_begin", phase="outer", round=r, cluster=None, epoch=1, replicas=["c0r0", "c1r0"])
-        event(base + 1.9, "phase_end", phase="outer", round=r, cluster=None, seconds=0.05, ok=["c0r0", "c1r0"],
-              failed={})
+        event(
+            base + 1.9, "phase_end", phase="outer", round=r, cluster=None, seconds=0.05, ok=["c0r0", "c1r0"], failed={}
+        )
         for c in (0, 1):
-            event(base + 1.9 + 0.01 * c, "phase_begin", phase="outer_commit", round=r, cluster=c, epoch=1,
-                  replicas=members[c])
+            event(
+                base + 1.9 + 0.01 * c,
+                "phase_begin",
+                phase="outer_commit",
+                round=r,
+                cluster=c,
+                epoch=1,
+                replicas=members[c],
+            )
         for c in (0, 1):
-            event(base + 1.95 + 0.01 * c, "phase_end", phase="outer_commit", round=r, cluster=c, seconds=0.05,
-                  ok=members[c], failed={})
+            event(
+                base + 1.95 + 0.01 * c,
+                "phase_end",
+                phase="outer_commit",
+                round=r,
+                cluster=c,
+                seconds=0.05,
+                ok=members[c],
+                failed={},
+            )
     _write_jsonl(run_dir / "events.jsonl", sorted(ev, key=lambda e: e["t"]))
     return run_dir, ev
 
@@ -156,8 +185,21 @@ def test_membership_shows_a_drained_site_leaving_and_every_site_change(tmp_path)
     run = make_run(tmp_path / "run")
     with open(run / "events.jsonl", "a", encoding="utf-8") as fh:  # c1 drained at +9s; a refusal is no change
         for t, kind, cluster, outcome in ((9.0, "drain", "c1", "applied"), (9.5, "add-site", "", "refused")):
-            fh.write(json.dumps({"t": T0 + t, "event": "site_request", "id": f"r{t}", "kind": kind,
-                                 "cluster": cluster, "outcome": outcome, "reason": "x", "round": 4}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "t": T0 + t,
+                        "event": "site_request",
+                        "id": f"r{t}",
+                        "kind": kind,
+                        "cluster": cluster,
+                        "outcome": outcome,
+                        "reason": "x",
+                        "round": 4,
+                    }
+                )
+                + "\n"
+            )
     data = membership_data(run)
     assert data["sites"] == [(pytest.approx(9.0), "drain", "c1")]
     c1 = data["clusters"]["c1"]

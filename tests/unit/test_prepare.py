@@ -1,4 +1,5 @@
 """jobs.prepare / hsgd.train.tokens.prepare_tokens: text in, nanoGPT token files + meta.json out."""
+
 import gzip
 import json
 import lzma
@@ -87,8 +88,10 @@ def test_cli_writes_the_folder_and_exits_2_with_one_line_on_bad_input(tmp_path, 
     assert prepare_main([str(src), str(tmp_path / "tok"), "--tokenizer", "char", "--val-fraction", "0.25"]) == 0
     assert "train.bin" in capsys.readouterr().out
     assert _read(tmp_path / "tok")[0]["val_tokens"] > 0
-    for argv in ([str(tmp_path / "missing"), str(tmp_path / "x")],
-                 [str(src), str(tmp_path / "y"), "--val-fraction", "1.5"]):
+    for argv in (
+        [str(tmp_path / "missing"), str(tmp_path / "x")],
+        [str(src), str(tmp_path / "y"), "--val-fraction", "1.5"],
+    ):
         assert prepare_main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err, err

@@ -1,5 +1,6 @@
 """issue 36, Build 1: replicas push their steps to the run's store; the supervisor reads them all with
 one round trip (hsgd/train/progress_board.py), and nothing waits on a store that is gone."""
+
 import os
 import time
 
@@ -33,7 +34,9 @@ def test_published_steps_are_read_in_one_round_trip_and_cleared_at_a_round_start
     assert got == {"c0r0": (3, 60, me), "c0r1": (3, 61, me)}
     pubs["c0r0"].publish(3, 65)
     assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (3, 65, me)})
-    assert board.reset(["c0r0", "c0r1", "c1r0"]) and board.read(["c0r0", "c0r1"]) == {}, "a new round: stale values gone"
+    assert board.reset(["c0r0", "c0r1", "c1r0"]) and board.read(["c0r0", "c0r1"]) == {}, (
+        "a new round: stale values gone"
+    )
     pubs["c0r0"].address(addr)  # the next run_inner call: the current value is written again
     assert _until(lambda: board.read(["c0r0"]) == {"c0r0": (3, 65, me)})
 

@@ -1,4 +1,5 @@
 """The quarantine rule (issue 32): a replica that died `after` times within the window is set aside."""
+
 from hsgd.core.quarantine import quarantine_due, recent_deaths
 
 

@@ -1,5 +1,6 @@
 """actors.checkpointing.restore: verifies before it touches any replica, falls back past a corrupt
 latest checkpoint, and cannot loop until restarts run out."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,10 +19,15 @@ RIDS = ("c0r0", "c1r0")
 
 def _write(root, r, fingerprint=None):
     tmp = ckpt.new_temp_dir(root, r, owner="run-a")
-    files = {rid: ckpt.save_replica_state(tmp, rid, {"rid": rid, "round": r, "step": r * 3,
-                                                     "params": [torch.full((2,), float(r))]}) for rid in RIDS}
-    return ckpt.finalize(tmp, {"round": r, "step": r * 3, "files": files, "fingerprint": fingerprint},
-                         {rid: r for rid in RIDS})
+    files = {
+        rid: ckpt.save_replica_state(
+            tmp, rid, {"rid": rid, "round": r, "step": r * 3, "params": [torch.full((2,), float(r))]}
+        )
+        for rid in RIDS
+    }
+    return ckpt.finalize(
+        tmp, {"round": r, "step": r * 3, "files": files, "fingerprint": fingerprint}, {rid: r for rid in RIDS}
+    )
 
 
 class _Handle:
@@ -68,11 +74,21 @@ class _Log:
 
 
 def _sup(tmp_path, calls, fail=(), fingerprint=None):
-    cfg = OmegaConf.create({"checkpoint": {"dir": str(tmp_path / "ckpts"), "every": 1},
-                            "supervisor": {"rejoin_wait_s": 0.0, "phase_timeout_s": 30.0}})
-    return SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), state=RunState(committed_round=0, fingerprint=fingerprint),
-                           roster=_Roster(calls, fail), log=_Log(calls), warn=lambda m: None,
-                           save_state=lambda: None)
+    cfg = OmegaConf.create(
+        {
+            "checkpoint": {"dir": str(tmp_path / "ckpts"), "every": 1},
+            "supervisor": {"rejoin_wait_s": 0.0, "phase_timeout_s": 30.0},
+        }
+    )
+    return SimpleNamespace(
+        cfg=cfg,
+        run_dir=str(tmp_path),
+        state=RunState(committed_round=0, fingerprint=fingerprint),
+        roster=_Roster(calls, fail),
+        log=_Log(calls),
+        warn=lambda m: None,
+        save_state=lambda: None,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -90,8 +106,9 @@ def test_a_corrupt_latest_checkpoint_is_skipped_before_any_replica_is_touched(tm
     assert checkpointing.restore(sup, "total loss") == 2
     names = [c[1] if c[0] == "event" else c[0] for c in calls]
     assert names[0] == "checkpoint_fallback" and calls[0][2]["path"] == newest, calls
-    assert names.index("checkpoint_fallback") < names.index("rejoin") < names.index("load"), \
+    assert names.index("checkpoint_fallback") < names.index("rejoin") < names.index("load"), (
         f"restore touched a replica before it verified the checkpoint: {names}"
+    )
     assert [c[2] for c in calls if c[0] == "load"] == [older, older]
     assert sup.roster.live == {"c0r0": (2, 6), "c1r0": (2, 6)}
     assert names[-1] == "restore"

@@ -2,17 +2,43 @@
 (tests/fakes/round_world.py: `World`, which also checks the machine's promises as it goes).
 test_round_simulation.py drives the same world at 10,000 replicas with random failures.
 """
+
 from __future__ import annotations
 
 import pytest
 
-from hsgd.core.round import (AbortJoin, Answer, ErrorKind, Heal, Join, Lost, Outcome, Overlap, Phase, PhaseEnded,
-                             Progress, RoundMachine, RunInner, Up)
+from hsgd.core.round import (
+    AbortJoin,
+    Answer,
+    ErrorKind,
+    Heal,
+    Join,
+    Lost,
+    Outcome,
+    Overlap,
+    Phase,
+    PhaseEnded,
+    Progress,
+    RoundMachine,
+    RunInner,
+    Up,
+)
 from hsgd.core.topology import Topology
-from tests.fakes.round_world import CFAILED, DIED, DONE, SPR, TICK_S, Issued, World, decisions, make_settings, outcome_of
-
+from tests.fakes.round_world import (
+    CFAILED,
+    DIED,
+    DONE,
+    SPR,
+    TICK_S,
+    Issued,
+    World,
+    decisions,
+    make_settings,
+    outcome_of,
+)
 
 # -- fault-free -------------------------------------------------------------------------------------------
+
 
 def test_fault_free_round_issues_each_phase_once_and_commits():
     w = World(3, 3)
@@ -59,23 +85,47 @@ def test_on_the_sharded_path_every_shard_holder_reduces_its_shard_behind_the_ste
 
     def overlaps(outer_configured, live=progress, leaders=None):
         leaders = {c: m[0] for c, m in enumerate(members)} if leaders is None else leaders
-        m = RoundMachine(topo, settings, 4, progress=live, leaders=leaders, epoch=9,
-                         committed_round=4, outer_configured=outer_configured)
-        return {rid: o for e in m.start(0.0) if isinstance(e, Phase) and e.kind == "run_inner"
-                for rid, c in e.calls.items() if (o := c.overlap) is not None}
+        m = RoundMachine(
+            topo,
+            settings,
+            4,
+            progress=live,
+            leaders=leaders,
+            epoch=9,
+            committed_round=4,
+            outer_configured=outer_configured,
+        )
+        return {
+            rid: o
+            for e in m.start(0.0)
+            if isinstance(e, Phase) and e.kind == "run_inner"
+            for rid, c in e.calls.items()
+            if (o := c.overlap) is not None
+        }
+
     assert overlaps((7, groups)) == {rid: Overlap(7, j, 2) for j, holders in enumerate(groups) for rid in holders}
     # c2 lost a member: one shard now, the standing groups are not the plan: nothing is reduced behind the steps
     assert overlaps((7, groups), {rid: p for rid, p in progress.items() if rid != "c2r1"}) == {}
     assert overlaps(None) == {}
     # a cluster whose every replica died last round has no leader yet (its first live member will
     # lead, as before): the plan is read all the same, and c0 below min_replicas sits out of it
-    assert overlaps((7, groups), leaders={0: "c0r0", 1: "c1r0"}) == \
-        {rid: Overlap(7, j, 2) for j, holders in enumerate(groups) for rid in holders}
+    assert overlaps((7, groups), leaders={0: "c0r0", 1: "c1r0"}) == {
+        rid: Overlap(7, j, 2) for j, holders in enumerate(groups) for rid in holders
+    }
     few = make_settings(fragment_delay=3, outer_path="sharded", min_replicas_per_cluster=2)
-    m = RoundMachine(topo, few, 4, progress={rid: p for rid, p in progress.items() if rid != "c0r1"},
-                     leaders={1: "c1r0", 2: "c2r0"}, epoch=9, committed_round=4, outer_configured=(7, groups))
-    assert not any(c.overlap for e in m.start(0.0) if isinstance(e, Phase) and e.kind == "run_inner"
-                   for c in e.calls.values()), "c0 sits out: the standing 3-cluster groups are not the plan"
+    m = RoundMachine(
+        topo,
+        few,
+        4,
+        progress={rid: p for rid, p in progress.items() if rid != "c0r1"},
+        leaders={1: "c1r0", 2: "c2r0"},
+        epoch=9,
+        committed_round=4,
+        outer_configured=(7, groups),
+    )
+    assert not any(
+        c.overlap for e in m.start(0.0) if isinstance(e, Phase) and e.kind == "run_inner" for c in e.calls.values()
+    ), "c0 sits out: the standing 3-cluster groups are not the plan"
 
 
 def test_after_a_holder_dies_no_call_reduces_behind_the_steps_in_a_group_that_is_gone():
@@ -111,6 +161,7 @@ def test_inner_none_averages_each_cluster_before_outer():
 
 
 # -- failure scoping --------------------------------------------------------------------------------------
+
 
 def test_death_in_one_cluster_reforms_only_that_cluster():
     w = World(3, 3)
@@ -157,8 +208,16 @@ def test_replica_advancing_after_a_peer_failed_is_not_killed():
     """localsgd-like: a member keeps stepping (no collective due) after its peer's collective
     failed; while it advances it is slow, never hung."""
     topo = Topology(1, 2)
-    m = RoundMachine(topo, make_settings(), 0, progress={"c0r0": (0, 0), "c0r1": (0, 0)}, leaders={}, epoch=0,
-                     committed_round=0, configured={0: (0, ("c0r0", "c0r1"))})
+    m = RoundMachine(
+        topo,
+        make_settings(),
+        0,
+        progress={"c0r0": (0, 0), "c0r1": (0, 0)},
+        leaders={},
+        epoch=0,
+        committed_round=0,
+        configured={0: (0, ("c0r0", "c0r1"))},
+    )
     (run,) = m.start(0.0)
     assert run.kind == "run_inner"
     assert decisions(m.observe(Answer(run.id, "c0r1", CFAILED, 0, 3), 1.0)) == []
@@ -182,7 +241,7 @@ def test_a_member_dying_in_its_group_s_rendezvous_releases_the_others_at_once():
     assert m.dead == {"c0r1": "died"}
     first, again = w.forming("inner", 0)
     assert first.action.deadline_s == s.configure_s and list(again.action.calls) == ["c0r0", "c0r2"]
-    (at, abort), = w.aborts
+    ((at, abort),) = w.aborts
     assert abort.prefix == first.action.prefix == "epoch1/inner/c0" and abort.dead == ("c0r1",) and abort.cluster == 0
     assert again.at < 1.0 < 12.0, "c0 re-forms as soon as its survivors were released, not at the configure timeout"
     assert len(w.calls("run_inner", 1)) == 1, "c1 is untouched"
@@ -209,7 +268,7 @@ def test_silent_not_advancing_replica_is_killed_after_group_grace_once_a_peer_fa
     m = w.round()
     assert outcome_of(w, m) == "committed"
     assert [rid for _, rid in w.kills] == ["c0r1"], "only the hung one is killed"
-    (killed_at, _), = w.kills
+    ((killed_at, _),) = w.kills
     hang_at = w.calls("run_inner", 0)[0].at + 3 * w.step_s
     peers_failed_at = hang_at + w.timeout_s + 0.01
     assert peers_failed_at + s.group_grace_s < killed_at <= peers_failed_at + s.group_grace_s + TICK_S
@@ -224,7 +283,7 @@ def test_silent_replica_with_no_failed_peer_is_killed_at_the_step_deadline():
     w.fault("c0r0", "run_inner", "hang", round=0, step=2)
     m = w.round()
     assert outcome_of(w, m) == "committed"
-    (killed_at, rid), = w.kills
+    ((killed_at, rid),) = w.kills
     assert rid == "c0r0"
     hang_at = w.calls("run_inner", 0)[0].at + 2 * w.step_s  # its last step; seen at the next poll
     assert hang_at + s.step_deadline_s < killed_at <= hang_at + s.step_deadline_s + 2 * TICK_S
@@ -243,7 +302,9 @@ def test_leader_death_in_outer_retries_only_outer_exchange():
         assert not w.forming("inner", c) and not w.calls("heal", c)
     runs = w.calls("run_inner", 1)
     assert len(runs) == 2
-    assert runs[1].before == {"c1r1": (1, 2 * SPR), "c1r2": (1, 2 * SPR)}, "the re-formed cluster's inner call is a no-op"
+    assert runs[1].before == {"c1r1": (1, 2 * SPR), "c1r2": (1, 2 * SPR)}, (
+        "the re-formed cluster's inner call is a no-op"
+    )
     assert list(w.forming("inner", 1)[-1].action.calls) == ["c1r1", "c1r2"]
     assert m.leaders[1] == "c1r1"
     reduces = w.calls("outer_reduce")
@@ -409,6 +470,7 @@ def test_a_leader_restarted_mid_round_and_leading_again_gets_a_fresh_leaders_gro
     def restarted(world):
         world.restart("c1r0")
         world.carry_out(world.m.observe(Up("c1r0", 0, 0), world.now))
+
     # back after its death (0.2 s into the join) and before its peer leaves the aborted rendezvous (0.25 s)
     w.at(w.now + 0.21, restarted)
     w.issued.clear()
@@ -422,14 +484,23 @@ def test_a_replica_up_while_its_cluster_s_inner_phase_has_failed_waits_for_the_r
     """c0r1 died in run_inner and is already back while c0r2 still runs: no yield (its phase failed,
     it re-forms anyway; the dead member is asked nothing); the newcomer is healed in at the re-form."""
     topo = Topology(1, 3)
-    m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, 0) for rid in topo.replica_ids()}, leaders={},
-                     epoch=0, committed_round=0)
+    m = RoundMachine(
+        topo,
+        make_settings(),
+        0,
+        progress={rid: (0, 0) for rid in topo.replica_ids()},
+        leaders={},
+        epoch=0,
+        committed_round=0,
+    )
     run = next(a for a in m.start(0.0) if a.kind == "run_inner")
-    (abort,) = m.observe(Answer(run.id, "c0r1", DIED), 1.0)  # (the first run forms the group: its rendezvous is released)
+    (abort,) = m.observe(
+        Answer(run.id, "c0r1", DIED), 1.0
+    )  # (the first run forms the group: its rendezvous is released)
     assert isinstance(abort, AbortJoin) and abort.dead == ("c0r1",)
     assert m.observe(Up("c0r1", 0, 0), 2.0) == []  # (it asked the dead one's step before: KeyError)
     assert m.observe(Answer(run.id, "c0r0", CFAILED, 0, 3), 2.1) == []
-    heal, = decisions(m.observe(Answer(run.id, "c0r2", CFAILED, 0, 3), 2.2))
+    (heal,) = decisions(m.observe(Answer(run.id, "c0r2", CFAILED, 0, 3), 2.2))
     assert heal.kind == "heal" and heal.calls == {"c0r1": Heal("c0r0", "full")}
 
 
@@ -481,6 +552,7 @@ def test_heal_source_death_reported_via_on_lost_reforms_without_it():
 
     def source_dies(world, action):
         world.crash(["c0r0"])
+
     w.on("heal", source_dies)
     m = w.round()
     assert outcome_of(w, m) == "committed"
@@ -491,9 +563,17 @@ def test_heal_source_death_reported_via_on_lost_reforms_without_it():
 def test_leader_lost_after_its_reduce_answered_commits_without_its_cluster():
     topo = Topology(2, 2)
     ids = topo.replica_ids()
-    m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, SPR) for rid in ids}, leaders={}, epoch=0,
-                     committed_round=0, configured={0: (0, ("c0r0", "c0r1")), 1: (0, ("c1r0", "c1r1"))},
-                     outer_configured=(0, (("c0r0", "c1r0"),)))
+    m = RoundMachine(
+        topo,
+        make_settings(),
+        0,
+        progress={rid: (0, SPR) for rid in ids},
+        leaders={},
+        epoch=0,
+        committed_round=0,
+        configured={0: (0, ("c0r0", "c0r1")), 1: (0, ("c1r0", "c1r1"))},
+        outer_configured=(0, (("c0r0", "c1r0"),)),
+    )
     runs = m.start(0.0)
     queue = list(runs)
     reduce = None
@@ -530,13 +610,23 @@ def test_no_call_to_a_busy_replica():
     assert len(w.issued) > 10  # (the world checked each of these calls as it was made)
 
 
-@pytest.mark.parametrize("reported", [
-    True,
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
-        "the contract's other half: a supervisor that maps a heal source's death to collective_failed on the target "
-        "without calling machine.on_lost(source) (actors/supervisor.py, when this was written) makes the machine "
-        "heal from the dead source again until max_reforms"))),
-])
+@pytest.mark.parametrize(
+    "reported",
+    [
+        True,
+        pytest.param(
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "the contract's other half: a supervisor that maps a heal source's death to collective_failed on the target "
+                    "without calling machine.on_lost(source) (actors/supervisor.py, when this was written) makes the machine "
+                    "heal from the dead source again until max_reforms"
+                ),
+            ),
+        ),
+    ],
+)
 def test_heal_source_death_does_not_fail_the_run(reported):
     w = World(1, 3, start=(0, 0), report_heal_source_deaths=reported)
     w.reps["c0r0"].step = 4
@@ -554,13 +644,23 @@ def test_hung_heal_source_is_killed_not_its_targets():
     assert [rid for _, rid in w.kills] == ["c0r0"]
 
 
-@pytest.mark.parametrize("persisted", [
-    True,
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
-        "the contract's other half: a supervisor that saves the epoch only at a round's end (actors/supervisor.py, "
-        "when this was written) restarts with epochs its predecessor already issued, and leaders reuse a buffer "
-        "reduced under the same (round, epoch) over another set of clusters: clusters apply different steps"))),
-])
+@pytest.mark.parametrize(
+    "persisted",
+    [
+        True,
+        pytest.param(
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "the contract's other half: a supervisor that saves the epoch only at a round's end (actors/supervisor.py, "
+                    "when this was written) restarts with epochs its predecessor already issued, and leaders reuse a buffer "
+                    "reduced under the same (round, epoch) over another set of clusters: clusters apply different steps"
+                ),
+            ),
+        ),
+    ],
+)
 def test_restarted_supervisor_never_reuses_an_epoch_of_its_predecessor(persisted):
     w = World(4, 2)
     assert w.round().outcome == "committed"
@@ -596,26 +696,40 @@ def test_outer_modes_commit(outer):
 
 
 def _machine_in_inner(n=3):
-    from hsgd.core.topology import Topology
     from hsgd.core.round import RoundMachine, RoundSettings
+    from hsgd.core.topology import Topology
 
-    m = RoundMachine(Topology(1, n), RoundSettings(steps_per_round=10), 0,
-                     progress={f"c0r{i}": (0, 0) for i in range(n)}, leaders={}, epoch=0, committed_round=0)
+    m = RoundMachine(
+        Topology(1, n),
+        RoundSettings(steps_per_round=10),
+        0,
+        progress={f"c0r{i}": (0, 0) for i in range(n)},
+        leaders={},
+        epoch=0,
+        committed_round=0,
+    )
     (inner,) = m.start(0.0)
-    assert inner.kind == "run_inner" and inner.calls["c0r0"] == RunInner(Join("epoch1/inner/c0", 0, n)), "the first run forms the group"
+    assert inner.kind == "run_inner" and inner.calls["c0r0"] == RunInner(Join("epoch1/inner/c0", 0, n)), (
+        "the first run forms the group"
+    )
     return m, inner
 
 
-@pytest.mark.parametrize("kind,reaped", [
-    (ErrorKind.PEER_GONE, True),
-    (ErrorKind.TIMEOUT, False),  # a timeout says nothing about who is gone
-])
+@pytest.mark.parametrize(
+    "kind,reaped",
+    [
+        (ErrorKind.PEER_GONE, True),
+        (ErrorKind.TIMEOUT, False),  # a timeout says nothing about who is gone
+    ],
+)
 def test_a_peer_whose_connection_closed_is_presumed_dead_without_waiting_for_ray(kind, reaped):
     m, inner = _machine_in_inner()
     for rid in ("c0r0", "c0r1"):
         # the detail is the backend's text, which the machine never reads: only the kind decides
-        assert m.observe(Answer(inner.id, rid, Outcome.COLLECTIVE_FAILED, 0, 3, kind, "Connection closed by peer"),
-                         1.0) == []
+        assert (
+            m.observe(Answer(inner.id, rid, Outcome.COLLECTIVE_FAILED, 0, 3, kind, "Connection closed by peer"), 1.0)
+            == []
+        )
     actions = decisions(m.tick(1.0 + m.settings.presumed_dead_s + 0.01))
     if reaped:
         assert [a.kind for a in actions] == ["reap", "run_inner"], actions
@@ -631,11 +745,22 @@ def _fifo_round(batch: int) -> tuple[RoundMachine, list]:
     from collections import deque
 
     topo = Topology(6, 3)
-    m = RoundMachine(topo, make_settings(), 0, progress={rid: (0, 0) for rid in topo.replica_ids()}, leaders={},
-                     epoch=0, committed_round=0)
+    m = RoundMachine(
+        topo,
+        make_settings(),
+        0,
+        progress={rid: (0, 0) for rid in topo.replica_ids()},
+        leaders={},
+        epoch=0,
+        committed_round=0,
+    )
     where = {rid: (0, 0) for rid in topo.replica_ids()}
-    faults = {("run_inner", "c1r1"): DIED, ("run_inner", "c2r0"): CFAILED, ("outer_reduce", "c4r0"): DIED,
-              ("outer_commit", "c5r2"): CFAILED}
+    faults = {
+        ("run_inner", "c1r1"): DIED,
+        ("run_inner", "c2r0"): CFAILED,
+        ("outer_reduce", "c4r0"): DIED,
+        ("outer_commit", "c5r2"): CFAILED,
+    }
     queue: deque = deque()
     log: list = []
 
@@ -674,8 +799,13 @@ def test_answers_in_batches_decide_exactly_as_one_by_one(batch):
     many, many_log = _fifo_round(batch)
     assert one.outcome == "committed" and one.dead == {"c1r1": "died", "c4r0": "died"}
     assert many_log == one_log
-    assert (many.outcome, many.progress, many.epoch, many.leaders, many.committed_by) == \
-           (one.outcome, one.progress, one.epoch, one.leaders, one.committed_by)
+    assert (many.outcome, many.progress, many.epoch, many.leaders, many.committed_by) == (
+        one.outcome,
+        one.progress,
+        one.epoch,
+        one.leaders,
+        one.committed_by,
+    )
 
 
 def test_heals_at_rest_bring_every_cluster_to_the_furthest_round():
@@ -694,8 +824,9 @@ def test_a_replica_lost_while_waiting_to_be_taken_in_mid_round_is_not_taken_in()
     """c0r2 comes back while its cluster heals (it waits to be taken in when the heal ends) and dies
     again before that: the cluster goes on without it rather than forming a group it never joins."""
     topo = Topology(1, 3)
-    m = RoundMachine(topo, make_settings(), 0, progress={"c0r0": (0, 5), "c0r1": (0, 2)}, leaders={}, epoch=0,
-                     committed_round=0)
+    m = RoundMachine(
+        topo, make_settings(), 0, progress={"c0r0": (0, 5), "c0r1": (0, 2)}, leaders={}, epoch=0, committed_round=0
+    )
     (heal,) = m.start(0.0)
     assert heal.kind == "heal" and heal.calls == {"c0r1": Heal("c0r0", "full")}
     assert m.observe(Up("c0r2", 0, 0), 1.0) == [] and m.joining == {0: {"c0r2": (0, 0)}}
@@ -709,9 +840,12 @@ def test_each_call_kind_owns_its_record_name_seconds_key_and_fault_phases():
     from hsgd.core.round import CallKind
 
     assert {k.value: (k.record, k.seconds_key, k.fault_phases) for k in CallKind} == {
-        "heal": ("heal", "heal_configure", ("heal",)), "run_inner": ("inner", "inner", ("inner", "inner_sync")),
+        "heal": ("heal", "heal_configure", ("heal",)),
+        "run_inner": ("inner", "inner", ("inner", "inner_sync")),
         "cluster_average": ("inner_sync", "inner_sync", ("inner_sync",)),
-        "outer_reduce": ("outer", "outer", ("outer",)), "outer_commit": ("outer_commit", "outer_commit", ("outer_commit",))}
+        "outer_reduce": ("outer", "outer", ("outer",)),
+        "outer_commit": ("outer_commit", "outer_commit", ("outer_commit",)),
+    }
     assert CallKind("run_inner") is CallKind.RUN_INNER and f"{CallKind.HEAL}" == "heal"
     assert [k for k in CallKind if k.voids] == [CallKind.RUN_INNER, CallKind.CLUSTER_AVERAGE, CallKind.OUTER_REDUCE]
 
@@ -728,8 +862,9 @@ def test_a_phase_forms_its_group_when_its_calls_carry_a_join():
 def test_a_phase_answer_crosses_ray_as_a_flat_dict_and_reads_back_the_same():
     from hsgd.core.round import PhaseAnswer
 
-    answer = PhaseAnswer("c0r1", Outcome.COLLECTIVE_FAILED, 2, 17, "peer closed", ErrorKind.PEER_GONE,
-                         result={"join_s": 0.5})
+    answer = PhaseAnswer(
+        "c0r1", Outcome.COLLECTIVE_FAILED, 2, 17, "peer closed", ErrorKind.PEER_GONE, result={"join_s": 0.5}
+    )
     wire = answer.wire()
     assert wire["outcome"] == "collective_failed" and wire["error_kind"] == "peer_gone" and wire["join_s"] == 0.5
     assert "ok" not in wire and PhaseAnswer.read(wire) == answer
@@ -751,7 +886,11 @@ def test_cluster_stages_derive_who_sits_out_and_who_is_ready():
 
     m = World(3, 1).machine()
     assert m.not_ready and m.out == set() and m.outer_stage is OuterStage.WAIT
-    m.clusters[0].stage, m.clusters[1].stage, m.clusters[2].stage = ClusterStage.OUT, ClusterStage.READY, ClusterStage.INNER
+    m.clusters[0].stage, m.clusters[1].stage, m.clusters[2].stage = (
+        ClusterStage.OUT,
+        ClusterStage.READY,
+        ClusterStage.INNER,
+    )
     assert m.out == {0} and m.participating() == [1, 2] and m.not_ready and m.view_phase == "inner"
     m.clusters[2].stage = ClusterStage.READY
     assert not m.not_ready and m.view_phase == "ready"

@@ -7,6 +7,7 @@ leader answers `non_finite` before sending anything and aborts its outer group, 
 leaders' all-reduce fails (`collective_failed`). The supervisor's carried state (`benched`,
 `non_finite_rounds`) goes from one round's machine to the next, as actors/supervisor.py does.
 """
+
 from __future__ import annotations
 
 from hsgd.core.round import Heal, Outcome, RoundMachine
@@ -78,7 +79,9 @@ def test_non_finite_inner_phase_voids_only_its_cluster_and_the_others_commit_wit
     assert set(m.void) == {1} and m.void[1].phase == "run_inner" and set(m.void[1].rids) == {"c1r0", "c1r1"}
     assert not w.kills and not m.dead, "a non-finite number kills nobody"
     assert _outer_leaders(w) == [["c0r0", "c2r0"]], "c1's pseudo-gradient is never sent"
-    assert "c1r0" not in w.calls("outer_commit")[0].action.calls and "c1r1" not in w.calls("outer_commit")[0].action.calls
+    assert (
+        "c1r0" not in w.calls("outer_commit")[0].action.calls and "c1r1" not in w.calls("outer_commit")[0].action.calls
+    )
     assert w.reps["c1r0"].pos == (0, SPR) and w.reps["c0r0"].pos == (1, SPR)
     assert m.non_finite_rounds == {1: 0} and not m.benched and not m.benched_now
     # the next round: c1 restarts from the committed global params and takes part again

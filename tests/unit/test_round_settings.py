@@ -1,5 +1,6 @@
 """hsgd.core.round.machine.round_settings: the round machine's settings from the config, the model's bytes and the
 learned phase clock — every deadline scaled to the work it bounds."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +17,9 @@ MIB = 1 << 20
 def sections(**overrides):
     """sync, supervisor, comm as plain namespaces."""
     sync = dict(inner="ddp", outer="diloco", outer_path="leader", inner_every=1, fragment_delay=0)
-    supervisor = dict(call_timeout_s=60.0, phase_timeout_s=300.0, min_replicas_per_cluster=1, min_clusters=1,
-                      rejoin="fast")
+    supervisor = dict(
+        call_timeout_s=60.0, phase_timeout_s=300.0, min_replicas_per_cluster=1, min_clusters=1, rejoin="fast"
+    )
     comm = dict(timeout_s=10.0, configure_timeout_s=30.0, min_gbps=1.0)
     for key, value in overrides.items():
         section, name = key.split("__")
@@ -27,8 +29,14 @@ def sections(**overrides):
 
 def settings(*, param_bytes=0, clock=None, steps_per_round=20, **overrides) -> RoundSettings:
     sync, supervisor, comm = sections(**overrides)
-    return round_settings(steps_per_round=steps_per_round, sync=sync, supervisor=supervisor, comm=comm,
-                          param_bytes=param_bytes, clock=clock or PhaseClock(floor_s=15.0, ceiling_s=300.0))
+    return round_settings(
+        steps_per_round=steps_per_round,
+        sync=sync,
+        supervisor=supervisor,
+        comm=comm,
+        param_bytes=param_bytes,
+        clock=clock or PhaseClock(floor_s=15.0, ceiling_s=300.0),
+    )
 
 
 def seen(clock: PhaseClock, phase: str, seconds: float, times: int = 2) -> PhaseClock:
@@ -40,8 +48,9 @@ def seen(clock: PhaseClock, phase: str, seconds: float, times: int = 2) -> Phase
 def test_group_grace_is_one_collectives_timeout_for_the_params_at_min_gbps_plus_five_seconds():
     assert settings(param_bytes=0).group_grace_s == 15.0
     assert settings(param_bytes=GB).group_grace_s == pytest.approx(10.0 + 8.0 + 5.0), "1 GB at 1 Gbit/s is 8 s"
-    assert settings(param_bytes=GB, comm__min_gbps=0.5).group_grace_s == pytest.approx(10.0 + 16.0 + 5.0), \
+    assert settings(param_bytes=GB, comm__min_gbps=0.5).group_grace_s == pytest.approx(10.0 + 16.0 + 5.0), (
         "a slower link assumed must give a member longer to leave a broken collective"
+    )
 
 
 def test_a_heal_covers_its_groups_join_and_the_whole_state_twice_and_grows_with_the_state():
@@ -85,17 +94,36 @@ def test_configure_allows_the_rendezvous_then_the_connect_then_a_margin(configur
 
 def test_the_typed_config_defaults_fragment_delay_to_0_and_rejoin_to_fast():
     cfg = OmegaConf.structured(HsgdConfig)
-    typed = round_settings(steps_per_round=20, sync=cfg.sync, supervisor=cfg.supervisor, comm=cfg.comm,
-                           param_bytes=0, clock=PhaseClock(floor_s=15.0, ceiling_s=300.0))
+    typed = round_settings(
+        steps_per_round=20,
+        sync=cfg.sync,
+        supervisor=cfg.supervisor,
+        comm=cfg.comm,
+        param_bytes=0,
+        clock=PhaseClock(floor_s=15.0, ceiling_s=300.0),
+    )
     assert typed.fragment_delay == 0 and typed.rejoin == "fast"
     assert settings(sync__fragment_delay=3).fragment_delay == 3
     assert settings(supervisor__rejoin="boundary").rejoin == "boundary"
 
 
 def test_sync_and_quorum_rules_pass_through():
-    s = settings(steps_per_round=7, sync__inner="localsgd", sync__inner_every=4, sync__outer="average",
-                 sync__outer_path="sharded", supervisor__min_replicas_per_cluster=2, supervisor__min_clusters=3)
-    assert (s.steps_per_round, s.inner, s.inner_every, s.outer, s.outer_path) == (7, "localsgd", 4, "average", "sharded")
+    s = settings(
+        steps_per_round=7,
+        sync__inner="localsgd",
+        sync__inner_every=4,
+        sync__outer="average",
+        sync__outer_path="sharded",
+        supervisor__min_replicas_per_cluster=2,
+        supervisor__min_clusters=3,
+    )
+    assert (s.steps_per_round, s.inner, s.inner_every, s.outer, s.outer_path) == (
+        7,
+        "localsgd",
+        4,
+        "average",
+        "sharded",
+    )
     assert (s.min_replicas_per_cluster, s.min_clusters) == (2, 3)
 
 
@@ -103,10 +131,25 @@ def test_config_nodes_work_as_the_supervisor_holds_them():
     """The typed config, and a plain node of the resolved dict (how the supervisor holds its config:
     OmegaConf.create of the resolved dict, which has every key of the schema)."""
     typed = OmegaConf.structured(HsgdConfig)
-    s = round_settings(steps_per_round=5, sync=typed.sync, supervisor=typed.supervisor, comm=typed.comm,
-                       param_bytes=GB, clock=PhaseClock())
+    s = round_settings(
+        steps_per_round=5,
+        sync=typed.sync,
+        supervisor=typed.supervisor,
+        comm=typed.comm,
+        param_bytes=GB,
+        clock=PhaseClock(),
+    )
     assert s.fragment_delay == typed.sync.fragment_delay and s.rejoin == typed.supervisor.rejoin
     assert s.group_grace_s == pytest.approx(typed.comm.timeout_s + 8 * GB / (typed.comm.min_gbps * GB) + 5.0)
     plain = OmegaConf.create(OmegaConf.to_container(typed))
-    assert round_settings(steps_per_round=5, sync=plain.sync, supervisor=plain.supervisor, comm=plain.comm,
-                          param_bytes=GB, clock=PhaseClock()) == s
+    assert (
+        round_settings(
+            steps_per_round=5,
+            sync=plain.sync,
+            supervisor=plain.supervisor,
+            comm=plain.comm,
+            param_bytes=GB,
+            clock=PhaseClock(),
+        )
+        == s
+    )

@@ -19,6 +19,7 @@ and at every round's end:
 - after a commit, every replica that applied it holds round r+1 at step (r+1)*steps and the same
   reduced buffer.
 """
+
 from __future__ import annotations
 
 import random
@@ -34,6 +35,7 @@ from tests.fakes.round_world import World, make_settings
 @dataclass
 class Rates:
     """Per replica and round (die/hang/collective), or per round (the rest)."""
+
     die: float = 3e-4
     hang: float = 1e-4
     collective: float = 2e-4
@@ -59,18 +61,37 @@ class Report:
     wall_s: float = 0.0
 
 
-SIM_SETTINGS = dict(steps_per_round=20, step_deadline_s=3.0, group_grace_s=2.0, configure_s=3.0, heal_s=3.0,
-                    outer_s=4.0, commit_s=3.0)
+SIM_SETTINGS = dict(
+    steps_per_round=20, step_deadline_s=3.0, group_grace_s=2.0, configure_s=3.0, heal_s=3.0, outer_s=4.0, commit_s=3.0
+)
 # (configure_<level>: in the join a call that forms its group starts with)
 PHASES = ("run_inner", "heal", "configure_inner", "outer_reduce", "outer_commit", "configure_outer")
 
 
 class Simulation:
-    def __init__(self, clusters: int, per_cluster: int, *, rounds: int, seed: int, rates: Rates,
-                 all_lost_round: int | None = None, checkpoint_every: int = 2, max_machines: int | None = None,
-                 persist_epoch: bool = True, forced: dict[int, set[str]] | None = None, **settings):
-        self.w = World(clusters, per_cluster, settings=make_settings(**{**SIM_SETTINGS, **settings}), step_s=0.1,
-                       timeout_s=1.0, configure_timeout_s=1.5)
+    def __init__(
+        self,
+        clusters: int,
+        per_cluster: int,
+        *,
+        rounds: int,
+        seed: int,
+        rates: Rates,
+        all_lost_round: int | None = None,
+        checkpoint_every: int = 2,
+        max_machines: int | None = None,
+        persist_epoch: bool = True,
+        forced: dict[int, set[str]] | None = None,
+        **settings,
+    ):
+        self.w = World(
+            clusters,
+            per_cluster,
+            settings=make_settings(**{**SIM_SETTINGS, **settings}),
+            step_s=0.1,
+            timeout_s=1.0,
+            configure_timeout_s=1.5,
+        )
         self.spr = self.w.spr
         self.rounds, self.rates, self.rng = rounds, rates, random.Random(seed)
         self.all_lost_round = all_lost_round
@@ -175,8 +196,10 @@ class Simulation:
             self.report.machines += 1
             w.sup_dead = False
             if self._happens(r, "supervisor", self.rates.supervisor):
+
                 def supervisor_dies(world, machine=m):
                     world.sup_dead = world.sup_dead or world.m is machine
+
                 w.at(w.now + self.rng.uniform(0.0, 5.0), supervisor_dies)
             committed_before = w.committed_round
             w.drive(m, stop=lambda: w.sup_dead)
@@ -264,8 +287,13 @@ def _poisson(rng: random.Random, lam: float) -> int:
 
 # -- tests --------------------------------------------------------------------------------------------------
 
-EVERY_CLASS = {0: {"hang", "leader_in_outer"}, 1: {"whole_cluster", "supervisor"}, 2: {"several_clusters", "hang"},
-               4: {"outside_crash", "leader_in_outer", "supervisor"}, 5: {"several_clusters", "whole_cluster"}}
+EVERY_CLASS = {
+    0: {"hang", "leader_in_outer"},
+    1: {"whole_cluster", "supervisor"},
+    2: {"several_clusters", "hang"},
+    4: {"outside_crash", "leader_in_outer", "supervisor"},
+    5: {"several_clusters", "whole_cluster"},
+}
 
 
 def test_ten_thousand_replicas_every_failure_class():
@@ -275,8 +303,14 @@ def test_ten_thousand_replicas_every_failure_class():
     assert report.restores == 1, report
     assert report.supervisor_restarts >= 2, report
     assert report.kills >= 2, "hangs were injected: the hung replicas must have been found and killed"
-    for what in ("hang in run_inner", "leader in outer", "whole cluster", "several clusters", "outside crash",
-                 "every replica"):
+    for what in (
+        "hang in run_inner",
+        "leader in outer",
+        "whole cluster",
+        "several clusters",
+        "outside crash",
+        "every replica",
+    ):
         assert report.injected.get(what), (what, report)
     assert sum(n for k, n in report.injected.items() if k.startswith("collective")) >= 1, report
 
@@ -284,12 +318,28 @@ def test_ten_thousand_replicas_every_failure_class():
 @pytest.mark.parametrize("seed", range(40))
 def test_small_topologies_high_failure_rates(seed):
     """Many interleavings fast: few clusters, failures in most rounds."""
-    rates = Rates(die=0.03, hang=0.01, collective=0.02, leader_in_outer=0.4, whole_cluster=0.15,
-                  several_clusters=0.05, outside_crash=0.3, supervisor=0.15)
+    rates = Rates(
+        die=0.03,
+        hang=0.01,
+        collective=0.02,
+        leader_in_outer=0.4,
+        whole_cluster=0.15,
+        several_clusters=0.05,
+        outside_crash=0.3,
+        supervisor=0.15,
+    )
     # odd seeds overlap the outer reduce with the inner steps (sync.fragment_delay): the machine plans
     # it at every (re-)formed inner phase, whatever failed before
-    sim = Simulation(6, 3, rounds=15, seed=seed, rates=rates, all_lost_round=7 if seed % 3 == 0 else None,
-                     min_replicas_per_cluster=1 + seed % 2, fragment_delay=5 * (seed % 2))
+    sim = Simulation(
+        6,
+        3,
+        rounds=15,
+        seed=seed,
+        rates=rates,
+        all_lost_round=7 if seed % 3 == 0 else None,
+        min_replicas_per_cluster=1 + seed % 2,
+        fragment_delay=5 * (seed % 2),
+    )
     report = sim.run()
     assert report.rounds_committed == 15
     if seed % 3 == 0:
@@ -302,8 +352,17 @@ def test_small_topologies_high_failure_rates(seed):
 def test_medium_topology_with_min_clusters(seed):
     """50 clusters of 4; a round needs 46 clusters of >= 2 live replicas: quorum losses happen and pass."""
     rates = Rates(die=0.01, hang=0.003, collective=0.005, whole_cluster=0.5, several_clusters=0.3)
-    sim = Simulation(50, 4, rounds=10, seed=seed, rates=rates, all_lost_round=6, min_clusters=46,
-                     min_replicas_per_cluster=2, forced={1: {"supervisor", "hang"}, 3: {"several_clusters"}})
+    sim = Simulation(
+        50,
+        4,
+        rounds=10,
+        seed=seed,
+        rates=rates,
+        all_lost_round=6,
+        min_clusters=46,
+        min_replicas_per_cluster=2,
+        forced={1: {"supervisor", "hang"}, 3: {"several_clusters"}},
+    )
     report = sim.run()
     assert report.rounds_committed == 10 and report.restores >= 1, report
 
@@ -311,8 +370,15 @@ def test_medium_topology_with_min_clusters(seed):
 @pytest.mark.long  # ~20 s of CPU per seed
 @pytest.mark.parametrize("seed", range(3))
 def test_ten_thousand_replicas_long_run(seed):
-    sim = Simulation(1000, 10, rounds=25, seed=100 + seed, rates=Rates(die=6e-4, hang=2e-4, collective=4e-4),
-                     all_lost_round=12, forced={r: {"hang", "supervisor"} for r in range(0, 25, 5)})
+    sim = Simulation(
+        1000,
+        10,
+        rounds=25,
+        seed=100 + seed,
+        rates=Rates(die=6e-4, hang=2e-4, collective=4e-4),
+        all_lost_round=12,
+        forced={r: {"hang", "supervisor"} for r in range(0, 25, 5)},
+    )
     report = sim.run()
     assert report.rounds_committed == 25 and report.restores == 1, report
 
@@ -322,11 +388,28 @@ def test_restarted_replicas_rejoin_mid_round_through_yields(seed):
     """Rejoin `fast` under steady crashes from outside: the dead restart inside the round, their
     cluster yields at a step boundary, heals them in and goes on (ddp, localsgd, none), while the
     other failure classes keep happening now and then."""
-    rates = Rates(die=0.01, hang=0.002, collective=0.002, leader_in_outer=0.1, whole_cluster=0.1,
-                  several_clusters=0.02, outside_crash=0.7, supervisor=0.05, rejoin=1.0)
-    sim = Simulation(4 + seed % 4, 3 + seed % 3, rounds=10, seed=seed, rates=rates,
-                     min_replicas_per_cluster=1 + seed % 2, steps_per_round=80,
-                     inner=("ddp", "localsgd", "none")[seed % 3], inner_every=4 if seed % 3 == 1 else 1)
+    rates = Rates(
+        die=0.01,
+        hang=0.002,
+        collective=0.002,
+        leader_in_outer=0.1,
+        whole_cluster=0.1,
+        several_clusters=0.02,
+        outside_crash=0.7,
+        supervisor=0.05,
+        rejoin=1.0,
+    )
+    sim = Simulation(
+        4 + seed % 4,
+        3 + seed % 3,
+        rounds=10,
+        seed=seed,
+        rates=rates,
+        min_replicas_per_cluster=1 + seed % 2,
+        steps_per_round=80,
+        inner=("ddp", "localsgd", "none")[seed % 3],
+        inner_every=4 if seed % 3 == 1 else 1,
+    )
     report = sim.run()
     assert report.rounds_committed == 10, report
     assert report.injected.get("restarted mid-round"), report
@@ -336,10 +419,26 @@ def test_mid_round_rejoins_do_yield():
     """The seeds above do exercise the yield path (not only joins at a re-form)."""
     yields = 0
     for seed in range(6):
-        rates = Rates(die=0.01, hang=0.002, collective=0.002, leader_in_outer=0.1, whole_cluster=0.1,
-                      several_clusters=0.02, outside_crash=0.7, supervisor=0.05, rejoin=1.0)
-        sim = Simulation(4 + seed % 4, 3 + seed % 3, rounds=10, seed=seed, rates=rates,
-                         min_replicas_per_cluster=1 + seed % 2, steps_per_round=80)
+        rates = Rates(
+            die=0.01,
+            hang=0.002,
+            collective=0.002,
+            leader_in_outer=0.1,
+            whole_cluster=0.1,
+            several_clusters=0.02,
+            outside_crash=0.7,
+            supervisor=0.05,
+            rejoin=1.0,
+        )
+        sim = Simulation(
+            4 + seed % 4,
+            3 + seed % 3,
+            rounds=10,
+            seed=seed,
+            rates=rates,
+            min_replicas_per_cluster=1 + seed % 2,
+            steps_per_round=80,
+        )
         sim.run()
         yields += sum(i.action.kind == "yield" for i in sim.w.issued)
     assert yields >= 10, yields
@@ -347,9 +446,25 @@ def test_mid_round_rejoins_do_yield():
 
 @pytest.mark.parametrize("seed", range(30))
 def test_mid_round_rejoins_under_high_failure_rates(seed):
-    rates = Rates(die=0.03, hang=0.01, collective=0.02, leader_in_outer=0.3, whole_cluster=0.15,
-                  several_clusters=0.05, outside_crash=0.3, supervisor=0.1, rejoin=0.8)
-    sim = Simulation(4 + seed % 4, 3 + seed % 3, rounds=12, seed=seed, rates=rates,
-                     all_lost_round=7 if seed % 3 == 0 else None, min_replicas_per_cluster=1 + seed % 2)
+    rates = Rates(
+        die=0.03,
+        hang=0.01,
+        collective=0.02,
+        leader_in_outer=0.3,
+        whole_cluster=0.15,
+        several_clusters=0.05,
+        outside_crash=0.3,
+        supervisor=0.1,
+        rejoin=0.8,
+    )
+    sim = Simulation(
+        4 + seed % 4,
+        3 + seed % 3,
+        rounds=12,
+        seed=seed,
+        rates=rates,
+        all_lost_round=7 if seed % 3 == 0 else None,
+        min_replicas_per_cluster=1 + seed % 2,
+    )
     report = sim.run()
     assert report.rounds_committed == 12, report

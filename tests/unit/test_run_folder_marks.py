@@ -1,5 +1,6 @@
 """Run-folder recognition (issue 31, Build 4): an hsgd run folder is recognised only by what only
 hsgd writes — run.json holding an hsgd run id, or hsgd.lock — never by a common file name."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,18 @@ from hsgd.config import ConfigError
 from hsgd.config.compose import check_run_folder, is_hsgd_run_folder
 
 
-@pytest.mark.parametrize("files", [{"config.yaml": "lr: 0.1\n"}, {"checkpoints/x": "1"},
-                                   {"checkpoints/round_000002/manifest.json": '{"files": {}}'},
-                                   {"run.json": "{}"}, {"run.json": '{"run_id": 7}'}, {"run.json": "[1]"},
-                                   {"run.json": "not json"}])
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"config.yaml": "lr: 0.1\n"},
+        {"checkpoints/x": "1"},
+        {"checkpoints/round_000002/manifest.json": '{"files": {}}'},
+        {"run.json": "{}"},
+        {"run.json": '{"run_id": 7}'},
+        {"run.json": "[1]"},
+        {"run.json": "not json"},
+    ],
+)
 def test_a_folder_without_an_hsgd_mark_is_refused_and_left_untouched(tmp_path, files):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ FolderWriter bounds every wait for a write; append_lines writes whole lines or n
 The outage is made the way root cannot bypass (the tests run as root, for whom permissions do not
 block writes): the run folder is moved away and a plain file put at its path, so every write under
 it fails with NotADirectoryError, as on a folder that is gone; putting it back ends the outage."""
+
 from __future__ import annotations
 
 import json
@@ -102,8 +103,9 @@ def test_a_hung_write_costs_a_caller_its_deadline_and_nothing_after(tmp_path):
     release = threading.Event()
     writer = FolderWriter(deadline_s=0.2)
     order = []
-    assert writer.submit("hung", lambda: (release.wait(30), order.append("hung"))) is False, \
+    assert writer.submit("hung", lambda: (release.wait(30), order.append("hung"))) is False, (
         "the caller is answered at its deadline while the write hangs"
+    )
     # the deadline runs from when the thread began the write, which on a loaded machine may be a
     # little after the submit: wait for it (bounded), never read it at the caller's instant
     until = time.monotonic() + 5.0
@@ -181,7 +183,9 @@ def test_call_with_deadline_answers_a_hung_call_with_timeout_error():
 
 def test_only_an_outage_longer_than_the_grace_ends_the_run_and_its_reason_names_folder_grace_and_error():
     assert storage_problem(0.0, "", grace_s=60.0, run_dir="/runs/x") is None
-    assert storage_problem(60.0, "No space left", grace_s=60.0, run_dir="/runs/x") is None, "the grace itself is allowed"
+    assert storage_problem(60.0, "No space left", grace_s=60.0, run_dir="/runs/x") is None, (
+        "the grace itself is allowed"
+    )
     reason = storage_problem(61.4, "No space left", grace_s=60.0, run_dir="/runs/x")
     assert reason == "run folder /runs/x unwritable for 61 s (run.io_grace_s=60): No space left", reason
     assert "io_grace_s=2.5" in storage_problem(3.0, "gone", grace_s=2.5, run_dir=Path("/runs/y"))

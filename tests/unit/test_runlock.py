@@ -1,4 +1,5 @@
 """hsgd.record.runlock: a run owns its folder (an O_EXCL lock, refreshed while the run lives)."""
+
 import json
 import os
 import socket
@@ -20,8 +21,14 @@ def _dead_pid() -> int:
 
 
 def _write_lock(run_dir, **fields):
-    info = {"run_id": "old-run", "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
-            "refreshed_at": time.time(), **fields}
+    info = {
+        "run_id": "old-run",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": time.time(),
+        "refreshed_at": time.time(),
+        **fields,
+    }
     (run_dir / LOCK_NAME).write_text(json.dumps(info))
     return info
 
@@ -124,8 +131,8 @@ def test_the_default_run_folder_has_a_random_suffix_and_hydra_names_the_same_fol
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from hsgd.config.compose import CONF_DIR
     from hsgd.config import register_schema
+    from hsgd.config.compose import CONF_DIR
     from hsgd.config.paths import output_path, run_suffix
 
     register_schema()
@@ -138,6 +145,10 @@ def test_the_default_run_folder_has_a_random_suffix_and_hydra_names_the_same_fol
     suffix = run_suffix()
     assert len(suffix) == 6 and int(suffix, 16) >= 0
     assert run_dir.endswith(f"-hsgd-{suffix}") and hydra_dir == output_path(run_dir), (run_dir, hydra_dir)
-    other = subprocess.run([sys.executable, "-c", "from hsgd.config.paths import run_suffix; print(run_suffix())"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    other = subprocess.run(
+        [sys.executable, "-c", "from hsgd.config.paths import run_suffix; print(run_suffix())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert len(other) == 6 and other != suffix, "another process must draw its own suffix"

@@ -1,6 +1,7 @@
 """actors/round_runner.py reads Ray's actor table at once when an answer says a collective broke (a
 peer's death shows there first), not at the next tick: a killed replica's `Lost` reaches the machine
 within the table's own lag, not up to TICK_S later (the recovery bench's detection)."""
+
 import random
 import time
 
@@ -28,6 +29,7 @@ def test_a_broken_collective_has_the_runner_read_the_actor_table_at_once():
         run.roster.deaths = timed
         t0 = time.monotonic()
         run.round("fault_free", train_s=0.7)
-    (when, _), = [(t, got) for t, got in seen if got == ["c1r0"]]
-    assert when - t0 < 0.7 + TICK_S / 2, \
+    ((when, _),) = [(t, got) for t, got in seen if got == ["c1r0"]]
+    assert when - t0 < 0.7 + TICK_S / 2, (
         f"c1r0's death was read {when - t0:.2f} s into the round: the runner waited for its next tick"
+    )

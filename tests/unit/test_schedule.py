@@ -1,5 +1,6 @@
 """Between rounds (hsgd/core/round/schedule.py): who evaluates, who writes the final model, which
 rounds a restarted supervisor still owes the record."""
+
 from __future__ import annotations
 
 from hsgd.core.round import evaluation_order, model_writers, unrecorded_rounds

@@ -7,6 +7,7 @@ Phase 2: a fresh k=1 trainer loads the k=2 checkpoint, a fresh k=2 replica loads
 and the k=2 replica loads the k=1 `.pt` cut to its shards (`rank_slice`): every whole tensor (params,
 AdamW moments and step, global params, outer momentum, residual) equals the writer's bit for bit.
 (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,22 @@ import warnings
 
 import pytest
 import torch
+
 from tests.unit.gloo_world import run_ranks
 
-CONFIG = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=4",
-          "train.rounds=3", "train.eval_batches=2", "topology.clusters=1", "topology.replicas_per_cluster=1",
-          "sync.outer_every=3", "sync.outer_compress=int4"]
+CONFIG = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "data.batch_size=4",
+    "train.rounds=3",
+    "train.eval_batches=2",
+    "topology.clusters=1",
+    "topology.replicas_per_cluster=1",
+    "sync.outer_every=3",
+    "sync.outer_compress=int4",
+]
 ROUNDS = 2
 
 
@@ -51,13 +63,25 @@ def _whole_state(t) -> dict:
     inner = t.inner_opt.state_dict()["state"]
     sgd = t.outer_opt.state_dict()["sgd"]["state"]
     n = len(t.params)
-    kinds = {"param": list(t.params), "global": list(t.outer_opt.global_params),
-             "exp_avg": [inner[i]["exp_avg"] for i in range(n)], "exp_avg_sq": [inner[i]["exp_avg_sq"] for i in range(n)],
-             "momentum": [sgd[i]["momentum_buffer"] for i in range(n)], "residual": list(t.outer_residual)}
-    whole = {kind: param_digest(ts if t.ranks is None else sharding.full_tensors(ts, t.sharded))
-             for kind, ts in kinds.items()}
-    return {**whole, "round": t.round, "step": t.step, "adam_steps": sorted({float(inner[i]["step"]) for i in range(n)}),
-            "eval": t.eval_loss()}
+    kinds = {
+        "param": list(t.params),
+        "global": list(t.outer_opt.global_params),
+        "exp_avg": [inner[i]["exp_avg"] for i in range(n)],
+        "exp_avg_sq": [inner[i]["exp_avg_sq"] for i in range(n)],
+        "momentum": [sgd[i]["momentum_buffer"] for i in range(n)],
+        "residual": list(t.outer_residual),
+    }
+    whole = {
+        kind: param_digest(ts if t.ranks is None else sharding.full_tensors(ts, t.sharded))
+        for kind, ts in kinds.items()
+    }
+    return {
+        **whole,
+        "round": t.round,
+        "step": t.step,
+        "adam_steps": sorted({float(inner[i]["step"]) for i in range(n)}),
+        "eval": t.eval_loss(),
+    }
 
 
 def _run(folder: str, rank: int, port: int) -> dict:
@@ -75,8 +99,9 @@ def _run(folder: str, rank: int, port: int) -> dict:
     k = 2 if rank < 2 else 1
     ranks, group = None, None
     if k == 2:  # the replica's own group, as actors/rank_group.py makes it
-        dist.init_process_group("gloo", store=dist.PrefixStore("replica", store), rank=rank, world_size=2,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("replica", store), rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        )
         ranks, group = ReplicaRanks(rank, 2, dist.group.WORLD), dist.group.WORLD
     written = os.path.join(folder, f"k{k}")
     # phase 1: train ROUNDS rounds and write
@@ -87,7 +112,9 @@ def _run(folder: str, rank: int, port: int) -> dict:
         t.outer_reduce(r, 1, outer)
         t.outer_commit(r, inner, roots=(0,))
     out = {"rank": rank, "written": _whole_state(t)}
-    dcp_checkpoint.save_sharded(t.sharded_state(), written, group=group, manifest_extra={"round": t.round}, timeout_s=60)
+    dcp_checkpoint.save_sharded(
+        t.sharded_state(), written, group=group, manifest_extra={"round": t.round}, timeout_s=60
+    )
     if k == 1:
         checkpoint.save_replica_state(folder, "k1", t.state_dict())
     store.set(f"written/{rank}", "1")
@@ -95,10 +122,13 @@ def _run(folder: str, rank: int, port: int) -> dict:
 
     # phase 2: fresh trainers load the other k's checkpoint (and k=2 the k=1 file, cut to its shards)
     fresh = _trainer(ranks)
-    out["fresh_param"] = param_digest(fresh.params if ranks is None else sharding.full_tensors(fresh.params, fresh.sharded))
+    out["fresh_param"] = param_digest(
+        fresh.params if ranks is None else sharding.full_tensors(fresh.params, fresh.sharded)
+    )
     target = fresh.sharded_template()
-    manifest = dcp_checkpoint.load_sharded(target, os.path.join(folder, "k1" if k == 2 else "k2"), group=group,
-                                           timeout_s=60)
+    manifest = dcp_checkpoint.load_sharded(
+        target, os.path.join(folder, "k1" if k == 2 else "k2"), group=group, timeout_s=60
+    )
     fresh.load_sharded_state(target)
     out["loaded"] = {**_whole_state(fresh), "ranks_written": manifest["ranks"]}
     if k == 2:

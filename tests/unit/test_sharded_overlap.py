@@ -15,6 +15,7 @@ thread's FSDP2 collectives do. Then, k=2 only, in fresh outer groups each time:
 Without processes: a sharded reduce that ends outside its ranks' agreement (the background group's own
 error, or a thread that outlives its aborted group) raises ReplicaOutOfStep: the replica fails whole.
 (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -24,12 +25,25 @@ import traceback
 
 import pytest
 import torch
+
 from tests.unit.gloo_world import run_ranks
 
 STEPS, DELAY, ROUNDS = 4, 2, 3  # inner steps of a round (outer_every / fragments), the delay, rounds run
-BASE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=4",
-        f"train.rounds={ROUNDS + 1}", "train.eval_batches=2", "topology.clusters=2", "topology.replicas_per_cluster=1",
-        f"sync.outer_every={2 * STEPS}", "sync.fragments=2", f"sync.fragment_delay={DELAY}", "sync.outer=diloco"]
+BASE = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "data.batch_size=4",
+    f"train.rounds={ROUNDS + 1}",
+    "train.eval_batches=2",
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=1",
+    f"sync.outer_every={2 * STEPS}",
+    "sync.fragments=2",
+    f"sync.fragment_delay={DELAY}",
+    "sync.outer=diloco",
+]
 OUTER_TIMEOUT_S = 10.0  # one outer collective's base deadline: a failure test that waits it out still ends
 
 
@@ -48,8 +62,12 @@ def _settled(background, key) -> dict:
         background.settle(key, timeout_s=60)
         out = {"ok": True}
     except Exception as err:  # noqa: BLE001 — reported: the test reads the type and kind
-        out = {"ok": False, "error": type(err).__name__, "kind": str(getattr(err, "kind", getattr(err, "what", ""))),
-               "message": str(err)}
+        out = {
+            "ok": False,
+            "error": type(err).__name__,
+            "kind": str(getattr(err, "kind", getattr(err, "what", ""))),
+            "message": str(err),
+        }
     return {**out, "seconds": time.monotonic() - started}
 
 
@@ -73,8 +91,13 @@ def _run(k: int, rank: int, port: int) -> dict:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     ranks = None
     if k > 1:  # the replica's group and its background group, as actors/rank_group.py forms them
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"ov-k{k}/replica{cluster}", store),
-                                rank=shard, world_size=k, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"ov-k{k}/replica{cluster}", store),
+            rank=shard,
+            world_size=k,
+            timeout=timedelta(seconds=60),
+        )
         ranks = ReplicaRanks(shard, k, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(seconds=60)))
     cfg = OmegaConf.merge(OmegaConf.structured(HsgdConfig), OmegaConf.from_dotlist(BASE))
     alone = LevelGroup("inner", "gloo")  # one replica per cluster: its inner level does no communication
@@ -90,8 +113,15 @@ def _run(k: int, rank: int, port: int) -> dict:
         spent = background.settle(key, timeout_s=60)
         t.outer_reduce(r, 1, outer, 0, 1)  # the buffer is there: returns at once
         t.outer_commit(r, alone, roots=(0,))
-        out["rounds"].append({"losses": report.losses, "in_flight_at_end": in_flight, "spent": spent,
-                              "digest": t.param_digest(), "global": t.global_digest()})
+        out["rounds"].append(
+            {
+                "losses": report.losses,
+                "in_flight_at_end": in_flight,
+                "spent": spent,
+                "digest": t.param_digest(),
+                "global": t.global_digest(),
+            }
+        )
     out["eval"] = t.eval_loss()
     outer.abort()
     if k > 1:
@@ -120,6 +150,7 @@ def _failures(t, store, port: int, cluster: int, shard: int) -> dict:
             kept["value"] = t._outer_snapshot[1][0].item()
             t._outer_snapshot[1][0] = float("nan")
         background.start((r, 1, 0, 1))
+
     t.run_inner(r, alone, at_snapshot=poisoned_start)  # the inner steps go on regardless
     found["f1"] = _settled(background, (r, 1, 0, 1))
     if poisoned:  # the round's snapshot is kept until its commit: F2..F4 send it healthy again
@@ -148,8 +179,12 @@ def _failures(t, store, port: int, cluster: int, shard: int) -> dict:
         store.set(f"ov-fail/f3/waiting/s{shard}", "1")
         started = time.monotonic()
         background.settle(None, timeout_s=30)  # abandon: aborts this rank's outer group
-        found["f3"] = {"waited": waited, "ended": reduce.done.is_set(), "seconds": time.monotonic() - started,
-                       "error": type(reduce.error).__name__}
+        found["f3"] = {
+            "waited": waited,
+            "ended": reduce.done.is_set(),
+            "seconds": time.monotonic() - started,
+            "error": type(reduce.error).__name__,
+        }
     else:
         store.get(f"ov-fail/f3/waiting/s{shard}")
     outer.abort()
@@ -178,8 +213,10 @@ def _worker(k: int, rank: int, port: int, results) -> None:
 @pytest.fixture(scope="module")
 def runs() -> dict:
     """{k: {rank: out}}, spawned once for the module's tests."""
-    return {2: run_ranks(functools.partial(_worker, 2), 4, timeout_s=300, store_timeout_s=60, join_s=10),
-            1: run_ranks(functools.partial(_worker, 1), 2, timeout_s=240, store_timeout_s=60, join_s=10)}
+    return {
+        2: run_ranks(functools.partial(_worker, 2), 4, timeout_s=300, store_timeout_s=60, join_s=10),
+        1: run_ranks(functools.partial(_worker, 1), 2, timeout_s=240, store_timeout_s=60, join_s=10),
+    }
 
 
 def _relative(a: float, b: float) -> float:
@@ -212,8 +249,10 @@ def test_every_ranks_reduce_ran_behind_the_inner_steps_and_the_replicas_agree(ru
 def test_a_pseudo_gradient_poisoned_on_one_rank_fails_the_reduce_on_both_ranks(runs):
     f1 = {rank: out["failures"]["f1"] for rank, out in runs[2].items()}
     for rank in (0, 1):  # rank 1's own shard is finite: it learns from the agreement
-        assert (f1[rank]["ok"], f1[rank]["error"], f1[rank]["kind"]) == (False, "NonFiniteError", "pseudo_gradient"), \
-            (rank, f1[rank])
+        assert (f1[rank]["ok"], f1[rank]["error"], f1[rank]["kind"]) == (False, "NonFiniteError", "pseudo_gradient"), (
+            rank,
+            f1[rank],
+        )
     for rank in (2, 3):  # the other cluster's holders: their peers aborted, nobody waits out a deadline
         assert (f1[rank]["ok"], f1[rank]["error"]) == (False, "CollectiveError"), (rank, f1[rank])
     assert max(f["seconds"] for f in f1.values()) < 5.0, f"a rank waited out a deadline: {f1}"
@@ -263,19 +302,24 @@ class _Group:
         self.aborted += 1
 
 
-@pytest.mark.parametrize("error,raised", [
-    ("collective", "CollectiveError"),  # every rank raised it at the agreement: the exchange is retried
-    ("non_finite", "NonFiniteError"),
-    ("backend", "ReplicaOutOfStep"),  # the background group's own error: past the agreement
-])
+@pytest.mark.parametrize(
+    "error,raised",
+    [
+        ("collective", "CollectiveError"),  # every rank raised it at the agreement: the exchange is retried
+        ("non_finite", "NonFiniteError"),
+        ("backend", "ReplicaOutOfStep"),  # the background group's own error: past the agreement
+    ],
+)
 def test_a_sharded_reduce_that_fails_outside_its_agreement_fails_the_replica_whole(error, raised):
     from hsgd.train.comm import CollectiveError
     from hsgd.train.overlap import BackgroundReduce
     from hsgd.train.trainer import NonFiniteError
 
-    errors = {"collective": CollectiveError("outer: peer gone", "peer_gone"),
-              "non_finite": NonFiniteError("pseudo_gradient", "c0r0: non-finite"),
-              "backend": RuntimeError("[gloo] Timed out waiting 300000ms for recv operation")}
+    errors = {
+        "collective": CollectiveError("outer: peer gone", "peer_gone"),
+        "non_finite": NonFiniteError("pseudo_gradient", "c0r0: non-finite"),
+        "backend": RuntimeError("[gloo] Timed out waiting 300000ms for recv operation"),
+    }
     background = BackgroundReduce(_ReduceThat(errors[error]), _Group())
     background.start((0, 1, 0, 1))
     with pytest.raises(Exception) as info:

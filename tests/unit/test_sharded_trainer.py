@@ -11,6 +11,7 @@ and one of 2 processes (2 replicas x 1 rank), on the same seed and tokens. Each 
   D. replica 0 of B runs one more round, then replica 1 builds a fresh trainer and loads rank j's
      `state_dict` of replica 0 (sent through the store as bytes, loaded weights_only): a `full` heal
      shard by shard. (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -19,19 +20,42 @@ import traceback
 
 import pytest
 import torch
-from tests.unit.gloo_world import run_ranks
 
 from hsgd.train.sharding import ReplicaRanks, rows_of
+from tests.unit.gloo_world import run_ranks
 
 STEPS = 6  # inner steps of scenario A's round and of B's two fragment rounds (3 each)
-BASE = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=4",
-        "train.rounds=3", "train.eval_batches=2"]
-SCENARIO_A = ["topology.clusters=1", "topology.replicas_per_cluster=2", "sync.inner=ddp", f"sync.outer_every={STEPS}",
-              "data.grad_accum=2", "optim.inner.grad_clip=0.5"]
-SCENARIO_C = ["topology.clusters=1", "topology.replicas_per_cluster=2", "sync.inner=localsgd", "sync.inner_every=2",
-              "sync.outer_every=4"]
-SCENARIO_B = ["topology.clusters=2", "topology.replicas_per_cluster=1", f"sync.outer_every={STEPS}",
-              "sync.fragments=2", "sync.outer_compress=int4"]
+BASE = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "data.batch_size=4",
+    "train.rounds=3",
+    "train.eval_batches=2",
+]
+SCENARIO_A = [
+    "topology.clusters=1",
+    "topology.replicas_per_cluster=2",
+    "sync.inner=ddp",
+    f"sync.outer_every={STEPS}",
+    "data.grad_accum=2",
+    "optim.inner.grad_clip=0.5",
+]
+SCENARIO_C = [
+    "topology.clusters=1",
+    "topology.replicas_per_cluster=2",
+    "sync.inner=localsgd",
+    "sync.inner_every=2",
+    "sync.outer_every=4",
+]
+SCENARIO_B = [
+    "topology.clusters=2",
+    "topology.replicas_per_cluster=1",
+    f"sync.outer_every={STEPS}",
+    "sync.fragments=2",
+    "sync.outer_compress=int4",
+]
 
 
 def _level(level: str, port: int, prefix: str, rank: int, world: int):
@@ -48,6 +72,7 @@ def _stop_after(steps: int):
     def hook(phase, round_index, step_in_round):
         if phase == "inner" and step_in_round == steps:
             raise YieldNow()
+
     return hook
 
 
@@ -66,8 +91,13 @@ def _run(k: int, rank: int, port: int, folder: str) -> dict:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     ranks = None
     if k > 1:  # the replica's own group: its k processes, as the actor layer would make it
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"sharded-k{k}/replica{replica}", store),
-                                rank=shard, world_size=k, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"sharded-k{k}/replica{replica}", store),
+            rank=shard,
+            world_size=k,
+            timeout=timedelta(seconds=60),
+        )
         ranks = ReplicaRanks(shard, k, dist.group.WORLD)
 
     def config(overrides):
@@ -82,9 +112,15 @@ def _run(k: int, rank: int, port: int, folder: str) -> dict:
     report = t.run_inner(0, inner)
     t.outer_reduce(0, 1, outer, shard=replica, shards=2)
     t.outer_commit(0, inner, roots=(0, 1))
-    out["a"] = {"eval": t.eval_loss(), "digest": t.param_digest(), "global": t.global_digest(),
-                "losses": report.losses, "shapes": [tuple(p.shape) for p in t.params],
-                "steps_done": report.steps_done, "tokens": report.tokens}
+    out["a"] = {
+        "eval": t.eval_loss(),
+        "digest": t.param_digest(),
+        "global": t.global_digest(),
+        "losses": report.losses,
+        "shapes": [tuple(p.shape) for p in t.params],
+        "steps_done": report.steps_done,
+        "tokens": report.tokens,
+    }
     inner.abort()
 
     # C: localsgd, cluster_average, the final model, a non-finite loss on one rank of each replica

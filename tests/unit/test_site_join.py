@@ -3,6 +3,7 @@ fresh indices, the joined-site records, the new replicas' config) and SiteChange
 with fake actors: started detached and never waited for, taken in only once ALL answer up, at a
 round's start, durable across a supervisor restart (found again, never started twice, never logged
 twice), and one site starting at a time. No Ray run: Ray's calls in actors/site_changes.py are faked."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,21 @@ import actors.placement as placement
 import actors.site_changes as site_changes
 import actors.startup as startup
 from actors.site_changes import SiteChanges
-from hsgd.core.site_requests import (APPLIED, REFUSED, Decision, abandoned, applied_sites, joined, joined_topology,
-                                     mark_done, mark_joined, outcomes, requests_dir, widened_sites, write_request)
+from hsgd.core.site_requests import (
+    APPLIED,
+    REFUSED,
+    Decision,
+    abandoned,
+    applied_sites,
+    joined,
+    joined_topology,
+    mark_done,
+    mark_joined,
+    outcomes,
+    requests_dir,
+    widened_sites,
+    write_request,
+)
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 
@@ -67,8 +81,10 @@ def test_the_topology_grows_by_the_joined_sites_only_in_the_order_they_were_adde
 
 
 def test_the_new_replicas_config_keeps_the_configured_sites_and_names_the_new_one():
-    configured = [{"replicas": 2, "label": None, "name": "a", "min_replicas": 1, "min_step_s": 0.5},
-                  {"replicas": 1, "label": "x", "name": "b", "min_replicas": None, "min_step_s": None}]
+    configured = [
+        {"replicas": 2, "label": None, "name": "a", "min_replicas": 1, "min_step_s": 0.5},
+        {"replicas": 1, "label": "x", "name": "b", "min_replicas": None, "min_step_s": None},
+    ]
     wider = Topology.of_sites([2, 1], labels=[None, "x"], names=["a", "b"]).with_site(2, label="y", name="c")
     sites = widened_sites(configured, wider)
     assert sites[:2] == configured and sites[2]["replicas"] == 2 and sites[2]["label"] == "y"
@@ -166,21 +182,35 @@ class _World:
 @pytest.fixture
 def world(monkeypatch):
     w = _World()
-    monkeypatch.setattr(site_changes, "cluster_resources", lambda cfg: (
-        [{"NodeID": "n1", "Alive": True, "Labels": {}}], {"n1": {"CPU": 8.0}}, {"CPU": 1.0}))
+    monkeypatch.setattr(
+        site_changes,
+        "cluster_resources",
+        lambda cfg: ([{"NodeID": "n1", "Alive": True, "Labels": {}}], {"n1": {"CPU": 8.0}}, {"CPU": 1.0}),
+    )
     monkeypatch.setattr(site_changes, "lookup", lambda name: w.actors.get(name))
     monkeypatch.setattr(site_changes, "ray", SimpleNamespace(wait=w.wait, get=w.get, kill=w.kill))
     monkeypatch.setattr(site_changes, "restarts_exhausted", lambda handle: handle.dead)
     monkeypatch.setattr(placement, "remove_site_group", w.groups_removed.append)
     monkeypatch.setattr(startup, "start_replica", w.start)
-    monkeypatch.setattr(placement, "site_options", lambda cfg, gpus, n, label, group: [
-        {"num_cpus": 1.0, "group": group, "label": label, "bundle": i} for i in range(n)])
+    monkeypatch.setattr(
+        placement,
+        "site_options",
+        lambda cfg, gpus, n, label, group: [
+            {"num_cpus": 1.0, "group": group, "label": label, "bundle": i} for i in range(n)
+        ],
+    )
     return w
 
 
-CFG = OmegaConf.create({"supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1, "phase_timeout_s": 30.0},
-                        "checkpoint": {"dir": None}, "run": {"io_grace_s": 4.0}, "faults": {"max_restarts": 3},
-                        "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []}})
+CFG = OmegaConf.create(
+    {
+        "supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1, "phase_timeout_s": 30.0},
+        "checkpoint": {"dir": None},
+        "run": {"io_grace_s": 4.0},
+        "faults": {"max_restarts": 3},
+        "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []},
+    }
+)
 
 
 def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None):
@@ -191,16 +221,18 @@ def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_rou
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
     roster = _Roster(topology, state.identity)
     saves = []
-    return SiteChanges(CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1),
-                       resume_round), roster
+    return SiteChanges(
+        CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round
+    ), roster
 
 
 def _state() -> SimpleNamespace:
     return SimpleNamespace(run_id="run1", replica_indices={}, identity={})
 
 
-def test_a_site_is_started_at_once_and_joins_at_the_first_round_start_after_all_its_replicas_are_up(world, tmp_path,
-                                                                                                    capsys):
+def test_a_site_is_started_at_once_and_joins_at_the_first_round_start_after_all_its_replicas_are_up(
+    world, tmp_path, capsys
+):
     events: list[dict] = []
     state = _state()
     sites, roster = _supervisor(tmp_path, events, state)
@@ -320,8 +352,9 @@ def test_one_site_starts_at_a_time(world, tmp_path):
     sites.at_round_start(3)
     first, second = [e for e in events if e["event"] == "site_request"]
     assert first["outcome"] == APPLIED and second["outcome"] == REFUSED
-    assert second["reason"] == ("add-site c3: site c2 is still starting; ask again once it joined "
-                                "(one site starts at a time)")
+    assert second["reason"] == (
+        "add-site c3: site c2 is still starting; ask again once it joined (one site starts at a time)"
+    )
     world.up("hsgd:run1:c2r0")
     sites.at_round_start(4)
     write_request(tmp_path, "add-site", replicas=1, now=3.0)
@@ -345,8 +378,10 @@ def test_a_join_whose_record_cannot_be_written_waits_for_a_later_round(world, tm
     assert sites.at_round_start(4).clusters == 2 and "c2r0" not in roster.live  # not joined, the run goes on
     assert "retried next round" in capsys.readouterr().err
     monkeypatch.setattr(site_changes, "mark_joined", written)  # the disk is back
-    assert sites.at_round_start(5).clusters == 3 and json.loads(
-        next(requests_dir(tmp_path).glob("*.joined")).read_text())["round"] == 5
+    assert (
+        sites.at_round_start(5).clusters == 3
+        and json.loads(next(requests_dir(tmp_path).glob("*.joined")).read_text())["round"] == 5
+    )
 
 
 def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_same_indices(world, tmp_path):
@@ -369,7 +404,8 @@ def test_a_resumed_run_starts_an_added_site_again_under_its_own_names_and_the_sa
 
 
 def test_a_resumed_run_loads_an_added_sites_replicas_from_its_checkpoint_and_takes_the_site_in_at_the_resume_round(
-        world, tmp_path):
+    world, tmp_path
+):
     events: list[dict] = []
     first_state = _state()
     sites, _ = _supervisor(tmp_path, events, first_state)
@@ -448,8 +484,9 @@ def test_run_json_lists_a_joined_sites_replicas_and_the_drivers_last_write_keeps
 
 
 # -- a new replica that dies for good before it is up ------------------------------------------------------
-def test_a_replica_dead_for_good_before_it_is_up_is_started_again_under_its_name_and_the_site_joins_whole(world,
-                                                                                                       tmp_path):
+def test_a_replica_dead_for_good_before_it_is_up_is_started_again_under_its_name_and_the_site_joins_whole(
+    world, tmp_path
+):
     events: list[dict] = []
     sites, roster = _supervisor(tmp_path, events, _state())
     write_request(tmp_path, "add-site", replicas=2)
@@ -465,8 +502,9 @@ def test_a_replica_dead_for_good_before_it_is_up_is_started_again_under_its_name
     assert up["replicas"] == ["c2r0", "c2r1"] and not [e for e in events if e["event"] == "site_abandoned"]
 
 
-def test_once_the_re_creations_are_spent_the_site_joins_with_the_replicas_up_when_they_keep_its_floor(world, tmp_path,
-                                                                                                     capsys):
+def test_once_the_re_creations_are_spent_the_site_joins_with_the_replicas_up_when_they_keep_its_floor(
+    world, tmp_path, capsys
+):
     events: list[dict] = []
     sites, roster = _supervisor(tmp_path, events, _state())
     write_request(tmp_path, "add-site", replicas=2)
@@ -523,7 +561,8 @@ def test_a_site_below_its_floor_is_abandoned_stopped_once_and_a_later_add_site_g
     assert restarted.at_round_start(9).clusters == 3
     assert restarted.topology_record()["history"] == [
         {"round": 3, "kind": "add-site", "cluster": "c2", "joined": None, "abandoned": 7},
-        {"round": 8, "kind": "add-site", "cluster": "c2", "joined": 9}]
+        {"round": 8, "kind": "add-site", "cluster": "c2", "joined": 9},
+    ]
 
 
 def test_a_site_whose_first_commit_is_the_runs_last_round_is_logged_committed_at_the_runs_end(world, tmp_path):
@@ -544,9 +583,19 @@ def test_a_site_whose_first_commit_is_the_runs_last_round_is_logged_committed_at
 
 # -- placed as a cluster is (actors/placement.py site_options), Ray's group calls faked ------------------------
 def _placement_cfg(strategy: str = "STRICT_PACK", k: int = 1):
-    return OmegaConf.create({"topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": [],
-                                          "cpus_per_replica": 1.0, "gpus_per_replica": k,
-                                          "placement_strategy": strategy}})
+    return OmegaConf.create(
+        {
+            "topology": {
+                "clusters": 2,
+                "replicas_per_cluster": 2,
+                "sites": [],
+                "cluster_labels": [],
+                "cpus_per_replica": 1.0,
+                "gpus_per_replica": k,
+                "placement_strategy": strategy,
+            }
+        }
+    )
 
 
 @pytest.fixture
@@ -557,19 +606,28 @@ def groups(monkeypatch):
         raise ValueError(name)
 
     monkeypatch.setattr(placement, "get_placement_group", missing)
-    monkeypatch.setattr(placement, "placement_group", lambda bundles, **kw: made.append({"bundles": bundles, **kw})
-                        or SimpleNamespace(id=len(made)))
-    monkeypatch.setattr(placement, "PlacementGroupSchedulingStrategy",
-                        lambda placement_group, placement_group_bundle_index: (placement_group.id,
-                                                                               placement_group_bundle_index))
+    monkeypatch.setattr(
+        placement,
+        "placement_group",
+        lambda bundles, **kw: made.append({"bundles": bundles, **kw}) or SimpleNamespace(id=len(made)),
+    )
+    monkeypatch.setattr(
+        placement,
+        "PlacementGroupSchedulingStrategy",
+        lambda placement_group, placement_group_bundle_index: (placement_group.id, placement_group_bundle_index),
+    )
     return made
 
 
 def test_a_new_site_gets_a_detached_group_of_its_own_one_bundle_per_replica(groups):
     options = placement.site_options(_placement_cfg(), 0.0, 2, None, "hsgd:run1:site-c2")
     [group] = groups
-    assert group == {"bundles": [{"CPU": 1.0}, {"CPU": 1.0}], "name": "hsgd:run1:site-c2", "lifetime": "detached",
-                     "strategy": "STRICT_PACK"}
+    assert group == {
+        "bundles": [{"CPU": 1.0}, {"CPU": 1.0}],
+        "name": "hsgd:run1:site-c2",
+        "lifetime": "detached",
+        "strategy": "STRICT_PACK",
+    }
     assert [o["scheduling_strategy"] for o in options] == [(1, 0), (1, 1)] and options[0]["num_cpus"] == 1.0
 
 

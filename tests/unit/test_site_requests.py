@@ -1,6 +1,7 @@
 """Site requests (issue 37, drain and add-site): the request file, its decision, applied once across a
 supervisor restart, and each refusal. Pure and fast: no Ray run (the actors' SiteChanges is driven
 with a recording roster and log; its ray.kill calls get no handle)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,21 @@ from types import SimpleNamespace
 import pytest
 
 from actors.site_changes import SiteChanges
-from hsgd.core.site_requests import (APPLIED, REFUSED, RequestError, SiteRequest, add_site_problem, decide, drained,
-                                     mark_done, next_cluster, outcomes, pending, requests_dir, write_request)
+from hsgd.core.site_requests import (
+    APPLIED,
+    REFUSED,
+    RequestError,
+    SiteRequest,
+    add_site_problem,
+    decide,
+    drained,
+    mark_done,
+    next_cluster,
+    outcomes,
+    pending,
+    requests_dir,
+    write_request,
+)
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 from jobs import status as status_job
@@ -28,8 +42,10 @@ def test_a_request_is_one_whole_file_with_a_unique_id_in_its_name_and_content(tm
     assert content == {"id": first.id, "kind": "drain", "cluster": "c2", "t": 1000.0}
 
 
-@pytest.mark.parametrize("kind, cluster, named", [("add", "c1", "kind"), ("drain", "2", "cluster"),
-                                                  ("drain", "c-1", "cluster"), ("drain", "", "cluster")])
+@pytest.mark.parametrize(
+    "kind, cluster, named",
+    [("add", "c1", "kind"), ("drain", "2", "cluster"), ("drain", "c-1", "cluster"), ("drain", "", "cluster")],
+)
 def test_a_request_that_cannot_be_valid_is_not_written(tmp_path, kind, cluster, named):
     with pytest.raises(RequestError, match=named):
         write_request(tmp_path, kind, cluster)
@@ -47,10 +63,16 @@ def test_pending_is_oldest_first_without_decided_ones_and_empty_without_a_folder
     assert drained(outcomes(tmp_path)) == {2: 4}
 
 
-@pytest.mark.parametrize("text, problem", [("{not json", "unreadable"), ("[1]", "not a JSON object"),
-                                           ('{"id": "r1", "kind": "join", "cluster": "c1", "t": 1}', "kind"),
-                                           ('{"id": "r1", "kind": "drain", "cluster": 3, "t": 1}', "cluster"),
-                                           ('{"id": "other", "kind": "drain", "cluster": "c1", "t": 1}', "file name")])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("{not json", "unreadable"),
+        ("[1]", "not a JSON object"),
+        ('{"id": "r1", "kind": "join", "cluster": "c1", "t": 1}', "kind"),
+        ('{"id": "r1", "kind": "drain", "cluster": 3, "t": 1}', "cluster"),
+        ('{"id": "other", "kind": "drain", "cluster": "c1", "t": 1}', "file name"),
+    ],
+)
 def test_a_malformed_request_file_is_refused_with_its_reason(tmp_path, text, problem):
     requests_dir(tmp_path).mkdir()
     (requests_dir(tmp_path) / "r1.json").write_text(text)
@@ -64,13 +86,16 @@ def _drain(cluster: str) -> SiteRequest:
     return SiteRequest(id="x", kind="drain", cluster=cluster, t=0.0)
 
 
-@pytest.mark.parametrize("cluster, drained_clusters, clusters, min_clusters, reason", [
-    ("c3", {}, 3, 1, "no such cluster; valid: c0..c2"),
-    ("c1", {1: 2}, 3, 1, "already drained"),
-    ("c0", {1: 2}, 2, 1, "last live site"),
-    ("c0", {}, 1, 1, "last live site"),
-    ("c2", {}, 3, 3, "would leave 2 site(s), below supervisor.min_clusters=3"),
-])
+@pytest.mark.parametrize(
+    "cluster, drained_clusters, clusters, min_clusters, reason",
+    [
+        ("c3", {}, 3, 1, "no such cluster; valid: c0..c2"),
+        ("c1", {1: 2}, 3, 1, "already drained"),
+        ("c0", {1: 2}, 2, 1, "last live site"),
+        ("c0", {}, 1, 1, "last live site"),
+        ("c2", {}, 3, 3, "would leave 2 site(s), below supervisor.min_clusters=3"),
+    ],
+)
 def test_each_refusal_gives_one_line(cluster, drained_clusters, clusters, min_clusters, reason):
     decision = decide(_drain(cluster), clusters=clusters, drained_clusters=drained_clusters, min_clusters=min_clusters)
     assert decision.outcome == REFUSED and reason in decision.reason and "\n" not in decision.reason
@@ -209,8 +234,9 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
     table = Table()
     for short in ("c0r0", "c1r0", "spare-c0-0", "spare-c1-0"):
         table.set(short, "ALIVE", 0)
-    roster = roster_mod.Roster(Topology(2, 1), "run-1", RunState(), Log(), call_timeout_s=1.0,
-                               spares_per_cluster=1, save=lambda: None)
+    roster = roster_mod.Roster(
+        Topology(2, 1), "run-1", RunState(), Log(), call_timeout_s=1.0, spares_per_cluster=1, save=lambda: None
+    )
     roster.watch._table = table
     for rid in ("c0r0", "c1r0"):
         roster.admit(rid, {"round": 0, "step": 0, "pid": 100, "incarnation": 0})
@@ -230,16 +256,31 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
 def test_an_add_site_request_is_one_file_with_its_fields_and_no_cluster(tmp_path):
     request = write_request(tmp_path, "add-site", replicas=2, label="rack-a", name="berlin", now=1000.0)
     content = json.loads((requests_dir(tmp_path) / f"{request.id}.json").read_text())
-    assert content == {"id": request.id, "kind": "add-site", "cluster": "", "t": 1000.0, "replicas": 2,
-                       "label": "rack-a", "name": "berlin"}
+    assert content == {
+        "id": request.id,
+        "kind": "add-site",
+        "cluster": "",
+        "t": 1000.0,
+        "replicas": 2,
+        "label": "rack-a",
+        "name": "berlin",
+    }
     [read] = pending(tmp_path)
     assert (read.kind, read.replicas, read.label, read.name, read.problem) == ("add-site", 2, "rack-a", "berlin", None)
 
 
-@pytest.mark.parametrize("fields, named", [
-    ({"replicas": 0}, "replicas=0"), ({"replicas": "2"}, "replicas='2'"), ({"replicas": True}, "replicas=True"),
-    ({"replicas": None}, "replicas=None"), ({"replicas": 2, "label": "rack a"}, "label='rack a'"),
-    ({"replicas": 2, "name": ""}, "name=''"), ({"replicas": 2, "cluster": "c3"}, "names no cluster")])
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"replicas": 0}, "replicas=0"),
+        ({"replicas": "2"}, "replicas='2'"),
+        ({"replicas": True}, "replicas=True"),
+        ({"replicas": None}, "replicas=None"),
+        ({"replicas": 2, "label": "rack a"}, "label='rack a'"),
+        ({"replicas": 2, "name": ""}, "name=''"),
+        ({"replicas": 2, "cluster": "c3"}, "names no cluster"),
+    ],
+)
 def test_an_add_site_that_cannot_be_valid_is_not_written(tmp_path, fields, named):
     fields = dict(fields)
     cluster = fields.pop("cluster", "")
@@ -249,13 +290,19 @@ def test_an_add_site_that_cannot_be_valid_is_not_written(tmp_path, fields, named
     assert not requests_dir(tmp_path).exists() or not any(requests_dir(tmp_path).iterdir())
 
 
-@pytest.mark.parametrize("body, problem", [({"replicas": -1}, "replicas=-1"), ({"replicas": 2, "cluster": "c1"},
-                                                                                "names no cluster"),
-                                           ({"replicas": 2, "label": 7}, "label=7")])
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ({"replicas": -1}, "replicas=-1"),
+        ({"replicas": 2, "cluster": "c1"}, "names no cluster"),
+        ({"replicas": 2, "label": 7}, "label=7"),
+    ],
+)
 def test_a_malformed_add_site_file_is_refused_with_its_reason(tmp_path, body, problem):
     requests_dir(tmp_path).mkdir()
-    (requests_dir(tmp_path) / "r1.json").write_text(json.dumps({"id": "r1", "kind": "add-site", "cluster": "", "t": 1,
-                                                                **body}))
+    (requests_dir(tmp_path) / "r1.json").write_text(
+        json.dumps({"id": "r1", "kind": "add-site", "cluster": "", "t": 1, **body})
+    )
     [request] = pending(tmp_path)
     assert request.problem is not None and problem in request.problem
 
@@ -264,45 +311,69 @@ def test_a_new_site_gets_the_next_free_index_never_a_drained_sites():
     assert next_cluster(3, {}) == 3
     drained_c2 = {"a": {"kind": "drain", "cluster": "c2", "outcome": APPLIED, "round": 1}}
     assert next_cluster(3, drained_c2) == 3  # c2 left: its index stays its own
-    added = {"b": {"kind": "add-site", "cluster": "c3", "outcome": APPLIED, "round": 2},
-             "c": {"kind": "add-site", "cluster": "c9", "outcome": REFUSED, "round": 2}}
+    added = {
+        "b": {"kind": "add-site", "cluster": "c3", "outcome": APPLIED, "round": 2},
+        "c": {"kind": "add-site", "cluster": "c9", "outcome": REFUSED, "round": 2},
+    }
     assert next_cluster(3, {**drained_c2, **added}) == 4
 
 
 _NEED = {"CPU": 2.0}
-_NODES = [{"NodeID": "n1", "Alive": True, "Labels": {"hsgd-cluster": "rack-a"}},
-          {"NodeID": "n2", "Alive": True, "Labels": {}},
-          {"NodeID": "n3", "Alive": False, "Labels": {"hsgd-cluster": "rack-dead"}}]
+_NODES = [
+    {"NodeID": "n1", "Alive": True, "Labels": {"hsgd-cluster": "rack-a"}},
+    {"NodeID": "n2", "Alive": True, "Labels": {}},
+    {"NodeID": "n3", "Alive": False, "Labels": {"hsgd-cluster": "rack-dead"}},
+]
 
 
 def _add(replicas: int, label: str | None = None) -> SiteRequest:
     return SiteRequest(id="x", kind="add-site", cluster="", t=0.0, replicas=replicas, label=label)
 
 
-@pytest.mark.parametrize("request_, free, reason", [
-    (_add(1, "rack-z"), {"n1": {"CPU": 8}}, "label 'rack-z' has no live node (hsgd-cluster); live labels: rack-a"),
-    (_add(1, "rack-dead"), {"n3": {"CPU": 8}}, "label 'rack-dead' has no live node"),
-    (_add(2, "rack-a"), {"n1": {"CPU": 3.0}, "n2": {"CPU": 8.0}}, "no room: label 'rack-a''s nodes have free "
-                                                                  "resources for 1 replica(s) of CPU=2 each"),
-    (_add(5), {"n1": {"CPU": 4.0}, "n2": {"CPU": 5.9}, "n3": {"CPU": 99}}, "no room: the live nodes have free "
-                                                                           "resources for 4 replica(s)"),
-])
+@pytest.mark.parametrize(
+    "request_, free, reason",
+    [
+        (_add(1, "rack-z"), {"n1": {"CPU": 8}}, "label 'rack-z' has no live node (hsgd-cluster); live labels: rack-a"),
+        (_add(1, "rack-dead"), {"n3": {"CPU": 8}}, "label 'rack-dead' has no live node"),
+        (
+            _add(2, "rack-a"),
+            {"n1": {"CPU": 3.0}, "n2": {"CPU": 8.0}},
+            "no room: label 'rack-a''s nodes have free resources for 1 replica(s) of CPU=2 each",
+        ),
+        (
+            _add(5),
+            {"n1": {"CPU": 4.0}, "n2": {"CPU": 5.9}, "n3": {"CPU": 99}},
+            "no room: the live nodes have free resources for 4 replica(s)",
+        ),
+    ],
+)
 def test_each_add_site_refusal_gives_one_line(request_, free, reason):
     problem = add_site_problem(request_, nodes=_NODES, free=free, need=_NEED, new_cluster=3)
     assert problem is not None and problem.startswith("add-site c3 (") and reason in problem and "\n" not in problem
 
 
 def test_an_add_site_that_fits_has_no_problem():
-    assert add_site_problem(_add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED,
-                            new_cluster=3) is None
-    assert add_site_problem(_add(4), nodes=_NODES, free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}}, need=_NEED,
-                            new_cluster=3) is None
+    assert (
+        add_site_problem(_add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED, new_cluster=3) is None
+    )
+    assert (
+        add_site_problem(
+            _add(4), nodes=_NODES, free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}}, need=_NEED, new_cluster=3
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize("fields, reason", [({"replicas": 1, "label": "rack-z"}, " (1 replica(s)): label 'rack-z'"),
-                                            ({"replicas": 9}, " (9 replica(s)): no room")])
-def test_the_supervisor_refuses_an_add_site_that_does_not_fit_and_changes_nothing(monkeypatch, tmp_path, capsys,
-                                                                                  fields, reason):
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        ({"replicas": 1, "label": "rack-z"}, " (1 replica(s)): label 'rack-z'"),
+        ({"replicas": 9}, " (9 replica(s)): no room"),
+    ],
+)
+def test_the_supervisor_refuses_an_add_site_that_does_not_fit_and_changes_nothing(
+    monkeypatch, tmp_path, capsys, fields, reason
+):
     import actors.site_changes as site_changes
 
     monkeypatch.setattr(site_changes, "cluster_resources", lambda cfg: (_NODES, {"n1": {"CPU": 4}}, _NEED))
@@ -344,8 +415,10 @@ def test_the_summary_topology_history_lists_every_applied_change_in_order(tmp_pa
     sites.at_round_start(5)
     record = sites.topology_record()
     assert record["drained"] == {"c1": 5, "c2": 2}
-    assert record["history"] == [{"round": 2, "kind": "drain", "cluster": "c2"},
-                                 {"round": 5, "kind": "drain", "cluster": "c1"}]
+    assert record["history"] == [
+        {"round": 2, "kind": "drain", "cluster": "c2"},
+        {"round": 5, "kind": "drain", "cluster": "c1"},
+    ]
 
 
 def test_jobs_status_add_site_writes_one_request_and_refuses_bad_arguments_with_one_line(tmp_path, capsys):
@@ -353,9 +426,14 @@ def test_jobs_status_add_site_writes_one_request_and_refuses_bad_arguments_with_
     [request] = pending(tmp_path)
     assert (request.kind, request.replicas, request.label, request.name) == ("add-site", 2, "rack-a", "berlin")
     assert request.id in capsys.readouterr().out
-    for args, says in ((["replicas=two"], "replicas='two' is not a replica count"), ([], "replicas=N missing"),
-                       (["replicas=2", "rack=a"], "argument 'rack=a' unknown"), (["replicas=0"], "replicas=0"),
-                       (["replicas=1", "replicas=2"], "replicas given twice"), (["c3"], "argument 'c3' unknown")):
+    for args, says in (
+        (["replicas=two"], "replicas='two' is not a replica count"),
+        ([], "replicas=N missing"),
+        (["replicas=2", "rack=a"], "argument 'rack=a' unknown"),
+        (["replicas=0"], "replicas=0"),
+        (["replicas=1", "replicas=2"], "replicas given twice"),
+        (["c3"], "argument 'c3' unknown"),
+    ):
         assert status_job.main([str(tmp_path), "add-site", *args]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, (args, err)
@@ -369,13 +447,20 @@ def test_drill_add_site_writes_the_same_request(tmp_path):
     drill = Drill(run_dir=str(tmp_path))
     request_id = drill.add_site(3, label="rack-b")
     [request] = pending(drill.run_dir)
-    assert (request.id, request.kind, request.replicas, request.label, request.name) == (request_id, "add-site", 3,
-                                                                                         "rack-b", None)
+    assert (request.id, request.kind, request.replicas, request.label, request.name) == (
+        request_id,
+        "add-site",
+        3,
+        "rack-b",
+        None,
+    )
     with pytest.raises(DrillError, match="replicas=0"):
         drill.add_site(0)
 
 
-def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_run_going(tmp_path, monkeypatch, capsys):
+def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_run_going(
+    tmp_path, monkeypatch, capsys
+):
     from actors import site_changes
 
     events: list[dict] = []

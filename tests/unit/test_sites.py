@@ -1,6 +1,7 @@
 """Sites of different sizes (issue 32): the topology and its global replica index table, the
 per-site quorum floors, the config checks of `topology.sites` (before Ray starts, one line), and
 capacity per site."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,16 +61,19 @@ def test_the_config_builds_the_sites_topology(tmp_path):
     assert topo.describe()["sites"][2] == {"replicas": 1, "label": "rack-b", "name": "eu-1", "min_replicas": 1}
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["topology.sites=[{replicas:3},{replicas:0}]"], "topology.sites[1].replicas"),
-    (["topology.sites=[{replicas:3},{label:rack-a}]"], "topology.sites[1].replicas"),
-    ([SITES, "topology.clusters=3"], "topology.sites"),
-    ([SITES, "topology.replicas_per_cluster=4"], "topology.sites"),
-    (["topology.sites=[{replicas:2,min_replicas:3}]"], "topology.sites[0].min_replicas"),
-    ([SITES, "supervisor.min_replicas_per_cluster=2"], "supervisor.min_replicas_per_cluster"),
-    ([SITES, "supervisor.min_clusters=4"], "supervisor.min_clusters"),
-    ([SITES, "faults.schedule=[{kind:kill,target:c2r1,round:0}]"], "faults.schedule[0].target"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["topology.sites=[{replicas:3},{replicas:0}]"], "topology.sites[1].replicas"),
+        (["topology.sites=[{replicas:3},{label:rack-a}]"], "topology.sites[1].replicas"),
+        ([SITES, "topology.clusters=3"], "topology.sites"),
+        ([SITES, "topology.replicas_per_cluster=4"], "topology.sites"),
+        (["topology.sites=[{replicas:2,min_replicas:3}]"], "topology.sites[0].min_replicas"),
+        ([SITES, "supervisor.min_replicas_per_cluster=2"], "supervisor.min_replicas_per_cluster"),
+        ([SITES, "supervisor.min_clusters=4"], "supervisor.min_clusters"),
+        ([SITES, "faults.schedule=[{kind:kill,target:c2r1,round:0}]"], "faults.schedule[0].target"),
+    ],
+)
 def test_bad_sites_are_one_line_config_errors(overrides, field):
     with pytest.raises(ConfigError) as info:
         precheck(overrides)
@@ -80,9 +84,12 @@ def test_good_sites_pass_the_checks():
     precheck([SITES, "supervisor.min_clusters=3", "faults.schedule=[{kind:kill,target:c0r2,round:0}]"])
 
 
-@pytest.mark.parametrize("override,field", [
-    ("topology.sites=[{replicas:3},{replicas:0}]", "topology.sites[1].replicas"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("topology.sites=[{replicas:3},{replicas:0}]", "topology.sites[1].replicas"),
+    ],
+)
 def test_the_command_line_refuses_bad_sites_with_exit_2_before_ray(tmp_path, override, field):
     result = _train(tmp_path, override)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Start-up survives deaths (actors/startup.py): a dead or unreachable replica is retried, never a
 config error; a live replica's own answer or error is the caller's; a replica still away after the
 retries is left out only where its cluster keeps supervisor.min_replicas_per_cluster."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,9 +20,11 @@ class _Ref:
 
 def _calls(script: dict[str, list], seen: list):
     """call(key, handle, first): the next outcome scripted for key (an exception or an answer)."""
+
     def call(key, handle, first):
         seen.append((key, first))
         return _Ref(script[key].pop(0) if len(script[key]) > 1 else script[key][0])
+
     return call
 
 
@@ -31,10 +34,12 @@ def calls(monkeypatch):
         if isinstance(ref.outcome, BaseException):
             raise ref.outcome
         return ref.outcome
+
     monkeypatch.setattr(startup.ray, "get", get)
     monkeypatch.setattr(startup, "RETRY_PAUSE_S", 0.0)
-    return startup.StartupCalls(Topology(2, 2), SimpleNamespace(call_timeout_s=0.5, phase_timeout_s=1.0,
-                                                                min_replicas_per_cluster=1))
+    return startup.StartupCalls(
+        Topology(2, 2), SimpleNamespace(call_timeout_s=0.5, phase_timeout_s=1.0, min_replicas_per_cluster=1)
+    )
 
 
 def test_a_replica_that_died_is_retried_without_its_faults_and_answers(calls):
@@ -58,6 +63,11 @@ def test_a_replica_still_away_is_left_out_where_its_cluster_keeps_quorum(calls, 
 
 
 def test_a_cluster_below_min_replicas_after_the_retries_fails_the_start_not_the_config(calls):
-    with pytest.raises(RuntimeError, match=r"c1r0, c1r1 did not come back .* cluster c1 is below "
-                                           r"supervisor.min_replicas_per_cluster=1"):
-        calls.call_all({"c1r0": 0, "c1r1": 0}, _calls({"c1r0": [ActorDiedError()], "c1r1": [ActorDiedError()]}, []), 1.0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"c1r0, c1r1 did not come back .* cluster c1 is below "
+        r"supervisor.min_replicas_per_cluster=1",
+    ):
+        calls.call_all(
+            {"c1r0": 0, "c1r1": 0}, _calls({"c1r0": [ActorDiedError()], "c1r1": [ActorDiedError()]}, []), 1.0
+        )

@@ -7,6 +7,7 @@ state a load through state_dict (the object-store path) gives, with chunks far s
 tensors and with one chunk; and a source that dies mid-stream fails the target with
 CollectiveError, its own state untouched.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,14 +20,27 @@ import pytest
 import torch
 
 from hsgd.train.comm import CollectiveError, LevelGroup
-from hsgd.train.state_stream import (Piece, StreamError, TensorSpec, chunk_length, decode_meta, encode_meta, join_state,
-                                     pack_chunk, plan_chunks, split_state, unpack_chunk)
+from hsgd.train.state_stream import (
+    Piece,
+    StreamError,
+    TensorSpec,
+    chunk_length,
+    decode_meta,
+    encode_meta,
+    join_state,
+    pack_chunk,
+    plan_chunks,
+    split_state,
+    unpack_chunk,
+)
 from tests.unit.gloo_world import run_ranks
 
 
 # -- no processes ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("sizes,chunk", [([10, 3, 0, 25], 8), ([100], 7), ([1, 1, 1], 64), ([64, 64], 64), ([], 5),
-                                         ([0, 0], 4), ([5, 17, 2, 40, 9], 16)])
+@pytest.mark.parametrize(
+    "sizes,chunk",
+    [([10, 3, 0, 25], 8), ([100], 7), ([1, 1, 1], 64), ([64, 64], 64), ([], 5), ([0, 0], 4), ([5, 17, 2, 40, 9], 16)],
+)
 def test_a_chunk_plan_covers_every_byte_once_in_full_chunks(sizes, chunk):
     plan = plan_chunks(sizes, chunk)
     covered = {i: [] for i in range(len(sizes))}
@@ -56,10 +70,16 @@ def test_a_tensor_larger_than_a_chunk_spans_several():
 
 def _mixed_tensors():
     g = torch.Generator().manual_seed(3)
-    return [torch.randn(5, 7, generator=g), torch.randn(33, generator=g).to(torch.bfloat16),
-            torch.randint(-2**40, 2**40, (9,), generator=g), torch.rand(6, generator=g) > 0.5,
-            torch.tensor(4.0), torch.empty(0), torch.randn(3, 3, generator=g).to(torch.float16),
-            torch.tensor([float("nan"), float("inf"), -0.0])]
+    return [
+        torch.randn(5, 7, generator=g),
+        torch.randn(33, generator=g).to(torch.bfloat16),
+        torch.randint(-(2**40), 2**40, (9,), generator=g),
+        torch.rand(6, generator=g) > 0.5,
+        torch.tensor(4.0),
+        torch.empty(0),
+        torch.randn(3, 3, generator=g).to(torch.float16),
+        torch.tensor([float("nan"), float("inf"), -0.0]),
+    ]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64, 4096])
@@ -71,16 +91,23 @@ def test_pack_and_unpack_round_trip_bitwise(chunk):
         unpack_chunk(pieces, pack_chunk(pieces, src, staging).clone(), dst)
     for a, b in zip(src, dst):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.view(-1).view(torch.uint8).tolist() == b.view(-1).view(torch.uint8).tolist(), \
+        assert a.view(-1).view(torch.uint8).tolist() == b.view(-1).view(torch.uint8).tolist(), (
             f"{a.dtype} {tuple(a.shape)} not bitwise equal after chunk size {chunk}"
+        )
 
 
 def test_split_and_join_keep_the_tree():
     t = _mixed_tensors()
-    tree = {"round": 3, "params": [t[0], t[1]], "opt": {"state": {0: {"step": t[4], "m": t[2]}},
-                                                          "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3,
-                                                                            "params": [0], "foreach": None}]},
-            "losses": [1.5, 2.5], "pair": (t[3], "x")}
+    tree = {
+        "round": 3,
+        "params": [t[0], t[1]],
+        "opt": {
+            "state": {0: {"step": t[4], "m": t[2]}},
+            "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "params": [0], "foreach": None}],
+        },
+        "losses": [1.5, 2.5],
+        "pair": (t[3], "x"),
+    }
     skeleton, tensors = split_state(tree)
     assert [id(x) for x in tensors] == [id(t[0]), id(t[1]), id(t[4]), id(t[2]), id(t[3])], "no copies, tree order"
     back = join_state(skeleton, tensors)
@@ -141,6 +168,7 @@ def full_state_digest(trainer) -> str:
 
 class _DiesAfter(LevelGroup):
     """A source whose process ends after `n` broadcasts: mid-stream."""
+
     n = 0
 
     def broadcast(self, tensors, *, root, level):
@@ -229,8 +257,9 @@ def test_a_heal_over_the_group_gives_the_state_a_load_through_the_object_store_g
     source, target = healed[0], healed[1]
     via_store = _load_through_state_dict(source["state_bytes"])
     assert via_store == source["digest"], "the object-store path itself must reproduce the source's state"
-    assert target[prefix]["digest"] == via_store, \
+    assert target[prefix]["digest"] == via_store, (
         f"{prefix}: params, AdamW state, outer state, round/step/losses differ from the object-store heal"
+    )
     assert target[prefix]["param"] == source["param"]
     assert target[prefix]["digest"] != target["before"], "the target must have started from another state"
 

@@ -1,13 +1,14 @@
 """`logging.step_times` (the per-step timeline the benchmarks read) and `train.straggle_p` (the
 simulated stragglers of `python -m benchmarks straggler`), on one replica's trainer."""
+
 from __future__ import annotations
 
 import json
 import os
 import time
 
-from hsgd.record.steps import StepLog
 from benchmarks.peers.common import Kill, read_steps, recovery
+from hsgd.record.steps import StepLog
 from tests.fakes.trainer import _solo, _trainer, dataset  # noqa: F401 — the module's fixture
 
 
@@ -39,11 +40,14 @@ def test_an_unwritable_step_log_never_stops_training(dataset, tmp_path):  # noqa
 
 
 def test_stall_and_rejoin_are_read_from_the_logs_around_the_kill(tmp_path):
-    rows = {"r0": [(1, 10.0, 1), (2, 11.0, 1), (3, 15.5, 1)],   # survivor: stalled from 11.0 to 15.5
-            "r1": [(1, 10.0, 2), (2, 11.0, 2), (2, 19.0, 3)]}   # killed at 12.0, its new pid commits at 19.0
+    rows = {
+        "r0": [(1, 10.0, 1), (2, 11.0, 1), (3, 15.5, 1)],  # survivor: stalled from 11.0 to 15.5
+        "r1": [(1, 10.0, 2), (2, 11.0, 2), (2, 19.0, 3)],
+    }  # killed at 12.0, its new pid commits at 19.0
     for name, steps in rows.items():
-        (tmp_path / f"{name}.jsonl").write_text("".join(
-            json.dumps({"replica": name, "step": s, "t": t, "pid": pid}) + "\n" for s, t, pid in steps))
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"replica": name, "step": s, "t": t, "pid": pid}) + "\n" for s, t, pid in steps)
+        )
     figures = recovery(read_steps(tmp_path), Kill("r1", 2, 12.0)).as_dict()
     assert figures["survivors_stall_s"] == {"r0": 4.5}
     assert figures["rejoin_s"] == 7.0
@@ -52,11 +56,14 @@ def test_stall_and_rejoin_are_read_from_the_logs_around_the_kill(tmp_path):
 def test_a_step_committed_after_the_kill_and_rolled_back_is_not_the_survivors_next_step(tmp_path):
     # r0 commits step 3 just after r1's death (its group has not noticed yet), then the group
     # restarts from the checkpoint at step 2 and commits 3 again at 20.0: it went on at 20.0
-    rows = {"r0": [(1, 10.0, 1), (2, 11.0, 1), (3, 12.2, 1), (3, 20.0, 5), (4, 20.3, 5)],
-            "r1": [(1, 10.0, 2), (2, 11.0, 2), (3, 20.1, 6)]}
+    rows = {
+        "r0": [(1, 10.0, 1), (2, 11.0, 1), (3, 12.2, 1), (3, 20.0, 5), (4, 20.3, 5)],
+        "r1": [(1, 10.0, 2), (2, 11.0, 2), (3, 20.1, 6)],
+    }
     for name, steps in rows.items():
-        (tmp_path / f"{name}.jsonl").write_text("".join(
-            json.dumps({"replica": name, "step": s, "t": t, "pid": pid}) + "\n" for s, t, pid in steps))
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"replica": name, "step": s, "t": t, "pid": pid}) + "\n" for s, t, pid in steps)
+        )
     figures = recovery(read_steps(tmp_path), Kill("r1", 2, 12.0)).as_dict()
     assert figures["survivors_stall_s"] == {"r0": 20.0 - 11.0}
     assert abs(figures["rejoin_s"] - 8.1) < 1e-9

@@ -1,6 +1,7 @@
 """The driver counts supervisor deaths, not the errors one death causes (CI saw 4 scheduled
 supervisor faults surface as 11 errors on a slow machine and end the run as `max_restarts
 exhausted`)."""
+
 import json
 
 from hsgd.core.supervisor_losses import SupervisorLosses

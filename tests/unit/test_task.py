@@ -1,5 +1,6 @@
 """hsgd.train.task: plug-in model, data and loss named by `_target_`, and the example user task in
 examples/ (a module outside hsgd/) that follows the dataset contract."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,13 @@ from omegaconf import OmegaConf
 from hsgd.config.schema import HsgdConfig
 from hsgd.train import task
 
-EXAMPLE = ["model._target_=examples.regression.build_mlp", "data._target_=examples.regression.build_dataset",
-           "loss._target_=examples.regression.mse_loss", "model.block_size=12", "data.batch_size=4"]
+EXAMPLE = [
+    "model._target_=examples.regression.build_mlp",
+    "data._target_=examples.regression.build_dataset",
+    "loss._target_=examples.regression.mse_loss",
+    "model.block_size=12",
+    "data.batch_size=4",
+]
 
 
 def _cfg(*overrides: str):
@@ -25,9 +31,14 @@ def takes_kwargs(**kwargs):
     return kwargs
 
 
-@pytest.mark.parametrize("path,message", [("nodots", "not a dotted path"),
-                                          ("no_such_module_xyz.build", "cannot import no_such_module_xyz"),
-                                          ("hsgd.train.model.NOT_THERE", "has no callable 'NOT_THERE'")])
+@pytest.mark.parametrize(
+    "path,message",
+    [
+        ("nodots", "not a dotted path"),
+        ("no_such_module_xyz.build", "cannot import no_such_module_xyz"),
+        ("hsgd.train.model.NOT_THERE", "has no callable 'NOT_THERE'"),
+    ],
+)
 def test_a_target_that_cannot_be_resolved_is_one_line_naming_the_field(path, message):
     with pytest.raises(ValueError) as info:  # a ConfigError, hsgd.config.validate's before the run starts
         task.resolve(path, "model._target_")

@@ -3,6 +3,7 @@ it trained in the round. Pure weights first, then real gloo groups, one process 
 reduced buffer equals the hand-computed weighted average on the leader path and the sharded path,
 uncompressed and int4 (weighted after decoding), and weights of 1.0 are bitwise the plain mean.
 (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import functools
@@ -10,10 +11,10 @@ import traceback
 
 import pytest
 import torch
-from tests.unit.gloo_world import run_ranks
 
 from hsgd.core.outer_plan import token_weights
 from tests.fakes.configs import tiny_cfg
+from tests.unit.gloo_world import run_ranks
 
 SIZES = (2, 2, 2)
 UNEQUAL = (0.5, 1.25, 1.25)  # e.g. a site that trained a fifth of the others' tokens
@@ -48,6 +49,7 @@ def _worker(rank, port, results) -> None:
             g = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
             g.configure(addr, prefix, rank=r, world_size=n, epoch=1)
             return g
+
         inner = group("inner", f"t/inner/c{c}", i, SIZES[c])
         leader_outer = group("outer", "t/outer", c, len(SIZES)) if i == 0 else None
         my_shard = next((j for j, g in enumerate(holders) if rid in g), None)

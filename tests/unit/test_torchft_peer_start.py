@@ -1,5 +1,6 @@
 """The torchft peer's start barrier (benchmarks/peers/torchft_peer.py, `_start_barrier`): a first
 incarnation waits until every replica's Manager is up; a restarted one passes at once."""
+
 import threading
 import time
 

@@ -1,15 +1,14 @@
 """hsgd.train.trainer: the promises one replica keeps when phases are retried or it is healed."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hsgd.config.schema import HsgdConfig
-from hsgd.core.topology import Topology
-from hsgd.train.comm import CollectiveError, LevelGroup
 from hsgd.train import task
-from hsgd.train.trainer import Behind, ReplicaTrainer, param_digest
+from hsgd.train.comm import CollectiveError
+from hsgd.train.trainer import Behind, param_digest
 from tests.fakes.trainer import _cfg, _solo, _trainer, dataset  # noqa: F401 — (dataset: the module's fixture)
 
 
@@ -97,8 +96,9 @@ def test_global_state_is_a_snapshot(dataset):
     saved_momentum = [v["momentum_buffer"].clone() for v in state["outer"]["sgd"]["state"].values()]
     t.outer_opt.step([torch.ones_like(g) for g in t.outer_opt.global_params])
     now_momentum = [v["momentum_buffer"] for v in state["outer"]["sgd"]["state"].values()]
-    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum)), \
+    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum)), (
         "a saved state must not change after later steps"
+    )
     assert all(torch.equal(x, y) for x, y in zip(saved, state["outer"]["global_params"]))
 
 
@@ -220,6 +220,7 @@ def _count_host_reads(monkeypatch):
             if "/hsgd/" in caller:
                 reads.append((_name, caller))
             return _original(self, *args)
+
         monkeypatch.setattr(torch.Tensor, name, wrapper)
     return reads
 
@@ -353,11 +354,15 @@ def test_state_dict_is_a_snapshot_that_training_on_does_not_change(dataset):
 
     t.run_inner(0, _solo("inner"), stop_at_2)
     state = t.state_dict()
-    before = param_digest(state["params"]), param_digest([v for s in state["inner_opt"]["state"].values()
-                                                           for v in s.values()])
+    before = (
+        param_digest(state["params"]),
+        param_digest([v for s in state["inner_opt"]["state"].values() for v in s.values()]),
+    )
     t.run_inner(0, _solo("inner"))
-    after = param_digest(state["params"]), param_digest([v for s in state["inner_opt"]["state"].values()
-                                                          for v in s.values()])
+    after = (
+        param_digest(state["params"]),
+        param_digest([v for s in state["inner_opt"]["state"].values() for v in s.values()]),
+    )
     assert before == after, "the state handed to a heal changed while the source trained on"
 
 

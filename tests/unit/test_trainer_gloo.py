@@ -1,12 +1,14 @@
 """Two replicas of one `ddp` cluster in two processes over a real gloo group: they stay bitwise
 equal with every inner-optimizer implementation and in bf16, and the overlapped bucketed
 all-reduce matches the all-reduce after backward. (Spawns processes: run it under the shared lock.)"""
+
 from __future__ import annotations
 
 import traceback
 
 import pytest
 import torch
+
 from tests.unit.gloo_world import run_ranks
 
 VARIANTS = {  # name -> config overrides; every variant trains 2 replicas of cluster c0 over gloo
@@ -34,8 +36,15 @@ def _worker(rank: int, port: int, results) -> None:
         torch.set_num_threads(1)
         group = LevelGroup("inner", "gloo", timeout_s=20, configure_timeout_s=30)
         group.configure(f"127.0.0.1:{port}", "test/epoch1/inner/c0", rank=rank, world_size=2, epoch=1)
-        base = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "data.batch_size=2",
-                f"sync.outer_every={STEPS}", "sync.inner=ddp"]
+        base = [
+            "model.n_layer=1",
+            "model.n_embd=32",
+            "model.n_head=2",
+            "model.block_size=16",
+            "data.batch_size=2",
+            f"sync.outer_every={STEPS}",
+            "sync.inner=ddp",
+        ]
         params = {}
         for name, overrides in VARIANTS.items():
             cfg = OmegaConf.merge(OmegaConf.structured(HsgdConfig), OmegaConf.from_dotlist(base + overrides))
@@ -43,8 +52,9 @@ def _worker(rank: int, port: int, results) -> None:
             report = t.run_inner(0, group)
             out[name] = {"digest": t.param_digest(), "first": sum(report.losses[:4]), "last": sum(report.losses[-4:])}
             params[name] = [p.detach().clone() for p in t.params]
-        out["overlap_max_diff"] = max(float((a - b).abs().max()) for a, b in
-                                      zip(params["overlapped"], params["after_backward"]))
+        out["overlap_max_diff"] = max(
+            float((a - b).abs().max()) for a, b in zip(params["overlapped"], params["after_backward"])
+        )
         group.abort()
     except BaseException:  # noqa: BLE001 — report everything to the parent
         out["exception"] = traceback.format_exc()

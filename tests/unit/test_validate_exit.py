@@ -1,11 +1,13 @@
 """Issue 19, acceptance 4: the values that used to pass validation and then break a run are refused
 before Ray starts — in-process through `actors.launch.precheck`, and a handful through the real
 command line: exit 2, a few lines on stderr, no traceback, no Ray."""
+
 import pytest
 
-from hsgd.config.compose import precheck
 from hsgd.config import ConfigError
+from hsgd.config.compose import precheck
 from tests.fakes.cli import train_isolated as _train
+
 
 @pytest.fixture
 def binary_file(tmp_path):
@@ -44,12 +46,16 @@ def test_a_binary_data_file_is_refused_before_ray(binary_file):
     assert info.value.field == "data.path" and "\n" not in str(info.value)
 
 
-
-
-@pytest.mark.parametrize("override,field", [
-    ("comm.timeout_s=nan", "comm.timeout_s"), ("seed=1e23", "seed"), ("run.dir=/", "run.dir"),
-    ("logging.wandb.mode=online", "logging.wandb.mode"), ("data.path=<binary>", "data.path"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("comm.timeout_s=nan", "comm.timeout_s"),
+        ("seed=1e23", "seed"),
+        ("run.dir=/", "run.dir"),
+        ("logging.wandb.mode=online", "logging.wandb.mode"),
+        ("data.path=<binary>", "data.path"),
+    ],
+)
 def test_the_command_line_exits_2_with_one_line_and_never_starts_ray(tmp_path, binary_file, override, field):
     result = _train(tmp_path, override.replace("<binary>", str(binary_file)))
     lines = result.stderr.strip().splitlines()

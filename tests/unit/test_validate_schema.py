@@ -3,6 +3,7 @@ field has a range and every choice field its choices on the field itself. One ge
 schema: each bounded or choice field refuses nan, inf, its nearest out-of-range values (or an unknown
 name) with a one-line error that starts with the field and says what is valid, and takes the values
 at the edges of what is valid."""
+
 import math
 import sys
 import typing
@@ -38,8 +39,11 @@ def _nearest_invalid(bound):
 def _edges(bound):
     """The valid values at the edges: the closed ends (else just inside an open one), -1 and null where allowed."""
     inside = (lambda x, d: x + d) if bound.kind is int else (lambda x, d: math.nextafter(x, d * math.inf))
-    values = [bound.kind(end if not is_open else inside(end, d))
-              for end, is_open, d in ((bound.low, bound.low_open, 1), (bound.high, bound.high_open, -1)) if end is not None]
+    values = [
+        bound.kind(end if not is_open else inside(end, d))
+        for end, is_open, d in ((bound.low, bound.low_open, 1), (bound.high, bound.high_open, -1))
+        if end is not None
+    ]
     return values + ([-1] if bound.forever else []) + ([None] if bound.optional else [])
 
 
@@ -145,10 +149,15 @@ def test_checkpoint_dir_may_be_a_url():
 
 
 @pytest.mark.parametrize("path", ["model._target_", "data._target_", "loss._target_"])
-@pytest.mark.parametrize("target,words", [
-    ("no_such_module_hsgd.build", "ModuleNotFoundError"), ("hsgd.train.model.no_such_factory", "AttributeError"),
-    ("os.sep", "not a callable"), ("build_gpt", "not a dotted path"),
-])
+@pytest.mark.parametrize(
+    "target,words",
+    [
+        ("no_such_module_hsgd.build", "ModuleNotFoundError"),
+        ("hsgd.train.model.no_such_factory", "AttributeError"),
+        ("os.sep", "not a callable"),
+        ("build_gpt", "not a dotted path"),
+    ],
+)
 def test_a_target_that_does_not_import_to_a_callable_is_one_line(path, target, words):
     with pytest.raises(ConfigError) as info:
         validate(_cfg(**{path: target}))

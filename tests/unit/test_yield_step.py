@@ -1,6 +1,7 @@
 """hsgd/core/round/cluster.py's yield boundary for a replica that comes back mid-round (rejoin `fast`):
 the step time it is planned with (this round's samples, else the cluster's learned time from earlier
 rounds, else 0.1 s) and how far ahead of the members it lies."""
+
 from types import SimpleNamespace
 
 from hsgd.core.deadlines import PhaseClock
@@ -71,9 +72,11 @@ def test_round_settings_carry_each_clusters_learned_step_time():
     for seconds in (0.2, 0.3, 0.25):
         clock.observe("inner_step/c1", seconds)
     sync = SimpleNamespace(inner="ddp", outer="diloco", outer_path="leader", inner_every=1, fragment_delay=0)
-    supervisor = SimpleNamespace(call_timeout_s=60.0, phase_timeout_s=300.0, min_replicas_per_cluster=1,
-                                 min_clusters=1, rejoin="fast")
+    supervisor = SimpleNamespace(
+        call_timeout_s=60.0, phase_timeout_s=300.0, min_replicas_per_cluster=1, min_clusters=1, rejoin="fast"
+    )
     comm = SimpleNamespace(timeout_s=10.0, configure_timeout_s=30.0, min_gbps=1.0)
-    s = round_settings(steps_per_round=20, sync=sync, supervisor=supervisor, comm=comm, param_bytes=0, clock=clock,
-                       clusters=2)
+    s = round_settings(
+        steps_per_round=20, sync=sync, supervisor=supervisor, comm=comm, param_bytes=0, clock=clock, clusters=2
+    )
     assert s.cluster_step_s == (None, 0.25)

@@ -98,12 +98,47 @@ overlap (sync.fragment_delay): a holder's run_inner also reduces on the outer le
 background; at most one collective per level then, never two on one group (hsgd/train/comm.py
 enforces both), and no inner step waits on the outer level.
 """
+
 from hsgd.core.round.balance import StepPlan, plan_round
 from hsgd.core.round.machine import RoundMachine, RoundSettings, round_settings
-from hsgd.core.round.messages import (AbortJoin, Answer, Call, CallKind, ClusterAverage, ClusterStage, Effect,
-                                      ErrorKind, Heal, Join, Kill, Lost, NonFinite, Observation, Outcome, OuterCommit,
-                                      OuterReduce, OuterStage, Overlap, Phase, PhaseAnswer, PhaseEnded, Progress, Reap,
-                                      RunInner, StateReady, StepTimed, Up, Yield, raised,
-                                      unanswered_heal)
-from hsgd.core.round.schedule import (current_round, due, evaluation_order, heals_at_rest, model_writers,
-                                      unrecorded_rounds)
+from hsgd.core.round.messages import (
+    AbortJoin,
+    Answer,
+    Call,
+    CallKind,
+    ClusterAverage,
+    ClusterStage,
+    Effect,
+    ErrorKind,
+    Heal,
+    Join,
+    Kill,
+    Lost,
+    NonFinite,
+    Observation,
+    Outcome,
+    OuterCommit,
+    OuterReduce,
+    OuterStage,
+    Overlap,
+    Phase,
+    PhaseAnswer,
+    PhaseEnded,
+    Progress,
+    Reap,
+    RunInner,
+    StateReady,
+    StepTimed,
+    Up,
+    Yield,
+    raised,
+    unanswered_heal,
+)
+from hsgd.core.round.schedule import (
+    current_round,
+    due,
+    evaluation_order,
+    heals_at_rest,
+    model_writers,
+    unrecorded_rounds,
+)

@@ -15,17 +15,19 @@ The plan is decided once, at the round's start, and recorded (durable state, a `
 event): a restarted supervisor follows the recorded plan of the round it resumes, never re-measures.
 A heal inside the round copies a member of the same cluster, so it lands on that cluster's plan.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """Round `round`'s inner steps per cluster, what they were planned from, and its origin:
     configured | learned | mixed | recorded (a restarted supervisor's, read back)."""
+
     round: int
     steps: tuple[int, ...]
     step_s: tuple[float | None, ...]
@@ -35,9 +37,13 @@ class StepPlan:
         return {"round": self.round, "steps": list(self.steps), "step_s": list(self.step_s), "source": self.source}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "StepPlan":
-        return cls(int(raw["round"]), tuple(int(n) for n in raw["steps"]),
-                   tuple(None if s is None else float(s) for s in raw.get("step_s") or ()), "recorded")
+    def from_dict(cls, raw: dict) -> StepPlan:
+        return cls(
+            int(raw["round"]),
+            tuple(int(n) for n in raw["steps"]),
+            tuple(None if s is None else float(s) for s in raw.get("step_s") or ()),
+            "recorded",
+        )
 
 
 def plan_steps(steps_per_round: int, step_s: Sequence[float | None]) -> tuple[int, ...]:
@@ -46,12 +52,17 @@ def plan_steps(steps_per_round: int, step_s: Sequence[float | None]) -> tuple[in
     if not known:
         return (steps_per_round,) * len(step_s)
     fastest = min(known)
-    return tuple(steps_per_round if s is None or s <= 0  # (halves round up, never to even)
-                 else max(1, min(steps_per_round, math.floor(steps_per_round * fastest / s + 0.5))) for s in step_s)
+    return tuple(
+        steps_per_round
+        if s is None or s <= 0  # (halves round up, never to even)
+        else max(1, min(steps_per_round, math.floor(steps_per_round * fastest / s + 0.5)))
+        for s in step_s
+    )
 
 
-def plan_round(round_index: int, steps_per_round: int, configured: Sequence[float | None],
-               learned: Sequence[float | None]) -> StepPlan:
+def plan_round(
+    round_index: int, steps_per_round: int, configured: Sequence[float | None], learned: Sequence[float | None]
+) -> StepPlan:
     """Round `round_index`'s plan: each cluster's configured step time where set, else its learned one."""
     step_s = tuple(c if c is not None else l for c, l in zip(configured, learned))
     used = {"configured" if c is not None else "learned" for c, s in zip(configured, step_s) if s is not None}

@@ -2,6 +2,7 @@
 yet, and what went wrong in each phase so far (the runner only maps a call id, (phase id, rid), to
 its transport). One call at a time per replica: issuing a second is a bug of the machine, and raises.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from hsgd.core.round.messages import CallKind, Phase
 @dataclass(slots=True, eq=False)
 class InFlight:
     """A phase the machine waits on."""
+
     phase: Phase
     started: float
     pending: set[str] = field(init=False)  # members still to answer (and not given up on)

@@ -2,6 +2,7 @@
 heals, when its inner group forms, when it is ready for the outer exchange, and how a replica that
 comes back mid-round joins. A re-form counts against max_reforms; a void cluster sits out.
 """
+
 from __future__ import annotations
 
 import math
@@ -9,16 +10,27 @@ import math
 from hsgd.core.membership import leader_of
 from hsgd.core.outer_plan import token_weights
 from hsgd.core.round.calls import InFlight
-from hsgd.core.round.messages import (CallKind, ClusterAverage, ClusterStage, Effect, Heal, Join, OuterStage, Overlap,
-                                      RunInner, Yield)
+from hsgd.core.round.messages import (
+    CallKind,
+    ClusterAverage,
+    ClusterStage,
+    Effect,
+    Heal,
+    Join,
+    OuterStage,
+    Overlap,
+    RunInner,
+    Yield,
+)
 from hsgd.core.round.schedule import assign_cluster_heals
 
 
 class ClusterPhases:
     """A cluster's phase decisions, mixed into RoundMachine (machine.py), whose state they read and write."""
 
-    def _reform(self, c: int, now: float, reason: str, counts: bool = True,
-                members: tuple[str, ...] | None = None) -> list[Effect]:
+    def _reform(
+        self, c: int, now: float, reason: str, counts: bool = True, members: tuple[str, ...] | None = None
+    ) -> list[Effect]:
         """(Re-)form cluster c: heal laggards, then run inner (forming its group if members changed)."""
         st = self.clusters[c]
         self.yielding.pop(c, None)
@@ -31,14 +43,16 @@ class ClusterPhases:
         if reason != "round start" and counts:
             st.reforms += 1
             if st.reforms > self.settings.max_reforms:
-                return self._finish("failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; "
-                                              f"giving up ({reason})")
+                return self._finish(
+                    "failed", f"cluster c{c} re-formed {st.reforms} times in round {self.round}; giving up ({reason})"
+                )
         st.members = members
         self.leaders[c] = leader_of(members, self.leaders.get(c))
         # the donor, should nobody in c hold the round: the lowest-id holder (heals stay inside c when one does)
         donor = next((rid for ids in self.ids for rid in ids if self.progress.get(rid, (-1,))[0] == self.round), None)
-        heals = assign_cluster_heals({rid: self.progress[rid] for rid in members},
-                                     {donor: self.progress[donor]} if donor is not None else {})
+        heals = assign_cluster_heals(
+            {rid: self.progress[rid] for rid in members}, {donor: self.progress[donor]} if donor is not None else {}
+        )
         if heals:
             st.stage = ClusterStage.HEAL
             calls = {h.target: Heal(h.source, h.scope) for h in heals}
@@ -59,8 +73,10 @@ class ClusterPhases:
             self.epoch += 1
             st.configured = (self.epoch, st.members)
         steps = self.settings.steps_of(c) if self.settings.cluster_steps else None
-        calls = {rid: RunInner(Join(f"epoch{self.epoch}/inner/c{c}", rank, n) if forms else None, overlap.get(rid), steps)
-                 for rank, rid in enumerate(st.members)}
+        calls = {
+            rid: RunInner(Join(f"epoch{self.epoch}/inner/c{c}", rank, n) if forms else None, overlap.get(rid), steps)
+            for rank, rid in enumerate(st.members)
+        }
         return [self._issue(c, calls, self.settings.configure_s if forms else 0.0, now, reason)]
 
     def _overlap_plan(self) -> dict[str, Overlap]:
@@ -73,8 +89,12 @@ class ClusterPhases:
         if groups != self._shard_groups(expected=True):
             return {}
         # the weights as expected now: every live member finishes the round's steps
-        weights = token_weights([len(self.members(c)) * self.settings.snapshot_steps_of(c, self.settings.steps_of(c))
-                                 for c in map(self.cluster_of, groups[0])])
+        weights = token_weights(
+            [
+                len(self.members(c)) * self.settings.snapshot_steps_of(c, self.settings.steps_of(c))
+                for c in map(self.cluster_of, groups[0])
+            ]
+        )
         return {rid: Overlap(epoch, j, len(groups), weights) for j, holders in enumerate(groups) for rid in holders}
 
     def _phase_finished(self, flight: InFlight, now: float) -> list[Effect]:
@@ -112,8 +132,13 @@ class ClusterPhases:
     def _join_mid_round(self, rid: str, at: tuple[int, int], now: float) -> list[Effect]:
         """rid (re)started and answers, idle at `at` (rejoin `fast`)."""
         c, st = self.cluster_of(rid), self.clusters[self.cluster_of(rid)]
-        if self.settings.rejoin != "fast" or self.done or rid in self.progress or st.stage is ClusterStage.OUT \
-                or self.outer_stage is not OuterStage.WAIT:
+        if (
+            self.settings.rejoin != "fast"
+            or self.done
+            or rid in self.progress
+            or st.stage is ClusterStage.OUT
+            or self.outer_stage is not OuterStage.WAIT
+        ):
             return []  # joins at the next round's start
         self.joining.setdefault(c, {})[rid] = at
         if st.stage is ClusterStage.READY:
@@ -147,9 +172,12 @@ class ClusterPhases:
         s = self.settings
         step_s = max(self._step_time(self.cluster_of(running[0])), 1e-3)
         furthest = max(max(self.advance.get(m, (-1,))[0], self.progress[m][1]) for m in running)
-        ahead = max(seen[0] + (now - seen[1] + s.yield_lead_s) / step_s if (seen := self.advance.get(m))
-                    else self.progress[m][1] + (now - started + min(now - started, s.yield_lead_s)) / step_s
-                    for m in running)
+        ahead = max(
+            seen[0] + (now - seen[1] + s.yield_lead_s) / step_s
+            if (seen := self.advance.get(m))
+            else self.progress[m][1] + (now - started + min(now - started, s.yield_lead_s)) / step_s
+            for m in running
+        )
         at = max(furthest + 2, math.ceil(ahead)) - self.round * s.steps_per_round
         if s.inner != "localsgd":
             return at

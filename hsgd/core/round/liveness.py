@@ -12,6 +12,7 @@
     heal       while a target's source state has not arrived, the silent one is the source: it is
                the one killed.
 """
+
 from __future__ import annotations
 
 from hsgd.core.round.calls import InFlight
@@ -39,8 +40,12 @@ class Liveness:
         effects: list[Effect] = []
         for flight in list(self.calls.inflight.values()):
             window = max(self._step_deadline(flight), self.settings.group_grace_s)
-            if flight.phase.kind is CallKind.RUN_INNER and not flight.failed_groups and not flight.peer_gone \
-                    and now <= flight.started + window:
+            if (
+                flight.phase.kind is CallKind.RUN_INNER
+                and not flight.failed_groups
+                and not flight.peer_gone
+                and now <= flight.started + window
+            ):
                 continue  # every member's limit is at least started + window (see _limit): nobody is due
             for rid in sorted(flight.pending):
                 if rid not in flight.pending or now <= self._limit(flight, rid):
@@ -77,8 +82,9 @@ class Liveness:
             # a healthy member leaves a broken collective within the grace; one forming its group that
             # has not stepped yet may still be in the rendezvous (released by an abort when a peer is
             # known dead, else by the configure timeout)
-            grace = max(s.group_grace_s, s.configure_s) if phase.forms_group and not self._stepped(rid) \
-                else s.group_grace_s
+            grace = (
+                max(s.group_grace_s, s.configure_s) if phase.forms_group and not self._stepped(rid) else s.group_grace_s
+            )
             limit = min(limit, max(failed_at, self._last_sign(flight, rid)) + grace)
         gone_at = flight.peer_gone.get(group)
         if gone_at is not None and self._only_suspects_pending(flight, group):
@@ -111,17 +117,31 @@ class Liveness:
         phase, last_sign = flight.phase, self._last_sign(flight, rid)
         limit_s = self._limit(flight, rid) - last_sign
         group = flight.group_of(rid, self.cluster_of)
-        gone = group in flight.peer_gone and self._only_suspects_pending(flight, group) \
+        gone = (
+            group in flight.peer_gone
+            and self._only_suspects_pending(flight, group)
             and now - flight.peer_gone[group] < self.settings.group_grace_s
+        )
         self._mark_dead(rid, "died" if gone else "hung")
-        self.calls.give_up(flight, rid, "died: presumed, its peers saw its connection close" if gone else "hung: killed")
+        self.calls.give_up(
+            flight, rid, "died: presumed, its peers saw its connection close" if gone else "hung: killed"
+        )
         effects = self._release_rendezvous(flight, rid)
         if gone:
-            return [Reap(rid, phase.cluster, phase.kind, now - last_sign, "its peers saw its connection close")] + effects
+            return [
+                Reap(rid, phase.cluster, phase.kind, now - last_sign, "its peers saw its connection close")
+            ] + effects
         flight.failed(group, now)
-        return [Kill(rid, phase.cluster, phase.kind, now - last_sign, limit_s,
-                     f"silent and not advancing in {phase.kind} for {now - last_sign:.1f}s (limit {limit_s:.1f}s)")] \
-            + effects
+        return [
+            Kill(
+                rid,
+                phase.cluster,
+                phase.kind,
+                now - last_sign,
+                limit_s,
+                f"silent and not advancing in {phase.kind} for {now - last_sign:.1f}s (limit {limit_s:.1f}s)",
+            )
+        ] + effects
 
     def _kill_source(self, source: str, flight: InFlight, now: float) -> Kill:
         """A heal's source never delivered its state: kill it; its targets' calls then fail (their
@@ -130,8 +150,14 @@ class Liveness:
         self._mark_dead(source, "hung")
         if flight.failed_at is None:
             flight.failed_at = now
-        return Kill(source, flight.phase.cluster, CallKind.HEAL, silent_s, flight.phase.deadline_s,
-                    f"heal source silent for {silent_s:.1f}s (limit {flight.phase.deadline_s:.1f}s)")
+        return Kill(
+            source,
+            flight.phase.cluster,
+            CallKind.HEAL,
+            silent_s,
+            flight.phase.deadline_s,
+            f"heal source silent for {silent_s:.1f}s (limit {flight.phase.deadline_s:.1f}s)",
+        )
 
     def _release_rendezvous(self, flight: InFlight, dead: str) -> list[Effect]:
         """`dead` was a member of a phase that forms its group: release the members still waiting
@@ -140,6 +166,15 @@ class Liveness:
         if not phase.forms_group or flight.aborted or not flight.pending:
             return []
         flight.aborted = True
-        prefix = phase.calls[dead].join.prefix if dead in phase.calls else phase.prefix  # sharded: the dead holder's group
-        return [AbortJoin(phase.cluster, phase.epoch, prefix, (dead,),
-                          f"{dead} is gone ({self.dead.get(dead, 'lost')}): group {prefix} cannot form")]
+        prefix = (
+            phase.calls[dead].join.prefix if dead in phase.calls else phase.prefix
+        )  # sharded: the dead holder's group
+        return [
+            AbortJoin(
+                phase.cluster,
+                phase.epoch,
+                prefix,
+                (dead,),
+                f"{dead} is gone ({self.dead.get(dead, 'lost')}): group {prefix} cannot form",
+            )
+        ]

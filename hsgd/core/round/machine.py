@@ -1,11 +1,13 @@
 """The round machine's state, what it is asked (start, observe, tick: each takes `now`, it reads no
 clock) and how each observation is taken in; __init__.py has the failure table."""
+
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from hsgd.core.deadlines import PhaseClock, collective_timeout_s, heal_deadline_s, state_bytes_bound
 from hsgd.core.membership import Plan
@@ -14,8 +16,24 @@ from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
-from hsgd.core.round.messages import (Answer, Call, CallKind, ClusterStage, Effect, ErrorKind, Lost, NonFinite,
-                                      Observation, Outcome, OuterStage, Phase, PhaseEnded, Progress, StateReady, Up)
+from hsgd.core.round.messages import (
+    Answer,
+    Call,
+    CallKind,
+    ClusterStage,
+    Effect,
+    ErrorKind,
+    Lost,
+    NonFinite,
+    Observation,
+    Outcome,
+    OuterStage,
+    Phase,
+    PhaseEnded,
+    Progress,
+    StateReady,
+    Up,
+)
 from hsgd.core.round.outer import OuterExchange
 from hsgd.core.topology import Topology
 
@@ -57,44 +75,70 @@ class RoundSettings:
         if not self.fragment_delay:
             return reached
         every = self.inner_every if self.inner == "localsgd" else 1
-        return max(0, min(reached, self.steps_of(cluster) - fragment_delay_of(self.fragment_delay, self.steps_of(cluster), every)))
+        return max(
+            0,
+            min(
+                reached, self.steps_of(cluster) - fragment_delay_of(self.fragment_delay, self.steps_of(cluster), every)
+            ),
+        )
 
     def step_deadline_of(self, cluster: int) -> float:
         return self.cluster_step_deadline_s[cluster] if self.cluster_step_deadline_s else self.step_deadline_s
 
 
-def round_settings(*, steps_per_round: int, sync: Any, supervisor: Any, comm: Any, param_bytes: int,
-                   clock: PhaseClock, cluster_steps: tuple[int, ...] = (), clusters: int = 0) -> RoundSettings:
+def round_settings(
+    *,
+    steps_per_round: int,
+    sync: Any,
+    supervisor: Any,
+    comm: Any,
+    param_bytes: int,
+    clock: PhaseClock,
+    cluster_steps: tuple[int, ...] = (),
+    clusters: int = 0,
+) -> RoundSettings:
     """The next round's settings from the config's sections (read by attribute): every deadline scaled
     to the work it bounds, bytes (of `param_bytes`) at comm.min_gbps for what moves state, the run's
     learned phase times for what computes (a round follows what the ones before measured).
     `cluster_steps`: sync.balance's plan; with it, each of the `clusters` learns its own step deadline."""
     # a healthy member leaves a broken collective within its (payload-scaled) timeout
     grace = collective_timeout_s(comm.timeout_s, param_bytes, comm.min_gbps) + 5.0
-    heal_s = heal_deadline_s(call_timeout_s=supervisor.call_timeout_s, configure_timeout_s=comm.configure_timeout_s,
-                             timeout_s=comm.timeout_s, state_bytes=state_bytes_bound(param_bytes),
-                             min_gbps=comm.min_gbps)
-    return RoundSettings(steps_per_round=steps_per_round, inner=sync.inner, outer=sync.outer,
-                         outer_path=sync.outer_path, fragment_delay=sync.fragment_delay,
-                         inner_every=sync.inner_every, rejoin=supervisor.rejoin,
-                         min_replicas_per_cluster=supervisor.min_replicas_per_cluster,
-                         min_clusters=supervisor.min_clusters,
-                         step_deadline_s=clock.deadline("inner_step", 1), group_grace_s=grace,
-                         cluster_steps=tuple(cluster_steps),
-                         cluster_step_deadline_s=tuple(clock.deadline(f"inner_step/c{c}", 1) for c in range(clusters))
-                         if cluster_steps else (),
-                         cluster_step_s=tuple(clock.median(f"inner_step/c{c}", None) for c in range(clusters)),
-                         # a closed connection means the peer's process is gone; only Ray's own
-                         # notice (which names the cause) is worth a short wait — nothing is killed
-                         presumed_dead_s=max(0.25, clock.median("inner_step", 0.5)),
-                         # the rendezvous, then the backend's connect among members known present
-                         # (hsgd.train.comm.LevelGroup.connect_timeout_s), then a margin
-                         configure_s=comm.configure_timeout_s + min(comm.timeout_s, comm.configure_timeout_s) + 5.0,
-                         heal_s=heal_s,
-                         # the learned time of the exchange (the ceiling until it was seen), plus the
-                         # grace a member needs to leave a broken collective; never past phase_timeout_s
-                         outer_s=min(supervisor.phase_timeout_s, clock.deadline("outer", 1) + grace),
-                         commit_s=min(supervisor.phase_timeout_s, clock.deadline("outer_commit", 1) + grace))
+    heal_s = heal_deadline_s(
+        call_timeout_s=supervisor.call_timeout_s,
+        configure_timeout_s=comm.configure_timeout_s,
+        timeout_s=comm.timeout_s,
+        state_bytes=state_bytes_bound(param_bytes),
+        min_gbps=comm.min_gbps,
+    )
+    return RoundSettings(
+        steps_per_round=steps_per_round,
+        inner=sync.inner,
+        outer=sync.outer,
+        outer_path=sync.outer_path,
+        fragment_delay=sync.fragment_delay,
+        inner_every=sync.inner_every,
+        rejoin=supervisor.rejoin,
+        min_replicas_per_cluster=supervisor.min_replicas_per_cluster,
+        min_clusters=supervisor.min_clusters,
+        step_deadline_s=clock.deadline("inner_step", 1),
+        group_grace_s=grace,
+        cluster_steps=tuple(cluster_steps),
+        cluster_step_deadline_s=tuple(clock.deadline(f"inner_step/c{c}", 1) for c in range(clusters))
+        if cluster_steps
+        else (),
+        cluster_step_s=tuple(clock.median(f"inner_step/c{c}", None) for c in range(clusters)),
+        # a closed connection means the peer's process is gone; only Ray's own
+        # notice (which names the cause) is worth a short wait — nothing is killed
+        presumed_dead_s=max(0.25, clock.median("inner_step", 0.5)),
+        # the rendezvous, then the backend's connect among members known present
+        # (hsgd.train.comm.LevelGroup.connect_timeout_s), then a margin
+        configure_s=comm.configure_timeout_s + min(comm.timeout_s, comm.configure_timeout_s) + 5.0,
+        heal_s=heal_s,
+        # the learned time of the exchange (the ceiling until it was seen), plus the
+        # grace a member needs to leave a broken collective; never past phase_timeout_s
+        outer_s=min(supervisor.phase_timeout_s, clock.deadline("outer", 1) + grace),
+        commit_s=min(supervisor.phase_timeout_s, clock.deadline("outer_commit", 1) + grace),
+    )
 
 
 @dataclass
@@ -111,11 +155,21 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
     supervisor's clock; carry out every effect it returns. `done` is set once `outcome` is one of
     committed | restore | failed | below_quorum; `reason` says why for the last three."""
 
-    def __init__(self, topology: Topology, settings: RoundSettings, round_index: int, *,
-                 progress: dict[str, tuple[int, int]], leaders: dict[int, str], epoch: int,
-                 committed_round: int, configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
-                 outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None = None, benched: Iterable[int] = (),
-                 non_finite_rounds: Mapping[int, int] | None = None):
+    def __init__(
+        self,
+        topology: Topology,
+        settings: RoundSettings,
+        round_index: int,
+        *,
+        progress: dict[str, tuple[int, int]],
+        leaders: dict[int, str],
+        epoch: int,
+        committed_round: int,
+        configured: dict[int, tuple[int, tuple[str, ...]]] | None = None,
+        outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None = None,
+        benched: Iterable[int] = (),
+        non_finite_rounds: Mapping[int, int] | None = None,
+    ):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
         self.incarnations: dict[str, int] = {}  # rid -> the incarnation last seen up, this round
@@ -126,7 +180,10 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         # (epoch, shard holders): shard j -> its holder per cluster in outer-rank order, of the
         # standing outer groups (one shard, the leaders, on the `leader` path)
         self.outer_configured = outer_configured
-        self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = ((), ())  # (clusters, groups) of the exchange in flight
+        self.exchange: tuple[tuple[int, ...], tuple[tuple[str, ...], ...]] = (
+            (),
+            (),
+        )  # (clusters, groups) of the exchange in flight
         self.outer_stage, self.outer_attempts = OuterStage.WAIT, 0
         self.calls = CallBook()
         self.dead: dict[str, str] = {}  # rid -> cause, this round
@@ -198,8 +255,12 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         """What the runner asks whom on the control channel: `progress` of those in run_inner; `up`
         of those down and not `gone` (rejoin `fast`; a call to a restarting actor waits until it is
         up); with `idle`, `idle` of live replicas with no call in flight."""
-        want = [("progress", rid) for f in self.calls.inflight.values() if f.phase.kind is CallKind.RUN_INNER
-                for rid in f.pending]
+        want = [
+            ("progress", rid)
+            for f in self.calls.inflight.values()
+            if f.phase.kind is CallKind.RUN_INNER
+            for rid in f.pending
+        ]
         if self.settings.rejoin == "fast":
             want += [("up", rid) for ids in self.ids for rid in ids if rid not in self.progress and rid not in gone]
         if idle:
@@ -212,11 +273,15 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             return self._finish("below_quorum", "no live replica")
         if not any(p[0] >= self.committed_round for p in self.progress.values()):
             top = max(self.progress.values())[0]
-            return self._finish("restore", f"total loss: no live replica holds committed round {self.committed_round} "
-                                           f"(best: {top if top >= 0 else 'none'})")
+            return self._finish(
+                "restore",
+                f"total loss: no live replica holds committed round {self.committed_round} "
+                f"(best: {top if top >= 0 else 'none'})",
+            )
         r = self.round
-        if not any(p[0] == r for p in self.progress.values()) \
-                and any(len(self.members(c)) >= max(1, self.floor(c)) for c in range(self.topology.clusters)):
+        if not any(p[0] == r for p in self.progress.values()) and any(
+            len(self.members(c)) >= max(1, self.floor(c)) for c in range(self.topology.clusters)
+        ):
             # nobody holds the round asked for: a caller's error, never a stall
             return self._finish("failed", f"round {r} asked, but no live replica holds it")
         effects: list[Effect] = []
@@ -281,7 +346,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             seen = self.void.get(c)
             self.void[c] = NonFinite(kind, (seen.rids if seen else ()) + (rid,), seen.detail if seen else answer.detail)
             return []
-        if kind is CallKind.OUTER_COMMIT:  # rid did not apply the commit: its cluster's group broke during the broadcast
+        if (
+            kind is CallKind.OUTER_COMMIT
+        ):  # rid did not apply the commit: its cluster's group broke during the broadcast
             flight.not_applied.add(rid)
             self.clusters[self.cluster_of(rid)].configured = None
         effects: list[Effect] = []
@@ -337,8 +404,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
             self.outer_configured = None
 
     # -- bookkeeping shared by the decision files -------------------------------------------------------
-    def _issue(self, cluster: int | None, calls: dict[str, Call], deadline_s: float, now: float,
-               reason: str = "") -> Phase:
+    def _issue(
+        self, cluster: int | None, calls: dict[str, Call], deadline_s: float, now: float, reason: str = ""
+    ) -> Phase:
         """A phase the machine waits on: every replica in `calls` answers it (or is given up on); a
         cluster's phase is the one it waits on."""
         kind = next(iter(calls.values())).kind

@@ -22,6 +22,7 @@ Observations (into the machine): `Observation`, each with its docstring. The mac
 stages (`ClusterStage`, `OuterStage`) are here too: what is derived from a stage is a property of
 it, never a set kept in step by hand.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import ClassVar, NamedTuple
 
 class Outcome(str, Enum):
     """What one replica's call came to."""
+
     DONE = "done"  # the phase's work for the round is done (also: it was already done)
     BEHIND = "behind"  # the replica has not reached the round asked: it needs a heal
     COLLECTIVE_FAILED = "collective_failed"  # alive, but its group broke (a peer failed) or never formed
@@ -56,6 +58,7 @@ def unanswered_heal(source_failed: bool, *, in_time: bool = True) -> Outcome:
 
 class ClusterStage(StrEnum):
     """Where a cluster is in its round (cluster.py)."""
+
     NEW = "new"  # the round has not started it yet
     HEAL = "heal"  # laggards copy state
     INNER = "inner"  # its inner phase runs (forming its group first when its members changed)
@@ -72,6 +75,7 @@ class ClusterStage(StrEnum):
 
 class OuterStage(StrEnum):
     """Where the outer exchange is (outer.py)."""
+
     WAIT = "wait"  # for every participating cluster to be ready
     REDUCE = "reduce"
     COMMIT = "commit"
@@ -81,6 +85,7 @@ class OuterStage(StrEnum):
 class ErrorKind(StrEnum):
     """How a collective failed: hsgd.train.comm.CollectiveError.kind, the `error_kind` of an answer
     and of a `collective_failed` event. The one definition of the kinds."""
+
     NONE = ""  # no collective error (or the runner could not tell)
     CONFIGURE = "configure"  # the group could not be built or joined in time
     ISSUE = "issue"  # the collective could not be started
@@ -96,6 +101,7 @@ class Answer(NamedTuple):
     """One replica's answer to its call of phase `phase_id`, or Ray's error for it as the runner
     classified it (`died`: the actor is gone; `error`: the replica raised). A tuple: tens of
     thousands a round at scale. `round`/`step`: its committed position after the call (-1: unknown)."""
+
     phase_id: int
     rid: str
     outcome: Outcome
@@ -112,6 +118,7 @@ class PhaseAnswer:
     `what` the non-finite number: loss | grad_norm | pseudo_gradient), and `result`, the call's own
     numbers. Crosses Ray as `wire()`, a flat dict, read back with `read` (a missing field, e.g.
     from another build of the replica, reads as its default)."""
+
     rid: str
     outcome: Outcome = Outcome.DONE
     round: int = -1
@@ -122,8 +129,16 @@ class PhaseAnswer:
     result: dict = field(default_factory=dict)
 
     def wire(self) -> dict:
-        return {**self.result, "rid": self.rid, "outcome": self.outcome.value, "round": self.round, "step": self.step,
-                "error": self.error, "error_kind": self.error_kind.value, "what": self.what}
+        return {
+            **self.result,
+            "rid": self.rid,
+            "outcome": self.outcome.value,
+            "round": self.round,
+            "step": self.step,
+            "error": self.error,
+            "error_kind": self.error_kind.value,
+            "what": self.what,
+        }
 
     @classmethod
     def read(cls, wire: dict) -> PhaseAnswer:
@@ -132,8 +147,16 @@ class PhaseAnswer:
             kind = ErrorKind(wire.get("error_kind") or "")
         except ValueError:  # a kind this supervisor does not know (a newer replica): no kind
             kind = ErrorKind.NONE
-        return cls(wire["rid"], Outcome(wire["outcome"]), int(wire.get("round", -1)), int(wire.get("step", -1)),
-                   wire.get("error") or "", kind, wire.get("what") or "", result)
+        return cls(
+            wire["rid"],
+            Outcome(wire["outcome"]),
+            int(wire.get("round", -1)),
+            int(wire.get("step", -1)),
+            wire.get("error") or "",
+            kind,
+            wire.get("what") or "",
+            result,
+        )
 
 
 _ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "what")
@@ -141,6 +164,7 @@ _ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "wha
 
 class Progress(NamedTuple):
     """rid, in run_inner, has committed inner step `step` (control channel)."""
+
     rid: str
     step: int
 
@@ -148,6 +172,7 @@ class Progress(NamedTuple):
 class Up(NamedTuple):
     """A (re)started replica answers, idle, at committed (round, step). `incarnation`: Ray's
     restart count of the actor serving rid (a new process under the same id has a higher one)."""
+
     rid: str
     round: int
     step: int
@@ -158,12 +183,14 @@ class Up(NamedTuple):
 class Lost(NamedTuple):
     """rid is gone and no answer will say so (Ray's actor table, an idle probe, a heal source's
     failure). `cause`: died | error | hung."""
+
     rid: str
     cause: str = "died"
 
 
 class StateReady(NamedTuple):
     """The heal of phase `phase_id` has its source's state: a silent target is now the one to blame."""
+
     phase_id: int
     source: str
 
@@ -175,6 +202,7 @@ Observation = Answer | Progress | Up | Lost | StateReady
 class CallKind(StrEnum):
     """A phase's call: `record` (its `phase` in events.jsonl and the injector), `seconds_key` (its
     time in metrics.jsonl's `seconds`), `fault_phases` (the scheduled fault phases it fires)."""
+
     record: str
     seconds_key: str
     fault_phases: tuple[str, ...]
@@ -200,6 +228,7 @@ class CallKind(StrEnum):
 @dataclass(frozen=True)
 class Join:
     """Form the level's group `prefix` (under the phase's epoch) as `rank` of `world_size` first."""
+
     prefix: str
     rank: int
     world_size: int
@@ -210,6 +239,7 @@ class Overlap:
     """Reduce shard `shard` of `shards` in the standing outer group of `epoch` behind the round's
     last inner steps (sync.fragment_delay; hsgd/train/overlap.py), with the clusters' token
     `weights` as expected then (OuterReduce); an exchange with other weights redoes the reduce."""
+
     epoch: int
     shard: int
     shards: int
@@ -222,6 +252,7 @@ class RunInner:
     one `join` forms first (the rendezvous waits for every member; the machine aborts it when one
     is known dead). A shard holder's call carries an `overlap` under sync.fragment_delay. `steps`: the
     round's inner steps for this cluster under sync.balance=steps (None: sync.outer_every / fragments)."""
+
     kind: ClassVar[CallKind] = CallKind.RUN_INNER
     join: Join | None = None
     overlap: Overlap | None = None
@@ -238,6 +269,7 @@ class OuterReduce:
     """Reduce shard `shard` of `shards` in the group of that shard's holders (the leaders: shard 0
     of 1), the standing one or the one `join` forms first. `weights`: each cluster's token weight
     in outer-rank order (hsgd.core.outer_plan.token_weights); () or all 1.0 is the plain mean."""
+
     kind: ClassVar[CallKind] = CallKind.OUTER_REDUCE
     join: Join | None = None
     shard: int = 0
@@ -267,6 +299,7 @@ class Phase:
     """Calls the machine waits on, one typed call per replica, all of one `kind`; a group a call
     joins is formed under `epoch`. `deadline_s`: the limit of a call whose work is fixed; inner
     phases use progress instead (a forming run_inner: its members' join allowance before step one)."""
+
     id: int
     kind: CallKind
     round: int
@@ -351,6 +384,7 @@ Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed | PhaseEnded
 
 class NonFinite(NamedTuple):
     """Why a cluster's round is void: its members' non-finite answers to one call."""
+
     phase: CallKind  # run_inner | cluster_average | outer_reduce
     rids: tuple[str, ...]  # the members that answered `non_finite`, in answer order
     detail: str  # the first one's error

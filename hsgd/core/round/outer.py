@@ -2,9 +2,10 @@
 committed | restore (total loss) | below_quorum (fewer than min_clusters can take part: waiting
 brings replicas back) | failed (a cause waiting cannot cure: too many re-forms, non-finite numbers
 everywhere, a round nobody holds), by the table in __init__.py."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from hsgd.core.membership import leader_of, quorum_problem
 from hsgd.core.outer_plan import shard_count, shard_holders, token_weights
@@ -40,8 +41,11 @@ class OuterExchange:
             self.epoch += 1
         shards = len(groups)
         prefixes = [f"epoch{self.epoch}/outer" + (f"/s{j}" if shards > 1 else "") for j in range(shards)]
-        calls = {rid: OuterReduce(Join(prefixes[j], rank, len(holders)) if forms else None, j, shards, weights)
-                 for j, holders in enumerate(groups) for rank, rid in enumerate(holders)}
+        calls = {
+            rid: OuterReduce(Join(prefixes[j], rank, len(holders)) if forms else None, j, shards, weights)
+            for j, holders in enumerate(groups)
+            for rank, rid in enumerate(holders)
+        }
         return [self._issue(None, calls, self.settings.outer_s + (self.settings.configure_s if forms else 0.0), now)]
 
     def _shard_groups(self, expected: bool = False) -> tuple[tuple[str, ...], ...]:
@@ -54,8 +58,9 @@ class OuterExchange:
             clusters = self.participating()
             members = [self.clusters[c].members for c in clusters]
         # the real exchange reads the formed groups' leaders (a missing one is a bug: fail loudly)
-        leaders = [leader_of(m, self.leaders.get(c)) if expected else self.leaders[c]
-                   for c, m in zip(clusters, members)]
+        leaders = [
+            leader_of(m, self.leaders.get(c)) if expected else self.leaders[c] for c, m in zip(clusters, members)
+        ]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
 
     def _outer_commit(self, now: float) -> list[Effect]:
@@ -106,15 +111,21 @@ class OuterExchange:
         round (or whose commit broadcast broke its group) re-forms; the others keep their inner work."""
         self.outer_attempts += 1
         if self.outer_attempts > self.settings.max_reforms:
-            return self._finish("failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; "
-                                          f"giving up ({reason})")
+            return self._finish(
+                "failed", f"outer sync of round {self.round} failed {self.outer_attempts} times; giving up ({reason})"
+            )
         self.outer_stage = OuterStage.WAIT
-        broken = [c for c in self.participating()
-                  if self.clusters[c].configured is None
-                  or any(self.progress.get(rid, (-1, -1))[0] != self.round for rid in self.clusters[c].members)]
+        broken = [
+            c
+            for c in self.participating()
+            if self.clusters[c].configured is None
+            or any(self.progress.get(rid, (-1, -1))[0] != self.round for rid in self.clusters[c].members)
+        ]
         for c in broken:
             self.clusters[c].configured = None
-            self.clusters[c].stage = ClusterStage.REFORM  # not ready: no exchange starts until every broken cluster re-formed
+            self.clusters[
+                c
+            ].stage = ClusterStage.REFORM  # not ready: no exchange starts until every broken cluster re-formed
         effects: list[Effect] = []
         for c in broken:
             effects += self._reform(c, now, reason)
@@ -132,9 +143,11 @@ class OuterExchange:
         self.non_finite_rounds[c] = self.round
         if last is not None and self.round - 1 <= last <= self.round and c not in self.benched:
             self.benched.add(c)
-            self.benched_now[c] = (f"non-finite numbers in rounds {last} and {self.round} "
-                                   f"({self.void[c].phase}: {self.void[c].detail}); c{c} sits out until the "
-                                   f"run's end or a resume")
+            self.benched_now[c] = (
+                f"non-finite numbers in rounds {last} and {self.round} "
+                f"({self.void[c].phase}: {self.void[c].detail}); c{c} sits out until the "
+                f"run's end or a resume"
+            )
 
     # -- the end of a round ---------------------------------------------------------------------------------
     def _finish(self, outcome: str, reason: str = "") -> list[Effect]:
@@ -157,18 +170,32 @@ class OuterExchange:
         cannot cure it (non-finite clusters: the table's rule)."""
         s, clusters = self.settings, self.topology.clusters
         if len(self.benched) > clusters - s.min_clusters:
-            return self._finish("failed", f"{len(self.benched)} of {clusters} clusters benched for non-finite numbers "
-                                          f"({self._non_finite_text(self.benched)}); fewer than "
-                                          f"supervisor.min_clusters={s.min_clusters} can train")
+            return self._finish(
+                "failed",
+                f"{len(self.benched)} of {clusters} clusters benched for non-finite numbers "
+                f"({self._non_finite_text(self.benched)}); fewer than "
+                f"supervisor.min_clusters={s.min_clusters} can train",
+            )
         if self.void and len(self.participating()) + len(self.void) >= s.min_clusters:
-            return self._finish("failed", f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
-                                          f"non-finite numbers in {self._non_finite_text(self.void)}")
-        problem = quorum_problem([len(self.members(c)) for c in range(clusters)],
-                                 self.topology.floors(s.min_replicas_per_cluster), s.min_clusters)
+            return self._finish(
+                "failed",
+                f"round {self.round}: no {s.min_clusters} cluster(s) left to commit: "
+                f"non-finite numbers in {self._non_finite_text(self.void)}",
+            )
+        problem = quorum_problem(
+            [len(self.members(c)) for c in range(clusters)],
+            self.topology.floors(s.min_replicas_per_cluster),
+            s.min_clusters,
+        )
         return self._finish("below_quorum", problem or "below quorum")
 
     def _non_finite_text(self, clusters: Iterable[int]) -> str:
-        return ", ".join(f"c{c}" + (f" (round {self.round}: {self.void[c].phase}: {self.void[c].detail})"
-                                    if c in self.void else f" (benched, last non-finite in round "
-                                                           f"{self.non_finite_rounds.get(c, '?')})")
-                         for c in sorted(clusters))
+        return ", ".join(
+            f"c{c}"
+            + (
+                f" (round {self.round}: {self.void[c].phase}: {self.void[c].detail})"
+                if c in self.void
+                else f" (benched, last non-finite in round {self.non_finite_rounds.get(c, '?')})"
+            )
+            for c in sorted(clusters)
+        )

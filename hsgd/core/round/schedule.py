@@ -1,10 +1,11 @@
 """Heals ("max committed wins": who copies state from whom, in a round and at the run's end), and
 between rounds: which round runs next, when a checkpoint is due, who evaluates and who writes the
 final model, which rounds a restarted supervisor still owes the record."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from hsgd.core.topology import Topology, parse_replica_id
 
@@ -16,8 +17,9 @@ class HealAssignment:
     scope: str  # "full" | "global"
 
 
-def assign_cluster_heals(members: dict[str, tuple[int, int]],
-                         donors: dict[str, tuple[int, int]]) -> list[HealAssignment]:
+def assign_cluster_heals(
+    members: dict[str, tuple[int, int]], donors: dict[str, tuple[int, int]]
+) -> list[HealAssignment]:
     """The heals of one cluster, after any change. `members`: its live members' (round, step), in
     id order; `donors`: replicas of other clusters it may take the global state from.
 
@@ -35,8 +37,11 @@ def assign_cluster_heals(members: dict[str, tuple[int, int]],
         # furthest step first, then lowest id: a deterministic source
         source = min(at_top, key=lambda r: (-members[r][1], parse_replica_id(r)))
         return [HealAssignment(rid, source, "full") for rid, p in members.items() if p < members[source]]
-    source = min((rid for rid, p in donors.items() if p[0] == top_round and rid not in members),
-                 key=parse_replica_id, default=None)
+    source = min(
+        (rid for rid, p in donors.items() if p[0] == top_round and rid not in members),
+        key=parse_replica_id,
+        default=None,
+    )
     return [] if source is None else [HealAssignment(rid, source, "global") for rid in members]
 
 
@@ -81,6 +86,8 @@ def heals_at_rest(topology: Topology, live: dict[str, tuple[int, int]]) -> dict[
     # not all, keeps this O(replicas) at 10,000 replicas
     donor = min((rid for rid, p in live.items() if p[0] == top), key=parse_replica_id, default=None)
     donors = {donor: live[donor]} if donor is not None else {}  # (ignored by a cluster that holds the round)
-    heals = {c: assign_cluster_heals({rid: live[rid] for rid in topology.cluster_members(c) if rid in live}, donors)
-             for c in range(topology.clusters)}
+    heals = {
+        c: assign_cluster_heals({rid: live[rid] for rid in topology.cluster_members(c) if rid in live}, donors)
+        for c in range(topology.clusters)
+    }
     return {c: h for c, h in heals.items() if h}
