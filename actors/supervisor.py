@@ -47,7 +47,7 @@ from hsgd.core.round import (
     round_settings,
     unrecorded_rounds,
 )
-from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_round
+from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_for_round
 from hsgd.record.metrics import committed_tokens, fallback_summary, late_round_record, round_record, run_summary
 from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 from hsgd.record.run_state import RunState
@@ -223,17 +223,16 @@ class Supervisor:
         and saved before any call; a successor, or a retry of the round, follows the recorded plan."""
         if self.cfg.sync.balance != "steps":
             return None
-        if self.state.round_plan.get("round") == r:
-            plan = StepPlan.from_dict(self.state.round_plan)
-        else:
-            clusters = range(self.topology.clusters)
-            gone = self.roster.drained_clusters  # a drained site's step times never set the others' steps
-            plan = plan_round(
-                r,
-                self.spr,
-                [None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
-                [None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters],
-            )
+        clusters = range(self.topology.clusters)
+        gone = self.roster.drained_clusters  # a drained site's step times never set the others' steps
+        plan, fresh = plan_for_round(
+            r,
+            self.state.round_plan,
+            steps_per_round=self.spr,
+            configured=[None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
+            learned=[None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters],
+        )
+        if fresh:
             self.state.round_plan = plan.to_dict()
             self.record.save_state()
         s = self.cfg.sync  # a delay clamped to a shorter plan is recorded with it

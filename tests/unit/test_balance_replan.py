@@ -5,11 +5,7 @@ planned steps, an IndexError in the round machine."""
 
 from __future__ import annotations
 
-import pytest
-
 from hsgd.core.round import StepPlan
-
-pytestmark = pytest.mark.xfail(strict=True, reason="issue 45 finding 7: a saved plan of fewer clusters is reused")
 
 
 def _saved(round_index: int, steps: tuple[int, ...]) -> dict:

@@ -12,7 +12,8 @@ median; a cluster with neither runs spr. The outer mean weighs clusters by the t
 (hsgd.core.outer_plan.token_weights), so fewer steps count for less.
 
 The plan is decided once, at the round's start, and recorded (durable state, a `round_plan`
-event): a restarted supervisor follows the recorded plan of the round it resumes, never re-measures.
+event): a restarted supervisor follows the recorded plan of the round it resumes, never re-measures,
+unless the round's clusters differ from the plan's (a site joined): then it is planned again.
 A heal inside the round copies a member of the same cluster, so it lands on that cluster's plan.
 """
 
@@ -68,6 +69,23 @@ def plan_round(
     used = {"configured" if c is not None else "learned" for c, s in zip(configured, step_s) if s is not None}
     source = used.pop() if len(used) == 1 else "mixed" if used else "learned"
     return StepPlan(round_index, plan_steps(steps_per_round, step_s), step_s, source)
+
+
+def plan_for_round(
+    round_index: int,
+    saved: dict | None,
+    *,
+    steps_per_round: int,
+    configured: Sequence[float | None],
+    learned: Sequence[float | None],
+) -> tuple[StepPlan, bool]:
+    """Round `round_index`'s plan and whether it is new (to be saved before any call). The saved plan is
+    followed when it is this round's and covers exactly this round's clusters (`len(configured)`); a
+    round retried after a site joined (below quorum, a restore) has one cluster more than its saved plan,
+    so it is planned again (issue 45, finding 7), never indexed past its end."""
+    if saved and saved.get("round") == round_index and len(saved.get("steps") or ()) == len(configured):
+        return StepPlan.from_dict(saved), False
+    return plan_round(round_index, steps_per_round, configured, learned), True
 
 
 def fragment_delay_of(fragment_delay: int, steps: int, inner_every: int = 1) -> int:
