@@ -1,0 +1,212 @@
+"""What the supervisor decides between rounds, pure (issue 45): one round-start function and one
+round-end function over typed records. `actors/supervisor.py` carries their decisions out and the
+control-plane simulation (`tests/unit/test_control_simulation.py`) drives them under seeded random
+schedules, so the order of the decisions is written once, here, never again in a test.
+
+Round start, in this order:
+  1. site requests, oldest first, each decided once (`hsgd/core/site_requests.py`): a drain
+     against the sites drained so far (by earlier requests of this start too) and the sites that
+     hold the last committed round: a drain that would leave no live replica holding it is refused;
+     an add-site by the problem the actors measured for it (room, label), None when it fits;
+  2. the restore choice: when replicas are live but none holds the last committed round (a total
+     loss by deaths), the newest checkpoint the live replicas can load; none loadable: the run fails with a
+     reason naming the rounds tried — never "commit" fresh replicas;
+  3. admission: the sites that train this round (live holders at or above their floor; a drained
+     site never); none: the supervisor waits for quorum (replicas that come back), or fails;
+  4. the balance plan (`sync.balance=steps`): the saved plan when it is this round's and covers
+     this round's clusters, else a new one (`plan_for_round`).
+Round end:
+  1. quarantine: deaths of replicas on one node within the node-loss window count once, for the
+     node, not once per replica (`hsgd/core/quarantine.py`);
+  2. a checkpoint write: saved -> recorded; failed or past its deadline -> a storage fault: the
+     checkpoint is skipped and reported, nobody is killed, the last good one stays the restore point.
+
+Failure cases: none raise. A request that cannot be decided (malformed) is refused with its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hsgd.core.round.balance import StepPlan, plan_for_round
+from hsgd.core.site_requests import APPLIED, Decision, SiteRequest, decide
+
+
+@dataclass(frozen=True)
+class SiteNow:
+    """One cluster at a round's start: its live replicas (not spares, not quarantined), how many of
+    them hold the last committed round, its floor, and whether it was drained."""
+
+    live: int
+    holders: int
+    floor: int
+    drained: bool = False
+
+    @property
+    def holds_commit(self) -> bool:
+        return not self.drained and self.holders >= 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A durable checkpoint: its round and whether the live replicas can load it (a manifest that
+    reads, shards for every rank they need)."""
+
+    round: int
+    loadable: bool
+
+
+@dataclass(frozen=True)
+class StartInput:
+    round: int
+    committed_round: int
+    sites: tuple[SiteNow, ...]
+    min_clusters: int
+    requests: tuple[SiteRequest, ...] = ()  # pending, oldest first
+    add_site_problems: Mapping[str, str | None] = field(default_factory=dict)  # request id -> why not
+    next_cluster: int = 0  # the index an applied add-site names (site_requests.next_cluster)
+    checkpoints: tuple[Checkpoint, ...] = ()
+    balance: bool = False
+    saved_plan: dict | None = None
+    steps_per_round: int = 1
+    configured_step_s: tuple[float | None, ...] = ()
+    learned_step_s: tuple[float | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    decisions: tuple[tuple[SiteRequest, Decision], ...]
+    drained: frozenset[int]  # every drained cluster after the decisions
+    restore_from: int | None  # a total loss: the checkpoint round every replica loads
+    failure: str | None  # the run cannot go on: why, in one line
+    training: tuple[int, ...]  # the clusters that train this round
+    plan: StepPlan | None
+    plan_is_new: bool  # save it before any call
+
+
+def restore_choice(committed_round: int, checkpoints: Sequence[Checkpoint]) -> tuple[int | None, str]:
+    """The newest checkpoint the live replicas can load, with what was skipped; (None, why) when none can."""
+    tried = sorted(checkpoints, key=lambda c: c.round, reverse=True)
+    skipped = [c.round for c in tried if not c.loadable]
+    for ckpt in tried:
+        if ckpt.loadable:
+            note = f"; newer not loadable: {', '.join(map(str, skipped[:5]))}" if skipped else ""
+            return ckpt.round, f"restore from round {ckpt.round} (committed {committed_round}){note}"
+    if not tried:
+        return None, f"no live replica holds committed round {committed_round} and there is no checkpoint"
+    return None, (
+        f"no live replica holds committed round {committed_round} and no checkpoint can be loaded "
+        f"(tried rounds {', '.join(map(str, [c.round for c in tried][:5]))})"
+    )
+
+
+def _decide_requests(inp: StartInput) -> tuple[list[tuple[SiteRequest, Decision]], set[int]]:
+    drained = {c for c, s in enumerate(inp.sites) if s.drained}
+    holders = {c for c, s in enumerate(inp.sites) if s.holds_commit and s.live >= s.floor}
+    live = {c for c, s in enumerate(inp.sites) if not s.drained and s.live > 0}
+    decisions, next_cluster = [], inp.next_cluster
+    for request in inp.requests:
+        if request.kind == "drain" or request.problem:
+            decision = decide(
+                request,
+                clusters=len(inp.sites),
+                drained_clusters=drained,
+                min_clusters=inp.min_clusters,
+                live_clusters=live,
+            )
+            if decision.outcome == APPLIED and not holders - {decision.cluster}:
+                decision = Decision(
+                    "refused",
+                    f"drain {request.cluster}: no other live site holds committed round {inp.committed_round}",
+                    decision.cluster,
+                )
+            if decision.outcome == APPLIED:
+                drained.add(decision.cluster)
+                live.discard(decision.cluster)
+                holders.discard(decision.cluster)
+        else:
+            problem = inp.add_site_problems.get(request.id)
+            decision = (
+                Decision("refused", problem, None)
+                if problem
+                else Decision(APPLIED, f"add-site c{next_cluster}", next_cluster)
+            )
+            next_cluster += decision.outcome == APPLIED
+        decisions.append((request, decision))
+    return decisions, drained
+
+
+def round_start(inp: StartInput) -> RoundStart:
+    """Round `inp.round`'s start (the module docstring's order)."""
+    decisions, drained = _decide_requests(inp)
+    sites = [SiteNow(s.live, s.holders, s.floor, s.drained or c in drained) for c, s in enumerate(inp.sites)]
+    restore_from, failure = None, None
+    if not any(s.holds_commit for s in sites) and any(s.live for s in sites if not s.drained):
+        restore_from, why = restore_choice(inp.committed_round, inp.checkpoints)
+        failure = None if restore_from is not None else why
+    if restore_from is not None:  # everyone loads it: every live replica holds it now
+        sites = [SiteNow(s.live, s.live, s.floor, s.drained) for s in sites]
+    training = tuple(c for c, s in enumerate(sites) if not s.drained and s.holders >= max(1, s.floor))
+    plan, fresh = None, False
+    if inp.balance and failure is None:
+        plan, fresh = plan_for_round(
+            inp.round,
+            inp.saved_plan,
+            steps_per_round=inp.steps_per_round,
+            configured=[None if c in drained else t for c, t in enumerate(inp.configured_step_s)],
+            learned=[None if c in drained else t for c, t in enumerate(inp.learned_step_s)],
+        )
+    return RoundStart(tuple(decisions), frozenset(drained), restore_from, failure, training, plan, fresh)
+
+
+class CheckpointWrite(str, Enum):
+    """How a round's checkpoint write ended."""
+
+    NONE = "none"  # not due
+    SAVED = "saved"
+    FAILED = "failed"  # the storage raised
+    TIMED_OUT = "timed_out"  # past its deadline (a stalled mount)
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    checkpoint_round: int | None  # the newest good checkpoint after this round
+    checkpoint_event: str | None  # checkpoint | checkpoint_failed | None
+    kill: tuple[str, ...]  # replicas to kill for the write: always empty (a storage fault kills nobody)
+    quarantine: tuple[str, ...]  # replicas to set aside now
+
+
+def round_end(
+    committed_round: int,
+    write: CheckpointWrite,
+    last_good_checkpoint: int | None,
+    quarantine: Sequence[str] = (),
+) -> RoundEnd:
+    """After round `committed_round - 1` committed (or not): what its checkpoint write means, and who is
+    set aside (`quarantine`: hsgd/core/quarantine.py's decision for the round's deaths)."""
+    if write is CheckpointWrite.SAVED:
+        return RoundEnd(committed_round, "checkpoint", (), tuple(quarantine))
+    event = "checkpoint_failed" if write is not CheckpointWrite.NONE else None
+    return RoundEnd(last_good_checkpoint, event, (), tuple(quarantine))
+
+
+def to_quarantine(
+    deaths: Sequence[tuple[float, str | None, str]], now: float, *, after: int, window_s: float, node_window_s: float
+) -> tuple[str, ...]:
+    """The replicas to set aside now, from every recorded death `(t, node, rid)`: a replica whose own
+    deaths inside `window_s` reach `after`. A death is the NODE's, not the replica's, when another
+    replica on the same node died within `node_window_s` of it (a raylet crash, an OOM kill): three
+    node losses must not set aside every replica of a one-node run, where a restore is due."""
+    if after <= 0:
+        return ()
+    own: dict[str, int] = {}
+    for t, node, rid in deaths:
+        if now - t > window_s:
+            continue
+        node_loss = node is not None and any(
+            n == node and r != rid and abs(t2 - t) <= node_window_s for t2, n, r in deaths
+        )
+        own[rid] = own.get(rid, 0) + (not node_loss)
+    return tuple(sorted(rid for rid, n in own.items() if n >= after))
