@@ -23,7 +23,6 @@ from hsgd.record.runlock import LOCK_NAME, RunLock
 from jobs.status import collect_state, main
 
 _FINDING_3 = pytest.mark.xfail(strict=True, reason="issue 45 finding 3: a request goes anywhere")
-_BUILD_5 = pytest.mark.xfail(strict=True, reason="issue 45 Build 5: jobs.status does not list site requests")
 ASKS = (["drain-site", "c1"], ["add-site", "replicas=2"])
 
 
@@ -133,7 +132,6 @@ def _history(run):
     return [drain, bad, joined, gone, starting, pend]
 
 
-@_BUILD_5
 def test_the_state_lists_each_request_with_its_outcome_in_the_order_asked(live_run):
     asked = _history(live_run)
     listed = collect_state(live_run)["requests"]
@@ -151,7 +149,6 @@ def test_the_state_lists_each_request_with_its_outcome_in_the_order_asked(live_r
     assert "pending" in lines[5]
 
 
-@_BUILD_5
 def test_once_prints_one_line_per_request_in_the_order_asked(live_run, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     asked = _history(live_run)
@@ -164,7 +161,6 @@ def test_once_prints_one_line_per_request_in_the_order_asked(live_run, capsys, m
         assert word in row, (word, row)
 
 
-@_BUILD_5
 def test_a_malformed_request_file_is_listed_pending_with_its_problem(live_run):
     requests_dir(live_run).mkdir()
     (requests_dir(live_run) / "0000000001000-drain-c9-deadbeef.json").write_text("not json")
