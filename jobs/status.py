@@ -9,8 +9,9 @@ The view lists every site request with what became of it, in the order asked (`s
 `python -m jobs.status <run> drain-site c2` writes one site request into `<run>/requests/`
 (hsgd/core/site_requests.py; README, "Sites that come and go") and exits: the supervisor decides it
 at the next round's start. `... add-site replicas=N [label=L] [name=S]` asks for a new site the same
-way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2: no run dir, or a
-request that cannot be valid (one line on stderr).
+way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2 (one line on stderr,
+nothing written): a folder that is no running hsgd run (`request_folder_problem`), or a request that
+cannot be valid.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from hsgd.config.compose import is_hsgd_run_folder
 from hsgd.core.site_requests import (
     APPLIED,
     RequestError,
@@ -34,6 +36,7 @@ from hsgd.core.site_requests import (
 from hsgd.record.plots import known_replicas, read_events, replica_states
 from hsgd.record.rundir import read_json as _read_json
 from hsgd.record.rundir import read_jsonl
+from hsgd.record.runlock import LOCK_NAME, read_lock, stale_reason
 
 RECENT = 8
 _REQUEST_STYLE = {"pending": "yellow", "refused": "red", "abandoned": "red", "joined": "green", "applied": "green"}
@@ -253,6 +256,42 @@ def parse_add_site(args: list[str]) -> dict:
     return fields
 
 
+def request_folder_problem(run_dir: Path) -> str | None:
+    """Why no site request may go into `run_dir`, one line; None for the folder of a running hsgd run:
+    hsgd's own marks (compose.is_hsgd_run_folder), its lock live, and no summary.json written since
+    the lock was taken (a resumed run's folder keeps the summary of the run it resumed). Read-only."""
+    if not run_dir.is_dir():
+        return f"no run dir at {run_dir}"
+    if not is_hsgd_run_folder(run_dir):
+        return (
+            f"{run_dir} is not an hsgd run folder (no {LOCK_NAME}, no run.json of an hsgd run); "
+            f"valid: the run.dir of a running run"
+        )
+    lock = read_lock(run_dir)
+    stale = None if lock is None else stale_reason(lock, run_dir / LOCK_NAME)
+    live = lock is not None and stale is None
+    summary = run_dir / "summary.json"
+    if summary.is_file() and (not live or _written_since(summary, lock)):
+        info = _read_json(summary)
+        status = (info.get("status") if isinstance(info, dict) else None) or "?"
+        return f"the run in {run_dir} has ended ({status}, summary.json); a request is decided only by a running run"
+    if not live:
+        why = f"no {LOCK_NAME}" if lock is None else f"its {LOCK_NAME} is stale: {stale}"
+        return (
+            f"the run in {run_dir} is not running ({why}); a request is decided only by a running run "
+            f"(train.resume=true resumes it)"
+        )
+    return None
+
+
+def _written_since(path: Path, lock: dict) -> bool:
+    """Whether `path` was written after the lock was taken (True when either time cannot be read)."""
+    try:
+        return path.stat().st_mtime >= float(lock.get("started_at"))
+    except (OSError, TypeError, ValueError):
+        return True
+
+
 def request_site_change(run_dir: Path, kind: str, cluster: str = "", **fields) -> int:
     """Write one site request file (no Ray); print its id. 2 on a request that cannot be valid."""
     try:
@@ -271,13 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         request = argparse.ArgumentParser(prog="python -m jobs.status <run_dir> drain-site")
         request.add_argument("cluster", help="the cluster to drain, as c<k>")
         args = request.parse_args(argv[2:])
-        if not Path(argv[0]).is_dir():
-            print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
+        if (problem := request_folder_problem(Path(argv[0]))) is not None:
+            print(f"jobs.status: {problem}", file=sys.stderr)
             return 2
         return request_site_change(Path(argv[0]), "drain", args.cluster)
     if len(argv) >= 2 and argv[1] == "add-site":  # `<run> add-site replicas=2 [label=..] [name=..]`
-        if not Path(argv[0]).is_dir():
-            print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
+        if (problem := request_folder_problem(Path(argv[0]))) is not None:
+            print(f"jobs.status: {problem}", file=sys.stderr)
             return 2
         try:
             fields = parse_add_site(argv[2:])

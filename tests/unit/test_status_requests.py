@@ -19,21 +19,18 @@ from hsgd.core.site_requests import (
     requests_dir,
     write_request,
 )
-from hsgd.record.runlock import LOCK_NAME, RunLock
+from hsgd.record.runlock import LOCK_NAME
 from jobs.status import collect_state, main
+from tests.fakes.run_folders import hold_run_folder
 
-_FINDING_3 = pytest.mark.xfail(strict=True, reason="issue 45 finding 3: a request goes anywhere")
 ASKS = (["drain-site", "c1"], ["add-site", "replicas=2"])
 
 
 @pytest.fixture
 def live_run(tmp_path):
     """A run folder as a running driver keeps it: its lock held (and refreshed), run.json naming the run."""
-    run = tmp_path / "run"
-    run.mkdir()
-    lock = RunLock(run, "hsgd-live1").acquire(takeover=False)
-    (run / "run.json").write_text(json.dumps({"run_id": "hsgd-live1"}))
-    yield run
+    lock = hold_run_folder(tmp_path / "run", "hsgd-live1")
+    yield tmp_path / "run"
     lock.release()
 
 
@@ -59,7 +56,6 @@ def _refused(capsys, run_dir, ask, *words):
     ids=["empty", "a-file", "common-names", "run-json-without-id", "run-json-id-not-a-string"],
 )
 @pytest.mark.parametrize("ask", ASKS, ids=["drain", "add"])
-@_FINDING_3
 def test_a_folder_that_is_no_hsgd_run_gets_no_request(tmp_path, capsys, files, ask):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -75,20 +71,17 @@ def test_a_missing_folder_gets_no_request(tmp_path, capsys, ask):
 
 
 @pytest.mark.parametrize("ask", ASKS, ids=["drain", "add"])
-@_FINDING_3
 def test_an_ended_run_gets_no_request(tmp_path, capsys, ask):
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "hsgd-done1"}))
     (tmp_path / "summary.json").write_text(json.dumps({"status": "completed"}))
     _refused(capsys, tmp_path, ask, "ended", "completed")
 
 
-@_FINDING_3
 def test_a_run_that_wrote_its_summary_and_still_holds_its_lock_has_ended(live_run, capsys):
     (live_run / "summary.json").write_text(json.dumps({"status": "failed"}))  # written after the lock was taken
     _refused(capsys, live_run, ASKS[0], "ended", "failed")
 
 
-@_FINDING_3
 def test_a_crashed_run_whose_lock_is_stale_gets_no_request(tmp_path, capsys):
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "hsgd-gone1"}))
     stale = {"run_id": "hsgd-gone1", "host": "elsewhere", "pid": 1, "started_at": 0.0, "refreshed_at": 0.0}
