@@ -4,26 +4,42 @@ README, "Watching, hangs and diagnosis".
 Refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
 --timeout passes. Exit 0; 2 if the run dir does not exist.
 
+The view lists every site request with what became of it, in the order asked (`site_requests`).
+
 `python -m jobs.status <run> drain-site c2` writes one site request into `<run>/requests/`
 (hsgd/core/site_requests.py; README, "Sites that come and go") and exits: the supervisor decides it
 at the next round's start. `... add-site replicas=N [label=L] [name=S]` asks for a new site the same
-way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2: no run dir, or a
-request that cannot be valid (one line on stderr).
+way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2 (one line on stderr,
+nothing written): a folder that is no running hsgd run (`request_folder_problem`), or a request that
+cannot be valid.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
-from hsgd.core.site_requests import RequestError, write_request
+from hsgd.config.compose import is_hsgd_run_folder
+from hsgd.core.site_requests import (
+    APPLIED,
+    RequestError,
+    abandoned,
+    joined,
+    outcomes,
+    pending,
+    requests_dir,
+    write_request,
+)
 from hsgd.record.plots import known_replicas, read_events, replica_states
 from hsgd.record.rundir import read_json as _read_json
 from hsgd.record.rundir import read_jsonl
+from hsgd.record.runlock import LOCK_NAME, read_lock, stale_reason
 
 RECENT = 8
+_REQUEST_STYLE = {"pending": "yellow", "refused": "red", "abandoned": "red", "joined": "green", "applied": "green"}
 _STYLE = {"live": "green", "standby": "yellow", "joining": "cyan", "down": "bold red", "drained": "dim", "?": "dim"}
 
 
@@ -70,11 +86,81 @@ def collect_state(run_dir: str | Path) -> dict:
             }
         )
     state["clusters"] = clusters
+    state["requests"] = site_requests(run_dir)
     state["done"] = bool(summary) or bool(live.get("status")) or live.get("phase") == "done" or bool(run_end)
     state["recent"] = [_line(e, events[0]["t"]) for e in events if e.get("event") not in ("phase_begin", "phase_end")][
         -RECENT:
     ]
     return state
+
+
+def site_requests(run_dir: str | Path) -> list[dict]:
+    """Every site request in the run folder with what became of it, in the order asked: `id`, `t`,
+    `kind`, `cluster` (an applied add-site's new c<K>), `outcome` (pending | applied | refused, and for
+    an applied add-site joined | abandoned), `round` (of that outcome; None while pending), `reason`,
+    and `line`, one line for the view. Read from the files hsgd/core/site_requests.py defines."""
+    done = outcomes(run_dir)
+    joins, gone = joined(run_dir), abandoned(run_dir)
+    rows = [_pending_row(r) for r in pending(run_dir, done)]
+    rows += [_decided_row(run_dir, rid, d, joins.get(rid), gone.get(rid)) for rid, d in done.items()]
+    return sorted(rows, key=lambda r: (r["t"] if math.isfinite(r["t"]) else 0.0, r["id"]))
+
+
+def _row(rid: str, t: float, kind: str, cluster: str, asked: dict) -> dict:
+    """A request's row before its outcome; `line` begins '<time> <id>: <kind> <what it asks>: '."""
+    what = (
+        cluster if kind == "drain" else " ".join(f"{k}={asked[k]}" for k in ADD_SITE_KEYS if asked.get(k) is not None)
+    )
+    try:
+        clock = time.strftime("%H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):  # a request file's time edited by hand
+        clock = "--:--:--"
+    return {
+        "id": rid,
+        "t": t,
+        "kind": kind,
+        "cluster": cluster,
+        "line": f"{clock} {rid}: {kind} {what}: " if what else f"{clock} {rid}: {kind}: ",
+    }
+
+
+def _pending_row(request) -> dict:
+    row = _row(request.id, request.t, request.kind, request.cluster, vars(request))
+    row.update(outcome="pending", round=None, reason=request.problem or "")
+    row["line"] += (
+        f"pending: {_flat(request.problem)}; refused at the next round's start"
+        if request.problem
+        else "pending: decided at the next round's start"
+    )
+    return row
+
+
+def _decided_row(run_dir, rid: str, done: dict, joined_at: dict | None, abandoned_at: dict | None) -> dict:
+    """A request with an outcome (`<id>.done`); an applied add-site's joined or abandoned after it."""
+    asked = _read_json(requests_dir(run_dir) / f"{rid}.json")  # what was asked, and when
+    asked, done = (x if isinstance(x, dict) else {} for x in (asked, done))  # files edited by hand: never a crash
+    head = rid.split("-", 1)[0]  # ids begin with the time asked, in ms: where the request file is gone
+    t = asked.get("t") if isinstance(asked.get("t"), (int, float)) else int(head) / 1000 if head.isdigit() else 0.0
+    row = _row(rid, float(t), str(done.get("kind") or "?"), str(done.get("cluster") or ""), asked)
+    outcome, at, reason = done.get("outcome") or "?", done.get("round"), _flat(done.get("reason"))
+    if row["kind"] == "add-site" and outcome == APPLIED:
+        end = abandoned_at or joined_at
+        row["line"] += f"applied at round {at} as {row['cluster']}"
+        if end is None:  # still starting
+            row["line"] += f": {reason}"
+        else:
+            outcome, at = ("abandoned" if abandoned_at else "joined"), end.get("round")
+            reason = _flat(end.get("reason")) or reason
+            row["line"] += f", {outcome} at round {at}" + (f": {reason}" if abandoned_at else "")
+    else:
+        row["line"] += f"{outcome} at round {at}: {reason}"
+    row.update(outcome=outcome, round=at, reason=reason)
+    return row
+
+
+def _flat(text) -> str:
+    """One line, whatever a request file says."""
+    return " ".join(str(text or "").split())
 
 
 def _line(e: dict, t0: float) -> str:
@@ -135,7 +221,14 @@ def render(state: dict):
         "",
     )
     recent = [Text(line, style="dim", no_wrap=True, overflow="ellipsis") for line in state["recent"]]
-    return Group(table, info, Text("last events:", style="bold"), *(recent or [Text("(no events yet)")]))
+    asked = [Text(r["line"], style=_REQUEST_STYLE.get(r["outcome"], "")) for r in state.get("requests") or []]
+    return Group(
+        table,
+        info,
+        *([Text("site requests:", style="bold"), *asked] if asked else []),
+        Text("last events:", style="bold"),
+        *(recent or [Text("(no events yet)")]),
+    )
 
 
 ADD_SITE_KEYS = ("replicas", "label", "name")
@@ -163,6 +256,42 @@ def parse_add_site(args: list[str]) -> dict:
     return fields
 
 
+def request_folder_problem(run_dir: Path) -> str | None:
+    """Why no site request may go into `run_dir`, one line; None for the folder of a running hsgd run:
+    hsgd's own marks (compose.is_hsgd_run_folder), its lock live, and no summary.json written since
+    the lock was taken (a resumed run's folder keeps the summary of the run it resumed). Read-only."""
+    if not run_dir.is_dir():
+        return f"no run dir at {run_dir}"
+    if not is_hsgd_run_folder(run_dir):
+        return (
+            f"{run_dir} is not an hsgd run folder (no {LOCK_NAME}, no run.json of an hsgd run); "
+            f"valid: the run.dir of a running run"
+        )
+    lock = read_lock(run_dir)
+    stale = None if lock is None else stale_reason(lock, run_dir / LOCK_NAME)
+    live = lock is not None and stale is None
+    summary = run_dir / "summary.json"
+    if summary.is_file() and (not live or _written_since(summary, lock)):
+        info = _read_json(summary)
+        status = (info.get("status") if isinstance(info, dict) else None) or "?"
+        return f"the run in {run_dir} has ended ({status}, summary.json); a request is decided only by a running run"
+    if not live:
+        why = f"no {LOCK_NAME}" if lock is None else f"its {LOCK_NAME} is stale: {stale}"
+        return (
+            f"the run in {run_dir} is not running ({why}); a request is decided only by a running run "
+            f"(train.resume=true resumes it)"
+        )
+    return None
+
+
+def _written_since(path: Path, lock: dict) -> bool:
+    """Whether `path` was written after the lock was taken (True when either time cannot be read)."""
+    try:
+        return path.stat().st_mtime >= float(lock.get("started_at"))
+    except (OSError, TypeError, ValueError):
+        return True
+
+
 def request_site_change(run_dir: Path, kind: str, cluster: str = "", **fields) -> int:
     """Write one site request file (no Ray); print its id. 2 on a request that cannot be valid."""
     try:
@@ -181,13 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         request = argparse.ArgumentParser(prog="python -m jobs.status <run_dir> drain-site")
         request.add_argument("cluster", help="the cluster to drain, as c<k>")
         args = request.parse_args(argv[2:])
-        if not Path(argv[0]).is_dir():
-            print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
+        if (problem := request_folder_problem(Path(argv[0]))) is not None:
+            print(f"jobs.status: {problem}", file=sys.stderr)
             return 2
         return request_site_change(Path(argv[0]), "drain", args.cluster)
     if len(argv) >= 2 and argv[1] == "add-site":  # `<run> add-site replicas=2 [label=..] [name=..]`
-        if not Path(argv[0]).is_dir():
-            print(f"jobs.status: no run dir at {argv[0]}", file=sys.stderr)
+        if (problem := request_folder_problem(Path(argv[0]))) is not None:
+            print(f"jobs.status: {problem}", file=sys.stderr)
             return 2
         try:
             fields = parse_add_site(argv[2:])

@@ -8,6 +8,18 @@ from typing import Any
 
 from hsgd.config.schema import ConfigError, TopologyConfig
 
+# Pacing bounds (issue 45): a simulated step is never padded past a day, however it straggles, and a
+# straggler sleeps at most MAX_STRAGGLE_FACTOR times its step; far below where a sleep overflows
+# (threading.TIMEOUT_MAX, ~9.2e9 s), so a typo is refused before Ray starts, not a site that never trains.
+MAX_STEP_S = 86_400.0
+MAX_STRAGGLE_FACTOR = 1_000.0
+# a site's pacing key -> (low, high, the valid values in words)
+SITE_PACING = {
+    "min_step_s": (0.0, MAX_STEP_S, f"a finite number >= 0 and <= {MAX_STEP_S:g} (one day)"),
+    "straggle_p": (0.0, 1.0, "a number in [0, 1]"),
+    "straggle_factor": (0.0, MAX_STRAGGLE_FACTOR, f"a finite number >= 0 and <= {MAX_STRAGGLE_FACTOR:g}"),
+}
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -39,15 +51,12 @@ def check_sites(cfg: Any) -> None:
                 f"{where}.min_replicas",
                 f"got {floor!r}; valid: null or an int in [1, {replicas}] (the site's replicas)",
             )
-        for key, high in (("min_step_s", None), ("straggle_p", 1.0), ("straggle_factor", None)):
+        for key, (low, high, valid) in SITE_PACING.items():
             value = _site_value(site, key)
             if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not 0 <= value <= (high if high is not None else float("inf"))
-            ):
-                valid = "[0, 1]" if high is not None else ">= 0"
-                raise ConfigError(f"{where}.{key}", f"got {value!r}; valid: null (train.{key}) or a number {valid}")
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high
+            ):  # nan fails every comparison: refused too
+                raise ConfigError(f"{where}.{key}", f"got {value!r}; valid: null (train.{key}) or {valid}")
         run_floor = cfg.supervisor.min_replicas_per_cluster
         if floor is None and run_floor > replicas:
             raise ConfigError(
@@ -55,6 +64,31 @@ def check_sites(cfg: Any) -> None:
                 f"got {run_floor}, more than {where} has ({replicas}); valid: <= {replicas}, or "
                 f"{where}.min_replicas set",
             )
+
+
+def check_padded_steps(cfg: Any) -> None:
+    """Raises ConfigError (one line) when a cluster that straggles would pad a step past MAX_STEP_S:
+    a straggler sleeps `straggle_factor` times its step so far, at least `min_step_s`. Names the factor
+    that applies (the site's, else `train.straggle_factor`)."""
+    for c in range(max(1, len(list(getattr(cfg.topology, "sites", None) or [])))):
+        min_step_s, straggle_p, straggle_factor = site_pacing(cfg, c)
+        padded = min_step_s * (1.0 + straggle_factor)
+        if straggle_p > 0 and padded > MAX_STEP_S:
+            step_key, _, factor_key = (_pacing_key(cfg, c, key) for key in SITE_PACING)
+            raise ConfigError(
+                factor_key,
+                f"{straggle_factor:g} with {step_key}={min_step_s:g} pads a straggling step to {padded:.4g} s, "
+                f"past one day; valid: min_step_s x (1 + straggle_factor) <= {MAX_STEP_S:g}, here straggle_factor "
+                f"<= {MAX_STEP_S / min_step_s - 1:.4g}",
+            )
+
+
+def _pacing_key(cfg: Any, cluster: int, key: str) -> str:
+    """The field cluster `cluster`'s pacing `key` comes from: its site's where set, else train's."""
+    sites = list(getattr(cfg.topology, "sites", None) or [])
+    if cluster < len(sites) and _site_value(sites[cluster], key) is not None:
+        return f"topology.sites[{cluster}].{key}"
+    return f"train.{key}"
 
 
 def site_ranks(cfg: Any) -> list[tuple[str, int]]:

@@ -20,7 +20,14 @@ from urllib.parse import urlsplit
 from hsgd.config.paths import output_path
 from hsgd.config.rounds import steps_per_round
 from hsgd.config.schema import ConfigError, HsgdConfig
-from hsgd.config.sites import check_ranks_per_replica, check_sites, ranks_per_replica
+from hsgd.config.sites import (
+    MAX_STEP_S,
+    MAX_STRAGGLE_FACTOR,
+    check_padded_steps,
+    check_ranks_per_replica,
+    check_sites,
+    ranks_per_replica,
+)
 
 # A random fault schedule is drawn in full at the run's start; beyond this many faults it is a typo.
 MAX_RANDOM_FAULTS = 10_000
@@ -99,7 +106,13 @@ def _numeric_bounds() -> dict[str, Bound]:
     return bounds
 
 
-NUMERIC_FIELDS: dict[str, Bound] = _numeric_bounds()
+# The run-wide pacing keys are bounded tighter than their schema ranges (issue 45), as a site's are
+# (hsgd.config.sites): a step never padded past a day, a straggler at most 1000 steps long.
+NUMERIC_FIELDS: dict[str, Bound] = {
+    **_numeric_bounds(),
+    "train.min_step_s": Bound(float, 0.0, MAX_STEP_S),
+    "train.straggle_factor": Bound(float, 0.0, MAX_STRAGGLE_FACTOR),
+}
 # Fields that name one of a fixed set of values (None in the set: null is allowed).
 CHOICE_FIELDS: dict[str, tuple] = {
     path: ((None,) if type(None) in typing.get_args(hint) else ()) + tuple(f.metadata["choices"])
@@ -199,6 +212,7 @@ def _check_relations(cfg: Any) -> None:
     if cfg.model.n_embd % cfg.model.n_head != 0:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
     check_sites(cfg)
+    check_padded_steps(cfg)
     _check_ranks(cfg)
     if not t.sites and sup.min_replicas_per_cluster > t.replicas_per_cluster:
         raise ConfigError(

@@ -29,6 +29,7 @@ from hsgd.core.site_requests import (
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 from jobs import status as status_job
+from tests.fakes.run_folders import hold_run_folder
 
 
 # -- the request file ---------------------------------------------------------------------------------
@@ -215,6 +216,7 @@ def test_no_requests_folder_changes_nothing(tmp_path):
 
 # -- the command line ---------------------------------------------------------------------------------------
 def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_path, capsys):
+    lock = hold_run_folder(tmp_path)  # a running run's folder (issue 45 finding 3: a request goes nowhere else)
     assert status_job.main([str(tmp_path), "drain-site", "c2"]) == 0
     [request] = pending(tmp_path)
     assert (request.kind, request.cluster) == ("drain", "c2") and request.id in capsys.readouterr().out
@@ -222,6 +224,7 @@ def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_pat
     assert "cluster 'two' is not a cluster name" in capsys.readouterr().err
     assert status_job.main([str(tmp_path / "missing"), "drain-site", "c1"]) == 2
     assert len(pending(tmp_path)) == 1
+    lock.release()
 
 
 # -- the roster: a drained site's deaths are none -----------------------------------------------------------
@@ -422,6 +425,7 @@ def test_the_summary_topology_history_lists_every_applied_change_in_order(tmp_pa
 
 
 def test_jobs_status_add_site_writes_one_request_and_refuses_bad_arguments_with_one_line(tmp_path, capsys):
+    lock = hold_run_folder(tmp_path)  # a running run's folder (issue 45 finding 3: a request goes nowhere else)
     assert status_job.main([str(tmp_path), "add-site", "replicas=2", "label=rack-a", "name=berlin"]) == 0
     [request] = pending(tmp_path)
     assert (request.kind, request.replicas, request.label, request.name) == ("add-site", 2, "rack-a", "berlin")
@@ -439,6 +443,7 @@ def test_jobs_status_add_site_writes_one_request_and_refuses_bad_arguments_with_
         assert says in err and len(err.strip().splitlines()) == 1, (args, err)
     assert status_job.main([str(tmp_path / "missing"), "add-site", "replicas=1"]) == 2
     assert len(pending(tmp_path)) == 1
+    lock.release()
 
 
 def test_drill_add_site_writes_the_same_request(tmp_path):
