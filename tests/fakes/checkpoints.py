@@ -27,7 +27,7 @@ def write_checkpoint(root, round_index: int, rids, *, owner: str = "run-a", fing
         "step": round_index * 3,
         "files": files,
         "fingerprint": fingerprint,
-        "param_digests": {rid: param_digest(state["params"]) for rid in rids},
+        ckpt.PARAM_DIGESTS: {rid: param_digest(state["params"]) for rid in rids},
     }
     return ckpt.finalize(tmp, manifest, {rid: round_index for rid in rids})
 
