@@ -69,6 +69,8 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                 "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
                 "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
                 "files": {rid: a["sha256"] for rid, a in saved.items()},
+                # what a restore or resume checks each loaded replica against (issue 45 finding 1)
+                checkpoint.PARAM_DIGESTS: {rid: a["param_digest"] for rid, a in saved.items() if a.get("param_digest")},
                 "t": time.time(),
                 **_format_keys(ranks_per_replica(sup.cfg)),
             }
@@ -150,7 +152,7 @@ def save_model(sup: RunnerPorts) -> None:
 
 
 class RestoreFailed(RuntimeError):
-    """No checkpoint can bring the run back; the message says why."""
+    """No checkpoint can bring the run back; the message (one line) says why."""
 
 
 RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round committed since: then give up
@@ -158,14 +160,31 @@ RESTORES_WITHOUT_PROGRESS = 3  # restores of one checkpoint with no round commit
 
 def restore(sup: RunnerPorts, reason: str) -> int:
     """Total loss: choose the newest checkpoint that verifies, touching no replica; bring back
-    restarted replicas; every live one loads it (one that fails is down); metrics after it are
-    dropped (trained and recorded again). Returns its round (with no live replica too: the caller
-    waits for quorum). RestoreFailed when no checkpoint is usable, no replica that tried could load
-    it, or after RESTORES_WITHOUT_PROGRESS restores of it with no commit since (a failure recurring
-    after every restore must not loop until restarts run out)."""
+    restarted replicas; each live one that holds a file in it loads its own (the others heal from
+    them in the next round). One no live replica holds a file of (saved while they were down), or
+    that none of them loads to the params digest its manifest records, is passed over for the one
+    before (`checkpoint_fallback`): the run lands on the newest checkpoint the live replicas can load.
+    Metrics after it are dropped (trained and recorded again). Returns its round (with no live
+    replica too: the caller waits for quorum). RestoreFailed when no checkpoint verifies, none can
+    be loaded (naming each round tried and why), or after RESTORES_WITHOUT_PROGRESS restores of it
+    with no commit since (a failure recurring after every restore must not loop until restarts run out)."""
     roster = sup.roster
     path, manifest = _choose(sup)
+    roster.rejoin(sup.cfg.supervisor.rejoin_wait_s)
+    if roster.live:
+        path, manifest = _load_newest_loadable(sup, path, manifest)
+    else:  # nobody to load it yet: counted as a restore all the same
+        _counted(sup, int(manifest["round"]), _repeats(sup, path, int(manifest["round"])))
     state_round = int(manifest["round"])
+    # the record's metrics, those still in memory (a run folder outage) included
+    sup.log.rewrite_metrics([m for m in sup.log.records("metrics") if m.get("round", 0) < state_round])
+    roster.configured, roster.outer_configured = {}, None
+    sup.log.event("restore", round=state_round, path=path, reason=reason, replicas=sorted(roster.live))
+    return state_round
+
+
+def _repeats(sup: RunnerPorts, path: str, state_round: int) -> int:
+    """How many restores of `state_round` in a row this one would make; RestoreFailed past RESTORES_WITHOUT_PROGRESS."""
     last = sup.state.last_restore
     again = last.get("round") == state_round and sup.state.committed_round <= state_round
     repeats = last.get("count", 0) + 1 if again else 1
@@ -174,50 +193,129 @@ def restore(sup: RunnerPorts, reason: str) -> int:
             f"checkpoint {path} (round {state_round}) restored {repeats - 1} times without "
             f"committing a round since; giving up"
         )
+    return repeats
+
+
+def _counted(sup: RunnerPorts, state_round: int, repeats: int) -> None:
+    """The restore of `state_round`, durably counted (only the one restored: a newer one tried first
+    must not reset its count, or a restore that always falls back would loop)."""
     sup.state.last_restore = {"round": state_round, "count": repeats}
     sup.save_state()
-    roster.rejoin(sup.cfg.supervisor.rejoin_wait_s)
-    tried, errors = sorted(roster.live), []
-    for rid in tried:
+
+
+def _load_newest_loadable(sup: RunnerPorts, path: str, manifest: dict) -> tuple[str, dict]:
+    """From the checkpoint chosen down, the first one a live replica loads: (its path, its manifest)."""
+    tried: list[str] = []
+
+    def passed_over(directory: str, why: str) -> None:
+        tried.append(f"round {checkpoint.round_of_dir(directory)}: {why}")
+
+    while True:
+        state_round = int(manifest["round"])
+        problem = checkpoint.holders_problem(manifest, sup.roster.live)
+        if problem is None:
+            repeats = _repeats(sup, path, state_round)
+            problem = _load(sup, path, manifest)
+            if problem is None:
+                _counted(sup, state_round, repeats)
+                return path, manifest
+        _skipped(sup, path, problem)
+        passed_over(path, problem)
+        older = _choose(sup, below=state_round, on_skip=passed_over) if sup.roster.live else None
+        if older is None:
+            live = ", ".join(sorted(sup.roster.live)) or "none left"
+            raise RestoreFailed(f"no replica could load a checkpoint (live: {live}); tried {'; '.join(tried)}")
+        path, manifest = older
+
+
+def _load(sup: RunnerPorts, path: str, manifest: dict) -> str | None:
+    """Each live replica holding a file in the checkpoint loads it: None once one did (those that
+    failed are then down, restarted clean, and heal from it; a live one past its round too, so it
+    cannot lead the next round), else why none did. A replica whose load raised keeps its state
+    (it loads nothing half) and stays live for an older checkpoint; one that died or hung is down."""
+    roster, timeout = sup.roster, sup.cfg.supervisor.phase_timeout_s
+    state_round, loaded, failed = int(manifest["round"]), [], {}
+    for rid in checkpoint.holders(manifest, roster.live):
+        handle = roster.handles[rid]
         try:
-            answer = ray.get(
-                roster.handles[rid].load_checkpoint.remote(
-                    path, manifest["files"].get(rid), fmt=checkpoint.format_of(manifest)
-                ),
-                timeout=sup.cfg.supervisor.phase_timeout_s,
-            )
-            roster.live[rid] = (answer["round"], answer["step"])
-        except Exception as err:  # noqa: BLE001 — that replica's failure; it heals from a restored peer later
-            errors.append(" ".join(str(err).split())[-300:])
+            fmt = checkpoint.format_of(manifest)
+            answer = ray.get(handle.load_checkpoint.remote(path, manifest["files"][rid], fmt=fmt), timeout=timeout)
+            problem = _digest_problem(sup, handle, manifest, rid)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:  # gone, or stuck loading
+            failed[rid] = _one_line(err)
             roster.down_after(rid, err, "restore", -1)
-    if tried and not roster.live:
-        raise RestoreFailed(f"no replica could load checkpoint {path}: {errors[0]}")
-    # the record's metrics, those still in memory (a run folder outage) included
-    sup.log.rewrite_metrics([m for m in sup.log.records("metrics") if m.get("round", 0) < state_round])
-    roster.configured, roster.outer_configured = {}, None
-    sup.log.event("restore", round=state_round, path=path, reason=reason, replicas=sorted(roster.live))
-    return state_round
+            continue
+        except Exception as err:  # noqa: BLE001 — its own error (unreadable, unfit): its state untouched
+            failed[rid] = _one_line(err)
+            continue
+        if problem is not None:
+            failed[rid] = problem
+            continue
+        roster.live[rid] = (answer["round"], answer["step"])
+        loaded.append(rid)
+    if not loaded:
+        return "; ".join(f"{rid}: {why}" for rid, why in failed.items())
+    for rid, (r, _) in roster.live.items():
+        if r > state_round:
+            failed.setdefault(rid, f"holds round {r}, past the restored round {state_round}")
+    for rid, why in failed.items():
+        if rid in roster.live:
+            roster.down_after(rid, checkpoint.CheckpointError(why), "restore", -1)
+    return None
 
 
-def _choose(sup: RunnerPorts) -> tuple[str, dict]:
-    """The checkpoint a restore loads (hsgd.train.checkpoint.choose), or RestoreFailed."""
+def _digest_problem(sup: RunnerPorts, handle, manifest: dict, rid: str) -> str | None:
+    """Why the replica's params after its load are not the checkpoint's (None: they are, or the
+    manifest records no digest it can be checked against: checkpoint.expected_param_digest)."""
+    if not manifest.get(checkpoint.PARAM_DIGESTS):
+        return None  # (a checkpoint from before digests were recorded)
+    expected = checkpoint.expected_param_digest(manifest, rid, ranks_per_replica(sup.cfg))
+    if expected is None:
+        return None
+    got = ray.get(handle.digests.remote(), timeout=sup.cfg.supervisor.phase_timeout_s)["param"]
+    return checkpoint.digest_mismatch(rid, got, expected)
+
+
+def _one_line(err: BaseException) -> str:
+    cause = getattr(err, "cause", None) or err  # a RayTaskError: the replica's own exception
+    return " ".join(str(cause).split())[:300]
+
+
+def _skipped(sup: RunnerPorts, path: str, why: str) -> None:
+    sup.log.event("checkpoint_fallback", path=path, reason=why)
+    sup.warn(f"checkpoint {path} skipped: {why}")
+
+
+def _choose(sup: RunnerPorts, *, below: int | None = None, on_skip=None) -> tuple[str, dict] | None:
+    """The checkpoint a restore loads (hsgd.train.checkpoint.choose), or RestoreFailed when none
+    verifies. `below`: the next try, older than round `below`, holding a file of a live replica
+    (None when there is none)."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
 
     def skipped(path: str, why: str) -> None:
-        sup.log.event("checkpoint_fallback", path=path, reason=why)
-        sup.warn(f"checkpoint {path} skipped: {why}")
+        _skipped(sup, path, why)
+        if on_skip is not None:
+            on_skip(path, why)
 
     try:
         found = call_with_deadline(
-            lambda: checkpoint.choose(root, sup.state.fingerprint, on_skip=skipped),
+            lambda: checkpoint.choose(
+                root,
+                sup.state.fingerprint,
+                on_skip=skipped,
+                holders_of=None if below is None else set(sup.roster.live),
+                below=below,
+            ),
             sup.cfg.supervisor.phase_timeout_s,
             f"verifying checkpoints under {root}",
         )
     except OSError as err:
         raise RestoreFailed(f"checkpoints under {root} cannot be read: {type(err).__name__}: {err}") from err
-    if found.path is None:
-        none_good = f", {len(found.skipped)} failed verification (checkpoint_fallback events)" if found.skipped else ""
-        raise RestoreFailed(
-            f"no durable checkpoint to restore under {root}{none_good} (checkpoint.every={sup.cfg.checkpoint.every})"
-        )
-    return found.path, found.manifest
+    if found.path is not None:
+        return found.path, found.manifest
+    if below is not None:
+        return None
+    none_good = f", {len(found.skipped)} failed verification (checkpoint_fallback events)" if found.skipped else ""
+    raise RestoreFailed(
+        f"no durable checkpoint to restore under {root}{none_good} (checkpoint.every={sup.cfg.checkpoint.every})"
+    )

@@ -203,7 +203,8 @@ def _start(run: Run):
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
     if resume_from is not None:
-        guard.load_resume_point(resume_from, replicas, faults)
+        taking_part = startup.resume_takers(cfg, run.run_dir)  # (a drained site's replicas load nothing)
+        guard.load_resume_point(resume_from, {r: replicas[r] for r in taking_part}, faults, ranks_per_replica(cfg))
     return supervisor
 
 

@@ -748,9 +748,15 @@ class Replica:
                 )
             ranks = self.trainer.ranks
             state = self.trainer.state_dict() if ranks is None else self.trainer.sharded_state()
+            # what a load of it must give back (the manifest's `param_digests`); k > 1: rank 0 combines its
+            # ranks' through Ray, as `digests` does (no collective: a rank's failure must not hang the others)
+            if not self.rank:
+                digest = {"param_digest": param_digest(state["params"]) if ranks is None else self.digests()["param"]}
+            else:
+                digest = {}
             try:
                 if ranks is None:
-                    return {"sha256": checkpoint.save_replica_state(directory, self.rid, state)}
+                    return {"sha256": checkpoint.save_replica_state(directory, self.rid, state), **digest}
                 dcp_checkpoint.save_sharded(
                     state,
                     checkpoint.join_url(directory, self.rid),
@@ -758,7 +764,10 @@ class Replica:
                     manifest_extra={"round": round_index, "rid": self.rid},
                     timeout_s=float(self.cfg.supervisor.phase_timeout_s),
                 )
-                return {"sha256": checkpoint.sharded_replica_sha256(directory, self.rid) if not self.rank else ""}
+                return {
+                    "sha256": checkpoint.sharded_replica_sha256(directory, self.rid) if not self.rank else "",
+                    **digest,
+                }
             except Exception as err:  # noqa: BLE001 — storage's failure, see above
                 return {
                     "outcome": Outcome.IO_ERROR,

@@ -24,7 +24,8 @@ from hsgd.config.auto import recorded
 from hsgd.config.sites import ranks_per_replica
 from hsgd.core.faults import due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
-from hsgd.core.topology import Topology, parse_replica_id
+from hsgd.core.site_requests import drained, outcomes
+from hsgd.core.topology import Topology, parse_replica_id, topology_of
 from hsgd.record.events import RunLog
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint
@@ -32,14 +33,29 @@ from hsgd.train import checkpoint
 RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
+def resume_takers(cfg, run_dir: str | None) -> list[str]:
+    """The replicas a resume starts that take part: the configured topology's, less those of sites
+    drained in `run_dir` (they stay drained: actors/site_changes.py). Only they can load a checkpoint
+    for the run (a drained site's replica that loads one is stopped before the first round)."""
+    topo = topology_of(cfg)
+    gone = set(drained(outcomes(run_dir))) if run_dir else set()
+    return [rid for rid in topo.replica_ids() if topo.cluster_of(rid) not in gone]
+
+
 def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint.Choice:
-    """train.resume: the newest checkpoint under root that verifies; ConfigError: none, or its config may not resume.
-    Keys in `adopt` (those the run left auto) take the values the checkpoint recorded (hsgd.config.auto.recorded),
-    so a run started under other defaults resumes with the ones it trained with."""
+    """train.resume: the newest checkpoint under root that verifies and holds a file of a replica
+    that takes part (`resume_takers`, run.dir's drained sites left out): one saved while they were
+    down cannot start them, only a fresh model could. ConfigError (one line naming each checkpoint
+    tried): none, or its config may not resume. Keys in `adopt` (those the run left auto) take the
+    values the checkpoint recorded (hsgd.config.auto.recorded), so a run started under other defaults
+    resumes with the ones it trained with."""
+    run_dir = OmegaConf.select(cfg, "run.dir", throw_on_resolution_failure=False)
+    takers = resume_takers(cfg, run_dir)
     # either format, into any k: a replica cuts a file's whole tensors to its shards, DCP reshards
-    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False)
+    point = checkpoint.choose(root, checkpoint.fingerprint(cfg), skip_other_config=False, holders_of=takers)
     if point.path is None:
-        why = f"; none verifies: {point.skipped[0][1]}" if point.skipped else ""
+        tried = "; ".join(f"{path.rstrip('/').rsplit('/', 1)[-1]}: {why}" for path, why in point.skipped)
+        why = f"; none usable ({tried})" if tried else ""
         raise ConfigError(
             "train.resume",
             f"no usable checkpoint under {root}{why}; pass run.dir=<the run to resume> (and its checkpoint.dir)",
@@ -181,12 +197,17 @@ class StartupCalls:
         finally:
             checkpoint.remove(url)
 
-    def load_resume_point(self, point: checkpoint.Choice, replicas: dict, faults: dict) -> None:
-        """Every replica with a file (or DCP folder) in the (verified) checkpoint loads it, in its format. One it lacks (the topology
-        grew) starts fresh and heals from a peer; files of replica ids this run lacks stay unread."""
-        files, fmt = point.manifest["files"], point.format
-        _, errors = self.call_all(
-            {rid: h for rid, h in replicas.items() if rid in files},
+    def load_resume_point(self, point: checkpoint.Choice, replicas: dict, faults: dict, ranks: int = 1) -> None:
+        """Every replica (of those that take part: `resume_takers`) with a file (or DCP folder) in the
+        (verified) checkpoint loads it, in its format, and its params digest must then be the one the
+        manifest recorded (`ranks`: the run's k; checkpoint.expected_param_digest). One it lacks (the
+        topology grew) starts fresh and heals from a peer; files of replica ids this run lacks stay
+        unread. "resumed" is said only once one loaded: ConfigError (one line) when none did, or one's
+        load failed or left other params (the run would start from a fresh model)."""
+        files, fmt, state_round = point.manifest["files"], point.format, point.manifest["round"]
+        loaders = {rid: h for rid, h in replicas.items() if rid in files}
+        answers, errors = self.call_all(
+            loaders,
             lambda rid, h, first: h.load_checkpoint.remote(
                 point.path, files[rid], faults.get(rid) if first else None, fmt
             ),
@@ -194,9 +215,34 @@ class StartupCalls:
         )
         for err in errors.values():  # a RayTaskError wrapping the live replica's CheckpointError
             raise ConfigError("train.resume", one_line(err, typed=False))
+        if not answers:
+            why = "were lost during start-up" if loaders else "take part, and it holds no file of any"
+            raise ConfigError(
+                "train.resume",
+                f"no replica loaded {point.path}: {', '.join(sorted(loaders or replicas)) or 'none'} {why}; "
+                f"a resume never starts from a fresh model",
+            )
+        checked = self._check_digests(point.manifest, {rid: loaders[rid] for rid in answers}, ranks)
         absent = sorted(set(replicas) - set(files))
         note = f"; {', '.join(absent)} heal from peers" if absent else ""
-        print(f"[hsgd] resumed from {point.path} (round {point.manifest['round']}){note}", flush=True)
+        print(f"[hsgd] resumed from {point.path} (round {state_round}){checked}{note}", flush=True)
+
+    def _check_digests(self, manifest: dict, loaded: dict, ranks: int) -> str:
+        """Each loaded replica's params digest against the manifest's: ConfigError (one line) on a
+        mismatch; returns what the console line says of it ("" when the manifest records none for k)."""
+        expected = {rid: checkpoint.expected_param_digest(manifest, rid, ranks) for rid in loaded}
+        expected = {rid: digest for rid, digest in expected.items() if digest}
+        for rid, digest in sorted(expected.items()):
+            got = ray.get(loaded[rid].digests.remote(), timeout=self.cfg.phase_timeout_s)["param"]
+            if problem := checkpoint.digest_mismatch(rid, got, digest):
+                raise ConfigError("train.resume", f"{problem}; the run is not started from {manifest['round']}")
+        if not expected:
+            return ""
+        return (
+            ", params digest "
+            + ", ".join(f"{rid} {digest[:12]}" for rid, digest in sorted(expected.items()))
+            + " as saved"
+        )
 
 
 def one_line(err: BaseException, *, typed: bool = True) -> str:

@@ -31,8 +31,12 @@ through `dcp_checkpoint.verify_sharded` in a world of one — this process hashe
 and that manifest against the run manifest's sha256); `choose` walks back from the newest to the
 first that verifies, so a corrupt latest checkpoint of either format falls back to the previous
 kept one of either format, its reason recorded. An unknown `format` is refused like a corrupt
-file. Files load with `torch.load(weights_only=True)`: a foreign file is an error, never code
-execution.
+file. Given the replicas that would load it (`holders_of`), `choose` also passes over a checkpoint
+holding no file of any of them (one written while they were down: each replica loads its own file),
+so a restore or resume lands on the newest one they can load. The manifest's `param_digests` (rid ->
+the replica's params digest when saved) is what a loaded replica's digest must equal
+(`expected_param_digest`): a load that silently did nothing is caught before any training.
+Files load with `torch.load(weights_only=True)`: a foreign file is an error, never code execution.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +66,8 @@ from hsgd.train.checkpoint_storage import (  # re-exported: callers know them as
     write_atomic,
 )
 
+PARAM_DIGESTS = "param_digests"  # manifest key: rid -> its params digest when saved (`expected_param_digest`)
+
 
 # -- where ----------------------------------------------------------------------------------------
 def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
@@ -70,6 +76,11 @@ def root_url(checkpoint_dir: str | None, run_dir: str | Path) -> str:
 
 def round_dir_name(round_index: int) -> str:
     return f"round_{round_index:06d}"
+
+
+def round_of_dir(directory: str | Path) -> int | None:
+    """The round of a checkpoint directory (its URL or path), from its name; None for another name."""
+    return _round_of(str(directory).rstrip("/").rsplit("/", 1)[-1])
 
 
 def _round_of(name: str) -> int | None:
@@ -301,36 +312,78 @@ def choose(
     skip_other_config: bool = True,
     on_skip: Callable[[str, str], None] | None = None,
     formats: tuple[str, ...] | None = None,
+    holders_of: Collection[str] | None = None,
+    below: int | None = None,
 ) -> Choice:
     """The one checkpoint chooser, for a resume and a restore after a total loss alike: the newest
     that `verify`s, calling on_skip(directory, reason) for each newer one passed over. Against
     `fingerprint`, `skip_other_config` (a restore) passes over one another config wrote; else (a
     resume, which refuses it) it is chosen with its `config_diff`. `formats` (None: any): the
-    formats the caller can load; one in another format is passed over, named as such."""
+    formats the caller can load; one in another format is passed over, named as such.
+    `holders_of` (None: not asked): the replicas that would load it; one holding no file of any of
+    them is passed over (`holders_problem`). `below`: only checkpoints of an earlier round (a
+    restore's next try after the newer ones failed to load)."""
     skipped: list[tuple[str, str]] = []
     for directory in reversed(finalized(root)):
+        if below is not None and (round_of_dir(directory) or 0) >= below:
+            continue  # tried already: not passed over again
         try:
             manifest = verify(directory)
         except CheckpointError as err:
             reason = str(err)
         else:
-            if formats is not None and format_of(manifest) not in formats:
-                reason = (
-                    f"a {format_of(manifest)} checkpoint of {ranks_of(manifest)} ranks per replica; "
-                    f"this launcher loads {', '.join(formats)} checkpoints only (issue 34)"
-                )
-                skipped.append((directory, reason))
-                if on_skip is not None:
-                    on_skip(directory, reason)
-                continue
+            reason = _unfit(manifest, formats, holders_of)
             diff = tuple(fingerprint_diff(manifest.get("fingerprint"), fingerprint)) if fingerprint else ()
-            if not (diff and skip_other_config):
+            if reason is None and not (diff and skip_other_config):
                 return Choice(directory, manifest, tuple(skipped), diff)
-            reason = f"written with another config ({'; '.join(diff)})"
+            reason = reason or f"written with another config ({'; '.join(diff)})"
         skipped.append((directory, reason))
         if on_skip is not None:
             on_skip(directory, reason)
     return Choice(None, None, tuple(skipped))
+
+
+def _unfit(manifest: dict, formats: tuple[str, ...] | None, holders_of: Collection[str] | None) -> str | None:
+    """Why a verified checkpoint cannot serve the caller (another format, or none of its replicas), else None."""
+    if formats is not None and format_of(manifest) not in formats:
+        return (
+            f"a {format_of(manifest)} checkpoint of {ranks_of(manifest)} ranks per replica; "
+            f"this launcher loads {', '.join(formats)} checkpoints only (issue 34)"
+        )
+    return None if holders_of is None else holders_problem(manifest, holders_of)
+
+
+def holders(manifest: dict, takers: Collection[str]) -> list[str]:
+    """The replicas among `takers` whose file (or DCP folder) the checkpoint holds: those that can load it
+    (each loads its own; the others heal from them)."""
+    return sorted(set(takers) & set(manifest.get("files") or {}))
+
+
+def holders_problem(manifest: dict, takers: Collection[str]) -> str | None:
+    """None when one of `takers` can load the checkpoint; else why not, in one line."""
+    if holders(manifest, takers):
+        return None
+    held = ", ".join(sorted(manifest.get("files") or {})) or "none"
+    wanted = ", ".join(sorted(takers)) or "any live replica"
+    return f"holds no file of {wanted}, the replicas to load it (its files: {held})"
+
+
+def expected_param_digest(manifest: dict, rid: str, ranks: int) -> str | None:
+    """The params digest replica `rid` of `ranks` ranks must report once it loaded the checkpoint
+    (`ReplicaTrainer.param_digest`), or None where it cannot be checked: a manifest from before
+    digests were recorded, or one written by replicas of another number of ranks (a sharded
+    replica's digest combines its ranks' shard digests, so it depends on k)."""
+    digest = (manifest.get(PARAM_DIGESTS) or {}).get(rid)
+    return digest if digest and ranks_of(manifest) == ranks else None
+
+
+def digest_mismatch(rid: str, got: str | None, expected: str) -> str | None:
+    """None when replica `rid`'s params digest after a load is the manifest's, else why not (one line)."""
+    if got == expected:
+        return None
+    return (
+        f"{rid}'s params digest after loading is {str(got)[:12]}, the manifest's {expected[:12]}: it did not load them"
+    )
 
 
 def load_replica_state(directory: str | Path, rid: str, expected_sha256: str | None = None) -> dict:
