@@ -85,11 +85,12 @@ from hsgd.core.site_requests import (
     APPLIED,
     REFUSED,
     Decision,
+    Outcome,
+    RequestKind,
     SiteRequest,
     abandoned,
     add_site_problem,
     applied_sites,
-    cluster_index,
     decide,
     drained,
     joined,
@@ -143,8 +144,8 @@ def with_joined_replicas(run_dir: str, run_id: str, replicas: list[str]) -> list
     actors of a site added mid-run (named `hsgd:<run_id>:<rid>` as the driver's)."""
     ids, took_part, gave_up = list(replicas), joined(run_dir, run_id), abandoned(run_dir)
     for d in applied_sites(outcomes(run_dir)):
-        if d["id"] in took_part and d["id"] not in gave_up:
-            ids += [f"{d['cluster']}r{i}" for i in range(int(d["replicas"])) if f"{d['cluster']}r{i}" not in ids]
+        if d.id in took_part and d.id not in gave_up:
+            ids += [f"{d.site}r{i}" for i in range(d.replicas) if f"{d.site}r{i}" not in ids]
     return ids
 
 
@@ -164,13 +165,12 @@ def stop_joined_sites(run_dir: str, run_id: str) -> None:
     from actors.placement import remove_site_group
 
     for d in applied_sites(outcomes(run_dir)):
-        c = cluster_index(d["cluster"])
-        for i in range(int(d["replicas"])):
-            handle = lookup(replica_actor_name(run_id, f"c{c}r{i}"))
+        for i in range(d.replicas):
+            handle = lookup(replica_actor_name(run_id, f"{d.site}r{i}"))
             if handle is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(handle, no_restart=True)
-        remove_site_group(site_group_name(run_id, c))
+        remove_site_group(site_group_name(run_id, d.cluster))
 
 
 @dataclass
@@ -231,12 +231,12 @@ class SiteChanges:
                 self._report(record)
         # applied sites not in the topology yet, in the order added: the one starting (a restart) or,
         # in a resumed run, every one not drained before it (each starts once the one before joined)
-        self.queued: list[dict] = []
+        self.queued: list[Outcome] = []
         for record in applied_sites(self.done):
-            if record["id"] in self.abandoned:
+            if record.id in self.abandoned:
                 continue  # stopped for good (its index may serve a later site)
-            if cluster_index(record["cluster"]) < topology.clusters:
-                self._adopt(cluster_index(record["cluster"]))
+            if record.cluster < topology.clusters:
+                self._adopt(record.cluster)
             else:
                 self.queued.append(record)
         self.resume_round = resume_round if first else None  # a restart's site loaded already
@@ -246,7 +246,8 @@ class SiteChanges:
         """Decide and carry out every pending request, oldest first, before round `round_index` is planned;
         take in a site whose replicas are all up. A restarted supervisor's first call decides nothing: the
         round it takes over may be in flight (a drain applied there would drop the site's finished
-        inner steps from that round's commit); its requests wait for the next round's start. Returns the run's topology (wider once a site joined).
+        inner steps from that round's commit); its requests wait for the next round's start. Returns the
+        run's topology (wider once a site joined).
         The run folder is read and written under the run's I/O deadline: a full disk or a hung mount
         leaves the request (or the join) pending for a later round (nothing is applied before its
         outcome is on disk) and costs a warning, never the run."""
@@ -289,16 +290,14 @@ class SiteChanges:
         drained_at = {f"c{c}": r for c, r in sorted(self.drained.items())}
         history = [
             {
-                "round": d.get("round"),
-                "kind": d.get("kind"),
-                "cluster": d.get("cluster"),
-                **(
-                    {"joined": (self.joined.get(d.get("id")) or {}).get("round")} if d.get("kind") == "add-site" else {}
-                ),
-                **({"abandoned": self.abandoned[d["id"]].get("round")} if d.get("id") in self.abandoned else {}),
+                "round": d.round,
+                "kind": str(d.kind),
+                "cluster": d.site,
+                **({"joined": (self.joined.get(d.id) or {}).get("round")} if d.kind is RequestKind.ADD_SITE else {}),
+                **({"abandoned": self.abandoned[d.id].get("round")} if d.id in self.abandoned else {}),
             }
-            for d in sorted(self.done.values(), key=lambda d: (d.get("round", -1), d.get("id", "")))
-            if d.get("outcome") == APPLIED
+            for d in sorted(map(Outcome.of, self.done.values()), key=lambda d: (d.round, d.id))
+            if d.applied and d.kind is not None and d.cluster is not None
         ]  # every join and drain, in order
         return {
             **self.topology.describe(),
@@ -338,7 +337,7 @@ class SiteChanges:
         )
 
     def _apply(self, request: SiteRequest, round_index: int) -> None:
-        if request.kind == "add-site":
+        if request.kind is RequestKind.ADD_SITE:
             decision = self._decide_add(request)
         else:
             live = {self.topology.cluster_of(rid) for rid in self.roster.live} - set(self.drained)
@@ -352,24 +351,24 @@ class SiteChanges:
         # before the effect: applied once (an OSError here leaves it pending, nothing done)
         record = self._io(lambda: mark_done(self.run_dir, request, decision, round_index), "recording a site request")
         self.done[request.id] = record
-        if decision.outcome == APPLIED and request.kind == "drain":
+        if decision.outcome == APPLIED and request.kind is RequestKind.DRAIN:
             self.drained[decision.cluster] = round_index
             self._stop(decision.cluster)
         self._report(record)
-        if decision.outcome == APPLIED and request.kind == "add-site":
-            self._start(record)
+        if decision.outcome == APPLIED and request.kind is RequestKind.ADD_SITE:
+            self._start(Outcome.of(record))
 
-    def _start(self, record: dict) -> None:
+    def _start(self, record: Outcome) -> None:
         """Start (or, after a supervisor restart, find) the replicas of the applied add-site `record`;
         never waits for them (module docstring: `start`)."""
         from actors.placement import site_options
         from actors.startup import start_replica
 
-        c, n = cluster_index(record["cluster"]), int(record["replicas"])
+        c, n = record.cluster, record.replicas
         if c != self.topology.clusters:  # one site starts at a time: cannot happen unless files were edited
-            self._say(f"site {record['cluster']} not started: the next cluster is c{self.topology.clusters}")
+            self._say(f"site {record.site} not started: the next cluster is c{self.topology.clusters}")
             return
-        widened = self.topology.with_site(n, label=record.get("label"), name=record.get("name"))
+        widened = self.topology.with_site(n, label=record.label, name=record.name)
         if self.state is not None:  # fresh indices, durable before any replica reads its own
             self.state.replica_indices.update(dict(widened.index_table))
             self.save()
@@ -380,7 +379,7 @@ class SiteChanges:
             self.cfg,
             1.0 if "nccl" in backends.values() else 0.0,
             n,
-            record.get("label"),
+            record.label,
             site_group_name(self.run_id, c),
         )
         members = widened.cluster_members(c)
@@ -398,18 +397,18 @@ class SiteChanges:
             )
 
         handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
-        self.joining = Joining(record["id"], c, widened, handles, make)
+        self.joining = Joining(record.id, c, widened, handles, make)
 
     def _next_queued(self) -> None:
         """Start the next queued site (none while one is starting); a drained one on the way is only
         widened into the topology (it keeps its index; its replicas are never started again)."""
         while self.queued and self.joining is None:
             record = self.queued.pop(0)
-            c = cluster_index(record["cluster"])
+            c = record.cluster
             if c in self.drained:
                 if c == self.topology.clusters:
                     self.topology = self.roster.topology = self.topology.with_site(
-                        int(record["replicas"]), label=record.get("label"), name=record.get("name")
+                        record.replicas, label=record.label, name=record.name
                     )
                     self._stop(c, now=False)
                 continue
@@ -602,12 +601,12 @@ class SiteChanges:
         """`site_committed`, once per joined site: at the first round's start where a member of it
         holds a round after the one it joined at (it took part in that commit)."""
         for record in applied_sites(self.done):
-            name, joined_at = record["cluster"], (self.joined.get(record["id"]) or {}).get("round")
-            if joined_at is None or name in self.committed or cluster_index(name) >= self.topology.clusters:
+            name, joined_at = record.site, (self.joined.get(record.id) or {}).get("round")
+            if joined_at is None or name in self.committed or record.cluster >= self.topology.clusters:
                 continue
             members = [
                 rid
-                for rid in self.topology.cluster_members(cluster_index(name))
+                for rid in self.topology.cluster_members(record.cluster)
                 if self.roster.live.get(rid, (-1, 0))[0] > joined_at and self.roster.live[rid][0] >= round_index
             ]
             if members:

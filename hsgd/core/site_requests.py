@@ -46,6 +46,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
@@ -53,7 +54,29 @@ from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
-KINDS = ("drain", "add-site")
+
+
+class RequestKind(str, Enum):
+    """What a request asks; its value is the `kind` in the request and outcome files (the public contract)."""
+
+    DRAIN = "drain"
+    ADD_SITE = "add-site"
+
+    def __str__(self) -> str:  # the file's string in messages and JSON, on every Python version
+        return self.value
+
+    __format__ = str.__format__
+
+
+def _kind(value) -> RequestKind | None:
+    """The kind a request file names, or None for one no kind has."""
+    try:
+        return RequestKind(value)
+    except ValueError:
+        return None
+
+
+_VALID_KINDS = "|".join(k.value for k in RequestKind)
 APPLIED, REFUSED = "applied", "refused"
 _CLUSTER = re.compile(r"^c(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a site's name or label: one token
@@ -66,7 +89,7 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class SiteRequest:
     id: str
-    kind: str
+    kind: RequestKind | str  # a RequestKind, or what a malformed file said ("?" when unreadable)
     cluster: str  # as asked: "c2"
     t: float
     problem: str | None = None  # a malformed file: why (the request is refused with it)
@@ -80,6 +103,42 @@ class Decision:
     outcome: str  # applied | refused
     reason: str  # one line; for an applied drain what it leaves
     cluster: int | None  # the cluster index, when the name was valid
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A decided request's record (`<id>.done`, `mark_done`), typed. `of` reads one as written; a field
+    missing or of another type (a file edited by hand) reads as none, so such a record applies nothing."""
+
+    id: str
+    kind: RequestKind | None
+    cluster: int | None  # the index of the cluster it names (an applied add-site: its new cluster)
+    applied: bool
+    round: int  # the round at whose start it was decided
+    replicas: int = 0  # an applied add-site's
+    label: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, raw: dict) -> Outcome:
+        replicas = raw.get("replicas")
+        return cls(
+            id=str(raw.get("id", "")),
+            kind=_kind(raw.get("kind")),
+            cluster=cluster_index(raw.get("cluster") if isinstance(raw.get("cluster"), str) else ""),
+            applied=raw.get("outcome") == APPLIED,
+            round=int(raw["round"]) if isinstance(raw.get("round"), int) else -1,
+            replicas=replicas if isinstance(replicas, int) and not isinstance(replicas, bool) else 0,
+            label=raw.get("label"),
+            name=raw.get("name"),
+        )
+
+    def applied_as(self, kind: RequestKind) -> bool:
+        return self.applied and self.kind is kind and self.cluster is not None
+
+    @property
+    def site(self) -> str:
+        return f"c{self.cluster}"
 
 
 def requests_dir(run_dir: str | Path) -> Path:
@@ -111,7 +170,7 @@ def add_site_fields_problem(replicas, label, name) -> str | None:
 
 def write_request(
     run_dir: str | Path,
-    kind: str,
+    kind: RequestKind | str,
     cluster: str = "",
     *,
     replicas: int | None = None,
@@ -123,10 +182,11 @@ def write_request(
     field that cannot be valid in any run (whether the cluster exists, or the site fits, is the
     supervisor's decision). A drain names `cluster`; an add-site gives `replicas` (and optionally
     `label`, `name`) and no cluster."""
-    if kind not in KINDS:
-        raise RequestError(f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}")
+    asked, kind = kind, _kind(kind)
+    if kind is None:
+        raise RequestError(f"request kind {asked!r} unknown; valid: {_VALID_KINDS}")
     extra: dict = {}
-    if kind == "add-site":
+    if kind is RequestKind.ADD_SITE:
         if cluster:
             raise RequestError(
                 f"add-site names no cluster (got {cluster!r}); valid: leave it out, the run picks the next free c<k>"
@@ -148,7 +208,7 @@ def write_request(
     folder = requests_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write_json(
-        folder / f"{request.id}.json", {"id": request.id, "kind": kind, "cluster": cluster, "t": t, **extra}
+        folder / f"{request.id}.json", {"id": request.id, "kind": kind.value, "cluster": cluster, "t": t, **extra}
     )
     return request
 
@@ -161,15 +221,16 @@ def _parse(path: Path) -> SiteRequest:
         return SiteRequest(id=rid, kind="?", cluster="?", t=0.0, problem=f"unreadable request file: {err}")
     if not isinstance(raw, dict):
         return SiteRequest(id=rid, kind="?", cluster="?", t=0.0, problem="request file is not a JSON object")
-    kind, cluster, t = raw.get("kind"), raw.get("cluster"), raw.get("t")
+    asked, cluster, t = raw.get("kind"), raw.get("cluster"), raw.get("t")
+    kind = _kind(asked)
     problem = None
     if raw.get("id") != rid:
         problem = f"request id {raw.get('id')!r} does not match its file name {path.name}"
-    elif kind not in KINDS:
-        problem = f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}"
-    elif kind == "add-site" and cluster not in ("", None):
+    elif kind is None:
+        problem = f"request kind {asked!r} unknown; valid: {_VALID_KINDS}"
+    elif kind is RequestKind.ADD_SITE and cluster not in ("", None):
         problem = f"add-site names no cluster (got {cluster!r}); the run picks the next free c<k>"
-    elif kind == "add-site":
+    elif kind is RequestKind.ADD_SITE:
         problem = add_site_fields_problem(raw.get("replicas"), raw.get("label"), raw.get("name"))
         problem = problem and f"add-site: {problem}"
     elif not isinstance(cluster, str) or cluster_index(cluster) is None:
@@ -178,12 +239,12 @@ def _parse(path: Path) -> SiteRequest:
         problem = f"request time {t!r} is not a number"
     extra = (
         {"replicas": raw.get("replicas"), "label": raw.get("label"), "name": raw.get("name")}
-        if kind == "add-site" and problem is None
+        if kind is RequestKind.ADD_SITE and problem is None
         else {}
     )
     return SiteRequest(
         id=rid,
-        kind=str(kind),
+        kind=kind or str(asked),
         cluster=str(cluster or ""),
         t=float(t) if isinstance(t, (int, float)) else 0.0,
         problem=problem,
@@ -215,10 +276,10 @@ def pending(run_dir: str | Path, done: dict[str, dict] | None = None) -> list[Si
 
 def drained(done: dict[str, dict]) -> dict[int, int]:
     """Clusters drained by applied requests -> the round at whose start each left."""
-    out = {}
-    for d in done.values():
-        if d.get("kind") == "drain" and d.get("outcome") == APPLIED and cluster_index(d.get("cluster", "")) is not None:
-            out.setdefault(cluster_index(d["cluster"]), int(d.get("round", -1)))
+    out: dict[int, int] = {}
+    for d in map(Outcome.of, done.values()):
+        if d.applied_as(RequestKind.DRAIN):
+            out.setdefault(d.cluster, d.round)
     return out
 
 
@@ -227,11 +288,11 @@ def next_cluster(clusters: int, done: dict[str, dict], abandoned_ids=()) -> int:
     (a drained site's index is never reused: drained sites keep theirs). A site abandoned before it
     joined (`abandoned_ids`, `mark_abandoned`) never was in the topology: its index is free again."""
     added = [
-        cluster_index(d.get("cluster", ""))
-        for d in done.values()
-        if d.get("kind") == "add-site" and d.get("outcome") == APPLIED and d.get("id") not in abandoned_ids
+        d.cluster
+        for d in map(Outcome.of, done.values())
+        if d.applied_as(RequestKind.ADD_SITE) and d.id not in abandoned_ids
     ]
-    return max([clusters - 1, *(c for c in added if c is not None)]) + 1
+    return max([clusters - 1, *added]) + 1
 
 
 def add_site_problem(
@@ -299,13 +360,13 @@ def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, rou
     what a restarted supervisor needs to find, or start, the site's replicas again."""
     record = {
         "id": request.id,
-        "kind": request.kind,
+        "kind": str(request.kind),
         "cluster": request.cluster,
         "outcome": decision.outcome,
         "reason": decision.reason,
         "round": round_index,
     }
-    if request.kind == "add-site" and decision.outcome == APPLIED:
+    if request.kind is RequestKind.ADD_SITE and decision.outcome == APPLIED:
         record.update(cluster=f"c{decision.cluster}", replicas=request.replicas, label=request.label, name=request.name)
     _atomic_write_json(requests_dir(run_dir) / f"{request.id}.done", record)
     return record
@@ -365,16 +426,10 @@ def abandoned(run_dir: str | Path) -> dict[str, dict]:
     return out
 
 
-def applied_sites(done: dict[str, dict]) -> list[dict]:
+def applied_sites(done: dict[str, dict]) -> list[Outcome]:
     """The applied add-sites' outcome records, by their new cluster's index (the order they were added)."""
-    sites = [
-        d
-        for d in done.values()
-        if d.get("kind") == "add-site"
-        and d.get("outcome") == APPLIED
-        and cluster_index(d.get("cluster", "")) is not None
-    ]
-    return sorted(sites, key=lambda d: cluster_index(d["cluster"]))
+    sites = [d for d in map(Outcome.of, done.values()) if d.applied_as(RequestKind.ADD_SITE) and d.replicas >= 1]
+    return sorted(sites, key=lambda d: d.cluster)
 
 
 def joined_topology(
@@ -388,13 +443,13 @@ def joined_topology(
     another was still starting, which `SiteChanges` refuses)."""
     topology = base
     for d in applied_sites(done):
-        if d["id"] in abandoned_ids:
+        if d.id in abandoned_ids:
             continue
-        if d["id"] not in joined_ids and cluster_index(d["cluster"]) not in drained_clusters:
+        if d.id not in joined_ids and d.cluster not in drained_clusters:
             break
-        if cluster_index(d["cluster"]) != topology.clusters:
-            raise ValueError(f"joined site {d['cluster']} is not the next cluster c{topology.clusters}")
-        topology = topology.with_site(int(d["replicas"]), label=d.get("label"), name=d.get("name"))
+        if d.cluster != topology.clusters:
+            raise ValueError(f"joined site {d.site} is not the next cluster c{topology.clusters}")
+        topology = topology.with_site(d.replicas, label=d.label, name=d.name)
     return topology
 
 

@@ -56,7 +56,7 @@ def test_an_applied_add_site_record_names_its_cluster_and_keeps_what_a_successor
     assert (record["cluster"], record["replicas"], record["label"], record["name"]) == ("c3", 2, "rack-b", "berlin")
     refused = write_request(tmp_path, "add-site", replicas=9)
     assert mark_done(tmp_path, refused, Decision(REFUSED, "no room", None), 4)["cluster"] == ""
-    assert [d["id"] for d in applied_sites(outcomes(tmp_path))] == [request.id]
+    assert [d.id for d in applied_sites(outcomes(tmp_path))] == [request.id]
 
 
 def test_the_topology_grows_by_the_joined_sites_only_in_the_order_they_were_added(tmp_path):

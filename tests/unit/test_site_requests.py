@@ -479,3 +479,27 @@ def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_
     assert roster.drained_clusters == {2}
     [event] = [e for e in events if e["event"] == "site_request"]
     assert (event["id"], event["round"]) == (request.id, 4)
+
+
+# -- issue 45: the request kinds are one enum; the files keep their strings ---------------------------------
+def test_the_kinds_are_one_enum_and_the_files_keep_their_strings(tmp_path):
+    from pathlib import Path
+
+    from hsgd.core.site_requests import RequestKind
+
+    drain = write_request(tmp_path, RequestKind.DRAIN, "c1", now=1.0)
+    add = write_request(tmp_path, "add-site", replicas=1, now=2.0)  # a string still asks (jobs.status)
+    on_disk = {r.id: json.loads((requests_dir(tmp_path) / f"{r.id}.json").read_text())["kind"] for r in (drain, add)}
+    assert on_disk == {drain.id: "drain", add.id: "add-site"}
+    assert [r.kind for r in pending(tmp_path)] == [RequestKind.DRAIN, RequestKind.ADD_SITE]
+    record = mark_done(tmp_path, drain, decide(drain, clusters=3, drained_clusters={}, min_clusters=1), 2)
+    assert json.loads((requests_dir(tmp_path) / f"{drain.id}.done").read_text())["kind"] == record["kind"] == "drain"
+    root = Path(__file__).resolve().parents[2]
+    spelled = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("hsgd", "actors")
+        for path in sorted((root / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if '"add-site"' in line or '"drain"' in line
+    ]
+    assert len(spelled) == 2 and all(s.startswith("hsgd/core/site_requests.py") for s in spelled), spelled
