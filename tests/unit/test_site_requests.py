@@ -503,3 +503,42 @@ def test_the_kinds_are_one_enum_and_the_files_keep_their_strings(tmp_path):
         if '"add-site"' in line or '"drain"' in line
     ]
     assert len(spelled) == 2 and all(s.startswith("hsgd/core/site_requests.py") for s in spelled), spelled
+
+
+# -- issue 45 finding 1: a drain never takes the last holder of the committed round ------------------------
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 1: a drain may take the only site holding the last round")
+def test_a_drain_that_would_leave_no_live_site_holding_the_last_committed_round_at_its_floor_is_refused():
+    from hsgd.core.site_requests import round_holders
+
+    # finding 1: c0r0 died in round 4 and came back empty (round 0); c1 alone committed round 4 (holds 5)
+    topology = Topology(2, 1)
+    live = {"c0r0": (0, 0), "c1r0": (5, 0)}
+    holders = round_holders(topology, live, drained_clusters={}, default_floor=1)
+    assert holders == {1}
+    decision = decide(_drain("c1"), clusters=2, drained_clusters={}, min_clusters=1, holders=holders)
+    assert decision.outcome == REFUSED and decision.cluster == 1 and "\n" not in decision.reason
+    assert "committed round" in decision.reason and "ask again" in decision.reason
+    # draining the site that does not hold it is fine: the holder goes on
+    assert decide(_drain("c0"), clusters=2, drained_clusters={}, min_clusters=1, holders=holders).outcome == APPLIED
+    # a site holding the round but below its floor holds nothing that trains on
+    three = Topology.of_sites([2, 2, 1], min_replicas=[2, None, None])
+    live = {"c0r0": (5, 0), "c1r0": (3, 0), "c1r1": (3, 0), "c2r0": (5, 0)}  # c0r1 down: c0 below its floor 2
+    holders = round_holders(three, live, drained_clusters={}, default_floor=1)
+    assert holders == {2}
+    assert decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=1, holders=holders).outcome == REFUSED
+    # a drained site holds nothing; holders=None (not known): the old rule alone
+    assert round_holders(three, live, drained_clusters={2: 4}, default_floor=1) == set()
+    assert decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=1).outcome == APPLIED
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 1: the supervisor drains the only site holding the round")
+def test_the_supervisor_refuses_a_drain_of_the_only_site_holding_the_last_round_and_stops_nothing(tmp_path, capsys):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)
+    roster.live.update({"c0r0": (0, 0), "c0r1": (0, 0), "c1r0": (5, 0), "c1r1": (5, 0), "c2r0": (0, 0)})
+    del roster.live["c2r1"]
+    write_request(tmp_path, "drain", "c1")
+    sites.at_round_start(5)
+    [event] = [e for e in events if e["event"] == "site_request"]
+    assert event["outcome"] == REFUSED and "committed round 5" in event["reason"], event
+    assert roster.drained_clusters == set() and roster.set_aside_ids == []
