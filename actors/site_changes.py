@@ -101,6 +101,7 @@ from hsgd.core.site_requests import (
     next_cluster,
     outcomes,
     pending,
+    round_holders,
     widened_sites,
 )
 from hsgd.core.topology import Topology, topology_of
@@ -341,12 +342,15 @@ class SiteChanges:
             decision = self._decide_add(request)
         else:
             live = {self.topology.cluster_of(rid) for rid in self.roster.live} - set(self.drained)
+            floor = int(self.cfg.supervisor.min_replicas_per_cluster)
             decision = decide(
                 request,
                 clusters=self.topology.clusters,
                 drained_clusters=self.drained,
                 min_clusters=int(self.cfg.supervisor.min_clusters),
                 live_clusters=live,
+                holders=round_holders(self.topology, self.roster.live, self.drained, floor),
+                committed_round=current_round(self.roster.live.values()),
             )
         # before the effect: applied once (an OSError here leaves it pending, nothing done)
         record = self._io(lambda: mark_done(self.run_dir, request, decision, round_index), "recording a site request")

@@ -329,11 +329,41 @@ def add_site_problem(
     return None
 
 
-def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int, live_clusters=None) -> Decision:
+def round_holders(
+    topology: Topology, live: dict[str, tuple[int, int]], drained_clusters, default_floor: int
+) -> set[int]:
+    """The clusters that hold the last committed round and can train on it: a live replica of theirs at
+    the furthest round any live replica holds (`live`: rid -> (round, step), the roster's), and live
+    replicas at least their floor (`topology.sites[].min_replicas`, else `default_floor`:
+    supervisor.min_replicas_per_cluster). A drained cluster holds nothing. Pure."""
+    top = max((r for r, _ in live.values()), default=0)
+    out = set()
+    for c in set(range(topology.clusters)) - set(drained_clusters):
+        members = [live[rid] for rid in topology.cluster_members(c) if rid in live]
+        if any(r == top for r, _ in members) and len(members) >= topology.min_replicas_of(c, default_floor):
+            out.add(c)
+    return out
+
+
+def decide(
+    request: SiteRequest,
+    *,
+    clusters: int,
+    drained_clusters,
+    min_clusters: int,
+    live_clusters=None,
+    holders: set[int] | None = None,
+    committed_round: int | None = None,
+) -> Decision:
     """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
     `drained_clusters`: those already drained;
     `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
-    every cluster not drained), so a drain never leaves no live site while another is down. Pure."""
+    every cluster not drained), so a drain never leaves no live site while another is down.
+    `holders`: the clusters holding the last committed round at their floor (`round_holders`; None: not
+    known, not checked): a drain that would leave none is REFUSED (issue 45, finding 1), not deferred: it
+    would drop the only copy of that round, and a request waiting on the run's future is one the operator
+    cannot see the end of; the operator may ask again once another site holds the round.
+    `committed_round`: that round, for the reason's words only. Pure."""
     if request.problem:
         return Decision(REFUSED, request.problem, None)
     c = cluster_index(request.cluster)
@@ -345,6 +375,14 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
     left = len(live - {c})
     if left == 0:
         return Decision(REFUSED, f"drain {request.cluster}: it is the last live site", c)
+    if holders is not None and not holders - {c}:
+        which = "the last committed round" if committed_round is None else f"committed round {committed_round}"
+        return Decision(
+            REFUSED,
+            f"drain {request.cluster}: no other live site holds {which} with replicas at its floor, so draining "
+            f"it would lose that round; ask again once another site holds it",
+            c,
+        )
     if left < min_clusters:
         return Decision(
             REFUSED,

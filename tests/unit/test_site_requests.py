@@ -144,7 +144,10 @@ class _Roster:
 def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
     topology = Topology(3, 2)
     roster = _Roster(topology)
-    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=min_clusters), run=SimpleNamespace(io_grace_s=4.0))
+    cfg = SimpleNamespace(
+        supervisor=SimpleNamespace(min_clusters=min_clusters, min_replicas_per_cluster=1),
+        run=SimpleNamespace(io_grace_s=4.0),
+    )
     return SiteChanges(cfg, str(tmp_path), topology, roster, _Log(events)), roster
 
 
@@ -240,7 +243,9 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
     roster.watch._table = table
     for rid in ("c0r0", "c1r0"):
         roster.admit(rid, {"round": 0, "step": 0, "pid": 100, "incarnation": 0})
-    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=1), run=SimpleNamespace(io_grace_s=4.0))
+    cfg = SimpleNamespace(
+        supervisor=SimpleNamespace(min_clusters=1, min_replicas_per_cluster=1), run=SimpleNamespace(io_grace_s=4.0)
+    )
     sites = SiteChanges(cfg, str(tmp_path), Topology(2, 1), roster, _Log([]))
     write_request(tmp_path, "drain", "c1")
     monkeypatch.setattr("actors.site_changes.ray.kill", lambda handle, no_restart: None)
@@ -506,7 +511,6 @@ def test_the_kinds_are_one_enum_and_the_files_keep_their_strings(tmp_path):
 
 
 # -- issue 45 finding 1: a drain never takes the last holder of the committed round ------------------------
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 1: a drain may take the only site holding the last round")
 def test_a_drain_that_would_leave_no_live_site_holding_the_last_committed_round_at_its_floor_is_refused():
     from hsgd.core.site_requests import round_holders
 
@@ -531,7 +535,6 @@ def test_a_drain_that_would_leave_no_live_site_holding_the_last_committed_round_
     assert decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=1).outcome == APPLIED
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 1: the supervisor drains the only site holding the round")
 def test_the_supervisor_refuses_a_drain_of_the_only_site_holding_the_last_round_and_stops_nothing(tmp_path, capsys):
     events: list[dict] = []
     sites, roster = _supervisor(tmp_path, events)
