@@ -213,7 +213,7 @@ CFG = OmegaConf.create(
 )
 
 
-def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None):
+def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None, **kw):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
     topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
@@ -222,7 +222,7 @@ def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_rou
     roster = _Roster(topology, state.identity)
     saves = []
     return SiteChanges(
-        CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round
+        CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round, **kw
     ), roster
 
 
@@ -643,3 +643,53 @@ def test_a_labelled_site_of_k_rank_replicas_keeps_each_replica_in_one_bundle_on_
     [group] = groups
     assert group["strategy"] == "PACK" and group["bundles"] == [{"CPU": 2.0}] * 2
     assert group["bundle_label_selector"] == [{"hsgd-cluster": "rack-b"}] * 2 and options[1]["num_cpus"] == 1.0
+
+
+# -- issue 45 finding 5: a site's room and its join deadline ---------------------------------------------------
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 5: room is summed over nodes whatever the strategy")
+def test_the_placement_strategy_a_new_site_is_checked_with_is_the_one_its_group_gets():
+    assert placement.site_strategy(_placement_cfg(), None) == "STRICT_PACK"
+    assert placement.site_strategy(_placement_cfg("SPREAD"), None) == "SPREAD"
+    assert placement.site_strategy(_placement_cfg(), "rack-b") == "NONE"  # a label selector per replica
+    assert placement.site_strategy(_placement_cfg("NONE"), None) == "NONE"
+    assert placement.site_strategy(_placement_cfg(k=2), "rack-b") == "PACK"  # k ranks: a PACK group on the label
+    assert placement.site_strategy(_placement_cfg("NONE", k=2), None) == "PACK"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 5: a site that never comes up waits forever")
+def test_a_site_not_up_within_the_join_deadline_is_abandoned_its_group_released_and_a_later_add_site_goes_on(
+    world, tmp_path, capsys
+):
+    from hsgd.core.site_requests import join_overdue
+
+    assert not join_overdue(100.0, 699.0, 600.0) and join_overdue(100.0, 700.0, 600.0)
+    now = [1000.0]
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state(), clock=lambda: now[0])
+    write_request(tmp_path, "add-site", replicas=2, now=1.0)
+    sites.at_round_start(3)  # started; its group is never placed: no answer, no death
+    world.up("hsgd:run1:c2r0")
+    now[0] += 599.0
+    assert sites.at_round_start(4).clusters == 2 and not [e for e in events if e["event"] == "site_abandoned"]
+    now[0] += 1.0  # supervisor.join_timeout_s=600 since it was applied
+    assert sites.at_round_start(5).clusters == 2
+    [gave_up] = [e for e in events if e["event"] == "site_abandoned"]
+    assert (gave_up["cluster"], gave_up["round"]) == ("c2", 5) and "\n" not in gave_up["reason"]
+    assert "supervisor.join_timeout_s=600" in gave_up["reason"] and "1 of 2" in gave_up["reason"]
+    assert sorted(world.killed) == ["hsgd:run1:c2r0", "hsgd:run1:c2r1"]
+    assert world.groups_removed == ["hsgd:run1:site-c2"]
+    assert "c2r0" not in roster.live and "site c2 abandoned at round 5's start" in capsys.readouterr().err
+    again = write_request(tmp_path, "add-site", replicas=1, now=2.0)  # no longer refused as "still starting"
+    sites.at_round_start(6)
+    assert outcomes(tmp_path)[again.id]["outcome"] == APPLIED and outcomes(tmp_path)[again.id]["cluster"] == "c2"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 5: supervisor.join_timeout_s does not exist")
+def test_the_join_deadline_is_a_checked_config_key():
+    from hsgd.config import ConfigError, HsgdConfig, validate
+    from tests.fakes.configs import default_cfg
+
+    assert HsgdConfig().supervisor.join_timeout_s == 600.0
+    for bad in (0, -1.0, 1e8):  # > 0 seconds, below what a sleep overflows at
+        with pytest.raises(ConfigError, match=r"^supervisor\.join_timeout_s: "):
+            validate(default_cfg(**{"supervisor.join_timeout_s": bad}))

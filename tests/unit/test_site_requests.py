@@ -545,3 +545,33 @@ def test_the_supervisor_refuses_a_drain_of_the_only_site_holding_the_last_round_
     [event] = [e for e in events if e["event"] == "site_request"]
     assert event["outcome"] == REFUSED and "committed round 5" in event["reason"], event
     assert roster.drained_clusters == set() and roster.set_aside_ids == []
+
+
+# -- issue 45 finding 5: room is checked the way the site's placement group places -------------------------
+_TWO_NODES = [{"NodeID": "n1", "Alive": True, "Labels": {}}, {"NodeID": "n2", "Alive": True, "Labels": {}}]
+_SPLIT = {"n1": {"CPU": 4.0}, "n2": {"CPU": 4.0}}  # room for 2 + 2 replicas of CPU=2, none for 3 on one node
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 45 finding 5: add-site sums the room of every node for a STRICT_PACK group"
+)
+@pytest.mark.parametrize(
+    "strategy, replicas, fits",
+    [
+        ("STRICT_PACK", 3, False),  # one node must hold the whole site: split room is no room
+        ("STRICT_PACK", 2, True),
+        ("PACK", 4, True),  # PACK and SPREAD may place bundles on several nodes: the sum
+        ("SPREAD", 4, True),
+        ("NONE", 4, True),  # each replica placed on its own (a label selector or anywhere)
+        ("PACK", 5, False),
+        ("STRICT_SPREAD", 2, True),  # one bundle per node: the nodes with room for one
+        ("STRICT_SPREAD", 3, False),
+    ],
+)
+def test_an_add_site_has_room_only_where_its_placement_strategy_can_place_it(strategy, replicas, fits):
+    problem = add_site_problem(
+        _add(replicas), nodes=_TWO_NODES, free=_SPLIT, need=_NEED, new_cluster=3, strategy=strategy
+    )
+    assert (problem is None) == fits, problem
+    if not fits:
+        assert "no room" in problem and strategy in problem and "\n" not in problem
