@@ -133,6 +133,16 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
     return sorted(name for name, exists in answers.items() if exists is None)
 
 
+def site_strategy(cfg: Any, label: str | None) -> str:
+    """How `site_options` places a joining site's replicas: "NONE" when each replica is placed on its own
+    (by its label, or anywhere), else its placement group's strategy (k ranks need their one bundle even
+    with a label or no strategy: PACK). The add-site room check counts room the same way."""
+    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
+    if ranks == 1 and (label is not None or strategy == "NONE"):
+        return "NONE"
+    return "PACK" if strategy == "NONE" or label is not None else strategy
+
+
 def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_name: str) -> list[dict]:
     """Ray options for each replica of a site joining a running run (actors/site_changes.py), placed the
     way `ClusterPlacement` places a cluster: by its `label`, else in a placement group of its own
@@ -141,10 +151,10 @@ def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_
     the run's end. Asynchronous: Ray places the replicas once the group is ready, nobody waits here."""
     rank, bundle = rank_resources(cfg, gpus), replica_resources(cfg, gpus)
     opts: dict = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0)}
-    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
-    if label is not None and ranks == 1:
+    strategy = site_strategy(cfg, label)
+    if strategy == "NONE" and label is not None:
         return [{**opts, "label_selector": {LABEL_KEY: str(label)}} for _ in range(replicas)]
-    if (strategy == "NONE" and ranks == 1) or not any(v > 0 for v in bundle.values()):
+    if strategy == "NONE" or not any(v > 0 for v in bundle.values()):
         return [dict(opts) for _ in range(replicas)]
     try:
         group = get_placement_group(group_name)  # a predecessor's, for the same site
@@ -153,7 +163,7 @@ def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_
             [dict(bundle) for _ in range(replicas)],
             name=group_name,
             lifetime="detached",
-            strategy="PACK" if strategy == "NONE" or label is not None else strategy,
+            strategy=strategy,
             **({"bundle_label_selector": [{LABEL_KEY: str(label)}] * replicas} if label is not None else {}),
         )
     return [

@@ -93,6 +93,7 @@ from hsgd.core.site_requests import (
     applied_sites,
     decide,
     drained,
+    join_overdue,
     joined,
     joined_topology,
     mark_abandoned,
@@ -189,7 +190,7 @@ class Joining:
     loading: dict = field(default_factory=dict)  # rid -> its resume checkpoint load still in flight
     wait_s: float = 0.0  # how long the next look may wait for them (a resumed site's first look only)
     recreated: int = 0  # re-creations so far, for the whole site (at most faults.max_restarts)
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # when it was started (or found by a restarted supervisor): SiteChanges' clock
 
 
 class SiteChanges:
@@ -203,11 +204,14 @@ class SiteChanges:
         state=None,
         save=lambda: None,
         resume_round: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`log`: the RunLog; its events are read only when outcomes exist (a predecessor's
         `site_request` events are not logged twice). `state`: the durable RunState (run id, index
         table, identity map) and `save` its writer: an add-site's fresh indices are saved there.
-        `resume_round`: the checkpoint round a resumed run started from (module docstring: `resume`)."""
+        `resume_round`: the checkpoint round a resumed run started from (module docstring: `resume`).
+        `clock`: monotonic seconds, for the join deadline (supervisor.join_timeout_s)."""
+        self.clock = clock
         self.cfg, self.run_dir, self.topology, self.roster, self.log = cfg, run_dir, topology, roster, log
         self.state, self.save, self.run_id = state, save, getattr(state, "run_id", "")
         self.done = outcomes(run_dir)
@@ -326,7 +330,10 @@ class SiteChanges:
                 f"add-site c{new}: cannot read the Ray cluster's nodes: {type(err).__name__}: {err}".splitlines()[0],
                 None,
             )
-        problem = add_site_problem(request, nodes=nodes, free=free, need=need, new_cluster=new)
+        from actors.placement import site_strategy
+
+        strategy = site_strategy(self.cfg, request.label)
+        problem = add_site_problem(request, nodes=nodes, free=free, need=need, new_cluster=new, strategy=strategy)
         if problem is not None:
             return Decision(REFUSED, problem, None)
         where = f"label {request.label!r}" if request.label is not None else "a placement group of its own"
@@ -401,7 +408,7 @@ class SiteChanges:
             )
 
         handles = {rid: lookup(replica_actor_name(self.run_id, rid)) or make(rid) for rid in members}
-        self.joining = Joining(record.id, c, widened, handles, make)
+        self.joining = Joining(record.id, c, widened, handles, make, started=self.clock())
 
     def _next_queued(self) -> None:
         """Start the next queued site (none while one is starting); a drained one on the way is only
@@ -459,6 +466,14 @@ class SiteChanges:
         (`supervisor.min_replicas_per_cluster`, or its own `min_replicas`), else it is abandoned."""
         self._ask_up(joining)
         if len(joining.up) + len(joining.lost) < len(joining.handles):
+            timeout_s = float(self.cfg.supervisor.join_timeout_s)
+            if join_overdue(joining.started, self.clock(), timeout_s):
+                self._abandon(
+                    joining,
+                    round_index,
+                    f"not up within supervisor.join_timeout_s={timeout_s:g} s: {len(joining.up)} of "
+                    f"{len(joining.handles)} replica(s) up, the others neither answered nor died (not placed?)",
+                )
             return
         floor = joining.topology.min_replicas_of(joining.cluster, int(self.cfg.supervisor.min_replicas_per_cluster))
         if len(joining.up) < floor:
@@ -491,7 +506,7 @@ class SiteChanges:
             roster.admit(rid, answer)  # replica_up, with its fresh replica_index
         self.joining = None
         self._next_queued()  # a resumed run's next added site, if any
-        seconds = time.monotonic() - joining.started
+        seconds = self.clock() - joining.started
         self.log.event(
             "site_up", cluster=name, round=round_index, replicas=sorted(joining.up), seconds=round(seconds, 3)
         )

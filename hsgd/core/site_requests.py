@@ -295,12 +295,32 @@ def next_cluster(clusters: int, done: dict[str, dict], abandoned_ids=()) -> int:
     return max([clusters - 1, *added]) + 1
 
 
+def site_room(per_node: list[int], strategy: str) -> int:
+    """How many replicas a new site can place, given how many fit on each node it may use, the way Ray
+    places its group (`strategy`, actors/placement.py `site_strategy`): STRICT_PACK all on one node (the
+    roomiest), STRICT_SPREAD one per node, PACK, SPREAD and NONE (each replica placed on its own)
+    anywhere (the sum)."""
+    if strategy == "STRICT_PACK":
+        return max(per_node, default=0)
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for n in per_node if n >= 1)
+    return sum(per_node)
+
+
 def add_site_problem(
-    request: SiteRequest, *, nodes: list[dict], free: dict[str, dict], need: dict, new_cluster: int
+    request: SiteRequest,
+    *,
+    nodes: list[dict],
+    free: dict[str, dict],
+    need: dict,
+    new_cluster: int,
+    strategy: str,
 ) -> str | None:
     """Why the add-site `request` is refused now, one line; None when it may go ahead. `nodes`: Ray's
     node table (`ray.nodes()`: NodeID, Alive, Labels); `free`: NodeID -> free resources; `need`: one
-    replica's bundle (all its ranks). Pure, so refusals are tested with fake resources."""
+    replica's bundle (all its ranks); `strategy`: how its replicas are placed (`site_room`): room split
+    over nodes is no room for a STRICT_PACK group, which Ray would never place (issue 45, finding 5).
+    Pure, so refusals are tested with fake resources."""
     alive = [nd for nd in nodes if nd.get("Alive")]
     what = f"add-site c{new_cluster} ({request.replicas} replica(s))"
     if request.label is not None:
@@ -319,14 +339,24 @@ def add_site_problem(
                 f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
                 f"{', '.join(known) or 'none'}"
             )
-    room = sum(replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive)
+    per_node = [replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive]
+    room = site_room(per_node, strategy)
     if room < int(request.replicas or 0):
         where = f"label {request.label!r}'s nodes" if request.label is not None else "the live nodes"
+        how = {"STRICT_PACK": " on one node", "STRICT_SPREAD": ", one per node,"}.get(strategy, "")
         return (
-            f"{what}: no room: {where} have free resources for {room} replica(s) of "
-            f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each"
+            f"{what}: no room: {where} have free resources{how} for {room} replica(s) of "
+            f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each ({strategy} placement; "
+            f"{sum(per_node)} in all)"
         )
     return None
+
+
+def join_overdue(started_at: float, now: float, timeout_s: float) -> bool:
+    """An applied add-site not up `timeout_s` (supervisor.join_timeout_s) after it was started: abandoned,
+    so a site whose group is never placed (its replicas neither answer nor die) does not keep every later
+    add-site refused as "still starting". Monotonic seconds."""
+    return now - started_at >= timeout_s
 
 
 def round_holders(

@@ -204,11 +204,23 @@ def world(monkeypatch):
 
 CFG = OmegaConf.create(
     {
-        "supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1, "phase_timeout_s": 30.0},
+        "supervisor": {
+            "min_clusters": 1,
+            "min_replicas_per_cluster": 1,
+            "phase_timeout_s": 30.0,
+            "join_timeout_s": 600.0,
+        },
         "checkpoint": {"dir": None},
         "run": {"io_grace_s": 4.0},
         "faults": {"max_restarts": 3},
-        "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []},
+        "topology": {
+            "clusters": 2,
+            "replicas_per_cluster": 2,
+            "sites": [],
+            "cluster_labels": [],
+            "gpus_per_replica": 1,
+            "placement_strategy": "STRICT_PACK",
+        },
     }
 )
 
@@ -646,7 +658,6 @@ def test_a_labelled_site_of_k_rank_replicas_keeps_each_replica_in_one_bundle_on_
 
 
 # -- issue 45 finding 5: a site's room and its join deadline ---------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 5: room is summed over nodes whatever the strategy")
 def test_the_placement_strategy_a_new_site_is_checked_with_is_the_one_its_group_gets():
     assert placement.site_strategy(_placement_cfg(), None) == "STRICT_PACK"
     assert placement.site_strategy(_placement_cfg("SPREAD"), None) == "SPREAD"
@@ -656,7 +667,6 @@ def test_the_placement_strategy_a_new_site_is_checked_with_is_the_one_its_group_
     assert placement.site_strategy(_placement_cfg("NONE", k=2), None) == "PACK"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 5: a site that never comes up waits forever")
 def test_a_site_not_up_within_the_join_deadline_is_abandoned_its_group_released_and_a_later_add_site_goes_on(
     world, tmp_path, capsys
 ):
@@ -684,7 +694,6 @@ def test_a_site_not_up_within_the_join_deadline_is_abandoned_its_group_released_
     assert outcomes(tmp_path)[again.id]["outcome"] == APPLIED and outcomes(tmp_path)[again.id]["cluster"] == "c2"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 5: supervisor.join_timeout_s does not exist")
 def test_the_join_deadline_is_a_checked_config_key():
     from hsgd.config import ConfigError, HsgdConfig, validate
     from tests.fakes.configs import default_cfg

@@ -145,8 +145,9 @@ def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
     topology = Topology(3, 2)
     roster = _Roster(topology)
     cfg = SimpleNamespace(
-        supervisor=SimpleNamespace(min_clusters=min_clusters, min_replicas_per_cluster=1),
+        supervisor=SimpleNamespace(min_clusters=min_clusters, min_replicas_per_cluster=1, join_timeout_s=600.0),
         run=SimpleNamespace(io_grace_s=4.0),
+        topology=SimpleNamespace(placement_strategy="STRICT_PACK", gpus_per_replica=1, sites=[]),
     )
     return SiteChanges(cfg, str(tmp_path), topology, roster, _Log(events)), roster
 
@@ -353,17 +354,25 @@ def _add(replicas: int, label: str | None = None) -> SiteRequest:
     ],
 )
 def test_each_add_site_refusal_gives_one_line(request_, free, reason):
-    problem = add_site_problem(request_, nodes=_NODES, free=free, need=_NEED, new_cluster=3)
+    problem = add_site_problem(request_, nodes=_NODES, free=free, need=_NEED, new_cluster=3, strategy="PACK")
     assert problem is not None and problem.startswith("add-site c3 (") and reason in problem and "\n" not in problem
 
 
 def test_an_add_site_that_fits_has_no_problem():
     assert (
-        add_site_problem(_add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED, new_cluster=3) is None
+        add_site_problem(
+            _add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED, new_cluster=3, strategy="NONE"
+        )
+        is None
     )
     assert (
         add_site_problem(
-            _add(4), nodes=_NODES, free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}}, need=_NEED, new_cluster=3
+            _add(4),
+            nodes=_NODES,
+            free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}},
+            need=_NEED,
+            new_cluster=3,
+            strategy="PACK",
         )
         is None
     )
@@ -552,9 +561,6 @@ _TWO_NODES = [{"NodeID": "n1", "Alive": True, "Labels": {}}, {"NodeID": "n2", "A
 _SPLIT = {"n1": {"CPU": 4.0}, "n2": {"CPU": 4.0}}  # room for 2 + 2 replicas of CPU=2, none for 3 on one node
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 45 finding 5: add-site sums the room of every node for a STRICT_PACK group"
-)
 @pytest.mark.parametrize(
     "strategy, replicas, fits",
     [
