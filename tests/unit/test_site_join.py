@@ -702,3 +702,28 @@ def test_the_join_deadline_is_a_checked_config_key():
     for bad in (0, -1.0, 1e8):  # > 0 seconds, below what a sleep overflows at
         with pytest.raises(ConfigError, match=r"^supervisor\.join_timeout_s: "):
             validate(default_cfg(**{"supervisor.join_timeout_s": bad}))
+
+
+# -- issue 45 finding 9: a drain gives its site's room back ----------------------------------------------------
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 9: a drain keeps the site's placement group")
+def test_a_drain_releases_the_sites_placement_group_after_its_replicas_are_stopped(world, tmp_path):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "drain", "c1")
+    sites.at_round_start(3)
+    assert roster.drained_clusters == {1}
+    assert world.groups_removed == ["hsgd:run1:site-c1"]  # the driver's group of c1, named for the run
+    # a resumed run keeps c1 drained: its driver placed c1 again, released at the first round's start
+    # (not in the constructor: the driver's start-up calls to c1's replicas may still be in flight)
+    world.groups_removed.clear()
+    resumed, _ = _supervisor(tmp_path, events, SimpleNamespace(run_id="run2", replica_indices={}, identity={}))
+    assert world.groups_removed == []
+    resumed.at_round_start(4)
+    assert world.groups_removed == ["hsgd:run2:site-c1"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 9: the driver's groups are not named for the run")
+def test_the_drivers_cluster_groups_are_named_for_the_run_so_a_drain_finds_its_own():
+    specs = placement.group_specs(_placement_cfg(), 0.0, run_id="run1")
+    assert [s["name"] for s in specs] == [placement.site_group_name("run1", c) for c in range(2)]
+    assert placement.site_group_name("run1", 1) == site_changes.site_group_name("run1", 1) == "hsgd:run1:site-c1"
