@@ -172,7 +172,7 @@ def _start(run: Run):
     faults = startup.startup_faults(cfg, state, topo, resume_from) if calls_at_start else {}
     state.write(run.run_dir)
     # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
-    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s)
+    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s, run_id=run.run_id)
     container = OmegaConf.to_container(cfg, resolve=True)
     replicas, spares = startup.start_replicas(
         cfg, topo, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}

@@ -54,9 +54,23 @@ def replica_resources(cfg: Any, gpus: float) -> dict:
     return replica_need(cfg, rank_resources(cfg, gpus))
 
 
-def group_specs(cfg: Any, gpus: float) -> list[dict]:
+def site_group_name(run_id: str, cluster: int) -> str:
+    """The placement group of cluster `cluster` in run `run_id`: the driver's (`ClusterPlacement`) and an
+    added site's (`site_options`) alike, so a drain finds and releases its site's group by name (a
+    drained index is never reused, so no two sites of a run share one)."""
+    return f"hsgd:{run_id}:site-c{cluster}"
+
+
+def release_site_group(run_id: str, cluster: int) -> None:
+    """A drained or abandoned site's placement group removed, its resources free for the next add-site
+    (issue 45, finding 9); best effort: none by that name (no group: labels, NONE) is nothing to do."""
+    remove_site_group(site_group_name(run_id, cluster))
+
+
+def group_specs(cfg: Any, gpus: float, run_id: str | None = None) -> list[dict]:
     """The placement group of each cluster, as keyword arguments of ray's `placement_group` (no group
-    at all: []): one bundle per replica, then one per hot spare. Pure, so it is tested without Ray."""
+    at all: []): one bundle per replica, then one per hot spare, named for the run (`site_group_name`;
+    no `run_id`: `hsgd-cluster-<c>`). Pure, so it is tested without Ray."""
     topo, strategy, ranks = topology_of(cfg), cfg.topology.placement_strategy, ranks_per_replica(cfg)
     bundle = replica_resources(cfg, gpus)
     if not any(v > 0 for v in bundle.values()):
@@ -69,7 +83,7 @@ def group_specs(cfg: Any, gpus: float) -> list[dict]:
         n = topo.size(c) + cfg.topology.spares_per_cluster  # replicas, then hot spares
         spec = {
             "bundles": [dict(bundle) for _ in range(n)],
-            "name": f"hsgd-cluster-{c}",
+            "name": f"hsgd-cluster-{c}" if run_id is None else site_group_name(run_id, c),
             # k ranks need their bundle even where the cluster asked no strategy: PACK is the loosest
             "strategy": "PACK" if strategy == "NONE" or labelled else strategy,
         }
@@ -187,10 +201,10 @@ class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for each rank actor of
     replica i of c (with gpus_per_replica=1 the one actor is the replica)."""
 
-    def __init__(self, cfg: Any, gpus: float, timeout_s: float):
+    def __init__(self, cfg: Any, gpus: float, timeout_s: float, run_id: str | None = None):
         self.rank = rank_resources(cfg, gpus)  # what one actor asks; its replica's bundle holds k of these
         self.topology = topo = topology_of(cfg)
-        specs = group_specs(cfg, gpus)
+        specs = group_specs(cfg, gpus, run_id)
         self.groups = [placement_group(**spec) for spec in specs]
         if not self.groups:
             return

@@ -2,7 +2,8 @@
 decisions, applied once): `drain` and `add-site`.
 
 Drain c at round r's start (its replicas are idle, between rounds): the outcome is written first,
-then c's replicas and hot spares are stopped with no restart. That is no failure: the roster sets
+then c's replicas and hot spares are stopped with no restart and its placement group (the driver's or its
+own, `site_group_name`) released, so its room serves a later add-site. That is no failure: the roster sets
 them aside (never `missing`, never promoted over, never probed by the round machine) and Ray's
 actor table reports their deaths to nobody (Roster.deaths skips a drained cluster), so no
 `replica_down`, fault count, restart or quorum quarantine follows; nothing is rolled back. The
@@ -79,6 +80,7 @@ from pathlib import Path
 import ray
 from omegaconf import OmegaConf
 
+from actors.placement import site_group_name
 from actors.roster import lookup, replica_actor_name, restarts_exhausted
 from hsgd.core.round import current_round
 from hsgd.core.site_requests import (
@@ -134,10 +136,6 @@ def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> To
         drained(done),
         abandoned(run_dir) if done else {},
     )
-
-
-def site_group_name(run_id: str, cluster: int) -> str:
-    return f"hsgd:{run_id}:site-c{cluster}"
 
 
 def with_joined_replicas(run_dir: str, run_id: str, replicas: list[str]) -> list[str]:
@@ -220,6 +218,7 @@ class SiteChanges:
         self.joining: Joining | None = None
         self.drained = drained(self.done)  # cluster -> the round at whose start it left
         self.to_stop: list = []  # drained sites' actors set aside, to be killed at the first round's start
+        self.to_release: list[int] = []  # drained sites whose placement group goes once their actors are stopped
         # a restarted supervisor (Ray re-runs this constructor with the same arguments, a resume's
         # `resume_round` too) takes over a round its predecessor may have started: requests wait for
         # the next round's start, so a drain lets the site finish that round
@@ -587,14 +586,13 @@ class SiteChanges:
         """Give the site up: its replicas and placement group stopped first, then `<id>.abandoned`
         (a supervisor restarted in between starts it again: a fresh try); a later add-site may go on.
         Nothing of the other sites is touched."""
-        from actors.placement import remove_site_group
+        from actors.placement import release_site_group
 
         name = f"c{joining.cluster}"
         for handle in joining.handles.values():
             with contextlib.suppress(Exception):  # already gone: stopped all the same
                 ray.kill(handle, no_restart=True)
-        with contextlib.suppress(Exception):
-            remove_site_group(site_group_name(self.run_id, joining.cluster))
+        release_site_group(self.run_id, joining.cluster)
         self.abandoned[joining.request_id] = self._io(
             lambda: mark_abandoned(self.run_dir, joining.request_id, name, round_index, reason, self.run_id),
             "recording an abandoned site",
@@ -651,15 +649,22 @@ class SiteChanges:
             self.to_stop.append(roster.spares.handles.get(name))
             roster.spares.ready.discard(name)
             roster.spares.handles[name] = None  # never asked again
+        self.to_release.append(cluster)
         if now:
             self._stop_set_aside()
 
     def _stop_set_aside(self) -> None:
+        """Kill the set-aside actors, then release their sites' placement groups (issue 45, finding 9: the
+        room goes back to the Ray cluster, e.g. for an add-site in the drained site's place)."""
+        from actors.placement import release_site_group
+
         for handle in self.to_stop:
             if handle is not None:
                 with contextlib.suppress(Exception):  # already gone: stopped all the same
                     ray.kill(handle, no_restart=True)
-        self.to_stop = []
+        for cluster in self.to_release:
+            release_site_group(self.run_id, cluster)
+        self.to_stop, self.to_release = [], []
 
     def _report(self, record: dict) -> None:
         self.log.event(
