@@ -225,16 +225,16 @@ CFG = OmegaConf.create(
 )
 
 
-def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None, **kw):
+def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None, cfg=CFG, **kw):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
-    topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
+    topology = site_changes.topology_of_run(cfg, state.replica_indices, str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
     if not state.identity:
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
     roster = _Roster(topology, state.identity)
     saves = []
     return SiteChanges(
-        CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round, **kw
+        cfg, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round, **kw
     ), roster
 
 
@@ -726,3 +726,48 @@ def test_the_drivers_cluster_groups_are_named_for_the_run_so_a_drain_finds_its_o
     specs = placement.group_specs(_placement_cfg(), 0.0, run_id="run1")
     assert [s["name"] for s in specs] == [placement.site_group_name("run1", c) for c in range(2)]
     assert placement.site_group_name("run1", 1) == site_changes.site_group_name("run1", 1) == "hsgd:run1:site-c1"
+
+
+# -- issue 45 finding 10: a resume with fewer clusters than an added site needs ----------------------------------
+def _clusters(n: int):
+    return OmegaConf.merge(CFG, {"topology": {"clusters": n}})
+
+
+def _resumed(n: int) -> SimpleNamespace:
+    return SimpleNamespace(run_id="run2", replica_indices={}, identity={})
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 45 finding 10: the site is dropped late, a later add-site applied, never started"
+)
+def test_a_resume_too_small_for_an_added_site_says_so_once_before_any_actor_and_a_later_add_site_is_refused(
+    world, tmp_path, capsys
+):
+    _added_in_an_earlier_run(tmp_path, drain_c2=False)  # run1: c0, c1 configured; c2 (2), c3 (1) added
+    # the resume configures one cluster: c2 and c3 start only right after c1, which this run lacks
+    line = site_changes.resume_notice(str(tmp_path), clusters=1)
+    assert line is not None and "\n" not in line and "c2" in line and "c3" in line and "topology" in line
+    events: list[dict] = []
+    resumed, roster = _supervisor(tmp_path, events, _resumed(1), cfg=_clusters(1))
+    assert resumed.topology.clusters == 1 and world.started == []  # nothing started, nothing said again
+    later = write_request(tmp_path, "add-site", replicas=1, now=10.0)
+    resumed.at_round_start(9)
+    assert outcomes(tmp_path)[later.id]["outcome"] == REFUSED, "applied, though it can never start"
+    assert world.started == [] and resumed.topology.clusters == 1
+    assert "not started" not in capsys.readouterr().err  # the driver's line was the one line
+    # a resume that configures the sites before them starts them: no line
+    assert site_changes.resume_notice(str(tmp_path), clusters=2) is None
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45 finding 10: a drained added site crashes a resume of another size")
+def test_a_resume_of_another_size_with_a_drained_added_site_builds_its_topology(world, tmp_path):
+    _added_in_an_earlier_run(tmp_path, drain_c2=True)  # c2 added then drained, c3 added
+    # one cluster: c2 and c3 cannot start (c3's line only: c2 is drained, it never trains again)
+    line = site_changes.resume_notice(str(tmp_path), clusters=1)
+    assert line is not None and "c3" in line and "c2" not in line
+    resumed, _ = _supervisor(tmp_path, [], _resumed(1), cfg=_clusters(1))
+    assert resumed.topology.clusters == 1 and world.started == []
+    # three clusters: the config's c2 is the drained one's index, kept drained; c3 starts after it
+    resumed, roster = _supervisor(tmp_path, [], _resumed(3), cfg=_clusters(3))
+    assert resumed.topology.clusters == 3 and roster.drained_clusters == {2}
+    assert [s[0] for s in world.started] == ["hsgd:run2:c3r0"]
