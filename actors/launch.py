@@ -141,6 +141,7 @@ def _start(run: Run):
 
     from actors import startup
     from actors.placement import ClusterPlacement, check_cluster
+    from actors.site_changes import resume_notice
     from actors.supervisor import Supervisor, supervisor_actor_name
 
     cfg, resume_from = run.cfg, run.resume_from
@@ -152,6 +153,8 @@ def _start(run: Run):
         print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
     # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
     topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
+    if resume_from is not None and (notice := resume_notice(run.run_dir, topo.clusters)):
+        print(f"[hsgd] {notice}", flush=True)  # before any actor starts (issue 45, finding 10)
     ctx = ray.get_runtime_context()
     run.info = {
         "run_id": run.run_id,

@@ -48,12 +48,16 @@ applied one is the new cluster c<K> (`next_cluster`: a drained site's index is n
               keeps its index in the topology, its replicas never started); each replica the resumed
               checkpoint holds loads its own state, and the first round's start waits for them (up
               to `supervisor.phase_timeout_s`): the site joins at the resume round, as it left off.
+              A site past a gap (the resume's config has fewer clusters than it came after) is
+              `stranded`: never started; the driver said so before any actor started
+              (`resume_notice`), and an add-site that could not start is refused.
 A restarted supervisor builds its topology with every joined site (`topology_of_run`), finds a
 joined site's actors by name, and, for an applied site not joined yet, finds (or, if the crash
 came before they were started, starts) its replicas and waits for them again. The driver stops
 the detached replicas and groups at the run's end (`stop_joined_sites`). The re-creation count
-lives in memory: a restarted supervisor's starts again. Not handled: a new replica that never
-answers and never dies keeps the site waiting (the run goes on); a joined site's replica
+lives in memory: a restarted supervisor's starts again. A site not all up (or lost) within
+`supervisor.join_timeout_s` of its start (a replica that never answers and never dies: its group
+never placed) is abandoned the same way (`join_overdue`). Not handled: a joined site's replica
 re-created by quarantine starts with the run's config as written.
 
 A restarted supervisor decides no request at the first round's start it sees: that round may be one
@@ -105,6 +109,8 @@ from hsgd.core.site_requests import (
     outcomes,
     pending,
     round_holders,
+    site_queue,
+    stranded_notice,
     widened_sites,
 )
 from hsgd.core.topology import Topology, topology_of
@@ -136,6 +142,13 @@ def topology_of_run(cfg, replica_indices: dict, run_dir: str, run_id: str) -> To
         drained(done),
         abandoned(run_dir) if done else {},
     )
+
+
+def resume_notice(run_dir: str, clusters: int) -> str | None:
+    """The driver of a resumed run whose config has `clusters` clusters, before any actor starts: one line
+    when an added site cannot start in this run (hsgd/core/site_requests.py `stranded_notice`), else None."""
+    done = outcomes(run_dir)
+    return stranded_notice(clusters, done, abandoned(run_dir), drained(done)) if done else None
 
 
 def with_joined_replicas(run_dir: str, run_id: str, replicas: list[str]) -> list[str]:
@@ -235,14 +248,11 @@ class SiteChanges:
                 self._report(record)
         # applied sites not in the topology yet, in the order added: the one starting (a restart) or,
         # in a resumed run, every one not drained before it (each starts once the one before joined)
-        self.queued: list[Outcome] = []
+        # (`stranded`: past a gap, a resume with fewer clusters: the driver said so, never started here)
+        self.queued, self.stranded = site_queue(topology.clusters, self.done, self.abandoned)
         for record in applied_sites(self.done):
-            if record.id in self.abandoned:
-                continue  # stopped for good (its index may serve a later site)
-            if record.cluster < topology.clusters:
+            if record.id not in self.abandoned and record.cluster < topology.clusters:
                 self._adopt(record.cluster)
-            else:
-                self.queued.append(record)
         self.resume_round = resume_round if first else None  # a restart's site loaded already
         self._next_queued()
 
@@ -314,6 +324,14 @@ class SiteChanges:
         if request.problem:
             return Decision(REFUSED, request.problem, None)
         new = next_cluster(self.topology.clusters, self.done, self.abandoned)
+        if self.joining is None and new != self.topology.clusters:  # applied, it would never start
+            return Decision(
+                REFUSED,
+                f"add-site c{new}: it could never start in this run: added site(s) before it "
+                f"({', '.join(d.site for d in self.stranded) or '?'}) are not in its topology of "
+                f"{self.topology.clusters} cluster(s); resume with them configured to add a site",
+                None,
+            )
         if self.joining is not None:
             return Decision(
                 REFUSED,
@@ -415,6 +433,12 @@ class SiteChanges:
         while self.queued and self.joining is None:
             record = self.queued.pop(0)
             c = record.cluster
+            if c != self.topology.clusters:  # one before it was abandoned: it and those after are stranded
+                self.stranded += [record, *self.queued]
+                self.queued = []
+                names = ", ".join(d.site for d in self.stranded)
+                self._say(f"site(s) {names} not started: the next cluster is c{self.topology.clusters}")
+                return
             if c in self.drained:
                 if c == self.topology.clusters:
                     self.topology = self.roster.topology = self.topology.with_site(

@@ -511,14 +511,42 @@ def joined_topology(
     another was still starting, which `SiteChanges` refuses)."""
     topology = base
     for d in applied_sites(done):
-        if d.id in abandoned_ids:
-            continue
-        if d.id not in joined_ids and d.cluster not in drained_clusters:
-            break
-        if d.cluster != topology.clusters:
-            raise ValueError(f"joined site {d.site} is not the next cluster c{topology.clusters}")
+        if d.id in abandoned_ids or d.cluster < topology.clusters:
+            continue  # given up; or a resume whose config has a site at its index (drained stays drained)
+        if d.cluster != topology.clusters or (d.id not in joined_ids and d.cluster not in drained_clusters):
+            break  # a gap (a resume with fewer clusters: `site_queue`'s stranded), or one to start again
         topology = topology.with_site(d.replicas, label=d.label, name=d.name)
     return topology
+
+
+def site_queue(clusters: int, done: dict[str, dict], abandoned_ids=()) -> tuple[list[Outcome], list[Outcome]]:
+    """The applied add-sites past a topology of `clusters` clusters (not abandoned), in the order added,
+    split: (queue, stranded). `queue`: those it can take, each the next index (a resumed run starts them
+    one after the other; a drained one only keeps its index). `stranded`: those after a gap, a resume
+    whose config has fewer clusters than the sites added before them: never started in this run (a
+    site's index is its data streams and its place in the record, so it is never renumbered)."""
+    queue: list[Outcome] = []
+    stranded: list[Outcome] = []
+    for d in applied_sites(done):
+        if d.id in abandoned_ids or d.cluster < clusters:
+            continue
+        (queue if not stranded and d.cluster == clusters + len(queue) else stranded).append(d)
+    return queue, stranded
+
+
+def stranded_notice(clusters: int, done: dict[str, dict], abandoned_ids=(), drained_clusters=()) -> str | None:
+    """One line for a resume that cannot start an added site (`site_queue`'s stranded, a drained one not
+    named: it never trains again), said before any actor starts; None when every one can start."""
+    _, stranded = site_queue(clusters, done, abandoned_ids)
+    named = [d.site for d in stranded if d.cluster not in drained_clusters]
+    if not named:
+        return None
+    need = stranded[0].cluster
+    return (
+        f"train.resume: added site(s) {', '.join(named)} not started in this run: they come after "
+        f"c0..c{need - 1}, and this config has {clusters} cluster(s); resume with {need} (topology.clusters or "
+        f"topology.sites) to train with them. An add-site in this run is refused (it could never start)"
+    )
 
 
 SITE_KEYS = (

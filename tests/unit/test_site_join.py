@@ -737,9 +737,6 @@ def _resumed(n: int) -> SimpleNamespace:
     return SimpleNamespace(run_id="run2", replica_indices={}, identity={})
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 45 finding 10: the site is dropped late, a later add-site applied, never started"
-)
 def test_a_resume_too_small_for_an_added_site_says_so_once_before_any_actor_and_a_later_add_site_is_refused(
     world, tmp_path, capsys
 ):
@@ -759,7 +756,6 @@ def test_a_resume_too_small_for_an_added_site_says_so_once_before_any_actor_and_
     assert site_changes.resume_notice(str(tmp_path), clusters=2) is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 10: a drained added site crashes a resume of another size")
 def test_a_resume_of_another_size_with_a_drained_added_site_builds_its_topology(world, tmp_path):
     _added_in_an_earlier_run(tmp_path, drain_c2=True)  # c2 added then drained, c3 added
     # one cluster: c2 and c3 cannot start (c3's line only: c2 is drained, it never trains again)
@@ -771,3 +767,19 @@ def test_a_resume_of_another_size_with_a_drained_added_site_builds_its_topology(
     resumed, roster = _supervisor(tmp_path, [], _resumed(3), cfg=_clusters(3))
     assert resumed.topology.clusters == 3 and roster.drained_clusters == {2}
     assert [s[0] for s in world.started] == ["hsgd:run2:c3r0"]
+
+
+def test_a_resumed_site_abandoned_before_the_next_strands_those_after_it_and_no_add_site_is_applied_unstarted(
+    world, tmp_path, capsys
+):
+    _added_in_an_earlier_run(tmp_path, drain_c2=False)
+    now = [0.0]
+    resumed, _ = _supervisor(tmp_path, [], _resumed(2), clock=lambda: now[0])
+    assert [s[0] for s in world.started] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"]
+    now[0] = 600.0  # c2 never comes up: abandoned; c3 cannot take index 3 after c1
+    assert resumed.at_round_start(9).clusters == 2
+    assert "site(s) c3 not started: the next cluster is c2" in capsys.readouterr().err
+    later = write_request(tmp_path, "add-site", replicas=1, now=10.0)
+    resumed.at_round_start(10)
+    assert outcomes(tmp_path)[later.id]["outcome"] == REFUSED and "c3" in outcomes(tmp_path)[later.id]["reason"]
+    assert [s[0] for s in world.started] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"]
