@@ -141,8 +141,8 @@ def _start(run: Run):
 
     from actors import startup
     from actors.placement import ClusterPlacement, check_cluster
-    from actors.site_changes import resume_notice
     from actors.supervisor import Supervisor, supervisor_actor_name
+    from hsgd.core.site_plan import resume_notice
 
     cfg, resume_from = run.cfg, run.resume_from
     # what only the cluster knows, before any actor starts: ConfigError (one line, exit 2)

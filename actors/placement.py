@@ -67,6 +67,27 @@ def release_site_group(run_id: str, cluster: int) -> None:
     remove_site_group(site_group_name(run_id, cluster))
 
 
+def cluster_resources(cfg: Any) -> tuple[list[dict], dict[str, dict], dict]:
+    """Ray's node table, each live node's free resources (NodeID -> {resource: amount}), and one
+    replica's bundle as this run places it: what an add-site's room is checked with. Raises whatever
+    Ray raises when its tables cannot be read."""
+    from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public per-node view
+
+    nodes = ray.nodes()
+    gpus = plan_backends(cfg, [nd for nd in nodes if nd.get("Alive")]).gpus_per_rank
+    return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus))
+
+
+def site_backends(cfg: Any, replica_info: dict) -> dict:
+    """The levels' backends for a new site's replicas: as the run's replicas report them (`replica_info`:
+    rid -> {backends}), else as the driver planned them."""
+    known = next((info["backends"] for info in replica_info.values() if info.get("backends")), None)
+    if known:
+        return dict(known)
+    plan = plan_backends(cfg, [nd for nd in ray.nodes() if nd.get("Alive")])
+    return {"inner": plan.inner, "outer": plan.outer}
+
+
 def group_specs(cfg: Any, gpus: float, run_id: str | None = None) -> list[dict]:
     """The placement group of each cluster, as keyword arguments of ray's `placement_group` (no group
     at all: []): one bundle per replica, then one per hot spare, named for the run (`site_group_name`;

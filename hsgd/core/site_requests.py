@@ -97,6 +97,9 @@ class SiteRequest:
     label: str | None = None  # add-site: the node label it is placed by (None: its own placement group)
     name: str | None = None  # add-site: its name (topology.sites[].name)
 
+    def __post_init__(self) -> None:  # a kind given as its string is the enum member: `is` compares it
+        object.__setattr__(self, "kind", _kind(self.kind) or self.kind)
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -16,6 +16,7 @@ import actors.placement as placement
 import actors.site_changes as site_changes
 import actors.startup as startup
 from actors.site_changes import SiteChanges
+from hsgd.core import site_plan
 from hsgd.core.site_requests import (
     APPLIED,
     REFUSED,
@@ -385,11 +386,11 @@ def test_a_join_whose_record_cannot_be_written_waits_for_a_later_round(world, tm
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    written = site_changes.mark_joined
-    monkeypatch.setattr(site_changes, "mark_joined", full_disk)
+    written = site_plan.mark_joined
+    monkeypatch.setattr(site_plan, "mark_joined", full_disk)
     assert sites.at_round_start(4).clusters == 2 and "c2r0" not in roster.live  # not joined, the run goes on
     assert "retried next round" in capsys.readouterr().err
-    monkeypatch.setattr(site_changes, "mark_joined", written)  # the disk is back
+    monkeypatch.setattr(site_plan, "mark_joined", written)  # the disk is back
     assert (
         sites.at_round_start(5).clusters == 3
         and json.loads(next(requests_dir(tmp_path).glob("*.joined")).read_text())["round"] == 5
@@ -742,7 +743,7 @@ def test_a_resume_too_small_for_an_added_site_says_so_once_before_any_actor_and_
 ):
     _added_in_an_earlier_run(tmp_path, drain_c2=False)  # run1: c0, c1 configured; c2 (2), c3 (1) added
     # the resume configures one cluster: c2 and c3 start only right after c1, which this run lacks
-    line = site_changes.resume_notice(str(tmp_path), clusters=1)
+    line = site_plan.resume_notice(str(tmp_path), clusters=1)
     assert line is not None and "\n" not in line and "c2" in line and "c3" in line and "topology" in line
     events: list[dict] = []
     resumed, roster = _supervisor(tmp_path, events, _resumed(1), cfg=_clusters(1))
@@ -753,13 +754,13 @@ def test_a_resume_too_small_for_an_added_site_says_so_once_before_any_actor_and_
     assert world.started == [] and resumed.topology.clusters == 1
     assert "not started" not in capsys.readouterr().err  # the driver's line was the one line
     # a resume that configures the sites before them starts them: no line
-    assert site_changes.resume_notice(str(tmp_path), clusters=2) is None
+    assert site_plan.resume_notice(str(tmp_path), clusters=2) is None
 
 
 def test_a_resume_of_another_size_with_a_drained_added_site_builds_its_topology(world, tmp_path):
     _added_in_an_earlier_run(tmp_path, drain_c2=True)  # c2 added then drained, c3 added
     # one cluster: c2 and c3 cannot start (c3's line only: c2 is drained, it never trains again)
-    line = site_changes.resume_notice(str(tmp_path), clusters=1)
+    line = site_plan.resume_notice(str(tmp_path), clusters=1)
     assert line is not None and "c3" in line and "c2" not in line
     resumed, _ = _supervisor(tmp_path, [], _resumed(1), cfg=_clusters(1))
     assert resumed.topology.clusters == 1 and world.started == []

@@ -475,7 +475,7 @@ def test_drill_add_site_writes_the_same_request(tmp_path):
 def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_run_going(
     tmp_path, monkeypatch, capsys
 ):
-    from actors import site_changes
+    from hsgd.core import site_plan
 
     events: list[dict] = []
     sites, roster = _supervisor(tmp_path, events)
@@ -484,7 +484,7 @@ def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(site_changes, "mark_done", full_disk)
+    monkeypatch.setattr(site_plan, "mark_done", full_disk)
     sites.at_round_start(3)  # no exception: the run goes on
     assert roster.drained_clusters == set() and not [e for e in events if e["event"] == "site_request"]
     assert "site requests not read at round 3" in capsys.readouterr().err
