@@ -35,7 +35,8 @@ check.
 
 add-site refusals (`add_site_problem`, pure, fed the live nodes and their free resources): a label
 that no live node carries, and no room: the free resources of the nodes the site may use (its
-label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node.
+label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node,
+placed the way its group places them (`site_room`: a STRICT_PACK group on ONE node).
 """
 
 from __future__ import annotations
