@@ -22,7 +22,7 @@ from actors.roster import replica_actor_name
 from actors.supervisor import supervisor_actor_name
 from hsgd.config import validate
 from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
-from hsgd.core.site_requests import RequestError, write_request
+from hsgd.core.site_requests import RequestError, RequestKind, write_request
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_jsonl, write_deadline_s, write_fault_fired
 from hsgd.record.rundir import read_json as _read_json
@@ -186,7 +186,7 @@ class Drill:
         """Ask the run to drain `cluster` (c<k>) at its next round's start: one request file in
         run_dir/requests/, exactly as `python -m jobs.status <run> drain-site c<k>`; its id."""
         try:
-            return write_request(self.run_dir, "drain", cluster).id
+            return write_request(self.run_dir, RequestKind.DRAIN, cluster).id
         except RequestError as err:
             raise DrillError(str(err)) from err
 
@@ -195,7 +195,7 @@ class Drill:
         placement group) at its next round's start: one request file, exactly as `python -m jobs.status
         <run> add-site replicas=N [label=L] [name=S]`; its id. DrillError on fields that cannot be valid."""
         try:
-            return write_request(self.run_dir, "add-site", replicas=replicas, label=label, name=name).id
+            return write_request(self.run_dir, RequestKind.ADD_SITE, replicas=replicas, label=label, name=name).id
         except RequestError as err:
             raise DrillError(str(err)) from err
 

@@ -142,6 +142,7 @@ def _start(run: Run):
     from actors import startup
     from actors.placement import ClusterPlacement, check_cluster
     from actors.supervisor import Supervisor, supervisor_actor_name
+    from hsgd.core.site_plan import resume_notice
 
     cfg, resume_from = run.cfg, run.resume_from
     # what only the cluster knows, before any actor starts: ConfigError (one line, exit 2)
@@ -152,6 +153,8 @@ def _start(run: Run):
         print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
     # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
     topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
+    if resume_from is not None and (notice := resume_notice(run.run_dir, topo.clusters)):
+        print(f"[hsgd] {notice}", flush=True)  # before any actor starts (issue 45, finding 10)
     ctx = ray.get_runtime_context()
     run.info = {
         "run_id": run.run_id,
@@ -172,7 +175,7 @@ def _start(run: Run):
     faults = startup.startup_faults(cfg, state, topo, resume_from) if calls_at_start else {}
     state.write(run.run_dir)
     # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
-    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s)
+    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s, run_id=run.run_id)
     container = OmegaConf.to_container(cfg, resolve=True)
     replicas, spares = startup.start_replicas(
         cfg, topo, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}

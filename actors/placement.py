@@ -54,9 +54,44 @@ def replica_resources(cfg: Any, gpus: float) -> dict:
     return replica_need(cfg, rank_resources(cfg, gpus))
 
 
-def group_specs(cfg: Any, gpus: float) -> list[dict]:
+def site_group_name(run_id: str, cluster: int) -> str:
+    """The placement group of cluster `cluster` in run `run_id`: the driver's (`ClusterPlacement`) and an
+    added site's (`site_options`) alike, so a drain finds and releases its site's group by name (a
+    drained index is never reused, so no two sites of a run share one)."""
+    return f"hsgd:{run_id}:site-c{cluster}"
+
+
+def release_site_group(run_id: str, cluster: int) -> None:
+    """A drained or abandoned site's placement group removed, its resources free for the next add-site
+    (issue 45, finding 9); best effort: none by that name (no group: labels, NONE) is nothing to do."""
+    remove_site_group(site_group_name(run_id, cluster))
+
+
+def cluster_resources(cfg: Any) -> tuple[list[dict], dict[str, dict], dict]:
+    """Ray's node table, each live node's free resources (NodeID -> {resource: amount}), and one
+    replica's bundle as this run places it: what an add-site's room is checked with. Raises whatever
+    Ray raises when its tables cannot be read."""
+    from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public per-node view
+
+    nodes = ray.nodes()
+    gpus = plan_backends(cfg, [nd for nd in nodes if nd.get("Alive")]).gpus_per_rank
+    return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus))
+
+
+def site_backends(cfg: Any, replica_info: dict) -> dict:
+    """The levels' backends for a new site's replicas: as the run's replicas report them (`replica_info`:
+    rid -> {backends}), else as the driver planned them."""
+    known = next((info["backends"] for info in replica_info.values() if info.get("backends")), None)
+    if known:
+        return dict(known)
+    plan = plan_backends(cfg, [nd for nd in ray.nodes() if nd.get("Alive")])
+    return {"inner": plan.inner, "outer": plan.outer}
+
+
+def group_specs(cfg: Any, gpus: float, run_id: str | None = None) -> list[dict]:
     """The placement group of each cluster, as keyword arguments of ray's `placement_group` (no group
-    at all: []): one bundle per replica, then one per hot spare. Pure, so it is tested without Ray."""
+    at all: []): one bundle per replica, then one per hot spare, named for the run (`site_group_name`;
+    no `run_id`: `hsgd-cluster-<c>`). Pure, so it is tested without Ray."""
     topo, strategy, ranks = topology_of(cfg), cfg.topology.placement_strategy, ranks_per_replica(cfg)
     bundle = replica_resources(cfg, gpus)
     if not any(v > 0 for v in bundle.values()):
@@ -69,7 +104,7 @@ def group_specs(cfg: Any, gpus: float) -> list[dict]:
         n = topo.size(c) + cfg.topology.spares_per_cluster  # replicas, then hot spares
         spec = {
             "bundles": [dict(bundle) for _ in range(n)],
-            "name": f"hsgd-cluster-{c}",
+            "name": f"hsgd-cluster-{c}" if run_id is None else site_group_name(run_id, c),
             # k ranks need their bundle even where the cluster asked no strategy: PACK is the loosest
             "strategy": "PACK" if strategy == "NONE" or labelled else strategy,
         }
@@ -133,6 +168,16 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
     return sorted(name for name, exists in answers.items() if exists is None)
 
 
+def site_strategy(cfg: Any, label: str | None) -> str:
+    """How `site_options` places a joining site's replicas: "NONE" when each replica is placed on its own
+    (by its label, or anywhere), else its placement group's strategy (k ranks need their one bundle even
+    with a label or no strategy: PACK). The add-site room check counts room the same way."""
+    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
+    if ranks == 1 and (label is not None or strategy == "NONE"):
+        return "NONE"
+    return "PACK" if strategy == "NONE" or label is not None else strategy
+
+
 def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_name: str) -> list[dict]:
     """Ray options for each replica of a site joining a running run (actors/site_changes.py), placed the
     way `ClusterPlacement` places a cluster: by its `label`, else in a placement group of its own
@@ -141,10 +186,10 @@ def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_
     the run's end. Asynchronous: Ray places the replicas once the group is ready, nobody waits here."""
     rank, bundle = rank_resources(cfg, gpus), replica_resources(cfg, gpus)
     opts: dict = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0)}
-    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
-    if label is not None and ranks == 1:
+    strategy = site_strategy(cfg, label)
+    if strategy == "NONE" and label is not None:
         return [{**opts, "label_selector": {LABEL_KEY: str(label)}} for _ in range(replicas)]
-    if (strategy == "NONE" and ranks == 1) or not any(v > 0 for v in bundle.values()):
+    if strategy == "NONE" or not any(v > 0 for v in bundle.values()):
         return [dict(opts) for _ in range(replicas)]
     try:
         group = get_placement_group(group_name)  # a predecessor's, for the same site
@@ -153,7 +198,7 @@ def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_
             [dict(bundle) for _ in range(replicas)],
             name=group_name,
             lifetime="detached",
-            strategy="PACK" if strategy == "NONE" or label is not None else strategy,
+            strategy=strategy,
             **({"bundle_label_selector": [{LABEL_KEY: str(label)}] * replicas} if label is not None else {}),
         )
     return [
@@ -177,10 +222,10 @@ class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for each rank actor of
     replica i of c (with gpus_per_replica=1 the one actor is the replica)."""
 
-    def __init__(self, cfg: Any, gpus: float, timeout_s: float):
+    def __init__(self, cfg: Any, gpus: float, timeout_s: float, run_id: str | None = None):
         self.rank = rank_resources(cfg, gpus)  # what one actor asks; its replica's bundle holds k of these
         self.topology = topo = topology_of(cfg)
-        specs = group_specs(cfg, gpus)
+        specs = group_specs(cfg, gpus, run_id)
         self.groups = [placement_group(**spec) for spec in specs]
         if not self.groups:
             return

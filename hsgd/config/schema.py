@@ -217,6 +217,10 @@ class SupervisorConfig:
     quorum_wait_s: float = seconds(60.0)
     rejoin: str = one_of("fast", ("fast", "boundary"))  # a restarted replica joins inside the round, or at the next
     rejoin_wait_s: float = seconds_or_zero(30.0)  # boundary: wait this long for a restarting replica
+    # an added site not up this long after it was started is abandoned (site_abandoned, its group released):
+    # its placement group waits for room (quorum_wait_s), each replica starts (call_timeout_s), and a resumed
+    # site loads its checkpoint (phase_timeout_s): 420 s at the defaults, and some margin for a cold node
+    join_timeout_s: float = seconds(600.0)
 
 
 @dataclass

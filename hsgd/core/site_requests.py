@@ -35,7 +35,8 @@ check.
 
 add-site refusals (`add_site_problem`, pure, fed the live nodes and their free resources): a label
 that no live node carries, and no room: the free resources of the nodes the site may use (its
-label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node.
+label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node,
+placed the way its group places them (`site_room`: a STRICT_PACK group on ONE node).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
@@ -53,7 +55,29 @@ from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
-KINDS = ("drain", "add-site")
+
+
+class RequestKind(str, Enum):
+    """What a request asks; its value is the `kind` in the request and outcome files (the public contract)."""
+
+    DRAIN = "drain"
+    ADD_SITE = "add-site"
+
+    def __str__(self) -> str:  # the file's string in messages and JSON, on every Python version
+        return self.value
+
+    __format__ = str.__format__
+
+
+def _kind(value) -> RequestKind | None:
+    """The kind a request file names, or None for one no kind has."""
+    try:
+        return RequestKind(value)
+    except ValueError:
+        return None
+
+
+_VALID_KINDS = "|".join(k.value for k in RequestKind)
 APPLIED, REFUSED = "applied", "refused"
 _CLUSTER = re.compile(r"^c(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a site's name or label: one token
@@ -66,7 +90,7 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class SiteRequest:
     id: str
-    kind: str
+    kind: RequestKind | str  # a RequestKind, or what a malformed file said ("?" when unreadable)
     cluster: str  # as asked: "c2"
     t: float
     problem: str | None = None  # a malformed file: why (the request is refused with it)
@@ -74,12 +98,51 @@ class SiteRequest:
     label: str | None = None  # add-site: the node label it is placed by (None: its own placement group)
     name: str | None = None  # add-site: its name (topology.sites[].name)
 
+    def __post_init__(self) -> None:  # a kind given as its string is the enum member: `is` compares it
+        object.__setattr__(self, "kind", _kind(self.kind) or self.kind)
+
 
 @dataclass(frozen=True)
 class Decision:
     outcome: str  # applied | refused
     reason: str  # one line; for an applied drain what it leaves
     cluster: int | None  # the cluster index, when the name was valid
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A decided request's record (`<id>.done`, `mark_done`), typed. `of` reads one as written; a field
+    missing or of another type (a file edited by hand) reads as none, so such a record applies nothing."""
+
+    id: str
+    kind: RequestKind | None
+    cluster: int | None  # the index of the cluster it names (an applied add-site: its new cluster)
+    applied: bool
+    round: int  # the round at whose start it was decided
+    replicas: int = 0  # an applied add-site's
+    label: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, raw: dict) -> Outcome:
+        replicas = raw.get("replicas")
+        return cls(
+            id=str(raw.get("id", "")),
+            kind=_kind(raw.get("kind")),
+            cluster=cluster_index(raw.get("cluster") if isinstance(raw.get("cluster"), str) else ""),
+            applied=raw.get("outcome") == APPLIED,
+            round=int(raw["round"]) if isinstance(raw.get("round"), int) else -1,
+            replicas=replicas if isinstance(replicas, int) and not isinstance(replicas, bool) else 0,
+            label=raw.get("label"),
+            name=raw.get("name"),
+        )
+
+    def applied_as(self, kind: RequestKind) -> bool:
+        return self.applied and self.kind is kind and self.cluster is not None
+
+    @property
+    def site(self) -> str:
+        return f"c{self.cluster}"
 
 
 def requests_dir(run_dir: str | Path) -> Path:
@@ -111,7 +174,7 @@ def add_site_fields_problem(replicas, label, name) -> str | None:
 
 def write_request(
     run_dir: str | Path,
-    kind: str,
+    kind: RequestKind | str,
     cluster: str = "",
     *,
     replicas: int | None = None,
@@ -123,10 +186,11 @@ def write_request(
     field that cannot be valid in any run (whether the cluster exists, or the site fits, is the
     supervisor's decision). A drain names `cluster`; an add-site gives `replicas` (and optionally
     `label`, `name`) and no cluster."""
-    if kind not in KINDS:
-        raise RequestError(f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}")
+    asked, kind = kind, _kind(kind)
+    if kind is None:
+        raise RequestError(f"request kind {asked!r} unknown; valid: {_VALID_KINDS}")
     extra: dict = {}
-    if kind == "add-site":
+    if kind is RequestKind.ADD_SITE:
         if cluster:
             raise RequestError(
                 f"add-site names no cluster (got {cluster!r}); valid: leave it out, the run picks the next free c<k>"
@@ -148,7 +212,7 @@ def write_request(
     folder = requests_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write_json(
-        folder / f"{request.id}.json", {"id": request.id, "kind": kind, "cluster": cluster, "t": t, **extra}
+        folder / f"{request.id}.json", {"id": request.id, "kind": kind.value, "cluster": cluster, "t": t, **extra}
     )
     return request
 
@@ -161,15 +225,16 @@ def _parse(path: Path) -> SiteRequest:
         return SiteRequest(id=rid, kind="?", cluster="?", t=0.0, problem=f"unreadable request file: {err}")
     if not isinstance(raw, dict):
         return SiteRequest(id=rid, kind="?", cluster="?", t=0.0, problem="request file is not a JSON object")
-    kind, cluster, t = raw.get("kind"), raw.get("cluster"), raw.get("t")
+    asked, cluster, t = raw.get("kind"), raw.get("cluster"), raw.get("t")
+    kind = _kind(asked)
     problem = None
     if raw.get("id") != rid:
         problem = f"request id {raw.get('id')!r} does not match its file name {path.name}"
-    elif kind not in KINDS:
-        problem = f"request kind {kind!r} unknown; valid: {'|'.join(KINDS)}"
-    elif kind == "add-site" and cluster not in ("", None):
+    elif kind is None:
+        problem = f"request kind {asked!r} unknown; valid: {_VALID_KINDS}"
+    elif kind is RequestKind.ADD_SITE and cluster not in ("", None):
         problem = f"add-site names no cluster (got {cluster!r}); the run picks the next free c<k>"
-    elif kind == "add-site":
+    elif kind is RequestKind.ADD_SITE:
         problem = add_site_fields_problem(raw.get("replicas"), raw.get("label"), raw.get("name"))
         problem = problem and f"add-site: {problem}"
     elif not isinstance(cluster, str) or cluster_index(cluster) is None:
@@ -178,12 +243,12 @@ def _parse(path: Path) -> SiteRequest:
         problem = f"request time {t!r} is not a number"
     extra = (
         {"replicas": raw.get("replicas"), "label": raw.get("label"), "name": raw.get("name")}
-        if kind == "add-site" and problem is None
+        if kind is RequestKind.ADD_SITE and problem is None
         else {}
     )
     return SiteRequest(
         id=rid,
-        kind=str(kind),
+        kind=kind or str(asked),
         cluster=str(cluster or ""),
         t=float(t) if isinstance(t, (int, float)) else 0.0,
         problem=problem,
@@ -215,10 +280,10 @@ def pending(run_dir: str | Path, done: dict[str, dict] | None = None) -> list[Si
 
 def drained(done: dict[str, dict]) -> dict[int, int]:
     """Clusters drained by applied requests -> the round at whose start each left."""
-    out = {}
-    for d in done.values():
-        if d.get("kind") == "drain" and d.get("outcome") == APPLIED and cluster_index(d.get("cluster", "")) is not None:
-            out.setdefault(cluster_index(d["cluster"]), int(d.get("round", -1)))
+    out: dict[int, int] = {}
+    for d in map(Outcome.of, done.values()):
+        if d.applied_as(RequestKind.DRAIN):
+            out.setdefault(d.cluster, d.round)
     return out
 
 
@@ -227,19 +292,39 @@ def next_cluster(clusters: int, done: dict[str, dict], abandoned_ids=()) -> int:
     (a drained site's index is never reused: drained sites keep theirs). A site abandoned before it
     joined (`abandoned_ids`, `mark_abandoned`) never was in the topology: its index is free again."""
     added = [
-        cluster_index(d.get("cluster", ""))
-        for d in done.values()
-        if d.get("kind") == "add-site" and d.get("outcome") == APPLIED and d.get("id") not in abandoned_ids
+        d.cluster
+        for d in map(Outcome.of, done.values())
+        if d.applied_as(RequestKind.ADD_SITE) and d.id not in abandoned_ids
     ]
-    return max([clusters - 1, *(c for c in added if c is not None)]) + 1
+    return max([clusters - 1, *added]) + 1
+
+
+def site_room(per_node: list[int], strategy: str) -> int:
+    """How many replicas a new site can place, given how many fit on each node it may use, the way Ray
+    places its group (`strategy`, actors/placement.py `site_strategy`): STRICT_PACK all on one node (the
+    roomiest), STRICT_SPREAD one per node, PACK, SPREAD and NONE (each replica placed on its own)
+    anywhere (the sum)."""
+    if strategy == "STRICT_PACK":
+        return max(per_node, default=0)
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for n in per_node if n >= 1)
+    return sum(per_node)
 
 
 def add_site_problem(
-    request: SiteRequest, *, nodes: list[dict], free: dict[str, dict], need: dict, new_cluster: int
+    request: SiteRequest,
+    *,
+    nodes: list[dict],
+    free: dict[str, dict],
+    need: dict,
+    new_cluster: int,
+    strategy: str,
 ) -> str | None:
     """Why the add-site `request` is refused now, one line; None when it may go ahead. `nodes`: Ray's
     node table (`ray.nodes()`: NodeID, Alive, Labels); `free`: NodeID -> free resources; `need`: one
-    replica's bundle (all its ranks). Pure, so refusals are tested with fake resources."""
+    replica's bundle (all its ranks); `strategy`: how its replicas are placed (`site_room`): room split
+    over nodes is no room for a STRICT_PACK group, which Ray would never place (issue 45, finding 5).
+    Pure, so refusals are tested with fake resources."""
     alive = [nd for nd in nodes if nd.get("Alive")]
     what = f"add-site c{new_cluster} ({request.replicas} replica(s))"
     if request.label is not None:
@@ -258,21 +343,61 @@ def add_site_problem(
                 f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
                 f"{', '.join(known) or 'none'}"
             )
-    room = sum(replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive)
+    per_node = [replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive]
+    room = site_room(per_node, strategy)
     if room < int(request.replicas or 0):
         where = f"label {request.label!r}'s nodes" if request.label is not None else "the live nodes"
+        how = {"STRICT_PACK": " on one node", "STRICT_SPREAD": ", one per node,"}.get(strategy, "")
         return (
-            f"{what}: no room: {where} have free resources for {room} replica(s) of "
-            f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each"
+            f"{what}: no room: {where} have free resources{how} for {room} replica(s) of "
+            f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each ({strategy} placement; "
+            f"{sum(per_node)} in all)"
         )
     return None
 
 
-def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_clusters: int, live_clusters=None) -> Decision:
+def join_overdue(started_at: float, now: float, timeout_s: float) -> bool:
+    """An applied add-site not up `timeout_s` (supervisor.join_timeout_s) after it was started: abandoned,
+    so a site whose group is never placed (its replicas neither answer nor die) does not keep every later
+    add-site refused as "still starting". Monotonic seconds."""
+    return now - started_at >= timeout_s
+
+
+def round_holders(
+    topology: Topology, live: dict[str, tuple[int, int]], drained_clusters, default_floor: int
+) -> set[int]:
+    """The clusters that hold the last committed round and can train on it: a live replica of theirs at
+    the furthest round any live replica holds (`live`: rid -> (round, step), the roster's), and live
+    replicas at least their floor (`topology.sites[].min_replicas`, else `default_floor`:
+    supervisor.min_replicas_per_cluster). A drained cluster holds nothing. Pure."""
+    top = max((r for r, _ in live.values()), default=0)
+    out = set()
+    for c in set(range(topology.clusters)) - set(drained_clusters):
+        members = [live[rid] for rid in topology.cluster_members(c) if rid in live]
+        if any(r == top for r, _ in members) and len(members) >= topology.min_replicas_of(c, default_floor):
+            out.add(c)
+    return out
+
+
+def decide(
+    request: SiteRequest,
+    *,
+    clusters: int,
+    drained_clusters,
+    min_clusters: int,
+    live_clusters=None,
+    holders: set[int] | None = None,
+    committed_round: int | None = None,
+) -> Decision:
     """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
     `drained_clusters`: those already drained;
     `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
-    every cluster not drained), so a drain never leaves no live site while another is down. Pure."""
+    every cluster not drained), so a drain never leaves no live site while another is down.
+    `holders`: the clusters holding the last committed round at their floor (`round_holders`; None: not
+    known, not checked): a drain that would leave none is REFUSED (issue 45, finding 1), not deferred: it
+    would drop the only copy of that round, and a request waiting on the run's future is one the operator
+    cannot see the end of; the operator may ask again once another site holds the round.
+    `committed_round`: that round, for the reason's words only. Pure."""
     if request.problem:
         return Decision(REFUSED, request.problem, None)
     c = cluster_index(request.cluster)
@@ -284,6 +409,14 @@ def decide(request: SiteRequest, *, clusters: int, drained_clusters, min_cluster
     left = len(live - {c})
     if left == 0:
         return Decision(REFUSED, f"drain {request.cluster}: it is the last live site", c)
+    if holders is not None and not holders - {c}:
+        which = "the last committed round" if committed_round is None else f"committed round {committed_round}"
+        return Decision(
+            REFUSED,
+            f"drain {request.cluster}: no other live site holds {which} with replicas at its floor, so draining "
+            f"it would lose that round; ask again once another site holds it",
+            c,
+        )
     if left < min_clusters:
         return Decision(
             REFUSED,
@@ -299,13 +432,13 @@ def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, rou
     what a restarted supervisor needs to find, or start, the site's replicas again."""
     record = {
         "id": request.id,
-        "kind": request.kind,
+        "kind": str(request.kind),
         "cluster": request.cluster,
         "outcome": decision.outcome,
         "reason": decision.reason,
         "round": round_index,
     }
-    if request.kind == "add-site" and decision.outcome == APPLIED:
+    if request.kind is RequestKind.ADD_SITE and decision.outcome == APPLIED:
         record.update(cluster=f"c{decision.cluster}", replicas=request.replicas, label=request.label, name=request.name)
     _atomic_write_json(requests_dir(run_dir) / f"{request.id}.done", record)
     return record
@@ -365,16 +498,10 @@ def abandoned(run_dir: str | Path) -> dict[str, dict]:
     return out
 
 
-def applied_sites(done: dict[str, dict]) -> list[dict]:
+def applied_sites(done: dict[str, dict]) -> list[Outcome]:
     """The applied add-sites' outcome records, by their new cluster's index (the order they were added)."""
-    sites = [
-        d
-        for d in done.values()
-        if d.get("kind") == "add-site"
-        and d.get("outcome") == APPLIED
-        and cluster_index(d.get("cluster", "")) is not None
-    ]
-    return sorted(sites, key=lambda d: cluster_index(d["cluster"]))
+    sites = [d for d in map(Outcome.of, done.values()) if d.applied_as(RequestKind.ADD_SITE) and d.replicas >= 1]
+    return sorted(sites, key=lambda d: d.cluster)
 
 
 def joined_topology(
@@ -388,14 +515,42 @@ def joined_topology(
     another was still starting, which `SiteChanges` refuses)."""
     topology = base
     for d in applied_sites(done):
-        if d["id"] in abandoned_ids:
-            continue
-        if d["id"] not in joined_ids and cluster_index(d["cluster"]) not in drained_clusters:
-            break
-        if cluster_index(d["cluster"]) != topology.clusters:
-            raise ValueError(f"joined site {d['cluster']} is not the next cluster c{topology.clusters}")
-        topology = topology.with_site(int(d["replicas"]), label=d.get("label"), name=d.get("name"))
+        if d.id in abandoned_ids or d.cluster < topology.clusters:
+            continue  # given up; or a resume whose config has a site at its index (drained stays drained)
+        if d.cluster != topology.clusters or (d.id not in joined_ids and d.cluster not in drained_clusters):
+            break  # a gap (a resume with fewer clusters: `site_queue`'s stranded), or one to start again
+        topology = topology.with_site(d.replicas, label=d.label, name=d.name)
     return topology
+
+
+def site_queue(clusters: int, done: dict[str, dict], abandoned_ids=()) -> tuple[list[Outcome], list[Outcome]]:
+    """The applied add-sites past a topology of `clusters` clusters (not abandoned), in the order added,
+    split: (queue, stranded). `queue`: those it can take, each the next index (a resumed run starts them
+    one after the other; a drained one only keeps its index). `stranded`: those after a gap, a resume
+    whose config has fewer clusters than the sites added before them: never started in this run (a
+    site's index is its data streams and its place in the record, so it is never renumbered)."""
+    queue: list[Outcome] = []
+    stranded: list[Outcome] = []
+    for d in applied_sites(done):
+        if d.id in abandoned_ids or d.cluster < clusters:
+            continue
+        (queue if not stranded and d.cluster == clusters + len(queue) else stranded).append(d)
+    return queue, stranded
+
+
+def stranded_notice(clusters: int, done: dict[str, dict], abandoned_ids=(), drained_clusters=()) -> str | None:
+    """One line for a resume that cannot start an added site (`site_queue`'s stranded, a drained one not
+    named: it never trains again), said before any actor starts; None when every one can start."""
+    _, stranded = site_queue(clusters, done, abandoned_ids)
+    named = [d.site for d in stranded if d.cluster not in drained_clusters]
+    if not named:
+        return None
+    need = stranded[0].cluster
+    return (
+        f"train.resume: added site(s) {', '.join(named)} not started in this run: they come after "
+        f"c0..c{need - 1}, and this config has {clusters} cluster(s); resume with {need} (topology.clusters or "
+        f"topology.sites) to train with them. An add-site in this run is refused (it could never start)"
+    )
 
 
 SITE_KEYS = (

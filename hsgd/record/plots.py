@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from hsgd.core.site_requests import RequestKind
 from hsgd.core.topology import parse_replica_id, replica_id
 from hsgd.record.metrics import fault_figures
 from hsgd.record.rundir import read_json, read_jsonl
@@ -203,7 +204,7 @@ def membership_data(run_dir: str | Path) -> dict:
     rids = known_replicas(run_dir, events)
     clusters = sorted({_cluster(r) for r in rids}, key=lambda c: int(c[1:]))
     sites = site_changes(events, t0)
-    drained_at = {c: t for t, kind, c in reversed(sites) if kind == "drain"}  # the first drain of each
+    drained_at = {c: t for t, kind, c in reversed(sites) if kind == RequestKind.DRAIN}  # the first drain of each
     series: dict[str, list[tuple[float, int]]] = {c: [(0.0, 0)] for c in clusters}
     states = [(t - t0, state) for t, state in replica_states(events)]
     for t in drained_at.values():  # a point at each drain, so the count falls there

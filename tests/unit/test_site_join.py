@@ -16,6 +16,7 @@ import actors.placement as placement
 import actors.site_changes as site_changes
 import actors.startup as startup
 from actors.site_changes import SiteChanges
+from hsgd.core import site_plan
 from hsgd.core.site_requests import (
     APPLIED,
     REFUSED,
@@ -56,7 +57,7 @@ def test_an_applied_add_site_record_names_its_cluster_and_keeps_what_a_successor
     assert (record["cluster"], record["replicas"], record["label"], record["name"]) == ("c3", 2, "rack-b", "berlin")
     refused = write_request(tmp_path, "add-site", replicas=9)
     assert mark_done(tmp_path, refused, Decision(REFUSED, "no room", None), 4)["cluster"] == ""
-    assert [d["id"] for d in applied_sites(outcomes(tmp_path))] == [request.id]
+    assert [d.id for d in applied_sites(outcomes(tmp_path))] == [request.id]
 
 
 def test_the_topology_grows_by_the_joined_sites_only_in_the_order_they_were_added(tmp_path):
@@ -204,25 +205,37 @@ def world(monkeypatch):
 
 CFG = OmegaConf.create(
     {
-        "supervisor": {"min_clusters": 1, "min_replicas_per_cluster": 1, "phase_timeout_s": 30.0},
+        "supervisor": {
+            "min_clusters": 1,
+            "min_replicas_per_cluster": 1,
+            "phase_timeout_s": 30.0,
+            "join_timeout_s": 600.0,
+        },
         "checkpoint": {"dir": None},
         "run": {"io_grace_s": 4.0},
         "faults": {"max_restarts": 3},
-        "topology": {"clusters": 2, "replicas_per_cluster": 2, "sites": [], "cluster_labels": []},
+        "topology": {
+            "clusters": 2,
+            "replicas_per_cluster": 2,
+            "sites": [],
+            "cluster_labels": [],
+            "gpus_per_replica": 1,
+            "placement_strategy": "STRICT_PACK",
+        },
     }
 )
 
 
-def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None):
+def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None, cfg=CFG, **kw):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
-    topology = site_changes.topology_of_run(CFG, state.replica_indices, str(tmp_path), state.run_id)
+    topology = site_changes.topology_of_run(cfg, state.replica_indices, str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
     if not state.identity:
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
     roster = _Roster(topology, state.identity)
     saves = []
     return SiteChanges(
-        CFG, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round
+        cfg, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round, **kw
     ), roster
 
 
@@ -373,11 +386,11 @@ def test_a_join_whose_record_cannot_be_written_waits_for_a_later_round(world, tm
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    written = site_changes.mark_joined
-    monkeypatch.setattr(site_changes, "mark_joined", full_disk)
+    written = site_plan.mark_joined
+    monkeypatch.setattr(site_plan, "mark_joined", full_disk)
     assert sites.at_round_start(4).clusters == 2 and "c2r0" not in roster.live  # not joined, the run goes on
     assert "retried next round" in capsys.readouterr().err
-    monkeypatch.setattr(site_changes, "mark_joined", written)  # the disk is back
+    monkeypatch.setattr(site_plan, "mark_joined", written)  # the disk is back
     assert (
         sites.at_round_start(5).clusters == 3
         and json.loads(next(requests_dir(tmp_path).glob("*.joined")).read_text())["round"] == 5
@@ -593,6 +606,7 @@ def _placement_cfg(strategy: str = "STRICT_PACK", k: int = 1):
                 "cpus_per_replica": 1.0,
                 "gpus_per_replica": k,
                 "placement_strategy": strategy,
+                "spares_per_cluster": 0,
             }
         }
     )
@@ -643,3 +657,130 @@ def test_a_labelled_site_of_k_rank_replicas_keeps_each_replica_in_one_bundle_on_
     [group] = groups
     assert group["strategy"] == "PACK" and group["bundles"] == [{"CPU": 2.0}] * 2
     assert group["bundle_label_selector"] == [{"hsgd-cluster": "rack-b"}] * 2 and options[1]["num_cpus"] == 1.0
+
+
+# -- issue 45 finding 5: a site's room and its join deadline ---------------------------------------------------
+def test_the_placement_strategy_a_new_site_is_checked_with_is_the_one_its_group_gets():
+    assert placement.site_strategy(_placement_cfg(), None) == "STRICT_PACK"
+    assert placement.site_strategy(_placement_cfg("SPREAD"), None) == "SPREAD"
+    assert placement.site_strategy(_placement_cfg(), "rack-b") == "NONE"  # a label selector per replica
+    assert placement.site_strategy(_placement_cfg("NONE"), None) == "NONE"
+    assert placement.site_strategy(_placement_cfg(k=2), "rack-b") == "PACK"  # k ranks: a PACK group on the label
+    assert placement.site_strategy(_placement_cfg("NONE", k=2), None) == "PACK"
+
+
+def test_a_site_not_up_within_the_join_deadline_is_abandoned_its_group_released_and_a_later_add_site_goes_on(
+    world, tmp_path, capsys
+):
+    from hsgd.core.site_requests import join_overdue
+
+    assert not join_overdue(100.0, 699.0, 600.0) and join_overdue(100.0, 700.0, 600.0)
+    now = [1000.0]
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state(), clock=lambda: now[0])
+    write_request(tmp_path, "add-site", replicas=2, now=1.0)
+    sites.at_round_start(3)  # started; its group is never placed: no answer, no death
+    world.up("hsgd:run1:c2r0")
+    now[0] += 599.0
+    assert sites.at_round_start(4).clusters == 2 and not [e for e in events if e["event"] == "site_abandoned"]
+    now[0] += 1.0  # supervisor.join_timeout_s=600 since it was applied
+    assert sites.at_round_start(5).clusters == 2
+    [gave_up] = [e for e in events if e["event"] == "site_abandoned"]
+    assert (gave_up["cluster"], gave_up["round"]) == ("c2", 5) and "\n" not in gave_up["reason"]
+    assert "supervisor.join_timeout_s=600" in gave_up["reason"] and "1 of 2" in gave_up["reason"]
+    assert sorted(world.killed) == ["hsgd:run1:c2r0", "hsgd:run1:c2r1"]
+    assert world.groups_removed == ["hsgd:run1:site-c2"]
+    assert "c2r0" not in roster.live and "site c2 abandoned at round 5's start" in capsys.readouterr().err
+    again = write_request(tmp_path, "add-site", replicas=1, now=2.0)  # no longer refused as "still starting"
+    sites.at_round_start(6)
+    assert outcomes(tmp_path)[again.id]["outcome"] == APPLIED and outcomes(tmp_path)[again.id]["cluster"] == "c2"
+
+
+def test_the_join_deadline_is_a_checked_config_key():
+    from hsgd.config import ConfigError, HsgdConfig, validate
+    from tests.fakes.configs import default_cfg
+
+    assert HsgdConfig().supervisor.join_timeout_s == 600.0
+    for bad in (0, -1.0, 1e8):  # > 0 seconds, below what a sleep overflows at
+        with pytest.raises(ConfigError, match=r"^supervisor\.join_timeout_s: "):
+            validate(default_cfg(**{"supervisor.join_timeout_s": bad}))
+
+
+# -- issue 45 finding 9: a drain gives its site's room back ----------------------------------------------------
+def test_a_drain_releases_the_sites_placement_group_after_its_replicas_are_stopped(world, tmp_path):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events, _state())
+    write_request(tmp_path, "drain", "c1")
+    sites.at_round_start(3)
+    assert roster.drained_clusters == {1}
+    assert world.groups_removed == ["hsgd:run1:site-c1"]  # the driver's group of c1, named for the run
+    # a resumed run keeps c1 drained: its driver placed c1 again, released at the first round's start
+    # (not in the constructor: the driver's start-up calls to c1's replicas may still be in flight)
+    world.groups_removed.clear()
+    resumed, _ = _supervisor(tmp_path, events, SimpleNamespace(run_id="run2", replica_indices={}, identity={}))
+    assert world.groups_removed == []
+    resumed.at_round_start(4)
+    assert world.groups_removed == ["hsgd:run2:site-c1"]
+
+
+def test_the_drivers_cluster_groups_are_named_for_the_run_so_a_drain_finds_its_own():
+    specs = placement.group_specs(_placement_cfg(), 0.0, run_id="run1")
+    assert [s["name"] for s in specs] == [placement.site_group_name("run1", c) for c in range(2)]
+    assert placement.site_group_name("run1", 1) == site_changes.site_group_name("run1", 1) == "hsgd:run1:site-c1"
+
+
+# -- issue 45 finding 10: a resume with fewer clusters than an added site needs ----------------------------------
+def _clusters(n: int):
+    return OmegaConf.merge(CFG, {"topology": {"clusters": n}})
+
+
+def _resumed(n: int) -> SimpleNamespace:
+    return SimpleNamespace(run_id="run2", replica_indices={}, identity={})
+
+
+def test_a_resume_too_small_for_an_added_site_says_so_once_before_any_actor_and_a_later_add_site_is_refused(
+    world, tmp_path, capsys
+):
+    _added_in_an_earlier_run(tmp_path, drain_c2=False)  # run1: c0, c1 configured; c2 (2), c3 (1) added
+    # the resume configures one cluster: c2 and c3 start only right after c1, which this run lacks
+    line = site_plan.resume_notice(str(tmp_path), clusters=1)
+    assert line is not None and "\n" not in line and "c2" in line and "c3" in line and "topology" in line
+    events: list[dict] = []
+    resumed, roster = _supervisor(tmp_path, events, _resumed(1), cfg=_clusters(1))
+    assert resumed.topology.clusters == 1 and world.started == []  # nothing started, nothing said again
+    later = write_request(tmp_path, "add-site", replicas=1, now=10.0)
+    resumed.at_round_start(9)
+    assert outcomes(tmp_path)[later.id]["outcome"] == REFUSED, "applied, though it can never start"
+    assert world.started == [] and resumed.topology.clusters == 1
+    assert "not started" not in capsys.readouterr().err  # the driver's line was the one line
+    # a resume that configures the sites before them starts them: no line
+    assert site_plan.resume_notice(str(tmp_path), clusters=2) is None
+
+
+def test_a_resume_of_another_size_with_a_drained_added_site_builds_its_topology(world, tmp_path):
+    _added_in_an_earlier_run(tmp_path, drain_c2=True)  # c2 added then drained, c3 added
+    # one cluster: c2 and c3 cannot start (c3's line only: c2 is drained, it never trains again)
+    line = site_plan.resume_notice(str(tmp_path), clusters=1)
+    assert line is not None and "c3" in line and "c2" not in line
+    resumed, _ = _supervisor(tmp_path, [], _resumed(1), cfg=_clusters(1))
+    assert resumed.topology.clusters == 1 and world.started == []
+    # three clusters: the config's c2 is the drained one's index, kept drained; c3 starts after it
+    resumed, roster = _supervisor(tmp_path, [], _resumed(3), cfg=_clusters(3))
+    assert resumed.topology.clusters == 3 and roster.drained_clusters == {2}
+    assert [s[0] for s in world.started] == ["hsgd:run2:c3r0"]
+
+
+def test_a_resumed_site_abandoned_before_the_next_strands_those_after_it_and_no_add_site_is_applied_unstarted(
+    world, tmp_path, capsys
+):
+    _added_in_an_earlier_run(tmp_path, drain_c2=False)
+    now = [0.0]
+    resumed, _ = _supervisor(tmp_path, [], _resumed(2), clock=lambda: now[0])
+    assert [s[0] for s in world.started] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"]
+    now[0] = 600.0  # c2 never comes up: abandoned; c3 cannot take index 3 after c1
+    assert resumed.at_round_start(9).clusters == 2
+    assert "site(s) c3 not started: the next cluster is c2" in capsys.readouterr().err
+    later = write_request(tmp_path, "add-site", replicas=1, now=10.0)
+    resumed.at_round_start(10)
+    assert outcomes(tmp_path)[later.id]["outcome"] == REFUSED and "c3" in outcomes(tmp_path)[later.id]["reason"]
+    assert [s[0] for s in world.started] == ["hsgd:run2:c2r0", "hsgd:run2:c2r1"]

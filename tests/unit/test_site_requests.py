@@ -145,7 +145,11 @@ class _Roster:
 def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
     topology = Topology(3, 2)
     roster = _Roster(topology)
-    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=min_clusters), run=SimpleNamespace(io_grace_s=4.0))
+    cfg = SimpleNamespace(
+        supervisor=SimpleNamespace(min_clusters=min_clusters, min_replicas_per_cluster=1, join_timeout_s=600.0),
+        run=SimpleNamespace(io_grace_s=4.0),
+        topology=SimpleNamespace(placement_strategy="STRICT_PACK", gpus_per_replica=1, sites=[]),
+    )
     return SiteChanges(cfg, str(tmp_path), topology, roster, _Log(events)), roster
 
 
@@ -243,7 +247,9 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
     roster.watch._table = table
     for rid in ("c0r0", "c1r0"):
         roster.admit(rid, {"round": 0, "step": 0, "pid": 100, "incarnation": 0})
-    cfg = SimpleNamespace(supervisor=SimpleNamespace(min_clusters=1), run=SimpleNamespace(io_grace_s=4.0))
+    cfg = SimpleNamespace(
+        supervisor=SimpleNamespace(min_clusters=1, min_replicas_per_cluster=1), run=SimpleNamespace(io_grace_s=4.0)
+    )
     sites = SiteChanges(cfg, str(tmp_path), Topology(2, 1), roster, _Log([]))
     write_request(tmp_path, "drain", "c1")
     monkeypatch.setattr("actors.site_changes.ray.kill", lambda handle, no_restart: None)
@@ -351,17 +357,25 @@ def _add(replicas: int, label: str | None = None) -> SiteRequest:
     ],
 )
 def test_each_add_site_refusal_gives_one_line(request_, free, reason):
-    problem = add_site_problem(request_, nodes=_NODES, free=free, need=_NEED, new_cluster=3)
+    problem = add_site_problem(request_, nodes=_NODES, free=free, need=_NEED, new_cluster=3, strategy="PACK")
     assert problem is not None and problem.startswith("add-site c3 (") and reason in problem and "\n" not in problem
 
 
 def test_an_add_site_that_fits_has_no_problem():
     assert (
-        add_site_problem(_add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED, new_cluster=3) is None
+        add_site_problem(
+            _add(2, "rack-a"), nodes=_NODES, free={"n1": {"CPU": 4.0}}, need=_NEED, new_cluster=3, strategy="NONE"
+        )
+        is None
     )
     assert (
         add_site_problem(
-            _add(4), nodes=_NODES, free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}}, need=_NEED, new_cluster=3
+            _add(4),
+            nodes=_NODES,
+            free={"n1": {"CPU": 4.0}, "n2": {"CPU": 4.5}},
+            need=_NEED,
+            new_cluster=3,
+            strategy="PACK",
         )
         is None
     )
@@ -466,7 +480,7 @@ def test_drill_add_site_writes_the_same_request(tmp_path):
 def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_run_going(
     tmp_path, monkeypatch, capsys
 ):
-    from actors import site_changes
+    from hsgd.core import site_plan
 
     events: list[dict] = []
     sites, roster = _supervisor(tmp_path, events)
@@ -475,7 +489,7 @@ def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(site_changes, "mark_done", full_disk)
+    monkeypatch.setattr(site_plan, "mark_done", full_disk)
     sites.at_round_start(3)  # no exception: the run goes on
     assert roster.drained_clusters == set() and not [e for e in events if e["event"] == "site_request"]
     assert "site requests not read at round 3" in capsys.readouterr().err
@@ -484,3 +498,91 @@ def test_a_run_folder_that_cannot_be_written_leaves_the_request_pending_and_the_
     assert roster.drained_clusters == {2}
     [event] = [e for e in events if e["event"] == "site_request"]
     assert (event["id"], event["round"]) == (request.id, 4)
+
+
+# -- issue 45: the request kinds are one enum; the files keep their strings ---------------------------------
+def test_the_kinds_are_one_enum_and_the_files_keep_their_strings(tmp_path):
+    from pathlib import Path
+
+    from hsgd.core.site_requests import RequestKind
+
+    drain = write_request(tmp_path, RequestKind.DRAIN, "c1", now=1.0)
+    add = write_request(tmp_path, "add-site", replicas=1, now=2.0)  # a string still asks (jobs.status)
+    on_disk = {r.id: json.loads((requests_dir(tmp_path) / f"{r.id}.json").read_text())["kind"] for r in (drain, add)}
+    assert on_disk == {drain.id: "drain", add.id: "add-site"}
+    assert [r.kind for r in pending(tmp_path)] == [RequestKind.DRAIN, RequestKind.ADD_SITE]
+    record = mark_done(tmp_path, drain, decide(drain, clusters=3, drained_clusters={}, min_clusters=1), 2)
+    assert json.loads((requests_dir(tmp_path) / f"{drain.id}.done").read_text())["kind"] == record["kind"] == "drain"
+    root = Path(__file__).resolve().parents[2]
+    spelled = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("hsgd", "actors")
+        for path in sorted((root / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if '"add-site"' in line or '"drain"' in line
+    ]
+    assert len(spelled) == 2 and all(s.startswith("hsgd/core/site_requests.py") for s in spelled), spelled
+
+
+# -- issue 45 finding 1: a drain never takes the last holder of the committed round ------------------------
+def test_a_drain_that_would_leave_no_live_site_holding_the_last_committed_round_at_its_floor_is_refused():
+    from hsgd.core.site_requests import round_holders
+
+    # finding 1: c0r0 died in round 4 and came back empty (round 0); c1 alone committed round 4 (holds 5)
+    topology = Topology(2, 1)
+    live = {"c0r0": (0, 0), "c1r0": (5, 0)}
+    holders = round_holders(topology, live, drained_clusters={}, default_floor=1)
+    assert holders == {1}
+    decision = decide(_drain("c1"), clusters=2, drained_clusters={}, min_clusters=1, holders=holders)
+    assert decision.outcome == REFUSED and decision.cluster == 1 and "\n" not in decision.reason
+    assert "committed round" in decision.reason and "ask again" in decision.reason
+    # draining the site that does not hold it is fine: the holder goes on
+    assert decide(_drain("c0"), clusters=2, drained_clusters={}, min_clusters=1, holders=holders).outcome == APPLIED
+    # a site holding the round but below its floor holds nothing that trains on
+    three = Topology.of_sites([2, 2, 1], min_replicas=[2, None, None])
+    live = {"c0r0": (5, 0), "c1r0": (3, 0), "c1r1": (3, 0), "c2r0": (5, 0)}  # c0r1 down: c0 below its floor 2
+    holders = round_holders(three, live, drained_clusters={}, default_floor=1)
+    assert holders == {2}
+    assert decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=1, holders=holders).outcome == REFUSED
+    # a drained site holds nothing; holders=None (not known): the old rule alone
+    assert round_holders(three, live, drained_clusters={2: 4}, default_floor=1) == set()
+    assert decide(_drain("c2"), clusters=3, drained_clusters={}, min_clusters=1).outcome == APPLIED
+
+
+def test_the_supervisor_refuses_a_drain_of_the_only_site_holding_the_last_round_and_stops_nothing(tmp_path, capsys):
+    events: list[dict] = []
+    sites, roster = _supervisor(tmp_path, events)
+    roster.live.update({"c0r0": (0, 0), "c0r1": (0, 0), "c1r0": (5, 0), "c1r1": (5, 0), "c2r0": (0, 0)})
+    del roster.live["c2r1"]
+    write_request(tmp_path, "drain", "c1")
+    sites.at_round_start(5)
+    [event] = [e for e in events if e["event"] == "site_request"]
+    assert event["outcome"] == REFUSED and "committed round 5" in event["reason"], event
+    assert roster.drained_clusters == set() and roster.set_aside_ids == []
+
+
+# -- issue 45 finding 5: room is checked the way the site's placement group places -------------------------
+_TWO_NODES = [{"NodeID": "n1", "Alive": True, "Labels": {}}, {"NodeID": "n2", "Alive": True, "Labels": {}}]
+_SPLIT = {"n1": {"CPU": 4.0}, "n2": {"CPU": 4.0}}  # room for 2 + 2 replicas of CPU=2, none for 3 on one node
+
+
+@pytest.mark.parametrize(
+    "strategy, replicas, fits",
+    [
+        ("STRICT_PACK", 3, False),  # one node must hold the whole site: split room is no room
+        ("STRICT_PACK", 2, True),
+        ("PACK", 4, True),  # PACK and SPREAD may place bundles on several nodes: the sum
+        ("SPREAD", 4, True),
+        ("NONE", 4, True),  # each replica placed on its own (a label selector or anywhere)
+        ("PACK", 5, False),
+        ("STRICT_SPREAD", 2, True),  # one bundle per node: the nodes with room for one
+        ("STRICT_SPREAD", 3, False),
+    ],
+)
+def test_an_add_site_has_room_only_where_its_placement_strategy_can_place_it(strategy, replicas, fits):
+    problem = add_site_problem(
+        _add(replicas), nodes=_TWO_NODES, free=_SPLIT, need=_NEED, new_cluster=3, strategy=strategy
+    )
+    assert (problem is None) == fits, problem
+    if not fits:
+        assert "no room" in problem and strategy in problem and "\n" not in problem
