@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from hsgd.core.round.balance import StepPlan, plan_for_round
-from hsgd.core.site_requests import APPLIED, Decision, SiteRequest, decide
+from hsgd.core.site_requests import APPLIED, REFUSED, Decision, RequestKind, SiteRequest, decide
 
 
 @dataclass(frozen=True)
@@ -108,20 +108,16 @@ def _decide_requests(inp: StartInput) -> tuple[list[tuple[SiteRequest, Decision]
     live = {c for c, s in enumerate(inp.sites) if not s.drained and s.live > 0}
     decisions, next_cluster = [], inp.next_cluster
     for request in inp.requests:
-        if request.kind == "drain" or request.problem:
+        if request.kind is RequestKind.DRAIN or request.problem:
             decision = decide(
                 request,
                 clusters=len(inp.sites),
                 drained_clusters=drained,
                 min_clusters=inp.min_clusters,
                 live_clusters=live,
+                holders=holders,
+                committed_round=inp.committed_round,
             )
-            if decision.outcome == APPLIED and not holders - {decision.cluster}:
-                decision = Decision(
-                    "refused",
-                    f"drain {request.cluster}: no other live site holds committed round {inp.committed_round}",
-                    decision.cluster,
-                )
             if decision.outcome == APPLIED:
                 drained.add(decision.cluster)
                 live.discard(decision.cluster)
@@ -129,7 +125,7 @@ def _decide_requests(inp: StartInput) -> tuple[list[tuple[SiteRequest, Decision]
         else:
             problem = inp.add_site_problems.get(request.id)
             decision = (
-                Decision("refused", problem, None)
+                Decision(REFUSED, problem, None)
                 if problem
                 else Decision(APPLIED, f"add-site c{next_cluster}", next_cluster)
             )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hsgd.core import run_control
 from hsgd.core.quarantine import quarantine_due, recent_deaths
 from hsgd.core.run_control import Checkpoint, CheckpointWrite, SiteNow, StartInput
-from hsgd.core.site_requests import APPLIED, SiteRequest
+from hsgd.core.site_requests import APPLIED, RequestKind, SiteRequest
 
 ROUND_S = 30.0  # the regime users run: rounds of >= 30 s
 QUARANTINE_AFTER, QUARANTINE_WINDOW_S, NODE_LOSS_WINDOW_S = 3, 600.0, 5.0
@@ -177,14 +177,17 @@ class ControlWorld:
             c = rng.randrange(len(self.sites) + 1)  # sometimes no such cluster
             self.pending.append(
                 SiteRequest(
-                    id=f"q{len(self.outcomes) + len(self.pending)}-{self.seed}", kind="drain", cluster=f"c{c}", t=self.t
+                    id=f"q{len(self.outcomes) + len(self.pending)}-{self.seed}",
+                    kind=RequestKind.DRAIN,
+                    cluster=f"c{c}",
+                    t=self.t,
                 )
             )
         if rng.random() < r.add_site:
             self.pending.append(
                 SiteRequest(
                     id=f"q{len(self.outcomes) + len(self.pending)}-{self.seed}",
-                    kind="add-site",
+                    kind=RequestKind.ADD_SITE,
                     cluster="",
                     t=self.t,
                     replicas=rng.randint(1, 2),
@@ -206,7 +209,7 @@ class ControlWorld:
         add_problems = {
             q.id: "still starting" if joining else None if self.rng.random() < 0.8 else "no room"
             for q in self.pending
-            if q.kind == "add-site"
+            if q.kind is RequestKind.ADD_SITE
         }
         return run_control.round_start(
             StartInput(
@@ -248,7 +251,7 @@ class ControlWorld:
             self.outcomes[request.id] = decision.outcome
             if decision.outcome != APPLIED:
                 continue
-            if request.kind == "drain":
+            if request.kind is RequestKind.DRAIN:
                 self.sites[decision.cluster].drained = True
                 for rep in self.reps.values():
                     if rep.cluster == decision.cluster:

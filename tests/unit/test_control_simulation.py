@@ -84,6 +84,17 @@ def test_reverting_finding_8s_fix_makes_a_seed_fail(monkeypatch):
     assert found and "node's losses" in found, found
 
 
+def test_reverting_finding_1s_drain_refusal_makes_a_seed_fail(monkeypatch):
+    real = run_control.decide
+
+    def without_holders(request, **kw):  # the old rule: a drain looks at live sites only
+        return real(request, **{**kw, "holders": None})
+
+    monkeypatch.setattr(run_control, "decide", without_holders)
+    found = _first_violation()
+    assert found and "left no live replica holding committed round" in found, found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0:500", help="a seed, or start:end")
