@@ -1,6 +1,7 @@
-"""The run's record under run.dir (README, "Outputs"): events.jsonl (`t`: unix seconds) and
+"""The run's record under run.dir (docs/outputs.md): events.jsonl (`t`: unix seconds) and
 metrics.jsonl, written by `RunLog`. Events are typed: `EVENTS` names every event and the fields it
-always carries (more may follow); `RunLog.event` refuses an unknown name or a missing field.
+always carries (more may follow), `EVENT_DOCS` what each means (the manual's events reference is
+generated from both); `RunLog.event` refuses an unknown name or a missing field.
 """
 
 from __future__ import annotations
@@ -94,6 +95,116 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "run_dir_unwritable": ("path", "error"),
     "run_dir_writable": ("path", "down_s", "buffered"),
     "write_failed": ("what", "error"),
+}
+
+# event -> what it means: the events reference (docs/reference/events.md, `python -m hsgd.config.reference`) is
+# written from EVENTS and these; every event has one (tests/unit/test_reference_pages.py)
+EVENT_DOCS: dict[str, str] = {
+    # the run and its supervisor
+    "supervisor_start": "A supervisor started: `starts` is the durable start count (above 1 after a restart), "
+    "`pid` its process.",
+    "initial_eval": "The held-out loss of the initial model (`eval_loss`), before the first round.",
+    "run_stopped": "A clean stop was asked for (Ctrl-C once, `Drill.stop`): the run stops after `round`.",
+    "run_failed": "The run cannot go on (below quorum too long, a total loss with no checkpoint that helps, clusters "
+    "benched below `supervisor.min_clusters`, the run folder unwritable past `run.io_grace_s`); `reason` says which.",
+    "run_end": "A supervisor's last event: `status` is `completed`, `failed` or `stopped`.",
+    "quorum_wait": "Below quorum (`reason`): the supervisor waits up to `wait_s` (`supervisor.quorum_wait_s`) for "
+    "replicas to return, then fails the run.",
+    "site_request": "A request from `requests/` decided once, at that round's start: `outcome` `applied` or `refused`, "
+    'with the `reason` (see Sites, "Sites that come and go").',
+    "site_up": "An added site's replicas all answered up, or those up when the others died for good past their "
+    "re-creations and they keep its floor (`replicas` lists those up): it joins at that round's start; `seconds` since "
+    "it was applied.",
+    "site_committed": "The first round an added site committed with the others.",
+    "site_abandoned": "An added site given up before it joined: its replicas dead for good and too few left up, or not "
+    "up within `supervisor.join_timeout_s`; its replicas and placement group are stopped.",
+    # one round's phases
+    "phase_begin": "A phase begins: `cluster` is an int for a cluster's own phase, null for the outer level; `epoch` "
+    "the membership epoch, `replicas` those called.",
+    "phase_end": "A phase ends after `seconds`: `ok` the replicas that answered it, `failed` those that did not; "
+    "`cluster` as in `phase_begin`.",
+    "membership": "A group formed: `level` `inner` or `outer`, and the group's own `members` and `leaders` (one "
+    "cluster's members and leader for `inner`, each cluster's leader for `outer`) under `epoch`.",
+    "cluster_reform": "One cluster re-formed after a failure (`reason`), the others untouched: its live `members` "
+    "under a new `epoch`.",
+    "yield_requested": "A cluster's members were asked to stop at step `at_step` for a replica joining mid-round "
+    "(`supervisor.rejoin=fast`).",
+    "round_plan": "`sync.balance=steps`: each cluster's inner `steps` for the round and the step times `step_s` they "
+    "were planned from (null where unknown); `source` configured, learned, mixed or recorded. With "
+    "`sync.fragment_delay` also `fragment_delay`: each cluster's, clamped to its plan.",
+    "outer_step_warning": "With `sync.outer=diloco`, the global eval loss rose across two outer steps in a row while "
+    "every cluster's own training loss fell: the outer step overshoots (`detail`). Said once, on the console too, "
+    "naming `optim.outer.*`; nothing is changed.",
+    "join_aborted": "A member of a group being formed is known dead (`dead`), so every member waiting in that group's "
+    "rendezvous (`prefix`) is released at once — their calls answer `collective_failed` with `error_kind` "
+    "`join_aborted` — instead of waiting out `comm.configure_timeout_s`.",
+    "commit_decision": "Every holder reduced the round's pseudo-gradient: the round commits (`clusters` taking part).",
+    "commit": "The round is committed under `epoch` by `replicas`; `digests_agree` is true when every replica of a "
+    "cluster holds bitwise-equal params.",
+    "round_recorded_late": "A new supervisor recorded a round its predecessor committed but did not record.",
+    # failures and recovery
+    "collective_failed": "A replica's collective failed in `phase` (`outcome`, `detail`); also `error_kind` when the "
+    "replica named it: `configure`, `issue`, `wait`, `peer_gone`, `timeout`, `aborted`, `join_aborted`. Its cluster "
+    "re-forms.",
+    "replica_error": "A replica raised in `phase` (an OOM, an I/O error, an injected `error`): it is restarted and "
+    "healed, never the job's failure.",
+    "replica_down": "A replica is down: `cause` died, hung or error; `incarnation` is Ray's restart count of the "
+    "process that died in `actor`, the actor that served `rid` (a promoted spare's). Each death once, also one while "
+    "restarting, warming up or healing, read from Ray's actor table; `phase` `restarting` for a process that died "
+    "before it answered, `joining` for one that answered but was not yet taken back in.",
+    "replica_up": "A replica answered up: its `pid`, `incarnation`, and `replica_index`, the global replica index "
+    "(the data stream) it reads.",
+    "non_finite": "A loss, gradient norm or pseudo-gradient of a cluster was NaN/inf (`what`: loss, grad_norm or "
+    "pseudo_gradient; `rid` the first to report, `rids` all that did): the cluster's round is void, nobody is killed.",
+    "cluster_benched": "A warning: the cluster was non-finite in two rounds running; it sits out until the run's end "
+    "or a resume.",
+    "presumed_dead": "A replica is taken for dead because its peers saw its connection close.",
+    "idle_replica_lost": "A replica with no call in flight was found dead or restarted; its cluster re-forms without "
+    "it before the outer exchange.",
+    "hang_detected": "A replica was silent and not advancing past its limit (`deadline_s`; it waited `waited_s`, stuck "
+    "in `stuck_in`, its group `waiting`): the report is `report` under `hangs/`; it is killed and healed.",
+    "kill": "A replica is killed (`reason`: a hang, a quarantine, ...); Ray may restart it.",
+    "kill_failed": "A kill did not go through (`error`); the replica was already dead, most often.",
+    "heal_begin": "A heal begins: `target` copies the state of `source`; `scope` `full` (from its own cluster) or "
+    "`global` (from another).",
+    "heal_end": "A heal ended: `bytes` the whole state moved, `seconds` end to end, `gbps` bytes × 8 / seconds / 10⁹ "
+    "as in `comm.min_gbps`, `transport` `group` or `object_store`.",
+    "heal_fallback": "A heal over the process group failed (`detail`); the target is healed through the object store.",
+    "heal_source_lost": "A heal's source died or raised before its state arrived; the heal fails as any other.",
+    "spare_ready": "A hot spare of `cluster` is warmed up and ready to take over a lost replica.",
+    "replica_quarantined": "A replica died `faults.quarantine_after` times within `faults.quarantine_window_s` "
+    "(`deaths`, `window_s`) on `node`: it is re-created on `moved_to`, or kept out when that is null.",
+    "spare_promoted": "A hot spare took a lost replica's identity (`replaced`) and data stream.",
+    "spare_lost": "A hot spare's process died — ready, warming up, or a replaced replica's actor on its way to "
+    "becoming one (`spare`: the actor's name); Ray restarts it as a spare and the pool does not count it ready until "
+    "it answers again.",
+    # faults
+    "fault_scheduled": "A drill added a fault while the run goes (`fault`, as parsed).",
+    "fault_armed": "A fault was handed to the replicas it hits (`targets`).",
+    "fault_fired": "A supervisor fault fired in the supervisor's process (`pid`); a replica's fault is a line of "
+    "`faults_fired.jsonl`.",
+    # checkpoints
+    "checkpoint": "A checkpoint of `round` is durable and final at `path`, written by `replicas`.",
+    "checkpoint_skipped": "No checkpoint of `round` was taken (`reason`: it already exists, replicas failed while "
+    "saving).",
+    "checkpoint_refused": "A checkpoint's files disagree: it is not finalized (`reason`).",
+    "checkpoint_failed": "Storage refused this checkpoint (`error`): a replica's write answered `io_error`, or the "
+    "supervisor's own step failed or passed `supervisor.call_timeout_s`. It is skipped, nobody is killed, training "
+    "goes on and the previous checkpoint stays.",
+    "model_saved": "The run's end: the final global model was written to `path` (`model.safetensors`, `bytes`) by "
+    "replica `rid`, from `round`.",
+    "restore": "Every replica loaded the durable checkpoint at `path` (`reason`: why the run went back to it); rounds "
+    "after it are trained and recorded again, once.",
+    "checkpoint_fallback": "A checkpoint that does not verify — unreadable manifest, a file whose sha256 differs, "
+    "truncated — or that another config wrote was skipped for the previous kept one, at resume or in a restore "
+    "(`path`, `reason`).",
+    "lock_taken_over": "`train.resume=true` took over a dead run's stale lock (`previous_run_id`, `reason`).",
+    # the run folder itself
+    "run_dir_unwritable": "Writes to the run folder fail (`error`); events and metrics wait in memory.",
+    "run_dir_writable": "The run folder works again after `down_s` seconds; the `buffered` records that waited are "
+    "written, in order, once.",
+    "write_failed": "A best-effort write failed (`what`: wandb, pruning old checkpoints, `model.safetensors`; "
+    "`error`); the run goes on.",
 }
 
 
