@@ -188,7 +188,7 @@ class ModelConfig:
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the model factory (`+model.args.hidden=64` on the command line); a key that is also a
     context name is refused."""
-    name: str = one_of("tiny", ("tiny", "small", "custom"))
+    name: str = one_of("tiny", ("tiny", "small", "gpt-30m", "gpt-86m", "custom"))
     """The preset's name (the `model` group: tiny ~0.8 M params, small ~10.7 M, gpt-30m ~30 M, gpt-86m ~86 M)."""
     n_layer: int = count(4)
     """Transformer blocks of the built-in GPT."""
