@@ -363,7 +363,7 @@ def _check_wandb_credentials(mode: str) -> None:
         "logging.wandb.mode",
         "online needs W&B credentials and none were found (no WANDB_API_KEY, "
         f"no key for {host} in the netrc file or wandb settings); valid: offline|disabled, "
-        "or set WANDB_API_KEY as a secret (README, wandb)",
+        "or set WANDB_API_KEY as a secret (docs/operations.md, wandb)",
     )
 
 
