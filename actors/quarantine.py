@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.placement import rank_resources, replica_resources
 from hsgd.config.capacity import replicas_that_fit
-from hsgd.core.quarantine import quarantine_due, recent_deaths
+from hsgd.core.quarantine import DeathLog
 
 
 class Quarantine:
@@ -38,17 +38,35 @@ class Quarantine:
         self.cfg, self.run_id, self.run_dir, self.injected = cfg, run_id, run_dir, injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
+        self.deaths = DeathLog(  # a predecessor's count: own deaths, their nodes no longer needed
+            after=self.after,
+            window_s=self.window_s,
+            node_loss_window_s=float(cfg.faults.node_loss_window_s),
+            deaths=[(float(t), None, rid) for rid, times in state.death_times.items() for t in times],
+        )
+        self.told: set[tuple[str, float]] = set()  # node losses said on the console
 
     def death(self, rid: str) -> None:
-        """rid's process died (each death once, as the roster logs it)."""
+        """rid's process died (each death once, as the roster logs it). Counted against rid unless
+        replicas of its node die with it (hsgd/core/quarantine.py: a node loss is the node's)."""
         kept_out = rid in self.state.quarantined and self.state.quarantined[rid].get("moved_to") is None
         if self.after <= 0 or kept_out or self.injected(rid):
             return
-        now = time.time()
-        times = recent_deaths(self.state.death_times.get(rid, []) + [now], now, self.window_s)
-        self.state.death_times[rid] = times
-        if quarantine_due(times, now, after=self.after, window_s=self.window_s):
-            self._set_aside(rid, (self.roster.replica_info.get(rid) or {}).get("node_id"), len(times))
+        now, node = time.time(), (self.roster.replica_info.get(rid) or {}).get("node_id")
+        due = self.deaths.died(now, node, rid)
+        for loss in self.deaths.losses():
+            if (loss.node, loss.t) in self.told:
+                continue
+            self.told.add((loss.node, loss.t))
+            print(
+                f"[hsgd] {', '.join(loss.rids)} of node {loss.node[:8]} died within "
+                f"{self.deaths.node_loss_window_s:g} s of each other: the node's death, counted against none of them",
+                flush=True,
+            )
+        own = {r: self.deaths.own(r, now) for r in {d[2] for d in self.deaths.deaths}}
+        self.state.death_times = {r: times for r, times in own.items() if times}
+        if due:
+            self._set_aside(rid, node, len(own[rid]))
         self._save()
 
     def _set_aside(self, rid: str, node: str | None, deaths: int) -> None:
@@ -84,7 +102,8 @@ class Quarantine:
                 index_table=self.state.replica_indices,
             )
             self.roster.replace(rid, name, handle)
-            self.state.death_times[rid] = []  # a fresh count on the new node
+            self.deaths.forget(rid)  # a fresh count on the new node
+            self.state.death_times.pop(rid, None)
         self.state.quarantined[rid] = {"node": node, "moved_to": target, "moves": moves, "t": time.time()}
         self.log.event(
             "replica_quarantined", rid=rid, node=node, moved_to=target, deaths=deaths, window_s=self.window_s

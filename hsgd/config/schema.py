@@ -252,6 +252,11 @@ class FaultsConfig:
     max_restarts: int = restarts(10)  # restarts allowed per replica actor
     quarantine_after: int = count_or_zero(3)  # deaths in quarantine_window_s (hsgd/core/quarantine.py)
     quarantine_window_s: float = seconds(600.0)
+    # replicas of one node dying within this of each other are one death of the node, counted against none
+    # of them (hsgd/core/quarantine.py): a raylet crash or an OOM kills a node's actors within ~1-2 s, and
+    # Ray's actor table and the calls report them within a tick (0.5 s) of that; 5 s holds both, far below
+    # any replica's restart-and-die-again cycle (torch import, model build: longer). 0 = every death its own
+    node_loss_window_s: float = seconds_or_zero(5.0)
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 from omegaconf import open_dict
 
 from actors import quarantine as quarantine_actor
@@ -16,10 +15,8 @@ from tests.fakes.actor_table import Log
 from tests.fakes.configs import tiny_cfg
 
 RIDS = ("c0r0", "c0r1", "c0r2")
-FINDING = "issue 45 finding 8: a node's death counted once against each of its replicas"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_replicas_of_one_node_dying_together_are_the_nodes_death_not_theirs():
     deaths = [(100.0, "n1", "c0r0"), (100.4, "n1", "c0r1"), (101.2, "n1", "c0r2"), (300.0, "n1", "c0r1")]
     assert rule.own_deaths(deaths, 5.0) == {"c0r1": [300.0]}, "alone, 200 s later: c0r1's own"
@@ -27,7 +24,6 @@ def test_replicas_of_one_node_dying_together_are_the_nodes_death_not_theirs():
     assert (loss.node, loss.t, loss.rids) == ("n1", 100.0, ("c0r0", "c0r1", "c0r2"))
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_what_is_no_node_loss():
     apart = [(0.0, "n1", "c0r0"), (6.0, "n1", "c0r1")]  # further apart than the window
     two_nodes = [(0.0, "n1", "c0r0"), (0.1, "n2", "c1r0")]
@@ -39,14 +35,12 @@ def test_what_is_no_node_loss():
     assert rule.node_losses(apart, 0.0) == [] and rule.node_losses(apart, 6.0), "0 turns it off; 6 s joins them"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_a_slow_node_loss_chains_replica_to_replica():
     deaths = [(float(i), "n1", f"c0r{i}") for i in range(6)]  # 1 s apart: 5 s from first to last
     (loss,) = rule.node_losses(deaths, 1.5)
     assert len(loss.rids) == 6 and rule.own_deaths(deaths, 1.5) == {}
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_death_log_quarantines_a_replica_for_its_own_deaths_only():
     log = rule.DeathLog(after=3, window_s=600.0, node_loss_window_s=5.0)
     for loss in range(3):  # three node losses, each replica reported in another order each time
@@ -61,7 +55,6 @@ def test_death_log_quarantines_a_replica_for_its_own_deaths_only():
     assert log.own("c0r2", 420.0) == [] and not log.died(430.0, "n2", "c0r2")
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_the_first_reported_death_of_a_node_loss_is_its_own_until_the_next_one_comes():
     """What a supervisor knows when a death is reported: only the deaths before it. So the first
     replica reported of a node loss counts it as its own until a second replica's death joins it;
@@ -91,7 +84,6 @@ class _Roster:
         raise AssertionError(f"{rid} moved on a one-node run")
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_three_whole_node_losses_on_one_node_quarantine_no_replica(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(quarantine_actor, "time", SimpleNamespace(time=lambda: now[0]))
