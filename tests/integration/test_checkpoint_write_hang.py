@@ -9,8 +9,6 @@ stalled mount looks like from the supervisor (no FUSE mount can be made here to 
 
 from __future__ import annotations
 
-import pytest
-
 from tests.integration.invariants import check_run
 from tests.integration.runs import events, train
 
@@ -20,7 +18,6 @@ DEADLINE_S = 15  # supervisor.phase_timeout_s: far above a round of this tiny mo
 HANG_S = 25
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 6: a write past its deadline kills its replica")
 def test_a_checkpoint_write_hung_past_its_deadline_is_skipped_and_kills_nobody(tmp_path):
     run_dir = tmp_path / "run"
     s = train(

@@ -103,7 +103,6 @@ def test_a_healthy_checkpoint_is_written_as_ever(sup):
     assert [e["round"] for e in sup.log.named("checkpoint")] == [1] and not sup.roster.downed
 
 
-@pytest.mark.xfail(strict=True, reason="issue 45 finding 6: a write past its deadline kills its replica")
 def test_a_write_past_its_deadline_skips_the_checkpoint_and_kills_nobody(sup):
     assert checkpointing.save(sup, 1) is not None  # the last good checkpoint
     sup.roster = _Roster(2, hung={"c1r0"}, busy=2)
