@@ -20,7 +20,7 @@ joins it, so a replica is never quarantined for node losses alone (it needs `aft
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 Death = tuple[float, str | None, str]  # (wall-clock time, node id — None when unknown —, replica id)
@@ -34,6 +34,13 @@ def recent_deaths(times: list[float], now: float, window_s: float) -> list[float
 def quarantine_due(times: list[float], now: float, *, after: int, window_s: float) -> bool:
     """True when the replica with deaths at `times` is to be quarantined now."""
     return after > 0 and len(recent_deaths(times, now, window_s)) >= after
+
+
+def takes_spare(rid: str, quarantined: Mapping[str, dict]) -> bool:
+    """May a hot spare take over rid? Not once quarantined: moved, its own actor serves it on the node
+    quarantine chose (a spare of its cluster's placement group may sit on the very node it left, and
+    promoting one would make the moved actor a spare: the move undone); kept out, it stays out."""
+    return rid not in quarantined
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,6 @@ def world(monkeypatch):
     return SimpleNamespace(roster=roster, state=state, log=log, started=started, quarantine=q, free=free)
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_a_moved_replica_is_detached_and_lands_on_a_node_of_its_sites_label(world):
     world.quarantine.death("c0r1")
     (made,) = world.started
@@ -93,7 +92,6 @@ def test_a_moved_replica_is_detached_and_lands_on_a_node_of_its_sites_label(worl
     assert world.roster.names["c0r1"] == made["name"] == "hsgd:run-1:c0r1-q1", "the durable identity names it"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_no_node_of_its_label_keeps_it_out(world):
     world.roster.replica_info["c0r1"]["node_id"] = N3  # it died on n3: n1 is full, n2 is site b's
     world.free[N1] = {}
@@ -119,14 +117,12 @@ def _log_deaths(world, deaths) -> None:
     runner._log_deaths()
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_the_spare_promotion_after_the_death_never_takes_the_moved_id_back(world):
     _log_deaths(world, [("c1r0", "died"), ("c0r1", "died")])
     assert world.roster.names["c0r1"] == "hsgd:run-1:c0r1-q1"
     assert world.roster.promoted == ["c1r0"], "a spare took c0r1 back from the node it was moved to"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_a_kept_out_replica_takes_no_spare_either(world):
     world.roster.replica_info["c0r1"]["node_id"] = N3
     world.free[N1] = {}
@@ -134,7 +130,6 @@ def test_a_kept_out_replica_takes_no_spare_either(world):
     assert world.roster.gone == {"c0r1"} and world.roster.promoted == []
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING)
 def test_the_run_end_stops_the_moved_replicas_it_detached(world, monkeypatch, tmp_path):
     world.quarantine.death("c0r1")
     world.state.write(tmp_path)
