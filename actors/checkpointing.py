@@ -21,14 +21,16 @@ from hsgd.record.rundir import call_with_deadline
 from hsgd.train import checkpoint
 
 ATTEMPTS = 3  # a replica lost while saving: the others save again, up to this many times
+WRITE_POLL_S = 0.5  # how often a replica whose write passed its deadline is asked whether it still writes
 
 
 def save(sup: RunnerPorts, state_round: int) -> str | None:
     """Durable checkpoint of the state at `state_round`: its path, or None when it exists already,
     every attempt lost a replica, or storage refused it. Storage faults are the run's, never a
-    replica's (nobody is killed): a replica's `io_error`, or the supervisor's own steps raising
-    OSError or passing `supervisor.call_timeout_s` (a hung mount), skip this checkpoint
-    (`checkpoint_failed`); training goes on, the previous one stays. Failed pruning: `write_failed`."""
+    replica's (nobody is killed): a replica's `io_error`, its write passing `supervisor.phase_timeout_s`,
+    or the supervisor's own steps raising OSError or passing `supervisor.call_timeout_s` (a hung
+    mount), skip this checkpoint (`checkpoint_failed`); training goes on, the previous one stays. A
+    write past its deadline may still run: `_await_writes`. Failed pruning: `write_failed`."""
     root = checkpoint.root_url(sup.cfg.checkpoint.dir, sup.run_dir)
 
     def storage(fn, what: str):
@@ -44,18 +46,19 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                 lambda: checkpoint.new_temp_dir(root, state_round, owner=sup.run_id),
                 "making the checkpoint's temp folder",
             )
-            saved, failed, io_errors = _write_shards(sup, str(temp), state_round)
+            saved, failed, io_errors, stalled = _write_shards(sup, str(temp), state_round)
             complete = bool(saved) and not failed and all(a["round"] == state_round for a in saved.values())
             if io_errors or not complete:
                 with contextlib.suppress(OSError):  # a temp folder left behind is `prune`'s
                     storage(lambda: checkpoint.remove(temp), f"removing {temp}")
             if io_errors:  # the disk will not do better on a second try right away
-                return _failed(
+                _failed(
                     sup,
                     state_round,
                     "; ".join(f"{rid}: {e}" for rid, e in sorted(io_errors.items())),
                     replicas=sorted(io_errors),
                 )
+                return _await_writes(sup, stalled)
             if not complete:
                 continue
             manifest = {
@@ -104,16 +107,24 @@ def _format_keys(k: int) -> dict:
     return {} if k == 1 else {"format": checkpoint.DCP_FORMAT, "ranks": k}
 
 
-def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, dict, dict]:
-    """(saved, failed, io_errors) by rid: each live replica at the round writes into `temp`; one lost is down."""
-    roster = sup.roster
+def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, dict, dict, list[str]]:
+    """(saved, failed, io_errors, stalled): each live replica at the round writes into `temp`; one
+    lost is down. One deadline for all, `supervisor.phase_timeout_s`: a write past it is storage's
+    (in io_errors, and in stalled: it may still run), never its replica's."""
+    roster, deadline_s = sup.roster, sup.cfg.supervisor.phase_timeout_s
     members = [rid for rid in sorted(roster.live) if roster.live[rid][0] == state_round]
     armed = sup.injector.arm(state_round - 1, ("checkpoint",), roster.plan(sup.state.epoch), only=set(members))
     refs = {rid: roster.handles[rid].save_checkpoint.remote(temp, state_round, armed.get(rid)) for rid in members}
+    done = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline_s)[0]) if refs else set()
     saved, failed, io_errors = {}, {}, {}
+    stalled = [rid for rid, ref in refs.items() if ref not in done]
+    for rid in stalled:
+        io_errors[rid] = f"{rid} writing {temp}: no answer within supervisor.phase_timeout_s={deadline_s:g} s (hung?)"
     for rid, ref in refs.items():
+        if rid in stalled:
+            continue
         try:
-            answer = ray.get(ref, timeout=sup.cfg.supervisor.phase_timeout_s)
+            answer = ray.get(ref, timeout=sup.cfg.supervisor.call_timeout_s)
         except Exception as err:  # noqa: BLE001 — that replica's failure (it died, or raised)
             failed[rid] = str(err)
             roster.down_after(rid, err, "checkpoint", state_round - 1)
@@ -124,7 +135,21 @@ def _write_shards(sup: RunnerPorts, temp: str, state_round: int) -> tuple[dict, 
             io_errors[rid] = answer.get("error", "")
         else:
             failed[rid] = answer
-    return saved, failed, io_errors
+    return saved, failed, io_errors, stalled
+
+
+def _await_writes(sup: RunnerPorts, rids: list[str]) -> None:
+    """Replicas whose write passed its deadline may still be in it, and a replica takes one phase call
+    at a time: the next round's would queue behind the write and look hung. So wait, killing nobody,
+    while they answer `progress` from their checkpoint phase, up to another `phase_timeout_s`. One
+    that died, falls silent or still writes after that is the round machine's, as any replica that
+    does not step."""
+    deadline = time.monotonic() + sup.cfg.supervisor.phase_timeout_s
+    while rids and time.monotonic() < deadline:
+        sup.set_status(phase="waiting_for_replicas", busy=list(rids))
+        time.sleep(WRITE_POLL_S)
+        asked = {rid: sup.roster.probe(rid, sup.cfg.supervisor.call_timeout_s) for rid in rids}
+        rids = [rid for rid, answer in asked.items() if (answer or {}).get("phase") == "checkpoint"]
 
 
 def _failed(sup: RunnerPorts, state_round: int, error: str, replicas: list[str] | None = None) -> None:

@@ -286,11 +286,14 @@ def _finish(run: Run, summary: dict) -> dict:
 def _clean_up(run: Run) -> None:
     import ray
 
+    from actors.quarantine import stop_moved
     from actors.site_changes import stop_joined_sites, with_joined_replicas
 
     if run.info:  # sites added mid-run: their replicas and groups are detached (they outlive a supervisor)
         with contextlib.suppress(Exception):  # best effort, as every stop here
             call_with_deadline(lambda: stop_joined_sites(run.run_dir, run.run_id), DRIVER_IO_S, "stopping added sites")
+        with contextlib.suppress(Exception):  # quarantine's re-created replicas: detached too
+            call_with_deadline(lambda: stop_moved(run.run_dir, run.run_id), DRIVER_IO_S, "stopping moved replicas")
     for actor in run.actors:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)

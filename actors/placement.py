@@ -218,6 +218,22 @@ def remove_site_group(group_name: str) -> None:
         remove_placement_group(get_placement_group(group_name))
 
 
+def quarantine_node(
+    nodes: list[dict], free: dict[str, dict], need: dict, *, away_from: str | None, label: str | None
+) -> str | None:
+    """The node a quarantined replica is re-created on (actors/quarantine.py): a live node other than
+    `away_from` with room for `need` now (`free`: ray's available resources per node id), of its site's
+    `label` when it has one (as its site's replicas are placed), the most room first; None: no such node."""
+    room = [
+        (replicas_that_fit(free.get(nd["NodeID"], {}), need), nd["NodeID"])
+        for nd in nodes
+        if nd.get("Alive")
+        and nd["NodeID"] != away_from
+        and (label is None or str((nd.get("Labels") or {}).get(LABEL_KEY)) == str(label))
+    ]
+    return max((r for r in room if r[0] >= 1), default=(0, None))[1]
+
+
 class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for each rank actor of
     replica i of c (with gpus_per_replica=1 the one actor is the replica)."""

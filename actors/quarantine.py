@@ -1,7 +1,10 @@
 """Quarantine, carried out (the rule: hsgd/core/quarantine.py; README, "Quarantine"): a replica
-killed for good is re-created as a new actor pinned to another node (Ray restarts an actor with its
-original options, so only a new actor can leave the node). It rejoins as any restarted replica; a
-restarted supervisor finds it by the name in the durable identity map.
+killed for good is re-created as a new actor pinned to another node of its site's label (Ray restarts
+an actor with its original options, so only a new actor can leave the node). It rejoins as any
+restarted replica. The new actor is detached, as an added site's: a restarted supervisor finds it by
+the name in the durable identity map (Ray ends a non-detached actor with its owner); the driver
+stops it at the run's end (`stop_moved`). A quarantined id takes no hot spare (hsgd.core.quarantine
+`takes_spare`): a spare of its cluster may sit on the very node it left.
 """
 
 from __future__ import annotations
@@ -15,9 +18,15 @@ from omegaconf import OmegaConf
 from ray._private.state import available_resources_per_node
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.placement import rank_resources, replica_resources
-from hsgd.config.capacity import replicas_that_fit
-from hsgd.core.quarantine import quarantine_due, recent_deaths
+from actors.placement import quarantine_node, rank_resources, replica_resources
+from actors.roster import lookup, replica_actor_name
+from hsgd.core.quarantine import DeathLog
+from hsgd.record.run_state import RunState
+
+
+def moved_actor_name(run_id: str, rid: str, move: int) -> str:
+    """The actor serving rid after its `move`-th quarantine move."""
+    return f"{replica_actor_name(run_id, rid)}-q{move}"
 
 
 class Quarantine:
@@ -38,17 +47,35 @@ class Quarantine:
         self.cfg, self.run_id, self.run_dir, self.injected = cfg, run_id, run_dir, injected
         self.state, self.roster, self.log, self._save = state, roster, log, save
         self.after, self.window_s = int(cfg.faults.quarantine_after), float(cfg.faults.quarantine_window_s)
+        self.deaths = DeathLog(  # a predecessor's count: own deaths, their nodes no longer needed
+            after=self.after,
+            window_s=self.window_s,
+            node_loss_window_s=float(cfg.faults.node_loss_window_s),
+            deaths=[(float(t), None, rid) for rid, times in state.death_times.items() for t in times],
+        )
+        self.told: set[tuple[str, float]] = set()  # node losses said on the console
 
     def death(self, rid: str) -> None:
-        """rid's process died (each death once, as the roster logs it)."""
+        """rid's process died (each death once, as the roster logs it). Counted against rid unless
+        replicas of its node die with it (hsgd/core/quarantine.py: a node loss is the node's)."""
         kept_out = rid in self.state.quarantined and self.state.quarantined[rid].get("moved_to") is None
         if self.after <= 0 or kept_out or self.injected(rid):
             return
-        now = time.time()
-        times = recent_deaths(self.state.death_times.get(rid, []) + [now], now, self.window_s)
-        self.state.death_times[rid] = times
-        if quarantine_due(times, now, after=self.after, window_s=self.window_s):
-            self._set_aside(rid, (self.roster.replica_info.get(rid) or {}).get("node_id"), len(times))
+        now, node = time.time(), (self.roster.replica_info.get(rid) or {}).get("node_id")
+        due = self.deaths.died(now, node, rid)
+        for loss in self.deaths.losses():
+            if (loss.node, loss.t) in self.told:
+                continue
+            self.told.add((loss.node, loss.t))
+            print(
+                f"[hsgd] {', '.join(loss.rids)} of node {loss.node[:8]} died within "
+                f"{self.deaths.node_loss_window_s:g} s of each other: the node's death, counted against none of them",
+                flush=True,
+            )
+        own = {r: self.deaths.own(r, now) for r in {d[2] for d in self.deaths.deaths}}
+        self.state.death_times = {r: times for r, times in own.items() if times}
+        if due:
+            self._set_aside(rid, node, len(own[rid]))
         self._save()
 
     def _set_aside(self, rid: str, node: str | None, deaths: int) -> None:
@@ -57,15 +84,19 @@ class Quarantine:
         backends = (self.roster.replica_info.get(rid) or {}).get("backends") or {"inner": "gloo", "outer": "gloo"}
         gpus = 1.0 if "nccl" in backends.values() else 0.0
         resources = replica_resources(self.cfg, gpus)  # room for the whole replica (its k ranks) on one node
-        free = available_resources_per_node()  # a live node other than `node` with room for one replica now
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        room = [(replicas_that_fit(res, resources), nid) for nid, res in free.items() if nid in alive and nid != node]
-        target = max((r for r in room if r[0] >= 1), default=(0, None))[1]
+        topo = self.roster.topology
+        target = quarantine_node(
+            ray.nodes(),
+            available_resources_per_node(),  # room for one replica now
+            resources,
+            away_from=node,
+            label=topo.label(topo.cluster_of(rid)),
+        )
         moves = int((self.state.quarantined.get(rid) or {}).get("moves", 0)) + 1
         if target is None:
             self.roster.set_aside(rid)
         else:
-            name = f"hsgd:{self.run_id}:{rid}-q{moves}"
+            name = moved_actor_name(self.run_id, rid, moves)
             from actors.startup import start_replica
 
             rank = rank_resources(self.cfg, gpus)  # each of its k ranks asks one rank's, pinned to that node
@@ -82,9 +113,11 @@ class Quarantine:
                 self.run_dir,
                 backends,
                 index_table=self.state.replica_indices,
+                lifetime="detached",  # as an added site's: it outlives this supervisor; `stop_moved` ends it
             )
             self.roster.replace(rid, name, handle)
-            self.state.death_times[rid] = []  # a fresh count on the new node
+            self.deaths.forget(rid)  # a fresh count on the new node
+            self.state.death_times.pop(rid, None)
         self.state.quarantined[rid] = {"node": node, "moved_to": target, "moves": moves, "t": time.time()}
         self.log.event(
             "replica_quarantined", rid=rid, node=node, moved_to=target, deaths=deaths, window_s=self.window_s
@@ -99,3 +132,18 @@ class Quarantine:
             f"{(node or '?')[:8]}: {where}",
             flush=True,
         )
+
+
+def stop_moved(run_dir: str, run_id: str) -> None:
+    """The run's end (the driver, beside actors.site_changes.stop_joined_sites): every actor quarantine
+    re-created is detached, so it outlives its supervisor and is stopped here, best effort (one already
+    gone is none). Earlier moves of one id were killed when it moved again: their lookups find none."""
+    state = RunState.read(run_dir)
+    if state.run_id != run_id:
+        return  # another run's state: not ours to stop
+    for rid, record in state.quarantined.items():
+        for move in range(1, int(record.get("moves", 0)) + 1):
+            handle = lookup(moved_actor_name(run_id, rid, move))
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)

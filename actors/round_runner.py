@@ -33,6 +33,7 @@ from actors.hang import kill_hung
 from actors.heals import Heals
 from actors.replica_calls import FETCH_S, call, progress_board, up
 from actors.round_record import RoundRecord
+from hsgd.core.quarantine import takes_spare
 from hsgd.core.round import (
     AbortJoin,
     Answer,
@@ -287,7 +288,8 @@ class RoundRunner:
 
     def _log_deaths(self) -> None:
         """Each death the machine took in is logged once (with its incarnation, unless Ray's actor
-        table showed it first); with hot spares, a ready one takes over the dead one's id."""
+        table showed it first); with hot spares, a ready one takes over the dead one's id, unless the
+        death had it quarantined (hsgd.core.quarantine.takes_spare)."""
         roster = self.p.roster
         for rid, cause in self.m.deaths[self.deaths_logged :]:
             self.deaths_logged += 1
@@ -299,7 +301,13 @@ class RoundRunner:
                 cluster=self.m.cluster_of(rid),
                 epoch=self.m.epoch,
             )
-            if roster.spares and rid not in self.m.progress and (answer := roster.promote_spare(rid)) is not None:
+            quarantined = self.p.state.quarantined if self.p.state is not None else {}  # (by this death, maybe)
+            if (
+                roster.spares
+                and rid not in self.m.progress
+                and takes_spare(rid, quarantined)
+                and (answer := roster.promote_spare(rid)) is not None
+            ):
                 self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
                 roster.note_up(rid, answer)
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))

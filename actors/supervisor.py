@@ -34,6 +34,7 @@ from hsgd.config.sites import expected_step_s
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
 from hsgd.core.outer_plan import params_agree
+from hsgd.core.quarantine import takes_spare
 from hsgd.core.round import (
     CallKind,
     Heal,
@@ -178,8 +179,12 @@ class Supervisor:
             self._catch_up()
             while True:
                 self.record.check_storage()
-                for rid in roster.missing() + sorted(roster.gone):
-                    if rid not in roster.live and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None:
+                for rid in roster.missing() + sorted(roster.gone):  # (a quarantined id takes none: takes_spare)
+                    if (
+                        rid not in roster.live
+                        and takes_spare(rid, self.state.quarantined)
+                        and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None
+                    ):
                         roster.admit(rid, answer)
                 boundary = self.cfg.supervisor.rejoin == "boundary"
                 roster.rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and roster.missing() else 0.0)

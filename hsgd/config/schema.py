@@ -413,6 +413,10 @@ class FaultsConfig:
     another node, or kept out; 0 = off. See Sites."""
     quarantine_window_s: float = seconds(600.0)
     """The window of `quarantine_after`, in seconds."""
+    node_loss_window_s: float = seconds_or_zero(5.0)
+    """Replicas of one node dying within this many seconds of each other are one death of the node, counted
+    against none of them (a raylet crash or an OOM kills a node's actors within ~1-2 s; 5 s holds that and the
+    0.5-s reporting tick, far below a replica's restart-and-die-again cycle); 0 = every death its own."""
 
 
 @dataclass
