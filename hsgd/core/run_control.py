@@ -16,8 +16,8 @@ Round start, in this order:
   4. the balance plan (`sync.balance=steps`): the saved plan when it is this round's and covers
      this round's clusters, else a new one (`plan_for_round`).
 Round end:
-  1. quarantine: deaths of replicas on one node within the node-loss window count once, for the
-     node, not once per replica (`hsgd/core/quarantine.py`);
+  1. quarantine: who is set aside is `hsgd/core/quarantine.py`'s `DeathLog` (deaths of replicas on
+     one node within the node-loss window count once, for the node, not once per replica);
   2. a checkpoint write: saved -> recorded; failed or past its deadline -> a storage fault: the
      checkpoint is skipped and reported, nobody is killed, the last good one stays the restore point.
 
@@ -186,23 +186,3 @@ def round_end(
         return RoundEnd(committed_round, "checkpoint", (), tuple(quarantine))
     event = "checkpoint_failed" if write is not CheckpointWrite.NONE else None
     return RoundEnd(last_good_checkpoint, event, (), tuple(quarantine))
-
-
-def to_quarantine(
-    deaths: Sequence[tuple[float, str | None, str]], now: float, *, after: int, window_s: float, node_window_s: float
-) -> tuple[str, ...]:
-    """The replicas to set aside now, from every recorded death `(t, node, rid)`: a replica whose own
-    deaths inside `window_s` reach `after`. A death is the NODE's, not the replica's, when another
-    replica on the same node died within `node_window_s` of it (a raylet crash, an OOM kill): three
-    node losses must not set aside every replica of a one-node run, where a restore is due."""
-    if after <= 0:
-        return ()
-    own: dict[str, int] = {}
-    for t, node, rid in deaths:
-        if now - t > window_s:
-            continue
-        node_loss = node is not None and any(
-            n == node and r != rid and abs(t2 - t) <= node_window_s for t2, n, r in deaths
-        )
-        own[rid] = own.get(rid, 0) + (not node_loss)
-    return tuple(sorted(rid for rid, n in own.items() if n >= after))

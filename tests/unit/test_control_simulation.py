@@ -1,5 +1,5 @@
 """Issue 45, Build 2: the seeded control-plane simulation. The product's decisions between rounds
-(`hsgd.core.run_control.round_start` / `round_end` / `to_quarantine` / `restore_choice`) are driven
+(`hsgd.core.run_control.round_start` / `round_end` / `restore_choice`, `hsgd.core.quarantine.DeathLog`) are driven
 through random schedules that mix single deaths, a node's correlated deaths, whole sites, every
 replica, supervisor deaths, checkpoint writes that fail or hang, corrupt checkpoints, add-site and
 drain-site requests (also right after a death), hot spares, `sync.balance=steps` over sites of
@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-
-import pytest
 
 from hsgd.core import run_control
 from hsgd.core.round.balance import StepPlan, plan_round
@@ -74,12 +72,10 @@ def test_reverting_finding_7s_fix_makes_a_seed_fail(monkeypatch):
 
 
 def test_reverting_finding_8s_fix_makes_a_seed_fail(monkeypatch):
-    real = run_control.to_quarantine
+    from hsgd.core import quarantine
 
-    def per_replica(deaths, now, *, after, window_s, node_window_s):  # every death counts against its replica
-        return real(deaths, now, after=after, window_s=window_s, node_window_s=-1.0)
-
-    monkeypatch.setattr(run_control, "to_quarantine", per_replica)
+    real = quarantine.own_deaths
+    monkeypatch.setattr(quarantine, "own_deaths", lambda deaths, window_s: real(deaths, 0.0))  # no node losses
     found = _first_violation()
     assert found and "node's losses" in found, found
 
