@@ -1,6 +1,7 @@
 """Issue 45, Acceptance 4: the capabilities together, in the regime users run. Three sites of 3, 2
 and 1 replicas whose steps take 0.3, 0.45 and 0.6 s, `sync.balance=steps` (each plans about 30 s of
-inner work a round: 100, 67 and 50 steps), a checkpoint every round. While it trains: an add-site
+inner work a round: 100, 67 and 50 steps; the added site takes the run-wide 0.3 s), a checkpoint
+every round. While it trains: an add-site
 of one replica; one replica of the 3-replica site SIGKILLed three times from outside (the OS, not
 the injector: on one node it is quarantined and kept out, its site goes on with 2); once the new
 site trains, the supervisor SIGKILLed mid-inner; then a drain of the 1-replica site. The run
@@ -27,6 +28,7 @@ RUN = FAST + [
     "topology.sites=[{replicas:3,min_step_s:0.3},{replicas:2,min_step_s:0.45},{replicas:1,min_step_s:0.6}]",
     "topology.cpus_per_replica=0.5",
     "sync.balance=steps",
+    "train.min_step_s=0.3",  # the added site's pacing (a site without its own takes the run-wide one)
     f"sync.outer_every={SPR}",
     f"train.rounds={ROUNDS}",
     "train.eval_batches=1",
@@ -102,4 +104,7 @@ def test_sites_balance_quarantine_restarts_and_requests_compose_in_30_s_rounds(b
     assert all("c3r0" in commits[r] for r in range(ROUNDS) if r > up["round"]), f"c3 trains once joined: {commits}"
     plans = [e for e in record if e["event"] == "round_plan"]
     assert plans and all(len(e["steps"]) >= 3 for e in plans), plans
+    # the regime: every round plans about 30 s of inner work (an unpaced site would set 1-step rounds)
+    planned_s = [max(n * s for n, s in zip(e["steps"], e["step_s"], strict=True) if s) for e in plans]
+    assert min(planned_s) >= 29.0, f"rounds of less than 30 s of inner work were planned: {planned_s}"
     assert summary["replicas_quarantined"] == 1
