@@ -107,7 +107,7 @@ def test_each_collective_lasts_its_modeled_time_and_link_s_records_it():
     t3 = time.monotonic()
     assert t3 - t2 >= 0.040 + 2 * payload * 8 / 1e9
     assert group.link_s >= 3 * 0.040 + 5 * payload * 8 / 1e9
-    assert group.link_s <= t3 - t0 + 1e-6, "link_s counts time inside collectives only"
+    assert t3 - t0 + 1e-6 >= group.link_s, "link_s counts time inside collectives only"
 
 
 def test_a_broadcast_receiver_waits_for_the_bytes_it_received():
@@ -191,14 +191,16 @@ def test_all_gather_refuses_a_payload_that_is_not_1d():
 
 
 def test_all_gather_on_a_group_of_one_returns_the_payload_and_sends_nothing():
-    group = LevelGroup("outer", link=LinkModel(gbps=1.0, latency_ms=500.0))
+    link = LinkModel(gbps=1.0, latency_ms=500.0)
+    paced: list[int] = []
+    link.pace = lambda start, payload_bytes: paced.append(payload_bytes)  # its sleep, recorded
+    group = LevelGroup("outer", link=link)
     group.configure(None, "run/epoch1/outer", rank=0, world_size=1, epoch=1)
     p = torch.arange(5, dtype=torch.uint8)
-    t0 = time.monotonic()
     out = group.all_gather(p, level="outer")
     assert len(out) == 1 and out[0] is p
     assert group.bytes_sent == 0 and group.link_s == 0.0
-    assert time.monotonic() - t0 < 0.5, "a group of one has no link to cross"
+    assert paced == [], "a group of one has no link to cross"
 
 
 def test_an_error_issuing_all_gather_is_a_collective_error_and_the_group_unusable():
@@ -307,16 +309,16 @@ def test_a_real_allreduce_over_a_simulated_link_lasts_its_modeled_time(two_with_
     modeled = 0.050 + 1_000_000 * 8 / 1e9
     for rank, o in two_with_link.items():
         assert o["mean"] == 0.5
-        assert o["allreduce_s"] >= modeled, f"rank {rank}: {o['allreduce_s']:.4f}s < modeled {modeled:.4f}s"
+        assert o["allreduce_s"] >= modeled, f"rank {rank}: {o['allreduce_s']:.4f}s, under the modeled {modeled:.4f}s"
         assert o["allreduce_link_s"] >= modeled, f"rank {rank}: link_s must record the modeled wait"
 
 
 def test_without_a_link_a_real_allreduce_does_not_wait_a_latency(three_plain):
-    """The same 1 MB all-reduce without a link: link_s still records the collective's time,
-    and no member paid a modeled 50 ms (loopback gloo needs a few ms; the bound is generous)."""
+    """The same 1 MB all-reduce without a link: link_s still records the collective's time, within
+    the call's own (how long loopback gloo takes is a timing, not checked here)."""
     for rank, o in three_plain.items():
         assert o["mean"] == 1.0
-        assert 0 < o["allreduce_link_s"] <= o["allreduce_s"]
+        assert o["allreduce_s"] >= o["allreduce_link_s"] > 0
 
 
 # -- config ---------------------------------------------------------------------------------------
