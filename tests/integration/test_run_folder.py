@@ -16,6 +16,7 @@ import pytest
 
 from hsgd.config import ConfigError
 from hsgd.record.runlock import LOCK_NAME, read_lock
+from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, REPO, events, metrics, train, train_cli
 
 TINY = ["sync.outer_every=3", "checkpoint.every=1", "checkpoint.keep=3"]
@@ -167,6 +168,7 @@ def test_a_stale_lock_is_taken_over_by_resume_and_a_corrupt_latest_checkpoint_fa
     assert after == [2, 3], f"want rounds 2 and 3 trained after resuming from round_000002: {after}"
     assert [m["round"] for m in metrics(run_dir)] == [0, 1, 2, 3]
     assert not (run_dir / LOCK_NAME).exists()
+    check_run(run_dir, rounds=4, steps_per_round=3, damaged={"round_000003"})
 
 
 def test_a_resume_with_another_model_shape_or_outer_every_exits_2_in_one_line(tmp_path):

@@ -2,6 +2,9 @@
 - no wall-clock ceiling: an assert never puts an upper bound on an elapsed time (elapsed under 2 s), except
   by the hang deadline HANG_S (tests/fakes/deadlines.py). Timings flake on loaded cores and belong
   in benchmarks; a test checks the order of events, a fake clock, or only that nothing hangs.
+- every integration test that starts a run with a fault schedule, a kill, a storage fault, a site
+  change or a drill reaches the shared invariant checker (`check_run`, tests/integration/invariants.py):
+  in its body, a helper of its module it calls, or a fixture it takes (a shared run: its teardown).
 Each rule is shown catching a new offender, fed as a snippet."""
 
 from __future__ import annotations
@@ -147,5 +150,235 @@ def _spelled(snippet: str) -> str:
     return snippet.replace(" LT ", " < ").replace(" LE ", " <= ")
 
 
-def test_files_not_yet_under_the_rule_exist():
-    assert all((TESTS / name).exists() for name in CEILINGS_NOT_YET), "drop a name that is gone"
+# -- every faulty run reaches check_run -------------------------------------------------------------
+CHECK_NOT_YET = {
+    name: "until issue 45 lands (it changes what these tests exercise)"
+    for name in ("integration/test_add_site.py", "integration/test_drain_site.py", "integration/test_sites.py")
+}
+_RUN_STARTS = {"train", "_train", "train_cli", "run_training", "background_drills"}
+_FAULT_CALLS = {
+    "inject",  # a drill's fault
+    "add_site",  # site changes
+    "drain_site",
+    "write_request",
+    "prlimit",  # storage faults: a write quota, a folder moved away or replaced
+    "rename",
+    "rmtree",
+}
+_REFUSED = re.compile(r"exits?_2")
+_FAULT_KEYS = ("faults.schedule", "faults.mtbf_s", "faults.kinds")
+_FATAL = {"SIGKILL", "SIGTERM", "SIGSTOP", "SIGSEGV", "SIGABRT"}  # not SIGINT: Ctrl-C, a clean stop
+_TEARDOWN = {"stop", "close", "shutdown", "teardown", "cleanup", "give_back", "__exit__", "__del__"}
+
+
+def _strings(node: ast.AST):
+    for n in ast.walk(node):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            yield n.value
+
+
+def _calls(node: ast.AST):
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            owner = _identifier(n.func.value) if isinstance(n.func, ast.Attribute) else None
+            yield n, owner, _identifier(n.func)
+
+
+def _is_fault_call(call: ast.Call, owner: str | None, name: str | None) -> bool:
+    if name in _FAULT_CALLS:
+        return True
+    if name in ("kill", "killpg"):  # os.kill, ray.kill; not p.kill() of a process the test started itself
+        return owner in ("os", "ray")
+    if name == "send_signal":
+        return any(_identifier(a) in _FATAL for a in call.args)
+    if name == "write_bytes":  # a file cut short: path.write_bytes(path.read_bytes()[:n])
+        return any(isinstance(n, ast.Slice) for a in call.args for n in ast.walk(a))
+    return name == "background_drills"  # a drill
+
+
+def _starts_a_drill(node: ast.AST) -> bool:
+    """Drill(...).start(), or d = Drill(...) then d.start() (not a Drill that only reads a folder
+    written by hand)."""
+    drills = {
+        t.id
+        for n in ast.walk(node)
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and _identifier(n.value.func) == "Drill"
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    return any(
+        name == "start"
+        and (
+            owner in drills or (isinstance(call.func.value, ast.Call) and _identifier(call.func.value.func) == "Drill")
+        )
+        for call, owner, name in _calls(node)
+    )
+
+
+def _starts_a_run(nodes) -> bool:
+    return any(
+        any(name in _RUN_STARTS for _, _, name in _calls(node))
+        or any("jobs.train" in text for text in _strings(node))
+        or _starts_a_drill(node)
+        for node in nodes
+    )
+
+
+def _is_faulty(nodes) -> bool:
+    return any(
+        any(text.startswith(_FAULT_KEYS) for text in _strings(node))
+        or any(_is_fault_call(*call) for call in _calls(node))
+        or _starts_a_drill(node)
+        for node in nodes
+    )
+
+
+def _check_names(tree: ast.Module) -> set[str]:
+    """check_run under the names this module imports it as."""
+    names = {"check_run"}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "tests.integration.invariants":
+            names |= {a.asname or a.name for a in node.names if a.name == "check_run"}
+    return names
+
+
+def _is_fixture(node: ast.FunctionDef) -> bool:
+    return any("fixture" in ast.unparse(d) for d in node.decorator_list)
+
+
+def _module_parts(tree: ast.Module) -> tuple[dict[str, ast.AST], dict[str, ast.AST], dict[str, list[ast.AST]]]:
+    """The module's fixtures; its functions, classes (their constructors) and constants by name; its
+    classes' methods by name (not their teardown: stopping what the test started is no fault)."""
+    fixtures: dict[str, ast.AST] = {}
+    parts: dict[str, ast.AST] = {}
+    methods: dict[str, list[ast.AST]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            (fixtures if _is_fixture(node) else parts)[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for m in node.body:
+                if isinstance(m, ast.FunctionDef) and m.name not in _TEARDOWN:
+                    methods.setdefault(m.name, []).append(m)
+                    if m.name == "__init__":
+                        parts[node.name] = m
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    parts[target.id] = node
+    return fixtures, parts, methods
+
+
+def _reach(start: ast.FunctionDef, fixtures, parts, methods) -> list[ast.AST]:
+    """start and every part of its module it reaches: fixtures it (or a fixture) takes by parameter
+    name, functions and constants it names, methods it calls."""
+    seen, todo = [], [start]
+    while todo:
+        node = todo.pop()
+        if any(node is s for s in seen):
+            continue
+        seen.append(node)
+        if node is start or any(node is f for f in fixtures.values()):
+            todo += [fixtures[a.arg] for a in node.args.args if a.arg in fixtures]
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        todo += [parts[name] for name in names if name in parts]
+        todo += [m for _, owner, name in _calls(node) if owner for m in methods.get(name, [])]
+    return seen
+
+
+def unchecked_fault_tests(source: str) -> list[str]:
+    """The tests of a module that start a run with a fault, a kill, a storage fault, a site change
+    or a drill, and never reach check_run."""
+    tree = ast.parse(source)
+    (fixtures, parts, methods), checks = _module_parts(tree), _check_names(tree)
+    found = []
+    for node in tree.body:
+        # a test named for exit 2 checks a refused config: no run starts (this suite's naming)
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not _REFUSED.search(node.name):
+            reached = _reach(node, fixtures, parts, methods)
+            checked = any(name in checks for part in reached for _, _, name in _calls(part))
+            if _starts_a_run(reached) and _is_faulty(reached) and not checked:
+                found.append(node.name)
+    return found
+
+
+def test_every_integration_test_with_a_fault_reaches_the_invariant_checker():
+    found = [
+        f"tests/{path.relative_to(TESTS)}::{name}"
+        for path in sorted((TESTS / "integration").glob("test_*.py"))
+        if str(path.relative_to(TESTS)) not in CHECK_NOT_YET
+        for name in unchecked_fault_tests(path.read_text())
+    ]
+    assert not found, f"a run with a fault never asks the shared invariant checker (check_run): {found}"
+
+
+def test_the_check_rule_names_a_fault_run_that_never_reaches_check_run():
+    source = """
+from tests.integration.invariants import check_run as checked
+
+@pytest.fixture(scope="module")
+def shared(background_drills, tmp_path_factory):
+    d = background_drills(["train.rounds=9"], tmp_path_factory.mktemp("d"))
+    yield d
+    checked(d.run_dir, rounds=9, steps_per_round=2, expect_status="stopped")
+
+def _kill(pid):
+    os.kill(pid, signal.SIGKILL)
+
+def _check(run_dir):
+    checked(run_dir, rounds=2, steps_per_round=2)
+
+def test_a_schedule_unchecked(tmp_path):
+    train(tmp_path, ["faults.schedule=[{kind:kill,target:c0r1,round:1}]"])
+
+def test_a_kill_through_a_helper_unchecked(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.train"])
+    _kill(proc.pid)
+
+def test_a_drill_unchecked(background_drills, tmp_path):
+    background_drills([], tmp_path).stop()
+
+def test_a_checked_schedule(tmp_path):
+    train(tmp_path, ["faults.schedule=[{kind:kill,target:c0r1,round:1}]"])
+    _check(tmp_path)
+
+def test_a_shared_run_checked_at_its_teardown(shared):
+    shared.inject("kill", "c0r1")
+
+def test_no_fault(tmp_path):
+    train(tmp_path, ["train.rounds=2"])
+    proc = subprocess.Popen(["sleep", "9"])
+    proc.kill()
+
+def test_a_refused_config_exits_2(tmp_path):
+    train_cli(["faults.schedule=[{kind:zap}]"], cwd=tmp_path)
+"""
+    assert unchecked_fault_tests(source) == [
+        "test_a_schedule_unchecked",
+        "test_a_kill_through_a_helper_unchecked",
+        "test_a_drill_unchecked",
+    ]
+
+
+class _NoCheck(ast.NodeTransformer):
+    def visit_Call(self, node):
+        return ast.Constant(None) if _identifier(node.func) in ("check_run", "check_invariants") else node
+
+
+def test_every_fault_test_is_named_once_its_modules_check_run_calls_are_gone():
+    """Acceptance 1: the rule sees each fault test's check; without it, it names that test."""
+    for path in sorted((TESTS / "integration").glob("test_*.py")):
+        if str(path.relative_to(TESTS)) in CHECK_NOT_YET:
+            continue
+        tree = ast.parse(path.read_text())
+        (fixtures, parts, methods), names = _module_parts(tree), []
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not _REFUSED.search(node.name):
+                reached = _reach(node, fixtures, parts, methods)
+                if _starts_a_run(reached) and _is_faulty(reached):
+                    names.append(node.name)
+        stripped = ast.unparse(_NoCheck().visit(tree))
+        assert unchecked_fault_tests(stripped) == names, path.name
+
+
+def test_files_not_yet_under_the_rules_exist():
+    assert all((TESTS / name).exists() for name in {**CEILINGS_NOT_YET, **CHECK_NOT_YET}), "drop a name that is gone"
