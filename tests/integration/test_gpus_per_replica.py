@@ -19,7 +19,7 @@ import pytest
 from hsgd.record.rundir import read_jsonl
 from tests.fakes.deadlines import HANG_S
 from tests.integration.invariants import check_run
-from tests.integration.runs import FAST, events, metrics, poll, replica_progress
+from tests.integration.runs import FAST, events, metrics, poll, replica_progress, train
 
 # 2 clusters x 2 replicas, tiny model; 6 rounds of 10 inner steps (60 in all), evaluated every round
 TWO_BY_TWO = [
@@ -32,17 +32,6 @@ TWO_BY_TWO = [
 ]
 
 
-def _train(run_dir: Path, overrides: list[str]) -> dict:
-    """jobs.train in this process, as runs.train, without the outer variants (sync.outer_path=sharded
-    is refused with k > 1)."""
-    from actors.launch import compose_config, run_training
-    from hsgd.config import validate
-
-    cfg = compose_config(FAST + overrides)
-    validate(cfg)
-    return run_training(cfg, str(run_dir))
-
-
 def _relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -52,7 +41,7 @@ def _pair(tmp_path: Path, overrides: list[str]) -> dict[int, dict]:
     runs = {}
     for k in (1, 2):
         run_dir = tmp_path / f"k{k}"
-        summary = _train(run_dir, overrides + [f"topology.gpus_per_replica={k}"])
+        summary = train(run_dir, overrides + [f"topology.gpus_per_replica={k}"])
         check_run(run_dir, rounds=6, steps_per_round=10, victims=set())
         runs[k] = (summary, metrics(run_dir))
     return runs
