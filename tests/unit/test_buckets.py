@@ -19,7 +19,7 @@ from hsgd.train import comm
 from hsgd.train.buckets import GradBuckets, assign_buckets
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
 from tests.fakes.deadlines import HANG_S
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 TIMEOUT_S = 5.0
 

@@ -15,7 +15,7 @@ import torch
 
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
 from tests.fakes.deadlines import HANG_S
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 TIMEOUT_S = 5.0
 CONFIGURE_TIMEOUT_S = 10.0

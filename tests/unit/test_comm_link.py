@@ -17,7 +17,7 @@ from hsgd.config import ConfigError, HsgdConfig, validate
 from hsgd.train import comm
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
 from hsgd.train.simulate import LinkModel, link_from_config
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 TIMEOUT_S = 5.0
 CONFIGURE_TIMEOUT_S = 10.0

@@ -26,7 +26,7 @@ import traceback
 import pytest
 import torch
 
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 STEPS, DELAY, ROUNDS = 4, 2, 3  # inner steps of a round (outer_every / fragments), the delay, rounds run
 BASE = [

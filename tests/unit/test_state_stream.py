@@ -34,7 +34,7 @@ from hsgd.train.state_stream import (
     unpack_chunk,
 )
 from tests.fakes.deadlines import HANG_S
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 
 # -- no processes ---------------------------------------------------------------------------------

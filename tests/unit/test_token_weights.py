@@ -14,7 +14,7 @@ import torch
 
 from hsgd.core.outer_plan import token_weights
 from tests.fakes.configs import tiny_cfg
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 SIZES = (2, 2, 2)
 UNEQUAL = (0.5, 1.25, 1.25)  # e.g. a site that trained a fifth of the others' tokens
