@@ -1,5 +1,5 @@
 """Numerical parity of the real system (Ray actors, gloo process groups, supervisor) with pure-torch
-references of the same algorithms (tests/integration/references.py).
+references of the same algorithms (tests/fakes/references.py).
 
 Each test runs one tiny training job through `jobs.train.run_training` (the two localsgd tests share
 their fault-free one), loads the final checkpoint of every replica, and compares its parameters with
@@ -22,7 +22,7 @@ import torch
 
 from hsgd.core.topology import Topology
 from hsgd.train.checkpoint import load_replica_state
-from tests.integration import references as ref
+from tests.fakes import references as ref
 from tests.integration.invariants import check_run
 
 REPO = Path(__file__).resolve().parents[2]
