@@ -5,6 +5,7 @@
 - every integration test that starts a run with a fault schedule, a kill, a storage fault, a site
   change or a drill reaches the shared invariant checker (`check_run`, tests/integration/invariants.py):
   in its body, a helper of its module it calls, or a fixture it takes (a shared run: its teardown).
+- no test module imports another test module (shared fakes and helpers live in tests/fakes/).
 Each rule is shown catching a new offender, fed as a snippet."""
 
 from __future__ import annotations
@@ -148,6 +149,42 @@ def test_fine():
 
 def _spelled(snippet: str) -> str:
     return snippet.replace(" LT ", " < ").replace(" LE ", " <= ")
+
+
+# -- one home for fakes ------------------------------------------------------------------------------
+_TEST_MODULE = re.compile(r"^tests\.(unit|integration|gpu)\.test_")
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The test modules `source` imports from."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] if _TEST_MODULE.match(node.module) else []
+            if node.module in ("tests.unit", "tests.integration", "tests.gpu"):
+                found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("test_")]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if _TEST_MODULE.match(a.name)]
+    return found
+
+
+def test_no_test_module_imports_another():
+    found = {
+        f"tests/{path.relative_to(TESTS)}": names
+        for path in sorted(TESTS.rglob("*.py"))
+        if (names := imported_test_modules(path.read_text()))
+    }
+    assert not found, f"move what they share to tests/fakes/: {found}"
+
+
+def test_the_import_rule_catches_a_new_one():
+    source = "from tests.unit.test_checkpoint import _state\nfrom tests.integration import test_drill\nimport tests.gpu.test_x\n"
+    assert imported_test_modules(source) == [
+        "tests.unit.test_checkpoint",
+        "tests.integration.test_drill",
+        "tests.gpu.test_x",
+    ]
+    assert imported_test_modules("from tests.fakes.checkpoints import write_checkpoint\n") == []
 
 
 # -- every faulty run reaches check_run -------------------------------------------------------------
