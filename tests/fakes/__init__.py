@@ -1,1 +1,1 @@
-"""Fakes shared by test modules (a test module never imports helpers from another)."""
+"""Fakes and helpers shared by test modules (a test module never imports from another test module)."""

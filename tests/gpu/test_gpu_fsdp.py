@@ -1,7 +1,7 @@
 """A replica sharded with FSDP2 over 2 GPUs (issue 34; hsgd.train.sharding) against the same replica
 on one GPU (skipped with fewer than 2 CUDA devices). No Ray: run with `python -m pytest -q tests/gpu -s`.
 
-Two spawns through tests/unit/gloo_world.run_ranks: k=2 (2 rank processes, rank j on cuda:j, one
+Two spawns through tests/fakes/gloo_world.run_ranks: k=2 (2 rank processes, rank j on cuda:j, one
 replica group "cpu:gloo,cuda:nccl": NCCL carries FSDP2's all-gathers and reduce-scatters, gloo the
 trainer's replica-level CPU scalars and its digest objects) and k=1 (one process on cuda:0). Both
 train the same tiny model on the same seed and tokens with bf16 compute (FSDP2's bf16 params with
@@ -103,7 +103,7 @@ def _worker(k: int, rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def runs():
-    from tests.unit.gloo_world import run_ranks
+    from tests.fakes.gloo_world import run_ranks
 
     sharded = run_ranks(functools.partial(_worker, 2), 2, timeout_s=240, store_timeout_s=60, join_s=10)
     whole = run_ranks(functools.partial(_worker, 1), 1, timeout_s=180, store_timeout_s=60, join_s=10)

@@ -197,16 +197,19 @@ def commits_only_grow(events: list[dict], metrics: list[dict]) -> None:
     )
 
 
-def checkpoints_never_overwritten(run_dir, events: list[dict]) -> None:
+def checkpoints_never_overwritten(run_dir, events: list[dict], damaged: set[str] = frozenset()) -> None:
     """A checkpoint is written once and never rewritten: one `checkpoint` event per round; each
     final directory holds its own round's manifest and files that match the manifest's sha256 and
-    were not touched after the checkpoint was announced; no half-written directory looks final."""
+    were not touched after the checkpoint was announced; no half-written directory looks final.
+    `damaged`: the directories the test itself corrupted (not read)."""
     rounds = [e["round"] for e in events if e["event"] == "checkpoint"]
     dupes = sorted({r for r in rounds if rounds.count(r) > 1})
     assert not dupes, f"checkpoint of round(s) {dupes} written more than once (checkpoint events: {rounds})"
     announced = {e["round"]: e for e in events if e["event"] == "checkpoint"}
     root = Path(run_dir) / "checkpoints"
     for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if d.name in damaged:
+            continue
         if ".tmp-" in d.name:
             assert not (d / "manifest.json").exists(), f"half-written checkpoint {d.name} holds a manifest"
             continue
@@ -367,25 +370,33 @@ def plans_followed(events: list[dict], metrics: list[dict]) -> None:
 
 
 def check_run(
-    run_dir, *, rounds: int, steps_per_round: int, victims: set[str] | None = None, expect_status: str = "completed"
+    run_dir,
+    *,
+    rounds: int,
+    steps_per_round: int,
+    victims: set[str] | None = None,
+    expect_status: str = "completed",
+    summary: dict | None = None,
+    recorded: int | None = None,
+    damaged: set[str] = frozenset(),
 ) -> dict:
     """Every invariant above on one finished run; returns its summary. `rounds`: the rounds that
-    must be committed and recorded (for a failed run, those committed before it failed)."""
+    must be committed and recorded (for a failed run, those committed before it failed). A run whose
+    folder was gone when it ended: `summary`, the one it printed on the console (no summary.json),
+    and `recorded`, the rounds its folder holds (the later ones' records were lost with it).
+    `damaged`: the checkpoint directories the test corrupted on purpose."""
     run_dir = Path(run_dir)
-    metrics, events, summary = (
-        read_jsonl(run_dir / "metrics.jsonl"),
-        read_jsonl(run_dir / "events.jsonl"),
-        _json(run_dir / "summary.json"),
-    )
+    metrics, events = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl")
+    summary = _json(run_dir / "summary.json") if summary is None else summary
     streaming = run_is_streaming(run_dir)
     summary_matches(
         summary, rounds=rounds, steps_per_round=steps_per_round, expect_status=expect_status, streaming=streaming
     )
-    rounds_recorded_once(metrics, rounds, steps_per_round)
+    rounds_recorded_once(metrics, rounds if recorded is None else recorded, steps_per_round)
     digests_agree_every_round(metrics, streaming=streaming)
     no_healthy_replica_harmed(events, victims_from_faults(run_dir) if victims is None else set(victims))
     commits_only_grow(events, metrics)
-    checkpoints_never_overwritten(run_dir, events)
+    checkpoints_never_overwritten(run_dir, events, damaged)
     every_scheduled_fault_fired(run_dir, summary)
     replica_indices_stable(run_dir, events)
     plans_followed(events, metrics)

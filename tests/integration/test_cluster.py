@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, REPO, summary, train_cli
 
 SHORT = [*FAST, "train.rounds=2", "sync.outer_every=4"]
@@ -313,6 +314,7 @@ def test_submitted_job_with_a_fault_lands_under_the_output_root(cluster, tmp_pat
     assert s["status"] == "completed" and s["rounds_committed"] == 3, s
     fired = [json.loads(line) for line in (runs[0] / "faults_fired.jsonl").read_text().splitlines() if line.strip()]
     assert any(f.get("kind") == "kill" and f.get("rid") == "c0r1" for f in fired), fired
+    check_run(runs[0], rounds=3, steps_per_round=4)
 
 
 def _run_attached(cluster: LocalRayCluster, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
@@ -457,3 +459,4 @@ def test_a_replica_sigkilled_three_times_is_recreated_on_the_other_node(cluster,
     back = [e for e in evs if e["event"] == "commit" and e["t"] > moved[0]["t"] and "c0r1" in e["replicas"]]
     assert back, "the re-created replica trains again"
     assert "quarantined after 3 deaths" in out, out[-2000:]
+    check_run(run_dir, rounds=20, steps_per_round=10, victims={"c0r1"})

@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 import ray
 
+from tests.fakes.deadlines import HANG_S
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events
 from tests.integration.runs import poll as poll_every
 
 SPR = 10
-# 10 steps x 0.2 s of simulated accelerator time: rounds of ~2 s, so a restart (~2-4 s here)
-# happens while the run still trains
+# 10 steps x 0.2 s of simulated accelerator time: rounds of ~2 s. A run goes on until what a test
+# waits for happened (a restart, a spare taken back: 2-4 s alone, more on busy cores), then stops
+ROUNDS = "train.rounds=10000"
 BASE = [
     f"sync.outer_every={SPR}",
     "train.min_step_s=0.2",
@@ -59,8 +61,17 @@ def _event(run_dir: Path, name: str, **fields) -> dict | None:
     )
 
 
+def _stopped(drill) -> dict:
+    """Stop the run; its summary, checked by the shared invariant checker with only c0r1 harmed."""
+    s = drill.stop()
+    check_run(
+        drill.run_dir, rounds=s["rounds_committed"], steps_per_round=SPR, victims={"c0r1"}, expect_status="stopped"
+    )
+    return s
+
+
 def test_a_replica_killed_again_while_ray_restarts_it_is_two_faults(drill_run):
-    drill = drill_run(["train.rounds=4", "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:2}]"])
+    drill = drill_run([ROUNDS, "faults.schedule=[{kind:kill,target:c0r1,round:1,phase:inner,step:2}]"])
     actor = f"hsgd:{_info(drill.run_dir)['run_id']}:c0r1"
     first = _poll("c0r1's actor alive", 60, lambda: (r := _row(actor)) and r["State"] == "ALIVE" and r)
     # the injector's kill: Ray restarts the actor in a new process; SIGKILL that one while its
@@ -77,8 +88,12 @@ def test_a_replica_killed_again_while_ray_restarts_it_is_two_faults(drill_run):
         ),
     )
     os.kill(again["Pid"], signal.SIGKILL)  # the OS, not the injector
-    s = drill.wait_done(300)
-    check_run(drill.run_dir, rounds=4, steps_per_round=SPR, victims={"c0r1"})
+    _poll(
+        "c0r1 up as its actor's third process",
+        HANG_S,
+        lambda: _event(drill.run_dir, "replica_up", rid="c0r1", incarnation=2),
+    )
+    s = _stopped(drill)
     evs = events(drill.run_dir)
     downs = [e for e in evs if e["event"] == "replica_down" and e["rid"] == "c0r1"]
     assert [e["incarnation"] for e in downs] == [0, 1], (
@@ -95,7 +110,7 @@ def test_a_replica_killed_again_while_ray_restarts_it_is_two_faults(drill_run):
 
 
 def test_a_promoted_spare_that_dies_comes_back_as_the_replica_it_replaced(drill_run):
-    drill = drill_run(["train.rounds=8", "topology.spares_per_cluster=1"])
+    drill = drill_run([ROUNDS, "topology.spares_per_cluster=1"])
     _poll("c0's spare warm", 120, lambda: _event(drill.run_dir, "spare_ready", cluster=0))
     drill.inject("kill", "c0r1")  # now, from outside: the spare takes c0r1's id
     promoted = _poll("a spare promoted to c0r1", 60, lambda: _event(drill.run_dir, "spare_promoted", rid="c0r1"))
@@ -116,8 +131,16 @@ def test_a_promoted_spare_that_dies_comes_back_as_the_replica_it_replaced(drill_
         "the spare's actor back in a new process", 60, lambda: (a := serving()) and a["pid"] != promoted["pid"] and a
     )
     assert back["incarnation"] == 1, back
-    s = drill.wait_done(300)
-    check_run(drill.run_dir, rounds=8, steps_per_round=SPR, victims={"c0r1"})
+    _poll(
+        "the spare's new process taken back, as c0r1 or as the spare",
+        HANG_S,
+        lambda: [
+            e
+            for e in events(drill.run_dir)
+            if e["event"] in ("replica_up", "spare_ready") and e.get("pid") == back["pid"]
+        ],
+    )
+    s = _stopped(drill)
     evs = events(drill.run_dir)
     # the supervisor takes it back as c0r1 — unless c0r1's own old actor, restarted as a spare
     # meanwhile, was ready first and took c0r1's id (a ready spare is promoted at once): then

@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from actors.drill import Drill, DrillError
+from tests.fakes.deadlines import HANG_S
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events
 
@@ -134,8 +135,10 @@ def drill(tmp_path_factory):
     )
     d.start()
     yield d
-    if d.summary is None:
-        d.stop()
+    # the run every test of the module broke, checked once whichever of them ran (-k, a split);
+    # victims: every replica a fault hit (faults_fired.jsonl)
+    summary = d.summary if d.summary is not None else d.stop()
+    check_run(d.run_dir, rounds=summary["rounds_committed"], steps_per_round=6, expect_status="stopped")
 
 
 def _epoch(d):
@@ -160,8 +163,8 @@ def test_each_fault_kind_through_the_api_is_recovered(drill, kind, target):
     if kind in ("kill", "crash", "hang"):  # each replica it hit (or the supervisor) recorded down
         downs = drill.wait_down(timeout_s=60)
         assert set(injected.get("rids") or ()) <= {e.get("rid") for e in downs}, downs
-    result = drill.wait_recovered(timeout_s=120)
-    assert result["recovered_s"] is not None and result["recovered_s"] < 120
+    result = drill.wait_recovered(timeout_s=HANG_S)
+    assert result["recovered_s"] is not None, result  # recovered, not the run ended
     state = drill.state()
     assert all(not c["down"] for c in state["clusters"].values()), state["clusters"]
     if kind != "kill" or target != "supervisor":
@@ -177,9 +180,7 @@ def test_scheduled_fault_and_clean_stop(drill):
     summary = drill.stop()
     assert summary["status"] == "stopped"
     assert len(set(summary["replica_param_digests"].values())) == 1
-    assert len(summary["replica_param_digests"]) == 4
-    # victims: every replica a fault of this module hit (faults_fired.jsonl)
-    check_run(drill.run_dir, rounds=summary["rounds_committed"], steps_per_round=6, expect_status="stopped")
+    assert len(summary["replica_param_digests"]) == 4  # (the shared invariants: the fixture's teardown)
     assert any(e["event"] == "run_stopped" for e in events(drill.run_dir))
     for name in ("loss.png", "timeline.png", "membership.png"):
         assert (drill.run_dir / name).stat().st_size > 5000

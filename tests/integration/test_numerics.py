@@ -1,5 +1,5 @@
 """Numerical parity of the real system (Ray actors, gloo process groups, supervisor) with pure-torch
-references of the same algorithms (tests/integration/references.py).
+references of the same algorithms (tests/fakes/references.py).
 
 Each test runs one tiny training job through `jobs.train.run_training` (the two localsgd tests share
 their fault-free one), loads the final checkpoint of every replica, and compares its parameters with
@@ -22,7 +22,8 @@ import torch
 
 from hsgd.core.topology import Topology
 from hsgd.train.checkpoint import load_replica_state
-from tests.integration import references as ref
+from tests.fakes import references as ref
+from tests.integration.invariants import check_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -278,3 +279,4 @@ def test_a_comm_fault_at_a_localsgd_average_leaves_the_digest_of_the_fault_free_
     diffs = {rid: max_abs_diff(faulted[rid]["params"], clean[rid]["params"]) for rid in clean}
     report("localsgd_comm_fault_vs_clean", **diffs)
     assert all(d == 0.0 for d in diffs.values()), f"a retried localsgd step differs from the fault-free run: {diffs}"
+    check_run(tmp_path / "faulted", rounds=2, steps_per_round=6)

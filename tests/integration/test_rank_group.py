@@ -54,7 +54,7 @@ def test_a_rank_that_never_comes_fails_the_other_within_its_timeout_and_an_abort
         ray.get(worker.__ray_ready__.remote(), timeout=TIMEOUT_S)  # up: time only the join
         missing, took = _form_error(worker, store_addr, "replica-group/c1r3/lonely", 3.0)
         assert str(missing) == "replica c1r3: replica group: rank(s) 1 of 2 did not arrive within 3s (rank 0 waited)"
-        assert missing.kind == "configure" and 3.0 <= took <= 15.0, (missing.kind, took)
+        assert missing.kind == "configure" and took >= 3.0, (missing.kind, took)  # its timeout, not sooner
 
         def abort():  # the supervisor, once it knows rank 1 is dead
             time.sleep(1.0)
@@ -62,6 +62,7 @@ def test_a_rank_that_never_comes_fails_the_other_within_its_timeout_and_an_abort
 
         aborted, took = _form_error(worker, store_addr, "replica-group/c1r3/aborted", 30.0, during=abort)
         assert str(aborted) == "replica c1r3: replica group aborted: c1r3.1 died"
-        assert aborted.kind == "join_aborted" and took < 10.0, (aborted.kind, took)
+        # released by the abort (its kind), not by its 30-s timeout (kind configure)
+        assert aborted.kind == "join_aborted", (aborted.kind, took)
     finally:
         ray.kill(worker)

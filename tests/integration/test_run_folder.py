@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import pytest
 
 from hsgd.config import ConfigError
 from hsgd.record.runlock import LOCK_NAME, read_lock
+from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, REPO, events, metrics, train, train_cli
 
 TINY = ["sync.outer_every=3", "checkpoint.every=1", "checkpoint.keep=3"]
@@ -41,12 +43,13 @@ def _one_line_config_error(proc: subprocess.CompletedProcess, *needles: str) -> 
 @pytest.mark.long  # two runs, one after the other
 def test_a_second_run_on_a_live_runs_folder_exits_2_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    # rounds of ~0.3 s and more: the live run must outlive both refused CLIs (a run that ends rewrites its own run.json)
+    # the live run goes on until both refused CLIs are done, then is stopped (Ctrl-C: status stopped); one
+    # that ended by itself meanwhile would rewrite its own run.json
     args = [
         f"run.dir={run_dir}",
         *FAST,
         "sync.outer_every=3",
-        "train.rounds=150",
+        "train.rounds=100000",
         "checkpoint.every=0",
         "train.min_step_s=0.05",
     ]
@@ -77,15 +80,16 @@ def test_a_second_run_on_a_live_runs_folder_exits_2_and_changes_nothing(tmp_path
             second = train_cli([*args, *extra], cwd=tmp_path, timeout=300)
             _one_line_config_error(second, "run.dir", "in use by run", lock["run_id"])
         now = _snapshot(run_dir)
-        assert first.poll() is None, "the live run ended before the check: make it longer"
+        assert first.poll() is None, "the live run ended before the check"
         assert {name: now.get(name) for name in kept} == kept, "a refused run changed the live run's files"
         assert read_lock(run_dir)["run_id"] == lock["run_id"]
+        first.send_signal(signal.SIGINT)  # Ctrl-C once: it stops after the round in flight
         out, _ = first.communicate(timeout=400)
     finally:
         if first.poll() is None:
             first.kill()
     assert first.returncode == 0, out[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
     assert [e["event"] for e in events(run_dir)].count("supervisor_start") == 1, "another supervisor ran here"
     assert not (run_dir / LOCK_NAME).exists(), "the lock must be removed at the run's end"
 
@@ -164,6 +168,7 @@ def test_a_stale_lock_is_taken_over_by_resume_and_a_corrupt_latest_checkpoint_fa
     assert after == [2, 3], f"want rounds 2 and 3 trained after resuming from round_000002: {after}"
     assert [m["round"] for m in metrics(run_dir)] == [0, 1, 2, 3]
     assert not (run_dir / LOCK_NAME).exists()
+    check_run(run_dir, rounds=4, steps_per_round=3, damaged={"round_000003"})
 
 
 def test_a_resume_with_another_model_shape_or_outer_every_exits_2_in_one_line(tmp_path):

@@ -6,6 +6,7 @@ is counted as a fault. Before, it ended the run as a config error (exit 2)."""
 from __future__ import annotations
 
 from hsgd.record.rundir import read_jsonl
+from tests.integration.invariants import check_run
 from tests.integration.runs import summary, train
 
 TINY = ["sync.outer_every=2", "checkpoint.every=1", "checkpoint.keep=2"]
@@ -27,6 +28,7 @@ def test_a_replica_killed_in_the_checkpoint_reach_check_is_restarted_and_the_run
     assert [(f["rid"], f["kind"]) for f in fired] == [("c0r1", "kill")], fired
     assert _counted(s, "c0r1") and s["faults_not_fired"] == [], (s["faults"], s["faults_not_fired"])
     assert summary(run_dir) == s
+    check_run(run_dir, rounds=2, steps_per_round=2)
 
 
 def test_a_replica_killed_in_the_resume_load_is_restarted_and_the_resumed_run_completes(tmp_path):
@@ -45,3 +47,4 @@ def test_a_replica_killed_in_the_resume_load_is_restarted_and_the_resumed_run_co
     fired = _fired(run_dir)
     assert [(f["rid"], f["kind"], f["round"]) for f in fired] == [("c1r0", "kill", 1)], fired
     assert _counted(s, "c1r0") and s["faults_not_fired"] == [], (s["faults"], s["faults_not_fired"])
+    check_run(run_dir, rounds=2, steps_per_round=2)

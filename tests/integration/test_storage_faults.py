@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from tests.integration.invariants import check_run
 from tests.integration.runs import events, metrics, summary, train
 
 SMALL = [
@@ -83,6 +84,7 @@ def test_checkpoints_folder_replaced_by_a_file_skips_checkpoints_and_the_run_com
     assert any(e["event"] == "checkpoint_failed" and e["round"] == 8 for e in evs), "the last round's too"
     _no_replica_killed(evs)
     assert [m["round"] for m in metrics(run_dir)] == list(range(8))
+    check_run(run_dir, rounds=8, steps_per_round=2, victims=set())
 
 
 def test_a_replica_whose_checkpoint_write_fails_kills_nobody(tmp_path):
@@ -115,6 +117,7 @@ def test_a_replica_whose_checkpoint_write_fails_kills_nobody(tmp_path):
     _no_replica_killed(evs)
     ups = [e for e in evs if e["event"] == "replica_up" and e["rid"] == "c1r0"]
     assert [e["pid"] for e in ups] == [limited["pid"]], "the replica was restarted"
+    check_run(run_dir, rounds=4, steps_per_round=2, victims=set())
 
 
 class FolderAway:
@@ -163,6 +166,18 @@ def test_a_run_folder_unwritable_past_the_grace_fails_the_run_with_the_summary_o
     assert printed[-1]["status"] == "failed" and printed[-1]["reason"] == s["reason"]
     assert "summary.json could not be written" in out
     assert not (run_dir / "summary.json").exists(), "written after the folder came back?"
+    # what the folder holds is sound: the rounds recorded before it went (the later ones' records went with it)
+    recorded = len(metrics(run_dir))
+    assert 1 <= recorded <= s["rounds_committed"], (recorded, s["rounds_committed"])
+    check_run(
+        run_dir,
+        rounds=s["rounds_committed"],
+        steps_per_round=2,
+        victims=set(),
+        expect_status="failed",
+        summary=printed[-1],
+        recorded=recorded,
+    )
 
 
 def test_a_short_outage_of_the_run_folder_is_survived_and_every_record_written_once(tmp_path):
@@ -197,3 +212,4 @@ def test_a_short_outage_of_the_run_folder_is_survived_and_every_record_written_o
     keys = [(e["t"], e["event"], e.get("round"), e.get("phase"), e.get("cluster")) for e in evs]
     assert len(keys) == len(set(keys)), "an event written twice"
     assert names[-1] == "run_end"
+    check_run(run_dir, rounds=rounds, steps_per_round=2, victims=set())

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from hsgd.config.auto import auto_outer_step, outer_step_of, resolve, warmup_steps_of
 from hsgd.train import checkpoint as ckpt
 from hsgd.train.trainer import inner_lr
-from tests.unit.test_checkpoint import _write_checkpoint
+from tests.fakes.checkpoint_states import replica_state, write_checkpoint
 
 
 def _cfg(*overrides):
@@ -91,7 +91,7 @@ def test_a_resume_keeps_the_outer_step_its_checkpoint_recorded_for_keys_left_aut
     from hsgd.config import ConfigError
 
     old = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.7", "optim.outer.momentum=0.9")
-    _write_checkpoint(tmp_path, 3, fingerprint=ckpt.fingerprint(old))
+    write_checkpoint(tmp_path, 3, fingerprint=ckpt.fingerprint(old))
     # the same run resumed with the keys left auto, and more rounds (the rule would pick other values)
     cfg = _cfg("train.rounds=100", "sync.outer_every=50")
     filled = resolve(cfg)
@@ -108,10 +108,9 @@ def test_a_resume_keeps_the_outer_step_its_checkpoint_recorded_for_keys_left_aut
 def _checkpoint(root, cfg, *, with_schedule: bool):
     """A finalized checkpoint of `cfg` (resolved); `with_schedule=False`: as one written before issue 33's defaults."""
     from hsgd.config.auto import inner_schedule
-    from tests.unit.test_checkpoint import _state
 
     tmp = ckpt.new_temp_dir(root, 3, owner="run-a")
-    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c1r0"))}
+    files = {rid: ckpt.save_replica_state(tmp, rid, replica_state(i)) for i, rid in enumerate(("c0r0", "c1r0"))}
     manifest = {"round": 3, "step": 60, "files": files, "fingerprint": ckpt.fingerprint(cfg)}
     if with_schedule:
         manifest["inner_schedule"] = inner_schedule(cfg)

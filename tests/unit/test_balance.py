@@ -35,9 +35,9 @@ from hsgd.core.round import (
 )
 from hsgd.core.round.balance import fragment_delay_of, plan_steps
 from hsgd.core.topology import Topology
+from tests.fakes.gloo_world import run_ranks
 from tests.fakes.round_world import DONE, decisions, make_settings
 from tests.fakes.trainer import _solo, _trainer, dataset  # noqa: F401 — (dataset: the module's fixture)
-from tests.unit.gloo_world import run_ranks
 
 
 # -- 1. the plan ------------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ import torch
 from hsgd.train import comm
 from hsgd.train.buckets import GradBuckets, assign_buckets
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.deadlines import HANG_S
+from tests.fakes.gloo_world import run_ranks
+from tests.fakes.process_group import FakePG, FakeWork
 
 TIMEOUT_S = 5.0
 
@@ -52,40 +54,7 @@ def test_every_parameter_is_in_exactly_one_bucket():
     assert all(sum(params[i].numel() * 4 for i in b) <= 1024 or len(b) == 1 for b in buckets)
 
 
-# -- fake groups ----------------------------------------------------------------------------------
-class Work:
-    def __init__(self, result=True, error=None):
-        self.result, self.error = result, error
-
-    def wait(self, timeout=None):
-        if self.error:
-            raise self.error
-        return self.result
-
-
-class PG:
-    """Sums as if a second member held the same gradient (so the mean equals the local grad)."""
-
-    def __init__(self, work=None, issue_error=None, log=None):
-        self.work, self.issue_error, self.log = work, issue_error, log if log is not None else []
-        self.aborted = 0
-
-    def allreduce(self, tensors, opts):
-        if self.issue_error:
-            raise self.issue_error
-        self.log.append(("launch", tensors[0].numel()))
-        tensors[0].mul_(2)
-        return self.work or Work()
-
-    errored_with = None
-
-    def errored(self):
-        return self.errored_with
-
-    def abort(self, errored=True):
-        self.aborted += 1
-
-
+# -- fake groups: an all-reduce sums as if a second member held the same gradient (the mean is the local grad)
 def _group(pg, level="inner", world_size=2):
     g = LevelGroup(level, timeout_s=1.0)
     g._pg, g.world_size, g._usable, g.prefix = pg, world_size, True, "run/epoch1/inner/c0"
@@ -113,14 +82,14 @@ def test_buckets_are_launched_from_hooks_during_backward_in_bucket_order():
     buckets = GradBuckets(params, bucket_mb=300 / 2**20)  # ~300 bytes: several buckets
     expected = [sum(params[i].numel() for i in b) for b in assign_buckets(params, buckets.bucket_bytes)]
     assert len(expected) >= 3
-    group = _group(PG(log=log))
+    group = _group(FakePG(members=2, calls=log))
     buckets.arm(group)
     _backward(model, log)
-    launched_in_backward = [e for e in log[: log.index(("backward_returned",))] if e[0] == "launch"]
+    launched_in_backward = [e for e in log[: log.index(("backward_returned",))] if e[0] == "allreduce"]
     assert len(launched_in_backward) == len(expected), "every bucket fills during backward and is launched there"
     ref = [p.grad.clone() for p in params]
     buckets.finish()
-    assert [e[1] for e in log if e[0] == "launch"] == expected, "buckets launch in bucket order"
+    assert [e[1] for e in log if e[0] == "allreduce"] == expected, "buckets launch in bucket order"
     for p, r in zip(params, ref):
         assert torch.equal(p.grad, r), "the mean (sum of two equal grads / 2) is written back into p.grad"
     with comm.one_collective("after"):  # the guard was released by finish
@@ -130,7 +99,7 @@ def test_buckets_are_launched_from_hooks_during_backward_in_bucket_order():
 def test_the_guard_is_held_from_the_first_launch_to_finish():
     model = _model()
     buckets = GradBuckets(list(model.parameters()), bucket_mb=300 / 2**20)
-    group = _group(PG())
+    group = _group(FakePG(members=2))
     buckets.arm(group)
     _backward(model)
     with pytest.raises(comm.OverlappingCollectiveError):
@@ -142,10 +111,10 @@ def test_the_guard_is_held_from_the_first_launch_to_finish():
 @pytest.mark.parametrize(
     "pg,kind",
     [
-        (PG(work=Work(result=False)), "timeout"),
-        (PG(work=Work(error=RuntimeError("Connection closed by peer"))), "peer_gone"),
-        (PG(issue_error=torch.distributed.DistBackendError("lazy NCCL init")), "issue"),
-        (type("ErroredPG", (PG,), {"errored_with": RuntimeError("aborted")})(), "aborted"),
+        (FakePG(members=2, work=FakeWork(result=False)), "timeout"),
+        (FakePG(members=2, work=FakeWork(wait=RuntimeError("Connection closed by peer"))), "peer_gone"),
+        (FakePG(members=2, issue=torch.distributed.DistBackendError("lazy NCCL init")), "issue"),
+        (FakePG(members=2, errored=RuntimeError("aborted")), "aborted"),
     ],
     ids=["wait_returns_false", "wait_raises", "issue_raises", "group_errored_after_wait"],
 )
@@ -170,7 +139,7 @@ def test_a_failed_bucket_comes_out_of_finish_as_collective_error(pg, kind):
 
 def test_disarm_drops_in_flight_work_and_never_raises():
     model = _model()
-    pg = PG()
+    pg = FakePG(members=2)
     buckets = GradBuckets(list(model.parameters()), bucket_mb=300 / 2**20)
     group = _group(pg)
     buckets.arm(group)
@@ -199,17 +168,17 @@ def test_a_group_of_one_does_nothing():
 def test_arming_on_the_outer_group_is_refused():
     buckets = GradBuckets(list(_model().parameters()), bucket_mb=1)
     with pytest.raises(WrongLevelError):
-        buckets.arm(_group(PG(), level="outer"))
+        buckets.arm(_group(FakePG(members=2), level="outer"))
     with pytest.raises(WrongLevelError):
-        buckets.arm(_group(PG(), level="outer", world_size=1))
+        buckets.arm(_group(FakePG(members=2), level="outer", world_size=1))
 
 
 def test_unarmed_hooks_do_nothing():
     model = _model()
-    pg = PG()
+    pg = FakePG(members=2)
     GradBuckets(list(model.parameters()), bucket_mb=1)
     _backward(model)
-    assert pg.log == []
+    assert pg.calls == []
 
 
 # -- two real gloo processes ----------------------------------------------------------------------
@@ -308,7 +277,7 @@ def test_overlapped_buckets_match_the_plain_allreduce_over_many_steps(gloo_pair)
 def test_a_peer_killed_mid_backward_is_a_collective_error_on_the_survivor(gloo_pair):
     o = gloo_pair[0]
     assert o["after_death"].startswith("CollectiveError"), f"survivor: {o['after_death']}"
-    assert o["detect_s"] < TIMEOUT_S + 3, f"survivor took {o['detect_s']:.1f}s to see the death (deadline)"
+    assert o["detect_s"] < HANG_S, f"survivor took {o['detect_s']:.1f}s to see the death (a hang)"
     assert o["reuse"] == "CollectiveError:aborted", "the group is unusable until re-formed"
 
 
@@ -321,7 +290,7 @@ def test_a_parameter_without_a_gradient_gets_the_mean_and_a_frozen_one_is_left_a
     unused = torch.nn.Parameter(torch.ones(3))
     buckets = GradBuckets(params + [unused], bucket_mb=1)
     assert all(p is not params[0] for p in buckets.params)
-    buckets.arm(_group(PG()))
+    buckets.arm(_group(FakePG(members=2)))
     _backward(model)
     buckets.finish()
     assert params[0].grad is None and torch.equal(unused.grad, torch.zeros(3))

@@ -14,45 +14,25 @@ import torch
 from hsgd.record.rundir import atomic_write_text
 from hsgd.train import checkpoint as ckpt
 from hsgd.train.checkpoint import CheckpointError
-
-
-def _state(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "rid": "c0r0",
-        "round": 5,
-        "step": 100,
-        "params": [torch.randn(3, 4, generator=g), torch.randn(7, generator=g)],
-        "inner_opt": {"state": {}, "param_groups": [{"lr": 0.003, "params": [0, 1]}]},
-        "round_losses": [1.5, 1.25],
-    }
-
-
-def _write_checkpoint(root, round_index, rids=("c0r0", "c1r0"), owner="run-a", fingerprint=None):
-    tmp = ckpt.new_temp_dir(root, round_index, owner=owner)
-    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(rids)}
-    manifest = {"round": round_index, "step": round_index * 20, "files": files}
-    if fingerprint is not None:
-        manifest["fingerprint"] = fingerprint
-    return Path(ckpt.finalize(tmp, manifest, {rid: round_index for rid in rids}))
+from tests.fakes.checkpoint_states import replica_state, write_checkpoint
 
 
 def test_save_finalize_list_load_round_trip(tmp_path):
-    final = _write_checkpoint(tmp_path, 5)
+    final = write_checkpoint(tmp_path, 5)
     assert final == tmp_path / "round_000005"
     assert Path(ckpt.finalized(tmp_path)[-1]) == final
     manifest = ckpt.read_manifest(final)
     assert manifest["round"] == 5 and set(manifest["files"]) == {"c0r0", "c1r0"}
     for i, rid in enumerate(("c0r0", "c1r0")):
         loaded = ckpt.load_replica_state(final, rid, manifest["files"][rid])
-        want = _state(i)
+        want = replica_state(i)
         assert loaded["round"] == want["round"] and loaded["round_losses"] == want["round_losses"]
         assert all(torch.equal(a, b) for a, b in zip(loaded["params"], want["params"])), "params must load bitwise"
     assert not list(tmp_path.glob("*.tmp-*")), "the temp directory is renamed into place by finalize"
 
 
 def test_save_returns_the_sha256_of_the_file(tmp_path):
-    digest = ckpt.save_replica_state(tmp_path, "c0r1", _state())
+    digest = ckpt.save_replica_state(tmp_path, "c0r1", replica_state())
     assert digest == hashlib.sha256((tmp_path / "c0r1.pt").read_bytes()).hexdigest()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c0r1.pt"], "no temp file may be left behind"
 
@@ -63,9 +43,9 @@ def test_finalized_is_empty_without_checkpoints(tmp_path):
 
 
 def test_finalized_ignores_temp_dirs_and_dirs_without_manifest(tmp_path):
-    good = _write_checkpoint(tmp_path, 3)
+    good = write_checkpoint(tmp_path, 3)
     crashed = Path(ckpt.new_temp_dir(tmp_path, 9))  # interrupted write of a newer round
-    ckpt.save_replica_state(crashed, "c0r0", _state())
+    ckpt.save_replica_state(crashed, "c0r0", replica_state())
     atomic_write_text(crashed / ckpt.MANIFEST, '{"round": 9, "files": {}}')  # even with a manifest inside
     (tmp_path / "round_000007").mkdir()  # no manifest: never finalized
     assert Path(ckpt.finalized(tmp_path)[-1]) == good, "only a finalized checkpoint counts"
@@ -73,12 +53,12 @@ def test_finalized_ignores_temp_dirs_and_dirs_without_manifest(tmp_path):
 
 def test_finalized_picks_the_newest_round(tmp_path):
     for r in (5, 10, 2):
-        _write_checkpoint(tmp_path, r)
+        write_checkpoint(tmp_path, r)
     assert ckpt.finalized(tmp_path)[-1].endswith("/round_000010")
 
 
 def test_corrupt_file_is_a_clear_error_when_sha256_given(tmp_path):
-    final = _write_checkpoint(tmp_path, 1)
+    final = write_checkpoint(tmp_path, 1)
     sha = ckpt.read_manifest(final)["files"]["c0r0"]
     path = final / "c0r0.pt"
     data = bytearray(path.read_bytes())
@@ -91,7 +71,7 @@ def test_corrupt_file_is_a_clear_error_when_sha256_given(tmp_path):
 
 def test_truncated_file_is_a_checkpoint_error_even_without_sha256(tmp_path):
     path = tmp_path / "c0r0.pt"
-    ckpt.save_replica_state(tmp_path, "c0r0", _state())
+    ckpt.save_replica_state(tmp_path, "c0r0", replica_state())
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(CheckpointError):
         ckpt.load_replica_state(tmp_path, "c0r0")
@@ -132,9 +112,9 @@ def test_code_payload_is_live_so_the_refusal_test_means_something(tmp_path):
 
 def test_prune_keeps_newest_n_and_removes_temp_dirs(tmp_path):
     for r in (1, 2, 3, 4):
-        _write_checkpoint(tmp_path, r)
+        write_checkpoint(tmp_path, r)
     leftover = ckpt.new_temp_dir(tmp_path, 5, owner="run-a")
-    ckpt.save_replica_state(leftover, "c0r0", _state())
+    ckpt.save_replica_state(leftover, "c0r0", replica_state())
     ckpt.prune(tmp_path, keep=2, owner="run-a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_000003", "round_000004"]
     assert ckpt.finalized(tmp_path)[-1].endswith("/round_000004")
@@ -158,10 +138,10 @@ def test_round_dir_names_sort_in_round_order():
 
 
 def test_a_checkpoint_is_never_overwritten(tmp_path):
-    first = _write_checkpoint(tmp_path, 3)
+    first = write_checkpoint(tmp_path, 3)
     before = (first / "manifest.json").read_text()
     with pytest.raises(CheckpointError, match="never overwritten"):
-        _write_checkpoint(tmp_path, 3)
+        write_checkpoint(tmp_path, 3)
     assert (first / "manifest.json").read_text() == before
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "the refused temp dir must be removed"
     assert ckpt.exists(tmp_path, 3) and not ckpt.exists(tmp_path, 4)
@@ -169,7 +149,7 @@ def test_a_checkpoint_is_never_overwritten(tmp_path):
 
 def test_finalize_refuses_replicas_at_another_round(tmp_path):
     tmp = ckpt.new_temp_dir(tmp_path, 5, owner="run-a")
-    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
+    files = {rid: ckpt.save_replica_state(tmp, rid, replica_state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
     with pytest.raises(CheckpointError, match="another round"):
         ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5, "c0r1": 0})
     assert ckpt.finalized(tmp_path) == []
@@ -177,14 +157,14 @@ def test_finalize_refuses_replicas_at_another_round(tmp_path):
 
 def test_finalize_refuses_a_manifest_naming_a_missing_file(tmp_path):
     tmp = ckpt.new_temp_dir(tmp_path, 2, owner="run-a")
-    files = {"c0r0": ckpt.save_replica_state(tmp, "c0r0", _state()), "c0r1": "0" * 64}
+    files = {"c0r0": ckpt.save_replica_state(tmp, "c0r0", replica_state()), "c0r1": "0" * 64}
     with pytest.raises(CheckpointError, match="missing"):
         ckpt.finalize(tmp, {"round": 2, "step": 40, "files": files}, {"c0r0": 2, "c0r1": 2})
 
 
 def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
     for r in (1, 2, 3):
-        _write_checkpoint(tmp_path, r)
+        write_checkpoint(tmp_path, r)
     ckpt.prune(tmp_path, 0)
     assert ckpt.finalized(tmp_path)[-1].endswith("/round_000003")
 
@@ -192,7 +172,7 @@ def test_prune_keeps_the_newest_final_checkpoint_even_with_keep_zero(tmp_path):
 def test_finalize_refuses_a_file_whose_replica_never_reported_its_round(tmp_path):
     """A file is there but its writer's answer was lost: it may hold another round's state."""
     tmp = ckpt.new_temp_dir(tmp_path, 5, owner="run-a")
-    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
+    files = {rid: ckpt.save_replica_state(tmp, rid, replica_state(i)) for i, rid in enumerate(("c0r0", "c0r1"))}
     with pytest.raises(CheckpointError, match="never reported.*c0r1"):
         ckpt.finalize(tmp, {"round": 5, "step": 100, "files": files}, {"c0r0": 5})
     assert ckpt.finalized(tmp_path) == [] and not list(tmp_path.iterdir()), "the refused temp dir must be removed"
@@ -233,13 +213,15 @@ def test_round_trip_on_every_storage(root):
     manifest = ckpt.verify(final)
     for i, rid in enumerate(("c0r0", "c1r0")):
         loaded = ckpt.load_replica_state(final, rid, manifest["files"][rid])
-        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], _state(i)["params"])), f"{rid} not bitwise"
+        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], replica_state(i)["params"])), (
+            f"{rid} not bitwise"
+        )
     assert [n for n in ckpt._names(root) if ".tmp-" in n] == [], "the temp directory must be gone after finalize"
 
 
 def _temp_with_files(root, round_index, owner="run-a", rids=("c0r0", "c1r0")):
     tmp = ckpt.new_temp_dir(root, round_index, owner=owner)
-    files = {rid: ckpt.save_replica_state(tmp, rid, _state(i)) for i, rid in enumerate(rids)}
+    files = {rid: ckpt.save_replica_state(tmp, rid, replica_state(i)) for i, rid in enumerate(rids)}
     return tmp, {"round": round_index, "step": round_index * 20, "files": files}
 
 
@@ -249,7 +231,7 @@ def test_a_manifest_less_directory_is_not_a_checkpoint_on_every_storage(root):
     half = f"{root}/round_000003"
     fs, path = ckpt.url_to_fs(half)
     fs.makedirs(path, exist_ok=True)
-    ckpt.save_replica_state(half, "c0r0", _state())
+    ckpt.save_replica_state(half, "c0r0", replica_state())
     assert ckpt.finalized(root)[-1] == good and not ckpt.exists(root, 3)
 
 

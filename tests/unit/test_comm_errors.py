@@ -13,51 +13,7 @@ import torch.distributed as dist
 from hsgd.core.round import ErrorKind
 from hsgd.train import comm
 from hsgd.train.comm import CollectiveError, LevelGroup
-
-
-class FakeWork:
-    def __init__(self, wait=None, result=True):
-        self._wait, self.result, self.waited = wait, result, None
-
-    def wait(self, timeout=None):
-        self.waited = timeout
-        if self._wait is not None:
-            raise self._wait
-        return self.result
-
-
-class FakePG:
-    """torchft's ProcessGroupWrapper surface that LevelGroup uses; each failure point is a switch."""
-
-    def __init__(self, configure=None, set_timeout=None, issue=None, work=None, errored=None, abort=None):
-        self.fail_configure, self.fail_set_timeout, self.fail_issue = configure, set_timeout, issue
-        self.work, self._errored, self.fail_abort = work or FakeWork(), errored, abort
-        self.aborted = 0
-
-    def configure(self, **kwargs):
-        self.configured = kwargs
-        if self.fail_configure:
-            raise self.fail_configure
-
-    def set_timeout(self, timeout):
-        if self.fail_set_timeout:
-            raise self.fail_set_timeout
-
-    def allreduce(self, tensors, opts):
-        if self.fail_issue:
-            raise self.fail_issue
-        return self.work
-
-    broadcast = allreduce
-
-    def errored(self):
-        return self._errored
-
-    def abort(self, errored=True):
-        self.aborted += 1
-        if self.fail_abort:
-            raise self.fail_abort
-
+from tests.fakes.process_group import FakePG, FakeWork
 
 # torch's own distributed error types, as NCCL and gloo raise them
 DIST_BACKEND = dist.DistBackendError("NCCL error: invalid usage, Duplicate GPU detected")

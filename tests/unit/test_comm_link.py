@@ -17,7 +17,8 @@ from hsgd.config import ConfigError, HsgdConfig, validate
 from hsgd.train import comm
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
 from hsgd.train.simulate import LinkModel, link_from_config
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
+from tests.fakes.process_group import FakePG, FakeWork
 
 TIMEOUT_S = 5.0
 CONFIGURE_TIMEOUT_S = 10.0
@@ -52,35 +53,6 @@ def test_link_from_config_is_off_at_zero_gbps():
 
 
 # -- pacing, with a fake process group (no processes) ----------------------------------------------
-class _Work:
-    def __init__(self, fail=None):
-        self.fail = fail
-
-    def wait(self, timeout=None):
-        if self.fail:
-            raise self.fail
-        return True
-
-
-class _PG:
-    def __init__(self, fail=None):
-        self.fail, self.calls = fail, []
-
-    def allreduce(self, tensors, opts):
-        self.calls.append(("allreduce", tensors))
-        return _Work(self.fail)
-
-    def broadcast(self, tensors, opts):
-        self.calls.append(("broadcast", tensors))
-        return _Work(self.fail)
-
-    def allgather(self, outputs, inputs, opts):
-        self.calls.append(("allgather", outputs, inputs))
-        for out in outputs[0]:
-            out.copy_(inputs[0])
-        return _Work(self.fail)
-
-
 def _live(group, pg, world_size=2, rank=0):
     group._pg, group.world_size, group.rank, group._usable, group.prefix = (
         pg,
@@ -94,7 +66,7 @@ def _live(group, pg, world_size=2, rank=0):
 
 def test_each_collective_lasts_its_modeled_time_and_link_s_records_it():
     link = LinkModel(gbps=1.0, latency_ms=40.0)
-    group = _live(LevelGroup("outer", link=link), _PG(), world_size=3, rank=0)
+    group = _live(LevelGroup("outer", link=link), FakePG(), world_size=3, rank=0)
     payload = 250_000 * 4  # 1 MB: 8 ms at 1 Gb/s
     t0 = time.monotonic()
     group.allreduce_mean([torch.zeros(250_000)], level="outer")
@@ -107,11 +79,11 @@ def test_each_collective_lasts_its_modeled_time_and_link_s_records_it():
     t3 = time.monotonic()
     assert t3 - t2 >= 0.040 + 2 * payload * 8 / 1e9
     assert group.link_s >= 3 * 0.040 + 5 * payload * 8 / 1e9
-    assert group.link_s <= t3 - t0 + 1e-6, "link_s counts time inside collectives only"
+    assert t3 - t0 + 1e-6 >= group.link_s, "link_s counts time inside collectives only"
 
 
 def test_a_broadcast_receiver_waits_for_the_bytes_it_received():
-    group = _live(LevelGroup("inner", link=LinkModel(gbps=1.0, latency_ms=0.0)), _PG(), world_size=2, rank=1)
+    group = _live(LevelGroup("inner", link=LinkModel(gbps=1.0, latency_ms=0.0)), FakePG(), world_size=2, rank=1)
     t0 = time.monotonic()
     group.broadcast([torch.zeros(2_500_000)], root=0, level="inner")  # 10 MB: 80 ms at 1 Gb/s
     assert time.monotonic() - t0 >= 0.080
@@ -121,7 +93,7 @@ def test_a_broadcast_receiver_waits_for_the_bytes_it_received():
 def test_without_a_link_nothing_sleeps(monkeypatch):
     slept = []
     monkeypatch.setattr(comm.time, "sleep", lambda s: slept.append(s))
-    group = _live(LevelGroup("outer"), _PG())
+    group = _live(LevelGroup("outer"), FakePG())
     group.allreduce_mean([torch.zeros(1000)], level="outer")
     group.all_gather(torch.zeros(10, dtype=torch.uint8), level="outer")
     assert slept == [] and group.link_s >= 0.0
@@ -132,7 +104,7 @@ def test_a_failed_collective_does_not_sleep(monkeypatch):
     monkeypatch.setattr(comm.time, "sleep", lambda s: slept.append(s))
     group = _live(
         LevelGroup("outer", link=LinkModel(gbps=1.0, latency_ms=500.0)),
-        _PG(fail=RuntimeError("Connection closed by peer")),
+        FakePG(work=FakeWork(wait=RuntimeError("Connection closed by peer"))),
     )
     with pytest.raises(CollectiveError) as info:
         group.allreduce_mean([torch.zeros(10)], level="outer")
@@ -164,7 +136,7 @@ def test_the_link_sleep_is_outside_the_collective_deadline():
 def test_an_overlapped_collective_hides_the_link_behind_compute_between_launches(monkeypatch):
     real_sleep, slept = time.sleep, []
     monkeypatch.setattr(comm.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
-    group = _live(LevelGroup("inner", link=LinkModel(gbps=1.0, latency_ms=60.0)), _PG())
+    group = _live(LevelGroup("inner", link=LinkModel(gbps=1.0, latency_ms=60.0)), FakePG())
     # compute longer than the link's time between launch and wait: nothing left to sleep
     t0 = time.monotonic()
     launched = [group.launch_sum(torch.zeros(1000))[1:]]
@@ -183,7 +155,7 @@ def test_an_overlapped_collective_hides_the_link_behind_compute_between_launches
 
 
 def test_all_gather_refuses_a_payload_that_is_not_1d():
-    group = _live(LevelGroup("outer"), _PG())
+    group = _live(LevelGroup("outer"), FakePG())
     with pytest.raises(ValueError, match="1-D"):
         group.all_gather(torch.zeros(2, 2), level="outer")
     with pytest.raises(WrongLevelError):
@@ -191,22 +163,20 @@ def test_all_gather_refuses_a_payload_that_is_not_1d():
 
 
 def test_all_gather_on_a_group_of_one_returns_the_payload_and_sends_nothing():
-    group = LevelGroup("outer", link=LinkModel(gbps=1.0, latency_ms=500.0))
+    link = LinkModel(gbps=1.0, latency_ms=500.0)
+    paced: list[int] = []
+    link.pace = lambda start, payload_bytes: paced.append(payload_bytes)  # its sleep, recorded
+    group = LevelGroup("outer", link=link)
     group.configure(None, "run/epoch1/outer", rank=0, world_size=1, epoch=1)
     p = torch.arange(5, dtype=torch.uint8)
-    t0 = time.monotonic()
     out = group.all_gather(p, level="outer")
     assert len(out) == 1 and out[0] is p
     assert group.bytes_sent == 0 and group.link_s == 0.0
-    assert time.monotonic() - t0 < 0.5, "a group of one has no link to cross"
+    assert paced == [], "a group of one has no link to cross"
 
 
 def test_an_error_issuing_all_gather_is_a_collective_error_and_the_group_unusable():
-    class PG(_PG):
-        def allgather(self, outputs, inputs, opts):
-            raise RuntimeError("lazy init failed")
-
-    group = _live(LevelGroup("outer"), PG())
+    group = _live(LevelGroup("outer"), FakePG(issue=RuntimeError("lazy init failed")))
     with pytest.raises(CollectiveError) as info:
         group.all_gather(torch.zeros(3), level="outer")
     assert info.value.kind == "issue"
@@ -307,16 +277,16 @@ def test_a_real_allreduce_over_a_simulated_link_lasts_its_modeled_time(two_with_
     modeled = 0.050 + 1_000_000 * 8 / 1e9
     for rank, o in two_with_link.items():
         assert o["mean"] == 0.5
-        assert o["allreduce_s"] >= modeled, f"rank {rank}: {o['allreduce_s']:.4f}s < modeled {modeled:.4f}s"
+        assert o["allreduce_s"] >= modeled, f"rank {rank}: {o['allreduce_s']:.4f}s, under the modeled {modeled:.4f}s"
         assert o["allreduce_link_s"] >= modeled, f"rank {rank}: link_s must record the modeled wait"
 
 
 def test_without_a_link_a_real_allreduce_does_not_wait_a_latency(three_plain):
-    """The same 1 MB all-reduce without a link: link_s still records the collective's time,
-    and no member paid a modeled 50 ms (loopback gloo needs a few ms; the bound is generous)."""
+    """The same 1 MB all-reduce without a link: link_s still records the collective's time, within
+    the call's own (how long loopback gloo takes is a timing, not checked here)."""
     for rank, o in three_plain.items():
         assert o["mean"] == 1.0
-        assert 0 < o["allreduce_link_s"] <= o["allreduce_s"]
+        assert o["allreduce_s"] >= o["allreduce_link_s"] > 0
 
 
 # -- config ---------------------------------------------------------------------------------------

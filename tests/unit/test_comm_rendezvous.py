@@ -20,7 +20,7 @@ import torch
 
 from hsgd.train import comm
 from hsgd.train.comm import CollectiveError, LevelGroup
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 LONG_S = 60.0  # configure_timeout_s where only an abort may release a member in time
 RELEASED_S = 20.0  # how long a released member may take to come back: generous, and far below LONG_S

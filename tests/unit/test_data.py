@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hsgd.train.data import load_corpus
-from tests.integration.references import batch_for_step
+from tests.fakes.references import batch_for_step
 
 PACKAGED_CHARS = 5_057_280  # hsgd/corpus/README.md
 

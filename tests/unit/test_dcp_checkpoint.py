@@ -18,7 +18,7 @@ import torch
 from hsgd.train import dcp_checkpoint
 from hsgd.train.checkpoint import CheckpointError
 from hsgd.train.dcp_checkpoint import load_sharded, read_manifest, save_sharded
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 SHAPE = dict(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16)
 TRAIN_STEPS = 3

@@ -133,7 +133,6 @@ def test_seconds_must_be_a_positive_number(bad):
     _fails({"kind": "hang", "target": "c0r0", "round": 1, "seconds": bad}, "faults.schedule[0].seconds")
 
 
-# ids avoid the bare word "slow": tests/conftest.py skips any item with a `slow` keyword.
 @pytest.mark.parametrize("kind", ["hang", "comm", "slow"], ids=lambda k: f"kind-{k}")
 def test_supervisor_accepts_only_kill_or_crash(kind):
     err = _fails({"kind": kind, "target": "supervisor", "round": 1}, "faults.schedule[0].kind")

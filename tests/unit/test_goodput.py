@@ -1,5 +1,7 @@
 """benchmarks.fault_costs: where a fault's time went, from the run's own records."""
 
+import pytest
+
 from benchmarks.fault_costs import fault_costs, goodput, summarize_costs
 
 
@@ -17,9 +19,9 @@ def _events():
 def test_fault_cost_is_split_into_detection_replan_restart_heal_and_rejoin():
     (cost,) = fault_costs([{"t": 11.0, "rid": "c0r1", "kind": "kill"}], _events())
     assert cost["detection_s"] == 0.5
-    assert abs(cost["replan_s"] - 0.2) < 1e-9
+    assert cost["replan_s"] == pytest.approx(0.2)
     assert cost["restart_s"] == 3.5 and cost["heal_s"] == 0.25
-    assert abs(cost["rejoin_s"] - 5.4) < 1e-9
+    assert cost["rejoin_s"] == pytest.approx(5.4)
 
 
 def test_an_undetected_fault_has_no_figures_and_supervisor_faults_are_skipped():

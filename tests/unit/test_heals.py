@@ -11,11 +11,13 @@ import pytest
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
+from actors import heals
 from actors.heals import Heals
 from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
 from hsgd.core.round import Heal, Lost, Outcome, PhaseAnswer, StateReady
 from hsgd.train import state_stream
 from hsgd.train.comm import collective_timeout_s
+from tests.fakes.clock import FakeClock
 
 DONE = PhaseAnswer("any").wire()  # (a PhaseAnswer as it crosses Ray)
 FAILED = PhaseAnswer("any", Outcome.COLLECTIVE_FAILED, error="inner: joining ... failed").wire()
@@ -288,7 +290,7 @@ def test_a_refused_fallback_loses_the_source_and_its_target_is_told_so_not_blame
     assert h.source_answer(meta) == Lost("c0r0", "died"), "refused: the process chosen as the source is gone"
 
 
-def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fake):
+def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fake, monkeypatch):
     src, targets, send, meta, state = _group(FAILED, {"c0r1": FAILED, "c0r2": FAILED})
     h = _heals({"c0r0": src, **targets})
     calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
@@ -306,9 +308,18 @@ def test_the_final_heal_waits_for_its_fallbacks_and_gives_up_at_its_deadline(fak
             "c0r1": Replica("c0r1", receive_state=lambda *a: never),
         }
     )
-    t0 = time.monotonic()
+    clock = FakeClock()  # the heals' clock moves only by what ray.wait waits
+    monkeypatch.setattr(heals, "time", clock)
+
+    def wait(refs, *, timeout=None, **kw):
+        clock.sleep(timeout or 0)
+        return fake.wait(refs, **kw)
+
+    monkeypatch.setattr(ray, "wait", wait)
+    t0 = clock.now
     final = h2.settle({"c0r1": h2.issue(-1, 1, {"c0r1": Heal("c0r0", "full")}, "c0r1", {})}, deadline_s=0.3)
-    assert final == {"c0r1": never} and time.monotonic() - t0 < 3.0
+    assert final == {"c0r1": never}
+    assert clock.now - t0 == pytest.approx(0.3), "it gave up at its deadline, not before or after"
 
 
 def test_forgetting_an_ended_heal_drops_its_states_refs_but_keeps_watching_its_source(fake):

@@ -13,7 +13,7 @@ import torch
 
 from tests.fakes.configs import BASE  # noqa: F401
 from tests.fakes.configs import tiny_cfg as _cfg
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 
 def _layout(sizes, rank):

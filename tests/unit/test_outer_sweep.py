@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.outer_sweep import ClusterBatches, ThreadGroup, check_supported, simulate
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 STEPS = 12
 BASE = [

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.fakes.configs import tiny_cfg as _cfg
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 SIZES = (2, 2)
 H, DELAY = 4, 2  # steps per round (outer_every / fragments), inner steps behind the reduce

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 CONFIG = [
     "model.n_layer=2",

@@ -26,7 +26,7 @@ import traceback
 import pytest
 import torch
 
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 STEPS, DELAY, ROUNDS = 4, 2, 3  # inner steps of a round (outer_every / fragments), the delay, rounds run
 BASE = [
@@ -184,6 +184,7 @@ def _failures(t, store, port: int, cluster: int, shard: int) -> dict:
             "ended": reduce.done.is_set(),
             "seconds": time.monotonic() - started,
             "error": type(reduce.error).__name__,
+            "kind": str(getattr(reduce.error, "kind", "")),
         }
     else:
         store.get(f"ov-fail/f3/waiting/s{shard}")
@@ -255,7 +256,7 @@ def test_a_pseudo_gradient_poisoned_on_one_rank_fails_the_reduce_on_both_ranks(r
         )
     for rank in (2, 3):  # the other cluster's holders: their peers aborted, nobody waits out a deadline
         assert (f1[rank]["ok"], f1[rank]["error"]) == (False, "CollectiveError"), (rank, f1[rank])
-    assert max(f["seconds"] for f in f1.values()) < 5.0, f"a rank waited out a deadline: {f1}"
+    assert not [r for r, f in f1.items() if f["kind"] == "timeout"], f"a rank waited out a deadline: {f1}"
 
 
 def test_an_outer_group_aborted_on_one_rank_fails_the_reduce_on_every_rank(runs):
@@ -263,14 +264,14 @@ def test_an_outer_group_aborted_on_one_rank_fails_the_reduce_on_every_rank(runs)
     for rank, found in f2.items():  # ranks 0 and 2's own collective (shard 0) succeeded
         assert (found["ok"], found["error"]) == (False, "CollectiveError"), (rank, found)
     assert f2[3]["kind"] == "aborted", f2[3]
-    assert max(f["seconds"] for f in f2.values()) < 5.0, f"a rank waited out a deadline: {f2}"
+    assert not [r for r, f in f2.items() if f["kind"] == "timeout"], f"a rank waited out a deadline: {f2}"
 
 
 def test_abandoning_a_reduce_in_flight_aborts_both_ranks_and_the_next_reduce_commits(runs):
     for rank in (0, 1):
         f3 = runs[2][rank]["failures"]["f3"]
         assert f3["waited"] and f3["ended"], f"rank {rank}: the abandoned reduce was not in flight, or outlived settle"
-        assert f3["seconds"] < 5.0 and f3["error"] == "CollectiveError", (rank, f3)
+        assert f3["error"] == "CollectiveError" and f3["kind"] != "timeout", (rank, f3)  # not waited out
     f4 = [runs[2][rank]["failures"]["f4"] for rank in range(4)]
     assert all(f["ok"] and f["round"] == ROUNDS + 1 for f in f4), f4
     assert f4[0]["digest"] == f4[1]["digest"] and f4[2]["digest"] == f4[3]["digest"]

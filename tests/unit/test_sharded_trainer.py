@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hsgd.train.sharding import ReplicaRanks, rows_of
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 STEPS = 6  # inner steps of scenario A's round and of B's two fragment rounds (3 each)
 BASE = [

@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+import pytest
+
 from benchmarks.peers.common import Kill, read_steps, recovery
 from hsgd.record.steps import StepLog
 from tests.fakes.trainer import _solo, _trainer, dataset  # noqa: F401 — the module's fixture
@@ -66,7 +68,7 @@ def test_a_step_committed_after_the_kill_and_rolled_back_is_not_the_survivors_ne
         )
     figures = recovery(read_steps(tmp_path), Kill("r1", 2, 12.0)).as_dict()
     assert figures["survivors_stall_s"] == {"r0": 20.0 - 11.0}
-    assert abs(figures["rejoin_s"] - 8.1) < 1e-9
+    assert figures["rejoin_s"] == pytest.approx(8.1)
 
 
 def test_stragglers_sleep_a_multiple_of_the_step_at_the_drawn_steps_and_replay_alike(dataset):  # noqa: F811

@@ -14,7 +14,7 @@ import torch
 
 from hsgd.core.outer_plan import token_weights
 from tests.fakes.configs import tiny_cfg
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 SIZES = (2, 2, 2)
 UNEQUAL = (0.5, 1.25, 1.25)  # e.g. a site that trained a fifth of the others' tokens
@@ -93,6 +93,20 @@ def _expected(outs, codec, weights, numel):
     return mean / len(SIZES)
 
 
+def _both_paths_ran(outs, case) -> None:
+    """Each cluster's leader (its first rank) reduced on the leader path, and both shards were reduced
+    by one rank of every cluster: the checks below read records that exist."""
+    leaders = sorted(r for r, o in outs.items() if "leader" in o[case])
+    assert leaders == [c * SIZES[0] for c in range(len(SIZES))], f"{case}: leader-path records from {leaders}"
+    shards: dict[int, list[int]] = {}
+    for r, o in outs.items():
+        if "shard" in o[case]:
+            shards.setdefault(o[case]["shard"][0], []).append(r)
+    assert sorted(shards) == [0, 1] and all(len(rs) == len(SIZES) for rs in shards.values()), (
+        f"{case}: sharded-path records (shard -> ranks) {shards}"
+    )
+
+
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_the_reduced_mean_is_the_hand_computed_token_weighted_average_on_both_paths(outs, codec):
     from hsgd.core.outer_plan import shard_bounds
@@ -102,6 +116,7 @@ def test_the_reduced_mean_is_the_hand_computed_token_weighted_average_on_both_pa
     expected = _expected(outs, codec, UNEQUAL, numel)
     plain = _expected(outs, codec, (), numel)
     assert not torch.allclose(expected, plain), "the weights must change the mean for this check to mean anything"
+    _both_paths_ran(outs, (codec, UNEQUAL))
     for rank, out in outs.items():
         rec = out[(codec, UNEQUAL)]
         if "leader" in rec:
@@ -114,6 +129,8 @@ def test_the_reduced_mean_is_the_hand_computed_token_weighted_average_on_both_pa
 
 @pytest.mark.parametrize("codec", ["none", "int4"])
 def test_weights_of_one_are_bitwise_the_plain_mean_on_both_paths(outs, codec):
+    _both_paths_ran(outs, (codec, ()))
+    _both_paths_ran(outs, (codec, (1.0, 1.0, 1.0)))
     for rank, out in outs.items():
         plain, ones = out[(codec, ())], out[(codec, (1.0, 1.0, 1.0))]
         for path in ("leader", "shard"):

@@ -9,7 +9,7 @@ import traceback
 import pytest
 import torch
 
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 VARIANTS = {  # name -> config overrides; every variant trains 2 replicas of cluster c0 over gloo
     "single": ["optim.inner.implementation=single"],
