@@ -42,12 +42,13 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import ray
 import torch.distributed as dist
 
-from hsgd.core.round import ErrorKind
+from hsgd.core.round import ErrorKind, GroupJoin
 from hsgd.train.comm import (
     CollectiveError,
     _await_members,
@@ -110,14 +111,12 @@ def form_replica_group(
     return ReplicaRanks(rank, size, dist.group.WORLD, background)
 
 
-def rank_prefix(join: tuple | None, rank: int) -> tuple | None:
-    """Rank `rank`'s join of a level group: the replica's join (epoch, store_addr, prefix, rank,
-    world_size) under hsgd.train.comm.shard_prefix, the group of rank `rank` of every replica (the
-    supervisor's abort of the replica's prefix reaches it)."""
+def rank_prefix(join: GroupJoin | None, rank: int) -> GroupJoin | None:
+    """Rank `rank`'s join of a level group: the replica's join under hsgd.train.comm.shard_prefix, the
+    group of rank `rank` of every replica (the supervisor's abort of the replica's prefix reaches it)."""
     if join is None or rank == 0:
         return join
-    epoch, store_addr, prefix, member, world_size = join
-    return epoch, store_addr, shard_prefix(prefix, rank), member, world_size
+    return replace(join, prefix=shard_prefix(join.prefix, rank))
 
 
 def replica_group_backend(device: str) -> str:

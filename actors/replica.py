@@ -48,7 +48,7 @@ from actors.hang import install_faulthandler
 from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replica_group_backend
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
-from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
+from hsgd.core.round import ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer
 from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
@@ -477,25 +477,24 @@ class Replica:
         self._serve_as(None)
         return self._merged(self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid()), refs)
 
-    def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
-        """Form `group` when the call carries `join` = (epoch, store_addr, prefix, rank, world_size), after
-        the `join` faults; the seconds it took. Blocks until every member joined, the supervisor aborts the
-        rendezvous (CollectiveError `join_aborted`) or comm.configure_timeout_s passes (`configure`)."""
+    def _join(self, group: LevelGroup, join: GroupJoin | None, then: str) -> float:
+        """Form `group` when the call carries `join`, after the `join` faults; the seconds it took. Blocks
+        until every member joined, the supervisor aborts the rendezvous (CollectiveError `join_aborted`)
+        or comm.configure_timeout_s passes (`configure`)."""
         if join is None:
             return 0.0
         self._hook("join", self.trainer.round, 0)
-        epoch, store_addr, prefix, rank, world_size = join
         t0 = time.monotonic()
         self.phase, self.phase_since = "configure", time.time()
         if group is self.inner:
-            self.epoch = epoch
+            self.epoch = join.epoch
         elif group is self.outer:
-            self.outer_epoch = epoch
-        group.configure(store_addr, prefix, rank, world_size, epoch)
+            self.outer_epoch = join.epoch
+        group.configure(join.store_addr, join.prefix, join.rank, join.world_size, join.epoch)
         self.phase, self.phase_since = then, time.time()
         return time.monotonic() - t0
 
-    def _agreed_join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
+    def _agreed_join(self, group: LevelGroup, join: GroupJoin | None, then: str) -> float:
         """_join; k > 1: every rank of the replica fails it together, or none does (hsgd.train.sharding.agreed)."""
         return sharding.agreed(lambda: self._join(group, join, then), self.trainer.ranks, f"{self.rid}: {then} join")
 
@@ -504,7 +503,7 @@ class Replica:
         self,
         round_index: int,
         faults: list[dict] | None = None,
-        join: tuple | None = None,
+        join: GroupJoin | None = None,
         overlap: Overlap | None = None,
         steps: int | None = None,
         store_addr: str | None = None,
@@ -569,7 +568,7 @@ class Replica:
         round_index: int,
         epoch: int,
         faults: list[dict] | None = None,
-        join: tuple | None = None,
+        join: GroupJoin | None = None,
         shard: int = 0,
         shards: int = 1,
         weights: tuple[float, ...] = (),
@@ -662,7 +661,7 @@ class Replica:
         return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
 
     @ray.method(concurrency_group="phase")
-    def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
+    def send_state(self, round_index: int, join: GroupJoin, chunk_mb: float, faults: list[dict] | None = None) -> dict:
         """A `full` heal's source (faults as of `round_index`): join heal group `join` as rank 0 and
         stream its state to every target (hsgd.train.state_stream). Answers `done` with `bytes`, or
         `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
@@ -684,7 +683,7 @@ class Replica:
         )
 
     @ray.method(concurrency_group="phase")
-    def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
+    def receive_state(self, round_index: int, join: GroupJoin, faults: list[dict] | None = None) -> dict:
         """A heal target (faults as of `round_index`): join heal group `join` (rank >= 1), receive the
         source's whole state, load it `full`. Answers `done` (`bytes`, `transport: group`), or
         `collective_failed` with its state untouched (nothing loads before the last chunk)."""
@@ -696,7 +695,7 @@ class Replica:
         refs = self._fan_out("receive_state", lambda j: (round_index, rank_prefix(join, j)))
         return self._merged(self._over_heal_group(round_index, join, faults, transfer), refs)
 
-    def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
+    def _over_heal_group(self, round_index: int, join: GroupJoin, faults: list[dict] | None, transfer) -> dict:
         """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
         timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from actors.heals import Heals
 from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
-from hsgd.core.round import Heal, StateReady
+from hsgd.core.round import GroupJoin, Heal, StateReady
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, train
 
@@ -118,7 +118,7 @@ def cluster(tmp_path_factory):
         for rid in ("c0r0", "c1r0")
     }
     src = handles["c0r0"]
-    alone = lambda level: (0, None, f"solo/{level}", 0, 1)  # noqa: E731 — a group of one needs no store
+    alone = lambda level: GroupJoin(0, None, f"solo/{level}", 0, 1)  # noqa: E731 — a group of one needs no store
     assert ray.get(src.run_inner.remote(0, None, alone("inner")), timeout=180)["outcome"] == "done"
     assert ray.get(src.outer_reduce.remote(0, 0, None, alone("outer")), timeout=60)["outcome"] == "done"
     assert ray.get(src.outer_commit.remote(0, (0,), None), timeout=60)["outcome"] == "done"

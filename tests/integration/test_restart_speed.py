@@ -12,9 +12,10 @@ import time
 import ray
 from omegaconf import OmegaConf
 
+from hsgd.core.round import GroupJoin
 from tests.integration.runs import FAST
 
-ALONE = (0, None, "solo/inner", 0, 1)  # a group of one needs no store
+ALONE = GroupJoin(0, None, "solo/inner", 0, 1)  # a group of one needs no store
 
 
 def _restarted(handle, old_pid: int, timeout_s: float = 120.0) -> dict:

@@ -233,6 +233,22 @@ class Join:
     rank: int
     world_size: int
 
+    def at(self, epoch: int, store_addr: str | None, run_id: str) -> GroupJoin:
+        """This join as the replica's call carries it: the run's prefix, its store, the phase's epoch."""
+        return GroupJoin(epoch, store_addr, f"{run_id}/{self.prefix}", self.rank, self.world_size)
+
+
+@dataclass(frozen=True)
+class GroupJoin:
+    """What a replica's call carries to form a group first (a level's, or a heal's): group `prefix`
+    at the rendezvous `store_addr` (None: a group of one needs none) under `epoch`, as `rank` of `world_size`."""
+
+    epoch: int
+    store_addr: str | None
+    prefix: str
+    rank: int
+    world_size: int
+
 
 @dataclass(frozen=True)
 class Overlap:
