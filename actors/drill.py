@@ -21,7 +21,7 @@ from actors.launch import compose_config, connect_ray, run_training
 from actors.roster import replica_actor_name
 from actors.supervisor import supervisor_actor_name
 from hsgd.config import validate
-from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
+from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES, FaultSpec
 from hsgd.core.site_requests import RequestError, RequestKind, write_request
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_jsonl, write_deadline_s, write_fault_fired
@@ -178,7 +178,7 @@ class Drill:
                     write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
-                    self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
+                    self._replica(rid).inject.remote(FaultSpec(kind, rid, 0, phase="now", seconds=seconds))
         self._injected.append(record)
         return record
 

@@ -48,6 +48,7 @@ from actors.hang import install_faulthandler
 from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replica_group_backend
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
+from hsgd.core.faults import FaultSpec
 from hsgd.core.round import ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer
 from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
@@ -223,7 +224,7 @@ class Replica:
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
         self.phase, self.phase_since = "idle", time.time()
         self.armed, self.slow_s = [], 0.0
-        self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
+        self.pending_now: list[FaultSpec] = []  # injected faults waiting for the next boundary
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
@@ -381,28 +382,26 @@ class Replica:
         return {"rid": self.rid, "step": self.trainer.step}
 
     @ray.method(concurrency_group="control")
-    def inject(self, fault: dict) -> dict:
+    def inject(self, fault: FaultSpec) -> dict:
         """A fault from outside the schedule (drills; idle members of a `cluster:` target): a crash at
         once, the others at the phase thread's next step or phase boundary (they act on its work)."""
-        if fault["kind"] == "crash":
+        if fault.kind == "crash":
             self._fire(fault, self.trainer.round, self.trainer.step_in_round)
         self.pending_now.append(fault)
-        return self._answer(kind=fault["kind"])
+        return self._answer(kind=fault.kind)
 
     def _hook(self, phase: str, round_index: int, step_in_round: int) -> None:
         while self.pending_now:
             self._fire(self.pending_now.pop(0), round_index, step_in_round)
         for fault in list(self.armed):
-            if fault["phase"] == phase and (
-                phase not in ("inner", "inner_sync") or fault.get("step", 0) == step_in_round
-            ):
+            if fault.phase == phase and (phase not in ("inner", "inner_sync") or fault.step == step_in_round):
                 self.armed.remove(fault)
                 self._fire(fault, round_index, step_in_round)
 
-    def _fire(self, fault: dict, round_index: int, step_in_round: int) -> None:
-        kind = fault["kind"]
+    def _fire(self, fault: FaultSpec, round_index: int, step_in_round: int) -> None:
+        kind = fault.kind
         write_fault_fired(
-            self.fault_writer, self.run_dir, self.rid, kind, fault["phase"], round_index, step_in_round, pid=os.getpid()
+            self.fault_writer, self.run_dir, self.rid, kind, fault.phase, round_index, step_in_round, pid=os.getpid()
         )
         if kind == "crash":
             os._exit(17)
@@ -410,22 +409,22 @@ class Replica:
             ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
             time.sleep(60)  # ray.kill is asynchronous; never run another step
         if kind == "hang":
-            end = time.monotonic() + float(fault.get("seconds") or 3600)
+            end = time.monotonic() + float(fault.seconds or 3600)
             while time.monotonic() < end:
                 sum(range(3_000_000))  # C loop: holds the GIL for ~20-50 ms at a time
         if kind == "comm":
             self.inner.abort()
             self.outer.abort()
         if kind == "slow":
-            self.slow_s = float(fault.get("seconds") or 0.5)
+            self.slow_s = float(fault.seconds or 0.5)
         if kind == "nan":  # the next inner step's loss is NaN, as a diverging replica's
             self.trainer.poison()
         if kind == "error":  # an exception of the replica's own (CUDA OOM, an I/O error, a bug)
-            raise InjectedError(f"{self.rid}: injected error in {fault['phase']} of round {round_index}")
+            raise InjectedError(f"{self.rid}: injected error in {fault.phase} of round {round_index}")
 
-    def _fire_startup(self, faults: list[dict] | None) -> None:
+    def _fire_startup(self, faults: list[FaultSpec] | None) -> None:
         for fault in faults or ():
-            self._fire(fault, fault.get("round", self.trainer.round), 0)
+            self._fire(fault, fault.round, 0)
 
     def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> dict:
         """The one place an answer is built, at this replica's committed (round, step)."""
@@ -441,7 +440,7 @@ class Replica:
             {**progress, **result},
         ).wire()
 
-    def _phase(self, name: str, fn, faults: list[dict] | None, hook_round: int | None = None):
+    def _phase(self, name: str, fn, faults: list[FaultSpec] | None, hook_round: int | None = None):
         """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
         as of that round) and answer what it returns, or the outcome its exception means."""
         self.phase, self.phase_since = name, time.time()
@@ -502,7 +501,7 @@ class Replica:
     def run_inner(
         self,
         round_index: int,
-        faults: list[dict] | None = None,
+        faults: list[FaultSpec] | None = None,
         join: GroupJoin | None = None,
         overlap: Overlap | None = None,
         steps: int | None = None,
@@ -549,7 +548,7 @@ class Replica:
         return self._merged(self._phase("inner", run, faults), refs)
 
     @ray.method(concurrency_group="phase")
-    def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
+    def cluster_average(self, round_index: int, epoch: int, faults: list[FaultSpec] | None = None) -> dict:
         """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
         refs = self._fan_out("cluster_average", lambda j: (round_index, epoch))
         return self._merged(
@@ -567,7 +566,7 @@ class Replica:
         self,
         round_index: int,
         epoch: int,
-        faults: list[dict] | None = None,
+        faults: list[FaultSpec] | None = None,
         join: GroupJoin | None = None,
         shard: int = 0,
         shards: int = 1,
@@ -601,7 +600,7 @@ class Replica:
         return self._merged(self._phase("outer", run, faults), refs)
 
     @ray.method(concurrency_group="phase")
-    def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
+    def outer_commit(self, round_index: int, roots: tuple, faults: list[FaultSpec] | None = None) -> dict:
         """Phase 2, once the supervisor decided commit: inner rank roots[j] broadcasts shard j of the
         buffer, every member applies the same outer step. A round already committed is a no-op."""
 
@@ -641,7 +640,7 @@ class Replica:
         return loss
 
     @ray.method(concurrency_group="phase")
-    def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
+    def load_state(self, state: dict | None, scope: str, faults: list[FaultSpec] | None = None) -> dict:
         """Become the source (`full`) or take its global state (`global`) from `state`, the second
         object of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched,
         when the source refused (`state` None). A source that died or raised fails this call."""
@@ -661,7 +660,9 @@ class Replica:
         return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
 
     @ray.method(concurrency_group="phase")
-    def send_state(self, round_index: int, join: GroupJoin, chunk_mb: float, faults: list[dict] | None = None) -> dict:
+    def send_state(
+        self, round_index: int, join: GroupJoin, chunk_mb: float, faults: list[FaultSpec] | None = None
+    ) -> dict:
         """A `full` heal's source (faults as of `round_index`): join heal group `join` as rank 0 and
         stream its state to every target (hsgd.train.state_stream). Answers `done` with `bytes`, or
         `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
@@ -683,7 +684,7 @@ class Replica:
         )
 
     @ray.method(concurrency_group="phase")
-    def receive_state(self, round_index: int, join: GroupJoin, faults: list[dict] | None = None) -> dict:
+    def receive_state(self, round_index: int, join: GroupJoin, faults: list[FaultSpec] | None = None) -> dict:
         """A heal target (faults as of `round_index`): join heal group `join` (rank >= 1), receive the
         source's whole state, load it `full`. Answers `done` (`bytes`, `transport: group`), or
         `collective_failed` with its state untouched (nothing loads before the last chunk)."""
@@ -695,7 +696,7 @@ class Replica:
         refs = self._fan_out("receive_state", lambda j: (round_index, rank_prefix(join, j)))
         return self._merged(self._over_heal_group(round_index, join, faults, transfer), refs)
 
-    def _over_heal_group(self, round_index: int, join: GroupJoin, faults: list[dict] | None, transfer) -> dict:
+    def _over_heal_group(self, round_index: int, join: GroupJoin, faults: list[FaultSpec] | None, transfer) -> dict:
         """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
         timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
 
@@ -733,7 +734,7 @@ class Replica:
         return self._with_ranks("heal_state", self._with_meta(self.trainer.state_dict()), expect)
 
     @ray.method(concurrency_group="phase")
-    def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
+    def save_checkpoint(self, directory: str, round_index: int, faults: list[FaultSpec] | None = None) -> dict:
         """Its part of the checkpoint of round `round_index`: its `<rid>.pt` file (one rank), or k > 1 its
         `<rid>/` folder, one DCP checkpoint written by every rank of it (hsgd.train.dcp_checkpoint; the
         sha256 answered is that of its manifest.json). `behind` unless it holds exactly that round. A
@@ -789,7 +790,11 @@ class Replica:
 
     @ray.method(concurrency_group="phase")
     def load_checkpoint(
-        self, directory: str, sha256: str | None, faults: list[dict] | None = None, fmt: str = checkpoint.FILE_FORMAT
+        self,
+        directory: str,
+        sha256: str | None,
+        faults: list[FaultSpec] | None = None,
+        fmt: str = checkpoint.FILE_FORMAT,
     ) -> dict:
         """Load a checkpoint the caller verified (resume, restore), after its `startup` faults; `fmt` is
         its format (checkpoint.format_of). "file": its `<rid>.pt` (k > 1: each rank cuts its own shards
@@ -829,7 +834,7 @@ class Replica:
         self.trainer.load_sharded_state(target)
 
     @ray.method(concurrency_group="control")
-    def reach_checkpoints(self, url: str, nonce: str, faults: list[dict] | None = None) -> dict:
+    def reach_checkpoints(self, url: str, nonce: str, faults: list[FaultSpec] | None = None) -> dict:
         """At start: can this replica read the nonce the driver wrote under checkpoint.dir?
         {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
         self._fire_startup(faults)

@@ -30,6 +30,9 @@ class FaultSpecError(ConfigError):
 
 @dataclass(frozen=True)
 class FaultSpec:
+    """One fault, parsed once (parse_fault) and carried as it is: a replica's phase call carries the
+    ones due in it, a drill's `now` fault is one too (phase `now`: at the phase thread's next boundary)."""
+
     kind: str
     target: str  # "c0r1" | "leader:c1" | "cluster:c1" | "supervisor"
     round: int
@@ -203,12 +206,8 @@ class Delivery:
     """One scheduled fault, due now, resolved to the replicas it hits."""
 
     index: int  # position in the schedule: recorded as fired so it never fires twice
-    spec: FaultSpec
+    spec: FaultSpec  # what a replica's phase call carries to fire it at the right boundary
     targets: tuple[str, ...]
-
-    def message(self) -> dict:
-        """What a replica's phase call carries to fire it at the right boundary."""
-        return {"kind": self.spec.kind, "phase": self.spec.phase, "step": self.spec.step, "seconds": self.spec.seconds}
 
 
 def due_faults(
