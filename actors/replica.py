@@ -49,7 +49,8 @@ from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replic
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
 from hsgd.core.faults import FaultSpec
-from hsgd.core.round import ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer
+from hsgd.core.phases import STEPS, Phase
+from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer
 from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
 from hsgd.record.steps import StepLog
@@ -222,7 +223,7 @@ class Replica:
 
     def _init_state(self, spare: bool) -> None:
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
-        self.phase, self.phase_since = "idle", time.time()
+        self.phase, self.phase_since = Phase.IDLE, time.time()
         self.armed, self.slow_s = [], 0.0
         self.pending_now: list[FaultSpec] = []  # injected faults waiting for the next boundary
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
@@ -394,7 +395,7 @@ class Replica:
         while self.pending_now:
             self._fire(self.pending_now.pop(0), round_index, step_in_round)
         for fault in list(self.armed):
-            if fault.phase == phase and (phase not in ("inner", "inner_sync") or fault.step == step_in_round):
+            if fault.phase == phase and (STEPS not in fault.phase.traits or fault.step == step_in_round):
                 self.armed.remove(fault)
                 self._fire(fault, round_index, step_in_round)
 
@@ -440,7 +441,7 @@ class Replica:
             {**progress, **result},
         ).wire()
 
-    def _phase(self, name: str, fn, faults: list[FaultSpec] | None, hook_round: int | None = None):
+    def _phase(self, name: Phase, fn, faults: list[FaultSpec] | None, hook_round: int | None = None):
         """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
         as of that round) and answer what it returns, or the outcome its exception means."""
         self.phase, self.phase_since = name, time.time()
@@ -453,13 +454,13 @@ class Replica:
         except Behind as err:
             return self._answer(Outcome.BEHIND, err)
         except NonFiniteError as err:
-            if name == "outer":  # the other leaders wait in the all-reduce it never joins: they fail now
+            if name == Phase.OUTER:  # the other leaders wait in the all-reduce it never joins: they fail now
                 self.outer.abort()
             return self._answer(Outcome.NON_FINITE, err)
         except CollectiveError as err:  # its kind (an ErrorKind) says how it failed, never its text
             return self._answer(Outcome.COLLECTIVE_FAILED, err)
         finally:
-            self.phase, self.phase_since = "idle", time.time()
+            self.phase, self.phase_since = Phase.IDLE, time.time()
             self.armed = []
 
     @ray.method(concurrency_group="phase")
@@ -476,15 +477,15 @@ class Replica:
         self._serve_as(None)
         return self._merged(self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid()), refs)
 
-    def _join(self, group: LevelGroup, join: GroupJoin | None, then: str) -> float:
+    def _join(self, group: LevelGroup, join: GroupJoin | None, then: Phase) -> float:
         """Form `group` when the call carries `join`, after the `join` faults; the seconds it took. Blocks
         until every member joined, the supervisor aborts the rendezvous (CollectiveError `join_aborted`)
         or comm.configure_timeout_s passes (`configure`)."""
         if join is None:
             return 0.0
-        self._hook("join", self.trainer.round, 0)
+        self._hook(Phase.JOIN, self.trainer.round, 0)
         t0 = time.monotonic()
-        self.phase, self.phase_since = "configure", time.time()
+        self.phase, self.phase_since = Phase.CONFIGURE, time.time()
         if group is self.inner:
             self.epoch = join.epoch
         elif group is self.outer:
@@ -493,7 +494,7 @@ class Replica:
         self.phase, self.phase_since = then, time.time()
         return time.monotonic() - t0
 
-    def _agreed_join(self, group: LevelGroup, join: GroupJoin | None, then: str) -> float:
+    def _agreed_join(self, group: LevelGroup, join: GroupJoin | None, then: Phase) -> float:
         """_join; k > 1: every rank of the replica fails it together, or none does (hsgd.train.sharding.agreed)."""
         return sharding.agreed(lambda: self._join(group, join, then), self.trainer.ranks, f"{self.rid}: {then} join")
 
@@ -515,10 +516,10 @@ class Replica:
         self.board.address(store_addr)
 
         def hook(phase, r, s):
-            if phase == "inner" and not self.rank:  # before each step: the steps so far are committed
+            if phase == Phase.INNER and not self.rank:  # before each step: the steps so far are committed
                 self.board.publish(r, self.trainer.step)
             self._hook(phase, r, s)
-            if phase != "inner":
+            if phase != Phase.INNER:
                 return
             due = self.yield_at is not None and self.yield_at[:2] == (self.epoch, r) and s >= self.yield_at[2]
             if self.trainer.ranks is not None:  # every rank yields at the same boundary, or none does
@@ -536,7 +537,7 @@ class Replica:
                 )
 
         def run():
-            join_s = self._agreed_join(self.inner, join, "inner")
+            join_s = self._agreed_join(self.inner, join, Phase.INNER)
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot, steps)
             return {
                 "report": report.__dict__,
@@ -545,7 +546,7 @@ class Replica:
             }
 
         refs = self._fan_out("run_inner", lambda j: (round_index, None, rank_prefix(join, j), overlap, steps, None))
-        return self._merged(self._phase("inner", run, faults), refs)
+        return self._merged(self._phase(Phase.INNER, run, faults), refs)
 
     @ray.method(concurrency_group="phase")
     def cluster_average(self, round_index: int, epoch: int, faults: list[FaultSpec] | None = None) -> dict:
@@ -553,7 +554,7 @@ class Replica:
         refs = self._fan_out("cluster_average", lambda j: (round_index, epoch))
         return self._merged(
             self._phase(
-                "inner_sync",
+                Phase.INNER_SYNC,
                 lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
                 faults,
                 hook_round=round_index,
@@ -580,8 +581,8 @@ class Replica:
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
             # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
             behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
-            join_s = self._agreed_join(self.outer, join, "outer")
-            self._hook("outer", round_index, 0)
+            join_s = self._agreed_join(self.outer, join, Phase.OUTER)
+            self._hook(Phase.OUTER, round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
             self.trainer.outer_reduce(
                 round_index, self.outer_epoch if behind is not None else epoch, self.outer, shard, shards, weights
@@ -597,7 +598,7 @@ class Replica:
         refs = self._fan_out(
             "outer_reduce", lambda j: (round_index, epoch, None, rank_prefix(join, j), shard, shards, weights)
         )
-        return self._merged(self._phase("outer", run, faults), refs)
+        return self._merged(self._phase(Phase.OUTER, run, faults), refs)
 
     @ray.method(concurrency_group="phase")
     def outer_commit(self, round_index: int, roots: tuple, faults: list[FaultSpec] | None = None) -> dict:
@@ -606,7 +607,7 @@ class Replica:
 
         def run():
             self._settle()  # a reduce of an exchange superseded meanwhile
-            self._hook("outer_commit", round_index, 0)
+            self._hook(Phase.OUTER_COMMIT, round_index, 0)
             before = self.inner.bytes_sent
             self.trainer.outer_commit(round_index, self.inner, roots)
             return {
@@ -615,8 +616,8 @@ class Replica:
                 "inner_bytes": self.inner.bytes_sent - before,
             }
 
-        refs = self._fan_out("outer_commit", lambda j: (round_index, roots))
-        return self._merged(self._phase("outer_commit", run, faults), refs)
+        refs = self._fan_out(CallKind.OUTER_COMMIT, lambda j: (round_index, roots))
+        return self._merged(self._phase(Phase.OUTER_COMMIT, run, faults), refs)
 
     def _settle(self, key: tuple | None = None) -> dict | None:
         """Wait out a background outer reduce (the one keyed `key`; any other is abandoned), within
@@ -657,7 +658,7 @@ class Replica:
 
         # k > 1: a source's state is {"ranks": [rank 0's, ...]} (heal_state, global_state); rank j loads its own
         refs = self._fan_out("load_state", lambda j: (None if state is None else state["ranks"][j], scope))
-        return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
+        return self._merged(self._phase(Phase.HEAL, run, faults, hook_round=self.trainer.round), refs)
 
     @ray.method(concurrency_group="phase")
     def send_state(
@@ -704,7 +705,7 @@ class Replica:
             group = self._level_group("inner")
 
             def over_group():  # (k > 1: every rank of the replica fails its part, or none does)
-                join_s = self._join(group, join, "heal")
+                join_s = self._join(group, join, Phase.HEAL)
                 t0 = time.monotonic()
                 return join_s, t0, transfer(group)
 
@@ -716,7 +717,7 @@ class Replica:
                 self._load(answer.pop("state"), "full")
             return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0}
 
-        return self._phase("heal", run, faults, hook_round=round_index)
+        return self._phase(Phase.HEAL, run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)
     def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
@@ -777,7 +778,7 @@ class Replica:
         # k > 1: every rank writes its shards (its faults are rank 0's alone)
         refs = self._fan_out("save_checkpoint", lambda j: (directory, round_index))
         # its faults are those of the checkpoint taken after round round_index - 1
-        return self._merged(self._phase("checkpoint", run, faults, hook_round=round_index - 1), refs)
+        return self._merged(self._phase(Phase.CHECKPOINT, run, faults, hook_round=round_index - 1), refs)
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:

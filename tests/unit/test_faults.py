@@ -4,14 +4,16 @@ import pytest
 
 from hsgd.core.faults import (
     FAULT_KINDS,
-    FAULT_PHASES,
     FaultSpec,
     FaultSpecError,
     parse_fault,
     parse_schedule,
     random_schedule,
 )
+from hsgd.core.phases import FAULT, Phase
 from hsgd.core.topology import parse_replica_id, replica_id
+
+FAULT_PHASES = Phase.having(FAULT)
 
 TOPO = {"clusters": 2, "replicas_per_cluster": 2}
 

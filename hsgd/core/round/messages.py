@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import ClassVar, NamedTuple
 
+from hsgd.core.phases import Phase as PhaseName
+
 
 class Outcome(str, Enum):
     """What one replica's call came to."""
@@ -203,21 +205,27 @@ class CallKind(StrEnum):
     """A phase's call: `record` (its `phase` in events.jsonl and the injector), `seconds_key` (its
     time in metrics.jsonl's `seconds`), `fault_phases` (the scheduled fault phases it fires)."""
 
-    record: str
+    record: PhaseName
     seconds_key: str
-    fault_phases: tuple[str, ...]
+    fault_phases: tuple[PhaseName, ...]
 
-    def __new__(cls, value: str, record: str, seconds_key: str, fault_phases: tuple[str, ...]):
+    def __new__(cls, value: str, record: PhaseName, seconds_key: str, fault_phases: tuple[PhaseName, ...]):
         member = str.__new__(cls, value)
         member._value_ = value
         member.record, member.seconds_key, member.fault_phases = record, seconds_key, fault_phases
         return member
 
-    HEAL = "heal", "heal", "heal_configure", ("heal",)
-    RUN_INNER = "run_inner", "inner", "inner", ("inner", "inner_sync")
-    CLUSTER_AVERAGE = "cluster_average", "inner_sync", "inner_sync", ("inner_sync",)
-    OUTER_REDUCE = "outer_reduce", "outer", "outer", ("outer",)
-    OUTER_COMMIT = "outer_commit", "outer_commit", "outer_commit", ("outer_commit",)
+    HEAL = "heal", PhaseName.HEAL, "heal_configure", (PhaseName.HEAL,)
+    RUN_INNER = "run_inner", PhaseName.INNER, PhaseName.INNER, (PhaseName.INNER, PhaseName.INNER_SYNC)
+    CLUSTER_AVERAGE = "cluster_average", PhaseName.INNER_SYNC, PhaseName.INNER_SYNC, (PhaseName.INNER_SYNC,)
+    OUTER_REDUCE = "outer_reduce", PhaseName.OUTER, PhaseName.OUTER, (PhaseName.OUTER,)
+    # (the replica's method is named after its phase)
+    OUTER_COMMIT = (
+        PhaseName.OUTER_COMMIT.value,
+        PhaseName.OUTER_COMMIT,
+        PhaseName.OUTER_COMMIT,
+        (PhaseName.OUTER_COMMIT,),
+    )
 
     @property
     def voids(self) -> bool:
