@@ -49,7 +49,7 @@ import ray
 import torch.distributed as dist
 
 from hsgd.config.sites import ranks_per_replica
-from hsgd.core.round import ErrorKind, GroupJoin, Outcome
+from hsgd.core.round import ErrorKind, GroupJoin, Outcome, PhaseAnswer
 from hsgd.train import sharding
 from hsgd.train.comm import (
     CollectiveError,
@@ -167,17 +167,19 @@ class RankPeers:
         """Start `method` on ranks 1..k-1, rank j with the arguments args_of(j); their refs."""
         return [getattr(h, method).remote(*args_of(j)) for j, h in enumerate(self.handles, start=1)]
 
-    def merge(self, own: dict, refs: list) -> dict:
+    def merge(self, own: PhaseAnswer, refs: list) -> PhaseAnswer:
         """Rank 0's answer `own` with ranks 1..k-1's (`refs`): the first that is not `done` when
         rank 0's is. A rank that raised, died or did not answer within the deadline raises: the
         replica's own error (it is restarted whole)."""
-        answers = ray.get(refs, timeout=self.deadline_s)
-        if own.get("outcome") != "done":
+        answers = [PhaseAnswer.read(answer) for answer in ray.get(refs, timeout=self.deadline_s)]
+        if own.outcome is not Outcome.DONE:
             return own
         for answer in answers:
-            if answer.get("outcome") != "done":
-                return {**own, **{f: answer.get(f) for f in ("outcome", "error", "error_kind", "what")}}
-        return _with_bytes_summed(own, answers)
+            if answer.outcome is not Outcome.DONE:
+                return replace(
+                    own, outcome=answer.outcome, error=answer.error, error_kind=answer.error_kind, what=answer.what
+                )
+        return replace(own, result=_with_bytes_summed(own.result, [answer.result for answer in answers]))
 
     def watch(self) -> None:
         """A thread that ends this process (rank 0) when any other rank ends: the replica fails
@@ -241,7 +243,7 @@ class RankFanOut:
         """Rank 0 of k > 1: start `method` on the other ranks (rank j with args_of(j)); their refs."""
         return self.peers.call(method, args_of) if self.peers is not None else []
 
-    def _merged(self, own: dict, refs: list) -> dict:
+    def _merged(self, own: PhaseAnswer, refs: list) -> PhaseAnswer:
         return self.peers.merge(own, refs) if refs else own
 
     def _ranks_done(self, refs: list) -> None:
@@ -254,17 +256,17 @@ class RankFanOut:
         """Ranks 1..k-1: never returns while this process lives (rank 0's RankPeers.watch)."""
         threading.Event().wait()
 
-    def _with_ranks(self, method: str, own: tuple[dict, dict | None], *args) -> tuple[dict, dict | None]:
+    def _with_ranks(self, method: str, own: tuple[PhaseAnswer, dict | None], *args) -> tuple[PhaseAnswer, dict | None]:
         """A heal source's (meta, state) for the whole replica: k > 1, the state is {"ranks": [rank 0's,
         ...]}, each rank's `method` gathered here (a rank that refuses makes the replica refuse)."""
         if self.peers is None or own[1] is None:
             return own
         pairs = [getattr(h, method).options(num_returns=2).remote(*args) for h in self.peers.handles]
         metas = ray.get([meta for meta, _ in pairs], timeout=self.peers.deadline_s)
-        refused = next((meta for meta in metas if meta["outcome"] != Outcome.DONE.value), None)
+        refused = next((meta for meta in metas if meta.outcome is not Outcome.DONE), None)
         if refused is not None:
             return refused, None
-        apart = [meta for meta in metas if (meta["round"], meta["step"]) != (own[0]["round"], own[0]["step"])]
+        apart = [meta for meta in metas if (meta.round, meta.step) != (own[0].round, own[0].step)]
         if apart:  # a commit landed between the ranks' reads (a global heal reads while the donor trains)
             return self._answer(
                 Outcome.COLLECTIVE_FAILED,
@@ -272,7 +274,8 @@ class RankFanOut:
                 bytes=0,
             ), None
         states = [own[1], *ray.get([state for _, state in pairs], timeout=self.peers.deadline_s)]
-        return {**own[0], "bytes": sum(meta["bytes"] for meta in [own[0], *metas])}, {"ranks": states}
+        nbytes = sum(meta.result["bytes"] for meta in [own[0], *metas])
+        return replace(own[0], result={**own[0].result, "bytes": nbytes}), {"ranks": states}
 
     def _ranks_shard_digests(self) -> list[dict]:
         """Ranks 1..k-1's own shard digests, in rank order, through Ray (no collective: a control call)."""

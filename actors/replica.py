@@ -45,7 +45,7 @@ from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
 from hsgd.core.faults import FaultSpec
 from hsgd.core.phases import Phase
-from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer
+from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer, Progress
 from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s
 from hsgd.record.steps import StepLog
@@ -262,16 +262,17 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         return thread_stacks(f"replica {self.rid} pid {os.getpid()} phase {self.phase} since {since:.1f}s")
 
     @ray.method(concurrency_group="control")
-    def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
+    def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> Progress:
         """Ask the inner phase of group epoch `epoch` to return at the boundary before `step_in_round`
         (a replica joins mid-round: every member, the same boundary); another epoch's is ignored."""
         self.yield_at = (epoch, round_index, step_in_round)
         self._fan_out("request_yield", lambda j: (epoch, round_index, step_in_round))  # (they agree at each step)
-        return {"rid": self.rid, "step": self.trainer.step}
+        return Progress(self.rid, self.trainer.step)
 
-    def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> dict:
+    def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> PhaseAnswer:
         """The one place an answer is built, at this replica's committed (round, step)."""
         progress = self.trainer.progress()
+        numbers = {key: value for key, value in {**progress, **result}.items() if key not in ("rid", "round", "step")}
         return PhaseAnswer(
             self.rid,
             outcome,
@@ -280,10 +281,10 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
             str(error),
             getattr(error, "kind", ErrorKind.NONE),
             getattr(error, "what", ""),
-            {**progress, **result},
-        ).wire()
+            numbers,
+        )
 
-    def _phase(self, name: Phase, fn, faults: list[FaultSpec] | None, hook_round: int | None = None):
+    def _phase(self, name: Phase, fn, faults: list[FaultSpec] | None, hook_round: int | None = None) -> PhaseAnswer:
         """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
         as of that round) and answer what it returns, or the outcome its exception means."""
         self.phase, self.phase_since = name, time.time()
@@ -306,14 +307,14 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
             self.armed = []
 
     @ray.method(concurrency_group="phase")
-    def assume(self, rid: str) -> dict:
+    def assume(self, rid: str) -> PhaseAnswer:
         """Hot spare: become replica `rid` (healed next). A failed identity write raises: try another spare."""
         refs = self._fan_out("assume", lambda j: (rid,))
         self._serve_as(rid)
         return self._merged(self._answer(pid=os.getpid(), incarnation=self.incarnation), refs)
 
     @ray.method(concurrency_group="phase")
-    def become_spare(self) -> dict:
+    def become_spare(self) -> PhaseAnswer:
         """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
         refs = self._fan_out("become_spare", lambda j: ())
         self._serve_as(None)
@@ -349,7 +350,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         overlap: Overlap | None = None,
         steps: int | None = None,
         store_addr: str | None = None,
-    ) -> dict:
+    ) -> PhaseAnswer:
         """This round's remaining inner steps, of `steps` (sync.balance's plan; None: all of them;
         `join`: form the group first). `behind` if not at the round (it joins all the same, so its
         peers' first collective fails fast). `overlap`: reduce that shard in the background from the
@@ -391,7 +392,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         return self._merged(self._phase(Phase.INNER, run, faults), refs)
 
     @ray.method(concurrency_group="phase")
-    def cluster_average(self, round_index: int, epoch: int, faults: list[FaultSpec] | None = None) -> dict:
+    def cluster_average(self, round_index: int, epoch: int, faults: list[FaultSpec] | None = None) -> PhaseAnswer:
         """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
         refs = self._fan_out("cluster_average", lambda j: (round_index, epoch))
         return self._merged(
@@ -414,7 +415,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         shard: int = 0,
         shards: int = 1,
         weights: tuple[float, ...] = (),
-    ) -> dict:
+    ) -> PhaseAnswer:
         """Phase 1 of the two-phase commit (OuterReduce; `join`: form the shard's outer group first):
         reduce into a buffer keyed (round, epoch, shard). Nothing is applied: a failure leaves the
         params untouched."""
@@ -443,7 +444,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         return self._merged(self._phase(Phase.OUTER, run, faults), refs)
 
     @ray.method(concurrency_group="phase")
-    def outer_commit(self, round_index: int, roots: tuple, faults: list[FaultSpec] | None = None) -> dict:
+    def outer_commit(self, round_index: int, roots: tuple, faults: list[FaultSpec] | None = None) -> PhaseAnswer:
         """Phase 2, once the supervisor decided commit: inner rank roots[j] broadcasts shard j of the
         buffer, every member applies the same outer step. A round already committed is a no-op."""
 

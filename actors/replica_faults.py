@@ -15,6 +15,7 @@ import ray
 
 from hsgd.core.faults import FaultSpec
 from hsgd.core.phases import STEPS
+from hsgd.core.round import PhaseAnswer
 from hsgd.record.rundir import write_fault_fired
 
 
@@ -26,7 +27,7 @@ class FaultHooks:
     """Replica's faults: `inject` (a control call), `_hook` (at each boundary), `_fire`."""
 
     @ray.method(concurrency_group="control")
-    def inject(self, fault: FaultSpec) -> dict:
+    def inject(self, fault: FaultSpec) -> PhaseAnswer:
         """A fault from outside the schedule (drills; idle members of a `cluster:` target): a crash at
         once, the others at the phase thread's next step or phase boundary (they act on its work)."""
         if fault.kind == "crash":

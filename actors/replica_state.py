@@ -26,11 +26,11 @@ class StateCalls:
     """Replica's heal and checkpoint calls (the module's docstring)."""
 
     @ray.method(concurrency_group="control", num_returns=2)
-    def global_state(self) -> tuple[dict, dict]:
+    def global_state(self) -> tuple[PhaseAnswer, dict | None]:
         """(meta, state) for a `global` heal; answers while the donor's inner phase runs (outer_commit changes it)."""
         return self._with_ranks("global_state", self._with_meta(self.trainer.global_state()))
 
-    def _with_meta(self, state: dict) -> tuple[dict, dict]:
+    def _with_meta(self, state: dict) -> tuple[PhaseAnswer, dict]:
         """A heal source's two objects: a small meta, at the state's own (round, step), and the state."""
         return PhaseAnswer(
             self.rid,
@@ -38,10 +38,10 @@ class StateCalls:
             int(state["round"]),
             int(state["step"]),
             result={"pid": os.getpid(), "bytes": _state_bytes(state)},
-        ).wire(), state
+        ), state
 
     @ray.method(concurrency_group="phase")
-    def load_state(self, state: dict | None, scope: str, faults: list[FaultSpec] | None = None) -> dict:
+    def load_state(self, state: dict | None, scope: str, faults: list[FaultSpec] | None = None) -> PhaseAnswer:
         """Become the source (`full`) or take its global state (`global`) from `state`, the second
         object of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched,
         when the source refused (`state` None). A source that died or raised fails this call."""
@@ -63,7 +63,7 @@ class StateCalls:
     @ray.method(concurrency_group="phase")
     def send_state(
         self, round_index: int, join: GroupJoin, chunk_mb: float, faults: list[FaultSpec] | None = None
-    ) -> dict:
+    ) -> PhaseAnswer:
         """A `full` heal's source (faults as of `round_index`): join heal group `join` as rank 0 and
         stream its state to every target (hsgd.train.state_stream). Answers `done` with `bytes`, or
         `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
@@ -85,7 +85,7 @@ class StateCalls:
         )
 
     @ray.method(concurrency_group="phase")
-    def receive_state(self, round_index: int, join: GroupJoin, faults: list[FaultSpec] | None = None) -> dict:
+    def receive_state(self, round_index: int, join: GroupJoin, faults: list[FaultSpec] | None = None) -> PhaseAnswer:
         """A heal target (faults as of `round_index`): join heal group `join` (rank >= 1), receive the
         source's whole state, load it `full`. Answers `done` (`bytes`, `transport: group`), or
         `collective_failed` with its state untouched (nothing loads before the last chunk)."""
@@ -97,7 +97,9 @@ class StateCalls:
         refs = self._fan_out("receive_state", lambda j: (round_index, rank_prefix(join, j)))
         return self._merged(self._over_heal_group(round_index, join, faults, transfer), refs)
 
-    def _over_heal_group(self, round_index: int, join: GroupJoin, faults: list[FaultSpec] | None, transfer) -> dict:
+    def _over_heal_group(
+        self, round_index: int, join: GroupJoin, faults: list[FaultSpec] | None, transfer
+    ) -> PhaseAnswer:
         """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
         timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
 
@@ -120,7 +122,7 @@ class StateCalls:
         return self._phase(Phase.HEAL, run, faults, hook_round=round_index)
 
     @ray.method(concurrency_group="phase", num_returns=2)
-    def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
+    def heal_state(self, expect: tuple[int, int] | None) -> tuple[PhaseAnswer, dict | None]:
         """(meta, state): a group heal's object-store fallback, only while this replica holds `expect`
         = (round, step), as when chosen as source; else meta `collective_failed`, state None: a source
         restarted meanwhile (Ray runs a queued call on the new process) never hands out fresh state."""
@@ -177,16 +179,16 @@ class StateCalls:
 
         # k > 1: every rank writes its shards (its faults are rank 0's alone)
         refs = self._fan_out("save_checkpoint", lambda j: (directory, round_index))
-        # its faults are those of the checkpoint taken after round round_index - 1
-        return self._merged(self._phase(Phase.CHECKPOINT, run, faults, hook_round=round_index - 1), refs)
+        # its faults are those of the checkpoint taken after round round_index - 1; answered as a wire
+        # dict, as actors/checkpointing.py reads it (load_checkpoint's too, for actors/startup.py)
+        return self._merged(self._phase(Phase.CHECKPOINT, run, faults, hook_round=round_index - 1), refs).wire()
 
     @ray.method(concurrency_group="phase")
     def save_model(self, path: str) -> dict:
         """The committed global model to `path` (model.safetensors); OSError when storage refuses: the run's problem."""
         refs = self._fan_out("save_model", lambda j: (path,))  # (every rank gathers the whole tensors)
         saved = {"rid": self.rid, **self.trainer.save_model(path)}
-        if refs:
-            ray.get(refs, timeout=self.peers.deadline_s)
+        self._ranks_done(refs)
         return saved
 
     @ray.method(concurrency_group="phase")
@@ -215,7 +217,7 @@ class StateCalls:
             raise checkpoint.CheckpointError(
                 f"replica {self.rid} on node {_node_name()} cannot load {directory}: {type(err).__name__}: {err}"
             ) from err
-        return self._merged(self._answer(), refs)
+        return self._merged(self._answer(), refs).wire()
 
     def _load_sharded(self, directory: str, sha256: str | None) -> None:
         """Its DCP folder of a "dcp" checkpoint into this trainer: verified (its manifest against

@@ -19,6 +19,7 @@ from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch, collective_timeou
 from hsgd.core.membership import Plan, live_plan
 from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.phases import MOVES_STATE, Phase
+from hsgd.core.round import PhaseAnswer
 from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 
@@ -260,7 +261,8 @@ class Roster:
         )
         if taken is None:
             return None
-        name, handle, answer = taken
+        name, handle, assumed = taken
+        answer = PhaseAnswer.read(assumed).wire()  # its progress, as `admit` and `note_up` read an `up` answer
         self.log.event(
             "spare_promoted",
             rid=rid,

@@ -56,8 +56,8 @@ def test_a_restarted_replica_answers_up_before_its_build_and_then_trains_as_one_
         )
         assert back["replica_index"] == first["replica_index"]
         # a phase call at once: it waits for the build behind __init__, then runs
-        answer = ray.get(victim.run_inner.remote(0, None, ALONE), timeout=300)
-        expected = ray.get(fresh.run_inner.remote(0, None, ALONE), timeout=300)
+        answer = ray.get(victim.run_inner.remote(0, None, ALONE), timeout=300).wire()
+        expected = ray.get(fresh.run_inner.remote(0, None, ALONE), timeout=300).wire()
         assert answer["outcome"] == expected["outcome"] == "done"
         assert (answer["round"], answer["step"]) == (expected["round"], expected["step"])
         after = ray.get(victim.progress.remote(), timeout=60)

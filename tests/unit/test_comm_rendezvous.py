@@ -245,5 +245,5 @@ def test_a_failed_collective_answer_carries_its_error_kind():
 
     replica = _replica_class()
     fake._answer = lambda *args, **kw: replica._answer(fake, *args, **kw)  # (the one place answers are built)
-    answer = replica._phase(fake, "inner", fails, None)
+    answer = replica._phase(fake, "inner", fails, None).wire()
     assert answer["outcome"] == "collective_failed" and answer["error_kind"] == "join_aborted"

@@ -118,8 +118,8 @@ class PhaseAnswer:
     """A replica's answer to a call (actors/replica.py, and a heal source's meta): its outcome, its
     committed (round, step) after the call, why it failed (`error`; `error_kind` for a collective;
     `what` the non-finite number: loss | grad_norm | pseudo_gradient), and `result`, the call's own
-    numbers. Crosses Ray as `wire()`, a flat dict, read back with `read` (a missing field, e.g.
-    from another build of the replica, reads as its default)."""
+    numbers. Crosses Ray as it is; `wire()` is its flat dict (the calls whose callers read one),
+    read back with `read` (a missing field, e.g. from another build of the replica, reads as its default)."""
 
     rid: str
     outcome: Outcome = Outcome.DONE
@@ -143,7 +143,10 @@ class PhaseAnswer:
         }
 
     @classmethod
-    def read(cls, wire: dict) -> PhaseAnswer:
+    def read(cls, wire: dict | PhaseAnswer) -> PhaseAnswer:
+        """An answer as the replica gave it: typed, or its `wire()` dict (a fake's, an older call's)."""
+        if isinstance(wire, PhaseAnswer):
+            return wire
         result = {k: v for k, v in wire.items() if k not in _ANSWER_FIELDS}
         try:
             kind = ErrorKind(wire.get("error_kind") or "")
@@ -161,7 +164,7 @@ class PhaseAnswer:
         )
 
 
-_ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "what")
+_ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "what")  # never in `result`
 
 
 class Progress(NamedTuple):
