@@ -21,7 +21,8 @@ from actors.launch import compose_config, connect_ray, run_training
 from actors.roster import replica_actor_name
 from actors.supervisor import supervisor_actor_name
 from hsgd.config import validate
-from hsgd.core.faults import FAULT_KINDS, FAULT_PHASES
+from hsgd.core.faults import FAULT_KINDS, FaultSpec
+from hsgd.core.phases import FAULT, Phase
 from hsgd.core.site_requests import RequestError, RequestKind, write_request
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import FolderWriter, read_jsonl, write_deadline_s, write_fault_fired
@@ -152,8 +153,8 @@ class Drill:
             raise DrillError(f"kind {kind!r} unknown; valid: {'|'.join(FAULT_KINDS)}")
         record = {"t": time.time(), "kind": kind, "target": target}
         if round is not None or phase is not None:
-            if phase not in FAULT_PHASES or round is None:
-                raise DrillError(f"a scheduled fault needs round and phase (one of {'|'.join(FAULT_PHASES)})")
+            if phase not in Phase.having(FAULT) or round is None:
+                raise DrillError(f"a scheduled fault needs round and phase (one of {'|'.join(Phase.having(FAULT))})")
             raw = {
                 "kind": kind,
                 "target": target,
@@ -165,7 +166,7 @@ class Drill:
             record["scheduled"] = ray.get(self._supervisor().add_fault.remote(raw), timeout=30)
         elif target == "supervisor":
             if kind == "kill":  # logged where in-process faults log themselves
-                write_fault_fired(self._writer, self.run_dir, "supervisor", kind, "now", None, None)
+                write_fault_fired(self._writer, self.run_dir, "supervisor", kind, Phase.NOW, None, None)
                 ray.kill(self._supervisor(), no_restart=False)
             elif kind == "crash":
                 self._supervisor().crash.remote()
@@ -175,10 +176,10 @@ class Drill:
             record["rids"] = self._resolve(target)
             for rid in record["rids"]:
                 if kind == "kill":  # from outside, as an operator or a node failure would
-                    write_fault_fired(self._writer, self.run_dir, rid, kind, "now", None, None)
+                    write_fault_fired(self._writer, self.run_dir, rid, kind, Phase.NOW, None, None)
                     ray.kill(self._replica(rid), no_restart=False)
                 else:
-                    self._replica(rid).inject.remote({"kind": kind, "phase": "now", "step": 0, "seconds": seconds})
+                    self._replica(rid).inject.remote(FaultSpec(kind, rid, 0, phase=Phase.NOW, seconds=seconds))
         self._injected.append(record)
         return record
 

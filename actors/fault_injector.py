@@ -72,9 +72,9 @@ class FaultInjector:
 
     def arm(
         self, round_index: int, phases: tuple[str, ...], plan, *, only: set[str], handles: dict | None = None
-    ) -> dict[str, list[dict]]:
-        """rid -> the fault messages due in its call of `round_index` covering `phases` (rid in `only`)."""
-        armed: dict[str, list[dict]] = {}
+    ) -> dict[str, list[FaultSpec]]:
+        """rid -> the faults due in its call of `round_index` covering `phases` (rid in `only`)."""
+        armed: dict[str, list[FaultSpec]] = {}
         due = [
             d
             for d in due_faults(self.faults, self.state.fired, round_index=round_index, phases=phases, plan=plan)
@@ -98,12 +98,12 @@ class FaultInjector:
             self.log.event("fault_armed", fault=d.spec.describe(), targets=list(d.targets))
             for rid in d.targets:
                 if rid in only:
-                    armed.setdefault(rid, []).append(d.message())
+                    armed.setdefault(rid, []).append(d.spec)
                 elif handles is not None and d.spec.kind == "kill":  # from outside, at once
                     self.record_fired(rid, d.spec.kind, d.spec.phase, round_index)
                     ray.kill(handles[rid], no_restart=False)
                 elif handles is not None:
-                    handles[rid].inject.remote(d.message())  # fire-and-forget: it may never answer
+                    handles[rid].inject.remote(d.spec)  # fire-and-forget: it may never answer
         if due or fired:
             self._save()
         return armed

@@ -14,7 +14,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,6 +67,16 @@ def dump_local_pid(pid: int, run_dir: str, rid: str, timeout_s: float = 10.0) ->
             return "faulthandler", path.read_text(errors="replace")[before:]
         time.sleep(0.05)
     return None
+
+
+def thread_stacks(title: str) -> str:
+    """Python stacks of every thread in this process, under `title` (a replica's `stack_dump`)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = [title]
+    for ident, frame in sys._current_frames().items():
+        out.append(f"--- thread {names.get(ident, ident)} ---")
+        out.extend(line.rstrip() for line in traceback.format_stack(frame))
+    return "\n".join(out)
 
 
 def dump_replica(handle, info: dict, run_dir: str, rid: str, *, timeout_s: float = 3.0) -> str:

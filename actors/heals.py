@@ -28,7 +28,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from hsgd.core.round import Heal, Lost, Outcome, PhaseAnswer, StateReady
+from hsgd.core.round import GroupJoin, Heal, Lost, Outcome, PhaseAnswer, StateReady
 from hsgd.train import state_stream
 
 FETCH_S = 30.0  # fetching an answer already ready (a few hundred bytes): bounds the call, decides nothing
@@ -79,12 +79,14 @@ class Heals:
             self.members[prefix] = (source, *targets)
             self.groups[key] = (prefix, source_at)
             send = self.handles[source].send_state.remote(
-                self.r, (epoch, self.store_addr, prefix, 0, world), state_stream.CHUNK_MB, faults.get(source)
+                self.r, GroupJoin(epoch, self.store_addr, prefix, 0, world), state_stream.CHUNK_MB, faults.get(source)
             )
             self.watch[send] = key
             self.sends.add(send)
         ref = self.handles[target].receive_state.remote(
-            self.r, (epoch, self.store_addr, self.groups[key][0], 1 + targets.index(target), world), faults.get(target)
+            self.r,
+            GroupJoin(epoch, self.store_addr, self.groups[key][0], 1 + targets.index(target), world),
+            faults.get(target),
         )
         self.receives[ref] = (action_id, target, source)
         return ref

@@ -23,10 +23,10 @@ Protocol
   whose answer is not `done` makes the replica's answer that outcome.
 - The group is this process's default (WORLD) group, holding exactly the replica's k ranks. Why:
   FSDP2's DeviceMesh (`torch.distributed.device_mesh.DeviceMesh.from_group`, in
-  hsgd.train.sharding.shard_model) reads this process's rank from the default group (torch 2.13: `get_rank()`, which raises without one), and so
-  does `new_group`; a rank actor is a process of its own hosting one rank of one replica, so its
-  default group can be that replica's, rank for rank. hsgd's inner/outer levels are torchft groups
-  of their own and never touch it.
+  hsgd.train.sharding.shard_model) reads this process's rank from the default group (torch 2.13:
+  `get_rank()`, which raises without one), and so does `new_group`; a rank actor is a process of
+  its own hosting one rank of one replica, so its default group can be that replica's, rank for
+  rank. hsgd's inner/outer levels are torchft groups of their own and never touch it.
 - The group is never reconfigured: its k ranks share one model's shards, so a rank that dies leaves
   every other rank's shard useless on its own (no rank may keep a half-updated shard). The replica
   is failed as a whole and comes back whole, healed by a peer, as a replica of one process does.
@@ -42,12 +42,15 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import ray
 import torch.distributed as dist
 
-from hsgd.core.round import ErrorKind
+from hsgd.config.sites import ranks_per_replica
+from hsgd.core.round import ErrorKind, GroupJoin, Outcome, PhaseAnswer
+from hsgd.train import sharding
 from hsgd.train.comm import (
     CollectiveError,
     _await_members,
@@ -57,6 +60,7 @@ from hsgd.train.comm import (
     start_store,
 )
 from hsgd.train.sharding import REPLICA_LEVEL, ReplicaRanks
+from hsgd.train.trainer import param_digest
 
 
 def form_replica_group(
@@ -110,20 +114,28 @@ def form_replica_group(
     return ReplicaRanks(rank, size, dist.group.WORLD, background)
 
 
-def rank_prefix(join: tuple | None, rank: int) -> tuple | None:
-    """Rank `rank`'s join of a level group: the replica's join (epoch, store_addr, prefix, rank,
-    world_size) under hsgd.train.comm.shard_prefix, the group of rank `rank` of every replica (the
-    supervisor's abort of the replica's prefix reaches it)."""
+def rank_prefix(join: GroupJoin | None, rank: int) -> GroupJoin | None:
+    """Rank `rank`'s join of a level group: the replica's join under hsgd.train.comm.shard_prefix, the
+    group of rank `rank` of every replica (the supervisor's abort of the replica's prefix reaches it)."""
     if join is None or rank == 0:
         return join
-    epoch, store_addr, prefix, member, world_size = join
-    return epoch, store_addr, shard_prefix(prefix, rank), member, world_size
+    return replace(join, prefix=shard_prefix(join.prefix, rank))
 
 
 def replica_group_backend(device: str) -> str:
     """The replica group's backend: gloo on the CPU; on GPU nccl for FSDP2's tensors and gloo for the
     small host-side agreements (hsgd.train.sharding's `agreed`, digests)."""
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True)
+class RankOf:
+    """Rank `rank` of a replica of `size` ranks: where it forms the replica group (the module's protocol)."""
+
+    rank: int
+    size: int
+    store_addr: str
+    prefix: str
 
 
 class RankPeers:
@@ -136,16 +148,15 @@ class RankPeers:
 
     @classmethod
     def start(
-        cls, rid: str, k: int, make: Callable[[int, tuple], object], timeout_s: float, incarnation: int
-    ) -> tuple[RankPeers, tuple]:
-        """Rank 0's store and ranks 1..k-1 (`make(rank, rank_of)` creates one, where rank_of =
-        (rank, k, store_addr, prefix)); returns them and rank 0's own rank_of."""
+        cls, rid: str, k: int, make: Callable[[RankOf], object], timeout_s: float, incarnation: int
+    ) -> tuple[RankPeers, RankOf]:
+        """Rank 0's store and ranks 1..k-1 (`make(rank_of)` creates one); returns them and rank 0's own RankOf."""
         host = ray.util.get_node_ip_address()
         store = start_store(host, timeout_s)
         store_addr = rendezvous_address(host, store.port, new_run_secret())
         prefix = f"replica-group/{rid}/{incarnation}"
-        handles = [make(j, (j, k, store_addr, prefix)) for j in range(1, k)]
-        return cls(rid, handles, store, timeout_s), (0, k, store_addr, prefix)
+        handles = [make(RankOf(j, k, store_addr, prefix)) for j in range(1, k)]
+        return cls(rid, handles, store, timeout_s), RankOf(0, k, store_addr, prefix)
 
     def ready(self) -> None:
         """Wait until ranks 1..k-1 are built (their __init__ formed the group and built the trainer)."""
@@ -156,17 +167,19 @@ class RankPeers:
         """Start `method` on ranks 1..k-1, rank j with the arguments args_of(j); their refs."""
         return [getattr(h, method).remote(*args_of(j)) for j, h in enumerate(self.handles, start=1)]
 
-    def merge(self, own: dict, refs: list) -> dict:
+    def merge(self, own: PhaseAnswer, refs: list) -> PhaseAnswer:
         """Rank 0's answer `own` with ranks 1..k-1's (`refs`): the first that is not `done` when
         rank 0's is. A rank that raised, died or did not answer within the deadline raises: the
         replica's own error (it is restarted whole)."""
-        answers = ray.get(refs, timeout=self.deadline_s)
-        if own.get("outcome") != "done":
+        answers = [PhaseAnswer.read(answer) for answer in ray.get(refs, timeout=self.deadline_s)]
+        if own.outcome is not Outcome.DONE:
             return own
         for answer in answers:
-            if answer.get("outcome") != "done":
-                return {**own, **{f: answer.get(f) for f in ("outcome", "error", "error_kind", "what")}}
-        return _with_bytes_summed(own, answers)
+            if answer.outcome is not Outcome.DONE:
+                return replace(
+                    own, outcome=answer.outcome, error=answer.error, error_kind=answer.error_kind, what=answer.what
+                )
+        return replace(own, result=_with_bytes_summed(own.result, [answer.result for answer in answers]))
 
     def watch(self) -> None:
         """A thread that ends this process (rank 0) when any other rank ends: the replica fails
@@ -200,3 +213,99 @@ def _with_bytes_summed(own: dict, answers: list[dict]) -> dict:
             + sum(a.get("report", {}).get("inner_bytes", 0) for a in answers),
         }
     return merged
+
+
+class RankFanOut:
+    """The k-rank part of actors/replica.py's Replica (mixed into it): rank 0 creates ranks 1..k-1
+    (the Replica's `_rank_actor`), every rank forms the replica group, and rank 0 fans each phase
+    call out (`_fan_out`) and merges the answers (`_merged`); ranks 1..k-1 are watched (`watch`)."""
+
+    def _form_ranks(self, device: str) -> ReplicaRanks | None:
+        """k > 1: this rank's place in the replica group (rank 0 first creates ranks 1..k-1); else None."""
+        k = ranks_per_replica(self.cfg)
+        if k <= 1:
+            return None
+        timeout_s = float(self.cfg.comm.configure_timeout_s)
+        if self.rank_of is None:  # rank 0
+            self.peers, self.rank_of = RankPeers.start(self.rid, k, self._rank_actor, timeout_s, self.incarnation)
+        return form_replica_group(
+            self.rank_of.rank,
+            self.rank_of.size,
+            self.rank_of.store_addr,
+            self.rank_of.prefix,
+            timeout_s,
+            replica=self.rid,
+            backend=replica_group_backend(device),
+            op_timeout_s=float(self.cfg.supervisor.phase_timeout_s),
+        )
+
+    def _fan_out(self, method: str, args_of: Callable[[int], tuple]) -> list:
+        """Rank 0 of k > 1: start `method` on the other ranks (rank j with args_of(j)); their refs."""
+        return self.peers.call(method, args_of) if self.peers is not None else []
+
+    def _merged(self, own: PhaseAnswer, refs: list) -> PhaseAnswer:
+        return self.peers.merge(own, refs) if refs else own
+
+    def _ranks_done(self, refs: list) -> None:
+        """Wait for the other ranks' part of a call whose answer is rank 0's alone (their errors raise)."""
+        if refs:
+            ray.get(refs, timeout=self.peers.deadline_s)
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Ranks 1..k-1: never returns while this process lives (rank 0's RankPeers.watch)."""
+        threading.Event().wait()
+
+    def _with_ranks(self, method: str, own: tuple[PhaseAnswer, dict | None], *args) -> tuple[PhaseAnswer, dict | None]:
+        """A heal source's (meta, state) for the whole replica: k > 1, the state is {"ranks": [rank 0's,
+        ...]}, each rank's `method` gathered here (a rank that refuses makes the replica refuse)."""
+        if self.peers is None or own[1] is None:
+            return own
+        pairs = [getattr(h, method).options(num_returns=2).remote(*args) for h in self.peers.handles]
+        metas = ray.get([meta for meta, _ in pairs], timeout=self.peers.deadline_s)
+        refused = next((meta for meta in metas if meta.outcome is not Outcome.DONE), None)
+        if refused is not None:
+            return refused, None
+        apart = [meta for meta in metas if (meta.round, meta.step) != (own[0].round, own[0].step)]
+        if apart:  # a commit landed between the ranks' reads (a global heal reads while the donor trains)
+            return self._answer(
+                Outcome.COLLECTIVE_FAILED,
+                f"{self.rid}: its ranks' states were read at different rounds (a commit in between): asked again",
+                bytes=0,
+            ), None
+        states = [own[1], *ray.get([state for _, state in pairs], timeout=self.peers.deadline_s)]
+        nbytes = sum(meta.result["bytes"] for meta in [own[0], *metas])
+        return replace(own[0], result={**own[0].result, "bytes": nbytes}), {"ranks": states}
+
+    def _ranks_shard_digests(self) -> list[dict]:
+        """Ranks 1..k-1's own shard digests, in rank order, through Ray (no collective: a control call)."""
+        if self.peers is None:
+            return []
+        return ray.get([h.shard_digests.remote() for h in self.peers.handles], timeout=self.peers.deadline_s)
+
+    @ray.method(concurrency_group="control")
+    def digests(self) -> dict:
+        """The replica's digests; k > 1: each rank's shard digests combined in rank order as
+        hsgd.train.sharding.combined_digest does, gathered through Ray (a control call must not run
+        a collective: the phase thread may be in one)."""
+        if self.trainer.ranks is None:
+            return {
+                "param": self.trainer.param_digest(),
+                "global": self.trainer.global_digest(),
+                "round": self.trainer.round,
+                "step": self.trainer.step,
+            }
+        shards = [self.shard_digests(), *self._ranks_shard_digests()]
+        return {
+            **{key: sharding.digest_of([d[key] for d in shards]) for key in ("param", "global")},
+            "round": self.trainer.round,
+            "step": self.trainer.step,
+        }
+
+    @ray.method(concurrency_group="control")
+    def shard_digests(self) -> dict:
+        """This rank's own shards' digests (no collective)."""
+        return {
+            "param": param_digest(self.trainer.params),
+            "global": param_digest(self.trainer.outer_opt.global_params),
+        }

@@ -4,21 +4,16 @@ Phase methods (concurrency group "phase", one at a time) run at most one level's
 answer a `PhaseAnswer`; control methods answer while a phase runs. A call that raises is this
 replica's failure (ActorDiedError: it died; RayTaskError: its own error). A restart keeps only its
 identity (actors/lifecycle.py): it rebuilds from the seed (or the resume checkpoint), healed by a peer.
+Its faults are actors/replica_faults.py's; its heals and checkpoints actors/replica_state.py's.
 
-The way back after a restart (issue 36; the recovery bench's `restart_breakdown` times each part):
-Ray hands the restarted actor a worker (an idle pre-started one when it has one), which imports
-torch while it unpickles this class; __init__ then reads its identity and config and returns at
-once, so the supervisor's `up` probe is answered within ~10 ms of the class loading. What costs
-seconds after that — the trainer (dataset, model, optimizers: the first optimizer pulls in
-torch._dynamo, ~1 s) and what holds it — a restart builds on a thread of its own while the
-supervisor plans its heal (a yield boundary, or the round's end); any call that needs them waits
-for the build (`__getattr__`), and `progress()` answers a fresh trainer's round 0, step 0 until
-then, as the built one would. Nothing it trains on changes: the same build from the seed, the same
-data stream, the same state after the heal. A build that raises makes every call that needs it raise
-(the replica's own error: the supervisor restarts it), where a first start's raises from __init__.
-A first start builds in __init__ (a config error surfaces there); a spare builds and warms up there
-too (it is ready only when warm). A hot spare (`topology.spares_per_cluster`) skips all of it: it
-takes the dead replica's id at once and is healed like a restart.
+After a restart (issue 36; the recovery bench's `restart_breakdown` times each part) __init__ reads
+its identity and config and returns at once, so the supervisor's `up` probe is answered within ~10 ms
+of the class loading; the trainer (dataset, model, optimizers) builds on a thread of its own while
+the supervisor plans its heal. A call that needs it waits for the build (`__getattr__`, at most a
+phase call's deadline), and `progress()` answers a fresh trainer's round 0, step 0 until then. A
+build that raises makes every call that needs it raise (the replica's own error: it is restarted).
+A first start, a spare (ready only when warm) and a replica of k ranks build in __init__. A hot
+spare (`topology.spares_per_cluster`) takes the dead replica's id at once and is healed like a restart.
 
 A replica of k ranks (`topology.gpus_per_replica`, issue 34; actors/rank_group.py): this actor is
 rank 0, the one the roster knows. It creates ranks 1..k-1 as Replica actors of their own (`rank_of`),
@@ -34,43 +29,40 @@ import time
 _MODULE_T0 = time.time()  # a restarted process: the worker is up and loads this class (startup breakdown)
 
 import os  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
-import traceback  # noqa: E402
 
 import ray
 import torch
 from omegaconf import OmegaConf
 
 from actors import lifecycle
-from actors.hang import install_faulthandler
-from actors.rank_group import RankPeers, form_replica_group, rank_prefix, replica_group_backend
+from actors.hang import install_faulthandler, thread_stacks
+from actors.rank_group import RankFanOut, RankOf, rank_prefix
+from actors.replica_faults import FaultHooks
+from actors.replica_state import StateCalls
 from hsgd.config.capacity import resolve_level_backend
 from hsgd.config.sites import ranks_per_replica
-from hsgd.core.round import ErrorKind, Outcome, Overlap, PhaseAnswer
+from hsgd.core.faults import FaultSpec
+from hsgd.core.phases import Phase
+from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer, Progress
 from hsgd.core.topology import topology_of
-from hsgd.record.rundir import FolderWriter, write_deadline_s, write_fault_fired
+from hsgd.record.rundir import FolderWriter, write_deadline_s
 from hsgd.record.steps import StepLog
-from hsgd.train import checkpoint, dcp_checkpoint, sharding, state_stream
+from hsgd.train import sharding
 from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
 from hsgd.train.overlap import BackgroundReduce
 from hsgd.train.progress_board import Publisher
 from hsgd.train.simulate import link_from_config
-from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow, param_digest
+from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
 
 _MODULE_T1 = time.time()  # its imports done
-
-
-class InjectedError(RuntimeError):
-    """The `error` fault: raised inside a phase, it reaches the supervisor as a RayTaskError."""
-
 
 _BUILT = ("trainer", "background")  # built in __init__, or behind it on a restart
 
 
 @ray.remote(concurrency_groups={"phase": 1, "control": 2, "watch": 1})
-class Replica:
+class Replica(RankFanOut, FaultHooks, StateCalls):
     def __init__(
         self,
         cfg: dict,
@@ -81,11 +73,11 @@ class Replica:
         index_table: dict | None = None,
         *,
         rank_options: dict | None = None,
-        rank_of: tuple | None = None,
+        rank_of: RankOf | None = None,
     ):
         """`backends`: {"inner", "outer"} as planned (resolve_level_backend); `index_table`: the run's.
         k > 1 ranks: `rank_options` (rank 0), the Ray options of its other ranks; `rank_of` (ranks 1..k-1),
-        (rank, k, store_addr, prefix) of the replica group to form (actors/rank_group.py)."""
+        where to form the replica group (actors/rank_group.py)."""
         marks = {"init_begin": time.time()}
         torch.set_num_threads(1)  # several replicas share a few cores
         # a promoted spare that Ray restarts comes back as the replica it replaced (actors/lifecycle.py)
@@ -94,7 +86,7 @@ class Replica:
         if identity is not None:
             rid, spare = identity["rid"] or rid, bool(identity["spare"])
         self.incarnation = lifecycle.own_incarnation()
-        self.rank_of, self.rank = rank_of, rank_of[0] if rank_of else 0
+        self.rank_of, self.rank = rank_of, rank_of.rank if rank_of else 0
         self.rank_options, self.peers = rank_options, None
         self.made_with = (cfg, run_dir, backends, index_table)  # what ranks 1..k-1 are created with
         install_faulthandler(run_dir, rid if not self.rank else f"{rid}.{self.rank}")
@@ -119,25 +111,37 @@ class Replica:
         self._init_state(spare)
         self.startup = _startup_marks(marks)
         self._built, self._build_error = threading.Event(), None
-        # a restart: answer `up` now, build while the supervisor plans its heal; but a replica of k ranks
-        # builds first (starting its other ranks' processes takes seconds, which its heal source and
-        # every member would otherwise spend waiting in the heal)
-        if self.incarnation and not spare and ranks_per_replica(self.cfg) == 1:
+        self._start_build(device, restart=bool(self.incarnation) and not spare)
+        self.startup["init_end"] = time.time()
+        self.startup["init_s"] = self.startup["init_end"] - marks["init_begin"]
+
+    def _start_build(self, device: str, *, restart: bool) -> None:
+        """A restart: answer `up` now, build while the supervisor plans its heal; but a replica of k ranks
+        builds first (starting its other ranks' processes takes seconds, which its heal source and every
+        member would otherwise spend waiting in the heal). The first start (a config error surfaces
+        here) and spares (warmed before they are ready) build in __init__."""
+        if restart and ranks_per_replica(self.cfg) == 1:
             threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
-        elif self.incarnation and not spare:  # k > 1: a failed build ends the process, so Ray restarts it
+        elif restart:  # k > 1: a failed build ends the process, so Ray restarts it
             try:  # (a constructor that raises is never restarted)
                 self._build(device)
             except BaseException as err:  # noqa: BLE001 — the replica's own failure, as a restart's build
                 print(
-                    f"replica {rid}: its restart could not start its ranks: {type(err).__name__}: {err}",
+                    f"replica {self.rid}: its restart could not start its ranks: {type(err).__name__}: {err}",
                     file=sys.stderr,
                     flush=True,
                 )
                 os._exit(1)
-        else:  # the first start (a config error surfaces here) and spares (warmed before they are ready)
+        else:
             self._build(device)
-        self.startup["init_end"] = time.time()
-        self.startup["init_s"] = self.startup["init_end"] - marks["init_begin"]
+
+    def _rank_actor(self, rank_of: RankOf):
+        """Rank 0 of k > 1: rank `rank_of.rank` of this replica, a Replica actor of its own that Ray never
+        restarts (actors/rank_group.py)."""
+        cfg, run_dir, backends, index_table = self.made_with
+        return Replica.options(**self.rank_options, max_restarts=0, max_task_retries=0).remote(
+            cfg, self.rid, run_dir, backends, self.spare, index_table, rank_of=rank_of
+        )
 
     def _build(self, device: str) -> None:
         """The trainer (dataset, model, optimizers: torch's lazy imports on the first one); k > 1: the
@@ -158,50 +162,11 @@ class Replica:
         self.startup["built"] = time.time()
         self._built.set()
 
-    def _form_ranks(self, device: str) -> sharding.ReplicaRanks | None:
-        """k > 1: this rank's place in the replica group (rank 0 first creates ranks 1..k-1); else None."""
-        k = ranks_per_replica(self.cfg)
-        if k <= 1:
-            return None
-        timeout_s = float(self.cfg.comm.configure_timeout_s)
-        if self.rank_of is None:  # rank 0
-            cfg, run_dir, backends, index_table = self.made_with
-
-            def make(rank: int, rank_of: tuple):
-                return Replica.options(**self.rank_options, max_restarts=0, max_task_retries=0).remote(
-                    cfg, self.rid, run_dir, backends, self.spare, index_table, rank_of=rank_of
-                )
-
-            self.peers, self.rank_of = RankPeers.start(self.rid, k, make, timeout_s, self.incarnation)
-        rank, size, store_addr, prefix = self.rank_of
-        return form_replica_group(
-            rank,
-            size,
-            store_addr,
-            prefix,
-            timeout_s,
-            replica=self.rid,
-            backend=replica_group_backend(device),
-            op_timeout_s=float(self.cfg.supervisor.phase_timeout_s),
-        )
-
-    def _fan_out(self, method: str, args_of) -> list:
-        """Rank 0 of k > 1: start `method` on the other ranks (rank j with args_of(j)); their refs."""
-        return self.peers.call(method, args_of) if self.peers is not None else []
-
-    def _merged(self, own: dict, refs: list) -> dict:
-        return self.peers.merge(own, refs) if refs else own
-
-    @ray.method(concurrency_group="watch")
-    def watch(self) -> None:
-        """Ranks 1..k-1: never returns while this process lives (rank 0's RankPeers.watch)."""
-        threading.Event().wait()
-
     def _build_behind(self, device: str) -> None:
         torch.set_num_threads(1)  # (per thread for OpenMP)
         try:
             self._build(device)
-        except BaseException as err:  # noqa: BLE001 — every call that needs the trainer raises it: the replica's error
+        except BaseException as err:  # noqa: BLE001 — every call that needs the trainer raises it
             self._build_error = err
             self._built.set()
 
@@ -221,15 +186,14 @@ class Replica:
 
     def _init_state(self, spare: bool) -> None:
         self.epoch = self.outer_epoch = -1  # the epochs the standing inner and outer groups were formed under
-        self.phase, self.phase_since = "idle", time.time()
+        self.phase, self.phase_since = Phase.IDLE, time.time()
         self.armed, self.slow_s = [], 0.0
-        self.pending_now: list[dict] = []  # injected faults waiting for the next boundary
+        self.pending_now: list[FaultSpec] = []  # injected faults waiting for the next boundary
         self.fault_writer = FolderWriter(write_deadline_s(float(self.cfg.run.io_grace_s)))  # faults_fired.jsonl
         self.yield_at: tuple[int, int, int] | None = None  # (epoch, round, step_in_round)
         self.spare = spare  # a hot spare: warmed, idle, until the supervisor hands it an identity
-        self.board = Publisher(
-            self.rid
-        )  # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
+        # its committed steps, pushed to the run's store (hsgd/train/progress_board.py)
+        self.board = Publisher(self.rid)
 
     def _level_group(self, level: str) -> LevelGroup:
         comm = self.cfg.comm
@@ -288,148 +252,27 @@ class Replica:
         and reports no sizes yet (0: the supervisor keeps the largest it heard)."""
         if self._built.is_set() and self._build_error is None:
             return self.trainer.progress()
-        return {
-            "rid": self.rid,
-            "round": 0,
-            "step": 0,
-            "param_bytes": 0,
-            "tokens_per_step": 0,
-            "outer_buffer_round": None,
-        }
-
-    @ray.method(concurrency_group="control", num_returns=2)
-    def global_state(self) -> tuple[dict, dict]:
-        """(meta, state) for a `global` heal; answers while the donor's inner phase runs (outer_commit changes it)."""
-        return self._with_ranks("global_state", self._with_meta(self.trainer.global_state()))
-
-    def _with_ranks(self, method: str, own: tuple[dict, dict | None], *args) -> tuple[dict, dict | None]:
-        """A heal source's (meta, state) for the whole replica: k > 1, the state is {"ranks": [rank 0's,
-        ...]}, each rank's `method` gathered here (a rank that refuses makes the replica refuse)."""
-        if self.peers is None or own[1] is None:
-            return own
-        pairs = [getattr(h, method).options(num_returns=2).remote(*args) for h in self.peers.handles]
-        metas = ray.get([meta for meta, _ in pairs], timeout=self.peers.deadline_s)
-        refused = next((meta for meta in metas if meta["outcome"] != Outcome.DONE.value), None)
-        if refused is not None:
-            return refused, None
-        apart = [meta for meta in metas if (meta["round"], meta["step"]) != (own[0]["round"], own[0]["step"])]
-        if apart:  # a commit landed between the ranks' reads (a global heal reads while the donor trains)
-            return self._answer(
-                Outcome.COLLECTIVE_FAILED,
-                f"{self.rid}: its ranks' states were read at different rounds (a commit in between): asked again",
-                bytes=0,
-            ), None
-        states = [own[1], *ray.get([state for _, state in pairs], timeout=self.peers.deadline_s)]
-        return {**own[0], "bytes": sum(meta["bytes"] for meta in [own[0], *metas])}, {"ranks": states}
-
-    def _with_meta(self, state: dict) -> tuple[dict, dict]:
-        """A heal source's two objects: a small meta, at the state's own (round, step), and the state."""
-        return PhaseAnswer(
-            self.rid,
-            Outcome.DONE,
-            int(state["round"]),
-            int(state["step"]),
-            result={"pid": os.getpid(), "bytes": _state_bytes(state)},
-        ).wire(), state
-
-    @ray.method(concurrency_group="control")
-    def digests(self) -> dict:
-        """The replica's digests; k > 1: each rank's shard digests combined in rank order as
-        hsgd.train.sharding.combined_digest does, gathered through Ray (a control call must not run
-        a collective: the phase thread may be in one)."""
-        if self.trainer.ranks is None:
-            return {
-                "param": self.trainer.param_digest(),
-                "global": self.trainer.global_digest(),
-                "round": self.trainer.round,
-                "step": self.trainer.step,
-            }
-        shards = [self.shard_digests()]
-        if self.peers is not None:
-            shards += ray.get([h.shard_digests.remote() for h in self.peers.handles], timeout=self.peers.deadline_s)
-        return {
-            **{key: sharding.digest_of([d[key] for d in shards]) for key in ("param", "global")},
-            "round": self.trainer.round,
-            "step": self.trainer.step,
-        }
-
-    @ray.method(concurrency_group="control")
-    def shard_digests(self) -> dict:
-        """This rank's own shards' digests (no collective)."""
-        return {
-            "param": param_digest(self.trainer.params),
-            "global": param_digest(self.trainer.outer_opt.global_params),
-        }
+        fresh = dict.fromkeys(("round", "step", "param_bytes", "tokens_per_step"), 0)
+        return {"rid": self.rid, **fresh, "outer_buffer_round": None}
 
     @ray.method(concurrency_group="control")
     def stack_dump(self) -> str:
         """Python stacks of every thread in this process (hang reports, jobs.diagnose)."""
-        names = {t.ident: t.name for t in threading.enumerate()}
-        out = [f"replica {self.rid} pid {os.getpid()} phase {self.phase} since {time.time() - self.phase_since:.1f}s"]
-        for ident, frame in sys._current_frames().items():
-            out.append(f"--- thread {names.get(ident, ident)} ---")
-            out.extend(line.rstrip() for line in traceback.format_stack(frame))
-        return "\n".join(out)
+        since = time.time() - self.phase_since
+        return thread_stacks(f"replica {self.rid} pid {os.getpid()} phase {self.phase} since {since:.1f}s")
 
     @ray.method(concurrency_group="control")
-    def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> dict:
+    def request_yield(self, epoch: int, round_index: int, step_in_round: int) -> Progress:
         """Ask the inner phase of group epoch `epoch` to return at the boundary before `step_in_round`
         (a replica joins mid-round: every member, the same boundary); another epoch's is ignored."""
         self.yield_at = (epoch, round_index, step_in_round)
-        for handle in self.peers.handles if self.peers is not None else ():  # (the ranks agree at each step)
-            handle.request_yield.remote(epoch, round_index, step_in_round)
-        return {"rid": self.rid, "step": self.trainer.step}
+        self._fan_out("request_yield", lambda j: (epoch, round_index, step_in_round))  # (they agree at each step)
+        return Progress(self.rid, self.trainer.step)
 
-    @ray.method(concurrency_group="control")
-    def inject(self, fault: dict) -> dict:
-        """A fault from outside the schedule (drills; idle members of a `cluster:` target): a crash at
-        once, the others at the phase thread's next step or phase boundary (they act on its work)."""
-        if fault["kind"] == "crash":
-            self._fire(fault, self.trainer.round, self.trainer.step_in_round)
-        self.pending_now.append(fault)
-        return self._answer(kind=fault["kind"])
-
-    def _hook(self, phase: str, round_index: int, step_in_round: int) -> None:
-        while self.pending_now:
-            self._fire(self.pending_now.pop(0), round_index, step_in_round)
-        for fault in list(self.armed):
-            if fault["phase"] == phase and (
-                phase not in ("inner", "inner_sync") or fault.get("step", 0) == step_in_round
-            ):
-                self.armed.remove(fault)
-                self._fire(fault, round_index, step_in_round)
-
-    def _fire(self, fault: dict, round_index: int, step_in_round: int) -> None:
-        kind = fault["kind"]
-        write_fault_fired(
-            self.fault_writer, self.run_dir, self.rid, kind, fault["phase"], round_index, step_in_round, pid=os.getpid()
-        )
-        if kind == "crash":
-            os._exit(17)
-        if kind == "kill":
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
-            time.sleep(60)  # ray.kill is asynchronous; never run another step
-        if kind == "hang":
-            end = time.monotonic() + float(fault.get("seconds") or 3600)
-            while time.monotonic() < end:
-                sum(range(3_000_000))  # C loop: holds the GIL for ~20-50 ms at a time
-        if kind == "comm":
-            self.inner.abort()
-            self.outer.abort()
-        if kind == "slow":
-            self.slow_s = float(fault.get("seconds") or 0.5)
-        if kind == "nan":  # the next inner step's loss is NaN, as a diverging replica's
-            self.trainer.poison()
-        if kind == "error":  # an exception of the replica's own (CUDA OOM, an I/O error, a bug)
-            raise InjectedError(f"{self.rid}: injected error in {fault['phase']} of round {round_index}")
-
-    def _fire_startup(self, faults: list[dict] | None) -> None:
-        for fault in faults or ():
-            self._fire(fault, fault.get("round", self.trainer.round), 0)
-
-    def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> dict:
+    def _answer(self, outcome: Outcome = Outcome.DONE, error: BaseException | str = "", **result) -> PhaseAnswer:
         """The one place an answer is built, at this replica's committed (round, step)."""
         progress = self.trainer.progress()
+        numbers = {key: value for key, value in {**progress, **result}.items() if key not in ("rid", "round", "step")}
         return PhaseAnswer(
             self.rid,
             outcome,
@@ -438,10 +281,10 @@ class Replica:
             str(error),
             getattr(error, "kind", ErrorKind.NONE),
             getattr(error, "what", ""),
-            {**progress, **result},
-        ).wire()
+            numbers,
+        )
 
-    def _phase(self, name: str, fn, faults: list[dict] | None, hook_round: int | None = None):
+    def _phase(self, name: Phase, fn, faults: list[FaultSpec] | None, hook_round: int | None = None) -> PhaseAnswer:
         """Run `fn` as phase `name` with `faults` armed (`hook_round`: fire the phase's faults first,
         as of that round) and answer what it returns, or the outcome its exception means."""
         self.phase, self.phase_since = name, time.time()
@@ -454,48 +297,47 @@ class Replica:
         except Behind as err:
             return self._answer(Outcome.BEHIND, err)
         except NonFiniteError as err:
-            if name == "outer":  # the other leaders wait in the all-reduce it never joins: they fail now
+            if name == Phase.OUTER:  # the other leaders wait in the all-reduce it never joins: they fail now
                 self.outer.abort()
             return self._answer(Outcome.NON_FINITE, err)
         except CollectiveError as err:  # its kind (an ErrorKind) says how it failed, never its text
             return self._answer(Outcome.COLLECTIVE_FAILED, err)
         finally:
-            self.phase, self.phase_since = "idle", time.time()
+            self.phase, self.phase_since = Phase.IDLE, time.time()
             self.armed = []
 
     @ray.method(concurrency_group="phase")
-    def assume(self, rid: str) -> dict:
+    def assume(self, rid: str) -> PhaseAnswer:
         """Hot spare: become replica `rid` (healed next). A failed identity write raises: try another spare."""
         refs = self._fan_out("assume", lambda j: (rid,))
         self._serve_as(rid)
         return self._merged(self._answer(pid=os.getpid(), incarnation=self.incarnation), refs)
 
     @ray.method(concurrency_group="phase")
-    def become_spare(self) -> dict:
+    def become_spare(self) -> PhaseAnswer:
         """A restarted replica whose identity a spare took over becomes the cluster's next spare."""
         refs = self._fan_out("become_spare", lambda j: ())
         self._serve_as(None)
         return self._merged(self._answer(warm_s=self.trainer.warm_up(), pid=os.getpid()), refs)
 
-    def _join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
-        """Form `group` when the call carries `join` = (epoch, store_addr, prefix, rank, world_size), after
-        the `join` faults; the seconds it took. Blocks until every member joined, the supervisor aborts the
-        rendezvous (CollectiveError `join_aborted`) or comm.configure_timeout_s passes (`configure`)."""
+    def _join(self, group: LevelGroup, join: GroupJoin | None, then: Phase) -> float:
+        """Form `group` when the call carries `join`, after the `join` faults; the seconds it took. Blocks
+        until every member joined, the supervisor aborts the rendezvous (CollectiveError `join_aborted`)
+        or comm.configure_timeout_s passes (`configure`)."""
         if join is None:
             return 0.0
-        self._hook("join", self.trainer.round, 0)
-        epoch, store_addr, prefix, rank, world_size = join
+        self._hook(Phase.JOIN, self.trainer.round, 0)
         t0 = time.monotonic()
-        self.phase, self.phase_since = "configure", time.time()
+        self.phase, self.phase_since = Phase.CONFIGURE, time.time()
         if group is self.inner:
-            self.epoch = epoch
+            self.epoch = join.epoch
         elif group is self.outer:
-            self.outer_epoch = epoch
-        group.configure(store_addr, prefix, rank, world_size, epoch)
+            self.outer_epoch = join.epoch
+        group.configure(join.store_addr, join.prefix, join.rank, join.world_size, join.epoch)
         self.phase, self.phase_since = then, time.time()
         return time.monotonic() - t0
 
-    def _agreed_join(self, group: LevelGroup, join: tuple | None, then: str) -> float:
+    def _agreed_join(self, group: LevelGroup, join: GroupJoin | None, then: Phase) -> float:
         """_join; k > 1: every rank of the replica fails it together, or none does (hsgd.train.sharding.agreed)."""
         return sharding.agreed(lambda: self._join(group, join, then), self.trainer.ranks, f"{self.rid}: {then} join")
 
@@ -503,12 +345,12 @@ class Replica:
     def run_inner(
         self,
         round_index: int,
-        faults: list[dict] | None = None,
-        join: tuple | None = None,
+        faults: list[FaultSpec] | None = None,
+        join: GroupJoin | None = None,
         overlap: Overlap | None = None,
         steps: int | None = None,
         store_addr: str | None = None,
-    ) -> dict:
+    ) -> PhaseAnswer:
         """This round's remaining inner steps, of `steps` (sync.balance's plan; None: all of them;
         `join`: form the group first). `behind` if not at the round (it joins all the same, so its
         peers' first collective fails fast). `overlap`: reduce that shard in the background from the
@@ -517,10 +359,10 @@ class Replica:
         self.board.address(store_addr)
 
         def hook(phase, r, s):
-            if phase == "inner" and not self.rank:  # before each step: the steps so far are committed
+            if phase == Phase.INNER and not self.rank:  # before each step: the steps so far are committed
                 self.board.publish(r, self.trainer.step)
             self._hook(phase, r, s)
-            if phase != "inner":
+            if phase != Phase.INNER:
                 return
             due = self.yield_at is not None and self.yield_at[:2] == (self.epoch, r) and s >= self.yield_at[2]
             if self.trainer.ranks is not None:  # every rank yields at the same boundary, or none does
@@ -538,7 +380,7 @@ class Replica:
                 )
 
         def run():
-            join_s = self._agreed_join(self.inner, join, "inner")
+            join_s = self._agreed_join(self.inner, join, Phase.INNER)
             report = self.trainer.run_inner(round_index, self.inner, hook, at_snapshot, steps)
             return {
                 "report": report.__dict__,
@@ -547,15 +389,15 @@ class Replica:
             }
 
         refs = self._fan_out("run_inner", lambda j: (round_index, None, rank_prefix(join, j), overlap, steps, None))
-        return self._merged(self._phase("inner", run, faults), refs)
+        return self._merged(self._phase(Phase.INNER, run, faults), refs)
 
     @ray.method(concurrency_group="phase")
-    def cluster_average(self, round_index: int, epoch: int, faults: list[dict] | None = None) -> dict:
+    def cluster_average(self, round_index: int, epoch: int, faults: list[FaultSpec] | None = None) -> PhaseAnswer:
         """inner `none`: cluster mean params on every member (idempotent per (round, epoch)); faults at step 0."""
         refs = self._fan_out("cluster_average", lambda j: (round_index, epoch))
         return self._merged(
             self._phase(
-                "inner_sync",
+                Phase.INNER_SYNC,
                 lambda: self.trainer.cluster_average(round_index, epoch, self.inner),
                 faults,
                 hook_round=round_index,
@@ -568,12 +410,12 @@ class Replica:
         self,
         round_index: int,
         epoch: int,
-        faults: list[dict] | None = None,
-        join: tuple | None = None,
+        faults: list[FaultSpec] | None = None,
+        join: GroupJoin | None = None,
         shard: int = 0,
         shards: int = 1,
         weights: tuple[float, ...] = (),
-    ) -> dict:
+    ) -> PhaseAnswer:
         """Phase 1 of the two-phase commit (OuterReduce; `join`: form the shard's outer group first):
         reduce into a buffer keyed (round, epoch, shard). Nothing is applied: a failure leaves the
         params untouched."""
@@ -582,8 +424,8 @@ class Replica:
             # a reduce behind the inner steps (overlap) in the standing group this exchange uses is waited
             # for (keyed by that group's epoch: the supervisor's may have moved on since); any other is abandoned
             behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
-            join_s = self._agreed_join(self.outer, join, "outer")
-            self._hook("outer", round_index, 0)
+            join_s = self._agreed_join(self.outer, join, Phase.OUTER)
+            self._hook(Phase.OUTER, round_index, 0)
             before, before_s = self.outer.bytes_sent, self.outer.link_s
             self.trainer.outer_reduce(
                 round_index, self.outer_epoch if behind is not None else epoch, self.outer, shard, shards, weights
@@ -599,16 +441,16 @@ class Replica:
         refs = self._fan_out(
             "outer_reduce", lambda j: (round_index, epoch, None, rank_prefix(join, j), shard, shards, weights)
         )
-        return self._merged(self._phase("outer", run, faults), refs)
+        return self._merged(self._phase(Phase.OUTER, run, faults), refs)
 
     @ray.method(concurrency_group="phase")
-    def outer_commit(self, round_index: int, roots: tuple, faults: list[dict] | None = None) -> dict:
+    def outer_commit(self, round_index: int, roots: tuple, faults: list[FaultSpec] | None = None) -> PhaseAnswer:
         """Phase 2, once the supervisor decided commit: inner rank roots[j] broadcasts shard j of the
         buffer, every member applies the same outer step. A round already committed is a no-op."""
 
         def run():
             self._settle()  # a reduce of an exchange superseded meanwhile
-            self._hook("outer_commit", round_index, 0)
+            self._hook(Phase.OUTER_COMMIT, round_index, 0)
             before = self.inner.bytes_sent
             self.trainer.outer_commit(round_index, self.inner, roots)
             return {
@@ -617,8 +459,8 @@ class Replica:
                 "inner_bytes": self.inner.bytes_sent - before,
             }
 
-        refs = self._fan_out("outer_commit", lambda j: (round_index, roots))
-        return self._merged(self._phase("outer_commit", run, faults), refs)
+        refs = self._fan_out(CallKind.OUTER_COMMIT, lambda j: (round_index, roots))
+        return self._merged(self._phase(Phase.OUTER_COMMIT, run, faults), refs)
 
     def _settle(self, key: tuple | None = None) -> dict | None:
         """Wait out a background outer reduce (the one keyed `key`; any other is abandoned), within
@@ -637,204 +479,8 @@ class Replica:
         rank evaluates (each forward gathers the shards); the losses are the same on every rank."""
         refs = self._fan_out("evaluate", lambda j: ())
         loss = self.trainer.eval_loss()
-        if refs:
-            ray.get(refs, timeout=self.peers.deadline_s)
+        self._ranks_done(refs)
         return loss
-
-    @ray.method(concurrency_group="phase")
-    def load_state(self, state: dict | None, scope: str, faults: list[dict] | None = None) -> dict:
-        """Become the source (`full`) or take its global state (`global`) from `state`, the second
-        object of the source's answer. Answers `done` with `bytes`, or `collective_failed`, untouched,
-        when the source refused (`state` None). A source that died or raised fails this call."""
-        own = state["ranks"][0] if self.peers is not None and state is not None else state
-
-        def run():
-            if state is None:  # this replica is fine: its heal is to be planned again
-                return {
-                    "outcome": Outcome.COLLECTIVE_FAILED,
-                    "error": f"{self.rid}: its heal source refused to give its state",
-                }
-            self._load(own, scope)
-            return {"bytes": _state_bytes(own)}  # (k > 1: each rank counts its own; the answers add up)
-
-        # k > 1: a source's state is {"ranks": [rank 0's, ...]} (heal_state, global_state); rank j loads its own
-        refs = self._fan_out("load_state", lambda j: (None if state is None else state["ranks"][j], scope))
-        return self._merged(self._phase("heal", run, faults, hook_round=self.trainer.round), refs)
-
-    @ray.method(concurrency_group="phase")
-    def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults: list[dict] | None = None) -> dict:
-        """A `full` heal's source (faults as of `round_index`): join heal group `join` as rank 0 and
-        stream its state to every target (hsgd.train.state_stream). Answers `done` with `bytes`, or
-        `collective_failed` (a target never joined, a peer died, a chunk timed out): the supervisor
-        then heals the targets through the object store."""
-        refs = self._fan_out("send_state", lambda j: (round_index, rank_prefix(join, j), chunk_mb))
-        return self._merged(
-            self._over_heal_group(
-                round_index,
-                join,
-                faults,
-                lambda group: {
-                    "bytes": state_stream.send_state(
-                        group, self.trainer.live_state(), chunk_mb=chunk_mb, device=self.trainer.device
-                    ),
-                    "pid": os.getpid(),
-                },
-            ),
-            refs,
-        )
-
-    @ray.method(concurrency_group="phase")
-    def receive_state(self, round_index: int, join: tuple, faults: list[dict] | None = None) -> dict:
-        """A heal target (faults as of `round_index`): join heal group `join` (rank >= 1), receive the
-        source's whole state, load it `full`. Answers `done` (`bytes`, `transport: group`), or
-        `collective_failed` with its state untouched (nothing loads before the last chunk)."""
-
-        def transfer(group: LevelGroup) -> dict:
-            state, nbytes = state_stream.receive_state(group, device=self.trainer.device)
-            return {"bytes": nbytes, "transport": "group", "state": state}
-
-        refs = self._fan_out("receive_state", lambda j: (round_index, rank_prefix(join, j)))
-        return self._merged(self._over_heal_group(round_index, join, faults, transfer), refs)
-
-    def _over_heal_group(self, round_index: int, join: tuple, faults: list[dict] | None, transfer) -> dict:
-        """A `heal` phase in its own group (never the standing one), dropped after; answers `transfer(group)`,
-        timed. A received `state` is loaded after the group is dropped: the load may wait out an outer reduce."""
-
-        def run():
-            group = self._level_group("inner")
-
-            def over_group():  # (k > 1: every rank of the replica fails its part, or none does)
-                join_s = self._join(group, join, "heal")
-                t0 = time.monotonic()
-                return join_s, t0, transfer(group)
-
-            try:
-                join_s, t0, answer = sharding.agreed(over_group, self.trainer.ranks, f"{self.rid}: heal transfer")
-            finally:
-                group.abort()
-            if "state" in answer:
-                self._load(answer.pop("state"), "full")
-            return {**answer, "join_s": join_s, "transfer_s": time.monotonic() - t0}
-
-        return self._phase("heal", run, faults, hook_round=round_index)
-
-    @ray.method(concurrency_group="phase", num_returns=2)
-    def heal_state(self, expect: tuple[int, int] | None) -> tuple[dict, dict | None]:
-        """(meta, state): a group heal's object-store fallback, only while this replica holds `expect`
-        = (round, step), as when chosen as source; else meta `collective_failed`, state None: a source
-        restarted meanwhile (Ray runs a queued call on the new process) never hands out fresh state."""
-        if expect is not None and (self.trainer.round, self.trainer.step) != tuple(expect):
-            return self._answer(
-                Outcome.COLLECTIVE_FAILED,
-                f"{self.rid}: heal source holds round {self.trainer.round} step {self.trainer.step}, "
-                f"not round {expect[0]} step {expect[1]} (restarted since it was chosen)",
-                pid=os.getpid(),
-                bytes=0,
-            ), None
-        return self._with_ranks("heal_state", self._with_meta(self.trainer.state_dict()), expect)
-
-    @ray.method(concurrency_group="phase")
-    def save_checkpoint(self, directory: str, round_index: int, faults: list[dict] | None = None) -> dict:
-        """Its part of the checkpoint of round `round_index`: its `<rid>.pt` file (one rank), or k > 1 its
-        `<rid>/` folder, one DCP checkpoint written by every rank of it (hsgd.train.dcp_checkpoint; the
-        sha256 answered is that of its manifest.json). `behind` unless it holds exactly that round. A
-        write storage refuses (full disk, quota, read-only remount: any exception type) answers
-        `io_error`, never raises: the run's problem. Taking the state may still raise."""
-
-        def run():
-            if self.trainer.round != round_index:
-                raise Behind(
-                    f"{self.rid}: checkpoint of round {round_index}, but this replica holds round {self.trainer.round}"
-                )
-            ranks = self.trainer.ranks
-            state = self.trainer.state_dict() if ranks is None else self.trainer.sharded_state()
-            # what a load of it must give back (the manifest's `param_digests`); k > 1: rank 0 combines its
-            # ranks' through Ray, as `digests` does (no collective: a rank's failure must not hang the others)
-            if not self.rank:
-                digest = {"param_digest": param_digest(state["params"]) if ranks is None else self.digests()["param"]}
-            else:
-                digest = {}
-            try:
-                if ranks is None:
-                    return {"sha256": checkpoint.save_replica_state(directory, self.rid, state), **digest}
-                dcp_checkpoint.save_sharded(
-                    state,
-                    checkpoint.join_url(directory, self.rid),
-                    group=ranks.group,
-                    manifest_extra={"round": round_index, "rid": self.rid},
-                    timeout_s=float(self.cfg.supervisor.phase_timeout_s),
-                )
-                return {
-                    "sha256": checkpoint.sharded_replica_sha256(directory, self.rid) if not self.rank else "",
-                    **digest,
-                }
-            except Exception as err:  # noqa: BLE001 — storage's failure, see above
-                return {
-                    "outcome": Outcome.IO_ERROR,
-                    "error": f"{self.rid} writing {directory}: {type(err).__name__}: {err}",
-                }
-
-        # k > 1: every rank writes its shards (its faults are rank 0's alone)
-        refs = self._fan_out("save_checkpoint", lambda j: (directory, round_index))
-        # its faults are those of the checkpoint taken after round round_index - 1
-        return self._merged(self._phase("checkpoint", run, faults, hook_round=round_index - 1), refs)
-
-    @ray.method(concurrency_group="phase")
-    def save_model(self, path: str) -> dict:
-        """The committed global model to `path` (model.safetensors); OSError when storage refuses: the run's problem."""
-        refs = self._fan_out("save_model", lambda j: (path,))  # (every rank gathers the whole tensors)
-        saved = {"rid": self.rid, **self.trainer.save_model(path)}
-        if refs:
-            ray.get(refs, timeout=self.peers.deadline_s)
-        return saved
-
-    @ray.method(concurrency_group="phase")
-    def load_checkpoint(
-        self, directory: str, sha256: str | None, faults: list[dict] | None = None, fmt: str = checkpoint.FILE_FORMAT
-    ) -> dict:
-        """Load a checkpoint the caller verified (resume, restore), after its `startup` faults; `fmt` is
-        its format (checkpoint.format_of). "file": its `<rid>.pt` (k > 1: each rank cuts its own shards
-        out of the whole tensors, ReplicaTrainer.rank_slice). "dcp": its `<rid>/` folder, checked
-        against `sha256` and every file against its manifest, then loaded by DCP on every rank,
-        resharded to this replica's k (k=1: a world of one). Raises CheckpointError (this replica's
-        failure) naming it and its node: a file unreadable or unfit; its state is then untouched."""
-        self._fire_startup(faults)
-        refs = self._fan_out("load_checkpoint", lambda j: (directory, sha256, None, fmt))
-        try:
-            if fmt == checkpoint.DCP_FORMAT:
-                self._load_sharded(directory, sha256)
-            else:
-                state = checkpoint.load_replica_state(directory, self.rid, sha256)
-                self._load(self.trainer.rank_slice(state), "full")
-        except Exception as err:  # noqa: BLE001 — read, sha, unpickling and shape errors alike
-            raise checkpoint.CheckpointError(
-                f"replica {self.rid} on node {_node_name()} cannot load {directory}: {type(err).__name__}: {err}"
-            ) from err
-        return self._merged(self._answer(), refs)
-
-    def _load_sharded(self, directory: str, sha256: str | None) -> None:
-        """Its DCP folder of a "dcp" checkpoint into this trainer: verified (its manifest against
-        `sha256` here; every file by dcp_checkpoint on every rank together), loaded into a template
-        (the trainer untouched until DCP read every byte), then applied."""
-        ranks = self.trainer.ranks
-        # the run manifest's hash of its manifest, on every rank (so all refuse together, none waits in DCP)
-        _check_sha(checkpoint.sharded_replica_sha256(directory, self.rid), sha256, directory, self.rid)
-        self._settle()  # a background reduce reads the state being replaced
-        target = self.trainer.sharded_template()
-        dcp_checkpoint.load_sharded(
-            target,
-            checkpoint.join_url(directory, self.rid),
-            group=None if ranks is None else ranks.group,
-            timeout_s=float(self.cfg.supervisor.phase_timeout_s),
-        )
-        self.trainer.load_sharded_state(target)
-
-    @ray.method(concurrency_group="control")
-    def reach_checkpoints(self, url: str, nonce: str, faults: list[dict] | None = None) -> dict:
-        """At start: can this replica read the nonce the driver wrote under checkpoint.dir?
-        {"rid", "node", "problem": None or why not}. `faults`: its `startup` faults."""
-        self._fire_startup(faults)
-        return {"rid": self.rid, "node": _node_name(), "problem": checkpoint.read_reach_nonce(url, nonce)}
 
 
 def _startup_marks(marks: dict) -> dict:
@@ -848,20 +494,3 @@ def _startup_marks(marks: dict) -> dict:
     except Exception:  # noqa: BLE001 — only a figure
         created = None
     return {"process_start": created, "module_t0": _MODULE_T0, "module_t1": _MODULE_T1, **marks}
-
-
-def _check_sha(actual: str, expected: str | None, directory: str, rid: str) -> None:
-    if expected and actual != expected:
-        raise checkpoint.CheckpointError(
-            f"checkpoint file {checkpoint.join_url(directory, rid)}/manifest.json "
-            f"does not match the run manifest's sha256 (corrupt or replaced)"
-        )
-
-
-def _state_bytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in state_stream.split_state(state)[1])
-
-
-def _node_name() -> str:
-    """This node as a person finds it: host name, IP address and Ray node id (short)."""
-    return f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, {ray.get_runtime_context().get_node_id()[:8]})"

@@ -31,7 +31,7 @@ def call(phase: Phase, rid: str, armed: dict, p, heals: Heals, live: dict):
     """The Ray call carrying out rid's part of `phase` (its ref). `p`: the runner's RunnerPorts."""
     h, faults, c = p.roster.handles[rid], armed.get(rid), phase.calls[rid]
     join = getattr(c, "join", None)  # the call forms its level's group first
-    join = (phase.epoch, p.store_addr, f"{p.run_id}/{join.prefix}", join.rank, join.world_size) if join else None
+    join = join.at(phase.epoch, p.store_addr, p.run_id) if join else None
     match c:
         case Heal(source=source):  # the source's (round, step) as chosen, for a fallback's check
             return heals.issue(phase.id, phase.epoch, phase.calls, rid, armed, source_at=live.get(source))

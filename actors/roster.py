@@ -18,6 +18,8 @@ from actors.spares import SparePool
 from hsgd.core.deadlines import HUNG, IDLE, STUCK, StallWatch, collective_timeout_s
 from hsgd.core.membership import Plan, live_plan
 from hsgd.core.outer_plan import holds_outer_group
+from hsgd.core.phases import MOVES_STATE, Phase
+from hsgd.core.round import PhaseAnswer
 from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 
@@ -259,7 +261,8 @@ class Roster:
         )
         if taken is None:
             return None
-        name, handle, answer = taken
+        name, handle, assumed = taken
+        answer = PhaseAnswer.read(assumed).wire()  # its progress, as `admit` and `note_up` read an `up` answer
         self.log.event(
             "spare_promoted",
             rid=rid,
@@ -289,7 +292,7 @@ class Roster:
             sizes = [int(a.get("param_bytes") or 0) for a, _ in answers.values() if a]
             self.param_bytes = max([self.param_bytes, *sizes])
             state_s = max(stuck_after_s, collective_timeout_s(self.call_timeout_s, 3 * self.param_bytes, min_gbps))
-            watch.phase_limits = dict.fromkeys(("checkpoint", "heal", "outer", "outer_commit", "inner_sync"), state_s)
+            watch.phase_limits = dict.fromkeys(Phase.having(MOVES_STATE), state_s)
             for rid, (answer, gone) in answers.items():
                 if gone:  # Ray says its process is gone: restarting by itself, nothing to kill
                     self.down(rid, "died", "await_idle", -1)

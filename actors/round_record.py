@@ -102,7 +102,7 @@ class RoundRecord:
         self.r, self.log, self.clock = round_index, log, clock
         self.losses: dict[str, list[float]] = {}
         self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
-        self.seconds = {"inner": 0.0, "inner_sync": 0.0, "outer": 0.0, "outer_commit": 0.0, "heal_configure": 0.0}
+        self.seconds = {kind.seconds_key: 0.0 for kind in CallKind}  # metrics.jsonl's `seconds`
         self.inner_participants: set[str] = set()
         self.commit_digests: dict[str, str] = {}
         self.global_digests: dict[str, str] = {}

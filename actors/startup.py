@@ -22,7 +22,7 @@ from actors.roster import replica_actor_name, spare_actor_name
 from hsgd.config import ConfigError
 from hsgd.config.auto import recorded
 from hsgd.config.sites import ranks_per_replica
-from hsgd.core.faults import due_faults, parse_schedule, topology_shape
+from hsgd.core.faults import FaultSpec, due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
 from hsgd.core.site_requests import drained, outcomes
 from hsgd.core.topology import Topology, parse_replica_id, topology_of
@@ -252,12 +252,12 @@ def one_line(err: BaseException, *, typed: bool = True) -> str:
     return f"{type(cause).__name__}: {text}" if typed else text
 
 
-def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[str, list[dict]]:
-    """The schedule's `startup` faults due at the round this run starts at: rid -> fault messages
+def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[str, list[FaultSpec]]:
+    """The schedule's `startup` faults due at the round this run starts at: rid -> the faults
     for its start-up call; marked fired in the durable state (the supervisor never fires them)."""
     specs = parse_schedule(list(cfg.faults.schedule), **topology_shape(topo))
     start_round = int(resume_from.manifest["round"]) if resume_from is not None else 0
-    armed: dict[str, list[dict]] = {}
+    armed: dict[str, list[FaultSpec]] = {}
     for d in due_faults(
         specs,
         state.fired,
@@ -267,7 +267,7 @@ def startup_faults(cfg, state: RunState, topo: Topology, resume_from) -> dict[st
     ):
         state.fired.append(d.index)
         for rid in d.targets:
-            armed.setdefault(rid, []).append({**d.message(), "round": start_round})
+            armed.setdefault(rid, []).append(d.spec)  # (its round: start_round)
     return armed
 
 

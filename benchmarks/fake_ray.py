@@ -49,6 +49,7 @@ from typing import Any
 import ray.exceptions
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
+from hsgd.core.round import GroupJoin
 from hsgd.core.topology import Topology
 from hsgd.record.events import check_event
 
@@ -213,9 +214,9 @@ class Replica:
     def _answer(self, outcome: str = "done", **fields) -> dict:
         return {"outcome": outcome, "rid": self.rid, **fields, "round": self.round, "step": self.step}
 
-    def _faulted(self, method: str, join: tuple | None, round_index: int) -> Ref | None:
+    def _faulted(self, method: str, join: GroupJoin | None, round_index: int) -> Ref | None:
         """The answer of a call hit by an armed fault (None: not hit)."""
-        fault = self.world.fault(method, self.rid, (round_index, join[2] if join else "standing"))
+        fault = self.world.fault(method, self.rid, (round_index, join.prefix if join else "standing"))
         if fault is None:
             return None
         what, end_of_half = fault["what"], (round_index, round_index * self.world.spr + self.world.spr // 2)
@@ -237,7 +238,7 @@ class Replica:
         self,
         round_index: int,
         faults=None,
-        join: tuple | None = None,
+        join: GroupJoin | None = None,
         overlap: tuple | None = None,
         steps: int | None = None,
         store_addr: str | None = None,
@@ -268,7 +269,7 @@ class Replica:
         round_index: int,
         epoch: int,
         faults=None,
-        join: tuple | None = None,
+        join: GroupJoin | None = None,
         shard: int = 0,
         shards: int = 1,
         weights: tuple = (),
@@ -286,12 +287,12 @@ class Replica:
             self._answer(digest=f"{self.global_digest}@{self.step}", global_digest=self.global_digest, inner_bytes=0)
         )
 
-    def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults=None) -> Ref:
-        self.world.heal_sources[join[2]] = (self.round, self.step, self.global_digest)
+    def send_state(self, round_index: int, join: GroupJoin, chunk_mb: float, faults=None) -> Ref:
+        self.world.heal_sources[join.prefix] = (self.round, self.step, self.global_digest)
         return Ref(self._answer(bytes=STATE_BYTES, join_s=0.0, transfer_s=0.0, pid=self.pid))
 
-    def receive_state(self, round_index: int, join: tuple, faults=None) -> Ref:
-        self.round, self.step, self.global_digest = self.world.heal_sources[join[2]]
+    def receive_state(self, round_index: int, join: GroupJoin, faults=None) -> Ref:
+        self.round, self.step, self.global_digest = self.world.heal_sources[join.prefix]
         return Ref(self._answer(bytes=STATE_BYTES, transport="group", join_s=0.0, transfer_s=0.0))
 
     # -- its process -------------------------------------------------------------------------------------

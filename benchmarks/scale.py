@@ -120,8 +120,12 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import ray  # the actor below is defined at import; nothing heavier is imported here (the actors import this module)
+
+if TYPE_CHECKING:
+    from hsgd.core.round import GroupJoin
 
 BUDGET_MS = 600.0  # 1 % of a 60-s round
 AT = 10_000  # the size the Ray side is extrapolated to
@@ -326,16 +330,16 @@ class LightReplica:
         return _value(self.replica.outer_commit(round_index, roots, faults))
 
     @ray.method(concurrency_group="phase")
-    def send_state(self, round_index: int, join: tuple, chunk_mb: float, faults=None) -> dict:
+    def send_state(self, round_index: int, join: GroupJoin, chunk_mb: float, faults=None) -> dict:
         self._count("send_state")
         return _value(self.replica.send_state(round_index, join, chunk_mb, faults))
 
     @ray.method(concurrency_group="phase")
-    def receive_state(self, round_index: int, join: tuple, faults=None) -> dict:
+    def receive_state(self, round_index: int, join: GroupJoin, faults=None) -> dict:
         """The source's state, from its actor (the prefix names the source: actors/heals.py
         `.../heal/r<round>/<source>/<token>`), once its send_state ran; within STATE_WAIT_S."""
         self._count("receive_state")
-        prefix = join[2]
+        prefix = join.prefix
         source = self.peers[prefix.split("/")[-2]]
         deadline = time.monotonic() + STATE_WAIT_S
         while (state := ray.get(source.sent_state.remote(prefix), timeout=STATE_WAIT_S)) is None:

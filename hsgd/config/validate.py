@@ -28,6 +28,7 @@ from hsgd.config.sites import (
     check_sites,
     ranks_per_replica,
 )
+from hsgd.core.phases import SUPERVISOR, Phase
 
 # A random fault schedule is drawn in full at the run's start; beyond this many faults it is a typo.
 MAX_RANDOM_FAULTS = 10_000
@@ -394,8 +395,11 @@ def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
     """(field, one-line reason) when a scheduled fault's moment never comes in this config: a drill
     must not "pass" a failure that never happened."""
     s, t = cfg.sync, cfg.topology
-    if spec.target_kind == "supervisor" and spec.phase not in ("inner", "outer", "outer_commit", "checkpoint"):
-        return "phase", f"the supervisor has no {spec.phase!r} phase; valid for it: inner|outer|outer_commit|checkpoint"
+    if spec.target_kind == "supervisor" and spec.phase not in Phase.having(SUPERVISOR):
+        return (
+            "phase",
+            f"the supervisor has no {str(spec.phase)!r} phase; valid for it: {'|'.join(Phase.having(SUPERVISOR))}",
+        )
     if spec.phase == "checkpoint":
         every, rounds = cfg.checkpoint.every, cfg.train.rounds
         saved = [r for r in range(rounds) if every and ((r + 1) % every == 0 or r + 1 == rounds)]
@@ -405,7 +409,7 @@ def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
                 f"checkpoint never happens in round {spec.round} (checkpoint.every={every} saves after "
                 f"rounds {shown or 'none'}); valid rounds for checkpoint: {shown or 'none'}"
             )
-    if spec.phase == "inner_sync":
+    if spec.phase == Phase.INNER_SYNC:
         if s.inner == "none" and t.replicas_per_cluster == 1:
             return (
                 "phase",

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsgd.config.schema import ConfigError
+from hsgd.core.phases import FAULT, STEPS, Phase
 from hsgd.core.topology import parse_replica_id, replica_id
 
 FAULT_KINDS = ("kill", "crash", "hang", "comm", "slow", "error", "nan")
-FAULT_PHASES = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "join", "startup")
 _FIELDS = ("kind", "target", "round", "phase", "step", "seconds")
 _GROUP_TARGET = re.compile(r"(?:leader|cluster):c(\d+)")
 
@@ -30,12 +30,18 @@ class FaultSpecError(ConfigError):
 
 @dataclass(frozen=True)
 class FaultSpec:
+    """One fault, parsed once (parse_fault) and carried as it is: a replica's phase call carries the
+    ones due in it, a drill's `now` fault is one too (phase `now`: at the phase thread's next boundary)."""
+
     kind: str
     target: str  # "c0r1" | "leader:c1" | "cluster:c1" | "supervisor"
     round: int
-    phase: str = "inner"
+    phase: Phase = Phase.INNER
     step: int = 0
     seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))  # a name read from a file or a drill
 
     @property
     def target_kind(self) -> str:
@@ -51,7 +57,7 @@ class FaultSpec:
         return int(self.target.partition(":c")[2]) if ":" in self.target else parse_replica_id(self.target)[0]
 
     def describe(self) -> str:
-        where = f"round {self.round} {self.phase}" + (f" step {self.step}" if self.phase.startswith("inner") else "")
+        where = f"round {self.round} {self.phase}" + (f" step {self.step}" if STEPS in self.phase.traits else "")
         return f"{self.kind} {self.target} at {where}"
 
 
@@ -104,8 +110,8 @@ def parse_fault(
     kind, target, phase = str(raw["kind"]), str(raw["target"]), str(raw.get("phase", "inner"))
     if kind not in FAULT_KINDS:
         raise FaultSpecError(f"{name}.kind", f"unknown kind {kind!r}; valid: {'|'.join(FAULT_KINDS)}")
-    if phase not in FAULT_PHASES:
-        raise FaultSpecError(f"{name}.phase", f"unknown phase {phase!r}; valid: {'|'.join(FAULT_PHASES)}")
+    if phase not in Phase.having(FAULT):
+        raise FaultSpecError(f"{name}.phase", f"unknown phase {phase!r}; valid: {'|'.join(Phase.having(FAULT))}")
     _check_target(f"{name}.target", target, clusters, replicas_per_cluster, sizes)
     if target == "supervisor" and kind not in ("kill", "crash"):
         raise FaultSpecError(f"{name}.kind", f"{kind!r} cannot target the supervisor; valid: kill|crash")
@@ -175,7 +181,7 @@ def random_schedule(
                 kind=rng.choice(list(kinds)),
                 target=target,
                 round=int(t // round_s_estimate),
-                phase="inner",
+                phase=Phase.INNER,
                 step=int((t % round_s_estimate) / round_s_estimate * steps_per_round),
             )
         )
@@ -194,7 +200,7 @@ def fired_as(spec: FaultSpec, line: Mapping[str, Any]) -> bool:
         and line.get("kind") == f.kind
         and line.get("round") == f.round
         and line.get("phase") == f.phase
-        and not (f.phase.startswith("inner") and line.get("pid") is not None and line.get("step") != f.step)
+        and not (STEPS in f.phase.traits and line.get("pid") is not None and line.get("step") != f.step)
     )
 
 
@@ -203,12 +209,8 @@ class Delivery:
     """One scheduled fault, due now, resolved to the replicas it hits."""
 
     index: int  # position in the schedule: recorded as fired so it never fires twice
-    spec: FaultSpec
+    spec: FaultSpec  # what a replica's phase call carries to fire it at the right boundary
     targets: tuple[str, ...]
-
-    def message(self) -> dict:
-        """What a replica's phase call carries to fire it at the right boundary."""
-        return {"kind": self.spec.kind, "phase": self.spec.phase, "step": self.spec.step, "seconds": self.spec.seconds}
 
 
 def due_faults(

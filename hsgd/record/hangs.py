@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import re
 
+from hsgd.core.round.messages import CallKind
+
 # One frame of a stack dump, in the three formats we read:
 #   traceback:    File "/x/trainer.py", line 140, in run_inner
 #   faulthandler: File "/x/trainer.py", line 140 in run_inner
 #   py-spy:       run_inner (hsgd/train/trainer.py:140)
 _TB = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>[\w<>.]+)')
 _SPY = re.compile(r"^\s+(?P<func>[\w<>.]+) \((?P<file>[^:()]+):(?P<line>\d+)\)")
-_PHASE_METHODS = (
-    "run_inner",
-    "cluster_average",
-    "outer_reduce",
-    "outer_commit",
+_PHASE_METHODS = (  # the replica's methods that run a phase (a CallKind is named after its method)
+    CallKind.RUN_INNER,
+    CallKind.CLUSTER_AVERAGE,
+    CallKind.OUTER_REDUCE,
+    CallKind.OUTER_COMMIT,
     "save_checkpoint",
     "load_state",
     "inject",

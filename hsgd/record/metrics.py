@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from hsgd.core.phases import PROGRESS, Phase
+
 
 def round_record(
     run: Any,
@@ -92,7 +94,6 @@ def efficiencies(committed_steps: int, attempted_steps: int, participation: list
 
 
 _DETECTIONS = ("replica_down", "hang_detected", "collective_failed", "supervisor_start")
-_PROGRESS_PHASES = ("inner", "inner_sync", "outer", "outer_commit")
 # faults_fired.jsonl is stamped by the replica's clock, events.jsonl by the supervisor's: on
 # another node a fault may seem to fire just after the down it caused.
 _CLOCK_SKEW_S = 2.0
@@ -223,7 +224,7 @@ def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:
             for e in events
             if e["t"] > detected_at
             and e["event"] == "phase_end"
-            and e.get("phase") in _PROGRESS_PHASES
+            and e.get("phase") in Phase.having(PROGRESS)
             and not e.get("failed")
         ),
         None,

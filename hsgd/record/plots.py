@@ -8,20 +8,21 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from hsgd.core.phases import SPAN, Phase
 from hsgd.core.site_requests import RequestKind
 from hsgd.core.topology import parse_replica_id, replica_id
 from hsgd.record.metrics import fault_figures
 from hsgd.record.rundir import read_json, read_jsonl
 
-SPAN_KINDS = ("inner", "inner_sync", "outer", "outer_commit", "checkpoint", "heal", "down")
+DOWN = "down"  # a span of a replica gone (not a phase)
 SPAN_COLOURS = {
-    "inner": "#4c72b0",
-    "inner_sync": "#8fb3e0",
-    "outer": "#dd8452",
-    "outer_commit": "#55a868",
-    "checkpoint": "#8172b3",
-    "heal": "#e5c100",
-    "down": "#555555",
+    Phase.INNER: "#4c72b0",
+    Phase.INNER_SYNC: "#8fb3e0",
+    Phase.OUTER: "#dd8452",
+    Phase.OUTER_COMMIT: "#55a868",
+    Phase.CHECKPOINT: "#8172b3",
+    Phase.HEAL: "#e5c100",
+    DOWN: "#555555",
 }
 _DOWN_STYLE = {"hatch": "//", "edgecolor": "white"}  # "down" bars: hatched, so they read as absence
 
@@ -98,7 +99,7 @@ def replica_states(events: list[dict]):
 
 
 def timeline_data(run_dir: str | Path) -> dict:
-    """Spans per replica: {rid: [(start_s, end_s, kind)]} with kind in SPAN_KINDS, plus faults
+    """Spans per replica: {rid: [(start_s, end_s, kind)]}, kind a phase that is a SPAN or DOWN, plus faults
     [(t, rid, kind)], recoveries [(fault t, recovery t)] and supervisor restarts [t]. A phase is
     the events `phase_begin`/`phase_end` of one (phase, cluster): clusters overlap in time."""
     run_dir = Path(run_dir)
@@ -128,13 +129,13 @@ def timeline_data(run_dir: str | Path) -> dict:
         for key in list(open_phase):
             close_phase(key, at)
         for rid, start in open_heal.items():
-            add(rid, start, at, "heal")
+            add(rid, start, at, Phase.HEAL)
         open_heal.clear()
 
     for e in events:
         t, name = e["t"] - t0, e.get("event")
         key = (e.get("phase"), e.get("cluster"))
-        if name == "phase_begin" and e.get("phase") in SPAN_KINDS:
+        if name == "phase_begin" and e.get("phase") in Phase.having(SPAN):
             if key in open_phase:  # begun again without an end: the old one ended here
                 close_phase(key, t)
             open_phase[key] = (t, list(e.get("replicas") or []))
@@ -143,7 +144,7 @@ def timeline_data(run_dir: str | Path) -> dict:
         elif name == "heal_begin" and e.get("target"):
             open_heal[e["target"]] = t
         elif name == "heal_end" and e.get("target") in open_heal:
-            add(e["target"], open_heal.pop(e["target"]), t, "heal")
+            add(e["target"], open_heal.pop(e["target"]), t, Phase.HEAL)
         elif name == "supervisor_start":
             close_all(t)  # a restarted supervisor never ends what the old one began
         elif name == "replica_down" and e.get("rid") and e["rid"] not in open_down:
@@ -154,10 +155,10 @@ def timeline_data(run_dir: str | Path) -> dict:
         elif name == "replica_up" and e.get("rid"):
             last_up[e["rid"]] = t
             if e["rid"] in open_down:
-                add(e["rid"], open_down.pop(e["rid"]), t, "down")
+                add(e["rid"], open_down.pop(e["rid"]), t, DOWN)
     close_all(end)
     for rid, start in open_down.items():
-        add(rid, start, end, "down")
+        add(rid, start, end, DOWN)
     faults = [(f["t"] - t0, f.get("rid", "?"), f.get("kind", "?")) for f in fired]
     return {
         "t0": t0,
@@ -327,7 +328,7 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     min_w = end / 400  # draw very short phases (outer, commit) wide enough to see
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.55 * len(rows)), dpi=110)
     for i, rid in enumerate(rows):
-        for kind in SPAN_KINDS:
+        for kind in SPAN_COLOURS:
             bars = [(s, max(e - s, min_w)) for s, e, k in data["spans"].get(rid, []) if k == kind]
             if bars:
                 ax.broken_barh(
@@ -335,7 +336,7 @@ def write_timeline_png(run_dir: str | Path) -> Path:
                     (i - 0.35, 0.7),
                     facecolors=SPAN_COLOURS[kind],
                     lw=0,
-                    **(_DOWN_STYLE if kind == "down" else {}),
+                    **(_DOWN_STYLE if kind == DOWN else {}),
                 )
     for start, stop in data["recoveries"]:
         ax.axvspan(start, stop, color="red", alpha=0.15, lw=0, zorder=0)
@@ -362,8 +363,8 @@ def write_timeline_png(run_dir: str | Path) -> Path:
     ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     handles = [
-        Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == "down" else {}))
-        for k in SPAN_KINDS
+        Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == DOWN else {}))
+        for k in SPAN_COLOURS
     ]
     handles.append(Patch(facecolor="red", alpha=0.15, label="fault → recovery"))
     ax.legend(

@@ -24,7 +24,8 @@ class RunState:
     committed_round: int = 0
     supervisor_starts: int = 0
     fired: list[int] = field(default_factory=list)  # indices into the fault schedule
-    added_faults: list[dict] = field(default_factory=list)
+    # a drill's faults as it wrote them (the config's syntax, parsed again by a restarted supervisor's FaultInjector)
+    added_faults: list[dict[str, object]] = field(default_factory=list)
     initial_eval_loss: float | None = None
     evaluated: bool = False  # initial_eval_loss is known (on disk: the key is present, even as null)
     identity: dict[str, str] = field(default_factory=dict)  # replica id -> the actor serving it

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 from actors.heals import Heals
 from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
-from hsgd.core.round import Heal, StateReady
+from hsgd.core.faults import FaultSpec
+from hsgd.core.round import GroupJoin, Heal, StateReady
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, train
 
@@ -118,11 +119,11 @@ def cluster(tmp_path_factory):
         for rid in ("c0r0", "c1r0")
     }
     src = handles["c0r0"]
-    alone = lambda level: (0, None, f"solo/{level}", 0, 1)  # noqa: E731 — a group of one needs no store
-    assert ray.get(src.run_inner.remote(0, None, alone("inner")), timeout=180)["outcome"] == "done"
-    assert ray.get(src.outer_reduce.remote(0, 0, None, alone("outer")), timeout=60)["outcome"] == "done"
-    assert ray.get(src.outer_commit.remote(0, (0,), None), timeout=60)["outcome"] == "done"
-    assert ray.get(src.run_inner.remote(1, None), timeout=60)["outcome"] == "done"
+    alone = lambda level: GroupJoin(0, None, f"solo/{level}", 0, 1)  # noqa: E731 — a group of one needs no store
+    assert ray.get(src.run_inner.remote(0, None, alone("inner")), timeout=180).outcome == "done"
+    assert ray.get(src.outer_reduce.remote(0, 0, None, alone("outer")), timeout=60).outcome == "done"
+    assert ray.get(src.outer_commit.remote(0, (0,), None), timeout=60).outcome == "done"
+    assert ray.get(src.run_inner.remote(1, None), timeout=60).outcome == "done"
     yield cfg, handles, run_dir
     for h in handles.values():
         ray.kill(h)
@@ -154,7 +155,7 @@ def test_a_global_heal_larger_than_a_seconds_transfer_never_passes_through_the_s
     assert ray.wait([meta], timeout=120, fetch_local=False)[0], "the source never answered"
     assert heals.source_answer(meta) == StateReady(1, "c0r0")
     assert ray.wait([target], timeout=120, fetch_local=False)[0], "the target never answered"
-    answer = ray.get(target, timeout=10)
+    answer = ray.get(target, timeout=10).wire()
     assert answer["outcome"] == "done", answer
     assert answer["bytes"] > SECOND_AT_MIN_GBPS, f"the state ({answer['bytes']} bytes) must take over a second"
     fetched.assert_never_held(states, answer["bytes"])
@@ -182,10 +183,10 @@ def test_a_full_heal_whose_group_fails_falls_back_through_the_object_store_and_n
         round_index=1,
     )
     # the target joins the heal's group only after the source gave up waiting for it (configure_timeout_s=2)
-    hang = {"kind": "hang", "phase": "heal", "seconds": cfg.comm.configure_timeout_s + 1.5}
+    hang = FaultSpec("hang", "c1r0", 1, "heal", seconds=cfg.comm.configure_timeout_s + 1.5)
     target = heals.issue(2, 0, {"c1r0": Heal("c0r0", "full")}, "c1r0", {"c1r0": [hang]}, source_at=source_at)
     final = heals.settle({"c1r0": target}, _deadline_s(cfg, param_bytes))
-    answer = ray.get(final["c1r0"], timeout=10)
+    answer = ray.get(final["c1r0"], timeout=10).wire()
     assert final["c1r0"] is not target and [f["target"] for f in log.named("heal_fallback")] == ["c1r0"]
     assert answer["outcome"] == "done" and answer.get("transport", "object_store") == "object_store", answer
     assert answer["bytes"] > 4 * param_bytes > SECOND_AT_MIN_GBPS, "the whole state moved, over a second's worth"
@@ -209,7 +210,7 @@ def test_a_source_slower_than_the_call_timeout_is_waited_for_as_its_bytes_allow(
     assert not ray.wait([meta], timeout=call_timeout_s + 0.5, fetch_local=False)[0]
     assert heals.source_answer(meta) is None and heals.watched() == [meta], "a slow source is not a lost one"
     final = heals.settle({"c1r0": target}, deadline_s)
-    answer = ray.get(final["c1r0"], timeout=10)
+    answer = ray.get(final["c1r0"], timeout=10).wire()
     assert answer["outcome"] == "done", answer
     assert not log.named("heal_source_lost") and heals.watched() == []
     fetched.assert_never_held(list(heals.states.values()), answer["bytes"])

@@ -12,9 +12,10 @@ import time
 import ray
 from omegaconf import OmegaConf
 
+from hsgd.core.round import GroupJoin
 from tests.integration.runs import FAST
 
-ALONE = (0, None, "solo/inner", 0, 1)  # a group of one needs no store
+ALONE = GroupJoin(0, None, "solo/inner", 0, 1)  # a group of one needs no store
 
 
 def _restarted(handle, old_pid: int, timeout_s: float = 120.0) -> dict:
@@ -55,8 +56,8 @@ def test_a_restarted_replica_answers_up_before_its_build_and_then_trains_as_one_
         )
         assert back["replica_index"] == first["replica_index"]
         # a phase call at once: it waits for the build behind __init__, then runs
-        answer = ray.get(victim.run_inner.remote(0, None, ALONE), timeout=300)
-        expected = ray.get(fresh.run_inner.remote(0, None, ALONE), timeout=300)
+        answer = ray.get(victim.run_inner.remote(0, None, ALONE), timeout=300).wire()
+        expected = ray.get(fresh.run_inner.remote(0, None, ALONE), timeout=300).wire()
         assert answer["outcome"] == expected["outcome"] == "done"
         assert (answer["round"], answer["step"]) == (expected["round"], expected["step"])
         after = ray.get(victim.progress.remote(), timeout=60)

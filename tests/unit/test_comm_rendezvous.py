@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hsgd.core.round import GroupJoin
 from hsgd.train import comm
 from hsgd.train.comm import CollectiveError, LevelGroup
 from tests.fakes.gloo_world import run_ranks
@@ -224,7 +225,7 @@ def test_the_join_fault_fires_before_the_member_arrives_and_only_when_a_group_fo
     )
     join = _replica_class()._join
     assert join(fake, group, None, "inner") == 0.0 and seen == [], "a standing group forms nothing"
-    join(fake, group, (7, "h:1/s", "run/epoch7/inner/c1", 1, 2), "inner")
+    join(fake, group, GroupJoin(7, "h:1/s", "run/epoch7/inner/c1", 1, 2), "inner")
     assert seen == [("hook", "join", 4), ("configure", ("h:1/s", "run/epoch7/inner/c1", 1, 2, 7))]
 
 
@@ -244,5 +245,5 @@ def test_a_failed_collective_answer_carries_its_error_kind():
 
     replica = _replica_class()
     fake._answer = lambda *args, **kw: replica._answer(fake, *args, **kw)  # (the one place answers are built)
-    answer = replica._phase(fake, "inner", fails, None)
+    answer = replica._phase(fake, "inner", fails, None).wire()
     assert answer["outcome"] == "collective_failed" and answer["error_kind"] == "join_aborted"

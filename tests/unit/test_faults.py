@@ -4,14 +4,16 @@ import pytest
 
 from hsgd.core.faults import (
     FAULT_KINDS,
-    FAULT_PHASES,
     FaultSpec,
     FaultSpecError,
     parse_fault,
     parse_schedule,
     random_schedule,
 )
+from hsgd.core.phases import FAULT, Phase
 from hsgd.core.topology import parse_replica_id, replica_id
+
+FAULT_PHASES = Phase.having(FAULT)
 
 TOPO = {"clusters": 2, "replicas_per_cluster": 2}
 
@@ -217,7 +219,7 @@ def _plan():
 
 
 def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
-    from hsgd.core.faults import due_faults
+    from hsgd.core.faults import FaultSpec, due_faults
 
     specs = parse_schedule(
         [
@@ -232,7 +234,7 @@ def test_due_faults_resolve_leader_and_cluster_targets_under_the_current_plan():
     )
     due = due_faults(specs, [], round_index=2, phases=("outer",), plan=_plan())
     assert [(d.index, d.targets) for d in due] == [(0, ("c1r1",)), (1, ("c0r0", "c0r1"))]
-    assert due[0].message() == {"kind": "kill", "phase": "outer", "step": 0, "seconds": None}
+    assert due[0].spec == FaultSpec("kill", "leader:c1", 2, "outer"), "the call carries the spec itself"
 
 
 def test_due_faults_never_repeat_a_fired_fault_and_respect_only():
@@ -285,7 +287,7 @@ def _fire(injector, rid, message, round_index, step, pid=1234):
     from hsgd.record.rundir import write_fault_fired
 
     write_fault_fired(
-        injector.log.writer, injector.run_dir, rid, message["kind"], message["phase"], round_index, step, pid=pid
+        injector.log.writer, injector.run_dir, rid, message.kind, message.phase, round_index, step, pid=pid
     )
 
 
@@ -305,11 +307,11 @@ def test_a_fault_armed_into_a_call_that_ended_before_its_step_is_carried_by_the_
     )
     plan = live_plan(Topology(2, 2), {"c0r0", "c0r1", "c1r0", "c1r1"}, {}, 1)
     first = injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"})
-    assert [m["step"] for m in first["c0r1"]] == [7, 9]
+    assert [m.step for m in first["c0r1"]] == [7, 9]
     _fire(injector, "c0r1", first["c0r1"][0], 0, 7)  # the kill at step 7 fires; the call dies with it
     assert injector.pending(0, ("inner",)), "the step-9 kill never fired: it is still to come"
     again = injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"})  # c0r1 rejoined before step 9
-    assert [m["step"] for m in again["c0r1"]] == [9], "the fired kill must never be carried twice"
+    assert [m.step for m in again["c0r1"]] == [9], "the fired kill must never be carried twice"
     _fire(injector, "c0r1", again["c0r1"][0], 0, 9)
     assert injector.arm(0, ("inner",), plan, only={"c0r0", "c0r1"}) == {}
     injector.state.committed_round = 1

@@ -250,10 +250,10 @@ def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_on
     calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(9, 4, calls, t, {"c0r0": ["sf"]}, source_at=(5, 30)) for t in calls}
     ((name, (round_index, join, chunk_mb, faults), _),) = src.calls
-    assert name == "send_state" and round_index == 5 and join[0] == 4 and join[3:] == (0, 3) and faults == ["sf"]
-    assert join[2].startswith("run/epoch4/heal/r5/c0r0/")
-    ranks = {t: r.calls[0][1][1][3] for t, r in targets.items()}
-    assert ranks == {"c0r1": 1, "c0r2": 2} and all(r.calls[0][1][1][2] == join[2] for r in targets.values())
+    assert name == "send_state" and round_index == 5 and (join.epoch, join.rank, join.world_size) == (4, 0, 3)
+    assert faults == ["sf"] and join.prefix.startswith("run/epoch4/heal/r5/c0r0/")
+    ranks = {t: r.calls[0][1][1].rank for t, r in targets.items()}
+    assert ranks == {"c0r1": 1, "c0r2": 2} and all(r.calls[0][1][1].prefix == join.prefix for r in targets.values())
     assert h.watched() == [send] and h.source_answer(send) is None, "a failed transfer is not the source's loss"
     after = {t: h.group_answer(ref) for t, ref in refs.items()}
     assert all(after[t] is not refs[t] for t in refs), "each target is healed again through the object store"
@@ -390,8 +390,8 @@ def test_a_dead_member_s_heal_groups_are_released_once_and_only_those_it_was_in(
     calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full"), "c1r1": Heal("c1r0", "full")}
     for t in calls:
         h.issue(9, 4, calls, t, {}, source_at=(5, 30))
-    c0_group = src.calls[0][1][1][2]
-    c1_group = other_src.calls[0][1][1][2]
+    c0_group = src.calls[0][1][1].prefix
+    c1_group = other_src.calls[0][1][1].prefix
     assert h.groups_of("c0r2") == [c0_group], "a target's death releases its source's group"
     assert h.groups_of("c0r0") == [c0_group] and h.groups_of("c1r1") == [c1_group]
     aborted = []

@@ -110,6 +110,7 @@ from hsgd.core.round.messages import (
     ClusterStage,
     Effect,
     ErrorKind,
+    GroupJoin,
     Heal,
     Join,
     Kill,

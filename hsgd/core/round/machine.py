@@ -12,6 +12,7 @@ from typing import Any
 from hsgd.core.deadlines import PhaseClock, collective_timeout_s, heal_deadline_s, state_bytes_bound
 from hsgd.core.membership import Plan
 from hsgd.core.outer_plan import holds_outer_group
+from hsgd.core.phases import Phase as PhaseName
 from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.round.calls import CallBook, InFlight
 from hsgd.core.round.cluster import ClusterPhases
@@ -137,7 +138,7 @@ def round_settings(
         # the learned time of the exchange (the ceiling until it was seen), plus the
         # grace a member needs to leave a broken collective; never past phase_timeout_s
         outer_s=min(supervisor.phase_timeout_s, clock.deadline("outer", 1) + grace),
-        commit_s=min(supervisor.phase_timeout_s, clock.deadline("outer_commit", 1) + grace),
+        commit_s=min(supervisor.phase_timeout_s, clock.deadline(PhaseName.OUTER_COMMIT, 1) + grace),
     )
 
 
@@ -247,7 +248,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         """The round's phase as status.json shows it: the outer exchange's step once it runs,
         else `inner` while any cluster runs inner, else the first participating cluster's stage."""
         if self.outer_stage in (OuterStage.REDUCE, OuterStage.COMMIT):
-            return "outer" if self.outer_stage is OuterStage.REDUCE else "outer_commit"
+            return PhaseName.OUTER if self.outer_stage is OuterStage.REDUCE else PhaseName.OUTER_COMMIT
         stages = {self.clusters[c].stage for c in self.participating()}
         return "inner" if ClusterStage.INNER in stages else str(min(stages)) if stages else "idle"
 

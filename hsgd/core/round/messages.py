@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import ClassVar, NamedTuple
 
+from hsgd.core.phases import Phase as PhaseName
+
 
 class Outcome(str, Enum):
     """What one replica's call came to."""
@@ -116,8 +118,8 @@ class PhaseAnswer:
     """A replica's answer to a call (actors/replica.py, and a heal source's meta): its outcome, its
     committed (round, step) after the call, why it failed (`error`; `error_kind` for a collective;
     `what` the non-finite number: loss | grad_norm | pseudo_gradient), and `result`, the call's own
-    numbers. Crosses Ray as `wire()`, a flat dict, read back with `read` (a missing field, e.g.
-    from another build of the replica, reads as its default)."""
+    numbers. Crosses Ray as it is; `wire()` is its flat dict (the calls whose callers read one),
+    read back with `read` (a missing field, e.g. from another build of the replica, reads as its default)."""
 
     rid: str
     outcome: Outcome = Outcome.DONE
@@ -141,7 +143,10 @@ class PhaseAnswer:
         }
 
     @classmethod
-    def read(cls, wire: dict) -> PhaseAnswer:
+    def read(cls, wire: dict | PhaseAnswer) -> PhaseAnswer:
+        """An answer as the replica gave it: typed, or its `wire()` dict (a fake's, an older call's)."""
+        if isinstance(wire, PhaseAnswer):
+            return wire
         result = {k: v for k, v in wire.items() if k not in _ANSWER_FIELDS}
         try:
             kind = ErrorKind(wire.get("error_kind") or "")
@@ -159,7 +164,7 @@ class PhaseAnswer:
         )
 
 
-_ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "what")
+_ANSWER_FIELDS = ("rid", "outcome", "round", "step", "error", "error_kind", "what")  # never in `result`
 
 
 class Progress(NamedTuple):
@@ -203,21 +208,27 @@ class CallKind(StrEnum):
     """A phase's call: `record` (its `phase` in events.jsonl and the injector), `seconds_key` (its
     time in metrics.jsonl's `seconds`), `fault_phases` (the scheduled fault phases it fires)."""
 
-    record: str
+    record: PhaseName
     seconds_key: str
-    fault_phases: tuple[str, ...]
+    fault_phases: tuple[PhaseName, ...]
 
-    def __new__(cls, value: str, record: str, seconds_key: str, fault_phases: tuple[str, ...]):
+    def __new__(cls, value: str, record: PhaseName, seconds_key: str, fault_phases: tuple[PhaseName, ...]):
         member = str.__new__(cls, value)
         member._value_ = value
         member.record, member.seconds_key, member.fault_phases = record, seconds_key, fault_phases
         return member
 
-    HEAL = "heal", "heal", "heal_configure", ("heal",)
-    RUN_INNER = "run_inner", "inner", "inner", ("inner", "inner_sync")
-    CLUSTER_AVERAGE = "cluster_average", "inner_sync", "inner_sync", ("inner_sync",)
-    OUTER_REDUCE = "outer_reduce", "outer", "outer", ("outer",)
-    OUTER_COMMIT = "outer_commit", "outer_commit", "outer_commit", ("outer_commit",)
+    HEAL = "heal", PhaseName.HEAL, "heal_configure", (PhaseName.HEAL,)
+    RUN_INNER = "run_inner", PhaseName.INNER, PhaseName.INNER, (PhaseName.INNER, PhaseName.INNER_SYNC)
+    CLUSTER_AVERAGE = "cluster_average", PhaseName.INNER_SYNC, PhaseName.INNER_SYNC, (PhaseName.INNER_SYNC,)
+    OUTER_REDUCE = "outer_reduce", PhaseName.OUTER, PhaseName.OUTER, (PhaseName.OUTER,)
+    # (the replica's method is named after its phase)
+    OUTER_COMMIT = (
+        PhaseName.OUTER_COMMIT.value,
+        PhaseName.OUTER_COMMIT,
+        PhaseName.OUTER_COMMIT,
+        (PhaseName.OUTER_COMMIT,),
+    )
 
     @property
     def voids(self) -> bool:
@@ -229,6 +240,22 @@ class CallKind(StrEnum):
 class Join:
     """Form the level's group `prefix` (under the phase's epoch) as `rank` of `world_size` first."""
 
+    prefix: str
+    rank: int
+    world_size: int
+
+    def at(self, epoch: int, store_addr: str | None, run_id: str) -> GroupJoin:
+        """This join as the replica's call carries it: the run's prefix, its store, the phase's epoch."""
+        return GroupJoin(epoch, store_addr, f"{run_id}/{self.prefix}", self.rank, self.world_size)
+
+
+@dataclass(frozen=True)
+class GroupJoin:
+    """What a replica's call carries to form a group first (a level's, or a heal's): group `prefix`
+    at the rendezvous `store_addr` (None: a group of one needs none) under `epoch`, as `rank` of `world_size`."""
+
+    epoch: int
+    store_addr: str | None
     prefix: str
     rank: int
     world_size: int
