@@ -54,12 +54,15 @@ class ClusterBatches:
 
 class ThreadGroup:
     """An outer group of `world` trainers in one process, one thread each: `allreduce_mean` sums in rank
-    order (every rank gets the same bits), `all_gather` hands every rank every payload. Each rank calls
-    through its own `ThreadGroup.Rank`. A barrier that waits over 600 s raises (a bug, never a run's state)."""
+    order (every rank gets the same bits), `all_gather` hands every rank every payload, `all_to_all`
+    chunk j of every rank to rank j. Each rank calls through its own `ThreadGroup.Rank`, which counts
+    bytes as hsgd.train.comm.LevelGroup does. A barrier that waits over 600 s raises (a bug, never a
+    run's state)."""
 
     class Rank:
         def __init__(self, group: ThreadGroup, rank: int):
-            self.group, self.rank, self.world_size, self.bytes_sent = group, rank, group.world, 0
+            self.group, self.rank, self.world_size = group, rank, group.world
+            self.bytes_sent = self.bytes_received = 0
 
         def allreduce_mean(self, tensors, *, level: str) -> None:
             import torch
@@ -67,6 +70,7 @@ class ThreadGroup:
             assert level == "outer", level
             flat = torch.cat([t.reshape(-1) for t in tensors])
             self.bytes_sent += flat.numel() * flat.element_size()
+            self.bytes_received += flat.numel() * flat.element_size()
             pieces = self.group.exchange(self.rank, flat)
             mean = torch.stack(pieces).sum(dim=0) / len(pieces)
             offset = 0
@@ -77,7 +81,17 @@ class ThreadGroup:
         def all_gather(self, payload, *, level: str):
             assert level == "outer", level
             self.bytes_sent += payload.numel() * payload.element_size() * (self.world_size - 1)
+            self.bytes_received += payload.numel() * payload.element_size() * (self.world_size - 1)
             return [p.clone() for p in self.group.exchange(self.rank, payload)]
+
+        def all_to_all(self, chunks, recv_numel: int, *, level: str):
+            assert level == "outer" and len(chunks) == self.world_size, (level, len(chunks))
+            item = chunks[0].element_size()
+            self.bytes_sent += sum(c.numel() for j, c in enumerate(chunks) if j != self.rank) * item
+            self.bytes_received += recv_numel * (self.world_size - 1) * item
+            received = [sent[self.rank].clone() for sent in self.group.exchange(self.rank, list(chunks))]
+            assert all(c.numel() == recv_numel for c in received), "a chunk of another length than announced"
+            return received
 
     def __init__(self, world: int):
         self.world = world

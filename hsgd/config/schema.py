@@ -88,6 +88,10 @@ class SyncConfig:
     outer_compress: str = one_of("none", ("none", "bf16", "int8", "int4", "topk"))  # hsgd/train/codec.py
     outer_topk: float = share(0.01)  # topk: the fraction of each chunk's entries sent
     outer_path: str = one_of("leader", ("leader", "sharded"))  # hsgd/core/outer_plan.py
+    # how a codec's payloads cross the slow link (hsgd/train/exchange.py): each holder decodes every
+    # site's (gather), or each owns a chunk and reduces it (reduce_scatter: flat in the sites); auto:
+    # reduce_scatter from 3 sites in the formed outer group, gather at 2
+    outer_exchange: str = one_of("auto", ("auto", "gather", "reduce_scatter"))
     fragments: int = count(1)  # Streaming DiLoCo: parameter fragments synced in turn
     fragment_alpha: float = fraction(0.0)  # weight of the LOCAL copy when merging a synced fragment
     fragment_delay: int = count_or_zero(0)
