@@ -10,11 +10,37 @@ from collections.abc import Callable
 from benchmarks.outer_sweep import ThreadGroup
 
 
-def run_holders(work: Callable[[int, ThreadGroup.Rank], object], world: int, timeout_s: float = 120.0):
+class FailingRank(ThreadGroup.Rank):
+    """A member whose `fail_at` collective ("all_to_all" or "all_gather") moves its bytes on every rank,
+    then fails as a peer's death does (CollectiveError kind peer_gone): every rank's call raises alike."""
+
+    def __init__(self, group: ThreadGroup, rank: int, fail_at: str):
+        super().__init__(group, rank)
+        self.fail_at = fail_at
+
+    def all_to_all(self, chunks, recv_numel: int, *, level: str):
+        got = super().all_to_all(chunks, recv_numel, level=level)
+        return self._fail("all_to_all") or got
+
+    def all_gather(self, payload, *, level: str):
+        got = super().all_gather(payload, level=level)
+        return self._fail("all_gather") or got
+
+    def _fail(self, op: str) -> None:
+        from hsgd.train.comm import CollectiveError
+
+        if op == self.fail_at:
+            raise CollectiveError(f"outer: {op} failed on the fake group: connection closed by peer", "peer_gone")
+
+
+def run_holders(
+    work: Callable[[int, ThreadGroup.Rank], object], world: int, timeout_s: float = 120.0, fail_at: str | None = None
+):
     """work(rank, group rank) on `world` threads at once; (their results in rank order, their group
-    ranks: bytes_sent / bytes_received). The first error is raised here, the others released."""
+    ranks: bytes_sent / bytes_received). The first error is raised here, the others released.
+    `fail_at`: that collective fails on every rank (FailingRank)."""
     group = ThreadGroup(world)
-    ranks = [ThreadGroup.Rank(group, k) for k in range(world)]
+    ranks = [ThreadGroup.Rank(group, k) if fail_at is None else FailingRank(group, k, fail_at) for k in range(world)]
     results: list = [None] * world
     errors: list[BaseException] = []
 
