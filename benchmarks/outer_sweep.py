@@ -147,6 +147,7 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
     started = time.perf_counter()
     losses = [trainers[0].eval_loss()]
     rounds, outer_bytes = int(cfg.train.rounds), 0
+    site_sent, site_received = [0] * len(trainers), [0] * len(trainers)  # each site's slow link, both ways
     for r in range(rounds):
         for t in trainers:
             t.run_inner(r, solo)
@@ -169,6 +170,9 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
         if errors:
             raise errors[0]
         outer_bytes += sum(rk.bytes_sent for rk in ranks) if len(trainers) > 1 else 0
+        for k, rk in enumerate(ranks if len(trainers) > 1 else []):
+            site_sent[k] += rk.bytes_sent
+            site_received[k] += rk.bytes_received
         for t in trainers:
             t.outer_commit(r, solo, (0,))
         if (eval_every and (r + 1) % eval_every == 0) or r == rounds - 1:
@@ -179,6 +183,9 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
         "final_eval_loss": losses[-1],
         "eval_losses": losses,
         "outer_bytes": outer_bytes,
+        "site_sent_bytes": site_sent,
+        "site_received_bytes": site_received,
+        "outer_exchange": trainers[0].last_exchange,
         "inner_steps": rounds * int(cfg.sync.outer_every),
         "wall_s": round(time.perf_counter() - started, 1),
     }
