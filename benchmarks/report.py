@@ -486,6 +486,8 @@ def render(reports: dict[str, dict], to_dir: Path = Path(".")) -> str:
             "| --- | --- | --- |",
         ]
         lines += [f"| {' | '.join(row)} |" for row in ROWS[suite](report)]
+        if report.get("notes"):  # how the figures were taken, where a suite says so
+            lines += ["", *(f"- {note}" for note in report["notes"])]
         if report.get("json_path"):
             json_path = Path(report["json_path"])
             pngs = [json_path.parent / name for name in report.get("plots") or []] or [json_path.with_suffix(".png")]
