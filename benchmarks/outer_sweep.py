@@ -121,6 +121,32 @@ def check_supported(cfg) -> None:
             raise ValueError(f"outer_sweep: {key}={value} is not simulated; valid: {', '.join(map(str, allowed))}")
 
 
+def reduce_all(trainers: list, round_index: int) -> list:
+    """Every trainer's outer_reduce of `round_index` at once, one thread each, over one ThreadGroup; its
+    ranks (their byte counts). The first error is raised here, the other threads released."""
+    from hsgd.train.comm import LevelGroup
+
+    group = ThreadGroup(len(trainers))
+    ranks = [ThreadGroup.Rank(group, k) for k in range(len(trainers))]
+    errors: list[BaseException] = []
+
+    def reduce(k: int) -> None:
+        try:
+            trainers[k].outer_reduce(round_index, 0, ranks[k] if len(trainers) > 1 else LevelGroup("outer"))
+        except BaseException as err:  # noqa: BLE001 — re-raised below, in the caller's thread
+            errors.append(err)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=reduce, args=(k,)) for k in range(len(trainers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return ranks
+
+
 def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
     """Train the run `overrides` composes (see the module's shortcut) and return its eval losses."""
     import torch
@@ -151,24 +177,7 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
     for r in range(rounds):
         for t in trainers:
             t.run_inner(r, solo)
-        group = ThreadGroup(len(trainers))
-        ranks = [ThreadGroup.Rank(group, k) for k in range(len(trainers))]
-        errors: list[BaseException] = []
-
-        def reduce(k: int) -> None:
-            try:
-                trainers[k].outer_reduce(r, 0, ranks[k] if len(trainers) > 1 else LevelGroup("outer"))
-            except BaseException as err:  # noqa: BLE001 — re-raised below, in the caller's thread
-                errors.append(err)
-                group._barrier.abort()
-
-        threads = [threading.Thread(target=reduce, args=(k,)) for k in range(len(trainers))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        ranks = reduce_all(trainers, r)
         outer_bytes += sum(rk.bytes_sent for rk in ranks) if len(trainers) > 1 else 0
         for k, rk in enumerate(ranks if len(trainers) > 1 else []):
             site_sent[k] += rk.bytes_sent

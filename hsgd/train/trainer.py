@@ -148,6 +148,10 @@ def inner_lr(o: Any, step: float, total_steps: int) -> float:
 
 
 class ReplicaTrainer:
+    last_exchange: str | None = (
+        None  # what the last outer reduce ran (hsgd.train.exchange): the round's metrics name it
+    )
+
     def __init__(
         self,
         cfg: Any,
@@ -193,8 +197,6 @@ class ReplicaTrainer:
             if cfg.sync.outer_compress != "none"
             else None
         )
-        self.outer_exchange = cfg.sync.outer_exchange  # gather | reduce_scatter | auto (hsgd.train.exchange)
-        self.last_exchange: str | None = None  # what the last outer reduce ran: the round's metrics name it
         # error feedback: what compression did not send yet, this cluster's (fp32, one per parameter)
         self.outer_residual: list[torch.Tensor] | None = None
         # sync.fragment_delay: (round, corrected flat fp32 pseudo-gradient), see take_outer_snapshot
@@ -565,7 +567,7 @@ class ReplicaTrainer:
     def _reduce_piece(self, piece: torch.Tensor, outer: LevelGroup, weights: tuple[float, ...]) -> torch.Tensor:
         """outer_reduce's collective: the weighted mean of `piece` over the outer group, by the exchange
         (hsgd.train.exchange) sync.outer_exchange and the group's size pick; kept in `last_exchange`."""
-        self.last_exchange = exchange = exchange_of(self.outer_exchange, self.codec, outer.world_size)
+        self.last_exchange = exchange = exchange_of(self.cfg.sync.outer_exchange, self.codec, outer.world_size)
         if exchange == "allreduce":
             own = weights[outer.rank] if weights else 1.0
             if own != 1.0:
