@@ -199,7 +199,7 @@ class RankPeers:
         threading.Thread(target=wait, name="rank-watch", daemon=True).start()
 
 
-_BYTES = ("bytes", "inner_bytes", "outer_bytes")  # what each rank sent or holds of its own shards
+_BYTES = ("bytes", "inner_bytes", "outer_bytes", "outer_link_bytes")  # each rank's of its own shards
 
 
 def _with_bytes_summed(own: dict, answers: list[dict]) -> dict:

@@ -426,13 +426,17 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
             behind = self._settle(None if join else (round_index, self.outer_epoch, shard, shards, weights))
             join_s = self._agreed_join(self.outer, join, Phase.OUTER)
             self._hook(Phase.OUTER, round_index, 0)
-            before, before_s = self.outer.bytes_sent, self.outer.link_s
+            before, before_s, before_in = self.outer.bytes_sent, self.outer.link_s, self.outer.bytes_received
             self.trainer.outer_reduce(
                 round_index, self.outer_epoch if behind is not None else epoch, self.outer, shard, shards, weights
             )
-            spent = behind or {"outer_bytes": 0, "outer_link_s": 0.0}
+            spent = behind or {"outer_bytes": 0, "outer_link_bytes": 0, "outer_link_s": 0.0}
+            sent = self.outer.bytes_sent - before
             return {
-                "outer_bytes": self.outer.bytes_sent - before + spent["outer_bytes"],
+                "outer_bytes": sent + spent["outer_bytes"],
+                # this holder's slow-link bytes both ways, and the exchange that moved them (sync.outer_exchange)
+                "outer_link_bytes": sent + self.outer.bytes_received - before_in + spent["outer_link_bytes"],
+                "outer_exchange": self.trainer.last_exchange,
                 "outer_link_s": self.outer.link_s - before_s + spent["outer_link_s"],
                 "join_s": join_s,
                 "overlapped": behind is not None,

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from hsgd.core.deadlines import storage_problem
 from hsgd.core.round import CallKind, NonFinite, Outcome, Phase, PhaseAnswer, PhaseEnded
+from hsgd.core.topology import parse_replica_id
 from hsgd.record.events import RunLog
 from hsgd.record.run_state import STATE_FILE, RunState
 from hsgd.record.rundir import write_deadline_s
@@ -114,9 +115,18 @@ class RoundRecord:
         # included: holders exchange at once); and whether every holder's reduce ran behind the inner steps
         self.outer_link_s: dict[int, float] = {}
         self.reduce_overlapped: dict[int, bool] = {}
+        # cluster -> its holders' slow-link bytes sent + received (every attempt); outer_reduce phase id ->
+        # the exchange its holders ran (sync.outer_exchange, decided by the group's size: one per phase)
+        self.cluster_link_bytes: dict[int, int] = {}
+        self.exchanges: dict[int, str] = {}
         self.non_finite_what: dict[str, str] = {}  # rid -> what its non_finite answer named (loss | grad_norm | ...)
         self.logged_void: set[int] = set()
         self.logged_benched: set[int] = set()
+
+    @property
+    def outer_exchange(self) -> str | None:
+        """The exchange of the round's last outer reduce (the committed one); None when none ran."""
+        return self.exchanges[max(self.exchanges)] if self.exchanges else None
 
     @property
     def outer_overlapped(self) -> bool:
@@ -182,6 +192,12 @@ class RoundRecord:
             self.reduce_overlapped[phase.id] = self.reduce_overlapped.get(phase.id, True) and bool(
                 value.get("overlapped")
             )
+            cluster = parse_replica_id(rid)[0]
+            self.cluster_link_bytes[cluster] = self.cluster_link_bytes.get(cluster, 0) + value.get(
+                "outer_link_bytes", 0
+            )
+            if value.get("outer_exchange"):
+                self.exchanges[phase.id] = value["outer_exchange"]
         if kind is CallKind.OUTER_COMMIT and outcome == Outcome.DONE:
             self.inner_bytes += value.get("inner_bytes", 0)
             self.commit_digests[rid] = value["digest"]

@@ -1,7 +1,7 @@
 """hsgd's benchmarks, apart from the product: `python -m benchmarks <suite> [--quick] [--out DIR]`.
 
 Suites (each a module here named as the suite, with its own `main`): overhead, recovery, goodput,
-scale, straggler, plan, inner, ddp, convergence, sites, report, and with no suite the default one
+scale, straggler, plan, inner, ddp, convergence, sites, outer_exchange, report, and with no suite the default one
 (hierarchical vs flat, benchmarks/cli.py). `peers/` holds the systems hsgd is compared with (plain
 DDP, torchft, Ray Train), `fake_ray.py` the fake Ray `plan` times the supervisor's decisions on,
 and `fault_costs.py` the goodput suite's split of a fault's time, read from a run's record.

@@ -13,7 +13,9 @@ replicas, vs torch's DistributedDataParallel over gloo, interleaved; see benchma
 LocalSGD and DiLoCo arms — H, codecs, fragments, sharded — on the same tokens: final eval loss vs
 slow-link bytes, wall-clock under a simulated slow link; see benchmarks/convergence.py), or
 `python -m benchmarks sites [--quick] [--out DIR] [--rounds 12]` (2 sites, one 2x slower: fixed steps per round
-vs steps planned per site, `sync.balance` none vs steps, on the same tokens; see benchmarks/sites.py).
+vs steps planned per site, `sync.balance` none vs steps, on the same tokens; see benchmarks/sites.py), or
+`python -m benchmarks outer_exchange [--quick] [--out DIR]` (slow-link bytes per site of sync.outer_exchange's
+gather and reduce_scatter at 2, 4, 8 sites, each codec, in process; see benchmarks/outer_exchange.py).
 
 Runs, one after another on one embedded Ray, the same model and data as:
 - `flat`: one cluster of all replicas, ddp every step (what a flat trainer does across the slow link);
@@ -81,6 +83,7 @@ SUITES = (
     "convergence",
     "sites",
     "outer_sweep",
+    "outer_exchange",
     "report",
 )
 

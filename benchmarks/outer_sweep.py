@@ -54,12 +54,15 @@ class ClusterBatches:
 
 class ThreadGroup:
     """An outer group of `world` trainers in one process, one thread each: `allreduce_mean` sums in rank
-    order (every rank gets the same bits), `all_gather` hands every rank every payload. Each rank calls
-    through its own `ThreadGroup.Rank`. A barrier that waits over 600 s raises (a bug, never a run's state)."""
+    order (every rank gets the same bits), `all_gather` hands every rank every payload, `all_to_all`
+    chunk j of every rank to rank j. Each rank calls through its own `ThreadGroup.Rank`, which counts
+    bytes as hsgd.train.comm.LevelGroup does. A barrier that waits over 600 s raises (a bug, never a
+    run's state)."""
 
     class Rank:
         def __init__(self, group: ThreadGroup, rank: int):
-            self.group, self.rank, self.world_size, self.bytes_sent = group, rank, group.world, 0
+            self.group, self.rank, self.world_size = group, rank, group.world
+            self.bytes_sent = self.bytes_received = 0
 
         def allreduce_mean(self, tensors, *, level: str) -> None:
             import torch
@@ -67,6 +70,7 @@ class ThreadGroup:
             assert level == "outer", level
             flat = torch.cat([t.reshape(-1) for t in tensors])
             self.bytes_sent += flat.numel() * flat.element_size()
+            self.bytes_received += flat.numel() * flat.element_size()
             pieces = self.group.exchange(self.rank, flat)
             mean = torch.stack(pieces).sum(dim=0) / len(pieces)
             offset = 0
@@ -77,7 +81,17 @@ class ThreadGroup:
         def all_gather(self, payload, *, level: str):
             assert level == "outer", level
             self.bytes_sent += payload.numel() * payload.element_size() * (self.world_size - 1)
+            self.bytes_received += payload.numel() * payload.element_size() * (self.world_size - 1)
             return [p.clone() for p in self.group.exchange(self.rank, payload)]
+
+        def all_to_all(self, chunks, recv_numel: int, *, level: str):
+            assert level == "outer" and len(chunks) == self.world_size, (level, len(chunks))
+            item = chunks[0].element_size()
+            self.bytes_sent += sum(c.numel() for j, c in enumerate(chunks) if j != self.rank) * item
+            self.bytes_received += recv_numel * (self.world_size - 1) * item
+            received = [sent[self.rank].clone() for sent in self.group.exchange(self.rank, list(chunks))]
+            assert all(c.numel() == recv_numel for c in received), "a chunk of another length than announced"
+            return received
 
     def __init__(self, world: int):
         self.world = world
@@ -107,6 +121,32 @@ def check_supported(cfg) -> None:
             raise ValueError(f"outer_sweep: {key}={value} is not simulated; valid: {', '.join(map(str, allowed))}")
 
 
+def reduce_all(trainers: list, round_index: int) -> list:
+    """Every trainer's outer_reduce of `round_index` at once, one thread each, over one ThreadGroup; its
+    ranks (their byte counts). The first error is raised here, the other threads released."""
+    from hsgd.train.comm import LevelGroup
+
+    group = ThreadGroup(len(trainers))
+    ranks = [ThreadGroup.Rank(group, k) for k in range(len(trainers))]
+    errors: list[BaseException] = []
+
+    def reduce(k: int) -> None:
+        try:
+            trainers[k].outer_reduce(round_index, 0, ranks[k] if len(trainers) > 1 else LevelGroup("outer"))
+        except BaseException as err:  # noqa: BLE001 — re-raised below, in the caller's thread
+            errors.append(err)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=reduce, args=(k,)) for k in range(len(trainers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return ranks
+
+
 def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
     """Train the run `overrides` composes (see the module's shortcut) and return its eval losses."""
     import torch
@@ -133,28 +173,15 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
     started = time.perf_counter()
     losses = [trainers[0].eval_loss()]
     rounds, outer_bytes = int(cfg.train.rounds), 0
+    site_sent, site_received = [0] * len(trainers), [0] * len(trainers)  # each site's slow link, both ways
     for r in range(rounds):
         for t in trainers:
             t.run_inner(r, solo)
-        group = ThreadGroup(len(trainers))
-        ranks = [ThreadGroup.Rank(group, k) for k in range(len(trainers))]
-        errors: list[BaseException] = []
-
-        def reduce(k: int) -> None:
-            try:
-                trainers[k].outer_reduce(r, 0, ranks[k] if len(trainers) > 1 else LevelGroup("outer"))
-            except BaseException as err:  # noqa: BLE001 — re-raised below, in the caller's thread
-                errors.append(err)
-                group._barrier.abort()
-
-        threads = [threading.Thread(target=reduce, args=(k,)) for k in range(len(trainers))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        ranks = reduce_all(trainers, r)
         outer_bytes += sum(rk.bytes_sent for rk in ranks) if len(trainers) > 1 else 0
+        for k, rk in enumerate(ranks if len(trainers) > 1 else []):
+            site_sent[k] += rk.bytes_sent
+            site_received[k] += rk.bytes_received
         for t in trainers:
             t.outer_commit(r, solo, (0,))
         if (eval_every and (r + 1) % eval_every == 0) or r == rounds - 1:
@@ -165,6 +192,9 @@ def simulate(overrides: list[str], *, eval_every: int = 0) -> dict:
         "final_eval_loss": losses[-1],
         "eval_losses": losses,
         "outer_bytes": outer_bytes,
+        "site_sent_bytes": site_sent,
+        "site_received_bytes": site_received,
+        "outer_exchange": trainers[0].last_exchange,
         "inner_steps": rounds * int(cfg.sync.outer_every),
         "wall_s": round(time.perf_counter() - started, 1),
     }

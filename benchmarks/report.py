@@ -1,5 +1,5 @@
-"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`, `sites`, and
-`convergence`) writes, and BENCHMARKS.md made from it.
+"""What every peer suite (`overhead`, `recovery`, `goodput`, `scale`, `straggler`, `sites`,
+`convergence` and `outer_exchange`) writes, and BENCHMARKS.md made from it.
 
 Each suite writes `<out>/<suite>.json` through `write_suite`: its own figures plus a header that
 says when, where and how they were measured —
@@ -13,7 +13,7 @@ wins) and writes BENCHMARKS.md: one section per suite, its header (date, machine
 without its `--out`, a path of the machine it ran on), the suite's figures in a table, and its plot
 (linked relative to BENCHMARKS.md; a report listing `plots`, file names beside its JSON, gets each
 of them). A quick run's figures are never written there. Suites describe their own rows (`ROWS`: a
-suite's headline rows from its JSON). The `OPTIONAL` suites (`convergence`: hours on this machine)
+suite's headline rows from its JSON). The `OPTIONAL` suites (`convergence`, `outer_exchange`: hours on this machine)
 get a section only once a full report of theirs exists; the others say "Not measured yet" until then.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from hsgd.record.rundir import atomic_write_text
 
 SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "sites")
-OPTIONAL = ("convergence",)  # rendered when a full report exists, else left out (not "Not measured yet")
+OPTIONAL = ("convergence", "outer_exchange")  # rendered when a full report exists, else left out
 
 
 def header(suite: str, argv: list[str], quick: bool) -> dict:
@@ -359,6 +359,59 @@ def _convergence_rows(r: dict) -> list[list[str]]:
     return rows
 
 
+def _mb(n) -> str:
+    return _f(None if n is None else n / 1e6, ".3f", " MB")
+
+
+def _outer_exchange_rows(r: dict) -> list[list[str]]:
+    """benchmarks/outer_exchange.py: per codec and exchange the busiest site's bytes per outer step at
+    each N, and their modeled seconds; Acceptance 1's ratios; the re-encoding's error; int4's eval loss."""
+    rows = []
+    links = ", ".join(f"{x['gbps']:g} Gbps {x['latency_ms']:g} ms" for x in r["links"])
+    for codec in dict.fromkeys(b["codec"] for b in r["bytes"]):
+        for ex in dict.fromkeys(b["exchange"] for b in r["bytes"] if b["codec"] == codec):
+            got = sorted(
+                (b for b in r["bytes"] if b["codec"] == codec and b["exchange"] == ex), key=lambda b: b["sites"]
+            )
+            sites = "/".join(str(b["sites"]) for b in got)
+            ratios = ", ".join(f"{n}: {v:.2f}x" for n, v in r["growth"][codec][ex].items())
+            rows.append(
+                [
+                    f"`{codec}` {ex}: slow-link bytes per site per outer step, {sites} sites",
+                    " / ".join(_mb(b["bytes_per_site"]) for b in got),
+                    f"vs 2 sites {ratios}; modeled s per step ({links}): "
+                    + " / ".join(", ".join(f"{t:.3f}" for t in b["link_s"]) for b in got)
+                    + f" ({'/'.join(str(b['messages']) for b in got)} messages)",
+                ]
+            )
+    for codec, at in r.get("acceptance_1", {}).items():
+        rows.append(
+            [
+                f"`{codec}` auto (gather at 2, reduce_scatter from 3): bytes per site, N sites / 2 sites",
+                ", ".join(f"{n}: {v['ratio']:.2f}x" for n, v in at.items()),
+                "target " + ", ".join(f"{n}: <= {v['target']:g}x {_holds(v['holds'])}" for n, v in at.items()),
+            ]
+        )
+    for e in r.get("reencoding", []):
+        rows.append(
+            [
+                f"`{e['codec']}`, {e['sites']} sites: reduce_scatter's mean vs gather's (relative L2)",
+                f"{e['reencoding_vs_gather']:.2e}",
+                f"the re-encoding, no residual kept; gather vs the exact mean {e['codec_vs_exact']:.2e}",
+            ]
+        )
+    for sites, g in r.get("loss_gaps", {}).items():
+        by = {x["exchange"]: x for x in r["loss"] if str(x["sites"]) == sites}
+        rows.append(
+            [
+                f"`int4` {sites} x 1, H 50, {g['steps']} steps: final eval loss gather / reduce_scatter",
+                f"{by['gather']['final_eval_loss']:.4f} / {by['reduce_scatter']['final_eval_loss']:.4f}",
+                f"gap {100 * g['gap']:+.2f} %, target within {100 * 0.005:g} %: {_holds(g['holds'])}",
+            ]
+        )
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
     "overhead": _overhead_rows,
     "recovery": _recovery_rows,
@@ -367,6 +420,7 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
     "straggler": _straggler_rows,
     "sites": _sites_rows,
     "convergence": _convergence_rows,
+    "outer_exchange": _outer_exchange_rows,
 }
 
 TITLES = {
@@ -377,6 +431,7 @@ TITLES = {
     "straggler": "Stragglers: flat DDP vs local SGD vs DiLoCo",
     "sites": "Sites of different speeds: `sync.balance` none vs steps",
     "convergence": "Convergence: flat DDP vs LocalSGD vs DiLoCo, eval loss vs slow-link bytes",
+    "outer_exchange": "Outer exchange: gather vs reduce_scatter, slow-link bytes per site",
 }
 
 
@@ -431,6 +486,8 @@ def render(reports: dict[str, dict], to_dir: Path = Path(".")) -> str:
             "| --- | --- | --- |",
         ]
         lines += [f"| {' | '.join(row)} |" for row in ROWS[suite](report)]
+        if report.get("notes"):  # how the figures were taken, where a suite says so
+            lines += ["", *(f"- {note}" for note in report["notes"])]
         if report.get("json_path"):
             json_path = Path(report["json_path"])
             pngs = [json_path.parent / name for name in report.get("plots") or []] or [json_path.with_suffix(".png")]

@@ -33,6 +33,7 @@ from hsgd.core.site_requests import (
     requests_dir,
     write_request,
 )
+from hsgd.record.metrics import link_bytes_per_cluster
 from hsgd.record.plots import known_replicas, read_events, replica_states
 from hsgd.record.rundir import read_json as _read_json
 from hsgd.record.rundir import read_jsonl
@@ -86,6 +87,7 @@ def collect_state(run_dir: str | Path) -> dict:
             }
         )
     state["clusters"] = clusters
+    state["link_bytes"] = link_bytes_per_cluster(metrics)  # each cluster's slow-link bytes, sent + received
     state["requests"] = site_requests(run_dir)
     state["done"] = bool(summary) or bool(live.get("status")) or live.get("phase") == "done" or bool(run_end)
     state["recent"] = [_line(e, events[0]["t"]) for e in events if e.get("event") not in ("phase_begin", "phase_end")][
@@ -187,6 +189,7 @@ def render(state: dict):
         "cluster",
         "replicas (* leader)",
         Column("live", justify="right"),
+        Column("slow link", justify="right"),
         title=escape(f"hsgd run {state['run_dir']}{done}"),
         title_justify="left",
         expand=False,
@@ -198,7 +201,11 @@ def render(state: dict):
             text.append(r["state"], style=_STYLE.get(r["state"], ""))
             text.append("  ")
         n = sum(r["state"] in ("live", "standby", "joining") for r in reps)
-        table.add_row(cluster, text, f"{n}/{len(reps)}")
+        index = int(cluster[1:]) if cluster[1:].isdigit() else -1
+        sent = state.get("link_bytes") or []
+        table.add_row(
+            cluster, text, f"{n}/{len(reps)}", f"{sent[index] / 1e6:.1f} MB" if 0 <= index < len(sent) else "-"
+        )
     info = Table.grid(padding=(0, 2))
     info.add_row(
         "epoch",

@@ -121,6 +121,11 @@ class SyncConfig:
     outer_path: str = one_of("leader", ("leader", "sharded"))  # hsgd/core/outer_plan.py
     """`leader`: the leaders exchange the whole payload. `sharded`: the j-th holder of every cluster exchanges shard
     j of S (the smallest live cluster size), so each link carries 1/S. See Scaling."""
+    outer_exchange: str = one_of("auto", ("auto", "gather", "reduce_scatter"))
+    """How a codec's payloads cross the slow link (`hsgd/train/exchange.py`): `gather` (each holder decodes every
+    site's payload: per-site bytes grow as N - 1), `reduce_scatter` (each site owns a chunk, reduces and re-encodes
+    it, then all-gathers: flat in N), `auto` (reduce_scatter from 3 sites in the formed outer group, gather at 2).
+    `none` stays an all-reduce and `topk` always gathers. See Scaling."""
     fragments: int = count(1)  # Streaming DiLoCo: parameter fragments synced in turn
     """Streaming DiLoCo: F fragments strided over depth, round r syncs fragment r mod F, so the slow link carries
     1/F of the model per round; 1 = plain DiLoCo, bitwise. See Scaling."""

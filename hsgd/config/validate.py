@@ -208,6 +208,12 @@ def _check_relations(cfg: Any) -> None:
             "is none, so nothing crosses clusters to compress, fragment or shard; valid: "
             "sync.outer_compress=none, sync.fragments=1, sync.outer_path=leader with sync.outer=none",
         )
+    if s.outer_exchange == "reduce_scatter" and s.outer_compress in ("none", "topk"):
+        raise ConfigError(
+            "sync.outer_exchange",
+            f"reduce_scatter needs a codec whose chunks add up, not sync.outer_compress={s.outer_compress} "
+            f"(none all-reduces, topk gathers); valid: bf16, int8 or int4, or outer_exchange auto or gather",
+        )
     if s.fragment_delay:
         _check_fragment_delay(s, spr)
     if cfg.model.n_embd % cfg.model.n_head != 0:

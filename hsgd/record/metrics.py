@@ -36,6 +36,8 @@ def round_record(
         "outer_bytes": run.outer_bytes,
         "outer_link_s": sum(run.outer_link_s.values()),
         "outer_overlapped": run.outer_overlapped,
+        "outer_exchange": run.outer_exchange,
+        "cluster_link_bytes": [run.cluster_link_bytes.get(c, 0) for c in range(len(cluster_steps))],
         "live_replicas": len(run.commit_digests),
         "epoch": epoch,
         "attempts": run.attempts,
@@ -46,6 +48,17 @@ def round_record(
         "cluster_tokens": list(cluster_tokens),
         "t": t,
     }
+
+
+def link_bytes_per_cluster(metrics: list[dict]) -> list[int]:
+    """Each cluster's slow-link bytes (its holders' sent + received) over the recorded rounds: the sum of
+    metrics' `cluster_link_bytes` (a site added later has fewer rounds; older records have none)."""
+    total: list[int] = []
+    for m in metrics:
+        for c, n in enumerate(m.get("cluster_link_bytes") or []):
+            total.extend([0] * (c + 1 - len(total)))
+            total[c] += int(n)
+    return total
 
 
 def committed_tokens(committed: Iterable[str], topology: Any, steps_of, tokens_per_step: int) -> list[int]:
@@ -78,6 +91,8 @@ def late_round_record(
         "outer_bytes": 0,
         "outer_link_s": None,
         "outer_overlapped": None,
+        "outer_exchange": None,
+        "cluster_link_bytes": [],
         "live_replicas": live_replicas,
         "epoch": epoch,
         "replica_digests": dict(digests),
@@ -335,5 +350,6 @@ def fallback_summary(
         "supervisor_starts": durable.get("supervisor_starts", 0),
         "epoch": durable.get("epoch"),
         "tokens_per_cluster": list(durable.get("tokens_per_cluster") or []),
+        "link_bytes_per_cluster": link_bytes_per_cluster(metrics),
         "run_dir": run_dir,
     }

@@ -22,6 +22,8 @@ Protocol
   `wait_sums`) is ONE logical collective of one level: its caller holds that guard throughout.
 - A group of one member does no communication at all.
 - `link` (a `hsgd.train.simulate.LinkModel`) paces each collective that succeeded.
+- `bytes_sent` / `bytes_received`: what each collective handed to, and took from, this level's link
+  (a ring's count: what a member sends and receives, not the wire's framing).
 
 Error model: every failure in torch.distributed / torchft (building the group, configure, issuing an
 op, the device copies around it, the wait, the group's error state after it) raises
@@ -288,6 +290,7 @@ class LevelGroup:
         self.connect_timeout_s = min(timeout_s, configure_timeout_s)
         self.rank, self.world_size, self.prefix = 0, 1, None
         self.bytes_sent = 0  # payload bytes handed to collectives (what crossed this level's link)
+        self.bytes_received = 0  # payload bytes the collectives brought in over it
         self.link_s = 0.0  # seconds held in this group's collectives, the simulated link's sleep included
         self._pg = None
         # added to every deadline: a collective a member starts before its peers are known to be there
@@ -459,6 +462,7 @@ class LevelGroup:
             payload = flat.numel() * flat.element_size()
             sent = payload if root is None else payload * (self.world_size - 1) if self.rank == root else 0
             self.bytes_sent += sent
+            self.bytes_received += payload if root is None or self.rank != root else 0
             self._wait(self._issue(op, flat, opts, payload), op, payload)
             if root is None:
                 flat.div_(self.world_size)
@@ -486,6 +490,7 @@ class LevelGroup:
             flat = self._flat([payload])
             size = flat.numel() * flat.element_size()
             self.bytes_sent += size * (self.world_size - 1)
+            self.bytes_received += size * (self.world_size - 1)
             with self._failing_as("issue", "allocating the all_gather result"):
                 outputs = [torch.empty_like(flat) for _ in range(self.world_size)]
             self._wait(
@@ -497,6 +502,43 @@ class LevelGroup:
                 gathered = [t.to(payload.device) for t in outputs]
             self._pace(start, size * (self.world_size - 1))
             return gathered
+
+    def all_to_all(self, chunks: list[torch.Tensor], recv_numel: int, *, level: str) -> list[torch.Tensor]:
+        """chunks[j] goes to rank j; returns the chunk each rank sent this one, in rank order (this
+        member's own as a copy), on chunks' device. Every member passes world_size 1-D tensors of one
+        dtype, and every rank's chunk for rank r has `recv_numel` elements for the r that receives it
+        (not checked: a round trip over the slow link). `bytes_sent` counts the chunks to the others,
+        `bytes_received` theirs to this one; the link paces by what was sent; the deadline scales with
+        the larger of the two buffers. A group of one returns [chunks[0]] itself. Raises
+        WrongLevelError, ValueError (not world_size 1-D chunks), CollectiveError."""
+        self._check(level)
+        if len(chunks) != self.world_size or any(c.dim() != 1 for c in chunks):
+            raise ValueError(f"{self.level} all_to_all: needs {self.world_size} 1-D chunks, got {len(chunks)}")
+        if self.world_size == 1:
+            return [chunks[0]]
+        with self._held(f"{self.level} all_to_all") as start:
+            flat = self._flat(chunks)
+            item = flat.element_size()
+            sent = (flat.numel() - chunks[self.rank].numel()) * item
+            received = recv_numel * (self.world_size - 1) * item
+            self.bytes_sent += sent
+            self.bytes_received += received
+            with self._failing_as("issue", "allocating the all_to_all result"):
+                output = torch.empty(recv_numel * self.world_size, dtype=flat.dtype, device=flat.device)
+            payload = max(flat.numel(), output.numel()) * item
+            opts = dist.AllToAllOptions()
+            opts.timeout = self._timeout(payload)
+            with self._failing_as("issue", "issuing alltoall"):
+                work = self._pg.alltoall_base(
+                    output, flat, [recv_numel] * self.world_size, [c.numel() for c in chunks], opts
+                )
+            self._wait(work, "all_to_all", payload)
+            with self._failing_as("wait", "copying the result back"):
+                received_chunks = [
+                    output[k * recv_numel : (k + 1) * recv_numel].to(chunks[0].device) for k in range(self.world_size)
+                ]
+            self._pace(start, sent)
+            return received_chunks
 
     def launch_sum(self, flat: torch.Tensor) -> tuple[torch.Tensor, object, int]:
         """Start, not wait, the sum all-reduce of `flat` in place on the backend's device: one launch

@@ -10,9 +10,9 @@ Protocol, on one replica:
                   outer group named in the run_inner call. A reduce running or done for the same
                   key is kept (a re-issued run_inner); one for another key is abandoned first.
     settle(key)   first in the replica's outer_reduce: waits (at most `timeout_s`) for the reduce of
-                  `key` and raises what it raised, else returns the outer bytes and link seconds it
-                  spent (the trainer's outer_reduce then returns at once), or None when no reduce
-                  of `key` ran (the call reduces itself).
+                  `key` and raises what it raised, else returns the outer bytes (sent, and sent +
+                  received) and link seconds it spent (the trainer's outer_reduce then returns at
+                  once), or None when no reduce of `key` ran (the call reduces itself).
     settle(None)  first in every other call that touches the outer group or state (a heal, a
                   commit, a new group): a reduce still running is abandoned.
 Abandoning aborts the outer group, so the reduce's collective fails at once and the thread ends;
@@ -65,7 +65,8 @@ class _Reduce:
     key: Key
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    spent: dict = field(default_factory=dict)  # outer_bytes, outer_link_s: what settle(key) returns
+    # outer_bytes (sent), outer_link_bytes (sent + received), outer_link_s: what settle(key) returns
+    spent: dict = field(default_factory=dict)
 
 
 class BackgroundReduce:
@@ -86,7 +87,7 @@ class BackgroundReduce:
 
     def _run(self, reduce: _Reduce) -> None:
         round_index, epoch, shard, shards, *weights = reduce.key
-        before, before_s = self.outer.bytes_sent, self.outer.link_s
+        before, before_s, before_in = self.outer.bytes_sent, self.outer.link_s, self.outer.bytes_received
         self.outer.arrival_s = self.arrival_s
         try:
             self.trainer.outer_reduce(round_index, epoch, self.outer, shard, shards, *weights, behind=True)
@@ -96,7 +97,11 @@ class BackgroundReduce:
                 self.outer.abort()
         finally:
             self.outer.arrival_s = 0.0
-            reduce.spent = {"outer_bytes": self.outer.bytes_sent - before, "outer_link_s": self.outer.link_s - before_s}
+            reduce.spent = {
+                "outer_bytes": self.outer.bytes_sent - before,
+                "outer_link_bytes": self.outer.bytes_sent - before + self.outer.bytes_received - before_in,
+                "outer_link_s": self.outer.link_s - before_s,
+            }
             reduce.done.set()
 
     def settle(self, key: Key | None, timeout_s: float = 30.0) -> dict | None:

@@ -61,6 +61,7 @@ from hsgd.train.buckets import GradBuckets
 from hsgd.train.checkpoint import write_atomic
 from hsgd.train.codec import ALIGN, compress_with_feedback, make_codec
 from hsgd.train.comm import LevelGroup
+from hsgd.train.exchange import exchange_of, gather_mean, reduce_scatter_mean
 from hsgd.train.outer import OuterOptimizer, outer_hyperparameters
 from hsgd.train.sharding import ReplicaRanks
 from hsgd.train.simulate import pacer_from_config
@@ -147,6 +148,10 @@ def inner_lr(o: Any, step: float, total_steps: int) -> float:
 
 
 class ReplicaTrainer:
+    last_exchange: str | None = (
+        None  # what the last outer reduce ran (hsgd.train.exchange): the round's metrics name it
+    )
+
     def __init__(
         self,
         cfg: Any,
@@ -529,8 +534,9 @@ class ReplicaTrainer:
         by (round, epoch, shard, shards, weights), idempotent per key. `weights`: each cluster's, in
         outer-rank order (hsgd.core.outer_plan.token_weights; () = the plain mean); a weight of 1.0
         is never multiplied, so equal clusters give the plain mean bit for bit. With a codec the
-        encoded shards are gathered unweighted (the error-feedback residual stays so), then decoded,
-        weighted and summed in outer-rank order, so every holder holds the same bits. Raises
+        encoded shards are exchanged unweighted (the error-feedback residual stays so), then decoded,
+        weighted and summed in outer-rank order (sync.outer_exchange: by every holder, or chunk by chunk
+        by the chunk's owner, hsgd.train.exchange), so every holder holds the same bits. Raises
         NonFiniteError before sending a non-finite pseudo-gradient. `behind`: called on a second thread
         while inner steps run (hsgd.train.overlap): sharded, its ranks agree over the replica's
         background group, never over the one the phase thread's FSDP2 collectives use."""
@@ -559,20 +565,16 @@ class ReplicaTrainer:
         self._outer_buffer = (key, piece)
 
     def _reduce_piece(self, piece: torch.Tensor, outer: LevelGroup, weights: tuple[float, ...]) -> torch.Tensor:
-        """outer_reduce's collective: the weighted mean of `piece` over the outer group."""
-        if self.codec is None:
+        """outer_reduce's collective: the weighted mean of `piece` over the outer group, by the exchange
+        (hsgd.train.exchange) sync.outer_exchange and the group's size pick; kept in `last_exchange`."""
+        self.last_exchange = exchange = exchange_of(self.cfg.sync.outer_exchange, self.codec, outer.world_size)
+        if exchange == "allreduce":
             own = weights[outer.rank] if weights else 1.0
             if own != 1.0:
                 piece.mul_(own)
             outer.allreduce_mean([piece], level="outer")
         elif piece.numel():
-            payloads = outer.all_gather(self.codec.encode(piece), level="outer")
-            mean = torch.zeros_like(piece)
-            for rank, payload in enumerate(payloads):  # outer-rank order on every holder: the same sum everywhere
-                decoded = self.codec.decode(payload.to("cpu"), piece.numel())  # NCCL hands them back on the GPU
-                weight = weights[rank] if weights else 1.0
-                mean += decoded if weight == 1.0 else decoded.mul_(weight)
-            piece = mean.div_(len(payloads))
+            piece = (gather_mean if exchange == "gather" else reduce_scatter_mean)(self.codec, piece, outer, weights)
         return piece
 
     @torch.no_grad()

@@ -13,6 +13,8 @@ def _run(**kw):
         outer_bytes=0,
         outer_link_s={},
         outer_overlapped=False,
+        outer_exchange=None,
+        cluster_link_bytes={},
         attempts=1,
         commit_digests={},
         global_digests={},

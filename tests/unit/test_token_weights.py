@@ -18,6 +18,7 @@ from tests.fakes.gloo_world import run_ranks
 
 SIZES = (2, 2, 2)
 UNEQUAL = (0.5, 1.25, 1.25)  # e.g. a site that trained a fifth of the others' tokens
+GATHER = "sync.outer_exchange=gather"  # each holder decodes every cluster's payload: the mean computed here
 CASES = [(codec, weights) for codec in ("none", "int4") for weights in ((), (1.0, 1.0, 1.0), UNEQUAL)]
 
 
@@ -55,7 +56,7 @@ def _worker(rank, port, results) -> None:
         my_shard = next((j for j, g in enumerate(holders) if rid in g), None)
         shard_outer = group("outer", f"t/outer/s{my_shard}", c, len(SIZES)) if my_shard is not None else None
         for codec, weights in CASES:
-            t = ReplicaTrainer(tiny_cfg([f"sync.outer_compress={codec}", "sync.outer_every=3"]), rid, topo)
+            t = ReplicaTrainer(tiny_cfg([f"sync.outer_compress={codec}", "sync.outer_every=3", GATHER]), rid, topo)
             t.run_inner(0, inner)
             # plain lists: a tensor through the queue is shared memory, gone with the process
             rec = {"pseudo_gradient": t._round_pseudo_gradient(0).tolist()}
