@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.fakes.configs import tiny_cfg
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 SIZES = (2, 3, 2)
 CODECS = ("bf16", "int8", "int4")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fakes.configs import tiny_cfg
-from tests.unit.gloo_world import run_ranks
+from tests.fakes.gloo_world import run_ranks
 
 SITES, ROUNDS = 3, 3
 OVERRIDES = [
