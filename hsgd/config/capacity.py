@@ -150,31 +150,7 @@ def placement_problem(
                 f"use fewer replicas{' or spares' if spares else ''}, lower {field}, or a bigger cluster",
             )
     if any(label is not None for label in cluster_labels):
-        present = sorted({str(nd["Labels"][LABEL_KEY]) for nd in nodes if LABEL_KEY in nd.get("Labels", {})})
-        for c, label in enumerate(cluster_labels):
-            if label is None:
-                continue
-            mine = [nd for nd in nodes if nd.get("Labels", {}).get(LABEL_KEY) == str(label)]
-            if not mine:
-                return (
-                    label_field.format(c=c),
-                    f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
-                    f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)",
-                )
-            room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
-            sharing = [kc for kc, lab in zip(ks, cluster_labels) if str(lab) == str(label)]
-            if room < sum(sharing):
-                return (
-                    label_field.format(c=c),
-                    f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
-                    f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
-                    + (
-                        f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)"
-                        if len(sharing) > 1
-                        else ""
-                    ),
-                )
-        return None
+        return _labelled_problem(nodes, need, ks, cluster_labels, label_field)
     fits = sorted((replicas_that_fit(nd["Resources"], need) for nd in nodes), reverse=True)
     if strategy == "STRICT_PACK":
         # every cluster on one node: the largest first, each on the node with the most room left
@@ -205,6 +181,31 @@ def placement_problem(
             f"{what} of {describe_resources(need)} do not fit on the nodes (at most {sum(fits)}: "
             f"per node {fits[:8]}); use fewer replicas or a bigger cluster",
         )
+    return None
+
+
+def _labelled_problem(nodes: list[dict], need: dict, ks: list[int], cluster_labels, label_field: str):
+    """placement_problem for clusters pinned to labelled nodes: each label's nodes hold its clusters."""
+    present = sorted({str(nd["Labels"][LABEL_KEY]) for nd in nodes if LABEL_KEY in nd.get("Labels", {})})
+    for c, label in enumerate(cluster_labels):
+        if label is None:
+            continue
+        mine = [nd for nd in nodes if nd.get("Labels", {}).get(LABEL_KEY) == str(label)]
+        if not mine:
+            return (
+                label_field.format(c=c),
+                f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
+                f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)",
+            )
+        room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
+        sharing = [kc for kc, lab in zip(ks, cluster_labels, strict=False) if str(lab) == str(label)]
+        if room < sum(sharing):
+            return (
+                label_field.format(c=c),
+                f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
+                f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
+                + (f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)" if len(sharing) > 1 else ""),
+            )
     return None
 
 
