@@ -7,7 +7,6 @@ whatever breaks once the folder is locked, summary.json is there (or printed).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ from hsgd.config.sites import ranks_per_replica
 from hsgd.core.supervisor_losses import SupervisorLosses
 from hsgd.core.topology import topology_of
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
+from hsgd.record.run_info import RUN_INFO, write_run_info
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import atomic_write_text, call_with_deadline
 from hsgd.record.runlock import RunLock, RunLocked
@@ -137,37 +137,19 @@ def _run_owned(cfg: DictConfig, run: Run) -> dict:
 
 def _start(run: Run):
     """Everything before the supervisor's run call; returns the supervisor's handle."""
-    import ray
-
     from actors import startup
-    from actors.placement import ClusterPlacement, check_cluster
+    from actors.placement import ClusterPlacement
     from actors.supervisor import Supervisor, supervisor_actor_name
     from hsgd.core.site_plan import resume_notice
 
     cfg, resume_from = run.cfg, run.resume_from
-    # what only the cluster knows, before any actor starts: ConfigError (one line, exit 2)
-    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s))
-    if plan.notice:
-        print(f"[hsgd] {plan.notice}", flush=True)
-    if unanswered:
-        print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
+    plan = startup.check_cluster_first(cfg)  # before any actor starts: ConfigError (one line, exit 2)
     # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
     topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
     if resume_from is not None and (notice := resume_notice(run.run_dir, topo.clusters)):
         print(f"[hsgd] {notice}", flush=True)  # before any actor starts (issue 45, finding 10)
-    ctx = ray.get_runtime_context()
-    run.info = {
-        "run_id": run.run_id,
-        "namespace": ctx.namespace,
-        "ray_address": ctx.gcs_address,
-        "replicas": list(topo.replica_ids()),
-        "driver_pid": os.getpid(),
-        "started_at": time.time(),
-        # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
-        # explicit address, so a tool that attaches by the address above (jobs.diagnose) applies this mode
-        "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled"),
-    }
-    atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))  # first: the folder is hsgd's
+    run.info = startup.run_info(run.run_id, topo)
+    write_run_info(run.run_dir, run.info)  # first: the folder is hsgd's
     atomic_write_text(Path(run.run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     state = RunState.begin(run.run_dir, run.run_id, run.fingerprint, resumed=resume_from is not None)
     state.replica_indices = dict(topo.index_table)
@@ -192,16 +174,9 @@ def _start(run: Run):
         resume_round=resume_from.manifest["round"] if resume_from else None,
     )
     run.actors.append(supervisor)
-    nodes = run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
-    atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))
-    print(
-        "[hsgd] placement: "
-        + "; ".join(
-            f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
-            for c in range(topo.clusters)
-        ),
-        flush=True,
-    )
+    run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
+    write_run_info(run.run_dir, run.info)
+    print(f"[hsgd] placement: {startup.placement_line(run.info['replica_nodes'], topo)}", flush=True)
     guard = startup.StartupCalls(topo, cfg.supervisor)
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
@@ -301,11 +276,11 @@ def _clean_up(run: Run) -> None:
         run.placement.release()
     if run.info:
         run.info["job_s"] = time.time() - run.started_at  # the whole job, Ray start and plots included
-        path = Path(run.run_dir) / "run.json"
+        path = Path(run.run_dir) / RUN_INFO
 
         def write() -> None:  # with the replicas of sites added mid-run, as the supervisor wrote them
             run.info["replicas"] = with_joined_replicas(run.run_dir, run.run_id, run.info["replicas"])
-            atomic_write_text(path, json.dumps(run.info, indent=1))
+            write_run_info(run.run_dir, run.info)
 
         _best_effort(write, DRIVER_IO_S, f"writing {path}", str(path))
     if run.started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh

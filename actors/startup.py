@@ -9,6 +9,7 @@ try; one still away then is left out (taken in when back) where its cluster keep
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -124,6 +125,43 @@ def replica_nodes(replicas: dict, timeout_s: float) -> dict:
         except Exception:  # noqa: BLE001
             nodes[rid] = None
     return nodes
+
+
+def check_cluster_first(cfg):
+    """What only the cluster knows, checked before any actor starts (ConfigError: one line, exit 2);
+    its notices on the console. The backend plan (actors.placement.check_cluster)."""
+    from actors.placement import check_cluster
+
+    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s))
+    if plan.notice:
+        print(f"[hsgd] {plan.notice}", flush=True)
+    if unanswered:
+        print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
+    return plan
+
+
+def run_info(run_id: str, topo: Topology) -> dict:
+    """run.json's first content (hsgd/record/run_info.py): how tools find this run's actors."""
+    ctx = ray.get_runtime_context()
+    return {
+        "run_id": run_id,
+        "namespace": ctx.namespace,
+        "ray_address": ctx.gcs_address,
+        "replicas": list(topo.replica_ids()),
+        "driver_pid": os.getpid(),
+        "started_at": time.time(),
+        # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
+        # explicit address, so a tool that attaches by the address above (jobs.diagnose) applies this mode
+        "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
+
+
+def placement_line(nodes: dict, topo: Topology) -> str:
+    """Where each cluster's replicas landed, for the console: `c0 on node(s) <ids>; ...`."""
+    return "; ".join(
+        f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
+        for c in range(topo.clusters)
+    )
 
 
 class StartupCalls:
