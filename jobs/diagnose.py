@@ -179,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
     except Exception as err:  # noqa: BLE001
