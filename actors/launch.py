@@ -19,9 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path
 from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, compose_config, precheck  # noqa: F401 — the driver's API
-from hsgd.config.sites import ranks_per_replica
+from hsgd.config.layout import RunLayout, layout_of, ranks_of
 from hsgd.core.supervisor_losses import SupervisorLosses
-from hsgd.core.topology import topology_of
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
 from hsgd.record.run_info import RUN_INFO, write_run_info
 from hsgd.record.run_state import RunState
@@ -30,7 +29,7 @@ from hsgd.record.runlock import RunLock, RunLocked
 from hsgd.train import checkpoint
 
 
-def connect_ray(cfg: DictConfig) -> bool:
+def connect_ray(cfg: DictConfig, layout: RunLayout | None = None) -> bool:
     """Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
     True if this call connected; Ray already initialised (a test, a notebook) stays as it is."""
     import ray
@@ -42,8 +41,8 @@ def connect_ray(cfg: DictConfig) -> bool:
             address=cfg.ray.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="hsgd", log_to_driver=True
         )
         return True
-    n = check_embedded_capacity(cfg)
-    cpus = n * ranks_per_replica(cfg) * cfg.topology.cpus_per_replica  # cpus_per_replica is per rank process
+    n = check_embedded_capacity(cfg, layout)
+    cpus = n * ranks_of(cfg, layout) * cfg.topology.cpus_per_replica  # cpus_per_replica is per rank process
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cpus + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
     ray.init(
@@ -88,7 +87,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
         raise ConfigError("run.dir", str(err))
     try:
         record_takeovers(run_dir, lock, resume_from)
-        return _run_owned(cfg, Run(cfg, run_dir, run_id, ckpt_root, fingerprint, resume_from))
+        layout = layout_of(cfg)  # the run's layout, worked out once (null = auto resolved, a resume's adopted)
+        return _run_owned(cfg, Run(cfg, layout, run_dir, run_id, ckpt_root, fingerprint, resume_from))
     finally:
         lock.release()
 
@@ -98,6 +98,7 @@ class Run:
     """One run in a folder it holds the lock of: what start, drive and finish share."""
 
     cfg: DictConfig
+    layout: RunLayout
     run_dir: str
     run_id: str
     ckpt_root: str
@@ -117,7 +118,7 @@ def _run_owned(cfg: DictConfig, run: Run) -> dict:
     from actors.startup import one_line
 
     os.environ.setdefault("WANDB_MODE", cfg.logging.wandb.mode)
-    run.started_ray = connect_ray(cfg)
+    run.started_ray = connect_ray(cfg, run.layout)
     try:
         supervisor = _start(run)
         return _finish(run, _drive(run, supervisor))
@@ -143,9 +144,11 @@ def _start(run: Run):
     from hsgd.core.site_plan import resume_notice
 
     cfg, resume_from = run.cfg, run.resume_from
-    plan = startup.check_cluster_first(cfg)  # before any actor starts: ConfigError (one line, exit 2)
+    plan = startup.check_cluster_first(cfg, run.layout)  # before any actor starts: ConfigError (one line, exit 2)
     # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
-    topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
+    indices = resume_from.manifest.get("replica_indices") if resume_from is not None else None
+    layout = run.layout.with_indices(indices).with_backends(plan)
+    topo = layout.topology
     if resume_from is not None and (notice := resume_notice(run.run_dir, topo.clusters)):
         print(f"[hsgd] {notice}", flush=True)  # before any actor starts (issue 45, finding 10)
     run.info = startup.run_info(run.run_id, topo)
@@ -157,10 +160,10 @@ def _start(run: Run):
     faults = startup.startup_faults(cfg, state, topo, resume_from) if calls_at_start else {}
     state.write(run.run_dir)
     # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
-    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s, run_id=run.run_id)
+    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, cfg.supervisor.quorum_wait_s, run.run_id, layout)
     container = OmegaConf.to_container(cfg, resolve=True)
     replicas, spares = startup.start_replicas(
-        cfg, topo, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}
+        cfg, layout, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}
     )
     run.actors.extend([*replicas.values(), *spares.values()])
     # started now so its process boots while the replicas do; it sends nothing before run()
@@ -172,6 +175,7 @@ def _start(run: Run):
         run.run_id,
         container,
         resume_round=resume_from.manifest["round"] if resume_from else None,
+        layout=layout,
     )
     run.actors.append(supervisor)
     run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
@@ -181,8 +185,8 @@ def _start(run: Run):
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
     if resume_from is not None:
-        taking_part = startup.resume_takers(cfg, run.run_dir)  # (a drained site's replicas load nothing)
-        guard.load_resume_point(resume_from, {r: replicas[r] for r in taking_part}, faults, ranks_per_replica(cfg))
+        taking_part = startup.resume_takers(cfg, run.run_dir, layout)  # (a drained site's replicas load nothing)
+        guard.load_resume_point(resume_from, {r: replicas[r] for r in taking_part}, faults, layout.ranks_per_replica)
     return supervisor
 
 

@@ -34,6 +34,8 @@ from actors.heals import Heals
 from actors.probes import Probes
 from actors.replica_calls import FETCH_S, call, progress_board, up
 from actors.round_record import RoundRecord
+from hsgd.config.layout import RunLayout
+from hsgd.config.schema import HsgdConfig
 from hsgd.core.quarantine import takes_spare
 from hsgd.core.round import (
     AbortJoin,
@@ -73,12 +75,13 @@ class RunnerPorts:
     run_id: str
     run_dir: str
     stack_dumps: bool = True
-    cfg: Any = None
+    cfg: HsgdConfig | None = None
     state: Any = None  # hsgd.record.run_state.RunState
     save_state: Callable[[], None] = lambda: None
     warn: Callable[[str], None] = print
     steps_per_round: int = 0
-    topology: Any = None
+    topology: Any = None  # the run's now (sites joined or drained); the layout's is the configured one
+    layout: RunLayout | None = None
 
 
 class RoundRunner:

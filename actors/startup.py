@@ -22,11 +22,11 @@ from actors.replica import Replica
 from actors.roster import replica_actor_name, spare_actor_name
 from hsgd.config import ConfigError
 from hsgd.config.auto import recorded
-from hsgd.config.sites import ranks_per_replica
+from hsgd.config.layout import RunLayout, ranks_of, sites_and_ranks
 from hsgd.core.faults import due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
 from hsgd.core.site_requests import drained, outcomes
-from hsgd.core.topology import Topology, parse_replica_id, topology_of
+from hsgd.core.topology import Topology, parse_replica_id
 from hsgd.record.events import RunLog
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint
@@ -34,11 +34,11 @@ from hsgd.train import checkpoint
 RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
-def resume_takers(cfg, run_dir: str | None) -> list[str]:
+def resume_takers(cfg, run_dir: str | None, layout: RunLayout | None = None) -> list[str]:
     """The replicas a resume starts that take part: the configured topology's, less those of sites
     drained in `run_dir` (they stay drained: actors/site_changes.py). Only they can load a checkpoint
     for the run (a drained site's replica that loads one is stopped before the first round)."""
-    topo = topology_of(cfg)
+    topo, _ = sites_and_ranks(cfg, layout)
     gone = set(drained(outcomes(run_dir))) if run_dir else set()
     return [rid for rid in topo.replica_ids() if topo.cluster_of(rid) not in gone]
 
@@ -78,11 +78,19 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
     return point
 
 
-def start_replica(container: dict, name: str, options: dict, *args, index_table: dict, lifetime: str | None = None):
+def start_replica(
+    container: dict,
+    name: str,
+    options: dict,
+    *args,
+    index_table: dict,
+    lifetime: str | None = None,
+    ranks: int | None = None,
+):
     """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream.
     `lifetime="detached"`: it outlives its creator (a site added by the supervisor); its other ranks
     (k > 1) are its own actors, with `options` only, so they go with it."""
-    k = ranks_per_replica(OmegaConf.create(container))  # k > 1: its other ranks get the same options
+    k = ranks if ranks is not None else ranks_of(OmegaConf.create(container), None)  # (the run's k)
     return Replica.options(
         name=name,
         max_restarts=container["faults"]["max_restarts"],
@@ -93,12 +101,15 @@ def start_replica(container: dict, name: str, options: dict, *args, index_table:
 
 
 def start_replicas(
-    cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict, backends: dict
+    cfg, layout: RunLayout, run_id: str, run_dir: str, placement, container: dict, backends: dict
 ) -> tuple[dict, dict]:
     """The replica actors (rid -> handle) and the hot spares (name -> handle), after them in the bundles."""
+    topo, k = layout.topology, layout.ranks_per_replica
 
     def start(name: str, c: int, i: int, *args):
-        return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
+        return start_replica(
+            container, name, placement.options(c, i), *args, index_table=dict(topo.index_table), ranks=k
+        )
 
     replicas = {
         rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
@@ -127,12 +138,12 @@ def replica_nodes(replicas: dict, timeout_s: float) -> dict:
     return nodes
 
 
-def check_cluster_first(cfg):
+def check_cluster_first(cfg, layout: RunLayout):
     """What only the cluster knows, checked before any actor starts (ConfigError: one line, exit 2);
     its notices on the console. The backend plan (actors.placement.check_cluster)."""
     from actors.placement import check_cluster
 
-    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s))
+    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s), layout=layout)
     if plan.notice:
         print(f"[hsgd] {plan.notice}", flush=True)
     if unanswered:

@@ -29,8 +29,7 @@ from actors.round_close import RoundClose
 from actors.round_record import RunFailed, SupervisorRecord
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.site_changes import SiteChanges, topology_of_run
-from hsgd.config.rounds import steps_per_round
-from hsgd.config.sites import expected_step_s
+from hsgd.config.layout import RunLayout, layout_of
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
 from hsgd.core.quarantine import takes_spare
@@ -54,11 +53,20 @@ def supervisor_actor_name(run_id: str) -> str:
 
 @ray.remote(concurrency_groups={"run": 1, "status": 4})
 class Supervisor:
-    def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict, resume_round: int | None = None):
-        """`resume_round`: the resumed checkpoint's round (actors/round_record.py)."""
+    def __init__(
+        self,
+        cfg: dict,
+        run_dir: str,
+        run_id: str,
+        resolved_config: dict,
+        resume_round: int | None = None,
+        layout: RunLayout | None = None,
+    ):
+        """`resume_round`: the resumed checkpoint's round (actors/round_record.py); `layout`: the driver's."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
-        self.spr = steps_per_round(self.cfg)
+        self.layout = layout or layout_of(self.cfg)
+        self.spr = self.layout.steps_per_round
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
         topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir, run_id)  # + joined sites
         self.state.replica_indices = dict(topology.index_table)
@@ -77,25 +85,7 @@ class Supervisor:
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
-        self.ports = RunnerPorts(  # the store's fields are set when run() starts it
-            roster=self.roster,
-            log=self.log,
-            injector=self.injector,
-            clock=self.clock,
-            run_id=run_id,
-            set_status=self.record.set_status,
-            save_epoch=self._save_epoch,
-            store=None,
-            store_addr=None,
-            run_dir=run_dir,
-            stack_dumps=bool(self.cfg.watchdog.stack_dumps),
-            cfg=self.cfg,
-            state=self.state,
-            save_state=self.record.save_state,
-            warn=self.warn,
-            steps_per_round=self.spr,
-            topology=topology,
-        )
+        self.ports = self._ports(topology)  # the store's fields are set when run() starts it
         self.quarantine = Quarantine(
             self.cfg,
             run_id,
@@ -114,6 +104,29 @@ class Supervisor:
         self.close = RoundClose(self.ports, self.record)
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
+
+    def _ports(self, topology) -> RunnerPorts:
+        """What the round's runner, the checkpoints and the round's close may touch."""
+        return RunnerPorts(
+            roster=self.roster,
+            log=self.log,
+            injector=self.injector,
+            clock=self.clock,
+            run_id=self.run_id,
+            set_status=self.record.set_status,
+            save_epoch=self._save_epoch,
+            store=None,
+            store_addr=None,
+            run_dir=self.run_dir,
+            stack_dumps=bool(self.cfg.watchdog.stack_dumps),
+            cfg=self.cfg,
+            state=self.state,
+            save_state=self.record.save_state,
+            warn=self.warn,
+            steps_per_round=self.spr,
+            topology=topology,
+            layout=self.layout,
+        )
 
     @property
     def topology(self):
@@ -234,7 +247,7 @@ class Supervisor:
             r,
             self.state.round_plan,
             steps_per_round=self.spr,
-            configured=[None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
+            configured=[None if c in gone else self.layout.expected_step_s(c) for c in clusters],
             learned=[None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters],
         )
         if fresh:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from hsgd.config.layout import BackendPlan, RunLayout, layout_of
+from hsgd.config.layout import BackendPlan, RunLayout, ranks_of, sites_and_ranks
 from hsgd.config.schema import ConfigError, HsgdConfig
 
 PROCESS_BYTES = 350 * 2**20  # a replica (or rank) process with torch imported
@@ -116,7 +116,7 @@ def replicas_that_fit(node_resources: dict, need: dict) -> int:
 
 def replica_need(cfg: HsgdConfig, rank_need: dict, layout: RunLayout | None = None) -> dict:
     """One replica's resources: its k ranks' (topology.gpus_per_replica), all on one node."""
-    ranks = (layout or layout_of(cfg)).ranks_per_replica
+    ranks = ranks_of(cfg, layout)
     return {key: amount * ranks for key, amount in rank_need.items()}
 
 
@@ -128,8 +128,8 @@ def placement_problem(
     resources (a replica is k of them on one node: `replica_need`); `nodes`: the live nodes,
     {"Resources": {...}, "Labels": {...}}; `sizes`: replicas per site when not the topology's own
     (the backend plan caps them); `layout`: the run's (else worked out from `cfg`)."""
-    layout = layout or layout_of(cfg)
-    t, topo = cfg.topology, layout.topology
+    topo, ranks = sites_and_ranks(cfg, layout)
+    t = cfg.topology
     need = replica_need(cfg, rank_need, layout)
     total = sum((Counter(nd.get("Resources", {})) for nd in nodes), Counter())  # as ray.cluster_resources() sums
     spares, strategy, cluster_labels = t.spares_per_cluster, t.placement_strategy, topo.labels
@@ -140,7 +140,7 @@ def placement_problem(
     for key, amount in need.items():
         if amount * n > total.get(key, 0.0) + 1e-9:
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
-            if layout.ranks_per_replica > 1:
+            if ranks > 1:
                 field += " or topology.gpus_per_replica"
             return (
                 "topology.sites" if t.sites else "topology.replicas_per_cluster",
@@ -231,8 +231,7 @@ def plan_backends(cfg: HsgdConfig, nodes: list[dict], layout: RunLayout | None =
     the strategy requires, else ConfigError; so does a `topology.gpus_per_replica` that does not
     divide a GPU node's count. Inner `auto`: nccl only where every rank gets its own GPU, else gloo
     with a notice (none on a cluster without GPUs)."""
-    layout = layout or layout_of(cfg)
-    c, t, topo, ranks = cfg.comm, cfg.topology, layout.topology, layout.ranks_per_replica
+    (topo, ranks), c, t = sites_and_ranks(cfg, layout), cfg.comm, cfg.topology
     if (problem := gpu_node_problem(ranks, nodes)) is not None:
         raise ConfigError("topology.gpus_per_replica", problem)
     # comm.backend asks both levels; a per-level key (not null) overrides it

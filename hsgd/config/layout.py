@@ -72,3 +72,14 @@ def layout_of(cfg: HsgdConfig, index_table: Mapping[str, int] | None = None) -> 
         run_pacing=site_pacing(cfg, len(cfg.topology.sites or [])),  # past the sites: train.*
         streaming=is_streaming(cfg),
     )
+
+
+def sites_and_ranks(cfg: HsgdConfig, layout: RunLayout | None) -> tuple[Topology, int]:
+    """(topology, ranks per replica): the layout's, or, for a caller that holds only a config (a test,
+    a notebook), worked out from it alone, needing only its `topology` keys."""
+    return (layout.topology if layout is not None else topology_of(cfg)), ranks_of(cfg, layout)
+
+
+def ranks_of(cfg: HsgdConfig, layout: RunLayout | None) -> int:
+    """Ranks per replica: the layout's, or worked out from the config's `topology` keys alone."""
+    return layout.ranks_per_replica if layout is not None else ranks_per_replica(cfg)
