@@ -61,22 +61,7 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                 return _await_writes(sup, stalled)
             if not complete:
                 continue
-            manifest = {
-                "round": state_round,
-                "step": state_round * sup.steps_per_round,
-                "run_id": sup.run_id,
-                "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
-                "sites": list(sup.topology.sizes),
-                "replica_indices": dict(sup.topology.index_table),
-                # the driver's (data size and path as it sees them), carried in the durable state
-                "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
-                "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
-                "files": {rid: a["sha256"] for rid, a in saved.items()},
-                # what a restore or resume checks each loaded replica against (issue 45 finding 1)
-                checkpoint.PARAM_DIGESTS: {rid: a["param_digest"] for rid, a in saved.items() if a.get("param_digest")},
-                "t": time.time(),
-                **_format_keys(ranks_per_replica(sup.cfg)),
-            }
+            manifest = _manifest(sup, state_round, saved)
             try:
                 final = storage(
                     lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
@@ -86,19 +71,42 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
                 sup.log.event("checkpoint_refused", round=state_round, reason=str(err))
                 continue
             sup.log.event("checkpoint", round=state_round, path=str(final), replicas=sorted(saved))
-            try:
-                storage(
-                    lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id), "pruning old checkpoints"
-                )
-            except OSError as err:
-                sup.log.event(
-                    "write_failed", what=f"pruning old checkpoints under {root}", error=f"{type(err).__name__}: {err}"
-                )
+            _prune(sup, storage, root)
             return str(final)
     except OSError as err:  # the supervisor's own storage steps (TimeoutError included)
         return _failed(sup, state_round, f"{type(err).__name__}: {err}")
     sup.log.event("checkpoint_skipped", round=state_round, reason="replicas failed while saving")
     return None
+
+
+def _manifest(sup: RunnerPorts, state_round: int, saved: dict) -> dict:
+    """The checkpoint's manifest.json: what a restore or resume checks and keeps."""
+    return {
+        "round": state_round,
+        "step": state_round * sup.steps_per_round,
+        "run_id": sup.run_id,
+        "topology": [sup.topology.clusters, sup.topology.replicas_per_cluster],
+        "sites": list(sup.topology.sizes),
+        "replica_indices": dict(sup.topology.index_table),
+        # the driver's (data size and path as it sees them), carried in the durable state
+        "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
+        "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
+        "files": {rid: a["sha256"] for rid, a in saved.items()},
+        # what a restore or resume checks each loaded replica against (issue 45 finding 1)
+        checkpoint.PARAM_DIGESTS: {rid: a["param_digest"] for rid, a in saved.items() if a.get("param_digest")},
+        "t": time.time(),
+        **_format_keys(ranks_per_replica(sup.cfg)),
+    }
+
+
+def _prune(sup: RunnerPorts, storage, root: str) -> None:
+    """Older checkpoints beyond checkpoint.keep removed; a failure is `write_failed`, no more."""
+    try:
+        storage(lambda: checkpoint.prune(root, sup.cfg.checkpoint.keep, owner=sup.run_id), "pruning old checkpoints")
+    except OSError as err:
+        sup.log.event(
+            "write_failed", what=f"pruning old checkpoints under {root}", error=f"{type(err).__name__}: {err}"
+        )
 
 
 def _format_keys(k: int) -> dict:

@@ -7,7 +7,6 @@ whatever breaks once the folder is locked, summary.json is there (or printed).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -20,17 +19,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config import ConfigError, output_path
 from hsgd.config.compose import attaches_to_cluster, check_embedded_capacity, check_run_folder, compose_config, precheck  # noqa: F401 — the driver's API
-from hsgd.config.sites import ranks_per_replica
+from hsgd.config.layout import RunLayout, layout_of, ranks_of
 from hsgd.core.supervisor_losses import SupervisorLosses
-from hsgd.core.topology import topology_of
 from hsgd.record.run_end import DRIVER_IO_S, driver_summary, ensure_summary
+from hsgd.record.run_info import RUN_INFO, write_run_info
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import atomic_write_text, call_with_deadline
 from hsgd.record.runlock import RunLock, RunLocked
 from hsgd.train import checkpoint
 
 
-def connect_ray(cfg: DictConfig) -> bool:
+def connect_ray(cfg: DictConfig, layout: RunLayout | None = None) -> bool:
     """Attach to a Ray cluster (RAY_ADDRESS / a job context / ray.address) or start an embedded one.
     True if this call connected; Ray already initialised (a test, a notebook) stays as it is."""
     import ray
@@ -42,8 +41,8 @@ def connect_ray(cfg: DictConfig) -> bool:
             address=cfg.ray.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="hsgd", log_to_driver=True
         )
         return True
-    n = check_embedded_capacity(cfg)
-    cpus = n * ranks_per_replica(cfg) * cfg.topology.cpus_per_replica  # cpus_per_replica is per rank process
+    n = check_embedded_capacity(cfg, layout)
+    cpus = n * ranks_of(cfg, layout) * cfg.topology.cpus_per_replica  # cpus_per_replica is per rank process
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cpus + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
     ray.init(
@@ -88,7 +87,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
         raise ConfigError("run.dir", str(err))
     try:
         record_takeovers(run_dir, lock, resume_from)
-        return _run_owned(cfg, Run(cfg, run_dir, run_id, ckpt_root, fingerprint, resume_from))
+        layout = layout_of(cfg)  # the run's layout, worked out once (null = auto resolved, a resume's adopted)
+        return _run_owned(cfg, Run(cfg, layout, run_dir, run_id, ckpt_root, fingerprint, resume_from))
     finally:
         lock.release()
 
@@ -98,6 +98,7 @@ class Run:
     """One run in a folder it holds the lock of: what start, drive and finish share."""
 
     cfg: DictConfig
+    layout: RunLayout
     run_dir: str
     run_id: str
     ckpt_root: str
@@ -117,7 +118,7 @@ def _run_owned(cfg: DictConfig, run: Run) -> dict:
     from actors.startup import one_line
 
     os.environ.setdefault("WANDB_MODE", cfg.logging.wandb.mode)
-    run.started_ray = connect_ray(cfg)
+    run.started_ray = connect_ray(cfg, run.layout)
     try:
         supervisor = _start(run)
         return _finish(run, _drive(run, supervisor))
@@ -137,37 +138,21 @@ def _run_owned(cfg: DictConfig, run: Run) -> dict:
 
 def _start(run: Run):
     """Everything before the supervisor's run call; returns the supervisor's handle."""
-    import ray
-
     from actors import startup
-    from actors.placement import ClusterPlacement, check_cluster
+    from actors.placement import ClusterPlacement
     from actors.supervisor import Supervisor, supervisor_actor_name
     from hsgd.core.site_plan import resume_notice
 
     cfg, resume_from = run.cfg, run.resume_from
-    # what only the cluster knows, before any actor starts: ConfigError (one line, exit 2)
-    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s))
-    if plan.notice:
-        print(f"[hsgd] {plan.notice}", flush=True)
-    if unanswered:
-        print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
+    plan = startup.check_cluster_first(cfg, run.layout)  # before any actor starts: ConfigError (one line, exit 2)
     # the global replica index table: a resume keeps every id's index (hsgd/core/topology.py)
-    topo = topology_of(cfg, resume_from.manifest.get("replica_indices") if resume_from is not None else None)
+    indices = resume_from.manifest.get("replica_indices") if resume_from is not None else None
+    layout = run.layout.with_indices(indices).with_backends(plan)
+    topo = layout.topology
     if resume_from is not None and (notice := resume_notice(run.run_dir, topo.clusters)):
         print(f"[hsgd] {notice}", flush=True)  # before any actor starts (issue 45, finding 10)
-    ctx = ray.get_runtime_context()
-    run.info = {
-        "run_id": run.run_id,
-        "namespace": ctx.namespace,
-        "ray_address": ctx.gcs_address,
-        "replicas": list(topo.replica_ids()),
-        "driver_pid": os.getpid(),
-        "started_at": time.time(),
-        # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
-        # explicit address, so a tool that attaches by the address above (jobs.diagnose) applies this mode
-        "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled"),
-    }
-    atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))  # first: the folder is hsgd's
+    run.info = startup.run_info(run.run_id, topo)
+    write_run_info(run.run_dir, run.info)  # first: the folder is hsgd's
     atomic_write_text(Path(run.run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     state = RunState.begin(run.run_dir, run.run_id, run.fingerprint, resumed=resume_from is not None)
     state.replica_indices = dict(topo.index_table)
@@ -175,10 +160,10 @@ def _start(run: Run):
     faults = startup.startup_faults(cfg, state, topo, resume_from) if calls_at_start else {}
     state.write(run.run_dir)
     # raises actors.placement.PlacementTimeout when the resources stay busy (hydra_main: exit 1)
-    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, timeout_s=cfg.supervisor.quorum_wait_s, run_id=run.run_id)
+    run.placement = ClusterPlacement(cfg, plan.gpus_per_rank, cfg.supervisor.quorum_wait_s, run.run_id, layout)
     container = OmegaConf.to_container(cfg, resolve=True)
     replicas, spares = startup.start_replicas(
-        cfg, topo, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}
+        cfg, layout, run.run_id, run.run_dir, run.placement, container, {"inner": plan.inner, "outer": plan.outer}
     )
     run.actors.extend([*replicas.values(), *spares.values()])
     # started now so its process boots while the replicas do; it sends nothing before run()
@@ -190,24 +175,18 @@ def _start(run: Run):
         run.run_id,
         container,
         resume_round=resume_from.manifest["round"] if resume_from else None,
+        layout=layout,
     )
     run.actors.append(supervisor)
-    nodes = run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
-    atomic_write_text(Path(run.run_dir) / "run.json", json.dumps(run.info, indent=1))
-    print(
-        "[hsgd] placement: "
-        + "; ".join(
-            f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
-            for c in range(topo.clusters)
-        ),
-        flush=True,
-    )
+    run.info["replica_nodes"] = startup.replica_nodes(replicas, cfg.supervisor.call_timeout_s)
+    write_run_info(run.run_dir, run.info)
+    print(f"[hsgd] placement: {startup.placement_line(run.info['replica_nodes'], topo)}", flush=True)
     guard = startup.StartupCalls(topo, cfg.supervisor)
     if calls_at_start:
         guard.check_reach(run.ckpt_root, run.run_id, {**replicas, **spares}, {} if resume_from else faults)
     if resume_from is not None:
-        taking_part = startup.resume_takers(cfg, run.run_dir)  # (a drained site's replicas load nothing)
-        guard.load_resume_point(resume_from, {r: replicas[r] for r in taking_part}, faults, ranks_per_replica(cfg))
+        taking_part = startup.resume_takers(cfg, run.run_dir, layout)  # (a drained site's replicas load nothing)
+        guard.load_resume_point(resume_from, {r: replicas[r] for r in taking_part}, faults, layout.ranks_per_replica)
     return supervisor
 
 
@@ -301,11 +280,11 @@ def _clean_up(run: Run) -> None:
         run.placement.release()
     if run.info:
         run.info["job_s"] = time.time() - run.started_at  # the whole job, Ray start and plots included
-        path = Path(run.run_dir) / "run.json"
+        path = Path(run.run_dir) / RUN_INFO
 
         def write() -> None:  # with the replicas of sites added mid-run, as the supervisor wrote them
             run.info["replicas"] = with_joined_replicas(run.run_dir, run.run_id, run.info["replicas"])
-            atomic_write_text(path, json.dumps(run.info, indent=1))
+            write_run_info(run.run_dir, run.info)
 
         _best_effort(write, DRIVER_IO_S, f"writing {path}", str(path))
     if run.started_ray:  # also detaches from a real cluster: a multirun's next job attaches afresh

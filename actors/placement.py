@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import Any
 
 import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
@@ -35,23 +34,23 @@ from hsgd.config.capacity import (
     replica_need,
     replicas_that_fit,
 )
-from hsgd.config.sites import ranks_per_replica
-from hsgd.core.topology import topology_of
+from hsgd.config.layout import RunLayout, ranks_of, sites_and_ranks
+from hsgd.config.schema import HsgdConfig
 
 
 class PlacementTimeout(RuntimeError):
     """The replicas could fit, but Ray did not place a cluster in time (resources busy)."""
 
 
-def rank_resources(cfg: Any, gpus: float) -> dict:
+def rank_resources(cfg: HsgdConfig, gpus: float) -> dict:
     """One rank actor's resources (the whole replica's when gpus_per_replica=1): its CPUs
     (topology.cpus_per_replica, per rank) and, when a level of it may use nccl, a GPU of its own."""
     return {"CPU": float(cfg.topology.cpus_per_replica), **({"GPU": float(gpus)} if gpus else {})}
 
 
-def replica_resources(cfg: Any, gpus: float) -> dict:
+def replica_resources(cfg: HsgdConfig, gpus: float, layout: RunLayout | None = None) -> dict:
     """One replica's resources, its placement-group bundle: its k ranks' together, so one node holds them."""
-    return replica_need(cfg, rank_resources(cfg, gpus))
+    return replica_need(cfg, rank_resources(cfg, gpus), layout)
 
 
 def site_group_name(run_id: str, cluster: int) -> str:
@@ -67,33 +66,33 @@ def release_site_group(run_id: str, cluster: int) -> None:
     remove_site_group(site_group_name(run_id, cluster))
 
 
-def cluster_resources(cfg: Any) -> tuple[list[dict], dict[str, dict], dict]:
+def cluster_resources(cfg: HsgdConfig, layout: RunLayout | None = None) -> tuple[list[dict], dict[str, dict], dict]:
     """Ray's node table, each live node's free resources (NodeID -> {resource: amount}), and one
     replica's bundle as this run places it: what an add-site's room is checked with. Raises whatever
     Ray raises when its tables cannot be read."""
     from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public per-node view
 
     nodes = ray.nodes()
-    gpus = plan_backends(cfg, [nd for nd in nodes if nd.get("Alive")]).gpus_per_rank
-    return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus))
+    gpus = plan_backends(cfg, [nd for nd in nodes if nd.get("Alive")], layout).gpus_per_rank
+    return nodes, available_resources_per_node(), replica_need(cfg, rank_resources(cfg, gpus), layout)
 
 
-def site_backends(cfg: Any, replica_info: dict) -> dict:
+def site_backends(cfg: HsgdConfig, replica_info: dict, layout: RunLayout | None = None) -> dict:
     """The levels' backends for a new site's replicas: as the run's replicas report them (`replica_info`:
     rid -> {backends}), else as the driver planned them."""
     known = next((info["backends"] for info in replica_info.values() if info.get("backends")), None)
     if known:
         return dict(known)
-    plan = plan_backends(cfg, [nd for nd in ray.nodes() if nd.get("Alive")])
+    plan = plan_backends(cfg, [nd for nd in ray.nodes() if nd.get("Alive")], layout)
     return {"inner": plan.inner, "outer": plan.outer}
 
 
-def group_specs(cfg: Any, gpus: float, run_id: str | None = None) -> list[dict]:
+def group_specs(cfg: HsgdConfig, gpus: float, run_id: str | None = None, layout: RunLayout | None = None) -> list[dict]:
     """The placement group of each cluster, as keyword arguments of ray's `placement_group` (no group
     at all: []): one bundle per replica, then one per hot spare, named for the run (`site_group_name`;
     no `run_id`: `hsgd-cluster-<c>`). Pure, so it is tested without Ray."""
-    topo, strategy, ranks = topology_of(cfg), cfg.topology.placement_strategy, ranks_per_replica(cfg)
-    bundle = replica_resources(cfg, gpus)
+    (topo, ranks), strategy = sites_and_ranks(cfg, layout), cfg.topology.placement_strategy
+    bundle = replica_resources(cfg, gpus, layout)
     if not any(v > 0 for v in bundle.values()):
         return []  # a placement group needs a non-empty bundle: 0 CPUs and no GPU is unplaced
     labelled = any(topo.labels)
@@ -114,15 +113,17 @@ def group_specs(cfg: Any, gpus: float, run_id: str | None = None) -> list[dict]:
     return specs
 
 
-def check_cluster(cfg: Any, data_timeout_s: float) -> tuple[BackendPlan, list[str]]:
+def check_cluster(
+    cfg: HsgdConfig, data_timeout_s: float, layout: RunLayout | None = None
+) -> tuple[BackendPlan, list[str]]:
     """The backend plan for this Ray cluster (hsgd.config.capacity) and the nodes silent on the data.path check."""
     nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
-    plan = plan_backends(cfg, nodes)
+    plan = plan_backends(cfg, nodes, layout)
     need = rank_resources(cfg, plan.gpus_per_rank)
-    problem = placement_problem(cfg, need, nodes)
+    problem = placement_problem(cfg, need, nodes, layout=layout)
     if problem is not None:
         raise ConfigError(*problem)
-    return plan, _check_data_path(cfg, replica_need(cfg, need), nodes, data_timeout_s)
+    return plan, _check_data_path(cfg, replica_need(cfg, need, layout), nodes, data_timeout_s, layout)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -131,13 +132,15 @@ def _path_here(path: str) -> tuple[bool, str]:
     return os.path.exists(os.path.expanduser(path)), socket.gethostname()
 
 
-def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) -> list[str]:
+def _check_data_path(
+    cfg: HsgdConfig, need: dict, alive: list[dict], timeout_s: float, layout: RunLayout | None = None
+) -> list[str]:
     """Refuse (ConfigError) when data.path does not exist on a node that may run replicas, asking each
     with a tiny pinned task. A node that does not answer within `timeout_s` is not refused; returns their names."""
     path = cfg.data.path
     if path is None:
         return []
-    site_labels = topology_of(cfg).labels
+    site_labels = sites_and_ranks(cfg, layout)[0].labels
     labels = {str(x) for x in site_labels if x is not None}
     anywhere = not labels or None in site_labels  # a site without a label may land on any node
     nodes = [
@@ -168,25 +171,28 @@ def _check_data_path(cfg: Any, need: dict, alive: list[dict], timeout_s: float) 
     return sorted(name for name, exists in answers.items() if exists is None)
 
 
-def site_strategy(cfg: Any, label: str | None) -> str:
+def site_strategy(cfg: HsgdConfig, label: str | None, layout: RunLayout | None = None) -> str:
     """How `site_options` places a joining site's replicas: "NONE" when each replica is placed on its own
     (by its label, or anywhere), else its placement group's strategy (k ranks need their one bundle even
     with a label or no strategy: PACK). The add-site room check counts room the same way."""
-    strategy, ranks = cfg.topology.placement_strategy, ranks_per_replica(cfg)
+    strategy = cfg.topology.placement_strategy
+    ranks = ranks_of(cfg, layout)
     if ranks == 1 and (label is not None or strategy == "NONE"):
         return "NONE"
     return "PACK" if strategy == "NONE" or label is not None else strategy
 
 
-def site_options(cfg: Any, gpus: float, replicas: int, label: str | None, group_name: str) -> list[dict]:
+def site_options(
+    cfg: HsgdConfig, gpus: float, replicas: int, label: str | None, group_name: str, layout: RunLayout | None = None
+) -> list[dict]:
     """Ray options for each replica of a site joining a running run (actors/site_changes.py), placed the
     way `ClusterPlacement` places a cluster: by its `label`, else in a placement group of its own
     (`topology.placement_strategy`), else anywhere. The group is DETACHED and named `group_name`: its
     replicas outlive a supervisor restart, whose successor finds it by name; the driver removes it at
     the run's end. Asynchronous: Ray places the replicas once the group is ready, nobody waits here."""
-    rank, bundle = rank_resources(cfg, gpus), replica_resources(cfg, gpus)
+    rank, bundle = rank_resources(cfg, gpus), replica_resources(cfg, gpus, layout)
     opts: dict = {"num_cpus": rank["CPU"], "num_gpus": rank.get("GPU", 0)}
-    strategy = site_strategy(cfg, label)
+    strategy = site_strategy(cfg, label, layout)
     if strategy == "NONE" and label is not None:
         return [{**opts, "label_selector": {LABEL_KEY: str(label)}} for _ in range(replicas)]
     if strategy == "NONE" or not any(v > 0 for v in bundle.values()):
@@ -238,10 +244,12 @@ class ClusterPlacement:
     """Placement groups (or label selectors) for every cluster; `options(c, i)` for each rank actor of
     replica i of c (with gpus_per_replica=1 the one actor is the replica)."""
 
-    def __init__(self, cfg: Any, gpus: float, timeout_s: float, run_id: str | None = None):
+    def __init__(
+        self, cfg: HsgdConfig, gpus: float, timeout_s: float, run_id: str | None = None, layout: RunLayout | None = None
+    ):
         self.rank = rank_resources(cfg, gpus)  # what one actor asks; its replica's bundle holds k of these
-        self.topology = topo = topology_of(cfg)
-        specs = group_specs(cfg, gpus, run_id)
+        self.topology = topo = sites_and_ranks(cfg, layout)[0]
+        specs = group_specs(cfg, gpus, run_id, layout)
         self.groups = [placement_group(**spec) for spec in specs]
         if not self.groups:
             return

@@ -14,8 +14,8 @@ Every tick (TICK_S), and at once after an answer of a broken collective (a peer'
 first), it reads the steps of replicas in run_inner off the run's progress board in one store round
 trip (hsgd/train/progress_board.py; by calls if it fails), asks replicas that are down whether they
 are back (Up), reads deaths and restarts from Ray's actor table (Lost; an idle replica is asked
-whether it runs, every IDLE_POLL_S, only while the table does not list its actor) and ticks the
-machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S.
+whether it runs, every IDLE_POLL_S, only while the table does not list its actor; the questions:
+actors/probes.py) and ticks the machine's clock. Every wait is bounded: one `ray.wait` of at most TICK_S.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ from functools import partial
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 
 from actors.hang import kill_hung
 from actors.heals import Heals
+from actors.probes import Probes
 from actors.replica_calls import FETCH_S, call, progress_board, up
 from actors.round_record import RoundRecord
+from hsgd.config.layout import RunLayout
+from hsgd.config.schema import HsgdConfig
 from hsgd.core.quarantine import takes_spare
 from hsgd.core.round import (
     AbortJoin,
@@ -44,7 +47,6 @@ from hsgd.core.round import (
     Phase,
     PhaseAnswer,
     PhaseEnded,
-    Progress,
     Reap,
     RoundMachine,
     StepTimed,
@@ -73,24 +75,24 @@ class RunnerPorts:
     run_id: str
     run_dir: str
     stack_dumps: bool = True
-    cfg: Any = None
+    cfg: HsgdConfig | None = None
     state: Any = None  # hsgd.record.run_state.RunState
     save_state: Callable[[], None] = lambda: None
     warn: Callable[[str], None] = print
     steps_per_round: int = 0
-    topology: Any = None
+    topology: Any = None  # the run's now (sites joined or drained); the layout's is the configured one
+    layout: RunLayout | None = None
 
 
 class RoundRunner:
     def __init__(self, machine: RoundMachine, ports: RunnerPorts):
         self.m, self.p, self.r = machine, ports, machine.round
         self.calls: dict[Any, tuple[int, str]] = {}  # ref -> call id (phase id, rid)
-        self.probes: dict[Any, tuple[str, str, int | None]] = {}  # ref -> (progress | up | idle, rid, pid asked)
         self.record = RoundRecord(self.r, ports.log, ports.clock)
         self.heals = Heals(
             ports.roster.handles, ports.log, store_addr=ports.store_addr, run_id=ports.run_id, round_index=self.r
         )
-        self.board = progress_board(ports, list(ports.roster.handles))  # None: progress asked by calls
+        self.probes = Probes(machine, ports, progress_board(ports, list(ports.roster.handles)))
         self.deaths_logged = 0  # how many of the machine's `deaths` are logged
         self.phase = "starting"  # what the status shows (the view's phase)
 
@@ -99,7 +101,7 @@ class RoundRunner:
         self._carry_out(m.start(time.monotonic()))
         last_tick = last_idle = last_status = 0.0
         while not m.done:
-            waiting = list(self.calls) + list(self.probes) + self.heals.watched()
+            waiting = list(self.calls) + self.probes.refs() + self.heals.watched()
             ready = (
                 ray.wait(waiting, num_returns=1, timeout=TICK_S, fetch_local=False)[0]
                 if waiting
@@ -114,7 +116,7 @@ class RoundRunner:
                 TICK_S if not any(getattr(o, "outcome", None) == Outcome.COLLECTIVE_FAILED for o in seen) else 0.05
             ):
                 last_tick, idle = now, now - last_idle >= IDLE_POLL_S
-                self._carry_out(m.observe_all(self._ask(idle=idle), now))
+                self._carry_out(m.observe_all(self.probes.ask(idle=idle), now))
                 last_idle = now if idle else last_idle
                 if roster.spares:
                     roster.spares.check(self.p.log)
@@ -206,7 +208,7 @@ class RoundRunner:
                     return []
             return [self._answer(ref)]
         if ref in self.probes:
-            return self._probe_answer(ref)
+            return self.probes.answer(ref)
         said = self.heals.source_answer(ref)  # a heal source's answer: its state is ready, or it is lost
         if isinstance(said, Lost) and said.cause == "error":  # it raised while giving its state
             self.p.roster.restart_raised(said.rid, self.phase, self.r, "raised while giving its state")
@@ -231,61 +233,6 @@ class RoundRunner:
             self.record.answered(flight.phase, answer)
         return Answer(phase_id, rid, answer.outcome, answer.round, answer.step, answer.error_kind, answer.error)
 
-    def _ask(self, *, idle: bool) -> list:
-        """The machine's probes (RoundMachine.probes), one outstanding call per replica; the steps of those in
-        run_inner read off the progress board in one round trip (by calls if it fails): this round's, from the
-        process the roster knows (not a dead one's), never below the committed step, as observations."""
-        roster, probes = self.p.roster, self.m.probes(idle=idle, gone=self.p.roster.gone)
-        board = self.board.read([rid for what, rid in probes if what == "progress"]) if self.board else None
-        asked = {rid for _, rid, _ in self.probes.values()}
-        for what, rid in probes:  # an idle one's death or restart shows in the actor table, read every tick
-            if (
-                rid in asked
-                or (what == "idle" and roster.table_tells(rid))
-                or (what == "progress" and board is not None)
-            ):
-                continue
-            asked.add(rid)
-            self.probes[roster.handles[rid].progress.remote()] = (what, rid, roster.pids.get(rid))
-        return [
-            Progress(rid, step)
-            for rid, (r, step, pid) in (board or {}).items()
-            if r == self.r and pid == roster.pids.get(rid) and step >= self.m.progress.get(rid, (r, step))[1]
-        ]
-
-    def _probe_answer(self, ref) -> list:
-        what, rid, known_pid = self.probes.pop(ref)
-        try:
-            answer = ray.get(ref, timeout=FETCH_S)
-        except ActorUnavailableError:  # unreachable for now, not known dead: asked again at the next tick
-            return []
-        except RayActorError as err:  # its process is gone (the actor table reports the death too)
-            if what == "idle" and rid in self.m.progress and self.p.roster.pids.get(rid) == known_pid:
-                self.p.log.event(
-                    "idle_replica_lost", rid=rid, round=self.r, detail=f"died while idle ({type(err).__name__})"
-                )
-                return [Lost(rid, "died")]
-            return []
-        except Exception:  # noqa: BLE001 — no answer in time is no sign of life: the machine's limits decide
-            return []
-        if what == "progress":  # (its pid and node as it answered up: actors/roster.py note_up)
-            return [Progress(rid, int(answer["step"]))]
-        if answer.get("phase", "idle") != "idle" or answer.get("spare"):
-            return []
-        if what == "idle":
-            if known_pid is None or answer.get("pid") == known_pid or rid not in self.m.progress:
-                return []  # the same process: alive
-            self.p.log.event(
-                "idle_replica_lost",
-                rid=rid,
-                round=self.r,
-                detail=f"restarted while idle (pid {known_pid} -> {answer.get('pid')})",
-            )
-            self.p.roster.note_up(rid, answer)
-            return [Lost(rid, "died"), up(rid, answer)]  # it died unseen, and is back
-        self.p.roster.note_up(rid, answer)
-        return [up(rid, answer)]
-
     def _log_deaths(self) -> None:
         """Each death the machine took in is logged once (with its incarnation, unless Ray's actor
         table showed it first); with hot spares, a ready one takes over the dead one's id, unless the
@@ -308,7 +255,7 @@ class RoundRunner:
                 and takes_spare(rid, quarantined)
                 and (answer := roster.promote_spare(rid)) is not None
             ):
-                self.probes = {ref: p for ref, p in self.probes.items() if p[1] != rid}  # the old process's
+                self.probes.forget(rid)  # the old process's
                 roster.note_up(rid, answer)
                 self._carry_out(self.m.observe(up(rid, answer), time.monotonic()))
 

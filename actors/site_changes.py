@@ -21,7 +21,8 @@ from actors.placement import cluster_resources, site_group_name
 from actors.roster import lookup, replica_actor_name, restarts_exhausted
 from hsgd.core.round import current_round
 from hsgd.core.site_plan import JoinProgress, RequestReport, SiteLedger, SitePlan, topology_of_run, with_joined_replicas
-from hsgd.core.site_requests import APPLIED, Outcome, RequestKind, SiteRequest, pending, widened_sites
+from hsgd.core.site_requests import APPLIED, Outcome, RequestKind, SiteRequest, pending
+from hsgd.core.site_topology import widened_sites
 from hsgd.core.topology import Topology
 from hsgd.record.rundir import call_with_deadline, write_deadline_s
 

@@ -9,6 +9,7 @@ try; one still away then is left out (taken in when back) where its cluster keep
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,11 +22,11 @@ from actors.replica import Replica
 from actors.roster import replica_actor_name, spare_actor_name
 from hsgd.config import ConfigError
 from hsgd.config.auto import recorded
-from hsgd.config.sites import ranks_per_replica
+from hsgd.config.layout import RunLayout, ranks_of, sites_and_ranks
 from hsgd.core.faults import FaultSpec, due_faults, parse_schedule, topology_shape
 from hsgd.core.membership import live_plan
 from hsgd.core.site_requests import drained, outcomes
-from hsgd.core.topology import Topology, parse_replica_id, topology_of
+from hsgd.core.topology import Topology, parse_replica_id
 from hsgd.record.events import RunLog
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint
@@ -33,11 +34,11 @@ from hsgd.train import checkpoint
 RETRY_PAUSE_S = 1.0  # between tries of a start-up call for replicas that died
 
 
-def resume_takers(cfg, run_dir: str | None) -> list[str]:
+def resume_takers(cfg, run_dir: str | None, layout: RunLayout | None = None) -> list[str]:
     """The replicas a resume starts that take part: the configured topology's, less those of sites
     drained in `run_dir` (they stay drained: actors/site_changes.py). Only they can load a checkpoint
     for the run (a drained site's replica that loads one is stopped before the first round)."""
-    topo = topology_of(cfg)
+    topo, _ = sites_and_ranks(cfg, layout)
     gone = set(drained(outcomes(run_dir))) if run_dir else set()
     return [rid for rid in topo.replica_ids() if topo.cluster_of(rid) not in gone]
 
@@ -77,11 +78,19 @@ def find_resume_point(root: str, cfg, adopt: tuple[str, ...] = ()) -> checkpoint
     return point
 
 
-def start_replica(container: dict, name: str, options: dict, *args, index_table: dict, lifetime: str | None = None):
+def start_replica(
+    container: dict,
+    name: str,
+    options: dict,
+    *args,
+    index_table: dict,
+    lifetime: str | None = None,
+    ranks: int | None = None,
+):
     """One replica actor (args: rid, run_dir, backends[, spare]); `index_table` keeps each id's data stream.
     `lifetime="detached"`: it outlives its creator (a site added by the supervisor); its other ranks
     (k > 1) are its own actors, with `options` only, so they go with it."""
-    k = ranks_per_replica(OmegaConf.create(container))  # k > 1: its other ranks get the same options
+    k = ranks if ranks is not None else ranks_of(OmegaConf.create(container), None)  # (the run's k)
     return Replica.options(
         name=name,
         max_restarts=container["faults"]["max_restarts"],
@@ -92,12 +101,15 @@ def start_replica(container: dict, name: str, options: dict, *args, index_table:
 
 
 def start_replicas(
-    cfg, topo: Topology, run_id: str, run_dir: str, placement, container: dict, backends: dict
+    cfg, layout: RunLayout, run_id: str, run_dir: str, placement, container: dict, backends: dict
 ) -> tuple[dict, dict]:
     """The replica actors (rid -> handle) and the hot spares (name -> handle), after them in the bundles."""
+    topo, k = layout.topology, layout.ranks_per_replica
 
     def start(name: str, c: int, i: int, *args):
-        return start_replica(container, name, placement.options(c, i), *args, index_table=dict(topo.index_table))
+        return start_replica(
+            container, name, placement.options(c, i), *args, index_table=dict(topo.index_table), ranks=k
+        )
 
     replicas = {
         rid: start(replica_actor_name(run_id, rid), *parse_replica_id(rid), rid, run_dir, backends)
@@ -124,6 +136,43 @@ def replica_nodes(replicas: dict, timeout_s: float) -> dict:
         except Exception:  # noqa: BLE001
             nodes[rid] = None
     return nodes
+
+
+def check_cluster_first(cfg, layout: RunLayout):
+    """What only the cluster knows, checked before any actor starts (ConfigError: one line, exit 2);
+    its notices on the console. The backend plan (actors.placement.check_cluster)."""
+    from actors.placement import check_cluster
+
+    plan, unanswered = check_cluster(cfg, data_timeout_s=min(30.0, cfg.supervisor.call_timeout_s), layout=layout)
+    if plan.notice:
+        print(f"[hsgd] {plan.notice}", flush=True)
+    if unanswered:
+        print(f"[hsgd] warning: data.path not checked on {', '.join(unanswered)} (no answer in time)", flush=True)
+    return plan
+
+
+def run_info(run_id: str, topo: Topology) -> dict:
+    """run.json's first content (hsgd/record/run_info.py): how tools find this run's actors."""
+    ctx = ray.get_runtime_context()
+    return {
+        "run_id": run_id,
+        "namespace": ctx.namespace,
+        "ray_address": ctx.gcs_address,
+        "replicas": list(topo.replica_ids()),
+        "driver_pid": os.getpid(),
+        "started_at": time.time(),
+        # Ray turns token auth on by itself only for a cluster it finds on its own, never for an
+        # explicit address, so a tool that attaches by the address above (jobs.diagnose) applies this mode
+        "auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
+
+
+def placement_line(nodes: dict, topo: Topology) -> str:
+    """Where each cluster's replicas landed, for the console: `c0 on node(s) <ids>; ...`."""
+    return "; ".join(
+        f"c{c} on node(s) {','.join(sorted({str(nodes[r])[:8] for r in topo.cluster_members(c)}))}"
+        for c in range(topo.clusters)
+    )
 
 
 class StartupCalls:

@@ -1,9 +1,9 @@
 """Supervisor actor: carries out hsgd.core.round.RoundMachine's actions, one machine per round
 through actors/round_runner.py, and decides nothing itself (hsgd/core/round/__init__.py says what
 happens after any failure). Between rounds it brings back restarted replicas and hands dead ones'
-ids to hot spares (actors/roster.py), records, evaluates, checkpoints, restores after a total loss
-(actors/checkpointing.py) and waits for quorum. Heals go replica -> object store -> replica, never
-through it.
+ids to hot spares (actors/roster.py), records, evaluates and checkpoints (actors/round_close.py),
+restores after a total loss (actors/checkpointing.py) and waits for quorum. Heals go replica ->
+object store -> replica, never through it.
 
 Durable state: one `RunState` (hsgd/record/run_state.py), saved whole on every change. A
 restarted supervisor reads it, waits for replicas still in a phase of its predecessor, asks every
@@ -13,7 +13,6 @@ actors/round_record.py. Whatever ends the run, `run` returns a summary.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 import traceback
@@ -26,14 +25,13 @@ from actors.fault_injector import FaultInjector
 from actors.quarantine import Quarantine
 from actors.replica_calls import heal_at_rest
 from actors.roster import Roster
+from actors.round_close import RoundClose
 from actors.round_record import RunFailed, SupervisorRecord
 from actors.round_runner import TICK_S, RoundRunner, RunnerPorts
 from actors.site_changes import SiteChanges, topology_of_run
-from hsgd.config.rounds import is_streaming, steps_per_round
-from hsgd.config.sites import expected_step_s
+from hsgd.config.layout import RunLayout, layout_of
 from hsgd.core.deadlines import PhaseClock
 from hsgd.core.membership import quorum_problem
-from hsgd.core.outer_plan import params_agree
 from hsgd.core.quarantine import takes_spare
 from hsgd.core.round import (
     CallKind,
@@ -42,15 +40,10 @@ from hsgd.core.round import (
     RoundMachine,
     RoundSettings,
     current_round,
-    due,
-    evaluation_order,
     heals_at_rest,
     round_settings,
-    unrecorded_rounds,
 )
 from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_for_round
-from hsgd.record.metrics import committed_tokens, fallback_summary, late_round_record, round_record, run_summary
-from hsgd.record.outer_watch import OuterStepWatch, cluster_trends
 from hsgd.record.run_state import RunState
 
 
@@ -60,19 +53,28 @@ def supervisor_actor_name(run_id: str) -> str:
 
 @ray.remote(concurrency_groups={"run": 1, "status": 4})
 class Supervisor:
-    def __init__(self, cfg: dict, run_dir: str, run_id: str, resolved_config: dict, resume_round: int | None = None):
-        """`resume_round`: the resumed checkpoint's round (actors/round_record.py)."""
+    def __init__(
+        self,
+        cfg: dict,
+        run_dir: str,
+        run_id: str,
+        resolved_config: dict,
+        resume_round: int | None = None,
+        layout: RunLayout | None = None,
+    ):
+        """`resume_round`: the resumed checkpoint's round (actors/round_record.py); `layout`: the driver's."""
         self.cfg = OmegaConf.create(cfg)
         self.run_dir, self.run_id = run_dir, run_id
-        self.spr = steps_per_round(self.cfg)
+        self.layout = layout or layout_of(self.cfg)
+        self.spr = self.layout.steps_per_round
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
-        self.topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir, run_id)  # + joined sites
-        self.state.replica_indices = dict(self.topology.index_table)
+        topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir, run_id)  # + joined sites
+        self.state.replica_indices = dict(topology.index_table)
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
         self.log, self.warn = self.record.log, self.record.warn
         self.roster = Roster(
-            self.topology,
+            topology,
             run_id,
             self.state,
             self.log,
@@ -83,6 +85,7 @@ class Supervisor:
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
         self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
+        self.ports = self._ports(topology)  # the store's fields are set when run() starts it
         self.quarantine = Quarantine(
             self.cfg,
             run_id,
@@ -95,17 +98,40 @@ class Supervisor:
         )
         self.roster.on_death = self.quarantine.death
         self.sites = SiteChanges(
-            self.cfg, run_dir, self.topology, self.roster, self.log, self.state, self.record.save_state, resume_round
+            self.cfg, run_dir, topology, self.roster, self.log, self.state, self.record.save_state, resume_round
         )
         self.stop_requested = False
-        self.attempted_steps = self.committed_steps = 0
-        self.participation: list[float] = []
-        o = self.cfg.optim.outer
-        self.outer_watch = OuterStepWatch(
-            f"optim.outer.lr={o.lr}, optim.outer.momentum={o.momentum}, optim.outer.nesterov={o.nesterov}"
-        )
+        self.close = RoundClose(self.ports, self.record)
         self.record.save_state()
         self.log.event("supervisor_start", starts=self.state.supervisor_starts, pid=os.getpid())
+
+    def _ports(self, topology) -> RunnerPorts:
+        """What the round's runner, the checkpoints and the round's close may touch."""
+        return RunnerPorts(
+            roster=self.roster,
+            log=self.log,
+            injector=self.injector,
+            clock=self.clock,
+            run_id=self.run_id,
+            set_status=self.record.set_status,
+            save_epoch=self._save_epoch,
+            store=None,
+            store_addr=None,
+            run_dir=self.run_dir,
+            stack_dumps=bool(self.cfg.watchdog.stack_dumps),
+            cfg=self.cfg,
+            state=self.state,
+            save_state=self.record.save_state,
+            warn=self.warn,
+            steps_per_round=self.spr,
+            topology=topology,
+            layout=self.layout,
+        )
+
+    @property
+    def topology(self):
+        """The run's topology now: the configured sites, widened or narrowed by site changes (ports hold it)."""
+        return self.ports.topology
 
     # -- status channel (answers while a phase runs) -----------------------------------------------------
     @ray.method(concurrency_group="status")
@@ -149,54 +175,22 @@ class Supervisor:
         start = time.time()
         roster, status, reason = self.roster, "completed", None
         try:
-            store, store_addr = self._start_store()
-            self.ports = RunnerPorts(
-                roster=roster,
-                log=self.log,
-                injector=self.injector,
-                clock=self.clock,
-                run_id=self.run_id,
-                set_status=self.record.set_status,
-                save_epoch=self._save_epoch,
-                store=store,
-                store_addr=store_addr,
-                run_dir=self.run_dir,
-                stack_dumps=bool(self.cfg.watchdog.stack_dumps),
-                cfg=self.cfg,
-                state=self.state,
-                save_state=self.record.save_state,
-                warn=self.warn,
-                steps_per_round=self.spr,
-                topology=self.topology,
-            )
+            self.ports.store, self.ports.store_addr = self._start_store()
             self.record.set_status(phase="waiting_for_replicas")
             roster.rejoin(self.cfg.supervisor.quorum_wait_s)
             self._await_idle()
-            if not self.state.evaluated:
-                self.state.initial_eval_loss, self.state.evaluated = self._evaluate(), True
-                self.record.save_state()
-                self.log.event("initial_eval", eval_loss=self.state.initial_eval_loss)
-            self._catch_up()
+            self.close.initial_eval()
+            self.close.catch_up()
             while True:
                 self.record.check_storage()
-                for rid in roster.missing() + sorted(roster.gone):  # (a quarantined id takes none: takes_spare)
-                    if (
-                        rid not in roster.live
-                        and takes_spare(rid, self.state.quarantined)
-                        and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None
-                    ):
-                        roster.admit(rid, answer)
-                boundary = self.cfg.supervisor.rejoin == "boundary"
-                roster.rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and roster.missing() else 0.0)
-                roster.refresh()
-                r = current_round(roster.live.values())
+                r = self._bring_back()
                 if r >= self.cfg.train.rounds:
                     break
                 if self.stop_requested:
                     status, reason = "stopped", f"stop requested; stopped after round {r}"
                     self.log.event("run_stopped", round=r)
                     break
-                self.topology = self.ports.topology = self.sites.at_round_start(r)  # site requests: drain, join
+                self.ports.topology = self.sites.at_round_start(r)  # site requests: drain, join
                 self._round(r)
             self._final_heal()
             checkpointing.save_model(self.ports)
@@ -208,7 +202,26 @@ class Supervisor:
             self.warn(f"the supervisor raised, the run ends failed:\n{traceback.format_exc()}")
         if status == "failed":
             self.log.event("run_failed", reason=reason)
-        return self.record.publish(self._summary(status, reason, start))
+        summary = self.close.summary(status, reason, start)
+        quarantined = len(self.state.quarantined)
+        return self.record.publish(
+            {**summary, "topology": self.sites.at_run_end(), "replicas_quarantined": quarantined}
+        )
+
+    def _bring_back(self) -> int:
+        """Between rounds: hot spares take the ids of the dead, restarted replicas rejoin; the round to run."""
+        roster = self.roster
+        for rid in roster.missing() + sorted(roster.gone):  # (a quarantined id takes none: takes_spare)
+            if (
+                rid not in roster.live
+                and takes_spare(rid, self.state.quarantined)
+                and (answer := roster.promote_spare(rid, wait_s=1.0)) is not None
+            ):
+                roster.admit(rid, answer)
+        boundary = self.cfg.supervisor.rejoin == "boundary"
+        roster.rejoin(self.cfg.supervisor.rejoin_wait_s if boundary and roster.missing() else 0.0)
+        roster.refresh()
+        return current_round(roster.live.values())
 
     def _settings(self, plan: StepPlan | None = None) -> RoundSettings:
         """The next round's settings: hsgd.core.round.machine.round_settings says why each deadline is what it is."""
@@ -234,7 +247,7 @@ class Supervisor:
             r,
             self.state.round_plan,
             steps_per_round=self.spr,
-            configured=[None if c in gone else expected_step_s(self.cfg, c) for c in clusters],
+            configured=[None if c in gone else self.layout.expected_step_s(c) for c in clusters],
             learned=[None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in clusters],
         )
         if fresh:
@@ -283,7 +296,7 @@ class Supervisor:
         self.state.non_finite_rounds = {str(c): r_nf for c, r_nf in machine.non_finite_rounds.items()}
         self.record.save_state()
         if machine.outcome == "committed":
-            self._record(r, machine, run.record)
+            self.close.committed(r, machine, run.record)
             return
         self._await_idle()  # a round that ended early may leave calls in flight: never call a busy replica
         if machine.outcome == "restore":
@@ -327,70 +340,6 @@ class Supervisor:
             self.state.epoch = epoch
             self.record.save_state()
 
-    def _record(self, r: int, machine: RoundMachine, run) -> None:
-        """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
-        steps_of, topo = machine.settings.steps_of, self.topology
-        cluster_tokens = committed_tokens(run.commit_digests, topo, steps_of, self.roster.tokens_per_step)
-        self.state.tokens_per_cluster = [
-            n + t
-            for n, t in itertools.zip_longest(  # saved with the commit
-                self.state.tokens_per_cluster, cluster_tokens, fillvalue=0
-            )
-        ]
-        self.state.committed_round = r + 1
-        self.record.save_state()
-        self.committed_steps += sum(steps_of(topo.cluster_of(rid)) for rid in run.inner_participants)
-        self.attempted_steps += run.attempted_steps
-        self.participation.append(len(run.inner_participants) / self.topology.num_replicas)
-        self.roster.refresh()
-        self.log.event(
-            "commit",
-            round=r,
-            epoch=machine.epoch,
-            replicas=sorted(run.commit_digests),
-            # fragments or a mixing weight: working params agree within each cluster only (invariant 1)
-            digests_agree=params_agree(run.commit_digests, self.topology, streaming=is_streaming(self.cfg)),
-        )
-        eval_loss = None
-        if due(r + 1, self.cfg.train.eval_every, self.cfg.train.rounds):
-            eval_loss = self._evaluate()
-        record = round_record(
-            run,
-            steps_per_round=self.spr,
-            eval_loss=eval_loss,
-            epoch=machine.epoch,
-            t=time.time(),
-            cluster_steps=[steps_of(c) for c in range(topo.clusters)],
-            cluster_tokens=cluster_tokens,
-        )
-        self.log.metrics(record)  # before the checkpoint: a crash there must not lose the round's record
-        if self.cfg.sync.outer == "diloco" and (
-            warning := self.outer_watch.observe(r, eval_loss, cluster_trends(run.losses, topo.cluster_of))
-        ):
-            self.log.event("outer_step_warning", round=r, detail=warning)
-            self.warn(warning)
-        self.record.wandb.log_round(record)
-        self.record.set_status(
-            round=r + 1,
-            last_loss=record["loss"],
-            last_eval_loss=eval_loss,
-            tokens_per_s=record["tokens_per_s"],
-            inner_step=record["inner_step"],
-        )
-        if self.cfg.checkpoint.every and due(r + 1, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self.ports, r + 1)
-
-    def _evaluate(self) -> float | None:
-        roster = self.roster
-        for rid in evaluation_order(self.topology, roster.live, roster.leaders):
-            try:
-                return float(
-                    ray.get(roster.handles[rid].evaluate.remote(), timeout=self.cfg.supervisor.phase_timeout_s)
-                )
-            except Exception as err:  # noqa: BLE001 — that replica's failure; ask the next one
-                roster.down_after(rid, err, "evaluate", -1)
-        return None
-
     def _final_heal(self) -> None:
         """Replicas back from the last round (or admitted behind at its boundary) heal before the run ends."""
         roster = self.roster
@@ -417,66 +366,3 @@ class Supervisor:
             members={f"c{c}": list(m) for c, m in view.members.items()},
             leaders={f"c{c}": r for c, r in view.leaders.items()},
         )
-
-    def _catch_up(self) -> None:
-        """After a supervisor restart: record rounds the old one committed unrecorded; take the checkpoint it owed."""
-        self.roster.refresh()
-        r_now = current_round(self.roster.live.values())
-        if r_now > self.state.committed_round:
-            self.state.committed_round = r_now
-            self.record.save_state()
-        if r_now == 0:
-            return
-        for missing in unrecorded_rounds(r_now, (m["round"] for m in self.log.records("metrics"))):
-            last = missing == r_now - 1  # only the last one's state is still there to digest and evaluate
-            asked = self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s) if last else {}
-            digests = {rid: d["param"] for rid, d in sorted(asked.items()) if d["round"] == r_now}
-            self.log.metrics(
-                late_round_record(
-                    round_index=missing,
-                    steps_per_round=self.spr,
-                    live_replicas=len(self.roster.live),
-                    epoch=self.state.epoch,
-                    digests=digests,
-                    eval_loss=self._evaluate() if last else None,
-                    t=time.time(),
-                )
-            )
-            self.log.event("round_recorded_late", round=missing)
-        if self.cfg.checkpoint.every and due(r_now, self.cfg.checkpoint.every, self.cfg.train.rounds):
-            checkpointing.save(self.ports, r_now)
-
-    def _summary(self, status: str, reason: str | None, start: float) -> dict:
-        """The summary from the record (files and memory), else from the durable state alone: owed whatever broke."""
-        try:
-            summary = run_summary(
-                status=status,
-                reason=reason,
-                durable=self.state.to_dict(),
-                steps_per_round=self.spr,
-                digests=self.roster.ask_all("digests", self.cfg.supervisor.call_timeout_s),
-                metrics=self.log.records("metrics"),
-                fired=self.log.read_jsonl("faults_fired.jsonl"),
-                events=self.log.records("events"),
-                not_fired=self.injector.not_fired(),
-                committed_steps=self.committed_steps,
-                attempted_steps=self.attempted_steps,
-                participation=self.participation,
-                supervisor_started=start,
-                now=time.time(),
-                run_dir=self.run_dir,
-            )
-        except Exception as err:  # noqa: BLE001
-            self.warn(f"the full summary could not be made:\n{traceback.format_exc()}")
-            note = f"summary from the durable state only ({type(err).__name__}: {err})"
-            summary = fallback_summary(
-                status=status,
-                reason=f"{reason}; {note}" if reason else note,
-                durable=self.state.to_dict(),
-                metrics=self.log.records("metrics"),
-                steps_per_round=self.spr,
-                now=time.time(),
-                run_dir=self.run_dir,
-                supervisor_started=start,
-            )
-        return {**summary, "topology": self.sites.at_run_end(), "replicas_quarantined": len(self.state.quarantined)}

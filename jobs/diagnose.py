@@ -109,6 +109,43 @@ def _actor_entry(handle) -> dict | None:
     return None
 
 
+def _dump_one(run_id: str, namespace: str, rid: str, here: str, run_dir: Path, timeout_s: float) -> None:
+    """One replica's progress and stacks, a signal sent only to a process verified as the run's own."""
+    import ray
+
+    from actors.hang import dump_replica
+    from actors.roster import replica_actor_name
+
+    name = replica_actor_name(run_id, rid)
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        print(f"\n=== {rid}: not found (run over?) ===")
+        return
+    try:
+        progress = ray.get(handle.progress.remote(), timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 — a hung replica cannot answer: Ray's actor table still can
+        progress = {"error": type(err).__name__}
+    actor = _actor_entry(handle)
+    pid = int((actor or {}).get("Pid") or 0)
+    verified, why = verified_replica_pid(
+        actor,
+        expected_name=name,
+        here_node=here,
+        my_uid=os.getuid(),
+        answered_pid=progress.get("pid"),
+        process_uid=_process_uid(pid) if pid > 0 else None,
+    )
+    print(
+        f"\n=== {rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
+        f"round {progress.get('round')} step {progress.get('step')} ==="
+    )
+    if verified is None:
+        print(f"[not signalled: {why}]")
+    target = {"pid": verified, "node_id": here if verified else None}
+    print(dump_replica(handle, target, str(run_dir), rid, timeout_s=timeout_s).rstrip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.diagnose", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
@@ -142,9 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    from actors.hang import dump_replica
-    from actors.roster import replica_actor_name
-
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
     except Exception as err:  # noqa: BLE001
@@ -155,34 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("phase", "round", "epoch", "members", "leaders", "deadline_s", "last_loss", "updated"):
         print(f"  {key}: {status.get(key)}")
     for rid in rids:
-        name = replica_actor_name(run_id, rid)
-        try:
-            handle = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            print(f"\n=== {rid}: not found (run over?) ===")
-            continue
-        try:
-            progress = ray.get(handle.progress.remote(), timeout=args.timeout)
-        except Exception as err:  # noqa: BLE001 — a hung replica cannot answer: Ray's actor table still can
-            progress = {"error": type(err).__name__}
-        actor = _actor_entry(handle)
-        pid = int((actor or {}).get("Pid") or 0)
-        verified, why = verified_replica_pid(
-            actor,
-            expected_name=name,
-            here_node=here,
-            my_uid=os.getuid(),
-            answered_pid=progress.get("pid"),
-            process_uid=_process_uid(pid) if pid > 0 else None,
-        )
-        print(
-            f"\n=== {rid} pid {progress.get('pid') or pid or None} phase {progress.get('phase')} "
-            f"round {progress.get('round')} step {progress.get('step')} ==="
-        )
-        if verified is None:
-            print(f"[not signalled: {why}]")
-        target = {"pid": verified, "node_id": here if verified else None}
-        print(dump_replica(handle, target, str(run_dir), rid, timeout_s=args.timeout).rstrip())
+        _dump_one(run_id, namespace, rid, here, run_dir, args.timeout)
     ray.shutdown()
     return 0
 

@@ -25,25 +25,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from hsgd.config.schema import HsgdConfig
+
 WARMUP_FRACTION = 0.05  # of the run's inner steps
 SCHEDULE = "cosine"
 # what a checkpoint written before these defaults (no `inner_schedule` in its manifest) trained with
 OLD_INNER_SCHEDULE = {"optim.inner.schedule": "constant", "optim.inner.warmup_steps": 0}
 
 
-def run_steps(cfg: Any) -> int:
+def run_steps(cfg: HsgdConfig) -> int:
     """The run's inner steps per replica: train.rounds x steps per round."""
     from hsgd.config.rounds import steps_per_round
 
     return int(cfg.train.rounds) * steps_per_round(cfg)
 
 
-def outer_steps(cfg: Any) -> int:
+def outer_steps(cfg: HsgdConfig) -> int:
     """Outer steps each parameter takes over the run: one per `outer_every` inner steps."""
     return max(1, run_steps(cfg) // int(cfg.sync.outer_every))
 
 
-def clusters_of(cfg: Any) -> int:
+def clusters_of(cfg: HsgdConfig) -> int:
     from hsgd.core.topology import topology_of
 
     return topology_of(cfg).clusters
@@ -67,7 +69,7 @@ def schedule_of(inner: Any) -> str:
     return inner.schedule or SCHEDULE
 
 
-def inner_schedule(cfg: Any) -> dict:
+def inner_schedule(cfg: HsgdConfig) -> dict:
     """The inner schedule's keys as the run uses them, for a checkpoint's manifest."""
     o = cfg.optim.inner
     return {"optim.inner.schedule": schedule_of(o), "optim.inner.warmup_steps": warmup_steps_of(o, run_steps(cfg))}
@@ -80,7 +82,7 @@ def recorded(manifest: dict) -> dict:
     return {**outer, **(manifest.get("inner_schedule") or OLD_INNER_SCHEDULE)}
 
 
-def outer_step_of(cfg: Any) -> tuple[float, float]:
+def outer_step_of(cfg: HsgdConfig) -> tuple[float, float]:
     """(lr, momentum) the run's outer optimizer uses: each explicit value, else the auto one."""
     o = cfg.optim.outer
     lr, momentum = (
@@ -89,7 +91,7 @@ def outer_step_of(cfg: Any) -> tuple[float, float]:
     return (float(o.lr) if o.lr is not None else lr, float(o.momentum) if o.momentum is not None else momentum)
 
 
-def resolve(cfg: Any) -> dict:
+def resolve(cfg: HsgdConfig) -> dict:
     """Write the auto values into `cfg` (keys left null); returns {key: value} of those it filled (a resume
     adopts what its checkpoint recorded for them instead; the run's config.yaml shows the values it ran with).
     Idempotent: a resolved config has nothing left to fill."""

@@ -13,13 +13,10 @@ must be a multiple of k, and a rank's memory is its shard of the state plus one 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from hsgd.config.schema import ConfigError
-from hsgd.config.sites import ranks_per_replica
-from hsgd.core.topology import topology_of
+from hsgd.config.layout import BackendPlan, RunLayout, ranks_of, sites_and_ranks
+from hsgd.config.schema import ConfigError, HsgdConfig
 
 PROCESS_BYTES = 350 * 2**20  # a replica (or rank) process with torch imported
 STATE_COPIES = (
@@ -117,22 +114,23 @@ def replicas_that_fit(node_resources: dict, need: dict) -> int:
     return min(counts) if counts else 1 << 30
 
 
-def replica_need(cfg: Any, rank_need: dict) -> dict:
+def replica_need(cfg: HsgdConfig, rank_need: dict, layout: RunLayout | None = None) -> dict:
     """One replica's resources: its k ranks' (topology.gpus_per_replica), all on one node."""
-    ranks = ranks_per_replica(cfg)
+    ranks = ranks_of(cfg, layout)
     return {key: amount * ranks for key, amount in rank_need.items()}
 
 
 def placement_problem(
-    cfg: Any, rank_need: dict, nodes: list[dict], sizes: list[int] | None = None
+    cfg: HsgdConfig, rank_need: dict, nodes: list[dict], sizes: list[int] | None = None, layout: RunLayout | None = None
 ) -> tuple[str, str] | None:
     """(field, one-line reason) when the Ray cluster can never place every cluster's replicas AND hot
     spares (each cluster's placement group holds both), else None. `rank_need`: one rank process's
     resources (a replica is k of them on one node: `replica_need`); `nodes`: the live nodes,
     {"Resources": {...}, "Labels": {...}}; `sizes`: replicas per site when not the topology's own
-    (the backend plan caps them)."""
-    t, topo = cfg.topology, topology_of(cfg)
-    need = replica_need(cfg, rank_need)
+    (the backend plan caps them); `layout`: the run's (else worked out from `cfg`)."""
+    topo, ranks = sites_and_ranks(cfg, layout)
+    t = cfg.topology
+    need = replica_need(cfg, rank_need, layout)
     total = sum((Counter(nd.get("Resources", {})) for nd in nodes), Counter())  # as ray.cluster_resources() sums
     spares, strategy, cluster_labels = t.spares_per_cluster, t.placement_strategy, topo.labels
     ks = [m + spares for m in (sizes or topo.sizes)]
@@ -142,7 +140,7 @@ def placement_problem(
     for key, amount in need.items():
         if amount * n > total.get(key, 0.0) + 1e-9:
             field = "topology.cpus_per_replica" if key == "CPU" else "comm.backend"
-            if ranks_per_replica(cfg) > 1:
+            if ranks > 1:
                 field += " or topology.gpus_per_replica"
             return (
                 "topology.sites" if t.sites else "topology.replicas_per_cluster",
@@ -150,31 +148,7 @@ def placement_problem(
                 f"use fewer replicas{' or spares' if spares else ''}, lower {field}, or a bigger cluster",
             )
     if any(label is not None for label in cluster_labels):
-        present = sorted({str(nd["Labels"][LABEL_KEY]) for nd in nodes if LABEL_KEY in nd.get("Labels", {})})
-        for c, label in enumerate(cluster_labels):
-            if label is None:
-                continue
-            mine = [nd for nd in nodes if nd.get("Labels", {}).get(LABEL_KEY) == str(label)]
-            if not mine:
-                return (
-                    label_field.format(c=c),
-                    f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
-                    f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)",
-                )
-            room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
-            sharing = [kc for kc, lab in zip(ks, cluster_labels) if str(lab) == str(label)]
-            if room < sum(sharing):
-                return (
-                    label_field.format(c=c),
-                    f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
-                    f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
-                    + (
-                        f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)"
-                        if len(sharing) > 1
-                        else ""
-                    ),
-                )
-        return None
+        return _labelled_problem(nodes, need, ks, cluster_labels, label_field)
     fits = sorted((replicas_that_fit(nd["Resources"], need) for nd in nodes), reverse=True)
     if strategy == "STRICT_PACK":
         # every cluster on one node: the largest first, each on the node with the most room left
@@ -208,20 +182,32 @@ def placement_problem(
     return None
 
 
+def _labelled_problem(nodes: list[dict], need: dict, ks: list[int], cluster_labels, label_field: str):
+    """placement_problem for clusters pinned to labelled nodes: each label's nodes hold its clusters."""
+    present = sorted({str(nd["Labels"][LABEL_KEY]) for nd in nodes if LABEL_KEY in nd.get("Labels", {})})
+    for c, label in enumerate(cluster_labels):
+        if label is None:
+            continue
+        mine = [nd for nd in nodes if nd.get("Labels", {}).get(LABEL_KEY) == str(label)]
+        if not mine:
+            return (
+                label_field.format(c=c),
+                f"no live Ray node has the label {LABEL_KEY}={label}; labelled nodes: "
+                f"{present or 'none'} (start nodes with `ray start --labels {LABEL_KEY}={label}`)",
+            )
+        room = sum(replicas_that_fit(nd["Resources"], need) for nd in mine)
+        sharing = [kc for kc, lab in zip(ks, cluster_labels, strict=False) if str(lab) == str(label)]
+        if room < sum(sharing):
+            return (
+                label_field.format(c=c),
+                f"nodes labelled {LABEL_KEY}={label} hold at most {room} replicas of "
+                f"{describe_resources(need)}; cluster c{c} needs {ks[c]}"
+                + (f" ({sum(sharing)} for the {len(sharing)} clusters sharing the label)" if len(sharing) > 1 else ""),
+            )
+    return None
+
+
 # -- backends per level --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BackendPlan:
-    """What the driver hands each replica. `inner`: gloo | nccl | auto (left only when the replica
-    gets a GPU of its own; resolved there). `outer`: gloo | nccl. `gpus_per_rank`: 0.0 or 1.0, the
-    GPUs one rank actor asks Ray for (every rank of every replica and hot spare; a replica of
-    topology.gpus_per_replica=k ranks asks k times that). `notice`: one console line (auto fell back to gloo)."""
-
-    inner: str
-    outer: str
-    gpus_per_rank: float
-    notice: str | None = None
-
-
 def gpu_node_problem(ranks: int, nodes: list[dict]) -> str | None:
     """One line when `ranks` (topology.gpus_per_replica) does not divide some GPU node's GPU count
     (a replica's ranks share one node, so the rest of that node's GPUs would idle), else None. Nodes
@@ -239,50 +225,33 @@ def gpu_node_problem(ranks: int, nodes: list[dict]) -> str | None:
     )
 
 
-def plan_backends(cfg: Any, nodes: list[dict]) -> BackendPlan:
+def plan_backends(cfg: HsgdConfig, nodes: list[dict], layout: RunLayout | None = None) -> BackendPlan:
     """The per-level backends and GPUs per rank for the live `nodes` (as for `placement_problem`).
     nccl on a level needs every rank of every replica and spare to get a GPU of its own, placed as
     the strategy requires, else ConfigError; so does a `topology.gpus_per_replica` that does not
     divide a GPU node's count. Inner `auto`: nccl only where every rank gets its own GPU, else gloo
     with a notice (none on a cluster without GPUs)."""
-    c, t, topo = cfg.comm, cfg.topology, topology_of(cfg)
-    ranks = ranks_per_replica(cfg)
+    (topo, ranks), c, t = sites_and_ranks(cfg, layout), cfg.comm, cfg.topology
     if (problem := gpu_node_problem(ranks, nodes)) is not None:
         raise ConfigError("topology.gpus_per_replica", problem)
     # comm.backend asks both levels; a per-level key (not null) overrides it
     inner, inner_field = (c.inner_backend, "comm.inner_backend") if c.inner_backend else (c.backend, "comm.backend")
     outer, outer_field = (c.outer_backend, "comm.outer_backend") if c.outer_backend else (c.backend, "comm.backend")
     outer = "gloo" if outer == "auto" else outer  # the slow link between sites is TCP: NCCL over it buys nothing
-    spares, clusters, replicas_per_cluster = t.spares_per_cluster, topo.clusters, topo.replicas_per_cluster
-    k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares
+    spares, replicas_per_cluster = t.spares_per_cluster, topo.replicas_per_cluster
     cpus = {"CPU": float(t.cpus_per_replica)}
 
     def gpus_fit(per_cluster: int) -> bool:  # every site capped at `per_cluster` replicas
-        return placement_problem(cfg, {**cpus, "GPU": 1.0}, nodes, [min(m, per_cluster) for m in topo.sizes]) is None
+        capped = [min(m, per_cluster) for m in topo.sizes]
+        return placement_problem(cfg, {**cpus, "GPU": 1.0}, nodes, capped, layout) is None
 
     gpus = int(sum(nd.get("Resources", {}).get("GPU", 0.0) for nd in nodes) + 1e-9)
     if gpus_fit(replicas_per_cluster):
         return BackendPlan(inner, outer, 1.0 if "nccl" in (inner, outer) or inner == "auto" else 0.0)
-    if placement_problem(cfg, cpus, nodes) is not None:  # short of CPUs whatever the backend: that check says so
+    if placement_problem(cfg, cpus, nodes, layout=layout) is not None:  # short of CPUs whatever the backend
         return BackendPlan("gloo" if inner == "auto" else inner, outer, 1.0 if "nccl" in (inner, outer) else 0.0)
     fewer = next((m for m in range(replicas_per_cluster - 1, 0, -1) if gpus_fit(m)), None)
-    where = (
-        f", each cluster's {k} on one node (STRICT_PACK)"
-        if t.placement_strategy == "STRICT_PACK" and clusters * k > 1
-        else ""
-    )
-    shape = (
-        f"sites of {list(topo.sizes)}"
-        if t.sites
-        else f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
-    )
-    per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
-    counts = (
-        f"{n} replicas ({shape}"
-        f"{f' + {spares} spares' if spares else ''}{f' of {ranks} ranks' if ranks > 1 else ''}) "
-        f"need {n * ranks} GPUs{where}, but the "
-        f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})"
-    )
+    counts = _gpu_shortage(t, topo, ranks, nodes, gpus)
     shorter = f"topology.replicas_per_cluster<={fewer}" + (" (spares included)" if spares else "")
     if "nccl" in (inner, outer):
         field = inner_field if inner == "nccl" else outer_field
@@ -327,4 +296,27 @@ def data_path_problem(path: str, answers: dict) -> str | None:
         f"{path!r} does not exist on node{'s' if len(missing) > 1 else ''} {shown} "
         f"({len(missing)} of {len(answers)} nodes that may run replicas); put the data on every node at the "
         f"same path (an absolute path, or relative to the job's working directory), or use shared storage"
+    )
+
+
+def _gpu_shortage(t, topo, ranks: int, nodes: list[dict], gpus: int) -> str:
+    """What a nccl plan lacks, in one phrase: `n replicas (shape) need g GPUs, but the cluster has ...`."""
+    spares, clusters, replicas_per_cluster = t.spares_per_cluster, topo.clusters, topo.replicas_per_cluster
+    k, n = replicas_per_cluster + spares, topo.num_replicas + clusters * spares
+    where = (
+        f", each cluster's {k} on one node (STRICT_PACK)"
+        if t.placement_strategy == "STRICT_PACK" and clusters * k > 1
+        else ""
+    )
+    shape = (
+        f"sites of {list(topo.sizes)}"
+        if t.sites
+        else f"{clusters} cluster{'s' if clusters != 1 else ''} x {replicas_per_cluster}"
+    )
+    per_node = sorted((int(nd.get("Resources", {}).get("GPU", 0.0) + 1e-9) for nd in nodes), reverse=True)
+    return (
+        f"{n} replicas ({shape}"
+        f"{f' + {spares} spares' if spares else ''}{f' of {ranks} ranks' if ranks > 1 else ''}) "
+        f"need {n * ranks} GPUs{where}, but the "
+        f"Ray cluster has {gpus} GPU{'s' if gpus != 1 else ''} (per node: {per_node[:8]})"
     )

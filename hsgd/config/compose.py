@@ -9,11 +9,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hsgd.config.capacity import PROCESS_BYTES, embedded_capacity_problem, rank_state_bytes, usable_memory_bytes
+from hsgd.config.layout import RunLayout, sites_and_ranks
 from hsgd.config.paths import output_path, under_ray_job
-from hsgd.config.schema import ConfigError, register_schema
-from hsgd.config.sites import ranks_per_replica
+from hsgd.config.schema import ConfigError, HsgdConfig, register_schema
 from hsgd.config.validate import NUMERIC_FIELDS, validate
-from hsgd.core.topology import topology_of
 from hsgd.record.rundir import read_json
 from hsgd.record.runlock import LOCK_NAME
 
@@ -81,10 +80,10 @@ def attaches_to_cluster(cfg) -> bool:
     )
 
 
-def check_embedded_capacity(cfg) -> int:
+def check_embedded_capacity(cfg: HsgdConfig, layout: RunLayout | None = None) -> int:
     """Raise ConfigError when the embedded cluster cannot hold the topology (replicas and spares, each
     of topology.gpus_per_replica rank processes); returns how many replicas it will hold."""
-    t, topo, ranks = cfg.topology, topology_of(cfg), ranks_per_replica(cfg)
+    (topo, ranks), t = sites_and_ranks(cfg, layout), cfg.topology
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hsgd.config.schema import ConfigError, TopologyConfig
+from hsgd.config.schema import ConfigError, HsgdConfig, TopologyConfig
 
 # Pacing bounds (issue 45): a simulated step is never padded past a day, however it straggles, and a
 # straggler sleeps at most MAX_STRAGGLE_FACTOR times its step; far below where a sleep overflows
@@ -25,7 +25,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_sites(cfg: Any) -> None:
+def check_sites(cfg: HsgdConfig) -> None:
     """Raises ConfigError (one line) for a bad `topology.sites`; nothing when it is empty."""
     t = cfg.topology
     sites = list(t.sites or [])
@@ -66,7 +66,7 @@ def check_sites(cfg: Any) -> None:
             )
 
 
-def check_padded_steps(cfg: Any) -> None:
+def check_padded_steps(cfg: HsgdConfig) -> None:
     """Raises ConfigError (one line) when a cluster that straggles would pad a step past MAX_STEP_S:
     a straggler sleeps `straggle_factor` times its step so far, at least `min_step_s`. Names the factor
     that applies (the site's, else `train.straggle_factor`)."""
@@ -83,7 +83,7 @@ def check_padded_steps(cfg: Any) -> None:
             )
 
 
-def _pacing_key(cfg: Any, cluster: int, key: str) -> str:
+def _pacing_key(cfg: HsgdConfig, cluster: int, key: str) -> str:
     """The field cluster `cluster`'s pacing `key` comes from: its site's where set, else train's."""
     sites = list(getattr(cfg.topology, "sites", None) or [])
     if cluster < len(sites) and _site_value(sites[cluster], key) is not None:
@@ -91,7 +91,7 @@ def _pacing_key(cfg: Any, cluster: int, key: str) -> str:
     return f"train.{key}"
 
 
-def site_ranks(cfg: Any) -> list[tuple[str, int]]:
+def site_ranks(cfg: HsgdConfig) -> list[tuple[str, int]]:
     """(field, k) per cluster that sets its ranks per replica: each site's own `gpus_per_replica` where
     given, else `topology.gpus_per_replica` (one entry for the uniform keys)."""
     t = cfg.topology
@@ -107,7 +107,7 @@ def site_ranks(cfg: Any) -> list[tuple[str, int]]:
     ]
 
 
-def check_ranks_per_replica(cfg: Any) -> None:
+def check_site_ranks(cfg: HsgdConfig) -> None:
     """Raises ConfigError (one line) for a site's `gpus_per_replica` that is not an int >= 1, or for
     clusters with different ranks per replica (issue 34: every cluster shards a replica alike)."""
     chosen = site_ranks(cfg)
@@ -124,12 +124,12 @@ def check_ranks_per_replica(cfg: Any) -> None:
             )
 
 
-def ranks_per_replica(cfg: Any) -> int:
-    """The run's k: rank processes per replica (after check_ranks_per_replica, one value for all clusters)."""
+def ranks_per_replica(cfg: HsgdConfig) -> int:
+    """The run's k: rank processes per replica (after check_site_ranks, one value for all clusters)."""
     return int(site_ranks(cfg)[0][1])
 
 
-def site_pacing(cfg: Any, cluster: int) -> tuple[float, float, float]:
+def site_pacing(cfg: HsgdConfig, cluster: int) -> tuple[float, float, float]:
     """Cluster `cluster`'s simulated step time and stragglers: (min_step_s, straggle_p, straggle_factor),
     its site's own where set, else the run-wide `train.*` values."""
     sites = list(getattr(cfg.topology, "sites", None) or [])
@@ -140,7 +140,7 @@ def site_pacing(cfg: Any, cluster: int) -> tuple[float, float, float]:
     )
 
 
-def expected_step_s(cfg: Any, cluster: int) -> float | None:
+def expected_step_s(cfg: HsgdConfig, cluster: int) -> float | None:
     """The step time cluster `cluster` is configured to take (its min_step_s, stretched by its stragglers'
     expected extra), or None when no min_step_s is set for it: sync.balance then learns it."""
     min_step_s, straggle_p, straggle_factor = site_pacing(cfg, cluster)

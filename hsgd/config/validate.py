@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from hsgd.config.layout import RunLayout, layout_of
 from hsgd.config.paths import output_path
 from hsgd.config.rounds import steps_per_round
 from hsgd.config.schema import ConfigError, HsgdConfig
@@ -24,9 +25,8 @@ from hsgd.config.sites import (
     MAX_STEP_S,
     MAX_STRAGGLE_FACTOR,
     check_padded_steps,
-    check_ranks_per_replica,
+    check_site_ranks,
     check_sites,
-    ranks_per_replica,
 )
 from hsgd.core.phases import SUPERVISOR, Phase
 
@@ -122,12 +122,12 @@ CHOICE_FIELDS: dict[str, tuple] = {
 }
 
 
-def field_value(cfg: Any, path: str) -> Any:
+def field_value(cfg: HsgdConfig, path: str) -> Any:
     """The value at a dotted path, e.g. field_value(cfg, "optim.inner.lr")."""
     return functools.reduce(getattr, path.split("."), cfg)
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: HsgdConfig) -> None:
     """Check a resolved config (HsgdConfig or a DictConfig of the same shape). Raises ConfigError
     (one line) for the first problem found; returns None when the run may start."""
     for path, bound in NUMERIC_FIELDS.items():
@@ -135,9 +135,9 @@ def validate(cfg: Any) -> None:
             raise ConfigError(path, problem)
     for path, valid in CHOICE_FIELDS.items():
         _choice(path, field_value(cfg, path), valid)
-    _check_relations(cfg)
+    layout = _check_relations(cfg)
     _check_links(cfg)
-    _check_faults(cfg)
+    _check_faults(cfg, layout)
     _check_folders(cfg)
     from hsgd.train.task import resolve  # imports torch: only when a whole config is validated
 
@@ -182,7 +182,8 @@ def _check_fragment_delay(s: Any, spr: int) -> None:
         )
 
 
-def _check_relations(cfg: Any) -> None:
+def _check_relations(cfg: HsgdConfig) -> RunLayout:
+    """The relations between fields; returns the run's layout, worked out once its sites and ranks are checked."""
     t, s, sup, w = cfg.topology, cfg.sync, cfg.supervisor, cfg.watchdog
     if t.cluster_labels and len(t.cluster_labels) != t.clusters:
         raise ConfigError(
@@ -220,7 +221,9 @@ def _check_relations(cfg: Any) -> None:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
     check_sites(cfg)
     check_padded_steps(cfg)
-    _check_ranks(cfg)
+    check_site_ranks(cfg)
+    layout = layout_of(cfg)
+    _check_ranks(cfg, layout.ranks_per_replica)
     if not t.sites and sup.min_replicas_per_cluster > t.replicas_per_cluster:
         raise ConfigError(
             "supervisor.min_replicas_per_cluster",
@@ -236,14 +239,13 @@ def _check_relations(cfg: Any) -> None:
         )
     if w.ceiling_s < w.floor_s:
         raise ConfigError("watchdog.ceiling_s", f"got {w.ceiling_s}; valid: >= watchdog.floor_s={w.floor_s}")
+    return layout
 
 
-def _check_ranks(cfg: Any) -> None:
+def _check_ranks(cfg: HsgdConfig, k: int) -> None:
     """A replica of k ranks (topology.gpus_per_replica, issue 34): one k for every cluster, its batch
     split evenly over its ranks, and the sharded outer path not yet generalised to shards of replicas.
     The per-node device count is checked against k where the nodes are known (hsgd.config.capacity)."""
-    check_ranks_per_replica(cfg)
-    k = ranks_per_replica(cfg)
     if k == 1:
         return
     if cfg.sync.outer_path == "sharded":
@@ -261,7 +263,7 @@ def _check_ranks(cfg: Any) -> None:
         )
 
 
-def _check_links(cfg: Any) -> None:
+def _check_links(cfg: HsgdConfig) -> None:
     """A latency without a simulated link's gbps would be silently ignored; a link slower than
     comm.min_gbps would outlast the deadlines scaled at it (its sleep is outside each collective's)."""
     for level in ("outer", "inner"):
@@ -283,13 +285,12 @@ def _check_links(cfg: Any) -> None:
             )
 
 
-def _check_faults(cfg: Any) -> None:
+def _check_faults(cfg: HsgdConfig, layout: RunLayout) -> None:
     """Random mode's size and kinds, and the explicit schedule's grammar and moments, so a typo
     fails before any actor starts."""
     from hsgd.core.faults import FAULT_KINDS, parse_schedule, topology_shape
-    from hsgd.core.topology import topology_of
 
-    f = cfg.faults
+    f, spr = cfg.faults, layout.steps_per_round
     for kind in f.kinds:
         _choice("faults.kinds", kind, FAULT_KINDS)
     if f.mtbf_s > 0:
@@ -298,7 +299,7 @@ def _check_faults(cfg: Any) -> None:
                 "faults.kinds", f"is empty but faults.mtbf_s={f.mtbf_s}; valid: at least one of {'|'.join(FAULT_KINDS)}"
             )
         # the schedule is drawn whole at the start (hsgd/core/faults.py random_schedule): bound its size
-        run_s = cfg.train.rounds * steps_per_round(cfg) * f.step_s
+        run_s = cfg.train.rounds * spr * f.step_s
         expected, smallest = run_s / f.mtbf_s, run_s / MAX_RANDOM_FAULTS
         if expected > MAX_RANDOM_FAULTS:
             raise ConfigError(
@@ -307,7 +308,7 @@ def _check_faults(cfg: Any) -> None:
                 f"run's {run_s:g} s (train.rounds * sync.outer_every * faults.step_s); "
                 f"valid: 0 (off) or >= {smallest:g} (at most {MAX_RANDOM_FAULTS} faults)",
             )
-    specs = parse_schedule(list(f.schedule), **topology_shape(topology_of(cfg)))
+    specs = parse_schedule(list(f.schedule), **topology_shape(layout.topology))
     for i, spec in enumerate(specs):  # a fault that can never fire is a typo, not a plan
         if spec.round >= cfg.train.rounds:
             raise ConfigError(
@@ -315,18 +316,18 @@ def _check_faults(cfg: Any) -> None:
                 f"{spec.round} is past the run's last round "
                 f"(train.rounds={cfg.train.rounds}); valid: 0..{cfg.train.rounds - 1}",
             )
-        if spec.phase.startswith("inner") and spec.step >= steps_per_round(cfg):
+        if spec.phase.startswith("inner") and spec.step >= spr:
             raise ConfigError(
                 f"faults.schedule[{i}].step",
                 f"{spec.step} is past the round's last step "
-                f"(a round is {steps_per_round(cfg)} steps: sync.outer_every / sync.fragments); "
-                f"valid: 0..{steps_per_round(cfg) - 1}",
+                f"(a round is {spr} steps: sync.outer_every / sync.fragments); "
+                f"valid: 0..{spr - 1}",
             )
-        if (problem := unfirable_reason(spec, cfg)) is not None:
+        if (problem := unfirable_reason(spec, cfg, spr)) is not None:
             raise ConfigError(f"faults.schedule[{i}].{problem[0]}", problem[1])
 
 
-def _check_folders(cfg: Any) -> None:
+def _check_folders(cfg: HsgdConfig) -> None:
     """A run folder of its own: never a filesystem root or the home folder (a run writes and prunes
     there). Whether an existing folder belongs to another run is the driver's check (run lock)."""
     for path in ("run.dir", "run.sweep_dir"):
@@ -374,7 +375,7 @@ def _check_wandb_credentials(mode: str) -> None:
     )
 
 
-def _check_data(cfg: Any) -> None:
+def _check_data(cfg: HsgdConfig) -> None:
     """Test-load the corpus (or the plug-in data) here, so a bad file is one line now instead of
     every replica dying in its constructor later."""
     from hsgd.train.data import check_data  # imports torch: only when a whole config is validated
@@ -397,7 +398,7 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())[:400] or type(err).__name__
 
 
-def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
+def unfirable_reason(spec, cfg: HsgdConfig, spr: int) -> tuple[str, str] | None:
     """(field, one-line reason) when a scheduled fault's moment never comes in this config: a drill
     must not "pass" a failure that never happened."""
     s, t = cfg.sync, cfg.topology
@@ -422,7 +423,7 @@ def unfirable_reason(spec, cfg) -> tuple[str, str] | None:
                 "inner_sync never happens with sync.inner=none and one replica per cluster; valid: inner|outer|outer_commit|checkpoint",
             )
         if s.inner == "localsgd" and (spec.step + 1) % s.inner_every != 0:
-            steps = [k for k in range(steps_per_round(cfg)) if (k + 1) % s.inner_every == 0]
+            steps = [k for k in range(spr) if (k + 1) % s.inner_every == 0]
             return "step", (
                 f"localsgd syncs after steps {', '.join(map(str, steps[:6]))}{', ...' if len(steps) > 6 else ''} "
                 f"(sync.inner_every={s.inner_every}); inner_sync at step {spec.step} never happens"

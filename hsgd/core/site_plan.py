@@ -51,7 +51,6 @@ detached replicas and groups at the run's end.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,23 +65,20 @@ from hsgd.core.site_requests import (
     SiteRequest,
     abandoned,
     add_site_problem,
-    applied_sites,
     decide,
     drained,
     join_overdue,
     joined,
-    joined_topology,
     mark_abandoned,
     mark_done,
     mark_joined,
     next_cluster,
     outcomes,
     round_holders,
-    site_queue,
-    stranded_notice,
 )
+from hsgd.core.site_topology import applied_sites, joined_topology, site_queue, stranded_notice
 from hsgd.core.topology import Topology, topology_of
-from hsgd.record.rundir import atomic_write_text
+from hsgd.record.run_info import widen_replicas
 
 
 @dataclass
@@ -121,11 +117,7 @@ class SiteLedger:
     def note_in_run_json(self) -> None:
         """run.json's `replicas` widened by the sites joined so far (`replica_ids`): written by the
         supervisor at each join; the driver writes it last at the run's end, the same way."""
-        path = Path(self.run_dir) / "run.json"
-        info = json.loads(path.read_text(encoding="utf-8"))
-        if info.get("run_id") == self.run_id:  # another run's file (a folder reused by hand) is left alone
-            info["replicas"] = self.replica_ids(list(info.get("replicas") or []))
-            atomic_write_text(path, json.dumps(info, indent=1))
+        widen_replicas(self.run_dir, self.run_id, self.replica_ids)
 
     def write_abandoned(self, site: JoinProgress, round_index: int, reason: str) -> None:
         record = mark_abandoned(self.run_dir, site.request_id, site.name, round_index, reason, self.run_id)

@@ -17,7 +17,10 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hsgd.config.schema import HsgdConfig
 
 _REPLICA_ID = re.compile(r"^c(\d+)r(\d+)$")
 
@@ -161,7 +164,7 @@ class Topology:
         }
 
 
-def topology_of(cfg: Any, index_table: Mapping[str, int] | None = None) -> Topology:
+def topology_of(cfg: HsgdConfig, index_table: Mapping[str, int] | None = None) -> Topology:
     """The run's topology from its config: `topology.sites` when set, else the uniform keys
     (`clusters` x `replicas_per_cluster`, `cluster_labels`). `index_table`: the table kept so far
     (the supervisor's state, a checkpoint's manifest) that the ids keep."""

@@ -147,10 +147,36 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
     replica (each such event is one entry). What no fault explains is `observed`, a spare's death
     (`spare_lost`) included. Every entry has the same keys."""
     events = sorted(events, key=lambda e: e["t"])
-    figures = []
+    fired = sorted(fired, key=lambda f: f["t"])
     non_finite = [e for e in events if e["event"] == "non_finite"]
-    explained: set[int] = set()  # non_finite events a nan fault explains
-    for f in sorted(fired, key=lambda f: f["t"]):
+    figures, explained = _injected_entries(fired, events, non_finite)
+    downs = _distinct_downs(events)
+    claimed = _claimed_downs(fired, downs, explain_window_s)
+    figures += [
+        _observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down")
+        for i, down in enumerate(downs)
+        if i not in claimed
+    ]
+    figures += [
+        _observed_fault(events, e, cause="non_finite", detected_by="non_finite")
+        for i, e in enumerate(non_finite)
+        if i not in explained
+    ]
+    spare_deaths: dict[tuple, dict] = {}  # each death of a spare's process once (by spare and incarnation)
+    for e in events:
+        if e["event"] == "spare_lost":
+            spare_deaths.setdefault((e.get("spare"), e.get("incarnation")), e)
+    figures += [
+        _observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died", detected_by="spare_lost")
+        for e in spare_deaths.values()
+    ]
+    return figures
+
+
+def _injected_entries(fired: list[dict], events: list[dict], non_finite: list[dict]) -> tuple[list[dict], set[int]]:
+    """One entry per fired fault (in time order), and the non_finite events a nan fault explains."""
+    figures, explained = [], set()
+    for f in fired:
         t0, rid = f["t"], f["rid"]
         if f["kind"] == "nan":
             i = next(
@@ -192,9 +218,13 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
                 **_after(events, rid, t0, seen.get("t", t0)),
             }
         )
-    downs = _distinct_downs(events)
+    return figures, explained
+
+
+def _claimed_downs(fired: list[dict], downs: list[dict], explain_window_s: float) -> set[int]:
+    """The downs a fault explains: each fault its replica's first unclaimed down within the window."""
     claimed: set[int] = set()
-    for f in sorted(fired, key=lambda f: f["t"]):
+    for f in fired:
         if f["kind"] == "nan":
             continue  # it kills nobody: a down after it is another failure
         first = next(
@@ -209,25 +239,7 @@ def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float
         )
         if first is not None:
             claimed.add(first)
-    figures += [
-        _observed_fault(events, down, cause=down.get("cause"), detected_by="replica_down")
-        for i, down in enumerate(downs)
-        if i not in claimed
-    ]
-    figures += [
-        _observed_fault(events, e, cause="non_finite", detected_by="non_finite")
-        for i, e in enumerate(non_finite)
-        if i not in explained
-    ]
-    spare_deaths: dict[tuple, dict] = {}  # each death of a spare's process once (by spare and incarnation)
-    for e in events:
-        if e["event"] == "spare_lost":
-            spare_deaths.setdefault((e.get("spare"), e.get("incarnation")), e)
-    figures += [
-        _observed_fault(events, {**e, "rid": e.get("spare"), "phase": "spare"}, cause="died", detected_by="spare_lost")
-        for e in spare_deaths.values()
-    ]
-    return figures
+    return claimed
 
 
 def _after(events: list[dict], rid: str, t: float, detected_at: float) -> dict:

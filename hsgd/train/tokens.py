@@ -111,6 +111,15 @@ def open_token_folder(
         )
     else:
         vocab, dtype = vocab_size, dtype_for_vocab(vocab_size)
+    tokens = _split_tokens(folder, path, meta, dtype, block_size)
+    files = TokenFiles(folder=str(folder), source=path, dtype=dtype, vocab_size=vocab, tokens=tokens, meta=meta)
+    for split in SPLITS:
+        check_ids(files, split, sample_tokens=sample_tokens)
+    return files
+
+
+def _split_tokens(folder: Path, path: str, meta: dict, dtype: str, block_size: int) -> dict[str, int]:
+    """Each split's token count from its size: whole tokens, more than a block, as meta.json says."""
     itemsize = DTYPES[dtype].itemsize
     tokens = {}
     for split in SPLITS:
@@ -136,10 +145,7 @@ def open_token_folder(
                 f"{split}.bin holds {tokens[split]} tokens but {META} says "
                 f"{meta[f'{split}_tokens']}; the folder is half-written or mixed up",
             )
-    files = TokenFiles(folder=str(folder), source=path, dtype=dtype, vocab_size=vocab, tokens=tokens, meta=meta)
-    for split in SPLITS:
-        check_ids(files, split, sample_tokens=sample_tokens)
-    return files
+    return tokens
 
 
 def _windows(n: int, sample_tokens: int | None, window: int = 1 << 16) -> list[tuple[int, int]]:
@@ -241,7 +247,33 @@ def prepare_tokens(
         raise FileExistsError(f"out={out!r} exists and is not a folder")
     report = progress or (lambda *_: None)
 
-    # pass 1: how many tokens, and (char) which characters
+    n_chars, n_tokens, vocab, chars, table = _count(files, src, tokenizer, report)
+    dtype = DTYPES[dtype_for_vocab(vocab)]
+    n_train = int(n_tokens * (1.0 - val_fraction))
+    if min(n_train, n_tokens - n_train) < 2:
+        raise ValueError(
+            f"src={src!r}: {n_tokens} tokens at --val-fraction={val_fraction} leave "
+            f"train={n_train}, val={n_tokens - n_train}; too little text"
+        )
+
+    _write(files, src, out_dir, table, dtype, n_train, n_tokens, n_chars, report)
+    meta = {
+        "format": FORMAT,
+        "vocab_size": vocab,
+        "dtype": dtype_for_vocab(vocab),
+        "tokenizer": tokenizer,
+        "train_tokens": n_train,
+        "val_tokens": n_tokens - n_train,
+        "source": str(src),
+    }
+    if chars is not None:
+        meta["chars"] = chars
+    atomic_write_text(out_dir / META, json.dumps(meta, ensure_ascii=True))
+    return meta
+
+
+def _count(files: list[Path], src: str, tokenizer: str, report) -> tuple:
+    """Pass 1: (chars, tokens, vocab, the char vocabulary or None, its code point -> id table or None)."""
     n_chars = n_tokens = 0
     seen = np.zeros(0x110000, dtype=bool)  # every Unicode code point
     for chunk in iter_text(files, src, field="src"):
@@ -261,15 +293,11 @@ def prepare_tokens(
         vocab = len(chars)
         table = np.zeros(len(seen), dtype=np.int64)
         table[uniq] = np.arange(vocab)
-    dtype = DTYPES[dtype_for_vocab(vocab)]
-    n_train = int(n_tokens * (1.0 - val_fraction))
-    if min(n_train, n_tokens - n_train) < 2:
-        raise ValueError(
-            f"src={src!r}: {n_tokens} tokens at --val-fraction={val_fraction} leave "
-            f"train={n_train}, val={n_tokens - n_train}; too little text"
-        )
+    return n_chars, n_tokens, vocab, chars, table
 
-    # pass 2: encode and write, switching from train to val at n_train
+
+def _write(files, src, out_dir: Path, table, dtype, n_train: int, n_tokens: int, n_chars: int, report) -> None:
+    """Pass 2: encode and write, switching from train to val at n_train; each file renamed into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     tmp = {s: out_dir / f".{s}.bin.tmp-{tag}" for s in SPLITS}
@@ -296,16 +324,3 @@ def prepare_tokens(
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
-    meta = {
-        "format": FORMAT,
-        "vocab_size": vocab,
-        "dtype": dtype_for_vocab(vocab),
-        "tokenizer": tokenizer,
-        "train_tokens": n_train,
-        "val_tokens": n_tokens - n_train,
-        "source": str(src),
-    }
-    if chars is not None:
-        meta["chars"] = chars
-    atomic_write_text(out_dir / META, json.dumps(meta, ensure_ascii=True))
-    return meta

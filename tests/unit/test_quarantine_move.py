@@ -111,7 +111,8 @@ class _Machine:
 def _log_deaths(world, deaths) -> None:
     """RoundRunner._log_deaths over fakes: the machine took in `deaths`; the roster logs each."""
     runner = object.__new__(RoundRunner)
-    runner.m, runner.deaths_logged, runner.probes, runner.phase, runner.r = _Machine(deaths), 0, {}, "inner", 4
+    runner.m, runner.deaths_logged, runner.phase, runner.r = _Machine(deaths), 0, "inner", 4
+    runner.probes = SimpleNamespace(forget=lambda rid: None)  # (actors/probes.py: no questions outstanding)
     runner.p = SimpleNamespace(roster=world.roster, state=world.state, store=None, store_addr=None)
     runner.heals = SimpleNamespace(release_groups_of=lambda *a, **k: None)
     runner._log_deaths()

@@ -22,16 +22,14 @@ from hsgd.core.site_requests import (
     REFUSED,
     Decision,
     abandoned,
-    applied_sites,
     joined,
-    joined_topology,
     mark_done,
     mark_joined,
     outcomes,
     requests_dir,
-    widened_sites,
     write_request,
 )
+from hsgd.core.site_topology import applied_sites, joined_topology, widened_sites  # (moved from site_requests)
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 
