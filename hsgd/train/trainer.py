@@ -54,6 +54,7 @@ import torch
 from hsgd.config.auto import outer_step_of, schedule_of, warmup_steps_of
 from hsgd.config.rounds import is_streaming, steps_per_round
 from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
+from hsgd.core.phases import Phase
 from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.topology import Topology
 from hsgd.train import sharding, task
@@ -321,7 +322,7 @@ class ReplicaTrainer:
             if self.ranks is not None:  # reduce-scatter inside the replica once, after the last micro-batch
                 self.model.set_requires_gradient_sync(micro == self.grad_accum - 1)
             if self.buckets is not None and micro == self.grad_accum - 1:  # (buckets: inner ddp only)
-                hook("inner_sync", self.round, self.step_in_round)
+                hook(Phase.INNER_SYNC, self.round, self.step_in_round)
                 self.buckets.arm(inner)  # the last backward launches full buckets as it goes
             with self._numerics():
                 loss = self.loss_fn(self.step_model, batch)
@@ -336,7 +337,7 @@ class ReplicaTrainer:
         if self.buckets is not None:
             self.buckets.finish()
         elif self.cfg.sync.inner == "ddp":
-            hook("inner_sync", self.round, self.step_in_round)
+            hook(Phase.INNER_SYNC, self.round, self.step_in_round)
             sharding.agreed(
                 lambda: inner.allreduce_mean([p.grad for p in self.params], level="inner"),
                 self.ranks,
@@ -383,7 +384,7 @@ class ReplicaTrainer:
             self._nonfinite |= ~torch.isfinite(torch.stack([loss, norm.to(loss.device, torch.float32)]))
             self.inner_opt.step()
             if average:
-                hook("inner_sync", self.round, self.step_in_round)
+                hook(Phase.INNER_SYNC, self.round, self.step_in_round)
                 with torch.no_grad():
                     sharding.agreed(
                         lambda: inner.allreduce_mean([p.data for p in self.params], level="inner"),
@@ -583,7 +584,7 @@ class ReplicaTrainer:
         rank roots[j]) and apply it: the outer step on the fragment's global params, then params =
         alpha * local + (1 - alpha) * global. Every member updates the codec's residual alike (the
         same deterministic encoding of the same corrected vector), so any member can lead next."""
-        if not self._require(round_index, "outer_commit"):
+        if not self._require(round_index, Phase.OUTER_COMMIT):
             return  # already committed (idempotent re-issue)
         if self.cfg.sync.outer != "none":
             index = self.fragment_params(round_index)
