@@ -165,6 +165,7 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
     assert len(set(summary["replica_param_digests"].values())) == 1, "digests agree at the end"
     commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
     assert {"c2r0", "c2r1"} <= commits[JOIN_ROUNDS - 1], commits
+    check_run(drill.run_dir, rounds=JOIN_ROUNDS, steps_per_round=SPR, victims=set())
 
 
 @pytest.mark.long  # two runs, ~80 s
@@ -213,6 +214,7 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     assert [r["rid"] for r in collect_state(drill.run_dir)["clusters"]["c2"]] == ["c2r0", "c2r1"]
     assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]
     assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
+    check_run(drill.run_dir, rounds=16, steps_per_round=SPR, victims=set())  # both jobs, one folder
 
 
 @pytest.mark.long  # two runs, ~80 s
@@ -266,3 +268,4 @@ def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_
     assert resumed["topology"]["drained"] == {"c1": drained["round"]}
     assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c2r0", "c2r1", "c3r0", "c3r1"]
     assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
+    check_run(drill.run_dir, rounds=16, steps_per_round=SPR, victims=set())  # both jobs, one folder

@@ -96,3 +96,4 @@ def test_a_drain_is_applied_once_across_supervisor_kills_before_and_after_its_ef
     commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
     assert all(not any(rid.startswith("c1") for rid in commits[r]) for r in range(decided["round"], 10)), commits
     assert sorted(summary["replica_param_digests"]) == ["c0r0", "c0r1", "c2r0", "c2r1"]
+    check_run(drill.run_dir, rounds=10, steps_per_round=SPR, victims=set())  # the supervisor is no replica

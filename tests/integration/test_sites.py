@@ -94,8 +94,7 @@ REALISTIC = [
 def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_whole_site(background_drills, tmp_path):
     """Rounds of 30 s of inner work; in round 0 c0r0 and c0r2 are SIGKILLed from outside at once, in
     round 1 the whole 2-replica site (c1r0, c1r1): completes, the invariants hold, every killed
-    replica is back (replica_up) within 2 rounds, in under 10 minutes."""
-    start = time.monotonic()
+    replica is back (replica_up) within 2 rounds; wait_done(600) ends a hung run."""
     drill = background_drills(FAST + REALISTIC + ["train.rounds=4"], tmp_path)
     run_dir = Path(drill.run_dir)
     kills: dict[str, tuple[int, float]] = {}
@@ -109,7 +108,6 @@ def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_w
             os.kill(running[rid]["pid"], signal.SIGKILL)  # the OS, not the injector
             kills[rid] = (round_index, time.time())
     s = drill.wait_done(600)
-    assert time.monotonic() - start < 600, "the run must finish within 10 minutes"
     check_run(run_dir, rounds=4, steps_per_round=REALISTIC_SPR, victims=set(kills))
     _table_held(run_dir)
     evs = events(run_dir)
@@ -177,3 +175,4 @@ def test_deaths_an_injected_fault_explains_never_quarantine(tmp_path):
     )
     assert s["status"] == "completed" and s["replicas_quarantined"] == 0, s
     assert not [e for e in events(tmp_path / "run") if e["event"] == "replica_quarantined"]
+    check_run(tmp_path / "run", rounds=6, steps_per_round=10, victims={"c0r1"})
