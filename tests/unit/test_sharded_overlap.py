@@ -297,7 +297,7 @@ class _ReduceThat:
 
 
 class _Group:
-    bytes_sent, link_s, arrival_s, aborted = 0, 0.0, 0.0, 0
+    bytes_sent, bytes_received, link_s, arrival_s, aborted = 0, 0, 0.0, 0.0, 0
 
     def abort(self):
         self.aborted += 1
