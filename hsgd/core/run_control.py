@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from hsgd.core.round.balance import StepPlan, plan_for_round
 from hsgd.core.site_requests import APPLIED, REFUSED, Decision, RequestKind, SiteRequest, decide
@@ -157,7 +157,7 @@ def round_start(inp: StartInput) -> RoundStart:
     return RoundStart(tuple(decisions), frozenset(drained), restore_from, failure, training, plan, fresh)
 
 
-class CheckpointWrite(str, Enum):
+class CheckpointWrite(StrEnum):
     """How a round's checkpoint write ended."""
 
     NONE = "none"  # not due
@@ -169,20 +169,12 @@ class CheckpointWrite(str, Enum):
 @dataclass(frozen=True)
 class RoundEnd:
     checkpoint_round: int | None  # the newest good checkpoint after this round
-    checkpoint_event: str | None  # checkpoint | checkpoint_failed | None
-    kill: tuple[str, ...]  # replicas to kill for the write: always empty (a storage fault kills nobody)
-    quarantine: tuple[str, ...]  # replicas to set aside now
+    checkpoint_event: str | None  # checkpoint | checkpoint_failed | None (a storage fault kills nobody)
 
 
-def round_end(
-    committed_round: int,
-    write: CheckpointWrite,
-    last_good_checkpoint: int | None,
-    quarantine: Sequence[str] = (),
-) -> RoundEnd:
-    """After round `committed_round - 1` committed (or not): what its checkpoint write means, and who is
-    set aside (`quarantine`: hsgd/core/quarantine.py's decision for the round's deaths)."""
+def round_end(committed_round: int, write: CheckpointWrite, last_good_checkpoint: int | None) -> RoundEnd:
+    """After round `committed_round - 1` committed: what its checkpoint write means. A failed or timed-out
+    write is a storage fault: skipped and reported, the last good checkpoint stays the restore point."""
     if write is CheckpointWrite.SAVED:
-        return RoundEnd(committed_round, "checkpoint", (), tuple(quarantine))
-    event = "checkpoint_failed" if write is not CheckpointWrite.NONE else None
-    return RoundEnd(last_good_checkpoint, event, (), tuple(quarantine))
+        return RoundEnd(committed_round, "checkpoint")
+    return RoundEnd(last_good_checkpoint, "checkpoint_failed" if write is not CheckpointWrite.NONE else None)

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from hsgd.core import run_control
 from hsgd.core.quarantine import DeathLog
 from hsgd.core.run_control import Checkpoint, CheckpointWrite, SiteNow, StartInput
-from hsgd.core.site_requests import APPLIED, RequestKind, SiteRequest
+from hsgd.core.site_requests import APPLIED, RequestKind, SiteRequest, add_site_problem, join_overdue
 
 ROUND_S = 30.0  # the regime users run: rounds of >= 30 s
 QUARANTINE_AFTER, QUARANTINE_WINDOW_S, NODE_LOSS_WINDOW_S = 3, 600.0, 5.0
-JOIN_ROUNDS = 2  # an added site not up within two round starts is abandoned
+JOIN_TIMEOUT_S = 2 * ROUND_S  # supervisor.join_timeout_s: an added site not up by then is abandoned
+NODE_CPUS = 4.0  # each node's CPUs; a replica needs one
 
 
 class Violation(AssertionError):
@@ -148,9 +149,6 @@ class ControlWorld:
 
     def _check_after(self, event: str) -> None:
         """Invariants that hold after every event."""
-        good = [r for r, (_, ok) in self.checkpoints.items() if ok]
-        if self.checkpoints and not good and self.status != "failed":
-            pass  # every checkpoint may be corrupt by the world; the run may still go on from live holders
         for rid, rep in self.reps.items():
             # a death is judged when reported: the first replica reported of a node loss counts it as
             # its own until a second one joins (hsgd/core/quarantine.py), so one may lag the truth
@@ -213,7 +211,7 @@ class ControlWorld:
             views.append(SiteNow(len(members), len(holders), self.sites[c].floor, self.sites[c].drained))
         joining = len(topo) < len(self.sites)
         add_problems = {
-            q.id: "still starting" if joining else None if self.rng.random() < 0.8 else "no room"
+            q.id: "still starting" if joining else self._room_problem(q)
             for q in self.pending
             if q.kind is RequestKind.ADD_SITE
         }
@@ -235,6 +233,19 @@ class ControlWorld:
             )
         )
 
+    def _room_problem(self, request: SiteRequest) -> str | None:
+        """The product's room check (STRICT_PACK: the new site on one node) over the world's nodes, each
+        with NODE_CPUS less one CPU per replica placed on it."""
+        used: dict[str, float] = {}
+        for rep in self.reps.values():
+            if not (rep.stopped or rep.kept_out):
+                used[rep.node] = used.get(rep.node, 0.0) + 1.0
+        nodes = [{"NodeID": n, "Alive": True, "Labels": {}} for n in sorted(used)]
+        free = {n: {"CPU": NODE_CPUS - u} for n, u in used.items()}
+        return add_site_problem(
+            request, nodes=nodes, free=free, need={"CPU": 1.0}, new_cluster=len(self.sites), strategy="STRICT_PACK"
+        )
+
     def _join_or_abandon_added_sites(self) -> None:
         for c, site in enumerate(self.sites):
             if site.joining_since is None:
@@ -243,19 +254,24 @@ class ControlWorld:
             if all(r.up for r in members):
                 site.joining_since = None
                 self.log.append(f"c{c} joined at round {self.round}")
-            elif self.round - site.joining_since >= JOIN_ROUNDS:  # the last site: its index is free again
+            elif join_overdue(
+                site.joining_since * ROUND_S, self.round * ROUND_S, JOIN_TIMEOUT_S
+            ):  # the last site: its index is free again
                 self.sites.pop()
                 self.reps = {rid: r for rid, r in self.reps.items() if r.cluster != c}
                 self.abandoned += 1
                 self.log.append(f"c{c} abandoned at round {self.round}")
 
-    def _carry_out(self, start: run_control.RoundStart) -> None:
-        before = self._holders()
+    def _carry_out(self, start: run_control.RoundStart) -> bool:
+        """Carry out the start's decisions, each outcome recorded before its effect; False when the
+        supervisor died between two of them (the rest stay pending, for its successor to decide)."""
+        before, died = self._holders(), True
         for request, decision in start.decisions:
             if request.id in self.outcomes:
                 self.fail(f"request {request.id} decided twice")
             self.outcomes[request.id] = decision.outcome
             if decision.outcome != APPLIED:
+                self.log.append(f"{request.kind} refused: {decision.reason}")
                 continue
             if request.kind is RequestKind.DRAIN:
                 self.sites[decision.cluster].drained = True
@@ -266,16 +282,22 @@ class ControlWorld:
                 self._add_site(int(request.replicas), joining_since=self.round)
             if self.rng.random() < self.rates.supervisor / 3:  # dies between the outcome and the next one
                 self.log.append("supervisor died between two decisions")
+                break
+        else:
+            died = False
         self.pending = [q for q in self.pending if q.id not in self.outcomes]
         if before and self.committed > 0 and not self._holders() and start.restore_from is None:
             self.fail(f"a decision left no live replica holding committed round {self.committed}")
+        return not died
 
     def _one_round(self) -> None:
         rng, rates = self.rng, self.rates
         self.t = self.round * ROUND_S
         self._requests_arrive()
         start = self._start_of_round()
-        self._carry_out(start)
+        if not self._carry_out(start):  # its successor starts the round again
+            self.round += 1
+            return
         if start.failure:
             self.status, self.reason = "failed", start.failure
             return
@@ -373,8 +395,8 @@ class ControlWorld:
             )
         good = [r for r, (_, ok) in self.checkpoints.items() if ok]
         end = run_control.round_end(self.committed, write, max(good, default=None))
-        if end.kill:
-            self.fail(f"a checkpoint write ({write.value}) killed {end.kill}: a storage fault kills nobody")
+        if write is not CheckpointWrite.SAVED and end.checkpoint_round != max(good, default=None):
+            self.fail(f"a checkpoint write that {write.value} moved the restore point to {end.checkpoint_round}")
         if write is CheckpointWrite.SAVED and self.committed not in self.checkpoints:  # one that exists: skipped
             self.checkpoints[self.committed] = (digest(self.committed), rng.random() >= rates.corrupt_checkpoint)
 
