@@ -46,6 +46,7 @@ def connect_ray(cfg: DictConfig, layout: RunLayout | None = None) -> bool:
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cpus + 0.999) + 1)
     repo = str(Path(__file__).resolve().parent.parent)
     ray.init(
+        address="local",  # a fresh embedded cluster, never one another process left on this machine
         num_cpus=num_cpus,
         namespace="hsgd",
         include_dashboard=False,

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     import ray
 
-    ray.init(num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
     try:
         results = [run(name, overrides, out) for name, overrides in cases]
     finally:

@@ -1112,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     n = CLUSTERS * REPLICAS_PER_CLUSTER
-    ray.init(num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
     t0 = time.monotonic()
     try:
         for i, (arm, wan) in enumerate(runs, 1):

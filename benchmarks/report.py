@@ -64,7 +64,7 @@ def bench_ray(num_cpus: int = 8, namespace: str = "hsgd-bench", **init):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False, **init)
+        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False, **init)
     try:
         yield
     finally:

@@ -17,6 +17,7 @@ def _init_shared_ray() -> None:
     import ray
 
     ray.init(
+        address="local",  # never a `ray start` cluster another test left on this machine
         num_cpus=max(os.cpu_count() or 1, 8),
         namespace="hsgd-tests",
         include_dashboard=False,

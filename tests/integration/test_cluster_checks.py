@@ -21,7 +21,7 @@ from tests.integration.runs import FAST, REPO
 SCRIPT = r"""
 import json, os, sys
 import ray
-ray.init(num_cpus=8, num_gpus=GPUS, include_dashboard=False, log_to_driver=False,
+ray.init(address="local", num_cpus=8, num_gpus=GPUS, include_dashboard=False, log_to_driver=False,
          runtime_env={"working_dir": "wd", "env_vars": {"PYTHONPATH": REPO}})
 from actors.launch import compose_config, run_training
 from hsgd.config import ConfigError, validate

@@ -58,6 +58,7 @@ def ray_session():
         yield
         return
     ray.init(
+        address="local",
         num_cpus=6,
         namespace="hsgd",
         include_dashboard=False,
