@@ -1,7 +1,10 @@
 """Real gloo process groups for unit tests: spawn one process per rank around a local TCPStore,
 collect each rank's report, and fail with the rank's traceback (or the ranks that never reported)
 instead of hanging. A worker is `worker(rank, store_port, results)` and puts one dict with
-"rank" (and "exception" on failure) into `results`."""
+"rank" (and "exception" on failure) into `results`.
+
+Ranks start from a fork server that has imported torch and hsgd's trainer once per test session:
+a spawned interpreter per rank paid that import (seconds of CPU on two cores) in every world."""
 
 from __future__ import annotations
 
@@ -10,13 +13,22 @@ import time
 from datetime import timedelta
 
 
+PRELOAD = ["torch", "torch.distributed", "hsgd.train.trainer"]
+
+
+def _rank_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first world of the session
+    return ctx
+
+
 def run_ranks(
     worker, world_size: int, *, timeout_s: float, store_timeout_s: float = 30.0, join_s: float = 5.0
 ) -> dict[int, dict]:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=store_timeout_s))
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(rank, store.port, results), daemon=True) for rank in range(world_size)]
     for p in procs:
