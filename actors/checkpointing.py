@@ -14,7 +14,6 @@ import ray
 
 from actors.round_runner import RunnerPorts
 from hsgd.config.auto import inner_schedule
-from hsgd.config.sites import ranks_per_replica
 from hsgd.core.deadlines import collective_timeout_s
 from hsgd.core.round import Outcome, current_round, model_writers
 from hsgd.record.rundir import call_with_deadline
@@ -90,12 +89,12 @@ def _manifest(sup: RunnerPorts, state_round: int, saved: dict) -> dict:
         "replica_indices": dict(sup.topology.index_table),
         # the driver's (data size and path as it sees them), carried in the durable state
         "fingerprint": sup.state.fingerprint or checkpoint.fingerprint(sup.cfg),
-        "inner_schedule": inner_schedule(sup.cfg),  # what a resume keeps for keys left auto
+        "inner_schedule": inner_schedule(sup.cfg, sup.layout),  # what a resume keeps for keys left auto
         "files": {rid: a["sha256"] for rid, a in saved.items()},
         # what a restore or resume checks each loaded replica against (issue 45 finding 1)
         checkpoint.PARAM_DIGESTS: {rid: a["param_digest"] for rid, a in saved.items() if a.get("param_digest")},
         "t": time.time(),
-        **_format_keys(ranks_per_replica(sup.cfg)),
+        **_format_keys(sup.layout.ranks_per_replica),
     }
 
 
@@ -302,7 +301,7 @@ def _digest_problem(sup: RunnerPorts, handle, manifest: dict, rid: str) -> str |
     manifest records no digest it can be checked against: checkpoint.expected_param_digest)."""
     if not manifest.get(checkpoint.PARAM_DIGESTS):
         return None  # (a checkpoint from before digests were recorded)
-    expected = checkpoint.expected_param_digest(manifest, rid, ranks_per_replica(sup.cfg))
+    expected = checkpoint.expected_param_digest(manifest, rid, sup.layout.ranks_per_replica)
     if expected is None:
         return None
     got = ray.get(handle.digests.remote(), timeout=sup.cfg.supervisor.phase_timeout_s)["param"]

@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from hsgd.config.rounds import steps_per_round
+from hsgd.config.layout import RunLayout
 from hsgd.core.faults import (
     FaultSpec,
     due_faults,
@@ -24,7 +24,6 @@ from hsgd.core.faults import (
     random_schedule,
     topology_shape,
 )
-from hsgd.core.topology import topology_of
 from hsgd.record.run_state import RunState
 from hsgd.record.rundir import write_fault_fired
 
@@ -32,15 +31,16 @@ DEADLY = ("kill", "crash", "hang", "error")  # fault kinds that end in the repli
 
 
 class FaultInjector:
-    """`state`: the durable state (fired and added faults), saved by `save`; `log`: the supervisor's RunLog."""
+    """`layout`: the run's (its configured sites, steps per round); `state`: the durable state (fired and
+    added faults), saved by `save`; `log`: the supervisor's RunLog."""
 
-    def __init__(self, cfg, run_dir: str, state: RunState, log, save):
+    def __init__(self, cfg, layout: RunLayout, run_dir: str, state: RunState, log, save):
         self.run_dir, self.state, self.log, self._save = run_dir, state, log, save
         self.armed_at: dict[str, list[float]] = {}  # rid -> when deadly faults were armed on it
         self.deadly_armed: set[int] = set()  # the deadly faults counted in armed_at
-        self.shape = topology_shape(topology_of(cfg))
+        self.shape = topology_shape(layout.topology)
         self.faults: list[FaultSpec] = parse_schedule(list(cfg.faults.schedule), **self.shape)
-        fc, spr = cfg.faults, steps_per_round(cfg)
+        fc, spr = cfg.faults, layout.steps_per_round
         if fc.mtbf_s > 0:
             self.faults += random_schedule(
                 mtbf_s=fc.mtbf_s,

@@ -68,7 +68,8 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     resume = bool(cfg.train.resume)
     check_run_folder(run_dir, resume, hydra_wrote=True)
     ckpt_root = checkpoint.root_url(cfg.checkpoint.dir, run_dir)
-    auto_filled = resolve_auto(cfg)  # null = auto: the values this run trains with (hsgd/config/auto.py)
+    layout = layout_of(cfg)  # the run's layout, worked out once (what auto and a resume adopt is no part of it)
+    auto_filled = resolve_auto(cfg, layout)  # null = auto: the values this run trains with (hsgd/config/auto.py)
     resume_from = find_resume_point(ckpt_root, cfg, adopt=tuple(auto_filled)) if resume else None
     if auto_filled:  # what null resolved to (or, on a resume, what the checkpoint recorded)
         print("[hsgd] auto: " + ", ".join(f"{k}={OmegaConf.select(cfg, k)}" for k in auto_filled), flush=True)
@@ -88,7 +89,6 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
         raise ConfigError("run.dir", str(err))
     try:
         record_takeovers(run_dir, lock, resume_from)
-        layout = layout_of(cfg)  # the run's layout, worked out once (null = auto resolved, a resume's adopted)
         return _run_owned(cfg, Run(cfg, layout, run_dir, run_id, ckpt_root, fingerprint, resume_from))
     finally:
         lock.release()
@@ -126,7 +126,7 @@ def _run_owned(cfg: DictConfig, run: Run) -> dict:
     except ConfigError:
         raise  # a bad value (exit 2): not a run that ended
     except Exception as err:  # noqa: BLE001
-        summary = driver_summary(run.run_dir, cfg, f"{type(err).__name__}: {one_line(err)}")
+        summary = driver_summary(run.run_dir, run.layout, f"{type(err).__name__}: {one_line(err)}")
         ensure_summary(run.run_dir, summary)
         if isinstance(err, PlacementTimeout):
             raise  # jobs.train says what it waited for (exit 1)
@@ -200,7 +200,7 @@ def _drive(run: Run, supervisor) -> dict:
     from hsgd.record.console import ProgressView
 
     cfg = run.cfg
-    view = ProgressView(cfg, run.run_dir, enabled=cfg.logging.progress)
+    view = ProgressView(cfg.train.rounds * run.layout.steps_per_round, run.run_dir, enabled=cfg.logging.progress)
     losses = SupervisorLosses(cfg.supervisor.max_restarts, restart_wait_s=cfg.supervisor.call_timeout_s)
     try:
         while True:
@@ -211,14 +211,14 @@ def _drive(run: Run, supervisor) -> dict:
             except RayActorError as err:
                 verdict = losses.on_error(RunState.read(run.run_dir).supervisor_starts, time.monotonic())
                 if verdict.gone:
-                    return driver_summary(run.run_dir, cfg, f"{verdict.reason}: {type(err).__name__}")
+                    return driver_summary(run.run_dir, run.layout, f"{verdict.reason}: {type(err).__name__}")
                 if verdict.new_loss:
                     print(
                         f"[hsgd] supervisor lost ({type(err).__name__}); re-issuing the run to its restart", flush=True
                     )
                 time.sleep(1.0)
             except Exception as err:  # noqa: BLE001 — RayTaskError (run() raised: it must not), a lost answer
-                return driver_summary(run.run_dir, cfg, f"the supervisor's run call failed: {one_line(err)}")
+                return driver_summary(run.run_dir, run.layout, f"the supervisor's run call failed: {one_line(err)}")
     finally:
         view.close()
 

@@ -48,7 +48,6 @@ from datetime import timedelta
 import ray
 import torch.distributed as dist
 
-from hsgd.config.sites import ranks_per_replica
 from hsgd.core.round import ErrorKind, GroupJoin, Outcome, PhaseAnswer
 from hsgd.train import sharding
 from hsgd.train.comm import (
@@ -222,7 +221,7 @@ class RankFanOut:
 
     def _form_ranks(self, device: str) -> ReplicaRanks | None:
         """k > 1: this rank's place in the replica group (rank 0 first creates ranks 1..k-1); else None."""
-        k = ranks_per_replica(self.cfg)
+        k = self.layout.ranks_per_replica
         if k <= 1:
             return None
         timeout_s = float(self.cfg.comm.configure_timeout_s)

@@ -42,11 +42,10 @@ from actors.rank_group import RankFanOut, RankOf, rank_prefix
 from actors.replica_faults import FaultHooks
 from actors.replica_state import StateCalls
 from hsgd.config.capacity import resolve_level_backend
-from hsgd.config.sites import ranks_per_replica
+from hsgd.config.layout import layout_of
 from hsgd.core.faults import FaultSpec
 from hsgd.core.phases import Phase
 from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer, Progress
-from hsgd.core.topology import topology_of
 from hsgd.record.rundir import FolderWriter, write_deadline_s
 from hsgd.record.steps import StepLog
 from hsgd.train import sharding
@@ -94,7 +93,8 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         marks["identity"] = self.started_at
         self.cfg = OmegaConf.create(cfg)
         self.rid, self.run_dir = rid, run_dir
-        topo = topology_of(self.cfg, index_table)  # this id's data stream
+        # its layout, once: its config's sites (a joined site's config names it) and the run's index table
+        self.layout = layout_of(self.cfg, index_table)  # (the topology: this id's data stream)
         gpu = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU")) and torch.cuda.is_available()
         # (not `self.backends`: an attribute named like a torch submodule makes Ray's cloudpickle
         # pickle torch.backends with the class, which cannot be pickled)
@@ -103,7 +103,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         }
         device = "cuda" if self.level_backends["inner"] == "nccl" else "cpu"  # where the inner level reduces
         marks["config"] = time.time()
-        self.topo = topo
+        self.topo = self.layout.topology
         apply_nccl_environment(self.cfg.comm.configure_timeout_s)  # before any group
         self.inner, self.outer = self._level_group("inner"), self._level_group("outer")  # (configured when joined)
         # sync.fragment_delay: a shard holder's outer reduce runs behind the round's last inner steps
@@ -120,7 +120,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         builds first (starting its other ranks' processes takes seconds, which its heal source and every
         member would otherwise spend waiting in the heal). The first start (a config error surfaces
         here) and spares (warmed before they are ready) build in __init__."""
-        if restart and ranks_per_replica(self.cfg) == 1:
+        if restart and self.layout.ranks_per_replica == 1:
             threading.Thread(target=self._build_behind, args=(device,), name="replica-build", daemon=True).start()
         elif restart:  # k > 1: a failed build ends the process, so Ray restarts it
             try:  # (a constructor that raises is never restarted)
@@ -147,7 +147,7 @@ class Replica(RankFanOut, FaultHooks, StateCalls):
         """The trainer (dataset, model, optimizers: torch's lazy imports on the first one); k > 1: the
         replica group first (rank 0 creates the other ranks), and rank 0 waits for them to be built."""
         ranks = self._form_ranks(device)
-        self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device, ranks=ranks)
+        self.trainer = ReplicaTrainer(self.cfg, self.rid, self.topo, device=device, ranks=ranks, layout=self.layout)
         self.startup["trainer"] = time.time()
         # the other clusters reach their snapshot step at their own pace: within a phase call's deadline
         self.background = BackgroundReduce(

@@ -68,7 +68,8 @@ class Supervisor:
         self.layout = layout or layout_of(self.cfg)
         self.spr = self.layout.steps_per_round
         self.state = RunState.load(run_dir, run_id)  # another run's state is never loaded
-        topology = topology_of_run(self.cfg, self.state.replica_indices, run_dir, run_id)  # + joined sites
+        configured = self.layout.with_indices(self.state.replica_indices).topology
+        topology = topology_of_run(configured, run_dir, run_id)  # + joined sites
         self.state.replica_indices = dict(topology.index_table)
         self.state.supervisor_starts += 1
         self.record = SupervisorRecord(self.cfg, run_dir, self.state, resolved_config, resume_round)
@@ -84,7 +85,7 @@ class Supervisor:
         )
         w = self.cfg.watchdog
         self.clock = PhaseClock(multiple=w.multiple, floor_s=w.floor_s, ceiling_s=w.ceiling_s)
-        self.injector = FaultInjector(self.cfg, run_dir, self.state, self.log, save=self.record.save_state)
+        self.injector = FaultInjector(self.cfg, self.layout, run_dir, self.state, self.log, save=self.record.save_state)
         self.ports = self._ports(topology)  # the store's fields are set when run() starts it
         self.quarantine = Quarantine(
             self.cfg,

@@ -636,13 +636,14 @@ def trained_with(cfg) -> dict:
     """What a run trained with, auto values resolved (hsgd/config/auto.py): inner rate, batch,
     schedule and warmup, and the outer step (read by `sync.outer=diloco` only)."""
     from hsgd.config.auto import outer_step_of, run_steps, schedule_of, warmup_steps_of
+    from hsgd.config.layout import layout_of
 
     lr, momentum = outer_step_of(cfg)
     return {
         "inner_lr": float(cfg.optim.inner.lr),
         "batch_size": int(cfg.data.batch_size),
         "schedule": schedule_of(cfg.optim.inner),
-        "warmup_steps": warmup_steps_of(cfg.optim.inner, run_steps(cfg)),
+        "warmup_steps": warmup_steps_of(cfg.optim.inner, run_steps(cfg, layout_of(cfg))),
         "outer_lr": lr,
         "outer_momentum": momentum,
     }
@@ -1112,7 +1113,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     n = CLUSTERS * REPLICAS_PER_CLUSTER
-    ray.init(address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False
+    )
     t0 = time.monotonic()
     try:
         for i, (arm, wan) in enumerate(runs, 1):

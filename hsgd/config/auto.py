@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hsgd.config.layout import RunLayout, layout_of
 from hsgd.config.schema import HsgdConfig
 
 WARMUP_FRACTION = 0.05  # of the run's inner steps
@@ -33,22 +34,14 @@ SCHEDULE = "cosine"
 OLD_INNER_SCHEDULE = {"optim.inner.schedule": "constant", "optim.inner.warmup_steps": 0}
 
 
-def run_steps(cfg: HsgdConfig) -> int:
+def run_steps(cfg: HsgdConfig, layout: RunLayout) -> int:
     """The run's inner steps per replica: train.rounds x steps per round."""
-    from hsgd.config.rounds import steps_per_round
-
-    return int(cfg.train.rounds) * steps_per_round(cfg)
+    return int(cfg.train.rounds) * layout.steps_per_round
 
 
-def outer_steps(cfg: HsgdConfig) -> int:
+def outer_steps(cfg: HsgdConfig, layout: RunLayout) -> int:
     """Outer steps each parameter takes over the run: one per `outer_every` inner steps."""
-    return max(1, run_steps(cfg) // int(cfg.sync.outer_every))
-
-
-def clusters_of(cfg: HsgdConfig) -> int:
-    from hsgd.core.topology import topology_of
-
-    return topology_of(cfg).clusters
+    return max(1, run_steps(cfg, layout) // int(cfg.sync.outer_every))
 
 
 def auto_outer_step(clusters: int, outer_steps: int) -> tuple[float, float]:
@@ -69,10 +62,13 @@ def schedule_of(inner: Any) -> str:
     return inner.schedule or SCHEDULE
 
 
-def inner_schedule(cfg: HsgdConfig) -> dict:
+def inner_schedule(cfg: HsgdConfig, layout: RunLayout) -> dict:
     """The inner schedule's keys as the run uses them, for a checkpoint's manifest."""
     o = cfg.optim.inner
-    return {"optim.inner.schedule": schedule_of(o), "optim.inner.warmup_steps": warmup_steps_of(o, run_steps(cfg))}
+    return {
+        "optim.inner.schedule": schedule_of(o),
+        "optim.inner.warmup_steps": warmup_steps_of(o, run_steps(cfg, layout)),
+    }
 
 
 def recorded(manifest: dict) -> dict:
@@ -82,23 +78,25 @@ def recorded(manifest: dict) -> dict:
     return {**outer, **(manifest.get("inner_schedule") or OLD_INNER_SCHEDULE)}
 
 
-def outer_step_of(cfg: HsgdConfig) -> tuple[float, float]:
-    """(lr, momentum) the run's outer optimizer uses: each explicit value, else the auto one."""
+def outer_step_of(cfg: HsgdConfig, layout: RunLayout | None = None) -> tuple[float, float]:
+    """(lr, momentum) the run's outer optimizer uses: each explicit value, else the auto one, from the
+    run's `layout` (None: the config's, `layout_of`; a resolved config, the replicas', needs none)."""
     o = cfg.optim.outer
-    lr, momentum = (
-        auto_outer_step(clusters_of(cfg), outer_steps(cfg)) if o.lr is None or o.momentum is None else (None, None)
-    )
+    lr = momentum = None
+    if o.lr is None or o.momentum is None:
+        layout = layout if layout is not None else layout_of(cfg)
+        lr, momentum = auto_outer_step(layout.topology.clusters, outer_steps(cfg, layout))
     return (float(o.lr) if o.lr is not None else lr, float(o.momentum) if o.momentum is not None else momentum)
 
 
-def resolve(cfg: HsgdConfig) -> dict:
+def resolve(cfg: HsgdConfig, layout: RunLayout) -> dict:
     """Write the auto values into `cfg` (keys left null); returns {key: value} of those it filled (a resume
     adopts what its checkpoint recorded for them instead; the run's config.yaml shows the values it ran with).
     Idempotent: a resolved config has nothing left to fill."""
     from omegaconf import open_dict
 
     filled = {}
-    lr, momentum = outer_step_of(cfg)
+    lr, momentum = outer_step_of(cfg, layout)
     with open_dict(cfg):
         if cfg.optim.outer.lr is None:
             cfg.optim.outer.lr = filled["optim.outer.lr"] = lr
@@ -108,6 +106,6 @@ def resolve(cfg: HsgdConfig) -> dict:
             cfg.optim.inner.schedule = filled["optim.inner.schedule"] = SCHEDULE
         if cfg.optim.inner.warmup_steps is None:
             cfg.optim.inner.warmup_steps = filled["optim.inner.warmup_steps"] = warmup_steps_of(
-                cfg.optim.inner, run_steps(cfg)
+                cfg.optim.inner, run_steps(cfg, layout)
             )
     return filled

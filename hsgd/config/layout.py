@@ -63,10 +63,10 @@ class RunLayout:
 
 def layout_of(cfg: HsgdConfig, index_table: Mapping[str, int] | None = None) -> RunLayout:
     """The layout of a composed config (checked by hsgd.config.validate as far as the sites and ranks)."""
-    topo = topology_of(cfg, index_table)
+    topo, ranks = _sites_of(cfg, index_table)
     return RunLayout(
         topology=topo,
-        ranks_per_replica=ranks_per_replica(cfg),
+        ranks_per_replica=ranks,
         steps_per_round=steps_per_round(cfg),
         pacing=tuple(site_pacing(cfg, c) for c in range(topo.clusters)),
         run_pacing=site_pacing(cfg, len(cfg.topology.sites or [])),  # past the sites: train.*
@@ -74,10 +74,15 @@ def layout_of(cfg: HsgdConfig, index_table: Mapping[str, int] | None = None) -> 
     )
 
 
+def _sites_of(cfg: HsgdConfig, index_table: Mapping[str, int] | None = None) -> tuple[Topology, int]:
+    """(topology, ranks per replica) from the config's `topology` keys alone."""
+    return topology_of(cfg, index_table), ranks_of(cfg, None)
+
+
 def sites_and_ranks(cfg: HsgdConfig, layout: RunLayout | None) -> tuple[Topology, int]:
     """(topology, ranks per replica): the layout's, or, for a caller that holds only a config (a test,
-    a notebook), worked out from it alone, needing only its `topology` keys."""
-    return (layout.topology if layout is not None else topology_of(cfg)), ranks_of(cfg, layout)
+    a notebook, a site joining: actors/placement.py), worked out from its `topology` keys alone."""
+    return (layout.topology, layout.ranks_per_replica) if layout is not None else _sites_of(cfg)
 
 
 def ranks_of(cfg: HsgdConfig, layout: RunLayout | None) -> int:

@@ -77,7 +77,7 @@ from hsgd.core.site_requests import (
     round_holders,
 )
 from hsgd.core.site_topology import applied_sites, joined_topology, site_queue, stranded_notice
-from hsgd.core.topology import Topology, topology_of
+from hsgd.core.topology import Topology
 from hsgd.record.run_info import widen_replicas
 
 
@@ -431,10 +431,11 @@ class SitePlan:
         return due
 
 
-def topology_of_run(cfg, replica_indices: dict, run_dir: str | Path, run_id: str) -> Topology:
-    """The run's topology now: the config's, widened by every site that joined in this run or was drained
-    (a restarted supervisor's), up to the first other one (`SitePlan` starts it again)."""
-    return SiteLedger.read(run_dir, run_id).topology(topology_of(cfg, replica_indices))
+def topology_of_run(configured: Topology, run_dir: str | Path, run_id: str) -> Topology:
+    """The run's topology now: the config's (`configured`, with the ids' indices kept so far), widened by every
+    site that joined in this run or was drained (a restarted supervisor's), up to the first other one
+    (`SitePlan` starts it again)."""
+    return SiteLedger.read(run_dir, run_id).topology(configured)
 
 
 def resume_notice(run_dir: str | Path, clusters: int) -> str | None:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 from tqdm import tqdm
 
-from hsgd.config.rounds import steps_per_round
 from hsgd.record.rundir import read_jsonl
 
 
@@ -26,12 +23,11 @@ def round_line(m: dict) -> str:
 
 
 class ProgressView:
-    def __init__(self, cfg: Any, run_dir: str, enabled: bool = True):
+    def __init__(self, total_steps: int, run_dir: str, enabled: bool = True):
+        """`total_steps`: the run's inner steps (train.rounds x the layout's steps per round)."""
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
-        self.bar = tqdm(
-            total=cfg.train.rounds * steps_per_round(cfg), unit="step", dynamic_ncols=True, disable=not enabled
-        )
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not enabled)
         self.rounds_printed = len(read_jsonl(self.metrics_path))  # a resumed run's earlier rounds
 
     def update(self, status: dict) -> None:

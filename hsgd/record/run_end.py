@@ -7,17 +7,19 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hsgd.config.rounds import steps_per_round
-from hsgd.core.topology import topology_of
 from hsgd.record.metrics import fallback_summary
 from hsgd.record.run_state import STATE_FILE
 from hsgd.record.rundir import atomic_write_text, call_with_deadline, read_json, read_jsonl
 
+if TYPE_CHECKING:
+    from hsgd.config.layout import RunLayout
+
 DRIVER_IO_S = 10.0  # the driver's wait for one read or write of the run folder at the run's end
 
 
-def driver_summary(run_dir: str, cfg, reason: str) -> dict:
+def driver_summary(run_dir: str, layout: RunLayout, reason: str) -> dict:
     """summary.json of a run that failed where the supervisor could not say so itself (it is gone, or
     its run call raised), from what the driver can still read within DRIVER_IO_S."""
     try:
@@ -33,13 +35,13 @@ def driver_summary(run_dir: str, cfg, reason: str) -> dict:
         reason=reason,
         durable=durable,
         metrics=metrics,
-        steps_per_round=steps_per_round(cfg),
+        steps_per_round=layout.steps_per_round,
         now=time.time(),
         run_dir=run_dir,
     )
     return {
         **summary,
-        "topology": topology_of(cfg, durable.get("replica_indices")).describe(),
+        "topology": layout.with_indices(durable.get("replica_indices")).topology.describe(),
         "replicas_quarantined": len(durable.get("quarantined") or {}),
     }
 

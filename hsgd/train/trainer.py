@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from hsgd.config.auto import outer_step_of, schedule_of, warmup_steps_of
-from hsgd.config.rounds import is_streaming, steps_per_round
+from hsgd.config.layout import RunLayout, layout_of
+from hsgd.config.rounds import is_streaming
 from hsgd.core.outer_plan import fragment_of_params, fragment_of_round, shard_bounds
 from hsgd.core.phases import Phase
 from hsgd.core.round.balance import fragment_delay_of
@@ -162,7 +163,11 @@ class ReplicaTrainer:
         device: str = "cpu",
         dataset: task.Dataset | None = None,
         ranks: ReplicaRanks | None = None,
+        layout: RunLayout | None = None,
     ):
+        """`layout`: the run's (its steps per round; its clusters for an auto outer step); None: the config's
+        (`layout_of`: a test, a benchmark). `topology`: this replica's, which its data stream follows."""
+        layout = layout if layout is not None else layout_of(cfg)
         self.cfg, self.rid, self.topology, self.device = cfg, rid, topology, device
         self.ranks = ranks if sharding.is_sharded(ranks) else None  # None: one process holds the whole replica
         self.device_type = torch.device(device).type
@@ -188,7 +193,7 @@ class ReplicaTrainer:
         self.step_model = torch.compile(self.model) if cfg.train.compile else self.model
         self.inner_opt = build_inner_optimizer(cfg, self.params, device)
         self.foreach = optimizer_implementation(cfg, device) != "single"
-        hp = outer_hyperparameters(cfg.sync.outer, *outer_step_of(cfg), cfg.optim.outer.nesterov)
+        hp = outer_hyperparameters(cfg.sync.outer, *outer_step_of(cfg, layout), cfg.optim.outer.nesterov)
         self.outer_opt = OuterOptimizer(self.params, pin_memory=self.device_type == "cuda", **hp)
         self.fragments = int(cfg.sync.fragments)
         self.fragment_of = fragment_of_params(self.param_names, self.fragments)  # per parameter
@@ -206,7 +211,7 @@ class ReplicaTrainer:
         self.grad_accum = int(cfg.data.grad_accum)
         per_batch = getattr(self.dataset, "tokens_per_batch", None) or cfg.data.batch_size * cfg.model.block_size
         self.tokens_per_step = int(per_batch) * self.grad_accum
-        self.steps_per_round = steps_per_round(cfg)
+        self.steps_per_round = layout.steps_per_round
         # inner ddp: gradient buckets all-reduced from backward hooks as they fill (bucket_mb <= 0: after backward)
         bucket_mb = float(cfg.comm.bucket_mb)
         # (sharded: FSDP2's own per-block buckets reduce inside the replica; the shards after backward)

@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from hsgd.config.auto import auto_outer_step, outer_step_of, resolve, warmup_steps_of
+from hsgd.config.layout import layout_of
 from hsgd.train import checkpoint as ckpt
 from hsgd.train.trainer import inner_lr
 from tests.fakes.checkpoint_states import replica_state, write_checkpoint
@@ -22,13 +23,13 @@ def test_the_defaults_are_auto_with_a_cosine_inner_schedule():
     cfg = _cfg()
     assert cfg.optim.outer.lr is None and cfg.optim.outer.momentum is None and cfg.optim.inner.warmup_steps is None
     assert cfg.optim.inner.schedule is None
-    resolve(cfg)
+    resolve(cfg, layout_of(cfg))
     assert cfg.optim.inner.schedule == "cosine"
 
 
 def test_resolve_fills_only_what_was_left_auto_and_says_what():
     cfg = _cfg("train.rounds=40", "sync.outer_every=50", "topology.clusters=2")
-    filled = resolve(cfg)
+    filled = resolve(cfg, layout_of(cfg))
     lr, momentum = auto_outer_step(2, 40)
     assert filled == {
         "optim.outer.lr": lr,
@@ -37,7 +38,7 @@ def test_resolve_fills_only_what_was_left_auto_and_says_what():
         "optim.inner.warmup_steps": 100,
     }
     assert (cfg.optim.outer.lr, cfg.optim.outer.momentum, cfg.optim.inner.warmup_steps) == (lr, momentum, 100)
-    assert resolve(cfg) == {}, "a resolved config has nothing left to fill"
+    assert resolve(cfg, layout_of(cfg)) == {}, "a resolved config has nothing left to fill"
     mine = _cfg(
         "train.rounds=40",
         "sync.outer_every=50",
@@ -45,7 +46,7 @@ def test_resolve_fills_only_what_was_left_auto_and_says_what():
         "optim.inner.warmup_steps=0",
         "optim.inner.schedule=constant",
     )
-    assert resolve(mine) == {"optim.outer.momentum": momentum}
+    assert resolve(mine, layout_of(mine)) == {"optim.outer.momentum": momentum}
     assert mine.optim.outer.lr == 0.7 and mine.optim.inner.warmup_steps == 0, "explicit values win"
 
 
@@ -82,7 +83,7 @@ def test_the_fingerprint_holds_the_values_the_run_uses():
     cfg = _cfg("train.rounds=40", "sync.outer_every=50")
     fp = ckpt.fingerprint(cfg)
     assert (fp["optim.outer.lr"], fp["optim.outer.momentum"]) == outer_step_of(cfg)
-    resolve(cfg)
+    resolve(cfg, layout_of(cfg))
     assert ckpt.fingerprint(cfg) == fp, "resolving changes nothing the fingerprint holds"
 
 
@@ -94,7 +95,7 @@ def test_a_resume_keeps_the_outer_step_its_checkpoint_recorded_for_keys_left_aut
     write_checkpoint(tmp_path, 3, fingerprint=ckpt.fingerprint(old))
     # the same run resumed with the keys left auto, and more rounds (the rule would pick other values)
     cfg = _cfg("train.rounds=100", "sync.outer_every=50")
-    filled = resolve(cfg)
+    filled = resolve(cfg, layout_of(cfg))
     assert (cfg.optim.outer.lr, cfg.optim.outer.momentum) != (0.7, 0.9)
     point = find_resume_point(str(tmp_path), cfg, adopt=tuple(filled))
     assert point.path is not None and point.config_diff == ()
@@ -102,7 +103,7 @@ def test_a_resume_keeps_the_outer_step_its_checkpoint_recorded_for_keys_left_aut
     # an explicit other value is still refused, naming the key
     mine = _cfg("train.rounds=40", "sync.outer_every=50", "optim.outer.lr=0.5", "optim.outer.momentum=0.9")
     with pytest.raises(ConfigError, match=r"optim.outer.lr 0.7 -> 0.5"):
-        find_resume_point(str(tmp_path), mine, adopt=tuple(resolve(mine)))
+        find_resume_point(str(tmp_path), mine, adopt=tuple(resolve(mine, layout_of(mine))))
 
 
 def _checkpoint(root, cfg, *, with_schedule: bool):
@@ -113,7 +114,7 @@ def _checkpoint(root, cfg, *, with_schedule: bool):
     files = {rid: ckpt.save_replica_state(tmp, rid, replica_state(i)) for i, rid in enumerate(("c0r0", "c1r0"))}
     manifest = {"round": 3, "step": 60, "files": files, "fingerprint": ckpt.fingerprint(cfg)}
     if with_schedule:
-        manifest["inner_schedule"] = inner_schedule(cfg)
+        manifest["inner_schedule"] = inner_schedule(cfg, layout_of(cfg))
     ckpt.finalize(tmp, manifest, {rid: 3 for rid in files})
 
 
@@ -130,7 +131,7 @@ def test_a_resume_of_a_checkpoint_from_before_the_new_defaults_keeps_the_constan
     )
     _checkpoint(tmp_path, old, with_schedule=False)
     cfg = _cfg("train.rounds=40", "sync.outer_every=50")
-    point = find_resume_point(str(tmp_path), cfg, adopt=tuple(resolve(cfg)))
+    point = find_resume_point(str(tmp_path), cfg, adopt=tuple(resolve(cfg, layout_of(cfg))))
     assert point.config_diff == ()
     assert (cfg.optim.inner.schedule, cfg.optim.inner.warmup_steps) == ("constant", 0)
     assert (cfg.optim.outer.lr, cfg.optim.outer.momentum) == (0.7, 0.9)
@@ -140,10 +141,10 @@ def test_a_resume_with_more_rounds_keeps_the_warmup_its_checkpoint_recorded(tmp_
     from actors.startup import find_resume_point
 
     first = _cfg("train.rounds=40", "sync.outer_every=50")
-    resolve(first)
+    resolve(first, layout_of(first))
     _checkpoint(tmp_path, first, with_schedule=True)
     cfg = _cfg("train.rounds=80", "sync.outer_every=50")
-    assert resolve(cfg)["optim.inner.warmup_steps"] == 200
+    assert resolve(cfg, layout_of(cfg))["optim.inner.warmup_steps"] == 200
     find_resume_point(
         str(tmp_path),
         cfg,

@@ -358,6 +358,7 @@ def test_report_writes_json_table_and_plot(tmp_path):
 
 def test_arms_at_defaults_keep_what_makes_each_arm_and_take_nothing_else_from_the_bench():
     from hsgd.config.auto import outer_step_of, run_steps, warmup_steps_of
+    from hsgd.config.layout import layout_of
     from hsgd.config.schema import DataConfig
 
     bench = plan_arms(2000)
@@ -382,7 +383,7 @@ def test_arms_at_defaults_keep_what_makes_each_arm_and_take_nothing_else_from_th
         # nothing of the bench's: the config's batch, schedule, auto warmup and auto outer step
         assert cfg.data.batch_size == DataConfig.batch_size, at.name
         assert cfg.optim.inner.warmup_steps is None and cfg.optim.outer.lr is None and cfg.optim.outer.momentum is None
-        assert warmup_steps_of(cfg.optim.inner, run_steps(cfg)) == 100, at.name  # 5 % of 2000
+        assert warmup_steps_of(cfg.optim.inner, run_steps(cfg, layout_of(cfg))) == 100, at.name  # 5 % of 2000
         assert outer_step_of(cfg)[0] == 1.0, at.name
         same = _composed(arm, defaults)  # the same arm's sync and topology, whichever kind
         assert (cfg.sync, cfg.topology, cfg.train.rounds) == (same.sync, same.topology, same.train.rounds), at.name

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors import checkpointing
+from hsgd.config.layout import layout_of
 from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
@@ -90,6 +91,7 @@ def sup(tmp_path, monkeypatch):
         injector=SimpleNamespace(supervisor_faults=lambda *a: None, arm=lambda *a, **k: {}),
         topology=Topology(2, 1),
         steps_per_round=4,
+        layout=layout_of(cfg),
         save_state=lambda: None,
         warn=lambda m: None,
         set_status=lambda **kw: statuses.append(kw),

@@ -88,6 +88,7 @@ def _sup(tmp_path, calls, fail=(), fingerprint=None):
         log=_Log(calls),
         warn=lambda m: None,
         save_state=lambda: None,
+        layout=SimpleNamespace(ranks_per_replica=1),  # the run's (hsgd.config.layout.RunLayout): what these read
     )
 
 

@@ -30,7 +30,7 @@ from hsgd.core.site_requests import (
     write_request,
 )
 from hsgd.core.site_topology import applied_sites, joined_topology, widened_sites  # (moved from site_requests)
-from hsgd.core.topology import Topology
+from hsgd.core.topology import Topology, topology_of
 from hsgd.record.events import EVENTS
 
 
@@ -226,7 +226,7 @@ CFG = OmegaConf.create(
 
 def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_round: int | None = None, cfg=CFG, **kw):
     """A supervisor's SiteChanges as a (re)started supervisor builds it: the topology with every joined site."""
-    topology = site_changes.topology_of_run(cfg, state.replica_indices, str(tmp_path), state.run_id)
+    topology = site_changes.topology_of_run(topology_of(cfg, state.replica_indices), str(tmp_path), state.run_id)
     state.replica_indices = dict(topology.index_table)
     if not state.identity:
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})

@@ -9,6 +9,7 @@ import json
 from omegaconf import OmegaConf
 
 from hsgd.config import HsgdConfig
+from hsgd.config.layout import layout_of
 from hsgd.record.metrics import fallback_summary, run_summary
 from hsgd.record.run_end import driver_summary as _driver_summary
 from hsgd.record.run_end import ensure_summary as _ensure_summary
@@ -59,14 +60,14 @@ def test_the_driver_summarizes_from_the_durable_state_and_metrics(tmp_path):
         )
     )
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 3, "eval_loss": 2.5}) + "\n")
-    s = _driver_summary(str(tmp_path), CFG, "supervisor lost")
+    s = _driver_summary(str(tmp_path), layout_of(CFG), "supervisor lost")
     assert s["status"] == "failed" and s["reason"] == "supervisor lost"
     assert (s["rounds_committed"], s["inner_steps_committed"], s["final_eval_loss"]) == (4, 20, 2.5)
     assert s["checkpoints_failed"] == 1 and s["supervisor_starts"] == 2
 
 
 def test_the_driver_writes_a_summary_the_supervisor_could_not(tmp_path, capsys):
-    s = _driver_summary(str(tmp_path), CFG, "the supervisor's run call failed: ValueError: boom")
+    s = _driver_summary(str(tmp_path), layout_of(CFG), "the supervisor's run call failed: ValueError: boom")
     _ensure_summary(str(tmp_path), s)
     assert json.loads((tmp_path / "summary.json").read_text()) == s
     assert capsys.readouterr().out == "", "written, so not printed"
@@ -75,7 +76,7 @@ def test_the_driver_writes_a_summary_the_supervisor_could_not(tmp_path, capsys):
 def test_a_summary_the_folder_cannot_hold_is_printed_as_one_json_line(tmp_path, capsys):
     gone = tmp_path / "run"
     gone.write_text("a file where the run folder was")
-    s = _driver_summary(str(gone), CFG, "run folder unwritable")
+    s = _driver_summary(str(gone), layout_of(CFG), "run folder unwritable")
     _ensure_summary(str(gone), s)
     lines = capsys.readouterr().out.splitlines()
     assert "summary.json could not be written" in lines[-2] and "NotADirectoryError" in lines[-2]
