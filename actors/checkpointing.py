@@ -49,7 +49,7 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
             complete = bool(saved) and not failed and all(a["round"] == state_round for a in saved.values())
             if io_errors or not complete:
                 with contextlib.suppress(OSError):  # a temp folder left behind is `prune`'s
-                    storage(lambda: checkpoint.remove(temp), f"removing {temp}")
+                    storage(lambda temp=temp: checkpoint.remove(temp), f"removing {temp}")
             if io_errors:  # the disk will not do better on a second try right away
                 _failed(
                     sup,
@@ -63,7 +63,9 @@ def save(sup: RunnerPorts, state_round: int) -> str | None:
             manifest = _manifest(sup, state_round, saved)
             try:
                 final = storage(
-                    lambda: checkpoint.finalize(temp, manifest, {rid: a["round"] for rid, a in saved.items()}),
+                    lambda temp=temp, manifest=manifest, saved=saved: checkpoint.finalize(
+                        temp, manifest, {rid: a["round"] for rid, a in saved.items()}
+                    ),
                     "finalizing the checkpoint",
                 )
             except checkpoint.CheckpointError as err:

@@ -253,7 +253,8 @@ class RankFanOut:
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
         """Ranks 1..k-1: never returns while this process lives (rank 0's RankPeers.watch)."""
-        threading.Event().wait()  # no deadline by design: this call ends only with the process, which is what rank 0 watches for
+        # no deadline by design: this call ends only with the process, which is what rank 0 watches for
+        threading.Event().wait()
 
     def _with_ranks(self, method: str, own: tuple[PhaseAnswer, dict | None], *args) -> tuple[PhaseAnswer, dict | None]:
         """A heal source's (meta, state) for the whole replica: k > 1, the state is {"ranks": [rank 0's,

@@ -32,28 +32,28 @@ import os  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 
-import ray
-import torch
-from omegaconf import OmegaConf
+import ray  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
-from actors import lifecycle
-from actors.hang import install_faulthandler, thread_stacks
-from actors.rank_group import RankFanOut, RankOf, rank_prefix
-from actors.replica_faults import FaultHooks
-from actors.replica_state import StateCalls
-from hsgd.config.capacity import resolve_level_backend
-from hsgd.config.layout import layout_of
-from hsgd.core.faults import FaultSpec
-from hsgd.core.phases import Phase
-from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer, Progress
-from hsgd.record.rundir import FolderWriter, write_deadline_s
-from hsgd.record.steps import StepLog
-from hsgd.train import sharding
-from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment
-from hsgd.train.overlap import BackgroundReduce
-from hsgd.train.progress_board import Publisher
-from hsgd.train.simulate import link_from_config
-from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow
+from actors import lifecycle  # noqa: E402
+from actors.hang import install_faulthandler, thread_stacks  # noqa: E402
+from actors.rank_group import RankFanOut, RankOf, rank_prefix  # noqa: E402
+from actors.replica_faults import FaultHooks  # noqa: E402
+from actors.replica_state import StateCalls  # noqa: E402
+from hsgd.config.capacity import resolve_level_backend  # noqa: E402
+from hsgd.config.layout import layout_of  # noqa: E402
+from hsgd.core.faults import FaultSpec  # noqa: E402
+from hsgd.core.phases import Phase  # noqa: E402
+from hsgd.core.round import CallKind, ErrorKind, GroupJoin, Outcome, Overlap, PhaseAnswer, Progress  # noqa: E402
+from hsgd.record.rundir import FolderWriter, write_deadline_s  # noqa: E402
+from hsgd.record.steps import StepLog  # noqa: E402
+from hsgd.train import sharding  # noqa: E402
+from hsgd.train.comm import CollectiveError, LevelGroup, allow_level_overlap, apply_nccl_environment  # noqa: E402
+from hsgd.train.overlap import BackgroundReduce  # noqa: E402
+from hsgd.train.progress_board import Publisher  # noqa: E402
+from hsgd.train.simulate import link_from_config  # noqa: E402
+from hsgd.train.trainer import Behind, NonFiniteError, ReplicaTrainer, YieldNow  # noqa: E402
 
 _MODULE_T1 = time.time()  # its imports done
 

@@ -10,10 +10,10 @@ tiny, 2,000 inner steps, batch 8 per replica, flat DDP (1 x 4) reached 1.710 wit
 and 1.651 with cosine decay; hierarchical 2 x 2 DiLoCo at H = 50 with DiLoCo's 0.7 / 0.9 went from 2.219
 (+30 %) to 1.734 (+5.0 %) with cosine alone, and to 1.678 (+1.6 %) with lr 1.0, momentum 0.3 (40 outer steps);
 at H = 20 (100 outer steps) momentum 0.5 did best, 1.674 (+1.4 %), and so it did for 4 x 1 at H = 50 (1.735 against
-1.750 at 0.3: four clusters of one replica each average noisier pseudo-gradients, and stay +5 % behind). The decay closes most of the gap (a constant
-rate leaves the clusters' models far apart at the end); the outer step does the rest: DiLoCo's 0.9 was fitted
-to hundreds of outer steps, and a run of tens overshoots with it. From 500 outer steps on the rule returns
-DiLoCo's published 0.7 / 0.9 (not measured here).
+1.750 at 0.3: four clusters of one replica each average noisier pseudo-gradients, and stay +5 % behind). The decay
+closes most of the gap (a constant rate leaves the clusters' models far apart at the end); the outer step does the
+rest: DiLoCo's 0.9 was fitted to hundreds of outer steps, and a run of tens overshoots with it. From 500 outer
+steps on the rule returns DiLoCo's published 0.7 / 0.9 (not measured here).
 
 Explicit values always win. A resume keeps, for keys left auto, what its checkpoint recorded (`recorded`: the
 fingerprint's outer step, the manifest's `inner_schedule`; a checkpoint written before these defaults holds no

@@ -420,7 +420,8 @@ def unfirable_reason(spec, cfg: HsgdConfig, spr: int) -> tuple[str, str] | None:
         if s.inner == "none" and t.replicas_per_cluster == 1:
             return (
                 "phase",
-                "inner_sync never happens with sync.inner=none and one replica per cluster; valid: inner|outer|outer_commit|checkpoint",
+                "inner_sync never happens with sync.inner=none and one replica per cluster; "
+                "valid: inner|outer|outer_commit|checkpoint",
             )
         if s.inner == "localsgd" and (spec.step + 1) % s.inner_every != 0:
             steps = [k for k in range(spr) if (k + 1) % s.inner_every == 0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from tqdm import tqdm
 
 from hsgd.record.rundir import read_jsonl

@@ -253,7 +253,7 @@ class ReplicaTrainer:
         loss.backward()
         self._link_grads()
         copies = [p.detach().clone().requires_grad_(True) for p in self.params]
-        for c, p in zip(copies, self.params):
+        for c, p in zip(copies, self.params, strict=True):
             c.grad = None if p.grad is None else p.grad.detach().clone()
             p.grad = None
         if self.ranks is not None:
@@ -354,7 +354,7 @@ class ReplicaTrainer:
         """Sharded: hand this rank's local gradient shards (FSDP2's, reduce-scattered over the
         replica) to the local param tensors the optimizer steps. k=1: nothing to do."""
         if self.ranks is not None:
-            for p, full in zip(self.params, self.sharded):
+            for p, full in zip(self.params, self.sharded, strict=True):
                 p.grad = None if full.grad is None else sharding.local(full.grad)
 
     def _grad_norm(self) -> torch.Tensor:
@@ -400,7 +400,7 @@ class ReplicaTrainer:
             if self.buckets is not None:
                 self.buckets.disarm()
             if keep:
-                for p, before in zip(self.params, saved):
+                for p, before in zip(self.params, saved, strict=True):
                     p.data.copy_(before)
                 self.inner_opt.load_state_dict(saved_opt)
                 self._nonfinite.copy_(saved_nonfinite)
@@ -489,7 +489,7 @@ class ReplicaTrainer:
         if not self._require(round_index, "cluster_average") or self._averaged == (round_index, epoch):
             return
         if self._pre_average is not None and self._pre_average[0] == round_index:
-            for p, saved in zip(self.params, self._pre_average[1]):
+            for p, saved in zip(self.params, self._pre_average[1], strict=True):
                 p.copy_(saved)
         else:
             self._pre_average = (round_index, [p.detach().clone() for p in self.params])
@@ -597,7 +597,9 @@ class ReplicaTrainer:
             sizes = [g.numel() for g in shapes]
             bounds = shard_bounds(sum(sizes), len(roots), ALIGN)
             mean = torch.zeros(sum(sizes))
-            for j, (root, (lo, hi)) in enumerate(zip(roots, bounds)):  # one broadcast per shard, from its holder
+            for j, (root, (lo, hi)) in enumerate(
+                zip(roots, bounds, strict=True)
+            ):  # one broadcast per shard, from its holder
                 if inner.rank == root:
                     buf = self._outer_buffer
                     assert buf is not None and buf[0][0] == round_index and buf[0][2:4] == (j, len(roots)), (
@@ -606,7 +608,7 @@ class ReplicaTrainer:
                     mean[lo:hi] = buf[1]
                 if hi > lo:
                     sharding.agreed(
-                        lambda: inner.broadcast([mean[lo:hi]], root=root, level="inner"),
+                        lambda lo=lo, hi=hi, root=root: inner.broadcast([mean[lo:hi]], root=root, level="inner"),
                         self.ranks,
                         f"{self.rid}: commit broadcast",
                     )
@@ -615,9 +617,9 @@ class ReplicaTrainer:
                 if self.outer_residual is None:
                     self.outer_residual = [torch.zeros(g.shape) for g in self.outer_opt.global_params]
                 _, residual = compress_with_feedback(self.codec, corrected, None)
-                for i, r, g in zip(index, residual.split(sizes), shapes):
+                for i, r, g in zip(index, residual.split(sizes), shapes, strict=False):
                     self.outer_residual[i].copy_(r.view_as(g))
-            self.outer_opt.step([d.view_as(g) for d, g in zip(mean.split(sizes), shapes)], index)
+            self.outer_opt.step([d.view_as(g) for d, g in zip(mean.split(sizes), shapes, strict=True)], index)
             alpha = self.fragment_alpha  # 0: the global params (plain DiLoCo); else Streaming DiLoCo's mixing
             for i in index:
                 p, g = self.params[i], self.outer_opt.global_params[i].to(self.params[i].device)
@@ -653,7 +655,7 @@ class ReplicaTrainer:
             if self.ranks is not None:  # a no-grad forward leaves the root's params gathered (no backward
                 sharding.reshard(self.model)  # reshards them): the next step would read that stale copy
             if saved is not None:
-                for p, s in zip(self.params, saved):
+                for p, s in zip(self.params, saved, strict=True):
                     p.copy_(s)
         return sum(torch.stack(losses).tolist()) / len(losses)
 
@@ -678,7 +680,7 @@ class ReplicaTrainer:
         globals_ = self.outer_opt.global_params
         if self.ranks is not None:
             globals_ = sharding.full_tensors(globals_, self.sharded)
-        tensors = {name: g.detach().to("cpu").contiguous() for name, g in zip(self.param_names, globals_)}
+        tensors = {name: g.detach().to("cpu").contiguous() for name, g in zip(self.param_names, globals_, strict=True)}
         meta = {
             "round": str(self.round),
             "step": str(self.round * self.steps_per_round),
@@ -925,7 +927,7 @@ class ReplicaTrainer:
         self.step = int(state["step"]) if full else self.round * self.steps_per_round  # `global`: ours is gone
         self.round_losses = list(state.get("round_losses", [])) if full else []
         if full:
-            for p, src in zip(self.params, state["params"]):
+            for p, src in zip(self.params, state["params"], strict=False):
                 p.copy_(src.to(p.device))
             self.inner_opt.load_state_dict(state["inner_opt"])
         else:
