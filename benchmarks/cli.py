@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     import ray
 
-    ray.init(address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False
+    )
     try:
         results = [run(name, overrides, out) for name, overrides in cases]
     finally:
@@ -168,6 +170,7 @@ def _plot(results: list[dict], path: Path) -> None:
         axes,
         ("tokens_per_s_median", "slow_link_bytes", "final_eval_loss"),
         ("tokens/s (median round)", "bytes over the slow link", "final eval loss"),
+        strict=True,
     ):
         ax.bar(names, [r[key] or 0 for r in results], color=["#888", "#3b75af", "#c44e52"])
         ax.set_title(label, fontsize=9)

@@ -49,7 +49,7 @@ class ClusterBatches:
         if split != "train":
             return self.dataset.batch(split, seed=seed, replica_index=replica_index, step=step, micro=micro)
         parts = [self.dataset.batch(split, seed=seed, replica_index=m, step=step, micro=micro) for m in self.members]
-        return tuple(torch.cat(xs, dim=0) for xs in zip(*parts))
+        return tuple(torch.cat(xs, dim=0) for xs in zip(*parts, strict=True))
 
 
 class ThreadGroup:

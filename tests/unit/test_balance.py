@@ -67,7 +67,9 @@ def test_plan_steps_is_never_above_spr_nor_below_one():
             steps = plan_steps(spr, times)
             assert all(1 <= n <= spr for n in steps), (spr, times, steps)
             fastest = min(t for t in times if t is not None)
-            assert all(n == spr for n, t in zip(steps, times) if t == fastest), "the fastest runs the whole round"
+            assert all(n == spr for n, t in zip(steps, times, strict=True) if t == fastest), (
+                "the fastest runs the whole round"
+            )
 
 
 def test_plan_round_from_configured_step_times_only_is_configured():
@@ -456,7 +458,7 @@ def test_a_fragment_delay_beyond_the_plan_takes_the_snapshot_at_the_first_step(d
     assert seen == [0] and t.step == 3
     r, snapshot = t._outer_snapshot
     assert r == 0 and torch.count_nonzero(snapshot) == 0, "the snapshot holds the round's start: global - local = 0"
-    assert any(not torch.equal(p, q) for p, q in zip(t.params, start)), "the params moved after it"
+    assert any(not torch.equal(p, q) for p, q in zip(t.params, start, strict=True)), "the params moved after it"
 
 
 # -- 5. per-site pacing ---------------------------------------------------------------------------------------

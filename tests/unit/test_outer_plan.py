@@ -56,7 +56,7 @@ def test_each_round_syncs_the_next_fragment_so_each_is_synced_every_outer_every_
     assert steps_per_round(100, 4) == 25 and steps_per_round(100, 1) == 100
     # fragment f is synced at the end of rounds f, f+F, ...: every F * (H/F) = H steps
     ends = [(r + 1) * steps_per_round(100, 4) for r in range(12) if fragment_of_round(r, 4) == 1]
-    assert [b - a for a, b in zip(ends, ends[1:])] == [100, 100]
+    assert [b - a for a, b in zip(ends, ends[1:], strict=False)] == [100, 100]
 
 
 def test_shard_count_is_one_on_the_leader_path_and_the_smallest_live_cluster_when_sharded():
@@ -78,7 +78,7 @@ def test_the_leader_holds_shard_zero_and_larger_clusters_leave_members_without_a
 def test_shards_are_contiguous_cover_the_vector_and_start_on_block_boundaries(numel, shards, align):
     bounds = shard_bounds(numel, shards, align)
     assert len(bounds) == shards and bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert all(lo % align == 0 or lo == numel for lo, _ in bounds)
     sizes = [hi - lo for lo, hi in bounds]
     full = [s for s in sizes if s]

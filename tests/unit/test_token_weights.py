@@ -89,7 +89,7 @@ def _expected(outs, codec, weights, numel):
         code = make_codec(codec, 0.01)
         sent = [code.decode(code.encode(g), g.numel()) for g in sent]
     mean = torch.zeros(numel)
-    for w, g in zip(weights or (1.0,) * len(SIZES), sent):
+    for w, g in zip(weights or (1.0,) * len(SIZES), sent, strict=True):
         mean += g * w
     return mean / len(SIZES)
 

@@ -22,7 +22,7 @@ class PeerMeanGroup:
         self.peer, self.fail_after_apply = peer, fail_after_apply
 
     def allreduce_mean(self, tensors, *, level):
-        for t, p in zip(tensors, self.peer):
+        for t, p in zip(tensors, self.peer, strict=True):
             t.copy_((t + p) / 2)
         if self.fail_after_apply:
             raise CollectiveError("inner: peer died after the reduction")
@@ -54,11 +54,11 @@ def test_retried_cluster_average_never_averages_an_averaged_replica_again(datase
     with pytest.raises(CollectiveError):  # averaged here, but the peer failed: the call is retried
         t.cluster_average(0, 5, PeerMeanGroup(peer, fail_after_apply=True))
     t.cluster_average(0, 6, PeerMeanGroup(peer))  # retry under a new epoch
-    for p, m, q in zip(t.params, mine, peer):
+    for p, m, q in zip(t.params, mine, peer, strict=True):
         assert torch.equal(p.detach(), (m + q) / 2), "the retry averaged the already-averaged params"
     before = [p.detach().clone() for p in t.params]
     t.cluster_average(0, 6, PeerMeanGroup(peer))  # re-issued for the same (round, epoch): a no-op
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, t.params))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, t.params, strict=True))
 
 
 def test_outer_buffer_is_keyed_by_round_and_epoch(dataset):
@@ -96,10 +96,10 @@ def test_global_state_is_a_snapshot(dataset):
     saved_momentum = [v["momentum_buffer"].clone() for v in state["outer"]["sgd"]["state"].values()]
     t.outer_opt.step([torch.ones_like(g) for g in t.outer_opt.global_params])
     now_momentum = [v["momentum_buffer"] for v in state["outer"]["sgd"]["state"].values()]
-    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum)), (
+    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum, strict=True)), (
         "a saved state must not change after later steps"
     )
-    assert all(torch.equal(x, y) for x, y in zip(saved, state["outer"]["global_params"]))
+    assert all(torch.equal(x, y) for x, y in zip(saved, state["outer"]["global_params"], strict=True))
 
 
 # -- issue 19 Build 6: a failed localsgd average never leaves a step applied twice ------------------
@@ -151,7 +151,7 @@ def test_inner_lr_warms_up_then_decays_by_cosine_to_the_floor_at_the_runs_end():
     assert [inner_lr(o, s, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert inner_lr(o, 4, 20) == pytest.approx(1.0) and inner_lr(o, 19, 20) == pytest.approx(0.1)
     values = [inner_lr(o, s, 20) for s in range(4, 20)]
-    assert all(a > b for a, b in zip(values, values[1:])), "cosine decay is monotone"
+    assert all(a > b for a, b in zip(values, values[1:], strict=False)), "cosine decay is monotone"
     assert inner_lr(o, 11, 20) == pytest.approx(0.55, abs=0.05)  # about halfway
     constant = OmegaConf.create({"lr": 0.3, "warmup_steps": 0, "schedule": "constant", "min_lr_ratio": 0.1})
     assert {inner_lr(constant, s, 20) for s in range(20)} == {0.3}
@@ -202,7 +202,7 @@ def test_each_optimizer_implementation_keeps_healed_replicas_bitwise_equal(datas
     assert again.param_digest() == a.param_digest(), f"{impl}: the same steps gave other bits"
     single = _trainer(dataset, "c0r0", "optim.inner.implementation=single")
     single.run_inner(0, _solo("inner"))
-    for p, q in zip(a.params, single.params):  # the same math, up to rounding
+    for p, q in zip(a.params, single.params, strict=True):  # the same math, up to rounding
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
