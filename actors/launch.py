@@ -85,7 +85,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     try:
         lock.acquire(takeover=resume)
     except RunLocked as err:
-        raise ConfigError("run.dir", str(err))
+        raise ConfigError("run.dir", str(err)) from err
     try:
         record_takeovers(run_dir, lock, resume_from)
         layout = layout_of(cfg)  # the run's layout, worked out once (null = auto resolved, a resume's adopted)

@@ -968,7 +968,9 @@ def _lrs(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--flat-lrs takes comma-separated rates (1.5e-3,3e-3,6e-3), not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--flat-lrs takes comma-separated rates (1.5e-3,3e-3,6e-3), not {text!r}"
+        ) from None
 
 
 def config_inner_lr(overrides: list[str]) -> float:
@@ -1112,7 +1114,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     n = CLUSTERS * REPLICAS_PER_CLUSTER
-    ray.init(address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False
+    )
     t0 = time.monotonic()
     try:
         for i, (arm, wan) in enumerate(runs, 1):

@@ -232,7 +232,7 @@ def test_replicas_sigkilled_mid_inner_in_the_slow_and_the_fast_site_heal_into_th
         running = poll(
             f"{rid} 1.5 s into round {round_index}'s inner phase",
             240,
-            lambda: _mid_inner(run_dir, rid, round_index, 1.5),
+            lambda: _mid_inner(run_dir, rid, round_index, 1.5),  # noqa: B023 — called within the iteration
         )
         os.kill(running["pid"], signal.SIGKILL)  # the OS, not the injector
         kills[rid] = (round_index, time.time())
@@ -333,7 +333,7 @@ def test_a_replay_of_the_same_seed_and_faults_ends_on_the_same_digest(tmp_path):
     ]
     first = train(tmp_path / "a", overrides)
     again = train(tmp_path / "b", overrides)
-    for run_dir, s in ((tmp_path / "a", first), (tmp_path / "b", again)):
+    for run_dir in (tmp_path / "a", tmp_path / "b"):
         check_run(run_dir, rounds=3, steps_per_round=10, victims={"c1r1"})
         assert [e["steps"] for e in events(run_dir) if e["event"] == "round_plan"] == [[10, 5]] * 3
     assert first["global_param_digest"] == again["global_param_digest"], (

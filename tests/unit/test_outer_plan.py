@@ -134,7 +134,7 @@ def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_sh
         assert call.shards == 2 and call.join.world_size == 3
         groups.setdefault(call.join.prefix, []).append((call.join.rank, rid, call.shard))
     assert sorted(groups) == [f"epoch{m.epoch}/outer/s0", f"epoch{m.epoch}/outer/s1"]
-    for prefix, members in groups.items():
+    for members in groups.values():
         assert sorted(r for r, _, _ in members) == [0, 1, 2], "one holder per cluster, ranked in cluster order"
         assert len({int(rid[1]) for _, rid, _ in members}) == 3
     assert "c0r2" not in reduce.calls and "c2r2" not in reduce.calls, "members beyond the smallest cluster hold none"
@@ -188,7 +188,7 @@ def test_a_failed_shard_reduce_rolls_the_whole_exchange_back_and_retries_it():
 def test_a_shard_holder_lost_before_the_commit_leaves_its_cluster_to_heal_next_round():
     m = _machine([2, 2])
     m.outer_configured = None
-    issued = _run_round(m, fail={("outer_commit", "c0r1"): Outcome.DIED})
+    _run_round(m, fail={("outer_commit", "c0r1"): Outcome.DIED})
     assert m.outcome == "committed" and "c0r1" not in m.committed_by
     assert m.outer_configured is None or all("c0r1" not in g for g in m.outer_configured[1]), (
         "a dead holder's outer group is never handed on as standing"

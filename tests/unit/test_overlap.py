@@ -186,13 +186,17 @@ def test_collective_guards_are_per_level_with_overlap_and_per_process_without():
         with comm.one_collective("outer reduce", "outer"):
             with comm.one_collective("inner step", "inner"):  # another level: allowed
                 pass
-            with pytest.raises(comm.OverlappingCollectiveError, match="on the outer level"):
-                with comm.one_collective("second outer", "outer"):  # one group's collectives never interleave
-                    pass
+            with (
+                pytest.raises(comm.OverlappingCollectiveError, match="on the outer level"),
+                comm.one_collective("second outer", "outer"),  # one group's collectives never interleave
+            ):
+                pass
         comm.allow_level_overlap(False)
-        with comm.one_collective("outer reduce", "outer"):
-            with pytest.raises(comm.OverlappingCollectiveError, match="in this process"):
-                with comm.one_collective("inner step", "inner"):
-                    pass
+        with (
+            comm.one_collective("outer reduce", "outer"),
+            pytest.raises(comm.OverlappingCollectiveError, match="in this process"),
+            comm.one_collective("inner step", "inner"),
+        ):
+            pass
     finally:
         comm.allow_level_overlap(False)

@@ -118,7 +118,7 @@ def test_the_reduced_mean_is_the_hand_computed_token_weighted_average_on_both_pa
     plain = _expected(outs, codec, (), numel)
     assert not torch.allclose(expected, plain), "the weights must change the mean for this check to mean anything"
     _both_paths_ran(outs, (codec, UNEQUAL))
-    for rank, out in outs.items():
+    for out in outs.values():
         rec = out[(codec, UNEQUAL)]
         if "leader" in rec:
             torch.testing.assert_close(torch.tensor(rec["leader"]), expected, rtol=1e-5, atol=1e-7)

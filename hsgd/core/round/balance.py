@@ -65,7 +65,7 @@ def plan_round(
     round_index: int, steps_per_round: int, configured: Sequence[float | None], learned: Sequence[float | None]
 ) -> StepPlan:
     """Round `round_index`'s plan: each cluster's configured step time where set, else its learned one."""
-    step_s = tuple(c if c is not None else l for c, l in zip(configured, learned, strict=True))
+    step_s = tuple(c if c is not None else m for c, m in zip(configured, learned, strict=True))
     used = {
         "configured" if c is not None else "learned" for c, s in zip(configured, step_s, strict=True) if s is not None
     }
