@@ -497,8 +497,8 @@ def ratios_md(ratios: dict[str, dict]) -> str:
 def schedule_overrides(steps: int) -> list[str]:
     """The inner learning rate every arm trains with, as a run of `steps` steps is trained: linear
     warmup over the first 5 % of the steps, then cosine decay to a tenth (DiLoCo's and nanoGPT's
-    shape; the config's default too since issue 33). A constant rate (the old default) leaves the clusters' models far apart at the end
-    and the comparison says more about the rate than the sync. `--set` overrides it."""
+    shape; the config's default too since issue 33). A constant rate (the old default) leaves the clusters'
+    models far apart at the end and the comparison says more about the rate than the sync. `--set` overrides it."""
     return ["optim.inner.schedule=cosine", f"optim.inner.warmup_steps={max(1, steps // 20)}"]
 
 

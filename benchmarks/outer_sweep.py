@@ -17,7 +17,7 @@ with inner ddp over gloo.
 
 Writes `<out>/outer_sweep.json` (every job: its overrides, final and per-round eval loss, the gap to
 its grid's flat DDP) and `<out>/outer_sweep.md` (one table per grid), one progress line per job.
-"""
+"""  # noqa: E501 — its first line is the --help description (argparse reads __doc__'s first line)
 
 from __future__ import annotations
 

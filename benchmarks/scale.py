@@ -960,7 +960,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"2 x clusters x ticks = {f['target_extra_calls']:.0f} ({holds}); "
                 f"idle-liveness calls {f['idle_liveness_calls_lasting']} (skipped, the table tells: "
                 f"{f['idle_liveness_calls_skipped_lasting']}), table reads {f['lasting']['table_reads']}, board "
-                f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
+                f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; "
+                f"supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
                 f"core over the inner phase (main thread {f['supervisor_main_thread_cpu_per_inner_s']:.1%})",
                 flush=True,
             )

@@ -25,9 +25,10 @@ How (torchft's protocol)
     - Manager (one per worker, its own TCPStore, pg `torchft.process_group.ProcessGroupGloo`): `Optimizer.zero_grad()`
       asks for the quorum at every step (asynchronously, overlapping the forward); a new quorum
       reconfigures the gloo group. A replica behind the quorum's max step heals: a live peer
-      sends its `state_dict()` (model + AdamW) over the process group (`torchft.checkpointing.pg_transport.PGTransport`, as
-      train_ddp.py does) and this replica loads it (`load_state_dict`) before its optimizer
-      step; a healing replica's gradients count as zeros in that step's all-reduce.
+      sends its `state_dict()` (model + AdamW) over the process group
+      (`torchft.checkpointing.pg_transport.PGTransport`, as train_ddp.py does) and this replica loads
+      it (`load_state_dict`) before its optimizer step; a healing replica's gradients count as zeros
+      in that step's all-reduce.
     - `torchft.DistributedDataParallel` all-reduces the gradients (the mean over the
       participants) through the Manager; `torchft.Optimizer.step()` asks
       `manager.should_commit()` and steps AdamW only if no rank of the group reported an error
