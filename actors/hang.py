@@ -36,7 +36,7 @@ def install_faulthandler(run_dir: str, rid: str) -> None:
     """Called in the replica: SIGUSR2 writes all threads' stacks to stacks/<rid>-<pid>.txt."""
     path = faulthandler_path(run_dir, rid, os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "w")  # kept open for the life of the process, as faulthandler requires
+    handle = open(path, "w")  # noqa: SIM115 — kept open for the life of the process, as faulthandler requires
     faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=False)
 
 

@@ -86,7 +86,7 @@ def run_training(cfg: DictConfig, run_dir: str) -> dict:
     try:
         lock.acquire(takeover=resume)
     except RunLocked as err:
-        raise ConfigError("run.dir", str(err))
+        raise ConfigError("run.dir", str(err)) from err
     try:
         record_takeovers(run_dir, lock, resume_from)
         return _run_owned(cfg, Run(cfg, layout, run_dir, run_id, ckpt_root, fingerprint, resume_from))

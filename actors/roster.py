@@ -5,6 +5,7 @@ cluster's groups must be configured again. Deaths are logged here, each once (Ac
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -147,10 +148,8 @@ class Roster:
         """rid raised in a phase: its `replica_down` (cause `error`) is logged *before* the kill, so
         Ray's actor table does not report the kill first as a plain death; Ray restarts it clean."""
         self.died(rid, "error", phase, round_index, detail)
-        try:
+        with contextlib.suppress(Exception):  # already gone
             ray.kill(self.handles[rid], no_restart=False)
-        except Exception:  # noqa: BLE001 — already gone
-            pass
 
     def died(self, rid: str, cause: str, phase: str | None, round_index: int, detail: str = "") -> bool:
         """The process serving rid died (or was killed), learned from a call: its `replica_down`,
@@ -309,10 +308,8 @@ class Roster:
                         reason=f"{'no answer' if verdict == HUNG else f'stuck in {phase}'} "
                         f"for over {limit:.0f}s after a supervisor restart",
                     )
-                    try:
+                    with contextlib.suppress(Exception):  # already gone: Ray restarts it anyway
                         ray.kill(self.handles[rid], no_restart=False)
-                    except Exception:  # noqa: BLE001 — already gone: Ray restarts it anyway
-                        pass
                     self.down(rid, "hung", phase, -1 if answer is None else answer.get("round", -1))
                 else:  # busy, or silent but not yet for long
                     busy.append(rid)

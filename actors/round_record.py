@@ -9,6 +9,7 @@ decides nothing and calls nobody: the runner hands it each answer and each Phase
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -55,10 +56,8 @@ class SupervisorRecord:
     @staticmethod
     def warn(message: str) -> None:
         """A warning on the console (the driver's, through Ray's log forwarding); never raises."""
-        try:
+        with contextlib.suppress(Exception):  # even the console may be a full disk
             print(f"[hsgd] warning: {message}", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 — even the console may be a full disk
-            pass
 
     def _wandb_failed(self, what: str, error: str) -> None:
         self.log.event("write_failed", what=what, error=error)

@@ -223,7 +223,9 @@ class StartupCalls:
         try:
             url, nonce = checkpoint.write_reach_nonce(root, run_id)
         except Exception as err:  # noqa: BLE001 — any storage error: the driver cannot write there
-            raise ConfigError("checkpoint.dir", f"the driver cannot write to {root}: {type(err).__name__}: {err}")
+            raise ConfigError(
+                "checkpoint.dir", f"the driver cannot write to {root}: {type(err).__name__}: {err}"
+            ) from err
         try:
             answers, errors = self.call_all(
                 handles,

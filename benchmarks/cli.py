@@ -1,8 +1,10 @@
 """Benchmarks: `python -m benchmarks [--quick] [--out DIR] [--rounds N] [--outer-every H]`, or
 `python -m benchmarks {overhead,recovery,goodput,scale,straggler} [--quick] [--out DIR]` (hsgd against
 its peers — plain DDP, torchft, Ray Train — in one invocation; each writes <suite>.json and a PNG),
-`python -m benchmarks report [--from DIR ...]` (BENCHMARKS.md from those JSONs; benchmarks/report.py; `--quick` accepted), or
-`python -m benchmarks plan [--out DIR]` (the round machine and its runner per round at 10,000 replicas, against a fake Ray), or
+`python -m benchmarks report [--from DIR ...]` (BENCHMARKS.md from those JSONs; benchmarks/report.py;
+`--quick` accepted), or
+`python -m benchmarks plan [--out DIR]` (the round machine and its runner per round at 10,000 replicas,
+against a fake Ray), or
 `python -m benchmarks goodput [--out DIR] [--rounds N] [--mtbf 30 10]` (wall time under faults vs
 fault-free, with and without hot spares; see benchmarks/goodput.py), or
 `python -m benchmarks inner [--quick] [--out DIR]` (hsgd's inner step vs plain and tuned PyTorch
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     import ray
 
-    ray.init(address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=max(n + 1, 2), namespace="hsgd-bench", include_dashboard=False, log_to_driver=False
+    )
     try:
         results = [run(name, overrides, out) for name, overrides in cases]
     finally:
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         ratio = r["ratio_vs_flat"]
         print(
-            f"{r['name']:>20}: {r['tokens_per_s_median'] or 0:9.0f} tok/s  slow link {r['slow_link_bytes'] / 1e6:8.2f} MB "
+            f"{r['name']:>20}: {r['tokens_per_s_median'] or 0:9.0f} tok/s  "
+            f"slow link {r['slow_link_bytes'] / 1e6:8.2f} MB "
             f"(x{ratio['slow_link_bytes'] or 0:.3f})  eval {r['final_eval_loss']:.4f}  wall {r['wall_s']:.1f}s"
         )
     print(f"bench.json and bench.png in {out}")
@@ -168,6 +173,7 @@ def _plot(results: list[dict], path: Path) -> None:
         axes,
         ("tokens_per_s_median", "slow_link_bytes", "final_eval_loss"),
         ("tokens/s (median round)", "bytes over the slow link", "final eval loss"),
+        strict=True,
     ):
         ax.bar(names, [r[key] or 0 for r in results], color=["#888", "#3b75af", "#c44e52"])
         ax.set_title(label, fontsize=9)

@@ -497,8 +497,8 @@ def ratios_md(ratios: dict[str, dict]) -> str:
 def schedule_overrides(steps: int) -> list[str]:
     """The inner learning rate every arm trains with, as a run of `steps` steps is trained: linear
     warmup over the first 5 % of the steps, then cosine decay to a tenth (DiLoCo's and nanoGPT's
-    shape; the config's default too since issue 33). A constant rate (the old default) leaves the clusters' models far apart at the end
-    and the comparison says more about the rate than the sync. `--set` overrides it."""
+    shape; the config's default too since issue 33). A constant rate (the old default) leaves the clusters'
+    models far apart at the end and the comparison says more about the rate than the sync. `--set` overrides it."""
     return ["optim.inner.schedule=cosine", f"optim.inner.warmup_steps={max(1, steps // 20)}"]
 
 
@@ -969,7 +969,9 @@ def _lrs(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--flat-lrs takes comma-separated rates (1.5e-3,3e-3,6e-3), not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--flat-lrs takes comma-separated rates (1.5e-3,3e-3,6e-3), not {text!r}"
+        ) from None
 
 
 def config_inner_lr(overrides: list[str]) -> float:

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": {},
     }
     for name in CASES:
-        per_round = [max(a, b) for a, b in zip(outs[0]["seconds"][name], outs[1]["seconds"][name])]
+        per_round = [max(a, b) for a, b in zip(outs[0]["seconds"][name], outs[1]["seconds"][name], strict=True)]
         report["cases"][name] = {
             "seconds": per_round,
             "tokens_per_s": tokens / statistics.median(per_round),
@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     report["ratio_hsgd_unbucketed_vs_torch_ddp"] = report["cases"]["hsgd_unbucketed"]["tokens_per_s"] / ddp_tps
     report["ratio_each_repeat"] = [
         h / d
-        for h, d in zip(report["cases"]["hsgd"]["tokens_per_s_each"], report["cases"]["torch_ddp"]["tokens_per_s_each"])
+        for h, d in zip(
+            report["cases"]["hsgd"]["tokens_per_s_each"], report["cases"]["torch_ddp"]["tokens_per_s_each"], strict=True
+        )
     ]
     atomic_write_text(out / "ddp.json", json.dumps(report, indent=2))
     for name in CASES:

@@ -226,10 +226,9 @@ class Replica:
                 self.world.unseen.append(self.rid)
                 return Ref(at=math.inf)
             return Ref(error=ActorDiedError())
-        if what == "collective":
-            kind = "wait"  # the group broke while in flight
-        else:  # a peer died: its connection closed, or (forming) the supervisor released the rendezvous
-            kind = "join_aborted" if join and what == "die" else "peer_gone"
+        # a collective: the group broke while in flight; else a peer died: its connection closed, or
+        # (forming) the supervisor released the rendezvous
+        kind = "wait" if what == "collective" else "join_aborted" if join and what == "die" else "peer_gone"
         if method == "run_inner" and self.round == round_index:
             self.step = max(self.step, end_of_half[1])  # it committed the steps before its group broke
         return Ref(self._answer("collective_failed", error=f"fake {what} in {method}", error_kind=kind))

@@ -31,12 +31,12 @@ def fault_costs(fired: list[dict], events: list[dict]) -> list[dict]:
         if not rid or rid == "supervisor":
             continue
         cluster = int(rid[1:].split("r")[0])
-        down = _first(events, t0, lambda e: e["event"] in ("replica_down", "hang_detected") and e.get("rid") == rid)
+        down = _first(events, t0, lambda e: e["event"] in ("replica_down", "hang_detected") and e.get("rid") == rid)  # noqa: B023 — called within the iteration
         t1 = down["t"] if down else None
-        replan = _first(inner, t1, lambda e: e.get("cluster") == cluster)
-        up = _first(events, t1, lambda e: e["event"] == "replica_up" and e.get("rid") == rid)
-        heal = _first(events, t1, lambda e: e["event"] == "heal_end" and e.get("target") == rid)
-        back = _first(inner, t1, lambda e: rid in (e.get("replicas") or []))
+        replan = _first(inner, t1, lambda e: e.get("cluster") == cluster)  # noqa: B023 — called within the iteration
+        up = _first(events, t1, lambda e: e["event"] == "replica_up" and e.get("rid") == rid)  # noqa: B023 — called within the iteration
+        heal = _first(events, t1, lambda e: e["event"] == "heal_end" and e.get("target") == rid)  # noqa: B023 — called within the iteration
+        back = _first(inner, t1, lambda e: rid in (e.get("replicas") or []))  # noqa: B023 — called within the iteration
         out.append(
             {
                 "rid": rid,

@@ -323,7 +323,7 @@ def _plot_spares(cases: list[dict], plt):
     ):
         values = [c["cost_medians"].get(part) or 0.0 for c in cases]
         ax2.bar(names, values, bottom=bottom, color=color, label=part[:-2])
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax2.plot(names, [c["cost_medians"].get("rejoin_s") or 0.0 for c in cases], "ko-", label="fault -> training again")
     ax2.set_title("median seconds per fault", fontsize=9)
     ax2.legend(fontsize=8)

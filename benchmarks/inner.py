@@ -434,10 +434,14 @@ class ShardedReplica:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in answers]
                 if dead:
-                    raise RuntimeError(f"k={self.k}: rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})")
+                    raise RuntimeError(
+                        f"k={self.k}: rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})"
+                    ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.k)) - set(answers))
-                    raise RuntimeError(f"k={self.k}: ranks {missing} gave no answer in {RANK_TIMEOUT_S:.0f} s")
+                    raise RuntimeError(
+                        f"k={self.k}: ranks {missing} gave no answer in {RANK_TIMEOUT_S:.0f} s"
+                    ) from None
                 continue
             if "exception" in answer:
                 raise RuntimeError(f"k={self.k}: rank {answer['rank']} failed:\n{answer['exception']}")

@@ -17,7 +17,7 @@ with inner ddp over gloo.
 
 Writes `<out>/outer_sweep.json` (every job: its overrides, final and per-round eval loss, the gap to
 its grid's flat DDP) and `<out>/outer_sweep.md` (one table per grid), one progress line per job.
-"""
+"""  # noqa: E501 — its first line is the --help description (argparse reads __doc__'s first line)
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class ClusterBatches:
         if split != "train":
             return self.dataset.batch(split, seed=seed, replica_index=replica_index, step=step, micro=micro)
         parts = [self.dataset.batch(split, seed=seed, replica_index=m, step=step, micro=micro) for m in self.members]
-        return tuple(torch.cat(xs, dim=0) for xs in zip(*parts))
+        return tuple(torch.cat(xs, dim=0) for xs in zip(*parts, strict=True))
 
 
 class ThreadGroup:

@@ -340,7 +340,9 @@ class FakeRun:
             armed.append(f"die (forming) c{c}")
         steady = [c for c in range(self.topology.clusters) if c not in self.returning]
         room = max(0, self.topology.clusters - 1 - len(armed))
-        for what, c in zip(FAILURES[:room], self.rng.sample(steady, min(room, len(steady), len(FAILURES)))):
+        for what, c in zip(
+            FAILURES[:room], self.rng.sample(steady, min(room, len(steady), len(FAILURES))), strict=False
+        ):
             members = [rid for rid in self.topology.cluster_members(c) if rid in self.roster.live]
             self.world.arm("run_inner", c, what, None if what == "collective" else self.rng.choice(members))
             armed.append(f"{what} c{c}")

@@ -197,6 +197,7 @@ def _plot(report: dict, path: Path) -> None:
         axes,
         ("survivors_stall_median_s", "rejoin_s"),
         ("survivors' stall (s)", "killed replica: kill to next committed step (s)"),
+        strict=True,
     ):
         ax.bar(names, [s["recovery"][key] or 0 for s in sides], color=[COLORS.get(n, "#888888") for n in names])
         ax.set_title(label, fontsize=9)

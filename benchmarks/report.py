@@ -64,7 +64,14 @@ def bench_ray(num_cpus: int = 8, namespace: str = "hsgd-bench", **init):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False, **init)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            **init,
+        )
     try:
         yield
     finally:
@@ -319,7 +326,8 @@ def _convergence_rows(r: dict) -> list[list[str]]:
     slow-link bytes ratio, the target held against each; then flat DDP's best rate per kind and
     hsgd's DiLoCo against torchft's at the same H."""
     target = r.get("target") or {}
-    bar = f"≥ {_f(target.get('bytes_ratio_vs_flat'), 'g')}×, ≤ {_f(100 * target['gap'] if 'gap' in target else None, 'g')} %"
+    gap = 100 * target["gap"] if "gap" in target else None
+    bar = f"≥ {_f(target.get('bytes_ratio_vs_flat'), 'g')}×, ≤ {_f(gap, 'g')} %"
     rows = []
     for row in r["rows"]:
         swept = (row.get("flat_rates") or 0) > 1

@@ -399,7 +399,7 @@ def ray_rounds(actors: list, clusters: int, per_cluster: int, rounds: int, seed:
     from hsgd.core.topology import Topology
 
     topology = Topology(clusters, per_cluster)
-    handles = dict(zip(topology.replica_ids(), actors))
+    handles = dict(zip(topology.replica_ids(), actors, strict=False))
     answers = ray.get(
         [
             h.reset.remote(
@@ -581,7 +581,7 @@ class InnerPhaseClock:
     def figures(self) -> dict:
         if self.begun is None or self.ended is None:
             raise RuntimeError("the round had no inner phase: the bench is broken")
-        wall, cpu, thread = (b - a for a, b in zip(self.begun, self.ended))
+        wall, cpu, thread = (b - a for a, b in zip(self.begun, self.ended, strict=True))
         return {
             "inner_wall_s": wall,
             "supervisor_cpu_s": cpu,
@@ -676,7 +676,7 @@ def lasting_rounds(
 
     topology = Topology(clusters, per_cluster)
     rids = topology.replica_ids()
-    handles = dict(zip(rids, actors))
+    handles = dict(zip(rids, actors, strict=False))
     answers = ray.get(
         [
             h.reset.remote(
@@ -688,7 +688,7 @@ def lasting_rounds(
     )
     world = RayWorld(topology, handles, {a["rid"]: a for a in answers})
     run = FakeRun(topology, STEPS_PER_ROUND, random.Random(seed), world=world)
-    roster = TableRoster(run.roster, dict(zip(rids, names)))
+    roster = TableRoster(run.roster, dict(zip(rids, names, strict=False)))
     run.roster = run.ports.roster = roster
     host = ray.util.get_node_ip_address()
     store = start_store(host, CALL_S)
@@ -791,10 +791,10 @@ def affine(xs: list[float], ys: list[float]) -> dict:
     sxx = sum((x - mx) ** 2 for x in xs)
     if len(xs) < 2 or sxx == 0:
         raise ValueError(f"a fit needs two sizes or more: {xs}")
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     a = my - b * mx
     syy = sum((y - my) ** 2 for y in ys)
-    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
     return {"fixed": a, "per_replica": b, "r2": 1.0 - residual / syy if syy > 0 else 1.0, "sizes": len(xs)}
 
 
@@ -846,9 +846,9 @@ def power_fit(xs: list[float], ys: list[float]) -> dict:
     sxx = sum((a - mx) ** 2 for a in lx)
     if len(xs) < 2 or sxx == 0:
         raise ValueError(f"a growth order needs two sizes or more: {xs}")
-    k = sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sxx
+    k = sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sxx
     syy = sum((b - my) ** 2 for b in ly)
-    residual = sum((b - (my + k * (a - mx))) ** 2 for a, b in zip(lx, ly))
+    residual = sum((b - (my + k * (a - mx))) ** 2 for a, b in zip(lx, ly, strict=True))
     return {
         "growth_exponent": k,
         "coefficient_ms": math.exp(my - k * mx),
@@ -864,7 +864,7 @@ def at(fit: dict, replicas: float) -> float:
 def affine_fit(xs: list[float], ys: list[float]) -> dict:
     """Least squares of y = fixed + per_replica * x."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return {"fixed_ms": my - b * mx, "per_replica_ms": b}
 
 
@@ -960,7 +960,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"2 x clusters x ticks = {f['target_extra_calls']:.0f} ({holds}); "
                 f"idle-liveness calls {f['idle_liveness_calls_lasting']} (skipped, the table tells: "
                 f"{f['idle_liveness_calls_skipped_lasting']}), table reads {f['lasting']['table_reads']}, board "
-                f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
+                f"writes {f['lasting']['board_writes']}, progress seen {f['progress_seen_lasting']}; "
+                f"supervisor CPU {f['supervisor_cpu_per_inner_s']:.1%} of a "
                 f"core over the inner phase (main thread {f['supervisor_main_thread_cpu_per_inner_s']:.1%})",
                 flush=True,
             )

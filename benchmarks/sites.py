@@ -98,7 +98,7 @@ def arm_figures(events: list[dict], metrics: list[dict], summary: dict) -> dict:
         parts["inner_s"].append(max(inner_ends.values()) - begin)
         parts["sync_s"].append(commits[r] - max(inner_ends.values()))
         if i + 1 < len(rounds):
-            nxt = _first(events, lambda e: e.get("round") == rounds[i + 1]["round"] and e["event"] == "phase_begin")
+            nxt = _first(events, lambda e: e.get("round") == rounds[i + 1]["round"] and e["event"] == "phase_begin")  # noqa: B023 — called within the iteration
             parts["between_s"].append(nxt["t"] - commits[r])
     wall = commits[rounds[-1]["round"]] - start
     return {
@@ -119,7 +119,7 @@ def arm_figures(events: list[dict], metrics: list[dict], summary: dict) -> dict:
 
 def wall_to_loss(curve: list[dict], loss: float, key: str = "wall_s") -> float | None:
     """The first `key` (wall or tokens) at which `curve` reaches `loss`, linearly between evals; None if never."""
-    for a, b in zip(curve, curve[1:]):
+    for a, b in zip(curve, curve[1:], strict=False):
         if b["eval_loss"] <= loss:
             if a["eval_loss"] <= loss or a["eval_loss"] == b["eval_loss"]:
                 return a[key] if a["eval_loss"] <= loss else b[key]
@@ -281,7 +281,7 @@ def _plot(report: dict, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), dpi=110)
     colors = {"none": "#888", "steps": "#3b75af"}
-    for ax, key, label in zip(axes, ("tokens", "wall_s"), ("tokens trained", "training wall (s)")):
+    for ax, key, label in zip(axes, ("tokens", "wall_s"), ("tokens trained", "training wall (s)"), strict=True):
         for a in report["arms"]:
             ax.plot(
                 [p[key] for p in a["curve"]],

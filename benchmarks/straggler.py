@@ -17,7 +17,7 @@ last one (read from `logging.step_times`; start-up is not counted), median over 
 interleaved repeats. `straggler.json`: per arm the times, the final eval loss (the price of
 syncing less) and the speed-up vs flat (flat's time / the arm's);
 `straggler.png`. `--quick`: 40 steps, p 0.05, every 20, one repeat (a smoke run).
-"""
+"""  # noqa: E501 — its first line is the --help description (argparse reads __doc__'s first line)
 
 from __future__ import annotations
 

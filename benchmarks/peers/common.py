@@ -118,7 +118,7 @@ def step_time_s(steps: dict[str, list[dict]], before_t: float | None = None) -> 
     when given): the fault-free step time a stall is compared with."""
     gaps = []
     for rows in steps.values():
-        for a, b in zip(rows, rows[1:]):
+        for a, b in zip(rows, rows[1:], strict=False):
             if a["pid"] == b["pid"] and (before_t is None or b["t"] <= before_t):
                 gaps.append(b["t"] - a["t"])
     return statistics.median(gaps) if gaps else None

@@ -123,7 +123,9 @@ def run_hsgd(
         "result_error": result.get("error"),
         "kills": [k.__dict__ for k in done],
         "recoveries": [recovery(steps_log, k).as_dict() for k in done],
-        "restart_breakdown": [restart_breakdown(run_dir, steps_log, k, st) for k, st in zip(done, startups)],
+        "restart_breakdown": [
+            restart_breakdown(run_dir, steps_log, k, st) for k, st in zip(done, startups, strict=False)
+        ],
         "step_time_s": step_time_s(steps_log, before_t=done[0].t if done else None),
         "committed_steps": committed_steps(steps_log),
         "faults_in_summary": len(summary.get("faults") or []),

@@ -64,6 +64,7 @@ rounds). No faults are injected here: this peer measures convergence, not recove
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -186,10 +187,8 @@ def run_diloco(*, overrides: Sequence[str], out: str | os.PathLike, timeout_s: f
             if p.poll() is None:
                 p.kill()
         for p in procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
         lighthouse.shutdown()
     per_rank = {name: json.loads((out / "results" / f"{name}.json").read_text()) for name in procs}
     first = per_rank["g0r0"]

@@ -25,9 +25,10 @@ How (torchft's protocol)
     - Manager (one per worker, its own TCPStore, pg `torchft.process_group.ProcessGroupGloo`): `Optimizer.zero_grad()`
       asks for the quorum at every step (asynchronously, overlapping the forward); a new quorum
       reconfigures the gloo group. A replica behind the quorum's max step heals: a live peer
-      sends its `state_dict()` (model + AdamW) over the process group (`torchft.checkpointing.pg_transport.PGTransport`, as
-      train_ddp.py does) and this replica loads it (`load_state_dict`) before its optimizer
-      step; a healing replica's gradients count as zeros in that step's all-reduce.
+      sends its `state_dict()` (model + AdamW) over the process group
+      (`torchft.checkpointing.pg_transport.PGTransport`, as train_ddp.py does) and this replica loads
+      it (`load_state_dict`) before its optimizer step; a healing replica's gradients count as zeros
+      in that step's all-reduce.
     - `torchft.DistributedDataParallel` all-reduces the gradients (the mean over the
       participants) through the Manager; `torchft.Optimizer.step()` asks
       `manager.should_commit()` and steps AdamW only if no rank of the group reported an error
@@ -95,6 +96,7 @@ Settings
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -203,10 +205,10 @@ class _Replicas:
             if proc.poll() is None:
                 proc.kill()
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(
+                subprocess.TimeoutExpired
+            ):  # a SIGKILLed process that outlives 30 s: nothing more to do
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # a SIGKILLed process that outlives 30 s: nothing more to do
-                pass
 
 
 def _lighthouse_class():
@@ -609,58 +611,57 @@ def _worker(spec: dict) -> int:
     log = common.StepLog(Path(spec["out"]) / "steps", replica)
     digests = Path(spec["out"]) / "digests"
     digests.mkdir(parents=True, exist_ok=True)
-    digest_log = open(digests / f"{replica}.jsonl", "a", buffering=1)
-    every = int(spec["digest_every"])
-    while manager.current_step() < steps:
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)  # asks for the quorum, asynchronously
-        step = manager.current_step()  # a healing replica's is stale, but its gradients count as zeros
-        for micro in range(accum):
-            if micro < accum - 1:
-                with ddp.no_sync():
-                    (loss_fn(ddp, batch(step, micro)) / accum).backward()
-            else:
-                loss = loss_fn(ddp, batch(step, micro))
-                (loss / accum if accum > 1 else loss).backward()
-        manager.wait_quorum()  # done already (the all-reduce waited for it): the step count is final
-        before = manager.current_step()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip, foreach=foreach)
-        set_lr(before)
-        optimizer.step()  # should_commit(): AdamW steps only if the quorum's step committed
-        done = manager.current_step()
-        if done == before + 1:
-            log.committed(done)
-            if done == steps or (every > 0 and done % every == 0):
-                digest_log.write(
-                    json.dumps(
-                        {
-                            "replica": replica,
-                            "pid": os.getpid(),
-                            "step": done,
-                            "digest": param_digest(params),
-                            "quorum_size": pg.size(),
-                        }
+    with open(digests / f"{replica}.jsonl", "a", buffering=1) as digest_log:
+        every = int(spec["digest_every"])
+        while manager.current_step() < steps:
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=False)  # asks for the quorum, asynchronously
+            step = manager.current_step()  # a healing replica's is stale, but its gradients count as zeros
+            for micro in range(accum):
+                if micro < accum - 1:
+                    with ddp.no_sync():
+                        (loss_fn(ddp, batch(step, micro)) / accum).backward()
+                else:
+                    loss = loss_fn(ddp, batch(step, micro))
+                    (loss / accum if accum > 1 else loss).backward()
+            manager.wait_quorum()  # done already (the all-reduce waited for it): the step count is final
+            before = manager.current_step()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=foreach)
+            set_lr(before)
+            optimizer.step()  # should_commit(): AdamW steps only if the quorum's step committed
+            done = manager.current_step()
+            if done == before + 1:
+                log.committed(done)
+                if done == steps or (every > 0 and done % every == 0):
+                    digest_log.write(
+                        json.dumps(
+                            {
+                                "replica": replica,
+                                "pid": os.getpid(),
+                                "step": done,
+                                "digest": param_digest(params),
+                                "quorum_size": pg.size(),
+                            }
+                        )
+                        + "\n"
                     )
-                    + "\n"
-                )
-        time.sleep(max(0.0, spec["min_step_s"] - (time.perf_counter() - started)))  # as hsgd's train.min_step_s
-    tmp = digests / f".{replica}.{os.getpid()}.json"
-    tmp.write_text(
-        json.dumps(
-            {
-                "replica": replica,
-                "pid": os.getpid(),
-                "step": manager.current_step(),
-                "digest": param_digest(params),
-                "quorums": len(counts.quorum_ids),
-                "heals": heals[0],
-                "commit_failures": counts.commit_failures,
-            }
+            time.sleep(max(0.0, spec["min_step_s"] - (time.perf_counter() - started)))  # as hsgd's train.min_step_s
+        tmp = digests / f".{replica}.{os.getpid()}.json"
+        tmp.write_text(
+            json.dumps(
+                {
+                    "replica": replica,
+                    "pid": os.getpid(),
+                    "step": manager.current_step(),
+                    "digest": param_digest(params),
+                    "quorums": len(counts.quorum_ids),
+                    "heals": heals[0],
+                    "commit_failures": counts.commit_failures,
+                }
+            )
         )
-    )
-    tmp.replace(digests / f"{replica}.json")
-    digest_log.close()
+        tmp.replace(digests / f"{replica}.json")
     log.close()
     manager.shutdown(wait=False)
     sys.stdout.flush()

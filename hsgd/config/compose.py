@@ -138,6 +138,6 @@ def check_run_folder(run_dir: str, resume: bool, *, hydra_wrote: bool = False) -
     try:
         runlock.check(run_dir, takeover=resume)
     except runlock.RunLocked as err:
-        raise ConfigError("run.dir", str(err))
+        raise ConfigError("run.dir", str(err)) from err
     if not resume and {"summary.json", "supervisor_state.json"} & set(entries):
         raise ConfigError("run.dir", f"{run_dir} already holds a run; choose a new run.dir or add train.resume=true")

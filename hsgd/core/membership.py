@@ -42,7 +42,7 @@ def quorum_problem(counts: list[int], min_replicas_per_cluster: int | Sequence[i
         if isinstance(min_replicas_per_cluster, int)
         else list(min_replicas_per_cluster)
     )
-    in_quorum = sum(n >= floor for n, floor in zip(counts, floors))
+    in_quorum = sum(n >= floor for n, floor in zip(counts, floors, strict=True))
     if in_quorum >= min_clusters:
         return None
     listed = ", ".join(f"c{c}={n}" for c, n in enumerate(counts))

@@ -63,7 +63,7 @@ def shard_holders(members: Sequence[Sequence[str]], leaders: Sequence[str], shar
     k's live members in inner-rank order; `leaders[k]`: its leader, who holds shard 0 (so the
     leader path is the one-shard case); the other members take shards 1.. in inner-rank order."""
     per_cluster = []
-    for rids, leader in zip(members, leaders):
+    for rids, leader in zip(members, leaders, strict=True):
         order = [leader] + [r for r in rids if r != leader]
         assert len(order) >= shards, f"{len(order)} members for {shards} shards"
         per_cluster.append(order[:shards])

@@ -47,7 +47,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
@@ -57,16 +57,12 @@ from hsgd.record.rundir import atomic_write_text
 REQUESTS_DIR = "requests"
 
 
-class RequestKind(str, Enum):
-    """What a request asks; its value is the `kind` in the request and outcome files (the public contract)."""
+class RequestKind(StrEnum):
+    """What a request asks; its value is the `kind` in the request and outcome files (the public contract);
+    str() and format() give the value (the file's string in messages and JSON)."""
 
     DRAIN = "drain"
     ADD_SITE = "add-site"
-
-    def __str__(self) -> str:  # the file's string in messages and JSON, on every Python version
-        return self.value
-
-    __format__ = str.__format__
 
 
 def _kind(value) -> RequestKind | None:

@@ -50,4 +50,6 @@ def cluster_trends(losses: Mapping[str, list[float]], cluster_of) -> dict[int, t
         if len(steps) >= 2:
             k = max(1, len(steps) // 3)
             by_cluster.setdefault(cluster_of(rid), []).append((sum(steps[:k]) / k, sum(steps[-k:]) / k))
-    return {c: (sum(e for e, _ in v) / len(v), sum(l for _, l in v) / len(v)) for c, v in by_cluster.items()}
+    return {
+        c: (sum(early for early, _ in v) / len(v), sum(late for _, late in v) / len(v)) for c, v in by_cluster.items()
+    }

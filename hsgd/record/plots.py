@@ -290,9 +290,9 @@ def write_loss_png(run_dir: str | Path) -> Path:
     data = loss_plot_data(run_dir)
     fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
     for rid, points in sorted(data["replica_loss"].items(), key=lambda kv: _rid_key(kv[0])):
-        ax.plot(*zip(*points), lw=1.2, alpha=0.75, marker=".", ms=4, label=f"train {rid}")
+        ax.plot(*zip(*points, strict=True), lw=1.2, alpha=0.75, marker=".", ms=4, label=f"train {rid}")
     if data["eval_loss"]:
-        ax.plot(*zip(*data["eval_loss"]), "k-o", ms=3, lw=2, label="eval (global model)")
+        ax.plot(*zip(*data["eval_loss"], strict=True), "k-o", ms=3, lw=2, label="eval (global model)")
     if not data["replica_loss"] and not data["eval_loss"]:
         ax.text(0.5, 0.5, "no committed rounds yet", transform=ax.transAxes, ha="center", color="grey")
     for step, label in data["faults"]:

@@ -20,7 +20,7 @@ class StepLog:
         self.file = None
         with contextlib.suppress(OSError):  # no timeline; training goes on
             Path(folder).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(folder) / f"{replica}.jsonl", "a", buffering=1)  # line-buffered
+            self.file = open(Path(folder) / f"{replica}.jsonl", "a", buffering=1)  # noqa: SIM115 — line-buffered, open until close()
 
     def committed(self, step: int) -> None:
         if self.file is None:

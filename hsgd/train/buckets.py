@@ -54,7 +54,7 @@ class _Bucket:
     def __init__(self, members: list[int], params: list[torch.Tensor]):
         self.members = members
         sizes = [params[i].numel() for i in members]
-        self.offsets = dict(zip(members, itertools.accumulate(sizes, initial=0)))
+        self.offsets = dict(zip(members, itertools.accumulate(sizes, initial=0), strict=False))
         first = params[members[0]]
         self.flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.ready: set[int] = set()

@@ -45,14 +45,14 @@ class OuterOptimizer:
         """global - local, on CPU; detached copies (never tensors with autograd history).
         `index`: which global params `params` are (a fragment); None = all of them, in order."""
         chosen = self.global_params if index is None else [self.global_params[i] for i in index]
-        return [g.detach() - p.detach().to("cpu") for g, p in zip(chosen, params)]
+        return [g.detach() - p.detach().to("cpu") for g, p in zip(chosen, params, strict=True)]
 
     @torch.no_grad()
     def step(self, mean_pseudo_gradient: list[torch.Tensor], index: list[int] | None = None) -> None:
         """Apply the averaged pseudo-gradient to the global params (`index`: only those, a
         fragment; the others get no gradient, so SGD leaves them and their momentum untouched)."""
         chosen = self.global_params if index is None else [self.global_params[i] for i in index]
-        for g, d in zip(chosen, mean_pseudo_gradient):
+        for g, d in zip(chosen, mean_pseudo_gradient, strict=True):
             g.grad = d.to(g.dtype).clone()
         self._sgd.step()
         for g in self.global_params:
@@ -61,12 +61,12 @@ class OuterOptimizer:
     @torch.no_grad()
     def reset_global(self, params: list[torch.Tensor]) -> None:
         """Used by `outer=none`: each cluster's own params become its round-start params."""
-        for g, p in zip(self.global_params, params):
+        for g, p in zip(self.global_params, params, strict=True):
             g.copy_(p.detach().to("cpu"))
 
     @torch.no_grad()
     def copy_global_into(self, params: list[torch.Tensor]) -> None:
-        for p, g in zip(params, self.global_params):
+        for p, g in zip(params, self.global_params, strict=True):
             p.copy_(g.to(p.device))
 
     def state_dict(self) -> dict:
@@ -75,6 +75,6 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for g, src in zip(self.global_params, state["global_params"]):
+        for g, src in zip(self.global_params, state["global_params"], strict=True):
             g.copy_(src)
         self._sgd.load_state_dict(deepcopy(state["sgd"]))

@@ -110,7 +110,7 @@ class Board:
         except Exception:  # noqa: BLE001
             return None
         out = {}
-        for rid, raw in zip(rids, values):
+        for rid, raw in zip(rids, values, strict=True):
             text = bytes(raw).decode("ascii", "replace")
             fields = text.split(",")
             if len(fields) == 3 and fields[0].lstrip("-").isdigit() and fields[1].isdigit() and fields[2].isdigit():

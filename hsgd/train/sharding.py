@@ -133,7 +133,7 @@ def full_tensors(shards: list[torch.Tensor], templates: list[torch.Tensor]) -> l
         DTensor.from_local(
             s.to(t.device), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         ).full_tensor()
-        for s, t in zip(shards, templates)
+        for s, t in zip(shards, templates, strict=True)
     ]
 
 

@@ -12,7 +12,6 @@ import multiprocessing
 import time
 from datetime import timedelta
 
-
 PRELOAD = ["torch", "torch.distributed", "hsgd.train.trainer"]
 
 

@@ -149,7 +149,7 @@ def localsgd_average_reference(cfg: Any, total_steps: int) -> list[list[torch.Te
         params = [list(m.parameters()) for m in models]
         opts = [build_inner_optimizer(cfg, ps) for ps in params]
         for step in range(total_steps):
-            for g, (model, ps, opt) in enumerate(zip(models, params, opts)):
+            for g, (model, ps, opt) in enumerate(zip(models, params, opts, strict=True)):
                 x, y = batch(cfg, corpus.train, g, step)
                 _, loss = model(x, y)
                 opt.zero_grad(set_to_none=False)
@@ -165,14 +165,14 @@ def localsgd_average_reference(cfg: Any, total_steps: int) -> list[list[torch.Te
                     cluster_means.append(means)
                     if n % cfg.sync.inner_every == 0:
                         for ps in members:
-                            for p, m in zip(ps, means):
+                            for p, m in zip(ps, means, strict=True):
                                 p.copy_(m)
                 if n % cfg.sync.outer_every == 0:
                     means = [
                         torch.stack([cm[k] for cm in cluster_means]).sum(0) / C for k in range(len(cluster_means[0]))
                     ]
                     for ps in params:
-                        for p, m in zip(ps, means):
+                        for p, m in zip(ps, means, strict=True):
                             p.copy_(m)
         return [snapshot(ps) for ps in params]
 
@@ -252,7 +252,7 @@ def diloco_reference(cfg: Any, rounds: int) -> tuple[list[torch.Tensor], list[li
         step = 0
         for _ in range(rounds):
             for _ in range(H):
-                for c, (model, ps, opt) in enumerate(zip(models, params, opts)):
+                for c, (model, ps, opt) in enumerate(zip(models, params, opts, strict=True)):
                     grads = []
                     for i in range(R):
                         x, y = batch(cfg, corpus.train, c * R + i, step)
@@ -267,14 +267,14 @@ def diloco_reference(cfg: Any, rounds: int) -> tuple[list[torch.Tensor], list[li
                     opt.step()
                 step += 1
             with torch.no_grad():
-                deltas = [[g.detach() - p.detach() for g, p in zip(global_params, ps)] for ps in params]
+                deltas = [[g.detach() - p.detach() for g, p in zip(global_params, ps, strict=True)] for ps in params]
                 for k, g in enumerate(global_params):
                     g.grad = torch.stack([d[k] for d in deltas]).sum(0) / C
             outer_opt.step()
             outer_opt.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for ps in params:
-                    for p, g in zip(ps, global_params):
+                    for p, g in zip(ps, global_params, strict=True):
                         p.copy_(g)
         momentum = [outer_opt.state[g]["momentum_buffer"].clone() for g in global_params]
         return snapshot(global_params), [snapshot(ps) for ps in params], momentum

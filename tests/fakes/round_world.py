@@ -851,7 +851,9 @@ class World:
                 missing = missing or members
             delay = self.commit_s.get(c, 0.5)
 
-            def applied(rep, buf=buffers.get(c)):
+            buf = buffers.get(c)
+
+            def applied(rep, buf=buf):
                 rep.applied = buf
 
             if missing and len(members) > 1:

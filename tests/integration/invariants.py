@@ -111,7 +111,8 @@ def digests_agree_every_round(metrics: list[dict], *, streaming: bool = False) -
         assert digests, f"invariant 1: round {m['round']} was recorded as committed with no replica digests"
         for group in _by_cluster(digests).values() if streaming else [digests]:
             assert len(set(group.values())) == 1, (
-                f"invariant 1 (identical params after every commit) broken in round {m['round']}: {_disagreement(group)}"
+                f"invariant 1 (identical params after every commit) broken in round {m['round']}: "
+                f"{_disagreement(group)}"
             )
         globals_ = m.get("global_digests") or {}
         assert len(set(globals_.values())) <= 1, (
@@ -236,11 +237,13 @@ def checkpoints_never_overwritten(run_dir, events: list[dict], damaged: set[str]
         if event is None:
             continue  # brought in from elsewhere (a checkpoint copied in to resume from)
         assert manifest.get("t", 0) <= event["t"], (
-            f"checkpoint {d.name} was rewritten: its manifest (t={manifest.get('t')}) is newer than its checkpoint event"
+            f"checkpoint {d.name} was rewritten: its manifest (t={manifest.get('t')}) "
+            "is newer than its checkpoint event"
         )
         for f in d.iterdir():
             assert f.stat().st_mtime <= event["t"] + MTIME_SLACK_S, (
-                f"checkpoint {d.name}/{f.name} was rewritten {f.stat().st_mtime - event['t']:.1f}s after the checkpoint was final"
+                f"checkpoint {d.name}/{f.name} was rewritten {f.stat().st_mtime - event['t']:.1f}s "
+                "after the checkpoint was final"
             )
 
 
@@ -337,7 +340,8 @@ def replica_indices_stable(run_dir, events: list[dict]) -> None:
     for e in events:
         if e["event"] == "replica_up" and e.get("replica_index") is not None:
             assert e["replica_index"] == table.get(e["rid"]), (
-                f"{e['rid']} came up reading stream {e['replica_index']}, but the run's table gives {table.get(e['rid'])}"
+                f"{e['rid']} came up reading stream {e['replica_index']}, "
+                f"but the run's table gives {table.get(e['rid'])}"
             )
     for manifest in sorted((run_dir / "checkpoints").glob("round_*/manifest.json")):
         kept = _json(manifest).get("replica_indices") or {}

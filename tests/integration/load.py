@@ -58,10 +58,8 @@ def busy_cores(processes: int | None = None, max_s: float = 900.0):
         for p in procs:
             p.kill()
         for p in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILLed: reaped by the OS once this process exits
                 p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass  # SIGKILLed: reaped by the OS once this process exits
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Issue 23's peer suites, each once with `--quick`: the JSON's schema, and that both sides of every
-comparison ran (hsgd and plain DDP, torchft; Ray Train's kill in test_peer_raytrain.py) — never a timing. BENCHMARKS.md is made from
-the JSONs and names each suite's command. (`scale` has its own test: tests/integration/test_bench_scale.py.)"""
+comparison ran (hsgd and plain DDP, torchft; Ray Train's kill in test_peer_raytrain.py) — never a timing.
+BENCHMARKS.md is made from the JSONs and names each suite's command. (`scale` has its own test:
+tests/integration/test_bench_scale.py.)"""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ first and use the embedded Ray of `python -m jobs.train`, one per job.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -214,10 +215,8 @@ class LocalRayCluster:
         # delays their SIGKILL
         for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 3.0)):
             for pid in self._pids():
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, sig)
-                except OSError:
-                    pass
             deadline = time.time() + wait_s
             while self._pids() and time.time() < deadline:
                 time.sleep(0.2)

@@ -56,7 +56,7 @@ def test_a_two_by_two_run_of_two_ranks_per_replica_trains_like_one_rank(tmp_path
         sharded["final_eval_loss"],
         whole["final_eval_loss"],
     )
-    for s, w in zip(sharded_rounds, whole_rounds):  # every round, not only the last
+    for s, w in zip(sharded_rounds, whole_rounds, strict=False):  # every round, not only the last
         assert len(set(s["replica_digests"].values())) == 1, f"round {s['round']}: replicas disagree"
         assert len(s["replica_digests"]) == 4, f"round {s['round']}: every replica's digest: {s['replica_digests']}"
         assert _relative(s["eval_loss"], w["eval_loss"]) <= 1e-4, (s["round"], s["eval_loss"], w["eval_loss"])
@@ -93,7 +93,7 @@ def test_a_fragment_delay_with_two_ranks_per_replica_ends_like_one_rank(tmp_path
     overlapped = [s["round"] for s in sharded_rounds if s["outer_overlapped"]]
     assert overlapped, "no round's reduce ran behind the inner steps with k=2"
     assert overlapped == [w["round"] for w in whole_rounds if w["outer_overlapped"]], "k=2 overlapped other rounds"
-    for s, w in zip(sharded_rounds, whole_rounds):
+    for s, w in zip(sharded_rounds, whole_rounds, strict=False):
         assert _relative(s["eval_loss"], w["eval_loss"]) <= 1e-4, (s["round"], s["eval_loss"], w["eval_loss"])
 
 
@@ -140,7 +140,7 @@ def _stalls(run_dir: Path, rid: str, around: float, steps_per_round: int = 40) -
     return max(
         (
             b["t"] - a["t"]
-            for a, b in zip(lines, lines[1:])
+            for a, b in zip(lines, lines[1:], strict=False)
             if b["step"] == a["step"] + 1 and a["step"] % steps_per_round
         ),
         default=0.0,

@@ -123,8 +123,8 @@ def assert_digests_agree(metrics: list[dict], n_replicas: int) -> None:
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+    assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b, strict=True))
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
 def report(name: str, **diffs: float) -> None:

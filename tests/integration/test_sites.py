@@ -102,7 +102,7 @@ def test_realistic_sites_survive_outside_sigkills_of_several_replicas_and_of_a_w
         running = poll(
             f"round {round_index}'s inner steps on {victims}",
             300,
-            lambda: inner_running(run_dir, victims, round_index, 20),
+            lambda: inner_running(run_dir, victims, round_index, 20),  # noqa: B023 — called within the iteration
         )
         for rid in victims:
             os.kill(running[rid]["pid"], signal.SIGKILL)  # the OS, not the injector

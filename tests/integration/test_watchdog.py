@@ -45,7 +45,7 @@ def test_gil_hang_in_inner_and_collective_stall_in_outer_are_caught(tmp_path):
     found = hangs(run_dir)
     assert [h["rid"] for h in found] == ["c0r1", "c1r0"], found
     fired = [json.loads(line) for line in (run_dir / "faults_fired.jsonl").read_text().splitlines()]
-    for hang, fault in zip(found, fired):
+    for hang, fault in zip(found, fired, strict=False):
         assert hang["t"] - fault["t"] < hang["deadline_s"] + 5, "hang not caught within its deadline + 5 s"
         assert hang["stuck_in"] and "_fire" in hang["stuck_in"], hang
         report = Path(hang["report"]).read_text()

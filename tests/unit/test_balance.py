@@ -67,7 +67,9 @@ def test_plan_steps_is_never_above_spr_nor_below_one():
             steps = plan_steps(spr, times)
             assert all(1 <= n <= spr for n in steps), (spr, times, steps)
             fastest = min(t for t in times if t is not None)
-            assert all(n == spr for n, t in zip(steps, times) if t == fastest), "the fastest runs the whole round"
+            assert all(n == spr for n, t in zip(steps, times, strict=True) if t == fastest), (
+                "the fastest runs the whole round"
+            )
 
 
 def test_plan_round_from_configured_step_times_only_is_configured():
@@ -299,7 +301,7 @@ class _Batches:
         return getattr(self.inner, name)
 
 
-def _recording_trainer(dataset, *overrides, rid="c0r0", **sync):
+def _recording_trainer(dataset, *overrides, rid="c0r0", **sync):  # noqa: F811 — the dataset fixture's value, passed in
     t = _trainer(dataset, rid, *SCHEDULE, *overrides, **sync)
     t.dataset = _Batches(t.dataset)
     return t
@@ -324,7 +326,7 @@ def _commit(t, r):
     t.outer_commit(r, _solo("inner"), roots=(0,))
 
 
-def test_run_inner_on_a_plan_runs_exactly_its_steps_and_the_commit_lands_on_the_rounds_end(dataset):
+def test_run_inner_on_a_plan_runs_exactly_its_steps_and_the_commit_lands_on_the_rounds_end(dataset):  # noqa: F811 — the module's dataset fixture
     t = _recording_trainer(dataset)
     assert t.steps_per_round == TSPR
     report, _ = _run(t, 0, steps=5)
@@ -339,7 +341,7 @@ def test_run_inner_on_a_plan_runs_exactly_its_steps_and_the_commit_lands_on_the_
     assert t.dataset.steps == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14], "the data stream is indexed by (round, step)"
 
 
-def test_a_planned_round_covers_the_same_stretch_of_the_lr_schedule(dataset):
+def test_a_planned_round_covers_the_same_stretch_of_the_lr_schedule(dataset):  # noqa: F811 — the module's dataset fixture
     from hsgd.train.trainer import inner_lr
 
     t = _recording_trainer(dataset)
@@ -355,7 +357,7 @@ def test_a_planned_round_covers_the_same_stretch_of_the_lr_schedule(dataset):
 
 
 @pytest.mark.parametrize("steps", [None, TSPR], ids=["steps_none", "steps_spr"])
-def test_a_plan_of_none_or_spr_steps_is_bit_identical_to_no_plan(dataset, steps):
+def test_a_plan_of_none_or_spr_steps_is_bit_identical_to_no_plan(dataset, steps):  # noqa: F811 — the module's dataset fixture
     plain, planned = _recording_trainer(dataset), _recording_trainer(dataset)
     lrs = {}
     for name, t, kw in (("plain", plain, "omit"), ("planned", planned, steps)):
@@ -392,14 +394,14 @@ class _AveragingPeer:
         (4, 8, [3, 7]),  # the plan's last step is a boundary: averaged once there
     ],
 )
-def test_localsgd_averages_at_the_plans_last_step(dataset, inner_every, steps, averages):
+def test_localsgd_averages_at_the_plans_last_step(dataset, inner_every, steps, averages):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", *SCHEDULE, inner="localsgd", inner_every=inner_every)
     group = _AveragingPeer(t)
     report = t.run_inner(0, group, steps=steps)
     assert report.steps_done == steps and group.at == averages
 
 
-def test_a_localsgd_snapshot_on_a_plan_lies_where_the_members_agree(dataset):
+def test_a_localsgd_snapshot_on_a_plan_lies_where_the_members_agree(dataset):  # noqa: F811 — the module's dataset fixture
     # spr 10, inner_every 2, fragment_delay 2 (both valid); plan 5: averages after steps 2, 4 and 5 (the plan's
     # last); the snapshot is taken after 5 - 2 = 3 steps, past the average at 2
     t = _trainer(dataset, "c0r0", *SCHEDULE, inner="localsgd", inner_every=2, fragment_delay=2)
@@ -441,14 +443,14 @@ def test_localsgd_members_on_a_plan_agree_at_its_last_step_over_gloo():
     assert a["digest"] == b["digest"], "members of a localsgd cluster differ at the end of their planned round"
 
 
-def test_a_fragment_delay_counts_back_from_the_plans_end(dataset):
+def test_a_fragment_delay_counts_back_from_the_plans_end(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", *SCHEDULE, fragment_delay=2)
     seen = []
     t.run_inner(0, _solo("inner"), at_snapshot=lambda: seen.append(t.step_in_round), steps=5)
     assert seen == [3], "the snapshot is 2 steps before the plan's end (5), not the round's (10)"
 
 
-def test_a_fragment_delay_beyond_the_plan_takes_the_snapshot_at_the_first_step(dataset):
+def test_a_fragment_delay_beyond_the_plan_takes_the_snapshot_at_the_first_step(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", *SCHEDULE, fragment_delay=8)
     start = [p.detach().clone() for p in t.params]
     seen = []
@@ -456,7 +458,7 @@ def test_a_fragment_delay_beyond_the_plan_takes_the_snapshot_at_the_first_step(d
     assert seen == [0] and t.step == 3
     r, snapshot = t._outer_snapshot
     assert r == 0 and torch.count_nonzero(snapshot) == 0, "the snapshot holds the round's start: global - local = 0"
-    assert any(not torch.equal(p, q) for p, q in zip(t.params, start)), "the params moved after it"
+    assert any(not torch.equal(p, q) for p, q in zip(t.params, start, strict=True)), "the params moved after it"
 
 
 # -- 5. per-site pacing ---------------------------------------------------------------------------------------

@@ -368,7 +368,7 @@ def test_arms_at_defaults_keep_what_makes_each_arm_and_take_nothing_else_from_th
     assert invocation_arms(bench, at="bench") == bench  # today's behaviour
     defaults = defaults_overrides(model="tiny", seed=3, eval_batches=4, extra=["train.min_step_s=0"])
     assert defaults == ["model=tiny", "seed=3", "train.eval_batches=4", "train.min_step_s=0"]
-    for arm, at in zip(bench, arms[len(bench) :]):
+    for arm, at in zip(bench, arms[len(bench) :], strict=True):
         assert at.at == "defaults" and arm.at == "bench", at.name
         assert (at.overrides, at.rounds, at.steps_per_round, at.hierarchical, at.senders, at.delay) == (
             arm.overrides,

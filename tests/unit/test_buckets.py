@@ -90,7 +90,7 @@ def test_buckets_are_launched_from_hooks_during_backward_in_bucket_order():
     ref = [p.grad.clone() for p in params]
     buckets.finish()
     assert [e[1] for e in log if e[0] == "allreduce"] == expected, "buckets launch in bucket order"
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=True):
         assert torch.equal(p.grad, r), "the mean (sum of two equal grads / 2) is written back into p.grad"
     with comm.one_collective("after"):  # the guard was released by finish
         pass
@@ -134,7 +134,7 @@ def test_a_failed_bucket_comes_out_of_finish_as_collective_error(pg, kind):
         group.allreduce_mean([torch.ones(1)], level="inner")  # unusable (not OverlappingCollectiveError)
     if kind != "issue":
         assert pg.aborted == 1, "in-flight buckets are dropped by aborting the group"
-    assert all(torch.equal(p.grad, b) for p, b in zip(params, before)), "no partial mean is written"
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True)), "no partial mean is written"
 
 
 def test_disarm_drops_in_flight_work_and_never_raises():
@@ -162,7 +162,7 @@ def test_a_group_of_one_does_nothing():
     _backward(model)
     ref = [p.grad.clone() for p in params]
     buckets.finish()
-    assert all(torch.equal(p.grad, r) for p, r in zip(params, ref)) and group.bytes_sent == 0
+    assert all(torch.equal(p.grad, r) for p, r in zip(params, ref, strict=True)) and group.bytes_sent == 0
 
 
 def test_arming_on_the_outer_group_is_refused():
@@ -220,11 +220,15 @@ def _worker(rank, port, results):
             overlapped(x, y)[1].backward()
             buckets.finish()
             opt_b.step()
-        out["max_diff"] = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), overlapped.parameters()))
+        out["max_diff"] = max(
+            (a - b).abs().max().item() for a, b in zip(plain.parameters(), overlapped.parameters(), strict=True)
+        )
         out["params"] = [
             p.detach().reshape(-1).tolist() for p in overlapped.parameters()
         ]  # no tensors in a queue: shared memory dies with the sender
-        out["moved"] = max((a - b).abs().max().item() for a, b in zip(_gpt().parameters(), overlapped.parameters()))
+        out["moved"] = max(
+            (a - b).abs().max().item() for a, b in zip(_gpt().parameters(), overlapped.parameters(), strict=True)
+        )
         # a peer killed mid-backward: rank 1 dies from a hook halfway through its backward, after
         # it launched some buckets; rank 0 must get CollectiveError from finish, within the timeout
         params = list(overlapped.parameters())

@@ -27,7 +27,9 @@ def test_save_finalize_list_load_round_trip(tmp_path):
         loaded = ckpt.load_replica_state(final, rid, manifest["files"][rid])
         want = replica_state(i)
         assert loaded["round"] == want["round"] and loaded["round_losses"] == want["round_losses"]
-        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], want["params"])), "params must load bitwise"
+        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], want["params"], strict=True)), (
+            "params must load bitwise"
+        )
     assert not list(tmp_path.glob("*.tmp-*")), "the temp directory is renamed into place by finalize"
 
 
@@ -213,7 +215,7 @@ def test_round_trip_on_every_storage(root):
     manifest = ckpt.verify(final)
     for i, rid in enumerate(("c0r0", "c1r0")):
         loaded = ckpt.load_replica_state(final, rid, manifest["files"][rid])
-        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], replica_state(i)["params"])), (
+        assert all(torch.equal(a, b) for a, b in zip(loaded["params"], replica_state(i)["params"], strict=True)), (
             f"{rid} not bitwise"
         )
     assert [n for n in ckpt._names(root) if ".tmp-" in n] == [], "the temp directory must be gone after finalize"

@@ -159,10 +159,12 @@ def test_a_process_is_never_in_two_collectives_at_once():
     flight raises instead of silently nesting (the seeds' inner/outer deadlock)."""
     from hsgd.train import comm
 
-    with comm.one_collective("inner allreduce"):
-        with pytest.raises(comm.OverlappingCollectiveError, match="outer broadcast"):
-            with comm.one_collective("outer broadcast"):
-                pass
+    with (
+        comm.one_collective("inner allreduce"),
+        pytest.raises(comm.OverlappingCollectiveError, match="outer broadcast"),
+        comm.one_collective("outer broadcast"),
+    ):
+        pass
     with comm.one_collective("outer broadcast"):  # released again afterwards
         pass
 

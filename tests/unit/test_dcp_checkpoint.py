@@ -266,7 +266,8 @@ def test_the_manifest_carries_the_callers_fields_and_every_files_sha256(resharde
     manifest = read_manifest(resharded["by_two"])
     assert manifest["round"] == 1 and manifest["step"] == TRAIN_STEPS and manifest["format"] == "dcp"
     for name, sha in manifest["files"].items():
-        data = open(os.path.join(resharded["by_two"], name), "rb").read()
+        with open(os.path.join(resharded["by_two"], name), "rb") as f:
+            data = f.read()
         assert hashlib.sha256(data).hexdigest() == sha, f"{name}: the manifest's sha256 is not the file's"
 
 

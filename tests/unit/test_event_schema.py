@@ -41,7 +41,7 @@ def _event_calls():
 def test_every_call_site_logs_a_declared_event_with_its_fields():
     calls = list(_event_calls())
     assert len(calls) > 30, "the scan found the call sites"
-    for where, name, keywords, splat in calls:
+    for where, name, keywords, _splat in calls:
         assert name in EVENTS, f"{where}: event {name!r} is not declared in hsgd/record/events.py EVENTS"
         missing = set(EVENTS[name]) - keywords
         assert not missing, f"{where}: event {name!r} lacks {sorted(missing)}"

@@ -260,7 +260,7 @@ def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_on
     assert [c[:2] for c in src.calls[1:]] == [("heal_state", ((5, 30),))], (
         "one heal_state per source, checking the progress the source was chosen holding"
     )
-    for t, replica in targets.items():
+    for replica in targets.values():
         name, (arg, scope, faults), _ = replica.calls[-1]
         assert name == "load_state" and arg is state and scope == "full"
     assert [f["target"] for f in log.named("heal_fallback")] == ["c0r1", "c0r2"]

@@ -16,7 +16,7 @@ def _params(seed):
 
 
 def _mean(lists):
-    return [torch.stack(ts).mean(0) for ts in zip(*lists)]
+    return [torch.stack(ts).mean(0) for ts in zip(*lists, strict=True)]
 
 
 def test_average_hyperparameters_ignore_outer_optim_settings():
@@ -31,14 +31,14 @@ def test_average_makes_global_params_the_exact_mean_of_the_clusters():
     start = _params(0)
     clusters = [_params(s) for s in (1, 2, 3)]
     opts = [OuterOptimizer(start, **outer_hyperparameters("average", 0.7, 0.9, True)) for _ in clusters]
-    mean_pg = _mean([opt.pseudo_gradient(p) for opt, p in zip(opts, clusters)])
+    mean_pg = _mean([opt.pseudo_gradient(p) for opt, p in zip(opts, clusters, strict=True)])
     for opt in opts:
         opt.step(mean_pg)
     want = _mean(clusters)
     for opt in opts:
-        for got, w in zip(opt.global_params, want):
+        for got, w in zip(opt.global_params, want, strict=True):
             assert torch.allclose(got, w, atol=1e-6), "`average` must yield the mean of the clusters' params"
-    assert all(torch.equal(a, b) for a, b in zip(opts[0].global_params, opts[1].global_params)), (
+    assert all(torch.equal(a, b) for a, b in zip(opts[0].global_params, opts[1].global_params, strict=True)), (
         "every replica applying the same reduced pseudo-gradient must hold bitwise-equal global params"
     )
 
@@ -56,10 +56,10 @@ def test_diloco_matches_hand_written_nesterov_over_three_outer_steps():
         ]
         pg = opt.pseudo_gradient(local)
         opt.step(pg)
-        d = [t - lp.double() for t, lp in zip(theta, local)]  # global - local
-        buf = d if buf is None else [mom * b + g for b, g in zip(buf, d)]
-        theta = [t - lr * (g + mom * b) for t, g, b in zip(theta, d, buf)]
-        for got, want in zip(opt.global_params, theta):
+        d = [t - lp.double() for t, lp in zip(theta, local, strict=True)]  # global - local
+        buf = d if buf is None else [mom * b + g for b, g in zip(buf, d, strict=True)]
+        theta = [t - lr * (g + mom * b) for t, g, b in zip(theta, d, buf, strict=True)]
+        for got, want in zip(opt.global_params, theta, strict=True):
             assert torch.allclose(got.double(), want, atol=1e-6), f"outer step {step} differs from Nesterov SGD"
 
 
@@ -70,7 +70,7 @@ def test_pseudo_gradient_is_global_minus_local_without_autograd_history():
     with_history = [p * 2 for p in local]  # tensors with a grad_fn
     for src in (local, with_history):
         pg = opt.pseudo_gradient(src)
-        for g, p, d in zip(opt.global_params, src, pg):
+        for g, p, d in zip(opt.global_params, src, pg, strict=True):
             assert d.requires_grad is False and d.grad_fn is None, "pseudo-gradients must carry no autograd history"
             assert torch.equal(d, g.detach() - p.detach())
             assert d.device.type == "cpu"
@@ -87,10 +87,10 @@ def test_copy_global_into_and_reset_global():
     opt = OuterOptimizer(_params(0), lr=1.0, momentum=0.0, nesterov=False)
     target = _params(5)
     opt.copy_global_into(target)
-    assert all(torch.equal(a, b) for a, b in zip(target, opt.global_params))
+    assert all(torch.equal(a, b) for a, b in zip(target, opt.global_params, strict=True))
     other = _params(6)
     opt.reset_global(other)
-    assert all(torch.equal(a, b) for a, b in zip(other, opt.global_params))
+    assert all(torch.equal(a, b) for a, b in zip(other, opt.global_params, strict=True))
 
 
 def _stepped(seed=0, steps=2):
@@ -116,6 +116,6 @@ def test_state_dict_round_trip_gives_identical_next_steps(transfer):
         d = _params(200 + i)
         a.step(d)
         b.step(d)
-        assert all(torch.equal(x, y) for x, y in zip(a.global_params, b.global_params)), (
+        assert all(torch.equal(x, y) for x, y in zip(a.global_params, b.global_params, strict=True)), (
             f"after loading the state, outer step {i} must be bitwise identical (invariant 1)"
         )

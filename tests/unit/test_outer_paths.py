@@ -71,7 +71,7 @@ def _paths_worker(sizes, codecs, rounds, rank, port, results) -> None:
                     {
                         "max_diff": max(
                             float((a - b).abs().max())
-                            for a, b in zip(lead.outer_opt.global_params, shard.outer_opt.global_params)
+                            for a, b in zip(lead.outer_opt.global_params, shard.outer_opt.global_params, strict=True)
                         ),
                         "scale": max(float(a.abs().max()) for a in lead.outer_opt.global_params),
                         "digest": shard.global_digest(),
@@ -159,8 +159,8 @@ def _streaming_worker(rank, port, results) -> None:
                     offset += n
                 ref_opt.step()
             equal.append(
-                all(torch.equal(a, b.detach()) for a, b in zip(t.outer_opt.global_params, ref_global))
-                and all(torch.equal(p, g.detach()) for p, g in zip(t.params, ref_global))
+                all(torch.equal(a, b.detach()) for a, b in zip(t.outer_opt.global_params, ref_global, strict=True))
+                and all(torch.equal(p, g.detach()) for p, g in zip(t.params, ref_global, strict=True))
             )
         out["plain_bitwise"] = equal
 
@@ -178,13 +178,17 @@ def _streaming_worker(rank, port, results) -> None:
                 {
                     "global_changed": [
                         i
-                        for i, (a, b) in enumerate(zip(before_global, t.outer_opt.global_params))
+                        for i, (a, b) in enumerate(zip(before_global, t.outer_opt.global_params, strict=True))
                         if not torch.equal(a, b)
                     ],
                     "local_set_to_global": [
-                        i for i, (p, g) in enumerate(zip(t.params, t.outer_opt.global_params)) if torch.equal(p, g)
+                        i
+                        for i, (p, g) in enumerate(zip(t.params, t.outer_opt.global_params, strict=True))
+                        if torch.equal(p, g)
                     ],
-                    "local_untouched": [i for i, (a, p) in enumerate(zip(before_local, t.params)) if torch.equal(a, p)],
+                    "local_untouched": [
+                        i for i, (a, p) in enumerate(zip(before_local, t.params, strict=True)) if torch.equal(a, p)
+                    ],
                     "fragment": t.fragment_params(r),
                     "steps_per_round": t.steps_per_round,
                     "step": t.step,
@@ -201,7 +205,8 @@ def _streaming_worker(rank, port, results) -> None:
         t.outer_reduce(0, 1, outer)
         t.outer_commit(0, inner, (0,))
         out["mix_err"] = max(
-            float((p - (0.5 * a + 0.5 * g)).abs().max()) for p, a, g in zip(t.params, local, t.outer_opt.global_params)
+            float((p - (0.5 * a + 0.5 * g)).abs().max())
+            for p, a, g in zip(t.params, local, t.outer_opt.global_params, strict=True)
         )
         out["mix_param_digest"] = t.param_digest()
         out["mix_global_digest"] = t.global_digest()
@@ -277,7 +282,7 @@ def test_the_residual_travels_with_a_full_heal_and_a_checkpoint_and_a_global_hea
     )
     healed = ReplicaTrainer(cfg, "c0r1", Topology(1, 2))
     healed.load_state_dict(t.state_dict(), scope="full")
-    assert all(torch.equal(a, b) for a, b in zip(healed.outer_residual, t.outer_residual))
+    assert all(torch.equal(a, b) for a, b in zip(healed.outer_residual, t.outer_residual, strict=True))
     # the healed replica goes on exactly as its source (it sends what the source would have)
     _round(t, 2, inner, outer)
     healed.rid, healed.global_index = t.rid, t.global_index  # the same data stream, to compare bitwise
@@ -306,7 +311,7 @@ def test_error_feedback_sends_this_round_what_the_last_round_could_not():
         lossy.outer_reduce(r, 1, outer)
         lossy.outer_commit(r, inner, (0,))
         after = lossy.outer_residual
-        for g, p, old, new in zip(lossy.outer_opt.global_params, local, before, after):
+        for g, p, old, new in zip(lossy.outer_opt.global_params, local, before, after, strict=True):
             assert torch.allclose(g, p - old + new, atol=1e-6), f"round {r}: the update lost more than the residual"
         assert any(float(x.abs().max()) > 0 for x in after)
         before = [x.clone() for x in after]

@@ -56,7 +56,7 @@ def test_each_round_syncs_the_next_fragment_so_each_is_synced_every_outer_every_
     assert steps_per_round(100, 4) == 25 and steps_per_round(100, 1) == 100
     # fragment f is synced at the end of rounds f, f+F, ...: every F * (H/F) = H steps
     ends = [(r + 1) * steps_per_round(100, 4) for r in range(12) if fragment_of_round(r, 4) == 1]
-    assert [b - a for a, b in zip(ends, ends[1:])] == [100, 100]
+    assert [b - a for a, b in zip(ends, ends[1:], strict=False)] == [100, 100]
 
 
 def test_shard_count_is_one_on_the_leader_path_and_the_smallest_live_cluster_when_sharded():
@@ -78,7 +78,7 @@ def test_the_leader_holds_shard_zero_and_larger_clusters_leave_members_without_a
 def test_shards_are_contiguous_cover_the_vector_and_start_on_block_boundaries(numel, shards, align):
     bounds = shard_bounds(numel, shards, align)
     assert len(bounds) == shards and bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert all(lo % align == 0 or lo == numel for lo, _ in bounds)
     sizes = [hi - lo for lo, hi in bounds]
     full = [s for s in sizes if s]
@@ -134,7 +134,7 @@ def test_a_sharded_exchange_forms_one_outer_group_per_shard_and_gathers_every_sh
         assert call.shards == 2 and call.join.world_size == 3
         groups.setdefault(call.join.prefix, []).append((call.join.rank, rid, call.shard))
     assert sorted(groups) == [f"epoch{m.epoch}/outer/s0", f"epoch{m.epoch}/outer/s1"]
-    for prefix, members in groups.items():
+    for members in groups.values():
         assert sorted(r for r, _, _ in members) == [0, 1, 2], "one holder per cluster, ranked in cluster order"
         assert len({int(rid[1]) for _, rid, _ in members}) == 3
     assert "c0r2" not in reduce.calls and "c2r2" not in reduce.calls, "members beyond the smallest cluster hold none"
@@ -188,7 +188,7 @@ def test_a_failed_shard_reduce_rolls_the_whole_exchange_back_and_retries_it():
 def test_a_shard_holder_lost_before_the_commit_leaves_its_cluster_to_heal_next_round():
     m = _machine([2, 2])
     m.outer_configured = None
-    issued = _run_round(m, fail={("outer_commit", "c0r1"): Outcome.DIED})
+    _run_round(m, fail={("outer_commit", "c0r1"): Outcome.DIED})
     assert m.outcome == "committed" and "c0r1" not in m.committed_by
     assert m.outer_configured is None or all("c0r1" not in g for g in m.outer_configured[1]), (
         "a dead holder's outer group is never handed on as standing"

@@ -66,9 +66,9 @@ def test_one_trainer_on_the_concatenated_batches_trains_what_a_ddp_pair_trains()
     shortcut = ReplicaTrainer(cfg, "c0r0", topology, dataset=ClusterBatches(dataset, members))
     shortcut.run_inner(0, LevelGroup("inner"))
     initial = ReplicaTrainer(cfg, "c0r0", topology).params
-    moved = max(float((p - q).detach().abs().max()) for p, q in zip(shortcut.params, initial))
+    moved = max(float((p - q).detach().abs().max()) for p, q in zip(shortcut.params, initial, strict=True))
     real_params = map(torch.from_numpy, real[0]["params"])
-    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(shortcut.params, real_params))
+    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(shortcut.params, real_params, strict=True))
     assert moved > 1e-2, "the trainers did not train"
     assert diff <= 1e-5 * max(1.0, moved), f"the shortcut is {diff} away from the real pair (moved {moved})"
 

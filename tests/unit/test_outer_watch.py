@@ -10,7 +10,7 @@ ROSE = {0: (3.0, 2.6), 1: (3.1, 3.3)}  # cluster 1 got worse inside the round
 
 def _feed(evals, trends):
     watch = OuterStepWatch("optim.outer.lr=2.0, optim.outer.momentum=0.95, optim.outer.nesterov=True")
-    return [watch.observe(r, e, t) for r, (e, t) in enumerate(zip(evals, trends))]
+    return [watch.observe(r, e, t) for r, (e, t) in enumerate(zip(evals, trends, strict=True))]
 
 
 def test_fires_once_when_the_global_loss_rises_twice_while_every_cluster_falls():

@@ -98,15 +98,17 @@ def test_the_reduce_runs_behind_the_last_inner_steps_and_commits_the_snapshot_me
             assert o["in_flight_at_end"], f"round {r}: the outer reduce did not overlap the inner steps"
             assert o["spent"]["outer_bytes"] > 0 and o["spent"]["outer_link_s"] >= 1.5
             assert o["snapshot_step"] == r * H + H - DELAY
-        expected = [torch.from_numpy((a + b) / 2) for a, b in zip(leaders[0]["snapshot"], leaders[1]["snapshot"])]
+        expected = [
+            torch.from_numpy((a + b) / 2) for a, b in zip(leaders[0]["snapshot"], leaders[1]["snapshot"], strict=True)
+        ]
         for rank in range(4):
             o = outs[rank]["rounds"][r]
-            for g, e, p in zip(o["global"], expected, o["params"]):
+            for g, e, p in zip(o["global"], expected, o["params"], strict=True):
                 torch.testing.assert_close(torch.from_numpy(g), e, rtol=0, atol=1e-6)  # the mean at the snapshot step
                 assert (p == g).all()  # alpha 0: params are the global params after the commit
             assert o["snapshot_step"] == r * H + H - DELAY
         # the DELAY steps after the snapshot changed the params, and the commit dropped that change
-        assert any((a != b).any() for a, b in zip(leaders[0]["snapshot"], leaders[0]["end"]))
+        assert any((a != b).any() for a, b in zip(leaders[0]["snapshot"], leaders[0]["end"], strict=True))
         for c in (0, 1):  # cluster members bitwise equal
             assert outs[2 * c]["rounds"][r]["digest"] == outs[2 * c + 1]["rounds"][r]["digest"]
 
@@ -119,7 +121,7 @@ def test_with_fragments_the_unsynced_fragment_keeps_its_local_progress_past_the_
         o = outs[0]["rounds"][r]
         synced = set(o["fragment"])
         assert synced and len(synced) < len(o["params"])
-        for k, (p, end, g) in enumerate(zip(o["params"], o["end"], o["global"])):
+        for k, (p, end, g) in enumerate(zip(o["params"], o["end"], o["global"], strict=True)):
             if k in synced:
                 assert (p == g).all()  # merged: alpha 0 takes the new global fragment
             else:
@@ -184,13 +186,17 @@ def test_collective_guards_are_per_level_with_overlap_and_per_process_without():
         with comm.one_collective("outer reduce", "outer"):
             with comm.one_collective("inner step", "inner"):  # another level: allowed
                 pass
-            with pytest.raises(comm.OverlappingCollectiveError, match="on the outer level"):
-                with comm.one_collective("second outer", "outer"):  # one group's collectives never interleave
-                    pass
+            with (
+                pytest.raises(comm.OverlappingCollectiveError, match="on the outer level"),
+                comm.one_collective("second outer", "outer"),  # one group's collectives never interleave
+            ):
+                pass
         comm.allow_level_overlap(False)
-        with comm.one_collective("outer reduce", "outer"):
-            with pytest.raises(comm.OverlappingCollectiveError, match="in this process"):
-                with comm.one_collective("inner step", "inner"):
-                    pass
+        with (
+            comm.one_collective("outer reduce", "outer"),
+            pytest.raises(comm.OverlappingCollectiveError, match="in this process"),
+            comm.one_collective("inner step", "inner"),
+        ):
+            pass
     finally:
         comm.allow_level_overlap(False)

@@ -27,7 +27,7 @@ def test_published_steps_are_read_in_one_round_trip_and_cleared_at_a_round_start
     assert board.reset(["c0r0", "c0r1", "c1r0"])
     assert board.read(["c0r0", "c0r1"]) == {}, "nothing published since the reset: no observation"
     pubs = {rid: Publisher(rid, interval_s=0.05) for rid in ("c0r0", "c0r1")}
-    for i, (rid, pub) in enumerate(pubs.items()):
+    for i, pub in enumerate(pubs.values()):
         pub.address(addr)
         pub.publish(3, 60 + i)
     got = _until(lambda: (r := board.read(["c0r0", "c0r1", "c1r0"])) and len(r) == 2 and r)

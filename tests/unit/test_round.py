@@ -621,9 +621,9 @@ def test_no_call_to_a_busy_replica():
             marks=pytest.mark.xfail(
                 strict=True,
                 reason=(
-                    "the contract's other half: a supervisor that maps a heal source's death to collective_failed on the target "
-                    "without calling machine.on_lost(source) (actors/supervisor.py, when this was written) makes the machine "
-                    "heal from the dead source again until max_reforms"
+                    "the contract's other half: a supervisor that maps a heal source's death to collective_failed "
+                    "on the target without calling machine.on_lost(source) (actors/supervisor.py, when this was "
+                    "written) makes the machine heal from the dead source again until max_reforms"
                 ),
             ),
         ),
@@ -655,9 +655,10 @@ def test_hung_heal_source_is_killed_not_its_targets():
             marks=pytest.mark.xfail(
                 strict=True,
                 reason=(
-                    "the contract's other half: a supervisor that saves the epoch only at a round's end (actors/supervisor.py, "
-                    "when this was written) restarts with epochs its predecessor already issued, and leaders reuse a buffer "
-                    "reduced under the same (round, epoch) over another set of clusters: clusters apply different steps"
+                    "the contract's other half: a supervisor that saves the epoch only at a round's end "
+                    "(actors/supervisor.py, when this was written) restarts with epochs its predecessor already "
+                    "issued, and leaders reuse a buffer reduced under the same (round, epoch) over another set of "
+                    "clusters: clusters apply different steps"
                 ),
             ),
         ),

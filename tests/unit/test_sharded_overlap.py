@@ -228,9 +228,9 @@ def test_k2_with_a_fragment_delay_matches_k1_in_eval_and_every_steps_loss(runs):
     for cluster in range(2):
         sharded, whole = runs[2][2 * cluster], runs[1][cluster]
         assert _relative(sharded["eval"], whole["eval"]) <= 1e-4, (cluster, sharded["eval"], whole["eval"])
-        for r, (s, w) in enumerate(zip(sharded["rounds"], whole["rounds"])):
+        for r, (s, w) in enumerate(zip(sharded["rounds"], whole["rounds"], strict=True)):
             assert len(s["losses"]) == len(w["losses"]) == STEPS, (cluster, r)
-            worst = max(_relative(a, b) for a, b in zip(s["losses"], w["losses"]))
+            worst = max(_relative(a, b) for a, b in zip(s["losses"], w["losses"], strict=True))
             assert worst <= 1e-4, f"cluster {cluster} round {r}: a step's loss is {worst:.2e} relative off k=1's"
 
 

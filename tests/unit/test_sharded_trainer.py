@@ -225,7 +225,7 @@ def test_hsdp_and_a_sharded_outer_round_match_k1(runs):
         assert _relative(sharded["eval"], whole["eval"]) <= 1e-4, (sharded["eval"], whole["eval"])
         # grad_accum 2 with clipping: each step's loss is k=1's to fp32 rounding (1.2e-7 measured), so the
         # micro-batches' gradients accumulate exactly as k=1's; a mis-scaled micro-batch is ~1e-2 off
-        assert max(_relative(s, w) for s, w in zip(sharded["losses"], whole["losses"])) <= 1e-6
+        assert max(_relative(s, w) for s, w in zip(sharded["losses"], whole["losses"], strict=True)) <= 1e-6
         assert sharded["steps_done"] == whole["steps_done"] == STEPS  # the round record counts them
         assert len(sharded["losses"]) == STEPS and sharded["tokens"] > 0
     a0, a1 = runs[2][0]["a"], runs[2][1]["a"]

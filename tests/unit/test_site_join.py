@@ -254,7 +254,7 @@ def test_a_site_is_started_at_once_and_joins_at_the_first_round_start_after_all_
     assert (decided["outcome"], decided["cluster"], decided["round"]) == (APPLIED, "c2", 3)
     names = [s[0] for s in world.started]
     assert names == ["hsgd:run1:c2r0", "hsgd:run1:c2r1"]  # named as the driver names replicas
-    for name, options, rid, container, table in world.started:
+    for _name, options, _rid, container, table in world.started:
         assert options["lifetime"] == "detached" and options["group"] == "hsgd:run1:site-c2"  # outlives a supervisor
         assert table == {"c0r0": 0, "c0r1": 1, "c1r0": 2, "c1r1": 3, "c2r0": 4, "c2r1": 5}  # fresh global indices
         assert [s["replicas"] for s in container["topology"]["sites"]] == [2, 2, 2]

@@ -113,7 +113,7 @@ def _place(sizes, nodes, labels=(), strategy="STRICT_PACK"):
     cfg = HsgdConfig()
     cfg.topology.placement_strategy = strategy
     labels = list(labels) or [None] * len(sizes)
-    cfg.topology.sites = [SiteConfig(replicas=n, label=label) for n, label in zip(sizes, labels)]
+    cfg.topology.sites = [SiteConfig(replicas=n, label=label) for n, label in zip(sizes, labels, strict=True)]
     return placement_problem(cfg, {"CPU": 1.0}, nodes)
 
 

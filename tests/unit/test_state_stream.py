@@ -90,7 +90,7 @@ def test_pack_and_unpack_round_trip_bitwise(chunk):
     staging = torch.empty(chunk, dtype=torch.uint8)
     for pieces in plan_chunks([t.numel() * t.element_size() for t in src], chunk):
         unpack_chunk(pieces, pack_chunk(pieces, src, staging).clone(), dst)
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.view(-1).view(torch.uint8).tolist() == b.view(-1).view(torch.uint8).tolist(), (
             f"{a.dtype} {tuple(a.shape)} not bitwise equal after chunk size {chunk}"

@@ -86,7 +86,7 @@ def test_the_example_dataset_is_pure_in_its_arguments():
     dataset = task.build_dataset(_cfg(*EXAMPLE))
     kw = dict(seed=3, replica_index=1, step=7, micro=1)
     a, b = dataset.batch("train", **kw), task.build_dataset(_cfg(*EXAMPLE)).batch("train", **kw)
-    assert all(torch.equal(u, v) for u, v in zip(a, b)), "the same arguments gave another batch"
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), "the same arguments gave another batch"
     for other in ({"seed": 4}, {"replica_index": 2}, {"step": 8}, {"micro": 0}):
         c = dataset.batch("train", **{**kw, **other})
         assert not torch.equal(a[0], c[0]), f"{other} gave the same batch"

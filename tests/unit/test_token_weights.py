@@ -89,7 +89,7 @@ def _expected(outs, codec, weights, numel):
         code = make_codec(codec, 0.01)
         sent = [code.decode(code.encode(g), g.numel()) for g in sent]
     mean = torch.zeros(numel)
-    for w, g in zip(weights or (1.0,) * len(SIZES), sent):
+    for w, g in zip(weights or (1.0,) * len(SIZES), sent, strict=True):
         mean += g * w
     return mean / len(SIZES)
 
@@ -118,7 +118,7 @@ def test_the_reduced_mean_is_the_hand_computed_token_weighted_average_on_both_pa
     plain = _expected(outs, codec, (), numel)
     assert not torch.allclose(expected, plain), "the weights must change the mean for this check to mean anything"
     _both_paths_ran(outs, (codec, UNEQUAL))
-    for rank, out in outs.items():
+    for out in outs.values():
         rec = out[(codec, UNEQUAL)]
         if "leader" in rec:
             torch.testing.assert_close(torch.tensor(rec["leader"]), expected, rtol=1e-5, atol=1e-7)

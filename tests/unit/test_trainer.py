@@ -22,7 +22,7 @@ class PeerMeanGroup:
         self.peer, self.fail_after_apply = peer, fail_after_apply
 
     def allreduce_mean(self, tensors, *, level):
-        for t, p in zip(tensors, self.peer):
+        for t, p in zip(tensors, self.peer, strict=True):
             t.copy_((t + p) / 2)
         if self.fail_after_apply:
             raise CollectiveError("inner: peer died after the reduction")
@@ -38,7 +38,7 @@ class OuterOf:
         self.calls += 1
 
 
-def test_phase_call_for_a_round_not_reached_answers_behind_never_done(dataset):
+def test_phase_call_for_a_round_not_reached_answers_behind_never_done(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset)
     with pytest.raises(Behind):
         t.run_inner(1, OuterOf())
@@ -47,21 +47,21 @@ def test_phase_call_for_a_round_not_reached_answers_behind_never_done(dataset):
     assert (t.round, t.step) == (0, 0)
 
 
-def test_retried_cluster_average_never_averages_an_averaged_replica_again(dataset):
+def test_retried_cluster_average_never_averages_an_averaged_replica_again(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, inner="none")
     mine = [p.detach().clone() for p in t.params]
     peer = [torch.full_like(p, 1.0) for p in t.params]
     with pytest.raises(CollectiveError):  # averaged here, but the peer failed: the call is retried
         t.cluster_average(0, 5, PeerMeanGroup(peer, fail_after_apply=True))
     t.cluster_average(0, 6, PeerMeanGroup(peer))  # retry under a new epoch
-    for p, m, q in zip(t.params, mine, peer):
+    for p, m, q in zip(t.params, mine, peer, strict=True):
         assert torch.equal(p.detach(), (m + q) / 2), "the retry averaged the already-averaged params"
     before = [p.detach().clone() for p in t.params]
     t.cluster_average(0, 6, PeerMeanGroup(peer))  # re-issued for the same (round, epoch): a no-op
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, t.params))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, t.params, strict=True))
 
 
-def test_outer_buffer_is_keyed_by_round_and_epoch(dataset):
+def test_outer_buffer_is_keyed_by_round_and_epoch(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset)
     outer = OuterOf()
     t.outer_reduce(0, 3, outer)
@@ -71,7 +71,7 @@ def test_outer_buffer_is_keyed_by_round_and_epoch(dataset):
     assert outer.calls == 2 and t._outer_buffer[0][:2] == (0, 4)
 
 
-def test_global_heal_gives_every_cluster_member_the_same_inner_optimizer_state(dataset):
+def test_global_heal_gives_every_cluster_member_the_same_inner_optimizer_state(dataset):  # noqa: F811 — the module's dataset fixture
     donor = _trainer(dataset, "c1r0")
     a, b = _trainer(dataset, "c0r0"), _trainer(dataset, "c0r1")
     group = _solo("inner")
@@ -88,7 +88,7 @@ def test_global_heal_gives_every_cluster_member_the_same_inner_optimizer_state(d
     assert a.param_digest() == b.param_digest() == donor.global_digest()
 
 
-def test_global_state_is_a_snapshot(dataset):
+def test_global_state_is_a_snapshot(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0")
     t.outer_opt.step([torch.ones_like(g) for g in t.outer_opt.global_params])
     state = t.global_state()
@@ -96,10 +96,10 @@ def test_global_state_is_a_snapshot(dataset):
     saved_momentum = [v["momentum_buffer"].clone() for v in state["outer"]["sgd"]["state"].values()]
     t.outer_opt.step([torch.ones_like(g) for g in t.outer_opt.global_params])
     now_momentum = [v["momentum_buffer"] for v in state["outer"]["sgd"]["state"].values()]
-    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum)), (
+    assert saved_momentum and all(torch.equal(x, y) for x, y in zip(saved_momentum, now_momentum, strict=True)), (
         "a saved state must not change after later steps"
     )
-    assert all(torch.equal(x, y) for x, y in zip(saved, state["outer"]["global_params"]))
+    assert all(torch.equal(x, y) for x, y in zip(saved, state["outer"]["global_params"], strict=True))
 
 
 # -- issue 19 Build 6: a failed localsgd average never leaves a step applied twice ------------------
@@ -128,7 +128,7 @@ def _opt_state(t):
 
 
 @pytest.mark.parametrize("after_apply", [False, True], ids=["fails_before_reducing", "fails_after_reducing"])
-def test_a_failed_localsgd_average_is_retried_exactly(dataset, after_apply):
+def test_a_failed_localsgd_average_is_retried_exactly(dataset, after_apply):  # noqa: F811 — the module's dataset fixture
     clean = _trainer(dataset, "c0r0", inner="localsgd", inner_every=1)
     clean.run_inner(0, FlakyPeerGroup())
     faulty = _trainer(dataset, "c0r0", inner="localsgd", inner_every=1)
@@ -151,13 +151,13 @@ def test_inner_lr_warms_up_then_decays_by_cosine_to_the_floor_at_the_runs_end():
     assert [inner_lr(o, s, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert inner_lr(o, 4, 20) == pytest.approx(1.0) and inner_lr(o, 19, 20) == pytest.approx(0.1)
     values = [inner_lr(o, s, 20) for s in range(4, 20)]
-    assert all(a > b for a, b in zip(values, values[1:])), "cosine decay is monotone"
+    assert all(a > b for a, b in zip(values, values[1:], strict=False)), "cosine decay is monotone"
     assert inner_lr(o, 11, 20) == pytest.approx(0.55, abs=0.05)  # about halfway
     constant = OmegaConf.create({"lr": 0.3, "warmup_steps": 0, "schedule": "constant", "min_lr_ratio": 0.1})
     assert {inner_lr(constant, s, 20) for s in range(20)} == {0.3}
 
 
-def test_a_replica_healed_mid_round_lands_on_the_same_learning_rate(dataset):
+def test_a_replica_healed_mid_round_lands_on_the_same_learning_rate(dataset):  # noqa: F811 — the module's dataset fixture
     """The rate is a function of the global step: a replica that took a peer's state at step 1
     steps on exactly as the peer does (a rate kept in a scheduler object would restart at step 0)."""
     from hsgd.train.trainer import YieldNow
@@ -183,7 +183,7 @@ def test_a_replica_healed_mid_round_lands_on_the_same_learning_rate(dataset):
 
 # -- optimizer implementations ----------------------------------------------------------------------
 @pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
-def test_each_optimizer_implementation_keeps_healed_replicas_bitwise_equal(dataset, impl):
+def test_each_optimizer_implementation_keeps_healed_replicas_bitwise_equal(dataset, impl):  # noqa: F811 — the module's dataset fixture
     from hsgd.train.trainer import YieldNow
 
     def stop_at_2(phase, r, s):
@@ -202,7 +202,7 @@ def test_each_optimizer_implementation_keeps_healed_replicas_bitwise_equal(datas
     assert again.param_digest() == a.param_digest(), f"{impl}: the same steps gave other bits"
     single = _trainer(dataset, "c0r0", "optim.inner.implementation=single")
     single.run_inner(0, _solo("inner"))
-    for p, q in zip(a.params, single.params):  # the same math, up to rounding
+    for p, q in zip(a.params, single.params, strict=True):  # the same math, up to rounding
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -225,7 +225,7 @@ def _count_host_reads(monkeypatch):
     return reads
 
 
-def test_losses_and_the_non_finite_flags_are_read_once_per_phase_not_per_step(dataset, monkeypatch):
+def test_losses_and_the_non_finite_flags_are_read_once_per_phase_not_per_step(dataset, monkeypatch):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", "sync.outer_every=8", "optim.inner.implementation=fused")
     t.steps_per_round = 8
     reads = _count_host_reads(monkeypatch)
@@ -235,7 +235,7 @@ def test_losses_and_the_non_finite_flags_are_read_once_per_phase_not_per_step(da
     assert len(reads) <= 2, f"{len(reads)} host reads in one inner phase of 8 steps: {reads}"
 
 
-def test_a_poisoned_replica_raises_non_finite_loss_at_the_phase_end(dataset):
+def test_a_poisoned_replica_raises_non_finite_loss_at_the_phase_end(dataset):  # noqa: F811 — the module's dataset fixture
     from hsgd.train.trainer import NonFiniteError
 
     t = _trainer(dataset)
@@ -264,7 +264,7 @@ def sqrt_at_zero_loss(model, batch):
     return loss + torch.sqrt(p.flatten()[0] * 0.0)
 
 
-def test_a_non_finite_gradient_norm_with_a_finite_loss_is_caught(dataset):
+def test_a_non_finite_gradient_norm_with_a_finite_loss_is_caught(dataset):  # noqa: F811 — the module's dataset fixture
     from hsgd.train.trainer import NonFiniteError
 
     t = _trainer(dataset, "c0r0", "loss._target_=tests.unit.test_trainer.sqrt_at_zero_loss")
@@ -285,7 +285,7 @@ def test_non_finite_error_keeps_what_across_pickling():
 
 
 # -- precision, accumulation, compile ----------------------------------------------------------------
-def test_bf16_trains_with_fp32_master_weights_and_pseudo_gradients(dataset):
+def test_bf16_trains_with_fp32_master_weights_and_pseudo_gradients(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", "train.precision=bf16", "sync.outer_every=12", "optim.inner.lr=0.01")
     t.steps_per_round = 12
     report = t.run_inner(0, _solo("inner"))
@@ -298,7 +298,7 @@ def test_bf16_trains_with_fp32_master_weights_and_pseudo_gradients(dataset):
     assert fp32.param_digest() != t.param_digest(), "bf16 autocast was not applied"
 
 
-def test_grad_accum_steps_on_the_mean_gradient_of_its_micro_batches(dataset):
+def test_grad_accum_steps_on_the_mean_gradient_of_its_micro_batches(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", "data.grad_accum=2")
     t.steps_per_round = 1
     report = t.run_inner(0, _solo("inner"))
@@ -322,7 +322,7 @@ def test_grad_accum_steps_on_the_mean_gradient_of_its_micro_batches(dataset):
     assert report.tokens == 2 * t.cfg.data.batch_size * t.cfg.model.block_size
 
 
-def test_a_compiled_model_trains_the_modules_own_params_and_heals_to_an_uncompiled_one(dataset, monkeypatch):
+def test_a_compiled_model_trains_the_modules_own_params_and_heals_to_an_uncompiled_one(dataset, monkeypatch):  # noqa: F811 — the module's dataset fixture
     import functools
 
     from hsgd.train import trainer as trainer_module
@@ -343,7 +343,7 @@ def test_a_compiled_model_trains_the_modules_own_params_and_heals_to_an_uncompil
 
 
 # -- state and the final model -----------------------------------------------------------------------
-def test_state_dict_is_a_snapshot_that_training_on_does_not_change(dataset):
+def test_state_dict_is_a_snapshot_that_training_on_does_not_change(dataset):  # noqa: F811 — the module's dataset fixture
     t = _trainer(dataset, "c0r0", "sync.outer_every=6")
     t.steps_per_round = 6
     from hsgd.train.trainer import YieldNow
@@ -366,7 +366,7 @@ def test_state_dict_is_a_snapshot_that_training_on_does_not_change(dataset):
     assert before == after, "the state handed to a heal changed while the source trained on"
 
 
-def test_the_final_model_is_the_committed_global_model_in_safetensors(dataset, tmp_path):
+def test_the_final_model_is_the_committed_global_model_in_safetensors(dataset, tmp_path):  # noqa: F811 — the module's dataset fixture
     from safetensors import safe_open
     from safetensors.torch import load_file
 

@@ -53,7 +53,7 @@ def _worker(rank: int, port: int, results) -> None:
             out[name] = {"digest": t.param_digest(), "first": sum(report.losses[:4]), "last": sum(report.losses[-4:])}
             params[name] = [p.detach().clone() for p in t.params]
         out["overlap_max_diff"] = max(
-            float((a - b).abs().max()) for a, b in zip(params["overlapped"], params["after_backward"])
+            float((a - b).abs().max()) for a, b in zip(params["overlapped"], params["after_backward"], strict=True)
         )
         group.abort()
     except BaseException:  # noqa: BLE001 — report everything to the parent

@@ -65,8 +65,10 @@ def plan_round(
     round_index: int, steps_per_round: int, configured: Sequence[float | None], learned: Sequence[float | None]
 ) -> StepPlan:
     """Round `round_index`'s plan: each cluster's configured step time where set, else its learned one."""
-    step_s = tuple(c if c is not None else l for c, l in zip(configured, learned))
-    used = {"configured" if c is not None else "learned" for c, s in zip(configured, step_s) if s is not None}
+    step_s = tuple(c if c is not None else m for c, m in zip(configured, learned, strict=True))
+    used = {
+        "configured" if c is not None else "learned" for c, s in zip(configured, step_s, strict=True) if s is not None
+    }
     source = used.pop() if len(used) == 1 else "mixed" if used else "learned"
     return StepPlan(round_index, plan_steps(steps_per_round, step_s), step_s, source)
 

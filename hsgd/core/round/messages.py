@@ -32,7 +32,7 @@ from typing import ClassVar, NamedTuple
 from hsgd.core.phases import Phase as PhaseName
 
 
-class Outcome(str, Enum):
+class Outcome(str, Enum):  # noqa: UP042 — str() is "Outcome.DONE"; a StrEnum's would be "done"
     """What one replica's call came to."""
 
     DONE = "done"  # the phase's work for the round is done (also: it was already done)

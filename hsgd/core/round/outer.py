@@ -59,7 +59,8 @@ class OuterExchange:
             members = [self.clusters[c].members for c in clusters]
         # the real exchange reads the formed groups' leaders (a missing one is a bug: fail loudly)
         leaders = [
-            leader_of(m, self.leaders.get(c)) if expected else self.leaders[c] for c, m in zip(clusters, members)
+            leader_of(m, self.leaders.get(c)) if expected else self.leaders[c]
+            for c, m in zip(clusters, members, strict=True)
         ]
         return shard_holders(members, leaders, shard_count([len(m) for m in members], self.settings.outer_path))
 
