@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from hsgd.core.round.balance import StepPlan, plan_for_round
-from hsgd.core.site_requests import APPLIED, REFUSED, Decision, RequestKind, SiteRequest, decide
+from hsgd.core.site_requests import APPLIED, REFUSED, Decision, RequestKind, SiteRequest
+from hsgd.core.site_rules import decide
 
 
 @dataclass(frozen=True)

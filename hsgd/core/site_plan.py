@@ -1,52 +1,26 @@
-"""What the supervisor decides about site requests (README, "Sites that come and go"), pure: the
-request files and their records are hsgd/core/site_requests.py; actors/site_changes.py carries the
-decisions out (Ray's tables read, actors started and stopped, events and console lines written).
+"""What the supervisor knows and decides about site changes over a run (docs/sites.md, "Sites that
+come and go"), pure: the request files and their records are hsgd/core/site_requests.py, the rules
+each request is decided by hsgd/core/site_rules.py; actors/site_changes.py carries the decisions out.
 
-Drain c at round r's start (its replicas are idle, between rounds): `decide_drain`; applied, the
-outcome is written first, then c's replicas and hot spares are stopped with no restart and its
-placement group released. That is no failure: the roster sets them aside (never `missing`, never
-promoted over, never probed by the round machine) and their deaths are reported to nobody, so no
-`replica_down`, fault count, restart or quorum quarantine follows; nothing is rolled back. The round
-machine's plan leaves c out like any cluster with no live member.
+Protocol (one site starts at a time, so every new site is the next index, c<K>):
+    drain     applied at round r's start: the outcome written, then c's replicas and spares stopped
+              with no restart. No failure: no `replica_down`, fault, restart or quarantine follows.
+    start     an applied add-site: its outcome written, its ids' fresh global indices saved, then its
+              replicas started DETACHED; nothing waits, the round in flight goes on.
+    up        at each round's start its replicas are asked without waiting (`JoinProgress`); once ALL
+              are up or lost it joins: `<id>.joined`, run.json, the topology widened, `site_up`.
+    lost      a new replica dead for good before it is up is created again, at most
+              faults.max_restarts times for the site; then the site joins with those up if they keep
+              its floor, else it is abandoned: stopped, `<id>.abandoned`, `site_abandoned`.
+    deadline  not all up (or lost) within supervisor.join_timeout_s: abandoned the same way.
+    resume    a resumed run starts every applied site neither drained nor abandoned again, in the
+              order added (`SitePlan.next_queued`); one past a gap is stranded, never started.
+    restart   a restarted supervisor builds its topology with every joined site (`SiteLedger`), finds
+              its actors by name, and decides no request at the first round's start it sees.
 
-Add-site at round a's start: `decide_add`, with the live Ray cluster's nodes and free resources,
-counted the way the site's group places (`add_site_problem`). Refused: a malformed request, a label no
-live node carries, no room, Ray's tables unreadable, another site still starting (one site starts at
-a time, so every new site is the next index), or an index that could never start (a resume with fewer
-clusters than a site added before: `site_queue`'s stranded). An applied one is cluster c<K>
-(`next_cluster`: a drained site's index is never reused):
-    start     its outcome written, its ids' fresh global indices (Topology.with_site) saved in the
-              durable state, then its replicas started DETACHED (they must outlive a supervisor) and
-              placed as a cluster is (its label, else a detached placement group of its own). Nothing
-              waits: the round in flight goes on.
-    up        at each round's start the starting replicas are asked without waiting; `JoinProgress`
-              keeps each answer up (`is_up`), and its `verdict` says when the site joins: once ALL
-              are up or lost. Then the identity map gets their names (saved), `<id>.joined` is
-              written, run.json lists them, the topology is widened (the round machine heals the
-              new cluster from another as a whole cluster that restarted) and they are admitted:
-              `site_up`. `site_committed` (`commits_due`) at the first round's start after a round it
-              committed, or at the run's end when that was the last.
-    lost      a new replica dead for good before it is up is created again under its name, at most
-              `faults.max_restarts` times in all for the site (`JoinProgress.dead_for_good`); once
-              those are spent it is lost. When every other one is up, the site joins with those up if
-              they keep its floor (`supervisor.min_replicas_per_cluster`, or its `min_replicas`),
-              else it is abandoned: its replicas and group stopped, then `<id>.abandoned` written,
-              `site_abandoned` and a console line; a later add-site may go on (it gets the index).
-    deadline  a site not all up (or lost) within `supervisor.join_timeout_s` of its start (a replica
-              that never answers and never dies: its group never placed) is abandoned the same way
-              (`join_overdue`; a restarted supervisor counts from when it found the site).
-    resume    a resumed run (`train.resume=true`, a new run id) starts every applied site that was
-              neither drained nor abandoned again, under its names and indices, one after the other in
-              the order added (`site_queue`; a drained one keeps its index, never started); each
-              replica the resumed checkpoint holds loads its own state, and the first round's start
-              waits for them (up to `supervisor.phase_timeout_s`). A site past a gap (the resume's config
-              has fewer clusters than it came after) is stranded: never started; the driver says so
-              before any actor starts (`stranded_notice`).
-A restarted supervisor builds its topology with every joined site (`SiteLedger.topology`), finds a
-joined site's actors by name and, for an applied site not joined yet, finds (or starts) its replicas
-and waits for them again; it decides no request at the first round's start it sees (that round may
-be one its predecessor started; a drain takes effect only between rounds). The driver stops the
-detached replicas and groups at the run's end.
+Failure cases: every refusal is one line in the `site_request` event (hsgd/core/site_rules.py); a
+site that cannot join is abandoned, never retried in this run or a resumed one; Ray's tables
+unreadable refuse the add-site (`decide_add`), the run goes on.
 """
 
 from __future__ import annotations
@@ -55,27 +29,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsgd.core.round import current_round
 from hsgd.core.site_requests import (
-    APPLIED,
-    REFUSED,
     Decision,
     Outcome,
     RequestKind,
     SiteRequest,
     abandoned,
-    add_site_problem,
-    decide,
     drained,
-    join_overdue,
     joined,
     mark_abandoned,
     mark_done,
     mark_joined,
-    next_cluster,
     outcomes,
-    round_holders,
 )
+from hsgd.core.site_rules import decide_add, decide_drain, join_overdue, next_cluster
 from hsgd.core.site_topology import applied_sites, joined_topology, site_queue, stranded_notice
 from hsgd.core.topology import Topology
 from hsgd.record.run_info import widen_replicas
@@ -182,72 +149,6 @@ class SiteLedger:
             if members:
                 due.append((d.site, members))
         return due
-
-
-def decide_drain(
-    request: SiteRequest,
-    *,
-    topology: Topology,
-    live: dict[str, tuple[int, int]],
-    drained_clusters,
-    min_clusters: int,
-    default_floor: int,
-) -> Decision:
-    """A drain's decision from the roster's live replicas (rid -> (round, step)): the sites live now,
-    and those holding the last committed round at their floor (`decide`, `round_holders`)."""
-    return decide(
-        request,
-        clusters=topology.clusters,
-        drained_clusters=drained_clusters,
-        min_clusters=min_clusters,
-        live_clusters={topology.cluster_of(rid) for rid in live} - set(drained_clusters),
-        holders=round_holders(topology, live, drained_clusters, default_floor),
-        committed_round=current_round(live.values()),
-    )
-
-
-def decide_add(
-    request: SiteRequest,
-    *,
-    new: int,
-    clusters: int,
-    starting: int | None,
-    stranded: list[Outcome],
-    resources: Callable[[], tuple[list[dict], dict[str, dict], dict]],
-    strategy: str,
-) -> Decision:
-    """An add-site's decision: it would be cluster `new` of a topology of `clusters`; `starting`: the
-    cluster still starting, if any; `resources`: Ray's nodes, their free resources and one replica's
-    bundle, read only when nothing else refuses (whatever it raises refuses, in one line); `strategy`:
-    how its replicas are placed (`add_site_problem`)."""
-    if request.problem:
-        return Decision(REFUSED, request.problem, None)
-    if starting is None and new != clusters:  # applied, it would never start
-        return Decision(
-            REFUSED,
-            f"add-site c{new}: it could never start in this run: added site(s) before it "
-            f"({', '.join(d.site for d in stranded) or '?'}) are not in its topology of "
-            f"{clusters} cluster(s); resume with them configured to add a site",
-            None,
-        )
-    if starting is not None:
-        why = f"site c{starting} is still starting; ask again once it joined (one site starts at a time)"
-        return Decision(REFUSED, f"add-site c{new}: {why}", None)
-    try:
-        nodes, free, need = resources()
-    except Exception as err:  # noqa: BLE001 — Ray's tables unreadable: refused, the run goes on
-        why = f"{type(err).__name__}: {err}".splitlines()[0]
-        return Decision(REFUSED, f"add-site c{new}: cannot read the Ray cluster's nodes: {why}", None)
-    problem = add_site_problem(request, nodes=nodes, free=free, need=need, new_cluster=new, strategy=strategy)
-    if problem is not None:
-        return Decision(REFUSED, problem, None)
-    where = f"label {request.label!r}" if request.label is not None else "a placement group of its own"
-    return Decision(
-        APPLIED,
-        f"add-site c{new}: {request.replicas} replica(s) starting ({where}); the site "
-        f"joins at the first round's start after all answer up",
-        new,
-    )
 
 
 def is_up(answer: dict) -> bool:

@@ -1,42 +1,25 @@
-"""Durable site requests in the run folder (README, "Sites that come and go"): an operator asks, a
-supervisor applies, each request exactly once.
+"""Durable site requests in the run folder (docs/sites.md, "Sites that come and go"): an operator
+asks, a supervisor applies, each request exactly once. The rules a request is decided by are
+hsgd/core/site_rules.py; the supervisor's plan, hsgd/core/site_plan.py.
 
-Protocol:
-    ask       `write_request` puts ONE file `<run.dir>/requests/<id>.json` ({"id", "kind", "cluster",
-              "t"}; an add-site also "replicas", "label", "name", and "cluster" is "": the
-              supervisor names the new site c<K>, the next free index, when it decides), written
-              under a temp name (a dot first, never read) then renamed: a reader sees the whole
-              file or none. The id is unique (time, kind, cluster, random bits).
-    apply     at each round's start the supervisor reads `pending` (requests without an outcome,
-              oldest first), `decide`s each against the clusters drained so far, carries out an
-              applied one, and records the outcome with `mark_done`: `<id>.done` ({"id", "kind",
-              "cluster", "outcome": applied | refused, "reason", "round"}), atomic the same way.
-    once      the outcome file is written BEFORE the effect is carried out (for a drain: the
-              replicas stopped; for an add-site: its replicas started), so a supervisor restarted
-              at any point reads it and never decides again; it carries out what the `.done` files
-              say (`drained`, `applied_sites`), which doing again leaves the same (stopped actors
-              stay stopped; a site's replicas are found by name before any is started). A request
-              with no `.done` was never decided: it is decided once.
-    join      an applied add-site's record names its cluster `c<K>` and keeps `replicas`, `label`,
-              `name`. Once its replicas are all up, `<id>.joined` ({"id", "cluster", "round",
-              "run_id"}) is written, atomic, BEFORE the run's topology takes the site in, so a
-              restarted supervisor of the same run builds its topology with every joined site
-              (`joined_topology`, hsgd/core/site_topology.py); a resumed run (another run id) starts the site again.
-    abandon   an applied add-site whose replicas died for good before they were all up, with too
-              few left up (actors/site_changes.py), is stopped, then `<id>.abandoned` is written
-              ({"id", "cluster", "round", "reason", "run_id"}): never started again, in this run or
-              a resumed one; its index is the next add-site's (it never was in the topology).
+Protocol (each file written under a temp name, a dot first and never read, then renamed):
+    ask       `write_request`: ONE file `<run.dir>/requests/<id>.json` ({"id", "kind", "cluster", "t"};
+              an add-site also "replicas", "label", "name", and "cluster" is ""). The id is unique.
+    apply     at each round's start the supervisor reads `pending` (no outcome yet, oldest first),
+              decides each, and records it with `mark_done`: `<id>.done` ({"id", "kind", "cluster",
+              "outcome": applied | refused, "reason", "round"}; an applied add-site names c<K>).
+    once      the outcome is written BEFORE the effect is carried out, so a restarted supervisor never
+              decides again; it carries out what the `.done` files say (`drained`), which doing again
+              leaves the same. A request with no `.done` was never decided: it is decided once.
+    join      `<id>.joined` ({"id", "cluster", "round", "run_id"}) once an added site's replicas are all
+              up, BEFORE the run's topology takes it in (hsgd/core/site_topology.py).
+    abandon   `<id>.abandoned` ({"id", "cluster", "round", "reason", "run_id"}) AFTER its replicas were
+              stopped: never started again, in this run or a resumed one.
 
-Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's
-cluster not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason,
-never skipped silently and never retried; a folder that cannot be written raises (OSError) to the
-caller, whose run-folder rules apply. No requests folder: `pending` is empty, after one directory
-check.
-
-add-site refusals (`add_site_problem`, pure, fed the live nodes and their free resources): a label
-that no live node carries, and no room: the free resources of the nodes the site may use (its
-label's, else every live node) hold fewer than `replicas` replicas, each one bundle on one node,
-placed the way its group places them (`site_room`: a STRICT_PACK group on ONE node).
+Failure cases: a malformed request file (not JSON, a missing field, an unknown kind, a drain's cluster
+not named `c<k>`, an add-site's replicas not an integer >= 1) is refused with its reason, never
+skipped silently and never retried; a folder that cannot be written raises (OSError) to the caller,
+whose run-folder rules apply. No requests folder: `pending` is empty, after one directory check.
 """
 
 from __future__ import annotations
@@ -50,8 +33,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from hsgd.config.capacity import LABEL_KEY, replicas_that_fit
-from hsgd.core.topology import Topology
 from hsgd.record.rundir import atomic_write_text
 
 REQUESTS_DIR = "requests"
@@ -281,145 +262,6 @@ def drained(done: dict[str, dict]) -> dict[int, int]:
         if d.applied_as(RequestKind.DRAIN):
             out.setdefault(d.cluster, d.round)
     return out
-
-
-def next_cluster(clusters: int, done: dict[str, dict], abandoned_ids=()) -> int:
-    """The index a new site gets: past every cluster the run started with and every one added since
-    (a drained site's index is never reused: drained sites keep theirs). A site abandoned before it
-    joined (`abandoned_ids`, `mark_abandoned`) never was in the topology: its index is free again."""
-    added = [
-        d.cluster
-        for d in map(Outcome.of, done.values())
-        if d.applied_as(RequestKind.ADD_SITE) and d.id not in abandoned_ids
-    ]
-    return max([clusters - 1, *added]) + 1
-
-
-def site_room(per_node: list[int], strategy: str) -> int:
-    """How many replicas a new site can place, given how many fit on each node it may use, the way Ray
-    places its group (`strategy`, actors/placement.py `site_strategy`): STRICT_PACK all on one node (the
-    roomiest), STRICT_SPREAD one per node, PACK, SPREAD and NONE (each replica placed on its own)
-    anywhere (the sum)."""
-    if strategy == "STRICT_PACK":
-        return max(per_node, default=0)
-    if strategy == "STRICT_SPREAD":
-        return sum(1 for n in per_node if n >= 1)
-    return sum(per_node)
-
-
-def add_site_problem(
-    request: SiteRequest,
-    *,
-    nodes: list[dict],
-    free: dict[str, dict],
-    need: dict,
-    new_cluster: int,
-    strategy: str,
-) -> str | None:
-    """Why the add-site `request` is refused now, one line; None when it may go ahead. `nodes`: Ray's
-    node table (`ray.nodes()`: NodeID, Alive, Labels); `free`: NodeID -> free resources; `need`: one
-    replica's bundle (all its ranks); `strategy`: how its replicas are placed (`site_room`): room split
-    over nodes is no room for a STRICT_PACK group, which Ray would never place (issue 45, finding 5).
-    Pure, so refusals are tested with fake resources."""
-    alive = [nd for nd in nodes if nd.get("Alive")]
-    what = f"add-site c{new_cluster} ({request.replicas} replica(s))"
-    if request.label is not None:
-        alive = [nd for nd in alive if str((nd.get("Labels") or {}).get(LABEL_KEY)) == request.label]
-        if not alive:
-            known = sorted(
-                {
-                    str(v)
-                    for nd in nodes
-                    if nd.get("Alive")
-                    for k, v in (nd.get("Labels") or {}).items()
-                    if k == LABEL_KEY
-                }
-            )
-            return (
-                f"{what}: label {request.label!r} has no live node ({LABEL_KEY}); live labels: "
-                f"{', '.join(known) or 'none'}"
-            )
-    per_node = [replicas_that_fit(free.get(nd.get("NodeID"), {}), need) for nd in alive]
-    room = site_room(per_node, strategy)
-    if room < int(request.replicas or 0):
-        where = f"label {request.label!r}'s nodes" if request.label is not None else "the live nodes"
-        how = {"STRICT_PACK": " on one node", "STRICT_SPREAD": ", one per node,"}.get(strategy, "")
-        return (
-            f"{what}: no room: {where} have free resources{how} for {room} replica(s) of "
-            f"{', '.join(f'{k}={v:g}' for k, v in sorted(need.items()))} each ({strategy} placement; "
-            f"{sum(per_node)} in all)"
-        )
-    return None
-
-
-def join_overdue(started_at: float, now: float, timeout_s: float) -> bool:
-    """An applied add-site not up `timeout_s` (supervisor.join_timeout_s) after it was started: abandoned,
-    so a site whose group is never placed (its replicas neither answer nor die) does not keep every later
-    add-site refused as "still starting". Monotonic seconds."""
-    return now - started_at >= timeout_s
-
-
-def round_holders(
-    topology: Topology, live: dict[str, tuple[int, int]], drained_clusters, default_floor: int
-) -> set[int]:
-    """The clusters that hold the last committed round and can train on it: a live replica of theirs at
-    the furthest round any live replica holds (`live`: rid -> (round, step), the roster's), and live
-    replicas at least their floor (`topology.sites[].min_replicas`, else `default_floor`:
-    supervisor.min_replicas_per_cluster). A drained cluster holds nothing. Pure."""
-    top = max((r for r, _ in live.values()), default=0)
-    out = set()
-    for c in set(range(topology.clusters)) - set(drained_clusters):
-        members = [live[rid] for rid in topology.cluster_members(c) if rid in live]
-        if any(r == top for r, _ in members) and len(members) >= topology.min_replicas_of(c, default_floor):
-            out.add(c)
-    return out
-
-
-def decide(
-    request: SiteRequest,
-    *,
-    clusters: int,
-    drained_clusters,
-    min_clusters: int,
-    live_clusters=None,
-    holders: set[int] | None = None,
-    committed_round: int | None = None,
-) -> Decision:
-    """Whether the drain `request` may be applied now (an add-site is decided by `add_site_problem`).
-    `drained_clusters`: those already drained;
-    `min_clusters`: supervisor.min_clusters; `live_clusters`: those with a live replica now (None:
-    every cluster not drained), so a drain never leaves no live site while another is down.
-    `holders`: the clusters holding the last committed round at their floor (`round_holders`; None: not
-    known, not checked): a drain that would leave none is REFUSED (issue 45, finding 1), not deferred: it
-    would drop the only copy of that round, and a request waiting on the run's future is one the operator
-    cannot see the end of; the operator may ask again once another site holds the round.
-    `committed_round`: that round, for the reason's words only. Pure."""
-    if request.problem:
-        return Decision(REFUSED, request.problem, None)
-    c = cluster_index(request.cluster)
-    if c is None or c >= clusters:
-        return Decision(REFUSED, f"drain {request.cluster}: no such cluster; valid: c0..c{clusters - 1}", None)
-    if c in drained_clusters:
-        return Decision(REFUSED, f"drain {request.cluster}: already drained", c)
-    live = set(range(clusters)) - set(drained_clusters) if live_clusters is None else set(live_clusters)
-    left = len(live - {c})
-    if left == 0:
-        return Decision(REFUSED, f"drain {request.cluster}: it is the last live site", c)
-    if holders is not None and not holders - {c}:
-        which = "the last committed round" if committed_round is None else f"committed round {committed_round}"
-        return Decision(
-            REFUSED,
-            f"drain {request.cluster}: no other live site holds {which} with replicas at its floor, so draining "
-            f"it would lose that round; ask again once another site holds it",
-            c,
-        )
-    if left < min_clusters:
-        return Decision(
-            REFUSED,
-            f"drain {request.cluster}: would leave {left} site(s), below supervisor.min_clusters={min_clusters}",
-            c,
-        )
-    return Decision(APPLIED, f"drain {request.cluster}: {left} site(s) go on", c)
 
 
 def mark_done(run_dir: str | Path, request: SiteRequest, decision: Decision, round_index: int) -> dict:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from hsgd.core import run_control
 from hsgd.core.quarantine import DeathLog
 from hsgd.core.run_control import Checkpoint, CheckpointWrite, SiteNow, StartInput
-from hsgd.core.site_requests import APPLIED, RequestKind, SiteRequest, add_site_problem, join_overdue
+from hsgd.core.site_requests import APPLIED, RequestKind, SiteRequest
+from hsgd.core.site_rules import add_site_problem, join_overdue
 
 ROUND_S = 30.0  # the regime users run: rounds of >= 30 s
 QUARANTINE_AFTER, QUARANTINE_WINDOW_S, NODE_LOSS_WINDOW_S = 3, 600.0, 5.0

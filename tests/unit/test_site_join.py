@@ -670,7 +670,7 @@ def test_the_placement_strategy_a_new_site_is_checked_with_is_the_one_its_group_
 def test_a_site_not_up_within_the_join_deadline_is_abandoned_its_group_released_and_a_later_add_site_goes_on(
     world, tmp_path, capsys
 ):
-    from hsgd.core.site_requests import join_overdue
+    from hsgd.core.site_rules import join_overdue
 
     assert not join_overdue(100.0, 699.0, 600.0) and join_overdue(100.0, 700.0, 600.0)
     now = [1000.0]

@@ -16,16 +16,14 @@ from hsgd.core.site_requests import (
     REFUSED,
     RequestError,
     SiteRequest,
-    add_site_problem,
-    decide,
     drained,
     mark_done,
-    next_cluster,
     outcomes,
     pending,
     requests_dir,
     write_request,
 )
+from hsgd.core.site_rules import add_site_problem, decide, next_cluster
 from hsgd.core.topology import Topology
 from hsgd.record.events import EVENTS
 from jobs import status as status_job
@@ -526,7 +524,7 @@ def test_the_kinds_are_one_enum_and_the_files_keep_their_strings(tmp_path):
 
 # -- issue 45 finding 1: a drain never takes the last holder of the committed round ------------------------
 def test_a_drain_that_would_leave_no_live_site_holding_the_last_committed_round_at_its_floor_is_refused():
-    from hsgd.core.site_requests import round_holders
+    from hsgd.core.site_rules import round_holders
 
     # finding 1: c0r0 died in round 4 and came back empty (round 0); c1 alone committed round 4 (holds 5)
     topology = Topology(2, 1)
