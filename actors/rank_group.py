@@ -1,39 +1,27 @@
 """A replica's k rank processes (issue 34, `topology.gpus_per_replica`): its fixed replica group, and
 rank 0's handles of ranks 1..k-1 (`RankPeers`). Rank 0 is the Replica actor the roster knows; ranks
-1..k-1 are Replica actors of their own (actors/replica.py, built with `rank_of`), so every rank runs
-the very same phase bodies and issues the same collectives in the same order.
+1..k-1 are Replica actors too (actors/replica.py, built with `rank_of`), running the same phase bodies
+and collectives in the same order. Why the group is WORLD and never reconfigured: docs/scaling.md.
 
 Protocol
-- Rank 0 starts a store of the replica's own (`hsgd.train.comm.start_store`, behind a fresh secret)
-  and `RankPeers.start` creates ranks 1..k-1 with the Ray options of one rank inside the replica's
-  bundle (`ClusterPlacement.options(c, i)`), never restarted by Ray (`max_restarts=0`) and owned by
-  rank 0: when rank 0's process ends, Ray ends them too. A rank's death is the whole replica's
-  failure: rank 0 watches them (`RankPeers.watch`) and ends its own process at once when one ends,
-  so the supervisor sees the replica die, and Ray brings rank 0 back, which starts all k afresh.
-- Every rank calls `form_replica_group(rank, size, store_addr, prefix, timeout_s, ...)` with the same
-  `store_addr` and a prefix naming the replica and its incarnation. Step 1 is hsgd's arrival barrier
-  in the store (hsgd.train.comm's protocol, step 1); step 2 is c10d's `init_process_group` (gloo on
-  CPU; `cpu:gloo,cuda:nccl` on GPU) over the same prefix, bounded by the same timeout; step 3 forms
-  the replica's background group (`ReplicaRanks.background`: the same k ranks, gloo, under c10d's
-  own prefix of a second group), which the thread of an outer reduce behind the inner steps agrees
+- Rank 0 starts a store of the replica's own (`hsgd.train.comm.start_store`, a fresh secret);
+  `RankPeers.start` creates ranks 1..k-1 in the replica's bundle (`ClusterPlacement.options(c, i)`),
+  never restarted by Ray (`max_restarts=0`), owned by rank 0, which watches them (`RankPeers.watch`)
+  and ends its own process at once when one ends: Ray brings rank 0 back, which starts all k afresh.
+- Every rank calls `form_replica_group(rank, size, store_addr, prefix, timeout_s, ...)` with one
+  `store_addr` and a prefix naming the replica and its incarnation: (1) hsgd's arrival barrier in the
+  store (hsgd.train.comm's step 1); (2) c10d's `init_process_group` over that prefix, under the same
+  timeout (gloo on CPU; `cpu:gloo,cuda:nccl` on GPU): the default group, the replica's k ranks; (3)
+  the background group (`ReplicaRanks.background`, gloo) an outer reduce behind the inner steps agrees
   over (sync.fragment_delay, hsgd.train.overlap), never interleaving with FSDP2's on the first.
-- Rank 0 fans every phase call out (`RankPeers.call`: rank j's own arguments, e.g. its level
-  groups under `<prefix>/rank<j>`, rank j of every replica in one group), runs its own part, then
-  merges their answers (`RankPeers.merge`): a rank that raised is the replica's own error; a rank
-  whose answer is not `done` makes the replica's answer that outcome.
-- The group is this process's default (WORLD) group, holding exactly the replica's k ranks. Why:
-  FSDP2's DeviceMesh (`torch.distributed.device_mesh.DeviceMesh.from_group`, in
-  hsgd.train.sharding.shard_model) reads this process's rank from the default group (torch 2.13:
-  `get_rank()`, which raises without one), and so does `new_group`; a rank actor is a process of
-  its own hosting one rank of one replica, so its default group can be that replica's, rank for
-  rank. hsgd's inner/outer levels are torchft groups of their own and never touch it.
-- The group is never reconfigured: its k ranks share one model's shards, so a rank that dies leaves
-  every other rank's shard useless on its own (no rank may keep a half-updated shard). The replica
-  is failed as a whole and comes back whole, healed by a peer, as a replica of one process does.
-Failures: a rank that never comes: after `timeout_s` every rank that came raises CollectiveError
-kind `configure` whose one line names the replica and the missing rank(s); the supervisor's abort:
-kind `join_aborted` with its reason; a connect that fails or outlasts `timeout_s`: kind `configure`.
-The group's collectives run under `op_timeout_s` (torch.distributed raises past it).
+- Rank 0 fans every phase call out (`RankPeers.call`: rank j's own arguments, e.g. its level groups
+  under `<prefix>/rank<j>`), runs its own part, then merges the answers (`RankPeers.merge`): a rank
+  that raised is the replica's own error; a rank whose answer is not `done` makes it the replica's.
+Failures: a rank that dies fails the replica whole (it comes back whole, healed by a peer); a rank
+that never comes: after `timeout_s` each rank that came raises CollectiveError kind `configure` naming
+the replica and the missing rank(s); a connect that fails or outlasts `timeout_s`: kind `configure`;
+the supervisor's abort: kind `join_aborted`, with its reason. The group's collectives run under
+`op_timeout_s` (torch.distributed raises past it).
 """
 
 from __future__ import annotations
