@@ -1,5 +1,5 @@
 """Failure drills: start a run in the background (a notebook, a script), watch it, break it on
-purpose, and wait for it to heal (README, "Failure drills", shows the API). The run is the ordinary
+purpose, and wait for it to heal (docs/faults.md, "Drills", shows the API). The run is the ordinary
 `jobs.train` path on an embedded Ray, in `drill.run_dir`. Every blocking call takes a timeout and
 raises `DrillError` saying what it waited for and what the run looked like then. Waits read the
 run's record (events.jsonl, faults_fired.jsonl: every death and commit once, in order), not

@@ -142,7 +142,7 @@ class FaultInjector:
     def not_fired(self) -> list[str]:
         """Faults that never fired. One whose round (committed) and phase came without it firing found
         its target down: it is recorded in faults_fired.jsonl from outside (no pid) with
-        `target_down: true` (README, "Fault injection") and is not listed."""
+        `target_down: true` (docs/faults.md) and is not listed."""
         self._fired_lines(range(len(self.faults)))
         for i, f in enumerate(self.faults):
             if i not in self.state.fired and i in self.missed and f.round < self.state.committed_round:

@@ -1,4 +1,4 @@
-"""Quarantine, carried out (the rule: hsgd/core/quarantine.py; README, "Quarantine"): a replica
+"""Quarantine, carried out (the rule: hsgd/core/quarantine.py; docs/sites.md, "Quarantine"): a replica
 killed for good is re-created as a new actor pinned to another node of its site's label (Ray restarts
 an actor with its original options, so only a new actor can leave the node). It rejoins as any
 restarted replica. The new actor is detached, as an added site's: a restarted supervisor finds it by

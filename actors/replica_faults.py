@@ -1,4 +1,4 @@
-"""A replica's faults (hsgd.core.faults.FaultSpec, README "Fault injection"), fired inside it:
+"""A replica's faults (hsgd.core.faults.FaultSpec, docs/faults.md), fired inside it:
 a phase call carries those due in it (`armed` while the call runs), each fired at the boundary it
 names (`_hook`: the trainer's step boundaries and the phase's start), its line written to
 faults_fired.jsonl first; a drill's `inject` fires at the next boundary (a crash at once). Mixed

@@ -1,5 +1,5 @@
 """Diagnose a live run: `python -m jobs.diagnose <run.dir>`.
-README, "Watching, hangs and diagnosis".
+docs/operations.md, "Watching, hangs and diagnosis".
 
 run.json sits in a folder others may write: it is trusted with neither this user's Ray token nor a signal.
 - Attach: only to $RAY_ADDRESS when set, else to the cluster of this user's raylet on this node;

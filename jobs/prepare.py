@@ -1,4 +1,4 @@
-"""Tokenize text into train.bin, val.bin and meta.json for `data.path` (README, "Token files").
+"""Tokenize text into train.bin, val.bin and meta.json for `data.path` (docs/own-model.md, "Text and token files").
 
 No network. Exit 0 on success, 2 on a bad argument or unreadable input (one line on stderr).
 """

@@ -1,5 +1,5 @@
 """Live console view of a run, read from its files only (no Ray).
-README, "Watching, hangs and diagnosis".
+docs/operations.md, "Watching, hangs and diagnosis".
 
 Refreshes until the run is done (summary.json, status.json's `status`, or a run_end event) or
 --timeout passes. Exit 0; 2 if the run dir does not exist.
@@ -7,7 +7,7 @@ Refreshes until the run is done (summary.json, status.json's `status`, or a run_
 The view lists every site request with what became of it, in the order asked (`site_requests`).
 
 `python -m jobs.status <run> drain-site c2` writes one site request into `<run>/requests/`
-(hsgd/core/site_requests.py; README, "Sites that come and go") and exits: the supervisor decides it
+(hsgd/core/site_requests.py; docs/sites.md, "Sites that come and go") and exits: the supervisor decides it
 at the next round's start. `... add-site replicas=N [label=L] [name=S]` asks for a new site the same
 way (the supervisor picks its c<k>). Exit 0 with the request's id printed; 2 (one line on stderr,
 nothing written): a folder that is no running hsgd run (`request_folder_problem`), or a request that

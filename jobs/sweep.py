@@ -1,4 +1,4 @@
-"""The summary table of a Hydra multirun sweep (README, "Sweeps"): `python -m jobs.sweep <sweep dir>`
+"""The summary table of a Hydra multirun sweep (docs/operations.md, "Sweeps"): `python -m jobs.sweep <sweep dir>`
 rebuilds the `sweep.csv` and `sweep.md` that jobs.train rewrites after every job.
 """
 

@@ -1,4 +1,4 @@
-"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`; README, "Sweeps" for `-m`).
+"""Train: `python -m jobs.train [hydra overrides]` (or under `ray job submit`; docs/operations.md, "Sweeps" for `-m`).
 
 A bad value prints one line and exits 2 before Ray starts (hsgd.config.compose.precheck; for a
 multirun: every job's, before the first starts); a failed run exits 1.

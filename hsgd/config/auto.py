@@ -5,7 +5,7 @@
   at least 0: the inner rate rises linearly over them, then follows `optim.inner.schedule` (cosine by default).
 - `optim.outer.lr` / `optim.outer.momentum: null` -> `auto_outer_step` of the run's clusters and outer steps.
 
-Why these (README "Defaults that converge", `python -m benchmarks outer_sweep`): on the shipped corpus, model
+Why these (docs/converging.md, `python -m benchmarks outer_sweep`): on the shipped corpus, model
 tiny, 2,000 inner steps, batch 8 per replica, flat DDP (1 x 4) reached 1.710 with the old constant inner rate
 and 1.651 with cosine decay; hierarchical 2 x 2 DiLoCo at H = 50 with DiLoCo's 0.7 / 0.9 went from 2.219
 (+30 %) to 1.734 (+5.0 %) with cosine alone, and to 1.678 (+1.6 %) with lr 1.0, momentum 0.3 (40 outer steps);

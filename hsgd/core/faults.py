@@ -1,4 +1,4 @@
-"""Fault specs: what to break, where and when (public form: README, "Fault injection"), e.g.
+"""Fault specs: what to break, where and when (public form: docs/faults.md), e.g.
 
     faults.schedule='[{kind:kill,target:c0r1,round:2,phase:inner,step:3}]'
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 # the traits a phase may have
-FAULT = "fault"  # a scheduled fault may name it (faults.schedule's `phase`; README, "Fault injection")
+FAULT = "fault"  # a scheduled fault may name it (faults.schedule's `phase`; docs/faults.md)
 STEPS = "steps"  # a fault in it fires at its `step` (the others at the phase's start)
 SUPERVISOR = "supervisor"  # the supervisor has it too: a fault targeting the supervisor may name it
 SPAN = "span"  # timeline.png draws it (a replica's time in it, between phase_begin and phase_end)

@@ -102,7 +102,7 @@ def late_round_record(
 
 
 def efficiencies(committed_steps: int, attempted_steps: int, participation: list[float]) -> tuple[float, float]:
-    """torchft's figures (README, "Fault injection"): step efficiency, and training efficiency = step
+    """torchft's figures (docs/faults.md): step efficiency, and training efficiency = step
     efficiency x mean fraction of the replicas that took part in each round's inner phase."""
     step = min(1.0, committed_steps / attempted_steps) if attempted_steps else 1.0
     return step, step * (sum(participation) / len(participation) if participation else 1.0)
@@ -139,7 +139,7 @@ def _distinct_downs(events: list[dict]) -> list[dict]:
 
 
 def fault_figures(fired: list[dict], events: list[dict], explain_window_s: float = 120.0) -> list[dict]:
-    """summary.json's `faults` (README, "Fault injection": each entry's figures and sources), from
+    """summary.json's `faults` (docs/faults.md: each entry's figures and sources), from
     faults_fired.jsonl (a fired record's rid is the replica actually hit, whatever its target) and
     events.jsonl. A fault of any kind (even `comm` or `slow`: a down soon after it is likelier its
     effect than a coincidence) explains at most one down of its replica: the first within

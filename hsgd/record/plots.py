@@ -1,4 +1,4 @@
-"""Pictures of a run (README, "Outputs"): loss.png, timeline.png, membership.png. The `*_data`
+"""Pictures of a run (docs/outputs.md): loss.png, timeline.png, membership.png. The `*_data`
 functions are pure (files in, plain data out; times in seconds since the run's first event); tests
 check them, not pixels. A run still going, failed, or without faults or metrics yet draws what it has.
 """

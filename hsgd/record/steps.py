@@ -1,4 +1,4 @@
-"""Per-step timeline (`logging.step_times=true`; README, "Outputs"; a line's `t`: when the step's
+"""Per-step timeline (`logging.step_times=true`; docs/outputs.md; a line's `t`: when the step's
 collectives all succeeded). Line-buffered: a SIGKILL loses no line already written. A failed write
 turns the log off for the rest of the process: the timeline never stops training.
 """

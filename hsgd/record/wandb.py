@@ -1,4 +1,4 @@
-"""Weights & Biases logging of the supervisor's global view, one run per job (README, "wandb").
+"""Weights & Biases logging of the supervisor's global view, one run per job (docs/operations.md, "wandb").
 Rounds and inner steps are both step axes."""
 
 from __future__ import annotations
