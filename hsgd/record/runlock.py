@@ -1,4 +1,5 @@
-"""A run owns its folder: an exclusive lock file `run.dir/hsgd.lock` (docs/outputs.md, "Run folders, checkpoints and resume").
+"""A run owns its folder: an exclusive lock file `run.dir/hsgd.lock` (docs/outputs.md, "Run folders,
+checkpoints and resume").
 
 - `acquire` creates the lock with O_CREAT | O_EXCL (one creator wins). A lock already there is
   live unless stale: its process is gone (same host) or its refresh is older than STALE_AFTER_S
