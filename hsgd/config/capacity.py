@@ -1,8 +1,9 @@
 """Will the Ray cluster hold this topology? Pure decisions (only `usable_memory_bytes` reads a
 file), so an impossible run is one config error, never actors fighting for two cores or placement
 groups that never get ready (the embedded cluster's limits: `ray.num_cpus`,
-docs/reference/configuration.md). Backends per level: the driver plans them from the Ray cluster's resources, never its own CUDA (a CPU-only head
-node is the usual `ray job submit` target); each replica resolves them by its GPU.
+docs/reference/configuration.md). Backends per level: the driver plans them from the Ray cluster's
+resources, never its own CUDA (a CPU-only head node is the usual `ray job submit` target); each
+replica resolves them by its GPU.
 
 A replica of k ranks (`topology.gpus_per_replica`, issue 34) is k processes on one node: every
 resource check counts a replica as k times one rank's resources on one node, a GPU node's count
