@@ -52,7 +52,7 @@ def shared_ray_up_again(shared_ray):
 def pytest_collection_modifyitems(config, items):
     """The long runs that keep the cores busy go to one worker, one after another (group
     `one_at_a_time`); the realistic and other `paced` runs (padded steps, cores mostly idle) take
-    the other worker, beside them. Without xdist the group means nothing."""
+    the other workers, beside them. Without xdist the group means nothing."""
     for item in items:
         if (
             item.get_closest_marker("long")

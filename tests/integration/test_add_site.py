@@ -169,6 +169,7 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
 
 
 @pytest.mark.long  # two runs, ~80 s
+@pytest.mark.paced  # steps padded to 0.4 s: beside the busy long runs (tests/run_all.sh)
 def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     """Issue 37, resume: a site added and committed, then the whole run started again from its last
     checkpoint (`train.resume=true` in the same run.dir, more rounds): the resumed run starts the
@@ -218,6 +219,7 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
 
 
 @pytest.mark.long  # two runs, ~80 s
+@pytest.mark.paced  # steps padded to 0.4 s: beside the busy long runs (tests/run_all.sh)
 def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_brings_the_new_one_back(
     background_drills, tmp_path
 ):

@@ -57,6 +57,7 @@ def three_nodes():
 
 
 @pytest.mark.long
+@pytest.mark.paced  # steps padded to 0.3 s: beside the busy long runs (tests/run_all.sh)
 def test_a_moved_replica_is_on_its_label_and_outlives_a_supervisor_restart(three_nodes, tmp_path):
     cluster, a_nodes, b_node = three_nodes
     run_dir = tmp_path / "run"

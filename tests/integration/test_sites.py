@@ -150,6 +150,7 @@ def sigkill_three_times(progress, rid: str) -> list[int]:
 
 
 @pytest.mark.long  # three SIGKILLs each awaited at work: over a minute
+@pytest.mark.paced  # steps padded to 0.3 s: beside the busy long runs (tests/run_all.sh)
 def test_a_replica_that_keeps_dying_on_the_only_node_is_kept_out_and_the_run_completes(background_drills, tmp_path):
     drill = background_drills(FAST + QUARANTINE, tmp_path)
     run_dir = Path(drill.run_dir)
