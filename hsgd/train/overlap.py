@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsgd.train.comm import CollectiveError, LevelGroup
-from hsgd.train.trainer import Behind, NonFiniteError
+from hsgd.train.inner import NonFiniteError
+from hsgd.train.trainer import Behind
 
 Key = tuple  # (round, epoch, shard, shards[, the clusters' token weights: OuterReduce.weights])
 
