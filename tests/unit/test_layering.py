@@ -196,8 +196,6 @@ FUNCTIONS_OVER_CAP = {
 }
 FILES_OVER_CAP = {  # issue 46: owned by the wire / exchange work, as above
     "actors/replica.py",
-    "hsgd/train/comm.py",
-    "hsgd/train/checkpoint.py",
 }
 
 
