@@ -1,33 +1,23 @@
 """A replica larger than one device: its model sharded with FSDP2 over the replica's k rank processes.
 
-Protocol (issue 34; hsgd.train.trainer.ReplicaTrainer with `ranks`):
+Protocol (hsgd.train.trainer.ReplicaTrainer with `ranks`):
 - `ReplicaRanks(rank, size, group)`: this process is rank `rank` of the `size` ranks of one replica;
-  `group` is a torch.distributed ProcessGroup of exactly those k processes. It is fixed for the
-  replica's life: a rank that dies is its whole replica's failure, so it is never reconfigured. Its
-  collectives are the "replica" level: inside one replica, issued by every rank in the same order
-  from the same phase method, so they never interleave with another replica's.
-- `shard_model` applies FSDP2 `fully_shard` per transformer block, then to the root, over a 1-D
-  mesh of the replica group. FSDP2 shards every parameter on dim 0, so every rank holds a piece
-  of every parameter: rank j's list of local shards has the same length, order and shapes in
-  every replica, and everything hsgd does per parameter (fragments, codec blocks, shard bounds,
-  the outer state, heals) applies to rank j's shards over the group of rank j of every replica.
-- The replica's batch (`data.batch_size`) is split evenly across its ranks (`rows_of`); FSDP2's
-  reduce-scatter averages over the k ranks, so the replica's gradient equals k=1's up to the
-  order of summation.
+  `group`, a ProcessGroup of exactly those k processes, is fixed for the replica's life. Its
+  collectives are the "replica" level, issued by every rank in the same order from the same phase method.
+- `shard_model` applies FSDP2 `fully_shard` per transformer block, then to the root: every parameter
+  is sharded on dim 0, so rank j's local shards have the same length, order and shapes in every
+  replica, and everything hsgd does per parameter applies to rank j's shards over rank j's groups.
+- The replica's batch is split evenly across its ranks (`rows_of`).
 - Replica-wide numbers are combined here: the global gradient norm (`clip_grad_norm_`), the
   phase-end losses and non-finite flags (`combine_phase_end`), a digest (`combined_digest`).
-- A collective of another level (inner, outer, heal: rank j's group of rank j of every replica) may
-  fail on one rank and not on another (a dead peer replica's ranks go at different moments): after
-  each, every rank learns whether any failed (`agreed`), and all raise the first rank's error
-  together, so no rank walks on into a replica-level collective its peer has left.
-- An outer reduce behind the inner steps (sync.fragment_delay, hsgd.train.overlap) runs on a second
-  thread of every rank while the phase thread's FSDP2 collectives run on `group`. Two threads issue
-  in no order the ranks share, so that reduce's agreement (its pseudo-gradient's finiteness, `agreed`)
-  goes over `background`: a second group of the same k ranks, formed with `group` (`behind()` hands
-  it out). Its collectives come from that one thread only, in the same order on every rank.
-Failures: a replica-level collective that fails or times out raises (torch.distributed's error);
-the replica is then failed as a whole and rebuilt. Every collective here runs under the group's
-timeout, set when the group is made.
+- After each collective of another level, every rank learns whether any failed (`agreed`), and all
+  raise the first rank's error together.
+- An outer reduce behind the inner steps (hsgd.train.overlap) agrees over `background` (`behind()`),
+  a second group of the same k ranks, from that one thread only.
+- `ShardedState`: the trainer's state as a sharded (DCP) checkpoint holds it, and `rank_slice`.
+Failures: a replica-level collective that fails or times out raises (torch.distributed's error,
+under the group's timeout); the replica is then failed as a whole and rebuilt.
+Narrative: docs/scaling.md.
 """
 
 from __future__ import annotations
