@@ -65,7 +65,8 @@ def _measure(rank: int, port: int, args: dict) -> dict:
     from hsgd.core.topology import Topology
     from hsgd.train import task
     from hsgd.train.comm import LevelGroup
-    from hsgd.train.trainer import ReplicaTrainer, build_inner_optimizer
+    from hsgd.train.inner import build_inner_optimizer
+    from hsgd.train.trainer import ReplicaTrainer
 
     torch.set_num_threads(args["threads"])
     cfg = _config(args["model"], args["steps"], args["overrides"])

@@ -217,7 +217,7 @@ def batch_of(preset: str, args, device: str) -> int:
 
 
 def bench_preset(preset: str, args, device: str, device_name: str) -> dict:
-    from hsgd.train.trainer import optimizer_implementation
+    from hsgd.train.inner import optimizer_implementation
 
     batch_size = batch_of(preset, args, device)
     hsgd_sets = (["train.precision=bf16", "train.compile=true"] if device.startswith("cuda") else []) + args.set

@@ -79,7 +79,7 @@ def _train_loop(config: dict) -> None:
 
     from hsgd.core.topology import Topology
     from hsgd.train import task
-    from hsgd.train.trainer import build_inner_optimizer, inner_lr, optimizer_implementation
+    from hsgd.train.inner import build_inner_optimizer, inner_lr, optimizer_implementation
 
     torch.set_num_threads(1)
     cfg = OmegaConf.create(config["cfg"])

@@ -275,8 +275,9 @@ def _worker(spec: dict) -> int:
     from hsgd.config.auto import outer_step_of
     from hsgd.core.round.schedule import due
     from hsgd.train import task
+    from hsgd.train.inner import build_inner_optimizer, inner_lr, optimizer_implementation
     from hsgd.train.outer import outer_hyperparameters
-    from hsgd.train.trainer import build_inner_optimizer, inner_lr, optimizer_implementation, param_digest
+    from hsgd.train.trainer import param_digest
 
     out, group, rank, ranks, groups = Path(spec["out"]), spec["group"], spec["rank"], spec["ranks"], spec["groups"]
     index, steps, every, rounds = spec["index"], spec["steps"], spec["every"], spec["rounds"]

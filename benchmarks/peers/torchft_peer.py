@@ -526,7 +526,8 @@ def _worker(spec: dict) -> int:
     torch.set_num_threads(1)
     from actors.launch import compose_config
     from hsgd.train import task
-    from hsgd.train.trainer import build_inner_optimizer, inner_lr, optimizer_implementation, param_digest
+    from hsgd.train.inner import build_inner_optimizer, inner_lr, optimizer_implementation
+    from hsgd.train.trainer import param_digest
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     replica, index, steps, detail = spec["replica"], spec["index"], spec["steps"], spec["settings"]

@@ -1,42 +1,24 @@
 """Durable checkpoints: atomic, verifiable, loaded without executing code, on any fsspec storage.
 
-The root is `checkpoint.dir`, any fsspec URL every replica reaches (a shared mount, `s3://...`,
-`memory://...` in one process), or `<run.dir>/checkpoints` when null (`root_url`):
+The root is `checkpoint.dir` (any fsspec URL every replica reaches), or `<run.dir>/checkpoints` when
+null (`root_url`):
 
     round_000005/manifest.json      round, step, run id, config fingerprint, replica files + sha256
     round_000005/c0r0.pt ...        "file" format: one file per replica, its ReplicaTrainer.state_dict()
-    round_000005/c0r0/ ...          "dcp" format: one sharded checkpoint per replica (dcp_checkpoint.py:
-                                    its own manifest.json, DCP's .metadata, one data file per rank)
+    round_000005/c0r0/ ...          "dcp" format: one sharded checkpoint per replica (dcp_checkpoint.py)
 
-The "file" format is a manifest without `format` (a replica of one rank writes it). A run whose
-replicas have k > 1 ranks writes the "dcp" format: the manifest says `format: "dcp"`, `ranks: k`,
-and its `files` maps each replica id to the sha256 of `<rid>/manifest.json`, which in turn holds
-the sha256 of every file of that replica's DCP checkpoint (`.metadata` included). Both formats
-live side by side under one root: `finalized`, `choose`, `verify`, `exists` and `prune` treat a
-round folder of either alike; `format_of` / `Choice.format` and `ranks_of` / `Choice.ranks` tell a
-resume which loader to use and how many ranks wrote it (DCP reshards, so a resume may use another k).
-
-Protocol: replicas write their files (or folders) into `round_000005.tmp-<owner>-<nonce>/`
-(`new_temp_dir`; owner = the run id, so `prune` removes only this run's leftovers, never another
-run's write in progress). Locally each file and then the supervisor's manifest is `write_atomic`
-(a replica's DCP folder is renamed into the temp folder whole), and the supervisor renames the
-directory (the commit point). On an object store (no atomic rename) the files are copied to the
-final directory and the manifest is written LAST: without a manifest a checkpoint does not exist.
-A crash leaves the old checkpoints untouched and a temp or manifest-less directory that is ignored.
-A final checkpoint is never overwritten.
-
-Trust: `verify` checks the manifest and every file's sha256 (a "dcp" one: each replica's folder
-through `dcp_checkpoint.verify_sharded` in a world of one — this process hashes every file, the
-`.metadata` DCP would unpickle included, and refuses a file the replica's manifest does not name —
-and that manifest against the run manifest's sha256); `choose` walks back from the newest to the
-first that verifies, so a corrupt latest checkpoint of either format falls back to the previous
-kept one of either format, its reason recorded. An unknown `format` is refused like a corrupt
-file. Given the replicas that would load it (`holders_of`), `choose` also passes over a checkpoint
-holding no file of any of them (one written while they were down: each replica loads its own file),
-so a restore or resume lands on the newest one they can load. The manifest's `param_digests` (rid ->
-the replica's params digest when saved) is what a loaded replica's digest must equal
-(`expected_param_digest`): a load that silently did nothing is caught before any training.
-Files load with `torch.load(weights_only=True)`: a foreign file is an error, never code execution.
+Protocol: replicas write into `round_000005.tmp-<owner>-<nonce>/` (`new_temp_dir`; owner = the run
+id, so `prune` removes only this run's leftovers). Locally each file and then the manifest is
+`write_atomic` and the directory is renamed (the commit point); on an object store the files are
+copied to the final directory and the manifest written LAST: without a manifest a checkpoint does
+not exist. A final checkpoint is never overwritten.
+Failure cases: a crash leaves the old checkpoints untouched and a temp or manifest-less directory
+that is ignored. `verify` checks the manifest and every file's sha256 (a "dcp" replica's folder
+through `dcp_checkpoint.verify_sharded`); `choose` walks back from the newest to the first that
+verifies (and that a replica in `holders_of` can load), recording each reason. A loaded replica's
+params digest must equal the manifest's (`expected_param_digest`). An unknown `format` is refused
+like a corrupt file; files load with `torch.load(weights_only=True)`, never executing code.
+Narrative (both formats side by side, trust): docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -65,6 +47,9 @@ from hsgd.train.checkpoint_storage import (  # re-exported: callers know them as
     url_to_fs,
     write_atomic,
 )
+from hsgd.train.checkpoint_storage import REACH_PREFIX as REACH_PREFIX  # the reachability check, re-exported as above
+from hsgd.train.checkpoint_storage import read_reach_nonce as read_reach_nonce
+from hsgd.train.checkpoint_storage import write_reach_nonce as write_reach_nonce
 
 PARAM_DIGESTS = "param_digests"  # manifest key: rid -> its params digest when saved (`expected_param_digest`)
 
@@ -424,32 +409,6 @@ def prune(root: str | Path, keep: int, owner: str = "") -> None:
             r = _round_of(name)
             if r is not None and r < newest and name not in final_names:
                 remove(join_url(root, name))
-
-
-# -- reachability ---------------------------------------------------------------------------------
-REACH_PREFIX = ".hsgd-reach-"
-
-
-def write_reach_nonce(root: str | Path, run_id: str) -> tuple[str, str]:
-    """The driver's half of the reachability check: a nonce file under the checkpoint root.
-    Returns (its URL, the nonce); each replica must read it back (`read_reach_nonce`)."""
-    nonce = uuid.uuid4().hex
-    fs, path = url_to_fs(root)
-    fs.makedirs(path, exist_ok=True)
-    url = join_url(root, f"{REACH_PREFIX}{safe_owner(run_id)}")
-    _write_text(url, nonce)
-    return url, nonce
-
-
-def read_reach_nonce(url: str, nonce: str) -> str | None:
-    """A replica's half: None when it reads the driver's nonce at url, else the problem."""
-    fs, path = url_to_fs(url)
-    try:
-        with fs.open(path, "rb") as f:
-            got = f.read().decode("utf-8", "replace").strip()
-    except Exception as err:  # noqa: BLE001 — any failure to read is the answer
-        return f"{type(err).__name__}: {err}"
-    return None if got == nonce else f"{url} holds another nonce (another storage under the same name?)"
 
 
 # -- what a resume may not change -----------------------------------------------------------------

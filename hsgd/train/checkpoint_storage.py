@@ -7,6 +7,7 @@ temp folder carries its owner's name (`safe_owner`) so `checkpoint.prune` remove
 leftovers, and every folder removal tolerates an absent folder (`remove`). Its own module because
 checkpoint.py reads sharded checkpoints through dcp_checkpoint.py: sharing these through either one
 would make an import cycle. No torch here: file-only readers (jobs.status) start fast.
+Also the reachability check: a nonce the driver writes under the root, that every replica reads back.
 """
 
 from __future__ import annotations
@@ -89,3 +90,29 @@ def load_manifest(directory: str | Path, what: str = "checkpoint") -> tuple[Any,
             return json.loads(f.read().decode("utf-8")), url
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{what} manifest {url} is unreadable: {err}") from err
+
+
+# -- reachability ---------------------------------------------------------------------------------
+REACH_PREFIX = ".hsgd-reach-"
+
+
+def write_reach_nonce(root: str | Path, run_id: str) -> tuple[str, str]:
+    """The driver's half of the reachability check: a nonce file under the checkpoint root.
+    Returns (its URL, the nonce); each replica must read it back (`read_reach_nonce`)."""
+    nonce = uuid.uuid4().hex
+    fs, path = url_to_fs(root)
+    fs.makedirs(path, exist_ok=True)
+    url = join_url(root, f"{REACH_PREFIX}{safe_owner(run_id)}")
+    write_atomic(url, lambda f: f.write(nonce.encode("utf-8")))
+    return url, nonce
+
+
+def read_reach_nonce(url: str, nonce: str) -> str | None:
+    """A replica's half: None when it reads the driver's nonce at url, else the problem."""
+    fs, path = url_to_fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            got = f.read().decode("utf-8", "replace").strip()
+    except Exception as err:  # noqa: BLE001 — any failure to read is the answer
+        return f"{type(err).__name__}: {err}"
+    return None if got == nonce else f"{url} holds another nonce (another storage under the same name?)"

@@ -4,33 +4,23 @@
     flat_hat = codec.decode(payload, numel)   # fp32, 1-D; what every peer sees from this sender
 Accumulation, the outer optimizer and the global params stay fp32: only the wire is narrow.
 
-What each codec sends, one record per block (the last may be partial, its record short), and the
-error of one element after a round trip:
-    none   fp32 values                                 block 1      exact
-    bf16   bfloat16 values (round to nearest even)     block 1      |err| <= 2^-8 |x| (|x| normal)
-    int8   [scale fp32][int8 values]                   block 256    |err| <= scale/2, scale = absmax / 127
-    int4   [scale fp32][4-bit values]                  block 256    |err| <= scale/2, scale = absmax / 7
-    topk   [k indices int16][k values bf16]            block 4096   kept: bf16 rounding; dropped:
-           k = max(1, round(density * block len))                   |err| = |x| <= every kept |x|
-(int8/int4: plus fp32 rounding in x/scale and q*scale, under 2^-15 of the scale in all.)
-int8/int4: q = round(x / scale) in [-qmax, qmax] (half to even); an all-zero block has scale 0.
-int4 stores q + 8 in a nibble, element 2i in the low nibble of byte i. topk: among |x| equal to
-the k-th largest the lowest indices are kept (never torch.topk's tie order); indices ascend;
-decode scatters the values into zeros. Multi-byte fields are little-endian.
+What each codec sends, one record per block (the last may be partial, its record short):
+    none   fp32 values                                 block 1
+    bf16   bfloat16 values (round to nearest even)     block 1
+    int8   [scale fp32][int8 values]                   block 256    scale = absmax / 127
+    int4   [scale fp32][4-bit values]                  block 256    scale = absmax / 7
+    topk   [k indices int16][k values bf16]            block 4096   k = max(1, round(density * block len))
+int8/int4: q = round(x / scale) in [-qmax, qmax] (half to even); int4 stores q + 8 in a nibble,
+element 2i in the low nibble of byte i. topk: ties keep the lowest indices; indices ascend.
+Multi-byte fields are little-endian.
 
-Why block-wise: a block's bytes depend on that block alone, and every block divides ALIGN, so for
-a, b multiples of ALIGN (or b == n), with x of n elements:
+Block-wise: for a, b multiples of ALIGN (or b == n), with x of n elements,
     encode(x[a:b]) == encode(x)[payload_bytes(a):payload_bytes(b)]           (bytes, exactly)
-    decode(encode(x[a:b]), b - a) == decode(encode(x), n)[a:b]                (values, bitwise)
-A shard holder compressing its slice and a replica compressing the whole vector (for the error-
-feedback residual, or a digest) agree bitwise; shards and fragments are cut only at multiples of ALIGN.
-
-Error feedback (EF-SGD, Karimireddy et al. 2019), `compress_with_feedback`: sent =
-decode(encode(update + residual)), residual = update + residual - sent, so sum(sent) + residual ==
-sum(update) over rounds (to fp32 rounding): nothing is lost, only delayed. The residual is state:
-the trainer heals and checkpoints it with the outer optimizer state.
+so shards and fragments are cut only at multiples of ALIGN. `compress_with_feedback`: sent =
+decode(encode(update + residual)), residual = update + residual - sent (error feedback).
 
 Encoding is deterministic. Non-finite input is not handled: the trainer never sends it.
+Narrative (each codec's error bound, why block-wise, error feedback): docs/scaling.md.
 """
 
 from __future__ import annotations

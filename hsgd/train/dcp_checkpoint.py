@@ -1,57 +1,27 @@
 """Sharded checkpoints of one replica's k ranks through torch.distributed.checkpoint (DCP),
 sha256-verified against hsgd's manifest before DCP reads a byte.
 
-Layout (`directory` is the final name, a path or any fsspec URL, like `checkpoint.dir`; in a run it
-is replica `<rid>`'s folder inside the round folder, checkpoint.py's "dcp" format):
-
-    round_000005/c0r0/manifest.json    format "dcp", ranks (k), every file's sha256, plus the caller's
-                                       manifest_extra (round, replica id)
-    round_000005/c0r0/.metadata        DCP's index of every shard (rank 0 writes it; DCP reads it with pickle)
-    round_000005/c0r0/__0_0.distcp ... one data file per rank (each rank writes its own shards)
-
-The run's own manifest (round_000005/manifest.json, checkpoint.py) records the sha256 of each
-replica's manifest.json, so one chain of hashes covers every byte. checkpoint.py's `finalized`,
-`choose` and `prune` treat such a round as a checkpoint of its round, and its `verify` checks each
-replica's folder with `verify_sharded` in a world of one (`checkpoint.format_of` / `ranks_of` tell a
-resume which loader to use). The state a replica saves is ReplicaTrainer.sharded_state(): DTensors
-of its local shards, so DCP reshards a load to the loading replica's k.
-
-Save protocol (`save_sharded`, every rank of the replica calls it with the same directory; the
-collectives below run on `group`, the replica's k-rank group: the shard level, each one bounded by
-`timeout_s`, DCP's own by the group's timeout):
-  1. rank 0 draws a nonce and broadcasts it: every rank writes into `<directory>.tmp-<owner>-<nonce>`.
-  2. `dcp.save` into that temp folder, one writer per rank
-     (`torch.distributed.checkpoint.FileSystemWriter`; for a URL DCP's fsspec writer,
-     `torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter`). DCP gathers the plans, each
-     rank writes its file, rank 0 writes `.metadata`; a rank's error reaches every rank (DCP's
-     CheckpointException, cut to one line naming the rank).
-  3. barrier; rank 0 hashes EVERY file in the temp folder (`.metadata` included), writes
-     `manifest.json` and moves the folder to `directory` — locally one rename (the commit point);
-     on an object store (no rename) the files are copied and the manifest written LAST, since
-     without a manifest a checkpoint does not exist (checkpoint.py's rule).
+Layout: `directory/manifest.json` (format "dcp", ranks k, every file's sha256, manifest_extra),
+`directory/.metadata` (DCP's index, rank 0's, unpickled by DCP), one `.distcp` data file per rank.
+Save (`save_sharded`, every rank, the same directory; collectives on `group`, each within `timeout_s`):
+  1. rank 0's nonce, broadcast: every rank writes into `<directory>.tmp-<owner>-<nonce>`.
+  2. `dcp.save` into that temp folder, one writer per rank (DCP's fsspec writer for a URL).
+  3. barrier; rank 0 hashes EVERY file (`.metadata` included), writes `manifest.json` and moves
+     the folder to `directory` (one rename; on an object store copies, the manifest LAST).
   4. barrier carrying rank 0's outcome: every rank returns the manifest, or raises.
-  An existing `directory` is never overwritten (refused in step 3).
-
-Load protocol (`load_sharded`, every rank of the replica calls it; k may differ from the k that
-wrote it: DCP reshards on load, so k=2 loads into k=1 plain tensors and the other way round):
-  1. every rank reads the manifest (JSON, never pickle) and lists the folder; each checks its
-     round-robin share of the files against their sha256s.
-  2. one all-reduce (MIN over "first problem found") so every rank refuses with the SAME one-line
-     error naming the file: missing, altered, or not in the manifest. Only then
+Load (`load_sharded`, every rank; any k: DCP reshards on load):
+  1. every rank reads the manifest (JSON) and checks its round-robin share of the files' sha256s.
+  2. one all-reduce (MIN of the first problem) so every rank refuses with the SAME one-line error
+     naming the file: missing, altered, or not in the manifest. Only then
   3. `dcp.load` into the caller's state dict, in place.
-ARCHITECTURE.md: a checkpoint never executes code. DCP unpickles `.metadata` (and its non-tensor
-entries), so nothing of DCP's is read before the whole folder matches the manifest. The remaining
-gap is a file replaced on disk between step 1 and DCP's read by someone who can write the folder.
-
 Failure cases:
-- A rank dies or raises mid-save: the others fail in DCP's collective or at a barrier (deadline),
-  raise CheckpointError, and no `directory` appears; the temp folder is left and never read (rank 0
-  removes it when it is alive to; `checkpoint.prune` removes this owner's leftovers otherwise).
-- A crash after the files but before the rename: the same (nothing half-written under the final name).
-- A rank that dies after rank 0's rename: the checkpoint is complete (it verifies); the survivors'
-  error names the barrier that failed.
+- A rank dies or raises mid-save: the others raise CheckpointError (DCP's collective or a barrier's
+  deadline), and no `directory` appears; the temp folder is never read (`checkpoint.prune`).
+- A crash after the files but before the rename: the same. An existing `directory` is refused.
+- A rank that dies after rank 0's rename: the checkpoint is complete; the survivors' error names the barrier.
 - A verify failure: CheckpointError on every rank, naming the file; the state dict is untouched.
 - `group=None`: a world of one (no process group, DCP without collectives).
+Narrative (the chain of hashes, why verify first): docs/outputs.md.
 """
 
 from __future__ import annotations

@@ -2,35 +2,22 @@
 encoded piece in, the token-weighted mean over the outer group out, bitwise the same on every holder.
 
     gather          all-gather every holder's encoded piece; each holder decodes all N, weights them
-                    and sums them in outer-rank order, then divides by N. Per holder and exchange:
-                    (N - 1) payloads sent and as many received; N - 1 sequential messages (a ring).
+                    and sums them in outer-rank order, then divides by N.
     reduce_scatter  cut the encoded piece into N chunks at codec-block boundaries (`chunk_bounds`); an
                     all-to-all hands chunk j of every holder to the holder of outer rank j (its owner),
                     which decodes the N chunks, weights and sums them in outer-rank order, divides by N
                     and re-encodes that reduced chunk once, with the same codec; an all-gather hands each
                     owner's encoded chunk to every holder, and every holder (the owner too) decodes those
-                    same bytes. Per holder: 2 (N - 1) / N payloads sent and as many received, flat in N;
-                    1 + (N - 1) sequential messages.
-    auto            reduce_scatter from 3 holders on, gather at 2 (both move the same bytes there, and
-                    gather encodes once): a function of the formed group's size, which its members share,
-                    so it changes only when the group is formed anew (a new epoch).
-Without a codec (`none`) the outer reduce is an all-reduce, unchanged. `topk` always gathers: its
-holders keep different positions, so the chunks do not add up before decoding, and their sum is not
-top-k sparse (a re-encoding would drop most of it).
-
-Why an all-to-all and not a ring reduce-scatter: the owner needs every holder's own encoding of its
-chunk to sum them in outer-rank order, the gather's arithmetic. A ring would either re-encode its
-running sum at every hop (an error that grows with N and depends on the ring's order: PCCL's choice)
-or forward fp32 sums (8x int4's bytes); and an all-to-all is one round of messages, a ring N - 1.
-
+                    same bytes.
+    auto            reduce_scatter from 3 holders on (REDUCE_SCATTER_FROM), gather at 2: a function of
+                    the formed group's size, so it changes only when the group is formed anew.
+Without a codec (`none`) the outer reduce is an all-reduce, unchanged; `topk` always gathers.
 Error feedback: each cluster's residual is what its own encoding of its piece did not send
-(codec.compress_with_feedback, unchanged: the chunks are cut from that same encoding). The owner's
-re-encoding of the reduced chunk keeps no residual: its error is dropped, as in torchft's and PCCL's
-quantized reductions (no owner's state to heal or checkpoint, and ownership moves with the group);
-its effect on the eval loss is measured in BENCHMARKS.md, "Outer exchange".
+(codec.compress_with_feedback); the owner's re-encoding of the reduced chunk keeps no residual.
 
 Failure: either collective's CollectiveError propagates; nothing is returned, the caller's buffer is
 untouched, and the outer phase fails as any failed exchange does.
+Narrative (the bytes, why an all-to-all): docs/scaling.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,27 @@
 """The outer reduce hidden behind inner steps (sync.fragment_delay, Streaming DiLoCo's overlap).
 
-With a delay tau, a replica takes its round's pseudo-gradient tau inner steps before the round's
-end (ReplicaTrainer.take_outer_snapshot); a shard holder of the standing outer group reduces its
-shard in a background thread while the last tau steps run. The two-phase commit is unchanged: the
-holders' `outer_reduce` only waits for that reduce (usually finished already).
-
 Protocol, on one replica:
     start(key)    from run_inner's at_snapshot, key = (round, epoch, shard, shards) of the standing
                   outer group named in the run_inner call. A reduce running or done for the same
                   key is kept (a re-issued run_inner); one for another key is abandoned first.
     settle(key)   first in the replica's outer_reduce: waits (at most `timeout_s`) for the reduce of
                   `key` and raises what it raised, else returns the outer bytes (sent, and sent +
-                  received) and link seconds it spent (the trainer's outer_reduce then returns at
-                  once), or None when no reduce of `key` ran (the call reduces itself).
+                  received) and link seconds it spent, or None when no reduce of `key` ran.
     settle(None)  first in every other call that touches the outer group or state (a heal, a
                   commit, a new group): a reduce still running is abandoned.
-Abandoning aborts the outer group, so the reduce's collective fails at once and the thread ends;
-the supervisor's next forming call forms the group afresh.
+Abandoning aborts the outer group, so the reduce's collective fails at once and the thread ends.
+Invariant 3 holds: the thread runs only outer-level collectives, the phase thread only inner-level ones.
+A replica of k ranks: every rank runs its own reduce of its own shard; the ranks agree over the
+replica's background group (`hsgd.train.sharding.ReplicaRanks.behind`), so one rank's failure fails the reduce on all k.
 
 Failure cases (all surface at `settle(key)` as what the call answers):
 - a holder of another cluster died or never arrives: CollectiveError (peer_gone, or the deadline,
   `arrival_s` longer than a collective started together); the supervisor re-forms and retries
-- this cluster's pseudo-gradient is non-finite: NonFiniteError; the group is aborted at once, so
-  the other holders fail fast
+- this cluster's pseudo-gradient is non-finite (on any rank): NonFiniteError; the group is aborted
 - the reduce outlives `timeout_s`: the group is aborted, CollectiveError kind `timeout`
-Invariant 3 holds: the thread runs only outer-level collectives, the phase thread only inner-level
-ones (comm.allow_level_overlap), and no inner step waits on the outer level.
-
-A replica of k ranks (topology.gpus_per_replica, hsgd.train.sharding): every rank runs its own
-BackgroundReduce of its own shard over its shard's outer group (rank j of every holder), started and
-settled by the same phase calls on every rank. The ranks' agreement on it (the pseudo-gradient's
-finiteness, then whether any rank's collective failed) goes over the replica's background group
-(`ReplicaRanks.behind`), so it never interleaves with the phase thread's FSDP2 collectives on the
-replica group. A failure on one rank fails the reduce on all k: each raises the same error kind at
-`settle(key)`; a non-finite pseudo-gradient on one rank is NonFiniteError on all k, each aborting its
-own shard's outer group. Abandoning (every rank's settle(None)) aborts every rank's outer group; each
-rank's thread fails as its collective does, and they agree (over gloo, where an abort does not end a
-collective whose peer is alive and silent, that is when the peer's group goes, or at its deadline,
-as with k=1: ARCHITECTURE.md). A thread that ends otherwise (it did not finish once
-its group was aborted, or raised past the agreement: the background group's own error) may have left
-the ranks at different points of the background group: settle raises ReplicaOutOfStep, which is not a
-CollectiveError, so the replica fails whole and comes back with its groups formed afresh.
+- sharded, a thread that ended outside its ranks' agreement: ReplicaOutOfStep (not a
+  CollectiveError), so the replica fails whole and comes back with its groups formed afresh
+Narrative: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -50,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsgd.train.comm import CollectiveError, LevelGroup
-from hsgd.train.trainer import Behind, NonFiniteError
+from hsgd.train.inner import NonFiniteError
+from hsgd.train.trainer import Behind
 
 Key = tuple  # (round, epoch, shard, shards[, the clusters' token weights: OuterReduce.weights])
 

@@ -1,33 +1,23 @@
 """A replica larger than one device: its model sharded with FSDP2 over the replica's k rank processes.
 
-Protocol (issue 34; hsgd.train.trainer.ReplicaTrainer with `ranks`):
+Protocol (hsgd.train.trainer.ReplicaTrainer with `ranks`):
 - `ReplicaRanks(rank, size, group)`: this process is rank `rank` of the `size` ranks of one replica;
-  `group` is a torch.distributed ProcessGroup of exactly those k processes. It is fixed for the
-  replica's life: a rank that dies is its whole replica's failure, so it is never reconfigured. Its
-  collectives are the "replica" level: inside one replica, issued by every rank in the same order
-  from the same phase method, so they never interleave with another replica's.
-- `shard_model` applies FSDP2 `fully_shard` per transformer block, then to the root, over a 1-D
-  mesh of the replica group. FSDP2 shards every parameter on dim 0, so every rank holds a piece
-  of every parameter: rank j's list of local shards has the same length, order and shapes in
-  every replica, and everything hsgd does per parameter (fragments, codec blocks, shard bounds,
-  the outer state, heals) applies to rank j's shards over the group of rank j of every replica.
-- The replica's batch (`data.batch_size`) is split evenly across its ranks (`rows_of`); FSDP2's
-  reduce-scatter averages over the k ranks, so the replica's gradient equals k=1's up to the
-  order of summation.
+  `group`, a ProcessGroup of exactly those k processes, is fixed for the replica's life. Its
+  collectives are the "replica" level, issued by every rank in the same order from the same phase method.
+- `shard_model` applies FSDP2 `fully_shard` per transformer block, then to the root: every parameter
+  is sharded on dim 0, so rank j's local shards have the same length, order and shapes in every
+  replica, and everything hsgd does per parameter applies to rank j's shards over rank j's groups.
+- The replica's batch is split evenly across its ranks (`rows_of`).
 - Replica-wide numbers are combined here: the global gradient norm (`clip_grad_norm_`), the
   phase-end losses and non-finite flags (`combine_phase_end`), a digest (`combined_digest`).
-- A collective of another level (inner, outer, heal: rank j's group of rank j of every replica) may
-  fail on one rank and not on another (a dead peer replica's ranks go at different moments): after
-  each, every rank learns whether any failed (`agreed`), and all raise the first rank's error
-  together, so no rank walks on into a replica-level collective its peer has left.
-- An outer reduce behind the inner steps (sync.fragment_delay, hsgd.train.overlap) runs on a second
-  thread of every rank while the phase thread's FSDP2 collectives run on `group`. Two threads issue
-  in no order the ranks share, so that reduce's agreement (its pseudo-gradient's finiteness, `agreed`)
-  goes over `background`: a second group of the same k ranks, formed with `group` (`behind()` hands
-  it out). Its collectives come from that one thread only, in the same order on every rank.
-Failures: a replica-level collective that fails or times out raises (torch.distributed's error);
-the replica is then failed as a whole and rebuilt. Every collective here runs under the group's
-timeout, set when the group is made.
+- After each collective of another level, every rank learns whether any failed (`agreed`), and all
+  raise the first rank's error together.
+- An outer reduce behind the inner steps (hsgd.train.overlap) agrees over `background` (`behind()`),
+  a second group of the same k ranks, from that one thread only.
+- `ShardedState`: the trainer's state as a sharded (DCP) checkpoint holds it, and `rank_slice`.
+Failures: a replica-level collective that fails or times out raises (torch.distributed's error,
+under the group's timeout); the replica is then failed as a whole and rebuilt.
+Narrative: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -231,3 +221,174 @@ def combined_digest(shard_digest: str, ranks: ReplicaRanks) -> str:
 def digest_of(shard_digests: list[str]) -> str:
     """One digest of a replica from its ranks' shard digests, in rank order (combined_digest's)."""
     return hashlib.sha256("".join(shard_digests).encode()).hexdigest()
+
+
+# -- the state a sharded (DCP) checkpoint holds: resharded on load --------------------------------------
+class ShardedState:
+    """ReplicaTrainer's state as a sharded checkpoint holds it (hsgd.train.dcp_checkpoint), and a whole
+    replica's state cut to this rank's shards. Mixed into hsgd.train.trainer.ReplicaTrainer (its params,
+    optimizers, `sharded` templates and `load_state_dict`); every method is local (no collective)."""
+
+    def sharded_state(self) -> dict:
+        """The state a sharded checkpoint holds (hsgd.train.dcp_checkpoint), flat and keyed by parameter
+        name: the params, the inner optimizer's per-parameter slots, the global params, the outer
+        momentum and the error-feedback residual, each as a DTensor of this rank's shard (the mesh,
+        placements and shape of its `self.sharded` param; k=1: the plain full tensor), so DCP reshards
+        a load to any k; ints and flags as plain values. Taken between rounds only (a checkpoint is):
+        the round's losses and a fragment_delay snapshot are empty there, and not carried. Copies:
+        safe to keep. Every rank of the replica calls it (no collective)."""
+        if self.round_losses or self._outer_snapshot is not None:
+            raise ValueError(
+                f"{self.rid}: a sharded state is taken between rounds (round {self.round} has "
+                f"losses or an outer snapshot pending)"
+            )
+        return self.sharded_template()
+
+    def sharded_template(self) -> dict:
+        """sharded_state's keys and layout at any moment (what DCP loads a checkpoint into, in place;
+        mid-round the round's losses and snapshot are left out, as a checkpoint never has them)."""
+        inner = self.inner_opt.state_dict()["state"]
+        sgd = self.outer_opt.state_dict()["sgd"]["state"]
+        state = {
+            "round": self.round,
+            "step": self.step,
+            "inner_started": bool(inner),
+            "momentum_started": any(s.get("momentum_buffer") is not None for s in sgd.values()),
+            "residual_started": self.outer_residual is not None,
+        }
+        for i, name in enumerate(self.param_names):
+            state.update(
+                self._param_entries(
+                    i,
+                    name,
+                    {
+                        "param": self.params[i],
+                        "global": self.outer_opt.global_params[i],
+                        "momentum": sgd.get(i, {}).get("momentum_buffer"),
+                        "residual": None if self.outer_residual is None else self.outer_residual[i],
+                        **{f"inner.{slot}": inner.get(i, {}).get(slot) for slot in self._inner_slots()},
+                    },
+                )
+            )
+            state[f"inner.step/{name}"] = (
+                torch.as_tensor(inner.get(i, {}).get("step", 0.0), dtype=torch.float32).detach().to("cpu").clone()
+            )
+        return state
+
+    def _inner_slots(self) -> tuple[str, ...]:
+        """The inner optimizer's per-parameter tensors (each shaped like its parameter)."""
+        if self.cfg.optim.inner.name == "sgd":
+            return ("momentum_buffer",) if float(self.cfg.optim.inner.momentum) else ()
+        return ("exp_avg", "exp_avg_sq")
+
+    def _param_entries(self, i: int, name: str, tensors: dict) -> dict:
+        """`{kind/name: DTensor (k=1: tensor)}` of parameter i's tensors (a None as zeros: a slot not
+        started yet, its flag says so), each a detached CPU copy of this rank's shard."""
+        local = self.params[i]
+        out = {}
+        for kind, t in tensors.items():
+            t = torch.zeros(local.shape, dtype=torch.float32) if t is None else t.detach().to("cpu", copy=True)
+            out[f"{kind}/{name}"] = t if self.ranks is None else self._as_dtensor(t, i)
+        return out
+
+    def _as_dtensor(self, shard: torch.Tensor, i: int):
+        """This rank's `shard` of parameter i as a DTensor laid out like `self.sharded[i]` (no collective)."""
+        from torch.distributed.tensor import DTensor
+
+        template = self.sharded[i]
+        return DTensor.from_local(
+            shard,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+
+    @torch.no_grad()
+    def load_sharded_state(self, state: dict) -> None:
+        """Become the replica `state` describes (sharded_state's keys, loaded by DCP into a
+        `sharded_state()` of this trainer, resharded to its k): a `full` load, the flags deciding
+        which optimizer slots were started; non-finite flags clear, as after any load."""
+
+        def shard_of(key: str) -> torch.Tensor:
+            return local(state[key]).detach().to("cpu").clone()
+
+        names = list(enumerate(self.param_names))
+        inner = {}
+        if state["inner_started"]:
+            steps = self.cfg.optim.inner.name != "sgd"  # AdamW counts its steps per parameter; SGD does not
+            inner = {
+                i: {
+                    **({"step": state[f"inner.step/{name}"].clone()} if steps else {}),
+                    **{slot: shard_of(f"inner.{slot}/{name}") for slot in self._inner_slots()},
+                }
+                for i, name in names
+            }
+        outer = self.outer_opt.state_dict()
+        momentum = (
+            {i: {"momentum_buffer": shard_of(f"momentum/{name}")} for i, name in names}
+            if state["momentum_started"]
+            else {}
+        )
+        self.load_state_dict(
+            {
+                "round": int(state["round"]),
+                "step": int(state["step"]),
+                "round_losses": [],
+                "params": [shard_of(f"param/{name}") for _, name in names],
+                "inner_opt": {"state": inner, "param_groups": self.inner_opt.state_dict()["param_groups"]},
+                "outer": {
+                    "global_params": [shard_of(f"global/{name}") for _, name in names],
+                    "sgd": {"state": momentum, "param_groups": outer["sgd"]["param_groups"]},
+                },
+                "outer_residual": [shard_of(f"residual/{name}") for _, name in names]
+                if state["residual_started"]
+                else None,
+                "outer_snapshot": None,
+            },
+            scope="full",
+        )
+
+    def rank_slice(self, state: dict) -> dict:
+        """A whole replica's `state_dict` (a k=1 checkpoint's file) cut to this rank's shards: every
+        per-parameter tensor to the dim-0 chunk FSDP2 gives this rank (torch.chunk, as `fully_shard`
+        cuts it); k=1: `state` itself. Raises ValueError when a tensor's cut is not this rank's shape."""
+        if self.ranks is None:
+            return state
+
+        def cut(i: int, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dim() == 0:
+                return t
+            chunks = torch.chunk(t, self.ranks.size, dim=0)
+            piece = chunks[self.ranks.rank] if self.ranks.rank < len(chunks) else t[:0]
+            if piece.shape != self.params[i].shape:
+                raise ValueError(
+                    f"{self.rid}: parameter {self.param_names[i]}: a whole tensor of {tuple(t.shape)} "
+                    f"cuts to {tuple(piece.shape)} on rank {self.ranks.rank}, not its shard's "
+                    f"{tuple(self.params[i].shape)}"
+                )
+            return piece.clone()
+
+        def cut_optimizer(sd: dict) -> dict:
+            return {
+                **sd,
+                "state": {
+                    i: {slot: cut(int(i), v) if torch.is_tensor(v) else v for slot, v in slots.items()}
+                    for i, slots in sd["state"].items()
+                },
+            }
+
+        outer = state["outer"]
+        residual = state.get("outer_residual")
+        return {
+            **state,
+            "params": [cut(i, t) for i, t in enumerate(state["params"])],
+            "inner_opt": cut_optimizer(state["inner_opt"]),
+            "outer": {
+                **outer,
+                "global_params": [cut(i, g) for i, g in enumerate(outer["global_params"])],
+                "sgd": cut_optimizer(outer["sgd"]),
+            },
+            "outer_residual": None if residual is None else [cut(i, r) for i, r in enumerate(residual)],
+        }

@@ -2,7 +2,7 @@
 
 Each reference rebuilds what hsgd is supposed to compute from the algorithm's definition, using only
 the pieces of hsgd that are not under test: the model and inner-optimizer factories
-(`hsgd.train.task.build_model`, `hsgd.train.trainer.build_inner_optimizer`), the corpus and the
+(`hsgd.train.task.build_model`, `hsgd.train.inner.build_inner_optimizer`), the corpus and the
 step-indexed batches (`hsgd.train.data`, through `batch_for_step` below). Everything that hsgd's sync
 layers do (gradient all-reduce, parameter averaging, pseudo-gradients, the outer optimizer) is
 written here independently.
@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from hsgd.train.data import _batch_at, _offsets, load_corpus
+from hsgd.train.inner import build_inner_optimizer
 from hsgd.train.task import build_model
-from hsgd.train.trainer import build_inner_optimizer
 
 # ----------------------------------------------------------------------------- shared pieces
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from hsgd.config.auto import auto_outer_step, outer_step_of, resolve, warmup_steps_of
 from hsgd.config.layout import layout_of
 from hsgd.train import checkpoint as ckpt
-from hsgd.train.trainer import inner_lr
+from hsgd.train.inner import inner_lr
 from tests.fakes.checkpoint_states import replica_state, write_checkpoint
 
 

@@ -342,7 +342,7 @@ def test_run_inner_on_a_plan_runs_exactly_its_steps_and_the_commit_lands_on_the_
 
 
 def test_a_planned_round_covers_the_same_stretch_of_the_lr_schedule(dataset):  # noqa: F811 — the module's dataset fixture
-    from hsgd.train.trainer import inner_lr
+    from hsgd.train.inner import inner_lr
 
     t = _recording_trainer(dataset)
     o, total = t.cfg.optim.inner, t.cfg.train.rounds * TSPR

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hsgd.core.round import GroupJoin
-from hsgd.train import comm
+from hsgd.train import rendezvous
 from hsgd.train.comm import CollectiveError, LevelGroup
 from tests.fakes.gloo_world import run_ranks
 
@@ -31,8 +31,8 @@ PREFIX = "run-x/epoch3/inner/c1"
 
 @pytest.fixture
 def store():
-    master = comm.start_store("127.0.0.1", timeout_s=LONG_S)
-    yield master, comm.rendezvous_address("127.0.0.1", master.port, SECRET)
+    master = rendezvous.start_store("127.0.0.1", timeout_s=LONG_S)
+    yield master, rendezvous.rendezvous_address("127.0.0.1", master.port, SECRET)
     del master
 
 
@@ -56,7 +56,7 @@ class Member(threading.Thread):
 
 def _arrived(master, addr, prefix, ranks):
     keys = torch.distributed.PrefixStore(f"{addr}/{prefix}".partition("/")[2], master)
-    return keys.check([comm._ARRIVED.format(rank=r) for r in ranks])
+    return keys.check([rendezvous._ARRIVED.format(rank=r) for r in ranks])
 
 
 def _until(predicate, what, timeout_s=RELEASED_S):
@@ -72,7 +72,7 @@ def test_an_abort_releases_every_member_waiting_in_the_rendezvous(store):
     _until(lambda: _arrived(master, addr, PREFIX, (0, 2)), "ranks 0 and 2 in the rendezvous")
     assert all(m.is_alive() for m in waiting), "nobody leaves before the abort: rank 1 never came"
 
-    assert comm.abort_rendezvous(master, addr, PREFIX, "c1r1 died (pid 4242)") is True
+    assert rendezvous.abort_rendezvous(master, addr, PREFIX, "c1r1 died (pid 4242)") is True
     for m in waiting:
         m.join(RELEASED_S)
         assert not m.is_alive(), "an aborted rendezvous must release its members, not keep them until the timeout"
@@ -85,7 +85,7 @@ def test_an_abort_releases_every_member_waiting_in_the_rendezvous(store):
     late = Member(addr, PREFIX, 1, 3)  # a restarted rank 1 arriving afterwards is released too
     late.join(RELEASED_S)
     assert not late.is_alive() and getattr(late.error, "kind", None) == "join_aborted", repr(late.error)
-    assert comm.abort_rendezvous(master, addr, PREFIX, "again") is True, "abort is idempotent"
+    assert rendezvous.abort_rendezvous(master, addr, PREFIX, "again") is True, "abort is idempotent"
 
 
 def test_an_abort_of_a_level_group_releases_its_shard_groups_waiting_and_late(store):
@@ -94,14 +94,14 @@ def test_an_abort_of_a_level_group_releases_its_shard_groups_waiting_and_late(st
     a shard member arriving after the abort is released as it comes."""
     master, addr = store
     formed = [Member(addr, PREFIX, rank, 2) for rank in (0, 1)]  # the replicas' rank 0s formed their group
-    shard2 = Member(addr, comm.shard_prefix(PREFIX, 2), 0, 2)  # rank 2 of one replica; the other's died
+    shard2 = Member(addr, rendezvous.shard_prefix(PREFIX, 2), 0, 2)  # rank 2 of one replica; the other's died
     _until(lambda: all(not m.is_alive() for m in formed), "the level group to form")
     assert all(m.error is None for m in formed), [repr(m.error) for m in formed]
-    _until(lambda: _arrived(master, addr, comm.shard_prefix(PREFIX, 2), (0,)), "rank 2's shard group waiting")
-    assert comm.abort_rendezvous(master, addr, PREFIX, "c1r1 died") is False, "the level group had formed"
+    _until(lambda: _arrived(master, addr, rendezvous.shard_prefix(PREFIX, 2), (0,)), "rank 2's shard group waiting")
+    assert rendezvous.abort_rendezvous(master, addr, PREFIX, "c1r1 died") is False, "the level group had formed"
     shard2.join(RELEASED_S)
     assert not shard2.is_alive() and getattr(shard2.error, "kind", None) == "join_aborted", repr(shard2.error)
-    late = Member(addr, comm.shard_prefix(PREFIX, 3), 0, 2)  # rank 3 of a replica, arriving after the abort
+    late = Member(addr, rendezvous.shard_prefix(PREFIX, 3), 0, 2)  # rank 3 of a replica, arriving after the abort
     late.join(RELEASED_S)
     assert not late.is_alive() and getattr(late.error, "kind", None) == "join_aborted", repr(late.error)
     assert "c1r1 died" in str(late.error)
@@ -116,12 +116,12 @@ def test_an_abort_of_one_group_leaves_another_groups_rendezvous_alone(store):
         lambda: _arrived(master, addr, PREFIX, (0,)) and _arrived(master, addr, other, (0,)),
         "both groups' rank 0 in their rendezvous",
     )
-    assert comm.abort_rendezvous(master, addr, PREFIX, "c1r1 died")
+    assert rendezvous.abort_rendezvous(master, addr, PREFIX, "c1r1 died")
     aborted.join(RELEASED_S)
     assert getattr(aborted.error, "kind", None) == "join_aborted", repr(aborted.error)
     assert untouched.is_alive(), "another group's member must keep waiting for its own peer"
 
-    assert comm.abort_rendezvous(master, addr, other, "c10r1 died") is True, "c10's rendezvous was still open"
+    assert rendezvous.abort_rendezvous(master, addr, other, "c10r1 died") is True, "c10's rendezvous was still open"
     untouched.join(RELEASED_S)
     assert getattr(untouched.error, "kind", None) == "join_aborted" and "c10r1 died" in str(untouched.error)
     assert "c1r1" not in str(untouched.error)
@@ -142,7 +142,7 @@ def test_abort_rendezvous_through_a_store_that_is_gone_is_false_not_an_error():
         [
             sys.executable,
             "-c",
-            "import sys, time; from hsgd.train.comm import start_store; "
+            "import sys, time; from hsgd.train.rendezvous import start_store; "
             "s = start_store('127.0.0.1', 5); print(s.port, flush=True); time.sleep(120)",
         ],
         stdout=subprocess.PIPE,
@@ -154,13 +154,13 @@ def test_abort_rendezvous_through_a_store_that_is_gone_is_false_not_an_error():
         client = torch.distributed.TCPStore(
             "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
         )
-        addr = comm.rendezvous_address("127.0.0.1", port, SECRET)
-        assert comm.abort_rendezvous(client, addr, PREFIX, "first") is True  # the store is there
+        addr = rendezvous.rendezvous_address("127.0.0.1", port, SECRET)
+        assert rendezvous.abort_rendezvous(client, addr, PREFIX, "first") is True  # the store is there
     finally:
         server.kill()
         server.wait(timeout=10)
-    assert comm.abort_rendezvous(client, addr, PREFIX, "the supervisor's store died") is False
-    assert comm.abort_rendezvous(None, addr, PREFIX, "no store at all") is False
+    assert rendezvous.abort_rendezvous(client, addr, PREFIX, "the supervisor's store died") is False
+    assert rendezvous.abort_rendezvous(None, addr, PREFIX, "no store at all") is False
 
 
 # -- groups that form: one process per member (a process is in one collective at a time) ----------
@@ -169,7 +169,7 @@ def _forming_worker(rank, port, results):
     arriving well after its peers (well within configure_timeout_s); all-reduces in each."""
     out = {"rank": rank}
     try:
-        addr = comm.rendezvous_address("127.0.0.1", port, SECRET)
+        addr = rendezvous.rendezvous_address("127.0.0.1", port, SECRET)
         group = LevelGroup("inner", "gloo", timeout_s=10.0, configure_timeout_s=LONG_S)
         client = torch.distributed.TCPStore(
             "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
@@ -183,7 +183,7 @@ def _forming_worker(rank, port, results):
             group.allreduce_mean(t, level="inner")
             out[f"sum_{epoch}"] = (t[0] * 3).tolist()
             group.abort()
-        out["abort_after_forming"] = comm.abort_rendezvous(client, addr, "run-x/epoch3/inner/c1", "too late")
+        out["abort_after_forming"] = rendezvous.abort_rendezvous(client, addr, "run-x/epoch3/inner/c1", "too late")
     except BaseException:  # noqa: BLE001 — report everything to the parent
         out["exception"] = traceback.format_exc()
     results.put(out)

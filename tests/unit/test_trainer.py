@@ -145,7 +145,7 @@ def test_a_failed_localsgd_average_is_retried_exactly(dataset, after_apply):  # 
 
 # -- the inner learning-rate schedule ---------------------------------------------------------------
 def test_inner_lr_warms_up_then_decays_by_cosine_to_the_floor_at_the_runs_end():
-    from hsgd.train.trainer import inner_lr
+    from hsgd.train.inner import inner_lr
 
     o = OmegaConf.create({"lr": 1.0, "warmup_steps": 4, "schedule": "cosine", "min_lr_ratio": 0.1})
     assert [inner_lr(o, s, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -176,7 +176,7 @@ def test_a_replica_healed_mid_round_lands_on_the_same_learning_rate(dataset):  #
     target.run_inner(0, _solo("inner"))
     assert target.param_digest() == source.param_digest()
     assert target.inner_opt.param_groups[0]["lr"] == pytest.approx(source.inner_opt.param_groups[0]["lr"])
-    from hsgd.train.trainer import inner_lr
+    from hsgd.train.inner import inner_lr
 
     assert source.inner_opt.param_groups[0]["lr"] == inner_lr(source.cfg.optim.inner, 2, 6) < source.cfg.optim.inner.lr
 
@@ -306,7 +306,7 @@ def test_grad_accum_steps_on_the_mean_gradient_of_its_micro_batches(dataset):  #
     torch.manual_seed(t.cfg.seed)
     model = task.build_model(t.cfg, dataset.vocab_size)
     params = list(model.parameters())
-    from hsgd.train.trainer import build_inner_optimizer
+    from hsgd.train.inner import build_inner_optimizer
 
     opt = build_inner_optimizer(t.cfg, params)
     opt.zero_grad(set_to_none=False)
