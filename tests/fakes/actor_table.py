@@ -36,17 +36,3 @@ class Table:
         if self.fail:
             raise ConnectionError("GCS unreachable")
         return self.namesakes + list(self.rows.values())
-
-
-class Log:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def event(self, name_: str, **fields):
-        from hsgd.record.events import check_event
-
-        check_event(name_, fields)
-        self.events.append((name_, fields))
-
-    def named(self, event: str) -> list[dict]:
-        return [f for n, f in self.events if n == event]

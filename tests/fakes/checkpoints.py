@@ -75,20 +75,3 @@ class Roster:
     def down(self, rid, cause, phase, round_index, detail=""):
         self.calls.append(("down", rid))
         self.live.pop(rid, None)
-
-
-class Log:
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def event(self, name, **fields):
-        from hsgd.record.events import check_event
-
-        check_event(name, fields)
-        self.calls.append(("event", name, fields))
-
-    def rewrite_metrics(self, records):
-        pass
-
-    def records(self, name):
-        return []

@@ -18,6 +18,7 @@ from actors.heals import Heals
 from hsgd.core.deadlines import heal_deadline_s, state_bytes_bound
 from hsgd.core.faults import FaultSpec
 from hsgd.core.round import GroupJoin, Heal, StateReady
+from tests.fakes.event_log import EventLog
 from tests.integration.invariants import check_run
 from tests.integration.runs import FAST, events, train
 
@@ -33,17 +34,6 @@ OVERRIDES = [
     f"sync.outer_every={SPR}",
 ]
 SECOND_AT_MIN_GBPS = MIN_GBPS * 1e9 / 8  # bytes
-
-
-class Log:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def event(self, name, **fields):
-        self.events.append((name, fields))
-
-    def named(self, name):
-        return [f for n, f in self.events if n == name]
 
 
 class Fetches:
@@ -148,7 +138,7 @@ def test_a_global_heal_larger_than_a_seconds_transfer_never_passes_through_the_s
     source_digests = _digests(handles["c0r0"])
     assert _digests(handles["c1r0"])["global"] != source_digests["global"]
     fetched = Fetches(monkeypatch)
-    heals = Heals(handles, Log(), store_addr=None, run_id="t", round_index=1)
+    heals = Heals(handles, EventLog(), store_addr=None, run_id="t", round_index=1)
     target = heals.issue(1, 0, {"c1r0": Heal("c0r0", "global")}, "c1r0", {})
     states = list(heals.states.values())
     (meta,) = heals.watched()
@@ -171,7 +161,7 @@ def test_a_full_heal_whose_group_fails_falls_back_through_the_object_store_and_n
 
     cfg, handles, _ = cluster
     store = start_store("127.0.0.1", cfg.comm.configure_timeout_s)
-    log = Log()
+    log = EventLog()
     source_at = (lambda p: (p["round"], p["step"]))(ray.get(handles["c0r0"].progress.remote(), timeout=60))
     param_bytes = ray.get(handles["c0r0"].progress.remote(), timeout=60)["param_bytes"]
     fetched = Fetches(monkeypatch)
@@ -202,7 +192,7 @@ def test_a_source_slower_than_the_call_timeout_is_waited_for_as_its_bytes_allow(
     call_timeout_s = 1.0  # the old final heal waited this long, fixed, whatever the state's size
     deadline_s = _deadline_s(cfg, param_bytes, call_timeout_s)
     assert deadline_s > 4.0 + 2 * call_timeout_s
-    log = Log()
+    log = EventLog()
     heals = Heals({"slow": slow, "c1r0": handles["c1r0"]}, log, store_addr=None, run_id="t", round_index=1)
     fetched = Fetches(monkeypatch)
     target = heals.issue(3, 0, {"c1r0": Heal("slow", "global")}, "c1r0", {})

@@ -14,8 +14,8 @@ from hsgd.config.layout import layout_of
 from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
-from tests.fakes.actor_table import Log
 from tests.fakes.configs import tiny_cfg
+from tests.fakes.event_log import EventLog
 
 RIDS = ("c0r0", "c1r0")
 
@@ -87,7 +87,7 @@ def sup(tmp_path, monkeypatch):
         run_id="run-1",
         state=RunState(run_id="run-1", fingerprint={"model.n_embd": 32}),
         roster=_Roster(),
-        log=Log(),
+        log=EventLog(),
         injector=SimpleNamespace(supervisor_faults=lambda *a: None, arm=lambda *a, **k: {}),
         topology=Topology(2, 1),
         steps_per_round=4,

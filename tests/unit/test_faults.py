@@ -12,6 +12,7 @@ from hsgd.core.faults import (
 )
 from hsgd.core.phases import FAULT, Phase
 from hsgd.core.topology import parse_replica_id, replica_id
+from tests.fakes.event_log import EventLog
 
 FAULT_PHASES = Phase.having(FAULT)
 
@@ -249,21 +250,6 @@ def test_due_faults_never_repeat_a_fired_fault_and_respect_only():
 
 
 # -- the injector: a fault counts as fired when its line is written, never when armed ----------------
-class _Log:
-    """The injector's RunLog port: events in memory, faults_fired.jsonl in the folder."""
-
-    def __init__(self, run_dir):
-        from hsgd.record.rundir import FolderWriter
-
-        self.run_dir, self.writer, self.events = run_dir, FolderWriter(5.0), []
-
-    def event(self, name, **fields):
-        self.events.append((name, fields))
-
-    def read_jsonl(self, name):
-        from hsgd.record.rundir import read_jsonl
-
-        return read_jsonl(self.run_dir / name)
 
 
 def _injector(tmp_path, schedule):
@@ -274,7 +260,7 @@ def _injector(tmp_path, schedule):
     injector.run_dir, injector.state, injector.log, injector._save = (
         str(tmp_path),
         RunState(),
-        _Log(tmp_path),
+        EventLog(run_dir=tmp_path),
         lambda: None,
     )
     injector.shape, injector.faults, injector.missed = TOPO, parse_schedule(schedule, **TOPO), set()

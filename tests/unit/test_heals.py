@@ -18,6 +18,7 @@ from hsgd.core.round import Heal, Lost, Outcome, PhaseAnswer, StateReady
 from hsgd.train import state_stream
 from hsgd.train.comm import collective_timeout_s
 from tests.fakes.clock import FakeClock
+from tests.fakes.event_log import EventLog
 
 DONE = PhaseAnswer("any").wire()  # (a PhaseAnswer as it crosses Ray)
 FAILED = PhaseAnswer("any", Outcome.COLLECTIVE_FAILED, error="inner: joining ... failed").wire()
@@ -85,17 +86,6 @@ class Replica:
         return Method(self, name)
 
 
-class Log:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def event(self, name, **fields):
-        self.events.append((name, fields))
-
-    def named(self, name):
-        return [f for n, f in self.events if n == name]
-
-
 def source_answer(name="c1r0", meta_ready=True, error=None, ok=True):
     meta = Ref(
         f"{name}.meta",
@@ -130,7 +120,7 @@ def fake(monkeypatch):
 
 
 def _heals(handles, log=None, round_index=3):
-    return Heals(handles, log or Log(), store_addr="127.0.0.1:1/secret", run_id="run", round_index=round_index)
+    return Heals(handles, log or EventLog(), store_addr="127.0.0.1:1/secret", run_id="run", round_index=round_index)
 
 
 def _no_state_fetched(fake, *states):
@@ -182,7 +172,7 @@ def test_a_slow_source_is_never_lost_it_stays_watched_until_it_answers(fake):
 def test_a_source_that_dies_giving_its_state_is_lost_and_its_targets_failure_is_not_the_targets(fake):
     died = ActorDiedError()
     meta, state = source_answer(error=died)
-    log = Log()
+    log = EventLog()
     h = _heals(
         {
             "c1r0": Replica("c1r0", global_state=lambda: (meta, state)),
@@ -245,7 +235,7 @@ def _group(send_answer, receive_answers, fallback_meta_ok=True):
 
 def test_a_failed_transfer_over_the_group_falls_back_through_the_object_store_once_per_source(fake):
     src, targets, send, meta, state = _group(FAILED, {"c0r1": FAILED, "c0r2": FAILED})
-    log = Log()
+    log = EventLog()
     h = _heals({"c0r0": src, **targets}, log, round_index=5)
     calls = {"c0r1": Heal("c0r0", "full"), "c0r2": Heal("c0r0", "full")}
     refs = {t: h.issue(9, 4, calls, t, {"c0r0": ["sf"]}, source_at=(5, 30)) for t in calls}

@@ -9,7 +9,8 @@ import pytest
 from actors.lifecycle import ActorWatch, Death
 from hsgd.core.deadlines import BUSY, HUNG, IDLE, STUCK, WAITING, StallWatch
 from hsgd.record.metrics import fault_figures
-from tests.fakes.actor_table import RUN, Log, Table, name  # noqa: F401 — RUN: the run the names carry
+from tests.fakes.actor_table import RUN, Table, name  # noqa: F401 — RUN: the run the names carry
+from tests.fakes.event_log import EventLog
 
 
 def watch_of(table: Table, replicas=("c0r0", "c0r1"), spares=None, seen=None) -> ActorWatch:
@@ -216,7 +217,7 @@ def roster(monkeypatch):
     for short in ("c0r0", "c0r1", "spare-c0-0"):
         table.set(short, "ALIVE", 0)
     r = roster_mod.Roster(
-        Topology(1, 2), "run-1", RunState(), Log(), call_timeout_s=1.0, spares_per_cluster=1, save=lambda: None
+        Topology(1, 2), "run-1", RunState(), EventLog(), call_timeout_s=1.0, spares_per_cluster=1, save=lambda: None
     )
     r.watch._table = table
     r.table = table

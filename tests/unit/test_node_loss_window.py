@@ -11,8 +11,8 @@ from omegaconf import open_dict
 from actors import quarantine as quarantine_actor
 from hsgd.core import quarantine as rule
 from hsgd.record.run_state import RunState
-from tests.fakes.actor_table import Log
 from tests.fakes.configs import tiny_cfg
+from tests.fakes.event_log import EventLog
 
 RIDS = ("c0r0", "c0r1", "c0r2")
 
@@ -96,7 +96,7 @@ def test_three_whole_node_losses_on_one_node_quarantine_no_replica(monkeypatch):
     cfg = tiny_cfg(["faults.quarantine_after=3", "faults.quarantine_window_s=600"])
     with open_dict(cfg.faults):  # (this test was written before the key)
         cfg.faults.node_loss_window_s = 5.0
-    state, roster, log = RunState(), _Roster(), Log()
+    state, roster, log = RunState(), _Roster(), EventLog()
     q = quarantine_actor.Quarantine(cfg, "run-1", "/nowhere", state, roster, log, save=lambda: None)
     for loss in range(3):
         for i, rid in enumerate(RIDS):

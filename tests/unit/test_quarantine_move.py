@@ -15,8 +15,8 @@ from actors.round_runner import RoundRunner
 from hsgd.config.capacity import LABEL_KEY
 from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
-from tests.fakes.actor_table import Log
 from tests.fakes.configs import tiny_cfg
+from tests.fakes.event_log import EventLog
 
 N1, N2, N3 = ("11" * 28, "22" * 28, "33" * 28)  # Ray's node ids are hex
 FINDING = "issue 45 finding 4: a quarantined replica moved without detaching, ignoring its label, undone by a spare"
@@ -72,7 +72,7 @@ def world(monkeypatch):
 
     monkeypatch.setattr(startup, "start_replica", start_replica)
     topology = Topology.of_sites([2, 2], labels=["a", "b"])
-    roster, state, log = _Roster(topology, (N1, N2)), RunState(run_id="run-1"), Log()
+    roster, state, log = _Roster(topology, (N1, N2)), RunState(run_id="run-1"), EventLog()
     state.death_times = {"c0r1": [900.0, 950.0]}  # two deaths already: the next quarantines it
     cfg = tiny_cfg(
         ["faults.quarantine_after=3", "topology.cpus_per_replica=1", "run.dir=/nowhere", "run.sweep_dir=/nowhere"]

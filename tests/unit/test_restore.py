@@ -13,6 +13,7 @@ from actors import checkpointing
 from actors.checkpointing import RestoreFailed
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
+from tests.fakes.event_log import EventLog
 
 RIDS = ("c0r0", "c1r0")
 
@@ -59,20 +60,6 @@ class _Roster:
         self.live.pop(rid, None)
 
 
-class _Log:
-    def __init__(self, calls):
-        self.calls = calls
-
-    def event(self, name, **fields):
-        self.calls.append(("event", name, fields))
-
-    def rewrite_metrics(self, records):
-        pass
-
-    def records(self, name):
-        return []
-
-
 def _sup(tmp_path, calls, fail=(), fingerprint=None):
     cfg = OmegaConf.create(
         {
@@ -85,7 +72,7 @@ def _sup(tmp_path, calls, fail=(), fingerprint=None):
         run_dir=str(tmp_path),
         state=RunState(committed_round=0, fingerprint=fingerprint),
         roster=_Roster(calls, fail),
-        log=_Log(calls),
+        log=EventLog(calls=calls),
         warn=lambda m: None,
         save_state=lambda: None,
         layout=SimpleNamespace(ranks_per_replica=1),  # the run's (hsgd.config.layout.RunLayout): what these read

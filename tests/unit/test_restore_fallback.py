@@ -18,7 +18,8 @@ from actors.checkpointing import RestoreFailed
 from hsgd.config import ConfigError
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
-from tests.fakes.checkpoints import LoadingReplica, Log, Roster, write_checkpoint
+from tests.fakes.checkpoints import LoadingReplica, Roster, write_checkpoint
+from tests.fakes.event_log import EventLog
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +42,7 @@ def _sup(tmp_path, calls, live, *, fails=(), ignores=()):
         run_dir=str(tmp_path),
         state=RunState(committed_round=5),
         roster=Roster(calls, handles, live),
-        log=Log(calls),
+        log=EventLog(calls=calls),
         warn=lambda m: None,
         save_state=lambda: None,
         layout=SimpleNamespace(ranks_per_replica=1),  # the run's (hsgd.config.layout.RunLayout): what these read

@@ -31,7 +31,7 @@ from hsgd.core.site_requests import (
 )
 from hsgd.core.site_topology import applied_sites, joined_topology, widened_sites  # (moved from site_requests)
 from hsgd.core.topology import Topology, topology_of
-from hsgd.record.events import EVENTS
+from tests.fakes.event_log import EventLog
 
 
 # -- pure: the widened topology, the records, the new replicas' config ----------------------------------
@@ -93,16 +93,6 @@ def test_the_new_replicas_config_keeps_the_configured_sites_and_names_the_new_on
 
 
 # -- SiteChanges carrying a join out, with fake actors ----------------------------------------------------
-class _Log:
-    def __init__(self, events: list[dict]):
-        self.events = events
-
-    def event(self, name: str, **fields) -> None:
-        assert name in EVENTS and set(EVENTS[name]) <= set(fields)  # typed, as RunLog refuses otherwise
-        self.events.append({"event": name, **fields})
-
-    def records(self, name: str) -> list[dict]:
-        return list(self.events)
 
 
 class _Roster:
@@ -233,7 +223,7 @@ def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_rou
     roster = _Roster(topology, state.identity)
     saves = []
     return SiteChanges(
-        cfg, str(tmp_path), topology, roster, _Log(events), state, lambda: saves.append(1), resume_round, **kw
+        cfg, str(tmp_path), topology, roster, EventLog(events), state, lambda: saves.append(1), resume_round, **kw
     ), roster
 
 

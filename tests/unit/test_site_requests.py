@@ -25,8 +25,8 @@ from hsgd.core.site_requests import (
 )
 from hsgd.core.site_rules import add_site_problem, decide, next_cluster
 from hsgd.core.topology import Topology
-from hsgd.record.events import EVENTS
 from jobs import status as status_job
+from tests.fakes.event_log import EventLog
 from tests.fakes.run_folders import hold_run_folder
 
 
@@ -114,17 +114,6 @@ def test_a_drain_that_leaves_enough_sites_is_applied():
 
 
 # -- carried out by the supervisor, once ------------------------------------------------------------------
-class _Log:
-    def __init__(self, events: list[dict]):
-        self.events = events
-
-    def event(self, name: str, **fields) -> None:
-        assert name in EVENTS and set(EVENTS[name]) <= set(fields)  # typed, as RunLog refuses otherwise
-        self.events.append({"event": name, **fields})
-
-    def records(self, name: str) -> list[dict]:
-        assert name == "events"
-        return list(self.events)
 
 
 class _Roster:
@@ -148,7 +137,7 @@ def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
         run=SimpleNamespace(io_grace_s=4.0),
         topology=SimpleNamespace(placement_strategy="STRICT_PACK", gpus_per_replica=1, sites=[]),
     )
-    return SiteChanges(cfg, str(tmp_path), topology, roster, _Log(events)), roster
+    return SiteChanges(cfg, str(tmp_path), topology, roster, EventLog(events)), roster
 
 
 def test_a_drain_stops_the_site_once_and_a_restarted_supervisor_never_applies_it_again(tmp_path, capsys):
@@ -233,14 +222,14 @@ def test_jobs_status_drain_site_writes_one_request_and_refuses_bad_input(tmp_pat
 def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_returned(monkeypatch, tmp_path):
     import actors.roster as roster_mod
     from hsgd.record.run_state import RunState
-    from tests.fakes.actor_table import Log, Table
+    from tests.fakes.actor_table import Table
 
     monkeypatch.setattr(roster_mod, "lookup", lambda actor_name: object())
     table = Table()
     for short in ("c0r0", "c1r0", "spare-c0-0", "spare-c1-0"):
         table.set(short, "ALIVE", 0)
     roster = roster_mod.Roster(
-        Topology(2, 1), "run-1", RunState(), Log(), call_timeout_s=1.0, spares_per_cluster=1, save=lambda: None
+        Topology(2, 1), "run-1", RunState(), EventLog(), call_timeout_s=1.0, spares_per_cluster=1, save=lambda: None
     )
     roster.watch._table = table
     for rid in ("c0r0", "c1r0"):
@@ -248,7 +237,7 @@ def test_the_deaths_of_a_drained_sites_replicas_and_spares_are_never_logged_or_r
     cfg = SimpleNamespace(
         supervisor=SimpleNamespace(min_clusters=1, min_replicas_per_cluster=1), run=SimpleNamespace(io_grace_s=4.0)
     )
-    sites = SiteChanges(cfg, str(tmp_path), Topology(2, 1), roster, _Log([]))
+    sites = SiteChanges(cfg, str(tmp_path), Topology(2, 1), roster, EventLog())
     write_request(tmp_path, "drain", "c1")
     monkeypatch.setattr("actors.site_changes.ray.kill", lambda handle, no_restart: None)
     sites.at_round_start(2)
