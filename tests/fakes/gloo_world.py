@@ -53,3 +53,13 @@ def run_ranks(
     missing = set(range(world_size)) - set(outs)
     assert not missing, f"workers that never reported (hang?): {sorted(missing)}"
     return outs
+
+
+def level_group(level: str, port: int | None, prefix: str, rank: int, size: int, *, timeout_s: float = 30, **kw):
+    """A rank's gloo LevelGroup configured in epoch 1 at the world's store (`port`; None: a group of
+    itself, no store). `kw`: LevelGroup's other options (configure_timeout_s 60 unless given, link)."""
+    from hsgd.train.comm import LevelGroup
+
+    group = LevelGroup(level, "gloo", timeout_s=timeout_s, **{"configure_timeout_s": 60, **kw})
+    group.configure(None if port is None else f"127.0.0.1:{port}", prefix, rank=rank, world_size=size, epoch=1)
+    return group

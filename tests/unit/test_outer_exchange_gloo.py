@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.fakes.configs import tiny_cfg
-from tests.fakes.gloo_world import run_ranks
+from tests.fakes.gloo_world import level_group, run_ranks
 
 SIZES = (2, 3, 2)
 CODECS = ("bf16", "int8", "int4")
@@ -43,7 +43,6 @@ def _worker(rank, port, results) -> None:
     try:
         from hsgd.core.outer_plan import shard_holders, token_weights
         from hsgd.core.topology import Topology
-        from hsgd.train.comm import LevelGroup
         from hsgd.train.trainer import param_digest
 
         torch.set_num_threads(1)
@@ -54,17 +53,13 @@ def _worker(rank, port, results) -> None:
         holders = shard_holders(members, [m[0] for m in members], min(SIZES))
         roots = tuple(members[c].index(g[c]) for g in holders)
         weights = token_weights([n * EVERY for n in SIZES])
-        addr = f"127.0.0.1:{port}"
 
-        def group(level, prefix, r, n):
-            g = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
-            g.configure(addr, prefix, rank=r, world_size=n, epoch=1)
-            return g
-
-        inner = group("inner", f"t/inner/c{c}", i, SIZES[c])
-        leader_outer = group("outer", "t/outer", c, len(SIZES)) if i == 0 else None
+        inner = level_group("inner", port, f"t/inner/c{c}", i, SIZES[c])
+        leader_outer = level_group("outer", port, "t/outer", c, len(SIZES)) if i == 0 else None
         my_shard = next((j for j, g in enumerate(holders) if rid in g), None)
-        shard_outer = group("outer", f"t/outer/s{my_shard}", c, len(SIZES)) if my_shard is not None else None
+        shard_outer = (
+            level_group("outer", port, f"t/outer/s{my_shard}", c, len(SIZES)) if my_shard is not None else None
+        )
         for codec in CODECS:
             lead, shard = _trainers(codec, rid, topo)
             rows = []
@@ -88,7 +83,7 @@ def _worker(rank, port, results) -> None:
                 )
                 rows.append(row)
             out[codec] = rows
-        out["all_to_all"] = _all_to_all(group, rank)
+        out["all_to_all"] = _all_to_all(port, rank)
         for g in (inner, leader_outer, shard_outer):
             if g is not None:
                 g.abort()
@@ -97,11 +92,11 @@ def _worker(rank, port, results) -> None:
     results.put(out)
 
 
-def _all_to_all(group, rank: int) -> dict:
+def _all_to_all(port: int, rank: int) -> dict:
     """Every process in one group: rank k sends rank j a chunk of j elements (rank 0's are empty),
     each element k * 10 + j."""
     world = sum(SIZES)
-    g = group("outer", "t/a2a", rank, world)
+    g = level_group("outer", port, "t/a2a", rank, world)
     chunks = [torch.full((j,), rank * 10 + j, dtype=torch.uint8) for j in range(world)]
     got = g.all_to_all(chunks, rank, level="outer")
     return {"got": [t.tolist() for t in got], "sent": g.bytes_sent, "received": g.bytes_received}

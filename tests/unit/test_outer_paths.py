@@ -13,7 +13,7 @@ import torch
 
 from tests.fakes.configs import BASE  # noqa: F401
 from tests.fakes.configs import tiny_cfg as _cfg
-from tests.fakes.gloo_world import run_ranks
+from tests.fakes.gloo_world import level_group, run_ranks
 
 
 def _layout(sizes, rank):
@@ -32,7 +32,6 @@ def _paths_worker(sizes, codecs, rounds, rank, port, results) -> None:
     try:
         from hsgd.core.outer_plan import shard_holders
         from hsgd.core.topology import Topology
-        from hsgd.train.comm import LevelGroup
         from hsgd.train.trainer import ReplicaTrainer
 
         torch.set_num_threads(1)
@@ -42,17 +41,13 @@ def _paths_worker(sizes, codecs, rounds, rank, port, results) -> None:
         members = [tuple(topo.cluster_members(k)[:n]) for k, n in enumerate(sizes)]
         leaders = [m[0] for m in members]
         holders = shard_holders(members, leaders, min(sizes))
-        addr = f"127.0.0.1:{port}"
 
-        def group(level, prefix, r, n):
-            g = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
-            g.configure(addr, prefix, rank=r, world_size=n, epoch=1)
-            return g
-
-        inner = group("inner", f"t/inner/c{c}", i, sizes[c])
-        leader_outer = group("outer", "t/outer", c, len(sizes)) if i == 0 else None
+        inner = level_group("inner", port, f"t/inner/c{c}", i, sizes[c])
+        leader_outer = level_group("outer", port, "t/outer", c, len(sizes)) if i == 0 else None
         my_shard = next((j for j, g in enumerate(holders) if rid in g), None)
-        shard_outer = group("outer", f"t/outer/s{my_shard}", c, len(sizes)) if my_shard is not None else None
+        shard_outer = (
+            level_group("outer", port, f"t/outer/s{my_shard}", c, len(sizes)) if my_shard is not None else None
+        )
         roots = tuple(members[c].index(g[c]) for g in holders)
         for codec in codecs:
             cfg = _cfg([f"sync.outer_compress={codec}", "sync.outer_every=3"])

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from tests.fakes.gloo_world import run_ranks
+from tests.fakes.gloo_world import level_group, run_ranks
 
 CONFIG = [
     "model.n_layer=2",
@@ -37,11 +37,7 @@ ROUNDS = 2
 
 
 def _level(level: str, prefix: str):
-    from hsgd.train.comm import LevelGroup
-
-    group = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
-    group.configure(None, prefix, rank=0, world_size=1, epoch=1)  # one cluster of one replica: itself
-    return group
+    return level_group(level, None, prefix, 0, 1)  # one cluster of one replica: itself
 
 
 def _trainer(ranks):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hsgd.train.sharding import ReplicaRanks, rows_of
-from tests.fakes.gloo_world import run_ranks
+from tests.fakes.gloo_world import level_group, run_ranks
 
 STEPS = 6  # inner steps of scenario A's round and of B's two fragment rounds (3 each)
 BASE = [
@@ -59,11 +59,7 @@ SCENARIO_B = [
 
 
 def _level(level: str, port: int, prefix: str, rank: int, world: int):
-    from hsgd.train.comm import LevelGroup
-
-    group = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
-    group.configure(f"127.0.0.1:{port}" if world > 1 else None, prefix, rank=rank, world_size=world, epoch=1)
-    return group
+    return level_group(level, port if world > 1 else None, prefix, rank, world)
 
 
 def _stop_after(steps: int):

@@ -14,7 +14,7 @@ import torch
 
 from hsgd.core.outer_plan import token_weights
 from tests.fakes.configs import tiny_cfg
-from tests.fakes.gloo_world import run_ranks
+from tests.fakes.gloo_world import level_group, run_ranks
 
 SIZES = (2, 2, 2)
 UNEQUAL = (0.5, 1.25, 1.25)  # e.g. a site that trained a fifth of the others' tokens
@@ -35,7 +35,6 @@ def _worker(rank, port, results) -> None:
     try:
         from hsgd.core.outer_plan import shard_holders
         from hsgd.core.topology import Topology
-        from hsgd.train.comm import LevelGroup
         from hsgd.train.trainer import ReplicaTrainer
 
         torch.set_num_threads(1)
@@ -44,17 +43,13 @@ def _worker(rank, port, results) -> None:
         rid = topo.cluster_members(c)[i]
         members = [tuple(topo.cluster_members(k)) for k in range(len(SIZES))]
         holders = shard_holders(members, [m[0] for m in members], 2)
-        addr = f"127.0.0.1:{port}"
 
-        def group(level, prefix, r, n):
-            g = LevelGroup(level, "gloo", timeout_s=30, configure_timeout_s=60)
-            g.configure(addr, prefix, rank=r, world_size=n, epoch=1)
-            return g
-
-        inner = group("inner", f"t/inner/c{c}", i, SIZES[c])
-        leader_outer = group("outer", "t/outer", c, len(SIZES)) if i == 0 else None
+        inner = level_group("inner", port, f"t/inner/c{c}", i, SIZES[c])
+        leader_outer = level_group("outer", port, "t/outer", c, len(SIZES)) if i == 0 else None
         my_shard = next((j for j, g in enumerate(holders) if rid in g), None)
-        shard_outer = group("outer", f"t/outer/s{my_shard}", c, len(SIZES)) if my_shard is not None else None
+        shard_outer = (
+            level_group("outer", port, f"t/outer/s{my_shard}", c, len(SIZES)) if my_shard is not None else None
+        )
         for codec, weights in CASES:
             t = ReplicaTrainer(tiny_cfg([f"sync.outer_compress={codec}", "sync.outer_every=3", GATHER]), rid, topo)
             t.run_inner(0, inner)
