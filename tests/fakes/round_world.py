@@ -23,6 +23,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from actors.round_runner import TICK_S  # the supervisor's progress poll and tick period
 from hsgd.core.round import (
     AbortJoin,
     Answer,
@@ -40,7 +41,6 @@ from hsgd.core.round import (
 from hsgd.core.topology import Topology
 
 SPR = 10  # inner steps per round
-TICK_S = 0.5  # the supervisor's progress poll and tick period
 DONE, BEHIND, CFAILED, DIED = Outcome.DONE, Outcome.BEHIND, Outcome.COLLECTIVE_FAILED, Outcome.DIED
 
 
