@@ -88,6 +88,8 @@ def test_add_site_refusals_give_one_line_each_and_the_run_completes_untouched(ba
 JOIN_ROUNDS = 14  # rounds of ~1.6 s: a new replica's process start (seconds) spans a few of them
 
 
+@pytest.mark.long  # moved out of the default suite (its 20 minutes): a run waited on for its event
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 def test_a_site_added_mid_run_joins_heals_and_commits_and_the_others_never_reform(background_drills, tmp_path):
     drill = background_drills(RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8"], tmp_path)
     drill.wait_for(round=3, timeout_s=180)
@@ -135,6 +137,8 @@ def test_a_site_added_mid_run_joins_heals_and_commits_and_the_others_never_refor
     check_run(drill.run_dir, rounds=JOIN_ROUNDS, steps_per_round=SPR, victims=set())
 
 
+@pytest.mark.long  # moved out of the default suite (its 20 minutes): a run waited on for its event
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in_once(background_drills, tmp_path):
     """Acceptance 3 for a join: the supervisor SIGKILLed right after it applied the add-site (the new
     replicas still starting, created by the dead supervisor): its successor finds them by name (they

@@ -97,6 +97,8 @@ def test_a_fragment_delay_with_two_ranks_per_replica_ends_like_one_rank(tmp_path
         assert _relative(s["eval_loss"], w["eval_loss"]) <= 1e-4, (s["round"], s["eval_loss"], w["eval_loss"])
 
 
+@pytest.mark.long  # moved out of the default suite (its 20 minutes): a run waited on for its event
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 @pytest.mark.timeout(600)
 def test_a_hot_spare_of_two_ranks_warms_up_and_takes_a_killed_replicas_place(background_drills, tmp_path):
     # the run goes on until the killed actor, its 2 ranks rebuilt, is c0's spare again (however long
@@ -242,6 +244,7 @@ def _came_back_whole(drill, victim: str, killed_at: float, old_pid: int) -> None
 
 
 @pytest.mark.long
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 @pytest.mark.timeout(600)
 def test_a_rank_sigkilled_from_outside_mid_inner_fails_its_replica_whole_and_it_comes_back_healed(
     background_drills, tmp_path
@@ -253,6 +256,7 @@ def test_a_rank_sigkilled_from_outside_mid_inner_fails_its_replica_whole_and_it_
 
 
 @pytest.mark.long
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 @pytest.mark.timeout(600)
 def test_a_leaders_rank_sigkilled_from_outside_mid_outer_fails_that_replica_whole(background_drills, tmp_path):
     # the slow link between clusters: 1.5 s per outer collective, the window to kill c0's leader in
@@ -267,6 +271,7 @@ def test_a_leaders_rank_sigkilled_from_outside_mid_outer_fails_that_replica_whol
 
 
 @pytest.mark.long
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 @pytest.mark.timeout(600)
 def test_a_rank_sigkilled_from_outside_mid_heal_fails_the_healing_replica_again_and_it_is_healed(
     background_drills, tmp_path

@@ -48,6 +48,8 @@ KILL_IN_EVERY_SITE = (
 )
 
 
+@pytest.mark.long  # moved out of the default suite (its 20 minutes): a run waited on for its event
+@pytest.mark.paced  # steps padded (train.min_step_s): beside the busy long runs (tests/run_all.sh)
 def test_sites_of_3_2_1_train_through_a_kill_in_every_site_and_an_outside_sigkill_then_resume(
     background_drills, tmp_path
 ):
