@@ -109,66 +109,78 @@ def timeline_data(run_dir: str | Path) -> dict:
     stamps = [e["t"] for e in events] or [r["t"] for r in fired + metrics if "t" in r] or [0.0]
     t0 = min(stamps)
     end = max([*stamps, *(r["t"] for r in fired + metrics if "t" in r)]) - t0
-    spans: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in known_replicas(run_dir, events)}
-    # keyed by (phase, cluster): clusters run their own inner phases at once, so one cluster's
-    # phase_begin must not end another's span (cluster None: the outer level's phases)
-    open_phase: dict[tuple[str, int | None], tuple[float, list[str]]] = {}
-    open_heal: dict[str, float] = {}
-    open_down: dict[str, float] = {}
-    last_up: dict[str, float] = {}
-
-    def add(rid, start, stop, kind):
-        spans.setdefault(rid, []).append((start, max(start, stop), kind))
-
-    def close_phase(key, at):
-        start, members = open_phase.pop(key)
-        for rid in members:
-            add(rid, start, at, key[0])
-
-    def close_all(at):
-        for key in list(open_phase):
-            close_phase(key, at)
-        for rid, start in open_heal.items():
-            add(rid, start, at, Phase.HEAL)
-        open_heal.clear()
-
+    spans = _Spans(known_replicas(run_dir, events), [f["t"] - t0 for f in fired], [f.get("rid") for f in fired])
     for e in events:
-        t, name = e["t"] - t0, e.get("event")
-        key = (e.get("phase"), e.get("cluster"))
-        if name == "phase_begin" and e.get("phase") in Phase.having(SPAN):
-            if key in open_phase:  # begun again without an end: the old one ended here
-                close_phase(key, t)
-            open_phase[key] = (t, list(e.get("replicas") or []))
-        elif name == "phase_end" and key in open_phase:
-            close_phase(key, t)
-        elif name == "heal_begin" and e.get("target"):
-            open_heal[e["target"]] = t
-        elif name == "heal_end" and e.get("target") in open_heal:
-            add(e["target"], open_heal.pop(e["target"]), t, Phase.HEAL)
-        elif name == "supervisor_start":
-            close_all(t)  # a restarted supervisor never ends what the old one began
-        elif name == "replica_down" and e.get("rid") and e["rid"] not in open_down:
-            rid = e["rid"]
-            since = last_up.get(rid, float("-inf"))
-            causes = [f["t"] - t0 for f in fired if f.get("rid") == rid and since < f["t"] - t0 <= t]
-            open_down[rid] = min([t, *causes])
-        elif name == "replica_up" and e.get("rid"):
-            last_up[e["rid"]] = t
-            if e["rid"] in open_down:
-                add(e["rid"], open_down.pop(e["rid"]), t, DOWN)
-    close_all(end)
-    for rid, start in open_down.items():
-        add(rid, start, end, DOWN)
+        spans.read(e, e["t"] - t0)
+    spans.close_all(end, downs_too=True)
     faults = [(f["t"] - t0, f.get("rid", "?"), f.get("kind", "?")) for f in fired]
     return {
         "t0": t0,
         "end": end,
-        "replicas": sorted(spans, key=_rid_key),
-        "spans": spans,
+        "replicas": sorted(spans.by_rid, key=_rid_key),
+        "spans": spans.by_rid,
         "faults": faults,
         "recoveries": _recoveries(run_dir, fired, events, t0),
         "supervisor_starts": [e["t"] - t0 for e in events if e.get("event") == "supervisor_start"][1:],
     }
+
+
+class _Spans:
+    """The timeline's spans, built one event at a time (times in seconds since the run's start)."""
+
+    def __init__(self, replicas, fault_times: list[float], fault_rids: list[str | None]):
+        self.by_rid: dict[str, list[tuple[float, float, str]]] = {rid: [] for rid in replicas}
+        self.fault_times, self.fault_rids = fault_times, fault_rids
+        # keyed by (phase, cluster): clusters run their own inner phases at once, so one cluster's
+        # phase_begin must not end another's span (cluster None: the outer level's phases)
+        self.open_phase: dict[tuple[str, int | None], tuple[float, list[str]]] = {}
+        self.open_heal: dict[str, float] = {}
+        self.open_down: dict[str, float] = {}
+        self.last_up: dict[str, float] = {}
+
+    def add(self, rid, start, stop, kind):
+        self.by_rid.setdefault(rid, []).append((start, max(start, stop), kind))
+
+    def close_phase(self, key, at):
+        start, members = self.open_phase.pop(key)
+        for rid in members:
+            self.add(rid, start, at, key[0])
+
+    def close_all(self, at, *, downs_too=False):
+        for key in list(self.open_phase):
+            self.close_phase(key, at)
+        for rid, start in self.open_heal.items():
+            self.add(rid, start, at, Phase.HEAL)
+        self.open_heal.clear()
+        if downs_too:  # the run's end: a replica still down stays down to the end
+            for rid, start in self.open_down.items():
+                self.add(rid, start, at, DOWN)
+
+    def read(self, e: dict, t: float) -> None:
+        name, key = e.get("event"), (e.get("phase"), e.get("cluster"))
+        if name == "phase_begin" and e.get("phase") in Phase.having(SPAN):
+            if key in self.open_phase:  # begun again without an end: the old one ended here
+                self.close_phase(key, t)
+            self.open_phase[key] = (t, list(e.get("replicas") or []))
+        elif name == "phase_end" and key in self.open_phase:
+            self.close_phase(key, t)
+        elif name == "heal_begin" and e.get("target"):
+            self.open_heal[e["target"]] = t
+        elif name == "heal_end" and e.get("target") in self.open_heal:
+            self.add(e["target"], self.open_heal.pop(e["target"]), t, Phase.HEAL)
+        elif name == "supervisor_start":
+            self.close_all(t)  # a restarted supervisor never ends what the old one began
+        elif name == "replica_down" and e.get("rid") and e["rid"] not in self.open_down:
+            rid = e["rid"]
+            since = self.last_up.get(rid, float("-inf"))
+            causes = [
+                ft for ft, fr in zip(self.fault_times, self.fault_rids, strict=True) if fr == rid and since < ft <= t
+            ]
+            self.open_down[rid] = min([t, *causes])  # down from the fault that caused it
+        elif name == "replica_up" and e.get("rid"):
+            self.last_up[e["rid"]] = t
+            if e["rid"] in self.open_down:
+                self.add(e["rid"], self.open_down.pop(e["rid"]), t, DOWN)
 
 
 def _recoveries(run_dir: Path, fired: list[dict], events: list[dict], t0: float) -> list[tuple[float, float]]:
@@ -316,8 +328,6 @@ def write_loss_png(run_dir: str | Path) -> Path:
 
 
 def write_timeline_png(run_dir: str | Path) -> Path:
-    from matplotlib.patches import Patch
-
     plt = pyplot()
     data = timeline_data(run_dir)
     rows = list(data["replicas"])
@@ -342,7 +352,17 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         ax.axvspan(start, stop, color="red", alpha=0.15, lw=0, zorder=0)
     for t in data["supervisor_starts"]:
         ax.plot([t], [rows.index("supervisor")], marker="^", color="black", ms=8, ls="")
-    for t, rid, kind in data["faults"]:
+    _mark_faults(ax, data["faults"], rows)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set(ylim=(len(rows) - 0.4 + 0.3, -0.6), xlim=(0, end * 1.01), xlabel="seconds since run start")
+    ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    _timeline_legend(ax, len(rows))
+    return save_png(fig, Path(run_dir) / "timeline.png")
+
+
+def _mark_faults(ax, faults: list[tuple[float, str, str]], rows: list[str]) -> None:
+    for t, rid, kind in faults:
         y = rows.index(rid) if rid in rows else len(rows) - 1
         ax.plot([t], [y], marker="X", color="red", ms=11, mec="white", mew=1, ls="", zorder=5)
         ax.annotate(
@@ -358,10 +378,11 @@ def write_timeline_png(run_dir: str | Path) -> Path:
             zorder=6,
             bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "red", "lw": 0.5, "alpha": 0.9},
         )
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set(ylim=(len(rows) - 0.4 + 0.3, -0.6), xlim=(0, end * 1.01), xlabel="seconds since run start")
-    ax.set_title("what each replica was doing (faults: red X; fault to recovery: shaded)", fontsize=10)
-    ax.grid(axis="x", alpha=0.3)
+
+
+def _timeline_legend(ax, n_rows: int) -> None:
+    from matplotlib.patches import Patch
+
     handles = [
         Patch(facecolor=SPAN_COLOURS[k], label=k.replace("_", " "), **(_DOWN_STYLE if k == DOWN else {}))
         for k in SPAN_COLOURS
@@ -372,10 +393,9 @@ def write_timeline_png(run_dir: str | Path) -> Path:
         fontsize=8,
         ncol=len(handles),
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.5 / len(rows) - 0.12),
+        bbox_to_anchor=(0.5, -0.5 / n_rows - 0.12),
         frameon=False,
     )
-    return save_png(fig, Path(run_dir) / "timeline.png")
 
 
 def write_membership_png(run_dir: str | Path) -> Path:
