@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tests import groups
 from tests.integration.runs import REPO
 
 
@@ -48,18 +49,7 @@ def shared_ray_up_again(shared_ray):
     yield
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (tests/run_all.sh, --dist loadgroup)
-def pytest_collection_modifyitems(config, items):
-    """The long runs that keep the cores busy go to one worker, one after another (group
-    `one_at_a_time`); the realistic and other `paced` runs (padded steps, cores mostly idle) take
-    the other workers, beside them. Without xdist the group means nothing."""
-    for item in items:
-        if (
-            item.get_closest_marker("long")
-            and not item.get_closest_marker("paced")
-            and not item.get_closest_marker("realistic")
-        ):
-            item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
+pytest_collection_modifyitems = groups.pytest_collection_modifyitems  # the busy long runs: one worker
 
 
 @pytest.fixture

@@ -85,7 +85,11 @@ def test_add_site_refusals_give_one_line_each_and_the_run_completes_untouched(ba
     assert not later, f"an inner group re-formed for a refused request: {later}"
 
 
-JOIN_ROUNDS = 14  # rounds of ~1.6 s: a new replica's process start (seconds) spans a few of them
+# Rounds of ~1.6 s. A site's join (its processes started, joined, healed) measured 13.6-19.2 s
+# (`site_up`'s `seconds`) with three such runs side by side on 2 cores, ~6 s alone: 12 rounds at
+# worst. The runs give it three times that after the request (issue 49, Build 8), so the joins
+# asserted below never depend on the machine's speed.
+JOIN_ROUNDS = 40
 
 
 @pytest.mark.long  # moved out of the default suite (its 20 minutes): a run waited on for its event
@@ -172,7 +176,7 @@ def test_a_supervisor_killed_between_the_decision_and_the_join_takes_the_site_in
     check_run(drill.run_dir, rounds=JOIN_ROUNDS, steps_per_round=SPR, victims=set())
 
 
-@pytest.mark.long  # two runs, ~80 s
+@pytest.mark.long  # two runs, ~2 minutes
 @pytest.mark.paced  # steps padded to 0.4 s: beside the busy long runs (tests/run_all.sh)
 def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     """Issue 37, resume: a site added and committed, then the whole run started again from its last
@@ -181,7 +185,7 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     state from the checkpoint and it takes part from the resume round, every digest agrees; run.json
     and jobs.status list its replicas."""
     drill = background_drills(
-        RUN + ["train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=8", "checkpoint.every=2"], tmp_path
+        RUN + [f"train.rounds={JOIN_ROUNDS}", "train.min_step_s=0.4", "ray.num_cpus=8", "checkpoint.every=2"], tmp_path
     )
     drill.wait_for(round=2, timeout_s=180)
     decided = drill.wait_site_request(drill.add_site(2, name="berlin"), timeout_s=120)
@@ -189,12 +193,18 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     first = drill.wait_done(timeout_s=600)
     assert first["status"] == "completed" and first["topology"]["sizes"] == [2, 2, 2], first.get("reason")
     manifest = json.loads(sorted((Path(drill.run_dir) / "checkpoints").glob("round_*/manifest.json"))[-1].read_text())
-    assert manifest["round"] == 12 and {"c2r0", "c2r1"} <= set(manifest["files"]), manifest
+    assert manifest["round"] == JOIN_ROUNDS and {"c2r0", "c2r1"} <= set(manifest["files"]), manifest
 
     resumed = train(
         drill.run_dir,
         RUN[len(FAST) :]
-        + ["train.rounds=16", "train.min_step_s=0.4", "ray.num_cpus=8", "checkpoint.every=2", "train.resume=true"],
+        + [
+            f"train.rounds={JOIN_ROUNDS + 4}",
+            "train.min_step_s=0.4",
+            "ray.num_cpus=8",
+            "checkpoint.every=2",
+            "train.resume=true",
+        ],
     )
     assert resumed["status"] == "completed", resumed.get("reason")
     record = events(drill.run_dir)
@@ -209,9 +219,9 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
         ],
     )
     commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
-    assert sorted(commits) == list(range(12, 16)), sorted(commits)
+    assert sorted(commits) == list(range(JOIN_ROUNDS, JOIN_ROUNDS + 4)), sorted(commits)
     # its replicas loaded their own state from the checkpoint: in from the resume round, never healed
-    assert all({"c2r0", "c2r1"} <= commits[r] for r in range(12, 16)), commits
+    assert all({"c2r0", "c2r1"} <= commits[r] for r in range(JOIN_ROUNDS, JOIN_ROUNDS + 4)), commits
     assert not [e for e in later if e["event"] == "heal_end" and e["target"].startswith("c2")], "healed, not loaded"
     assert resumed["topology"]["sizes"] == [2, 2, 2] and resumed["topology"]["sites"][2]["name"] == "berlin"
     # where a reader looks for the run's replicas: run.json (drills, jobs.diagnose) and jobs.status
@@ -219,10 +229,10 @@ def test_a_resumed_run_brings_an_added_site_back(background_drills, tmp_path):
     assert [r["rid"] for r in collect_state(drill.run_dir)["clusters"]["c2"]] == ["c2r0", "c2r1"]
     assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c1r0", "c1r1", "c2r0", "c2r1"]
     assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
-    check_run(drill.run_dir, rounds=16, steps_per_round=SPR, victims=set())  # both jobs, one folder
+    check_run(drill.run_dir, rounds=JOIN_ROUNDS + 4, steps_per_round=SPR, victims=set())  # both jobs, one folder
 
 
-@pytest.mark.long  # two runs, ~80 s
+@pytest.mark.long  # two runs, ~2 minutes
 @pytest.mark.paced  # steps padded to 0.4 s: beside the busy long runs (tests/run_all.sh)
 def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_brings_the_new_one_back(
     background_drills, tmp_path
@@ -233,7 +243,13 @@ def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_
     commits with c0 and c2, every digest agrees."""
     drill = background_drills(
         RUN
-        + ["topology.clusters=3", "train.rounds=12", "train.min_step_s=0.4", "ray.num_cpus=10", "checkpoint.every=2"],
+        + [
+            "topology.clusters=3",
+            f"train.rounds={JOIN_ROUNDS}",
+            "train.min_step_s=0.4",
+            "ray.num_cpus=10",
+            "checkpoint.every=2",
+        ],
         tmp_path,
     )
     drill.wait_for(round=2, timeout_s=180)
@@ -248,7 +264,7 @@ def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_
         RUN[len(FAST) :]
         + [
             "topology.clusters=3",
-            "train.rounds=16",
+            f"train.rounds={JOIN_ROUNDS + 4}",
             "train.min_step_s=0.4",
             "ray.num_cpus=10",
             "checkpoint.every=2",
@@ -269,9 +285,9 @@ def test_a_resumed_run_after_a_drain_and_an_add_site_keeps_the_site_drained_and_
     )
     assert not [e for e in later if e["event"] in FAILURES], "a drained site's stop at the resume is no failure"
     commits = {e["round"]: set(e["replicas"]) for e in later if e["event"] == "commit"}
-    assert sorted(commits) == list(range(12, 16)), sorted(commits)
-    assert commits[15] == {"c0r0", "c0r1", "c2r0", "c2r1", "c3r0", "c3r1"}, commits
+    assert sorted(commits) == list(range(JOIN_ROUNDS, JOIN_ROUNDS + 4)), sorted(commits)
+    assert commits[JOIN_ROUNDS + 3] == {"c0r0", "c0r1", "c2r0", "c2r1", "c3r0", "c3r1"}, commits
     assert resumed["topology"]["drained"] == {"c1": drained["round"]}
     assert sorted(resumed["replica_param_digests"]) == ["c0r0", "c0r1", "c2r0", "c2r1", "c3r0", "c3r1"]
     assert len(set(resumed["replica_param_digests"].values())) == 1, "digests agree at the end"
-    check_run(drill.run_dir, rounds=16, steps_per_round=SPR, victims=set())  # both jobs, one folder
+    check_run(drill.run_dir, rounds=JOIN_ROUNDS + 4, steps_per_round=SPR, victims=set())  # both jobs, one folder
