@@ -269,22 +269,31 @@ def test_replicas_sigkilled_mid_inner_in_the_slow_and_the_fast_site_heal_into_th
     planned = _plan_is_recorded(run_dir, KILL_ROUNDS, KILL_PLAN)
     _committed_steps_follow_the_plan(run_dir, evs, planned, healed_at=healed_at)
     # a cluster's inner phase that ran once with both members: its tokens are 2 x its plan's steps
-    clean = 0
+    clean: set[tuple[int, int]] = set()
     for m in metrics(run_dir):
         r = m["round"]
         for c in (0, 1):
-            ends = [
-                e
-                for e in evs
-                if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == c and e["round"] == r
-            ]
+            ends = _inner_ends(evs, r, c)
             if len(ends) == 1 and len(ends[0]["ok"]) == 2:
-                clean += 1
+                clean.add((r, c))
                 assert m["cluster_tokens"][c] == 2 * planned[r][c] * TOKENS_PER_STEP, (
                     f"round {r}: c{c} trained {planned[r][c]} steps on 2 replicas, "
                     f"cluster_tokens says {m['cluster_tokens']}"
                 )
-    assert clean >= 2 * KILL_ROUNDS - len(KILLS) * 2, f"only {clean} clean (round, cluster) inner phases"
+    # every inner phase no victim of its cluster was down during (kill to heal: measured, since a
+    # restart's seconds depend on the machine) ran clean (issue 49, Build 8: no count of rounds assumed)
+    untouched = {
+        (r, c)
+        for r in range(KILL_ROUNDS)
+        for c in (0, 1)
+        if not any(
+            rid.startswith(f"c{c}r")
+            and t_kill <= _inner_ends(evs, r, c)[-1]["t"]
+            and healed_at[rid] >= _begin(evs, r, c)
+            for rid, (_, t_kill) in kills.items()
+        )
+    }
+    assert untouched and untouched <= clean, f"phases untouched by a kill that did not run clean: {untouched - clean}"
 
 
 # -- 3. balance=none is today's run ---------------------------------------------------------------
@@ -341,4 +350,20 @@ def test_a_replay_of_the_same_seed_and_faults_ends_on_the_same_digest(tmp_path):
     assert first["global_param_digest"] == again["global_param_digest"], (
         first["global_param_digest"],
         again["global_param_digest"],
+    )
+
+
+def _inner_ends(evs: list[dict], r: int, c: int) -> list[dict]:
+    return [
+        e
+        for e in evs
+        if e["event"] == "phase_end" and e["phase"] == "inner" and e.get("cluster") == c and e["round"] == r
+    ]
+
+
+def _begin(evs: list[dict], r: int, c: int) -> float:
+    return next(
+        e["t"]
+        for e in evs
+        if e["event"] == "phase_begin" and e["phase"] == "inner" and e.get("cluster") == c and e["round"] == r
     )
