@@ -18,10 +18,11 @@ Protocol
   under `<prefix>/rank<j>`), runs its own part, then merges the answers (`RankPeers.merge`): a rank
   that raised is the replica's own error; a rank whose answer is not `done` makes it the replica's.
 Failures: a rank that dies fails the replica whole (it comes back whole, healed by a peer); a rank
-that never comes: after `timeout_s` each rank that came raises CollectiveError kind `configure` naming
-the replica and the missing rank(s); a connect that fails or outlasts `timeout_s`: kind `configure`;
-the supervisor's abort: kind `join_aborted`, with its reason. The group's collectives run under
-`op_timeout_s` (torch.distributed raises past it).
+that never comes: after `timeout_s` (a Replica passes `supervisor.call_timeout_s` +
+`comm.configure_timeout_s`: a process start, then the rendezvous) each rank that came raises
+CollectiveError kind `configure` naming the replica and the missing rank(s); a connect that fails
+or outlasts `timeout_s`: kind `configure`; the supervisor's abort: kind `join_aborted`, with its
+reason. The group's collectives run under `op_timeout_s` (torch.distributed raises past it).
 """
 
 from __future__ import annotations
@@ -135,15 +136,22 @@ class RankPeers:
 
     @classmethod
     def start(
-        cls, rid: str, k: int, make: Callable[[RankOf], object], timeout_s: float, incarnation: int
+        cls,
+        rid: str,
+        k: int,
+        make: Callable[[RankOf], object],
+        arrive_s: float,
+        deadline_s: float,
+        incarnation: int,
     ) -> tuple[RankPeers, RankOf]:
-        """Rank 0's store and ranks 1..k-1 (`make(rank_of)` creates one); returns them and rank 0's own RankOf."""
+        """Rank 0's store and ranks 1..k-1 (`make(rank_of)` creates one); returns them and rank 0's own RankOf.
+        `arrive_s`: the store's wait for a rank to connect; `deadline_s`: for a built rank's answers."""
         host = ray.util.get_node_ip_address()
-        store = start_store(host, timeout_s)
+        store = start_store(host, arrive_s)
         store_addr = rendezvous_address(host, store.port, new_run_secret())
         prefix = f"replica-group/{rid}/{incarnation}"
         handles = [make(RankOf(j, k, store_addr, prefix)) for j in range(1, k)]
-        return cls(rid, handles, store, timeout_s), RankOf(0, k, store_addr, prefix)
+        return cls(rid, handles, store, deadline_s), RankOf(0, k, store_addr, prefix)
 
     def ready(self) -> None:
         """Wait until ranks 1..k-1 are built (their __init__ formed the group and built the trainer)."""
@@ -212,15 +220,23 @@ class RankFanOut:
         k = self.layout.ranks_per_replica
         if k <= 1:
             return None
-        timeout_s = float(self.cfg.comm.configure_timeout_s)
+        # a rank's arrival waits for a new process (Ray's worker start, torch's import: a control call's
+        # deadline, as a replica's own start) and then the rendezvous; once built, a rank answers within
+        # a phase call's deadline (its build, a spare's warm-up, any phase's part)
+        sup, arrive_s = (
+            self.cfg.supervisor,
+            float(self.cfg.supervisor.call_timeout_s + self.cfg.comm.configure_timeout_s),
+        )
         if self.rank_of is None:  # rank 0
-            self.peers, self.rank_of = RankPeers.start(self.rid, k, self._rank_actor, timeout_s, self.incarnation)
+            self.peers, self.rank_of = RankPeers.start(
+                self.rid, k, self._rank_actor, arrive_s, float(sup.phase_timeout_s), self.incarnation
+            )
         return form_replica_group(
             self.rank_of.rank,
             self.rank_of.size,
             self.rank_of.store_addr,
             self.rank_of.prefix,
-            timeout_s,
+            arrive_s,
             replica=self.rid,
             backend=replica_group_backend(device),
             op_timeout_s=float(self.cfg.supervisor.phase_timeout_s),

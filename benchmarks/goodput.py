@@ -182,6 +182,10 @@ def compare_peers(args, out: Path) -> list[dict]:
                     "step_efficiency": run["step_efficiency"],
                     "recoveries": run["recoveries"],
                     "result_error": run.get("result_error"),
+                    # torchft's run ends when its first replica finishes: a victim still restarting then is
+                    # left behind (benchmarks/peers/torchft_peer.py), a replica never killed never is
+                    "killed": sorted({k["replica"] for k in run["kills"]}),
+                    "unfinished": run.get("unfinished", []),
                 }
             )
             print(

@@ -80,7 +80,12 @@ def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
     faulted = [r for r in runs if r["mtbf_s"]]
     assert faulted[0]["failure_process"] == faulted[1]["failure_process"] and faulted[0]["failure_process"]
     for r in runs:
-        assert r["result_error"] is None, r
+        if r["side"] == "torchft" and r["mtbf_s"]:
+            # torchft's job ends with its first finished replica: only a killed one, still restarting on
+            # busy cores then, may be left behind; a replica never killed always finishes
+            assert set(r["unfinished"]) <= set(r["killed"]), r
+        else:
+            assert r["result_error"] is None, r
         assert r["goodput"] > 0 and 0 < r["step_efficiency"] <= 1
     assert all(r["faults"] >= 1 for r in faulted)
 
