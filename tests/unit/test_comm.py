@@ -16,6 +16,7 @@ import torch
 from hsgd.train.comm import CollectiveError, LevelGroup, WrongLevelError
 from tests.fakes.deadlines import HANG_S
 from tests.fakes.gloo_world import run_ranks
+from tests.fakes.process_group import FakePG
 
 TIMEOUT_S = 5.0
 CONFIGURE_TIMEOUT_S = 10.0
@@ -198,39 +199,20 @@ def test_each_collective_waits_for_its_own_payload():
     default): the operation and the wait both carry the payload-scaled timeout."""
     from datetime import timedelta
 
-    seen = []
-
-    class Work:
-        def wait(self, timeout):
-            seen.append(("wait", timeout))
-
-    class PG:
-        def allreduce(self, tensors, opts):
-            seen.append(("op", opts.timeout))
-            return Work()
-
+    pg = FakePG()
     group = LevelGroup("outer", timeout_s=10.0, min_gbps=0.001)  # 1 Mbit/s
-    group._pg, group.world_size, group._usable = PG(), 2, True
+    group._pg, group.world_size, group._usable = pg, 2, True
     group.allreduce_mean([torch.zeros(250_000)], level="outer")  # 1 MB -> 8 s at 1 Mbit/s
-    assert seen == [("op", timedelta(seconds=18.0)), ("wait", timedelta(seconds=18.0))]
+    assert pg.op_timeouts == [timedelta(seconds=18.0)] and pg.work.waits == [timedelta(seconds=18.0)]
 
 
 def test_a_broadcast_waits_for_its_own_payload_too():
     """The outer commit's broadcast carries the whole model across the slow link, like the reduce."""
     from datetime import timedelta
 
-    seen = []
-
-    class Work:
-        def wait(self, timeout):
-            seen.append(("wait", timeout))
-
-    class PG:
-        def broadcast(self, tensors, opts):
-            seen.append(("op", opts.timeout))
-            return Work()
-
+    pg = FakePG()
     group = LevelGroup("outer", timeout_s=10.0, min_gbps=0.002)  # 2 Mbit/s
-    group._pg, group.world_size, group._usable = PG(), 3, True
+    group._pg, group.world_size, group._usable = pg, 3, True
     group.broadcast([torch.zeros(500_000)], root=1, level="outer")  # 2 MB -> 8 s at 2 Mbit/s
-    assert seen == [("op", timedelta(seconds=18.0)), ("wait", timedelta(seconds=18.0))]
+    assert pg.calls == [("broadcast", 500_000)]
+    assert pg.op_timeouts == [timedelta(seconds=18.0)] and pg.work.waits == [timedelta(seconds=18.0)]

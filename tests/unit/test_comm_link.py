@@ -116,21 +116,10 @@ def test_the_link_sleep_is_outside_the_collective_deadline():
     """The op's and the wait's deadlines are the payload's at comm.min_gbps, whatever the link."""
     from datetime import timedelta
 
-    seen = []
-
-    class Work:
-        def wait(self, timeout):
-            seen.append(timeout)
-            return True
-
-    class PG:
-        def allreduce(self, tensors, opts):
-            seen.append(opts.timeout)
-            return Work()
-
-    group = _live(LevelGroup("outer", timeout_s=10.0, link=LinkModel(gbps=1.0, latency_ms=30.0)), PG())
+    pg = FakePG()
+    group = _live(LevelGroup("outer", timeout_s=10.0, link=LinkModel(gbps=1.0, latency_ms=30.0)), pg)
     group.allreduce_mean([torch.zeros(4)], level="outer")
-    assert seen == [timedelta(seconds=10.0 + 16 * 8 / 1e9)] * 2
+    assert pg.op_timeouts == pg.work.waits == [timedelta(seconds=10.0 + 16 * 8 / 1e9)]
 
 
 def test_an_overlapped_collective_hides_the_link_behind_compute_between_launches(monkeypatch):

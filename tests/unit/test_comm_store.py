@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hsgd.train import comm
+from tests.fakes.process_group import FakePG
 
 
 def _node_address() -> str:
@@ -88,25 +89,15 @@ def test_group_store_keys_carry_the_secret_but_its_prefix_does_not(monkeypatch):
     """What torchft gets as the group's store address puts every key under the secret (its
     PrefixStore prefix is everything after host:port); the group's own prefix, which errors and
     events name, stays free of it."""
-    seen = {}
-
-    class PG:
-        def configure(self, **kwargs):
-            seen.update(kwargs)
-
-        def set_timeout(self, timeout):
-            pass
-
-        def abort(self, errored=True):
-            pass
-
-    monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: PG())
+    pg = FakePG()
+    monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: pg)
     monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     secret = comm.new_run_secret()
     group = comm.LevelGroup("outer")
     group.configure(
         comm.rendezvous_address("10.0.0.5", 29500, secret), "run-abc123/epoch4/outer", rank=1, world_size=3, epoch=4
     )
+    seen = pg.configured
     _, _, key_prefix = seen["store_addr"].partition("/")  # torchft's create_store_client does this
     assert key_prefix.startswith(secret + "/") and key_prefix.endswith("run-abc123/epoch4/outer")
     assert secret not in group.prefix and secret not in seen["replica_id"]
@@ -117,17 +108,10 @@ def test_a_failed_join_does_not_repeat_the_secret(monkeypatch):
     must not carry the secret."""
     secret = comm.new_run_secret()
 
-    class PG:
-        def configure(self, store_addr, **kwargs):
-            raise RuntimeError(f"Wait timeout after 30000ms, keys: /{store_addr.partition('/')[2]}/0")
+    def store_timeout(configured: dict) -> RuntimeError:  # as torchft words it, the keys in full
+        return RuntimeError(f"Wait timeout after 30000ms, keys: /{configured['store_addr'].partition('/')[2]}/0")
 
-        def set_timeout(self, timeout):
-            pass
-
-        def abort(self, errored=True):
-            pass
-
-    monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: PG())
+    monkeypatch.setattr(comm, "_make_torchft_group", lambda backend, timeout_s: FakePG(configure=store_timeout))
     monkeypatch.setattr(comm, "_await_members", lambda *args: None)  # every member arrived (no store here)
     group = comm.LevelGroup("inner")
     with pytest.raises(comm.CollectiveError) as info:

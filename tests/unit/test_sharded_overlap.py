@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.fakes.gloo_world import run_ranks
+from tests.fakes.process_group import IdleLevelGroup
 
 STEPS, DELAY, ROUNDS = 4, 2, 3  # inner steps of a round (outer_every / fragments), the delay, rounds run
 BASE = [
@@ -296,13 +297,6 @@ class _ReduceThat:
         self.release.wait(10)
 
 
-class _Group:
-    bytes_sent, bytes_received, link_s, arrival_s, aborted = 0, 0, 0.0, 0.0, 0
-
-    def abort(self):
-        self.aborted += 1
-
-
 @pytest.mark.parametrize(
     "error,raised",
     [
@@ -321,7 +315,7 @@ def test_a_sharded_reduce_that_fails_outside_its_agreement_fails_the_replica_who
         "non_finite": NonFiniteError("pseudo_gradient", "c0r0: non-finite"),
         "backend": RuntimeError("[gloo] Timed out waiting 300000ms for recv operation"),
     }
-    background = BackgroundReduce(_ReduceThat(errors[error]), _Group())
+    background = BackgroundReduce(_ReduceThat(errors[error]), IdleLevelGroup())
     background.start((0, 1, 0, 1))
     with pytest.raises(Exception) as info:
         background.settle((0, 1, 0, 1), timeout_s=10)
@@ -334,7 +328,7 @@ def test_an_abandoned_sharded_reduce_that_does_not_end_fails_the_replica_whole_a
     from hsgd.train.overlap import BackgroundReduce, ReplicaOutOfStep
 
     for sharded in (True, False):
-        trainer, group = _ReduceThat(sharded=sharded), _Group()
+        trainer, group = _ReduceThat(sharded=sharded), IdleLevelGroup()
         background = BackgroundReduce(trainer, group)
         background.start((0, 1, 0, 1))
         try:
