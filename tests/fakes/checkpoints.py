@@ -1,5 +1,6 @@
 """Finalized checkpoints of chosen replicas, and replicas that load them, for the tests of what a
-restore or a resume chooses and loads (actors/checkpointing.py, actors/startup.py) without Ray."""
+restore or a resume chooses and loads (actors/checkpointing.py, actors/startup.py) without Ray. The
+roster a restore asks: tests/fakes/roster.py's FakeRoster, given these replicas as its `handles`."""
 
 from __future__ import annotations
 
@@ -56,22 +57,3 @@ class LoadingReplica:
 
     def _digests(self):
         return {"param": param_digest(self.params), "global": "", "round": self.round, "step": self.step}
-
-
-class Roster:
-    """The restore's view of the roster: live replicas (rid -> (round, step)) and their handles."""
-
-    def __init__(self, calls: list, handles: dict, live):
-        self.calls, self.handles = calls, handles
-        self.live = {rid: (0, 0) for rid in live}
-        self.configured, self.outer_configured = {}, None
-
-    def rejoin(self, wait_s):
-        self.calls.append(("rejoin",))
-
-    def down_after(self, rid, err, phase, round_index):
-        self.down(rid, "error", phase, round_index, str(err))
-
-    def down(self, rid, cause, phase, round_index, detail=""):
-        self.calls.append(("down", rid))
-        self.live.pop(rid, None)

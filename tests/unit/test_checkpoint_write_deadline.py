@@ -16,8 +16,9 @@ from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
 from tests.fakes.configs import tiny_cfg
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 
-RIDS = ("c0r0", "c1r0")
+RIDS = ("c0r0", "c1r0")  # Topology(2, 1)'s
 
 
 class _Ref:
@@ -44,21 +45,12 @@ class _Handle:
         return {"phase": "checkpoint" if self.asked <= self.busy else "idle"}
 
 
-class _Roster:
-    def __init__(self, at_round=1, hung=(), busy=0):
-        self.live = {rid: (at_round, 4 * at_round) for rid in RIDS}
-        self.handles = {rid: _Handle(rid, rid in hung, busy) for rid in RIDS}
-        self.downed: list[str] = []
-
-    def plan(self, epoch):
-        return None
-
-    def down_after(self, rid, err, phase, round_index):
-        self.downed.append(rid)
-        self.live.pop(rid, None)
-
-    def probe(self, rid, timeout_s):
-        return self.handles[rid].progress()
+def _roster(at_round=1, hung=(), busy=0) -> FakeRoster:
+    """Every replica live at `at_round`; `hung` never answer their write; `busy`: as _Handle's."""
+    handles = {rid: _Handle(rid, rid in hung, busy) for rid in RIDS}
+    return FakeRoster(
+        Topology(2, 1), handles=handles, at=(at_round, 4 * at_round), answers=lambda rid: handles[rid].progress()
+    )
 
 
 def _fake_ray():
@@ -86,7 +78,7 @@ def sup(tmp_path, monkeypatch):
         run_dir=str(tmp_path),
         run_id="run-1",
         state=RunState(run_id="run-1", fingerprint={"model.n_embd": 32}),
-        roster=_Roster(),
+        roster=_roster(),
         log=EventLog(),
         injector=SimpleNamespace(supervisor_faults=lambda *a: None, arm=lambda *a, **k: {}),
         topology=Topology(2, 1),
@@ -107,7 +99,7 @@ def test_a_healthy_checkpoint_is_written_as_ever(sup):
 
 def test_a_write_past_its_deadline_skips_the_checkpoint_and_kills_nobody(sup):
     assert checkpointing.save(sup, 1) is not None  # the last good checkpoint
-    sup.roster = _Roster(2, hung={"c1r0"}, busy=2)
+    sup.roster = _roster(2, hung={"c1r0"}, busy=2)
     assert checkpointing.save(sup, 2) is None
     assert sup.roster.downed == [] and set(sup.roster.live) == set(RIDS), "a stalled write cost a replica"
     (failed,) = sup.log.named("checkpoint_failed")

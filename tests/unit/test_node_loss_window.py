@@ -10,9 +10,11 @@ from omegaconf import open_dict
 
 from actors import quarantine as quarantine_actor
 from hsgd.core import quarantine as rule
+from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 from tests.fakes.configs import tiny_cfg
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 
 RIDS = ("c0r0", "c0r1", "c0r2")
 
@@ -70,20 +72,6 @@ def test_the_first_reported_death_of_a_node_loss_is_its_own_until_the_next_one_c
     assert log.own("c0r0", 20.5) == [] and not log.died(30.0, "n1", "c0r0")
 
 
-class _Roster:
-    def __init__(self):
-        self.replica_info = {rid: {"node_id": "n1", "backends": {"inner": "gloo", "outer": "gloo"}} for rid in RIDS}
-        self.handles = dict.fromkeys(RIDS)
-        self.aside: list[str] = []
-        self.topology = SimpleNamespace(cluster_of=lambda rid: 0, label=lambda c: None)
-
-    def set_aside(self, rid):
-        self.aside.append(rid)
-
-    def replace(self, rid, name, handle):
-        raise AssertionError(f"{rid} moved on a one-node run")
-
-
 def test_three_whole_node_losses_on_one_node_quarantine_no_replica(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(quarantine_actor, "time", SimpleNamespace(time=lambda: now[0]))
@@ -96,16 +84,18 @@ def test_three_whole_node_losses_on_one_node_quarantine_no_replica(monkeypatch):
     cfg = tiny_cfg(["faults.quarantine_after=3", "faults.quarantine_window_s=600"])
     with open_dict(cfg.faults):  # (this test was written before the key)
         cfg.faults.node_loss_window_s = 5.0
-    state, roster, log = RunState(), _Roster(), EventLog()
+    state, roster, log = RunState(), FakeRoster(Topology(1, len(RIDS)), nodes=("n1",)), EventLog()
     q = quarantine_actor.Quarantine(cfg, "run-1", "/nowhere", state, roster, log, save=lambda: None)
     for loss in range(3):
         for i, rid in enumerate(RIDS):
             now[0] = 60.0 * loss + 0.5 * i
             q.death(rid)
     assert roster.aside == [] and state.quarantined == {}, "a node's deaths quarantined its replicas"
+    assert roster.replaced == [], "a replica moved on a one-node run"
     assert not log.named("replica_quarantined")
     for t in (300.0, 310.0, 320.0):  # c0r1 alone: its own deaths, kept out (no other node)
         now[0] = t
         q.death("c0r1")
     assert roster.aside == ["c0r1"] and state.quarantined["c0r1"]["moved_to"] is None
+    assert roster.replaced == [], "a replica moved on a one-node run"
     assert state.death_times["c0r1"] == [300.0, 310.0, 320.0], "the durable count: its own deaths"

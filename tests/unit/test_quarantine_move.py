@@ -17,6 +17,7 @@ from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 from tests.fakes.configs import tiny_cfg
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 
 N1, N2, N3 = ("11" * 28, "22" * 28, "33" * 28)  # Ray's node ids are hex
 FINDING = "issue 45 finding 4: a quarantined replica moved without detaching, ignoring its label, undone by a spare"
@@ -24,36 +25,6 @@ FINDING = "issue 45 finding 4: a quarantined replica moved without detaching, ig
 
 def _node(nid: str, label: str | None) -> dict:
     return {"NodeID": nid, "Alive": True, "Labels": {LABEL_KEY: label} if label else {}}
-
-
-class _Roster:
-    """What Quarantine and RoundRunner._log_deaths touch: names, handles, deaths, spares."""
-
-    def __init__(self, topology: Topology, nodes: tuple[str, ...]):
-        self.topology = topology
-        self.names = {rid: f"hsgd:run-1:{rid}" for rid in topology.replica_ids()}
-        self.handles = {rid: object() for rid in topology.replica_ids()}
-        self.replica_info = {
-            rid: {"node_id": nodes[topology.cluster_of(rid)], "backends": None} for rid in topology.replica_ids()
-        }
-        self.gone: set[str] = set()
-        self.spares = True  # a ready spare in every cluster
-        self.promoted: list[str] = []
-        self.on_death = lambda rid: None
-
-    def died(self, rid, cause, phase, round_index, detail=""):
-        self.on_death(rid)
-        return True
-
-    def replace(self, rid, name, handle):
-        self.names[rid], self.handles[rid] = name, handle
-
-    def set_aside(self, rid):
-        self.gone.add(rid)
-
-    def promote_spare(self, rid, wait_s=0.0):
-        self.promoted.append(rid)
-        return None  # (what it answers is not this test's)
 
 
 @pytest.fixture
@@ -72,7 +43,8 @@ def world(monkeypatch):
 
     monkeypatch.setattr(startup, "start_replica", start_replica)
     topology = Topology.of_sites([2, 2], labels=["a", "b"])
-    roster, state, log = _Roster(topology, (N1, N2)), RunState(run_id="run-1"), EventLog()
+    spares = {str(c): [f"spare-c{c}-0"] for c in range(topology.clusters)}  # a ready spare in every cluster
+    roster, state, log = FakeRoster(topology, nodes=(N1, N2), spares=spares), RunState(run_id="run-1"), EventLog()
     state.death_times = {"c0r1": [900.0, 950.0]}  # two deaths already: the next quarantines it
     cfg = tiny_cfg(
         ["faults.quarantine_after=3", "topology.cpus_per_replica=1", "run.dir=/nowhere", "run.sweep_dir=/nowhere"]

@@ -11,11 +11,13 @@ from omegaconf import OmegaConf
 
 from actors import checkpointing
 from actors.checkpointing import RestoreFailed
+from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 
-RIDS = ("c0r0", "c1r0")
+RIDS = ("c0r0", "c1r0")  # Topology(2, 1)'s
 
 
 def _write(root, r, fingerprint=None):
@@ -45,21 +47,6 @@ class _Handle:
         return {"round": state["round"], "step": state["step"]}
 
 
-class _Roster:
-    def __init__(self, calls, fail=()):
-        self.calls = calls
-        self.live = {rid: (0, 0) for rid in RIDS}
-        self.handles = {rid: _Handle(rid, calls, rid in fail) for rid in RIDS}
-        self.configured, self.outer_configured = {}, None
-
-    def rejoin(self, wait_s):
-        self.calls.append(("rejoin",))
-
-    def down_after(self, rid, err, phase, round_index):
-        self.calls.append(("down", rid))
-        self.live.pop(rid, None)
-
-
 def _sup(tmp_path, calls, fail=(), fingerprint=None):
     cfg = OmegaConf.create(
         {
@@ -71,7 +58,7 @@ def _sup(tmp_path, calls, fail=(), fingerprint=None):
         cfg=cfg,
         run_dir=str(tmp_path),
         state=RunState(committed_round=0, fingerprint=fingerprint),
-        roster=_Roster(calls, fail),
+        roster=FakeRoster(Topology(2, 1), handles={rid: _Handle(rid, calls, rid in fail) for rid in RIDS}, calls=calls),
         log=EventLog(calls=calls),
         warn=lambda m: None,
         save_state=lambda: None,

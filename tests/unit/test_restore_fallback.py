@@ -16,10 +16,12 @@ from omegaconf import OmegaConf
 from actors import checkpointing, startup
 from actors.checkpointing import RestoreFailed
 from hsgd.config import ConfigError
+from hsgd.core.topology import Topology
 from hsgd.record.run_state import RunState
 from hsgd.train import checkpoint as ckpt
-from tests.fakes.checkpoints import LoadingReplica, Roster, write_checkpoint
+from tests.fakes.checkpoints import LoadingReplica, write_checkpoint
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +43,7 @@ def _sup(tmp_path, calls, live, *, fails=(), ignores=()):
         cfg=cfg,
         run_dir=str(tmp_path),
         state=RunState(committed_round=5),
-        roster=Roster(calls, handles, live),
+        roster=FakeRoster(Topology(2, 1), handles=handles, live=live, calls=calls),
         log=EventLog(calls=calls),
         warn=lambda m: None,
         save_state=lambda: None,

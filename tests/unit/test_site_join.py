@@ -32,6 +32,7 @@ from hsgd.core.site_requests import (
 from hsgd.core.site_topology import applied_sites, joined_topology, widened_sites  # (moved from site_requests)
 from hsgd.core.topology import Topology, topology_of
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 
 
 # -- pure: the widened topology, the records, the new replicas' config ----------------------------------
@@ -93,26 +94,6 @@ def test_the_new_replicas_config_keeps_the_configured_sites_and_names_the_new_on
 
 
 # -- SiteChanges carrying a join out, with fake actors ----------------------------------------------------
-
-
-class _Roster:
-    def __init__(self, topology: Topology, names: dict):
-        self.topology, self.names = topology, names
-        self.handles = {rid: SimpleNamespace(name=n) for rid, n in names.items()}
-        self.live = {rid: (3, 12) for rid in topology.replica_ids()}
-        self.gone: set[str] = set()
-        self.drained_clusters: set[int] = set()
-        self.replica_info = {"c0r0": {"node_id": "n1", "backends": {"inner": "gloo", "outer": "gloo"}}}
-        self.spares = SimpleNamespace(names={}, handles={}, ready=set())
-        self.given_up: list[str] = []  # names whose earlier deaths the watch was told to take as known
-        self.watch = SimpleNamespace(given_up=self.given_up.append)
-
-    def admit(self, rid: str, answer: dict) -> None:
-        self.live[rid] = (int(answer["round"]), int(answer["step"]))
-
-    def set_aside(self, rid: str) -> None:
-        self.gone.add(rid)
-        self.live.pop(rid, None)
 
 
 class _Ref:
@@ -220,7 +201,8 @@ def _supervisor(tmp_path, events: list[dict], state: SimpleNamespace, resume_rou
     state.replica_indices = dict(topology.index_table)
     if not state.identity:
         state.identity.update({rid: f"hsgd:run1:{rid}" for rid in topology.replica_ids()})
-    roster = _Roster(topology, state.identity)
+    handles = {rid: SimpleNamespace(name=n) for rid, n in state.identity.items()}
+    roster = FakeRoster(topology, names=state.identity, handles=handles, at=(3, 12), nodes=("n1",))
     saves = []
     return SiteChanges(
         cfg, str(tmp_path), topology, roster, EventLog(events), state, lambda: saves.append(1), resume_round, **kw

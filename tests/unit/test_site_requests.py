@@ -27,6 +27,7 @@ from hsgd.core.site_rules import add_site_problem, decide, next_cluster
 from hsgd.core.topology import Topology
 from jobs import status as status_job
 from tests.fakes.event_log import EventLog
+from tests.fakes.roster import FakeRoster
 from tests.fakes.run_folders import hold_run_folder
 
 
@@ -116,22 +117,9 @@ def test_a_drain_that_leaves_enough_sites_is_applied():
 # -- carried out by the supervisor, once ------------------------------------------------------------------
 
 
-class _Roster:
-    def __init__(self, topology: Topology):
-        self.drained_clusters: set[int] = set()
-        self.handles = dict.fromkeys(topology.replica_ids())  # no actors: nothing for ray.kill
-        self.live = {rid: (0, 0) for rid in topology.replica_ids()}
-        self.set_aside_ids: list[str] = []
-        self.spares = SimpleNamespace(names={"2": ["spare-c2-0"]}, handles={"spare-c2-0": None}, ready={"spare-c2-0"})
-
-    def set_aside(self, rid: str) -> None:
-        self.set_aside_ids.append(rid)
-        self.live.pop(rid, None)
-
-
 def _supervisor(tmp_path, events: list[dict], min_clusters: int = 1):
     topology = Topology(3, 2)
-    roster = _Roster(topology)
+    roster = FakeRoster(topology, spares={"2": ["spare-c2-0"]})  # no actors: nothing for ray.kill
     cfg = SimpleNamespace(
         supervisor=SimpleNamespace(min_clusters=min_clusters, min_replicas_per_cluster=1, join_timeout_s=600.0),
         run=SimpleNamespace(io_grace_s=4.0),
@@ -145,7 +133,7 @@ def test_a_drain_stops_the_site_once_and_a_restarted_supervisor_never_applies_it
     sites, roster = _supervisor(tmp_path, events)
     request = write_request(tmp_path, "drain", "c2")
     sites.at_round_start(3)
-    assert roster.drained_clusters == {2} and roster.set_aside_ids == ["c2r0", "c2r1"]
+    assert roster.drained_clusters == {2} and roster.aside == ["c2r0", "c2r1"]
     assert set(roster.live) == {"c0r0", "c0r1", "c1r0", "c1r1"}
     assert roster.spares.handles == {"spare-c2-0": None} and not roster.spares.ready
     [event] = [e for e in events if e["event"] == "site_request"]
@@ -156,7 +144,7 @@ def test_a_drain_stops_the_site_once_and_a_restarted_supervisor_never_applies_it
     # a restart after the effect: the new supervisor stops c2 again (a no-op), decides nothing, logs nothing
     restarted, roster2 = _supervisor(tmp_path, events)
     restarted.at_round_start(5)
-    assert roster2.drained_clusters == {2} and roster2.set_aside_ids == ["c2r0", "c2r1"]
+    assert roster2.drained_clusters == {2} and roster2.aside == ["c2r0", "c2r1"]
     assert len([e for e in events if e["event"] == "site_request"]) == 1
     assert restarted.topology_record()["drained"] == {"c2": 3}
 
@@ -389,7 +377,7 @@ def test_the_supervisor_refuses_an_add_site_that_does_not_fit_and_changes_nothin
     assert (event["id"], event["kind"], event["outcome"], event["round"]) == (request.id, "add-site", REFUSED, 3)
     assert event["reason"].startswith(f"add-site c3{reason}")
     assert f"site request {request.id}: refused at round 3: add-site c3" in capsys.readouterr().err
-    assert roster.drained_clusters == set() and not roster.set_aside_ids and len(roster.live) == 6
+    assert roster.drained_clusters == set() and not roster.aside and len(roster.live) == 6
     assert pending(tmp_path) == [] and sites.topology_record() == Topology(3, 2).describe()
 
 
@@ -545,7 +533,7 @@ def test_the_supervisor_refuses_a_drain_of_the_only_site_holding_the_last_round_
     sites.at_round_start(5)
     [event] = [e for e in events if e["event"] == "site_request"]
     assert event["outcome"] == REFUSED and "committed round 5" in event["reason"], event
-    assert roster.drained_clusters == set() and roster.set_aside_ids == []
+    assert roster.drained_clusters == set() and roster.aside == []
 
 
 # -- issue 45 finding 5: room is checked the way the site's placement group places -------------------------
