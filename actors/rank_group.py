@@ -223,10 +223,8 @@ class RankFanOut:
         # a rank's arrival waits for a new process (Ray's worker start, torch's import: a control call's
         # deadline, as a replica's own start) and then the rendezvous; once built, a rank answers within
         # a phase call's deadline (its build, a spare's warm-up, any phase's part)
-        sup, arrive_s = (
-            self.cfg.supervisor,
-            float(self.cfg.supervisor.call_timeout_s + self.cfg.comm.configure_timeout_s),
-        )
+        sup = self.cfg.supervisor
+        arrive_s = float(sup.call_timeout_s + self.cfg.comm.configure_timeout_s)
         if self.rank_of is None:  # rank 0
             self.peers, self.rank_of = RankPeers.start(
                 self.rid, k, self._rank_actor, arrive_s, float(sup.phase_timeout_s), self.incarnation
