@@ -86,7 +86,10 @@ def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
             assert set(r["unfinished"]) <= set(r["killed"]), r
         else:
             assert r["result_error"] is None, r
-        assert r["goodput"] > 0 and 0 < r["step_efficiency"] <= 1
+        assert r["span_s"] > 0 and 0 < r["step_efficiency"] <= 1
+        # a fault-free span / the same side's faulted one: kills cost time, never save any (a kill may
+        # cost next to nothing on padded steps: the ratio is held to 1 within 5 %, not below it)
+        assert 0 < r["goodput"] <= 1.05, r
     assert all(r["faults"] >= 1 for r in faulted)
 
 
