@@ -12,7 +12,7 @@ import psutil
 import pytest
 import ray
 
-from actors import launch
+from actors import ray_start as launch
 
 TIMED_OUT = Exception(
     "The current node timed out during startup. This could happen because some of the raylet failed "
