@@ -34,9 +34,11 @@ class RoundClose:
         )
 
     def initial_eval(self) -> None:
-        """The loss before any training, once per run (a restarted supervisor finds it in the state)."""
+        """The loss before any training, once per run (a restarted supervisor finds it in the state).
+        With no replica up yet (a first start slower than supervisor.quorum_wait_s) it waits: the
+        supervisor asks again at round 0's start, once its replicas are back."""
         state = self.p.state
-        if not state.evaluated:
+        if not state.evaluated and self.p.roster.live:
             state.initial_eval_loss, state.evaluated = self.evaluate(), True
             self.record.save_state()
             self.p.log.event("initial_eval", eval_loss=state.initial_eval_loss)

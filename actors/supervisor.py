@@ -192,6 +192,8 @@ class Supervisor:
                     self.log.event("run_stopped", round=r)
                     break
                 self.ports.topology = self.sites.at_round_start(r)  # site requests: drain, join
+                if r == 0:
+                    self.close.initial_eval()  # (none yet when no replica was up at the start)
                 self._round(r)
             self._final_heal()
             checkpointing.save_model(self.ports)
