@@ -68,7 +68,7 @@ def test_hot_spare_takes_over_before_a_restart_could_and_is_replaced(background_
         REALISTIC + [KILL, "topology.spares_per_cluster=1", "train.rounds=1000"], tmp_path / "run"
     )
     poll("a new spare after the old one was used", HANG_S, lambda: _replacement(events(drill.run_dir)))
-    s = drill.stop()
+    s = drill.stop(timeout_s=HANG_S)  # (the round in flight ends first: 30 s of steps, more on busy cores)
     assert s["status"] == "stopped" and s["rounds_committed"] >= 1, s.get("reason")
     run_dir = drill.run_dir
     check_run(run_dir, rounds=s["rounds_committed"], steps_per_round=100, victims={"c0r1"}, expect_status="stopped")
