@@ -14,6 +14,9 @@ After a failure (cluster c; the page's table says what each one interrupts and w
     the round ends early with calls in flight -> no group they use is handed on as standing
     a replica answers `behind`        -> it is healed, never counted as done
     a restarted replica answers (`Up`) -> it joins its cluster mid-round, at one step boundary
+    the round closes (sync.balance=time) -> clusters in their inner phase yield at a step boundary
+    a cluster not ready by the close plus its grace -> late: the round goes on without it, nobody
+                                      killed; it heals `global` the next round
     hung = silent AND not advancing: a replica whose step still advances is slow, never killed.
 One call per replica at a time (`busy`), so a replica is in at most one collective at a time; with
 overlap (sync.fragment_delay), at most one per level, never two on one group.
@@ -21,7 +24,8 @@ overlap (sync.fragment_delay), at most one per level, never two on one group.
 Files: messages.py (what goes in and out, each with its protocol), calls.py (calls in flight),
 machine.py (state, settings, deadlines), cluster.py (a cluster's phase, re-form, rejoin), outer.py
 (the outer exchange, non-finite clusters, a round's end), liveness.py (hung vs slow, kill, reap),
-schedule.py (who heals from whom; between rounds), balance.py (steps per site, sync.balance=steps).
+schedule.py (who heals from whom; between rounds), balance.py (steps per site, sync.balance=steps),
+close.py (a round closed by the clock, late clusters: sync.balance=time).
 """
 
 from hsgd.core.round.balance import StepPlan, plan_round
@@ -39,6 +43,7 @@ from hsgd.core.round.messages import (
     Heal,
     Join,
     Kill,
+    Late,
     Lost,
     NonFinite,
     Observation,
@@ -88,6 +93,7 @@ __all__ = [
     "Heal",
     "Join",
     "Kill",
+    "Late",
     "Lost",
     "NonFinite",
     "Observation",

@@ -1,4 +1,5 @@
-"""sync.balance=steps: each cluster's inner steps for one round, so no site idles at the outer sync.
+"""sync.balance=steps: each cluster's inner steps for one round, so no site idles at the outer sync
+(and sync.balance=time's close: `close_after_s`; the machine's side is close.py).
 
 Every round is `steps_per_round` (spr) inner steps in every cluster unless balanced. Balanced, a
 cluster whose steps take t_c seconds runs
@@ -88,6 +89,19 @@ def plan_for_round(
     if saved and saved.get("round") == round_index and len(saved.get("steps") or ()) == len(configured):
         return StepPlan.from_dict(saved), False
     return plan_round(round_index, steps_per_round, configured, learned), True
+
+
+def close_after_s(
+    round_s: float | None, steps_per_round: int, learned: Sequence[float | None], *, lead_s: float
+) -> float | None:
+    """sync.balance=time: when a round's inner phases close, in seconds after its start: `sync.round_s`
+    when set, else the fastest cluster's learned seconds for the round's steps plus `lead_s` (a yield
+    is asked that long ahead of the boundary it lands on); None while no cluster's step time is known
+    (the round runs its steps, and the step times are learned)."""
+    if round_s:
+        return float(round_s)
+    known = [s for s in learned if s is not None and s > 0]
+    return min(known) * steps_per_round + lead_s if known else None
 
 
 def fragment_delay_of(fragment_delay: int, steps: int, inner_every: int = 1) -> int:

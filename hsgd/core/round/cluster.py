@@ -73,6 +73,8 @@ class ClusterPhases:
             self.epoch += 1
             st.configured = (self.epoch, st.members)
         steps = self.settings.steps_of(c) if self.settings.cluster_steps else None
+        if self.closed:  # the round closed (sync.balance=time): a run starting now takes two steps more
+            steps = self._end_after_close(c)
         calls = {
             rid: RunInner(Join(f"epoch{self.epoch}/inner/c{c}", rank, n) if forms else None, overlap.get(rid), steps)
             for rank, rid in enumerate(st.members)
@@ -119,7 +121,12 @@ class ClusterPhases:
         if phase.kind is CallKind.HEAL:
             return self._run_inner(c, now, phase.reason)
         if phase.kind is CallKind.RUN_INNER:
-            end = (self.round, self.round * self.settings.steps_per_round + self.settings.steps_of(c))
+            closed_at = self._closed_at(c)  # yielded at the round's close (sync.balance=time)
+            if closed_at is not None and closed_at < self.settings.min_round_steps:
+                return self._mark_late(c, f"stopped at step {closed_at} by the close", now) + self._maybe_outer(now)
+            if closed_at is not None:
+                self.ends[c] = closed_at
+            end = (self.round, self.round * self.settings.steps_per_round + self.ends.get(c, self.settings.steps_of(c)))
             if any(self.progress[rid] != end for rid in st.members):
                 return self._reform(c, now, "inner phase ended short")
             if self.settings.inner == "none" and len(st.members) > 1:
@@ -138,6 +145,7 @@ class ClusterPhases:
             or rid in self.progress
             or st.stage is ClusterStage.OUT
             or self.outer_stage is not OuterStage.WAIT
+            or self.closed  # (sync.balance=time) after the close nobody waits for a newcomer's heal
         ):
             return []  # joins at the next round's start
         self.joining.setdefault(c, {})[rid] = at

@@ -36,8 +36,9 @@ class Liveness:
 
     def tick(self, now: float) -> list[Effect]:
         """Kill replicas that are silent and not advancing past their limit. The machine gives up
-        on a killed replica's call at once (its late answer is stale) and goes on without it."""
-        effects: list[Effect] = []
+        on a killed replica's call at once (its late answer is stale) and goes on without it.
+        Under sync.balance=time, the round's close comes first (close.py)."""
+        effects: list[Effect] = self._close_due(now)
         for flight in list(self.calls.inflight.values()):
             window = max(self._step_deadline(flight), self.settings.group_grace_s)
             if (

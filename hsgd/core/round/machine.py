@@ -15,6 +15,7 @@ from hsgd.core.outer_plan import holds_outer_group
 from hsgd.core.phases import Phase as PhaseName
 from hsgd.core.round.balance import fragment_delay_of
 from hsgd.core.round.calls import CallBook, InFlight
+from hsgd.core.round.close import RoundClose
 from hsgd.core.round.cluster import ClusterPhases
 from hsgd.core.round.liveness import Liveness
 from hsgd.core.round.messages import (
@@ -66,6 +67,11 @@ class RoundSettings:
     cluster_steps: tuple[int, ...] = ()
     cluster_step_deadline_s: tuple[float, ...] = ()  # per cluster, from its own learned step time; () = step_deadline_s
     cluster_step_s: tuple[float | None, ...] = ()  # per cluster, its learned seconds per step (None: not seen yet)
+    # sync.balance=time (close.py): the inner phases close this long after the round's start (None: no
+    # close, every cluster runs its steps); a cluster not ready by the close plus late_grace_s is late
+    close_s: float | None = None
+    late_grace_s: float = 10.0
+    min_round_steps: int = 1  # a cluster that stopped before this many steps is late too
 
     def steps_of(self, cluster: int) -> int:
         return self.cluster_steps[cluster] if self.cluster_steps else self.steps_per_round
@@ -151,7 +157,7 @@ class ClusterState:
     reforms: int = 0
 
 
-class RoundMachine(ClusterPhases, OuterExchange, Liveness):
+class RoundMachine(ClusterPhases, OuterExchange, Liveness, RoundClose):
     """Drives one round. Feed it `start`, then `observe` (or `observe_all`) and `tick` with the
     supervisor's clock; carry out every effect it returns. `done` is set once `outcome` is one of
     committed | restore | failed | below_quorum; `reason` says why for the last three."""
@@ -193,6 +199,15 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         self.committed_by: set[str] = set()
         self.joining: dict[int, dict[str, tuple[int, int]]] = {}  # cluster -> replicas up mid-round
         self.yielding: dict[int, int] = {}  # cluster -> step_in_round its members yield at
+        # sync.balance=time (close.py): when the round started, whether it closed, the step each
+        # cluster was asked to yield at by the close, the step a run started after it ends at, the
+        # late clusters (-> why) and their members whose calls were given up on
+        self.started_at: float | None = None
+        self.closed = False
+        self.closing: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+        self.late: dict[int, str] = {}
+        self.late_members: set[str] = set()
         self.done, self.outcome, self.reason = False, "", ""
         # non-finite numbers (see the failure table), carried from round to round by the caller:
         # clusters that sit out until the run's end, and the last round each cluster was void in
@@ -264,12 +279,15 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness):
         ]
         if self.settings.rejoin == "fast":
             want += [("up", rid) for ids in self.ids for rid in ids if rid not in self.progress and rid not in gone]
-        if idle:
-            want += [("idle", rid) for rid in self.progress if rid not in self.calls.busy]
+        if idle:  # (a late member is busy with its abandoned call: the runner watches that call)
+            want += [
+                ("idle", rid) for rid in self.progress if rid not in self.calls.busy and rid not in self.late_members
+            ]
         return want
 
     # -- the round's start ----------------------------------------------------------------------------
     def start(self, now: float) -> list[Effect]:
+        self.started_at = now
         if not self.progress:
             return self._finish("below_quorum", "no live replica")
         if not any(p[0] >= self.committed_round for p in self.progress.values()):

@@ -16,6 +16,9 @@ Effects (out of the machine, for the runner to carry out):
                dead): their calls answer `collective_failed`, kind `join_aborted`. Aborting a group
                that already formed changes nothing (it is read only while waiting).
     StepTimed  a measured inner step time (the supervisor's learned deadlines).
+    Late       (sync.balance=time) a cluster not ready by the round's close plus its grace sits the
+               round out, nobody killed; `abandoned`: its members whose calls were given up on (still
+               running or paused): the runner calls them again only once those calls have ended.
     PhaseEnded every call of a phase was answered or given up on (the record's phase_end).
 
 Observations (into the machine): `Observation`, each with its docstring. The machine's own
@@ -38,7 +41,7 @@ class Outcome(str, Enum):  # noqa: UP042 — str() is "Outcome.DONE"; a StrEnum'
     DONE = "done"  # the phase's work for the round is done (also: it was already done)
     BEHIND = "behind"  # the replica has not reached the round asked: it needs a heal
     COLLECTIVE_FAILED = "collective_failed"  # alive, but its group broke (a peer failed) or never formed
-    YIELDED = "yielded"  # stopped at a step boundary on request (mid-round rejoin)
+    YIELDED = "yielded"  # stopped at a step boundary on request (a mid-round rejoin, the round's close)
     DIED = "died"  # the actor is gone (Ray said so, or we killed it)
     ERROR = "error"  # the replica raised: that replica's failure; it is killed and restarted
     IO_ERROR = "io_error"  # a write to the run's storage failed (a checkpoint): the run's problem, nobody is killed
@@ -381,6 +384,16 @@ class Yield:
 
 
 @dataclass(frozen=True)
+class Late:
+    kind: ClassVar[str] = "late"
+    cluster: int
+    members: tuple[str, ...]
+    abandoned: tuple[str, ...]  # members whose call was given up on (busy until it ends)
+    steps: int  # the in-round steps it took, lost to this round
+    reason: str
+
+
+@dataclass(frozen=True)
 class AbortJoin:
     kind: ClassVar[str] = "abort_join"
     cluster: int | None  # None: the leaders' group
@@ -406,7 +419,7 @@ class PhaseEnded:
     ended: float
 
 
-Effect = Phase | Kill | Reap | Yield | AbortJoin | StepTimed | PhaseEnded
+Effect = Phase | Kill | Reap | Yield | Late | AbortJoin | StepTimed | PhaseEnded
 
 
 class NonFinite(NamedTuple):
