@@ -90,6 +90,36 @@ class Roster:
         self.outer_configured = None
         self.on_death: Callable[[str], None] = lambda rid: None  # each replica death, once (quarantine)
         self.drained_clusters: set[int] = set()  # stopped on purpose (actors/site_changes.py): their deaths are none
+        # sync.balance=time: rid -> (the ref of its call given up on when its cluster was late, since when): it is
+        # live but held out of every round until that call ends (`available`)
+        self.late: dict[str, tuple[Any, float]] = {}
+
+    def available(self, stuck_after_s: float) -> dict[str, tuple[int, int]]:
+        """The live replicas a round may call. One whose late call ended is back at the position it answered
+        (behind: it heals); one whose call still runs is held out, unless it ran past `stuck_after_s` since
+        it was given up on: then it is hung, and killed restartable like any hung replica."""
+        for rid, (ref, since) in list(self.late.items()):
+            if rid not in self.live:
+                del self.late[rid]
+            elif ray.wait([ref], timeout=0, fetch_local=False)[0]:
+                del self.late[rid]
+                try:
+                    answer = PhaseAnswer.read(ray.get(ref, timeout=self.call_timeout_s))
+                except RayActorError:  # its process is gone: the actor table tells the rest
+                    self.down(rid, "died", "late", -1)
+                    continue
+                except Exception as err:  # noqa: BLE001 — it raised: its own failure, restarted clean
+                    self.down(rid, "error", "late", -1, f"{type(err).__name__}: {err}")
+                    continue
+                if answer.round >= 0:
+                    self.live[rid] = (answer.round, answer.step)
+            elif time.monotonic() - since > stuck_after_s:
+                del self.late[rid]
+                self.log.event("kill", rid=rid, reason=f"late call still running {stuck_after_s:.0f}s after its round")
+                with contextlib.suppress(Exception):  # already gone: Ray restarts it anyway
+                    ray.kill(self.handles[rid], no_restart=False)
+                self.down(rid, "hung", "late", -1)
+        return {rid: p for rid, p in self.live.items() if rid not in self.late}
 
     def missing(self) -> list[str]:
         return [rid for rid in self.topology.replica_ids() if rid not in self.live and rid not in self.gone]

@@ -46,7 +46,7 @@ class RoundClose:
     def committed(self, r: int, machine: RoundMachine, run) -> None:
         """Round r committed: record it (`run`: the round's actors.round_record.RoundRecord)."""
         p, state = self.p, self.p.state
-        steps_of, topo = machine.settings.steps_of, p.topology
+        steps_of, topo = machine.steps_taken, p.topology
         cluster_tokens = committed_tokens(run.commit_digests, topo, steps_of, p.roster.tokens_per_step)
         state.tokens_per_cluster = [
             n + t

@@ -104,6 +104,7 @@ class RoundRecord:
         self.tokens = self.inner_bytes = self.outer_bytes = self.attempted_steps = 0
         self.seconds = {kind.seconds_key: 0.0 for kind in CallKind}  # metrics.jsonl's `seconds`
         self.inner_participants: set[str] = set()
+        self.late_steps = 0  # sync.balance=time: replica-steps of late clusters, lost to the round
         self.commit_digests: dict[str, str] = {}
         self.global_digests: dict[str, str] = {}
         self.attempts = 1
@@ -123,6 +124,11 @@ class RoundRecord:
         self.logged_benched: set[int] = set()
 
     @property
+    def late(self, members: tuple[str, ...], steps: int) -> None:
+        """sync.balance=time: a late cluster's steps are lost to the round; its members take no part in it."""
+        self.late_steps += steps * len(members)
+        self.inner_participants.difference_update(members)
+
     def outer_exchange(self) -> str | None:
         """The exchange of the round's last outer reduce (the committed one); None when none ran."""
         return self.exchanges[max(self.exchanges)] if self.exchanges else None

@@ -7,6 +7,8 @@ and keeps no record of calls in flight (hsgd/core/round/calls.py): it maps Ray r
     Kill       hang report with every stack of its group, then kill (actors/hang.py)
     Reap       logged only: its process is gone and Ray restarts it already
     Yield      request_yield on each member's control channel (no answer waited for)
+    Late       site_late in the record; the abandoned calls go to the roster (`late`), which holds
+               their replicas out of every round until the calls end
     AbortJoin  the group's rendezvous is released in the run's store (hsgd.train.comm)
     StepTimed  a sample for the learned step deadline; PhaseEnded: phase_end in the record
 
@@ -42,12 +44,14 @@ from hsgd.core.round import (
     Answer,
     CallKind,
     Kill,
+    Late,
     Lost,
     Outcome,
     Phase,
     PhaseAnswer,
     PhaseEnded,
     Reap,
+    RoundClosed,
     RoundMachine,
     StepTimed,
     Yield,
@@ -136,7 +140,12 @@ class RoundRunner:
         self.record.non_finite(m.void, m.out, m.benched_now, final=True)
         self.record.void_not_counted([rid for c in m.void for rid in m.ids[c]])
         self._status()  # the round's final view, before its commit is logged
-        roster.live = dict(m.progress)
+        # replicas held out of this round (their late calls still ran) stay live; a late cluster's calls still
+        # run (or are paused): nobody calls those replicas until they end
+        held_out = {rid: roster.live[rid] for rid in roster.late if rid in roster.live}
+        roster.live = {**held_out, **m.progress}
+        now = time.monotonic()
+        roster.late.update({rid: (ref, now) for ref, (_, rid) in self.calls.items() if rid in m.late_members})
 
     def _carry_out(self, effects: list) -> None:
         p = self.p
@@ -155,29 +164,26 @@ class RoundRunner:
             elif isinstance(e, Reap):  # not killed: a kill now could hit the process Ray is starting
                 p.log.event("presumed_dead", rid=e.rid, reason=e.reason)
             elif isinstance(e, Yield):
-                p.log.event(
-                    "yield_requested",
-                    cluster=e.cluster,
-                    round=self.r,
-                    reason=e.reason,
-                    at_step=e.at_step,
-                    replicas=sorted(e.rids),
-                )
+                self._event("yield_requested", e, "cluster", "reason", "at_step", replicas=sorted(e.rids))
                 for rid in e.rids:
                     p.roster.handles[rid].request_yield.remote(e.epoch, e.round, e.at_step)  # control channel
+            elif isinstance(e, RoundClosed):  # saved before any yield is asked: a successor follows it
+                p.state.round_plan = {"round": e.round, "closed_at": {str(c): step for c, step in e.ends}}
+                p.save_state()
+                p.log.event("round_closed", round=self.r, close_s=self.m.settings.close_s, steps=dict(e.ends))
+            elif isinstance(e, Late):  # slow, not dead: nobody is killed; its abandoned calls are waited out
+                self._event("site_late", e, "cluster", "steps", "reason", replicas=e.members, waiting_on=e.abandoned)
+                self.record.late(e.members, e.steps)
             elif isinstance(e, AbortJoin):
-                p.log.event(
-                    "join_aborted",
-                    cluster=e.cluster,
-                    round=self.r,
-                    epoch=e.epoch,
-                    prefix=e.prefix,
-                    dead=list(e.dead),
-                    reason=e.reason,
-                )
+                self._event("join_aborted", e, "cluster", "epoch", "prefix", "reason", dead=e.dead)
                 abort_rendezvous(p.store, p.store_addr, f"{p.run_id}/{e.prefix}", e.reason)
             else:
                 raise TypeError(f"not an effect: {e!r}")
+
+    def _event(self, name: str, effect, *fields: str, **lists) -> None:
+        """The record's event for an effect: this round, the effect's `fields`, and `lists` as lists."""
+        values = {f: getattr(effect, f) for f in fields} | {k: list(v) for k, v in lists.items()}
+        self.p.log.event(name, round=self.r, **values)
 
     def _issue(self, phase: Phase) -> None:
         p, kind = self.p, phase.kind

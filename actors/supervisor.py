@@ -43,7 +43,7 @@ from hsgd.core.round import (
     heals_at_rest,
     round_settings,
 )
-from hsgd.core.round.balance import StepPlan, fragment_delay_of, plan_for_round
+from hsgd.core.round.balance import StepPlan, close_after_s, fragment_delay_of, plan_for_round
 from hsgd.record.run_state import RunState
 
 
@@ -237,7 +237,24 @@ class Supervisor:
             clock=self.clock,
             cluster_steps=plan.steps if plan else (),
             clusters=self.topology.clusters,
+            close_s=self._close_s(),
         )
+
+    def _recorded_close(self, r: int) -> dict[int, int] | None:
+        """sync.balance=time: the steps round r closed at, when a predecessor recorded its close (RoundClosed)."""
+        saved = self.state.round_plan or {}
+        closed = saved.get("closed_at") if saved.get("round") == r and self.cfg.sync.balance == "time" else None
+        return None if closed is None else {int(c): int(step) for c, step in closed.items()}
+
+    def _close_s(self) -> float | None:
+        """sync.balance=time: when this round's inner phases close (hsgd/core/round/balance.py); None otherwise."""
+        if self.cfg.sync.balance != "time":
+            return None
+        gone = self.roster.drained_clusters  # a drained site's step time never sets the close
+        learned = [
+            None if c in gone else self.clock.median(f"inner_step/c{c}", None) for c in range(self.topology.clusters)
+        ]
+        return close_after_s(self.cfg.sync.round_s, self.spr, learned, lead_s=RoundSettings.yield_lead_s)
 
     def _plan(self, r: int) -> StepPlan | None:
         """sync.balance=steps: round r's inner steps per cluster (hsgd/core/round/balance.py), planned once
@@ -280,7 +297,7 @@ class Supervisor:
             self.topology,
             settings,
             r,
-            progress=dict(roster.live),
+            progress=roster.available(self.cfg.supervisor.phase_timeout_s),  # (not replicas whose late call runs)
             leaders=roster.leaders,
             epoch=self.state.epoch,
             committed_round=self.state.committed_round,
@@ -288,6 +305,7 @@ class Supervisor:
             outer_configured=roster.outer_configured,
             benched=self.state.benched,  # non-finite: durable, until a resume
             non_finite_rounds=self.state.non_finite_rounds,
+            closed_at=self._recorded_close(r),
         )
         self.injector.supervisor_faults(r, "inner")
         run = RoundRunner(machine, self.ports)
@@ -349,7 +367,7 @@ class Supervisor:
         if roster.missing():
             self.record.set_status(phase="final_heal")
             roster.rejoin(self.cfg.supervisor.rejoin_wait_s)
-        heals_by_cluster = heals_at_rest(self.topology, roster.live)
+        heals_by_cluster = heals_at_rest(self.topology, roster.available(self.cfg.supervisor.phase_timeout_s))
         if not heals_by_cluster:
             return
         top = current_round(roster.live.values())

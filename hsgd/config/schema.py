@@ -136,9 +136,19 @@ class SyncConfig:
     """Overlap (τ): the pseudo-gradient is taken τ steps before the round's end and reduced in the background; in
     [0, steps of a round), a multiple of `inner_every` under localsgd, needs `outer` and `inner` ≠ none. See
     Scaling."""
-    balance: str = one_of("none", ("none", "steps"))
+    balance: str = one_of("none", ("none", "steps", "time"))
     """`none`: every cluster runs `outer_every / fragments` steps per round. `steps`: each its own number, planned
-    so every inner phase lasts about as long as the fastest. See Sites."""
+    so every inner phase lasts about as long as the fastest. `time`: the inner phases close at a time (`round_s`)
+    and each cluster contributes the steps it took; one not ready by the close plus `grace_s` is late: the round
+    commits without it. See Sites."""
+    round_s: float | None = seconds(None)
+    """`balance=time`: seconds from a round's start to its close; null = the fastest site's learned time for the
+    round's steps (the first round runs its steps and learns it)."""
+    grace_s: float = seconds_or_zero(10.0)
+    """`balance=time`: how long after the close a site may still answer before it is late (a paused process
+    cannot yield). A late site is slow, not dead: nobody is killed; it heals from the new global params."""
+    min_round_steps: int = count(1)
+    """`balance=time`: a site that took fewer steps than this by the close is late."""
 
 
 @dataclass

@@ -153,6 +153,22 @@ def _choice(name: str, value: Any, valid: tuple) -> None:
         raise ConfigError(name, f"unknown value {value!r}; valid: {shown}")
 
 
+def _check_balance_time(s: Any, spr: int) -> None:
+    """A round closed by the clock ends at a step known only at its close."""
+    if s.fragment_delay:
+        raise ConfigError(
+            "sync.fragment_delay",
+            f"is {s.fragment_delay} with sync.balance=time, where a round's last step is known only at its close; "
+            "valid: 0, or sync.balance none | steps",
+        )
+    if s.min_round_steps > spr:
+        raise ConfigError(
+            "sync.min_round_steps",
+            f"{s.min_round_steps} is above a round's {spr} steps (sync.outer_every / sync.fragments); "
+            f"valid: 1 <= min_round_steps <= {spr}",
+        )
+
+
 def _check_fragment_delay(s: Any, spr: int) -> None:
     """The pseudo-gradient is taken `fragment_delay` steps before the round's end, where every
     member of a cluster holds the same params, and its all-reduce runs behind the remaining steps."""
@@ -217,6 +233,8 @@ def _check_relations(cfg: HsgdConfig) -> RunLayout:
         )
     if s.fragment_delay:
         _check_fragment_delay(s, spr)
+    if s.balance == "time":
+        _check_balance_time(s, spr)
     if cfg.model.n_embd % cfg.model.n_head != 0:
         raise ConfigError("model.n_embd", f"{cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}")
     check_sites(cfg)

@@ -38,6 +38,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "membership": ("epoch", "level", "cluster", "members", "leaders"),
     "cluster_reform": ("cluster", "round", "epoch", "members", "reason"),
     "yield_requested": ("cluster", "round", "at_step", "replicas", "reason"),
+    "round_closed": ("round", "close_s", "steps"),
+    "site_late": ("cluster", "round", "steps", "replicas", "waiting_on", "reason"),
     "round_plan": ("round", "steps", "step_s", "source"),
     "outer_step_warning": (
         "round",
@@ -127,8 +129,15 @@ EVENT_DOCS: dict[str, str] = {
     "cluster's members and leader for `inner`, each cluster's leader for `outer`) under `epoch`.",
     "cluster_reform": "One cluster re-formed after a failure (`reason`), the others untouched: its live `members` "
     "under a new `epoch`.",
-    "yield_requested": "A cluster's members were asked to stop at step `at_step` for a replica joining mid-round "
-    "(`supervisor.rejoin=fast`).",
+    "yield_requested": "A cluster's members were asked to stop at step `at_step`: for a replica joining mid-round "
+    "(`supervisor.rejoin=fast`), or because the round closed (`sync.balance=time`); `reason` says which.",
+    "round_closed": "`sync.balance=time`: the round's inner phases closed `close_s` seconds after its start; "
+    "`steps`: each cluster's in-round step its inner phase ends at (where it was asked to yield, or its whole round "
+    "when it was done). Saved before the yields are asked: a restarted supervisor follows it.",
+    "site_late": "`sync.balance=time`: a cluster was not ready by the round's close plus `sync.grace_s`, or stopped "
+    "before `sync.min_round_steps`: the round goes on without it, nobody is killed. `steps`: the in-round steps it "
+    "took and loses; `waiting_on`: its members whose calls were given up on (paused or still stepping), called again "
+    "once those end; it heals from the new global params at a later round's start.",
     "round_plan": "`sync.balance=steps`: each cluster's inner `steps` for the round and the step times `step_s` they "
     "were planned from (null where unknown); `source` configured, learned, mixed or recorded. With "
     "`sync.fragment_delay` also `fragment_delay`: each cluster's, clamped to its plan.",

@@ -46,6 +46,7 @@ def round_record(
         "global_digests": dict(run.global_digests),
         "cluster_steps": list(cluster_steps),
         "cluster_tokens": list(cluster_tokens),
+        "late_steps": run.late_steps,
         "t": t,
     }
 
@@ -93,6 +94,7 @@ def late_round_record(
         "outer_overlapped": None,
         "outer_exchange": None,
         "cluster_link_bytes": [],
+        "late_steps": None,
         "live_replicas": live_replicas,
         "epoch": epoch,
         "replica_digests": dict(digests),

@@ -13,6 +13,7 @@ from hsgd.core.round import (
     Phase,
     PhaseEnded,
     Progress,
+    RoundClosed,
     RoundMachine,
     Up,
     Yield,
@@ -51,7 +52,7 @@ def test_the_close_asks_every_cluster_still_stepping_to_yield_and_none_that_is_d
     assert decisions(m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 9.8)) == []
     assert m.clusters[0].stage is ClusterStage.READY
     assert decisions(m.tick(9.9)) == [], "not closed before close_s"
-    asks = decisions(m.tick(10.0))
+    _, *asks = decisions(m.tick(10.0))  # (the close's record first: below)
     assert [type(a) for a in asks] == [Yield, Yield] and m.closed
     by_cluster = {a.cluster: a for a in asks}
     assert set(by_cluster) == {1, 2}, "c0 was ready: nobody asks it"
@@ -111,7 +112,7 @@ def test_a_cluster_that_stopped_before_min_round_steps_is_late_with_nothing_aban
     _step(m, "c2r0", 4.0, 2)
     m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 9.0)
     m.observe(Answer(runs[1].id, "c1r0", DONE, 1, 2 * SPR), 9.5)
-    (ask,) = decisions(m.tick(10.0))
+    _, ask = decisions(m.tick(10.0))
     assert ask.cluster == 2 and ask.at_step == 4
     effects = m.observe(Answer(runs[2].id, "c2r0", YIELDED, 1, SPR + 4), 12.0)
     late = [e for e in effects if isinstance(e, Late)]
@@ -162,3 +163,56 @@ def test_the_close_is_the_fastest_sites_steps_plus_a_lead_or_the_configured_roun
     assert close_after_s(None, 20, [0.5, 1.0, None], lead_s=1.0) == 11.0
     assert close_after_s(30.0, 20, [0.5, 1.0], lead_s=1.0) == 30.0, "sync.round_s wins"
     assert close_after_s(None, 20, [None, None], lead_s=1.0) is None, "nothing learned: no close this round"
+
+
+def test_the_close_is_recorded_before_any_yield_is_asked():
+    m = _machine()
+    runs = _runs(m.start(0.0))
+    _step(m, "c1r0", 1.0, 9)
+    _step(m, "c2r0", 2.0, 4)
+    m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 9.0)
+    closed, *asks = decisions(m.tick(10.0))
+    assert isinstance(closed, RoundClosed) and closed.round == 1
+    assert dict(closed.ends) == {0: SPR, 1: 11, 2: 6}, "the ready cluster's whole round, the others' yield steps"
+    assert [type(a) for a in asks] == [Yield, Yield]
+
+
+def test_a_restarted_supervisor_follows_the_recorded_close_and_the_round_ends_there_once():
+    """The supervisor died after the close was saved: c1 yielded at 11 (idle there now), c2's yield never
+    arrived and it is still at 6, short of its recorded 8. The successor's machine starts closed."""
+    topo = Topology(3, 1)
+    progress = {"c0r0": (1, 2 * SPR), "c1r0": (1, SPR + 11), "c2r0": (1, SPR + 6)}
+    m = RoundMachine(
+        topo,
+        make_settings(steps_per_round=SPR, close_s=10.0, late_grace_s=5.0),
+        1,
+        progress=progress,
+        leaders={},
+        epoch=3,
+        committed_round=1,
+        closed_at={0: SPR, 1: 11, 2: 8},
+    )
+    runs = _runs(m.start(100.0))
+    assert {c: {call.steps for call in run.calls.values()} for c, run in runs.items()} == {0: {20}, 1: {11}, 2: {8}}
+    m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 100.5)
+    m.observe(Answer(runs[1].id, "c1r0", DONE, 1, SPR + 11), 100.5)
+    (reduce,) = decisions(m.observe(Answer(runs[2].id, "c2r0", DONE, 1, SPR + 8), 102.0))
+    assert reduce.kind == "outer_reduce" and m.ends == {0: 20, 1: 11, 2: 8}
+    assert not [e for e in m.tick(103.0) if isinstance(e, (Yield, RoundClosed))], "closed once, by its predecessor"
+
+
+def test_a_successors_cluster_already_past_its_recorded_end_stops_where_it_is():
+    topo = Topology(2, 1)
+    progress = {"c0r0": (1, 2 * SPR), "c1r0": (1, SPR + 15)}  # the yield never reached c1: it ran on to 15
+    m = RoundMachine(
+        topo,
+        make_settings(steps_per_round=SPR, close_s=10.0),
+        1,
+        progress=progress,
+        leaders={},
+        epoch=3,
+        committed_round=1,
+        closed_at={0: SPR, 1: 11},
+    )
+    runs = _runs(m.start(0.0))
+    assert {call.steps for call in runs[1].calls.values()} == {15}

@@ -18,6 +18,7 @@ def _run(**kw):
         attempts=1,
         commit_digests={},
         global_digests={},
+        late_steps=0,
     )
     return SimpleNamespace(**{**base, **kw})
 

@@ -10,11 +10,14 @@ cluster that is still not ready (its processes paused, a slow link), or one that
 kill (slow is not dead: no fault, no restart), its inner group is not handed on, and it heals from
 the new global params at the next round's start; its members' abandoned calls are the runner's to
 wait out (`late_members`), under their hang deadline as before.
+
+The close is saved before any yield is asked (`RoundClosed`): a restarted supervisor's machine starts
+closed at the recorded steps (`closed_at`), so its clusters end where the yields asked, once.
 """
 
 from __future__ import annotations
 
-from hsgd.core.round.messages import ClusterStage, Effect, Late, OuterStage, PhaseEnded, Yield
+from hsgd.core.round.messages import ClusterStage, Effect, Late, OuterStage, PhaseEnded, RoundClosed, Yield
 
 
 class RoundClose:
@@ -30,6 +33,8 @@ class RoundClose:
             self.closed = True
             for c in self.participating():
                 effects += self._close_cluster(c, now)
+            ready = {c: s.steps_of(c) for c in self.participating() if self.clusters[c].stage.waits_for_outer}
+            effects.insert(0, RoundClosed(self.round, tuple(sorted({**ready, **self.closing}.items()))))
         if self.closed and now >= self.started_at + s.close_s + s.late_grace_s:
             late = [c for c in self.participating() if not self.clusters[c].stage.waits_for_outer]
             for c in late:
@@ -37,6 +42,10 @@ class RoundClose:
             if late and not self.done:
                 effects += self._maybe_outer(now)
         return effects
+
+    def steps_taken(self, c: int) -> int:
+        """Cluster c's inner steps this round: where the close (or a run after it) ended it, else its plan's."""
+        return self.ends.get(c, self.settings.steps_of(c))
 
     def _close_cluster(self, c: int, now: float) -> list[Effect]:
         """Ask c's members to yield at a boundary they all reach after the request arrives."""
@@ -53,11 +62,15 @@ class RoundClose:
         return [Yield(c, epoch, self.round, step, tuple(running), f"the round closes ({self.settings.close_s:.1f}s)")]
 
     def _end_after_close(self, c: int) -> int:
-        """The in-round step a run of c's inner phase that starts after the close ends at."""
+        """The in-round step a run of c's inner phase that starts after the close ends at: the one recorded
+        at the close (a restarted supervisor's), else two steps on; never before where its members are."""
         start = self.round * self.settings.steps_per_round
         furthest = max(self.progress[rid][1] - start for rid in self.clusters[c].members)
-        end = max(self.settings.min_round_steps, furthest + 2)
-        return self.ends.setdefault(c, min(end, self.settings.steps_of(c)))
+        end = self.ends.get(c)
+        if end is None:
+            end = min(max(self.settings.min_round_steps, furthest + 2), self.settings.steps_of(c))
+        self.ends[c] = max(end, furthest)
+        return self.ends[c]
 
     def _closed_at(self, c: int) -> int | None:
         """The step c's members stopped at when the close asked them to yield (None: not asked, or

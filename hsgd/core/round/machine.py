@@ -103,11 +103,13 @@ def round_settings(
     clock: PhaseClock,
     cluster_steps: tuple[int, ...] = (),
     clusters: int = 0,
+    close_s: float | None = None,
 ) -> RoundSettings:
     """The next round's settings from the config's sections (read by attribute): every deadline scaled
     to the work it bounds, bytes (of `param_bytes`) at comm.min_gbps for what moves state, the run's
     learned phase times for what computes (a round follows what the ones before measured).
-    `cluster_steps`: sync.balance's plan; with it, each of the `clusters` learns its own step deadline."""
+    `cluster_steps`: sync.balance's plan; with it, each of the `clusters` learns its own step deadline.
+    `close_s`: sync.balance=time's close (balance.close_after_s), with sync.grace_s and min_round_steps."""
     # a healthy member leaves a broken collective within its (payload-scaled) timeout
     grace = collective_timeout_s(comm.timeout_s, param_bytes, comm.min_gbps) + 5.0
     heal_s = heal_deadline_s(
@@ -134,6 +136,8 @@ def round_settings(
         if cluster_steps
         else (),
         cluster_step_s=tuple(clock.median(f"inner_step/c{c}", None) for c in range(clusters)),
+        close_s=close_s,
+        **({"late_grace_s": sync.grace_s, "min_round_steps": sync.min_round_steps} if close_s is not None else {}),
         # a closed connection means the peer's process is gone; only Ray's own
         # notice (which names the cause) is worth a short wait — nothing is killed
         presumed_dead_s=max(0.25, clock.median("inner_step", 0.5)),
@@ -176,6 +180,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness, RoundClose):
         outer_configured: tuple[int, tuple[tuple[str, ...], ...]] | None = None,
         benched: Iterable[int] = (),
         non_finite_rounds: Mapping[int, int] | None = None,
+        closed_at: Mapping[int, int] | None = None,
     ):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
@@ -203,9 +208,9 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness, RoundClose):
         # cluster was asked to yield at by the close, the step a run started after it ends at, the
         # late clusters (-> why) and their members whose calls were given up on
         self.started_at: float | None = None
-        self.closed = False
-        self.closing: dict[int, int] = {}
-        self.ends: dict[int, int] = {}
+        self.closed = closed_at is not None  # (a restarted supervisor's: the close it found recorded)
+        self.closing: dict[int, int] = {int(c): int(s) for c, s in (closed_at or {}).items()}
+        self.ends: dict[int, int] = dict(self.closing)
         self.late: dict[int, str] = {}
         self.late_members: set[str] = set()
         self.done, self.outcome, self.reason = False, "", ""

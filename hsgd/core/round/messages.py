@@ -16,6 +16,8 @@ Effects (out of the machine, for the runner to carry out):
                dead): their calls answer `collective_failed`, kind `join_aborted`. Aborting a group
                that already formed changes nothing (it is read only while waiting).
     StepTimed  a measured inner step time (the supervisor's learned deadlines).
+    RoundClosed (sync.balance=time) the round closed: the in-round step each cluster's inner phase
+               ends at, to be saved before any yield is asked (a restarted supervisor follows it).
     Late       (sync.balance=time) a cluster not ready by the round's close plus its grace sits the
                round out, nobody killed; `abandoned`: its members whose calls were given up on (still
                running or paused): the runner calls them again only once those calls have ended.
@@ -384,6 +386,13 @@ class Yield:
 
 
 @dataclass(frozen=True)
+class RoundClosed:
+    kind: ClassVar[str] = "round_closed"
+    round: int
+    ends: tuple[tuple[int, int], ...]  # (cluster, in-round step its inner phase ends at), the clusters it knows
+
+
+@dataclass(frozen=True)
 class Late:
     kind: ClassVar[str] = "late"
     cluster: int
@@ -419,7 +428,7 @@ class PhaseEnded:
     ended: float
 
 
-Effect = Phase | Kill | Reap | Yield | Late | AbortJoin | StepTimed | PhaseEnded
+Effect = Phase | Kill | Reap | Yield | RoundClosed | Late | AbortJoin | StepTimed | PhaseEnded
 
 
 class NonFinite(NamedTuple):
