@@ -123,12 +123,12 @@ class RoundRecord:
         self.logged_void: set[int] = set()
         self.logged_benched: set[int] = set()
 
-    @property
     def late(self, members: tuple[str, ...], steps: int) -> None:
         """sync.balance=time: a late cluster's steps are lost to the round; its members take no part in it."""
         self.late_steps += steps * len(members)
         self.inner_participants.difference_update(members)
 
+    @property
     def outer_exchange(self) -> str | None:
         """The exchange of the round's last outer reduce (the committed one); None when none ran."""
         return self.exchanges[max(self.exchanges)] if self.exchanges else None
