@@ -363,11 +363,27 @@ def plans_followed(events: list[dict], metrics: list[dict]) -> None:
             )
             assert e is first or e["source"] == "recorded", f"round {e['round']} was planned twice: {e}"
         plans.update({r: e["steps"] for r, e in plans_in_job.items()})
+    # sync.balance=time: a round closes once (a successor follows the recorded close, logging none), and each
+    # cluster ran the steps its close named, none when it was late, at most a round's anywhere
+    closes: dict[int, dict] = {}
+    for job in _jobs(events):  # (a resume may run a round afresh)
+        in_job = [e for e in job if e["event"] == "round_closed"]
+        twice = sorted({e["round"] for e in in_job if sum(x["round"] == e["round"] for x in in_job) > 1})
+        assert not twice, f"rounds {twice} closed twice in one job (a successor follows the recorded close)"
+        closes.update({e["round"]: e for e in in_job})
+    late = {(e["round"], e["cluster"]) for e in events if e["event"] == "site_late"}
     for m in metrics:
         steps = m.get("cluster_steps")
         if steps is None or m.get("recovered"):
             continue
-        if m["round"] in plans:
+        if m["round"] in closes:
+            named = {int(c): n for c, n in closes[m["round"]]["steps"].items()}
+            for c, n in enumerate(steps):
+                want = 0 if (m["round"], c) in late else named.get(c, n)
+                assert n == want, (
+                    f"round {m['round']}: c{c} ran {n} steps, its close named {want} ({named}, late {late})"
+                )
+        elif m["round"] in plans:
             assert steps == plans[m["round"]], f"round {m['round']} ran {steps}, not its plan {plans[m['round']]}"
         else:
             assert len(set(steps)) <= 1, f"round {m['round']} has unequal cluster steps {steps} but no round_plan"

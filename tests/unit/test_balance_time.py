@@ -216,3 +216,13 @@ def test_a_successors_cluster_already_past_its_recorded_end_stops_where_it_is():
     )
     runs = _runs(m.start(0.0))
     assert {call.steps for call in runs[1].calls.values()} == {15}
+
+
+def test_a_paused_cluster_is_late_at_the_close_plus_its_grace_never_hung_before():
+    """c1 stops stepping at 2 s; its step deadline (3 s) runs out long before the close (30 s) plus the grace."""
+    m = _machine(2, 1, close_s=30.0, step_deadline_s=3.0, group_grace_s=1.0)
+    runs = _runs(m.start(0.0))
+    _step(m, "c1r0", 1.0, 2)
+    m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 20.0)
+    kills = [e for t in range(3, 36) for e in m.tick(float(t)) if isinstance(e, Kill)]
+    assert kills == [] and m.late == {1: "not ready 5.0s after the round closed"}

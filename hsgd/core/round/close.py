@@ -44,8 +44,9 @@ class RoundClose:
         return effects
 
     def steps_taken(self, c: int) -> int:
-        """Cluster c's inner steps this round: where the close (or a run after it) ended it, else its plan's."""
-        return self.ends.get(c, self.settings.steps_of(c))
+        """Cluster c's inner steps this round: none when it was late (lost to the round), where the close (or
+        a run after it) ended it, else its plan's."""
+        return 0 if c in self.late else self.ends.get(c, self.settings.steps_of(c))
 
     def _close_cluster(self, c: int, now: float) -> list[Effect]:
         """Ask c's members to yield at a boundary they all reach after the request arrives."""

@@ -3,7 +3,8 @@
 
     hung       the last sign of progress plus the learned step deadline (with sync.balance=steps, its
                cluster's own); before its first step,
-               a call that forms its group may first spend its join allowance.
+               a call that forms its group may first spend its join allowance. With sync.balance=time
+               never before the round's close plus its grace: a silent cluster is late then, not hung.
     peer       a peer of its own group failed (a commit broadcasts per cluster, each heal is its
     failed     own transfer): the limit shrinks to the group's grace from the failure.
     peer gone  every other member of a group saw its connection to a peer close: the silent one
@@ -75,6 +76,8 @@ class Liveness:
                 first = flight.started + phase.deadline_s
                 last = max(first, seen[1]) if seen else first
             limit = last + max(self._step_deadline(flight), s.group_grace_s)
+            if s.close_s is not None and self.started_at is not None:  # sync.balance=time: late, never hung, first
+                limit = max(limit, self.started_at + s.close_s + s.late_grace_s + s.group_grace_s)
         else:
             limit = flight.started + phase.deadline_s
         group = flight.group_of(rid, self.cluster_of)
