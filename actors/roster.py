@@ -133,8 +133,9 @@ class Roster:
         return self._ask_progress([rid], {}, timeout_s).get(rid, (None, True))[0]
 
     def ask_all(self, method: str, timeout_s: float, *, down: str | None = None) -> dict[str, Any]:
-        """Every live replica's answer to a no-argument call; one that fails is left out (`down`: marked down)."""
-        refs = {rid: getattr(self.handles[rid], method).remote() for rid in sorted(self.live)}
+        """Every live replica's answer to a no-argument call; one that fails is left out (`down`: marked down).
+        One held out by its late call is not asked (a paused process would answer nothing)."""
+        refs = {rid: getattr(self.handles[rid], method).remote() for rid in sorted(self.live) if rid not in self.late}
         out = {}
         for rid, ref in refs.items():
             try:

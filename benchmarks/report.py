@@ -34,7 +34,7 @@ from pathlib import Path
 from hsgd.record.rundir import atomic_write_text
 
 SUITES = ("overhead", "recovery", "goodput", "scale", "straggler", "sites")
-OPTIONAL = ("convergence", "outer_exchange")  # rendered when a full report exists, else left out
+OPTIONAL = ("convergence", "outer_exchange", "sites_transient")  # rendered when a full report exists, else left out
 
 
 def header(suite: str, argv: list[str], quick: bool) -> dict:
@@ -420,6 +420,39 @@ def _outer_exchange_rows(r: dict) -> list[list[str]]:
     return rows
 
 
+def _sites_transient_rows(r: dict) -> list[list[str]]:
+    rows = [
+        [
+            f"balance={a['name']}: tokens/s / final eval loss / each site's idle share at the outer sync",
+            f"{_f(a.get('tokens_per_s'), '.0f')} / {_f(a.get('final_eval_loss'), '.4f')} / "
+            + ", ".join(f"{c} {_f(w, '.0%')}" for c, w in (a.get("outer_wait_fraction_median") or {}).items()),
+            f"{a['rounds']} rounds, {a['tokens']:,} tokens in {_f(a.get('train_wall_s'), '.1f', ' s')}",
+        ]
+        for a in r["arms"]
+    ]
+    holds = {k: "holds" if v else "does not hold" for k, v in r["holds"].items()}
+    rows += [
+        [
+            "tokens/s, time / steps (time / none)",
+            f"{_f(r['tokens_per_s_time_vs_steps'], '.2f')}× ({_f(r['tokens_per_s_time_vs_none'], '.2f')}×)",
+            f"predicted {_f(r['predicted_time_vs_steps'], '.2f')}× ({r['predicted_from']}); target ≥ "
+            f"{r['targets']['tokens_per_s_time_vs_steps']:g}×: {holds['tokens_per_s']}",
+        ],
+        [
+            f"eval loss at equal tokens ({r['equal_tokens']:,}): none / steps / time",
+            " / ".join(_f(r["eval_loss_at_equal_tokens"].get(n), ".4f") for n in ("none", "steps", "time")),
+            f"time vs steps {_f(r['loss_gap_at_equal_tokens'], '+.2%')}, target within "
+            f"{r['targets']['loss_at_equal_tokens']:.0%}: {holds['loss_at_equal_tokens']}",
+        ],
+        [
+            f"eval loss at equal wall ({_f(r['equal_wall_s'], '.0f', ' s')}): none / steps / time",
+            " / ".join(_f(r["eval_loss_at_equal_wall"].get(n), ".4f") for n in ("none", "steps", "time")),
+            "interpolated between the per-round evals",
+        ],
+    ]
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
     "overhead": _overhead_rows,
     "recovery": _recovery_rows,
@@ -427,6 +460,7 @@ ROWS: dict[str, Callable[[dict], list[list[str]]]] = {
     "scale": _scale_rows,
     "straggler": _straggler_rows,
     "sites": _sites_rows,
+    "sites_transient": _sites_transient_rows,
     "convergence": _convergence_rows,
     "outer_exchange": _outer_exchange_rows,
 }
@@ -438,6 +472,7 @@ TITLES = {
     "scale": "Control plane vs size",
     "straggler": "Stragglers: flat DDP vs local SGD vs DiLoCo",
     "sites": "Sites of different speeds: `sync.balance` none vs steps",
+    "sites_transient": "A site slowed for a while: `sync.balance` none vs steps vs time",
     "convergence": "Convergence: flat DDP vs LocalSGD vs DiLoCo, eval loss vs slow-link bytes",
     "outer_exchange": "Outer exchange: gather vs reduce_scatter, slow-link bytes per site",
 }

@@ -67,7 +67,7 @@ class RoundClose:
         at the close (a restarted supervisor's), else two steps on; never before where its members are."""
         start = self.round * self.settings.steps_per_round
         furthest = max(self.progress[rid][1] - start for rid in self.clusters[c].members)
-        end = self.ends.get(c)
+        end = self.ends.get(c, self.closing.get(c))  # (a failure after the close: to the step it was asked)
         if end is None:
             end = min(max(self.settings.min_round_steps, furthest + 2), self.settings.steps_of(c))
         self.ends[c] = max(end, furthest)

@@ -1,0 +1,145 @@
+"""Rounds closed by the clock, end to end (issue 48, `sync.balance=time`): a site whose processes are
+paused from outside (SIGSTOP) past the close plus `sync.grace_s` is late — the round commits without
+it, nobody is killed, no fault is counted — and it takes part again after it is resumed (SIGCONT);
+a replica SIGKILLed while its site yields is restarted and healed as today; a supervisor SIGKILLed
+between the close and the commit leaves its successor the recorded close, and the round commits
+once. Every run goes through the shared invariant checker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.deadlines import HANG_S
+from tests.integration.invariants import check_run
+from tests.integration.runs import FAST, events, metrics, poll, replica_progress
+
+SPR = 20
+STEP_S = 0.2  # 20 x 0.2 s = 4 s of inner work per round in every site; the close at 5 s
+
+
+def _timed(sites: str, rounds: int, *extra: str) -> list[str]:
+    return [
+        sites,
+        "sync.balance=time",
+        "sync.round_s=5",
+        "sync.grace_s=2",
+        f"sync.outer_every={SPR}",
+        f"train.rounds={rounds}",
+        "train.eval_batches=1",
+        "checkpoint.every=0",
+        *extra,
+    ]
+
+
+def _first(run_dir: Path, name: str, **fields):
+    return next(
+        (e for e in events(run_dir) if e["event"] == name and all(e.get(k) == v for k, v in fields.items())), None
+    )
+
+
+def _inner_begun(run_dir: Path, cluster: int, round_index: int, after_s: float) -> bool:
+    begun = _first(run_dir, "phase_begin", phase="inner", cluster=cluster, round=round_index)
+    return begun is not None and time.time() - begun["t"] >= after_s
+
+
+def _pids(run_dir: Path, rids: list[str]) -> dict[str, int]:
+    answers = {rid: replica_progress(run_dir, rid) for rid in rids}
+    return {rid: a["pid"] for rid, a in answers.items() if a} if all(answers.values()) else {}
+
+
+# -- 1. a paused site is late: the round goes on without it, nobody is killed, it comes back -----------
+PAUSE_S = 12.0  # from ~1 s into the inner phase: past the close (5 s) plus the grace (2 s)
+PAUSED_SITES = "topology.sites=[{replicas:1,min_step_s:0.2},{replicas:1,min_step_s:0.2},{replicas:2,min_step_s:0.2}]"
+PAUSE_ROUND, PAUSE_ROUNDS = 2, 6
+
+
+@pytest.mark.long  # one run of 6 rounds with a 12-s pause (~1.5 minutes on 2 cores)
+@pytest.mark.paced
+def test_a_site_paused_past_the_close_is_late_nobody_is_killed_and_it_trains_again_once_resumed(
+    background_drills, tmp_path
+):
+    drill = background_drills(FAST + _timed(PAUSED_SITES, PAUSE_ROUNDS), tmp_path)
+    run_dir = Path(drill.run_dir)
+    site = ["c2r0", "c2r1"]
+    poll(
+        f"round {PAUSE_ROUND}'s inner phase in c2",
+        HANG_S,
+        lambda: _inner_begun(run_dir, 2, PAUSE_ROUND, 1.0),
+        every_s=0.05,
+    )
+    pids = poll("c2's pids", 30, lambda: _pids(run_dir, site))
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)  # the OS, not the injector: the whole site stops mid-step
+    paused_at = time.time()
+    late = poll("c2 late", HANG_S, lambda: _first(run_dir, "site_late", cluster=2))
+    time.sleep(max(0.0, paused_at + PAUSE_S - time.time()))
+    for pid in pids.values():
+        os.kill(pid, signal.SIGCONT)
+    summary = drill.wait_done(HANG_S * 3)
+
+    check_run(run_dir, rounds=PAUSE_ROUNDS, steps_per_round=SPR, victims=set())
+    record = events(run_dir)
+    assert late["round"] == PAUSE_ROUND and sorted(late["waiting_on"]) == site, late
+    assert late["t"] - paused_at < PAUSE_S, "late while still paused: the round did not wait for it"
+    commits = {e["round"]: set(e["replicas"]) for e in record if e["event"] == "commit"}
+    assert not commits[PAUSE_ROUND] & set(site), f"round {PAUSE_ROUND} committed with the late site: {commits}"
+    assert {"c0r0", "c1r0"} <= commits[PAUSE_ROUND]
+    # nobody killed, no fault counted: slow is not dead
+    assert summary["faults"] == [], summary["faults"]
+    assert not [e for e in record if e["event"] in ("replica_down", "kill", "presumed_dead")], "a paused site was hurt"
+    # it trains again: healed from the new global params, then in a commit with the others
+    back = [r for r, got in commits.items() if r > PAUSE_ROUND and set(site) <= got]
+    assert back, f"c2 never committed again after its resume: {commits}"
+    heals = [e for e in record if e["event"] == "heal_end" and e.get("target") in site and e["t"] > late["t"]]
+    assert {e["target"] for e in heals} == set(site), f"c2 was not re-synced: {heals}"
+    lost = {m["round"]: m["late_steps"] for m in metrics(run_dir)}
+    assert lost[PAUSE_ROUND] == 2 * late["steps"] and all(n == 0 for r, n in lost.items() if r != PAUSE_ROUND)
+    closed = _first(run_dir, "round_closed", round=PAUSE_ROUND)
+    assert closed is not None and closed["t"] < late["t"], "the close is recorded before the site is late"
+
+
+# -- 2. a replica SIGKILLed while its site yields; the supervisor SIGKILLed after the close ----------
+TWO_SITES = "topology.sites=[{replicas:2,min_step_s:0.2},{replicas:2,min_step_s:0.6}]"  # c1 3x slower: it yields
+KILL_ROUND, SUPERVISOR_ROUND, KILL_ROUNDS = 2, 4, 6
+
+
+@pytest.mark.long  # one run with an outside kill and a supervisor restart (~2 minutes on 2 cores)
+@pytest.mark.paced
+def test_a_replica_killed_while_its_site_yields_heals_and_a_supervisor_killed_after_the_close_commits_once(
+    background_drills, tmp_path
+):
+    drill = background_drills(FAST + _timed(TWO_SITES, KILL_ROUNDS, "comm.timeout_s=5"), tmp_path)
+    run_dir = Path(drill.run_dir)
+    # (a) c1 is asked to yield at the close of KILL_ROUND: c1r1 dies right then, from outside
+    closed = poll("round_closed", HANG_S, lambda: _first(run_dir, "round_closed", round=KILL_ROUND), every_s=0.05)
+    victim = replica_progress(run_dir, "c1r1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    # (b) the supervisor dies right after SUPERVISOR_ROUND closed, before its commit
+    poll("round_closed", HANG_S * 2, lambda: _first(run_dir, "round_closed", round=SUPERVISOR_ROUND), every_s=0.05)
+    [boss] = [e for e in events(run_dir) if e["event"] == "supervisor_start"]
+    os.kill(boss["pid"], signal.SIGKILL)
+    summary = drill.wait_done(HANG_S * 3)
+
+    check_run(run_dir, rounds=KILL_ROUNDS, steps_per_round=SPR, victims={"c1r1"})
+    record = events(run_dir)
+    assert summary["supervisor_starts"] == 2, summary["supervisor_starts"]
+    assert sorted({f["rid"] for f in summary["faults"] if f["source"] == "observed"}) == ["c1r1"], summary["faults"]
+    commits = [e for e in record if e["event"] == "commit"]
+    assert sorted(e["round"] for e in commits) == list(range(KILL_ROUNDS)), "a round committed twice, or lost"
+    steps = {m["round"]: m["cluster_steps"] for m in metrics(run_dir)}
+    assert closed["steps"]["1"] == steps[KILL_ROUND][1] and 1 <= steps[KILL_ROUND][1] < SPR, (
+        f"the slow site yielded at the close, where it was asked even with a member killed: {closed}, {steps}"
+    )
+    later = [e for e in commits if e["round"] > KILL_ROUND and "c1r1" in e["replicas"]]
+    assert later, "the killed replica never trained again"
+    heal = [e for e in record if e["event"] == "heal_end" and e.get("target") == "c1r1" and e["t"] > closed["t"]]
+    assert heal, "the killed replica was not healed"
+    # the successor followed the recorded close: one round_closed for the round, its steps in the record
+    after = [e for e in record if e["event"] == "round_closed" and e["round"] == SUPERVISOR_ROUND]
+    assert len(after) == 1, after
+    assert steps[SUPERVISOR_ROUND] == [after[0]["steps"][str(c)] for c in range(2)], (after, steps)
