@@ -55,7 +55,7 @@ def _pids(run_dir: Path, rids: list[str]) -> dict[str, int]:
 # -- 1. a paused site is late: the round goes on without it, nobody is killed, it comes back -----------
 PAUSE_S = 12.0  # from ~1 s into the inner phase: past the close (5 s) plus the grace (2 s)
 PAUSED_SITES = "topology.sites=[{replicas:1,min_step_s:0.2},{replicas:1,min_step_s:0.2},{replicas:2,min_step_s:0.2}]"
-PAUSE_ROUND, PAUSE_ROUNDS = 2, 6
+PAUSE_ROUND, PAUSE_ROUNDS = 2, 7
 
 
 @pytest.mark.long  # one run of 6 rounds with a 12-s pause (~1.5 minutes on 2 cores)
@@ -143,3 +143,50 @@ def test_a_replica_killed_while_its_site_yields_heals_and_a_supervisor_killed_af
     after = [e for e in record if e["event"] == "round_closed" and e["round"] == SUPERVISOR_ROUND]
     assert len(after) == 1, after
     assert steps[SUPERVISOR_ROUND] == [after[0]["steps"][str(c)] for c in range(2)], (after, steps)
+
+
+# -- 3. the realistic regime: three unequal sites, 30-s rounds, a slowdown and a kill in one round -------
+REAL_SITES = "topology.sites=[{replicas:2,min_step_s:0.5},{replicas:1,min_step_s:0.75},{replicas:2,min_step_s:1.0}]"
+REAL_SPR, REAL_ROUNDS, REAL_ROUND = 60, 4, 2  # the fastest site's 60 x 0.5 s: every round closes at 31 s
+REAL = [
+    REAL_SITES,
+    "sync.balance=time",  # sync.round_s null: the close is learned from round 0 (which runs every site's 60)
+    f"sync.outer_every={REAL_SPR}",
+    f"train.rounds={REAL_ROUNDS}",
+    "train.eval_batches=1",
+    "checkpoint.every=2",
+    # c1 three times slower (0.75 s + 1.5 s a step) for the rest of round 2, about 30 s
+    f"faults.schedule=[{{kind:slow,target:cluster:c1,round:{REAL_ROUND},phase:inner,step:0,seconds:1.5}}]",
+]
+
+
+@pytest.mark.realistic
+@pytest.mark.paced  # steps padded to 0.5-1 s: the processes sleep most of the time
+@pytest.mark.timeout(1200)
+def test_realistic_three_unequal_sites_with_a_site_slowed_and_a_replica_sigkilled_in_one_round(
+    background_drills, tmp_path
+):
+    drill = background_drills(FAST + REAL, tmp_path)
+    run_dir = Path(drill.run_dir)
+    poll(
+        f"round {REAL_ROUND}'s inner phase 10 s in, in c2",
+        HANG_S * 2,
+        lambda: _inner_begun(run_dir, 2, REAL_ROUND, 10.0),
+        every_s=0.1,
+    )
+    victim = poll("c2r1's pid", 30, lambda: replica_progress(run_dir, "c2r1"))
+    os.kill(victim["pid"], signal.SIGKILL)  # from outside
+    summary = drill.wait_done(HANG_S * 3)
+
+    check_run(run_dir, rounds=REAL_ROUNDS, steps_per_round=REAL_SPR, victims={"c2r1"})
+    record = events(run_dir)
+    closes = {e["round"]: e for e in record if e["event"] == "round_closed"}
+    assert sorted(closes) == list(range(1, REAL_ROUNDS)), f"rounds 1.. close (round 0 learns): {sorted(closes)}"
+    assert all(e["close_s"] >= 30.0 for e in closes.values()), f"the regime: 30-s rounds ({closes})"
+    steps = {m["round"]: m["cluster_steps"] for m in metrics(run_dir)}
+    assert steps[0] == [REAL_SPR] * 3, "round 0 runs every site's steps"
+    assert steps[REAL_ROUND][0] == REAL_SPR and 0 < steps[REAL_ROUND][1] < steps[REAL_ROUND - 1][1], (
+        f"the slowed site yielded with fewer steps than before, the fastest ran its round: {steps}"
+    )
+    assert [f["rid"] for f in summary["faults"] if f["source"] == "observed"] == ["c2r1"], summary["faults"]
+    assert not [e for e in record if e["event"] == "site_late"], "slowed or short a member, no site is late"

@@ -119,3 +119,20 @@ def test_sites_runs_balance_none_and_steps_on_the_same_tokens(results):
     assert steps["tokens"] == none["tokens"]  # the same total tokens
     assert set(report["ratios"]) == set(report["targets"]) == set(report["holds"]) == {"tokens_per_s", "time_to_loss"}
     assert report["ratios"]["tokens_per_s"] > 0
+
+
+@pytest.mark.paced  # steps padded (the sites' min_step_s): mostly asleep
+def test_sites_transient_runs_none_steps_and_time_with_a_rotating_slow_site(results):
+    out = results / "sites_transient"
+    assert bench(["sites", "--transient", "--quick", "--out", str(out)]) == 0
+    report = json.loads((out / "sites_transient.json").read_text())
+    assert set(report) >= HEADER and report["suite"] == "sites_transient" and report["quick"] is True
+    assert report["command"].startswith("python -m benchmarks sites --transient")
+    assert (out / "sites_transient.png").stat().st_size > 0
+    assert [a["name"] for a in report["arms"]] == ["none", "steps", "time"]
+    for arm in report["arms"]:
+        assert arm["completed"] and arm["tokens"] == sum(arm["tokens_per_cluster"]) > 0
+        assert set(arm["outer_wait_fraction_median"]) == {"c0", "c1", "c2"}
+    assert report["settings"]["slowed"] == [None, 0, 0]
+    assert report["tokens_per_s_time_vs_steps"] > 0 and report["predicted_time_vs_steps"] > 1
+    assert set(report["eval_loss_at_equal_tokens"]) == {"none", "steps", "time"}
