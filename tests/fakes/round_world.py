@@ -28,10 +28,12 @@ from hsgd.core.round import (
     AbortJoin,
     Answer,
     Kill,
+    Late,
     Lost,
     Outcome,
     PhaseEnded,
     Progress,
+    RoundClosed,
     RoundMachine,
     RoundSettings,
     StateReady,
@@ -161,6 +163,7 @@ class World:
         self.configured: dict = {}
         self.outer_configured = None
         self.epoch = 0
+        self.closed_at: dict[int, dict[int, int]] = {}  # round -> its recorded close (sync.balance=time)
 
     # -- queries ---------------------------------------------------------------------------------------
     def calls(self, kind: str, cluster: int | None = "any", gen: int | None = None) -> list[Issued]:
@@ -284,6 +287,7 @@ class World:
             committed_round=self.committed_round,
             configured=self.configured,
             outer_configured=self.outer_configured,
+            closed_at=self.closed_at.get(r),
         )
         kwargs.update(overrides)
         return RoundMachine(self.topo, self.settings, r, **kwargs)
@@ -363,7 +367,10 @@ class World:
             if self.halted or a.kind in self.halt_before:
                 self.halted = True  # the supervisor died: nothing more is carried out
                 return
-            if isinstance(a, (StepTimed, PhaseEnded)):
+            if isinstance(a, (StepTimed, PhaseEnded, Late)):
+                continue
+            if isinstance(a, RoundClosed):  # saved (supervisor_state.json): a successor's machine follows it
+                self.closed_at[a.round] = dict(a.ends)
                 continue
             if isinstance(a, AbortJoin):  # the rendezvous of a.prefix releases whoever still waits in it
                 self.aborts.append((self.now, a))
@@ -714,7 +721,9 @@ class World:
                 f"run_inner of c{a.cluster} with members at different steps { {x: self.reps[x].pos for x in runners} }"
             )
         s0 = min(steps)
-        p0, end = s0 - r * self.spr, (r + 1) * self.spr
+        planned = {a.calls[x].steps for x in runners} - {None}  # sync.balance's steps, the close's end
+        p0, end = s0 - r * self.spr, r * self.spr + (planned.pop() if planned else self.spr)
+        end = max(end, s0)  # (already there: it answers at once)
         dt = max([self.step_s] + [self.slow.get(x, 0.0) for x in runners])
         if len(runners) < len(members) and len(members) > 1:
             dead_peer = any(not self.reps[x].alive for x in members)
@@ -722,14 +731,14 @@ class World:
                 self._break_group(self.reps[x], "inner")
                 self._simple(a, x, 0.01 if dead_peer else self.timeout_s, CFAILED)
             return
-        due = [f for x in runners for f in self._take_faults(x, "run_inner", r, p0, self.spr)]
+        due = [f for x in runners for f in self._take_faults(x, "run_inner", r, p0, end - r * self.spr)]
         for x in runners:
             self.reps[x].run = (self.now, s0, end, dt)
             self.running.add(x)
             self.reported[x] = s0
         if not due:
             for x in runners:
-                self._simple(a, x, (self.spr - p0) * dt, DONE, new=(r, end))
+                self._simple(a, x, (end - s0) * dt, DONE, new=(r, end))
             return
         p = min(f.step for f in due)
         fired = [f for f in due if f.step == p]
@@ -785,9 +794,10 @@ class World:
         r = a.round
         leaders = list(a.calls)
         runners = self._split(a, leaders, r)
-        for x in runners:
-            if self.reps[x].step != (r + 1) * self.spr:
-                self.violation(f"outer_reduce on {x} at {self.reps[x].pos}: its inner phase is not done")
+        for x in runners:  # at its round's end, or where the close ended its cluster's (what the record says)
+            taken = self.m.steps_taken(self.topo.cluster_of(x)) if self.m is not None else self.spr
+            if self.reps[x].step != r * self.spr + taken:
+                self.violation(f"outer_reduce on {x} at {self.reps[x].pos}: its inner phase is not done ({taken})")
         if self.settings.outer != "none":
             self._check_group(a, leaders, "outer")
             if len(leaders) > 1 and any(self.reps[x].outer is None for x in runners):

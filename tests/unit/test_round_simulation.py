@@ -47,6 +47,10 @@ class Rates:
     # per round: dead replicas are restarted mid-round and announce themselves (rejoin `fast`: the
     # machine's Up; their cluster yields at a step boundary, heals them in and goes on)
     rejoin: float = 0.0
+    # per round, with sync.balance=time (a close): 1-3 sites step 3x slower for the round (they yield at
+    # the close), one whole site stops stepping and answering at one step, as a paused site (late)
+    slowed: float = 0.0
+    paused: float = 0.0
 
 
 @dataclass
@@ -59,6 +63,8 @@ class Report:
     kills: int = 0
     injected: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    closed: int = 0  # machines whose round closed by the clock
+    late: int = 0  # clusters late in them
 
 
 SIM_SETTINGS = dict(
@@ -148,6 +154,16 @@ class Simulation:
                 for rid in w.members(c):
                     w.fault(rid, "run_inner", "die", round=r, step=step)
             self._count("whole cluster" if len(clusters) == 1 else "several clusters", len(clusters))
+        w.slow.clear()
+        if self._happens(r, "slowed", rates.slowed):
+            for c in rng.sample(range(w.topo.clusters), min(w.topo.clusters, rng.randint(1, 3))):
+                w.slow.update(dict.fromkeys(w.members(c), 3 * w.step_s))
+                self._count("slowed site")
+        if self._happens(r, "paused", rates.paused):
+            c, step = rng.randrange(w.topo.clusters), rng.randrange(self.spr)
+            for rid in w.members(c):
+                w.fault(rid, "run_inner", "hang", round=r, step=step)
+            self._count("paused site")
         start = w.now
         if self._happens(r, "outside_crash", rates.outside_crash):
             for _ in range(rng.randint(1, 3)):
@@ -204,6 +220,8 @@ class Simulation:
             committed_before = w.committed_round
             w.drive(m, stop=lambda: w.sup_dead)
             self.report.kills = len(w.kills)
+            self.report.closed += m.closed
+            self.report.late += len(m.late)
             assert not w.violations, "the machine broke a promise:\n" + "\n".join(w.violations[:20])
             if not m.done:
                 if self.persist_epoch:
@@ -468,3 +486,17 @@ def test_mid_round_rejoins_under_high_failure_rates(seed):
     )
     report = sim.run()
     assert report.rounds_committed == 12, report
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_rounds_closed_by_the_clock_compose_with_slowed_and_paused_sites_and_every_failure(seed):
+    """sync.balance=time (issue 48) in the same world: slowed sites yield at the close, paused ones are
+    late (never killed in their round: the next boundary's drain kills the still-stuck, as the roster
+    does past supervisor.phase_timeout_s), beside deaths, hangs, broken collectives, rejoins and
+    supervisor deaths; every round commits once and the invariants hold at every step."""
+    rates = Rates(die=2e-3, hang=5e-4, collective=1e-3, rejoin=0.4, slowed=0.7, paused=0.3)
+    sim = Simulation(40, 3, rounds=12, seed=seed, rates=rates, close_s=2.5, late_grace_s=1.0)
+    report = sim.run()
+    assert report.rounds_committed == 12
+    assert report.closed and report.late, report
+    assert report.injected.get("slowed site") and report.injected.get("paused site"), report.injected
