@@ -16,6 +16,8 @@ LocalSGD and DiLoCo arms — H, codecs, fragments, sharded — on the same token
 slow-link bytes, wall-clock under a simulated slow link; see benchmarks/convergence.py), or
 `python -m benchmarks sites [--quick] [--out DIR] [--rounds 12]` (2 sites, one 2x slower: fixed steps per round
 vs steps planned per site, `sync.balance` none vs steps, on the same tokens; see benchmarks/sites.py), or
+`python -m benchmarks sites --transient [--quick] [--out DIR]` (3 sites, one at a time slowed 3x for two rounds:
+`sync.balance` none vs steps vs time; see benchmarks/sites_transient.py), or
 `python -m benchmarks outer_exchange [--quick] [--out DIR]` (slow-link bytes per site of sync.outer_exchange's
 gather and reduce_scatter at 2, 4, 8 sites, each codec, in process; see benchmarks/outer_exchange.py).
 
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in SUITES:
         import importlib
 
-        return importlib.import_module(f"benchmarks.{argv[0]}").main(argv[1:])
+        suite = "sites_transient" if argv[0] == "sites" and "--transient" in argv else argv[0]  # (issue 48)
+        return importlib.import_module(f"benchmarks.{suite}").main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for bench.json, bench.png and the runs")
     parser.add_argument("--rounds", type=int, default=8)

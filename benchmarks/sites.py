@@ -198,10 +198,6 @@ def gap(none: dict, steps: dict, steps_tokens: float | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--transient" in argv:  # a site slowed for a while: none vs steps vs time (issue 48)
-        from benchmarks.sites_transient import main as transient
-
-        return transient(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks sites", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
