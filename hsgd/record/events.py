@@ -132,8 +132,8 @@ EVENT_DOCS: dict[str, str] = {
     "yield_requested": "A cluster's members were asked to stop at step `at_step`: for a replica joining mid-round "
     "(`supervisor.rejoin=fast`), or because the round closed (`sync.balance=time`); `reason` says which.",
     "round_closed": "`sync.balance=time`: the round's inner phases closed `close_s` seconds after its start; "
-    "`steps`: each cluster's in-round step its inner phase ends at (where it was asked to yield, or its whole round "
-    "when it was done). Saved before the yields are asked: a restarted supervisor follows it.",
+    "`steps`: each cluster's in-round step it was asked to stop at (it stops at the first boundary at or after it), "
+    "or its whole round when it was done. Saved before the yields are asked: a restarted supervisor follows it.",
     "site_late": "`sync.balance=time`: a cluster was not ready by the round's close plus `sync.grace_s`, or stopped "
     "before `sync.min_round_steps`: the round goes on without it, nobody is killed. `steps`: the in-round steps it "
     "took and loses; `waiting_on`: its members whose calls were given up on (paused or still stepping), called again "

