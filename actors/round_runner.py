@@ -172,6 +172,8 @@ class RoundRunner:
                 p.save_state()
                 p.log.event("round_closed", round=self.r, close_s=self.m.settings.close_s, steps=dict(e.ends))
             elif isinstance(e, Late):  # slow, not dead: nobody is killed; its abandoned calls are waited out
+                p.state.round_plan = {**p.state.round_plan, "late": [*p.state.round_plan.get("late", []), e.cluster]}
+                p.save_state()  # before the commit: a successor leaves it out too
                 self._event("site_late", e, "cluster", "steps", "reason", replicas=e.members, waiting_on=e.abandoned)
                 self.record.late(e.members, e.steps)
             elif isinstance(e, AbortJoin):

@@ -240,11 +240,12 @@ class Supervisor:
             close_s=self._close_s(),
         )
 
-    def _recorded_close(self, r: int) -> dict[int, int] | None:
-        """sync.balance=time: the steps round r closed at, when a predecessor recorded its close (RoundClosed)."""
+    def _recorded_close(self, r: int) -> dict:
+        """sync.balance=time: round r's close and late clusters, as a predecessor recorded them (RoundClosed, Late)."""
         saved = self.state.round_plan or {}
-        closed = saved.get("closed_at") if saved.get("round") == r and self.cfg.sync.balance == "time" else None
-        return None if closed is None else {int(c): int(step) for c, step in closed.items()}
+        if saved.get("round") != r or self.cfg.sync.balance != "time" or "closed_at" not in saved:
+            return {}
+        return {"closed_at": {int(c): int(n) for c, n in saved["closed_at"].items()}, "late": saved.get("late", [])}
 
     def _close_s(self) -> float | None:
         """sync.balance=time: when this round's inner phases close (hsgd/core/round/balance.py); None otherwise."""
@@ -305,7 +306,7 @@ class Supervisor:
             outer_configured=roster.outer_configured,
             benched=self.state.benched,  # non-finite: durable, until a resume
             non_finite_rounds=self.state.non_finite_rounds,
-            closed_at=self._recorded_close(r),
+            **self._recorded_close(r),
         )
         self.injector.supervisor_faults(r, "inner")
         run = RoundRunner(machine, self.ports)

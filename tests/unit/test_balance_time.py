@@ -226,3 +226,22 @@ def test_a_paused_cluster_is_late_at_the_close_plus_its_grace_never_hung_before(
     m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 20.0)
     kills = [e for t in range(3, 36) for e in m.tick(float(t)) if isinstance(e, Kill)]
     assert kills == [] and m.late == {1: "not ready 5.0s after the round closed"}
+
+
+def test_a_successor_leaves_a_recorded_late_cluster_out_of_the_round():
+    topo = Topology(3, 1)
+    progress = {"c0r0": (1, 2 * SPR), "c1r0": (1, SPR + 11), "c2r0": (1, SPR + 6)}  # c2 idle again meanwhile
+    m = RoundMachine(
+        topo,
+        make_settings(steps_per_round=SPR, close_s=10.0),
+        1,
+        progress=progress,
+        leaders={},
+        epoch=3,
+        committed_round=1,
+        closed_at={0: SPR, 1: 11},
+        late=[2],
+    )
+    runs = _runs(m.start(0.0))
+    assert sorted(runs) == [0, 1] and m.clusters[2].stage is ClusterStage.OUT and 2 in m.late
+    assert m.steps_taken(2) == 0

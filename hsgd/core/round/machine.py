@@ -181,6 +181,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness, RoundClose):
         benched: Iterable[int] = (),
         non_finite_rounds: Mapping[int, int] | None = None,
         closed_at: Mapping[int, int] | None = None,
+        late: Iterable[int] = (),
     ):
         self.topology, self.settings, self.round = topology, settings, round_index
         self.progress = dict(progress)  # live replicas only: rid -> committed (round, step)
@@ -211,7 +212,7 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness, RoundClose):
         self.closed = closed_at is not None  # (a restarted supervisor's: the close it found recorded)
         self.closing: dict[int, int] = {int(c): int(s) for c, s in (closed_at or {}).items()}
         self.ends: dict[int, int] = dict(self.closing)
-        self.late: dict[int, str] = {}
+        self.late: dict[int, str] = dict.fromkeys(map(int, late), "late (recorded by the supervisor before)")
         self.late_members: set[str] = set()
         self.done, self.outcome, self.reason = False, "", ""
         # non-finite numbers (see the failure table), carried from round to round by the caller:
@@ -311,8 +312,8 @@ class RoundMachine(ClusterPhases, OuterExchange, Liveness, RoundClose):
         effects: list[Effect] = []
         for c in range(self.topology.clusters):
             members = self.members(c)
-            if c in self.benched or len(members) < max(1, self.floor(c)):
-                # benched (non-finite in two rounds running): it sits out until the run's end
+            if c in self.benched or c in self.late or len(members) < max(1, self.floor(c)):
+                # benched (non-finite in two rounds running): it sits out until the run's end; late (recorded)
                 self.clusters[c].stage, self.clusters[c].members = ClusterStage.OUT, members
                 continue
             effects += self._reform(c, now, "round start", members=members)
