@@ -164,9 +164,10 @@ class ReplicaTrainer(InnerPhase, OuterSync, ShardedState):
         return self.step - self.round * self.steps_per_round
 
     def _schedule_step(self) -> float:
-        """Where the inner lr schedule stands: a cluster that takes fewer steps in a round (sync.balance)
-        covers the same stretch of it per round, so its step s is at round * spr + s * spr / its steps."""
-        if self.round_steps == self.steps_per_round:
+        """Where the inner lr schedule stands: a cluster that takes fewer steps in a round (sync.balance=steps)
+        covers the same stretch of it per round, so its step s is at round * spr + s * spr / its steps; under
+        `time` its steps are not known ahead (a run after the close ends early), so step s is where it is."""
+        if self.round_steps == self.steps_per_round or self.cfg.sync.balance == "time":
             return self.step
         return self.round * self.steps_per_round + self.step_in_round * self.steps_per_round / self.round_steps
 

@@ -356,6 +356,17 @@ def test_a_planned_round_covers_the_same_stretch_of_the_lr_schedule(dataset):  #
     assert lrs1[-1] == pytest.approx(inner_lr(o, 18, total)) != pytest.approx(inner_lr(o, 14, total))
 
 
+def test_under_balance_time_a_run_that_ends_early_is_not_stretched_over_the_schedule(dataset):  # noqa: F811
+    """sync.balance=time (issue 48): a run after the close ends early (`steps`), but its step s stays at
+    round * spr + s: its steps were not known at the round's start, so nothing is stretched."""
+    from hsgd.train.inner import inner_lr
+
+    t = _recording_trainer(dataset, "sync.balance=time")
+    o, total = t.cfg.optim.inner, t.cfg.train.rounds * TSPR
+    _, lrs = _run(t, 0, steps=5)
+    assert lrs == pytest.approx([inner_lr(o, s, total) for s in range(5)], rel=1e-12, abs=0.0)
+
+
 @pytest.mark.parametrize("steps", [None, TSPR], ids=["steps_none", "steps_spr"])
 def test_a_plan_of_none_or_spr_steps_is_bit_identical_to_no_plan(dataset, steps):  # noqa: F811 — the module's dataset fixture
     plain, planned = _recording_trainer(dataset), _recording_trainer(dataset)
