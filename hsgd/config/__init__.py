@@ -3,14 +3,3 @@
 from hsgd.config.paths import output_path
 from hsgd.config.schema import ConfigError, HsgdConfig, register_schema
 from hsgd.config.validate import CHOICE_FIELDS, NUMERIC_FIELDS, field_value, validate
-
-__all__ = [
-    "output_path",
-    "ConfigError",
-    "HsgdConfig",
-    "register_schema",
-    "validate",
-    "CHOICE_FIELDS",
-    "NUMERIC_FIELDS",
-    "field_value",
-]

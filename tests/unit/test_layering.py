@@ -245,10 +245,11 @@ def test_no_product_file_is_over_500_lines():
 
 # Issue 46's budget counts hsgd/, actors/ and the commands users run (jobs/bench.py is the benchmarks' alias).
 BUDGETED_JOBS = ("train", "prepare", "status", "diagnose", "sweep")
-PRODUCT_LINE_BUDGET = 15_400  # issue 46, Build 6: not met yet (19,236 when this ceiling was set)
+PRODUCT_LINE_BUDGET = 15_400  # issue 46, Build 6: not met yet
 # A ratchet, not the budget: the product may not grow past this; lower it as code is cut (never raise it
-# without an issue that says why), until it reaches PRODUCT_LINE_BUDGET and this constant goes.
-PRODUCT_LINE_CEILING = 19_300
+# without an issue that says why), until it reaches PRODUCT_LINE_BUDGET and this constant goes. Set at
+# 19,463 lines: 19,236 before issue 48, + 283 for sync.balance=time, - 56 for two duplicate __all__ lists.
+PRODUCT_LINE_CEILING = 19_470
 
 
 def _budgeted_files(root=ROOT):
