@@ -87,7 +87,8 @@ def test_goodput_runs_hsgd_and_torchft_under_the_same_failure_process(results):
         else:
             assert r["result_error"] is None, r
         # (goodput's value is a figure, not a check: on shared cores a fault-free run may be the slower)
-        assert r["span_s"] > 0 and r["goodput"] > 0 and 0 < r["step_efficiency"] <= 1
+        assert r["span_s"] > 0 and r["goodput"] > 0
+        assert 0 < r["step_efficiency"] <= 1  # a share of the steps, not a time
     assert all(r["faults"] >= 1 for r in faulted)
 
 
