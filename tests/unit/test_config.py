@@ -197,6 +197,25 @@ def test_a_fragment_delay_below_the_round_and_on_a_localsgd_boundary_is_valid():
     validate(_cfg(**{"sync.fragment_delay": 4, "sync.outer_every": 20, "sync.fragments": 2}))
 
 
+@pytest.mark.parametrize(
+    "overrides,field,needle",
+    [
+        ({"sync.fragment_delay": 2}, "sync.fragment_delay", "known only at its close"),
+        ({"sync.min_round_steps": 21}, "sync.min_round_steps", "above a round's 20 steps"),
+        ({"sync.round_s": 0.0}, "sync.round_s", ""),
+        ({"sync.grace_s": -1.0}, "sync.grace_s", ""),
+    ],
+)
+def test_balance_time_refuses_what_its_close_cannot_honour_naming_the_field(overrides, field, needle):
+    err = _rejects(_cfg(**{"sync.balance": "time", **overrides}), field)
+    assert needle in str(err), str(err)
+
+
+def test_balance_time_with_its_defaults_or_a_round_s_is_valid():
+    validate(_cfg(**{"sync.balance": "time"}))
+    validate(_cfg(**{"sync.balance": "time", "sync.round_s": 30.0, "sync.grace_s": 0.0, "sync.min_round_steps": 20}))
+
+
 def test_outer_every_must_split_into_whole_fragments():
     err = _rejects(_cfg(**{"sync.outer_every": 10, "sync.fragments": 3}), "sync.outer_every")
     assert "fragments=3" in str(err)
