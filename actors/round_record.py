@@ -18,7 +18,18 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hsgd.core.deadlines import storage_problem
-from hsgd.core.round import CallKind, NonFinite, Outcome, Phase, PhaseAnswer, PhaseEnded
+from hsgd.core.round import (
+    AbortJoin,
+    CallKind,
+    Late,
+    NonFinite,
+    Outcome,
+    Phase,
+    PhaseAnswer,
+    PhaseEnded,
+    RoundClosed,
+    Yield,
+)
 from hsgd.core.topology import parse_replica_id
 from hsgd.record.events import RunLog
 from hsgd.record.run_state import STATE_FILE, RunState
@@ -123,10 +134,44 @@ class RoundRecord:
         self.logged_void: set[int] = set()
         self.logged_benched: set[int] = set()
 
-    def late(self, members: tuple[str, ...], steps: int) -> None:
+    def yield_requested(self, e: Yield) -> None:
+        self.log.event(
+            "yield_requested",
+            cluster=e.cluster,
+            round=self.r,
+            reason=e.reason,
+            at_step=e.at_step,
+            replicas=sorted(e.rids),
+        )
+
+    def join_aborted(self, e: AbortJoin) -> None:
+        self.log.event(
+            "join_aborted",
+            cluster=e.cluster,
+            round=self.r,
+            epoch=e.epoch,
+            prefix=e.prefix,
+            dead=list(e.dead),
+            reason=e.reason,
+        )
+
+    def closed(self, e: RoundClosed, close_s: float | None) -> None:
+        """sync.balance=time: the round's close, each cluster's asked step."""
+        self.log.event("round_closed", round=self.r, close_s=close_s, steps=dict(e.ends))
+
+    def late(self, e: Late) -> None:
         """sync.balance=time: a late cluster's steps are lost to the round; its members take no part in it."""
-        self.late_steps += steps * len(members)
-        self.inner_participants.difference_update(members)
+        self.late_steps += e.steps * len(e.members)
+        self.inner_participants.difference_update(e.members)
+        self.log.event(
+            "site_late",
+            cluster=e.cluster,
+            round=self.r,
+            steps=e.steps,
+            replicas=list(e.members),
+            waiting_on=list(e.abandoned),
+            reason=e.reason,
+        )
 
     @property
     def outer_exchange(self) -> str | None:

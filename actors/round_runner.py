@@ -164,28 +164,22 @@ class RoundRunner:
             elif isinstance(e, Reap):  # not killed: a kill now could hit the process Ray is starting
                 p.log.event("presumed_dead", rid=e.rid, reason=e.reason)
             elif isinstance(e, Yield):
-                self._event("yield_requested", e, "cluster", "reason", "at_step", replicas=sorted(e.rids))
+                self.record.yield_requested(e)
                 for rid in e.rids:
                     p.roster.handles[rid].request_yield.remote(e.epoch, e.round, e.at_step)  # control channel
             elif isinstance(e, RoundClosed):  # saved before any yield is asked: a successor follows it
                 p.state.round_plan = {"round": e.round, "closed_at": {str(c): step for c, step in e.ends}}
                 p.save_state()
-                p.log.event("round_closed", round=self.r, close_s=self.m.settings.close_s, steps=dict(e.ends))
+                self.record.closed(e, self.m.settings.close_s)
             elif isinstance(e, Late):  # slow, not dead: nobody is killed; its abandoned calls are waited out
                 p.state.round_plan = {**p.state.round_plan, "late": [*p.state.round_plan.get("late", []), e.cluster]}
                 p.save_state()  # before the commit: a successor leaves it out too
-                self._event("site_late", e, "cluster", "steps", "reason", replicas=e.members, waiting_on=e.abandoned)
-                self.record.late(e.members, e.steps)
+                self.record.late(e)
             elif isinstance(e, AbortJoin):
-                self._event("join_aborted", e, "cluster", "epoch", "prefix", "reason", dead=e.dead)
+                self.record.join_aborted(e)
                 abort_rendezvous(p.store, p.store_addr, f"{p.run_id}/{e.prefix}", e.reason)
             else:
                 raise TypeError(f"not an effect: {e!r}")
-
-    def _event(self, name: str, effect, *fields: str, **lists) -> None:
-        """The record's event for an effect: this round, the effect's `fields`, and `lists` as lists."""
-        values = {f: getattr(effect, f) for f in fields} | {k: list(v) for k, v in lists.items()}
-        self.p.log.event(name, round=self.r, **values)
 
     def _issue(self, phase: Phase) -> None:
         p, kind = self.p, phase.kind

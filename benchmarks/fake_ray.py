@@ -382,6 +382,7 @@ class FakeRoster:
         self.pids = {rid: r.pid for rid, r in world.replicas.items()}
         self.replica_info: dict[str, dict] = {}
         self.reported: set[tuple[str, int]] = set()  # (rid, incarnation) whose death was logged
+        self.late: dict = {}  # (sync.balance=time's held-out replicas: none here)
 
     def note_up(self, rid: str, answer: dict) -> None:
         self.replica_info[rid] = {"pid": answer.get("pid"), "node_id": answer.get("node_id")}
