@@ -132,7 +132,7 @@ def test_sites_transient_runs_none_steps_and_time_with_a_rotating_slow_site(resu
     assert (out / "sites_transient.png").stat().st_size > 0
     assert [a["name"] for a in report["arms"]] == ["none", "steps", "time"]
     for arm in report["arms"]:
-        assert arm["completed"] and arm["tokens"] == sum(arm["tokens_per_cluster"]) > 0
+        assert arm["status"] == "completed" and arm["tokens"] == sum(arm["tokens_per_cluster"]) > 0
         assert set(arm["outer_wait_fraction_median"]) == {"c0", "c1", "c2"}
     assert report["settings"]["slowed"] == [None, 0, 0]
     assert report["tokens_per_s_time_vs_steps"] > 0 and report["predicted_time_vs_steps"] > 1
