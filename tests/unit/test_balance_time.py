@@ -37,6 +37,15 @@ def _runs(effects) -> dict[int, Phase]:
     return {e.cluster: e for e in effects if isinstance(e, Phase) and e.kind == "run_inner"}
 
 
+def _successor(progress: dict, closed_at: dict, *, late=(), close_s=10.0, **overrides) -> RoundMachine:
+    """Round 1's machine of a restarted supervisor that found the round's close (and late sites) recorded."""
+    settings = make_settings(steps_per_round=SPR, close_s=close_s, **overrides)
+    topo = Topology(len({rid.split("r")[0] for rid in progress}), 1)
+    return RoundMachine(
+        topo, settings, 1, progress=progress, leaders={}, epoch=3, committed_round=1, closed_at=closed_at, late=late
+    )
+
+
 def _step(m: RoundMachine, rid: str, step_s: float, upto: int, r: int = 1, t0: float = 0.0) -> None:
     """rid reports in-round steps 1..upto, one every step_s seconds from t0."""
     for k in range(1, upto + 1):
@@ -180,18 +189,8 @@ def test_the_close_is_recorded_before_any_yield_is_asked():
 def test_a_restarted_supervisor_follows_the_recorded_close_and_the_round_ends_there_once():
     """The supervisor died after the close was saved: c1 yielded at 11 (idle there now), c2's yield never
     arrived and it is still at 6, short of its recorded 8. The successor's machine starts closed."""
-    topo = Topology(3, 1)
     progress = {"c0r0": (1, 2 * SPR), "c1r0": (1, SPR + 11), "c2r0": (1, SPR + 6)}
-    m = RoundMachine(
-        topo,
-        make_settings(steps_per_round=SPR, close_s=10.0, late_grace_s=5.0),
-        1,
-        progress=progress,
-        leaders={},
-        epoch=3,
-        committed_round=1,
-        closed_at={0: SPR, 1: 11, 2: 8},
-    )
+    m = _successor(progress, {0: SPR, 1: 11, 2: 8}, late_grace_s=5.0)
     runs = _runs(m.start(100.0))
     assert {c: {call.steps for call in run.calls.values()} for c, run in runs.items()} == {0: {20}, 1: {11}, 2: {8}}
     m.observe(Answer(runs[0].id, "c0r0", DONE, 1, 2 * SPR), 100.5)
@@ -202,18 +201,8 @@ def test_a_restarted_supervisor_follows_the_recorded_close_and_the_round_ends_th
 
 
 def test_a_successors_cluster_already_past_its_recorded_end_stops_where_it_is():
-    topo = Topology(2, 1)
     progress = {"c0r0": (1, 2 * SPR), "c1r0": (1, SPR + 15)}  # the yield never reached c1: it ran on to 15
-    m = RoundMachine(
-        topo,
-        make_settings(steps_per_round=SPR, close_s=10.0),
-        1,
-        progress=progress,
-        leaders={},
-        epoch=3,
-        committed_round=1,
-        closed_at={0: SPR, 1: 11},
-    )
+    m = _successor(progress, {0: SPR, 1: 11})
     runs = _runs(m.start(0.0))
     assert {call.steps for call in runs[1].calls.values()} == {15}
 
@@ -229,19 +218,8 @@ def test_a_paused_cluster_is_late_at_the_close_plus_its_grace_never_hung_before(
 
 
 def test_a_successor_leaves_a_recorded_late_cluster_out_of_the_round():
-    topo = Topology(3, 1)
     progress = {"c0r0": (1, 2 * SPR), "c1r0": (1, SPR + 11), "c2r0": (1, SPR + 6)}  # c2 idle again meanwhile
-    m = RoundMachine(
-        topo,
-        make_settings(steps_per_round=SPR, close_s=10.0),
-        1,
-        progress=progress,
-        leaders={},
-        epoch=3,
-        committed_round=1,
-        closed_at={0: SPR, 1: 11},
-        late=[2],
-    )
+    m = _successor(progress, {0: SPR, 1: 11}, late=[2])
     runs = _runs(m.start(0.0))
     assert sorted(runs) == [0, 1] and m.clusters[2].stage is ClusterStage.OUT and 2 in m.late
     assert m.steps_taken(2) == 0
