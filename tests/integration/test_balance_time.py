@@ -27,7 +27,7 @@ def _timed(sites: str, rounds: int, *extra: str) -> list[str]:
         sites,
         "sync.balance=time",
         "sync.round_s=5",
-        "sync.grace_s=2",
+        "sync.grace_s=4",  # (a yield under busy cores may take seconds)
         f"sync.outer_every={SPR}",
         f"train.rounds={rounds}",
         "train.eval_batches=1",
@@ -47,23 +47,30 @@ def _inner_begun(run_dir: Path, cluster: int, round_index: int, after_s: float) 
     return begun is not None and time.time() - begun["t"] >= after_s
 
 
+def _commit_with(run_dir: Path, rid: str, after: float):
+    """The first commit after `after` whose replicas include rid."""
+    return next(
+        (e for e in events(run_dir) if e["event"] == "commit" and rid in e["replicas"] and e["t"] > after), None
+    )
+
+
 def _pids(run_dir: Path, rids: list[str]) -> dict[str, int]:
     answers = {rid: replica_progress(run_dir, rid) for rid in rids}
     return {rid: a["pid"] for rid, a in answers.items() if a} if all(answers.values()) else {}
 
 
 # -- 1. a paused site is late: the round goes on without it, nobody is killed, it comes back -----------
-PAUSE_S = 12.0  # from ~1 s into the inner phase: past the close (5 s) plus the grace (2 s)
+PAUSE_S = 14.0  # from ~1 s into the inner phase: past the close (5 s) plus the grace (4 s)
 PAUSED_SITES = "topology.sites=[{replicas:1,min_step_s:0.2},{replicas:1,min_step_s:0.2},{replicas:2,min_step_s:0.2}]"
-PAUSE_ROUND, PAUSE_ROUNDS = 2, 7
+PAUSE_ROUND = 2
 
 
-@pytest.mark.long  # one run of 6 rounds with a 12-s pause (~1.5 minutes on 2 cores)
+@pytest.mark.long  # one drill with a 12-s pause, until the site trained again (~1.5 minutes on 2 cores)
 @pytest.mark.paced
 def test_a_site_paused_past_the_close_is_late_nobody_is_killed_and_it_trains_again_once_resumed(
     background_drills, tmp_path
 ):
-    drill = background_drills(FAST + _timed(PAUSED_SITES, PAUSE_ROUNDS), tmp_path)
+    drill = background_drills(FAST + _timed(PAUSED_SITES, 1000), tmp_path)  # stopped once the site is back
     run_dir = Path(drill.run_dir)
     site = ["c2r0", "c2r1"]
     poll(
@@ -81,9 +88,12 @@ def test_a_site_paused_past_the_close_is_late_nobody_is_killed_and_it_trains_aga
     for pid in pids.values():
         os.kill(pid, signal.SIGCONT)
     resumed_at = time.time()
-    summary = drill.wait_done(HANG_S * 3)
+    # however long its abandoned calls take to end on busy cores: until the site commits again
+    poll("c2 in a commit again", HANG_S, lambda: _commit_with(run_dir, "c2r1", resumed_at))
+    summary = drill.stop(timeout_s=HANG_S)
+    assert summary["status"] == "stopped", summary.get("reason")
 
-    check_run(run_dir, rounds=PAUSE_ROUNDS, steps_per_round=SPR, victims=set())
+    check_run(run_dir, rounds=summary["rounds_committed"], steps_per_round=SPR, victims=set(), expect_status="stopped")
     record = events(run_dir)
     assert late["round"] == PAUSE_ROUND and sorted(late["waiting_on"]) == site, late
     assert paused_at < late["t"] < resumed_at, "late while still paused: the round did not wait for it"
@@ -106,44 +116,52 @@ def test_a_site_paused_past_the_close_is_late_nobody_is_killed_and_it_trains_aga
 
 # -- 2. a replica SIGKILLed while its site yields; the supervisor SIGKILLed after the close ----------
 TWO_SITES = "topology.sites=[{replicas:2,min_step_s:0.2},{replicas:2,min_step_s:0.6}]"  # c1 3x slower: it yields
-KILL_ROUND, SUPERVISOR_ROUND, KILL_ROUNDS = 2, 4, 6
+KILL_ROUND = 2
 
 
-@pytest.mark.long  # one run with an outside kill and a supervisor restart (~2 minutes on 2 cores)
+@pytest.mark.long  # one drill with an outside kill and a supervisor restart (~2-3 minutes on 2 cores)
 @pytest.mark.paced
 def test_a_replica_killed_while_its_site_yields_heals_and_a_supervisor_killed_after_the_close_commits_once(
     background_drills, tmp_path
 ):
-    drill = background_drills(FAST + _timed(TWO_SITES, KILL_ROUNDS, "comm.timeout_s=5"), tmp_path)
+    # rounds go on until each event came (however long a restart takes on busy cores), then the run stops
+    drill = background_drills(FAST + _timed(TWO_SITES, 1000, "comm.timeout_s=5"), tmp_path)
     run_dir = Path(drill.run_dir)
     # (a) c1 is asked to yield at the close of KILL_ROUND: c1r1 dies right then, from outside
     closed = poll("round_closed", HANG_S, lambda: _first(run_dir, "round_closed", round=KILL_ROUND), every_s=0.05)
     victim = replica_progress(run_dir, "c1r1")
     os.kill(victim["pid"], signal.SIGKILL)
-    # (b) the supervisor dies right after SUPERVISOR_ROUND closed, before its commit
-    poll("round_closed", HANG_S * 2, lambda: _first(run_dir, "round_closed", round=SUPERVISOR_ROUND), every_s=0.05)
+    back = poll("c1r1 in a commit again", HANG_S, lambda: _commit_with(run_dir, "c1r1", closed["t"]))
+    # (b) the supervisor dies right after the next round closed, before its commit
+    supervisor_round = back["round"] + 1
+    poll("round_closed", HANG_S, lambda: _first(run_dir, "round_closed", round=supervisor_round), every_s=0.05)
     [boss] = [e for e in events(run_dir) if e["event"] == "supervisor_start"]
     os.kill(boss["pid"], signal.SIGKILL)
-    summary = drill.wait_done(HANG_S * 3)
+    poll(
+        f"round {supervisor_round + 1}'s commit by the successor",
+        HANG_S,
+        lambda: _first(run_dir, "commit", round=supervisor_round + 1),
+    )
+    summary = drill.stop(timeout_s=HANG_S)
+    assert summary["status"] == "stopped", summary.get("reason")
 
-    check_run(run_dir, rounds=KILL_ROUNDS, steps_per_round=SPR, victims={"c1r1"})
+    rounds = summary["rounds_committed"]
+    check_run(run_dir, rounds=rounds, steps_per_round=SPR, victims={"c1r1"}, expect_status="stopped")
     record = events(run_dir)
     assert summary["supervisor_starts"] == 2, summary["supervisor_starts"]
     assert sorted({f["rid"] for f in summary["faults"] if f["source"] == "observed"}) == ["c1r1"], summary["faults"]
     commits = [e for e in record if e["event"] == "commit"]
-    assert sorted(e["round"] for e in commits) == list(range(KILL_ROUNDS)), "a round committed twice, or lost"
+    assert sorted(e["round"] for e in commits) == list(range(rounds)), "a round committed twice, or lost"
     steps = {m["round"]: m["cluster_steps"] for m in metrics(run_dir)}
     assert closed["steps"]["1"] <= steps[KILL_ROUND][1] < SPR, (
         f"the slow site yielded at the close, where it was asked even with a member killed: {closed}, {steps}"
     )
-    later = [e for e in commits if e["round"] > KILL_ROUND and "c1r1" in e["replicas"]]
-    assert later, "the killed replica never trained again"
     heal = [e for e in record if e["event"] == "heal_end" and e.get("target") == "c1r1" and e["t"] > closed["t"]]
-    assert heal, "the killed replica was not healed"
+    assert heal and heal[0]["t"] < back["t"], "the killed replica was healed before it trained again"
     # the successor followed the recorded close: one round_closed for the round, its steps in the record
-    after = [e for e in record if e["event"] == "round_closed" and e["round"] == SUPERVISOR_ROUND]
+    after = [e for e in record if e["event"] == "round_closed" and e["round"] == supervisor_round]
     assert len(after) == 1, after
-    assert all(after[0]["steps"][str(c)] <= n for c, n in enumerate(steps[SUPERVISOR_ROUND])), (after, steps)
+    assert all(after[0]["steps"][str(c)] <= n for c, n in enumerate(steps[supervisor_round])), (after, steps)
 
 
 # -- 3. the realistic regime: three unequal sites, 30-s rounds, a slowdown and a kill in one round -------

@@ -223,3 +223,16 @@ def test_a_successor_leaves_a_recorded_late_cluster_out_of_the_round():
     runs = _runs(m.start(0.0))
     assert sorted(runs) == [0, 1] and m.clusters[2].stage is ClusterStage.OUT and 2 in m.late
     assert m.steps_taken(2) == 0
+
+
+def test_when_no_cluster_could_commit_without_the_late_ones_the_round_waits_for_them():
+    """Every site still stepping at the close plus the grace (busy cores): nobody is late, the round goes on."""
+    m = _machine(2, 1, step_deadline_s=600.0)
+    runs = _runs(m.start(0.0))
+    for rid in ("c0r0", "c1r0"):
+        _step(m, rid, 1.0, 9)
+    m.tick(10.0)
+    assert [e for e in m.tick(15.0) if isinstance(e, Late)] == [] and m.late == {}
+    m.observe(Answer(runs[0].id, "c0r0", YIELDED, 1, SPR + 12), 16.0)
+    (reduce,) = decisions(m.observe(Answer(runs[1].id, "c1r0", YIELDED, 1, SPR + 12), 16.5))
+    assert reduce.kind == "outer_reduce" and m.ends == {0: 12, 1: 12}

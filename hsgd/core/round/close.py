@@ -6,10 +6,11 @@ next step boundary (the mid-round rejoin's `Yield`); the steps it reached are it
 weighed by its tokens (outer.py). A cluster whose inner phase (re)starts after the close ends two
 steps past its furthest member (at least `min_round_steps`). At the close plus `late_grace_s` a
 cluster that is still not ready (its processes paused, a slow link), or one that stopped before
-`min_round_steps`, is **late**: the round goes on without it. Its calls are given up on without a
-kill (slow is not dead: no fault, no restart), its inner group is not handed on, and it heals from
-the new global params at the next round's start; its members' abandoned calls are the runner's to
-wait out (`late_members`), under their hang deadline as before.
+`min_round_steps`, is **late**: the round goes on without it — unless too few clusters (below
+`min_clusters`) are ready to commit without the late ones: then the round waits for them. Its calls
+are given up on without a kill (slow is not dead: no fault, no restart), its inner group is not
+handed on, and it heals from the new global params at the next round's start; its members' abandoned
+calls are the runner's to wait out (`late_members`), under their hang deadline as before.
 
 The close is saved before any yield is asked (`RoundClosed`): a restarted supervisor's machine starts
 closed at the recorded steps (`closed_at`), so its clusters end where the yields asked, once.
@@ -37,6 +38,8 @@ class RoundClose:
             effects.insert(0, RoundClosed(self.round, tuple(sorted({**ready, **self.closing}.items()))))
         if self.closed and now >= self.started_at + s.close_s + s.late_grace_s:
             late = [c for c in self.participating() if not self.clusters[c].stage.waits_for_outer]
+            if len(self.participating()) - len(late) < s.min_clusters:
+                return effects  # nobody could commit without them: the round waits (slow, not dead)
             for c in late:
                 effects += self._mark_late(c, f"not ready {s.late_grace_s:.1f}s after the round closed", now)
             if late and not self.done:
