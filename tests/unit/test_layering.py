@@ -248,7 +248,7 @@ BUDGETED_JOBS = ("train", "prepare", "status", "diagnose", "sweep")
 PRODUCT_LINE_BUDGET = 15_400  # issue 46, Build 6: not met yet
 # A ratchet, not the budget: the product may not grow past this; lower it as code is cut (never raise it
 # without an issue that says why), until it reaches PRODUCT_LINE_BUDGET and this constant goes. Set at
-# 19,502 lines: 19,236 before issue 48, + 322 for sync.balance=time, - 56 for two duplicate __all__ lists.
+# 19,505 lines: 19,236 before issue 48, + 325 for sync.balance=time, - 56 for two duplicate __all__ lists.
 PRODUCT_LINE_CEILING = 19_510
 
 
